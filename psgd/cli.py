@@ -1,0 +1,185 @@
+"""The `psgd` command line.
+
+    psgd run [CONFIG] [--mode M] [--workers W] [--servers S] [--out DIR] [--set k=v ...]
+    psgd compare [CONFIG] --modes sync,ssp:staleness=2,async ... --out DIR
+    psgd coordinator|server --shard I|worker|evaluator [CONFIG] --out DIR [--set k=v ...]
+    psgd shards [CONFIG] [--servers S]
+    psgd keys DIR
+
+CONFIG defaults to $PSGD_CONFIG, --out to $PSGD_OUT. Errors in the config or the data
+print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .config import ConfigError, load
+
+
+def _common(p: argparse.ArgumentParser, out_default: str | None = None) -> None:
+    p.add_argument("config", nargs="?", default=os.environ.get("PSGD_CONFIG"),
+                   help="TOML config file (default: $PSGD_CONFIG, else the built-in default job)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable); beats PSGD_* variables and the file")
+    p.add_argument("--out", default=os.environ.get("PSGD_OUT", out_default),
+                   help="output folder: events/, pids/, summary.json (default: $PSGD_OUT)")
+
+
+def _device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=os.environ.get("PSGD_DEVICE", "auto"),
+                   help="auto | cpu | cuda | cuda:N (auto: CUDA when present, one GPU per local rank)")
+
+
+def _insecure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--insecure", action="store_true",
+                   help="allow binding a non-loopback address without CurveZMQ")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="psgd", description="Sharded parameter-server training for PyTorch.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="run a whole job on this machine (coordinator, shards, workers, evaluator)")
+    _common(p)
+    _device(p)
+    p.add_argument("--mode", help="sync | ssp | async | easgd | ltfb (= --set mode.name=...)")
+    p.add_argument("--workers", type=int, help="number of workers (= --set cluster.workers=...)")
+    p.add_argument("--servers", type=int, help="number of shards (= --set cluster.servers=...)")
+    p.add_argument("--restart-workers", action="store_true", help="restart a worker that dies")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+    p = sub.add_parser("compare", help="run several modes side by side and write a report")
+    _common(p)
+    _device(p)
+    p.add_argument("--modes", default="sync,ssp,async,easgd,ltfb",
+                   help="comma-separated modes, each optionally with parameters: ssp:staleness=2")
+    p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 1,2,4")
+    p.add_argument("--servers", type=int)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per run")
+
+    for role, text in (("coordinator", "rendezvous, liveness, summary.json"),
+                       ("server", "one shard server"), ("worker", "one worker"),
+                       ("evaluator", "scores the global model")):
+        p = sub.add_parser(role, help=text)
+        _common(p)
+        if role == "server":
+            p.add_argument("--shard", type=int, required=True, help="shard index I (port = cluster.port + 1 + I)")
+        if role == "worker":
+            p.add_argument("--rank", type=int, default=-1, help="ask for this rank (default: the next free one)")
+        if role in ("worker", "evaluator"):
+            _device(p)
+        if role in ("coordinator", "server"):
+            _insecure(p)
+
+    p = sub.add_parser("shards", help="print the shard map for the config's model")
+    _common(p)
+    p.add_argument("--servers", type=int)
+
+    p = sub.add_parser("keys", help="make CurveZMQ key pairs for security.curve = true")
+    p.add_argument("dir", help="folder to create (server.key*, client.key*, authorized/)")
+    return ap
+
+
+def _config(args, extra: dict | None = None):
+    sets = list(args.set)
+    for key, value in (extra or {}).items():
+        if value is not None:
+            sets.append(f"{key}={value}")
+    return load(args.config, sets)
+
+
+def _check_bind(cfg, addresses: list[str], insecure: bool) -> None:
+    from .transport import is_loopback
+    if cfg.security.curve or insecure:
+        return
+    for a in addresses:
+        if not is_loopback(a):
+            raise ConfigError(f"refusing to listen on {a} without CurveZMQ: anyone who can reach it could "
+                              f"read or change the model. Set security.curve = true (keys from `psgd keys DIR`) "
+                              f"or pass --insecure on a trusted network")
+
+
+def cmd_run(args) -> int:
+    from .launcher import LaunchError, format_summary, run_local
+    cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers})
+    out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    c = cfg.cluster
+    print(f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
+          f"model {cfg.model.name} on {cfg.data.name}, out {out}", file=sys.stderr, flush=True)
+    try:
+        s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
+                      quiet=args.quiet, timeout_s=args.timeout)
+    except LaunchError as e:
+        print(f"psgd: error: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(s))
+    print(f"summary: {os.path.join(out, 'summary.json')}  model: {os.path.join(out, 'model.pt')}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .compare import main as compare_main
+    return compare_main(args)
+
+
+def cmd_daemon(args) -> int:
+    from .metrics import PidFile
+    cfg = _config(args)
+    if args.cmd == "coordinator":
+        from servers.coordinator import Coordinator
+        from .transport import bind_address
+        _check_bind(cfg, [bind_address(cfg.coordinator_address())], args.insecure)
+        with PidFile(args.out, "coordinator", 0):
+            return Coordinator(cfg, args.out).serve()
+    if args.cmd == "server":
+        from servers.shard_server import ShardServer
+        from .transport import bind_address
+        if not 0 <= args.shard < cfg.cluster.servers:
+            raise ConfigError(f"--shard {args.shard} is out of range: cluster.servers = {cfg.cluster.servers}")
+        _check_bind(cfg, [bind_address(cfg.shard_address(args.shard))], args.insecure)
+        with PidFile(args.out, "server", args.shard):
+            return ShardServer(cfg, args.shard, args.out).run()
+    if args.cmd == "worker":
+        from workers.worker import Worker
+        return Worker(cfg, args.out, args.device, args.rank).run()  # writes its pid once it has a rank
+    from workers.evaluator import Evaluator
+    with PidFile(args.out, "evaluator", 0):
+        return Evaluator(cfg, args.out, args.device).run()
+
+
+def cmd_shards(args) -> int:
+    from .data import describe
+    from .models import build_model
+    from .sharding import ShardMap
+    cfg = _config(args, {"cluster.servers": args.servers})
+    shape, classes = describe(cfg.data)
+    model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
+    print(ShardMap.for_model(model, cfg.cluster.servers).describe())
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from .keys import make_keys
+    print(make_keys(args.dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys}
+    try:
+        return handlers.get(args.cmd, cmd_daemon)(args)
+    except ConfigError as e:
+        print(f"psgd: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, TimeoutError) as e:
+        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

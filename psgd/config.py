@@ -1,0 +1,398 @@
+"""Configuration: one TOML file, `--set` flags and `PSGD_*` variables, validated once.
+
+Precedence, written once here and nowhere else::
+
+    --set section.key=value  >  PSGD_SECTION_KEY=value  >  CONFIG file  >  defaults
+
+Every section is a frozen dataclass; unknown sections or keys and ill-typed or
+out-of-range values raise `ConfigError` with a message that names the key and the
+source it came from. `Config.to_dict()` / `Config.from_dict()` round-trip through
+msgpack, so the coordinator can hand the run config to every daemon.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODES = ("sync", "ssp", "async", "easgd", "ltfb")
+
+# Environment variables that are not config keys but are read by the CLI.
+ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE"}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str = "psgd"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "mlp"          # mlp | cnn | resnet20 | package.module:factory
+    hidden: int = 128          # width of the MLP's hidden layers
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "digits"       # digits | synthetic | cifar10 | mnist | package.module:factory
+    path: str = ""             # folder with the files, for cifar10 / mnist
+    test_fraction: float = 0.2  # held-out share, for datasets without a test split
+    shape: list = field(default_factory=lambda: [1, 8, 8])  # synthetic: one sample's shape
+    classes: int = 10          # synthetic: number of classes
+    samples: int = 4096        # synthetic: number of training samples
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    name: str = "sync"
+    backup_workers: int = 0    # sync: apply after the first N - b gradients
+    staleness: int = 2         # ssp: the bound s
+    lr_policy: str = "constant"  # async: constant | staleness  (lr / max(1, tau))
+    dc_lambda: float = 0.0     # async: delay compensation (DC-ASGD); 0 = off
+    tau: int = 4               # easgd: communication period in local steps
+    alpha: float = 0.0         # easgd: elastic coefficient; 0 = 0.9 / workers
+    sync: bool = False         # easgd: synchronous rounds
+    round_steps: int = 50      # ltfb: local steps per tournament round
+    tournament_fraction: float = 0.1  # ltfb: held-out share of each partition
+    exchange: str = "weights"  # ltfb: weights | weights+optimizer
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "sgd"          # sgd | adam | adamw
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0      # linear warm-up from lr / warmup_steps
+    schedule: str = "constant"  # constant | step | cosine
+    step_size: int = 100       # step schedule: multiply by gamma every step_size updates
+    gamma: float = 0.1
+    min_lr: float = 0.0        # cosine schedule floor
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300           # per worker; 0 = no step limit
+    seconds: float = 0.0       # per worker; 0 = no time limit
+    batch_size: int = 32       # per worker
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    host: str = "127.0.0.1"    # where the coordinator (and, without addresses, the shards) live
+    port: int = 5555           # coordinator; shard I on port + 1 + I
+    servers: int = 2
+    workers: int = 2
+    addresses: list = field(default_factory=list)  # tcp://HOST:PORT per shard (optional)
+    timeout_s: float = 60.0    # longest wait on any peer
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    evaluator: bool = True     # wait for an evaluator's final score before ending
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every_seconds: float = 1.0
+    target_accuracy: float = 0.9
+    batch_size: int = 512
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_s: float = 10.0      # shard checkpoint period; 0 = only on SIGTERM
+    dir: str = ""              # default: OUT/checkpoints
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    curve: bool = False
+    keys: str = ""             # folder made by `psgd keys`
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    slow_rank: int = -1        # this worker takes slow_factor times as long per step
+    slow_factor: float = 1.0
+    step_delay_s: float = 0.0  # added to every worker's step (a slow link)
+    on_worker_loss: str = "continue"  # continue | abort
+
+
+SECTIONS: dict[str, type] = {
+    "job": JobConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "mode": ModeConfig,
+    "optimizer": OptimizerConfig,
+    "train": TrainConfig,
+    "cluster": ClusterConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "security": SecurityConfig,
+    "faults": FaultsConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> "Config":
+        return build(d, source)
+
+    def replace(self, **sets: Any) -> "Config":
+        """`cfg.replace(**{"mode.name": "ssp"})`: a copy with dotted keys changed."""
+        d = self.to_dict()
+        for dotted, value in sets.items():
+            _assign(d, dotted, value, "replace")
+        return build(d, "replace")
+
+    def to_toml(self) -> str:
+        """The whole config as a TOML file (what `load` reads back)."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    def with_run(self, run: Mapping[str, Any]) -> "Config":
+        """The run's config as the coordinator hands it out, keeping what is this
+        daemon's own: how it reaches its peers, its keys and its checkpoint folder."""
+        d = dict(run)
+        mine = self.to_dict()
+        d["security"], d["checkpoint"] = mine["security"], mine["checkpoint"]
+        d["cluster"] = {**d.get("cluster", {}), **{k: mine["cluster"][k] for k in ("host", "port", "addresses")}}
+        return build(d, "coordinator's config")
+
+    def shard_address(self, shard: int) -> str:
+        if self.cluster.addresses:
+            return self.cluster.addresses[shard]
+        return f"tcp://{self.cluster.host}:{self.cluster.port + 1 + shard}"
+
+    def coordinator_address(self) -> str:
+        return f"tcp://{self.cluster.host}:{self.cluster.port}"
+
+    @property
+    def mode_params(self) -> dict:
+        """The parameters that matter for the selected mode (for summaries and labels)."""
+        m = self.mode
+        keys = {
+            "sync": ["backup_workers"],
+            "ssp": ["staleness"],
+            "async": ["lr_policy", "dc_lambda"],
+            "easgd": ["tau", "alpha", "sync"],
+            "ltfb": ["round_steps", "tournament_fraction", "exchange"],
+        }[m.name]
+        out = {k: getattr(m, k) for k in keys}
+        if m.name == "easgd":
+            out["alpha"] = self.easgd_alpha
+        return out
+
+    @property
+    def easgd_alpha(self) -> float:
+        return self.mode.alpha if self.mode.alpha > 0 else 0.9 / max(1, self.cluster.workers)
+
+
+# ---------------------------------------------------------------- building
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+
+
+def _coerce(value: Any, default: Any, where: str) -> Any:
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if kind is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type")  # pragma: no cover
+
+
+def build(d: Mapping[str, Any], source: str, check: bool = True) -> Config:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{source}: expected a table of sections")
+    sections = {}
+    for name, section in d.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(SECTIONS)})")
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{source}: [{name}] must be a table")
+        cls = SECTIONS[name]
+        defaults = cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in section.items():
+            if key not in known:
+                raise ConfigError(
+                    f"{source}: unknown key {name}.{key} (known: {', '.join(sorted(known))})")
+            values[key] = _coerce(value, getattr(defaults, key), f"{source}: {name}.{key}")
+        sections[name] = cls(**values)
+    cfg = Config(**sections)
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that span keys; each message names the key."""
+    m, c, t, o = cfg.mode, cfg.cluster, cfg.train, cfg.optimizer
+    _check(m.name in MODES, f"mode.name must be one of {', '.join(MODES)}, got {m.name!r}")
+    _check(c.servers >= 1, f"cluster.servers must be >= 1, got {c.servers}")
+    _check(c.workers >= 1, f"cluster.workers must be >= 1, got {c.workers}")
+    _check(0 <= c.port <= 65535 - 1 - c.servers, f"cluster.port out of range: {c.port}")
+    _check(not c.addresses or len(c.addresses) == c.servers,
+           f"cluster.addresses lists {len(c.addresses)} shards but cluster.servers = {c.servers}")
+    for a in c.addresses:
+        _check(isinstance(a, str) and a.startswith(("tcp://", "ipc://")),
+               f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH")
+    _check(c.timeout_s > 0, "cluster.timeout_s must be > 0")
+    _check(0 < c.heartbeat_s < c.heartbeat_timeout_s,
+           "cluster.heartbeat_s must be > 0 and below cluster.heartbeat_timeout_s")
+    _check(0 <= m.backup_workers < c.workers,
+           f"mode.backup_workers must be in [0, workers), got {m.backup_workers}")
+    _check(m.staleness >= 0, f"mode.staleness must be >= 0, got {m.staleness}")
+    _check(m.lr_policy in ("constant", "staleness"),
+           f"mode.lr_policy must be constant or staleness, got {m.lr_policy!r}")
+    _check(m.dc_lambda >= 0, "mode.dc_lambda must be >= 0")
+    _check(m.tau >= 1, f"mode.tau must be >= 1, got {m.tau}")
+    _check(0 <= m.alpha < 1, f"mode.alpha must be in [0, 1), got {m.alpha}")
+    _check(m.round_steps >= 1, f"mode.round_steps must be >= 1, got {m.round_steps}")
+    _check(0 < m.tournament_fraction < 1, "mode.tournament_fraction must be in (0, 1)")
+    _check(m.exchange in ("weights", "weights+optimizer"),
+           f"mode.exchange must be weights or weights+optimizer, got {m.exchange!r}")
+    _check(o.name in ("sgd", "adam", "adamw"), f"optimizer.name must be sgd, adam or adamw, got {o.name!r}")
+    _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
+    _check(o.schedule in ("constant", "step", "cosine"),
+           f"optimizer.schedule must be constant, step or cosine, got {o.schedule!r}")
+    _check(o.warmup_steps >= 0 and o.step_size >= 1, "optimizer.warmup_steps >= 0 and step_size >= 1")
+    _check(len(o.betas) == 2, "optimizer.betas must be two numbers")
+    _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    _check(t.steps >= 0 and t.seconds >= 0, "train.steps and train.seconds must be >= 0")
+    _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")
+    _check(0 < cfg.data.test_fraction < 1, "data.test_fraction must be in (0, 1)")
+    _check(cfg.eval.every_seconds > 0, "eval.every_seconds must be > 0")
+    _check(0 <= cfg.eval.target_accuracy <= 1, "eval.target_accuracy must be in [0, 1]")
+    _check(cfg.faults.slow_factor >= 1, "faults.slow_factor must be >= 1")
+    _check(cfg.faults.step_delay_s >= 0, "faults.step_delay_s must be >= 0")
+    _check(cfg.faults.on_worker_loss in ("continue", "abort"),
+           "faults.on_worker_loss must be continue or abort")
+    _check(cfg.checkpoint.every_s >= 0, "checkpoint.every_s must be >= 0")
+    _check(not cfg.security.curve or bool(cfg.security.keys),
+           "security.curve = true needs security.keys (a folder made by `psgd keys DIR`)")
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` or environment value: TOML syntax if it parses, else a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _assign(d: dict, dotted: str, value: Any, source: str) -> None:
+    section, _, key = dotted.partition(".")
+    if not key or "." in key:
+        raise ConfigError(f"{source}: expected section.key, got {dotted!r}")
+    d.setdefault(section, {})[key] = value
+
+
+def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    out = []
+    for name, text in env.items():
+        if not name.startswith("PSGD_") or name in ENV_RESERVED:
+            continue
+        rest = name[len("PSGD_"):].lower()
+        section, _, key = rest.partition("_")
+        if section not in SECTIONS or not key:
+            raise ConfigError(f"environment: {name} is not a psgd setting "
+                              f"(expected PSGD_<SECTION>_<KEY>, sections: {', '.join(SECTIONS)})")
+        out.append((f"{section}.{key}", parse_value(text), f"environment {name}"))
+    return out
+
+
+def load(path: str | None = None, sets: list[str] | tuple = (),
+         env: Mapping[str, str] | None = None) -> Config:
+    """Build the config from defaults, a TOML file, the environment and `--set` flags."""
+    env = os.environ if env is None else env
+    d: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                d = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        build(d, path, check=False)  # report type errors against the file
+    layered = [(k, v, s) for k, v, s in _env_sets(env)]
+    for item in sets:
+        dotted, eq, text = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        layered.append((dotted.strip(), parse_value(text.strip()), f"--set {item}"))
+    for dotted, value, source in layered:
+        _assign(d, dotted, value, source)
+        section, key = dotted.split(".", 1)
+        build({section: {key: value}}, source, check=False)  # name the source of a bad value
+    return build(d, path or "config")

@@ -1,0 +1,71 @@
+"""Bulk-synchronous steps: each step is applied exactly once, with exactly the
+gradients of the first `live - backup` distinct workers that push for it.
+
+Chen et al. 2016 (backup workers): with b backups, a step completes after N - b
+gradients; the late ones are dropped and counted. Reads of clock c wait until step c
+has been applied (`step >= c`).
+"""
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+ACCEPT, LATE, DUPLICATE, EARLY = "accept", "late", "duplicate", "early"
+
+
+class StepBarrier:
+    def __init__(self, live: Iterable[int], backup: int = 0, step: int = 0):
+        self.live = set(live)
+        self.backup = backup
+        self.step = step                 # the step being collected (= steps applied so far)
+        self.contributors: list[int] = []  # ranks whose gradient is in the current step, in order
+        self.dropped = 0                 # late gradients, counted
+        self._reads: list[tuple[int, Hashable]] = []  # parked (clock, token)
+
+    @property
+    def need(self) -> int:
+        return max(1, len(self.live) - self.backup)
+
+    def offer(self, rank: int, clock: int) -> str:
+        """A push of `rank` for `clock`: ACCEPT (add it), LATE (drop it), DUPLICATE, EARLY."""
+        if clock < self.step:
+            self.dropped += 1
+            return LATE
+        if clock > self.step:
+            return EARLY
+        if rank in self.contributors:
+            return DUPLICATE
+        self.contributors.append(rank)
+        return ACCEPT
+
+    def complete(self) -> bool:
+        return len(self.contributors) >= self.need
+
+    def advance(self) -> tuple[list[int], list[Hashable]]:
+        """Close the current step: (its contributors, the parked reads now released)."""
+        done = self.contributors
+        self.contributors = []
+        self.step += 1
+        return done, self._release()
+
+    def read(self, clock: int, token: Hashable) -> bool:
+        """May a read of `clock` be answered now? If not, it is parked under `token`."""
+        if clock <= self.step:
+            return True
+        self._reads.append((clock, token))
+        return False
+
+    def set_live(self, live: Iterable[int]) -> None:
+        """Membership changed; the caller then checks `complete()`."""
+        self.live = set(live)
+
+    def forget(self, token: Hashable) -> None:
+        self._reads = [(c, t) for c, t in self._reads if t != token]
+
+    def _release(self) -> list[Hashable]:
+        ready = [t for c, t in self._reads if c <= self.step]
+        self._reads = [(c, t) for c, t in self._reads if c > self.step]
+        return ready
+
+    @property
+    def parked(self) -> int:
+        return len(self._reads)

@@ -1,0 +1,69 @@
+"""Stale-synchronous parallel (Ho et al., NIPS 2013): the clock table.
+
+`finished[r]` is the number of clocks worker r has completed (pushed). A worker that
+has finished clock c may read only when every live worker has finished clock >= c - s;
+otherwise its read is parked and released the moment that holds (on a push or a
+membership change), never by polling. `bound=None` is async: reads never wait.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Mapping
+
+
+class ClockTable:
+    def __init__(self, live: Mapping[int, int] | Iterable[int], bound: int | None):
+        live = dict(live) if isinstance(live, Mapping) else {r: 0 for r in live}
+        self.finished: dict[int, int] = dict(live)
+        self.live: set[int] = set(live)
+        self.bound = bound
+        self.max_gap = 0                     # largest spread of live clocks at any read
+        self._reads: list[tuple[int, Hashable]] = []
+
+    def slowest(self) -> int:
+        return min((self.finished[r] for r in self.live), default=0)
+
+    def gap(self) -> int:
+        clocks = [self.finished[r] for r in self.live]
+        return max(clocks) - min(clocks) if clocks else 0
+
+    def may_read(self, clock: int) -> bool:
+        return self.bound is None or self.slowest() >= clock - self.bound
+
+    def read(self, rank: int, clock: int, token: Hashable) -> bool:
+        """A read by `rank` that has finished `clock`: True if it may be answered now."""
+        if rank in self.live:
+            self.finished[rank] = max(self.finished.get(rank, 0), clock)
+        if self.may_read(clock):
+            self.max_gap = max(self.max_gap, self.gap())
+            return True
+        self._reads.append((clock, token))
+        return False
+
+    def push(self, rank: int, clock: int) -> list[Hashable]:
+        """Worker `rank` finished `clock` (its push for clock c finishes c + 1)."""
+        self.finished[rank] = max(self.finished.get(rank, 0), clock + 1)
+        return self._release()
+
+    def set_live(self, live: Mapping[int, int]) -> list[Hashable]:
+        """Membership changed: rank -> clock for every live worker (joiners start there)."""
+        for r, c in live.items():
+            if r not in self.live:
+                self.finished[r] = max(c, self.finished.get(r, 0)) if r in self.finished else c
+        self.live = set(live)
+        return self._release()
+
+    def forget(self, token: Hashable) -> None:
+        self._reads = [(c, t) for c, t in self._reads if t != token]
+
+    def _release(self) -> list[Hashable]:
+        ready, waiting = [], []
+        for c, t in self._reads:
+            (ready if self.may_read(c) else waiting).append((c, t))
+        self._reads = waiting
+        if ready:
+            self.max_gap = max(self.max_gap, self.gap())
+        return [t for _, t in ready]
+
+    @property
+    def parked(self) -> int:
+        return len(self._reads)

@@ -1,0 +1,28 @@
+"""`psgd keys DIR`: CurveZMQ key pairs for `security.curve = true`.
+
+DIR/server.key, DIR/server.key_secret   the servers' pair (coordinator and shards)
+DIR/client.key, DIR/client.key_secret   the clients' pair (workers, evaluator, daemons)
+DIR/authorized/                         public keys the servers accept (client.key, server.key)
+
+Copy the whole folder to machines that run servers; clients need server.key and their
+own pair. Remove a key from authorized/ to lock its holder out.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import zmq.auth
+
+
+def make_keys(folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    for name in ("server", "client"):
+        if not os.path.exists(os.path.join(folder, f"{name}.key_secret")):
+            zmq.auth.create_certificates(folder, name)
+        os.chmod(os.path.join(folder, f"{name}.key_secret"), 0o600)
+    auth = os.path.join(folder, "authorized")
+    os.makedirs(auth, exist_ok=True)
+    for name in ("client", "server"):  # daemons talk to the coordinator as clients with either pair
+        shutil.copy(os.path.join(folder, f"{name}.key"), os.path.join(auth, f"{name}.key"))
+    return f"keys written to {folder} (authorized clients in {auth})"

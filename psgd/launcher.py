@@ -1,0 +1,191 @@
+"""`psgd run`: the whole job on one machine, every role its own process on loopback.
+
+The launcher writes the resolved config to DIR/config.toml, starts the coordinator,
+the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/config.toml
+--out DIR`), shows the coordinator's progress, and supervises: a shard that dies is
+started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
+started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log. Every child
+is stopped on the way out, whatever happens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .config import Config
+from .membership import log
+
+
+MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def ports_free(host: str, base: int, n: int) -> bool:
+    for p in range(base, base + n):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, p))
+            except OSError:
+                return False
+    return True
+
+
+def pick_port(host: str, want: int, n: int) -> int:
+    """`want` if ports want..want+n-1 are free, else a free block the OS suggests."""
+    if ports_free(host, want, n):
+        return want
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n < 65535 and ports_free(host, base, n):
+            return base
+    raise LaunchError(f"no block of {n} free ports on {host}")
+
+
+@dataclass
+class Child:
+    role: str
+    index: int
+    argv: list
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    log_path: str = ""
+    log_file: object = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+class LocalJob:
+    def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
+                 quiet: bool = False, timeout_s: float = 3600.0, env: dict | None = None):
+        self.out = os.path.abspath(out)
+        os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
+        c = cfg.cluster
+        if not c.addresses:
+            cfg = cfg.replace(**{"cluster.port": pick_port(c.host, c.port, c.servers + 1)})
+        self.cfg = cfg
+        self.device = device
+        self.restart_workers = restart_workers
+        self.quiet = quiet
+        self.timeout_s = timeout_s
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.env = {k: v for k, v in self.env.items() if not (k.startswith("PSGD_") and k not in ("PSGD_DEVICE",))}
+        self.config_path = os.path.join(self.out, "config.toml")
+        with open(self.config_path, "w") as f:
+            f.write(cfg.to_toml())
+        self.children: list[Child] = []
+
+    def _argv(self, role: str, *extra: str) -> list:
+        return [sys.executable, "-m", "psgd", role, self.config_path, "--out", self.out, *extra]
+
+    def _start(self, child: Child) -> None:
+        if child.role == "coordinator" and not self.quiet:
+            stderr = None  # progress goes to the terminal
+        else:
+            child.log_path = os.path.join(self.out, "logs", f"{child.name}.log")
+            child.log_file = open(child.log_path, "a")
+            stderr = child.log_file
+        child.proc = subprocess.Popen(child.argv, stdout=subprocess.DEVNULL, stderr=stderr, env=self.env,
+                                      stdin=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        c = self.cfg.cluster
+        specs = [Child("coordinator", 0, self._argv("coordinator"))]
+        specs += [Child("server", i, self._argv("server", "--shard", str(i))) for i in range(c.servers)]
+        specs += [Child("worker", r, self._argv("worker", "--rank", str(r), "--device", self.device))
+                  for r in range(c.workers)]
+        if c.evaluator:
+            specs.append(Child("evaluator", 0, self._argv("evaluator", "--device", self.device)))
+        for child in specs:
+            self._start(child)
+            self.children.append(child)
+
+    def tail(self, child: Child, n: int = 12) -> str:
+        if not child.log_path or not os.path.exists(child.log_path):
+            return ""
+        with open(child.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def wait(self) -> dict:
+        """Supervise until the coordinator exits; returns summary.json's contents."""
+        coord = self.children[0]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            code = coord.proc.poll()
+            if code is not None:
+                break
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the job did not finish within {self.timeout_s:.0f} s")
+            for child in self.children[1:]:
+                rc = child.proc.poll()
+                if rc is None or rc == 0:
+                    continue
+                if child.restarts >= MAX_RESTARTS:
+                    raise LaunchError(f"{child.name} keeps dying (exit {rc}); gave up after {MAX_RESTARTS} "
+                                      f"restarts:\n{self.tail(child)}")
+                if child.role == "server" or (child.role == "worker" and self.restart_workers):
+                    child.restarts += 1
+                    log("run", f"{child.name} exited with {rc}; restarting it (restart {child.restarts})")
+                    self._start(child)
+                elif child.restarts >= 0:
+                    log("run", f"{child.name} exited with {rc}:\n{self.tail(child)}")
+                    child.restarts = -1  # reported once; the coordinator decides what follows
+            time.sleep(0.1)
+        grace = time.monotonic() + 10
+        for child in self.children[1:]:
+            while child.proc.poll() is None and time.monotonic() < grace:
+                time.sleep(0.05)
+        path = os.path.join(self.out, "summary.json")
+        if code != 0 or not os.path.exists(path):
+            tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children[1:] if self.tail(c))
+            reason = "aborted" if os.path.exists(path) else "ended without a summary"
+            raise LaunchError(f"the coordinator exited with {code} ({reason}); logs in {self.out}/logs\n{tails}")
+        with open(path) as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.proc and child.proc.poll() is None:
+                child.proc.terminate()
+        end = time.monotonic() + 5
+        for child in self.children:
+            if child.proc:
+                try:
+                    child.proc.wait(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait(timeout=5)
+            if child.log_file:
+                child.log_file.close()
+
+
+def run_local(cfg: Config, out: str, **kw) -> dict:
+    job = LocalJob(cfg, out, **kw)
+    try:
+        job.start()
+        return job.wait()
+    finally:
+        job.stop()
+
+
+def format_summary(s: dict) -> str:
+    acc = s.get("final_accuracy")
+    ttt = s.get("time_to_target_s")
+    target = s.get("target_accuracy")
+    parts = [f"{s['mode']}: accuracy {acc:.4f}" if acc is not None else f"{s['mode']}: no evaluation",
+             f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else "",
+             f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s",
+             f"time to {target}: {ttt:.1f} s" if ttt is not None else f"target {target} not reached",
+             f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}"]
+    return "  ".join(p for p in parts if p)

@@ -1,0 +1,213 @@
+"""Who is in the job: the coordinator's membership table, and every daemon's link to it.
+
+`Membership` is a pure state machine (no sockets): workers join (a rank is handed
+out, or given back to a worker that returns), beat, finish or expire; each change bumps
+`version`. The live set — ranks that joined, have not finished and beat within the
+timeout — is what barriers, staleness gates and tournaments count.
+
+`CoordinatorLink` is the daemons' side: register (waiting, with a clear message, for a
+coordinator that is not up yet), then a background thread that heartbeats every
+`cluster.heartbeat_s` with the caller's counters and keeps the latest answer (live set,
+phase, done).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from .config import Config
+from .transport import Peers, PeerTimeout
+from . import wire
+
+
+@dataclass
+class Member:
+    rank: int
+    last_seen: float
+    clock: int = 0
+    state: str = "live"          # live | finished | lost
+    stats: dict = field(default_factory=dict)
+    joins: int = 1
+
+
+class Membership:
+    def __init__(self, world: int, timeout_s: float):
+        self.world = world
+        self.timeout_s = timeout_s
+        self.members: dict[int, Member] = {}
+        self.version = 0
+        self.lost = 0        # workers dropped for missing heartbeats
+        self.rejoined = 0    # workers that came back
+
+    def join(self, now: float, want_rank: int = -1) -> int:
+        """A worker registers: returns its rank, or -1 if every rank is taken and live."""
+        free = [r for r in range(self.world) if r not in self.members]
+        gone = [r for r, m in self.members.items() if m.state == "lost"]
+        if 0 <= want_rank < self.world and (want_rank in free or want_rank in gone):
+            rank = want_rank
+        elif free:
+            rank = free[0]
+        elif gone:
+            rank = min(gone)
+        else:
+            return -1
+        old = self.members.get(rank)
+        if old is not None:
+            self.rejoined += 1
+            old.state, old.last_seen, old.joins = "live", now, old.joins + 1
+            old.clock = self.current_clock(exclude=rank, default=old.clock)
+        else:
+            self.members[rank] = Member(rank, now)
+        self.version += 1
+        return rank
+
+    def current_clock(self, exclude: int = -1, default: int = 0) -> int:
+        """Where a returning worker continues: the slowest live worker's clock."""
+        clocks = [m.clock for r, m in self.members.items() if m.state == "live" and r != exclude]
+        return min(clocks) if clocks else default
+
+    def beat(self, rank: int, now: float, clock: int | None = None, stats: dict | None = None) -> bool:
+        """A heartbeat; False if the rank is unknown or was dropped (it must rejoin)."""
+        m = self.members.get(rank)
+        if m is None or m.state == "lost":
+            return False
+        m.last_seen = now
+        if clock is not None:
+            m.clock = max(m.clock, clock)
+        if stats:
+            m.stats = stats
+        return True
+
+    def finish(self, rank: int, stats: dict | None = None) -> None:
+        m = self.members.get(rank)
+        if m and m.state != "finished":
+            m.state = "finished"
+            if stats:
+                m.stats = stats
+            self.version += 1
+
+    def expire(self, now: float) -> list[int]:
+        """Drop live workers whose last heartbeat is older than the timeout."""
+        dropped = [r for r, m in self.members.items()
+                   if m.state == "live" and now - m.last_seen > self.timeout_s]
+        for r in dropped:
+            self.members[r].state = "lost"
+            self.lost += 1
+        if dropped:
+            self.version += 1
+        return dropped
+
+    def live(self) -> dict[int, int]:
+        return {r: m.clock for r, m in sorted(self.members.items()) if m.state == "live"}
+
+    @property
+    def all_joined(self) -> bool:
+        return len(self.members) == self.world
+
+    @property
+    def all_done(self) -> bool:
+        """Every rank has joined and none is still live (finished or lost)."""
+        return self.all_joined and not self.live()
+
+    def stats(self) -> dict[int, dict]:
+        return {r: m.stats for r, m in self.members.items()}
+
+
+def log(role: str, text: str) -> None:
+    print(f"[psgd {role}] {text}", file=sys.stderr, flush=True)
+
+
+class CoordinatorLink:
+    """A daemon's connection to the coordinator: register, heartbeat in the background."""
+
+    def __init__(self, cfg: Config, role: str, index: int = 0, ctx: zmq.Context | None = None):
+        self.cfg = cfg
+        self.role = role
+        self.index = index
+        self.ctx = ctx or zmq.Context.instance()
+        self.address = cfg.coordinator_address()
+        self.stats_fn: Callable[[], dict] = dict
+        self.clock_fn: Callable[[], int] = lambda: -1
+        self.state: dict[str, Any] = {"phase": "rendezvous", "done": False, "live": {}, "version": -1}
+        self.lost = False
+        self.rank = index
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, want_rank: int = -1) -> wire.Message:
+        """Register with the coordinator, waiting for it (and, for workers, for the
+        rendezvous of all workers) up to cluster.timeout_s. Returns its answer."""
+        peers = Peers(self.ctx, [self.address], self.cfg.security)
+        try:
+            rid = peers.send(0, "register", role=self.role, index=self.index, want_rank=want_rank)
+            start = time.monotonic()
+            while True:
+                try:
+                    msg = peers.wait({rid: 0}, min(5.0, self.cfg.cluster.timeout_s), "register")[rid]
+                    break
+                except PeerTimeout:
+                    waited = time.monotonic() - start
+                    if waited >= self.cfg.cluster.timeout_s:
+                        raise PeerTimeout(self.address, waited,
+                                          f"{self.role} {self.index} could not register with the coordinator; "
+                                          f"is it running, and are all {self.cfg.cluster.workers} workers started?")
+                    log(f"{self.role}-{self.index}", f"waiting for the coordinator at {self.address} "
+                        f"and its peers ({waited:.0f} s of {self.cfg.cluster.timeout_s:.0f} s)")
+        finally:
+            peers.close()
+        self.rank = msg.get("assigned_rank", self.index)
+        self._apply(msg)
+        return msg
+
+    def _apply(self, msg: wire.Message) -> None:
+        self.state = {"phase": msg.get("phase", "training"), "done": bool(msg.get("done", False)),
+                      "live": {int(k): int(v) for k, v in (msg.get("live") or {}).items()},
+                      "version": int(msg.get("version", -1)), "abort": msg.get("abort", ""),
+                      "rejoin": bool(msg.get("rejoin", False)),
+                      "finished": [int(r) for r in (msg.get("finished") or [])]}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.role}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        peers = Peers(self.ctx, [self.address], self.cfg.security)
+        last_ok = time.monotonic()
+        hb = self.cfg.cluster.heartbeat_s
+        try:
+            while not self._stop.is_set():
+                try:
+                    msg = peers.call(0, "heartbeat", timeout=max(hb * 4, 2.0), role=self.role,
+                                     index=self.index, rank=self.rank if self.role == "worker" else -1,
+                                     clock=self.clock_fn(), stats=self.stats_fn())
+                    self._apply(msg)
+                    last_ok = time.monotonic()
+                except (PeerTimeout, wire.RemoteError):
+                    peers.reconnect(0)
+                    if time.monotonic() - last_ok > self.cfg.cluster.timeout_s:
+                        self.lost = True
+                self._stop.wait(hb)
+        finally:
+            peers.close()
+
+    def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
+        """A one-off request (finish, eval) on a socket of its own."""
+        peers = Peers(self.ctx, [self.address], self.cfg.security)
+        try:
+            return peers.call(0, op, timeout or self.cfg.cluster.timeout_s, **kw)
+        finally:
+            peers.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.state.get("done"))

@@ -1,0 +1,110 @@
+"""The metrics contract: event logs, pid files and `summary.json`.
+
+- `DIR/events/<role>-<id>.jsonl`: one JSON object a line (`EventLog`).
+- `DIR/pids/<role>-<index>.pid`: written while a daemon runs (`PidFile`).
+- `DIR/summary.json`: written by the coordinator at the end (`summarize`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from .consistency.staleness import Histogram
+
+SUMMARY_FIELDS = ("mode", "mode_params", "workers", "servers", "wall_s", "samples", "samples_per_s",
+                  "final_accuracy", "final_loss", "time_to_target_s", "staleness", "max_clock_gap",
+                  "wait_fraction", "bytes_per_sample", "failures")
+
+
+class EventLog:
+    """Appends JSON lines to DIR/events/<role>-<id>.jsonl; a no-op without DIR."""
+
+    def __init__(self, out: str | None, role: str, ident: Any):
+        self.role = role
+        self._f = None
+        if out:
+            os.makedirs(os.path.join(out, "events"), exist_ok=True)
+            self._f = open(os.path.join(out, "events", f"{role}-{ident}.jsonl"), "a", buffering=1)
+
+    def write(self, **fields: Any) -> None:
+        if self._f:
+            self._f.write(json.dumps({"t": round(time.time(), 4), "role": self.role, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+            self._f = None
+
+
+class PidFile:
+    """DIR/pids/<role>-<index>.pid for as long as the daemon runs."""
+
+    def __init__(self, out: str | None, role: str, index: int):
+        self.path = os.path.join(out, "pids", f"{role}-{index}.pid") if out else None
+
+    def __enter__(self):
+        if self.path:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        return self
+
+    def __exit__(self, *exc):
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_s: float,
+              worker_stats: dict[int, dict], server_stats: dict[int, dict], evals: list[dict],
+              target: float, failures: dict, extra: dict | None = None) -> dict:
+    """Build summary.json from the workers' cumulative counters, the shards' counters and
+    the evaluator's scores (t relative to the start of training)."""
+    samples = sum(int(s.get("samples", 0)) for s in worker_stats.values())
+    hist = Histogram()
+    for s in worker_stats.values():
+        hist.merge(s.get("staleness_hist", []))
+    busy = sum(float(s.get("elapsed_s", 0)) for s in worker_stats.values())
+    wait = sum(float(s.get("wait_s", 0)) for s in worker_stats.values())
+    traffic = sum(int(s.get("bytes_sent", 0)) + int(s.get("bytes_recv", 0)) for s in worker_stats.values())
+    reached = [e["t"] for e in evals if e["accuracy"] >= target]
+    final = evals[-1] if evals else None
+    out = {
+        "mode": mode,
+        "mode_params": mode_params,
+        "workers": workers,
+        "servers": servers,
+        "wall_s": round(wall_s, 3),
+        "samples": samples,
+        "samples_per_s": round(samples / wall_s, 2) if wall_s > 0 else 0.0,
+        "final_accuracy": final["accuracy"] if final else None,
+        "final_loss": final["loss"] if final else None,
+        "time_to_target_s": round(min(reached), 3) if reached else None,
+        "target_accuracy": target,
+        "staleness": {"mean": round(hist.mean, 4), "max": hist.max, "hist": hist.as_dict()},
+        "max_clock_gap": max((int(s.get("max_clock_gap", 0)) for s in server_stats.values()), default=0),
+        "wait_fraction": round(wait / busy, 4) if busy > 0 else 0.0,
+        "bytes_per_sample": round(traffic / samples, 1) if samples else 0.0,
+        "failures": failures,
+        "dropped_gradients": max((int(s.get("dropped", 0)) for s in server_stats.values()), default=0),
+        "bad_messages": sum(int(s.get("bad_messages", 0)) for s in server_stats.values()),
+        "evals": [{"t": e["t"], "samples": e["samples"], "accuracy": e["accuracy"], "loss": e["loss"]}
+                  for e in evals],
+    }
+    if extra:
+        out.update(extra)
+    return out

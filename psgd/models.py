@@ -1,0 +1,130 @@
+"""Models: `mlp`, `cnn`, `resnet20`, or a user factory `package.module:factory`.
+
+Every party builds the model with the job's seed, so frozen parameters and integer
+buffers agree everywhere without being sent. A factory is called as
+`factory(input_shape=(C, H, W), num_classes=K)` and must return an `nn.Module`.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+
+
+class MLP(nn.Module):
+    def __init__(self, input_shape, num_classes: int, hidden: int = 128):
+        super().__init__()
+        n_in = 1
+        for d in input_shape:
+            n_in *= d
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(n_in, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks with BatchNorm, global pooling, a linear head; for digits/MNIST."""
+
+    def __init__(self, input_shape, num_classes: int, width: int = 32):
+        super().__init__()
+        c = input_shape[0]
+        self.features = nn.Sequential(
+            nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.head = nn.Linear(2 * width * 4, num_classes)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:  # option B: 1x1 projection
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    """The CIFAR ResNet of He et al. 2016 (n = 3: 6n + 2 = 20 layers), for 32x32x3 inputs."""
+
+    def __init__(self, input_shape, num_classes: int = 10, n: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        layers, c = [], 16
+        for c_out, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(n):
+                layers.append(BasicBlock(c, c_out, stride if i == 0 else 1))
+                c = c_out
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(64, num_classes)
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(m.weight)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        x = self.layers(x)
+        x = torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1)
+        return self.fc(x)
+
+
+def load_factory(spec: str, what: str):
+    """`package.module:factory` -> the callable, or a ConfigError that says what failed."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r}: expected a built-in name or package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{what} {spec!r}: cannot import {module_name} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int = 128) -> nn.Module:
+    """Build a model deterministically from the seed (same parameters on every party)."""
+    input_shape = tuple(int(d) for d in input_shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == "mlp":
+            model = MLP(input_shape, num_classes, hidden)
+        elif name == "cnn":
+            model = SmallCNN(input_shape, num_classes)
+        elif name == "resnet20":
+            if len(input_shape) != 3 or input_shape[1] < 8:
+                raise ConfigError(f"model.name = resnet20 needs image inputs (C, H, W), got {input_shape}")
+            model = ResNet20(input_shape, num_classes)
+        elif ":" in name:
+            model = load_factory(name, "model.name")(input_shape=input_shape, num_classes=num_classes)
+            if not isinstance(model, nn.Module):
+                raise ConfigError(f"model.name {name!r}: the factory returned {type(model).__name__}, not nn.Module")
+        else:
+            raise ConfigError(f"model.name {name!r}: expected mlp, cnn, resnet20 or package.module:factory")
+    for p in model.parameters():
+        if p.dtype != torch.float32 and p.requires_grad:
+            raise ConfigError(f"model.name {name!r}: trainable parameters must be float32, got {p.dtype}")
+    return model

@@ -1,0 +1,148 @@
+"""The shard map: which tensor, or chunk of a tensor, lives on which shard.
+
+Every party computes the same map from the model and the shard count, with no
+communication:
+
+1. Entries are the model's trainable parameters (table "params") and its floating-point
+   buffers such as BatchNorm running statistics (table "buffers"), all float32.
+2. A tensor larger than the chunk size (a quarter of the model's mean share per shard,
+   at least MIN_CHUNK elements) is split into near-equal chunks.
+3. Pieces go largest-first onto the least-loaded shard by bytes; ties go to the lower
+   shard index, and equal pieces are ordered by name and offset.
+
+On a shard, each table is one flat float32 vector: the shard's pieces in map order.
+`gather` builds that vector from a model's tensors; `scatter` writes it back.
+"""
+from __future__ import annotations
+
+import heapq
+import warnings
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+MIN_CHUNK = 1024  # elements
+TABLES = ("params", "buffers")
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str       # tensor name in the state_dict
+    table: str      # "params" or "buffers"
+    start: int      # first element of the tensor (flattened) that this piece holds
+    length: int     # elements
+    shard: int
+    offset: int     # position in the shard's flat table
+
+
+class ShardMap:
+    def __init__(self, entries: Iterable[tuple[str, str, int]], num_shards: int):
+        """entries: (name, table, numel) in a fixed order (the model's)."""
+        if num_shards < 1:
+            raise ValueError("num_shards must be >= 1")
+        self.num_shards = num_shards
+        entries = list(entries)
+        total = sum(n for _, _, n in entries)
+        self.chunk = max(MIN_CHUNK, math.ceil(total / (4 * num_shards)))
+        raw = []
+        for name, table, numel in entries:
+            parts = max(1, math.ceil(numel / self.chunk))
+            base, extra = divmod(numel, parts)
+            start = 0
+            for p in range(parts):
+                length = base + (1 if p < extra else 0)
+                raw.append((name, table, start, length))
+                start += length
+        raw.sort(key=lambda r: (-r[3], r[0], r[2]))
+        heap = [(0, s) for s in range(num_shards)]
+        assigned = []
+        for name, table, start, length in raw:
+            load, shard = heapq.heappop(heap)
+            assigned.append((name, table, start, length, shard))
+            heapq.heappush(heap, (load + 4 * length, shard))
+        order = {name: i for i, (name, _, _) in enumerate(entries)}
+        assigned.sort(key=lambda r: (r[4], TABLES.index(r[1]), order[r[0]], r[2]))
+        self.pieces: list[Piece] = []
+        self.sizes = {t: [0] * num_shards for t in TABLES}
+        for name, table, start, length, shard in assigned:
+            self.pieces.append(Piece(name, table, start, length, shard, self.sizes[table][shard]))
+            self.sizes[table][shard] += length
+        self._by = {(s, t): [p for p in self.pieces if p.shard == s and p.table == t]
+                    for s in range(num_shards) for t in TABLES}
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_shards: int) -> "ShardMap":
+        return cls(model_entries(model), num_shards)
+
+    def pieces_of(self, shard: int, table: str) -> list[Piece]:
+        return self._by[(shard, table)]
+
+    def size(self, shard: int, table: str) -> int:
+        return self.sizes[table][shard]
+
+    def bytes_per_shard(self) -> list[int]:
+        return [4 * (self.sizes["params"][s] + self.sizes["buffers"][s]) for s in range(self.num_shards)]
+
+    def gather(self, tensors: dict[str, torch.Tensor], shard: int, table: str,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The shard's flat float32 table built from full tensors (name -> tensor)."""
+        parts = [tensors[p.name].reshape(-1)[p.start:p.start + p.length] for p in self.pieces_of(shard, table)]
+        if out is None:
+            return torch.cat(parts).float() if parts else torch.zeros(0)
+        if parts:
+            torch.cat(parts, out=out)
+        return out
+
+    def scatter(self, flat: torch.Tensor, shard: int, table: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write a shard's flat table back into full tensors (in place)."""
+        for p in self.pieces_of(shard, table):
+            dst = tensors[p.name]
+            src = flat[p.offset:p.offset + p.length]
+            dst.view(-1)[p.start:p.start + p.length].copy_(src.to(dst.dtype), non_blocking=True)
+
+    def describe(self) -> str:
+        lines = [f"shard map: {self.num_shards} shard(s), chunk {self.chunk} elements"]
+        for s in range(self.num_shards):
+            lines.append(f"shard {s}: {self.bytes_per_shard()[s]:,} bytes "
+                         f"(params {self.sizes['params'][s]:,}, buffers {self.sizes['buffers'][s]:,} elements)")
+            for p in self.pieces_of(s, "params") + self.pieces_of(s, "buffers"):
+                lines.append(f"  {p.table:<7} {p.name:<40} [{p.start}:{p.start + p.length}] "
+                             f"{4 * p.length:>12,} B")
+        return "\n".join(lines)
+
+
+def model_entries(model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    """(name, table, numel): trainable parameters, then floating-point buffers.
+
+    Frozen parameters (requires_grad=False) and integer buffers (BatchNorm's
+    num_batches_tracked) are not sharded: every party builds them from the seed.
+    """
+    out = [(n, "params", p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    out += [(n, "buffers", b.numel()) for n, b in model.named_buffers() if b.is_floating_point()]
+    return out
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> tensor for everything the map covers (parameters and buffers, live)."""
+    d = {n: p for n, p in model.named_parameters()}
+    d.update({n: b for n, b in model.named_buffers()})
+    return d
+
+
+def model_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> gradient (zeros where a trainable parameter got none)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            out[n] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return out
+
+
+def as_tensor(a) -> torch.Tensor:
+    """Wrap a received (read-only) array as a tensor without copying; the caller must
+    not write to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)

@@ -1,0 +1,175 @@
+"""Sockets and request/reply over ZeroMQ; knows frames and deadlines, not ops or tensors.
+
+- `server_socket`: a ROUTER bound to an address (CurveZMQ server when security is on).
+- `Peers`: one DEALER per peer; requests to all peers are in flight at once and replies
+  are matched by request id, so a late answer from one peer blocks no one else. Every
+  wait has a deadline; `PeerTimeout` names the address that did not answer.
+
+Security (CurveZMQ): `psgd keys DIR` writes DIR/server.key(_secret) and
+DIR/client.key(_secret), and DIR/authorized/ holds the public keys that servers accept.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from . import wire
+from .config import SecurityConfig
+
+LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+
+
+class PeerTimeout(TimeoutError):
+    def __init__(self, address: str, waited: float, what: str):
+        super().__init__(f"no answer from {address} after {waited:.0f} s ({what})")
+        self.address = address
+        self.partial: dict = {}
+
+
+def _base(sock: zmq.Socket) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE)
+    return sock
+
+
+_auth = {}
+
+
+def _start_auth(ctx: zmq.Context, keys: str) -> None:
+    """One ZAP authenticator per context: only keys in KEYS/authorized may connect."""
+    if id(ctx) in _auth:
+        return
+    from zmq.auth.thread import ThreadAuthenticator
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=os.path.join(keys, "authorized"))
+    _auth[id(ctx)] = auth
+
+
+def stop_auth(ctx: zmq.Context) -> None:
+    auth = _auth.pop(id(ctx), None)
+    if auth:
+        auth.stop()
+
+
+def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
+    import zmq.auth
+    path = os.path.join(keys, f"{name}.key_secret")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"security.keys: {path} not found (make keys with `psgd keys {keys}`)")
+    return zmq.auth.load_certificate(path)
+
+
+def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig) -> zmq.Socket:
+    sock = _base(ctx.socket(zmq.ROUTER))
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    if security.curve:
+        _start_auth(ctx, security.keys)
+        public, secret = _load_pair(security.keys, "server")
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise OSError(f"cannot bind {address}: {e}") from None
+    return sock
+
+
+def client_socket(ctx: zmq.Context, address: str, security: SecurityConfig) -> zmq.Socket:
+    sock = _base(ctx.socket(zmq.DEALER))
+    if security.curve:
+        public, secret = _load_pair(security.keys, "client")
+        server_public, _ = zmq.auth.load_certificate(os.path.join(security.keys, "server.key"))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_serverkey = server_public
+    sock.connect(address)
+    return sock
+
+
+def bind_address(address: str) -> str:
+    """The address a daemon binds for an advertised tcp://HOST:PORT (all interfaces
+    unless HOST is loopback)."""
+    if address.startswith("tcp://"):
+        host, _, port = address[6:].rpartition(":")
+        if not host.startswith(LOOPBACK):
+            return f"tcp://*:{port}"
+    return address
+
+
+def is_loopback(address: str) -> bool:
+    return not address.startswith("tcp://") or address[6:].startswith(LOOPBACK)
+
+
+class Peers:
+    """DEALER sockets to a list of peers, with request ids and deadlines."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context, addresses: Sequence[str], security: SecurityConfig):
+        self.addresses = list(addresses)
+        self.security = security
+        self.ctx = ctx
+        self.socks = [client_socket(ctx, a, security) for a in self.addresses]
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+
+    def reconnect(self, i: int) -> None:
+        """Drop pending traffic to peer i and open a fresh connection."""
+        self.socks[i].close(0)
+        self.socks[i] = client_socket(self.ctx, self.addresses[i], self.security)
+
+    def send(self, i: int, op: str, **kw: Any) -> int:
+        rid = next(self._ids)
+        frames = wire.encode(op, id=rid, **kw)
+        self.bytes_sent += sum(len(f) for f in frames)
+        self.socks[i].send_multipart(frames, copy=False)
+        return rid
+
+    def wait(self, pending: dict[int, int], timeout: float, what: str,
+             cancel: Callable[[], bool] | None = None) -> dict[int, wire.Message]:
+        """Wait for replies: pending maps request id -> peer index. Returns id -> Message.
+        Error replies raise RemoteError; a missing answer (or `cancel()` turning true)
+        raises PeerTimeout, whose `partial` holds the replies that did arrive."""
+        got: dict[int, wire.Message] = {}
+        start = time.monotonic()
+        deadline = start + timeout
+        poller = zmq.Poller()
+        for i in set(pending.values()):
+            poller.register(self.socks[i], zmq.POLLIN)
+        while len(got) < len(pending):
+            left = deadline - time.monotonic()
+            if left <= 0 or (cancel is not None and cancel()):
+                missing = sorted({pending[r] for r in pending if r not in got})
+                exc = PeerTimeout(self.addresses[missing[0]], timeout - max(0.0, left), what)
+                exc.partial = got
+                raise exc
+            for sock, _ in poller.poll(min(left, 1.0) * 1000):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.bytes_recv += sum(len(f.buffer) for f in frames)
+                    try:
+                        msg = wire.decode(frames)
+                    except wire.WireError:
+                        continue  # a garbled reply is dropped; the deadline covers it
+                    if msg.id in pending and msg.id not in got:
+                        wire.raise_if_error(msg, self.addresses[pending[msg.id]])
+                        got[msg.id] = msg
+        return got
+
+    def call(self, i: int, op: str, timeout: float, what: str = "", **kw: Any) -> wire.Message:
+        rid = self.send(i, op, **kw)
+        return self.wait({rid: i}, timeout, what or op)[rid]
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)

@@ -1,0 +1,268 @@
+"""The psgd wire protocol: the only module that builds or parses messages.
+
+A message is a ZeroMQ multipart message::
+
+    frame 0      msgpack map, the header (at most MAX_HEADER bytes)
+    frame 1..n   raw, C-contiguous, little-endian tensor bytes, one per array
+
+The header always carries
+
+    v       protocol version (PROTOCOL_VERSION); anything else is refused
+    op      the operation, one of OPS
+    id      request id, an int >= 0, echoed in the reply
+    rank    sender's worker rank (-1 for other roles)
+    clock   sender's clock (-1 when not applicable)
+    arrays  one [dtype, shape] pair per payload frame; dtype from DTYPES
+
+plus the fields that OPS lists for that op, each with its type. Replies use op
+"reply" (free-form scalar fields) or "error" (`code`, `reason`). A ROUTER socket
+sees one routing-identity frame in front of frame 0; `split_identity` removes it.
+
+Validation is strict and happens before anything is used: header size, msgpack
+syntax, map type, version, op, id/rank/clock types, unknown or ill-typed fields,
+the dtype whitelist, shapes (non-negative ints, at most MAX_DIMS), and each frame's
+byte length against dtype and shape. Every failure raises `WireError(code, reason)`;
+servers turn it into an error reply and go on serving. Nothing is ever pickled.
+
+Arrays are received without copies: `np.frombuffer` over the ZeroMQ frame's buffer
+(read-only); `torch.from_numpy` can wrap that in turn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER = 1 << 20            # bytes
+MAX_DIMS = 8
+MAX_FRAMES = 64
+MAX_MESSAGE = 1 << 31           # bytes; also set as the sockets' ZMQ_MAXMSGSIZE
+
+DTYPES = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "float16": np.dtype("<f2"),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "uint8": np.dtype("u1"),
+}
+
+# Error codes: stable strings that clients and tests match on.
+BAD_HEADER = "bad_header"
+BAD_VERSION = "bad_version"
+UNKNOWN_OP = "unknown_op"
+BAD_FIELD = "bad_field"
+BAD_DTYPE = "bad_dtype"
+BAD_SHAPE = "bad_shape"
+BAD_LENGTH = "bad_length"
+TOO_LARGE = "too_large"
+REFUSED = "refused"         # valid message, but not acceptable now (e.g. wrong role, unknown rank)
+INTERNAL = "internal"
+
+_num = (int, float)
+_scalar = (int, float, str, bool, type(None))
+
+# op -> {field: accepted types}. Every field listed is optional unless in REQUIRED.
+OPS: dict[str, dict[str, tuple]] = {
+    # to the coordinator
+    "register": {"role": (str,), "index": (int,), "want_rank": (int,)},
+    "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,)},
+    "finish": {"stats": (dict,)},
+    "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,)},
+    "status": {},
+    # to a shard
+    "pull": {"table": (str,), "owner": (int,)},
+    "push": {"read_version": (int,), "lr_scale": _num},
+    "elastic": {"round": (int,)},
+    "put_model": {"round": (int,), "score": _num, "step": (int,)},
+    "get_model": {"round": (int,), "owner": (int,)},
+    "stats": {},
+    # replies
+    "reply": {"*": _scalar + (dict, list)},
+    "error": {"code": (str,), "reason": (str,)},
+}
+REQUIRED: dict[str, tuple] = {
+    "register": ("role",),
+    "heartbeat": ("role",),
+    "eval": ("accuracy", "loss"),
+    "push": ("read_version",),
+    "elastic": ("round",),
+    "put_model": ("round", "score"),
+    "get_model": ("round", "owner"),
+    "error": ("code", "reason"),
+}
+_BASE = ("v", "op", "id", "rank", "clock", "arrays")
+
+
+class WireError(Exception):
+    """A message that fails validation; `code` is one of the error codes above."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class Message:
+    op: str
+    id: int = 0
+    rank: int = -1
+    clock: int = -1
+    fields: dict = field(default_factory=dict)
+    arrays: list = field(default_factory=list)
+    nbytes: int = 0  # size on the wire, header included
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+def _as_array(a: Any) -> np.ndarray:
+    if hasattr(a, "detach"):  # a torch tensor: must be on the CPU
+        a = a.detach().contiguous().numpy()
+    a = np.ascontiguousarray(a)
+    name = a.dtype.newbyteorder("<").name if a.dtype.byteorder == ">" else a.dtype.name
+    if name not in DTYPES:
+        raise WireError(BAD_DTYPE, f"dtype {a.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
+    return a.astype(DTYPES[name], copy=False)
+
+
+def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
+           arrays: Sequence[Any] = (), **fields: Any) -> list:
+    """Build a message's frames. Arrays (numpy or CPU torch) are sent without copies."""
+    if op not in OPS:
+        raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
+    arrs = [_as_array(a) for a in arrays]
+    header = {"v": PROTOCOL_VERSION, "op": op, "id": int(id), "rank": int(rank),
+              "clock": int(clock), "arrays": [[a.dtype.name, list(a.shape)] for a in arrs]}
+    for k, v in fields.items():
+        if k in _BASE:
+            raise WireError(BAD_FIELD, f"field {k!r} is reserved")
+        header[k] = v
+    frames = [msgpack.packb(header, use_bin_type=True)]
+    frames.extend(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"" for a in arrs)
+    return frames
+
+
+def reply(req: Message, arrays: Sequence[Any] = (), **fields: Any) -> list:
+    return encode("reply", id=req.id, rank=req.rank, clock=req.clock, arrays=arrays, **fields)
+
+
+def error(req_id: int, code: str, reason: str) -> list:
+    return encode("error", id=req_id, code=code, reason=reason[:1000])
+
+
+def _buffer(frame: Any) -> memoryview:
+    if hasattr(frame, "buffer"):  # zmq.Frame received with copy=False
+        return frame.buffer
+    return memoryview(frame)
+
+
+def _check_field(op: str, name: str, value: Any) -> None:
+    spec = OPS[op]
+    types = spec.get(name, spec.get("*"))
+    if types is None:
+        raise WireError(BAD_FIELD, f"op {op!r} has no field {name!r}")
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise WireError(BAD_FIELD, f"field {name!r} must be {'/'.join(t.__name__ for t in types)}, "
+                                   f"got {type(value).__name__}")
+
+
+def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
+    """Validate and parse a message (without a routing identity). Raises WireError."""
+    if not frames:
+        raise WireError(BAD_HEADER, "empty message")
+    if len(frames) > MAX_FRAMES + 1:
+        raise WireError(TOO_LARGE, f"{len(frames)} frames, at most {MAX_FRAMES + 1}")
+    head = _buffer(frames[0])
+    if len(head) > MAX_HEADER:
+        raise WireError(TOO_LARGE, f"header of {len(head)} bytes, at most {MAX_HEADER}")
+    try:
+        h = msgpack.unpackb(head, raw=False, strict_map_key=True, max_bin_len=0,
+                            max_ext_len=0, use_list=True)
+    except Exception as e:  # msgpack raises several types; all mean the same here
+        raise WireError(BAD_HEADER, f"header is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(h, dict):
+        raise WireError(BAD_HEADER, f"header must be a map, got {type(h).__name__}")
+    if h.get("v") != PROTOCOL_VERSION:
+        raise WireError(BAD_VERSION, f"protocol version {h.get('v')!r}, this peer speaks {PROTOCOL_VERSION}")
+    op = h.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
+    base = {}
+    for k in ("id", "rank", "clock"):
+        v = h.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or not (-1 <= v < 1 << 62):
+            raise WireError(BAD_HEADER, f"header field {k!r} must be an int >= -1, got {v!r}")
+        base[k] = v
+    if base["id"] < 0:
+        raise WireError(BAD_HEADER, "request id must be >= 0")
+    fields = {k: v for k, v in h.items() if k not in _BASE}
+    for k, v in fields.items():
+        _check_field(op, k, v)
+    for k in REQUIRED.get(op, ()):
+        if k not in fields:
+            raise WireError(BAD_FIELD, f"op {op!r} needs field {k!r}")
+    specs = h.get("arrays")
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise WireError(BAD_HEADER, f"header lists {len(specs) if isinstance(specs, list) else '?'} "
+                                    f"arrays but {len(frames) - 1} payload frames came")
+    arrays, total = [], len(head)
+    for i, (spec, frame) in enumerate(zip(specs, frames[1:])):
+        if not (isinstance(spec, list) and len(spec) == 2):
+            raise WireError(BAD_HEADER, f"array {i}: spec must be [dtype, shape]")
+        dtype_name, shape = spec
+        if dtype_name not in DTYPES:
+            raise WireError(BAD_DTYPE, f"array {i}: dtype {dtype_name!r} not allowed")
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40
+                           for d in shape)):
+            raise WireError(BAD_SHAPE, f"array {i}: bad shape {shape!r}")
+        dt = DTYPES[dtype_name]
+        expect = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        buf = _buffer(frame)
+        total += len(buf)
+        if total > max_bytes:
+            raise WireError(TOO_LARGE, f"message larger than {max_bytes} bytes")
+        if len(buf) != expect:
+            raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
+        arrays.append(np.frombuffer(buf, dtype=dt).reshape(shape) if expect else np.zeros(shape, dt))
+    return Message(op=op, id=base["id"], rank=base["rank"], clock=base["clock"],
+                   fields=fields, arrays=arrays, nbytes=total)
+
+
+def expect_array(msg: Message, i: int, dtype: str, shape: tuple) -> np.ndarray:
+    """The i-th payload array, checked against the registered dtype and shape."""
+    if i >= len(msg.arrays):
+        raise WireError(BAD_SHAPE, f"op {msg.op!r} needs array {i}, got {len(msg.arrays)} arrays")
+    a = msg.arrays[i]
+    if a.dtype != DTYPES[dtype]:
+        raise WireError(BAD_DTYPE, f"array {i}: expected {dtype}, got {a.dtype.name}")
+    if tuple(a.shape) != tuple(shape):
+        raise WireError(BAD_SHAPE, f"array {i}: expected shape {list(shape)}, got {list(a.shape)}")
+    return a
+
+
+def split_identity(frames: Sequence[Any]) -> tuple[Any, list]:
+    """A ROUTER socket's message: (routing identity, message frames)."""
+    if len(frames) < 2:
+        raise WireError(BAD_HEADER, "message has no routing identity")
+    return frames[0], list(frames[1:])
+
+
+def raise_if_error(msg: Message, peer: str) -> Message:
+    if msg.op == "error":
+        raise RemoteError(msg.get("code", "?"), f"{peer}: {msg.get('reason', '')}")
+    return msg
+
+
+class RemoteError(Exception):
+    """A peer answered with an error reply."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason

@@ -1,0 +1,1 @@
+"""Daemons that own state: the shard server and the coordinator."""

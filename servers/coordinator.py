@@ -1,0 +1,258 @@
+"""The coordinator daemon: rendezvous, liveness, the end of the job, summary.json.
+
+    psgd coordinator [CONFIG] --out DIR [--set k=v ...]
+
+One ROUTER socket on cluster.port; ops: register, heartbeat, finish, eval, status.
+Workers' registrations are answered once all `cluster.workers` have registered, so
+training starts together. Heartbeats carry each daemon's cumulative counters and get
+the live set back. When no worker is live any more, the evaluator is asked for a final
+score; then summary.json is written, every daemon is told `done`, and it exits.
+"""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from psgd import wire
+from psgd.config import Config
+from psgd.membership import Membership, log
+from psgd.metrics import EventLog, summarize, write_json_atomic
+from psgd.transport import bind_address, server_socket
+
+PROGRESS_EVERY_S = 2.0
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, out: str | None = None, ctx: zmq.Context | None = None,
+                 quiet: bool = False):
+        self.cfg = cfg
+        self.out = out
+        self.quiet = quiet
+        self.ctx = ctx or zmq.Context.instance()
+        self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s)
+        self.address = bind_address(cfg.coordinator_address())
+        self.sock = server_socket(self.ctx, self.address, cfg.security)
+        self.events = EventLog(out, "coordinator", 0)
+        self.phase = "rendezvous"
+        self.parked: list[tuple[bytes, wire.Message]] = []
+        self.servers: dict[int, dict] = {}
+        self.server_joins: dict[int, int] = {}
+        self.evaluator_seen = 0.0
+        self.evals: list[dict] = []
+        self.t0 = 0.0
+        self.t_end = 0.0
+        self.final_deadline = 0.0
+        self.done_at = 0.0
+        self.told_done: set = set()
+        self.abort = ""
+        self.bad_messages = 0
+        self.summary: dict | None = None
+        self._last_progress = 0.0
+        self.handlers = {"register": self.on_register, "heartbeat": self.on_heartbeat,
+                         "finish": self.on_finish, "eval": self.on_eval, "status": self.on_status}
+
+    # ------------------------------------------------------------ replies
+    def _send(self, ident, frames) -> None:
+        self.sock.send_multipart([ident] + frames, copy=False)
+
+    def _view(self) -> dict:
+        return {"phase": self.phase, "done": self.phase == "done", "live": {str(k): v for k, v in self.members.live().items()},
+                "version": self.members.version, "abort": self.abort,
+                "finished": [r for r, m in self.members.members.items() if m.state == "finished"]}
+
+    def samples(self) -> int:
+        return sum(int(s.get("samples", 0)) for s in self.members.stats().values())
+
+    # ------------------------------------------------------------ handlers
+    def on_register(self, ident, msg: wire.Message) -> None:
+        role, now = msg.get("role"), time.monotonic()
+        if role == "worker":
+            if self.phase in ("final_eval", "done"):
+                self._send(ident, wire.error(msg.id, wire.REFUSED, "the job is finishing; no new workers"))
+                return
+            rank = self.members.join(now, msg.get("want_rank", -1))
+            if rank < 0:
+                self._send(ident, wire.error(msg.id, wire.REFUSED,
+                                             f"all {self.cfg.cluster.workers} worker ranks are taken and live"))
+                return
+            self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
+            if self.phase == "rendezvous":
+                self.parked.append((ident, msg, rank))
+                log("coordinator", f"worker {rank} registered ({len(self.members.members)}/{self.cfg.cluster.workers})")
+                if self.members.all_joined:
+                    self._start_training()
+            else:
+                log("coordinator", f"worker {rank} rejoined at clock {self.members.members[rank].clock}")
+                self._reply_register(ident, msg, rank)
+        elif role == "server":
+            idx = msg.get("index", 0)
+            self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
+            if self.server_joins[idx] > 1:
+                log("coordinator", f"shard {idx} restarted")
+            self.servers.setdefault(idx, {})
+            self._reply_register(ident, msg, -1)
+        elif role == "evaluator":
+            self.evaluator_seen = now
+            self._reply_register(ident, msg, -1)
+        else:
+            self._send(ident, wire.error(msg.id, wire.BAD_FIELD, f"unknown role {role!r}"))
+
+    def _reply_register(self, ident, msg, rank: int) -> None:
+        clock = self.members.members[rank].clock if rank >= 0 else 0
+        self._send(ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock, **self._view()))
+
+    def _start_training(self) -> None:
+        self.phase = "training"
+        self.t0 = time.monotonic()
+        for m in self.members.members.values():
+            m.last_seen = self.t0
+        self.events.write(event="start", workers=self.cfg.cluster.workers)
+        log("coordinator", f"all {self.cfg.cluster.workers} workers registered; training "
+            f"({self.cfg.mode.name}, {self.cfg.cluster.servers} shards)")
+        for ident, msg, rank in self.parked:
+            self._reply_register(ident, msg, rank)
+        self.parked = []
+
+    def on_heartbeat(self, ident, msg: wire.Message) -> None:
+        role, now = msg.get("role"), time.monotonic()
+        stats = msg.get("stats") or {}
+        rejoin = False
+        if role == "worker":
+            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
+            if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
+                rejoin = False
+        elif role == "server":
+            self.servers[msg.get("index", 0)] = stats
+        elif role == "evaluator":
+            self.evaluator_seen = now
+        if self.phase == "done":
+            self.told_done.add((role, msg.get("index", 0), msg.rank))
+        self._send(ident, wire.reply(msg, rejoin=rejoin, **self._view()))
+
+    def on_finish(self, ident, msg: wire.Message) -> None:
+        self.members.finish(msg.rank, msg.get("stats"))
+        self.events.write(event="finish", rank=msg.rank)
+        self._send(ident, wire.reply(msg, **self._view()))
+
+    def on_eval(self, ident, msg: wire.Message) -> None:
+        t = time.monotonic() - self.t0 if self.t0 else 0.0
+        e = {"t": round(t, 3), "samples": self.samples(), "accuracy": float(msg.get("accuracy")),
+             "loss": float(msg.get("loss")), "final": bool(msg.get("final", False))}
+        if self.phase in ("training", "final_eval"):
+            self.evals.append(e)
+            self.events.write(event="eval", **e)
+        self._send(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))
+        if e["final"] and self.phase == "final_eval":
+            self._finish_job()
+
+    def on_status(self, ident, msg: wire.Message) -> None:
+        self._send(ident, wire.reply(msg, samples=self.samples(), servers=len(self.servers),
+                                     evals=len(self.evals), **self._view()))
+
+    # ------------------------------------------------------------ phases
+    def _tick(self, now: float) -> None:
+        if self.phase == "training":
+            lost = self.members.expire(now)
+            for r in lost:
+                log("coordinator", f"worker {r} missed heartbeats for {self.cfg.cluster.heartbeat_timeout_s:.0f} s: "
+                    f"dropped from the membership")
+                self.events.write(event="lost", rank=r)
+                if self.cfg.faults.on_worker_loss == "abort":
+                    self.abort = f"worker {r} was lost and faults.on_worker_loss = abort"
+            if self.abort or self.members.all_done:
+                self.t_end = now
+                if self.cfg.cluster.evaluator and not self.abort:
+                    self.phase = "final_eval"
+                    self.final_deadline = now + self.cfg.cluster.timeout_s
+                    log("coordinator", "all workers finished; waiting for the final evaluation")
+                else:
+                    self._finish_job()
+        elif self.phase == "final_eval" and now > self.final_deadline:
+            log("coordinator", "no final evaluation arrived in time; writing the summary without it")
+            self._finish_job()
+        if not self.quiet and self.phase == "training" and now - self._last_progress >= PROGRESS_EVERY_S:
+            self._last_progress = now
+            self._progress(now)
+
+    def _progress(self, now: float) -> None:
+        live = self.members.live()
+        steps = self.cfg.train.steps
+        clock = min(live.values()) if live else 0
+        n, t = self.samples(), now - self.t0
+        acc = f"  acc {self.evals[-1]['accuracy']:.3f}" if self.evals else ""
+        total = f"/{steps}" if steps else ""
+        log("coordinator", f"{self.cfg.mode.name}  {t:6.1f} s  step {clock}{total}  samples {n:,}  "
+            f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}")
+
+    def _finish_job(self) -> None:
+        wall = (self.t_end or time.monotonic()) - self.t0
+        m = self.members
+        failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined,
+                    "shard_restarts": sum(max(0, n - 1) for n in self.server_joins.values())}
+        extra = {"job": self.cfg.job.name, "seed": self.cfg.job.seed, "model": self.cfg.model.name,
+                 "data": self.cfg.data.name, "batch_size": self.cfg.train.batch_size,
+                 "steps": self.cfg.train.steps, "faults": {k: v for k, v in vars(self.cfg.faults).items()},
+                 "bad_messages_coordinator": self.bad_messages}
+        if self.abort:
+            extra["aborted"] = self.abort
+        self.summary = summarize(mode=self.cfg.mode.name, mode_params=self.cfg.mode_params,
+                                 workers=self.cfg.cluster.workers, servers=self.cfg.cluster.servers,
+                                 wall_s=wall, worker_stats=m.stats(), server_stats=self.servers,
+                                 evals=[e for e in self.evals], target=self.cfg.eval.target_accuracy,
+                                 failures=failures, extra=extra)
+        if self.out:
+            write_json_atomic(f"{self.out}/summary.json", self.summary)
+        self.events.write(event="done", wall_s=round(wall, 3))
+        self.phase = "done"
+        self.done_at = time.monotonic()
+
+    def _lingered(self, now: float) -> bool:
+        """After `done`, keep answering heartbeats until every daemon has heard it."""
+        expected = self.cfg.cluster.servers + (1 if self.cfg.cluster.evaluator else 0)
+        heard = len({k for k in self.told_done if k[0] != "worker"})
+        return heard >= expected or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
+
+    # ------------------------------------------------------------ loop
+    def serve(self, deadline_s: float | None = None) -> int:
+        start = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while True:
+                for _ in poller.poll(50):
+                    self._drain()
+                now = time.monotonic()
+                self._tick(now)
+                if self.phase == "done" and self._lingered(now):
+                    return 1 if self.abort else 0
+                if self.phase == "rendezvous" and now - start > self.cfg.cluster.timeout_s + 5 * 60:
+                    log("coordinator", f"only {len(self.members.members)} of {self.cfg.cluster.workers} workers "
+                        f"registered; giving up")
+                    return 1
+                if deadline_s and now - start > deadline_s:
+                    return 1
+        finally:
+            self.sock.close(0)
+            self.events.close()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                ident, body = wire.split_identity(frames)
+                msg = wire.decode(body)
+                handler = self.handlers.get(msg.op)
+                if handler is None:
+                    raise wire.WireError(wire.UNKNOWN_OP, f"the coordinator does not serve {msg.op!r}")
+                handler(ident, msg)
+            except wire.WireError as e:
+                self.bad_messages += 1
+                if len(frames) >= 2:
+                    self._send(frames[0], wire.error(0, e.code, e.reason))
+            except Exception as e:  # a handler bug must not kill the job
+                self.bad_messages += 1
+                log("coordinator", f"error handling a message: {type(e).__name__}: {e}")

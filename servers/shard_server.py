@@ -1,0 +1,123 @@
+"""The shard server daemon: a ZeroMQ loop around one `psgd.shard.Shard`.
+
+    psgd server [CONFIG] --shard I --out DIR [--set k=v ...]
+
+Registers with the coordinator (which hands out the run's config), restores its
+checkpoint if one exists, binds its ROUTER on shard I's address and serves until the
+coordinator says the job is done. A bad message gets an error reply and is counted;
+the loop goes on. Checkpoints are written every `checkpoint.every_s` seconds and on
+SIGTERM (atomically), and once more at the end.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import zmq
+
+from psgd import wire
+from psgd.config import Config
+from psgd.membership import CoordinatorLink, log
+from psgd.shard import Shard
+from psgd.transport import bind_address, server_socket
+
+
+def checkpoint_path(cfg: Config, out: str | None, index: int) -> str | None:
+    folder = cfg.checkpoint.dir or (os.path.join(out, "checkpoints") if out else "")
+    return os.path.join(folder, f"shard-{index}.pt") if folder else None
+
+
+class ShardServer:
+    def __init__(self, cfg: Config, index: int, out: str | None = None, ctx: zmq.Context | None = None):
+        if not 0 <= index < cfg.cluster.servers:
+            raise ValueError(f"--shard {index} is out of range: cluster.servers = {cfg.cluster.servers}")
+        self.cfg = cfg
+        self.index = index
+        self.out = out
+        self.ctx = ctx or zmq.Context.instance()
+        self.name = f"server-{index}"
+        self._term = False
+
+    def _on_sigterm(self, *_):
+        self._term = True
+
+    def run(self) -> int:
+        link = CoordinatorLink(self.cfg, "server", self.index, self.ctx)
+        answer = link.register()
+        cfg = self.cfg.with_run(answer.get("config"))
+        shard = Shard(cfg, self.index)
+        ckpt = checkpoint_path(cfg, self.out, self.index)
+        if ckpt and os.path.exists(ckpt):
+            shard.load(ckpt)
+            log(self.name, f"resumed from {ckpt} at version {shard.version}")
+        address = cfg.shard_address(self.index)
+        sock = server_socket(self.ctx, bind_address(address), cfg.security)
+        log(self.name, f"serving {shard.P + shard.B:,} values on {address} ({cfg.mode.name})")
+        link.stats_fn = shard.stats
+        link.start()
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread (in-process tests)
+            pass
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        seen_version, last_ckpt = -1, time.monotonic()
+        code = 0
+        try:
+            while True:
+                if poller.poll(50):
+                    self._drain(sock, shard)
+                state = link.state
+                if state["version"] != seen_version and state["phase"] != "rendezvous":
+                    seen_version = state["version"]
+                    self._send(sock, shard.set_live(state["live"]))
+                now = time.monotonic()
+                if ckpt and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:
+                    shard.save(ckpt)
+                    last_ckpt = now
+                if self._term:
+                    log(self.name, "SIGTERM: checkpointing and exiting")
+                    break
+                if link.done:
+                    break
+                if link.lost:
+                    log(self.name, f"lost the coordinator at {link.address} for {cfg.cluster.timeout_s:.0f} s; exiting")
+                    code = 1
+                    break
+        finally:
+            if ckpt:
+                shard.save(ckpt)
+            link.stop()
+            sock.close(0)
+        return code
+
+    def _drain(self, sock: zmq.Socket, shard: Shard) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                ident, body = wire.split_identity(frames)
+                msg = wire.decode(body)
+            except wire.WireError as e:
+                shard.counters["bad_messages"] += 1
+                if len(frames) >= 2:
+                    self._send(sock, [(frames[0], wire.error(0, e.code, e.reason))])
+                continue
+            try:
+                replies = shard.handle(ident, msg)
+            except Exception as e:  # a bug in a handler must not take the shard down
+                shard.counters["bad_messages"] += 1
+                log(self.name, f"error serving {msg.op}: {type(e).__name__}: {e}")
+                replies = [(ident, wire.error(msg.id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
+            self._send(sock, replies)
+
+    @staticmethod
+    def _send(sock: zmq.Socket, replies) -> None:
+        for ident, frames in replies:
+            try:
+                sock.send_multipart([ident] + frames, copy=False)
+            except zmq.ZMQError:
+                pass  # the peer is gone; nothing to answer

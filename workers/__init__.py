@@ -1,0 +1,1 @@
+"""Daemons that compute: the worker (training loop + parameter client) and the evaluator."""

@@ -1,0 +1,122 @@
+"""The parameter client: one DEALER per shard, every request in flight at once.
+
+A push and the next pull go out back to back on each shard's socket (the shard serves
+them in order, so the read sees this worker's own update) and all shards work in
+parallel: one round trip per step. A request that gets no answer within the retry
+window is sent again on a fresh connection (pushes are deduplicated by (rank, clock),
+so a resend is safe) with backoff, until `cluster.timeout_s` runs out; then
+`ShardUnreachable` names the address.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import zmq
+
+from psgd import wire
+from psgd.config import Config
+from psgd.sharding import as_tensor
+from psgd.transport import Peers, PeerTimeout
+
+
+class ShardUnreachable(RuntimeError):
+    pass
+
+
+class Cancelled(RuntimeError):
+    """A request given up because the caller's condition changed (e.g. a partner left)."""
+
+
+class ParameterClient:
+    def __init__(self, cfg: Config, ctx: zmq.Context, rank: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.n = cfg.cluster.servers
+        self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security)
+        self.retry_s = max(10.0, 2 * cfg.cluster.heartbeat_timeout_s)
+        self.wait_s = 0.0     # time blocked on the servers
+        self.retries = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.peers.bytes_sent
+
+    @property
+    def bytes_recv(self) -> int:
+        return self.peers.bytes_recv
+
+    def request(self, reqs: Sequence[tuple[int, str, dict]],
+                cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
+        """Send (shard, op, fields) requests at once; answers in the same order.
+        `cancel()` turning true gives up early with `Cancelled`."""
+        t0 = time.monotonic()
+        pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
+        out: list[Any] = [None] * len(reqs)
+        deadline = t0 + self.cfg.cluster.timeout_s
+        backoff = 0.5
+        while pending:
+            window = min(self.retry_s, max(0.1, deadline - time.monotonic()))
+            try:
+                got = self.peers.wait({rid: i for rid, (_, i) in pending.items()}, window,
+                                      "parameter request", cancel)
+            except PeerTimeout as e:
+                got = e.partial
+                if cancel is not None and cancel():
+                    self.wait_s += time.monotonic() - t0
+                    raise Cancelled(e.address) from None
+                if time.monotonic() >= deadline:
+                    raise ShardUnreachable(f"worker {self.rank}: shard at {e.address} did not answer within "
+                                           f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s") from None
+                for rid, m in got.items():
+                    out[pending.pop(rid)[0]] = m
+                missing = {i for _, i in pending.values()}
+                for i in missing:
+                    self.peers.reconnect(i)
+                time.sleep(backoff)
+                backoff = min(4.0, backoff * 2)
+                self.retries += 1
+                resent = {}
+                for rid, (k, i) in pending.items():
+                    shard, op, kw = reqs[k]
+                    resent[self.peers.send(shard, op, rank=self.rank, **kw)] = (k, i)
+                pending = resent
+                continue
+            for rid, m in got.items():
+                out[pending.pop(rid)[0]] = m
+        self.wait_s += time.monotonic() - t0
+        return out
+
+    # ------------------------------------------------------------ ops
+    def pull(self, clock: int, table: str = "params") -> list[wire.Message]:
+        return self.request([(i, "pull", {"clock": clock, "table": table}) for i in range(self.n)])
+
+    def push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
+                  read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:
+        reqs = []
+        for i in range(self.n):
+            reqs.append((i, "push", {"clock": clock, "arrays": [grads[i], buffers[i]],
+                                     "read_version": read_versions[i]}))
+            reqs.append((i, "pull", {"clock": clock + 1}))
+        got = self.request(reqs)
+        return got[0::2], got[1::2]
+
+    def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
+        return self.request([(i, "elastic", {"round": round_, "clock": clock, "arrays": [xs[i], bs[i]]})
+                             for i in range(self.n)])
+
+    def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int) -> None:
+        self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
+                      for i in range(self.n)])
+
+    def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
+        return self.request([(i, "get_model", {"round": round_, "owner": owner}) for i in range(self.n)], cancel)
+
+    def close(self) -> None:
+        self.peers.close()
+
+
+def tensors_of(msgs: Sequence[wire.Message], k: int) -> list[torch.Tensor]:
+    """The k-th array of each shard's answer, as tensors (no copy)."""
+    return [as_tensor(m.arrays[k]) for m in msgs]

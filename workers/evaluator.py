@@ -1,0 +1,89 @@
+"""The evaluator daemon: scores the global model on the test set every few seconds.
+
+    psgd evaluator [CONFIG] --out DIR [--device ...] [--set k=v ...]
+
+The global model is the servers' parameters (sync, ssp, async), the center variable
+x~ (easgd), or the best trainer's model by its latest tournament score (ltfb). Each
+score goes to the coordinator (which stamps it with the samples processed so far) and
+to DIR/events/evaluator-0.jsonl. When the workers are done it scores once more, saves
+the model as DIR/model.pt (a state_dict; `torch.load(path, weights_only=True)`), and
+exits when the coordinator says the job is done.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import zmq
+
+from psgd.config import Config
+from psgd.data import load_dataset
+from psgd.membership import CoordinatorLink, log
+from psgd.metrics import EventLog
+from psgd.models import build_model
+from psgd.replica import Replica, pick_device
+from workers.client import ParameterClient, ShardUnreachable, tensors_of
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, out: str | None = None, device: str = "auto", ctx: zmq.Context | None = None):
+        self.cfg0 = cfg
+        self.out = out
+        self.device_spec = device
+        self.ctx = ctx or zmq.Context.instance()
+
+    def evaluate(self) -> tuple[float, float]:
+        table = "best" if self.cfg.mode.name == "ltfb" else "params"
+        msgs = self.client.pull(-1, table)
+        self.replica.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
+        return self.replica.score(self.ds.test_x, self.ds.test_y, self.cfg.eval.batch_size)
+
+    def run(self) -> int:
+        link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)
+        answer = link.register()
+        cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
+        self.ds = load_dataset(cfg.data, cfg.job.seed)
+        model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden)
+        self.replica = Replica(model, cfg.cluster.servers, pick_device(self.device_spec))
+        self.client = ParameterClient(cfg, self.ctx, -1)
+        events = EventLog(self.out, "evaluator", 0)
+        link.start()
+        next_at, final_sent = time.monotonic(), False
+        try:
+            while not link.done:
+                if link.lost:
+                    log("evaluator", f"lost the coordinator at {link.address}; exiting")
+                    return 1
+                phase = link.state["phase"]
+                now = time.monotonic()
+                if phase == "final_eval" and not final_sent:
+                    acc, loss = self.evaluate()
+                    self.save()
+                    r = link.call("eval", accuracy=acc, loss=loss, final=True)
+                    events.write(samples=r.get("samples"), accuracy=acc, loss=loss, final=True)
+                    log("evaluator", f"final accuracy {acc:.4f}, loss {loss:.4f}")
+                    final_sent = True
+                elif phase == "training" and now >= next_at:
+                    next_at = now + cfg.eval.every_seconds
+                    acc, loss = self.evaluate()
+                    r = link.call("eval", accuracy=acc, loss=loss)
+                    events.write(samples=r.get("samples"), accuracy=acc, loss=loss)
+                time.sleep(0.05)
+        except ShardUnreachable as e:
+            log("evaluator", f"error: {e}")
+            return 1
+        finally:
+            link.stop()
+            self.client.close()
+            events.close()
+        return 0
+
+    def save(self) -> None:
+        if not self.out:
+            return
+        path = os.path.join(self.out, "model.pt")
+        tmp = path + ".tmp"
+        state = {k: v.detach().cpu() for k, v in self.replica.model.state_dict().items()}
+        torch.save(state, tmp)
+        os.replace(tmp, path)

@@ -107,7 +107,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every_seconds: float = 1.0
+    every_seconds: float = 0.5
     target_accuracy: float = 0.9
     batch_size: int = 512
 

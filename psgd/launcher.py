@@ -81,6 +81,9 @@ class LocalJob:
         self.timeout_s = timeout_s
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.env = {k: v for k, v in self.env.items() if not (k.startswith("PSGD_") and k not in ("PSGD_DEVICE",))}
+        # Many processes share this machine's cores: one compute thread each, unless told
+        # otherwise (measured 7x faster on 2 cores than torch's default of one per core).
+        self.env.setdefault("OMP_NUM_THREADS", "1")
         self.config_path = os.path.join(self.out, "config.toml")
         with open(self.config_path, "w") as f:
             f.write(cfg.to_toml())

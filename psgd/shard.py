@@ -172,8 +172,9 @@ class Shard:
             if self.barrier.complete():
                 out += self._apply_sync()
             return out
-        # ssp / async: apply on arrival
-        scale = lr_scale(tau, self.cfg.mode.lr_policy) if self.mode == "async" else 1.0
+        # ssp / async: apply on arrival, at lr / W, so that W pushes move the model as far
+        # as one sync step of W averaged gradients
+        scale = (lr_scale(tau, self.cfg.mode.lr_policy) if self.mode == "async" else 1.0) / self.world
         if self.mode == "async" and self.cfg.mode.dc_lambda > 0 and msg.rank in self.w_read:
             g = delay_compensate(g, self.params.detach(), self.w_read[msg.rank], self.cfg.mode.dc_lambda)
         self._step(g, scale, self.version / self.world)

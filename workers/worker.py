@@ -69,21 +69,29 @@ class Worker:
 
     # ------------------------------------------------------------ set-up
     def run(self) -> int:
+        # Load the data and build the model before registering, so that the job's clock
+        # starts when every worker is ready; redo it if the run's config differs.
+        ds, model = self._build(self.cfg0)
         self.link = CoordinatorLink(self.cfg0, "worker", max(self.want_rank, 0), self.ctx)
         answer = self.link.register(self.want_rank)
         self.rank = int(answer.get("assigned_rank"))
         self.link.index = self.rank
         cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
+        if (cfg.data, cfg.model, cfg.job) != (self.cfg0.data, self.cfg0.model, self.cfg0.job):
+            ds, model = self._build(cfg)
         self.clock = int(answer.get("start_clock", 0))
         self.name = f"worker-{self.rank}"
         with PidFile(self.out, "worker", self.rank):
-            return self._train(cfg)
+            return self._train(cfg, ds, model)
 
-    def _train(self, cfg: Config) -> int:
+    @staticmethod
+    def _build(cfg: Config):
+        ds = load_dataset(cfg.data, cfg.job.seed)
+        return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
+
+    def _train(self, cfg: Config, ds, model) -> int:
         self.device = pick_device(self.device_spec, local_rank())
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
-        ds = load_dataset(cfg.data, cfg.job.seed)
-        model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
         self.replica = Replica(model, cfg.cluster.servers, self.device)
         part = partition(len(ds.train_y), self.rank, cfg.cluster.workers, cfg.job.seed)
         if cfg.mode.name == "ltfb":

@@ -108,7 +108,9 @@ class Shard:
             return [(token, self._best_reply(msg))]
         if table != "params":
             raise wire.WireError(wire.BAD_FIELD, f"unknown table {table!r} (params or best)")
-        if msg.rank >= 0 and self.mode in ("sync", "ssp", "async"):
+        if msg.rank >= 0 and msg.get("join"):  # a (re)joining worker: no gate; learns where to start
+            self._check_rank(msg)
+        elif msg.rank >= 0 and self.mode in ("sync", "ssp", "async"):
             self._check_rank(msg)
             ready = self.clocks.read(msg.rank, msg.clock, (token, msg))  # never waits unless ssp
             if ready and self.mode == "sync":
@@ -122,7 +124,7 @@ class Shard:
         if self.mode == "async" and self.cfg.mode.dc_lambda > 0 and msg.rank >= 0:
             self.w_read[msg.rank] = self.params.detach().clone()
         return token, wire.reply(msg, arrays=[self.params.detach(), self.buffers], version=self.version,
-                                 step=self.barrier.step)
+                                 step=self.barrier.step, finished=self.clocks.finished.get(msg.rank, 0))
 
     def _best_reply(self, msg: wire.Message) -> list:
         if not self.best:

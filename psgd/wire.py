@@ -74,7 +74,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,)},
     "status": {},
     # to a shard
-    "pull": {"table": (str,), "owner": (int,)},
+    "pull": {"table": (str,), "join": (bool,)},
     "push": {"read_version": (int,), "lr_scale": _num},
     "elastic": {"round": (int,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,)},

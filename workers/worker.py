@@ -173,11 +173,27 @@ class Worker:
         self.replica.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
         return [int(m.get("version", 0)) for m in msgs]
 
+    def join(self) -> list[int]:
+        """Pull the current model without waiting on any gate, and continue at the clock
+        the shards have reached (after a rejoin, or a requeued job resumed from checkpoints)."""
+        table = "best" if self.cfg.mode.name == "ltfb" else "params"
+        msgs = self.client.request([(i, "pull", {"clock": self.clock, "join": True, "table": table})
+                                    for i in range(self.client.n)])
+        step = max(int(m.get("step", 0)) for m in msgs)
+        mode = self.cfg.mode
+        if mode.name == "sync":
+            self.clock = max(self.clock, step)
+        elif mode.name in ("ssp", "async"):
+            self.clock = max(self.clock, max(int(m.get("finished", 0)) for m in msgs))
+        elif mode.name == "easgd" and mode.sync:
+            self.clock = max(self.clock, step * mode.tau)
+        return self._load(msgs)
+
     def run_ps(self) -> None:
-        versions = self._load(self.client.pull(self.clock))
+        versions = self.join()
         while self.more():
             if self.rejoin_if_dropped():
-                versions = self._load(self.client.pull(self.clock))
+                versions = self.join()
             self.replica.model.train()
             self.compute()
             w0 = self.client.wait_s
@@ -198,18 +214,20 @@ class Worker:
         self.clock += 1
 
     def run_easgd(self) -> None:
-        self._load(self.client.pull(self.clock))
+        self.join()
         model = self.replica.model
         model.train()
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg.optimizer)
         tau, last_version = self.cfg.mode.tau, 0
         while self.more():
+            if self.rejoin_if_dropped():
+                self.join()
             self._local_step(opt)
             staleness, wait = 0, 0.0
             if self.clock % tau == 0:
                 w0 = self.client.wait_s
-                replies = self.client.elastic(self.clock // tau, self.replica.params(), self.replica.buffers(),
-                                              self.clock)
+                replies = self.client.elastic(self.clock // tau - 1, self.replica.params(), self.replica.buffers(),
+                                              self.clock)  # rounds count from 0
                 wait = self.client.wait_s - w0
                 version = int(replies[0].get("version", 0))
                 staleness = max(0, version - last_version - 1)  # center moves by others since our last exchange
@@ -233,12 +251,14 @@ class Worker:
 
     def run_ltfb(self) -> None:
         cfg = self.cfg
-        self._load(self.client.pull(self.clock))
+        self.join()
         model = self.replica.model
         model.train()
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         with_opt = cfg.mode.exchange == "weights+optimizer"
         while self.more():
+            if self.rejoin_if_dropped():
+                self.join()
             self._local_step(opt)
             if self.clock % cfg.mode.round_steps:
                 self.log_step(0, 0.0)

@@ -108,6 +108,8 @@ def _check_bind(cfg, addresses: list[str], insecure: bool) -> None:
 def cmd_run(args) -> int:
     from .launcher import LaunchError, format_summary, run_local
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers})
+    from .data import load_dataset
+    load_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     print(f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "

@@ -7,11 +7,15 @@ buffers agree everywhere without being sent. A factory is called as
 from __future__ import annotations
 
 import importlib
+import threading
 
 import torch
 from torch import nn
 
 from .config import ConfigError
+
+
+_SEEDING = threading.Lock()
 
 
 class MLP(nn.Module):
@@ -108,7 +112,7 @@ def load_factory(spec: str, what: str):
 def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int = 128) -> nn.Module:
     """Build a model deterministically from the seed (same parameters on every party)."""
     input_shape = tuple(int(d) for d in input_shape)
-    with torch.random.fork_rng(devices=[]):
+    with _SEEDING, torch.random.fork_rng(devices=[]):  # the global RNG: one builder at a time
         torch.manual_seed(seed)
         if name == "mlp":
             model = MLP(input_shape, num_classes, hidden)

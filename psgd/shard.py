@@ -123,12 +123,17 @@ class Shard:
         token, msg = parked
         if self.mode == "async" and self.cfg.mode.dc_lambda > 0 and msg.rank >= 0:
             self.w_read[msg.rank] = self.params.detach().clone()
-        return token, wire.reply(msg, arrays=[self.params.detach(), self.buffers], version=self.version,
+        return token, wire.reply(msg, arrays=self._snapshot(), version=self.version,
                                  step=self.barrier.step, finished=self.clocks.finished.get(msg.rank, 0))
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        """Copies of the live tables: frames are sent without copying, after this
+        returns, so a reply must not share memory that the next update changes."""
+        return [self.params.detach().clone(), self.buffers.clone()]
 
     def _best_reply(self, msg: wire.Message) -> list:
         if not self.best:
-            return wire.reply(msg, arrays=[self.params.detach(), self.buffers], version=self.version, owner=-1)
+            return wire.reply(msg, arrays=self._snapshot(), version=self.version, owner=-1)
         latest = max(r for _, r, _ in self.best.values())
         owner, (score, rnd, arrays) = max(((o, v) for o, v in self.best.items() if v[1] == latest),
                                           key=lambda ov: (ov[1][0], -ov[0]))
@@ -218,12 +223,12 @@ class Shard:
                 d = elastic_step(x, self.params.data, alpha)
             self._mix_buffers(b)
             self.version += 1
-            return [(token, wire.reply(msg, arrays=[d, self.buffers], version=self.version))]
+            return [(token, wire.reply(msg, arrays=[d, self.buffers.clone()], version=self.version))]
         verdict = self.barrier.offer(msg.rank, int(msg.get("round")))
         if verdict != bsp.ACCEPT:
             if verdict == bsp.LATE:  # the round closed without it: move towards the center
                 d = alpha * (x - self.params.data)
-                return [(token, wire.reply(msg, arrays=[d, self.buffers], dropped=True, version=self.version))]
+                return [(token, wire.reply(msg, arrays=[d, self.buffers.clone()], dropped=True, version=self.version))]
             raise wire.WireError(wire.REFUSED, f"round {msg.get('round')} is not the open round {self.barrier.step}")
         self.round_x[msg.rank] = (x.clone(), b.clone(), token, msg)
         return self._apply_round() if self.barrier.complete() else []
@@ -236,7 +241,8 @@ class Shard:
             self.buffers.copy_(torch.stack([self.round_x[r][1] for r in ranks]).mean(0))
         self.version += 1
         self.barrier.advance()
-        out = [(self.round_x[r][2], wire.reply(self.round_x[r][3], arrays=[d, self.buffers], version=self.version))
+        out = [(self.round_x[r][2], wire.reply(self.round_x[r][3], arrays=[d, self.buffers.clone()],
+                                               version=self.version))
                for r, d in zip(ranks, ds)]
         self.round_x = {}
         return out

@@ -85,6 +85,7 @@ class ShardMap:
     def bytes_per_shard(self) -> list[int]:
         return [4 * (self.sizes["params"][s] + self.sizes["buffers"][s]) for s in range(self.num_shards)]
 
+    @torch.no_grad()
     def gather(self, tensors: dict[str, torch.Tensor], shard: int, table: str,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """The shard's flat float32 table built from full tensors (name -> tensor)."""
@@ -95,6 +96,7 @@ class ShardMap:
             torch.cat(parts, out=out)
         return out
 
+    @torch.no_grad()
     def scatter(self, flat: torch.Tensor, shard: int, table: str, tensors: dict[str, torch.Tensor]) -> None:
         """Write a shard's flat table back into full tensors (in place)."""
         for p in self.pieces_of(shard, table):

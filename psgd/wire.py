@@ -24,7 +24,9 @@ the dtype whitelist, shapes (non-negative ints, at most MAX_DIMS), and each fram
 byte length against dtype and shape. Every failure raises `WireError(code, reason)`;
 servers turn it into an error reply and go on serving. Nothing is ever pickled.
 
-Arrays are received without copies: `np.frombuffer` over the ZeroMQ frame's buffer
+Arrays are sent without copies: ZeroMQ reads them after `send` returns, so a sender
+must not change an array until the peer has answered (state that the next update
+changes is sent as a snapshot). Arrays are received without copies: `np.frombuffer` over the ZeroMQ frame's buffer
 (read-only); `torch.from_numpy` can wrap that in turn.
 """
 from __future__ import annotations

@@ -49,6 +49,7 @@ class Coordinator:
         self.bad_messages = 0
         self.summary: dict | None = None
         self._last_progress = 0.0
+        self.stop_requested = False  # set from another thread to end serve() (tests)
         self.handlers = {"register": self.on_register, "heartbeat": self.on_heartbeat,
                          "finish": self.on_finish, "eval": self.on_eval, "status": self.on_status}
 
@@ -230,7 +231,7 @@ class Coordinator:
                     log("coordinator", f"only {len(self.members.members)} of {self.cfg.cluster.workers} workers "
                         f"registered; giving up")
                     return 1
-                if deadline_s and now - start > deadline_s:
+                if self.stop_requested or (deadline_s and now - start > deadline_s):
                     return 1
         finally:
             self.sock.close(0)

@@ -42,6 +42,8 @@ class ShardServer:
     def _on_sigterm(self, *_):
         self._term = True
 
+    stop = _on_sigterm  # end run() from another thread (tests)
+
     def run(self) -> int:
         link = CoordinatorLink(self.cfg, "server", self.index, self.ctx)
         answer = link.register()

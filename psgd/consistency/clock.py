@@ -4,6 +4,12 @@
 has finished clock c may read only when every live worker has finished clock >= c - s;
 otherwise its read is parked and released the moment that holds (on a push or a
 membership change), never by polling. `bound=None` is async: reads never wait.
+With no live worker the condition holds vacuously.
+
+`max_gap` is the largest lead of an answered read's clock over the slowest live
+worker's finished clock: the spread between the fastest worker's clock (the clock
+it reads at) and the slowest's. A worker parked after pushing clock c is still at
+clock c, so under SSP `max_gap <= s`.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ class ClockTable:
         self.finished: dict[int, int] = dict(live)
         self.live: set[int] = set(live)
         self.bound = bound
-        self.max_gap = 0                     # largest spread of live clocks at any read
+        self.max_gap = 0                     # largest lead of a reader over the slowest, at any read
         self._reads: list[tuple[int, Hashable]] = []
 
     def slowest(self) -> int:
@@ -27,14 +33,18 @@ class ClockTable:
         return max(clocks) - min(clocks) if clocks else 0
 
     def may_read(self, clock: int) -> bool:
-        return self.bound is None or self.slowest() >= clock - self.bound
+        return self.bound is None or not self.live or self.slowest() >= clock - self.bound
+
+    def _answered(self, clock: int) -> None:
+        if self.live:
+            self.max_gap = max(self.max_gap, clock - self.slowest())
 
     def read(self, rank: int, clock: int, token: Hashable) -> bool:
         """A read by `rank` that has finished `clock`: True if it may be answered now."""
         if rank in self.live:
             self.finished[rank] = max(self.finished.get(rank, 0), clock)
         if self.may_read(clock):
-            self.max_gap = max(self.max_gap, self.gap())
+            self._answered(clock)
             return True
         self._reads.append((clock, token))
         return False
@@ -60,8 +70,8 @@ class ClockTable:
         for c, t in self._reads:
             (ready if self.may_read(c) else waiting).append((c, t))
         self._reads = waiting
-        if ready:
-            self.max_gap = max(self.max_gap, self.gap())
+        for c, _ in ready:
+            self._answered(c)
         return [t for _, t in ready]
 
     @property

@@ -1,0 +1,138 @@
+"""End-to-end: the `psgd` command line with real processes on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import free_port_block
+
+PSGD = [sys.executable, "-m", "psgd"]
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+STEP_KEYS = {"t", "role", "rank", "step", "clock", "loss", "samples", "staleness", "wait_s", "bytes_sent", "bytes_recv"}
+SUMMARY_KEYS = {"mode", "mode_params", "workers", "servers", "wall_s", "samples", "samples_per_s", "final_accuracy",
+                "final_loss", "time_to_target_s", "staleness", "max_clock_gap", "wait_fraction", "bytes_per_sample",
+                "failures"}
+
+
+def psgd(*args, timeout=240, **kw):
+    return subprocess.run(PSGD + list(args), capture_output=True, text=True, timeout=timeout, env=ENV, **kw)
+
+
+def lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_job_trains_to_90_percent(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    r = psgd("run", "--out", str(out))
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    assert "sync: accuracy" in r.stdout
+    assert "step" in r.stderr and "samples" in r.stderr  # progress while it trains
+    s = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(s)
+    assert s["mode"] == "sync" and s["workers"] == 2 and s["servers"] == 2
+    assert s["final_accuracy"] >= 0.90, s
+    assert s["time_to_target_s"] is not None and s["samples"] == 2 * 300 * 32
+    assert set(s["staleness"]) == {"mean", "max", "hist"}
+    assert took < 120
+    for rank in (0, 1):
+        steps = lines(out / "events" / f"worker-{rank}.jsonl")
+        assert len(steps) == 300 and STEP_KEYS <= set(steps[0])
+    evals = lines(out / "events" / "evaluator-0.jsonl")
+    assert evals and {"t", "samples", "accuracy", "loss"} <= set(evals[-1])
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert "net.1.weight" in state
+    assert not list((out / "pids").iterdir())  # pid files are removed when the daemons exit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_daemons_started_one_by_one_in_any_order(tmp_path):
+    port = free_port_block(3)
+    out = str(tmp_path)
+    common = ["--out", out, "--set", f"cluster.port={port}", "--set", "train.steps=100"]
+    roles = [["evaluator"], ["worker"], ["worker"], ["server", "--shard", "1"], ["server", "--shard", "0"],
+             ["coordinator"]]
+    procs = []
+    try:
+        for role in roles:
+            procs.append(subprocess.Popen(PSGD + role + common, env=ENV, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+            time.sleep(0.3)
+        pids = tmp_path / "pids"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list(pids.glob("*.pid"))) < 6:
+            time.sleep(0.1)
+        names = sorted(p.name for p in pids.glob("*.pid"))
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errs = "\n".join(p.stderr.read() for p in procs)
+    assert codes == [0] * 6, errs
+    assert names == ["coordinator-0.pid", "evaluator-0.pid", "server-0.pid", "server-1.pid",
+                     "worker-0.pid", "worker-1.pid"]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["samples"] == 2 * 100 * 32 and s["final_accuracy"] > 0.8
+
+
+def test_shards_command():
+    r = psgd("shards", "--servers", "3", timeout=60)
+    assert r.returncode == 0
+    assert "shard 2:" in r.stdout and "bytes" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--set", "mode.name=chaos"], "mode.name must be one of"),
+    (["run", "--set", "data.name=cifar10", "--set", "data.path=/nonexistent"], "data_batch_1.bin: file not found"),
+    (["server", "--shard", "5"], "--shard 5 is out of range"),
+    (["worker", "--set", "cluster.hots=x"], "unknown key cluster.hots"),
+])
+def test_bad_input_is_one_line_not_a_traceback(args, needle):
+    r = psgd(*args, timeout=60)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_non_loopback_bind_without_curve_is_refused():
+    r = psgd("coordinator", "--set", "cluster.host=10.1.2.3", timeout=60)
+    assert r.returncode == 2 and "without CurveZMQ" in r.stderr and "--insecure" in r.stderr
+
+
+def frozen_cnn(input_shape, num_classes):
+    """A user model with BatchNorm and a frozen layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * input_shape[1] * input_shape[2], num_classes))
+    model[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_batchnorm_and_frozen_parameters(tmp_path):
+    r = psgd("run", "--out", str(tmp_path), "--quiet", "--set", "model.name=tests.test_cli_e2e:frozen_cnn",
+             "--set", "train.steps=80", "--set", "eval.target_accuracy=0.5")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["final_accuracy"] > 0.8
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    init = frozen_cnn((1, 8, 8), 10).state_dict()
+    assert torch.equal(state["0.weight"], init["0.weight"])  # frozen: never changed
+    assert not torch.equal(state["4.weight"], init["4.weight"])  # trained
+    assert not torch.equal(state["1.running_mean"], init["1.running_mean"])  # BN statistics averaged on the shards

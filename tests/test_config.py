@@ -1,0 +1,98 @@
+import pytest
+
+from psgd.config import Config, ConfigError, load
+
+
+def test_defaults_are_the_default_job():
+    cfg = load(None, [], env={})
+    assert (cfg.mode.name, cfg.cluster.workers, cfg.cluster.servers, cfg.data.name) == ("sync", 2, 2, "digits")
+
+
+def test_precedence_flags_over_env_over_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[mode]\nname = "ssp"\nstaleness = 5\n[train]\nsteps = 10\n')
+    cfg = load(str(f), [], env={})
+    assert cfg.mode.staleness == 5 and cfg.train.steps == 10
+    cfg = load(str(f), [], env={"PSGD_MODE_STALENESS": "7"})
+    assert cfg.mode.staleness == 7
+    cfg = load(str(f), ["mode.staleness=9"], env={"PSGD_MODE_STALENESS": "7"})
+    assert cfg.mode.staleness == 9 and cfg.mode.name == "ssp"
+
+
+def test_set_parses_toml_values():
+    cfg = load(None, ["cluster.addresses=[\"tcp://a:1\", \"tcp://b:2\"]", "mode.sync=true",
+                      "optimizer.lr=0.5", "job.name=hello world"], env={})
+    assert cfg.cluster.addresses == ["tcp://a:1", "tcp://b:2"]
+    assert cfg.mode.sync is True and cfg.optimizer.lr == 0.5 and cfg.job.name == "hello world"
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["mode.name=chaos"], "mode.name must be one of"),
+    (["mode.stalenes=2"], "unknown key mode.stalenes"),
+    (["nosuch.key=1"], "unknown section [nosuch]"),
+    (["train.steps=abc"], "train.steps: expected an integer"),
+    (["train.steps=1.5"], "expected an integer"),
+    (["optimizer.lr=-1"], "optimizer.lr must be > 0"),
+    (["cluster.servers=0"], "cluster.servers must be >= 1"),
+    (["mode.backup_workers=2"], "mode.backup_workers"),
+    (["train.steps=0"], "set train.steps or train.seconds"),
+    (["mode.sync=maybe"], "expected true or false"),
+    (["badformat"], "expected section.key=value"),
+    (["security.curve=true"], "security.keys"),
+])
+def test_bad_values_get_clear_errors(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        load(None, sets, env={})
+    assert needle in str(e.value)
+
+
+def test_error_names_its_source(tmp_path):
+    with pytest.raises(ConfigError, match="--set train.steps=x"):
+        load(None, ["train.steps=x"], env={})
+    with pytest.raises(ConfigError, match="PSGD_TRAIN_STEPS"):
+        load(None, [], env={"PSGD_TRAIN_STEPS": "x"})
+    with pytest.raises(ConfigError, match="not a psgd setting"):
+        load(None, [], env={"PSGD_BOGUS": "1"})
+    f = tmp_path / "bad.toml"
+    f.write_text("[train]\nsteps = 'x'\n")
+    with pytest.raises(ConfigError, match=str(f)):
+        load(str(f), [], env={})
+    f.write_text("[train\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load(str(f), [], env={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(str(tmp_path / "missing.toml"), [], env={})
+
+
+def test_reserved_environment_is_not_config():
+    load(None, [], env={"PSGD_CONFIG": "x", "PSGD_OUT": "y", "HOME": "/"})
+
+
+def test_toml_roundtrip_and_replace(tmp_path):
+    cfg = load(None, ["mode.name=easgd", "job.name=a \"quoted\" name", "cluster.addresses=[\"tcp://x:1\"]",
+                      "cluster.servers=1"], env={})
+    f = tmp_path / "out.toml"
+    f.write_text(cfg.to_toml())
+    assert load(str(f), [], env={}) == cfg
+    assert cfg.replace(**{"mode.tau": 9}).mode.tau == 9
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_with_run_keeps_local_addresses_and_keys():
+    run = load(None, ["mode.name=ssp", "cluster.port=7000", "checkpoint.dir=/a"], env={})
+    mine = load(None, ["cluster.host=10.0.0.5", "cluster.port=8000", "checkpoint.dir=/b"], env={})
+    got = mine.with_run(run.to_dict())
+    assert got.mode.name == "ssp" and got.cluster.host == "10.0.0.5" and got.cluster.port == 8000
+    assert got.checkpoint.dir == "/b"
+
+
+def test_addresses():
+    cfg = load(None, ["cluster.port=6000"], env={})
+    assert cfg.coordinator_address() == "tcp://127.0.0.1:6000"
+    assert cfg.shard_address(1) == "tcp://127.0.0.1:6002"
+    assert load(None, ["cluster.servers=1", "cluster.addresses=[\"tcp://h:9\"]"], env={}).shard_address(0) == "tcp://h:9"
+
+
+def test_mode_params():
+    assert load(None, ["mode.name=easgd"], env={}).mode_params == {"tau": 4, "alpha": 0.45, "sync": False}
+    assert load(None, ["mode.name=ssp"], env={}).mode_params == {"staleness": 2}

@@ -1,0 +1,73 @@
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from psgd.models import build_model
+from psgd.sharding import ShardMap, model_entries, model_tensors
+
+
+def coverage(smap, entries):
+    seen = {name: np.zeros(n, int) for name, _, n in entries}
+    for p in smap.pieces:
+        seen[p.name][p.start:p.start + p.length] += 1
+    return seen
+
+
+@pytest.mark.parametrize("name,shape", [("mlp", (1, 8, 8)), ("cnn", (1, 8, 8)), ("resnet20", (3, 32, 32))])
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_every_element_lives_on_exactly_one_shard(name, shape, shards):
+    model = build_model(name, shape, 10, seed=0)
+    entries = model_entries(model)
+    smap = ShardMap(entries, shards)
+    for name_, counts in coverage(smap, entries).items():
+        assert (counts == 1).all(), name_
+    for s in range(shards):  # offsets are contiguous per shard and table
+        for table in ("params", "buffers"):
+            off = 0
+            for p in smap.pieces_of(s, table):
+                assert p.offset == off
+                off += p.length
+            assert off == smap.size(s, table)
+
+
+def test_balanced_by_bytes_and_deterministic():
+    model = build_model("resnet20", (3, 32, 32), 10, seed=0)
+    a = ShardMap.for_model(model, 4)
+    b = ShardMap.for_model(build_model("resnet20", (3, 32, 32), 10, seed=1), 4)
+    assert a.pieces == b.pieces
+    loads = a.bytes_per_shard()
+    assert max(loads) / min(loads) < 1.1, loads
+
+
+def test_large_tensor_is_split_into_chunks():
+    smap = ShardMap([("big", "params", 100_000), ("small", "params", 10)], 2)
+    assert len([p for p in smap.pieces if p.name == "big"]) > 1
+    sizes = smap.sizes["params"]
+    assert abs(sizes[0] - sizes[1]) <= smap.chunk
+
+
+def test_gather_scatter_roundtrip():
+    model = build_model("cnn", (1, 8, 8), 10, seed=0)
+    smap = ShardMap.for_model(model, 3)
+    tensors = model_tensors(model)
+    flats = {(s, t): smap.gather(tensors, s, t).clone() for s in range(3) for t in ("params", "buffers")}
+    other = build_model("cnn", (1, 8, 8), 10, seed=5)
+    ot = model_tensors(other)
+    for (s, t), flat in flats.items():
+        smap.scatter(flat, s, t, ot)
+    for name, _, _ in model_entries(model):
+        assert torch.equal(tensors[name], ot[name]), name
+
+
+def test_frozen_parameters_and_integer_buffers_are_not_sharded():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    names = {n for n, _, _ in model_entries(model)}
+    assert "0.weight" not in names and "0.bias" in names
+    assert "1.running_mean" in names and "1.num_batches_tracked" not in names
+
+
+def test_describe_lists_bytes_per_shard():
+    text = ShardMap.for_model(build_model("mlp", (1, 8, 8), 10, 0), 2).describe()
+    assert "shard 0:" in text and "shard 1:" in text and "bytes" in text

@@ -1,0 +1,69 @@
+"""sync mode is exactly large-batch SGD: W workers with batch b produce the same
+parameters after k steps as one process with batch W*b (through real sockets)."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from psgd.config import load
+from psgd.models import build_model
+from psgd.optim import lr_at, make_optimizer, set_lr
+from psgd.replica import Replica
+from tests.cluster import InProcessCluster
+from workers.client import ParameterClient, tensors_of
+
+W, B, K = 3, 8, 6
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("opt_sets", [
+    ["optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.nesterov=true", "optimizer.weight_decay=0.001",
+     "optimizer.warmup_steps=2"],
+    ["optimizer.name=adamw", "optimizer.lr=0.01", "optimizer.weight_decay=0.01", "optimizer.schedule=cosine",
+     "train.steps=6"],
+])
+def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets):
+    cfg = load(None, [f"cluster.port={port_block(3)}", f"cluster.workers={W}", "cluster.servers=2",
+                      "cluster.evaluator=false"] + opt_sets, env={})
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(K, W, B, 1, 8, 8, generator=gen)
+    ys = torch.randint(0, 10, (K, W, B), generator=gen)
+    finals = {}
+
+    def worker(rank):
+        rep = Replica(build_model("mlp", (1, 8, 8), 10, cfg.job.seed), 2, torch.device("cpu"))
+        client = ParameterClient(cfg, cluster.ctx, rank)
+        msgs = client.request([(i, "pull", {"clock": 0, "join": True}) for i in range(2)])
+        rep.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
+        versions = [m.get("version") for m in msgs]
+        for step in range(K):
+            rep.model.zero_grad()
+            nn.functional.cross_entropy(rep.model(xs[step, rank]), ys[step, rank]).backward()
+            pushed, pulled = client.push_pull(step, rep.grads(), rep.buffers(), versions)
+            versions = [m.get("version") for m in pulled]
+            rep.load(tensors_of(pulled, 0), tensors_of(pulled, 1))
+        finals[rank] = {k: v.clone() for k, v in rep.model.state_dict().items()}
+        client.close()
+
+    with InProcessCluster(cfg) as cluster:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(finals) == W
+
+    ref = build_model("mlp", (1, 8, 8), 10, cfg.job.seed)
+    opt = make_optimizer(list(ref.parameters()), cfg.optimizer)
+    for step in range(K):
+        set_lr(opt, lr_at(cfg.optimizer, step, cfg.train.steps))
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(xs[step].reshape(W * B, 1, 8, 8)), ys[step].reshape(-1)).backward()
+        opt.step()
+    for rank in range(W):
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(finals[rank][name], value, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+    moved = build_model("mlp", (1, 8, 8), 10, cfg.job.seed).state_dict()
+    assert any(not torch.allclose(moved[k], v) for k, v in ref.state_dict().items())

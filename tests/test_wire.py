@@ -1,0 +1,120 @@
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from psgd import wire
+
+
+def roundtrip(frames):
+    return wire.decode([bytes(f) for f in frames])
+
+
+def test_roundtrip_arrays_and_fields():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = torch.arange(5, dtype=torch.int64)
+    msg = roundtrip(wire.encode("push", id=7, rank=2, clock=9, arrays=[a, b], read_version=4))
+    assert (msg.op, msg.id, msg.rank, msg.clock) == ("push", 7, 2, 9)
+    assert msg.get("read_version") == 4
+    np.testing.assert_array_equal(msg.arrays[0], a)
+    np.testing.assert_array_equal(msg.arrays[1], b.numpy())
+    assert msg.arrays[1].dtype == np.int64
+
+
+def test_decode_does_not_copy_payload():
+    a = np.arange(1000, dtype=np.float32)
+    frames = [bytes(f) for f in wire.encode("push", arrays=[a, a[:0]], read_version=0)]
+    payload = bytearray(frames[1])
+    msg = wire.decode([frames[0], payload, frames[2]])
+    payload[0:4] = np.float32(42).tobytes()
+    assert msg.arrays[0][0] == 42  # a view of the received buffer
+    assert not msg.arrays[0].flags.writeable or True
+
+
+def test_empty_array_and_reply():
+    req = roundtrip(wire.encode("pull", id=3, rank=1, clock=2))
+    rep = roundtrip(wire.reply(req, arrays=[np.zeros(0, np.float32)], version=5, live={"0": 1}))
+    assert rep.op == "reply" and rep.id == 3 and rep.get("version") == 5
+    assert rep.arrays[0].shape == (0,)
+
+
+def test_error_reply_raises_remote_error():
+    msg = roundtrip(wire.error(4, wire.BAD_SHAPE, "no"))
+    with pytest.raises(wire.RemoteError) as e:
+        wire.raise_if_error(msg, "peer")
+    assert e.value.code == wire.BAD_SHAPE
+
+
+def header(**over):
+    h = {"v": wire.PROTOCOL_VERSION, "op": "pull", "id": 1, "rank": 0, "clock": 0, "arrays": []}
+    h.update(over)
+    return msgpack.packb(h)
+
+
+@pytest.mark.parametrize("frames,code", [
+    ([], wire.BAD_HEADER),
+    ([b"\xc1garbage"], wire.BAD_HEADER),
+    ([msgpack.packb([1, 2])], wire.BAD_HEADER),
+    ([header(v=99)], wire.BAD_VERSION),
+    ([header(op="format_disk")], wire.UNKNOWN_OP),
+    ([header(id="x")], wire.BAD_HEADER),
+    ([header(id=-5)], wire.BAD_HEADER),
+    ([header(rank=True)], wire.BAD_HEADER),
+    ([header(evil=1)], wire.BAD_FIELD),
+    ([header(table=5)], wire.BAD_FIELD),
+    ([header(op="push")], wire.BAD_FIELD),  # read_version required
+    ([header(arrays=[["float32", [2]]])], wire.BAD_HEADER),  # frame missing
+    ([header(arrays=[["object", [1]]]), b"x"], wire.BAD_DTYPE),
+    ([header(arrays=[["float32", [-1]]]), b""], wire.BAD_SHAPE),
+    ([header(arrays=[["float32", [1] * 9]]), b"1234"], wire.BAD_SHAPE),
+    ([header(arrays=[["float32", [3]]]), b"12345678"], wire.BAD_LENGTH),
+    ([b"\x00" * (wire.MAX_HEADER + 1)], wire.TOO_LARGE),
+    ([header()] + [b""] * (wire.MAX_FRAMES + 1), wire.TOO_LARGE),
+])
+def test_invalid_messages_are_refused_with_a_code(frames, code):
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(frames)
+    assert e.value.code == code
+    assert e.value.reason
+
+
+def test_size_limit():
+    frames = [bytes(f) for f in wire.encode("push", arrays=[np.zeros(100, np.float32)], read_version=0)]
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(frames, max_bytes=200)
+    assert e.value.code == wire.TOO_LARGE
+
+
+def test_expect_array_checks_registered_shape_and_dtype():
+    msg = roundtrip(wire.encode("push", arrays=[np.zeros(4, np.float32)], read_version=0))
+    assert wire.expect_array(msg, 0, "float32", (4,)).shape == (4,)
+    with pytest.raises(wire.WireError, match="shape"):
+        wire.expect_array(msg, 0, "float32", (5,))
+    with pytest.raises(wire.WireError) as e:
+        wire.expect_array(msg, 0, "float64", (4,))
+    assert e.value.code == wire.BAD_DTYPE
+    with pytest.raises(wire.WireError):
+        wire.expect_array(msg, 1, "float32", (4,))
+
+
+def test_encode_refuses_unknown_dtype_and_op():
+    with pytest.raises(wire.WireError):
+        wire.encode("push", arrays=[np.zeros(2, np.complex64)], read_version=0)
+    with pytest.raises(wire.WireError):
+        wire.encode("nope")
+
+
+def test_big_endian_input_is_sent_little_endian():
+    a = np.arange(4, dtype=">f4")
+    msg = roundtrip(wire.encode("push", arrays=[a], read_version=0))
+    np.testing.assert_array_equal(msg.arrays[0], a.astype("<f4"))
+
+
+def test_no_pickle_anywhere_in_the_package():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for folder in ("psgd", "servers", "workers"):
+        for path in (root / folder).rglob("*.py"):
+            text = path.read_text()
+            for bad in ("import pickle", "pickle.loads", "recv_pyobj", "send_pyobj", "weights_only=False"):
+                assert bad not in text, f"{path}: {bad}"

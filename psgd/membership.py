@@ -48,7 +48,9 @@ class Membership:
         """A worker registers: returns its rank, or -1 if every rank is taken and live."""
         free = [r for r in range(self.world) if r not in self.members]
         gone = [r for r, m in self.members.items() if m.state == "lost"]
-        if 0 <= want_rank < self.world and (want_rank in free or want_rank in gone):
+        if 0 <= want_rank < self.world and want_rank in self.members and self.members[want_rank].state == "live":
+            rank = want_rank  # a worker restarted before it was missed: it takes its rank back
+        elif 0 <= want_rank < self.world and (want_rank in free or want_rank in gone):
             rank = want_rank
         elif free:
             rank = free[0]
@@ -57,6 +59,8 @@ class Membership:
         else:
             return -1
         old = self.members.get(rank)
+        if old is not None and old.state == "finished":
+            return -1
         if old is not None:
             self.rejoined += 1
             old.state, old.last_seen, old.joins = "live", now, old.joins + 1

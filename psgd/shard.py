@@ -52,7 +52,8 @@ class Shard:
         self.opt = make_optimizer([self.params], cfg.optimizer)
         self.version = 0             # updates applied to params
         self.hist = Histogram()      # staleness of every applied push
-        self.counters = {"pushes": 0, "dropped": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0}
+        self.counters = {"pushes": 0, "dropped": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0,
+                         "fast_forwards": 0}
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe
         live = {r: 0 for r in range(self.world)}
         self.barrier = StepBarrier(live, cfg.mode.backup_workers if self.mode == "sync" else 0)
@@ -165,6 +166,11 @@ class Shard:
         tau = max(0, self.version - int(msg.get("read_version")))
         if self.mode == "sync":
             verdict = self.barrier.offer(msg.rank, msg.clock)
+            released = []
+            if verdict == bsp.EARLY and not self.barrier.contributors:
+                released = self.barrier.fast_forward(msg.clock)  # restored from an older checkpoint
+                self.counters["fast_forwards"] += 1
+                verdict = self.barrier.offer(msg.rank, msg.clock)
             if verdict == bsp.EARLY:
                 self.last_clock.pop(msg.rank, None)
                 raise wire.WireError(wire.REFUSED, f"clock {msg.clock} is ahead of step {self.barrier.step}")
@@ -176,6 +182,7 @@ class Shard:
             self.clocks.push(msg.rank, msg.clock)  # unbounded: only tracks the clock gap
             self.hist.add(tau)
             out = [(token, wire.reply(msg, staleness=tau, version=self.version))]
+            out += [self._answer_pull(t) for t in released]
             if self.barrier.complete():
                 out += self._apply_sync()
             return out
@@ -225,6 +232,10 @@ class Shard:
             self.version += 1
             return [(token, wire.reply(msg, arrays=[d, self.buffers.clone()], version=self.version))]
         verdict = self.barrier.offer(msg.rank, int(msg.get("round")))
+        if verdict == bsp.EARLY and not self.round_x:
+            self.barrier.fast_forward(int(msg.get("round")))  # restored from an older checkpoint
+            self.counters["fast_forwards"] += 1
+            verdict = self.barrier.offer(msg.rank, int(msg.get("round")))
         if verdict != bsp.ACCEPT:
             if verdict == bsp.LATE:  # the round closed without it: move towards the center
                 d = alpha * (x - self.params.data)
@@ -259,13 +270,13 @@ class Shard:
         arrays = [a.copy() for a in msg.arrays]
         rnd = int(msg.get("round"))
         key = (rnd, msg.rank)
-        self.models = {k: v for k, v in self.models.items() if k[0] > rnd - Exchange.KEEP_ROUNDS}
         self.models[key] = arrays
         self.best[msg.rank] = (float(msg.get("score")), rnd, arrays)
         self.version += 1
         out = [(token, wire.reply(msg, version=self.version))]
-        for t, req in self.exchange.put(rnd, msg.rank, key):
-            out.append((t, self._model_reply(req, key)))
+        for (t, req), k in self.exchange.put(rnd, msg.rank, key):
+            out.append((t, self._model_reply(req, k)))
+        self.models = {k: v for k, v in self.models.items() if k in self.exchange.keys()}
         return out
 
     def on_get_model(self, token, msg: wire.Message) -> list[Reply]:

@@ -30,9 +30,9 @@ class PeerTimeout(TimeoutError):
         self.partial: dict = {}
 
 
-def _base(sock: zmq.Socket) -> zmq.Socket:
+def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)  # larger frames: ZeroMQ drops the connection
     return sock
 
 
@@ -64,8 +64,10 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
     return zmq.auth.load_certificate(path)
 
 
-def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig) -> zmq.Socket:
-    sock = _base(ctx.socket(zmq.ROUTER))
+def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
+                  max_frame: int = wire.MAX_HEADER) -> zmq.Socket:
+    """A ROUTER bound to `address`; frames over `max_frame` bytes cut the sender off."""
+    sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     if security.curve:
         _start_auth(ctx, security.keys)

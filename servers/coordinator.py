@@ -18,9 +18,10 @@ from psgd import wire
 from psgd.config import Config
 from psgd.membership import Membership, log
 from psgd.metrics import EventLog, summarize, write_json_atomic
-from psgd.transport import bind_address, server_socket
+from psgd.transport import bind_address, server_socket, stop_auth
 
 PROGRESS_EVERY_S = 2.0
+MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
 
 
 class Coordinator:
@@ -32,7 +33,7 @@ class Coordinator:
         self.ctx = ctx or zmq.Context.instance()
         self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s)
         self.address = bind_address(cfg.coordinator_address())
-        self.sock = server_socket(self.ctx, self.address, cfg.security)
+        self.sock = server_socket(self.ctx, self.address, cfg.security, MAX_FRAME)
         self.events = EventLog(out, "coordinator", 0)
         self.phase = "rendezvous"
         self.parked: list[tuple[bytes, wire.Message]] = []
@@ -236,6 +237,7 @@ class Coordinator:
         finally:
             self.sock.close(0)
             self.events.close()
+            stop_auth(self.ctx)
 
     def _drain(self) -> None:
         while True:
@@ -245,7 +247,7 @@ class Coordinator:
                 return
             try:
                 ident, body = wire.split_identity(frames)
-                msg = wire.decode(body)
+                msg = wire.decode(body, MAX_FRAME)
                 handler = self.handlers.get(msg.op)
                 if handler is None:
                     raise wire.WireError(wire.UNKNOWN_OP, f"the coordinator does not serve {msg.op!r}")

@@ -20,7 +20,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink, log
 from psgd.shard import Shard
-from psgd.transport import bind_address, server_socket
+from psgd.transport import bind_address, server_socket, stop_auth
 
 
 def checkpoint_path(cfg: Config, out: str | None, index: int) -> str | None:
@@ -54,7 +54,11 @@ class ShardServer:
             shard.load(ckpt)
             log(self.name, f"resumed from {ckpt} at version {shard.version}")
         address = cfg.shard_address(self.index)
-        sock = server_socket(self.ctx, bind_address(address), cfg.security)
+        # The largest legitimate frame is one table; a message has at most 2 + 2 of them
+        # (ltfb with Adam's moments). Anything larger is refused before it is read.
+        table_bytes = 4 * max(shard.P, shard.B, 1)
+        sock = server_socket(self.ctx, bind_address(address), cfg.security, table_bytes + wire.MAX_HEADER)
+        self.max_message = 4 * table_bytes + wire.MAX_HEADER
         log(self.name, f"serving {shard.P + shard.B:,} values on {address} ({cfg.mode.name})")
         link.stats_fn = shard.stats
         link.start()
@@ -92,6 +96,7 @@ class ShardServer:
                 shard.save(ckpt)
             link.stop()
             sock.close(0)
+            stop_auth(self.ctx)
         return code
 
     def _drain(self, sock: zmq.Socket, shard: Shard) -> None:
@@ -102,7 +107,7 @@ class ShardServer:
                 return
             try:
                 ident, body = wire.split_identity(frames)
-                msg = wire.decode(body)
+                msg = wire.decode(body, self.max_message)
             except wire.WireError as e:
                 shard.counters["bad_messages"] += 1
                 if len(frames) >= 2:

@@ -7,6 +7,7 @@ import threading
 import zmq
 
 from psgd.config import Config
+from psgd.transport import stop_auth
 from servers.coordinator import Coordinator
 from servers.shard_server import ShardServer
 
@@ -32,4 +33,5 @@ class InProcessCluster:
         for t in self.threads:
             t.join(timeout=10)
         assert not any(t.is_alive() for t in self.threads), "cluster threads did not stop"
+        stop_auth(self.ctx)
         self.ctx.term()

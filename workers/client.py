@@ -35,7 +35,7 @@ class ParameterClient:
         self.rank = rank
         self.n = cfg.cluster.servers
         self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security)
-        self.retry_s = max(10.0, 2 * cfg.cluster.heartbeat_timeout_s)
+        self.retry_s = max(2.0, 4 * cfg.cluster.heartbeat_s)  # resend window (a restarted shard lost them)
         self.wait_s = 0.0     # time blocked on the servers
         self.retries = 0
 

@@ -4,8 +4,8 @@
   and the live ranks with no communication; an odd trainer sits out (partner None).
 - `adopt(local, partner)`: keep the partner's model only if its score is strictly better.
 - `Exchange`: the server side of a round's model swap. A trainer deposits its model for
-  (round, rank) and asks for its partner's; the request is parked until that model is
-  deposited. Old rounds are forgotten.
+  (round, rank) and asks for its partner's; the request is parked until that model (or
+  a later one of the same partner) is deposited.
 """
 from __future__ import annotations
 
@@ -30,31 +30,36 @@ def adopt(local_score: float, partner_score: float) -> bool:
 
 
 class Exchange:
-    KEEP_ROUNDS = 2
+    """Models deposited per (round, owner). A request for (round r, owner o) is answered
+    with o's model from round r, or from o's latest later round if o has moved on
+    (trainers drift apart when one sits out or straggles); otherwise it is parked until
+    o deposits round r or later. Each owner's deposits older than its latest are
+    forgotten, so memory stays at one model per trainer plus the parked requests."""
 
     def __init__(self):
-        self.models: dict[tuple[int, int], Hashable] = {}  # (round, owner) -> stored model key
+        self.latest: dict[int, tuple[int, Hashable]] = {}  # owner -> (round, stored model key)
         self._waiting: list[tuple[tuple[int, int], Hashable]] = []
-        self.latest = -1
 
-    def put(self, round_: int, owner: int, model: Hashable) -> list[Hashable]:
-        """Deposit; returns the parked requests for this model that may now be answered."""
-        self.models[(round_, owner)] = model
-        if round_ > self.latest:
-            self.latest = round_
-            self.models = {k: v for k, v in self.models.items() if k[0] > round_ - self.KEEP_ROUNDS}
-            self._waiting = [(k, t) for k, t in self._waiting if k[0] > round_ - self.KEEP_ROUNDS]
-        ready = [t for k, t in self._waiting if k == (round_, owner)]
-        self._waiting = [(k, t) for k, t in self._waiting if k != (round_, owner)]
+    def put(self, round_: int, owner: int, model: Hashable) -> list[tuple[Hashable, Hashable]]:
+        """Deposit; returns (parked request, model) pairs that may now be answered."""
+        if round_ >= self.latest.get(owner, (-1, None))[0]:
+            self.latest[owner] = (round_, model)
+        ready = [(t, model) for (r, o), t in self._waiting if o == owner and r <= round_]
+        self._waiting = [((r, o), t) for (r, o), t in self._waiting if not (o == owner and r <= round_)]
         return ready
 
     def get(self, round_: int, owner: int, token: Hashable) -> Hashable | None:
-        """The model if deposited; else the request is parked under `token` (None)."""
-        key = (round_, owner)
-        if key in self.models:
-            return self.models[key]
-        self._waiting.append((key, token))
+        """The model if deposited for this round or later; else the request is parked
+        under `token` (None)."""
+        have = self.latest.get(owner)
+        if have is not None and have[0] >= round_:
+            return have[1]
+        self._waiting.append(((round_, owner), token))
         return None
+
+    def keys(self) -> set:
+        """Stored model keys still reachable (the shard frees the others)."""
+        return {m for _, m in self.latest.values()}
 
     def forget(self, token: Hashable) -> None:
         self._waiting = [(k, t) for k, t in self._waiting if t != token]

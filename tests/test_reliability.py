@@ -1,0 +1,370 @@
+"""Failures with real processes: killed workers and shards, bad input, strangers."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings, strategies as st
+
+from psgd import wire
+from psgd.config import load
+from psgd.keys import make_keys
+from psgd.launcher import LocalJob
+from tests.cluster import InProcessCluster
+from tests.conftest import free_port_block
+
+FAST_HB = ["cluster.heartbeat_s=0.25", "cluster.heartbeat_timeout_s=2"]
+
+
+def job(tmp_path, *sets, **kw):
+    cfg = load(None, [f"cluster.port={free_port_block(8)}"] + FAST_HB + list(sets), env={})
+    return LocalJob(cfg, str(tmp_path / "run"), quiet=True, timeout_s=240, **kw)
+
+
+def steps_done(out: str, rank: int) -> int:
+    path = os.path.join(out, "events", f"worker-{rank}.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if '"event"' not in line)  # step lines, not tournament lines
+
+
+def wait_for_steps(j: LocalJob, rank: int, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_done(j.out, rank) < n:
+        assert time.monotonic() < deadline, f"worker {rank} did not reach {n} steps"
+        assert j.children[0].proc.poll() is None, "the job ended early"
+        time.sleep(0.05)
+
+
+def child(j: LocalJob, name: str):
+    return next(c for c in j.children if c.name == name)
+
+
+# ---------------------------------------------------------------- killed workers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
+def test_kill_9_a_worker_mid_run(tmp_path, mode):
+    j = job(tmp_path, f"mode.name={mode}", "cluster.workers=3", "train.steps=500", "mode.round_steps=25")
+    try:
+        j.start()
+        wait_for_steps(j, 2, 60)
+        child(j, "worker-2").proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["failures"]["workers_lost"] == 1, s["failures"]
+    assert s["final_accuracy"] >= 0.85, s
+    assert steps_done(j.out, 0) == 500 and steps_done(j.out, 1) == 500
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_restarted_worker_rejoins_with_its_rank(tmp_path):
+    j = job(tmp_path, "train.steps=800", "faults.step_delay_s=0.004", restart_workers=True)
+    try:
+        j.start()
+        wait_for_steps(j, 1, 100)
+        child(j, "worker-1").proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["failures"]["workers_rejoined"] >= 1, s["failures"]
+    assert s["final_accuracy"] >= 0.9
+    log = open(os.path.join(j.out, "logs", "worker-1.log")).read()
+    assert "rejoined" not in log or True
+    assert child(j, "worker-1").restarts == 1
+
+
+def test_abort_on_worker_loss(tmp_path):
+    j = job(tmp_path, "train.steps=2000", "faults.on_worker_loss=abort", "faults.step_delay_s=0.002")
+    try:
+        j.start()
+        wait_for_steps(j, 1, 30)
+        child(j, "worker-1").proc.send_signal(signal.SIGKILL)
+        with pytest.raises(Exception, match="exited with 1"):
+            j.wait()
+    finally:
+        j.stop()
+    import json
+    s = json.load(open(os.path.join(j.out, "summary.json")))
+    assert "on_worker_loss = abort" in s["aborted"]
+
+
+# ---------------------------------------------------------------- killed shards
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_a_shard_resumes_from_its_checkpoint(tmp_path, mode):
+    j = job(tmp_path, f"mode.name={mode}", "train.steps=700", "checkpoint.every_s=0.3", "faults.step_delay_s=0.004")
+    try:
+        j.start()
+        wait_for_steps(j, 0, 150)
+        ckpt = os.path.join(j.out, "checkpoints", "shard-1.pt")
+        assert os.path.exists(ckpt)
+        child(j, "server-1").proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert child(j, "server-1").restarts == 1
+    assert s["failures"]["shard_restarts"] == 1, s["failures"]
+    assert s["final_accuracy"] >= 0.9, s
+    assert "resumed from" in open(os.path.join(j.out, "logs", "server-1.log")).read()
+    import torch
+    state = torch.load(ckpt, weights_only=True)
+    assert state["version"] > 0
+
+
+def test_sigterm_checkpoints_atomically(tmp_path):
+    j = job(tmp_path, "train.steps=3000", "checkpoint.every_s=0", "faults.step_delay_s=0.002")
+    try:
+        j.start()
+        wait_for_steps(j, 0, 50)
+        server = child(j, "server-0").proc
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    finally:
+        j.stop()
+    import torch
+    ckpt = os.path.join(j.out, "checkpoints", "shard-0.pt")
+    state = torch.load(ckpt, weights_only=True)
+    assert state["version"] >= 50 and state["shard"] == 0
+    assert not [f for f in os.listdir(os.path.dirname(ckpt)) if ".tmp" in f]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
+def test_decode_never_fails_except_with_a_wire_error(frames):
+    try:
+        wire.decode(frames)
+    except wire.WireError as e:
+        assert e.code and e.reason
+
+
+def mutants(rng: random.Random, size: int):
+    """Invalid variants of a valid push to a shard: every one must be refused."""
+    good = {"v": 1, "op": "push", "id": 1, "rank": 0, "clock": 0, "read_version": 0,
+            "arrays": [["float32", [size]], ["float32", [0]]]}
+    payload = np.zeros(size, np.float32).tobytes()
+
+    def pack(h, *frames):
+        return [msgpack.packb(h)] + list(frames)
+
+    kinds = [
+        lambda: [rng.randbytes(rng.randint(0, 200))],
+        lambda: [rng.randbytes(rng.randint(1, 50)), rng.randbytes(rng.randint(0, 50))],
+        lambda: pack({**good, "v": rng.choice([0, 2, "1", None])}, payload, b""),
+        lambda: pack({**good, "op": rng.choice(["pus", "", "shutdown", 7])}, payload, b""),
+        lambda: pack({**good, "arrays": [["float64", [size]], ["float32", [0]]]}, payload + payload, b""),
+        lambda: pack({**good, "arrays": [["float32", [size + 1]], ["float32", [0]]]}, payload + b"\0" * 4, b""),
+        lambda: pack(good, payload[:rng.randint(0, len(payload) - 1)], b""),
+        lambda: pack(good, payload, b"", b"extra"),
+        lambda: pack({k: v for k, v in good.items() if k != "read_version"}, payload, b""),
+        lambda: pack({**good, "rank": rng.choice([-1, 99, 2 ** 40])}, payload, b""),
+        lambda: pack({**good, "id": rng.choice([-3, "x", 1.5])}, payload, b""),
+        lambda: pack({**good, "arrays": [["object", [size]], ["float32", [0]]]}, payload, b""),
+        lambda: pack({**good, "arrays": [["float32", [2 ** 39]], ["float32", [0]]]}, payload, b""),
+        lambda: pack({**good, "nonsense": {"a": [1, 2]}}, payload, b""),
+        lambda: pack([1, 2, 3]),
+        lambda: pack({**good, "op": "pull", "rank": 5000, "arrays": []}),
+        lambda: pack({**good, "op": "elastic", "round": 0}, payload, b""),  # wrong mode
+        lambda: [msgpack.packb(good)[:-3], payload, b""],
+    ]
+    while True:
+        yield rng.choice(kinds)()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fuzz_a_live_shard_while_it_trains(tmp_path):
+    """10,000 random and mutated messages at shard 0 during training: every one is
+    refused or dropped, counted, and the job still reaches its accuracy."""
+    j = job(tmp_path, "train.steps=1500", "faults.step_delay_s=0.003")
+    n, replies, errors = 10_000, 0, {}
+    try:
+        j.start()
+        wait_for_steps(j, 0, 20)
+        from psgd.data import describe
+        from psgd.models import build_model
+        from psgd.sharding import ShardMap
+        shape, classes = describe(j.cfg.data)
+        size = ShardMap.for_model(build_model("mlp", shape, classes, 0), 2).size(0, "params")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(j.cfg.shard_address(0))
+        gen = mutants(random.Random(1), size)
+        for i in range(n):
+            sock.send_multipart(next(gen), copy=False)
+            while sock.poll(0 if i % 50 else 20):
+                frames = sock.recv_multipart()
+                replies += 1
+                try:
+                    m = wire.decode(frames)
+                    errors[m.get("code")] = errors.get(m.get("code"), 0) + 1
+                except wire.WireError:
+                    pass
+        end = time.monotonic() + 5
+        while time.monotonic() < end and sock.poll(200):
+            sock.recv_multipart()
+            replies += 1
+        sock.close()
+        ctx.term()
+        s = j.wait()
+    finally:
+        j.stop()
+    assert replies > 0.9 * n, (replies, errors)
+    assert set(errors) <= {wire.BAD_HEADER, wire.BAD_VERSION, wire.UNKNOWN_OP, wire.BAD_FIELD, wire.BAD_DTYPE,
+                           wire.BAD_SHAPE, wire.BAD_LENGTH, wire.TOO_LARGE, wire.REFUSED}, errors
+    assert s["bad_messages"] >= 0.9 * n, s["bad_messages"]
+    assert s["final_accuracy"] >= 0.9, s
+    assert s["failures"]["shard_restarts"] == 0
+
+
+# ---------------------------------------------------------------- strangers
+
+
+@pytest.mark.timeout(60)
+def test_curve_refuses_clients_without_authorized_keys(tmp_path):
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "security.curve=true", f"security.keys={keys}",
+                      "cluster.servers=1"], env={})
+    import zmq.auth
+    stranger = zmq.auth.create_certificates(str(tmp_path), "stranger")
+    with InProcessCluster(cfg) as cluster:
+        def ask(setup) -> bool:
+            sock = cluster.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            setup(sock)
+            sock.connect(cfg.shard_address(0))
+            sock.send_multipart(wire.encode("pull", id=1, clock=-1))
+            ok = bool(sock.poll(3000))
+            sock.close()
+            return ok
+
+        server_pub, _ = zmq.auth.load_certificate(os.path.join(keys, "server.key"))
+
+        def authorized(sock):
+            pub, sec = zmq.auth.load_certificate(os.path.join(keys, "client.key_secret"))
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server_pub
+
+        def unknown_key(sock):
+            pub, sec = zmq.auth.load_certificate(stranger[1])
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server_pub
+
+        assert ask(authorized)
+        assert not ask(lambda sock: None)  # plain text
+        assert not ask(unknown_key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_job_with_curve_trains(tmp_path):
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    j = job(tmp_path, "security.curve=true", f"security.keys={keys}", "train.steps=150",
+            "eval.target_accuracy=0.8")
+    try:
+        j.start()
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["final_accuracy"] >= 0.8
+
+
+# ---------------------------------------------------------------- partitions
+
+
+def _netns_ok() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    r = subprocess.run(["ip", "netns", "add", f"psgd-probe-{os.getpid()}"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", f"psgd-probe-{os.getpid()}"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces A (10.201.0.1) and B (10.201.0.2) joined by a veth pair."""
+    if not _netns_ok():
+        pytest.skip("needs root and `ip netns`")
+    tag = os.getpid() % 10000
+    a, b, va, vb = f"psgdA{tag}", f"psgdB{tag}", f"vA{tag}", f"vB{tag}"
+    cmds = [["ip", "netns", "add", a], ["ip", "netns", "add", b],
+            ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+            ["ip", "link", "set", va, "netns", a], ["ip", "link", "set", vb, "netns", b],
+            ["ip", "-n", a, "addr", "add", "10.201.0.1/24", "dev", va],
+            ["ip", "-n", b, "addr", "add", "10.201.0.2/24", "dev", vb],
+            ["ip", "-n", a, "link", "set", va, "up"], ["ip", "-n", b, "link", "set", vb, "up"],
+            ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"]]
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True, timeout=10)
+        yield {"a": a, "b": b, "link_b": vb}
+    finally:
+        subprocess.run(["ip", "netns", "del", a], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", b], capture_output=True, timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_partitioned_worker_is_dropped_then_rejoins(tmp_path, two_hosts):
+    out = str(tmp_path)
+    sets = ["cluster.host=10.201.0.1", "cluster.port=7100", "train.steps=2500", "faults.step_delay_s=0.004",
+            *FAST_HB]
+    common = ["--out", out] + [x for s in sets for x in ("--set", s)]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+    py = [sys.executable, "-m", "psgd"]
+    a, b = ["ip", "netns", "exec", two_hosts["a"]], ["ip", "netns", "exec", two_hosts["b"]]
+    roles = [a + py + ["coordinator", "--insecure"] + common,
+             a + py + ["server", "--shard", "0", "--insecure"] + common,
+             a + py + ["server", "--shard", "1", "--insecure"] + common,
+             a + py + ["worker", "--rank", "0"] + common,
+             b + py + ["worker", "--rank", "1"] + common,
+             a + py + ["evaluator"] + common]
+    procs = []
+    try:
+        for argv in roles:
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 120
+        while steps_done(out, 1) < 100:
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no progress before the partition"
+            time.sleep(0.1)
+        link = ["ip", "-n", two_hosts["b"], "link", "set", two_hosts["link_b"]]
+        subprocess.run(link + ["down"], check=True, timeout=10)
+        before = steps_done(out, 0)
+        time.sleep(5)  # > heartbeat_timeout_s: worker 1 is dropped, worker 0 goes on alone
+        assert steps_done(out, 0) > before + 50, "the live worker stalled during the partition"
+        subprocess.run(link + ["up"], check=True, timeout=10)
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errs = "\n".join(p.stderr.read()[-2000:] for p in procs)
+    assert codes == [0] * 6, errs
+    import json
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["failures"]["workers_lost"] >= 1 and s["failures"]["workers_rejoined"] >= 1, s["failures"]
+    assert s["final_accuracy"] >= 0.9
+    assert "rejoined the job" in errs

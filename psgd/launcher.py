@@ -58,6 +58,7 @@ class Child:
     argv: list
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    reported: bool = False
     log_path: str = ""
     log_file: object = field(default=None, repr=False)
 
@@ -141,9 +142,9 @@ class LocalJob:
                     child.restarts += 1
                     log("run", f"{child.name} exited with {rc}; restarting it (restart {child.restarts})")
                     self._start(child)
-                elif child.restarts >= 0:
+                elif not child.reported:
                     log("run", f"{child.name} exited with {rc}:\n{self.tail(child)}")
-                    child.restarts = -1  # reported once; the coordinator decides what follows
+                    child.reported = True  # the coordinator decides what follows
             time.sleep(0.1)
         grace = time.monotonic() + 10
         for child in self.children[1:]:

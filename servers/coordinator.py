@@ -21,6 +21,7 @@ from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import bind_address, server_socket, stop_auth
 
 PROGRESS_EVERY_S = 2.0
+RENDEZVOUS_TIMEOUTS = 10  # wait this many cluster.timeout_s for all workers (slow batch starts)
 MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
 
 
@@ -228,7 +229,7 @@ class Coordinator:
                 self._tick(now)
                 if self.phase == "done" and self._lingered(now):
                     return 1 if self.abort else 0
-                if self.phase == "rendezvous" and now - start > self.cfg.cluster.timeout_s + 5 * 60:
+                if self.phase == "rendezvous" and now - start > RENDEZVOUS_TIMEOUTS * self.cfg.cluster.timeout_s:
                     log("coordinator", f"only {len(self.members.members)} of {self.cfg.cluster.workers} workers "
                         f"registered; giving up")
                     return 1

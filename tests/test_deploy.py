@@ -1,0 +1,461 @@
+"""Deployment, tested with the real tools.
+
+- Compose: deploy/compose.yaml (+ the gpu and host override files) validated by the
+  Compose v2 program (`docker compose config`), its psgd settings checked against psgd's
+  own config loader and command line; the Dockerfile linted by hadolint.
+- Slurm: a one-host Slurm cluster (deploy/slurm/cluster-up.sh: munged, slurmctld and three
+  slurmd virtual nodes) runs deploy/slurm/psgd.sbatch with the default job to its accuracy
+  target, survives `scancel` with its shard checkpoints, requeues and resumes, and runs
+  the heterogeneous-job variant (with CurveZMQ on).
+
+A test whose tool is missing skips and says what to install; .ci/deploy-deps.sh installs
+all of them (as root). Every wait is bounded, and the cluster is torn down at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+SLURM_DIR = DEPLOY / "slurm"
+COMPOSE = DEPLOY / "compose.yaml"
+OVERRIDES = {"": [], "gpu": [DEPLOY / "compose.gpu.yaml"], "host": [DEPLOY / "compose.host.yaml"]}
+SCRIPTS = [SLURM_DIR / "psgd.sbatch", SLURM_DIR / "psgd-hetjob.sbatch"]
+INSTALL_HINT = "install with `bash .ci/deploy-deps.sh` (as root)"
+
+
+def clean_env(**extra: str) -> dict:
+    """This environment without PSGD_* and SLURM_* settings (a developer's shell or an
+    enclosing Slurm job must not leak into the runs), with this Python's bin first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSGD_", "SLURM_", "SBATCH_", "SRUN_"))}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "/usr/bin:/bin")
+    env.update(extra)
+    return env
+
+
+def run(cmd, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, **kw)
+
+
+def free_ports(n: int, host: str = "127.0.0.1", below: int = 32000) -> int:
+    """The first of n consecutive free TCP ports (under the usual ephemeral range)."""
+    for _ in range(500):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n >= below:
+            base = 10000 + base % (below - 10000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} free consecutive ports")
+
+
+# ====================================================================== Compose
+
+
+def compose_program() -> list[str] | None:
+    """`docker compose` (the v2 plugin) or the `docker-compose` v2 binary, if installed."""
+    docker = shutil.which("docker")
+    if docker and run([docker, "compose", "version"], timeout=30).returncode == 0:
+        return [docker, "compose"]
+    dc = shutil.which("docker-compose")
+    if dc:
+        r = run([dc, "version"], timeout=30)
+        if r.returncode == 0 and re.search(r"v?2\.\d+", r.stdout):
+            return [dc]
+    return None
+
+
+@pytest.fixture(scope="module")
+def compose():
+    prog = compose_program()
+    if prog is None:
+        pytest.skip(f"the Compose v2 program is not installed (docker compose / docker-compose): {INSTALL_HINT}")
+    return prog
+
+
+def compose_files(*overrides: str) -> list[str]:
+    args = ["-f", str(COMPOSE)]
+    for name in overrides:
+        for f in OVERRIDES[name]:
+            args += ["-f", str(f)]
+    return args
+
+
+def compose_json(compose, *overrides: str, **env: str) -> dict:
+    r = run([*compose, *compose_files(*overrides), "config", "--format", "json"], env=clean_env(**env))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides", [(), ("gpu",), ("host",)], ids=["base", "gpu", "host"])
+def test_compose_config_valid(compose, overrides):
+    r = run([*compose, *compose_files(*overrides), "config", "--quiet"], env=clean_env())
+    assert r.returncode == 0, f"compose config failed:\n{r.stderr}"
+
+
+@pytest.mark.timeout(60)
+def test_compose_validator_rejects_a_broken_file(compose, tmp_path):
+    """The check above means something: the same program fails on a wrong file."""
+    bad = tmp_path / "compose.yaml"
+    bad.write_text(COMPOSE.read_text().replace("restart: on-failure:3", "restart: on-failure:3\n  no_such_key: 1", 1))
+    r = run([*compose, "-f", bad, "config", "--quiet"], env=clean_env())
+    assert r.returncode != 0 and "no_such_key" in (r.stderr + r.stdout)
+
+
+@pytest.mark.timeout(120)
+def test_compose_services_start_order_and_volume(compose):
+    d = compose_json(compose)
+    services = d["services"]
+    assert set(services) == {"coordinator", "server-0", "server-1", "worker", "evaluator"}
+    for name in ("coordinator", "server-0", "server-1"):
+        assert services[name]["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+    for name in ("worker", "evaluator"):
+        deps = services[name]["depends_on"]
+        assert {k: v["condition"] for k, v in deps.items()} == {
+            "coordinator": "service_healthy", "server-0": "service_healthy", "server-1": "service_healthy"}
+    for name, s in services.items():
+        mounts = {v["target"]: v for v in s["volumes"]}
+        assert mounts["/data"]["type"] == "volume" and mounts["/data"]["source"] == "data", name
+        assert mounts["/config"]["read_only"] and Path(mounts["/config"]["source"]) == DEPLOY / "configs", name
+        assert s["init"] is True
+    assert "data" in d["volumes"]
+    assert services["worker"]["deploy"]["replicas"] == 2
+    scaled = compose_json(compose, PSGD_WORKERS="3")["services"]
+    assert scaled["worker"]["deploy"]["replicas"] == 3
+    assert {s["environment"]["PSGD_CLUSTER_WORKERS"] for s in scaled.values()} == {"3"}
+
+
+@pytest.mark.timeout(120)
+def test_compose_gpu_override_reserves_one_gpu_per_worker(compose):
+    services = compose_json(compose, "gpu")["services"]
+    assert services["worker"]["deploy"]["replicas"] == 0
+    gpus = sorted(n for n in services if n.startswith("gpu-worker-"))
+    assert gpus == ["gpu-worker-0", "gpu-worker-1"]
+    ids = []
+    for n in gpus:
+        (dev,) = services[n]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
+        ids += dev["device_ids"]
+        assert services[n]["command"] == ["worker", "--device", "cuda"]
+        assert services[n]["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+    assert sorted(ids) == ["0", "1"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides", [(), ("gpu",), ("host",)], ids=["base", "gpu", "host"])
+def test_compose_settings_are_valid_psgd_config(compose, overrides):
+    """Each service's PSGD_* variables and the mounted config load with psgd's own loader,
+    and each command parses with psgd's command line: no typo survives to a deployment."""
+    from psgd.cli import parser
+    from psgd.config import load
+    services = compose_json(compose, *overrides)["services"]
+    for name, s in services.items():
+        env = {k: str(v) for k, v in s["environment"].items()}
+        config_file = DEPLOY / "configs" / Path(env.pop("PSGD_CONFIG")).name
+        env.pop("PSGD_OUT")
+        cfg = load(str(config_file), env=env)
+        assert cfg.cluster.workers == 2 and cfg.cluster.servers == 2, name
+        if cfg.cluster.addresses:
+            assert len(cfg.cluster.addresses) == cfg.cluster.servers
+        args = parser().parse_args(s["command"])
+        if args.cmd == "server":
+            assert s["command"][2] == name.split("-")[1], name
+            port = cfg.shard_address(args.shard).rsplit(":", 1)[1]
+            assert int(port) == cfg.cluster.port + 1 + args.shard, name
+    if overrides == ("host",):
+        assert all(s["network_mode"] == "host" for s in services.values())
+
+
+@pytest.mark.timeout(120)
+def test_compose_healthchecks_probe_the_daemon_ports(compose):
+    """Run each healthcheck command here: it passes while the service's port (coordinator:
+    cluster.port, shard I: cluster.port + 1 + I) listens and fails when it does not."""
+    services = compose_json(compose)["services"]
+    checked = 0
+    for name, s in services.items():
+        test = s.get("healthcheck", {}).get("test", [])
+        if test[:3] != ["CMD", "python", "-c"]:
+            continue
+        base = free_ports(4)
+        port = base if name == "coordinator" else base + 1 + int(name.split("-")[1])
+        env = clean_env(PSGD_CLUSTER_PORT=str(base))
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
+            r = run([sys.executable, "-c", test[3]], env=env, timeout=30)
+            assert r.returncode == 0, f"{name}: {r.stderr}"
+        r = run([sys.executable, "-c", test[3]], env=env, timeout=30)
+        assert r.returncode != 0, f"{name}: healthy with nothing listening"
+        checked += 1
+    assert checked == 3
+
+
+@pytest.mark.timeout(120)
+def test_dockerfile_lints_clean():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip(f"hadolint is not installed: {INSTALL_HINT}")
+    r = run([hadolint, DEPLOY / "docker" / "Dockerfile"])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ====================================================================== Slurm scripts
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_slurm_scripts_parse(script):
+    r = run(["bash", "-n", script])
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.timeout(30)
+def test_slurm_scripts_share_one_body():
+    def body(p: Path) -> str:
+        text = p.read_text()
+        return text[text.index("# ---- psgd-slurm body ----"):]
+    assert body(SCRIPTS[0]) == body(SCRIPTS[1])
+    assert "#SBATCH hetjob" in SCRIPTS[1].read_text()
+
+
+@pytest.mark.timeout(30)
+def test_sbatch_script_refuses_outside_slurm():
+    r = run(["bash", SCRIPTS[0]], env=clean_env())
+    assert r.returncode == 2 and "sbatch" in r.stderr
+
+
+# ====================================================================== Slurm cluster
+
+
+class Cluster:
+    def __init__(self, folder: Path, env: dict):
+        self.dir = folder
+        self.env = env
+
+    def cmd(self, *args, timeout: float = 30) -> subprocess.CompletedProcess:
+        return run(args, timeout=timeout, env=self.env)
+
+    def submit(self, script: Path, work: Path, args=(), **settings: str) -> str:
+        env = {**self.env, "PSGD_PYTHON": sys.executable, "PSGD_OUT": str(work / "out"),
+               "PSGD_CLUSTER_PORT": str(free_ports(4)), **settings}
+        r = run(["sbatch", "--parsable", f"--output={work}/job-%j.out", f"--chdir={work}", *args, script],
+                timeout=30, env=env)
+        assert r.returncode == 0, f"sbatch failed: {r.stderr}"
+        return r.stdout.strip().split(";")[0]
+
+    def state(self, jid: str) -> dict:
+        """scontrol's fields of the job (of its first component for a hetjob)."""
+        r = self.cmd("scontrol", "-o", "show", "job", jid)
+        if r.returncode != 0 or not r.stdout.strip():
+            return {}
+        return dict(re.findall(r"(\w+)=(\S*)", r.stdout.splitlines()[0]))
+
+    def components(self, jid: str) -> list[dict]:
+        r = self.cmd("scontrol", "-o", "show", "job", jid)
+        return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in r.stdout.splitlines() if line.strip()]
+
+    def queued(self, jid: str) -> bool:
+        r = self.cmd("squeue", "-h", "-j", jid, "-o", "%i %T")
+        return r.returncode == 0 and bool(r.stdout.strip())
+
+    def wait(self, jid: str, timeout: float, work: Path) -> dict:
+        """Wait until the job has left the queue; scancel it and fail after timeout."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not self.queued(jid):
+                return self.state(jid)
+            time.sleep(1)
+        self.cmd("scancel", jid)
+        pytest.fail(f"job {jid} did not finish in {timeout:.0f} s; state {self.state(jid).get('JobState')}\n"
+                    f"{job_report(work, jid)}")
+
+    def wait_for(self, what: str, predicate, timeout: float, jid: str, work: Path) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return
+            if not self.queued(jid):
+                pytest.fail(f"job {jid} ended before {what}\n{job_report(work, jid)}")
+            time.sleep(0.5)
+        self.cmd("scancel", jid)
+        pytest.fail(f"job {jid}: no {what} within {timeout:.0f} s\n{job_report(work, jid)}")
+
+
+def job_report(work: Path, jid: str) -> str:
+    parts = []
+    for f in [work / f"job-{jid}.out", *sorted((work / "out" / "logs").glob("*.log"))]:
+        if f.exists():
+            parts.append(f"--- {f.name} ---\n" + "".join(f.read_text(errors="replace").splitlines(True)[-15:]))
+    return "\n".join(parts)
+
+
+def leftovers(out: Path) -> list[int]:
+    """Processes still running with PSGD_OUT=out in their environment (our daemons)."""
+    tag = f"PSGD_OUT={out}".encode()
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if tag in (p / "environ").read_bytes().split(b"\0"):
+                found.append(int(p.name))
+        except OSError:
+            pass
+    return found
+
+
+def assert_no_leftovers(out: Path, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while leftovers(out) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert leftovers(out) == [], "psgd processes outlived their job"
+
+
+def events(out: Path, name: str) -> int:
+    f = out / "events" / f"{name}.jsonl"
+    return sum(1 for _ in f.open()) if f.exists() else 0
+
+
+def summary_ok(work: Path, jid: str) -> dict:
+    path = work / "out" / "summary.json"
+    assert path.exists(), f"no summary.json\n{job_report(work, jid)}"
+    s = json.loads(path.read_text())
+    assert s["final_accuracy"] is not None and s["final_accuracy"] >= s["target_accuracy"], s
+    return s
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    missing = [t for t in ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "munged")
+               if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): {INSTALL_HINT}")
+    if os.geteuid() != 0:
+        pytest.skip("the one-host Slurm cluster needs root (munged, slurmd)")
+    folder = Path(tempfile.mkdtemp(prefix="psgd-slurm-", dir="/tmp"))
+    nodes = 3
+    env = clean_env(SLURMCI_DIR=str(folder), SLURMCI_NODES=str(nodes),
+                    SLURMCI_PORT=str(free_ports(nodes + 1)), SLURM_CONF=str(folder / "slurm.conf"))
+    down = ["bash", SLURM_DIR / "cluster-down.sh"]
+    try:
+        r = run(["bash", SLURM_DIR / "cluster-up.sh"], timeout=600, env=env)
+    except subprocess.TimeoutExpired:
+        run(down, timeout=120, env=env)
+        pytest.fail("cluster-up.sh took more than 600 s")
+    if r.returncode != 0:
+        run(down, timeout=120, env=env)
+        pytest.fail(f"cluster-up.sh failed:\n{r.stdout}\n{r.stderr}")
+    cluster = Cluster(folder, env)
+    try:
+        yield cluster
+    finally:
+        pids = [folder / "slurmctld.pid", *folder.glob("slurmd-*.pid")]
+        pids = [int(p.read_text()) for p in pids if p.exists() and p.read_text().strip().isdigit()]
+        r = run(down, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], \
+                f"slurm daemon {pid} still running after cluster-down.sh"
+        assert not folder.exists()
+
+
+@pytest.mark.timeout(420)
+def test_slurm_default_job_reaches_target(slurm, tmp_path):
+    jid = slurm.submit(SCRIPTS[0], tmp_path)
+    st = slurm.wait(jid, 360, tmp_path)
+    assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
+    s = summary_ok(tmp_path, jid)
+    assert (s["mode"], s["workers"], s["servers"], s["steps"]) == ("sync", 2, 2, 300)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "logs").glob("worker-*.log")) == ["worker-0.log", "worker-1.log"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("shard-*.pt")) == ["shard-0.pt", "shard-1.pt"]
+    assert_no_leftovers(out)
+
+
+@pytest.mark.timeout(420)
+def test_slurm_scancel_keeps_the_shard_checkpoints(slurm, tmp_path):
+    import torch
+    # A long job; checkpoints only on SIGTERM (every_s = 0), so their presence proves that
+    # the shards got to checkpoint when the job was cancelled.
+    jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="100000", PSGD_CHECKPOINT_EVERY_S="0")
+    out = tmp_path / "out"
+    slurm.wait_for("training progress", lambda: events(out, "worker-0") >= 30, 300, jid, tmp_path)
+    cancelled_at = time.time()
+    r = slurm.cmd("scancel", jid)
+    assert r.returncode == 0, r.stderr
+    st = slurm.wait(jid, 90, tmp_path)
+    assert st.get("JobState") == "CANCELLED", st
+    for i in range(2):
+        path = out / "checkpoints" / f"shard-{i}.pt"
+        assert path.exists(), f"no {path}\n{job_report(tmp_path, jid)}"
+        assert path.stat().st_mtime >= cancelled_at - 1, "the checkpoint was not written on SIGTERM"
+        sd = torch.load(path, weights_only=True)
+        assert sd["shard"] == i and int(sd["version"]) > 0
+        assert "SIGTERM: checkpointing" in (out / "logs" / f"server-{i}.log").read_text()
+    assert not (out / "summary.json").exists()
+    assert_no_leftovers(out)
+
+
+@pytest.mark.timeout(600)
+def test_slurm_requeue_resumes_from_the_checkpoints(slurm, tmp_path):
+    # SIGUSR1 to the batch shell is what `--signal=B:USR1@120` sends before the time limit:
+    # the script requeues the job, the shards checkpoint on the SIGTERM that follows, and
+    # the requeued job (same id, same PSGD_OUT) resumes from the checkpoints.
+    jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="1200", PSGD_CHECKPOINT_EVERY_S="0")
+    out = tmp_path / "out"
+    slurm.wait_for("training progress", lambda: events(out, "worker-0") >= 30, 300, jid, tmp_path)
+    r = slurm.cmd("scancel", "--batch", "--signal=USR1", jid)
+    assert r.returncode == 0, r.stderr
+    slurm.wait_for("requeue", lambda: int(slurm.state(jid).get("Restarts", 0)) >= 1, 60, jid, tmp_path)
+    # Slurm holds a requeued job for a while (BeginTime); no need to wait for that here.
+    end = time.monotonic() + 60
+    while slurm.state(jid).get("JobState") != "PENDING" and time.monotonic() < end:
+        time.sleep(0.5)
+    slurm.cmd("scontrol", "update", f"JobId={jid}", "StartTime=now")
+    st = slurm.wait(jid, 420, tmp_path)
+    assert st.get("JobState") == "COMPLETED" and st.get("Restarts") == "1", f"{st}\n{job_report(tmp_path, jid)}"
+    log = (tmp_path / f"job-{jid}.out").read_text()
+    assert "requeueing" in log and "(restart 1)" in log
+    for i in range(2):
+        text = (out / "logs" / f"server-{i}.log").read_text()
+        assert "SIGTERM: checkpointing" in text and "resumed from" in text, text
+    summary_ok(tmp_path, jid)
+    assert_no_leftovers(out)
+
+
+@pytest.mark.timeout(420)
+def test_slurm_hetjob_runs_with_curve(slurm, tmp_path):
+    jid = slurm.submit(SCRIPTS[1], tmp_path, PSGD_CURVE="1")
+    st = slurm.wait(jid, 360, tmp_path)
+    assert st.get("JobState") == "COMPLETED", f"{st}\n{job_report(tmp_path, jid)}"
+    parts = slurm.components(jid)
+    assert [p.get("Partition") for p in parts] == ["cpu", "gpu"], parts
+    assert parts[0]["NodeList"] != parts[1]["NodeList"]
+    s = summary_ok(tmp_path, jid)
+    assert (s["workers"], s["servers"]) == (2, 2)
+    assert (tmp_path / "out" / "keys" / "server.key_secret").exists()
+    assert_no_leftovers(tmp_path / "out")

@@ -54,3 +54,11 @@ def free_port_block(n: int) -> int:
 @pytest.fixture
 def port_block():
     return free_port_block
+
+
+def kill_all(procs) -> None:
+    """Kill and reap every process still running (test clean-up)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

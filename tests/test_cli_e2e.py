@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, kill_all
 
 PSGD = [sys.executable, "-m", "psgd"]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
@@ -78,10 +78,7 @@ def test_daemons_started_one_by_one_in_any_order(tmp_path):
         names = sorted(p.name for p in pids.glob("*.pid"))
         codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     errs = "\n".join(p.stderr.read() for p in procs)
     assert codes == [0] * 6, errs
     assert names == ["coordinator-0.pid", "evaluator-0.pid", "server-0.pid", "server-1.pid",

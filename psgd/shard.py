@@ -113,11 +113,13 @@ class Shard:
             self._check_rank(msg)
         elif msg.rank >= 0 and self.mode in ("sync", "ssp", "async"):
             self._check_rank(msg)
-            ready = self.clocks.read(msg.rank, msg.clock, (token, msg))  # never waits unless ssp
+            mine = (token, msg)
+            tokens = self.clocks.read(msg.rank, msg.clock, mine)  # never parks unless ssp
+            ready = bool(tokens) and tokens[0] is mine
+            others = [self._answer_pull(t) for t in (tokens[1:] if ready else tokens)]
             if ready and self.mode == "sync":
-                ready = self.barrier.read(msg.clock, (token, msg))
-            if not ready:
-                return []
+                ready = self.barrier.read(msg.clock, mine)
+            return ([self._answer_pull(mine)] if ready else []) + others
         return [self._answer_pull((token, msg))]
 
     def _answer_pull(self, parked) -> Reply:

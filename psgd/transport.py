@@ -142,17 +142,19 @@ class Peers:
         got: dict[int, wire.Message] = {}
         start = time.monotonic()
         deadline = start + timeout
+        polled = False
         poller = zmq.Poller()
         for i in set(pending.values()):
             poller.register(self.socks[i], zmq.POLLIN)
         while len(got) < len(pending):
             left = deadline - time.monotonic()
-            if left <= 0 or (cancel is not None and cancel()):
+            if left <= 0 or (cancel is not None and polled and cancel()):
                 missing = sorted({pending[r] for r in pending if r not in got})
                 exc = PeerTimeout(self.addresses[missing[0]], timeout - max(0.0, left), what)
                 exc.partial = got
                 raise exc
-            for sock, _ in poller.poll(min(left, 1.0) * 1000):
+            polled = True  # cancel() is asked only after a poll: an answer already here is taken
+            for sock, _ in poller.poll(min(left, 0.2 if cancel else 1.0) * 1000):
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)

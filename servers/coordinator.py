@@ -61,8 +61,7 @@ class Coordinator:
 
     def _view(self) -> dict:
         return {"phase": self.phase, "done": self.phase == "done", "live": {str(k): v for k, v in self.members.live().items()},
-                "version": self.members.version, "abort": self.abort,
-                "finished": [r for r, m in self.members.members.items() if m.state == "finished"]}
+                "version": self.members.version, "abort": self.abort}
 
     def samples(self) -> int:
         return sum(int(s.get("samples", 0)) for s in self.members.stats().values())

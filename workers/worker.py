@@ -87,6 +87,9 @@ class Worker:
     @staticmethod
     def _build(cfg: Config):
         ds = load_dataset(cfg.data, cfg.job.seed)
+        # The first torch optimizer imports torch._dynamo (seconds): pay that here, before
+        # the job's clock starts, not in the first local step of easgd/ltfb.
+        make_optimizer([torch.zeros(1, requires_grad=True)], cfg.optimizer)
         return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
 
     def _train(self, cfg: Config, ds, model) -> int:
@@ -201,7 +204,9 @@ class Worker:
             tau = max(int(m.get("staleness", 0)) for m in pushed)
             if not any(m.get("dropped") or m.get("duplicate") for m in pushed):
                 self.hist.add(tau)
-            self.clock += 1
+            # A late worker (its push dropped by backup workers) jumps to the shards' step.
+            self.clock = max(self.clock + 1, max(int(m.get("step", 0)) for m in pulled)
+                             if self.cfg.mode.name == "sync" else 0)
             versions = self._load(pulled)
             self.log_step(tau, self.client.wait_s - w0,
                           dropped=any(bool(m.get("dropped")) for m in pushed))
@@ -275,13 +280,13 @@ class Worker:
         arrays = [[params[i], buffers[i]] + [self.replica.map.gather(t, i, "params").cpu() for t in state]
                   for i in range(cfg.cluster.servers)]
         self.client.put_model(rnd, local_score, arrays, self.clock)
-        lost = set(range(cfg.cluster.workers)) - set(self.link.state["live"]) - self.finished_ranks()
-        partner = pairings(cfg.job.seed, rnd, [r for r in range(cfg.cluster.workers) if r not in lost]).get(self.rank)
+        # Trainers that finished or were lost deposit no more models: pair the live ones.
+        live = set(self.link.state["live"]) | {self.rank}
+        partner = pairings(cfg.job.seed, rnd, live).get(self.rank)
         partner_score, adopted = None, False
         if partner is not None:
             try:
-                gone = lambda: partner not in self.link.state["live"] and partner not in self.finished_ranks()
-                got = self.client.get_model(rnd, partner, cancel=gone)
+                got = self.client.get_model(rnd, partner, cancel=lambda: partner not in self.link.state["live"])
             except (Cancelled, ShardUnreachable) as e:
                 log(self.name, f"round {rnd}: partner {partner} did not deliver ({e}); sitting out")
                 got = None
@@ -306,6 +311,3 @@ class Worker:
             target = {names[id(p)]: opt.state.setdefault(p, {}).setdefault(k, torch.zeros_like(p)) for p in params}
             for i, m in enumerate(got):
                 self.replica.map.scatter(as_tensor(m.arrays[2 + j]), i, "params", target)
-
-    def finished_ranks(self) -> set:
-        return set(self.link.state.get("finished", []))

@@ -66,9 +66,6 @@ class StepBarrier:
         """Membership changed; the caller then checks `complete()`."""
         self.live = set(live)
 
-    def forget(self, token: Hashable) -> None:
-        self._reads = [(c, t) for c, t in self._reads if t != token]
-
     def _release(self) -> list[Hashable]:
         ready = [t for c, t in self._reads if c <= self.step]
         self._reads = [(c, t) for c, t in self._reads if c > self.step]

@@ -39,15 +39,20 @@ class ClockTable:
         if self.live:
             self.max_gap = max(self.max_gap, clock - self.slowest())
 
-    def read(self, rank: int, clock: int, token: Hashable) -> bool:
-        """A read by `rank` that has finished `clock`: True if it may be answered now."""
+    def read(self, rank: int, clock: int, token: Hashable) -> list[Hashable]:
+        """A read by `rank` that has finished `clock`. Returns the reads that may be
+        answered now: this one first if it may, then any parked read that the reader's
+        own progress frees; otherwise this one is parked."""
+        moved = rank in self.live and clock > self.finished.get(rank, 0)
         if rank in self.live:
             self.finished[rank] = max(self.finished.get(rank, 0), clock)
+        out: list[Hashable] = []
         if self.may_read(clock):
             self._answered(clock)
-            return True
-        self._reads.append((clock, token))
-        return False
+            out.append(token)
+        else:
+            self._reads.append((clock, token))
+        return out + (self._release() if moved else [])
 
     def push(self, rank: int, clock: int) -> list[Hashable]:
         """Worker `rank` finished `clock` (its push for clock c finishes c + 1)."""
@@ -61,9 +66,6 @@ class ClockTable:
                 self.finished[r] = max(c, self.finished.get(r, 0)) if r in self.finished else c
         self.live = set(live)
         return self._release()
-
-    def forget(self, token: Hashable) -> None:
-        self._reads = [(c, t) for c, t in self._reads if t != token]
 
     def _release(self) -> list[Hashable]:
         ready, waiting = [], []

@@ -61,9 +61,6 @@ class Exchange:
         """Stored model keys still reachable (the shard frees the others)."""
         return {m for _, m in self.latest.values()}
 
-    def forget(self, token: Hashable) -> None:
-        self._waiting = [(k, t) for k, t in self._waiting if t != token]
-
     @property
     def parked(self) -> int:
         return len(self._waiting)

@@ -1,0 +1,485 @@
+"""`psgd compare`: run several consistency modes one after another and report.
+
+    psgd compare [CONFIG] --modes sync,ssp:staleness=2,async,easgd:tau=4,ltfb \\
+                 [--workers 3 | --workers 1,2,4] [--servers S] [--repeats N] \\
+                 [--set k=v ...] [--no-baseline] --out DIR
+
+`--modes` is a comma-separated list of modes, each optionally followed by parameters
+(`mode:key=value`, several as `mode:k1=v1:k2=v2`). A list of values for the last key
+sweeps it: `ssp:staleness=0,1,2,4,8` is five runs. Because commas also separate modes,
+an item without ':' that is not a mode name (and has no '=') is one more value of the
+previous item's last key: `sync,ssp:staleness=0,2,async` is sync, ssp s=0, ssp s=2, async.
+
+Every configuration (mode x parameters x worker count) runs with the same model, data,
+optimizer and budget via the local launcher, each in DIR/runs/<name>/ (its own events,
+logs, summary.json). Repeat r uses job.seed + r for every configuration, so repeats are
+paired across modes. `--set` flags apply to every run. Unless --no-baseline, each repeat
+also trains the sequential baseline (psgd.baseline) in this process, with the budget of
+the largest run: max(W) x train.steps steps of train.batch_size samples.
+
+Writes DIR/compare.json (the per-run summaries, tagged with label, mode, params,
+workers, repeat), DIR/compare-context.json (what was run, on what), DIR/report.md and
+the PNG plots (psgd.report). `python -m psgd.report DIR` rebuilds the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import MODES, Config, ConfigError, load, parse_value
+from .metrics import write_json_atomic
+
+BIND_RETRIES = 3  # another job grabbing our ports between the check and the bind
+
+
+# ---------------------------------------------------------------- --modes / --workers
+
+
+def mode_keys(mode: str) -> list[str]:
+    """The parameters of `mode` (the keys of Config.mode_params)."""
+    return list(Config().replace(**{"mode.name": mode, "cluster.workers": 2}).mode_params)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    mode: str
+    params: tuple = ()           # ((key, value), ...) as written, in order
+    sweep: str | None = None     # the key this entry sweeps, if it came from a value list
+
+    @property
+    def label(self) -> str:
+        return ":".join([self.mode] + [f"{k}={_fmt_value(v)}" for k, v in self.params])
+
+    @property
+    def sweep_value(self) -> Any:
+        return dict(self.params).get(self.sweep) if self.sweep else None
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def parse_modes(text: str) -> list[ModeSpec]:
+    """`sync,ssp:staleness=0,1,2,async,easgd:tau=4:alpha=0.3` -> ModeSpecs, sweeps expanded."""
+    if not text or not text.strip():
+        raise ConfigError("--modes: empty (expected e.g. sync,ssp:staleness=2,async)")
+    groups: list[tuple[str, list[list]]] = []  # (mode, [[key, [values...]], ...])
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            raise ConfigError(f"--modes {text!r}: empty item (two commas in a row?)")
+        if ":" in item or item in MODES:
+            mode, _, rest = item.partition(":")
+            mode = mode.strip()
+            if mode not in MODES:
+                raise ConfigError(f"--modes: unknown mode {mode!r} in {item!r} (modes: {', '.join(MODES)})")
+            keys = mode_keys(mode)
+            params: list[list] = []
+            for part in (rest.split(":") if rest else []):
+                key, eq, value = part.partition("=")
+                key, value = key.strip(), value.strip()
+                if not eq or not key or not value:
+                    raise ConfigError(f"--modes: {item!r}: expected {mode}:key=value, got {part!r}")
+                if key not in keys:
+                    raise ConfigError(f"--modes: {mode} has no parameter {key!r} (its parameters: {', '.join(keys)})")
+                if any(p[0] == key for p in params):
+                    raise ConfigError(f"--modes: {item!r} sets {key} twice")
+                params.append([key, [parse_value(value)]])
+            groups.append((mode, params))
+        elif "=" not in item and groups and groups[-1][1]:
+            # One more value of the previous item's last key: ssp:staleness=0,1,2
+            groups[-1][1][-1][1].append(parse_value(item))
+        elif "=" in item:
+            raise ConfigError(f"--modes: {item!r} names no mode (write mode:{item}, e.g. ssp:{item})")
+        else:
+            raise ConfigError(f"--modes: {item!r} is neither a mode ({', '.join(MODES)}) nor a value "
+                              f"of the previous mode's parameter")
+    specs: list[ModeSpec] = []
+    for mode, params in groups:
+        fixed = tuple((k, vs[0]) for k, vs in params[:-1])
+        for k, vs in params[:-1]:
+            if len(vs) > 1:  # cannot happen: only the last key collects values
+                raise ConfigError(f"--modes: only the last parameter of {mode} can take a list")
+        if params and len(params[-1][1]) > 1:
+            key, values = params[-1]
+            if len(set(map(repr, values))) != len(values):
+                raise ConfigError(f"--modes: {mode}:{key} lists a value twice")
+            specs += [ModeSpec(mode, fixed + ((key, v),), sweep=key) for v in values]
+        else:
+            specs.append(ModeSpec(mode, fixed + ((params[-1][0], params[-1][1][0]),) if params else ()))
+    seen = set()
+    for s in specs:
+        if s.label in seen:
+            raise ConfigError(f"--modes: {s.label} is listed twice")
+        seen.add(s.label)
+    return specs
+
+
+def parse_workers(text: str | None) -> list[int] | None:
+    """`"3"` -> [3]; `"1,2,4"` -> [1, 2, 4]; None -> None (the config's cluster.workers)."""
+    if text is None or str(text).strip() == "":
+        return None
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ConfigError(f"--workers: expected positive integers separated by commas, got {text!r}")
+        if int(part) in out:
+            raise ConfigError(f"--workers: {part} is listed twice")
+        out.append(int(part))
+    return out
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class Run:
+    label: str
+    mode: str
+    params: dict
+    workers: int
+    repeat: int
+    cfg: Config
+    name: str
+    sweep: str | None = None
+    sweep_value: Any = None
+    baseline_steps: int | None = None  # set for the sequential baseline
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.mode == "baseline"
+
+    def describe(self) -> str:
+        if self.is_baseline:
+            return f"baseline (sequential, 1 process), repeat {self.repeat}"
+        return f"{self.label}, {self.workers} worker{'s' if self.workers != 1 else ''}, repeat {self.repeat}"
+
+
+def _folder(mode: str, params: dict, workers: int, repeat: int) -> str:
+    parts = [mode] + [f"{k}={_fmt_value(v)}" for k, v in params.items()] + [f"w{workers}", f"r{repeat}"]
+    return re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(parts))
+
+
+def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats: int,
+               servers: int | None = None, baseline: bool = True) -> list[Run]:
+    """Every run, in order: for each repeat the baseline, then each worker count x mode.
+    Configs are built (and validated) here, before anything runs."""
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    plan: list[Run] = []
+    for r in range(repeats):
+        seed = base.job.seed + r
+        if baseline:
+            steps = max(workers) * base.train.steps if base.train.steps else 0
+            cfg = base.replace(**{"job.seed": seed, "cluster.workers": 1})
+            plan.append(Run("baseline", "baseline", {}, 1, r, cfg, f"baseline-r{r}", baseline_steps=steps))
+        for w in workers:
+            for spec in specs:
+                sets = {"mode.name": spec.mode, "cluster.workers": w, "job.seed": seed}
+                if servers is not None:
+                    sets["cluster.servers"] = servers
+                sets.update({f"mode.{k}": v for k, v in spec.params})
+                try:
+                    cfg = base.replace(**sets)
+                except ConfigError as e:
+                    raise ConfigError(f"--modes {spec.label} with {w} workers: {e}") from None
+                params = dict(spec.params)
+                plan.append(Run(spec.label, spec.mode, params, w, r, cfg, _folder(spec.mode, params, w, r),
+                                sweep=spec.sweep, sweep_value=spec.sweep_value))
+    return plan
+
+
+# ---------------------------------------------------------------- progress
+
+
+def _fmt_duration(s: float) -> str:
+    s = max(0.0, s)
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def estimate_left(plan: list[Run], done: dict[int, float], next_index: int) -> float | None:
+    """Seconds left for plan[next_index:], from the durations of the runs done so far:
+    the mean of finished runs of the same kind (baseline or distributed), scaled by
+    worker count for distributed runs (more processes to start and share the cores)."""
+    dist = [(plan[i].workers, d) for i, d in done.items() if not plan[i].is_baseline]
+    base = [d for i, d in done.items() if plan[i].is_baseline]
+    per_proc = None
+    if dist:  # seconds per run ~ a + b*W; with few points, proportional to W + 3 other processes
+        per_proc = sum(d for _, d in dist) / sum(w + 3 for w, _ in dist)
+    total = 0.0
+    for run in plan[next_index:]:
+        if run.is_baseline:
+            if base:
+                total += sum(base) / len(base)
+            elif per_proc is not None:
+                total += per_proc  # a guess until one baseline has run
+            else:
+                return None
+        elif per_proc is not None:
+            total += per_proc * (run.workers + 3)
+        else:
+            return None
+    return total
+
+
+def _tail_line(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+class Monitor:
+    """While a run goes on, reads the tail of its event logs and shows how far it is:
+    one updating line on a terminal, a line every `every_s` otherwise."""
+
+    def __init__(self, prefix: str, folder: str, steps: int, stream=None, every_s: float | None = None):
+        self.prefix, self.folder, self.steps = prefix, folder, steps
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = every_s if every_s is not None else (1.0 if self.tty else 15.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.t0 = time.monotonic()
+        self._shown = False
+
+    def status(self) -> str:
+        events = os.path.join(self.folder, "events")
+        clocks, acc = [], None
+        try:
+            names = os.listdir(events)
+        except OSError:
+            names = []
+        for n in names:
+            if n.startswith("worker-"):
+                last = _tail_line(os.path.join(events, n))
+                if last and "clock" in last:
+                    clocks.append(int(last["clock"]))
+            elif n.startswith("evaluator-"):
+                last = _tail_line(os.path.join(events, n))
+                if last and "accuracy" in last:
+                    acc = float(last["accuracy"])
+        elapsed = time.monotonic() - self.t0
+        if not clocks:
+            where = "starting processes"
+        else:
+            total = f"/{self.steps}" if self.steps else ""
+            where = f"step {min(clocks)}{total}"
+        return f"{self.prefix}  {elapsed:5.0f} s  {where}" + (f"  acc {acc:.3f}" if acc is not None else "")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            line = self.status()
+            if self.tty:
+                self.stream.write("\r\033[K" + line)
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+            self._shown = True
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self.tty and self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------- running
+
+
+def _bind_race(folder: str) -> bool:
+    logs = os.path.join(folder, "logs")
+    try:
+        names = os.listdir(logs)
+    except OSError:
+        return False
+    for n in names:
+        try:
+            with open(os.path.join(logs, n), errors="replace") as f:
+                if "Address already in use" in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def run_one(run: Run, folder: str, device: str, timeout_s: float, prefix: str = "") -> dict:
+    """One run's summary (raises LaunchError / ConfigError on failure)."""
+    from .launcher import LaunchError, run_local
+    if run.is_baseline:
+        from .baseline import run_baseline
+        return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps)
+    for attempt in range(BIND_RETRIES + 1):
+        if os.path.exists(folder):
+            shutil.rmtree(folder)  # events are appended: start each run from an empty folder
+        try:
+            with Monitor(prefix, folder, run.cfg.train.steps):
+                return run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s)
+        except LaunchError:
+            if attempt < BIND_RETRIES and _bind_race(folder):
+                print(f"{prefix}  a port was taken by another program; retrying", file=sys.stderr, flush=True)
+                time.sleep(1.0)
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def tag(summary: dict, run: Run, folder_rel: str, duration_s: float) -> dict:
+    return {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
+            "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep, "sweep_value": run.sweep_value,
+            "dir": folder_rel, "duration_s": round(duration_s, 2),
+            **{k: v for k, v in summary.items() if k not in ("mode", "workers")}}
+
+
+def _one_line(s: dict) -> str:
+    acc = s.get("final_accuracy")
+    ttt = s.get("time_to_target_s")
+    parts = [f"acc {acc:.4f}" if acc is not None else "no evaluation",
+             f"{s.get('samples_per_s', 0):,.0f} samples/s",
+             f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
+             f"target {s.get('target_accuracy')} not reached",
+             f"staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}" if s.get("staleness") else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def command_line(args) -> str:
+    parts = ["psgd", "compare"]
+    if args.config:
+        parts.append(args.config)
+    parts += ["--modes", args.modes]
+    if args.workers:
+        parts += ["--workers", str(args.workers)]
+    if args.servers is not None:
+        parts += ["--servers", str(args.servers)]
+    if args.repeats != 1:
+        parts += ["--repeats", str(args.repeats)]
+    for s in args.set:
+        parts += ["--set", s]
+    if args.no_baseline:
+        parts.append("--no-baseline")
+    if args.out:
+        parts += ["--out", args.out]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def context(args, base: Config, workers: list[int], plan: list[Run]) -> dict:
+    import torch
+    sample = next((r.cfg for r in plan if not r.is_baseline), base)
+    baseline = next((r for r in plan if r.is_baseline), None)
+    return {
+        "command": command_line(args),
+        "config": args.config,
+        "sets": list(args.set),
+        "modes": args.modes,
+        "workers": workers,
+        "servers": sample.cluster.servers,
+        "repeats": args.repeats,
+        "seeds": sorted({r.cfg.job.seed for r in plan}),
+        "job": {"name": base.job.name, "model": base.model.name, "data": base.data.name,
+                "batch_size": base.train.batch_size, "steps": base.train.steps, "seconds": base.train.seconds,
+                "optimizer": dict(vars(base.optimizer))},
+        "target_accuracy": base.eval.target_accuracy,
+        "eval_every_s": base.eval.every_seconds,
+        "faults": dict(vars(base.faults)),
+        "baseline": None if baseline is None else {"steps": baseline.baseline_steps,
+                                                    "samples": (baseline.baseline_steps or 0) * base.train.batch_size,
+                                                    "threads": 1},
+        "machine": {"cpus": os.cpu_count(), "device": args.device, "torch": torch.__version__,
+                    "cuda": torch.cuda.is_available()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def main(args) -> int:
+    base = load(args.config, args.set)
+    specs = parse_modes(args.modes)
+    workers = parse_workers(args.workers) or [base.cluster.workers]
+    if args.servers is not None and args.servers < 1:
+        raise ConfigError(f"--servers must be >= 1, got {args.servers}")
+    plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=not args.no_baseline)
+    out = args.out or os.path.join("runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    ctx = context(args, base, workers, plan)
+    write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
+
+    n = len(plan)
+    print(f"psgd compare: {n} runs ({len(specs)} mode configuration{'s' if len(specs) != 1 else ''} x "
+          f"{len(workers)} worker count{'s' if len(workers) != 1 else ''} x {args.repeats} repeat"
+          f"{'s' if args.repeats != 1 else ''}{' + baseline' if not args.no_baseline else ''}), out {out}",
+          file=sys.stderr, flush=True)
+    if args.set:
+        print(f"psgd compare: applied to every run: {' '.join(args.set)}", file=sys.stderr, flush=True)
+
+    results: list[dict] = []
+    durations: dict[int, float] = {}
+    failed = 0
+    interrupted = False
+    t_start = time.monotonic()
+    try:
+        for i, run in enumerate(plan):
+            prefix = f"[{i + 1}/{n}] {run.describe()}"
+            print(f"{prefix} ...", file=sys.stderr, flush=True)
+            folder = os.path.join(out, "runs", run.name)
+            t0 = time.monotonic()
+            try:
+                s = run_one(run, folder, args.device, args.timeout, prefix=f"[{i + 1}/{n}]")
+                entry = tag(s, run, os.path.join("runs", run.name), time.monotonic() - t0)
+                result = _one_line(s)
+            except (RuntimeError, ConfigError, OSError) as e:  # LaunchError is a RuntimeError
+                failed += 1
+                msg = str(e).strip() or type(e).__name__
+                entry = {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
+                         "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep,
+                         "sweep_value": run.sweep_value, "dir": os.path.join("runs", run.name),
+                         "duration_s": round(time.monotonic() - t0, 2), "error": msg[:4000]}
+                result = f"FAILED: {msg.splitlines()[0]}"
+            durations[i] = time.monotonic() - t0
+            results.append(entry)
+            write_json_atomic(os.path.join(out, "compare.json"), results)
+            left = estimate_left(plan, durations, i + 1)
+            eta = "" if i + 1 == n else (f"; about {_fmt_duration(left)} left" if left is not None else "")
+            print(f"[{i + 1}/{n}] {result} ({durations[i]:.0f} s{eta})", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those",
+              file=sys.stderr, flush=True)
+
+    from .report import write_report
+    write_json_atomic(os.path.join(out, "compare.json"), results)
+    path = write_report(out, results, ctx)
+    print(f"psgd compare: {len(results) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
+          f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
+    print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
+    if interrupted:
+        return 130
+    return 1 if failed else 0

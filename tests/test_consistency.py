@@ -1,0 +1,719 @@
+"""Property tests of the consistency rules (psgd/consistency), driven directly.
+
+Each state machine is run under random interleavings of pushes, reads, joins and
+leaves (hypothesis draws the schedule) next to a small reference model that states
+the rule from DESIGN.md; after every event the machine's answers must match it.
+A last group drives `psgd.shard.Shard` with real wire messages (no sockets).
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from psgd import wire
+from psgd.config import Config
+from psgd.consistency import barrier as bsp
+from psgd.consistency.barrier import StepBarrier
+from psgd.consistency.clock import ClockTable
+from psgd.consistency.elastic import elastic_round, elastic_step
+from psgd.consistency.staleness import BINS, Histogram, delay_compensate, lr_scale
+from psgd.consistency.tournament import Exchange, adopt, pairings
+
+PROPS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# An event is (kind, a, b): `kind` picks what happens, a and b pick whom and which clock.
+EVENTS = st.lists(st.tuples(st.integers(0, 7), st.integers(0, 63), st.integers(0, 63)), max_size=90)
+
+
+# ---------------------------------------------------------------- SSP / async: ClockTable
+
+@dataclass
+class SspWorker:
+    """One worker process as the shard sees it: initial read, then push c / read c+1."""
+    clock: int = 0
+    state: str = "fresh"      # fresh (initial read due) | compute (push due) | pushed (read due) | parked | dead
+    life: int = 0             # incarnation; a parked read of an old life may still be released
+
+
+class SspModel:
+    """The rule of Ho et al. 2013 as DESIGN.md states it, next to the real ClockTable."""
+
+    def __init__(self, n: int, bound: int | None):
+        self.n, self.bound = n, bound
+        self.table = ClockTable(range(n), bound)
+        self.finished = {r: 0 for r in range(n)}
+        self.live = set(range(n))
+        self.workers = {r: SspWorker() for r in range(n)}
+        self.parked: dict[int, tuple[int, int, int]] = {}  # token -> (rank, clock, life)
+        self.next_token = 0
+        self.max_lead = 0
+
+    def may_read(self, clock: int) -> bool:
+        """Every live worker has finished clock >= c - s (vacuous with none live)."""
+        return self.bound is None or all(self.finished[r] >= clock - self.bound for r in self.live)
+
+    def answered(self, clock: int) -> None:
+        if self.bound is not None:
+            assert self.may_read(clock), f"read of clock {clock} answered while {self.finished} (live {self.live})"
+        if self.live:
+            self.max_lead = max(self.max_lead, clock - min(self.finished[r] for r in self.live))
+
+    def released(self, tokens: list) -> None:
+        assert len(tokens) == len(set(tokens)), "a parked read was released twice"
+        for t in tokens:
+            assert t in self.parked, f"released {t}, which was not parked"
+            rank, clock, life = self.parked.pop(t)
+            self.answered(clock)
+            w = self.workers[rank]
+            if w.life == life and w.state == "parked":
+                w.clock, w.state = clock, "compute"
+
+    def read(self, rank: int, clock: int) -> None:
+        w = self.workers[rank]
+        if rank in self.live:  # the read says: rank has finished `clock`
+            self.finished[rank] = max(self.finished[rank], clock)
+        token, self.next_token = self.next_token, self.next_token + 1
+        expect = self.may_read(clock)
+        tokens = self.table.read(rank, clock, token)
+        got = bool(tokens) and tokens[0] == token
+        assert got == expect, f"read(rank {rank}, clock {clock}) answered {got}, rule says {expect}"
+        others = tokens[1:] if got else tokens
+        if got:
+            self.answered(clock)
+            w.clock, w.state = clock, "compute"
+        else:
+            assert self.bound is not None, "async: a read was parked"
+            self.parked[token] = (rank, clock, w.life)
+            w.state = "parked"
+        self.released(others)  # the reader's own progress may free others
+
+    def step(self, rank: int) -> None:
+        """The worker's next protocol action."""
+        w = self.workers[rank]
+        if w.state == "fresh":
+            self.read(rank, w.clock)
+        elif w.state == "compute":
+            self.finished[rank] = max(self.finished[rank], w.clock + 1)
+            w.state = "pushed"
+            self.released(self.table.push(rank, w.clock))
+        elif w.state == "pushed":
+            self.read(rank, w.clock + 1)
+
+    def membership(self) -> dict[int, int]:
+        return {r: self.workers[r].clock for r in sorted(self.live)}
+
+    def leave(self, rank: int, zombie: bool) -> None:
+        """Dropped from the membership; a zombie goes on sending (it has not noticed)."""
+        self.live.discard(rank)
+        if not zombie:
+            self.workers[rank].state = "dead"
+        self.released(self.table.set_live(self.membership()))
+
+    def join(self, rank: int, clock: int) -> None:
+        """(Re)joins at `clock`; clocks already finished stay finished."""
+        w = self.workers[rank]
+        w.clock, w.state, w.life = clock, "fresh", w.life + 1
+        self.finished[rank] = max(self.finished[rank], clock)
+        self.live.add(rank)
+        self.released(self.table.set_live(self.membership()))
+
+    def check(self) -> None:
+        # no read waits when it need not: whatever is still parked may not be read yet
+        for t, (rank, clock, _) in self.parked.items():
+            assert not self.may_read(clock), f"read {t} (rank {rank}, clock {clock}) still parked " \
+                                             f"though every live worker finished >= clock - s: {self.finished}"
+        assert self.table.parked == len(self.parked)
+        assert self.table.max_gap == self.max_lead
+        if self.bound is not None:
+            assert self.table.max_gap <= self.bound
+
+
+def run_ssp(n: int, bound: int | None, events) -> SspModel:
+    m = SspModel(n, bound)
+    for kind, a, b in events:
+        rank = a % n
+        if kind <= 4:  # mostly: somebody's next push or read
+            m.step(rank)
+        elif kind == 5 and rank in m.live:
+            m.leave(rank, zombie=b % 2 == 0)
+        elif kind == 6 and rank not in m.live:
+            clocks = [m.workers[r].clock for r in m.live]
+            top = max([w.clock for w in m.workers.values()] + [0])
+            start = min(clocks) if clocks and b % 2 else b % (top + 3)  # where the coordinator says, or anywhere
+            m.join(rank, start)
+        elif kind == 7:  # a membership refresh that changes nothing releases nothing
+            assert m.table.set_live(m.membership()) == []
+        m.check()
+    return m
+
+
+@pytest.mark.timeout(120)
+@PROPS
+@given(n=st.integers(1, 4), bound=st.integers(0, 3), events=EVENTS)
+def test_ssp_bound_never_violated_and_no_needless_wait(n, bound, events):
+    run_ssp(n, bound, events)
+
+
+@pytest.mark.timeout(120)
+@FEW
+@given(n=st.integers(1, 4), events=EVENTS)
+def test_async_never_parks(n, events):
+    m = run_ssp(n, None, events)
+    assert m.table.parked == 0
+
+
+@pytest.mark.timeout(60)
+@FEW
+@given(n=st.integers(2, 4), bound=st.integers(0, 3), rounds=st.integers(1, 10))
+def test_ssp_straggler_fast_workers_run_exactly_s_ahead(n, bound, rounds):
+    """Worker 0 is a straggler: the others run as far as the bound lets them (exactly s
+    clocks ahead of it, no less) and no further; each push of the straggler lets them on."""
+    m = SspModel(n, bound)
+    for r in range(n):
+        m.step(r)  # initial reads
+    for _ in range(rounds):
+        for _ in range(4 * (bound + 2)):
+            for r in range(1, n):
+                m.step(r)
+                m.check()
+        for r in range(1, n):
+            assert m.workers[r].clock - m.workers[0].clock == bound
+            assert m.workers[r].state == "parked"
+        m.step(0)  # the straggler pushes its clock...
+        m.check()
+        assert all(m.workers[r].state == "compute" for r in range(1, n))  # ...which releases the others
+        m.step(0)  # and reads the next one, at once
+        assert m.workers[0].state == "compute"
+        m.check()
+    assert m.table.max_gap == bound
+
+
+def test_ssp_examples():
+    t = ClockTable([0, 1], bound=1)
+    assert t.read(0, 0, "a0") and t.read(1, 0, "b0")
+    t.push(0, 0)
+    assert t.read(0, 1, "a1")            # 1 - 1 <= 0: fine
+    t.push(0, 1)
+    assert not t.read(0, 2, "a2")        # worker 1 has finished 0 < 2 - 1
+    assert t.push(1, 0) == ["a2"]        # ...until it finishes clock 0
+    assert t.max_gap == 1
+    assert t.set_live({0: 2}) == []      # worker 1 leaves: nothing parked
+    t.push(0, 2)
+    assert t.read(0, 3, "a3")            # only live workers count
+    assert t.set_live({0: 3, 1: 0}) == []  # 1 rejoins at clock 0; the clock it finished stays
+    assert t.finished[1] == 1
+    t.push(0, 3)
+    assert not t.read(0, 4, "a4")
+    assert t.set_live({0: 4}) == ["a4"]  # 1 leaves again: released by the membership change
+    assert ClockTable([0], None).read(0, 10 ** 6, "x")
+
+
+def test_ssp_nobody_live_nobody_to_wait_for():
+    t = ClockTable([0, 1], bound=0)
+    t.push(0, 0)
+    assert not t.read(0, 1, "a")          # waits for worker 1
+    assert t.set_live({1: 0}) == []       # 0 is dropped (its read stays parked: 1 is at 0)
+    assert t.set_live({}) == ["a"]        # 1 is gone too: nobody left to wait for
+    assert t.read(0, 7, "b")              # a read from a dropped worker, nobody live
+
+
+def test_ssp_read_that_raises_a_finished_clock_releases_others():
+    t = ClockTable([0, 1], bound=0)
+    assert t.read(0, 1, "a") == []         # 0 says it finished clock 1; 1 has finished 0
+    assert t.read(1, 1, "b") == ["b", "a"]  # 1 says it finished clock 1: "a" need not wait any more
+    assert t.parked == 0
+
+
+# ---------------------------------------------------------------- sync: StepBarrier
+
+class SyncModel:
+    """BSP with b backup workers (Chen et al. 2016), next to the real StepBarrier, with
+    the shard's driving logic: advance as soon as the step is complete."""
+
+    def __init__(self, n: int, backup: int):
+        self.n, self.backup = n, backup
+        self.bar = StepBarrier(range(n), backup)
+        self.live = set(range(n))
+        self.step = 0
+        self.offered: list[int] = []        # distinct ranks offered for the open step, in order
+        self.applied: list[tuple[int, list[int]]] = []
+        self.dropped = 0
+        self.parked: dict[int, int] = {}    # token -> clock
+        self.next_token = 0
+
+    @property
+    def need(self) -> int:
+        return max(1, len(self.live) - self.backup)
+
+    def advance(self) -> None:
+        done, released = self.bar.advance()
+        assert done == self.offered, "a step was applied with other gradients than the ones offered"
+        self.applied.append((self.step, done))
+        self.step += 1
+        self.offered = []
+        expect = sorted(t for t, c in self.parked.items() if c <= self.step)
+        assert sorted(released) == expect, "reads released are not exactly those with clock <= step"
+        for t in released:
+            del self.parked[t]
+
+    def offer(self, rank: int, clock: int) -> None:
+        verdict = self.bar.offer(rank, clock)
+        if clock < self.step:
+            assert verdict == bsp.LATE
+            self.dropped += 1
+        elif clock > self.step:
+            assert verdict == bsp.EARLY
+        elif rank in self.offered:
+            assert verdict == bsp.DUPLICATE
+        else:
+            assert verdict == bsp.ACCEPT
+            self.offered.append(rank)
+            assert self.bar.complete() == (len(self.offered) >= self.need)
+            if self.bar.complete():
+                assert len(self.offered) == self.need, "exactly the first live - backup gradients"
+                self.advance()
+
+    def read(self, clock: int) -> None:
+        token, self.next_token = self.next_token, self.next_token + 1
+        got = self.bar.read(clock, token)
+        assert got == (clock <= self.step)
+        if not got:
+            self.parked[token] = clock
+
+    def set_live(self, live: set[int]) -> None:
+        self.live = set(live)
+        self.bar.set_live(self.live)
+        if self.offered and self.bar.complete():
+            assert len(self.offered) >= self.need
+            self.advance()
+
+    def check(self) -> None:
+        assert self.bar.step == self.step
+        assert self.bar.contributors == self.offered
+        assert len(self.offered) < self.need or not self.offered, "a complete step was left open"
+        assert self.bar.dropped == self.dropped
+        assert self.bar.parked == len(self.parked)
+        assert all(c > self.step for c in self.parked.values()), "a read waits though its step is applied"
+        assert [s for s, _ in self.applied] == list(range(self.step)), "each step applied exactly once, in order"
+
+
+@pytest.mark.timeout(120)
+@PROPS
+@given(n=st.integers(1, 5), backup=st.integers(0, 4), events=EVENTS)
+def test_sync_each_step_applied_once_with_the_first_live_minus_backup(n, backup, events):
+    backup = backup % n  # config: 0 <= backup_workers < workers
+    m = SyncModel(n, backup)
+    for kind, a, b in events:
+        rank = a % n
+        if kind <= 3:
+            m.offer(rank, m.step + b % 4 - 2)       # late, late, on time, early
+        elif kind == 4:
+            m.offer(rank, m.step)                   # on time (the common case)
+        elif kind == 5:
+            m.read(m.step + b % 3 - 1)
+        elif kind == 6 and len(m.live) > 1:
+            m.set_live(m.live - {rank})             # leave
+        elif kind == 7:
+            m.set_live(m.live | {rank})             # join (or a no-op refresh)
+        m.check()
+
+
+@pytest.mark.timeout(60)
+@FEW
+@given(n=st.integers(2, 6), backup=st.integers(0, 5), steps=st.integers(1, 8), order=st.randoms(use_true_random=False))
+def test_sync_backup_workers_drop_the_slowest(n, backup, steps, order):
+    """All workers push every step in a random order: the first n - b count, the rest
+    are late and counted; reads of the next clock wait for the step."""
+    backup = backup % n
+    bar = StepBarrier(range(n), backup)
+    for s in range(steps):
+        ranks = list(range(n))
+        order.shuffle(ranks)
+        assert not bar.read(s + 1, f"read-{s}")
+        accepted = []
+        for i, r in enumerate(ranks):
+            v = bar.offer(r, s)
+            if i < n - backup:
+                assert v == bsp.ACCEPT
+                accepted.append(r)
+                if bar.complete():
+                    assert i == n - backup - 1
+                    done, released = bar.advance()
+                    assert done == accepted and released == [f"read-{s}"]
+            else:
+                assert v == bsp.LATE
+    assert bar.step == steps
+    assert bar.dropped == steps * backup
+
+
+# ---------------------------------------------------------------- EASGD
+
+def arrays(shape):
+    return hnp.arrays(np.float64, shape, elements=st.floats(-100, 100, allow_nan=False, allow_infinity=False))
+
+
+@pytest.mark.timeout(60)
+@FEW
+@given(data=st.data(), shape=hnp.array_shapes(max_dims=2, max_side=5), alpha=st.floats(0, 0.99))
+def test_easgd_elastic_step_is_algorithm_1(data, shape, alpha):
+    """Zhang, Choromanska, LeCun 2015, Alg. 1: x_i <- x_i - a(x_i - x~); x~ <- x~ + a(x_i - x~)."""
+    x = data.draw(arrays(shape))
+    center0 = data.draw(arrays(shape))
+    center = center0.copy()
+    d = elastic_step(x, center, alpha)
+    np.testing.assert_allclose(d, alpha * (x - center0))
+    np.testing.assert_allclose(center, center0 + alpha * (x - center0))           # the shard's update
+    np.testing.assert_allclose(x - d, x - alpha * (x - center0))                   # the worker's update
+    np.testing.assert_allclose((x - d) + center, x + center0, atol=1e-9)          # the elastic force is symmetric
+
+
+@pytest.mark.timeout(60)
+@FEW
+@given(data=st.data(), shape=hnp.array_shapes(max_dims=2, max_side=5), p=st.integers(1, 5),
+       alpha=st.floats(0, 0.99))
+def test_easgd_round_is_the_synchronous_update(data, shape, p, alpha):
+    """Synchronous EASGD: x~ <- x~ + a * sum_i (x_i - x~) = (1 - p a) x~ + p a mean(x_i);
+    worker i moves by -a (x_i - x~), all against the old center."""
+    xs = [data.draw(arrays(shape)) for _ in range(p)]
+    center0 = data.draw(arrays(shape))
+    center = center0.copy()
+    ds = elastic_round(xs, center, alpha)
+    np.testing.assert_allclose(center, center0 + alpha * sum(x - center0 for x in xs), atol=1e-9)
+    np.testing.assert_allclose(center, (1 - p * alpha) * center0 + p * alpha * np.mean(xs, axis=0), atol=1e-7)
+    for x, d in zip(xs, ds):
+        np.testing.assert_allclose(d, alpha * (x - center0))
+
+
+def test_easgd_on_tensors_in_place():
+    center = torch.zeros(4)
+    d = elastic_step(torch.ones(4), center, 0.25)
+    assert torch.equal(center, torch.full((4,), 0.25)) and torch.equal(d, torch.full((4,), 0.25))
+    ds = elastic_round([torch.ones(4), -torch.ones(4), 3 * torch.ones(4)], center, 0.1)
+    assert torch.allclose(center, torch.full((4,), 0.25 + 0.1 * (0.75 - 1.25 + 2.75)))
+    assert torch.allclose(ds[1], torch.full((4,), 0.1 * -1.25))
+
+
+# ---------------------------------------------------------------- LTFB
+
+RANKS = st.lists(st.integers(0, 40), max_size=12)
+
+
+@pytest.mark.timeout(60)
+@PROPS
+@given(seed=st.integers(0, 2 ** 31), rnd=st.integers(0, 10 ** 6), ranks=RANKS, shuffle=st.randoms(use_true_random=False))
+def test_ltfb_pairings_same_everywhere_nobody_twice_odd_one_sits_out(seed, rnd, ranks, shuffle):
+    p = pairings(seed, rnd, ranks)
+    # every party derives the same pairs: however it lists the ranks, however often it asks
+    other = list(ranks) + list(ranks[:2])
+    shuffle.shuffle(other)
+    assert pairings(seed, rnd, other) == p == pairings(seed, rnd, tuple(reversed(ranks)))
+    assert pairings(seed, rnd, set(ranks)) == p
+    # everybody has exactly one entry, pairs are mutual and nobody is paired twice or with itself
+    assert set(p) == set(ranks)
+    partners = [q for q in p.values() if q is not None]
+    assert len(partners) == len(set(partners))
+    for r, q in p.items():
+        assert q != r
+        if q is not None:
+            assert p[q] == r
+    # an odd one sits out, and only then
+    assert sum(q is None for q in p.values()) == len(set(ranks)) % 2
+
+
+@pytest.mark.timeout(150)
+def test_ltfb_pairings_identical_in_another_process():
+    """Different interpreters (and hash seeds) derive the same pairs."""
+    ranks = [5, 0, 3, 2, 9, 1, 7]
+    expect = {str(r): pairings(11, rnd, ranks) for r, rnd in enumerate(range(6))}
+    code = ("import json; from psgd.consistency.tournament import pairings; "
+            "print(json.dumps({str(i): pairings(11, r, [7, 1, 9, 2, 3, 0, 5]) for i, r in enumerate(range(6))}))")
+    import json
+    for hashseed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONHASHSEED": hashseed}, check=True).stdout
+        got = {k: {int(a): b for a, b in v.items()} for k, v in json.loads(out).items()}
+        assert got == expect
+
+
+def test_ltfb_pairings_change_with_round():
+    ranks = list(range(8))
+    assert len({tuple(sorted(pairings(0, r, ranks).items())) for r in range(20)}) > 1
+
+
+@pytest.mark.timeout(60)
+@PROPS
+@given(local=st.floats(allow_nan=False), partner=st.floats(allow_nan=False))
+def test_ltfb_adopt_only_on_strict_improvement(local, partner):
+    assert adopt(local, partner) == (partner > local)
+    assert not adopt(local, local)
+
+
+def test_ltfb_adopt_nan():
+    assert not adopt(0.5, math.nan) and not adopt(math.nan, 0.5)
+
+
+@pytest.mark.timeout(120)
+@PROPS
+@given(events=st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 3)), max_size=60))
+def test_ltfb_exchange_releases_parked_gets_exactly_on_put(events):
+    """A get of (round r, owner o) is answered with o's latest model if o has deposited
+    round r or later, else parked; a put of o's round r' releases exactly the parked
+    gets of o for rounds <= r', with that model."""
+    ex = Exchange()
+    latest: dict[int, tuple[int, str]] = {}   # owner -> (round, model)
+    waiting: dict[int, tuple[int, int]] = {}  # token -> (round, owner)
+    for token, (is_put, rnd, owner) in enumerate(events):
+        if is_put:
+            model = f"m{rnd}.{owner}.{token}"
+            released = ex.put(rnd, owner, model)
+            if rnd >= latest.get(owner, (-1, None))[0]:
+                latest[owner] = (rnd, model)
+            expect = sorted(t for t, (r, o) in waiting.items() if o == owner and r <= rnd)
+            assert sorted(t for t, _ in released) == expect
+            assert all(m == model for _, m in released)
+            for t in expect:
+                del waiting[t]
+        else:
+            got = ex.get(rnd, owner, token)
+            have = latest.get(owner)
+            assert got == (have[1] if have and have[0] >= rnd else None)
+            if got is None:
+                waiting[token] = (rnd, owner)
+        assert ex.parked == len(waiting)
+        assert ex.keys() == {m for _, m in latest.values()}  # one model per trainer is kept
+        for r, o in waiting.values():  # nobody waits for a model that is there
+            assert latest.get(o, (-1, None))[0] < r
+
+
+def test_ltfb_exchange_keeps_a_model_its_partner_still_needs():
+    """A trainer that sits out does not wait and may run rounds ahead; the models that
+    a straggler's partner deposited earlier must still be there for it."""
+    ex = Exchange()
+    ex.put(4, 0, "m4.0")                  # trainer 0 deposits round 4; its partner 1 is a straggler
+    ex.put(4, 2, "m4.2")                  # trainer 2 sits out round 4 ...
+    ex.put(5, 2, "m5.2")                  # ... and round 5 ...
+    ex.put(6, 2, "m6.2")                  # ... and deposits round 6
+    assert ex.get(4, 0, "t1") == "m4.0"   # the straggler reaches round 4: its partner's model is there
+    assert ex.get(7, 2, "t0") is None     # a later round waits ...
+    assert ex.put(7, 2, "m7.2") == [("t0", "m7.2")]  # ... until it is deposited
+    assert ex.get(5, 2, "t3") == "m7.2"   # a partner that moved on answers with its latest
+
+
+# ---------------------------------------------------------------- staleness
+
+@pytest.mark.timeout(60)
+@PROPS
+@given(taus=st.lists(st.integers(-3, 80), max_size=60), more=st.lists(st.integers(0, 40), max_size=20))
+def test_histogram(taus, more):
+    h = Histogram()
+    for t in taus:
+        h.add(t)
+    clipped = [min(max(t, 0), BINS - 1) for t in taus]
+    assert h.total == len(taus)
+    assert h.counts == [clipped.count(i) for i in range(BINS)]
+    assert h.mean == pytest.approx(sum(clipped) / len(clipped) if clipped else 0.0)
+    assert h.max == (max(clipped) if clipped else 0)
+    assert h.as_dict() == {(f"{i}+" if i == BINS - 1 else str(i)): clipped.count(i)
+                           for i in sorted(set(clipped))}
+    g = Histogram(h.counts)
+    other = Histogram()
+    for t in more:
+        other.add(t, 2)
+    g.merge(other)
+    h.merge(other.counts)
+    assert g.counts == h.counts and g.total == len(taus) + 2 * len(more)
+
+
+@pytest.mark.timeout(60)
+@PROPS
+@given(tau=st.integers(-5, 10 ** 6))
+def test_lr_scale(tau):
+    assert lr_scale(tau, "staleness") == 1.0 / max(1, tau)   # Zhang et al. 2016
+    assert lr_scale(tau, "constant") == 1.0
+
+
+@pytest.mark.timeout(60)
+@FEW
+@given(data=st.data(), n=st.integers(1, 8), lam=st.floats(0, 2))
+def test_delay_compensate_is_dc_asgd(data, n, lam):
+    """Zheng et al. 2017: g + lambda * g (.) g (.) (w_now - w_read)."""
+    g, w_now, w_read = (data.draw(arrays((n,))) for _ in range(3))
+    out = delay_compensate(g, w_now, w_read, lam)
+    np.testing.assert_allclose(out, g + lam * g * g * (w_now - w_read), rtol=1e-12)
+    if lam == 0:
+        np.testing.assert_array_equal(out, g)
+    gt = torch.tensor(g)
+    before = gt.clone()
+    delay_compensate(gt, torch.tensor(w_now), torch.tensor(w_read), lam)
+    assert torch.equal(gt, before), "delay_compensate must not change the gradient in place"
+
+
+# ---------------------------------------------------------------- the shard, driven with wire messages
+
+def shard_for(mode: str, workers: int, **sets):
+    from psgd.shard import Shard
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": workers, "cluster.servers": 2,
+                              "optimizer.momentum": 0.0, **sets})
+    return Shard(cfg, 0), cfg
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def msg(op: str, rank: int, clock: int, arrays=(), **fields) -> wire.Message:
+    return wire.decode(wire.encode(op, id=next(_ids), rank=rank, clock=clock, arrays=arrays, **fields))
+
+
+def push(shard, rank, clock, g, read_version=0):
+    return msg("push", rank, clock, [g, np.zeros(shard.B, np.float32)], read_version=read_version)
+
+
+def answers(replies) -> dict:
+    return {tok: wire.decode(frames) for tok, frames in replies}
+
+
+@pytest.mark.timeout(120)
+def test_shard_sync_backup_workers_drop_late_gradients():
+    shard, cfg = shard_for("sync", 3, **{"mode.backup_workers": 1})
+    lr = cfg.optimizer.lr
+    p0 = shard.params.detach().clone().numpy()
+    rng = np.random.default_rng(0)
+    g = [rng.standard_normal(shard.P).astype(np.float32) for _ in range(3)]
+
+    for r in range(3):  # everybody reads clock 0 at once
+        assert len(shard.handle(("pull", r, 0), msg("pull", r, 0))) == 1
+    out = answers(shard.handle(("push", 2, 0), push(shard, 2, 0, g[2])))
+    assert not out[("push", 2, 0)].get("dropped")
+    assert shard.handle(("pull", 2, 1), msg("pull", 2, 1)) == []            # parked: step 0 not applied
+    out = answers(shard.handle(("push", 0, 0), push(shard, 0, 0, g[0])))
+    # 3 workers, 1 backup: complete after 2; the parked read is answered with the new parameters
+    assert set(out) == {("push", 0, 0), ("pull", 2, 1)}
+    assert shard.barrier.step == 1 and shard.version == 1
+    expect = p0 - lr * (g[2] + g[0]) / 2
+    np.testing.assert_allclose(shard.params.detach().numpy(), expect, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[("pull", 2, 1)].arrays[0], expect, rtol=1e-5, atol=1e-6)
+
+    # the slowest one's gradient for step 0 is late: dropped, counted, not applied
+    out = answers(shard.handle(("push", 1, 0), push(shard, 1, 0, g[1])))
+    assert out[("push", 1, 0)].get("dropped") is True
+    assert shard.counters["dropped"] == 1 and shard.stats()["dropped"] == 1 and shard.barrier.dropped == 1
+    np.testing.assert_allclose(shard.params.detach().numpy(), expect, rtol=1e-5, atol=1e-6)
+    # its next read (clock 1) is answered at once: step 1 is open
+    assert len(shard.handle(("pull", 1, 1), msg("pull", 1, 1))) == 1
+
+    # step 1: ranks 1 and 2 in time, rank 0 late
+    shard.handle(("push", 1, 1), push(shard, 1, 1, g[1], 1))
+    shard.handle(("push", 2, 1), push(shard, 2, 1, g[2], 1))
+    assert shard.barrier.step == 2
+    out = answers(shard.handle(("push", 0, 1), push(shard, 0, 1, g[0], 1)))
+    assert out[("push", 0, 1)].get("dropped") is True
+    assert shard.stats()["dropped"] == 2 and shard.version == 2
+    # a resend of an applied push is a duplicate, not a second application
+    out = answers(shard.handle(("push", 1, 1, "again"), push(shard, 1, 1, g[1], 1)))
+    assert out[("push", 1, 1, "again")].get("duplicate") is True and shard.version == 2
+
+
+@pytest.mark.timeout(120)
+def test_shard_sync_membership_change_completes_a_step():
+    shard, _ = shard_for("sync", 3)
+    g = np.ones(shard.P, np.float32)
+    shard.handle("p0", push(shard, 0, 0, g))
+    shard.handle("p1", push(shard, 1, 0, g))
+    assert shard.handle("r0", msg("pull", 0, 1)) == []
+    assert shard.barrier.step == 0                      # waits for rank 2...
+    out = answers(shard.set_live({0: 1, 1: 1}))         # ...until it is dropped
+    assert set(out) == {"r0"} and shard.barrier.step == 1
+
+
+@pytest.mark.timeout(120)
+def test_shard_ssp_parks_a_pull_and_a_push_releases_it():
+    shard, cfg = shard_for("ssp", 2, **{"mode.staleness": 0})
+    lr, W = cfg.optimizer.lr, 2
+    p0 = shard.params.detach().clone().numpy()
+    rng = np.random.default_rng(1)
+    g0, g1 = (rng.standard_normal(shard.P).astype(np.float32) for _ in range(2))
+    for r in range(2):
+        assert len(shard.handle(("pull", r, 0), msg("pull", r, 0))) == 1
+
+    out = answers(shard.handle(("push", 0, 0), push(shard, 0, 0, g0)))
+    assert out[("push", 0, 0)].get("staleness") == 0
+    # applied on arrival, at lr / W
+    np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr / W * g0, rtol=1e-5, atol=1e-6)
+    # worker 0 finished clock 0 and reads clock 1: worker 1 has not finished clock 0 (s = 0)
+    assert shard.handle(("pull", 0, 1), msg("pull", 0, 1)) == []
+    assert shard.stats()["parked"] == 1
+    out = answers(shard.handle(("push", 1, 0), push(shard, 1, 0, g1, read_version=0)))
+    assert set(out) == {("push", 1, 0), ("pull", 0, 1)}
+    assert out[("push", 1, 0)].get("staleness") == 1       # one update between its read and its push
+    expect = p0 - lr / W * (g0 + g1)
+    got = out[("pull", 0, 1)]
+    assert got.get("version") == 2
+    np.testing.assert_allclose(got.arrays[0], expect, rtol=1e-5, atol=1e-6)  # sees every update <= c - s - 1, and its own
+    assert shard.stats()["parked"] == 0 and shard.stats()["max_clock_gap"] == 0
+    # worker 1 reads clock 1 at once: both finished clock 0
+    assert len(shard.handle(("pull", 1, 1), msg("pull", 1, 1))) == 1
+
+
+@pytest.mark.timeout(120)
+def test_shard_ssp_membership_change_releases_a_pull():
+    shard, _ = shard_for("ssp", 3, **{"mode.staleness": 1})
+    g = np.zeros(shard.P, np.float32)
+    for c in range(2):
+        shard.handle(("push", c), push(shard, 0, c, g))
+    assert shard.handle("r", msg("pull", 0, 2)) == []           # 1 and 2 are at 0 < 2 - 1
+    assert shard.set_live({0: 2, 1: 0, 2: 0}) == []             # nothing changed
+    shard.handle("p1", push(shard, 1, 0, g))
+    assert shard.handle("r2", msg("pull", 1, 1)) != []
+    out = answers(shard.set_live({0: 2, 1: 1}))                 # rank 2 is lost
+    assert set(out) == {"r"}
+
+
+@pytest.mark.timeout(120)
+def test_shard_async_never_parks_and_scales_by_staleness():
+    shard, cfg = shard_for("async", 2, **{"mode.lr_policy": "staleness"})
+    lr, W = cfg.optimizer.lr, 2
+    p0 = shard.params.detach().clone().numpy()
+    g = np.ones(shard.P, np.float32)
+    for c in range(5):
+        shard.handle(("p", c), push(shard, 0, c, g, read_version=c))
+        assert len(shard.handle(("r", c), msg("pull", 0, c + 1))) == 1
+    # worker 1 read at version 0 and pushes after 5 updates: tau = 5, lr / (W * 5)
+    out = answers(shard.handle("late", push(shard, 1, 0, g, read_version=0)))
+    assert out["late"].get("staleness") == 5
+    np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr / W * (5 + 1 / 5) * g, rtol=1e-5, atol=1e-6)
+    assert shard.stats()["staleness_hist"][5] == 1
+
+
+def test_sync_fast_forward_only_an_empty_step():
+    bar = StepBarrier(range(2))
+    assert not bar.read(3, "r3") and not bar.read(6, "r6")
+    assert bar.fast_forward(2) == [] and bar.step == 2        # nothing to release yet
+    assert bar.fast_forward(1) == [] and bar.step == 2        # never backwards
+    assert bar.offer(0, 2) == bsp.ACCEPT
+    assert bar.fast_forward(5) == [] and bar.step == 2        # a step with gradients is not skipped
+    bar.offer(1, 2)
+    assert bar.advance() == ([0, 1], ["r3"])
+    assert bar.fast_forward(6) == ["r6"] and bar.step == 6
+
+
+@pytest.mark.timeout(120)
+def test_shard_ssp_join_pull_is_not_gated():
+    shard, _ = shard_for("ssp", 2, **{"mode.staleness": 0})
+    g = np.zeros(shard.P, np.float32)
+    for c in range(3):
+        shard.handle(("p", c), push(shard, 0, c, g))
+    assert shard.handle("gated", msg("pull", 0, 3)) == []     # 1 is at 0
+    out = answers(shard.handle("join", msg("pull", 1, 0, join=True)))
+    assert out["join"].get("finished") == 0 and shard.stats()["parked"] == 1
+    assert out["join"].get("version") == 3

@@ -31,7 +31,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .config import MODES, Config, ConfigError, load, parse_value
@@ -100,7 +100,7 @@ def parse_modes(text: str) -> list[ModeSpec]:
             # One more value of the previous item's last key: ssp:staleness=0,1,2
             groups[-1][1][-1][1].append(parse_value(item))
         elif "=" in item:
-            raise ConfigError(f"--modes: {item!r} names no mode (write mode:{item}, e.g. ssp:{item})")
+            raise ConfigError(f"--modes: {item!r} names no mode (write MODE:{item})")
         else:
             raise ConfigError(f"--modes: {item!r} is neither a mode ({', '.join(MODES)}) nor a value "
                               f"of the previous mode's parameter")

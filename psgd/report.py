@@ -217,6 +217,12 @@ def _ttt_cell(row: Row) -> str:
     return cell if len(got) == n else f"{cell} ({len(got)}/{n} reached)"
 
 
+def _smax(v: int | None) -> str:
+    """The histogram's last bin collects everything >= BINS - 1."""
+    from .consistency.staleness import BINS
+    return "—" if v is None else f"≥{v}" if v >= BINS - 1 else str(v)
+
+
 def _x(v: float | None) -> str:
     if v is None:
         return "—"
@@ -237,7 +243,7 @@ def main_table(rows: list[Row], target: float) -> list[str]:
             lines.append(f"| {_md_escape(row.name)} | {row.workers} | failed: {_md_escape(first[:120])} "
                          f"| | | | | | | |")
             continue
-        stal = "—" if row.is_baseline else f"{_f(row.staleness_mean)} / {row.staleness_max}"
+        stal = "—" if row.is_baseline else f"{_f(row.staleness_mean)} / {_smax(row.staleness_max)}"
         wait = "—" if row.is_baseline else _f(mean(row.values("wait_fraction")))
         bps = "—" if row.is_baseline else f"{mean(row.values('bytes_per_sample')):,.0f}"
         sps = mean(row.sps)
@@ -415,7 +421,7 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         else:
             rho = spearman([t[0] for t in st], [t[1] for t in st])
             s = (f"Staleness: highest mean in {_rname(most[2], many_w)} ({most[0]:.2f} updates, max "
-                 f"{most[2].staleness_max})")
+                 f"{_smax(most[2].staleness_max)})")
             acc_noise = _noise_note([t[2].acc for t in st], "accuracy", lambda x: f"{x:.4f}")
             if rho is not None and acc_noise:
                 top_sd = max(sd(t[2].acc) or 0.0 for t in st)
@@ -620,7 +626,7 @@ def _staleness_plot(plt, rows: list[Row], colors, path: str) -> None:
             ax.bar([_bin_order(k) for k in keys], [h[k] / total for k in keys], width=0.8, color=colors[r.key])
             ax.set_yscale("log")
             ax.set_ylim(min(0.5 / total, 0.5e-3), 1.5)
-            title = f"mean {_f(r.staleness_mean)}, max {r.staleness_max}"
+            title = f"mean {_f(r.staleness_mean)}, max {_smax(r.staleness_max)}"
         else:
             ax.text(0.5, 0.5, "no staleness recorded\n(independent trainers)" if r.mode == "ltfb"
                     else "no staleness recorded", ha="center", va="center", fontsize=7, transform=ax.transAxes)

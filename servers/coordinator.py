@@ -142,8 +142,8 @@ class Coordinator:
         e = {"t": round(t, 3), "samples": self.samples(), "accuracy": float(msg.get("accuracy")),
              "loss": float(msg.get("loss")), "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):
-            self.evals.append(e)
-            self.events.write(event="eval", **e)
+            self.evals.append(e)  # t: seconds since training started (summary.json's curve)
+            self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
         self._send(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))
         if e["final"] and self.phase == "final_eval":
             self._finish_job()

@@ -55,9 +55,6 @@ def child(j: LocalJob, name: str):
 # ---------------------------------------------------------------- killed workers
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
 def kill_during(j: LocalJob, name: str, after: tuple[int, int], sig=signal.SIGKILL) -> dict:
     """Run the job, send `sig` to child `name` once worker after[0] has done after[1]
     steps, and return the summary."""
@@ -70,6 +67,9 @@ def kill_during(j: LocalJob, name: str, after: tuple[int, int], sig=signal.SIGKI
         j.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
 def test_kill_9_a_worker_mid_run(tmp_path, mode):
     j = job(tmp_path, f"mode.name={mode}", "cluster.workers=3", "train.steps=500", "mode.round_steps=25")
     s = kill_during(j, "worker-2", (2, 60))

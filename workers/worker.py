@@ -219,11 +219,11 @@ class Worker:
         self.clock += 1
 
     def run_easgd(self) -> None:
-        self.join()
+        last_version = self.join()[0]  # staleness counts center moves since our own last exchange
         model = self.replica.model
         model.train()
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg.optimizer)
-        tau, last_version = self.cfg.mode.tau, 0
+        tau = self.cfg.mode.tau
         while self.more():
             if self.rejoin_if_dropped():
                 self.join()

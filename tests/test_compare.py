@@ -1,0 +1,331 @@
+"""`psgd compare`: the --modes parser, the plan, the sequential baseline, the report
+(from made-up summaries) and one small compare end to end through the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from psgd.compare import ModeSpec, build_plan, estimate_left, parse_modes, parse_workers
+from psgd.config import ConfigError, load
+from psgd.report import build_rows, reading, spearman, trend, write_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png(path: str) -> tuple[int, int]:
+    """Magic bytes, a well-formed IHDR chunk (CRC checked), an IEND; (width, height)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == PNG_MAGIC, f"{path}: not a PNG"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13, f"{path}: first chunk is {kind!r}"
+    body = data[16:16 + 13]
+    (crc,) = struct.unpack(">I", data[29:33])
+    assert crc == zlib.crc32(b"IHDR" + body) & 0xFFFFFFFF, f"{path}: bad IHDR CRC"
+    width, height = struct.unpack(">II", body[:8])
+    assert width > 0 and height > 0
+    assert data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82"), f"{path}: no IEND chunk (truncated?)"
+    try:
+        from PIL import Image
+    except ImportError:
+        return width, height
+    with Image.open(path) as im:
+        im.load()
+        assert im.size == (width, height)
+    return width, height
+
+
+# ---------------------------------------------------------------- --modes
+
+
+@pytest.mark.timeout(30)
+class TestParseModes:
+    def test_plain_modes(self):
+        specs = parse_modes("sync,ssp,async,easgd,ltfb")
+        assert [s.mode for s in specs] == ["sync", "ssp", "async", "easgd", "ltfb"]
+        assert all(s.params == () and s.sweep is None for s in specs)
+        assert [s.label for s in specs] == ["sync", "ssp", "async", "easgd", "ltfb"]
+
+    def test_parameters_are_typed(self):
+        specs = parse_modes("sync,ssp:staleness=2,async:lr_policy=staleness,easgd:tau=4:alpha=0.3,ltfb")
+        assert specs[1] == ModeSpec("ssp", (("staleness", 2),))
+        assert isinstance(specs[1].params[0][1], int)
+        assert specs[2].params == (("lr_policy", "staleness"),)
+        assert specs[3].params == (("tau", 4), ("alpha", 0.3))
+        assert specs[3].label == "easgd:tau=4:alpha=0.3"
+
+    def test_sweep_of_the_last_key(self):
+        specs = parse_modes("ssp:staleness=0,1,2,4,8")
+        assert [s.params for s in specs] == [(("staleness", v),) for v in (0, 1, 2, 4, 8)]
+        assert all(s.sweep == "staleness" for s in specs)
+        assert [s.sweep_value for s in specs] == [0, 1, 2, 4, 8]
+        assert [s.label for s in specs] == [f"ssp:staleness={v}" for v in (0, 1, 2, 4, 8)]
+
+    def test_numbers_after_a_parameter_belong_to_its_sweep(self):
+        # The comma separates modes and values alike: numbers go to the previous mode.
+        specs = parse_modes("sync,ssp:staleness=0,2,async,easgd:tau=1,4,16")
+        assert [s.label for s in specs] == ["sync", "ssp:staleness=0", "ssp:staleness=2", "async",
+                                           "easgd:tau=1", "easgd:tau=4", "easgd:tau=16"]
+        assert specs[0].sweep is None and specs[3].sweep is None
+        assert specs[1].sweep == "staleness" and specs[5].sweep == "tau"
+
+    def test_sweep_keeps_fixed_parameters(self):
+        specs = parse_modes("easgd:alpha=0.2:tau=1,8")
+        assert [s.params for s in specs] == [(("alpha", 0.2), ("tau", 1)), (("alpha", 0.2), ("tau", 8))]
+
+    def test_non_numeric_sweep_values(self):
+        specs = parse_modes("async:lr_policy=constant,staleness")
+        assert [s.params for s in specs] == [(("lr_policy", "constant"),), (("lr_policy", "staleness"),)]
+        assert [s.label for s in specs] == ["async:lr_policy=constant", "async:lr_policy=staleness"]
+
+    def test_whitespace_is_ignored(self):
+        assert [s.label for s in parse_modes(" sync , ssp:staleness = 1 , 2 ")] == \
+            ["sync", "ssp:staleness=1", "ssp:staleness=2"]
+
+    @pytest.mark.parametrize("text, words", [
+        ("", "empty"),
+        ("sync,,async", "empty item"),
+        ("bsp", "neither a mode"),
+        ("hogwild:staleness=1", "unknown mode"),
+        ("ssp:tau=2", "no parameter 'tau'"),
+        ("ssp:staleness", "expected ssp:key=value"),
+        ("ssp:staleness=", "expected ssp:key=value"),
+        ("sync,2", "neither a mode"),                 # a value with no parameter before it
+        ("ssp:staleness=2,tau=4", "names no mode"),
+        ("sync,sync", "listed twice"),
+        ("ssp:staleness=1,1", "lists a value twice"),
+        ("ssp:staleness=2,ssp:staleness=2", "listed twice"),
+        ("easgd:tau=2:tau=3", "sets tau twice"),
+    ])
+    def test_errors_name_the_problem(self, text, words):
+        with pytest.raises(ConfigError, match=words):
+            parse_modes(text)
+
+
+@pytest.mark.timeout(30)
+def test_parse_workers():
+    assert parse_workers(None) is None
+    assert parse_workers("3") == [3]
+    assert parse_workers("1, 2,4") == [1, 2, 4]
+    for bad in ("0", "two", "1,,2", "-1", "2,2"):
+        with pytest.raises(ConfigError):
+            parse_workers(bad)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@pytest.mark.timeout(30)
+def test_plan_order_seeds_folders_and_budget():
+    base = load(None, ["train.steps=50", "job.seed=7"])
+    plan = build_plan(base, parse_modes("sync,ssp:staleness=0,3"), [1, 2], repeats=2, servers=3)
+    # per repeat: baseline, then workers x modes
+    assert len(plan) == 2 * (1 + 2 * 3)
+    assert plan[0].is_baseline and plan[7].is_baseline
+    assert plan[0].baseline_steps == 2 * 50  # the largest run's total samples
+    assert plan[0].cfg.cluster.workers == 1
+    assert {r.cfg.job.seed for r in plan[:7]} == {7} and {r.cfg.job.seed for r in plan[7:]} == {8}
+    names = [r.name for r in plan]
+    assert len(set(names)) == len(names)
+    assert "ssp-staleness=3-w2-r1" in names and "sync-w1-r0" in names and "baseline-r1" in names
+    ssp = next(r for r in plan if r.name == "ssp-staleness=3-w2-r1")
+    assert ssp.cfg.mode.name == "ssp" and ssp.cfg.mode.staleness == 3
+    assert ssp.cfg.cluster.workers == 2 and ssp.cfg.cluster.servers == 3
+    assert ssp.params == {"staleness": 3} and ssp.sweep == "staleness" and ssp.sweep_value == 3
+    assert ssp.cfg.train.steps == 50  # --set reaches every run
+    assert len(build_plan(base, parse_modes("sync"), [2], 1, baseline=False)) == 1
+
+
+@pytest.mark.timeout(30)
+def test_plan_validates_every_config_before_running():
+    base = load(None, [])
+    with pytest.raises(ConfigError, match="backup_workers"):
+        build_plan(base, parse_modes("sync:backup_workers=2"), [2, 4], 1)
+    with pytest.raises(ConfigError, match="staleness"):
+        build_plan(base, parse_modes("ssp:staleness=-1"), [2], 1)
+    with pytest.raises(ConfigError, match="repeats"):
+        build_plan(base, parse_modes("sync"), [2], 0)
+
+
+@pytest.mark.timeout(30)
+def test_time_left_estimate():
+    base = load(None, [])
+    plan = build_plan(base, parse_modes("sync,async"), [1, 3], 1)
+    assert estimate_left(plan, {}, 0) is None
+    # baseline took 2 s; sync with 1 worker 8 s (= 2 s x (1 + 3 other processes))
+    left = estimate_left(plan, {0: 2.0, 1: 8.0}, 2)
+    assert left == pytest.approx(2.0 * 4 + 2.0 * 6 + 2.0 * 6)  # async w1, sync w3, async w3
+
+
+# ---------------------------------------------------------------- baseline
+
+
+@pytest.mark.timeout(120)
+def test_baseline_trains_and_writes_a_summary(tmp_path):
+    from psgd.baseline import run_baseline
+    cfg = load(None, ["train.steps=40", "eval.target_accuracy=0.5"])
+    s = run_baseline(cfg, out=str(tmp_path), device="cpu", steps=120)
+    assert s["mode"] == "baseline" and s["workers"] == 1 and s["servers"] == 0
+    assert s["samples"] == 120 * 32 and s["steps"] == 120
+    assert s["evals"][0]["samples"] == 0 and s["evals"][-1]["samples"] == 120 * 32
+    assert s["evals"][-1].get("final")
+    assert all(a["t"] <= b["t"] for a, b in zip(s["evals"], s["evals"][1:]))
+    assert s["final_accuracy"] > 0.5 and s["time_to_target_s"] is not None
+    assert s["samples_per_s"] > 0 and s["staleness"]["max"] == 0
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["samples"] == s["samples"]
+
+
+# ---------------------------------------------------------------- report (no processes)
+
+
+def fake_run(label, mode, workers, repeat, acc, ttt, sps, stal=0.0, stal_max=0, hist=None, params=None,
+             sweep=None, wait=0.1):
+    t_end = 4.0
+    evals = [{"t": 0.5, "samples": 100, "accuracy": 0.3, "loss": 2.0},
+             {"t": ttt or 3.0, "samples": 1000, "accuracy": 0.91 if ttt else 0.8, "loss": 0.5},
+             {"t": t_end, "samples": 2000, "accuracy": acc, "loss": 0.2}]
+    return {"label": label, "mode": mode, "params": params or {}, "workers": workers, "repeat": repeat,
+            "sweep": sweep, "sweep_value": (params or {}).get(sweep) if sweep else None,
+            "dir": f"runs/{label}-w{workers}-r{repeat}",
+            "wall_s": t_end, "samples": 2000, "samples_per_s": sps, "final_accuracy": acc, "final_loss": 0.2,
+            "time_to_target_s": ttt, "target_accuracy": 0.9,
+            "staleness": {"mean": stal, "max": stal_max, "hist": hist or {"0": 10}},
+            "max_clock_gap": stal_max, "wait_fraction": wait, "bytes_per_sample": 6500.0,
+            "failures": {"workers_lost": 0}, "dropped_gradients": 0, "evals": evals}
+
+
+def fake_results():
+    out = []
+    for r in range(2):
+        out.append(fake_run("baseline", "baseline", 1, r, 0.95, 0.5, 40000.0))
+        out.append(fake_run("sync", "sync", 3, r, 0.97 + 0.002 * r, 2.0, 6000.0 + 100 * r, wait=0.6))
+        out.append(fake_run("async", "async", 3, r, 0.95, 1.0, 9000.0, 1.5, 9, {"0": 3, "1": 5, "9": 2}))
+        for s in (0, 4):
+            out.append(fake_run(f"ssp:staleness={s}", "ssp", 3, r, 0.96 - 0.005 * s, 1.5 if s else 1.8,
+                                7000.0 + 300 * s, 0.5 + 0.2 * s, s + 1, {"0": 4, str(s + 1): 6},
+                                params={"staleness": s}, sweep="staleness"))
+    out.append({"label": "ltfb", "mode": "ltfb", "params": {}, "workers": 3, "repeat": 0,
+                "dir": "runs/ltfb-w3-r0", "error": "the coordinator exited with 1 (ended without a summary)"})
+    return out
+
+
+CTX = {"command": "psgd compare --modes sync,async,ssp:staleness=0,4,ltfb --set faults.slow_rank=1 "
+                  "--set faults.slow_factor=4", "sets": ["faults.slow_rank=1", "faults.slow_factor=4"],
+       "workers": [3], "servers": 2, "repeats": 2, "seeds": [0, 1], "target_accuracy": 0.9, "eval_every_s": 0.5,
+       "job": {"model": "mlp", "data": "digits", "batch_size": 32, "steps": 300, "optimizer": {"name": "sgd"}},
+       "faults": {"slow_rank": 1, "slow_factor": 4.0, "step_delay_s": 0.0},
+       "baseline": {"steps": 900, "samples": 28800, "threads": 1},
+       "machine": {"cpus": 2, "device": "cpu", "torch": "x", "cuda": False}}
+
+
+@pytest.mark.timeout(120)
+def test_report_rows_speedups_and_reading(tmp_path):
+    results = fake_results()
+    rows = build_rows(results)
+    by = {r.label: r for r in rows}
+    assert [r.label for r in rows] == ["baseline", "sync", "async", "ssp:staleness=0", "ssp:staleness=4", "ltfb"]
+    assert by["sync"].speedup(by["sync"].ref_sync) == pytest.approx(1.0)
+    assert by["async"].speedup(by["async"].ref_sync) == pytest.approx(2.0)
+    assert by["async"].speedup(by["async"].ref_base) == pytest.approx(0.5)
+    assert by["async"].throughput_ratio(by["async"].ref_sync) == pytest.approx(9000 / 6050)
+    assert by["ltfb"].runs == [] and by["ltfb"].errors
+
+    path = write_report(str(tmp_path), results, CTX)
+    text = open(path).read()
+    table = [l for l in text.splitlines() if l.startswith("| ")]
+    sync_row = next(l for l in table if l.startswith("| sync |"))
+    cells = [c.strip() for c in sync_row.strip("|").split("|")]
+    assert cells[1] == "3" and cells[2] == "0.9710 ± 0.0014" and cells[3] == "2.00 ± 0.00"
+    assert cells[4] == "6,050 ± 71" and cells[-2] == "1.00×" and cells[-1] == "0.25×"
+    async_row = next(l for l in table if l.startswith("| async |"))
+    assert "1.50 / 9" in async_row and "2.00×" in async_row
+    assert any(l.startswith("| baseline (sequential) |") for l in table)
+    assert any(l.startswith("| ltfb |") and "failed: the coordinator exited" in l for l in table)
+    # the fault is stated, and the reading is computed from the numbers
+    assert "**Applied to every run:** `--set faults.slow_rank=1 --set faults.slow_factor=4`" in text
+    assert "worker rank 1 is an injected straggler" in text and "4×" in text
+    assert "First to reach 0.9 test accuracy: **async** after 1.00 s" in text
+    assert "Highest throughput: **async** with 9,000 samples/s" in text
+    assert "Sweep of ssp staleness over 0, 4 (3 workers)" in text
+    assert "## Failed runs" in text
+    for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput.png", "staleness.png",
+                 "sweep_ssp_staleness_w3.png"):
+        assert f"]({name})" in text
+        check_png(str(tmp_path / name))
+
+
+@pytest.mark.timeout(60)
+def test_reading_follows_the_numbers():
+    # Flip the numbers: now sync is first and fastest, staleness costs accuracy.
+    results = [fake_run("sync", "sync", 2, 0, 0.98, 1.0, 9000.0),
+               fake_run("ssp:staleness=1", "ssp", 2, 0, 0.97, 1.8, 5000.0, 0.5, 1),
+               fake_run("async", "async", 2, 0, 0.90, None, 4000.0, 3.0, 12)]
+    text = "\n".join(reading(build_rows(results), {"target_accuracy": 0.9, "eval_every_s": 0.5, "faults": {}}))
+    assert "First to reach 0.9 test accuracy: **sync** after 1.00 s" in text
+    assert "Highest throughput: **sync**" in text
+    assert "Never reached 0.9: async" in text
+    assert "more staleness went with lower final accuracy" in text
+    assert "fault" not in text
+
+
+@pytest.mark.timeout(30)
+def test_statistics_helpers():
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+    assert trend([1, 2, 3]) == "rose" and trend([3, 2, 2]) == "fell"
+    assert trend([1, 3, 2]) == "went up and down" and trend([2, 2]) == "stayed flat"
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compare_end_to_end(tmp_path):
+    """Real processes: the CLI runs sync and an ssp staleness sweep with 2 workers, plus the
+    baseline, and writes compare.json, report.md and valid PNG plots."""
+    out = tmp_path / "cmp"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
+    cmd = [sys.executable, "-m", "psgd", "compare", "--modes", "sync,ssp:staleness=0,3", "--workers", "2",
+           "--servers", "1", "--set", "train.steps=60", "--set", "eval.every_seconds=0.25",
+           "--set", "eval.target_accuracy=0.5", "--device", "cpu", "--timeout", "240", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[1/4] baseline" in p.stderr and "[4/4]" in p.stderr and "left" in p.stderr
+    assert "applied to every run: train.steps=60" in p.stderr
+
+    runs = json.loads((out / "compare.json").read_text())
+    assert [(r["label"], r["mode"], r["workers"], r["repeat"]) for r in runs] == [
+        ("baseline", "baseline", 1, 0), ("sync", "sync", 2, 0),
+        ("ssp:staleness=0", "ssp", 2, 0), ("ssp:staleness=3", "ssp", 2, 0)]
+    assert runs[2]["params"] == {"staleness": 0} and runs[3]["mode_params"] == {"staleness": 3}
+    assert runs[3]["sweep"] == "staleness" and runs[3]["sweep_value"] == 3
+    for r in runs:
+        assert "error" not in r, r.get("error")
+        assert r["final_accuracy"] is not None and r["evals"]
+        assert (out / r["dir"] / "summary.json").exists()
+    assert runs[0]["samples"] == 2 * 60 * 32
+    for r in runs[1:]:
+        assert r["samples"] == 2 * 60 * 32 and r["servers"] == 1
+        assert (out / r["dir"] / "events").is_dir()
+    assert runs[1]["staleness"]["max"] == 0  # sync never reads stale parameters
+
+    text = (out / "report.md").read_text()
+    rows = [l for l in text.splitlines() if l.startswith("| ")]
+    for label in ("baseline (sequential)", "sync", "ssp:staleness=0", "ssp:staleness=3"):
+        assert any(l.startswith(f"| {label} |") for l in rows), label
+    assert "## Reading" in text and "First to reach" in text or "No distributed configuration reached" in text
+    for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput.png", "staleness.png",
+                 "sweep_ssp_staleness_w2.png"):
+        w, h = check_png(str(out / name))
+        assert w >= 200 and h >= 150
+        assert f"]({name})" in text

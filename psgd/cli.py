@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     _common(p)
     _device(p)
     p.add_argument("--modes", default="sync,ssp,async,easgd,ltfb",
-                   help="comma-separated modes, each optionally with parameters: ssp:staleness=2")
+                   help="comma-separated modes, each optionally with parameters (ssp:staleness=2, "
+                        "easgd:tau=4:alpha=0.3); a value list sweeps one parameter: ssp:staleness=0,1,2,4,8")
     p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 1,2,4")
     p.add_argument("--servers", type=int)
     p.add_argument("--repeats", type=int, default=1)

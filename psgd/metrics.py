@@ -13,11 +13,6 @@ from typing import Any
 
 from .consistency.staleness import Histogram
 
-SUMMARY_FIELDS = ("mode", "mode_params", "workers", "servers", "wall_s", "samples", "samples_per_s",
-                  "final_accuracy", "final_loss", "time_to_target_s", "staleness", "max_clock_gap",
-                  "wait_fraction", "bytes_per_sample", "failures")
-
-
 class EventLog:
     """Appends JSON lines to DIR/events/<role>-<id>.jsonl; a no-op without DIR."""
 

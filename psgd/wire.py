@@ -116,7 +116,6 @@ class Message:
     clock: int = -1
     fields: dict = field(default_factory=dict)
     arrays: list = field(default_factory=list)
-    nbytes: int = 0  # size on the wire, header included
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
@@ -233,7 +232,7 @@ def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
             raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
         arrays.append(np.frombuffer(buf, dtype=dt).reshape(shape) if expect else np.zeros(shape, dt))
     return Message(op=op, id=base["id"], rank=base["rank"], clock=base["clock"],
-                   fields=fields, arrays=arrays, nbytes=total)
+                   fields=fields, arrays=arrays)
 
 
 def expect_array(msg: Message, i: int, dtype: str, shape: tuple) -> np.ndarray:

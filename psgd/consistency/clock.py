@@ -28,10 +28,6 @@ class ClockTable:
     def slowest(self) -> int:
         return min((self.finished[r] for r in self.live), default=0)
 
-    def gap(self) -> int:
-        clocks = [self.finished[r] for r in self.live]
-        return max(clocks) - min(clocks) if clocks else 0
-
     def may_read(self, clock: int) -> bool:
         return self.bound is None or not self.live or self.slowest() >= clock - self.bound
 

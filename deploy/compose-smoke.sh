@@ -23,7 +23,7 @@
 #
 # Settings: SMOKE_NETWORK (host | bridge; default host), SMOKE_DIR (default /tmp/psgd-compose-smoke), SMOKE_CACHE (default
 # /var/tmp/psgd-smoke-cache), SMOKE_TIMEOUT_S for the compose run (default 900),
-# PSGD_WORKERS (default 2), SMOKE_KEEP=1 keeps the engine running for a look around.
+# DEPLOY_WORKERS (default 2), SMOKE_KEEP=1 keeps the engine running for a look around.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${SMOKE_DIR:-/tmp/psgd-compose-smoke}
@@ -192,7 +192,7 @@ PY
 }
 PORT=${SMOKE_PORT:-$(free_ports)}
 COMPOSE=(docker compose -p "$PROJECT" "${FILES[@]}")
-export PSGD_IMAGE=$IMAGE PSGD_PORT=$PORT PSGD_RUN=run
+export DEPLOY_IMAGE=$IMAGE DEPLOY_PORT=$PORT DEPLOY_RUN=run
 "${COMPOSE[@]}" config --quiet || die "compose config"
 if [ "$NETWORK" = host ]; then
   say "docker compose up (host network, loopback ports $PORT-$((PORT + 2)))"

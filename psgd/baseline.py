@@ -61,8 +61,8 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         samples, step, train_s, loss = 0, 0, 0.0, float("nan")
 
         def evaluate(final: bool = False) -> None:
-            acc, l = replica.score(ds.test_x, ds.test_y, cfg.eval.batch_size)
-            evals.append({"t": round(train_s, 4), "samples": samples, "accuracy": acc, "loss": l,
+            acc, test_loss = replica.score(ds.test_x, ds.test_y, cfg.eval.batch_size)
+            evals.append({"t": round(train_s, 4), "samples": samples, "accuracy": acc, "loss": test_loss,
                           **({"final": True} if final else {})})
 
         evaluate()
@@ -75,8 +75,8 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             opt.zero_grad(set_to_none=False)
             out_ = model(x)
-            l = nn.functional.cross_entropy(out_, y)
-            l.backward()
+            batch_loss = nn.functional.cross_entropy(out_, y)
+            batch_loss.backward()
             extra = f.step_delay_s
             if f.slow_rank == 0 and f.slow_factor > 1:
                 extra += (f.slow_factor - 1) * (time.perf_counter() - t0)
@@ -85,7 +85,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             opt.step()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            loss = float(l.item())
+            loss = float(batch_loss.item())
             step += 1
             samples += len(y)
             train_s += time.perf_counter() - t0
@@ -120,6 +120,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         "bytes_per_sample": 0.0,
         "failures": {"workers_lost": 0, "workers_rejoined": 0, "shard_restarts": 0},
         "dropped_gradients": 0,
+        "rejected": 0,
         "bad_messages": 0,
         "evals": evals,
         "job": cfg.job.name, "seed": cfg.job.seed, "model": cfg.model.name, "data": cfg.data.name,

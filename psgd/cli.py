@@ -135,13 +135,13 @@ def cmd_daemon(args) -> int:
     from .metrics import PidFile
     cfg = _config(args)
     if args.cmd == "coordinator":
-        from servers.coordinator import Coordinator
+        from .servers.coordinator import Coordinator
         from .transport import bind_address
         _check_bind(cfg, [bind_address(cfg.coordinator_address())], args.insecure)
         with PidFile(args.out, "coordinator", 0):
             return Coordinator(cfg, args.out).serve()
     if args.cmd == "server":
-        from servers.shard_server import ShardServer
+        from .servers.shard_server import ShardServer
         from .transport import bind_address
         if not 0 <= args.shard < cfg.cluster.servers:
             raise ConfigError(f"--shard {args.shard} is out of range: cluster.servers = {cfg.cluster.servers}")
@@ -149,9 +149,9 @@ def cmd_daemon(args) -> int:
         with PidFile(args.out, "server", args.shard):
             return ShardServer(cfg, args.shard, args.out).run()
     if args.cmd == "worker":
-        from workers.worker import Worker
+        from .workers.worker import Worker
         return Worker(cfg, args.out, args.device, args.rank).run()  # writes its pid once it has a rank
-    from workers.evaluator import Evaluator
+    from .workers.evaluator import Evaluator
     with PidFile(args.out, "evaluator", 0):
         return Evaluator(cfg, args.out, args.device).run()
 
@@ -173,7 +173,36 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def check_sets(argv: list[str]) -> None:
+    """`--set KEY VALUE` (a space for the `=`) would make VALUE the CONFIG argument and
+    fail later as "config file VALUE does not exist": say what is wrong instead."""
+    for i, arg in enumerate(argv):
+        if arg == "--set" and i + 1 < len(argv):
+            item = argv[i + 1]
+        elif arg.startswith("--set="):
+            item = arg[len("--set="):]
+        else:
+            continue
+        if "=" in item or item.startswith("-"):
+            continue  # a well-formed item; or none at all, which argparse reports
+        rest = argv[i + 2:i + 4] if arg == "--set" else []
+        value = rest[0] if rest else ""
+        if value == "=":  # --set train.steps = 100
+            value = rest[1] if len(rest) > 1 else ""
+        elif value.startswith("="):  # --set train.steps =100
+            value = value[1:]
+        if not value or value.startswith("-") or os.path.exists(value):
+            value = "VALUE"  # nothing that looks like the value: the key alone was given
+        raise ConfigError(f"--set {item}: expected SECTION.KEY=VALUE, one word; did you mean --set {item}={value}?")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        check_sets(argv)
+    except ConfigError as e:
+        print(f"psgd: error: {e}", file=sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys}
     try:

@@ -18,8 +18,9 @@ also trains the sequential baseline (psgd.baseline) in this process, with the bu
 the largest run: max(W) x train.steps steps of train.batch_size samples.
 
 Writes DIR/compare.json (the per-run summaries, tagged with label, mode, params,
-workers, repeat), DIR/compare-context.json (what was run, on what), DIR/report.md and
-the PNG plots (psgd.report). `python -m psgd.report DIR` rebuilds the report.
+workers, repeat, and the evaluator's period), DIR/compare-context.json (what was run, on
+what), DIR/report.md and the PNG plots (psgd.report). `python -m psgd.report DIR` rebuilds
+the report.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def parse_modes(text: str) -> list[ModeSpec]:
     specs: list[ModeSpec] = []
     for mode, params in groups:
         fixed = tuple((k, vs[0]) for k, vs in params[:-1])
-        for k, vs in params[:-1]:
+        for _key, vs in params[:-1]:
             if len(vs) > 1:  # cannot happen: only the last key collects values
                 raise ConfigError(f"--modes: only the last parameter of {mode} can take a list")
         if params and len(params[-1][1]) > 1:
@@ -355,9 +356,12 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float, prefix: str = 
 
 
 def tag(summary: dict, run: Run, folder_rel: str, duration_s: float) -> dict:
+    """The summary with what the report needs to know about the run: its configuration and,
+    for a distributed run, the evaluator's period (the resolution of its time to target)."""
+    period = {} if run.is_baseline else {"eval_every_s": run.cfg.eval.every_seconds}
     return {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
             "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep, "sweep_value": run.sweep_value,
-            "dir": folder_rel, "duration_s": round(duration_s, 2),
+            "dir": folder_rel, "duration_s": round(duration_s, 2), **period,
             **{k: v for k, v in summary.items() if k not in ("mode", "workers")}}
 
 
@@ -368,7 +372,7 @@ def _one_line(s: dict) -> str:
              f"{s.get('samples_per_s', 0):,.0f} samples/s",
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
              f"target {s.get('target_accuracy')} not reached",
-             f"staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}" if s.get("staleness") else ""]
+             f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}" if s.get("staleness") else ""]
     return ", ".join(p for p in parts if p)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -103,6 +104,7 @@ class ClusterConfig:
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
     evaluator: bool = True     # wait for an evaluator's final score before ending
+    max_rejections: int = 10   # a worker stops after this many refused steps in a row
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,10 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> "Config":
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> Config:
         return build(d, source)
 
-    def replace(self, **sets: Any) -> "Config":
+    def replace(self, **sets: Any) -> Config:
         """`cfg.replace(**{"mode.name": "ssp"})`: a copy with dotted keys changed."""
         d = self.to_dict()
         for dotted, value in sets.items():
@@ -184,7 +186,7 @@ class Config:
             lines.append("")
         return "\n".join(lines)
 
-    def with_run(self, run: Mapping[str, Any]) -> "Config":
+    def with_run(self, run: Mapping[str, Any]) -> Config:
         """The run's config as the coordinator hands it out, keeping what is this
         daemon's own: how it reaches its peers, its keys and its checkpoint folder."""
         d = dict(run)
@@ -240,9 +242,11 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     if kind is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # PSGD_X_Y=1 and --set x.y=1 parse as integers
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false (or 1 or 0), got {value!r}")
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
@@ -307,6 +311,7 @@ def validate(cfg: Config) -> None:
         _check(isinstance(a, str) and a.startswith(("tcp://", "ipc://")),
                f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH")
     _check(c.timeout_s > 0, "cluster.timeout_s must be > 0")
+    _check(c.max_rejections >= 1, f"cluster.max_rejections must be >= 1, got {c.max_rejections}")
     _check(0 < c.heartbeat_s < c.heartbeat_timeout_s,
            "cluster.heartbeat_s must be > 0 and below cluster.heartbeat_timeout_s")
     _check(0 <= m.backup_workers < c.workers,
@@ -366,7 +371,8 @@ def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
         section, _, key = rest.partition("_")
         if section not in SECTIONS or not key:
             raise ConfigError(f"environment: {name} is not a psgd setting "
-                              f"(expected PSGD_<SECTION>_<KEY>, sections: {', '.join(SECTIONS)})")
+                              f"(expected PSGD_<SECTION>_<KEY>, sections: {', '.join(SECTIONS)}; "
+                              f"the deploy files' own settings are DEPLOY_*)")
         out.append((f"{section}.{key}", parse_value(text), f"environment {name}"))
     return out
 

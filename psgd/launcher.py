@@ -15,11 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import IO
 
 from .config import Config
-from .membership import log
-
+from .log import log
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
 
@@ -55,16 +55,20 @@ def pick_port(host: str, want: int, n: int) -> int:
 class Child:
     role: str
     index: int
-    argv: list
+    argv: list[str]
     proc: subprocess.Popen | None = None
     restarts: int = 0
     reported: bool = False
     log_path: str = ""
-    log_file: object = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc.poll()
 
 
 class LocalJob:
@@ -90,18 +94,22 @@ class LocalJob:
             f.write(cfg.to_toml())
         self.children: list[Child] = []
 
-    def _argv(self, role: str, *extra: str) -> list:
+    def _argv(self, role: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "psgd", role, self.config_path, "--out", self.out, *extra]
 
     def _start(self, child: Child) -> None:
+        def popen(stderr: IO[str] | None) -> subprocess.Popen:
+            return subprocess.Popen(child.argv, stdout=subprocess.DEVNULL, stderr=stderr, env=self.env,
+                                    stdin=subprocess.DEVNULL)
+
         if child.role == "coordinator" and not self.quiet:
-            stderr = None  # progress goes to the terminal
-        else:
-            child.log_path = os.path.join(self.out, "logs", f"{child.name}.log")
-            child.log_file = open(child.log_path, "a")
-            stderr = child.log_file
-        child.proc = subprocess.Popen(child.argv, stdout=subprocess.DEVNULL, stderr=stderr, env=self.env,
-                                      stdin=subprocess.DEVNULL)
+            child.proc = popen(None)  # progress goes to the terminal
+            return
+        child.log_path = os.path.join(self.out, "logs", f"{child.name}.log")
+        # Appended to across restarts. The child gets its own copy of the descriptor, so
+        # this process closes its handle at once: none accumulates, however many restarts.
+        with open(child.log_path, "a") as log_file:
+            child.proc = popen(log_file)
 
     def start(self) -> None:
         c = self.cfg.cluster
@@ -126,13 +134,13 @@ class LocalJob:
         coord = self.children[0]
         deadline = time.monotonic() + self.timeout_s
         while True:
-            code = coord.proc.poll()
+            code = coord.poll()
             if code is not None:
                 break
             if time.monotonic() > deadline:
                 raise LaunchError(f"the job did not finish within {self.timeout_s:.0f} s")
             for child in self.children[1:]:
-                rc = child.proc.poll()
+                rc = child.poll()
                 if rc is None or rc == 0:
                     continue
                 if child.restarts >= MAX_RESTARTS:
@@ -148,15 +156,20 @@ class LocalJob:
             time.sleep(0.1)
         grace = time.monotonic() + 10
         for child in self.children[1:]:
-            while child.proc.poll() is None and time.monotonic() < grace:
+            while child.poll() is None and time.monotonic() < grace:
                 time.sleep(0.05)
         path = os.path.join(self.out, "summary.json")
-        if code != 0 or not os.path.exists(path):
+        summary = None
+        if os.path.exists(path):
+            with open(path) as f:
+                summary = json.load(f)
+        if summary is not None and summary.get("aborted"):  # the reason is one line: say it, no log dump
+            raise LaunchError(f"job aborted: {summary['aborted']}; logs in {self.out}/logs")
+        if code != 0 or summary is None:
             tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children[1:] if self.tail(c))
-            reason = "aborted" if os.path.exists(path) else "ended without a summary"
-            raise LaunchError(f"the coordinator exited with {code} ({reason}); logs in {self.out}/logs\n{tails}")
-        with open(path) as f:
-            return json.load(f)
+            reason = "ended without a summary" if summary is None else f"exit code {code}"
+            raise LaunchError(f"the coordinator {reason}; logs in {self.out}/logs\n{tails}")
+        return summary
 
     def stop(self) -> None:
         for child in self.children:
@@ -170,8 +183,6 @@ class LocalJob:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait(timeout=5)
-            if child.log_file:
-                child.log_file.close()
 
 
 def run_local(cfg: Config, out: str, **kw) -> dict:

@@ -12,17 +12,18 @@ phase, done).
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
-from .config import Config
-from .transport import Peers, PeerTimeout
 from . import wire
+from .config import Config
+from .log import log
+from .transport import Peers, PeerTimeout
 
 
 @dataclass
@@ -122,10 +123,6 @@ class Membership:
         return {r: m.stats for r, m in self.members.items()}
 
 
-def log(role: str, text: str) -> None:
-    print(f"[psgd {role}] {text}", file=sys.stderr, flush=True)
-
-
 class CoordinatorLink:
     """A daemon's connection to the coordinator: register, heartbeat in the background."""
 
@@ -142,6 +139,7 @@ class CoordinatorLink:
         self.rank = index
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._calls: Peers | None = None  # one socket for `call`, opened on first use
 
     def register(self, want_rank: int = -1) -> wire.Message:
         """Register with the coordinator, waiting for it (and, for workers, for the
@@ -157,16 +155,22 @@ class CoordinatorLink:
                 except PeerTimeout:
                     waited = time.monotonic() - start
                     if waited >= self.cfg.cluster.timeout_s:
-                        raise PeerTimeout(self.address, waited,
-                                          f"{self.role} {self.index} could not register with the coordinator; "
-                                          f"is it running, and are all {self.cfg.cluster.workers} workers started?")
-                    log(f"{self.role}-{self.index}", f"waiting for the coordinator at {self.address} "
-                        f"and its peers ({waited:.0f} s of {self.cfg.cluster.timeout_s:.0f} s)")
+                        raise PeerTimeout(self.address, waited, f"{self.role} {self.index} could not register "
+                                          f"with the coordinator at {self.address}; {self._hint()}") from None
+                    log(f"{self.role}-{self.index}", f"waiting for the coordinator at {self.address}"
+                        f"{' and the other workers' if self.role == 'worker' else ''} "
+                        f"({waited:.0f} s of cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s)")
         finally:
             peers.close()
         self.rank = msg.get("assigned_rank", self.index)
         self._apply(msg)
         return msg
+
+    def _hint(self) -> str:
+        if self.role == "worker":  # the coordinator answers workers once all have registered
+            return (f"is it running there? (it answers when all {self.cfg.cluster.workers} workers have "
+                    f"registered; its log says how many it has)")
+        return "is it running there, and is that the address it listens on (cluster.host, cluster.port)?"
 
     def _apply(self, msg: wire.Message) -> None:
         self.state = {"phase": msg.get("phase", "training"), "done": bool(msg.get("done", False)),
@@ -199,12 +203,22 @@ class CoordinatorLink:
             peers.close()
 
     def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
-        """A one-off request (finish, eval) on a socket of its own."""
-        peers = Peers(self.ctx, [self.address], self.cfg.security)
+        """A request (finish, eval) from the caller's thread, on one socket kept open
+        for all of them; a timeout reconnects it for the next call."""
+        if self._calls is None:
+            self._calls = Peers(self.ctx, [self.address], self.cfg.security)
         try:
-            return peers.call(0, op, timeout or self.cfg.cluster.timeout_s, **kw)
-        finally:
-            peers.close()
+            return self._calls.call(0, op, timeout or self.cfg.cluster.timeout_s, **kw)
+        except PeerTimeout:
+            self._calls.reconnect(0)
+            raise
+
+    def close(self) -> None:
+        """Stop heartbeating and close the call socket."""
+        self.stop()
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
 
     def stop(self) -> None:
         self._stop.set()

@@ -13,6 +13,7 @@ from typing import Any
 
 from .consistency.staleness import Histogram
 
+
 class EventLog:
     """Appends JSON lines to DIR/events/<role>-<id>.jsonl; a no-op without DIR."""
 
@@ -97,6 +98,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "failures": failures,
         "dropped_gradients": max((int(s.get("dropped", 0)) for s in server_stats.values()), default=0),
         "bad_messages": sum(int(s.get("bad_messages", 0)) for s in server_stats.values()),
+        "rejected": sum(int(s.get("rejected", 0)) for s in worker_stats.values()),
         "evals": [{"t": e["t"], "samples": e["samples"], "accuracy": e["accuracy"], "loss": e["loss"]}
                   for e in evals],
     }

@@ -14,7 +14,6 @@ from torch import nn
 
 from .config import ConfigError
 
-
 _SEEDING = threading.Lock()
 
 
@@ -114,6 +113,7 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
     input_shape = tuple(int(d) for d in input_shape)
     with _SEEDING, torch.random.fork_rng(devices=[]):  # the global RNG: one builder at a time
         torch.manual_seed(seed)
+        model: nn.Module
         if name == "mlp":
             model = MLP(input_shape, num_classes, hidden)
         elif name == "cnn":

@@ -1,44 +1,40 @@
-"""One shard's state: its slice of every table, the optimizer, and the mode's rules.
+"""One shard's state and mechanism: its slice of every table, the optimizer, the stored
+models, the checkpoints. The mode's rule (psgd/consistency/) decides; this carries out.
 
-No sockets here. `Shard.handle(token, msg)` takes a validated request and returns the
-replies to send now, as (token, frames) pairs: the request's own, unless the mode parks
-it, and any parked requests that it releases. `set_live` does the same for membership
-changes. The daemon (servers/shard_server.py) only moves frames.
+No sockets here. Each handler takes a validated request (`token` is whatever the daemon
+needs to answer it later) and returns the replies to send now, as (token, frames)
+pairs: the request's own, unless the rule parks it, and any parked requests that the
+event releases. `set_live` does the same for membership changes.
 
-Tables: `params` (trainable parameters; for easgd the center variable x~) and
-`buffers` (floating-point buffers such as BatchNorm running statistics), each one flat
-float32 vector. Buffers are not optimized: every push carries the worker's buffers and
-the shard keeps their running mean across workers (buf += (b - buf) / W). Frozen
-parameters and integer buffers are never sent (every party builds them from the seed).
+Tables: `params` (trainable parameters; for easgd the centre x~) and `buffers`
+(floating-point buffers such as BatchNorm running statistics), each one flat float32
+vector. Frozen parameters and integer buffers are never sent (every party builds them
+from the seed).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Hashable
+from collections.abc import Hashable
 
 import torch
 
 from . import wire
 from .config import Config
-from .consistency import barrier as bsp
-from .consistency.barrier import StepBarrier
-from .consistency.clock import ClockTable
-from .consistency.elastic import elastic_round, elastic_step
-from .consistency.staleness import Histogram, delay_compensate, lr_scale
-from .consistency.tournament import Exchange
+from .consistency import get as get_mode
+from .consistency import rule as r
 from .data import describe
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
 from .sharding import ShardMap, as_tensor, model_tensors
 
 Reply = tuple[Hashable, list]
+Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
 
 
 class Shard:
     def __init__(self, cfg: Config, index: int):
         self.cfg = cfg
         self.index = index
-        self.mode = cfg.mode.name
         self.world = cfg.cluster.workers
         shape, classes = describe(cfg.data)
         model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
@@ -51,263 +47,174 @@ class Shard:
         self.params.grad = torch.zeros_like(self.params)
         self.opt = make_optimizer([self.params], cfg.optimizer)
         self.version = 0             # updates applied to params
-        self.hist = Histogram()      # staleness of every applied push
-        self.counters = {"pushes": 0, "dropped": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0,
-                         "fast_forwards": 0}
-        self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe
-        live = {r: 0 for r in range(self.world)}
-        self.barrier = StepBarrier(live, cfg.mode.backup_workers if self.mode == "sync" else 0)
-        bound = cfg.mode.staleness if self.mode == "ssp" else None
-        self.clocks = ClockTable(live, bound)
-        self.acc = torch.zeros(self.P) if self.mode == "sync" else None
-        self.bacc = torch.zeros(self.B) if self.mode == "sync" else None
-        self.w_read: dict[int, torch.Tensor] = {}    # DC-ASGD: params at each worker's read
-        self.round_x: dict[int, tuple[torch.Tensor, torch.Tensor, Hashable, Any]] = {}  # easgd sync
-        self.exchange = Exchange()
-        self.models: dict[tuple[int, int], tuple[float, list]] = {}  # ltfb: (round, rank) -> (score, arrays)
-        self.handlers = {"pull": self.on_pull, "push": self.on_push, "elastic": self.on_elastic,
-                         "put_model": self.on_put_model, "get_model": self.on_get_model,
-                         "stats": self.on_stats}
+        self.counters = {"pushes": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0}  # bad: error replies
+        self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
+        self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
+        self.bacc: torch.Tensor | None = None
+        self.models: dict[Hashable, list] = {}  # stored models (deposits) by the rule's key
+        self.live = set(range(self.world))
+        self.rule = get_mode(cfg.mode.name).rule(cfg.mode, self.world, self)
+        ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
+                 "get_model": self.on_get_model, "models": self.on_models}
+        self.handlers = {"pull": self.on_pull, "stats": self.on_stats,
+                         **{op: fn if op in self.rule.serves else self.not_in_mode for op, fn in ruled.items()}}
 
     # ------------------------------------------------------------ entry points
     def handle(self, token: Hashable, msg: wire.Message) -> list[Reply]:
-        """Serve one request. WireError (a bad request) becomes an error reply."""
-        try:
-            handler = self.handlers.get(msg.op)
-            if handler is None:
-                raise wire.WireError(wire.UNKNOWN_OP, f"a shard does not serve {msg.op!r}")
-            return handler(token, msg)
-        except wire.WireError as e:
-            self.counters["bad_messages"] += 1
-            return [(token, wire.error(msg.id, e.code, e.reason))]
+        """Serve one validated request (the daemon's serve loop dispatches through
+        `handlers`; a WireError raised here becomes its error reply)."""
+        if msg.op not in self.handlers:
+            raise wire.WireError(wire.UNKNOWN_OP, f"a shard does not serve {msg.op!r}")
+        return self.handlers[msg.op](token, msg)
+
+    def not_in_mode(self, token, msg: wire.Message) -> list[Reply]:
+        raise wire.WireError(wire.REFUSED, f"{msg.op} is not used in mode {self.rule.name}")
 
     def set_live(self, live: dict[int, int]) -> list[Reply]:
         """Membership changed (rank -> clock of every live worker)."""
-        for r in live:
-            if r not in self.barrier.live and r not in self.clocks.live:
-                self.last_clock.pop(r, None)  # a returning worker starts its clocks afresh
-        out: list[Reply] = []
-        released = self.clocks.set_live(live)
-        out += [self._answer_pull(t) for t in released]
-        self.barrier.set_live(live.keys())
-        if self.mode == "sync" and self.barrier.contributors and self.barrier.complete():
-            out += self._apply_sync()
-        if self.mode == "easgd" and self.cfg.mode.sync and self.round_x and self.barrier.complete():
-            out += self._apply_round()
-        return out
+        for rank in live:
+            if rank not in self.live:
+                self.last_clock.pop(rank, None)  # a returning worker starts its clocks afresh
+        self.live = set(live)
+        return self.carry_out(self.rule.membership(live))
 
-    # ------------------------------------------------------------ pull
+    # ------------------------------------------------------------ requests
     def _check_rank(self, msg: wire.Message) -> None:
         if not 0 <= msg.rank < self.world:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not in 0..{self.world - 1}")
 
-    def on_pull(self, token, msg: wire.Message) -> list[Reply]:
-        table = msg.get("table", "params")
-        self.counters["pulls"] += 1
-        if table == "best":
-            return [(token, self._best_reply(msg))]
-        if table != "params":
-            raise wire.WireError(wire.BAD_FIELD, f"unknown table {table!r} (params or best)")
-        if msg.rank >= 0 and msg.get("join"):  # a (re)joining worker: no gate; learns where to start
-            self._check_rank(msg)
-        elif msg.rank >= 0 and self.mode in ("sync", "ssp", "async"):
-            self._check_rank(msg)
-            mine = (token, msg)
-            tokens = self.clocks.read(msg.rank, msg.clock, mine)  # never parks unless ssp
-            ready = bool(tokens) and tokens[0] is mine
-            others = [self._answer_pull(t) for t in (tokens[1:] if ready else tokens)]
-            if ready and self.mode == "sync":
-                ready = self.barrier.read(msg.clock, mine)
-            return ([self._answer_pull(mine)] if ready else []) + others
-        return [self._answer_pull((token, msg))]
+    def _vectors(self, msg: wire.Message, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        v = as_tensor(wire.expect_array(msg, 0, "float32", (self.P,)))
+        b = as_tensor(wire.expect_array(msg, 1, "float32", (self.B,)))
+        if not bool(torch.isfinite(v).all()):
+            raise wire.WireError(wire.REFUSED, f"{what} has NaN or Inf values at step {msg.clock}; "
+                                               f"lower optimizer.lr")
+        return v, b
 
-    def _answer_pull(self, parked) -> Reply:
-        token, msg = parked
-        if self.mode == "async" and self.cfg.mode.dc_lambda > 0 and msg.rank >= 0:
-            self.w_read[msg.rank] = self.params.detach().clone()
-        return token, wire.reply(msg, arrays=self._snapshot(), version=self.version,
-                                 step=self.barrier.step, finished=self.clocks.finished.get(msg.rank, 0))
+    def on_pull(self, token, msg: wire.Message) -> list[Reply]:
+        self.counters["pulls"] += 1
+        if msg.rank >= 0:
+            self._check_rank(msg)
+        return self.carry_out(self.rule.read(r.Read((token, msg), msg.rank, msg.clock, bool(msg.get("join")))))
+
+    def on_push(self, token, msg: wire.Message) -> list[Reply]:
+        self._check_rank(msg)
+        g, b = self._vectors(msg, "gradient")
+        if msg.clock <= self.last_clock.get(msg.rank, -1):
+            self.counters["duplicates"] += 1
+            return [(token, wire.reply(msg, duplicate=True, staleness=0, version=self.version))]
+        tau = max(0, self.version - int(msg.get("read_version")))
+        mine = (token, msg)
+        decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, tau, g, b))
+        if not any(isinstance(d, r.Refuse) and d.token is mine for d in decisions):
+            self.last_clock[msg.rank] = msg.clock  # a refused push may come again
+            self.counters["pushes"] += 1
+        return self.carry_out(decisions)
+
+    def on_elastic(self, token, msg: wire.Message) -> list[Reply]:
+        self._check_rank(msg)
+        x, b = self._vectors(msg, "replica")
+        self.counters["pushes"] += 1
+        return self.carry_out(self.rule.elastic(r.ElasticOffer((token, msg), msg.rank, int(msg.get("round")), x, b)))
+
+    def on_put_model(self, token, msg: wire.Message) -> list[Reply]:
+        self._check_rank(msg)
+        self._vectors(msg, "model")
+        for i in range(2, len(msg.arrays)):
+            wire.expect_array(msg, i, "float32", (self.P,))
+        arrays = [a.copy() for a in msg.arrays]
+        return self.carry_out(self.rule.deposit(
+            r.Deposit((token, msg), msg.rank, int(msg.get("round")), float(msg.get("score")), arrays)))
+
+    def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
+        return self.carry_out(self.rule.fetch(
+            r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")))))
+
+    def on_models(self, token, msg: wire.Message) -> list[Reply]:
+        return self.carry_out(self.rule.index((token, msg)))
+
+    def on_stats(self, token, msg: wire.Message) -> list[Reply]:
+        return [(token, wire.reply(msg, **self.stats()))]
+
+    # ------------------------------------------------------------ carrying out decisions
+    def carry_out(self, decisions: list[r.Decision]) -> list[Reply]:
+        out: list[Reply] = []
+        for d in decisions:
+            if isinstance(d, r.Apply):
+                self._step(d.grad, d.lr_scale, d.progress)
+            elif isinstance(d, r.Accumulate):
+                self._accumulate(d.grad, d.buffers, d.first)
+            elif isinstance(d, r.ApplySum):
+                assert self.acc is not None, "ApplySum before any Accumulate"
+                self._step(self.acc.div_(d.count), 1.0, d.progress)  # the mean, in place
+            elif isinstance(d, r.Move):
+                with torch.no_grad():
+                    self.params.add_(d.delta)
+                self.version += 1
+            elif isinstance(d, r.MixBuffers):
+                if self.B:
+                    self.buffers.add_(d.values - self.buffers, alpha=d.weight)
+            elif isinstance(d, r.SetBuffers):
+                values = self.bacc if d.values is None else d.values
+                if self.B and values is not None:
+                    self.buffers.copy_(values).div_(d.count)
+            elif isinstance(d, r.Answer):
+                out.append(self._answer(d))
+            elif isinstance(d, r.Refuse):
+                self.counters["bad_messages"] += 1
+                token, msg = d.token
+                out.append((token, wire.error(msg.id, d.code, d.reason)))
+            elif isinstance(d, r.Store):
+                self.models[d.key] = d.arrays
+                self.version += 1
+            elif isinstance(d, r.Forget):
+                for k in d.keys:
+                    self.models.pop(k, None)
+            elif isinstance(d, r.AnswerModel):
+                token, msg = d.token
+                out.append((token, wire.reply(msg, arrays=self.models[d.key], **d.fields)))
+            else:
+                raise TypeError(f"unknown decision {d!r}")
+        return out
+
+    def _answer(self, d: r.Answer) -> Reply:
+        token, msg = d.token
+        if d.snapshot:
+            arrays = self._snapshot()
+        else:
+            arrays = [self.buffers.clone() if a is r.BUFFERS else a for a in d.arrays]
+        return token, wire.reply(msg, arrays=arrays, version=self.version, **d.fields)
 
     def _snapshot(self) -> list[torch.Tensor]:
         """Copies of the live tables: frames are sent without copying, after this
         returns, so a reply must not share memory that the next update changes."""
         return [self.params.detach().clone(), self.buffers.clone()]
 
-    def _best_reply(self, msg: wire.Message) -> list:
-        """ltfb's global model: among every trainer's latest deposit from the latest round,
-        the best score (ties: the lower rank); the initial model before any round."""
-        if not self.models:
-            return wire.reply(msg, arrays=self._snapshot(), version=self.version, owner=-1)
-        latest = max(rnd for rnd, _ in self.models)
-        rnd, owner = max((k for k in self.models if k[0] == latest), key=lambda k: (self.models[k][0], -k[1]))
-        score, arrays = self.models[(rnd, owner)]
-        return wire.reply(msg, arrays=arrays[:2], version=self.version, owner=owner, score=score, round=rnd)
-
-    # ------------------------------------------------------------ push
-    def _vectors(self, msg: wire.Message) -> tuple[torch.Tensor, torch.Tensor]:
-        g = as_tensor(wire.expect_array(msg, 0, "float32", (self.P,)))
-        b = as_tensor(wire.expect_array(msg, 1, "float32", (self.B,)))
-        return g, b
-
-    def _duplicate(self, rank: int, clock: int) -> bool:
-        if clock <= self.last_clock.get(rank, -1):
-            self.counters["duplicates"] += 1
-            return True
-        self.last_clock[rank] = clock
-        return False
-
-    def on_push(self, token, msg: wire.Message) -> list[Reply]:
-        if self.mode not in ("sync", "ssp", "async"):
-            raise wire.WireError(wire.REFUSED, f"push is not used in mode {self.mode}")
-        self._check_rank(msg)
-        g, b = self._vectors(msg)
-        if not torch.isfinite(g).all():
-            raise wire.WireError(wire.REFUSED, "gradient has NaN or Inf values; not applied")
-        if self._duplicate(msg.rank, msg.clock):
-            return [(token, wire.reply(msg, duplicate=True, staleness=0, version=self.version))]
-        self.counters["pushes"] += 1
-        tau = max(0, self.version - int(msg.get("read_version")))
-        if self.mode == "sync":
-            verdict, released = self._offer(msg.rank, msg.clock)
-            if verdict == bsp.EARLY:
-                self.last_clock.pop(msg.rank, None)
-                raise wire.WireError(wire.REFUSED, f"clock {msg.clock} is ahead of step {self.barrier.step}")
-            if verdict != bsp.ACCEPT:
-                self.counters["dropped"] = self.barrier.dropped
-                return [(token, wire.reply(msg, dropped=True, staleness=tau, version=self.version))]
+    def _accumulate(self, g: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+        if self.acc is None or self.bacc is None:
+            self.acc, self.bacc = torch.empty(self.P), torch.empty(self.B)
+        if first:
+            self.acc.copy_(g)
+            self.bacc.copy_(b)
+        else:
             self.acc.add_(g)
             self.bacc.add_(b)
-            self.clocks.push(msg.rank, msg.clock)  # unbounded: only tracks the clock gap
-            self.hist.add(tau)
-            out = [(token, wire.reply(msg, staleness=tau, version=self.version))]
-            out += [self._answer_pull(t) for t in released]
-            if self.barrier.complete():
-                out += self._apply_sync()
-            return out
-        # ssp / async: apply on arrival, at lr / W, so that W pushes move the model as far
-        # as one sync step of W averaged gradients
-        scale = (lr_scale(tau, self.cfg.mode.lr_policy) if self.mode == "async" else 1.0) / self.world
-        if self.mode == "async" and self.cfg.mode.dc_lambda > 0 and msg.rank in self.w_read:
-            g = delay_compensate(g, self.params.detach(), self.w_read[msg.rank], self.cfg.mode.dc_lambda)
-        self._step(g, scale, self.version / self.world)
-        self._mix_buffers(b)
-        self.hist.add(tau)
-        out = [(token, wire.reply(msg, staleness=tau, version=self.version))]
-        return out + [self._answer_pull(t) for t in self.clocks.push(msg.rank, msg.clock)]
-
-    def _offer(self, rank: int, clock: int) -> tuple[str, list]:
-        """Offer a contribution to the open step (sync) or round (easgd sync). A shard
-        restored from an older checkpoint meets workers that are ahead: an empty step
-        fast-forwards to them (the updates in between are lost). Returns the verdict and
-        the parked reads that the jump releases."""
-        verdict = self.barrier.offer(rank, clock)
-        if verdict != bsp.EARLY or self.barrier.contributors:
-            return verdict, []
-        released = self.barrier.fast_forward(clock)
-        self.counters["fast_forwards"] += 1
-        return self.barrier.offer(rank, clock), released
 
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         set_lr(self.opt, scale * lr_at(self.cfg.optimizer, progress, self.cfg.train.steps))
+        assert self.params.grad is not None
         self.params.grad.copy_(g)
         self.opt.step()
         self.version += 1
 
-    def _mix_buffers(self, b: torch.Tensor) -> None:
-        if self.B:
-            self.buffers.add_(b - self.buffers, alpha=1.0 / self.world)
-
-    def _apply_sync(self) -> list[Reply]:
-        n = len(self.barrier.contributors)
-        self._step(self.acc / n, 1.0, self.barrier.step)
-        if self.B:
-            self.buffers.copy_(self.bacc / n)
-        self.acc.zero_()
-        self.bacc.zero_()
-        _, released = self.barrier.advance()
-        return [self._answer_pull(t) for t in released]
-
-    # ------------------------------------------------------------ easgd
-    def on_elastic(self, token, msg: wire.Message) -> list[Reply]:
-        if self.mode != "easgd":
-            raise wire.WireError(wire.REFUSED, f"elastic is not used in mode {self.mode}")
-        self._check_rank(msg)
-        x, b = self._vectors(msg)
-        alpha = self.cfg.easgd_alpha
-        self.counters["pushes"] += 1
-        if not self.cfg.mode.sync:
-            with torch.no_grad():
-                d = elastic_step(x, self.params.data, alpha)
-            self._mix_buffers(b)
-            self.version += 1
-            return [(token, wire.reply(msg, arrays=[d, self.buffers.clone()], version=self.version))]
-        verdict, _ = self._offer(msg.rank, int(msg.get("round")))
-        if verdict != bsp.ACCEPT:
-            if verdict == bsp.LATE:  # the round closed without it: move towards the center
-                d = alpha * (x - self.params.data)
-                return [(token, wire.reply(msg, arrays=[d, self.buffers.clone()], dropped=True, version=self.version))]
-            raise wire.WireError(wire.REFUSED, f"round {msg.get('round')} is not the open round {self.barrier.step}")
-        self.round_x[msg.rank] = (x.clone(), b.clone(), token, msg)
-        return self._apply_round() if self.barrier.complete() else []
-
-    def _apply_round(self) -> list[Reply]:
-        ranks = sorted(self.round_x)
-        with torch.no_grad():
-            ds = elastic_round([self.round_x[r][0] for r in ranks], self.params.data, self.cfg.easgd_alpha)
-        if self.B:
-            self.buffers.copy_(torch.stack([self.round_x[r][1] for r in ranks]).mean(0))
-        self.version += 1
-        self.barrier.advance()
-        out = [(self.round_x[r][2], wire.reply(self.round_x[r][3], arrays=[d, self.buffers.clone()],
-                                               version=self.version))
-               for r, d in zip(ranks, ds)]
-        self.round_x = {}
-        return out
-
-    # ------------------------------------------------------------ ltfb
-    def on_put_model(self, token, msg: wire.Message) -> list[Reply]:
-        if self.mode != "ltfb":
-            raise wire.WireError(wire.REFUSED, f"put_model is not used in mode {self.mode}")
-        self._check_rank(msg)
-        wire.expect_array(msg, 0, "float32", (self.P,))
-        wire.expect_array(msg, 1, "float32", (self.B,))
-        for i in range(2, len(msg.arrays)):
-            wire.expect_array(msg, i, "float32", (self.P,))
-        arrays = [a.copy() for a in msg.arrays]
-        rnd = int(msg.get("round"))
-        key = (rnd, msg.rank)
-        self.models[key] = (float(msg.get("score")), arrays)
-        self.version += 1
-        out = [(token, wire.reply(msg, version=self.version))]
-        for (t, req), k in self.exchange.put(rnd, msg.rank, key):
-            out.append((t, self._model_reply(req, k)))
-        self.models = {k: v for k, v in self.models.items() if k in self.exchange.keys()}
-        return out
-
-    def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
-        if self.mode != "ltfb":
-            raise wire.WireError(wire.REFUSED, f"get_model is not used in mode {self.mode}")
-        key = self.exchange.get(int(msg.get("round")), int(msg.get("owner")), (token, msg))
-        return [] if key is None else [(token, self._model_reply(msg, key))]
-
-    def _model_reply(self, msg: wire.Message, key) -> list:
-        return wire.reply(msg, arrays=self.models[key][1], owner=key[1], round=key[0])
-
     # ------------------------------------------------------------ stats, checkpoints
     def stats(self) -> dict:
-        return {**self.counters, "version": self.version, "step": self.barrier.step,
-                "max_clock_gap": self.clocks.max_gap, "dropped": self.barrier.dropped,
-                "staleness_hist": self.hist.counts, "parked": self.barrier.parked + self.clocks.parked
-                + self.exchange.parked}
-
-    def on_stats(self, token, msg: wire.Message) -> list[Reply]:
-        return [(token, wire.reply(msg, **self.stats()))]
+        return {**self.counters, "version": self.version, "step": 0, **self.rule.stats()}
 
     def state_dict(self) -> dict:
         return {"params": self.params.detach().clone(), "buffers": self.buffers.clone(),
-                "opt": self.opt.state_dict(), "version": self.version, "step": self.barrier.step,
-                "finished": dict(self.clocks.finished), "last_clock": dict(self.last_clock),
-                "counters": dict(self.counters), "hist": list(self.hist.counts), "shard": self.index,
+                "opt": self.opt.state_dict(), "version": self.version, "rule": self.rule.state_dict(),
+                "last_clock": dict(self.last_clock), "counters": dict(self.counters), "shard": self.index,
                 "sizes": [self.P, self.B]}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -319,11 +226,9 @@ class Shard:
             self.buffers.copy_(sd["buffers"])
         self.opt.load_state_dict(sd["opt"])
         self.version = int(sd["version"])
-        self.barrier.step = int(sd["step"])
-        self.clocks.finished.update({int(k): int(v) for k, v in sd["finished"].items()})
+        self.rule.load_state_dict(sd["rule"])
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
-        self.hist = Histogram(sd["hist"])
 
     def save(self, path: str) -> None:
         """Atomic checkpoint: temp file, fsync, rename."""

@@ -16,10 +16,10 @@ On a shard, each table is one flat float32 vector: the shard's pieces in map ord
 from __future__ import annotations
 
 import heapq
-import warnings
 import math
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -73,7 +73,7 @@ class ShardMap:
                     for s in range(num_shards) for t in TABLES}
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_shards: int) -> "ShardMap":
+    def for_model(cls, model: torch.nn.Module, num_shards: int) -> ShardMap:
         return cls(model_entries(model), num_shards)
 
     def pieces_of(self, shard: int, table: str) -> list[Piece]:
@@ -128,7 +128,7 @@ def model_entries(model: torch.nn.Module) -> list[tuple[str, str, int]]:
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name -> tensor for everything the map covers (parameters and buffers, live)."""
-    d = {n: p for n, p in model.named_parameters()}
+    d: dict[str, torch.Tensor] = dict(model.named_parameters())
     d.update({n: b for n, b in model.named_buffers()})
     return d
 

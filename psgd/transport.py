@@ -1,6 +1,10 @@
-"""Sockets and request/reply over ZeroMQ; knows frames and deadlines, not ops or tensors.
+"""Sockets and request/reply over ZeroMQ; knows frames, deadlines and handlers, not
+what an op means, tensors or modes.
 
 - `server_socket`: a ROUTER bound to an address (CurveZMQ server when security is on).
+- `Service`: the one ROUTER serve loop of every daemon (shard server, coordinator):
+  decode, dispatch by op to a handler table, reply; errors become error replies that
+  carry the request's id, and the loop goes on.
 - `Peers`: one DEALER per peer; requests to all peers are in flight at once and replies
   are matched by request id, so a late answer from one peer blocks no one else. Every
   wait has a deadline; `PeerTimeout` names the address that did not answer.
@@ -13,12 +17,14 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import zmq
 
 from . import wire
 from .config import SecurityConfig
+from .log import log
 
 LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
@@ -36,7 +42,7 @@ def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
     return sock
 
 
-_auth = {}
+_auth: dict[int, Any] = {}  # id(context) -> its ZAP authenticator
 
 
 def _start_auth(ctx: zmq.Context, keys: str) -> None:
@@ -61,7 +67,10 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
     path = os.path.join(keys, f"{name}.key_secret")
     if not os.path.exists(path):
         raise FileNotFoundError(f"security.keys: {path} not found (make keys with `psgd keys {keys}`)")
-    return zmq.auth.load_certificate(path)
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"security.keys: {path} holds no secret key")
+    return public, secret
 
 
 def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
@@ -154,7 +163,7 @@ class Peers:
                 exc.partial = got
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
-            for sock, _ in poller.poll(min(left, 0.2 if cancel else 1.0) * 1000):
+            for sock, _ in poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -177,3 +186,73 @@ class Peers:
     def close(self) -> None:
         for s in self.socks:
             s.close(0)
+
+
+Reply = tuple[Hashable, list]             # (routing identity, frames)
+Handler = Callable[[Any, wire.Message], list[Reply]]
+
+
+class Service:
+    """A ROUTER socket served through a table of op -> handler. A handler gets the
+    sender's routing identity and the validated message and returns the replies to
+    send now (its own, and any it releases); it may answer later by returning them
+    from a later call. Every failure is an error reply with the request's id:
+
+    - a message that fails validation: its code, whenever the header could be read;
+    - an op this daemon does not serve: `unknown_op`, at once;
+    - a handler that raises WireError: its code; any other exception: `internal`,
+      logged with the op.
+
+    Each of them adds one to `counters["bad_messages"]`; nothing ends the loop."""
+
+    def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
+                 max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None):
+        self.sock = sock
+        self.handlers = handlers
+        self.name = name
+        self.max_bytes = max_bytes
+        self.counters = counters if counters is not None else {}
+        self.counters.setdefault("bad_messages", 0)
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+
+    def poll(self, timeout_ms: int) -> None:
+        """Serve whatever arrives within `timeout_ms` (and everything queued)."""
+        if self.poller.poll(timeout_ms):
+            self.drain()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.counters["bad_messages"] += 1
+                continue  # no routing identity: nobody to answer
+            self.send(self._serve(frames[0], frames[1:]))
+
+    def _serve(self, ident: Hashable, body: list) -> list[Reply]:
+        req_id, op = 0, "?"
+        try:
+            msg = wire.decode(body, self.max_bytes)
+            req_id, op = msg.id, msg.op
+            handler = self.handlers.get(op)
+            if handler is None:
+                raise wire.WireError(wire.UNKNOWN_OP, f"{self.name} does not serve {op!r} "
+                                                      f"(it serves {', '.join(sorted(self.handlers))})")
+            return handler(ident, msg)
+        except wire.WireError as e:
+            self.counters["bad_messages"] += 1
+            return [(ident, wire.error(req_id or e.request_id, e.code, e.reason))]
+        except Exception as e:  # a bug in a handler must not take the daemon down
+            self.counters["bad_messages"] += 1
+            log(self.name, f"error serving {op}: {type(e).__name__}: {e}")
+            return [(ident, wire.error(req_id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
+
+    def send(self, replies: list[Reply]) -> None:
+        for ident, frames in replies:
+            try:
+                self.sock.send_multipart([ident] + frames, copy=False)
+            except zmq.ZMQError:
+                pass  # the peer is gone; nothing to answer

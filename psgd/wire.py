@@ -31,8 +31,9 @@ changes is sent as a snapshot). Arrays are received without copies: `np.frombuff
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -43,7 +44,7 @@ MAX_DIMS = 8
 MAX_FRAMES = 64
 MAX_MESSAGE = 1 << 31           # bytes; also set as the sockets' ZMQ_MAXMSGSIZE
 
-DTYPES = {
+DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
     "float16": np.dtype("<f2"),
@@ -72,15 +73,16 @@ OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
     "register": {"role": (str,), "index": (int,), "want_rank": (int,)},
     "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,)},
-    "finish": {"stats": (dict,)},
+    "finish": {"stats": (dict,), "error": (str,)},
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,)},
     "status": {},
     # to a shard
-    "pull": {"table": (str,), "join": (bool,)},
+    "pull": {"join": (bool,)},
     "push": {"read_version": (int,), "lr_scale": _num},
     "elastic": {"round": (int,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,)},
-    "get_model": {"round": (int,), "owner": (int,)},
+    "get_model": {"round": (int,), "owner": (int,), "exact": (bool,)},
+    "models": {},
     "stats": {},
     # replies
     "reply": {"*": _scalar + (dict, list)},
@@ -100,12 +102,15 @@ _BASE = ("v", "op", "id", "rank", "clock", "arrays")
 
 
 class WireError(Exception):
-    """A message that fails validation; `code` is one of the error codes above."""
+    """A message that fails validation; `code` is one of the error codes above.
+    `request_id` is the request's id when the header could be read that far (else 0),
+    so that the error reply reaches the caller that is waiting for it."""
 
-    def __init__(self, code: str, reason: str):
+    def __init__(self, code: str, reason: str, request_id: int = 0):
         super().__init__(f"{code}: {reason}")
         self.code = code
         self.reason = reason
+        self.request_id = request_id
 
 
 @dataclass
@@ -144,7 +149,7 @@ def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
             raise WireError(BAD_FIELD, f"field {k!r} is reserved")
         header[k] = v
     frames = [msgpack.packb(header, use_bin_type=True)]
-    frames.extend(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"" for a in arrs)
+    frames.extend(memoryview(a.reshape(-1).view(np.uint8).data) if a.size else b"" for a in arrs)
     return frames
 
 
@@ -188,6 +193,16 @@ def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
         raise WireError(BAD_HEADER, f"header is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(h, dict):
         raise WireError(BAD_HEADER, f"header must be a map, got {type(h).__name__}")
+    rid = h.get("id")
+    try:
+        return _decode(h, head, frames, max_bytes)
+    except WireError as e:
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 62:
+            e.request_id = rid
+        raise
+
+
+def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) -> Message:
     if h.get("v") != PROTOCOL_VERSION:
         raise WireError(BAD_VERSION, f"protocol version {h.get('v')!r}, this peer speaks {PROTOCOL_VERSION}")
     op = h.get("op")
@@ -212,7 +227,7 @@ def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
         raise WireError(BAD_HEADER, f"header lists {len(specs) if isinstance(specs, list) else '?'} "
                                     f"arrays but {len(frames) - 1} payload frames came")
     arrays, total = [], len(head)
-    for i, (spec, frame) in enumerate(zip(specs, frames[1:])):
+    for i, (spec, frame) in enumerate(zip(specs, frames[1:], strict=True)):
         if not (isinstance(spec, list) and len(spec) == 2):
             raise WireError(BAD_HEADER, f"array {i}: spec must be [dtype, shape]")
         dtype_name, shape = spec
@@ -255,15 +270,32 @@ def split_identity(frames: Sequence[Any]) -> tuple[Any, list]:
 
 
 def raise_if_error(msg: Message, peer: str) -> Message:
+    """An error reply becomes the typed exception for its code."""
     if msg.op == "error":
-        raise RemoteError(msg.get("code", "?"), f"{peer}: {msg.get('reason', '')}")
+        code = str(msg.get("code", "?"))
+        cls = Refused if code == REFUSED else ServerFault if code == INTERNAL else BadRequest
+        raise cls(code, str(msg.get("reason", "")), peer)
     return msg
 
 
 class RemoteError(Exception):
-    """A peer answered with an error reply."""
+    """A peer answered with an error reply: `code`, `reason`, and the peer's address."""
 
-    def __init__(self, code: str, reason: str):
-        super().__init__(f"{code}: {reason}")
+    def __init__(self, code: str, reason: str, peer: str = ""):
+        super().__init__(f"{code}: {peer + ': ' if peer else ''}{reason}")
         self.code = code
         self.reason = reason
+        self.peer = peer
+
+
+class Refused(RemoteError):
+    """A valid request that the peer would not carry out now (a non-finite gradient, a
+    clock ahead of the step, an op the mode does not use, an unknown rank)."""
+
+
+class BadRequest(RemoteError):
+    """The peer found the request malformed (a bug on this side or a version mismatch)."""
+
+
+class ServerFault(RemoteError):
+    """The peer failed while serving the request (a bug on its side); it goes on serving."""

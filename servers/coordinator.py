@@ -2,26 +2,31 @@
 
     psgd coordinator [CONFIG] --out DIR [--set k=v ...]
 
-One ROUTER socket on cluster.port; ops: register, heartbeat, finish, eval, status.
-Workers' registrations are answered once all `cluster.workers` have registered, so
-training starts together. Heartbeats carry each daemon's cumulative counters and get
+One ROUTER socket on cluster.port, served by the daemons' one serve loop
+(`psgd.transport.Service`); ops: register, heartbeat, finish, eval, status. Workers'
+registrations are answered once all `cluster.workers` have registered, so training
+starts together; the coordinator waits `cluster.timeout_s` for them, saying how many
+it has. A worker that finishes with an error (it stopped after too many refused
+steps) aborts the job with that reason. Heartbeats carry each daemon's cumulative counters and get
 the live set back. When no worker is live any more, the evaluator is asked for a final
 score; then summary.json is written, every daemon is told `done`, and it exits.
 """
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import zmq
 
 from psgd import wire
 from psgd.config import Config
-from psgd.membership import Membership, log
+from psgd.log import log
+from psgd.membership import Membership
 from psgd.metrics import EventLog, summarize, write_json_atomic
-from psgd.transport import bind_address, server_socket, stop_auth
+from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
 PROGRESS_EVERY_S = 2.0
-RENDEZVOUS_TIMEOUTS = 10  # wait this many cluster.timeout_s for all workers (slow batch starts)
+WAITING_EVERY_S = 5.0
 MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
 
 
@@ -37,7 +42,7 @@ class Coordinator:
         self.sock = server_socket(self.ctx, self.address, cfg.security, MAX_FRAME)
         self.events = EventLog(out, "coordinator", 0)
         self.phase = "rendezvous"
-        self.parked: list[tuple[bytes, wire.Message]] = []
+        self.parked: list[tuple[Any, wire.Message, int]] = []  # registrations held until all are in
         self.servers: dict[int, dict] = {}
         self.server_joins: dict[int, int] = {}
         self.evaluator_seen = 0.0
@@ -48,63 +53,56 @@ class Coordinator:
         self.done_at = 0.0
         self.told_done: set = set()
         self.abort = ""
-        self.bad_messages = 0
+        self.counters = {"bad_messages": 0}
         self.summary: dict | None = None
         self._last_progress = 0.0
         self.stop_requested = False  # set from another thread to end serve() (tests)
-        self.handlers = {"register": self.on_register, "heartbeat": self.on_heartbeat,
-                         "finish": self.on_finish, "eval": self.on_eval, "status": self.on_status}
-
-    # ------------------------------------------------------------ replies
-    def _send(self, ident, frames) -> None:
-        self.sock.send_multipart([ident] + frames, copy=False)
+        self.service = Service(self.sock, {"register": self.on_register, "heartbeat": self.on_heartbeat,
+                                           "finish": self.on_finish, "eval": self.on_eval,
+                                           "status": self.on_status},
+                               "the coordinator", MAX_FRAME, self.counters)
 
     def _view(self) -> dict:
-        return {"phase": self.phase, "done": self.phase == "done", "live": {str(k): v for k, v in self.members.live().items()},
-                "version": self.members.version, "abort": self.abort}
+        live = {str(k): v for k, v in self.members.live().items()}
+        return {"phase": self.phase, "done": self.phase == "done", "live": live, "version": self.members.version,
+                "abort": self.abort}
 
     def samples(self) -> int:
         return sum(int(s.get("samples", 0)) for s in self.members.stats().values())
 
     # ------------------------------------------------------------ handlers
-    def on_register(self, ident, msg: wire.Message) -> None:
+    def on_register(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
         if role == "worker":
             if self.phase in ("final_eval", "done"):
-                self._send(ident, wire.error(msg.id, wire.REFUSED, "the job is finishing; no new workers"))
-                return
+                raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
             rank = self.members.join(now, msg.get("want_rank", -1))
             if rank < 0:
-                self._send(ident, wire.error(msg.id, wire.REFUSED,
-                                             f"all {self.cfg.cluster.workers} worker ranks are taken and live"))
-                return
+                raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} worker ranks are taken and live")
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             if self.phase == "rendezvous":
                 self.parked.append((ident, msg, rank))
                 log("coordinator", f"worker {rank} registered ({len(self.members.members)}/{self.cfg.cluster.workers})")
-                if self.members.all_joined:
-                    self._start_training()
-            else:
-                log("coordinator", f"worker {rank} rejoined at clock {self.members.members[rank].clock}")
-                self._reply_register(ident, msg, rank)
-        elif role == "server":
+                return self._start_training() if self.members.all_joined else []
+            log("coordinator", f"worker {rank} rejoined at clock {self.members.members[rank].clock}")
+            return [self._reply_register(ident, msg, rank)]
+        if role == "server":
             idx = msg.get("index", 0)
             self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
             if self.server_joins[idx] > 1:
                 log("coordinator", f"shard {idx} restarted")
             self.servers.setdefault(idx, {})
-            self._reply_register(ident, msg, -1)
-        elif role == "evaluator":
+            return [self._reply_register(ident, msg, -1)]
+        if role == "evaluator":
             self.evaluator_seen = now
-            self._reply_register(ident, msg, -1)
-        else:
-            self._send(ident, wire.error(msg.id, wire.BAD_FIELD, f"unknown role {role!r}"))
+            return [self._reply_register(ident, msg, -1)]
+        raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
 
-    def _reply_register(self, ident, msg, rank: int) -> None:
+    def _reply_register(self, ident, msg, rank: int) -> Reply:
         clock = self.members.members[rank].clock if rank >= 0 else 0
-        self._send(ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock, **self._view()))
+        return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock, **self._view())
 
-    def _start_training(self) -> None:
+    def _start_training(self) -> list[Reply]:
         self.phase = "training"
         self.t0 = time.monotonic()
         for m in self.members.members.values():
@@ -112,11 +110,11 @@ class Coordinator:
         self.events.write(event="start", workers=self.cfg.cluster.workers)
         log("coordinator", f"all {self.cfg.cluster.workers} workers registered; training "
             f"({self.cfg.mode.name}, {self.cfg.cluster.servers} shards)")
-        for ident, msg, rank in self.parked:
-            self._reply_register(ident, msg, rank)
+        replies = [self._reply_register(ident, msg, rank) for ident, msg, rank in self.parked]
         self.parked = []
+        return replies
 
-    def on_heartbeat(self, ident, msg: wire.Message) -> None:
+    def on_heartbeat(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
         stats = msg.get("stats") or {}
         rejoin = False
@@ -130,27 +128,31 @@ class Coordinator:
             self.evaluator_seen = now
         if self.phase == "done":
             self.told_done.add((role, msg.get("index", 0), msg.rank))
-        self._send(ident, wire.reply(msg, rejoin=rejoin, **self._view()))
+        return [(ident, wire.reply(msg, rejoin=rejoin, **self._view()))]
 
-    def on_finish(self, ident, msg: wire.Message) -> None:
+    def on_finish(self, ident, msg: wire.Message) -> list[Reply]:
         self.members.finish(msg.rank, msg.get("stats"))
-        self.events.write(event="finish", rank=msg.rank)
-        self._send(ident, wire.reply(msg, **self._view()))
+        error = msg.get("error")
+        self.events.write(event="finish", rank=msg.rank, **({"error": error} if error else {}))
+        if error and self.phase == "training" and not self.abort:
+            self.abort = error
+            log("coordinator", f"aborting the job: {error}")
+        return [(ident, wire.reply(msg, **self._view()))]
 
-    def on_eval(self, ident, msg: wire.Message) -> None:
+    def on_eval(self, ident, msg: wire.Message) -> list[Reply]:
         t = time.monotonic() - self.t0 if self.t0 else 0.0
         e = {"t": round(t, 3), "samples": self.samples(), "accuracy": float(msg.get("accuracy")),
              "loss": float(msg.get("loss")), "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):
             self.evals.append(e)  # t: seconds since training started (summary.json's curve)
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
-        self._send(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))
         if e["final"] and self.phase == "final_eval":
             self._finish_job()
+        return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
 
-    def on_status(self, ident, msg: wire.Message) -> None:
-        self._send(ident, wire.reply(msg, samples=self.samples(), servers=len(self.servers),
-                                     evals=len(self.evals), **self._view()))
+    def on_status(self, ident, msg: wire.Message) -> list[Reply]:
+        return [(ident, wire.reply(msg, samples=self.samples(), servers=len(self.servers),
+                                   evals=len(self.evals), **self._view()))]
 
     # ------------------------------------------------------------ phases
     def _tick(self, now: float) -> None:
@@ -195,7 +197,7 @@ class Coordinator:
         extra = {"job": self.cfg.job.name, "seed": self.cfg.job.seed, "model": self.cfg.model.name,
                  "data": self.cfg.data.name, "batch_size": self.cfg.train.batch_size,
                  "steps": self.cfg.train.steps, "faults": {k: v for k, v in vars(self.cfg.faults).items()},
-                 "bad_messages_coordinator": self.bad_messages}
+                 "bad_messages_coordinator": self.counters["bad_messages"]}
         if self.abort:
             extra["aborted"] = self.abort
         self.summary = summarize(mode=self.cfg.mode.name, mode_params=self.cfg.mode_params,
@@ -218,44 +220,27 @@ class Coordinator:
     # ------------------------------------------------------------ loop
     def serve(self, deadline_s: float | None = None) -> int:
         start = time.monotonic()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        waited_note = start
         try:
             while True:
-                for _ in poller.poll(50):
-                    self._drain()
+                self.service.poll(50)
                 now = time.monotonic()
                 self._tick(now)
                 if self.phase == "done" and self._lingered(now):
                     return 1 if self.abort else 0
-                if self.phase == "rendezvous" and now - start > RENDEZVOUS_TIMEOUTS * self.cfg.cluster.timeout_s:
-                    log("coordinator", f"only {len(self.members.members)} of {self.cfg.cluster.workers} workers "
-                        f"registered; giving up")
-                    return 1
+                if self.phase == "rendezvous":
+                    left = self.cfg.cluster.timeout_s - (now - start)
+                    have = f"{len(self.members.members)}/{self.cfg.cluster.workers} workers registered"
+                    if left <= 0:
+                        log("coordinator", f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s; "
+                            f"giving up (are all workers started, and do they reach {self.address}?)")
+                        return 1
+                    if now - waited_note >= WAITING_EVERY_S:
+                        waited_note = now
+                        log("coordinator", f"waiting: {have}, giving up in {left:.0f} s")
                 if self.stop_requested or (deadline_s and now - start > deadline_s):
                     return 1
         finally:
             self.sock.close(0)
             self.events.close()
             stop_auth(self.ctx)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                ident, body = wire.split_identity(frames)
-                msg = wire.decode(body, MAX_FRAME)
-                handler = self.handlers.get(msg.op)
-                if handler is None:
-                    raise wire.WireError(wire.UNKNOWN_OP, f"the coordinator does not serve {msg.op!r}")
-                handler(ident, msg)
-            except wire.WireError as e:
-                self.bad_messages += 1
-                if len(frames) >= 2:
-                    self._send(frames[0], wire.error(0, e.code, e.reason))
-            except Exception as e:  # a handler bug must not kill the job
-                self.bad_messages += 1
-                log("coordinator", f"error handling a message: {type(e).__name__}: {e}")

@@ -18,9 +18,10 @@ import zmq
 
 from psgd import wire
 from psgd.config import Config
-from psgd.membership import CoordinatorLink, log
+from psgd.log import log
+from psgd.membership import CoordinatorLink
 from psgd.shard import Shard
-from psgd.transport import bind_address, server_socket, stop_auth
+from psgd.transport import Service, bind_address, server_socket, stop_auth
 
 
 def checkpoint_path(cfg: Config, out: str | None, index: int) -> str | None:
@@ -66,18 +67,16 @@ class ShardServer:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread (in-process tests)
             pass
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters)
         seen_version, last_ckpt = -1, time.monotonic()
         code = 0
         try:
             while True:
-                if poller.poll(50):
-                    self._drain(sock, shard)
+                service.poll(50)
                 state = link.state
                 if state["version"] != seen_version and state["phase"] != "rendezvous":
                     seen_version = state["version"]
-                    self._send(sock, shard.set_live(state["live"]))
+                    service.send(shard.set_live(state["live"]))
                 now = time.monotonic()
                 if ckpt and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:
                     shard.save(ckpt)
@@ -98,33 +97,3 @@ class ShardServer:
             sock.close(0)
             stop_auth(self.ctx)
         return code
-
-    def _drain(self, sock: zmq.Socket, shard: Shard) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                ident, body = wire.split_identity(frames)
-                msg = wire.decode(body, self.max_message)
-            except wire.WireError as e:
-                shard.counters["bad_messages"] += 1
-                if len(frames) >= 2:
-                    self._send(sock, [(frames[0], wire.error(0, e.code, e.reason))])
-                continue
-            try:
-                replies = shard.handle(ident, msg)
-            except Exception as e:  # a bug in a handler must not take the shard down
-                shard.counters["bad_messages"] += 1
-                log(self.name, f"error serving {msg.op}: {type(e).__name__}: {e}")
-                replies = [(ident, wire.error(msg.id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
-            self._send(sock, replies)
-
-    @staticmethod
-    def _send(sock: zmq.Socket, replies) -> None:
-        for ident, frames in replies:
-            try:
-                sock.send_multipart([ident] + frames, copy=False)
-            except zmq.ZMQError:
-                pass  # the peer is gone; nothing to answer

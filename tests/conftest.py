@@ -1,12 +1,53 @@
-"""Shared fixtures: free ports, and a check that no test leaves a process behind."""
+"""Shared fixtures: test tiers, free ports, and checks that no test leaves a process or
+a thread behind.
+
+Every test belongs to exactly one tier (setup.cfg registers the markers; README's "Tests"
+section says how to run each): `unit` (pure logic, no sockets), `inprocess` (daemons on
+threads of the test process, psgd.inprocess), `processes` (real subprocesses), `slurm`
+(needs the Slurm cluster). A test with none, or with two (pytest adds up marks: a
+module's `pytestmark` and a test's own mark both count), is a collection error, so that
+`pytest -m unit` neither leaves a test out of every tier nor runs a slow one. A file that
+mixes tiers marks each test, not the module.
+"""
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
+
+TIERS = ("unit", "inprocess", "processes", "slurm")
+THREAD_GRACE_S = 5.0  # how long an in-process test's threads get to end after it
+# Threads that a library starts once per process, on first use, and keeps: not a leak.
+PROCESS_THREADS = {("zmq.utils.garbage", "GarbageCollectorThread")}  # pyzmq's, for copy=False sends
+
+
+def _listing(nodeids: list[str], most: int = 20) -> str:
+    more = f"\n  ... and {len(nodeids) - most} more" if len(nodeids) > most else ""
+    return "\n  " + "\n  ".join(nodeids[:most]) + more
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    none, several = [], []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if not tiers:
+            none.append(item.nodeid)
+        elif len(tiers) > 1:
+            several.append(f"{item.nodeid}: {' + '.join(tiers)}")
+    problems = []
+    if none:
+        problems.append(f"tests without a tier marker ({', '.join(TIERS)}): add `pytestmark = pytest.mark.TIER` "
+                        f"to the file or a mark to the test:{_listing(none)}")
+    if several:
+        problems.append(f"tests with more than one tier (a module's pytestmark adds to a test's own mark: in a "
+                        f"file that mixes tiers, mark each test):{_listing(several)}")
+    if problems:
+        raise pytest.UsageError("\n".join(problems))
 
 
 def children(pid: int) -> set[int]:
@@ -41,6 +82,41 @@ def no_leaked_processes():
         except ProcessLookupError:
             pass
     assert not leaked, f"test left processes running: {sorted(leaked)}"
+
+
+def leaked_threads(before: set[threading.Thread], grace_s: float) -> list[threading.Thread]:
+    """Threads alive now that were not in `before`, after waiting up to grace_s for them to end."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        new = [t for t in threading.enumerate() if t not in before and t.is_alive()
+               and (type(t).__module__, type(t).__qualname__) not in PROCESS_THREADS]
+        if not new or time.monotonic() >= deadline:
+            return new
+        new[0].join(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def describe_thread(t: threading.Thread) -> str:
+    """'daemon' or 'non-daemon', and what it runs: its class or its target function."""
+    target = getattr(t, "_target", None)
+    runs = type(t).__qualname__ if type(t) is not threading.Thread else getattr(target, "__qualname__", "")
+    return ("daemon" if t.daemon else "non-daemon") + (f", {runs}" if runs else "")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads(request: pytest.FixtureRequest):
+    """For `inprocess` tests (as dask's gen_cluster): every thread the test started, the
+    daemons' loops and heartbeats and the CurveZMQ authenticator included, has ended
+    within THREAD_GRACE_S of its end. ZeroMQ's own I/O threads are not Python threads."""
+    if request.node.get_closest_marker("inprocess") is None:
+        yield
+        return
+    before = set(threading.enumerate())
+    yield
+    leaked = leaked_threads(before, THREAD_GRACE_S)
+    if leaked:
+        names = ", ".join(f"{t.name} ({describe_thread(t)})" for t in leaked)
+        pytest.fail(f"test left {len(leaked)} thread(s) running {THREAD_GRACE_S:g} s after it ended: {names}",
+                    pytrace=False)
 
 
 def free_port_block(n: int) -> int:

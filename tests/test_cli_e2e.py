@@ -13,6 +13,8 @@ from torch import nn
 
 from tests.conftest import free_port_block, kill_all
 
+pytestmark = pytest.mark.processes
+
 PSGD = [sys.executable, "-m", "psgd"]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
 STEP_KEYS = {"t", "role", "rank", "step", "clock", "loss", "samples", "staleness", "wait_s", "bytes_sent", "bytes_recv"}
@@ -34,11 +36,10 @@ def lines(path):
 @pytest.mark.timeout(300)
 def test_default_job_trains_to_90_percent(tmp_path):
     out = tmp_path / "run"
-    t0 = time.monotonic()
-    r = psgd("run", "--out", str(out))
-    took = time.monotonic() - t0
+    # a port block of its own: the default, 5555, may be taken by another job on this machine
+    # between the launcher's check and the daemons' bind
+    r = psgd("run", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}")
     assert r.returncode == 0, r.stderr
-    assert "sync: accuracy" in r.stdout
     assert "step" in r.stderr and "samples" in r.stderr  # progress while it trains
     s = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(s)
@@ -46,7 +47,9 @@ def test_default_job_trains_to_90_percent(tmp_path):
     assert s["final_accuracy"] >= 0.90, s
     assert s["time_to_target_s"] is not None and s["samples"] == 2 * 300 * 32
     assert set(s["staleness"]) == {"mean", "max", "hist"}
-    assert took < 120
+    # what it prints is what it wrote (speed is measured in bench/, never asserted here)
+    assert f"sync: accuracy {s['final_accuracy']:.4f}" in r.stdout
+    assert f"summary: {out / 'summary.json'}" in r.stdout
     for rank in (0, 1):
         steps = lines(out / "events" / f"worker-{rank}.jsonl")
         assert len(steps) == 300 and STEP_KEYS <= set(steps[0])
@@ -123,7 +126,8 @@ def frozen_cnn(input_shape, num_classes):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_batchnorm_and_frozen_parameters(tmp_path):
-    r = psgd("run", "--out", str(tmp_path), "--quiet", "--set", "model.name=tests.test_cli_e2e:frozen_cnn",
+    r = psgd("run", "--out", str(tmp_path), "--quiet", "--set", f"cluster.port={free_port_block(3)}",
+             "--set", "model.name=tests.test_cli_e2e:frozen_cnn",
              "--set", "train.steps=80", "--set", "eval.target_accuracy=0.5")
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "summary.json").read_text())

@@ -2,6 +2,8 @@ import pytest
 
 from psgd.config import Config, ConfigError, load
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_are_the_default_job():
     cfg = load(None, [], env={})
@@ -62,6 +64,28 @@ def test_error_names_its_source(tmp_path):
         load(str(f), [], env={})
     with pytest.raises(ConfigError, match="does not exist"):
         load(str(tmp_path / "missing.toml"), [], env={})
+
+
+def test_switches_are_true_false_1_or_0_everywhere(tmp_path):
+    """`1` is what the deploy files export (DEPLOY_CURVE=1 becomes PSGD_SECURITY_CURVE=1);
+    it used to be refused, as a TOML integer, from the environment and from --set."""
+    for text, want in (("1", True), ("0", False), ("true", True), ("false", False)):
+        assert load(None, [], env={"PSGD_MODE_SYNC": text}).mode.sync is want
+        assert load(None, [f"mode.sync={text}"], env={}).mode.sync is want
+    f = tmp_path / "c.toml"
+    f.write_text("[mode]\nsync = 1\n")
+    assert load(str(f), [], env={}).mode.sync is True
+    for bad in ("2", "-1", "0.5", "maybe"):
+        with pytest.raises(ConfigError, match="expected true or false"):
+            load(None, [f"mode.sync={bad}"], env={})
+
+
+def test_deploy_settings_are_not_psgd_settings():
+    """The deploy files' own DEPLOY_* settings can stay exported where psgd runs; a PSGD_*
+    name that is not psgd's is an error that points at DEPLOY_*."""
+    assert load(None, [], env={"DEPLOY_WORKERS": "4", "DEPLOY_CURVE": "1"}) == load(None, [], env={})
+    with pytest.raises(ConfigError, match="PSGD_WORKERS is not a psgd setting.*DEPLOY_"):
+        load(None, [], env={"PSGD_WORKERS": "4"})
 
 
 def test_reserved_environment_is_not_config():

@@ -9,6 +9,8 @@ from psgd.config import ConfigError, DataConfig
 from psgd.data import Batches, DataError, describe, holdout, load_dataset, partition
 from psgd.models import build_model
 
+pytestmark = pytest.mark.unit
+
 
 def test_digits_needs_no_download():
     ds = load_dataset(DataConfig())
@@ -113,7 +115,7 @@ def test_user_factories():
 @pytest.mark.parametrize("name,shape", [("mlp", (1, 8, 8)), ("cnn", (1, 8, 8)), ("resnet20", (3, 32, 32))])
 def test_models_forward_and_are_seeded(name, shape):
     a, b = build_model(name, shape, 10, seed=3), build_model(name, shape, 10, seed=3)
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert a(torch.zeros(2, *shape)).shape == (2, 10)
 

@@ -10,9 +10,11 @@
 
 A test whose tool is missing skips and says what to install; .ci/deploy-deps.sh installs
 all of them (as root). Every wait is bounded, and the cluster is torn down at the end.
+Tiers: the variable checks are `unit`, the tool runs `processes`, the cluster `slurm`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from psgd.config import ENV_RESERVED, SECTIONS, load
+
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 SLURM_DIR = DEPLOY / "slurm"
@@ -36,9 +40,10 @@ INSTALL_HINT = "install with `bash .ci/deploy-deps.sh` (as root)"
 
 
 def clean_env(**extra: str) -> dict:
-    """This environment without PSGD_* and SLURM_* settings (a developer's shell or an
-    enclosing Slurm job must not leak into the runs), with this Python's bin first on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSGD_", "SLURM_", "SBATCH_", "SRUN_"))}
+    """This environment without PSGD_*, DEPLOY_* and SLURM_* settings (a developer's shell or
+    an enclosing Slurm job must not leak into the runs), with this Python's bin first on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PSGD_", "DEPLOY_", "SLURM_", "SBATCH_", "SRUN_"))}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "/usr/bin:/bin")
     env.update(extra)
     return env
@@ -70,6 +75,60 @@ def free_ports(n: int, host: str = "127.0.0.1", below: int = 32000) -> int:
             for t in socks:
                 t.close()
     raise RuntimeError(f"no {n} free consecutive ports")
+
+
+# ====================================================================== variables
+
+# Every file that names variables for a deployment: the deploy files, their docs, CI's installer.
+VARIABLE_FILES = sorted(p for p in [*DEPLOY.rglob("*"), REPO / "docs" / "deploy.md", REPO / ".ci" / "deploy-deps.sh"]
+                        if p.is_file() and "wheels" not in p.parts)
+NAME = re.compile(r"\b(?:PSGD|DEPLOY)_[A-Z0-9_]*[A-Z0-9]\b")  # PSGD_CLUSTER_* and PSGD_<SECTION> are patterns
+PLACEHOLDERS = {"PSGD_SECTION_KEY"}
+BOOLEAN_WORDS = {"true", "false", "yes", "no", "on", "off"}
+
+
+def names_in(paths) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        for name in NAME.findall(path.read_text(errors="replace")):
+            found.setdefault(name, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def is_psgd_variable(name: str) -> bool:
+    """psgd's own: a variable of its command line, or PSGD_<SECTION>_<KEY> of a config key."""
+    if name in ENV_RESERVED:
+        return True
+    section, _, key = name[len("PSGD_"):].lower().partition("_")
+    return section in SECTIONS and key in {f.name for f in dataclasses.fields(SECTIONS[section])}
+
+
+@pytest.mark.unit
+def test_deploy_variables_never_collide_with_psgd_variables():
+    """A deploy setting spelled PSGD_* made every psgd command in the same shell fail with
+    "not a psgd setting" (docs/deploy.md told Compose users to export PSGD_WORKERS)."""
+    names = names_in(VARIABLE_FILES)
+    assert any(n.startswith("DEPLOY_") for n in names) and "PSGD_CLUSTER_WORKERS" in names
+    wrong = {n: sorted(where) for n, where in names.items()
+             if n.startswith("PSGD_") and n not in PLACEHOLDERS and not is_psgd_variable(n)}
+    assert not wrong, f"PSGD_* names that are not psgd's (a deploy setting is DEPLOY_*): {wrong}"
+    # ... and psgd leaves every DEPLOY_* setting alone, all of them exported at once.
+    cfg = load(None, [], env={n: "1" for n in names if n.startswith("DEPLOY_")})
+    assert cfg == load(None, [], env={})
+
+
+@pytest.mark.unit
+def test_deploy_switches_have_one_spelling():
+    """DEPLOY_CURVE was `true` for Compose and `1` for Slurm: now 1 or 0 everywhere."""
+    values: dict[str, set[str]] = {}
+    for path in VARIABLE_FILES:
+        for name, value in re.findall(r"\b(DEPLOY_[A-Z0-9_]+)(?:=|:-)([^\s}`'\")]*)", path.read_text()):
+            values.setdefault(name, set()).add(value)
+    words = {n: v for n, v in values.items() if {x.lower() for x in v} & BOOLEAN_WORDS}
+    assert not words, f"a switch is 1 or 0, not a word: {words}"
+    assert values["DEPLOY_CURVE"] == {"0", "1"}
+    for f in [COMPOSE, *OVERRIDES["gpu"]]:
+        assert "PSGD_SECURITY_CURVE: ${DEPLOY_CURVE:-0}" in f.read_text(), f
 
 
 # ====================================================================== Compose
@@ -110,6 +169,7 @@ def compose_json(compose, *overrides: str, **env: str) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overrides", [(), ("gpu",), ("host",)], ids=["base", "gpu", "host"])
 def test_compose_config_valid(compose, overrides):
@@ -117,6 +177,7 @@ def test_compose_config_valid(compose, overrides):
     assert r.returncode == 0, f"compose config failed:\n{r.stderr}"
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_compose_validator_rejects_a_broken_file(compose, tmp_path):
     """The check above means something: the same program fails on a wrong file."""
@@ -126,6 +187,7 @@ def test_compose_validator_rejects_a_broken_file(compose, tmp_path):
     assert r.returncode != 0 and "no_such_key" in (r.stderr + r.stdout)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_compose_services_start_order_and_volume(compose):
     d = compose_json(compose)
@@ -144,11 +206,12 @@ def test_compose_services_start_order_and_volume(compose):
         assert s["init"] is True
     assert "data" in d["volumes"]
     assert services["worker"]["deploy"]["replicas"] == 2
-    scaled = compose_json(compose, PSGD_WORKERS="3")["services"]
+    scaled = compose_json(compose, DEPLOY_WORKERS="3")["services"]
     assert scaled["worker"]["deploy"]["replicas"] == 3
     assert {s["environment"]["PSGD_CLUSTER_WORKERS"] for s in scaled.values()} == {"3"}
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_compose_gpu_override_reserves_one_gpu_per_worker(compose):
     services = compose_json(compose, "gpu")["services"]
@@ -165,6 +228,7 @@ def test_compose_gpu_override_reserves_one_gpu_per_worker(compose):
     assert sorted(ids) == ["0", "1"]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overrides", [(), ("gpu",), ("host",)], ids=["base", "gpu", "host"])
 def test_compose_settings_are_valid_psgd_config(compose, overrides):
@@ -190,6 +254,7 @@ def test_compose_settings_are_valid_psgd_config(compose, overrides):
         assert all(s["network_mode"] == "host" for s in services.values())
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_compose_healthchecks_probe_the_daemon_ports(compose):
     """Run each healthcheck command here: it passes while the service's port (coordinator:
@@ -214,6 +279,7 @@ def test_compose_healthchecks_probe_the_daemon_ports(compose):
     assert checked == 3
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_dockerfile_lints_clean():
     hadolint = shutil.which("hadolint")
@@ -226,6 +292,7 @@ def test_dockerfile_lints_clean():
 # ====================================================================== Slurm scripts
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_slurm_scripts_parse(script):
@@ -233,6 +300,7 @@ def test_slurm_scripts_parse(script):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_slurm_scripts_share_one_body():
     def body(p: Path) -> str:
@@ -242,10 +310,20 @@ def test_slurm_scripts_share_one_body():
     assert "#SBATCH hetjob" in SCRIPTS[1].read_text()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(30)
 def test_sbatch_script_refuses_outside_slurm():
     r = run(["bash", SCRIPTS[0]], env=clean_env())
     assert r.returncode == 2 and "sbatch" in r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_sbatch_script_refuses_a_switch_that_is_not_1_or_0(script, tmp_path):
+    """`DEPLOY_CURVE=true` must not quietly mean "off"."""
+    r = run(["bash", script], env=clean_env(SLURM_JOB_ID="1", DEPLOY_CURVE="true"), cwd=tmp_path)
+    assert r.returncode == 2 and "DEPLOY_CURVE must be 1 or 0, got 'true'" in r.stderr, r.stderr
 
 
 # ====================================================================== Slurm cluster
@@ -260,7 +338,7 @@ class Cluster:
         return run(args, timeout=timeout, env=self.env)
 
     def submit(self, script: Path, work: Path, args=(), **settings: str) -> str:
-        env = {**self.env, "PSGD_PYTHON": sys.executable, "PSGD_OUT": str(work / "out"),
+        env = {**self.env, "DEPLOY_PYTHON": sys.executable, "PSGD_OUT": str(work / "out"),
                "PSGD_CLUSTER_PORT": str(free_ports(4)), **settings}
         r = run(["sbatch", "--parsable", f"--output={work}/job-%j.out", f"--chdir={work}", *args, script],
                 timeout=30, env=env)
@@ -383,6 +461,7 @@ def slurm():
         assert not folder.exists()
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_slurm_default_job_reaches_target(slurm, tmp_path):
     jid = slurm.submit(SCRIPTS[0], tmp_path)
@@ -396,6 +475,7 @@ def test_slurm_default_job_reaches_target(slurm, tmp_path):
     assert_no_leftovers(out)
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_slurm_scancel_keeps_the_shard_checkpoints(slurm, tmp_path):
     import torch
@@ -420,6 +500,7 @@ def test_slurm_scancel_keeps_the_shard_checkpoints(slurm, tmp_path):
     assert_no_leftovers(out)
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(600)
 def test_slurm_requeue_resumes_from_the_checkpoints(slurm, tmp_path):
     # SIGUSR1 to the batch shell is what `--signal=B:USR1@120` sends before the time limit:
@@ -447,9 +528,10 @@ def test_slurm_requeue_resumes_from_the_checkpoints(slurm, tmp_path):
     assert_no_leftovers(out)
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_slurm_hetjob_runs_with_curve(slurm, tmp_path):
-    jid = slurm.submit(SCRIPTS[1], tmp_path, PSGD_CURVE="1")
+    jid = slurm.submit(SCRIPTS[1], tmp_path, DEPLOY_CURVE="1")
     st = slurm.wait(jid, 360, tmp_path)
     assert st.get("JobState") == "COMPLETED", f"{st}\n{job_report(tmp_path, jid)}"
     parts = slurm.components(jid)

@@ -14,6 +14,8 @@ import glob
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -21,7 +23,7 @@ from psgd.config import Config
 from psgd.consistency.tournament import pairings
 from psgd.launcher import LaunchError, pick_port, run_local
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 WORKERS, SERVERS = 3, 2
 STRAGGLER = {"faults.slow_rank": 1, "faults.slow_factor": 4.0}
@@ -117,3 +119,18 @@ def test_async_with_a_straggler_applies_stale_gradients(tmp_path_factory):
     assert s["staleness"]["max"] >= 1, s
     assert s["staleness"]["mean"] > 0
     assert sum(s["staleness"]["hist"].values()) == WORKERS * Config().train.steps
+
+
+@pytest.mark.timeout(150)
+def test_ltfb_pairings_identical_in_another_process():
+    """Different interpreters (and hash seeds) derive the same pairs."""
+    ranks = [5, 0, 3, 2, 9, 1, 7]
+    expect = {str(r): pairings(11, rnd, ranks) for r, rnd in enumerate(range(6))}
+    code = ("import json; from psgd.consistency.tournament import pairings; "
+            "print(json.dumps({str(i): pairings(11, r, [7, 1, 9, 2, 3, 0, 5]) for i, r in enumerate(range(6))}))")
+    import json
+    for hashseed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONHASHSEED": hashseed}, check=True).stdout
+        got = {k: {int(a): b for a, b in v.items()} for k, v in json.loads(out).items()}
+        assert got == expect

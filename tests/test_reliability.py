@@ -8,20 +8,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from psgd import wire
 from psgd.config import load
+from psgd.inprocess import InProcessCluster
 from psgd.keys import make_keys
-from psgd.launcher import LocalJob
-from tests.cluster import InProcessCluster
+from psgd.launcher import LaunchError, LocalJob
 from tests.conftest import free_port_block, kill_all
 
 FAST_HB = ["cluster.heartbeat_s=0.25", "cluster.heartbeat_timeout_s=2"]
@@ -67,6 +67,7 @@ def kill_during(j: LocalJob, name: str, after: tuple[int, int], sig=signal.SIGKI
         j.stop()
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
@@ -78,6 +79,7 @@ def test_kill_9_a_worker_mid_run(tmp_path, mode):
     assert steps_done(j.out, 0) == 500 and steps_done(j.out, 1) == 500
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_restarted_worker_rejoins_with_its_rank(tmp_path):
@@ -91,13 +93,14 @@ def test_a_restarted_worker_rejoins_with_its_rank(tmp_path):
     assert [e["joins"] for e in joins] == [1, 2]  # the restarted worker came back as rank 1
 
 
+@pytest.mark.processes
 def test_abort_on_worker_loss(tmp_path):
     j = job(tmp_path, "train.steps=2000", "faults.on_worker_loss=abort", "faults.step_delay_s=0.002")
     try:
         j.start()
         wait_for_steps(j, 1, 30)
         child(j, "worker-1").proc.send_signal(signal.SIGKILL)
-        with pytest.raises(Exception, match="exited with 1"):
+        with pytest.raises(LaunchError, match="job aborted: worker 1 was lost and faults.on_worker_loss = abort"):
             j.wait()
     finally:
         j.stop()
@@ -108,6 +111,7 @@ def test_abort_on_worker_loss(tmp_path):
 # ---------------------------------------------------------------- killed shards
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -124,6 +128,7 @@ def test_kill_9_a_shard_resumes_from_its_checkpoint(tmp_path, mode):
     assert state["version"] > 0
 
 
+@pytest.mark.processes
 def test_sigterm_checkpoints_atomically(tmp_path):
     j = job(tmp_path, "train.steps=3000", "checkpoint.every_s=0", "faults.step_delay_s=0.002")
     try:
@@ -144,6 +149,7 @@ def test_sigterm_checkpoints_atomically(tmp_path):
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.unit
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
 def test_decode_never_fails_except_with_a_wire_error(frames):
@@ -186,6 +192,7 @@ def mutants(rng: random.Random, size: int):
         yield rng.choice(kinds)()
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fuzz_a_live_shard_while_it_trains(tmp_path):
@@ -236,6 +243,7 @@ def test_fuzz_a_live_shard_while_it_trains(tmp_path):
 # ---------------------------------------------------------------- strangers
 
 
+@pytest.mark.inprocess
 @pytest.mark.timeout(60)
 def test_curve_refuses_clients_without_authorized_keys(tmp_path):
     keys = str(tmp_path / "keys")
@@ -270,6 +278,7 @@ def test_curve_refuses_clients_without_authorized_keys(tmp_path):
         assert not ask(unknown_key)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_job_with_curve_trains(tmp_path):
@@ -319,6 +328,7 @@ def two_hosts():
         subprocess.run(["ip", "netns", "del", b], capture_output=True, timeout=10)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_partitioned_worker_is_dropped_then_rejoins(tmp_path, two_hosts):

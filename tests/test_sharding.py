@@ -6,6 +6,8 @@ from torch import nn
 from psgd.models import build_model
 from psgd.sharding import ShardMap, model_entries, model_tensors
 
+pytestmark = pytest.mark.unit
+
 
 def coverage(smap, entries):
     seen = {name: np.zeros(n, int) for name, _, n in entries}

@@ -7,11 +7,13 @@ import torch
 from torch import nn
 
 from psgd.config import load
+from psgd.inprocess import InProcessCluster
 from psgd.models import build_model
 from psgd.optim import lr_at, make_optimizer, set_lr
 from psgd.replica import Replica
-from tests.cluster import InProcessCluster
-from workers.client import ParameterClient, tensors_of
+from psgd.workers.client import ParameterClient, tensors_of
+
+pytestmark = pytest.mark.inprocess
 
 W, B, K = 3, 8, 6
 

@@ -5,12 +5,15 @@ them in order, so the read sees this worker's own update) and all shards work in
 parallel: one round trip per step. A request that gets no answer within the retry
 window is sent again on a fresh connection (pushes are deduplicated by (rank, clock),
 so a resend is safe) with backoff, until `cluster.timeout_s` runs out; then
-`ShardUnreachable` names the address.
+`ShardUnreachable` names the address. An error reply raises its typed exception
+(`wire.Refused`, `wire.BadRequest`, `wire.ServerFault`) at once. `cancel`, when set,
+is asked while waiting: turning true gives up with `Cancelled` (the job ended).
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import zmq
@@ -38,6 +41,7 @@ class ParameterClient:
         self.retry_s = max(2.0, 4 * cfg.cluster.heartbeat_s)  # resend window (a restarted shard lost them)
         self.wait_s = 0.0     # time blocked on the servers
         self.retries = 0
+        self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
 
     @property
     def bytes_sent(self) -> int:
@@ -50,7 +54,12 @@ class ParameterClient:
     def request(self, reqs: Sequence[tuple[int, str, dict]],
                 cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
         """Send (shard, op, fields) requests at once; answers in the same order.
-        `cancel()` turning true gives up early with `Cancelled`."""
+        `cancel()` (or the client's own `cancel`) turning true gives up with `Cancelled`."""
+        if cancel is None:
+            cancel = self.cancel
+        elif self.cancel is not None:
+            own, extra = self.cancel, cancel
+            cancel = lambda: own() or extra()  # noqa: E731
         t0 = time.monotonic()
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
         out: list[Any] = [None] * len(reqs)
@@ -61,6 +70,9 @@ class ParameterClient:
             try:
                 got = self.peers.wait({rid: i for rid, (_, i) in pending.items()}, window,
                                       "parameter request", cancel)
+            except wire.RemoteError:
+                self.wait_s += time.monotonic() - t0
+                raise
             except PeerTimeout as e:
                 got = e.partial
                 if cancel is not None and cancel():
@@ -78,7 +90,7 @@ class ParameterClient:
                 backoff = min(4.0, backoff * 2)
                 self.retries += 1
                 resent = {}
-                for rid, (k, i) in pending.items():
+                for k, i in pending.values():
                     shard, op, kw = reqs[k]
                     resent[self.peers.send(shard, op, rank=self.rank, **kw)] = (k, i)
                 pending = resent
@@ -89,8 +101,12 @@ class ParameterClient:
         return out
 
     # ------------------------------------------------------------ ops
-    def pull(self, clock: int, table: str = "params") -> list[wire.Message]:
-        return self.request([(i, "pull", {"clock": clock, "table": table}) for i in range(self.n)])
+    def pull(self, clock: int) -> list[wire.Message]:
+        return self.request([(i, "pull", {"clock": clock}) for i in range(self.n)])
+
+    def join(self, clock: int) -> list[wire.Message]:
+        """Pull without waiting on any gate; the answers say where the shards stand."""
+        return self.request([(i, "pull", {"clock": clock, "join": True}) for i in range(self.n)])
 
     def push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
                   read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:
@@ -110,8 +126,27 @@ class ParameterClient:
         self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
                       for i in range(self.n)])
 
-    def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
-        return self.request([(i, "get_model", {"round": round_, "owner": owner}) for i in range(self.n)], cancel)
+    def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None,
+                  exact: bool = False, missing_ok: bool = False) -> list[wire.Message] | None:
+        """`owner`'s model of `round_` (or its later one unless `exact`) from every shard.
+        `missing_ok`: None instead of an exception when it is not delivered."""
+        try:
+            return self.request([(i, "get_model", {"round": round_, "owner": owner, "exact": exact})
+                                 for i in range(self.n)], cancel)
+        except (Cancelled, ShardUnreachable, wire.Refused):
+            if missing_ok:
+                return None
+            raise
+
+    def index(self) -> list[wire.Message]:
+        """Each shard's index of the models deposited with it."""
+        return self.request([(i, "models", {}) for i in range(self.n)])
+
+    @staticmethod
+    def tables(msgs: Sequence[wire.Message]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The (first, second) arrays of each shard's answer as tensors, without copies:
+        (params, buffers), or (deltas, buffers) for an elastic exchange."""
+        return tensors_of(msgs, 0), tensors_of(msgs, 1)
 
     def close(self) -> None:
         self.peers.close()

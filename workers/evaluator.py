@@ -2,8 +2,9 @@
 
     psgd evaluator [CONFIG] --out DIR [--device ...] [--set k=v ...]
 
-The global model is the servers' parameters (sync, ssp, async), the center variable
-x~ (easgd), or the best trainer's model by its latest tournament score (ltfb). Each
+The global model is what the mode says it is (`Mode.global_model`): the shards'
+parameters, which are the centre x~ in elastic averaging, or the best trainer's model
+of the latest tournament, fetched whole from one deposit. Each
 score goes to the coordinator (which stamps it with the samples processed so far) and
 to DIR/events/evaluator-0.jsonl. When the workers are done it scores once more, saves
 the model as DIR/model.pt (a state_dict; `torch.load(path, weights_only=True)`), and
@@ -18,12 +19,14 @@ import torch
 import zmq
 
 from psgd.config import Config
+from psgd.consistency import get as get_mode
 from psgd.data import load_dataset
-from psgd.membership import CoordinatorLink, log
+from psgd.log import log
+from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog
 from psgd.models import build_model
 from psgd.replica import Replica, pick_device
-from workers.client import ParameterClient, ShardUnreachable, tensors_of
+from psgd.workers.client import ParameterClient, ShardUnreachable
 
 
 class Evaluator:
@@ -34,9 +37,7 @@ class Evaluator:
         self.ctx = ctx or zmq.Context.instance()
 
     def evaluate(self) -> tuple[float, float]:
-        table = "best" if self.cfg.mode.name == "ltfb" else "params"
-        msgs = self.client.pull(-1, table)
-        self.replica.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
+        self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         return self.replica.score(self.ds.test_x, self.ds.test_y, self.cfg.eval.batch_size)
 
     def run(self) -> int:
@@ -74,7 +75,7 @@ class Evaluator:
             log("evaluator", f"error: {e}")
             return 1
         finally:
-            link.stop()
+            link.close()
             self.client.close()
             events.close()
         return 0

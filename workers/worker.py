@@ -2,38 +2,40 @@
 
     psgd worker [CONFIG] --out DIR [--device auto|cpu|cuda[:N]] [--rank R] [--set k=v ...]
 
-Registers with the coordinator (rank, run config, starting clock), then trains:
+Registers with the coordinator (rank, run config, starting clock), then runs the mode's
+worker schedule (psgd/consistency/) step by step until the budget ends: this file is
+the mechanism the schedule uses (compute a step, the parameter client, the replica,
+the step log) and knows no mode.
 
-- sync, ssp, async: pull -> forward/backward -> push, with the push and the next pull in
-  one round trip to all shards; the shards' rules decide when a pull is answered.
-- easgd: local steps with a local optimizer; every `tau` steps an elastic exchange.
-- ltfb: local steps; every `round_steps` a tournament against the partner that
-  `pairings(seed, round, ranks)` names, through the shards.
-
-Every step is a line in DIR/events/worker-<rank>.jsonl. Cumulative counters ride on the
-heartbeats, so the coordinator's summary survives a worker that dies.
+A step that the shards refuse (or that diverges locally) is counted (`rejected`) and
+tried again with the next batch; after `cluster.max_rejections` refusals in a row the
+worker stops with one line naming the reason and tells the coordinator, which ends the
+job. Every step is a line in DIR/events/worker-<rank>.jsonl. Cumulative counters ride
+on the heartbeats, so the coordinator's summary survives a worker that dies.
 """
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
+import zmq
 from torch import nn
 
+from psgd import wire
 from psgd.config import Config
+from psgd.consistency import get as get_mode
+from psgd.consistency.rule import Diverged
 from psgd.consistency.staleness import Histogram
-from psgd.consistency.tournament import adopt, pairings
 from psgd.data import Batches, holdout, load_dataset, partition
-from psgd.membership import CoordinatorLink, log
+from psgd.log import log
+from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, PidFile
 from psgd.models import build_model
-from psgd.optim import lr_at, make_optimizer, set_lr
+from psgd.optim import make_optimizer
 from psgd.replica import Replica, pick_device
-from psgd.sharding import as_tensor
-from workers.client import Cancelled, ParameterClient, ShardUnreachable, tensors_of
-
-import zmq
+from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
 
 
 def local_rank() -> int:
@@ -56,6 +58,7 @@ class Worker:
         self.steps = 0
         self.loss = float("nan")
         self.hist = Histogram()
+        self.rejected = 0          # steps refused by the shards (or diverged locally)
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------ counters
@@ -65,7 +68,8 @@ class Worker:
                 "elapsed_s": round(time.monotonic() - self.t_start, 4),
                 "wait_s": round(c.wait_s if c else 0.0, 4), "bytes_sent": c.bytes_sent if c else 0,
                 "bytes_recv": c.bytes_recv if c else 0, "staleness_hist": self.hist.counts,
-                "loss": self.loss if self.loss == self.loss else None, "retries": c.retries if c else 0}
+                "loss": self.loss if self.loss == self.loss else None, "retries": c.retries if c else 0,
+                "rejected": self.rejected}
 
     # ------------------------------------------------------------ set-up
     def run(self) -> int:
@@ -88,7 +92,7 @@ class Worker:
     def _build(cfg: Config):
         ds = load_dataset(cfg.data, cfg.job.seed)
         # The first torch optimizer imports torch._dynamo (seconds): pay that here, before
-        # the job's clock starts, not in the first local step of easgd/ltfb.
+        # the job's clock starts, not in the first local step of a local-optimizer mode.
         make_optimizer([torch.zeros(1, requires_grad=True)], cfg.optimizer)
         return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
 
@@ -96,42 +100,82 @@ class Worker:
         self.device = pick_device(self.device_spec, local_rank())
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
         self.replica = Replica(model, cfg.cluster.servers, self.device)
+        schedule = get_mode(cfg.mode.name).schedule(cfg)
         part = partition(len(ds.train_y), self.rank, cfg.cluster.workers, cfg.job.seed)
-        if cfg.mode.name == "ltfb":
-            part, self.tournament_idx = holdout(part, cfg.mode.tournament_fraction)
-            self.tour_x, self.tour_y = ds.train_x[self.tournament_idx], ds.train_y[self.tournament_idx]
+        if schedule.data_split > 0:
+            part, held = holdout(part, schedule.data_split)
+            self.holdout = (ds.train_x[held], ds.train_y[held])
         self.batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, self.rank)
         self.client = ParameterClient(cfg, self.ctx, self.rank)
+        self.client.cancel = self.stopped
         self.events = EventLog(self.out, "worker", self.rank)
         self.link.clock_fn = lambda: self.clock
         self.link.stats_fn = self.stats
         self.link.start()
         log(self.name, f"{cfg.mode.name} on {self.device}: {len(part)} samples, batch {self.batches.batch_size}, "
             f"starting at clock {self.clock}")
-        loop = {"sync": self.run_ps, "ssp": self.run_ps, "async": self.run_ps,
-                "easgd": self.run_easgd, "ltfb": self.run_ltfb}[cfg.mode.name]
         self.t_start = time.monotonic()
+        error = ""
         try:
-            loop()
-        except ShardUnreachable as e:
+            schedule.start(self)
+            error = self._steps(schedule)
+        except ShardUnreachable as e:  # the launcher or the coordinator decides what follows
             log(self.name, f"error: {e}")
-            return 1
-        finally:
-            self.link.stop()
-        if self.link.state.get("abort"):
-            log(self.name, f"job aborted: {self.link.state['abort']}")
             self.client.close()
             return 1
-        self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats())
-        self.client.close()
-        self.events.close()
-        log(self.name, f"finished {self.steps} steps, {self.samples} samples")
-        return 0
+        except Cancelled:
+            pass  # the job ended while we waited
+        finally:
+            self.link.stop()
+        if error:
+            log(self.name, error)
+        elif self.link.state.get("abort"):
+            log(self.name, f"job aborted: {self.link.state['abort']}")
+        self._finish(error)
+        return 1 if error or self.link.state.get("abort") else 0
+
+    def _steps(self, schedule) -> str:
+        """Run the schedule until the budget ends; the reason if the worker must stop."""
+        limit, in_a_row = self.cfg.cluster.max_rejections, 0
+        while self.more():
+            if self.rejoin_if_dropped():
+                schedule.rejoin(self)
+            try:
+                schedule.step(self)
+                in_a_row = 0
+            except (wire.Refused, Diverged) as e:
+                self.rejected += 1
+                in_a_row += 1
+                reason = e.reason if isinstance(e, wire.Refused) else str(e)
+                if in_a_row >= limit:
+                    where = f" (shard {e.peer})" if isinstance(e, wire.Refused) else ""
+                    return (f"worker {self.rank}: {reason}{where}; stopping after {in_a_row} refused steps "
+                            f"in a row (cluster.max_rejections)")
+        return ""
+
+    def _finish(self, error: str) -> None:
+        """Tell the coordinator (an error ends the job), then close everything."""
+        try:
+            if not self.link.state.get("abort"):
+                fields: dict[str, Any] = {"error": error} if error else {}
+                self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats(), **fields)
+        except Exception as e:  # the coordinator may be gone: nothing more to tell
+            log(self.name, f"could not report the end to the coordinator: {e}")
+        finally:
+            self.link.close()
+            self.client.close()
+            self.events.close()
+        if not error:
+            log(self.name, f"finished {self.steps} steps, {self.samples} samples, {self.rejected} rejected")
 
     # ------------------------------------------------------------ budget and faults
+    def stopped(self) -> bool:
+        """The job ended (done or aborted): stop waiting and stop training."""
+        return bool(self.link.done or self.link.state.get("abort"))
+
     def more(self) -> bool:
         t = self.cfg.train
-        if self.link.done or self.link.state.get("abort"):
+        if self.stopped():
             return False
         if t.steps and self.clock >= t.steps:
             return False
@@ -171,143 +215,12 @@ class Worker:
         log(self.name, f"rejoined the job at clock {self.clock}")
         return True
 
-    # ------------------------------------------------------------ sync / ssp / async
-    def _load(self, msgs) -> list[int]:
-        self.replica.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
-        return [int(m.get("version", 0)) for m in msgs]
+    # ------------------------------------------------------------ what a schedule may call
+    def live(self) -> set[int]:
+        return set(self.link.state["live"])
 
-    def join(self) -> list[int]:
-        """Pull the current model without waiting on any gate, and continue at the clock
-        the shards have reached (after a rejoin, or a requeued job resumed from checkpoints)."""
-        table = "best" if self.cfg.mode.name == "ltfb" else "params"
-        msgs = self.client.request([(i, "pull", {"clock": self.clock, "join": True, "table": table})
-                                    for i in range(self.client.n)])
-        step = max(int(m.get("step", 0)) for m in msgs)
-        mode = self.cfg.mode
-        if mode.name == "sync":
-            self.clock = max(self.clock, step)
-        elif mode.name in ("ssp", "async"):
-            self.clock = max(self.clock, max(int(m.get("finished", 0)) for m in msgs))
-        elif mode.name == "easgd" and mode.sync:
-            self.clock = max(self.clock, step * mode.tau)
-        return self._load(msgs)
+    def event(self, **fields) -> None:
+        self.events.write(**fields)
 
-    def run_ps(self) -> None:
-        versions = self.join()
-        while self.more():
-            if self.rejoin_if_dropped():
-                versions = self.join()
-            self.replica.model.train()
-            self.compute()
-            w0 = self.client.wait_s
-            pushed, pulled = self.client.push_pull(self.clock, self.replica.grads(), self.replica.buffers(), versions)
-            tau = max(int(m.get("staleness", 0)) for m in pushed)
-            if not any(m.get("dropped") or m.get("duplicate") for m in pushed):
-                self.hist.add(tau)
-            self.clock += 1
-            if self.cfg.mode.name == "sync":  # a late worker (push dropped: backup workers) catches up
-                self.clock = max(self.clock, max(int(m.get("step", 0)) for m in pulled))
-            versions = self._load(pulled)
-            self.log_step(tau, self.client.wait_s - w0,
-                          dropped=any(bool(m.get("dropped")) for m in pushed))
-
-    # ------------------------------------------------------------ local-optimizer modes
-    def _local_step(self, opt) -> None:
-        set_lr(opt, lr_at(self.cfg.optimizer, self.clock, self.cfg.train.steps))
-        self.compute()
-        opt.step()
-        self.clock += 1
-
-    def run_easgd(self) -> None:
-        last_version = self.join()[0]  # staleness counts center moves since our own last exchange
-        model = self.replica.model
-        model.train()
-        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg.optimizer)
-        tau = self.cfg.mode.tau
-        while self.more():
-            if self.rejoin_if_dropped():
-                self.join()
-            self._local_step(opt)
-            staleness, wait = 0, 0.0
-            if self.clock % tau == 0:
-                w0 = self.client.wait_s
-                replies = self.client.elastic(self.clock // tau - 1, self.replica.params(), self.replica.buffers(),
-                                              self.clock)  # rounds count from 0
-                wait = self.client.wait_s - w0
-                version = int(replies[0].get("version", 0))
-                staleness = max(0, version - last_version - 1)  # center moves by others since our last exchange
-                last_version = version
-                self.hist.add(staleness)
-                new = [p - d for p, d in zip(self.replica.params(), tensors_of(replies, 0))]
-                self.replica.load(new)
-            self.log_step(staleness, wait)
-
-    def _opt_state(self, opt) -> tuple[list[str], list[dict]]:
-        """Optimizer state tensors shaped like the parameters (momentum, Adam moments)."""
-        params = [p for p in self.replica.model.parameters() if p.requires_grad]
-        names = {id(p): n for n, p in self.replica.model.named_parameters()}
-        keys = sorted({k for p in params for k, v in opt.state.get(p, {}).items()
-                       if torch.is_tensor(v) and v.shape == p.shape})
-        tables = []
-        for k in keys:
-            tables.append({names[id(p)]: opt.state[p][k] if k in opt.state.get(p, {}) else torch.zeros_like(p)
-                           for p in params})
-        return keys, tables
-
-    def run_ltfb(self) -> None:
-        cfg = self.cfg
-        self.join()
-        model = self.replica.model
-        model.train()
-        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
-        with_opt = cfg.mode.exchange == "weights+optimizer"
-        while self.more():
-            if self.rejoin_if_dropped():
-                self.join()
-            self._local_step(opt)
-            if self.clock % cfg.mode.round_steps:
-                self.log_step(0, 0.0)
-                continue
-            w0 = self.client.wait_s
-            self.tournament(self.clock // cfg.mode.round_steps, opt, with_opt)
-            self.log_step(0, self.client.wait_s - w0)
-
-    def tournament(self, rnd: int, opt, with_opt: bool) -> None:
-        cfg = self.cfg
-        local_score, _ = self.replica.score(self.tour_x, self.tour_y, cfg.eval.batch_size)
-        params, buffers = self.replica.params(), self.replica.buffers()
-        keys, state = self._opt_state(opt) if with_opt else ([], [])
-        arrays = [[params[i], buffers[i]] + [self.replica.map.gather(t, i, "params").cpu() for t in state]
-                  for i in range(cfg.cluster.servers)]
-        self.client.put_model(rnd, local_score, arrays, self.clock)
-        # Trainers that finished or were lost deposit no more models: pair the live ones.
-        live = set(self.link.state["live"]) | {self.rank}
-        partner = pairings(cfg.job.seed, rnd, live).get(self.rank)
-        partner_score, adopted = None, False
-        if partner is not None:
-            try:
-                got = self.client.get_model(rnd, partner, cancel=lambda: partner not in self.link.state["live"])
-            except (Cancelled, ShardUnreachable) as e:
-                log(self.name, f"round {rnd}: partner {partner} did not deliver ({e}); sitting out")
-                got = None
-            if got is not None:
-                mine = (params, buffers)
-                self.replica.load(tensors_of(got, 0), tensors_of(got, 1))
-                partner_score, _ = self.replica.score(self.tour_x, self.tour_y, cfg.eval.batch_size)
-                adopted = adopt(local_score, partner_score)
-                if not adopted:
-                    self.replica.load(*mine)
-                elif with_opt and len(got[0].arrays) == 2 + len(keys):
-                    self._load_opt_state(opt, keys, got)
-        self.events.write(event="tournament", round=rnd, rank=self.rank, partner=partner,
-                          local_score=round(local_score, 5),
-                          partner_score=None if partner_score is None else round(partner_score, 5),
-                          adopted=adopted)
-
-    def _load_opt_state(self, opt, keys, got) -> None:
-        params = [p for p in self.replica.model.parameters() if p.requires_grad]
-        names = {id(p): n for n, p in self.replica.model.named_parameters()}
-        for j, k in enumerate(keys):
-            target = {names[id(p)]: opt.state.setdefault(p, {}).setdefault(k, torch.zeros_like(p)) for p in params}
-            for i, m in enumerate(got):
-                self.replica.map.scatter(as_tensor(m.arrays[2 + j]), i, "params", target)
+    def note(self, text: str) -> None:
+        log(self.name, text)

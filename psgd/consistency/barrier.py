@@ -7,7 +7,7 @@ has been applied (`step >= c`).
 """
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 ACCEPT, LATE, DUPLICATE, EARLY = "accept", "late", "duplicate", "early"
 

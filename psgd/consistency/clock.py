@@ -13,7 +13,7 @@ clock c, so under SSP `max_gap <= s`.
 """
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 
 
 class ClockTable:
@@ -64,7 +64,8 @@ class ClockTable:
         return self._release()
 
     def _release(self) -> list[Hashable]:
-        ready, waiting = [], []
+        ready: list[tuple[int, Hashable]] = []
+        waiting: list[tuple[int, Hashable]] = []
         for c, t in self._reads:
             (ready if self.may_read(c) else waiting).append((c, t))
         self._reads = waiting

@@ -1,25 +1,24 @@
-"""Elastic averaging SGD (Zhang, Choromanska, LeCun 2015).
+"""Elastic averaging SGD (Zhang, Choromanska, LeCun 2015): the centre's arithmetic.
 
 Asynchronous (Algorithm 1), every tau local steps of worker i:
     d = alpha * (x_i - center);  center += d;  x_i -= d
-Synchronous rounds: the round's center update is
-    center += alpha * sum_i (x_i - center_old)
-and worker i moves by d_i = alpha * (x_i - center_old).
-Works on numpy arrays or torch tensors; `center` is updated in place.
+Synchronous rounds, over the round's x_i and the centre before the round:
+    d_i = alpha * (x_i - center);  center += sum_i d_i;  x_i -= d_i
+Works on numpy arrays or torch tensors; nothing is changed in place.
 """
 from __future__ import annotations
 
 
-def elastic_step(x_i, center, alpha: float):
-    """Asynchronous exchange: returns d; center is moved by +d in place."""
-    d = alpha * (x_i - center)
-    center += d
-    return d
+def elastic_delta(x_i, center, alpha: float):
+    """How far worker i and the centre move towards each other: alpha * (x_i - center)."""
+    return alpha * (x_i - center)
 
 
-def elastic_round(xs, center, alpha: float):
-    """Synchronous round over all x_i: returns the list of d_i; center moves by sum(d_i)."""
-    ds = [alpha * (x - center) for x in xs]
-    for d in ds:
-        center += d
-    return ds
+def round_deltas(xs, center, alpha: float) -> list:
+    """A synchronous round: each worker's d_i (the centre moves by their sum)."""
+    return [elastic_delta(x, center, alpha) for x in xs]
+
+
+def default_alpha(alpha: float, workers: int) -> float:
+    """`mode.alpha = 0` means 0.9 / W (the paper's beta = 0.9 split over the workers)."""
+    return alpha if alpha > 0 else 0.9 / max(1, workers)

@@ -25,7 +25,7 @@ class Histogram:
     def add(self, tau: int, n: int = 1) -> None:
         self.counts[min(max(tau, 0), BINS - 1)] += n
 
-    def merge(self, other: "Histogram | list[int]") -> None:
+    def merge(self, other: Histogram | list[int]) -> None:
         other = other.counts if isinstance(other, Histogram) else other
         for i, c in enumerate(other[:BINS]):
             self.counts[i] += int(c)

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import random
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 
 def pairings(seed: int, round_: int, ranks: Iterable[int]) -> dict[int, int | None]:

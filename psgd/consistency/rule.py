@@ -1,0 +1,326 @@
+"""What a consistency mode is: a server rule and a worker schedule.
+
+A mode is one module in this package holding both halves of its rule, and one line in
+the registry (`psgd.consistency.MODES`).
+
+**The server rule** (`ServerRule`) is a pure object: the shard feeds it validated
+events and carries out the decisions it returns, in order. No sockets, no threads, no
+clock reads, so the real daemon, the in-process test cluster and a simulator on a
+virtual clock can all drive it.
+
+    events in   `Push`, `Read`, `ElasticOffer`, `Deposit`, `Fetch`, `membership(live)`,
+                `load_state_dict(...)` (a restore from a checkpoint)
+    decisions   `Apply`        step the optimizer on a vector at lr x `lr_scale`
+                `Accumulate`   add a vector to the open step's sum
+                `ApplySum`     step on the mean of the accumulated gradients
+                `Move`         add a delta to the parameters (no optimizer: a centre move)
+                `MixBuffers`   move the buffers towards a value (a running mean)
+                `SetBuffers`   set them (to a mean of the step's sum)
+                `Answer`       reply to a request: fields, plus the tables' snapshot
+                               (`snapshot=True`) or given arrays
+                `Refuse`       an error reply (code, reason), counted
+                `Store`/`Forget`  keep or free a deposited model
+                `AnswerModel`  reply with a stored model
+                (no decision for a request = parked; a later event answers it)
+
+The rule reads the shard's tables through `tables` (read-only by contract) and keeps
+its own counters (`stats`) and state (`state_dict`), so that a checkpoint carries them.
+
+**The worker schedule** (`Schedule`) says what a worker does at each step (compute and
+push+pull; a local step and an exchange every tau; a tournament every round) and what
+it does with the answers. It talks to a `Trainer` (the worker's mechanism: compute,
+the parameter client, the replica, the step log) and never to sockets itself.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from ..optim import lr_at, make_optimizer, set_lr
+from .staleness import Histogram
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import Config, ModeConfig
+    from ..replica import Replica
+
+
+# ---------------------------------------------------------------- events (shard -> rule)
+@dataclass
+class Push:
+    """A gradient of `rank` computed at `clock`, `tau` updates after the read it used."""
+    token: Any
+    rank: int
+    clock: int
+    tau: int
+    grad: Any
+    buffers: Any
+
+
+@dataclass
+class Read:
+    """A pull by `rank` (-1: the evaluator) that has finished `clock`. `join`: a worker
+    (re)joining, which learns where to start and is never gated."""
+    token: Any
+    rank: int
+    clock: int
+    join: bool = False
+
+
+@dataclass
+class ElasticOffer:
+    """A worker's replica x (and buffers) for an elastic exchange; `round` counts exchanges."""
+    token: Any
+    rank: int
+    round: int
+    x: Any
+    buffers: Any
+
+
+@dataclass
+class Deposit:
+    """A trainer's model for a tournament round, with its score."""
+    token: Any
+    rank: int
+    round: int
+    score: float
+    arrays: list
+
+
+@dataclass
+class Fetch:
+    """A request for `owner`'s model of `round` (or later, unless `exact`)."""
+    token: Any
+    owner: int
+    round: int
+    exact: bool = False
+
+
+# ---------------------------------------------------------------- decisions (rule -> shard)
+@dataclass
+class Apply:
+    grad: Any
+    lr_scale: float
+    progress: float          # where the lr schedule stands (steps of the whole job)
+
+
+@dataclass
+class Accumulate:
+    grad: Any
+    buffers: Any
+    first: bool              # the first contribution of a step: copy instead of add
+
+
+@dataclass
+class ApplySum:
+    count: int               # step on the mean of the `count` accumulated gradients
+    progress: float
+
+
+@dataclass
+class Move:
+    delta: Any
+
+
+@dataclass
+class MixBuffers:
+    values: Any
+    weight: float            # buffers += weight * (values - buffers): a running mean
+
+
+@dataclass
+class SetBuffers:
+    values: Any | None       # None: the accumulated buffer sum
+    count: int = 1           # buffers = values / count
+
+
+@dataclass
+class Answer:
+    token: Any
+    fields: dict = field(default_factory=dict)
+    snapshot: bool = False   # attach the tables (params, buffers) as they are at this point
+    arrays: Sequence[Any] = ()  # or these arrays; BUFFERS stands for a snapshot of the buffers
+
+
+BUFFERS = "buffers"
+
+
+@dataclass
+class Refuse:
+    token: Any
+    code: str
+    reason: str
+
+
+@dataclass
+class Store:
+    key: Hashable
+    score: float
+    arrays: list
+
+
+@dataclass
+class Forget:
+    keys: list
+
+
+@dataclass
+class AnswerModel:
+    token: Any
+    key: Hashable
+    fields: dict = field(default_factory=dict)
+
+
+Decision = (Apply | Accumulate | ApplySum | Move | MixBuffers | SetBuffers | Answer | Refuse | Store | Forget
+            | AnswerModel)
+
+REFUSED = "refused"  # the wire's code for "valid, but not acceptable now"
+
+
+class Tables(Protocol):
+    """What a rule may read of the shard: its parameter and buffer tables, the number
+    of updates applied, and the scalar parts of its stored models."""
+    params: torch.Tensor
+    buffers: torch.Tensor
+    version: int
+
+
+# ---------------------------------------------------------------- the server rule
+class ServerRule:
+    """The base: serves reads only. A mode overrides the events it uses and lists their
+    ops in `serves`; the shard refuses the others with a reason naming the mode."""
+
+    name: ClassVar[str] = ""
+    serves: ClassVar[frozenset[str]] = frozenset({"pull"})
+
+    def __init__(self, mode: ModeConfig, world: int, tables: Tables):
+        self.mode = mode
+        self.world = world
+        self.tables = tables
+        self.hist = Histogram()       # staleness of every applied contribution
+
+    # events
+    def push(self, e: Push) -> list[Decision]:
+        raise NotImplementedError
+
+    def read(self, e: Read) -> list[Decision]:
+        """A read by a non-worker (the evaluator) or a joining worker is never gated."""
+        if e.rank < 0 or e.join:
+            return [self.answer(e)]
+        return self.gated_read(e)
+
+    def gated_read(self, e: Read) -> list[Decision]:
+        return [self.answer(e)]
+
+    def elastic(self, e: ElasticOffer) -> list[Decision]:
+        raise NotImplementedError
+
+    def deposit(self, e: Deposit) -> list[Decision]:
+        raise NotImplementedError
+
+    def fetch(self, e: Fetch) -> list[Decision]:
+        raise NotImplementedError
+
+    def index(self, token: Any) -> list[Decision]:
+        """What this shard holds of the deposited models: [[round, owner, score], ...]."""
+        return [Answer(token, {"models": []})]
+
+    def membership(self, live: dict[int, int]) -> list[Decision]:
+        """The live workers (rank -> clock) changed; joiners start at their clock."""
+        return []
+
+    # answers and counters
+    def answer(self, e: Read) -> Answer:
+        """A read's answer: the tables, and where the rule stands for this reader."""
+        return Answer(e.token, self.read_fields(e.rank), snapshot=True)
+
+    def read_fields(self, rank: int) -> dict:
+        return {"step": 0, "finished": 0}
+
+    def stats(self) -> dict:
+        """Counters for summary.json."""
+        return {"max_clock_gap": 0, "dropped": 0, "parked": 0, "staleness_hist": self.hist.counts}
+
+    def state_dict(self) -> dict:
+        return {"hist": list(self.hist.counts)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A restore from a checkpoint written by `state_dict`."""
+        self.hist = Histogram(sd.get("hist"))
+
+
+# ---------------------------------------------------------------- the worker schedule
+class Trainer(Protocol):
+    """The worker's mechanism, as a schedule sees it."""
+    cfg: Config
+    rank: int
+    clock: int
+    client: Any              # psgd.workers.client.ParameterClient (or a simulator's)
+    replica: Replica
+    hist: Histogram
+    holdout: tuple[Any, Any]  # (x, y) held out of the partition (data_split > 0)
+
+    def compute(self) -> float: ...
+    def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None: ...
+    def live(self) -> set[int]: ...
+    def event(self, **fields: Any) -> None: ...
+    def note(self, text: str) -> None: ...
+
+
+class Diverged(RuntimeError):
+    """A local step produced a non-finite loss: the step is refused by the worker itself."""
+
+
+class Schedule:
+    """What a worker does each step. `start` runs once after registering, `rejoin` after
+    the coordinator took the worker back, `step` once per step until the budget ends.
+    A step that raises `Diverged` (or whose request the shards refuse) is counted as
+    rejected and tried again with the next batch."""
+
+    data_split: float = 0.0   # the share of each partition held out of training
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def start(self, w: Trainer) -> None:
+        self.rejoin(w)
+
+    def rejoin(self, w: Trainer) -> None:
+        raise NotImplementedError
+
+    def step(self, w: Trainer) -> None:
+        raise NotImplementedError
+
+
+def read_params(client: Any) -> list:
+    """The global model of the parameter-server modes: the shards' parameters."""
+    return client.pull(-1)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A registry entry: the mode's name, its two halves, the config keys that matter
+    for it (summaries, labels), and how a reader (the evaluator, a rejoining worker)
+    gets the job's global model: callable(client) -> one answer per shard."""
+    name: str
+    rule: type[ServerRule]
+    schedule: type[Schedule]
+    params: tuple[str, ...]
+    global_model: Callable[[Any], list] = read_params
+
+
+def local_step(w: Trainer, opt: Any) -> None:
+    """One step of a worker's own optimizer (the local-optimizer modes)."""
+    set_lr(opt, lr_at(w.cfg.optimizer, w.clock, w.cfg.train.steps))
+    loss = w.compute()
+    if not math.isfinite(loss):
+        raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+    opt.step()
+    w.clock += 1
+
+
+def make_local_optimizer(w: Trainer) -> Any:
+    return make_optimizer([p for p in w.replica.model.parameters() if p.requires_grad], w.cfg.optimizer)

@@ -1,0 +1,278 @@
+"""The numbers of the `psgd compare` report, from the run summaries; no text, no plots.
+
+One Row per configuration (label x worker count) with its repeats: means, sample sds,
+speedups (reference time to target / this time) and throughput ratios; Spearman's rank
+correlation and the trend of a sequence; which rows form a parameter or worker-count
+sweep. And what the numbers cannot carry: whether a time to target is resolved
+(`ttt_flag`) and which rows a staleness correlation may use (`correlation_rows`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Modes whose measured staleness is "updates a shard applied between a worker's read and
+# its push". easgd's counts moves of the centre between a worker's exchanges and ltfb's is
+# 0 by definition (independent trainers): other quantities, never put on the same axis.
+READ_PUSH_MODES = ("sync", "ssp", "async")
+# A staleness correlation needs MIN_POINTS comparable configurations of MIN_REPEATS runs
+# each. Five is the fewest points for which any Spearman ρ can be told from chance at the
+# 5 % level (|ρ| = 1 has probability 2/n! under no relation: 1/12 for n = 4, 1/60 for 5);
+# three repeats give every point a run-to-run sd to hold the differences against.
+MIN_POINTS = 5
+MIN_REPEATS = 3
+
+# Why a time to target does not rank (see ttt_flag).
+AFTER_END = "after the end"
+FIRST_SCORE = "first score"
+
+# Mode parameters whose name is also the name of a measured quantity, as the report names them.
+PARAM_NAMES = {("ssp", "staleness"): "bound s"}
+
+
+def param_name(mode: str, key: str) -> str:
+    return PARAM_NAMES.get((mode, key), key)
+
+
+def mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def sd(xs: list[float]) -> float | None:
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return r
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Rank correlation; None with fewer than 3 points or a constant side. Whether there
+    are enough points to say anything is the caller's question (MIN_POINTS)."""
+    if len(xs) < 3 or len(xs) != len(ys):
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = mean(rx), mean(ry)
+    if mx is None or my is None:
+        return None
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return num / den if den > 0 else None
+
+
+def trend(values: list[float]) -> str:
+    """'rose', 'fell', 'stayed flat' or 'went up and down' for a sequence."""
+    if len(values) < 2:
+        return "stayed flat"
+    span = max(values) - min(values)
+    if span <= 1e-9 * max(1.0, abs(max(values))):
+        return "stayed flat"
+    ups = all(b >= a for a, b in zip(values, values[1:], strict=False))
+    downs = all(b <= a for a, b in zip(values, values[1:], strict=False))
+    return "rose" if ups else "fell" if downs else "went up and down"
+
+
+def ttt_flag(run: dict, period: float | None) -> str | None:
+    """Why a run's time to target cannot rank it, or None when it can (or is None).
+
+    AFTER_END: the time is at or past the run's wall time: the target was first seen by a
+    score taken once training had ended, which says when the evaluator looked, not when
+    the model got there. FIRST_SCORE (distributed runs): the model was already above the
+    target at the evaluator's first score, or the time is shorter than one evaluation
+    period: the time is the evaluator's phase. The sequential baseline is scored on its own
+    training clock, from step 0, many times per run, so only AFTER_END applies to it."""
+    t = run.get("time_to_target_s")
+    if t is None:
+        return None
+    wall = run.get("wall_s")
+    if wall is not None and float(t) >= float(wall):
+        return AFTER_END
+    if run.get("mode") == "baseline":
+        return None
+    target = run.get("target_accuracy")
+    evals = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
+    if target is not None and evals and float(evals[0]["accuracy"]) >= float(target):
+        return FIRST_SCORE
+    return FIRST_SCORE if period and float(t) < period else None
+
+
+def eval_period(results: list[dict], ctx: dict) -> float | None:
+    """Seconds between two scores of the evaluator: a run's `eval_every_s` (compare tags
+    every distributed run with it), else the compare context's, else the median spacing of
+    the distributed runs' evaluation curves (less the last point, the final score)."""
+    for r in results:
+        if r.get("eval_every_s") and r.get("mode") != "baseline":
+            return float(r["eval_every_s"])
+    if ctx.get("eval_every_s"):
+        return float(ctx["eval_every_s"])
+    gaps = sorted(b["t"] - a["t"] for r in results if r.get("mode") != "baseline"
+                  for a, b in zip((r.get("evals") or [])[:-2], (r.get("evals") or [])[1:-1], strict=True))
+    return gaps[len(gaps) // 2] if gaps else None
+
+
+@dataclass
+class Row:
+    label: str
+    mode: str
+    workers: int
+    params: dict
+    sweep: str | None
+    sweep_value: Any
+    runs: list = field(default_factory=list)      # successful summaries
+    errors: list = field(default_factory=list)    # failed runs' messages
+    ref_sync: Row | None = None
+    ref_base: Row | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.label, self.workers)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.mode == "baseline"
+
+    @property
+    def name(self) -> str:
+        """The label, with ssp's `staleness` (the bound) called "bound s"."""
+        if self.is_baseline:
+            return "baseline (sequential)"
+        if self.mode != "ssp":
+            return self.label
+        bound = self.params.get("staleness", (self.runs[0].get("mode_params") or {}).get("staleness")
+                                if self.runs else None)
+        return self.label if bound is None else f"ssp ({param_name('ssp', 'staleness')}={bound})"
+
+    @property
+    def n(self) -> int:
+        return len(self.runs) + len(self.errors)
+
+    def values(self, key: str) -> list[float]:
+        return [float(r[key]) for r in self.runs if r.get(key) is not None]
+
+    @property
+    def acc(self) -> list[float]:
+        return self.values("final_accuracy")
+
+    @property
+    def ttt(self) -> list[float]:
+        return self.values("time_to_target_s")
+
+    @property
+    def ttt_mean(self) -> float | None:
+        # Only a configuration that reached the target in every successful repeat has a time.
+        return mean(self.ttt) if self.runs and len(self.ttt) == len(self.runs) else None
+
+    def ttt_flags(self, period: float | None) -> list[tuple[str, dict]]:
+        """[(flag, run)] for the repeats whose time to target cannot rank (ttt_flag)."""
+        return [(f, r) for r in self.runs for f in [ttt_flag(r, period)] if f]
+
+    def ttt_resolved(self, period: float | None) -> bool:
+        return self.ttt_mean is not None and not self.ttt_flags(period)
+
+    def resolved_ttt_mean(self, period: float | None) -> float | None:
+        """The mean time to target where it is resolved (ttt_resolved), else None."""
+        t = self.ttt_mean
+        return t if t is not None and not self.ttt_flags(period) else None
+
+    @property
+    def sps(self) -> list[float]:
+        return self.values("samples_per_s")
+
+    @property
+    def staleness_mean(self) -> float | None:
+        return mean([float(r["staleness"]["mean"]) for r in self.runs if r.get("staleness")])
+
+    @property
+    def staleness_max(self) -> int | None:
+        xs = [int(r["staleness"]["max"]) for r in self.runs if r.get("staleness")]
+        return max(xs) if xs else None
+
+    @property
+    def hist(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.runs:
+            for k, v in ((r.get("staleness") or {}).get("hist") or {}).items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
+
+    def speedup(self, ref: Row | None) -> float | None:
+        """ref's mean time to target / this row's (1.0 for the reference itself)."""
+        if ref is None or ref.ttt_mean is None or self.ttt_mean is None or self.ttt_mean <= 0:
+            return None
+        return ref.ttt_mean / self.ttt_mean
+
+    def throughput_ratio(self, ref: Row | None) -> float | None:
+        a, b = mean(self.sps), mean(ref.sps) if ref else None
+        if ref is None or a is None or not b:
+            return None
+        return a / b
+
+
+def build_rows(results: list[dict]) -> list[Row]:
+    rows: dict[tuple, Row] = {}
+    for r in results:
+        # A summary without a label goes by its mode; one without either by "?", like Row.mode.
+        key = (r.get("label", r.get("mode", "?")), int(r.get("workers", 1)))
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = Row(key[0], r.get("mode", "?"), key[1], r.get("params") or {},
+                                  r.get("sweep"), r.get("sweep_value"))
+        if r.get("error"):
+            row.errors.append(r["error"])
+        else:
+            row.runs.append(r)
+    out = list(rows.values())
+    base = next((x for x in out if x.is_baseline), None)
+    for row in out:
+        syncs = [x for x in out if x.mode == "sync" and x.workers == row.workers]
+        row.ref_sync = next((x for x in syncs if not x.params), syncs[0] if syncs else None)
+        row.ref_base = base
+    return out
+
+
+def correlation_rows(rows: list[Row]) -> list[Row]:
+    """The rows a staleness correlation may use: read-push staleness (READ_PUSH_MODES),
+    measured, and at least MIN_REPEATS successful runs. Fewer than MIN_POINTS: none."""
+    ok = [r for r in rows if r.mode in READ_PUSH_MODES and r.hist and len(r.runs) >= MIN_REPEATS
+          and len(r.acc) == len(r.runs)]
+    return ok if len(ok) >= MIN_POINTS else []
+
+
+def sweeps(rows: list[Row]) -> list[tuple[str, str, int, list[Row]]]:
+    """[(mode, key, workers, rows ordered by value)] for every swept mode parameter."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.sweep and not r.is_baseline:
+            groups.setdefault((r.mode, r.sweep, r.workers), []).append(r)
+    out = []
+    for (mode, key, w), rs in groups.items():
+        if len(rs) >= 2:
+            try:
+                rs = sorted(rs, key=lambda r: float(r.sweep_value))
+            except (TypeError, ValueError):
+                pass
+            out.append((mode, key, w, rs))
+    return out
+
+
+def worker_sweeps(rows: list[Row]) -> dict[str, list[Row]]:
+    """{label: rows ordered by worker count} for labels run at two or more worker counts."""
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        if not r.is_baseline and r.runs:
+            groups.setdefault(r.label, []).append(r)
+    return {k: sorted(v, key=lambda r: r.workers) for k, v in groups.items() if len(v) >= 2}

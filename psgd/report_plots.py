@@ -1,0 +1,227 @@
+"""The PNG plots of the `psgd compare` report (matplotlib, Agg backend: no display needed).
+
+Accuracy against wall time and against samples, throughput bars, one measured-staleness
+histogram per configuration, and for sweeps the swept value (or the worker count) against
+time to target and throughput. `make_plots` writes them and lists them; without
+matplotlib it writes nothing and the report goes without plots.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .report_numbers import Row, mean, param_name, sd, sweeps, worker_sweeps
+from .report_tables import num, smax
+
+PLOT_DPI = 80
+
+
+def plt_or_none():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
+def _colors(rows: list[Row]) -> dict[tuple, Any]:
+    plt = plt_or_none()
+    cmap = plt.get_cmap("tab10") if plt else None
+    out: dict[tuple, Any] = {}
+    i = 0
+    for r in rows:
+        if r.is_baseline:
+            out[r.key] = "black"
+        else:
+            out[r.key] = cmap(i % 10) if cmap else None
+            i += 1
+    return out
+
+
+def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: float, path: str,
+                allow_log: bool = True) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    positive = []
+    for r in rows:
+        for j, run in enumerate(r.runs):
+            ev = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
+            if not ev:
+                continue
+            xs = [float(e[xkey]) for e in ev]
+            ys = [float(e["accuracy"]) for e in ev]
+            positive += [x for x in xs if x > 0]
+            ax.plot(xs, ys, color=colors[r.key], lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.45,
+                    ls="--" if r.is_baseline else "-", marker="." if len(xs) < 30 else None,
+                    label=(r.name + (f" ({r.workers} w)" if not r.is_baseline else "")) if j == 0 else None)
+    ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g}")
+    if allow_log and positive and max(positive) / max(min(positive), 1e-9) > 30:
+        ax.set_xscale("log")
+        xlabel += " (log scale)"
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right", ncol=2 if len(rows) > 6 else 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def _throughput_plot(plt, rows: list[Row], colors, path: str) -> None:
+    ok = [r for r in rows if r.runs]
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(ok) + 2), 4))
+    xs = range(len(ok))
+    ax.bar(xs, [mean(r.sps) for r in ok], yerr=[sd(r.sps) or 0 for r in ok], capsize=3,
+           color=[colors[r.key] for r in ok])
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r.name.replace(" (sequential)", "") + ("" if r.is_baseline else f"\n{r.workers} w")
+                        for r in ok], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("samples / s")
+    ax.set_title("throughput", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def _bin_order(k: str) -> float:
+    return float(k.rstrip("+")) + (0.5 if k.endswith("+") else 0)
+
+
+def staleness_axis(rows: list[Row]) -> tuple[float, str]:
+    """(top, caption): the panels' shared x axis runs from 0 to the highest bin that any of
+    them filled, and the caption describes that axis: it names the overflow bin (the last
+    one, which collects every delay >= BINS - 1) only when the axis reaches it."""
+    from .consistency.staleness import BINS
+    keys = {k for r in rows for k in r.hist}
+    top = max([_bin_order(k) for k in keys] + [1])
+    caption = "measured staleness: updates applied between a worker's read and its push"
+    if any(r.mode == "easgd" for r in rows):
+        caption += " (easgd: moves of the centre between a worker's exchanges)"
+    if any(k.endswith("+") for k in keys):
+        caption += f"; the last bar, {BINS - 1}+, collects every delay ≥ {BINS - 1}"
+    return top, caption
+
+
+def _staleness_plot(plt, rows: list[Row], colors, path: str) -> None:
+    """One panel per configuration: the fraction of steps at each measured staleness, log
+    scale so that rare long delays stay visible."""
+    ok = [r for r in rows if r.runs and not r.is_baseline]
+    n = len(ok)
+    cols = n if n <= 5 else 4
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.4 * cols + 0.6, 2.1 * nrows + 0.6), squeeze=False)
+    top, caption = staleness_axis(ok)
+    for i, r in enumerate(ok):
+        ax = axes[i // cols][i % cols]
+        h = r.hist
+        total = sum(h.values())
+        keys = sorted(h, key=_bin_order)
+        if total:
+            ax.bar([_bin_order(k) for k in keys], [h[k] / total for k in keys], width=0.8, color=colors[r.key])
+            ax.set_yscale("log")
+            ax.set_ylim(min(0.5 / total, 0.5e-3), 1.5)
+            title = f"measured mean {num(r.staleness_mean)}, max {smax(r.staleness_max)}"
+        else:
+            ax.text(0.5, 0.5, "no staleness recorded\n(independent trainers)" if r.mode == "ltfb"
+                    else "no staleness recorded", ha="center", va="center", fontsize=7, transform=ax.transAxes)
+            ax.set_yticks([])
+            title = "—"
+        ax.set_title(f"{r.name} ({r.workers} w)\n{title}", fontsize=7)
+        ax.set_xlim(-0.6, top + 0.6)
+        ax.tick_params(labelsize=6)
+        ax.grid(axis="y", alpha=0.3)
+    for j in range(n, nrows * cols):
+        axes[j // cols][j % cols].axis("off")
+    fig.supxlabel(caption, fontsize=7)
+    fig.supylabel("fraction of steps (log)", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
+    pos = xs if numeric else list(range(len(xs)))
+    tt = [r.ttt_mean for r in rows]
+    tt_sd = [sd(r.ttt) or 0 for r in rows]
+    pts = [(p, t, e) for p, t, e in zip(pos, tt, tt_sd, strict=True) if t is not None]
+    if pts:
+        ax.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts],
+                    color="tab:blue", marker="o", capsize=3, label="time to target")
+    ax.set_xlabel(xs_label)
+    ax.set_ylabel("time to target (s)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.errorbar(pos, [mean(r.sps) or 0 for r in rows], yerr=[sd(r.sps) or 0 for r in rows], color="tab:orange",
+                 marker="s", capsize=3, label="samples/s")
+    ax2.set_ylabel("samples / s", color="tab:orange")
+    if not numeric:
+        ax.set_xticks(pos)
+        ax.set_xticklabels([str(x) for x in xs])
+    missing = [str(x) for x, t in zip(xs, tt, strict=True) if t is None]
+    ax.set_title(title + (f"\n(target not reached at {', '.join(missing)})" if missing else ""), fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str) -> None:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for rs in groups.values():
+        c, label = colors[rs[0].key], rs[0].name
+        ws = [r.workers for r in rs]
+        a1.plot(ws, [mean(r.sps) or 0 for r in rs], marker="o", color=c, label=label)
+        pts = [(r.workers, r.ttt_mean) for r in rs if r.ttt_mean is not None]
+        if pts:
+            a2.plot([p for p, _ in pts], [t for _, t in pts], marker="o", color=c, label=label)
+    ws = sorted({r.workers for rs in groups.values() for r in rs})
+    for ax, yl in ((a1, "samples / s"), (a2, "time to target (s)")):
+        ax.set_xticks(ws)
+        ax.set_xlabel("workers")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]]:
+    """[(title, file name)] of the plots written into `out`."""
+    plt = plt_or_none()
+    if plt is None:
+        return []
+    colors = _colors(rows)
+    ok = [r for r in rows if r.runs]
+    made: list[tuple[str, str]] = []
+    if not ok:
+        return made
+    _curve_plot(plt, ok, colors, "t", "wall time since training started (s)", target,
+                os.path.join(out, "accuracy_vs_time.png"))
+    made.append(("Accuracy vs wall time", "accuracy_vs_time.png"))
+    _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
+                os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
+    made.append(("Accuracy vs samples processed", "accuracy_vs_samples.png"))
+    _throughput_plot(plt, ok, colors, os.path.join(out, "throughput.png"))
+    made.append(("Throughput (mean ± sd over repeats)", "throughput.png"))
+    if any(not r.is_baseline for r in ok):
+        _staleness_plot(plt, ok, colors, os.path.join(out, "staleness.png"))
+        made.append(("Measured staleness histogram per configuration", "staleness.png"))
+    for mode, key, w, rs in sweeps(ok):
+        rs = [r for r in rs if r.runs]
+        if len(rs) < 2:
+            continue
+        name = f"sweep_{mode}_{key}_w{w}.png"
+        what = param_name(mode, key)
+        _sweep_plot(plt, f"{mode} {what}", [r.sweep_value for r in rs], rs, os.path.join(out, name),
+                    f"{mode}: {what} sweep, {w} workers")
+        made.append((f"Sweep: {mode} {what} ({w} workers)", name))
+    groups = worker_sweeps(ok)
+    if groups:
+        _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"))
+        made.append(("Sweep: worker count", "sweep_workers.png"))
+    return made

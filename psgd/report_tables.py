@@ -1,0 +1,125 @@
+"""The markdown tables of the `psgd compare` report, and the formatting of their cells.
+
+`main_table`: one row per configuration (accuracy, time to target, throughput, measured
+staleness, waiting, traffic, speedups); `detail_table`: runs, wall time, ratios, clock
+gap, drops, losses. A time to target that cannot rank a configuration (reached after
+training had ended, or at the evaluator's first score) and every speedup computed from
+one carry a mark, explained under the table. The number formats are shared with the
+reading (psgd.report_reading) and the plots (psgd.report_plots).
+"""
+from __future__ import annotations
+
+from .report_numbers import Row, mean, sd
+
+MARK = "†"
+MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score taken after training had "
+             f"ended, or the model was already above it at the evaluator's first score (within one "
+             f"evaluation period of the start). Such a time, and a speedup computed from it, says when the "
+             f"evaluator looked, not when the model got there; the reading does not rank by it.")
+
+
+def num(x: float | None, digits: int = 2, none: str = "—") -> str:
+    return none if x is None else f"{x:.{digits}f}"
+
+
+def pm(xs: list[float], digits: int) -> str:
+    m, s = mean(xs), sd(xs)
+    if m is None:
+        return "—"
+    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
+
+
+def _sec_digits(x: float) -> int:
+    return 4 if abs(x) < 0.1 else 2 if abs(x) < 10 else 1
+
+
+def secs(x: float) -> str:
+    """Seconds: 0.0184, 0.95, 12.3."""
+    return f"{x:.{_sec_digits(x)}f}"
+
+
+def pm_secs(xs: list[float]) -> str:
+    m, s = mean(xs), sd(xs)
+    if m is None:
+        return "—"
+    d = _sec_digits(m)
+    return f"{m:.{d}f}" + (f" ± {s:.{d}f}" if s is not None else "")
+
+
+def smax(v: int | None) -> str:
+    """The histogram's last bin collects everything >= BINS - 1."""
+    from .consistency.staleness import BINS
+    return "—" if v is None else f"≥{v}" if v >= BINS - 1 else str(v)
+
+
+def times(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.2g}×" if v < 0.1 else f"{v:.2f}×"
+
+
+def md_escape(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def ttt_cell(row: Row, period: float | None = None) -> str:
+    if not row.runs:
+        return "—"
+    got, n = row.ttt, len(row.runs)
+    if not any(r.get("evals") for r in row.runs):
+        return "no evaluation"
+    if not got:
+        return "not reached"
+    cell = pm_secs(got) + (f" {MARK}" if row.ttt_flags(period) else "")
+    return cell if len(got) == n else f"{cell} ({len(got)}/{n} reached)"
+
+
+def _speedup_cell(row: Row, ref: Row | None, period: float | None) -> str:
+    v = row.speedup(ref)
+    if v is None or (row.ttt_resolved(period) and ref is not None and ref.ttt_resolved(period)):
+        return times(v)
+    return f"{times(v)} {MARK}"
+
+
+def main_table(rows: list[Row], target: float, period: float | None = None) -> list[str]:
+    lines = [f"| configuration | workers | final accuracy | time to {target:g} (s) | samples/s | "
+             f"measured staleness mean / max | wait fraction | bytes/sample | speedup vs sync | "
+             f"speedup vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if not row.runs:
+            first = row.errors[0].splitlines()[0] if row.errors else "failed"
+            lines.append(f"| {md_escape(row.name)} | {row.workers} | failed: {md_escape(first[:120])} "
+                         f"| | | | | | | |")
+            continue
+        stal = "—" if row.is_baseline else f"{num(row.staleness_mean)} / {smax(row.staleness_max)}"
+        wait = "—" if row.is_baseline else num(mean(row.values("wait_fraction")))
+        bps = "—" if row.is_baseline else f"{mean(row.values('bytes_per_sample')):,.0f}"
+        sps = mean(row.sps)
+        sps_sd = sd(row.sps)
+        sps_cell = f"{sps:,.0f}" + (f" ± {sps_sd:,.0f}" if sps_sd is not None else "")
+        failed = f" ({len(row.errors)} failed)" if row.errors else ""
+        lines.append(
+            f"| {md_escape(row.name)}{failed} | {row.workers} | {pm(row.acc, 4)} | {ttt_cell(row, period)} | "
+            f"{sps_cell} | {stal} | {wait} | {bps} | {_speedup_cell(row, row.ref_sync, period)} | "
+            f"{_speedup_cell(row, row.ref_base, period)} |")
+    if any(MARK in line for line in lines[2:]):
+        lines += ["", MARK_NOTE]
+    return lines
+
+
+def detail_table(rows: list[Row]) -> list[str]:
+    lines = ["| configuration | workers | runs | wall (s) | samples | throughput vs sync | "
+             "throughput vs baseline | max clock gap | dropped gradients | workers lost |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if not row.runs:
+            continue
+        lost = sum(int((r.get("failures") or {}).get("workers_lost", 0)) for r in row.runs)
+        lines.append(
+            f"| {md_escape(row.name)} | {row.workers} | {len(row.runs)}/{row.n} | {pm(row.values('wall_s'), 2)} | "
+            f"{mean(row.values('samples')):,.0f} | {times(row.throughput_ratio(row.ref_sync))} | "
+            f"{times(row.throughput_ratio(row.ref_base))} | "
+            f"{'—' if row.is_baseline else max(int(r.get('max_clock_gap', 0)) for r in row.runs)} | "
+            f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} |")
+    return lines

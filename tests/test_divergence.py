@@ -1,0 +1,38 @@
+"""A diverging job, as a new user meets it: `psgd run --set optimizer.lr=1e6` ends with
+one clear line that names the reason and the fix, a non-zero exit code, no traceback
+and no hang, in every kind of mode (shards refuse the non-finite gradient; local
+optimizers refuse their own non-finite loss)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.processes
+
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode, reason", [("sync", "gradient has NaN or Inf values"),
+                                          ("easgd", "loss is nan")])
+def test_a_diverging_job_ends_with_a_clear_message(tmp_path, mode, reason):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--mode", mode, "--out", str(out),
+                        "--set", "optimizer.lr=1e6", "--set", "cluster.max_rejections=5",
+                        "--set", f"cluster.port={free_port_block(3)}"],
+                       capture_output=True, text=True, timeout=150, env=ENV)
+    text = r.stdout + r.stderr
+    assert r.returncode != 0, text
+    assert "Traceback" not in text, text
+    assert reason in text and "lower optimizer.lr" in text and "stopping after 5 refused steps" in text, text
+    for log in (out / "logs").glob("*.log"):
+        assert "Traceback" not in log.read_text(), log
+    summary = json.loads((out / "summary.json").read_text())
+    assert reason in summary["aborted"]
+    assert summary["rejected"] >= 5

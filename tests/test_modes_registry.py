@@ -1,0 +1,161 @@
+"""Modes as plug-ins: the registry, the mechanism free of mode names, and the defects
+that the rule objects fixed (LTFB's global model from one deposit, counters that
+survive a restore)."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+from psgd import wire
+from psgd.config import Config
+from psgd.consistency import MODES, get
+from psgd.consistency import rule as r
+from psgd.consistency.ltfb import choose_best, global_model
+from psgd.shard import Shard
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_registry_has_every_mode_with_both_halves():
+    assert set(MODES) == {"sync", "ssp", "async", "easgd", "ltfb"}
+    for name, mode in MODES.items():
+        assert mode.name == name and mode.rule.name == name
+        assert issubclass(mode.rule, r.ServerRule) and issubclass(mode.schedule, r.Schedule)
+        assert mode.params and all(hasattr(Config().mode, k) for k in mode.params)
+    with pytest.raises(ValueError, match="unknown mode 'bsp'"):
+        get("bsp")
+
+
+def test_the_mechanism_names_no_mode():
+    """No string literal naming a mode in the shard, the servers or the workers."""
+    files = [ROOT / "psgd" / "shard.py", *sorted((ROOT / "servers").glob("*.py")),
+             *sorted((ROOT / "workers").glob("*.py"))]
+    pattern = re.compile(r"""["'](sync|ssp|async|easgd|ltfb)["']""")
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files
+             for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------- shards driven in memory
+def shards(mode: str, workers: int = 2, servers: int = 2, **sets) -> list[Shard]:
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": workers, "cluster.servers": servers, **sets})
+    return [Shard(cfg, i) for i in range(servers)]
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def request(shard: Shard, op: str, rank: int = -1, clock: int = -1, arrays=(), **fields) -> list[wire.Message]:
+    """Serve one request on a shard; the decoded replies (its own and any it releases)."""
+    m = wire.decode(wire.encode(op, id=next(_ids), rank=rank, clock=clock, arrays=arrays, **fields))
+    out = []
+    for _, frames in shard.handle(object(), m):
+        reply = wire.decode(frames)
+        wire.raise_if_error(reply, f"shard {shard.index}")
+        out.append(reply)
+    return out
+
+
+class MemoryClient:
+    """The parameter client's reads, served by Shard objects in this process."""
+
+    def __init__(self, shards: list[Shard]):
+        self.shards = shards
+
+    def pull(self, clock: int) -> list[wire.Message]:
+        return [request(s, "pull", clock=clock)[0] for s in self.shards]
+
+    def index(self) -> list[wire.Message]:
+        return [request(s, "models")[0] for s in self.shards]
+
+    def get_model(self, round_, owner, exact=False, missing_ok=False, cancel=None):
+        try:
+            return [request(s, "get_model", round=round_, owner=owner, exact=exact)[0] for s in self.shards]
+        except wire.Refused:
+            if missing_ok:
+                return None
+            raise
+
+
+def deposit(shard: Shard, rank: int, round_: int, score: float) -> None:
+    p = np.full(shard.P, rank * 100 + round_, np.float32)
+    request(shard, "put_model", rank=rank, clock=round_, arrays=[p, np.zeros(shard.B, np.float32)],
+            round=round_, score=score)
+
+
+def test_ltfb_global_model_never_mixes_two_trainers():
+    """Trainer 0 has deposited round 2 on shard 0 only (its deposit to shard 1 is still in
+    flight); trainer 1's round-1 model scored best. Each shard choosing on its own gave
+    shard 0's slice from (2, trainer 0) and shard 1's from (1, trainer 1): a hybrid."""
+    s0, s1 = shards("ltfb")
+    for s in (s0, s1):
+        deposit(s, 0, 1, 0.5)
+        deposit(s, 1, 1, 0.9)
+    deposit(s0, 0, 2, 0.7)
+    got = global_model(MemoryClient([s0, s1]))
+    assert [(m.get("round"), m.get("owner")) for m in got] == [(1, 1), (1, 1)]
+    assert all(float(m.arrays[0][0]) == 101 for m in got)
+    deposit(s1, 0, 2, 0.7)                       # the deposit lands: round 2 is complete
+    got = global_model(MemoryClient([s0, s1]))
+    assert [(m.get("round"), m.get("owner")) for m in got] == [(2, 0), (2, 0)]
+
+
+def test_ltfb_global_model_before_any_round_is_the_initial_model():
+    s0, s1 = shards("ltfb")
+    got = global_model(MemoryClient([s0, s1]))
+    np.testing.assert_array_equal(got[0].arrays[0], s0.params.numpy())
+
+
+def test_ltfb_choose_best_latest_round_then_score_then_lower_rank():
+    idx = [[1, 0, 0.5], [1, 1, 0.9], [2, 2, 0.1], [2, 3, 0.1]]
+    assert choose_best([idx, idx]) == (2, 2)
+    assert choose_best([idx, idx[:2]]) == (1, 1)
+    assert choose_best([idx, []]) is None and choose_best([]) is None
+
+
+def test_ltfb_exact_fetch_of_a_forgotten_deposit_is_refused():
+    (s,) = shards("ltfb", servers=1)
+    deposit(s, 0, 1, 0.5)
+    deposit(s, 0, 2, 0.5)                        # round 1 of trainer 0 is forgotten
+    with pytest.raises(wire.Refused, match="no deposit of trainer 0 for round 1"):
+        request(s, "get_model", round=1, owner=0, exact=True)
+    assert request(s, "get_model", round=1, owner=0)[0].get("round") == 2   # "or later" still answers
+
+
+def test_dropped_gradients_survive_a_restore(tmp_path):
+    (s,) = shards("sync", workers=3, servers=1, **{"mode.backup_workers": 1})
+    g = np.ones(s.P, np.float32)
+    b = np.zeros(s.B, np.float32)
+    for rank in (0, 1, 2):                       # rank 2 comes after the step closed: dropped
+        request(s, "push", rank=rank, clock=0, arrays=[g, b], read_version=0)
+    assert s.stats()["dropped"] == 1
+    s.save(str(tmp_path / "shard.pt"))
+    (restored,) = shards("sync", workers=3, servers=1, **{"mode.backup_workers": 1})
+    restored.load(str(tmp_path / "shard.pt"))
+    assert restored.stats()["dropped"] == 1 and restored.stats()["step"] == 1
+
+
+def test_a_refused_push_may_come_again():
+    """A push refused by the rule (a clock ahead of a step with gradients) is not
+    remembered by the deduplication: the same (rank, clock) is accepted later."""
+    (s,) = shards("sync", workers=2, servers=1)
+    g, b = np.ones(s.P, np.float32), np.zeros(s.B, np.float32)
+    request(s, "push", rank=0, clock=0, arrays=[g, b], read_version=0)
+    with pytest.raises(wire.Refused, match="ahead of step 0"):
+        request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=0)
+    request(s, "push", rank=1, clock=0, arrays=[g, b], read_version=0)
+    assert not request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=1)[0].get("duplicate")
+
+
+def test_a_non_finite_gradient_is_refused_and_names_the_fix():
+    (s,) = shards("ssp", servers=1)
+    g, b = np.full(s.P, np.nan, np.float32), np.zeros(s.B, np.float32)
+    with pytest.raises(wire.WireError, match="gradient has NaN or Inf values at step 12; lower optimizer.lr"):
+        s.handle(object(), wire.decode(wire.encode("push", id=1, rank=0, clock=12, arrays=[g, b],
+                                                   read_version=0)))
+    assert s.version == 0

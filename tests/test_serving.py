@@ -1,0 +1,158 @@
+"""The one serve loop and the errors that reach the caller.
+
+- Every daemon serves through `psgd.transport.Service`: a message that fails validation,
+  an op the daemon does not serve and a handler that raises each get an error reply
+  with the request's id, at once, and the loop goes on.
+- An error reply is a typed exception in the parameter client.
+- The coordinator waits `cluster.timeout_s` for its workers and says what it waits for;
+  a daemon that cannot reach the coordinator names its address.
+- The evaluator's reports share one socket to the coordinator.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from psgd import wire
+from psgd.config import Config
+from psgd.inprocess import InProcessCluster
+from psgd.membership import CoordinatorLink
+from psgd.servers.coordinator import Coordinator
+from psgd.transport import PeerTimeout, Service, server_socket
+from psgd.workers.client import ParameterClient
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.inprocess
+
+
+def config(**sets) -> Config:
+    return Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.timeout_s": 5.0,
+                               **sets})
+
+
+def raw_request(address: str, frames: list, timeout_s: float = 1.0) -> tuple[wire.Message, float]:
+    """Send raw frames on a fresh DEALER; the decoded answer and how long it took."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        t0 = time.monotonic()
+        sock.send_multipart(frames)
+        assert sock.poll(int(timeout_s * 1000)), f"no answer within {timeout_s} s"
+        return wire.decode(sock.recv_multipart()), time.monotonic() - t0
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_service_answers_every_failure_with_the_request_id_and_goes_on():
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    sock = server_socket(ctx, f"tcp://127.0.0.1:{port}", Config().security)
+
+    def boom(ident, msg):
+        raise KeyError("a bug")
+
+    def status(ident, msg):
+        return [(ident, wire.reply(msg, ok=True))]
+
+    service = Service(sock, {"status": status, "stats": boom}, "the test daemon")
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)], name="service")
+    thread.start()
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        m, _ = raw_request(address, wire.encode("push", id=41, read_version=0))       # not served here
+        assert (m.op, m.id, m.get("code")) == ("error", 41, wire.UNKNOWN_OP)
+        assert "does not serve 'push'" in m.get("reason")
+        m, _ = raw_request(address, wire.encode("stats", id=42))                       # the handler raises
+        assert (m.op, m.id, m.get("code")) == ("error", 42, wire.INTERNAL) and "KeyError" in m.get("reason")
+        bad = {"v": 1, "op": "pull", "id": 43, "rank": 0, "clock": 0, "arrays": [], "nonsense": 1}
+        m, _ = raw_request(address, [msgpack.packb(bad)])                               # fails validation
+        assert (m.op, m.id, m.get("code")) == ("error", 43, wire.BAD_FIELD)
+        m, _ = raw_request(address, [b"\xc1not msgpack"])                               # no header: id 0
+        assert (m.op, m.id, m.get("code")) == ("error", 0, wire.BAD_HEADER)
+        m, _ = raw_request(address, wire.encode("status", id=44))                      # and it goes on
+        assert (m.op, m.id, m.get("ok")) == ("reply", 44, True)
+        assert service.counters["bad_messages"] == 4
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_answers_an_op_it_does_not_serve_within_a_second():
+    cfg = config()
+    with InProcessCluster(cfg):
+        m, took = raw_request(cfg.coordinator_address(), wire.encode("pull", id=7, rank=0, clock=0))
+    assert (m.op, m.id, m.get("code")) == ("error", 7, wire.UNKNOWN_OP)
+    assert took < 1.0, took
+
+
+@pytest.mark.timeout(60)
+def test_an_error_reply_is_a_typed_exception_in_the_client():
+    cfg = config(**{"mode.name": "sync"})
+    with InProcessCluster(cfg) as cluster:
+        client = ParameterClient(cfg, cluster.ctx, 0)
+        try:
+            with pytest.raises(wire.Refused, match="elastic is not used in mode sync") as e:
+                client.request([(0, "elastic", {"round": 0, "clock": 0})])
+            assert e.value.code == wire.REFUSED and e.value.peer == cfg.shard_address(0)
+            with pytest.raises(wire.BadRequest):
+                client.request([(0, "push", {"clock": 0, "read_version": 0, "arrays": [np.zeros(3, np.float32)]})])
+        finally:
+            client.close()
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_alone_gives_up_after_timeout_and_says_what_it_waits_for(capsys, monkeypatch):
+    import psgd.servers.coordinator as coordinator
+    monkeypatch.setattr(coordinator, "WAITING_EVERY_S", 0.5)
+    cfg = config(**{"cluster.workers": 2, "cluster.timeout_s": 1.5})
+    t0 = time.monotonic()
+    code = Coordinator(cfg, quiet=True, ctx=zmq.Context.instance()).serve()
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 1 and took < 5, took
+    assert "0/2 workers registered, giving up in 1 s" in err, err
+    assert "0/2 workers registered after cluster.timeout_s = 2 s; giving up" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_that_cannot_reach_the_coordinator_names_its_address():
+    cfg = config(**{"cluster.timeout_s": 1.0})
+    link = CoordinatorLink(cfg, "server", 0, zmq.Context.instance())
+    with pytest.raises(PeerTimeout) as e:
+        link.register()
+    text = str(e.value)
+    assert cfg.coordinator_address() in text and "server 0" in text
+    assert "workers" not in text  # the hint about workers belongs to the coordinator's side
+
+
+@pytest.mark.timeout(60)
+def test_calls_to_the_coordinator_share_one_socket():
+    cfg = config()
+    with InProcessCluster(cfg) as cluster:
+        seen = []
+        on_status = cluster.coordinator.on_status
+
+        def spy(ident, msg):
+            seen.append(bytes(ident.bytes if hasattr(ident, "bytes") else ident))
+            return on_status(ident, msg)
+
+        cluster.coordinator.service.handlers["status"] = spy
+        link = CoordinatorLink(cfg, "evaluator", 0, cluster.ctx)
+        try:
+            for _ in range(3):
+                link.call("status")
+        finally:
+            link.close()
+    assert len(seen) == 3 and len(set(seen)) == 1, seen

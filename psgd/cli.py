@@ -77,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
             _device(p)
         if role in ("coordinator", "server"):
             _insecure(p)
+        if role == "coordinator":
+            p.add_argument("--launched-at", type=float, metavar="T",
+                           help="when the job was launched (seconds since the epoch, as time.time()): "
+                                "summary.json's startup_s counts from T (psgd run passes it) instead of from "
+                                "this process's start")
+        p.add_argument("--started-file", metavar="PATH", help=argparse.SUPPRESS)  # psgd run's progress
 
     p = sub.add_parser("shards", help="print the shard map for the config's model")
     _common(p)
@@ -108,16 +114,18 @@ def _check_bind(cfg, addresses: list[str], insecure: bool) -> None:
 
 def cmd_run(args) -> int:
     from .launcher import LaunchError, format_summary, run_local
+    from .metrics import process_start_time
+    launched_at = process_start_time() or time.time()  # startup_s: from the command's start
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers})
-    from .data import load_dataset
-    load_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
+    from .data import check_dataset
+    check_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     print(f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
           f"model {cfg.model.name} on {cfg.data.name}, out {out}", file=sys.stderr, flush=True)
     try:
         s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
-                      quiet=args.quiet, timeout_s=args.timeout)
+                      quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at)
     except LaunchError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
@@ -131,27 +139,47 @@ def cmd_compare(args) -> int:
     return compare_main(args)
 
 
+def _started(args) -> None:
+    """Tell psgd run that this daemon has loaded its code (its start-up progress)."""
+    if args.started_file:
+        try:
+            with open(args.started_file, "w"):
+                pass
+        except OSError as e:  # progress only: not a reason to stop
+            print(f"psgd {args.cmd}: cannot write {args.started_file}: {e}", file=sys.stderr)
+
+
 def cmd_daemon(args) -> int:
-    from .metrics import PidFile
+    from .metrics import PidFile, process_start_time
     cfg = _config(args)
     if args.cmd == "coordinator":
         from .servers.coordinator import Coordinator
         from .transport import bind_address
         _check_bind(cfg, [bind_address(cfg.coordinator_address())], args.insecure)
+        _started(args)
+        if args.launched_at is not None:
+            launched: dict = {"launched_at": args.launched_at, "launched_by": "launcher"}
+        elif (t := process_start_time()) is not None:
+            launched = {"launched_at": t, "launched_by": "coordinator process"}
+        else:
+            launched = {}
         with PidFile(args.out, "coordinator", 0):
-            return Coordinator(cfg, args.out).serve()
+            return Coordinator(cfg, args.out, **launched).serve()
     if args.cmd == "server":
         from .servers.shard_server import ShardServer
         from .transport import bind_address
         if not 0 <= args.shard < cfg.cluster.servers:
             raise ConfigError(f"--shard {args.shard} is out of range: cluster.servers = {cfg.cluster.servers}")
         _check_bind(cfg, [bind_address(cfg.shard_address(args.shard))], args.insecure)
+        _started(args)
         with PidFile(args.out, "server", args.shard):
             return ShardServer(cfg, args.shard, args.out).run()
     if args.cmd == "worker":
         from .workers.worker import Worker
+        _started(args)
         return Worker(cfg, args.out, args.device, args.rank).run()  # writes its pid once it has a rank
     from .workers.evaluator import Evaluator
+    _started(args)
     with PidFile(args.out, "evaluator", 0):
         return Evaluator(cfg, args.out, args.device).run()
 

@@ -70,6 +70,13 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
+def _is_config_key(key: str) -> bool:
+    """SECTION.KEY naming a config key: a mode item may set or sweep any of them
+    (`sync:wire.dtype=float32,bfloat16`)."""
+    section, dot, name = key.partition(".")
+    return bool(dot) and hasattr(getattr(Config(), section, None), name)
+
+
 def parse_modes(text: str) -> list[ModeSpec]:
     """`sync,ssp:staleness=0,1,2,async,easgd:tau=4:alpha=0.3` -> ModeSpecs, sweeps expanded."""
     if not text or not text.strip():
@@ -91,8 +98,9 @@ def parse_modes(text: str) -> list[ModeSpec]:
                 key, value = key.strip(), value.strip()
                 if not eq or not key or not value:
                     raise ConfigError(f"--modes: {item!r}: expected {mode}:key=value, got {part!r}")
-                if key not in keys:
-                    raise ConfigError(f"--modes: {mode} has no parameter {key!r} (its parameters: {', '.join(keys)})")
+                if key not in keys and not _is_config_key(key):
+                    raise ConfigError(f"--modes: {mode} has no parameter {key!r} (its parameters: {', '.join(keys)};"
+                                      f" or any config key as SECTION.KEY, e.g. wire.dtype)")
                 if any(p[0] == key for p in params):
                     raise ConfigError(f"--modes: {item!r} sets {key} twice")
                 params.append([key, [parse_value(value)]])
@@ -190,7 +198,7 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 sets = {"mode.name": spec.mode, "cluster.workers": w, "job.seed": seed}
                 if servers is not None:
                     sets["cluster.servers"] = servers
-                sets.update({f"mode.{k}": v for k, v in spec.params})
+                sets.update({k if "." in k else f"mode.{k}": v for k, v in spec.params})
                 try:
                     cfg = base.replace(**sets)
                 except ConfigError as e:

@@ -23,7 +23,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODES = ("sync", "ssp", "async", "easgd", "ltfb")
+from . import consistency
+
+# The modes and the keys that matter for each, from the registry (which imports no mode
+# module for them): a new mode is known here without a line in this file.
+MODES: tuple[str, ...] = consistency.NAMES
 
 # Environment variables that are not config keys but are read by the CLI.
 ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE"}
@@ -62,6 +66,7 @@ class ModeConfig:
     staleness: int = 2         # ssp: the bound s
     lr_policy: str = "constant"  # async: constant | staleness  (lr / max(1, tau))
     dc_lambda: float = 0.0     # async: delay compensation (DC-ASGD); 0 = off
+    prefetch: bool = False     # async: compute the next gradient while the push and pull travel
     tau: int = 4               # easgd: communication period in local steps
     alpha: float = 0.0         # easgd: elastic coefficient; 0 = 0.9 / workers
     sync: bool = False         # easgd: synchronous rounds
@@ -134,6 +139,16 @@ class FaultsConfig:
     on_worker_loss: str = "continue"  # continue | abort
 
 
+@dataclass(frozen=True)
+class WireConfig:
+    dtype: str = "float32"     # gradients and parameters on the wire: float32 | bfloat16 | float16
+                               # (the shards keep float32 master weights)
+    compression: str = "none"  # pushed gradients: none | onebit | topk, with error feedback on the worker
+    topk_fraction: float = 0.01  # topk: the share of a shard's gradient elements sent each push
+
+
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
 SECTIONS: dict[str, type] = {
     "job": JobConfig,
     "model": ModelConfig,
@@ -146,6 +161,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "security": SecurityConfig,
     "faults": FaultsConfig,
+    "wire": WireConfig,
 }
 
 
@@ -162,6 +178,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -207,14 +224,7 @@ class Config:
     def mode_params(self) -> dict:
         """The parameters that matter for the selected mode (for summaries and labels)."""
         m = self.mode
-        keys = {
-            "sync": ["backup_workers"],
-            "ssp": ["staleness"],
-            "async": ["lr_policy", "dc_lambda"],
-            "easgd": ["tau", "alpha", "sync"],
-            "ltfb": ["round_steps", "tournament_fraction", "exchange"],
-        }[m.name]
-        out = {k: getattr(m, k) for k in keys}
+        out = {k: getattr(m, k) for k in consistency.PARAMS[m.name]}
         if m.name == "easgd":
             out["alpha"] = self.easgd_alpha
         return out
@@ -303,6 +313,11 @@ def validate(cfg: Config) -> None:
     m, c, t, o = cfg.mode, cfg.cluster, cfg.train, cfg.optimizer
     _check(m.name in MODES, f"mode.name must be one of {', '.join(MODES)}, got {m.name!r}")
     _check(c.servers >= 1, f"cluster.servers must be >= 1, got {c.servers}")
+    _check(cfg.wire.dtype in WIRE_DTYPES,
+           f"wire.dtype must be one of {', '.join(WIRE_DTYPES)}, got {cfg.wire.dtype!r}")
+    _check(cfg.wire.compression in ("none", "onebit", "topk"),
+           f"wire.compression must be none, onebit or topk, got {cfg.wire.compression!r}")
+    _check(0 < cfg.wire.topk_fraction <= 1, f"wire.topk_fraction must be in (0, 1], got {cfg.wire.topk_fraction}")
     _check(c.workers >= 1, f"cluster.workers must be >= 1, got {c.workers}")
     _check(0 <= c.port <= 65535 - 1 - c.servers, f"cluster.port out of range: {c.port}")
     _check(not c.addresses or len(c.addresses) == c.servers,

@@ -8,20 +8,28 @@ returning (train_x, train_y, test_x, test_y) as arrays or tensors (x as N x C x 
 or N x D floats, y as integer labels).
 
 A missing, truncated or malformed file raises `DataError` with one line that names the
-file and what is wrong.
+file and what is wrong; `check_dataset` says so without torch (the launcher calls it
+before starting any process).
+
+torch is imported when a dataset is made into tensors, not with this module, and the
+digits are read from scikit-learn's file without importing scikit-learn (which takes
+longer than the rest of a worker's start-up on a small machine).
 """
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import os
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .config import ConfigError, DataConfig
-from .models import load_factory
+
+if TYPE_CHECKING:
+    import torch
 
 SPLIT_SEED = 1234  # the train/test split does not depend on the job seed
 CIFAR_RECORD = 1 + 3 * 32 * 32
@@ -53,20 +61,53 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float):
     return x[tr], y[tr], x[te], y[te]
 
 
-def _digits(cfg: DataConfig):
-    from sklearn.datasets import load_digits
+def digits_file() -> str | None:
+    """scikit-learn's digits.csv.gz (what `sklearn.datasets.load_digits` reads), found
+    without importing scikit-learn; None if it is not where scikit-learn keeps it."""
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
+    """(images N x 8 x 8 with values 0..16, labels), as `load_digits()` has them."""
+    path = digits_file()
+    if path:
+        try:
+            with gzip.open(path, "rt", encoding="ascii") as f:
+                table = np.loadtxt(f, delimiter=",")
+            return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+        except (OSError, ValueError, EOFError):
+            pass  # not the file we know: let scikit-learn read it
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise DataError(f"data.name = digits needs scikit-learn ({e}): pip install scikit-learn") from None
     d = load_digits()
-    x = d.images.astype(np.float32)[:, None, :, :] / 16.0
+    return d.images, d.target.astype(np.int64)
+
+
+def _digits(cfg: DataConfig):
+    images, y = _digits_raw()
+    x = images.astype(np.float32)[:, None, :, :] / 16.0
     x = (x - x.mean()) / x.std()
-    return _split(x, d.target.astype(np.int64), cfg.test_fraction) + (10,)
+    return _split(x, y, cfg.test_fraction) + (10,)
 
 
-def _synthetic(cfg: DataConfig, seed: int):
+def _check_synthetic(cfg: DataConfig) -> tuple[int, ...]:
     shape = tuple(int(s) for s in cfg.shape)
     if not shape or any(s < 1 for s in shape):
         raise DataError(f"data.shape must be positive sizes, got {cfg.shape}")
     if cfg.classes < 2 or cfg.samples < cfg.classes:
         raise DataError("data.classes must be >= 2 and data.samples >= data.classes")
+    return shape
+
+
+def _synthetic(cfg: DataConfig, seed: int):
+    shape = _check_synthetic(cfg)
     rng = np.random.default_rng(seed + 7)
     n = int(cfg.samples / (1 - cfg.test_fraction))
     centers = rng.normal(size=(cfg.classes,) + shape).astype(np.float32)
@@ -151,6 +192,7 @@ def _mnist(cfg: DataConfig):
 
 
 def _user(cfg: DataConfig):
+    from .models import load_factory  # torch: a user's factory may return tensors
     fn = load_factory(cfg.name, "data.name")
     try:
         got = fn()
@@ -164,7 +206,8 @@ def _user(cfg: DataConfig):
     return tx.astype(np.float32), ty.astype(np.int64), vx.astype(np.float32), vy.astype(np.int64), classes
 
 
-def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
+def _arrays(cfg: DataConfig, seed: int):
+    """(train_x, train_y, test_x, test_y, classes) as numpy arrays."""
     if cfg.name == "digits":
         parts = _digits(cfg)
     elif cfg.name == "synthetic":
@@ -178,7 +221,25 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
     else:
         raise DataError(f"data.name {cfg.name!r}: expected digits, synthetic, cifar10, mnist "
                         f"or package.module:factory")
-    tx, ty, vx, vy, classes = parts
+    return parts
+
+
+def check_dataset(cfg: DataConfig, seed: int = 0) -> None:
+    """Raise the `DataError` that `load_dataset` would, without torch: the files (cifar10,
+    mnist) are read and checked as a worker will read them, a factory is called; digits
+    and synthetic, which cannot fail once their settings are valid, are not made."""
+    if cfg.name == "digits":
+        if digits_file() is None and importlib.util.find_spec("sklearn") is None:
+            raise DataError("data.name = digits needs scikit-learn: pip install scikit-learn")
+    elif cfg.name == "synthetic":
+        _check_synthetic(cfg)
+    else:
+        _arrays(cfg, seed)
+
+
+def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
+    import torch
+    tx, ty, vx, vy, classes = _arrays(cfg, seed)
     return Dataset(torch.from_numpy(np.ascontiguousarray(tx)), torch.from_numpy(np.ascontiguousarray(ty)),
                    torch.from_numpy(np.ascontiguousarray(vx)), torch.from_numpy(np.ascontiguousarray(vy)),
                    int(classes))
@@ -213,6 +274,7 @@ class Batches:
         return self.idx[rng.permutation(len(self.idx))]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
         if self.pos + self.batch_size > len(self._order):
             self.epoch += 1
             self.pos = 0

@@ -6,9 +6,18 @@ the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/conf
 started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
 started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log. Every child
 is stopped on the way out, whatever happens.
+
+Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
+(`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
+coordinator then shows "workers registered 1/2"). The coordinator gets the moment the
+job was launched (`--launched-at`) and reports the time from it to the start of
+training as `startup_s` in summary.json, which `format_summary` prints. A job with more
+busy processes (shards, workers, evaluator) than this process may use cores gets a
+warning: they take turns, so start-up and steps are slower than with a core each.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,10 +31,41 @@ from .config import Config
 from .log import log
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
+_warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
 
 class LaunchError(RuntimeError):
     pass
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, as taskset or a container's
+    cpuset limit it), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy_processes(cfg: Config) -> tuple[int, str]:
+    """How many of the job's processes compute (shards, workers, the evaluator; the
+    coordinator mostly waits), and which."""
+    c = cfg.cluster
+    parts = [f"{c.servers} shard{'s' * (c.servers != 1)}", f"{c.workers} worker{'s' * (c.workers != 1)}"]
+    if c.evaluator:
+        parts.append("an evaluator")
+    return c.servers + c.workers + int(c.evaluator), ", ".join(parts)
+
+
+def oversubscribed(cfg: Config, cores: int | None = None) -> str:
+    """A warning when the job has more busy processes than there are cores, else ""."""
+    cores = available_cores() if cores is None else cores
+    busy, which = busy_processes(cfg)
+    if busy <= cores:
+        return ""
+    return (f"warning: {busy} busy processes ({which}) on {cores} core{'s' * (cores != 1)}: they take turns, "
+            f"so start-up takes longer and steps wait for a core; throughput and times measured so are not "
+            f"those of one core per process")
 
 
 def ports_free(host: str, base: int, n: int) -> bool:
@@ -73,7 +113,11 @@ class Child:
 
 class LocalJob:
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
-                 quiet: bool = False, timeout_s: float = 3600.0, env: dict | None = None):
+                 quiet: bool = False, timeout_s: float = 3600.0, env: dict | None = None,
+                 launched_at: float | None = None):
+        # startup_s counts from here (a time.time() value), or from launched_at: psgd run
+        # passes its own process's start
+        self.launched_at = time.time() if launched_at is None else launched_at
         self.out = os.path.abspath(out)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         c = cfg.cluster
@@ -93,9 +137,20 @@ class LocalJob:
         with open(self.config_path, "w") as f:
             f.write(cfg.to_toml())
         self.children: list[Child] = []
+        self.started: set[str] = set()  # children whose .started file has appeared
+        self._shown_started = 0
 
     def _argv(self, role: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "psgd", role, self.config_path, "--out", self.out, *extra]
+
+    def started_file(self, name: str) -> str:
+        return os.path.join(self.out, "logs", f"{name}.started")
+
+    def _spec(self, role: str, index: int, *extra: str) -> Child:
+        name = f"{role}-{index}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.started_file(name))  # from an earlier job in this folder
+        return Child(role, index, self._argv(role, *extra, "--started-file", self.started_file(name)))
 
     def _start(self, child: Child) -> None:
         def popen(stderr: IO[str] | None) -> subprocess.Popen:
@@ -113,15 +168,30 @@ class LocalJob:
 
     def start(self) -> None:
         c = self.cfg.cluster
-        specs = [Child("coordinator", 0, self._argv("coordinator"))]
-        specs += [Child("server", i, self._argv("server", "--shard", str(i))) for i in range(c.servers)]
-        specs += [Child("worker", r, self._argv("worker", "--rank", str(r), "--device", self.device))
-                  for r in range(c.workers)]
+        warning = oversubscribed(self.cfg)
+        if warning and warning not in _warned:
+            _warned.add(warning)
+            log("run", warning)
+        specs = [self._spec("coordinator", 0, "--launched-at", repr(self.launched_at))]
+        specs += [self._spec("server", i, "--shard", str(i)) for i in range(c.servers)]
+        specs += [self._spec("worker", r, "--rank", str(r), "--device", self.device) for r in range(c.workers)]
         if c.evaluator:
-            specs.append(Child("evaluator", 0, self._argv("evaluator", "--device", self.device)))
+            specs.append(self._spec("evaluator", 0, "--device", self.device))
         for child in specs:
             self._start(child)
             self.children.append(child)
+        self.show_started()
+
+    def show_started(self) -> None:
+        """Count the children that have loaded their code; say so when the count grows."""
+        if len(self.started) == len(self.children):
+            return
+        self.started |= {c.name for c in self.children if os.path.exists(self.started_file(c.name))}
+        n, total = len(self.started), len(self.children)
+        if not self.quiet and n != self._shown_started:
+            self._shown_started = n
+            took = f" in {time.time() - self.launched_at:.1f} s" if n == total else ""
+            log("run", f"started {n}/{total} processes{took}")
 
     def tail(self, child: Child, n: int = 12) -> str:
         if not child.log_path or not os.path.exists(child.log_path):
@@ -139,6 +209,7 @@ class LocalJob:
                 break
             if time.monotonic() > deadline:
                 raise LaunchError(f"the job did not finish within {self.timeout_s:.0f} s")
+            self.show_started()
             for child in self.children[1:]:
                 rc = child.poll()
                 if rc is None or rc == 0:
@@ -202,5 +273,6 @@ def format_summary(s: dict) -> str:
              f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else "",
              f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s",
              f"time to {target}: {ttt:.1f} s" if ttt is not None else f"target {target} not reached",
-             f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}"]
+             f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",
+             f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else ""]
     return "  ".join(p for p in parts if p)

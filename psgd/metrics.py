@@ -55,6 +55,18 @@ class PidFile:
                 pass
 
 
+def process_start_time() -> float | None:
+    """When this process was started (exec'd), as a time.time() value: from /proc on
+    Linux (to the kernel's clock tick, 10 ms); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age if 0 <= age < 7 * 86400 else None
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:

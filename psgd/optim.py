@@ -5,21 +5,70 @@ AdamW) around flat tensors. `lr_at` is the schedule: linear warm-up over
 `warmup_steps`, then constant, step (x gamma every step_size) or cosine (to min_lr at
 `total` steps). Steps are counted in worker steps, so a shard that applies one update
 per push (ssp, async) advances the schedule by 1/W per update.
+
+torch.optim's optimizers import torch._dynamo (torch.compile) on first use, to mark
+their methods as not to be compiled: measured 1.9 s of CPU, about as long as importing
+torch, in every shard and worker, which on a 2-core machine is most of the start-up of
+a job after torch itself. psgd never compiles an optimizer, so `make_optimizer` returns
+a subclass whose methods call the same torch.optim code without those marks (`eager`):
+the same arithmetic, state_dict and hooks (tests/test_startup.py checks both). Where
+torch._dynamo is already loaded (a user's model compiled), or torch's layout is not the
+expected one, the plain torch.optim class is used.
 """
 from __future__ import annotations
 
 import math
+import sys
+from typing import Any, TypeVar, cast
 
 import torch
 
 from .config import OptimizerConfig
 
+_MARKED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")  # @torch._disable_dynamo
+_EAGER: dict[type, type] = {}
+Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
+
+
+def _unmarked(fn: Any) -> Any:
+    """A method of torch.optim.Optimizer without its `torch._disable_dynamo` wrapper."""
+    raw = fn.__wrapped__
+
+    def method(self, *args, **kwargs):
+        return raw(self, *args, **kwargs)
+
+    method.__name__, method.__doc__ = fn.__name__, fn.__doc__
+    return method
+
+
+def eager(cls: type[Opt]) -> type[Opt]:
+    """cls with its step and the Optimizer methods that import torch._dynamo calling the
+    code they wrap: the step in the grad mode its wrapper sets (`differentiable`, off by
+    default), without `torch._dynamo.graph_break()` (a no-op outside torch.compile)."""
+    if cls in _EAGER:
+        return cast("type[Opt]", _EAGER[cls])
+    base = torch.optim.Optimizer
+    step = getattr(cls.step, "__wrapped__", None)
+    if (step is None or "torch._dynamo" in sys.modules
+            or any(getattr(getattr(base, n), "__wrapped__", None) is None for n in _MARKED)):
+        return cls
+
+    def eager_step(self, closure=None):
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return step(self, closure)
+
+    eager_step.__doc__ = cls.step.__doc__
+    namespace = {n: _unmarked(getattr(base, n)) for n in _MARKED}
+    namespace.update(step=eager_step, __module__=__name__, __doc__=cls.__doc__)
+    _EAGER[cls] = type(cls.__name__, (cls,), namespace)
+    return cast("type[Opt]", _EAGER[cls])
+
 
 def make_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                               nesterov=cfg.nesterov and cfg.momentum > 0)
-    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+        return eager(torch.optim.SGD)(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                      nesterov=cfg.nesterov and cfg.momentum > 0)
+    cls = eager(torch.optim.Adam) if cfg.name == "adam" else eager(torch.optim.AdamW)
     return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 

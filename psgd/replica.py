@@ -2,8 +2,10 @@
 
 `Replica` moves between the model's tensors and the per-shard flat tables: `load`
 writes what the shards sent into the model, `params`/`grads`/`buffers` gather what goes
-back. On CUDA, tables are staged through pinned host buffers and copied
-asynchronously. `score` evaluates on a labelled set without gradients.
+back, into buffers allocated once and reused every step (a gathered table is valid
+until the next gather of the same kind: the client sends it and waits for the answer
+before the next step). On CUDA, tables are gathered on the device and copied to pinned
+host buffers asynchronously. `score` evaluates on a labelled set without gradients.
 """
 from __future__ import annotations
 
@@ -31,20 +33,25 @@ class Replica:
         self.map = ShardMap.for_model(self.model, num_shards)
         self.tensors = model_tensors(self.model)
         self.n = num_shards
-        self._pinned: dict = {}
+        self._bufs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) per table
 
-    def _host(self, key, flat: torch.Tensor) -> torch.Tensor:
-        """Device tensor -> host tensor (pinned and asynchronous on CUDA)."""
-        if self.device.type != "cuda":
-            return flat
-        buf = self._pinned.get(key)
-        if buf is None or buf.numel() != flat.numel():
-            buf = self._pinned[key] = torch.empty(flat.numel(), pin_memory=True)
-        buf.copy_(flat, non_blocking=True)
-        return buf
+    def _buffers_for(self, tag: str, shard: int, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (tag, shard)
+        if key not in self._bufs:
+            size = self.map.size(shard, table)
+            dev = torch.empty(size, device=self.device)
+            host = torch.empty(size, pin_memory=True) if self.device.type == "cuda" else dev
+            self._bufs[key] = (dev, host)
+        return self._bufs[key]
 
     def _tables(self, tensors: dict, table: str, tag: str) -> list[torch.Tensor]:
-        out = [self._host((tag, i), self.map.gather(tensors, i, table)) for i in range(self.n)]
+        out = []
+        for i in range(self.n):
+            dev, host = self._buffers_for(tag, i, table)
+            self.map.gather(tensors, i, table, out=dev)
+            if host is not dev:
+                host.copy_(dev, non_blocking=True)
+            out.append(host)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         return out
@@ -54,12 +61,13 @@ class Replica:
         return self._tables(self.tensors, "params", "p")
 
     @torch.no_grad()
-    def buffers(self) -> list[torch.Tensor]:
-        return self._tables(self.tensors, "buffers", "b")
+    def buffers(self, slot: int = 0) -> list[torch.Tensor]:
+        """`slot`: another set of buffers, for a second push in flight."""
+        return self._tables(self.tensors, "buffers", f"b{slot}")
 
     @torch.no_grad()
-    def grads(self) -> list[torch.Tensor]:
-        return self._tables(model_grads(self.model), "params", "g")
+    def grads(self, slot: int = 0) -> list[torch.Tensor]:
+        return self._tables(model_grads(self.model), "params", f"g{slot}")
 
     @torch.no_grad()
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:

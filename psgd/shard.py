@@ -14,18 +14,19 @@ from the seed).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Hashable
 
 import torch
 
-from . import wire
+from . import compression, wire
 from .config import Config
 from .consistency import get as get_mode
 from .consistency import rule as r
 from .data import describe
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
-from .sharding import ShardMap, as_tensor, model_tensors
+from .sharding import ShardMap, model_tensors
 
 Reply = tuple[Hashable, list]
 Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
@@ -45,8 +46,15 @@ class Shard:
             self.buffers = self.map.gather(tensors, index, "buffers").detach().clone()
         self.P, self.B = self.params.numel(), self.buffers.numel()
         self.params.grad = torch.zeros_like(self.params)
+        self.wire_dtype = cfg.wire.dtype  # params-sized vectors on the wire; the tables stay float32
+        self._wire_torch = getattr(torch, self.wire_dtype)
+        self.codec = cfg.wire.compression
+        converting = self.wire_dtype != "float32" or self.codec != "none"
+        self._incoming = torch.empty(self.P if converting else 0)  # a conversion's or decoding's target
         self.opt = make_optimizer([self.params], cfg.optimizer)
         self.version = 0             # updates applied to params
+        self._revision = 0           # changes of either table (params or buffers)
+        self._shared: tuple[int, list[torch.Tensor]] = (-1, [])  # the snapshot of one revision
         self.counters = {"pushes": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0}  # bad: error replies
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
         self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
@@ -84,12 +92,33 @@ class Shard:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not in 0..{self.world - 1}")
 
     def _vectors(self, msg: wire.Message, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        v = as_tensor(wire.expect_array(msg, 0, "float32", (self.P,)))
-        b = as_tensor(wire.expect_array(msg, 1, "float32", (self.B,)))
-        if not bool(torch.isfinite(v).all()):
-            raise wire.WireError(wire.REFUSED, f"{what} has NaN or Inf values at step {msg.clock}; "
-                                               f"lower optimizer.lr")
-        return v, b
+        """The request's params-sized vector (in `wire.dtype`, as float32) and buffers."""
+        wire.expect_array(msg, 0, self.wire_dtype, (self.P,))
+        wire.expect_array(msg, 1, "float32", (self.B,))
+        v, b = wire.tensor(msg, 0), wire.tensor(msg, 1)
+        if self.wire_dtype != "float32":  # into float32, for the float32 master weights
+            v = self._incoming.copy_(v)
+        return self._finite(v, what, msg.clock), b
+
+    def _gradient(self, msg: wire.Message) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compressed push (`wire.compression`), decoded into a dense float32 vector."""
+        if msg.get("codec") != self.codec:
+            raise wire.WireError(wire.BAD_FIELD, f"push codec {msg.get('codec')!r}, this job uses {self.codec!r}")
+        (dt0, n0), (dt1, n1) = compression.shapes(self.codec, self.P, self.cfg.wire.topk_fraction)
+        wire.expect_array(msg, 0, dt0, (n0,))
+        wire.expect_array(msg, 1, "float32", (self.B,))
+        wire.expect_array(msg, 2, dt1, (n1,))
+        first, last = wire.tensor(msg, 0), wire.tensor(msg, 2)
+        if self.codec == "topk" and last.numel() and not (int(last.min()) >= 0 and int(last.max()) < self.P):
+            raise wire.WireError(wire.BAD_FIELD, f"topk indices must be in 0..{self.P - 1}")
+        g = compression.decode(self.codec, first, last, self.P, out=self._incoming)
+        return self._finite(g, "gradient", msg.clock), wire.tensor(msg, 1)
+
+    @staticmethod
+    def _finite(v: torch.Tensor, what: str, clock: int) -> torch.Tensor:
+        if not bool(torch.isfinite(v.sum())):  # NaN or Inf anywhere makes the sum so (no P-sized temporary)
+            raise wire.WireError(wire.REFUSED, f"{what} has NaN or Inf values at step {clock}; lower optimizer.lr")
+        return v
 
     def on_pull(self, token, msg: wire.Message) -> list[Reply]:
         self.counters["pulls"] += 1
@@ -99,7 +128,7 @@ class Shard:
 
     def on_push(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
-        g, b = self._vectors(msg, "gradient")
+        g, b = self._gradient(msg) if self.codec != "none" else self._vectors(msg, "gradient")
         if msg.clock <= self.last_clock.get(msg.rank, -1):
             self.counters["duplicates"] += 1
             return [(token, wire.reply(msg, duplicate=True, staleness=0, version=self.version))]
@@ -120,9 +149,9 @@ class Shard:
     def on_put_model(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
         self._vectors(msg, "model")
-        for i in range(2, len(msg.arrays)):
+        for i in range(2, len(msg.arrays)):  # the optimizer's state, float32
             wire.expect_array(msg, i, "float32", (self.P,))
-        arrays = [a.copy() for a in msg.arrays]
+        arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]
         return self.carry_out(self.rule.deposit(
             r.Deposit((token, msg), msg.rank, int(msg.get("round")), float(msg.get("score")), arrays)))
 
@@ -140,6 +169,8 @@ class Shard:
     def carry_out(self, decisions: list[r.Decision]) -> list[Reply]:
         out: list[Reply] = []
         for d in decisions:
+            if isinstance(d, (r.Apply, r.ApplySum, r.Move, r.MixBuffers, r.SetBuffers)):
+                self._revision += 1
             if isinstance(d, r.Apply):
                 self._step(d.grad, d.lr_scale, d.progress)
             elif isinstance(d, r.Accumulate):
@@ -182,13 +213,17 @@ class Shard:
         if d.snapshot:
             arrays = self._snapshot()
         else:
-            arrays = [self.buffers.clone() if a is r.BUFFERS else a for a in d.arrays]
+            arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) for a in d.arrays]
         return token, wire.reply(msg, arrays=arrays, version=self.version, **d.fields)
 
     def _snapshot(self) -> list[torch.Tensor]:
-        """Copies of the live tables: frames are sent without copying, after this
-        returns, so a reply must not share memory that the next update changes."""
-        return [self.params.detach().clone(), self.buffers.clone()]
+        """Copies of the tables as they are now, shared by every reply until they change:
+        frames are sent without copying, after this returns, so a reply must not share
+        memory that the next update changes; one copy per revision serves all readers."""
+        if self._shared[0] != self._revision:
+            params = self.params.detach()
+            self._shared = (self._revision, [params.to(self._wire_torch, copy=True), self.buffers.clone()])
+        return self._shared[1]
 
     def _accumulate(self, g: torch.Tensor, b: torch.Tensor, first: bool) -> None:
         if self.acc is None or self.bacc is None:
@@ -229,16 +264,22 @@ class Shard:
         self.rule.load_state_dict(sd["rule"])
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
+        self._revision += 1
 
     def save(self, path: str) -> None:
-        """Atomic checkpoint: temp file, fsync, rename."""
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            torch.save(self.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_checkpoint(self.state_dict(), path)
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+def write_checkpoint(sd: dict, path: str) -> None:
+    """Atomic checkpoint of a `state_dict` (whose tensors are copies): temp file, fsync,
+    rename. Safe to run off the serving thread."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -140,11 +139,3 @@ def model_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if p.requires_grad:
             out[n] = p.grad if p.grad is not None else torch.zeros_like(p)
     return out
-
-
-def as_tensor(a) -> torch.Tensor:
-    """Wrap a received (read-only) array as a tensor without copying; the caller must
-    not write to it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)

@@ -31,6 +31,7 @@ changes is sent as a snapshot). Arrays are received without copies: `np.frombuff
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ DTYPES: dict[str, np.dtype] = {
     "int64": np.dtype("<i8"),
     "int32": np.dtype("<i4"),
     "uint8": np.dtype("u1"),
+    "bfloat16": np.dtype("<u2"),   # bfloat16's bits; numpy has no bfloat16 (see `tensor`)
 }
 
 # Error codes: stable strings that clients and tests match on.
@@ -78,7 +80,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "status": {},
     # to a shard
     "pull": {"join": (bool,)},
-    "push": {"read_version": (int,), "lr_scale": _num},
+    "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,)},
     "elastic": {"round": (int,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,)},
     "get_model": {"round": (int,), "owner": (int,), "exact": (bool,)},
@@ -121,19 +123,42 @@ class Message:
     clock: int = -1
     fields: dict = field(default_factory=dict)
     arrays: list = field(default_factory=list)
+    dtypes: list = field(default_factory=list)  # the header's dtype name of each array
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
 
 
-def _as_array(a: Any) -> np.ndarray:
+def _as_array(a: Any) -> tuple[str, np.ndarray]:
+    """(dtype name on the wire, little-endian contiguous array) of a numpy array or a
+    CPU torch tensor; a bfloat16 tensor travels as its 16-bit patterns."""
     if hasattr(a, "detach"):  # a torch tensor: must be on the CPU
-        a = a.detach().contiguous().numpy()
+        t = a.detach().contiguous()
+        if str(t.dtype) == "torch.bfloat16":
+            return "bfloat16", t.view(dtype=_torch().int16).numpy().view(np.uint16)
+        a = t.numpy()
     a = np.ascontiguousarray(a)
     name = a.dtype.newbyteorder("<").name if a.dtype.byteorder == ">" else a.dtype.name
-    if name not in DTYPES:
+    if name not in DTYPES or name == "uint16":
         raise WireError(BAD_DTYPE, f"dtype {a.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
-    return a.astype(DTYPES[name], copy=False)
+    return name, a.astype(DTYPES[name], copy=False)
+
+
+def _torch() -> Any:
+    import torch  # only for tensors' dtypes: the wire itself needs no torch
+    return torch
+
+
+def tensor(msg: Message, i: int) -> Any:
+    """The i-th array as a torch tensor, without copying (read-only: the caller must not
+    write to it); a bfloat16 array is viewed as torch.bfloat16."""
+    torch = _torch()
+    a = msg.arrays[i]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a received frame is read-only
+        if msg.dtypes and msg.dtypes[i] == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
 
 
 def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
@@ -141,9 +166,10 @@ def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
     """Build a message's frames. Arrays (numpy or CPU torch) are sent without copies."""
     if op not in OPS:
         raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
-    arrs = [_as_array(a) for a in arrays]
+    named = [_as_array(a) for a in arrays]
+    arrs = [a for _, a in named]
     header = {"v": PROTOCOL_VERSION, "op": op, "id": int(id), "rank": int(rank),
-              "clock": int(clock), "arrays": [[a.dtype.name, list(a.shape)] for a in arrs]}
+              "clock": int(clock), "arrays": [[name, list(a.shape)] for name, a in named]}
     for k, v in fields.items():
         if k in _BASE:
             raise WireError(BAD_FIELD, f"field {k!r} is reserved")
@@ -247,7 +273,7 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
             raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
         arrays.append(np.frombuffer(buf, dtype=dt).reshape(shape) if expect else np.zeros(shape, dt))
     return Message(op=op, id=base["id"], rank=base["rank"], clock=base["clock"],
-                   fields=fields, arrays=arrays)
+                   fields=fields, arrays=arrays, dtypes=[spec[0] for spec in specs])
 
 
 def expect_array(msg: Message, i: int, dtype: str, shape: tuple) -> np.ndarray:
@@ -255,8 +281,9 @@ def expect_array(msg: Message, i: int, dtype: str, shape: tuple) -> np.ndarray:
     if i >= len(msg.arrays):
         raise WireError(BAD_SHAPE, f"op {msg.op!r} needs array {i}, got {len(msg.arrays)} arrays")
     a = msg.arrays[i]
-    if a.dtype != DTYPES[dtype]:
-        raise WireError(BAD_DTYPE, f"array {i}: expected {dtype}, got {a.dtype.name}")
+    got = msg.dtypes[i] if msg.dtypes else a.dtype.name
+    if got != dtype:
+        raise WireError(BAD_DTYPE, f"array {i}: expected {dtype}, got {got}")
     if tuple(a.shape) != tuple(shape):
         raise WireError(BAD_SHAPE, f"array {i}: expected shape {list(shape)}, got {list(a.shape)}")
     return a

@@ -10,6 +10,15 @@ it has. A worker that finishes with an error (it stopped after too many refused
 steps) aborts the job with that reason. Heartbeats carry each daemon's cumulative counters and get
 the live set back. When no worker is live any more, the evaluator is asked for a final
 score; then summary.json is written, every daemon is told `done`, and it exits.
+
+Start-up: `startup_s` in the `start` event and in summary.json is the time from
+`launched_at` (a time.time() value) to the start of training, and `startup_from` says
+what `launched_at` was: "launcher" when `psgd run` / `psgd compare` started this
+coordinator (`--launched-at`: the moment it started the job; for `psgd run`, the
+command's own start), "coordinator process" for a coordinator started by hand (its
+process's start: the daemons started before it are not counted, and the wait for those
+started after it is), "coordinator" for one built in a process that does other things
+(the in-process cluster: from its construction). This module imports no torch.
 """
 from __future__ import annotations
 
@@ -32,8 +41,11 @@ MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, cou
 
 class Coordinator:
     def __init__(self, cfg: Config, out: str | None = None, ctx: zmq.Context | None = None,
-                 quiet: bool = False):
+                 quiet: bool = False, launched_at: float | None = None, launched_by: str = "coordinator"):
         self.cfg = cfg
+        self.launched_at = time.time() if launched_at is None else launched_at
+        self.launched_by = launched_by
+        self.startup_s: float | None = None
         self.out = out
         self.quiet = quiet
         self.ctx = ctx or zmq.Context.instance()
@@ -82,7 +94,8 @@ class Coordinator:
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             if self.phase == "rendezvous":
                 self.parked.append((ident, msg, rank))
-                log("coordinator", f"worker {rank} registered ({len(self.members.members)}/{self.cfg.cluster.workers})")
+                log("coordinator", f"workers registered {len(self.members.members)}/{self.cfg.cluster.workers} "
+                    f"(worker {rank})")
                 return self._start_training() if self.members.all_joined else []
             log("coordinator", f"worker {rank} rejoined at clock {self.members.members[rank].clock}")
             return [self._reply_register(ident, msg, rank)]
@@ -91,6 +104,9 @@ class Coordinator:
             self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
             if self.server_joins[idx] > 1:
                 log("coordinator", f"shard {idx} restarted")
+            elif self.phase == "rendezvous":
+                log("coordinator", f"shards registered {len(self.server_joins)}/{self.cfg.cluster.servers} "
+                    f"(shard {idx})")
             self.servers.setdefault(idx, {})
             return [self._reply_register(ident, msg, -1)]
         if role == "evaluator":
@@ -107,9 +123,12 @@ class Coordinator:
         self.t0 = time.monotonic()
         for m in self.members.members.values():
             m.last_seen = self.t0
-        self.events.write(event="start", workers=self.cfg.cluster.workers)
+        self.startup_s = round(time.time() - self.launched_at, 3)
+        self.events.write(event="start", workers=self.cfg.cluster.workers, startup_s=self.startup_s,
+                          startup_from=self.launched_by)
         log("coordinator", f"all {self.cfg.cluster.workers} workers registered; training "
-            f"({self.cfg.mode.name}, {self.cfg.cluster.servers} shards)")
+            f"({self.cfg.mode.name}, {self.cfg.cluster.servers} shards) after {self.startup_s:.1f} s of start-up "
+            f"(since the {self.launched_by} started)")
         replies = [self._reply_register(ident, msg, rank) for ident, msg, rank in self.parked]
         self.parked = []
         return replies
@@ -197,7 +216,8 @@ class Coordinator:
         extra = {"job": self.cfg.job.name, "seed": self.cfg.job.seed, "model": self.cfg.model.name,
                  "data": self.cfg.data.name, "batch_size": self.cfg.train.batch_size,
                  "steps": self.cfg.train.steps, "faults": {k: v for k, v in vars(self.cfg.faults).items()},
-                 "bad_messages_coordinator": self.counters["bad_messages"]}
+                 "bad_messages_coordinator": self.counters["bad_messages"],
+                 "startup_s": self.startup_s, "startup_from": self.launched_by}
         if self.abort:
             extra["aborted"] = self.abort
         self.summary = summarize(mode=self.cfg.mode.name, mode_params=self.cfg.mode_params,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import zmq
@@ -20,7 +21,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.log import log
 from psgd.membership import CoordinatorLink
-from psgd.shard import Shard
+from psgd.shard import Shard, write_checkpoint
 from psgd.transport import Service, bind_address, server_socket, stop_auth
 
 
@@ -39,6 +40,16 @@ class ShardServer:
         self.ctx = ctx or zmq.Context.instance()
         self.name = f"server-{index}"
         self._term = False
+        self._saver: threading.Thread | None = None  # the periodic checkpoint being written
+
+    def _checkpoint_in_background(self, shard: Shard, path: str) -> None:
+        """Copy the state here (the serving thread), write it on another thread: the
+        serve loop does not wait for the disk. One write at a time."""
+        if self._saver is not None and self._saver.is_alive():
+            return
+        self._saver = threading.Thread(target=write_checkpoint, args=(shard.state_dict(), path),
+                                       name=f"checkpoint-{self.index}", daemon=True)
+        self._saver.start()
 
     def _on_sigterm(self, *_):
         self._term = True
@@ -79,7 +90,7 @@ class ShardServer:
                     service.send(shard.set_live(state["live"]))
                 now = time.monotonic()
                 if ckpt and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:
-                    shard.save(ckpt)
+                    self._checkpoint_in_background(shard, ckpt)
                     last_ckpt = now
                 if self._term:
                     log(self.name, "SIGTERM: checkpointing and exiting")
@@ -91,6 +102,8 @@ class ShardServer:
                     code = 1
                     break
         finally:
+            if self._saver is not None:
+                self._saver.join()
             if ckpt:
                 shard.save(ckpt)
             link.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -55,3 +56,32 @@ def test_restarts_append_to_one_log_and_leave_no_handle_open(tmp_path):
     assert server.restarts == MAX_RESTARTS
     with open(server.log_path) as f:
         assert f.read().splitlines() == ["server up"] * (1 + MAX_RESTARTS)  # appended, not truncated
+
+
+class StartedJob(LocalJob):
+    """Every child touches its --started-file (the last argument) and waits to be stopped."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        code = "import sys, time; open(sys.argv[-1], 'w').close(); time.sleep(60)"
+        return [sys.executable, "-c", code, *extra]
+
+
+@pytest.mark.timeout(60)
+def test_start_up_progress_counts_the_children_that_have_started(tmp_path, capsys):
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "worker-0.started").write_text("")  # an earlier job's: not counted
+    job = StartedJob(cfg, str(tmp_path), quiet=False, timeout_s=50)
+    try:
+        job.start()
+        deadline = time.monotonic() + 40
+        while len(job.started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            job.show_started()
+    finally:
+        job.stop()
+    err = capsys.readouterr().err
+    assert "[psgd run] started 4/4 processes in" in err, err
+    counts = [int(line.split("started ")[1].split("/")[0]) for line in err.splitlines() if "processes" in line]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert "--launched-at" in job.children[0].argv

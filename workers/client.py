@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import zmq
 
 from psgd import wire
+from psgd.compression import ErrorFeedback
 from psgd.config import Config
-from psgd.sharding import as_tensor
 from psgd.transport import Peers, PeerTimeout
 
 
@@ -30,6 +30,20 @@ class ShardUnreachable(RuntimeError):
 
 class Cancelled(RuntimeError):
     """A request given up because the caller's condition changed (e.g. a partner left)."""
+
+
+@dataclass
+class InFlight:
+    """Requests sent by `ParameterClient.begin`: request id -> (position, shard)."""
+    reqs: list
+    pending: dict[int, tuple[int, int]]
+    out: list
+    deadline: float
+    cancel: Callable[[], bool] | None
+
+    def take(self, got: dict[int, wire.Message]) -> None:
+        for rid, m in got.items():
+            self.out[self.pending.pop(rid)[0]] = m
 
 
 class ParameterClient:
@@ -42,6 +56,19 @@ class ParameterClient:
         self.wait_s = 0.0     # time blocked on the servers
         self.retries = 0
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
+        self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
+        self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
+        self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
+
+    def _wire(self, kind: str, shard: int, t: torch.Tensor) -> torch.Tensor:
+        """A params-sized float32 vector in `wire.dtype`, converted into a buffer reused
+        every step (it is sent without copying and answered before the next use)."""
+        if t.dtype == self.wire_dtype:
+            return t
+        buf = self._outgoing.get((kind, shard))
+        if buf is None or buf.numel() != t.numel():
+            buf = self._outgoing[(kind, shard)] = torch.empty(t.numel(), dtype=self.wire_dtype)
+        return buf.copy_(t)
 
     @property
     def bytes_sent(self) -> int:
@@ -55,50 +82,54 @@ class ParameterClient:
                 cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
         """Send (shard, op, fields) requests at once; answers in the same order.
         `cancel()` (or the client's own `cancel`) turning true gives up with `Cancelled`."""
+        return self.finish(self.begin(reqs, cancel))
+
+    def begin(self, reqs: Sequence[tuple[int, str, dict]],
+              cancel: Callable[[], bool] | None = None) -> InFlight:
+        """Send the requests and return at once; `finish` waits for the answers. The
+        arrays sent must not change until then (they go without copies)."""
         if cancel is None:
             cancel = self.cancel
         elif self.cancel is not None:
             own, extra = self.cancel, cancel
             cancel = lambda: own() or extra()  # noqa: E731
-        t0 = time.monotonic()
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
-        out: list[Any] = [None] * len(reqs)
-        deadline = t0 + self.cfg.cluster.timeout_s
+        return InFlight(list(reqs), pending, [None] * len(reqs),
+                        time.monotonic() + self.cfg.cluster.timeout_s, cancel)
+
+    def finish(self, f: InFlight) -> list[wire.Message]:
+        """Wait for the answers of `begin`'s requests (resending on fresh connections
+        with backoff while the deadline allows); the time spent here is `wait_s`."""
+        t0 = time.monotonic()
         backoff = 0.5
-        while pending:
-            window = min(self.retry_s, max(0.1, deadline - time.monotonic()))
-            try:
-                got = self.peers.wait({rid: i for rid, (_, i) in pending.items()}, window,
-                                      "parameter request", cancel)
-            except wire.RemoteError:
-                self.wait_s += time.monotonic() - t0
-                raise
-            except PeerTimeout as e:
-                got = e.partial
-                if cancel is not None and cancel():
-                    self.wait_s += time.monotonic() - t0
-                    raise Cancelled(e.address) from None
-                if time.monotonic() >= deadline:
-                    raise ShardUnreachable(f"worker {self.rank}: shard at {e.address} did not answer within "
-                                           f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s") from None
-                for rid, m in got.items():
-                    out[pending.pop(rid)[0]] = m
-                missing = {i for _, i in pending.values()}
-                for i in missing:
-                    self.peers.reconnect(i)
-                time.sleep(backoff)
-                backoff = min(4.0, backoff * 2)
-                self.retries += 1
-                resent = {}
-                for k, i in pending.values():
-                    shard, op, kw = reqs[k]
-                    resent[self.peers.send(shard, op, rank=self.rank, **kw)] = (k, i)
-                pending = resent
-                continue
-            for rid, m in got.items():
-                out[pending.pop(rid)[0]] = m
-        self.wait_s += time.monotonic() - t0
-        return out
+        try:
+            while f.pending:
+                window = min(self.retry_s, max(0.1, f.deadline - time.monotonic()))
+                try:
+                    got = self.peers.wait({rid: i for rid, (_, i) in f.pending.items()}, window,
+                                          "parameter request", f.cancel)
+                except PeerTimeout as e:
+                    if f.cancel is not None and f.cancel():
+                        raise Cancelled(e.address) from None
+                    if time.monotonic() >= f.deadline:
+                        raise ShardUnreachable(f"worker {self.rank}: shard at {e.address} did not answer within "
+                                               f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s") from None
+                    f.take(e.partial)
+                    for i in {i for _, i in f.pending.values()}:
+                        self.peers.reconnect(i)
+                    time.sleep(backoff)
+                    backoff = min(4.0, backoff * 2)
+                    self.retries += 1
+                    resent = {}
+                    for k, i in f.pending.values():
+                        shard, op, kw = f.reqs[k]
+                        resent[self.peers.send(shard, op, rank=self.rank, **kw)] = (k, i)
+                    f.pending = resent
+                    continue
+                f.take(got)
+        finally:
+            self.wait_s += time.monotonic() - t0
+        return f.out
 
     # ------------------------------------------------------------ ops
     def pull(self, clock: int) -> list[wire.Message]:
@@ -110,20 +141,43 @@ class ParameterClient:
 
     def push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
                   read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:
+        return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions))
+
+    def begin_push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
+                        read_versions: list[int], slot: int = 0) -> InFlight:
+        """Push clock `clock`'s gradient and pull for `clock + 1` on every shard, and return
+        at once (`finish_push_pull` gives the answers). `slot` picks
+        the conversion buffers, so that two pushes can be in flight."""
         reqs = []
         for i in range(self.n):
-            reqs.append((i, "push", {"clock": clock, "arrays": [grads[i], buffers[i]],
-                                     "read_version": read_versions[i]}))
+            reqs.append((i, "push", {"clock": clock, "read_version": read_versions[i],
+                                     **self._gradient(slot, i, grads[i], buffers[i])}))
             reqs.append((i, "pull", {"clock": clock + 1}))
-        got = self.request(reqs)
-        return got[0::2], got[1::2]
+        return self.begin(reqs)
+
+    def _gradient(self, slot: int, shard: int, g: torch.Tensor, buffers: torch.Tensor) -> dict:
+        """A push's arrays (and codec): the gradient in `wire.dtype`, or compressed."""
+        codec = self.cfg.wire.compression
+        if codec == "none":
+            return {"arrays": [self._wire(f"g{slot}", shard, g), buffers]}
+        if shard not in self._compressors:
+            self._compressors[shard] = ErrorFeedback(codec, g.numel(), self.cfg.wire.topk_fraction)
+        first, last = self._compressors[shard].encode(g)
+        return {"arrays": [first, buffers, last], "codec": codec}
+
+    def finish_push_pull(self, f: InFlight) -> tuple[list[wire.Message], list[wire.Message]]:
+        """(the pushes' answers, the pulls' answers), one each per shard."""
+        answers = self.finish(f)
+        return answers[0::2], answers[1::2]
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
-        return self.request([(i, "elastic", {"round": round_, "clock": clock, "arrays": [xs[i], bs[i]]})
+        return self.request([(i, "elastic", {"round": round_, "clock": clock,
+                                              "arrays": [self._wire("x", i, xs[i]), bs[i]]})
                              for i in range(self.n)])
 
     def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int) -> None:
-        self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
+        self.request([(i, "put_model", {"round": round_, "score": score, "step": step,
+                                        "arrays": [self._wire("m", i, arrays[i][0]), *arrays[i][1:]]})
                       for i in range(self.n)])
 
     def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None,
@@ -154,4 +208,4 @@ class ParameterClient:
 
 def tensors_of(msgs: Sequence[wire.Message], k: int) -> list[torch.Tensor]:
     """The k-th array of each shard's answer, as tensors (no copy)."""
-    return [as_tensor(m.arrays[k]) for m in msgs]
+    return [wire.tensor(m, k) for m in msgs]

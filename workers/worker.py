@@ -91,8 +91,8 @@ class Worker:
     @staticmethod
     def _build(cfg: Config):
         ds = load_dataset(cfg.data, cfg.job.seed)
-        # The first torch optimizer imports torch._dynamo (seconds): pay that here, before
-        # the job's clock starts, not in the first local step of a local-optimizer mode.
+        # Whatever the first optimizer still imports (psgd.optim avoids torch._dynamo where
+        # torch allows) is paid here, before the job's clock starts, not in a first step.
         make_optimizer([torch.zeros(1, requires_grad=True)], cfg.optimizer)
         return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
 
@@ -135,23 +135,33 @@ class Worker:
         return 1 if error or self.link.state.get("abort") else 0
 
     def _steps(self, schedule) -> str:
-        """Run the schedule until the budget ends; the reason if the worker must stop."""
-        limit, in_a_row = self.cfg.cluster.max_rejections, 0
+        """Run the schedule until the budget ends, then settle what is in flight; the
+        reason if the worker must stop."""
+        self.in_a_row = 0
         while self.more():
             if self.rejoin_if_dropped():
                 schedule.rejoin(self)
-            try:
-                schedule.step(self)
-                in_a_row = 0
-            except (wire.Refused, Diverged) as e:
-                self.rejected += 1
-                in_a_row += 1
-                reason = e.reason if isinstance(e, wire.Refused) else str(e)
-                if in_a_row >= limit:
-                    where = f" (shard {e.peer})" if isinstance(e, wire.Refused) else ""
-                    return (f"worker {self.rank}: {reason}{where}; stopping after {in_a_row} refused steps "
-                            f"in a row (cluster.max_rejections)")
-        return ""
+            error = self._attempt(schedule.step)
+            if error:
+                return error
+        return self._attempt(schedule.finish)
+
+    def _attempt(self, step) -> str:
+        """One step. A refused one is counted and the caller goes on, unless it is the
+        `cluster.max_rejections`-th in a row: then the reason, in one line."""
+        try:
+            step(self)
+            self.in_a_row = 0
+            return ""
+        except (wire.Refused, Diverged) as e:
+            self.rejected += 1
+            self.in_a_row += 1
+            if self.in_a_row < self.cfg.cluster.max_rejections:
+                return ""
+            reason = e.reason if isinstance(e, wire.Refused) else str(e)
+            where = f" (shard {e.peer})" if isinstance(e, wire.Refused) else ""
+            return (f"worker {self.rank}: {reason}{where}; stopping after {self.in_a_row} refused steps "
+                    f"in a row (cluster.max_rejections)")
 
     def _finish(self, error: str) -> None:
         """Tell the coordinator (an error ends the job), then close everything."""
@@ -187,7 +197,7 @@ class Worker:
         x, y = self.batches.next()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         model = self.replica.model
-        model.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         f = self.cfg.faults

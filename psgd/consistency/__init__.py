@@ -2,6 +2,12 @@
 schedule (see `rule`), and the registry below. Adding a mode is one new module and one
 line here.
 
+A registry line names the mode's module and classes; the module (and torch, which the
+rules use) is imported when the mode is first looked up (`get(name)`, `MODES[name]`).
+The names and config keys of the modes (`NAMES`, `PARAMS`, iterating `MODES`) import
+nothing, so that `psgd.config` takes them from here and the coordinator, which runs no
+rule, starts without torch.
+
 Building blocks the modes share, all pure state machines or arithmetic:
 - `barrier.StepBarrier` — bulk-synchronous steps with backup workers; easgd's rounds
 - `clock.ClockTable`    — the bounded-staleness read gate (unbounded: async)
@@ -12,17 +18,64 @@ Building blocks the modes share, all pure state machines or arithmetic:
 """
 from __future__ import annotations
 
-from . import asynchronous, easgd, ltfb, ssp, sync
-from .rule import Mode
+import importlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("sync", sync.SyncRule, sync.SyncSchedule, ("backup_workers",)),
-    Mode("ssp", ssp.SspRule, ssp.SspSchedule, ("staleness",)),
-    Mode("async", asynchronous.AsyncRule, asynchronous.AsyncSchedule, ("lr_policy", "dc_lambda")),
-    Mode("easgd", easgd.EasgdRule, easgd.EasgdSchedule, ("tau", "alpha", "sync")),
-    Mode("ltfb", ltfb.LtfbRule, ltfb.LtfbSchedule, ("round_steps", "tournament_fraction", "exchange"),
-         ltfb.global_model),
-)}
+if TYPE_CHECKING:
+    from .rule import Mode
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registry line: the mode's name; its module in this package; the names there
+    of its `ServerRule` and `Schedule` classes; the config keys that matter for it
+    (`ModeConfig` fields: summaries, labels); and the name there of its `global_model`
+    function, when its global model is not the shards' parameters."""
+    name: str
+    module: str
+    rule: str
+    schedule: str
+    params: tuple[str, ...]
+    global_model: str = ""
+
+
+class Registry(Mapping[str, "Mode"]):
+    """name -> `rule.Mode`, importing a mode's module on its first lookup."""
+
+    def __init__(self, *entries: Entry):
+        self.entries = {e.name: e for e in entries}
+        self._loaded: dict[str, Mode] = {}
+
+    def __getitem__(self, name: str) -> Mode:
+        if name not in self._loaded:
+            e = self.entries[name]
+            from . import rule
+            module = importlib.import_module(f"{__name__}.{e.module}")
+            extra = (getattr(module, e.global_model),) if e.global_model else ()
+            self._loaded[name] = rule.Mode(e.name, getattr(module, e.rule), getattr(module, e.schedule), e.params,
+                                           *extra)
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+MODES = Registry(
+    Entry("sync", "sync", "SyncRule", "SyncSchedule", ("backup_workers",)),
+    Entry("ssp", "ssp", "SspRule", "SspSchedule", ("staleness",)),
+    Entry("async", "asynchronous", "AsyncRule", "AsyncSchedule", ("lr_policy", "dc_lambda", "prefetch")),
+    Entry("easgd", "easgd", "EasgdRule", "EasgdSchedule", ("tau", "alpha", "sync")),
+    Entry("ltfb", "ltfb", "LtfbRule", "LtfbSchedule", ("round_steps", "tournament_fraction", "exchange"),
+          "global_model"),
+)
+
+NAMES: tuple[str, ...] = tuple(MODES)
+PARAMS: dict[str, tuple[str, ...]] = {name: e.params for name, e in MODES.entries.items()}
 
 
 def get(name: str) -> Mode:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..sharding import as_tensor
+from .. import wire
 from .pushpull import load
 from .rule import (
     REFUSED,
@@ -179,4 +179,4 @@ class LtfbSchedule(Schedule):
             target = {names[id(p)]: self.opt.state.setdefault(p, {}).setdefault(k, torch.zeros_like(p))
                       for p in params}
             for i, m in enumerate(got):
-                w.replica.map.scatter(as_tensor(m.arrays[2 + j]), i, "params", target)
+                w.replica.map.scatter(wire.tensor(m, 2 + j), i, "params", target)

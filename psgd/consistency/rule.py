@@ -294,6 +294,9 @@ class Schedule:
     def step(self, w: Trainer) -> None:
         raise NotImplementedError
 
+    def finish(self, w: Trainer) -> None:
+        """The budget is spent: settle what is still in flight."""
+
 
 def read_params(client: Any) -> list:
     """The global model of the parameter-server modes: the shards' parameters."""

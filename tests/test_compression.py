@@ -1,0 +1,109 @@
+"""`wire.compression`: 1-bit SGD and top-k sparsification of pushed gradients, with
+error feedback on the worker (what a message leaves out stays in the residual)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from psgd import compression, wire
+from psgd.compression import BLOCK, ErrorFeedback, decode
+from psgd.config import Config
+from psgd.shard import Shard
+from tests.conftest import free_port_block
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("codec", ["onebit", "topk"])
+def test_error_feedback_keeps_sent_plus_residual_equal_to_the_gradients(codec):
+    torch.manual_seed(0)
+    size = 3 * BLOCK + 17
+    ef = ErrorFeedback(codec, size, topk_fraction=0.05)
+    sent_total, grad_total = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)
+    for _ in range(20):
+        g = torch.randn(size)
+        old = ef.residual.clone()
+        first, last = ef.encode(g)
+        sent = decode(codec, first, last, size)
+        torch.testing.assert_close(sent + ef.residual, g + old, rtol=0, atol=1e-5)
+        sent_total += sent.double()
+        grad_total += g.double()
+    torch.testing.assert_close(sent_total + ef.residual.double(), grad_total, rtol=0, atol=1e-4)
+
+
+@pytest.mark.unit
+def test_onebit_keeps_each_blocks_sums_of_both_signs():
+    v = torch.randn(2 * BLOCK + 5)
+    signs, means = compression.onebit_encode(v)
+    assert signs.dtype == torch.uint8 and signs.numel() == (v.numel() + 7) // 8 and means.numel() == 2 * 3
+    d = decode("onebit", signs, means, v.numel())
+    for b in range(3):
+        block, got = v[b * BLOCK:(b + 1) * BLOCK], d[b * BLOCK:(b + 1) * BLOCK]
+        assert torch.equal(got > 0, block > 0)
+        torch.testing.assert_close(got[block > 0].sum(), block[block > 0].sum())
+        torch.testing.assert_close(got[block <= 0].sum(), block[block <= 0].sum())
+
+
+@pytest.mark.unit
+def test_topk_sends_the_largest_magnitudes():
+    v = torch.tensor([0.1, -5.0, 0.2, 4.0, -0.3])
+    values, idx = compression.topk_encode(v, 2)
+    assert sorted(idx.tolist()) == [1, 3] and idx.dtype == torch.int32
+    assert torch.equal(decode("topk", values, idx, 5), torch.tensor([0.0, -5.0, 0.0, 4.0, 0.0]))
+
+
+def shard(codec: str) -> Shard:
+    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "wire.compression": codec, "wire.topk_fraction": 0.1})
+    return Shard(cfg, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("codec", ["onebit", "topk"])
+def test_a_shard_applies_the_decoded_gradient(codec):
+    s = shard(codec)
+    p0 = s.params.detach().clone()
+    g = torch.randn(s.P)
+    first, last = ErrorFeedback(codec, s.P, 0.1).encode(g)
+    s.handle("t", wire.decode(wire.encode("push", id=1, rank=0, clock=0, read_version=0, codec=codec,
+                                          arrays=[first, torch.zeros(s.B), last])))
+    expect = p0 - s.cfg.optimizer.lr * decode(codec, first, last, s.P)
+    torch.testing.assert_close(s.params.detach(), expect)
+
+
+@pytest.mark.unit
+def test_a_shard_refuses_bad_compressed_pushes():
+    s = shard("topk")
+    k = compression.shapes("topk", s.P, 0.1)[1][1]
+    bad = torch.full((k,), s.P, dtype=torch.int32)
+    with pytest.raises(wire.WireError, match="topk indices must be in"):
+        s.handle("t", wire.decode(wire.encode("push", id=1, rank=0, clock=0, read_version=0, codec="topk",
+                                              arrays=[torch.ones(k), torch.zeros(s.B), bad])))
+    with pytest.raises(wire.WireError, match="push codec None, this job uses 'topk'"):
+        s.handle("t", wire.decode(wire.encode("push", id=2, rank=0, clock=0, read_version=0,
+                                              arrays=[torch.zeros(s.P), torch.zeros(s.B)])))
+    assert s.version == 0
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_topk_job_trains_and_pushes_few_bytes(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--quiet", "--out", str(out),
+                        "--set", "wire.compression=topk", "--set", f"cluster.port={free_port_block(3)}"],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["final_accuracy"] >= 0.9, s
+    steps = [json.loads(line) for line in open(out / "events" / "worker-0.jsonl")]
+    steps = [e for e in steps if "bytes_sent" in e]
+    per_step = (steps[-1]["bytes_sent"] - steps[0]["bytes_sent"]) / (len(steps) - 1)
+    dense = 4 * 26_122                                    # the MLP's float32 gradient, over both shards
+    assert per_step < 0.1 * dense, per_step
+    assert np.isfinite(s["final_loss"])

@@ -1,0 +1,209 @@
+"""Start-up: what each process imports, and what `psgd run` reports about its start-up
+(`startup_s` in summary.json, progress, the warning about more busy processes than cores).
+
+Tests that start an interpreter or a job are `processes`; the rest `unit` (each test is
+marked: this file mixes tiers)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from psgd import consistency
+from psgd.config import MODES, Config, load
+from psgd.data import _digits_raw, check_dataset, digits_file
+from psgd.launcher import busy_processes, format_summary, oversubscribed
+from psgd.metrics import process_start_time
+from psgd.optim import make_optimizer
+from tests.conftest import free_port_block, kill_all
+
+PSGD = [sys.executable, "-m", "psgd"]
+
+
+def fresh(code: str) -> str:
+    """Run code in a new interpreter; its stdout."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+# ---------------------------------------------------------------- what is imported where
+@pytest.mark.processes
+def test_the_coordinator_imports_no_torch():
+    out = fresh("import sys; import psgd.servers.coordinator; "
+                "print(sorted(m for m in ('torch', 'sklearn', 'matplotlib') if m in sys.modules))")
+    assert out.strip() == "[]"
+
+
+@pytest.mark.processes
+def test_psgd_run_checks_the_config_and_data_without_torch_or_sklearn():
+    """What `psgd run` does before it starts the first process: parse, load the config,
+    check the dataset, import the launcher."""
+    out = fresh("import sys\n"
+                "from psgd import cli, launcher\n"
+                "from psgd.data import check_dataset\n"
+                "args = cli.parser().parse_args(['run', '--set', 'train.steps=5'])\n"
+                "cfg = cli._config(args)\n"
+                "check_dataset(cfg.data, cfg.job.seed)\n"
+                "print(sorted(m for m in ('torch', 'sklearn', 'scipy', 'matplotlib') if m in sys.modules))")
+    assert out.strip() == "[]"
+
+
+@pytest.mark.processes
+def test_the_first_optimizer_does_not_import_torch_dynamo():
+    """torch.optim imports torch._dynamo on first use (1.9 s of CPU in every shard and
+    worker); psgd's optimizers run the same code without it."""
+    out = fresh("import sys, torch\n"
+                "from psgd.config import OptimizerConfig\n"
+                "from psgd.optim import make_optimizer\n"
+                "for name in ('sgd', 'adam', 'adamw'):\n"
+                "    p = torch.ones(3, requires_grad=True)\n"
+                "    opt = make_optimizer([p], OptimizerConfig(name=name))\n"
+                "    (p * p).sum().backward(); opt.step(); opt.zero_grad()\n"
+                "    opt.load_state_dict(opt.state_dict())\n"
+                "print('torch._dynamo' in sys.modules)")
+    assert out.strip() == "False"
+
+
+# ---------------------------------------------------------------- the same results as before
+def _train(opt_factory, steps: int = 6) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    p = torch.randn(20, requires_grad=True)
+    target = torch.randn(20)
+    opt = opt_factory([p])
+    for _ in range(steps):
+        opt.zero_grad()
+        ((p - target) ** 2).sum().backward()
+        opt.step()
+    return p.detach().clone(), opt
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sets,plain", [
+    ({"name": "sgd", "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ({"name": "adam", "lr": 0.01}, lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8)),
+    ({"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
+     lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)),
+])
+def test_optimizers_compute_and_checkpoint_as_torch_optim(sets, plain):
+    cfg = Config().replace(**{f"optimizer.{k}": v for k, v in sets.items()}).optimizer
+    ours, opt = _train(lambda ps: make_optimizer(ps, cfg))
+    theirs, ref = _train(plain)
+    assert isinstance(opt, type(ref)) and torch.equal(ours, theirs)
+    sd = opt.state_dict()
+    assert sd["param_groups"] == ref.state_dict()["param_groups"]
+    # a checkpoint of one loads into the other
+    p = torch.zeros(20, requires_grad=True)
+    other = plain([p])
+    other.load_state_dict(sd)
+    loaded, saved = other.state_dict()["state"][0], sd["state"][0]
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    seen = []
+    opt.register_step_post_hook(lambda *a: seen.append(1))
+    opt.step()
+    assert seen == [1]  # torch.optim's hooks still run
+
+
+@pytest.mark.unit
+def test_digits_are_read_as_scikit_learn_reads_them():
+    from sklearn.datasets import load_digits
+    assert digits_file() is not None
+    images, target = _digits_raw()
+    d = load_digits()
+    assert np.array_equal(images, d.images) and np.array_equal(target, d.target)
+
+
+@pytest.mark.unit
+def test_check_dataset_says_what_load_dataset_would(tmp_path):
+    check_dataset(load(None, [], env={}).data)
+    check_dataset(load(None, ["data.name=synthetic"], env={}).data)
+    for sets, needle in ((["data.name=synthetic", "data.classes=1"], "data.classes must be >= 2"),
+                         (["data.name=cifar10", f"data.path={tmp_path}"], "data_batch_1.bin: file not found"),
+                         (["data.name=imagenet"], "expected digits, synthetic")):
+        with pytest.raises(ValueError, match=needle):
+            check_dataset(load(None, sets, env={}).data)
+
+
+@pytest.mark.unit
+def test_config_takes_the_modes_and_their_keys_from_the_registry():
+    assert MODES == consistency.NAMES == tuple(consistency.MODES)
+    for name in MODES:
+        cfg = Config().replace(**{"mode.name": name})
+        assert tuple(cfg.mode_params) == consistency.PARAMS[name] == consistency.get(name).params
+
+
+# ---------------------------------------------------------------- what the launcher says
+@pytest.mark.unit
+def test_a_warning_when_busy_processes_outnumber_cores():
+    cfg = load(None, ["cluster.workers=4", "cluster.servers=2"], env={})
+    assert busy_processes(cfg) == (7, "2 shards, 4 workers, an evaluator")
+    assert oversubscribed(cfg, cores=7) == ""
+    warning = oversubscribed(cfg, cores=2)
+    assert warning.startswith("warning: 7 busy processes (2 shards, 4 workers, an evaluator) on 2 cores")
+    assert oversubscribed(load(None, ["cluster.evaluator=false", "cluster.workers=1", "cluster.servers=1"],
+                               env={}), cores=2) == ""
+
+
+@pytest.mark.unit
+def test_the_final_line_says_the_start_up():
+    s = {"mode": "sync", "final_accuracy": 0.98, "final_loss": 0.05, "samples_per_s": 5000.0, "wall_s": 3.0,
+         "time_to_target_s": 1.0, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}}
+    assert "start-up" not in format_summary(s)  # a summary from before startup_s
+    assert format_summary({**s, "startup_s": 4.26}).endswith("start-up 4.3 s")
+
+
+@pytest.mark.unit
+def test_process_start_time_is_this_process_start():
+    t = process_start_time()
+    assert t is not None and 0 <= time.time() - t < 3600
+
+
+# ---------------------------------------------------------------- real jobs
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_psgd_run_reports_its_start_up(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.time()
+    r = subprocess.run(PSGD + ["run", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                               "--set", "train.steps=20"], capture_output=True, text=True, timeout=200)
+    took = time.time() - t0
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["startup_from"] == "launcher"
+    assert 0 < s["startup_s"] < took - s["wall_s"]  # from the command's start to the start of training
+    start = [e for e in map(json.loads, (out / "events" / "coordinator-0.jsonl").read_text().splitlines())
+             if e.get("event") == "start"]
+    assert len(start) == 1 and start[0]["startup_s"] == s["startup_s"]
+    assert f"start-up {s['startup_s']:.1f} s" in r.stdout.splitlines()[0]
+    assert "started 6/6 processes in" in r.stderr  # coordinator, 2 shards, 2 workers, evaluator
+    assert "workers registered 2/2" in r.stderr
+    assert sorted(p.name for p in (out / "logs").glob("*.started")) == [
+        "coordinator-0.started", "evaluator-0.started", "server-0.started", "server-1.started",
+        "worker-0.started", "worker-1.started"]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_coordinator_started_by_hand_counts_from_its_own_start(tmp_path):
+    """Without psgd run nothing knows when the job was launched: the coordinator counts
+    from its own process's start (and says so)."""
+    common = ["--out", str(tmp_path), "--set", f"cluster.port={free_port_block(2)}", "--set", "cluster.servers=1",
+              "--set", "cluster.workers=1", "--set", "cluster.evaluator=false", "--set", "train.steps=5"]
+    procs = []
+    try:
+        for role in (["coordinator"], ["server", "--shard", "0"], ["worker"]):
+            procs.append(subprocess.Popen(PSGD + role + common, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True))
+        codes = [p.wait(timeout=200) for p in procs]
+    finally:
+        kill_all(procs)
+    errs = "\n".join(p.stderr.read() for p in procs if p.stderr)
+    assert codes == [0, 0, 0], errs
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["startup_from"] == "coordinator process" and s["startup_s"] > 0

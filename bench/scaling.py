@@ -1,0 +1,106 @@
+"""Scaling: psgd's steady-state samples/s against workers and shards, for every mode.
+
+    .venv/bin/python -m bench.scaling                      # everything: 2 models x 5 modes x 3 x 3 runs (long)
+    .venv/bin/python -m bench.scaling --quick              # MLP, workers 1,2,4, 1 shard (a few minutes)
+    .venv/bin/python -m bench.scaling --models resnet20 --modes sync,async --workers 1,2 --shards 1
+
+Each point is one `psgd run` (psgd.launcher.run_local: coordinator, S shard processes,
+W worker processes; evaluator off, one compute thread per process) of the MLP on digits
+or ResNet-20 on synthetic 3x32x32 data, batch 32 per worker, the same number of steps
+per worker for every point of a model. samples/s is steady state, the definition of
+bench/common.py (`steady_rate`: after each worker's first warm-up steps, summed over
+workers); `wait` is the fraction of the workers' time blocked on the shards
+(summary.json's `wait_fraction`, whole run). Modes run with their defaults (ssp
+staleness 2, easgd tau 4, ltfb round_steps 50: with ResNet-20's few steps no tournament
+happens). Progress and the time left go to stderr; the last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+from bench.common import emit_json, progress, run_psgd, stop_on_signals, table
+
+MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
+    "mlp": (["model.name=mlp", "data.name=digits"], 300, 30),
+    "resnet20": (["model.name=resnet20", "data.name=synthetic", "data.shape=[3,32,32]"], 24, 6),
+}
+MODES = "sync,ssp,async,easgd,ltfb"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="mlp,resnet20")
+    ap.add_argument("--modes", default=MODES)
+    ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--shards", default="1,2,4")
+    ap.add_argument("--quick", action="store_true", help="= --models mlp --shards 1")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every run's steps")
+    ap.add_argument("--keep", help="keep the runs' folders here")
+    a = ap.parse_args()
+    if a.quick:
+        a.models, a.shards = "mlp", "1"
+    stop_on_signals()
+    points = [(m, mode, int(w), int(s)) for m in a.models.split(",") for mode in a.modes.split(",")
+              for w in a.workers.split(",") for s in a.shards.split(",")]
+    work = a.keep or tempfile.mkdtemp(prefix="bench-scaling-")
+    records, took = [], {}
+    t0 = time.monotonic()
+    try:
+        for k, (model, mode, w, s) in enumerate(points):
+            keys, steps, warm = MODELS[model]
+            steps = max(warm + 4, int(steps * a.steps_scale))
+            left = sum(_guess(took, p[0], p[2]) for p in points[k:])
+            progress(f"{k + 1}/{len(points)}: {model} {mode} W={w} S={s}  "
+                     f"({time.monotonic() - t0:.0f} s so far, about {left:.0f} s left)")
+            out = os.path.join(work, f"{model}-{mode}-w{w}-s{s}")
+            t = time.monotonic()
+            summary = run_psgd(keys + [f"mode.name={mode}", f"cluster.workers={w}", f"cluster.servers={s}",
+                                       "cluster.evaluator=false", "train.batch_size=32", f"train.steps={steps}"],
+                               out, warm)
+            took.setdefault((model, w), []).append(time.monotonic() - t)
+            records.append({"model": model, "mode": mode, "workers": w, "shards": s,
+                            "samples_per_s": round(summary["steady"], 1),
+                            "wait_fraction": summary.get("wait_fraction")})
+            if not a.keep:
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    shards = sorted({r["shards"] for r in records})
+    for model in dict.fromkeys(r["model"] for r in records):
+        rows = []
+        for mode, w in dict.fromkeys((r["mode"], r["workers"]) for r in records if r["model"] == model):
+            got = {r["shards"]: r for r in records if (r["model"], r["mode"], r["workers"]) == (model, mode, w)}
+            one = [r for r in records if (r["model"], r["mode"], r["workers"], r["shards"]) == (model, mode, 1,
+                                                                                               shards[0])]
+            row = [mode, w]
+            for s in shards:
+                r = got.get(s)
+                row += [r["samples_per_s"] if r else float("nan"), r["wait_fraction"] if r else float("nan")]
+            row.append(got[shards[0]]["samples_per_s"] / one[0]["samples_per_s"] if one and shards[0] in got
+                       else float("nan"))
+            rows.append(row)
+        headers = ["mode", "workers"]
+        for s in shards:
+            headers += [f"S={s} samples/s", f"S={s} wait"]
+        headers.append(f"speedup vs W=1 (S={shards[0]})")
+        print(table(headers, rows, f"\n{model}: steady-state samples/s (batch 32 per worker, "
+                                   f"{MODELS[model][1]} steps per worker x {a.steps_scale:g})"))
+    emit_json({"bench": "scaling", "rows": records, "wall_s": round(time.monotonic() - t0, 1)})
+
+
+def _guess(took: dict, model: str, workers: int) -> float:
+    """Expected seconds of one run: the mean of this (model, workers) so far, else of the model,
+    else a rough prior."""
+    same = took.get((model, workers)) or [x for (m, _), xs in took.items() if m == model for x in xs]
+    if same:
+        return sum(same) / len(same)
+    return 12.0 if model == "mlp" else 40.0
+
+
+if __name__ == "__main__":
+    main()

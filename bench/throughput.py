@@ -1,0 +1,417 @@
+"""Training throughput: psgd against torch DDP and against a plain one-process loop.
+
+    .venv/bin/python -m bench.throughput                         # every part, about 3 minutes on 2 cores
+    .venv/bin/python -m bench.throughput --parts ddp --repeats 3
+    .venv/bin/python -m bench.throughput --parts ddp,local --backend nccl --device cuda --workers 1   # one GPU
+
+Every run: evaluation off (`cluster.evaluator=false`), one compute thread per process
+(OMP_NUM_THREADS=1, torch.set_num_threads(1)), the same model (built from the job's
+seed), per-worker batch (32), optimizer (psgd's default: SGD lr 0.1, momentum 0.9) and
+data (psgd.data: load_dataset, partition by rank, Batches), every process separate.
+
+Parts (`--parts`, default all):
+- `ddp`: psgd `sync` (psgd.launcher.run_local: coordinator, `--servers` shards, W
+  workers) against torch DDP (`--backend`, gloo by default, its default buckets) in W
+  processes: the MLP on digits (`ratio_vs_ddp_small`) and ResNet-20 on synthetic
+  3x32x32 data (`ratio_vs_ddp_large`).
+- `local`: psgd `sync` with 1 worker and 1 shard against a plain training loop in one
+  process (`ratio_vs_local`, MLP); `async`: the same with psgd `async`, without prefetch
+  (`ratio_async_vs_local`: a worker computes, then waits for its push+pull) and, where
+  psgd has `mode.prefetch`, with it (`ratio_async_prefetch_vs_local`: the next gradient is
+  computed while the push+pull travels).
+- `startup`: `psgd run` of the default job (evaluator on): seconds from launching the
+  command to the end of the first worker step (the earliest `t` in the worker event
+  logs) (`startup_s`); also summary.json's own `startup_s` (to the start of training).
+- `phases`: where the time of a psgd MLP `sync` step goes (W workers, `--servers`
+  shards): worker 0 runs with timers around compute, gather (Replica.grads/buffers),
+  encode+send and wait (Peers.send / Peers.wait inside ParameterClient.push_pull) and
+  scatter (Replica.load); the other workers are plain `psgd worker` processes. Then the
+  same operations run alone in the benchmark's process (no job running): each phase's
+  floor, without other processes competing for the cores.
+
+samples/s is steady state for every side, by one definition (bench.common.steady_rate):
+per process, the samples of the steps after the first `warm-up` steps over the time from
+the end of step `warm-up` to the end of its last step; summed over processes. psgd's
+side reads it from the worker event logs (`t` and `samples` of each step); the baselines
+record the same pair after each step (after `loss.item()`, as a psgd worker does).
+The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+from bench.common import (
+    Procs,
+    child_env,
+    emit_json,
+    progress,
+    psgd_argv,
+    psgd_config,
+    run_psgd,
+    steady_rate,
+    table,
+    worker_events,
+    write_config,
+)
+
+MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
+    "mlp": (["model.name=mlp", "data.name=digits"], 600, 50),
+    "resnet20": (["model.name=resnet20", "data.name=synthetic", "data.shape=[3,32,32]"], 40, 8),
+}
+COMMON = ["cluster.evaluator=false", "train.batch_size=32"]
+
+
+# ---------------------------------------------------------------- baselines: plain loop and DDP
+def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, ddp: bool) -> list[dict]:
+    """A plain PyTorch loop over psgd's data for this rank; (t, samples) after each step."""
+    import torch
+    from torch import nn
+
+    from psgd.config import Config
+    from psgd.data import Batches, load_dataset, partition
+    from psgd.models import build_model
+    from psgd.optim import make_optimizer
+    cfg = Config.from_dict(cfg_dict)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+    ds = load_dataset(cfg.data, cfg.job.seed)
+    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden).to(dev)
+    torch.manual_seed(cfg.job.seed * 1000 + rank)
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
+    part = partition(len(ds.train_y), rank, world, cfg.job.seed)
+    batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, rank)
+    model.train()
+    rows, samples = [], 0
+    for step in range(1, steps + 1):
+        x, y = batches.next()
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        float(loss.item())
+        samples += len(y)
+        rows.append({"t": time.time(), "step": step, "samples": samples, "rank": rank})
+    return rows
+
+
+def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port) -> None:
+    import torch
+    torch.set_num_threads(1)
+    try:
+        if backend:
+            import torch.distributed as dist
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            q.put((rank, train_loop(cfg_dict, rank, world, steps, device, ddp=bool(backend))))
+        finally:
+            if backend:
+                dist.destroy_process_group()
+    except BaseException as e:
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str | None, warmup: int) -> float:
+    """W processes of `train_loop` (DDP when `backend`), spawned; steady samples/s."""
+    from psgd.launcher import pick_port
+    cfg = psgd_config(sets)
+    port = pick_port("127.0.0.1", 29500, 1)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_loop_process, args=(q, cfg.to_dict(), r, world, steps, device, backend, port),
+                         daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        runs: dict[int, list[dict]] = {}
+        end = time.monotonic() + 900
+        while len(runs) < world:
+            try:
+                rank, rows = q.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > end:
+                    raise RuntimeError(f"baseline processes: exit codes {dead} (or 900 s passed)") from None
+                continue
+            if isinstance(rows, str):
+                raise RuntimeError(f"baseline rank {rank}: {rows}")
+            runs[rank] = rows
+        return steady_rate(runs, warmup)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+# ---------------------------------------------------------------- psgd sides
+def psgd_rate(sets: list[str], work: str, name: str, warmup: int, device: str) -> float:
+    out = os.path.join(work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    return run_psgd(sets, out, warmup, device=device)["steady"]
+
+
+def startup(work: str) -> tuple[float, float, float | None]:
+    """(seconds from launching `psgd run` to the end of the first worker step, the whole
+    command, summary.json's own `startup_s` (to the start of training) if it has one)."""
+    out = os.path.join(work, "startup")
+    exe = os.path.join(os.path.dirname(sys.executable), "psgd")
+    argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "psgd"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
+    with Procs(os.path.join(work, "startup-logs")) as procs:
+        t0 = time.time()
+        procs.start("run", argv + ["run", "--out", out, "--quiet"], env=env)
+        rc = procs.wait("run", 300)
+        t1 = time.time()
+        if rc != 0:
+            raise RuntimeError(f"psgd run exited with {rc}:\n{procs.tail('run')}")
+    first = min(rows[0]["t"] for rows in worker_events(out).values())
+    with open(os.path.join(out, "summary.json")) as f:
+        own = json.load(f).get("startup_s")
+    return first - t0, t1 - t0, own
+
+
+def phases(work: str, workers: int, servers: int, steps: int, warmup: int) -> dict:
+    """A psgd MLP sync job with timers in worker 0 (see `profiled_worker`)."""
+    out = os.path.join(work, "phases")
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = psgd_config(MODELS["mlp"][0] + COMMON + ["mode.name=sync", f"cluster.workers={workers}",
+                                                   f"cluster.servers={servers}", f"train.steps={steps}"])
+    path = write_config(cfg, out)
+    dump = os.path.join(out, "phases-worker-0.json")
+    with Procs(os.path.join(out, "logs")) as procs:
+        procs.start("coordinator", psgd_argv("coordinator", path, out))
+        for i in range(servers):
+            procs.start(f"server-{i}", psgd_argv("server", path, out, "--shard", str(i)))
+        procs.start("worker-0", [sys.executable, "-m", "bench.throughput", "--profiled-worker", dump, str(warmup),
+                                 *psgd_argv("worker", path, out, "--rank", "0", "--device", "cpu")[3:]])
+        for r in range(1, workers):
+            procs.start(f"worker-{r}", psgd_argv("worker", path, out, "--rank", str(r), "--device", "cpu"))
+        procs.wait("coordinator", 300)
+        procs.wait("worker-0", 30)
+    with open(dump) as f:
+        got = json.load(f)
+    runs = worker_events(out)
+    waits = [e["wait_s"] for rows in runs.values() for e in rows[warmup:]]
+    got["events_wait_ms"] = 1e3 * statistics.mean(waits)
+    got["events_step_ms"] = 1e3 * statistics.mean(
+        (rows[-1]["t"] - rows[warmup - 1]["t"]) / (len(rows) - warmup) for rows in runs.values())
+    return got
+
+
+def phases_alone(servers: int, reps: int = 500) -> dict:
+    """The same operations of one MLP step, timed in this process alone (no job running):
+    the floor for each phase. ms per step (all shards)."""
+    import torch
+    from torch import nn
+
+    from psgd import wire
+    from psgd.data import Batches, load_dataset, partition
+    from psgd.models import build_model
+    from psgd.replica import Replica
+    cfg = psgd_config(MODELS["mlp"][0] + COMMON)
+    ds = load_dataset(cfg.data, cfg.job.seed)
+    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
+    rep = Replica(model, servers, torch.device("cpu"))
+    batches = Batches(ds.train_x, ds.train_y, partition(len(ds.train_y), 0, 1, 0), cfg.train.batch_size, 0, 0)
+    grads, bufs = rep.grads(), rep.buffers()
+    params = [p.clone() for p in rep.params()]
+    replies = [[bytes(f) for f in wire.encode("reply", id=1, arrays=[params[i], bufs[i]], version=1)]
+               for i in range(servers)]
+
+    def compute():
+        x, y = batches.next()
+        model.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    def encode():
+        for i in range(servers):
+            wire.encode("push", id=1, rank=0, clock=1, arrays=[grads[i], bufs[i]], read_version=0)
+            wire.encode("pull", id=2, rank=0, clock=2)
+
+    ops = {"compute": compute, "gather": lambda: (rep.grads(), rep.buffers()), "encode": encode,
+           "decode": lambda: [wire.decode(r) for r in replies], "scatter": lambda: rep.load(params, bufs)}
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(50):
+            fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out[name] = 1e3 * (time.perf_counter() - t) / reps
+    return out
+
+
+def profiled_worker(dump: str, warmup: int, argv: list[str]) -> int:
+    """`psgd worker` with timers around each phase of a push-pull step (main thread only,
+    inside a step only); writes the mean per step after `warmup` steps to `dump`."""
+    import threading
+
+    from psgd.cli import main as psgd_main
+    from psgd.consistency.pushpull import PushPullSchedule
+    from psgd.replica import Replica
+    from psgd.transport import Peers
+    from psgd.workers.client import ParameterClient
+    from psgd.workers.worker import Worker
+    cur: dict[str, float] = defaultdict(float)
+    per_step: list[dict] = []
+    inside = [False]
+
+    def timed(cls, name: str, phase: str) -> None:
+        fn = getattr(cls, name)
+
+        def wrapper(*a, **k):
+            if phase != "step" and not (inside[0] and threading.current_thread() is threading.main_thread()):
+                return fn(*a, **k)
+            if phase == "step":
+                cur.clear()
+                inside[0] = True
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cur[phase] += time.perf_counter() - t
+                if phase == "step":
+                    inside[0] = False
+                    per_step.append(dict(cur))
+        setattr(cls, name, wrapper)
+
+    for cls, name, phase in ((PushPullSchedule, "step", "step"), (Worker, "compute", "compute"),
+                             (Replica, "grads", "gather"), (Replica, "buffers", "gather"),
+                             (ParameterClient, "push_pull", "push_pull"), (Peers, "send", "encode+send"),
+                             (Peers, "wait", "wait+decode"), (Replica, "load", "scatter")):
+        timed(cls, name, phase)
+    try:
+        return psgd_main(argv)
+    finally:
+        steady = per_step[warmup:]
+        means = {k: 1e3 * sum(s.get(k, 0.0) for s in steady) / max(1, len(steady))
+                 for k in ("step", "compute", "gather", "push_pull", "encode+send", "wait+decode", "scatter")}
+        with open(dump, "w") as f:
+            json.dump({"steps": len(steady), "ms": means}, f)
+
+
+# ---------------------------------------------------------------- main
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--profiled-worker":
+        raise SystemExit(profiled_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4:]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="ddp,local,async,startup,phases")
+    ap.add_argument("--workers", type=int, default=2, help="W for the DDP comparison and the phases")
+    ap.add_argument("--servers", type=int, default=1, help="psgd shards in the DDP comparison and the phases")
+    ap.add_argument("--backend", default="gloo", help="DDP backend (nccl with --device cuda)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: psgd's workers and the baselines")
+    ap.add_argument("--models", default="mlp,resnet20", help="models of the DDP comparison")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each side (median)")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every run's steps")
+    ap.add_argument("--keep", help="keep the runs' folders here")
+    a = ap.parse_args()
+    from bench.common import stop_on_signals
+    stop_on_signals()
+    parts = set(a.parts.split(","))
+    os.environ.update({k: v for k, v in child_env().items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    if a.device == "cpu":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    torch.set_num_threads(1)
+    work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
+    rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend}
+    t_start = time.monotonic()
+
+    def steps_of(model: str) -> tuple[list[str], int, int]:
+        keys, steps, warm = MODELS[model]
+        return keys + COMMON + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
+
+    def med(fn, what: str) -> float:
+        vals = []
+        for i in range(a.repeats):
+            progress(f"{what} (run {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")
+            vals.append(fn())
+        return statistics.median(vals)
+
+    def pair(key: str, label: str, model: str, psgd_sets: list[str], world: int, backend: str | None,
+             base_label: str) -> None:
+        sets, steps, warm = steps_of(model)
+        ours = med(lambda: psgd_rate(sets + psgd_sets, work, key, warm, a.device), f"psgd {label}")
+        base = med(lambda: run_loops(sets, world, steps, a.device, backend, warm), f"{base_label} {label}")
+        rows.append([label, f"{ours:,.0f}", base_label, f"{base:,.0f}", ours / base])
+        result[f"psgd_{key}"], result[f"base_{key}"] = round(ours, 1), round(base, 1)
+        result[f"ratio_{key}"] = round(ours / base, 4)
+
+    try:
+        if "ddp" in parts:
+            w, s = a.workers, a.servers
+            for model in a.models.split(","):
+                name = "small" if model == "mlp" else "large"
+                pair(f"vs_ddp_{name}", f"{model} sync W={w} S={s}", model,
+                     ["mode.name=sync", f"cluster.workers={w}", f"cluster.servers={s}"], w, a.backend,
+                     f"DDP {a.backend} W={w}")
+        if "local" in parts:
+            pair("vs_local", "mlp sync W=1 S=1", "mlp", ["mode.name=sync", "cluster.workers=1",
+                                                        "cluster.servers=1"], 1, None, "plain loop")
+        if "async" in parts:
+            from psgd.config import ModeConfig
+            prefetch = "prefetch" in getattr(ModeConfig, "__dataclass_fields__", {})
+            pair("async_vs_local", "mlp async W=1 S=1" + ("" if prefetch else " (no prefetch in psgd)"), "mlp",
+                 ["mode.name=async", "cluster.workers=1", "cluster.servers=1"]
+                 + (["mode.prefetch=false"] if prefetch else []), 1, None, "plain loop")
+            if prefetch:
+                pair("async_prefetch_vs_local", "mlp async W=1 S=1 mode.prefetch=true", "mlp",
+                     ["mode.name=async", "cluster.workers=1", "cluster.servers=1", "mode.prefetch=true"], 1, None,
+                     "plain loop")
+        if "startup" in parts:
+            progress("startup: psgd run (default job)")
+            first, whole, own = startup(work)
+            result["startup_s"], result["default_job_wall_s"] = round(first, 2), round(whole, 2)
+            result["summary_startup_s"] = own
+        if "phases" in parts:
+            progress("phases: an instrumented MLP sync step")
+            _, steps, warm = steps_of("mlp")
+            result["phases_ms"] = phases(work, a.workers, a.servers, steps, warm)
+            result["phases_ms"]["alone"] = phases_alone(a.servers)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if rows:
+        print(table(["psgd run", "psgd samples/s", "baseline", "baseline samples/s", "psgd/baseline"], rows,
+                    f"steady-state samples/s (median of {a.repeats}; device {a.device}; batch 32 per worker)"))
+    if "startup_s" in result:
+        own = result["summary_startup_s"]
+        print(f"\nstartup: `psgd run` (default job) to the end of the first worker step: {result['startup_s']:.2f} s "
+              f"(whole command {result['default_job_wall_s']:.1f} s"
+              + (f"; summary.json's startup_s, to the start of training: {own:.2f} s)" if own is not None else ")"))
+    if "phases_ms" in result:
+        ph = result["phases_ms"]
+        ms, alone = ph["ms"], ph["alone"]
+        other = ms["step"] - ms["compute"] - ms["gather"] - ms["push_pull"] - ms["scatter"]
+        nan = float("nan")
+        prow = [["compute", ms["compute"], alone["compute"]], ["gather", ms["gather"], alone["gather"]],
+                ["send/wait (push_pull)", ms["push_pull"], nan],
+                ["  of which encode+send", ms["encode+send"], alone["encode"]],
+                ["  of which wait+decode", ms["wait+decode"], alone["decode"]],
+                ["scatter", ms["scatter"], alone["scatter"]], ["other (log, bookkeeping)", other, nan],
+                ["step", ms["step"], nan]]
+        prow = [r[:2] + [100 * r[1] / ms["step"]] + r[2:] for r in prow]
+        print()
+        print(table(["phase (worker 0)", "ms/step", "% of step", "alone ms (floor)"], prow,
+                    f"MLP sync step, W={a.workers} S={a.servers}, mean of {ph['steps']} steps after warm-up; "
+                    f"event log: wait_s {ph['events_wait_ms']:.3f} ms, step {ph['events_step_ms']:.3f} ms"))
+    emit_json(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Transport: psgd's push+pull against raw pyzmq moving the same bytes the same way.
+
+    .venv/bin/python -m bench.transport                       # the default run: a few minutes on 2 cores
+    .venv/bin/python -m bench.transport --sizes 16M --shards 1 --workers 1 --repeats 5
+
+For each table size (the whole model: 64 KiB, 1 MiB, 16 MiB, 100 MiB, split over the
+shards), shard count (1, 2, 4) and worker count (1, 4), both sides run W client
+processes (the same processes, alternately) against S server processes on tcp loopback:
+
+- psgd: each client registers as a worker with a `psgd coordinator` process
+  (`CoordinatorLink.register`, heartbeats on) and calls `ParameterClient.push_pull` in
+  a loop against S `psgd server` processes: per shard a push (header, gradient slice,
+  empty buffers) and right behind it a pull, on the shard's DEALER, all shards at once;
+  one round trip per step. Mode `async` (a push is applied on arrival, a pull never
+  waits: no barrier couples the workers), optimizer SGD without momentum; the shard
+  validates the message, checks the gradient is finite, steps the optimizer and answers
+  the pull with a snapshot (copy) of its table.
+- raw: one DEALER per shard in each client against a ROUTER in an echo-server process
+  per shard (`python -m bench.transport --echo PORT BYTES`): per shard a push (small
+  header frame + the shard's slice of the table) and right behind it a pull (small
+  header frame); the server answers the push with a small ack and the pull with a
+  header + the shard's slice (a preallocated buffer). copy=False everywhere; one round
+  trip per step.
+
+Bytes are counted identically: a step moves 2 x the table size of payload (push +
+pull); throughput = W x steps x that / (last client's end - common start). The table
+also shows each side's wire bytes per step, every frame counted as psgd's `Peers`
+counts them (headers included), as a check that both move the same bytes. The
+round-trip time is the median step time of one client. The last line is one JSON
+object: `ratio` (psgd / raw throughput at 16 MiB, 1 worker, 1 shard), `latency_ratio`
+(psgd / raw round trip at 64 KiB, 1 worker, 1 shard) and every measured row.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import zmq
+
+from bench.common import Procs, child_env, emit_json, progress, psgd_config, start_daemons, stop_on_signals, table
+
+PUSH, PULL, ACK, DATA = b"push", b"pull", b"ack", b"data"
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    n = int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+    return n - n % 8  # a whole number of float32 pairs
+
+
+def label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+# ---------------------------------------------------------------- the raw echo server (its own process)
+def echo_server(port: int, nbytes: int) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    payload = np.zeros(nbytes // 4, np.float32)
+    parent = os.getppid()
+    print(f"echo serving {nbytes} bytes on {port}", flush=True)
+    while True:
+        if not sock.poll(1000):
+            if os.getppid() != parent:
+                return  # the benchmark is gone
+            continue
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if frames[1].bytes[:4] == PUSH:
+                sock.send_multipart([frames[0], ACK], copy=False)
+            else:
+                sock.send_multipart([frames[0], DATA, payload], copy=False)
+
+
+# ---------------------------------------------------------------- one client process, either side
+class PsgdSide:
+    def __init__(self, cfg_dict: dict, rank: int):
+        import torch
+
+        from psgd.config import Config
+        from psgd.membership import CoordinatorLink
+        from psgd.workers.client import ParameterClient
+        cfg = Config.from_dict(cfg_dict)
+        self.ctx = zmq.Context()
+        self.rank, self.clock = rank, 0
+        self.link = CoordinatorLink(cfg, "worker", rank, self.ctx)
+        self.link.register(rank)
+        self.link.clock_fn = lambda: self.clock
+        self.link.start()
+        self.client = ParameterClient(cfg, self.ctx, rank)
+        answers = self.client.join(0)
+        params, buffers = ParameterClient.tables(answers)
+        self.grads = [torch.zeros_like(p) for p in params]
+        self.buffers = [torch.zeros_like(b) for b in buffers]
+        self.versions = [int(m.get("version", 0)) for m in answers]
+        self.shard_bytes = [4 * g.numel() for g in self.grads]
+
+    def step(self) -> None:
+        _, pulled = self.client.push_pull(self.clock, self.grads, self.buffers, self.versions)
+        self.versions = [int(m.get("version", 0)) for m in pulled]
+        self.clock += 1
+
+    def traffic(self) -> int:
+        return self.client.bytes_sent + self.client.bytes_recv
+
+    def retries(self) -> int:
+        return self.client.retries  # requests sent again after no answer within the retry window
+
+    def close(self) -> None:
+        try:
+            self.link.call("finish", rank=self.rank, clock=self.clock, stats={"samples": 0}, timeout=10)
+        finally:
+            self.link.close()
+            self.client.close()
+            self.ctx.destroy(linger=0)
+
+
+class RawSide:
+    def __init__(self, addresses: list[str], shard_bytes: list[int]):
+        self.ctx = zmq.Context()
+        self.socks = []
+        self.poller = zmq.Poller()
+        for a in addresses:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+            self.socks.append(s)
+            self.poller.register(s, zmq.POLLIN)
+        self.payload = [np.zeros(n // 4, np.float32) for n in shard_bytes]
+        self.shard_bytes = shard_bytes
+        self.sent = self.recv = 0
+
+    def step(self) -> None:
+        for s, p in zip(self.socks, self.payload, strict=True):
+            s.send_multipart([PUSH, p], copy=False)
+            s.send_multipart([PULL], copy=False)
+            self.sent += len(PUSH) + p.nbytes + len(PULL)
+        pending = 2 * len(self.socks)
+        deadline = time.monotonic() + 60
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError("an echo server did not answer within 60 s")
+            for sock, _ in self.poller.poll(1000):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.recv += sum(len(f.buffer) for f in frames)
+                    pending -= 1
+
+    def traffic(self) -> int:
+        return self.sent + self.recv
+
+    def retries(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+        self.ctx.destroy(linger=0)
+
+
+def client_main(conn, index: int) -> None:
+    import torch
+    torch.set_num_threads(1)
+    side = None
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        try:
+            result: object = None
+            if cmd == "exit":
+                return
+            if cmd == "psgd":
+                side = PsgdSide(*args)
+                result = side.shard_bytes
+            elif cmd == "raw":
+                side = RawSide(*args)
+            elif cmd == "warm":
+                for _ in range(args[0]):
+                    side.step()
+            elif cmd == "timed":
+                iters, t_go = args
+                while time.time() < t_go:
+                    time.sleep(0.001)
+                b0, r0, times = side.traffic(), side.retries(), []
+                t0 = time.time()
+                for _ in range(iters):
+                    s = time.perf_counter()
+                    side.step()
+                    times.append(time.perf_counter() - s)
+                result = {"t0": t0, "t1": time.time(), "steps": iters, "median_s": statistics.median(times),
+                          "wire": side.traffic() - b0, "retries": side.retries() - r0}
+            elif cmd == "close":
+                if side is not None:
+                    side.close()
+                side = None
+            conn.send(("ok", result))
+        except Exception:
+            conn.send(("error", f"client {index}: {traceback.format_exc()}"))
+
+
+class Pool:
+    """W persistent client processes driven over pipes."""
+
+    def __init__(self, n: int):
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=client_main, args=(child, i), daemon=True, name=f"bench-client-{i}")
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def ask(self, msgs: dict[int, tuple], timeout: float = 300) -> dict[int, object]:
+        for i, m in msgs.items():
+            self.conns[i].send(m)
+        out = {}
+        end = time.monotonic() + timeout
+        for i in msgs:
+            if not self.conns[i].poll(max(0.0, end - time.monotonic())):
+                raise TimeoutError(f"client {i} did not answer {msgs[i][0]!r} within {timeout:.0f} s")
+            status, result = self.conns[i].recv()
+            if status != "ok":
+                raise RuntimeError(result)
+            out[i] = result
+        return out
+
+    def all(self, *msg) -> dict[int, object]:
+        return self.ask({i: msg for i in range(len(self.conns))})
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("exit",))
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+# ---------------------------------------------------------------- the benchmark
+def iterations(size: int, workers: int, scale: float) -> int:
+    """Steps per client for one timed section: about `scale` GiB of payload per client
+    (at least 3, at most 300)."""
+    return int(min(300, max(3, scale * (1 << 30) / (2 * size) / max(1, workers ** 0.5))))
+
+
+def wait_for(procs: Procs, names: list[str], text: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    for name in names:
+        while text not in procs.tail(name, 50):
+            procs.check()
+            if time.monotonic() > end:
+                raise TimeoutError(f"{name} did not say {text!r} within {timeout:.0f} s:\n{procs.tail(name)}")
+            time.sleep(0.05)
+
+
+def measure(pool: Pool, workers: list[int], size: int, repeats: int, scale: float) -> dict[int, dict]:
+    """Warm up, then `repeats` timed sections per worker count: median over sections."""
+    out = {}
+    for w in workers:
+        active = range(w)
+        pool.ask({i: ("warm", 3 if size < (64 << 20) else 2) for i in active})
+        iters = iterations(size, w, scale)
+        runs = []
+        for _ in range(repeats):
+            got = pool.ask({i: ("timed", iters, time.time() + 0.05) for i in active})
+            t0 = min(r["t0"] for r in got.values())
+            t1 = max(r["t1"] for r in got.values())
+            steps = sum(r["steps"] for r in got.values())
+            runs.append({"GBps": steps * 2 * size / (t1 - t0) / 1e9,
+                         "rtt_ms": 1e3 * statistics.median(r["median_s"] for r in got.values()),
+                         "wire_per_step": sum(r["wire"] for r in got.values()) / steps, "steps": iters,
+                         "retries": sum(r["retries"] for r in got.values())})
+        runs.sort(key=lambda r: r["GBps"])
+        best = runs[len(runs) // 2]
+        best["rtt_ms"] = statistics.median(r["rtt_ms"] for r in runs)
+        out[w] = best
+    return out
+
+
+def run_raw(pool: Pool, work: str, size: int, shard_bytes: list[int], workers, repeats, scale) -> dict:
+    from psgd.launcher import pick_port
+    port = pick_port("127.0.0.1", 7300, len(shard_bytes))
+    with Procs(os.path.join(work, "logs-raw")) as procs:
+        for i, n in enumerate(shard_bytes):
+            procs.start(f"echo-{i}", [sys.executable, "-m", "bench.transport", "--echo", str(port + i), str(n)])
+        wait_for(procs, [f"echo-{i}" for i in range(len(shard_bytes))], "echo serving")
+        pool.all("raw", [f"tcp://127.0.0.1:{port + i}" for i in range(len(shard_bytes))], shard_bytes)
+        try:
+            return measure(pool, workers, size, repeats, scale)
+        finally:
+            pool.all("close")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64K,1M,16M,100M", help="table sizes (whole model, KiB/MiB)")
+    ap.add_argument("--shards", default="1,2,4")
+    ap.add_argument("--workers", default="1,4", help="client processes")
+    ap.add_argument("--repeats", type=int, default=3, help="timed sections per point (median)")
+    ap.add_argument("--scale", type=float, default=0.5, help="GiB of payload per client per timed section")
+    ap.add_argument("--keep", help="keep psgd's logs in this folder")
+    ap.add_argument("--echo", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.echo:
+        echo_server(*a.echo)
+        return
+    stop_on_signals()
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    shard_counts = [int(s) for s in a.shards.split(",")]
+    workers = sorted(int(w) for w in a.workers.split(","))
+    os.environ.update({k: v for k, v in child_env().items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    work = a.keep or tempfile.mkdtemp(prefix="bench-transport-")
+    rows, records = [], []
+    t_start = time.monotonic()
+    pool = Pool(max(workers))
+    try:
+        total = len(sizes) * len(shard_counts)
+        for k, (size, shards) in enumerate((z, s) for z in sizes for s in shard_counts):
+            progress(f"{label(size)} over {shards} shard(s) ({k + 1}/{total}, {time.monotonic() - t_start:.0f} s)")
+            got, shard_bytes = run_psgd_side(pool, work, size, shards, workers, a.repeats, a.scale)
+            raw = run_raw(pool, work, size, shard_bytes, workers, a.repeats, a.scale)
+            for w in workers:
+                r, p = raw[w], got[w]
+                rows.append([label(size), shards, w, r["GBps"], p["GBps"], p["GBps"] / r["GBps"], r["rtt_ms"],
+                             p["rtt_ms"], f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"]])
+                records.append({"bytes": size, "shards": shards, "workers": w,
+                                "raw_GBps": round(r["GBps"], 4), "psgd_GBps": round(p["GBps"], 4),
+                                "raw_rtt_ms": round(r["rtt_ms"], 4), "psgd_rtt_ms": round(p["rtt_ms"], 4),
+                                "raw_wire_per_step": round(r["wire_per_step"]),
+                                "psgd_wire_per_step": round(p["wire_per_step"]), "psgd_retries": p["retries"]})
+                if p["retries"]:
+                    progress(f"psgd resent {p['retries']} requests (no answer within the client's retry window)")
+    finally:
+        pool.close()
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(table(["table", "shards", "workers", "raw GB/s", "psgd GB/s", "psgd/raw", "raw ms/step",
+                 "psgd ms/step", "raw wire B/step", "psgd wire B/step", "steps"], rows,
+                "psgd push+pull vs raw pyzmq (payload 2 x table per step; median of "
+                f"{a.repeats} timed sections; ms/step = median round trip of one client)"))
+
+    def pick(size: int, key: str):
+        for r in records:
+            if r["bytes"] == size and r["shards"] == 1 and r["workers"] == 1:
+                return r[f"psgd_{key}"], r[f"raw_{key}"]
+        return None, None
+
+    p16, r16 = pick(16 << 20, "GBps")
+    p64, r64 = pick(64 << 10, "rtt_ms")
+    emit_json({"bench": "transport", "ratio": round(p16 / r16, 4) if p16 else None,
+               "latency_ratio": round(p64 / r64, 4) if p64 else None,
+               "psgd_GBps_16MiB": p16, "raw_GBps_16MiB": r16, "psgd_rtt_ms_64KiB": p64, "raw_rtt_ms_64KiB": r64,
+               "mode": "async", "rows": records})
+
+
+def run_psgd_side(pool: Pool, work: str, size: int, shards: int, workers, repeats, scale):
+    """psgd's daemons as processes; every pool client registers as worker `index`."""
+    out = os.path.join(work, f"psgd-{size >> 10}K-{shards}")
+    cfg = psgd_config([f"cluster.servers={shards}", f"cluster.workers={len(pool.conns)}",
+                       "cluster.evaluator=false", "mode.name=async", "optimizer.momentum=0",
+                       "checkpoint.every_s=0", "model.name=bench.models:table", "data.name=synthetic",
+                       f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64"])
+    with Procs(os.path.join(out, "logs")) as procs:
+        start_daemons(procs, cfg, out)
+        wait_for(procs, [f"server-{i}" for i in range(shards)], "serving")
+        shard_bytes = pool.ask({i: ("psgd", cfg.to_dict(), i) for i in range(len(pool.conns))})[0]
+        try:
+            got = measure(pool, workers, size, repeats, scale)
+        finally:
+            pool.all("close")
+        try:
+            procs.wait("coordinator", 30)  # every worker finished: the job ends and the shards exit
+        except (TimeoutError, RuntimeError) as e:
+            progress(f"psgd's job did not end cleanly ({e}); stopping it")
+    return got, shard_bytes
+
+
+if __name__ == "__main__":
+    main()

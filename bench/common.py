@@ -9,6 +9,7 @@ killed after a grace period. Children get PYTHONPATH = the repository root (so t
 """
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
@@ -154,16 +155,35 @@ def worker_events(out: str) -> dict[int, list[dict]]:
 
 
 def steady_rate(runs: dict[int, list[dict]], warmup: int) -> float:
-    """Steady-state samples/s: for each worker, the samples of its steps after the first
-    `warmup` divided by the time between the end of step `warmup` and the end of its last
-    step; summed over workers. Baselines log the same (t, samples) per step."""
-    total = 0.0
+    """Steady-state samples/s of all workers together: the samples processed in the window
+    when every worker is past its first `warmup` steps and none has finished (from the
+    latest end of a step `warmup` to the earliest end of a last step), over its length.
+    Each worker's cumulative samples are interpolated linearly between the ends of its
+    steps. With one worker: its samples after step `warmup` over the time from the end of
+    that step to the end of its last. Baselines log the same (t, samples) per step.
+    (Summing each worker's own rate instead would overstate the total when independent
+    workers' windows do not overlap: a worker that runs alone at the end has a core to
+    itself.)"""
     for rows in runs.values():
         if len(rows) <= warmup + 1:
             raise ValueError(f"only {len(rows)} steps logged: fewer than the {warmup} warm-up steps + 2")
-        a, b = rows[warmup - 1] if warmup > 0 else rows[0], rows[-1]
-        total += (b["samples"] - a["samples"]) / (b["t"] - a["t"])
-    return total
+    start = max(rows[max(0, warmup - 1)]["t"] for rows in runs.values())
+    end = min(rows[-1]["t"] for rows in runs.values())
+    if end <= start:
+        raise ValueError("the workers' steady windows do not overlap (one finished before another warmed up)")
+    return sum(_samples_at(rows, end) - _samples_at(rows, start) for rows in runs.values()) / (end - start)
+
+
+def _samples_at(rows: list[dict], t: float) -> float:
+    """A worker's cumulative samples at time t (within its first and last step's end),
+    linear between the ends of its steps."""
+    k = bisect.bisect_left([r["t"] for r in rows], t)
+    if k == 0:
+        return rows[0]["samples"]
+    if k == len(rows):
+        return rows[-1]["samples"]
+    a, b = rows[k - 1], rows[k]
+    return a["samples"] + (b["samples"] - a["samples"]) * (t - a["t"]) / (b["t"] - a["t"])
 
 
 # ---------------------------------------------------------------- output

@@ -8,11 +8,12 @@ Each point is one `psgd run` (psgd.launcher.run_local: coordinator, S shard proc
 W worker processes; evaluator off, one compute thread per process) of the MLP on digits
 or ResNet-20 on synthetic 3x32x32 data, batch 32 per worker, the same number of steps
 per worker for every point of a model. samples/s is steady state, the definition of
-bench/common.py (`steady_rate`: after each worker's first warm-up steps, summed over
-workers); `wait` is the fraction of the workers' time blocked on the shards
-(summary.json's `wait_fraction`, whole run). Modes run with their defaults (ssp
-staleness 2, easgd tau 4, ltfb round_steps 50: with ResNet-20's few steps no tournament
-happens). Progress and the time left go to stderr; the last line is one JSON object.
+bench/common.py (`steady_rate`: all workers' samples in the window when every worker
+is past its warm-up steps and none has finished, over its length); `wait` is the
+fraction of the workers' time blocked on the shards (summary.json's `wait_fraction`,
+whole run). Modes run with their defaults (ssp staleness 2, easgd tau 4, ltfb
+round_steps 50: with ResNet-20's few steps no tournament happens). Progress and the time
+left go to stderr; the last line is one JSON object.
 """
 from __future__ import annotations
 

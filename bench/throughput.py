@@ -25,14 +25,16 @@ Parts (`--parts`, default all):
 - `phases`: where the time of a psgd MLP `sync` step goes (W workers, `--servers`
   shards): worker 0 runs with timers around compute, gather (Replica.grads/buffers),
   encode+send and wait (Peers.send / Peers.wait inside ParameterClient.push_pull) and
-  scatter (Replica.load); the other workers are plain `psgd worker` processes. Then the
+  scatter (Replica.load), each as wall time and as the main thread's CPU time
+  (time.thread_time: the difference is time spent waiting for a peer or for a core);
+  the other workers are plain `psgd worker` processes. Then the
   same operations run alone in the benchmark's process (no job running): each phase's
   floor, without other processes competing for the cores.
 
 samples/s is steady state for every side, by one definition (bench.common.steady_rate):
-per process, the samples of the steps after the first `warm-up` steps over the time from
-the end of step `warm-up` to the end of its last step; summed over processes. psgd's
-side reads it from the worker event logs (`t` and `samples` of each step); the baselines
+the samples all processes completed in the window when every one is past its first
+`warm-up` steps (50 MLP, 8 ResNet-20) and none has finished, over the window's length.
+psgd's side reads (t, samples) of each step from the worker event logs; the baselines
 record the same pair after each step (after `loss.item()`, as a psgd worker does).
 The last line is one JSON object.
 """
@@ -280,11 +282,12 @@ def profiled_worker(dump: str, warmup: int, argv: list[str]) -> int:
             if phase == "step":
                 cur.clear()
                 inside[0] = True
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 cur[phase] += time.perf_counter() - t
+                cur[phase + "@cpu"] += time.thread_time() - c
                 if phase == "step":
                     inside[0] = False
                     per_step.append(dict(cur))
@@ -299,10 +302,11 @@ def profiled_worker(dump: str, warmup: int, argv: list[str]) -> int:
         return psgd_main(argv)
     finally:
         steady = per_step[warmup:]
-        means = {k: 1e3 * sum(s.get(k, 0.0) for s in steady) / max(1, len(steady))
-                 for k in ("step", "compute", "gather", "push_pull", "encode+send", "wait+decode", "scatter")}
+        names = ("step", "compute", "gather", "push_pull", "encode+send", "wait+decode", "scatter")
+        means = {k: 1e3 * sum(s.get(k, 0.0) for s in steady) / max(1, len(steady)) for k in names}
+        cpu = {k: 1e3 * sum(s.get(k + "@cpu", 0.0) for s in steady) / max(1, len(steady)) for k in names}
         with open(dump, "w") as f:
-            json.dump({"steps": len(steady), "ms": means}, f)
+            json.dump({"steps": len(steady), "ms": means, "cpu_ms": cpu}, f)
 
 
 # ---------------------------------------------------------------- main
@@ -396,18 +400,19 @@ def main() -> None:
               + (f"; summary.json's startup_s, to the start of training: {own:.2f} s)" if own is not None else ")"))
     if "phases_ms" in result:
         ph = result["phases_ms"]
-        ms, alone = ph["ms"], ph["alone"]
-        other = ms["step"] - ms["compute"] - ms["gather"] - ms["push_pull"] - ms["scatter"]
+        ms, cpu, alone = ph["ms"], ph["cpu_ms"], ph["alone"]
+
+        def rest(d: dict) -> float:
+            return d["step"] - d["compute"] - d["gather"] - d["push_pull"] - d["scatter"]
         nan = float("nan")
-        prow = [["compute", ms["compute"], alone["compute"]], ["gather", ms["gather"], alone["gather"]],
-                ["send/wait (push_pull)", ms["push_pull"], nan],
-                ["  of which encode+send", ms["encode+send"], alone["encode"]],
-                ["  of which wait+decode", ms["wait+decode"], alone["decode"]],
-                ["scatter", ms["scatter"], alone["scatter"]], ["other (log, bookkeeping)", other, nan],
-                ["step", ms["step"], nan]]
-        prow = [r[:2] + [100 * r[1] / ms["step"]] + r[2:] for r in prow]
+        prow = [["compute", "compute", alone["compute"]], ["gather", "gather", alone["gather"]],
+                ["send/wait (push_pull)", "push_pull", nan], ["  of which encode+send", "encode+send", alone["encode"]],
+                ["  of which wait+decode", "wait+decode", alone["decode"]], ["scatter", "scatter", alone["scatter"]],
+                ["other (log, bookkeeping)", None, nan], ["step", "step", nan]]
+        prow = [[name, ms[k] if k else rest(ms), 100 * (ms[k] if k else rest(ms)) / ms["step"],
+                 cpu[k] if k else rest(cpu), floor] for name, k, floor in prow]
         print()
-        print(table(["phase (worker 0)", "ms/step", "% of step", "alone ms (floor)"], prow,
+        print(table(["phase (worker 0)", "wall ms/step", "% of step", "CPU ms/step", "alone ms (floor)"], prow,
                     f"MLP sync step, W={a.workers} S={a.servers}, mean of {ph['steps']} steps after warm-up; "
                     f"event log: wait_s {ph['events_wait_ms']:.3f} ms, step {ph['events_step_ms']:.3f} ms"))
     emit_json(result)

@@ -23,7 +23,8 @@
 #
 # Settings: SMOKE_NETWORK (host | bridge; default host), SMOKE_DIR (default /tmp/psgd-compose-smoke), SMOKE_CACHE (default
 # /var/tmp/psgd-smoke-cache), SMOKE_TIMEOUT_S for the compose run (default 900),
-# DEPLOY_WORKERS (default 2), SMOKE_KEEP=1 keeps the engine running for a look around.
+# DEPLOY_WORKERS (default 2), SMOKE_KEEP=1 keeps the engine and the project running for a look
+# around and prints the commands to use them; SMOKE_CLEANUP=1 then tears down what it kept.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${SMOKE_DIR:-/tmp/psgd-compose-smoke}
@@ -88,8 +89,14 @@ bounded() {  # SECONDS CMD...: run CMD with a time limit, in the background so t
 cleanup() {
   code=$?
   [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
-  if [ "${SMOKE_KEEP:-0}" = 1 ]; then
-    say "SMOKE_KEEP=1: engine left running: export DOCKER_HOST=$DOCKER_HOST (pid $DOCKERD_PID)"
+  if [ "${SMOKE_KEEP:-0}" = 1 ] && [ -n "$DOCKERD_PID" ]; then
+    declare -p DOCKERD_PID NS FILES >"$DIR/kept.env"   # what SMOKE_CLEANUP=1 tears down
+    say "SMOKE_KEEP=1: the engine (pid $DOCKERD_PID) and the project are left running. To use them, paste:"
+    printf '  export DOCKER_HOST=%q DEPLOY_IMAGE=%q DEPLOY_PORT=%q DEPLOY_RUN=run\n' \
+      "$DOCKER_HOST" "$IMAGE" "${PORT:-5555}" >&2
+    printf '  alias dc=%q\n' "docker compose -p $PROJECT ${FILES[*]}" >&2
+    printf '  dc ps -a; dc logs coordinator; dc cp coordinator:/data/run/summary.json .\n' >&2
+    say "and to tear it all down afterwards: SMOKE_CLEANUP=1 bash $REPO/deploy/compose-smoke.sh"
     exit $code
   fi
   if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
@@ -112,6 +119,13 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+if [ "${SMOKE_CLEANUP:-0}" = 1 ]; then   # tear down what a SMOKE_KEEP=1 run left running
+  [ -f "$DIR/kept.env" ] || { SMOKE_KEEP=0; die "nothing kept in $DIR (no SMOKE_KEEP=1 run left there)"; }
+  SMOKE_KEEP=0
+  # shellcheck disable=SC1091
+  . "$DIR/kept.env"
+  exit 0
+fi
 
 if [ -n "$NS" ]; then
   ip netns add "$NS"

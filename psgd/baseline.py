@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .config import Config
-from .data import Batches, load_dataset, partition
+from .data import load_dataset, partition
 from .metrics import write_json_atomic
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
@@ -51,8 +51,8 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         torch.manual_seed(cfg.job.seed * 1000)  # as worker rank 0
         replica = Replica(model, 1, dev)
         model = replica.model
-        part = partition(len(ds.train_y), 0, 1, cfg.job.seed)
-        batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, 0)
+        part = partition(ds.train_size, 0, 1, cfg.job.seed)
+        batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, 0)
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         f = cfg.faults
         every_steps = max(1, steps // EVALS_PER_RUN) if steps else 0
@@ -61,7 +61,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         samples, step, train_s, loss = 0, 0, 0.0, float("nan")
 
         def evaluate(final: bool = False) -> None:
-            acc, test_loss = replica.score(ds.test_x, ds.test_y, cfg.eval.batch_size)
+            acc, test_loss = replica.score_batches(ds.test_batches(cfg.eval.batch_size))
             evals.append({"t": round(train_s, 4), "samples": samples, "accuracy": acc, "loss": test_loss,
                           **({"final": True} if final else {})})
 

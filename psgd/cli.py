@@ -2,8 +2,10 @@
 
     psgd run [CONFIG] [--mode M] [--workers W] [--servers S] [--out DIR] [--set k=v ...]
     psgd compare [CONFIG] --modes sync,ssp:staleness=2,async ... --out DIR
+    psgd simulate [CONFIG] --modes ... --workers 8,64,256 --out DIR   (a virtual clock)
     psgd coordinator|server --shard I|worker|evaluator [CONFIG] --out DIR [--set k=v ...]
     psgd shards [CONFIG] [--servers S]
+    psgd status DIR | --address tcp://HOST:PORT [--watch [S]]
     psgd keys DIR
 
 CONFIG defaults to $PSGD_CONFIG, --out to $PSGD_OUT. Errors in the config or the data
@@ -16,7 +18,8 @@ import os
 import sys
 import time
 
-from .config import ConfigError, load
+from .config import MODES, ConfigError, given_keys, load
+from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
 
 
 def _common(p: argparse.ArgumentParser, out_default: str | None = None) -> None:
@@ -45,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a whole job on this machine (coordinator, shards, workers, evaluator)")
     _common(p)
     _device(p)
-    p.add_argument("--mode", help="sync | ssp | async | easgd | ltfb (= --set mode.name=...)")
+    p.add_argument("--mode", help=f"{' | '.join(MODES)} (= --set mode.name=...)")
     p.add_argument("--workers", type=int, help="number of workers (= --set cluster.workers=...)")
     p.add_argument("--servers", type=int, help="number of shards (= --set cluster.servers=...)")
     p.add_argument("--restart-workers", action="store_true", help="restart a worker that dies")
@@ -55,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run several modes side by side and write a report")
     _common(p)
     _device(p)
-    p.add_argument("--modes", default="sync,ssp,async,easgd,ltfb",
+    p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated modes, each optionally with parameters (ssp:staleness=2, "
                         "easgd:tau=4:alpha=0.3); a value list sweeps one parameter: ssp:staleness=0,1,2,4,8")
     p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 1,2,4")
@@ -63,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")
     p.add_argument("--timeout", type=float, default=3600.0, help="per run")
+
+    from .simulate import add_parser as add_simulate
+    add_simulate(sub)
 
     for role, text in (("coordinator", "rendezvous, liveness, summary.json"),
                        ("server", "one shard server"), ("worker", "one worker"),
@@ -87,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shards", help="print the shard map for the config's model")
     _common(p)
     p.add_argument("--servers", type=int)
+
+    from .status import add_parser as add_status
+    add_status(sub)
 
     p = sub.add_parser("keys", help="make CurveZMQ key pairs for security.curve = true")
     p.add_argument("dir", help="folder to create (server.key*, client.key*, authorized/)")
@@ -117,6 +126,7 @@ def cmd_run(args) -> int:
     from .metrics import process_start_time
     launched_at = process_start_time() or time.time()  # startup_s: from the command's start
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers})
+    port_explicit = "cluster.port" in given_keys(args.config, args.set)
     from .data import check_dataset
     check_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -125,7 +135,7 @@ def cmd_run(args) -> int:
           f"model {cfg.model.name} on {cfg.data.name}, out {out}", file=sys.stderr, flush=True)
     try:
         s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
-                      quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at)
+                      quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at, port_explicit=port_explicit)
     except LaunchError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
@@ -195,6 +205,16 @@ def cmd_shards(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from .simulate import main as simulate_main
+    return simulate_main(args)
+
+
+def cmd_status(args) -> int:
+    from .status import main as status_main
+    return status_main(args)
+
+
 def cmd_keys(args) -> int:
     from .keys import make_keys
     print(make_keys(args.dir))
@@ -232,12 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 2
     args = parser().parse_args(argv)
-    handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys}
+    handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
+                "status": cmd_status, "simulate": cmd_simulate}
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)
     except ConfigError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 2
+    except AddressInUse as e:
+        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_ADDRESS_IN_USE
     except (OSError, TimeoutError) as e:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return 1

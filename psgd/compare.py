@@ -385,7 +385,8 @@ def _one_line(s: dict) -> str:
 
 
 def command_line(args) -> str:
-    parts = ["psgd", "compare"]
+    cmd = getattr(args, "cmd", None) or "compare"   # psgd simulate builds its context here too
+    parts = ["psgd", cmd]
     if args.config:
         parts.append(args.config)
     parts += ["--modes", args.modes]
@@ -397,7 +398,7 @@ def command_line(args) -> str:
         parts += ["--repeats", str(args.repeats)]
     for s in args.set:
         parts += ["--set", s]
-    if args.no_baseline:
+    if args.no_baseline and cmd == "compare":
         parts.append("--no-baseline")
     if args.out:
         parts += ["--out", args.out]

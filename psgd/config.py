@@ -55,8 +55,9 @@ class DataConfig:
     path: str = ""             # folder with the files, for cifar10 / mnist
     test_fraction: float = 0.2  # held-out share, for datasets without a test split
     shape: list = field(default_factory=lambda: [1, 8, 8])  # synthetic: one sample's shape
-    classes: int = 10          # synthetic: number of classes
+    classes: int = 10          # synthetic, and factories that return torch Datasets: number of classes
     samples: int = 4096        # synthetic: number of training samples
+    loader_workers: int = 0    # torch Datasets: DataLoader worker processes per psgd worker (0: in-process)
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,25 @@ class ModeConfig:
     staleness: int = 2         # ssp: the bound s
     lr_policy: str = "constant"  # async: constant | staleness  (lr / max(1, tau))
     dc_lambda: float = 0.0     # async: delay compensation (DC-ASGD); 0 = off
-    prefetch: bool = False     # async: compute the next gradient while the push and pull travel
+    prefetch: bool = False     # async, ssp (within its bound): compute the next gradient while the push and pull travel
     tau: int = 4               # easgd: communication period in local steps
     alpha: float = 0.0         # easgd: elastic coefficient; 0 = 0.9 / workers
     sync: bool = False         # easgd: synchronous rounds
     round_steps: int = 50      # ltfb: local steps per tournament round
     tournament_fraction: float = 0.1  # ltfb: held-out share of each partition
-    exchange: str = "weights"  # ltfb: weights | weights+optimizer
+    exchange: str = "weights+optimizer"  # ltfb: weights | weights+optimizer (current LBANN)
+    trainer_size: int = 1      # ltfb: workers per trainer (a synchronous data-parallel group)
+    strategy: str = "pairwise"  # ltfb: pairwise | truncation
+    truncation_k: int = 1      # ltfb truncation: the bottom k trainers take a random top-k trainer's model
+    metric: str = "accuracy"   # ltfb: accuracy | loss, on each trainer's tournament split
+    explore: dict = field(default_factory=dict)  # ltfb: {"optimizer.lr" = [lo, hi], ...}, drawn log-uniformly
+    mutation: float = 0.2      # ltfb explore: an adopter's values times (1 - m) or (1 + m)
+    local_steps: int = 20      # diloco: inner steps H per round
+    outer_lr: float = 0.2      # diloco: outer Nesterov SGD learning rate (the paper: 0.7, for an AdamW inner optimizer)
+    outer_momentum: float = 0.9  # diloco: outer momentum (0 with outer_lr 1: model averaging)
+    cache: bool = False        # ssp: serve reads from the worker's cache while within the bound
+    n_push: int = 1            # async (Downpour): push the accumulated gradient every n_push steps
+    n_fetch: int = 1           # async (Downpour): pull the model every n_fetch steps
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class EvalConfig:
     every_seconds: float = 0.5
     target_accuracy: float = 0.9
     batch_size: int = 512
+    tensorboard: bool = False  # TensorBoard scalars under OUT/tb/ (pip install 'psgd[tensorboard]')
 
 
 @dataclass(frozen=True)
@@ -137,6 +151,8 @@ class FaultsConfig:
     slow_factor: float = 1.0
     step_delay_s: float = 0.0  # added to every worker's step (a slow link)
     on_worker_loss: str = "continue"  # continue | abort
+    jitter_prob: float = 0.0   # each step of each worker is delayed by jitter_s with this probability
+    jitter_s: float = 0.0      # (transient stragglers; independent per step, seeded by job.seed and rank)
 
 
 @dataclass(frozen=True)
@@ -148,6 +164,17 @@ class WireConfig:
 
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """`psgd simulate`'s cost model (virtual seconds)."""
+    compute_s: float = 0.0     # one step's forward + backward; 0 = calibrate on this machine
+    compute_cv: float = 0.0    # its spread: coefficient of variation of a lognormal
+    latency_s: float = 50e-6   # one-way link latency
+    bandwidth_gbps: float = 10.0  # per worker NIC and per shard NIC
+    apply_gbps: float = 20.0   # a shard's apply rate (bytes of its tables touched per second)
+    train: bool = True         # compute real gradients (false: timing only)
 
 SECTIONS: dict[str, type] = {
     "job": JobConfig,
@@ -162,6 +189,7 @@ SECTIONS: dict[str, type] = {
     "security": SecurityConfig,
     "faults": FaultsConfig,
     "wire": WireConfig,
+    "sim": SimConfig,
 }
 
 
@@ -179,6 +207,7 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     wire: WireConfig = field(default_factory=WireConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,6 +273,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return "[" + ", ".join(_toml_value(x) for x in v) + "]"
 
 
@@ -275,6 +306,10 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return value
+    if kind is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        return dict(value)
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover
 
 
@@ -341,6 +376,30 @@ def validate(cfg: Config) -> None:
     _check(0 < m.tournament_fraction < 1, "mode.tournament_fraction must be in (0, 1)")
     _check(m.exchange in ("weights", "weights+optimizer"),
            f"mode.exchange must be weights or weights+optimizer, got {m.exchange!r}")
+    _check(m.trainer_size >= 1, f"mode.trainer_size must be >= 1, got {m.trainer_size}")
+    _check(m.name != "ltfb" or c.workers % m.trainer_size == 0,
+           f"mode.trainer_size = {m.trainer_size} does not divide cluster.workers = {c.workers}: "
+           f"ltfb needs whole trainers (workers a multiple of trainer_size)")
+    _check(m.strategy in ("pairwise", "truncation"),
+           f"mode.strategy must be pairwise or truncation, got {m.strategy!r}")
+    _check(m.truncation_k >= 1, f"mode.truncation_k must be >= 1, got {m.truncation_k}")
+    _check(m.name != "ltfb" or m.strategy != "truncation" or 2 * m.truncation_k <= c.workers // m.trainer_size,
+           f"mode.truncation_k = {m.truncation_k} needs at least {2 * m.truncation_k} trainers "
+           f"(cluster.workers / mode.trainer_size = {c.workers // m.trainer_size})")
+    _check(m.metric in ("accuracy", "loss"), f"mode.metric must be accuracy or loss, got {m.metric!r}")
+    for key, span in m.explore.items():
+        _check(key.startswith("optimizer.") and key[len("optimizer."):] in _NUMERIC_OPTIMIZER_KEYS,
+               f"mode.explore: {key!r} is not a numeric optimizer key "
+               f"(one of {', '.join('optimizer.' + k for k in _NUMERIC_OPTIMIZER_KEYS)})")
+        _check(isinstance(span, list) and len(span) == 2
+               and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in span)
+               and span[0] <= span[1],
+               f"mode.explore: {key} must be [low, high] with 0 < low <= high, got {span!r}")
+    _check(0 <= m.mutation < 1, f"mode.mutation must be in [0, 1), got {m.mutation}")
+    _check(m.local_steps >= 1, f"mode.local_steps must be >= 1, got {m.local_steps}")
+    _check(m.outer_lr > 0, f"mode.outer_lr must be > 0, got {m.outer_lr}")
+    _check(0 <= m.outer_momentum < 1, f"mode.outer_momentum must be in [0, 1), got {m.outer_momentum}")
+    _check(m.n_push >= 1 and m.n_fetch >= 1, f"mode.n_push and mode.n_fetch must be >= 1, got {m.n_push}, {m.n_fetch}")
     _check(o.name in ("sgd", "adam", "adamw"), f"optimizer.name must be sgd, adam or adamw, got {o.name!r}")
     _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     _check(o.schedule in ("constant", "step", "cosine"),
@@ -351,15 +410,25 @@ def validate(cfg: Config) -> None:
     _check(t.steps >= 0 and t.seconds >= 0, "train.steps and train.seconds must be >= 0")
     _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")
     _check(0 < cfg.data.test_fraction < 1, "data.test_fraction must be in (0, 1)")
+    _check(cfg.data.loader_workers >= 0, f"data.loader_workers must be >= 0, got {cfg.data.loader_workers}")
     _check(cfg.eval.every_seconds > 0, "eval.every_seconds must be > 0")
     _check(0 <= cfg.eval.target_accuracy <= 1, "eval.target_accuracy must be in [0, 1]")
     _check(cfg.faults.slow_factor >= 1, "faults.slow_factor must be >= 1")
     _check(cfg.faults.step_delay_s >= 0, "faults.step_delay_s must be >= 0")
+    _check(0 <= cfg.faults.jitter_prob <= 1, f"faults.jitter_prob must be in [0, 1], got {cfg.faults.jitter_prob}")
+    _check(cfg.faults.jitter_s >= 0, f"faults.jitter_s must be >= 0, got {cfg.faults.jitter_s}")
+    sim = cfg.sim
+    _check(sim.compute_s >= 0 and sim.compute_cv >= 0 and sim.latency_s >= 0,
+           "sim.compute_s, sim.compute_cv and sim.latency_s must be >= 0")
+    _check(sim.bandwidth_gbps > 0 and sim.apply_gbps > 0, "sim.bandwidth_gbps and sim.apply_gbps must be > 0")
     _check(cfg.faults.on_worker_loss in ("continue", "abort"),
            "faults.on_worker_loss must be continue or abort")
     _check(cfg.checkpoint.every_s >= 0, "checkpoint.every_s must be >= 0")
     _check(not cfg.security.curve or bool(cfg.security.keys),
            "security.curve = true needs security.keys (a folder made by `psgd keys DIR`)")
+
+
+_NUMERIC_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "eps")
 
 
 def parse_value(text: str) -> Any:
@@ -390,6 +459,20 @@ def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
                               f"the deploy files' own settings are DEPLOY_*)")
         out.append((f"{section}.{key}", parse_value(text), f"environment {name}"))
     return out
+
+
+def given_keys(path: str | None = None, sets: list[str] | tuple = (),
+               env: Mapping[str, str] | None = None) -> set[str]:
+    """The dotted keys that the file, the environment or `--set` give a value (the rest
+    are defaults): `psgd run` honours an explicit cluster.port and chooses an unset one."""
+    env = os.environ if env is None else env
+    keys = {dotted for dotted, _, _ in _env_sets(env)}
+    keys |= {item.partition("=")[0].strip() for item in sets}
+    if path:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+        keys |= {f"{section}.{key}" for section, values in d.items() if isinstance(values, Mapping) for key in values}
+    return keys
 
 
 def load(path: str | None = None, sets: list[str] | tuple = (),

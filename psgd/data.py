@@ -4,8 +4,17 @@ Built-in: `digits` (scikit-learn's 1,797 8x8 handwritten digits, shipped inside 
 package: no download), `synthetic` (Gaussian classes of any shape, for throughput),
 `cifar10` (the official binary files in data.path), `mnist` (IDX files in data.path,
 optionally .gz). A user dataset is `package.module:factory`, called with no arguments,
-returning (train_x, train_y, test_x, test_y) as arrays or tensors (x as N x C x H x W
-or N x D floats, y as integer labels).
+returning either (train_x, train_y, test_x, test_y) as arrays or tensors (x as N x C x H x W
+or N x D floats, y as integer labels), or (train_dataset, test_dataset) as torch
+`Dataset`s whose items are (tensor, int label), with `data.classes` saying how many
+classes there are: those are streamed through a `DataLoader` (`data.loader_workers`
+processes), so a dataset bigger than memory trains; each worker reads only its
+partition, reshuffled every epoch from the seed (as DistributedSampler does), and the
+evaluator streams the test set.
+
+Both kinds answer the same calls: `train_size`, `train_batches(...)` (endless
+mini-batches over a partition), `take(indices)` (a small held-out set, as tensors) and
+`test_batches(batch_size)`.
 
 A missing, truncated or malformed file raises `DataError` with one line that names the
 file and what is wrong; `check_dataset` says so without torch (the launcher calls it
@@ -21,8 +30,9 @@ import gzip
 import importlib.util
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +62,48 @@ class Dataset:
     @property
     def input_shape(self) -> tuple:
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train_y)
+
+    def train_batches(self, indices: np.ndarray, batch_size: int, seed: int, rank: int) -> Batches:
+        return Batches(self.train_x, self.train_y, indices, batch_size, seed, rank)
+
+    def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+        sel = torch.from_numpy(np.asarray(indices))
+        return self.train_x[sel], self.train_y[sel]
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(0, len(self.test_y), batch_size):
+            yield self.test_x[i:i + batch_size], self.test_y[i:i + batch_size]
+
+
+@dataclass
+class StreamingDataset:
+    """torch Datasets read through DataLoaders: only the batches in flight are in memory."""
+    train: Any
+    test: Any
+    num_classes: int
+    input_shape: tuple
+    loader_workers: int = 0
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train)
+
+    def train_batches(self, indices: np.ndarray, batch_size: int, seed: int, rank: int) -> LoaderBatches:
+        return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers)
+
+    def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+        items = [self.train[int(i)] for i in indices]
+        return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items])
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from torch.utils.data import DataLoader
+        return iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers))
 
 
 def _split(x: np.ndarray, y: np.ndarray, test_fraction: float):
@@ -191,15 +243,40 @@ def _mnist(cfg: DataConfig):
     return tuple(out) + (10,)
 
 
-def _user(cfg: DataConfig):
+def _call_factory(cfg: DataConfig):
     from .models import load_factory  # torch: a user's factory may return tensors
-    fn = load_factory(cfg.name, "data.name")
+    return load_factory(cfg.name, "data.name")()
+
+
+def _is_datasets(got: Any) -> bool:
+    """(train_dataset, test_dataset): two objects with __getitem__ and __len__ that are
+    not arrays or tensors."""
+    return (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") and not hasattr(d, "shape") for d in got))
+
+
+def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
+    train, test = got
+    if len(train) == 0 or len(test) == 0:
+        raise DataError(f"data.name {cfg.name!r}: the train or the test dataset is empty")
     try:
-        got = fn()
+        x, y = train[0]
+        shape = tuple(x.shape)
+        int(y)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"data.name {cfg.name!r}: a dataset's items must be (tensor, int label) ({e})") from None
+    if cfg.classes < 2:
+        raise DataError(f"data.name {cfg.name!r}: set data.classes (>= 2) to the number of classes")
+    return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers)
+
+
+def _user(cfg: DataConfig, got: Any = None):
+    try:
+        got = _call_factory(cfg) if got is None else got
         tx, ty, vx, vy = (np.asarray(a.numpy() if hasattr(a, "numpy") else a) for a in got)
     except (TypeError, ValueError) as e:
-        raise DataError(f"data.name {cfg.name!r}: the factory must return "
-                        f"(train_x, train_y, test_x, test_y) ({e})") from None
+        raise DataError(f"data.name {cfg.name!r}: the factory must return (train_x, train_y, test_x, test_y) "
+                        f"or (train_dataset, test_dataset) ({e})") from None
     if len(tx) != len(ty) or len(vx) != len(vy) or len(tx) == 0 or len(vx) == 0:
         raise DataError(f"data.name {cfg.name!r}: x and y lengths differ or a split is empty")
     classes = int(max(ty.max(), vy.max())) + 1
@@ -233,13 +310,22 @@ def check_dataset(cfg: DataConfig, seed: int = 0) -> None:
             raise DataError("data.name = digits needs scikit-learn: pip install scikit-learn")
     elif cfg.name == "synthetic":
         _check_synthetic(cfg)
+    elif ":" in cfg.name:
+        got = _call_factory(cfg)
+        _streaming(cfg, got) if _is_datasets(got) else _user(cfg, got)
     else:
         _arrays(cfg, seed)
 
 
-def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
+def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset | StreamingDataset:
     import torch
-    tx, ty, vx, vy, classes = _arrays(cfg, seed)
+    if ":" in cfg.name:
+        got = _call_factory(cfg)
+        if _is_datasets(got):
+            return _streaming(cfg, got)
+        tx, ty, vx, vy, classes = _user(cfg, got)
+    else:
+        tx, ty, vx, vy, classes = _arrays(cfg, seed)
     return Dataset(torch.from_numpy(np.ascontiguousarray(tx)), torch.from_numpy(np.ascontiguousarray(ty)),
                    torch.from_numpy(np.ascontiguousarray(vx)), torch.from_numpy(np.ascontiguousarray(vy)),
                    int(classes))
@@ -284,6 +370,49 @@ class Batches:
         return self.x[sel], self.y[sel]
 
 
+class EpochSampler:
+    """A partition's indices in a new order every epoch, from (seed, rank, epoch): what
+    DistributedSampler does, with psgd's partition."""
+
+    def __init__(self, indices: np.ndarray, seed: int, rank: int):
+        self.idx, self.seed, self.rank, self.epoch = np.asarray(indices), seed, rank, 0
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng([self.seed, self.rank, self.epoch])
+        return iter(self.idx[rng.permutation(len(self.idx))].tolist())
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
+class LoaderBatches:
+    """Endless mini-batches of a torch Dataset's partition through a DataLoader
+    (`loader_workers` processes; 0 = in this process), reshuffled every epoch."""
+
+    def __init__(self, dataset: Any, indices: np.ndarray, batch_size: int, seed: int, rank: int,
+                 loader_workers: int = 0):
+        from torch.utils.data import DataLoader
+        if len(indices) == 0:
+            raise DataError(f"worker {rank}: its data partition is empty (too many workers for the dataset)")
+        self.batch_size = min(batch_size, len(indices))
+        self.sampler = EpochSampler(indices, seed, rank)
+        self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=True,
+                                 num_workers=loader_workers, persistent_workers=loader_workers > 0)
+        self._it = iter(self.loader)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.sampler.epoch += 1
+            self._it = iter(self.loader)
+            return next(self._it)
+
+
 def describe(cfg: DataConfig) -> tuple[tuple, int]:
     """(input shape, number of classes) without loading the files where they are known."""
     known = {"digits": ((1, 8, 8), 10), "cifar10": ((3, 32, 32), 10), "mnist": ((1, 28, 28), 10)}
@@ -292,4 +421,4 @@ def describe(cfg: DataConfig) -> tuple[tuple, int]:
     if cfg.name == "synthetic":
         return tuple(int(s) for s in cfg.shape), cfg.classes
     ds = load_dataset(cfg)
-    return ds.input_shape, ds.num_classes
+    return tuple(ds.input_shape), ds.num_classes

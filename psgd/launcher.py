@@ -18,6 +18,7 @@ warning: they take turns, so start-up and steps are slower than with a core each
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import socket
@@ -29,8 +30,10 @@ from typing import IO
 
 from .config import Config
 from .log import log
+from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
+MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
 
@@ -78,6 +81,14 @@ def ports_free(host: str, base: int, n: int) -> bool:
     return True
 
 
+def busy_port(host: str, base: int, n: int) -> int | None:
+    """The first port of base..base+n-1 that cannot be bound, or None."""
+    for p in range(base, base + n):
+        if not ports_free(host, p, 1):
+            return p
+    return None
+
+
 def pick_port(host: str, want: int, n: int) -> int:
     """`want` if ports want..want+n-1 are free, else a free block the OS suggests."""
     if ports_free(host, want, n):
@@ -112,21 +123,25 @@ class Child:
 
 
 class LocalJob:
+    """`port_explicit`: the user gave cluster.port, so the job listens there or not at
+    all; otherwise the launcher chooses a free block (cluster.port if it is free), says
+    which, and moves the job to another block if a daemon finds its port taken after
+    all (another job bound it between the check and the bind)."""
+
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
                  quiet: bool = False, timeout_s: float = 3600.0, env: dict | None = None,
-                 launched_at: float | None = None):
+                 launched_at: float | None = None, port_explicit: bool = False):
         # startup_s counts from here (a time.time() value), or from launched_at: psgd run
         # passes its own process's start
         self.launched_at = time.time() if launched_at is None else launched_at
         self.out = os.path.abspath(out)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
-        c = cfg.cluster
-        if not c.addresses:
-            cfg = cfg.replace(**{"cluster.port": pick_port(c.host, c.port, c.servers + 1)})
-        self.cfg = cfg
+        self.port_explicit = port_explicit
+        self.moves = 0
+        self.quiet = quiet
+        self.cfg = self._place(cfg)
         self.device = device
         self.restart_workers = restart_workers
-        self.quiet = quiet
         self.timeout_s = timeout_s
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.env = {k: v for k, v in self.env.items() if not (k.startswith("PSGD_") and k not in ("PSGD_DEVICE",))}
@@ -134,11 +149,65 @@ class LocalJob:
         # otherwise (measured 7x faster on 2 cores than torch's default of one per core).
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.config_path = os.path.join(self.out, "config.toml")
-        with open(self.config_path, "w") as f:
-            f.write(cfg.to_toml())
+        self._write_config()
+        with contextlib.suppress(FileNotFoundError):  # an earlier job's in this folder: not this job's state
+            os.unlink(os.path.join(self.out, "coordinator-state.json"))
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0
+
+    def _place(self, cfg: Config, avoid: int | None = None) -> Config:
+        """The config with the ports the job will listen on."""
+        c = cfg.cluster
+        if c.addresses:
+            return cfg
+        n = c.servers + 1
+        if self.port_explicit:
+            busy = busy_port(c.host, c.port, n)
+            if busy is not None:
+                raise LaunchError(f"cluster.port = {c.port}: port {busy} on {c.host} is in use (the job needs "
+                                  f"{c.port}-{c.port + n - 1}: the coordinator and {c.servers} shards); set "
+                                  f"another cluster.port, or leave it unset and psgd run picks a free block")
+            return cfg
+        port = pick_port(c.host, c.port if avoid is None else avoid + n + 1, n)
+        if not self.quiet:
+            log("run", f"ports {port}-{port + n - 1} on {c.host} (cluster.port unset: "
+                       f"{'the default block' if port == c.port and avoid is None else 'a free block'})")
+        return cfg.replace(**{"cluster.port": port})
+
+    def _write_config(self) -> None:
+        with open(self.config_path, "w") as f:
+            f.write(self.cfg.to_toml())
+
+    def _move(self) -> bool:
+        """A daemon found its port taken before training began: start the whole job again
+        on another block, if the launcher chose the ports. True if it did."""
+        started = glob.glob(os.path.join(self.out, "events", "worker-*.jsonl"))
+        if self.port_explicit or self.cfg.cluster.addresses or started or self.moves >= MAX_MOVES:
+            return False
+        self.moves += 1
+        self.stop()
+        old = self.cfg.cluster.port
+        self.cfg = self._place(self.cfg, avoid=old)
+        log("run", f"port block {old} was taken by another program before the daemons bound it; moved the job "
+                   f"to {self.cfg.cluster.port}")
+        self._write_config()
+        self.children, self.started, self._shown_started = [], set(), 0
+        self.start()
+        return True
+
+    def _coordinator_died(self, coord: Child, code: int) -> bool:
+        """The coordinator ended without a summary, killed (a signal) or crashed (not
+        its own exit codes 0, 1, 2): start it again; it resumes from its state file, and
+        the other daemons reconnect. True if it did."""
+        if code in (0, 1, 2, EXIT_ADDRESS_IN_USE) or os.path.exists(os.path.join(self.out, "summary.json")):
+            return False
+        if coord.restarts >= MAX_RESTARTS:
+            raise LaunchError(f"the coordinator keeps dying (exit {code}); gave up after {MAX_RESTARTS} restarts")
+        coord.restarts += 1
+        log("run", f"the coordinator exited with {code}; restarting it (restart {coord.restarts})")
+        self._start(coord)
+        return True
 
     def _argv(self, role: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "psgd", role, self.config_path, "--out", self.out, *extra]
@@ -167,6 +236,8 @@ class LocalJob:
             child.proc = popen(log_file)
 
     def start(self) -> None:
+        from . import scalars
+        scalars.check(self.cfg)  # before any process starts
         c = self.cfg.cluster
         warning = oversubscribed(self.cfg)
         if warning and warning not in _warned:
@@ -205,6 +276,16 @@ class LocalJob:
         deadline = time.monotonic() + self.timeout_s
         while True:
             code = coord.poll()
+            in_use = [c for c in self.children if c.role in ("coordinator", "server")
+                      and c.poll() == EXIT_ADDRESS_IN_USE]
+            if in_use and self._move():
+                coord = self.children[0]
+                continue
+            if in_use:
+                child = in_use[0]
+                raise LaunchError(f"{child.name} could not listen: {self.tail(child, 2).strip()}")
+            if code is not None and self._coordinator_died(coord, code):
+                continue
             if code is not None:
                 break
             if time.monotonic() > deadline:

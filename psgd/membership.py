@@ -12,6 +12,7 @@ phase, done).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from . import wire
 from .config import Config
 from .log import log
 from .transport import Peers, PeerTimeout
+
+REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent again this often
 
 
 @dataclass
@@ -122,6 +125,19 @@ class Membership:
     def stats(self) -> dict[int, dict]:
         return {r: m.stats for r, m in self.members.items()}
 
+    def state_dict(self) -> dict:
+        """The table as JSON-able data (the coordinator's state file)."""
+        return {"members": {str(r): {"clock": m.clock, "state": m.state, "stats": m.stats, "joins": m.joins}
+                            for r, m in self.members.items()},
+                "version": self.version, "lost": self.lost, "rejoined": self.rejoined}
+
+    def load_state_dict(self, sd: dict, now: float) -> None:
+        """Restore the table; live members count as seen `now` (they get a full
+        heartbeat timeout to reach the restarted coordinator)."""
+        self.members = {int(r): Member(int(r), now, int(m["clock"]), m["state"], dict(m["stats"]), int(m["joins"]))
+                        for r, m in sd["members"].items()}
+        self.version, self.lost, self.rejoined = int(sd["version"]) + 1, int(sd["lost"]), int(sd["rejoined"])
+
 
 class CoordinatorLink:
     """A daemon's connection to the coordinator: register, heartbeat in the background."""
@@ -140,19 +156,24 @@ class CoordinatorLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
+        self.nonce = os.urandom(8).hex()  # this daemon's registrations, to the coordinator
 
     def register(self, want_rank: int = -1) -> wire.Message:
         """Register with the coordinator, waiting for it (and, for workers, for the
         rendezvous of all workers) up to cluster.timeout_s. Returns its answer."""
         peers = Peers(self.ctx, [self.address], self.cfg.security)
         try:
-            rid = peers.send(0, "register", role=self.role, index=self.index, want_rank=want_rank)
             start = time.monotonic()
             while True:
+                # Sent again after every wait: a coordinator restarted meanwhile lost the
+                # request. The nonce lets it answer a repeat with the rank it gave before.
+                rid = peers.send(0, "register", role=self.role, index=self.index, want_rank=want_rank,
+                                 nonce=self.nonce)
                 try:
-                    msg = peers.wait({rid: 0}, min(5.0, self.cfg.cluster.timeout_s), "register")[rid]
+                    msg = peers.wait({rid: 0}, min(REGISTER_RESEND_S, self.cfg.cluster.timeout_s), "register")[rid]
                     break
                 except PeerTimeout:
+                    peers.reconnect(0)
                     waited = time.monotonic() - start
                     if waited >= self.cfg.cluster.timeout_s:
                         raise PeerTimeout(self.address, waited, f"{self.role} {self.index} could not register "
@@ -204,14 +225,20 @@ class CoordinatorLink:
 
     def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
         """A request (finish, eval) from the caller's thread, on one socket kept open
-        for all of them; a timeout reconnects it for the next call."""
+        for all of them. Unanswered, it is sent again on a fresh connection every
+        `REGISTER_RESEND_S` (a restarted coordinator lost it; finish is idempotent)
+        until `timeout` (default cluster.timeout_s) runs out."""
         if self._calls is None:
             self._calls = Peers(self.ctx, [self.address], self.cfg.security)
-        try:
-            return self._calls.call(0, op, timeout or self.cfg.cluster.timeout_s, **kw)
-        except PeerTimeout:
-            self._calls.reconnect(0)
-            raise
+        deadline = time.monotonic() + (timeout or self.cfg.cluster.timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._calls.call(0, op, max(0.01, min(REGISTER_RESEND_S, left)), **kw)
+            except PeerTimeout:
+                self._calls.reconnect(0)
+                if left <= REGISTER_RESEND_S:
+                    raise
 
     def close(self) -> None:
         """Stop heartbeating and close the call socket."""

@@ -9,6 +9,8 @@ host buffers asynchronously. `score` evaluates on a labelled set without gradien
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -77,16 +79,23 @@ class Replica:
             if buffers is not None:
                 self.map.scatter(buffers[i].to(self.device, non_blocking=True), i, "buffers", self.tensors)
 
-    @torch.no_grad()
     def score(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> tuple[float, float]:
         """(accuracy, mean cross-entropy) in eval mode; restores the previous mode."""
+        return self.score_batches((x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(y), batch_size))
+
+    @torch.no_grad()
+    def score_batches(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """`score` over (x, y) batches as they come (a streamed test set)."""
         was = self.model.training
         self.model.eval()
-        correct, loss, n = 0, 0.0, len(y)
-        for i in range(0, n, batch_size):
-            xb, yb = x[i:i + batch_size].to(self.device), y[i:i + batch_size].to(self.device)
-            out = self.model(xb)
-            loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
-            correct += (out.argmax(1) == yb).sum().item()
-        self.model.train(was)
+        correct, loss, n = 0, 0.0, 0
+        try:
+            for xb, yb in batches:
+                xb, yb = xb.to(self.device), yb.to(self.device)
+                out = self.model(xb)
+                loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
+                correct += (out.argmax(1) == yb).sum().item()
+                n += len(yb)
+        finally:
+            self.model.train(was)
         return correct / max(1, n), loss / max(1, n)

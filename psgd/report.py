@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from .report_numbers import Row, build_rows, eval_period, mean, sd, spearman, sweeps, trend, worker_sweeps
+from .report_numbers import SIM_SUFFIX, Row, build_rows, eval_period, mean, sd, spearman, sweeps, trend, worker_sweeps
 from .report_plots import PLOT_DPI, make_plots, plt_or_none
 from .report_reading import describe_faults, reading
 from .report_relations import sweep_sentences
@@ -34,7 +34,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     m = ctx.get("machine") or {}
     workers = ctx.get("workers") or sorted({r.workers for r in rows if not r.is_baseline})
     n_runs = sum(r.n for r in rows)
-    lines = ["# psgd compare", ""]
+    sim = ctx.get("simulated")
+    lines = ["# psgd simulate" if sim else "# psgd compare", ""]
     if ctx.get("command"):
         lines += ["```", ctx["command"], "```", ""]
     opt = job.get("optimizer") or {}
@@ -51,8 +52,14 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                  f"{' (CUDA available)' if m.get('cuda') else ' (no CUDA)'}, torch {m.get('torch', '?')}."
                  + (f" Each distributed run starts {max(workers)} workers, {ctx.get('servers', '?')} shards, a "
                     f"coordinator and an evaluator on these {m.get('cpus')} cores."
-                    if isinstance(m.get("cpus"), int) and isinstance(ctx.get("servers"), int) else ""))
+                    if isinstance(m.get("cpus"), int) and isinstance(ctx.get("servers"), int) and not sim else ""))
     lines.append("")
+    if sim:
+        lines += [simulated_note(sim, rows), ""]
+    elif any(r.simulated for r in rows):
+        lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
+                  f"of the same configuration, on a virtual clock (their times are virtual seconds, their cost "
+                  f"model is in each summary's `sim`); the others ran for real.", ""]
     sets = ctx.get("sets") or []
     if sets:
         lines.append(f"**Applied to every run:** `{' '.join('--set ' + s for s in sets)}`.")
@@ -73,7 +80,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                      f"stops while it is scored.")
         lines.append("")
     period = eval_period([run for r in rows for run in r.runs], ctx)
-    lines.append(f"Time to target: wall time from the start of training until the global model first scored "
+    clock = "virtual" if sim else "wall"
+    lines.append(f"Time to target: {clock} time from the start of training until the global model first scored "
                  f"≥ {target:g} on the test set; distributed runs are scored every "
                  f"{'?' if period is None else f'{period:g}'} s by the evaluator, so their times are rounded up "
                  f"to that period. Speedup = reference time to target / this time (> 1: faster). Measured "
@@ -109,6 +117,26 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def simulated_note(sim: dict, rows: list[Row]) -> str:
+    """What a simulated report must say first: that it is simulated, and its cost model."""
+    cal = sim.get("calibrated_compute_s") or {}
+    if sim.get("compute_s"):
+        compute = f"{sim['compute_s']:g} s per step (sim.compute_s)"
+    else:
+        compute = ("calibrated on this machine by timing the model's forward and backward on one thread: "
+                   + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cal.items()))
+    train = ("every simulated worker computes real gradients on its own batches, so accuracy is real"
+             if sim.get("train", True) else
+             "timing only (sim.train = false): no gradients are computed, so accuracies are absent")
+    return (f"**These runs are simulated** (`psgd simulate`): one process ran the real consistency rules and "
+            f"shards on a virtual clock; {train}; only time is simulated, and every time in this report is in "
+            f"virtual seconds. Cost model: compute {compute}, lognormal spread cv {sim.get('compute_cv', 0):g}; "
+            f"link latency {sim.get('latency_s', 0):g} s one way; {sim.get('bandwidth_gbps', 0):g} Gbit/s per "
+            f"worker and per shard NIC, messages to one shard queueing behind each other (incast); each shard "
+            f"serves its requests in order at {sim.get('apply_gbps', 0):g} Gbit/s of request payload; the "
+            f"evaluator's reads are free; faults.* as below. Design and limits: docs/simulation.md.")
+
+
 def write_report(out: str, results: list[dict], ctx: dict) -> str:
     rows = build_rows(results)
     plots = make_plots(out, rows, float(ctx.get("target_accuracy", 0.9)))
@@ -120,18 +148,51 @@ def write_report(out: str, results: list[dict], ctx: dict) -> str:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m psgd.report DIR   (DIR holds compare.json)", file=sys.stderr)
-        return 2
-    out = argv[0]
-    with open(os.path.join(out, "compare.json")) as f:
+def _read(folder: str) -> tuple[list[dict], dict]:
+    with open(os.path.join(folder, "compare.json")) as f:
         results = json.load(f)
     ctx = {}
-    if os.path.exists(os.path.join(out, "compare-context.json")):
-        with open(os.path.join(out, "compare-context.json")) as f:
+    if os.path.exists(os.path.join(folder, "compare-context.json")):
+        with open(os.path.join(folder, "compare-context.json")) as f:
             ctx = json.load(f)
+    return results, ctx
+
+
+def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
+    """The runs of several compare/simulate folders in one list (each run's `dir`
+    relative to `out`), and the context of the first real one (else the first)."""
+    results, ctxs = [], []
+    for folder in folders:
+        rs, ctx = _read(folder)
+        for r in rs:
+            if r.get("dir"):
+                r = {**r, "dir": os.path.relpath(os.path.join(folder, r["dir"]), out)}
+            results.append(r)
+        ctxs.append(ctx)
+    ctx = dict(next((c for c in ctxs if not c.get("simulated")), ctxs[0]))
+    ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
+    ctx["merged_from"] = list(folders)
+    return results, ctx
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m psgd.report DIR` rebuilds DIR's report; `python -m psgd.report OUT DIR1
+    DIR2 ...` writes OUT/report.md and OUT/compare.json over the runs of several folders,
+    e.g. a `psgd compare` and a `psgd simulate` of the same configuration side by side."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 1:
+        print("usage: python -m psgd.report DIR   (DIR holds compare.json)\n"
+              "       python -m psgd.report OUT DIR1 DIR2 ...   (the runs of several folders in one report)",
+              file=sys.stderr)
+        return 2
+    out = argv[0]
+    if len(argv) == 1:
+        results, ctx = _read(out)
+    else:
+        os.makedirs(out, exist_ok=True)
+        results, ctx = merge(out, argv[1:])
+        with open(os.path.join(out, "compare.json"), "w") as f:
+            json.dump(results, f, indent=2)
     print(write_report(out, results, ctx))
     return 0
 

@@ -27,6 +27,9 @@ MIN_REPEATS = 3
 AFTER_END = "after the end"
 FIRST_SCORE = "first score"
 
+# The label suffix of simulated rows in a report that also has real ones.
+SIM_SUFFIX = " (simulated)"
+
 # Mode parameters whose name is also the name of a measured quantity, as the report names them.
 PARAM_NAMES = {("ssp", "staleness"): "bound s"}
 
@@ -146,6 +149,11 @@ class Row:
         return self.mode == "baseline"
 
     @property
+    def simulated(self) -> bool:
+        """Runs of `psgd simulate` (times in virtual seconds)."""
+        return any(r.get("simulated") for r in self.runs)
+
+    @property
     def name(self) -> str:
         """The label, with ssp's `staleness` (the bound) called "bound s"."""
         if self.is_baseline:
@@ -154,7 +162,8 @@ class Row:
             return self.label
         bound = self.params.get("staleness", (self.runs[0].get("mode_params") or {}).get("staleness")
                                 if self.runs else None)
-        return self.label if bound is None else f"ssp ({param_name('ssp', 'staleness')}={bound})"
+        suffix = SIM_SUFFIX if self.label.endswith(SIM_SUFFIX) else ""
+        return self.label if bound is None else f"ssp ({param_name('ssp', 'staleness')}={bound}){suffix}"
 
     @property
     def n(self) -> int:
@@ -223,14 +232,23 @@ class Row:
 
 
 def build_rows(results: list[dict]) -> list[Row]:
+    """One Row per (label, workers). Simulated and real runs of the same configuration
+    (one compare.json holding both: `python -m psgd.report OUT REAL SIM`) are separate
+    rows, the simulated one labelled so, and each is compared with the sync row of its kind."""
     rows: dict[tuple, Row] = {}
+    sim_flags: dict[tuple, bool] = {}
+    mixed = len({bool(r.get("simulated")) for r in results}) > 1
     for r in results:
         # A summary without a label goes by its mode; one without either by "?", like Row.mode.
-        key = (r.get("label", r.get("mode", "?")), int(r.get("workers", 1)))
+        label = r.get("label", r.get("mode", "?"))
+        if mixed and r.get("simulated") and not label.endswith(SIM_SUFFIX):
+            label += SIM_SUFFIX
+        key = (label, int(r.get("workers", 1)))
         row = rows.get(key)
         if row is None:
             row = rows[key] = Row(key[0], r.get("mode", "?"), key[1], r.get("params") or {},
                                   r.get("sweep"), r.get("sweep_value"))
+            sim_flags[key] = bool(r.get("simulated"))
         if r.get("error"):
             row.errors.append(r["error"])
         else:
@@ -238,7 +256,8 @@ def build_rows(results: list[dict]) -> list[Row]:
     out = list(rows.values())
     base = next((x for x in out if x.is_baseline), None)
     for row in out:
-        syncs = [x for x in out if x.mode == "sync" and x.workers == row.workers]
+        syncs = [x for x in out if x.mode == "sync" and x.workers == row.workers
+                 and sim_flags[x.key] == sim_flags[row.key]]
         row.ref_sync = next((x for x in syncs if not x.params), syncs[0] if syncs else None)
         row.ref_base = base
     return out

@@ -26,6 +26,11 @@ def describe_faults(faults: dict, workers: list[int]) -> str | None:
     delay = float(faults.get("step_delay_s", 0.0))
     if delay > 0:
         parts.append(f"every step of every worker (and of the baseline) is delayed by {delay:g} s (a slow link)")
+    prob, jitter = float(faults.get("jitter_prob", 0.0)), float(faults.get("jitter_s", 0.0))
+    if prob > 0 and jitter > 0:
+        parts.append(f"transient stragglers: each step of each worker is delayed by {jitter:g} s with probability "
+                     f"{prob:g}, independently (seeded by job.seed and rank), so a step of W workers waits for at "
+                     f"least one delayed worker with probability 1 − (1 − {prob:g})^W")
     return "; ".join(parts) if parts else None
 
 
@@ -163,7 +168,11 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
     many_w = len({r.workers for r in dist}) > 1
     if not dist:
         return ["No distributed run finished, so there is nothing to compare."]
-    out = _time_sentences(dist, base, target, period, many_w)
+    if any(r.acc for r in dist) or any(r.ttt for r in dist):
+        out = _time_sentences(dist, base, target, period, many_w)
+    else:  # timing only (psgd simulate with sim.train = false), or no evaluator: nothing to rank by accuracy
+        out = ["No run was scored (no evaluator, or a timing-only simulation): throughput, waiting and "
+               "staleness only."]
     out += _throughput_sentences(dist, base, ctx, many_w)
     out += _accuracy_sentences(dist, base, many_w)
     out += staleness_sentences(dist, period, many_w)
@@ -178,11 +187,11 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
     faults = describe_faults(ctx.get("faults") or {}, ctx.get("workers") or [])
     if faults:
         top = max(dist, key=lambda r: mean(r.sps) or 0.0)
-        syncs = [r for r in dist if r.mode == "sync"]
+        ref = top.ref_sync   # the sync row with the same worker count
         s = f"All runs had a fault injected: {faults}."
-        if syncs and top.mode != "sync":
+        if ref is not None and top.mode != "sync" and mean(ref.sps):
             s += (f" Under it, {rname(top, many_w)} kept {mean(top.sps):,.0f} samples/s against sync's "
-                  f"{mean(syncs[0].sps):,.0f}.")
+                  f"{mean(ref.sps):,.0f} with {ref.workers} workers.")
         out.append(s)
 
     out += sweep_sentences(dist, period)

@@ -6,6 +6,9 @@ needs to answer it later) and returns the replies to send now, as (token, frames
 pairs: the request's own, unless the rule parks it, and any parked requests that the
 event releases. `set_live` does the same for membership changes.
 
+The optimizer is the one the rule names (`ServerRule.server_optimizer`): `[optimizer]`
+with its lr schedule, or a mode's outer optimizer (stepped on pseudo-gradients).
+
 Tables: `params` (trainable parameters; for easgd the centre x~) and `buffers`
 (floating-point buffers such as BatchNorm running statistics), each one flat float32
 vector. Frozen parameters and integer buffers are never sent (every party builds them
@@ -51,7 +54,9 @@ class Shard:
         self.codec = cfg.wire.compression
         converting = self.wire_dtype != "float32" or self.codec != "none"
         self._incoming = torch.empty(self.P if converting else 0)  # a conversion's or decoding's target
-        self.opt = make_optimizer([self.params], cfg.optimizer)
+        rule = get_mode(cfg.mode.name).rule
+        self.opt_cfg = rule.server_optimizer(cfg)  # [optimizer], or the mode's outer optimizer
+        self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
         self._revision = 0           # changes of either table (params or buffers)
         self._shared: tuple[int, list[torch.Tensor]] = (-1, [])  # the snapshot of one revision
@@ -61,7 +66,7 @@ class Shard:
         self.bacc: torch.Tensor | None = None
         self.models: dict[Hashable, list] = {}  # stored models (deposits) by the rule's key
         self.live = set(range(self.world))
-        self.rule = get_mode(cfg.mode.name).rule(cfg.mode, self.world, self)
+        self.rule = rule(cfg.mode, self.world, self)
         ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
                  "get_model": self.on_get_model, "models": self.on_models}
         self.handlers = {"pull": self.on_pull, "stats": self.on_stats,
@@ -236,7 +241,7 @@ class Shard:
             self.bacc.add_(b)
 
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
-        set_lr(self.opt, scale * lr_at(self.cfg.optimizer, progress, self.cfg.train.steps))
+        set_lr(self.opt, scale * lr_at(self.opt_cfg, progress, self.cfg.train.steps))
         assert self.params.grad is not None
         self.params.grad.copy_(g)
         self.opt.step()
@@ -248,7 +253,7 @@ class Shard:
 
     def state_dict(self) -> dict:
         return {"params": self.params.detach().clone(), "buffers": self.buffers.clone(),
-                "opt": self.opt.state_dict(), "version": self.version, "rule": self.rule.state_dict(),
+                "opt": copied(self.opt.state_dict()), "version": self.version, "rule": self.rule.state_dict(),
                 "last_clock": dict(self.last_clock), "counters": dict(self.counters), "shard": self.index,
                 "sizes": [self.P, self.B]}
 
@@ -271,6 +276,18 @@ class Shard:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+def copied(x):
+    """A state dict with its tensors cloned (torch's optimizer state_dict shares them with
+    the optimizer, whose next step would change a checkpoint being written or kept)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: copied(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(copied(v) for v in x)
+    return x
 
 
 def write_checkpoint(sd: dict, path: str) -> None:

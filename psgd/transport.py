@@ -88,8 +88,19 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
         sock.bind(address)
     except zmq.ZMQError as e:
         sock.close()
+        if e.errno == zmq.EADDRINUSE:
+            raise AddressInUse(f"cannot listen on {address}: the port is in use (another job or program has it)"
+                               ) from None
         raise OSError(f"cannot bind {address}: {e}") from None
     return sock
+
+
+class AddressInUse(OSError):
+    """A daemon's port is taken. Its process exits with `EXIT_ADDRESS_IN_USE`, so that
+    `psgd run` can move a job whose ports it chose itself to another block."""
+
+
+EXIT_ADDRESS_IN_USE = 98  # errno EADDRINUSE on Linux
 
 
 def client_socket(ctx: zmq.Context, address: str, security: SecurityConfig) -> zmq.Socket:

@@ -73,7 +73,7 @@ _scalar = (int, float, str, bool, type(None))
 # op -> {field: accepted types}. Every field listed is optional unless in REQUIRED.
 OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
-    "register": {"role": (str,), "index": (int,), "want_rank": (int,)},
+    "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,)},
     "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,)},
     "finish": {"stats": (dict,), "error": (str,)},
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,)},

@@ -22,6 +22,8 @@ started after it is), "coordinator" for one built in a process that does other t
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
@@ -34,6 +36,9 @@ from psgd.membership import Membership
 from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
+STATUS_WORKER_STATS = ("samples", "elapsed_s", "wait_s", "staleness_hist", "rejected", "loss")
+STATE_FILE = "coordinator-state.json"
+STATE_EVERY_S = 1.0   # the state file is rewritten on every change, and this often for the counters
 PROGRESS_EVERY_S = 2.0
 WAITING_EVERY_S = 5.0
 MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
@@ -66,13 +71,25 @@ class Coordinator:
         self.told_done: set = set()
         self.abort = ""
         self.counters = {"bad_messages": 0}
+        self.nonces: dict[str, int] = {}   # a worker's registration nonce -> the rank it got
+        self.restarts = 0                  # times this job's coordinator came back (summary.json)
+        self.state_path = os.path.join(out, STATE_FILE) if out else ""
+        self._saved: tuple = ()
+        self._saved_at = 0.0
         self.summary: dict | None = None
         self._last_progress = 0.0
         self.stop_requested = False  # set from another thread to end serve() (tests)
+        self.scalars = None
+        if cfg.eval.tensorboard and out:
+            from psgd import scalars
+            scalars.check(cfg)
+            self.scalars = scalars.Scalars(os.path.join(out, "tb"))
+        self._scalars_at = 0.0
         self.service = Service(self.sock, {"register": self.on_register, "heartbeat": self.on_heartbeat,
                                            "finish": self.on_finish, "eval": self.on_eval,
                                            "status": self.on_status},
                                "the coordinator", MAX_FRAME, self.counters)
+        self._resume()
 
     def _view(self) -> dict:
         live = {str(k): v for k, v in self.members.live().items()}
@@ -88,10 +105,20 @@ class Coordinator:
         if role == "worker":
             if self.phase in ("final_eval", "done"):
                 raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
+            nonce = msg.get("nonce") or ""
+            again = self.nonces.get(nonce, -1)
+            if again >= 0 and self.members.members.get(again) and self.members.members[again].state == "live":
+                # A repeat (its answer was lost, or this coordinator restarted): same rank, no new join.
+                if self.phase == "rendezvous":
+                    self.parked = [p for p in self.parked if p[2] != again] + [(ident, msg, again)]
+                    return self._start_training() if self.members.all_joined else []
+                return [self._reply_register(ident, msg, again)]
             rank = self.members.join(now, msg.get("want_rank", -1))
             if rank < 0:
                 raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} worker ranks are taken and live")
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
+            if nonce:
+                self.nonces[nonce] = rank
             if self.phase == "rendezvous":
                 self.parked.append((ident, msg, rank))
                 log("coordinator", f"workers registered {len(self.members.members)}/{self.cfg.cluster.workers} "
@@ -164,17 +191,30 @@ class Coordinator:
              "loss": float(msg.get("loss")), "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):
             self.evals.append(e)  # t: seconds since training started (summary.json's curve)
+            if self.scalars:
+                self.scalars.add({"job/accuracy": e["accuracy"], "job/loss": e["loss"]}, e["samples"])
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
         if e["final"] and self.phase == "final_eval":
             self._finish_job()
         return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
-        return [(ident, wire.reply(msg, samples=self.samples(), servers=len(self.servers),
-                                   evals=len(self.evals), **self._view()))]
+        """What `psgd status` shows: the job, each worker and shard, the last score."""
+        workers = [{"rank": r, "state": m.state, "clock": m.clock, "joins": m.joins,
+                    **{k: m.stats.get(k) for k in STATUS_WORKER_STATS}}
+                   for r, m in sorted(self.members.members.items())]
+        shards = [{"index": i, "version": st.get("version"), "restarts": max(0, self.server_joins.get(i, 1) - 1),
+                   "bad_messages": st.get("bad_messages", 0)} for i, st in sorted(self.servers.items())]
+        elapsed = time.monotonic() - self.t0 if self.t0 else 0.0
+        return [(ident, wire.reply(msg, samples=self.samples(), servers=len(self.servers), evals=len(self.evals),
+                                   mode=self.cfg.mode.name, mode_params=self.cfg.mode_params,
+                                   workers_expected=self.cfg.cluster.workers, elapsed_s=round(elapsed, 3),
+                                   steps=self.cfg.train.steps, workers=workers, shards=shards,
+                                   last_eval=self.evals[-1] if self.evals else None, **self._view()))]
 
     # ------------------------------------------------------------ phases
     def _tick(self, now: float) -> None:
+        self._save_state(now)
         if self.phase == "training":
             lost = self.members.expire(now)
             for r in lost:
@@ -194,6 +234,9 @@ class Coordinator:
         elif self.phase == "final_eval" and now > self.final_deadline:
             log("coordinator", "no final evaluation arrived in time; writing the summary without it")
             self._finish_job()
+        if self.scalars and self.phase == "training" and now - self._scalars_at >= PROGRESS_EVERY_S:
+            self._scalars_at = now
+            self.scalars.workers(self.members.stats(), self.samples())
         if not self.quiet and self.phase == "training" and now - self._last_progress >= PROGRESS_EVERY_S:
             self._last_progress = now
             self._progress(now)
@@ -212,7 +255,8 @@ class Coordinator:
         wall = (self.t_end or time.monotonic()) - self.t0
         m = self.members
         failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined,
-                    "shard_restarts": sum(max(0, n - 1) for n in self.server_joins.values())}
+                    "shard_restarts": sum(max(0, n - 1) for n in self.server_joins.values()),
+                    "coordinator_restarts": self.restarts}
         extra = {"job": self.cfg.job.name, "seed": self.cfg.job.seed, "model": self.cfg.model.name,
                  "data": self.cfg.data.name, "batch_size": self.cfg.train.batch_size,
                  "steps": self.cfg.train.steps, "faults": {k: v for k, v in vars(self.cfg.faults).items()},
@@ -230,12 +274,68 @@ class Coordinator:
         self.events.write(event="done", wall_s=round(wall, 3))
         self.phase = "done"
         self.done_at = time.monotonic()
+        self._save_state(self.done_at)
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it."""
         expected = self.cfg.cluster.servers + (1 if self.cfg.cluster.evaluator else 0)
         heard = len({k for k in self.told_done if k[0] != "worker"})
         return heard >= expected or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
+
+    # ------------------------------------------------------------ the state file
+    def _save_state(self, now: float) -> None:
+        """Replace DIR/coordinator-state.json (atomically) when the job's state changed,
+        and every STATE_EVERY_S for the counters: what a restarted coordinator resumes."""
+        key = (self.members.version, self.phase, len(self.evals), self.abort, len(self.server_joins))
+        if not self.state_path or (key == self._saved and now - self._saved_at < STATE_EVERY_S):
+            return
+        self._saved, self._saved_at = key, now
+        wall = time.time()
+        write_json_atomic(self.state_path, {
+            "saved_at": wall, "config": self.cfg.to_dict(), "phase": self.phase, "abort": self.abort,
+            "t0_wall": wall - (now - self.t0) if self.t0 else None,
+            "t_end_wall": wall - (now - self.t_end) if self.t_end else None,
+            "membership": self.members.state_dict(), "nonces": self.nonces,
+            "server_joins": self.server_joins, "servers": self.servers, "evals": self.evals,
+            "startup_s": self.startup_s, "launched_at": self.launched_at, "launched_by": self.launched_by,
+            "restarts": self.restarts, "counters": self.counters})
+
+    def _resume(self) -> None:
+        """Continue a job whose coordinator died, from its state file: only a file of
+        the same config, of a job not done, saved within cluster.timeout_s (the time
+        the daemons keep trying to reach the coordinator); anything else starts afresh."""
+        if not self.state_path or not os.path.exists(self.state_path):
+            return
+        try:
+            with open(self.state_path) as f:
+                st = json.load(f)
+        except (OSError, ValueError) as e:
+            log("coordinator", f"ignoring {self.state_path}: {e}")
+            return
+        age = time.time() - float(st.get("saved_at", 0))
+        same = json.dumps(st.get("config"), sort_keys=True) == json.dumps(self.cfg.to_dict(), sort_keys=True)
+        if st.get("phase") == "done" or not same or age > self.cfg.cluster.timeout_s:
+            why = ("its job is done" if st.get("phase") == "done" else "it is another config's" if not same
+                   else f"it is {age:.0f} s old, older than cluster.timeout_s")
+            log("coordinator", f"starting afresh, not from {self.state_path}: {why}")
+            return
+        now, wall = time.monotonic(), time.time()
+        self.phase, self.abort = st["phase"], st["abort"]
+        self.t0 = now - (wall - st["t0_wall"]) if st["t0_wall"] else 0.0
+        self.t_end = now - (wall - st["t_end_wall"]) if st["t_end_wall"] else 0.0
+        self.members.load_state_dict(st["membership"], now)
+        self.nonces = {k: int(v) for k, v in st["nonces"].items()}
+        self.server_joins = {int(k): int(v) for k, v in st["server_joins"].items()}
+        self.servers = {int(k): v for k, v in st["servers"].items()}
+        self.evals, self.startup_s = st["evals"], st["startup_s"]
+        self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]
+        self.counters.update(st["counters"])
+        self.restarts = int(st["restarts"]) + 1
+        if self.phase == "final_eval":
+            self.final_deadline = now + self.cfg.cluster.timeout_s
+        self.events.write(event="coordinator_restart", restarts=self.restarts, phase=self.phase)
+        log("coordinator", f"resumed the job from {self.state_path} (saved {age:.1f} s ago): {self.phase}, "
+            f"{len(self.members.live())} live workers; restart {self.restarts}")
 
     # ------------------------------------------------------------ loop
     def serve(self, deadline_s: float | None = None) -> int:
@@ -263,4 +363,7 @@ class Coordinator:
         finally:
             self.sock.close(0)
             self.events.close()
+            if self.scalars:
+                self.scalars.workers(self.members.stats(), self.samples())
+                self.scalars.close()
             stop_auth(self.ctx)

@@ -1,6 +1,6 @@
 import pytest
 
-from psgd.config import Config, ConfigError, load
+from psgd.config import Config, ConfigError, given_keys, load
 
 pytestmark = pytest.mark.unit
 
@@ -119,4 +119,12 @@ def test_addresses():
 
 def test_mode_params():
     assert load(None, ["mode.name=easgd"], env={}).mode_params == {"tau": 4, "alpha": 0.45, "sync": False}
-    assert load(None, ["mode.name=ssp"], env={}).mode_params == {"staleness": 2}
+    assert load(None, ["mode.name=ssp"], env={}).mode_params == {"staleness": 2, "cache": False, "prefetch": False}
+
+
+def test_given_keys_are_those_the_user_set(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[cluster]\nworkers = 3\n[train]\nsteps = 10\n")
+    got = given_keys(str(path), ["cluster.port=6000"], env={"PSGD_MODE_NAME": "ssp", "PSGD_OUT": "x"})
+    assert got == {"cluster.workers", "train.steps", "cluster.port", "mode.name"}
+    assert "cluster.port" not in given_keys(None, [], env={})

@@ -670,16 +670,17 @@ def test_shard_ssp_membership_change_releases_a_pull():
 @pytest.mark.timeout(120)
 def test_shard_async_never_parks_and_scales_by_staleness():
     shard, cfg = shard_for("async", 2, **{"mode.lr_policy": "staleness"})
-    lr, W = cfg.optimizer.lr, 2
+    lr = cfg.optimizer.lr
     p0 = shard.params.detach().clone().numpy()
     g = np.ones(shard.P, np.float32)
     for c in range(5):
         shard.handle(("p", c), push(shard, 0, c, g, read_version=c))
         assert len(shard.handle(("r", c), msg("pull", 0, c + 1))) == 1
-    # worker 1 read at version 0 and pushes after 5 updates: tau = 5, lr / (W * 5)
+    # worker 0's pushes have tau = 0: lr each (the staleness policy replaces 1 / W); worker 1
+    # read at version 0 and pushes after 5 updates: tau = 5, lr / 5 (in place of 1 / W)
     out = answers(shard.handle("late", push(shard, 1, 0, g, read_version=0)))
     assert out["late"].get("staleness") == 5
-    np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr / W * (5 + 1 / 5) * g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr * (5 + 1 / 5) * g, rtol=1e-5, atol=1e-6)
     assert shard.stats()["staleness_hist"][5] == 1
 
 
@@ -705,3 +706,157 @@ def test_shard_ssp_join_pull_is_not_gated():
     out = answers(shard.handle("join", msg("pull", 1, 0, join=True)))
     assert out["join"].get("finished") == 0 and shard.stats()["parked"] == 1
     assert out["join"].get("version") == 3
+
+
+@pytest.mark.timeout(120)
+def test_shard_dc_asgd_compensates_with_the_workers_own_read_copy():
+    """Zheng et al. 2017: a push is compensated with w_bak, the parameters that this
+    worker read and computed its gradient on: g + lambda g (.) g (.) (w_now - w_bak).
+    Not another worker's read, and not the worker's newer read (prefetch: it computes on
+    the model it has while its next pull is in flight)."""
+    lam = 0.5
+    shard, cfg = shard_for("async", 2, **{"mode.dc_lambda": lam})
+    lr, W = cfg.optimizer.lr, 2
+    rng = np.random.default_rng(2)
+    g0, g0b, g1 = (rng.standard_normal(shard.P).astype(np.float32) for _ in range(3))
+    p0 = shard.params.detach().clone().numpy()
+    assert len(shard.handle("r1-0", msg("pull", 1, 0, join=True))) == 1      # worker 1 reads P0 (version 0)
+    assert len(shard.handle("r0-0", msg("pull", 0, 0, join=True))) == 1      # worker 0 reads P0
+    shard.handle("p0-0", push(shard, 0, 0, g0, read_version=0))              # no delay: no compensation
+    p1 = p0 - lr / W * g0
+    np.testing.assert_allclose(shard.params.detach().numpy(), p1, rtol=1e-5, atol=1e-6)
+    assert len(shard.handle("r1-1", msg("pull", 1, 1))) == 1                 # worker 1's next read: P1
+    assert len(shard.handle("r0-1", msg("pull", 0, 1))) == 1                 # worker 0 reads P1 last
+    shard.handle("p0-1", push(shard, 0, 1, g0b, read_version=1))
+    p2 = p1 - lr / W * g0b
+    # worker 1's gradient was computed on P0 (read_version 0), though it has read P1 since
+    out = answers(shard.handle("p1-0", push(shard, 1, 0, g1, read_version=0)))
+    assert out["p1-0"].get("staleness") == 2
+    compensated = g1 + lam * g1 * g1 * (p2 - p0)
+    np.testing.assert_allclose(shard.params.detach().numpy(), p2 - lr / W * compensated, rtol=1e-5, atol=1e-6)
+    wrong = p2 - lr / W * (g1 + lam * g1 * g1 * (p2 - p1))                   # with its newer read
+    assert np.abs(shard.params.detach().numpy() - wrong).max() > 1e-4
+
+
+# ---------------------------------------------------------------- DiLoCo: rounds of pseudo-gradients on a Shard
+
+class DilocoModel:
+    """DiLoCo's server side as the paper and DESIGN.md state it, next to a real Shard
+    (mode diloco) driven with wire messages: a round closes when as many pseudo-gradients
+    as live workers arrived (sync's barrier, no backups); the global model then takes one
+    outer Nesterov step on their mean (torch's convention); a push for a closed round is
+    dropped; a read of round c + 1 waits until round c has closed."""
+
+    def __init__(self, n: int):
+        self.shard, cfg = shard_for("diloco", n, **{"cluster.servers": 1, "model.hidden": 4})
+        self.eta, self.mu = cfg.mode.outer_lr, cfg.mode.outer_momentum
+        self.theta = self.shard.params.detach().double().clone()
+        self.m = torch.zeros_like(self.theta)
+        self.step, self.dropped = 0, 0
+        self.contributors: dict[int, torch.Tensor] = {}   # rank -> its pseudo-gradient, this round
+        self.live = set(range(n))
+        self.workers = {r: {"round": 0, "state": "fresh", "life": 0} for r in range(n)}
+        self.parked: dict[tuple, int] = {}                 # token -> clock
+        self.tokens = 0
+
+    def handle(self, op: str, rank: int, clock: int, arrays=(), **fields) -> tuple[tuple, dict]:
+        self.tokens += 1
+        token = (op, rank, clock, self.tokens)
+        return token, answers(self.shard.handle(token, msg(op, rank, clock, arrays, **fields)))
+
+    def released(self, got: dict) -> None:
+        for token, reply in got.items():
+            if token in self.parked:
+                clock = self.parked.pop(token)
+                assert clock <= self.step, f"a read of round {clock} answered at step {self.step}"
+                self.answered(token[1], reply)
+
+    def answered(self, rank: int, reply) -> None:
+        np.testing.assert_allclose(reply.arrays[0], self.theta.numpy(), rtol=1e-5, atol=1e-5)
+        w = self.workers[rank]
+        if w["state"] in ("parked", "pushed", "fresh"):
+            w["round"], w["state"] = int(reply.get("step")), "work"
+
+    def close(self) -> None:
+        delta = torch.stack(list(self.contributors.values())).mean(0)
+        self.m = self.mu * self.m + delta
+        self.theta = self.theta - self.eta * (delta + self.mu * self.m)
+        self.contributors = {}
+        self.step += 1
+
+    def push(self, rank: int) -> None:
+        w = self.workers[rank]
+        r = w["round"]
+        delta = torch.from_numpy(np.random.default_rng([rank, r, w["life"]]).standard_normal(self.shard.P)) * 0.01
+        token, got = self.handle("push", rank, r, [delta.float().numpy(), np.zeros(self.shard.B, np.float32)],
+                                 read_version=0)
+        reply = got.pop(token)
+        w["state"] = "pushed"
+        if r < self.step:
+            self.dropped += 1
+            assert reply.get("dropped") is True
+        elif rank in self.contributors:
+            assert reply.get("dropped") is True          # the same round twice (a rejoin): not counted
+        else:
+            assert not reply.get("dropped")
+            self.contributors[rank] = delta.float().double()
+            if len(self.contributors) >= max(1, len(self.live)):
+                self.close()
+        self.released(got)
+
+    def read(self, rank: int, join: bool = False) -> None:
+        w = self.workers[rank]
+        clock = w["round"] + 1 if not join else 0
+        token, got = self.handle("pull", rank, clock, **({"join": True} if join else {}))
+        if token in got:
+            assert join or clock <= self.step, f"a read of round {clock} answered at step {self.step}"
+            self.answered(rank, got.pop(token))
+        else:
+            assert not join and clock > self.step, f"a read of round {clock} parked at step {self.step}"
+            self.parked[token] = clock
+            w["state"] = "parked"
+        self.released(got)
+
+    def membership(self) -> None:
+        got = answers(self.shard.set_live({r: self.workers[r]["round"] for r in sorted(self.live)}))
+        if self.contributors and len(self.contributors) >= max(1, len(self.live)):
+            self.close()
+        self.released(got)
+
+    def check(self) -> None:
+        assert self.shard.rule.barrier.step == self.step
+        assert sorted(self.shard.rule.barrier.contributors) == sorted(self.contributors)
+        assert self.shard.rule.barrier.dropped == self.dropped
+        assert self.shard.rule.barrier.parked == len(self.parked)
+        assert all(c > self.step for c in self.parked.values()), "a read waits though its round closed"
+        np.testing.assert_allclose(self.shard.params.detach().numpy(), self.theta.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+@FEW
+@given(n=st.integers(1, 4), events=EVENTS)
+def test_diloco_rounds_close_once_with_the_outer_nesterov_step_of_their_mean(n, events):
+    m = DilocoModel(n)
+    for kind, a, b in events:
+        rank = a % n
+        w = m.workers[rank]
+        if kind <= 4 and w["state"] != "dead":       # somebody's next action (a zombie, dropped, too)
+            if w["state"] == "fresh":
+                m.read(rank, join=True)
+            elif w["state"] == "work":
+                m.push(rank)
+            elif w["state"] == "pushed":
+                m.read(rank)
+        elif kind == 5 and rank in m.live:            # leaves; a zombie goes on sending
+            m.live.discard(rank)
+            if b % 2:
+                w["state"] = "dead"
+            m.membership()
+        elif kind == 6 and rank not in m.live:        # (re)joins, learning the open round from its join read
+            m.live.add(rank)
+            w["life"] += 1
+            w["state"] = "fresh"
+            m.membership()
+        elif kind == 7:                               # a refresh that changes nothing
+            m.membership()
+        m.check()

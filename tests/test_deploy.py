@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -497,6 +498,23 @@ def test_slurm_scancel_keeps_the_shard_checkpoints(slurm, tmp_path):
         assert sd["shard"] == i and int(sd["version"]) > 0
         assert "SIGTERM: checkpointing" in (out / "logs" / f"server-{i}.log").read_text()
     assert not (out / "summary.json").exists()
+    assert_no_leftovers(out)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_slurm_restarts_a_killed_coordinator(slurm, tmp_path):
+    jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="1500")
+    out = tmp_path / "out"
+    slurm.wait_for("training progress", lambda: events(out, "worker-0") >= 100, 300, jid, tmp_path)
+    pid = int((out / "pids" / "coordinator-0.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)
+    st = slurm.wait(jid, 360, tmp_path)
+    assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
+    assert "coordinator exited with 137; restarting it (restart 1)" in (tmp_path / f"job-{jid}.out").read_text()
+    assert "resumed the job from" in (out / "logs" / "coordinator.log").read_text()
+    s = summary_ok(tmp_path, jid)
+    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_lost"] == 0, s["failures"]
     assert_no_leftovers(out)
 
 

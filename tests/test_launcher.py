@@ -3,6 +3,7 @@ do no training, so that restarts happen at once."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
@@ -10,6 +11,7 @@ import pytest
 
 from psgd.config import load
 from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob
+from psgd.transport import EXIT_ADDRESS_IN_USE
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.processes
@@ -85,3 +87,43 @@ def test_start_up_progress_counts_the_children_that_have_started(tmp_path, capsy
     counts = [int(line.split("started ")[1].split("/")[0]) for line in err.splitlines() if "processes" in line]
     assert counts == sorted(counts) and counts[-1] == 4
     assert "--launched-at" in job.children[0].argv
+
+
+def test_an_explicit_busy_port_is_refused_not_moved(tmp_path):
+    base = free_port_block(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))   # the shard's port
+        cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+        with pytest.raises(LaunchError, match=f"cluster.port = {base}: port {base + 1} on 127.0.0.1 is in use"):
+            LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
+        job = LocalJob(cfg, str(tmp_path), quiet=True)   # unset: the launcher chooses another block
+        assert job.cfg.cluster.port != base
+        assert f"port = {job.cfg.cluster.port}" in (tmp_path / "config.toml").read_text()
+
+
+class BusyOnceJob(LocalJob):
+    """The first coordinator finds its port taken (exit EXIT_ADDRESS_IN_USE), as when
+    another job binds the block between the launcher's check and the daemon's bind; the
+    second one runs."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        if role == "coordinator" and self.moves == 0:
+            return [sys.executable, "-c", f"import sys; print('port taken', file=sys.stderr); "
+                                          f"sys.exit({EXIT_ADDRESS_IN_USE})"]
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_whose_chosen_ports_are_taken_moves_to_another_block(tmp_path, capsys):
+    base = free_port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = BusyOnceJob(cfg, str(tmp_path), quiet=False, timeout_s=2)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-ins never end
+            job.wait()
+    finally:
+        job.stop()
+    assert job.moves == 1 and job.cfg.cluster.port != base
+    assert f"moved the job to {job.cfg.cluster.port}" in capsys.readouterr().err
+    assert f"port = {job.cfg.cluster.port}" in (tmp_path / "config.toml").read_text()

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_registry_has_every_mode_with_both_halves():
-    assert set(MODES) == {"sync", "ssp", "async", "easgd", "ltfb"}
+    assert set(MODES) == {"sync", "ssp", "async", "easgd", "ltfb", "diloco"}
     for name, mode in MODES.items():
         assert mode.name == name and mode.rule.name == name
         assert issubclass(mode.rule, r.ServerRule) and issubclass(mode.schedule, r.Schedule)
@@ -35,7 +35,7 @@ def test_the_mechanism_names_no_mode():
     """No string literal naming a mode in the shard, the servers or the workers."""
     files = [ROOT / "psgd" / "shard.py", *sorted((ROOT / "servers").glob("*.py")),
              *sorted((ROOT / "workers").glob("*.py"))]
-    pattern = re.compile(r"""["'](sync|ssp|async|easgd|ltfb)["']""")
+    pattern = re.compile(r"""["'](sync|ssp|async|easgd|ltfb|diloco)["']""")
     found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files
              for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)

@@ -17,7 +17,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psgd import wire
+from psgd import consistency, wire
 from psgd.config import load
 from psgd.inprocess import InProcessCluster
 from psgd.keys import make_keys
@@ -70,13 +70,29 @@ def kill_during(j: LocalJob, name: str, after: tuple[int, int], sig=signal.SIGKI
 @pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
+@pytest.mark.parametrize("mode", consistency.NAMES)
 def test_kill_9_a_worker_mid_run(tmp_path, mode):
     j = job(tmp_path, f"mode.name={mode}", "cluster.workers=3", "train.steps=500", "mode.round_steps=25")
     s = kill_during(j, "worker-2", (2, 60))
     assert s["failures"]["workers_lost"] == 1, s["failures"]
     assert s["final_accuracy"] >= 0.85, s
     assert steps_done(j.out, 0) == 500 and steps_done(j.out, 1) == 500
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", consistency.NAMES)
+def test_kill_9_the_coordinator_mid_run(tmp_path, mode):
+    j = job(tmp_path, f"mode.name={mode}", "train.steps=500", "mode.round_steps=25", "mode.local_steps=10",
+            "faults.step_delay_s=0.002")
+    s = kill_during(j, "coordinator-0", (0, 150))
+    assert child(j, "coordinator-0").restarts == 1
+    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_lost"] == 0, s["failures"]
+    assert s["final_accuracy"] >= 0.85, s
+    assert steps_done(j.out, 0) == 500 and steps_done(j.out, 1) == 500
+    log = open(os.path.join(j.out, "logs", "coordinator-0.log")).read()
+    assert "resumed the job from" in log and "training, 2 live workers; restart 1" in log, log[-2000:]
 
 
 @pytest.mark.processes

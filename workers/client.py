@@ -2,12 +2,14 @@
 
 A push and the next pull go out back to back on each shard's socket (the shard serves
 them in order, so the read sees this worker's own update) and all shards work in
-parallel: one round trip per step. A request that gets no answer within the retry
-window is sent again on a fresh connection (pushes are deduplicated by (rank, clock),
-so a resend is safe) with backoff, until `cluster.timeout_s` runs out; then
-`ShardUnreachable` names the address. An error reply raises its typed exception
-(`wire.Refused`, `wire.BadRequest`, `wire.ServerFault`) at once. `cancel`, when set,
-is asked while waiting: turning true gives up with `Cancelled` (the job ended).
+parallel: one round trip per step. A push may also go alone (its answer carries no
+arrays), and a pull alone, for schedules that read less often than they push. A
+request that gets no answer within the retry window is sent again on a fresh
+connection (pushes are deduplicated by (rank, clock), so a resend is safe) with
+backoff, until `cluster.timeout_s` runs out; then `ShardUnreachable` names the address.
+An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
+`wire.ServerFault`) at once. `cancel`, when set, is asked while waiting: turning true
+gives up with `Cancelled` (the job ended).
 """
 from __future__ import annotations
 
@@ -143,16 +145,25 @@ class ParameterClient:
                   read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:
         return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions))
 
-    def begin_push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
-                        read_versions: list[int], slot: int = 0) -> InFlight:
+    def push(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
+             read_versions: list[int]) -> list[wire.Message]:
+        """Push clock `clock`'s gradient without pulling (the shards' acknowledgements)."""
+        return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions, pull=False))[0]
+
+    def begin_push_pull(self, clock: int, grads: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None,
+                        read_versions: list[int] | None, slot: int = 0, pull: bool = True) -> InFlight:
         """Push clock `clock`'s gradient and pull for `clock + 1` on every shard, and return
-        at once (`finish_push_pull` gives the answers). `slot` picks
-        the conversion buffers, so that two pushes can be in flight."""
+        at once (`finish_push_pull` gives the answers). `grads=None`: pull only;
+        `pull=False`: push only. `slot` picks the conversion buffers, so that two pushes
+        can be in flight."""
         reqs = []
         for i in range(self.n):
-            reqs.append((i, "push", {"clock": clock, "read_version": read_versions[i],
-                                     **self._gradient(slot, i, grads[i], buffers[i])}))
-            reqs.append((i, "pull", {"clock": clock + 1}))
+            if grads is not None:
+                assert buffers is not None and read_versions is not None
+                reqs.append((i, "push", {"clock": clock, "read_version": read_versions[i],
+                                         **self._gradient(slot, i, grads[i], buffers[i])}))
+            if pull:
+                reqs.append((i, "pull", {"clock": clock + 1}))
         return self.begin(reqs)
 
     def _gradient(self, slot: int, shard: int, g: torch.Tensor, buffers: torch.Tensor) -> dict:
@@ -166,9 +177,11 @@ class ParameterClient:
         return {"arrays": [first, buffers, last], "codec": codec}
 
     def finish_push_pull(self, f: InFlight) -> tuple[list[wire.Message], list[wire.Message]]:
-        """(the pushes' answers, the pulls' answers), one each per shard."""
+        """(the pushes' answers, the pulls' answers), one each per shard (or none)."""
         answers = self.finish(f)
-        return answers[0::2], answers[1::2]
+        ops = [op for _, op, _ in f.reqs]
+        return ([m for op, m in zip(ops, answers, strict=True) if op == "push"],
+                [m for op, m in zip(ops, answers, strict=True) if op == "pull"])
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
         return self.request([(i, "elastic", {"round": round_, "clock": clock,

@@ -38,7 +38,7 @@ class Evaluator:
 
     def evaluate(self) -> tuple[float, float]:
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
-        return self.replica.score(self.ds.test_x, self.ds.test_y, self.cfg.eval.batch_size)
+        return self.replica.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
 
     def run(self) -> int:
         link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)

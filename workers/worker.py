@@ -16,6 +16,7 @@ on the heartbeats, so the coordinator's summary survives a worker that dies.
 from __future__ import annotations
 
 import os
+import random
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ from psgd.config import Config
 from psgd.consistency import get as get_mode
 from psgd.consistency.rule import Diverged
 from psgd.consistency.staleness import Histogram
-from psgd.data import Batches, holdout, load_dataset, partition
+from psgd.data import holdout, load_dataset, partition
 from psgd.log import log
 from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, PidFile
@@ -36,6 +37,21 @@ from psgd.models import build_model
 from psgd.optim import make_optimizer
 from psgd.replica import Replica, pick_device
 from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
+
+
+class Jitter:
+    """Transient stragglers (`faults.jitter_prob` = p, `faults.jitter_s` = d): each step
+    is delayed by d with probability p, independently, from a generator of its own seeded
+    by (job.seed, rank), so that a run's delays are reproducible and no other random
+    stream (batches, initialisation) shifts when jitter is turned on."""
+
+    def __init__(self, prob: float, delay_s: float, seed: int, rank: int):
+        self.prob, self.delay_s = prob, delay_s
+        self.rng = random.Random(f"psgd-jitter-{seed}-{rank}")
+
+    def draw(self) -> float:
+        """This step's delay: d with probability p, else 0 (no draw when p = 0)."""
+        return self.delay_s if self.prob > 0 and self.rng.random() < self.prob else 0.0
 
 
 def local_rank() -> int:
@@ -59,6 +75,7 @@ class Worker:
         self.loss = float("nan")
         self.hist = Histogram()
         self.rejected = 0          # steps refused by the shards (or diverged locally)
+        self.jittered: dict[int, bool] = {}  # clock -> was its compute delayed (until its step line)
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------ counters
@@ -99,13 +116,14 @@ class Worker:
     def _train(self, cfg: Config, ds, model) -> int:
         self.device = pick_device(self.device_spec, local_rank())
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
+        self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
         self.replica = Replica(model, cfg.cluster.servers, self.device)
         schedule = get_mode(cfg.mode.name).schedule(cfg)
-        part = partition(len(ds.train_y), self.rank, cfg.cluster.workers, cfg.job.seed)
+        part = partition(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed)
         if schedule.data_split > 0:
             part, held = holdout(part, schedule.data_split)
-            self.holdout = (ds.train_x[held], ds.train_y[held])
-        self.batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, self.rank)
+            self.holdout = ds.take(held)
+        self.batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, self.rank)
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
         self.events = EventLog(self.out, "worker", self.rank)
@@ -192,7 +210,8 @@ class Worker:
         return not (t.seconds and time.monotonic() - self.t_start >= t.seconds)
 
     def compute(self) -> float:
-        """One forward/backward on the next batch (with injected slowness); the loss."""
+        """One forward/backward on the next batch (with injected slowness: a slow link, a
+        slow rank, transient jitter); the loss."""
         t0 = time.perf_counter()
         x, y = self.batches.next()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -204,6 +223,10 @@ class Worker:
         extra = f.step_delay_s
         if f.slow_rank == self.rank and f.slow_factor > 1:
             extra += (f.slow_factor - 1) * (time.perf_counter() - t0)
+        if f.jitter_prob > 0:
+            jitter = self.jitter.draw()
+            self.jittered[self.clock] = jitter > 0
+            extra += jitter
         if extra > 0:
             time.sleep(extra)
         self.loss = float(loss.item())
@@ -211,7 +234,13 @@ class Worker:
         return self.loss
 
     def log_step(self, staleness: int, wait_s: float, **extra) -> None:
+        """The step line of the step just taken (`clock` is the clock after it; with
+        jitter on, `jitter` says whether its compute, at clock - 1, was delayed)."""
         self.steps += 1
+        if self.cfg.faults.jitter_prob > 0:
+            extra["jitter"] = self.jittered.pop(self.clock - 1, False)
+            for c in [c for c in self.jittered if c < self.clock - 8]:  # a rejected step's leftovers
+                del self.jittered[c]
         self.events.write(rank=self.rank, step=self.steps, clock=self.clock, loss=round(self.loss, 5),
                           samples=self.samples, staleness=staleness, wait_s=round(wait_s, 5),
                           bytes_sent=self.client.bytes_sent, bytes_recv=self.client.bytes_recv, **extra)

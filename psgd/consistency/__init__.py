@@ -67,11 +67,14 @@ class Registry(Mapping[str, "Mode"]):
 
 MODES = Registry(
     Entry("sync", "sync", "SyncRule", "SyncSchedule", ("backup_workers",)),
-    Entry("ssp", "ssp", "SspRule", "SspSchedule", ("staleness",)),
-    Entry("async", "asynchronous", "AsyncRule", "AsyncSchedule", ("lr_policy", "dc_lambda", "prefetch")),
+    Entry("ssp", "ssp", "SspRule", "SspSchedule", ("staleness", "cache", "prefetch")),
+    Entry("async", "asynchronous", "AsyncRule", "AsyncSchedule",
+          ("lr_policy", "dc_lambda", "prefetch", "n_push", "n_fetch")),
     Entry("easgd", "easgd", "EasgdRule", "EasgdSchedule", ("tau", "alpha", "sync")),
-    Entry("ltfb", "ltfb", "LtfbRule", "LtfbSchedule", ("round_steps", "tournament_fraction", "exchange"),
-          "global_model"),
+    Entry("ltfb", "ltfb", "LtfbRule", "LtfbSchedule",
+          ("round_steps", "tournament_fraction", "exchange", "trainer_size", "strategy", "truncation_k", "metric",
+           "mutation"), "global_model"),
+    Entry("diloco", "diloco", "DilocoRule", "DilocoSchedule", ("local_steps", "outer_lr", "outer_momentum")),
 )
 
 NAMES: tuple[str, ...] = tuple(MODES)

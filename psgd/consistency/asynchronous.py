@@ -1,23 +1,30 @@
 """`async`: Downpour / Hogwild (Dean et al. 2012): SSP without a bound.
 
 Server rule: a push is applied on arrival at lr / W, reads never wait. Options:
-`mode.lr_policy = "staleness"` scales by 1 / max(1, tau) (Zhang et al. 2016), and
+`mode.lr_policy = "staleness"` applies it at lr / max(1, tau) instead (Zhang et al.
+2016: alpha0 / tau, alpha0 the synchronous rate; in place of the 1 / W, not on top), and
 `mode.dc_lambda > 0` compensates the delay (DC-ASGD, Zheng et al. 2017) with the
-parameters each worker last read.
+parameters that the pushing worker read at its gradient's read version (w_bak).
 
 Worker schedule: as ssp (push+pull every step). With `mode.prefetch = true` the worker
 computes its next gradient on the parameters it has while its push and pull are in
 flight (Downpour's overlap of fetching and computing): each gradient is then one
-update staler, and the round trip hides behind the compute.
+update staler, and the round trip hides behind the compute. Downpour's `mode.n_push`
+and `mode.n_fetch` (Dean et al. 2012): push the gradients accrued over n_push steps
+as one sum, fetch the parameters every n_fetch steps, and in between step the
+worker's own copy by its own gradients (`AsyncSchedule.downpour_step`); they combine
+with prefetch.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .pushpull import load
+from .pushpull import load, own_update
 from .rule import Answer, Read, Trainer
 from .ssp import SspRule, SspSchedule
 from .staleness import delay_compensate, lr_scale
+
+READS = 2  # DC-ASGD copies kept per worker: the read a gradient is computed on, and one in flight
 
 
 class AsyncRule(SspRule):
@@ -25,54 +32,130 @@ class AsyncRule(SspRule):
 
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
-        self.w_read: dict = {}   # DC-ASGD: the parameters at each worker's last read
+        self.w_read: dict = {}   # DC-ASGD: rank -> {version: the parameters it read}, its last READS
 
     def bound(self) -> int | None:
         return None
 
     def lr_scale(self, tau: int) -> float:
-        return lr_scale(tau, self.mode.lr_policy)
+        """1 / W, or 1 / max(1, tau) in its place with `lr_policy = "staleness"`."""
+        return lr_scale(tau, self.mode.lr_policy, self.world)
 
     def gradient(self, e):
-        if self.mode.dc_lambda > 0 and e.rank in self.w_read:
-            return delay_compensate(e.grad, self.tables.params.detach(), self.w_read[e.rank], self.mode.dc_lambda)
+        """DC-ASGD: compensated with w_bak, the copy this worker read at the version its
+        gradient was computed on (the push's read_version = version - tau)."""
+        w_bak = self.w_read.get(e.rank, {}).get(self.tables.version - e.tau) if self.mode.dc_lambda > 0 else None
+        if w_bak is not None:
+            return delay_compensate(e.grad, self.tables.params.detach(), w_bak, self.mode.dc_lambda)
         return e.grad
 
     def answer(self, e: Read) -> Answer:
-        if self.mode.dc_lambda > 0 and e.rank >= 0:
-            self.w_read[e.rank] = self.tables.params.detach().clone()
+        if self.mode.dc_lambda > 0 and e.rank >= 0:  # keep its last READS reads (prefetch computes on the older)
+            reads = self.w_read.setdefault(e.rank, {})
+            reads[self.tables.version] = self.tables.params.detach().clone()
+            for v in sorted(reads)[:-READS]:
+                del reads[v]
         return super().answer(e)
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self.w_read = {}  # the reads were of the tables before the restore
 
 
 class AsyncSchedule(SspSchedule):
-    inflight: Any = None        # the push+pull in flight (prefetch)
+    """Push+pull every step (`SspSchedule`'s step) unless `mode.prefetch`, `mode.n_push` or
+    `mode.n_fetch` say otherwise; then `downpour_step`."""
+
+    caches = False
+    inflight: Any = None        # the request in flight (prefetch), and whether it pushed
+    inflight_pushed = False
     slot = 0                    # which set of gradient buffers the next push uses
 
-    def step(self, w: Trainer) -> None:
-        if not self.cfg.mode.prefetch:
-            return super().step(w)
-        w.replica.model.train()
-        w.compute()                      # on the parameters we have, while the last push travels
-        grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
-        read = self.versions             # the versions this gradient was computed on
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        m = cfg.mode
+        self.n_push, self.n_fetch, self.prefetch = m.n_push, m.n_fetch, m.prefetch
+        self.since_push = self.since_fetch = 0   # steps since the last push, since the last fetch
+        self.accrued: list | None = None          # the gradients summed since the last push (n_push > 1)
+        self.accrued_read: list[int] = []         # the read the latest of them was computed on
+        self.last_tau = 0
+
+    def rejoin(self, w: Trainer) -> None:
         self.settle(w)
-        self.inflight = w.client.begin_push_pull(w.clock, grads, buffers, read, self.slot)
-        self.slot ^= 1
+        super().rejoin(w)
+        self.since_fetch = 0
+
+    def step(self, w: Trainer) -> None:
+        if not self.prefetch and self.n_push == self.n_fetch == 1:
+            return super().step(w)
+        return self.downpour_step(w)
+
+    def downpour_step(self, w: Trainer) -> None:
+        """Downpour's client (Dean et al. 2012, Algorithm 7.1 of the supplement): compute on
+        the parameters it has, sum the gradient into those accrued, step its own copy by it
+        (parameters -= lr/W * gradient, `own_update`; with n_fetch = 1 the next fetch
+        replaces the copy, so the step is skipped); push the sum every n_push steps and
+        fetch the parameters every n_fetch steps, in one round trip when both fall due.
+        With prefetch the request travels while the next step computes, and is settled
+        (its answers loaded) after that step's gradient is taken."""
+        w.replica.model.train()
+        w.compute()                      # on the parameters we have, while the last request travels
+        grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
+        read = self.versions             # the read this gradient was computed on (settle may load a newer one)
+        self.settle(w)
+        self.since_push += 1
+        self.since_fetch += 1
+        push = self.since_push >= self.n_push
+        fetch = self.since_fetch >= self.n_fetch
+        if self.n_push > 1:
+            grads, self.accrued_read = self.accrue(grads), read
+        if self.n_fetch > 1:
+            own_update(w)
+        if push or fetch:
+            self.inflight = w.client.begin_push_pull(w.clock, grads if push else None, buffers if push else None,
+                                                     read, self.slot, pull=fetch)
+            self.inflight_pushed = push
+            self.slot ^= 1
+            if push:
+                self.since_push, self.accrued = 0, None
+            if fetch:
+                self.since_fetch = 0
         w.clock += 1
+        if self.inflight is None:
+            w.log_step(self.last_tau, 0.0, pushed=False)
+        elif not self.prefetch:
+            self.settle(w)
         return None
 
+    def accrue(self, grads: list) -> list:
+        """Add this step's gradient tables to the accrued sum (kept apart from the gather
+        buffers, which the next step reuses); the sum."""
+        if self.accrued is None:
+            self.accrued = [g.clone() for g in grads]
+        else:
+            for a, g in zip(self.accrued, grads, strict=True):
+                a.add_(g)
+        return self.accrued
+
     def finish(self, w: Trainer) -> None:
+        """Settle the request in flight, then push what is still accrued (n_push > 1)."""
         self.settle(w)
+        if self.accrued is not None and self.since_push > 0:
+            w.client.push(w.clock - 1, self.accrued, w.replica.buffers(self.slot), self.accrued_read)
+            self.accrued, self.since_push = None, 0
 
     def settle(self, w: Trainer) -> None:
-        """Wait for the push+pull in flight, load what it read, log its step."""
+        """Wait for the request in flight, load what it read, log its step."""
         if self.inflight is None:
             return
         inflight, self.inflight = self.inflight, None
         w0 = w.client.wait_s
         pushed, pulled = w.client.finish_push_pull(inflight)
-        tau = max(int(m.get("staleness", 0)) for m in pushed)
-        if not any(m.get("duplicate") for m in pushed):
-            w.hist.add(tau)
-        self.versions = load(w, pulled)
-        w.log_step(tau, w.client.wait_s - w0)
+        if pushed:
+            self.last_tau = max(int(m.get("staleness", 0)) for m in pushed)
+            if not any(m.get("duplicate") for m in pushed):
+                w.hist.add(self.last_tau)
+        if pulled:
+            self.versions = load(w, pulled)
+        extra = {} if self.inflight_pushed else {"pushed": False}
+        w.log_step(self.last_tau, w.client.wait_s - w0, **extra)

@@ -13,20 +13,54 @@ clock c, so under SSP `max_gap <= s`.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 
 
 class ClockTable:
+    """Costs stay flat in the number of workers (a simulator drives thousands): the
+    slowest live clock is kept with a count of live workers per clock, and parked reads
+    in a heap by clock, released from its top."""
+
     def __init__(self, live: Mapping[int, int] | Iterable[int], bound: int | None):
         live = dict(live) if isinstance(live, Mapping) else {r: 0 for r in live}
         self.finished: dict[int, int] = dict(live)
         self.live: set[int] = set(live)
         self.bound = bound
         self.max_gap = 0                     # largest lead of a reader over the slowest, at any read
-        self._reads: list[tuple[int, Hashable]] = []
+        self._reads: list[tuple[int, int, Hashable]] = []   # heap of (clock, arrival, token)
+        self._arrival = itertools.count()
+        self._recount()
+
+    def _recount(self) -> None:
+        self._at = Counter(self.finished[r] for r in self.live)   # live workers per finished clock
+        self._min = min(self._at, default=0)
+
+    def _advance(self, rank: int, clock: int) -> None:
+        """finished[rank] = max(finished[rank], clock), keeping the counts."""
+        old = self.finished.get(rank)
+        if old is not None and clock <= old:
+            return
+        self.finished[rank] = clock
+        if rank not in self.live:
+            return
+        if old is not None:
+            self._at[old] -= 1
+            if not self._at[old]:
+                del self._at[old]
+        self._at[clock] += 1
+        if old == self._min and old not in self._at:
+            self._min = min(self._at)
 
     def slowest(self) -> int:
-        return min((self.finished[r] for r in self.live), default=0)
+        return self._min
+
+    def restore(self, finished: Mapping[int, int]) -> None:
+        """Finished clocks from a checkpoint."""
+        self.finished.update(finished)
+        self._recount()
 
     def may_read(self, clock: int) -> bool:
         return self.bound is None or not self.live or self.slowest() >= clock - self.bound
@@ -41,18 +75,18 @@ class ClockTable:
         own progress frees; otherwise this one is parked."""
         moved = rank in self.live and clock > self.finished.get(rank, 0)
         if rank in self.live:
-            self.finished[rank] = max(self.finished.get(rank, 0), clock)
+            self._advance(rank, clock)
         out: list[Hashable] = []
         if self.may_read(clock):
             self._answered(clock)
             out.append(token)
         else:
-            self._reads.append((clock, token))
+            heapq.heappush(self._reads, (clock, next(self._arrival), token))
         return out + (self._release() if moved else [])
 
     def push(self, rank: int, clock: int) -> list[Hashable]:
         """Worker `rank` finished `clock` (its push for clock c finishes c + 1)."""
-        self.finished[rank] = max(self.finished.get(rank, 0), clock + 1)
+        self._advance(rank, max(self.finished.get(rank, 0), clock + 1))
         return self._release()
 
     def set_live(self, live: Mapping[int, int]) -> list[Hashable]:
@@ -61,17 +95,17 @@ class ClockTable:
             if r not in self.live:
                 self.finished[r] = max(c, self.finished.get(r, 0)) if r in self.finished else c
         self.live = set(live)
+        self._recount()
         return self._release()
 
     def _release(self) -> list[Hashable]:
-        ready: list[tuple[int, Hashable]] = []
-        waiting: list[tuple[int, Hashable]] = []
-        for c, t in self._reads:
-            (ready if self.may_read(c) else waiting).append((c, t))
-        self._reads = waiting
-        for c, _ in ready:
+        """The parked reads that may be answered now, lowest clock first (then arrival)."""
+        ready: list[Hashable] = []
+        while self._reads and self.may_read(self._reads[0][0]):
+            c, _, t = heapq.heappop(self._reads)
             self._answered(c)
-        return [t for _, t in ready]
+            ready.append(t)
+        return ready
 
     @property
     def parked(self) -> int:

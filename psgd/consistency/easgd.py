@@ -7,9 +7,19 @@ with fast-forward after a restore); the centre moves by the sum of the round's d
 and an offer that comes after its round closed gets its d without moving the centre.
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
-Worker schedule: local steps with the worker's own optimizer; every `mode.tau` steps
-an elastic exchange, after which the replica moves by -d. Staleness counts the centre
-moves by others since the worker's previous exchange.
+Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, tau,
+2 tau, ...; exchange round t / tau) the worker computes its gradient g(x) and offers the
+same x; the replica moves by -d and then takes the local update, so that with plain SGD
+    x_i <- x_i - eta g(x_i) - alpha (x_i - x~),   x~ <- x~ + alpha (x_i - x~)
+both terms evaluated at the x_i from before the step. (Before this order was fixed, the
+exchange offered the x after the step's update.) When the step budget ends at a multiple
+of tau, the exchange of the step that would come next is made, without its update, so
+that the centre has the last local steps too. The local optimizer is `[optimizer]`:
+plain SGD is EASGD as the equations above; with `optimizer.nesterov = true` (momentum
+> 0) it is EAMSGD (Algorithm 2, in torch's look-ahead form of Nesterov momentum, so the
+elastic term acts on the look-ahead point); with plain momentum, EASGD with a
+heavy-ball local optimizer (not EAMSGD). Staleness counts the centre's moves by others
+since the worker's previous exchange.
 """
 from __future__ import annotations
 
@@ -99,17 +109,28 @@ class EasgdSchedule(Schedule):
         self.join(w)
 
     def step(self, w: Trainer) -> None:
-        local_step(w, self.opt)
+        """Algorithm 1's step t: at tau | t the elastic exchange, with the x the gradient
+        was computed at; then the local update (x - d - eta g(x) for plain SGD)."""
         tau = self.cfg.mode.tau
-        staleness, wait = 0, 0.0
-        if w.clock % tau == 0:
-            w0 = w.client.wait_s
-            answers = w.client.elastic(w.clock // tau - 1, w.replica.params(), w.replica.buffers(), w.clock)
-            wait = w.client.wait_s - w0
-            version = int(answers[0].get("version", 0))
-            staleness = max(0, version - self.last_version - 1)  # centre moves by others since our last
-            self.last_version = version
-            w.hist.add(staleness)
-            ds, _ = w.client.tables(answers)
-            w.replica.load([p - d for p, d in zip(w.replica.params(), ds, strict=True)])
-        w.log_step(staleness, wait)
+        self.exchanged = (0, 0.0)
+        local_step(w, self.opt, (lambda: self.exchange(w, w.clock // tau)) if w.clock % tau == 0 else None)
+        w.log_step(*self.exchanged)
+
+    def finish(self, w: Trainer) -> None:
+        """The budget ends where step t = clock would begin: its exchange (no local update),
+        so that the centre has the last tau local steps too."""
+        if w.clock and w.clock % self.cfg.mode.tau == 0:
+            self.exchange(w, w.clock // self.cfg.mode.tau)
+
+    def exchange(self, w: Trainer, round_: int) -> None:
+        """Offer x_i, move it by -d; staleness counts the centre's moves by others since
+        this worker's previous exchange."""
+        w0 = w.client.wait_s
+        answers = w.client.elastic(round_, w.replica.params(), w.replica.buffers(), w.clock)
+        version = int(answers[0].get("version", 0))
+        staleness = max(0, version - self.last_version - 1)
+        self.last_version = version
+        w.hist.add(staleness)
+        ds, _ = w.client.tables(answers)
+        w.replica.load([p - d for p, d in zip(w.replica.params(), ds, strict=True)])
+        self.exchanged = (staleness, w.client.wait_s - w0)

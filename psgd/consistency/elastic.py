@@ -1,7 +1,8 @@
 """Elastic averaging SGD (Zhang, Choromanska, LeCun 2015): the centre's arithmetic.
 
-Asynchronous (Algorithm 1), every tau local steps of worker i:
-    d = alpha * (x_i - center);  center += d;  x_i -= d
+Asynchronous (Algorithm 1), at the steps t of worker i with tau | t, with the x_i that
+the step's gradient is computed at:
+    d = alpha * (x_i - center);  center += d;  x_i -= d (then x_i -= eta * g(x_i, the same))
 Synchronous rounds, over the round's x_i and the centre before the round:
     d_i = alpha * (x_i - center);  center += sum_i d_i;  x_i -= d_i
 Works on numpy arrays or torch tensors; nothing is changed in place.

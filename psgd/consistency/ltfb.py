@@ -1,28 +1,56 @@
-"""`ltfb`: Livermore Tournament Fast Batch (Jacobs, Dryden, Pearce, Van Essen, MLHPC'17).
+"""`ltfb`: Livermore Tournament Fast Batch (Jacobs, Dryden, Pearce, Van Essen, MLHPC'17),
+as LBANN runs it: trainers that are data-parallel groups, pairwise or truncation
+selection, and population-based hyperparameter exploration.
 
-Server rule: the shards are the exchange. Every `mode.round_steps` local steps each
-trainer deposits its model (weights, buffers, and with `mode.exchange =
-"weights+optimizer"` its optimizer's state) with its tournament score; a request for a
-partner's model of round r is answered with that model, or the partner's later one,
-or parked until it is deposited (`tournament.Exchange`). Each owner's older deposits
-are forgotten.
+Trainers: with `mode.trainer_size = k`, ranks t*k .. t*k + k - 1 form trainer t. Its
+workers train synchronously, as one data-parallel trainer: every step each pushes its
+gradient, and the shards answer all of them with the mean (`tournament.GroupSteps`), on
+which each steps its own optimizer, so their replicas stay identical (k = 1: no
+per-step traffic at all). Its first live worker, the leader, plays the tournaments for
+it on its tournament split; the others take the outcome.
 
-Worker schedule: local steps with the worker's own optimizer; at the end of a round it
-scores its model on its held-out tournament split (`mode.tournament_fraction`),
-deposits it, fetches the partner that `pairings(seed, round, live)` names (an odd
-trainer sits out), scores it on the same split and keeps it only if strictly better.
+Server rule: the shards are the exchange and the reduction.
+- `push` + `pull` (k > 1): the trainer's step mean, as above.
+- `put_model` of round r >= 1: a trainer's model (weights, buffers, with
+  `mode.exchange = "weights+optimizer"` its optimizer's state, with `mode.explore` its
+  hyperparameters) and its score (`tournament.fitness`: higher is better). A request
+  for a partner's model of round r is answered with it, or the partner's later one, or
+  parked until deposited (`tournament.Exchange`); each trainer's older deposits are
+  forgotten.
+- `put_model` of round -r (k > 1): what the trainer carries out of round r (its model,
+  optimizer state and hyperparameters, and the decision), stored once per trainer for
+  its other workers, who ask for it with `get_model` of round -r.
+- `get_model` with owner -1 (truncation): every live trainer's score of round r,
+  parked until all of them have deposited it (`tournament.Scoreboard`).
 
-The global model (for the evaluator and a rejoining trainer) is the best-scored
-deposit of the latest round: its (round, owner) is chosen once from every shard's index
-and then fetched exactly from every shard, so its slices never mix two trainers.
+Worker schedule: every `mode.round_steps` steps, while at least one whole local round
+follows (LBANN ends with a final local round after the last tournament), the leader
+1. scores its model on its tournament split (`mode.metric`: accuracy or loss) and
+   deposits it;
+2. pairwise: fetches the model of the partner trainer that `pairings(seed, round,
+   live trainers)` names (an odd trainer sits out), scores it on the same split and
+   keeps it only if strictly better; truncation: ranks the round's scores and, in the
+   bottom `truncation_k`, takes the model of a random top-k trainer;
+3. on adopting, takes the partner's hyperparameters times (1 - m) or (1 + m)
+   (`mode.mutation`); with `weights+optimizer` also its optimizer state;
+4. deposits the outcome for its group; every worker writes a `tournament` line.
+
+The global model (for the evaluator and a rejoining worker) is the best-scored
+deposit of the latest round: its (round, trainer) is chosen once from every shard's
+index and then fetched exactly from every shard, so its slices never mix two trainers.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from typing import Any
 
 import torch
 
 from .. import wire
+from ..optim import lr_at, set_lr
+from ..sharding import model_grads
 from .pushpull import load
 from .rule import (
     REFUSED,
@@ -30,35 +58,65 @@ from .rule import (
     AnswerModel,
     Decision,
     Deposit,
+    Diverged,
     Fetch,
     Forget,
+    Push,
+    Read,
     Refuse,
     Schedule,
     ServerRule,
     Store,
     Trainer,
-    local_step,
     make_local_optimizer,
 )
-from .tournament import Exchange, adopt, pairings
+from .tournament import (
+    Exchange,
+    GroupSteps,
+    Late,
+    Scoreboard,
+    adopt,
+    draw_hyper,
+    fitness,
+    mutate,
+    pairings,
+    trainer_of,
+    trainers,
+    truncation,
+)
 
 FETCH_TRIES = 5   # a chosen deposit can be replaced by a newer one between index and fetch
+SCORES = -1       # get_model's owner for a round's scores (truncation)
+META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
+NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
 
 
 class LtfbRule(ServerRule):
     name = "ltfb"
-    serves = frozenset({"put_model", "get_model", "models", "pull"})
+    serves = frozenset({"put_model", "get_model", "models", "pull", "push"})
 
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
+        self.k = mode.trainer_size
         self.exchange = Exchange()
-        self.scores: dict[tuple[int, int], float] = {}   # stored (round, owner) -> score
+        self.outcomes = Exchange()
+        self.scores: dict[tuple[int, int], float] = {}   # stored (round, trainer) -> score
+        self.board = Scoreboard(trainers(range(world), self.k))
+        self.groups = GroupSteps(self.k, range(world))
 
+    # ------------------------------------------------------------ tournaments
     def deposit(self, e: Deposit) -> list[Decision]:
-        key = (e.round, e.rank)
+        owner = trainer_of(e.rank, self.k)
+        if e.round < 0:
+            outcome = ("outcome", owner)
+            out: list[Decision] = [Store(outcome, e.score, e.arrays), Answer(e.token)]
+            return out + [AnswerModel(t, outcome, {"round": e.round, "owner": owner})
+                          for t, _ in self.outcomes.put(-e.round, owner, outcome)]
+        key = (e.round, owner)
         self.scores[key] = e.score
-        out: list[Decision] = [Store(key, e.score, e.arrays), Answer(e.token)]
-        out += [self.answer_model(t, k) for t, k in self.exchange.put(e.round, e.rank, key)]
+        out = [Store(key, e.score, e.arrays), Answer(e.token)]
+        out += [self.answer_model(t, k) for t, k in self.exchange.put(e.round, owner, key)]
+        out += [self.answer_scores(t, r, b) for t, r, b in self.board.put(e.round, owner, e.score)]
         keep = self.exchange.keys()
         gone = [k for k in self.scores if k not in keep]
         for k in gone:
@@ -66,6 +124,12 @@ class LtfbRule(ServerRule):
         return out + ([Forget(gone)] if gone else [])
 
     def fetch(self, e: Fetch) -> list[Decision]:
+        if e.owner == SCORES:
+            board = self.board.get(e.round, e.token)
+            return [] if board is None else [self.answer_scores(e.token, e.round, board)]
+        if e.round < 0:
+            found = self.outcomes.get(-e.round, e.owner, e.token)
+            return [] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})]
         if e.exact:
             key = (e.round, e.owner)
             if key not in self.scores:
@@ -75,20 +139,49 @@ class LtfbRule(ServerRule):
         return [] if found is None else [self.answer_model(e.token, found)]
 
     def answer_model(self, token: Any, key: Any) -> AnswerModel:
-        """`key` is a stored (round, owner)."""
+        """`key` is a stored (round, trainer)."""
         return AnswerModel(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key]})
+
+    @staticmethod
+    def answer_scores(token: Any, round_: int, board: dict[int, float]) -> Answer:
+        return Answer(token, {"round": round_, "scores": [[t, s] for t, s in sorted(board.items())]})
 
     def index(self, token: Any) -> list[Decision]:
         return [Answer(token, {"models": [[r, o, s] for (r, o), s in sorted(self.scores.items())]})]
 
+    # ------------------------------------------------------------ a trainer's steps
+    def push(self, e: Push) -> list[Decision]:
+        accepted, ready = self.groups.push(e.rank, e.clock, e.grad, e.buffers)
+        out: list[Decision] = [Answer(e.token, {"staleness": 0} if accepted else {"dropped": True})]
+        return out + [self.answer_step(t, a) for t, a in ready]
+
+    def gated_read(self, e: Read) -> list[Decision]:
+        if e.clock <= 0:   # not a step's read: the initial model (`global_model`)
+            return [self.answer(e)]
+        answer = self.groups.read(e.rank, e.clock, e.token)
+        return [] if answer is None else [self.answer_step(e.token, answer)]
+
+    @staticmethod
+    def answer_step(token: Any, mean: Any) -> Answer:
+        """A step's read: the group's mean gradient and buffers, or where a late worker
+        continues."""
+        if isinstance(mean, Late):
+            return Answer(token, {"late": True, "step": mean.step})
+        return Answer(token, {"step": mean.step + 1, "count": mean.count}, arrays=[mean.grad, mean.buffers])
+
+    def membership(self, live: dict[int, int]) -> list[Decision]:
+        out: list[Decision] = [self.answer_step(t, a) for t, a in self.groups.set_live(live)]
+        return out + [self.answer_scores(t, r, b) for t, r, b in self.board.set_live(trainers(live, self.k))]
+
     def stats(self) -> dict:
-        return {**super().stats(), "parked": self.exchange.parked}
+        return {**super().stats(), "dropped": self.groups.dropped,
+                "parked": self.exchange.parked + self.outcomes.parked + self.board.parked + self.groups.parked}
 
 
 def choose_best(indexes: list[list]) -> tuple[int, int] | None:
-    """The global model's (round, owner), from each shard's index of [round, owner, score]:
-    among the deposits that every shard holds, the latest round, then the best score,
-    then the lower rank. None before any complete deposit."""
+    """The global model's (round, trainer), from each shard's index of [round, trainer,
+    score]: among the deposits that every shard holds, the latest round, then the best
+    score, then the lower trainer. None before any complete deposit."""
     held = [{(int(r), int(o)): float(s) for r, o, s in idx} for idx in indexes]
     common = set(held[0]).intersection(*held[1:]) if held else set()
     if not common:
@@ -110,56 +203,236 @@ def global_model(client: Any) -> list:
     raise AssertionError("unreachable: the last try raises")
 
 
+def pack_meta(values: list[float], size: int) -> torch.Tensor:
+    """Float64 values, bit for bit, in the first entries of a float32 array of `size`
+    (a deposit's arrays are params-sized float32)."""
+    bits = torch.tensor(values, dtype=torch.float64).view(torch.float32)
+    if bits.numel() > size:
+        raise ValueError(f"ltfb: shard 0 holds {size} parameters, too few to carry {len(values)} "
+                         f"tournament values; use fewer cluster.servers or fewer mode.explore keys")
+    out = torch.zeros(size)
+    out[:bits.numel()] = bits
+    return out
+
+
+def unpack_meta(array: torch.Tensor, n: int) -> list[float]:
+    return array[:2 * n].clone().view(torch.float64).tolist()
+
+
 class LtfbSchedule(Schedule):
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.data_split = cfg.mode.tournament_fraction
-        self.with_opt = cfg.mode.exchange == "weights+optimizer"
+        m = cfg.mode
+        self.k = m.trainer_size
+        self.data_split = m.tournament_fraction
+        self.with_opt = m.exchange == "weights+optimizer"
+        self.explore = dict(m.explore)
+        self.hyper: dict[str, float] = {}
 
+    # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
+        self.trainer = trainer_of(w.rank, self.k)
         self.rejoin(w)
         w.replica.model.train()
         self.opt = make_local_optimizer(w)
+        self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
+        self.t_start = self.t_round = time.monotonic()
+        self.round_s = 0.0
 
     def rejoin(self, w: Trainer) -> None:
-        """Continue from the best trainer's model."""
+        """Continue from the best trainer's model (a group's next outcome re-aligns it)."""
         load(w, global_model(w.client))
 
+    def set_hyper(self, hyper: dict[str, float]) -> None:
+        """The trainer's hyperparameters into its optimizer (the learning rate through its
+        schedule: `opt_cfg`)."""
+        self.hyper = dict(hyper)
+        values = {key.split(".", 1)[1]: v for key, v in hyper.items()}
+        base = self.cfg.optimizer
+        self.opt_cfg = dataclasses.replace(base, lr=values["lr"]) if "lr" in values else base
+        for name, v in values.items():
+            for g in self.opt.param_groups:
+                if name == "momentum" and "betas" in g:   # Adam's momentum is beta1
+                    g["betas"] = (v, g["betas"][1])
+                elif name != "lr":
+                    g[name] = v
+
+    # ------------------------------------------------------------ steps
     def step(self, w: Trainer) -> None:
-        local_step(w, self.opt)
-        if w.clock % self.cfg.mode.round_steps:
-            w.log_step(0, 0.0)
-            return
         w0 = w.client.wait_s
-        self.tournament(w, w.clock // self.cfg.mode.round_steps)
+        set_lr(self.opt, lr_at(self.opt_cfg, w.clock, self.cfg.train.steps))
+        loss = w.compute()
+        if not math.isfinite(loss):
+            raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+        if self.k == 1 or self.group_mean(w):
+            self.opt.step()
+            w.clock += 1
+            R = self.cfg.mode.round_steps
+            if w.clock % R == 0:
+                now = time.monotonic()
+                self.round_s, self.t_round = now - self.t_round, now
+                self.tournament(w, w.clock // R)
         w.log_step(0, w.client.wait_s - w0)
 
-    def tournament(self, w: Trainer, rnd: int) -> None:
-        bs = self.cfg.eval.batch_size
-        local_score, _ = w.replica.score(*w.holdout, bs)
-        params, buffers = w.replica.params(), w.replica.buffers()
-        keys, state = self.opt_state(w) if self.with_opt else ([], [])
-        arrays = [[params[i], buffers[i]] + [w.replica.map.gather(t, i, "params").cpu() for t in state]
-                  for i in range(w.replica.n)]
-        w.client.put_model(rnd, local_score, arrays, w.clock)
-        # Trainers that finished or were lost deposit no more models: pair the live ones.
-        partner = pairings(self.cfg.job.seed, rnd, w.live() | {w.rank}).get(w.rank)
-        partner_score, adopted = None, False
-        if partner is not None:
-            got = w.client.get_model(rnd, partner, cancel=lambda: partner not in w.live(), missing_ok=True)
-            if got is None:
-                w.note(f"round {rnd}: partner {partner} did not deliver; sitting out")
-            else:
-                w.replica.load(*w.client.tables(got))
-                partner_score, _ = w.replica.score(*w.holdout, bs)
-                adopted = adopt(local_score, partner_score)
-                if not adopted:
-                    w.replica.load(params, buffers)
-                elif self.with_opt and len(got[0].arrays) == 2 + len(keys):
-                    self.load_opt_state(w, keys, got)
-        w.event(event="tournament", round=rnd, rank=w.rank, partner=partner, local_score=round(local_score, 5),
-                partner_score=None if partner_score is None else round(partner_score, 5), adopted=adopted)
+    def group_mean(self, w: Trainer) -> bool:
+        """Replace the gradient with the trainer's mean (and the buffers with theirs).
+        False for a worker behind its group: it skips the update and moves to the
+        group's step."""
+        _, pulled = w.client.push_pull(w.clock, w.replica.grads(), w.replica.buffers(), [0] * w.replica.n)
+        if pulled[0].get("late"):
+            w.note(f"behind trainer {self.trainer}'s step at clock {w.clock}; continuing at its step")
+            w.clock = max(w.clock, max(int(m.get("step", 0)) for m in pulled))
+            return False
+        for p in w.replica.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = model_grads(w.replica.model)
+        for i, m in enumerate(pulled):
+            w.replica.map.scatter(wire.tensor(m, 0), i, "params", grads)
+        w.replica.load(None, [wire.tensor(m, 1) for m in pulled])
+        return True
 
+    def due(self, w: Trainer) -> bool:
+        """A tournament only if a whole local round follows it (LBANN's final round)."""
+        t = self.cfg.train
+        if t.steps and w.clock + self.cfg.mode.round_steps > t.steps:
+            return False
+        return not (t.seconds and time.monotonic() - self.t_start + self.round_s > t.seconds)
+
+    def leader(self, w: Trainer) -> int:
+        return min(r for r in w.live() | {w.rank} if trainer_of(r, self.k) == self.trainer)
+
+    # ------------------------------------------------------------ tournaments
+    def tournament(self, w: Trainer, rnd: int) -> None:
+        leader = self.leader(w)
+        held = self.due(w)
+        if w.rank != leader:
+            if held or self.cfg.train.seconds:   # under a time budget only the leader's clock decides
+                self.follow(w, rnd, leader)
+            return
+        if not held:
+            if self.k > 1 and self.cfg.train.seconds:
+                self.deposit(w, -rnd, -math.inf, [NOT_HELD, -1.0, math.nan, math.nan], True)
+            return
+        self.lead(w, rnd)
+
+    def lead(self, w: Trainer, rnd: int) -> None:
+        acc, loss = w.replica.score(*w.holdout, self.cfg.eval.batch_size)
+        metric = self.cfg.mode.metric
+        local = fitness(metric, acc, loss)
+        params = [t.clone() for t in w.replica.params()]
+        buffers = [t.clone() for t in w.replica.buffers()]
+        self.deposit(w, rnd, local, [0.0, -1.0, math.nan, math.nan], self.with_opt)
+        partner, partner_value, adopted = self.select(w, rnd, local)
+        if adopted is None:     # nothing to take: our model stays
+            adopted = False
+        elif not adopted:
+            w.replica.load(params, buffers)
+        value = acc if metric == "accuracy" else loss
+        meta = [float(adopted), -1.0 if partner is None else float(partner), value,
+                math.nan if partner_value is None else partner_value]
+        if self.k > 1:
+            self.deposit(w, -rnd, local, meta, True)
+        self.log(w, rnd, w.rank, meta)
+
+    def select(self, w: Trainer, rnd: int, local: float) -> tuple[int | None, float | None, bool | None]:
+        """(partner trainer, its score on the metric, adopted); adopted None when there
+        was no model to consider. An adopted model is loaded with its optimizer state
+        (weights+optimizer) and mutated hyperparameters; a rejected one is left loaded."""
+        live = trainers(w.live() | {w.rank}, self.k)
+        seed, metric = self.cfg.job.seed, self.cfg.mode.metric
+        if self.cfg.mode.strategy == "truncation":
+            board = self.scores(w, rnd)
+            source = truncation(seed, rnd, board, self.cfg.mode.truncation_k).get(self.trainer)
+            if source is None:
+                return None, None, None
+            got = self.fetch(w, rnd, source)
+            if got is None:
+                return source, None, None
+            self.take(w, got, rnd)
+            s = board[source]
+            return source, (s if metric == "accuracy" else -s), True
+        partner = pairings(seed, rnd, live).get(self.trainer)
+        if partner is None:
+            return None, None, None
+        got = self.fetch(w, rnd, partner)
+        if got is None:
+            return partner, None, None
+        w.replica.load(*w.client.tables(got))
+        acc, loss = w.replica.score(*w.holdout, self.cfg.eval.batch_size)
+        if not adopt(local, fitness(metric, acc, loss)):
+            return partner, acc if metric == "accuracy" else loss, False
+        self.take(w, got, rnd)
+        return partner, acc if metric == "accuracy" else loss, True
+
+    def fetch(self, w: Trainer, rnd: int, owner: int) -> list | None:
+        gone = lambda: owner not in trainers(w.live(), self.k)  # noqa: E731
+        got = w.client.get_model(rnd, owner, cancel=gone, missing_ok=True)
+        if got is None:
+            w.note(f"round {rnd}: trainer {owner} did not deliver its model; keeping ours")
+        return got
+
+    def scores(self, w: Trainer, rnd: int) -> dict[int, float]:
+        """Every live trainer's score of round `rnd` (the same board for all of them)."""
+        (m,) = w.client.request([(0, "get_model", {"round": rnd, "owner": SCORES})])
+        return {int(t): float(s) for t, s in m.get("scores")}
+
+    def take(self, w: Trainer, got: list, rnd: int) -> None:
+        """Adopt a deposit: weights and buffers, the optimizer's state with
+        weights+optimizer, and its hyperparameters mutated."""
+        w.replica.load(*w.client.tables(got))
+        if self.with_opt:
+            self.load_opt_state(w, got)
+        if self.explore:
+            self.set_hyper(mutate(self.read_meta(got)[1], self.explore, self.cfg.mode.mutation, self.cfg.job.seed, rnd,
+                                  self.trainer))
+
+    def follow(self, w: Trainer, rnd: int, leader: int) -> None:
+        """Take the outcome that the trainer's leader deposited for round `rnd`."""
+        got = w.client.get_model(-rnd, self.trainer, cancel=lambda: leader not in w.live(), missing_ok=True)
+        if got is None:
+            w.note(f"round {rnd}: trainer {self.trainer}'s leader {leader} left before its outcome; "
+                   f"keeping our model")
+            return
+        meta, hyper = self.read_meta(got)
+        if meta[0] == NOT_HELD:   # the leader's time budget left no whole round after it
+            return
+        w.replica.load(*w.client.tables(got))
+        self.load_opt_state(w, got, with_meta=True)
+        self.set_hyper(hyper)
+        self.log(w, rnd, leader, meta)
+
+    def deposit(self, w: Trainer, rnd: int, score: float, meta: list[float], with_opt: bool) -> None:
+        """Deposit the replica as it is: a tournament model (rnd > 0) or an outcome
+        (rnd < 0); with the optimizer's state, and the values `meta` and the
+        hyperparameters when explored or for an outcome."""
+        params, buffers = w.replica.params(), w.replica.buffers()
+        state = self.opt_state(w)[1] if with_opt else []
+        extra = rnd < 0 or bool(self.explore)
+        values = meta + [self.hyper[k] for k in sorted(self.explore)]
+        arrays = [[params[i], buffers[i]] + [w.replica.map.gather(t, i, "params").cpu() for t in state]
+                  + ([pack_meta(values, params[i].numel()) if i == 0 else torch.zeros(params[i].numel())]
+                     if extra else [])
+                  for i in range(w.replica.n)]
+        w.client.put_model(rnd, score, arrays, w.clock)
+
+    def read_meta(self, got: list) -> tuple[list[float], dict[str, float]]:
+        """A deposit's `META` values and hyperparameters (its last array, on shard 0)."""
+        values = unpack_meta(wire.tensor(got[0], len(got[0].arrays) - 1), len(META) + len(self.explore))
+        return values[:len(META)], dict(zip(sorted(self.explore), values[len(META):], strict=True))
+
+    def log(self, w: Trainer, rnd: int, leader: int, meta: list[float]) -> None:
+        adopted, partner, local, other = meta
+
+        def num(v: float) -> float | None:
+            return round(v, 5) if math.isfinite(v) else None
+
+        w.event(event="tournament", round=rnd, rank=w.rank, trainer=self.trainer, leader=leader,
+                partner=None if partner < 0 else int(partner), metric=self.cfg.mode.metric,
+                local_score=num(local), partner_score=num(other), adopted=bool(adopted),
+                hyper={k: float(f"{v:.6g}") for k, v in self.hyper.items()})
+
+    # ------------------------------------------------------------ optimizer state
     def _trainable(self, w: Trainer) -> tuple[list[torch.Tensor], dict[int, str]]:
         model = w.replica.model
         return [p for p in model.parameters() if p.requires_grad], {id(p): n for n, p in model.named_parameters()}
@@ -173,7 +446,14 @@ class LtfbSchedule(Schedule):
         return keys, [{names[id(p)]: state[p][k] if k in state.get(p, {}) else torch.zeros_like(p) for p in params}
                       for k in keys]
 
-    def load_opt_state(self, w: Trainer, keys: list[str], got: list) -> None:
+    def load_opt_state(self, w: Trainer, got: list, with_meta: bool | None = None) -> None:
+        """The deposit's optimizer state into ours, when it holds the same kinds of state
+        (a deposit made before the first step may hold none)."""
+        keys, _ = self.opt_state(w)
+        if with_meta is None:
+            with_meta = bool(self.explore)
+        if len(got[0].arrays) - 2 - int(with_meta) != len(keys):
+            return
         params, names = self._trainable(w)
         for j, k in enumerate(keys):
             target = {names[id(p)]: self.opt.state.setdefault(p, {}).setdefault(k, torch.zeros_like(p))

@@ -3,12 +3,17 @@
 Every step: compute a gradient on the model as last read, then push it and pull the
 next model in one round trip to all shards (the push first on each shard's socket, so
 the read sees the worker's own update). The shards' rule decides when each pull is
-answered; a mode only says where a (re)joining worker continues.
+answered; a mode only says where a (re)joining worker continues, and whether the model
+it has may serve the next step without a pull (`cached`: ssp's client cache), in which
+case the step pushes only and applies its own update locally (`own_update`).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..optim import lr_at
 from .rule import Schedule, Trainer
 
 
@@ -22,25 +27,56 @@ class PushPullSchedule(Schedule):
     def next_clock(self, clock: int, pulled: list) -> int:
         return clock + 1
 
+    def cached(self, w: Trainer, clock: int) -> bool:
+        """May the model the worker has serve its read at `clock` (no pull)? Never, here."""
+        return False
+
+    def loaded(self, w: Trainer, answers: list) -> None:
+        """The shards answered a read: write it into the model."""
+        self.versions = load(w, answers)
+
     def rejoin(self, w: Trainer) -> None:
         answers = w.client.join(w.clock)
         w.clock = max(w.clock, self.resume_clock(answers))
-        self.versions = load(w, answers)
+        self.loaded(w, answers)
 
     def step(self, w: Trainer) -> None:
         w.replica.model.train()
         w.compute()
         w0 = w.client.wait_s
-        pushed, pulled = w.client.push_pull(w.clock, w.replica.grads(), w.replica.buffers(), self.versions)
+        cached = self.cached(w, w.clock + 1)
+        grads, buffers = w.replica.grads(), w.replica.buffers()
+        if cached:
+            pushed, pulled = w.client.push(w.clock, grads, buffers, self.versions), []
+        else:
+            pushed, pulled = w.client.push_pull(w.clock, grads, buffers, self.versions)
         tau = max(int(m.get("staleness", 0)) for m in pushed)
         if not any(m.get("dropped") or m.get("duplicate") for m in pushed):
             w.hist.add(tau)
-        w.clock = self.next_clock(w.clock, pulled)
-        self.versions = load(w, pulled)
-        w.log_step(tau, w.client.wait_s - w0, dropped=any(bool(m.get("dropped")) for m in pushed))
+        if cached:
+            own_update(w)
+            w.clock += 1
+        else:
+            w.clock = self.next_clock(w.clock, pulled)
+            self.loaded(w, pulled)
+        extra = {"cached": True} if cached else {}
+        w.log_step(tau, w.client.wait_s - w0, dropped=any(bool(m.get("dropped")) for m in pushed), **extra)
 
 
 def load(w: Trainer, answers: list[Any]) -> list[int]:
     """Write the shards' answers (params, buffers) into the model; their versions."""
     w.replica.load(*w.client.tables(answers))
     return [int(m.get("version", 0)) for m in answers]
+
+
+@torch.no_grad()
+def own_update(w: Trainer) -> None:
+    """Read-my-writes: apply the worker's own gradient (the model's `.grad`, as pushed)
+    to its copy of the model as a plain SGD step at the shards' per-push rate,
+    -lr / W * g (lr at the worker's clock). Exact for a shard running plain SGD; with
+    momentum, weight decay or Adam it approximates the shard's step (their state lives
+    on the shards), and the next pull replaces it with the shards' model."""
+    lr = lr_at(w.cfg.optimizer, w.clock, w.cfg.train.steps) / w.cfg.cluster.workers
+    for p in w.replica.model.parameters():
+        if p.grad is not None:
+            p.add_(p.grad, alpha=-lr)

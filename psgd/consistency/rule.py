@@ -44,7 +44,7 @@ from .staleness import Histogram
 if TYPE_CHECKING:
     import torch
 
-    from ..config import Config, ModeConfig
+    from ..config import Config, ModeConfig, OptimizerConfig
     from ..replica import Replica
 
 
@@ -196,6 +196,12 @@ class ServerRule:
     name: ClassVar[str] = ""
     serves: ClassVar[frozenset[str]] = frozenset({"pull"})
 
+    @classmethod
+    def server_optimizer(cls, cfg: Config) -> OptimizerConfig:
+        """The optimizer (and its lr schedule) that the shard builds and steps with
+        `Apply`/`ApplySum`: `[optimizer]`, unless the mode has an outer optimizer of its own."""
+        return cfg.optimizer
+
     def __init__(self, mode: ModeConfig, world: int, tables: Tables):
         self.mode = mode
         self.world = world
@@ -315,12 +321,16 @@ class Mode:
     global_model: Callable[[Any], list] = read_params
 
 
-def local_step(w: Trainer, opt: Any) -> None:
-    """One step of a worker's own optimizer (the local-optimizer modes)."""
+def local_step(w: Trainer, opt: Any, before_update: Callable[[], None] | None = None) -> None:
+    """One step of a worker's own optimizer (the local-optimizer modes). `before_update`
+    runs between the gradient and the optimizer's update, on the parameters that the
+    gradient was computed at (easgd's exchange: Algorithm 1 evaluates both at the same x)."""
     set_lr(opt, lr_at(w.cfg.optimizer, w.clock, w.cfg.train.steps))
     loss = w.compute()
     if not math.isfinite(loss):
         raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+    if before_update is not None:
+        before_update()
     opt.step()
     w.clock += 1
 

@@ -4,16 +4,30 @@ Server rule: a gradient is applied on arrival at lr / W, so that W pushes move t
 model as far as one synchronous step of W averaged gradients. A worker that finished
 clock c may read only when every live worker has finished clock >= c - s (bound
 `mode.staleness`); otherwise its read is parked until a push or a membership change
-frees it (`clock.ClockTable`), never by polling.
+frees it (`clock.ClockTable`), never by polling. Every read's answer carries
+`guaranteed`: the slowest live worker's finished clock when it was answered, so the
+model it sends holds every update of clocks < guaranteed of every live worker.
 
 Worker schedule: push+pull every step; a joining worker continues at the clock it had
-finished on the shards.
+finished on the shards. With `mode.cache = true`, Bösen's client cache (`ClientCache`):
+the worker keeps the model it read with its `guaranteed` clock t, and its read for
+clock c is served from that copy, without a pull, while t >= c - s (the copy then holds
+every update of clocks <= c - s - 1, which is all that SSP promises a read at c) and no
+worker has joined since. Its own updates go into the copy as they are pushed
+(read-my-writes, `pushpull.own_update`), and every update is still pushed. A read the
+cache cannot serve pulls, gated by the rule as without the cache. With
+`mode.prefetch = true` (issue 10's overlap, within the bound) the worker pulls every
+step but computes its next step on the copy it has while the push and pull travel,
+whenever the same condition says that copy is within the bound; otherwise it waits.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from .clock import ClockTable
-from .pushpull import PushPullSchedule
-from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule
+from .pushpull import PushPullSchedule, load, own_update
+from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
 
 class SspRule(ServerRule):
@@ -28,14 +42,15 @@ class SspRule(ServerRule):
         return self.mode.staleness
 
     def lr_scale(self, tau: int) -> float:
-        return 1.0
+        """The scale of a push's learning rate: 1 / W."""
+        return 1.0 / self.world
 
     def gradient(self, e: Push):
         return e.grad
 
     def push(self, e: Push) -> list[Decision]:
         progress = self.tables.version / self.world
-        out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(e.tau) / self.world, progress),
+        out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(e.tau), progress),
                                MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, {"staleness": e.tau})]
         self.hist.add(e.tau)
         return out + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
@@ -47,7 +62,9 @@ class SspRule(ServerRule):
         return [self.answer(r) for r in self.clocks.set_live(live)]  # type: ignore[arg-type]
 
     def read_fields(self, rank: int) -> dict:
-        return {"step": 0, "finished": self.clocks.finished.get(rank, 0)}
+        """`finished`: the reader's clock here; `guaranteed`: the slowest live worker's
+        finished clock now (the answer holds all their updates of clocks below it)."""
+        return {"step": 0, "finished": self.clocks.finished.get(rank, 0), "guaranteed": self.clocks.slowest()}
 
     def stats(self) -> dict:
         return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "parked": self.clocks.parked}
@@ -57,9 +74,116 @@ class SspRule(ServerRule):
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        self.clocks.finished.update({int(k): int(v) for k, v in sd["finished"].items()})
+        self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()})
+
+
+class ClientCache:
+    """Bösen's client cache, as clocks (pure: the model itself is the worker's replica).
+
+    `fill(t, live)` records a read whose answers guaranteed clock t (the smallest
+    `guaranteed` over the shards) with the live workers then. `serves(c, live)`: the
+    copy may serve the worker's read at clock c, i.e. t >= c - s (it holds every update
+    of clocks <= c - s - 1 of every worker live at the read; SSP's condition, Ho et al.
+    2013) and no worker is live now that was not live at the read (a (re)joiner may still
+    push clocks below t, which the copy lacks). Empty until the first fill."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self.clock: int | None = None
+        self.live: frozenset[int] = frozenset()
+        self.hits = 0
+        self.misses = 0
+
+    def fill(self, guaranteed: int, live: Iterable[int]) -> None:
+        self.clock, self.live = guaranteed, frozenset(live)
+
+    def fresh(self, clock: int, live: Iterable[int]) -> bool:
+        return self.clock is not None and self.clock >= clock - self.bound and self.live.issuperset(live)
+
+    def serves(self, clock: int, live: Iterable[int]) -> bool:
+        """`fresh`, counted as a hit or a miss."""
+        ok = self.fresh(clock, live)
+        if ok:
+            self.hits += 1
+        else:
+            self.misses += 1
+        return ok
+
+
+def guaranteed(answers: list) -> int:
+    """The clock a read's answers guarantee: the smallest over the shards."""
+    return min(int(m.get("guaranteed", 0)) for m in answers)
 
 
 class SspSchedule(PushPullSchedule):
+    """Push+pull every step, or, with `mode.cache` or `mode.prefetch`, the model the
+    worker has (its own updates applied, `own_update`) serves its next step while the
+    `ClientCache` says it is within the bound: with the cache the step then pushes
+    only; with prefetch its push and pull travel while the next step computes, and the
+    pulled model is loaded after that step's gradient is taken. Outside the bound the
+    step pushes, pulls and waits, as without either."""
+
+    caches = True   # async (no bound) has its own prefetch and no use for the cache
+    inflight: Any = None   # (the request, the wait counter at its start) in flight (prefetch)
+    slot = 0
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        m = cfg.mode
+        self.cache = ClientCache(m.staleness) if self.caches and (m.cache or m.prefetch) else None
+        self.pull_less, self.prefetch = m.cache, m.prefetch
+
     def resume_clock(self, answers: list) -> int:
         return max(int(m.get("finished", 0)) for m in answers)
+
+    def rejoin(self, w: Trainer) -> None:
+        """Join (an ungated read), then, with the cache, pull gated if the join's answer is
+        outside the bound at the clock the worker continues at (a worker rejoining ahead
+        of the slowest computes on nothing staler than SSP allows)."""
+        self.settle(w)
+        super().rejoin(w)
+        if self.cache is not None and not self.cache.fresh(w.clock, w.live()):
+            self.loaded(w, w.client.pull(w.clock))
+
+    def loaded(self, w: Trainer, answers: list) -> None:
+        self.versions = load(w, answers)
+        if self.cache is not None:
+            self.cache.fill(guaranteed(answers), w.live())
+
+    def step(self, w: Trainer) -> None:
+        if self.cache is None:
+            return super().step(w)
+        w.replica.model.train()
+        w.compute()
+        grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
+        read = self.versions            # the read this gradient was computed on (settle may load a newer one)
+        self.settle(w)
+        w0, c = w.client.wait_s, w.clock
+        serve = self.cache.serves(c + 1, w.live())
+        f = w.client.begin_push_pull(c, grads, buffers, read, self.slot, pull=not (serve and self.pull_less))
+        w.clock = c + 1
+        if not serve:
+            return self.settled(w, f, w0, cached=False)
+        own_update(w)                   # read-my-writes: the next step computes on this copy
+        if not self.prefetch:
+            return self.settled(w, f, w0, cached=True)
+        self.inflight, self.slot = (f, w0), self.slot ^ 1
+        return None
+
+    def finish(self, w: Trainer) -> None:
+        self.settle(w)
+
+    def settle(self, w: Trainer) -> None:
+        """Wait for the request in flight (prefetch): load what it pulled, log its step."""
+        if self.inflight is not None:
+            (f, w0), self.inflight = self.inflight, None
+            self.settled(w, f, w0, cached=True)
+
+    def settled(self, w: Trainer, f: Any, w0: float, cached: bool) -> None:
+        pushed, pulled = w.client.finish_push_pull(f)
+        tau = max(int(m.get("staleness", 0)) for m in pushed)
+        if not any(m.get("duplicate") for m in pushed):
+            w.hist.add(tau)
+        if pulled:
+            self.loaded(w, pulled)
+        w.log_step(tau, w.client.wait_s - w0, dropped=False, **({"cached": True} if cached else {}))

@@ -1,6 +1,9 @@
 """Staleness: how many updates a shard applied between a worker's read and its push.
 
-- `lr_scale`: Zhang et al. 2016, staleness-aware learning rate lr / max(1, tau).
+- `lr_scale`: the per-push learning-rate scale of ssp and async: 1 / W (W pushes move
+  the model as far as one synchronous step), or, with the staleness-aware policy of
+  Zhang et al. 2016, 1 / max(1, tau) in its place (their alpha0 / tau, alpha0 the
+  synchronous learning rate), never both.
 - `delay_compensate`: Zheng et al. 2017 (DC-ASGD), g + lambda * g * g * (w_now - w_read).
 - `Histogram`: counts of tau, with the last bin collecting everything >= its index.
 """
@@ -9,8 +12,10 @@ from __future__ import annotations
 BINS = 33  # tau = 0 .. 31, and ">= 32"
 
 
-def lr_scale(tau: int, policy: str) -> float:
-    return 1.0 / max(1, tau) if policy == "staleness" else 1.0
+def lr_scale(tau: int, policy: str, world: int = 1) -> float:
+    """The scale of a push's learning rate: 1 / max(1, tau) under `policy = "staleness"`,
+    else 1 / `world` (W workers' pushes add up to one synchronous step)."""
+    return 1.0 / max(1, tau) if policy == "staleness" else 1.0 / world
 
 
 def delay_compensate(g, w_now, w_read, lam: float):

@@ -91,7 +91,7 @@ class SyncRule(ServerRule):
         super().load_state_dict(sd)
         self.barrier.step = int(sd["step"])
         self.barrier.dropped = int(sd.get("dropped", 0))
-        self.clocks.finished.update({int(k): int(v) for k, v in sd["finished"].items()})
+        self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()})
         self.fast_forwards = int(sd.get("fast_forwards", 0))
 
 

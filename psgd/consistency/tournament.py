@@ -1,16 +1,39 @@
-"""The Livermore Tournament Fast Batch rules (Jacobs, Dryden, Pearce, Van Essen, MLHPC'17).
+"""The Livermore Tournament Fast Batch rules (Jacobs, Dryden, Pearce, Van Essen, MLHPC'17),
+with LBANN's trainer groups and selection strategies and population-based training's
+hyperparameter exploration (Jaderberg et al. 2017). All pure: every party that calls
+them with the same arguments gets the same answer, with no communication.
 
-- `pairings(seed, round, ranks)`: every party derives the same pairs from (seed, round)
-  and the live ranks with no communication; an odd trainer sits out (partner None).
+Trainers: ranks t*k .. t*k + k - 1 form trainer t (`mode.trainer_size = k`).
+
+- `pairings(seed, round, trainers)`: the pairs of a round; an odd trainer sits out.
 - `adopt(local, partner)`: keep the partner's model only if its score is strictly better.
-- `Exchange`: the server side of a round's model swap. A trainer deposits its model for
-  (round, rank) and asks for its partner's; the request is parked until that model (or
-  a later one of the same partner) is deposited.
+- `fitness(metric, accuracy, loss)`: a score where higher is better (a non-finite one is
+  the worst), so that `adopt` and the rankings serve both metrics.
+- `truncation(seed, round, scores, k)`: the bottom k trainers, each with the random
+  top-k trainer whose model it takes (PBT's truncation selection).
+- `draw_hyper` / `mutate`: a trainer's starting hyperparameters, log-uniform in the
+  exploration ranges; an adopter's perturbation by x (1 - m) or x (1 + m).
+- `Exchange`: the server side of a round's model swap (deposits, parked requests).
+- `Scoreboard`: the server side of truncation: every live trainer's score of a round.
+- `GroupSteps`: the server side of a trainer's synchronous data-parallel step: the mean
+  of its workers' gradients, the same answer for every one of them.
 """
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def trainer_of(rank: int, k: int) -> int:
+    return rank // k
+
+
+def trainers(ranks: Iterable[int], k: int) -> set[int]:
+    """The trainers that have at least one of these ranks."""
+    return {r // k for r in ranks}
 
 
 def pairings(seed: int, round_: int, ranks: Iterable[int]) -> dict[int, int | None]:
@@ -27,6 +50,50 @@ def pairings(seed: int, round_: int, ranks: Iterable[int]) -> dict[int, int | No
 
 def adopt(local_score: float, partner_score: float) -> bool:
     return partner_score > local_score
+
+
+def fitness(metric: str, accuracy: float, loss: float) -> float:
+    """Higher is better: the accuracy, or minus the loss; -inf for a non-finite score
+    (a diverged model loses every comparison)."""
+    value = accuracy if metric == "accuracy" else -loss
+    return value if math.isfinite(value) else -math.inf
+
+
+def truncation(seed: int, round_: int, scores: Mapping[int, float], k: int) -> dict[int, int]:
+    """{loser: winner}: trainers ranked by score (higher first, ties to the lower trainer);
+    each of the bottom k takes the model of a top-k trainer drawn from (seed, round,
+    loser). Fewer than 2k trainers: only the bottom len - k can lose, nobody when
+    len <= k."""
+    ranked = sorted(scores, key=lambda t: (-scores[t], t))
+    top, bottom = ranked[:k], ranked[max(k, len(ranked) - k):]
+    return {t: random.Random(f"ltfb-truncation:{seed}:{round_}:{t}").choice(top) for t in bottom}
+
+
+def draw_hyper(explore: Mapping[str, list], seed: int, trainer: int) -> dict[str, float]:
+    """Trainer `trainer`'s starting values: each key's value log-uniform in [low, high],
+    drawn in key order from (seed, trainer)."""
+    rng = random.Random(f"ltfb-explore:{seed}:{trainer}")
+    out = {}
+    for key in sorted(explore):
+        lo, hi = (float(v) for v in explore[key])
+        u = rng.random()
+        out[key] = lo if lo == hi else math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+    return out
+
+
+def mutate(hyper: Mapping[str, float], explore: Mapping[str, list], m: float, seed: int, round_: int,
+           trainer: int) -> dict[str, float]:
+    """An adopter's values: each of the partner's times (1 - m) or (1 + m), chosen from
+    (seed, round, trainer) in key order, then kept within the key's exploration range
+    (a momentum above 1, or a rate far beyond what was explored, would diverge, and a
+    diverged worker ends a psgd job)."""
+    rng = random.Random(f"ltfb-mutate:{seed}:{round_}:{trainer}")
+    out = {}
+    for key in sorted(hyper):
+        value = hyper[key] * ((1 - m) if rng.random() < 0.5 else (1 + m))
+        lo, hi = (float(v) for v in explore.get(key, (value, value)))
+        out[key] = min(hi, max(lo, value))
+    return out
 
 
 class Exchange:
@@ -64,3 +131,177 @@ class Exchange:
     @property
     def parked(self) -> int:
         return len(self._waiting)
+
+
+class Scoreboard:
+    """Truncation selection's scores: each trainer's score of each round. A request for
+    round r's scores is parked until every live trainer has deposited round r (or a
+    later one), then answered with the scores of round r, the same for everyone: a
+    round's board is frozen when it first completes. A trainer that joins later is not
+    on it and keeps its model. Only the last few rounds are kept."""
+
+    KEEP = 3
+
+    def __init__(self, live: Iterable[int]):
+        self.live = set(live)
+        self.rounds: dict[int, dict[int, float]] = {}
+        self.latest: dict[int, int] = {}       # trainer -> its latest deposited round
+        self.frozen: dict[int, dict[int, float]] = {}
+        self._waiting: list[tuple[int, Hashable]] = []
+
+    def put(self, round_: int, trainer: int, score: float) -> list[tuple[Hashable, int, dict[int, float]]]:
+        """Record a deposit's score; the parked requests that may now be answered:
+        (token, round, scores)."""
+        if round_ not in self.frozen:
+            self.rounds.setdefault(round_, {})[trainer] = score
+        self.latest[trainer] = max(round_, self.latest.get(trainer, 0))
+        newest = max(round_, *self.rounds, *self.frozen)
+        for r in [r for r in self.rounds if r < newest - self.KEEP]:
+            del self.rounds[r]
+        for r in [r for r in self.frozen if r < newest - self.KEEP]:
+            del self.frozen[r]
+        return self._release()
+
+    def get(self, round_: int, token: Hashable) -> dict[int, float] | None:
+        board = self.board(round_)
+        if board is None:
+            self._waiting.append((round_, token))
+        return board
+
+    def set_live(self, live: Iterable[int]) -> list[tuple[Hashable, int, dict[int, float]]]:
+        self.live = set(live)
+        return self._release()
+
+    def board(self, round_: int) -> dict[int, float] | None:
+        if round_ not in self.frozen:
+            if not all(self.latest.get(t, 0) >= round_ for t in self.live):
+                return None
+            self.frozen[round_] = dict(self.rounds.get(round_, {}))
+        return self.frozen[round_]
+
+    def _release(self) -> list[tuple[Hashable, int, dict[int, float]]]:
+        ready, still = [], []
+        for r, token in self._waiting:
+            board = self.board(r)
+            if board is None:
+                still.append((r, token))
+            else:
+                ready.append((token, r, board))
+        self._waiting = still
+        return ready
+
+    @property
+    def parked(self) -> int:
+        return len(self._waiting)
+
+
+@dataclass
+class Mean:
+    """A closed step of a trainer: the mean gradient and buffers of its `count` workers."""
+    step: int
+    grad: Any
+    buffers: Any
+    count: int
+
+
+@dataclass
+class _Group:
+    step: int = 0                       # the step being collected
+    contributors: set = field(default_factory=set)
+    grad: Any = None                    # sums of the open step
+    buffers: Any = None
+    done: Mean | None = None            # the last closed step (answers a late or resent read)
+    reads: list = field(default_factory=list)  # parked (clock, token)
+
+
+@dataclass
+class Late:
+    """The answer to a read of a worker behind its group: continue at `step`."""
+    step: int
+
+
+class GroupSteps:
+    """A trainer's synchronous data-parallel step, on the shards (an allreduce through
+    them). Each worker of trainer t pushes its gradient for step c and reads clock c + 1;
+    the read is answered once every live worker of t has pushed step c, with the mean of
+    their gradients and buffers: the same arrays for all of them, so replicas that
+    start equal stay equal. A worker that leaves shrinks its group (the open step closes
+    on the others). A push behind the group's step is dropped and its read answered
+    `Late` with the group's step (the worker catches up there); a push ahead of it (a
+    worker that the others lag, or a shard that restarted) moves the group to its step,
+    dropping the open one. Arrays of a closed step are never modified (they may still
+    be on their way out)."""
+
+    def __init__(self, k: int, live: Iterable[int]):
+        self.k = k
+        self.live = set(live)
+        self.groups: dict[int, _Group] = {}
+        self.dropped = 0
+
+    def push(self, rank: int, clock: int, grad: Any, buffers: Any) -> tuple[bool, list[tuple[Hashable, Any]]]:
+        """(accepted, the reads that may now be answered: (token, Mean or Late))."""
+        t = trainer_of(rank, self.k)
+        g = self.groups.setdefault(t, _Group())
+        if clock < g.step:
+            self.dropped += 1
+            return False, []
+        if clock == g.step and rank in g.contributors:
+            return False, []
+        if clock > g.step:
+            self.dropped += len(g.contributors)
+            g.step, g.contributors, g.grad, g.buffers = clock, set(), None, None
+        if g.grad is None:
+            g.grad, g.buffers = grad.clone(), buffers.clone()
+        else:
+            g.grad.add_(grad)
+            g.buffers.add_(buffers)
+        g.contributors.add(rank)
+        if self._complete(t, g):
+            self._close(g)
+        return True, self._release(g)
+
+    def read(self, rank: int, clock: int, token: Hashable) -> Any:
+        """The answer to a read of `clock` (a Mean, or Late), or None: parked."""
+        g = self.groups.setdefault(trainer_of(rank, self.k), _Group())
+        answer = self._answer(g, clock)
+        if answer is None:
+            g.reads.append((clock, token))
+        return answer
+
+    def set_live(self, live: Iterable[int]) -> list[tuple[Hashable, Any]]:
+        self.live = set(live)
+        out = []
+        for t, g in self.groups.items():
+            if g.contributors and self._complete(t, g):
+                self._close(g)
+                out += self._release(g)
+        return out
+
+    def _complete(self, t: int, g: _Group) -> bool:
+        return all(r in g.contributors for r in self.live if trainer_of(r, self.k) == t)
+
+    def _close(self, g: _Group) -> None:
+        n = len(g.contributors)
+        g.done = Mean(g.step, g.grad.div_(n), g.buffers.div_(n), n)
+        g.step, g.contributors, g.grad, g.buffers = g.step + 1, set(), None, None
+
+    @staticmethod
+    def _answer(g: _Group, clock: int) -> Any:
+        if g.done is not None and g.done.step == clock - 1:
+            return g.done
+        return Late(g.step) if clock <= g.step else None
+
+    def _release(self, g: _Group) -> list[tuple[Hashable, Any]]:
+        ready, still = [], []
+        for clock, token in g.reads:
+            answer = self._answer(g, clock)
+            if answer is None:
+                still.append((clock, token))
+            else:
+                ready.append((token, answer))
+        g.reads = still
+        return ready
+
+    @property
+    def parked(self) -> int:
+        return sum(len(g.reads) for g in self.groups.values())

@@ -1,0 +1,209 @@
+"""The virtual clock: an event loop, the network's cost model, and worker bodies run one
+at a time.
+
+`Loop` pops (time, sequence) ordered events; ties go in the order they were scheduled,
+so a run is a pure function of its inputs. `Network` turns a message's size into its
+delivery time: the sender's NIC serializes it (`bytes / bandwidth`), it travels
+`latency_s`, and the receiver's NIC takes it in at its own bandwidth behind every
+message already arriving there (incast: the switch buffers what the receiving NIC
+cannot take yet). A shard serves what arrives in order, each request for
+`request bytes / apply rate`. `Process` runs a worker's schedule on its own greenlet
+(or thread), strictly handed off: the loop resumes it and waits until it blocks again
+(on a reply or on its own clock) or ends, so exactly one body runs at any time.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class Loop:
+    """A discrete-event loop on a virtual clock (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn(*args) at virtual time t (never before now)."""
+        heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn, args))
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Until no event is left (or `until()` turns true after an event)."""
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            t, _, fn, args = pop(heap)
+            self.now = t
+            self.events += 1
+            fn(*args)
+            if until is not None and until():
+                return
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class Node:
+    """One NIC (and, for a shard, the thread that serves it): when each is free."""
+    __slots__ = ("name", "tx_free", "rx_free", "cpu_free", "busy_s")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.tx_free = 0.0
+        self.rx_free = 0.0
+        self.cpu_free = 0.0
+        self.busy_s = 0.0    # time spent serving (shards)
+
+
+class Network:
+    """Delivery times of messages between nodes (see the module docstring)."""
+
+    def __init__(self, latency_s: float, bandwidth_gbps: float, apply_gbps: float):
+        self.latency_s = latency_s
+        self.byte_s = 8.0 / (bandwidth_gbps * 1e9)     # seconds per byte on a link
+        self.apply_byte_s = 8.0 / (apply_gbps * 1e9)   # seconds per request byte at a shard
+
+    def transfer(self, src: Node, dst: Node, nbytes: int, t: float) -> float:
+        """Send nbytes from src at t; when the last byte has arrived at dst."""
+        wire_s = nbytes * self.byte_s
+        start = t if t > src.tx_free else src.tx_free
+        src.tx_free = start + wire_s
+        arrive = start + self.latency_s
+        if dst.rx_free > arrive:
+            arrive = dst.rx_free
+        dst.rx_free = arrive + wire_s
+        return dst.rx_free
+
+    def serve(self, shard: Node, payload_bytes: int, arrived: float) -> float:
+        """A request that arrived at `arrived` is served after those before it; when done."""
+        start = arrived if arrived > shard.cpu_free else shard.cpu_free
+        cost = payload_bytes * self.apply_byte_s
+        shard.cpu_free = start + cost
+        shard.busy_s += cost
+        return shard.cpu_free
+
+
+class Stop(BaseException):
+    """Raised inside a worker body that the loop abandons (the run failed)."""
+
+
+def _locked() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
+try:  # greenlets switch in about a microsecond, threads in tens (more on a busy machine)
+    import greenlet as _greenlet  # type: ignore[import-untyped,import-not-found,unused-ignore]
+except ImportError:  # pragma: no cover - depends on the environment
+    _greenlet = None
+
+
+class Process:
+    """A body (a worker's step loop) that runs only while the loop waits for it.
+
+    `resume()` (from the loop) hands control to the body and returns when the body calls
+    `suspend()` or ends; only one of the two runs at any time, so a run is deterministic.
+    An exception in the body is re-raised by `resume()`; `abandon()` ends a suspended
+    body by raising `Stop` inside it. The body runs on a greenlet when the `greenlet`
+    package is installed (`BACKEND`), else on its own thread with strict hand-off."""
+
+    STACK = 1 << 20  # bytes per worker thread (torch's CPU kernels run on it)
+    BACKEND = "greenlet" if _greenlet is not None else "thread"
+
+    def __init__(self, name: str, body: Callable[[], None]):
+        self.name = name
+        self.body = body
+        self.done = False
+        self.error: BaseException | None = None
+        self._stop = False
+        self._started = False
+        self._grad = True   # torch's grad mode inside the body (thread-local state a greenlet shares)
+        if _greenlet is not None:
+            self._g = _greenlet.greenlet(self._main)
+            self.thread = None
+            return
+        self._go = _locked()
+        self._back = _locked()
+        old = threading.stack_size()
+        threading.stack_size(self.STACK)
+        try:
+            self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        finally:
+            threading.stack_size(old)
+
+    def _main(self) -> None:
+        if self.thread is not None:
+            self._go.acquire()
+        try:
+            if not self._stop:
+                self.body()
+        except Stop:
+            pass
+        except BaseException as e:  # handed to the loop, which re-raises it
+            self.error = e
+        finally:
+            self.done = True
+            if self.thread is not None:
+                self._back.release()
+
+    def running(self) -> bool:
+        """Is the caller this body (not the loop)?"""
+        if self.thread is None:
+            return _greenlet.getcurrent() is self._g
+        return threading.current_thread() is self.thread
+
+    def resume(self) -> None:
+        if self.done:
+            return
+        if self.thread is None:
+            import torch
+            outer = torch.is_grad_enabled()
+            torch.set_grad_enabled(self._grad)
+            try:
+                self._g.parent = _greenlet.getcurrent()
+                self._g.switch()
+            finally:
+                self._grad = torch.is_grad_enabled()
+                torch.set_grad_enabled(outer)
+        else:
+            if not self._started:
+                self._started = True
+                self.thread.start()
+            self._go.release()
+            self._back.acquire()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def suspend(self) -> None:
+        """(The body) give control back to the loop until resumed."""
+        if self.thread is None:
+            self._g.parent.switch()
+        else:
+            self._back.release()
+            self._go.acquire()
+        if self._stop:
+            raise Stop
+
+    def abandon(self) -> None:
+        """End a body that will not be resumed any more (it unwinds with Stop)."""
+        if self.done:
+            return
+        self._stop = True
+        if self.thread is None:
+            if self._g:   # started and suspended: raise Stop where it waits
+                self._g.parent = _greenlet.getcurrent()
+                self._g.throw(Stop)
+            self.done = True
+            return
+        if not self._started:
+            return
+        self._go.release()
+        self._back.acquire()
+        self.thread.join(timeout=10)

@@ -1,0 +1,376 @@
+"""One simulated run: the real shards, W simulated workers and the evaluator on one
+virtual clock, in this process.
+
+    s = Simulation(cfg, compute_s=0.004)
+    summary = s.run(out="DIR")          # DIR/summary.json, DIR/events/*.jsonl
+
+The shards are `psgd.shard.Shard`s, fed the same validated wire messages as the
+daemon feeds them; membership changes (a worker that finished) reach them through
+`Shard.set_live`, as from the coordinator. The evaluator scores the mode's global model
+(`Mode.global_model`, read straight from the shards, at no cost on the network) on the
+test set at 0, every `eval.every_seconds` of virtual time while a worker is live, and
+once more when all are done. Times in summary.json and in the event logs are virtual
+seconds from the start of training.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import wire
+from ..config import Config, ConfigError
+from ..consistency import get as get_mode
+from ..data import Batches, Dataset, holdout, load_dataset, partition
+from ..metrics import summarize, write_json_atomic
+from ..models import build_model
+from ..replica import Replica, pick_device
+from ..shard import Shard
+from ..workers.client import ParameterClient
+from .engine import Loop, Network, Node
+from .timing import TimingReplica, TimingShard
+from .worker import SimWorker
+
+PROGRESS_EVERY_S = 2.0
+CALIBRATION_STEPS = 20
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def in_memory(cfg: Config) -> Dataset:
+    """The job's dataset, which a simulation needs in memory (not streamed)."""
+    ds = load_dataset(cfg.data, cfg.job.seed)
+    if not isinstance(ds, Dataset):
+        raise ConfigError(f"psgd simulate needs an in-memory dataset; data.name = {cfg.data.name!r} is streamed "
+                          f"(use sim.train = false for a timing-only study)")
+    return ds
+
+
+def calibrate(cfg: Config, device: str = "cpu") -> float:
+    """Seconds of one forward + backward of the job's model on one batch, here, on one
+    thread (as each worker process runs): the median of CALIBRATION_STEPS after warm-up."""
+    ds = in_memory(cfg)
+    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
+    dev = pick_device(device)
+    model = model.to(dev).train()
+    part = partition(len(ds.train_y), 0, max(1, cfg.cluster.workers), cfg.job.seed)
+    batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, 0)
+    times = []
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(CALIBRATION_STEPS + 5):
+            x, y = batches.next()
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old_threads)
+    return statistics.median(times)
+
+
+class DirectClient(ParameterClient):
+    """The evaluator's client: requests served by the shards at once, off the network.
+    A read that a rule would park is a bug of the simulation's use (an evaluator's read
+    is never gated) and raises."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.cfg = sim.cfg
+        self.rank = -1
+        self.n = sim.cfg.cluster.servers
+        self.wait_s = 0.0
+        self.retries = 0
+        self.cancel = None
+        self.wire_dtype = getattr(torch, sim.cfg.wire.dtype)
+        self._outgoing: dict = {}
+        self._compressors: dict = {}
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0
+
+    @property
+    def bytes_recv(self) -> int:
+        return 0
+
+    def request(self, reqs: Sequence[tuple[int, str, dict]],
+                cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
+        out = []
+        for k, (i, op, kw) in enumerate(reqs):
+            msg = wire.decode(wire.encode(op, id=k + 1, rank=-1, **kw))
+            mine = ("evaluator", k)
+            got = None
+            for token, frames in self.sim.serve(i, mine, msg):
+                if token == mine:
+                    got = wire.raise_if_error(wire.decode(frames), f"shard {i} (simulated)")
+                else:
+                    self.sim.reply(i, token, frames)
+            if got is None:
+                raise RuntimeError(f"the evaluator's {op} was parked by shard {i}; an evaluator's read is never "
+                                   f"gated (rule of mode {self.cfg.mode.name})")
+            out.append(got)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class Simulation:
+    """A whole job on the virtual clock (see the module docstring)."""
+
+    def __init__(self, cfg: Config, compute_s: float, device: str = "cpu",
+                 progress: Callable[[Simulation], None] | None = None):
+        if not cfg.train.steps and not cfg.train.seconds:
+            raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
+        self.cfg = cfg
+        self.compute_s = compute_s
+        self.progress = progress
+        s = cfg.sim
+        self.loop = Loop()
+        self.ids = itertools.count(1)   # request ids (their msgpack size counts on the wire)
+        self.net = Network(s.latency_s, s.bandwidth_gbps, s.apply_gbps)
+        self.mode = get_mode(cfg.mode.name)
+        torch.manual_seed(cfg.job.seed)
+        shard_cls = Shard if s.train else TimingShard   # timing only: the mechanism without the arithmetic
+        self.shards = [shard_cls(cfg, i) for i in range(cfg.cluster.servers)]
+        self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]
+        self.device = pick_device(device)
+        W = cfg.cluster.workers
+        schedules = [self.mode.schedule(cfg) for _ in range(W)]
+        split = schedules[0].data_split if schedules else 0.0
+        self.ds = in_memory(cfg) if s.train or split > 0 else None
+        shape, classes = (self.ds.input_shape, self.ds.num_classes) if self.ds else self._describe()
+        shared = None if s.train else self._replica(shape, classes, TimingReplica)   # timing only: one for all
+        self.workers: list[SimWorker] = []
+        for r in range(W):
+            batches, held = None, None
+            if self.ds is not None:
+                part = partition(len(self.ds.train_y), r, W, cfg.job.seed)
+                if split > 0:
+                    part, h = holdout(part, split)
+                    held = (self.ds.train_x[h], self.ds.train_y[h])
+                if s.train:
+                    batches = Batches(self.ds.train_x, self.ds.train_y, part, cfg.train.batch_size, cfg.job.seed, r)
+            replica = shared if shared is not None else self._replica(shape, classes)
+            self.workers.append(SimWorker(self, r, schedules[r], replica, batches, held))
+        self.live: dict[int, int] = {r: 0 for r in range(W)}
+        self.evals: list[dict] = []
+        self.log: list[dict] = []    # the coordinator's events
+        self.ev_lines: list[dict] = []
+        self.evaluator = self._replica(shape, classes) if s.train else None
+        self.direct = DirectClient(self)
+        self.end_t = 0.0
+        self.abort = ""
+
+    def _describe(self) -> tuple[tuple, int]:
+        from ..data import describe
+        return describe(self.cfg.data)
+
+    def _replica(self, shape: tuple, classes: int, kind: type[Replica] = Replica) -> Replica:
+        c = self.cfg
+        return kind(build_model(c.model.name, shape, classes, c.job.seed, c.model.hidden), c.cluster.servers,
+                    self.device)
+
+    # ------------------------------------------------------------ the network and the shards
+    def send(self, w: SimWorker, items: list) -> None:
+        """A worker's requests leave it now, in order."""
+        now = self.loop.now
+        for i, msg, nbytes, payload, token in items:
+            arrived = self.net.transfer(w.node, self.nodes[i], nbytes, now)
+            self.loop.at(self.net.serve(self.nodes[i], payload, arrived), self.handle, i, token, msg)
+
+    def serve(self, i: int, token: Any, msg: wire.Message) -> list:
+        """Shard i serves one request now, as the daemon's serve loop does."""
+        try:
+            return self.shards[i].handle(token, msg)
+        except wire.WireError as e:
+            self.shards[i].counters["bad_messages"] += 1
+            return [(token, wire.error(msg.id, e.code, e.reason))]
+
+    def handle(self, i: int, token: Any, msg: wire.Message) -> None:
+        for tok, frames in self.serve(i, token, msg):
+            self.reply(i, tok, frames)
+
+    def reply(self, i: int, token: Any, frames: list) -> None:
+        w = token[0]
+        nbytes = len(frames[0]) + sum(len(x) for x in frames[1:])
+        self.loop.at(self.net.transfer(self.nodes[i], w.node, nbytes, self.loop.now), self.deliver, i, token,
+                     frames, nbytes)
+
+    def deliver(self, i: int, token: Any, frames: list, nbytes: int) -> None:
+        w, f, k = token
+        w.client._recv += nbytes
+        if f.closed:
+            return
+        msg = wire.decode(frames)
+        if msg.op == "error":
+            try:
+                wire.raise_if_error(msg, f"shard {i} (simulated)")
+            except wire.RemoteError as e:
+                f.error = e
+        else:
+            f.out[k] = msg
+            f.left -= 1
+        if f.waiting and f.complete:
+            self.wake(w)
+
+    # ------------------------------------------------------------ workers
+    def wake(self, w: SimWorker) -> None:
+        if w.t < self.loop.now:
+            w.t = self.loop.now
+        w.proc.resume()
+        if w.proc.done and w.finished_at is None:
+            w.finished_at = w.t
+            self.loop.at(w.t, self.finished, w)
+
+    def finished(self, w: SimWorker) -> None:
+        """A worker's budget is spent (or it stopped): it leaves the live set."""
+        self.live.pop(w.rank, None)
+        self.end_t = max(self.end_t, self.loop.now)
+        self.log.append({"t": round(self.loop.now, 6), "role": "coordinator", "event": "finish", "rank": w.rank,
+                         **({"error": w.error} if w.error else {})})
+        if w.error and not self.abort:
+            self.abort = w.error
+        self.loop.at(self.loop.now + self.cfg.sim.latency_s, self.membership, dict(self.live))
+        if not self.live and self.evaluator is not None:
+            self.loop.at(self.loop.now, self.evaluate, True)
+
+    def membership(self, live: dict[int, int]) -> None:
+        for i, shard in enumerate(self.shards):
+            for token, frames in shard.set_live(live):
+                self.reply(i, token, frames)
+        for w in self.workers:  # in rank order: a waiter whose cancel condition turned true gives up
+            f = w.blocked_on
+            if f is not None and f.cancel is not None and f.cancel():
+                self.wake(w)
+
+    # ------------------------------------------------------------ the evaluator
+    def evaluate(self, final: bool = False) -> None:
+        if self.evaluator is None or self.abort:
+            return
+        assert self.ds is not None
+        if not final and not self.live:
+            return
+        self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
+        acc, loss = self.evaluator.score(self.ds.test_x, self.ds.test_y, self.cfg.eval.batch_size)
+        t = round(self.loop.now, 6)
+        samples = sum(w.samples for w in self.workers)
+        self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
+        self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
+                              **({"final": True} if final else {})})
+        if not final:
+            self.loop.at(self.loop.now + self.cfg.eval.every_seconds, self.evaluate, False)
+
+    # ------------------------------------------------------------ the run
+    def run(self, out: str | None = None) -> dict:
+        old_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self.log.append({"t": 0.0, "role": "coordinator", "event": "start", "workers": len(self.workers),
+                             "simulated": True})
+            self.loop.at(0.0, self.membership, dict(self.live))
+            for w in self.workers:
+                self.loop.at(0.0, self.wake, w)
+            if self.evaluator is not None:
+                self.loop.at(0.0, self.evaluate, False)
+            self._loop()
+            stuck = [w for w in self.workers if not w.proc.done]
+            if stuck and not self.abort:
+                raise Deadlock(self._deadlock(stuck))
+        finally:
+            for w in self.workers:
+                w.proc.abandon()
+            torch.set_num_threads(old_threads)
+        summary = self.summary()
+        if out:
+            self.write(out, summary)
+        return summary
+
+    def _loop(self) -> None:
+        last = [time.monotonic()]
+
+        def check() -> bool:
+            if self.loop.events & 1023 == 0 and self.progress is not None:
+                now = time.monotonic()
+                if now - last[0] >= PROGRESS_EVERY_S:
+                    last[0] = now
+                    self.progress(self)
+            return bool(self.abort)
+        self.loop.run(check)
+
+    def _deadlock(self, stuck: list[SimWorker]) -> str:
+        names = ", ".join(f"{w.rank} (clock {w.clock})" for w in stuck[:8]) + (" ..." if len(stuck) > 8 else "")
+        ops = sorted({op for w in stuck if w.blocked_on is not None for op in w.blocked_on.ops})
+        return (f"simulation of {self.cfg.mode.name} deadlocked at virtual time {self.loop.now:.4f} s: "
+                f"{len(stuck)} worker(s) wait for answers that no event will bring: {names}"
+                + (f"; waiting on {', '.join(ops)}" if ops else ""))
+
+    def fraction_done(self) -> float:
+        t = self.cfg.train
+        if t.steps:
+            return sum(min(w.clock, t.steps) for w in self.workers) / (t.steps * len(self.workers))
+        return min(1.0, self.loop.now / t.seconds)
+
+    def summary(self) -> dict:
+        c = self.cfg
+        wall = self.end_t
+        s = c.sim
+        extra = {"job": c.job.name, "seed": c.job.seed, "model": c.model.name, "data": c.data.name,
+                 "batch_size": c.train.batch_size, "steps": c.train.steps, "faults": dict(vars(c.faults)),
+                 "bad_messages_coordinator": 0, "startup_s": 0.0, "startup_from": "simulation",
+                 "simulated": True,
+                 "sim": {"compute_s": self.compute_s, "compute_s_source": "config" if s.compute_s else "calibrated",
+                         "compute_cv": s.compute_cv, "latency_s": s.latency_s, "bandwidth_gbps": s.bandwidth_gbps,
+                         "apply_gbps": s.apply_gbps, "train": s.train, "events": self.loop.events,
+                         "shard_busy_fraction": [round(n.busy_s / wall, 4) if wall > 0 else 0.0
+                                                 for n in self.nodes]}}
+        if self.abort:
+            extra["aborted"] = self.abort
+        return summarize(mode=c.mode.name, mode_params=c.mode_params, workers=c.cluster.workers,
+                         servers=c.cluster.servers, wall_s=wall,
+                         worker_stats={w.rank: w.stats() for w in self.workers},
+                         server_stats={i: sh.stats() for i, sh in enumerate(self.shards)},
+                         evals=self.evals, target=c.eval.target_accuracy,
+                         failures={"workers_lost": 0, "workers_rejoined": 0, "shard_restarts": 0}, extra=extra)
+
+    def write(self, out: str, summary: dict) -> None:
+        events = os.path.join(out, "events")
+        os.makedirs(events, exist_ok=True)
+
+        def dump(name: str, lines: list[dict]) -> None:
+            with open(os.path.join(events, name), "w") as f:
+                f.writelines(json.dumps(x) + "\n" for x in lines)
+        for w in self.workers:
+            dump(f"worker-{w.rank}.jsonl", w.lines)
+        dump("evaluator-0.jsonl", self.ev_lines)
+        dump("coordinator-0.jsonl", self.log + [{"t": round(self.end_t, 6), "role": "coordinator",
+                                                 "event": "done", "wall_s": round(self.end_t, 3)}])
+        write_json_atomic(os.path.join(out, "summary.json"), summary)
+
+
+def progress_line(prefix: str, stream: Any = sys.stderr) -> Callable[[Simulation], None]:
+    """A progress callback: virtual time, steps done and the real time left, to stderr."""
+    t0 = time.monotonic()
+
+    def show(sim: Simulation) -> None:
+        done = sim.fraction_done()
+        spent = time.monotonic() - t0
+        left = f", about {spent * (1 - done) / done:.0f} s left" if done > 0 else ""
+        stream.write(f"{prefix}  virtual {sim.loop.now:.2f} s, {100 * done:.0f}% of the steps{left}\n")
+        stream.flush()
+    return show

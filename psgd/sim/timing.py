@@ -1,0 +1,58 @@
+"""Timing-only runs (`sim.train = false`): the mechanism without the arithmetic.
+
+No gradient is computed, so the values in the tables mean nothing; what a timing study
+needs is real: the rules' events and decisions (gates, barriers, parking, staleness,
+versions), the shards' dedupe and refusals, the message sizes. These two classes skip
+the tensor work that would otherwise dominate a run of thousands of workers:
+
+- `TimingShard`: a `Shard` that does not check vectors for NaN, steps no optimizer
+  (an update only bumps the version), accumulates nothing, and answers reads with one
+  fixed snapshot of the right sizes.
+- `TimingReplica`: a `Replica` whose gathered tables are fixed zero vectors of the
+  right sizes and whose loads are skipped (one replica serves every worker).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..replica import Replica
+from ..shard import Shard
+
+
+class TimingShard(Shard):
+    def __init__(self, cfg, index: int):
+        super().__init__(cfg, index)
+        self._fixed = [self.params.detach().to(self._wire_torch, copy=True), self.buffers.clone()]
+
+    @staticmethod
+    def _finite(v: torch.Tensor, what: str, clock: int) -> torch.Tensor:
+        return v
+
+    def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
+        self.version += 1
+
+    def _accumulate(self, g: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+        if self.acc is None or self.bacc is None:
+            self.acc, self.bacc = torch.zeros(self.P), torch.zeros(self.B)
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return self._fixed
+
+
+class TimingReplica(Replica):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._zp = [torch.zeros(self.map.size(i, "params")) for i in range(self.n)]
+        self._zb = [torch.zeros(self.map.size(i, "buffers")) for i in range(self.n)]
+
+    def params(self) -> list[torch.Tensor]:
+        return self._zp
+
+    def grads(self, slot: int = 0) -> list[torch.Tensor]:
+        return self._zp
+
+    def buffers(self, slot: int = 0) -> list[torch.Tensor]:
+        return self._zb
+
+    def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
+        pass

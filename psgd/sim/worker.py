@@ -1,0 +1,250 @@
+"""A simulated worker: the `Trainer` a mode's schedule drives, and its parameter client.
+
+`SimWorker` is what psgd/workers/worker.py's `Worker` is to a schedule (compute, client,
+replica, step log, live set), on the virtual clock: `compute()` runs the real forward
+and backward (unless `sim.train = false`) and moves the worker's own clock `t` by the
+cost model's step time; the step loop, the counting of refused steps and
+`cluster.max_rejections` are the real worker's.
+
+`SimClient` is the real `ParameterClient` with its transport replaced: every op the
+schedules use (pull, join, push_pull and its begin/finish halves, elastic, put_model,
+get_model, index, and any later one built on `begin`/`finish`) builds the same wire
+messages, which the simulation delivers to the real shards at virtual times. `finish`
+blocks the worker's thread until the answers are delivered (or its `cancel` condition
+turns true), and `wait_s` is the virtual time it blocked.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import wire
+from ..consistency.rule import Diverged, Schedule
+from ..consistency.staleness import Histogram
+from ..workers.client import Cancelled, ParameterClient
+from .engine import Node, Process
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..data import Batches
+    from ..replica import Replica
+    from .run import Simulation
+
+@dataclass
+class Flight:
+    """Requests sent by `SimClient.begin`, answered in the order they were made
+    (`reqs` and `out` as in the real client's `InFlight`)."""
+    reqs: list
+    out: list
+    left: int
+    sent_at: float
+    cancel: Callable[[], bool] | None
+    error: Exception | None = None
+    waiting: bool = False        # the worker is blocked on it
+    closed: bool = False         # the worker stopped waiting (an error, a cancel): later answers are dropped
+    ops: list = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.left == 0 or self.error is not None
+
+
+class SimClient(ParameterClient):
+    """The parameter client over the simulated network (no sockets: the parent's
+    `__init__`, which opens them, is not called)."""
+
+    def __init__(self, cfg: Config, rank: int, worker: SimWorker):
+        self.cfg = cfg
+        self.rank = rank
+        self.n = cfg.cluster.servers
+        self.worker = worker
+        self.retry_s = 0.0
+        self.wait_s = 0.0
+        self.retries = 0
+        self.cancel: Callable[[], bool] | None = None
+        self.wire_dtype = getattr(torch, cfg.wire.dtype)
+        self._outgoing: dict = {}
+        self._compressors: dict = {}
+        self._sent = 0
+        self._recv = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._sent
+
+    @property
+    def bytes_recv(self) -> int:
+        return self._recv
+
+    def begin(self, reqs: Sequence[tuple[int, str, dict]], cancel: Callable[[], bool] | None = None) -> Any:
+        w = self.worker
+        out: list = [None] * len(reqs)
+        f = Flight(list(reqs), out, len(reqs), w.t, cancel, ops=[op for _, op, _ in reqs])
+        items = []
+        for k, (i, op, kw) in enumerate(reqs):
+            frames = wire.encode(op, id=next(w.sim.ids), rank=self.rank, **kw)  # ids size headers: per run
+            head = len(frames[0])
+            nbytes = head + sum(len(x) for x in frames[1:])
+            self._sent += nbytes
+            items.append((i, wire.decode(frames), nbytes, nbytes - head, (w, f, k)))
+        w.sim.loop.at(w.t, w.sim.send, w, items)
+        return f
+
+    def finish(self, f: Any) -> list[wire.Message]:
+        w = self.worker
+        if f.sent_at < w.t:   # the worker computed since sending: answers may have come meanwhile
+            w.sleep_until(w.t)
+        t0 = w.t
+        try:
+            while not f.complete:
+                if f.cancel is not None and f.cancel():
+                    raise Cancelled(f"worker {self.rank}: gave up waiting for {', '.join(sorted(set(f.ops)))}")
+                f.waiting = True
+                w.blocked_on = f
+                w.proc.suspend()
+        finally:
+            f.waiting = False
+            w.blocked_on = None
+            if not f.complete:
+                f.closed = True
+            self.wait_s += w.t - t0
+        if f.error is not None:
+            f.closed = True
+            raise f.error
+        return f.out
+
+    def close(self) -> None:
+        pass
+
+
+class SimWorker:
+    """One virtual worker: the Trainer of its mode's schedule, run as a `Process` (a greenlet or a thread)."""
+
+    def __init__(self, sim: Simulation, rank: int, schedule: Schedule, replica: Replica,
+                 batches: Batches | None, holdout: tuple[Any, Any] | None):
+        cfg = sim.cfg
+        self.sim = sim
+        self.cfg = cfg
+        self.rank = rank
+        self.schedule = schedule
+        self.replica = replica
+        self.batches = batches
+        if holdout is not None:
+            self.holdout = holdout
+        self.clock = 0
+        self.t = 0.0                  # this worker's virtual time
+        self.samples = 0
+        self.steps = 0
+        self.rejected = 0
+        self.loss = float("nan")
+        self.hist = Histogram()
+        self.client = SimClient(cfg, rank, self)
+        self.node = Node(f"worker-{rank}")
+        self.lines: list[dict] = []   # the event log, written at the end
+        self.error = ""
+        self.finished_at: float | None = None
+        self.blocked_on: Flight | None = None   # the requests this worker waits for
+        s, f = cfg.sim, cfg.faults
+        self._rng = random.Random(f"psgd-sim:{cfg.job.seed}:{rank}")
+        self._sigma = math.sqrt(math.log1p(s.compute_cv ** 2)) if s.compute_cv > 0 else 0.0
+        self._slow = f.slow_factor if f.slow_rank == rank and f.slow_factor > 1 else 1.0
+        self.proc = Process(f"sim-worker-{rank}", self.run)
+
+    # ------------------------------------------------------------ the step loop (its thread)
+    def run(self) -> None:
+        try:
+            self.schedule.start(self)
+            self.in_a_row = 0
+            while self.more():
+                if self._attempt(self.schedule.step):
+                    return
+            self._attempt(self.schedule.finish)
+        except Cancelled:
+            pass  # as the real worker: a wait given up ends the worker
+
+    def _attempt(self, step: Callable[[Any], None]) -> bool:
+        """One step, as the real worker counts it; True when the worker must stop."""
+        try:
+            step(self)
+            self.in_a_row = 0
+            return False
+        except (wire.Refused, Diverged) as e:
+            self.rejected += 1
+            self.in_a_row += 1
+            if self.in_a_row < self.cfg.cluster.max_rejections:
+                return False
+            reason = e.reason if isinstance(e, wire.Refused) else str(e)
+            self.error = (f"worker {self.rank}: {reason}; stopping after {self.in_a_row} refused steps in a row "
+                          f"(cluster.max_rejections)")
+            return True
+
+    def more(self) -> bool:
+        t = self.cfg.train
+        if t.steps and self.clock >= t.steps:
+            return False
+        return not (t.seconds and self.t >= t.seconds)
+
+    # ------------------------------------------------------------ virtual time
+    def sleep_until(self, t: float) -> None:
+        """Block this worker's thread until the loop reaches t."""
+        self.sim.loop.at(t, self.sim.wake, self)
+        self.proc.suspend()
+
+    def step_time(self) -> float:
+        """The cost model's time for one forward + backward, with spread and faults."""
+        f = self.cfg.faults
+        d = self.sim.compute_s
+        if self._sigma:
+            d *= self._rng.lognormvariate(-self._sigma ** 2 / 2, self._sigma)  # mean 1
+        d = d * self._slow + f.step_delay_s
+        if f.jitter_prob > 0 and self._rng.random() < f.jitter_prob:
+            d += f.jitter_s
+        return d
+
+    # ------------------------------------------------------------ what a schedule may call
+    def compute(self) -> float:
+        if self.batches is not None:
+            x, y = self.batches.next()
+            x, y = x.to(self.replica.device), y.to(self.replica.device)
+            model = self.replica.model
+            model.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            self.loss = float(loss.item())
+            self.samples += len(y)
+        else:   # timing only: no gradient, a finite loss
+            self.loss = 0.0
+            self.samples += self.cfg.train.batch_size
+        self.t += self.step_time()
+        return self.loss
+
+    def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None:
+        self.steps += 1
+        self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "step": self.steps,
+                           "clock": self.clock, "loss": round(self.loss, 5), "samples": self.samples,
+                           "staleness": staleness, "wait_s": round(wait_s, 6),
+                           "bytes_sent": self.client.bytes_sent, "bytes_recv": self.client.bytes_recv, **extra})
+
+    def live(self) -> set[int]:
+        if self.t > self.sim.loop.now and self.proc.running():
+            self.sleep_until(self.t)   # see the membership as it is at this worker's time
+        return set(self.sim.live)
+
+    def event(self, **fields: Any) -> None:
+        self.lines.append({"t": round(self.t, 6), "role": "worker", **fields})
+
+    def note(self, text: str) -> None:
+        self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "note": text})
+
+    def stats(self) -> dict:
+        return {"samples": self.samples, "steps": self.steps, "clock": self.clock,
+                "elapsed_s": round(self.finished_at if self.finished_at is not None else self.t, 6),
+                "wait_s": round(self.client.wait_s, 6), "bytes_sent": self.client.bytes_sent,
+                "bytes_recv": self.client.bytes_recv, "staleness_hist": self.hist.counts,
+                "loss": self.loss if self.loss == self.loss else None, "retries": 0, "rejected": self.rejected}

@@ -1,0 +1,173 @@
+"""`psgd simulate`: compare consistency modes at any worker count, on a virtual clock.
+
+    psgd simulate [CONFIG] --modes sync,ssp:staleness=4,async,easgd,ltfb,diloco \\
+                  --workers 64 | 8,64,256 [--servers S] [--repeats N] --out DIR [--set k=v ...]
+
+One process runs every configuration of the plan (`--modes`, `--workers`, `--repeats`
+mean what they mean for `psgd compare`, whose parser and plan this uses) as a
+discrete-event simulation (psgd.sim): the real rules (psgd/consistency/) and the real
+shards (psgd.shard) are driven by simulated workers that compute real gradients on
+their own batches (unless `sim.train = false`), so accuracy is real and only time is
+simulated, with the cost model of the `[sim]` section (docs/simulation.md):
+`sim.compute_s` per step (0: calibrated here, by timing the model's forward and
+backward), its lognormal spread `sim.compute_cv`, `sim.latency_s`, `sim.bandwidth_gbps`
+per NIC, the shards' `sim.apply_gbps`, and the `faults.*` keys.
+
+Writes what `psgd compare` writes: DIR/compare.json, DIR/compare-context.json,
+DIR/report.md, the plots, DIR/runs/<name>/summary.json and events/, with times in
+virtual seconds and every summary marked `"simulated": true`. The same config and seed
+give the same compare.json to the last digit (with `sim.compute_s` given; a calibrated
+value is in compare-context.json, to pass back with --set). No sequential baseline.
+Progress, with the time left, goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .compare import build_plan, estimate_left, parse_modes, parse_workers, tag
+from .config import ConfigError, load
+from .metrics import write_json_atomic
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """`psgd simulate`'s arguments, on the `psgd` command's subparsers."""
+    p = subparsers.add_parser("simulate", help="compare modes at any worker count on a virtual clock (one process)")
+    p.add_argument("config", nargs="?", default=os.environ.get("PSGD_CONFIG"),
+                   help="TOML config file (default: $PSGD_CONFIG, else the built-in default job)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable), e.g. sim.train=false, faults.jitter_prob=0.05")
+    p.add_argument("--out", default=os.environ.get("PSGD_OUT"), help="output folder (default: runs/simulate-TIME)")
+    p.add_argument("--modes", default="sync,ssp,async",
+                   help="comma-separated modes with parameters, as for psgd compare: sync,ssp:staleness=4,async")
+    p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 8,64,256")
+    p.add_argument("--servers", type=int)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the simulated workers compute: cpu | cuda | cuda:N")
+    p.set_defaults(no_baseline=True, cmd="simulate")
+    return p
+
+
+def compute_cost(cfg, device: str, cache: dict) -> tuple[float, str]:
+    """(seconds per step, "config" or "calibrated"): `sim.compute_s`, or the time of one
+    forward and backward here, measured once per (model, data, batch size)."""
+    if cfg.sim.compute_s > 0:
+        return cfg.sim.compute_s, "config"
+    key = (cfg.model.name, repr(cfg.model.hidden), cfg.data.name, repr(cfg.data), cfg.train.batch_size, device)
+    if key not in cache:
+        from .sim.run import calibrate
+        cache[key] = calibrate(cfg, device)
+    return cache[key], "calibrated"
+
+
+def runnable(specs: list) -> list:
+    """The mode configurations whose mode module loads (a mode being written may not yet)."""
+    from .consistency import get as get_mode
+    out = []
+    for spec in specs:
+        try:
+            get_mode(spec.mode)
+        except (ImportError, AttributeError) as e:
+            print(f"psgd simulate: skipping {spec.label}: its mode does not load ({type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)
+            continue
+        out.append(spec)
+    if not out:
+        raise ConfigError("--modes: none of the modes loads")
+    return out
+
+
+def cost_model(base, calibrated: dict) -> dict:
+    s = base.sim
+    return {"compute_s": s.compute_s or None, "calibrated_compute_s": calibrated or None,
+            "compute_cv": s.compute_cv, "latency_s": s.latency_s, "bandwidth_gbps": s.bandwidth_gbps,
+            "apply_gbps": s.apply_gbps, "train": s.train}
+
+
+def main(args) -> int:
+    from .compare import _fmt_duration, _one_line, context
+    from .report import write_report
+    from .sim.run import Simulation, progress_line
+
+    base = load(args.config, args.set)
+    specs = runnable(parse_modes(args.modes))
+    workers = parse_workers(args.workers) or [base.cluster.workers]
+    if args.servers is not None and args.servers < 1:
+        raise ConfigError(f"--servers must be >= 1, got {args.servers}")
+    plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
+    if not base.train.steps and not base.train.seconds:
+        raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
+    out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    cache: dict = {}
+    costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
+    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": round(v, 9) for k, v in cache.items()}
+    ctx = context(args, base, workers, plan)
+    ctx["simulated"] = cost_model(base, calibrated)
+    ctx["machine"]["device"] = args.device
+    write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
+    n = len(plan)
+    where = ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in calibrated.items())
+    print(f"psgd simulate: {n} runs, out {out}; compute per step: "
+          f"{f'{base.sim.compute_s:g} s (sim.compute_s)' if base.sim.compute_s else f'calibrated here, {where}'}",
+          file=sys.stderr, flush=True)
+
+    results: list[dict] = []
+    durations: dict[int, float] = {}
+    real: dict[str, float] = {}
+    failed = 0
+    t_start = time.monotonic()
+    for i, run in enumerate(plan):
+        prefix = f"[{i + 1}/{n}] {run.describe()}"
+        print(f"{prefix} ...", file=sys.stderr, flush=True)
+        folder = os.path.join(out, "runs", run.name)
+        t0 = time.monotonic()
+        try:
+            sim = Simulation(run.cfg, costs[run.name][0], args.device, progress_line(f"[{i + 1}/{n}]"))
+            s = sim.run(folder)
+            entry = tag(s, run, os.path.join("runs", run.name), float(s["wall_s"]))
+            result = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {sim.loop.events:,} events"
+            if s.get("aborted"):
+                failed += 1
+                entry["error"] = s["aborted"]
+                result = f"FAILED: {s['aborted']}"
+        except (RuntimeError, ConfigError, OSError) as e:  # a deadlock, a bad dataset, a worker's error
+            failed += 1
+            msg = str(e).strip() or type(e).__name__
+            entry = {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
+                     "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep,
+                     "sweep_value": run.sweep_value, "dir": os.path.join("runs", run.name), "simulated": True,
+                     "error": msg[:4000]}
+            result = f"FAILED: {msg.splitlines()[0]}"
+        durations[i] = real[run.name] = time.monotonic() - t0
+        results.append(entry)
+        write_json_atomic(os.path.join(out, "compare.json"), results)
+        left = estimate_left(plan, durations, i + 1)
+        eta = "" if i + 1 == n else (f"; about {_fmt_duration(left)} left" if left is not None else "")
+        print(f"[{i + 1}/{n}] {result} ({durations[i]:.1f} s real{eta})", file=sys.stderr, flush=True)
+
+    ctx["simulated"]["real_s"] = {k: round(v, 2) for k, v in real.items()}
+    write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
+    path = write_report(out, results, ctx)
+    print(f"psgd simulate: {n - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
+          f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
+    print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
+    return 1 if failed else 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m psgd.simulate ...` (the same as `psgd simulate ...`)."""
+    ap = argparse.ArgumentParser(prog="psgd")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    args = ap.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return main(args)
+    except ConfigError as e:
+        print(f"psgd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

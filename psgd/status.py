@@ -1,0 +1,112 @@
+"""`psgd status`: look into a running job.
+
+    psgd status DIR [--watch [SECONDS]]       # the job whose output folder is DIR
+    psgd status --address tcp://HOST:PORT      # or its coordinator, wherever it runs
+
+Asks the job's coordinator (its `status` op: one request, with a timeout) and prints a
+table: the phase and mode, each worker's clock, samples/s, live/lost/finished state,
+mean staleness and wait share, each shard's version, and the last evaluation. A job
+that has finished (its coordinator is gone and DIR/summary.json exists) gets its
+summary. `--watch` prints the table again every few seconds until the job ends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from . import wire
+from .config import ConfigError, load
+from .consistency.staleness import Histogram
+from .transport import Peers, PeerTimeout
+
+ASK_TIMEOUT_S = 3.0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("status", help="show a running job: phase, workers, shards, accuracy")
+    p.add_argument("dir", nargs="?", help="the job's output folder (it holds config.toml and summary.json)")
+    p.add_argument("--address", help="the coordinator's address, tcp://HOST:PORT (instead of DIR)")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until the job ends")
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.dir and not args.address:
+        raise ConfigError("psgd status: give the job's folder (DIR) or --address tcp://HOST:PORT")
+    cfg = _config(args.dir)
+    address = args.address or cfg.coordinator_address()
+    while True:
+        try:
+            reply = ask(cfg, address)
+        except PeerTimeout:
+            summary = os.path.join(args.dir, "summary.json") if args.dir else ""
+            if summary and os.path.exists(summary):
+                from .launcher import format_summary
+                with open(summary) as f:
+                    print(f"finished: {format_summary(json.load(f))}")
+                return 0
+            print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
+                  f"(not started yet, or gone without a summary)", file=sys.stderr)
+            return 1
+        print(table(reply), flush=True)
+        if not args.watch or reply.get("done"):
+            return 0
+        time.sleep(args.watch)
+        print()
+
+
+def _config(folder: str | None):
+    if not folder:
+        return load(None, [], env={})
+    path = os.path.join(folder, "config.toml")
+    if not os.path.exists(path):
+        raise ConfigError(f"psgd status: {folder} has no config.toml (is it a psgd run's output folder?)")
+    return load(path, [], env={})
+
+
+def ask(cfg, address: str) -> wire.Message:
+    import zmq
+    peers = Peers(zmq.Context.instance(), [address], cfg.security)
+    try:
+        return peers.call(0, "status", ASK_TIMEOUT_S)
+    finally:
+        peers.close()
+
+
+def table(r: wire.Message) -> str:
+    """The status reply as text."""
+    mode = r.get("mode", "?")
+    params = " ".join(f"{k}={v}" for k, v in (r.get("mode_params") or {}).items())
+    steps = r.get("steps") or 0
+    head = [f"phase {r.get('phase')}  mode {mode} {params}".rstrip() + f"  elapsed {r.get('elapsed_s', 0):.1f} s  "
+            f"samples {r.get('samples', 0):,}  live {len(r.get('live') or {})}/{r.get('workers_expected', '?')}"]
+    if r.get("abort"):
+        head.append(f"aborted: {r.get('abort')}")
+    ev = r.get("last_eval")
+    head.append(f"last evaluation: accuracy {ev['accuracy']:.4f}  loss {ev['loss']:.4f}  at {ev['t']:.1f} s"
+                if ev else "last evaluation: none yet")
+    rows: list[tuple[str, ...]] = [("worker", "state", "clock", "samples/s", "staleness", "wait", "rejected", "joins")]
+    for w in r.get("workers") or []:
+        elapsed = float(w.get("elapsed_s") or 0)
+        rate = f"{(w.get('samples') or 0) / elapsed:,.0f}" if elapsed > 0 else "-"
+        hist = Histogram(w.get("staleness_hist") or [])
+        wait = f"{float(w.get('wait_s') or 0) / elapsed:.0%}" if elapsed > 0 else "-"
+        clock = f"{w['clock']}/{steps}" if steps else str(w["clock"])
+        rows.append((str(w["rank"]), w["state"], clock, rate, f"{hist.mean:.2f}" if hist.total else "-", wait,
+                     str(w.get("rejected") or 0), str(w.get("joins", 1))))
+    shards = "  ".join(f"shard {s['index']}: version {'-' if s.get('version') is None else s['version']}"
+                       + (f", {s['restarts']} restarts" if s.get("restarts") else "")
+                       + (f", {s['bad_messages']} bad messages" if s.get("bad_messages") else "")
+                       for s in r.get("shards") or [])
+    return "\n".join(head + [_columns(rows), shards or "shards: none registered yet"])
+
+
+def _columns(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    def line(row: tuple[str, ...]) -> str:  # names left, numbers right
+        return "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+    return "\n".join(line(row) for row in rows)

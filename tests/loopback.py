@@ -1,0 +1,94 @@
+"""Test helpers: a worker schedule driven against `psgd.shard.Shard` objects in this
+thread, with real wire messages and no sockets.
+
+`Loopback` is the part of `ParameterClient` that the schedules use (join, pull,
+push_pull, elastic, tables); every request must be answered at once (one worker, or
+rounds that close on it), else it raises. `FakeTrainer` is the schedule's `Trainer`
+with a known gradient function in place of a data set.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from psgd import wire
+from psgd.config import Config
+from psgd.consistency.staleness import Histogram
+from psgd.data import describe
+from psgd.models import build_model
+from psgd.replica import Replica
+from psgd.shard import Shard
+from psgd.workers.client import ParameterClient
+
+_ids = itertools.count(1)
+
+
+class Loopback:
+    tables = staticmethod(ParameterClient.tables)
+
+    def __init__(self, shards: list[Shard], rank: int):
+        self.shards, self.rank = shards, rank
+        self.wait_s = 0.0
+
+    def request(self, reqs: list[tuple[int, str, dict]]) -> list[wire.Message]:
+        out = []
+        for i, op, fields in reqs:
+            token = ("loopback", next(_ids))
+            frames = wire.encode(op, id=next(_ids), rank=self.rank, **fields)
+            req = wire.decode([bytes(f) for f in frames])
+            replies = dict(self.shards[i].handle(token, req))
+            if token not in replies:
+                raise AssertionError(f"shard {i} parked the {op} of rank {self.rank}; a loopback cannot wait")
+            out.append(wire.raise_if_error(wire.decode([bytes(f) for f in replies[token]]), f"shard {i}"))
+        return out
+
+    def join(self, clock: int) -> list[wire.Message]:
+        return self.request([(i, "pull", {"clock": clock, "join": True}) for i in range(len(self.shards))])
+
+    def pull(self, clock: int) -> list[wire.Message]:
+        return self.request([(i, "pull", {"clock": clock}) for i in range(len(self.shards))])
+
+    def push_pull(self, clock, grads, buffers, read_versions):
+        pushed = self.request([(i, "push", {"clock": clock, "read_version": read_versions[i],
+                                            "arrays": [grads[i], buffers[i]]}) for i in range(len(self.shards))])
+        return pushed, self.pull(clock + 1)
+
+    def elastic(self, round_, xs, bs, clock):
+        return self.request([(i, "elastic", {"round": round_, "clock": clock, "arrays": [xs[i], bs[i]]})
+                             for i in range(len(self.shards))])
+
+
+class FakeTrainer:
+    """A worker whose `compute` sets every parameter's gradient to `grad(p)`."""
+
+    def __init__(self, cfg: Config, client, grad: Callable[[torch.Tensor], torch.Tensor], rank: int = 0):
+        self.cfg, self.client, self.grad, self.rank = cfg, client, grad, rank
+        shape, classes = describe(cfg.data)
+        model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
+        self.replica = Replica(model, cfg.cluster.servers, torch.device("cpu"))
+        self.clock = 0
+        self.hist = Histogram()
+        self.logged: list[tuple] = []
+
+    def compute(self) -> float:
+        for p in self.replica.model.parameters():
+            p.grad = self.grad(p.detach())
+        return 0.0
+
+    def log_step(self, staleness: int, wait_s: float, **extra) -> None:
+        self.logged.append((self.clock, staleness, extra))
+
+    def live(self) -> set[int]:
+        return {self.rank}
+
+    def event(self, **fields) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])

@@ -1,0 +1,265 @@
+"""async's knobs as the papers write them: the staleness-aware learning rate of Zhang et
+al. 2016 (alpha0 / max(1, tau) in place of the 1 / W scaling), and Downpour's n_push /
+n_fetch (Dean et al. 2012), the latter driven through `AsyncSchedule` with a fake
+trainer and parameter client (no sockets): a one-shard "server" that applies each push
+as plain SGD at lr / W and answers pulls with its parameters."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from psgd import wire
+from psgd.config import Config
+from psgd.consistency import get as get_mode
+from psgd.consistency.rule import Apply, Push
+from psgd.consistency.staleness import Histogram, lr_scale
+from psgd.replica import Replica
+
+pytestmark = pytest.mark.unit
+
+
+# ---------------------------------------------------------------- lr_policy = "staleness"
+
+@dataclass
+class Tables:
+    params: Any = None
+    buffers: Any = None
+    version: int = 0
+
+
+def rule(mode: str, world: int, **sets):
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": world, **sets})
+    return get_mode(mode).rule(cfg.mode, world, Tables())
+
+
+def applied_scale(r, tau: int) -> float:
+    out = r.push(Push(("push", 0), 0, 0, tau, "g", "b"))
+    (apply,) = [d for d in out if isinstance(d, Apply)]
+    return apply.lr_scale
+
+
+def test_staleness_policy_replaces_the_one_over_w_scaling():
+    # Zhang et al. 2016: alpha0 / tau with alpha0 the synchronous rate; not alpha0 / (W tau)
+    assert applied_scale(rule("async", 4, **{"mode.lr_policy": "staleness"}), 3) == pytest.approx(1 / 3)
+    assert applied_scale(rule("async", 4, **{"mode.lr_policy": "staleness"}), 0) == 1.0   # max(1, tau)
+    assert applied_scale(rule("async", 4, **{"mode.lr_policy": "constant"}), 3) == pytest.approx(1 / 4)
+    assert applied_scale(rule("ssp", 4, **{"mode.lr_policy": "staleness"}), 3) == pytest.approx(1 / 4)
+    assert lr_scale(3, "staleness", 4) == pytest.approx(1 / 3) and lr_scale(3, "constant", 4) == 0.25
+
+
+@pytest.mark.timeout(120)
+def test_staleness_policy_through_a_shard():
+    from psgd.shard import Shard
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 4, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "mode.lr_policy": "staleness"})
+    shard, lr = Shard(cfg, 0), cfg.optimizer.lr
+    p0 = shard.params.detach().clone().numpy()
+    g = np.ones(shard.P, np.float32)
+    ids = iter(range(1, 1000))
+
+    def push(rank, clock, read_version):
+        m = wire.decode(wire.encode("push", id=next(ids), rank=rank, clock=clock, read_version=read_version,
+                                    arrays=[g, np.zeros(shard.B, np.float32)]))
+        return wire.decode(shard.handle(("p", rank, clock), m)[0][1])
+
+    for c in range(3):                      # fresh gradients: tau = 0, the full rate
+        assert push(0, c, read_version=c).get("staleness") == 0
+    assert push(1, 0, read_version=0).get("staleness") == 3
+    np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr * (3 + 1 / 3) * g, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a fake trainer and client
+
+class Msg(dict):
+    """An answer as the schedule reads it (`get`), with the arrays it carries."""
+
+
+class FakeClient:
+    """One shard, in the same process: a push applies plain SGD at lr / W to `params`
+    and counts a version; a pull answers a copy. Every request is recorded."""
+
+    def __init__(self, params: torch.Tensor, buffers: torch.Tensor, lr: float, world: int):
+        self.params, self.buffers, self.lr, self.world = params.clone(), buffers.clone(), lr, world
+        self.version = 0
+        self.finished = 0
+        self.wait_s = 0.0
+        self.log: list[tuple] = []          # ("push", clock, grad copy) / ("pull", clock)
+        self.pushed_sum = torch.zeros_like(params)
+
+    def _pull(self, clock: int) -> Msg:
+        self.log.append(("pull", clock))
+        return Msg(version=self.version, finished=self.finished, guaranteed=self.finished, step=0,
+                   params=self.params.clone(), buffers=self.buffers.clone())
+
+    def _push(self, clock: int, g: torch.Tensor, read_version: int) -> Msg:
+        assert not any(e[0] == "push" and e[1] >= clock for e in self.log), "push clocks must grow"
+        self.log.append(("push", clock, g.clone()))
+        self.params -= self.lr / self.world * g
+        self.pushed_sum += g
+        tau, self.version = self.version - read_version, self.version + 1
+        self.finished = clock + 1
+        return Msg(staleness=tau)
+
+    def join(self, clock: int) -> list:
+        return [self._pull(clock)]
+
+    def pull(self, clock: int) -> list:
+        return [self._pull(clock)]
+
+    def begin_push_pull(self, clock, grads, buffers, read_versions, slot=0, pull=True):
+        pushed = [self._push(clock, grads[0], read_versions[0])] if grads is not None else []
+        return pushed, ([self._pull(clock + 1)] if pull else [])
+
+    def finish_push_pull(self, f):
+        return f
+
+    def push_pull(self, clock, grads, buffers, read_versions):
+        return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions))
+
+    def push(self, clock, grads, buffers, read_versions):
+        return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions, pull=False))[0]
+
+    @staticmethod
+    def tables(msgs):
+        return [m["params"] for m in msgs], [m["buffers"] for m in msgs]
+
+
+@dataclass
+class FakeTrainer:
+    """The worker as a schedule sees it; `compute` sets gradient k + 1 times a fixed
+    direction at its k-th call (so sums are known), or a real gradient (`real`)."""
+    cfg: Config
+    real: bool = False
+    rank: int = 0
+    clock: int = 0
+    hist: Histogram = field(default_factory=Histogram)
+    lines: list = field(default_factory=list)
+    computed_on: list = field(default_factory=list)   # the parameters each compute saw
+    live_ranks: set = field(default_factory=lambda: {0})
+
+    def __post_init__(self):
+        torch.manual_seed(0)
+        self.replica = Replica(nn.Linear(4, 3), 1, torch.device("cpu"))
+        (p,), (b,) = self.replica.params(), self.replica.buffers()
+        self.client = FakeClient(p, b, self.cfg.optimizer.lr, self.cfg.cluster.workers)
+        self.direction = torch.randn(p.numel())
+        self.x, self.y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        self.calls = 0
+
+    def compute(self) -> float:
+        self.computed_on.append(self.replica.params()[0].clone())
+        model = self.replica.model
+        model.zero_grad(set_to_none=True)
+        if self.real:
+            loss = nn.functional.cross_entropy(model(self.x), self.y)
+            loss.backward()
+        else:
+            self.calls += 1
+            g = self.direction * self.calls
+            i = 0
+            for p in model.parameters():
+                p.grad = g[i:i + p.numel()].view_as(p).clone()
+                i += p.numel()
+            loss = torch.tensor(1.0)
+        return float(loss.detach())
+
+    def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None:
+        self.lines.append({"clock": self.clock, "staleness": staleness, **extra})
+
+    def live(self) -> set[int]:
+        return set(self.live_ranks)
+
+    def event(self, **fields: Any) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+
+def run(steps: int, real: bool = False, **sets) -> FakeTrainer:
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": steps, **sets})
+    w = FakeTrainer(cfg, real)
+    schedule = get_mode(cfg.mode.name).schedule(cfg)
+    schedule.start(w)
+    while w.clock < steps:
+        schedule.step(w)
+    schedule.finish(w)
+    return w
+
+
+def pushes(w: FakeTrainer) -> list[tuple[int, torch.Tensor]]:
+    return [(e[1], e[2]) for e in w.client.log if e[0] == "push"]
+
+
+def pulls(w: FakeTrainer) -> list[int]:
+    return [e[1] for e in w.client.log if e[0] == "pull"]
+
+
+# ---------------------------------------------------------------- Downpour's n_push / n_fetch
+
+def test_defaults_push_and_pull_every_step():
+    w = run(5)
+    assert [c for c, _ in pushes(w)] == [0, 1, 2, 3, 4]
+    assert pulls(w) == [0, 1, 2, 3, 4, 5]           # the join, then one per push
+    assert len(w.lines) == 5 and all("pushed" not in e for e in w.lines)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_n_push_sends_the_sum_of_the_accrued_gradients(prefetch):
+    w = run(7, **{"mode.n_push": 3, "mode.prefetch": prefetch})
+    d = w.direction
+    got = pushes(w)
+    assert [c for c, _ in got] == [2, 5, 6]          # every 3 steps, and the rest at the end
+    for (_, g), ks in zip(got, [(1, 2, 3), (4, 5, 6), (7,)], strict=True):
+        torch.testing.assert_close(g, d * sum(ks))
+    assert pulls(w) == list(range(8))                # n_fetch = 1: the join, then a pull every step
+    assert len(w.lines) == 7 and [e.get("pushed", True) for e in w.lines] == [False, False, True] * 2 + [False]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_n_fetch_steps_the_own_copy_in_between(prefetch):
+    # one worker, plain SGD on the server: the copy it steps by its own gradients between
+    # fetches is exactly the server's model after all its pushes, at every compute
+    # (with prefetch too: the push is in flight, the own step is already taken)
+    w = run(9, real=True, **{"mode.n_fetch": 3, "mode.prefetch": prefetch})
+    assert [c for c, _ in pushes(w)] == list(range(9))
+    assert pulls(w) == [0, 3, 6, 9]                  # the join, then every 3 steps
+    lr, p = w.cfg.optimizer.lr, w.computed_on[0].clone()
+    for k, (_, g) in enumerate(pushes(w)):
+        torch.testing.assert_close(w.computed_on[k], p)
+        p -= lr * g
+    torch.testing.assert_close(w.client.params, p)
+    assert len(w.lines) == 9 and w.hist.total == 9
+
+
+def test_n_push_and_n_fetch_with_prefetch_settle_every_request_and_log_every_step():
+    w = run(10, **{"mode.n_push": 2, "mode.n_fetch": 5, "mode.prefetch": True})
+    d = w.direction
+    assert [c for c, _ in pushes(w)] == [1, 3, 5, 7, 9]
+    torch.testing.assert_close(w.client.pushed_sum, d * sum(range(1, 11)))   # every gradient, once
+    assert pulls(w) == [0, 5, 10]
+    assert [e["clock"] for e in w.lines] == list(range(1, 11))              # one line a step, in order
+    assert w.hist.total == 5
+
+
+def test_downpour_trains():
+    w = run(60, real=True, **{"mode.n_push": 2, "mode.n_fetch": 3, "optimizer.lr": 0.5})
+    model = w.replica.model
+    w.replica.load([w.client.params], None)
+    loss = nn.functional.cross_entropy(model(w.x), w.y).item()
+    assert math.isfinite(loss) and loss < 0.5
+
+
+def test_prefetch_pushes_say_which_read_they_were_computed_on():
+    # one worker: each gradient but the first is computed before the previous push lands
+    w = run(10, **{"mode.prefetch": True})
+    assert [e["staleness"] for e in w.lines] == [0] + [1] * 9
+    w = run(9, **{"mode.prefetch": True, "mode.n_fetch": 3})   # fetches every 3: staleness since that read
+    assert [e["staleness"] for e in w.lines] == [0, 1, 2, 3, 1, 2, 3, 1, 2]

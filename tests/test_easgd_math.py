@@ -1,0 +1,88 @@
+"""easgd is EASGD as Zhang, Choromanska & LeCun (2015) write it: one worker with a known
+gradient, driven through the real schedule and shards (wire messages, no sockets),
+follows the equations of Algorithm 1 step by step,
+    at tau | t:  d = alpha (x - c);  c <- c + d;  x <- x - d - eta g(x)
+    otherwise:   x <- x - eta g(x)
+with g and d evaluated at the same x (the one before the step). With a Nesterov local
+optimizer (EAMSGD) the local update is torch's: b <- mu b + g(x); x <- x - d - eta (g + mu b).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psgd.config import Config
+from psgd.consistency.easgd import EasgdSchedule
+from psgd.shard import Shard
+from tests.loopback import FakeTrainer, Loopback, flat
+
+pytestmark = pytest.mark.unit
+
+ETA, ALPHA, TAU, STEPS = 0.1, 0.3, 3, 12
+
+
+def grad(x: torch.Tensor) -> torch.Tensor:
+    """A known, nonlinear gradient (elementwise, so the same on any layout)."""
+    return 0.5 * x + 0.3 * torch.tanh(3 * x) - 0.1
+
+
+def centre(shards) -> torch.Tensor:
+    return flat([s.params for s in shards])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_one_worker_follows_the_centre_trajectory_of_the_equations(sync, momentum):
+    cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 1, "cluster.servers": 2,
+                              "mode.tau": TAU, "mode.alpha": ALPHA, "mode.sync": sync, "train.steps": STEPS,
+                              "optimizer.lr": ETA, "optimizer.momentum": momentum,
+                              "optimizer.nesterov": momentum > 0})
+    shards = [Shard(cfg, i) for i in range(cfg.cluster.servers)]
+    w = FakeTrainer(cfg, Loopback(shards, 0), grad)
+    schedule = EasgdSchedule(cfg)
+    schedule.start(w)
+    x, c = flat(w.replica.params()), centre(shards)
+    torch.testing.assert_close(x, c)
+    buf = torch.zeros_like(x)
+    for t in range(STEPS):
+        schedule.step(w)
+        g = grad(x)
+        if t % TAU == 0:
+            d = ALPHA * (x - c)
+            c = c + d
+            x = x - d
+        buf = momentum * buf + g
+        x = x - ETA * (g + momentum * buf if momentum else g)
+        torch.testing.assert_close(flat(w.replica.params()), x, rtol=1e-5, atol=1e-6, msg=f"x after step {t}")
+        torch.testing.assert_close(centre(shards), c, rtol=1e-5, atol=1e-6, msg=f"centre after step {t}")
+        assert w.clock == t + 1
+    schedule.finish(w)   # STEPS is a multiple of tau: the exchange of step STEPS, without its update
+    d = ALPHA * (x - c)
+    torch.testing.assert_close(centre(shards), c + d, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat(w.replica.params()), x - d, rtol=1e-5, atol=1e-6)
+    assert shards[0].version == STEPS // TAU + 1   # one centre move per exchange: t = 0, 3, 6, 9 and 12
+    assert (centre(shards) - flat([s.params for s in [Shard(cfg, i) for i in range(2)]])).abs().max() > 1e-3
+
+
+@pytest.mark.timeout(60)
+def test_the_exchange_uses_the_x_before_the_step_not_after():
+    """One exchange at t = 0 from a centre that differs from x: the centre moves by
+    alpha (x0 - c0), not by alpha (x0 - eta g(x0) - c0) (the order before the fix)."""
+    cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 1, "cluster.servers": 1,
+                              "mode.tau": 2, "mode.alpha": ALPHA, "optimizer.lr": ETA,
+                              "optimizer.momentum": 0.0})
+    shard = Shard(cfg, 0)
+    w = FakeTrainer(cfg, Loopback([shard], 0), grad)
+    schedule = EasgdSchedule(cfg)
+    schedule.start(w)
+    with torch.no_grad():
+        shard.params.mul_(0.5)   # the centre elsewhere than the replica
+    x0, c0 = flat(w.replica.params()), centre([shard])
+    schedule.step(w)
+    moved = centre([shard]) - c0
+    torch.testing.assert_close(moved, ALPHA * (x0 - c0), rtol=1e-5, atol=1e-6)
+    after = ALPHA * (x0 - ETA * grad(x0) - c0)
+    assert (moved - after).abs().max() > 1e-3
+    torch.testing.assert_close(flat(w.replica.params()), x0 - ALPHA * (x0 - c0) - ETA * grad(x0), rtol=1e-5,
+                               atol=1e-6)

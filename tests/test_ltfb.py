@@ -1,0 +1,368 @@
+"""LTFB as LBANN runs it, pinned exactly: adoption switches the weights (and with
+weights+optimizer the optimizer's state) and a rejection restores them; truncation
+takes the bottom k and gives them top-k models; exploration draws log-uniformly and
+mutation multiplies by exactly 1 - m or 1 + m; a trainer group's step is the mean of
+its workers' gradients, so its replicas stay identical; the config refuses a
+trainer_size that does not divide the workers.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import threading
+
+import pytest
+import torch
+
+from psgd import wire
+from psgd.config import Config, ConfigError, load
+from psgd.consistency.ltfb import LtfbRule, LtfbSchedule, pack_meta, unpack_meta
+from psgd.consistency.rule import AnswerModel, Deposit, Fetch, Push, Read
+from psgd.consistency.tournament import (
+    GroupSteps,
+    Late,
+    Scoreboard,
+    adopt,
+    draw_hyper,
+    fitness,
+    mutate,
+    truncation,
+)
+from psgd.inprocess import InProcessCluster
+from psgd.shard import Shard
+from psgd.workers.client import Cancelled, ParameterClient
+from psgd.workers.worker import Worker
+from tests.loopback import FakeTrainer, Loopback, flat
+
+unit, inprocess = pytest.mark.unit, pytest.mark.inprocess
+
+
+# ---------------------------------------------------------------- pure rules
+@unit
+def test_truncation_bottom_k_take_a_top_k_model():
+    scores = {0: 0.9, 1: 0.1, 2: 0.5, 3: 0.7, 4: 0.3, 5: 0.8}
+    for rnd in range(30):
+        assert truncation(7, rnd, scores, 1) == {1: 0}
+        two = truncation(7, rnd, scores, 2)
+        assert set(two) == {1, 4} and set(two.values()) <= {0, 5}
+        assert two == truncation(7, rnd, dict(reversed(scores.items())), 2)   # same for every party
+    # the winner is drawn per (seed, round, loser): both top trainers are drawn over the rounds
+    assert {w for rnd in range(30) for w in truncation(7, rnd, scores, 2).values()} == {0, 5}
+    assert truncation(0, 1, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, 1) == {3: 0}   # ties: the lower trainer ranks higher
+    assert set(truncation(0, 1, {0: 0.2, 1: 0.9, 2: 0.4}, 2)) == {0}           # 3 trainers, k 2: one loser
+    assert truncation(0, 1, {0: 0.2}, 1) == {}
+    assert truncation(0, 1, {0: -math.inf, 1: 0.0}, 1) == {0: 1}             # a diverged trainer loses
+
+
+@unit
+def test_fitness_higher_is_better_for_both_metrics():
+    assert fitness("accuracy", 0.7, 2.0) == 0.7 and fitness("loss", 0.7, 2.0) == -2.0
+    assert adopt(fitness("loss", 0, 0.9), fitness("loss", 0, 0.4))          # lower loss wins
+    assert not adopt(fitness("loss", 0, 0.4), fitness("loss", 0, 0.9))
+    assert fitness("loss", 0.7, math.nan) == -math.inf == fitness("accuracy", math.nan, 1.0)
+    assert adopt(fitness("loss", 0, math.nan), fitness("loss", 0, 5.0))       # a diverged model is replaced
+
+
+@unit
+def test_explore_draws_log_uniformly_and_reproducibly():
+    explore = {"optimizer.lr": [0.01, 0.5], "optimizer.momentum": [0.5, 0.99]}
+    draws = [draw_hyper(explore, 3, t) for t in range(4000)]
+    assert draws[5] == draw_hyper(explore, 3, 5) and draws[5] != draw_hyper(explore, 4, 5)
+    for d in draws:
+        assert 0.01 <= d["optimizer.lr"] <= 0.5 and 0.5 <= d["optimizer.momentum"] <= 0.99
+    # log-uniform: half the draws below the geometric mean (uniform: 12% for lr)
+    below = sum(d["optimizer.lr"] < math.sqrt(0.01 * 0.5) for d in draws) / len(draws)
+    assert abs(below - 0.5) < 0.04, below
+    logs = sorted(math.log(d["optimizer.lr"] / 0.01) / math.log(50) for d in draws)
+    assert max(abs(v - (i + 0.5) / len(logs)) for i, v in enumerate(logs)) < 0.04   # Kolmogorov-Smirnov
+    assert draw_hyper({"optimizer.lr": [0.1, 0.1]}, 0, 0) == {"optimizer.lr": 0.1}
+
+
+@unit
+def test_mutation_multiplies_by_exactly_one_minus_or_plus_m():
+    explore = {"optimizer.lr": [1e-4, 10.0], "optimizer.momentum": [0.1, 0.99]}
+    hyper = {"optimizer.lr": 0.3, "optimizer.momentum": 0.6}
+    factors = set()
+    for rnd in range(40):
+        out = mutate(hyper, explore, 0.2, 1, rnd, 2)
+        assert out == mutate(hyper, explore, 0.2, 1, rnd, 2)
+        for key, v in out.items():
+            assert v in (hyper[key] * 0.8, hyper[key] * 1.2), (key, v)
+            factors.add(v / hyper[key] > 1)
+    assert factors == {True, False}
+    # kept within the exploration range
+    assert all(mutate({"optimizer.momentum": 0.98}, explore, 0.2, 1, rnd, 0)["optimizer.momentum"] in (0.98 * 0.8, 0.99)
+               for rnd in range(20))
+    assert mutate(hyper, explore, 0.0, 1, 1, 2) == hyper
+
+
+@unit
+def test_meta_travels_bit_exactly():
+    values = [1.0, 3.0, math.nan, 0.123456789012345678, 0.1 * 1.2, 1e-300]
+    back = unpack_meta(pack_meta(values, 40), len(values))
+    assert back[:2] == values[:2] and math.isnan(back[2]) and back[3:] == values[3:]
+    with pytest.raises(ValueError, match="too few"):
+        pack_meta(values, 5)
+
+
+@unit
+def test_group_steps_answer_every_worker_with_the_same_mean():
+    g = GroupSteps(2, range(4))
+    a, b, c = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0]), torch.tensor([9.0, 9.0])
+    buf = torch.tensor([4.0])
+    assert g.push(0, 0, a, buf) == (True, [])
+    assert g.read(0, 1, "r0") is None                       # parked until rank 1 pushes
+    assert g.push(2, 0, c, buf) == (True, [])                # trainer 1 is another group
+    ok, ready = g.push(1, 0, b, 2 * buf)
+    assert ok and [t for t, _ in ready] == ["r0"]
+    mean = ready[0][1]
+    assert torch.equal(mean.grad, torch.tensor([2.0, 4.0])) and torch.equal(mean.buffers, torch.tensor([6.0]))
+    assert g.read(1, 1, "r1") is mean                        # the same arrays for both
+    assert g.read(2, 1, "r2") is None and g.parked == 1      # trainer 1 still waits for rank 3
+    assert not torch.equal(a, mean.grad)                     # the inputs were copied, not summed into
+    # a resent read of a closed step is answered again; a late push is dropped, its read says where to go
+    assert g.read(0, 1, "again") is mean
+    assert g.push(0, 0, a, buf) == (False, []) and g.dropped == 1
+    # rank 3 leaves: trainer 1's open step closes on rank 2 alone
+    ready = g.set_live({0, 1, 2})
+    assert [t for t, _ in ready] == ["r2"] and torch.equal(ready[0][1].grad, c) and ready[0][1].count == 1
+    # a worker that fell behind (its group went on without it) is told the group's step
+    g.push(0, 1, a, buf)
+    g.push(1, 1, b, buf)
+    assert g.read(0, 1, "old") == Late(2)
+    # a push ahead of the group (the others lag) moves the group there, dropping the open step
+    g.push(0, 2, a, buf)
+    assert g.push(1, 5, b, buf) == (True, []) and g.dropped == 2
+    assert g.read(0, 3, "x") == Late(5)
+
+
+@unit
+def test_scoreboard_waits_for_every_live_trainer_and_freezes():
+    s = Scoreboard(range(3))
+    assert s.put(1, 0, 0.5) == []
+    assert s.get(1, "t0") is None
+    assert s.put(1, 2, 0.7) == []
+    assert s.put(1, 1, 0.1) == [("t0", 1, {0: 0.5, 1: 0.1, 2: 0.7})]
+    assert s.get(1, "t1") == {0: 0.5, 1: 0.1, 2: 0.7}
+    s.put(2, 0, 0.9)
+    assert s.get(2, "t2") is None
+    assert s.set_live({0}) == [("t2", 2, {0: 0.9})]         # trainers 1 and 2 left
+    s.put(2, 1, 0.3)                                         # a late one does not change a frozen board
+    assert s.get(2, "t3") == {0: 0.9}
+
+
+@unit
+def test_a_trainer_size_that_does_not_divide_the_workers_is_refused():
+    with pytest.raises(ConfigError, match="trainer_size = 3 does not divide cluster.workers = 4"):
+        load(None, ["mode.name=ltfb", "cluster.workers=4", "mode.trainer_size=3"], env={})
+    with pytest.raises(ConfigError, match="truncation_k = 2 needs at least 4 trainers"):
+        load(None, ["mode.name=ltfb", "cluster.workers=6", "mode.trainer_size=2", "mode.strategy=truncation",
+                    "mode.truncation_k=2"], env={})
+    assert load(None, ["mode.name=ltfb", "cluster.workers=4", "mode.trainer_size=2"], env={}).mode.trainer_size == 2
+
+
+@unit
+def test_rule_keeps_outcomes_apart_from_tournament_deposits():
+    """A group's outcome (round -r) is never in the index that chooses the global model,
+    and a request for it is parked until the leader deposits it."""
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2})
+    rule = LtfbRule(cfg.mode, 4, None)
+    assert rule.fetch(Fetch("f", 1, -1)) == []                      # trainer 1's outcome of round 1: parked
+    out = rule.deposit(Deposit("d", 3, -1, 0.0, []))                 # rank 3 leads trainer 1
+    assert [d for d in out if isinstance(d, AnswerModel)] == [AnswerModel("f", ("outcome", 1), {"round": -1,
+                                                                                                "owner": 1})]
+    rule.deposit(Deposit("d2", 2, 1, 0.4, []))                       # rank 2's tournament deposit is trainer 1's
+    assert rule.index("i")[0].fields == {"models": [[1, 1, 0.4]]}
+    assert rule.fetch(Fetch("s", -1, 1)) == []                       # the board waits for trainer 0
+    out = rule.deposit(Deposit("d3", 0, 1, 0.6, []))
+    assert any(getattr(d, "fields", {}).get("scores") == [[0, 0.6], [1, 0.4]] for d in out)
+    ready = rule.push(Push("p0", 0, 0, 0, torch.ones(3), torch.zeros(0)))
+    assert [d.token for d in ready] == ["p0"]
+    assert rule.read(Read("r0", 0, 1)) == []                         # waits for rank 1
+    out = rule.membership({0: 1, 2: 0, 3: 0})                        # rank 1 left: the step closes on rank 0
+    assert [d.token for d in out] == ["r0"] and torch.equal(out[0].arrays[0], torch.ones(3))
+
+
+# ---------------------------------------------------------------- through the shards
+class TourLoopback(Loopback):
+    """A loopback with the tournament ops (deposits and fetches must be answerable at once)."""
+    put_model = ParameterClient.put_model
+    get_model = ParameterClient.get_model
+    index = ParameterClient.index
+
+    @property
+    def n(self) -> int:
+        return len(self.shards)
+
+    def request(self, reqs, cancel=None):
+        try:
+            return super().request(reqs)
+        except wire.Refused:
+            raise
+        except AssertionError as e:   # parked: the partner has not deposited
+            raise Cancelled(str(e)) from None
+
+    @staticmethod
+    def _wire(kind, shard, t):
+        return t
+
+
+def grad(x: torch.Tensor) -> torch.Tensor:
+    return 0.3 * x + 0.05
+
+
+def trainers_on(cfg: Config, n: int):
+    """n one-worker trainers on the same shards, started, each with a holdout."""
+    shards = [Shard(cfg, i) for i in range(cfg.cluster.servers)]
+    out = []
+    for rank in range(n):
+        w = FakeTrainer(cfg, TourLoopback(shards, rank), grad, rank)
+        w.holdout = (torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+        w.live = lambda n=n: set(range(n))
+        w.events = []
+        w.event = lambda w=w, **f: w.events.append(f)
+        s = LtfbSchedule(cfg)
+        s.start(w)
+        out.append((w, s))
+    return shards, out
+
+
+def momentum(s: LtfbSchedule, w) -> torch.Tensor:
+    return flat([s.opt.state[p]["momentum_buffer"] for p in w.replica.model.parameters()])
+
+
+def ltfb_cfg(**sets) -> Config:
+    return Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "cluster.servers": 2,
+                               "mode.round_steps": 3, "train.steps": 30, "optimizer.momentum": 0.9, **sets})
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exchange", ["weights+optimizer", "weights"])
+@pytest.mark.parametrize("wins", [True, False])
+def test_adoption_switches_weights_and_optimizer_and_a_rejection_restores_them(exchange, wins):
+    explore = {"optimizer.lr": [0.01, 0.5], "optimizer.momentum": [0.5, 0.95]}
+    cfg = ltfb_cfg(**{"mode.exchange": exchange, "mode.explore": explore})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(2):                           # different weights and momenta: w1 moves further
+        s0.step(w0)
+    for _ in range(5):
+        s1.opt.param_groups[0]["lr"] = 0.5
+        w1.compute()
+        s1.opt.step()
+    assert s0.hyper != s1.hyper
+    s1.deposit(w1, 1, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    theirs, their_m, their_hyper = flat(w1.replica.params()), momentum(s1, w1), dict(s1.hyper)
+    ours, our_m, our_hyper = flat(w0.replica.params()), momentum(s0, w0), dict(s0.hyper)
+    assert not torch.equal(ours, theirs) and not torch.equal(our_m, their_m)
+    # the tournament split prefers the partner's weights (wins) or ours
+    target = theirs if wins else ours
+    w0.replica.score = lambda *a, **k: (float(torch.equal(flat(w0.replica.params()), target)), 0.0)
+    s0.lead(w0, 1)
+    (line,) = w0.events
+    assert line["partner"] == 1 and line["adopted"] is wins and line["trainer"] == 0
+    if wins:
+        assert torch.equal(flat(w0.replica.params()), theirs)
+        assert torch.equal(momentum(s0, w0), their_m if exchange == "weights+optimizer" else our_m)
+        assert s0.hyper == mutate(their_hyper, explore, cfg.mode.mutation, cfg.job.seed, 1, 0)
+        assert all(s0.hyper[k] in (their_hyper[k] * 0.8, their_hyper[k] * 1.2) for k in explore)
+        assert s0.opt_cfg.lr == s0.hyper["optimizer.lr"]
+        assert s0.opt.param_groups[0]["momentum"] == s0.hyper["optimizer.momentum"]
+    else:
+        assert torch.equal(flat(w0.replica.params()), ours) and torch.equal(momentum(s0, w0), our_m)
+        assert s0.hyper == our_hyper
+    assert line["hyper"] == {k: float(f"{v:.6g}") for k, v in s0.hyper.items()}
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_truncation_loser_takes_the_winners_model_exactly_and_winners_keep_theirs():
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.strategy": "truncation", "mode.truncation_k": 1,
+                      "mode.metric": "loss", "mode.round_steps": 10})
+    _, ts = trainers_on(cfg, 4)
+    for i, (w, s) in enumerate(ts):
+        for _ in range(i + 1):
+            s.step(w)
+    losses = {0: 0.9, 1: 0.2, 2: 0.5, 3: 0.7}              # trainer 1 is best (lowest loss), 0 worst
+    models = {}
+    for t in (1, 2, 3):
+        w, s = ts[t]
+        models[t] = (flat(w.replica.params()), momentum(s, w))
+        s.deposit(w, 1, fitness("loss", 0, losses[t]), [0.0, -1.0, math.nan, math.nan], s.with_opt)
+    w0, s0 = ts[0]
+    w0.replica.score = lambda *a, **k: (0.0, losses[0])
+    s0.lead(w0, 1)
+    assert w0.events[0]["partner"] == 1 and w0.events[0]["adopted"] is True
+    assert w0.events[0]["partner_score"] == 0.2 and w0.events[0]["local_score"] == 0.9
+    assert torch.equal(flat(w0.replica.params()), models[1][0]) and torch.equal(momentum(s0, w0), models[1][1])
+    w2, s2 = ts[2]
+    before = flat(w2.replica.params())
+    w2.replica.score = lambda *a, **k: (0.0, losses[2])
+    s2.lead(w2, 1)                                         # the middle keeps its own
+    assert w2.events[0]["adopted"] is False and torch.equal(flat(w2.replica.params()), before)
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_the_last_round_is_local_no_tournament_at_the_end_of_the_budget():
+    cfg = ltfb_cfg(**{"cluster.workers": 1, "train.steps": 9, "mode.round_steps": 3})
+    _, [(w, s)] = trainers_on(cfg, 1)
+    held = []
+    w.replica.score = lambda *a, **k: (0.5, 1.0)
+    s.lead = lambda w, rnd: held.append((w.clock, rnd))
+    while w.clock < cfg.train.steps:
+        s.step(w)
+    assert held == [(3, 1), (6, 2)]                        # not at 9: the budget ends with a local round
+
+
+# ---------------------------------------------------------------- a whole cluster of trainer groups
+def run_workers(cfg: Config, out: str, port: int) -> list[Worker]:
+    cfg = cfg.replace(**{"cluster.port": port})
+    with InProcessCluster(cfg, out) as cluster:
+        workers = [Worker(cfg, out, "cpu", r, cluster.ctx) for r in range(cfg.cluster.workers)]
+        threads = [threading.Thread(target=w.run, name=f"w{i}") for i, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+        assert not any(t.is_alive() for t in threads)
+    return workers
+
+
+def tournament_lines(out: str) -> list[dict]:
+    lines = []
+    for path in sorted(glob.glob(os.path.join(out, "events", "worker-*.jsonl"))):
+        with open(path) as f:
+            lines += [e for e in map(json.loads, f) if e.get("event") == "tournament"]
+    return lines
+
+
+@inprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["pairwise", "truncation"])
+def test_trainer_groups_keep_identical_replicas(tmp_path, port_block, strategy):
+    """4 workers, trainer_size 2: after the run the two workers of each trainer have
+    identical parameters, and every tournament line of a trainer agrees."""
+    cfg = load(None, ["mode.name=ltfb", "cluster.workers=4", "mode.trainer_size=2", "cluster.servers=2",
+                      "cluster.evaluator=false", "train.steps=24", "mode.round_steps=6", "train.batch_size=16",
+                      f"mode.strategy={strategy}", "mode.explore={\"optimizer.lr\" = [0.02, 0.3]}",
+                      "mode.mutation=0.2"], env={})
+    workers = run_workers(cfg, str(tmp_path), port_block(3))
+    params = [flat(list(w.replica.model.parameters())) for w in workers]
+    assert all(w.clock == 24 for w in workers)
+    assert torch.equal(params[0], params[1]) and torch.equal(params[2], params[3])
+    assert not torch.equal(params[0], params[2])           # the final local round trains the two apart
+    lines = tournament_lines(str(tmp_path))
+    assert sorted({e["round"] for e in lines}) == [1, 2, 3]   # 24 steps of 6: no tournament at the end
+    for rnd in (1, 2, 3):
+        for t in (0, 1):
+            mine = [e for e in lines if e["round"] == rnd and e["trainer"] == t]
+            assert sorted(e["rank"] for e in mine) == [2 * t, 2 * t + 1]
+            a, b = ({k: v for k, v in e.items() if k not in ("rank", "t")} for e in mine)
+            assert a == b and a["leader"] == 2 * t and set(a["hyper"]) == {"optimizer.lr"}
+            assert 0.02 <= a["hyper"]["optimizer.lr"] <= 0.3
+    first = {e["trainer"]: e["hyper"]["optimizer.lr"] for e in lines if e["round"] == 1 and not e["adopted"]}
+    drawn = {t: draw_hyper({"optimizer.lr": [0.02, 0.3]}, cfg.job.seed, t)["optimizer.lr"] for t in (0, 1)}
+    assert all(abs(v - drawn[t]) <= 1e-5 * drawn[t] for t, v in first.items())

@@ -1,0 +1,54 @@
+"""TensorBoard scalars (`eval.tensorboard = true`, psgd/scalars.py)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from psgd import scalars
+from psgd.config import Config, ConfigError
+from psgd.launcher import run_local
+from tests.conftest import free_port_block
+
+
+def read(folder: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(folder)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.unit
+def test_without_tensorboard_the_option_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'psgd\[tensorboard\]'"):
+        scalars.check(Config().replace(**{"eval.tensorboard": True}))
+    scalars.check(Config())  # off: nothing needed
+
+
+@pytest.mark.unit
+def test_worker_scalars_per_worker_and_for_the_job(tmp_path):
+    s = scalars.Scalars(str(tmp_path))
+    s.workers({0: {"samples": 300, "elapsed_s": 2.0, "wait_s": 1.0, "staleness_hist": [1, 0, 1]},
+               1: {"samples": 100, "elapsed_s": 2.0, "wait_s": 0.0, "staleness_hist": [2]}}, step=400)
+    s.add({"job/accuracy": 0.5}, step=400)
+    s.close()
+    got = read(str(tmp_path))
+    assert got["worker-0/samples_per_s"] == [(400, 150.0)] and got["worker-1/samples_per_s"] == [(400, 50.0)]
+    assert got["worker-0/staleness"] == [(400, 1.0)] and got["job/staleness"] == [(400, 0.5)]
+    assert got["job/samples_per_s"] == [(400, 200.0)] and got["job/wait_fraction"] == [(400, 0.25)]
+    assert got["job/accuracy"] == [(400, 0.5)]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_a_job_writes_its_curves_for_tensorboard(tmp_path):
+    cfg = Config().replace(**{"cluster.port": free_port_block(4), "eval.tensorboard": True, "train.steps": 200})
+    summary = run_local(cfg, str(tmp_path), quiet=True, timeout_s=150)
+    got = read(str(tmp_path / "tb"))
+    assert len(got["job/accuracy"]) == len(summary["evals"])
+    assert got["job/accuracy"][-1][1] == pytest.approx(summary["final_accuracy"], abs=1e-6)
+    assert {"worker-0/samples_per_s", "worker-1/samples_per_s", "job/wait_fraction"} <= set(got)
+    steps = [step for step, _ in got["job/samples_per_s"]]
+    assert steps == sorted(steps) and steps[-1] == summary["samples"]

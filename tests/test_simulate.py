@@ -1,0 +1,172 @@
+"""`psgd simulate`: the virtual clock's cost model, determinism, real accuracy, timing-only
+runs at many workers, the order of the modes under transient stragglers, bad input, and
+the report of simulated runs (alone and next to real ones)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from psgd.config import load
+from psgd.report import build_rows, describe_faults, write_report
+from psgd.sim.engine import Loop, Network, Node
+from psgd.sim.run import Simulation
+from psgd.simulate import cli
+
+SMALL = ["--set", "train.steps=30", "--set", "sim.compute_s=0.002", "--set", "sim.compute_cv=0.2"]
+
+
+def simulate(tmp, name: str, *argv: str) -> tuple[int, list[dict]]:
+    out = os.path.join(tmp, name)
+    code = cli([*argv, "--out", out])
+    path = os.path.join(out, "compare.json")
+    return code, json.load(open(path)) if os.path.exists(path) else []
+
+
+# ---------------------------------------------------------------- the engine (pure)
+@pytest.mark.unit
+def test_incast_queues_at_the_receiving_nic():
+    net = Network(latency_s=1e-3, bandwidth_gbps=8.0, apply_gbps=8.0)  # 1 byte = 1 ns
+    a, b, shard = Node("a"), Node("b"), Node("shard")
+    first = net.transfer(a, shard, 1_000_000, 0.0)
+    second = net.transfer(b, shard, 1_000_000, 0.0)
+    assert first == pytest.approx(1e-3 + 1e-3)          # latency + serialization
+    assert second == pytest.approx(first + 1e-3)        # behind the first at the shard's NIC
+    # the sender's NIC is busy while it serializes: a second message leaves after the first
+    assert net.transfer(a, Node("c"), 1_000_000, 0.0) == pytest.approx(1e-3 + 2e-3)
+    # the shard serves in order, request bytes at the apply rate
+    assert net.serve(shard, 500_000, second) == pytest.approx(second + 5e-4)
+    assert net.serve(shard, 500_000, 0.0) == pytest.approx(second + 1e-3)
+
+
+@pytest.mark.unit
+def test_loop_runs_events_in_time_then_schedule_order():
+    loop, seen = Loop(), []
+    loop.at(2.0, seen.append, "late")
+    loop.at(1.0, seen.append, "first")
+    loop.at(1.0, seen.append, "second")
+    loop.at(1.0, lambda: loop.at(0.5, seen.append, "never before now"))
+    loop.run()
+    assert seen == ["first", "second", "never before now", "late"]
+    assert loop.now == 2.0
+
+
+@pytest.mark.unit
+def test_report_states_the_jitter_fault():
+    s = describe_faults({"jitter_prob": 0.05, "jitter_s": 0.2}, [64])
+    assert s is not None and "0.2 s" in s and "0.05" in s and "transient" in s
+    assert describe_faults({"jitter_prob": 0.05, "jitter_s": 0.0}, [64]) is None
+
+
+@pytest.mark.unit
+def test_simulated_and_real_runs_are_separate_rows_with_their_own_sync():
+    def run(mode, sps, sim):
+        return {"label": mode, "mode": mode, "params": {}, "workers": 2, "repeat": 0, "samples_per_s": sps,
+                "final_accuracy": 0.9, "time_to_target_s": 1.0, "wall_s": 2.0, "simulated": sim}
+    rows = build_rows([run("sync", 100, False), run("async", 150, False), run("sync", 110, True),
+                       run("async", 170, True)])
+    names = {r.label: r for r in rows}
+    assert set(names) == {"sync", "async", "sync (simulated)", "async (simulated)"}
+    assert names["async (simulated)"].ref_sync is names["sync (simulated)"]
+    assert names["async"].ref_sync is names["sync"]
+    assert names["async (simulated)"].throughput_ratio(names["async (simulated)"].ref_sync) == pytest.approx(170 / 110)
+
+
+# ---------------------------------------------------------------- whole simulations
+@pytest.mark.inprocess
+@pytest.mark.timeout(300)
+def test_same_config_and_seed_give_identical_compare_json(tmp_path):
+    argv = ["--modes", "sync,async", "--workers", "4", *SMALL, "--set", "faults.jitter_prob=0.1",
+            "--set", "faults.jitter_s=0.01"]
+    code1, first = simulate(tmp_path, "a", *argv)
+    code2, second = simulate(tmp_path, "b", *argv)
+    assert code1 == code2 == 0
+    a = open(tmp_path / "a" / "compare.json").read()
+    b = open(tmp_path / "b" / "compare.json").read()
+    assert a == b
+    assert [r["mode"] for r in first] == ["sync", "async"]
+    for r in first:
+        assert r["simulated"] is True and r["sim"]["compute_s_source"] == "config"
+        assert r["samples"] == 4 * 30 * 32
+        assert 0 < r["wall_s"] < 1.0     # virtual seconds: 30 steps of ~2 ms (+ jitter)
+    assert first[1]["staleness"]["mean"] > first[0]["staleness"]["mean"]  # async reads go stale, sync's do not
+    events = tmp_path / "a" / "runs" / "sync-w4-r0" / "events"
+    steps = [json.loads(x) for x in open(events / "worker-0.jsonl")]
+    assert len(steps) == 30 and steps[-1]["t"] == pytest.approx(steps[-1]["t"]) and steps[-1]["t"] < 1.0
+    assert os.path.exists(tmp_path / "a" / "report.md")
+    assert "These runs are simulated" in open(tmp_path / "a" / "report.md").read()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(300)
+def test_accuracy_is_real_and_every_mode_runs(tmp_path):
+    code, res = simulate(tmp_path, "m", "--modes", "sync,easgd:tau=4,ltfb:round_steps=10", "--workers", "3",
+                         "--set", "train.steps=60", "--set", "sim.compute_s=0.002")
+    assert code == 0, [r.get("error") for r in res]
+    acc = {r["label"]: r["final_accuracy"] for r in res}
+    assert acc["sync"] > 0.8, acc               # 10 classes: chance is 0.1
+    assert all(a > 0.5 for a in acc.values()), acc
+    tournaments = [json.loads(x) for x in open(tmp_path / "m" / "runs" / "ltfb-round_steps=10-w3-r0" / "events"
+                                                / "worker-0.jsonl") if "round" in x]
+    rounds = [t["round"] for t in tournaments]
+    assert rounds[:5] == [1, 2, 3, 4, 5] and len(rounds) <= 6, rounds   # one every 10 of 60 steps
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(600)
+def test_timing_only_at_many_workers_completes():
+    cfg = load(None, ["cluster.workers=1024", "train.steps=3", "sim.train=false", "sim.compute_s=0.01",
+                      "mode.name=async"])
+    s = Simulation(cfg, cfg.sim.compute_s).run()
+    assert s["samples"] == 1024 * 3 * 32 and s["final_accuracy"] is None
+    assert s["staleness"]["max"] >= 2   # other workers push between one's read and its push
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(600)
+def test_transient_stragglers_order_async_ssp_sync(tmp_path):
+    code, res = simulate(tmp_path, "j", "--modes", "sync,ssp:staleness=4,async", "--workers", "64",
+                         "--set", "train.steps=20", "--set", "sim.train=false", "--set", "sim.compute_s=0.01",
+                         "--set", "faults.jitter_prob=0.05", "--set", "faults.jitter_s=0.05")
+    assert code == 0
+    sps = {r["mode"]: r["samples_per_s"] for r in res}
+    assert sps["async"] >= sps["ssp"] >= sps["sync"], sps
+    assert sps["async"] > 1.3 * sps["sync"], sps   # sync waits for the slowest of 64 nearly every step
+    report = open(tmp_path / "j" / "report.md").read()
+    assert "transient stragglers" in report
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_merged_report_puts_simulated_next_to_real(tmp_path):
+    code, res = simulate(tmp_path, "s", "--modes", "sync", "--workers", "2", *SMALL)
+    assert code == 0
+    real = tmp_path / "r"
+    os.makedirs(real)
+    # a real run of the same configuration, as psgd compare would have written it
+    made_up = {k: v for k, v in res[0].items() if k not in ("simulated", "sim")}
+    made_up.update(samples_per_s=900.0, wall_s=3.0, dir="runs/sync-w2-r0")
+    json.dump([made_up], open(real / "compare.json", "w"))
+    from psgd.report import main as report_main
+    assert report_main([str(tmp_path / "both"), str(real), str(tmp_path / "s")]) == 0
+    text = open(tmp_path / "both" / "report.md").read()
+    assert "sync (simulated)" in text and "Simulated and real runs side by side" in text
+    merged = json.load(open(tmp_path / "both" / "compare.json"))
+    assert merged[1]["dir"] == os.path.join("..", "s", "runs", "sync-w2-r0")
+    assert write_report(str(tmp_path / "both"), merged, {}).endswith("report.md")
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.unit
+def test_bad_input_is_one_clear_error(tmp_path, capsys):
+    assert cli(["--modes", "sync,nosuchmode", "--out", str(tmp_path / "x")]) == 2
+    assert "'nosuchmode' is neither a mode" in capsys.readouterr().err
+    assert cli(["--modes", "sync", "--set", "train.steps=0", "--out", str(tmp_path / "y")]) == 2
+    assert "train.steps or train.seconds" in capsys.readouterr().err
+    assert cli(["--modes", "sync", "--set", "sim.bandwidth_gbps=0", "--out", str(tmp_path / "z")]) == 2
+    assert "sim.bandwidth_gbps" in capsys.readouterr().err
+    assert cli(["--modes", "sync", "--repeats", "0", "--out", str(tmp_path / "w")]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert cli(["--modes", "sync", "--workers", "0", "--out", str(tmp_path / "v")]) == 2
+    assert "--workers: expected positive integers" in capsys.readouterr().err

@@ -1,0 +1,254 @@
+"""SSP with Bösen's client cache (`mode.cache = true`): the bound still holds.
+
+The invariant, for a worker r that computes its gradient of clock c (it has finished
+clocks 0..c-1), with s = `mode.staleness`:
+
+  (a) its model holds every update U(q, k) with k <= c - s - 1 of every worker q that
+      was live when r decided to compute on that model (when its pull was answered, or
+      when its cache was found fresh), whenever q pushes U(q, k), before or after;
+  (b) its model holds every update of its own pushed so far (read-my-writes).
+
+A pure cluster drives the real pieces with no sockets: one `SspRule` (its decisions
+carried out on a model that is a set of updates (rank, clock)), and per worker the
+schedule's cache logic (`ClientCache`, `guaranteed`, the join-then-gated-pull of
+`SspSchedule.rejoin`), under interleavings of steps, leaves and rejoins drawn by
+hypothesis. `SspSchedule` itself is then run with a fake trainer and client.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from psgd.config import Config
+from psgd.consistency.rule import Answer, Apply, Push, Read
+from psgd.consistency.ssp import ClientCache, SspRule, SspSchedule, guaranteed
+from tests.test_async_knobs import FakeTrainer, Tables, pulls, pushes
+
+pytestmark = pytest.mark.unit
+
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EVENTS = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 63)), max_size=120)
+
+
+@dataclass
+class Worker:
+    rank: int
+    bound: int
+    clock: int = 0
+    state: str = "fresh"       # fresh (join due) | decide | ready (compute due) | parked | dead
+    life: int = 0
+    model: frozenset = frozenset()
+    decided_live: frozenset = frozenset()
+    cache: ClientCache = field(init=False)
+
+    def __post_init__(self):
+        self.cache = ClientCache(self.bound)
+
+
+class Cluster:
+    """One shard's `SspRule` and n workers running the cache logic of `SspSchedule`."""
+
+    def __init__(self, n: int, bound: int, live_check: bool = True):
+        cfg = Config().replace(**{"mode.name": "ssp", "mode.staleness": bound, "mode.cache": True,
+                                  "cluster.workers": n})
+        self.s = bound
+        self.rule = SspRule(cfg.mode, n, Tables())
+        self.applied: set[tuple[int, int]] = set()
+        self.pushed: list[tuple[int, int]] = []           # every push, in order
+        self.live = set(range(n))
+        self.workers = {r: Worker(r, bound) for r in range(n)}
+        self.records: list[tuple[int, int, frozenset, frozenset, frozenset]] = []
+        self.hits = self.pulls = 0
+        self.live_check = live_check
+
+    # the shard
+    def carry_out(self, decisions) -> None:
+        for d in decisions:
+            if isinstance(d, Apply):
+                self.applied.add(d.grad)
+            elif isinstance(d, Answer) and d.token[0] == "read":
+                self.answered(d.token, frozenset(self.applied), d.fields)
+
+    def answered(self, token, model: frozenset, fields: dict) -> None:
+        _, rank, life, clock, join = token
+        w = self.workers[rank]
+        if w.life != life or w.state == "dead":
+            return                                          # a read of an earlier life
+        w.model = model
+        w.cache.fill(guaranteed([fields]), self.live)
+        if join:                                            # SspSchedule.rejoin
+            w.clock = max(w.clock, int(fields["finished"]))
+            if not w.cache.fresh(w.clock, self.live):
+                self.read(w, w.clock)
+                return
+        else:
+            w.clock = clock
+        w.state, w.decided_live = "ready", frozenset(self.live)
+
+    def read(self, w: Worker, clock: int, join: bool = False) -> None:
+        w.state = "parked"
+        self.pulls += 1
+        self.carry_out(self.rule.read(Read(("read", w.rank, w.life, clock, join), w.rank, clock, join)))
+
+    def membership(self) -> None:
+        self.carry_out(self.rule.membership({r: self.workers[r].clock for r in sorted(self.live)}))
+
+    # the workers
+    def step(self, rank: int) -> None:
+        w = self.workers[rank]
+        if w.state == "fresh":
+            self.read(w, w.clock, join=True)
+        elif w.state == "decide":                            # SspSchedule.cached, then compute at once
+            fresh = (w.cache.fresh(w.clock, self.live) if self.live_check
+                     else w.cache.fresh(w.clock, w.cache.live))
+            if fresh:
+                self.hits += 1
+                w.decided_live = frozenset(self.live)
+                self.compute(w)
+            else:
+                self.read(w, w.clock)
+        elif w.state == "ready":
+            self.compute(w)
+
+    def compute(self, w: Worker) -> None:
+        own = frozenset(u for u in self.pushed if u[0] == w.rank)
+        self.records.append((w.rank, w.clock, w.model, w.decided_live, own))
+        u = (w.rank, w.clock)
+        self.pushed.append(u)
+        self.carry_out(self.rule.push(Push(("push", *u), w.rank, w.clock, 0, u, None)))
+        w.model = w.model | {u}                              # read-my-writes
+        w.clock, w.state = w.clock + 1, "decide"
+
+    def leave(self, rank: int) -> None:
+        self.live.discard(rank)
+        self.workers[rank].state = "dead"
+        self.membership()
+
+    def rejoin(self, rank: int) -> None:
+        w = self.workers[rank]                               # at its own clock, as the coordinator says
+        w.state, w.life = "fresh", w.life + 1
+        self.live.add(rank)
+        self.membership()
+
+    def violations(self) -> list[str]:
+        out = []
+        for rank, c, model, live, own in self.records:
+            missing = [u for u in self.pushed if u[0] in live and u[1] <= c - self.s - 1 and u not in model]
+            if missing:
+                out.append(f"worker {rank} computed clock {c} without {missing} (live {sorted(live)})")
+            if not own <= model:
+                out.append(f"worker {rank} computed clock {c} without its own {sorted(own - model)}")
+        return out
+
+
+def drive(n: int, bound: int, events, live_check: bool = True) -> Cluster:
+    m = Cluster(n, bound, live_check)
+    for kind, a in events:
+        rank = a % n
+        if kind <= 6:
+            m.step(rank)
+        elif kind == 7 and rank in m.live and len(m.live) > 1:
+            m.leave(rank)
+        elif kind >= 8 and rank not in m.live:
+            m.rejoin(rank)
+    return m
+
+
+@pytest.mark.timeout(120)
+@PROPS
+@given(n=st.integers(1, 4), bound=st.integers(0, 3), events=EVENTS)
+def test_the_bound_holds_with_the_cache(n, bound, events):
+    m = drive(n, bound, events)
+    assert m.violations() == []
+
+
+def test_the_cache_serves_reads_and_saves_pulls():
+    m = drive(3, 2, [(0, r) for _ in range(40) for r in range(3)])   # round robin
+    assert m.violations() == []
+    computes = len(m.records)
+    assert m.hits > computes / 3 and m.pulls < computes              # a pull every few clocks, not every one
+    assert max(c for _, c, *_ in m.records) >= 25
+
+
+def test_a_rejoined_worker_invalidates_the_cache():
+    # worker 1 leaves; worker 0 runs ahead alone, its cache guaranteeing its own clock;
+    # worker 1 comes back at clock 0: without the live check worker 0 would compute on
+    # a model that will never hold worker 1's clocks 0.. c - s - 1
+    events = [(0, 0), (0, 1), (7, 1)] + [(0, 0)] * 12 + [(8, 1)] + [(0, 0)] * 4 + [(0, 1)] * 12 + [(0, 0)] * 4
+    assert drive(2, 2, events).violations() == []
+    assert drive(2, 2, events, live_check=False).violations() != []
+
+
+def test_cache_condition_is_t_at_least_c_minus_s():
+    cache = ClientCache(2)
+    assert not cache.fresh(0, {0})                       # nothing read yet
+    cache.fill(5, {0, 1})
+    assert cache.fresh(7, {0, 1}) and cache.fresh(7, {1})
+    assert not cache.fresh(8, {0, 1})                    # 5 < 8 - 2: missing clock 5 <= c - s - 1
+    assert not cache.fresh(6, {0, 1, 2})                 # a worker joined since the read
+
+
+def test_rule_answers_carry_the_guaranteed_clock():
+    cfg = Config().replace(**{"mode.name": "ssp", "mode.staleness": 1, "cluster.workers": 2})
+    r = SspRule(cfg.mode, 2, Tables())
+    for c in range(2):
+        r.push(Push(("p", c), 0, c, 0, "g", None))
+    assert r.read(Read("t", 0, 2)) == []                 # worker 1 has finished 0 < 2 - 1: parked
+    out = r.push(Push(("p", 9), 1, 0, 0, "g", None))      # it finishes clock 1: the read goes
+    (a,) = [d for d in out if isinstance(d, Answer) and d.token == "t"]
+    assert a.fields == {"step": 0, "finished": 2, "guaranteed": 1} and a.snapshot
+    (b,) = r.read(Read("u", 1, 1))
+    assert b.fields["guaranteed"] == 1
+
+
+# ---------------------------------------------------------------- SspSchedule with a fake client
+
+def run_ssp(steps: int, **sets) -> FakeTrainer:
+    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": steps, **sets})
+    w = FakeTrainer(cfg, real=True)
+    schedule = SspSchedule(cfg)
+    schedule.start(w)
+    while w.clock < steps:
+        schedule.step(w)
+    schedule.finish(w)
+    return w
+
+
+def test_schedule_pulls_only_when_the_cache_is_stale_and_reads_its_own_writes():
+    w = run_ssp(9, **{"mode.staleness": 2, "mode.cache": True})
+    assert [c for c, _ in pushes(w)] == list(range(9))   # every update is pushed
+    # one worker: its reads guarantee its own clock t, which serves clocks up to t + 2
+    assert pulls(w) == [0, 3, 6, 9]
+    assert [e.get("cached", False) for e in w.lines] == [True, True, False] * 3
+    lr, p = w.cfg.optimizer.lr, w.computed_on[0].clone()
+    for k, (_, g) in enumerate(pushes(w)):               # plain SGD: the own copy is the server's model
+        torch.testing.assert_close(w.computed_on[k], p)
+        p -= lr * g
+
+
+def test_schedule_without_the_cache_pulls_every_step():
+    w = run_ssp(5, **{"mode.staleness": 2})
+    assert pulls(w) == [0, 1, 2, 3, 4, 5] and all("cached" not in e for e in w.lines)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_schedule_prefetch_computes_ahead_within_the_bound(cache):
+    w = run_ssp(9, **{"mode.staleness": 2, "mode.prefetch": True, "mode.cache": cache})
+    assert [c for c, _ in pushes(w)] == list(range(9))
+    assert pulls(w) == ([0, 3, 6, 9] if cache else list(range(10)))
+    assert [e["clock"] for e in w.lines] == list(range(1, 10))     # one line a step, in order
+    lr, p = w.cfg.optimizer.lr, w.computed_on[0].clone()
+    for k, (_, g) in enumerate(pushes(w)):               # every compute saw all the updates before it
+        torch.testing.assert_close(w.computed_on[k], p)
+        p -= lr * g
+
+
+def test_schedule_prefetch_waits_outside_the_bound():
+    # s = 0: no copy is ever fresh for the next clock, so every step waits for its pull
+    w = run_ssp(4, **{"mode.staleness": 0, "mode.prefetch": True})
+    assert pulls(w) == [0, 1, 2, 3, 4] and not any(e.get("cached") for e in w.lines)

@@ -1,0 +1,71 @@
+"""`psgd status` (psgd/status.py): the coordinator's status op and the table it prints."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from psgd.cli import main
+from psgd.config import Config
+from psgd.inprocess import InProcessCluster
+from psgd.membership import CoordinatorLink
+from psgd.status import ask, table
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.inprocess
+
+
+@pytest.mark.timeout(60)
+def test_status_shows_each_worker_and_shard_of_a_running_job():
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 2,
+                              "cluster.timeout_s": 10.0, "cluster.heartbeat_s": 0.1, "cluster.evaluator": False})
+    with InProcessCluster(cfg) as cluster:
+        links = [CoordinatorLink(cfg, "worker", r, cluster.ctx) for r in range(2)]
+        for r, link in enumerate(links):
+            link.stats_fn = lambda r=r: {"samples": 320 * (r + 1), "elapsed_s": 2.0, "wait_s": 0.5,
+                                         "staleness_hist": [1, 1], "rejected": r}
+            link.clock_fn = lambda r=r: 10 * (r + 1)
+        try:
+            joins = [threading.Thread(target=link.register, args=(r,)) for r, link in enumerate(links)]
+            for t in joins:
+                t.start()
+            for t in joins:
+                t.join(timeout=20)
+            for link in links:
+                link.start()
+            deadline = time.monotonic() + 20
+            while True:  # until both workers' heartbeats and both shards' have arrived
+                reply = ask(cfg, cfg.coordinator_address())
+                if (all(w.get("samples") for w in reply.get("workers"))
+                        and [s.get("version") for s in reply.get("shards")] == [0, 0]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        finally:
+            for link in links:
+                link.close()
+    text = table(reply)
+    lines = text.splitlines()
+    assert lines[0].startswith("phase training  mode sync backup_workers=0"), text
+    assert "live 2/2" in lines[0] and "last evaluation: none yet" in text
+    rows = {line.split()[0]: line.split() for line in lines if line[:1].isdigit()}
+    assert rows["0"][:7] == ["0", "live", "10/300", "160", "0.50", "25%", "0"], text
+    assert rows["1"][:7] == ["1", "live", "20/300", "320", "0.50", "25%", "1"], text
+    assert "shard 0: version 0" in text and "shard 1: version 0" in text
+
+
+@pytest.mark.timeout(30)
+def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
+    cfg = Config().replace(**{"cluster.port": free_port_block(3)})  # nobody listens there
+    (tmp_path / "config.toml").write_text(cfg.to_toml())
+    summary = {"mode": "sync", "final_accuracy": 0.97, "final_loss": 0.1, "samples_per_s": 5000.0, "wall_s": 4.0,
+               "time_to_target_s": 1.0, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["status", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("finished: sync: accuracy 0.9700")
+    (tmp_path / "summary.json").unlink()
+    assert main(["status", str(tmp_path)]) == 1
+    assert "no answer from the coordinator" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nope")]) == 2
+    assert "has no config.toml" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""Datasets bigger than memory (psgd/data.py): torch Datasets from a factory, read
+through DataLoaders, a disjoint partition per rank reshuffled every epoch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from psgd.config import Config
+from psgd.data import DataError, StreamingDataset, load_dataset, partition
+from psgd.models import build_model
+from psgd.replica import Replica
+
+FACTORY = "tests.streaming_data:on_demand"
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Item i is (tensor([i]), i % 3): a batch says which indices it read."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i)]), i % 3
+
+
+def small() -> tuple[Indexed, Indexed]:
+    return Indexed(100), Indexed(30)
+
+
+def read(batches, steps: int) -> list[int]:
+    return [int(v) for _ in range(steps) for v in batches.next()[0][:, 0].tolist()]
+
+
+@pytest.mark.unit
+def test_each_rank_reads_a_disjoint_part_reshuffled_every_epoch():
+    cfg = Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 3})
+    ds = load_dataset(cfg.data)
+    assert isinstance(ds, StreamingDataset) and ds.train_size == 100 and ds.input_shape == (1,)
+    parts = [partition(ds.train_size, r, 2, seed=5) for r in range(2)]
+    b0 = ds.train_batches(parts[0], 10, seed=5, rank=0)
+    epoch1, epoch2 = read(b0, 5), read(b0, 5)   # 50 indices per rank: 5 batches an epoch
+    assert sorted(epoch1) == sorted(epoch2) == sorted(parts[0].tolist())
+    assert epoch1 != epoch2 and b0.epoch == 1          # reshuffled
+    again = ds.train_batches(parts[0], 10, seed=5, rank=0)
+    assert read(again, 5) == epoch1                    # from the seed
+    b1 = ds.train_batches(parts[1], 10, seed=5, rank=1)
+    assert not set(read(b1, 5)) & set(epoch1)          # disjoint
+    x, y = ds.take(np.array([3, 4]))
+    assert x[:, 0].tolist() == [3.0, 4.0] and y.tolist() == [0, 1]
+
+
+@pytest.mark.unit
+def test_the_evaluator_streams_the_test_set():
+    ds = load_dataset(Config().replace(**{"data.name": FACTORY}).data)
+    model = build_model("mlp", ds.input_shape, ds.num_classes, 0, 16)
+    acc, loss = Replica(model, 1, torch.device("cpu")).score_batches(ds.test_batches(256))
+    assert 0.0 <= acc <= 1.0 and loss > 0
+    seen = sum(len(y) for _, y in ds.test_batches(256))
+    assert seen == 2000
+
+
+@pytest.mark.unit
+def test_bad_dataset_factories_say_what_is_wrong():
+    with pytest.raises(DataError, match="set data.classes"):
+        load_dataset(Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 1}).data)
+    with pytest.raises(DataError, match=r"must return \(train_x, train_y, test_x, test_y\) or \(train_dataset"):
+        load_dataset(Config().replace(**{"data.name": "tests.test_streaming:three"}).data)
+
+
+def three():
+    return [1, 2, 3]
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), in MB; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_path):
+    import os
+    import time
+
+    from psgd.config import load
+    from psgd.launcher import LocalJob
+    from tests.conftest import free_port_block
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", f"data.name={FACTORY}", "data.classes=10",
+                      "data.loader_workers=1", "train.steps=150", "cluster.servers=1"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=240)
+    peaks: dict[str, float] = {}
+    try:
+        job.start()
+        while job.children[0].poll() is None:  # sample the workers' peak memory while they train
+            for name in ("worker-0", "worker-1"):
+                path = tmp_path / "pids" / f"{name}.pid"
+                if path.exists() and path.read_text().strip():
+                    peaks[name] = max(peaks.get(name, 0.0), peak_rss_mb(int(path.read_text().split()[0])))
+            time.sleep(0.2)
+        summary = job.wait()
+    finally:
+        job.stop()
+    # 1,000,000 samples of 3 x 32 x 32 float32 are 12 GB: a worker that held its half
+    # would need 6 GB. Each holds its partition's indices and the batches in flight.
+    assert set(peaks) == {"worker-0", "worker-1"} and max(peaks.values()) < 1024, peaks
+    print(f"workers' peak memory: {peaks} MB")
+    assert summary["samples"] == 2 * 150 * 32 and summary["final_accuracy"] >= 0.8, summary
+    assert os.path.exists(tmp_path / "model.pt")

@@ -38,9 +38,6 @@ from typing import Any
 from .config import MODES, Config, ConfigError, load, parse_value
 from .metrics import write_json_atomic
 
-BIND_RETRIES = 3  # another job grabbing our ports between the check and the bind
-
-
 # ---------------------------------------------------------------- --modes / --workers
 
 
@@ -326,41 +323,23 @@ class Monitor:
 # ---------------------------------------------------------------- running
 
 
-def _bind_race(folder: str) -> bool:
-    logs = os.path.join(folder, "logs")
-    try:
-        names = os.listdir(logs)
-    except OSError:
-        return False
-    for n in names:
-        try:
-            with open(os.path.join(logs, n), errors="replace") as f:
-                if "Address already in use" in f.read():
-                    return True
-        except OSError:
-            pass
-    return False
-
-
 def run_one(run: Run, folder: str, device: str, timeout_s: float, prefix: str = "") -> dict:
     """One run's summary (raises LaunchError / ConfigError on failure)."""
-    from .launcher import LaunchError, run_local
+    from .launcher import run_local
     if run.is_baseline:
         from .baseline import run_baseline
         return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps)
-    for attempt in range(BIND_RETRIES + 1):
-        if os.path.exists(folder):
-            shutil.rmtree(folder)  # events are appended: start each run from an empty folder
-        try:
-            with Monitor(prefix, folder, run.cfg.train.steps):
-                return run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s)
-        except LaunchError:
-            if attempt < BIND_RETRIES and _bind_race(folder):
-                print(f"{prefix}  a port was taken by another program; retrying", file=sys.stderr, flush=True)
-                time.sleep(1.0)
-                continue
-            raise
-    raise AssertionError("unreachable")  # pragma: no cover
+    if os.path.exists(folder):
+        shutil.rmtree(folder)  # events are appended: start each run from an empty folder
+    with Monitor(prefix, folder, run.cfg.train.steps):
+        # A port taken by another job before the daemons bind it: the launcher moves the job.
+        summary = run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s)
+    if run.cfg.eval.tensorboard and os.path.isdir(os.path.join(folder, "tb")):
+        # One TensorBoard run per configuration and repeat, side by side: OUT/tb/RUN/
+        tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))
+        shutil.rmtree(tb, ignore_errors=True)
+        shutil.copytree(os.path.join(folder, "tb"), tb)
+    return summary
 
 
 def tag(summary: dict, run: Run, folder_rel: str, duration_s: float) -> dict:

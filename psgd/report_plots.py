@@ -1,12 +1,15 @@
 """The PNG plots of the `psgd compare` report (matplotlib, Agg backend: no display needed).
 
 Accuracy against wall time and against samples, throughput bars, one measured-staleness
-histogram per configuration, and for sweeps the swept value (or the worker count) against
-time to target and throughput. `make_plots` writes them and lists them; without
+histogram per configuration, for sweeps the swept value (or the worker count) against
+time to target and throughput, and for ltfb with `mode.explore` each trainer's explored
+hyperparameters after every tournament. `make_plots` writes them and lists them; without
 matplotlib it writes nothing and the report goes without plots.
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 from typing import Any
 
@@ -190,6 +193,41 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str) -> None:
     plt.close(fig)
 
 
+def hyper_traces(out: str, run: dict) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """An ltfb run's explored hyperparameters over time, from its leaders' tournament
+    lines: {key: {trainer: [(seconds since the first line, value), ...]}}; {} if none."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(out, run.get("dir", ""), "events", "worker-*.jsonl"))):
+        with open(path) as f:
+            lines += [e for e in map(json.loads, f) if e.get("event") == "tournament" and e.get("hyper")
+                      and e.get("rank") == e.get("leader")]
+    if not lines:
+        return {}
+    t0 = min(e["t"] for e in lines)
+    traces: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for e in sorted(lines, key=lambda e: e["t"]):
+        for key, value in e["hyper"].items():
+            traces.setdefault(key, {}).setdefault(int(e["trainer"]), []).append((e["t"] - t0, float(value)))
+    return traces
+
+
+def _hyper_plot(plt, label: str, traces: dict[str, dict[int, list[tuple[float, float]]]], path: str) -> None:
+    fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 3.6), squeeze=False)
+    for ax, (key, by_trainer) in zip(axes[0], sorted(traces.items()), strict=True):
+        for trainer, points in sorted(by_trainer.items()):
+            ax.step([t for t, _ in points], [v for _, v in points], where="post", marker="o", ms=3,
+                    label=f"trainer {trainer}")
+        ax.set_yscale("log")
+        ax.set_xlabel("seconds since the first tournament")
+        ax.set_ylabel(f"{key} after each tournament")
+        ax.set_title(f"{label}: {key}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
 def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]]:
     """[(title, file name)] of the plots written into `out`."""
     plt = plt_or_none()
@@ -224,4 +262,10 @@ def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]
     if groups:
         _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"))
         made.append(("Sweep: worker count", "sweep_workers.png"))
+    for r in ok:  # ltfb with mode.explore: each trainer's hyperparameters against time (first repeat)
+        traces = hyper_traces(out, r.runs[0])
+        if traces:
+            name = f"hyper_{len(made)}.png"
+            _hyper_plot(plt, f"{r.label} ({r.workers} w)", traces, os.path.join(out, name))
+            made.append((f"Explored hyperparameters per trainer: {r.label} ({r.workers} workers)", name))
     return made

@@ -435,3 +435,22 @@ def test_eval_period_comes_from_the_runs():
     assert eval_period([summary], {"eval_every_s": 0.5}) == 0.5
     curve = scored((0.1, 0.2), (0.6, 0.5), (1.1, 0.7), (1.6, 0.8), (1.7, 0.9))
     assert eval_period([{**summary, "evals": curve}], {}) == pytest.approx(0.5)
+
+
+def test_hyper_traces_follow_each_trainers_leader(tmp_path):
+    from psgd.report_plots import hyper_traces
+    events = tmp_path / "runs" / "ltfb" / "events"
+    events.mkdir(parents=True)
+    lines = {0: [(100.0, 0, 0, {"optimizer.lr": 0.1}), (101.0, 0, 0, {"optimizer.lr": 0.12})],
+             1: [(100.5, 0, 0, {"optimizer.lr": 0.1})],   # a follower of trainer 0: not counted
+             2: [(100.2, 1, 2, {"optimizer.lr": 0.01}), (101.1, 1, 2, {"optimizer.lr": 0.1})]}
+    for rank, rows in lines.items():
+        with open(events / f"worker-{rank}.jsonl", "w") as f:
+            f.write(json.dumps({"t": 99.0, "rank": rank, "step": 1}) + "\n")   # a step line
+            for t, trainer, leader, hyper in rows:
+                f.write(json.dumps({"t": t, "event": "tournament", "rank": rank, "trainer": trainer,
+                                    "leader": leader, "hyper": hyper}) + "\n")
+    got = hyper_traces(str(tmp_path), {"dir": "runs/ltfb"})
+    assert got == {"optimizer.lr": {0: [(0.0, 0.1), (1.0, 0.12)], 1: [(pytest.approx(0.2), 0.01),
+                                                                      (pytest.approx(1.1), 0.1)]}}
+    assert hyper_traces(str(tmp_path), {"dir": "runs/none"}) == {}

@@ -32,7 +32,8 @@ def test_compare_end_to_end(tmp_path):
     assert [(r["label"], r["mode"], r["workers"], r["repeat"]) for r in runs] == [
         ("baseline", "baseline", 1, 0), ("sync", "sync", 2, 0),
         ("ssp:staleness=0", "ssp", 2, 0), ("ssp:staleness=3", "ssp", 2, 0)]
-    assert runs[2]["params"] == {"staleness": 0} and runs[3]["mode_params"] == {"staleness": 3, "cache": False, "prefetch": False}
+    assert runs[2]["params"] == {"staleness": 0}
+    assert runs[3]["mode_params"] == {"staleness": 3, "cache": False, "prefetch": False}
     assert runs[3]["sweep"] == "staleness" and runs[3]["sweep_value"] == 3
     for r in runs:
         assert "error" not in r, r.get("error")

@@ -52,3 +52,18 @@ def test_a_job_writes_its_curves_for_tensorboard(tmp_path):
     assert {"worker-0/samples_per_s", "worker-1/samples_per_s", "job/wait_fraction"} <= set(got)
     steps = [step for step, _ in got["job/samples_per_s"]]
     assert steps == sorted(steps) and steps[-1] == summary["samples"]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_compare_writes_one_tensorboard_run_per_configuration(tmp_path):
+    from psgd.cli import main
+    out = tmp_path / "cmp"
+    code = main(["compare", "--modes", "sync,async", "--workers", "2", "--no-baseline", "--out", str(out),
+                 "--set", "eval.tensorboard=true", "--set", "train.steps=60",
+                 "--set", f"cluster.port={free_port_block(4)}"])
+    assert code == 0
+    runs = sorted(p.name for p in (out / "tb").iterdir())
+    assert len(runs) == 2 and runs[0].startswith("async") and runs[1].startswith("sync"), runs
+    for name in runs:
+        assert "job/accuracy" in read(str(out / "tb" / name))

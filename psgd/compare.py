@@ -352,6 +352,13 @@ def tag(summary: dict, run: Run, folder_rel: str, duration_s: float) -> dict:
             **{k: v for k, v in summary.items() if k not in ("mode", "workers")}}
 
 
+def failed_entry(run: Run, msg: str, **extra: Any) -> dict:
+    """compare.json's entry for a run that failed, with its error message."""
+    return {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
+            "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep, "sweep_value": run.sweep_value,
+            "dir": os.path.join("runs", run.name), **extra, "error": msg[:4000]}
+
+
 def _one_line(s: dict) -> str:
     acc = s.get("final_accuracy")
     ttt = s.get("time_to_target_s")
@@ -450,10 +457,7 @@ def main(args) -> int:
             except (RuntimeError, ConfigError, OSError) as e:  # LaunchError is a RuntimeError
                 failed += 1
                 msg = str(e).strip() or type(e).__name__
-                entry = {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
-                         "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep,
-                         "sweep_value": run.sweep_value, "dir": os.path.join("runs", run.name),
-                         "duration_s": round(time.monotonic() - t0, 2), "error": msg[:4000]}
+                entry = failed_entry(run, msg, duration_s=round(time.monotonic() - t0, 2))
                 result = f"FAILED: {msg.splitlines()[0]}"
             durations[i] = time.monotonic() - t0
             results.append(entry)

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from .compare import build_plan, estimate_left, parse_modes, parse_workers, tag
+from .compare import build_plan, estimate_left, failed_entry, parse_modes, parse_workers, tag
 from .config import ConfigError, load
 from .metrics import write_json_atomic
 
@@ -136,10 +136,7 @@ def main(args) -> int:
         except (RuntimeError, ConfigError, OSError) as e:  # a deadlock, a bad dataset, a worker's error
             failed += 1
             msg = str(e).strip() or type(e).__name__
-            entry = {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
-                     "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep,
-                     "sweep_value": run.sweep_value, "dir": os.path.join("runs", run.name), "simulated": True,
-                     "error": msg[:4000]}
+            entry = failed_entry(run, msg, simulated=True)
             result = f"FAILED: {msg.splitlines()[0]}"
         durations[i] = real[run.name] = time.monotonic() - t0
         results.append(entry)

@@ -29,7 +29,7 @@ from torch import nn
 from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
-from ..data import Batches, Dataset, holdout, load_dataset, partition
+from ..data import Dataset, holdout, load_dataset, partition
 from ..metrics import summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
@@ -63,8 +63,8 @@ def calibrate(cfg: Config, device: str = "cpu") -> float:
     model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
     dev = pick_device(device)
     model = model.to(dev).train()
-    part = partition(len(ds.train_y), 0, max(1, cfg.cluster.workers), cfg.job.seed)
-    batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, 0)
+    part = partition(ds.train_size, 0, max(1, cfg.cluster.workers), cfg.job.seed)
+    batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, 0)
     times = []
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -160,12 +160,12 @@ class Simulation:
         for r in range(W):
             batches, held = None, None
             if self.ds is not None:
-                part = partition(len(self.ds.train_y), r, W, cfg.job.seed)
+                part = partition(self.ds.train_size, r, W, cfg.job.seed)
                 if split > 0:
                     part, h = holdout(part, split)
-                    held = (self.ds.train_x[h], self.ds.train_y[h])
+                    held = self.ds.take(h)
                 if s.train:
-                    batches = Batches(self.ds.train_x, self.ds.train_y, part, cfg.train.batch_size, cfg.job.seed, r)
+                    batches = self.ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, r)
             replica = shared if shared is not None else self._replica(shape, classes)
             self.workers.append(SimWorker(self, r, schedules[r], replica, batches, held))
         self.live: dict[int, int] = {r: 0 for r in range(W)}
@@ -267,7 +267,7 @@ class Simulation:
         if not final and not self.live:
             return
         self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
-        acc, loss = self.evaluator.score(self.ds.test_x, self.ds.test_y, self.cfg.eval.batch_size)
+        acc, loss = self.evaluator.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
         t = round(self.loop.now, 6)
         samples = sum(w.samples for w in self.workers)
         self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})

@@ -35,3 +35,13 @@ def _adopt_checkout_daemons() -> None:
 
 
 _adopt_checkout_daemons()
+
+_API = ("connect", "Connection", "JobError")  # psgd.connect(model, optimizer): psgd/connection.py
+
+
+def __getattr__(name: str):
+    """The training-script API, imported on first use (so `import psgd` stays light)."""
+    if name in _API:
+        from . import connection
+        return getattr(connection, name)
+    raise AttributeError(f"module 'psgd' has no attribute {name!r}")

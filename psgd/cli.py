@@ -19,6 +19,7 @@ import sys
 import time
 
 from .config import MODES, ConfigError, given_keys, load
+from .layout import SCRIPT_MODEL
 from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
 
 
@@ -54,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-workers", action="store_true", help="restart a worker that dies")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--script", metavar="FILE",
+                   help="run W copies of this training script (it calls psgd.connect) as the workers; "
+                        "arguments after -- go to it")
 
     p = sub.add_parser("compare", help="run several modes side by side and write a report")
     _common(p)
@@ -121,21 +125,35 @@ def _check_bind(cfg, addresses: list[str], insecure: bool) -> None:
                               f"or pass --insecure on a trusted network")
 
 
+def _script(args) -> list[str] | None:
+    """psgd run --script FILE -- ARGS: [FILE, ARGS...], checked."""
+    if not args.script:
+        return None
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"--script {args.script}: no such file")
+    return [os.path.abspath(args.script), *args.script_args]
+
+
 def cmd_run(args) -> int:
     from .launcher import LaunchError, format_summary, run_local
     from .metrics import process_start_time
     launched_at = process_start_time() or time.time()  # startup_s: from the command's start
-    cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers})
+    script = _script(args)
+    cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers,
+                         **({"model.name": SCRIPT_MODEL, "cluster.evaluator": "false"} if script else {})})
     port_explicit = "cluster.port" in given_keys(args.config, args.set)
-    from .data import check_dataset
-    check_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
+    if not script:
+        from .data import check_dataset
+        check_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     print(f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
-          f"model {cfg.model.name} on {cfg.data.name}, out {out}", file=sys.stderr, flush=True)
+          f"{f'script {args.script}' if script else f'model {cfg.model.name} on {cfg.data.name}'}, out {out}",
+          file=sys.stderr, flush=True)
     try:
         s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
-                      quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at, port_explicit=port_explicit)
+                      quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at, port_explicit=port_explicit,
+                      script=script)
     except LaunchError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
@@ -251,7 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 2
+    script_args: list[str] = []
+    if "--" in argv:  # psgd run --script FILE ... -- ARGS: the rest is the script's
+        script_args, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args = parser().parse_args(argv)
+    args.script_args = script_args
+    if script_args and not getattr(args, "script", None):
+        print("psgd: error: arguments after -- are a training script's: give --script FILE", file=sys.stderr)
+        return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
     try:

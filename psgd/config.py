@@ -29,8 +29,8 @@ from . import consistency
 # module for them): a new mode is known here without a line in this file.
 MODES: tuple[str, ...] = consistency.NAMES
 
-# Environment variables that are not config keys but are read by the CLI.
-ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE"}
+# Environment variables that are not config keys: read by the CLI and by psgd.connect.
+ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE"}
 
 
 class ConfigError(ValueError):

@@ -107,6 +107,7 @@ class Child:
     role: str
     index: int
     argv: list[str]
+    env: dict | None = None          # the job's environment, plus a training script's PSGD_* variables
     proc: subprocess.Popen | None = None
     restarts: int = 0
     reported: bool = False
@@ -130,13 +131,14 @@ class LocalJob:
 
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
                  quiet: bool = False, timeout_s: float = 3600.0, env: dict | None = None,
-                 launched_at: float | None = None, port_explicit: bool = False):
+                 launched_at: float | None = None, port_explicit: bool = False, script: list[str] | None = None):
         # startup_s counts from here (a time.time() value), or from launched_at: psgd run
         # passes its own process's start
         self.launched_at = time.time() if launched_at is None else launched_at
         self.out = os.path.abspath(out)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         self.port_explicit = port_explicit
+        self.script = script  # [FILE, ARGS...]: the workers are copies of the user's training script
         self.moves = 0
         self.quiet = quiet
         self.cfg = self._place(cfg)
@@ -221,9 +223,20 @@ class LocalJob:
             os.unlink(self.started_file(name))  # from an earlier job in this folder
         return Child(role, index, self._argv(role, *extra, "--started-file", self.started_file(name)))
 
+    def _script_spec(self, rank: int) -> Child:
+        """A copy of the training script as worker `rank` (psgd/connection.py reads the
+        PSGD_* variables); its device is its own choice (PSGD_DEVICE is passed on)."""
+        name = f"worker-{rank}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.started_file(name))
+        env = {**self.env, "PSGD_CONFIG": self.config_path, "PSGD_OUT": self.out, "PSGD_RANK": str(rank),
+               "PSGD_STARTED_FILE": self.started_file(name)}
+        assert self.script is not None
+        return Child("worker", rank, [sys.executable, *self.script], env)
+
     def _start(self, child: Child) -> None:
         def popen(stderr: IO[str] | None) -> subprocess.Popen:
-            return subprocess.Popen(child.argv, stdout=subprocess.DEVNULL, stderr=stderr, env=self.env,
+            return subprocess.Popen(child.argv, stdout=subprocess.DEVNULL, stderr=stderr, env=child.env or self.env,
                                     stdin=subprocess.DEVNULL)
 
         if child.role == "coordinator" and not self.quiet:
@@ -245,7 +258,10 @@ class LocalJob:
             log("run", warning)
         specs = [self._spec("coordinator", 0, "--launched-at", repr(self.launched_at))]
         specs += [self._spec("server", i, "--shard", str(i)) for i in range(c.servers)]
-        specs += [self._spec("worker", r, "--rank", str(r), "--device", self.device) for r in range(c.workers)]
+        if self.script:
+            specs += [self._script_spec(r) for r in range(c.workers)]
+        else:
+            specs += [self._spec("worker", r, "--rank", str(r), "--device", self.device) for r in range(c.workers)]
         if c.evaluator:
             specs.append(self._spec("evaluator", 0, "--device", self.device))
         for child in specs:

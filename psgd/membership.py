@@ -158,9 +158,10 @@ class CoordinatorLink:
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
         self.nonce = os.urandom(8).hex()  # this daemon's registrations, to the coordinator
 
-    def register(self, want_rank: int = -1) -> wire.Message:
+    def register(self, want_rank: int = -1, **fields: Any) -> wire.Message:
         """Register with the coordinator, waiting for it (and, for workers, for the
-        rendezvous of all workers) up to cluster.timeout_s. Returns its answer."""
+        rendezvous of all workers) up to cluster.timeout_s. Returns its answer.
+        `fields`: more of the request (a worker's model `layout`)."""
         peers = Peers(self.ctx, [self.address], self.cfg.security)
         try:
             start = time.monotonic()
@@ -168,7 +169,7 @@ class CoordinatorLink:
                 # Sent again after every wait: a coordinator restarted meanwhile lost the
                 # request. The nonce lets it answer a repeat with the rank it gave before.
                 rid = peers.send(0, "register", role=self.role, index=self.index, want_rank=want_rank,
-                                 nonce=self.nonce)
+                                 nonce=self.nonce, **fields)
                 try:
                     msg = peers.wait({rid: 0}, min(REGISTER_RESEND_S, self.cfg.cluster.timeout_s), "register")[rid]
                     break

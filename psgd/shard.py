@@ -9,6 +9,10 @@ event releases. `set_live` does the same for membership changes.
 The optimizer is the one the rule names (`ServerRule.server_optimizer`): `[optimizer]`
 with its lr schedule, or a mode's outer optimizer (stepped on pseudo-gradients).
 
+A learned model (`layout`: psgd/layout.py) starts with empty tables and serves only
+`init` until a worker's initial values arrive (`on_init`); other requests meanwhile get
+the error `not_ready`.
+
 Tables: `params` (trainable parameters; for easgd the centre x~) and `buffers`
 (floating-point buffers such as BatchNorm running statistics), each one flat float32
 vector. Frozen parameters and integer buffers are never sent (every party builds them
@@ -23,6 +27,7 @@ from collections.abc import Hashable
 import torch
 
 from . import compression, wire
+from . import layout as layouts
 from .config import Config
 from .consistency import get as get_mode
 from .consistency import rule as r
@@ -36,17 +41,28 @@ Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the reque
 
 
 class Shard:
-    def __init__(self, cfg: Config, index: int):
+    def __init__(self, cfg: Config, index: int, layout: list[list] | None = None):
+        """`layout` (psgd/layout.py): a model learned from the workers; its tables start
+        empty and the shard serves nothing but `init` until a worker's initial values
+        arrive (`ready`). Without it the shard builds psgd's model from the seed."""
         self.cfg = cfg
         self.index = index
         self.world = cfg.cluster.workers
-        shape, classes = describe(cfg.data)
-        model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
-        self.map = ShardMap.for_model(model, cfg.cluster.servers)
-        tensors = model_tensors(model)
-        with torch.no_grad():
-            self.params = self.map.gather(tensors, index, "params").detach().clone()
-            self.buffers = self.map.gather(tensors, index, "buffers").detach().clone()
+        if layout is None:
+            shape, classes = describe(cfg.data)
+            model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
+            self.map = ShardMap.for_model(model, cfg.cluster.servers)
+            tensors = model_tensors(model)
+            with torch.no_grad():
+                self.params = self.map.gather(tensors, index, "params").detach().clone()
+                self.buffers = self.map.gather(tensors, index, "buffers").detach().clone()
+        else:
+            self.map = ShardMap(layouts.entries(layout), cfg.cluster.servers)
+            self.params = torch.zeros(self.map.size(index, "params"))
+            self.buffers = torch.zeros(self.map.size(index, "buffers"))
+        self.ready = layout is None       # has initial values (built, from a worker, or restored)
+        self.inits_from_any = False       # a restart with nothing to restore: any worker's copy will do
+        self._awaiting_init: list[tuple[Hashable, wire.Message]] = []  # init requests parked until the values
         self.P, self.B = self.params.numel(), self.buffers.numel()
         self.params.grad = torch.zeros_like(self.params)
         self.wire_dtype = cfg.wire.dtype  # params-sized vectors on the wire; the tables stay float32
@@ -69,8 +85,10 @@ class Shard:
         self.rule = rule(cfg.mode, self.world, self)
         ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
                  "get_model": self.on_get_model, "models": self.on_models}
-        self.handlers = {"pull": self.on_pull, "stats": self.on_stats,
-                         **{op: fn if op in self.rule.serves else self.not_in_mode for op, fn in ruled.items()}}
+        served = {"pull": self.on_pull, **{op: fn if op in self.rule.serves else self.not_in_mode
+                                           for op, fn in ruled.items()}}
+        self.handlers = {"stats": self.on_stats, "init": self.on_init,
+                         **{op: self._when_ready(fn) for op, fn in served.items()}}
 
     # ------------------------------------------------------------ entry points
     def handle(self, token: Hashable, msg: wire.Message) -> list[Reply]:
@@ -79,6 +97,37 @@ class Shard:
         if msg.op not in self.handlers:
             raise wire.WireError(wire.UNKNOWN_OP, f"a shard does not serve {msg.op!r}")
         return self.handlers[msg.op](token, msg)
+
+    def _when_ready(self, fn):
+        def guarded(token, msg: wire.Message) -> list[Reply]:
+            if not self.ready:
+                raise wire.WireError(wire.NOT_READY, f"shard {self.index} has no initial values yet "
+                                                     f"(a worker's init brings them)")
+            return fn(token, msg)
+        return guarded
+
+    def on_init(self, token, msg: wire.Message) -> list[Reply]:
+        """A worker's initial values (arrays: params, buffers), or, with no arrays, a wait
+        for them. Rank 0's are taken (any rank's after a restart with nothing restored);
+        a ready shard answers at once and keeps what it has. Every waiter is answered
+        when the values arrive."""
+        self._check_rank(msg)
+        if self.ready:
+            return [(token, wire.reply(msg, took=False, version=self.version))]
+        if not msg.arrays or not (msg.rank == 0 or self.inits_from_any):
+            self._awaiting_init.append((token, msg))
+            return []
+        wire.expect_array(msg, 0, "float32", (self.P,))
+        wire.expect_array(msg, 1, "float32", (self.B,))
+        p, b = self._finite(wire.tensor(msg, 0), "initial values", msg.clock), wire.tensor(msg, 1)
+        with torch.no_grad():
+            self.params.copy_(p)
+            self.buffers.copy_(b)
+        self.ready = True
+        self._revision += 1
+        waiting, self._awaiting_init = self._awaiting_init, []
+        return [(token, wire.reply(msg, took=True, version=self.version))] + [
+            (t, wire.reply(m, took=False, version=self.version)) for t, m in waiting]
 
     def not_in_mode(self, token, msg: wire.Message) -> list[Reply]:
         raise wire.WireError(wire.REFUSED, f"{msg.op} is not used in mode {self.rule.name}")
@@ -269,6 +318,7 @@ class Shard:
         self.rule.load_state_dict(sd["rule"])
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
+        self.ready = True
         self._revision += 1
 
     def save(self, path: str) -> None:

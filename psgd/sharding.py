@@ -125,6 +125,14 @@ def model_entries(model: torch.nn.Module) -> list[tuple[str, str, int]]:
     return out
 
 
+def model_layout(model: torch.nn.Module) -> list[list]:
+    """The model's layout (psgd/layout.py): [name, table, shape, dtype] per entry of
+    `model_entries`, in its order."""
+    tensors = model_tensors(model)
+    return [[name, table, list(tensors[name].shape), str(tensors[name].dtype).removeprefix("torch.")]
+            for name, table, _ in model_entries(model)]
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name -> tensor for everything the map covers (parameters and buffers, live)."""
     d: dict[str, torch.Tensor] = dict(model.named_parameters())

@@ -65,6 +65,7 @@ BAD_SHAPE = "bad_shape"
 BAD_LENGTH = "bad_length"
 TOO_LARGE = "too_large"
 REFUSED = "refused"         # valid message, but not acceptable now (e.g. wrong role, unknown rank)
+NOT_READY = "not_ready"     # a shard that has no initial values yet (a learned model before its init)
 INTERNAL = "internal"
 
 _num = (int, float)
@@ -73,9 +74,11 @@ _scalar = (int, float, str, bool, type(None))
 # op -> {field: accepted types}. Every field listed is optional unless in REQUIRED.
 OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
-    "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,)},
+    "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "layout": (list,)},
     "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,)},
-    "finish": {"stats": (dict,), "error": (str,)},
+    "finish": {"stats": (dict,), "error": (str,), "hold": (bool,)},
+    "release": {},
+    "layout": {},
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,)},
     "status": {},
     # to a shard
@@ -86,6 +89,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "get_model": {"round": (int,), "owner": (int,), "exact": (bool,)},
     "models": {},
     "stats": {},
+    "init": {},
     # replies
     "reply": {"*": _scalar + (dict, list)},
     "error": {"code": (str,), "reason": (str,)},
@@ -300,7 +304,7 @@ def raise_if_error(msg: Message, peer: str) -> Message:
     """An error reply becomes the typed exception for its code."""
     if msg.op == "error":
         code = str(msg.get("code", "?"))
-        cls = Refused if code == REFUSED else ServerFault if code == INTERNAL else BadRequest
+        cls = Refused if code in (REFUSED, NOT_READY) else ServerFault if code == INTERNAL else BadRequest
         raise cls(code, str(msg.get("reason", "")), peer)
     return msg
 

@@ -3,7 +3,10 @@
     psgd coordinator [CONFIG] --out DIR [--set k=v ...]
 
 One ROUTER socket on cluster.port, served by the daemons' one serve loop
-(`psgd.transport.Service`); ops: register, heartbeat, finish, eval, status. Workers'
+(`psgd.transport.Service`); ops: register, heartbeat, finish, release, eval, status,
+layout. Workers register with their model's layout; the first is the job's, which the
+shards of a learned model ask for (`layout`), and a worker whose model differs is
+refused (psgd/layout.py). Workers'
 registrations are answered once all `cluster.workers` have registered, so training
 starts together; the coordinator waits `cluster.timeout_s` for them, saying how many
 it has. A worker that finishes with an error (it stopped after too many refused
@@ -29,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config
 from psgd.log import log
@@ -73,6 +77,8 @@ class Coordinator:
         self.counters = {"bad_messages": 0}
         self.nonces: dict[str, int] = {}   # a worker's registration nonce -> the rank it got
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
+        self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
+        self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
         self.state_path = os.path.join(out, STATE_FILE) if out else ""
         self._saved: tuple = ()
         self._saved_at = 0.0
@@ -87,7 +93,8 @@ class Coordinator:
         self._scalars_at = 0.0
         self.service = Service(self.sock, {"register": self.on_register, "heartbeat": self.on_heartbeat,
                                            "finish": self.on_finish, "eval": self.on_eval,
-                                           "status": self.on_status},
+                                           "status": self.on_status, "layout": self.on_layout,
+                                           "release": self.on_release},
                                "the coordinator", MAX_FRAME, self.counters)
         self._resume()
 
@@ -105,6 +112,7 @@ class Coordinator:
         if role == "worker":
             if self.phase in ("final_eval", "done"):
                 raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
+            self._check_layout(msg.get("layout"))
             nonce = msg.get("nonce") or ""
             again = self.nonces.get(nonce, -1)
             if again >= 0 and self.members.members.get(again) and self.members.members[again].state == "live":
@@ -129,21 +137,50 @@ class Coordinator:
         if role == "server":
             idx = msg.get("index", 0)
             self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
-            if self.server_joins[idx] > 1:
+            if self.server_joins[idx] > 1:  # a restarted shard with nothing to restore takes any worker's copy
                 log("coordinator", f"shard {idx} restarted")
-            elif self.phase == "rendezvous":
+                return [self._reply_register(ident, msg, -1, restarted=True, layout=self.layout)]
+            if self.phase == "rendezvous":
                 log("coordinator", f"shards registered {len(self.server_joins)}/{self.cfg.cluster.servers} "
                     f"(shard {idx})")
             self.servers.setdefault(idx, {})
-            return [self._reply_register(ident, msg, -1)]
+            return [self._reply_register(ident, msg, -1, layout=self.layout)]
         if role == "evaluator":
             self.evaluator_seen = now
             return [self._reply_register(ident, msg, -1)]
         raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
 
-    def _reply_register(self, ident, msg, rank: int) -> Reply:
+    def _reply_register(self, ident, msg, rank: int, **extra: Any) -> Reply:
         clock = self.members.members[rank].clock if rank >= 0 else 0
-        return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock, **self._view())
+        return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock,
+                                 **extra, **self._view())
+
+    def _check_layout(self, given: Any) -> None:
+        """A worker's model layout (psgd/layout.py): the first one is the job's, which
+        the shards of a learned model ask for; any later one must equal it."""
+        if given is None:
+            return
+        try:
+            given = layouts.checked(given)
+        except ValueError as e:
+            raise wire.WireError(wire.BAD_FIELD, f"layout: {e}") from None
+        if self.layout is None:
+            self.layout = given
+            log("coordinator", f"the model's layout: {len(given)} tensors, {layouts.size(given):,} values")
+            return
+        diff = layouts.difference(self.layout, given)
+        if diff:
+            raise wire.WireError(wire.REFUSED, f"this worker's model differs from the job's ({diff}); every "
+                                               f"worker must build the same model")
+
+    def on_layout(self, ident, msg: wire.Message) -> list[Reply]:
+        """The job's model layout, once a worker has registered it (else null)."""
+        return [(ident, wire.reply(msg, layout=self.layout))]
+
+    def on_release(self, ident, msg: wire.Message) -> list[Reply]:
+        """The worker that held the end of the job (finish with hold) is done with it."""
+        self.held_until = 0.0
+        return [(ident, wire.reply(msg, **self._view()))]
 
     def _start_training(self) -> list[Reply]:
         self.phase = "training"
@@ -177,7 +214,12 @@ class Coordinator:
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view()))]
 
     def on_finish(self, ident, msg: wire.Message) -> list[Reply]:
+        """A worker is done. With `hold`, the job does not end when the last worker is
+        done until that worker sends `release` (or cluster.timeout_s passes): a
+        training script's rank 0 reads the final model meanwhile (psgd/connection.py)."""
         self.members.finish(msg.rank, msg.get("stats"))
+        if msg.get("hold"):
+            self.held_until = time.monotonic() + self.cfg.cluster.timeout_s
         error = msg.get("error")
         self.events.write(event="finish", rank=msg.rank, **({"error": error} if error else {}))
         if error and self.phase == "training" and not self.abort:
@@ -223,7 +265,7 @@ class Coordinator:
                 self.events.write(event="lost", rank=r)
                 if self.cfg.faults.on_worker_loss == "abort":
                     self.abort = f"worker {r} was lost and faults.on_worker_loss = abort"
-            if self.abort or self.members.all_done:
+            if self.abort or (self.members.all_done and now >= self.held_until):
                 self.t_end = now
                 if self.cfg.cluster.evaluator and not self.abort:
                     self.phase = "final_eval"
@@ -298,7 +340,7 @@ class Coordinator:
             "membership": self.members.state_dict(), "nonces": self.nonces,
             "server_joins": self.server_joins, "servers": self.servers, "evals": self.evals,
             "startup_s": self.startup_s, "launched_at": self.launched_at, "launched_by": self.launched_by,
-            "restarts": self.restarts, "counters": self.counters})
+            "restarts": self.restarts, "counters": self.counters, "layout": self.layout})
 
     def _resume(self) -> None:
         """Continue a job whose coordinator died, from its state file: only a file of
@@ -330,6 +372,7 @@ class Coordinator:
         self.evals, self.startup_s = st["evals"], st["startup_s"]
         self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]
         self.counters.update(st["counters"])
+        self.layout = st.get("layout")
         self.restarts = int(st["restarts"]) + 1
         if self.phase == "final_eval":
             self.final_deadline = now + self.cfg.cluster.timeout_s

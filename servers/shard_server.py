@@ -2,14 +2,16 @@
 
     psgd server [CONFIG] --shard I --out DIR [--set k=v ...]
 
-Registers with the coordinator (which hands out the run's config), restores its
-checkpoint if one exists, binds its ROUTER on shard I's address and serves until the
+Registers with the coordinator (which hands out the run's config), learns the model's
+layout from it unless the model is one of psgd's own (psgd/layout.py: the server never
+imports user code), restores its checkpoint if one exists, binds its ROUTER on shard I's address and serves until the
 coordinator says the job is done. A bad message gets an error reply and is counted;
 the loop goes on. Checkpoints are written every `checkpoint.every_s` seconds and on
 SIGTERM (atomically), and once more at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -17,12 +19,17 @@ import time
 
 import zmq
 
+from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config
 from psgd.log import log
 from psgd.membership import CoordinatorLink
 from psgd.shard import Shard, write_checkpoint
-from psgd.transport import Service, bind_address, server_socket, stop_auth
+from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
+
+LAYOUT_POLL_S = 0.2
+LAYOUT_CALL_S = 2.0
+WAITING_EVERY_S = 5.0
 
 
 def checkpoint_path(cfg: Config, out: str | None, index: int) -> str | None:
@@ -56,15 +63,42 @@ class ShardServer:
 
     stop = _on_sigterm  # end run() from another thread (tests)
 
+    def _learn_layout(self, link: CoordinatorLink, layout: list | None, timeout_s: float) -> list | None:
+        """The model's layout, as the first worker registered it with the coordinator
+        (a learned model: psgd/layout.py); None, said in the log, if none comes within
+        cluster.timeout_s."""
+        start = said = time.monotonic()
+        while layout is None:
+            now = time.monotonic()
+            if now - start > timeout_s or self._term:
+                log(self.name, f"no worker registered the model's layout within {timeout_s:.0f} s "
+                               f"(cluster.timeout_s); exiting")
+                return None
+            if now - said >= WAITING_EVERY_S:
+                said = now
+                log(self.name, "waiting for a worker to register the model's layout")
+            time.sleep(LAYOUT_POLL_S)
+            with contextlib.suppress(PeerTimeout):  # the coordinator may be restarting: ask again
+                layout = link.call("layout", timeout=LAYOUT_CALL_S).get("layout")
+        return layouts.checked(layout)
+
     def run(self) -> int:
         link = CoordinatorLink(self.cfg, "server", self.index, self.ctx)
         answer = link.register()
         cfg = self.cfg.with_run(answer.get("config"))
-        shard = Shard(cfg, self.index)
+        layout = None
+        if layouts.learned(cfg.model.name):
+            layout = self._learn_layout(link, answer.get("layout"), cfg.cluster.timeout_s)
+            if layout is None:
+                link.close()
+                return 1
+        shard = Shard(cfg, self.index, layout)
         ckpt = checkpoint_path(cfg, self.out, self.index)
         if ckpt and os.path.exists(ckpt):
             shard.load(ckpt)
             log(self.name, f"resumed from {ckpt} at version {shard.version}")
+        elif layout is not None and answer.get("restarted"):
+            shard.inits_from_any = True  # rank 0's first values are long gone: any worker's current copy
         address = cfg.shard_address(self.index)
         # The largest legitimate frame is one table; a message has at most 2 + 2 of them
         # (ltfb with Adam's moments). Anything larger is refused before it is read.

@@ -77,6 +77,9 @@ class FakeTrainer:
             p.grad = self.grad(p.detach())
         return 0.0
 
+    def score(self) -> tuple[float, float]:
+        return self.replica.score(*self.holdout, self.cfg.eval.batch_size)
+
     def log_step(self, staleness: int, wait_s: float, **extra) -> None:
         self.logged.append((self.clock, staleness, extra))
 

@@ -338,11 +338,11 @@ class Cluster:
     def cmd(self, *args, timeout: float = 30) -> subprocess.CompletedProcess:
         return run(args, timeout=timeout, env=self.env)
 
-    def submit(self, script: Path, work: Path, args=(), **settings: str) -> str:
+    def submit(self, script: Path, work: Path, args=(), script_args=(), **settings: str) -> str:
         env = {**self.env, "DEPLOY_PYTHON": sys.executable, "PSGD_OUT": str(work / "out"),
                "PSGD_CLUSTER_PORT": str(free_ports(4)), **settings}
-        r = run(["sbatch", "--parsable", f"--output={work}/job-%j.out", f"--chdir={work}", *args, script],
-                timeout=30, env=env)
+        r = run(["sbatch", "--parsable", f"--output={work}/job-%j.out", f"--chdir={work}", *args, script,
+                 *script_args], timeout=30, env=env)
         assert r.returncode == 0, f"sbatch failed: {r.stderr}"
         return r.stdout.strip().split(";")[0]
 
@@ -473,6 +473,22 @@ def test_slurm_default_job_reaches_target(slurm, tmp_path):
     out = tmp_path / "out"
     assert sorted(p.name for p in (out / "logs").glob("worker-*.log")) == ["worker-0.log", "worker-1.log"]
     assert sorted(p.name for p in (out / "checkpoints").glob("shard-*.pt")) == ["shard-0.pt", "shard-1.pt"]
+    assert_no_leftovers(out)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_slurm_runs_a_training_script_as_the_workers(slurm, tmp_path):
+    example = Path(__file__).resolve().parent.parent / "examples" / "custom_loss.py"
+    jid = slurm.submit(SCRIPTS[0], tmp_path, script_args=[str(example), "--lr", "0.01"], PSGD_MODE_NAME="async",
+                       PSGD_TRAIN_STEPS="300")
+    st = slurm.wait(jid, 360, tmp_path)
+    assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
+    out = tmp_path / "out"
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["mode"], s["workers"], s["model"]) == ("async", 2, "script")
+    assert s["final_accuracy"] >= 0.3, s  # the script's own report (an untrained model: ~0.07)
+    assert (out / "model.pt").exists()
     assert_no_leftovers(out)
 
 

@@ -205,6 +205,12 @@ class ParameterClient:
                 return None
             raise
 
+    def init(self, tables: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> list[wire.Message]:
+        """Offer every shard initial values (params, buffers per shard, float32), or, with
+        None, wait until it has them (psgd/shard.py `on_init`)."""
+        return self.request([(i, "init", {"arrays": [tables[0][i], tables[1][i]]} if tables else {})
+                             for i in range(self.n)])
+
     def index(self) -> list[wire.Message]:
         """Each shard's index of the models deposited with it."""
         return self.request([(i, "models", {}) for i in range(self.n)])

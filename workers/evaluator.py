@@ -18,6 +18,7 @@ import time
 import torch
 import zmq
 
+from psgd import wire
 from psgd.config import Config
 from psgd.consistency import get as get_mode
 from psgd.data import load_dataset
@@ -67,7 +68,12 @@ class Evaluator:
                     final_sent = True
                 elif phase == "training" and now >= next_at:
                     next_at = now + cfg.eval.every_seconds
-                    acc, loss = self.evaluate()
+                    try:
+                        acc, loss = self.evaluate()
+                    except wire.Refused as e:  # a learned model's shards before rank 0's init
+                        if e.code != wire.NOT_READY:
+                            raise
+                        continue
                     r = link.call("eval", accuracy=acc, loss=loss)
                     events.write(samples=r.get("samples"), accuracy=acc, loss=loss)
                 time.sleep(0.05)

@@ -27,7 +27,7 @@ from torch import nn
 from psgd import wire
 from psgd.config import Config
 from psgd.consistency import get as get_mode
-from psgd.consistency.rule import Diverged
+from psgd.consistency.rule import Diverged, Schedule
 from psgd.consistency.staleness import Histogram
 from psgd.data import holdout, load_dataset, partition
 from psgd.log import log
@@ -36,6 +36,7 @@ from psgd.metrics import EventLog, PidFile
 from psgd.models import build_model
 from psgd.optim import make_optimizer
 from psgd.replica import Replica, pick_device
+from psgd.sharding import model_layout
 from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
 
 
@@ -93,17 +94,45 @@ class Worker:
         # Load the data and build the model before registering, so that the job's clock
         # starts when every worker is ready; redo it if the run's config differs.
         ds, model = self._build(self.cfg0)
-        self.link = CoordinatorLink(self.cfg0, "worker", max(self.want_rank, 0), self.ctx)
-        answer = self.link.register(self.want_rank)
-        self.rank = int(answer.get("assigned_rank"))
-        self.link.index = self.rank
-        cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
+        cfg = self.join(model)
         if (cfg.data, cfg.model, cfg.job) != (self.cfg0.data, self.cfg0.model, self.cfg0.job):
             ds, model = self._build(cfg)
-        self.clock = int(answer.get("start_clock", 0))
-        self.name = f"worker-{self.rank}"
         with PidFile(self.out, "worker", self.rank):
             return self._train(cfg, ds, model)
+
+    def join(self, model: nn.Module) -> Config:
+        """Register with the coordinator (with the model's layout: the shards of a
+        learned model take it from there); the run's config."""
+        self.link = CoordinatorLink(self.cfg0, "worker", max(self.want_rank, 0), self.ctx)
+        answer = self.link.register(self.want_rank, layout=model_layout(model))
+        self.rank = int(answer.get("assigned_rank"))
+        self.link.index = self.rank
+        self.cfg = self.cfg0.with_run(answer.get("config"))
+        self.clock = int(answer.get("start_clock", 0))
+        self.name = f"worker-{self.rank}"
+        return self.cfg
+
+    def attach(self, model: nn.Module, device: torch.device) -> Schedule:
+        """The mechanism around the model: replica, parameter client, step log,
+        heartbeats; the mode's schedule (not started)."""
+        cfg = self.cfg
+        self.device = device
+        self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
+        self.replica = Replica(model, cfg.cluster.servers, device)
+        self.client = ParameterClient(cfg, self.ctx, self.rank)
+        self.client.cancel = self.stopped
+        self.events = EventLog(self.out, "worker", self.rank)
+        self.link.clock_fn = lambda: self.clock
+        self.link.stats_fn = self.stats
+        self.link.start()
+        return get_mode(cfg.mode.name).schedule(cfg)
+
+    def start(self, schedule: Schedule) -> None:
+        """Give the shards their initial values (rank 0's; the others wait for them: a
+        shard that built the model itself ignores them), then start the schedule."""
+        self.client.init((self.replica.params(), self.replica.buffers()) if self.rank == 0 else None)
+        self.t_start = time.monotonic()
+        schedule.start(self)
 
     @staticmethod
     def _build(cfg: Config):
@@ -114,28 +143,18 @@ class Worker:
         return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
 
     def _train(self, cfg: Config, ds, model) -> int:
-        self.device = pick_device(self.device_spec, local_rank())
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
-        self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
-        self.replica = Replica(model, cfg.cluster.servers, self.device)
-        schedule = get_mode(cfg.mode.name).schedule(cfg)
+        schedule = self.attach(model, pick_device(self.device_spec, local_rank()))
         part = partition(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed)
         if schedule.data_split > 0:
             part, held = holdout(part, schedule.data_split)
             self.holdout = ds.take(held)
         self.batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, self.rank)
-        self.client = ParameterClient(cfg, self.ctx, self.rank)
-        self.client.cancel = self.stopped
-        self.events = EventLog(self.out, "worker", self.rank)
-        self.link.clock_fn = lambda: self.clock
-        self.link.stats_fn = self.stats
-        self.link.start()
         log(self.name, f"{cfg.mode.name} on {self.device}: {len(part)} samples, batch {self.batches.batch_size}, "
             f"starting at clock {self.clock}")
-        self.t_start = time.monotonic()
         error = ""
         try:
-            schedule.start(self)
+            self.start(schedule)
             error = self._steps(schedule)
         except ShardUnreachable as e:  # the launcher or the coordinator decides what follows
             log(self.name, f"error: {e}")
@@ -172,6 +191,10 @@ class Worker:
             self.in_a_row = 0
             return ""
         except (wire.Refused, Diverged) as e:
+            if isinstance(e, wire.Refused) and e.code == wire.NOT_READY:
+                # A shard restarted with nothing to restore: it takes this worker's copy.
+                self.note(f"{e.peer} lost its tables; offering this worker's copy of the model")
+                self.client.init((self.replica.params(), self.replica.buffers()))
             self.rejected += 1
             self.in_a_row += 1
             if self.in_a_row < self.cfg.cluster.max_rejections:
@@ -184,15 +207,27 @@ class Worker:
     def _finish(self, error: str) -> None:
         """Tell the coordinator (an error ends the job), then close everything."""
         try:
-            if not self.link.state.get("abort"):
-                fields: dict[str, Any] = {"error": error} if error else {}
-                self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats(), **fields)
+            self._report_end(error)
+        finally:
+            self._close(error)
+
+    def _report_end(self, error: str, **fields: Any) -> bool:
+        """Tell the coordinator this worker is done (an error ends the job); whether it heard."""
+        if self.link.state.get("abort"):
+            return False
+        try:
+            if error:
+                fields["error"] = error
+            self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats(), **fields)
+            return True
         except Exception as e:  # the coordinator may be gone: nothing more to tell
             log(self.name, f"could not report the end to the coordinator: {e}")
-        finally:
-            self.link.close()
-            self.client.close()
-            self.events.close()
+            return False
+
+    def _close(self, error: str) -> None:
+        self.link.close()
+        self.client.close()
+        self.events.close()
         if not error:
             log(self.name, f"finished {self.steps} steps, {self.samples} samples, {self.rejected} rejected")
 
@@ -219,19 +254,29 @@ class Worker:
         model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        self.slow_down(time.perf_counter() - t0)
+        self.loss = float(loss.item())
+        self.samples += len(y)
+        return self.loss
+
+    def slow_down(self, compute_s: float) -> None:
+        """The injected slowness of this step (`faults.*`: a slow link, a slow rank,
+        transient jitter), given how long its compute took."""
         f = self.cfg.faults
         extra = f.step_delay_s
         if f.slow_rank == self.rank and f.slow_factor > 1:
-            extra += (f.slow_factor - 1) * (time.perf_counter() - t0)
+            extra += (f.slow_factor - 1) * compute_s
         if f.jitter_prob > 0:
             jitter = self.jitter.draw()
             self.jittered[self.clock] = jitter > 0
             extra += jitter
         if extra > 0:
             time.sleep(extra)
-        self.loss = float(loss.item())
-        self.samples += len(y)
-        return self.loss
+
+    def score(self) -> tuple[float, float]:
+        """(accuracy, loss) on the partition's held-out part (ltfb's tournament data)."""
+        x, y = self.holdout
+        return self.replica.score(x, y, self.cfg.eval.batch_size)
 
     def log_step(self, staleness: int, wait_s: float, **extra) -> None:
         """The step line of the step just taken (`clock` is the clock after it; with

@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 from .. import wire
-from ..optim import lr_at, set_lr
 from ..sharding import model_grads
 from .pushpull import load
 from .rule import (
@@ -69,6 +68,7 @@ from .rule import (
     Store,
     Trainer,
     make_local_optimizer,
+    schedule_lr,
 )
 from .tournament import (
     Exchange,
@@ -260,7 +260,7 @@ class LtfbSchedule(Schedule):
     # ------------------------------------------------------------ steps
     def step(self, w: Trainer) -> None:
         w0 = w.client.wait_s
-        set_lr(self.opt, lr_at(self.opt_cfg, w.clock, self.cfg.train.steps))
+        schedule_lr(w, self.opt, self.opt_cfg)
         loss = w.compute()
         if not math.isfinite(loss):
             raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
@@ -317,7 +317,7 @@ class LtfbSchedule(Schedule):
         self.lead(w, rnd)
 
     def lead(self, w: Trainer, rnd: int) -> None:
-        acc, loss = w.replica.score(*w.holdout, self.cfg.eval.batch_size)
+        acc, loss = w.score()
         metric = self.cfg.mode.metric
         local = fitness(metric, acc, loss)
         params = [t.clone() for t in w.replica.params()]
@@ -359,7 +359,7 @@ class LtfbSchedule(Schedule):
         if got is None:
             return partner, None, None
         w.replica.load(*w.client.tables(got))
-        acc, loss = w.replica.score(*w.holdout, self.cfg.eval.batch_size)
+        acc, loss = w.score()
         if not adopt(local, fitness(metric, acc, loss)):
             return partner, acc if metric == "accuracy" else loss, False
         self.take(w, got, rnd)

@@ -267,9 +267,9 @@ class Trainer(Protocol):
     client: Any              # psgd.workers.client.ParameterClient (or a simulator's)
     replica: Replica
     hist: Histogram
-    holdout: tuple[Any, Any]  # (x, y) held out of the partition (data_split > 0)
 
     def compute(self) -> float: ...
+    def score(self) -> tuple[float, float]: ...   # (accuracy, loss) of the model on its tournament data
     def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None: ...
     def live(self) -> set[int]: ...
     def event(self, **fields: Any) -> None: ...
@@ -325,7 +325,7 @@ def local_step(w: Trainer, opt: Any, before_update: Callable[[], None] | None = 
     """One step of a worker's own optimizer (the local-optimizer modes). `before_update`
     runs between the gradient and the optimizer's update, on the parameters that the
     gradient was computed at (easgd's exchange: Algorithm 1 evaluates both at the same x)."""
-    set_lr(opt, lr_at(w.cfg.optimizer, w.clock, w.cfg.train.steps))
+    schedule_lr(w, opt, w.cfg.optimizer)
     loss = w.compute()
     if not math.isfinite(loss):
         raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
@@ -336,4 +336,16 @@ def local_step(w: Trainer, opt: Any, before_update: Callable[[], None] | None = 
 
 
 def make_local_optimizer(w: Trainer) -> Any:
+    """The worker's own optimizer: the training script's (`psgd.connect(model, optimizer)`),
+    else one made from `[optimizer]`."""
+    given = getattr(w, "user_optimizer", None)
+    if given is not None:
+        return given
     return make_optimizer([p for p in w.replica.model.parameters() if p.requires_grad], w.cfg.optimizer)
+
+
+def schedule_lr(w: Trainer, opt: Any, opt_cfg: OptimizerConfig) -> None:
+    """`opt_cfg`'s learning rate at the worker's clock into its optimizer, unless that is
+    the training script's own: it keeps the rate (and any scheduler) the script gave it."""
+    if opt is not getattr(w, "user_optimizer", None):
+        set_lr(opt, lr_at(opt_cfg, w.clock, w.cfg.train.steps))

@@ -224,6 +224,9 @@ class SimWorker:
         self.t += self.step_time()
         return self.loss
 
+    def score(self) -> tuple[float, float]:
+        return self.replica.score(*self.holdout, self.cfg.eval.batch_size)
+
     def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None:
         self.steps += 1
         self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "step": self.steps,

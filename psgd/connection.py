@@ -1,0 +1,223 @@
+"""Your own training loop as a psgd worker.
+
+    import psgd
+    ps = psgd.connect(model, optimizer)      # joins the job (blocks until every worker has)
+    for x, y in loader:                      # ps.rank / ps.world_size: which part of the data is yours
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if not ps.step(loss):                # the mode decides what happens here
+            break
+    ps.report(accuracy=acc, loss=test_loss)  # optional: summary.json's score when the job has no evaluator
+    ps.close()                               # also `with psgd.connect(...) as ps:`
+
+`connect` reads the job's config from `config` (a path or a Config), else $PSGD_CONFIG,
+then `PSGD_<SECTION>_<KEY>` variables; the output folder from `out` or $PSGD_OUT; the
+rank to ask for from `rank` or $PSGD_RANK (default: the next free one). `psgd run
+--script FILE` sets all three for each copy of the script it starts.
+
+What `step()` does is the mode's worker schedule (psgd/consistency/), the same one
+`psgd worker` runs, with the script's backward pass as its compute:
+- sync, ssp, async: push the gradients in the model's `.grad`, pull the next model into
+  the model's parameters. The shards run `[optimizer]`; `optimizer` may be None (one
+  given is not stepped).
+- easgd, diloco, ltfb: step `optimizer` locally (psgd's `[optimizer]` when None; the
+  script's own keeps its learning rate, psgd's lr schedule does not touch it) and
+  exchange every tau / H / round.
+- ltfb needs `score=fn`: `fn(model)` returns the model's accuracy on the trainer's
+  tournament data (higher is better), or an `(accuracy, loss)` pair.
+It returns False once the job's budget (`train.steps`, `train.seconds`) is spent or the
+job has ended; then it does nothing more.
+
+The shards learn the model from the workers: its layout (names, shapes, dtypes) when
+the workers register, rank 0's initial values when it connects (psgd/layout.py), so the
+servers never import the script. On `close()`, rank 0 waits for the other workers to
+finish, loads the job's final global model into its `model` and saves it as
+DIR/model.pt (a state_dict). A worker that fails (too many refused steps, shards
+unreachable) raises `JobError`; an exception inside `with` ends the job with its reason.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import layout as layouts
+from .config import Config, ConfigError, load
+from .consistency import get as get_mode
+from .log import log
+from .metrics import PidFile
+from .workers.client import Cancelled, ShardUnreachable
+from .workers.worker import Worker
+
+SERVER_OPTIMIZER_MODES = ("sync", "ssp", "async")
+FINAL_POLL_S = 0.2
+
+
+class JobError(RuntimeError):
+    """The job cannot go on for this worker: the reason, in one line."""
+
+
+def connect(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+            score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
+            out: str | None = None, rank: int | None = None) -> Connection:
+    """Join the job as a worker (see this module's docstring)."""
+    return Connection(model, optimizer, score=score, config=config, out=out, rank=rank)
+
+
+class Connection(Worker):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
+                 out: str | None = None, rank: int | None = None):
+        env = os.environ
+        cfg = config if isinstance(config, Config) else load(config or env.get("PSGD_CONFIG"))
+        want = rank if rank is not None else int(env.get("PSGD_RANK", "-1"))
+        super().__init__(cfg, out or env.get("PSGD_OUT"), want_rank=want)
+        if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
+            open(env["PSGD_STARTED_FILE"], "w").close()
+        self.user_optimizer = optimizer
+        self.score_fn = score
+        self.closed = False
+        self._loss: float | None = None
+        self._batch = 0
+        cfg = self.join(model)
+        self._check(cfg)
+        self.schedule = self.attach(model, next(model.parameters()).device)
+        self.pidfile = PidFile(self.out, "worker", self.rank).__enter__()
+        try:
+            self.start(self.schedule)
+        except BaseException as e:
+            self._end(f"worker {self.rank} could not start: {e}")
+            raise
+        self._computed_at = time.perf_counter()
+
+    def _check(self, cfg: Config) -> None:
+        problem = ""
+        if not layouts.learned(cfg.model.name):
+            problem = (f"this job's shards build psgd's own model {cfg.model.name!r}; a training script brings its "
+                       f"own: start the job with `psgd run --script` or set model.name = \"{layouts.SCRIPT_MODEL}\"")
+        elif cfg.mode.name == "ltfb" and self.score_fn is None:
+            problem = "mode ltfb needs psgd.connect(..., score=fn): fn(model) scores it on the trainer's own data"
+        if problem:
+            self._report_end(problem)
+            self.link.close()
+            raise ConfigError(problem)
+        if self.user_optimizer is not None and cfg.mode.name in SERVER_OPTIMIZER_MODES:
+            self.note(f"mode {cfg.mode.name}: the shards run [optimizer]; the optimizer given to psgd.connect "
+                      f"is not stepped")
+
+    # ------------------------------------------------------------ the script's calls
+    @property
+    def world_size(self) -> int:
+        return self.cfg.cluster.workers
+
+    def step(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> bool:
+        """The mode's step on the gradients the script just computed (`loss`, if given,
+        goes into the step log and a non-finite one is refused; `samples`: the batch's
+        size, default `train.batch_size`). False once the job's budget is spent."""
+        if self.closed:
+            raise JobError("step() after close()")
+        if not self.more():
+            return False
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().item()
+        self._loss = None if loss is None else float(loss)
+        self._batch = samples if samples is not None else self.cfg.train.batch_size
+        try:
+            if self.rejoin_if_dropped():
+                self.schedule.rejoin(self)
+            error = self._attempt(self.schedule.step)
+        except Cancelled:
+            return False
+        except ShardUnreachable as e:
+            self._end(str(e))
+            raise JobError(str(e)) from None
+        if error:
+            self._end(error)
+            raise JobError(error)
+        self._computed_at = time.perf_counter()
+        return self.more()
+
+    def report(self, accuracy: float, loss: float) -> None:
+        """A score of the model (the script's own evaluation): the job's evaluation curve
+        and summary.json's final accuracy, when the job runs no evaluator."""
+        self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
+
+    def close(self, error: str = "") -> None:
+        """Settle what is in flight and leave the job (rank 0: after saving the final
+        model). `error` ends the job with that reason."""
+        if self.closed:
+            return
+        try:
+            if not error:
+                error = self._attempt(self.schedule.finish)
+        except Cancelled:
+            pass
+        except ShardUnreachable as e:
+            error = str(e)
+        if error or self.rank != 0:
+            return self._end(error)
+        held = self._report_end("", hold=True)
+        try:
+            if held:
+                self._final_model()
+        finally:
+            if held:
+                self.link.call("release")
+            self._end("", reported=True)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self.close(f"worker {self.rank}'s training script raised {kind.__name__}: {value}" if kind else "")
+
+    # ------------------------------------------------------------ what the schedule calls
+    def compute(self) -> float:
+        """The script's backward pass is done: its gradients are in the model. The
+        injected slowness (`faults.*`) counts the time since the last step."""
+        self.slow_down(time.perf_counter() - self._computed_at)
+        self.samples += self._batch
+        self.loss = math.nan if self._loss is None else self._loss
+        return 0.0 if self._loss is None else self._loss
+
+    def score(self) -> tuple[float, float]:
+        assert self.score_fn is not None
+        got = self.score_fn(self.replica.model)
+        acc, loss = got if isinstance(got, tuple) else (float(got), -float(got))
+        return float(acc), float(loss)
+
+    # ------------------------------------------------------------ the end
+    def _end(self, error: str, reported: bool = False) -> None:
+        self.closed = True
+        try:
+            if not reported:
+                self._report_end(error)
+        finally:
+            self._close(error)
+            self.pidfile.__exit__(None, None, None)
+
+    def _final_model(self) -> None:
+        """Wait until every other worker is done, then load the job's global model into
+        the script's model and save it as DIR/model.pt."""
+        deadline = time.monotonic() + self.cfg.cluster.timeout_s
+        while time.monotonic() < deadline and not self.stopped():
+            status = self.link.call("status")
+            if all(w["state"] != "live" for w in status.get("workers", []) if w["rank"] != self.rank):
+                break
+            time.sleep(FINAL_POLL_S)
+        else:
+            log(self.name, "the job ended, or the other workers did not finish within cluster.timeout_s: "
+                           "no final model")
+            return
+        self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
+        if self.out:
+            path = os.path.join(self.out, "model.pt")
+            torch.save(self.replica.model.state_dict(), f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)
+            log(self.name, f"saved the final model: {path}")

@@ -1,0 +1,68 @@
+"""A model's layout: what the shards need to know of a model, and nothing else.
+
+A layout is a list of `[name, table, shape, dtype]` entries, in the model's order:
+its trainable parameters (table "params"), then its floating-point buffers (table
+"buffers"), as `psgd.sharding.model_layout` reads them. It travels as plain msgpack
+(workers send it to the coordinator when they register; shards ask the coordinator for
+it), so this module imports no torch: the coordinator uses it.
+
+psgd's own models (`model.name` = mlp, cnn, resnet20) are built by the shards
+themselves from the seed. Any other model (a `package.module:factory`, or a training
+script's own model: `model.name = "script"`) is *learned*: the shards take its layout
+from the workers and rank 0's initial values from its `init` request, so a shard server
+never imports user code.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+BUILTIN_MODELS = ("mlp", "cnn", "resnet20")
+SCRIPT_MODEL = "script"   # model.name of a job whose workers are the user's own training script
+TABLES = ("params", "buffers")
+MAX_ENTRIES = 100_000
+
+
+def learned(model_name: str) -> bool:
+    """Do the shards learn this model's layout from the workers (instead of building it)?"""
+    return model_name not in BUILTIN_MODELS
+
+
+def checked(layout: Any) -> list[list]:
+    """A layout from the wire, validated: a list of [name, table, shape, dtype]; a
+    ValueError naming the first bad entry."""
+    if not isinstance(layout, list) or not 0 < len(layout) <= MAX_ENTRIES:
+        raise ValueError(f"a layout is a non-empty list of at most {MAX_ENTRIES} entries")
+    out = []
+    for i, e in enumerate(layout):
+        ok = (isinstance(e, (list, tuple)) and len(e) == 4 and isinstance(e[0], str) and e[1] in TABLES
+              and isinstance(e[2], (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in e[2])
+              and isinstance(e[3], str))
+        if not ok:
+            raise ValueError(f"layout entry {i} is not [name, 'params'|'buffers', [dims], dtype]: {e!r:.200}")
+        out.append([e[0], e[1], [int(d) for d in e[2]], e[3]])
+    return out
+
+
+def entries(layout: list[list]) -> list[tuple[str, str, int]]:
+    """(name, table, numel) per entry: what `ShardMap` is built from."""
+    return [(name, table, math.prod(shape)) for name, table, shape, _ in layout]
+
+
+def difference(job: list[list], other: list[list]) -> str:
+    """'' if the layouts are the same, else the first difference, in words."""
+    for i, (a, b) in enumerate(zip(job, other, strict=False)):
+        if list(a) != list(b):
+            return f"entry {i}: the job has {_describe(a)}, this model has {_describe(b)}"
+    if len(job) != len(other):
+        return f"the job's model has {len(job)} tensors, this one {len(other)}"
+    return ""
+
+
+def _describe(e: list) -> str:
+    name, table, shape, dtype = e
+    return f"{name} ({table}, shape {tuple(shape)}, {dtype})"
+
+
+def size(layout: list[list]) -> int:
+    return sum(n for _, _, n in entries(layout))

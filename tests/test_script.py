@@ -1,0 +1,144 @@
+"""Your own training loop as a psgd worker (psgd/connection.py): `psgd run --script`
+starts the coordinator and the shards, then copies of the script, in every mode.
+
+- examples/custom_loss.py (a model and a loss of its own) and examples/cifar10_resnet.py
+  (a ResNet on synthetic CIFAR-shaped data) train in every mode at small budgets: the
+  score the script reports beats an untrained model's, summary.json has it, and
+  DIR/model.pt loads into the script's own module;
+- the shards learn the model from the workers: no shard imports the script;
+- a script that raises ends the job with its reason; a job whose workers build
+  different models is refused with the difference.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from psgd import consistency
+from psgd.config import Config
+from psgd.launcher import LaunchError, LocalJob, run_local
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+SMALL = {"cluster.workers": 2, "cluster.servers": 2, "model.name": "script", "cluster.evaluator": False,
+         "mode.round_steps": 20, "mode.tau": 4, "mode.local_steps": 10}
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(tmp_path, script: list[str], **sets) -> dict:
+    cfg = Config().replace(**{**SMALL, **sets})
+    return run_local(cfg, str(tmp_path), quiet=True, timeout_s=240, script=script)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", consistency.NAMES)
+def test_custom_model_and_loss_in_every_mode(tmp_path, mode):
+    s = run_script(tmp_path, [os.path.join(EXAMPLES, "custom_loss.py")], **{"mode.name": mode, "train.steps": 300})
+    ex = example("custom_loss")
+    x, y = ex.series(2000, seed=10_000)
+    untrained, _ = ex.within(ex.Forecaster(), x, y)
+    assert untrained < 0.15
+    assert s["final_accuracy"] >= 0.3, s            # the script's report: share within 0.1 of the truth
+    assert s["mode"] == mode and s["failures"]["workers_lost"] == 0
+    model = ex.Forecaster()
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))   # the final global model
+    assert ex.within(model, x, y)[0] >= 0.3
+    for i in range(2):  # the shards never imported the script, and the workers wrote step lines
+        with open(tmp_path / "logs" / f"server-{i}.log") as f:
+            assert "custom_loss" not in f.read()
+    assert os.path.getsize(tmp_path / "events" / "worker-1.jsonl") > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", consistency.NAMES)
+def test_resnet_loop_in_every_mode(tmp_path, mode):
+    s = run_script(tmp_path, [os.path.join(EXAMPLES, "cifar10_resnet.py"), "--width", "4", "--synthetic", "1200"],
+                   **{"mode.name": mode, "train.steps": 60, "optimizer.lr": 0.05, "cluster.servers": 1})
+    assert s["final_accuracy"] > 0.2, s  # 10 classes: chance is 0.1
+    model = example("cifar10_resnet").ResNet(4, 1)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+
+
+@pytest.mark.timeout(240)
+def test_a_shard_killed_before_its_first_checkpoint_takes_a_workers_copy(tmp_path):
+    """A learned model's shard that comes back with nothing to restore: the workers give
+    it their copy (not_ready, then init from any rank) and the job completes."""
+    from tests.test_reliability import kill_during
+
+    cfg = Config().replace(**{**SMALL, "mode.name": "sync", "train.steps": 1500, "checkpoint.every_s": 0,
+                              "faults.step_delay_s": 0.004})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=200,
+                   script=[os.path.join(EXAMPLES, "custom_loss.py")])
+    s = kill_during(job, "server-1", (0, 150))
+    assert s["failures"]["shard_restarts"] == 1 and s["failures"]["workers_lost"] == 0, s["failures"]
+    assert s["final_accuracy"] >= 0.3, s
+    logs = "".join((tmp_path / "logs" / f"worker-{r}.log").read_text() for r in range(2))
+    assert "lost its tables; offering this worker's copy" in logs
+
+
+SCRIPT_RAISES = """
+import torch, psgd
+model = torch.nn.Linear(4, 2)
+with psgd.connect(model) as ps:
+    for i in range(5):
+        model(torch.randn(8, 4)).sum().backward()
+        ps.step()
+    raise ValueError("the data ran dry")
+"""
+
+SCRIPT_BY_RANK = """
+import torch, psgd
+rank = int(__import__("os").environ["PSGD_RANK"])
+model = torch.nn.Linear(4, 2 + rank)  # rank 1's model differs from rank 0's
+with psgd.connect(model) as ps:
+    while ps.step():
+        model(torch.randn(8, 4)).sum().backward()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_raises_ends_the_job_with_its_reason(tmp_path):
+    path = tmp_path / "raises.py"
+    path.write_text(SCRIPT_RAISES)
+    with pytest.raises(LaunchError, match="ValueError: the data ran dry"):
+        run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 1000})
+
+
+@pytest.mark.timeout(120)
+def test_workers_with_different_models_are_refused(tmp_path):
+    path = tmp_path / "by_rank.py"
+    path.write_text(SCRIPT_BY_RANK)
+    with pytest.raises(LaunchError) as e:
+        run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 50,
+                                                     "cluster.timeout_s": 15})
+    logs = "".join((tmp_path / "out" / "logs" / n).read_text() for n in os.listdir(tmp_path / "out" / "logs")
+                   if n.endswith(".log"))
+    assert "differs from the job's" in logs and "shape (2, 4)" in logs and "shape (3, 4)" in logs, str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_psgd_run_script_from_the_command_line(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--script", os.path.join(EXAMPLES, "custom_loss.py"),
+                        "--mode", "async", "--workers", "2", "--set", "train.steps=100", "--out", str(out),
+                        "--quiet", "--", "--lr", "0.02"],
+                       capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "async: accuracy" in r.stdout and (out / "model.pt").exists()
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--", "--lr", "1"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "give --script FILE" in r.stderr

@@ -1,6 +1,6 @@
 """Scaling: psgd's steady-state samples/s against workers and shards, for every mode.
 
-    .venv/bin/python -m bench.scaling                      # everything: 2 models x 5 modes x 3 x 3 runs (long)
+    .venv/bin/python -m bench.scaling                      # everything: 2 models x 6 modes x 3 x 3 runs (long)
     .venv/bin/python -m bench.scaling --quick              # MLP, workers 1,2,4, 1 shard (a few minutes)
     .venv/bin/python -m bench.scaling --models resnet20 --modes sync,async --workers 1,2 --shards 1
 
@@ -12,7 +12,8 @@ bench/common.py (`steady_rate`: all workers' samples in the window when every wo
 is past its warm-up steps and none has finished, over its length); `wait` is the
 fraction of the workers' time blocked on the shards (summary.json's `wait_fraction`,
 whole run). Modes run with their defaults (ssp staleness 2, easgd tau 4, ltfb
-round_steps 50: with ResNet-20's few steps no tournament happens). Progress and the time
+round_steps 50 and diloco local_steps 20: with ResNet-20's few steps no tournament and
+at most one outer step happens). Progress and the time
 left go to stderr; the last line is one JSON object.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
     "mlp": (["model.name=mlp", "data.name=digits"], 300, 30),
     "resnet20": (["model.name=resnet20", "data.name=synthetic", "data.shape=[3,32,32]"], 24, 6),
 }
-MODES = "sync,ssp,async,easgd,ltfb"
+MODES = "sync,ssp,async,easgd,ltfb,diloco"
 
 
 def main() -> None:

@@ -23,13 +23,18 @@ Parts (`--parts`, default all):
   command to the end of the first worker step (the earliest `t` in the worker event
   logs) (`startup_s`); also summary.json's own `startup_s` (to the start of training).
 - `phases`: where the time of a psgd MLP `sync` step goes (W workers, `--servers`
-  shards): worker 0 runs with timers around compute, gather (Replica.grads/buffers),
-  encode+send and wait (Peers.send / Peers.wait inside ParameterClient.push_pull) and
-  scatter (Replica.load), each as wall time and as the main thread's CPU time
-  (time.thread_time: the difference is time spent waiting for a peer or for a core);
-  the other workers are plain `psgd worker` processes. Then the
-  same operations run alone in the benchmark's process (no job running): each phase's
-  floor, without other processes competing for the cores.
+  shards), on both ends: worker 0 runs with timers around compute, gather
+  (Replica.grads/buffers), encode+send and wait (Peers.send / Peers.wait inside
+  ParameterClient.push_pull; of the wait, the time blocked in zmq's poll and in
+  wire.decode) and scatter (Replica.load); shard 0 with timers around its blocking poll,
+  wire.decode, the push handler (of which validation with the finiteness check, the
+  accumulation, the optimizer step), the pull handler (of which the snapshot),
+  wire.encode and the sends. Each as wall time and as the main thread's CPU time
+  (time.thread_time: the difference is time spent waiting for a peer or for a core), per
+  step (a shard's step: from the end of one optimizer step to the end of the next); the
+  other workers and shards are plain processes. Then the same worker-side operations run
+  alone in the benchmark's process (no job running): each phase's floor, without other
+  processes competing for the cores.
 
 samples/s is steady state for every side, by one definition (bench.common.steady_rate):
 the samples all processes completed in the window when every one is past its first
@@ -188,25 +193,32 @@ def startup(work: str) -> tuple[float, float, float | None]:
 
 
 def phases(work: str, workers: int, servers: int, steps: int, warmup: int) -> dict:
-    """A psgd MLP sync job with timers in worker 0 (see `profiled_worker`)."""
+    """A psgd MLP sync job with timers in worker 0 and shard 0 (see `profiled`)."""
     out = os.path.join(work, "phases")
     shutil.rmtree(out, ignore_errors=True)
     cfg = psgd_config(MODELS["mlp"][0] + COMMON + ["mode.name=sync", f"cluster.workers={workers}",
                                                    f"cluster.servers={servers}", f"train.steps={steps}"])
     path = write_config(cfg, out)
-    dump = os.path.join(out, "phases-worker-0.json")
+    dumps = {role: os.path.join(out, f"phases-{role}-0.json") for role in ("worker", "server")}
+
+    def argv(role: str, *extra: str) -> list[str]:
+        if extra[1] != "0":  # not the one with timers
+            return psgd_argv(role, path, out, *extra)
+        return [sys.executable, "-m", "bench.throughput", "--profiled", role, dumps[role], str(warmup),
+                *psgd_argv(role, path, out, *extra)[3:]]
     with Procs(os.path.join(out, "logs")) as procs:
         procs.start("coordinator", psgd_argv("coordinator", path, out))
         for i in range(servers):
-            procs.start(f"server-{i}", psgd_argv("server", path, out, "--shard", str(i)))
-        procs.start("worker-0", [sys.executable, "-m", "bench.throughput", "--profiled-worker", dump, str(warmup),
-                                 *psgd_argv("worker", path, out, "--rank", "0", "--device", "cpu")[3:]])
-        for r in range(1, workers):
-            procs.start(f"worker-{r}", psgd_argv("worker", path, out, "--rank", str(r), "--device", "cpu"))
+            procs.start(f"server-{i}", argv("server", "--shard", str(i)))
+        for r in range(workers):
+            procs.start(f"worker-{r}", argv("worker", "--rank", str(r), "--device", "cpu"))
         procs.wait("coordinator", 300)
         procs.wait("worker-0", 30)
-    with open(dump) as f:
-        got = json.load(f)
+        procs.wait("server-0", 30)
+    got = {}
+    for role, dump in dumps.items():
+        with open(dump) as f:
+            got[role] = json.load(f)
     runs = worker_events(out)
     waits = [e["wait_s"] for rows in runs.values() for e in rows[warmup:]]
     got["events_wait_ms"] = 1e3 * statistics.mean(waits)
@@ -258,61 +270,102 @@ def phases_alone(servers: int, reps: int = 500) -> dict:
     return out
 
 
-def profiled_worker(dump: str, warmup: int, argv: list[str]) -> int:
-    """`psgd worker` with timers around each phase of a push-pull step (main thread only,
-    inside a step only); writes the mean per step after `warmup` steps to `dump`."""
+# (owner, attribute, phase) timed in a profiled worker / shard; the first one marks the end of a step
+WORKER_TIMERS = (("psgd.consistency.pushpull:PushPullSchedule", "step", "step"),
+                 ("psgd.workers.worker:Worker", "compute", "compute"),
+                 ("psgd.replica:Replica", "grads", "gather"), ("psgd.replica:Replica", "buffers", "gather"),
+                 ("psgd.workers.client:ParameterClient", "push_pull", "push_pull"),
+                 ("psgd.transport:Peers", "send", "encode+send"), ("psgd.transport:Peers", "wait", "wait+decode"),
+                 ("zmq:Poller", "poll", "poll"), ("psgd.wire", "decode", "decode"),
+                 ("psgd.replica:Replica", "load", "scatter"))
+SERVER_TIMERS = (("psgd.shard:Shard", "_step", "optimizer"),
+                 ("zmq:Poller", "poll", "poll"), ("psgd.wire", "decode", "decode"),
+                 ("psgd.shard:Shard", "on_push", "push"), ("psgd.shard:Shard", "_vectors", "validate"),
+                 ("psgd.shard:Shard", "_accumulate", "accumulate"),
+                 ("psgd.shard:Shard", "on_pull", "pull"), ("psgd.shard:Shard", "_snapshot", "snapshot"),
+                 ("psgd.wire", "encode", "encode"), ("psgd.transport:Service", "send", "send"))
+
+
+def profiled(role: str, dump: str, warmup: int, argv: list[str]) -> int:
+    """`psgd worker` or `psgd server` with timers around the phases of a step (its main
+    thread only: not the heartbeats); writes each phase's mean wall and CPU ms per step,
+    over the steps after the first `warmup`, to `dump`. Nested phases count in both."""
+    import importlib
     import threading
 
     from psgd.cli import main as psgd_main
-    from psgd.consistency.pushpull import PushPullSchedule
-    from psgd.replica import Replica
-    from psgd.transport import Peers
-    from psgd.workers.client import ParameterClient
-    from psgd.workers.worker import Worker
-    cur: dict[str, float] = defaultdict(float)
-    per_step: list[dict] = []
-    inside = [False]
+    timers = WORKER_TIMERS if role == "worker" else SERVER_TIMERS
+    mark = timers[0][2]
+    total: dict[str, float] = defaultdict(float)   # phase (and phase@cpu) -> seconds so far
+    ends: list[dict] = []                          # `total` and the time at the end of each step
+    main = threading.main_thread()
 
-    def timed(cls, name: str, phase: str) -> None:
-        fn = getattr(cls, name)
+    def timed(owner, name: str, phase: str) -> None:
+        fn = getattr(owner, name)
 
         def wrapper(*a, **k):
-            if phase != "step" and not (inside[0] and threading.current_thread() is threading.main_thread()):
+            if threading.current_thread() is not main:
                 return fn(*a, **k)
-            if phase == "step":
-                cur.clear()
-                inside[0] = True
             t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
-                cur[phase] += time.perf_counter() - t
-                cur[phase + "@cpu"] += time.thread_time() - c
-                if phase == "step":
-                    inside[0] = False
-                    per_step.append(dict(cur))
-        setattr(cls, name, wrapper)
+                now = time.perf_counter()
+                total[phase] += now - t
+                total[phase + "@cpu"] += time.thread_time() - c
+                if phase == mark:
+                    ends.append(dict(total, at=now))
+        setattr(owner, name, wrapper)
 
-    for cls, name, phase in ((PushPullSchedule, "step", "step"), (Worker, "compute", "compute"),
-                             (Replica, "grads", "gather"), (Replica, "buffers", "gather"),
-                             (ParameterClient, "push_pull", "push_pull"), (Peers, "send", "encode+send"),
-                             (Peers, "wait", "wait+decode"), (Replica, "load", "scatter")):
-        timed(cls, name, phase)
+    for where, name, phase in timers:
+        module, _, cls = where.partition(":")
+        owner = importlib.import_module(module)
+        timed(getattr(owner, cls) if cls else owner, name, phase)
     try:
         return psgd_main(argv)
     finally:
-        steady = per_step[warmup:]
-        names = ("step", "compute", "gather", "push_pull", "encode+send", "wait+decode", "scatter")
-        means = {k: 1e3 * sum(s.get(k, 0.0) for s in steady) / max(1, len(steady)) for k in names}
-        cpu = {k: 1e3 * sum(s.get(k + "@cpu", 0.0) for s in steady) / max(1, len(steady)) for k in names}
+        first, last = ends[min(warmup, len(ends) - 1)], ends[-1]
+        n = max(1, len(ends) - 1 - min(warmup, len(ends) - 1))
+        names = {phase for _, _, phase in timers}
         with open(dump, "w") as f:
-            json.dump({"steps": len(steady), "ms": means, "cpu_ms": cpu}, f)
+            json.dump({"steps": n, "step_ms": 1e3 * (last["at"] - first["at"]) / n,
+                       "ms": {k: 1e3 * (last.get(k, 0.0) - first.get(k, 0.0)) / n for k in names},
+                       "cpu_ms": {k: 1e3 * (last.get(k + "@cpu", 0.0) - first.get(k + "@cpu", 0.0)) / n
+                                  for k in names}}, f)
+
+
+def print_phases(ph: dict, workers: int, servers: int) -> None:
+    nan = float("nan")
+    w, s, alone = ph["worker"], ph["server"], ph["alone"]
+    rows = [["compute", "compute", alone["compute"]], ["gather", "gather", alone["gather"]],
+            ["send/wait (push_pull)", "push_pull", nan], ["  of which encode+send", "encode+send", alone["encode"]],
+            ["  of which wait+decode", "wait+decode", nan], ["    of which blocked in poll", "poll", nan],
+            ["    of which decode", "decode", alone["decode"]], ["scatter", "scatter", alone["scatter"]],
+            ["other (log, bookkeeping)", None, nan], ["step", "step", nan]]
+
+    def get(d: dict, k: str | None) -> float:  # None: what the other phases leave of the step
+        return d[k] if k else d["step"] - d["compute"] - d["gather"] - d["push_pull"] - d["scatter"]
+    print()
+    print(table(["phase (worker 0)", "wall ms/step", "% of step", "CPU ms/step", "alone ms (floor)"],
+                [[name, get(w["ms"], k), 100 * get(w["ms"], k) / w["ms"]["step"], get(w["cpu_ms"], k), floor]
+                 for name, k, floor in rows],
+                f"MLP sync step, W={workers} S={servers}, mean of {w['steps']} steps after warm-up; "
+                f"event log: wait_s {ph['events_wait_ms']:.3f} ms, step {ph['events_step_ms']:.3f} ms"))
+    rows = [["blocked in poll (waiting for a request)", "poll"], ["decode", "decode"], ["push handler", "push"],
+            ["  of which validation (finite check)", "validate"], ["  of which accumulate", "accumulate"],
+            ["  of which optimizer step", "optimizer"], ["pull handler", "pull"], ["  of which snapshot", "snapshot"],
+            ["encode (replies)", "encode"], ["send", "send"]]
+    print()
+    print(table(["phase (shard 0)", "wall ms/step", "% of step", "CPU ms/step"],
+                [[name, s["ms"][k], 100 * s["ms"][k] / s["step_ms"], s["cpu_ms"][k]] for name, k in rows]
+                + [["step (one optimizer step to the next)", s["step_ms"], 100.0, nan]],
+                f"the same steps on shard 0, mean of {s['steps']}"))
 
 
 # ---------------------------------------------------------------- main
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--profiled-worker":
-        raise SystemExit(profiled_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--profiled":
+        raise SystemExit(profiled(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="ddp,local,async,startup,phases")
     ap.add_argument("--workers", type=int, default=2, help="W for the DDP comparison and the phases")
@@ -399,22 +452,7 @@ def main() -> None:
               f"(whole command {result['default_job_wall_s']:.1f} s"
               + (f"; summary.json's startup_s, to the start of training: {own:.2f} s)" if own is not None else ")"))
     if "phases_ms" in result:
-        ph = result["phases_ms"]
-        ms, cpu, alone = ph["ms"], ph["cpu_ms"], ph["alone"]
-
-        def rest(d: dict) -> float:
-            return d["step"] - d["compute"] - d["gather"] - d["push_pull"] - d["scatter"]
-        nan = float("nan")
-        prow = [["compute", "compute", alone["compute"]], ["gather", "gather", alone["gather"]],
-                ["send/wait (push_pull)", "push_pull", nan], ["  of which encode+send", "encode+send", alone["encode"]],
-                ["  of which wait+decode", "wait+decode", alone["decode"]], ["scatter", "scatter", alone["scatter"]],
-                ["other (log, bookkeeping)", None, nan], ["step", "step", nan]]
-        prow = [[name, ms[k] if k else rest(ms), 100 * (ms[k] if k else rest(ms)) / ms["step"],
-                 cpu[k] if k else rest(cpu), floor] for name, k, floor in prow]
-        print()
-        print(table(["phase (worker 0)", "wall ms/step", "% of step", "CPU ms/step", "alone ms (floor)"], prow,
-                    f"MLP sync step, W={a.workers} S={a.servers}, mean of {ph['steps']} steps after warm-up; "
-                    f"event log: wait_s {ph['events_wait_ms']:.3f} ms, step {ph['events_step_ms']:.3f} ms"))
+        print_phases(result["phases_ms"], a.workers, a.servers)
     emit_json(result)
 
 

@@ -11,14 +11,17 @@ their methods as not to be compiled: measured 1.9 s of CPU, about as long as imp
 torch, in every shard and worker, which on a 2-core machine is most of the start-up of
 a job after torch itself. psgd never compiles an optimizer, so `make_optimizer` returns
 a subclass whose methods call the same torch.optim code without those marks (`eager`):
-the same arithmetic, state_dict and hooks (tests/test_startup.py checks both). Where
-torch._dynamo is already loaded (a user's model compiled), or torch's layout is not the
-expected one, the plain torch.optim class is used.
+the same arithmetic, state_dict and hooks (tests/test_startup.py checks both). Its step
+runs the step hooks itself, without the `record_function` that torch.optim wraps around
+every step for its profiler (an op dispatch: about half of a 26k-parameter SGD step's
+~100 us on a shard). Where torch._dynamo is already loaded (a user's model compiled), or
+torch's layout is not the expected one, the plain torch.optim class is used.
 """
 from __future__ import annotations
 
 import math
 import sys
+from itertools import chain
 from typing import Any, TypeVar, cast
 
 import torch
@@ -44,20 +47,32 @@ def _unmarked(fn: Any) -> Any:
 def eager(cls: type[Opt]) -> type[Opt]:
     """cls with its step and the Optimizer methods that import torch._dynamo calling the
     code they wrap: the step in the grad mode its wrapper sets (`differentiable`, off by
-    default), without `torch._dynamo.graph_break()` (a no-op outside torch.compile)."""
+    default), without `torch._dynamo.graph_break()` (a no-op outside torch.compile), and
+    the step hooks that torch's `profile_hook_step` would run, without its profiler range."""
     if cls in _EAGER:
         return cast("type[Opt]", _EAGER[cls])
     base = torch.optim.Optimizer
     step = getattr(cls.step, "__wrapped__", None)
+    hooks = sys.modules[base.__module__]  # torch.optim.optimizer: the global step hooks
     if (step is None or "torch._dynamo" in sys.modules
+            or not hasattr(hooks, "_global_optimizer_pre_hooks") or not hasattr(hooks, "_global_optimizer_post_hooks")
             or any(getattr(getattr(base, n), "__wrapped__", None) is None for n in _MARKED)):
         return cls
 
-    def eager_step(self, closure=None):
+    def eager_step(self, *args, **kwargs):
+        for pre in chain(hooks._global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+            result = pre(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            return step(self, closure)
+            out = step(self, *args, **kwargs)
+        self._optimizer_step_code()
+        for post in chain(self._optimizer_step_post_hooks.values(), hooks._global_optimizer_post_hooks.values()):
+            post(self, args, kwargs)
+        return out
 
     eager_step.__doc__ = cls.step.__doc__
+    eager_step.hooked = True  # type: ignore[attr-defined]  # Optimizer.__init__ must not wrap it in profile_hook_step
     namespace = {n: _unmarked(getattr(base, n)) for n in _MARKED}
     namespace.update(step=eager_step, __module__=__name__, __doc__=cls.__doc__)
     _EAGER[cls] = type(cls.__name__, (cls,), namespace)

@@ -170,7 +170,7 @@ class Shard:
 
     @staticmethod
     def _finite(v: torch.Tensor, what: str, clock: int) -> torch.Tensor:
-        if not bool(torch.isfinite(v.sum())):  # NaN or Inf anywhere makes the sum so (no P-sized temporary)
+        if not abs(v.sum().item()) < float("inf"):  # NaN or Inf anywhere makes the sum so (no P-sized temporary)
             raise wire.WireError(wire.REFUSED, f"{what} has NaN or Inf values at step {clock}; lower optimizer.lr")
         return v
 
@@ -231,7 +231,8 @@ class Shard:
                 self._accumulate(d.grad, d.buffers, d.first)
             elif isinstance(d, r.ApplySum):
                 assert self.acc is not None, "ApplySum before any Accumulate"
-                self._step(self.acc.div_(d.count), 1.0, d.progress)  # the mean, in place
+                assert self.params.grad is not None  # the mean, written where the optimizer reads it
+                self._step(torch.div(self.acc, d.count, out=self.params.grad), 1.0, d.progress)
             elif isinstance(d, r.Move):
                 with torch.no_grad():
                     self.params.add_(d.delta)
@@ -292,7 +293,8 @@ class Shard:
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         set_lr(self.opt, scale * lr_at(self.opt_cfg, progress, self.cfg.train.steps))
         assert self.params.grad is not None
-        self.params.grad.copy_(g)
+        if g is not self.params.grad:  # ApplySum wrote the mean there already
+            self.params.grad.copy_(g)
         self.opt.step()
         self.version += 1
 

@@ -27,10 +27,11 @@ servers turn it into an error reply and go on serving. Nothing is ever pickled.
 Arrays are sent without copies: ZeroMQ reads them after `send` returns, so a sender
 must not change an array until the peer has answered (state that the next update
 changes is sent as a snapshot). Arrays are received without copies: `np.frombuffer` over the ZeroMQ frame's buffer
-(read-only); `torch.from_numpy` can wrap that in turn.
+(a receiver must not write to it); `torch.from_numpy` can wrap that in turn.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("u1"),
     "bfloat16": np.dtype("<u2"),   # bfloat16's bits; numpy has no bfloat16 (see `tensor`)
 }
+_NAMES = {dt: name for name, dt in DTYPES.items() if name != "bfloat16"}  # numpy dtype -> wire name
 
 # Error codes: stable strings that clients and tests match on.
 BAD_HEADER = "bad_header"
@@ -137,15 +139,20 @@ def _as_array(a: Any) -> tuple[str, np.ndarray]:
     """(dtype name on the wire, little-endian contiguous array) of a numpy array or a
     CPU torch tensor; a bfloat16 tensor travels as its 16-bit patterns."""
     if hasattr(a, "detach"):  # a torch tensor: must be on the CPU
-        t = a.detach().contiguous()
+        t = a.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
         if str(t.dtype) == "torch.bfloat16":
             return "bfloat16", t.view(dtype=_torch().int16).numpy().view(np.uint16)
         a = t.numpy()
     a = np.ascontiguousarray(a)
-    name = a.dtype.newbyteorder("<").name if a.dtype.byteorder == ">" else a.dtype.name
-    if name not in DTYPES or name == "uint16":
-        raise WireError(BAD_DTYPE, f"dtype {a.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
-    return name, a.astype(DTYPES[name], copy=False)
+    name = _NAMES.get(a.dtype)
+    if name is None:  # big-endian, or not allowed
+        name = _NAMES.get(a.dtype.newbyteorder("<"))
+        if name is None:
+            raise WireError(BAD_DTYPE, f"dtype {a.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
+        a = a.astype(DTYPES[name])
+    return name, a
 
 
 def _torch() -> Any:
@@ -158,11 +165,16 @@ def tensor(msg: Message, i: int) -> Any:
     write to it); a bfloat16 array is viewed as torch.bfloat16."""
     torch = _torch()
     a = msg.arrays[i]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a received frame is read-only
-        if msg.dtypes and msg.dtypes[i] == "bfloat16":
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(a)
+    bf16 = bool(msg.dtypes) and msg.dtypes[i] == "bfloat16"
+    if bf16:
+        a = a.view(np.int16)
+    if a.flags.writeable:  # a ZeroMQ frame's buffer is; bytes are not
+        t = torch.from_numpy(a)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns of read-only arrays
+            t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if bf16 else t
 
 
 def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
@@ -238,17 +250,17 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
     op = h.get("op")
     if not isinstance(op, str) or op not in OPS:
         raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
-    base = {}
     for k in ("id", "rank", "clock"):
         v = h.get(k)
-        if not isinstance(v, int) or isinstance(v, bool) or not (-1 <= v < 1 << 62):
+        if type(v) is not int or not -1 <= v < 1 << 62:  # msgpack's ints are exact ints; bool is not one
             raise WireError(BAD_HEADER, f"header field {k!r} must be an int >= -1, got {v!r}")
-        base[k] = v
-    if base["id"] < 0:
+    if h["id"] < 0:
         raise WireError(BAD_HEADER, "request id must be >= 0")
-    fields = {k: v for k, v in h.items() if k not in _BASE}
-    for k, v in fields.items():
-        _check_field(op, k, v)
+    fields = {}
+    for k, v in h.items():
+        if k not in _BASE:
+            _check_field(op, k, v)
+            fields[k] = v
     for k in REQUIRED.get(op, ()):
         if k not in fields:
             raise WireError(BAD_FIELD, f"op {op!r} needs field {k!r}")
@@ -261,22 +273,22 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
         if not (isinstance(spec, list) and len(spec) == 2):
             raise WireError(BAD_HEADER, f"array {i}: spec must be [dtype, shape]")
         dtype_name, shape = spec
-        if dtype_name not in DTYPES:
+        dt = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dt is None:
             raise WireError(BAD_DTYPE, f"array {i}: dtype {dtype_name!r} not allowed")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40
-                           for d in shape)):
+        if type(shape) is not list or len(shape) > MAX_DIMS or not all(
+                type(d) is int and 0 <= d < 1 << 40 for d in shape):
             raise WireError(BAD_SHAPE, f"array {i}: bad shape {shape!r}")
-        dt = DTYPES[dtype_name]
-        expect = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        expect = math.prod(shape) * dt.itemsize
         buf = _buffer(frame)
         total += len(buf)
         if total > max_bytes:
             raise WireError(TOO_LARGE, f"message larger than {max_bytes} bytes")
         if len(buf) != expect:
             raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
-        arrays.append(np.frombuffer(buf, dtype=dt).reshape(shape) if expect else np.zeros(shape, dt))
-    return Message(op=op, id=base["id"], rank=base["rank"], clock=base["clock"],
+        a = np.frombuffer(buf, dtype=dt) if expect else np.zeros(shape, dt)
+        arrays.append(a if len(shape) == 1 else a.reshape(shape))
+    return Message(op=op, id=h["id"], rank=h["rank"], clock=h["clock"],
                    fields=fields, arrays=arrays, dtypes=[spec[0] for spec in specs])
 
 

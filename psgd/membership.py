@@ -198,7 +198,8 @@ class CoordinatorLink:
         self.state = {"phase": msg.get("phase", "training"), "done": bool(msg.get("done", False)),
                       "live": {int(k): int(v) for k, v in (msg.get("live") or {}).items()},
                       "version": int(msg.get("version", -1)), "abort": msg.get("abort", ""),
-                      "rejoin": bool(msg.get("rejoin", False))}
+                      "rejoin": bool(msg.get("rejoin", False)),
+                      "live_shards": set(msg.get("live_shards") or ())}  # shards heartbeating to the coordinator
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.role}", daemon=True)

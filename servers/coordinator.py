@@ -66,6 +66,7 @@ class Coordinator:
         self.parked: list[tuple[Any, wire.Message, int]] = []  # registrations held until all are in
         self.servers: dict[int, dict] = {}
         self.server_joins: dict[int, int] = {}
+        self.server_seen: dict[int, float] = {}   # shard -> its last heartbeat (monotonic): `shards` in the view
         self.evaluator_seen = 0.0
         self.evals: list[dict] = []
         self.t0 = 0.0
@@ -100,8 +101,10 @@ class Coordinator:
 
     def _view(self) -> dict:
         live = {str(k): v for k, v in self.members.live().items()}
+        now = time.monotonic()
+        shards = sorted(i for i, t in self.server_seen.items() if now - t <= self.cfg.cluster.heartbeat_timeout_s)
         return {"phase": self.phase, "done": self.phase == "done", "live": live, "version": self.members.version,
-                "abort": self.abort}
+                "abort": self.abort, "live_shards": shards}
 
     def samples(self) -> int:
         return sum(int(s.get("samples", 0)) for s in self.members.stats().values())
@@ -207,6 +210,7 @@ class Coordinator:
                 rejoin = False
         elif role == "server":
             self.servers[msg.get("index", 0)] = stats
+            self.server_seen[msg.get("index", 0)] = now
         elif role == "evaluator":
             self.evaluator_seen = now
         if self.phase == "done":

@@ -45,10 +45,11 @@ def flat(model: nn.Module) -> torch.Tensor:
 def run_workers(cfg: Config, out: str | None, loop, optimizer=None) -> dict:
     """One thread per rank: connect a Net built from seed 100 + rank, run `loop`."""
     got: dict = {"errors": []}
+    models = [Net(100 + rank) for rank in range(cfg.cluster.workers)]  # here: Net seeds torch's global RNG
 
     def worker(rank: int) -> None:
         try:
-            model = Net(100 + rank)
+            model = models[rank]
             opt = optimizer(model) if optimizer else None
             ps = psgd.connect(model, opt, config=cfg, out=out, rank=rank)
             got[("start", rank)] = flat(model)

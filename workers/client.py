@@ -58,6 +58,7 @@ class ParameterClient:
         self.wait_s = 0.0     # time blocked on the servers
         self.retries = 0
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
+        self.alive: Callable[[int], bool] | None = None  # is shard i heartbeating (the coordinator's view)?
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
@@ -113,7 +114,11 @@ class ParameterClient:
                 except PeerTimeout as e:
                     if f.cancel is not None and f.cancel():
                         raise Cancelled(e.address) from None
-                    if time.monotonic() >= f.deadline:
+                    if time.monotonic() >= f.deadline and self._alive(f):
+                        # Parked, not lost (a synchronous round waits for a slow worker): the
+                        # shards still heartbeat to the coordinator. Wait another timeout_s.
+                        f.deadline = time.monotonic() + self.cfg.cluster.timeout_s
+                    elif time.monotonic() >= f.deadline:
                         raise ShardUnreachable(f"worker {self.rank}: shard at {e.address} did not answer within "
                                                f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s") from None
                     f.take(e.partial)
@@ -132,6 +137,11 @@ class ParameterClient:
         finally:
             self.wait_s += time.monotonic() - t0
         return f.out
+
+    def _alive(self, f: InFlight) -> bool:
+        """Is every shard that still owes `f` an answer known to be alive?"""
+        alive = self.alive
+        return alive is not None and all(alive(i) for _, i in f.pending.values())
 
     # ------------------------------------------------------------ ops
     def pull(self, clock: int) -> list[wire.Message]:

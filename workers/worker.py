@@ -121,6 +121,7 @@ class Worker:
         self.replica = Replica(model, cfg.cluster.servers, device)
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
+        self.client.alive = lambda i: not self.link.lost and i in self.link.state.get("live_shards", ())
         self.events = EventLog(self.out, "worker", self.rank)
         self.link.clock_fn = lambda: self.clock
         self.link.stats_fn = self.stats

@@ -1,0 +1,85 @@
+"""A request that a shard parks longer than `cluster.timeout_s` (a synchronous round
+waiting for a slow worker) is not a lost shard: while the shard heartbeats to the
+coordinator, the parameter client keeps waiting; without that knowledge it gives up
+with ShardUnreachable, as before."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from psgd.config import Config
+from psgd.inprocess import InProcessCluster
+from psgd.membership import CoordinatorLink
+from psgd.workers.client import ParameterClient, ShardUnreachable
+
+pytestmark = pytest.mark.inprocess
+
+TIMEOUT_S = 2.0
+
+
+def config(port_block) -> Config:
+    return Config().replace(**{"cluster.port": port_block(2), "cluster.workers": 2, "cluster.servers": 1,
+                               "cluster.timeout_s": TIMEOUT_S, "cluster.heartbeat_s": 0.2,
+                               "cluster.heartbeat_timeout_s": 1.0, "mode.name": "sync"})
+
+
+def push_pull_waiting_for_rank_1(cfg: Config, cluster: InProcessCluster, alive, late_s: float):
+    """Rank 0 pushes clock 0 and pulls clock 1; rank 1 pushes `late_s` later. Returns
+    rank 0's outcome (its pulled answers, or the exception)."""
+    clients = [ParameterClient(cfg, cluster.ctx, r) for r in range(2)]
+    clients[0].alive = alive
+    tables = clients[0].tables(clients[0].join(0))
+    out: dict = {}
+
+    def rank_0() -> None:
+        try:
+            out["pulled"] = clients[0].push_pull(0, tables[0], tables[1], [0])[1]
+        except ShardUnreachable as e:
+            out["error"] = e
+
+    t = threading.Thread(target=rank_0)
+    t.start()
+    time.sleep(late_s)
+    clients[1].push_pull(0, tables[0], tables[1], [0])
+    t.join(timeout=30)
+    for c in clients:
+        c.close()
+    return out
+
+
+def registered_workers(cfg: Config, cluster: InProcessCluster) -> list[CoordinatorLink]:
+    """Both workers registered and heartbeating (the coordinator waits for no one), and
+    worker 0's view of the live shards filled in."""
+    links = [CoordinatorLink(cfg, "worker", r, cluster.ctx) for r in range(2)]
+    threads = [threading.Thread(target=link.register, args=(r,)) for r, link in enumerate(links)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    for link in links:
+        link.start()
+    deadline = time.monotonic() + 10
+    while 0 not in links[0].state.get("live_shards", ()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return links
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("knows", [True, False], ids=["shards-heartbeat", "no-liveness"])
+def test_a_parked_pull_outlives_the_timeout_only_while_the_shard_heartbeats(port_block, knows):
+    cfg = config(port_block)
+    with InProcessCluster(cfg) as cluster:
+        links = registered_workers(cfg, cluster)
+        try:
+            alive = (lambda i: i in links[0].state["live_shards"]) if knows else None
+            out = push_pull_waiting_for_rank_1(cfg, cluster, alive, late_s=2.5 * TIMEOUT_S)
+        finally:
+            for link in links:
+                link.close()
+    if knows:
+        assert "error" not in out, out["error"]
+        assert int(out["pulled"][0].get("version")) == 1  # the round closed with both gradients
+    else:
+        assert isinstance(out.get("error"), ShardUnreachable)

@@ -73,6 +73,62 @@ def test_simulated_and_real_runs_are_separate_rows_with_their_own_sync():
     assert names["async (simulated)"].throughput_ratio(names["async (simulated)"].ref_sync) == pytest.approx(170 / 110)
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_packet_is_what_the_wire_delivers():
+    """An in-process message has the fields, arrays, tensors and byte counts of the same
+    message encoded by the wire and decoded again."""
+    import numpy as np
+    import torch
+
+    from psgd import wire
+    from psgd.sim.messages import packet
+
+    g = torch.arange(6, dtype=torch.float32)
+    sent: list[tuple[str, dict]] = [
+        ("push", {"id": 300, "rank": 5, "clock": 70_000, "read_version": 2 ** 40,
+                  "arrays": [g, torch.zeros(0), g.to(torch.bfloat16), np.arange(3, dtype=np.int64)]}),
+        ("pull", {"id": 1, "rank": -1, "join": True}),
+        ("reply", {"id": 7, "clock": 3, "version": 9, "score": 0.25, "name": "é" * 40, "models": [(1, 2, 0.5)],
+                   "hyper": {"lr": 0.1}, "arrays": [g.view(2, 3).t()]})]
+    for op, kw in sent:
+        frames = wire.encode(op, **kw)
+        want, got = wire.decode(frames), packet(op, **kw)
+        assert (got.op, got.id, got.rank, got.clock, got.dtypes) == (want.op, want.id, want.rank, want.clock,
+                                                                      want.dtypes)
+        assert got.fields == want.fields and [type(v) for v in got.fields.values()] == [
+            type(v) for v in want.fields.values()]
+        assert got.nbytes == sum(len(f) for f in frames) and got.payload == got.nbytes - len(frames[0])
+        for k, a in enumerate(want.arrays):
+            assert got.arrays[k].dtype == a.dtype and np.array_equal(got.arrays[k], a)
+            assert torch.equal(got.tensors[k], wire.tensor(want, k))
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(300)
+def test_in_process_messages_give_the_run_that_encoded_messages_give(monkeypatch):
+    """The simulation hands messages over without encoding them; the same runs with every
+    message encoded by the wire and decoded (the daemons' path) give the same summaries."""
+    from psgd import wire
+    from psgd.sim import messages, run, worker
+
+    runs = [["mode.name=sync", "cluster.workers=3"], ["mode.name=async", "mode.prefetch=true", "cluster.workers=3"],
+            ["mode.name=ltfb", "mode.round_steps=5", "cluster.workers=4"],
+            ["mode.name=ssp", "mode.staleness=1", "cluster.workers=8", "sim.train=false"]]
+
+    def summaries() -> list[dict]:
+        out = []
+        for keys in runs:
+            cfg = load(None, [*keys, "train.steps=15", "sim.compute_s=0.002", "sim.compute_cv=0.3"])
+            out.append(Simulation(cfg, cfg.sim.compute_s).run())
+        return out
+    direct = summaries()
+    encoded = lambda op, **kw: messages.received(wire.encode(op, **kw))  # noqa: E731
+    for module in (messages, run, worker):
+        monkeypatch.setattr(module, "packet", encoded)
+    assert summaries() == direct
+
+
 # ---------------------------------------------------------------- whole simulations
 @pytest.mark.inprocess
 @pytest.mark.timeout(300)

@@ -33,9 +33,9 @@ from ..data import Dataset, holdout, load_dataset, partition
 from ..metrics import summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
-from ..shard import Shard
 from ..workers.client import ParameterClient
-from .engine import Loop, Network, Node
+from .engine import Loop, Network, Node, few_collections
+from .messages import Packet, SimShard, packet, packets
 from .timing import TimingReplica, TimingShard
 from .worker import SimWorker
 
@@ -112,14 +112,13 @@ class DirectClient(ParameterClient):
                 cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
         out = []
         for k, (i, op, kw) in enumerate(reqs):
-            msg = wire.decode(wire.encode(op, id=k + 1, rank=-1, **kw))
             mine = ("evaluator", k)
             got = None
-            for token, frames in self.sim.serve(i, mine, msg):
+            for token, msg in self.sim.serve(i, mine, packet(op, id=k + 1, rank=-1, **kw)):
                 if token == mine:
-                    got = wire.raise_if_error(wire.decode(frames), f"shard {i} (simulated)")
+                    got = wire.raise_if_error(msg, f"shard {i} (simulated)")
                 else:
-                    self.sim.reply(i, token, frames)
+                    self.sim.reply(i, token, msg)
             if got is None:
                 raise RuntimeError(f"the evaluator's {op} was parked by shard {i}; an evaluator's read is never "
                                    f"gated (rule of mode {self.cfg.mode.name})")
@@ -146,7 +145,7 @@ class Simulation:
         self.net = Network(s.latency_s, s.bandwidth_gbps, s.apply_gbps)
         self.mode = get_mode(cfg.mode.name)
         torch.manual_seed(cfg.job.seed)
-        shard_cls = Shard if s.train else TimingShard   # timing only: the mechanism without the arithmetic
+        shard_cls = SimShard if s.train else TimingShard   # timing only: the mechanism without the arithmetic
         self.shards = [shard_cls(cfg, i) for i in range(cfg.cluster.servers)]
         self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]
         self.device = pick_device(device)
@@ -169,6 +168,7 @@ class Simulation:
             replica = shared if shared is not None else self._replica(shape, classes)
             self.workers.append(SimWorker(self, r, schedules[r], replica, batches, held))
         self.live: dict[int, int] = {r: 0 for r in range(W)}
+        self.cancellable: dict[int, SimWorker] = {}   # rank -> a worker whose wait has a cancel condition
         self.evals: list[dict] = []
         self.log: list[dict] = []    # the coordinator's events
         self.ev_lines: list[dict] = []
@@ -187,37 +187,36 @@ class Simulation:
                     self.device)
 
     # ------------------------------------------------------------ the network and the shards
-    def send(self, w: SimWorker, items: list) -> None:
+    def send(self, w: SimWorker, items: list[tuple[int, Packet, Any]]) -> None:
         """A worker's requests leave it now, in order."""
         now = self.loop.now
-        for i, msg, nbytes, payload, token in items:
-            arrived = self.net.transfer(w.node, self.nodes[i], nbytes, now)
-            self.loop.at(self.net.serve(self.nodes[i], payload, arrived), self.handle, i, token, msg)
+        for i, msg, token in items:
+            arrived = self.net.transfer(w.node, self.nodes[i], msg.nbytes, now)
+            self.loop.at(self.net.serve(self.nodes[i], msg.payload, arrived), self.handle, i, token, msg)
 
-    def serve(self, i: int, token: Any, msg: wire.Message) -> list:
+    def serve(self, i: int, token: Any, msg: wire.Message) -> list[tuple[Any, Packet]]:
         """Shard i serves one request now, as the daemon's serve loop does."""
         try:
-            return self.shards[i].handle(token, msg)
+            replies = self.shards[i].handle(token, msg)
         except wire.WireError as e:
             self.shards[i].counters["bad_messages"] += 1
-            return [(token, wire.error(msg.id, e.code, e.reason))]
+            replies = [(token, wire.error(msg.id, e.code, e.reason))]
+        return packets(replies)
 
-    def handle(self, i: int, token: Any, msg: wire.Message) -> None:
-        for tok, frames in self.serve(i, token, msg):
-            self.reply(i, tok, frames)
+    def handle(self, i: int, token: Any, msg: Packet) -> None:
+        for tok, m in self.serve(i, token, msg):
+            self.reply(i, tok, m)
 
-    def reply(self, i: int, token: Any, frames: list) -> None:
+    def reply(self, i: int, token: Any, msg: Packet) -> None:
         w = token[0]
-        nbytes = len(frames[0]) + sum(len(x) for x in frames[1:])
-        self.loop.at(self.net.transfer(self.nodes[i], w.node, nbytes, self.loop.now), self.deliver, i, token,
-                     frames, nbytes)
+        self.loop.at(self.net.transfer(self.nodes[i], w.node, msg.nbytes, self.loop.now), self.deliver, i, token,
+                     msg)
 
-    def deliver(self, i: int, token: Any, frames: list, nbytes: int) -> None:
+    def deliver(self, i: int, token: Any, msg: Packet) -> None:
         w, f, k = token
-        w.client._recv += nbytes
+        w.client._recv += msg.nbytes
         if f.closed:
             return
-        msg = wire.decode(frames)
         if msg.op == "error":
             try:
                 wire.raise_if_error(msg, f"shard {i} (simulated)")
@@ -252,12 +251,12 @@ class Simulation:
 
     def membership(self, live: dict[int, int]) -> None:
         for i, shard in enumerate(self.shards):
-            for token, frames in shard.set_live(live):
-                self.reply(i, token, frames)
-        for w in self.workers:  # in rank order: a waiter whose cancel condition turned true gives up
-            f = w.blocked_on
+            for token, msg in packets(shard.set_live(live)):
+                self.reply(i, token, msg)
+        for rank in sorted(self.cancellable):  # in rank order: a waiter whose cancel condition turned true gives up
+            f = self.workers[rank].blocked_on
             if f is not None and f.cancel is not None and f.cancel():
-                self.wake(w)
+                self.wake(self.workers[rank])
 
     # ------------------------------------------------------------ the evaluator
     def evaluate(self, final: bool = False) -> None:
@@ -311,7 +310,8 @@ class Simulation:
                     last[0] = now
                     self.progress(self)
             return bool(self.abort)
-        self.loop.run(check)
+        with few_collections():
+            self.loop.run(check)
 
     def _deadlock(self, stuck: list[SimWorker]) -> str:
         names = ", ".join(f"{w.rank} (clock {w.clock})" for w in stuck[:8]) + (" ..." if len(stuck) > 8 else "")

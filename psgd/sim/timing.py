@@ -5,9 +5,10 @@ needs is real: the rules' events and decisions (gates, barriers, parking, stalen
 versions), the shards' dedupe and refusals, the message sizes. These two classes skip
 the tensor work that would otherwise dominate a run of thousands of workers:
 
-- `TimingShard`: a `Shard` that does not check vectors for NaN, steps no optimizer
-  (an update only bumps the version), accumulates nothing, and answers reads with one
-  fixed snapshot of the right sizes.
+- `TimingShard`: a `Shard` (answering with packets, `SimShard`) that does not read the
+  vectors sent (its own tables stand in for a gradient or a replica), steps no
+  optimizer (an update only bumps the version), accumulates nothing, and answers reads
+  with one fixed snapshot of the right sizes.
 - `TimingReplica`: a `Replica` whose gathered tables are fixed zero vectors of the
   right sizes and whose loads are skipped (one replica serves every worker).
 """
@@ -16,17 +17,16 @@ from __future__ import annotations
 import torch
 
 from ..replica import Replica
-from ..shard import Shard
+from .messages import SimShard
 
 
-class TimingShard(Shard):
+class TimingShard(SimShard):
     def __init__(self, cfg, index: int):
         super().__init__(cfg, index)
         self._fixed = [self.params.detach().to(self._wire_torch, copy=True), self.buffers.clone()]
 
-    @staticmethod
-    def _finite(v: torch.Tensor, what: str, clock: int) -> torch.Tensor:
-        return v
+    def _vectors(self, msg, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.params.detach(), self.buffers
 
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         self.version += 1

@@ -8,8 +8,9 @@ cost model's step time; the step loop, the counting of refused steps and
 
 `SimClient` is the real `ParameterClient` with its transport replaced: every op the
 schedules use (pull, join, push_pull and its begin/finish halves, elastic, put_model,
-get_model, index, and any later one built on `begin`/`finish`) builds the same wire
-messages, which the simulation delivers to the real shards at virtual times. `finish`
+get_model, index, and any later one built on `begin`/`finish`) builds the same
+messages, handed over in process (`messages.packet`), which the simulation delivers to
+the real shards at virtual times. `finish`
 blocks the worker's thread until the answers are delivered (or its `cancel` condition
 turns true), and `wait_s` is the virtual time it blocked.
 """
@@ -19,7 +20,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from ..consistency.rule import Diverged, Schedule
 from ..consistency.staleness import Histogram
 from ..workers.client import Cancelled, ParameterClient
 from .engine import Node, Process
+from .messages import Packet, packet
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -88,11 +90,9 @@ class SimClient(ParameterClient):
         f = Flight(list(reqs), out, len(reqs), w.t, cancel, ops=[op for _, op, _ in reqs])
         items = []
         for k, (i, op, kw) in enumerate(reqs):
-            frames = wire.encode(op, id=next(w.sim.ids), rank=self.rank, **kw)  # ids size headers: per run
-            head = len(frames[0])
-            nbytes = head + sum(len(x) for x in frames[1:])
-            self._sent += nbytes
-            items.append((i, wire.decode(frames), nbytes, nbytes - head, (w, f, k)))
+            p = packet(op, id=next(w.sim.ids), rank=self.rank, **kw)  # ids size headers: counted per run
+            self._sent += p.nbytes
+            items.append((i, p, (w, f, k)))
         w.sim.loop.at(w.t, w.sim.send, w, items)
         return f
 
@@ -106,11 +106,11 @@ class SimClient(ParameterClient):
                 if f.cancel is not None and f.cancel():
                     raise Cancelled(f"worker {self.rank}: gave up waiting for {', '.join(sorted(set(f.ops)))}")
                 f.waiting = True
-                w.blocked_on = f
+                w.wait_on(f)
                 w.proc.suspend()
         finally:
             f.waiting = False
-            w.blocked_on = None
+            w.wait_on(None)
             if not f.complete:
                 f.closed = True
             self.wait_s += w.t - t0
@@ -118,6 +118,12 @@ class SimClient(ParameterClient):
             f.closed = True
             raise f.error
         return f.out
+
+    @staticmethod
+    def tables(msgs: Sequence[wire.Message]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`ParameterClient.tables` of the answers, which are packets here: their tensors."""
+        answers = cast(Sequence[Packet], msgs)
+        return [m.tensors[0] for m in answers], [m.tensors[1] for m in answers]
 
     def close(self) -> None:
         pass
@@ -191,6 +197,15 @@ class SimWorker:
         return not (t.seconds and self.t >= t.seconds)
 
     # ------------------------------------------------------------ virtual time
+    def wait_on(self, f: Flight | None) -> None:
+        """Block on the answers of f (None: on nothing); a wait that may be given up
+        (`cancel`) is asked again at every membership change."""
+        self.blocked_on = f
+        if f is not None and f.cancel is not None:
+            self.sim.cancellable[self.rank] = self
+        else:
+            self.sim.cancellable.pop(self.rank, None)
+
     def sleep_until(self, t: float) -> None:
         """Block this worker's thread until the loop reaches t."""
         self.sim.loop.at(t, self.sim.wake, self)

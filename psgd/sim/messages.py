@@ -1,0 +1,113 @@
+"""Messages in process: what `wire.encode` and then `wire.decode` would hand the
+receiver, without building the bytes.
+
+A `Packet` is the `wire.Message` the receiver gets, and it knows its size on the wire
+(`nbytes`: the msgpack header and the arrays, exactly as `wire.encode` sends them;
+`payload`: the arrays alone, what a shard's service time is made of). Its arrays are
+the sender's tensors (`tensors`, what `wire.tensor` reads), and `arrays` their numpy
+views, made when first read (a received frame is a view of the bytes sent without
+copies, too). Header fields that are not scalars go through msgpack, so that they
+arrive as they would (tuples as lists); the header is packed only to be measured.
+
+`SimShard` is the real `Shard` whose answers to reads and pushes are packets; its other
+replies (refusals, duplicates, stored models) are encoded by the shard as always, and
+`received` turns those frames into packets.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from .. import wire
+from ..consistency import rule as r
+from ..shard import Shard
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+_PACKER = msgpack.Packer(use_bin_type=True)   # reused (`packb` makes one per call); one body runs at a time
+_NAMES = {getattr(torch, name): name for name in wire.DTYPES}
+
+
+class Packet(wire.Message):
+    """A message in process (see the module docstring)."""
+
+    def __init__(self, op: str, id: int, rank: int, clock: int, fields: dict, dtypes: list[str],
+                 tensors: list[torch.Tensor], nbytes: int, payload: int, arrays: list | None = None):
+        self.op, self.id, self.rank, self.clock, self.fields = op, id, rank, clock, fields
+        self.dtypes, self.tensors, self.nbytes, self.payload = dtypes, tensors, nbytes, payload
+        self._arrays = arrays
+
+    @property
+    def arrays(self) -> list[np.ndarray]:  # type: ignore[override]
+        if self._arrays is None:
+            self._arrays = [t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+                            for t in self.tensors]
+        return self._arrays
+
+
+def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any = (), **fields: Any) -> Packet:
+    """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes."""
+    tensors, specs, payload = [], [], 0
+    for a in arrays:
+        t = _tensor(a)
+        spec, nbytes = _described(t)
+        tensors.append(t)
+        specs.append(spec)
+        payload += nbytes
+    packed = _PACKER.pack({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
+                           "arrays": specs, **fields})
+    if not _SCALARS.issuperset(map(type, fields.values())):
+        fields = {k: v for k, v in msgpack.unpackb(packed, strict_map_key=True).items() if k in fields}
+    return Packet(op, id, rank, clock, fields, [name for name, _ in specs], tensors, len(packed) + payload, payload)
+
+
+def _tensor(a: Any) -> torch.Tensor:
+    """An array to send (a CPU tensor or a numpy array) as the tensor `wire.tensor` reads."""
+    if isinstance(a, torch.Tensor) and a.dtype in _NAMES and a.is_contiguous():
+        return a.detach() if a.requires_grad else a
+    name, x = wire._as_array(a)
+    return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if name == "bfloat16" else torch.from_numpy(x)
+
+
+_seen: dict[int, tuple[weakref.ref, list, int]] = {}   # id -> (the tensor, [dtype, shape], bytes)
+
+
+def _described(t: torch.Tensor) -> tuple[list, int]:
+    """The header's [dtype, shape] of a tensor and its bytes, found once per tensor: a
+    worker sends the same buffers every step, a shard the same snapshot to every reader.
+    (A tensor sent does not change its dtype or shape in place.)"""
+    key = id(t)
+    seen = _seen.get(key)
+    if seen is None or seen[0]() is not t:
+        seen = _seen[key] = (weakref.ref(t, lambda _: _seen.pop(key, None)), [_NAMES[t.dtype], list(t.shape)],
+                             t.nbytes)
+    return seen[1], seen[2]
+
+
+def packets(replies: list[tuple[Any, Any]]) -> list[tuple[Any, Packet]]:
+    """A shard's replies, (token, packet or frames), as packets."""
+    return [(token, m if isinstance(m, Packet) else received(m)) for token, m in replies]
+
+
+def received(frames: list) -> Packet:
+    """A message the shard encoded, as the receiver decodes it."""
+    m = wire.decode(frames)
+    nbytes = sum(len(x) for x in frames)
+    return Packet(m.op, m.id, m.rank, m.clock, m.fields, m.dtypes, [wire.tensor(m, k) for k in range(len(m.arrays))],
+                  nbytes, nbytes - len(frames[0]), m.arrays)
+
+
+class SimShard(Shard):
+    """The real shard, answering reads and pushes with packets (`Shard._answer`'s arrays)."""
+
+    def _answer(self, d: r.Answer) -> tuple[Any, Packet]:  # type: ignore[override]  # a packet for the frames
+        token, msg = d.token
+        if d.snapshot:
+            arrays = self._snapshot()
+        else:
+            arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) for a in d.arrays]
+        return token, packet("reply", id=msg.id, rank=msg.rank, clock=msg.clock, arrays=arrays,
+                             version=self.version, **d.fields)

@@ -306,7 +306,10 @@ class Shard:
         return {"params": self.params.detach().clone(), "buffers": self.buffers.clone(),
                 "opt": copied(self.opt.state_dict()), "version": self.version, "rule": self.rule.state_dict(),
                 "last_clock": dict(self.last_clock), "counters": dict(self.counters), "shard": self.index,
-                "sizes": [self.P, self.B]}
+                "sizes": [self.P, self.B],
+                # the open step's sums: its pushes are in last_clock, so they are not sent again
+                "acc": None if self.acc is None else self.acc.clone(),
+                "bacc": None if self.bacc is None else self.bacc.clone()}
 
     def load_state_dict(self, sd: dict) -> None:
         if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
@@ -320,6 +323,8 @@ class Shard:
         self.rule.load_state_dict(sd["rule"])
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
+        if sd.get("acc") is not None:
+            self.acc, self.bacc = sd["acc"].clone(), sd["bacc"].clone()
         self.ready = True
         self._revision += 1
 

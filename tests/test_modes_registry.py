@@ -140,6 +140,24 @@ def test_dropped_gradients_survive_a_restore(tmp_path):
     assert restored.stats()["dropped"] == 1 and restored.stats()["step"] == 1
 
 
+def test_a_checkpoint_inside_an_open_step_keeps_its_gradients(tmp_path):
+    """Saved after rank 0's push and before rank 1's: the restored shard still has rank
+    0's gradient, takes its resend as a duplicate, and closes the step on rank 1's push
+    with the mean of both (a requeued job's workers resume at that step)."""
+    (s,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
+    g0, g1, b = np.full(s.P, 1.0, np.float32), np.full(s.P, 3.0, np.float32), np.zeros(s.B, np.float32)
+    before = s.params.clone()
+    request(s, "push", rank=0, clock=0, arrays=[g0, b], read_version=0)
+    s.save(str(tmp_path / "shard.pt"))
+    (restored,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
+    restored.load(str(tmp_path / "shard.pt"))
+    assert request(restored, "push", rank=0, clock=0, arrays=[g0, b], read_version=0)[0].get("duplicate")
+    request(restored, "push", rank=1, clock=0, arrays=[g1, b], read_version=0)
+    assert restored.stats()["step"] == 1
+    lr = restored.opt.param_groups[0]["lr"]
+    np.testing.assert_allclose(restored.params.numpy(), (before - lr * 2.0).numpy(), rtol=1e-6)
+
+
 def test_a_refused_push_may_come_again():
     """A push refused by the rule (a clock ahead of a step with gradients) is not
     remembered by the deduplication: the same (rank, clock) is accepted later."""

@@ -79,7 +79,7 @@ def test_a_shard_killed_before_its_first_checkpoint_takes_a_workers_copy(tmp_pat
     it their copy (not_ready, then init from any rank) and the job completes."""
     from tests.test_reliability import kill_during
 
-    cfg = Config().replace(**{**SMALL, "mode.name": "sync", "train.steps": 1500, "checkpoint.every_s": 0,
+    cfg = Config().replace(**{**SMALL, "mode.name": "sync", "train.steps": 900, "checkpoint.every_s": 0,
                               "faults.step_delay_s": 0.004})
     job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=200,
                    script=[os.path.join(EXAMPLES, "custom_loss.py")])
@@ -124,7 +124,7 @@ def test_workers_with_different_models_are_refused(tmp_path):
     path.write_text(SCRIPT_BY_RANK)
     with pytest.raises(LaunchError) as e:
         run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 50,
-                                                     "cluster.timeout_s": 15})
+                                                     "cluster.timeout_s": 8})
     logs = "".join((tmp_path / "out" / "logs" / n).read_text() for n in os.listdir(tmp_path / "out" / "logs")
                    if n.endswith(".log"))
     assert "differs from the job's" in logs and "shape (2, 4)" in logs and "shape (3, 4)" in logs, str(e.value)

@@ -85,7 +85,8 @@ class SyncRule(ServerRule):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "step": self.barrier.step, "dropped": self.barrier.dropped,
-                "finished": dict(self.clocks.finished), "fast_forwards": self.fast_forwards}
+                "finished": dict(self.clocks.finished), "fast_forwards": self.fast_forwards,
+                "contributors": list(self.barrier.contributors)}  # the open step's (their sum: the shard's)
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
@@ -93,6 +94,7 @@ class SyncRule(ServerRule):
         self.barrier.dropped = int(sd.get("dropped", 0))
         self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()})
         self.fast_forwards = int(sd.get("fast_forwards", 0))
+        self.barrier.contributors = [int(r) for r in sd.get("contributors", [])]
 
 
 class SyncSchedule(PushPullSchedule):

@@ -55,7 +55,6 @@ from .metrics import PidFile
 from .workers.client import Cancelled, ShardUnreachable
 from .workers.worker import Worker
 
-SERVER_OPTIMIZER_MODES = ("sync", "ssp", "async")
 FINAL_POLL_S = 0.2
 
 
@@ -98,16 +97,18 @@ class Connection(Worker):
 
     def _check(self, cfg: Config) -> None:
         problem = ""
+        schedule = get_mode(cfg.mode.name).schedule
         if not layouts.learned(cfg.model.name):
             problem = (f"this job's shards build psgd's own model {cfg.model.name!r}; a training script brings its "
                        f"own: start the job with `psgd run --script` or set model.name = \"{layouts.SCRIPT_MODEL}\"")
-        elif cfg.mode.name == "ltfb" and self.score_fn is None:
-            problem = "mode ltfb needs psgd.connect(..., score=fn): fn(model) scores it on the trainer's own data"
+        elif schedule.needs_score and self.score_fn is None:
+            problem = (f"mode {cfg.mode.name} needs psgd.connect(..., score=fn): fn(model) scores it on the "
+                       f"trainer's own data")
         if problem:
             self._report_end(problem)
             self.link.close()
             raise ConfigError(problem)
-        if self.user_optimizer is not None and cfg.mode.name in SERVER_OPTIMIZER_MODES:
+        if self.user_optimizer is not None and not schedule.local_optimizer:
             self.note(f"mode {cfg.mode.name}: the shards run [optimizer]; the optimizer given to psgd.connect "
                       f"is not stepped")
 

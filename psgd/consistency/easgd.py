@@ -94,6 +94,7 @@ class EasgdRule(SyncRule):
 
 
 class EasgdSchedule(Schedule):
+    local_optimizer = True
     def start(self, w: Trainer) -> None:
         self.last_version = self.join(w)
         w.replica.model.train()

@@ -287,6 +287,8 @@ class Schedule:
     rejected and tried again with the next batch."""
 
     data_split: float = 0.0   # the share of each partition held out of training
+    local_optimizer = False   # steps the worker's own optimizer (make_local_optimizer), not the shards'
+    needs_score = False       # ranks models by the worker's `score()`
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -158,16 +158,53 @@ def test_a_checkpoint_inside_an_open_step_keeps_its_gradients(tmp_path):
     np.testing.assert_allclose(restored.params.numpy(), (before - lr * 2.0).numpy(), rtol=1e-6)
 
 
-def test_a_refused_push_may_come_again():
-    """A push refused by the rule (a clock ahead of a step with gradients) is not
-    remembered by the deduplication: the same (rank, clock) is accepted later."""
+def test_a_push_for_a_later_step_waits_for_it():
+    """A push ahead of a step that has gradients gets no answer yet; it is taken when
+    its step opens, and its worker's resend meanwhile is a duplicate."""
+    (s,) = shards("sync", workers=3, servers=1)
+    g, b = np.ones(s.P, np.float32), np.zeros(s.B, np.float32)
+    request(s, "push", rank=0, clock=0, arrays=[g, b], read_version=0)
+    assert request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=0) == []        # waits
+    assert request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=0)[0].get("duplicate")
+    request(s, "push", rank=1, clock=0, arrays=[g, b], read_version=0)   # an older one: duplicate too
+    replies = request(s, "push", rank=2, clock=0, arrays=[g, b], read_version=0)
+    assert s.stats()["step"] == 1 and s.stats()["short_steps"] == 1     # ranks 0 and 2; rank 1 went on
+    assert len(replies) == 2 and s.rule.barrier.contributors == [1]    # its waiting push, now answered
+
+
+def test_a_shard_restored_inside_a_step_meets_workers_past_it(tmp_path):
+    """The Slurm requeue and the kill -9 of a shard: its checkpoint has rank 0's push of
+    step 0; the other shard had closed step 0, so both workers resume at 1. Nobody will
+    push step 0 again: once both wait with step 1, step 0 closes on rank 0's gradient
+    and step 1 goes on (before, it refused them until the workers gave up)."""
+    (s,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
+    g0, g1, b = np.full(s.P, 1.0, np.float32), np.full(s.P, 3.0, np.float32), np.zeros(s.B, np.float32)
+    before = s.params.clone()
+    request(s, "push", rank=0, clock=0, arrays=[g0, b], read_version=0)
+    s.save(str(tmp_path / "shard.pt"))
+    (restored,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
+    restored.load(str(tmp_path / "shard.pt"))
+    assert request(restored, "pull", rank=0, clock=2) == []               # parked until step 1 closes
+    assert request(restored, "push", rank=0, clock=1, arrays=[g1, b], read_version=1) == []
+    replies = request(restored, "push", rank=1, clock=1, arrays=[g1, b], read_version=1)
+    assert len(replies) == 3                                               # both pushes and the read
+    assert restored.stats()["step"] == 2 and restored.stats()["short_steps"] == 1
+    lr = restored.opt.param_groups[0]["lr"]
+    np.testing.assert_allclose(restored.params.numpy(), (before - lr * (1.0 + 3.0)).numpy(), rtol=1e-6)
+
+
+def test_a_worker_that_rejoined_past_an_open_step_closes_it():
+    """The restarted-worker race: rank 1 was lost, rejoined, and continued at step 1
+    (another shard had closed step 0 without it). Its push of step 1 here shows that
+    step 0 will not get its gradient: the step closes on rank 0's."""
     (s,) = shards("sync", workers=2, servers=1)
     g, b = np.ones(s.P, np.float32), np.zeros(s.B, np.float32)
     request(s, "push", rank=0, clock=0, arrays=[g, b], read_version=0)
-    with pytest.raises(wire.Refused, match="ahead of step 0"):
-        request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=0)
-    request(s, "push", rank=1, clock=0, arrays=[g, b], read_version=0)
-    assert not request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=1)[0].get("duplicate")
+    assert request(s, "pull", rank=0, clock=1) == []
+    replies = request(s, "push", rank=1, clock=1, arrays=[g, b], read_version=0)
+    assert len(replies) == 2 and s.stats()["step"] == 1                   # rank 0's read, rank 1's push
+    request(s, "push", rank=0, clock=1, arrays=[g, b], read_version=1)
+    assert s.stats()["step"] == 2 and s.stats()["short_steps"] == 1
 
 
 def test_a_non_finite_gradient_is_refused_and_names_the_fix():

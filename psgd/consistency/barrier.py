@@ -37,6 +37,11 @@ class StepBarrier:
         self.contributors.append(rank)
         return ACCEPT
 
+    def passed(self, ahead: Iterable[int]) -> bool:
+        """Has every live worker pushed for the open step, or for a later one (`ahead`)?
+        Then no gradient for it is to come."""
+        return self.live <= set(self.contributors).union(ahead)
+
     def fast_forward(self, clock: int) -> list[Hashable]:
         """Jump an empty step to `clock` (a shard restored from an older checkpoint meets
         workers that are ahead: the updates in between are lost, training goes on)."""

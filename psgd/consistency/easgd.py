@@ -47,7 +47,7 @@ from .sync import SyncRule
 
 
 class EasgdRule(SyncRule):
-    """The round barrier and its fast-forward are sync's; the rest is elastic."""
+    """The round barrier is sync's (an empty round skips to a worker ahead); the rest is elastic."""
     name = "easgd"
     serves = frozenset({"elastic", "pull"})
 
@@ -67,7 +67,11 @@ class EasgdRule(SyncRule):
         if not self.mode.sync:
             d = elastic_delta(e.x, center, self.alpha)
             return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
-        verdict, _ = self.offer(e.rank, e.round)
+        verdict = self.barrier.offer(e.rank, e.round)
+        if verdict == bsp.EARLY and not self.barrier.contributors:  # a restored shard: skip to the workers' round
+            self.barrier.fast_forward(e.round)
+            self.fast_forwards += 1
+            verdict = self.barrier.offer(e.rank, e.round)
         if verdict == bsp.LATE:  # the round closed without it: it moves, the centre does not
             d = elastic_delta(e.x, center, self.alpha)
             return [Answer(e.token, {"dropped": True}, arrays=[d, BUFFERS])]

@@ -4,13 +4,18 @@ Server rule: every step, each shard sums the gradients of the live workers for t
 step and applies the optimizer once to their mean; reads of the next step are parked
 until then. With `mode.backup_workers = b` (Chen et al. 2016) a step closes after the
 first N - b gradients and the late ones are dropped and counted. W workers with batch b
-equal one process with batch W*b. A shard restored from an older checkpoint meets
-workers that are ahead: an empty step fast-forwards to them.
+equal one process with batch W*b. A push for a later step waits at the shard until
+its step opens; once every live worker has pushed for the open step or waits with a
+later one, no gradient for it is to come, and it closes with what it has (or, empty,
+skips ahead): a shard restored from a checkpoint meets workers that are ahead, and a
+restarted worker may rejoin past a step that a shard has open.
 
 Worker schedule: push+pull every step; a late worker (its push dropped) and a joining
 worker continue at the shards' step.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from . import barrier as bsp
 from .barrier import StepBarrier
@@ -27,37 +32,60 @@ class SyncRule(ServerRule):
         super().__init__(mode, world, tables)
         self.barrier = StepBarrier(range(world), self.backup())
         self.clocks = ClockTable(range(world), None)  # unbounded: measures the clock gap only
-        self.fast_forwards = 0
+        self.fast_forwards = 0  # empty steps skipped
+        self.short_steps = 0     # steps closed without every live worker's gradient (see `settle`)
+        self.early: dict[int, Push] = {}  # rank -> its push for a later step
 
     def backup(self) -> int:
         return self.mode.backup_workers
 
-    def offer(self, rank: int, clock: int) -> tuple[str, list[Read]]:
-        """Offer a contribution to the open step; an empty step fast-forwards to a
-        worker that is ahead. Returns the verdict and the reads that the jump releases."""
-        verdict = self.barrier.offer(rank, clock)
-        if verdict != bsp.EARLY or self.barrier.contributors:
-            return verdict, []
-        released = self.barrier.fast_forward(clock)
-        self.fast_forwards += 1
-        return self.barrier.offer(rank, clock), released  # type: ignore[return-value]
-
     def push(self, e: Push) -> list[Decision]:
-        verdict, released = self.offer(e.rank, e.clock)
-        if verdict == bsp.EARLY:
-            return [Refuse(e.token, REFUSED, f"clock {e.clock} is ahead of step {self.barrier.step}")]
+        verdict = self.barrier.offer(e.rank, e.clock)
+        out = self.wait(e) if verdict == bsp.EARLY else self.take(e, verdict)
+        return out + self.settle()
+
+    def take(self, e: Push, verdict: str) -> list[Decision]:
+        if verdict != bsp.ACCEPT:  # late or a duplicate: answered, not summed
+            return [Answer(e.token, {"dropped": True, "staleness": e.tau})]
+        self.clocks.push(e.rank, e.clock)
+        self.hist.add(e.tau)
+        first = len(self.barrier.contributors) == 1
+        return [Accumulate(e.grad, e.buffers, first), Answer(e.token, {"staleness": e.tau})]
+
+    def wait(self, e: Push) -> list[Decision]:
+        """A push for a later step waits at the shard, as a read does, until its step
+        opens (one per worker: a newer one replaces it). Its worker has shown that it
+        will not push for the open step."""
         out: list[Decision] = []
-        if verdict == bsp.ACCEPT:
-            first = len(self.barrier.contributors) == 1
-            out += [Accumulate(e.grad, e.buffers, first), Answer(e.token, {"staleness": e.tau})]
-            self.clocks.push(e.rank, e.clock)
-            self.hist.add(e.tau)
-        else:
-            out.append(Answer(e.token, {"dropped": True, "staleness": e.tau}))
-        out += [self.answer(r) for r in released]
-        if self.barrier.complete():
-            out += self.close_step()
+        old = self.early.pop(e.rank, None)
+        if old is not None:
+            out.append(Refuse(old.token, REFUSED, f"clock {old.clock} was superseded by clock {e.clock}"))
+        self.early[e.rank] = replace(e, grad=e.grad.clone(), buffers=e.buffers.clone())  # the shard reuses its buffers
         return out
+
+    def settle(self) -> list[Decision]:
+        """Close every complete step and take the waiting pushes whose step is open. A
+        step for which no gradient is to come (every live worker has pushed for it or
+        waits with a later one: a shard restored with an open step, a worker that
+        rejoined past it) closes with the gradients it has, or, empty, skips to the
+        earliest waiting push."""
+        out: list[Decision] = []
+        while True:
+            for rank in sorted(r for r, p in self.early.items() if p.clock == self.barrier.step):
+                p = self.early.pop(rank)
+                out += self.take(p, self.barrier.offer(rank, p.clock))
+            if self.barrier.contributors and self.barrier.complete():
+                out += self.close_step()
+            elif self.early and self.barrier.passed(self.early.keys()):
+                if self.barrier.contributors:
+                    self.short_steps += 1
+                    out += self.close_step()
+                else:
+                    self.fast_forwards += 1
+                    ahead = min(p.clock for p in self.early.values())
+                    out += [self.answer(r) for r in self.barrier.fast_forward(ahead)]  # type: ignore[arg-type]
+            else:
+                return out
 
     def close_step(self) -> list[Decision]:
         n = len(self.barrier.contributors)
@@ -72,20 +100,20 @@ class SyncRule(ServerRule):
     def membership(self, live: dict[int, int]) -> list[Decision]:
         self.clocks.set_live(live)
         self.barrier.set_live(live.keys())
-        if self.barrier.contributors and self.barrier.complete():
-            return self.close_step()
-        return []
+        return self.settle()
 
     def read_fields(self, rank: int) -> dict:
         return {"step": self.barrier.step, "finished": self.clocks.finished.get(rank, 0)}
 
     def stats(self) -> dict:
         return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "dropped": self.barrier.dropped,
-                "parked": self.barrier.parked, "step": self.barrier.step, "fast_forwards": self.fast_forwards}
+                "parked": self.barrier.parked, "step": self.barrier.step, "fast_forwards": self.fast_forwards,
+                "short_steps": self.short_steps}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "step": self.barrier.step, "dropped": self.barrier.dropped,
                 "finished": dict(self.clocks.finished), "fast_forwards": self.fast_forwards,
+                "short_steps": self.short_steps,
                 "contributors": list(self.barrier.contributors)}  # the open step's (their sum: the shard's)
 
     def load_state_dict(self, sd: dict) -> None:
@@ -94,6 +122,7 @@ class SyncRule(ServerRule):
         self.barrier.dropped = int(sd.get("dropped", 0))
         self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()})
         self.fast_forwards = int(sd.get("fast_forwards", 0))
+        self.short_steps = int(sd.get("short_steps", 0))
         self.barrier.contributors = [int(r) for r in sd.get("contributors", [])]
 
 

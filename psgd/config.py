@@ -123,6 +123,7 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 5.0
     evaluator: bool = True     # wait for an evaluator's final score before ending
     max_rejections: int = 10   # a worker stops after this many refused steps in a row
+    fork: bool = True          # psgd run forks shards, workers, evaluator from one process with torch imported
 
 
 @dataclass(frozen=True)

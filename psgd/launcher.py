@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
+from . import forkserver
 from .config import Config
 from .log import log
 from .transport import EXIT_ADDRESS_IN_USE
@@ -108,7 +109,7 @@ class Child:
     index: int
     argv: list[str]
     env: dict | None = None          # the job's environment, plus a training script's PSGD_* variables
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | forkserver.Forked | None = None
     restarts: int = 0
     reported: bool = False
     log_path: str = ""
@@ -243,10 +244,22 @@ class LocalJob:
             child.proc = popen(None)  # progress goes to the terminal
             return
         child.log_path = os.path.join(self.out, "logs", f"{child.name}.log")
+        server = self._forks(child)
+        if server is not None:
+            child.proc = server.spawn(child.argv[3:], child.env or self.env, child.log_path)
+            return
         # Appended to across restarts. The child gets its own copy of the descriptor, so
         # this process closes its handle at once: none accumulates, however many restarts.
         with open(child.log_path, "a") as log_file:
             child.proc = popen(log_file)
+
+    def _forks(self, child: Child) -> forkserver.ForkServer | None:
+        """The fork server for a daemon that imports torch (`python -m psgd server|worker|
+        evaluator`; the coordinator needs no torch and starts at once on its own)."""
+        if child.argv[:3] != [sys.executable, "-m", "psgd"] or child.role == "coordinator" \
+                or not self.cfg.cluster.fork:
+            return None
+        return forkserver.server(self.env)
 
     def start(self) -> None:
         from . import scalars

@@ -66,13 +66,21 @@ def children(pid: int) -> set[int]:
     return out
 
 
+def started_processes() -> set[int]:
+    """This process's children, and the daemons its fork server forked (psgd/forkserver.py;
+    the server itself lives as long as this process, like a thread pool)."""
+    from psgd import forkserver
+    server = forkserver.running_pid()
+    return children(os.getpid()) - {server} | (children(server) if server else set())
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
-    before = children(os.getpid())
+    before = started_processes()
     yield
     deadline = time.monotonic() + 10
     while True:
-        leaked = children(os.getpid()) - before
+        leaked = started_processes() - before
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -1,0 +1,260 @@
+"""One process that imports torch once, and forks psgd's daemons from it.
+
+Every shard, worker and evaluator of a `psgd run` imported torch on its own: on two
+cores, five processes importing it at once took most of a job's start-up (and of each
+run of a `psgd compare`). The launcher now starts this server once per launcher process
+(`python -m psgd.forkserver`); it imports what the daemons need and then forks one
+child per request, which runs `psgd ROLE ...` exactly as `python -m psgd ROLE ...`
+would, with its own environment, its stderr appended to its log, and stdin and stdout
+on /dev/null. The server stays single-threaded and runs no torch operation, so a fork
+inherits no thread pool and no lock held by another thread.
+
+Protocol, one JSON object per line. Requests on the server's stdin:
+`{"argv": [...], "env": {...}, "log": PATH or null}`; answers on its stdout:
+`{"pid": N}` for each request, in order, and `{"exit": N, "code": C}` when a child
+ends (C as `subprocess.Popen.returncode`: negative for a signal). The server exits when
+its stdin closes (the launcher is gone); children it leaves keep running, as children
+of a killed `psgd run` always have.
+
+`Forked` gives the launcher the part of `subprocess.Popen` it uses (pid, poll, wait,
+terminate, kill, send_signal).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import IO
+
+# What a daemon imports before it does anything (torch most of all).
+PRELOAD = ("torch", "numpy", "zmq", "msgpack", "psgd.cli", "psgd.shard", "psgd.models", "psgd.data",
+           "psgd.servers.shard_server", "psgd.workers.worker", "psgd.workers.evaluator")
+READY_S = 120.0   # the preload may take long on a busy machine
+ANSWER_S = 30.0   # a fork is answered at once; this is only the deadline
+
+
+class ForkServerError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- the server process
+def serve() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+    if torch.cuda.is_initialized():  # a fork could not use CUDA: the launcher falls back to interpreters
+        raise SystemExit("psgd.forkserver: CUDA was initialized while importing; not forking")
+    _say({"ready": os.getpid()})
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.05)
+        _reap()
+        if not readable:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:
+            return  # the launcher is gone
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            _say({"pid": _fork(json.loads(line))})
+
+
+def _say(obj: dict) -> None:
+    os.write(1, (json.dumps(obj) + "\n").encode())
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _fork(req: dict) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = _child(req["argv"], req["env"], req.get("log"))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _child(argv: list[str], env: dict, log_path: str | None) -> int:
+    """`python -m psgd ARGV` in this forked process."""
+    os.environ.clear()
+    os.environ.update(env)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    if log_path:
+        os.dup2(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), 2)
+    os.closerange(3, 64)  # the server's pipes and files are not the daemon's
+    sys.argv = ["psgd", *argv]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a daemon does not
+    import random
+
+    import numpy as np
+    import torch
+    random.seed()       # a fresh process seeds these from the OS: so do the forks, or they would all
+    np.random.seed()    # draw the server's numbers (the daemons seed torch from the config themselves)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    from .cli import main
+    return main(argv)
+
+
+# ---------------------------------------------------------------- the launcher's side
+class ForkServer:
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "psgd.forkserver"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._in: IO[bytes] = self.proc.stdin
+        self._fd = self.proc.stdout.fileno()
+        os.set_blocking(self._fd, False)
+        self._buf = b""
+        self.codes: dict[int, int] = {}   # pid -> exit code, once ended
+        self._next(lambda m: "ready" in m, READY_S, "to import torch")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, argv: list[str], env: dict, log_path: str | None) -> Forked:
+        self._in.write((json.dumps({"argv": argv, "env": env, "log": log_path}) + "\n").encode())
+        self._in.flush()
+        return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
+
+    def collect(self) -> None:
+        """Take in the exits reported so far."""
+        for m in self._lines():
+            self._note(m)
+
+    def _note(self, m: dict) -> None:
+        if "exit" in m:
+            self.codes[int(m["exit"])] = int(m["code"])
+
+    def _lines(self) -> list[dict]:
+        try:
+            data = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            data = b""
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        return [json.loads(line) for line in lines if line]
+
+    def _next(self, wanted, timeout_s: float, doing: str) -> dict:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            for m in self._lines():
+                self._note(m)
+                if wanted(m):
+                    return m
+            if self.proc.poll() is not None:
+                raise ForkServerError(f"the fork server exited with {self.proc.returncode}")
+            select.select([self._fd], [], [], 0.05)
+        raise ForkServerError(f"the fork server took more than {timeout_s:.0f} s {doing}")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._in.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+class Forked:
+    """A daemon forked by a `ForkServer`, seen as much like `subprocess.Popen` as the
+    launcher needs."""
+
+    def __init__(self, server: ForkServer, pid: int):
+        self.server = server
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.server.codes.get(self.pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.server.collect()
+            if self.returncode is None and not self.server.alive() and not os.path.exists(f"/proc/{self.pid}"):
+                self.server.codes[self.pid] = -signal.SIGKILL  # its server died: the code is lost
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never a pid that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_server: ForkServer | None = None
+_failed = False  # it could not start: not tried again by this process
+
+
+def server(env: dict) -> ForkServer | None:
+    """This process's fork server, started on first use with `env` (the first job's:
+    each child gets its own); None if it cannot start (the launcher then starts
+    daemons as separate interpreters, as before)."""
+    global _server, _failed
+    if _failed or (_server is not None and _server.alive()):
+        return _server
+    try:
+        _server = ForkServer(env)
+    except (ForkServerError, OSError) as e:
+        print(f"[psgd run] no fork server ({e}); starting each process on its own", file=sys.stderr)
+        _server, _failed = None, True
+    return _server
+
+
+def running_pid() -> int | None:
+    """The fork server's pid, if this process has one running (tests tell it from a leak)."""
+    return _server.pid if _server is not None and _server.alive() else None
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the launcher and the daemons
+    serve()

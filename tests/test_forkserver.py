@@ -1,0 +1,89 @@
+"""psgd/forkserver.py: the daemons forked from one process that has imported torch
+behave as `python -m psgd ROLE` would: their exit codes (signals negative), their
+stderr in their log, their own environment; `psgd run` forks its shards, workers and
+evaluator from it, and falls back to separate interpreters when it cannot start."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from psgd import forkserver
+from psgd.config import load
+from psgd.launcher import LocalJob
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.processes
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = forkserver.server(ENV)
+    assert s is not None
+    return s
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(120)
+def test_exit_code_and_stderr_go_where_the_launcher_looks(server, tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text("before\n")
+    child = server.spawn(["worker", str(tmp_path / "missing.toml")], ENV, str(log))
+    assert child.wait(timeout=60) == 2
+    error = f"psgd: error: config file {tmp_path}/missing.toml does not exist"
+    assert log.read_text().splitlines() == ["before", error]
+
+
+@pytest.mark.timeout(120)
+def test_signals_reach_the_child_and_its_code_says_which(server, tmp_path):
+    port = free_port_block(1)
+    env = {**ENV, "PSGD_CLUSTER_TIMEOUT_S": "100"}  # its own environment: waits for a coordinator that never comes
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        started = tmp_path / f"{sig}.started"
+        child = server.spawn(["worker", "--set", f"cluster.port={port}", "--started-file", str(started)], env,
+                             str(tmp_path / "w.log"))
+        end = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert parent_of(child.pid) == server.pid
+        child.send_signal(sig)
+        assert child.wait(timeout=30) == -sig
+        assert child.poll() == -sig
+        child.kill()  # ended: no signal is sent to a pid that may be reused
+
+
+@pytest.mark.timeout(240)
+def test_psgd_run_forks_every_daemon_but_the_coordinator(tmp_path):
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "train.steps=60"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=200)
+    try:
+        job.start()
+        kinds = {c.name: type(c.proc).__name__ for c in job.children}
+        summary = job.wait()
+    finally:
+        job.stop()
+    assert kinds == {"coordinator-0": "Popen", "server-0": "Forked", "server-1": "Forked", "worker-0": "Forked",
+                     "worker-1": "Forked", "evaluator-0": "Forked"}
+    assert summary["samples"] == 2 * 60 * 32 and summary["final_accuracy"] > 0.5, summary
+    assert all(c.poll() == 0 for c in job.children), [(c.name, c.poll()) for c in job.children]
+
+
+@pytest.mark.timeout(240)
+def test_without_a_fork_server_each_daemon_is_its_own_interpreter(tmp_path):
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "train.steps=20", "cluster.evaluator=false",
+                      "cluster.fork=false"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=200)
+    try:
+        job.start()
+        assert {type(c.proc).__name__ for c in job.children} == {"Popen"}
+        assert job.wait()["samples"] == 2 * 20 * 32
+    finally:
+        job.stop()

@@ -140,10 +140,9 @@ def test_dropped_gradients_survive_a_restore(tmp_path):
     assert restored.stats()["dropped"] == 1 and restored.stats()["step"] == 1
 
 
-def test_a_checkpoint_inside_an_open_step_keeps_its_gradients(tmp_path):
-    """Saved after rank 0's push and before rank 1's: the restored shard still has rank
-    0's gradient, takes its resend as a duplicate, and closes the step on rank 1's push
-    with the mean of both (a requeued job's workers resume at that step)."""
+def restored_inside_step_0(tmp_path):
+    """A sync shard (2 workers, plain SGD) saved after rank 0's push of step 0 (all
+    ones) and restored: (the restored shard, the parameters before, (g0, g1 = 3s, b))."""
     (s,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
     g0, g1, b = np.full(s.P, 1.0, np.float32), np.full(s.P, 3.0, np.float32), np.zeros(s.B, np.float32)
     before = s.params.clone()
@@ -151,6 +150,14 @@ def test_a_checkpoint_inside_an_open_step_keeps_its_gradients(tmp_path):
     s.save(str(tmp_path / "shard.pt"))
     (restored,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
     restored.load(str(tmp_path / "shard.pt"))
+    return restored, before, (g0, g1, b)
+
+
+def test_a_checkpoint_inside_an_open_step_keeps_its_gradients(tmp_path):
+    """Saved after rank 0's push and before rank 1's: the restored shard still has rank
+    0's gradient, takes its resend as a duplicate, and closes the step on rank 1's push
+    with the mean of both (a requeued job's workers resume at that step)."""
+    restored, before, (g0, g1, b) = restored_inside_step_0(tmp_path)
     assert request(restored, "push", rank=0, clock=0, arrays=[g0, b], read_version=0)[0].get("duplicate")
     request(restored, "push", rank=1, clock=0, arrays=[g1, b], read_version=0)
     assert restored.stats()["step"] == 1
@@ -177,13 +184,7 @@ def test_a_shard_restored_inside_a_step_meets_workers_past_it(tmp_path):
     step 0; the other shard had closed step 0, so both workers resume at 1. Nobody will
     push step 0 again: once both wait with step 1, step 0 closes on rank 0's gradient
     and step 1 goes on (before, it refused them until the workers gave up)."""
-    (s,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
-    g0, g1, b = np.full(s.P, 1.0, np.float32), np.full(s.P, 3.0, np.float32), np.zeros(s.B, np.float32)
-    before = s.params.clone()
-    request(s, "push", rank=0, clock=0, arrays=[g0, b], read_version=0)
-    s.save(str(tmp_path / "shard.pt"))
-    (restored,) = shards("sync", workers=2, servers=1, **{"optimizer.momentum": 0.0})
-    restored.load(str(tmp_path / "shard.pt"))
+    restored, before, (g0, g1, b) = restored_inside_step_0(tmp_path)
     assert request(restored, "pull", rank=0, clock=2) == []               # parked until step 1 closes
     assert request(restored, "push", rank=0, clock=1, arrays=[g1, b], read_version=1) == []
     replies = request(restored, "push", rank=1, clock=1, arrays=[g1, b], read_version=1)

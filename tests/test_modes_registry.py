@@ -215,3 +215,33 @@ def test_a_non_finite_gradient_is_refused_and_names_the_fix():
         s.handle(object(), wire.decode(wire.encode("push", id=1, rank=0, clock=12, arrays=[g, b],
                                                    read_version=0)))
     assert s.version == 0
+
+
+def test_easgd_sync_rounds_recover_as_sync_steps_do(tmp_path):
+    """EASGD's synchronous rounds share sync's barrier and its recovery. A checkpoint
+    inside round 0 does not keep its offers (their askers resend them to a restored
+    shard): restored, the shard meets both workers at round 1, skips to it once both
+    wait there, and closes it on both offers."""
+    sets = {"mode.sync": True, "mode.alpha": 0.5}
+    (s,) = shards("easgd", workers=2, servers=1, **sets)
+    b = np.zeros(s.B, np.float32)
+    centre = s.params.numpy().copy()
+    x0, x1 = centre + 1.0, centre + 3.0
+    assert request(s, "elastic", rank=0, clock=0, arrays=[x0, b], round=0) == []   # waits for rank 1
+    s.save(str(tmp_path / "shard.pt"))
+    (restored,) = shards("easgd", workers=2, servers=1, **sets)
+    restored.load(str(tmp_path / "shard.pt"))
+    assert request(restored, "elastic", rank=0, clock=1, arrays=[x0, b], round=1) == []
+    replies = request(restored, "elastic", rank=1, clock=1, arrays=[x1, b], round=1)
+    assert len(replies) == 2 and restored.rule.fast_forwards == 1 and restored.rule.barrier.step == 2
+    np.testing.assert_allclose(restored.params.numpy(), centre + 0.5 * 1.0 + 0.5 * 3.0, rtol=1e-6)
+
+
+def test_easgd_sync_round_closes_for_a_worker_that_rejoined_past_it():
+    (s,) = shards("easgd", workers=2, servers=1, **{"mode.sync": True, "mode.alpha": 0.5})
+    b = np.zeros(s.B, np.float32)
+    centre = s.params.numpy().copy()
+    assert request(s, "elastic", rank=0, clock=0, arrays=[centre + 1.0, b], round=0) == []
+    replies = request(s, "elastic", rank=1, clock=1, arrays=[centre + 3.0, b], round=1)
+    assert len(replies) == 1 and s.rule.short_steps == 1 and s.rule.round.keys() == {1}   # rank 0's answer
+    np.testing.assert_allclose(s.params.numpy(), centre + 0.5, rtol=1e-6)

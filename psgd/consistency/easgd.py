@@ -2,8 +2,8 @@
 
 Server rule: the shards hold the centre x~. An elastic offer of worker i's replica x_i
 moves the centre by d = alpha (x_i - x~) and answers d (Algorithm 1, asynchronous).
-With `mode.sync = true` the offers of a round wait for each other (a round barrier,
-with fast-forward after a restore); the centre moves by the sum of the round's d_i,
+With `mode.sync = true` the offers of a round wait for each other (sync's round
+barrier, with its recovery after a restore or a rejoin); the centre moves by the sum of the round's d_i,
 and an offer that comes after its round closed gets its d without moving the centre.
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
@@ -22,6 +22,8 @@ heavy-ball local optimizer (not EAMSGD). Staleness counts the centre's moves by 
 since the worker's previous exchange.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -47,7 +49,8 @@ from .sync import SyncRule
 
 
 class EasgdRule(SyncRule):
-    """The round barrier is sync's (an empty round skips to a worker ahead); the rest is elastic."""
+    """The round barrier is sync's, with its recovery (offers for a later round wait;
+    a round nobody will complete closes); the rest is elastic."""
     name = "easgd"
     serves = frozenset({"elastic", "pull"})
 
@@ -67,18 +70,22 @@ class EasgdRule(SyncRule):
         if not self.mode.sync:
             d = elastic_delta(e.x, center, self.alpha)
             return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
-        verdict = self.barrier.offer(e.rank, e.round)
-        if verdict == bsp.EARLY and not self.barrier.contributors:  # a restored shard: skip to the workers' round
-            self.barrier.fast_forward(e.round)
-            self.fast_forwards += 1
-            verdict = self.barrier.offer(e.rank, e.round)
+        return self.offer(e)
+
+    def step_of(self, e: ElasticOffer) -> int:
+        return e.round
+
+    def keep(self, e: ElasticOffer) -> ElasticOffer:
+        return replace(e, x=e.x.clone(), buffers=e.buffers.clone())
+
+    def take(self, e: ElasticOffer, verdict: str) -> list[Decision]:
         if verdict == bsp.LATE:  # the round closed without it: it moves, the centre does not
-            d = elastic_delta(e.x, center, self.alpha)
+            d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
             return [Answer(e.token, {"dropped": True}, arrays=[d, BUFFERS])]
         if verdict != bsp.ACCEPT:
-            return [Refuse(e.token, REFUSED, f"round {e.round} is not the open round {self.barrier.step}")]
-        self.round[e.rank] = ElasticOffer(e.token, e.rank, e.round, e.x.clone(), e.buffers.clone())
-        return self.close_step() if self.barrier.complete() else []
+            return [Refuse(e.token, REFUSED, f"round {e.round} was offered before by worker {e.rank}")]
+        self.round[e.rank] = self.keep(e)
+        return []
 
     def close_step(self) -> list[Decision]:
         offers = [self.round[r] for r in sorted(self.round)]
@@ -89,12 +96,13 @@ class EasgdRule(SyncRule):
                                SetBuffers(torch.stack([o.buffers for o in offers]).mean(0))]
         return out + [Answer(o.token, arrays=[d, BUFFERS]) for o, d in zip(offers, ds, strict=True)]
 
-    def membership(self, live: dict[int, int]) -> list[Decision]:
-        self.barrier.set_live(live.keys())
-        return self.close_step() if self.round and self.barrier.complete() else []
-
     def gated_read(self, e):
         return [self.answer(e)]
+
+    def state_dict(self) -> dict:
+        # The open round's offers live here, not in the shard's tables, and their askers
+        # resend them to a restored shard: it starts the round afresh.
+        return {**super().state_dict(), "contributors": []}
 
 
 class EasgdSchedule(Schedule):

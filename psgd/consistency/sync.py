@@ -34,17 +34,29 @@ class SyncRule(ServerRule):
         self.clocks = ClockTable(range(world), None)  # unbounded: measures the clock gap only
         self.fast_forwards = 0  # empty steps skipped
         self.short_steps = 0     # steps closed without every live worker's gradient (see `settle`)
-        self.early: dict[int, Push] = {}  # rank -> its push for a later step
+        self.early: dict = {}    # rank -> its contribution (Push; ElasticOffer) to a later step
 
     def backup(self) -> int:
         return self.mode.backup_workers
 
     def push(self, e: Push) -> list[Decision]:
-        verdict = self.barrier.offer(e.rank, e.clock)
+        return self.offer(e)
+
+    def offer(self, e) -> list[Decision]:
+        """A worker's contribution to step `step_of(e)`: taken, answered as late, or
+        waiting for its step."""
+        verdict = self.barrier.offer(e.rank, self.step_of(e))
         out = self.wait(e) if verdict == bsp.EARLY else self.take(e, verdict)
         return out + self.settle()
 
-    def take(self, e: Push, verdict: str) -> list[Decision]:
+    def step_of(self, e) -> int:
+        return e.clock
+
+    def keep(self, e):
+        """A copy of a contribution that outlives its message (the shard reuses its buffers)."""
+        return replace(e, grad=e.grad.clone(), buffers=e.buffers.clone())
+
+    def take(self, e, verdict: str) -> list[Decision]:
         if verdict != bsp.ACCEPT:  # late or a duplicate: answered, not summed
             return [Answer(e.token, {"dropped": True, "staleness": e.tau})]
         self.clocks.push(e.rank, e.clock)
@@ -52,15 +64,15 @@ class SyncRule(ServerRule):
         first = len(self.barrier.contributors) == 1
         return [Accumulate(e.grad, e.buffers, first), Answer(e.token, {"staleness": e.tau})]
 
-    def wait(self, e: Push) -> list[Decision]:
-        """A push for a later step waits at the shard, as a read does, until its step
-        opens (one per worker: a newer one replaces it). Its worker has shown that it
-        will not push for the open step."""
+    def wait(self, e) -> list[Decision]:
+        """A contribution to a later step waits at the shard, as a read does, until its
+        step opens (one per worker: a newer one replaces it). Its worker has shown that
+        it will not contribute to the open step."""
         out: list[Decision] = []
         old = self.early.pop(e.rank, None)
         if old is not None:
-            out.append(Refuse(old.token, REFUSED, f"clock {old.clock} was superseded by clock {e.clock}"))
-        self.early[e.rank] = replace(e, grad=e.grad.clone(), buffers=e.buffers.clone())  # the shard reuses its buffers
+            out.append(Refuse(old.token, REFUSED, f"step {self.step_of(old)} was superseded by {self.step_of(e)}"))
+        self.early[e.rank] = self.keep(e)
         return out
 
     def settle(self) -> list[Decision]:
@@ -71,9 +83,9 @@ class SyncRule(ServerRule):
         earliest waiting push."""
         out: list[Decision] = []
         while True:
-            for rank in sorted(r for r, p in self.early.items() if p.clock == self.barrier.step):
+            for rank in sorted(r for r, p in self.early.items() if self.step_of(p) == self.barrier.step):
                 p = self.early.pop(rank)
-                out += self.take(p, self.barrier.offer(rank, p.clock))
+                out += self.take(p, self.barrier.offer(rank, self.step_of(p)))
             if self.barrier.contributors and self.barrier.complete():
                 out += self.close_step()
             elif self.early and self.barrier.passed(self.early.keys()):
@@ -82,7 +94,7 @@ class SyncRule(ServerRule):
                     out += self.close_step()
                 else:
                     self.fast_forwards += 1
-                    ahead = min(p.clock for p in self.early.values())
+                    ahead = min(self.step_of(p) for p in self.early.values())
                     out += [self.answer(r) for r in self.barrier.fast_forward(ahead)]  # type: ignore[arg-type]
             else:
                 return out

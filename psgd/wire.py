@@ -32,6 +32,7 @@ changes is sent as a snapshot). Arrays are received without copies: `np.frombuff
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -190,9 +191,23 @@ def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
         if k in _BASE:
             raise WireError(BAD_FIELD, f"field {k!r} is reserved")
         header[k] = v
-    frames = [msgpack.packb(header, use_bin_type=True)]
+    frames: list = [pack_header(header)]
     frames.extend(memoryview(a.reshape(-1).view(np.uint8).data) if a.size else b"" for a in arrs)
     return frames
+
+
+_packers = threading.local()   # one msgpack Packer per thread, reused (`msgpack.packb` makes one per call)
+
+
+def pack_header(header: dict) -> bytes:
+    """A header's msgpack bytes (what `msgpack.packb(header, use_bin_type=True)` gives),
+    packed by this thread's reused Packer: a message's header is packed on the thread
+    that sends it, and a Packer holds its buffer between calls (it empties it after each
+    call, and after a failed one)."""
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(header)
 
 
 def reply(req: Message, arrays: Sequence[Any] = (), **fields: Any) -> list:

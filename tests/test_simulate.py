@@ -53,6 +53,44 @@ def test_loop_runs_events_in_time_then_schedule_order():
 
 
 @pytest.mark.unit
+def test_loop_stops_after_the_event_that_asks_and_ticks_every_n_events():
+    loop, seen, ticks = Loop(), [], []
+    for k in range(10):
+        loop.at(float(k), seen.append, k)
+    loop.at(4.0, loop.stop)            # after the event at 4.0 scheduled before it
+    loop.run(lambda: ticks.append(loop.events), every=2)
+    assert seen == [0, 1, 2, 3, 4] and ticks == [2, 4, 6] and len(loop) == 5
+    loop.run()
+    assert seen == list(range(10)) and loop.events == 11 and len(loop) == 0
+
+
+@pytest.mark.unit
+def test_clock_table_counts_membership_changes_as_a_recount_would():
+    """`ClockTable.set_live` changes its counts by the ranks that joined or left (a
+    simulated run's workers leave one at a time); they stay those of a recount."""
+    import random
+
+    from psgd.consistency.clock import ClockTable
+    rng = random.Random(0)
+    table = ClockTable(range(8), bound=2)
+    live = dict.fromkeys(range(8), 0)
+    for _ in range(300):
+        r = rng.randrange(12)
+        if rng.random() < 0.5:
+            table.push(r, table.finished.get(r, 0) + rng.randrange(3))
+        elif r in live and len(live) > 1:
+            del live[r]
+            table.set_live(live)
+        else:
+            live[r] = rng.randrange(5)
+            table.set_live(live)
+        at = {}
+        for rank in table.live:
+            at[table.finished[rank]] = at.get(table.finished[rank], 0) + 1
+        assert dict(table._at) == at and table.slowest() == min(at, default=0)
+
+
+@pytest.mark.unit
 def test_report_states_the_jitter_fault():
     s = describe_faults({"jitter_prob": 0.05, "jitter_s": 0.2}, [64])
     assert s is not None and "0.2 s" in s and "0.05" in s and "transient" in s

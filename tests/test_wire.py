@@ -126,3 +126,12 @@ def test_no_pickle_anywhere_in_the_package():
             text = path.read_text()
             for bad in ("import pickle", "pickle.loads", "recv_pyobj", "send_pyobj", "weights_only=False"):
                 assert bad not in text, f"{path}: {bad}"
+
+
+def test_pack_header_is_msgpack_packb_on_a_reused_packer():
+    header = {"v": 1, "op": "reply", "id": 1 << 40, "rank": -40, "clock": 300, "arrays": [["float32", [3, 4]]],
+              "f": 0.5, "s": "é" * 40, "b": True, "n": None, "d": {"k": [1, -1]}}
+    assert wire.pack_header(header) == msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(TypeError):
+        wire.pack_header({"bad": object()})
+    assert wire.pack_header(header) == msgpack.packb(header, use_bin_type=True)   # nothing left of the failure

@@ -17,9 +17,21 @@ class StepBarrier:
         self.live = set(live)
         self.backup = backup
         self.step = step                 # the step being collected (= steps applied so far)
-        self.contributors: list[int] = []  # ranks whose gradient is in the current step, in order
+        self.contributors = []           # ranks whose gradient is in the current step, in order
         self.dropped = 0                 # late gradients, counted
         self._reads: list[tuple[int, Hashable]] = []  # parked (clock, token)
+
+    @property
+    def contributors(self) -> list[int]:
+        """The ranks whose gradient is in the current step, in the order they came (kept
+        with a set of the same ranks: a push's duplicate check is one lookup, not a scan
+        of up to W ranks). Read-only: `offer` adds to it, `advance` empties it."""
+        return self._order
+
+    @contributors.setter
+    def contributors(self, ranks: Iterable[int]) -> None:
+        self._order: list[int] = list(ranks)
+        self._in: set[int] = set(self._order)
 
     @property
     def need(self) -> int:
@@ -32,15 +44,16 @@ class StepBarrier:
             return LATE
         if clock > self.step:
             return EARLY
-        if rank in self.contributors:
+        if rank in self._in:
             return DUPLICATE
-        self.contributors.append(rank)
+        self._order.append(rank)
+        self._in.add(rank)
         return ACCEPT
 
     def passed(self, ahead: Iterable[int]) -> bool:
         """Has every live worker pushed for the open step, or for a later one (`ahead`)?
         Then no gradient for it is to come."""
-        return self.live <= set(self.contributors).union(ahead)
+        return self.live <= self._in.union(ahead)
 
     def fast_forward(self, clock: int) -> list[Hashable]:
         """Jump an empty step to `clock` (a shard restored from an older checkpoint meets

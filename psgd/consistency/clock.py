@@ -47,9 +47,7 @@ class ClockTable:
         if rank not in self.live:
             return
         if old is not None:
-            self._at[old] -= 1
-            if not self._at[old]:
-                del self._at[old]
+            self._uncount(old)
         self._at[clock] += 1
         if old == self._min and old not in self._at:
             self._min = min(self._at)
@@ -90,13 +88,25 @@ class ClockTable:
         return self._release()
 
     def set_live(self, live: Mapping[int, int]) -> list[Hashable]:
-        """Membership changed: rank -> clock for every live worker (joiners start there)."""
-        for r, c in live.items():
-            if r not in self.live:
-                self.finished[r] = max(c, self.finished.get(r, 0)) if r in self.finished else c
+        """Membership changed: rank -> clock for every live worker (joiners start there).
+        The counts change by the ranks that joined or left only (not a recount of every
+        live worker: a simulated run's workers leave one by one)."""
+        joined, left = live.keys() - self.live, self.live.difference(live)
+        for r in joined:
+            c = live[r]
+            self.finished[r] = max(c, self.finished.get(r, 0)) if r in self.finished else c
         self.live = set(live)
-        self._recount()
+        for r in left:
+            self._uncount(self.finished[r])
+        for r in joined:
+            self._at[self.finished[r]] += 1
+        self._min = min(self._at, default=0)
         return self._release()
+
+    def _uncount(self, clock: int) -> None:
+        self._at[clock] -= 1
+        if not self._at[clock]:
+            del self._at[clock]
 
     def _release(self) -> list[Hashable]:
         """The parked reads that may be answered now, lowest clock first (then arrival)."""

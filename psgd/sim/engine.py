@@ -29,22 +29,29 @@ class Loop:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
+        self._stopped = False
         self.events = 0
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) at virtual time t (never before now)."""
-        heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn, args))
+        heapq.heappush(self._heap, (t if t >= self.now else self.now, next(self._seq), fn, args))
 
-    def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Until no event is left (or `until()` turns true after an event)."""
+    def run(self, tick: Callable[[], None] | None = None, every: int = 1024) -> None:
+        """Until no event is left or `stop()` is called (by an event); `tick()` after
+        every `every` events (a progress report)."""
         heap, pop = self._heap, heapq.heappop
-        while heap:
+        self._stopped = False
+        while heap and not self._stopped:
             t, _, fn, args = pop(heap)
             self.now = t
             self.events += 1
             fn(*args)
-            if until is not None and until():
-                return
+            if tick is not None and not self.events % every:
+                tick()
+
+    def stop(self) -> None:
+        """End `run` after the event that calls this."""
+        self._stopped = True
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -9,13 +9,14 @@ views, made when first read (a received frame is a view of the bytes sent withou
 copies, too). Header fields that are not scalars go through msgpack, so that they
 arrive as they would (tuples as lists); the header is packed only to be measured.
 
-`SimShard` is the real `Shard` whose answers to reads and pushes are packets; its other
-replies (refusals, duplicates, stored models) are encoded by the shard as always, and
+`SimShard` is the real `Shard` whose replies are packets (it makes them in `_reply`);
+its error replies (refusals, bad messages) are encoded by the shard as always, and
 `received` turns those frames into packets.
 """
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -23,11 +24,9 @@ import numpy as np
 import torch
 
 from .. import wire
-from ..consistency import rule as r
 from ..shard import Shard
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
-_PACKER = msgpack.Packer(use_bin_type=True)   # reused (`packb` makes one per call); one body runs at a time
 _NAMES = {getattr(torch, name): name for name in wire.DTYPES}
 
 
@@ -52,13 +51,12 @@ def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any
     """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes."""
     tensors, specs, payload = [], [], 0
     for a in arrays:
-        t = _tensor(a)
-        spec, nbytes = _described(t)
+        t, spec, nbytes = _sent(a)
         tensors.append(t)
         specs.append(spec)
         payload += nbytes
-    packed = _PACKER.pack({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
-                           "arrays": specs, **fields})
+    packed = wire.pack_header({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
+                               "arrays": specs, **fields})
     if not _SCALARS.issuperset(map(type, fields.values())):
         fields = {k: v for k, v in msgpack.unpackb(packed, strict_map_key=True).items() if k in fields}
     return Packet(op, id, rank, clock, fields, [name for name, _ in specs], tensors, len(packed) + payload, payload)
@@ -66,25 +64,45 @@ def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any
 
 def _tensor(a: Any) -> torch.Tensor:
     """An array to send (a CPU tensor or a numpy array) as the tensor `wire.tensor` reads."""
-    if isinstance(a, torch.Tensor) and a.dtype in _NAMES and a.is_contiguous():
-        return a.detach() if a.requires_grad else a
+    if _goes_as_it_is(a):
+        return _without_grad(a)
     name, x = wire._as_array(a)
     return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if name == "bfloat16" else torch.from_numpy(x)
+
+
+def _without_grad(t: Any) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
+
+
+def _goes_as_it_is(a: Any) -> bool:
+    """Is `a` a tensor that is sent as it is (no conversion, no copy)?"""
+    return isinstance(a, torch.Tensor) and a.dtype in _NAMES and a.is_contiguous()
 
 
 _seen: dict[int, tuple[weakref.ref, list, int]] = {}   # id -> (the tensor, [dtype, shape], bytes)
 
 
-def _described(t: torch.Tensor) -> tuple[list, int]:
-    """The header's [dtype, shape] of a tensor and its bytes, found once per tensor: a
-    worker sends the same buffers every step, a shard the same snapshot to every reader.
-    (A tensor sent does not change its dtype or shape in place.)"""
-    key = id(t)
+def _sent(a: Any) -> tuple[torch.Tensor, list, int]:
+    """An array to send as (its tensor, the header's [dtype, shape], its bytes), its
+    checks and description found once per tensor that goes as it is: a worker sends the
+    same buffers every step, a shard the same snapshot to every reader. (A tensor sent
+    does not change its dtype, shape or layout in place.) Others are converted every
+    time they are sent. Only a weak reference is kept: a tensor sent may be freed."""
+    key = id(a)
     seen = _seen.get(key)
-    if seen is None or seen[0]() is not t:
-        seen = _seen[key] = (weakref.ref(t, lambda _: _seen.pop(key, None)), [_NAMES[t.dtype], list(t.shape)],
-                             t.nbytes)
-    return seen[1], seen[2]
+    if seen is not None and seen[0]() is a:
+        return _without_grad(a), seen[1], seen[2]
+    t = _tensor(a)
+    spec, nbytes = [_NAMES[t.dtype], list(t.shape)], t.nbytes
+    if _goes_as_it_is(a):
+        _seen[key] = (weakref.ref(a, _forget(key)), spec, nbytes)
+    return t, spec, nbytes
+
+
+def _forget(key: int, seen: dict = _seen) -> Callable[[Any], None]:
+    """The callback that drops a dead tensor's entry (`seen` held here: at the
+    interpreter's exit the module's globals may be gone before the last tensors)."""
+    return lambda _: seen.pop(key, None)
 
 
 def packets(replies: list[tuple[Any, Any]]) -> list[tuple[Any, Packet]]:
@@ -101,13 +119,8 @@ def received(frames: list) -> Packet:
 
 
 class SimShard(Shard):
-    """The real shard, answering reads and pushes with packets (`Shard._answer`'s arrays)."""
+    """The real shard, whose replies are packets (`Shard._reply`); its error replies are
+    frames, which `received` turns into packets."""
 
-    def _answer(self, d: r.Answer) -> tuple[Any, Packet]:  # type: ignore[override]  # a packet for the frames
-        token, msg = d.token
-        if d.snapshot:
-            arrays = self._snapshot()
-        else:
-            arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) for a in d.arrays]
-        return token, packet("reply", id=msg.id, rank=msg.rank, clock=msg.clock, arrays=arrays,
-                             version=self.version, **d.fields)
+    def _reply(self, req: wire.Message, arrays: Any = (), **fields: Any) -> Packet:
+        return packet("reply", id=req.id, rank=req.rank, clock=req.clock, arrays=arrays, **fields)

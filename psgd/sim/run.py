@@ -245,6 +245,7 @@ class Simulation:
                          **({"error": w.error} if w.error else {})})
         if w.error and not self.abort:
             self.abort = w.error
+            self.loop.stop()
         self.loop.at(self.loop.now + self.cfg.sim.latency_s, self.membership, dict(self.live))
         if not self.live and self.evaluator is not None:
             self.loop.at(self.loop.now, self.evaluate, True)
@@ -303,15 +304,14 @@ class Simulation:
     def _loop(self) -> None:
         last = [time.monotonic()]
 
-        def check() -> bool:
-            if self.loop.events & 1023 == 0 and self.progress is not None:
-                now = time.monotonic()
-                if now - last[0] >= PROGRESS_EVERY_S:
-                    last[0] = now
-                    self.progress(self)
-            return bool(self.abort)
+        def progress() -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S:
+                last[0] = now
+                assert self.progress is not None
+                self.progress(self)
         with few_collections():
-            self.loop.run(check)
+            self.loop.run(progress if self.progress is not None else None)
 
     def _deadlock(self, stuck: list[SimWorker]) -> str:
         names = ", ".join(f"{w.rank} (clock {w.clock})" for w in stuck[:8]) + (" ..." if len(stuck) > 8 else "")
@@ -356,7 +356,7 @@ class Simulation:
             with open(os.path.join(events, name), "w") as f:
                 f.writelines(json.dumps(x) + "\n" for x in lines)
         for w in self.workers:
-            dump(f"worker-{w.rank}.jsonl", w.lines)
+            dump(f"worker-{w.rank}.jsonl", w.log_lines())
         dump("evaluator-0.jsonl", self.ev_lines)
         dump("coordinator-0.jsonl", self.log + [{"t": round(self.end_t, 6), "role": "coordinator",
                                                  "event": "done", "wall_s": round(self.end_t, 3)}])

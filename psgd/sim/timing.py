@@ -10,11 +10,15 @@ the tensor work that would otherwise dominate a run of thousands of workers:
   optimizer (an update only bumps the version), accumulates nothing, and answers reads
   with one fixed snapshot of the right sizes.
 - `TimingReplica`: a `Replica` whose gathered tables are fixed zero vectors of the
-  right sizes and whose loads are skipped (one replica serves every worker).
+  right sizes and whose loads are skipped (one replica serves every worker), and whose
+  model's `train()` returns at once when the model is in training mode already.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from ..replica import Replica
 from .messages import SimShard
@@ -24,9 +28,10 @@ class TimingShard(SimShard):
     def __init__(self, cfg, index: int):
         super().__init__(cfg, index)
         self._fixed = [self.params.detach().to(self._wire_torch, copy=True), self.buffers.clone()]
+        self._read = (self.params.detach(), self.buffers)   # what every push and offer "sends"
 
     def _vectors(self, msg, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.params.detach(), self.buffers
+        return self._read
 
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         self.version += 1
@@ -42,6 +47,7 @@ class TimingShard(SimShard):
 class TimingReplica(Replica):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        setattr(self.model, "train", train_unless_set(self.model))  # noqa: B010  (mypy: a method is not assignable)
         self._zp = [torch.zeros(self.map.size(i, "params")) for i in range(self.n)]
         self._zb = [torch.zeros(self.map.size(i, "buffers")) for i in range(self.n)]
 
@@ -56,3 +62,19 @@ class TimingReplica(Replica):
 
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
         pass
+
+
+def train_unless_set(model: nn.Module) -> Callable[[bool], nn.Module]:
+    """`model.train(mode)` that does nothing when every module of the model is in that
+    mode already. Every schedule's step calls `model.train()`; torch's walks every module
+    and sets its flag through `Module.__setattr__` (25 us for the MLP, a tenth of a
+    timing-only step), while the one model that all workers share here is in training
+    mode nearly always."""
+    modules = list(model.modules())
+    train = model.train
+
+    def train_if_needed(mode: bool = True) -> nn.Module:
+        if any(m.training != mode for m in modules):
+            train(mode)
+        return model
+    return train_if_needed

@@ -88,9 +88,9 @@ class SimClient(ParameterClient):
         w = self.worker
         out: list = [None] * len(reqs)
         f = Flight(list(reqs), out, len(reqs), w.t, cancel, ops=[op for _, op, _ in reqs])
-        items = []
+        ids, items = w.sim.ids, []   # ids size headers: counted per run
         for k, (i, op, kw) in enumerate(reqs):
-            p = packet(op, id=next(w.sim.ids), rank=self.rank, **kw)  # ids size headers: counted per run
+            p = packet(op, id=next(ids), rank=self.rank, **kw)
             self._sent += p.nbytes
             items.append((i, p, (w, f, k)))
         w.sim.loop.at(w.t, w.sim.send, w, items)
@@ -152,7 +152,7 @@ class SimWorker:
         self.hist = Histogram()
         self.client = SimClient(cfg, rank, self)
         self.node = Node(f"worker-{rank}")
-        self.lines: list[dict] = []   # the event log, written at the end
+        self.lines: list[dict | tuple] = []   # the event log (steps as tuples: `log_step`), written at the end
         self.error = ""
         self.finished_at: float | None = None
         self.blocked_on: Flight | None = None   # the requests this worker waits for
@@ -243,11 +243,22 @@ class SimWorker:
         return self.replica.score(*self.holdout, self.cfg.eval.batch_size)
 
     def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None:
+        """A step's line, kept as a tuple until the log is written (`log_lines`): a dict
+        per step of every worker was most of a long run's memory, and slow to build."""
         self.steps += 1
-        self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "step": self.steps,
-                           "clock": self.clock, "loss": round(self.loss, 5), "samples": self.samples,
-                           "staleness": staleness, "wait_s": round(wait_s, 6),
-                           "bytes_sent": self.client.bytes_sent, "bytes_recv": self.client.bytes_recv, **extra})
+        c = self.client
+        self.lines.append((self.t, self.steps, self.clock, self.loss, self.samples, staleness, wait_s, c._sent,
+                           c._recv, extra))
+
+    def log_lines(self) -> list[dict]:
+        """The event log's lines, in order."""
+        return [self._step_line(x) if isinstance(x, tuple) else x for x in self.lines]
+
+    def _step_line(self, step: tuple) -> dict:
+        t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step
+        return {"t": round(t, 6), "role": "worker", "rank": self.rank, "step": n, "clock": clock,
+                "loss": round(loss, 5), "samples": samples, "staleness": staleness, "wait_s": round(wait_s, 6),
+                "bytes_sent": sent, "bytes_recv": recv, **extra}
 
     def live(self) -> set[int]:
         if self.t > self.sim.loop.now and self.proc.running():

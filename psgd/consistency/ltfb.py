@@ -89,6 +89,7 @@ FETCH_TRIES = 5   # a chosen deposit can be replaced by a newer one between inde
 SCORES = -1       # get_model's owner for a round's scores (truncation)
 META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
 NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
+FINAL = 2 ** 31 - 1  # the round of the trainers' final models (after the last local round)
 
 
 class LtfbRule(ServerRule):
@@ -292,6 +293,18 @@ class LtfbSchedule(Schedule):
             w.replica.map.scatter(wire.tensor(m, 0), i, "params", grads)
         w.replica.load(None, [wire.tensor(m, 1) for m in pulled])
         return True
+
+    def finish(self, w: Trainer) -> None:
+        """The budget is spent: each trainer's leader deposits its final model, scored,
+        in round FINAL, so that the global model (the evaluator's final score,
+        model.pt) is the best of the trainers' final models and not the last
+        tournament's deposit, which misses the final local round (and, for a budget of
+        less than two rounds, is the initial model)."""
+        if w.rank != self.leader(w):
+            return
+        acc, loss = w.score()
+        self.deposit(w, FINAL, fitness(self.cfg.mode.metric, acc, loss), [0.0, -1.0, math.nan, math.nan],
+                     self.with_opt)
 
     def due(self, w: Trainer) -> bool:
         """A tournament only if a whole local round follows it (LBANN's final round)."""

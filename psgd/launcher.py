@@ -2,7 +2,9 @@
 
 The launcher writes the resolved config to DIR/config.toml, starts the coordinator,
 the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/config.toml
---out DIR`), shows the coordinator's progress, and supervises: a shard that dies is
+--out DIR`; all but the coordinator forked, as that command, from one process that has
+imported torch: psgd/forkserver.py, unless `cluster.fork = false`), shows the
+coordinator's progress, and supervises: a shard that dies is
 started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
 started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log. Every child
 is stopped on the way out, whatever happens.

@@ -194,6 +194,32 @@ def test_a_shard_restored_inside_a_step_meets_workers_past_it(tmp_path):
     np.testing.assert_allclose(restored.params.numpy(), (before - lr * (1.0 + 3.0)).numpy(), rtol=1e-6)
 
 
+def test_reads_past_a_restored_shard_move_it_to_the_workers(tmp_path):
+    """The kill -9 of a shard that had answered both workers' pushes of step 2 (and
+    not their reads of 3) before it died; restored at step 0 with rank 0's push, it gets
+    only the resent reads of clock 3. They show that both workers are past steps 0-2:
+    step 0 closes on rank 0's gradient, the shard skips to 3 and answers the reads (it
+    waited for ever before)."""
+    restored, _, _ = restored_inside_step_0(tmp_path)
+    assert request(restored, "pull", rank=0, clock=3) == []
+    replies = request(restored, "pull", rank=1, clock=3)
+    assert len(replies) == 2 and [m.get("step") for m in replies] == [3, 3]
+    assert restored.stats()["short_steps"] == 1 and restored.stats()["fast_forwards"] == 1
+
+
+def test_a_read_after_a_refused_push_does_not_hold_the_step():
+    """A worker whose push this shard refused (a non-finite slice) reads on: the step
+    closes with the other worker's gradient, and the retried push is late."""
+    (s,) = shards("sync", workers=2, servers=1)
+    g, b = np.ones(s.P, np.float32), np.zeros(s.B, np.float32)
+    with pytest.raises(wire.WireError, match="NaN or Inf"):
+        request(s, "push", rank=0, clock=0, arrays=[np.full(s.P, np.nan, np.float32), b], read_version=0)
+    request(s, "push", rank=1, clock=0, arrays=[g, b], read_version=0)
+    assert request(s, "pull", rank=1, clock=1) == []
+    assert len(request(s, "pull", rank=0, clock=1)) == 2 and s.stats()["short_steps"] == 1
+    assert request(s, "push", rank=0, clock=0, arrays=[g, b], read_version=0)[0].get("dropped")
+
+
 def test_a_worker_that_rejoined_past_an_open_step_closes_it():
     """The restarted-worker race: rank 1 was lost, rejoined, and continued at step 1
     (another shard had closed step 0 without it). Its push of step 1 here shows that

@@ -89,6 +89,10 @@ class StepBarrier:
         self._reads = [(c, t) for c, t in self._reads if c > self.step]
         return ready
 
+    def waiting(self) -> list[tuple[int, Hashable]]:
+        """The parked reads, (clock, token)."""
+        return self._reads
+
     @property
     def parked(self) -> int:
         return len(self._reads)

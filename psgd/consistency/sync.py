@@ -5,9 +5,10 @@ step and applies the optimizer once to their mean; reads of the next step are pa
 until then. With `mode.backup_workers = b` (Chen et al. 2016) a step closes after the
 first N - b gradients and the late ones are dropped and counted. W workers with batch b
 equal one process with batch W*b. A push for a later step waits at the shard until
-its step opens; once every live worker has pushed for the open step or waits with a
-later one, no gradient for it is to come, and it closes with what it has (or, empty,
-skips ahead): a shard restored from a checkpoint meets workers that are ahead, and a
+its step opens; once every live worker has pushed for the open step or shown that it
+is past it (a push for a later step, or a read of a later clock without a push here),
+no gradient for it is to come, and it closes with what it has (or, empty, skips
+ahead): a shard restored from a checkpoint meets workers that are ahead, and a
 restarted worker may rejoin past a step that a shard has open.
 
 Worker schedule: push+pull every step; a late worker (its push dropped) and a joining
@@ -35,6 +36,7 @@ class SyncRule(ServerRule):
         self.fast_forwards = 0  # empty steps skipped
         self.short_steps = 0     # steps closed without every live worker's gradient (see `settle`)
         self.early: dict = {}    # rank -> its contribution (Push; ElasticOffer) to a later step
+        self.past: dict[int, int] = {}  # rank -> the lowest step it may push for next (see `gated_read`)
 
     def backup(self) -> int:
         return self.mode.backup_workers
@@ -59,6 +61,7 @@ class SyncRule(ServerRule):
     def take(self, e, verdict: str) -> list[Decision]:
         if verdict != bsp.ACCEPT:  # late or a duplicate: answered, not summed
             return [Answer(e.token, {"dropped": True, "staleness": e.tau})]
+        self.past.pop(e.rank, None)
         self.clocks.push(e.rank, e.clock)
         self.hist.add(e.tau)
         first = len(self.barrier.contributors) == 1
@@ -77,27 +80,39 @@ class SyncRule(ServerRule):
 
     def settle(self) -> list[Decision]:
         """Close every complete step and take the waiting pushes whose step is open. A
-        step for which no gradient is to come (every live worker has pushed for it or
-        waits with a later one: a shard restored with an open step, a worker that
-        rejoined past it) closes with the gradients it has, or, empty, skips to the
-        earliest waiting push."""
+        step for which no gradient is to come (every live worker has pushed for it or is
+        past it, `ahead`: a shard restored with an open step, a worker that rejoined
+        past it) closes with the gradients it has, or, empty, skips to the earliest
+        step a worker may still push for."""
         out: list[Decision] = []
         while True:
             for rank in sorted(r for r, p in self.early.items() if self.step_of(p) == self.barrier.step):
                 p = self.early.pop(rank)
                 out += self.take(p, self.barrier.offer(rank, self.step_of(p)))
+            ahead = self.ahead() if self.early or self.past else {}
             if self.barrier.contributors and self.barrier.complete():
                 out += self.close_step()
-            elif self.early and self.barrier.passed(self.early.keys()):
+            elif ahead and self.barrier.passed(ahead.keys()):
                 if self.barrier.contributors:
                     self.short_steps += 1
                     out += self.close_step()
                 else:
                     self.fast_forwards += 1
-                    ahead = min(self.step_of(p) for p in self.early.values())
-                    out += [self.answer(r) for r in self.barrier.fast_forward(ahead)]  # type: ignore[arg-type]
+                    live = [c for r, c in ahead.items() if r in self.barrier.live] or list(ahead.values())
+                    out += [self.answer(r) for r in self.barrier.fast_forward(min(live))]  # type: ignore[arg-type]
             else:
                 return out
+            for clock, read in self.barrier.waiting():  # still parked after the step moved on: past it
+                self.past[read.rank] = max(self.past.get(read.rank, 0), clock)  # type: ignore[attr-defined]
+
+    def ahead(self) -> dict[int, int]:
+        """The ranks known to be past the open step: rank -> the lowest step it may
+        still push for (a waiting push's step; a read's clock, see `gated_read`)."""
+        step = self.barrier.step
+        out = {r: c for r, c in self.past.items() if c > step}
+        for r, p in self.early.items():
+            out[r] = min(out.get(r, self.step_of(p)), self.step_of(p))
+        return out
 
     def close_step(self) -> list[Decision]:
         n = len(self.barrier.contributors)
@@ -107,9 +122,20 @@ class SyncRule(ServerRule):
 
     def gated_read(self, e: Read) -> list[Decision]:
         self.clocks.read(e.rank, e.clock, e)  # never parks: tracks the gap
-        return [self.answer(e)] if self.barrier.read(e.clock, e) else []
+        if self.barrier.read(e.clock, e):
+            return [self.answer(e)]
+        if e.rank in self.barrier.contributors:
+            return []  # the usual: it pushed for the open step and waits for the step's end
+        # A worker reads clock c after its push for c - 1: it reads past the open step
+        # without having pushed for it here. Its push went to this shard's previous life
+        # (restored from a checkpoint, the push answered before the kill), or was refused
+        # (a non-finite gradient): it will not push for the open step.
+        self.past[e.rank] = max(self.past.get(e.rank, 0), e.clock)
+        return self.settle()
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
+        for rank in live.keys() - self.barrier.live:
+            self.past.pop(rank, None)  # a returning worker starts afresh
         self.clocks.set_live(live)
         self.barrier.set_live(live.keys())
         return self.settle()

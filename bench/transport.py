@@ -92,16 +92,26 @@ class PsgdSide:
         import torch
 
         from psgd.config import Config
+        from psgd.data import load_dataset
         from psgd.membership import CoordinatorLink
+        from psgd.models import build_model
+        from psgd.replica import Replica
+        from psgd.sharding import model_layout
         from psgd.workers.client import ParameterClient
         cfg = Config.from_dict(cfg_dict)
         self.ctx = zmq.Context()
         self.rank, self.clock = rank, 0
+        # The table is not one of psgd's own models: the shards learn its layout from the
+        # workers' registration and its values from rank 0 (psgd/layout.py), as a worker's.
+        ds = load_dataset(cfg.data, cfg.job.seed)
+        model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed)
         self.link = CoordinatorLink(cfg, "worker", rank, self.ctx)
-        self.link.register(rank)
+        self.link.register(rank, layout=model_layout(model))
         self.link.clock_fn = lambda: self.clock
         self.link.start()
         self.client = ParameterClient(cfg, self.ctx, rank)
+        replica = Replica(model, cfg.cluster.servers, torch.device("cpu"))
+        self.client.init((replica.params(), replica.buffers()) if rank == 0 else None)
         answers = self.client.join(0)
         params, buffers = ParameterClient.tables(answers)
         self.grads = [torch.zeros_like(p) for p in params]
@@ -386,7 +396,7 @@ def run_psgd_side(pool: Pool, work: str, size: int, shards: int, workers, repeat
                        f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64"])
     with Procs(os.path.join(out, "logs")) as procs:
         start_daemons(procs, cfg, out)
-        wait_for(procs, [f"server-{i}" for i in range(shards)], "serving")
+        wait_for(procs, ["coordinator"], "shards registered")  # then the workers' layout, and they serve
         shard_bytes = pool.ask({i: ("psgd", cfg.to_dict(), i) for i in range(len(pool.conns))})[0]
         try:
             got = measure(pool, workers, size, repeats, scale)

@@ -6,8 +6,10 @@ run of a `psgd compare`). The launcher now starts this server once per launcher 
 (`python -m psgd.forkserver`); it imports what the daemons need and then forks one
 child per request, which runs `psgd ROLE ...` exactly as `python -m psgd ROLE ...`
 would, with its own environment, its stderr appended to its log, and stdin and stdout
-on /dev/null. The server stays single-threaded and runs no torch operation, so a fork
-inherits no thread pool and no lock held by another thread.
+on /dev/null. The server runs no torch operation and starts no thread of its own (it
+imports with the job's environment, OMP_NUM_THREADS=1, so numpy's BLAS starts none
+either), so a fork inherits no thread pool and no lock held by another thread; it
+refuses to serve if importing initialised CUDA.
 
 Protocol, one JSON object per line. Requests on the server's stdin:
 `{"argv": [...], "env": {...}, "log": PATH or null}`; answers on its stdout:

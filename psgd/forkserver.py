@@ -115,7 +115,7 @@ def _child(argv: list[str], env: dict, log_path: str | None) -> int:
         os.dup2(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), 2)
     os.closerange(3, 64)  # the server's pipes and files are not the daemon's
     sys.argv = ["psgd", *argv]
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a daemon does not
+    signal.signal(signal.SIGINT, _child_sigint)  # the server ignores it; a daemon does as a new interpreter would
     import random
 
     import numpy as np
@@ -257,6 +257,12 @@ def running_pid() -> int | None:
     return _server.pid if _server is not None and _server.alive() else None
 
 
+_child_sigint = signal.default_int_handler  # what a new interpreter started by the launcher would have
+
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the launcher and the daemons
+    # Ctrl-C is for the launcher and the daemons. A daemon gets what this process
+    # inherited: Python's KeyboardInterrupt, or nothing where the launcher runs with
+    # SIGINT ignored (in the background of a shell without job control).
+    _child_sigint = signal.getsignal(signal.SIGINT)  # type: ignore[assignment]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve()

@@ -12,7 +12,7 @@ either), so a fork inherits no thread pool and no lock held by another thread; i
 refuses to serve if importing initialised CUDA.
 
 Protocol, one JSON object per line. Requests on the server's stdin:
-`{"argv": [...], "env": {...}, "log": PATH or null}`; answers on its stdout:
+`{"argv": [...], "env": {...}, "log": PATH or null, "cwd": PATH}`; answers on its stdout:
 `{"pid": N}` for each request, in order, and `{"exit": N, "code": C}` when a child
 ends (C as `subprocess.Popen.returncode`: negative for a signal). The server exits when
 its stdin closes (the launcher is gone); children it leaves keep running, as children
@@ -90,7 +90,7 @@ def _fork(req: dict) -> int:
         return pid
     code = 1
     try:
-        code = _child(req["argv"], req["env"], req.get("log"))
+        code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
@@ -104,10 +104,17 @@ def _fork(req: dict) -> int:
         os._exit(code)
 
 
-def _child(argv: list[str], env: dict, log_path: str | None) -> int:
+def _child(argv: list[str], env: dict, log_path: str | None, cwd: str | None = None) -> int:
     """`python -m psgd ARGV` in this forked process."""
     os.environ.clear()
     os.environ.update(env)
+    if cwd and cwd != os.getcwd():
+        os.chdir(cwd)
+    # Where a new interpreter would import from: the folder it starts in (`-m`), then
+    # PYTHONPATH (a model factory `package.module:factory` of the user's).
+    for entry in [*reversed(env.get("PYTHONPATH", "").split(os.pathsep)), os.getcwd()]:
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
@@ -150,7 +157,8 @@ class ForkServer:
         return self.proc.poll() is None
 
     def spawn(self, argv: list[str], env: dict, log_path: str | None) -> Forked:
-        self._in.write((json.dumps({"argv": argv, "env": env, "log": log_path}) + "\n").encode())
+        request = {"argv": argv, "env": env, "log": log_path, "cwd": os.getcwd()}
+        self._in.write((json.dumps(request) + "\n").encode())
         self._in.flush()
         return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
 

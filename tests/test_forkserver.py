@@ -87,3 +87,16 @@ def test_without_a_fork_server_each_daemon_is_its_own_interpreter(tmp_path):
         assert job.wait()["samples"] == 2 * 20 * 32
     finally:
         job.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_daemon_imports_from_its_own_folder_and_pythonpath(server, tmp_path):
+    """A model factory of the user's is found as a new interpreter would find it: from
+    the folder psgd run was started in, or from the job's PYTHONPATH."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "usermodels.py").write_text("raise SystemExit(7)\n")  # imported: the daemon exits 7
+    env = {**ENV, "PYTHONPATH": str(lib)}
+    child = server.spawn(["worker", "--set", "model.name=usermodels:net", "--set", "cluster.timeout_s=5"], env,
+                         str(tmp_path / "w.log"))
+    assert child.wait(timeout=60) == 7, (tmp_path / "w.log").read_text()

@@ -91,10 +91,12 @@ def _fork(req: dict) -> int:
     code = 1
     try:
         code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
+    except SystemExit as e:  # as the interpreter treats it: an int, None for 0, else printed and 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
     finally:

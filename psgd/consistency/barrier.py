@@ -50,6 +50,10 @@ class StepBarrier:
         self._in.add(rank)
         return ACCEPT
 
+    def contributed(self, rank: int) -> bool:
+        """Is `rank`'s gradient in the open step? (One set lookup.)"""
+        return rank in self._in
+
     def passed(self, ahead: Iterable[int]) -> bool:
         """Has every live worker pushed for the open step, or for a later one (`ahead`)?
         Then no gradient for it is to come."""

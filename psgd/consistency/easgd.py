@@ -3,8 +3,8 @@
 Server rule: the shards hold the centre x~. An elastic offer of worker i's replica x_i
 moves the centre by d = alpha (x_i - x~) and answers d (Algorithm 1, asynchronous).
 With `mode.sync = true` the offers of a round wait for each other (sync's round
-barrier, with its recovery after a restore or a rejoin); the centre moves by the sum of the round's d_i,
-and an offer that comes after its round closed gets its d without moving the centre.
+barrier, with its recovery after a restore or a rejoin); the centre moves by the sum
+of the round's d_i, and an offer that comes after its round closed gets its d without moving the centre.
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
 Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, tau,
@@ -66,9 +66,8 @@ class EasgdRule(SyncRule):
         raise NotImplementedError  # not in `serves`
 
     def elastic(self, e: ElasticOffer) -> list[Decision]:
-        center = self.tables.params.detach()
         if not self.mode.sync:
-            d = elastic_delta(e.x, center, self.alpha)
+            d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
             return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
         return self.offer(e)
 
@@ -107,6 +106,7 @@ class EasgdRule(SyncRule):
 
 class EasgdSchedule(Schedule):
     local_optimizer = True
+
     def start(self, w: Trainer) -> None:
         self.last_version = self.join(w)
         w.replica.model.train()

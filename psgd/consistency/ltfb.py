@@ -222,6 +222,7 @@ def unpack_meta(array: torch.Tensor, n: int) -> list[float]:
 
 class LtfbSchedule(Schedule):
     local_optimizer = needs_score = True
+
     def __init__(self, cfg):
         super().__init__(cfg)
         m = cfg.mode

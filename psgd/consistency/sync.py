@@ -103,7 +103,7 @@ class SyncRule(ServerRule):
             else:
                 return out
             for clock, read in self.barrier.waiting():  # still parked after the step moved on: past it
-                self.past[read.rank] = max(self.past.get(read.rank, 0), clock)  # type: ignore[attr-defined]
+                self.read_past(read.rank, clock)  # type: ignore[attr-defined]
 
     def ahead(self) -> dict[int, int]:
         """The ranks known to be past the open step: rank -> the lowest step it may
@@ -111,8 +111,13 @@ class SyncRule(ServerRule):
         step = self.barrier.step
         out = {r: c for r, c in self.past.items() if c > step}
         for r, p in self.early.items():
-            out[r] = min(out.get(r, self.step_of(p)), self.step_of(p))
+            at = self.step_of(p)
+            out[r] = min(out.get(r, at), at)
         return out
+
+    def read_past(self, rank: int, clock: int) -> None:
+        """`rank` reads `clock` past the open step: its next push is for `clock` or later."""
+        self.past[rank] = max(self.past.get(rank, 0), clock)
 
     def close_step(self) -> list[Decision]:
         n = len(self.barrier.contributors)
@@ -124,13 +129,13 @@ class SyncRule(ServerRule):
         self.clocks.read(e.rank, e.clock, e)  # never parks: tracks the gap
         if self.barrier.read(e.clock, e):
             return [self.answer(e)]
-        if e.rank in self.barrier.contributors:
+        if self.barrier.contributed(e.rank):
             return []  # the usual: it pushed for the open step and waits for the step's end
         # A worker reads clock c after its push for c - 1: it reads past the open step
         # without having pushed for it here. Its push went to this shard's previous life
         # (restored from a checkpoint, the push answered before the kill), or was refused
         # (a non-finite gradient): it will not push for the open step.
-        self.past[e.rank] = max(self.past.get(e.rank, 0), e.clock)
+        self.read_past(e.rank, e.clock)
         return self.settle()
 
     def membership(self, live: dict[int, int]) -> list[Decision]:

@@ -9,18 +9,17 @@ processes (the same processes, alternately) against S server processes on tcp lo
 
 - psgd: each client registers as a worker with a `psgd coordinator` process
   (`CoordinatorLink.register`, heartbeats on) and calls `ParameterClient.push_pull` in
-  a loop against S `psgd server` processes: per shard a push (header, gradient slice,
-  empty buffers) and right behind it a pull, on the shard's DEALER, all shards at once;
-  one round trip per step. Mode `async` (a push is applied on arrival, a pull never
+  a loop against S `psgd server` processes: per shard one request, a push that also
+  reads (header, gradient slice, empty buffers), on the shard's DEALER, all shards at
+  once, and one reply (header, the shard's slice); one round trip per step. Mode `async` (a push is applied on arrival, a pull never
   waits: no barrier couples the workers), optimizer SGD without momentum; the shard
   validates the message, checks the gradient is finite, steps the optimizer and answers
   the pull with a snapshot (copy) of its table.
 - raw: one DEALER per shard in each client against a ROUTER in an echo-server process
-  per shard (`python -m bench.transport --echo PORT BYTES`): per shard a push (small
-  header frame + the shard's slice of the table) and right behind it a pull (small
-  header frame); the server answers the push with a small ack and the pull with a
-  header + the shard's slice (a preallocated buffer). copy=False everywhere; one round
-  trip per step.
+  per shard (`python -m bench.transport --echo PORT BYTES`): per shard one message
+  (small header frame + the shard's slice of the table), answered with one message (a
+  small header frame + the shard's slice, a preallocated buffer). copy=False
+  everywhere; one round trip per step.
 
 Bytes are counted identically: a step moves 2 x the table size of payload (push +
 pull); throughput = W x steps x that / (last client's end - common start). The table
@@ -47,7 +46,7 @@ import zmq
 
 from bench.common import Procs, child_env, emit_json, progress, psgd_config, start_daemons, stop_on_signals, table
 
-PUSH, PULL, ACK, DATA = b"push", b"pull", b"ack", b"data"
+PUSH, DATA = b"push", b"data"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -80,10 +79,7 @@ def echo_server(port: int, nbytes: int) -> None:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if frames[1].bytes[:4] == PUSH:
-                sock.send_multipart([frames[0], ACK], copy=False)
-            else:
-                sock.send_multipart([frames[0], DATA, payload], copy=False)
+            sock.send_multipart([frames[0], DATA, payload], copy=False)
 
 
 # ---------------------------------------------------------------- one client process, either side
@@ -157,9 +153,8 @@ class RawSide:
     def step(self) -> None:
         for s, p in zip(self.socks, self.payload, strict=True):
             s.send_multipart([PUSH, p], copy=False)
-            s.send_multipart([PULL], copy=False)
-            self.sent += len(PUSH) + p.nbytes + len(PULL)
-        pending = 2 * len(self.socks)
+            self.sent += len(PUSH) + p.nbytes
+        pending = len(self.socks)
         deadline = time.monotonic() + 60
         while pending:
             if time.monotonic() > deadline:

@@ -37,8 +37,20 @@ from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
 from .sharding import ShardMap, model_tensors
 
-Reply = tuple[Hashable, list]
+Reply = tuple[Hashable, Any]   # (token, frames; a packet in psgd.sim; a push's fields for `ThenRead`)
 Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
+
+
+class ThenRead:
+    """The token of a push whose request also reads (`pull: true`): one request, one
+    reply. The push's answer is not sent; once the push's decisions are carried out the
+    shard serves the read of clock + 1 as a pull (which the rule may park), and that
+    read's answer carries the push's answer as its field `push`."""
+
+    __slots__ = ("token", "msg")
+
+    def __init__(self, token: Hashable, msg: wire.Message):
+        self.token, self.msg = token, msg
 
 
 class Shard:
@@ -189,9 +201,12 @@ class Shard:
     def on_push(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
         g, b = self._gradient(msg) if self.codec != "none" else self._vectors(msg, "gradient")
+        if msg.get("pull"):
+            token = ThenRead(token, msg)
         if msg.clock <= self.last_clock.get(msg.rank, -1):
             self.counters["duplicates"] += 1
-            return [(token, self._reply(msg, duplicate=True, staleness=0, version=self.version))]
+            ack: dict[str, Any] = {"duplicate": True, "staleness": 0, "version": self.version}
+            return self._acknowledged([(token, ack)]) if type(token) is ThenRead else [(token, self._reply(msg, **ack))]
         tau = max(0, self.version - int(msg.get("read_version")))
         mine = (token, msg)
         decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, tau, g, b))
@@ -229,10 +244,22 @@ class Shard:
     def carry_out(self, decisions: list[r.Decision]) -> list[Reply]:
         """Carry out a rule's decisions in order; the replies they make."""
         out: list[Reply] = []
+        reads: list[Reply] = []
         for d in decisions:
             reply = self._carrier(type(d))(d)
             if reply is not None:
-                out.append(reply)
+                (reads if type(reply[0]) is ThenRead else out).append(reply)
+        return out + self._acknowledged(reads) if reads else out
+
+    def _acknowledged(self, pushes: list[Reply]) -> list[Reply]:
+        """Serve the reads that follow these answered pushes (`ThenRead`), in order, now
+        that every decision of the event that answered them is carried out."""
+        out: list[Reply] = []
+        for then, fields in pushes:
+            assert isinstance(then, ThenRead)
+            push = then.msg
+            read = wire.Message("pull", id=push.id, rank=push.rank, clock=push.clock + 1, fields={"push": fields})
+            out += self.on_pull(then.token, read)
         return out
 
     def _carrier(self, kind: type) -> Callable[[Any], Reply | None]:
@@ -279,6 +306,8 @@ class Shard:
     def _do_refuse(self, d: r.Refuse) -> Reply:
         self.counters["bad_messages"] += 1
         token, msg = d.token
+        if type(token) is ThenRead:  # a refused push is the request's answer: no read follows
+            token = token.token
         return token, wire.error(msg.id, d.code, d.reason)
 
     def _do_store(self, d: r.Store) -> None:
@@ -295,11 +324,16 @@ class Shard:
 
     def _answer(self, d: r.Answer) -> Reply:
         token, msg = d.token
+        if type(token) is ThenRead:  # a push whose read follows: `carry_out` serves it
+            return token, {**d.fields, "version": self.version}
         if d.snapshot:
             arrays = self._snapshot()
         else:
             arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) for a in d.arrays]
-        return token, self._reply(msg, arrays, version=self.version, **d.fields)
+        fields = d.fields
+        if "push" in msg.fields:  # the read of a push's request carries the push's answer
+            fields = {**fields, "push": msg.fields["push"]}
+        return token, self._reply(msg, arrays, version=self.version, **fields)
 
     def _reply(self, req: wire.Message, arrays: Sequence[Any] = (), **fields: Any) -> Any:
         """The reply to `req` (frames: `wire.reply`); every reply of the shard but the

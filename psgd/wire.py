@@ -86,7 +86,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "status": {},
     # to a shard
     "pull": {"join": (bool,)},
-    "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,)},
+    "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,)},
     "elastic": {"round": (int,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,)},
     "get_model": {"round": (int,), "owner": (int,), "exact": (bool,)},

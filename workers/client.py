@@ -1,8 +1,9 @@
 """The parameter client: one DEALER per shard, every request in flight at once.
 
-A push and the next pull go out back to back on each shard's socket (the shard serves
-them in order, so the read sees this worker's own update) and all shards work in
-parallel: one round trip per step. A push may also go alone (its answer carries no
+A push and the next pull go out as one request on each shard's socket (`pull: true`:
+the shard serves the push and then the read, so the read sees this worker's own
+update, and answers once) and all shards work in parallel: one round trip, one
+message each way per shard and step. A push may also go alone (its answer carries no
 arrays), and a pull alone, for schedules that read less often than they push. A
 request that gets no answer within the retry window is sent again on a fresh
 connection (pushes are deduplicated by (rank, clock), so a resend is safe) with
@@ -168,12 +169,14 @@ class ParameterClient:
         can be in flight."""
         reqs = []
         for i in range(self.n):
-            if grads is not None:
-                assert buffers is not None and read_versions is not None
-                reqs.append((i, "push", {"clock": clock, "read_version": read_versions[i],
-                                         **self._gradient(slot, i, grads[i], buffers[i])}))
-            if pull:
+            if grads is None:
                 reqs.append((i, "pull", {"clock": clock + 1}))
+                continue
+            assert buffers is not None and read_versions is not None
+            fields = {"clock": clock, "read_version": read_versions[i], **self._gradient(slot, i, grads[i], buffers[i])}
+            if pull:
+                fields["pull"] = True
+            reqs.append((i, "push", fields))
         return self.begin(reqs)
 
     def _gradient(self, slot: int, shard: int, g: torch.Tensor, buffers: torch.Tensor) -> dict:
@@ -187,11 +190,20 @@ class ParameterClient:
         return {"arrays": [first, buffers, last], "codec": codec}
 
     def finish_push_pull(self, f: InFlight) -> tuple[list[wire.Message], list[wire.Message]]:
-        """(the pushes' answers, the pulls' answers), one each per shard (or none)."""
+        """(the pushes' answers, the pulls' answers), one each per shard (or none). A push
+        that also read has one answer: the read's, with the push's answer in its field
+        `push`."""
         answers = self.finish(f)
-        ops = [op for _, op, _ in f.reqs]
-        return ([m for op, m in zip(ops, answers, strict=True) if op == "push"],
-                [m for op, m in zip(ops, answers, strict=True) if op == "pull"])
+        pushed, pulled = [], []
+        for (_, op, kw), m in zip(f.reqs, answers, strict=True):
+            if op == "pull":
+                pulled.append(m)
+            elif kw.get("pull"):
+                pushed.append(wire.Message("reply", m.id, m.rank, m.clock, m.get("push")))
+                pulled.append(m)
+            else:
+                pushed.append(m)
+        return pushed, pulled
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
         return self.request([(i, "elastic", {"round": round_, "clock": clock,

@@ -11,10 +11,10 @@ processes (the same processes, alternately) against S server processes on tcp lo
   (`CoordinatorLink.register`, heartbeats on) and calls `ParameterClient.push_pull` in
   a loop against S `psgd server` processes: per shard one request, a push that also
   reads (header, gradient slice, empty buffers), on the shard's DEALER, all shards at
-  once, and one reply (header, the shard's slice); one round trip per step. Mode `async` (a push is applied on arrival, a pull never
-  waits: no barrier couples the workers), optimizer SGD without momentum; the shard
-  validates the message, checks the gradient is finite, steps the optimizer and answers
-  the pull with a snapshot (copy) of its table.
+  once, and one reply (header, the shard's slice); one round trip per step. Mode
+  `async` (a push is applied on arrival, a pull never waits: no barrier couples the
+  workers), optimizer SGD without momentum; the shard validates the message, checks
+  the gradient is finite, steps the optimizer and answers with its table.
 - raw: one DEALER per shard in each client against a ROUTER in an echo-server process
   per shard (`python -m bench.transport --echo PORT BYTES`): per shard one message
   (small header frame + the shard's slice of the table), answered with one message (a

@@ -89,6 +89,13 @@ class Shard:
         self.version = 0             # updates applied to params
         self._revision = 0           # changes of either table (params or buffers)
         self._shared: tuple[int, list[torch.Tensor]] = (-1, [])  # the snapshot of one revision
+        # A daemon that sends every reply as soon as it is made sets `in_flight` (and calls
+        # `sent` after each event's replies): its snapshots lend the tables themselves, and
+        # the tables move to a copy only if they change while a lent frame is unsent or still
+        # being read (`_changing`). Without it (the simulator, tests) a snapshot is a copy.
+        self.in_flight: Callable[[], bool] | None = None
+        self._lent = False            # a reply made since the last change holds the tables themselves
+        self._unsent = False          # ... and may not have been handed to the transport yet
         self.counters = {"pushes": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0}  # bad: error replies
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
         self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
@@ -140,10 +147,10 @@ class Shard:
         wire.expect_array(msg, 1, "float32", (self.B,))
         p, b = self._finite(wire.tensor(msg, 0), "initial values", msg.clock), wire.tensor(msg, 1)
         with torch.no_grad():
+            self._changing()
             self.params.copy_(p)
             self.buffers.copy_(b)
         self.ready = True
-        self._revision += 1
         waiting, self._awaiting_init = self._awaiting_init, []
         return [(token, self._reply(msg, took=True, version=self.version))] + [
             (t, self._reply(m, took=False, version=self.version)) for t, m in waiting]
@@ -274,31 +281,31 @@ class Shard:
         return do
 
     def _do_apply(self, d: r.Apply) -> None:
-        self._revision += 1
+        self._changing()
         self._step(d.grad, d.lr_scale, d.progress)
 
     def _do_accumulate(self, d: r.Accumulate) -> None:
         self._accumulate(d.grad, d.buffers, d.first)
 
     def _do_apply_sum(self, d: r.ApplySum) -> None:
-        self._revision += 1
+        self._changing()
         assert self.acc is not None, "ApplySum before any Accumulate"
         assert self.params.grad is not None  # the mean, written where the optimizer reads it
         self._step(torch.div(self.acc, d.count, out=self.params.grad), 1.0, d.progress)
 
     def _do_move(self, d: r.Move) -> None:
-        self._revision += 1
+        self._changing()
         with torch.no_grad():
             self.params.add_(d.delta)
         self.version += 1
 
     def _do_mix_buffers(self, d: r.MixBuffers) -> None:
-        self._revision += 1
+        self._changing()
         if self.B:
             self.buffers.add_(d.values - self.buffers, alpha=d.weight)
 
     def _do_set_buffers(self, d: r.SetBuffers) -> None:
-        self._revision += 1
+        self._changing()
         values = self.bacc if d.values is None else d.values
         if self.B and values is not None:
             self.buffers.copy_(values).div_(d.count)
@@ -341,13 +348,38 @@ class Shard:
         return wire.reply(req, arrays=arrays, **fields)
 
     def _snapshot(self) -> list[torch.Tensor]:
-        """Copies of the tables as they are now, shared by every reply until they change:
-        frames are sent without copying, after this returns, so a reply must not share
-        memory that the next update changes; one copy per revision serves all readers."""
+        """The tables as they are now, shared by every reply until they change: frames are
+        sent without copying, after this returns, so a reply must not share memory that
+        the next update changes. One copy per revision serves all readers; under a daemon
+        that says when its frames are read (`in_flight`) no copy at all, but the tables
+        themselves, lent until they change (`_changing`)."""
         if self._shared[0] != self._revision:
-            params = self.params.detach()
-            self._shared = (self._revision, [params.to(self._wire_torch, copy=True), self.buffers.clone()])
+            if self.in_flight is not None and self.wire_dtype == "float32":
+                self._shared = (self._revision, [self.params.detach(), self.buffers])
+                self._lent = True
+            else:
+                params = self.params.detach()
+                self._shared = (self._revision, [params.to(self._wire_torch, copy=True), self.buffers.clone()])
+        if self._lent:
+            self._unsent = True
         return self._shared[1]
+
+    def sent(self) -> None:
+        """The daemon has handed this event's replies to the transport."""
+        self._unsent = False
+
+    def _changing(self) -> None:
+        """The tables are about to change. If replies lent them (`_snapshot`) and one of
+        those is not yet sent or still being read, the tables move to a copy of themselves
+        first, so that those replies keep the values they were made with."""
+        self._revision += 1
+        if self._lent:
+            self._lent = False
+            if self._unsent or (self.in_flight is not None and self.in_flight()):
+                with torch.no_grad():
+                    self.params.data = self.params.data.clone()
+                    self.buffers.data = self.buffers.data.clone()
+                self._unsent = False
 
     def _accumulate(self, g: torch.Tensor, b: torch.Tensor, first: bool) -> None:
         if self.acc is None or self.bacc is None:
@@ -361,10 +393,12 @@ class Shard:
 
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         set_lr(self.opt, scale * lr_at(self.opt_cfg, progress, self.cfg.train.steps))
-        assert self.params.grad is not None
-        if g is not self.params.grad:  # ApplySum wrote the mean there already
-            self.params.grad.copy_(g)
-        self.opt.step()
+        own = self.params.grad
+        self.params.grad = g  # read where it lies (a request's frame, ApplySum's mean): no copy
+        try:
+            self.opt.step()
+        finally:
+            self.params.grad = own
         self.version += 1
 
     # ------------------------------------------------------------ stats, checkpoints
@@ -384,6 +418,7 @@ class Shard:
         if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
             raise ValueError(f"checkpoint is for shard {sd['shard']} with sizes {sd['sizes']}, "
                              f"not shard {self.index} with {[self.P, self.B]}")
+        self._changing()
         with torch.no_grad():
             self.params.copy_(sd["params"])
             self.buffers.copy_(sd["buffers"])
@@ -395,7 +430,6 @@ class Shard:
         if sd.get("acc") is not None:
             self.acc, self.bacc = sd["acc"].clone(), sd["bacc"].clone()
         self.ready = True
-        self._revision += 1
 
     def save(self, path: str) -> None:
         write_checkpoint(self.state_dict(), path)

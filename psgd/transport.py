@@ -230,7 +230,10 @@ class Service:
     Each of them adds one to `counters["bad_messages"]`; nothing ends the loop."""
 
     def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
-                 max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None):
+                 max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None,
+                 sent: Callable[[], None] | None = None):
+        """`sent`, when given, is called after the replies of each event have been handed
+        to ZeroMQ; `in_flight` then says whether ZeroMQ may still read any of their frames."""
         self.sock = sock
         self.handlers = handlers
         self.name = name
@@ -239,6 +242,8 @@ class Service:
         self.counters.setdefault("bad_messages", 0)
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
+        self.sent = sent
+        self._trackers: list[zmq.MessageTracker] = []  # of zero-copy frames (larger than COPY_THRESHOLD)
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and everything queued)."""
@@ -272,8 +277,26 @@ class Service:
             return [(ident, wire.error(req_id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
 
     def send(self, replies: list[Reply]) -> None:
+        if self.sent is None:
+            for ident, frames in replies:
+                try:
+                    self.sock.send_multipart([ident] + frames, copy=False)
+                except zmq.ZMQError:
+                    pass  # the peer is gone; nothing to answer
+            return
         for ident, frames in replies:
             try:
-                self.sock.send_multipart([ident] + frames, copy=False)
+                self.sock.send(cast(bytes, ident), zmq.SNDMORE, copy=False)
+                for k, f in enumerate(frames):
+                    t = self.sock.send(f, zmq.SNDMORE if k + 1 < len(frames) else 0, copy=False, track=True)
+                    if not t.done:
+                        self._trackers.append(t)
             except zmq.ZMQError:
-                pass  # the peer is gone; nothing to answer
+                pass
+        self.sent()
+
+    def in_flight(self) -> bool:
+        """May ZeroMQ still read a frame of a reply already sent? (Frames below
+        COPY_THRESHOLD were copied at send; larger ones are read until their tracker is done.)"""
+        self._trackers = [t for t in self._trackers if not t.done]
+        return bool(self._trackers)

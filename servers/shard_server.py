@@ -112,7 +112,9 @@ class ShardServer:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread (in-process tests)
             pass
-        service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters)
+        service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
+                          sent=shard.sent)
+        shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
         seen_version, last_ckpt = -1, time.monotonic()
         code = 0
         try:

@@ -107,3 +107,52 @@ def test_sync_a_waiting_push_superseded_by_a_newer_one_gets_the_error_itself():
     out = answers(shard.handle("w2", push_read(shard, 2, 0, g)))
     assert {"w1", "w2"} <= set(out) and all(out[k].op == "reply" for k in ("w1", "w2"))
     assert out["w1"].get("push") == {"staleness": 0, "version": 0}
+
+
+# ---------------------------------------------------------------- replies that lend the tables
+# Under a daemon that says when ZeroMQ is done with a reply's frames (`Shard.in_flight`,
+# `Shard.sent`: servers/shard_server.py), a read's answer holds the tables themselves, not a copy.
+
+def lending(in_flight: bool) -> Shard:
+    shard = shard_for("async", 1)
+    shard.in_flight = lambda: in_flight
+    return shard
+
+
+def reply_table(replies) -> np.ndarray:
+    (_, frames), = replies
+    return wire.decode(frames).arrays[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_lent_table_moves_to_a_copy_when_it_changes_while_the_reply_is_read():
+    shard = lending(in_flight=True)
+    g = np.ones(shard.P, np.float32)
+    table = reply_table(shard.handle("a", push_read(shard, 0, 0, g)))
+    shard.sent()
+    assert np.shares_memory(table, shard.params.detach().numpy())   # lent, not copied
+    before = table.copy()
+    shard.handle("b", push_read(shard, 0, 1, g))
+    np.testing.assert_array_equal(table, before)                     # the first reply kept its values
+    assert not np.shares_memory(table, shard.params.detach().numpy())
+    assert not np.array_equal(shard.params.detach().numpy(), before)  # and the tables moved on
+
+
+@pytest.mark.timeout(60)
+def test_a_lent_table_changes_in_place_once_the_transport_is_done_with_it():
+    shard = lending(in_flight=False)
+    g = np.ones(shard.P, np.float32)
+    table = reply_table(shard.handle("a", push_read(shard, 0, 0, g)))
+    shard.sent()
+    shard.handle("b", push_read(shard, 0, 1, g))
+    assert np.shares_memory(table, shard.params.detach().numpy())   # no copy was made
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_not_yet_sent_keeps_its_values():
+    shard = lending(in_flight=False)
+    g = np.ones(shard.P, np.float32)
+    table = reply_table(shard.handle("a", push_read(shard, 0, 0, g)))  # not handed to the transport yet
+    before = table.copy()
+    shard.handle("b", push_read(shard, 0, 1, g))
+    np.testing.assert_array_equal(table, before)

@@ -89,6 +89,39 @@ def test_service_answers_every_failure_with_the_request_id_and_goes_on():
 
 
 @pytest.mark.timeout(60)
+def test_service_tracks_the_frames_it_sends_without_copying_until_zeromq_is_done():
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    sock = server_socket(ctx, f"tcp://127.0.0.1:{port}", Config().security)
+    table = np.arange(1 << 20, dtype=np.float32)    # 4 MiB: above COPY_THRESHOLD, sent without a copy
+    calls = []
+
+    def pull(ident, msg):
+        return [(ident, wire.reply(msg, arrays=[table]))]
+
+    service = Service(sock, {"pull": pull}, "the test daemon", sent=lambda: calls.append(service.in_flight()))
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        peer.send_multipart(wire.encode("pull", id=5))
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            service.poll(20)
+        assert len(calls) == 1                         # `sent` after the event's replies were handed over
+        assert peer.poll(5000)
+        m = wire.decode(peer.recv_multipart())
+        np.testing.assert_array_equal(m.arrays[0], table)
+        while service.in_flight() and time.monotonic() < deadline:  # released once ZeroMQ has sent it
+            time.sleep(0.01)
+        assert not service.in_flight()
+    finally:
+        peer.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
 def test_coordinator_answers_an_op_it_does_not_serve_within_a_second():
     cfg = config()
     with InProcessCluster(cfg):

@@ -16,25 +16,26 @@ from psgd.workers.client import ParameterClient, tensors_of
 pytestmark = pytest.mark.inprocess
 
 W, B, K = 3, 8, 6
+SGD = ["optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.nesterov=true", "optimizer.weight_decay=0.001",
+       "optimizer.warmup_steps=2"]
+ADAMW = ["optimizer.name=adamw", "optimizer.lr=0.01", "optimizer.weight_decay=0.01", "optimizer.schedule=cosine",
+         "train.steps=6"]
 
 
+# hidden=512: each shard's table (~0.6 MB) goes without a copy (above transport.COPY_THRESHOLD), so the
+# shards' replies lend their tables (Shard._snapshot) while ZeroMQ reads them
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("opt_sets", [
-    ["optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.nesterov=true", "optimizer.weight_decay=0.001",
-     "optimizer.warmup_steps=2"],
-    ["optimizer.name=adamw", "optimizer.lr=0.01", "optimizer.weight_decay=0.01", "optimizer.schedule=cosine",
-     "train.steps=6"],
-])
-def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets):
+@pytest.mark.parametrize("opt_sets,hidden", [(SGD, 128), (ADAMW, 128), (SGD, 512)])
+def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidden):
     cfg = load(None, [f"cluster.port={port_block(3)}", f"cluster.workers={W}", "cluster.servers=2",
-                      "cluster.evaluator=false"] + opt_sets, env={})
+                      "cluster.evaluator=false", f"model.hidden={hidden}"] + opt_sets, env={})
     gen = torch.Generator().manual_seed(0)
     xs = torch.randn(K, W, B, 1, 8, 8, generator=gen)
     ys = torch.randint(0, 10, (K, W, B), generator=gen)
     finals = {}
 
     def worker(rank):
-        rep = Replica(build_model("mlp", (1, 8, 8), 10, cfg.job.seed), 2, torch.device("cpu"))
+        rep = Replica(build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden), 2, torch.device("cpu"))
         client = ParameterClient(cfg, cluster.ctx, rank)
         msgs = client.request([(i, "pull", {"clock": 0, "join": True}) for i in range(2)])
         rep.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
@@ -56,7 +57,7 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets):
             t.join(timeout=60)
         assert len(finals) == W
 
-    ref = build_model("mlp", (1, 8, 8), 10, cfg.job.seed)
+    ref = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden)
     opt = make_optimizer(list(ref.parameters()), cfg.optimizer)
     for step in range(K):
         set_lr(opt, lr_at(cfg.optimizer, step, cfg.train.steps))
@@ -67,5 +68,5 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets):
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(finals[rank][name], value, atol=1e-5, rtol=1e-4,
                                        msg=lambda m, n=name: f"{n}: {m}")
-    moved = build_model("mlp", (1, 8, 8), 10, cfg.job.seed).state_dict()
+    moved = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden).state_dict()
     assert any(not torch.allclose(moved[k], v) for k, v in ref.state_dict().items())

@@ -195,8 +195,12 @@ class CoordinatorLink:
         return "is it running there, and is that the address it listens on (cluster.host, cluster.port)?"
 
     def _apply(self, msg: wire.Message) -> None:
+        """Take in the coordinator's view; a view without the live set (the one we have is
+        current: `live_id`) keeps the live set we have."""
+        live = msg.get("live")
         self.state = {"phase": msg.get("phase", "training"), "done": bool(msg.get("done", False)),
-                      "live": {int(k): int(v) for k, v in (msg.get("live") or {}).items()},
+                      "live": self.state["live"] if live is None else {int(k): int(v) for k, v in live.items()},
+                      "live_id": msg.get("live_id", "") if live is not None else self.state.get("live_id", ""),
                       "version": int(msg.get("version", -1)), "abort": msg.get("abort", ""),
                       "rejoin": bool(msg.get("rejoin", False)),
                       "live_shards": set(msg.get("live_shards") or ())}  # shards heartbeating to the coordinator
@@ -214,7 +218,8 @@ class CoordinatorLink:
                 try:
                     msg = peers.call(0, "heartbeat", timeout=max(hb * 4, 2.0), role=self.role,
                                      index=self.index, rank=self.rank if self.role == "worker" else -1,
-                                     clock=self.clock_fn(), stats=self.stats_fn())
+                                     clock=self.clock_fn(), stats=self.stats_fn(),
+                                     live_id=self.state.get("live_id", ""))
                     self._apply(msg)
                     last_ok = time.monotonic()
                 except (PeerTimeout, wire.RemoteError):

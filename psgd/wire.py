@@ -78,7 +78,7 @@ _scalar = (int, float, str, bool, type(None))
 OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
     "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "layout": (list,)},
-    "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,)},
+    "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,), "live_id": (str,)},
     "finish": {"stats": (dict,), "error": (str,), "hold": (bool,)},
     "release": {},
     "layout": {},

@@ -59,6 +59,7 @@ class Coordinator:
         self.quiet = quiet
         self.ctx = ctx or zmq.Context.instance()
         self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s)
+        self.epoch = os.urandom(4).hex()  # this coordinator's life: with the membership version, the `live_id`
         self.address = bind_address(cfg.coordinator_address())
         self.sock = server_socket(self.ctx, self.address, cfg.security, MAX_FRAME)
         self.events = EventLog(out, "coordinator", 0)
@@ -99,12 +100,17 @@ class Coordinator:
                                "the coordinator", MAX_FRAME, self.counters)
         self._resume()
 
-    def _view(self) -> dict:
-        live = {str(k): v for k, v in self.members.live().items()}
+    def _view(self, known: str = "") -> dict:
+        """The job as daemons see it. The live set (rank -> clock) goes only to a daemon
+        whose `known` live set (`live_id`: this coordinator's and the membership's
+        version) is not the current one: it is O(W), and a heartbeat is O(1) without it."""
         now = time.monotonic()
         shards = sorted(i for i, t in self.server_seen.items() if now - t <= self.cfg.cluster.heartbeat_timeout_s)
-        return {"phase": self.phase, "done": self.phase == "done", "live": live, "version": self.members.version,
-                "abort": self.abort, "live_shards": shards}
+        view = {"phase": self.phase, "done": self.phase == "done", "version": self.members.version,
+                "abort": self.abort, "live_shards": shards, "live_id": f"{self.epoch}:{self.members.version}"}
+        if known != view["live_id"]:
+            view["live"] = {str(k): v for k, v in self.members.live().items()}
+        return view
 
     def samples(self) -> int:
         return sum(int(s.get("samples", 0)) for s in self.members.stats().values())
@@ -215,7 +221,7 @@ class Coordinator:
             self.evaluator_seen = now
         if self.phase == "done":
             self.told_done.add((role, msg.get("index", 0), msg.rank))
-        return [(ident, wire.reply(msg, rejoin=rejoin, **self._view()))]
+        return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
 
     def on_finish(self, ident, msg: wire.Message) -> list[Reply]:
         """A worker is done. With `hold`, the job does not end when the last worker is

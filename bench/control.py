@@ -1,0 +1,115 @@
+"""The control path: what a heartbeat costs the coordinator and the daemon that sends it,
+against the number of workers.
+
+    .venv/bin/python -m bench.control                        # W = 2, 64, 256, 1024: about a minute
+    .venv/bin/python -m bench.control --workers 2,1024 --beats 2000
+
+Every daemon heartbeats every `cluster.heartbeat_s` (default 0.5 s): workers, shards
+and the evaluator, each with its counters, and each gets the job's view back (phase,
+membership version, the live set). The coordinator serves them in its one serve loop,
+so at W workers it serves about (W + S + 1) / heartbeat_s of them a second.
+
+For each W a real `Coordinator` (its socket bound, no other process) takes W workers'
+registrations; then worker heartbeats, with the counters a worker sends, go through
+its serve path as they do off the socket (`Service._serve`: decode, validate, the
+handler, the reply's encoding), and the sender decodes the reply (`wire.decode`) and
+takes it in (`CoordinatorLink._apply`). Two cases: "steady", every sender has the
+current live set (`live_id`), as at every beat of a job but the first after a
+membership change; "changed", none has, so every reply carries the live set (W
+entries), as every reply did before `live_id`.
+
+Baseline, in the same run: the same path at W = 2. The table gives microseconds per
+heartbeat and the coordinator's share of a core at `cluster.heartbeat_s` (W workers'
+beats, steady); the last line is one JSON object with `coordinator_us` and `sender_us`
+per W and case, and `ratio_<W>` (the coordinator's steady cost per heartbeat at the
+largest W over that at W = 2).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import time
+
+import zmq
+
+from bench.common import emit_json, progress, table
+from psgd import wire
+from psgd.config import Config
+from psgd.launcher import pick_port
+from psgd.membership import CoordinatorLink
+from psgd.servers.coordinator import Coordinator
+
+WORKER_STATS = {"samples": 123456, "steps": 3858, "clock": 3858, "elapsed_s": 61.2345, "wait_s": 12.3456,
+                "bytes_sent": 412345678, "bytes_recv": 412345678, "staleness_hist": [3000, 500, 200, 100, 40, 10, 5, 3],
+                "loss": 0.123456, "retries": 0, "rejected": 0}
+
+
+def coordinator_with(workers: int, ctx: zmq.Context) -> Coordinator:
+    cfg = Config().replace(**{"cluster.workers": workers, "cluster.port": pick_port("127.0.0.1", 29500, 2)})
+    with contextlib.redirect_stderr(io.StringIO()):   # a line per registration
+        coord = Coordinator(cfg, None, ctx, quiet=True)
+        register(coord, workers)
+    assert coord.phase == "training", coord.phase
+    return coord
+
+
+def register(coord: Coordinator, workers: int) -> None:
+    for r in range(workers):
+        coord.service._serve(b"w%d" % r, wire.encode("register", id=1, rank=-1, role="worker", want_rank=r,
+                                                     nonce=f"n{r}"))
+
+
+def measure(workers: int, beats: int, changed: bool, ctx: zmq.Context) -> dict:
+    coord = coordinator_with(workers, ctx)
+    link = CoordinatorLink(coord.cfg, "worker", 0, ctx)
+    known = "" if changed else f"{coord.epoch}:{coord.members.version}"   # the live set the sender has
+    reqs = [wire.encode("heartbeat", id=k, rank=k % workers, clock=3858, role="worker", index=k % workers,
+                        stats=WORKER_STATS, live_id=known) for k in range(beats)]
+    serve = coord.service._serve
+    t0 = time.perf_counter()
+    replies = [serve(b"w", [bytes(f) for f in frames]) for frames in reqs]
+    t_coord = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for (_, frames), in replies:
+        link._apply(wire.decode([bytes(f) for f in frames]))
+    t_sender = time.perf_counter() - t0
+    coord.sock.close(0)
+    return {"coordinator_us": 1e6 * t_coord / beats, "sender_us": 1e6 * t_sender / beats,
+            "reply_bytes": sum(len(f) for f in replies[-1][0][1])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", default="2,64,256,1024")
+    ap.add_argument("--beats", type=int, default=4000, help="heartbeats measured at each W")
+    ap.add_argument("--heartbeat-s", type=float, default=Config().cluster.heartbeat_s)
+    a = ap.parse_args()
+    sizes = sorted({2, *(int(w) for w in a.workers.split(","))})
+    ctx = zmq.Context()
+    rows, out = [], {}
+    for w in sizes:
+        for case in ("steady", "changed"):
+            progress(f"control path: W = {w}, {case}")
+            runs = [measure(w, a.beats, case == "changed", ctx) for _ in range(3)]
+            out[(w, case)] = min(runs, key=lambda m: m["coordinator_us"])
+        st, ch = out[(w, "steady")], out[(w, "changed")]
+        share = w / a.heartbeat_s * st["coordinator_us"] * 1e-6
+        base = out[(2, "steady")]["coordinator_us"]
+        rows.append([w, round(st["coordinator_us"], 1), round(st["coordinator_us"] / base, 2),
+                     round(st["sender_us"], 1), st["reply_bytes"], f"{100 * share:.1f} %",
+                     round(ch["coordinator_us"], 1), round(ch["sender_us"], 1), ch["reply_bytes"]])
+    ctx.term()
+    print(table(["workers", "steady: coordinator us/beat", "vs W=2", "sender us/beat", "reply bytes",
+                 f"coordinator core share (heartbeat_s={a.heartbeat_s})", "changed: coordinator us/beat",
+                 "sender us/beat", "reply bytes"], rows,
+                f"worker heartbeats through the coordinator's serve path (best of 3 runs of {a.beats} beats)"))
+    top = max(sizes)
+    emit_json({"bench": "control",
+               **{f"{key}_{case}": {str(w): round(out[(w, case)][key], 2) for w in sizes}
+                  for case in ("steady", "changed") for key in ("coordinator_us", "sender_us")},
+               f"ratio_{top}": round(out[(top, "steady")]["coordinator_us"] / out[(2, "steady")]["coordinator_us"], 3)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Heartbeats are O(1) in a steady job: the coordinator sends the live set (rank ->
+clock of every live worker, O(W)) only to a daemon whose `live_id` is not the current
+one, and the daemon's link keeps the live set it has when the answer has none."""
+from __future__ import annotations
+
+import pytest
+
+from psgd import wire
+from psgd.config import Config
+from psgd.membership import CoordinatorLink
+from psgd.servers.coordinator import Coordinator
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.inprocess
+
+
+def training(workers: int) -> Coordinator:
+    cfg = Config().replace(**{"cluster.workers": workers, "cluster.port": free_port_block(2)})
+    c = Coordinator(cfg, None, quiet=True)
+    for r in range(workers):
+        c.service._serve(b"w%d" % r, wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
+    assert c.phase == "training"
+    return c
+
+
+def beat(c: Coordinator, rank: int, live_id: str = "", clock: int = 5) -> wire.Message:
+    (_, frames), = c.service._serve(b"w", wire.encode("heartbeat", id=2, rank=rank, clock=clock, role="worker",
+                                                       index=rank, stats={"samples": 1}, live_id=live_id))
+    return wire.decode(frames)
+
+
+@pytest.mark.timeout(30)
+def test_the_live_set_goes_only_to_a_daemon_that_lacks_the_current_one():
+    c = training(3)
+    try:
+        first = beat(c, 0)
+        assert first.get("live") == {"0": 5, "1": 0, "2": 0} and first.get("live_id")  # with its own clock
+        current = first.get("live_id")
+        steady = beat(c, 1, current)
+        assert steady.get("live") is None and steady.get("live_id") == current
+        assert steady.get("version") == first.get("version")
+        c.service._serve(b"w2", wire.encode("finish", id=3, rank=2, clock=9, stats={"samples": 1}))
+        changed = beat(c, 0, current, clock=7)      # membership changed: the new set, with the clocks now
+        assert changed.get("live") == {"0": 7, "1": 5} and changed.get("live_id") != current
+        assert beat(c, 1, "another coordinator's:3").get("live") is not None
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.timeout(30)
+def test_the_link_keeps_its_live_set_when_the_answer_has_none():
+    c = training(2)
+    try:
+        link = CoordinatorLink(c.cfg, "worker", 0)
+        link._apply(beat(c, 0))
+        assert link.state["live"] == {0: 5, 1: 0}
+        link._apply(beat(c, 0, link.state["live_id"], clock=6))
+        assert link.state["live"] == {0: 5, 1: 0} and link.state["phase"] == "training"
+    finally:
+        c.sock.close(0)

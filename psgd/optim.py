@@ -80,11 +80,26 @@ def eager(cls: type[Opt]) -> type[Opt]:
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """`[optimizer]`'s optimizer over `params`: torch's fused implementation (one kernel
+    over each tensor: on this project's machine 2-15x faster for a table of 0.3-4M
+    values) where torch has one for the device, except plain SGD (no momentum, no weight
+    decay), whose unfused step is one `add_` and faster."""
     if cfg.name == "sgd":
-        return eager(torch.optim.SGD)(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                                      nesterov=cfg.nesterov and cfg.momentum > 0)
+        kw: dict = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                    "nesterov": cfg.nesterov and cfg.momentum > 0}
+        return _fused_if_offered(eager(torch.optim.SGD), params, kw, cfg.momentum > 0 or cfg.weight_decay > 0)
     cls = eager(torch.optim.Adam) if cfg.name == "adam" else eager(torch.optim.AdamW)
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    kw = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    return _fused_if_offered(cls, params, kw, True)
+
+
+def _fused_if_offered(cls: type[Opt], params: list[torch.Tensor], kw: dict, want: bool) -> Opt:
+    if want:
+        try:
+            return cls(params, **{**kw, "fused": True})
+        except (RuntimeError, ValueError, TypeError):  # no fused kernel for these tensors' device or dtype
+            pass
+    return cls(params, **kw)
 
 
 def lr_at(cfg: OptimizerConfig, step: float, total: int) -> float:

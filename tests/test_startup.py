@@ -86,24 +86,32 @@ def _train(opt_factory, steps: int = 6) -> tuple[torch.Tensor, torch.optim.Optim
 @pytest.mark.unit
 @pytest.mark.parametrize("sets,plain", [
     ({"name": "sgd", "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    ({"name": "adam", "lr": 0.01}, lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8)),
+     lambda ps, **f: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, **f)),
+    ({"name": "sgd", "momentum": 0.0}, lambda ps, **f: torch.optim.SGD(ps, lr=0.1, momentum=0.0)),
+    ({"name": "adam", "lr": 0.01}, lambda ps, **f: torch.optim.Adam(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8, **f)),
     ({"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
-     lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)),
+     lambda ps, **f: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **f)),
 ])
 def test_optimizers_compute_and_checkpoint_as_torch_optim(sets, plain):
+    """torch's fused optimizer where it has one (not for plain SGD): the same values as
+    torch's, to float tolerance as its unfused one, and checkpoints either loads."""
     cfg = Config().replace(**{f"optimizer.{k}": v for k, v in sets.items()}).optimizer
     ours, opt = _train(lambda ps: make_optimizer(ps, cfg))
-    theirs, ref = _train(plain)
+    fused = cfg.momentum > 0 or cfg.name != "sgd"
+    assert bool(opt.defaults.get("fused")) == fused
+    theirs, ref = _train(lambda ps: plain(ps, **({"fused": True} if fused else {})))
     assert isinstance(opt, type(ref)) and torch.equal(ours, theirs)
+    unfused, _ = _train(plain)
+    torch.testing.assert_close(ours, unfused, rtol=1e-5, atol=1e-6)
     sd = opt.state_dict()
     assert sd["param_groups"] == ref.state_dict()["param_groups"]
-    # a checkpoint of one loads into the other
-    p = torch.zeros(20, requires_grad=True)
-    other = plain([p])
-    other.load_state_dict(sd)
-    loaded, saved = other.state_dict()["state"][0], sd["state"][0]
-    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    # a checkpoint of one loads into the other, fused or not
+    for f in ({"fused": True} if fused else {}), {}:
+        other = plain([torch.zeros(20, requires_grad=True)], **f)
+        other.load_state_dict(sd)
+        loaded, saved = other.state_dict()["state"], sd["state"]
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[i][k], saved[i][k]) for i in saved for k in saved[i])
     seen = []
     opt.register_step_post_hook(lambda *a: seen.append(1))
     opt.step()

@@ -6,8 +6,9 @@ A `Packet` is the `wire.Message` the receiver gets, and it knows its size on the
 `payload`: the arrays alone, what a shard's service time is made of). Its arrays are
 the sender's tensors (`tensors`, what `wire.tensor` reads), and `arrays` their numpy
 views, made when first read (a received frame is a view of the bytes sent without
-copies, too). Header fields that are not scalars go through msgpack, so that they
-arrive as they would (tuples as lists); the header is packed only to be measured.
+copies, too). Header fields that are not scalars (or flat maps of scalars) go through
+msgpack, so that they arrive as they would (tuples as lists); the header is packed
+only to be measured.
 
 `SimShard` is the real `Shard` whose replies are packets (it makes them in `_reply`);
 its error replies (refusals, bad messages) are encoded by the shard as always, and
@@ -57,9 +58,15 @@ def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any
         payload += nbytes
     packed = wire.pack_header({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
                                "arrays": specs, **fields})
-    if not _SCALARS.issuperset(map(type, fields.values())):
+    if not all(type(v) in _SCALARS or _flat_map(v) for v in fields.values()):
         fields = {k: v for k, v in msgpack.unpackb(packed, strict_map_key=True).items() if k in fields}
     return Packet(op, id, rank, clock, fields, [name for name, _ in specs], tensors, len(packed) + payload, payload)
+
+
+def _flat_map(v: Any) -> bool:
+    """Does `v` arrive as it is sent: a dict of str keys and scalar values (a push's
+    answer inside its read's, `Shard._answer`)?"""
+    return type(v) is dict and all(type(k) is str and type(x) in _SCALARS for k, x in v.items())
 
 
 def _tensor(a: Any) -> torch.Tensor:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 
 from .config import MODES, ConfigError, given_keys, load
@@ -262,6 +264,15 @@ def check_sets(argv: list[str]) -> None:
         raise ConfigError(f"--set {item}: expected SECTION.KEY=VALUE, one word; did you mean --set {item}={value}?")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to `psgd run` or `psgd compare`: the job stops as on Ctrl-C (its daemons
+    are stopped, compare writes the report of the runs done), and the exit code is 143."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -279,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
+    if args.cmd in ("run", "compare") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)
     except ConfigError as e:
@@ -290,5 +303,5 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, TimeoutError) as e:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return 128 + signal.SIGTERM if isinstance(e, Terminated) else 130

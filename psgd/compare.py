@@ -29,6 +29,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -442,7 +443,7 @@ def main(args) -> int:
     results: list[dict] = []
     durations: dict[int, float] = {}
     failed = 0
-    interrupted = False
+    interrupted = 0                 # the exit code when a signal ended the comparison early
     t_start = time.monotonic()
     try:
         for i, run in enumerate(plan):
@@ -465,8 +466,9 @@ def main(args) -> int:
             left = estimate_left(plan, durations, i + 1)
             eta = "" if i + 1 == n else (f"; about {_fmt_duration(left)} left" if left is not None else "")
             print(f"[{i + 1}/{n}] {result} ({durations[i]:.0f} s{eta})", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:
+        from .cli import Terminated
+        interrupted = 128 + signal.SIGTERM if isinstance(e, Terminated) else 130
         print(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those",
               file=sys.stderr, flush=True)
 
@@ -477,5 +479,5 @@ def main(args) -> int:
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
     print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
     if interrupted:
-        return 130
+        return interrupted
     return 1 if failed else 0

@@ -1,8 +1,10 @@
 """End-to-end: the `psgd` command line with real processes on loopback."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,3 +139,38 @@ def test_batchnorm_and_frozen_parameters(tmp_path):
     assert torch.equal(state["0.weight"], init["0.weight"])  # frozen: never changed
     assert not torch.equal(state["4.weight"], init["4.weight"])  # trained
     assert not torch.equal(state["1.running_mean"], init["1.running_mean"])  # BN statistics averaged on the shards
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_psgd_run_stops_every_daemon(tmp_path):
+    """`kill PID` of `psgd run` (a scheduler's cancel, a CI timeout) stops its daemons as
+    Ctrl-C does, instead of leaving them training until they miss the coordinator."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(PSGD + ["run", "--quiet", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                                    "--set", "train.steps=100000"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pids: dict[str, int] = {}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not {"worker-0.pid", "server-0.pid", "coordinator-0.pid"} <= set(pids):
+            if (out / "pids").is_dir():
+                for f in (out / "pids").iterdir():
+                    try:
+                        pids[f.name] = int(f.read_text())
+                    except (OSError, ValueError):
+                        pass  # being written
+            time.sleep(0.2)
+        assert {"worker-0.pid", "server-0.pid", "coordinator-0.pid"} <= set(pids), pids
+        while not (out / "events" / "worker-0.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)  # training
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143
+        gone = time.monotonic() + 10
+        while time.monotonic() < gone and any(os.path.exists(f"/proc/{p}") for p in pids.values()):
+            time.sleep(0.1)
+        assert not [n for n, p in pids.items() if os.path.exists(f"/proc/{p}")]
+    finally:
+        kill_all([proc])
+        for p in pids.values():  # what a failure left running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

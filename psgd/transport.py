@@ -277,23 +277,20 @@ class Service:
             return [(ident, wire.error(req_id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
 
     def send(self, replies: list[Reply]) -> None:
-        if self.sent is None:
-            for ident, frames in replies:
-                try:
-                    self.sock.send_multipart([ident] + frames, copy=False)
-                except zmq.ZMQError:
-                    pass  # the peer is gone; nothing to answer
-            return
         for ident, frames in replies:
             try:
+                if self.sent is None:
+                    self.sock.send_multipart([ident] + frames, copy=False)
+                    continue
                 self.sock.send(cast(bytes, ident), zmq.SNDMORE, copy=False)
-                for k, f in enumerate(frames):
+                for k, f in enumerate(frames):  # each frame's tracker: `in_flight`
                     t = self.sock.send(f, zmq.SNDMORE if k + 1 < len(frames) else 0, copy=False, track=True)
                     if not t.done:
                         self._trackers.append(t)
             except zmq.ZMQError:
-                pass
-        self.sent()
+                pass  # the peer is gone; nothing to answer
+        if self.sent is not None:
+            self.sent()
 
     def in_flight(self) -> bool:
         """May ZeroMQ still read a frame of a reply already sent? (Frames below

@@ -124,15 +124,24 @@ def reply_table(replies) -> np.ndarray:
     return wire.decode(frames).arrays[0]
 
 
-@pytest.mark.timeout(60)
-def test_a_lent_table_moves_to_a_copy_when_it_changes_while_the_reply_is_read():
-    shard = lending(in_flight=True)
+def lend_then_change(in_flight: bool, sent: bool):
+    """A push and read whose reply holds the tables (handed to the transport if `sent`),
+    then the next push, which changes them: (shard, the first reply's table, its values
+    when made, whether it was lent)."""
+    shard = lending(in_flight)
     g = np.ones(shard.P, np.float32)
     table = reply_table(shard.handle("a", push_read(shard, 0, 0, g)))
-    shard.sent()
-    assert np.shares_memory(table, shard.params.detach().numpy())   # lent, not copied
-    before = table.copy()
+    lent, before = np.shares_memory(table, shard.params.detach().numpy()), table.copy()
+    if sent:
+        shard.sent()
     shard.handle("b", push_read(shard, 0, 1, g))
+    return shard, table, before, lent
+
+
+@pytest.mark.timeout(60)
+def test_a_lent_table_moves_to_a_copy_when_it_changes_while_the_reply_is_read():
+    shard, table, before, lent = lend_then_change(in_flight=True, sent=True)
+    assert lent                                                       # not copied
     np.testing.assert_array_equal(table, before)                     # the first reply kept its values
     assert not np.shares_memory(table, shard.params.detach().numpy())
     assert not np.array_equal(shard.params.detach().numpy(), before)  # and the tables moved on
@@ -140,19 +149,11 @@ def test_a_lent_table_moves_to_a_copy_when_it_changes_while_the_reply_is_read():
 
 @pytest.mark.timeout(60)
 def test_a_lent_table_changes_in_place_once_the_transport_is_done_with_it():
-    shard = lending(in_flight=False)
-    g = np.ones(shard.P, np.float32)
-    table = reply_table(shard.handle("a", push_read(shard, 0, 0, g)))
-    shard.sent()
-    shard.handle("b", push_read(shard, 0, 1, g))
-    assert np.shares_memory(table, shard.params.detach().numpy())   # no copy was made
+    shard, table, _, lent = lend_then_change(in_flight=False, sent=True)
+    assert lent and np.shares_memory(table, shard.params.detach().numpy())   # no copy was made
 
 
 @pytest.mark.timeout(60)
 def test_a_reply_not_yet_sent_keeps_its_values():
-    shard = lending(in_flight=False)
-    g = np.ones(shard.P, np.float32)
-    table = reply_table(shard.handle("a", push_read(shard, 0, 0, g)))  # not handed to the transport yet
-    before = table.copy()
-    shard.handle("b", push_read(shard, 0, 1, g))
+    _, table, before, _ = lend_then_change(in_flight=False, sent=False)
     np.testing.assert_array_equal(table, before)

@@ -2,10 +2,11 @@
 
 Every step: compute a gradient on the model as last read, then push it and pull the
 next model in one round trip to all shards (one request per shard, which the shard
-serves as the push and then the read, so the read sees the worker's own update). The shards' rule decides when each pull is
-answered; a mode only says where a (re)joining worker continues, and whether the model
-it has may serve the next step without a pull (`cached`: ssp's client cache), in which
-case the step pushes only and applies its own update locally (`own_update`).
+serves as the push and then the read, so the read sees the worker's own update). The
+shards' rule decides when each pull is answered; a mode only says where a (re)joining
+worker continues, and whether the model it has may serve the next step without a pull
+(`cached`: ssp's client cache), in which case the step pushes only and applies its own
+update locally (`own_update`).
 """
 from __future__ import annotations
 

@@ -212,8 +212,7 @@ class Shard:
             token = ThenRead(token, msg)
         if msg.clock <= self.last_clock.get(msg.rank, -1):
             self.counters["duplicates"] += 1
-            ack: dict[str, Any] = {"duplicate": True, "staleness": 0, "version": self.version}
-            return self._acknowledged([(token, ack)]) if type(token) is ThenRead else [(token, self._reply(msg, **ack))]
+            return self.carry_out([r.Answer((token, msg), {"duplicate": True, "staleness": 0})])
         tau = max(0, self.version - int(msg.get("read_version")))
         mine = (token, msg)
         decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, tau, g, b))

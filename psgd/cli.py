@@ -273,6 +273,11 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def interrupted_code(e: KeyboardInterrupt) -> int:
+    """The exit code of a command stopped by Ctrl-C (130) or SIGTERM (143)."""
+    return 128 + signal.SIGTERM if isinstance(e, Terminated) else 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -304,4 +309,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        return 128 + signal.SIGTERM if isinstance(e, Terminated) else 130
+        return interrupted_code(e)

@@ -29,7 +29,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -467,8 +466,8 @@ def main(args) -> int:
             eta = "" if i + 1 == n else (f"; about {_fmt_duration(left)} left" if left is not None else "")
             print(f"[{i + 1}/{n}] {result} ({durations[i]:.0f} s{eta})", file=sys.stderr, flush=True)
     except KeyboardInterrupt as e:
-        from .cli import Terminated
-        interrupted = 128 + signal.SIGTERM if isinstance(e, Terminated) else 130
+        from .cli import interrupted_code
+        interrupted = interrupted_code(e)
         print(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those",
               file=sys.stderr, flush=True)
 

@@ -265,8 +265,9 @@ def check_sets(argv: list[str]) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM to `psgd run` or `psgd compare`: the job stops as on Ctrl-C (its daemons
-    are stopped, compare writes the report of the runs done), and the exit code is 143."""
+    """SIGTERM to `psgd run`, `psgd compare` or `psgd simulate`: the job stops as on Ctrl-C
+    (its daemons, or simulate's `--jobs` processes, are stopped; compare writes the report
+    of the runs done), and the exit code is 143."""
 
 
 def _terminate(signum, frame) -> None:
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
-    if args.cmd in ("run", "compare") and threading.current_thread() is threading.main_thread():
+    if args.cmd in ("run", "compare", "simulate") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)

@@ -1,14 +1,15 @@
 """`psgd simulate`: compare consistency modes at any worker count, on a virtual clock.
 
     psgd simulate [CONFIG] --modes sync,ssp:staleness=4,async,easgd,ltfb,diloco \\
-                  --workers 64 | 8,64,256 [--servers S] [--repeats N] --out DIR [--set k=v ...]
+                  --workers 64 | 8,64,256 [--servers S] [--repeats N] [--jobs N] --out DIR [--set k=v ...]
 
-One process runs every configuration of the plan (`--modes`, `--workers`, `--repeats`
-mean what they mean for `psgd compare`, whose parser and plan this uses) as a
-discrete-event simulation (psgd.sim): the real rules (psgd/consistency/) and the real
-shards (psgd.shard) are driven by simulated workers that compute real gradients on
-their own batches (unless `sim.train = false`), so accuracy is real and only time is
-simulated, with the cost model of the `[sim]` section (docs/simulation.md):
+Every configuration of the plan (`--modes`, `--workers`, `--repeats` mean what they
+mean for `psgd compare`, whose parser and plan this uses) runs in one process, this
+one (or, with `--jobs N`, a process of its own, N at a time), as a discrete-event
+simulation (psgd.sim): the real rules (psgd/consistency/) and the real shards
+(psgd.shard) are driven by simulated workers that compute real gradients on their own
+batches (unless `sim.train = false`), so accuracy is real and only time is simulated,
+with the cost model of the `[sim]` section (docs/simulation.md):
 `sim.compute_s` per step (0: calibrated here, by timing the model's forward and
 backward), its lognormal spread `sim.compute_cv`, `sim.latency_s`, `sim.bandwidth_gbps`
 per NIC, the shards' `sim.apply_gbps`, and the `faults.*` keys.
@@ -26,6 +27,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from .compare import build_plan, estimate_left, failed_entry, parse_modes, parse_workers, tag
 from .config import ConfigError, load
@@ -46,6 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where the simulated workers compute: cpu | cuda | cuda:N")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="runs simulated at once, each in its own process (default 1); the results are the same")
     p.set_defaults(no_baseline=True, cmd="simulate")
     return p
 
@@ -89,13 +94,14 @@ def cost_model(base, calibrated: dict) -> dict:
 def main(args) -> int:
     from .compare import _fmt_duration, _one_line, context
     from .report import write_report
-    from .sim.run import Simulation, progress_line
 
     base = load(args.config, args.set)
     specs = runnable(parse_modes(args.modes))
     workers = parse_workers(args.workers) or [base.cluster.workers]
     if args.servers is not None and args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
@@ -114,36 +120,33 @@ def main(args) -> int:
           f"{f'{base.sim.compute_s:g} s (sim.compute_s)' if base.sim.compute_s else f'calibrated here, {where}'}",
           file=sys.stderr, flush=True)
 
-    results: list[dict] = []
+    entries: dict[int, dict] = {}
     durations: dict[int, float] = {}
     real: dict[str, float] = {}
     failed = 0
     t_start = time.monotonic()
-    for i, run in enumerate(plan):
-        prefix = f"[{i + 1}/{n}] {run.describe()}"
-        print(f"{prefix} ...", file=sys.stderr, flush=True)
-        folder = os.path.join(out, "runs", run.name)
-        t0 = time.monotonic()
-        try:
-            sim = Simulation(run.cfg, costs[run.name][0], args.device, progress_line(f"[{i + 1}/{n}]"))
-            s = sim.run(folder)
+    tasks = [(i, run.cfg, costs[run.name][0], args.device, os.path.join(out, "runs", run.name), f"[{i + 1}/{n}]",
+              run.describe()) for i, run in enumerate(plan)]
+    for i, (s, events, error, seconds) in simulated(tasks, args.jobs):
+        run = plan[i]
+        if error is None and s is not None:
             entry = tag(s, run, os.path.join("runs", run.name), float(s["wall_s"]))
-            result = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {sim.loop.events:,} events"
+            result = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {events:,} events"
             if s.get("aborted"):
-                failed += 1
-                entry["error"] = s["aborted"]
-                result = f"FAILED: {s['aborted']}"
-        except (RuntimeError, ConfigError, OSError) as e:  # a deadlock, a bad dataset, a worker's error
+                error = entry["error"] = s["aborted"]
+        else:
+            entry = failed_entry(run, error or "no result", simulated=True)
+        if error is not None:
             failed += 1
-            msg = str(e).strip() or type(e).__name__
-            entry = failed_entry(run, msg, simulated=True)
-            result = f"FAILED: {msg.splitlines()[0]}"
-        durations[i] = real[run.name] = time.monotonic() - t0
-        results.append(entry)
-        write_json_atomic(os.path.join(out, "compare.json"), results)
-        left = estimate_left(plan, durations, i + 1)
-        eta = "" if i + 1 == n else (f"; about {_fmt_duration(left)} left" if left is not None else "")
-        print(f"[{i + 1}/{n}] {result} ({durations[i]:.1f} s real{eta})", file=sys.stderr, flush=True)
+            result = f"FAILED: {error.splitlines()[0]}"
+        durations[i] = real[run.name] = seconds
+        entries[i] = entry
+        write_json_atomic(os.path.join(out, "compare.json"), [entries[k] for k in sorted(entries)])
+        pending = [k for k in range(n) if k not in entries]
+        left = _time_left(plan, durations, pending, args.jobs)
+        eta = "" if not pending else (f"; about {_fmt_duration(left)} left" if left is not None else "")
+        print(f"[{i + 1}/{n}] {result} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
+    results = [entries[k] for k in sorted(entries)]
 
     ctx["simulated"]["real_s"] = {k: round(v, 2) for k, v in real.items()}
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
@@ -152,6 +155,74 @@ def main(args) -> int:
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
     print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
     return 1 if failed else 0
+
+
+def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, float]]:
+    """One run of the plan: (its index, (summary, events, error message, real seconds))."""
+    from .sim.run import Simulation, progress_line
+    i, cfg, cost, device, folder, prefix, describe = task
+    print(f"{prefix} {describe} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    try:
+        sim = Simulation(cfg, cost, device, progress_line(prefix))
+        return i, (sim.run(folder), sim.loop.events, None, time.monotonic() - t0)
+    except (RuntimeError, ConfigError, OSError) as e:  # a deadlock, a bad dataset, a worker's error
+        return i, (None, 0, str(e).strip() or type(e).__name__, time.monotonic() - t0)
+
+
+def simulated(tasks: list[tuple], jobs: int) -> Iterator[tuple[int, tuple]]:
+    """`simulate_one` of every task, as each ends: one after the other in this process, or
+    (`--jobs` > 1) up to `jobs` at once, each in a spawned process of its own (a run is
+    one process either way, and its numbers do not depend on where it ran). A process
+    that ends without an answer (killed, out of memory) fails its run; leaving early
+    (Ctrl-C, SIGTERM, an error) stops the processes still running."""
+    if jobs <= 1 or len(tasks) <= 1:
+        yield from map(simulate_one, tasks)
+        return
+    import multiprocessing
+    from multiprocessing.connection import wait
+    ctx = multiprocessing.get_context("spawn")
+    waiting = list(tasks)
+    running: dict[Any, tuple[Any, int, float]] = {}   # its answer's pipe -> (process, task index, start)
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                task = waiting.pop(0)
+                answer, sender = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_simulate_in_child, args=(task, sender), name=f"psgd-simulate-{task[0]}",
+                                   daemon=True)
+                proc.start()
+                sender.close()
+                running[answer] = (proc, task[0], time.monotonic())
+            for ready in wait(list(running), timeout=5):
+                pipe: Any = ready
+                proc, i, t0 = running.pop(pipe)
+                try:
+                    result = pipe.recv()
+                except EOFError:  # it ended without answering
+                    proc.join(10)
+                    result = (i, (None, 0, f"its process ended with exit code {proc.exitcode} and no result",
+                                  time.monotonic() - t0))
+                pipe.close()
+                proc.join(10)
+                yield result
+    finally:
+        for proc, _, _ in running.values():
+            proc.terminate()
+        for proc, _, _ in running.values():
+            proc.join(10)
+
+
+def _simulate_in_child(task: tuple, sender: Any) -> None:
+    sender.send(simulate_one(task))
+    sender.close()
+
+
+def _time_left(plan: list, durations: dict[int, float], pending: list[int], jobs: int) -> float | None:
+    """`estimate_left` for the runs not yet done, `jobs` of them at a time."""
+    done = list(durations)
+    left = estimate_left([plan[k] for k in done + pending], {j: durations[k] for j, k in enumerate(done)}, len(done))
+    return None if left is None else left / max(1, min(jobs, len(pending)))
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -68,10 +68,14 @@ def children(pid: int) -> set[int]:
 
 def started_processes() -> set[int]:
     """This process's children, and the daemons its fork server forked (psgd/forkserver.py;
-    the server itself lives as long as this process, like a thread pool)."""
+    the server itself lives as long as this process, like a thread pool, and so does
+    multiprocessing's resource tracker, which `psgd simulate --jobs` starts)."""
+    from multiprocessing import resource_tracker
+
     from psgd import forkserver
     server = forkserver.running_pid()
-    return children(os.getpid()) - {server} | (children(server) if server else set())
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return children(os.getpid()) - {server, tracker} | (children(server) if server else set())
 
 
 @pytest.fixture(autouse=True)

@@ -174,3 +174,36 @@ def test_sigterm_to_psgd_run_stops_every_daemon(tmp_path):
         for p in pids.values():  # what a failure left running
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_psgd_simulate_stops_its_job_processes(tmp_path):
+    """`psgd simulate --jobs 2` runs its simulations in processes of its own: SIGTERM stops
+    them with it (exit 143), as it stops `psgd run`'s daemons."""
+    from tests.conftest import children
+    proc = subprocess.Popen(PSGD + ["simulate", "--modes", "sync,async", "--workers", "64", "--jobs", "2",
+                                    "--out", str(tmp_path / "sim"), "--set", "sim.train=false",
+                                    "--set", "sim.compute_s=0.01", "--set", "train.steps=1000000"],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        reporting: set[str] = set()
+        while len(reporting) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+            if "% of the steps" in line:
+                reporting.add(line.split()[0])   # [1/2], [2/2]: both runs under way, each in its process
+        assert reporting == {"[1/2]", "[2/2]"}, reporting
+        pids = children(proc.pid)
+        assert len(pids) >= 2
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143
+        gone = time.monotonic() + 10
+        while time.monotonic() < gone and any(os.path.exists(f"/proc/{p}") for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+    finally:
+        kill_all([proc])
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

@@ -4,6 +4,7 @@ the report of simulated runs (alone and next to real ones)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -168,6 +169,47 @@ def test_in_process_messages_give_the_run_that_encoded_messages_give(monkeypatch
 
 
 # ---------------------------------------------------------------- whole simulations
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_jobs_run_the_plan_in_processes_with_the_same_results(tmp_path):
+    """--jobs 2: the runs in two spawned processes, two at a time; compare.json (in the
+    plan's order) and every run's summary and event log are those of --jobs 1."""
+    argv = ["--modes", "sync,async,easgd", "--workers", "3", *SMALL, "--set", "faults.jitter_prob=0.1",
+            "--set", "faults.jitter_s=0.01"]
+    code1, first = simulate(tmp_path, "one", *argv)
+    code2, second = simulate(tmp_path, "two", *argv, "--jobs", "2")
+    assert code1 == code2 == 0
+    assert [r["mode"] for r in second] == ["sync", "async", "easgd"]
+    assert open(tmp_path / "one" / "compare.json").read() == open(tmp_path / "two" / "compare.json").read()
+    for run in sorted(os.listdir(tmp_path / "one" / "runs")):
+        for root, _, files in os.walk(tmp_path / "one" / "runs" / run):
+            for name in files:
+                mine = os.path.join(root, name)
+                theirs = mine.replace(str(tmp_path / "one"), str(tmp_path / "two"))
+                assert open(mine).read() == open(theirs).read(), mine
+    assert cli(["--modes", "sync", "--jobs", "0", "--out", str(tmp_path / "bad")]) == 2
+
+
+def dies_in_a_child(input_shape, num_classes):
+    """A model factory whose process ends at once when it is a `--jobs` process."""
+    import multiprocessing
+
+    from torch import nn
+    if multiprocessing.parent_process() is not None:
+        os._exit(7)
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_jobs_process_that_dies_fails_its_run_and_the_command_ends(tmp_path):
+    code, res = simulate(tmp_path, "dies", "--modes", "sync,async", "--workers", "2", "--jobs", "2", *SMALL,
+                         "--set", "model.name=tests.test_simulate:dies_in_a_child")
+    assert code == 1
+    assert [r["mode"] for r in res] == ["sync", "async"]
+    assert all("exit code 7 and no result" in r["error"] for r in res), res
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(300)
 def test_same_config_and_seed_give_identical_compare_json(tmp_path):

@@ -166,8 +166,11 @@ def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, 
     try:
         sim = Simulation(cfg, cost, device, progress_line(prefix))
         return i, (sim.run(folder), sim.loop.events, None, time.monotonic() - t0)
-    except (RuntimeError, ConfigError, OSError) as e:  # a deadlock, a bad dataset, a worker's error
-        return i, (None, 0, str(e).strip() or type(e).__name__, time.monotonic() - t0)
+    except Exception as e:  # a deadlock, a bad dataset, a worker's error, a bug: the run failed, the plan goes on
+        msg = str(e).strip()
+        if not msg or not isinstance(e, (RuntimeError, ConfigError, OSError)):  # name what is not self-explaining
+            msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        return i, (None, 0, msg, time.monotonic() - t0)
 
 
 def simulated(tasks: list[tuple], jobs: int) -> Iterator[tuple[int, tuple]]:

@@ -211,6 +211,47 @@ def test_a_jobs_process_that_dies_fails_its_run_and_the_command_ends(tmp_path):
 
 
 @pytest.mark.inprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("train", ["true", "false"])
+def test_a_lost_answer_is_a_deadlock_reported_with_or_without_the_evaluator(monkeypatch, train):
+    """A push never answered: the worker waits for nothing that can come. The loop runs
+    out of events and the run says so (Deadlock), also with training on, where the
+    evaluator's ticks would otherwise go on forever."""
+    from psgd.shard import Shard
+    from psgd.sim.run import Deadlock
+    push = Shard.on_push
+
+    def loses_one(self, token, msg):
+        return [] if (msg.rank, msg.clock) == (1, 5) else push(self, token, msg)
+    monkeypatch.setattr(Shard, "on_push", loses_one)
+    cfg = load(None, [f"sim.train={train}", "train.steps=20", "cluster.workers=2", "mode.name=async",
+                      "sim.compute_s=0.001"])
+    with pytest.raises(Deadlock, match="deadlocked"):
+        Simulation(cfg, 0.001).run()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_bug_in_a_shard_fails_its_run_and_the_plan_goes_on(tmp_path, monkeypatch):
+    """A handler's exception is an `internal` error reply, as from a real shard; the worker
+    that gets it stops, the run fails with the reason, and the next run of the plan runs."""
+    from psgd.consistency.sync import SyncRule
+    push = SyncRule.push
+
+    def breaks(self, e):
+        if e.clock == 5:
+            raise KeyError("a bug")
+        return push(self, e)
+    monkeypatch.setattr(SyncRule, "push", breaks)
+    code, res = simulate(tmp_path, "bug", "--modes", "sync,async", "--workers", "2", *SMALL)
+    assert code == 1
+    assert [r["mode"] for r in res] == ["sync", "async"]
+    assert "KeyError" in res[0]["error"] and "internal" in res[0]["error"], res[0]["error"]
+    assert "error" not in res[1] and res[1]["samples"] == 2 * 30 * 32
+    assert os.path.exists(tmp_path / "bug" / "report.md")
+
+
+@pytest.mark.inprocess
 @pytest.mark.timeout(300)
 def test_same_config_and_seed_give_identical_compare_json(tmp_path):
     argv = ["--modes", "sync,async", "--workers", "4", *SMALL, "--set", "faults.jitter_prob=0.1",

@@ -201,6 +201,9 @@ class Simulation:
         except wire.WireError as e:
             self.shards[i].counters["bad_messages"] += 1
             replies = [(token, wire.error(msg.id, e.code, e.reason))]
+        except Exception as e:  # as the daemon's serve loop (transport.Service): a bug answers, the shard serves on
+            self.shards[i].counters["bad_messages"] += 1
+            replies = [(token, wire.error(msg.id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
         return packets(replies)
 
     def handle(self, i: int, token: Any, msg: Packet) -> None:
@@ -273,7 +276,7 @@ class Simulation:
         self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
         self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
                               **({"final": True} if final else {})})
-        if not final:
+        if not final and len(self.loop):  # with nothing else to come the workers are stuck: `run` says so
             self.loop.at(self.loop.now + self.cfg.eval.every_seconds, self.evaluate, False)
 
     # ------------------------------------------------------------ the run

@@ -292,7 +292,8 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
         if dt is None:
             raise WireError(BAD_DTYPE, f"array {i}: dtype {dtype_name!r} not allowed")
         if type(shape) is not list or len(shape) > MAX_DIMS or not all(
-                type(d) is int and 0 <= d < 1 << 40 for d in shape):
+                type(d) is int and 0 <= d < 1 << 40 for d in shape) or (
+                0 in shape and math.prod(d for d in shape if d) * dt.itemsize > max_bytes):  # empty, but impossible
             raise WireError(BAD_SHAPE, f"array {i}: bad shape {shape!r}")
         expect = math.prod(shape) * dt.itemsize
         buf = _buffer(frame)

@@ -86,6 +86,15 @@ def test_invalid_messages_are_refused_with_a_code(frames, code):
     assert e.value.reason
 
 
+def test_an_empty_array_of_impossible_dimensions_is_a_bad_shape_of_its_request():
+    """[0, 2**39, 2**39] holds nothing, but numpy cannot make it (ValueError): refused as a
+    bad shape with the request's id, so that the error reaches the caller."""
+    with pytest.raises(wire.WireError) as e:
+        wire.decode([header(id=77, arrays=[["float32", [0, 1 << 39, 1 << 39]]]), b""])
+    assert (e.value.code, e.value.request_id) == (wire.BAD_SHAPE, 77)
+    assert wire.decode([header(arrays=[["float32", [0, 5]]]), b""]).arrays[0].shape == (0, 5)
+
+
 def test_size_limit():
     frames = [bytes(f) for f in wire.encode("push", arrays=[np.zeros(100, np.float32)], read_version=0)]
     with pytest.raises(wire.WireError) as e:

@@ -8,9 +8,11 @@ optimizer (EAMSGD) the local update is torch's: b <- mu b + g(x); x <- x - d - e
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from psgd import wire
 from psgd.config import Config
 from psgd.consistency.easgd import EasgdSchedule
 from psgd.shard import Shard
@@ -86,3 +88,48 @@ def test_the_exchange_uses_the_x_before_the_step_not_after():
     assert (moved - after).abs().max() > 1e-3
     torch.testing.assert_close(flat(w.replica.params()), x0 - ALPHA * (x0 - c0) - ETA * grad(x0), rtol=1e-5,
                                atol=1e-6)
+
+
+def _offer(shard: Shard, rank: int, round_: int, x: torch.Tensor):
+    return wire.decode(wire.encode("elastic", id=9 + rank, rank=rank, clock=round_, round=round_,
+                                   arrays=[x.numpy(), np.zeros(shard.B, np.float32)]))
+
+
+def test_async_a_resent_offer_is_answered_without_moving_the_centre_again():
+    """The client resends an offer whose answer did not come within retry_s: the centre
+    moved once, by alpha (x - c0); the resend gets alpha (x - c1) and the field
+    `duplicate`, and the next round moves it again."""
+    cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 2, "cluster.servers": 1, "mode.alpha": ALPHA})
+    shard = Shard(cfg, 0)
+    c0 = shard.params.detach().clone()
+    x = c0 + 1.0
+    [(_, first)] = shard.handle("first", _offer(shard, 0, 0, x))
+    c1 = shard.params.detach().clone()
+    torch.testing.assert_close(c1, c0 + ALPHA * (x - c0))
+    [(token, again)] = shard.handle("resend", _offer(shard, 0, 0, x))
+    m = wire.decode(again)
+    assert token == "resend" and m.op == "reply" and m.get("duplicate") is True
+    torch.testing.assert_close(torch.from_numpy(m.arrays[0].copy()), ALPHA * (x - c1))
+    assert shard.version == 1 and torch.equal(shard.params.detach(), c1)
+    shard.handle("next", _offer(shard, 0, 1, x))
+    assert shard.version == 2
+    assert shard.rule.state_dict()["offered"] == {0: 1}
+
+
+def test_sync_a_resent_offer_of_the_open_round_is_answered_when_the_round_closes():
+    """Sync rounds: worker 0 resends its offer while the round waits for worker 1 (it
+    waited longer than retry_s). The resend is not refused: the round's close answers
+    it, and the centre moves by the round's two offers, each once."""
+    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": True, "cluster.workers": 2, "cluster.servers": 1,
+                              "mode.alpha": ALPHA})
+    shard = Shard(cfg, 0)
+    c0 = shard.params.detach().clone()
+    x0, x1 = c0 + 1.0, c0 - 2.0
+    assert shard.handle("first", _offer(shard, 0, 0, x0)) == []
+    assert shard.handle("resend", _offer(shard, 0, 0, x0)) == []
+    replies = shard.handle("worker 1", _offer(shard, 1, 0, x1))
+    assert sorted(t for t, _ in replies) == ["resend", "worker 1"]
+    assert all(wire.decode(f).op == "reply" for _, f in replies)
+    torch.testing.assert_close(shard.params.detach(), c0 + ALPHA * (x0 - c0) + ALPHA * (x1 - c0))
+    late = wire.decode(shard.handle("resend again", _offer(shard, 0, 0, x0))[0][1])  # after the close
+    assert late.op == "reply" and late.get("dropped") is True and shard.version == 1

@@ -4,7 +4,10 @@ Server rule: the shards hold the centre x~. An elastic offer of worker i's repli
 moves the centre by d = alpha (x_i - x~) and answers d (Algorithm 1, asynchronous).
 With `mode.sync = true` the offers of a round wait for each other (sync's round
 barrier, with its recovery after a restore or a rejoin); the centre moves by the sum
-of the round's d_i, and an offer that comes after its round closed gets its d without moving the centre.
+of the round's d_i, and an offer that comes after its round closed gets its d without
+moving the centre. A worker's offer moves the centre once: its resend (the client's,
+after `retry_s` without an answer) is answered, by the open round's close in sync, or
+with its d and the centre unmoved once its round has moved it.
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
 Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, tau,
@@ -32,13 +35,11 @@ from .elastic import default_alpha, elastic_delta, round_deltas
 from .pushpull import load
 from .rule import (
     BUFFERS,
-    REFUSED,
     Answer,
     Decision,
     ElasticOffer,
     MixBuffers,
     Move,
-    Refuse,
     Schedule,
     SetBuffers,
     Trainer,
@@ -58,6 +59,7 @@ class EasgdRule(SyncRule):
         super().__init__(mode, world, tables)
         self.alpha = default_alpha(mode.alpha, world)
         self.round: dict[int, ElasticOffer] = {}   # sync rounds: the offers of the open round
+        self.offered: dict[int, int] = {}          # async: rank -> the last round that moved the centre
 
     def backup(self) -> int:
         return 0
@@ -66,10 +68,20 @@ class EasgdRule(SyncRule):
         raise NotImplementedError  # not in `serves`
 
     def elastic(self, e: ElasticOffer) -> list[Decision]:
-        if not self.mode.sync:
-            d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
-            return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
-        return self.offer(e)
+        """Async: the offer moves the centre, once per round of each worker; an offer of
+        a round that moved it already is a resend (the worker did not get the answer):
+        it gets its d, and the centre stays. Sync: the round barrier (`offer`)."""
+        if self.mode.sync:
+            return self.offer(e)
+        if e.round <= self.offered.get(e.rank, -1):
+            return [self.unmoved(e, {"duplicate": True})]
+        self.offered[e.rank] = e.round
+        d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
+        return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
+
+    def unmoved(self, e: ElasticOffer, fields: dict) -> Answer:
+        """An offer answered with its d = alpha (x - centre) without moving the centre."""
+        return Answer(e.token, fields, arrays=[elastic_delta(e.x, self.tables.params.detach(), self.alpha), BUFFERS])
 
     def step_of(self, e: ElasticOffer) -> int:
         return e.round
@@ -78,13 +90,18 @@ class EasgdRule(SyncRule):
         return replace(e, x=e.x.clone(), buffers=e.buffers.clone())
 
     def take(self, e: ElasticOffer, verdict: str) -> list[Decision]:
-        if verdict == bsp.LATE:  # the round closed without it: it moves, the centre does not
-            d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
-            return [Answer(e.token, {"dropped": True}, arrays=[d, BUFFERS])]
-        if verdict != bsp.ACCEPT:
-            return [Refuse(e.token, REFUSED, f"round {e.round} was offered before by worker {e.rank}")]
+        if verdict == bsp.LATE:  # the round closed without it (or it is a resend of an answered offer)
+            return [self.unmoved(e, {"dropped": True})]
+        if verdict == bsp.DUPLICATE:  # a resend while its round is open: the round's close answers the resend
+            self.round[e.rank] = replace(self.round[e.rank], token=e.token)
+            return []
         self.round[e.rank] = self.keep(e)
         return []
+
+    def membership(self, live: dict[int, int]) -> list[Decision]:
+        for rank in live.keys() - self.barrier.live:
+            self.offered.pop(rank, None)  # a returning worker counts its rounds afresh
+        return super().membership(live)
 
     def close_step(self) -> list[Decision]:
         offers = [self.round[r] for r in sorted(self.round)]
@@ -101,7 +118,11 @@ class EasgdRule(SyncRule):
     def state_dict(self) -> dict:
         # The open round's offers live here, not in the shard's tables, and their askers
         # resend them to a restored shard: it starts the round afresh.
-        return {**super().state_dict(), "contributors": []}
+        return {**super().state_dict(), "contributors": [], "offered": dict(self.offered)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self.offered = {int(k): int(v) for k, v in sd.get("offered", {}).items()}
 
 
 class EasgdSchedule(Schedule):

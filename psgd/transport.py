@@ -163,8 +163,10 @@ class Peers:
         self.socks[i].close(0)
         self.socks[i] = client_socket(self.ctx, self.addresses[i], self.security)
 
-    def send(self, i: int, op: str, **kw: Any) -> int:
-        rid = next(self._ids)
+    def send(self, i: int, op: str, rid: int | None = None, **kw: Any) -> int:
+        """Send a request to peer i (under a new id, or `rid`: a resend); its id."""
+        if rid is None:
+            rid = next(self._ids)
         frames = wire.encode(op, id=rid, **kw)
         self.bytes_sent += sum(len(f) for f in frames)
         self.socks[i].send_multipart(frames, copy=False)

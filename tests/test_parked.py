@@ -83,3 +83,40 @@ def test_a_parked_pull_outlives_the_timeout_only_while_the_shard_heartbeats(port
         assert int(out["pulled"][0].get("version")) == 1  # the round closed with both gradients
     else:
         assert isinstance(out.get("error"), ShardUnreachable)
+
+
+@pytest.mark.timeout(60)
+def test_a_parked_request_is_answered_when_its_step_closes_not_at_the_next_resend(port_block):
+    """Rank 0's push+pull waits 7.8 s for rank 1 (longer than the 2 s retry window). While
+    the shard heartbeats the client resends on the same connection under the same id and
+    keeps listening, so the step's close answers it at once (it used to reconnect, sleep
+    and resend: the answer went to a closed socket and came 1.7 s later, after 3 resends of
+    the gradient). The gradient is applied once."""
+    cfg = config(port_block).replace(**{"cluster.timeout_s": 30.0})
+    with InProcessCluster(cfg) as cluster:
+        links = registered_workers(cfg, cluster)
+        try:
+            clients = [ParameterClient(cfg, cluster.ctx, r) for r in range(2)]
+            clients[0].alive = lambda i: i in links[0].state["live_shards"]
+            assert clients[0].retry_s == 2.0
+            params, buffers = clients[0].tables(clients[0].join(0))
+            out: dict = {}
+
+            def rank_0() -> None:
+                out["pulled"] = clients[0].push_pull(0, params, buffers, [0])[1]
+                out["t"] = time.monotonic()
+
+            t = threading.Thread(target=rank_0)
+            t.start()
+            time.sleep(7.8)
+            clients[1].push_pull(0, params, buffers, [0])
+            closed = time.monotonic()
+            t.join(timeout=30)
+            assert out["t"] - closed < 1.0, out["t"] - closed
+            assert int(out["pulled"][0].get("version")) == 1
+            assert clients[0].retries == 2  # at 2 s and at 2 + 4 s: the window doubles
+            for c in clients:
+                c.close()
+        finally:
+            for link in links:
+                link.close()

@@ -5,8 +5,11 @@ the shard serves the push and then the read, so the read sees this worker's own
 update, and answers once) and all shards work in parallel: one round trip, one
 message each way per shard and step. A push may also go alone (its answer carries no
 arrays), and a pull alone, for schedules that read less often than they push. A
-request that gets no answer within the retry window is sent again on a fresh
-connection (pushes are deduplicated by (rank, clock), so a resend is safe) with
+request that gets no answer within the retry window is sent again (pushes are
+deduplicated by (rank, clock) and elastic offers by (rank, round), so a resend is
+safe): while its shard heartbeats to the coordinator (it is parked, or slow, most
+likely), on the same connection under the same id, so that the first answer is taken,
+the original's too, with a window that doubles; else on a fresh connection after a
 backoff, until `cluster.timeout_s` runs out; then `ShardUnreachable` names the address.
 An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
 `wire.ServerFault`) at once. `cancel`, when set, is asked while waiting: turning true
@@ -106,16 +109,18 @@ class ParameterClient:
         with backoff while the deadline allows); the time spent here is `wait_s`."""
         t0 = time.monotonic()
         backoff = 0.5
+        patience = self.retry_s
         try:
             while f.pending:
-                window = min(self.retry_s, max(0.1, f.deadline - time.monotonic()))
+                window = min(patience, max(0.1, f.deadline - time.monotonic()))
                 try:
                     got = self.peers.wait({rid: i for rid, (_, i) in f.pending.items()}, window,
                                           "parameter request", f.cancel)
                 except PeerTimeout as e:
                     if f.cancel is not None and f.cancel():
                         raise Cancelled(e.address) from None
-                    if time.monotonic() >= f.deadline and self._alive(f):
+                    alive = self._alive(f)
+                    if time.monotonic() >= f.deadline and alive:
                         # Parked, not lost (a synchronous round waits for a slow worker): the
                         # shards still heartbeat to the coordinator. Wait another timeout_s.
                         f.deadline = time.monotonic() + self.cfg.cluster.timeout_s
@@ -123,11 +128,21 @@ class ParameterClient:
                         raise ShardUnreachable(f"worker {self.rank}: shard at {e.address} did not answer within "
                                                f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s") from None
                     f.take(e.partial)
+                    self.retries += 1
+                    if alive:
+                        # Parked or slow, most likely: the requests again (a shard that restarted
+                        # lost them) on the same connections under the same ids, so that the
+                        # first answer to come is taken, the original's too, and at once; the
+                        # window doubles, up to 4 x retry_s (a parked request waits for a peer).
+                        for rid, (k, _) in f.pending.items():
+                            shard, op, kw = f.reqs[k]
+                            self.peers.send(shard, op, rid=rid, rank=self.rank, **kw)
+                        patience = min(4 * self.retry_s, 2 * patience)
+                        continue
                     for i in {i for _, i in f.pending.values()}:
                         self.peers.reconnect(i)
                     time.sleep(backoff)
                     backoff = min(4.0, backoff * 2)
-                    self.retries += 1
                     resent = {}
                     for k, i in f.pending.values():
                         shard, op, kw = f.reqs[k]

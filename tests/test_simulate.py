@@ -301,6 +301,32 @@ def test_timing_only_at_many_workers_completes():
 
 
 @pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_jitter_draws_from_its_own_stream_as_the_real_worker_does():
+    """Turning jitter on moves no compute-time draw (a delay of 0 s with probability 0.5
+    gives the run without jitter, step for step), its delays are the real worker's
+    (`workers.worker.Jitter`, seeded by (job.seed, rank)), and each step line says
+    whether its compute was delayed, as a real worker's does."""
+    from psgd.workers.worker import Jitter
+    base = ["cluster.workers=4", "train.steps=20", "sim.train=false", "sim.compute_s=0.01", "sim.compute_cv=0.3",
+            "mode.name=async"]
+
+    def steps(*sets: str) -> dict[int, list[dict]]:
+        sim = Simulation(load(None, [*base, *sets]), 0.01)
+        sim.run()
+        return {w.rank: [x for x in w.log_lines() if "step" in x] for w in sim.workers}
+
+    plain = steps()
+    zero = steps("faults.jitter_prob=0.5", "faults.jitter_s=0")
+    assert {r: [x["t"] for x in v] for r, v in zero.items()} == {r: [x["t"] for x in v] for r, v in plain.items()}
+    jittered = steps("faults.jitter_prob=0.5", "faults.jitter_s=0.05")
+    for rank, lines in jittered.items():
+        real = Jitter(0.5, 0.05, 0, rank)
+        assert [x["jitter"] for x in lines] == [real.draw() > 0 for _ in lines]
+    assert "jitter" not in plain[0][0]
+
+
+@pytest.mark.inprocess
 @pytest.mark.timeout(600)
 def test_transient_stragglers_order_async_ssp_sync(tmp_path):
     code, res = simulate(tmp_path, "j", "--modes", "sync,ssp:staleness=4,async", "--workers", "64",

@@ -327,6 +327,25 @@ def test_jitter_draws_from_its_own_stream_as_the_real_worker_does():
 
 
 @pytest.mark.inprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_an_evaluation_counts_the_samples_of_steps_done_by_its_time(mode):
+    """The evaluator at virtual time T counts the samples of the steps finished by T, not
+    those a worker has computed ahead of the loop (diloco: a whole round of local steps),
+    and the final evaluation counts them all."""
+    cfg = load(None, ["train.steps=60", "cluster.workers=2", f"mode.name={mode}", "sim.compute_s=0.01",
+                      "eval.every_seconds=0.1"])
+    sim = Simulation(cfg, 0.01)
+    s = sim.run()
+    steps = [x for w in sim.workers for x in w.log_lines() if "step" in x]
+    for e in s["evals"][:-1]:
+        done = sum(max([x["samples"] for x in steps if x["rank"] == r and x["t"] <= e["t"]] or [0]) for r in (0, 1))
+        assert e["samples"] == done, (e, done)
+    assert [e["samples"] for e in s["evals"]] == sorted(e["samples"] for e in s["evals"])
+    assert s["evals"][-1]["samples"] == s["samples"] == 2 * 60 * 32
+
+
+@pytest.mark.inprocess
 @pytest.mark.timeout(600)
 def test_transient_stragglers_order_async_ssp_sync(tmp_path):
     code, res = simulate(tmp_path, "j", "--modes", "sync,ssp:staleness=4,async", "--workers", "64",

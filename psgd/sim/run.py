@@ -272,7 +272,7 @@ class Simulation:
         self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
         acc, loss = self.evaluator.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
         t = round(self.loop.now, 6)
-        samples = sum(w.samples for w in self.workers)
+        samples = sum(w.samples if final else w.samples_by(self.loop.now) for w in self.workers)
         self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
         self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
                               **({"final": True} if final else {})})

@@ -254,6 +254,14 @@ class SimWorker:
         self.lines.append((self.t, self.steps, self.clock, self.loss, self.samples, staleness, wait_s, c._sent,
                            c._recv, extra))
 
+    def samples_by(self, t: float) -> int:
+        """The samples of the steps this worker had finished at virtual time t (its body
+        runs ahead of the loop while it computes: a whole round ahead in ltfb or diloco)."""
+        for x in reversed(self.lines):
+            if type(x) is tuple and x[0] <= t:
+                return x[4]
+        return 0
+
     def log_lines(self) -> list[dict]:
         """The event log's lines, in order."""
         return [self._step_line(x) if isinstance(x, tuple) else x for x in self.lines]

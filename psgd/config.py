@@ -174,7 +174,7 @@ class SimConfig:
     compute_cv: float = 0.0    # its spread: coefficient of variation of a lognormal
     latency_s: float = 50e-6   # one-way link latency
     bandwidth_gbps: float = 10.0  # per worker NIC and per shard NIC
-    apply_gbps: float = 20.0   # a shard's apply rate (bytes of its tables touched per second)
+    apply_gbps: float = 20.0   # a shard's apply rate (Gbit/s of its float32 tables worked through)
     train: bool = True         # compute real gradients (false: timing only)
 
 SECTIONS: dict[str, type] = {

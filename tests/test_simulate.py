@@ -346,6 +346,24 @@ def test_an_evaluation_counts_the_samples_of_steps_done_by_its_time(mode):
 
 
 @pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_shard_works_through_its_tables_whatever_the_push_weighs_on_the_wire():
+    """A bfloat16 or top-k push is decoded into a dense float32 gradient and applied to
+    the whole table: the shards' busy time is that of float32 pushes; only the wire is
+    cheaper."""
+    def run(*sets: str) -> Simulation:
+        sim = Simulation(load(None, ["cluster.workers=8", "train.steps=10", "sim.train=false", "sim.compute_s=0.002",
+                                     "mode.name=async", *sets]), 0.002)
+        sim.run()
+        return sim
+    plain = run()
+    for sets in (["wire.dtype=bfloat16"], ["wire.compression=topk"]):
+        light = run(*sets)
+        assert [n.busy_s for n in light.nodes] == pytest.approx([n.busy_s for n in plain.nodes], rel=1e-9)
+        assert light.workers[0].client.bytes_sent < 0.6 * plain.workers[0].client.bytes_sent
+
+
+@pytest.mark.inprocess
 @pytest.mark.timeout(600)
 def test_transient_stragglers_order_async_ssp_sync(tmp_path):
     code, res = simulate(tmp_path, "j", "--modes", "sync,ssp:staleness=4,async", "--workers", "64",

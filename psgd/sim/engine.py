@@ -89,7 +89,7 @@ class Network:
     def __init__(self, latency_s: float, bandwidth_gbps: float, apply_gbps: float):
         self.latency_s = latency_s
         self.byte_s = 8.0 / (bandwidth_gbps * 1e9)     # seconds per byte on a link
-        self.apply_byte_s = 8.0 / (apply_gbps * 1e9)   # seconds per request byte at a shard
+        self.apply_byte_s = 8.0 / (apply_gbps * 1e9)   # seconds per byte a shard works through
 
     def transfer(self, src: Node, dst: Node, nbytes: int, t: float) -> float:
         """Send nbytes from src at t; when the last byte has arrived at dst."""
@@ -102,10 +102,11 @@ class Network:
         dst.rx_free = arrive + wire_s
         return dst.rx_free
 
-    def serve(self, shard: Node, payload_bytes: int, arrived: float) -> float:
-        """A request that arrived at `arrived` is served after those before it; when done."""
+    def serve(self, shard: Node, nbytes: int, arrived: float) -> float:
+        """A request that arrived at `arrived`, and makes the shard work through nbytes,
+        is served after those before it; when done."""
         start = arrived if arrived > shard.cpu_free else shard.cpu_free
-        cost = payload_bytes * self.apply_byte_s
+        cost = nbytes * self.apply_byte_s
         shard.cpu_free = start + cost
         shard.busy_s += cost
         return shard.cpu_free

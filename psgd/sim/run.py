@@ -192,7 +192,16 @@ class Simulation:
         now = self.loop.now
         for i, msg, token in items:
             arrived = self.net.transfer(w.node, self.nodes[i], msg.nbytes, now)
-            self.loop.at(self.net.serve(self.nodes[i], msg.payload, arrived), self.handle, i, token, msg)
+            self.loop.at(self.net.serve(self.nodes[i], self.applied(i, msg), arrived), self.handle, i, token, msg)
+
+    def applied(self, i: int, msg: Packet) -> int:
+        """The bytes a request makes shard i work through (`sim.apply_gbps`): a push or an
+        elastic offer, its float32 tables (a bfloat16 or compressed gradient is decoded
+        into a dense one and applied to all of them); any other request, its payload."""
+        if msg.op in ("push", "elastic") and msg.payload:
+            shard = self.shards[i]
+            return 4 * (shard.P + shard.B)
+        return msg.payload
 
     def serve(self, i: int, token: Any, msg: wire.Message) -> list[tuple[Any, Packet]]:
         """Shard i serves one request now, as the daemon's serve loop does."""

@@ -30,6 +30,7 @@ from psgd.transport import PeerTimeout, Service, bind_address, server_socket, st
 LAYOUT_POLL_S = 0.2
 LAYOUT_CALL_S = 2.0
 WAITING_EVERY_S = 5.0
+SAVER_JOIN_S = 120.0  # the longest a shard waits at exit for a checkpoint being written
 
 
 def checkpoint_path(cfg: Config, out: str | None, index: int) -> str | None:
@@ -139,8 +140,11 @@ class ShardServer:
                     break
         finally:
             if self._saver is not None:
-                self._saver.join()
-            if ckpt:
+                self._saver.join(timeout=SAVER_JOIN_S)
+            if self._saver is not None and self._saver.is_alive():  # a stalled disk: do not race it, nor wait forever
+                log(self.name, f"the checkpoint being written is not done after {SAVER_JOIN_S:.0f} s; "
+                               f"exiting without the final checkpoint")
+            elif ckpt:
                 shard.save(ckpt)
             link.stop()
             sock.close(0)

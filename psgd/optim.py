@@ -104,7 +104,7 @@ def _fused_if_offered(cls: type[Opt], params: list[torch.Tensor], kw: dict, want
 
 def lr_at(cfg: OptimizerConfig, step: float, total: int) -> float:
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return min(cfg.lr, cfg.lr * (step + 1) / cfg.warmup_steps)  # ssp/async: fractional steps, no overshoot
     if cfg.schedule == "step":
         return cfg.lr * cfg.gamma ** int(step // cfg.step_size)
     if cfg.schedule == "cosine" and total > cfg.warmup_steps:

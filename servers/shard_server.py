@@ -116,14 +116,15 @@ class ShardServer:
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
                           sent=shard.sent)
         shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
-        seen_version, last_ckpt = -1, time.monotonic()
+        seen_version, last_ckpt = (-1, None), time.monotonic()
         code = 0
         try:
             while True:
                 service.poll(50)
                 state = link.state
-                if state["version"] != seen_version and state["phase"] != "rendezvous":
-                    seen_version = state["version"]
+                seen = (state["version"], state.get("live_id"))  # live_id: a restarted coordinator may repeat a version
+                if seen != seen_version and state["phase"] != "rendezvous":
+                    seen_version = seen
                     service.send(shard.set_live(state["live"]))
                 now = time.monotonic()
                 if ckpt and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:

@@ -70,3 +70,13 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidd
                                        msg=lambda m, n=name: f"{n}: {m}")
     moved = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden).state_dict()
     assert any(not torch.allclose(moved[k], v) for k, v in ref.state_dict().items())
+
+
+def test_warm_up_never_overshoots_the_rate_at_the_fractional_steps_of_ssp_and_async():
+    """ssp and async advance the schedule by 1/W per update: the warm-up's last fractional
+    steps gave up to lr (1 + (W - 1) / (W warmup)) (W = 4, 2 steps: 1.375 lr); now at most
+    lr, rising, and sync's whole steps are unchanged (0.5 lr, then lr)."""
+    cfg = load(None, ["optimizer.lr=1.0", "optimizer.warmup_steps=2"]).optimizer
+    rates = [lr_at(cfg, v / 4, 100) for v in range(12)]
+    assert max(rates) == 1.0 and rates == sorted(rates)
+    assert [lr_at(cfg, s, 100) for s in range(3)] == [0.5, 1.0, 1.0]

@@ -161,10 +161,11 @@ class SspSchedule(PushPullSchedule):
         w0, c = w.client.wait_s, w.clock
         serve = self.cache.serves(c + 1, w.live())
         f = w.client.begin_push_pull(c, grads, buffers, read, self.slot, pull=not (serve and self.pull_less))
+        if serve:  # read-my-writes, at clock c's lr as the shard applies it: the next step computes on this copy
+            own_update(w)
         w.clock = c + 1
         if not serve:
             return self.settled(w, f, w0, cached=False)
-        own_update(w)                   # read-my-writes: the next step computes on this copy
         if not self.prefetch:
             return self.settled(w, f, w0, cached=True)
         self.inflight, self.slot = (f, w0), self.slot ^ 1

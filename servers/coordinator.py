@@ -214,6 +214,8 @@ class Coordinator:
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
             if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
                 rejoin = False
+            if self.phase in ("final_eval", "done"):
+                rejoin = False  # it would be refused ("the job is finishing"): the job's end stops it instead
         elif role == "server":
             self.servers[msg.get("index", 0)] = stats
             self.server_seen[msg.get("index", 0)] = now

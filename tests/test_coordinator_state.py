@@ -88,3 +88,19 @@ def test_a_repeated_registration_gets_the_same_rank_and_no_new_join():
             peers.close()
         assert cluster.coordinator.members.members[0].joins == 1
         assert cluster.coordinator.members.rejoined == 0
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_dropped_worker_is_not_told_to_rejoin_once_the_job_is_finishing(tmp_path):
+    """A worker whose heartbeats come back while the job evaluates its final model would
+    be refused registration ("the job is finishing") and died on that refusal; it is not
+    told to rejoin then (the job's end stops it), but it is while training."""
+    from psgd import wire
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1})
+    c = coordinator(cfg, str(tmp_path))
+    beat = wire.Message("heartbeat", id=1, rank=1, clock=3, fields={"role": "worker"})
+    for phase, told in (("training", True), ("final_eval", False), ("done", False)):
+        c.phase = phase
+        [(_, frames)] = c.on_heartbeat(b"w1", beat)   # rank 1 is not a live member (dropped, or never seen)
+        assert wire.decode(frames).get("rejoin") is told, phase

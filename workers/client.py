@@ -134,20 +134,15 @@ class ParameterClient:
                         # lost them) on the same connections under the same ids, so that the
                         # first answer to come is taken, the original's too, and at once; the
                         # window doubles, up to 4 x retry_s (a parked request waits for a peer).
-                        for rid, (k, _) in f.pending.items():
-                            shard, op, kw = f.reqs[k]
-                            self.peers.send(shard, op, rid=rid, rank=self.rank, **kw)
                         patience = min(4 * self.retry_s, 2 * patience)
-                        continue
-                    for i in {i for _, i in f.pending.values()}:
-                        self.peers.reconnect(i)
-                    time.sleep(backoff)
-                    backoff = min(4.0, backoff * 2)
-                    resent = {}
-                    for k, i in f.pending.values():
-                        shard, op, kw = f.reqs[k]
-                        resent[self.peers.send(shard, op, rank=self.rank, **kw)] = (k, i)
-                    f.pending = resent
+                    else:
+                        for i in {i for _, i in f.pending.values()}:
+                            self.peers.reconnect(i)
+                        time.sleep(backoff)
+                        backoff = min(4.0, backoff * 2)
+                    f.pending = {self.peers.send(f.reqs[k][0], f.reqs[k][1], rid=rid if alive else None,
+                                                 rank=self.rank, **f.reqs[k][2]): (k, i)
+                                 for rid, (k, i) in f.pending.items()}
                     continue
                 f.take(got)
         finally:

@@ -74,6 +74,19 @@ def test_staleness_policy_through_a_shard():
     np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr * (3 + 1 / 3) * g, rtol=1e-5, atol=1e-6)
 
 
+def test_n_push_moves_the_lr_schedule_n_push_steps_per_push():
+    # a push of Downpour's n_push is the sum of n_push steps: after W pushes of every
+    # worker's, the schedule stands at n_push steps, as it would after W * n_push
+    # single-step pushes (progress = version * n_push / W)
+    def progress(r, pushes):
+        r.tables.version = pushes
+        (apply,) = [d for d in r.push(Push(("push", 0), 0, 0, 0, "g", "b")) if isinstance(d, Apply)]
+        return apply.progress
+    assert progress(rule("async", 2, **{"mode.n_push": 4}), 50) == 100.0
+    assert progress(rule("async", 2), 50) == 25.0
+    assert progress(rule("ssp", 2), 50) == 25.0
+
+
 # ---------------------------------------------------------------- a fake trainer and client
 
 class Msg(dict):

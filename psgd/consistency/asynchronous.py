@@ -41,6 +41,11 @@ class AsyncRule(SspRule):
         """1 / W, or 1 / max(1, tau) in its place with `lr_policy = "staleness"`."""
         return lr_scale(tau, self.mode.lr_policy, self.world)
 
+    def steps_per_push(self) -> int:
+        """Downpour's `mode.n_push`: a push is the sum of that many steps, so the lr
+        schedule moves n_push / W steps per push."""
+        return self.mode.n_push
+
     def gradient(self, e):
         """DC-ASGD: compensated with w_bak, the copy this worker read at the version its
         gradient was computed on (the push's read_version = version - tau)."""

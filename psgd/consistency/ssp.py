@@ -45,11 +45,15 @@ class SspRule(ServerRule):
         """The scale of a push's learning rate: 1 / W."""
         return 1.0 / self.world
 
+    def steps_per_push(self) -> int:
+        """Worker steps that one push carries: 1."""
+        return 1
+
     def gradient(self, e: Push):
         return e.grad
 
     def push(self, e: Push) -> list[Decision]:
-        progress = self.tables.version / self.world
+        progress = self.tables.version * self.steps_per_push() / self.world
         out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(e.tau), progress),
                                MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, {"staleness": e.tau})]
         self.hist.add(e.tau)

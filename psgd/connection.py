@@ -168,9 +168,11 @@ class Connection(Worker):
             if held:
                 self._final_model()
         finally:
-            if held:
-                self.link.call("release")
-            self._end("", reported=True)
+            try:
+                if held:
+                    self.link.call("release")
+            finally:  # a coordinator gone by now must not keep the pid file and the sockets
+                self._end("", reported=True)
 
     def __enter__(self) -> Connection:
         return self

@@ -222,6 +222,7 @@ class CoordinatorLink:
                                      live_id=self.state.get("live_id", ""))
                     self._apply(msg)
                     last_ok = time.monotonic()
+                    self.lost = False   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError):
                     peers.reconnect(0)
                     if time.monotonic() - last_ok > self.cfg.cluster.timeout_s:

@@ -58,3 +58,44 @@ def test_the_link_keeps_its_live_set_when_the_answer_has_none():
         assert link.state["live"] == {0: 5, 1: 0} and link.state["phase"] == "training"
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_link_that_lost_the_coordinator_finds_it_again_when_it_comes_back():
+    # a coordinator silent for longer than cluster.timeout_s makes the link `lost`; one
+    # that answers again (a restarted coordinator) makes it not lost any more
+    import threading
+    import time
+
+    import zmq
+
+    from psgd.transport import Service, server_socket
+    cfg = Config().replace(**{"cluster.port": free_port_block(1), "cluster.timeout_s": 1.0,
+                              "cluster.heartbeat_s": 0.1})
+    ctx = zmq.Context()
+    link = CoordinatorLink(cfg, "shard", 0, ctx)
+    link.start()
+    stop = threading.Event()
+    sock, thread = None, None
+    try:
+        deadline = time.monotonic() + 20
+        while not link.lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert link.lost
+        sock = server_socket(ctx, cfg.coordinator_address(), cfg.security)
+        service = Service(sock, {"heartbeat": lambda ident, msg: [(ident, wire.reply(msg, phase="training"))]},
+                          "a coordinator")
+        thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)])
+        thread.start()
+        deadline = time.monotonic() + 20
+        while link.lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not link.lost and link.state["phase"] == "training"
+    finally:
+        link.close()
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+        if sock is not None:
+            sock.close(0)
+        ctx.term()

@@ -411,7 +411,10 @@ class Shard:
                 "sizes": [self.P, self.B],
                 # the open step's sums: its pushes are in last_clock, so they are not sent again
                 "acc": None if self.acc is None else self.acc.clone(),
-                "bacc": None if self.bacc is None else self.bacc.clone()}
+                "bacc": None if self.bacc is None else self.bacc.clone(),
+                # the stored models (ltfb's deposits), which the rule's state names by key;
+                # not copied: a stored model's arrays are never modified, only replaced
+                "models": {k: list(arrays) for k, arrays in self.models.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
         if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
@@ -428,6 +431,7 @@ class Shard:
         self.counters.update(sd["counters"])
         if sd.get("acc") is not None:
             self.acc, self.bacc = sd["acc"].clone(), sd["bacc"].clone()
+        self.models = {k: list(arrays) for k, arrays in sd.get("models", {}).items()}  # older: none kept
         self.ready = True
 
     def save(self, path: str) -> None:

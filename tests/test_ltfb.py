@@ -186,6 +186,69 @@ def test_rule_keeps_outcomes_apart_from_tournament_deposits():
 
 
 # ---------------------------------------------------------------- through the shards
+def _ask(shard: Shard, request: wire.Message) -> list[tuple]:
+    """A request's replies, decoded: (token, op, fields, arrays as lists)."""
+    out = []
+    for token, frames in shard.handle(("t", request.id), request):
+        m = wire.decode([bytes(f) for f in frames])
+        out.append((token, m.op, m.fields, [a.tolist() for a in m.arrays]))
+    return out
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_restored_shard_answers_every_ltfb_request_as_before(tmp_path):
+    """A shard restarted from its checkpoint (kill -9) keeps the deposits, outcomes,
+    scores, truncation boards and the groups' open and closed steps: the models index
+    and every fetch, push and read get the answers the original gives. A checkpoint
+    written before these were kept still loads, holding none of them."""
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2,
+                              "cluster.servers": 1})
+    a = Shard(cfg, 0)
+    ids = iter(range(1, 1 << 20))
+
+    def req(op, rank, clock, arrays=(), **fields) -> wire.Message:
+        return wire.decode(wire.encode(op, id=next(ids), rank=rank, clock=clock, arrays=arrays, **fields))
+
+    def model(x: float) -> list:
+        return [torch.full((a.P,), x), torch.full((a.B,), -x), torch.full((a.P,), 2 * x)]
+
+    def push(rank, clock, x: float, pull: bool = True) -> wire.Message:
+        return req("push", rank, clock, [torch.full((a.P,), x), torch.full((a.B,), x)], read_version=0, pull=pull)
+
+    for rank, rnd, score, x in ((0, 1, 0.7, 1.0), (2, 1, 0.9, 2.0), (0, -1, 0.7, 3.0), (2, 2, 0.4, 4.0)):
+        _ask(a, req("put_model", rank, 50, model(x), round=rnd, score=score))
+    assert len(_ask(a, req("get_model", 0, 0, round=1, owner=-1))) == 1     # round 1's board, frozen
+    for rank in (2, 3):                                                      # trainer 1's step 0 closes
+        _ask(a, push(rank, 0, float(rank)))
+    _ask(a, push(0, 5, 1.0, pull=False))       # trainer 0's step 5 is open (a parked read would be resent)
+
+    a.save(str(tmp_path / "shard-0.pt"))                                     # weights_only, as a restart loads it
+    b = Shard(cfg, 0)
+    b.load(str(tmp_path / "shard-0.pt"))
+    assert b.stats() == a.stats()
+    for r in [req("models", 0, 0), req("get_model", 0, 0, round=1, owner=0, exact=True),
+              req("get_model", 0, 0, round=1, owner=1),                      # trainer 1 has moved on to round 2
+              req("get_model", 1, 0, round=-1, owner=0),                     # trainer 0's outcome of round 1
+              req("get_model", 0, 0, round=1, owner=-1),                     # the frozen board
+              req("get_model", 0, 0, round=2, owner=-1),                     # parked on both: trainer 0 is behind
+              req("pull", 3, 1),                                             # a resent read of a closed step
+              push(1, 5, 3.0),                                               # closes trainer 0's step 5: the mean
+              req("put_model", 0, 60, model(5.0), round=2, score=0.8),       # forgets round 1's, releases the board
+              req("models", 0, 0)]:
+        answers = _ask(a, r)
+        assert _ask(b, r) == answers, r
+        assert answers or r.op == "get_model"
+    assert b.stats() == a.stats() and b.models.keys() == a.models.keys()
+
+    old = a.state_dict()                                                     # as written before models were kept
+    del old["models"]
+    old["rule"] = {"hist": old["rule"]["hist"]}
+    c = Shard(cfg, 0)
+    c.load_state_dict(old)
+    assert c.ready and c.models == {} and _ask(c, req("models", 0, 0))[0][2]["models"] == []
+
+
 class TourLoopback(Loopback):
     """A loopback with the tournament ops (deposits and fetches must be answerable at once)."""
     put_model = ParameterClient.put_model

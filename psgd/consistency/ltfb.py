@@ -174,6 +174,25 @@ class LtfbRule(ServerRule):
         out: list[Decision] = [self.answer_step(t, a) for t, a in self.groups.set_live(live)]
         return out + [self.answer_scores(t, r, b) for t, r, b in self.board.set_live(trainers(live, self.k))]
 
+    def state_dict(self) -> dict:
+        """Everything the rule answers from between requests: the latest deposit and
+        outcome of each trainer, their scores, the truncation boards and the groups'
+        steps. The models themselves are the shard's (`Shard.state_dict`); parked
+        requests are resent by their askers to a restored shard."""
+        return {**super().state_dict(), "exchange": self.exchange.state_dict(),
+                "outcomes": self.outcomes.state_dict(),
+                "scores": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
+                "board": self.board.state_dict(), "groups": self.groups.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A key that is missing (a checkpoint written before it was kept) is empty."""
+        super().load_state_dict(sd)
+        self.exchange.load_state_dict(sd.get("exchange", {}))
+        self.outcomes.load_state_dict(sd.get("outcomes", {}))
+        self.scores = {(int(r), int(o)): float(s) for r, o, s in sd.get("scores", [])}
+        self.board.load_state_dict(sd.get("board", {}))
+        self.groups.load_state_dict(sd.get("groups", {}))
+
     def stats(self) -> dict:
         return {**super().stats(), "dropped": self.groups.dropped,
                 "parked": self.exchange.parked + self.outcomes.parked + self.board.parked + self.groups.parked}

@@ -128,6 +128,15 @@ class Exchange:
         """Stored model keys still reachable (the shard frees the others)."""
         return {m for _, m in self.latest.values()}
 
+    def state_dict(self) -> dict:
+        """Each owner's latest deposit, for a checkpoint. The parked requests are not
+        kept: their askers resend them to a restored shard."""
+        return {"latest": {o: [r, m] for o, (r, m) in self.latest.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """`sd` from `state_dict`; an empty one (a checkpoint older than it) holds nothing."""
+        self.latest = {int(o): (int(r), m) for o, (r, m) in sd.get("latest", {}).items()}
+
     @property
     def parked(self) -> int:
         return len(self._waiting)
@@ -178,6 +187,20 @@ class Scoreboard:
                 return None
             self.frozen[round_] = dict(self.rounds.get(round_, {}))
         return self.frozen[round_]
+
+    def state_dict(self) -> dict:
+        """The scores and the frozen boards, for a checkpoint: a restored shard answers a
+        round's board as before, never a second, different one. The live trainers come
+        from the membership; the parked requests are resent by their askers."""
+        return {"rounds": {r: dict(s) for r, s in self.rounds.items()}, "latest": dict(self.latest),
+                "frozen": {r: dict(s) for r, s in self.frozen.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """`sd` from `state_dict`; an empty one (a checkpoint older than it) holds nothing."""
+        scores = lambda boards: {int(r): {int(t): float(v) for t, v in s.items()}  # noqa: E731
+                                 for r, s in boards.items()}
+        self.rounds, self.frozen = scores(sd.get("rounds", {})), scores(sd.get("frozen", {}))
+        self.latest = {int(t): int(r) for t, r in sd.get("latest", {}).items()}
 
     def _release(self) -> list[tuple[Hashable, int, dict[int, float]]]:
         ready, still = [], []
@@ -276,6 +299,32 @@ class GroupSteps:
                 self._close(g)
                 out += self._release(g)
         return out
+
+    def state_dict(self) -> dict:
+        """Each trainer's open step (its contributors and sums: their pushes are deduped
+        by the shard's clocks, so they are not offered again) and last closed step (a
+        resent read's answer), for a checkpoint. The sums are copied (the next push adds
+        into them); a closed step's arrays are never modified. Parked reads are resent."""
+        copy = lambda x: None if x is None else x.clone()  # noqa: E731
+        return {"dropped": self.dropped, "groups": {
+            t: {"step": g.step, "contributors": sorted(g.contributors), "grad": copy(g.grad),
+                "buffers": copy(g.buffers),
+                "done": None if g.done is None else {"step": g.done.step, "grad": g.done.grad,
+                                                     "buffers": g.done.buffers, "count": g.done.count}}
+            for t, g in self.groups.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """`sd` from `state_dict`; an empty one (a checkpoint older than it) holds nothing:
+        the groups restart at the first push they see. The sums are copied, as in
+        `state_dict`: one checkpoint may be restored more than once."""
+        copy = lambda x: None if x is None else x.clone()  # noqa: E731
+        self.dropped = int(sd.get("dropped", 0))
+        self.groups = {}
+        for t, g in sd.get("groups", {}).items():
+            done = g["done"]
+            self.groups[int(t)] = _Group(
+                int(g["step"]), {int(r) for r in g["contributors"]}, copy(g["grad"]), copy(g["buffers"]),
+                None if done is None else Mean(int(done["step"]), done["grad"], done["buffers"], int(done["count"])))
 
     def _complete(self, t: int, g: _Group) -> bool:
         return all(r in g.contributors for r in self.live if trainer_of(r, self.k) == t)

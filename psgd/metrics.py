@@ -85,7 +85,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     samples = sum(int(s.get("samples", 0)) for s in worker_stats.values())
     hist = Histogram()
     for s in worker_stats.values():
-        hist.merge(s.get("staleness_hist", []))
+        hist.merge(Histogram.of(s))
     busy = sum(float(s.get("elapsed_s", 0)) for s in worker_stats.values())
     wait = sum(float(s.get("wait_s", 0)) for s in worker_stats.values())
     traffic = sum(int(s.get("bytes_sent", 0)) + int(s.get("bytes_recv", 0)) for s in worker_stats.values())

@@ -48,11 +48,11 @@ class Scalars:
             elapsed = float(s.get("elapsed_s") or 0)
             if elapsed <= 0:
                 continue
-            h = Histogram(s.get("staleness_hist") or [])
+            h = Histogram.of(s)
             values[f"worker-{r}/samples_per_s"] = int(s.get("samples") or 0) / elapsed
             values[f"worker-{r}/staleness"] = h.mean
             values[f"worker-{r}/wait_fraction"] = float(s.get("wait_s") or 0) / elapsed
-            hist.merge(h.counts)
+            hist.merge(h)
             busy, wait = busy + elapsed, wait + float(s.get("wait_s") or 0)
         if values:
             values.update({"job/samples_per_s": sum(v for k, v in values.items() if k.endswith("samples_per_s")),

@@ -93,7 +93,7 @@ def table(r: wire.Message) -> str:
     for w in r.get("workers") or []:
         elapsed = float(w.get("elapsed_s") or 0)
         rate = f"{(w.get('samples') or 0) / elapsed:,.0f}" if elapsed > 0 else "-"
-        hist = Histogram(w.get("staleness_hist") or [])
+        hist = Histogram.of(w)
         wait = f"{float(w.get('wait_s') or 0) / elapsed:.0%}" if elapsed > 0 else "-"
         clock = f"{w['clock']}/{steps}" if steps else str(w["clock"])
         rows.append((str(w["rank"]), w["state"], clock, rate, f"{hist.mean:.2f}" if hist.total else "-", wait,

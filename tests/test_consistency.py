@@ -503,23 +503,30 @@ def test_ltfb_exchange_keeps_a_model_its_partner_still_needs():
 @PROPS
 @given(taus=st.lists(st.integers(-3, 80), max_size=60), more=st.lists(st.integers(0, 40), max_size=20))
 def test_histogram(taus, more):
+    # the bins clip at BINS - 1; the mean and max are exact however far past them tau goes
     h = Histogram()
     for t in taus:
         h.add(t)
     clipped = [min(max(t, 0), BINS - 1) for t in taus]
+    exact = [max(t, 0) for t in taus]
     assert h.total == len(taus)
     assert h.counts == [clipped.count(i) for i in range(BINS)]
-    assert h.mean == pytest.approx(sum(clipped) / len(clipped) if clipped else 0.0)
-    assert h.max == (max(clipped) if clipped else 0)
+    assert h.mean == pytest.approx(sum(exact) / len(exact) if exact else 0.0)
+    assert h.max == (max(exact) if exact else 0)
     assert h.as_dict() == {(f"{i}+" if i == BINS - 1 else str(i)): clipped.count(i)
                            for i in sorted(set(clipped))}
-    g = Histogram(h.counts)
+    g = Histogram.of(h.stats())        # through a process's counters (heartbeats, summary.json)
     other = Histogram()
     for t in more:
         other.add(t, 2)
     g.merge(other)
-    h.merge(other.counts)
+    h.merge(Histogram.of(other.stats()))
     assert g.counts == h.counts and g.total == len(taus) + 2 * len(more)
+    everything = exact + [t for t in more for _ in range(2)]
+    assert g.mean == pytest.approx(sum(everything) / len(everything) if everything else 0.0)
+    assert g.max == h.max == (max(everything) if everything else 0)
+    older = Histogram(h.counts)        # counters without the sum (an older process's): the bins'
+    assert older.mean == pytest.approx(sum(i * c for i, c in enumerate(h.counts)) / h.total if h.total else 0.0)
 
 
 @pytest.mark.timeout(60)

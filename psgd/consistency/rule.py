@@ -248,14 +248,14 @@ class ServerRule:
 
     def stats(self) -> dict:
         """Counters for summary.json."""
-        return {"max_clock_gap": 0, "dropped": 0, "parked": 0, "staleness_hist": self.hist.counts}
+        return {"max_clock_gap": 0, "dropped": 0, "parked": 0, **self.hist.stats()}
 
     def state_dict(self) -> dict:
-        return {"hist": list(self.hist.counts)}
+        return {"hist": list(self.hist.counts), "hist_sum": self.hist.tau_sum, "hist_max": self.hist.top}
 
     def load_state_dict(self, sd: dict) -> None:
         """A restore from a checkpoint written by `state_dict`."""
-        self.hist = Histogram(sd.get("hist"))
+        self.hist = Histogram(sd.get("hist"), sd.get("hist_sum"), sd.get("hist_max"))
 
 
 # ---------------------------------------------------------------- the worker schedule

@@ -287,5 +287,5 @@ class SimWorker:
         return {"samples": self.samples, "steps": self.steps, "clock": self.clock,
                 "elapsed_s": round(self.finished_at if self.finished_at is not None else self.t, 6),
                 "wait_s": round(self.client.wait_s, 6), "bytes_sent": self.client.bytes_sent,
-                "bytes_recv": self.client.bytes_recv, "staleness_hist": self.hist.counts,
+                "bytes_recv": self.client.bytes_recv, **self.hist.stats(),
                 "loss": self.loss if self.loss == self.loss else None, "retries": 0, "rejected": self.rejected}

@@ -23,6 +23,7 @@ import contextlib
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -347,12 +348,31 @@ class LocalJob:
             with open(path) as f:
                 summary = json.load(f)
         if summary is not None and summary.get("aborted"):  # the reason is one line: say it, no log dump
-            raise LaunchError(f"job aborted: {summary['aborted']}; logs in {self.out}/logs")
+            raise LaunchError(f"job aborted: {summary['aborted']} ({self.worker_exits()}); logs in {self.out}/logs")
         if code != 0 or summary is None:
             tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children[1:] if self.tail(c))
             reason = "ended without a summary" if summary is None else f"exit code {code}"
             raise LaunchError(f"the coordinator {reason}; logs in {self.out}/logs\n{tails}")
         return summary
+
+    def worker_exits(self) -> str:
+        """How each worker process ended, for a failed job's message: "worker exit codes:
+        worker-0 1, worker-1 -9 (SIGKILL)" (a restarted worker: its last process)."""
+        parts = []
+        for child in self.children:
+            if child.role != "worker" or child.proc is None:
+                continue
+            rc = child.poll()
+            if rc is None:
+                parts.append(f"{child.name} still running")
+            elif rc < 0:
+                try:
+                    parts.append(f"{child.name} {rc} ({signal.Signals(-rc).name})")
+                except ValueError:
+                    parts.append(f"{child.name} {rc} (a signal)")
+            else:
+                parts.append(f"{child.name} {rc}")
+        return "worker exit codes: " + ", ".join(parts) if parts else "no worker processes"
 
     def stop(self) -> None:
         for child in self.children:

@@ -5,6 +5,12 @@ out, or given back to a worker that returns), beat, finish or expire; each chang
 `version`. The live set — ranks that joined, have not finished and beat within the
 timeout — is what barriers, staleness gates and tournaments count.
 
+A rank's counters add up over its lives: a worker process that dies and is started
+again (with its rank: `psgd run --restart-workers`, or by hand) counts from 0, so when a
+rank is joined by a new process (another registration nonce) the counters of the one
+before are kept (`Member.past`) and `stats()` gives each rank's totals. The same process
+rejoining after it was dropped (a partition; its own nonce) keeps counting where it was.
+
 `CoordinatorLink` is the daemons' side: register (waiting, with a clear message, for a
 coordinator that is not up yet), then a background thread that heartbeats every
 `cluster.heartbeat_s` with the caller's counters and keeps the latest answer (live set,
@@ -27,6 +33,31 @@ from .log import log
 from .transport import Peers, PeerTimeout
 
 REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent again this often
+LATEST_STATS = ("clock", "loss")  # a worker's counters that are not summed over its lives: the last life's
+LARGEST_STATS = ("staleness_max",)  # ... and those that are the largest of its lives'
+
+
+def add_stats(past: dict, current: dict) -> dict:
+    """Two lives' counters as one: numbers (and lists of numbers, e.g. a histogram's
+    counts, position by position) are summed, LARGEST_STATS the larger; LATEST_STATS and
+    anything else are the current life's."""
+    out = dict(past)
+    for k, v in current.items():
+        old = out.get(k)
+        if k in LATEST_STATS or old is None:
+            out[k] = v
+        elif _number(v) and _number(old):
+            out[k] = max(old, v) if k in LARGEST_STATS else old + v
+        elif isinstance(v, list) and isinstance(old, list) and all(map(_number, v + old)):
+            n = max(len(v), len(old))
+            out[k] = [(old[i] if i < len(old) else 0) + (v[i] if i < len(v) else 0) for i in range(n)]
+        else:
+            out[k] = v
+    return out
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -35,8 +66,14 @@ class Member:
     last_seen: float
     clock: int = 0
     state: str = "live"          # live | finished | lost
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)   # this life's counters (the process now holding the rank)
     joins: int = 1
+    nonce: str = ""                              # that process's registration nonce
+    past: dict = field(default_factory=dict)    # the counters of the rank's earlier processes, summed
+
+    def totals(self) -> dict:
+        """The rank's counters over all its lives."""
+        return add_stats(self.past, self.stats) if self.past else self.stats
 
 
 class Membership:
@@ -48,8 +85,10 @@ class Membership:
         self.lost = 0        # workers dropped for missing heartbeats
         self.rejoined = 0    # workers that came back
 
-    def join(self, now: float, want_rank: int = -1) -> int:
-        """A worker registers: returns its rank, or -1 if every rank is taken and live."""
+    def join(self, now: float, want_rank: int = -1, nonce: str = "") -> int:
+        """A worker registers: returns its rank, or -1 if every rank is taken and live.
+        `nonce`: the registering process's; a rank taken back by another process than
+        the one that held it starts a new life (its counters add to the earlier ones)."""
         free = [r for r in range(self.world) if r not in self.members]
         gone = [r for r, m in self.members.items() if m.state == "lost"]
         if 0 <= want_rank < self.world and want_rank in self.members and self.members[want_rank].state == "live":
@@ -69,8 +108,10 @@ class Membership:
             self.rejoined += 1
             old.state, old.last_seen, old.joins = "live", now, old.joins + 1
             old.clock = self.current_clock(exclude=rank, default=old.clock)
+            if nonce != old.nonce:  # a new process: it counts from 0
+                old.past, old.stats, old.nonce = old.totals(), {}, nonce
         else:
-            self.members[rank] = Member(rank, now)
+            self.members[rank] = Member(rank, now, nonce=nonce)
         self.version += 1
         return rank
 
@@ -122,19 +163,27 @@ class Membership:
         """Every rank has joined and none is still live (finished or lost)."""
         return self.all_joined and not self.live()
 
+    @property
+    def all_lost(self) -> bool:
+        """Every member was dropped and none finished (nobody trained to the end)."""
+        return bool(self.members) and all(m.state == "lost" for m in self.members.values())
+
     def stats(self) -> dict[int, dict]:
-        return {r: m.stats for r, m in self.members.items()}
+        """Each rank's counters, summed over its lives."""
+        return {r: m.totals() for r, m in self.members.items()}
 
     def state_dict(self) -> dict:
         """The table as JSON-able data (the coordinator's state file)."""
-        return {"members": {str(r): {"clock": m.clock, "state": m.state, "stats": m.stats, "joins": m.joins}
+        return {"members": {str(r): {"clock": m.clock, "state": m.state, "stats": m.stats, "joins": m.joins,
+                                     "nonce": m.nonce, "past": m.past}
                             for r, m in self.members.items()},
                 "version": self.version, "lost": self.lost, "rejoined": self.rejoined}
 
     def load_state_dict(self, sd: dict, now: float) -> None:
         """Restore the table; live members count as seen `now` (they get a full
         heartbeat timeout to reach the restarted coordinator)."""
-        self.members = {int(r): Member(int(r), now, int(m["clock"]), m["state"], dict(m["stats"]), int(m["joins"]))
+        self.members = {int(r): Member(int(r), now, int(m["clock"]), m["state"], dict(m["stats"]), int(m["joins"]),
+                                       str(m.get("nonce", "")), dict(m.get("past") or {}))
                         for r, m in sd["members"].items()}
         self.version, self.lost, self.rejoined = int(sd["version"]) + 1, int(sd["lost"]), int(sd["rejoined"])
 

@@ -10,7 +10,10 @@ refused (psgd/layout.py). Workers'
 registrations are answered once all `cluster.workers` have registered, so training
 starts together; the coordinator waits `cluster.timeout_s` for them, saying how many
 it has. A worker that finishes with an error (it stopped after too many refused
-steps) aborts the job with that reason. Heartbeats carry each daemon's cumulative counters and get
+steps) aborts the job with that reason, and so does the loss of every worker with none
+finished (they all crashed: a job that survives the loss of some workers fails when
+nobody trained to the end); an aborted job's summary.json has `aborted` (the reason)
+and the coordinator exits 1. Heartbeats carry each daemon's cumulative counters and get
 the live set back. When no worker is live any more, the evaluator is asked for a final
 score; then summary.json is written, every daemon is told `done`, and it exits.
 
@@ -40,7 +43,8 @@ from psgd.membership import Membership
 from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
-STATUS_WORKER_STATS = ("samples", "elapsed_s", "wait_s", "staleness_hist", "rejected", "loss")
+STATUS_WORKER_STATS = ("samples", "elapsed_s", "wait_s", "staleness_hist", "staleness_sum", "staleness_max", "rejected",
+                       "loss")
 STATE_FILE = "coordinator-state.json"
 STATE_EVERY_S = 1.0   # the state file is rewritten on every change, and this often for the counters
 PROGRESS_EVERY_S = 2.0
@@ -130,7 +134,7 @@ class Coordinator:
                     self.parked = [p for p in self.parked if p[2] != again] + [(ident, msg, again)]
                     return self._start_training() if self.members.all_joined else []
                 return [self._reply_register(ident, msg, again)]
-            rank = self.members.join(now, msg.get("want_rank", -1))
+            rank = self.members.join(now, msg.get("want_rank", -1), nonce)
             if rank < 0:
                 raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} worker ranks are taken and live")
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
@@ -254,8 +258,9 @@ class Coordinator:
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
         """What `psgd status` shows: the job, each worker and shard, the last score."""
+        totals = self.members.stats()  # over each rank's lives
         workers = [{"rank": r, "state": m.state, "clock": m.clock, "joins": m.joins,
-                    **{k: m.stats.get(k) for k in STATUS_WORKER_STATS}}
+                    **{k: totals[r].get(k) for k in STATUS_WORKER_STATS}}
                    for r, m in sorted(self.members.members.items())]
         shards = [{"index": i, "version": st.get("version"), "restarts": max(0, self.server_joins.get(i, 1) - 1),
                    "bad_messages": st.get("bad_messages", 0)} for i, st in sorted(self.servers.items())]
@@ -277,6 +282,12 @@ class Coordinator:
                 self.events.write(event="lost", rank=r)
                 if self.cfg.faults.on_worker_loss == "abort":
                     self.abort = f"worker {r} was lost and faults.on_worker_loss = abort"
+            if not self.abort and self.members.all_done and self.members.all_lost:
+                # Nobody trained to the end (they all crashed, or their machines went): the
+                # job failed. Losing some workers while others finish is survived.
+                n = self.cfg.cluster.workers
+                self.abort = (f"{'all ' * (n > 1)}{n} worker{'s were' if n > 1 else ' was'} lost (stopped "
+                              f"heartbeating) and none finished")
             if self.abort or (self.members.all_done and now >= self.held_until):
                 self.t_end = now
                 if self.cfg.cluster.evaluator and not self.abort:

@@ -207,3 +207,44 @@ def test_sigterm_to_psgd_simulate_stops_its_job_processes(tmp_path):
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+
+
+SCRIPT_CRASHES = """
+import torch, psgd
+from torch import nn
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+ps = psgd.connect(model)   # no `with`: the process just dies, it never says it finished
+x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+for i in range(3):
+    model.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    ps.step(loss)
+raise RuntimeError("bug in the training script after 3 steps")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_psgd_run_fails_when_every_worker_crashed(tmp_path):
+    """Both workers' script raises (exit 1) without telling the coordinator: they are
+    lost, none finished, so the job failed — summary.json is written with `aborted`, and
+    `psgd run` exits 1 naming the workers' exit codes (not 0 with "target not reached")."""
+    script = tmp_path / "crash.py"
+    script.write_text(SCRIPT_CRASHES)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(PSGD + ["run", "--mode", "async", "--workers", "2", "--servers", "1", "--quiet",
+                                    "--script", str(script), "--out", str(out),
+                                    "--set", f"cluster.port={free_port_block(2)}"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        kill_all([proc])
+    assert proc.returncode == 1, (stdout, stderr)
+    assert "psgd: error: job aborted: all 2 workers were lost (stopped heartbeating) and none finished" in stderr
+    assert "worker exit codes: worker-0 1, worker-1 1" in stderr, stderr
+    assert "target 0.9 not reached" not in stdout
+    s = json.loads((out / "summary.json").read_text())
+    assert s["aborted"] == "all 2 workers were lost (stopped heartbeating) and none finished"
+    assert s["failures"]["workers_lost"] == 2

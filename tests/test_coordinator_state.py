@@ -104,3 +104,94 @@ def test_a_dropped_worker_is_not_told_to_rejoin_once_the_job_is_finishing(tmp_pa
         c.phase = phase
         [(_, frames)] = c.on_heartbeat(b"w1", beat)   # rank 1 is not a live member (dropped, or never seen)
         assert wire.decode(frames).get("rejoin") is told, phase
+
+
+@pytest.mark.unit
+def test_a_ranks_counters_add_up_over_its_processes():
+    """A worker process that dies and is started again with its rank counts from 0: the
+    rank's totals are the earlier processes' counters plus the new one's; the same
+    process rejoining after it was dropped (its own nonce) keeps its cumulative ones."""
+    m = Membership(2, timeout_s=5.0)
+    m.join(0.0, 0, nonce="a0")
+    m.join(0.0, 1, nonce="a1")
+    m.beat(0, 1.0, 100, {"samples": 3200, "elapsed_s": 10.0, "staleness_hist": [5, 1], "clock": 100, "loss": 0.5})
+    m.beat(1, 1.0, 100, {"samples": 3200, "elapsed_s": 10.0, "staleness_hist": [4, 2], "clock": 100, "loss": 0.6,
+                         "staleness_max": 40})
+    m.expire(10.0)                        # both are missed
+    m.join(11.0, 1, nonce="b1")           # rank 1: a new process, counting from 0
+    m.join(11.0, 0, nonce="a0")           # rank 0: the same process, back after a partition
+    m.beat(1, 12.0, 150, {"samples": 1600, "elapsed_s": 5.0, "staleness_hist": [1, 0, 3], "clock": 150,
+                          "loss": 0.4, "staleness_max": 2})
+    m.beat(0, 12.0, 150, {"samples": 4800, "elapsed_s": 15.0, "staleness_hist": [6, 1], "clock": 150, "loss": 0.3})
+    st = m.stats()
+    assert st[1] == {"samples": 4800, "elapsed_s": 15.0, "staleness_hist": [5, 2, 3], "clock": 150, "loss": 0.4,
+                     "staleness_max": 40}   # the largest of its lives
+    assert st[0]["samples"] == 4800 and st[0]["staleness_hist"] == [6, 1]   # not counted twice
+    m.join(12.5, 1, nonce="c1")           # restarted again, before it was even missed: a third life
+    m.finish(1, {"samples": 320, "elapsed_s": 1.0, "clock": 160})
+    assert m.stats()[1]["samples"] == 5120 and m.stats()[1]["elapsed_s"] == 16.0
+    assert m.members[1].joins == 3
+    again = Membership(2, timeout_s=5.0)  # a restarted coordinator keeps the earlier lives
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())), now=20.0)
+    assert again.stats() == m.stats()
+    again.join(21.0, 1, nonce="c1")       # not a new life (the same process) ... finished: refused anyway
+    assert again.stats()[1]["samples"] == 5120
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_summary_samples_count_every_life_of_a_restarted_worker():
+    """Through the coordinator's handlers: worker 1 dies after 3200 samples, is started
+    again with its rank (a new nonce) and does 1600 more; summary.json counts 11200."""
+    from psgd import wire
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> list[wire.Message]:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
+
+    for r in range(2):
+        serve("register", role="worker", want_rank=r, nonce=f"first{r}")
+    for r in range(2):
+        serve("heartbeat", rank=r, clock=100, role="worker", index=r, stats={"samples": 3200, "elapsed_s": 10},
+              live_id="")
+    c.members.members[1].last_seen -= 100   # worker 1's process died: it is missed
+    c._tick(time.monotonic())
+    assert serve("register", role="worker", want_rank=1, nonce="second1")[0].get("assigned_rank") == 1
+    serve("heartbeat", rank=1, clock=150, role="worker", index=1, stats={"samples": 1600, "elapsed_s": 5}, live_id="")
+    [status] = serve("status")
+    assert status.get("samples") == 8000 and [w["samples"] for w in status.get("workers")] == [3200, 4800]
+    serve("finish", rank=0, clock=200, stats={"samples": 6400, "elapsed_s": 20})
+    serve("finish", rank=1, clock=200, stats={"samples": 1600, "elapsed_s": 5})
+    c.t0 -= 20.0   # the job ran 20 s (samples/s)
+    c._tick(time.monotonic())
+    assert c.phase == "done" and c.summary is not None and not c.summary.get("aborted")
+    assert c.summary["samples"] == 11200
+    assert c.summary["samples_per_s"] == pytest.approx(11200 / c.summary["wall_s"], rel=0.01)
+    assert c.summary["failures"]["workers_lost"] == 1 and c.summary["failures"]["workers_rejoined"] == 1
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("finished", [0, 1])
+def test_a_job_whose_every_worker_was_lost_fails(tmp_path, finished):
+    """Every worker lost and none finished (they all crashed): the job is aborted —
+    summary.json has `aborted`, serve() exits 1. One finished and the other lost: the
+    loss is survived, the job is done."""
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
+    c = coordinator(cfg, str(tmp_path))
+    c.members.join(0.0, 0)
+    c.members.join(0.0, 1)
+    c._start_training()
+    if finished:
+        c.members.finish(0, {"samples": 64})
+    for m in c.members.members.values():
+        m.last_seen -= 100
+    c._tick(time.monotonic())
+    assert c.phase == "done"
+    s = json.load(open(tmp_path / "summary.json"))
+    if finished:
+        assert not c.abort and "aborted" not in s and s["failures"]["workers_lost"] == 1
+    else:
+        assert c.abort == s["aborted"] == "all 2 workers were lost (stopped heartbeating) and none finished"
+        assert s["failures"]["workers_lost"] == 2

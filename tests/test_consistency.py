@@ -867,3 +867,30 @@ def test_diloco_rounds_close_once_with_the_outer_nesterov_step_of_their_mean(n, 
         elif kind == 7:                               # a refresh that changes nothing
             m.membership()
         m.check()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_restored_rule_keeps_the_largest_clock_gap(mode):
+    # summary.json's max_clock_gap is the largest of the job: a shard restored from its
+    # checkpoint goes on from the gap it had seen, not from 0
+    from psgd.consistency import get as get_mode
+    from psgd.consistency.rule import Push, Read
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 2, "mode.staleness": 3})
+
+    def fresh():
+        r = get_mode(mode).rule(cfg.mode, 2, type("Tables", (), {"version": 0})())
+        r.membership({0: 0, 1: 0})
+        return r
+    r = fresh()
+    if mode == "ssp":
+        for c in range(3):   # rank 0 runs 3 clocks ahead of rank 1, within the bound
+            r.push(Push(("p", c), 0, c, 0, None, None))
+            r.gated_read(Read(("r", c), 0, c + 1))
+    else:
+        r.clocks.max_gap = 1
+    gap = r.stats()["max_clock_gap"]
+    assert gap > 0
+    again = fresh()
+    again.load_state_dict(r.state_dict())
+    assert again.stats()["max_clock_gap"] == gap

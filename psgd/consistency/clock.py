@@ -55,9 +55,10 @@ class ClockTable:
     def slowest(self) -> int:
         return self._min
 
-    def restore(self, finished: Mapping[int, int]) -> None:
-        """Finished clocks from a checkpoint."""
+    def restore(self, finished: Mapping[int, int], max_gap: int = 0) -> None:
+        """Finished clocks (and the largest gap seen) from a checkpoint."""
         self.finished.update(finished)
+        self.max_gap = max(self.max_gap, max_gap)
         self._recount()
 
     def may_read(self, clock: int) -> bool:

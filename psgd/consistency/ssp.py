@@ -74,11 +74,11 @@ class SspRule(ServerRule):
         return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "parked": self.clocks.parked}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "finished": dict(self.clocks.finished)}
+        return {**super().state_dict(), "finished": dict(self.clocks.finished), "max_gap": self.clocks.max_gap}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()})
+        self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()}, int(sd.get("max_gap", 0)))
 
 
 class ClientCache:

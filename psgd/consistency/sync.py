@@ -155,7 +155,8 @@ class SyncRule(ServerRule):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "step": self.barrier.step, "dropped": self.barrier.dropped,
-                "finished": dict(self.clocks.finished), "fast_forwards": self.fast_forwards,
+                "finished": dict(self.clocks.finished), "max_gap": self.clocks.max_gap,
+                "fast_forwards": self.fast_forwards,
                 "short_steps": self.short_steps,
                 "contributors": list(self.barrier.contributors)}  # the open step's (their sum: the shard's)
 
@@ -163,7 +164,7 @@ class SyncRule(ServerRule):
         super().load_state_dict(sd)
         self.barrier.step = int(sd["step"])
         self.barrier.dropped = int(sd.get("dropped", 0))
-        self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()})
+        self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()}, int(sd.get("max_gap", 0)))
         self.fast_forwards = int(sd.get("fast_forwards", 0))
         self.short_steps = int(sd.get("short_steps", 0))
         self.barrier.contributors = [int(r) for r in sd.get("contributors", [])]

@@ -4,7 +4,8 @@
 
 One row per configuration (label x worker count), repeats folded into mean ± sd; speedups
 are ratios of mean time to target (reference time / this time: > 1 is faster) against
-the `sync` row with the same worker count and against the sequential baseline. The
+the `sync` row with the same worker count, kind (real or simulated) and settings, and
+against the sequential baseline (real rows only: a virtual second is not a real one). The
 "reading" paragraph is generated from these numbers. This module assembles report.md;
 the parts live in psgd.report_numbers (rows, statistics), psgd.report_tables (markdown
 tables), psgd.report_reading and psgd.report_relations (the sentences) and
@@ -28,48 +29,83 @@ __all__ = ["PLOT_DPI", "Row", "build_rows", "describe_faults", "detail_table", "
            "sweeps", "trend", "worker_sweeps", "write_report"]
 
 
+def _budget(job: dict, varies: list[str]) -> str:
+    if "steps" in varies or "seconds" in varies:
+        return "per folder (below)"
+    return ((f"{job.get('steps')} steps per worker" if job.get("steps") else "") +
+            (f"{', ' if job.get('steps') else ''}{job.get('seconds'):g} s per worker" if job.get("seconds") else ""))
+
+
+def _runs_phrase(ctx: dict, n_runs: int, sim: bool) -> str:
+    """How the runs were scheduled, as far as the context knows: a compare runs them one
+    after another; a simulation may run several at once (--jobs), each on its own clock;
+    a merged report holds runs of several commands."""
+    if len(ctx.get("merged_from") or []) > 1:
+        return f"{n_runs} runs from {len(ctx['merged_from'])} folders"
+    if sim:
+        return f"{n_runs} runs, each on its own virtual clock"
+    return f"{n_runs} runs, one after another"
+
+
 def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     target = float(ctx.get("target_accuracy", 0.9))
     job = ctx.get("job") or {}
+    varies = list(ctx.get("job_varies") or [])
     m = ctx.get("machine") or {}
     workers = ctx.get("workers") or sorted({r.workers for r in rows if not r.is_baseline})
     n_runs = sum(r.n for r in rows)
     sim = ctx.get("simulated")
+    mixed = not sim and any(r.simulated for r in rows) and any(not r.simulated for r in rows if r.runs)
     lines = ["# psgd simulate" if sim else "# psgd compare", ""]
     if ctx.get("command"):
         lines += ["```", ctx["command"], "```", ""]
     opt = job.get("optimizer") or {}
-    budget = (f"{job.get('steps')} steps per worker" if job.get("steps") else "") + \
-             (f"{', ' if job.get('steps') else ''}{job.get('seconds'):g} s per worker" if job.get("seconds") else "")
-    lines.append(f"Model **{job.get('model', '?')}** on **{job.get('data', '?')}**, batch {job.get('batch_size', '?')} "
-                 f"per worker, budget {budget or '?'}, optimizer {opt.get('name', '?')} (lr {opt.get('lr', '?')}, "
-                 f"momentum {opt.get('momentum', '?')}), {ctx.get('servers', '?')} shard"
+    budget = _budget(job, varies)
+
+    def val(x, key):
+        return "varies (below)" if key in varies else x.get(key, "?")
+
+    lines.append(f"Model **{val(job, 'model')}** on **{val(job, 'data')}**, batch {val(job, 'batch_size')} "
+                 f"per worker, budget {budget or '?'}, optimizer "
+                 + (f"{opt.get('name', '?')} (lr {opt.get('lr', '?')}, momentum {opt.get('momentum', '?')})"
+                    if "optimizer" not in varies else "varies (below)")
+                 + f", {ctx.get('servers', '?')} shard"
                  f"{'s' if ctx.get('servers') != 1 else ''}, {', '.join(map(str, workers))} worker"
                  f"{'s' if workers != [1] else ''}; seeds {', '.join(map(str, ctx.get('seeds') or []))} "
-                 f"(repeat r uses job.seed + r for every configuration); {n_runs} runs, one after another.")
+                 f"(repeat r uses job.seed + r for every configuration); {_runs_phrase(ctx, n_runs, bool(sim))}.")
     lines.append("")
+    many = " or ".join(map(str, workers))
     lines.append(f"Machine: {m.get('cpus', '?')} CPU cores, device {m.get('device', '?')}"
                  f"{' (CUDA available)' if m.get('cuda') else ' (no CUDA)'}, torch {m.get('torch', '?')}."
-                 + (f" Each distributed run starts {max(workers)} workers, {ctx.get('servers', '?')} shards, a "
-                    f"coordinator and an evaluator on these {m.get('cpus')} cores."
+                 + (f" Each distributed run starts its {many} worker{'s' if workers != [1] else ''}, "
+                    f"{ctx.get('servers', '?')} shards, a coordinator and an evaluator on these {m.get('cpus')} cores."
                     if isinstance(m.get("cpus"), int) and isinstance(ctx.get("servers"), int) and not sim else ""))
     lines.append("")
     if sim:
         lines += [simulated_note(sim, rows), ""]
-    elif any(r.simulated for r in rows):
+    elif mixed:
         lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
                   f"of the same configuration, on a virtual clock (their times are virtual seconds, their cost "
                   f"model is in each summary's `sim`); the others ran for real.", ""]
     sets = ctx.get("sets") or []
-    if sets:
-        lines.append(f"**Applied to every run:** `{' '.join('--set ' + s for s in sets)}`.")
+    setups = ctx.get("setups") or []
+    if sets or setups:
+        if sets:
+            lines.append(f"**Applied to every run:** `{' '.join('--set ' + s for s in sets)}`.")
+        for s in setups:
+            tag = f" (rows marked [{s['tag']}])" if s.get("tag") else ""
+            cmd = f"`{s['command']}`" if s.get("command") else "no compare-context.json"
+            only = f"; of the merged runs, only this folder's had `{' '.join('--set ' + x for x in s['sets'])}`"
+            lines.append(f"**Folder {s['folder']}**{tag}: {cmd}" + (only if s.get("sets") else "") + ".")
         faults = describe_faults(ctx.get("faults") or {}, workers)
         if faults:
             lines.append(f"**Injected fault:** {faults}.")
         lines.append("")
     b = ctx.get("baseline")
     if b:
-        if b.get("steps"):
+        if "steps" in varies or "seconds" in varies:
+            budget = "the budget of the largest run of its own folder"
+        elif b.get("steps"):
             budget = (f"{b.get('steps')} steps = {b.get('samples'):,} samples, the budget of the largest run "
                       f"({max(workers)} workers × {job.get('steps')} steps)"
                       + (f", or {job.get('seconds'):g} s, whichever comes first" if job.get("seconds") else ""))
@@ -80,7 +116,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                      f"stops while it is scored.")
         lines.append("")
     period = eval_period([run for r in rows for run in r.runs], ctx)
-    clock = "virtual" if sim else "wall"
+    clock = "virtual" if sim else "wall (virtual for the rows marked (simulated))" if mixed else "wall"
     lines.append(f"Time to target: {clock} time from the start of training until the global model first scored "
                  f"≥ {target:g} on the test set; distributed runs are scored every "
                  f"{'?' if period is None else f'{period:g}'} s by the evaluator, so their times are rounded up "
@@ -158,20 +194,77 @@ def _read(folder: str) -> tuple[list[dict], dict]:
     return results, ctx
 
 
+# What must agree between merged folders for their runs to be rows of one comparison.
+SETUP_KEYS = ("config", "job", "target_accuracy", "eval_every_s", "faults", "servers")
+
+
+def _setup(ctx: dict, with_sim: bool) -> str:
+    """A folder's setup as one comparable string: what it ran, less what differs between a
+    real run and a simulation of it (sim.* settings, the cost model) unless `with_sim`."""
+    sets = sorted(x for x in ctx.get("sets") or [] if with_sim or not x.startswith("sim."))
+    keys = {k: ctx.get(k) for k in SETUP_KEYS}
+    return json.dumps({"sets": sets, **keys, "sim": ctx.get("simulated") if with_sim else None},
+                      sort_keys=True, default=str)
+
+
+def setup_tags(folders: list[str], ctxs: list[dict]) -> list[str | None]:
+    """A tag per folder when the folders' setups differ (other --set values, budget,
+    config, faults; among simulations also the cost model), else None for each: the runs
+    of two setups are not repeats of one configuration. The tag is what the folder set
+    that not every folder did, or else its name. A folder without a compare-context.json
+    has no known setup and is taken to share the others'."""
+    known = [(f, c) for f, c in zip(folders, ctxs, strict=True) if c]
+    plain = {_setup(c, False) for _, c in known}
+    costs = {_setup(c, True) for _, c in known if c.get("simulated")}
+    if len(plain) <= 1 and len(costs) <= 1:
+        return [None] * len(folders)
+    common = set.intersection(*(set(c.get("sets") or []) for _, c in known))
+    tags: list[str | None] = [" ".join(x for x in c.get("sets") or [] if x not in common) or None
+                              for _, c in known]
+    if None in tags or len(set(tags)) < len(tags):
+        tags = [os.path.basename(os.path.normpath(f)) for f, _ in known]
+        if len(set(tags)) < len(tags):
+            tags = [f"folder {i + 1}" for i in range(len(known))]
+    by_folder = dict(zip([f for f, _ in known], tags, strict=True))
+    return [by_folder.get(f) for f in folders]
+
+
 def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
     """The runs of several compare/simulate folders in one list (each run's `dir`
-    relative to `out`), and the context of the first real one (else the first)."""
-    results, ctxs = [], []
+    relative to `out`), and the context of the first real one (else the first). When the
+    folders' setups differ (setup_tags), each run carries its folder's `setup` tag, which
+    keeps it in a row of its own, and the context says what each folder applied."""
+    per_folder, ctxs = [], []
     for folder in folders:
         rs, ctx = _read(folder)
+        per_folder.append(rs)
+        ctxs.append(ctx)
+    tags = setup_tags(folders, ctxs)
+    results = []
+    for folder, rs, tag in zip(folders, per_folder, tags, strict=True):
         for r in rs:
             if r.get("dir"):
                 r = {**r, "dir": os.path.relpath(os.path.join(folder, r["dir"]), out)}
+            if tag:
+                r = {**r, "setup": tag}
             results.append(r)
-        ctxs.append(ctx)
     ctx = dict(next((c for c in ctxs if not c.get("simulated")), ctxs[0]))
-    ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
+    if not all(c.get("simulated") for c in ctxs):
+        ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
     ctx["merged_from"] = list(folders)
+    if len(folders) == 1:
+        return results, ctx
+    ctx.pop("command", None)  # each folder's command is listed with it
+    known = [c for c in ctxs if c] or [{}]
+    common = [x for x in known[0].get("sets") or [] if all(x in (c.get("sets") or []) for c in known)]
+    ctx["sets"] = common
+    ctx["setups"] = [{"folder": f, "tag": t, "command": c.get("command"),
+                      "sets": [x for x in c.get("sets") or [] if x not in common]}
+                     for f, c, t in zip(folders, ctxs, tags, strict=True)]
+    jobs = [c.get("job") or {} for c in ctxs]
+    ctx["job_varies"] = sorted({k for j in jobs for k in j if any(j.get(k) != o.get(k) for o in jobs)})
+    ctx["seeds"] = sorted({s for c in ctxs for s in c.get("seeds") or []})
+    ctx["workers"] = sorted({w for c in ctxs for w in c.get("workers") or []})
     return results, ctx
 
 

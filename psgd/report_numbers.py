@@ -30,12 +30,23 @@ FIRST_SCORE = "first score"
 # The label suffix of simulated rows in a report that also has real ones.
 SIM_SUFFIX = " (simulated)"
 
+# Two means closer than this fraction of the larger are not ranked when no run-to-run sd
+# was measured (a single repeat): the report has nothing else to hold the difference
+# against. Means closer than REL_EQUAL are the same number and never ranked.
+REL_TIE = 0.01
+REL_EQUAL = 1e-6
+
 # Mode parameters whose name is also the name of a measured quantity, as the report names them.
 PARAM_NAMES = {("ssp", "staleness"): "bound s"}
 
 
 def param_name(mode: str, key: str) -> str:
     return PARAM_NAMES.get((mode, key), key)
+
+
+def close(a: float, b: float, rel: float = REL_TIE) -> bool:
+    """a and b within `rel` of the larger magnitude."""
+    return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
 def mean(xs: list[float]) -> float | None:
@@ -139,6 +150,7 @@ class Row:
     errors: list = field(default_factory=list)    # failed runs' messages
     ref_sync: Row | None = None
     ref_base: Row | None = None
+    suffix: str = ""       # what build_rows appended to the label: " [setup]", SIM_SUFFIX
 
     @property
     def key(self) -> tuple:
@@ -155,15 +167,37 @@ class Row:
 
     @property
     def name(self) -> str:
-        """The label, with ssp's `staleness` (the bound) called "bound s"."""
+        """The label, with ssp's `staleness` (the bound) called "bound s" and its other
+        settings kept, so that two configurations never share a name."""
+        core = self.label[:len(self.label) - len(self.suffix)] if self.suffix else self.label
         if self.is_baseline:
-            return "baseline (sequential)"
+            return "baseline (sequential)" + self.suffix
         if self.mode != "ssp":
             return self.label
         bound = self.params.get("staleness", (self.runs[0].get("mode_params") or {}).get("staleness")
                                 if self.runs else None)
-        suffix = SIM_SUFFIX if self.label.endswith(SIM_SUFFIX) else ""
-        return self.label if bound is None else f"ssp ({param_name('ssp', 'staleness')}={bound}){suffix}"
+        if bound is None:
+            return self.label
+        others = [p for p in core.split(":")[1:] if p.partition("=")[0] != "staleness"]
+        inner = ", ".join([f"{param_name('ssp', 'staleness')}={bound}"] + others)
+        return f"ssp ({inner}){self.suffix}"
+
+    @property
+    def settings(self) -> dict:
+        """The config keys (SECTION.KEY) this configuration sets, apart from its mode's own
+        parameters: what a fair reference must share with it."""
+        return {k: v for k, v in self.params.items() if "." in str(k)}
+
+    @property
+    def failed_note(self) -> str:
+        """' (k of n repeats failed)' for a configuration that lost repeats, else ''."""
+        return f" ({len(self.errors)} of {self.n} repeats failed)" if self.errors and self.runs else ""
+
+    @property
+    def scored(self) -> bool:
+        """Whether any repeat was scored by the evaluator: one that was not (no evaluator,
+        a timing-only simulation) neither reached nor missed the target."""
+        return any(e.get("accuracy") is not None for r in self.runs for e in r.get("evals") or [])
 
     @property
     def n(self) -> int:
@@ -224,6 +258,16 @@ class Row:
             return None
         return ref.ttt_mean / self.ttt_mean
 
+    @property
+    def ref_named(self) -> bool:
+        """Whether "vs sync" must name its reference: a sync row with settings of its own."""
+        return self.ref_sync is not None and self.ref_sync is not self and bool(self.ref_sync.params)
+
+    def sync_name(self) -> str:
+        """How a sentence names this row's sync reference."""
+        ref = self.ref_sync
+        return "sync" if ref is None or not (ref.params or ref.suffix) else ref.name
+
     def throughput_ratio(self, ref: Row | None) -> float | None:
         a, b = mean(self.sps), mean(ref.sps) if ref else None
         if ref is None or a is None or not b:
@@ -234,33 +278,47 @@ class Row:
 def build_rows(results: list[dict]) -> list[Row]:
     """One Row per (label, workers). Simulated and real runs of the same configuration
     (one compare.json holding both: `python -m psgd.report OUT REAL SIM`) are separate
-    rows, the simulated one labelled so, and each is compared with the sync row of its kind."""
+    rows, the simulated one labelled so; runs of merged folders whose setups differ carry
+    their folder's `setup` tag in the label. Each row is compared with the sync row (and
+    the baseline) of its own kind and setup: a virtual second is not a real one."""
     rows: dict[tuple, Row] = {}
-    sim_flags: dict[tuple, bool] = {}
     mixed = len({bool(r.get("simulated")) for r in results}) > 1
     for r in results:
         # A summary without a label goes by its mode; one without either by "?", like Row.mode.
         label = r.get("label", r.get("mode", "?"))
-        if mixed and r.get("simulated") and not label.endswith(SIM_SUFFIX):
-            label += SIM_SUFFIX
-        key = (label, int(r.get("workers", 1)))
+        suffix = (f" [{r['setup']}]" if r.get("setup") else "") + \
+                 (SIM_SUFFIX if mixed and r.get("simulated") and not label.endswith(SIM_SUFFIX) else "")
+        key = (label + suffix, int(r.get("workers", 1)))
         row = rows.get(key)
         if row is None:
             row = rows[key] = Row(key[0], r.get("mode", "?"), key[1], r.get("params") or {},
-                                  r.get("sweep"), r.get("sweep_value"))
-            sim_flags[key] = bool(r.get("simulated"))
+                                  r.get("sweep"), r.get("sweep_value"), suffix=suffix)
         if r.get("error"):
             row.errors.append(r["error"])
         else:
             row.runs.append(r)
     out = list(rows.values())
-    base = next((x for x in out if x.is_baseline), None)
     for row in out:
-        syncs = [x for x in out if x.mode == "sync" and x.workers == row.workers
-                 and sim_flags[x.key] == sim_flags[row.key]]
-        row.ref_sync = next((x for x in syncs if not x.params), syncs[0] if syncs else None)
-        row.ref_base = base
+        row.ref_sync = sync_reference(row, out)
+        row.ref_base = next((x for x in out if x.is_baseline and same_kind(x, row)), None)
     return out
+
+
+def same_kind(a: Row, b: Row) -> bool:
+    """Both real or both simulated, from the same setup (merged folders): comparable clocks
+    and budgets. The suffix carries both (build_rows)."""
+    return a.suffix == b.suffix
+
+
+def sync_reference(row: Row, rows: list[Row]) -> Row | None:
+    """The sync row `row` is measured against: same worker count, kind and setup, and
+    preferably the same config settings (a swept sync:wire.dtype=... has one per value).
+    Without such a row: the plain `sync`, else the first sync row; the report then names
+    it (Row.ref_named), since it differs from `row` in more than the mode."""
+    syncs = [x for x in rows if x.mode == "sync" and x.workers == row.workers and same_kind(x, row)]
+    alike = [x for x in syncs if x.settings == row.settings]
+    return next((x for x in alike if not x.params), alike[0] if alike else
+                next((x for x in syncs if not x.params), syncs[0] if syncs else None))
 
 
 def correlation_rows(rows: list[Row]) -> list[Row]:
@@ -271,14 +329,27 @@ def correlation_rows(rows: list[Row]) -> list[Row]:
     return ok if len(ok) >= MIN_POINTS else []
 
 
+def sweep_fixed(rs: list[Row]) -> list[str]:
+    """What the rows of one sweep hold fixed besides mode and workers, as the report
+    names it: the other settings ("bound s=0", "wire.dtype=bfloat16") and the row suffix
+    (setup, simulated)."""
+    r = rs[0]
+    fixed = [f"{param_name(r.mode, k)}={v}" for k, v in r.params.items() if k != r.sweep]
+    setup = r.suffix.partition("[")[2].partition("]")[0]
+    return fixed + ([setup] if setup else []) + (["simulated"] if r.suffix.endswith(SIM_SUFFIX) else [])
+
+
 def sweeps(rows: list[Row]) -> list[tuple[str, str, int, list[Row]]]:
-    """[(mode, key, workers, rows ordered by value)] for every swept mode parameter."""
+    """[(mode, key, workers, rows ordered by value)] for every swept mode parameter. One
+    sweep is the rows that differ only in the swept value: same mode, workers, other
+    settings and kind (real, simulated, setup)."""
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
         if r.sweep and not r.is_baseline:
-            groups.setdefault((r.mode, r.sweep, r.workers), []).append(r)
+            fixed = tuple(sorted((str(k), repr(v)) for k, v in r.params.items() if k != r.sweep))
+            groups.setdefault((r.mode, r.sweep, r.workers, fixed, r.suffix), []).append(r)
     out = []
-    for (mode, key, w), rs in groups.items():
+    for (mode, key, w, _fixed, _suffix), rs in groups.items():
         if len(rs) >= 2:
             try:
                 rs = sorted(rs, key=lambda r: float(r.sweep_value))

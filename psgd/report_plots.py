@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from .report_numbers import Row, mean, param_name, sd, sweeps, worker_sweeps
+from .report_numbers import Row, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
 from .report_tables import num, smax
 
 PLOT_DPI = 80
@@ -72,6 +72,21 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     plt.close(fig)
 
 
+def clock(rows: list[Row]) -> str:
+    """What a second on the plots is: "wall", "virtual", or both for a merged report."""
+    kinds = {r.simulated for r in rows if r.runs}
+    return "virtual" if kinds == {True} else "wall" if kinds != {True, False} else "wall or virtual"
+
+
+def _seconds(rows: list[Row]) -> str:
+    """The unit note of a time axis: plain seconds unless real and simulated runs share it."""
+    return "s; virtual s for simulated rows" if clock(rows) == "wall or virtual" else "s"
+
+
+def _per_s(rows: list[Row]) -> str:
+    return "samples / s" + (" (virtual s for simulated rows)" if clock(rows) == "wall or virtual" else "")
+
+
 def _throughput_plot(plt, rows: list[Row], colors, path: str) -> None:
     ok = [r for r in rows if r.runs]
     fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(ok) + 2), 4))
@@ -81,7 +96,7 @@ def _throughput_plot(plt, rows: list[Row], colors, path: str) -> None:
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r.name.replace(" (sequential)", "") + ("" if r.is_baseline else f"\n{r.workers} w")
                         for r in ok], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("samples / s")
+    ax.set_ylabel(_per_s(ok))
     ax.set_title("throughput", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -156,7 +171,7 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
         ax.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts],
                     color="tab:blue", marker="o", capsize=3, label="time to target")
     ax.set_xlabel(xs_label)
-    ax.set_ylabel("time to target (s)", color="tab:blue")
+    ax.set_ylabel(f"time to target ({clock(rows)} s)", color="tab:blue")
     ax2 = ax.twinx()
     ax2.errorbar(pos, [mean(r.sps) or 0 for r in rows], yerr=[sd(r.sps) or 0 for r in rows], color="tab:orange",
                  marker="s", capsize=3, label="samples/s")
@@ -182,7 +197,8 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str) -> None:
         if pts:
             a2.plot([p for p, _ in pts], [t for _, t in pts], marker="o", color=c, label=label)
     ws = sorted({r.workers for rs in groups.values() for r in rs})
-    for ax, yl in ((a1, "samples / s"), (a2, "time to target (s)")):
+    every = [r for rs in groups.values() for r in rs]
+    for ax, yl in ((a1, _per_s(every)), (a2, f"time to target ({_seconds(every)})")):
         ax.set_xticks(ws)
         ax.set_xlabel("workers")
         ax.set_ylabel(yl)
@@ -238,9 +254,11 @@ def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]
     made: list[tuple[str, str]] = []
     if not ok:
         return made
-    _curve_plot(plt, ok, colors, "t", "wall time since training started (s)", target,
+    kind = clock(ok)
+    _curve_plot(plt, ok, colors, "t", f"{kind} time since training started ({_seconds(ok)})", target,
                 os.path.join(out, "accuracy_vs_time.png"))
-    made.append(("Accuracy vs wall time", "accuracy_vs_time.png"))
+    made.append(("Accuracy vs time (wall seconds; virtual seconds for the simulated rows)"
+                 if kind == "wall or virtual" else f"Accuracy vs {kind} time", "accuracy_vs_time.png"))
     _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
                 os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
     made.append(("Accuracy vs samples processed", "accuracy_vs_samples.png"))
@@ -254,10 +272,15 @@ def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]
         if len(rs) < 2:
             continue
         name = f"sweep_{mode}_{key}_w{w}.png"
+        taken = {n for _, n in made}
+        i = 2
+        while name in taken:  # another sweep of the same key (other fixed settings, or simulated)
+            name, i = f"sweep_{mode}_{key}_w{w}_{i}.png", i + 1
         what = param_name(mode, key)
+        fixed = "; ".join([f"{w} workers"] + sweep_fixed(rs))
         _sweep_plot(plt, f"{mode} {what}", [r.sweep_value for r in rs], rs, os.path.join(out, name),
-                    f"{mode}: {what} sweep, {w} workers")
-        made.append((f"Sweep: {mode} {what} ({w} workers)", name))
+                    f"{mode}: {what} sweep, {fixed}")
+        made.append((f"Sweep: {mode} {what} ({fixed})", name))
     groups = worker_sweeps(ok)
     if groups:
         _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"))

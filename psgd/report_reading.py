@@ -8,8 +8,8 @@ one evaluation period are called so.
 """
 from __future__ import annotations
 
-from .report_numbers import AFTER_END, Row, eval_period, mean, sd
-from .report_relations import names, rname, staleness_sentences, sweep_sentences, tie
+from .report_numbers import AFTER_END, REL_TIE, Row, eval_period, mean, sd
+from .report_relations import names, noise_note, rname, staleness_sentences, sweep_sentences, tie, tie_reason
 from .report_tables import secs, times
 
 
@@ -52,18 +52,21 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                     many_w: bool) -> list[str]:
     out: list[str] = []
     reached = [r for r in dist if r.ttt_mean is not None]
+    # A configuration that lost repeats has a time from its survivors only: not ranked.
+    lost = [r for r in reached if r.errors]
     # [(mean time to target, row)] of the rows whose time is resolved, fastest first.
-    ranked = sorted([(t, r) for r in reached if (t := r.resolved_ttt_mean(period)) is not None],
+    ranked = sorted([(t, r) for r in reached if r not in lost and (t := r.resolved_ttt_mean(period)) is not None],
                     key=lambda p: p[0])
-    unranked = [r for r in reached if not r.ttt_resolved(period)]
+    unranked = [r for r in reached if r not in lost and not r.ttt_resolved(period)]
     base_t = base.resolved_ttt_mean(period) if base is not None else None
     if ranked:
         best_t, best = ranked[0]
-        among = ", of the configurations whose time is resolved" if unranked else ""
+        among = ", of the configurations whose time is resolved" if unranked or lost else ""
         s = f"First to reach {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
         extras = []
-        if best.ref_sync is not None and best.ref_sync is not best and best.ref_sync.ttt_resolved(period):
-            extras.append(f"{times(best.speedup(best.ref_sync))} the speed of sync")
+        ref = best.ref_sync
+        if ref is not None and ref is not best and ref.ttt_resolved(period) and not ref.errors:
+            extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}")
         if base_t is not None:
             extras.append(f"{times(best.speedup(base))} the speed of the sequential baseline, which needed "
                           f"{secs(base_t)} s")
@@ -71,17 +74,17 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         if len(ranked) > 1:
             order = ", ".join(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s" for t, r in ranked)
             out.append(f"Order to the target: {order}.")
-            tied = [r for _, r in ranked[1:] if tie(best.ttt, r.ttt)]
+            tied = [(r, why) for _, r in ranked[1:] if (why := tie_reason(best.ttt, r.ttt))]
             if tied:
-                out.append(f"Within one run-to-run sd of {best.name}'s time: {names(tied)}.")
-            close = [r for t, r in ranked[1:] if period and t - best_t < period and r not in tied]
+                out.append(f"Not told apart from {best.name}'s time: "
+                           + ", ".join(f"{names([r])} ({why})" for r, why in tied) + ".")
+            close = [r for t, r in ranked[1:] if period and t - best_t < period and r not in [x for x, _ in tied]]
             if close:
                 out.append(f"{names(close)} reached it less than one evaluation period ({period:g} s) after "
                            f"{best.name}: the evaluator scores the model every {period:g} s, so that order is "
                            f"within the measurement's resolution.")
-        if base_t is not None and base_t < best_t:
-            out.append(f"The sequential baseline reached the target in {secs(base_t)} s, sooner than any "
-                       f"distributed configuration: on this job and machine no mode paid for its communication.")
+        if base is not None and base_t is not None and base_t < best_t:
+            out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
     elif unranked:
         walls = [w for r in dist for w in r.values("wall_s")]
         facts = ([f"training lasted {secs(min(walls))}–{secs(max(walls))} s"] if walls else []) + \
@@ -95,37 +98,81 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
     if unranked:
         out.append(f"Not ranked by time to {target:g}: "
                    + "; ".join(_why_unranked(r, target, period) for r in unranked) + ".")
-    missed = [r for r in dist if r.ttt_mean is None]
+    if lost:
+        out.append(f"Not ranked by time to {target:g}, because repeats failed: "
+                   + "; ".join(f"{r.name} ({len(r.errors)} of {r.n} repeats failed; {secs(mean(r.ttt) or 0.0)} s "
+                               f"in the {len(r.runs)} that finished)" for r in lost) + ".")
+    missed = [r for r in dist if r.ttt_mean is None and r.scored]
     never = [r for r in missed if not r.ttt]
     partial = [r for r in missed if r.ttt]
+    unscored = [r for r in dist if not r.scored]
     if never:
         out.append(f"Never reached {target:g}: {names(never)}.")
     if partial:
-        out.append(f"Reached {target:g} in only some repeats: {names(partial)}.")
+        out.append(f"Reached {target:g} in only some repeats: "
+                   + ", ".join(f"{names([r])}: {len(r.ttt)}/{len(r.runs)} reached" for r in partial) + ".")
+    if unscored:
+        out.append(f"Not scored (no evaluation), so neither reached nor missed {target:g}: {names(unscored)}.")
     return out
+
+
+def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplaced: list[Row],
+                     period: float | None) -> list[str]:
+    """Whether the baseline beat every distributed configuration, as far as the numbers
+    carry it. An unranked configuration's time is an upper bound on when it got there (it
+    was already above the target when first seen); one that lost repeats has its
+    survivors' time: either at or below the baseline's and the claim is void; above it,
+    the claim covers the resolved configurations only."""
+    if any((mean(r.ttt) or 0.0) <= base_t for r in unplaced):
+        return []
+    why = tie_reason(base.ttt, best.ttt)
+    if why:
+        return [f"The sequential baseline reached the target in {secs(base_t)} s, not told apart from "
+                f"{best.name}'s {secs(best_t)} s ({why})."]
+    if period and best_t - base_t < period:
+        return [f"The sequential baseline reached the target in {secs(base_t)} s, less than one evaluation "
+                f"period ({period:g} s) before {best.name}: within the measurement's resolution."]
+    if unplaced:
+        return [f"The sequential baseline reached the target in {secs(base_t)} s, sooner than every distributed "
+                f"configuration whose time is resolved; {names(unplaced)} cannot be placed against it."]
+    return [f"The sequential baseline reached the target in {secs(base_t)} s, sooner than any distributed "
+            f"configuration: on this job and machine no mode paid for its communication."]
 
 
 def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: bool) -> list[str]:
     out: list[str] = []
-    by_sps = sorted(dist, key=lambda r: mean(r.sps) or 0.0, reverse=True)
-    top, low = by_sps[0], by_sps[-1]
-    top_sps = mean(top.sps)
-    if top_sps is None:  # no distributed configuration has a measured throughput
+    by_sps = sorted([r for r in dist if r.sps], key=lambda r: mean(r.sps) or 0.0, reverse=True)
+    if not by_sps:  # no distributed configuration has a measured throughput
         return out
-    s = f"Highest throughput: {rname(top, many_w)} with {top_sps:,.0f} samples/s"
-    ref = top.ref_sync
-    ratio = top.throughput_ratio(ref)
-    if ratio is not None and ref is not None and ref is not top:
-        s += f" ({ratio:.2f}× sync's {mean(ref.sps):,.0f})"
-    if len(by_sps) > 1 and tie(top.sps, by_sps[1].sps):
-        s += (f", but {rname(by_sps[1], many_w)}, at {mean(by_sps[1].sps):,.0f}, is within one run-to-run sd "
-              f"of it")
-    if low is not top:
-        s += f"; lowest: {rname(low, many_w)} with {mean(low.sps):,.0f}"
-    out.append(s + ".")
+    top, low = by_sps[0], by_sps[-1]
+    top_sps = mean(top.sps) or 0.0
+    flat = tie_reason(top.sps, low.sps) if low is not top else None
+    if flat == "equal":
+        out.append(f"Throughput does not separate the configurations: all at {top_sps:,.0f} samples/s.")
+    elif flat:
+        out.append(f"Throughput does not separate the configurations: {mean(low.sps):,.0f} to {top_sps:,.0f} "
+                   f"samples/s ({flat}).")
+    else:
+        s = f"Highest throughput: {rname(top, many_w)} with {top_sps:,.0f} samples/s"
+        ref = top.ref_sync
+        ratio = top.throughput_ratio(ref)
+        if ratio is not None and ref is not None and ref is not top:
+            s += f" ({ratio:.2f}× {top.sync_name()}'s {mean(ref.sps):,.0f})"
+        level = [(r, why) for r in by_sps[1:] if (why := tie_reason(top.sps, r.sps))]
+        if level:
+            s += ", but " + " and ".join(f"{rname(r, many_w)} ({mean(r.sps):,.0f})" for r, _ in level) + \
+                 f" {'is' if len(level) == 1 else 'are'} not told apart from it ({level[0][1]})"
+        bottom = [r for r in by_sps[1:] if tie(low.sps, r.sps) and r not in [x for x, _ in level]]
+        if bottom:
+            s += f"; lowest: {' and '.join(rname(r, many_w) for r in bottom)} with {mean(low.sps):,.0f}"
+        out.append(s + ".")
     b = mean(base.sps) if base is not None else None
-    if b:
-        if b > top_sps:
+    if b and base is not None:
+        why = tie_reason(base.sps, top.sps)
+        if why:
+            out.append(f"The sequential baseline alone processed {b:,.0f} samples/s, not told apart from the best "
+                       f"distributed configuration's {top_sps:,.0f} ({why}).")
+        elif b > top_sps:
             out.append(f"The sequential baseline alone processed {b:,.0f} samples/s, {b / top_sps:.1f}× the "
                        f"best distributed configuration: the per-step cost of the parameter-server round trips and "
                        f"of sharing {ctx.get('machine', {}).get('cpus', '?')} cores among the processes outweighs "
@@ -143,19 +190,89 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
         return out
     hi, lo = max(accs, key=lambda t: t[0]), min(accs, key=lambda t: t[0])
     noise = max([sd(r.acc) or 0.0 for _, r in accs] + [0.0])
-    if hi[0] - lo[0] <= max(0.005, 2 * noise):
-        out.append(f"Final accuracy hardly separates the configurations: all lie between {lo[0]:.4f} and "
-                   f"{hi[0]:.4f}.")
+    if len(accs) == 1:
+        out.append((f"Only {rname(hi[1], many_w)} was scored: final accuracy" if len(dist) > 1 else
+                    f"Final accuracy of {rname(hi[1], many_w)}:") + f" {hi[0]:.4f}.")
+    elif hi[0] - lo[0] <= max(0.005, 2 * noise):
+        spread = f"all ended at {hi[0]:.4f}" if f"{hi[0]:.4f}" == f"{lo[0]:.4f}" else \
+            f"all lie between {lo[0]:.4f} and {hi[0]:.4f}"
+        out.append(f"Final accuracy hardly separates the configurations: {spread}.")
     else:
         out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
                    f"({rname(hi[1], many_w)}).")
     ba = mean(base.acc) if base is not None else None
-    if ba is not None:
-        better = [r for a, r in accs if a > ba + 0.002]
-        out.append(f"The sequential baseline ended at {ba:.4f}" +
-                   (f"; {names(better)} ended higher." if better else
-                    ", as high as or higher than every distributed configuration."))
+    if ba is not None and base is not None:
+        out.append(f"The sequential baseline ended at {ba:.4f}; " + _against_baseline(accs, base, ba) + ".")
     return out
+
+
+# Final accuracies closer than this are not called higher or lower than the baseline's.
+ACC_NEAR = 0.002
+
+
+def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> str:
+    """Each distributed configuration's final accuracy against the baseline's: higher,
+    lower, within ACC_NEAR of it, or not told apart from it (tie_reason)."""
+    near: list[Row] = []
+    higher: list[Row] = []
+    lower: list[Row] = []
+    level: list[tuple[Row, str]] = []
+    for a, r in accs:
+        why = tie_reason(r.acc, base.acc)
+        if abs(a - ba) < ACC_NEAR:
+            near.append(r)
+        elif why:
+            level.append((r, why))
+        else:
+            (higher if a > ba else lower).append(r)
+    parts = ([f"{names(higher)} ended higher"] if higher else []) + \
+            ([f"{names(lower)} ended lower"] if lower else []) + \
+            ([f"{names(near)} ended within {ACC_NEAR:g} of it"] if near else []) + \
+            [f"{names([r])} is not told apart from it ({why})" for r, why in level]
+    return "; ".join(parts)
+
+
+def _repeat_note(rows: list[Row]) -> list[str]:
+    """Said once: which configurations ran a single time, so that no spread was measured
+    and their orderings are not checked against run-to-run noise."""
+    once = [r for r in rows if len(r.runs) == 1]
+    if not once:
+        return []
+    if len(once) == len(rows):
+        return [f"Every configuration ran once: no run-to-run spread was measured, so the orderings below are "
+                f"not checked against noise (values within {REL_TIE:.0%} are not ranked); use --repeats 3 or more "
+                f"to check them."]
+    it = "it" if len(once) == 1 else "them"
+    return [f"{names(once)}: a single successful run, so no run-to-run spread was measured for {it}, and "
+            f"orderings that involve {it} are not checked against noise."]
+
+
+def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
+    waits = [(w, r) for r in dist if (w := mean(r.values("wait_fraction"))) is not None]
+    if len(waits) < 2:
+        return []
+    hi, lo = max(waits, key=lambda t: t[0]), min(waits, key=lambda t: t[0])
+    if hi[0] - lo[0] < 0.05:
+        return []
+    note = noise_note([hi[1].values("wait_fraction"), lo[1].values("wait_fraction")], lambda x: f"{100 * x:.0f}%")
+    return [f"Workers of {rname(hi[1], many_w)} spent {100 * hi[0]:.0f}% of their time blocked on the "
+            f"servers, those of {rname(lo[1], many_w)} {100 * lo[0]:.0f}%{note}."]
+
+
+def _kinds(dist: list[Row]) -> list[tuple[str, list[Row]]]:
+    """[(sentence prefix, rows)]: real and simulated rows apart when a report has both, so
+    that no sentence ranks a virtual second against a real one."""
+    real = [r for r in dist if not r.simulated]
+    sim = [r for r in dist if r.simulated]
+    if not real or not sim:
+        return [("", dist)]
+    return [("Real runs: ", real), ("Simulated runs (virtual seconds): ", sim)]
+
+
+def _group_base(group: list[Row]) -> Row | None:
+    """The baseline every row of `group` is compared with (Row.ref_base), if they share one."""
+    bases = {id(r.ref_base): r.ref_base for r in group}
+    return next(iter(bases.values())) if len(bases) == 1 else None
 
 
 def reading(rows: list[Row], ctx: dict) -> list[str]:
@@ -164,36 +281,34 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
     period = eval_period([run for r in rows for run in r.runs], ctx)
     ok = [r for r in rows if r.runs]
     dist = [r for r in ok if not r.is_baseline]
-    base = next((r for r in ok if r.is_baseline), None)
     many_w = len({r.workers for r in dist}) > 1
     if not dist:
         return ["No distributed run finished, so there is nothing to compare."]
-    if any(r.acc for r in dist) or any(r.ttt for r in dist):
-        out = _time_sentences(dist, base, target, period, many_w)
-    else:  # timing only (psgd simulate with sim.train = false), or no evaluator: nothing to rank by accuracy
-        out = ["No run was scored (no evaluator, or a timing-only simulation): throughput, waiting and "
-               "staleness only."]
-    out += _throughput_sentences(dist, base, ctx, many_w)
-    out += _accuracy_sentences(dist, base, many_w)
-    out += staleness_sentences(dist, period, many_w)
-
-    waits = [(w, r) for r in dist if (w := mean(r.values("wait_fraction"))) is not None]
-    if len(waits) > 1:
-        hi, lo = max(waits, key=lambda t: t[0]), min(waits, key=lambda t: t[0])
-        if hi[0] - lo[0] >= 0.05:
-            out.append(f"Workers of {rname(hi[1], many_w)} spent {100 * hi[0]:.0f}% of their time blocked on the "
-                       f"servers, those of {rname(lo[1], many_w)} {100 * lo[0]:.0f}%.")
+    out = _repeat_note(ok)
+    for prefix, group in _kinds(dist):
+        base = _group_base(group)
+        said: list[str] = []
+        if any(r.acc for r in group) or any(r.ttt for r in group):
+            said += _time_sentences(group, base, target, period, many_w)
+        else:  # timing only (psgd simulate with sim.train = false), or no evaluator: nothing to rank by accuracy
+            said.append("No run was scored (no evaluator, or a timing-only simulation): throughput, waiting and "
+                        "staleness only.")
+        said += _throughput_sentences(group, base, ctx, many_w)
+        said += _accuracy_sentences(group, base, many_w)
+        said += staleness_sentences(group, period, many_w)
+        said += _wait_sentences(group, many_w)
+        out += [prefix + s for s in said]
 
     faults = describe_faults(ctx.get("faults") or {}, ctx.get("workers") or [])
     if faults:
-        top = max(dist, key=lambda r: mean(r.sps) or 0.0)
+        group = _kinds(dist)[0][1]
+        top = max(group, key=lambda r: mean(r.sps) or 0.0)
         ref = top.ref_sync   # the sync row with the same worker count
         s = f"All runs had a fault injected: {faults}."
         if ref is not None and top.mode != "sync" and mean(ref.sps):
-            s += (f" Under it, {rname(top, many_w)} kept {mean(top.sps):,.0f} samples/s against sync's "
-                  f"{mean(ref.sps):,.0f} with {ref.workers} workers.")
+            s += (f" Under it, {rname(top, many_w)} kept {mean(top.sps):,.0f} samples/s against "
+                  f"{top.sync_name()}'s {mean(ref.sps):,.0f} with {ref.workers} workers.")
         out.append(s)
 
     out += sweep_sentences(dist, period)
     return out
-

@@ -16,12 +16,16 @@ from .report_numbers import (
     MIN_POINTS,
     MIN_REPEATS,
     READ_PUSH_MODES,
+    REL_EQUAL,
+    REL_TIE,
     Row,
+    close,
     correlation_rows,
     mean,
     param_name,
     sd,
     spearman,
+    sweep_fixed,
     sweeps,
     trend,
     worker_sweeps,
@@ -32,31 +36,53 @@ OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker
                    "ltfb": "ltfb's is 0 by definition (independent trainers)"}
 
 
-def tie(a: list[float], b: list[float]) -> bool:
-    """Means closer than the larger run-to-run sd of the two (needs repeats)."""
-    sds = [x for x in (sd(a), sd(b)) if x is not None]
+def tie_reason(a: list[float], b: list[float]) -> str | None:
+    """Why the means of a and b cannot be ranked, or None when they can: equal; closer
+    than the larger run-to-run sd of the two; or, with no sd measured (single repeats),
+    within REL_TIE of each other."""
     ma, mb = mean(a), mean(b)
-    return bool(sds) and ma is not None and mb is not None and abs(ma - mb) < max(sds)
+    if ma is None or mb is None:
+        return None
+    if close(ma, mb, REL_EQUAL):
+        return "equal"
+    sds = [x for x in (sd(a), sd(b)) if x is not None]
+    if sds:
+        return "within one run-to-run sd" if abs(ma - mb) < max(sds) else None
+    return f"within {REL_TIE:.0%} of each other, and no run-to-run spread was measured" if close(ma, mb) else None
+
+
+def tie(a: list[float], b: list[float]) -> bool:
+    """Means that the numbers cannot rank (tie_reason)."""
+    return tie_reason(a, b) is not None
 
 
 def noise_note(series: list[list[float]], fmt: Callable[[float], str] = str) -> str:
-    """'; within the run-to-run noise ...' when the means' range is below 2 sd, else ''."""
+    """'; within the run-to-run noise ...' when the means' range is below 2 sd; with no sd
+    measured, '; ... within 1% ...' when their range is below REL_TIE of the largest; else ''."""
     sds = [s for v in series if (s := sd(v)) is not None]
     means = [m for v in series if (m := mean(v)) is not None]
-    if not sds or len(means) < 2:
+    if len(means) < 2:
         return ""
-    if max(means) - min(means) < 2 * max(sds):
-        return f"; within the run-to-run noise, sd up to {fmt(max(sds))}: not established"
+    span = max(means) - min(means)
+    if close(max(means), min(means), REL_EQUAL):
+        return ""  # the same number: the trend says "stayed flat"
+    if sds:
+        if span < 2 * max(sds):
+            return f"; within the run-to-run noise, sd up to {fmt(max(sds))}: not established"
+        return ""
+    if span <= REL_TIE * max(abs(m) for m in means):
+        return f"; all within {REL_TIE:.0%} of each other: no difference claimed"
     return ""
 
 
 def names(rows: list[Row]) -> str:
-    return ", ".join(f"{r.name}" + (f" ({r.workers} w)" if not r.is_baseline else "") for r in rows)
+    return ", ".join(f"{r.name}" + (f" ({r.workers} w)" if not r.is_baseline else "") + r.failed_note
+                     for r in rows)
 
 
 def rname(r: Row, many_w: bool) -> str:
     w = f" with {r.workers} worker{'s' if r.workers != 1 else ''}"
-    return f"**{r.name}**" + (w if many_w and not r.is_baseline else "")
+    return f"**{r.name}**" + (w if many_w and not r.is_baseline else "") + r.failed_note
 
 
 def _staleness_vs_accuracy(st: list[Row]) -> str:
@@ -83,6 +109,10 @@ def _staleness_vs_accuracy(st: list[Row]) -> str:
     return f"; no consistent relation between staleness and final accuracy ({over})"
 
 
+def _run_staleness(r: Row) -> list[float]:
+    return [float(x["staleness"]["mean"]) for x in r.runs if x.get("staleness")]
+
+
 def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> list[str]:
     out: list[str] = []
     measured = [(sm, r) for r in dist
@@ -90,12 +120,14 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
     st = [r for _, r in measured]
     if measured:
         most_mean, most = max(measured, key=lambda p: p[0])
+        level = [r for _, r in measured if r is not most and tie(_run_staleness(r), _run_staleness(most))]
         if most_mean == 0:
             out.append("No configuration of sync, ssp or async read stale parameters (measured staleness (mean) "
                        "0 everywhere).")
         else:
             out.append(f"Measured staleness (mean updates applied between a worker's read and its push): highest "
                        f"in {rname(most, many_w)} ({most_mean:.2f}, max {smax(most.staleness_max)})"
+                       + (f", not told apart from {', '.join(rname(r, many_w) for r in level)}" if level else "")
                        + _staleness_vs_accuracy(st) + ".")
             tt = [(r, sm, t) for r in correlation_rows(st)
                   if (t := r.resolved_ttt_mean(period)) is not None and (sm := r.staleness_mean) is not None]
@@ -111,15 +143,27 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
     return out
 
 
-def _times_clause(rs: list[Row], period: float | None) -> str:
-    ttts = [r.ttt_mean for r in rs]
+def _times_clause(rs: list[Row], period: float | None) -> str | None:
+    """The sweep's times to target; None when no row of it was scored."""
+    if not any(r.scored for r in rs):
+        return None
     resolved = [t for r in rs if (t := r.resolved_ttt_mean(period)) is not None]
-    if len(resolved) == len(rs):
+    if len(resolved) == len(rs) and not any(r.errors for r in rs):
         return (f"time to target {trend(resolved)} ({', '.join(secs(t) for t in resolved)} s"
                 + noise_note([r.ttt for r in rs], lambda x: f"{secs(x)} s") + ")")
-    return "time to target " + ", ".join(
-        "not reached" if t is None else f"{secs(t)} s" + ("" if r.ttt_resolved(period) else " (not resolved)")
-        for r, t in zip(rs, ttts, strict=True))
+    return "time to target " + ", ".join(_one_time(r, period) for r in rs)
+
+
+def _one_time(r: Row, period: float | None) -> str:
+    """One sweep point's time to target, saying how many repeats reached it."""
+    if not r.scored:
+        return "not scored"
+    got, n = len(r.ttt), len(r.runs)
+    if not got:
+        return "not reached"
+    t = mean(r.ttt) or 0.0
+    s = f"{secs(t)} s" + ("" if r.ttt_resolved(period) or got < n else " (not resolved)")
+    return s + (f" ({got}/{n} reached)" if got < n else "") + r.failed_note
 
 
 def sweep_sentences(dist: list[Row], period: float | None = None) -> list[str]:
@@ -134,15 +178,19 @@ def sweep_sentences(dist: list[Row], period: float | None = None) -> list[str]:
         if len(tput) == len(rs):
             parts.append(f"throughput {trend(tput)} ({', '.join(f'{t:,.0f}' for t in tput)} samples/s"
                          + noise_note([r.sps for r in rs], lambda x: f"{x:,.0f}") + ")")
-        parts.append(_times_clause(rs, period))
+        times_clause = _times_clause(rs, period)
+        if times_clause:
+            parts.append(times_clause)
         accs = [acc for r in rs if (acc := mean(r.acc)) is not None]
         if len(accs) == len(rs):
             parts.append(f"final accuracy {trend(accs)} ({', '.join(f'{a:.4f}' for a in accs)}"
                          + noise_note([r.acc for r in rs], lambda x: f"{x:.4f}") + ")")
         st = [sm for r in rs if (sm := r.staleness_mean) is not None]
         if len(st) == len(rs):
-            parts.append(f"measured staleness (mean) {trend(st)} ({', '.join(f'{s:.2f}' for s in st)})")
-        out.append(f"Sweep of {mode} {param_name(mode, key)} over {', '.join(vals)} ({w} workers): "
+            parts.append(f"measured staleness (mean) {trend(st)} ({', '.join(f'{s:.2f}' for s in st)}"
+                         + noise_note([_run_staleness(r) for r in rs], lambda x: f"{x:.2f}") + ")")
+        fixed = "; ".join([f"{w} workers"] + sweep_fixed(rs))
+        out.append(f"Sweep of {mode} {param_name(mode, key)} over {', '.join(vals)} ({fixed}): "
                    + "; ".join(parts) + ".")
     for rs in worker_sweeps(dist).values():
         first, last = rs[0], rs[-1]

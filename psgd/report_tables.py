@@ -18,6 +18,12 @@ MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score 
              f"evaluator looked, not when the model got there; the reading does not rank by it.")
 
 
+FAILED_MARK = "‡"
+FAILED_NOTE = (f"{FAILED_MARK} Computed from a configuration that lost repeats (failed runs): its time is "
+               f"that of the repeats that finished, which may not be the typical ones; the reading does not "
+               f"rank by it.")
+
+
 def num(x: float | None, digits: int = 2, none: str = "—") -> str:
     return none if x is None else f"{x:.{digits}f}"
 
@@ -76,9 +82,22 @@ def ttt_cell(row: Row, period: float | None = None) -> str:
 
 def _speedup_cell(row: Row, ref: Row | None, period: float | None) -> str:
     v = row.speedup(ref)
-    if v is None or (row.ttt_resolved(period) and ref is not None and ref.ttt_resolved(period)):
+    if v is None:
         return times(v)
-    return f"{times(v)} {MARK}"
+    marks = ([] if row.ttt_resolved(period) and ref is not None and ref.ttt_resolved(period) else [MARK]) + \
+            ([FAILED_MARK] if row.errors or (ref is not None and ref.errors) else [])
+    return " ".join([times(v)] + marks)
+
+
+def reference_note(rows: list[Row]) -> list[str]:
+    """Names the sync row that "vs sync" means wherever it is not the plain `sync` of the
+    row's worker count (a sync with settings of its own, e.g. one value of a sweep)."""
+    named = [(r, ref) for r in rows if r.runs and r.ref_named and (ref := r.ref_sync) is not None]
+    if not named:
+        return []
+    return ["vs sync: " + "; ".join(f"{r.name} ({r.workers} w) against {ref.name}" +
+                                    ("" if ref.settings == r.settings else " (no sync row has its settings)")
+                                    for r, ref in named) + "."]
 
 
 def main_table(rows: list[Row], target: float, period: float | None = None) -> list[str]:
@@ -105,6 +124,11 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
             f"{_speedup_cell(row, row.ref_base, period)} |")
     if any(MARK in line for line in lines[2:]):
         lines += ["", MARK_NOTE]
+    if any(FAILED_MARK in line for line in lines[2:]):
+        lines += ["", FAILED_NOTE]
+    note = reference_note(rows)
+    if note:
+        lines += [""] + note
     return lines
 
 

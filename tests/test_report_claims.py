@@ -1,0 +1,230 @@
+"""The report's sentences claim only what its numbers carry: one test per defect that a
+review demonstrated, each on crafted summaries (no processes)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from psgd.report import build_rows, reading, render, sweeps, write_report
+from psgd.report import main as report_main
+
+pytestmark = pytest.mark.unit
+
+CTX = {"target_accuracy": 0.9, "eval_every_s": 0.5, "faults": {}}
+
+
+def run(label, mode="sync", repeat=0, ttt=None, acc=0.92, sps=5000.0, wall=4.0, workers=2, params=None,
+        sweep=None, evals=None, wait=0.3, stal=None, **kw):
+    """A summary as `psgd compare` tags it; evals from ttt unless given ([] for none)."""
+    if evals is None:
+        evals = [{"t": 0.5, "samples": 100, "accuracy": 0.5, "loss": 1.0}]
+        if ttt is not None:
+            evals.append({"t": ttt, "samples": 1000, "accuracy": max(acc, 0.9), "loss": 0.3})
+        evals.append({"t": wall + 0.1, "samples": 2000, "accuracy": acc, "loss": 0.3})
+    stal = (0.0 if mode == "sync" else 1.0) if stal is None else stal
+    d = {"label": label, "mode": mode, "params": params or {}, "workers": workers, "repeat": repeat,
+         "sweep": sweep, "sweep_value": (params or {}).get(sweep) if sweep else None,
+         "dir": f"runs/{label}-r{repeat}", "wall_s": wall, "samples": int(sps * wall), "samples_per_s": sps,
+         "final_accuracy": acc if evals else None, "time_to_target_s": ttt, "target_accuracy": 0.9,
+         "staleness": {"mean": stal, "max": 2, "hist": {"0": 10, "1": 10}}, "wait_fraction": wait,
+         "bytes_per_sample": 6000.0, "evals": evals}
+    if mode != "baseline":
+        d["eval_every_s"] = 0.5
+    d.update(kw)
+    return d
+
+
+def failed(label, mode, repeat):
+    return {"label": label, "mode": mode, "params": {}, "workers": 2, "repeat": repeat, "sweep": None,
+            "sweep_value": None, "dir": f"runs/{label}-r{repeat}", "error": "job aborted: worker 1 was lost"}
+
+
+def told(results, ctx=CTX) -> str:
+    return "\n".join(reading(build_rows(results), ctx))
+
+
+def sentence(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if start in line)
+
+
+@pytest.mark.timeout(60)
+def test_simulated_rows_are_not_ranked_against_real_ones_nor_the_real_baseline():
+    # defect 2: virtual samples/s were ranked with real ones and divided by the real baseline's
+    results = [run("baseline", "baseline", ttt=0.04, sps=30000.0, workers=1),
+               run("sync", sps=6000.0), run("async", "async", sps=4000.0),
+               run("sync", sps=68000.0, simulated=True), run("async", "async", sps=71000.0, simulated=True)]
+    rows = build_rows(results)
+    by = {r.label: r for r in rows}
+    assert by["async (simulated)"].ref_base is None and by["async"].ref_base is by["baseline"]
+    text = told(results)
+    for line in text.splitlines():
+        assert not ("(simulated)" in line and ("**sync**" in line or "**async**" in line)), line
+    assert "Real runs: Highest throughput: **sync** with 6,000" in text
+    assert "Simulated runs (virtual seconds): Highest throughput: **async (simulated)** with 71,000" in text
+    assert "samples per second of the sequential baseline" not in text
+    report = render(rows, CTX, [])
+    assert "Time to target: wall (virtual for the rows marked (simulated)) time" in report
+    from psgd.report_plots import clock
+    assert clock(rows) == "wall or virtual" and clock([by["sync (simulated)"]]) == "virtual"
+
+
+@pytest.mark.timeout(60)
+def test_a_sweep_holds_only_rows_of_one_kind_and_one_set_of_fixed_settings():
+    # defect 3: real and simulated rows, and two sweeps with other fixed settings, were one trend
+    results = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", simulated=sim)
+               for s in (0, 4) for sim in (False, True)]
+    results += [run(f"ssp:staleness={s}:wire.dtype={d}", "ssp", params={"staleness": s, "wire.dtype": d},
+                    sweep="wire.dtype") for s in (0, 8) for d in ("float32", "bfloat16")]
+    groups = [[r.label for r in rs] for _, _, _, rs in sweeps(build_rows(results))]
+    assert sorted(groups) == sorted([["ssp:staleness=0", "ssp:staleness=4"],
+                                     ["ssp:staleness=0 (simulated)", "ssp:staleness=4 (simulated)"],
+                                     ["ssp:staleness=0:wire.dtype=float32", "ssp:staleness=0:wire.dtype=bfloat16"],
+                                     ["ssp:staleness=8:wire.dtype=float32", "ssp:staleness=8:wire.dtype=bfloat16"]])
+    text = told(results)
+    assert "Sweep of ssp bound s over 0, 4 (2 workers):" in text
+    assert "Sweep of ssp bound s over 0, 4 (2 workers; simulated):" in text
+    assert "Sweep of ssp wire.dtype over float32, bfloat16 (2 workers; bound s=0):" in text
+    assert "Sweep of ssp wire.dtype over float32, bfloat16 (2 workers; bound s=8):" in text
+
+
+@pytest.mark.timeout(60)
+def test_ssp_rows_keep_their_other_settings_in_their_name():
+    # defect 4: two configurations were both "ssp (bound s=0)"
+    results = [run(f"ssp:staleness=0:wire.dtype={d}", "ssp", params={"staleness": 0, "wire.dtype": d})
+               for d in ("float32", "bfloat16")] + [run("ssp:staleness=2", "ssp", params={"staleness": 2})]
+    names = [r.name for r in build_rows(results)]
+    assert names == ["ssp (bound s=0, wire.dtype=float32)", "ssp (bound s=0, wire.dtype=bfloat16)",
+                     "ssp (bound s=2)"]
+
+
+@pytest.mark.timeout(60)
+def test_a_configuration_that_lost_repeats_is_not_the_winner(tmp_path):
+    # defect 5: async survived 1 of 3 repeats and was named first to the target
+    results = [run("sync", repeat=r, ttt=3.0 + 0.1 * (r - 1)) for r in range(3)]
+    results += [failed("async", "async", 0), run("async", "async", 1, ttt=2.0), failed("async", "async", 2)]
+    text = told(results)
+    assert "**async** after" not in text and "**sync** after 3.00 s" in text
+    assert "Not ranked by time to 0.9, because repeats failed: async (2 of 3 repeats failed; 2.00 s in the 1 " \
+           "that finished)" in text
+    report = open(write_report(str(tmp_path), results, CTX)).read()
+    assert "| 1.50× ‡ |" in next(line for line in report.splitlines() if line.startswith("| async"))
+    assert "‡ Computed from a configuration that lost repeats" in report
+
+
+@pytest.mark.timeout(60)
+def test_the_baseline_is_not_called_sooner_than_an_unranked_configuration_that_was_sooner():
+    # defect 6: async was above the target at its first score (0.5 s), before the baseline's 1.0 s
+    b_evals = [{"t": 0.0, "samples": 0, "accuracy": 0.1}, {"t": 1.0, "samples": 500, "accuracy": 0.91},
+               {"t": 5.0, "samples": 2000, "accuracy": 0.93}]
+    a_evals = [{"t": 0.5, "samples": 300, "accuracy": 0.92}, {"t": 4.1, "samples": 2000, "accuracy": 0.95}]
+    results = [run("baseline", "baseline", ttt=1.0, wall=5.0, acc=0.93, evals=b_evals, workers=1),
+               run("sync", ttt=2.0), run("async", "async", ttt=0.5, acc=0.95, evals=a_evals)]
+    assert "sooner than" not in told(results)
+    results[2] = run("async", "async", ttt=1.5, acc=0.95, evals=[{**a_evals[0], "t": 1.5}, a_evals[1]])
+    text = told(results)
+    assert "sooner than every distributed configuration whose time is resolved; async (2 w) cannot be placed" \
+           in text and "sooner than any" not in text
+
+
+@pytest.mark.timeout(60)
+def test_a_sweep_says_how_many_repeats_reached_the_target():
+    # defect 7: "not reached" for a configuration that reached it in 2 of 3 repeats
+    results = [run(f"ssp:staleness={s}", "ssp", r, ttt=(2.0 if s == 0 and r < 2 else None), acc=0.92 if s == 0
+                   and r < 2 else 0.85, params={"staleness": s}, sweep="staleness")
+               for r in range(3) for s in (0, 2)]
+    line = sentence(told(results), "Sweep of ssp")
+    assert "time to target 2.00 s (2/3 reached), not reached" in line
+
+
+@pytest.mark.timeout(60)
+def test_a_configuration_without_evaluation_is_not_said_to_miss_the_target():
+    # defect 8: an unscored (timing-only) configuration "never reached" the target
+    results = [run("sync", ttt=1.0), run("async:sim.train=false", "async", params={"sim.train": False}, evals=[])]
+    text = told(results)
+    assert "Never reached" not in text
+    assert "Not scored (no evaluation), so neither reached nor missed 0.9: async:sim.train=false (2 w)." in text
+    sweep = [run(f"ssp:wire.dtype={d}", "ssp", params={"wire.dtype": d}, sweep="wire.dtype", evals=[])
+             for d in ("float32", "bfloat16")]
+    assert "not reached" not in told(sweep) and "time to target" not in told(sweep)
+
+
+@pytest.mark.timeout(60)
+def test_the_wait_fraction_sentence_is_checked_against_the_noise():
+    # defect 9: 75% against 56% with sds of 15-22% was stated as a difference
+    results = [run("sync", repeat=r, wait=w) for r, w in enumerate((0.40, 0.72))]
+    results += [run("async", "async", repeat=r, wait=w) for r, w in enumerate((0.65, 0.85))]
+    assert "not established" in sentence(told(results), "blocked on the servers")
+
+
+@pytest.mark.timeout(60)
+def test_single_repeats_are_said_once_and_equal_values_are_not_ranked():
+    # defect 10: one repeat, and 5,000 against 5,000 samples/s got a highest and a lowest
+    results = [run("sync", ttt=2.0), run("async", "async", ttt=2.5)]
+    text = told(results)
+    assert text.count("no run-to-run spread was measured") == 1
+    assert "Highest throughput" not in text and "all at 5,000 samples/s" in text
+    close = [run("sync", sps=5000.0), run("async", "async", sps=5030.0)]
+    assert "Highest throughput" not in told(close) and "within 1%" in told(close)
+    apart = [run("sync", sps=5000.0), run("async", "async", sps=6000.0)]
+    assert "Highest throughput: **async** with 6,000" in told(apart)
+
+
+@pytest.mark.timeout(60)
+def test_accuracy_against_the_baseline_uses_the_spread_and_says_within():
+    # defect 11: a lower baseline called "as high as or higher"; a +0.01 inside sd 0.057 called "higher"
+    near = [run("baseline", "baseline", ttt=1.0, wall=5.0, acc=0.9000, workers=1),
+            run("sync", ttt=2.0, acc=0.9019), run("async", "async", ttt=2.5, acc=0.9015)]
+    line = sentence(told(near), "The sequential baseline ended at")
+    assert "as high as" not in line and "within 0.002 of it" in line
+    noisy = [run("baseline", "baseline", r, ttt=1.0, wall=5.0, acc=a, workers=1) for r, a in enumerate((0.88, 0.96))]
+    noisy += [run("sync", repeat=r, ttt=2.0, acc=0.93) for r in range(2)]
+    line = sentence(told(noisy), "The sequential baseline ended at")
+    assert "ended higher" not in line and "not told apart from it (within one run-to-run sd)" in line
+
+
+def _folder(path, results, ctx):
+    os.makedirs(path)
+    json.dump(results, open(os.path.join(path, "compare.json"), "w"))
+    json.dump(ctx, open(os.path.join(path, "compare-context.json"), "w"))
+
+
+@pytest.mark.timeout(120)
+def test_merged_folders_with_different_setups_stay_apart(tmp_path):
+    # defect 12: folders of 30 and 120 steps were folded into one row under the first one's header
+    for name, steps in (("short", 30), ("long", 120)):
+        ctx = {**CTX, "command": f"psgd simulate --set train.steps={steps}", "sets": [f"train.steps={steps}"],
+               "workers": [2], "job": {"model": "mlp", "steps": steps}, "simulated": {"compute_s": 0.01}}
+        _folder(str(tmp_path / name), [run("sync", repeat=r, simulated=True) for r in range(2)], ctx)
+    assert report_main([str(tmp_path / "m"), str(tmp_path / "short"), str(tmp_path / "long")]) == 0
+    text = open(tmp_path / "m" / "report.md").read()
+    assert "| sync [train.steps=30] | 2 |" in text and "| sync [train.steps=120] | 2 |" in text
+    assert "Applied to every run" not in text and "budget per folder (below)" in text
+    assert "**Folder " in text and "rows marked [train.steps=120]" in text
+    assert "These runs are simulated" in text and "one after another" not in text
+
+
+@pytest.mark.timeout(60)
+def test_speedup_vs_sync_names_its_reference_when_sync_is_swept(tmp_path):
+    # defect 13: async was measured against one of two swept syncs, unnamed
+    results = [run(f"sync:wire.dtype={d}", params={"wire.dtype": d}, sweep="wire.dtype", sps=sps)
+               for d, sps in (("bfloat16", 3500.0), ("float32", 2000.0))]
+    results += [run("async", "async", sps=3400.0),
+                run("ssp:staleness=0:wire.dtype=float32", "ssp", params={"staleness": 0, "wire.dtype": "float32"})]
+    by = {r.label: r for r in build_rows(results)}
+    assert by["ssp:staleness=0:wire.dtype=float32"].ref_sync is by["sync:wire.dtype=float32"]
+    assert by["sync:wire.dtype=float32"].ref_sync is by["sync:wire.dtype=float32"]
+    report = open(write_report(str(tmp_path), results, CTX)).read()
+    assert "vs sync: async (2 w) against sync:wire.dtype=bfloat16 (no sync row has its settings)" in report
+
+
+@pytest.mark.timeout(60)
+def test_header_and_minor_sentences():
+    # minor: "starts 4 workers" with --workers 1,4; "one after another" for simulate; one scored configuration
+    rows = build_rows([run("sync", workers=1), run("sync", workers=4)])
+    ctx = {**CTX, "workers": [1, 4], "servers": 2, "machine": {"cpus": 2}}
+    assert "Each distributed run starts its 1 or 4 workers" in render(rows, ctx, [])
+    assert "one after another" not in render(rows, {**ctx, "simulated": {"compute_s": 0.01}}, [])
+    text = told([run("sync", ttt=1.0, acc=0.9415), run("async", "async", evals=[])])
+    assert "all lie between" not in text and "Only **sync** was scored: final accuracy 0.9415." in text

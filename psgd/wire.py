@@ -82,7 +82,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "finish": {"stats": (dict,), "error": (str,), "hold": (bool,)},
     "release": {},
     "layout": {},
-    "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,)},
+    "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,), "age_s": _num},
     "status": {},
     # to a shard
     "pull": {"join": (bool,)},

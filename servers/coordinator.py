@@ -244,7 +244,11 @@ class Coordinator:
         return [(ident, wire.reply(msg, **self._view()))]
 
     def on_eval(self, ident, msg: wire.Message) -> list[Reply]:
-        t = time.monotonic() - self.t0 if self.t0 else 0.0
+        """A score of the global model; its time is when the evaluator read the model
+        (`age_s` before now: the scoring took that long), its samples the workers' count
+        now (their heartbeats')."""
+        age = max(0.0, float(msg.get("age_s", 0.0)))
+        t = max(0.0, time.monotonic() - age - self.t0) if self.t0 else 0.0
         e = {"t": round(t, 3), "samples": self.samples(), "accuracy": float(msg.get("accuracy")),
              "loss": float(msg.get("loss")), "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):

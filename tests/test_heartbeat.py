@@ -99,3 +99,21 @@ def test_a_link_that_lost_the_coordinator_finds_it_again_when_it_comes_back():
         if sock is not None:
             sock.close(0)
         ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_a_score_is_timed_when_the_evaluator_read_the_model():
+    # the evaluator reports how long ago it read the model it scored (`age_s`): the
+    # curve's time is the read's, not the report's, which scoring the test set delays
+    import time
+    c = training(2)
+    time.sleep(0.6)   # training has run longer than the scoring took
+    try:
+        for age in (0.0, 0.4):
+            before = time.monotonic()
+            c.service._serve(b"e", wire.encode("eval", id=3, accuracy=0.5, loss=1.0, age_s=age))
+            after = time.monotonic()
+            t = c.evals[-1]["t"]
+            assert before - age - c.t0 - 0.002 <= t <= after - age - c.t0 + 0.002
+    finally:
+        c.sock.close(0)

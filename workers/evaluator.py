@@ -37,9 +37,14 @@ class Evaluator:
         self.device_spec = device
         self.ctx = ctx or zmq.Context.instance()
 
-    def evaluate(self) -> tuple[float, float]:
+    def evaluate(self) -> tuple[float, float, float]:
+        """(accuracy, loss, read_at): the global model's score and when it was read; its
+        report says how long ago that was (`age_s`), which the coordinator takes off its
+        time: the score is the model's as read, not as it is when the scoring is done."""
+        read_at = time.monotonic()
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
-        return self.replica.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
+        acc, loss = self.replica.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
+        return acc, loss, read_at
 
     def run(self) -> int:
         link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)
@@ -60,21 +65,21 @@ class Evaluator:
                 phase = link.state["phase"]
                 now = time.monotonic()
                 if phase == "final_eval" and not final_sent:
-                    acc, loss = self.evaluate()
+                    acc, loss, read_at = self.evaluate()
                     self.save()
-                    r = link.call("eval", accuracy=acc, loss=loss, final=True)
+                    r = link.call("eval", accuracy=acc, loss=loss, final=True, age_s=time.monotonic() - read_at)
                     events.write(samples=r.get("samples"), accuracy=acc, loss=loss, final=True)
                     log("evaluator", f"final accuracy {acc:.4f}, loss {loss:.4f}")
                     final_sent = True
                 elif phase == "training" and now >= next_at:
                     next_at = now + cfg.eval.every_seconds
                     try:
-                        acc, loss = self.evaluate()
+                        acc, loss, read_at = self.evaluate()
                     except wire.Refused as e:  # a learned model's shards before rank 0's init
                         if e.code != wire.NOT_READY:
                             raise
                         continue
-                    r = link.call("eval", accuracy=acc, loss=loss)
+                    r = link.call("eval", accuracy=acc, loss=loss, age_s=time.monotonic() - read_at)
                     events.write(samples=r.get("samples"), accuracy=acc, loss=loss)
                 time.sleep(0.05)
         except ShardUnreachable as e:

@@ -5,7 +5,7 @@
     psgd simulate [CONFIG] --modes ... --workers 8,64,256 --out DIR   (a virtual clock)
     psgd coordinator|server --shard I|worker|evaluator [CONFIG] --out DIR [--set k=v ...]
     psgd shards [CONFIG] [--servers S]
-    psgd status DIR | --address tcp://HOST:PORT [--watch [S]]
+    psgd status DIR | --address tcp://HOST:PORT [--keys DIR | --config FILE | --set k=v] [--watch [S]]
     psgd keys DIR
 
 CONFIG defaults to $PSGD_CONFIG, --out to $PSGD_OUT. Errors in the config or the data
@@ -160,7 +160,14 @@ def cmd_run(args) -> int:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
     print(format_summary(s))
-    print(f"summary: {os.path.join(out, 'summary.json')}  model: {os.path.join(out, 'model.pt')}")
+    model = os.path.join(out, "model.pt")
+    saved = os.path.exists(model) and os.path.getmtime(model) >= launched_at - 1  # not an earlier job's
+    print(f"summary: {os.path.join(out, 'summary.json')}" + (f"  model: {model}" if saved else ""))
+    if not saved:
+        print(f"psgd run: warning: no final model was saved ({model}: "
+              + ("the job ran no evaluator, which saves it)" if not script and not cfg.cluster.evaluator else
+                 f"{'rank 0' if script else 'the evaluator'} did not write it; {out}/logs/"
+                 f"{'worker-0' if script else 'evaluator-0'}.log says why)"), file=sys.stderr)
     return 0
 
 
@@ -281,14 +288,14 @@ def interrupted_code(e: KeyboardInterrupt) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    script_args: list[str] = []
+    if "--" in argv:  # psgd run --script FILE ... -- ARGS: the rest is the script's, not checked here
+        script_args, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     try:
         check_sets(argv)
     except ConfigError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 2
-    script_args: list[str] = []
-    if "--" in argv:  # psgd run --script FILE ... -- ARGS: the rest is the script's
-        script_args, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args = parser().parse_args(argv)
     args.script_args = script_args
     if script_args and not getattr(args, "script", None):

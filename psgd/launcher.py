@@ -6,8 +6,10 @@ the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/conf
 imported torch: psgd/forkserver.py, unless `cluster.fork = false`), shows the
 coordinator's progress, and supervises: a shard that dies is
 started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
-started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log. Every child
-is stopped on the way out, whatever happens.
+started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log (their
+stderr; a training script's stdout too). A training script that exits before the job
+begins training stops the job at once, with its log. Every child is stopped on the way
+out, whatever happens.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -76,8 +78,12 @@ def oversubscribed(cfg: Config, cores: int | None = None) -> str:
 
 
 def ports_free(host: str, base: int, n: int) -> bool:
+    """Whether the daemons could bind ports base..base+n-1. The probe sets SO_REUSEADDR,
+    as ZeroMQ's bind does: a port held only by an earlier job's TIME_WAIT connections
+    (for a minute after it ended) is free to it, a port another socket listens on is not."""
     for p in range(base, base + n):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, p))
             except OSError:
@@ -116,6 +122,7 @@ class Child:
     restarts: int = 0
     reported: bool = False
     log_path: str = ""
+    script: bool = False             # a copy of the user's training script (psgd run --script)
 
     @property
     def name(self) -> str:
@@ -236,12 +243,22 @@ class LocalJob:
         env = {**self.env, "PSGD_CONFIG": self.config_path, "PSGD_OUT": self.out, "PSGD_RANK": str(rank),
                "PSGD_STARTED_FILE": self.started_file(name)}
         assert self.script is not None
-        return Child("worker", rank, [sys.executable, *self.script], env)
+        return Child("worker", rank, [sys.executable, *self.script], env, script=True)
 
     def _start(self, child: Child) -> None:
+        """A training script's stdout and stderr both go to its log (one file description,
+        so in the order written; PYTHONUNBUFFERED is set). psgd's own daemons write
+        everything they say to stderr (psgd/log.py) and nothing to stdout, which is
+        discarded: the coordinator's would otherwise mix into psgd run's own stdout, the
+        summary lines."""
         def popen(stderr: IO[str] | None) -> subprocess.Popen:
-            return subprocess.Popen(child.argv, stdout=subprocess.DEVNULL, stderr=stderr, env=child.env or self.env,
+            stdout = stderr if child.script and stderr is not None else subprocess.DEVNULL
+            return subprocess.Popen(child.argv, stdout=stdout, stderr=stderr, env=child.env or self.env,
                                     stdin=subprocess.DEVNULL)
+
+        if child.script:
+            with contextlib.suppress(FileNotFoundError):  # psgd.connect writes it: see _exited_before_connect
+                os.unlink(self.started_file(child.name))
 
         if child.role == "coordinator" and not self.quiet:
             child.proc = popen(None)  # progress goes to the terminal
@@ -325,7 +342,10 @@ class LocalJob:
             self.show_started()
             for child in self.children[1:]:
                 rc = child.poll()
-                if rc is None or rc == 0:
+                if rc is None:
+                    continue
+                self._exited_before_connect(child, rc)
+                if rc == 0:
                     continue
                 if child.restarts >= MAX_RESTARTS:
                     raise LaunchError(f"{child.name} keeps dying (exit {rc}); gave up after {MAX_RESTARTS} "
@@ -355,6 +375,39 @@ class LocalJob:
             raise LaunchError(f"the coordinator {reason}; logs in {self.out}/logs\n{tails}")
         return summary
 
+    def _exited_before_connect(self, child: Child, rc: int) -> None:
+        """A training script that ends before the job began training never comes back:
+        the coordinator would wait for its rank until cluster.timeout_s. So the job stops
+        now, with the script's log: one that ended before it called psgd.connect (which
+        writes its .started file: its `--help`, a bad argument, an import error), or in
+        psgd.connect, before any worker began training (refused, say). Not one that
+        --restart-workers starts again: one that failed (code != 0) after calling
+        psgd.connect, or one killed by a signal."""
+        if not child.script or (self.restart_workers and rc < 0):
+            return
+        if not os.path.exists(self.started_file(child.name)):
+            when = "before calling psgd.connect"
+        elif not (self.restart_workers and rc != 0) and not self._training_began():
+            when = "in psgd.connect, before the job began training"
+            coord, end = self.children[0], time.monotonic() + 2
+            while coord.poll() is None and time.monotonic() < end:
+                time.sleep(0.1)
+            if coord.poll() is not None:
+                return  # the coordinator ended the job (refused it, say): its summary says why
+        else:
+            return
+        raise LaunchError(f"{child.name}'s script exited with code {_code(rc)} {when}; the job cannot start "
+                          f"without it. {child.log_path} ends:\n{self.tail(child)}")
+
+    def _training_began(self) -> bool:
+        """Whether a worker of this job has begun training: it opens its step log
+        (DIR/events/worker-R.jsonl) once every worker has registered."""
+        for path in glob.glob(os.path.join(self.out, "events", "worker-*.jsonl")):
+            with contextlib.suppress(OSError):
+                if os.path.getmtime(path) >= self.launched_at - 1:  # not an earlier job's in this folder
+                    return True
+        return False
+
     def worker_exits(self) -> str:
         """How each worker process ended, for a failed job's message: "worker exit codes:
         worker-0 1, worker-1 -9 (SIGKILL)" (a restarted worker: its last process)."""
@@ -363,15 +416,7 @@ class LocalJob:
             if child.role != "worker" or child.proc is None:
                 continue
             rc = child.poll()
-            if rc is None:
-                parts.append(f"{child.name} still running")
-            elif rc < 0:
-                try:
-                    parts.append(f"{child.name} {rc} ({signal.Signals(-rc).name})")
-                except ValueError:
-                    parts.append(f"{child.name} {rc} (a signal)")
-            else:
-                parts.append(f"{child.name} {rc}")
+            parts.append(f"{child.name} still running" if rc is None else f"{child.name} {_code(rc)}")
         return "worker exit codes: " + ", ".join(parts) if parts else "no worker processes"
 
     def stop(self) -> None:
@@ -386,6 +431,16 @@ class LocalJob:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait(timeout=5)
+
+
+def _code(rc: int) -> str:
+    """An exit code as said in messages: "1", "-9 (SIGKILL)"."""
+    if rc >= 0:
+        return str(rc)
+    try:
+        return f"{rc} ({signal.Signals(-rc).name})"
+    except ValueError:
+        return f"{rc} (a signal)"
 
 
 def run_local(cfg: Config, out: str, **kw) -> dict:

@@ -2,12 +2,17 @@
 
     psgd status DIR [--watch [SECONDS]]       # the job whose output folder is DIR
     psgd status --address tcp://HOST:PORT      # or its coordinator, wherever it runs
+        [--keys DIR | --config FILE | --set security.keys=DIR ...]   # a job secured with CurveZMQ
 
 Asks the job's coordinator (its `status` op: one request, with a timeout) and prints a
 table: the phase and mode, each worker's clock, samples/s, live/lost/finished state,
 mean staleness and wait share, each shard's version, and the last evaluation. A job
 that has finished (its coordinator is gone and DIR/summary.json exists) gets its
 summary. `--watch` prints the table again every few seconds until the job ends.
+
+DIR/config.toml gives the job's security settings; with `--address` they come from
+`--config FILE` (the job's config), `--set` or `--keys DIR` (= security.curve = true,
+security.keys = DIR): a job secured with CurveZMQ answers only a client with its keys.
 """
 from __future__ import annotations
 
@@ -32,12 +37,22 @@ def add_parser(sub) -> None:
     p.add_argument("--address", help="the coordinator's address, tcp://HOST:PORT (instead of DIR)")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until the job ends")
+    p.add_argument("--config", metavar="FILE",
+                   help="the job's TOML config: its coordinator's address and security settings (instead of DIR)")
+    p.add_argument("--keys", metavar="DIR",
+                   help="a job secured with CurveZMQ: its keys folder (= --set security.curve=true "
+                        "--set security.keys=DIR)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable), e.g. security.keys=DIR")
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.dir and not args.address:
-        raise ConfigError("psgd status: give the job's folder (DIR) or --address tcp://HOST:PORT")
-    cfg = _config(args.dir)
+    if not args.dir and not args.address and not args.config:
+        raise ConfigError("psgd status: give the job's folder (DIR), --address tcp://HOST:PORT or --config FILE")
+    if args.dir and args.config:
+        raise ConfigError("psgd status: give DIR (its config.toml is the job's) or --config FILE, not both")
+    sets = list(args.set) + (["security.curve=true", f"security.keys={args.keys}"] if args.keys else [])
+    cfg = _config(args.dir, args.config, sets)
     address = args.address or cfg.coordinator_address()
     while True:
         try:
@@ -49,8 +64,11 @@ def main(args: argparse.Namespace) -> int:
                 with open(summary) as f:
                     print(f"finished: {format_summary(json.load(f))}")
                 return 0
+            keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
+                    f"does not answer" if cfg.security.curve else
+                    "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE")
             print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
-                  f"(not started yet, or gone without a summary)", file=sys.stderr)
+                  f"(not started yet, or gone without a summary; {keys})", file=sys.stderr)
             return 1
         print(table(reply), flush=True)
         if not args.watch or reply.get("done"):
@@ -59,13 +77,14 @@ def main(args: argparse.Namespace) -> int:
         print()
 
 
-def _config(folder: str | None):
-    if not folder:
-        return load(None, [], env={})
-    path = os.path.join(folder, "config.toml")
-    if not os.path.exists(path):
-        raise ConfigError(f"psgd status: {folder} has no config.toml (is it a psgd run's output folder?)")
-    return load(path, [], env={})
+def _config(folder: str | None, path: str | None = None, sets: list[str] | None = None):
+    """The job's config: DIR/config.toml, or FILE, or the defaults; with `sets` over it.
+    Not the PSGD_* variables of this shell: they are not the job's."""
+    if folder:
+        path = os.path.join(folder, "config.toml")
+        if not os.path.exists(path):
+            raise ConfigError(f"psgd status: {folder} has no config.toml (is it a psgd run's output folder?)")
+    return load(path, sets or [], env={})
 
 
 def ask(cfg, address: str) -> wire.Message:

@@ -2,6 +2,8 @@
 (tests/test_cli_e2e.py runs it as real processes)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from psgd.cli import main
@@ -38,3 +40,74 @@ def test_a_missing_value_is_not_taken_from_an_existing_file(tmp_path, capsys):
     config.write_text("")
     assert main(["run", "--set", "train.steps", str(config)]) == 2
     assert "did you mean --set train.steps=VALUE?" in capsys.readouterr().err
+
+
+
+class NoJob:
+    """What `psgd run` passed to run_local, and what the job writes (`during`: functions of DIR)."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.during: list = []
+
+
+@pytest.fixture
+def no_job(monkeypatch):
+    """`psgd run` without a job: run_local returns a summary at once; main's SIGTERM
+    handler is put back afterwards."""
+    import signal
+    import time
+
+    import psgd.launcher
+    import psgd.metrics
+    job = NoJob()
+    summary = {"mode": "sync", "final_accuracy": 0.5, "final_loss": 1.0, "samples_per_s": 100.0, "wall_s": 1.0,
+               "time_to_target_s": None, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}}
+
+    def run_local(cfg, out, **kw):
+        job.calls.append({"cfg": cfg, "out": out, **kw})
+        for write in job.during:
+            write(out)
+        return summary
+
+    monkeypatch.setattr(psgd.launcher, "run_local", run_local)
+    monkeypatch.setattr(psgd.metrics, "process_start_time", time.time)  # this command started now
+    handler = signal.getsignal(signal.SIGTERM)
+    yield job
+    signal.signal(signal.SIGTERM, handler)
+
+
+def test_arguments_after_the_double_dash_are_the_scripts_not_checked_as_psgds(tmp_path, no_job, capsys):
+    """`-- --set large` used to be refused as psgd's own malformed --set."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    argv = ["run", "--script", str(script), "--out", str(tmp_path / "out"), "--set", "train.steps=3",
+            "--", "--set", "large"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert no_job.calls[0]["script"] == [str(script), "--set", "large"]
+    assert no_job.calls[0]["cfg"].train.steps == 3
+    # psgd's own --set before the -- is still checked
+    assert main(argv[:-5] + ["--set", "train.steps", "3", "--", "--set", "large"]) == 2
+    assert "did you mean --set train.steps=3?" in capsys.readouterr().err
+
+
+def test_run_names_the_final_model_only_when_it_was_saved(tmp_path, no_job, capsys):
+    """It used to print `model: DIR/model.pt` when rank 0 had saved none."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["run", "--script", str(script), "--out", str(out)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "model:" not in captured.out and f"summary: {out}/summary.json" in captured.out
+    assert f"warning: no final model was saved ({out}/model.pt: rank 0 did not write it; {out}/logs/worker-0.log" \
+        in captured.err
+    (out / "model.pt").write_bytes(b"x")
+    os.utime(out / "model.pt", (1e9, 1e9))   # an earlier job's, in the same folder
+    assert main(argv) == 0
+    assert "model:" not in capsys.readouterr().out
+    no_job.during.append(lambda d: open(os.path.join(d, "model.pt"), "wb").close())   # rank 0 saves it
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"model: {out}/model.pt" in captured.out and "warning" not in captured.err

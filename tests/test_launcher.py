@@ -101,6 +101,55 @@ def test_an_explicit_busy_port_is_refused_not_moved(tmp_path):
         assert f"port = {job.cfg.cluster.port}" in (tmp_path / "config.toml").read_text()
 
 
+def test_an_explicit_port_another_job_listens_on_is_refused(tmp_path):
+    """A listener with SO_REUSEADDR (as ZeroMQ binds: another job's daemon) still counts as busy."""
+    base = free_port_block(2)
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", base))   # the coordinator's port
+        taken.listen()
+        cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+        with pytest.raises(LaunchError, match=f"port {base} on 127.0.0.1 is in use"):
+            LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
+
+
+def leave_time_wait(port: int) -> None:
+    """A connection to a listener on port that the listening side closes first: its end
+    stays in TIME_WAIT (a minute on Linux), as after a job whose coordinator served workers."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with socket.socket() as client:
+            client.connect(("127.0.0.1", port))
+            conn, _ = listener.accept()
+            conn.close()          # the active close: this end goes to TIME_WAIT
+            client.recv(1)        # the FIN arrived
+    time.sleep(0.1)
+
+
+@pytest.mark.timeout(30)
+def test_an_explicit_port_left_in_time_wait_by_an_earlier_job_is_accepted(tmp_path):
+    """It used to be refused as "in use" for a minute after the earlier job, although the
+    daemons' bind (ZeroMQ's, with SO_REUSEADDR) succeeds there."""
+    base = free_port_block(2)
+    leave_time_wait(base)
+    with socket.socket() as plain:   # the old probe: a bind without SO_REUSEADDR fails
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", base))
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
+    assert job.cfg.cluster.port == base
+    import zmq
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(f"tcp://127.0.0.1:{base}")   # and the daemon's bind succeeds
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+
+
 class BusyOnceJob(LocalJob):
     """The first coordinator finds its port taken (exit EXIT_ADDRESS_IN_USE), as when
     another job binds the block between the launcher's check and the daemon's bind; the
@@ -127,3 +176,112 @@ def test_a_job_whose_chosen_ports_are_taken_moves_to_another_block(tmp_path, cap
     assert job.moves == 1 and job.cfg.cluster.port != base
     assert f"moved the job to {job.cfg.cluster.port}" in capsys.readouterr().err
     assert f"port = {job.cfg.cluster.port}" in (tmp_path / "config.toml").read_text()
+
+
+# What psgd.connect leaves behind in a stand-in script: its .started file, then (once
+# every worker has registered and training begins) its step log.
+CONNECTS = "import os\nopen(os.environ['PSGD_STARTED_FILE'], 'w').close()\n"
+TRAINS = ("os.makedirs(os.path.join(os.environ['PSGD_OUT'], 'events'), exist_ok=True)\n"
+          "open(os.path.join(os.environ['PSGD_OUT'], 'events', f\"worker-{os.environ['PSGD_RANK']}.jsonl\"), 'a')"
+          ".write('{}\\n')\n")
+
+
+class ScriptStandInJob(LocalJob):
+    """The daemons touch their --started-file and wait to be stopped; the workers are
+    copies of the test's training script (a stand-in: it never connects to anything)."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        code = "import sys, time; open(sys.argv[-1], 'w').close(); time.sleep(60)"
+        return [sys.executable, "-c", code, *extra]
+
+
+def script_job(tmp_path, code: str, **kw) -> ScriptStandInJob:
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    cfg = load(None, [f"cluster.port={free_port_block(2)}", "cluster.servers=1", "cluster.workers=2",
+                      "cluster.evaluator=false"], env={})
+    return ScriptStandInJob(cfg, str(tmp_path / "out"), quiet=True, script=[str(script), "--flag"], **kw)
+
+
+@pytest.mark.timeout(60)
+def test_a_scripts_stdout_goes_to_its_log_with_its_stderr_in_order(tmp_path):
+    """Everything a training script printed to stdout used to be discarded."""
+    job = script_job(tmp_path, CONNECTS + TRAINS + "import sys\n"
+                                                   "for i in range(3):\n"
+                                                   "    print('out', i, sys.argv[1:])\n"
+                                                   "    print('err', i, file=sys.stderr)\n", timeout_s=3)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-in coordinator never ends
+            job.wait()
+    finally:
+        job.stop()
+    for rank in range(2):
+        with open(tmp_path / "out" / "logs" / f"worker-{rank}.log") as f:
+            assert f.read().splitlines() == [line for i in range(3) for line in (f"out {i} ['--flag']", f"err {i}")]
+    assert all(c.poll() is not None for c in job.children)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", [0, 2])
+def test_a_script_that_exits_before_psgd_connect_stops_the_job_at_once(tmp_path, code):
+    """`-- --help` (exit 0) used to leave the job waiting for its rank until
+    cluster.timeout_s, then "0/2 workers registered"."""
+    job = script_job(tmp_path, "import os, sys, time\n"
+                               "if os.environ['PSGD_RANK'] == '1':\n"
+                               f"    print('usage: train.py [--lr LR]'); sys.exit({code})\n"
+                               + CONNECTS + "time.sleep(60)\n", timeout_s=50)
+    began = time.monotonic()
+    try:
+        job.start()
+        with pytest.raises(LaunchError) as e:
+            job.wait()
+    finally:
+        job.stop()
+    assert time.monotonic() - began < 30
+    message = str(e.value)
+    assert message.startswith(f"worker-1's script exited with code {code} before calling psgd.connect"), message
+    assert "usage: train.py [--lr LR]" in message and "worker-1.log" in message
+    assert all(c.poll() is not None for c in job.children)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restart_workers", [False, True])
+def test_a_script_refused_in_psgd_connect_stops_the_job_at_once(tmp_path, restart_workers):
+    """Refused at registration (a model unlike the job's): the job used to wait for its
+    rank until cluster.timeout_s. With --restart-workers it is started again instead."""
+    job = script_job(tmp_path, CONNECTS + "import sys, time\n"
+                                          "if os.environ['PSGD_RANK'] == '1':\n"
+                                          "    print('refused: the model differs', file=sys.stderr); sys.exit(1)\n"
+                                          "time.sleep(60)\n", timeout_s=50, restart_workers=restart_workers)
+    try:
+        job.start()
+        with pytest.raises(LaunchError) as e:
+            job.wait()
+    finally:
+        job.stop()
+    message = str(e.value)
+    if restart_workers:
+        assert message.startswith("worker-1 keeps dying (exit 1)"), message
+    else:
+        assert message.startswith("worker-1's script exited with code 1 in psgd.connect, before the job began "
+                                  "training"), message
+        assert "refused: the model differs" in message
+
+
+@pytest.mark.timeout(60)
+def test_scripts_that_exit_0_after_training_are_a_normal_end(tmp_path):
+    (tmp_path / "out" / "events").mkdir(parents=True)   # an earlier job's step logs in the same folder
+    for rank in range(2):
+        (tmp_path / "out" / "events" / f"worker-{rank}.jsonl").write_text("{}\n")
+        os.utime(tmp_path / "out" / "events" / f"worker-{rank}.jsonl", (1e9, 1e9))
+    job = script_job(tmp_path, CONNECTS + "import time\n"
+                                          "if os.environ['PSGD_RANK'] == '1':\n"
+                                          "    time.sleep(2)\n"   # rank 0 ends first, after training
+                               + TRAINS, timeout_s=5)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match="did not finish within"):  # not a script's exit
+            job.wait()
+    finally:
+        job.stop()

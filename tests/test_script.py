@@ -142,3 +142,44 @@ def test_psgd_run_script_from_the_command_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "psgd", "run", "--", "--lr", "1"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "give --script FILE" in r.stderr
+
+
+SCRIPT_PRINTS = """
+import sys, torch, psgd
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+with psgd.connect(model) as ps:
+    print("stdout: rank", ps.rank, "of", ps.world_size)
+    while True:
+        model.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        if not ps.step():
+            break
+    print("stderr: rank", ps.rank, "done", file=sys.stderr)
+    print("stdout: rank", ps.rank, "done")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_what_a_script_prints_to_stdout_is_in_its_log(tmp_path):
+    """It used to be discarded: only stderr reached DIR/logs/worker-R.log."""
+    path = tmp_path / "prints.py"
+    path.write_text(SCRIPT_PRINTS)
+    run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 20, "cluster.servers": 1})
+    for rank in range(2):
+        lines = (tmp_path / "out" / "logs" / f"worker-{rank}.log").read_text().splitlines()
+        mine = [line for line in lines if line.startswith(("stdout:", "stderr:"))]
+        assert mine == [f"stdout: rank {rank} of 2", f"stderr: rank {rank} done", f"stdout: rank {rank} done"], lines
+
+
+@pytest.mark.timeout(120)
+def test_a_scripts_help_ends_the_job_at_once_with_its_usage(tmp_path):
+    """A script that exits 0 before psgd.connect (`-- --help`) used to leave the job
+    waiting until cluster.timeout_s, then "0/2 workers registered"."""
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--script", os.path.join(EXAMPLES, "custom_loss.py"),
+                        "--workers", "2", "--servers", "1", "--set", "cluster.timeout_s=90", "--out",
+                        str(tmp_path / "out"), "--quiet", "--", "--help"],
+                       capture_output=True, text=True, timeout=80, cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert "script exited with code 0 before calling psgd.connect" in r.stderr, r.stderr
+    assert "usage: custom_loss.py" in r.stderr and "registered" not in r.stderr, r.stderr

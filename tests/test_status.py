@@ -69,3 +69,29 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
     assert "no answer from the coordinator" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nope")]) == 2
     assert "has no config.toml" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_status_at_an_address_reaches_a_job_secured_with_curve_given_its_keys(tmp_path, capsys):
+    """`psgd status --address` used the default config (no CurveZMQ): a secured job never
+    answered, and the message said "not started yet, or gone"."""
+    from psgd.keys import make_keys
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.servers": 1, "cluster.evaluator": False,
+                              "security.curve": True, "security.keys": keys})
+    config = tmp_path / "job.toml"
+    config.write_text(cfg.to_toml())
+    address = cfg.coordinator_address()
+    with InProcessCluster(cfg):
+        assert main(["status", "--address", address]) == 1
+        err = capsys.readouterr().err
+        assert "a job secured with CurveZMQ answers only a client with its keys: --keys DIR" in err, err
+        for how in (["--keys", keys], ["--config", str(config)],
+                    ["--set", "security.curve=true", "--set", f"security.keys={keys}"]):
+            assert main(["status", "--address", address, *how]) == 0, capsys.readouterr().err
+            assert capsys.readouterr().out.startswith("phase "), how
+        other = str(tmp_path / "other")
+        make_keys(other)  # keys of another job: the server does not know this client
+        assert main(["status", "--address", address, "--keys", other]) == 1
+        assert f"it was asked with the keys in {other}" in capsys.readouterr().err

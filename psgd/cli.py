@@ -288,6 +288,8 @@ def interrupted_code(e: KeyboardInterrupt) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if os.getcwd() not in sys.path:  # as `python -m psgd`: a `package.module:factory` in the folder it runs in
+        sys.path.insert(0, os.getcwd())
     script_args: list[str] = []
     if "--" in argv:  # psgd run --script FILE ... -- ARGS: the rest is the script's, not checked here
         script_args, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]

@@ -111,3 +111,20 @@ def test_run_names_the_final_model_only_when_it_was_saved(tmp_path, no_job, caps
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert f"model: {out}/model.pt" in captured.out and "warning" not in captured.err
+
+
+@pytest.mark.timeout(120)
+def test_the_psgd_command_imports_a_factory_from_the_folder_it_runs_in(tmp_path):
+    # as `python -m psgd` does: the console script did not see the folder's modules
+    import subprocess
+    import sys
+    (tmp_path / "mymodels_cwd.py").write_text(
+        "from torch import nn\n"
+        "def model(input_shape, num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+    psgd = os.path.join(os.path.dirname(sys.executable), "psgd")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    got = subprocess.run([psgd, "shards", "--set", "model.name=mymodels_cwd:model"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=100)
+    assert got.returncode == 0, got.stderr
+    assert "cannot import" not in got.stderr

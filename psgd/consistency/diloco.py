@@ -14,7 +14,7 @@ Server rule: a synchronous round over the live workers (sync's `StepBarrier`, wi
 membership changes, fast-forward after a restore and dropped late pushes; no backups).
 The pseudo-gradients go through sync's decisions: `Accumulate` each, then `ApplySum`,
 which steps the shard's optimizer on their mean Delta. That optimizer is the outer one
-(`server_optimizer`): SGD with `mode.outer_lr` (eta, default 0.7) and Nesterov momentum
+(`server_optimizer`): SGD with `mode.outer_lr` (eta, default 0.2) and Nesterov momentum
 `mode.outer_momentum` (mu, default 0.9), at a constant rate (the inner lr schedule is
 not applied to it). In torch's convention:
     m <- mu m + mean(Delta);   theta <- theta - eta (mean(Delta) + mu m)

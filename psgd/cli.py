@@ -281,6 +281,13 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def _exit_on_term(signum, frame) -> None:
+    """SIGTERM to a coordinator, worker or evaluator daemon: exit 143 through its
+    `finally` blocks (its pid file goes; the default action left it behind). A shard
+    server installs its own handler: it checkpoints first."""
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 def interrupted_code(e: KeyboardInterrupt) -> int:
     """The exit code of a command stopped by Ctrl-C (130) or SIGTERM (143)."""
     return 128 + signal.SIGTERM if isinstance(e, Terminated) else 130
@@ -307,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                 "status": cmd_status, "simulate": cmd_simulate}
     if args.cmd in ("run", "compare", "simulate") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
+    elif args.cmd in ("coordinator", "worker", "evaluator") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)
     except ConfigError as e:

@@ -169,6 +169,7 @@ def test_sigterm_to_psgd_run_stops_every_daemon(tmp_path):
         while time.monotonic() < gone and any(os.path.exists(f"/proc/{p}") for p in pids.values()):
             time.sleep(0.1)
         assert not [n for n, p in pids.items() if os.path.exists(f"/proc/{p}")]
+        assert not sorted(os.listdir(out / "pids"))   # every daemon removed its pid file on its way out
     finally:
         kill_all([proc])
         for p in pids.values():  # what a failure left running

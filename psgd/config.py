@@ -55,7 +55,7 @@ class DataConfig:
     path: str = ""             # folder with the files, for cifar10 / mnist
     test_fraction: float = 0.2  # held-out share, for datasets without a test split
     shape: list = field(default_factory=lambda: [1, 8, 8])  # synthetic: one sample's shape
-    classes: int = 10          # synthetic, and factories that return torch Datasets: number of classes
+    classes: int = 0           # number of classes: factories that return torch Datasets must set it; synthetic: 0 = 10
     samples: int = 4096        # synthetic: number of training samples
     loader_workers: int = 0    # torch Datasets: DataLoader worker processes per psgd worker (0: in-process)
 

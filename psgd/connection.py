@@ -29,10 +29,17 @@ What `step()` does is the mode's worker schedule (psgd/consistency/), the same o
 It returns False once the job's budget (`train.steps`, `train.seconds`) is spent or the
 job has ended; then it does nothing more.
 
+`step()` with no gradient at all (every trainable parameter's `.grad` is None: no
+`loss.backward()`) raises `JobError` in every mode: it would push zeros, or step a local
+optimizer that skips parameters without one.
+
 The shards learn the model from the workers: its layout (names, shapes, dtypes) when
 the workers register, rank 0's initial values when it connects (psgd/layout.py), so the
-servers never import the script. On `close()`, rank 0 waits for the other workers to
-finish, loads the job's final global model into its `model` and saves it as
+servers never import the script. Frozen parameters and integer buffers are not sent:
+every worker must build them alike (the layout carries their fingerprint; a worker whose
+differ is refused). A model with no trainable parameter is a ConfigError. On `close()`,
+rank 0 waits for the other workers to finish (while they are live, however long),
+loads the job's final global model into its `model` and saves it as
 DIR/model.pt (a state_dict). A worker that fails (too many refused steps, shards
 unreachable) raises `JobError`; an exception inside `with` ends the job with its reason.
 """
@@ -48,10 +55,12 @@ import torch
 from torch import nn
 
 from . import layout as layouts
+from . import wire
 from .config import Config, ConfigError, load
 from .consistency import get as get_mode
 from .log import log
 from .metrics import PidFile
+from .transport import PeerTimeout
 from .workers.client import Cancelled, ShardUnreachable
 from .workers.worker import Worker
 
@@ -79,6 +88,9 @@ class Connection(Worker):
         super().__init__(cfg, out or env.get("PSGD_OUT"), want_rank=want)
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
             open(env["PSGD_STARTED_FILE"], "w").close()
+        if not any(p.requires_grad for p in model.parameters()):  # before registering: the others are not held up
+            raise ConfigError("psgd.connect: the model has no trainable parameters (none with requires_grad=True): "
+                              "psgd trains a model's trainable parameters; unfreeze some before connecting")
         self.user_optimizer = optimizer
         self.score_fn = score
         self.closed = False
@@ -125,6 +137,12 @@ class Connection(Worker):
             raise JobError("step() after close()")
         if not self.more():
             return False
+        if all(p.grad is None for p in self.replica.trainable.values()):
+            # Every mode steps on the script's gradients (pushed, or the local optimizer's,
+            # which skips a parameter without one): none at all is a script's mistake.
+            error = "step() without gradients: call loss.backward() before ps.step()"
+            self._end(f"worker {self.rank}: {error}")
+            raise JobError(error)
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().item()
         self._loss = None if loss is None else float(loss)
@@ -147,6 +165,8 @@ class Connection(Worker):
     def report(self, accuracy: float, loss: float) -> None:
         """A score of the model (the script's own evaluation): the job's evaluation curve
         and summary.json's final accuracy, when the job runs no evaluator."""
+        if self.closed:
+            raise JobError("report() after close(): report the score before leaving the job")
         self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
 
     def close(self, error: str = "") -> None:
@@ -206,18 +226,28 @@ class Connection(Worker):
             self.pidfile.__exit__(None, None, None)
 
     def _final_model(self) -> None:
-        """Wait until every other worker is done, then load the job's global model into
-        the script's model and save it as DIR/model.pt."""
-        deadline = time.monotonic() + self.cfg.cluster.timeout_s
-        while time.monotonic() < deadline and not self.stopped():
-            status = self.link.call("status")
-            if all(w["state"] != "live" for w in status.get("workers", []) if w["rank"] != self.rank):
-                break
+        """Wait until every other worker is done (however long they train, while they
+        are live: heartbeating), then load the job's global model into the script's
+        model and save it as DIR/model.pt. No final model if the job ends or aborts
+        meanwhile, or the coordinator stops answering for cluster.timeout_s."""
+        renew_s = self.cfg.cluster.timeout_s / 3
+        renewed = time.monotonic()
+        while True:
+            if self.stopped():
+                log(self.name, f"the job ended before the other workers finished "
+                               f"({self.link.state.get('abort') or 'done'}): no final model")
+                return
+            try:
+                status = self.link.call("status")
+                if all(w["state"] != "live" for w in status.get("workers", []) if w["rank"] != self.rank):
+                    break
+                if time.monotonic() - renewed >= renew_s:  # the coordinator holds the end for timeout_s at a time
+                    self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats(), hold=True)
+                    renewed = time.monotonic()
+            except (PeerTimeout, wire.RemoteError) as e:
+                log(self.name, f"the coordinator stopped answering ({e}): no final model")
+                return
             time.sleep(FINAL_POLL_S)
-        else:
-            log(self.name, "the job ended, or the other workers did not finish within cluster.timeout_s: "
-                           "no final model")
-            return
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         if self.out:
             path = os.path.join(self.out, "model.pt")

@@ -149,23 +149,32 @@ def _digits(cfg: DataConfig):
     return _split(x, y, cfg.test_fraction) + (10,)
 
 
+SYNTHETIC_CLASSES = 10  # the synthetic dataset's classes when data.classes is unset (0)
+
+
+def synthetic_classes(cfg: DataConfig) -> int:
+    return cfg.classes or SYNTHETIC_CLASSES
+
+
 def _check_synthetic(cfg: DataConfig) -> tuple[int, ...]:
     shape = tuple(int(s) for s in cfg.shape)
     if not shape or any(s < 1 for s in shape):
         raise DataError(f"data.shape must be positive sizes, got {cfg.shape}")
-    if cfg.classes < 2 or cfg.samples < cfg.classes:
+    classes = synthetic_classes(cfg)
+    if classes < 2 or cfg.samples < classes:
         raise DataError("data.classes must be >= 2 and data.samples >= data.classes")
     return shape
 
 
 def _synthetic(cfg: DataConfig, seed: int):
     shape = _check_synthetic(cfg)
+    classes = synthetic_classes(cfg)
     rng = np.random.default_rng(seed + 7)
     n = int(cfg.samples / (1 - cfg.test_fraction))
-    centers = rng.normal(size=(cfg.classes,) + shape).astype(np.float32)
-    y = rng.integers(0, cfg.classes, size=n)
+    centers = rng.normal(size=(classes,) + shape).astype(np.float32)
+    y = rng.integers(0, classes, size=n)
     x = centers[y] + 2.0 * rng.normal(size=(n,) + shape).astype(np.float32)
-    return _split(x.astype(np.float32), y.astype(np.int64), cfg.test_fraction) + (cfg.classes,)
+    return _split(x.astype(np.float32), y.astype(np.int64), cfg.test_fraction) + (classes,)
 
 
 def _read(path: str) -> bytes:
@@ -262,11 +271,14 @@ def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
     try:
         x, y = train[0]
         shape = tuple(x.shape)
-        int(y)
+        label = int(y)
     except (TypeError, ValueError, AttributeError) as e:
         raise DataError(f"data.name {cfg.name!r}: a dataset's items must be (tensor, int label) ({e})") from None
     if cfg.classes < 2:
         raise DataError(f"data.name {cfg.name!r}: set data.classes (>= 2) to the number of classes")
+    if not 0 <= label < cfg.classes:
+        raise DataError(f"data.name {cfg.name!r}: the first training item's label is {label}, not in "
+                        f"0..{cfg.classes - 1}; set data.classes to the number of classes")
     return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers)
 
 
@@ -419,6 +431,6 @@ def describe(cfg: DataConfig) -> tuple[tuple, int]:
     if cfg.name in known:
         return known[cfg.name]
     if cfg.name == "synthetic":
-        return tuple(int(s) for s in cfg.shape), cfg.classes
+        return tuple(int(s) for s in cfg.shape), synthetic_classes(cfg)
     ds = load_dataset(cfg)
     return tuple(ds.input_shape), ds.num_classes

@@ -2,7 +2,13 @@
 
 A layout is a list of `[name, table, shape, dtype]` entries, in the model's order:
 its trainable parameters (table "params"), then its floating-point buffers (table
-"buffers"), as `psgd.sharding.model_layout` reads them. It travels as plain msgpack
+"buffers"), as `psgd.sharding.model_layout` reads them; then what the shards do not
+hold: frozen parameters (requires_grad=False) and non-float buffers, as
+`[name, "fixed", shape, dtype, fingerprint]` (a hash of the values). The shards never
+send those, so every worker must build them alike (seed the RNG, or load the same
+weights): the coordinator refuses a worker whose fixed tensors differ from the job's,
+naming the first that does (`difference`), instead of training replicas that compute
+different functions. It travels as plain msgpack
 (workers send it to the coordinator when they register; shards ask the coordinator for
 it), so this module imports no torch: the coordinator uses it.
 
@@ -20,6 +26,7 @@ from typing import Any
 BUILTIN_MODELS = ("mlp", "cnn", "resnet20")
 SCRIPT_MODEL = "script"   # model.name of a job whose workers are the user's own training script
 TABLES = ("params", "buffers")
+FIXED = "fixed"           # a layout entry the shards do not hold (a frozen parameter, a non-float buffer)
 MAX_ENTRIES = 100_000
 
 
@@ -35,24 +42,32 @@ def checked(layout: Any) -> list[list]:
         raise ValueError(f"a layout is a non-empty list of at most {MAX_ENTRIES} entries")
     out = []
     for i, e in enumerate(layout):
-        ok = (isinstance(e, (list, tuple)) and len(e) == 4 and isinstance(e[0], str) and e[1] in TABLES
+        ok = (isinstance(e, (list, tuple)) and len(e) in (4, 5) and isinstance(e[0], str)
+              and (e[1] in TABLES if len(e) == 4 else e[1] == FIXED and isinstance(e[4], str))
               and isinstance(e[2], (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in e[2])
               and isinstance(e[3], str))
         if not ok:
-            raise ValueError(f"layout entry {i} is not [name, 'params'|'buffers', [dims], dtype]: {e!r:.200}")
-        out.append([e[0], e[1], [int(d) for d in e[2]], e[3]])
+            raise ValueError(f"layout entry {i} is not [name, 'params'|'buffers', [dims], dtype] or "
+                             f"[name, 'fixed', [dims], dtype, fingerprint]: {e!r:.200}")
+        out.append([e[0], e[1], [int(d) for d in e[2]], *e[3:]])
+    if not any(e[1] == "params" for e in out):
+        raise ValueError("a layout needs at least one trainable parameter (table 'params')")
     return out
 
 
 def entries(layout: list[list]) -> list[tuple[str, str, int]]:
-    """(name, table, numel) per entry: what `ShardMap` is built from."""
-    return [(name, table, math.prod(shape)) for name, table, shape, _ in layout]
+    """(name, table, numel) per entry the shards hold: what `ShardMap` is built from."""
+    return [(e[0], e[1], math.prod(e[2])) for e in layout if e[1] in TABLES]
 
 
 def difference(job: list[list], other: list[list]) -> str:
     """'' if the layouts are the same, else the first difference, in words."""
     for i, (a, b) in enumerate(zip(job, other, strict=False)):
         if list(a) != list(b):
+            if a[1] == b[1] == FIXED and list(a[:4]) == list(b[:4]):
+                return (f"{a[0]} (not trained: a frozen parameter or a non-float buffer, which the shards do "
+                        f"not send) has other values than the job's; build it alike on every worker: seed "
+                        f"the RNG before building the model (torch.manual_seed) or load the same weights")
             return f"entry {i}: the job has {_describe(a)}, this model has {_describe(b)}"
     if len(job) != len(other):
         return f"the job's model has {len(job)} tensors, this one {len(other)}"
@@ -60,7 +75,7 @@ def difference(job: list[list], other: list[list]) -> str:
 
 
 def _describe(e: list) -> str:
-    name, table, shape, dtype = e
+    name, table, shape, dtype = e[:4]
     return f"{name} ({table}, shape {tuple(shape)}, {dtype})"
 
 

@@ -33,6 +33,9 @@ from .log import log
 from .transport import Peers, PeerTimeout
 
 REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent again this often
+# During the rendezvous a registered worker waits, sending its registration again every
+# REGISTER_RESEND_S: one not heard from for this long is gone, and its rank may be taken.
+RENDEZVOUS_QUIET_S = 2 * REGISTER_RESEND_S + 1.0
 LATEST_STATS = ("clock", "loss")  # a worker's counters that are not summed over its lives: the last life's
 LARGEST_STATS = ("staleness_max",)  # ... and those that are the largest of its lives'
 
@@ -114,6 +117,21 @@ class Membership:
             self.members[rank] = Member(rank, now, nonce=nonce)
         self.version += 1
         return rank
+
+    def taken(self, want_rank: int, nonce: str, now: float) -> bool:
+        """During the rendezvous: is `want_rank` held by another process (another nonce)
+        that is still waiting for the others (heard from within RENDEZVOUS_QUIET_S)? Two
+        processes asking for one rank (the same PSGD_RANK twice) are a mistake then, not a
+        restart: the coordinator refuses the second. (`join` takes a quiet holder's rank
+        back: a process restarted after the one before died.)"""
+        m = self.members.get(want_rank)
+        return m is not None and m.state == "live" and nonce != m.nonce and now - m.last_seen <= RENDEZVOUS_QUIET_S
+
+    def seen(self, rank: int, now: float) -> None:
+        """The rank's process was heard from (a repeated registration)."""
+        m = self.members.get(rank)
+        if m is not None:
+            m.last_seen = max(m.last_seen, now)
 
     def current_clock(self, exclude: int = -1, default: int = 0) -> int:
         """Where a returning worker continues: the slowest live worker's clock."""

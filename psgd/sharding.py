@@ -15,6 +15,7 @@ On a shard, each table is one flat float32 vector: the shard's pieces in map ord
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 from collections.abc import Iterable
@@ -117,8 +118,10 @@ class ShardMap:
 def model_entries(model: torch.nn.Module) -> list[tuple[str, str, int]]:
     """(name, table, numel): trainable parameters, then floating-point buffers.
 
-    Frozen parameters (requires_grad=False) and integer buffers (BatchNorm's
-    num_batches_tracked) are not sharded: every party builds them from the seed.
+    Frozen parameters (requires_grad=False) and non-float buffers (BatchNorm's
+    num_batches_tracked) are not sharded: every party must build them alike (psgd's
+    own models from the seed); `model_layout` carries a fingerprint of their values, so
+    the coordinator refuses a worker whose differ.
     """
     out = [(n, "params", p.numel()) for n, p in model.named_parameters() if p.requires_grad]
     out += [(n, "buffers", b.numel()) for n, b in model.named_buffers() if b.is_floating_point()]
@@ -127,10 +130,29 @@ def model_entries(model: torch.nn.Module) -> list[tuple[str, str, int]]:
 
 def model_layout(model: torch.nn.Module) -> list[list]:
     """The model's layout (psgd/layout.py): [name, table, shape, dtype] per entry of
-    `model_entries`, in its order."""
+    `model_entries`, in its order, then [name, "fixed", shape, dtype, fingerprint] per
+    tensor that the map does not cover (`fixed_tensors`)."""
     tensors = model_tensors(model)
-    return [[name, table, list(tensors[name].shape), str(tensors[name].dtype).removeprefix("torch.")]
-            for name, table, _ in model_entries(model)]
+
+    def dtype(t: torch.Tensor) -> str:
+        return str(t.dtype).removeprefix("torch.")
+    return ([[name, table, list(tensors[name].shape), dtype(tensors[name])] for name, table, _ in model_entries(model)]
+            + [[name, "fixed", list(t.shape), dtype(t), fingerprint(t)] for name, t in fixed_tensors(model).items()])
+
+
+def fixed_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> tensor for what the map does not cover: frozen parameters, then
+    non-float buffers."""
+    out: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    out.update({n: b for n, b in model.named_buffers() if not b.is_floating_point()})
+    return out
+
+
+@torch.no_grad()
+def fingerprint(t: torch.Tensor) -> str:
+    """A hash of a tensor's values (its bytes): equal tensors have equal fingerprints."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=12).hexdigest()
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

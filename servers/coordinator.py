@@ -130,11 +130,16 @@ class Coordinator:
             again = self.nonces.get(nonce, -1)
             if again >= 0 and self.members.members.get(again) and self.members.members[again].state == "live":
                 # A repeat (its answer was lost, or this coordinator restarted): same rank, no new join.
+                self.members.seen(again, now)
                 if self.phase == "rendezvous":
                     self.parked = [p for p in self.parked if p[2] != again] + [(ident, msg, again)]
                     return self._start_training() if self.members.all_joined else []
                 return [self._reply_register(ident, msg, again)]
-            rank = self.members.join(now, msg.get("want_rank", -1), nonce)
+            want = msg.get("want_rank", -1)
+            if self.phase == "rendezvous" and self.members.taken(want, nonce, now):
+                raise wire.WireError(wire.REFUSED, f"rank {want} is already taken by another process; is "
+                                                   f"PSGD_RANK set the same for two workers?")
+            rank = self.members.join(now, want, nonce)
             if rank < 0:
                 raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} worker ranks are taken and live")
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)

@@ -4,7 +4,10 @@ running a training loop of their own, the shards learn the model from them.
 - the shards start from rank 0's initial values, whatever the other ranks built;
 - sync: every rank ends with the same model, which is the shards' and DIR/model.pt's;
 - the script's own optimizer keeps its learning rate in the local-optimizer modes;
-- ltfb without `score` is a clear error; `step()` after `close()` is one too.
+- ltfb without `score` is a clear error; `step()` or `report()` after `close()` is one too;
+  so are `step()` without gradients and a model with nothing to train;
+- a frozen layer built differently on two workers is refused when they register;
+- rank 0 waits for a slower worker (however long, while it is live) to save the final model.
 """
 from __future__ import annotations
 
@@ -121,6 +124,8 @@ def test_ltfb_without_a_score_and_a_step_after_close_are_clear_errors(port_block
         ps.close()
         with pytest.raises(psgd.JobError, match="after close"):
             ps.step()
+        with pytest.raises(psgd.JobError, match="after close"):   # not recorded as the job's score
+            ps.report(accuracy=0.5, loss=1.0)
 
 
 @pytest.mark.timeout(60)
@@ -142,3 +147,102 @@ def test_close_leaves_the_job_even_when_the_coordinator_is_gone_at_the_release(p
         with pytest.raises(PeerTimeout):
             ps.close()
         assert ps.closed and not (tmp_path / "pids" / "worker-0.pid").exists()
+
+
+class Frozen(Net):
+    """Net with its first layer frozen, built from `frozen_seed` (the trainable one from 0)."""
+
+    def __init__(self, frozen_seed: int):
+        super().__init__(0)
+        torch.manual_seed(frozen_seed)
+        self.a.reset_parameters()
+        self.a.requires_grad_(False)
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_layer_that_differs_between_workers_is_refused_naming_it(port_block, tmp_path):
+    # the shards hold only trainable parameters: a frozen layer is each worker's own, so
+    # workers that built it differently would train different functions. A worker whose
+    # frozen layer is built alike then joins, and the job trains with one frozen layer.
+    import time
+
+    from psgd import wire
+    cfg = config(port_block, "sync")
+    models = {0: Frozen(7), 1: Frozen(7)}
+    got: dict = {"errors": []}
+
+    def worker(rank: int) -> None:
+        try:
+            with psgd.connect(models[rank], config=cfg, out=str(tmp_path), rank=rank) as ps:
+                train(ps, models[rank], None)
+        except Exception as e:  # noqa: BLE001 - checked below
+            got["errors"].append(e)
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        threads = [threading.Thread(target=worker, args=(0,))]
+        threads[0].start()
+        while cluster.coordinator.layout is None:   # rank 0's model is the job's
+            time.sleep(0.05)
+        with pytest.raises(wire.Refused, match=r"a\.weight .*other values.*torch\.manual_seed"):
+            psgd.connect(Frozen(8), config=cfg, rank=1)
+        threads.append(threading.Thread(target=worker, args=(1,)))
+        threads[1].start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not got["errors"], got["errors"]
+    assert torch.equal(flat(models[0]), flat(models[1])) and torch.equal(models[0].a.weight, Frozen(7).a.weight)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("model", [Frozen(0), nn.Identity()], ids=["all-frozen", "no-parameters"])
+def test_a_model_with_nothing_to_train_is_a_clear_error_before_registering(port_block, model):
+    if isinstance(model, Frozen):
+        model.b.requires_grad_(False)
+    cfg = config(port_block, "sync", workers=1, **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        psgd.connect(model, config=cfg, rank=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "sync", "easgd"])
+def test_step_without_gradients_is_a_clear_error(port_block, mode):
+    # push modes would push zeros, local-optimizer modes would step nothing: the script
+    # forgot loss.backward() (or called step() before it)
+    cfg = config(port_block, mode, workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, rank=0)
+        x = torch.randn(4, 6)
+        loss = model(x).sum()
+        with pytest.raises(psgd.JobError, match=r"call loss.backward\(\) before ps.step\(\)"):
+            ps.step(loss)
+        assert ps.closed and "without gradients" in cluster.coordinator.abort   # the job ended with that reason
+        ps.close()
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_waits_for_a_slower_worker_past_timeout_s_to_save_the_final_model(port_block, tmp_path):
+    # rank 0 is done ~4 s before rank 1; cluster.timeout_s = 2 must not make it give up
+    # on the final model while rank 1 is live
+    import time
+    cfg = config(port_block, "async", **{"cluster.timeout_s": 2, "train.steps": 16})
+    done: dict = {}
+
+    def loop(ps, model, opt) -> None:
+        g = torch.Generator().manual_seed(ps.rank)
+        while True:
+            model.zero_grad()
+            x = torch.randn(16, 6, generator=g)
+            nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+            if ps.rank == 1:
+                time.sleep(0.25)
+            if not ps.step(samples=16):
+                break
+        done[ps.rank] = time.monotonic()
+
+    with InProcessCluster(cfg, str(tmp_path)):
+        got = run_workers(cfg, str(tmp_path), loop)
+    assert not got["errors"], got["errors"]
+    assert done[1] - done[0] > 2 * cfg.cluster.timeout_s
+    saved = Net(0)
+    saved.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert torch.equal(flat(saved), got[("end", 0)])

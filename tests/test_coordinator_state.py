@@ -195,3 +195,34 @@ def test_a_job_whose_every_worker_was_lost_fails(tmp_path, finished):
     else:
         assert c.abort == s["aborted"] == "all 2 workers were lost (stopped heartbeating) and none finished"
         assert s["failures"]["workers_lost"] == 2
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_two_processes_asking_for_one_rank_in_the_rendezvous_the_second_is_refused():
+    """The same PSGD_RANK given to two workers: while the first waits for the others (it
+    sends its registration again every few seconds), the second is refused at once with
+    the rank named, instead of both hanging until a misleading timeout. A process that
+    takes a rank whose holder went quiet (died while waiting: restarted), or one after
+    training began (a restart), still gets it."""
+    from psgd import wire
+    from psgd.membership import RENDEZVOUS_QUIET_S
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> list[wire.Message]:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
+
+    assert serve("register", role="worker", want_rank=0, nonce="a") == []       # parked: waits for rank 1
+    [refused] = serve("register", role="worker", want_rank=0, nonce="b")
+    assert refused.op == "error" and refused.get("reason") == (
+        "rank 0 is already taken by another process; is PSGD_RANK set the same for two workers?")
+    assert serve("register", role="worker", want_rank=0, nonce="a") == []       # the holder's repeat: fine
+    assert c.members.members[0].nonce == "a" and c.members.members[0].joins == 1
+    c.members.members[0].last_seen -= RENDEZVOUS_QUIET_S + 1                   # the holder died while waiting
+    assert serve("register", role="worker", want_rank=0, nonce="c") == []       # its restart takes the rank
+    assert c.members.members[0].nonce == "c"
+    answers = serve("register", role="worker", want_rank=1, nonce="d")         # all joined: training starts
+    assert c.phase == "training" and {m.get("assigned_rank") for m in answers} >= {0, 1}
+    [again] = serve("register", role="worker", want_rank=1, nonce="e")          # a restart while training
+    assert again.get("assigned_rank") == 1 and c.members.members[1].nonce == "e"

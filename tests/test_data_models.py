@@ -24,6 +24,14 @@ def test_synthetic_any_shape():
     assert ds.input_shape == (3, 4, 4) and ds.num_classes == 5 and len(ds.train_y) == 200
 
 
+def test_synthetic_and_in_memory_factories_know_their_classes_with_data_classes_unset():
+    assert DataConfig().classes == 0   # unset: a torch-Dataset factory must say (tests/test_streaming.py)
+    ds = load_dataset(DataConfig(name="synthetic", shape=[4], samples=100))
+    assert ds.num_classes == 10 and int(ds.train_y.max()) < 10
+    assert describe(DataConfig(name="synthetic", shape=[4])) == ((4,), 10)
+    assert load_dataset(DataConfig(name=f"{__name__}:user_data")).num_classes == 3
+
+
 def test_partitions_are_disjoint_and_cover():
     parts = [partition(100, r, 3, seed=1) for r in range(3)]
     joined = np.concatenate(parts)

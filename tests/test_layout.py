@@ -13,7 +13,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config
 from psgd.shard import Shard
-from psgd.sharding import ShardMap, model_layout, model_tensors
+from psgd.sharding import ShardMap, fingerprint, model_layout, model_tensors
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +26,7 @@ class Net(nn.Module):
         self.a = nn.Linear(3, width)
         self.bn = nn.BatchNorm1d(width)
         self.b = nn.Linear(width, 2)
-        self.a.bias.requires_grad_(False)  # frozen: not in the layout
+        self.a.bias.requires_grad_(False)  # frozen: not sharded (a "fixed" entry of the layout)
 
 
 def send(shard: Shard, op: str, rank: int, token=None, **fields):
@@ -45,11 +45,15 @@ def tables(model: nn.Module, n: int, i: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def test_the_layout_names_trainable_parameters_then_float_buffers():
-    lay = model_layout(Net())
+    net = Net()
+    lay = model_layout(net)
     assert lay == [["a.weight", "params", [5, 3], "float32"], ["bn.weight", "params", [5], "float32"],
                    ["bn.bias", "params", [5], "float32"], ["b.weight", "params", [2, 5], "float32"],
                    ["b.bias", "params", [2], "float32"], ["bn.running_mean", "buffers", [5], "float32"],
-                   ["bn.running_var", "buffers", [5], "float32"]]
+                   ["bn.running_var", "buffers", [5], "float32"],
+                   # not sharded, fingerprinted: the frozen bias, the integer buffer
+                   ["a.bias", "fixed", [5], "float32", fingerprint(net.a.bias)],
+                   ["bn.num_batches_tracked", "fixed", [], "int64", fingerprint(net.bn.num_batches_tracked)]]
     assert layouts.checked(lay) == lay
     assert layouts.size(lay) == sum(p.numel() for p in Net().parameters() if p.requires_grad) + 10
     # the shard map from a layout is the map from the model
@@ -68,6 +72,30 @@ def test_the_difference_of_two_layouts_is_said_in_words():
     assert layouts.difference(a, a) == ""
     assert "a.weight" in layouts.difference(a, b) and "(5, 3)" in layouts.difference(a, b)
     assert layouts.difference(a[:3], a[:2]) == "the job's model has 3 tensors, this one 2"
+
+
+def test_a_frozen_tensor_built_differently_is_a_difference_that_names_it():
+    torch.manual_seed(1)
+    a = Net()
+    b = Net()
+    b.load_state_dict(a.state_dict())
+    assert layouts.difference(model_layout(a), model_layout(b)) == ""       # built alike
+    with torch.no_grad():
+        b.a.bias.add_(1e-6)                                                 # a frozen layer of its own
+    diff = layouts.difference(model_layout(a), model_layout(b))
+    assert diff.startswith("a.bias (not trained") and "other values" in diff and "torch.manual_seed" in diff
+    with torch.no_grad():
+        b.b.bias.add_(1)                                                    # trainable: rank 0's values win
+    assert layouts.difference(model_layout(a), model_layout(b)) == diff
+    assert layouts.checked(model_layout(b)) == model_layout(b)
+    assert fingerprint(torch.zeros(3, dtype=torch.bfloat16)) != fingerprint(torch.zeros(3, dtype=torch.float16)[:0])
+
+
+@pytest.mark.parametrize("bad", [[["w", "fixed", [2], "float32"]], [["w", "params", [2], "float32", "x"]],
+                                 [["w", "fixed", [2], "float32", "f0"]]])
+def test_a_fixed_entry_has_a_fingerprint_and_a_layout_has_something_to_train(bad):
+    with pytest.raises(ValueError, match="layout"):
+        layouts.checked(bad)
 
 
 def test_only_psgds_own_models_are_built_by_the_shards():

@@ -55,7 +55,7 @@ def test_each_rank_reads_a_disjoint_part_reshuffled_every_epoch():
 
 @pytest.mark.unit
 def test_the_evaluator_streams_the_test_set():
-    ds = load_dataset(Config().replace(**{"data.name": FACTORY}).data)
+    ds = load_dataset(Config().replace(**{"data.name": FACTORY, "data.classes": 10}).data)
     model = build_model("mlp", ds.input_shape, ds.num_classes, 0, 16)
     acc, loss = Replica(model, 1, torch.device("cpu")).score_batches(ds.test_batches(256))
     assert 0.0 <= acc <= 1.0 and loss > 0
@@ -67,12 +67,24 @@ def test_the_evaluator_streams_the_test_set():
 def test_bad_dataset_factories_say_what_is_wrong():
     with pytest.raises(DataError, match="set data.classes"):
         load_dataset(Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 1}).data)
+    with pytest.raises(DataError, match="set data.classes"):   # unset: a Dataset does not say how many
+        load_dataset(Config().replace(**{"data.name": "tests.test_streaming:small"}).data)
+    with pytest.raises(DataError, match="label is 2, not in 0..1; set data.classes"):
+        load_dataset(Config().replace(**{"data.name": "tests.test_streaming:from_two", "data.classes": 2}).data)
     with pytest.raises(DataError, match=r"must return \(train_x, train_y, test_x, test_y\) or \(train_dataset"):
         load_dataset(Config().replace(**{"data.name": "tests.test_streaming:three"}).data)
 
 
 def three():
     return [1, 2, 3]
+
+
+def from_two() -> tuple[Indexed, Indexed]:
+    """Indexed, from item 2 on: the first label is 2."""
+    class Shifted(Indexed):
+        def __getitem__(self, i: int):
+            return super().__getitem__(i + 2)
+    return Shifted(10), Shifted(10)
 
 
 def peak_rss_mb(pid: int) -> float:

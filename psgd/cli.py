@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
     elif args.cmd in ("coordinator", "worker", "evaluator") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_term)
+    if args.cmd in ("coordinator", "server", "worker", "evaluator") and os.environ.get("PSGD_PARENT_PID", "").isdigit():
+        from .forkserver import exit_with_parent  # started by psgd run: it ends when psgd run does
+        exit_with_parent(int(os.environ["PSGD_PARENT_PID"]))
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)
     except ConfigError as e:
@@ -329,3 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         return interrupted_code(e)
+    finally:
+        if args.cmd in ("run", "compare"):
+            from .forkserver import shutdown
+            shutdown()

@@ -30,7 +30,7 @@ from . import consistency
 MODES: tuple[str, ...] = consistency.NAMES
 
 # Environment variables that are not config keys: read by the CLI and by psgd.connect.
-ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE"}
+ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE", "PSGD_PARENT_PID"}
 
 
 class ConfigError(ValueError):

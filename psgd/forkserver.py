@@ -15,8 +15,8 @@ Protocol, one JSON object per line. Requests on the server's stdin:
 `{"argv": [...], "env": {...}, "log": PATH or null, "cwd": PATH}`; answers on its stdout:
 `{"pid": N}` for each request, in order, and `{"exit": N, "code": C}` when a child
 ends (C as `subprocess.Popen.returncode`: negative for a signal). The server exits when
-its stdin closes (the launcher is gone); children it leaves keep running, as children
-of a killed `psgd run` always have.
+its stdin closes (the launcher is gone), and its children get SIGTERM when it does
+(`exit_with_parent`): a `psgd run` killed with -9 leaves no daemon training on its own.
 
 `Forked` gives the launcher the part of `subprocess.Popen` it uses (pid, poll, wait,
 terminate, kill, send_signal).
@@ -24,6 +24,7 @@ terminate, kill, send_signal).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -40,6 +41,22 @@ PRELOAD = ("torch", "numpy", "zmq", "msgpack", "psgd.cli", "psgd.shard", "psgd.m
            "psgd.servers.shard_server", "psgd.workers.worker", "psgd.workers.evaluator")
 READY_S = 120.0   # the preload may take long on a busy machine
 ANSWER_S = 30.0   # a fork is answered at once; this is only the deadline
+PARENT_ENV = "PSGD_PARENT_PID"   # set by the launcher for the processes it starts itself
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(parent: int) -> None:
+    """Have this process get SIGTERM when its parent ends (Linux's PR_SET_PDEATHSIG;
+    elsewhere nothing), and exit at once if `parent`, the pid it was started by, is gone
+    already. A daemon stopped so runs its `finally` blocks (psgd/cli.py)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return
+    if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:
+        raise SystemExit(f"psgd: the process that started this one ({parent}) is gone")
 
 
 class ForkServerError(RuntimeError):
@@ -48,6 +65,8 @@ class ForkServerError(RuntimeError):
 
 # ---------------------------------------------------------------- the server process
 def serve() -> None:
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        exit_with_parent(int(os.environ[PARENT_ENV]))
     for name in PRELOAD:
         importlib.import_module(name)
     import torch
@@ -85,12 +104,15 @@ def _reap() -> None:
 
 
 def _fork(req: dict) -> int:
+    server = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
-        code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
+        exit_with_parent(server)
+        env = {k: v for k, v in req["env"].items() if k != PARENT_ENV}  # the launcher is not its parent
+        code = _child(req["argv"], env, req.get("log"), req.get("cwd"))
     except SystemExit as e:  # as the interpreter treats it: an int, None for 0, else printed and 1
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -260,6 +282,15 @@ def server(env: dict) -> ForkServer | None:
         print(f"[psgd run] no fork server ({e}); starting each process on its own", file=sys.stderr)
         _server, _failed = None, True
     return _server
+
+
+def shutdown() -> None:
+    """Close this process's fork server (psgd run and compare, at their end): it would
+    otherwise linger until this process exits, holding its stderr."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 def running_pid() -> int | None:

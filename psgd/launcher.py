@@ -29,7 +29,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -161,6 +163,7 @@ class LocalJob:
         # Many processes share this machine's cores: one compute thread each, unless told
         # otherwise (measured 7x faster on 2 cores than torch's default of one per core).
         self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.config_path = os.path.join(self.out, "config.toml")
         self._write_config()
         with contextlib.suppress(FileNotFoundError):  # an earlier job's in this folder: not this job's state
@@ -350,7 +353,7 @@ class LocalJob:
                 if child.restarts >= MAX_RESTARTS:
                     raise LaunchError(f"{child.name} keeps dying (exit {rc}); gave up after {MAX_RESTARTS} "
                                       f"restarts:\n{self.tail(child)}")
-                if child.role == "server" or (child.role == "worker" and self.restart_workers):
+                if child.role in ("server", "evaluator") or (child.role == "worker" and self.restart_workers):
                     child.restarts += 1
                     log("run", f"{child.name} exited with {rc}; restarting it (restart {child.restarts})")
                     self._start(child)
@@ -449,7 +452,23 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
         job.start()
         return job.wait()
     finally:
-        job.stop()
+        with signals_held():
+            job.stop()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored while the daemons are being stopped (a bounded wait): a
+    second one would cut the stop short and leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
 
 
 def format_summary(s: dict) -> str:

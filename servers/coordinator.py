@@ -82,6 +82,7 @@ class Coordinator:
         self.abort = ""
         self.counters = {"bad_messages": 0}
         self.nonces: dict[str, int] = {}   # a worker's registration nonce -> the rank it got
+        self.server_nonces: dict[str, int] = {}   # a shard server's registration nonce -> its index
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
@@ -154,7 +155,10 @@ class Coordinator:
             return [self._reply_register(ident, msg, rank)]
         if role == "server":
             idx = msg.get("index", 0)
-            self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
+            nonce = msg.get("nonce") or ""
+            if not nonce or self.server_nonces.get(nonce) != idx:  # not a repeat of a registration (its answer lost)
+                self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
+                self.server_nonces[nonce] = idx
             if self.server_joins[idx] > 1:  # a restarted shard with nothing to restore takes any worker's copy
                 log("coordinator", f"shard {idx} restarted")
                 return [self._reply_register(ident, msg, -1, restarted=True, layout=self.layout)]
@@ -370,7 +374,8 @@ class Coordinator:
             "t0_wall": wall - (now - self.t0) if self.t0 else None,
             "t_end_wall": wall - (now - self.t_end) if self.t_end else None,
             "membership": self.members.state_dict(), "nonces": self.nonces,
-            "server_joins": self.server_joins, "servers": self.servers, "evals": self.evals,
+            "server_joins": self.server_joins, "server_nonces": self.server_nonces, "servers": self.servers,
+            "evals": self.evals,
             "startup_s": self.startup_s, "launched_at": self.launched_at, "launched_by": self.launched_by,
             "restarts": self.restarts, "counters": self.counters, "layout": self.layout})
 
@@ -400,6 +405,7 @@ class Coordinator:
         self.members.load_state_dict(st["membership"], now)
         self.nonces = {k: int(v) for k, v in st["nonces"].items()}
         self.server_joins = {int(k): int(v) for k, v in st["server_joins"].items()}
+        self.server_nonces = {str(k): int(v) for k, v in st.get("server_nonces", {}).items()}
         self.servers = {int(k): v for k, v in st["servers"].items()}
         self.evals, self.startup_s = st["evals"], st["startup_s"]
         self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]

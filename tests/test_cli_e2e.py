@@ -177,6 +177,69 @@ def test_sigterm_to_psgd_run_stops_every_daemon(tmp_path):
                 os.kill(p, signal.SIGKILL)
 
 
+def _pids_when_training(out, proc, deadline: float, names: set[str]) -> dict[str, int]:
+    """The daemons' pids once they all run and worker 0 has logged a step."""
+    pids: dict[str, int] = {}
+    while time.monotonic() < deadline and not names <= set(pids) and proc.poll() is None:
+        if (out / "pids").is_dir():
+            for f in (out / "pids").iterdir():
+                with contextlib.suppress(OSError, ValueError):   # being written
+                    pids[f.name] = int(f.read_text())
+        time.sleep(0.2)
+    assert names <= set(pids), pids
+    while not (out / "events" / "worker-0.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_psgd_run_ends_its_daemons(tmp_path):
+    """`psgd run` killed with -9 (an OOM killer, a node's reaper) cannot stop its daemons:
+    they get SIGTERM when their parent ends (the launcher, or the fork server that goes
+    with it) instead of training on, unwatched, to the end of their budget."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(PSGD + ["run", "--quiet", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                                    "--set", "train.steps=100000"], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    pids: dict[str, int] = {}
+    try:
+        pids = _pids_when_training(out, proc, time.monotonic() + 120,
+                                   {"worker-0.pid", "server-0.pid", "coordinator-0.pid", "evaluator-0.pid"})
+        proc.kill()
+        proc.wait(timeout=10)
+        gone = time.monotonic() + 30
+        while time.monotonic() < gone and any(os.path.exists(f"/proc/{p}") for p in pids.values()):
+            time.sleep(0.1)
+        assert not [n for n, p in pids.items() if os.path.exists(f"/proc/{p}")]
+    finally:
+        kill_all([proc])
+        for p in pids.values():  # what a failure left running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+def test_an_evaluator_that_dies_is_restarted_and_the_job_ends_with_its_score(tmp_path):
+    """The evaluator keeps no state: one killed mid-run is started again, and the job
+    ends with a final score and model.pt (it waited cluster.timeout_s for a final score
+    that could not come, then exited 0 without a model)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(PSGD + ["run", "--quiet", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                                    "--set", "train.steps=0", "--set", "train.seconds=12"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = _pids_when_training(out, proc, time.monotonic() + 120, {"evaluator-0.pid", "worker-0.pid"})
+        os.kill(pids["evaluator-0.pid"], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=150)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert "evaluator-0 exited with -9" in stderr and "restarting it" in stderr, stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["final_accuracy"] is not None and (out / "model.pt").exists()
+        assert summary["evals"][-1]["t"] > 6   # scored after the restart, not only before the kill
+    finally:
+        kill_all([proc])
+
+
 @pytest.mark.timeout(180)
 def test_sigterm_to_psgd_simulate_stops_its_job_processes(tmp_path):
     """`psgd simulate --jobs 2` runs its simulations in processes of its own: SIGTERM stops

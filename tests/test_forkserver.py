@@ -50,7 +50,9 @@ def test_signals_reach_the_child_and_its_code_says_which(server, tmp_path):
     # Ctrl-C: psgd's KeyboardInterrupt exit, as in its own interpreter; where this test runs with SIGINT
     # ignored (the background of a shell without job control), the server and its daemons inherit that.
     ctrl_c = None if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 130
-    for sig, code in ((signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, ctrl_c)):
+    # SIGTERM: a daemon exits 143 through its finally blocks (psgd/cli.py `_exit_on_term`).
+    cases = ((signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, ctrl_c))
+    for sig, code in cases:
         started = tmp_path / f"{sig}.started"
         child = server.spawn(["worker", "--set", f"cluster.port={port}", "--started-file", str(started)], env,
                              str(tmp_path / "w.log"))

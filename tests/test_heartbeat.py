@@ -117,3 +117,20 @@ def test_a_score_is_timed_when_the_evaluator_read_the_model():
             assert before - age - c.t0 - 0.002 <= t <= after - age - c.t0 + 0.002
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_repeated_shard_registration_is_not_a_restart():
+    # a shard re-sends its registration when the answer is slow (REGISTER_RESEND_S): the
+    # same nonce is the same process, not a restarted shard; another nonce is one
+    c = training(2)
+    try:
+        def register(nonce: str) -> wire.Message:
+            (_, frames), = c.service._serve(b"s", wire.encode("register", id=4, role="server", index=0, nonce=nonce))
+            return wire.decode(frames)
+        assert not register("first").get("restarted")
+        assert not register("first").get("restarted")
+        assert c.server_joins[0] == 1
+        assert register("second").get("restarted") and c.server_joins[0] == 2
+    finally:
+        c.sock.close(0)

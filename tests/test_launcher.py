@@ -222,6 +222,17 @@ def test_a_scripts_stdout_goes_to_its_log_with_its_stderr_in_order(tmp_path):
     assert all(c.poll() is not None for c in job.children)
 
 
+def launch_failure(job) -> str:
+    """Start the job and wait for it to fail; the LaunchError's message."""
+    try:
+        job.start()
+        with pytest.raises(LaunchError) as e:
+            job.wait()
+    finally:
+        job.stop()
+    return str(e.value)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("code", [0, 2])
 def test_a_script_that_exits_before_psgd_connect_stops_the_job_at_once(tmp_path, code):
@@ -232,14 +243,8 @@ def test_a_script_that_exits_before_psgd_connect_stops_the_job_at_once(tmp_path,
                                f"    print('usage: train.py [--lr LR]'); sys.exit({code})\n"
                                + CONNECTS + "time.sleep(60)\n", timeout_s=50)
     began = time.monotonic()
-    try:
-        job.start()
-        with pytest.raises(LaunchError) as e:
-            job.wait()
-    finally:
-        job.stop()
+    message = launch_failure(job)
     assert time.monotonic() - began < 30
-    message = str(e.value)
     assert message.startswith(f"worker-1's script exited with code {code} before calling psgd.connect"), message
     assert "usage: train.py [--lr LR]" in message and "worker-1.log" in message
     assert all(c.poll() is not None for c in job.children)
@@ -254,13 +259,7 @@ def test_a_script_refused_in_psgd_connect_stops_the_job_at_once(tmp_path, restar
                                           "if os.environ['PSGD_RANK'] == '1':\n"
                                           "    print('refused: the model differs', file=sys.stderr); sys.exit(1)\n"
                                           "time.sleep(60)\n", timeout_s=50, restart_workers=restart_workers)
-    try:
-        job.start()
-        with pytest.raises(LaunchError) as e:
-            job.wait()
-    finally:
-        job.stop()
-    message = str(e.value)
+    message = launch_failure(job)
     if restart_workers:
         assert message.startswith("worker-1 keeps dying (exit 1)"), message
     else:

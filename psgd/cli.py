@@ -137,7 +137,7 @@ def _script(args) -> list[str] | None:
 
 
 def cmd_run(args) -> int:
-    from .launcher import LaunchError, format_summary, run_local
+    from .launcher import LaunchError, format_summary, run_local, written_since
     from .metrics import process_start_time
     launched_at = process_start_time() or time.time()  # startup_s: from the command's start
     script = _script(args)
@@ -161,7 +161,7 @@ def cmd_run(args) -> int:
         return 1
     print(format_summary(s))
     model = os.path.join(out, "model.pt")
-    saved = os.path.exists(model) and os.path.getmtime(model) >= launched_at - 1  # not an earlier job's
+    saved = written_since(model, launched_at)  # not an earlier job's
     print(f"summary: {os.path.join(out, 'summary.json')}" + (f"  model: {model}" if saved else ""))
     if not saved:
         print(f"psgd run: warning: no final model was saved ({model}: "
@@ -316,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
     elif args.cmd in ("coordinator", "worker", "evaluator") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_term)
-    if args.cmd in ("coordinator", "server", "worker", "evaluator") and os.environ.get("PSGD_PARENT_PID", "").isdigit():
-        from .forkserver import exit_with_parent  # started by psgd run: it ends when psgd run does
-        exit_with_parent(int(os.environ["PSGD_PARENT_PID"]))
+    if args.cmd in ("coordinator", "server", "worker", "evaluator"):
+        from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
+        end_with_launcher()
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)
     except ConfigError as e:

@@ -58,7 +58,7 @@ from . import layout as layouts
 from . import wire
 from .config import Config, ConfigError, load
 from .consistency import get as get_mode
-from .forkserver import exit_with_parent
+from .forkserver import end_with_launcher
 from .log import log
 from .metrics import PidFile
 from .transport import PeerTimeout
@@ -89,8 +89,7 @@ class Connection(Worker):
         super().__init__(cfg, out or env.get("PSGD_OUT"), want_rank=want)
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
             open(env["PSGD_STARTED_FILE"], "w").close()
-        if env.get("PSGD_PARENT_PID", "").isdigit():  # started by psgd run --script: it ends when psgd run does
-            exit_with_parent(int(env["PSGD_PARENT_PID"]))
+        end_with_launcher()  # started by psgd run --script: it ends when psgd run does
         if not any(p.requires_grad for p in model.parameters()):  # before registering: the others are not held up
             raise ConfigError("psgd.connect: the model has no trainable parameters (none with requires_grad=True): "
                               "psgd trains a model's trainable parameters; unfreeze some before connecting")

@@ -59,14 +59,20 @@ def exit_with_parent(parent: int) -> None:
         raise SystemExit(f"psgd: the process that started this one ({parent}) is gone")
 
 
+def end_with_launcher() -> None:
+    """`exit_with_parent` for a process that `psgd run` started itself (PARENT_ENV names
+    it: the launcher's pid); nothing for one started otherwise (by hand, Slurm, Compose)."""
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        exit_with_parent(int(os.environ[PARENT_ENV]))
+
+
 class ForkServerError(RuntimeError):
     pass
 
 
 # ---------------------------------------------------------------- the server process
 def serve() -> None:
-    if os.environ.get(PARENT_ENV, "").isdigit():
-        exit_with_parent(int(os.environ[PARENT_ENV]))
+    end_with_launcher()
     for name in PRELOAD:
         importlib.import_module(name)
     import torch

@@ -405,11 +405,8 @@ class LocalJob:
     def _training_began(self) -> bool:
         """Whether a worker of this job has begun training: it opens its step log
         (DIR/events/worker-R.jsonl) once every worker has registered."""
-        for path in glob.glob(os.path.join(self.out, "events", "worker-*.jsonl")):
-            with contextlib.suppress(OSError):
-                if os.path.getmtime(path) >= self.launched_at - 1:  # not an earlier job's in this folder
-                    return True
-        return False
+        return any(written_since(path, self.launched_at)
+                   for path in glob.glob(os.path.join(self.out, "events", "worker-*.jsonl")))
 
     def worker_exits(self) -> str:
         """How each worker process ended, for a failed job's message: "worker exit codes:
@@ -434,6 +431,15 @@ class LocalJob:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait(timeout=5)
+
+
+def written_since(path: str, t: float) -> bool:
+    """Whether the file exists and was written at or after time.time() `t` (to a second):
+    this job's, not an earlier job's in the same output folder."""
+    try:
+        return os.path.getmtime(path) >= t - 1
+    except OSError:
+        return False
 
 
 def _code(rc: int) -> str:

@@ -23,10 +23,15 @@ def training(workers: int) -> Coordinator:
     return c
 
 
-def beat(c: Coordinator, rank: int, live_id: str = "", clock: int = 5) -> wire.Message:
-    (_, frames), = c.service._serve(b"w", wire.encode("heartbeat", id=2, rank=rank, clock=clock, role="worker",
-                                                       index=rank, stats={"samples": 1}, live_id=live_id))
+def ask(c: Coordinator, op: str, **fields) -> wire.Message:
+    """The coordinator's one answer to a request, through its serve path."""
+    (_, frames), = c.service._serve(b"w", wire.encode(op, id=2, **fields))
     return wire.decode(frames)
+
+
+def beat(c: Coordinator, rank: int, live_id: str = "", clock: int = 5) -> wire.Message:
+    return ask(c, "heartbeat", rank=rank, clock=clock, role="worker", index=rank, stats={"samples": 1},
+               live_id=live_id)
 
 
 @pytest.mark.timeout(30)
@@ -111,7 +116,7 @@ def test_a_score_is_timed_when_the_evaluator_read_the_model():
     try:
         for age in (0.0, 0.4):
             before = time.monotonic()
-            c.service._serve(b"e", wire.encode("eval", id=3, accuracy=0.5, loss=1.0, age_s=age))
+            ask(c, "eval", accuracy=0.5, loss=1.0, age_s=age)
             after = time.monotonic()
             t = c.evals[-1]["t"]
             assert before - age - c.t0 - 0.002 <= t <= after - age - c.t0 + 0.002
@@ -126,8 +131,7 @@ def test_a_repeated_shard_registration_is_not_a_restart():
     c = training(2)
     try:
         def register(nonce: str) -> wire.Message:
-            (_, frames), = c.service._serve(b"s", wire.encode("register", id=4, role="server", index=0, nonce=nonce))
-            return wire.decode(frames)
+            return ask(c, "register", role="server", index=0, nonce=nonce)
         assert not register("first").get("restarted")
         assert not register("first").get("restarted")
         assert c.server_joins[0] == 1

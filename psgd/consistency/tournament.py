@@ -305,10 +305,9 @@ class GroupSteps:
         by the shard's clocks, so they are not offered again) and last closed step (a
         resent read's answer), for a checkpoint. The sums are copied (the next push adds
         into them); a closed step's arrays are never modified. Parked reads are resent."""
-        copy = lambda x: None if x is None else x.clone()  # noqa: E731
         return {"dropped": self.dropped, "groups": {
-            t: {"step": g.step, "contributors": sorted(g.contributors), "grad": copy(g.grad),
-                "buffers": copy(g.buffers),
+            t: {"step": g.step, "contributors": sorted(g.contributors), "grad": _clone(g.grad),
+                "buffers": _clone(g.buffers),
                 "done": None if g.done is None else {"step": g.done.step, "grad": g.done.grad,
                                                      "buffers": g.done.buffers, "count": g.done.count}}
             for t, g in self.groups.items()}}
@@ -317,13 +316,12 @@ class GroupSteps:
         """`sd` from `state_dict`; an empty one (a checkpoint older than it) holds nothing:
         the groups restart at the first push they see. The sums are copied, as in
         `state_dict`: one checkpoint may be restored more than once."""
-        copy = lambda x: None if x is None else x.clone()  # noqa: E731
         self.dropped = int(sd.get("dropped", 0))
         self.groups = {}
         for t, g in sd.get("groups", {}).items():
             done = g["done"]
             self.groups[int(t)] = _Group(
-                int(g["step"]), {int(r) for r in g["contributors"]}, copy(g["grad"]), copy(g["buffers"]),
+                int(g["step"]), {int(r) for r in g["contributors"]}, _clone(g["grad"]), _clone(g["buffers"]),
                 None if done is None else Mean(int(done["step"]), done["grad"], done["buffers"], int(done["count"])))
 
     def _complete(self, t: int, g: _Group) -> bool:
@@ -354,3 +352,8 @@ class GroupSteps:
     @property
     def parked(self) -> int:
         return sum(len(g.reads) for g in self.groups.values())
+
+
+def _clone(x: Any) -> Any:
+    """A copy of a tensor (a running sum that the next push adds into), or None."""
+    return None if x is None else x.clone()

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.processes
 
 
 class StandInJob(LocalJob):
-    """The coordinator waits to be stopped; every other child says it started and dies."""
+    """The coordinator and the evaluator wait to be stopped; every other child says it started
+    and dies. (A dying evaluator is restarted too: it would race the shard to give up first.)"""
 
     def _argv(self, role: str, *extra: str) -> list[str]:
-        if role == "coordinator":
+        if role in ("coordinator", "evaluator"):
             return [sys.executable, "-c", "import time; time.sleep(60)"]
         return [sys.executable, "-c", f"import sys; print('{role} up', file=sys.stderr); sys.exit(3)"]
 

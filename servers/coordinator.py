@@ -173,9 +173,13 @@ class Coordinator:
         raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
 
     def _reply_register(self, ident, msg, rank: int, **extra: Any) -> Reply:
+        """The answer to a registration. A worker that joins a job in training (a
+        restarted one) is told how long the job has trained (`trained_s`): its
+        `train.seconds` budget is the job's, not a fresh one."""
         clock = self.members.members[rank].clock if rank >= 0 else 0
+        trained = round(time.monotonic() - self.t0, 3) if self.t0 and self.phase == "training" else 0.0
         return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock,
-                                 **extra, **self._view())
+                                 trained_s=trained, **extra, **self._view())
 
     def _check_layout(self, given: Any) -> None:
         """A worker's model layout (psgd/layout.py): the first one is the job's, which

@@ -226,3 +226,31 @@ def test_two_processes_asking_for_one_rank_in_the_rendezvous_the_second_is_refus
     assert c.phase == "training" and {m.get("assigned_rank") for m in answers} >= {0, 1}
     [again] = serve("register", role="worker", want_rank=1, nonce="e")          # a restart while training
     assert again.get("assigned_rank") == 1 and c.members.members[1].nonce == "e"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_worker_that_joins_a_job_in_training_has_what_is_left_of_train_seconds(tmp_path):
+    """A restarted worker was given a fresh `train.seconds` from its own start: the job
+    ran on for up to that long after the others had stopped. Its budget is the job's."""
+    from psgd import wire
+    from psgd.workers.worker import Worker
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "train.steps": 0, "train.seconds": 20.0})
+    c = coordinator(cfg, str(tmp_path))
+    c.members.join(0.0, 0)
+    c.phase, c.t0 = "training", time.monotonic() - 15.0   # worker 1 died, and comes back 15 s in
+    req = wire.Message("register", id=1, rank=1, clock=0, fields={"role": "worker", "want_rank": 1, "nonce": "n2"})
+    [(_, frames)] = c.on_register(b"w1", req)
+    answer = wire.decode(frames)
+    assert answer.get("assigned_rank") == 1 and 14.9 < answer.get("trained_s") < 16.0
+
+    w = Worker(cfg)
+    w.cfg, w.clock, w.stopped = cfg, 0, lambda: False
+    w.trained_s = float(answer.get("trained_s"))
+    w.t_start = time.monotonic()
+    assert w.more()                        # about 5 s are left
+    w.t_start -= 5.5
+    assert not w.more()                    # spent: 15 + 5.5 > 20, where its own clock says 5.5 of 20
+    w.trained_s = 0.0
+    assert w.more()                        # a worker of the first rendezvous starts at 0

@@ -78,6 +78,7 @@ class Worker:
         self.rejected = 0          # steps refused by the shards (or diverged locally)
         self.jittered: dict[int, bool] = {}  # clock -> was its compute delayed (until its step line)
         self.t_start = time.monotonic()
+        self.trained_s = 0.0       # how long the job had trained when this process joined it
 
     # ------------------------------------------------------------ counters
     def stats(self) -> dict:
@@ -109,6 +110,7 @@ class Worker:
         self.link.index = self.rank
         self.cfg = self.cfg0.with_run(answer.get("config"))
         self.clock = int(answer.get("start_clock", 0))
+        self.trained_s = float(answer.get("trained_s", 0.0))  # a restarted worker's job has trained that long
         self.name = f"worker-{self.rank}"
         return self.cfg
 
@@ -244,7 +246,7 @@ class Worker:
             return False
         if t.steps and self.clock >= t.steps:
             return False
-        return not (t.seconds and time.monotonic() - self.t_start >= t.seconds)
+        return not (t.seconds and self.trained_s + time.monotonic() - self.t_start >= t.seconds)
 
     def compute(self) -> float:
         """One forward/backward on the next batch (with injected slowness: a slow link, a

@@ -36,7 +36,7 @@ def _adopt_checkout_daemons() -> None:
 
 _adopt_checkout_daemons()
 
-_API = ("connect", "Connection", "JobError")  # psgd.connect(model, optimizer): psgd/connection.py
+_API = ("connect", "Connection", "JobError", "device")  # psgd.connect(model, optimizer): psgd/connection.py
 
 
 def __getattr__(name: str):

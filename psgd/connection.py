@@ -61,9 +61,10 @@ from .consistency import get as get_mode
 from .forkserver import end_with_launcher
 from .log import log
 from .metrics import PidFile
+from .replica import pick_device
 from .transport import PeerTimeout
 from .workers.client import Cancelled, ShardUnreachable
-from .workers.worker import Worker
+from .workers.worker import Worker, local_rank
 
 FINAL_POLL_S = 0.2
 
@@ -79,13 +80,33 @@ def connect(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     return Connection(model, optimizer, score=score, config=config, out=out, rank=rank)
 
 
+def device() -> torch.device:
+    """The device for this worker's model: `psgd run --device` (PSGD_DEVICE; default
+    auto: GPU LOCAL_RANK % GPUs where there is CUDA, else the CPU)."""
+    return pick_device(os.environ.get("PSGD_DEVICE", "auto"), local_rank())
+
+
+def _rank_from_env(text: str) -> int:
+    """$PSGD_RANK: a rank (0, 1, ...), or unset or empty for the next free one."""
+    text = text.strip()
+    if not text:
+        return -1
+    try:
+        rank = int(text)
+    except ValueError:
+        rank = -2
+    if rank < 0:
+        raise ConfigError(f"PSGD_RANK must be a worker rank (0, 1, ...) or unset, not {text!r}")
+    return rank
+
+
 class Connection(Worker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
                  out: str | None = None, rank: int | None = None):
         env = os.environ
         cfg = config if isinstance(config, Config) else load(config or env.get("PSGD_CONFIG"))
-        want = rank if rank is not None else int(env.get("PSGD_RANK", "-1"))
+        want = rank if rank is not None else _rank_from_env(env.get("PSGD_RANK", ""))
         super().__init__(cfg, out or env.get("PSGD_OUT"), want_rank=want)
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
             open(env["PSGD_STARTED_FILE"], "w").close()

@@ -237,14 +237,22 @@ class LocalJob:
             os.unlink(self.started_file(name))  # from an earlier job in this folder
         return Child(role, index, self._argv(role, *extra, "--started-file", self.started_file(name)))
 
+    def _worker_spec(self, rank: int) -> Child:
+        """Worker `rank`, with LOCAL_RANK set to it: `--device auto` takes GPU
+        rank % (GPUs here), one per worker, where every worker took GPU 0."""
+        child = self._spec("worker", rank, "--rank", str(rank), "--device", self.device)
+        child.env = {**self.env, "LOCAL_RANK": str(rank)}
+        return child
+
     def _script_spec(self, rank: int) -> Child:
         """A copy of the training script as worker `rank` (psgd/connection.py reads the
-        PSGD_* variables); its device is its own choice (PSGD_DEVICE is passed on)."""
+        PSGD_* variables); its device is its own choice: PSGD_DEVICE is `--device` and
+        LOCAL_RANK its rank on this machine, which `psgd.device()` reads."""
         name = f"worker-{rank}"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.started_file(name))
         env = {**self.env, "PSGD_CONFIG": self.config_path, "PSGD_OUT": self.out, "PSGD_RANK": str(rank),
-               "PSGD_STARTED_FILE": self.started_file(name)}
+               "PSGD_STARTED_FILE": self.started_file(name), "PSGD_DEVICE": self.device, "LOCAL_RANK": str(rank)}
         assert self.script is not None
         return Child("worker", rank, [sys.executable, *self.script], env, script=True)
 
@@ -297,7 +305,7 @@ class LocalJob:
         if self.script:
             specs += [self._script_spec(r) for r in range(c.workers)]
         else:
-            specs += [self._spec("worker", r, "--rank", str(r), "--device", self.device) for r in range(c.workers)]
+            specs += [self._worker_spec(r) for r in range(c.workers)]
         if c.evaluator:
             specs.append(self._spec("evaluator", 0, "--device", self.device))
         for child in specs:

@@ -147,7 +147,7 @@ class ShardServer:
                                f"exiting without the final checkpoint")
             elif ckpt:
                 shard.save(ckpt)
-            link.stop()
+            link.close()  # the heartbeats and the socket of its calls (the layout): ctx.term() waits for every socket
             sock.close(0)
             stop_auth(self.ctx)
         return code

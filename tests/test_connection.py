@@ -203,6 +203,20 @@ def test_a_model_with_nothing_to_train_is_a_clear_error_before_registering(port_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["abc", "-3", "1.5"])
+def test_a_bad_psgd_rank_is_a_clear_error_before_registering(port_block, monkeypatch, value):
+    monkeypatch.setenv("PSGD_RANK", value)
+    cfg = config(port_block, "sync", workers=1, **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    with pytest.raises(ConfigError, match=f"PSGD_RANK must be a worker rank .* not '{value}'"):
+        psgd.connect(Net(0), config=cfg)
+
+
+def test_an_empty_psgd_rank_asks_for_the_next_free_rank():
+    from psgd.connection import _rank_from_env
+    assert [_rank_from_env(v) for v in ("", " ", "0", "3")] == [-1, -1, 0, 3]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "sync", "easgd"])
 def test_step_without_gradients_is_a_clear_error(port_block, mode):
     # push modes would push zeros, local-optimizer modes would step nothing: the script
@@ -246,3 +260,24 @@ def test_rank_0_waits_for_a_slower_worker_past_timeout_s_to_save_the_final_model
     saved = Net(0)
     saved.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     assert torch.equal(flat(saved), got[("end", 0)])
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_that_asked_for_the_layout_closes_that_socket(port_block):
+    """A shard of a learned model that registered before any worker asks the coordinator
+    for the layout on its link's call socket; it stopped its link without closing that
+    socket, which was left to the garbage collector (a ResourceWarning), and the
+    cluster's `ctx.term()` waits for every socket of its context."""
+    import time
+    import warnings
+    cfg = config(port_block, "async", workers=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with InProcessCluster(cfg):
+            time.sleep(1.0)   # both shards registered before the worker: they ask for the layout
+            got = run_workers(cfg, None, train)
+        import gc
+        gc.collect()
+    assert not got["errors"], got["errors"]
+    unclosed = [str(w.message) for w in said if issubclass(w.category, ResourceWarning) and "socket" in str(w.message)]
+    assert unclosed == []

@@ -285,3 +285,53 @@ def test_scripts_that_exit_0_after_training_are_a_normal_end(tmp_path):
             job.wait()
     finally:
         job.stop()
+
+
+class EnvJob(LocalJob):
+    """Every child writes its LOCAL_RANK and PSGD_DEVICE into its --started-file (the last
+    argument) and waits to be stopped."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        code = ("import os, sys, time; open(sys.argv[-1], 'w').write(os.environ.get('LOCAL_RANK', '-') + ' ' + "
+                "os.environ.get('PSGD_DEVICE', '-')); time.sleep(60)")
+        return [sys.executable, "-c", code, *extra]
+
+
+@pytest.mark.timeout(60)
+def test_each_worker_is_told_its_local_rank_and_the_device(tmp_path):
+    """`--device auto` picks GPU LOCAL_RANK % GPUs; psgd run set no LOCAL_RANK, so every
+    worker of a job on a machine with several GPUs took GPU 0."""
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", "cluster.servers=1", "cluster.workers=2",
+                      "cluster.evaluator=false"], env={})
+    job = EnvJob(cfg, str(tmp_path), device="cuda", quiet=True, timeout_s=50)
+    try:
+        job.start()
+        deadline = time.monotonic() + 40
+        while len(job.started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            job.show_started()
+        said = {name: (tmp_path / "logs" / f"{name}.started").read_text() for name in ("worker-0", "worker-1")}
+    finally:
+        job.stop()
+    assert said == {"worker-0": "0 -", "worker-1": "1 -"}   # daemons: --device is their argument
+    assert "--device" in job.children[2].argv and "cuda" in job.children[2].argv
+
+
+@pytest.mark.timeout(60)
+def test_a_training_script_is_told_its_local_rank_and_the_device(tmp_path, monkeypatch):
+    job = script_job(tmp_path, "import os, sys, time\n"
+                               "open(os.environ['PSGD_STARTED_FILE'], 'w').write(os.environ['LOCAL_RANK'] + ' ' + "
+                               "os.environ['PSGD_DEVICE'])\ntime.sleep(60)\n", device="cpu", timeout_s=50)
+    try:
+        job.start()
+        deadline = time.monotonic() + 40
+        while len(job.started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            job.show_started()
+        said = [(tmp_path / "out" / "logs" / f"worker-{r}.started").read_text() for r in range(2)]
+    finally:
+        job.stop()
+    assert said == ["0 cpu", "1 cpu"]
+    import psgd
+    monkeypatch.setenv("PSGD_DEVICE", "cpu")
+    assert str(psgd.device()) == "cpu"

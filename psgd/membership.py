@@ -295,6 +295,8 @@ class CoordinatorLink:
                     if time.monotonic() - last_ok > self.cfg.cluster.timeout_s:
                         self.lost = True
                 self._stop.wait(hb)
+        except zmq.ContextTerminated:
+            pass  # the process is closing its sockets' context (its daemon ended first): so must we
         finally:
             peers.close()
 

@@ -138,3 +138,31 @@ def test_a_repeated_shard_registration_is_not_a_restart():
         assert register("second").get("restarted") and c.server_joins[0] == 2
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_heartbeat_thread_ends_quietly_when_its_context_is_terminated():
+    """A daemon that ends while its heartbeat thread still waits for the coordinator (a
+    busy machine: the join gives up) leaves the context's `term()` to end that wait; the
+    thread died with ContextTerminated, and whoever keeps the traceback of a thread's
+    exception (pytest does) can keep the link alive, and any socket it has not closed."""
+    import threading
+    import time
+
+    import zmq
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.heartbeat_s": 0.1})  # nobody answers
+    ctx = zmq.Context()
+    died: list = []
+    hook, threading.excepthook = threading.excepthook, died.append
+    try:
+        link = CoordinatorLink(cfg, "server", 0, ctx)
+        link.start()
+        time.sleep(0.5)                                     # waiting for an answer now
+        ended = threading.Thread(target=ctx.term, daemon=True)
+        ended.start()
+        ended.join(timeout=10)
+        link._thread.join(timeout=10)
+    finally:
+        threading.excepthook = hook
+    assert not ended.is_alive() and not link._thread.is_alive()
+    assert died == []

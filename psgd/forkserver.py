@@ -239,6 +239,7 @@ class Forked:
     def __init__(self, server: ForkServer, pid: int):
         self.server = server
         self.pid = pid
+        self.code_lost = False   # it ended with its fork server, which took its exit code along
 
     @property
     def returncode(self) -> int | None:
@@ -249,6 +250,7 @@ class Forked:
             self.server.collect()
             if self.returncode is None and not self.server.alive() and not os.path.exists(f"/proc/{self.pid}"):
                 self.server.codes[self.pid] = -signal.SIGKILL  # its server died: the code is lost
+                self.code_lost = True
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -359,14 +359,14 @@ class LocalJob:
                 if rc == 0:
                     continue
                 if child.restarts >= MAX_RESTARTS:
-                    raise LaunchError(f"{child.name} keeps dying (exit {rc}); gave up after {MAX_RESTARTS} "
-                                      f"restarts:\n{self.tail(child)}")
+                    raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "
+                                      f"{MAX_RESTARTS} restarts:\n{self.tail(child)}")
                 if child.role in ("server", "evaluator") or (child.role == "worker" and self.restart_workers):
                     child.restarts += 1
-                    log("run", f"{child.name} exited with {rc}; restarting it (restart {child.restarts})")
+                    log("run", f"{child.name} exited with {_exit(child, rc)}; restarting it (restart {child.restarts})")
                     self._start(child)
                 elif not child.reported:
-                    log("run", f"{child.name} exited with {rc}:\n{self.tail(child)}")
+                    log("run", f"{child.name} exited with {_exit(child, rc)}:\n{self.tail(child)}")
                     child.reported = True  # the coordinator decides what follows
             time.sleep(0.1)
         grace = time.monotonic() + 10
@@ -448,6 +448,15 @@ def written_since(path: str, t: float) -> bool:
         return os.path.getmtime(path) >= t - 1
     except OSError:
         return False
+
+
+def _exit(child: Child, rc: int) -> str:
+    """A daemon's exit code as said in messages, or why it is not known."""
+    proc = child.proc
+    if isinstance(proc, forkserver.Forked) and proc.code_lost:
+        server = proc.server.proc.returncode
+        return f"an unknown code: the fork server that started it ended (exit {_code(server)}), and it with it"
+    return _code(rc)
 
 
 def _code(rc: int) -> str:

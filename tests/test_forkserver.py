@@ -111,3 +111,26 @@ def test_a_forked_daemon_imports_from_its_own_folder_and_pythonpath(server, tmp_
     child = server.spawn(["worker", "--set", "model.name=usermodels:net", "--set", "cluster.timeout_s=5"], env,
                          str(tmp_path / "w.log"))
     assert child.wait(timeout=60) == 7, (tmp_path / "w.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_that_ended_with_its_fork_server_is_said_so(tmp_path):
+    """Its exit code went with the server; the launcher said "exited with -9"."""
+    from psgd.launcher import Child, _exit
+    own = forkserver.ForkServer(ENV)   # not the module's: this one is killed
+    try:
+        started = tmp_path / "w.started"
+        env = {**ENV, "PSGD_CLUSTER_TIMEOUT_S": "100"}   # waits for a coordinator that never comes
+        proc = own.spawn(["worker", "--set", f"cluster.port={free_port_block(1)}", "--started-file", str(started)],
+                         env, str(tmp_path / "w.log"))
+        end = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(own.pid, signal.SIGKILL)
+        own.proc.wait(timeout=10)
+        rc = proc.wait(timeout=30)           # it got SIGTERM as its parent died (PR_SET_PDEATHSIG)
+    finally:
+        own.close()
+    assert proc.code_lost
+    said = _exit(Child("worker", 0, [], proc=proc), rc)
+    assert said == "an unknown code: the fork server that started it ended (exit -9 (SIGKILL)), and it with it"

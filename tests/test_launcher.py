@@ -69,6 +69,15 @@ class StartedJob(LocalJob):
         return [sys.executable, "-c", code, *extra]
 
 
+def start_all(job: LocalJob, n: int) -> None:
+    """Start the job and wait (up to 40 s) until n children have started."""
+    job.start()
+    deadline = time.monotonic() + 40
+    while len(job.started) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+        job.show_started()
+
+
 @pytest.mark.timeout(60)
 def test_start_up_progress_counts_the_children_that_have_started(tmp_path, capsys):
     cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
@@ -76,16 +85,12 @@ def test_start_up_progress_counts_the_children_that_have_started(tmp_path, capsy
     (tmp_path / "logs" / "worker-0.started").write_text("")  # an earlier job's: not counted
     job = StartedJob(cfg, str(tmp_path), quiet=False, timeout_s=50)
     try:
-        job.start()
-        deadline = time.monotonic() + 40
-        while len(job.started) < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            job.show_started()
+        start_all(job, 4)
     finally:
         job.stop()
     err = capsys.readouterr().err
     assert "[psgd run] started 4/4 processes in" in err, err
-    counts = [int(line.split("started ")[1].split("/")[0]) for line in err.splitlines() if "processes" in line]
+    counts = [int(line.split("started ")[1].split("/")[0]) for line in err.splitlines() if "] started " in line]
     assert counts == sorted(counts) and counts[-1] == 4
     assert "--launched-at" in job.children[0].argv
 
@@ -305,11 +310,7 @@ def test_each_worker_is_told_its_local_rank_and_the_device(tmp_path):
                       "cluster.evaluator=false"], env={})
     job = EnvJob(cfg, str(tmp_path), device="cuda", quiet=True, timeout_s=50)
     try:
-        job.start()
-        deadline = time.monotonic() + 40
-        while len(job.started) < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            job.show_started()
+        start_all(job, 4)
         said = {name: (tmp_path / "logs" / f"{name}.started").read_text() for name in ("worker-0", "worker-1")}
     finally:
         job.stop()
@@ -323,11 +324,7 @@ def test_a_training_script_is_told_its_local_rank_and_the_device(tmp_path, monke
                                "open(os.environ['PSGD_STARTED_FILE'], 'w').write(os.environ['LOCAL_RANK'] + ' ' + "
                                "os.environ['PSGD_DEVICE'])\ntime.sleep(60)\n", device="cpu", timeout_s=50)
     try:
-        job.start()
-        deadline = time.monotonic() + 40
-        while len(job.started) < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            job.show_started()
+        start_all(job, 4)
         said = [(tmp_path / "out" / "logs" / f"worker-{r}.started").read_text() for r in range(2)]
     finally:
         job.stop()

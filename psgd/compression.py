@@ -38,7 +38,7 @@ class ErrorFeedback:
             raise ValueError(f"wire.compression must be one of {', '.join(CODECS)}, got {codec!r}")
         self.codec = codec
         self.size = size
-        self.k = max(1, min(size, math.ceil(topk_fraction * size)))
+        self.k = topk_count(size, topk_fraction)
         self.residual = torch.zeros(size)
 
     def encode(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,5 +93,11 @@ def shapes(codec: str, size: int, topk_fraction: float) -> tuple[tuple[str, int]
     """(dtype, length) of the first and the last array of a push, for validation."""
     if codec == "onebit":
         return ("uint8", (size + 7) // 8), ("float32", 2 * -(-size // BLOCK))
-    k = max(1, min(size, math.ceil(topk_fraction * size)))
+    k = topk_count(size, topk_fraction)
     return ("float32", k), ("int32", k)
+
+
+def topk_count(size: int, topk_fraction: float) -> int:
+    """How many elements a topk push of `size` carries: at least one, none of nothing
+    (a shard that holds no trainable parameter)."""
+    return min(size, max(1, math.ceil(topk_fraction * size)))

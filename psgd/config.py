@@ -381,6 +381,10 @@ def validate(cfg: Config) -> None:
     _check(m.name != "ltfb" or c.workers % m.trainer_size == 0,
            f"mode.trainer_size = {m.trainer_size} does not divide cluster.workers = {c.workers}: "
            f"ltfb needs whole trainers (workers a multiple of trainer_size)")
+    _check(cfg.wire.compression == "none" or not (m.name == "easgd" or (m.name == "ltfb" and m.trainer_size == 1)),
+           f"wire.compression = {cfg.wire.compression} compresses pushed gradients, and mode {m.name}"
+           f"{' with mode.trainer_size = 1' if m.name == 'ltfb' else ''} pushes none (it exchanges parameters): "
+           f"set wire.compression = none")
     _check(m.strategy in ("pairwise", "truncation"),
            f"mode.strategy must be pairwise or truncation, got {m.strategy!r}")
     _check(m.truncation_k >= 1, f"mode.truncation_k must be >= 1, got {m.truncation_k}")

@@ -228,9 +228,13 @@ class Shard:
         return self.carry_out(self.rule.elastic(r.ElasticOffer((token, msg), msg.rank, int(msg.get("round")), x, b)))
 
     def on_put_model(self, token, msg: wire.Message) -> list[Reply]:
+        """A deposited model (ltfb): float32 whatever `wire.dtype` (its weights, buffers
+        and optimizer state), kept as it came and handed out as it is."""
         self._check_rank(msg)
-        self._vectors(msg, "model")
-        for i in range(2, len(msg.arrays)):  # the optimizer's state, float32
+        wire.expect_array(msg, 0, "float32", (self.P,))
+        wire.expect_array(msg, 1, "float32", (self.B,))
+        self._finite(wire.tensor(msg, 0), "model", msg.clock)
+        for i in range(2, len(msg.arrays)):  # the optimizer's state
             wire.expect_array(msg, i, "float32", (self.P,))
         arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]
         return self.carry_out(self.rule.deposit(
@@ -335,7 +339,9 @@ class Shard:
         if d.snapshot:
             arrays = self._snapshot()
         else:
-            arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) for a in d.arrays]
+            # the params-sized first array in wire.dtype; buffers travel as float32
+            arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) if k == 0 else a
+                      for k, a in enumerate(d.arrays)]
         fields = d.fields
         if "push" in msg.fields:  # the read of a push's request carries the push's answer
             fields = {**fields, "push": msg.fields["push"]}

@@ -90,6 +90,61 @@ def test_a_shard_refuses_bad_compressed_pushes():
     assert s.version == 0
 
 
+def client(codec: str, **sets):
+    """A parameter client (its sockets connect to nobody: only its encoding is used)."""
+    import zmq
+
+    from psgd.workers.client import ParameterClient
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "wire.compression": codec,
+                              "wire.topk_fraction": 0.1, **sets})
+    ctx = zmq.Context()
+    return ParameterClient(cfg, ctx, rank=0), ctx
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("codec", ["onebit", "topk"])
+def test_a_gradient_with_nan_is_refused_by_the_worker_and_leaves_the_residual_clean(codec):
+    """It went into the residual, which then carried the NaN into every later push: the
+    shards refused them all and the worker stopped after cluster.max_rejections."""
+    from psgd.consistency.rule import Diverged
+    c, ctx = client(codec)
+    try:
+        g = torch.randn(600)
+        c._gradient(0, 0, g, torch.zeros(2), clock=0)
+        before = c._compressors[0].residual.clone()
+        bad = g.clone()
+        bad[7] = float("nan")
+        with pytest.raises(Diverged, match="gradient has NaN or Inf values at step 1"):
+            c._gradient(0, 0, bad, torch.zeros(2), clock=1)
+        assert torch.equal(c._compressors[0].residual, before)
+        first, last = c._gradient(0, 0, g, torch.zeros(2), clock=2)["arrays"][::2]
+        assert torch.isfinite(decode(codec, first, last, 600)).all()
+    finally:
+        c.close()
+        ctx.term()
+
+
+@pytest.mark.unit
+def test_topk_sends_nothing_for_a_shard_without_parameters():
+    """A small model over many shards leaves one with no trainable parameter: k was 1,
+    and torch.topk of an empty vector raised."""
+    ef = ErrorFeedback("topk", 0, topk_fraction=0.1)
+    first, last = ef.encode(torch.zeros(0))
+    assert first.numel() == last.numel() == 0
+    assert compression.shapes("topk", 0, 0.1) == (("float32", 0), ("int32", 0))
+    assert decode("topk", first, last, 0).numel() == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode,sets", [("easgd", {}), ("ltfb", {"mode.trainer_size": 1})])
+def test_compression_is_refused_where_no_gradient_is_pushed(mode, sets):
+    from psgd.config import ConfigError
+    with pytest.raises(ConfigError, match=f"wire.compression = topk compresses pushed gradients, and mode {mode}"):
+        Config().replace(**{"mode.name": mode, "cluster.workers": 2, "wire.compression": "topk", **sets})
+    Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "mode.trainer_size": 2,
+                        "wire.compression": "topk"})   # a trainer's group steps push
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_a_topk_job_trains_and_pushes_few_bytes(tmp_path):

@@ -281,3 +281,22 @@ def test_a_shard_that_asked_for_the_layout_closes_that_socket(port_block):
     assert not got["errors"], got["errors"]
     unclosed = [str(w.message) for w in said if issubclass(w.category, ResourceWarning) and "socket" in str(w.message)]
     assert unclosed == []
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_first_step_is_counted_and_training_goes_on(port_block):
+    """`in_a_row` was set only by `Worker.run` or a step that went through, which a
+    script's Connection never had before its first step: a refused first step (a NaN)
+    raised AttributeError in the script."""
+    cfg = config(port_block, "async", workers=1, **{"train.steps": 3})
+    with InProcessCluster(cfg):
+        model = Net(0)
+        with psgd.connect(model, config=cfg, rank=0) as ps:
+            x = torch.randn(4, 6)
+            nn.functional.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+            model.a.weight.grad[0, 0] = float("nan")
+            assert ps.step() is True                    # refused by the shard, counted, not raised
+            assert ps.rejected == 1
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+            assert ps.step() is True and ps.rejected == 1

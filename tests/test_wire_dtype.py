@@ -62,6 +62,57 @@ def test_a_bfloat16_shard_keeps_float32_master_weights():
 
 
 @pytest.mark.unit
+def test_a_float16_value_beyond_its_range_is_refused_by_the_worker_naming_the_dtype():
+    """A finite gradient of 1e5 became Inf in float16; the shard refused it as 'NaN or
+    Inf; lower optimizer.lr' at every step, and the job stopped."""
+    import zmq
+
+    from psgd.consistency.rule import Diverged
+    from psgd.workers.client import ParameterClient
+    ctx = zmq.Context()
+    c = ParameterClient(Config().replace(**{"cluster.port": free_port_block(2), "wire.dtype": "float16"}), ctx, 0)
+    try:
+        g = torch.ones(100)
+        assert c._wire("g0", 0, g, clock=0).dtype == torch.float16
+        g[3] = -1e5
+        with pytest.raises(Diverged, match=r"values up to 1e\+05 at step 4 are beyond float16's range \(65504\): "
+                                           r"set wire.dtype = \"bfloat16\""):
+            c._wire("g0", 0, g, clock=4)
+        g[3] = float("nan")     # not a range problem: the shard refuses it as a NaN
+        assert torch.isnan(c._wire("g0", 0, g, clock=5)).any()
+    finally:
+        c.close()
+        ctx.term()
+
+
+@pytest.mark.unit
+def test_ltfb_deposits_and_a_trainers_buffers_stay_float32_under_bfloat16():
+    """The deposit went as bfloat16: a trainer's followers loaded a rounded copy of the
+    model their leader kept in float32, so its replicas differed; a group step's mean
+    buffers went as bfloat16 too, where buffers travel as float32."""
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "mode.trainer_size": 2,
+                              "cluster.servers": 1, "wire.dtype": "bfloat16", "model.name": "cnn"})
+    s = Shard(cfg, 0)
+    ids = iter(range(1, 100))
+
+    def ask(op, rank, clock, arrays=(), **fields):
+        m = wire.decode(wire.encode(op, id=next(ids), rank=rank, clock=clock, arrays=arrays, **fields))
+        return [wire.decode(frames) for _, frames in s.handle("t", m)]
+
+    x = torch.full((s.P,), 1 / 3)
+    ask("put_model", 0, 10, [x, torch.full((s.B,), 1000.05)], round=1, score=0.5)
+    got, = ask("get_model", 1, 10, round=1, owner=0, exact=True)
+    assert got.dtypes[:2] == ["float32", "float32"] and torch.equal(wire.tensor(got, 0), x)
+    for rank, b in ((0, 1000.0), (1, 1000.1)):
+        answers = ask("push", rank, 0, [torch.zeros(s.P).bfloat16(), torch.full((s.B,), b)], read_version=0,
+                      pull=True)
+    assert len(answers) == 2                   # the step closes: both members' reads are answered
+    for step in answers:
+        assert step.dtypes == ["bfloat16", "float32"]
+        torch.testing.assert_close(wire.tensor(step, 1), torch.full((s.B,), 1000.05))
+
+
+@pytest.mark.unit
 def test_compare_sweeps_a_config_key_like_a_mode_parameter():
     specs = parse_modes("sync:wire.dtype=float32,bfloat16,float16")
     assert [s.label for s in specs] == ["sync:wire.dtype=float32", "sync:wire.dtype=bfloat16",

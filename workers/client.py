@@ -27,7 +27,10 @@ import zmq
 from psgd import wire
 from psgd.compression import ErrorFeedback
 from psgd.config import Config
+from psgd.consistency.rule import Diverged
 from psgd.transport import Peers, PeerTimeout
+
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
 class ShardUnreachable(RuntimeError):
@@ -67,11 +70,18 @@ class ParameterClient:
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
 
-    def _wire(self, kind: str, shard: int, t: torch.Tensor) -> torch.Tensor:
+    def _wire(self, kind: str, shard: int, t: torch.Tensor, clock: int) -> torch.Tensor:
         """A params-sized float32 vector in `wire.dtype`, converted into a buffer reused
-        every step (it is sent without copying and answered before the next use)."""
+        every step (it is sent without copying and answered before the next use). A value
+        beyond float16's range would arrive as Inf: the step is refused here, naming why."""
         if t.dtype == self.wire_dtype:
             return t
+        if self.wire_dtype == torch.float16 and t.numel():
+            low, high = torch.aminmax(t)   # no P-sized temporary; NaN goes on, for the shard to refuse
+            if max(-float(low), float(high)) > FLOAT16_MAX:
+                raise Diverged(f"values up to {max(-float(low), float(high)):.3g} at step {clock} are beyond "
+                               f"float16's range ({FLOAT16_MAX:.0f}): set wire.dtype = \"bfloat16\" (float32's range) "
+                               f"or \"float32\"")
         buf = self._outgoing.get((kind, shard))
         if buf is None or buf.numel() != t.numel():
             buf = self._outgoing[(kind, shard)] = torch.empty(t.numel(), dtype=self.wire_dtype)
@@ -183,17 +193,23 @@ class ParameterClient:
                 reqs.append((i, "pull", {"clock": clock + 1}))
                 continue
             assert buffers is not None and read_versions is not None
-            fields = {"clock": clock, "read_version": read_versions[i], **self._gradient(slot, i, grads[i], buffers[i])}
+            fields = {"clock": clock, "read_version": read_versions[i],
+                      **self._gradient(slot, i, grads[i], buffers[i], clock)}
             if pull:
                 fields["pull"] = True
             reqs.append((i, "push", fields))
         return self.begin(reqs)
 
-    def _gradient(self, slot: int, shard: int, g: torch.Tensor, buffers: torch.Tensor) -> dict:
-        """A push's arrays (and codec): the gradient in `wire.dtype`, or compressed."""
+    def _gradient(self, slot: int, shard: int, g: torch.Tensor, buffers: torch.Tensor, clock: int) -> dict:
+        """A push's arrays (and codec): the gradient in `wire.dtype`, or compressed. A
+        gradient with NaN or Inf is not compressed: it would stay in the error-feedback
+        residual and spoil every later push; the step is refused here instead."""
         codec = self.cfg.wire.compression
         if codec == "none":
-            return {"arrays": [self._wire(f"g{slot}", shard, g), buffers]}
+            return {"arrays": [self._wire(f"g{slot}", shard, g, clock), buffers]}
+        if not abs(g.sum().item()) < float("inf"):   # as the shard checks a gradient (no P-sized temporary)
+            raise Diverged(f"gradient has NaN or Inf values at step {clock}; lower optimizer.lr (not sent: the "
+                           f"{codec} residual keeps what a push leaves out, and would keep them)")
         if shard not in self._compressors:
             self._compressors[shard] = ErrorFeedback(codec, g.numel(), self.cfg.wire.topk_fraction)
         first, last = self._compressors[shard].encode(g)
@@ -217,12 +233,13 @@ class ParameterClient:
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
         return self.request([(i, "elastic", {"round": round_, "clock": clock,
-                                              "arrays": [self._wire("x", i, xs[i]), bs[i]]})
+                                              "arrays": [self._wire("x", i, xs[i], clock), bs[i]]})
                              for i in range(self.n)])
 
     def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int) -> None:
-        self.request([(i, "put_model", {"round": round_, "score": score, "step": step,
-                                        "arrays": [self._wire("m", i, arrays[i][0]), *arrays[i][1:]]})
+        """Deposit a model (ltfb), in float32 whatever `wire.dtype`: the members of a
+        trainer load it and must leave the round with the weights their leader keeps."""
+        self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
                       for i in range(self.n)])
 
     def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None,

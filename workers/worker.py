@@ -76,6 +76,7 @@ class Worker:
         self.loss = float("nan")
         self.hist = Histogram()
         self.rejected = 0          # steps refused by the shards (or diverged locally)
+        self.in_a_row = 0          # of them, since the last step that was not
         self.jittered: dict[int, bool] = {}  # clock -> was its compute delayed (until its step line)
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
@@ -178,7 +179,6 @@ class Worker:
     def _steps(self, schedule) -> str:
         """Run the schedule until the budget ends, then settle what is in flight; the
         reason if the worker must stop."""
-        self.in_a_row = 0
         while self.more():
             if self.rejoin_if_dropped():
                 schedule.rejoin(self)

@@ -12,10 +12,11 @@ msgpack, so the coordinator can hand the run config to every daemon.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 if sys.version_info >= (3, 11):
@@ -347,6 +348,10 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg: Config) -> None:
     """Range checks that span keys; each message names the key."""
     m, c, t, o = cfg.mode, cfg.cluster, cfg.train, cfg.optimizer
+    for section in fields(cfg):   # inf or nan in any number: a time that never ends, a rate that is none
+        for f in fields(getattr(cfg, section.name)):
+            v = getattr(getattr(cfg, section.name), f.name)
+            _check(not isinstance(v, float) or math.isfinite(v), f"{section.name}.{f.name} must be finite, got {v}")
     _check(m.name in MODES, f"mode.name must be one of {', '.join(MODES)}, got {m.name!r}")
     _check(c.servers >= 1, f"cluster.servers must be >= 1, got {c.servers}")
     _check(cfg.wire.dtype in WIRE_DTYPES,

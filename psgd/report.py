@@ -97,7 +97,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
             cmd = f"`{s['command']}`" if s.get("command") else "no compare-context.json"
             only = f"; of the merged runs, only this folder's had `{' '.join('--set ' + x for x in s['sets'])}`"
             lines.append(f"**Folder {s['folder']}**{tag}: {cmd}" + (only if s.get("sets") else "") + ".")
-        faults = describe_faults(ctx.get("faults") or {}, workers)
+        faults = describe_faults(ctx.get("faults") or {}, workers, any(r.is_baseline and r.runs for r in rows))
         if faults:
             lines.append(f"**Injected fault:** {faults}.")
         lines.append("")

@@ -13,7 +13,9 @@ from .report_relations import names, noise_note, rname, staleness_sentences, swe
 from .report_tables import secs, times
 
 
-def describe_faults(faults: dict, workers: list[int]) -> str | None:
+def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> str | None:
+    """The injected faults in words; `baseline`: whether a sequential baseline ran (psgd
+    simulate and `--no-baseline` run none)."""
     parts = []
     rank, factor = int(faults.get("slow_rank", -1)), float(faults.get("slow_factor", 1.0))
     if rank >= 0 and factor > 1:
@@ -21,17 +23,26 @@ def describe_faults(faults: dict, workers: list[int]) -> str | None:
         small = [w for w in workers if w <= rank]
         if small:
             s += f" (no effect in runs with {', '.join(map(str, small))} worker{'s' if small != [1] else ''})"
-        s += "; the sequential baseline is rank 0, " + ("so it is slowed too" if rank == 0 else "so it is not slowed")
+        if baseline:
+            s += "; the sequential baseline is rank 0, " + ("so it is slowed too" if rank == 0 else "so it is not slowed")
         parts.append(s)
     delay = float(faults.get("step_delay_s", 0.0))
     if delay > 0:
-        parts.append(f"every step of every worker (and of the baseline) is delayed by {delay:g} s (a slow link)")
+        parts.append(f"every step of every worker{' (and of the baseline)' if baseline else ''} is delayed by "
+                     f"{delay:g} s (a slow link)")
     prob, jitter = float(faults.get("jitter_prob", 0.0)), float(faults.get("jitter_s", 0.0))
     if prob > 0 and jitter > 0:
         parts.append(f"transient stragglers: each step of each worker is delayed by {jitter:g} s with probability "
                      f"{prob:g}, independently (seeded by job.seed and rank), so a step of W workers waits for at "
                      f"least one delayed worker with probability 1 − (1 − {prob:g})^W")
     return "; ".join(parts) if parts else None
+
+
+def _all_faults_apply(faults: dict, workers: int) -> bool:
+    """Does a run of `workers` workers have every injected fault (the straggler's rank
+    among its workers)? The others (delays, jitter) apply to every run."""
+    rank = int(faults.get("slow_rank", -1))
+    return not (rank >= 0 and float(faults.get("slow_factor", 1.0)) > 1) or workers > rank
 
 
 def _why_unranked(r: Row, target: float, period: float | None) -> str:
@@ -299,13 +310,14 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         said += _wait_sentences(group, many_w)
         out += [prefix + s for s in said]
 
-    faults = describe_faults(ctx.get("faults") or {}, ctx.get("workers") or [])
+    f = ctx.get("faults") or {}
+    faults = describe_faults(f, ctx.get("workers") or [], any(r.is_baseline for r in ok))
     if faults:
-        group = _kinds(dist)[0][1]
-        top = max(group, key=lambda r: mean(r.sps) or 0.0)
-        ref = top.ref_sync   # the sync row with the same worker count
+        group = [r for r in _kinds(dist)[0][1] if _all_faults_apply(f, r.workers)]
+        top = max(group, key=lambda r: mean(r.sps) or 0.0) if group else None
+        ref = top.ref_sync if top else None   # the sync row with the same worker count
         s = f"All runs had a fault injected: {faults}."
-        if ref is not None and top.mode != "sync" and mean(ref.sps):
+        if top is not None and ref is not None and top.mode != "sync" and mean(ref.sps):
             s += (f" Under it, {rname(top, many_w)} kept {mean(top.sps):,.0f} samples/s against "
                   f"{top.sync_name()}'s {mean(ref.sps):,.0f} with {ref.workers} workers.")
         out.append(s)

@@ -41,6 +41,10 @@ def test_set_parses_toml_values():
     (["mode.sync=maybe"], "expected true or false"),
     (["badformat"], "expected section.key=value"),
     (["security.curve=true"], "security.keys"),
+    (["sim.compute_s=inf"], "sim.compute_s must be finite, got inf"),      # was accepted: Infinity in compare.json
+    (["faults.step_delay_s=inf"], "faults.step_delay_s must be finite"),
+    (["train.seconds=inf"], "train.seconds must be finite"),
+    (["cluster.timeout_s=nan"], "cluster.timeout_s must be finite, got nan"),
 ])
 def test_bad_values_get_clear_errors(sets, needle):
     with pytest.raises(ConfigError) as e:

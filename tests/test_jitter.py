@@ -58,3 +58,24 @@ def test_a_run_with_jitter_takes_its_delays(port_block, tmp_path, mode):
         gaps = [b["t"] - a["t"] for a, b in zip(lines, lines[1:], strict=False)]
         delayed = [g for g, e in zip(gaps, lines[1:], strict=True) if e["jitter"]]
         assert delayed and min(delayed) >= d * 0.95                 # each delayed step took its delay
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_simulated_step_line_flags_its_own_computes_delay_with_prefetch(mode):
+    """With prefetch the next compute runs before a step's line is written: the simulated
+    line took the flag of the latest compute (a third of the lines were wrong), where the
+    real worker's takes its own step's (the compute at clock - 1)."""
+    from psgd.sim.run import Simulation
+    p, d = 0.3, 0.02
+    cfg = load(None, [f"mode.name={mode}", "mode.prefetch=true", "cluster.workers=2", "train.steps=40",
+                      "sim.train=false", "sim.compute_s=0.01", f"faults.jitter_prob={p}", f"faults.jitter_s={d}"],
+               env={})
+    sim = Simulation(cfg, 0.01)
+    sim.run()
+    for w in sim.workers:
+        expect = Jitter(p, d, cfg.job.seed, w.rank)
+        draws = [expect.draw() > 0 for _ in range(60)]
+        lines = [x for x in w.log_lines() if "step" in x]
+        assert lines and [x["jitter"] for x in lines] == [draws[x["clock"] - 1] for x in lines]

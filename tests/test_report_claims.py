@@ -228,3 +228,20 @@ def test_header_and_minor_sentences():
     assert "one after another" not in render(rows, {**ctx, "simulated": {"compute_s": 0.01}}, [])
     text = told([run("sync", ttt=1.0, acc=0.9415), run("async", "async", evals=[])])
     assert "all lie between" not in text and "Only **sync** was scored: final accuracy 0.9415." in text
+
+
+@pytest.mark.timeout(60)
+def test_fault_sentences_name_no_baseline_that_did_not_run_and_compare_only_runs_with_the_fault():
+    """psgd simulate runs no baseline, yet the reading said the baseline "is not slowed";
+    and "under it" compared the 2-worker runs, which had no rank 2 to slow down."""
+    ctx = {**CTX, "faults": {"slow_rank": 2, "slow_factor": 4.0}, "workers": [2, 4]}
+    results = [run("sync", workers=2, sps=9000.0), run("async", "async", workers=2, sps=9900.0),
+               run("sync", workers=4, sps=3000.0), run("async", "async", workers=4, sps=6000.0)]
+    said = sentence(told(results, ctx), "had a fault injected")
+    assert "baseline" not in said
+    assert "**async** with 4 workers kept 6,000 samples/s against sync's 3,000 with 4 workers" in said
+    with_base = told([run("baseline", "baseline", sps=30000.0, workers=1), *results], ctx)
+    assert "the sequential baseline is rank 0, so it is not slowed" in sentence(with_base, "had a fault injected")
+    ctx2 = {**ctx, "faults": {"slow_rank": 2, "slow_factor": 4.0}, "workers": [2]}
+    alone = sentence(told(results[:2], ctx2), "had a fault injected")
+    assert "Under it" not in alone      # no run had the straggler: nothing kept up "under it"

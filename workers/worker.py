@@ -49,10 +49,25 @@ class Jitter:
     def __init__(self, prob: float, delay_s: float, seed: int, rank: int):
         self.prob, self.delay_s = prob, delay_s
         self.rng = random.Random(f"psgd-jitter-{seed}-{rank}")
+        self._delayed: dict[int, bool] = {}   # clock -> was its compute delayed (until its step line)
 
-    def draw(self) -> float:
-        """This step's delay: d with probability p, else 0 (no draw when p = 0)."""
-        return self.delay_s if self.prob > 0 and self.rng.random() < self.prob else 0.0
+    def draw(self, clock: int | None = None) -> float:
+        """The delay of the compute at `clock` (remembered for its step line): d with
+        probability p, else 0 (no draw when p = 0)."""
+        if self.prob <= 0:
+            return 0.0
+        delay = self.delay_s if self.rng.random() < self.prob else 0.0
+        if clock is not None:
+            self._delayed[clock] = delay > 0
+        return delay
+
+    def delayed(self, clock: int) -> bool:
+        """Was the compute at `clock` delayed? Asked by its step line, which may come after
+        the next compute (prefetch); a refused step's leftovers are dropped."""
+        was = self._delayed.pop(clock, False)
+        for c in [c for c in self._delayed if c < clock - 8]:
+            del self._delayed[c]
+        return was
 
 
 def local_rank() -> int:
@@ -77,7 +92,6 @@ class Worker:
         self.hist = Histogram()
         self.rejected = 0          # steps refused by the shards (or diverged locally)
         self.in_a_row = 0          # of them, since the last step that was not
-        self.jittered: dict[int, bool] = {}  # clock -> was its compute delayed (until its step line)
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
 
@@ -271,9 +285,7 @@ class Worker:
         if f.slow_rank == self.rank and f.slow_factor > 1:
             extra += (f.slow_factor - 1) * compute_s
         if f.jitter_prob > 0:
-            jitter = self.jitter.draw()
-            self.jittered[self.clock] = jitter > 0
-            extra += jitter
+            extra += self.jitter.draw(self.clock)
         if extra > 0:
             time.sleep(extra)
 
@@ -287,9 +299,7 @@ class Worker:
         jitter on, `jitter` says whether its compute, at clock - 1, was delayed)."""
         self.steps += 1
         if self.cfg.faults.jitter_prob > 0:
-            extra["jitter"] = self.jittered.pop(self.clock - 1, False)
-            for c in [c for c in self.jittered if c < self.clock - 8]:  # a rejected step's leftovers
-                del self.jittered[c]
+            extra["jitter"] = self.jitter.delayed(self.clock - 1)
         self.events.write(rank=self.rank, step=self.steps, clock=self.clock, loss=round(self.loss, 5),
                           samples=self.samples, staleness=staleness, wait_s=round(wait_s, 5),
                           bytes_sent=self.client.bytes_sent, bytes_recv=self.client.bytes_recv, **extra)

@@ -160,7 +160,6 @@ class SimWorker:
         s, f = cfg.sim, cfg.faults
         self._rng = random.Random(f"psgd-sim:{cfg.job.seed}:{rank}")   # the compute spread
         self._jitter = Jitter(f.jitter_prob, f.jitter_s, cfg.job.seed, rank)  # the real worker's, on its own stream
-        self._jittered = False
         self._sigma = math.sqrt(math.log1p(s.compute_cv ** 2)) if s.compute_cv > 0 else 0.0
         self._slow = f.slow_factor if f.slow_rank == rank and f.slow_factor > 1 else 1.0
         self.proc = Process(f"sim-worker-{rank}", self.run)
@@ -220,9 +219,7 @@ class SimWorker:
         d = self.sim.compute_s
         if self._sigma:
             d *= self._rng.lognormvariate(-self._sigma ** 2 / 2, self._sigma)  # mean 1
-        jitter = self._jitter.draw()
-        self._jittered = jitter > 0
-        return d * self._slow + f.step_delay_s + jitter
+        return d * self._slow + f.step_delay_s + self._jitter.draw(self.clock)
 
     # ------------------------------------------------------------ what a schedule may call
     def compute(self) -> float:
@@ -249,8 +246,8 @@ class SimWorker:
         per step of every worker was most of a long run's memory, and slow to build."""
         self.steps += 1
         c = self.client
-        if self._jitter.prob > 0:   # as the real worker's step line: was this step's compute delayed?
-            extra = {**extra, "jitter": self._jittered}
+        if self._jitter.prob > 0:   # as the real worker's step line: was this step's compute (at clock - 1) delayed?
+            extra = {**extra, "jitter": self._jitter.delayed(self.clock - 1)}
         self.lines.append((self.t, self.steps, self.clock, self.loss, self.samples, staleness, wait_s, c._sent,
                            c._recv, extra))
 

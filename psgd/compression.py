@@ -11,7 +11,9 @@
 Error feedback: what a message leaves out is not lost. The worker keeps a residual per
 shard and compresses v = g + residual; the new residual is v - decode(message), so
 decode(message) + new residual == g + old residual, step after step, and every part of
-every gradient reaches the shard eventually.
+every gradient reaches the shard eventually (but what a refused push carried is lost, as
+an uncompressed push's whole gradient is; a gradient with NaN or Inf is refused by the
+worker before it reaches the residual, `ParameterClient._gradient`).
 
 Wire layout of a compressed push (the `codec` header field names the codec):
     onebit  arrays [signs: uint8[ceil(P/8)], buffers: float32[B], means: float32[2 * blocks]]

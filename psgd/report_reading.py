@@ -24,7 +24,7 @@ def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> 
         if small:
             s += f" (no effect in runs with {', '.join(map(str, small))} worker{'s' if small != [1] else ''})"
         if baseline:
-            s += "; the sequential baseline is rank 0, " + ("so it is slowed too" if rank == 0 else "so it is not slowed")
+            s += "; the sequential baseline is rank 0, so it is " + ("slowed too" if rank == 0 else "not slowed")
         parts.append(s)
     delay = float(faults.get("step_delay_s", 0.0))
     if delay > 0:

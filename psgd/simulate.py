@@ -5,7 +5,8 @@
 
 Every configuration of the plan (`--modes`, `--workers`, `--repeats` mean what they
 mean for `psgd compare`, whose parser and plan this uses) runs in one process, this
-one (or, with `--jobs N`, a process of its own, N at a time), as a discrete-event
+one (or, with `--jobs N`, one of N spawned processes that take runs one after
+another), as a discrete-event
 simulation (psgd.sim): the real rules (psgd/consistency/) and the real shards
 (psgd.shard) are driven by simulated workers that compute real gradients on their own
 batches (unless `sim.train = false`), so accuracy is real and only time is simulated,
@@ -18,7 +19,8 @@ Writes what `psgd compare` writes: DIR/compare.json, DIR/compare-context.json,
 DIR/report.md, the plots, DIR/runs/<name>/summary.json and events/, with times in
 virtual seconds and every summary marked `"simulated": true`. The same config and seed
 give the same compare.json to the last digit (with `sim.compute_s` given; a calibrated
-value is in compare-context.json, to pass back with --set). No sequential baseline.
+value, the one the runs used, is in compare-context.json, to pass back with --set).
+No sequential baseline.
 Progress, with the time left, goes to stderr.
 """
 from __future__ import annotations
@@ -27,7 +29,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
+from contextlib import closing
 from typing import Any
 
 from .compare import build_plan, estimate_left, failed_entry, parse_modes, parse_workers, tag
@@ -50,9 +53,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where the simulated workers compute: cpu | cuda | cuda:N")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="runs simulated at once, each in its own process (default 1); the results are the same")
+                   help="runs simulated at once, in N processes that take runs one after another (default 1); "
+                        "the results are the same")
     p.set_defaults(no_baseline=True, cmd="simulate")
     return p
+
+
+def check_device(spec: str) -> None:
+    """A ConfigError naming --device unless the simulated workers can compute on `spec`
+    here (checked once, before calibrating and before any run)."""
+    import torch
+
+    from .replica import pick_device
+    try:
+        dev = pick_device(spec)
+    except ValueError as e:  # cuda on a machine without CUDA
+        msg = str(e)
+        raise ConfigError(msg if "--device" in msg else f"--device {spec}: {msg}") from None
+    except RuntimeError:     # not a device string torch knows
+        raise ConfigError(f"--device {spec!r} is not a device: expected cpu, cuda or cuda:N") from None
+    try:
+        float(torch.ones(1, device=dev).sum())
+    except (RuntimeError, AssertionError) as e:  # a device torch names but cannot use here (cuda:N past the last)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"--device {spec}: torch cannot compute on it on this machine ({reason})") from None
 
 
 def compute_cost(cfg, device: str, cache: dict) -> tuple[float, str]:
@@ -61,9 +85,9 @@ def compute_cost(cfg, device: str, cache: dict) -> tuple[float, str]:
     if cfg.sim.compute_s > 0:
         return cfg.sim.compute_s, "config"
     key = (cfg.model.name, repr(cfg.model.hidden), cfg.data.name, repr(cfg.data), cfg.train.batch_size, device)
-    if key not in cache:
+    if key not in cache:  # rounded as compare-context.json reports it: the runs use exactly that value
         from .sim.run import calibrate
-        cache[key] = calibrate(cfg, device)
+        cache[key] = max(1e-9, round(calibrate(cfg, device), 9))
     return cache[key], "calibrated"
 
 
@@ -102,6 +126,7 @@ def main(args) -> int:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    check_device(args.device)
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
@@ -109,14 +134,14 @@ def main(args) -> int:
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     cache: dict = {}
     costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
-    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": round(v, 9) for k, v in cache.items()}
+    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
     ctx = context(args, base, workers, plan)
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
     n = len(plan)
     where = ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in calibrated.items())
-    print(f"psgd simulate: {n} runs, out {out}; compute per step: "
+    print(f"psgd simulate: {n} run{'s' if n != 1 else ''}, out {out}; compute per step: "
           f"{f'{base.sim.compute_s:g} s (sim.compute_s)' if base.sim.compute_s else f'calibrated here, {where}'}",
           file=sys.stderr, flush=True)
 
@@ -127,25 +152,26 @@ def main(args) -> int:
     t_start = time.monotonic()
     tasks = [(i, run.cfg, costs[run.name][0], args.device, os.path.join(out, "runs", run.name), f"[{i + 1}/{n}]",
               run.describe()) for i, run in enumerate(plan)]
-    for i, (s, events, error, seconds) in simulated(tasks, args.jobs):
-        run = plan[i]
-        if error is None and s is not None:
-            entry = tag(s, run, os.path.join("runs", run.name), float(s["wall_s"]))
-            result = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {events:,} events"
-            if s.get("aborted"):
-                error = entry["error"] = s["aborted"]
-        else:
-            entry = failed_entry(run, error or "no result", simulated=True)
-        if error is not None:
-            failed += 1
-            result = f"FAILED: {error.splitlines()[0]}"
-        durations[i] = real[run.name] = seconds
-        entries[i] = entry
-        write_json_atomic(os.path.join(out, "compare.json"), [entries[k] for k in sorted(entries)])
-        pending = [k for k in range(n) if k not in entries]
-        left = _time_left(plan, durations, pending, args.jobs)
-        eta = "" if not pending else (f"; about {_fmt_duration(left)} left" if left is not None else "")
-        print(f"[{i + 1}/{n}] {result} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
+    with closing(simulated(tasks, args.jobs)) as done:  # closed on leaving early: its processes stop
+        for i, (s, events, error, seconds) in done:
+            run = plan[i]
+            if error is None and s is not None:
+                entry = tag(s, run, os.path.join("runs", run.name), float(s["wall_s"]))
+                result = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {events:,} events"
+                if s.get("aborted"):
+                    error = entry["error"] = s["aborted"]
+            else:
+                entry = failed_entry(run, error or "no result", simulated=True)
+            if error is not None:
+                failed += 1
+                result = f"FAILED: {error.splitlines()[0]}"
+            durations[i] = real[run.name] = seconds
+            entries[i] = entry
+            write_json_atomic(os.path.join(out, "compare.json"), [entries[k] for k in sorted(entries)])
+            pending = [k for k in range(n) if k not in entries]
+            left = _time_left(plan, durations, pending, args.jobs)
+            eta = "" if not pending else (f"; about {_fmt_duration(left)} left" if left is not None else "")
+            print(f"[{i + 1}/{n}] {result} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
     results = [entries[k] for k in sorted(entries)]
 
     ctx["simulated"]["real_s"] = {k: round(v, 2) for k, v in real.items()}
@@ -173,52 +199,125 @@ def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, 
         return i, (None, 0, msg, time.monotonic() - t0)
 
 
-def simulated(tasks: list[tuple], jobs: int) -> Iterator[tuple[int, tuple]]:
+class _Process:
+    """One of `--jobs`' long-lived processes: it runs the tasks it is sent, one after
+    another, and answers each with `simulate_one`'s result (see `_serve`)."""
+
+    def __init__(self, ctx: Any, task: tuple, k: int):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), name=f"psgd-simulate-{k}", daemon=True)
+        self.task: tuple | None = task   # the task it runs, or will run once it is ready
+        self.started = time.monotonic()
+        self.sent: float | None = None   # when the task was sent (it was ready)
+        self.proc.start()
+        child.close()
+
+    def send(self, task: tuple | None) -> None:
+        """Hand it a task (None: there is none left, it ends)."""
+        self.task, self.sent = task, time.monotonic()
+        self.conn.send(task)
+
+    def lost(self) -> tuple[int, tuple]:
+        """The result of its task when it ended (killed, out of memory) without answering."""
+        self.proc.join(10)
+        assert self.task is not None
+        return self.task[0], (None, 0, f"its process ended with exit code {self.proc.exitcode} and no result",
+                              time.monotonic() - (self.sent or self.started))
+
+    def stop(self) -> None:
+        self.conn.close()
+        if self.proc.is_alive():
+            self.proc.terminate()
+
+
+def simulated(tasks: list[tuple], jobs: int) -> Generator[tuple[int, tuple], None, None]:
     """`simulate_one` of every task, as each ends: one after the other in this process, or
-    (`--jobs` > 1) up to `jobs` at once, each in a spawned process of its own (a run is
-    one process either way, and its numbers do not depend on where it ran). A process
-    that ends without an answer (killed, out of memory) fails its run; leaving early
-    (Ctrl-C, SIGTERM, an error) stops the processes still running."""
+    (`--jobs` > 1) in `jobs` long-lived spawned processes that each run one task after
+    another (a run is one process either way, and its numbers do not depend on where it
+    ran, nor on what ran there before). A task is sent to a process once it has started
+    (imported torch), and its real seconds are this process's, from sending to answer.
+    A process that ends without an answer (killed, out of memory) fails its run, and a
+    fresh one takes the next task; leaving early (Ctrl-C, SIGTERM, an error, the
+    generator closed) stops the processes still running."""
     if jobs <= 1 or len(tasks) <= 1:
-        yield from map(simulate_one, tasks)
+        for task in tasks:
+            t0 = time.monotonic()
+            i, (s, events, error, _) = simulate_one(task)
+            yield i, (s, events, error, time.monotonic() - t0)
         return
     import multiprocessing
+    from collections import deque
     from multiprocessing.connection import wait
     ctx = multiprocessing.get_context("spawn")
-    waiting = list(tasks)
-    running: dict[Any, tuple[Any, int, float]] = {}   # its answer's pipe -> (process, task index, start)
+    waiting = deque(tasks)
+    started = 0
+    procs: list[_Process] = []    # those running or starting
+    ending: list[_Process] = []   # those with nothing more to do
     try:
-        while waiting or running:
-            while waiting and len(running) < jobs:
-                task = waiting.pop(0)
-                answer, sender = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_simulate_in_child, args=(task, sender), name=f"psgd-simulate-{task[0]}",
-                                   daemon=True)
-                proc.start()
-                sender.close()
-                running[answer] = (proc, task[0], time.monotonic())
-            for ready in wait(list(running), timeout=5):
-                pipe: Any = ready
-                proc, i, t0 = running.pop(pipe)
+        while waiting or procs:
+            while waiting and len(procs) < jobs:
+                procs.append(_Process(ctx, waiting.popleft(), started))
+                started += 1
+            ready = wait([p.conn for p in procs] + [p.proc.sentinel for p in procs], timeout=5)
+            for p in list(procs):
+                if p.conn not in ready and p.proc.sentinel not in ready:
+                    continue
                 try:
-                    result = pipe.recv()
-                except EOFError:  # it ended without answering
-                    proc.join(10)
-                    result = (i, (None, 0, f"its process ended with exit code {proc.exitcode} and no result",
-                                  time.monotonic() - t0))
-                pipe.close()
-                proc.join(10)
+                    got = p.conn.recv() if p.conn.poll() else None
+                except (EOFError, OSError):
+                    got = None
+                if got == "ready":   # started: its task goes now
+                    try:
+                        p.send(p.task)
+                        continue
+                    except OSError:
+                        got = None
+                if got is None:      # it ended without answering
+                    procs.remove(p)
+                    result = p.lost()
+                    p.stop()
+                    yield result
+                    continue
+                i, (s, events, error, _) = got
+                result = i, (s, events, error, time.monotonic() - (p.sent or p.started))
+                following = waiting.popleft() if waiting else None
+                try:
+                    if not p.proc.is_alive():
+                        raise BrokenPipeError
+                    p.send(following)
+                except OSError:   # it ended after its answer: the next task goes to a fresh process
+                    if following is not None:
+                        waiting.appendleft(following)
+                    p.task = None
+                if p.task is None:   # sent None: it ends on its own, while the others run on
+                    procs.remove(p)
+                    ending.append(p)
                 yield result
     finally:
-        for proc, _, _ in running.values():
-            proc.terminate()
-        for proc, _, _ in running.values():
-            proc.join(10)
+        for p in procs + ending:
+            p.stop()
+        for p in procs + ending:
+            p.proc.join(10)
+            if p.proc.is_alive():
+                p.proc.kill()
+                p.proc.join(10)
 
 
-def _simulate_in_child(task: tuple, sender: Any) -> None:
-    sender.send(simulate_one(task))
-    sender.close()
+def _serve(conn: Any) -> None:
+    """A `--jobs` process: says it is ready (torch imported), then runs each task it is
+    sent until it is sent None or this process's end of the pipe closes. Ctrl-C is the
+    parent's to handle: it stops this process."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .sim import run  # noqa: F401  (torch and the simulator: the start-up, paid once per process)
+    try:
+        conn.send("ready")
+        while (task := conn.recv()) is not None:
+            conn.send(simulate_one(task))
+    except (EOFError, OSError):  # the parent is gone
+        pass
+    finally:
+        conn.close()
 
 
 def _time_left(plan: list, durations: dict[int, float], pending: list[int], jobs: int) -> float | None:

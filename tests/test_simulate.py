@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from psgd.config import load
+from psgd.config import ConfigError, load
 from psgd.report import build_rows, describe_faults, write_report
 from psgd.sim.engine import Loop, Network, Node
 from psgd.sim.run import Simulation
@@ -416,3 +416,133 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert cli(["--modes", "sync", "--workers", "0", "--out", str(tmp_path / "v")]) == 2
     assert "--workers: expected positive integers" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- reviewed: --jobs, calibration, --device, streams
+def in_a_child_once(input_shape, num_classes):
+    """A model factory that notes the pid of each `--jobs` process that builds it (in the
+    folder $SIMULATE_TEST_PIDS), and ends the first such process to build one."""
+    import multiprocessing
+
+    from torch import nn
+    folder = os.environ.get("SIMULATE_TEST_PIDS")
+    if folder and multiprocessing.parent_process() is not None:
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        try:
+            os.close(os.open(os.path.join(folder, "died"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            os._exit(9)
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_jobs_processes_run_one_run_after_another_and_one_that_dies_is_replaced(tmp_path, monkeypatch):
+    """--jobs 2, five runs: two long-lived processes take the runs one after another (a
+    process per run paid the torch import each time), and the one that dies fails only
+    its run; a fresh process takes the rest. Three processes in all, not five."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("SIMULATE_TEST_PIDS", str(pids))
+    code, res = simulate(tmp_path, "reuse", "--modes", "sync,ssp,async,easgd,diloco", "--workers", "2",
+                         "--jobs", "2", *SMALL, "--set", "sim.train=false",
+                         "--set", "model.name=tests.test_simulate:in_a_child_once")
+    assert code == 1
+    assert [r["mode"] for r in res] == ["sync", "ssp", "async", "easgd", "diloco"]
+    failed = [r for r in res if "error" in r]
+    assert len(failed) == 1 and "exit code 9 and no result" in failed[0]["error"], res
+    assert len([p for p in os.listdir(pids) if p != "died"]) == 3
+    real = json.load(open(tmp_path / "reuse" / "compare-context.json"))["simulated"]["real_s"]
+    assert sorted(real) == sorted(r["dir"].split(os.sep)[-1] for r in res)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_closing_the_jobs_early_stops_their_processes(tmp_path):
+    """Leaving early (here: the caller stops reading after the first result, as on an
+    error or Ctrl-C in `main`) stops the processes still running; none is left."""
+    import multiprocessing
+
+    from psgd.simulate import simulated
+    tasks = []
+    for i, steps in enumerate([5, 100_000, 100_000]):
+        cfg = load(None, ["cluster.workers=2", "sim.train=false", "sim.compute_s=0.01", f"train.steps={steps}"])
+        tasks.append((i, cfg, 0.01, "cpu", str(tmp_path / str(i)), f"[{i + 1}/3]", "test"))
+    runs = simulated(tasks, 2)
+    i, (s, _, error, seconds) = next(runs)
+    assert i == 0 and error is None and s is not None and seconds > 0
+    assert len(multiprocessing.active_children()) == 2
+    runs.close()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_the_calibrated_value_reported_is_the_one_the_runs_used(tmp_path):
+    """compare-context.json's calibrated step time, passed back with --set sim.compute_s,
+    gives the same runs: it is the value they used, not a rounded copy of it."""
+    argv = ["--modes", "sync,async", "--workers", "2", "--set", "train.steps=20", "--set", "sim.train=false",
+            "--set", "sim.compute_cv=0.3"]
+    code, first = simulate(tmp_path, "cal", *argv)
+    assert code == 0
+    ctx = json.load(open(tmp_path / "cal" / "compare-context.json"))
+    [value] = ctx["simulated"]["calibrated_compute_s"].values()
+    assert all(r["sim"]["compute_s"] == value and r["sim"]["compute_s_source"] == "calibrated" for r in first)
+    code, again = simulate(tmp_path, "again", *argv, "--set", f"sim.compute_s={value}")
+    assert code == 0
+    for r in (*first, *again):
+        del r["sim"]["compute_s_source"]
+    assert again == first
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compute", [[], ["--set", "sim.compute_s=0.01"]], ids=["calibrated", "given"])
+def test_a_bad_device_is_one_clear_error_before_any_run(tmp_path, capsys, monkeypatch, compute):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device, says in (("cuda", "--device cuda: CUDA is not available"), ("tpu", "--device 'tpu' is not a device")):
+        out = tmp_path / device
+        code = cli(["--modes", "sync,async", "--workers", "2", "--set", "sim.train=false", "--set", "train.steps=5",
+                    *compute, "--device", device, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"psgd: error: {says}" in err, err
+        assert "Traceback" not in err and "FAILED" not in err and not out.exists()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_streamed_dataset_is_calibrated_from_its_batches(tmp_path):
+    """Timing only with a streamed dataset and `sim.compute_s` = 0: the calibration times
+    the model on the stream's batches (the error said to use sim.train = false, given)."""
+    stream = ["--set", "data.name=tests.streaming_data:on_demand", "--set", "data.classes=10",
+              "--set", "train.steps=5", "--set", "train.batch_size=8"]
+    code, res = simulate(tmp_path, "s", "--modes", "sync", "--workers", "2", "--set", "sim.train=false", *stream)
+    assert code == 0, res
+    assert res[0]["sim"]["compute_s_source"] == "calibrated" and res[0]["sim"]["compute_s"] > 0
+    # a mode that holds out data needs it in memory even timing only: the error does not say sim.train = false
+    cfg = load(None, [s for s in stream if s != "--set"] + ["mode.name=ltfb", "sim.train=false"])
+    with pytest.raises(ConfigError, match="holds out 0.1") as e:
+        Simulation(cfg, 0.01)
+    assert "sim.train" not in str(e.value)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_progress_says_what_it_measures_and_one_run_is_one_run(tmp_path, capsys):
+    import io
+
+    from psgd.sim.run import progress_line
+    for budget, says, never in (("train.steps=20", "% of the steps", "virtual seconds"),
+                                ("train.seconds=0.05", "% of the 0.05 virtual seconds", "steps")):
+        sim = Simulation(load(None, ["cluster.workers=2", "sim.train=false", "sim.compute_s=0.01", "train.steps=0",
+                                     budget]), 0.01)
+        sim.run()
+        text = io.StringIO()
+        progress_line("[1/1]", text)(sim)
+        assert says in text.getvalue() and never not in text.getvalue(), text.getvalue()
+    code, _ = simulate(tmp_path, "one", "--modes", "sync", "--workers", "2", *SMALL, "--set", "sim.train=false")
+    assert code == 0
+    assert "psgd simulate: 1 run, out" in capsys.readouterr().err

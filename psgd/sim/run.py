@@ -14,6 +14,7 @@ seconds from the start of training.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -29,7 +30,7 @@ from torch import nn
 from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
-from ..data import Dataset, holdout, load_dataset, partition
+from ..data import Dataset, StreamingDataset, holdout, load_dataset, partition
 from ..metrics import summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
@@ -47,19 +48,26 @@ class Deadlock(RuntimeError):
     pass
 
 
-def in_memory(cfg: Config) -> Dataset:
-    """The job's dataset, which a simulation needs in memory (not streamed)."""
+def in_memory(cfg: Config, split: float = 0.0) -> Dataset:
+    """The job's dataset, which a simulation that trains (`sim.train`), or whose mode
+    holds out a share of each partition (`split`), needs in memory (not streamed)."""
     ds = load_dataset(cfg.data, cfg.job.seed)
     if not isinstance(ds, Dataset):
+        hint = ("use sim.train = false for a timing-only study" if cfg.sim.train else
+                f"mode {cfg.mode.name} holds out {split:g} of each worker's partition, even timing only")
         raise ConfigError(f"psgd simulate needs an in-memory dataset; data.name = {cfg.data.name!r} is streamed "
-                          f"(use sim.train = false for a timing-only study)")
+                          f"({hint})")
     return ds
 
 
 def calibrate(cfg: Config, device: str = "cpu") -> float:
     """Seconds of one forward + backward of the job's model on one batch, here, on one
-    thread (as each worker process runs): the median of CALIBRATION_STEPS after warm-up."""
-    ds = in_memory(cfg)
+    thread (as each worker process runs): the median of CALIBRATION_STEPS after warm-up.
+    A streamed dataset's batches are read in this process (`data.loader_workers` = 0);
+    reading them is not timed, as taking an in-memory dataset's is not."""
+    ds = load_dataset(cfg.data, cfg.job.seed)
+    if isinstance(ds, StreamingDataset):
+        ds = dataclasses.replace(ds, loader_workers=0)
     model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
     dev = pick_device(device)
     model = model.to(dev).train()
@@ -152,7 +160,7 @@ class Simulation:
         W = cfg.cluster.workers
         schedules = [self.mode.schedule(cfg) for _ in range(W)]
         split = schedules[0].data_split if schedules else 0.0
-        self.ds = in_memory(cfg) if s.train or split > 0 else None
+        self.ds = in_memory(cfg, split) if s.train or split > 0 else None
         shape, classes = (self.ds.input_shape, self.ds.num_classes) if self.ds else self._describe()
         shared = None if s.train else self._replica(shape, classes, TimingReplica)   # timing only: one for all
         self.workers: list[SimWorker] = []
@@ -376,13 +384,17 @@ class Simulation:
 
 
 def progress_line(prefix: str, stream: Any = sys.stderr) -> Callable[[Simulation], None]:
-    """A progress callback: virtual time, steps done and the real time left, to stderr."""
+    """A progress callback: virtual time, the share of the budget done (`train.steps`'
+    worker steps, else `train.seconds`' virtual seconds) and the real time left, to stderr."""
     t0 = time.monotonic()
 
     def show(sim: Simulation) -> None:
         done = sim.fraction_done()
         spent = time.monotonic() - t0
         left = f", about {spent * (1 - done) / done:.0f} s left" if done > 0 else ""
-        stream.write(f"{prefix}  virtual {sim.loop.now:.2f} s, {100 * done:.0f}% of the steps{left}\n")
+        t = sim.cfg.train
+        share = (f"{100 * done:.0f}% of the steps" if t.steps else
+                 f"{100 * done:.0f}% of the {t.seconds:g} virtual seconds")
+        stream.write(f"{prefix}  virtual {sim.loop.now:.2f} s, {share}{left}\n")
         stream.flush()
     return show

@@ -166,11 +166,35 @@ class LocalJob:
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.config_path = os.path.join(self.out, "config.toml")
         self._write_config()
-        with contextlib.suppress(FileNotFoundError):  # an earlier job's in this folder: not this job's state
-            os.unlink(os.path.join(self.out, "coordinator-state.json"))
+        self._forget_earlier_job()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0
+
+    def _forget_earlier_job(self) -> None:
+        """A new job in a folder that an earlier job used replaces that job's outputs:
+        its coordinator state (not this job's to resume), summary.json (read as this
+        job's end, it made a crash look like a finished job), event logs and daemon logs
+        (this job's would be appended to them), and the pid files of processes that are
+        gone. A model.pt stays until this job saves its own; shard checkpoints stay, and
+        a shard resumes from one only if it is of an unfinished job of the same training
+        config (psgd/servers/shard_server.py)."""
+        def remove(path: str) -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+        remove(os.path.join(self.out, "coordinator-state.json"))
+        remove(os.path.join(self.out, "summary.json"))
+        for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
+                     + glob.glob(os.path.join(self.out, "logs", "*.log"))):
+            remove(path)
+        for path in glob.glob(os.path.join(self.out, "pids", "*.pid")):
+            try:
+                with open(path) as f:
+                    pid = int(f.read().strip())
+                os.kill(pid, 0)
+            except (OSError, ValueError):   # gone, or not a pid: an earlier job's leftover
+                remove(path)
 
     def _place(self, cfg: Config, avoid: int | None = None) -> Config:
         """The config with the ports the job will listen on."""

@@ -20,6 +20,7 @@ from the seed).
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -61,6 +62,7 @@ class Shard:
         self.cfg = cfg
         self.index = index
         self.world = cfg.cluster.workers
+        self.finished = False   # the job ended (the last checkpoint says so: no later job resumes from it)
         if layout is None:
             shape, classes = describe(cfg.data)
             model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
@@ -420,7 +422,23 @@ class Shard:
                 "bacc": None if self.bacc is None else self.bacc.clone(),
                 # the stored models (ltfb's deposits), which the rule's state names by key;
                 # not copied: a stored model's arrays are never modified, only replaced
-                "models": {k: list(arrays) for k, arrays in self.models.items()}}
+                "models": {k: list(arrays) for k, arrays in self.models.items()},
+                "training": training_config(self.cfg), "finished": self.finished}
+
+    def resume_problem(self, sd: dict) -> str:
+        """Why this shard must not resume from the checkpoint `sd` ('' if it may): it is
+        of a job that finished, of another training configuration, or of another shard."""
+        if sd.get("finished"):
+            return "its job finished"
+        if sd.get("training", self._training) != self._training:   # older checkpoints do not say
+            return "it is of another training configuration (job, model, data, mode, optimizer or wire)"
+        if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
+            return f"it is for shard {sd['shard']} with sizes {list(sd['sizes'])}, not {[self.P, self.B]}"
+        return ""
+
+    @property
+    def _training(self) -> str:
+        return training_config(self.cfg)
 
     def load_state_dict(self, sd: dict) -> None:
         if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
@@ -445,6 +463,14 @@ class Shard:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+def training_config(cfg: Config) -> str:
+    """What a checkpoint's state means only under: the sections that define the training
+    (not its budget, addresses, timeouts or evaluation), and the worker count."""
+    d = cfg.to_dict()
+    kept = {k: d[k] for k in ("job", "model", "data", "mode", "optimizer", "wire")}
+    return json.dumps({**kept, "workers": cfg.cluster.workers}, sort_keys=True)
 
 
 def copied(x):

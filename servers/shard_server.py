@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 
+import torch
 import zmq
 
 from psgd import layout as layouts
@@ -59,6 +60,24 @@ class ShardServer:
                                        name=f"checkpoint-{self.index}", daemon=True)
         self._saver.start()
 
+    def _resume(self, shard: Shard, path: str) -> bool:
+        """Load the checkpoint at `path` if there is one this job may resume from (this
+        shard's, of an unfinished job of the same training config); else say why not:
+        this job's checkpoints replace it. True if it resumed."""
+        if not os.path.exists(path):
+            return False
+        try:
+            sd = torch.load(path, weights_only=True)
+            why = shard.resume_problem(sd)
+        except Exception as e:  # unreadable, or not a checkpoint: not this job's to resume
+            why = f"it cannot be read ({type(e).__name__}: {e})"
+        if why:
+            log(self.name, f"not resuming from {path}: {why}; starting afresh")
+            return False
+        shard.load_state_dict(sd)
+        log(self.name, f"resumed from {path} at version {shard.version}")
+        return True
+
     def _on_sigterm(self, *_):
         self._term = True
 
@@ -95,10 +114,7 @@ class ShardServer:
                 return 1
         shard = Shard(cfg, self.index, layout)
         ckpt = checkpoint_path(cfg, self.out, self.index)
-        if ckpt and os.path.exists(ckpt):
-            shard.load(ckpt)
-            log(self.name, f"resumed from {ckpt} at version {shard.version}")
-        elif layout is not None and answer.get("restarted"):
+        if not (ckpt and self._resume(shard, ckpt)) and layout is not None and answer.get("restarted"):
             shard.inits_from_any = True  # rank 0's first values are long gone: any worker's current copy
         address = cfg.shard_address(self.index)
         # The largest legitimate frame is one table; a message has at most 2 + 2 of them
@@ -134,6 +150,7 @@ class ShardServer:
                     log(self.name, "SIGTERM: checkpointing and exiting")
                     break
                 if link.done:
+                    shard.finished = True   # its last checkpoint says so: no later job resumes from it
                     break
                 if link.lost:
                     log(self.name, f"lost the coordinator at {link.address} for {cfg.cluster.timeout_s:.0f} s; exiting")

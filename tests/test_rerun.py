@@ -1,0 +1,82 @@
+"""A new job in a folder an earlier job used: it replaces the earlier job's outputs, and
+its shards resume from a checkpoint only if it is of an unfinished job of the same
+training config (a restarted job), never from a finished job's or another config's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from psgd.config import Config, load
+from psgd.launcher import LocalJob
+from psgd.servers.shard_server import ShardServer
+from psgd.shard import Shard
+from tests.conftest import free_port_block
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
+    for name, text in (("summary.json", "{}"), ("coordinator-state.json", "{}"), ("events/worker-0.jsonl", "{}\n"),
+                       ("logs/server-0.log", "old\n"), ("pids/worker-0.pid", "999999999\n"),
+                       ("pids/server-0.pid", f"{os.getpid()}\n"), ("model.pt", "old")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
+    LocalJob(cfg, str(tmp_path), quiet=True)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    # a live process's pid file and the model stay (a model is replaced when this job saves its own)
+    assert left == ["config.toml", "model.pt", "pids/server-0.pid"]
+
+
+def shard_server(cfg: Config, out) -> tuple[ShardServer, Shard]:
+    return ShardServer(cfg, 0, str(out)), Shard(cfg, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_shard_resumes_only_an_unfinished_job_of_the_same_training_config(tmp_path, capsys):
+    cfg = Config().replace(**{"cluster.servers": 1, "cluster.workers": 1})
+    path = str(tmp_path / "shard-0.pt")
+    earlier = Shard(cfg, 0)
+    earlier.version = 7
+    earlier.save(path)
+    server, fresh = shard_server(cfg.replace(**{"train.steps": 900, "cluster.port": 1234}), tmp_path)
+    assert server._resume(fresh, path) and fresh.version == 7   # a restarted job: its budget or port may differ
+    for why, change in (("its job finished", lambda s: setattr(s, "finished", True)),
+                        ("it is of another training configuration", lambda s: setattr(s, "cfg", s.cfg.replace(
+                            **{"optimizer.lr": 0.5})))):
+        earlier = Shard(cfg, 0)
+        earlier.version = 7
+        change(earlier)
+        earlier.save(path)
+        server, fresh = shard_server(cfg, tmp_path)
+        assert not server._resume(fresh, path) and fresh.version == 0
+        assert f"not resuming from {path}: {why}" in capsys.readouterr().err
+    with open(path, "wb") as f:
+        f.write(b"not a checkpoint")
+    assert not server._resume(Shard(cfg, 0), path)
+    assert "it cannot be read" in capsys.readouterr().err
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_the_same_command_twice_trains_twice(tmp_path):
+    """The second run resumed from the first one's final checkpoints: it trained 0
+    samples and reported the first job's accuracy as its own."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "job"
+    summaries = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "psgd", "run", "--quiet", "--out", str(out), "--set",
+                            "train.steps=30", "--set", f"cluster.port={free_port_block(3)}"],
+                           capture_output=True, text=True, timeout=240, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        summaries.append(json.loads((out / "summary.json").read_text()))
+    assert [s["samples"] for s in summaries] == [2 * 30 * 32] * 2, summaries
+    assert "not resuming from" in (out / "logs" / "server-0.log").read_text()
+    assert torch.load(out / "checkpoints" / "shard-0.pt", weights_only=True)["finished"] is True

@@ -14,6 +14,7 @@ print one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -39,6 +40,20 @@ def _device(p: argparse.ArgumentParser) -> None:
                    help="auto | cpu | cuda | cuda:N (auto: CUDA when present, one GPU per local rank)")
 
 
+DAEMONS = ("coordinator", "server", "worker", "evaluator")
+
+
+def _seconds(text: str) -> float:
+    """A time limit: a finite number of seconds > 0 (nan would be no limit at all)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
+
+
 def _insecure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="allow binding a non-loopback address without CurveZMQ")
@@ -55,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="number of workers (= --set cluster.workers=...)")
     p.add_argument("--servers", type=int, help="number of shards (= --set cluster.servers=...)")
     p.add_argument("--restart-workers", action="store_true", help="restart a worker that dies")
-    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=_seconds, default=3600.0, help="give up after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--script", metavar="FILE",
                    help="run W copies of this training script (it calls psgd.connect) as the workers; "
@@ -71,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")
-    p.add_argument("--timeout", type=float, default=3600.0, help="per run")
+    p.add_argument("--timeout", type=_seconds, default=3600.0, help="per run")
 
     from .simulate import add_parser as add_simulate
     add_simulate(sub)
@@ -137,7 +152,7 @@ def _script(args) -> list[str] | None:
 
 
 def cmd_run(args) -> int:
-    from .launcher import LaunchError, format_summary, run_local, written_since
+    from .launcher import LaunchError, check_before_launch, format_summary, run_local, written_since
     from .metrics import process_start_time
     launched_at = process_start_time() or time.time()  # startup_s: from the command's start
     script = _script(args)
@@ -147,6 +162,7 @@ def cmd_run(args) -> int:
     if not script:
         from .data import check_dataset
         check_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
+    check_before_launch(cfg, args.device)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     print(f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
@@ -314,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                 "status": cmd_status, "simulate": cmd_simulate}
     if args.cmd in ("run", "compare", "simulate") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
-    elif args.cmd in ("coordinator", "worker", "evaluator") and threading.current_thread() is threading.main_thread():
+    elif args.cmd in DAEMONS and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_term)
-    if args.cmd in ("coordinator", "server", "worker", "evaluator"):
+    if args.cmd in DAEMONS:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()
     try:

@@ -479,10 +479,24 @@ def given_keys(path: str | None = None, sets: list[str] | tuple = (),
     keys = {dotted for dotted, _, _ in _env_sets(env)}
     keys |= {item.partition("=")[0].strip() for item in sets}
     if path:
-        with open(path, "rb") as f:
-            d = tomllib.load(f)
+        d = _read_toml(path)
         keys |= {f"{section}.{key}" for section, values in d.items() if isinstance(values, Mapping) for key in values}
     return keys
+
+
+def _read_toml(path: str) -> dict:
+    """A config file's contents; a ConfigError naming the file if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+    except OSError as e:   # a folder, no permission
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
 
 
 def load(path: str | None = None, sets: list[str] | tuple = (),
@@ -491,13 +505,7 @@ def load(path: str | None = None, sets: list[str] | tuple = (),
     env = os.environ if env is None else env
     d: dict = {}
     if path:
-        try:
-            with open(path, "rb") as f:
-                d = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
+        d = _read_toml(path)
         build(d, path, check=False)  # report type errors against the file
     layered = [(k, v, s) for k, v, s in _env_sets(env)]
     for item in sets:

@@ -463,6 +463,21 @@ class LocalJob:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait(timeout=5)
+        for child in self.children:   # one killed (-9) left its pid file: it is gone, so goes the file
+            if child.proc and child.proc.poll() is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.out, "pids", f"{child.name}.pid"))
+
+
+def check_before_launch(cfg: Config, device: str) -> None:
+    """What would fail every daemon of a job after it started, as one ConfigError now:
+    a device torch cannot use here, CurveZMQ keys that are not there."""
+    if device not in ("auto", "cpu"):   # those two need no check (nor torch imported here)
+        from .replica import check_device
+        check_device(device)
+    if cfg.security.curve:
+        from .transport import check_keys
+        check_keys(cfg.security.keys)
 
 
 def written_since(path: str, t: float) -> bool:

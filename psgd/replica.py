@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .config import ConfigError
 from .sharding import TABLES, Piece, ShardMap, model_tensors
 
 
@@ -36,14 +37,30 @@ def runs(pieces: list[Piece]) -> list[tuple[str, int, int]]:
 
 
 def pick_device(spec: str, local_rank: int = 0) -> torch.device:
+    """`--device`: auto (GPU local_rank % GPUs where there is CUDA, else the CPU), cpu,
+    cuda or cuda:N; a ConfigError naming it if it is none of these, or no CUDA is here."""
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
-    dev = torch.device(spec)
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:   # not a device string torch knows
+        raise ConfigError(f"--device {spec!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {spec}: CUDA is not available on this machine")
+        raise ConfigError(f"--device {spec}: CUDA is not available on this machine")
     return dev
+
+
+def check_device(spec: str) -> None:
+    """`pick_device`, and a ConfigError naming --device unless torch can compute on it
+    here (a job's or a simulation's: checked before anything starts)."""
+    dev = pick_device(spec)
+    try:
+        float(torch.ones(1, device=dev).sum())
+    except (RuntimeError, AssertionError) as e:  # a device torch names but cannot use here (cuda:N past the last)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"--device {spec}: torch cannot compute on it on this machine ({reason})") from None
 
 
 class Replica:

@@ -59,26 +59,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def check_device(spec: str) -> None:
-    """A ConfigError naming --device unless the simulated workers can compute on `spec`
-    here (checked once, before calibrating and before any run)."""
-    import torch
-
-    from .replica import pick_device
-    try:
-        dev = pick_device(spec)
-    except ValueError as e:  # cuda on a machine without CUDA
-        msg = str(e)
-        raise ConfigError(msg if "--device" in msg else f"--device {spec}: {msg}") from None
-    except RuntimeError:     # not a device string torch knows
-        raise ConfigError(f"--device {spec!r} is not a device: expected cpu, cuda or cuda:N") from None
-    try:
-        float(torch.ones(1, device=dev).sum())
-    except (RuntimeError, AssertionError) as e:  # a device torch names but cannot use here (cuda:N past the last)
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"--device {spec}: torch cannot compute on it on this machine ({reason})") from None
-
-
 def compute_cost(cfg, device: str, cache: dict) -> tuple[float, str]:
     """(seconds per step, "config" or "calibrated"): `sim.compute_s`, or the time of one
     forward and backward here, measured once per (model, data, batch size)."""
@@ -126,7 +106,8 @@ def main(args) -> int:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
-    check_device(args.device)
+    from .replica import check_device
+    check_device(args.device)   # once, before calibrating and before any run
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")

@@ -89,6 +89,15 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
+def check_keys(keys: str) -> None:
+    """A ConfigError unless `keys` holds what every daemon of a CurveZMQ job loads."""
+    from .config import ConfigError
+    for name in ("server.key_secret", "client.key_secret", "server.key"):
+        if not os.path.isfile(os.path.join(keys, name)):
+            raise ConfigError(f"security.keys: {os.path.join(keys, name)} not found (make keys with "
+                              f"`psgd keys {keys}`)")
+
+
 def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
                   max_frame: int = wire.MAX_HEADER) -> zmq.Socket:
     """A ROUTER bound to `address`; frames over `max_frame` bytes cut the sender off."""

@@ -128,3 +128,41 @@ def test_the_psgd_command_imports_a_factory_from_the_folder_it_runs_in(tmp_path)
                          capture_output=True, text=True, timeout=100)
     assert got.returncode == 0, got.stderr
     assert "cannot import" not in got.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--timeout", "nan"], "argument --timeout: expected a number of seconds > 0, got 'nan'"),
+    (["compare", "--modes", "sync", "--timeout", "0", "--out", "x"], "expected a number of seconds > 0, got '0'"),
+    (["run", "--device", "bogus"], "--device 'bogus' is not a device"),
+    (["run", "--set", "security.curve=true", "--set", "security.keys=/nonexistent"],
+     "security.keys: /nonexistent/server.key_secret not found"),
+])
+def test_what_would_fail_every_daemon_is_one_error_before_anything_starts(argv, needle, tmp_path, capsys):
+    """A bad --device or missing CurveZMQ keys started the job, whose daemons then died with
+    a traceback each; --timeout nan meant no limit at all."""
+    try:
+        code = main([*argv, "--out", str(tmp_path / "job")] if "--out" not in argv else argv)
+    except SystemExit as e:   # argparse's own errors
+        code = e.code
+    assert code == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "job" / "logs").exists()
+
+
+def test_cuda_on_a_machine_without_it_is_one_error(tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["run", "--device", "cuda", "--out", str(tmp_path / "job")]) == 2
+    assert "--device cuda: CUDA is not available on this machine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,needle", [(b"# caf\xe9\n", "is not UTF-8 text"), (None, "Is a directory")])
+def test_a_config_file_that_cannot_be_read_is_one_line(content, needle, tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert main(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -312,3 +312,23 @@ def test_psgd_run_fails_when_every_worker_crashed(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["aborted"] == "all 2 workers were lost (stopped heartbeating) and none finished"
     assert s["failures"]["workers_lost"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_stopped_before_it_serves_removes_its_pid_file(tmp_path):
+    """SIGTERM while a shard waited for the coordinator killed it at once (no handler yet):
+    its pid file stayed, as after `docker compose stop` or `scancel` during the rendezvous."""
+    started = tmp_path / "server.started"
+    proc = subprocess.Popen(PSGD + ["server", "--shard", "0", "--out", str(tmp_path), "--started-file", str(started),
+                                    "--set", f"cluster.port={free_port_block(3)}", "--set", "cluster.timeout_s=100"],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pids" / "server-0.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "pids" / "server-0.pid").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+    finally:
+        kill_all([proc])
+    assert not (tmp_path / "pids" / "server-0.pid").exists()

@@ -332,3 +332,28 @@ def test_a_training_script_is_told_its_local_rank_and_the_device(tmp_path, monke
     import psgd
     monkeypatch.setenv("PSGD_DEVICE", "cpu")
     assert str(psgd.device()) == "cpu"
+
+
+class PidJob(LocalJob):
+    """Every child writes its pid file as a daemon does, and dies at SIGTERM without
+    removing it (as a daemon killed with -9 would)."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        code = ("import os, sys, time; name = os.path.basename(sys.argv[-1]).rsplit('.', 1)[0]; "
+                "out = sys.argv[sys.argv.index('--out') + 1]; os.makedirs(out + '/pids', exist_ok=True); "
+                "open(f'{out}/pids/{name}.pid', 'w').write(str(os.getpid())); "
+                "open(sys.argv[-1], 'w').close(); time.sleep(60)")
+        return [sys.executable, "-c", code, "--out", self.out, *extra]
+
+
+@pytest.mark.timeout(60)
+def test_the_pid_files_of_daemons_that_died_go_with_the_job(tmp_path):
+    """A worker killed with -9 (and not restarted) left pids/worker-1.pid after the job."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = PidJob(cfg, str(tmp_path), quiet=True, timeout_s=50)
+    try:
+        start_all(job, 4)
+        assert len(list((tmp_path / "pids").glob("*.pid"))) == 4
+    finally:
+        job.stop()
+    assert list((tmp_path / "pids").glob("*.pid")) == []

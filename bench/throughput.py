@@ -15,10 +15,14 @@ Parts (`--parts`, default all):
   processes: the MLP on digits (`ratio_vs_ddp_small`) and ResNet-20 on synthetic
   3x32x32 data (`ratio_vs_ddp_large`).
 - `local`: psgd `sync` with 1 worker and 1 shard against a plain training loop in one
-  process (`ratio_vs_local`, MLP); `async`: the same with psgd `async`, without prefetch
-  (`ratio_async_vs_local`: a worker computes, then waits for its push+pull) and, where
-  psgd has `mode.prefetch`, with it (`ratio_async_prefetch_vs_local`: the next gradient is
-  computed while the push+pull travels).
+  process (`ratio_vs_local`, MLP); `async`: the same with psgd `async` with prefetch
+  (`ratio_async_vs_local`: the next gradient is computed while the push+pull travels)
+  and without (`ratio_async_noprefetch_vs_local`: a worker computes, then waits for its
+  push+pull). The three share one plain loop per repeat.
+
+Each ratio: the repeats (`--repeats`, 3) run psgd and its baseline interleaved, and the
+ratio is the median of the repeats' own ratios (the baseline's runs are not set apart
+from psgd's, so the machine's drifting load hits both alike).
 - `startup`: `psgd run` of the default job (evaluator on): seconds from launching the
   command to the end of the first worker step (the earliest `t` in the worker event
   logs) (`startup_s`); also summary.json's own `startup_s` (to the start of training).
@@ -373,7 +377,8 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", help="DDP backend (nccl with --device cuda)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda: psgd's workers and the baselines")
     ap.add_argument("--models", default="mlp,resnet20", help="models of the DDP comparison")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each side (median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved repeats of each side (ratios: the median of the repeats' ratios)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every run's steps")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
@@ -393,43 +398,53 @@ def main() -> None:
         keys, steps, warm = MODELS[model]
         return keys + COMMON + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
 
-    def med(fn, what: str) -> float:
-        vals = []
-        for i in range(a.repeats):
-            progress(f"{what} (run {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")
-            vals.append(fn())
-        return statistics.median(vals)
-
-    def pair(key: str, label: str, model: str, psgd_sets: list[str], world: int, backend: str | None,
-             base_label: str) -> None:
+    def paired(model: str, world: int, backend: str | None, base_label: str,
+               variants: list[tuple[str, str, list[str]]]) -> None:
+        """psgd `variants` (key, label, sets) against one baseline, interleaved: each
+        repeat runs the baseline and every variant once (the baseline first in even
+        repeats, last in odd ones), and a ratio is the median over repeats of psgd's rate
+        over that repeat's baseline rate (the machine's load drifts between runs; a
+        baseline run apart from its psgd run measured another machine)."""
         sets, steps, warm = steps_of(model)
-        ours = med(lambda: psgd_rate(sets + psgd_sets, work, key, warm, a.device), f"psgd {label}")
-        base = med(lambda: run_loops(sets, world, steps, a.device, backend, warm), f"{base_label} {label}")
-        rows.append([label, f"{ours:,.0f}", base_label, f"{base:,.0f}", ours / base])
-        result[f"psgd_{key}"], result[f"base_{key}"] = round(ours, 1), round(base, 1)
-        result[f"ratio_{key}"] = round(ours / base, 4)
+        base_runs, ours_runs = [], {key: [] for key, _, _ in variants}
+
+        def baseline() -> None:
+            progress(f"{base_label} (repeat {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")
+            base_runs.append(run_loops(sets, world, steps, a.device, backend, warm))
+
+        for i in range(a.repeats):
+            if i % 2 == 0:
+                baseline()
+            for key, label, psgd_sets in variants:
+                progress(f"psgd {label} (repeat {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")
+                ours_runs[key].append(psgd_rate(sets + psgd_sets, work, key, warm, a.device))
+            if i % 2 == 1:
+                baseline()
+        base = statistics.median(base_runs)
+        for key, label, _ in variants:
+            ours = statistics.median(ours_runs[key])
+            ratio = statistics.median(o / b for o, b in zip(ours_runs[key], base_runs, strict=True))
+            rows.append([label, f"{ours:,.0f}", base_label, f"{base:,.0f}", ratio])
+            result[f"psgd_{key}"], result[f"base_{key}"] = round(ours, 1), round(base, 1)
+            result[f"ratio_{key}"] = round(ratio, 4)
 
     try:
         if "ddp" in parts:
             w, s = a.workers, a.servers
             for model in a.models.split(","):
                 name = "small" if model == "mlp" else "large"
-                pair(f"vs_ddp_{name}", f"{model} sync W={w} S={s}", model,
-                     ["mode.name=sync", f"cluster.workers={w}", f"cluster.servers={s}"], w, a.backend,
-                     f"DDP {a.backend} W={w}")
-        if "local" in parts:
-            pair("vs_local", "mlp sync W=1 S=1", "mlp", ["mode.name=sync", "cluster.workers=1",
-                                                        "cluster.servers=1"], 1, None, "plain loop")
-        if "async" in parts:
-            from psgd.config import ModeConfig
-            prefetch = "prefetch" in getattr(ModeConfig, "__dataclass_fields__", {})
-            pair("async_vs_local", "mlp async W=1 S=1" + ("" if prefetch else " (no prefetch in psgd)"), "mlp",
-                 ["mode.name=async", "cluster.workers=1", "cluster.servers=1"]
-                 + (["mode.prefetch=false"] if prefetch else []), 1, None, "plain loop")
-            if prefetch:
-                pair("async_prefetch_vs_local", "mlp async W=1 S=1 mode.prefetch=true", "mlp",
-                     ["mode.name=async", "cluster.workers=1", "cluster.servers=1", "mode.prefetch=true"], 1, None,
-                     "plain loop")
+                paired(model, w, a.backend, f"DDP {a.backend} W={w}",
+                       [(f"vs_ddp_{name}", f"{model} sync W={w} S={s}",
+                         ["mode.name=sync", f"cluster.workers={w}", f"cluster.servers={s}"])])
+        one = ["cluster.workers=1", "cluster.servers=1"]
+        local = ([("vs_local", "mlp sync W=1 S=1", ["mode.name=sync", *one])] if "local" in parts else [])
+        if "async" in parts:   # the goal's figure is with prefetch; without it, beside it
+            local += [("async_vs_local", "mlp async W=1 S=1 mode.prefetch=true",
+                       ["mode.name=async", *one, "mode.prefetch=true"]),
+                      ("async_noprefetch_vs_local", "mlp async W=1 S=1 mode.prefetch=false",
+                       ["mode.name=async", *one, "mode.prefetch=false"])]
+        if local:   # one plain loop, shared by the three
+            paired("mlp", 1, None, "plain loop", local)
         if "startup" in parts:
             progress("startup: psgd run (default job)")
             first, whole, own = startup(work)
@@ -445,7 +460,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     if rows:
         print(table(["psgd run", "psgd samples/s", "baseline", "baseline samples/s", "psgd/baseline"], rows,
-                    f"steady-state samples/s (median of {a.repeats}; device {a.device}; batch 32 per worker)"))
+                    f"steady-state samples/s (medians of {a.repeats} interleaved repeats; psgd/baseline: the median of "
+                    f"the repeats' ratios; device {a.device}; batch 32 per worker)"))
     if "startup_s" in result:
         own = result["summary_startup_s"]
         print(f"\nstartup: `psgd run` (default job) to the end of the first worker step: {result['startup_s']:.2f} s "

@@ -53,7 +53,7 @@ def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost microseconds an operation
 
 
-def _readable(sock: zmq.Socket) -> bool:
+def readable(sock: zmq.Socket) -> bool:
     """A whole message waits on `sock` (cheaper than a NOBLOCK recv raising zmq.Again)."""
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
@@ -202,7 +202,7 @@ class Peers:
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
             for sock, _ in poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
-                while _readable(sock):
+                while readable(sock):
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self.bytes_recv += sum(len(f.buffer) for f in frames)
                     try:
@@ -262,7 +262,7 @@ class Service:
             self.drain()
 
     def drain(self) -> None:
-        while _readable(self.sock):
+        while readable(self.sock):
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) < 2:
                 self.counters["bad_messages"] += 1

@@ -365,7 +365,7 @@ def _one_line(s: dict) -> str:
     parts = [f"acc {acc:.4f}" if acc is not None else "no evaluation",
              f"{s.get('samples_per_s', 0):,.0f} samples/s",
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
-             f"target {s.get('target_accuracy')} not reached",
+             f"target {s.get('target_accuracy')} not reached" if acc is not None else "",
              f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}" if s.get("staleness") else ""]
     return ", ".join(p for p in parts if p)
 

@@ -82,7 +82,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                     if isinstance(m.get("cpus"), int) and isinstance(ctx.get("servers"), int) and not sim else ""))
     lines.append("")
     if sim:
-        lines += [simulated_note(sim, rows), ""]
+        lines += [simulated_note(sim, rows, describe_faults(ctx.get("faults") or {}, workers) is not None), ""]
     elif mixed:
         lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
                   f"of the same configuration, on a virtual clock (their times are virtual seconds, their cost "
@@ -153,7 +153,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def simulated_note(sim: dict, rows: list[Row]) -> str:
+def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:
     """What a simulated report must say first: that it is simulated, and its cost model."""
     cal = sim.get("calibrated_compute_s") or {}
     if sim.get("compute_s"):
@@ -169,8 +169,10 @@ def simulated_note(sim: dict, rows: list[Row]) -> str:
             f"virtual seconds. Cost model: compute {compute}, lognormal spread cv {sim.get('compute_cv', 0):g}; "
             f"link latency {sim.get('latency_s', 0):g} s one way; {sim.get('bandwidth_gbps', 0):g} Gbit/s per "
             f"worker and per shard NIC, messages to one shard queueing behind each other (incast); each shard "
-            f"serves its requests in order at {sim.get('apply_gbps', 0):g} Gbit/s of request payload; the "
-            f"evaluator's reads are free; faults.* as below. Design and limits: docs/simulation.md.")
+            f"serves its requests in order at {sim.get('apply_gbps', 0):g} Gbit/s of the bytes each makes it work "
+            f"through (a push or an elastic offer: its float32 tables, whatever the wire carried; any other "
+            f"request: its payload); the evaluator's reads are free"
+            f"{'; faults.* as below' if any_fault else ''}. Design and limits: docs/simulation.md.")
 
 
 def write_report(out: str, results: list[dict], ctx: dict) -> str:

@@ -152,7 +152,7 @@ def main(args) -> int:
             pending = [k for k in range(n) if k not in entries]
             left = _time_left(plan, durations, pending, args.jobs)
             eta = "" if not pending else (f"; about {_fmt_duration(left)} left" if left is not None else "")
-            print(f"[{i + 1}/{n}] {result} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
+            print(f"[{i + 1}/{n}] {run.name}: {result} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
     results = [entries[k] for k in sorted(entries)]
 
     ctx["simulated"]["real_s"] = {k: round(v, 2) for k, v in real.items()}

@@ -546,3 +546,20 @@ def test_progress_says_what_it_measures_and_one_run_is_one_run(tmp_path, capsys)
     code, _ = simulate(tmp_path, "one", "--modes", "sync", "--workers", "2", *SMALL, "--set", "sim.train=false")
     assert code == 0
     assert "psgd simulate: 1 run, out" in capsys.readouterr().err
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_result_lines_name_their_run_and_claim_no_target_without_scores(tmp_path, capsys):
+    """With --jobs the result lines come out of order, and they did not say which run
+    they were; timing-only runs said "target 0.9 not reached" with nothing scored; the
+    report's cost model said "faults.* as below" with no fault set."""
+    code, _ = simulate(tmp_path, "lines", "--modes", "sync,async", "--workers", "2", *SMALL,
+                       "--set", "sim.train=false")
+    assert code == 0
+    err = capsys.readouterr().err
+    done = [line for line in err.splitlines() if line.startswith("[") and "samples/s" in line]
+    assert [line.split(":")[0] for line in done] == ["[1/2] sync-w2-r0", "[2/2] async-w2-r0"], err
+    assert all("not reached" not in line for line in done)
+    report = open(os.path.join(tmp_path, "lines", "report.md")).read()
+    assert "faults.* as below" not in report and "float32 tables, whatever the wire carried" in report

@@ -87,6 +87,7 @@ class Membership:
         self.version = 0
         self.lost = 0        # workers dropped for missing heartbeats
         self.rejoined = 0    # workers that came back
+        self.restarted = 0   # of them, ranks taken up by a new process (a worker that died and was started again)
 
     def join(self, now: float, want_rank: int = -1, nonce: str = "") -> int:
         """A worker registers: returns its rank, or -1 if every rank is taken and live.
@@ -113,6 +114,7 @@ class Membership:
             old.clock = self.current_clock(exclude=rank, default=old.clock)
             if nonce != old.nonce:  # a new process: it counts from 0
                 old.past, old.stats, old.nonce = old.totals(), {}, nonce
+                self.restarted += 1
         else:
             self.members[rank] = Member(rank, now, nonce=nonce)
         self.version += 1
@@ -195,7 +197,7 @@ class Membership:
         return {"members": {str(r): {"clock": m.clock, "state": m.state, "stats": m.stats, "joins": m.joins,
                                      "nonce": m.nonce, "past": m.past}
                             for r, m in self.members.items()},
-                "version": self.version, "lost": self.lost, "rejoined": self.rejoined}
+                "version": self.version, "lost": self.lost, "rejoined": self.rejoined, "restarted": self.restarted}
 
     def load_state_dict(self, sd: dict, now: float) -> None:
         """Restore the table; live members count as seen `now` (they get a full
@@ -204,6 +206,7 @@ class Membership:
                                        str(m.get("nonce", "")), dict(m.get("past") or {}))
                         for r, m in sd["members"].items()}
         self.version, self.lost, self.rejoined = int(sd["version"]) + 1, int(sd["lost"]), int(sd["rejoined"])
+        self.restarted = int(sd.get("restarted", 0))   # older state files do not say
 
 
 class CoordinatorLink:

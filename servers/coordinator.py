@@ -336,7 +336,7 @@ class Coordinator:
     def _finish_job(self) -> None:
         wall = (self.t_end or time.monotonic()) - self.t0
         m = self.members
-        failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined,
+        failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined, "workers_restarted": m.restarted,
                     "shard_restarts": sum(max(0, n - 1) for n in self.server_joins.values()),
                     "coordinator_restarts": self.restarts}
         extra = {"job": self.cfg.job.name, "seed": self.cfg.job.seed, "model": self.cfg.model.name,

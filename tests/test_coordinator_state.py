@@ -131,9 +131,10 @@ def test_a_ranks_counters_add_up_over_its_processes():
     m.finish(1, {"samples": 320, "elapsed_s": 1.0, "clock": 160})
     assert m.stats()[1]["samples"] == 5120 and m.stats()[1]["elapsed_s"] == 16.0
     assert m.members[1].joins == 3
+    assert (m.lost, m.rejoined, m.restarted) == (2, 3, 2)   # rank 1 twice a new process; rank 0 came back itself
     again = Membership(2, timeout_s=5.0)  # a restarted coordinator keeps the earlier lives
     again.load_state_dict(json.loads(json.dumps(m.state_dict())), now=20.0)
-    assert again.stats() == m.stats()
+    assert again.stats() == m.stats() and again.restarted == 2
     again.join(21.0, 1, nonce="c1")       # not a new life (the same process) ... finished: refused anyway
     assert again.stats()[1]["samples"] == 5120
 

@@ -102,6 +102,7 @@ def test_a_restarted_worker_rejoins_with_its_rank(tmp_path):
     j = job(tmp_path, "train.steps=800", "faults.step_delay_s=0.004", restart_workers=True)
     s = kill_during(j, "worker-1", (1, 100))
     assert s["failures"]["workers_rejoined"] >= 1, s["failures"]
+    assert s["failures"]["workers_restarted"] == 1, s["failures"]   # a new process, missed or not
     assert s["final_accuracy"] >= 0.9
     assert child(j, "worker-1").restarts == 1
     joins = [e for e in map(json.loads, open(os.path.join(j.out, "events", "coordinator-0.jsonl")))

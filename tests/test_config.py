@@ -41,6 +41,7 @@ def test_set_parses_toml_values():
     (["mode.sync=maybe"], "expected true or false"),
     (["badformat"], "expected section.key=value"),
     (["security.curve=true"], "security.keys"),
+    (["mode.name=easgd", "mode.sync=true", "mode.alpha=0.3", "cluster.workers=8"], "diverges unless beta < 2"),
     (["sim.compute_s=inf"], "sim.compute_s must be finite, got inf"),      # was accepted: Infinity in compare.json
     (["faults.step_delay_s=inf"], "faults.step_delay_s must be finite"),
     (["train.seconds=inf"], "train.seconds must be finite"),
@@ -124,6 +125,9 @@ def test_addresses():
 def test_mode_params():
     assert load(None, ["mode.name=easgd"], env={}).mode_params == {"tau": 4, "alpha": 0.45, "sync": False}
     assert load(None, ["mode.name=ssp"], env={}).mode_params == {"staleness": 2, "cache": False, "prefetch": False}
+    explored = load(None, ["mode.name=ltfb", "cluster.workers=4", 'mode.explore={"optimizer.lr" = [0.01, 0.5]}'],
+                    env={}).mode_params   # population-based training: not the same run as without
+    assert explored["explore"] == {"optimizer.lr": [0.01, 0.5]}
 
 
 def test_given_keys_are_those_the_user_set(tmp_path):

@@ -271,3 +271,33 @@ def test_easgd_sync_round_closes_for_a_worker_that_rejoined_past_it():
     replies = request(s, "elastic", rank=1, clock=1, arrays=[centre + 3.0, b], round=1)
     assert len(replies) == 1 and s.rule.short_steps == 1 and s.rule.round.keys() == {1}   # rank 0's answer
     np.testing.assert_allclose(s.params.numpy(), centre + 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode,sets,gap", [("sync", {}, 0), ("ssp", {"mode.staleness": 0}, 0), ("diloco", {}, 0),
+                                           ("ssp", {"mode.staleness": 1}, 1)])   # s = 1 reads ahead: it is a gap
+def test_workers_in_lockstep_have_no_clock_gap(mode, sets, gap):
+    """sync counted a read's lead when it arrived, parked until its step closed: 1 in
+    perfect lockstep, where ssp with s = 0 said 0, so sync looked like ssp with s = 1."""
+    (s,) = shards(mode, workers=2, servers=1, **{"optimizer.momentum": 0.0, **sets})
+    g = np.full(s.P, 1e-3, np.float32)
+    for rank in range(2):
+        request(s, "pull", rank=rank, clock=0, join=True)
+    for c in range(5):   # both push clock c and read c + 1, one after the other, as the client does
+        for rank in range(2):
+            request(s, "push", rank=rank, clock=c, arrays=[g, np.zeros(s.B, np.float32)], read_version=s.version,
+                    pull=True)
+    assert s.stats()["max_clock_gap"] == gap
+
+
+def test_sync_with_a_worker_behind_has_its_clock_gap():
+    """A gap that is there is still counted: a backup-worker step leaves the late worker
+    behind, and the others read ahead of it."""
+    (s,) = shards("sync", workers=3, servers=1, **{"optimizer.momentum": 0.0, "mode.backup_workers": 1})
+    g = np.full(s.P, 1e-3, np.float32)
+    for rank in range(3):
+        request(s, "pull", rank=rank, clock=0, join=True)
+    for c in range(3):   # ranks 0 and 1 close every step; rank 2 never pushes
+        for rank in range(2):
+            request(s, "push", rank=rank, clock=c, arrays=[g, np.zeros(s.B, np.float32)], read_version=s.version,
+                    pull=True)
+    assert s.stats()["max_clock_gap"] == 3

@@ -73,7 +73,7 @@ MODES = Registry(
     Entry("easgd", "easgd", "EasgdRule", "EasgdSchedule", ("tau", "alpha", "sync")),
     Entry("ltfb", "ltfb", "LtfbRule", "LtfbSchedule",
           ("round_steps", "tournament_fraction", "exchange", "trainer_size", "strategy", "truncation_k", "metric",
-           "mutation"), "global_model"),
+           "explore", "mutation"), "global_model"),
     Entry("diloco", "diloco", "DilocoRule", "DilocoSchedule", ("local_steps", "outer_lr", "outer_momentum")),
 )
 

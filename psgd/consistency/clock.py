@@ -64,7 +64,8 @@ class ClockTable:
     def may_read(self, clock: int) -> bool:
         return self.bound is None or not self.live or self.slowest() >= clock - self.bound
 
-    def _answered(self, clock: int) -> None:
+    def answered(self, clock: int) -> None:
+        """A read of `clock` is answered now: its lead over the slowest live worker."""
         if self.live:
             self.max_gap = max(self.max_gap, clock - self.slowest())
 
@@ -77,11 +78,17 @@ class ClockTable:
             self._advance(rank, clock)
         out: list[Hashable] = []
         if self.may_read(clock):
-            self._answered(clock)
+            self.answered(clock)
             out.append(token)
         else:
             heapq.heappush(self._reads, (clock, next(self._arrival), token))
         return out + (self._release() if moved else [])
+
+    def note(self, rank: int, clock: int) -> None:
+        """`rank` has finished `clock` (its read says so), where something else than this
+        table gates its read (sync's step barrier, which calls `answered` when it answers)."""
+        if rank in self.live:
+            self._advance(rank, clock)
 
     def push(self, rank: int, clock: int) -> list[Hashable]:
         """Worker `rank` finished `clock` (its push for clock c finishes c + 1)."""
@@ -114,7 +121,7 @@ class ClockTable:
         ready: list[Hashable] = []
         while self._reads and self.may_read(self._reads[0][0]):
             c, _, t = heapq.heappop(self._reads)
-            self._answered(c)
+            self.answered(c)
             ready.append(t)
         return ready
 

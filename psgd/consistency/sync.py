@@ -99,7 +99,7 @@ class SyncRule(ServerRule):
                 else:
                     self.fast_forwards += 1
                     live = [c for r, c in ahead.items() if r in self.barrier.live] or list(ahead.values())
-                    out += [self.answer(r) for r in self.barrier.fast_forward(min(live))]  # type: ignore[arg-type]
+                    out += [self.released(r) for r in self.barrier.fast_forward(min(live))]  # type: ignore[arg-type]
             else:
                 return out
             for clock, read in self.barrier.waiting():  # still parked after the step moved on: past it
@@ -123,12 +123,18 @@ class SyncRule(ServerRule):
         n = len(self.barrier.contributors)
         out: list[Decision] = [ApplySum(n, self.barrier.step), SetBuffers(None, n)]
         _, released = self.barrier.advance()
-        return out + [self.answer(r) for r in released]  # type: ignore[arg-type]
+        return out + [self.released(r) for r in released]  # type: ignore[arg-type]
+
+    def released(self, e: Read) -> Answer:
+        """A worker's read answered: its clock's lead over the slowest live worker then is
+        the clock gap (in lockstep 0: a read parked until its step closes leads no one)."""
+        self.clocks.answered(e.clock)
+        return self.answer(e)
 
     def gated_read(self, e: Read) -> list[Decision]:
-        self.clocks.read(e.rank, e.clock, e)  # never parks: tracks the gap
+        self.clocks.note(e.rank, e.clock)   # the barrier, not the clock table, gates the read
         if self.barrier.read(e.clock, e):
-            return [self.answer(e)]
+            return [self.released(e)]
         if self.barrier.contributed(e.rank):
             return []  # the usual: it pushed for the open step and waits for the step's end
         # A worker reads clock c after its push for c - 1: it reads past the open step

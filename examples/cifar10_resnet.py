@@ -4,8 +4,9 @@
     psgd run --script examples/cifar10_resnet.py --mode easgd --workers 2 --set train.steps=200
 
 It reads the official binary files (data_batch_1.bin ... test_batch.bin) from --data
-when they are there, and otherwise makes a synthetic CIFAR-shaped set whose classes
-are learnable (a per-class pattern plus noise), so that it runs anywhere. The loop is
+(a folder without them is an error), and without --data makes a synthetic CIFAR-shaped
+set whose classes are learnable (a per-class pattern plus noise), so that it runs
+anywhere. The loop is
 an ordinary PyTorch loop; psgd adds four lines: connect, step, report, close.
 """
 from __future__ import annotations
@@ -56,9 +57,13 @@ class ResNet(nn.Module):
 
 
 def cifar10(folder: str | None, synthetic: int) -> tuple[TensorDataset, TensorDataset]:
-    """(train, test): the real files if present, else a learnable synthetic set."""
+    """(train, test): the real files in `folder`, or without one a learnable synthetic set."""
     names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
-    if folder and all(os.path.exists(os.path.join(folder, n)) for n in names):
+    missing = [n for n in names if folder and not os.path.exists(os.path.join(folder, n))]
+    if missing:   # a mistyped path would train on the synthetic set and call it CIFAR-10
+        raise SystemExit(f"--data {folder}: no CIFAR-10 binary file {missing[0]} there (leave --data out for the "
+                         f"synthetic set)")
+    if folder:
         def read(name):
             raw = np.fromfile(os.path.join(folder, name), dtype=np.uint8).reshape(-1, 3073)
             x = torch.from_numpy(raw[:, 1:].reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)

@@ -203,7 +203,11 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str) -> None:
         ax.set_xlabel("workers")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:   # timing only, or no run reached the target: nothing drawn
+            ax.text(0.5, 0.5, "no run reached the target", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=8, color="grey")
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)

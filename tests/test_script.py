@@ -183,3 +183,12 @@ def test_a_scripts_help_ends_the_job_at_once_with_its_usage(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "script exited with code 0 before calling psgd.connect" in r.stderr, r.stderr
     assert "usage: custom_loss.py" in r.stderr and "registered" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_cifar_example_refuses_a_data_folder_without_the_files(tmp_path):
+    """A mistyped --data trained on the synthetic set and reported it as CIFAR-10."""
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "cifar10_resnet.py"), "--data", str(tmp_path)],
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 1
+    assert f"--data {tmp_path}: no CIFAR-10 binary file data_batch_1.bin there" in r.stderr

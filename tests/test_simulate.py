@@ -563,3 +563,19 @@ def test_result_lines_name_their_run_and_claim_no_target_without_scores(tmp_path
     assert all("not reached" not in line for line in done)
     report = open(os.path.join(tmp_path, "lines", "report.md")).read()
     assert "faults.* as below" not in report and "float32 tables, whatever the wire carried" in report
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_timing_only_sweep_plots_without_warnings(tmp_path):
+    """Its time-to-target plot has nothing to draw: matplotlib warned "No artists with
+    labels found to put in legend"."""
+    import warnings
+    pytest.importorskip("matplotlib")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        code, _ = simulate(tmp_path, "sweep", "--modes", "sync,async", "--workers", "2,4", *SMALL,
+                           "--set", "sim.train=false")
+    assert code == 0
+    assert [str(w.message) for w in said if "legend" in str(w.message)] == []
+    assert os.path.exists(os.path.join(tmp_path, "sweep", "report.md"))

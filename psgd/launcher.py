@@ -165,8 +165,8 @@ class LocalJob:
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.config_path = os.path.join(self.out, "config.toml")
+        self._forget_earlier_job()   # first: a folder of a job still running is refused, untouched
         self._write_config()
-        self._forget_earlier_job()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0
@@ -178,23 +178,30 @@ class LocalJob:
         (this job's would be appended to them), and the pid files of processes that are
         gone. A model.pt stays until this job saves its own; shard checkpoints stay, and
         a shard resumes from one only if it is of an unfinished job of the same training
-        config (psgd/servers/shard_server.py)."""
+        config (psgd/servers/shard_server.py). A folder whose pid files name a running
+        process is another job's, still running: a LaunchError, and nothing is removed."""
         def remove(path: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-        remove(os.path.join(self.out, "coordinator-state.json"))
-        remove(os.path.join(self.out, "summary.json"))
-        for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
-                     + glob.glob(os.path.join(self.out, "logs", "*.log"))):
-            remove(path)
-        for path in glob.glob(os.path.join(self.out, "pids", "*.pid")):
+        stale = []
+        for path in sorted(glob.glob(os.path.join(self.out, "pids", "*.pid"))):
             try:
                 with open(path) as f:
                     pid = int(f.read().strip())
                 os.kill(pid, 0)
             except (OSError, ValueError):   # gone, or not a pid: an earlier job's leftover
-                remove(path)
+                stale.append(path)
+                continue
+            raise LaunchError(f"{self.out} is the output folder of a job that is still running ({path} names "
+                              f"process {pid}): give another --out, or stop that job first")
+        for path in stale:
+            remove(path)
+        remove(os.path.join(self.out, "coordinator-state.json"))
+        remove(os.path.join(self.out, "summary.json"))
+        for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
+                     + glob.glob(os.path.join(self.out, "logs", "*.log"))):
+            remove(path)
 
     def _place(self, cfg: Config, avoid: int | None = None) -> Config:
         """The config with the ports the job will listen on."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from psgd.config import Config, load
-from psgd.launcher import LocalJob
+from psgd.launcher import LaunchError, LocalJob
 from psgd.servers.shard_server import ShardServer
 from psgd.shard import Shard
 from tests.conftest import free_port_block
@@ -21,16 +21,25 @@ from tests.conftest import free_port_block
 @pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
-    for name, text in (("summary.json", "{}"), ("coordinator-state.json", "{}"), ("events/worker-0.jsonl", "{}\n"),
-                       ("logs/server-0.log", "old\n"), ("pids/worker-0.pid", "999999999\n"),
-                       ("pids/server-0.pid", f"{os.getpid()}\n"), ("model.pt", "old")):
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text(text)
+    def earlier(pid: int) -> None:
+        for name, text in (("summary.json", "{}"), ("coordinator-state.json", "{}"), ("events/worker-0.jsonl", "{}\n"),
+                           ("logs/server-0.log", "old\n"), ("pids/worker-0.pid", f"{pid}\n"), ("model.pt", "old")):
+            (tmp_path / name).parent.mkdir(exist_ok=True)
+            (tmp_path / name).write_text(text)
+
+    def files() -> list[str]:
+        return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+
     cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
+    earlier(999999999)   # a pid that is gone
     LocalJob(cfg, str(tmp_path), quiet=True)
-    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    # a live process's pid file and the model stay (a model is replaced when this job saves its own)
-    assert left == ["config.toml", "model.pt", "pids/server-0.pid"]
+    assert files() == ["config.toml", "model.pt"]   # the model stays until this job saves its own
+    (tmp_path / "config.toml").unlink()
+    earlier(os.getpid())  # a job still running there: refused, and nothing touched
+    with pytest.raises(LaunchError, match="is the output folder of a job that is still running"):
+        LocalJob(cfg, str(tmp_path), quiet=True)
+    assert files() == ["coordinator-state.json", "events/worker-0.jsonl", "logs/server-0.log", "model.pt",
+                       "pids/worker-0.pid", "summary.json"]
 
 
 def shard_server(cfg: Config, out) -> tuple[ShardServer, Shard]:

@@ -425,25 +425,35 @@ class Shard:
                 "models": {k: list(arrays) for k, arrays in self.models.items()},
                 "training": training_config(self.cfg), "finished": self.finished}
 
-    def resume_problem(self, sd: dict) -> str:
-        """Why this shard must not resume from the checkpoint `sd` ('' if it may): it is
-        of a job that finished, of another training configuration, or of another shard."""
+    def resume(self, path: str) -> str:
+        """Load the checkpoint at `path` if this shard may resume from it; '' if it did,
+        else why not: it cannot be read, it is of a job that finished, of another training
+        configuration, or of another shard."""
+        try:
+            sd = torch.load(path, weights_only=True)
+        except Exception as e:  # unreadable, or not a checkpoint
+            return f"it cannot be read ({type(e).__name__}: {e})"
+        mine = training_config(self.cfg)
         if sd.get("finished"):
             return "its job finished"
-        if sd.get("training", self._training) != self._training:   # older checkpoints do not say
+        if sd.get("training", mine) != mine:   # older checkpoints do not say
             return "it is of another training configuration (job, model, data, mode, optimizer or wire)"
-        if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
-            return f"it is for shard {sd['shard']} with sizes {list(sd['sizes'])}, not {[self.P, self.B]}"
+        other = self._other_shard(sd)
+        if other:
+            return f"it is {other}"
+        self.load_state_dict(sd)
         return ""
 
-    @property
-    def _training(self) -> str:
-        return training_config(self.cfg)
+    def _other_shard(self, sd: dict) -> str:
+        """'' if the checkpoint `sd` is this shard's (its index and table sizes), else whose."""
+        if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
+            return f"for shard {sd['shard']} with sizes {sd['sizes']}, not shard {self.index} with {[self.P, self.B]}"
+        return ""
 
     def load_state_dict(self, sd: dict) -> None:
-        if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
-            raise ValueError(f"checkpoint is for shard {sd['shard']} with sizes {sd['sizes']}, "
-                             f"not shard {self.index} with {[self.P, self.B]}")
+        other = self._other_shard(sd)
+        if other:
+            raise ValueError(f"checkpoint is {other}")
         self._changing()
         with torch.no_grad():
             self.params.copy_(sd["params"])

@@ -221,10 +221,7 @@ def simulated(tasks: list[tuple], jobs: int) -> Generator[tuple[int, tuple], Non
     fresh one takes the next task; leaving early (Ctrl-C, SIGTERM, an error, the
     generator closed) stops the processes still running."""
     if jobs <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            t0 = time.monotonic()
-            i, (s, events, error, _) = simulate_one(task)
-            yield i, (s, events, error, time.monotonic() - t0)
+        yield from map(simulate_one, tasks)   # each timed by simulate_one, in this process
         return
     import multiprocessing
     from collections import deque

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 
-import torch
 import zmq
 
 from psgd import layout as layouts
@@ -61,20 +60,15 @@ class ShardServer:
         self._saver.start()
 
     def _resume(self, shard: Shard, path: str) -> bool:
-        """Load the checkpoint at `path` if there is one this job may resume from (this
-        shard's, of an unfinished job of the same training config); else say why not:
-        this job's checkpoints replace it. True if it resumed."""
+        """Resume from the checkpoint at `path` if there is one this job may resume from
+        (this shard's, of an unfinished job of the same training config: `Shard.resume`);
+        else say why not: this job's checkpoints replace it. True if it resumed."""
         if not os.path.exists(path):
             return False
-        try:
-            sd = torch.load(path, weights_only=True)
-            why = shard.resume_problem(sd)
-        except Exception as e:  # unreadable, or not a checkpoint: not this job's to resume
-            why = f"it cannot be read ({type(e).__name__}: {e})"
+        why = shard.resume(path)
         if why:
             log(self.name, f"not resuming from {path}: {why}; starting afresh")
             return False
-        shard.load_state_dict(sd)
         log(self.name, f"resumed from {path} at version {shard.version}")
         return True
 

@@ -78,8 +78,9 @@ class ParameterClient:
             return t
         if self.wire_dtype == torch.float16 and t.numel():
             low, high = torch.aminmax(t)   # no P-sized temporary; NaN goes on, for the shard to refuse
-            if max(-float(low), float(high)) > FLOAT16_MAX:
-                raise Diverged(f"values up to {max(-float(low), float(high)):.3g} at step {clock} are beyond "
+            peak = max(-float(low), float(high))
+            if peak > FLOAT16_MAX:
+                raise Diverged(f"values up to {peak:.3g} at step {clock} are beyond "
                                f"float16's range ({FLOAT16_MAX:.0f}): set wire.dtype = \"bfloat16\" (float32's range) "
                                f"or \"float32\"")
         buf = self._outgoing.get((kind, shard))

@@ -171,6 +171,14 @@ class Membership:
             self.version += 1
         return dropped
 
+    def excuse(self, seconds: float, now: float) -> None:
+        """The watcher itself did not run for `seconds` (the machine stalled, or its
+        process was stopped): a heartbeat that could not be read in that time is not a
+        missed one, so every live member's silence is counted from `seconds` later."""
+        for m in self.members.values():
+            if m.state == "live":
+                m.last_seen = min(m.last_seen + seconds, now)
+
     def live(self) -> dict[int, int]:
         return {r: m.clock for r, m in sorted(self.members.items()) if m.state == "live"}
 

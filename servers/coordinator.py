@@ -98,6 +98,7 @@ class Coordinator:
             scalars.check(cfg)
             self.scalars = scalars.Scalars(os.path.join(out, "tb"))
         self._scalars_at = 0.0
+        self._ticked = 0.0  # when _tick last ran: a longer gap than a heartbeat is this process's stall
         self.service = Service(self.sock, {"register": self.on_register, "heartbeat": self.on_heartbeat,
                                            "finish": self.on_finish, "eval": self.on_eval,
                                            "status": self.on_status, "layout": self.on_layout,
@@ -291,6 +292,13 @@ class Coordinator:
     # ------------------------------------------------------------ phases
     def _tick(self, now: float) -> None:
         self._save_state(now)
+        stalled = now - self._ticked if self._ticked else 0.0
+        self._ticked = now
+        if stalled > self.cfg.cluster.heartbeat_s:
+            # This loop did not run (the machine stalled, or this process was stopped): who
+            # is alive is judged on heartbeats it could have read, not on the stall.
+            self.members.excuse(stalled, now)
+            self.server_seen = {i: min(t + stalled, now) for i, t in self.server_seen.items()}
         if self.phase == "training":
             lost = self.members.expire(now)
             for r in lost:

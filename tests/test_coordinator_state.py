@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+import zmq
 
 from psgd.config import Config
 from psgd.membership import Membership
@@ -32,8 +33,14 @@ def test_membership_round_trips_through_its_state_dict():
 
 
 def coordinator(cfg: Config, out: str) -> Coordinator:
-    c = Coordinator(cfg, out, quiet=True)
-    c.sock.close(0)  # only its state matters here
+    """A coordinator whose state is all that matters: its socket is closed, and its own
+    context terminated, so the port is free again when this returns (a closed socket's
+    listener goes later, on ZeroMQ's I/O thread, and the next coordinator on the same
+    address could find it in use)."""
+    ctx = zmq.Context()
+    c = Coordinator(cfg, out, ctx=ctx, quiet=True)
+    c.sock.close(0)
+    ctx.term()
     c.events.close()
     return c
 
@@ -255,3 +262,26 @@ def test_a_worker_that_joins_a_job_in_training_has_what_is_left_of_train_seconds
     assert not w.more()                    # spent: 15 + 5.5 > 20, where its own clock says 5.5 of 20
     w.trained_s = 0.0
     assert w.more()                        # a worker of the first rendezvous starts at 0
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_the_coordinators_own_stall_loses_no_worker():
+    """The coordinator's loop did not run for 10 s (the machine stalled): the workers'
+    silence in that time is not held against them; silence after it is."""
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+    c.members.join(0.0, 0)
+    c.members.join(0.0, 1)
+    c._start_training()
+    t = time.monotonic()
+    for m in c.members.members.values():
+        m.last_seen = t
+    c._tick(t)
+    c._tick(t + 10.0)   # 10 s later, twice heartbeat_timeout_s
+    assert c.members.live() == {0: 0, 1: 0} and c.phase == "training"
+    now = t + 10.0
+    while c.members.live() and now < t + 30.0:   # then nobody beats, and the loop runs
+        now += 0.05
+        c._tick(now)
+    assert now == pytest.approx(t + 10.0 + cfg.cluster.heartbeat_timeout_s, abs=0.1)

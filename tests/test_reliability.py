@@ -44,8 +44,15 @@ def wait_for_steps(j: LocalJob, rank: int, n: int, timeout: float = 120) -> None
     deadline = time.monotonic() + timeout
     while steps_done(j.out, rank) < n:
         assert time.monotonic() < deadline, f"worker {rank} did not reach {n} steps"
-        assert j.children[0].proc.poll() is None, "the job ended early"
+        if j.children[0].proc.poll() is not None:
+            tail = log_tail(j.out, "coordinator-0")
+            raise AssertionError(f"the job ended early; the coordinator's log ends:\n{tail}")
         time.sleep(0.05)
+
+
+def log_tail(out: str, name: str, chars: int = 3000) -> str:
+    path = os.path.join(out, "logs", f"{name}.log")
+    return open(path).read()[-chars:] if os.path.exists(path) else f"(no {path})"
 
 
 def child(j: LocalJob, name: str):
@@ -77,6 +84,28 @@ def test_kill_9_a_worker_mid_run(tmp_path, mode):
     assert s["failures"]["workers_lost"] == 1, s["failures"]
     assert s["final_accuracy"] >= 0.85, s
     assert steps_done(j.out, 0) == 500 and steps_done(j.out, 1) == 500
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_stalled_machine_loses_no_worker(tmp_path):
+    """Every process of the job stopped for longer than cluster.heartbeat_timeout_s (a
+    paused VM, a suspended laptop), then continued: the coordinator, whichever process
+    runs first, does not take the stall for lost workers."""
+    j = job(tmp_path, "cluster.workers=3", "train.steps=400")
+    try:
+        j.start()
+        wait_for_steps(j, 2, 20)
+        for c in j.children:
+            c.proc.send_signal(signal.SIGSTOP)
+        time.sleep(3.0)   # FAST_HB: heartbeat_timeout_s = 2
+        for c in j.children:
+            c.proc.send_signal(signal.SIGCONT)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["failures"]["workers_lost"] == 0, s["failures"]
+    assert s["final_accuracy"] >= 0.85
 
 
 @pytest.mark.processes

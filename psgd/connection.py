@@ -41,7 +41,9 @@ differ is refused). A model with no trainable parameter is a ConfigError. On `cl
 rank 0 waits for the other workers to finish (while they are live, however long),
 loads the job's final global model into its `model` and saves it as
 DIR/model.pt (a state_dict). A worker that fails (too many refused steps, shards
-unreachable) raises `JobError`; an exception inside `with` ends the job with its reason.
+unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) and a
+`report()` after the job ended; an exception inside `with` ends the job with its reason
+(`sys.exit()` or `sys.exit(0)` there is a clean end).
 """
 from __future__ import annotations
 
@@ -107,6 +109,10 @@ class Connection(Worker):
         env = os.environ
         cfg = config if isinstance(config, Config) else load(config or env.get("PSGD_CONFIG"))
         want = rank if rank is not None else _rank_from_env(env.get("PSGD_RANK", ""))
+        if want >= cfg.cluster.workers:
+            raise ConfigError(f"rank {want} ({'rank=' if rank is not None else 'PSGD_RANK='}{want}) is not a worker "
+                              f"rank of this job: 0..{cfg.cluster.workers - 1} (cluster.workers = "
+                              f"{cfg.cluster.workers})")
         super().__init__(cfg, out or env.get("PSGD_OUT"), want_rank=want)
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
             open(env["PSGD_STARTED_FILE"], "w").close()
@@ -119,7 +125,11 @@ class Connection(Worker):
         self.closed = False
         self._loss: float | None = None
         self._batch = 0
-        cfg = self.join(model)
+        try:
+            cfg = self.join(model)
+        except (wire.RemoteError, PeerTimeout) as e:  # refused (the rank is taken, ...), or no coordinator
+            self.link.close()
+            raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}") from None
         self._check(cfg)
         self.schedule = self.attach(model, next(model.parameters()).device)
         self.pidfile = PidFile(self.out, "worker", self.rank).__enter__()
@@ -190,7 +200,13 @@ class Connection(Worker):
         and summary.json's final accuracy, when the job runs no evaluator."""
         if self.closed:
             raise JobError("report() after close(): report the score before leaving the job")
-        self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
+        if self.stopped():
+            raise JobError(f"report(): the job has ended ({self.link.state.get('abort') or 'done'}); "
+                           f"the score was not recorded")
+        try:
+            self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
+        except (PeerTimeout, wire.RemoteError) as e:
+            raise JobError(f"report(): the score was not recorded: {getattr(e, 'reason', e)}") from None
 
     def close(self, error: str = "") -> None:
         """Settle what is in flight and leave the job (rank 0: after saving the final
@@ -221,6 +237,8 @@ class Connection(Worker):
         return self
 
     def __exit__(self, kind, value, tb) -> None:
+        if kind is SystemExit and value.code in (None, 0):  # sys.exit() inside `with`: a clean end
+            kind = None
         self.close(f"worker {self.rank}'s training script raised {kind.__name__}: {value}" if kind else "")
 
     # ------------------------------------------------------------ what the schedule calls

@@ -5,13 +5,16 @@ running a training loop of their own, the shards learn the model from them.
 - sync: every rank ends with the same model, which is the shards' and DIR/model.pt's;
 - the script's own optimizer keeps its learning rate in the local-optimizer modes;
 - ltfb without `score` is a clear error; `step()` or `report()` after `close()` is one too;
-  so are `step()` without gradients and a model with nothing to train;
+  so are `step()` without gradients, a model with nothing to train, a rank outside the
+  job, a refused connect and a `report()` after the job ended; `sys.exit(0)` in `with` is not;
 - a frozen layer built differently on two workers is refused when they register;
 - rank 0 waits for a slower worker (however long, while it is live) to save the final model.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -164,9 +167,6 @@ def test_a_frozen_layer_that_differs_between_workers_is_refused_naming_it(port_b
     # the shards hold only trainable parameters: a frozen layer is each worker's own, so
     # workers that built it differently would train different functions. A worker whose
     # frozen layer is built alike then joins, and the job trains with one frozen layer.
-    import time
-
-    from psgd import wire
     cfg = config(port_block, "sync")
     models = {0: Frozen(7), 1: Frozen(7)}
     got: dict = {"errors": []}
@@ -182,7 +182,7 @@ def test_a_frozen_layer_that_differs_between_workers_is_refused_naming_it(port_b
         threads[0].start()
         while cluster.coordinator.layout is None:   # rank 0's model is the job's
             time.sleep(0.05)
-        with pytest.raises(wire.Refused, match=r"a\.weight .*other values.*torch\.manual_seed"):
+        with pytest.raises(psgd.JobError, match=r"a\.weight .*other values.*torch\.manual_seed"):
             psgd.connect(Frozen(8), config=cfg, rank=1)
         threads.append(threading.Thread(target=worker, args=(1,)))
         threads[1].start()
@@ -237,7 +237,6 @@ def test_step_without_gradients_is_a_clear_error(port_block, mode):
 def test_rank_0_waits_for_a_slower_worker_past_timeout_s_to_save_the_final_model(port_block, tmp_path):
     # rank 0 is done ~4 s before rank 1; cluster.timeout_s = 2 must not make it give up
     # on the final model while rank 1 is live
-    import time
     cfg = config(port_block, "async", **{"cluster.timeout_s": 2, "train.steps": 16})
     done: dict = {}
 
@@ -268,7 +267,6 @@ def test_a_shard_that_asked_for_the_layout_closes_that_socket(port_block):
     for the layout on its link's call socket; it stopped its link without closing that
     socket, which was left to the garbage collector (a ResourceWarning), and the
     cluster's `ctx.term()` waits for every socket of its context."""
-    import time
     import warnings
     cfg = config(port_block, "async", workers=1)
     with warnings.catch_warnings(record=True) as said:
@@ -300,3 +298,49 @@ def test_a_refused_first_step_is_counted_and_training_goes_on(port_block):
             model.zero_grad()
             nn.functional.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
             assert ps.step() is True and ps.rejected == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["argument", "PSGD_RANK"])
+def test_a_rank_outside_the_job_is_a_clear_error_before_registering(port_block, monkeypatch, how):
+    # before: rank 7 of 2 was quietly given another rank, and the process meant for it refused
+    cfg = config(port_block, "sync", **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    if how == "PSGD_RANK":
+        monkeypatch.setenv("PSGD_RANK", "7")
+    with pytest.raises(ConfigError, match=r"rank 7 .*is not a worker rank of this job: 0\.\.1"):
+        psgd.connect(Net(0), config=cfg, rank=7 if how == "argument" else None)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port_block):
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        ps = psgd.connect(Net(0), config=cfg, rank=0)
+        with pytest.raises(psgd.JobError, match="psgd.connect: this worker's model differs from the job's"):
+            psgd.connect(nn.Linear(6, 3), config=cfg, rank=0)   # the coordinator refuses it
+        cluster.coordinator.abort = "stopped by the test"
+        deadline = time.monotonic() + 10
+        while not ps.stopped():   # the next heartbeat's answer
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t = time.monotonic()
+        with pytest.raises(psgd.JobError, match=r"report\(\): the job has ended \(stopped by the test\)"):
+            ps.report(accuracy=0.5, loss=1.0)
+        assert time.monotonic() - t < 1.0   # no wait for a coordinator that is done with the job
+        ps.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", [None, 0, 3])
+def test_sys_exit_inside_with_ends_the_job_cleanly_unless_its_code_says_failure(port_block, code):
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        with pytest.raises(SystemExit):
+            with psgd.connect(model, config=cfg, rank=0) as ps:
+                train(ps, model, None)
+                sys.exit(code)
+        if code in (None, 0):
+            assert not cluster.coordinator.abort
+        else:
+            assert cluster.coordinator.abort == "worker 0's training script raised SystemExit: 3"

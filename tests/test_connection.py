@@ -344,3 +344,15 @@ def test_sys_exit_inside_with_ends_the_job_cleanly_unless_its_code_says_failure(
             assert not cluster.coordinator.abort
         else:
             assert cluster.coordinator.abort == "worker 0's training script raised SystemExit: 3"
+
+
+@pytest.mark.timeout(60)
+def test_a_report_right_after_the_loop_counts_every_sample_of_the_reporting_worker(port_block):
+    cfg = config(port_block, "async", workers=1, **{"cluster.heartbeat_s": 5.0, "cluster.heartbeat_timeout_s": 20.0})
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, rank=0)
+        train(ps, model, None)   # 20 steps of 16 samples, well within one heartbeat
+        ps.report(accuracy=0.5, loss=1.0)
+        assert cluster.coordinator.evals[-1]["samples"] == 20 * 16
+        ps.close()

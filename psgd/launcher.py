@@ -22,6 +22,7 @@ warning: they take turns, so start-up and steps are slower than with a core each
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import json
 import os
@@ -42,6 +43,7 @@ from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
 MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
+LOCK_FILE = ".launcher.lock"  # in the output folder: held by the launcher of the job that uses it
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
 
@@ -165,11 +167,30 @@ class LocalJob:
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.config_path = os.path.join(self.out, "config.toml")
-        self._forget_earlier_job()   # first: a folder of a job still running is refused, untouched
+        self._lock = self._hold_folder()
+        try:
+            self._forget_earlier_job()   # first: a folder of a job still running is refused, untouched
+        except LaunchError:
+            self._lock.close()
+            raise
         self._write_config()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0
+
+    def _hold_folder(self) -> IO:
+        """The output folder is this launcher's until stop(): an exclusive lock on
+        OUT/.launcher.lock, held while the job's files are written. A second launcher
+        started at the same moment (before the first job's pid files exist) is refused
+        here, where it would have written its config over the first job's."""
+        f = open(os.path.join(self.out, LOCK_FILE), "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise LaunchError(f"{self.out} is the output folder of a job that is still running (another psgd "
+                              f"launcher holds {LOCK_FILE}): give another --out, or stop that job first") from None
+        return f
 
     def _forget_earlier_job(self) -> None:
         """A new job in a folder that an earlier job used replaces that job's outputs:
@@ -233,7 +254,7 @@ class LocalJob:
         if self.port_explicit or self.cfg.cluster.addresses or started or self.moves >= MAX_MOVES:
             return False
         self.moves += 1
-        self.stop()
+        self._stop_children()
         old = self.cfg.cluster.port
         self.cfg = self._place(self.cfg, avoid=old)
         log("run", f"port block {old} was taken by another program before the daemons bound it; moved the job "
@@ -374,7 +395,9 @@ class LocalJob:
                 continue
             if in_use:
                 child = in_use[0]
-                raise LaunchError(f"{child.name} could not listen: {self.tail(child, 2).strip()}")
+                said = self.tail(child, 2).strip() or f"a port of {self.cfg.cluster.port}-" \
+                    f"{self.cfg.cluster.port + self.cfg.cluster.servers} is in use"
+                raise LaunchError(f"{child.name} could not listen: {said}")
             if code is not None and self._coordinator_died(coord, code):
                 continue
             if code is not None:
@@ -459,6 +482,13 @@ class LocalJob:
         return "worker exit codes: " + ", ".join(parts) if parts else "no worker processes"
 
     def stop(self) -> None:
+        """End every daemon of the job, and leave the output folder to the next one."""
+        try:
+            self._stop_children()
+        finally:
+            self._lock.close()   # closing the file drops the lock
+
+    def _stop_children(self) -> None:
         for child in self.children:
             if child.proc and child.proc.poll() is None:
                 child.proc.terminate()

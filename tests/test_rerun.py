@@ -33,13 +33,30 @@ def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
     cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
     earlier(999999999)   # a pid that is gone
     LocalJob(cfg, str(tmp_path), quiet=True)
-    assert files() == ["config.toml", "model.pt"]   # the model stays until this job saves its own
+    assert files() == [".launcher.lock", "config.toml", "model.pt"]   # the model stays until this job saves its own
     (tmp_path / "config.toml").unlink()
     earlier(os.getpid())  # a job still running there: refused, and nothing touched
     with pytest.raises(LaunchError, match="is the output folder of a job that is still running"):
         LocalJob(cfg, str(tmp_path), quiet=True)
-    assert files() == ["coordinator-state.json", "events/worker-0.jsonl", "logs/server-0.log", "model.pt",
-                       "pids/worker-0.pid", "summary.json"]
+    assert files() == [".launcher.lock", "coordinator-state.json", "events/worker-0.jsonl", "logs/server-0.log",
+                       "model.pt", "pids/worker-0.pid", "summary.json"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_second_launcher_started_at_the_same_moment_is_refused(tmp_path):
+    """Before the first job's pid files exist, its launcher holds the folder: a second
+    one wrote its config.toml over the first job's, whose daemons then ran the second
+    job's config. Once the first job stops, the folder is free."""
+    first = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    written = (tmp_path / "config.toml").read_text()
+    other = load(None, [f"cluster.port={free_port_block(3)}", "mode.name=async"], env={})
+    with pytest.raises(LaunchError, match="still running .*another psgd launcher holds"):
+        LocalJob(other, str(tmp_path), quiet=True)
+    assert (tmp_path / "config.toml").read_text() == written
+    first.stop()
+    LocalJob(other, str(tmp_path), quiet=True).stop()
+    assert 'name = "async"' in (tmp_path / "config.toml").read_text()
 
 
 def shard_server(cfg: Config, out) -> tuple[ShardServer, Shard]:

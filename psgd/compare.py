@@ -74,6 +74,12 @@ def _is_config_key(key: str) -> bool:
     return bool(dot) and hasattr(getattr(Config(), section, None), name)
 
 
+# Config keys that the plan itself sets for each run, and the flag that does it: a mode
+# item setting one would run something else than the run it is reported as.
+PLAN_KEYS = {"mode.name": "the mode item's own name (MODE:...)", "cluster.workers": "--workers",
+             "job.seed": "--repeats (each repeat has its own seed)"}
+
+
 def parse_modes(text: str) -> list[ModeSpec]:
     """`sync,ssp:staleness=0,1,2,async,easgd:tau=4:alpha=0.3` -> ModeSpecs, sweeps expanded."""
     if not text or not text.strip():
@@ -90,11 +96,16 @@ def parse_modes(text: str) -> list[ModeSpec]:
                 raise ConfigError(f"--modes: unknown mode {mode!r} in {item!r} (modes: {', '.join(MODES)})")
             keys = mode_keys(mode)
             params: list[list] = []
+            if ":" in item and not rest.strip():
+                raise ConfigError(f"--modes: {item!r}: nothing after the colon (expected {mode}:key=value)")
             for part in (rest.split(":") if rest else []):
                 key, eq, value = part.partition("=")
                 key, value = key.strip(), value.strip()
                 if not eq or not key or not value:
                     raise ConfigError(f"--modes: {item!r}: expected {mode}:key=value, got {part!r}")
+                if key in PLAN_KEYS:
+                    raise ConfigError(f"--modes: {item!r}: {key} is set by the plan, not by a mode item: "
+                                      f"use {PLAN_KEYS[key]}")
                 if key not in keys and not _is_config_key(key):
                     raise ConfigError(f"--modes: {mode} has no parameter {key!r} (its parameters: {', '.join(keys)};"
                                       f" or any config key as SECTION.KEY, e.g. wire.dtype)")

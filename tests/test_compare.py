@@ -104,6 +104,10 @@ class TestParseModes:
         ("ssp:staleness=1,1", "lists a value twice"),
         ("ssp:staleness=2,ssp:staleness=2", "listed twice"),
         ("easgd:tau=2:tau=3", "sets tau twice"),
+        ("sync:", "nothing after the colon"),
+        ("sync:mode.name=ssp", "mode.name is set by the plan"),       # it ran ssp, reported as sync
+        ("sync:cluster.workers=3", "cluster.workers is set by the plan, not by a mode item: use --workers"),
+        ("async:job.seed=1,2", "use --repeats"),
     ])
     def test_errors_name_the_problem(self, text, words):
         with pytest.raises(ConfigError, match=words):

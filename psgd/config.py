@@ -345,6 +345,10 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def validate(cfg: Config) -> None:
     """Range checks that span keys; each message names the key."""
     m, c, t, o = cfg.mode, cfg.cluster, cfg.train, cfg.optimizer
@@ -419,7 +423,18 @@ def validate(cfg: Config) -> None:
     _check(o.schedule in ("constant", "step", "cosine"),
            f"optimizer.schedule must be constant, step or cosine, got {o.schedule!r}")
     _check(o.warmup_steps >= 0 and o.step_size >= 1, "optimizer.warmup_steps >= 0 and step_size >= 1")
-    _check(len(o.betas) == 2, "optimizer.betas must be two numbers")
+    _check(len(o.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in o.betas),
+           f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
+    _check(o.momentum >= 0, f"optimizer.momentum must be >= 0, got {o.momentum}")
+    _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    _check(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
+    _check(o.gamma > 0 and o.min_lr >= 0, f"optimizer.gamma must be > 0 and optimizer.min_lr >= 0, "
+                                          f"got {o.gamma}, {o.min_lr}")
+    _check(cfg.model.hidden >= 1, f"model.hidden must be >= 1, got {cfg.model.hidden}")
+    _check(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
+    _check(len(cfg.data.shape) >= 1 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+                                            for d in cfg.data.shape),
+           f"data.shape must be a list of sizes >= 1 (e.g. [1, 8, 8]), got {cfg.data.shape}")
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
     _check(t.steps >= 0 and t.seconds >= 0, "train.steps and train.seconds must be >= 0")
     _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")

@@ -46,6 +46,14 @@ def test_set_parses_toml_values():
     (["faults.step_delay_s=inf"], "faults.step_delay_s must be finite"),
     (["train.seconds=inf"], "train.seconds must be finite"),
     (["cluster.timeout_s=nan"], "cluster.timeout_s must be finite, got nan"),
+    # each of these was accepted, then a daemon died with a traceback (or trained a 0-wide model)
+    (["model.hidden=0"], "model.hidden must be >= 1, got 0"),
+    (["eval.batch_size=0"], "eval.batch_size must be >= 1"),
+    (["optimizer.momentum=-1"], "optimizer.momentum must be >= 0"),
+    (['optimizer.betas=["a", "b"]'], "optimizer.betas must be two numbers in [0, 1)"),
+    (["optimizer.betas=[0.9, 1.0]"], "optimizer.betas must be two numbers in [0, 1)"),
+    (["optimizer.eps=0"], "optimizer.eps must be > 0"),
+    (['data.shape=[1, "x", 8]'], "data.shape must be a list of sizes >= 1"),
 ])
 def test_bad_values_get_clear_errors(sets, needle):
     with pytest.raises(ConfigError) as e:

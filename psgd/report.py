@@ -281,11 +281,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     out = argv[0]
-    if len(argv) == 1:
-        results, ctx = _read(out)
-    else:
+    try:
+        if len(argv) == 1:
+            results, ctx = _read(out)
+        else:
+            results, ctx = merge(out, argv[1:])
+    except (OSError, ValueError) as e:   # no compare.json there, or not one psgd wrote
+        print(f"python -m psgd.report: {e} (a psgd compare or simulate folder holds compare.json)", file=sys.stderr)
+        return 2
+    if len(argv) > 1:
         os.makedirs(out, exist_ok=True)
-        results, ctx = merge(out, argv[1:])
         with open(os.path.join(out, "compare.json"), "w") as f:
             json.dump(results, f, indent=2)
     print(write_report(out, results, ctx))

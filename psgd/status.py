@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show a running job: phase, workers, shards, accuracy")
     p.add_argument("dir", nargs="?", help="the job's output folder (it holds config.toml and summary.json)")
     p.add_argument("--address", help="the coordinator's address, tcp://HOST:PORT (instead of DIR)")
-    p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+    from .cli import _seconds  # (cli imports this module: not at the top)
+    p.add_argument("--watch", nargs="?", type=_seconds, const=2.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until the job ends")
     p.add_argument("--config", metavar="FILE",
                    help="the job's TOML config: its coordinator's address and security settings (instead of DIR)")
@@ -54,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
     sets = list(args.set) + (["security.curve=true", f"security.keys={args.keys}"] if args.keys else [])
     cfg = _config(args.dir, args.config, sets)
     address = args.address or cfg.coordinator_address()
+    if not address.startswith(("tcp://", "ipc://")) or address.endswith(("://", ":")):
+        raise ConfigError(f"psgd status: --address must be tcp://HOST:PORT (or ipc://PATH), got {address!r}")
     while True:
         try:
             reply = ask(cfg, address)
@@ -61,8 +64,16 @@ def main(args: argparse.Namespace) -> int:
             summary = os.path.join(args.dir, "summary.json") if args.dir else ""
             if summary and os.path.exists(summary):
                 from .launcher import format_summary
-                with open(summary) as f:
-                    print(f"finished: {format_summary(json.load(f))}")
+                try:
+                    with open(summary) as f:
+                        done = json.load(f)
+                    if not isinstance(done, dict):
+                        raise ValueError(f"a JSON {type(done).__name__}, not an object")
+                    print(f"finished: {format_summary(done)}")
+                except (ValueError, OSError, TypeError, KeyError) as e:
+                    print(f"psgd status: the coordinator is gone and {summary} is not a psgd summary ({e})",
+                          file=sys.stderr)
+                    return 1
                 return 0
             keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
                     f"does not answer" if cfg.security.curve else
@@ -89,7 +100,10 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
 
 def ask(cfg, address: str) -> wire.Message:
     import zmq
-    peers = Peers(zmq.Context.instance(), [address], cfg.security)
+    try:
+        peers = Peers(zmq.Context.instance(), [address], cfg.security)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"psgd status: cannot connect to {address!r}: {e}") from None
     try:
         return peers.call(0, "status", ASK_TIMEOUT_S)
     finally:

@@ -245,3 +245,11 @@ def test_fault_sentences_name_no_baseline_that_did_not_run_and_compare_only_runs
     ctx2 = {**ctx, "faults": {"slow_rank": 2, "slow_factor": 4.0}, "workers": [2]}
     alone = sentence(told(results[:2], ctx2), "had a fault injected")
     assert "Under it" not in alone      # no run had the straggler: nothing kept up "under it"
+
+
+@pytest.mark.timeout(30)
+def test_rebuilding_a_report_of_a_folder_without_compare_json_is_one_line(tmp_path, capsys):
+    assert report_main([str(tmp_path)]) == 2   # was a FileNotFoundError traceback
+    assert "compare.json" in capsys.readouterr().err
+    (tmp_path / "compare.json").write_text("{not json")
+    assert report_main([str(tmp_path)]) == 2

@@ -69,6 +69,24 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
     assert "no answer from the coordinator" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nope")]) == 2
     assert "has no config.toml" in capsys.readouterr().err
+    for text, why in (("{bad json", "Expecting property name"), ("[1, 2]", "a JSON list, not an object")):
+        (tmp_path / "summary.json").write_text(text)   # were a JSONDecodeError / AttributeError traceback
+        assert main(["status", str(tmp_path)]) == 1
+        assert f"summary.json is not a psgd summary ({why}" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, said", [
+    (["--address", "foo"], "--address must be tcp://HOST:PORT"),     # was a ZMQError traceback
+    (["--address", "tcp://127.0.0.1:1", "--watch", "-1"], "expected a number of seconds > 0"),
+    (["--address", "tcp://127.0.0.1:1", "--watch", "nan"], "expected a number of seconds > 0"),
+])
+def test_status_refuses_a_bad_address_or_watch_period_in_one_line(capsys, args, said):
+    try:
+        code = main(["status", *args])
+    except SystemExit as e:   # argparse's own error
+        code = e.code
+    assert code == 2 and said in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -321,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 2
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except KeyboardInterrupt:   # Ctrl-C while the verbs' modules load: nothing started yet
+        return 130
     args.script_args = script_args
     if script_args and not getattr(args, "script", None):
         print("psgd: error: arguments after -- are a training script's: give --script FILE", file=sys.stderr)

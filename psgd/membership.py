@@ -291,6 +291,7 @@ class CoordinatorLink:
         peers = Peers(self.ctx, [self.address], self.cfg.security)
         last_ok = time.monotonic()
         hb = self.cfg.cluster.heartbeat_s
+        failed = ""   # the last failure logged (one line per kind, not one per beat)
         try:
             while not self._stop.is_set():
                 try:
@@ -300,11 +301,21 @@ class CoordinatorLink:
                                      live_id=self.state.get("live_id", ""))
                     self._apply(msg)
                     last_ok = time.monotonic()
-                    self.lost = False   # a coordinator that comes back (restarted) is found again
+                    self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError):
                     peers.reconnect(0)
-                    if time.monotonic() - last_ok > self.cfg.cluster.timeout_s:
-                        self.lost = True
+                except zmq.ContextTerminated:
+                    raise
+                except Exception as e:
+                    # One beat that fails here (counters that cannot be sent, an answer that
+                    # cannot be read) must not end the heartbeats: without them the coordinator
+                    # drops this daemon and it never hears that the job is done.
+                    why = f"{type(e).__name__}: {e}"
+                    if why != failed:
+                        log(f"{self.role}-{self.index}", f"a heartbeat failed ({why}); heartbeating on")
+                        failed = why
+                if time.monotonic() - last_ok > self.cfg.cluster.timeout_s:
+                    self.lost = True
                 self._stop.wait(hb)
         except zmq.ContextTerminated:
             pass  # the process is closing its sockets' context (its daemon ended first): so must we

@@ -6,7 +6,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import time
 from typing import Any
@@ -68,13 +70,32 @@ def process_start_time() -> float | None:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
+    """Write `obj` as strict JSON (temp file, fsync, rename): a float that is not finite
+    (an untrained baseline's last loss) is written as null, never as NaN or Infinity,
+    which JSON does not have."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(finite_json(obj), f, indent=2, sort_keys=False, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)   # a value JSON cannot hold: no half-written file left behind
+        raise
     os.replace(tmp, path)
+
+
+def finite_json(obj: Any) -> Any:
+    """`obj` with every float that is not finite, in any dict, list or tuple, as None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_s: float,

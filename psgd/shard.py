@@ -209,6 +209,7 @@ class Shard:
 
     def on_push(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
+        self._check_push(msg)
         g, b = self._gradient(msg) if self.codec != "none" else self._vectors(msg, "gradient")
         if msg.get("pull"):
             token = ThenRead(token, msg)
@@ -222,6 +223,22 @@ class Shard:
             self.last_clock[msg.rank] = msg.clock  # a refused push may come again
             self.counters["pushes"] += 1
         return self.carry_out(decisions)
+
+    def _check_push(self, msg: wire.Message) -> None:
+        """A push's read_version and clock, before anything is counted. A read_version
+        is a version this shard answered, so never negative (tau would be up to 2**63,
+        past what the counters can carry); one past the current version is not refused:
+        a shard restored from an older checkpoint is behind its workers' reads (tau is 0).
+        A clock past `train.steps` is never an honest push's (a worker stops there; a
+        late or rejoining one catches up to clocks the others reached) and would mark every
+        later push of the rank a duplicate. A job with no step limit has no such bound:
+        clocks jump on a catch-up, a rejoin, or a restore from an older checkpoint."""
+        if int(msg.get("read_version")) < 0:
+            raise wire.WireError(wire.BAD_FIELD, f"read_version {msg.get('read_version')} is negative")
+        steps = self.cfg.train.steps
+        if steps and msg.clock > steps:
+            raise wire.WireError(wire.REFUSED, f"clock {msg.clock} is past the job's last step "
+                                               f"(train.steps = {steps})")
 
     def on_elastic(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)

@@ -29,6 +29,7 @@ started after it is), "coordinator" for one built in a process that does other t
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
@@ -50,6 +51,39 @@ STATE_EVERY_S = 1.0   # the state file is rewritten on every change, and this of
 PROGRESS_EVERY_S = 2.0
 WAITING_EVERY_S = 5.0
 MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
+MAX_STATS = 256       # fields in a daemon's counters (a worker's or a shard's stats() has about 20)
+MAX_STAT_LIST = 1024  # numbers in one field (a staleness histogram's counts: 33)
+MAX_STAT = 2 ** 53    # a counter's magnitude: sums over ranks and lives stay exact, and fit msgpack's 64 bits
+
+
+def checked_stats(stats: Any) -> dict:
+    """A daemon's counters (heartbeat, finish) as the coordinator keeps them, or
+    BAD_FIELD. They are what workers and shards send (their `stats()`): str keys, each
+    a finite number (not a bool), a list of them (a histogram's counts) or null. Kept
+    unchecked, one bad value would stop the coordinator later, outside any request
+    (the state file's JSON, the sums of `samples`). A `loss` that is not finite is
+    kept as null: an honest worker's last loss may be inf (it refuses that step)."""
+    if not isinstance(stats, dict) or len(stats) > MAX_STATS:
+        raise wire.WireError(wire.BAD_FIELD, f"stats must be a map of at most {MAX_STATS} counters")
+    out = {}
+    for k, v in stats.items():
+        if not isinstance(k, str):
+            raise wire.WireError(wire.BAD_FIELD, f"stats: a counter's name must be a string, not {k!r:.40}")
+        if k == "loss" and isinstance(v, float) and not math.isfinite(v):
+            v = None
+        if isinstance(v, list):
+            if len(v) > MAX_STAT_LIST or not all(map(_stat_number, v)):
+                raise wire.WireError(wire.BAD_FIELD, f"stats: {k} must be a list of at most {MAX_STAT_LIST} "
+                                                     f"finite numbers")
+        elif v is not None and not _stat_number(v):
+            raise wire.WireError(wire.BAD_FIELD, f"stats: {k} = {v!r:.40} is not a finite number, a list of them, "
+                                                 f"or null")
+        out[k] = v
+    return out
+
+
+def _stat_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= MAX_STAT  # NaN, inf: not <=
 
 
 class Coordinator:
@@ -138,6 +172,9 @@ class Coordinator:
                     return self._start_training() if self.members.all_joined else []
                 return [self._reply_register(ident, msg, again)]
             want = msg.get("want_rank", -1)
+            if not -1 <= want < self.cfg.cluster.workers:   # -1: any free rank
+                raise wire.WireError(wire.REFUSED, f"rank {want} is not in 0..{self.cfg.cluster.workers - 1} "
+                                                   f"(cluster.workers = {self.cfg.cluster.workers})")
             if self.phase == "rendezvous" and self.members.taken(want, nonce, now):
                 raise wire.WireError(wire.REFUSED, f"rank {want} is already taken by another process; is "
                                                    f"PSGD_RANK set the same for two workers?")
@@ -155,7 +192,7 @@ class Coordinator:
             log("coordinator", f"worker {rank} rejoined at clock {self.members.members[rank].clock}")
             return [self._reply_register(ident, msg, rank)]
         if role == "server":
-            idx = msg.get("index", 0)
+            idx = self._shard_index(msg)
             nonce = msg.get("nonce") or ""
             if not nonce or self.server_nonces.get(nonce) != idx:  # not a repeat of a registration (its answer lost)
                 self.server_joins[idx] = self.server_joins.get(idx, 0) + 1
@@ -181,6 +218,15 @@ class Coordinator:
         trained = round(time.monotonic() - self.t0, 3) if self.t0 and self.phase == "training" else 0.0
         return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock,
                                  trained_s=trained, **extra, **self._view())
+
+    def _shard_index(self, msg: wire.Message) -> int:
+        """A shard server's `index`, refused unless it is one of the job's shards (its
+        counters would count in summary.json, its `done` for the shards')."""
+        idx = msg.get("index", 0)
+        if not 0 <= idx < self.cfg.cluster.servers:
+            raise wire.WireError(wire.REFUSED, f"shard {idx} is not in 0..{self.cfg.cluster.servers - 1} "
+                                               f"(cluster.servers = {self.cfg.cluster.servers})")
+        return idx
 
     def _check_layout(self, given: Any) -> None:
         """A worker's model layout (psgd/layout.py): the first one is the job's, which
@@ -226,7 +272,8 @@ class Coordinator:
 
     def on_heartbeat(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
-        stats = msg.get("stats") or {}
+        stats = checked_stats(msg.get("stats") or {})
+        idx = self._shard_index(msg) if role == "server" else msg.get("index", 0)
         rejoin = False
         if role == "worker":
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
@@ -235,19 +282,24 @@ class Coordinator:
             if self.phase in ("final_eval", "done"):
                 rejoin = False  # it would be refused ("the job is finishing"): the job's end stops it instead
         elif role == "server":
-            self.servers[msg.get("index", 0)] = stats
-            self.server_seen[msg.get("index", 0)] = now
+            self.servers[idx] = stats
+            self.server_seen[idx] = now
         elif role == "evaluator":
             self.evaluator_seen = now
         if self.phase == "done":
-            self.told_done.add((role, msg.get("index", 0), msg.rank))
+            self.told_done.add((role, idx, msg.rank))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
 
     def on_finish(self, ident, msg: wire.Message) -> list[Reply]:
         """A worker is done. With `hold`, the job does not end when the last worker is
         done until that worker sends `release` (or cluster.timeout_s passes): a
-        training script's rank 0 reads the final model meanwhile (psgd/connection.py)."""
-        self.members.finish(msg.rank, msg.get("stats"))
+        training script's rank 0 reads the final model meanwhile (psgd/connection.py).
+        Refused, before anything is applied, from a rank that is not a member (its
+        `error` would abort the job, its `hold` hold its end)."""
+        if msg.rank not in self.members.members:
+            raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
+        stats = msg.get("stats")
+        self.members.finish(msg.rank, None if stats is None else checked_stats(stats))
         if msg.get("hold"):
             self.held_until = time.monotonic() + self.cfg.cluster.timeout_s
         error = msg.get("error")
@@ -260,11 +312,16 @@ class Coordinator:
     def on_eval(self, ident, msg: wire.Message) -> list[Reply]:
         """A score of the global model; its time is when the evaluator read the model
         (`age_s` before now: the scoring took that long), its samples the workers' count
-        now (their heartbeats')."""
+        now (their heartbeats'). An accuracy outside [0, 1] (NaN too) is refused: no score
+        is one. A loss that is not finite is kept (an evaluator's score of a diverged
+        model); summary.json writes it as null (metrics.write_json_atomic)."""
+        accuracy, loss = float(msg.get("accuracy")), float(msg.get("loss"))
+        if not 0.0 <= accuracy <= 1.0:
+            raise wire.WireError(wire.BAD_FIELD, f"accuracy {accuracy} is not in [0, 1]")
         age = max(0.0, float(msg.get("age_s", 0.0)))
         t = max(0.0, time.monotonic() - age - self.t0) if self.t0 else 0.0
-        e = {"t": round(t, 3), "samples": self.samples(), "accuracy": float(msg.get("accuracy")),
-             "loss": float(msg.get("loss")), "final": bool(msg.get("final", False))}
+        e = {"t": round(t, 3), "samples": self.samples(), "accuracy": accuracy, "loss": loss,
+             "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):
             self.evals.append(e)  # t: seconds since training started (summary.json's curve)
             if self.scalars:
@@ -367,10 +424,14 @@ class Coordinator:
         self._save_state(self.done_at)
 
     def _lingered(self, now: float) -> bool:
-        """After `done`, keep answering heartbeats until every daemon has heard it."""
+        """After `done`, keep answering heartbeats until every daemon has heard it: the
+        shards, the evaluator, and every worker still live (an aborted job's worker
+        blocked at a barrier learns of the end only so; finished and lost ones need not)."""
         expected = self.cfg.cluster.servers + (1 if self.cfg.cluster.evaluator else 0)
         heard = len({k for k in self.told_done if k[0] != "worker"})
-        return heard >= expected or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
+        workers = {k[2] for k in self.told_done if k[0] == "worker"}
+        live = set(self.members.live())
+        return (heard >= expected and live <= workers) or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
 
     # ------------------------------------------------------------ the state file
     def _save_state(self, now: float) -> None:

@@ -1,0 +1,262 @@
+"""Requests that pass the wire's type checks but carry values no honest daemon sends:
+each is refused with an error reply and changes nothing, and the daemon that got it
+keeps serving (before, they stopped the coordinator later, outside any request, or
+poisoned a shard's counters). Also: the heartbeat thread outlives a failed beat, and an
+aborted job's coordinator waits for its live workers to hear the end."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from psgd import wire
+from psgd.config import Config
+from psgd.membership import CoordinatorLink
+from psgd.metrics import write_json_atomic
+from psgd.servers.coordinator import Coordinator
+from psgd.shard import Shard
+from tests.conftest import free_port_block
+
+
+def coordinator(workers: int = 2, servers: int = 1, start: bool = True, out: str | None = None,
+                **sets) -> Coordinator:
+    """A coordinator served by hand (`ask`); with `start`, every worker registered (training)."""
+    cfg = Config().replace(**{"cluster.workers": workers, "cluster.servers": servers, "cluster.evaluator": False,
+                              "cluster.port": free_port_block(2), **sets})
+    c = Coordinator(cfg, out, quiet=True)
+    if start:
+        for r in range(workers):
+            c.service._serve(b"w%d" % r, wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
+        assert c.phase == "training"
+    return c
+
+
+def ask(c: Coordinator, op: str, **fields) -> wire.Message:
+    """The coordinator's one answer to a request, through its serve path."""
+    (_, frames), = c.service._serve(b"x", wire.encode(op, id=2, **fields))
+    return wire.decode(frames)
+
+
+def honest_worker_stats() -> dict:
+    """What workers/worker.py's stats() sends (the fields and their kinds)."""
+    return {"samples": 64, "steps": 2, "clock": 2, "elapsed_s": 1.5, "wait_s": 0.25, "bytes_sent": 100,
+            "bytes_recv": 200, "staleness_hist": [2] + [0] * 32, "staleness_sum": 0, "staleness_max": 0,
+            "loss": None, "retries": 0, "rejected": 0}
+
+
+BAD_STATS = {"bytes": {"samples": 3, "note": b""}, "str": {"samples": "12 samples"}, "nan": {"samples": math.nan},
+             "inf": {"samples": math.inf}, "bool": {"samples": True}, "huge": {"samples": 2 ** 62},
+             "map": {"samples": {"a": 1}}, "list of str": {"staleness_hist": [1, "x"]},
+             "long list": {"staleness_hist": [0] * 5000}}
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", list(BAD_STATS), ids=list(BAD_STATS))
+def test_counters_no_daemon_sends_are_refused_and_change_nothing(tmp_path, bad):
+    c = coordinator(out=str(tmp_path))
+    try:
+        assert ask(c, "heartbeat", rank=0, clock=2, role="worker", stats=honest_worker_stats()).op == "reply"
+        before = json.dumps(c.members.stats())
+        for op, fields in [("heartbeat", {"role": "worker", "clock": 3}), ("heartbeat", {"role": "server"}),
+                           ("finish", {"clock": 3})]:
+            m = ask(c, op, rank=0, stats=BAD_STATS[bad], **fields)
+            assert (m.op, m.get("code")) == ("error", wire.BAD_FIELD), (op, m.fields)
+            assert m.get("reason").startswith("stats: ")
+        assert json.dumps(c.members.stats()) == before and c.servers == {}
+        assert c.members.members[0].state == "live"
+        c._save_state(time.monotonic() + 5)   # what died of them before: the state file, the sums
+        c._progress(time.monotonic())
+        assert c.samples() == 64
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_honest_counters_are_kept_and_a_non_finite_loss_as_null(tmp_path):
+    c = coordinator(out=str(tmp_path))
+    try:
+        shard = {**Shard(c.cfg, 0).stats(), "step": 3}
+        assert ask(c, "heartbeat", role="server", index=0, stats=shard).op == "reply"
+        assert c.servers[0] == shard
+        stats = {**honest_worker_stats(), "loss": math.inf}   # a worker's last loss may be inf
+        assert ask(c, "finish", rank=1, clock=2, stats=stats, error="loss is inf at step 2").op == "reply"
+        assert c.members.members[1].stats == {**stats, "loss": None} and c.abort
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("accuracy, loss", [(math.nan, 1.0), (1.5, 1.0), (-0.1, 1.0), (87.5, 0.3)])
+def test_a_score_that_is_not_one_is_refused(accuracy, loss):
+    c = coordinator()
+    try:
+        m = ask(c, "eval", accuracy=accuracy, loss=loss)
+        assert (m.op, m.get("code")) == ("error", wire.BAD_FIELD)
+        assert "is not in [0, 1]" in m.get("reason")
+        assert c.evals == []
+        assert ask(c, "eval", accuracy=1.0, loss=0.0).op == "reply" and len(c.evals) == 1
+        # a diverged model's score: its loss is not finite, and it is one (summary.json: null)
+        assert ask(c, "eval", accuracy=0.1, loss=math.nan).op == "reply" and len(c.evals) == 2
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("index", [2, 99, -5])
+def test_a_shard_that_is_not_the_jobs_is_refused(index):
+    c = coordinator(servers=2)
+    try:
+        for op, fields in [("heartbeat", {"stats": {"bad_messages": 123456}}), ("register", {"nonce": "s"})]:
+            m = ask(c, op, role="server", index=index, **fields)
+            assert (m.op, m.get("code"), m.get("reason")) == (
+                "error", wire.REFUSED, f"shard {index} is not in 0..1 (cluster.servers = 2)")
+        assert c.servers == {} and c.server_seen == {} and c.server_joins == {}
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_json_files_are_strict_json_with_null_for_non_finite_floats(tmp_path):
+    path = str(tmp_path / "summary.json")
+    write_json_atomic(path, {"final_loss": math.nan, "evals": [{"loss": math.inf}, {"loss": 1.5}], "n": 3})
+
+    def strict(x):
+        raise ValueError(f"not JSON: {x}")
+    assert json.loads(open(path).read(), parse_constant=strict) == {
+        "final_loss": None, "evals": [{"loss": None}, {"loss": 1.5}], "n": 3}
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"note": b""})
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]   # no temporary file left behind
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_finish_from_a_rank_that_is_not_a_member_is_refused_before_anything_is_applied():
+    c = coordinator(workers=1)
+    try:
+        for rank in (7, -1):
+            m = ask(c, "finish", rank=rank, error="bogus", hold=True)
+            assert (m.op, m.get("code"), m.get("reason")) == (
+                "error", wire.REFUSED, f"rank {rank} is not a member of this job")
+        assert c.abort == "" and c.held_until == 0.0 and c.members.live() == {0: 0}
+        assert ask(c, "finish", rank=0, clock=3, stats={"samples": 64}).op == "reply"
+        assert c.members.all_done and c.abort == ""
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_rank_outside_the_job_is_refused_and_any_rank_still_works():
+    c = coordinator(workers=2, start=False)
+    try:
+        for want in (2, 7, -2):
+            m = ask(c, "register", role="worker", want_rank=want, nonce=f"x{want}")
+            assert (m.op, m.get("code"), m.get("reason")) == (
+                "error", wire.REFUSED, f"rank {want} is not in 0..1 (cluster.workers = 2)")
+        assert c.members.members == {}
+        assert c.service._serve(b"a", wire.encode("register", id=3, role="worker", want_rank=-1, nonce="a")) == []
+        (_, frames), (_, frames2) = c.service._serve(b"b", wire.encode("register", id=4, role="worker",
+                                                                        want_rank=-1, nonce="b"))
+        assert sorted(wire.decode(f).get("assigned_rank") for f in (frames, frames2)) == [0, 1]
+    finally:
+        c.sock.close(0)
+
+
+# ------------------------------------------------------------ a shard's pushes
+def push(shard: Shard, rank: int, clock: int, read_version: int) -> wire.Message:
+    return wire.decode(wire.encode("push", id=1, rank=rank, clock=clock, read_version=read_version,
+                                   arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_a_push_with_a_negative_read_version_or_a_clock_past_the_last_step_is_refused(mode):
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 1, "cluster.servers": 1, "train.steps": 10})
+    shard = Shard(cfg, 0)
+    for clock, read_version, code in [(0, -(2 ** 63), wire.BAD_FIELD), (0, -1, wire.BAD_FIELD),
+                                      (11, 0, wire.REFUSED), (2 ** 62 - 1, 0, wire.REFUSED)]:
+        with pytest.raises(wire.WireError) as e:
+            shard.handle("w", push(shard, 0, clock, read_version))
+        assert e.value.code == code
+    assert shard.last_clock == {} and shard.version == 0 and shard.counters["pushes"] == 0
+    assert shard.rule.stats()["staleness_sum"] == 0
+    (_, frames), = shard.handle("w", push(shard, 0, 0, 0))   # the honest push is applied, not a duplicate
+    m = wire.decode(frames)
+    assert m.op == "reply" and not m.get("duplicate") and shard.version == 1
+    # a read_version past the shard's version is an honest one after a restore from an older checkpoint
+    (_, frames), = shard.handle("w", push(shard, 0, 1, 50))
+    assert wire.decode(frames).get("staleness") == 0 and shard.version == 2
+
+
+# ------------------------------------------------------------ the heartbeat thread
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_the_heartbeat_thread_outlives_a_beat_that_fails():
+    c = coordinator(workers=1, **{"cluster.heartbeat_s": 0.05})
+    served = threading.Thread(target=c.serve, daemon=True)
+    served.start()
+    link = CoordinatorLink(c.cfg, "server", 0)
+    calls = []
+
+    def stats() -> dict:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise OverflowError("int too big to convert")   # e.g. a counter msgpack cannot carry
+        return {"version": len(calls)}
+    link.stats_fn = stats
+    try:
+        link.start()
+        deadline = time.monotonic() + 20
+        while 0 not in c.servers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.servers.get(0, {}).get("version", 0) >= 3
+        assert link._thread is not None and link._thread.is_alive()
+    finally:
+        link.close()
+        c.stop_requested = True
+        served.join(10)
+
+
+# ------------------------------------------------------------ the end of an aborted job
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_an_aborted_job_lingers_until_its_live_workers_heard_the_end():
+    c = coordinator(workers=2, servers=1)
+    try:
+        ask(c, "finish", rank=1, clock=4, error="worker 1's training script raised ValueError: bad batch")
+        c._tick(time.monotonic())
+        assert c.phase == "done" and c.abort
+        ask(c, "heartbeat", role="server", index=0)            # the shard heard it
+        assert not c._lingered(time.monotonic())               # worker 0, live (at a barrier), has not
+        assert ask(c, "heartbeat", role="worker", rank=0, index=0, clock=4).get("done")
+        assert c._lingered(time.monotonic())
+        assert c._lingered(c.done_at + 3 * c.cfg.cluster.heartbeat_s + 3.1)   # and never past the time limit
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_job_whose_workers_all_finished_ends_once_the_shards_heard_it():
+    c = coordinator(workers=2, servers=1)
+    try:
+        for r in range(2):
+            ask(c, "finish", rank=r, clock=10, stats={"samples": 320})
+        c._tick(time.monotonic())
+        assert c.phase == "done" and not c.abort
+        assert not c._lingered(time.monotonic())
+        ask(c, "heartbeat", role="server", index=0)
+        assert c._lingered(time.monotonic())   # no worker to wait for
+    finally:
+        c.sock.close(0)

@@ -404,8 +404,10 @@ class Coordinator:
         failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined, "workers_restarted": m.restarted,
                     "shard_restarts": sum(max(0, n - 1) for n in self.server_joins.values()),
                     "coordinator_restarts": self.restarts}
+        script = self.cfg.model.name == layouts.SCRIPT_MODEL  # a script job: its data and batches are its own
         extra = {"job": self.cfg.job.name, "seed": self.cfg.job.seed, "model": self.cfg.model.name,
-                 "data": self.cfg.data.name, "batch_size": self.cfg.train.batch_size,
+                 "data": None if script else self.cfg.data.name,
+                 "batch_size": None if script else self.cfg.train.batch_size,
                  "steps": self.cfg.train.steps, "faults": {k: v for k, v in vars(self.cfg.faults).items()},
                  "bad_messages_coordinator": self.counters["bad_messages"],
                  "startup_s": self.startup_s, "startup_from": self.launched_by}

@@ -54,6 +54,7 @@ def test_custom_model_and_loss_in_every_mode(tmp_path, mode):
     assert untrained < 0.15
     assert s["final_accuracy"] >= 0.3, s            # the script's report: share within 0.1 of the truth
     assert s["mode"] == mode and s["failures"]["workers_lost"] == 0
+    assert s["data"] is None and s["batch_size"] is None   # the script's own, not psgd's config (was digits, 32)
     model = ex.Forecaster()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))   # the final global model
     assert ex.within(model, x, y)[0] >= 0.3

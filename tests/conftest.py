@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -150,3 +151,27 @@ def kill_all(procs) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def hand_served(workers: int = 2, servers: int = 1, start: bool = True, out: str | None = None,
+                **sets) -> Any:
+    """A coordinator served by hand (`ask`), through its serve path but with no socket
+    read; with `start`, every worker registered (training)."""
+    from psgd import wire
+    from psgd.config import Config
+    from psgd.servers.coordinator import Coordinator
+    cfg = Config().replace(**{"cluster.workers": workers, "cluster.servers": servers, "cluster.evaluator": False,
+                              "cluster.port": free_port_block(2), **sets})
+    c = Coordinator(cfg, out, quiet=True)
+    if start:
+        for r in range(workers):
+            c.service._serve(b"w%d" % r, wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
+        assert c.phase == "training"
+    return c
+
+
+def ask(c: Any, op: str, **fields) -> Any:
+    """The coordinator's one answer to a request, through its serve path."""
+    from psgd import wire
+    (_, frames), = c.service._serve(b"x", wire.encode(op, id=2, **fields))
+    return wire.decode(frames)

@@ -9,24 +9,9 @@ from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink
 from psgd.servers.coordinator import Coordinator
-from tests.conftest import free_port_block
+from tests.conftest import ask, free_port_block, hand_served
 
 pytestmark = pytest.mark.inprocess
-
-
-def training(workers: int) -> Coordinator:
-    cfg = Config().replace(**{"cluster.workers": workers, "cluster.port": free_port_block(2)})
-    c = Coordinator(cfg, None, quiet=True)
-    for r in range(workers):
-        c.service._serve(b"w%d" % r, wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
-    assert c.phase == "training"
-    return c
-
-
-def ask(c: Coordinator, op: str, **fields) -> wire.Message:
-    """The coordinator's one answer to a request, through its serve path."""
-    (_, frames), = c.service._serve(b"w", wire.encode(op, id=2, **fields))
-    return wire.decode(frames)
 
 
 def beat(c: Coordinator, rank: int, live_id: str = "", clock: int = 5) -> wire.Message:
@@ -36,7 +21,7 @@ def beat(c: Coordinator, rank: int, live_id: str = "", clock: int = 5) -> wire.M
 
 @pytest.mark.timeout(30)
 def test_the_live_set_goes_only_to_a_daemon_that_lacks_the_current_one():
-    c = training(3)
+    c = hand_served(3)
     try:
         first = beat(c, 0)
         assert first.get("live") == {"0": 5, "1": 0, "2": 0} and first.get("live_id")  # with its own clock
@@ -54,7 +39,7 @@ def test_the_live_set_goes_only_to_a_daemon_that_lacks_the_current_one():
 
 @pytest.mark.timeout(30)
 def test_the_link_keeps_its_live_set_when_the_answer_has_none():
-    c = training(2)
+    c = hand_served(2)
     try:
         link = CoordinatorLink(c.cfg, "worker", 0)
         link._apply(beat(c, 0))
@@ -111,7 +96,7 @@ def test_a_score_is_timed_when_the_evaluator_read_the_model():
     # the evaluator reports how long ago it read the model it scored (`age_s`): the
     # curve's time is the read's, not the report's, which scoring the test set delays
     import time
-    c = training(2)
+    c = hand_served(2)
     time.sleep(0.6)   # training has run longer than the scoring took
     try:
         for age in (0.0, 0.4):
@@ -128,7 +113,7 @@ def test_a_score_is_timed_when_the_evaluator_read_the_model():
 def test_a_repeated_shard_registration_is_not_a_restart():
     # a shard re-sends its registration when the answer is slow (REGISTER_RESEND_S): the
     # same nonce is the same process, not a restarted shard; another nonce is one
-    c = training(2)
+    c = hand_served(2)
     try:
         def register(nonce: str) -> wire.Message:
             return ask(c, "register", role="server", index=0, nonce=nonce)

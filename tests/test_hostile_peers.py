@@ -17,28 +17,9 @@ from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink
 from psgd.metrics import write_json_atomic
-from psgd.servers.coordinator import Coordinator
 from psgd.shard import Shard
-from tests.conftest import free_port_block
-
-
-def coordinator(workers: int = 2, servers: int = 1, start: bool = True, out: str | None = None,
-                **sets) -> Coordinator:
-    """A coordinator served by hand (`ask`); with `start`, every worker registered (training)."""
-    cfg = Config().replace(**{"cluster.workers": workers, "cluster.servers": servers, "cluster.evaluator": False,
-                              "cluster.port": free_port_block(2), **sets})
-    c = Coordinator(cfg, out, quiet=True)
-    if start:
-        for r in range(workers):
-            c.service._serve(b"w%d" % r, wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
-        assert c.phase == "training"
-    return c
-
-
-def ask(c: Coordinator, op: str, **fields) -> wire.Message:
-    """The coordinator's one answer to a request, through its serve path."""
-    (_, frames), = c.service._serve(b"x", wire.encode(op, id=2, **fields))
-    return wire.decode(frames)
+from tests.conftest import ask
+from tests.conftest import hand_served as coordinator
 
 
 def honest_worker_stats() -> dict:

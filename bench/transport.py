@@ -388,7 +388,8 @@ def run_psgd_side(pool: Pool, work: str, size: int, shards: int, workers, repeat
     cfg = psgd_config([f"cluster.servers={shards}", f"cluster.workers={len(pool.conns)}",
                        "cluster.evaluator=false", "mode.name=async", "optimizer.momentum=0",
                        "checkpoint.every_s=0", "model.name=bench.models:table", "data.name=synthetic",
-                       f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64"])
+                       f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64",
+                       "train.steps=1000000000"])   # the clients push as often as they like: no step limit
     with Procs(os.path.join(out, "logs")) as procs:
         start_daemons(procs, cfg, out)
         wait_for(procs, ["coordinator"], "shards registered")  # then the workers' layout, and they serve

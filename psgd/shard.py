@@ -179,7 +179,7 @@ class Shard:
         v, b = wire.tensor(msg, 0), wire.tensor(msg, 1)
         if self.wire_dtype != "float32":  # into float32, for the float32 master weights
             v = self._incoming.copy_(v)
-        return self._finite(v, what, msg.clock), b
+        return self._finite(v, what, msg.clock), self._finite(b, f"{what}'s buffers", msg.clock)
 
     def _gradient(self, msg: wire.Message) -> tuple[torch.Tensor, torch.Tensor]:
         """A compressed push (`wire.compression`), decoded into a dense float32 vector."""
@@ -193,7 +193,7 @@ class Shard:
         if self.codec == "topk" and last.numel() and not (int(last.min()) >= 0 and int(last.max()) < self.P):
             raise wire.WireError(wire.BAD_FIELD, f"topk indices must be in 0..{self.P - 1}")
         g = compression.decode(self.codec, first, last, self.P, out=self._incoming)
-        return self._finite(g, "gradient", msg.clock), wire.tensor(msg, 1)
+        return self._finite(g, "gradient", msg.clock), self._finite(wire.tensor(msg, 1), "buffers", msg.clock)
 
     @staticmethod
     def _finite(v: torch.Tensor, what: str, clock: int) -> torch.Tensor:
@@ -205,6 +205,7 @@ class Shard:
         self.counters["pulls"] += 1
         if msg.rank >= 0:
             self._check_rank(msg)
+        self._within_job("clock", msg.clock, 1)   # a push's read is of the clock after it
         return self.carry_out(self.rule.read(r.Read((token, msg), msg.rank, msg.clock, bool(msg.get("join")))))
 
     def on_push(self, token, msg: wire.Message) -> list[Reply]:
@@ -235,13 +236,21 @@ class Shard:
         clocks jump on a catch-up, a rejoin, or a restore from an older checkpoint."""
         if int(msg.get("read_version")) < 0:
             raise wire.WireError(wire.BAD_FIELD, f"read_version {msg.get('read_version')} is negative")
+        self._within_job("clock", msg.clock, 0)
+
+    def _within_job(self, what: str, value: int, beyond: int, *allowed: int) -> None:
+        """A clock or round (either sign) more than `beyond` past `train.steps`, which no
+        honest request of this job carries (a round counts steps or more), other than
+        `allowed`: refused. Kept, it would stay in the rule's state (a barrier moved past
+        every honest step, a rank's last clock, a tournament round) for good."""
         steps = self.cfg.train.steps
-        if steps and msg.clock > steps:
-            raise wire.WireError(wire.REFUSED, f"clock {msg.clock} is past the job's last step "
+        if steps and abs(value) > steps + beyond and value not in allowed:
+            raise wire.WireError(wire.REFUSED, f"{what} {value} is past the job's last step "
                                                f"(train.steps = {steps})")
 
     def on_elastic(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
+        self._within_job("round", int(msg.get("round")), 1)
         x, b = self._vectors(msg, "replica")
         self.counters["pushes"] += 1
         return self.carry_out(self.rule.elastic(r.ElasticOffer((token, msg), msg.rank, int(msg.get("round")), x, b)))
@@ -253,13 +262,19 @@ class Shard:
         wire.expect_array(msg, 0, "float32", (self.P,))
         wire.expect_array(msg, 1, "float32", (self.B,))
         self._finite(wire.tensor(msg, 0), "model", msg.clock)
+        self._finite(wire.tensor(msg, 1), "model's buffers", msg.clock)
         for i in range(2, len(msg.arrays)):  # the optimizer's state
             wire.expect_array(msg, i, "float32", (self.P,))
+        self._within_job("round", int(msg.get("round")), 1, r.FINAL_ROUND)
+        score = float(msg.get("score"))
+        if score != score or score == float("inf"):   # -inf is a score: a trainer that has none yet
+            raise wire.WireError(wire.BAD_FIELD, f"score {score} is not a score (NaN or +inf)")
         arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]
         return self.carry_out(self.rule.deposit(
-            r.Deposit((token, msg), msg.rank, int(msg.get("round")), float(msg.get("score")), arrays)))
+            r.Deposit((token, msg), msg.rank, int(msg.get("round")), score, arrays)))
 
     def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
+        self._within_job("round", int(msg.get("round")), 1, r.FINAL_ROUND)
         return self.carry_out(self.rule.fetch(
             r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")))))
 

@@ -52,6 +52,7 @@ from .. import wire
 from ..sharding import model_grads
 from .pushpull import load
 from .rule import (
+    FINAL_ROUND,
     REFUSED,
     Answer,
     AnswerModel,
@@ -89,7 +90,7 @@ FETCH_TRIES = 5   # a chosen deposit can be replaced by a newer one between inde
 SCORES = -1       # get_model's owner for a round's scores (truncation)
 META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
 NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
-FINAL = 2 ** 31 - 1  # the round of the trainers' final models (after the last local round)
+FINAL = FINAL_ROUND  # the round of the trainers' final models (after the last local round)
 
 
 class LtfbRule(ServerRule):

@@ -80,9 +80,12 @@ class ElasticOffer:
     buffers: Any
 
 
+FINAL_ROUND = 2 ** 31 - 1  # the round of the final models (a deposit after the last round, whatever the budget)
+
+
 @dataclass
 class Deposit:
-    """A trainer's model for a tournament round, with its score."""
+    """A trainer's model for a tournament round (or FINAL_ROUND), with its score."""
     token: Any
     rank: int
     round: int

@@ -163,8 +163,7 @@ def push(shard: Shard, rank: int, clock: int, read_version: int) -> wire.Message
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
 def test_a_push_with_a_negative_read_version_or_a_clock_past_the_last_step_is_refused(mode):
-    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 1, "cluster.servers": 1, "train.steps": 10})
-    shard = Shard(cfg, 0)
+    shard = small_shard(mode)
     for clock, read_version, code in [(0, -(2 ** 63), wire.BAD_FIELD), (0, -1, wire.BAD_FIELD),
                                       (11, 0, wire.REFUSED), (2 ** 62 - 1, 0, wire.REFUSED)]:
         with pytest.raises(wire.WireError) as e:
@@ -180,8 +179,14 @@ def test_a_push_with_a_negative_read_version_or_a_clock_past_the_last_step_is_re
     assert wire.decode(frames).get("staleness") == 0 and shard.version == 2
 
 
-def request(shard: Shard, op: str, **fields) -> wire.Message:
+def request(op: str, **fields) -> wire.Message:
     return wire.decode(wire.encode(op, id=1, **fields))
+
+
+def small_shard(mode: str, workers: int = 1, **sets) -> Shard:
+    """Shard 0 of the only shard of a 10-step job."""
+    return Shard(Config().replace(**{"mode.name": mode, "cluster.workers": workers, "cluster.servers": 1,
+                                     "train.steps": 10, **sets}), 0)
 
 
 @pytest.mark.unit
@@ -190,12 +195,11 @@ def request(shard: Shard, op: str, **fields) -> wire.Message:
 def test_a_pull_of_a_clock_past_the_last_step_is_refused_and_moves_nothing(mode):
     # it fast-forwarded sync's barrier to 2**61 (every honest push then dropped), and set an
     # ssp rank's finished clock so that others' reads were answered as guaranteed
-    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 2, "cluster.servers": 1, "train.steps": 10})
-    shard = Shard(cfg, 0)
+    shard = small_shard(mode, workers=2)
     for rank in range(2):
         with pytest.raises(wire.WireError, match="clock 2305843009213693952 is past the job's last step"):
-            shard.handle("w", request(shard, "pull", rank=rank, clock=2 ** 61))
-    assert shard.handle("w", request(shard, "pull", rank=0, clock=11)) is not None   # a push's read: clock + 1
+            shard.handle("w", request("pull", rank=rank, clock=2 ** 61))
+    assert shard.handle("w", request("pull", rank=0, clock=11)) is not None   # a push's read: clock + 1
     (_, frames), = shard.handle("w", push(shard, 0, 0, 0))
     assert not wire.decode(frames).get("duplicate") and not wire.decode(frames).get("dropped")
 
@@ -205,15 +209,13 @@ def test_a_pull_of_a_clock_past_the_last_step_is_refused_and_moves_nothing(mode)
 @pytest.mark.parametrize("sync", [False, True])
 def test_an_elastic_round_past_the_last_step_is_refused(sync):
     # async: the rank's every later offer was a duplicate; sync: the barrier moved past every round
-    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": sync, "cluster.workers": 2, "cluster.servers": 1,
-                              "train.steps": 10, "mode.alpha": 0.1})
-    shard = Shard(cfg, 0)
+    shard = small_shard("easgd", workers=2, **{"mode.sync": sync, "mode.alpha": 0.1})
     x = [np.zeros(shard.P, np.float32), np.zeros(shard.B, np.float32)]
     for rnd in (2 ** 62 - 1, 12):
         with pytest.raises(wire.WireError, match=f"round {rnd} is past the job's last step"):
-            shard.handle("w", request(shard, "elastic", rank=0, clock=0, round=rnd, arrays=x))
+            shard.handle("w", request("elastic", rank=0, clock=0, round=rnd, arrays=x))
     with pytest.raises(wire.WireError, match="out of range"):   # msgpack's 2**64 - 1: no counter can carry it
-        request(shard, "elastic", rank=0, clock=0, round=2 ** 64 - 1, arrays=x)
+        request("elastic", rank=0, clock=0, round=2 ** 64 - 1, arrays=x)
 
 
 @pytest.mark.unit
@@ -225,17 +227,17 @@ def test_non_finite_buffers_and_a_nan_or_infinite_tournament_score_are_refused()
     bad = np.zeros(shard.B, np.float32)
     bad[3] = np.nan
     with pytest.raises(wire.WireError, match="buffers has NaN or Inf"):   # they became the centre's buffers
-        shard.handle("w", request(shard, "elastic", rank=0, clock=0, round=1,
+        shard.handle("w", request("elastic", rank=0, clock=0, round=1,
                                   arrays=[np.zeros(shard.P, np.float32), bad]))
     cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "cluster.servers": 1, "train.steps": 100})
     shard = Shard(cfg, 0)
     model = [np.zeros(shard.P, np.float32), np.zeros(shard.B, np.float32)]
     for score in (math.nan, math.inf):   # NaN won every tournament and became the global model
         with pytest.raises(wire.WireError, match="is not a score"):
-            shard.handle("w", request(shard, "put_model", rank=0, clock=0, round=1, score=score, step=1,
+            shard.handle("w", request("put_model", rank=0, clock=0, round=1, score=score, step=1,
                                       arrays=model))
     with pytest.raises(wire.WireError, match="round 1099511627776 is past"):   # wiped later deposits
-        shard.handle("w", request(shard, "put_model", rank=0, clock=0, round=2 ** 40, score=0.5, step=1,
+        shard.handle("w", request("put_model", rank=0, clock=0, round=2 ** 40, score=0.5, step=1,
                                   arrays=model))
 
 

@@ -345,7 +345,8 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _number(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """An int or a float, not a bool (which Python counts as an int)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -423,7 +424,7 @@ def validate(cfg: Config) -> None:
     _check(o.schedule in ("constant", "step", "cosine"),
            f"optimizer.schedule must be constant, step or cosine, got {o.schedule!r}")
     _check(o.warmup_steps >= 0 and o.step_size >= 1, "optimizer.warmup_steps >= 0 and step_size >= 1")
-    _check(len(o.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in o.betas),
+    _check(len(o.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in o.betas),
            f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
     _check(o.momentum >= 0, f"optimizer.momentum must be >= 0, got {o.momentum}")
     _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
@@ -432,7 +433,7 @@ def validate(cfg: Config) -> None:
                                           f"got {o.gamma}, {o.min_lr}")
     _check(cfg.model.hidden >= 1, f"model.hidden must be >= 1, got {cfg.model.hidden}")
     _check(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
-    _check(len(cfg.data.shape) >= 1 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+    _check(len(cfg.data.shape) >= 1 and all(is_number(d) and isinstance(d, int) and d >= 1
                                             for d in cfg.data.shape),
            f"data.shape must be a list of sizes >= 1 (e.g. [1, 8, 8]), got {cfg.data.shape}")
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")

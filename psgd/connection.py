@@ -206,8 +206,7 @@ class Connection(Worker):
         try:
             # The score's sample count is the workers' as of their last heartbeats: this
             # worker's own is brought up to date first (a report right after the loop).
-            self.link.call("heartbeat", role="worker", index=self.rank, rank=self.rank, clock=self.clock,
-                           stats=self.stats(), live_id=self.link.state.get("live_id", ""))
+            self.link.beat()
             self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
         except (PeerTimeout, wire.RemoteError) as e:
             raise JobError(f"report(): the score was not recorded: {getattr(e, 'reason', e)}") from None

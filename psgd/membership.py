@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from . import wire
-from .config import Config
+from .config import Config, is_number
 from .log import log
 from .transport import Peers, PeerTimeout
 
@@ -49,18 +49,15 @@ def add_stats(past: dict, current: dict) -> dict:
         old = out.get(k)
         if k in LATEST_STATS or old is None:
             out[k] = v
-        elif _number(v) and _number(old):
+        elif is_number(v) and is_number(old):
             out[k] = max(old, v) if k in LARGEST_STATS else old + v
-        elif isinstance(v, list) and isinstance(old, list) and all(map(_number, v + old)):
+        elif isinstance(v, list) and isinstance(old, list) and all(map(is_number, v + old)):
             n = max(len(v), len(old))
             out[k] = [(old[i] if i < len(old) else 0) + (v[i] if i < len(v) else 0) for i in range(n)]
         else:
             out[k] = v
     return out
 
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -295,11 +292,7 @@ class CoordinatorLink:
         try:
             while not self._stop.is_set():
                 try:
-                    msg = peers.call(0, "heartbeat", timeout=max(hb * 4, 2.0), role=self.role,
-                                     index=self.index, rank=self.rank if self.role == "worker" else -1,
-                                     clock=self.clock_fn(), stats=self.stats_fn(),
-                                     live_id=self.state.get("live_id", ""))
-                    self._apply(msg)
+                    self._apply(peers.call(0, "heartbeat", timeout=max(hb * 4, 2.0), **self._beat()))
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError):
@@ -321,6 +314,15 @@ class CoordinatorLink:
             pass  # the process is closing its sockets' context (its daemon ended first): so must we
         finally:
             peers.close()
+
+    def _beat(self) -> dict:
+        """A heartbeat's fields: who beats, with its clock and counters now."""
+        return {"role": self.role, "index": self.index, "rank": self.rank if self.role == "worker" else -1,
+                "clock": self.clock_fn(), "stats": self.stats_fn(), "live_id": self.state.get("live_id", "")}
+
+    def beat(self) -> None:
+        """A heartbeat now, from the caller's thread (the counters up to this moment)."""
+        self._apply(self.call("heartbeat", **self._beat()))
 
     def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
         """A request (finish, eval) from the caller's thread, on one socket kept open

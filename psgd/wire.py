@@ -232,8 +232,8 @@ def _check_field(op: str, name: str, value: Any) -> None:
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise WireError(BAD_FIELD, f"field {name!r} must be {'/'.join(t.__name__ for t in types)}, "
                                    f"got {type(value).__name__}")
-    if type(value) is int and not -(1 << 62) <= value < 1 << 62:   # as the header's own ints: kept values
-        raise WireError(BAD_FIELD, f"field {name!r} is out of range: {value}")  # must be sent again
+    if type(value) is int and not -(1 << 62) <= value < 1 << 62:   # as the header's own ints: a value a
+        raise WireError(BAD_FIELD, f"field {name!r} is out of range: {value}")  # peer keeps must encode again
 
 
 def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:

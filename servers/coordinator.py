@@ -38,7 +38,7 @@ import zmq
 
 from psgd import layout as layouts
 from psgd import wire
-from psgd.config import Config
+from psgd.config import Config, is_number
 from psgd.log import log
 from psgd.membership import Membership
 from psgd.metrics import EventLog, summarize, write_json_atomic
@@ -83,7 +83,7 @@ def checked_stats(stats: Any) -> dict:
 
 
 def _stat_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= MAX_STAT  # NaN, inf: not <=
+    return is_number(x) and abs(x) <= MAX_STAT  # NaN, inf: not <=
 
 
 class Coordinator:

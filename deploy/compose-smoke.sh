@@ -182,13 +182,12 @@ rm -rf "$DIR/ctx"
 say "image $IMAGE built ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
 
 # ---- 5. the job ------------------------------------------------------------------------
-free_ports() {  # three free ports in a row on 127.0.0.1
+free_ports() {  # three free ports in a row on 127.0.0.1, below the ephemeral range (psgd/launcher.py pick_port)
   "$PYBIN" - <<'PY'
+import random
 import socket
 for _ in range(200):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
+    base = random.randrange(10000, 32000)
     socks = []
     try:
         for p in range(base, base + 3):

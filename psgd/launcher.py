@@ -26,6 +26,7 @@ import fcntl
 import glob
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -103,11 +104,39 @@ def busy_port(host: str, base: int, n: int) -> int | None:
     return None
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the OS takes the local port of an outgoing connection from (Linux's
+    net.ipv4.ip_local_port_range; IANA's 49152-65535 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def in_ephemeral_range(base: int, n: int) -> bool:
+    low, high = ephemeral_ports()
+    return base <= high and base + n - 1 >= low
+
+
 def pick_port(host: str, want: int, n: int) -> int:
-    """`want` if ports want..want+n-1 are free, else a free block the OS suggests."""
+    """`want` if ports want..want+n-1 are free, else a free block below the OS's
+    ephemeral range, at random (two launchers rarely pick the same). Not in it: a port
+    there may be taken, before its daemon binds it, as the local end of some outgoing
+    connection, and a connection to it from this host may connect to itself (TCP
+    self-connect: the worker's socket then holds the shard's port, and the shard cannot
+    bind it; libzmq issue 4588)."""
     if ports_free(host, want, n):
         return want
-    for _ in range(50):
+    low, _ = ephemeral_ports()
+    first = 10000 if low - n > 20000 else 1024
+    rng = random.Random()
+    for _ in range(200 if low - n > first else 0):
+        base = rng.randrange(first, low - n + 1)
+        if ports_free(host, base, n):
+            return base
+    for _ in range(50):   # no free block below it: one the OS suggests
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             base = s.getsockname()[1]
@@ -236,6 +265,11 @@ class LocalJob:
                 raise LaunchError(f"cluster.port = {c.port}: port {busy} on {c.host} is in use (the job needs "
                                   f"{c.port}-{c.port + n - 1}: the coordinator and {c.servers} shards); set "
                                   f"another cluster.port, or leave it unset and psgd run picks a free block")
+            if in_ephemeral_range(c.port, n) and not self.quiet:
+                low, high = ephemeral_ports()
+                log("run", f"warning: cluster.port = {c.port}: ports {c.port}-{c.port + n - 1} lie in the OS's range "
+                           f"for outgoing connections ({low}-{high}), where a connection can take a port before its "
+                           f"daemon binds it; a port below {low} is safer")
             return cfg
         port = pick_port(c.host, c.port if avoid is None else avoid + n + 1, n)
         if not self.quiet:

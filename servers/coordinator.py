@@ -145,12 +145,16 @@ class Coordinator:
         whose `known` live set (`live_id`: this coordinator's and the membership's
         version) is not the current one: it is O(W), and a heartbeat is O(1) without it."""
         now = time.monotonic()
-        shards = sorted(i for i, t in self.server_seen.items() if now - t <= self.cfg.cluster.heartbeat_timeout_s)
+        shards = self.live_shards(now)
         view = {"phase": self.phase, "done": self.phase == "done", "version": self.members.version,
                 "abort": self.abort, "live_shards": shards, "live_id": f"{self.epoch}:{self.members.version}"}
         if known != view["live_id"]:
             view["live"] = {str(k): v for k, v in self.members.live().items()}
         return view
+
+    def live_shards(self, now: float) -> list[int]:
+        """The shards heard from within a heartbeat timeout."""
+        return sorted(i for i, t in self.server_seen.items() if now - t <= self.cfg.cluster.heartbeat_timeout_s)
 
     def samples(self) -> int:
         return sum(int(s.get("samples", 0)) for s in self.members.stats().values())
@@ -395,8 +399,12 @@ class Coordinator:
         n, t = self.samples(), now - self.t0
         acc = f"  acc {self.evals[-1]['accuracy']:.3f}" if self.evals else ""
         total = f"/{steps}" if steps else ""
+        # A shard that never started or stopped heartbeating: its workers are waiting on it.
+        silent = sorted(set(range(self.cfg.cluster.servers)) - set(self.live_shards(now)))
+        shards = f"  shards silent: {', '.join(map(str, silent))}" \
+            if silent and t > self.cfg.cluster.heartbeat_timeout_s else ""
         log("coordinator", f"{self.cfg.mode.name}  {t:6.1f} s  step {clock}{total}  samples {n:,}  "
-            f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}")
+            f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}{shards}")
 
     def _finish_job(self) -> None:
         wall = (self.t_end or time.monotonic()) - self.t0

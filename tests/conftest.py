@@ -12,8 +12,8 @@ mixes tiers marks each test, not the module.
 from __future__ import annotations
 
 import os
+import random
 import signal
-import socket
 import threading
 import time
 from typing import Any
@@ -133,11 +133,10 @@ def no_leaked_threads(request: pytest.FixtureRequest):
 
 
 def free_port_block(n: int) -> int:
-    from psgd.launcher import pick_port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-    return pick_port("127.0.0.1", base, n)
+    """A free block of n ports below the OS's ephemeral range, at random (why not in
+    it: psgd/launcher.py `pick_port`)."""
+    from psgd.launcher import ephemeral_ports, pick_port
+    return pick_port("127.0.0.1", random.randrange(10000, ephemeral_ports()[0] - n), n)
 
 
 @pytest.fixture

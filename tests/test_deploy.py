@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from psgd.config import ENV_RESERVED, SECTIONS, load
+from tests.conftest import free_port_block
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -53,29 +54,6 @@ def clean_env(**extra: str) -> dict:
 def run(cmd, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, **kw)
-
-
-def free_ports(n: int, host: str = "127.0.0.1", below: int = 32000) -> int:
-    """The first of n consecutive free TCP ports (under the usual ephemeral range)."""
-    for _ in range(500):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n >= below:
-            base = 10000 + base % (below - 10000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no {n} free consecutive ports")
 
 
 # ====================================================================== variables
@@ -266,7 +244,7 @@ def test_compose_healthchecks_probe_the_daemon_ports(compose):
         test = s.get("healthcheck", {}).get("test", [])
         if test[:3] != ["CMD", "python", "-c"]:
             continue
-        base = free_ports(4)
+        base = free_port_block(4)
         port = base if name == "coordinator" else base + 1 + int(name.split("-")[1])
         env = clean_env(PSGD_CLUSTER_PORT=str(base))
         with socket.socket() as listener:
@@ -340,7 +318,7 @@ class Cluster:
 
     def submit(self, script: Path, work: Path, args=(), script_args=(), **settings: str) -> str:
         env = {**self.env, "DEPLOY_PYTHON": sys.executable, "PSGD_OUT": str(work / "out"),
-               "PSGD_CLUSTER_PORT": str(free_ports(4)), **settings}
+               "PSGD_CLUSTER_PORT": str(free_port_block(4)), **settings}
         r = run(["sbatch", "--parsable", f"--output={work}/job-%j.out", f"--chdir={work}", *args, script,
                  *script_args], timeout=30, env=env)
         assert r.returncode == 0, f"sbatch failed: {r.stderr}"
@@ -438,7 +416,7 @@ def slurm():
     folder = Path(tempfile.mkdtemp(prefix="psgd-slurm-", dir="/tmp"))
     nodes = 3
     env = clean_env(SLURMCI_DIR=str(folder), SLURMCI_NODES=str(nodes),
-                    SLURMCI_PORT=str(free_ports(nodes + 1)), SLURM_CONF=str(folder / "slurm.conf"))
+                    SLURMCI_PORT=str(free_port_block(nodes + 1)), SLURM_CONF=str(folder / "slurm.conf"))
     down = ["bash", SLURM_DIR / "cluster-down.sh"]
     try:
         r = run(["bash", SLURM_DIR / "cluster-up.sh"], timeout=600, env=env)

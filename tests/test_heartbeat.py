@@ -3,6 +3,8 @@ clock of every live worker, O(W)) only to a daemon whose `live_id` is not the cu
 one, and the daemon's link keeps the live set it has when the answer has none."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from psgd import wire
@@ -105,6 +107,26 @@ def test_a_score_is_timed_when_the_evaluator_read_the_model():
             after = time.monotonic()
             t = c.evals[-1]["t"]
             assert before - age - c.t0 - 0.002 <= t <= after - age - c.t0 + 0.002
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.timeout(30)
+def test_the_progress_line_names_the_shards_not_heard_from(capsys):
+    """A shard that never started (its port was taken) or went silent: its workers wait
+    on it, and the progress line says which it is."""
+    c = hand_served(2, servers=2)
+    try:
+        c.quiet = False
+        c.t0 -= c.cfg.cluster.heartbeat_timeout_s + 1   # training for longer than a heartbeat timeout
+        c._progress(time.monotonic())
+        assert capsys.readouterr().err.rstrip().endswith("live 2/2  shards silent: 0, 1")
+        ask(c, "heartbeat", role="server", index=1)
+        c._progress(time.monotonic())
+        assert capsys.readouterr().err.rstrip().endswith("live 2/2  shards silent: 0")
+        ask(c, "heartbeat", role="server", index=0)
+        c._progress(time.monotonic())
+        assert capsys.readouterr().err.rstrip().endswith("live 2/2")
     finally:
         c.sock.close(0)
 

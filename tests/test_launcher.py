@@ -10,7 +10,7 @@ import time
 import pytest
 
 from psgd.config import load
-from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob
+from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob, ephemeral_ports, pick_port, ports_free
 from psgd.transport import EXIT_ADDRESS_IN_USE
 from tests.conftest import free_port_block
 
@@ -117,6 +117,29 @@ def test_an_explicit_port_another_job_listens_on_is_refused(tmp_path):
         cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
         with pytest.raises(LaunchError, match=f"port {base} on 127.0.0.1 is in use"):
             LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
+
+
+def test_a_busy_block_moves_below_the_ephemeral_range():
+    """A port there can be taken as the local end of an outgoing connection (or by a
+    connection to itself) before its daemon binds it: the launcher's own choice avoids it."""
+    base = free_port_block(2)
+    low, _ = ephemeral_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base))
+        for _ in range(20):
+            port = pick_port("127.0.0.1", base, 2)
+            assert port != base and 1024 <= port and port + 1 < low and ports_free("127.0.0.1", port, 2)
+    assert pick_port("127.0.0.1", base, 2) == base   # free again: the block asked for
+
+
+def test_an_explicit_port_in_the_ephemeral_range_is_warned_about(tmp_path, capsys):
+    low, high = ephemeral_ports()
+    base = pick_port("127.0.0.1", low + 1000, 2)
+    if not low <= base <= high - 2:
+        pytest.skip("no free block in the ephemeral range")
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    LocalJob(cfg, str(tmp_path), port_explicit=True)
+    assert f"warning: cluster.port = {base}: ports {base}-{base + 1} lie in the OS's range" in capsys.readouterr().err
 
 
 def leave_time_wait(port: int) -> None:

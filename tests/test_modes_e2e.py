@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -22,7 +21,8 @@ import pytest
 from psgd import consistency
 from psgd.config import Config
 from psgd.consistency.tournament import pairings
-from psgd.launcher import LaunchError, pick_port, run_local
+from psgd.launcher import LaunchError, run_local
+from tests.conftest import free_port_block
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -37,8 +37,7 @@ def run(tmp_path_factory, label: str, **sets) -> tuple[dict, str]:
     """One job on the default config with 3 workers and 2 shards (cached per label)."""
     if label not in _runs:
         for attempt in range(2):
-            # a port block of our own: other jobs on this machine default to 5555
-            port = pick_port("127.0.0.1", random.randrange(20000, 60000), SERVERS + 1)
+            port = free_port_block(SERVERS + 1)  # a block of our own: other jobs on this machine default to 5555
             cfg = Config().replace(**{"cluster.workers": WORKERS, "cluster.servers": SERVERS,
                                       "cluster.port": port, **sets})
             out = str(tmp_path_factory.mktemp(label))

@@ -41,12 +41,17 @@ def steps_done(out: str, rank: int) -> int:
 
 
 def wait_for_steps(j: LocalJob, rank: int, n: int, timeout: float = 120) -> None:
+    """Wait until worker `rank` has logged `n` steps. Nothing supervises the job until
+    `j.wait()`: a coordinator or shard that exits before then fails the test at once,
+    with its log."""
     deadline = time.monotonic() + timeout
     while steps_done(j.out, rank) < n:
-        assert time.monotonic() < deadline, f"worker {rank} did not reach {n} steps"
-        if j.children[0].proc.poll() is not None:
-            tail = log_tail(j.out, "coordinator-0")
-            raise AssertionError(f"the job ended early; the coordinator's log ends:\n{tail}")
+        ended = [c for c in j.children if c.role in ("coordinator", "server") and c.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            said = "\n".join(f"{c.name} (exit {c.poll()}) log ends:\n{log_tail(j.out, c.name)}"
+                             for c in ended or j.children[:1])
+            raise AssertionError(f"the job ended early; {said}" if ended else
+                                 f"worker {rank} did not reach {n} steps; {said}")
         time.sleep(0.05)
 
 

@@ -40,6 +40,7 @@ from .sharding import ShardMap, model_tensors
 
 Reply = tuple[Hashable, Any]   # (token, frames; a packet in psgd.sim; a push's fields for `ThenRead`)
 Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
+MAX_AWAITING_INIT = 4096   # init requests parked before a shard has its values: beyond, refused
 
 
 class ThenRead:
@@ -77,7 +78,8 @@ class Shard:
             self.buffers = torch.zeros(self.map.size(index, "buffers"))
         self.ready = layout is None       # has initial values (built, from a worker, or restored)
         self.inits_from_any = False       # a restart with nothing to restore: any worker's copy will do
-        self._awaiting_init: list[tuple[Hashable, wire.Message]] = []  # init requests parked until the values
+        # init requests parked until the values come, by (sender, request id): a resend is the same request
+        self._awaiting_init: dict[tuple[Hashable, int], tuple[Hashable, wire.Message]] = {}
         self.P, self.B = self.params.numel(), self.buffers.numel()
         self.params.grad = torch.zeros_like(self.params)
         self.wire_dtype = cfg.wire.dtype  # params-sized vectors on the wire; the tables stay float32
@@ -143,7 +145,11 @@ class Shard:
         if self.ready:
             return [(token, self._reply(msg, took=False, version=self.version))]
         if not msg.arrays or not (msg.rank == 0 or self.inits_from_any):
-            self._awaiting_init.append((token, msg))
+            # Parked without its arrays (its answer needs only the request's id, rank and clock).
+            key = (token, msg.id)
+            if key not in self._awaiting_init and len(self._awaiting_init) >= MAX_AWAITING_INIT:
+                raise wire.WireError(wire.REFUSED, f"{MAX_AWAITING_INIT} requests wait for the initial values already")
+            self._awaiting_init[key] = (token, wire.Message(msg.op, msg.id, msg.rank, msg.clock))
             return []
         wire.expect_array(msg, 0, "float32", (self.P,))
         wire.expect_array(msg, 1, "float32", (self.B,))
@@ -153,9 +159,9 @@ class Shard:
             self.params.copy_(p)
             self.buffers.copy_(b)
         self.ready = True
-        waiting, self._awaiting_init = self._awaiting_init, []
+        waiting, self._awaiting_init = self._awaiting_init, {}
         return [(token, self._reply(msg, took=True, version=self.version))] + [
-            (t, self._reply(m, took=False, version=self.version)) for t, m in waiting]
+            (t, self._reply(m, took=False, version=self.version)) for t, m in waiting.values()]
 
     def not_in_mode(self, token, msg: wire.Message) -> list[Reply]:
         raise wire.WireError(wire.REFUSED, f"{msg.op} is not used in mode {self.rule.name}")

@@ -128,6 +128,27 @@ def test_a_learned_shard_serves_only_init_until_rank_0_sends_its_values():
     assert torch.equal(wire.tensor(reply, 0), p)
 
 
+def test_init_requests_parked_before_the_values_are_bounded_and_keep_no_arrays(monkeypatch):
+    """A resend (the same request id from the same sender) is parked once; a parked
+    request does not hold the arrays it came with; beyond MAX_AWAITING_INIT they are refused."""
+    import psgd.shard
+    monkeypatch.setattr(psgd.shard, "MAX_AWAITING_INIT", 3)
+    model = Net()
+    shard = shard_for(model)
+    p, b = tables(model, 2, 0)
+    for _ in range(3):   # one request, resent
+        frames = wire.encode("init", id=7, rank=2, arrays=[p + 1, b])
+        assert shard.handle("rank-2", wire.decode([bytes(f) for f in frames])) == []
+    assert len(shard._awaiting_init) == 1
+    assert all(not m.arrays for _, m in shard._awaiting_init.values())
+    assert send(shard, "init", 1, token="wait-1") == {} and send(shard, "init", 1, token="wait-2") == {}
+    refused = send(shard, "init", 1, token="wait-3")["wait-3"]
+    assert isinstance(refused, wire.WireError) and refused.code == wire.REFUSED and "3 requests wait" in str(refused)
+    got = send(shard, "init", 0, token="rank-0", arrays=[p, b])
+    assert set(got) == {"rank-0", "rank-2", "wait-1", "wait-2"} and got["rank-2"].get("took") is False
+    assert torch.equal(shard.params, p) and shard._awaiting_init == {}
+
+
 def test_a_restarted_shard_with_nothing_restored_takes_any_workers_copy():
     model = Net()
     shard = shard_for(model, index=1)

@@ -28,9 +28,13 @@ Bytes are counted identically: a step moves 2 x the table size of payload (push 
 pull); throughput = W x steps x that / (last client's end - common start). The table
 also shows each side's wire bytes per step, every frame counted as psgd's `Peers`
 counts them (headers included), as a check that both move the same bytes. The
-round-trip time is the median step time of one client. The last line is one JSON
-object: `ratio` (psgd / raw throughput at 16 MiB, 1 worker, 1 shard), `latency_ratio`
-(psgd / raw round trip at 64 KiB, 1 worker, 1 shard) and every measured row.
+round-trip time is the median step time of one client. Each psgd row also gives the
+shards' own CPU time per request (`shard_busy_ms`, from their `busy_s` counters) and, with
+one worker, the `ceiling` raw / (raw + that): the worker waits for the shard's work
+every step, so psgd/raw cannot be much above it unless that work gets cheaper. The
+last line is one JSON object: `ratio` (psgd / raw throughput at 16 MiB, 1 worker, 1
+shard), `latency_ratio` (psgd / raw round trip at 64 KiB, 1 worker, 1 shard),
+`ratio_ceiling` (the ceiling of `ratio`) and every measured row.
 """
 from __future__ import annotations
 
@@ -346,15 +350,19 @@ def main() -> None:
         total = len(sizes) * len(shard_counts)
         for k, (size, shards) in enumerate((z, s) for z in sizes for s in shard_counts):
             progress(f"{label(size)} over {shards} shard(s) ({k + 1}/{total}, {time.monotonic() - t_start:.0f} s)")
-            got, shard_bytes = run_psgd_side(pool, work, size, shards, workers, a.repeats, a.scale)
+            got, shard_bytes, shard_ms = run_psgd_side(pool, work, size, shards, workers, a.repeats, a.scale)
             raw = run_raw(pool, work, size, shard_bytes, workers, a.repeats, a.scale)
             for w in workers:
                 r, p = raw[w], got[w]
-                rows.append([label(size), shards, w, r["GBps"], p["GBps"], p["GBps"] / r["GBps"], r["rtt_ms"],
-                             p["rtt_ms"], f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"]])
+                ceiling = r["rtt_ms"] / (r["rtt_ms"] + shard_ms) if w == 1 else None
+                rows.append([label(size), shards, w, r["GBps"], p["GBps"], p["GBps"] / r["GBps"],
+                             "" if ceiling is None else ceiling, r["rtt_ms"], p["rtt_ms"], shard_ms,
+                             f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"]])
                 records.append({"bytes": size, "shards": shards, "workers": w,
                                 "raw_GBps": round(r["GBps"], 4), "psgd_GBps": round(p["GBps"], 4),
                                 "raw_rtt_ms": round(r["rtt_ms"], 4), "psgd_rtt_ms": round(p["rtt_ms"], 4),
+                                "shard_busy_ms": round(shard_ms, 4),
+                                "ceiling": None if ceiling is None else round(ceiling, 4),
                                 "raw_wire_per_step": round(r["wire_per_step"]),
                                 "psgd_wire_per_step": round(p["wire_per_step"]), "psgd_retries": p["retries"]})
                 if p["retries"]:
@@ -363,10 +371,13 @@ def main() -> None:
         pool.close()
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
-    print(table(["table", "shards", "workers", "raw GB/s", "psgd GB/s", "psgd/raw", "raw ms/step",
-                 "psgd ms/step", "raw wire B/step", "psgd wire B/step", "steps"], rows,
+    print(table(["table", "shards", "workers", "raw GB/s", "psgd GB/s", "psgd/raw", "ceiling", "raw ms/step",
+                 "psgd ms/step", "shard busy ms", "raw wire B/step", "psgd wire B/step", "steps"], rows,
                 "psgd push+pull vs raw pyzmq (payload 2 x table per step; median of "
-                f"{a.repeats} timed sections; ms/step = median round trip of one client)"))
+                f"{a.repeats} timed sections; ms/step = median round trip of one client; shard busy ms: the "
+                "shard's own CPU time per request, from its counters (the most of any shard, over the whole run); "
+                "ceiling = raw / (raw + busy), about the most psgd/raw can be with one worker, which waits for "
+                "that work)"))
 
     def pick(size: int, key: str):
         for r in records:
@@ -376,33 +387,59 @@ def main() -> None:
 
     p16, r16 = pick(16 << 20, "GBps")
     p64, r64 = pick(64 << 10, "rtt_ms")
+    ceiling = next((r["ceiling"] for r in records if r["bytes"] == 16 << 20 and r["shards"] == 1 and r["workers"] == 1),
+                   None)
     emit_json({"bench": "transport", "ratio": round(p16 / r16, 4) if p16 else None,
-               "latency_ratio": round(p64 / r64, 4) if p64 else None,
+               "latency_ratio": round(p64 / r64, 4) if p64 else None, "ratio_ceiling": ceiling,
                "psgd_GBps_16MiB": p16, "raw_GBps_16MiB": r16, "psgd_rtt_ms_64KiB": p64, "raw_rtt_ms_64KiB": r64,
                "mode": "async", "rows": records})
+
+
+def psgd_sets(size: int, shards: int, workers: int) -> list[str]:
+    return [f"cluster.servers={shards}", f"cluster.workers={workers}",
+            "cluster.evaluator=false", "mode.name=async", "optimizer.momentum=0",
+            "checkpoint.every_s=0", "model.name=bench.models:table", "data.name=synthetic",
+            f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64",
+            "train.steps=1000000000"]   # the clients push as often as they like: no step limit
+
+
+def shard_busy_ms(cfg) -> float:
+    """The shards' own CPU time per request, from their counters (`psgd server`'s `busy_s`:
+    from taking a request off the socket to handing its reply to ZeroMQ, i.e. decoding,
+    validation, the finiteness check, the optimizer step, the reply): the most of any
+    shard, in ms per push. With one worker, which waits for that work every step, psgd's
+    round trip is about the raw one plus this, so raw / (raw + this) is the most that
+    psgd/raw can be without making the shard's work itself cheaper."""
+    from psgd.transport import Peers
+    most = 0.0
+    for i in range(cfg.cluster.servers):
+        peers = Peers(zmq.Context.instance(), [cfg.shard_address(i)], cfg.security)
+        try:
+            st = peers.call(0, "stats", 30).fields
+        finally:
+            peers.close()
+        most = max(most, 1e3 * float(st["busy_s"]) / max(1, int(st["pushes"])))
+    return most
 
 
 def run_psgd_side(pool: Pool, work: str, size: int, shards: int, workers, repeats, scale):
     """psgd's daemons as processes; every pool client registers as worker `index`."""
     out = os.path.join(work, f"psgd-{size >> 10}K-{shards}")
-    cfg = psgd_config([f"cluster.servers={shards}", f"cluster.workers={len(pool.conns)}",
-                       "cluster.evaluator=false", "mode.name=async", "optimizer.momentum=0",
-                       "checkpoint.every_s=0", "model.name=bench.models:table", "data.name=synthetic",
-                       f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64",
-                       "train.steps=1000000000"])   # the clients push as often as they like: no step limit
+    cfg = psgd_config(psgd_sets(size, shards, len(pool.conns)))
     with Procs(os.path.join(out, "logs")) as procs:
         start_daemons(procs, cfg, out)
         wait_for(procs, ["coordinator"], "shards registered")  # then the workers' layout, and they serve
         shard_bytes = pool.ask({i: ("psgd", cfg.to_dict(), i) for i in range(len(pool.conns))})[0]
         try:
             got = measure(pool, workers, size, repeats, scale)
+            busy_ms = shard_busy_ms(cfg)
         finally:
             pool.all("close")
         try:
             procs.wait("coordinator", 30)  # every worker finished: the job ends and the shards exit
         except (TimeoutError, RuntimeError) as e:
             progress(f"psgd's job did not end cleanly ({e}); stopping it")
-    return got, shard_bytes
+    return got, shard_bytes, busy_ms
 
 
 if __name__ == "__main__":

@@ -131,6 +131,9 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "failures": failures,
         "dropped_gradients": max((int(s.get("dropped", 0)) for s in server_stats.values()), default=0),
         "bad_messages": sum(int(s.get("bad_messages", 0)) for s in server_stats.values()),
+        # each shard's time spent serving requests over the run's wall time: near 1, that shard is the bottleneck
+        "shard_busy_fraction": [round(float(server_stats[i].get("busy_s", 0)) / wall_s, 4) if wall_s > 0 else 0.0
+                                for i in sorted(server_stats)],
         "rejected": sum(int(s.get("rejected", 0)) for s in worker_stats.values()),
         "evals": [{"t": e["t"], "samples": e["samples"], "accuracy": e["accuracy"], "loss": e["loss"]}
                   for e in evals],

@@ -98,6 +98,7 @@ class Shard:
         # the tables move to a copy only if they change while a lent frame is unsent or still
         # being read (`_changing`). Without it (the simulator, tests) a snapshot is a copy.
         self.in_flight: Callable[[], bool] | None = None
+        self.busy: Callable[[], float] = lambda: 0.0   # seconds spent serving (the daemon's, or the simulator's)
         self._lent = False            # a reply made since the last change holds the tables themselves
         self._unsent = False          # ... and may not have been handed to the transport yet
         self.counters = {"pushes": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0}  # bad: error replies
@@ -448,7 +449,8 @@ class Shard:
 
     # ------------------------------------------------------------ stats, checkpoints
     def stats(self) -> dict:
-        return {**self.counters, "version": self.version, "step": 0, **self.rule.stats()}
+        return {**self.counters, "version": self.version, "step": 0, "busy_s": round(self.busy(), 6),
+                **self.rule.stats()}
 
     def state_dict(self) -> dict:
         return {"params": self.params.detach().clone(), "buffers": self.buffers.clone(),

@@ -131,7 +131,9 @@ def table(r: wire.Message) -> str:
         clock = f"{w['clock']}/{steps}" if steps else str(w["clock"])
         rows.append((str(w["rank"]), w["state"], clock, rate, f"{hist.mean:.2f}" if hist.total else "-", wait,
                      str(w.get("rejected") or 0), str(w.get("joins", 1))))
+    elapsed = float(r.get("elapsed_s") or 0)
     shards = "  ".join(f"shard {s['index']}: version {'-' if s.get('version') is None else s['version']}"
+                       + (f", busy {float(s['busy_s']) / elapsed:.0%}" if s.get("busy_s") and elapsed > 0 else "")
                        + (f", {s['restarts']} restarts" if s.get("restarts") else "")
                        + (f", {s['bad_messages']} bad messages" if s.get("bad_messages") else "")
                        for s in r.get("shards") or [])

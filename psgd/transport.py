@@ -238,7 +238,11 @@ class Service:
     - a handler that raises WireError: its code; any other exception: `internal`,
       logged with the op.
 
-    Each of them adds one to `counters["bad_messages"]`; nothing ends the loop."""
+    Each of them adds one to `counters["bad_messages"]`; nothing ends the loop.
+    `busy_s` is the CPU time spent serving: from taking a message off the socket to
+    handing its replies to ZeroMQ, on this thread (a shard's share of the wall time: is
+    it the bottleneck?). CPU time, not wall time: a process waiting for a core on a
+    busy machine is not serving."""
 
     def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
                  max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None,
@@ -255,6 +259,7 @@ class Service:
         self.poller.register(sock, zmq.POLLIN)
         self.sent = sent
         self._trackers: list[zmq.MessageTracker] = []  # of zero-copy frames (larger than COPY_THRESHOLD)
+        self.busy_s = 0.0
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and everything queued)."""
@@ -263,11 +268,13 @@ class Service:
 
     def drain(self) -> None:
         while readable(self.sock):
+            t0 = time.thread_time()
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) < 2:
                 self.counters["bad_messages"] += 1
                 continue  # no routing identity: nobody to answer
             self.send(self._serve(frames[0], frames[1:]))
+            self.busy_s += time.thread_time() - t0
 
     def _serve(self, ident: Hashable, body: list) -> list[Reply]:
         req_id, op = 0, "?"

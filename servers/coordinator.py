@@ -342,7 +342,8 @@ class Coordinator:
                     **{k: totals[r].get(k) for k in STATUS_WORKER_STATS}}
                    for r, m in sorted(self.members.members.items())]
         shards = [{"index": i, "version": st.get("version"), "restarts": max(0, self.server_joins.get(i, 1) - 1),
-                   "bad_messages": st.get("bad_messages", 0)} for i, st in sorted(self.servers.items())]
+                   "bad_messages": st.get("bad_messages", 0), "busy_s": st.get("busy_s")}
+                  for i, st in sorted(self.servers.items())]
         elapsed = time.monotonic() - self.t0 if self.t0 else 0.0
         return [(ident, wire.reply(msg, samples=self.samples(), servers=len(self.servers), evals=len(self.evals),
                                    mode=self.cfg.mode.name, mode_params=self.cfg.mode_params,

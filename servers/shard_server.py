@@ -126,6 +126,7 @@ class ShardServer:
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
                           sent=shard.sent)
         shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
+        shard.busy = lambda: service.busy_s
         seen_version, last_ckpt = (-1, None), time.monotonic()
         code = 0
         try:

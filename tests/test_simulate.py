@@ -267,6 +267,7 @@ def test_same_config_and_seed_give_identical_compare_json(tmp_path):
         assert r["simulated"] is True and r["sim"]["compute_s_source"] == "config"
         assert r["samples"] == 4 * 30 * 32
         assert 0 < r["wall_s"] < 1.0     # virtual seconds: 30 steps of ~2 ms (+ jitter)
+        assert len(r["shard_busy_fraction"]) == r["servers"] and all(0 < f < 1 for f in r["shard_busy_fraction"])
     assert first[1]["staleness"]["mean"] > first[0]["staleness"]["mean"]  # async reads go stale, sync's do not
     events = tmp_path / "a" / "runs" / "sync-w4-r0" / "events"
     steps = [json.loads(x) for x in open(events / "worker-0.jsonl")]
@@ -366,6 +367,8 @@ def test_a_shard_works_through_its_tables_whatever_the_push_weighs_on_the_wire()
     for sets in (["wire.dtype=bfloat16"], ["wire.compression=topk"]):
         light = run(*sets)
         assert [n.busy_s for n in light.nodes] == pytest.approx([n.busy_s for n in plain.nodes], rel=1e-9)
+        assert light.summary()["shard_busy_fraction"] == pytest.approx([n.busy_s / light.end_t for n in light.nodes],
+                                                                       abs=1e-4)
         assert light.workers[0].client.bytes_sent < 0.6 * plain.workers[0].client.bytes_sent
 
 

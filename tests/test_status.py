@@ -113,3 +113,12 @@ def test_status_at_an_address_reaches_a_job_secured_with_curve_given_its_keys(tm
         make_keys(other)  # keys of another job: the server does not know this client
         assert main(["status", "--address", address, "--keys", other]) == 1
         assert f"it was asked with the keys in {other}" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_each_shards_busy_share_is_its_serving_time_over_the_elapsed_time():
+    from psgd import wire
+    reply = wire.Message("reply", fields={"phase": "training", "elapsed_s": 4.0, "workers": [],
+                                          "shards": [{"index": 0, "version": 9, "busy_s": 3.0},
+                                                     {"index": 1, "version": 9, "busy_s": 0.0, "restarts": 1}]})
+    assert "shard 0: version 9, busy 75%  shard 1: version 9, 1 restarts" in table(reply)

@@ -137,6 +137,10 @@ class DirectClient(ParameterClient):
         pass
 
 
+def busy_of(node: Node) -> Callable[[], float]:
+    return lambda: node.busy_s
+
+
 class Simulation:
     """A whole job on the virtual clock (see the module docstring)."""
 
@@ -156,6 +160,8 @@ class Simulation:
         shard_cls = SimShard if s.train else TimingShard   # timing only: the mechanism without the arithmetic
         self.shards = [shard_cls(cfg, i) for i in range(cfg.cluster.servers)]
         self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]
+        for shard, node in zip(self.shards, self.nodes, strict=True):
+            shard.busy = busy_of(node)   # its virtual serving time (summary.json's shard_busy_fraction)
         self.device = pick_device(device)
         W = cfg.cluster.workers
         schedules = [self.mode.schedule(cfg) for _ in range(W)]
@@ -356,9 +362,7 @@ class Simulation:
                  "simulated": True,
                  "sim": {"compute_s": self.compute_s, "compute_s_source": "config" if s.compute_s else "calibrated",
                          "compute_cv": s.compute_cv, "latency_s": s.latency_s, "bandwidth_gbps": s.bandwidth_gbps,
-                         "apply_gbps": s.apply_gbps, "train": s.train, "events": self.loop.events,
-                         "shard_busy_fraction": [round(n.busy_s / wall, 4) if wall > 0 else 0.0
-                                                 for n in self.nodes]}}
+                         "apply_gbps": s.apply_gbps, "train": s.train, "events": self.loop.events}}
         if self.abort:
             extra["aborted"] = self.abort
         return summarize(mode=c.mode.name, mode_params=c.mode_params, workers=c.cluster.workers,

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from .config import MODES, Config, ConfigError, load, parse_value
 from .metrics import write_json_atomic
@@ -77,11 +77,17 @@ def _is_config_key(key: str) -> bool:
 # Config keys that the plan itself sets for each run, and the flag that does it: a mode
 # item setting one would run something else than the run it is reported as.
 PLAN_KEYS = {"mode.name": "the mode item's own name (MODE:...)", "cluster.workers": "--workers",
-             "job.seed": "--repeats (each repeat has its own seed)"}
+             "job.seed": "--repeats (each repeat has its own seed)", "cluster.servers": "--servers"}
+# Sections that say what every run is measured on (the budget, the data and model, the
+# target and how often it is scored): the report reads them once for all runs, so a
+# mode item may not set them; --set sets them for every run.
+SHARED_SECTIONS = ("train", "eval", "data", "model")
+COMPARE_LOCK = ".compare.lock"   # in --out: held by the psgd compare (or simulate) that writes there
 
 
-def parse_modes(text: str) -> list[ModeSpec]:
-    """`sync,ssp:staleness=0,1,2,async,easgd:tau=4:alpha=0.3` -> ModeSpecs, sweeps expanded."""
+def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[ModeSpec]:
+    """`sync,ssp:staleness=0,1,2,async,easgd:tau=4:alpha=0.3` -> ModeSpecs, sweeps expanded.
+    A mode item may not set keys of the `shared` sections (the same for every run)."""
     if not text or not text.strip():
         raise ConfigError("--modes: empty (expected e.g. sync,ssp:staleness=2,async)")
     groups: list[tuple[str, list[list]]] = []  # (mode, [[key, [values...]], ...])
@@ -106,7 +112,15 @@ def parse_modes(text: str) -> list[ModeSpec]:
                 if key in PLAN_KEYS:
                     raise ConfigError(f"--modes: {item!r}: {key} is set by the plan, not by a mode item: "
                                       f"use {PLAN_KEYS[key]}")
-                if key not in keys and not _is_config_key(key):
+                if key.partition(".")[0] in shared:
+                    raise ConfigError(f"--modes: {item!r}: {key} is the same for every run of a comparison (the "
+                                      f"report reads it once): set it with --set {key}=...")
+                if key.startswith("mode."):   # mode.staleness is ssp's staleness: a parameter of the mode, or none
+                    if key[len("mode."):] not in keys:
+                        raise ConfigError(f"--modes: {mode} has no parameter {key[len('mode.'):]!r} (its "
+                                          f"parameters: {', '.join(keys) or 'none'})")
+                    key = key[len("mode."):]
+                elif key not in keys and not _is_config_key(key):
                     raise ConfigError(f"--modes: {mode} has no parameter {key!r} (its parameters: {', '.join(keys)};"
                                       f" or any config key as SECTION.KEY, e.g. wire.dtype)")
                 if any(p[0] == key for p in params):
@@ -359,7 +373,7 @@ def tag(summary: dict, run: Run, folder_rel: str, duration_s: float) -> dict:
     period = {} if run.is_baseline else {"eval_every_s": run.cfg.eval.every_seconds}
     return {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
             "repeat": run.repeat, "seed": run.cfg.job.seed, "sweep": run.sweep, "sweep_value": run.sweep_value,
-            "dir": folder_rel, "duration_s": round(duration_s, 2), **period,
+            "dir": folder_rel, "duration_s": round(duration_s, 6), **period,
             **{k: v for k, v in summary.items() if k not in ("mode", "workers")}}
 
 
@@ -441,8 +455,39 @@ def main(args) -> int:
     check_before_launch(base, args.device)   # a bad --device or missing keys: one error, not every run failing
     out = args.out or os.path.join("runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    lock = hold_output(out, "psgd compare")
+    try:
+        return _compare(args, base, specs, workers, plan, out)
+    finally:
+        lock.close()
+
+
+def hold_output(out: str, command: str) -> IO:
+    """OUT is this command's until it returns (an exclusive lock on OUT/.compare.lock);
+    another psgd compare or psgd simulate writing there now is refused: it would remove
+    the run folders of this one while its jobs write them. An earlier comparison's
+    report and plots are removed (they would stand beside this one's, and a rebuilt
+    report read its compare.json as this one's); its run folders stay, replaced where
+    this plan runs the same configuration."""
+    from .launcher import hold
+    lock = hold(os.path.join(out, COMPARE_LOCK))
+    if lock is None:
+        raise ConfigError(f"{command}: {out} is the output folder of a psgd compare or psgd simulate that is "
+                          f"still running: give another --out")
+    earlier = [os.path.join(out, f) for f in os.listdir(out)
+               if f in ("compare.json", "report.md") or f.endswith(".png")]
+    if earlier:
+        print(f"{command}: {out} held an earlier comparison: its report and plots are replaced; its run folders "
+              f"stay where this one does not run the same configuration", file=sys.stderr, flush=True)
+    for path in earlier:
+        os.unlink(path)
+    return lock
+
+
+def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str) -> int:
     ctx = context(args, base, workers, plan)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
+    write_json_atomic(os.path.join(out, "compare.json"), [])
 
     n = len(plan)
     print(f"psgd compare: {n} runs ({len(specs)} mode configuration{'s' if len(specs) != 1 else ''} x "
@@ -486,6 +531,9 @@ def main(args) -> int:
 
     from .report import write_report
     write_json_atomic(os.path.join(out, "compare.json"), results)
+    if len(results) < n:   # interrupted: the report says which runs did not run
+        ctx = {**ctx, "interrupted": True, "not_run": [run.describe() for run in plan[len(results):]]}
+        write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
     path = write_report(out, results, ctx)
     print(f"psgd compare: {len(results) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)

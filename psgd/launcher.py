@@ -104,6 +104,18 @@ def busy_port(host: str, base: int, n: int) -> int | None:
     return None
 
 
+def hold(path: str) -> IO | None:
+    """An exclusive lock on the file at `path` (created if need be), held until the
+    returned file is closed or this process ends; None if another process holds it."""
+    f = open(path, "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
 def ephemeral_ports() -> tuple[int, int]:
     """The range the OS takes the local port of an outgoing connection from (Linux's
     net.ipv4.ip_local_port_range; IANA's 49152-65535 where it cannot be read)."""
@@ -212,13 +224,10 @@ class LocalJob:
         OUT/.launcher.lock, held while the job's files are written. A second launcher
         started at the same moment (before the first job's pid files exist) is refused
         here, where it would have written its config over the first job's."""
-        f = open(os.path.join(self.out, LOCK_FILE), "w")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
+        f = hold(os.path.join(self.out, LOCK_FILE))
+        if f is None:
             raise LaunchError(f"{self.out} is the output folder of a job that is still running (another psgd "
-                              f"launcher holds {LOCK_FILE}): give another --out, or stop that job first") from None
+                              f"launcher holds {LOCK_FILE}): give another --out, or stop that job first")
         return f
 
     def _forget_earlier_job(self) -> None:

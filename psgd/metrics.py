@@ -117,7 +117,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "mode_params": mode_params,
         "workers": workers,
         "servers": servers,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(wall_s, 6),
         "samples": samples,
         "samples_per_s": round(samples / wall_s, 2) if wall_s > 0 else 0.0,
         "final_accuracy": final["accuracy"] if final else None,

@@ -27,13 +27,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from collections.abc import Generator
 from contextlib import closing
 from typing import Any
 
-from .compare import build_plan, estimate_left, failed_entry, parse_modes, parse_workers, tag
+from .compare import (
+    SHARED_SECTIONS,
+    build_plan,
+    estimate_left,
+    failed_entry,
+    hold_output,
+    parse_modes,
+    parse_workers,
+    tag,
+)
 from .config import ConfigError, load
 from .metrics import write_json_atomic
 
@@ -96,11 +106,8 @@ def cost_model(base, calibrated: dict) -> dict:
 
 
 def main(args) -> int:
-    from .compare import _fmt_duration, _one_line, context
-    from .report import write_report
-
     base = load(args.config, args.set)
-    specs = runnable(parse_modes(args.modes))
+    specs = runnable(parse_modes(args.modes, SHARED_SECTIONS + ("sim",)))   # one cost model for the whole plan
     workers = parse_workers(args.workers) or [base.cluster.workers]
     if args.servers is not None and args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
@@ -111,8 +118,34 @@ def main(args) -> int:
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
+    check_data(plan)
     out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    lock = hold_output(out, "psgd simulate")
+    try:
+        return _simulate(args, base, workers, plan, out)
+    finally:
+        lock.close()
+
+
+def check_data(plan: list) -> None:
+    """A dataset that the runs need in memory (training, or a mode's held-out share) but
+    is streamed: one error before anything runs, not one failed run each."""
+    from .consistency import get as get_mode
+    from .sim.run import in_memory
+    seen = set()
+    for run in plan:
+        split = get_mode(run.mode).schedule(run.cfg).data_split
+        key = (repr(run.cfg.data), run.cfg.job.seed)
+        if (run.cfg.sim.train or split > 0) and key not in seen:
+            seen.add(key)
+            in_memory(run.cfg, split)
+
+
+def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
+    from .cli import interrupted_code
+    from .compare import _fmt_duration, context
+    from .report import write_report
     cache: dict = {}
     costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
     calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
@@ -120,6 +153,7 @@ def main(args) -> int:
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
+    write_json_atomic(os.path.join(out, "compare.json"), [])
     n = len(plan)
     where = ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in calibrated.items())
     print(f"psgd simulate: {n} run{'s' if n != 1 else ''}, out {out}; compute per step: "
@@ -133,35 +167,53 @@ def main(args) -> int:
     t_start = time.monotonic()
     tasks = [(i, run.cfg, costs[run.name][0], args.device, os.path.join(out, "runs", run.name), f"[{i + 1}/{n}]",
               run.describe()) for i, run in enumerate(plan)]
-    with closing(simulated(tasks, args.jobs)) as done:  # closed on leaving early: its processes stop
-        for i, (s, events, error, seconds) in done:
-            run = plan[i]
-            if error is None and s is not None:
-                entry = tag(s, run, os.path.join("runs", run.name), float(s["wall_s"]))
-                result = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {events:,} events"
-                if s.get("aborted"):
-                    error = entry["error"] = s["aborted"]
-            else:
-                entry = failed_entry(run, error or "no result", simulated=True)
-            if error is not None:
-                failed += 1
-                result = f"FAILED: {error.splitlines()[0]}"
-            durations[i] = real[run.name] = seconds
-            entries[i] = entry
-            write_json_atomic(os.path.join(out, "compare.json"), [entries[k] for k in sorted(entries)])
-            pending = [k for k in range(n) if k not in entries]
-            left = _time_left(plan, durations, pending, args.jobs)
-            eta = "" if not pending else (f"; about {_fmt_duration(left)} left" if left is not None else "")
-            print(f"[{i + 1}/{n}] {run.name}: {result} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
+    interrupted = 0   # the exit code when a signal ended the plan early
+    try:
+        with closing(simulated(tasks, args.jobs)) as done:  # closed on leaving early: its processes stop
+            for i, result in done:
+                failed += _record(plan, i, result, entries, durations, real, out, args.jobs)
+    except KeyboardInterrupt as e:
+        interrupted = interrupted_code(e)
+        print(f"psgd simulate: interrupted after {len(entries)} of {n} runs; writing the report of those",
+              file=sys.stderr, flush=True)
     results = [entries[k] for k in sorted(entries)]
 
     ctx["simulated"]["real_s"] = {k: round(v, 2) for k, v in real.items()}
+    if len(entries) < n:
+        ctx["interrupted"] = True
+        ctx["not_run"] = [run.describe() for k, run in enumerate(plan) if k not in entries]
+    write_json_atomic(os.path.join(out, "compare.json"), results)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
     path = write_report(out, results, ctx)
-    print(f"psgd simulate: {n - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
+    print(f"psgd simulate: {len(entries) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
     print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
-    return 1 if failed else 0
+    return interrupted or (1 if failed else 0)
+
+
+def _record(plan: list, i: int, result: tuple, entries: dict, durations: dict, real: dict, out: str,
+            jobs: int) -> int:
+    """Run i's result into compare.json, with a progress line; 1 if it failed."""
+    from .compare import _fmt_duration, _one_line
+    s, events, error, seconds = result
+    n, run = len(plan), plan[i]
+    if error is None and s is not None:
+        entry = tag(s, run, os.path.join("runs", run.name), float(s["wall_s"]))
+        said = _one_line(s) + f", {s['wall_s']:.3f} virtual s, {events:,} events"
+        if s.get("aborted"):
+            error = entry["error"] = s["aborted"]
+    else:
+        entry = failed_entry(run, error or "no result", simulated=True)
+    if error is not None:
+        said = f"FAILED: {error.splitlines()[0]}"
+    durations[i] = real[run.name] = seconds
+    entries[i] = entry
+    write_json_atomic(os.path.join(out, "compare.json"), [entries[k] for k in sorted(entries)])
+    pending = [k for k in range(n) if k not in entries]
+    left = _time_left(plan, durations, pending, jobs)
+    eta = "" if not pending else (f"; about {_fmt_duration(left)} left" if left is not None else "")
+    print(f"[{i + 1}/{n}] {run.name}: {said} ({seconds:.1f} s real{eta})", file=sys.stderr, flush=True)
+    return 0 if error is None else 1
 
 
 def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, float]]:
@@ -170,6 +222,7 @@ def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, 
     i, cfg, cost, device, folder, prefix, describe = task
     print(f"{prefix} {describe} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    shutil.rmtree(folder, ignore_errors=True)   # an earlier plan's run of that name: nothing of it stays
     try:
         sim = Simulation(cfg, cost, device, progress_line(prefix))
         return i, (sim.run(folder), sim.loop.events, None, time.monotonic() - t0)
@@ -306,15 +359,9 @@ def _time_left(plan: list, durations: dict[int, float], pending: list[int], jobs
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`python -m psgd.simulate ...` (the same as `psgd simulate ...`)."""
-    ap = argparse.ArgumentParser(prog="psgd")
-    add_parser(ap.add_subparsers(dest="cmd", required=True))
-    args = ap.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return main(args)
-    except ConfigError as e:
-        print(f"psgd: error: {e}", file=sys.stderr)
-        return 2
+    """`python -m psgd.simulate ...`: `psgd simulate ...`, errors and signals handled alike."""
+    from .cli import main as psgd_main
+    return psgd_main(["simulate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

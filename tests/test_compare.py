@@ -108,6 +108,14 @@ class TestParseModes:
         ("sync:mode.name=ssp", "mode.name is set by the plan"),       # it ran ssp, reported as sync
         ("sync:cluster.workers=3", "cluster.workers is set by the plan, not by a mode item: use --workers"),
         ("async:job.seed=1,2", "use --repeats"),
+        ("async,sync:cluster.servers=1", "use --servers"),       # the header said 2 shards for every run
+        # the report reads the budget, target, data and model once for every run
+        ("async,sync:eval.target_accuracy=0.5", "the same for every run of a comparison"),
+        ("sync:train.steps=10,async", "set it with --set train.steps"),
+        ("sync:model.hidden=16,512", "the same for every run"),
+        ("sync:data.name=synthetic", "the same for every run"),
+        ("sync:mode.staleness=0,4", "sync has no parameter 'staleness'"),   # two identical runs called a sweep
+        ("ssp:staleness=1:mode.staleness=3", "sets staleness twice"),         # one key under two names
     ])
     def test_errors_name_the_problem(self, text, words):
         with pytest.raises(ConfigError, match=words):

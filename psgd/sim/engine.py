@@ -53,6 +53,10 @@ class Loop:
         """End `run` after the event that calls this."""
         self._stopped = True
 
+    def next_at(self) -> float | None:
+        """The time of the next event, if any."""
+        return self._heap[0][0] if self._heap else None
+
     def __len__(self) -> int:
         return len(self._heap)
 

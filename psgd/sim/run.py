@@ -292,15 +292,21 @@ class Simulation:
         assert self.ds is not None
         if not final and not self.live:
             return
-        self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
-        acc, loss = self.evaluator.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
-        t = round(self.loop.now, 6)
         samples = sum(w.samples if final else w.samples_by(self.loop.now) for w in self.workers)
-        self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
-        self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
-                              **({"final": True} if final else {})})
+        # No step finished since the last score: nothing to score, and the next score waits
+        # for the next event (steps far longer than eval.every_seconds made thousands of
+        # identical scores, or, with nothing due for hours of virtual time, an endless run).
+        unchanged = not final and bool(self.evals) and samples == self.evals[-1]["samples"]
+        if not unchanged:
+            self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
+            acc, loss = self.evaluator.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
+            t = round(self.loop.now, 6)
+            self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
+            self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
+                                  **({"final": True} if final else {})})
         if not final and len(self.loop):  # with nothing else to come the workers are stuck: `run` says so
-            self.loop.at(self.loop.now + self.cfg.eval.every_seconds, self.evaluate, False)
+            due = self.loop.now + self.cfg.eval.every_seconds
+            self.loop.at(max(due, self.loop.next_at() or due) if unchanged else due, self.evaluate, False)
 
     # ------------------------------------------------------------ the run
     def run(self, out: str | None = None) -> dict:

@@ -1,0 +1,146 @@
+"""The output folder of `psgd compare` and `psgd simulate`: held while they run, cleared of
+an earlier comparison's report, and an interrupted plan's report says what did not run.
+Runs are stood in for (no processes), or simulated small."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+import psgd.compare
+import psgd.simulate
+from psgd.config import ConfigError, load
+from psgd.launcher import hold
+from psgd.sim.run import Simulation
+
+pytestmark = pytest.mark.inprocess
+
+
+def compare_args(out, modes: str = "sync,async", **kw) -> SimpleNamespace:
+    return SimpleNamespace(config=None, set=["train.steps=5"], modes=modes, workers=None, servers=None, repeats=1,
+                           no_baseline=True, device="cpu", timeout=60.0, out=str(out), cmd="compare", jobs=1, **kw)
+
+
+def context(out) -> dict:
+    return json.load(open(os.path.join(out, "compare-context.json")))
+
+
+@pytest.mark.timeout(60)
+def test_a_second_compare_into_a_folder_in_use_is_refused_and_touches_nothing(tmp_path):
+    # it had deleted the first's running run folder, and both wrote into one
+    out = tmp_path / "cmp"
+    (out / "runs" / "sync-w2-r0").mkdir(parents=True)
+    (out / "runs" / "sync-w2-r0" / "events.jsonl").write_text("the first's\n")
+    lock = hold(str(out / ".compare.lock"))   # as the first compare holds it
+    try:
+        for main in (psgd.compare.main, psgd.simulate.main):
+            with pytest.raises(ConfigError, match="still running: give another --out"):
+                main(compare_args(out))
+    finally:
+        assert lock is not None
+        lock.close()
+    assert (out / "runs" / "sync-w2-r0" / "events.jsonl").read_text() == "the first's\n"
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    out.mkdir()
+    for name in ("compare.json", "report.md", "sweep_staleness.png"):   # an earlier comparison's
+        (out / name).write_text("[]" if name.endswith(".json") else "old")
+    calls = []
+
+    def run_one(run, folder, device, timeout_s, prefix=""):
+        calls.append(run.label)
+        if len(calls) == 1:
+            # a new comparison's compare.json is its own from the start, not the earlier one's
+            assert json.load(open(out / "compare.json")) == [] and not (out / "sweep_staleness.png").exists()
+            raise RuntimeError("the job did not finish")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(psgd.compare, "run_one", run_one)
+    code = psgd.compare.main(compare_args(out, "sync,async,ssp"))
+    assert code == 130 and calls == ["sync", "async"]
+    ctx = context(out)
+    assert ctx["interrupted"] is True
+    assert ctx["not_run"] == ["async, 2 workers, repeat 0", "ssp, 2 workers, repeat 0"]
+    assert [e["label"] for e in json.load(open(out / "compare.json"))] == ["sync"]
+    err = capsys.readouterr().err
+    assert "held an earlier comparison" in err and "interrupted after 1 of 3 runs" in err
+    assert not (out / ".compare.lock").exists() or hold(str(out / ".compare.lock")) is not None   # released
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_simulation_writes_the_report_of_the_runs_done(tmp_path, monkeypatch, capsys):
+    # it exited 130 silently, leaving an earlier run's report beside the new compare.json
+    real = psgd.simulate.simulate_one
+    done = []
+
+    def simulate_one(task):
+        if done:
+            raise KeyboardInterrupt
+        done.append(task[0])
+        return real(task)
+    monkeypatch.setattr(psgd.simulate, "simulate_one", simulate_one)
+    out = tmp_path / "sim"
+    code = psgd.simulate.cli(["--modes", "sync,async", "--workers", "2", "--set", "train.steps=5",
+                              "--set", "sim.compute_s=0.001", "--set", "sim.train=false", "--out", str(out)])
+    assert code == 130
+    assert [e["label"] for e in json.load(open(out / "compare.json"))] == ["sync"]
+    assert context(out)["not_run"] == ["async, 2 workers, repeat 0"]
+    assert (out / "report.md").exists()
+    assert "interrupted after 1 of 2 runs" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_simulated_run_leaves_nothing_of_an_earlier_run_of_its_name(tmp_path):
+    out = tmp_path / "sim"
+    old = out / "runs" / "sync-w16-r0"
+    old.mkdir(parents=True)
+    (old / "summary.json").write_text('{"final_accuracy": 0.688}')   # an earlier plan's
+    code = psgd.simulate.cli(["--modes", "sync", "--workers", "16", "--set", "train.steps=5",
+                              "--set", "sim.compute_s=0.001", "--set", "data.name=synthetic",
+                              "--set", "data.samples=10", "--out", str(out)])   # fails: empty partitions
+    assert code == 1 and "error" in json.load(open(out / "compare.json"))[0]
+    assert not (old / "summary.json").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("item", ["sync:sim.latency_s=0.01", "async:sim.train=false"])
+def test_the_cost_model_is_one_for_the_whole_simulation(tmp_path, item):
+    # the report gave the base cost model for runs that used another
+    with pytest.raises(ConfigError, match="the same for every run"):
+        psgd.simulate.main(compare_args(tmp_path / "x", item))
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_dataset_that_must_be_in_memory_is_one_error_before_any_run(tmp_path):
+    args = compare_args(tmp_path / "s", "sync,async")
+    args.set = ["data.name=tests.streaming_data:on_demand", "data.classes=10", "train.steps=5",
+                "sim.compute_s=0.001"]
+    with pytest.raises(ConfigError, match="needs an in-memory dataset"):
+        psgd.simulate.main(args)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.timeout(60)
+def test_steps_far_longer_than_the_evaluation_period_are_scored_once_each_change():
+    # 100 s steps, a score every 0.5 s: 4,002 scores for 80 steps (and 1e9 s steps never ended)
+    for compute_s in (100.0, 1e9):
+        sim = Simulation(load(None, ["cluster.workers=4", "train.steps=3", f"sim.compute_s={compute_s}",
+                                     "mode.name=sync"]), compute_s)
+        sim.run()
+        assert len(sim.evals) <= 3 + 2, len(sim.evals)
+        assert sim.evals[-1]["samples"] == 4 * 3 * 32
+
+
+@pytest.mark.timeout(60)
+def test_python_m_psgd_simulate_says_an_os_error_in_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code = psgd.simulate.cli(["--workers", "2", "--set", "train.steps=5", "--set", "sim.compute_s=0.001",
+                              "--out", str(afile)])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+

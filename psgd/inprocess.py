@@ -51,4 +51,12 @@ class InProcessCluster:
         if stuck:
             raise RuntimeError(f"in-process cluster threads did not stop within {JOIN_TIMEOUT_S:.0f} s: {stuck}")
         stop_auth(self.ctx)
+        # term() waits for every socket of the context to close: one left open (a caller's
+        # client, a daemon's bug) would hang here for ever; say which instead.
+        left = [s for s in list(getattr(self.ctx, "_sockets", ())) if not s.closed]
+        if left:
+            self.ctx.destroy(linger=0)
+            kinds = ", ".join(sorted(zmq.SocketType(x.type).name for x in left))
+            raise RuntimeError(f"in-process cluster: {len(left)} socket(s) still open on its context after its "
+                               f"threads stopped ({kinds}): close them before leaving the `with` block")
         self.ctx.term()

@@ -189,3 +189,13 @@ def test_calls_to_the_coordinator_share_one_socket():
         finally:
             link.close()
     assert len(seen) == 3 and len(set(seen)) == 1, seen
+
+
+@pytest.mark.timeout(60)
+def test_leaving_an_in_process_cluster_with_a_socket_open_names_it_instead_of_hanging():
+    # ctx.term() waits for every socket of the context: a client left open hung the test for ever
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.evaluator": False})
+    with pytest.raises(RuntimeError, match=r"1 socket\(s\) still open on its context .* \(DEALER\)"):
+        with InProcessCluster(cfg) as cluster:
+            client = cluster.ctx.socket(zmq.DEALER)
+    assert client.closed

@@ -2,6 +2,12 @@
 
     python -m psgd.report DIR     # rebuild DIR/report.md and the plots from DIR/compare.json
 
+`python -m psgd.report OUT DIR1 DIR2 ...` merges folders; it refuses (one line, exit 2) a
+folder given twice, an OUT that is one of the DIRs (its compare.json would be overwritten),
+and a compare.json or compare-context.json that psgd did not write. A compare.json of no
+run (`[]`, a compare interrupted before its first run ended) gives a report saying so, and
+a context that says the command was interrupted (`interrupted`, `not_run`) is said first.
+
 One row per configuration (label x worker count), repeats folded into mean ± sd; speedups
 are ratios of mean time to target (reference time / this time: > 1 is faster) against
 the `sync` row with the same worker count, kind (real or simulated) and settings, and
@@ -47,6 +53,44 @@ def _runs_phrase(ctx: dict, n_runs: int, sim: bool) -> str:
     return f"{n_runs} runs, one after another"
 
 
+def interruption(ctx: dict) -> list[str] | None:
+    """The labels of the planned runs that did not run when the command that wrote `ctx`
+    was interrupted or ended before running them all (psgd compare writes `interrupted`
+    and `not_run` into compare-context.json then), else None."""
+    not_run = ctx.get("not_run") or []
+    if not ctx.get("interrupted") and not not_run:
+        return None
+    return [str(x) for x in not_run] if isinstance(not_run, list) else []
+
+
+def _labels(labels: list[str]) -> str:
+    """'sync ×2; async, 2 workers, repeat 1': the runs' names or descriptions (which hold
+    commas), one that recurs counted, in the plan's order."""
+    counts = {x: labels.count(x) for x in labels}
+    return "; ".join(f"{x} ×{n}" if n > 1 else x for x, n in counts.items())
+
+
+def interrupted_lines(ctx: dict, n_runs: int) -> list[str]:
+    """What report.md says first about runs that never ran: per folder for a merged report
+    (merge's `interruptions`), else from this command's context; [] when every run ran."""
+    stops = ctx.get("interruptions")
+    if stops is None:
+        not_run = interruption(ctx)
+        stops = [] if not_run is None else [{"folder": None, "not_run": not_run, "ran": n_runs}]
+    many = len(ctx.get("merged_from") or []) > 1
+    out = []
+    for stop in stops:
+        where = f"folder {stop['folder']}: " if many and stop.get("folder") else ""
+        missing = list(stop.get("not_run") or [])
+        planned = int(stop.get("ran", 0)) + len(missing)
+        if missing:
+            out.append(f"**Interrupted:** {where}{len(missing)} of {planned} planned runs did not run: "
+                       f"{_labels(missing)}. This report covers the {planned - len(missing)} that did.")
+        else:
+            out.append(f"**Interrupted:** {where}the command was interrupted before it ended normally.")
+    return out + [""] if out else []
+
+
 def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     target = float(ctx.get("target_accuracy", 0.9))
     job = ctx.get("job") or {}
@@ -59,6 +103,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     lines = ["# psgd simulate" if sim else "# psgd compare", ""]
     if ctx.get("command"):
         lines += ["```", ctx["command"], "```", ""]
+    lines += interrupted_lines(ctx, n_runs)
     opt = job.get("optimizer") or {}
     budget = _budget(job, varies)
 
@@ -107,7 +152,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
             budget = "the budget of the largest run of its own folder"
         elif b.get("steps"):
             budget = (f"{b.get('steps')} steps = {b.get('samples'):,} samples, the budget of the largest run "
-                      f"({max(workers)} workers × {job.get('steps')} steps)"
+                      f"({max(workers) if workers else '?'} workers × {job.get('steps')} steps)"
                       + (f", or {job.get('seconds'):g} s, whichever comes first" if job.get("seconds") else ""))
         else:
             budget = f"{job.get('seconds'):g} s of training, each worker's time budget"
@@ -128,9 +173,12 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     lines.append("")
     lines.append("## Results")
     lines.append("")
-    lines += main_table(rows, target, period)
-    lines.append("")
-    lines += detail_table(rows)
+    if rows:
+        lines += main_table(rows, target, period)
+        lines.append("")
+        lines += detail_table(rows)
+    else:   # compare.json is [] (a compare interrupted before its first run ended)
+        lines.append("No run finished: compare.json lists no run, so there is nothing to tabulate.")
     lines.append("")
     lines.append("## Reading")
     lines.append("")
@@ -186,13 +234,66 @@ def write_report(out: str, results: list[dict], ctx: dict) -> str:
     return path
 
 
+class ReportError(ValueError):
+    """A folder that `python -m psgd.report` cannot read or must not write: one line, exit 2."""
+
+
+# The keys every compare.json entry has (psgd.compare's tag and failed_entry write them all).
+ENTRY_KEYS = ("label", "mode", "workers")
+
+
+def _json_kind(x: object) -> str:
+    """What a JSON value is, in JSON's words."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    return "an object" if isinstance(x, dict) else "a list" if isinstance(x, list) else \
+        "a string" if isinstance(x, str) else "a number"
+
+
+def _entry_problem(i: int, entry: object) -> str | None:
+    """Why entry i of a compare.json is not one psgd wrote, or None."""
+    if not isinstance(entry, dict):
+        return f"entry {i} is {_json_kind(entry)}, not an object"
+    missing = [k for k in ENTRY_KEYS if k not in entry]
+    if missing:
+        return f"entry {i} has no {', '.join(missing)}"
+    if not isinstance(entry["label"], str) or not isinstance(entry["mode"], str):
+        return f"entry {i}'s label and mode are not strings"
+    w = entry["workers"]
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        return f"entry {i}'s workers is {w!r}, not a count"
+    return None
+
+
+def _load(path: str, what: str) -> object:
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except ValueError as e:   # not JSON (UnicodeDecodeError is a ValueError too)
+            raise ReportError(f"{path} is not a psgd {what} (not JSON: {e})") from None
+
+
 def _read(folder: str) -> tuple[list[dict], dict]:
-    with open(os.path.join(folder, "compare.json")) as f:
-        results = json.load(f)
-    ctx = {}
-    if os.path.exists(os.path.join(folder, "compare-context.json")):
-        with open(os.path.join(folder, "compare-context.json")) as f:
-            ctx = json.load(f)
+    """compare.json and compare-context.json of a folder, checked to be what psgd writes:
+    a list of run entries (empty when a compare was interrupted before its first run
+    ended), each with ENTRY_KEYS; a context object, or none. Otherwise ReportError."""
+    path = os.path.join(folder, "compare.json")
+    results = _load(path, "compare.json")
+    if not isinstance(results, list):
+        raise ReportError(f"{path} is not a psgd compare.json ({_json_kind(results)}, not a list of runs)")
+    for i, entry in enumerate(results):
+        why = _entry_problem(i, entry)
+        if why:
+            raise ReportError(f"{path} is not a psgd compare.json ({why})")
+    ctx: dict = {}
+    cpath = os.path.join(folder, "compare-context.json")
+    if os.path.exists(cpath):
+        loaded = _load(cpath, "compare-context.json")
+        if not isinstance(loaded, dict):
+            raise ReportError(f"{cpath} is not a psgd compare-context.json ({_json_kind(loaded)}, not an object)")
+        ctx = loaded
     return results, ctx
 
 
@@ -254,6 +355,13 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
     if not all(c.get("simulated") for c in ctxs):
         ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
     ctx["merged_from"] = list(folders)
+    # Each folder's interruption, said per folder: the first folder's context speaks for none but its own.
+    ctx.pop("interrupted", None)
+    ctx.pop("not_run", None)
+    stops = [{"folder": f, "not_run": list(c.get("not_run") or []), "ran": len(rs)}
+             for f, c, rs in zip(folders, ctxs, per_folder, strict=True) if interruption(c) is not None]
+    if stops:
+        ctx["interruptions"] = stops
     if len(folders) == 1:
         return results, ctx
     ctx.pop("command", None)  # each folder's command is listed with it
@@ -268,6 +376,22 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
     ctx["seeds"] = sorted({s for c in ctxs for s in c.get("seeds") or []})
     ctx["workers"] = sorted({w for c in ctxs for w in c.get("workers") or []})
     return results, ctx
+
+
+def check_merge_folders(out: str, folders: list[str]) -> None:
+    """A merge reads each folder once and writes OUT/compare.json: refuse (ReportError) a
+    folder given twice, whose runs would count as repeats of themselves, and an OUT that is
+    one of the folders, whose compare.json it would overwrite (both by real path)."""
+    seen: dict[str, str] = {}
+    for f in folders:
+        real = os.path.realpath(f)
+        if real in seen:
+            raise ReportError(f"{f} is given twice (as {seen[real]} and {f}): each folder's runs are merged once")
+        seen[real] = f
+    real_out = os.path.realpath(out)
+    if real_out in seen:
+        raise ReportError(f"the output folder {out} is also one of the folders to merge ({seen[real_out]}): its "
+                          f"compare.json would be overwritten; give a new output folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,9 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) == 1:
             results, ctx = _read(out)
         else:
+            check_merge_folders(out, argv[1:])
             results, ctx = merge(out, argv[1:])
-    except (OSError, ValueError) as e:   # no compare.json there, or not one psgd wrote
-        print(f"python -m psgd.report: {e} (a psgd compare or simulate folder holds compare.json)", file=sys.stderr)
+    except ReportError as e:
+        print(f"psgd report: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # no compare.json there
+        print(f"psgd report: {e} (a psgd compare or simulate folder holds compare.json)", file=sys.stderr)
         return 2
     if len(argv) > 1:
         os.makedirs(out, exist_ok=True)

@@ -30,11 +30,16 @@ FIRST_SCORE = "first score"
 # The label suffix of simulated rows in a report that also has real ones.
 SIM_SUFFIX = " (simulated)"
 
-# Two means closer than this fraction of the larger are not ranked when no run-to-run sd
-# was measured (a single repeat): the report has nothing else to hold the difference
-# against. Means closer than REL_EQUAL are the same number and never ranked.
-REL_TIE = 0.01
+# Means closer than this fraction of the larger are the same number and never ranked.
+# Means of single repeats (no run-to-run sd measured) are not ranked at all, however far
+# apart: two runs of one configuration have differed by 46% in samples/s, so no fixed
+# fraction stands in for the spread that was not measured.
 REL_EQUAL = 1e-6
+
+# A run that did not reach the target counts as having missed it only when the evaluator
+# scored it at least this many times while it trained; fewer (one score, or only the final
+# one after training ended) says when the evaluator looked, not that the model never got there.
+MIN_SCORES = 2
 
 # Mode parameters whose name is also the name of a measured quantity, as the report names them.
 PARAM_NAMES = {("ssp", "staleness"): "bound s"}
@@ -44,7 +49,7 @@ def param_name(mode: str, key: str) -> str:
     return PARAM_NAMES.get((mode, key), key)
 
 
-def close(a: float, b: float, rel: float = REL_TIE) -> bool:
+def close(a: float, b: float, rel: float) -> bool:
     """a and b within `rel` of the larger magnitude."""
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
@@ -122,6 +127,14 @@ def ttt_flag(run: dict, period: float | None) -> str | None:
     if target is not None and evals and float(evals[0]["accuracy"]) >= float(target):
         return FIRST_SCORE
     return FIRST_SCORE if period and float(t) < period else None
+
+
+def training_scores(run: dict) -> int:
+    """How many of the evaluator's scores of `run` fell inside its training time (before
+    wall_s; all of them when the run has no wall time)."""
+    wall = run.get("wall_s")
+    return sum(1 for e in run.get("evals") or [] if e.get("accuracy") is not None
+               and (wall is None or float(e.get("t", 0.0)) < float(wall)))
 
 
 def eval_period(results: list[dict], ctx: dict) -> float | None:
@@ -218,6 +231,14 @@ class Row:
     def ttt_mean(self) -> float | None:
         # Only a configuration that reached the target in every successful repeat has a time.
         return mean(self.ttt) if self.runs and len(self.ttt) == len(self.runs) else None
+
+    def thin_misses(self) -> list[int]:
+        """The in-training score counts (training_scores) of the scored repeats that did not
+        reach the target and were scored fewer than MIN_SCORES times while training: for
+        them "not reached" is unresolved."""
+        return [n for r in self.runs if r.get("time_to_target_s") is None
+                and any(e.get("accuracy") is not None for e in r.get("evals") or [])
+                and (n := training_scores(r)) < MIN_SCORES]
 
     def ttt_flags(self, period: float | None) -> list[tuple[str, dict]]:
         """[(flag, run)] for the repeats whose time to target cannot rank (ttt_flag)."""

@@ -43,17 +43,34 @@ def _colors(rows: list[Row]) -> dict[tuple, Any]:
     return out
 
 
+def unplaced(e: dict) -> bool:
+    """An evaluation that has no place on the samples axis: taken after training started
+    (t > 0) but counted at 0 samples. Its `samples` comes from the workers' heartbeats and
+    lags by up to cluster.heartbeat_s, so a score taken before the first heartbeat arrived
+    says 0 whatever the workers had processed."""
+    return float(e.get("samples") or 0) == 0 and float(e.get("t") or 0) > 0
+
+
+def curve_points(run: dict, xkey: str) -> tuple[list[float], list[float], int]:
+    """(xs, accuracies, how many scores were left out) of a run's evaluation curve against
+    `xkey` ("t" or "samples"); on the samples axis, scores that are unplaced are left out."""
+    ev = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
+    kept = [e for e in ev if not (xkey == "samples" and unplaced(e))]
+    return [float(e[xkey]) for e in kept], [float(e["accuracy"]) for e in kept], len(ev) - len(kept)
+
+
 def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: float, path: str,
-                allow_log: bool = True) -> None:
+                allow_log: bool = True) -> int:
+    """Draws the accuracy curves against `xkey`; returns how many scores were left out (curve_points)."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     positive = []
+    left_out = 0
     for r in rows:
         for j, run in enumerate(r.runs):
-            ev = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
-            if not ev:
+            xs, ys, skipped = curve_points(run, xkey)
+            left_out += skipped
+            if not xs:
                 continue
-            xs = [float(e[xkey]) for e in ev]
-            ys = [float(e["accuracy"]) for e in ev]
             positive += [x for x in xs if x > 0]
             ax.plot(xs, ys, color=colors[r.key], lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.45,
                     ls="--" if r.is_baseline else "-", marker="." if len(xs) < 30 else None,
@@ -70,6 +87,7 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
+    return left_out
 
 
 def clock(rows: list[Row]) -> str:
@@ -263,9 +281,11 @@ def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]
                 os.path.join(out, "accuracy_vs_time.png"))
     made.append(("Accuracy vs time (wall seconds; virtual seconds for the simulated rows)"
                  if kind == "wall or virtual" else f"Accuracy vs {kind} time", "accuracy_vs_time.png"))
-    _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
-                os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
-    made.append(("Accuracy vs samples processed", "accuracy_vs_samples.png"))
+    left_out = _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
+                           os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
+    made.append(("Accuracy vs samples processed"
+                 + (f" ({left_out} score{'s' if left_out != 1 else ''} taken before the first heartbeat counted "
+                    f"any samples left out)" if left_out else ""), "accuracy_vs_samples.png"))
     _throughput_plot(plt, ok, colors, os.path.join(out, "throughput.png"))
     made.append(("Throughput (mean ± sd over repeats)", "throughput.png"))
     if any(not r.is_baseline for r in ok):

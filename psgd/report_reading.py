@@ -4,12 +4,25 @@ Time to target (ranked only where the time is resolved; a warning instead of a r
 when the budget is too short for the evaluator's period), throughput, final accuracy,
 waiting, injected faults; then measured staleness and the sweeps (psgd.report_relations).
 Every sentence says only what the numbers carry: ties within the run-to-run sd or within
-one evaluation period are called so.
+one evaluation period are called so; values of configurations that each ran once (no
+spread measured) are stated without being ranked (report_relations.ONCE); a target not
+seen in fewer than MIN_SCORES scores during training is not called missed.
 """
 from __future__ import annotations
 
-from .report_numbers import AFTER_END, REL_TIE, Row, eval_period, mean, sd
-from .report_relations import names, noise_note, rname, staleness_sentences, sweep_sentences, tie, tie_reason
+from .report_numbers import AFTER_END, MIN_SCORES, Row, eval_period, mean, sd
+from .report_relations import (
+    ONCE,
+    names,
+    noise_note,
+    rname,
+    staleness_sentences,
+    sweep_sentences,
+    tie,
+    tie_reason,
+    unmeasured,
+    unseen,
+)
 from .report_tables import secs, times
 
 
@@ -70,7 +83,16 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                     key=lambda p: p[0])
     unranked = [r for r in reached if r not in lost and not r.ttt_resolved(period)]
     base_t = base.resolved_ttt_mean(period) if base is not None else None
-    if ranked:
+    if len(ranked) > 1 and unmeasured([r.ttt for _, r in ranked]):
+        # Every resolved configuration ran once: their times are stated, in the rows' order, not ranked.
+        best_t, best = ranked[0]
+        among = ", of the configurations whose time is resolved" if unranked or lost else ""
+        out.append(f"Time to {target:g} test accuracy{among}: "
+                   + ", ".join(f"{rname(r, many_w)} {secs(t)} s" for r in dist for t, x in ranked if x is r)
+                   + f" ({ONCE}).")
+        if base is not None and base_t is not None and base_t < best_t:
+            out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
+    elif ranked:
         best_t, best = ranked[0]
         among = ", of the configurations whose time is resolved" if unranked or lost else ""
         s = f"First to reach {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
@@ -78,9 +100,10 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         ref = best.ref_sync
         if ref is not None and ref is not best and ref.ttt_resolved(period) and not ref.errors:
             extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}")
-        if base_t is not None:
+        if base is not None and base_t is not None:
+            once = "; " + ONCE if tie_reason(best.ttt, base.ttt) == ONCE else ""
             extras.append(f"{times(best.speedup(base))} the speed of the sequential baseline, which needed "
-                          f"{secs(base_t)} s")
+                          f"{secs(base_t)} s{once}")
         out.append(s + ((" (" + "; ".join(extras) + ")") if extras else "") + ".")
         if len(ranked) > 1:
             order = ", ".join(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s" for t, r in ranked)
@@ -104,6 +127,9 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                    f"reached it was first seen there by a score taken after its training had ended or by the "
                    f"evaluator's first score" + (f" ({'; '.join(facts)})" if facts else "")
                    + ". Raise train.steps or train.seconds, or lower eval.every_seconds, to get times that rank.")
+    elif any(r.thin_misses() for r in dist):
+        out.append(f"No distributed configuration was seen at {target:g} test accuracy in every repeat within the "
+                   f"budget.")
     else:
         out.append(f"No distributed configuration reached {target:g} test accuracy in every repeat within the budget.")
     if unranked:
@@ -114,14 +140,21 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                    + "; ".join(f"{r.name} ({len(r.errors)} of {r.n} repeats failed; {secs(mean(r.ttt) or 0.0)} s "
                                f"in the {len(r.runs)} that finished)" for r in lost) + ".")
     missed = [r for r in dist if r.ttt_mean is None and r.scored]
-    never = [r for r in missed if not r.ttt]
+    # A miss is unresolved, like a † time, when the evaluator scored the run fewer than
+    # MIN_SCORES times while it trained (once, or only after training ended).
+    unseen_ = [r for r in missed if not r.ttt and r.thin_misses()]
+    never = [r for r in missed if not r.ttt and r not in unseen_]
     partial = [r for r in missed if r.ttt]
     unscored = [r for r in dist if not r.scored]
     if never:
         out.append(f"Never reached {target:g}: {names(never)}.")
+    if unseen_:
+        out.append(f"Not known to have missed {target:g}, scored fewer than {MIN_SCORES} times during training: "
+                   + "; ".join(f"{names([r])} ({unseen(r, target)})" for r in unseen_) + ".")
     if partial:
         out.append(f"Reached {target:g} in only some repeats: "
-                   + ", ".join(f"{names([r])}: {len(r.ttt)}/{len(r.runs)} reached" for r in partial) + ".")
+                   + ", ".join(f"{names([r])}: {len(r.ttt)}/{len(r.runs)} reached"
+                               + (f" (the others: {u})" if (u := unseen(r, target)) else "") for r in partial) + ".")
     if unscored:
         out.append(f"Not scored (no evaluation), so neither reached nor missed {target:g}: {names(unscored)}.")
     return out
@@ -158,7 +191,11 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     top, low = by_sps[0], by_sps[-1]
     top_sps = mean(top.sps) or 0.0
     flat = tie_reason(top.sps, low.sps) if low is not top else None
-    if flat == "equal":
+    if flat == ONCE:   # the highest and the lowest each ran once: the values, in the rows' order, not ranked
+        every = "" if unmeasured([r.sps for r in by_sps]) else "the highest and the lowest "
+        out.append("Throughput: " + ", ".join(f"{rname(r, many_w)} {mean(r.sps):,.0f}" for r in dist if r.sps)
+                   + f" samples/s ({every}{ONCE}).")
+    elif flat == "equal":
         out.append(f"Throughput does not separate the configurations: all at {top_sps:,.0f} samples/s.")
     elif flat:
         out.append(f"Throughput does not separate the configurations: {mean(low.sps):,.0f} to {top_sps:,.0f} "
@@ -171,16 +208,23 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
             s += f" ({ratio:.2f}× {top.sync_name()}'s {mean(ref.sps):,.0f})"
         level = [(r, why) for r in by_sps[1:] if (why := tie_reason(top.sps, r.sps))]
         if level:
+            whys = list(dict.fromkeys(why for _, why in level))
             s += ", but " + " and ".join(f"{rname(r, many_w)} ({mean(r.sps):,.0f})" for r, _ in level) + \
-                 f" {'is' if len(level) == 1 else 'are'} not told apart from it ({level[0][1]})"
-        bottom = [r for r in by_sps[1:] if tie(low.sps, r.sps) and r not in [x for x, _ in level]]
-        if bottom:
-            s += f"; lowest: {' and '.join(rname(r, many_w) for r in bottom)} with {mean(low.sps):,.0f}"
+                 f" {'is' if len(level) == 1 else 'are'} not told apart from it ({'; '.join(whys)})"
+        rest = [r for r in by_sps[1:] if r not in [x for x, _ in level]]
+        # "lowest" only where the lowest is ranked below every other: no configuration that, like
+        # it, ran once (ONCE) lies above it.
+        if not any(tie_reason(low.sps, r.sps) == ONCE for r in rest):
+            bottom = [r for r in rest if tie(low.sps, r.sps)]
+            if bottom:
+                s += f"; lowest: {' and '.join(rname(r, many_w) for r in bottom)} with {mean(low.sps):,.0f}"
         out.append(s + ".")
     b = mean(base.sps) if base is not None else None
     if b and base is not None:
         why = tie_reason(base.sps, top.sps)
-        if why:
+        if why == ONCE:
+            out.append(f"The sequential baseline alone processed {b:,.0f} samples/s ({ONCE}).")
+        elif why:
             out.append(f"The sequential baseline alone processed {b:,.0f} samples/s, not told apart from the best "
                        f"distributed configuration's {top_sps:,.0f} ({why}).")
         elif b > top_sps:
@@ -208,6 +252,10 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
         spread = f"all ended at {hi[0]:.4f}" if f"{hi[0]:.4f}" == f"{lo[0]:.4f}" else \
             f"all lie between {lo[0]:.4f} and {hi[0]:.4f}"
         out.append(f"Final accuracy hardly separates the configurations: {spread}.")
+    elif tie_reason(lo[1].acc, hi[1].acc) == ONCE:   # the extremes ran once: the values, in the rows' order
+        every = "" if unmeasured([r.acc for _, r in accs]) else "the highest and the lowest "
+        out.append("Final accuracy: " + ", ".join(f"{rname(r, many_w)} {a:.4f}" for a, r in accs)
+                   + f" ({every}{ONCE}).")
     else:
         out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
                    f"({rname(hi[1], many_w)}).")
@@ -239,7 +287,8 @@ def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> st
     parts = ([f"{names(higher)} ended higher"] if higher else []) + \
             ([f"{names(lower)} ended lower"] if lower else []) + \
             ([f"{names(near)} ended within {ACC_NEAR:g} of it"] if near else []) + \
-            [f"{names([r])} is not told apart from it ({why})" for r, why in level]
+            [f"{names(rs)} {'is' if len(rs) == 1 else 'are'} not told apart from it ({why})"
+             for why in dict.fromkeys(w for _, w in level) for rs in [[r for r, w in level if w == why]]]
     return "; ".join(parts)
 
 
@@ -250,12 +299,13 @@ def _repeat_note(rows: list[Row]) -> list[str]:
     if not once:
         return []
     if len(once) == len(rows):
-        return [f"Every configuration ran once: no run-to-run spread was measured, so the orderings below are "
-                f"not checked against noise (values within {REL_TIE:.0%} are not ranked); use --repeats 3 or more "
-                f"to check them."]
+        return ["Every configuration ran once: no run-to-run spread was measured, so the values below are "
+                "stated but not ranked against each other (two runs of one configuration can differ by more than "
+                "configurations do); use --repeats 3 or more to rank them."]
     it = "it" if len(once) == 1 else "them"
-    return [f"{names(once)}: a single successful run, so no run-to-run spread was measured for {it}, and "
-            f"orderings that involve {it} are not checked against noise."]
+    return [f"{names(once)}: a single successful run, so no run-to-run spread was measured for {it}: {it} "
+            f"{'is' if len(once) == 1 else 'are'} ranked only against configurations whose repeats measured one, "
+            f"by that spread" + (", and not against each other" if len(once) > 1 else "") + "."]
 
 
 def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
@@ -319,8 +369,9 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         s = f"All runs had a fault injected: {faults}."
         if top is not None and ref is not None and top.mode != "sync" and mean(ref.sps):
             s += (f" Under it, {rname(top, many_w)} kept {mean(top.sps):,.0f} samples/s against "
-                  f"{top.sync_name()}'s {mean(ref.sps):,.0f} with {ref.workers} workers.")
+                  f"{top.sync_name()}'s {mean(ref.sps):,.0f} with {ref.workers} workers"
+                  + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
         out.append(s)
 
-    out += sweep_sentences(dist, period)
+    out += sweep_sentences(dist, period, target)
     return out

@@ -7,6 +7,9 @@ updates applied between a worker's read and its push), at least MIN_POINTS of th
 MIN_REPEATS runs each (psgd.report_numbers says why those numbers); easgd's and ltfb's
 figures are named as the different quantities they are. Then the parameter sweeps and
 the worker-count sweeps, each value against throughput, time to target, accuracy.
+Values that are not ordered: equal ones, ones closer than the run-to-run sd (tie_reason),
+and those of configurations that each ran once, which are stated without higher, lower or
+a trend verb, with the reason (ONCE): with no spread measured, no difference is ranked.
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ from .report_numbers import (
     MIN_REPEATS,
     READ_PUSH_MODES,
     REL_EQUAL,
-    REL_TIE,
     Row,
     close,
     correlation_rows,
@@ -36,10 +38,14 @@ OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker
                    "ltfb": "ltfb's is 0 by definition (independent trainers)"}
 
 
+# Why two values of configurations that each ran once are not ranked.
+ONCE = "ran once: no spread measured, so differences are not ranked"
+
+
 def tie_reason(a: list[float], b: list[float]) -> str | None:
     """Why the means of a and b cannot be ranked, or None when they can: equal; closer
-    than the larger run-to-run sd of the two; or, with no sd measured (single repeats),
-    within REL_TIE of each other."""
+    than the larger run-to-run sd of the two; or no sd measured on either side (single
+    repeats: ONCE, however far apart they are)."""
     ma, mb = mean(a), mean(b)
     if ma is None or mb is None:
         return None
@@ -48,7 +54,16 @@ def tie_reason(a: list[float], b: list[float]) -> str | None:
     sds = [x for x in (sd(a), sd(b)) if x is not None]
     if sds:
         return "within one run-to-run sd" if abs(ma - mb) < max(sds) else None
-    return f"within {REL_TIE:.0%} of each other, and no run-to-run spread was measured" if close(ma, mb) else None
+    return ONCE
+
+
+def unmeasured(series: list[list[float]]) -> bool:
+    """Whether these values cannot be ordered at all: two or more means, not all equal, and
+    no run-to-run sd measured for any of them (every one ran once). A sentence then states
+    the values, without higher, lower or a trend verb, and says why (ONCE)."""
+    means = [m for v in series if (m := mean(v)) is not None]
+    return (len(means) >= 2 and not close(max(means), min(means), REL_EQUAL)
+            and all(sd(v) is None for v in series))
 
 
 def tie(a: list[float], b: list[float]) -> bool:
@@ -58,7 +73,7 @@ def tie(a: list[float], b: list[float]) -> bool:
 
 def noise_note(series: list[list[float]], fmt: Callable[[float], str] = str) -> str:
     """'; within the run-to-run noise ...' when the means' range is below 2 sd; with no sd
-    measured, '; ... within 1% ...' when their range is below REL_TIE of the largest; else ''."""
+    measured, '; ran once ...' (ONCE) unless they are equal; else ''."""
     sds = [s for v in series if (s := sd(v)) is not None]
     means = [m for v in series if (m := mean(v)) is not None]
     if len(means) < 2:
@@ -70,9 +85,31 @@ def noise_note(series: list[list[float]], fmt: Callable[[float], str] = str) -> 
         if span < 2 * max(sds):
             return f"; within the run-to-run noise, sd up to {fmt(max(sds))}: not established"
         return ""
-    if span <= REL_TIE * max(abs(m) for m in means):
-        return f"; all within {REL_TIE:.0%} of each other: no difference claimed"
-    return ""
+    return f"; {ONCE}"
+
+
+def course(what: str, values: str, series: list[list[float]], means: list[float],
+           fmt: Callable[[float], str] = str) -> str:
+    """'WHAT rose (VALUES)' for a sequence of means, with its noise_note; when they cannot
+    be ordered (unmeasured), 'WHAT VALUES' without a trend verb: the caller says why (ONCE)."""
+    if unmeasured(series):
+        return f"{what} {values}"
+    return f"{what} {trend(means)} ({values}{noise_note(series, fmt)})"
+
+
+def unseen(r: Row, target: float | None = None) -> str | None:
+    """'not seen ≥ T in N scores during training' for a configuration whose repeats that
+    missed the target were scored fewer than MIN_SCORES (psgd.report_numbers) times while training (Row.thin_misses):
+    its "not reached" is unresolved. None when every miss is resolved."""
+    thin = r.thin_misses()
+    if not thin:
+        return None
+    if target is None:
+        target = next((float(x["target_accuracy"]) for x in r.runs if x.get("target_accuracy") is not None), None)
+    n = max(thin)
+    s = (f"not seen ≥ {'the target' if target is None else f'{target:g}'} in "
+         f"{'at most ' if len(set(thin)) > 1 else ''}{n} score{'' if n == 1 else 's'} during training")
+    return s + (f", {len(thin)} of {len(r.runs)} repeats" if len(r.runs) > 1 else "")
 
 
 def names(rows: list[Row]) -> str:
@@ -124,6 +161,10 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
         if most_mean == 0:
             out.append("No configuration of sync, ssp or async read stale parameters (measured staleness (mean) "
                        "0 everywhere).")
+        elif unmeasured([_run_staleness(r) for r in st]):
+            out.append("Measured staleness (mean updates applied between a worker's read and its push): "
+                       + ", ".join(f"{rname(r, many_w)} {sm:.2f} (max {smax(r.staleness_max)})" for sm, r in measured)
+                       + f" ({ONCE})" + _staleness_vs_accuracy(st) + ".")
         else:
             out.append(f"Measured staleness (mean updates applied between a worker's read and its push): highest "
                        f"in {rname(most, many_w)} ({most_mean:.2f}, max {smax(most.staleness_max)})"
@@ -143,30 +184,32 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
     return out
 
 
-def _times_clause(rs: list[Row], period: float | None) -> str | None:
+def _times_clause(rs: list[Row], period: float | None, target: float | None = None) -> str | None:
     """The sweep's times to target; None when no row of it was scored."""
     if not any(r.scored for r in rs):
         return None
     resolved = [t for r in rs if (t := r.resolved_ttt_mean(period)) is not None]
     if len(resolved) == len(rs) and not any(r.errors for r in rs):
-        return (f"time to target {trend(resolved)} ({', '.join(secs(t) for t in resolved)} s"
-                + noise_note([r.ttt for r in rs], lambda x: f"{secs(x)} s") + ")")
-    return "time to target " + ", ".join(_one_time(r, period) for r in rs)
+        return course("time to target", f"{', '.join(secs(t) for t in resolved)} s", [r.ttt for r in rs], resolved,
+                      lambda x: f"{secs(x)} s")
+    return "time to target " + ", ".join(_one_time(r, period, target) for r in rs)
 
 
-def _one_time(r: Row, period: float | None) -> str:
+def _one_time(r: Row, period: float | None, target: float | None = None) -> str:
     """One sweep point's time to target, saying how many repeats reached it."""
     if not r.scored:
         return "not scored"
     got, n = len(r.ttt), len(r.runs)
     if not got:
-        return "not reached"
+        return unseen(r, target) or "not reached"
     t = mean(r.ttt) or 0.0
     s = f"{secs(t)} s" + ("" if r.ttt_resolved(period) or got < n else " (not resolved)")
     return s + (f" ({got}/{n} reached)" if got < n else "") + r.failed_note
 
 
-def sweep_sentences(dist: list[Row], period: float | None = None) -> list[str]:
+def sweep_sentences(dist: list[Row], period: float | None = None, target: float | None = None) -> list[str]:
+    """A sentence per parameter sweep (each quantity's trend over the swept values, or,
+    where every value ran once, the values without a trend: ONCE) and per worker-count sweep."""
     out = []
     for mode, key, w, rs in sweeps(dist):
         rs = [r for r in rs if r.runs]
@@ -174,24 +217,29 @@ def sweep_sentences(dist: list[Row], period: float | None = None) -> list[str]:
             continue
         vals = [str(r.sweep_value) for r in rs]
         parts = []
+        once = False   # whether some quantity's values could not be ordered (unmeasured)
         tput = [t for r in rs if (t := mean(r.sps)) is not None]
         if len(tput) == len(rs):
-            parts.append(f"throughput {trend(tput)} ({', '.join(f'{t:,.0f}' for t in tput)} samples/s"
-                         + noise_note([r.sps for r in rs], lambda x: f"{x:,.0f}") + ")")
-        times_clause = _times_clause(rs, period)
+            parts.append(course("throughput", f"{', '.join(f'{t:,.0f}' for t in tput)} samples/s",
+                                [r.sps for r in rs], tput, lambda x: f"{x:,.0f}"))
+            once |= unmeasured([r.sps for r in rs])
+        times_clause = _times_clause(rs, period, target)
         if times_clause:
             parts.append(times_clause)
+            once |= unmeasured([r.ttt for r in rs]) and all(r.resolved_ttt_mean(period) is not None for r in rs)
         accs = [acc for r in rs if (acc := mean(r.acc)) is not None]
         if len(accs) == len(rs):
-            parts.append(f"final accuracy {trend(accs)} ({', '.join(f'{a:.4f}' for a in accs)}"
-                         + noise_note([r.acc for r in rs], lambda x: f"{x:.4f}") + ")")
+            parts.append(course("final accuracy", ", ".join(f"{a:.4f}" for a in accs), [r.acc for r in rs], accs,
+                                lambda x: f"{x:.4f}"))
+            once |= unmeasured([r.acc for r in rs])
         st = [sm for r in rs if (sm := r.staleness_mean) is not None]
         if len(st) == len(rs):
-            parts.append(f"measured staleness (mean) {trend(st)} ({', '.join(f'{s:.2f}' for s in st)}"
-                         + noise_note([_run_staleness(r) for r in rs], lambda x: f"{x:.2f}") + ")")
+            parts.append(course("measured staleness (mean)", ", ".join(f"{s:.2f}" for s in st),
+                                [_run_staleness(r) for r in rs], st, lambda x: f"{x:.2f}"))
+            once |= unmeasured([_run_staleness(r) for r in rs])
         fixed = "; ".join([f"{w} workers"] + sweep_fixed(rs))
         out.append(f"Sweep of {mode} {param_name(mode, key)} over {', '.join(vals)} ({fixed}): "
-                   + "; ".join(parts) + ".")
+                   + "; ".join(parts) + (f"; each value {ONCE}" if once else "") + ".")
     for rs in worker_sweeps(dist).values():
         first, last = rs[0], rs[-1]
         a, b = mean(first.sps), mean(last.sps)
@@ -203,5 +251,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None) -> list[str]:
             t0, t1 = first.resolved_ttt_mean(period), last.resolved_ttt_mean(period)
             if t0 is not None and t1 is not None:
                 s += f", time to target {secs(t0)} s → {secs(t1)} s"
+            if unmeasured([first.sps, last.sps]):
+                s += f" (each worker count {ONCE})"
             out.append(s + ".")
     return out

@@ -53,9 +53,9 @@ def pm_secs(xs: list[float]) -> str:
 
 
 def smax(v: int | None) -> str:
-    """The histogram's last bin collects everything >= BINS - 1."""
-    from .consistency.staleness import BINS
-    return "—" if v is None else f"≥{v}" if v >= BINS - 1 else str(v)
+    """A run's maximum staleness: exact (summary.json's `staleness.max`, kept apart from the
+    histogram, whose last bin collects everything >= BINS - 1)."""
+    return "—" if v is None else str(v)
 
 
 def times(v: float | None) -> str:
@@ -75,7 +75,9 @@ def ttt_cell(row: Row, period: float | None = None) -> str:
     if not any(r.get("evals") for r in row.runs):
         return "no evaluation"
     if not got:
-        return "not reached"
+        # Scored fewer than MIN_SCORES times while training: not a resolved miss (Row.thin_misses).
+        thin = row.thin_misses()
+        return f"not seen ({max(thin)} score{'' if max(thin) == 1 else 's'} in training)" if thin else "not reached"
     cell = pm_secs(got) + (f" {MARK}" if row.ttt_flags(period) else "")
     return cell if len(got) == n else f"{cell} ({len(got)}/{n} reached)"
 

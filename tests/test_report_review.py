@@ -1,0 +1,259 @@
+"""The report after a review of its claims and of `python -m psgd.report`: one test per
+defect the review demonstrated, each on crafted compare.json entries (no processes)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from psgd.report import build_rows, render, write_report
+from psgd.report import main as report_main
+from psgd.report_plots import curve_points, make_plots
+from psgd.report_relations import ONCE, noise_note, tie_reason
+
+from .test_report_claims import CTX, run, sentence, told
+
+pytestmark = pytest.mark.unit
+
+# Phrases that rank one configuration above another, or a trend along a sweep.
+RANKING = ("Highest throughput", "lowest:", " rose", " fell", "went up and down", "ranged from", "highest in",
+           "First to reach", "Order to the target", "sooner than", "ended higher", "ended lower")
+
+
+def scores(*points):
+    """An evaluation curve from (t, accuracy) points, 100 samples a score."""
+    return [{"t": t, "samples": 100 * (i + 1), "accuracy": a, "loss": 1.0} for i, (t, a) in enumerate(points)]
+
+
+# ---------------------------------------------------------------- 1. single repeats are not ranked
+
+
+@pytest.mark.timeout(60)
+def test_values_of_single_repeats_are_stated_without_being_ranked():
+    # Two identical configurations differed by 46% in samples/s; one repeat ranked anything 1% apart.
+    results = [run("baseline", "baseline", ttt=1.0, sps=30000.0, workers=1, wall=5.0),
+               run("sync", ttt=2.0, sps=5000.0, acc=0.95, wait=0.6),
+               run("async", "async", ttt=2.6, sps=7300.0, acc=0.93, stal=2.0),
+               run("ssp:staleness=0", "ssp", params={"staleness": 0}, sweep="staleness", ttt=3.0, sps=6000.0,
+                   stal=0.5),
+               run("ssp:staleness=4", "ssp", params={"staleness": 4}, sweep="staleness", ttt=3.5, sps=6500.0,
+                   acc=0.91, stal=1.5)]
+    text = told(results)
+    for phrase in RANKING:
+        assert phrase not in text, (phrase, text)
+    assert ("Throughput: **sync** 5,000, **async** 7,300, **ssp (bound s=0)** 6,000, **ssp (bound s=4)** 6,500 "
+            f"samples/s ({ONCE}).") in text
+    assert f"Time to 0.9 test accuracy: **sync** 2.00 s, **async** 2.60 s, **ssp (bound s=0)** 3.00 s, " \
+           f"**ssp (bound s=4)** 3.50 s ({ONCE})." in text
+    assert f"(max 2), **ssp (bound s=4)** 1.50 (max 2) ({ONCE})" in sentence(text, "Measured staleness (mean")
+    sweep = sentence(text, "Sweep of ssp")
+    assert "throughput 6,000, 6,500 samples/s; time to target 3.00, 3.50 s; final accuracy 0.9200, 0.9100; " \
+           f"measured staleness (mean) 0.50, 1.50; each value {ONCE}." in sweep
+    assert f"The sequential baseline alone processed 30,000 samples/s ({ONCE})." in text
+    assert "ran once: no spread measured" in sentence(text, "blocked on the servers")
+    assert "not ranked" in sentence(text, "Every configuration ran once")
+    assert tie_reason([5000.0], [7300.0]) == ONCE and tie_reason([5000.0], [5000.0]) == "equal"
+    assert noise_note([[5000.0], [5030.0]]) == f"; {ONCE}"
+
+
+@pytest.mark.timeout(60)
+def test_repeats_with_a_spread_still_rank():
+    # The existing behaviour where repeats measured a spread: ranked against it.
+    results = [run("sync", repeat=r, sps=5000.0 + 10 * r, ttt=2.0 + 0.01 * r) for r in range(2)]
+    results += [run("async", "async", repeat=r, sps=7300.0 + 10 * r, ttt=2.6 + 0.01 * r) for r in range(2)]
+    text = told(results)
+    assert "Highest throughput: **async** with 7,305 samples/s" in text
+    assert "First to reach 0.9 test accuracy: **sync** after 2.00 s" in text
+    assert ONCE not in text
+    # one single-repeat configuration is ranked only by the other's spread; two of them not against each other
+    mixed = results + [run("ssp", "ssp", sps=5001.0), run("easgd", "easgd", sps=9000.0)]
+    said = sentence(told(mixed), "Throughput")
+    assert "Highest throughput" not in said and ONCE in said
+
+
+@pytest.mark.timeout(60)
+def test_a_single_repeat_worker_sweep_says_it_ran_once():
+    results = [run("sync", workers=w, sps=s) for w, s in ((2, 5000.0), (4, 7000.0))]
+    assert f"(each worker count {ONCE})" in sentence(told(results), "from 2 to 4 workers")
+    repeated = [run("sync", r, workers=w, sps=s + r) for w, s in ((2, 5000.0), (4, 7000.0)) for r in range(2)]
+    assert ONCE not in told(repeated)
+
+
+# ---------------------------------------------------------------- 2. "never reached" needs scores
+
+
+@pytest.mark.timeout(60)
+def test_a_target_not_seen_in_too_few_training_scores_is_not_called_missed(tmp_path):
+    # async was scored once while it trained (and once after), sync reached the target.
+    results = [run("sync", ttt=2.0, wall=4.0, evals=scores((1.0, 0.6), (2.0, 0.92), (4.1, 0.93))),
+               run("async", "async", wall=4.0, acc=0.88, evals=scores((1.0, 0.6), (4.1, 0.88))),
+               run("ssp", "ssp", wall=4.0, acc=0.87, evals=scores((4.2, 0.87)))]     # scored only after training
+    text = told(results)
+    assert "Never reached" not in text
+    said = sentence(text, "Not known to have missed 0.9")
+    assert "async (2 w) (not seen ≥ 0.9 in 1 score during training)" in said
+    assert "ssp (2 w) (not seen ≥ 0.9 in 0 scores during training)" in said
+    report = open(write_report(str(tmp_path), results, CTX)).read()
+    assert "| not seen (1 score in training) |" in next(x for x in report.splitlines() if x.startswith("| async |"))
+    # scored twice or more while training: a miss
+    results[1] = run("async", "async", wall=4.0, acc=0.88, evals=scores((1.0, 0.6), (3.0, 0.8), (4.1, 0.88)))
+    assert "Never reached 0.9: async (2 w)." in told(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_repeat_scored_too_rarely_is_said_in_the_partial_sentence_and_the_sweep():
+    reached = scores((1.0, 0.6), (2.0, 0.92), (4.1, 0.93))
+    thin = scores((4.1, 0.85))
+    results = [run("ssp:staleness=0", "ssp", r, ttt=2.0 if r == 0 else None, acc=0.93 if r == 0 else 0.85,
+                   params={"staleness": 0}, sweep="staleness", evals=reached if r == 0 else thin) for r in range(2)]
+    results += [run("ssp:staleness=2", "ssp", r, acc=0.85, params={"staleness": 2}, sweep="staleness", evals=thin)
+                for r in range(2)]
+    text = told(results)
+    assert "ssp (bound s=0) (2 w): 1/2 reached (the others: not seen ≥ 0.9 in 0 scores during training, 1 of 2 " \
+           "repeats)" in text
+    assert "not seen ≥ 0.9 in 0 scores during training, 2 of 2 repeats" in sentence(text, "Sweep of ssp")
+    assert "Never reached" not in text
+
+
+# ---------------------------------------------------------------- 3, 4, 5: what `python -m psgd.report` reads
+
+
+def _folder(path, results, ctx=None) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "compare.json"), "w") as f:
+        f.write(results if isinstance(results, str) else json.dumps(results))
+    if ctx is not None:
+        with open(os.path.join(path, "compare-context.json"), "w") as f:
+            json.dump(ctx, f)
+    return str(path)
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.timeout(60)
+def test_merge_refuses_an_output_folder_that_is_one_of_its_inputs(tmp_path, capsys):
+    c1 = _folder(tmp_path / "c1", [run("sync")], CTX)
+    c2 = _folder(tmp_path / "c2", [run("async", "async")], CTX)
+    before = open(os.path.join(c1, "compare.json")).read()
+    assert report_main([c1, c1, c2]) == 2
+    assert "psgd report: the output folder" in _one_line_error(capsys)
+    os.symlink(c1, tmp_path / "link")        # the same real path under another name
+    assert report_main([str(tmp_path / "link"), c2, c1 + "/"]) == 2
+    _one_line_error(capsys)
+    assert open(os.path.join(c1, "compare.json")).read() == before
+    assert not os.path.exists(os.path.join(c1, "report.md"))
+
+
+@pytest.mark.timeout(60)
+def test_merge_refuses_a_folder_given_twice(tmp_path, capsys):
+    c1 = _folder(tmp_path / "c1", [run("sync")], CTX)
+    out = str(tmp_path / "dup")
+    assert report_main([out, c1, c1]) == 2
+    assert "given twice" in _one_line_error(capsys)
+    os.symlink(c1, tmp_path / "again")
+    assert report_main([out, c1, str(tmp_path / "again")]) == 2
+    _one_line_error(capsys)
+    assert not os.path.exists(out)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("content, why", [
+    ("[1,2]", "entry 0 is a number, not an object"), ("null", "(null, not a list of runs)"),
+    ('[{"label": "sync"}]', "entry 0 has no mode, workers"), ("{}", "(an object, not a list of runs)"),
+    ('[{"label": "sync", "mode": "sync", "workers": "2"}]', "entry 0's workers is '2', not a count"),
+    ("{not json", "not JSON")])
+def test_a_compare_json_psgd_did_not_write_is_one_line(tmp_path, capsys, content, why):
+    d = _folder(tmp_path / "bad", content)
+    assert report_main([d]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"psgd report: {d}/compare.json is not a psgd compare.json (") and why in err, err
+    good = _folder(tmp_path / "good", [run("sync")], CTX)
+    assert report_main([str(tmp_path / "m"), good, d]) == 2      # and in a merge
+    assert f"{d}/compare.json is not a psgd compare.json" in _one_line_error(capsys)
+    assert not os.path.exists(tmp_path / "m")
+
+
+@pytest.mark.timeout(60)
+def test_what_psgd_compare_writes_is_read(tmp_path, capsys):
+    from psgd.compare import build_plan, failed_entry, parse_modes, tag
+    from psgd.config import load
+    plan = build_plan(load(None, [], env={}), parse_modes("sync"), [2], 1)
+    entries = [tag({k: v for k, v in run("baseline", "baseline", workers=1).items() if k != "label"}, plan[0],
+                   "runs/b", 1.0), failed_entry(plan[1], "the coordinator exited with 1")]
+    d = _folder(tmp_path / "ok", entries, CTX)
+    assert report_main([d]) == 0
+    assert "| sync | 2 | failed: the coordinator exited with 1" in open(os.path.join(d, "report.md")).read()
+    bad_ctx = _folder(tmp_path / "ctx", entries)
+    (tmp_path / "ctx" / "compare-context.json").write_text("[]")
+    assert report_main([bad_ctx]) == 2
+    assert "compare-context.json is not a psgd compare-context.json" in _one_line_error(capsys)
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_compare_json_is_a_report_that_no_run_finished(tmp_path, capsys):
+    ctx = {**CTX, "workers": [2], "interrupted": True,
+           "not_run": ["sync, 2 workers, repeat 0", "async, 2 workers, repeat 0"],   # as psgd compare writes them
+           "baseline": {"steps": 10, "samples": 320, "threads": 1}, "job": {"steps": 5}}
+    d = _folder(tmp_path / "empty", [], ctx)
+    assert report_main([d]) == 0
+    text = open(os.path.join(d, "report.md")).read()
+    assert "No run finished" in text and "No distributed run finished" in text
+    assert "**Interrupted:** 2 of 2 planned runs did not run: sync, 2 workers, repeat 0; async, 2 workers, " \
+           "repeat 0." in text
+
+
+# ---------------------------------------------------------------- 6. interrupted compares
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_compare_says_so_at_the_top(tmp_path):
+    results = [run("sync"), run("async", "async")]
+    ctx = {**CTX, "command": "psgd compare --modes sync,async,ssp --repeats 2", "interrupted": True,
+           "not_run": ["async, 2 workers, repeat 1", "ssp", "ssp"]}
+    text = render(build_rows(results), ctx, [])
+    line = ("**Interrupted:** 3 of 5 planned runs did not run: async, 2 workers, repeat 1; ssp ×2. This report "
+            "covers the 2 that did.")
+    assert line in text and text.index(line) < text.index("Model **") < text.index("## Results")
+    assert "Interrupted" not in render(build_rows(results), CTX, [])
+    assert "Interrupted" not in render(build_rows(results), {**CTX, "interrupted": False, "not_run": []}, [])
+    assert "**Interrupted:** the command was interrupted" in render(build_rows(results),
+                                                                    {**CTX, "interrupted": True}, [])
+    # merged: said per folder, not taken from the first folder's context for all
+    a = _folder(tmp_path / "a", results, {**ctx, "command": "psgd compare a"})
+    b = _folder(tmp_path / "b", [run("ssp", "ssp")], {**CTX, "command": "psgd compare b"})
+    assert report_main([str(tmp_path / "m"), b, a]) == 0
+    merged = open(tmp_path / "m" / "report.md").read()
+    assert f"**Interrupted:** folder {a}: 3 of 5 planned runs did not run: async, 2 workers, repeat 1; " \
+           "ssp ×2." in merged
+    assert merged.count("**Interrupted:**") == 1
+
+
+# ---------------------------------------------------------------- 7. accuracy vs samples
+
+
+@pytest.mark.timeout(120)
+def test_scores_counted_at_zero_samples_after_the_start_are_left_off_the_samples_axis(tmp_path):
+    evals = [{"t": 0.5, "samples": 0, "accuracy": 0.4, "loss": 1.0},   # before the first heartbeat
+             {"t": 1.0, "samples": 640, "accuracy": 0.7, "loss": 0.8},
+             {"t": 4.1, "samples": 2000, "accuracy": 0.92, "loss": 0.3}]
+    r = run("sync", evals=evals)
+    assert curve_points(r, "samples") == ([640.0, 2000.0], [0.7, 0.92], 1)
+    assert curve_points(r, "t") == ([0.5, 1.0, 4.1], [0.4, 0.7, 0.92], 0)
+    base = run("baseline", "baseline", workers=1, evals=[{"t": 0.0, "samples": 0, "accuracy": 0.1, "loss": 2.0},
+                                                         {"t": 1.0, "samples": 500, "accuracy": 0.9, "loss": 0.3}])
+    assert curve_points(base, "samples")[0] == [0.0, 500.0]   # scored before training started: 0 samples is right
+    pytest.importorskip("matplotlib")
+    made = dict((n, t) for t, n in make_plots(str(tmp_path), build_rows([r, base]), 0.9))
+    assert "1 score taken before the first heartbeat counted any samples left out" in made["accuracy_vs_samples.png"]
+
+
+@pytest.mark.timeout(30)
+def test_the_maximum_staleness_is_exact_not_a_lower_bound():
+    # the report wrote "≥63" for summary.json's exact maximum of 63 (past the histogram's last bin)
+    from psgd.report_tables import smax
+    assert smax(63) == "63" and smax(2) == "2" and smax(None) == "—"

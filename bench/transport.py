@@ -31,7 +31,10 @@ counts them (headers included), as a check that both move the same bytes. The
 round-trip time is the median step time of one client. Each psgd row also gives the
 shards' own CPU time per request (`shard_busy_ms`, from their `busy_s` counters) and, with
 one worker, the `ceiling` raw / (raw + that): the worker waits for the shard's work
-every step, so psgd/raw cannot be much above it unless that work gets cheaper. The
+every step, so psgd/raw cannot be much above it unless that work gets cheaper (an
+estimate: psgd's and the raw side's timed sections run at different moments, and a
+reply just written by the update leaves from warmer caches than the echo's buffer; one
+run measured psgd/raw 5% above it). The
 last line is one JSON object: `ratio` (psgd / raw throughput at 16 MiB, 1 worker, 1
 shard), `latency_ratio` (psgd / raw round trip at 64 KiB, 1 worker, 1 shard),
 `ratio_ceiling` (the ceiling of `ratio`) and every measured row.
@@ -376,8 +379,8 @@ def main() -> None:
                 "psgd push+pull vs raw pyzmq (payload 2 x table per step; median of "
                 f"{a.repeats} timed sections; ms/step = median round trip of one client; shard busy ms: the "
                 "shard's own CPU time per request, from its counters (the most of any shard, over the whole run); "
-                "ceiling = raw / (raw + busy), about the most psgd/raw can be with one worker, which waits for "
-                "that work)"))
+                "ceiling = raw / (raw + busy), an estimate of the most psgd/raw can be with one worker, which "
+                "waits for that work)"))
 
     def pick(size: int, key: str):
         for r in records:

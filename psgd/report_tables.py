@@ -2,10 +2,11 @@
 
 `main_table`: one row per configuration (accuracy, time to target, throughput, measured
 staleness, waiting, traffic, speedups); `detail_table`: runs, wall time, ratios, clock
-gap, drops, losses. A time to target that cannot rank a configuration (reached after
-training had ended, or at the evaluator's first score) and every speedup computed from
-one carry a mark, explained under the table. The number formats are shared with the
-reading (psgd.report_reading) and the plots (psgd.report_plots).
+gap, drops, losses, the busiest shard's share of the time. A time to target that cannot
+rank a configuration (reached after training had ended, or at the evaluator's first
+score) and every speedup computed from one carry a mark, explained under the table. The
+number formats are shared with the reading (psgd.report_reading) and the plots
+(psgd.report_plots).
 """
 from __future__ import annotations
 
@@ -136,8 +137,8 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
 
 def detail_table(rows: list[Row]) -> list[str]:
     lines = ["| configuration | workers | runs | wall (s) | samples | throughput vs sync | "
-             "throughput vs baseline | max clock gap | dropped gradients | workers lost |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "throughput vs baseline | max clock gap | dropped gradients | workers lost | busiest shard |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if not row.runs:
             continue
@@ -147,5 +148,12 @@ def detail_table(rows: list[Row]) -> list[str]:
             f"{mean(row.values('samples')):,.0f} | {times(row.throughput_ratio(row.ref_sync))} | "
             f"{times(row.throughput_ratio(row.ref_base))} | "
             f"{'—' if row.is_baseline else max(int(r.get('max_clock_gap', 0)) for r in row.runs)} | "
-            f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} |")
+            f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} | {busiest(row)} |")
     return lines
+
+
+def busiest(row: Row) -> str:
+    """The busiest shard's share of the wall time spent serving (summary.json's
+    shard_busy_fraction), the mean over repeats: near 100%, the shards are the bottleneck."""
+    m = mean([max(r["shard_busy_fraction"]) for r in row.runs if r.get("shard_busy_fraction")])
+    return "—" if row.is_baseline or m is None else f"{100 * m:.0f}%"

@@ -257,3 +257,15 @@ def test_the_maximum_staleness_is_exact_not_a_lower_bound():
     # the report wrote "≥63" for summary.json's exact maximum of 63 (past the histogram's last bin)
     from psgd.report_tables import smax
     assert smax(63) == "63" and smax(2) == "2" and smax(None) == "—"
+
+
+@pytest.mark.timeout(30)
+def test_the_detail_table_gives_the_busiest_shards_share_of_the_time():
+    from psgd.report_tables import detail_table
+    rows = build_rows([run("sync", repeat=0, shard_busy_fraction=[0.2, 0.5]),
+                       run("sync", repeat=1, shard_busy_fraction=[0.3, 0.4]),
+                       run("async", mode="async")])             # a compare.json from before the field: "—"
+    table = detail_table(rows)
+    assert table[0].endswith("| workers lost | busiest shard |")
+    assert next(line for line in table if line.startswith("| sync |")).endswith("| 45% |")
+    assert next(line for line in table if line.startswith("| async |")).endswith("| — |")

@@ -26,13 +26,13 @@ from .layout import SCRIPT_MODEL
 from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
 
 
-def _common(p: argparse.ArgumentParser, out_default: str | None = None) -> None:
+def _common(p: argparse.ArgumentParser, out_help: str = "output folder: events/, pids/, summary.json "
+                                                         "(default: $PSGD_OUT)") -> None:
     p.add_argument("config", nargs="?", default=os.environ.get("PSGD_CONFIG"),
                    help="TOML config file (default: $PSGD_CONFIG, else the built-in default job)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable); beats PSGD_* variables and the file")
-    p.add_argument("--out", default=os.environ.get("PSGD_OUT", out_default),
-                   help="output folder: events/, pids/, summary.json (default: $PSGD_OUT)")
+    p.add_argument("--out", default=os.environ.get("PSGD_OUT"), help=out_help)
 
 
 def _device(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="run a whole job on this machine (coordinator, shards, workers, evaluator)")
-    _common(p)
+    _common(p, "output folder: summary.json, events/, logs/, model.pt (default: $PSGD_OUT, else "
+               "runs/MODE-DATE-TIME)")
     _device(p)
     p.add_argument("--mode", help=f"{' | '.join(MODES)} (= --set mode.name=...)")
     p.add_argument("--workers", type=int, help="number of workers (= --set cluster.workers=...)")
@@ -77,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
                         "arguments after -- go to it")
 
     p = sub.add_parser("compare", help="run several modes side by side and write a report")
-    _common(p)
+    _common(p, "output folder: report.md, compare.json, runs/ (default: $PSGD_OUT, else runs/compare-DATE-TIME)")
     _device(p)
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated modes, each optionally with parameters (ssp:staleness=2, "

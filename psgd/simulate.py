@@ -55,7 +55,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="TOML config file (default: $PSGD_CONFIG, else the built-in default job)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable), e.g. sim.train=false, faults.jitter_prob=0.05")
-    p.add_argument("--out", default=os.environ.get("PSGD_OUT"), help="output folder (default: runs/simulate-TIME)")
+    p.add_argument("--out", default=os.environ.get("PSGD_OUT"),
+                   help="output folder: report.md, compare.json, runs/ (default: $PSGD_OUT, else "
+                        "runs/simulate-DATE-TIME)")
     p.add_argument("--modes", default="sync,ssp,async",
                    help="comma-separated modes with parameters, as for psgd compare: sync,ssp:staleness=4,async")
     p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 8,64,256")

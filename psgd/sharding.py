@@ -69,8 +69,9 @@ class ShardMap:
         for name, table, start, length, shard in assigned:
             self.pieces.append(Piece(name, table, start, length, shard, self.sizes[table][shard]))
             self.sizes[table][shard] += length
-        self._by = {(s, t): [p for p in self.pieces if p.shard == s and p.table == t]
-                    for s in range(num_shards) for t in TABLES}
+        self._by: dict[tuple[int, str], list[Piece]] = {(s, t): [] for s in range(num_shards) for t in TABLES}
+        for piece in self.pieces:   # one pass (a scan per shard was O(shards x pieces))
+            self._by[(piece.shard, piece.table)].append(piece)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_shards: int) -> ShardMap:

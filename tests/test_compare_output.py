@@ -48,7 +48,7 @@ def test_a_second_compare_into_a_folder_in_use_is_refused_and_touches_nothing(tm
 def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatch, capsys):
     out = tmp_path / "cmp"
     out.mkdir()
-    for name in ("compare.json", "report.md", "sweep_staleness.png"):   # an earlier comparison's
+    for name in ("compare.json", "report.md", "sweep_staleness.png", "holiday.png"):   # an earlier comparison's
         (out / name).write_text("[]" if name.endswith(".json") else "old")
     calls = []
 
@@ -62,6 +62,7 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     monkeypatch.setattr(psgd.compare, "run_one", run_one)
     code = psgd.compare.main(compare_args(out, "sync,async,ssp"))
     assert code == 130 and calls == ["sync", "async"]
+    assert (out / "holiday.png").read_text() == "old"   # not a file psgd writes: left alone
     ctx = context(out)
     assert ctx["interrupted"] is True
     assert ctx["not_run"] == ["async, 2 workers, repeat 0", "ssp, 2 workers, repeat 0"]

@@ -76,6 +76,10 @@ class Member:
         return add_stats(self.past, self.stats) if self.past else self.stats
 
 
+class RegistrationCancelled(RuntimeError):
+    """`CoordinatorLink.register` given up by its caller (a daemon told to stop)."""
+
+
 class Membership:
     def __init__(self, world: int, timeout_s: float):
         self.world = world
@@ -233,10 +237,11 @@ class CoordinatorLink:
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
         self.nonce = os.urandom(8).hex()  # this daemon's registrations, to the coordinator
 
-    def register(self, want_rank: int = -1, **fields: Any) -> wire.Message:
+    def register(self, want_rank: int = -1, cancel: Callable[[], bool] | None = None, **fields: Any) -> wire.Message:
         """Register with the coordinator, waiting for it (and, for workers, for the
         rendezvous of all workers) up to cluster.timeout_s. Returns its answer.
-        `fields`: more of the request (a worker's model `layout`)."""
+        `fields`: more of the request (a worker's model `layout`). `cancel()` turning
+        true (a daemon told to stop) gives up at once: RegistrationCancelled."""
         peers = Peers(self.ctx, [self.address], self.cfg.security)
         try:
             start = time.monotonic()
@@ -246,9 +251,13 @@ class CoordinatorLink:
                 rid = peers.send(0, "register", role=self.role, index=self.index, want_rank=want_rank,
                                  nonce=self.nonce, **fields)
                 try:
-                    msg = peers.wait({rid: 0}, min(REGISTER_RESEND_S, self.cfg.cluster.timeout_s), "register")[rid]
+                    msg = peers.wait({rid: 0}, min(REGISTER_RESEND_S, self.cfg.cluster.timeout_s), "register",
+                                     cancel)[rid]
                     break
                 except PeerTimeout:
+                    if cancel is not None and cancel():
+                        raise RegistrationCancelled(f"{self.role} {self.index}: stopped while waiting for the "
+                                                    f"coordinator at {self.address}") from None
                     peers.reconnect(0)
                     waited = time.monotonic() - start
                     if waited >= self.cfg.cluster.timeout_s:

@@ -23,7 +23,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config
 from psgd.log import log
-from psgd.membership import CoordinatorLink
+from psgd.membership import CoordinatorLink, RegistrationCancelled
 from psgd.shard import Shard, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
@@ -98,7 +98,12 @@ class ShardServer:
 
     def run(self) -> int:
         link = CoordinatorLink(self.cfg, "server", self.index, self.ctx)
-        answer = link.register()
+        try:
+            answer = link.register(cancel=lambda: self._term)   # SIGTERM (stop) while waiting: no job yet
+        except RegistrationCancelled:
+            log(self.name, "stopped before the coordinator answered its registration")
+            link.close()
+            return 0
         cfg = self.cfg.with_run(answer.get("config"))
         layout = None
         if layouts.learned(cfg.model.name):

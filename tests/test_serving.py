@@ -199,3 +199,22 @@ def test_leaving_an_in_process_cluster_with_a_socket_open_names_it_instead_of_ha
         with InProcessCluster(cfg) as cluster:
             client = cluster.ctx.socket(zmq.DEALER)
     assert client.closed
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_told_to_stop_while_waiting_for_the_coordinator_stops_at_once(tmp_path):
+    # it waited up to cluster.timeout_s (60 s) for a coordinator that was never coming: a
+    # psgd server sent SIGTERM before its job began, or an in-process cluster left at once
+    from psgd.servers.shard_server import ShardServer
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.evaluator": False})   # nobody listens
+    ctx = zmq.Context()
+    server = ShardServer(cfg, 0, str(tmp_path), ctx=ctx)
+    code: list[int] = []
+    t = threading.Thread(target=lambda: code.append(server.run()), name="shard-waiting")
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    server.stop()
+    t.join(timeout=10)
+    assert not t.is_alive() and code == [0] and time.monotonic() - t0 < 2
+    ctx.term()

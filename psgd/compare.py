@@ -83,9 +83,6 @@ PLAN_KEYS = {"mode.name": "the mode item's own name (MODE:...)", "cluster.worker
 # mode item may not set them; --set sets them for every run.
 SHARED_SECTIONS = ("train", "eval", "data", "model")
 COMPARE_LOCK = ".compare.lock"   # in --out: held by the psgd compare (or simulate) that writes there
-# What a comparison writes at the top of its folder (psgd.report, psgd.report_plots; and sweep_*.png)
-REPORT_FILES = ("compare.json", "report.md", "accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput.png",
-                "staleness.png")
 
 
 def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[ModeSpec]:
@@ -477,7 +474,9 @@ def hold_output(out: str, command: str) -> IO:
     if lock is None:
         raise ConfigError(f"{command}: {out} is the output folder of a psgd compare or psgd simulate that is "
                           f"still running: give another --out")
-    earlier = [os.path.join(out, f) for f in os.listdir(out) if f in REPORT_FILES or re.fullmatch(r"sweep_.*\.png", f)]
+    from .report_plots import PLOT_FILE
+    earlier = [os.path.join(out, f) for f in os.listdir(out)
+               if f in ("compare.json", "report.md") or PLOT_FILE.fullmatch(f)]
     if not os.path.exists(os.path.join(out, "compare.json")):
         earlier = []   # not a comparison's folder: nothing of it is psgd's to remove
     if earlier:

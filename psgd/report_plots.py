@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Any
 
 from .report_numbers import Row, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
@@ -264,6 +265,10 @@ def _hyper_plot(plt, label: str, traces: dict[str, dict[int, list[tuple[float, f
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
+
+
+# The file names make_plots writes: the fixed plots, one per sweep, one per explored ltfb row.
+PLOT_FILE = re.compile(r"(accuracy_vs_time|accuracy_vs_samples|throughput|staleness|sweep_.+|hyper_\d+)\.png")
 
 
 def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]]:

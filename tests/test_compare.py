@@ -272,6 +272,10 @@ def test_report_rows_speedups_and_reading(tmp_path):
                  "sweep_ssp_staleness_w3.png"):
         assert f"]({name})" in text
         check_png(str(tmp_path / name))
+    from psgd.report_plots import PLOT_FILE
+
+    # what a later comparison in this folder removes as this one's
+    assert all(PLOT_FILE.fullmatch(f) for f in os.listdir(tmp_path) if f.endswith(".png"))
 
 
 @pytest.mark.timeout(60)

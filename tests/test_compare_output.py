@@ -48,7 +48,7 @@ def test_a_second_compare_into_a_folder_in_use_is_refused_and_touches_nothing(tm
 def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatch, capsys):
     out = tmp_path / "cmp"
     out.mkdir()
-    for name in ("compare.json", "report.md", "sweep_staleness.png", "holiday.png"):   # an earlier comparison's
+    for name in ("compare.json", "report.md", "sweep_staleness.png", "hyper_3.png", "holiday.png"):   # earlier
         (out / name).write_text("[]" if name.endswith(".json") else "old")
     calls = []
 
@@ -56,7 +56,8 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
         calls.append(run.label)
         if len(calls) == 1:
             # a new comparison's compare.json is its own from the start, not the earlier one's
-            assert json.load(open(out / "compare.json")) == [] and not (out / "sweep_staleness.png").exists()
+            assert json.load(open(out / "compare.json")) == []
+            assert not (out / "sweep_staleness.png").exists() and not (out / "hyper_3.png").exists()
             raise RuntimeError("the job did not finish")
         raise KeyboardInterrupt
     monkeypatch.setattr(psgd.compare, "run_one", run_one)

@@ -86,6 +86,10 @@ class Node:
         self.cpu_free = 0.0
         self.busy_s = 0.0    # time spent serving (shards)
 
+    def busy(self) -> float:
+        """Its time spent serving so far (a shard's `busy`)."""
+        return self.busy_s
+
 
 class Network:
     """Delivery times of messages between nodes (see the module docstring)."""

@@ -137,10 +137,6 @@ class DirectClient(ParameterClient):
         pass
 
 
-def busy_of(node: Node) -> Callable[[], float]:
-    return lambda: node.busy_s
-
-
 class Simulation:
     """A whole job on the virtual clock (see the module docstring)."""
 
@@ -161,7 +157,7 @@ class Simulation:
         self.shards = [shard_cls(cfg, i) for i in range(cfg.cluster.servers)]
         self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]
         for shard, node in zip(self.shards, self.nodes, strict=True):
-            shard.busy = busy_of(node)   # its virtual serving time (summary.json's shard_busy_fraction)
+            shard.busy = node.busy   # its virtual serving time (summary.json's shard_busy_fraction)
         self.device = pick_device(device)
         W = cfg.cluster.workers
         schedules = [self.mode.schedule(cfg) for _ in range(W)]

@@ -204,9 +204,7 @@ class Shard:
 
     @staticmethod
     def _finite(v: torch.Tensor, what: str, clock: int) -> torch.Tensor:
-        # NaN or Inf anywhere makes the sum so (no P-sized temporary); an empty table (a model
-        # without buffers) has nothing to check: no reduction for it on every push
-        if v.numel() and not abs(v.sum().item()) < float("inf"):
+        if not wire.finite(v):
             raise wire.WireError(wire.REFUSED, f"{what} has NaN or Inf values at step {clock}; lower optimizer.lr")
         return v
 

@@ -310,6 +310,12 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
                    fields=fields, arrays=arrays, dtypes=[spec[0] for spec in specs])
 
 
+def finite(t: Any) -> bool:
+    """Has tensor `t` no NaN or Inf? Its sum is then finite (no t-sized temporary, as
+    `isfinite(t).all()` would make; an empty tensor has nothing to sum: no reduction)."""
+    return not t.numel() or abs(t.sum().item()) < float("inf")
+
+
 def expect_array(msg: Message, i: int, dtype: str, shape: tuple) -> np.ndarray:
     """The i-th payload array, checked against the registered dtype and shape."""
     if i >= len(msg.arrays):

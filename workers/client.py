@@ -208,7 +208,7 @@ class ParameterClient:
         codec = self.cfg.wire.compression
         if codec == "none":
             return {"arrays": [self._wire(f"g{slot}", shard, g, clock), buffers]}
-        if not abs(g.sum().item()) < float("inf"):   # as the shard checks a gradient (no P-sized temporary)
+        if not wire.finite(g):   # as the shard checks a gradient
             raise Diverged(f"gradient has NaN or Inf values at step {clock}; lower optimizer.lr (not sent: the "
                            f"{codec} residual keeps what a push leaves out, and would keep them)")
         if shard not in self._compressors:

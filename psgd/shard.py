@@ -41,6 +41,14 @@ from .sharding import ShardMap, model_tensors
 Reply = tuple[Hashable, Any]   # (token, frames; a packet in psgd.sim; a push's fields for `ThenRead`)
 Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
 MAX_AWAITING_INIT = 4096   # init requests parked before a shard has its values: beyond, refused
+# Requests the rule may park (reads, pushes that read, ltfb's model fetches) are refused
+# while this many wait already: at most MAX_PARKED_PER_WORKER per worker, and never fewer
+# than MIN_MAX_PARKED (about 45 MB of parked requests). An honest worker has one request
+# at a time per shard, plus its resends while it waits (a resend comes over a fresh
+# connection, so it is parked beside the first); a flood of reads from a faulty client
+# would otherwise grow the shard's memory until the OS kills it.
+MAX_PARKED_PER_WORKER = 64
+MIN_MAX_PARKED = 65536
 
 
 class ThenRead:
@@ -80,6 +88,7 @@ class Shard:
         self.inits_from_any = False       # a restart with nothing to restore: any worker's copy will do
         # init requests parked until the values come, by (sender, request id): a resend is the same request
         self._awaiting_init: dict[tuple[Hashable, int], tuple[Hashable, wire.Message]] = {}
+        self.max_parked = max(MIN_MAX_PARKED, MAX_PARKED_PER_WORKER * self.world)
         self.P, self.B = self.params.numel(), self.buffers.numel()
         self.params.grad = torch.zeros_like(self.params)
         self.wire_dtype = cfg.wire.dtype  # params-sized vectors on the wire; the tables stay float32
@@ -208,7 +217,18 @@ class Shard:
             raise wire.WireError(wire.REFUSED, f"{what} has NaN or Inf values at step {clock}; lower optimizer.lr")
         return v
 
+    def _room_to_park(self) -> None:
+        """Refuse a request that the rule may park while `max_parked` wait already."""
+        if self.rule.parked() >= self.max_parked:
+            raise wire.WireError(wire.REFUSED, f"{self.max_parked} requests wait at shard {self.index} already; "
+                                               f"a client sends requests faster than they are answered")
+
     def on_pull(self, token, msg: wire.Message) -> list[Reply]:
+        self._room_to_park()
+        return self._serve_read(token, msg)
+
+    def _serve_read(self, token, msg: wire.Message) -> list[Reply]:
+        """Serve a read (a pull, or the read that follows a push, `ThenRead`)."""
         self.counters["pulls"] += 1
         if msg.rank >= 0:
             self._check_rank(msg)
@@ -220,6 +240,7 @@ class Shard:
         self._check_push(msg)
         g, b = self._gradient(msg) if self.codec != "none" else self._vectors(msg, "gradient")
         if msg.get("pull"):
+            self._room_to_park()
             token = ThenRead(token, msg)
         if msg.clock <= self.last_clock.get(msg.rank, -1):
             self.counters["duplicates"] += 1
@@ -282,6 +303,7 @@ class Shard:
 
     def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
         self._within_job("round", int(msg.get("round")), 1, r.FINAL_ROUND)
+        self._room_to_park()
         return self.carry_out(self.rule.fetch(
             r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")))))
 
@@ -310,7 +332,7 @@ class Shard:
             assert isinstance(then, ThenRead)
             push = then.msg
             read = wire.Message("pull", id=push.id, rank=push.rank, clock=push.clock + 1, fields={"push": fields})
-            out += self.on_pull(then.token, read)
+            out += self._serve_read(then.token, read)
         return out
 
     def _carrier(self, kind: type) -> Callable[[Any], Reply | None]:

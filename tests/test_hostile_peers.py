@@ -154,9 +154,9 @@ def test_a_rank_outside_the_job_is_refused_and_any_rank_still_works():
 
 
 # ------------------------------------------------------------ a shard's pushes
-def push(shard: Shard, rank: int, clock: int, read_version: int) -> wire.Message:
+def push(shard: Shard, rank: int, clock: int, read_version: int, **fields) -> wire.Message:
     return wire.decode(wire.encode("push", id=1, rank=rank, clock=clock, read_version=read_version,
-                                   arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]))
+                                   arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)], **fields))
 
 
 @pytest.mark.unit
@@ -302,3 +302,29 @@ def test_a_job_whose_workers_all_finished_ends_once_the_shards_heard_it():
         assert c._lingered(time.monotonic())   # no worker to wait for
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_flood_of_reads_is_refused_once_max_parked_wait_and_the_job_goes_on(mode):
+    # each parked read held about 700 bytes, without bound: a client looping on pulls of a
+    # later clock grew the shard's memory until the OS killed it
+    shard = small_shard(mode, workers=2, **({"mode.staleness": 0} if mode == "ssp" else {}))
+    assert shard.max_parked == 65536   # MIN_MAX_PARKED: 2 workers ask for far fewer
+    shard.max_parked = 20
+    for i in range(20):
+        assert shard.handle("w", wire.decode(wire.encode("pull", id=100 + i, rank=0, clock=2))) == []
+    assert shard.rule.stats()["parked"] == 20
+    for req in (wire.decode(wire.encode("pull", id=200, rank=0, clock=2)), push(shard, 1, 0, 0, pull=True)):
+        with pytest.raises(wire.WireError, match="20 requests wait at shard 0 already") as e:
+            shard.handle("w", req)
+        assert e.value.code == wire.REFUSED
+    assert shard.rule.stats()["parked"] == 20 and shard.version == 0 and shard.counters["pushes"] == 0
+    # pushes that do not read still go through, and release the parked reads as the rule says
+    shard.handle("w0", push(shard, 0, 0, 0))
+    shard.handle("w1", push(shard, 1, 0, 0))
+    shard.handle("w0", push(shard, 0, 1, 0))
+    released = shard.handle("w1", push(shard, 1, 1, 0))
+    assert shard.rule.stats()["parked"] == 0
+    assert len([t for t, _ in released if t == "w"]) == 20

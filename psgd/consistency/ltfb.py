@@ -194,9 +194,11 @@ class LtfbRule(ServerRule):
         self.board.load_state_dict(sd.get("board", {}))
         self.groups.load_state_dict(sd.get("groups", {}))
 
+    def parked(self) -> int:
+        return self.exchange.parked + self.outcomes.parked + self.board.parked + self.groups.parked
+
     def stats(self) -> dict:
-        return {**super().stats(), "dropped": self.groups.dropped,
-                "parked": self.exchange.parked + self.outcomes.parked + self.board.parked + self.groups.parked}
+        return {**super().stats(), "dropped": self.groups.dropped}
 
 
 def choose_best(indexes: list[list]) -> tuple[int, int] | None:

@@ -249,9 +249,13 @@ class ServerRule:
     def read_fields(self, rank: int) -> dict:
         return {"step": 0, "finished": 0}
 
+    def parked(self) -> int:
+        """How many requests wait here for a later event to answer them."""
+        return 0
+
     def stats(self) -> dict:
         """Counters for summary.json."""
-        return {"max_clock_gap": 0, "dropped": 0, "parked": 0, **self.hist.stats()}
+        return {"max_clock_gap": 0, "dropped": 0, "parked": self.parked(), **self.hist.stats()}
 
     def state_dict(self) -> dict:
         return {"hist": list(self.hist.counts), "hist_sum": self.hist.tau_sum, "hist_max": self.hist.top}

@@ -70,8 +70,11 @@ class SspRule(ServerRule):
         finished clock now (the answer holds all their updates of clocks below it)."""
         return {"step": 0, "finished": self.clocks.finished.get(rank, 0), "guaranteed": self.clocks.slowest()}
 
+    def parked(self) -> int:
+        return self.clocks.parked
+
     def stats(self) -> dict:
-        return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "parked": self.clocks.parked}
+        return {**super().stats(), "max_clock_gap": self.clocks.max_gap}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "finished": dict(self.clocks.finished), "max_gap": self.clocks.max_gap}

@@ -154,9 +154,12 @@ class SyncRule(ServerRule):
     def read_fields(self, rank: int) -> dict:
         return {"step": self.barrier.step, "finished": self.clocks.finished.get(rank, 0)}
 
+    def parked(self) -> int:
+        return self.barrier.parked
+
     def stats(self) -> dict:
         return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "dropped": self.barrier.dropped,
-                "parked": self.barrier.parked, "step": self.barrier.step, "fast_forwards": self.fast_forwards,
+                "step": self.barrier.step, "fast_forwards": self.fast_forwards,
                 "short_steps": self.short_steps}
 
     def state_dict(self) -> dict:

@@ -114,6 +114,20 @@ def test_a_forked_daemon_imports_from_its_own_folder_and_pythonpath(server, tmp_
 
 
 @pytest.mark.timeout(120)
+def test_a_forked_daemon_starts_with_what_the_server_imported_frozen(server, tmp_path):
+    """gc.freeze() in the server before any fork: a daemon's full collections skip the
+    objects of torch and psgd it inherits (each took 0.1-0.2 s in a worker mid-run), and
+    its pages holding them stay shared with the server (a collection writes to every
+    object it visits)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "frozen.py").write_text("import gc\nraise SystemExit(7 if gc.get_freeze_count() > 50000 else 8)\n")
+    child = server.spawn(["worker", "--set", "model.name=frozen:net", "--set", "cluster.timeout_s=5"],
+                         {**ENV, "PYTHONPATH": str(lib)}, str(tmp_path / "w.log"))
+    assert child.wait(timeout=60) == 7, (tmp_path / "w.log").read_text()
+
+
+@pytest.mark.timeout(120)
 def test_a_daemon_that_ended_with_its_fork_server_is_said_so(tmp_path):
     """Its exit code went with the server; the launcher said "exited with -9"."""
     from psgd.launcher import Child, _exit

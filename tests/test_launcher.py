@@ -320,8 +320,11 @@ class EnvJob(LocalJob):
     argument) and waits to be stopped."""
 
     def _argv(self, role: str, *extra: str) -> list[str]:
-        code = ("import os, sys, time; open(sys.argv[-1], 'w').write(os.environ.get('LOCAL_RANK', '-') + ' ' + "
-                "os.environ.get('PSGD_DEVICE', '-')); time.sleep(60)")
+        # written whole, then renamed: the launcher counts a child started once the file exists,
+        # and the test read it empty between the child's open and its write
+        code = ("import os, sys, time; f = sys.argv[-1]; open(f + '.tmp', 'w').write("
+                "os.environ.get('LOCAL_RANK', '-') + ' ' + os.environ.get('PSGD_DEVICE', '-')); "
+                "os.rename(f + '.tmp', f); time.sleep(60)")
         return [sys.executable, "-c", code, *extra]
 
 
@@ -343,9 +346,10 @@ def test_each_worker_is_told_its_local_rank_and_the_device(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_training_script_is_told_its_local_rank_and_the_device(tmp_path, monkeypatch):
-    job = script_job(tmp_path, "import os, sys, time\n"
-                               "open(os.environ['PSGD_STARTED_FILE'], 'w').write(os.environ['LOCAL_RANK'] + ' ' + "
-                               "os.environ['PSGD_DEVICE'])\ntime.sleep(60)\n", device="cpu", timeout_s=50)
+    job = script_job(tmp_path, "import os, sys, time\nf = os.environ['PSGD_STARTED_FILE']\n"
+                               "open(f + '.tmp', 'w').write(os.environ['LOCAL_RANK'] + ' ' + "
+                               "os.environ['PSGD_DEVICE'])\n"
+                               "os.rename(f + '.tmp', f)\ntime.sleep(60)\n", device="cpu", timeout_s=50)
     try:
         start_all(job, 4)
         said = [(tmp_path / "out" / "logs" / f"worker-{r}.started").read_text() for r in range(2)]

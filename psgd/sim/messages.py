@@ -36,8 +36,16 @@ class Packet(wire.Message):
 
     def __init__(self, op: str, id: int, rank: int, clock: int, fields: dict, dtypes: list[str],
                  tensors: list[torch.Tensor], nbytes: int, payload: int, arrays: list | None = None):
-        self.op, self.id, self.rank, self.clock, self.fields = op, id, rank, clock, fields
-        self.dtypes, self.tensors, self.nbytes, self.payload = dtypes, tensors, nbytes, payload
+        # one attribute a statement: faster than assigning tuples (a few packets per worker step)
+        self.op = op
+        self.id = id
+        self.rank = rank
+        self.clock = clock
+        self.fields = fields
+        self.dtypes = dtypes
+        self.tensors = tensors
+        self.nbytes = nbytes
+        self.payload = payload
         self._arrays = arrays
 
     @property
@@ -50,23 +58,54 @@ class Packet(wire.Message):
 
 def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any = (), **fields: Any) -> Packet:
     """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes."""
-    tensors, specs, payload = [], [], 0
-    for a in arrays:
-        t, spec, nbytes = _sent(a)
-        tensors.append(t)
-        specs.append(spec)
-        payload += nbytes
+    tensors, specs, dtypes, payload = _payload(arrays)
     packed = wire.pack_header({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
                                "arrays": specs, **fields})
-    if not all(type(v) in _SCALARS or _flat_map(v) for v in fields.values()):
+    if not _as_sent(fields):
         fields = {k: v for k, v in msgpack.unpackb(packed, strict_map_key=True).items() if k in fields}
-    return Packet(op, id, rank, clock, fields, [name for name, _ in specs], tensors, len(packed) + payload, payload)
+    return Packet(op, id, rank, clock, fields, dtypes, tensors, len(packed) + payload, payload)
+
+
+def _payload(arrays: Any) -> tuple[list[torch.Tensor], list[list], list[str], int]:
+    """A packet's arrays as sent: (their tensors, the header's [dtype, shape] of each,
+    their dtypes' names, their bytes). `_sent`'s usual case (a tensor seen before) is
+    inline: every array of every packet comes here, a few per worker step."""
+    tensors: list[torch.Tensor] = []
+    specs: list[list] = []
+    dtypes: list[str] = []
+    payload = 0
+    for a in arrays:
+        seen = _seen.get(id(a))
+        if seen is not None and seen[0]() is a:
+            t, spec, nbytes = _without_grad(a), seen[1], seen[2]
+        else:
+            t, spec, nbytes = _sent(a)
+        tensors.append(t)
+        specs.append(spec)
+        dtypes.append(spec[0])
+        payload += nbytes
+    return tensors, specs, dtypes, payload
+
+
+def _as_sent(fields: dict) -> bool:
+    """Does every field arrive as it is sent: a scalar, or a flat map of scalars? (Loops,
+    not `all` over a generator, nor sets of the types: every packet asks, a few times
+    per worker step, of a few fields.)"""
+    for v in fields.values():
+        if type(v) not in _SCALARS and not _flat_map(v):
+            return False
+    return True
 
 
 def _flat_map(v: Any) -> bool:
     """Does `v` arrive as it is sent: a dict of str keys and scalar values (a push's
     answer inside its read's, `Shard._answer`)?"""
-    return type(v) is dict and all(type(k) is str and type(x) in _SCALARS for k, x in v.items())
+    if type(v) is not dict:
+        return False
+    for k, x in v.items():
+        if type(k) is not str or type(x) not in _SCALARS:
+            return False
+    return True
 
 
 def _tensor(a: Any) -> torch.Tensor:

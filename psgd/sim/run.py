@@ -199,10 +199,11 @@ class Simulation:
     # ------------------------------------------------------------ the network and the shards
     def send(self, w: SimWorker, items: list[tuple[int, Packet, Any]]) -> None:
         """A worker's requests leave it now, in order."""
-        now = self.loop.now
+        now, net, at = self.loop.now, self.net, self.loop.at
         for i, msg, token in items:
-            arrived = self.net.transfer(w.node, self.nodes[i], msg.nbytes, now)
-            self.loop.at(self.net.serve(self.nodes[i], self.applied(i, msg), arrived), self.handle, i, token, msg)
+            node = self.nodes[i]
+            arrived = net.transfer(w.node, node, msg.nbytes, now)
+            at(net.serve(node, self.applied(i, msg), arrived), self.handle, i, token, msg)
 
     def applied(self, i: int, msg: Packet) -> int:
         """The bytes a request makes shard i work through (`sim.apply_gbps`): a push or an

@@ -74,7 +74,9 @@ def train_unless_set(model: nn.Module) -> Callable[[bool], nn.Module]:
     train = model.train
 
     def train_if_needed(mode: bool = True) -> nn.Module:
-        if any(m.training != mode for m in modules):
-            train(mode)
+        for m in modules:   # a loop, not `any` over a generator: asked every step of every worker
+            if m.training != mode:
+                train(mode)
+                break
         return model
     return train_if_needed

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -51,7 +51,11 @@ class Flight:
     error: Exception | None = None
     waiting: bool = False        # the worker is blocked on it
     closed: bool = False         # the worker stopped waiting (an error, a cancel): later answers are dropped
-    ops: list = field(default_factory=list)
+
+    @property
+    def ops(self) -> list[str]:
+        """The requests' ops (for messages: made when asked, not for every step's requests)."""
+        return [op for _, op, _ in self.reqs]
 
     @property
     def complete(self) -> bool:
@@ -88,7 +92,7 @@ class SimClient(ParameterClient):
     def begin(self, reqs: Sequence[tuple[int, str, dict]], cancel: Callable[[], bool] | None = None) -> Any:
         w = self.worker
         out: list = [None] * len(reqs)
-        f = Flight(list(reqs), out, len(reqs), w.t, cancel, ops=[op for _, op, _ in reqs])
+        f = Flight(list(reqs), out, len(reqs), w.t, cancel)
         ids, items = w.sim.ids, []   # ids size headers: counted per run
         for k, (i, op, kw) in enumerate(reqs):
             p = packet(op, id=next(ids), rank=self.rank, **kw)

@@ -233,13 +233,14 @@ class Shard:
         if msg.rank >= 0:
             self._check_rank(msg)
         self._within_job("clock", msg.clock, 1)   # a push's read is of the clock after it
-        return self.carry_out(self.rule.read(r.Read((token, msg), msg.rank, msg.clock, bool(msg.get("join")))))
+        join = bool(msg.fields.get("join"))
+        return self.carry_out(self.rule.read(r.Read((token, msg), msg.rank, msg.clock, join)))
 
     def on_push(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
         self._check_push(msg)
         g, b = self._gradient(msg) if self.codec != "none" else self._vectors(msg, "gradient")
-        if msg.get("pull"):
+        if msg.fields.get("pull"):
             self._room_to_park()
             token = ThenRead(token, msg)
         if msg.clock <= self.last_clock.get(msg.rank, -1):
@@ -248,7 +249,7 @@ class Shard:
         tau = max(0, self.version - int(msg.get("read_version")))
         mine = (token, msg)
         decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, tau, g, b))
-        if not any(isinstance(d, r.Refuse) and d.token is mine for d in decisions):
+        if not refuses(decisions, mine):
             self.last_clock[msg.rank] = msg.clock  # a refused push may come again
             self.counters["pushes"] += 1
         return self.carry_out(decisions)
@@ -318,8 +319,9 @@ class Shard:
         """Carry out a rule's decisions in order; the replies they make."""
         out: list[Reply] = []
         reads: list[Reply] = []
+        carriers = self._carriers
         for d in decisions:
-            reply = self._carrier(type(d))(d)
+            reply = (carriers.get(type(d)) or self._carrier(type(d)))(d)  # `_carrier`, its usual case inline
             if reply is not None:
                 (reads if type(reply[0]) is ThenRead else out).append(reply)
         return out + self._acknowledged(reads) if reads else out
@@ -535,6 +537,15 @@ class Shard:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+def refuses(decisions: list[r.Decision], token: Any) -> bool:
+    """Is the request `token` refused by one of `decisions`? (A loop, not `any` over a
+    generator: asked for every push.)"""
+    for d in decisions:
+        if isinstance(d, r.Refuse) and d.token is token:
+            return True
+    return False
 
 
 def training_config(cfg: Config) -> str:

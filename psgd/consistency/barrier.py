@@ -68,7 +68,8 @@ class StepBarrier:
         return self._release()
 
     def complete(self) -> bool:
-        return len(self.contributors) >= self.need
+        """Has the open step its `need` gradients? (`need` inline: asked at every push.)"""
+        return len(self._order) >= max(1, len(self.live) - self.backup)
 
     def advance(self) -> tuple[list[int], list[Hashable]]:
         """Close the current step: (its contributors, the parked reads now released)."""

@@ -51,8 +51,8 @@ class PushPullSchedule(Schedule):
             pushed, pulled = w.client.push(w.clock, grads, buffers, self.versions), []
         else:
             pushed, pulled = w.client.push_pull(w.clock, grads, buffers, self.versions)
-        tau = max(int(m.get("staleness", 0)) for m in pushed)
-        if not any(m.get("dropped") or m.get("duplicate") for m in pushed):
+        tau, dropped, duplicate = acknowledged(pushed)
+        if not (dropped or duplicate):
             w.hist.add(tau)
         if cached:
             own_update(w)
@@ -61,7 +61,22 @@ class PushPullSchedule(Schedule):
             w.clock = self.next_clock(w.clock, pulled)
             self.loaded(w, pulled)
         extra = {"cached": True} if cached else {}
-        w.log_step(tau, w.client.wait_s - w0, dropped=any(bool(m.get("dropped")) for m in pushed), **extra)
+        w.log_step(tau, w.client.wait_s - w0, dropped=dropped, **extra)
+
+
+def acknowledged(pushed: list[Any]) -> tuple[int, bool, bool]:
+    """The shards' answers to a push (at least one): (its staleness, the largest of
+    theirs; did a shard drop it as late; did one have it already). One pass over the
+    answers' fields: every step of every worker reads them."""
+    taus = []
+    dropped = duplicate = False
+    for m in pushed:
+        taus.append(int(m.get("staleness", 0)))
+        if m.get("dropped"):
+            dropped = True
+        if m.get("duplicate"):
+            duplicate = True
+    return max(taus), dropped, duplicate
 
 
 def load(w: Trainer, answers: list[Any]) -> list[int]:

@@ -46,8 +46,9 @@ class Histogram:
         return {"staleness_hist": self.counts, "staleness_sum": self.tau_sum, "staleness_max": self.top}
 
     def add(self, tau: int, n: int = 1) -> None:
-        tau = max(tau, 0)
-        self.counts[min(tau, BINS - 1)] += n
+        if tau < 0:   # (comparisons, not max and min: a few per worker step)
+            tau = 0
+        self.counts[tau if tau < BINS else BINS - 1] += n
         self.tau_sum += tau * n
         if n and tau > self.top:
             self.top = tau

@@ -86,9 +86,10 @@ class SyncRule(ServerRule):
         step a worker may still push for."""
         out: list[Decision] = []
         while True:
-            for rank in sorted(r for r, p in self.early.items() if self.step_of(p) == self.barrier.step):
-                p = self.early.pop(rank)
-                out += self.take(p, self.barrier.offer(rank, self.step_of(p)))
+            if self.early:   # (the usual: none waits)
+                for rank in sorted(r for r, p in self.early.items() if self.step_of(p) == self.barrier.step):
+                    p = self.early.pop(rank)
+                    out += self.take(p, self.barrier.offer(rank, self.step_of(p)))
             ahead = self.ahead() if self.early or self.past else {}
             if self.barrier.contributors and self.barrier.complete():
                 out += self.close_step()
@@ -181,7 +182,7 @@ class SyncRule(ServerRule):
 
 class SyncSchedule(PushPullSchedule):
     def resume_clock(self, answers: list) -> int:
-        return max(int(m.get("step", 0)) for m in answers)
+        return max([int(m.get("step", 0)) for m in answers])
 
     def next_clock(self, clock: int, pulled: list) -> int:
         return max(clock + 1, self.resume_clock(pulled))  # a late worker catches up

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import importlib
 import json
 import os
@@ -79,11 +78,6 @@ def serve() -> None:
     import torch
     if torch.cuda.is_initialized():  # a fork could not use CUDA: the launcher falls back to interpreters
         raise SystemExit("psgd.forkserver: CUDA was initialized while importing; not forking")
-    # What is imported now lives as long as every daemon: out of the collector's sight
-    # (a daemon's full collection visited these ~170k objects, 0.1-0.2 s each time in a
-    # worker mid-run) and, never written by a collection, in pages the forks share.
-    gc.collect()
-    gc.freeze()
     _say({"ready": os.getpid()})
     pending = b""
     while True:

@@ -68,8 +68,7 @@ class StepBarrier:
         return self._release()
 
     def complete(self) -> bool:
-        """Has the open step its `need` gradients? (`need` inline: asked at every push.)"""
-        return len(self._order) >= max(1, len(self.live) - self.backup)
+        return len(self._order) >= self.need
 
     def advance(self) -> tuple[list[int], list[Hashable]]:
         """Close the current step: (its contributors, the parked reads now released)."""

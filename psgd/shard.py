@@ -123,11 +123,11 @@ class Shard:
                                            for op, fn in ruled.items()}}
         self.handlers = {"stats": self.on_stats, "init": self.on_init,
                          **{op: self._when_ready(fn) for op, fn in served.items()}}
-        self._carriers: dict[type, Callable[[Any], Reply | None]] = {
+        self._carriers = Carriers({
             r.Apply: self._do_apply, r.Accumulate: self._do_accumulate, r.ApplySum: self._do_apply_sum,
             r.Move: self._do_move, r.MixBuffers: self._do_mix_buffers, r.SetBuffers: self._do_set_buffers,
             r.Answer: self._answer, r.Refuse: self._do_refuse, r.Store: self._do_store, r.Forget: self._do_forget,
-            r.AnswerModel: self._do_answer_model}
+            r.AnswerModel: self._do_answer_model})
 
     # ------------------------------------------------------------ entry points
     def handle(self, token: Hashable, msg: wire.Message) -> list[Reply]:
@@ -321,7 +321,7 @@ class Shard:
         reads: list[Reply] = []
         carriers = self._carriers
         for d in decisions:
-            reply = (carriers.get(type(d)) or self._carrier(type(d)))(d)  # `_carrier`, its usual case inline
+            reply = carriers[type(d)](d)
             if reply is not None:
                 (reads if type(reply[0]) is ThenRead else out).append(reply)
         return out + self._acknowledged(reads) if reads else out
@@ -336,17 +336,6 @@ class Shard:
             read = wire.Message("pull", id=push.id, rank=push.rank, clock=push.clock + 1, fields={"push": fields})
             out += self._serve_read(then.token, read)
         return out
-
-    def _carrier(self, kind: type) -> Callable[[Any], Reply | None]:
-        """The method that carries out a decision of this type (one per type in `r.Decision`,
-        found once per type: a dict lookup per decision instead of a chain of isinstance)."""
-        do = self._carriers.get(kind)
-        if do is None:
-            base = next((b for b in kind.__mro__ if b in self._carriers), None)
-            if base is None:
-                raise TypeError(f"unknown decision type {kind.__name__}")
-            do = self._carriers[kind] = self._carriers[base]
-        return do
 
     def _do_apply(self, d: r.Apply) -> None:
         self._changing()
@@ -537,6 +526,19 @@ class Shard:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+class Carriers(dict):
+    """Decision type -> the shard's method that carries it out (one per type in
+    `r.Decision`): a dict lookup per decision instead of a chain of isinstance. A
+    subclass of a listed type is found through its bases on first use, then kept."""
+
+    def __missing__(self, kind: type) -> Callable[[Any], Reply | None]:
+        base = next((b for b in kind.__mro__ if b in self), None)
+        if base is None:
+            raise TypeError(f"unknown decision type {kind.__name__}")
+        self[kind] = self[base]
+        return self[kind]
 
 
 def refuses(decisions: list[r.Decision], token: Any) -> bool:

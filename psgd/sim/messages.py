@@ -68,8 +68,9 @@ def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any
 
 def _payload(arrays: Any) -> tuple[list[torch.Tensor], list[list], list[str], int]:
     """A packet's arrays as sent: (their tensors, the header's [dtype, shape] of each,
-    their dtypes' names, their bytes). `_sent`'s usual case (a tensor seen before) is
-    inline: every array of every packet comes here, a few per worker step."""
+    their dtypes' names, their bytes). Each tensor that goes as it is is described once
+    (`_seen`, filled by `_described`): a worker sends the same buffers every step, a
+    shard the same snapshot to every reader; every array of every packet comes here."""
     tensors: list[torch.Tensor] = []
     specs: list[list] = []
     dtypes: list[str] = []
@@ -79,7 +80,7 @@ def _payload(arrays: Any) -> tuple[list[torch.Tensor], list[list], list[str], in
         if seen is not None and seen[0]() is a:
             t, spec, nbytes = _without_grad(a), seen[1], seen[2]
         else:
-            t, spec, nbytes = _sent(a)
+            t, spec, nbytes = _described(a)
         tensors.append(t)
         specs.append(spec)
         dtypes.append(spec[0])
@@ -128,16 +129,12 @@ def _goes_as_it_is(a: Any) -> bool:
 _seen: dict[int, tuple[weakref.ref, list, int]] = {}   # id -> (the tensor, [dtype, shape], bytes)
 
 
-def _sent(a: Any) -> tuple[torch.Tensor, list, int]:
-    """An array to send as (its tensor, the header's [dtype, shape], its bytes), its
-    checks and description found once per tensor that goes as it is: a worker sends the
-    same buffers every step, a shard the same snapshot to every reader. (A tensor sent
-    does not change its dtype, shape or layout in place.) Others are converted every
-    time they are sent. Only a weak reference is kept: a tensor sent may be freed."""
+def _described(a: Any) -> tuple[torch.Tensor, list, int]:
+    """An array not in `_seen` as (its tensor, the header's [dtype, shape], its bytes),
+    kept in `_seen` if it goes as it is (a tensor sent does not change its dtype, shape
+    or layout in place); others are converted every time they are sent. Only a weak
+    reference is kept: a tensor sent may be freed."""
     key = id(a)
-    seen = _seen.get(key)
-    if seen is not None and seen[0]() is a:
-        return _without_grad(a), seen[1], seen[2]
     t = _tensor(a)
     spec, nbytes = [_NAMES[t.dtype], list(t.shape)], t.nbytes
     if _goes_as_it_is(a):

@@ -9,6 +9,7 @@ with a known gradient function in place of a data set.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -91,6 +92,9 @@ class FakeTrainer:
 
     def note(self, text: str) -> None:
         pass
+
+    def now(self) -> float:
+        return time.monotonic()
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

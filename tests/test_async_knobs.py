@@ -194,6 +194,9 @@ class FakeTrainer:
     def note(self, text: str) -> None:
         pass
 
+    def now(self) -> float:
+        return 0.0
+
 
 def run(steps: int, real: bool = False, **sets) -> FakeTrainer:
     cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,

@@ -291,6 +291,25 @@ def test_accuracy_is_real_and_every_mode_runs(tmp_path):
     assert rounds[:5] == [1, 2, 3, 4, 5] and len(rounds) <= 6, rounds   # one every 10 of 60 steps
 
 
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(300)
+def test_a_time_budget_is_virtual_for_the_tournaments_too(tmp_path):
+    """ltfb under train.seconds holds a tournament while a whole round fits in the budget:
+    of virtual seconds, as the workers' own budget, not of the machine's (which stopped
+    the tournaments after a fraction of the run, at a point that moved from run to run)."""
+    argv = ["--modes", "ltfb:round_steps=10", "--workers", "4", "--set", "train.steps=0",
+            "--set", "train.seconds=0.2", "--set", "sim.compute_s=0.001", "--set", "eval.every_seconds=0.05"]
+    code1, first = simulate(tmp_path, "a", *argv)
+    code2, _ = simulate(tmp_path, "b", *argv)
+    assert code1 == code2 == 0
+    assert open(tmp_path / "a" / "compare.json").read() == open(tmp_path / "b" / "compare.json").read()
+    lines = [json.loads(x) for x in open(tmp_path / "a" / "runs" / "ltfb-round_steps=10-w4-r0" / "events"
+                                         / "worker-0.jsonl")]
+    steps = max(x["step"] for x in lines if "step" in x)
+    rounds = [x["round"] for x in lines if "round" in x and x["round"] > 0]
+    assert steps >= 150, steps                          # about 0.2 s / (1 ms + the messages)
+    assert max(rounds) >= steps // 10 - 2, (max(rounds), steps)   # every round but the last ones
 @pytest.mark.inprocess
 @pytest.mark.timeout(600)
 def test_timing_only_at_many_workers_completes():

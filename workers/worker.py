@@ -322,3 +322,6 @@ class Worker:
 
     def note(self, text: str) -> None:
         log(self.name, text)
+
+    def now(self) -> float:
+        return time.monotonic()

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any
 
 import torch
@@ -261,7 +260,7 @@ class LtfbSchedule(Schedule):
         w.replica.model.train()
         self.opt = make_local_optimizer(w)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
-        self.t_start = self.t_round = time.monotonic()
+        self.t_start = self.t_round = w.now()
         self.round_s = 0.0
 
     def rejoin(self, w: Trainer) -> None:
@@ -294,7 +293,7 @@ class LtfbSchedule(Schedule):
             w.clock += 1
             R = self.cfg.mode.round_steps
             if w.clock % R == 0:
-                now = time.monotonic()
+                now = w.now()
                 self.round_s, self.t_round = now - self.t_round, now
                 self.tournament(w, w.clock // R)
         w.log_step(0, w.client.wait_s - w0)
@@ -334,7 +333,7 @@ class LtfbSchedule(Schedule):
         t = self.cfg.train
         if t.steps and w.clock + self.cfg.mode.round_steps > t.steps:
             return False
-        return not (t.seconds and time.monotonic() - self.t_start + self.round_s > t.seconds)
+        return not (t.seconds and w.now() - self.t_start + self.round_s > t.seconds)
 
     def leader(self, w: Trainer) -> int:
         return min(r for r in w.live() | {w.rank} if trainer_of(r, self.k) == self.trainer)

@@ -284,6 +284,9 @@ class SimWorker:
     def note(self, text: str) -> None:
         self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "note": text})
 
+    def now(self) -> float:
+        return self.t   # virtual: a time budget (train.seconds) is of virtual seconds
+
     def stats(self) -> dict:
         return {"samples": self.samples, "steps": self.steps, "clock": self.clock,
                 "elapsed_s": round(self.finished_at if self.finished_at is not None else self.t, 6),

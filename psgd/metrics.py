@@ -122,7 +122,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "samples_per_s": round(samples / wall_s, 2) if wall_s > 0 else 0.0,
         "final_accuracy": final["accuracy"] if final else None,
         "final_loss": final["loss"] if final else None,
-        "time_to_target_s": round(min(reached), 3) if reached else None,
+        "time_to_target_s": round(min(reached), 6) if reached else None,   # as wall_s
         "target_accuracy": target,
         "staleness": {"mean": round(hist.mean, 4), "max": hist.max, "hist": hist.as_dict()},
         "max_clock_gap": max((int(s.get("max_clock_gap", 0)) for s in server_stats.values()), default=0),

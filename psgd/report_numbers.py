@@ -54,6 +54,25 @@ def close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
+# Why two values of configurations that each ran once are not ranked.
+ONCE = "ran once: no spread measured, so differences are not ranked"
+
+
+def tie_reason(a: list[float], b: list[float]) -> str | None:
+    """Why the means of a and b cannot be ranked, or None when they can: equal; closer
+    than the larger run-to-run sd of the two; or no sd measured on either side (single
+    repeats: ONCE, however far apart they are)."""
+    ma, mb = mean(a), mean(b)
+    if ma is None or mb is None:
+        return None
+    if close(ma, mb, REL_EQUAL):
+        return "equal"
+    sds = [x for x in (sd(a), sd(b)) if x is not None]
+    if sds:
+        return "within one run-to-run sd" if abs(ma - mb) < max(sds) else None
+    return ONCE
+
+
 def mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -124,6 +143,9 @@ def ttt_flag(run: dict, period: float | None) -> str | None:
         return None
     target = run.get("target_accuracy")
     evals = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
+    first = next((e for e in evals if target is not None and float(e["accuracy"]) >= float(target)), None)
+    if first is not None and first.get("final"):   # the score after the workers were done: its time can
+        return AFTER_END                            # round to just below wall_s
     if target is not None and evals and float(evals[0]["accuracy"]) >= float(target):
         return FIRST_SCORE
     return FIRST_SCORE if period and float(t) < period else None

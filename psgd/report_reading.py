@@ -72,6 +72,24 @@ def _why_unranked(r: Row, target: float, period: float | None) -> str:
     return f"{r.name} ({s}" + (f"; {len(flags)} of {n} repeats" if n > 1 else "") + ")"
 
 
+def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) -> str:
+    """The rows by their mean time to the target, each joined to the one before it by "<"
+    where the two are told apart, by "≈" where they are not: equal, within one run-to-run
+    sd of each other, both run once, or less than one evaluation period apart."""
+    parts, joined = [], False
+    for k, (t, r) in enumerate(ranked):
+        if k:
+            t0, r0 = ranked[k - 1]
+            why = tie_reason(r0.ttt, r.ttt)
+            near = why is not None or bool(period and t - t0 < period)
+            joined |= near
+            parts.append(" ≈ " if near else " < ")
+        parts.append(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s")
+    legend = (" (≈: not told apart from the one before it: equal, within one run-to-run sd, both run once, or "
+              "less than one evaluation period apart)") if joined else ""
+    return f"Order to the target: {''.join(parts)}{legend}."
+
+
 def _time_sentences(dist: list[Row], base: Row | None, target: float, period: float | None,
                     many_w: bool) -> list[str]:
     out: list[str] = []
@@ -99,15 +117,16 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         extras = []
         ref = best.ref_sync
         if ref is not None and ref is not best and ref.ttt_resolved(period) and not ref.errors:
-            extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}")
+            why = tie_reason(best.ttt, ref.ttt)
+            extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}"
+                          + (f", not told apart from it: {why}" if why else ""))
         if base is not None and base_t is not None:
             once = "; " + ONCE if tie_reason(best.ttt, base.ttt) == ONCE else ""
             extras.append(f"{times(best.speedup(base))} the speed of the sequential baseline, which needed "
                           f"{secs(base_t)} s{once}")
         out.append(s + ((" (" + "; ".join(extras) + ")") if extras else "") + ".")
         if len(ranked) > 1:
-            order = ", ".join(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s" for t, r in ranked)
-            out.append(f"Order to the target: {order}.")
+            out.append(_order(ranked, period, many_w))
             tied = [(r, why) for _, r in ranked[1:] if (why := tie_reason(best.ttt, r.ttt))]
             if tied:
                 out.append(f"Not told apart from {best.name}'s time: "

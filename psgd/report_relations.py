@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .report_numbers import (
+from .report_numbers import (  # ONCE and tie_reason: imported from here too
     MIN_POINTS,
     MIN_REPEATS,
+    ONCE,
     READ_PUSH_MODES,
     REL_EQUAL,
     Row,
@@ -29,6 +30,7 @@ from .report_numbers import (
     spearman,
     sweep_fixed,
     sweeps,
+    tie_reason,
     trend,
     worker_sweeps,
 )
@@ -36,25 +38,6 @@ from .report_tables import secs, smax
 
 OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker's exchanges",
                    "ltfb": "ltfb's is 0 by definition (independent trainers)"}
-
-
-# Why two values of configurations that each ran once are not ranked.
-ONCE = "ran once: no spread measured, so differences are not ranked"
-
-
-def tie_reason(a: list[float], b: list[float]) -> str | None:
-    """Why the means of a and b cannot be ranked, or None when they can: equal; closer
-    than the larger run-to-run sd of the two; or no sd measured on either side (single
-    repeats: ONCE, however far apart they are)."""
-    ma, mb = mean(a), mean(b)
-    if ma is None or mb is None:
-        return None
-    if close(ma, mb, REL_EQUAL):
-        return "equal"
-    sds = [x for x in (sd(a), sd(b)) if x is not None]
-    if sds:
-        return "within one run-to-run sd" if abs(ma - mb) < max(sds) else None
-    return ONCE
 
 
 def unmeasured(series: list[list[float]]) -> bool:

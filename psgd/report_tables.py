@@ -10,13 +10,18 @@ number formats are shared with the reading (psgd.report_reading) and the plots
 """
 from __future__ import annotations
 
-from .report_numbers import Row, mean, sd
+from .report_numbers import ONCE, Row, mean, sd, tie_reason
 
 MARK = "†"
 MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score taken after training had "
              f"ended, or the model was already above it at the evaluator's first score (within one "
              f"evaluation period of the start). Such a time, and a speedup computed from it, says when the "
              f"evaluator looked, not when the model got there; the reading does not rank by it.")
+
+
+TIE_MARK = "≈"
+TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two times to the target are equal or within one run-to-run "
+            f"sd of each other.")
 
 
 FAILED_MARK = "‡"
@@ -87,8 +92,10 @@ def _speedup_cell(row: Row, ref: Row | None, period: float | None) -> str:
     v = row.speedup(ref)
     if v is None:
         return times(v)
+    why = tie_reason(row.ttt, ref.ttt) if ref is not None and ref is not row else None
     marks = ([] if row.ttt_resolved(period) and ref is not None and ref.ttt_resolved(period) else [MARK]) + \
-            ([FAILED_MARK] if row.errors or (ref is not None and ref.errors) else [])
+            ([FAILED_MARK] if row.errors or (ref is not None and ref.errors) else []) + \
+            ([TIE_MARK] if why is not None and why != ONCE else [])
     return " ".join([times(v)] + marks)
 
 
@@ -129,6 +136,8 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
         lines += ["", MARK_NOTE]
     if any(FAILED_MARK in line for line in lines[2:]):
         lines += ["", FAILED_NOTE]
+    if any(f" {TIE_MARK}" in line for line in lines[2:]):
+        lines += ["", TIE_NOTE]
     note = reference_note(rows)
     if note:
         lines += [""] + note

@@ -263,3 +263,36 @@ def test_rebuilding_a_report_of_a_folder_without_compare_json_is_one_line(tmp_pa
     assert "compare.json" in capsys.readouterr().err
     (tmp_path / "compare.json").write_text("{not json")
     assert report_main([str(tmp_path)]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_order_to_the_target_joins_neighbours_that_the_spread_cannot_tell_apart(tmp_path):
+    # a review: diloco [0.05, 0.05, 0.05] was ordered before sync [0.05, 0.06, 0.07], within sync's sd
+    times = {"easgd": [1.0, 1.1, 1.2], "diloco": [3.2, 3.2, 3.2], "sync": [3.0, 3.8, 4.6], "async": [5.5, 5.6, 5.7]}
+    results = [run(m, m, r, ttt=t, wall=6.0) for m, ts in times.items() for r, t in enumerate(ts)]
+    text = told(results)
+    assert ("Order to the target: easgd 1.10 s < diloco 3.20 s ≈ sync 3.80 s < async 5.60 s (≈: not told apart "
+            "from the one before it") in text
+    report = open(write_report(str(tmp_path), results, CTX)).read()
+    assert "| 1.19× ≈ |" in next(line for line in report.splitlines() if line.startswith("| diloco"))
+    assert "| 3.45× |" in next(line for line in report.splitlines() if line.startswith("| easgd"))
+    assert "≈ Not told apart from 1×" in report
+    results = [x for x in results if x["mode"] != "easgd"]
+    assert ("**diloco** after 3.20 s (1.19× the speed of sync, not told apart from it: within one run-to-run sd)"
+            in told(results))
+
+
+@pytest.mark.timeout(60)
+def test_a_target_first_seen_by_the_final_score_is_after_the_end_even_when_its_time_rounds_below_it():
+    # a review: a virtual run of 17.429 ms, first at the target in its final score; the time
+    # was rounded to 0.017 s, below wall_s, and ranked as a resolved time
+    from psgd.metrics import summarize
+    from psgd.report_numbers import AFTER_END, ttt_flag
+    evals = [{"t": 0.0, "samples": 0, "accuracy": 0.033, "loss": 2.3},
+             {"t": 0.01, "samples": 900, "accuracy": 0.844, "loss": 0.6},
+             {"t": 0.017429, "samples": 1856, "accuracy": 0.928, "loss": 0.3, "final": True}]
+    s = summarize(mode="sync", mode_params={}, workers=2, servers=1, wall_s=0.017429, worker_stats={},
+                  server_stats={}, evals=evals, target=0.9, failures={})
+    assert s["time_to_target_s"] == 0.017429
+    assert ttt_flag({**s, "evals": evals}, 0.01) == AFTER_END
+    assert ttt_flag({**s, "evals": evals, "time_to_target_s": 0.017}, 0.01) == AFTER_END

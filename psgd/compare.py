@@ -32,6 +32,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -243,26 +244,31 @@ def _fmt_duration(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def estimate_left(plan: list[Run], done: dict[int, float], next_index: int) -> float | None:
+def processes(run: Run) -> float:
+    """A real run's size for `estimate_left`: seconds per run ~ a + b*W; with few points,
+    proportional to W + 3 other processes (to start, and to share the cores)."""
+    return run.workers + 3
+
+
+def estimate_left(plan: list[Run], done: dict[int, float], next_index: int,
+                  size: Callable[[Run], float] = processes) -> float | None:
     """Seconds left for plan[next_index:], from the durations of the runs done so far:
     the mean of finished runs of the same kind (baseline or distributed), scaled by
-    worker count for distributed runs (more processes to start and share the cores)."""
-    dist = [(plan[i].workers, d) for i, d in done.items() if not plan[i].is_baseline]
+    `size` for distributed runs."""
+    dist = [(size(plan[i]), d) for i, d in done.items() if not plan[i].is_baseline]
     base = [d for i, d in done.items() if plan[i].is_baseline]
-    per_proc = None
-    if dist:  # seconds per run ~ a + b*W; with few points, proportional to W + 3 other processes
-        per_proc = sum(d for _, d in dist) / sum(w + 3 for w, _ in dist)
+    per_unit = sum(d for _, d in dist) / sum(n for n, _ in dist) if dist else None
     total = 0.0
     for run in plan[next_index:]:
         if run.is_baseline:
             if base:
                 total += sum(base) / len(base)
-            elif per_proc is not None:
-                total += per_proc  # a guess until one baseline has run
+            elif per_unit is not None:
+                total += per_unit * size(run)  # a guess until one baseline has run
             else:
                 return None
-        elif per_proc is not None:
-            total += per_proc * (run.workers + 3)
+        elif per_unit is not None:
+            total += per_unit * size(run)
         else:
             return None
     return total
@@ -409,6 +415,11 @@ def command_line(args) -> str:
         parts += ["--repeats", str(args.repeats)]
     for s in args.set:
         parts += ["--set", s]
+    device = getattr(args, "device", None)
+    if device and device != ("cpu" if cmd == "simulate" else "auto"):   # not the flag's default
+        parts += ["--device", device]
+    if getattr(args, "jobs", 1) != 1:
+        parts += ["--jobs", str(args.jobs)]
     if args.no_baseline and cmd == "compare":
         parts.append("--no-baseline")
     if args.out:

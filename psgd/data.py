@@ -355,6 +355,20 @@ def holdout(indices: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarra
     return indices[k:], indices[:k]
 
 
+def worker_part(n: int, rank: int, world: int, seed: int, split: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the indices worker `rank` trains on, those it holds out or None): its partition,
+    less the share `split` that its mode holds out (LTFB's tournament data)."""
+    part = partition(n, rank, world, seed)
+    if split <= 0:
+        return part, None
+    train, held = holdout(part, split)
+    if len(part) and not len(train):
+        raise DataError(f"worker {rank}: its data partition ({len(part)} sample{'s' if len(part) != 1 else ''}) is "
+                        f"all held out for the mode's tournaments (at least one sample, {split:g} of it), "
+                        f"none left to train on (too many workers for the dataset)")
+    return train, held
+
+
 class Batches:
     """Endless mini-batches over a partition, reshuffled every epoch from (seed, rank, epoch)."""
 

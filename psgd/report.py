@@ -162,14 +162,17 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines.append("")
     period = eval_period([run for r in rows for run in r.runs], ctx)
     clock = "virtual" if sim else "wall (virtual for the rows marked (simulated))" if mixed else "wall"
-    lines.append(f"Time to target: {clock} time from the start of training until the global model first scored "
+    timing_only = sim is not None and sim.get("train") is False
+    lines.append("Time to target: none; these runs are timing only (sim.train = false): no gradients, no scores. "
+                 if timing_only else
+                 f"Time to target: {clock} time from the start of training until the global model first scored "
                  f"≥ {target:g} on the test set; distributed runs are scored every "
                  f"{'?' if period is None else f'{period:g}'} s by the evaluator, so their times are rounded up "
-                 f"to that period. Speedup = reference time to target / this time (> 1: faster). Measured "
-                 f"staleness = updates applied between a worker's read and its push (easgd: moves of the center "
-                 f"between two exchanges; ltfb: 0). It is not ssp's bound s, which limits how many clocks a "
-                 f"worker may run ahead of the slowest: even with s = 0 the other workers' pushes of the same "
-                 f"clock land between a read and a push.")
+                 f"to that period. Speedup = reference time to target / this time (> 1: faster). ")
+    lines[-1] += ("Measured staleness = updates applied between a worker's read and its push (easgd: moves of the "
+                  "center between two exchanges; ltfb: 0). It is not ssp's bound s, which limits how many clocks a "
+                  "worker may run ahead of the slowest: even with s = 0 the other workers' pushes of the same "
+                  "clock land between a read and a push.")
     lines.append("")
     lines.append("## Results")
     lines.append("")

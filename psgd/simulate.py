@@ -73,14 +73,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def compute_cost(cfg, device: str, cache: dict) -> tuple[float, str]:
     """(seconds per step, "config" or "calibrated"): `sim.compute_s`, or the time of one
-    forward and backward here, measured once per (model, data, batch size)."""
+    forward and backward here, measured once per (model, data, worker 0's batch size)."""
     if cfg.sim.compute_s > 0:
         return cfg.sim.compute_s, "config"
-    key = (cfg.model.name, repr(cfg.model.hidden), cfg.data.name, repr(cfg.data), cfg.train.batch_size, device)
-    if key not in cache:  # rounded as compare-context.json reports it: the runs use exactly that value
-        from .sim.run import calibrate
-        cache[key] = max(1e-9, round(calibrate(cfg, device), 9))
-    return cache[key], "calibrated"
+    from .sim.run import calibrate
+    return calibrate(cfg, device, cache), "calibrated"
 
 
 def runnable(specs: list) -> list:
@@ -353,10 +350,17 @@ def _serve(conn: Any) -> None:
         conn.close()
 
 
+def worker_steps(run) -> float:
+    """A simulated run's size for `estimate_left`: its events, and so its time, grow with
+    workers x steps (a time budget: with workers)."""
+    return run.workers * max(1, run.cfg.train.steps)
+
+
 def _time_left(plan: list, durations: dict[int, float], pending: list[int], jobs: int) -> float | None:
     """`estimate_left` for the runs not yet done, `jobs` of them at a time."""
     done = list(durations)
-    left = estimate_left([plan[k] for k in done + pending], {j: durations[k] for j, k in enumerate(done)}, len(done))
+    left = estimate_left([plan[k] for k in done + pending], {j: durations[k] for j, k in enumerate(done)}, len(done),
+                         worker_steps)
     return None if left is None else left / max(1, min(jobs, len(pending)))
 
 

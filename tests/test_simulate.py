@@ -188,6 +188,28 @@ def test_jobs_run_the_plan_in_processes_with_the_same_results(tmp_path):
                 theirs = mine.replace(str(tmp_path / "one"), str(tmp_path / "two"))
                 assert open(mine).read() == open(theirs).read(), mine
     assert cli(["--modes", "sync", "--jobs", "0", "--out", str(tmp_path / "bad")]) == 2
+    command = json.load(open(tmp_path / "two" / "compare-context.json"))["command"]
+    assert command.endswith(f"--jobs 2 --out {tmp_path / 'two'}"), command   # the command as it was run
+
+
+@pytest.mark.unit
+def test_the_time_left_of_a_plan_grows_with_workers_times_steps():
+    """A 256-worker run costs about 256x a 1-worker one of the same steps (measured: 0.1 s
+    and 25.2 s); the estimate of a real plan (W + 3 processes) said 9 s for it."""
+    from psgd.compare import build_plan, parse_modes
+    from psgd.simulate import _time_left
+    plan = build_plan(load(None, ["train.steps=100"]), parse_modes("sync"), [1, 256], 1, None, baseline=False)
+    assert _time_left(plan, {0: 0.1}, [1], 1) == pytest.approx(25.6)
+    assert _time_left(plan + plan, {0: 0.1, 1: 25.6}, [2, 3], 2) == pytest.approx((0.1 + 25.6) / 2)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_run_without_the_evaluator_is_not_scored(tmp_path):
+    code, res = simulate(tmp_path, "noeval", "--modes", "sync", "--workers", "2", *SMALL,
+                         "--set", "cluster.evaluator=false")
+    assert code == 0 and res[0]["evals"] == [] and res[0]["final_accuracy"] is None
+    assert res[0]["samples"] == 2 * 30 * 32
 
 
 def dies_in_a_child(input_shape, num_classes):
@@ -268,6 +290,8 @@ def test_same_config_and_seed_give_identical_compare_json(tmp_path):
         assert r["samples"] == 4 * 30 * 32
         assert 0 < r["wall_s"] < 1.0     # virtual seconds: 30 steps of ~2 ms (+ jitter)
         assert len(r["shard_busy_fraction"]) == r["servers"] and all(0 < f < 1 for f in r["shard_busy_fraction"])
+        assert r["failures"] == {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0,
+                                 "shard_restarts": 0, "coordinator_restarts": 0}   # a real summary's fields
     assert first[1]["staleness"]["mean"] > first[0]["staleness"]["mean"]  # async reads go stale, sync's do not
     events = tmp_path / "a" / "runs" / "sync-w4-r0" / "events"
     steps = [json.loads(x) for x in open(events / "worker-0.jsonl")]
@@ -519,6 +543,31 @@ def test_the_calibrated_value_reported_is_the_one_the_runs_used(tmp_path):
     assert again == first
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_each_worker_count_is_calibrated_on_the_batch_its_workers_train_on():
+    """At 1,024 workers a digits partition holds 1-2 samples: a step there is timed on
+    worker 0's batch of 2, not on train.batch_size's 32, whichever worker count comes first
+    (the first run's batch was used for every worker count of the plan)."""
+    from psgd.sim.run import calibrate
+    for order in ((2, 1024), (1024, 2)):
+        cache: dict = {}
+        for w in order:
+            calibrate(load(None, [f"cluster.workers={w}", "sim.train=false"]), "cpu", cache)
+        assert sorted(k[4] for k in cache) == [2, 32], cache
+
+
+@pytest.mark.unit
+def test_a_partition_all_held_out_is_an_error_that_names_the_hold_out():
+    from psgd.data import DataError, worker_part
+    part, held = worker_part(1437, 0, 64, 0, 0.1)
+    assert len(part) == 21 and len(held) == 2
+    assert worker_part(1437, 0, 64, 0)[1] is None
+    with pytest.raises(DataError, match=r"worker 413: its data partition \(1 sample\) is all held out for the "
+                                         r"mode's tournaments"):
+        worker_part(1437, 413, 1024, 0, 0.1)   # ranks 0-412 hold 2 samples, the others 1
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("compute", [[], ["--set", "sim.compute_s=0.01"]], ids=["calibrated", "given"])
@@ -600,4 +649,7 @@ def test_a_timing_only_sweep_plots_without_warnings(tmp_path):
                            "--set", "sim.train=false")
     assert code == 0
     assert [str(w.message) for w in said if "legend" in str(w.message)] == []
-    assert os.path.exists(os.path.join(tmp_path, "sweep", "report.md"))
+    report = open(os.path.join(tmp_path, "sweep", "report.md")).read()
+    # nothing is scored: the report does not describe an evaluator's scores (it did)
+    assert "Time to target: none; these runs are timing only (sim.train = false)" in report
+    assert "scored every" not in report

@@ -29,7 +29,7 @@ from psgd.config import Config
 from psgd.consistency import get as get_mode
 from psgd.consistency.rule import Diverged, Schedule
 from psgd.consistency.staleness import Histogram
-from psgd.data import holdout, load_dataset, partition
+from psgd.data import load_dataset, worker_part
 from psgd.log import log
 from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, PidFile
@@ -164,9 +164,8 @@ class Worker:
     def _train(self, cfg: Config, ds, model) -> int:
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
         schedule = self.attach(model, pick_device(self.device_spec, local_rank()))
-        part = partition(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed)
-        if schedule.data_split > 0:
-            part, held = holdout(part, schedule.data_split)
+        part, held = worker_part(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed, schedule.data_split)
+        if held is not None:
             self.holdout = ds.take(held)
         self.batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, self.rank)
         log(self.name, f"{cfg.mode.name} on {self.device}: {len(part)} samples, batch {self.batches.batch_size}, "

@@ -30,7 +30,7 @@ from torch import nn
 from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
-from ..data import Dataset, StreamingDataset, holdout, load_dataset, partition
+from ..data import Dataset, StreamingDataset, load_dataset, worker_part
 from ..metrics import summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
@@ -60,19 +60,29 @@ def in_memory(cfg: Config, split: float = 0.0) -> Dataset:
     return ds
 
 
-def calibrate(cfg: Config, device: str = "cpu") -> float:
+def calibrate(cfg: Config, device: str, cache: dict) -> float:
     """Seconds of one forward + backward of the job's model on one batch, here, on one
-    thread (as each worker process runs): the median of CALIBRATION_STEPS after warm-up.
-    A streamed dataset's batches are read in this process (`data.loader_workers` = 0);
-    reading them is not timed, as taking an in-memory dataset's is not."""
+    thread (as each worker process runs): the median of CALIBRATION_STEPS after warm-up,
+    once per (model, data, batch, device) in `cache`. The batch is worker 0's: at many
+    workers a partition can be smaller than train.batch_size. A streamed dataset's batches
+    are read in this process (`data.loader_workers` = 0); reading them is not timed, as
+    taking an in-memory dataset's is not."""
     ds = load_dataset(cfg.data, cfg.job.seed)
     if isinstance(ds, StreamingDataset):
         ds = dataclasses.replace(ds, loader_workers=0)
+    part, _ = worker_part(ds.train_size, 0, max(1, cfg.cluster.workers), cfg.job.seed,
+                          get_mode(cfg.mode.name).schedule(cfg).data_split)
+    batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, 0)
+    key = (cfg.model.name, repr(cfg.model.hidden), cfg.data.name, repr(cfg.data), batches.batch_size, device)
+    if key not in cache:  # rounded as compare-context.json reports it: the runs use exactly that value
+        cache[key] = max(1e-9, round(_timed_steps(cfg, ds, batches, device), 9))
+    return cache[key]
+
+
+def _timed_steps(cfg: Config, ds: Any, batches: Any, device: str) -> float:
     model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
     dev = pick_device(device)
     model = model.to(dev).train()
-    part = partition(ds.train_size, 0, max(1, cfg.cluster.workers), cfg.job.seed)
-    batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, 0)
     times = []
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -169,9 +179,8 @@ class Simulation:
         for r in range(W):
             batches, held = None, None
             if self.ds is not None:
-                part = partition(self.ds.train_size, r, W, cfg.job.seed)
-                if split > 0:
-                    part, h = holdout(part, split)
+                part, h = worker_part(self.ds.train_size, r, W, cfg.job.seed, split)
+                if h is not None:
                     held = self.ds.take(h)
                 if s.train:
                     batches = self.ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, r)
@@ -182,7 +191,7 @@ class Simulation:
         self.evals: list[dict] = []
         self.log: list[dict] = []    # the coordinator's events
         self.ev_lines: list[dict] = []
-        self.evaluator = self._replica(shape, classes) if s.train else None
+        self.evaluator = self._replica(shape, classes) if s.train and cfg.cluster.evaluator else None
         self.direct = DirectClient(self)
         self.end_t = 0.0
         self.abort = ""
@@ -373,7 +382,8 @@ class Simulation:
                          worker_stats={w.rank: w.stats() for w in self.workers},
                          server_stats={i: sh.stats() for i, sh in enumerate(self.shards)},
                          evals=self.evals, target=c.eval.target_accuracy,
-                         failures={"workers_lost": 0, "workers_rejoined": 0, "shard_restarts": 0}, extra=extra)
+                         failures={"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0,
+                                   "shard_restarts": 0, "coordinator_restarts": 0}, extra=extra)
 
     def write(self, out: str, summary: dict) -> None:
         events = os.path.join(out, "events")

@@ -143,7 +143,7 @@ class ShardServer:
                     seen_version = seen
                     service.send(shard.set_live(state["live"]))
                 now = time.monotonic()
-                if ckpt and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:
+                if ckpt and shard.ready and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:
                     self._checkpoint_in_background(shard, ckpt)
                     last_ckpt = now
                 if self._term:
@@ -162,8 +162,10 @@ class ShardServer:
             if self._saver is not None and self._saver.is_alive():  # a stalled disk: do not race it, nor wait forever
                 log(self.name, f"the checkpoint being written is not done after {SAVER_JOIN_S:.0f} s; "
                                f"exiting without the final checkpoint")
-            elif ckpt:
+            elif ckpt and shard.ready:
                 shard.save(ckpt)
+            elif ckpt:   # a checkpoint of tables never given their values would resume the next job at zeros
+                log(self.name, "no checkpoint written: the shard never received its initial values")
             link.close()  # the heartbeats and the socket of its calls (the layout): ctx.term() waits for every socket
             sock.close(0)
             stop_auth(self.ctx)

@@ -119,6 +119,64 @@ def test_a_script_that_raises_ends_the_job_with_its_reason(tmp_path):
         run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 1000})
 
 
+SCRIPT_RANK1_FAILS_FIRST = """
+import os, sys, time, torch, psgd
+from torch import nn
+if os.environ["PSGD_RANK"] == "1" and os.path.exists(sys.argv[1]):
+    time.sleep(2)
+    sys.exit("rank 1: could not load its data")    # before psgd.connect: the shards never get their values
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+with psgd.connect(model, None) as ps:
+    print("after connect: |w| =", float(sum(p.norm() for p in model.parameters())), flush=True)
+    while True:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+        if not ps.step():
+            break
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_job_that_fails_before_the_initial_values_leaves_no_checkpoint_to_resume_at_zeros(tmp_path):
+    """A review: the shards checkpointed their zero tables on the way out, and the next job
+    in the folder resumed from them: every worker trained from all-zero weights."""
+    path, flag = tmp_path / "rank1.py", tmp_path / "fail"
+    path.write_text(SCRIPT_RANK1_FAILS_FIRST)
+    flag.write_text("")
+    out = tmp_path / "out"
+    with pytest.raises(LaunchError):
+        run_script(out, [str(path), str(flag)], **{"mode.name": "sync", "train.steps": 20, "cluster.timeout_s": 8})
+    assert list(out.glob("checkpoints/*.pt")) == []
+    flag.unlink()
+    run_script(out, [str(path), str(flag)], **{"mode.name": "sync", "train.steps": 20})
+    said = (out / "logs" / "worker-0.log").read_text()
+    assert "after connect: |w| = 0.0" not in said and "after connect: |w| =" in said, said
+
+
+SCRIPT_RANK0_DIES_BEFORE_INIT = """
+import os, torch, psgd
+from torch import nn
+import psgd.workers.worker
+if os.environ["PSGD_RANK"] == "0":   # registered, then gone before it sends the initial values
+    psgd.workers.worker.Worker.start = lambda self, schedule: os._exit(9)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+with psgd.connect(model, None) as ps:
+    while ps.step():
+        pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_job_whose_worker_0_dies_before_the_initial_values_fails_and_says_why(tmp_path):
+    """The other workers waited for its values for ever (the job until --timeout)."""
+    path = tmp_path / "r0.py"
+    path.write_text(SCRIPT_RANK0_DIES_BEFORE_INIT)
+    with pytest.raises(LaunchError, match="worker 0, which brings the initial values, left the job before "
+                                          "sending them"):
+        run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 50, "cluster.timeout_s": 8})
+
+
 @pytest.mark.timeout(120)
 def test_workers_with_different_models_are_refused(tmp_path):
     path = tmp_path / "by_rank.py"

@@ -135,6 +135,9 @@ class Connection(Worker):
         self.pidfile = PidFile(self.out, "worker", self.rank).__enter__()
         try:
             self.start(self.schedule)
+        except wire.RemoteError as e:   # e.g. worker 0 left before the shards had its initial values
+            self._end(f"worker {self.rank} could not start: {e.reason}")
+            raise JobError(f"psgd.connect: {e.reason}") from None
         except BaseException as e:
             self._end(f"worker {self.rank} could not start: {e}")
             raise

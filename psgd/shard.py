@@ -41,6 +41,7 @@ from .sharding import ShardMap, model_tensors
 Reply = tuple[Hashable, Any]   # (token, frames; a packet in psgd.sim; a push's fields for `ThenRead`)
 Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
 MAX_AWAITING_INIT = 4096   # init requests parked before a shard has its values: beyond, refused
+FIRST_WORKER_GONE = "worker 0, which brings the initial values, left the job before sending them"
 # Requests the rule may park (reads, pushes that read, ltfb's model fetches) are refused
 # while this many wait already: at most MAX_PARKED_PER_WORKER per worker, and never fewer
 # than MIN_MAX_PARKED (about 45 MB of parked requests). An honest worker has one request
@@ -155,6 +156,8 @@ class Shard:
         if self.ready:
             return [(token, self._reply(msg, took=False, version=self.version))]
         if not msg.arrays or not (msg.rank == 0 or self.inits_from_any):
+            if self._first_worker_gone():
+                raise wire.WireError(wire.REFUSED, f"shard {self.index}: {FIRST_WORKER_GONE}")
             # Parked without its arrays (its answer needs only the request's id, rank and clock).
             key = (token, msg.id)
             if key not in self._awaiting_init and len(self._awaiting_init) >= MAX_AWAITING_INIT:
@@ -181,7 +184,17 @@ class Shard:
         for rank in live.keys() - self.live:
             self.last_clock.pop(rank, None)  # a returning worker starts its clocks afresh
         self.live = set(live)
-        return self.carry_out(self.rule.membership(live))
+        refused: list[Reply] = []
+        if self._first_worker_gone():   # nothing will answer the waits for the initial values
+            waiting, self._awaiting_init = self._awaiting_init, {}
+            refused = [(t, wire.error(m.id, wire.REFUSED, f"shard {self.index}: {FIRST_WORKER_GONE}"))
+                       for t, m in waiting.values()]
+        return refused + self.carry_out(self.rule.membership(live))
+
+    def _first_worker_gone(self) -> bool:
+        """No initial values, and none to come: worker 0 brings them (any worker's are
+        taken only after a restart with nothing restored) and has left the live set."""
+        return not self.ready and not self.inits_from_any and 0 not in self.live
 
     # ------------------------------------------------------------ requests
     def _check_rank(self, msg: wire.Message) -> None:

@@ -149,6 +149,24 @@ def test_init_requests_parked_before_the_values_are_bounded_and_keep_no_arrays(m
     assert torch.equal(shard.params, p) and shard._awaiting_init == {}
 
 
+def test_waits_for_the_initial_values_end_when_worker_0_leaves_before_sending_them():
+    """A review: worker 0 died between registering and its init; the others waited for
+    its values for ever (their client renews its deadline while the shards are alive)."""
+    model = Net()
+    shard = shard_for(model)
+    assert send(shard, "init", 1, token="wait-1") == {}
+    assert shard.set_live({0: 0, 1: 0, 2: 0}) == []                    # no change for the waiter
+    [(token, frames)] = shard.set_live({1: 0, 2: 0})                   # worker 0 dropped
+    refused = wire.decode([bytes(f) for f in frames])
+    assert token == "wait-1" and refused.op == "error" and refused.get("code") == wire.REFUSED
+    assert "worker 0, which brings the initial values, left the job before sending them" in refused.get("reason")
+    late = send(shard, "init", 2, token="wait-2")["wait-2"]               # one that comes after
+    assert isinstance(late, wire.WireError) and late.code == wire.REFUSED and shard._awaiting_init == {}
+    shard.set_live({0: 0, 1: 0, 2: 0})                                 # worker 0 back (restarted): its values count
+    p, b = tables(model, 2, 0)
+    assert send(shard, "init", 0, token="rank-0", arrays=[p, b])["rank-0"].get("took") is True
+
+
 def test_a_restarted_shard_with_nothing_restored_takes_any_workers_copy():
     model = Net()
     shard = shard_for(model, index=1)

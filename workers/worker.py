@@ -180,6 +180,8 @@ class Worker:
             return 1
         except Cancelled:
             pass  # the job ended while we waited
+        except wire.RemoteError as e:   # e.g. the initial values will not come (psgd/shard.py FIRST_WORKER_GONE)
+            error = f"worker {self.rank}: {e.reason}"
         finally:
             self.link.stop()
         if error:

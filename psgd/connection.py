@@ -168,10 +168,12 @@ class Connection(Worker):
     def step(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> bool:
         """The mode's step on the gradients the script just computed (`loss`, if given,
         goes into the step log and a non-finite one is refused; `samples`: the batch's
-        size, default `train.batch_size`). False once the job's budget is spent."""
+        size, default `train.batch_size`). False once the job's budget is spent; JobError
+        if the job was aborted (another worker failed, ...), with the reason."""
         if self.closed:
             raise JobError("step() after close()")
         if not self.more():
+            self._raise_if_aborted()
             return False
         if all(p.grad is None for p in self.replica.trainable.values()):
             # Every mode steps on the script's gradients (pushed, or the local optimizer's,
@@ -188,6 +190,7 @@ class Connection(Worker):
                 self.schedule.rejoin(self)
             error = self._attempt(self.schedule.step)
         except Cancelled:
+            self._raise_if_aborted()
             return False
         except ShardUnreachable as e:
             self._end(str(e))
@@ -196,7 +199,17 @@ class Connection(Worker):
             self._end(error)
             raise JobError(error)
         self._computed_at = time.perf_counter()
-        return self.more()
+        if self.more():
+            return True
+        self._raise_if_aborted()
+        return False
+
+    def _raise_if_aborted(self) -> None:
+        """The job was aborted (not its budget spent): leave it, and say why."""
+        abort = self.link.state.get("abort")
+        if abort:
+            self._end("")
+            raise JobError(f"the job was aborted: {abort}")
 
     def report(self, accuracy: float, loss: float) -> None:
         """A score of the model (the script's own evaluation): the job's evaluation curve
@@ -216,9 +229,12 @@ class Connection(Worker):
 
     def close(self, error: str = "") -> None:
         """Settle what is in flight and leave the job (rank 0: after saving the final
-        model). `error` ends the job with that reason."""
+        model). `error` ends the job with that reason. JobError if the job was aborted
+        meanwhile: no final model is saved."""
         if self.closed:
             return
+        if not error:
+            self._raise_if_aborted()
         try:
             if not error:
                 error = self._attempt(self.schedule.finish)

@@ -327,7 +327,9 @@ def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port
         with pytest.raises(psgd.JobError, match=r"report\(\): the job has ended \(stopped by the test\)"):
             ps.report(accuracy=0.5, loss=1.0)
         assert time.monotonic() - t < 1.0   # no wait for a coordinator that is done with the job
-        ps.close()
+        with pytest.raises(psgd.JobError, match="the job was aborted: stopped by the test"):
+            ps.close()   # no final model: the script is told
+        ps.close()       # closed: nothing more to say
 
 
 @pytest.mark.timeout(60)

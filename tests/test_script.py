@@ -177,6 +177,44 @@ def test_a_job_whose_worker_0_dies_before_the_initial_values_fails_and_says_why(
         run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 50, "cluster.timeout_s": 8})
 
 
+SCRIPT_RANK1_ENDS_THE_JOB = """
+import os, sys, torch, psgd
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+ps = psgd.connect(model, None)
+n = 0
+try:
+    while True:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+        n += 1
+        if ps.rank == 1 and n == 20:
+            ps.close(error="its data loader broke")
+            sys.exit(1)
+        if not ps.step():
+            print(f"step() returned False after {n} steps", flush=True)
+            break
+    ps.close()
+    print("close() returned", flush=True)
+except psgd.JobError as e:
+    print(f"JobError: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_job_aborted_by_another_worker_is_an_error_in_the_script(tmp_path):
+    """A review: step() returned False as for a spent budget, and close() returned: the
+    script could not tell an aborted job (no model.pt) from a finished one."""
+    path = tmp_path / "ab.py"
+    path.write_text(SCRIPT_RANK1_ENDS_THE_JOB)
+    with pytest.raises(LaunchError, match="its data loader broke"):
+        run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 100000})
+    said = (tmp_path / "out" / "logs" / "worker-0.log").read_text()
+    assert "JobError: the job was aborted: its data loader broke" in said, said
+    assert "returned" not in said, said
+
+
 @pytest.mark.timeout(120)
 def test_workers_with_different_models_are_refused(tmp_path):
     path = tmp_path / "by_rank.py"

@@ -167,8 +167,10 @@ class Connection(Worker):
 
     def step(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> bool:
         """The mode's step on the gradients the script just computed (`loss`, if given,
-        goes into the step log and a non-finite one is refused; `samples`: the batch's
-        size, default `train.batch_size`). False once the job's budget is spent; JobError
+        goes into the step log, null there when not given or not finite; a non-finite
+        gradient is refused by the shards, a non-finite loss by the modes that step a
+        local optimizer: easgd, diloco, ltfb; `samples`: the batch's size, default
+        `train.batch_size`). False once the job's budget is spent; JobError
         if the job was aborted (another worker failed, ...), with the reason."""
         if self.closed:
             raise JobError("step() after close()")

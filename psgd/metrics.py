@@ -28,7 +28,7 @@ class EventLog:
 
     def write(self, **fields: Any) -> None:
         if self._f:
-            self._f.write(json.dumps({"t": round(time.time(), 4), "role": self.role, **fields}) + "\n")
+            self._f.write(json_line({"t": round(time.time(), 4), "role": self.role, **fields}))
 
     def close(self) -> None:
         if self._f:
@@ -85,6 +85,19 @@ def write_json_atomic(path: str, obj: Any) -> None:
             os.unlink(tmp)   # a value JSON cannot hold: no half-written file left behind
         raise
     os.replace(tmp, path)
+
+
+_STRICT = json.JSONEncoder(allow_nan=False)
+
+
+def json_line(obj: dict) -> str:
+    """One event-log line: JSON, so a float that is not finite (a step's loss that the
+    script did not give, a diverged one) is null, as summary.json writes it; Python's
+    NaN and Infinity are not JSON, and strict readers refuse the whole file."""
+    try:
+        return _STRICT.encode(obj) + "\n"
+    except ValueError:
+        return _STRICT.encode(finite_json(obj)) + "\n"
 
 
 def finite_json(obj: Any) -> Any:

@@ -16,7 +16,7 @@ import pytest
 from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink
-from psgd.metrics import write_json_atomic
+from psgd.metrics import EventLog, write_json_atomic
 from psgd.shard import Shard
 from tests.conftest import ask
 from tests.conftest import hand_served as coordinator
@@ -117,6 +117,12 @@ def test_json_files_are_strict_json_with_null_for_non_finite_floats(tmp_path):
     with pytest.raises(TypeError):
         write_json_atomic(path, {"note": b""})
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]   # no temporary file left behind
+    log = EventLog(str(tmp_path), "worker", 0)     # a script's step without a loss was NaN, not JSON
+    log.write(step=1, loss=math.nan, hist=[1.0, math.inf])
+    log.write(step=2, loss=0.5)
+    log.close()
+    lines = [json.loads(x, parse_constant=strict) for x in open(tmp_path / "events" / "worker-0.jsonl")]
+    assert [(x["step"], x["loss"]) for x in lines] == [(1, None), (2, 0.5)] and lines[0]["hist"] == [1.0, None]
 
 
 @pytest.mark.inprocess

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
 from ..data import Dataset, StreamingDataset, load_dataset, worker_part
-from ..metrics import summarize, write_json_atomic
+from ..metrics import json_line, summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
 from ..workers.client import ParameterClient
@@ -391,7 +390,7 @@ class Simulation:
 
         def dump(name: str, lines: list[dict]) -> None:
             with open(os.path.join(events, name), "w") as f:
-                f.writelines(json.dumps(x) + "\n" for x in lines)
+                f.writelines(map(json_line, lines))
         for w in self.workers:
             dump(f"worker-{w.rank}.jsonl", w.log_lines())
         dump("evaluator-0.jsonl", self.ev_lines)

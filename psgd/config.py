@@ -365,7 +365,10 @@ def validate(cfg: Config) -> None:
            f"wire.compression must be none, onebit or topk, got {cfg.wire.compression!r}")
     _check(0 < cfg.wire.topk_fraction <= 1, f"wire.topk_fraction must be in (0, 1], got {cfg.wire.topk_fraction}")
     _check(c.workers >= 1, f"cluster.workers must be >= 1, got {c.workers}")
-    _check(0 <= c.port <= 65535 - 1 - c.servers, f"cluster.port out of range: {c.port}")
+    _check(1 <= c.port <= 65535 - 1 - c.servers,
+           f"cluster.port must be in 1..{65535 - 1 - c.servers} (the coordinator's; the shards take the next "
+           f"{c.servers}), got {c.port}")
+    _check(0 <= cfg.job.seed < 2 ** 32, f"job.seed must be in 0..{2 ** 32 - 1}, got {cfg.job.seed}")
     _check(not c.addresses or len(c.addresses) == c.servers,
            f"cluster.addresses lists {len(c.addresses)} shards but cluster.servers = {c.servers}")
     for a in c.addresses:

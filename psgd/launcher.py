@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import Config
+from .config import Config, ConfigError
 from .log import log
 from .transport import EXIT_ADDRESS_IN_USE
 
@@ -551,13 +552,21 @@ class LocalJob:
 
 def check_before_launch(cfg: Config, device: str) -> None:
     """What would fail every daemon of a job after it started, as one ConfigError now:
-    a device torch cannot use here, CurveZMQ keys that are not there."""
+    a device torch cannot use here, CurveZMQ keys that are not there, a checkpoint.dir
+    that cannot be written (the shards logged the failure and went on without checkpoints)."""
     if device not in ("auto", "cpu"):   # those two need no check (nor torch imported here)
         from .replica import check_device
         check_device(device)
     if cfg.security.curve:
         from .transport import check_keys
         check_keys(cfg.security.keys)
+    if cfg.checkpoint.dir:
+        try:
+            os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=cfg.checkpoint.dir).close()
+        except OSError as e:
+            raise ConfigError(f"checkpoint.dir = {cfg.checkpoint.dir!r} cannot be written: "
+                              f"{e.strerror or e}") from None
 
 
 def written_since(path: str, t: float) -> bool:

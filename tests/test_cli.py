@@ -166,3 +166,30 @@ def test_a_config_file_that_cannot_be_read_is_one_line(content, needle, tmp_path
     assert main(["run", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("sets,says", [
+    (["job.seed=-1"], "job.seed must be in 0..4294967295, got -1"),
+    (["job.seed=99999999999999999999"], "job.seed must be in 0..4294967295"),
+    (["cluster.port=0"], "cluster.port must be in 1..65532 (the coordinator's; the shards take the next 2), got 0"),
+    (["checkpoint.dir=/proc/psgd-not-here"], "checkpoint.dir = '/proc/psgd-not-here' cannot be written"),
+])
+def test_values_that_failed_every_daemon_after_the_start_are_one_error_before_it(tmp_path, no_job, capsys, sets,
+                                                                                   says):
+    """A review: a negative seed crashed every worker (the job aborted as 'all workers were
+    lost'); a seed past 64 bits crash-looped the shards; port 0 waited cluster.timeout_s
+    for a coordinator at port 0; an unwritable checkpoint.dir was a traceback in a shard's
+    log and a job without checkpoints."""
+    argv = ["run", "--out", str(tmp_path / "out")]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert no_job.calls == []
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_one_error(tmp_path, no_job, capsys):
+    (tmp_path / "ckpt").write_text("")
+    assert main(["run", "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]) == 2
+    assert "cannot be written" in capsys.readouterr().err and no_job.calls == []

@@ -131,7 +131,12 @@ class Connection(Worker):
             self.link.close()
             raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}") from None
         self._check(cfg)
-        self.schedule = self.attach(model, next(model.parameters()).device)
+        try:
+            self.schedule = self.attach(model, next(model.parameters()).device)
+        except Exception as e:   # the job is told at once, not after missed heartbeats
+            self._report_end(f"worker {self.rank} could not start: {type(e).__name__}: {e}")
+            self.link.close()
+            raise
         self.pidfile = PidFile(self.out, "worker", self.rank).__enter__()
         try:
             self.start(self.schedule)

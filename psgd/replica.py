@@ -63,9 +63,25 @@ def check_device(spec: str) -> None:
         raise ConfigError(f"--device {spec}: torch cannot compute on it on this machine ({reason})") from None
 
 
+def make_contiguous(model: nn.Module) -> None:
+    """Every parameter and buffer of `model` in one contiguous block of its own memory
+    (a transposed weight is not), so that the replica can write a shard's values into it
+    in place through flat views. Values, and the Parameter objects (an optimizer's), are
+    kept."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and not b.is_contiguous():
+                    module._buffers[name] = b.contiguous()
+
+
 class Replica:
     def __init__(self, model: nn.Module, num_shards: int, device: torch.device):
         self.model = model.to(device)
+        make_contiguous(self.model)
         self.device = device
         self.map = ShardMap.for_model(self.model, num_shards)
         self.tensors = model_tensors(self.model)

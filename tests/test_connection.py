@@ -333,6 +333,22 @@ def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port
 
 
 @pytest.mark.timeout(60)
+def test_a_connect_that_fails_while_attaching_tells_the_job_at_once(port_block, monkeypatch):
+    """A review: the error reached the script, but the coordinator kept the worker until
+    its heartbeats were missed."""
+    import psgd.workers.worker
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no replica today")
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        monkeypatch.setattr(psgd.workers.worker, "Replica", broken)
+        with pytest.raises(RuntimeError, match="no replica today"):
+            psgd.connect(Net(0), config=cfg, rank=0)
+        assert cluster.coordinator.abort == "worker 0 could not start: RuntimeError: no replica today"
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("code", [None, 0, 3])
 def test_sys_exit_inside_with_ends_the_job_cleanly_unless_its_code_says_failure(port_block, code):
     cfg = config(port_block, "async", workers=1)

@@ -198,3 +198,20 @@ def test_a_checkpoint_makes_a_learned_shard_ready(tmp_path):
     again = shard_for(model)
     again.load(str(tmp_path / "s.pt"))
     assert again.ready and torch.equal(again.params, p)
+
+
+def test_a_model_with_a_transposed_parameter_is_a_replica_like_any_other():
+    """A review: psgd.connect failed with torch's "view size is not compatible" for a
+    parameter that is a transpose (not contiguous), and the job was not told."""
+    from psgd.replica import Replica
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(3, 4).t())
+    model.register_buffer("m", torch.randn(2, 5).t())
+    before, opt = {k: v.clone() for k, v in model.state_dict().items()}, torch.optim.SGD(model.parameters(), 0.1)
+    rep = Replica(model, 2, torch.device("cpu"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())   # the same values
+    assert opt.param_groups[0]["params"][0] is model.w                           # the same Parameter
+    params, buffers = rep.params(), rep.buffers()
+    rep.load([p + 1 for p in params], [b * 2 for b in buffers])
+    assert torch.equal(model.w, before["w"] + 1) and torch.equal(model.m, before["m"] * 2)

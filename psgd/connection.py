@@ -281,7 +281,12 @@ class Connection(Worker):
 
     def score(self) -> tuple[float, float]:
         assert self.score_fn is not None
-        got = self.score_fn(self.replica.model)
+        model = self.replica.model
+        was = model.training
+        try:
+            got = self.score_fn(model)
+        finally:
+            model.train(was)   # a score function that sets eval() leaves the script's mode as it was
         acc, loss = got if isinstance(got, tuple) else (float(got), -float(got))
         return float(acc), float(loss)
 

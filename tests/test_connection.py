@@ -333,6 +333,28 @@ def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_a_step_keeps_the_mode_the_script_set(port_block, mode):
+    """A review: every step set model.train(), so a loop training with dropout off or
+    BatchNorm's statistics frozen (eval mode) got both back from the second step on."""
+    cfg = config(port_block, mode, workers=1)
+    with InProcessCluster(cfg):
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+        with psgd.connect(model, config=cfg, rank=0) as ps:
+            model.eval()
+            for _ in range(3):
+                model.zero_grad()
+                nn.functional.cross_entropy(model(torch.randn(16, 6)), torch.zeros(16, dtype=torch.long)).backward()
+                ps.step()
+                assert not model.training and not model[1].training
+            model.train()
+            model.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(16, 6)), torch.zeros(16, dtype=torch.long)).backward()
+            ps.step()
+            assert model.training and model[1].training
+
+
+@pytest.mark.timeout(60)
 def test_a_connect_that_fails_while_attaching_tells_the_job_at_once(port_block, monkeypatch):
     """A review: the error reached the script, but the coordinator kept the worker until
     its heartbeats were missed."""

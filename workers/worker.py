@@ -164,6 +164,7 @@ class Worker:
     def _train(self, cfg: Config, ds, model) -> int:
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
         schedule = self.attach(model, pick_device(self.device_spec, local_rank()))
+        self.replica.model.train()   # psgd's own loop trains in training mode (a script's model keeps the script's)
         part, held = worker_part(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed, schedule.data_split)
         if held is not None:
             self.holdout = ds.take(held)

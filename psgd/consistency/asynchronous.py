@@ -103,7 +103,6 @@ class AsyncSchedule(SspSchedule):
         fetch the parameters every n_fetch steps, in one round trip when both fall due.
         With prefetch the request travels while the next step computes, and is settled
         (its answers loaded) after that step's gradient is taken."""
-        w.replica.model.train()
         w.compute()                      # on the parameters we have, while the last request travels
         grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
         read = self.versions             # the read this gradient was computed on (settle may load a newer one)

@@ -56,7 +56,6 @@ class DilocoSchedule(Schedule):
     local_optimizer = True
 
     def start(self, w: Trainer) -> None:
-        w.replica.model.train()
         self.opt = make_local_optimizer(w)  # the inner optimizer, kept across rounds
         self.rejoin(w)
 

@@ -130,7 +130,6 @@ class EasgdSchedule(Schedule):
 
     def start(self, w: Trainer) -> None:
         self.last_version = self.join(w)
-        w.replica.model.train()
         self.opt = make_local_optimizer(w)
 
     def join(self, w: Trainer) -> int:

@@ -257,7 +257,6 @@ class LtfbSchedule(Schedule):
     def start(self, w: Trainer) -> None:
         self.trainer = trainer_of(w.rank, self.k)
         self.rejoin(w)
-        w.replica.model.train()
         self.opt = make_local_optimizer(w)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
         self.t_start = self.t_round = w.now()

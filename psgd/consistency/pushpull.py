@@ -42,7 +42,6 @@ class PushPullSchedule(Schedule):
         self.loaded(w, answers)
 
     def step(self, w: Trainer) -> None:
-        w.replica.model.train()
         w.compute()
         w0 = w.client.wait_s
         cached = self.cached(w, w.clock + 1)

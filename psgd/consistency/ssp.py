@@ -160,7 +160,6 @@ class SspSchedule(PushPullSchedule):
     def step(self, w: Trainer) -> None:
         if self.cache is None:
             return super().step(w)
-        w.replica.model.train()
         w.compute()
         grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
         read = self.versions            # the read this gradient was computed on (settle may load a newer one)

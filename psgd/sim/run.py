@@ -201,7 +201,7 @@ class Simulation:
 
     def _replica(self, shape: tuple, classes: int, kind: type[Replica] = Replica) -> Replica:
         c = self.cfg
-        return kind(build_model(c.model.name, shape, classes, c.job.seed, c.model.hidden), c.cluster.servers,
+        return kind(build_model(c.model.name, shape, classes, c.job.seed, c.model.hidden).train(), c.cluster.servers,
                     self.device)
 
     # ------------------------------------------------------------ the network and the shards

@@ -10,15 +10,11 @@ the tensor work that would otherwise dominate a run of thousands of workers:
   optimizer (an update only bumps the version), accumulates nothing, and answers reads
   with one fixed snapshot of the right sizes.
 - `TimingReplica`: a `Replica` whose gathered tables are fixed zero vectors of the
-  right sizes and whose loads are skipped (one replica serves every worker), and whose
-  model's `train()` returns at once when the model is in training mode already.
+  right sizes and whose loads are skipped (one replica serves every worker).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
 
 from ..replica import Replica
 from .messages import SimShard
@@ -47,7 +43,6 @@ class TimingShard(SimShard):
 class TimingReplica(Replica):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        setattr(self.model, "train", train_unless_set(self.model))  # noqa: B010  (mypy: a method is not assignable)
         self._zp = [torch.zeros(self.map.size(i, "params")) for i in range(self.n)]
         self._zb = [torch.zeros(self.map.size(i, "buffers")) for i in range(self.n)]
 
@@ -62,21 +57,3 @@ class TimingReplica(Replica):
 
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
         pass
-
-
-def train_unless_set(model: nn.Module) -> Callable[[bool], nn.Module]:
-    """`model.train(mode)` that does nothing when every module of the model is in that
-    mode already. Every schedule's step calls `model.train()`; torch's walks every module
-    and sets its flag through `Module.__setattr__` (25 us for the MLP, a tenth of a
-    timing-only step), while the one model that all workers share here is in training
-    mode nearly always."""
-    modules = list(model.modules())
-    train = model.train
-
-    def train_if_needed(mode: bool = True) -> nn.Module:
-        for m in modules:   # a loop, not `any` over a generator: asked every step of every worker
-            if m.training != mode:
-                train(mode)
-                break
-        return model
-    return train_if_needed

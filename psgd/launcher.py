@@ -517,13 +517,18 @@ class LocalJob:
     def worker_exits(self) -> str:
         """How each worker process ended, for a failed job's message: "worker exit codes:
         worker-0 1, worker-1 -9 (SIGKILL)" (a restarted worker: its last process)."""
-        parts = []
+        parts, codes = [], []
         for child in self.children:
             if child.role != "worker" or child.proc is None:
                 continue
             rc = child.poll()
+            codes.append(rc)
             parts.append(f"{child.name} still running" if rc is None else f"{child.name} {_code(rc)}")
-        return "worker exit codes: " + ", ".join(parts) if parts else "no worker processes"
+        if not parts:
+            return "no worker processes"
+        hint = ("; a script that exits without ps.close() (or leaving `with psgd.connect(...)`) leaves the job "
+                "without a word" if self.script and all(rc == 0 for rc in codes) else "")
+        return "worker exit codes: " + ", ".join(parts) + hint
 
     def stop(self) -> None:
         """End every daemon of the job, and leave the output folder to the next one."""

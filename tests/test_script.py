@@ -215,6 +215,28 @@ def test_a_job_aborted_by_another_worker_is_an_error_in_the_script(tmp_path):
     assert "returned" not in said, said
 
 
+SCRIPT_NO_CLOSE = """
+import torch, psgd
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+ps = psgd.connect(model, None)
+while True:
+    model.zero_grad()
+    nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+    if not ps.step():
+        break
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_closes_is_told_so(tmp_path):
+    """A review: the job failed as "all workers were lost ... (exit codes 0, 0)", no hint."""
+    path = tmp_path / "noclose.py"
+    path.write_text(SCRIPT_NO_CLOSE)
+    with pytest.raises(LaunchError, match=r"worker-0 0, worker-1 0; a script that exits without ps.close\(\)"):
+        run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 20})
+
+
 @pytest.mark.timeout(120)
 def test_workers_with_different_models_are_refused(tmp_path):
     path = tmp_path / "by_rank.py"

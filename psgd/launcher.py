@@ -236,10 +236,13 @@ class LocalJob:
         its coordinator state (not this job's to resume), summary.json (read as this
         job's end, it made a crash look like a finished job), event logs and daemon logs
         (this job's would be appended to them), and the pid files of processes that are
-        gone. A model.pt stays until this job saves its own; shard checkpoints stay, and
-        a shard resumes from one only if it is of an unfinished job of the same training
-        config (psgd/servers/shard_server.py). A folder whose pid files name a running
+        gone (or whose pid another process, started after the file, has now). A model.pt
+        stays until this job saves its own; shard checkpoints stay, and a shard resumes
+        from one only if it is of an unfinished job of the same training config
+        (psgd/servers/shard_server.py). A folder whose pid files name a running
         process is another job's, still running: a LaunchError, and nothing is removed."""
+        from .metrics import process_start_time
+
         def remove(path: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -250,6 +253,9 @@ class LocalJob:
                 with open(path) as f:
                     pid = int(f.read().strip())
                 os.kill(pid, 0)
+                started = process_start_time(pid)
+                if started is not None and started > os.path.getmtime(path) + 1:
+                    raise ProcessLookupError   # that pid is another process now, started after the file
             except (OSError, ValueError):   # gone, or not a pid: an earlier job's leftover
                 stale.append(path)
                 continue

@@ -57,11 +57,12 @@ class PidFile:
                 pass
 
 
-def process_start_time() -> float | None:
-    """When this process was started (exec'd), as a time.time() value: from /proc on
-    Linux (to the kernel's clock tick, 10 ms); None where that cannot be read."""
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When process `pid` (default this one) was started (forked or exec'd), as a
+    time.time() value: from /proc on Linux (to the kernel's clock tick, 10 ms); None
+    where that cannot be read."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, since boot
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):

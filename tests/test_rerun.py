@@ -44,6 +44,21 @@ def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+def test_a_pid_file_whose_pid_is_now_another_process_is_stale(tmp_path):
+    """A review: a pid file left by a job killed with -9 (or a reboot) names a pid that a
+    later process took; it blocked the folder for good. A process that started after
+    the file was written did not write it."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
+    (tmp_path / "pids").mkdir()
+    pid_file = tmp_path / "pids" / "worker-0.pid"
+    pid_file.write_text(f"{os.getpid()}\n")
+    os.utime(pid_file, (1.0e9, 1.0e9))   # written in 2001: this process started after it
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    assert not pid_file.exists()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_a_second_launcher_started_at_the_same_moment_is_refused(tmp_path):
     """Before the first job's pid files exist, its launcher holds the folder: a second
     one wrote its config.toml over the first job's, whose daemons then ran the second

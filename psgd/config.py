@@ -444,6 +444,8 @@ def validate(cfg: Config) -> None:
     _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")
     _check(0 < cfg.data.test_fraction < 1, "data.test_fraction must be in (0, 1)")
     _check(cfg.data.loader_workers >= 0, f"data.loader_workers must be >= 0, got {cfg.data.loader_workers}")
+    _check(cfg.data.classes == 0 or cfg.data.classes >= 2,
+           f"data.classes must be 0 (the dataset's own) or >= 2, got {cfg.data.classes}")
     _check(cfg.eval.every_seconds > 0, "eval.every_seconds must be > 0")
     _check(0 <= cfg.eval.target_accuracy <= 1, "eval.target_accuracy must be in [0, 1]")
     _check(cfg.faults.slow_factor >= 1, "faults.slow_factor must be >= 1")

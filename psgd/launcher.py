@@ -563,14 +563,19 @@ class LocalJob:
 
 def check_before_launch(cfg: Config, device: str) -> None:
     """What would fail every daemon of a job after it started, as one ConfigError now:
-    a device torch cannot use here, CurveZMQ keys that are not there, a checkpoint.dir
-    that cannot be written (the shards logged the failure and went on without checkpoints)."""
+    a device torch cannot use here, CurveZMQ keys that are not there, a cluster.host that
+    does not resolve, a checkpoint.dir that cannot be written (the shards logged the
+    failure and went on without checkpoints)."""
     if device not in ("auto", "cpu"):   # those two need no check (nor torch imported here)
         from .replica import check_device
         check_device(device)
     if cfg.security.curve:
         from .transport import check_keys
         check_keys(cfg.security.keys)
+    try:
+        socket.getaddrinfo(cfg.cluster.host, None)
+    except OSError as e:   # a host name that does not resolve: every daemon's bind or connect would fail
+        raise ConfigError(f"cluster.host = {cfg.cluster.host!r} does not resolve here: {e.strerror or e}") from None
     if cfg.checkpoint.dir:
         try:
             os.makedirs(cfg.checkpoint.dir, exist_ok=True)

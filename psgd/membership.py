@@ -153,12 +153,14 @@ class Membership:
             m.stats = stats
         return True
 
-    def finish(self, rank: int, stats: dict | None = None) -> None:
+    def finish(self, rank: int, stats: dict | None = None, clock: int | None = None) -> None:
         m = self.members.get(rank)
         if m and m.state != "finished":
             m.state = "finished"
             if stats:
                 m.stats = stats
+            if clock is not None:   # its last clock (the heartbeats' is up to a period old)
+                m.clock = max(m.clock, clock)
             self.version += 1
 
     def expire(self, now: float) -> list[int]:

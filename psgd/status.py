@@ -55,8 +55,11 @@ def main(args: argparse.Namespace) -> int:
     sets = list(args.set) + (["security.curve=true", f"security.keys={args.keys}"] if args.keys else [])
     cfg = _config(args.dir, args.config, sets)
     address = args.address or cfg.coordinator_address()
-    if not address.startswith(("tcp://", "ipc://")) or address.endswith(("://", ":")):
-        raise ConfigError(f"psgd status: --address must be tcp://HOST:PORT (or ipc://PATH), got {address!r}")
+    port = address.rpartition(":")[2] if address.startswith("tcp://") else "1"
+    if (not address.startswith(("tcp://", "ipc://")) or address.endswith(("://", ":"))
+            or not (port.isdigit() and 1 <= int(port) <= 65535)):
+        raise ConfigError(f"psgd status: --address must be tcp://HOST:PORT (a port in 1..65535) or ipc://PATH, "
+                          f"got {address!r}")
     while True:
         try:
             reply = ask(cfg, address)
@@ -104,6 +107,8 @@ def ask(cfg, address: str) -> wire.Message:
         peers = Peers(zmq.Context.instance(), [address], cfg.security)
     except zmq.ZMQError as e:
         raise ConfigError(f"psgd status: cannot connect to {address!r}: {e}") from None
+    except FileNotFoundError as e:   # --keys DIR without the keys: the user's input
+        raise ConfigError(str(e)) from None
     try:
         return peers.call(0, "status", ASK_TIMEOUT_S)
     finally:

@@ -303,7 +303,7 @@ class Coordinator:
         if msg.rank not in self.members.members:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
         stats = msg.get("stats")
-        self.members.finish(msg.rank, None if stats is None else checked_stats(stats))
+        self.members.finish(msg.rank, None if stats is None else checked_stats(stats), msg.clock)
         if msg.get("hold"):
             self.held_until = time.monotonic() + self.cfg.cluster.timeout_s
         error = msg.get("error")

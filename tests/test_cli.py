@@ -173,6 +173,8 @@ def test_a_config_file_that_cannot_be_read_is_one_line(content, needle, tmp_path
     (["job.seed=99999999999999999999"], "job.seed must be in 0..4294967295"),
     (["cluster.port=0"], "cluster.port must be in 1..65532 (the coordinator's; the shards take the next 2), got 0"),
     (["checkpoint.dir=/proc/psgd-not-here"], "checkpoint.dir = '/proc/psgd-not-here' cannot be written"),
+    (["cluster.host=psgd-no-such-host.invalid"], "cluster.host = 'psgd-no-such-host.invalid' does not resolve here"),
+    (["data.name=synthetic", "data.classes=-3"], "data.classes must be 0 (the dataset's own) or >= 2, got -3"),
 ])
 def test_values_that_failed_every_daemon_after_the_start_are_one_error_before_it(tmp_path, no_job, capsys, sets,
                                                                                    says):
@@ -193,3 +195,20 @@ def test_a_checkpoint_dir_that_is_a_file_is_one_error(tmp_path, no_job, capsys):
     (tmp_path / "ckpt").write_text("")
     assert main(["run", "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]) == 2
     assert "cannot be written" in capsys.readouterr().err and no_job.calls == []
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--mode", "sync", "--set", "mode.name=async"], "--set mode.name=async and --mode sync disagree: give one"),
+    (["--workers", "3", "--set", "cluster.workers=4"], "--set cluster.workers=4 and --workers 3 disagree"),
+    (["--script", "SCRIPT", "--set", "cluster.evaluator=true"],
+     "--set cluster.evaluator=true and --script (a script's job runs no evaluator) disagree"),
+])
+def test_a_flag_and_a_set_of_its_key_that_disagree_are_an_error(tmp_path, no_job, capsys, argv, says):
+    """A review: the flag won without a word."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    argv = [str(script) if a == "SCRIPT" else a for a in argv]
+    assert main(["run", "--out", str(tmp_path / "out"), *argv]) == 2
+    assert says in capsys.readouterr().err and no_job.calls == []
+    agree = [a.replace("async", "sync").replace("=4", "=3").replace("=true", "=false") for a in argv]
+    assert main(["run", "--out", str(tmp_path / "out"), *agree]) == 0   # the same value twice is fine

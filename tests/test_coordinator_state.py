@@ -285,3 +285,16 @@ def test_the_coordinators_own_stall_loses_no_worker():
         now += 0.05
         c._tick(now)
     assert now == pytest.approx(t + 10.0 + cfg.cluster.heartbeat_timeout_s, abs=0.1)
+
+
+@pytest.mark.unit
+def test_a_finished_worker_is_at_the_clock_it_finished_at():
+    """A review: `psgd status` showed a finished worker at its last heartbeat's clock
+    (2953/3000 after a 3000-step job): the clock sent with `finish` was not kept."""
+    m = Membership(2, timeout_s=5.0)
+    for r in range(2):
+        m.join(0.0, r)
+    m.beat(0, 1.0, 2953)
+    m.finish(0, {"samples": 96000}, 3000)
+    m.finish(1, {"samples": 0})
+    assert m.members[0].clock == 3000 and m.members[1].clock == 0

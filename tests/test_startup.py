@@ -131,7 +131,7 @@ def test_digits_are_read_as_scikit_learn_reads_them():
 def test_check_dataset_says_what_load_dataset_would(tmp_path):
     check_dataset(load(None, [], env={}).data)
     check_dataset(load(None, ["data.name=synthetic"], env={}).data)
-    for sets, needle in ((["data.name=synthetic", "data.classes=1"], "data.classes must be >= 2"),
+    for sets, needle in ((["data.name=synthetic", "data.classes=20", "data.samples=10"], "samples >= data.classes"),
                          (["data.name=cifar10", f"data.path={tmp_path}"], "data_batch_1.bin: file not found"),
                          (["data.name=imagenet"], "expected digits, synthetic")):
         with pytest.raises(ValueError, match=needle):

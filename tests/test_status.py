@@ -80,6 +80,8 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
     (["--address", "foo"], "--address must be tcp://HOST:PORT"),     # was a ZMQError traceback
     (["--address", "tcp://127.0.0.1:1", "--watch", "-1"], "expected a number of seconds > 0"),
     (["--address", "tcp://127.0.0.1:1", "--watch", "nan"], "expected a number of seconds > 0"),
+    (["--address", "tcp://127.0.0.1:99999"], "a port in 1..65535"),        # waited 3 s, then blamed CurveZMQ
+    (["--address", "tcp://127.0.0.1:5555", "--keys", "/psgd-no-keys"], "/psgd-no-keys/client.key_secret not found"),
 ])
 def test_status_refuses_a_bad_address_or_watch_period_in_one_line(capsys, args, said):
     try:

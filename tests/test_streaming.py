@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from psgd.config import Config
+from psgd.config import Config, ConfigError
 from psgd.data import DataError, StreamingDataset, load_dataset, partition
 from psgd.models import build_model
 from psgd.replica import Replica
@@ -65,8 +65,8 @@ def test_the_evaluator_streams_the_test_set():
 
 @pytest.mark.unit
 def test_bad_dataset_factories_say_what_is_wrong():
-    with pytest.raises(DataError, match="set data.classes"):
-        load_dataset(Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 1}).data)
+    with pytest.raises(ConfigError, match=r"data.classes must be 0 \(the dataset's own\) or >= 2, got 1"):
+        Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 1})
     with pytest.raises(DataError, match="set data.classes"):   # unset: a Dataset does not say how many
         load_dataset(Config().replace(**{"data.name": "tests.test_streaming:small"}).data)
     with pytest.raises(DataError, match="label is 2, not in 0..1; set data.classes"):

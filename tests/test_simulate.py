@@ -30,15 +30,37 @@ def simulate(tmp, name: str, *argv: str) -> tuple[int, list[dict]]:
 def test_incast_queues_at_the_receiving_nic():
     net = Network(latency_s=1e-3, bandwidth_gbps=8.0, apply_gbps=8.0)  # 1 byte = 1 ns
     a, b, shard = Node("a"), Node("b"), Node("shard")
-    first = net.transfer(a, shard, 1_000_000, 0.0)
-    second = net.transfer(b, shard, 1_000_000, 0.0)
+    first = net.arrive(shard, 1_000_000, net.depart(a, 1_000_000, 0.0))
+    second = net.arrive(shard, 1_000_000, net.depart(b, 1_000_000, 0.0))
     assert first == pytest.approx(1e-3 + 1e-3)          # latency + serialization
     assert second == pytest.approx(first + 1e-3)        # behind the first at the shard's NIC
     # the sender's NIC is busy while it serializes: a second message leaves after the first
-    assert net.transfer(a, Node("c"), 1_000_000, 0.0) == pytest.approx(1e-3 + 2e-3)
+    assert net.depart(a, 1_000_000, 0.0) == pytest.approx(1e-3)
     # the shard serves in order, request bytes at the apply rate
     assert net.serve(shard, 500_000, second) == pytest.approx(second + 5e-4)
     assert net.serve(shard, 500_000, 0.0) == pytest.approx(second + 1e-3)
+
+
+@pytest.mark.inprocess
+def test_a_message_is_taken_in_when_it_reaches_the_nic_not_when_it_was_sent():
+    """A review: a receiver's NIC was booked in the order messages were handed to their
+    senders, so a message that waited behind its sender's 1 MB one held up another
+    worker's, sent later from an idle NIC but arriving long before it."""
+    from types import SimpleNamespace
+    cfg = load(None, ["cluster.workers=2", "cluster.servers=2", "sim.train=false", "sim.compute_s=0.01",
+                      "train.steps=1", "sim.latency_s=5e-5", "sim.bandwidth_gbps=10"])
+    sim = Simulation(cfg, cfg.sim.compute_s)
+    got = {}
+    sim.handle = lambda i, token, msg: got.setdefault(token, sim.loop.now)
+    big = SimpleNamespace(nbytes=1_000_000, op="pull", payload=0)
+    small = SimpleNamespace(nbytes=100, op="pull", payload=0)
+    a, b = sim.workers
+    sim.send(a, [(0, big, "a-big"), (1, small, "a-small")])    # a-small leaves a's NIC after 0.8 ms
+    sim.loop.at(1e-4, sim.send, b, [(1, small, "b-small")])
+    sim.loop.run()
+    assert got["b-small"] == pytest.approx(1e-4 + 5e-5 + 8e-8)            # was 0.85 ms: behind a-small
+    assert got["a-small"] == pytest.approx(8e-4 + 5e-5 + 8e-8)
+    assert got["a-big"] == pytest.approx(5e-5 + 8e-4)
 
 
 @pytest.mark.unit

@@ -5,11 +5,12 @@ at a time.
 so a run is a pure function of its inputs. `Network` turns a message's size into its
 delivery time: the sender's NIC serializes it (`bytes / bandwidth`), it travels
 `latency_s`, and the receiver's NIC takes it in at its own bandwidth behind every
-message already arriving there (incast: the switch buffers what the receiving NIC
-cannot take yet). A shard serves what arrives in order, each request for
-`request bytes / apply rate`. `Process` runs a worker's schedule on its own greenlet
-(or thread), strictly handed off: the loop resumes it and waits until it blocks again
-(on a reply or on its own clock) or ends, so exactly one body runs at any time.
+message that reached it before (incast: the switch buffers what the receiving NIC cannot
+take yet; `Simulation.send` books a message there when it leaves its sender). A shard
+serves what arrives in order, each request for `request bytes / apply rate`. `Process`
+runs a worker's schedule on its own greenlet (or thread), strictly handed off: the loop
+resumes it and waits until it blocks again (on a reply or on its own clock) or ends, so
+exactly one body runs at any time.
 """
 from __future__ import annotations
 
@@ -99,15 +100,22 @@ class Network:
         self.byte_s = 8.0 / (bandwidth_gbps * 1e9)     # seconds per byte on a link
         self.apply_byte_s = 8.0 / (apply_gbps * 1e9)   # seconds per byte a shard works through
 
-    def transfer(self, src: Node, dst: Node, nbytes: int, t: float) -> float:
-        """Send nbytes from src at t; when the last byte has arrived at dst."""
-        wire_s = nbytes * self.byte_s
+    def depart(self, src: Node, nbytes: int, t: float) -> float:
+        """nbytes handed to src's NIC at t; when its first byte leaves (after the bytes
+        of every message handed to it before)."""
         start = t if t > src.tx_free else src.tx_free
-        src.tx_free = start + wire_s
+        src.tx_free = start + nbytes * self.byte_s
+        return start
+
+    def arrive(self, dst: Node, nbytes: int, start: float) -> float:
+        """A message whose first byte left its sender at `start`; when its last byte
+        has arrived at dst, behind every message booked there before it. Booked in the
+        order the messages reach dst (`Simulation.send` books at `start`), a message
+        waits only for those that reached the NIC before it."""
         arrive = start + self.latency_s
         if dst.rx_free > arrive:
             arrive = dst.rx_free
-        dst.rx_free = arrive + wire_s
+        dst.rx_free = arrive + nbytes * self.byte_s
         return dst.rx_free
 
     def serve(self, shard: Node, nbytes: int, arrived: float) -> float:

@@ -206,12 +206,24 @@ class Simulation:
 
     # ------------------------------------------------------------ the network and the shards
     def send(self, w: SimWorker, items: list[tuple[int, Packet, Any]]) -> None:
-        """A worker's requests leave it now, in order."""
-        now, net, at = self.loop.now, self.net, self.loop.at
+        """A worker's requests leave it now, in order. Each is booked at the shard's NIC
+        when its first byte leaves this worker's: one that waits behind this worker's
+        earlier messages is booked then, by an event, so that a message another worker
+        sends meanwhile, and that reaches the shard first, is taken in first."""
+        now, net = self.loop.now, self.net
         for i, msg, token in items:
-            node = self.nodes[i]
-            arrived = net.transfer(w.node, node, msg.nbytes, now)
-            at(net.serve(node, self.applied(i, msg), arrived), self.handle, i, token, msg)
+            start = net.depart(w.node, msg.nbytes, now)
+            if start > now:
+                self.loop.at(start, self.arrive, i, token, msg, start)
+            else:
+                self.arrive(i, token, msg, start)
+
+    def arrive(self, i: int, token: Any, msg: Packet, start: float) -> None:
+        """A request whose first byte left its worker at `start` (now): into shard i's
+        NIC, then served in the order it was taken in."""
+        node, net = self.nodes[i], self.net
+        self.loop.at(net.serve(node, self.applied(i, msg), net.arrive(node, msg.nbytes, start)), self.handle, i,
+                     token, msg)
 
     def applied(self, i: int, msg: Packet) -> int:
         """The bytes a request makes shard i work through (`sim.apply_gbps`): a push or an
@@ -239,9 +251,19 @@ class Simulation:
             self.reply(i, tok, m)
 
     def reply(self, i: int, token: Any, msg: Packet) -> None:
-        w = token[0]
-        self.loop.at(self.net.transfer(self.nodes[i], w.node, msg.nbytes, self.loop.now), self.deliver, i, token,
-                     msg)
+        """Shard i's answer leaves it now. A worker hears from every shard: with more
+        than one, an answer that waits behind the shard's earlier ones is booked at the
+        worker's NIC when it leaves (as in `send`); with one, the worker hears nothing
+        else, and booking at once keeps the order its bytes arrive in."""
+        now, net = self.loop.now, self.net
+        start = net.depart(self.nodes[i], msg.nbytes, now)
+        if start > now and len(self.nodes) > 1:
+            self.loop.at(start, self.answer, i, token, msg, start)
+        else:
+            self.answer(i, token, msg, start)
+
+    def answer(self, i: int, token: Any, msg: Packet, start: float) -> None:
+        self.loop.at(self.net.arrive(token[0].node, msg.nbytes, start), self.deliver, i, token, msg)
 
     def deliver(self, i: int, token: Any, msg: Packet) -> None:
         w, f, k = token

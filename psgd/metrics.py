@@ -44,9 +44,13 @@ class PidFile:
 
     def __enter__(self):
         if self.path:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path, "w") as f:
-                f.write(f"{os.getpid()}\n")
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                with open(self.path, "w") as f:
+                    f.write(f"{os.getpid()}\n")
+            except BaseException:   # SIGTERM's SystemExit once the file exists, before `with` holds it
+                self.__exit__()
+                raise
         return self
 
     def __exit__(self, *exc):

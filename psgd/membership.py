@@ -191,8 +191,9 @@ class Membership:
 
     @property
     def all_done(self) -> bool:
-        """Every rank has joined and none is still live (finished or lost)."""
-        return self.all_joined and not self.live()
+        """Every rank has joined and none is still live (finished or lost). (Stops at the
+        first live member: asked by the coordinator's loop, where one nearly always is.)"""
+        return self.all_joined and not any(m.state == "live" for m in self.members.values())
 
     @property
     def all_lost(self) -> bool:

@@ -54,6 +54,12 @@ WAITING_EVERY_S = 5.0
 # O(W) scan, not after every message it serves (at 1,024 workers, 2,000 heartbeats a
 # second, that scan took most of a core).
 CHECK_EVERY_S = 0.05
+# The phases after training: no worker joins or rejoins. `settling`: every worker is done
+# (and the final score is in); the summary waits for each live shard's next heartbeat,
+# whose counters then hold every push (drops, busy time, clock gap), for at most
+# SETTLE_BEATS heartbeat periods.
+FINISHING = ("final_eval", "settling", "done")
+SETTLE_BEATS = 2
 MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
 MAX_STATS = 256       # fields in a daemon's counters (a worker's or a shard's stats() has about 20)
 MAX_STAT_LIST = 1024  # numbers in one field (a staleness histogram's counts: 33)
@@ -168,7 +174,7 @@ class Coordinator:
     def on_register(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
         if role == "worker":
-            if self.phase in ("final_eval", "done"):
+            if self.phase in FINISHING:
                 raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
             self._check_layout(msg.get("layout"))
             nonce = msg.get("nonce") or ""
@@ -288,7 +294,7 @@ class Coordinator:
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
             if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
                 rejoin = False
-            if self.phase in ("final_eval", "done"):
+            if self.phase in FINISHING:
                 rejoin = False  # it would be refused ("the job is finishing"): the job's end stops it instead
         elif role == "server":
             self.servers[idx] = stats
@@ -337,7 +343,7 @@ class Coordinator:
                 self.scalars.add({"job/accuracy": e["accuracy"], "job/loss": e["loss"]}, e["samples"])
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
         if e["final"] and self.phase == "final_eval":
-            self._finish_job()
+            self._settle(time.monotonic())
         return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
@@ -387,11 +393,15 @@ class Coordinator:
                     self.phase = "final_eval"
                     self.final_deadline = now + self.cfg.cluster.timeout_s
                     log("coordinator", "all workers finished; waiting for the final evaluation")
-                else:
+                elif self.abort:
                     self._finish_job()
+                else:
+                    self._settle(now)
         elif self.phase == "final_eval" and now > self.final_deadline:
             log("coordinator", "no final evaluation arrived in time; writing the summary without it")
-            self._finish_job()
+            self._settle(now)
+        elif self.phase == "settling":
+            self._settle(now)
         if self.scalars and self.phase == "training" and now - self._scalars_at >= PROGRESS_EVERY_S:
             self._scalars_at = now
             self.scalars.workers(self.members.stats(), self.samples())
@@ -412,6 +422,17 @@ class Coordinator:
             if silent and t > self.cfg.cluster.heartbeat_timeout_s else ""
         log("coordinator", f"{self.cfg.mode.name}  {t:6.1f} s  step {clock}{total}  samples {n:,}  "
             f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}{shards}")
+
+    def _settle(self, now: float) -> None:
+        """Write the summary once every live shard has heartbeated since training ended
+        (a shard's counters as of its heartbeat before that miss the last pushes: with
+        the evaluator off, a summary's dropped gradients were half the shards' own
+        count), or SETTLE_BEATS heartbeat periods after the end."""
+        settled = all(self.server_seen.get(i, 0.0) > self.t_end for i in self.live_shards(now))
+        if settled or now > self.t_end + SETTLE_BEATS * self.cfg.cluster.heartbeat_s:
+            self._finish_job()
+        else:
+            self.phase = "settling"
 
     def _finish_job(self) -> None:
         wall = (self.t_end or time.monotonic()) - self.t0

@@ -9,9 +9,10 @@ import time
 import pytest
 import zmq
 
+from psgd import wire
 from psgd.config import Config
 from psgd.membership import Membership
-from psgd.servers.coordinator import CHECK_EVERY_S, STATE_FILE, Coordinator
+from psgd.servers.coordinator import CHECK_EVERY_S, SETTLE_BEATS, STATE_FILE, Coordinator
 from tests.conftest import free_port_block
 
 
@@ -319,3 +320,43 @@ def test_the_loop_looks_over_every_worker_only_every_check_period(monkeypatch):
     assert len(scans) == 1
     c._tick(now + CHECK_EVERY_S)
     assert len(scans) == 2
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_the_summary_waits_for_the_shards_counters_after_training(tmp_path):
+    """A review: with the evaluator off the summary was written as the last worker
+    finished, from the shards' heartbeats before that: 69 dropped gradients where both
+    shards had dropped 139. Now it waits for each live shard's next heartbeat (at most
+    SETTLE_BEATS periods)."""
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 2, "cluster.port": free_port_block(4),
+                              "cluster.evaluator": False})
+    c = coordinator(cfg, str(tmp_path))
+
+    def serve(op: str, **kw) -> None:
+        c.service._serve(b"x", wire.encode(op, id=1, **kw))
+
+    serve("register", role="worker", want_rank=0, nonce="w0")
+    for i in range(2):
+        serve("heartbeat", rank=-1, role="server", index=i, stats={"dropped": 3, "busy_s": 1.0}, live_id="")
+    serve("finish", rank=0, clock=10, stats={"samples": 320, "elapsed_s": 1.0})
+    t = time.monotonic()
+    c._tick(t)
+    assert c.phase == "settling" and c.summary is None
+    serve("heartbeat", rank=-1, role="server", index=0, stats={"dropped": 7, "busy_s": 2.0}, live_id="")
+    c._tick(t + CHECK_EVERY_S)
+    assert c.phase == "settling"                       # shard 1 has not answered since
+    serve("heartbeat", rank=-1, role="server", index=1, stats={"dropped": 9, "busy_s": 2.0}, live_id="")
+    c._tick(t + 2 * CHECK_EVERY_S)
+    assert c.phase == "done" and c.summary["dropped_gradients"] == 9
+    # a shard that never answers again: the summary after SETTLE_BEATS heartbeat periods
+    c2 = coordinator(cfg.replace(**{"cluster.port": free_port_block(4)}), str(tmp_path / "b"))
+    c2.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=0, nonce="w0"))
+    c2.service._serve(b"x", wire.encode("heartbeat", id=1, rank=-1, role="server", index=0, stats={"dropped": 3},
+                                        live_id=""))
+    c2.service._serve(b"x", wire.encode("finish", id=1, rank=0, clock=10, stats={"samples": 320}))
+    t = time.monotonic()
+    c2._tick(t)
+    assert c2.phase == "settling"
+    c2._tick(t + SETTLE_BEATS * cfg.cluster.heartbeat_s + CHECK_EVERY_S)
+    assert c2.phase == "done" and c2.summary["dropped_gradients"] == 3

@@ -113,8 +113,12 @@ class ShardServer:
                 return 1
         shard = Shard(cfg, self.index, layout)
         ckpt = checkpoint_path(cfg, self.out, self.index)
-        if not (ckpt and self._resume(shard, ckpt)) and layout is not None and answer.get("restarted"):
-            shard.inits_from_any = True  # rank 0's first values are long gone: any worker's current copy
+        if not (ckpt and self._resume(shard, ckpt)) and answer.get("restarted"):
+            # Restarted with nothing to restore: its tables as built (psgd's own model, from
+            # the seed) or zeros (a learned one) are the job's start, not where it is. Any
+            # worker's current copy is taken instead (rank 0's first values are long gone).
+            shard.ready, shard.inits_from_any = False, True
+            log(self.name, "restarted with nothing to restore: taking the first worker's current copy of its tables")
         address = cfg.shard_address(self.index)
         # The largest legitimate frame is one table; a message has at most 2 + 2 of them
         # (ltfb with Adam's moments). Anything larger is refused before it is read.

@@ -180,6 +180,22 @@ def test_kill_9_a_shard_resumes_from_its_checkpoint(tmp_path, mode):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_9_a_shard_without_a_checkpoint_takes_a_workers_copy(tmp_path):
+    """A review: a shard of psgd's own model restarted with nothing to restore went back
+    to the tables built from the seed, silently: that shard's share of the training was
+    lost (final accuracy 0.944 against 0.989). It now takes a worker's current copy."""
+    j = job(tmp_path, "mode.name=sync", "train.steps=500", "checkpoint.every_s=0", "faults.step_delay_s=0.004")
+    s = kill_during(j, "server-1", (0, 490))   # 10 steps before the end: little time to make up for it
+    assert s["failures"]["shard_restarts"] == 1, s["failures"]
+    said = open(os.path.join(j.out, "logs", "server-1.log")).read()
+    assert "restarted with nothing to restore: taking the first worker's current copy" in said, said
+    assert "lost its tables; offering this worker's copy" in open(os.path.join(j.out, "logs", "worker-0.log")).read()
+    assert s["final_accuracy"] >= 0.97, s   # 0.944 without the copy
+
+
+@pytest.mark.processes
 def test_sigterm_checkpoints_atomically(tmp_path):
     j = job(tmp_path, "train.steps=3000", "checkpoint.every_s=0", "faults.step_delay_s=0.002")
     try:

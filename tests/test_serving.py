@@ -218,3 +218,33 @@ def test_a_shard_told_to_stop_while_waiting_for_the_coordinator_stops_at_once(tm
     t.join(timeout=10)
     assert not t.is_alive() and code == [0] and time.monotonic() - t0 < 2
     ctx.term()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, monkeypatch):
+    """A review: a shard restarted during the final evaluation with nothing to restore
+    answers `not_ready`; the evaluator raised, the launcher restarted it five times in two
+    seconds and gave up, and `psgd run` failed without summary.json. It asks again."""
+    from psgd.workers.evaluator import Evaluator
+    from psgd.workers.worker import Worker
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.servers": 2,
+                              "train.steps": 30, "cluster.evaluator": True, "cluster.timeout_s": 20})
+    real, refused = Evaluator.evaluate, []
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        def evaluate(self):
+            if cluster.coordinator.phase == "final_eval" and len(refused) < 3:
+                refused.append(1)
+                raise wire.Refused(wire.NOT_READY, "shard 1 has no initial values yet", "shard 1")
+            return real(self)
+        monkeypatch.setattr(Evaluator, "evaluate", evaluate)
+        codes = {}
+        runs = {"worker": lambda: Worker(cfg, str(tmp_path), "cpu", want_rank=0).run(),
+                "evaluator": lambda: Evaluator(cfg, str(tmp_path), "cpu").run()}
+        threads = [threading.Thread(target=lambda n=n, f=f: codes.__setitem__(n, f())) for n, f in runs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert codes == {"worker": 0, "evaluator": 0} and len(refused) == 3
+        assert cluster.coordinator.evals[-1]["final"] and cluster.coordinator.summary["final_accuracy"] > 0.5

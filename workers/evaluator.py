@@ -56,7 +56,7 @@ class Evaluator:
         self.client = ParameterClient(cfg, self.ctx, -1)
         events = EventLog(self.out, "evaluator", 0)
         link.start()
-        next_at, final_sent = time.monotonic(), False
+        next_at, final_sent, said = time.monotonic(), False, False
         try:
             while not link.done:
                 if link.lost:
@@ -65,7 +65,17 @@ class Evaluator:
                 phase = link.state["phase"]
                 now = time.monotonic()
                 if phase == "final_eval" and not final_sent:
-                    acc, loss, read_at = self.evaluate()
+                    try:
+                        acc, loss, read_at = self.evaluate()
+                    except wire.Refused as e:   # a shard restarted after training with nothing to restore
+                        if e.code != wire.NOT_READY:
+                            raise
+                        if not said:
+                            said = True
+                            log("evaluator", f"{e.peer} has no tables to score ({e.reason}); asking again until "
+                                             f"the coordinator writes the summary without a final score")
+                        time.sleep(0.5)
+                        continue
                     self.save()
                     r = link.call("eval", accuracy=acc, loss=loss, final=True, age_s=time.monotonic() - read_at)
                     events.write(samples=r.get("samples"), accuracy=acc, loss=loss, final=True)

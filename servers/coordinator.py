@@ -134,6 +134,7 @@ class Coordinator:
         self._saved: tuple = ()
         self._saved_at = 0.0
         self.summary: dict | None = None
+        self.ended = False                 # restarted after its job ended (`_resume`): nothing to run
         self._last_progress = 0.0
         self.stop_requested = False  # set from another thread to end serve() (tests)
         self.scalars = None
@@ -504,6 +505,14 @@ class Coordinator:
             return
         age = time.time() - float(st.get("saved_at", 0))
         same = json.dumps(st.get("config"), sort_keys=True) == json.dumps(self.cfg.to_dict(), sort_keys=True)
+        if st.get("phase") == "done" and same and age <= self.cfg.cluster.timeout_s:
+            # Its job ended moments ago: this process is a restart of the coordinator that
+            # ended it (Compose restarts one that exited 1 on an abort). Starting afresh
+            # ran an empty job over it, whose summary replaced the real one.
+            self.phase, self.abort, self.ended = "done", st.get("abort") or "", True
+            log("coordinator", f"the job in {self.state_path} ended {age:.0f} s ago"
+                               + (f", aborted: {self.abort}" if self.abort else "") + "; nothing to do")
+            return
         if st.get("phase") == "done" or not same or age > self.cfg.cluster.timeout_s:
             why = ("its job is done" if st.get("phase") == "done" else "it is another config's" if not same
                    else f"it is {age:.0f} s old, older than cluster.timeout_s")
@@ -531,6 +540,10 @@ class Coordinator:
 
     # ------------------------------------------------------------ loop
     def serve(self, deadline_s: float | None = None) -> int:
+        if self.ended:   # a restart after its job ended (`_resume`): exit as that job did
+            self.sock.close(0)
+            self.events.close()
+            return 1 if self.abort else 0
         start = time.monotonic()
         waited_note = start
         try:

@@ -67,12 +67,22 @@ def test_a_restarted_coordinator_resumes_only_its_own_recent_unfinished_job(tmp_
 
     for change, why in ((lambda st: st.update(config=Config().to_dict()), "another config's"),
                         (lambda st: st.update(saved_at=time.time() - 31), "older than cluster.timeout_s"),
-                        (lambda st: st.update(phase="done"), "its job is done")):
+                        (lambda st: st.update(phase="done", saved_at=time.time() - 31), "its job is done")):
         st = json.loads(json.dumps(state))
         change(st)
         json.dump(st, open(os.path.join(out, STATE_FILE), "w"))
         fresh = coordinator(cfg, out)
         assert (fresh.phase, fresh.restarts, fresh.members.members) == ("rendezvous", 0, {}), why
+
+    # A job that ended moments ago: this is a restart of the coordinator that ended it
+    # (Compose restarts one that exited 1 on an abort). It ran an empty job over it.
+    for abort, code in (("worker 0: gradient has NaN or Inf values", 1), ("", 0)):
+        st = json.loads(json.dumps(state))
+        st.update(phase="done", abort=abort)
+        json.dump(st, open(os.path.join(out, STATE_FILE), "w"))
+        ended = coordinator(cfg, out)
+        assert (ended.phase, ended.abort, ended.ended) == ("done", abort, True)
+        assert ended.serve(deadline_s=5) == code and ended.summary is None
 
 
 @pytest.mark.inprocess

@@ -529,7 +529,7 @@ class LocalJob:
                 continue
             rc = child.poll()
             codes.append(rc)
-            parts.append(f"{child.name} still running" if rc is None else f"{child.name} {_code(rc)}")
+            parts.append(f"{child.name} still running" if rc is None else f"{child.name} {_exit(child, rc)}")
         if not parts:
             return "no worker processes"
         hint = ("; a script that exits without ps.close() (or leaving `with psgd.connect(...)`) leaves the job "
@@ -554,7 +554,11 @@ class LocalJob:
                     child.proc.wait(timeout=max(0.1, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
-                    child.proc.wait(timeout=5)
+                    try:
+                        child.proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:   # e.g. its fork server is stopped: no exit code comes
+                        log("run", f"{child.name} (pid {child.proc.pid}) did not report its end after "
+                                f"SIGKILL; leaving it")
         for child in self.children:   # one killed (-9) left its pid file: it is gone, so goes the file
             if child.proc and child.proc.poll() is not None:
                 with contextlib.suppress(FileNotFoundError):

@@ -121,3 +121,34 @@ def test_the_same_command_twice_trains_twice(tmp_path):
     assert [s["samples"] for s in summaries] == [2 * 30 * 32] * 2, summaries
     assert "not resuming from" in (out / "logs" / "server-0.log").read_text()
     assert torch.load(out / "checkpoints" / "shard-0.pt", weights_only=True)["finished"] is True
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_stopping_a_job_whose_daemon_never_reports_its_end_does_not_raise(tmp_path, capsys):
+    """A review: with the fork server stopped (SIGSTOP) its daemons' exit codes never
+    came, and stopping the job raised TimeoutExpired after SIGKILL: a traceback in place
+    of `psgd run`'s summary line."""
+    import subprocess as sp
+
+    from psgd.launcher import Child
+
+    class Silent:   # a forked daemon whose exit code its (stopped) fork server never collects
+        pid = 4242424
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            pass
+
+        def kill(self):
+            pass
+
+        def wait(self, timeout=None):
+            raise sp.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+
+    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    j.children = [Child("worker", 0, [], proc=Silent())]
+    j.stop()
+    assert "worker-0 (pid 4242424) did not report its end after SIGKILL; leaving it" in capsys.readouterr().err

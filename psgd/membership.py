@@ -36,6 +36,10 @@ REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent agai
 # During the rendezvous a registered worker waits, sending its registration again every
 # REGISTER_RESEND_S: one not heard from for this long is gone, and its rank may be taken.
 RENDEZVOUS_QUIET_S = 2 * REGISTER_RESEND_S + 1.0
+# The refusal of a worker's registration while every rank is held by a live worker: a
+# restarted worker without --rank (as Compose restarts one) waits for the coordinator to
+# miss the one it replaces (cluster.heartbeat_timeout_s), up to cluster.timeout_s.
+ALL_RANKS_LIVE = "worker ranks are taken and live"
 LATEST_STATS = ("clock", "loss")  # a worker's counters that are not summed over its lives: the last life's
 LARGEST_STATS = ("staleness_max",)  # ... and those that are the largest of its lives'
 
@@ -246,6 +250,7 @@ class CoordinatorLink:
         `fields`: more of the request (a worker's model `layout`). `cancel()` turning
         true (a daemon told to stop) gives up at once: RegistrationCancelled."""
         peers = Peers(self.ctx, [self.address], self.cfg.security)
+        said_live = False
         try:
             start = time.monotonic()
             while True:
@@ -257,6 +262,19 @@ class CoordinatorLink:
                     msg = peers.wait({rid: 0}, min(REGISTER_RESEND_S, self.cfg.cluster.timeout_s), "register",
                                      cancel)[rid]
                     break
+                except wire.Refused as e:
+                    waited = time.monotonic() - start
+                    if ALL_RANKS_LIVE not in e.reason or waited >= self.cfg.cluster.timeout_s:
+                        raise
+                    if not said_live:
+                        said_live = True
+                        log(f"{self.role}-{self.index}", f"{e.reason}: waiting for the coordinator to miss the worker "
+                            f"this one replaces (cluster.heartbeat_timeout_s = "
+                            f"{self.cfg.cluster.heartbeat_timeout_s:g} s), up to cluster.timeout_s")
+                    if cancel is not None and cancel():
+                        raise RegistrationCancelled(f"{self.role} {self.index}: stopped while waiting for a free "
+                                                    f"rank") from None
+                    time.sleep(min(1.0, self.cfg.cluster.heartbeat_s))
                 except PeerTimeout:
                     if cancel is not None and cancel():
                         raise RegistrationCancelled(f"{self.role} {self.index}: stopped while waiting for the "

@@ -40,7 +40,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config, is_number
 from psgd.log import log
-from psgd.membership import Membership
+from psgd.membership import ALL_RANKS_LIVE, Membership
 from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
@@ -196,7 +196,7 @@ class Coordinator:
                                                    f"PSGD_RANK set the same for two workers?")
             rank = self.members.join(now, want, nonce)
             if rank < 0:
-                raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} worker ranks are taken and live")
+                raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} {ALL_RANKS_LIVE}")
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             if nonce:
                 self.nonces[nonce] = rank

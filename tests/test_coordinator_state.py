@@ -110,6 +110,42 @@ def test_a_repeated_registration_gets_the_same_rank_and_no_new_join():
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
+def test_a_worker_restarted_without_a_rank_waits_for_the_one_it_replaces_to_be_missed(capsys):
+    """A review: a worker restarted without --rank (as Compose restarts one) was refused
+    at once, with a traceback, while the coordinator had not yet missed the dead one."""
+    import threading
+
+    from psgd.inprocess import InProcessCluster
+    from psgd.membership import CoordinatorLink
+    from psgd.transport import Peers
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "cluster.timeout_s": 20.0})
+    with InProcessCluster(cfg) as cluster:
+        peers = [Peers(cluster.ctx, [cfg.coordinator_address()], cfg.security) for _ in range(2)]
+        try:
+            rids = [p.send(0, "register", role="worker", want_rank=r, nonce=f"first{r}") for r, p in enumerate(peers)]
+            for p, rid in zip(peers, rids, strict=True):
+                p.wait({rid: 0}, 5.0, "register")
+        finally:
+            for p in peers:
+                p.close()
+
+        def dies() -> None:   # worker 1's heartbeats stop: after a while the coordinator misses it
+            time.sleep(1.5)
+            cluster.coordinator.members.members[1].last_seen -= 100.0
+        threading.Thread(target=dies, daemon=True).start()
+        link = CoordinatorLink(cfg, "worker", 0, cluster.ctx)
+        try:
+            t0 = time.monotonic()
+            assert link.register(-1).get("assigned_rank") == 1
+            assert time.monotonic() - t0 >= 1.4
+        finally:
+            link.close()
+    assert "all 2 worker ranks are taken and live: waiting for the coordinator to miss" in capsys.readouterr().err
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
 def test_a_dropped_worker_is_not_told_to_rejoin_once_the_job_is_finishing(tmp_path):
     """A worker whose heartbeats come back while the job evaluates its final model would
     be refused registration ("the job is finishing") and died on that refusal; it is not

@@ -5,7 +5,10 @@
 
 For each table size (the whole model: 64 KiB, 1 MiB, 16 MiB, 100 MiB, split over the
 shards), shard count (1, 2, 4) and worker count (1, 4), both sides run W client
-processes (the same processes, alternately) against S server processes on tcp loopback:
+processes (the same processes) against S server processes on tcp loopback, psgd's
+timed sections first, then the raw side's (not interleaved: each side's daemons run
+only during its own sections, so a drift of the machine's speed between the two moves
+the ratio; run the benchmark twice before reading much into one ratio):
 
 - psgd: each client registers as a worker with a `psgd coordinator` process
   (`CoordinatorLink.register`, heartbeats on) and calls `ParameterClient.push_pull` in
@@ -307,7 +310,7 @@ def measure(pool: Pool, workers: list[int], size: int, repeats: int, scale: floa
                          "wire_per_step": sum(r["wire"] for r in got.values()) / steps, "steps": iters,
                          "retries": sum(r["retries"] for r in got.values())})
         runs.sort(key=lambda r: r["GBps"])
-        best = runs[len(runs) // 2]
+        best = runs[(len(runs) - 1) // 2]   # the median section (of an even count, the lower of the two)
         best["rtt_ms"] = statistics.median(r["rtt_ms"] for r in runs)
         out[w] = best
     return out

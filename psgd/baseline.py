@@ -8,7 +8,8 @@ optimizer config and learning-rate schedule, the same per-step batch size as one
 Budget: `steps` optimizer steps of `train.batch_size` samples (the caller passes
 W x train.steps, so the baseline sees the same total number of samples as a W-worker
 run), stopped early by `train.seconds` if that is set. Faults apply as they would to a
-worker of rank 0 (`faults.step_delay_s` always, `slow_factor` only if `slow_rank` is 0).
+worker of rank 0 (`faults.step_delay_s` always, `faults.jitter_*` with rank 0's draws,
+`slow_factor` only if `slow_rank` is 0).
 
 Time: `t` counts training only. Evaluations pause the clock, so scoring the test set as
 often as we like (every `eval.every_seconds` of training, and ~50 times per run)
@@ -55,6 +56,8 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, 0)
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         f = cfg.faults
+        from .workers.worker import Jitter
+        jitter = Jitter(f.jitter_prob, f.jitter_s, cfg.job.seed, 0)   # rank 0's transient stragglers
         every_steps = max(1, steps // EVALS_PER_RUN) if steps else 0
         every_s = min(cfg.eval.every_seconds, seconds / EVALS_PER_RUN) if seconds else cfg.eval.every_seconds
         evals: list[dict] = []
@@ -77,7 +80,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             out_ = model(x)
             batch_loss = nn.functional.cross_entropy(out_, y)
             batch_loss.backward()
-            extra = f.step_delay_s
+            extra = f.step_delay_s + jitter.draw()
             if f.slow_rank == 0 and f.slow_factor > 1:
                 extra += (f.slow_factor - 1) * (time.perf_counter() - t0)
             if extra > 0:

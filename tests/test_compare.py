@@ -196,6 +196,16 @@ def test_baseline_trains_and_writes_a_summary(tmp_path):
     assert on_disk["samples"] == s["samples"]
 
 
+@pytest.mark.timeout(120)
+def test_the_baseline_has_the_transient_stragglers_of_worker_0():
+    """A review: faults.jitter_* delayed every worker but never the baseline, so a
+    comparison with jitter measured the modes against an undisturbed loop."""
+    from psgd.baseline import run_baseline
+    cfg = load(None, ["train.steps=10", "faults.jitter_prob=1", "faults.jitter_s=0.05"], env={})
+    s = run_baseline(cfg, device="cpu", steps=10)
+    assert s["wall_s"] >= 10 * 0.05
+
+
 # ---------------------------------------------------------------- report (no processes)
 
 

@@ -646,10 +646,16 @@ def format_summary(s: dict) -> str:
     acc = s.get("final_accuracy")
     ttt = s.get("time_to_target_s")
     target = s.get("target_accuracy")
+    from .report_numbers import AFTER_END, ttt_flag
+    if ttt is None:
+        reached = f"target {target} not reached"
+    elif ttt_flag(s, None) == AFTER_END:   # first seen by the score after training: when it looked
+        reached = f"target {target} first seen by the final score ({ttt:.1f} s), after training"
+    else:
+        reached = f"time to {target}: {ttt:.1f} s"
     parts = [f"{s['mode']}: accuracy {acc:.4f}" if acc is not None else f"{s['mode']}: no evaluation",
              f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else "",
-             f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s",
-             f"time to {target}: {ttt:.1f} s" if ttt is not None else f"target {target} not reached",
+             f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s", reached,
              f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",
              f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else ""]
     return "  ".join(p for p in parts if p)

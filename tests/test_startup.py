@@ -215,3 +215,20 @@ def test_a_coordinator_started_by_hand_counts_from_its_own_start(tmp_path):
     assert codes == [0, 0, 0], errs
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["startup_from"] == "coordinator process" and s["startup_s"] > 0
+
+
+@pytest.mark.unit
+def test_the_final_line_does_not_call_a_score_after_training_a_time_to_target():
+    """A review: "wall 1.8 s  time to 0.9: 1.8 s" where 0.9 was first seen by the score
+    taken after training (its read time, rounded to the ms, fell just below wall_s)."""
+    from psgd.metrics import summarize
+    evals = [{"t": 0.0, "samples": 0, "accuracy": 0.1, "loss": 2.3},
+             {"t": 1.5, "samples": 900, "accuracy": 0.85, "loss": 0.6},
+             {"t": 1.763, "samples": 1200, "accuracy": 0.92, "loss": 0.3, "final": True}]
+    s = summarize(mode="sync", mode_params={}, workers=2, servers=1, wall_s=1.763412, worker_stats={},
+                  server_stats={}, evals=evals, target=0.9, failures={})
+    assert s["evals"][-1]["final"] is True and "final" not in s["evals"][1]
+    line = format_summary(s)
+    assert "target 0.9 first seen by the final score (1.8 s), after training" in line and "time to" not in line
+    earlier = [evals[0], {**evals[1], "accuracy": 0.91}, evals[2]]   # reached during training: a time
+    assert "time to 0.9: 1.5 s" in format_summary({**s, "evals": earlier, "time_to_target_s": 1.5})

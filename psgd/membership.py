@@ -74,10 +74,49 @@ class Member:
     joins: int = 1
     nonce: str = ""                              # that process's registration nonce
     past: dict = field(default_factory=dict)    # the counters of the rank's earlier processes, summed
+    before: tuple[float, int] = (0.0, 0)         # (time, samples over all lives) of the heartbeat before the
+    #                                              last (of the join, before a first heartbeat)
 
     def totals(self) -> dict:
         """The rank's counters over all its lives."""
         return add_stats(self.past, self.stats) if self.past else self.stats
+
+    def samples(self) -> int:
+        return int(self.totals().get("samples", 0))
+
+
+class SamplesAt:
+    """The workers' samples at a moment `t` of the past (when the evaluator read the model
+    it scored), from their heartbeats on either side of it: a worker's count at its last
+    heartbeat before `t`, moved towards its count at its first one after, in proportion to
+    the time between (its steps are about evenly spaced). The count at the score's arrival
+    lagged the model by up to a heartbeat period, early in a run several times the true
+    count. A worker heard from only after `t` has its two last heartbeats around it, or
+    just after it; one that finished is final; one never heard from again (lost, or the
+    job ends first) keeps its count before `t`."""
+
+    def __init__(self, members: dict[int, Member], t: float):
+        self.t = t
+        self.known = 0.0
+        self.waiting: dict[int, tuple[float, int]] = {}   # rank -> (time, samples) of its last beat before t
+        for r, m in members.items():
+            (t0, s0), t1, s1 = m.before, m.last_seen, m.samples()
+            if m.state == "live" and t1 <= t:
+                self.waiting[r] = (t1, s1)
+            elif m.state == "live" and t0 <= t < t1:
+                self.known += s0 + (s1 - s0) * (t - t0) / (t1 - t0)
+            else:   # live, both beats after t: the earlier; finished or lost: its last count
+                self.known += s0 if m.state == "live" else s1
+
+    def beat(self, rank: int, now: float, samples: int) -> None:
+        """Rank's count at `now`, its first heartbeat (or its finish) after `t`."""
+        if rank in self.waiting:
+            t0, s0 = self.waiting.pop(rank)
+            self.known += s0 + (samples - s0) * min(1.0, (self.t - t0) / (now - t0)) if now > t0 else s0
+
+    def value(self) -> int:
+        """The count at `t`, with the counts before `t` of those not heard from since."""
+        return round(self.known + sum(s for _, s in self.waiting.values()))
 
 
 class RegistrationCancelled(RuntimeError):
@@ -120,8 +159,9 @@ class Membership:
             if nonce != old.nonce:  # a new process: it counts from 0
                 old.past, old.stats, old.nonce = old.totals(), {}, nonce
                 self.restarted += 1
+            old.before = (now, old.samples())
         else:
-            self.members[rank] = Member(rank, now, nonce=nonce)
+            self.members[rank] = Member(rank, now, nonce=nonce, before=(now, 0))
         self.version += 1
         return rank
 
@@ -150,11 +190,12 @@ class Membership:
         m = self.members.get(rank)
         if m is None or m.state == "lost":
             return False
+        if stats:
+            m.before = (m.last_seen, m.samples())
+            m.stats = stats
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
-        if stats:
-            m.stats = stats
         return True
 
     def finish(self, rank: int, stats: dict | None = None, clock: int | None = None) -> None:
@@ -221,6 +262,8 @@ class Membership:
         self.members = {int(r): Member(int(r), now, int(m["clock"]), m["state"], dict(m["stats"]), int(m["joins"]),
                                        str(m.get("nonce", "")), dict(m.get("past") or {}))
                         for r, m in sd["members"].items()}
+        for m in self.members.values():
+            m.before = (now, m.samples())
         self.version, self.lost, self.rejoined = int(sd["version"]) + 1, int(sd["lost"]), int(sd["rejoined"])
         self.restarted = int(sd.get("restarted", 0))   # older state files do not say
 

@@ -40,7 +40,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config, is_number
 from psgd.log import log
-from psgd.membership import ALL_RANKS_LIVE, Membership
+from psgd.membership import ALL_RANKS_LIVE, Membership, SamplesAt
 from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
@@ -135,6 +135,7 @@ class Coordinator:
         self._saved_at = 0.0
         self.summary: dict | None = None
         self.ended = False                 # restarted after its job ended (`_resume`): nothing to run
+        self.counting: list[tuple[dict, SamplesAt]] = []   # scores whose samples wait for the heartbeats after them
         self._last_progress = 0.0
         self.stop_requested = False  # set from another thread to end serve() (tests)
         self.scalars = None
@@ -293,6 +294,8 @@ class Coordinator:
         rejoin = False
         if role == "worker":
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
+            if self.counting and not rejoin:
+                self._count(msg.rank, now)
             if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
                 rejoin = False
             if self.phase in FINISHING:
@@ -316,6 +319,7 @@ class Coordinator:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
         stats = msg.get("stats")
         self.members.finish(msg.rank, None if stats is None else checked_stats(stats), msg.clock)
+        self._count(msg.rank, time.monotonic())
         if msg.get("hold"):
             self.held_until = time.monotonic() + self.cfg.cluster.timeout_s
         error = msg.get("error")
@@ -328,18 +332,23 @@ class Coordinator:
     def on_eval(self, ident, msg: wire.Message) -> list[Reply]:
         """A score of the global model; its time is when the evaluator read the model
         (`age_s` before now: the scoring took that long), its samples the workers' count
-        now (their heartbeats'). An accuracy outside [0, 1] (NaN too) is refused: no score
-        is one. A loss that is not finite is kept (an evaluator's score of a diverged
-        model); summary.json writes it as null (metrics.write_json_atomic)."""
+        at that time: the heartbeats' count now in the answer and the event lines, the
+        count at the read in summary.json once every live worker has heartbeated since
+        (`SamplesAt`). An accuracy outside [0, 1] (NaN too) is refused: no score is one.
+        A loss that is not finite is kept (an evaluator's score of a diverged model);
+        summary.json writes it as null (metrics.write_json_atomic)."""
         accuracy, loss = float(msg.get("accuracy")), float(msg.get("loss"))
         if not 0.0 <= accuracy <= 1.0:
             raise wire.WireError(wire.BAD_FIELD, f"accuracy {accuracy} is not in [0, 1]")
         age = max(0.0, float(msg.get("age_s", 0.0)))
-        t = max(0.0, time.monotonic() - age - self.t0) if self.t0 else 0.0
+        read_at = time.monotonic() - age
+        t = max(0.0, read_at - self.t0) if self.t0 else 0.0
         e = {"t": round(t, 3), "samples": self.samples(), "accuracy": accuracy, "loss": loss,
              "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):
             self.evals.append(e)  # t: seconds since training started (summary.json's curve)
+            self.counting.append((e, SamplesAt(self.members.members, read_at)))
+            self._count(-1, read_at)
             if self.scalars:
                 self.scalars.add({"job/accuracy": e["accuracy"], "job/loss": e["loss"]}, e["samples"])
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
@@ -424,6 +433,17 @@ class Coordinator:
         log("coordinator", f"{self.cfg.mode.name}  {t:6.1f} s  step {clock}{total}  samples {n:,}  "
             f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}{shards}")
 
+    def _count(self, rank: int, now: float) -> None:
+        """Rank's count at `now` to the scores that wait for it; a score's samples once
+        every worker it waits for has been heard from (or the job ends: `_finish_job`)."""
+        if rank >= 0:
+            samples = self.members.members[rank].samples()
+            for _, at in self.counting:
+                at.beat(rank, now, samples)
+        while self.counting and not self.counting[0][1].waiting:
+            e, at = self.counting.pop(0)
+            e["samples"] = at.value()
+
     def _settle(self, now: float) -> None:
         """Write the summary once every live shard has heartbeated since training ended
         (a shard's counters as of its heartbeat before that miss the last pushes: with
@@ -436,6 +456,9 @@ class Coordinator:
             self.phase = "settling"
 
     def _finish_job(self) -> None:
+        for e, at in self.counting:   # those never heard from again keep their counts before the score
+            e["samples"] = at.value()
+        self.counting = []
         wall = (self.t_end or time.monotonic()) - self.t0
         m = self.members
         failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined, "workers_restarted": m.restarted,

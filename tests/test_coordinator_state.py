@@ -406,3 +406,48 @@ def test_the_summary_waits_for_the_shards_counters_after_training(tmp_path):
     assert c2.phase == "settling"
     c2._tick(t + SETTLE_BEATS * cfg.cluster.heartbeat_s + CHECK_EVERY_S)
     assert c2.phase == "done" and c2.summary["dropped_gradients"] == 3
+
+
+@pytest.mark.unit
+def test_a_scores_samples_are_the_workers_count_when_the_model_was_read():
+    """A review: a score's samples were the heartbeats' count when the score arrived,
+    up to a heartbeat period behind the model it scored (at 0.74 s into a run: 256 where
+    the workers had done 896), which drew early scores of every distributed run too far
+    left on the accuracy-vs-samples plot."""
+    from psgd.membership import SamplesAt
+    m = Membership(3, timeout_s=5.0)
+    for r in range(3):
+        m.join(0.0, r)
+    for r in range(3):
+        m.beat(r, 1.0, 10, {"samples": 100})
+        m.beat(r, 2.0, 20, {"samples": 200})
+    m.beat(2, 2.6, 26, {"samples": 260})        # worker 2 beat during the scoring: its two beats are around it
+    at = SamplesAt(m.members, 2.5)
+    assert set(at.waiting) == {0, 1}
+    m.beat(0, 3.0, 30, {"samples": 300})
+    at.beat(0, 3.0, 300)                         # 200 at 2.0, 300 at 3.0: 250 at 2.5
+    m.finish(1, {"samples": 280}, 28)
+    at.beat(1, 2.8, 280)                         # 200 at 2.0, 280 at 2.8: 250 at 2.5
+    assert not at.waiting and at.value() == 250 + 250 + 250
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_summary_scores_carry_the_samples_at_their_read():
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": free_port_block(3),
+                              "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> list[wire.Message]:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
+
+    for r in range(2):
+        serve("register", role="worker", want_rank=r, nonce=f"w{r}")
+        serve("heartbeat", rank=r, clock=10, role="worker", index=r, stats={"samples": 320}, live_id="")
+    time.sleep(0.2)
+    [said] = serve("eval", accuracy=0.5, loss=1.0, age_s=0.0)   # the model read half way between two beats
+    assert said.get("samples") == 640 and c.evals[-1]["samples"] == 640      # the heartbeats' count so far
+    time.sleep(0.2)
+    for r in range(2):   # the next beats, 0.4 s after the last: 128 samples more each
+        serve("heartbeat", rank=r, clock=14, role="worker", index=r, stats={"samples": 448}, live_id="")
+    assert 700 <= c.evals[-1]["samples"] <= 840 and not c.counting           # about 2 x (320 + 64)

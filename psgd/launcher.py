@@ -484,10 +484,13 @@ class LocalJob:
                 summary = json.load(f)
         if summary is not None and summary.get("aborted"):  # the reason is one line: say it, no log dump
             raise LaunchError(f"job aborted: {summary['aborted']} ({self.worker_exits()}); logs in {self.out}/logs")
-        if code != 0 or summary is None:
+        if summary is None:
             tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children[1:] if self.tail(c))
-            reason = "ended without a summary" if summary is None else f"exit code {code}"
-            raise LaunchError(f"the coordinator {reason}; logs in {self.out}/logs\n{tails}")
+            raise LaunchError(f"the coordinator ended without a summary (exit code {code}); logs in "
+                              f"{self.out}/logs\n{tails}")
+        if code != 0:   # it wrote this job's summary (an earlier job's is removed at the start), then died
+            log("run", f"the coordinator exited with {_code(code)} after writing the job's summary, while it "
+                       f"waited for every daemon to hear that the job was done; the summary stands")
         return summary
 
     def _exited_before_connect(self, child: Child, rc: int) -> None:

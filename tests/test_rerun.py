@@ -152,3 +152,32 @@ def test_stopping_a_job_whose_daemon_never_reports_its_end_does_not_raise(tmp_pa
     j.children = [Child("worker", 0, [], proc=Silent())]
     j.stop()
     assert "worker-0 (pid 4242424) did not report its end after SIGKILL; leaving it" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_dies_after_writing_the_summary_leaves_a_finished_job(tmp_path, capsys):
+    """A review: kill -9 of the coordinator once summary.json was written (while it waited
+    for every daemon to hear that the job was done) made `psgd run` fail: "the coordinator
+    exit code -9", with the job's complete summary on disk."""
+    from psgd.launcher import Child
+
+    class Killed:
+        pid, code = 4242425, -9
+
+        def poll(self):
+            return self.code
+
+    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    try:
+        j.children = [Child("coordinator", 0, [], proc=Killed())]
+        (tmp_path / "summary.json").write_text(json.dumps({"mode": "sync", "samples": 64}))
+        assert j.wait() == {"mode": "sync", "samples": 64}
+        assert "the coordinator exited with -9 (SIGKILL) after writing the job's summary" in capsys.readouterr().err
+        (tmp_path / "summary.json").unlink()
+        j.children[0].proc.code = 1   # its own code, without a summary (a -9 would restart it)
+        with pytest.raises(LaunchError, match=r"the coordinator ended without a summary \(exit code 1\)"):
+            j.wait()
+    finally:
+        j.children = []
+        j.stop()

@@ -316,9 +316,13 @@ class LocalJob:
 
     def _coordinator_died(self, coord: Child, code: int) -> bool:
         """The coordinator ended without a summary, killed (a signal) or crashed (not
-        its own exit codes 0, 1, 2): start it again; it resumes from its state file, and
+        its own exit codes 0, 1, 2; or 1, a Python error's, while its state file says the
+        job was under way: its own 1s, an abort or a rendezvous given up, come with a
+        summary or before training): start it again; it resumes from its state file, and
         the other daemons reconnect. True if it did."""
-        if code in (0, 1, 2, EXIT_ADDRESS_IN_USE) or os.path.exists(os.path.join(self.out, "summary.json")):
+        if code in (0, 2, EXIT_ADDRESS_IN_USE) or os.path.exists(os.path.join(self.out, "summary.json")):
+            return False
+        if code == 1 and not self._under_way():
             return False
         if coord.restarts >= MAX_RESTARTS:
             raise LaunchError(f"the coordinator keeps dying (exit {code}); gave up after {MAX_RESTARTS} restarts")
@@ -326,6 +330,15 @@ class LocalJob:
         log("run", f"the coordinator exited with {code}; restarting it (restart {coord.restarts})")
         self._start(coord)
         return True
+
+    def _under_way(self) -> bool:
+        """Whether the coordinator's state file says the job had begun training and not
+        ended (it is rewritten at every change of phase)."""
+        try:
+            with open(os.path.join(self.out, "coordinator-state.json")) as f:
+                return json.load(f).get("phase") in ("training", "final_eval", "settling")
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def _argv(self, role: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "psgd", role, self.config_path, "--out", self.out, *extra]

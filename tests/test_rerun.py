@@ -181,3 +181,28 @@ def test_a_coordinator_that_dies_after_writing_the_summary_leaves_a_finished_job
     finally:
         j.children = []
         j.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_crashes_mid_job_is_restarted_and_one_that_gave_up_is_not(tmp_path):
+    """A review: a Python error in the coordinator exits 1, which the launcher took for
+    its own ending (an abort, or a rendezvous given up) and never restarted it: "the
+    coordinator ended without a summary" mid-training. A 1 while the state file says the
+    job was under way is a crash."""
+    from psgd.launcher import Child
+    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    started = []
+    j._start = started.append
+    coord = Child("coordinator", 0, [])
+    try:
+        state = tmp_path / "coordinator-state.json"
+        for phase, restarted in (("rendezvous", False), ("training", True), ("final_eval", True), ("done", False)):
+            state.write_text(json.dumps({"phase": phase}))
+            assert j._coordinator_died(coord, 1) is restarted, phase
+        state.write_text(json.dumps({"phase": "training"}))
+        (tmp_path / "summary.json").write_text("{}")   # an abort: its summary says why
+        assert j._coordinator_died(coord, 1) is False
+        assert started == [coord, coord]
+    finally:
+        j.stop()

@@ -475,6 +475,11 @@ class LocalJob:
                 self._exited_before_connect(child, rc)
                 if rc == 0:
                     continue
+                if rc == 1 and child.role in ("server", "evaluator") and coord.poll() is None \
+                        and "lost the coordinator" in self.tail(child, 3):
+                    raise LaunchError(f"{child.name} lost the coordinator (no answer for cluster.timeout_s = "
+                                      f"{self.cfg.cluster.timeout_s:g} s), whose process still runs: is it stopped "
+                                      f"(SIGSTOP) or hung? Its log ends:\n{self.tail(coord)}")
                 if child.restarts >= MAX_RESTARTS:
                     raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "
                                       f"{MAX_RESTARTS} restarts:\n{self.tail(child)}")

@@ -206,3 +206,33 @@ def test_a_coordinator_that_crashes_mid_job_is_restarted_and_one_that_gave_up_is
         assert started == [coord, coord]
     finally:
         j.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_shard_that_lost_a_coordinator_still_running_names_the_coordinator(tmp_path):
+    """A review: with the coordinator stopped (SIGSTOP) each shard gave up on it after
+    cluster.timeout_s, exited 1, and was restarted, five times over: "server-0 keeps
+    dying", minutes later, and the coordinator not named."""
+    from psgd.launcher import Child
+
+    class Proc:
+        def __init__(self, code):
+            self.pid, self.code = 4242426, code
+
+        def poll(self):
+            return self.code
+
+    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    logs = tmp_path / "logs"
+    (logs / "server-0.log").write_text("[psgd server-0] lost the coordinator at tcp://127.0.0.1:1 for 60 s; exiting\n")
+    (logs / "coordinator.log").write_text("[psgd coordinator] sync  12.0 s  step 40/300\n")
+    j.children = [Child("coordinator", 0, [], proc=Proc(None), log_path=str(logs / "coordinator.log")),
+                  Child("server", 0, [], proc=Proc(1), log_path=str(logs / "server-0.log"))]
+    try:
+        with pytest.raises(LaunchError, match=r"server-0 lost the coordinator .*whose process still runs: is it "
+                                              r"stopped \(SIGSTOP\) or hung\?(.|\n)*step 40/300"):
+            j.wait()
+    finally:
+        j.children = []
+        j.stop()

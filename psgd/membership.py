@@ -114,6 +114,11 @@ class SamplesAt:
             t0, s0 = self.waiting.pop(rank)
             self.known += s0 + (samples - s0) * min(1.0, (self.t - t0) / (now - t0)) if now > t0 else s0
 
+    def gone(self, rank: int) -> None:
+        """Rank was dropped (missed heartbeats): its count before `t` stands."""
+        if rank in self.waiting:
+            self.known += self.waiting.pop(rank)[1]
+
     def value(self) -> int:
         """The count at `t`, with the counts before `t` of those not heard from since."""
         return round(self.known + sum(s for _, s in self.waiting.values()))

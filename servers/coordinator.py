@@ -386,6 +386,9 @@ class Coordinator:
             self._checked = now
             lost = self.members.expire(now)
             for r in lost:
+                for _, at in self.counting:   # no beat will come: the scores do not wait for it
+                    at.gone(r)
+                self._count(-1, now)
                 log("coordinator", f"worker {r} missed heartbeats for {self.cfg.cluster.heartbeat_timeout_s:.0f} s: "
                     f"dropped from the membership")
                 self.events.write(event="lost", rank=r)

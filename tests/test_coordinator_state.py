@@ -429,6 +429,11 @@ def test_a_scores_samples_are_the_workers_count_when_the_model_was_read():
     m.finish(1, {"samples": 280}, 28)
     at.beat(1, 2.8, 280)                         # 200 at 2.0, 280 at 2.8: 250 at 2.5
     assert not at.waiting and at.value() == 250 + 250 + 250
+    later = SamplesAt(m.members, 3.5)              # worker 0 then dies: no beat will come
+    assert set(later.waiting) == {0, 2}
+    later.gone(0)
+    later.beat(2, 4.0, 400)                        # 260 at 2.6, 400 at 4.0: 350 at 3.5
+    assert not later.waiting and later.value() == 300 + 280 + 350
 
 
 @pytest.mark.unit

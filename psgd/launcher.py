@@ -239,7 +239,8 @@ class LocalJob:
         gone (or whose pid another process, started after the file, has now). A model.pt
         stays until this job saves its own; shard checkpoints stay, and a shard resumes
         from one only if it is of an unfinished job of the same training config
-        (psgd/servers/shard_server.py). A folder whose pid files name a running
+        (psgd/servers/shard_server.py); those of a job that wrote its summary (it ended)
+        are moved aside (`shard-I.pt.earlier`). A folder whose pid files name a running
         process is another job's, still running: a LaunchError, and nothing is removed."""
         from .metrics import process_start_time
 
@@ -264,6 +265,13 @@ class LocalJob:
         for path in stale:
             remove(path)
         remove(os.path.join(self.out, "coordinator-state.json"))
+        if os.path.exists(os.path.join(self.out, "summary.json")):
+            # The earlier job ended (a summary is written at the end): its shards' checkpoints
+            # are not to be resumed. A shard marks its own finished when told the job is done;
+            # one stopped before it was told (the coordinator died after the summary) did not.
+            folder = self.cfg.checkpoint.dir or os.path.join(self.out, "checkpoints")
+            for path in glob.glob(os.path.join(folder, "shard-*.pt")):
+                os.replace(path, path + ".earlier")
         remove(os.path.join(self.out, "summary.json"))
         for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
                      + glob.glob(os.path.join(self.out, "logs", "*.log"))):

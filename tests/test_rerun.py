@@ -119,8 +119,9 @@ def test_the_same_command_twice_trains_twice(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         summaries.append(json.loads((out / "summary.json").read_text()))
     assert [s["samples"] for s in summaries] == [2 * 30 * 32] * 2, summaries
-    assert "not resuming from" in (out / "logs" / "server-0.log").read_text()
     assert torch.load(out / "checkpoints" / "shard-0.pt", weights_only=True)["finished"] is True
+    # the first job's, moved aside when the second began (it had ended: its summary was there)
+    assert torch.load(out / "checkpoints" / "shard-0.pt.earlier", weights_only=True)["finished"] is True
 
 
 @pytest.mark.unit
@@ -236,3 +237,19 @@ def test_a_shard_that_lost_a_coordinator_still_running_names_the_coordinator(tmp
     finally:
         j.children = []
         j.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_the_checkpoints_of_a_job_that_ended_are_not_resumed(tmp_path):
+    """A review: the coordinator killed after writing the summary, the shards were stopped
+    before being told the job was done, and their checkpoints said `finished: false`: the
+    next job in the folder resumed from them ("resumed ... at version 100", 0 samples)."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "shard-0.pt").write_text("unfinished")
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()          # no summary: a crashed job, to resume
+    assert (tmp_path / "checkpoints" / "shard-0.pt").exists()
+    (tmp_path / "summary.json").write_text("{}")             # the job ended
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["shard-0.pt.earlier"]

@@ -74,6 +74,8 @@ class Member:
     joins: int = 1
     nonce: str = ""                              # that process's registration nonce
     past: dict = field(default_factory=dict)    # the counters of the rank's earlier processes, summed
+    stats_at: float = 0.0                        # when `stats` came (a heartbeat; the join): last_seen also
+    #                                              moves without new counts (a stall excused, a repeated join)
     before: tuple[float, int] = (0.0, 0)         # (time, samples over all lives) of the heartbeat before the
     #                                              last (of the join, before a first heartbeat)
 
@@ -100,7 +102,7 @@ class SamplesAt:
         self.known = 0.0
         self.waiting: dict[int, tuple[float, int]] = {}   # rank -> (time, samples) of its last beat before t
         for r, m in members.items():
-            (t0, s0), t1, s1 = m.before, m.last_seen, m.samples()
+            (t0, s0), t1, s1 = m.before, m.stats_at, m.samples()
             if m.state == "live" and t1 <= t:
                 self.waiting[r] = (t1, s1)
             elif m.state == "live" and t0 <= t < t1:
@@ -164,9 +166,9 @@ class Membership:
             if nonce != old.nonce:  # a new process: it counts from 0
                 old.past, old.stats, old.nonce = old.totals(), {}, nonce
                 self.restarted += 1
-            old.before = (now, old.samples())
+            old.before, old.stats_at = (now, old.samples()), now
         else:
-            self.members[rank] = Member(rank, now, nonce=nonce, before=(now, 0))
+            self.members[rank] = Member(rank, now, nonce=nonce, stats_at=now, before=(now, 0))
         self.version += 1
         return rank
 
@@ -196,8 +198,8 @@ class Membership:
         if m is None or m.state == "lost":
             return False
         if stats:
-            m.before = (m.last_seen, m.samples())
-            m.stats = stats
+            m.before = (m.stats_at, m.samples())
+            m.stats, m.stats_at = stats, now
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
@@ -268,7 +270,7 @@ class Membership:
                                        str(m.get("nonce", "")), dict(m.get("past") or {}))
                         for r, m in sd["members"].items()}
         for m in self.members.values():
-            m.before = (now, m.samples())
+            m.before, m.stats_at = (now, m.samples()), now
         self.version, self.lost, self.rejoined = int(sd["version"]) + 1, int(sd["lost"]), int(sd["rejoined"])
         self.restarted = int(sd.get("restarted", 0))   # older state files do not say
 

@@ -153,6 +153,19 @@ class Coordinator:
                                "the coordinator", MAX_FRAME, self.counters)
         self._resume()
 
+    def _no_rank(self, want: int) -> str:
+        """Why a worker's registration got no rank: every rank held by a live worker (one
+        may soon be missed: the worker waits, `ALL_RANKS_LIVE`), or a rank that finished its
+        share, which never frees up."""
+        members = self.members.members
+        if 0 <= want < self.cfg.cluster.workers and members.get(want) and members[want].state == "finished":
+            return f"rank {want} has finished its share of the job"
+        done = sum(1 for m in members.values() if m.state == "finished")
+        if done:
+            return (f"no worker rank is free: {done} of {self.cfg.cluster.workers} finished their share, the "
+                    f"others are live")
+        return f"all {self.cfg.cluster.workers} {ALL_RANKS_LIVE}"
+
     def _view(self, known: str = "") -> dict:
         """The job as daemons see it. The live set (rank -> clock) goes only to a daemon
         whose `known` live set (`live_id`: this coordinator's and the membership's
@@ -197,7 +210,7 @@ class Coordinator:
                                                    f"PSGD_RANK set the same for two workers?")
             rank = self.members.join(now, want, nonce)
             if rank < 0:
-                raise wire.WireError(wire.REFUSED, f"all {self.cfg.cluster.workers} {ALL_RANKS_LIVE}")
+                raise wire.WireError(wire.REFUSED, self._no_rank(want))
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             if nonce:
                 self.nonces[nonce] = rank
@@ -531,10 +544,11 @@ class Coordinator:
             return
         age = time.time() - float(st.get("saved_at", 0))
         same = json.dumps(st.get("config"), sort_keys=True) == json.dumps(self.cfg.to_dict(), sort_keys=True)
-        if st.get("phase") == "done" and same and age <= self.cfg.cluster.timeout_s:
-            # Its job ended moments ago: this process is a restart of the coordinator that
-            # ended it (Compose restarts one that exited 1 on an abort). Starting afresh
-            # ran an empty job over it, whose summary replaced the real one.
+        if st.get("phase") == "done" and st.get("abort") and same and age <= self.cfg.cluster.timeout_s:
+            # Its job was aborted moments ago: this process is a restart of the coordinator
+            # that ended it (Compose restarts one that exited 1). Starting afresh ran an empty
+            # job over it, whose summary replaced the abort's reason. (A job that finished
+            # exits 0 and is not restarted: a new `up` in its folder starts afresh.)
             self.phase, self.abort, self.ended = "done", st.get("abort") or "", True
             log("coordinator", f"the job in {self.state_path} ended {age:.0f} s ago"
                                + (f", aborted: {self.abort}" if self.abort else "") + "; nothing to do")

@@ -74,15 +74,17 @@ def test_a_restarted_coordinator_resumes_only_its_own_recent_unfinished_job(tmp_
         fresh = coordinator(cfg, out)
         assert (fresh.phase, fresh.restarts, fresh.members.members) == ("rendezvous", 0, {}), why
 
-    # A job that ended moments ago: this is a restart of the coordinator that ended it
-    # (Compose restarts one that exited 1 on an abort). It ran an empty job over it.
-    for abort, code in (("worker 0: gradient has NaN or Inf values", 1), ("", 0)):
+    # A job aborted moments ago: this is a restart of the coordinator that ended it (Compose
+    # restarts one that exited 1). It ran an empty job over it. One that finished cleanly
+    # exited 0, is not restarted, and a new `up` in its folder starts afresh.
+    for abort, ends in (("worker 0: gradient has NaN or Inf values", True), ("", False)):
         st = json.loads(json.dumps(state))
         st.update(phase="done", abort=abort)
         json.dump(st, open(os.path.join(out, STATE_FILE), "w"))
-        ended = coordinator(cfg, out)
-        assert (ended.phase, ended.abort, ended.ended) == ("done", abort, True)
-        assert ended.serve(deadline_s=5) == code and ended.summary is None
+        again = coordinator(cfg, out)
+        assert again.ended is ends and again.phase == ("done" if ends else "rendezvous"), abort
+        if ends:
+            assert again.abort == abort and again.serve(deadline_s=5) == 1 and again.summary is None
 
 
 @pytest.mark.inprocess
@@ -429,11 +431,35 @@ def test_a_scores_samples_are_the_workers_count_when_the_model_was_read():
     m.finish(1, {"samples": 280}, 28)
     at.beat(1, 2.8, 280)                         # 200 at 2.0, 280 at 2.8: 250 at 2.5
     assert not at.waiting and at.value() == 250 + 250 + 250
+    m.excuse(10.0, 3.2)                            # a stall: last_seen moves, the counts do not
+    assert set(SamplesAt(m.members, 3.1).waiting) == {0, 2}
     later = SamplesAt(m.members, 3.5)              # worker 0 then dies: no beat will come
     assert set(later.waiting) == {0, 2}
     later.gone(0)
     later.beat(2, 4.0, 400)                        # 260 at 2.6, 400 at 4.0: 350 at 3.5
     assert not later.waiting and later.value() == 300 + 280 + 350
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_registration_that_can_get_no_rank_says_why():
+    """A review: a rank that finished its share never frees up, but the refusal said every
+    rank was "taken and live", and a restarted worker waited cluster.timeout_s for it."""
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": free_port_block(3)})
+    c = coordinator(cfg, "")
+
+    def refusal(**kw) -> str:
+        [got] = [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode("register", id=1, role="worker", **kw))]
+        return got.get("reason")
+
+    c.members.join(0.0, 0, "a")
+    c.members.join(0.0, 1, "b")
+    c._start_training()
+    assert refusal(want_rank=-1, nonce="c") == "all 2 worker ranks are taken and live"
+    c.members.finish(0, {"samples": 64})
+    assert refusal(want_rank=0, nonce="c") == "rank 0 has finished its share of the job"
+    assert refusal(want_rank=-1, nonce="c") == ("no worker rank is free: 1 of 2 finished their share, the others "
+                                                "are live")
 
 
 @pytest.mark.unit

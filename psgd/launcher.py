@@ -342,9 +342,10 @@ class LocalJob:
     def _under_way(self) -> bool:
         """Whether the coordinator's state file says the job had begun training and not
         ended (it is rewritten at every change of phase)."""
+        from .servers.coordinator import STATE_FILE, UNDER_WAY
         try:
-            with open(os.path.join(self.out, "coordinator-state.json")) as f:
-                return json.load(f).get("phase") in ("training", "final_eval", "settling")
+            with open(os.path.join(self.out, STATE_FILE)) as f:
+                return json.load(f).get("phase") in UNDER_WAY
         except (OSError, ValueError, AttributeError):
             return False
 

@@ -59,6 +59,7 @@ CHECK_EVERY_S = 0.05
 # whose counters then hold every push (drops, busy time, clock gap), for at most
 # SETTLE_BEATS heartbeat periods.
 FINISHING = ("final_eval", "settling", "done")
+UNDER_WAY = ("training", "final_eval", "settling")   # begun and not ended (the launcher: a crash, not an end)
 SETTLE_BEATS = 2
 MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, counters
 MAX_STATS = 256       # fields in a daemon's counters (a worker's or a shard's stats() has about 20)
@@ -183,7 +184,7 @@ class Coordinator:
         return sorted(i for i, t in self.server_seen.items() if now - t <= self.cfg.cluster.heartbeat_timeout_s)
 
     def samples(self) -> int:
-        return sum(int(s.get("samples", 0)) for s in self.members.stats().values())
+        return sum(m.samples() for m in self.members.members.values())
 
     # ------------------------------------------------------------ handlers
     def on_register(self, ident, msg: wire.Message) -> list[Reply]:
@@ -398,10 +399,12 @@ class Coordinator:
         if self.phase == "training" and now - self._checked >= CHECK_EVERY_S:
             self._checked = now
             lost = self.members.expire(now)
-            for r in lost:
-                for _, at in self.counting:   # no beat will come: the scores do not wait for it
+            for _, at in self.counting:   # no beat will come from them: the scores do not wait for them
+                for r in lost:
                     at.gone(r)
+            if lost:
                 self._count(-1, now)
+            for r in lost:
                 log("coordinator", f"worker {r} missed heartbeats for {self.cfg.cluster.heartbeat_timeout_s:.0f} s: "
                     f"dropped from the membership")
                 self.events.write(event="lost", rank=r)

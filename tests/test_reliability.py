@@ -191,7 +191,10 @@ def test_kill_9_a_shard_without_a_checkpoint_takes_a_workers_copy(tmp_path):
     assert s["failures"]["shard_restarts"] == 1, s["failures"]
     said = open(os.path.join(j.out, "logs", "server-1.log")).read()
     assert "restarted with nothing to restore: taking the first worker's current copy" in said, said
-    assert "lost its tables; offering this worker's copy" in open(os.path.join(j.out, "logs", "worker-0.log")).read()
+    offered = [r for r in range(j.cfg.cluster.workers)   # the first worker whose step met the empty shard
+               if "lost its tables; offering this worker's copy" in open(os.path.join(j.out, "logs",
+                                                                                      f"worker-{r}.log")).read()]
+    assert offered, "no worker offered its copy"
     assert s["final_accuracy"] >= 0.97, s   # 0.944 without the copy
 
 

@@ -255,6 +255,10 @@ class SyncModel:
     def need(self) -> int:
         return max(1, len(self.live) - self.backup)
 
+    def live_offered(self) -> int:
+        """The ranks in the open step that are still live: only they count towards closing it."""
+        return len(set(self.offered) & self.live)
+
     def advance(self) -> None:
         done, released = self.bar.advance()
         assert done == self.offered, "a step was applied with other gradients than the ones offered"
@@ -278,9 +282,9 @@ class SyncModel:
         else:
             assert verdict == bsp.ACCEPT
             self.offered.append(rank)
-            assert self.bar.complete() == (len(self.offered) >= self.need)
+            assert self.bar.complete() == (self.live_offered() >= self.need)
             if self.bar.complete():
-                assert len(self.offered) == self.need, "exactly the first live - backup gradients"
+                assert self.live_offered() == self.need, "exactly the first live - backup gradients"
                 self.advance()
 
     def read(self, clock: int) -> None:
@@ -294,13 +298,13 @@ class SyncModel:
         self.live = set(live)
         self.bar.set_live(self.live)
         if self.offered and self.bar.complete():
-            assert len(self.offered) >= self.need
+            assert self.live_offered() >= self.need
             self.advance()
 
     def check(self) -> None:
         assert self.bar.step == self.step
         assert self.bar.contributors == self.offered
-        assert len(self.offered) < self.need or not self.offered, "a complete step was left open"
+        assert self.live_offered() < self.need or not self.offered, "a complete step was left open"
         assert self.bar.dropped == self.dropped
         assert self.bar.parked == len(self.parked)
         assert all(c > self.step for c in self.parked.values()), "a read waits though its step is applied"
@@ -894,3 +898,30 @@ def test_a_restored_rule_keeps_the_largest_clock_gap(mode):
     again = fresh()
     again.load_state_dict(r.state_dict())
     assert again.stats()["max_clock_gap"] == gap
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_a_worker_that_pushed_and_left_does_not_close_the_step_for_those_still_live(mode):
+    """docs/modes.md: workers that leave stop being waited for, and a step that the
+    remaining workers have completed is applied at once; a contributor that leaves keeps
+    its gradient in the step but does not stand in for a live worker's (the step closed
+    on it, and the live worker's gradient, or diloco's H steps, were dropped as late)."""
+    shard, _ = shard_for(mode, 3)
+    p0 = shard.params.detach().clone()
+    g = [np.full(shard.P, float(r + 1), np.float32) for r in range(3)]
+    for r in (0, 1):
+        answers(shard.handle(("push", r), push(shard, r, 0, g[r])))
+    shard.set_live({1: 0, 2: 0})              # rank 0 leaves; rank 2 is live and still computing
+    assert shard.rule.barrier.step == 0       # open: rank 2 is waited for
+    out = answers(shard.handle(("push", 2), push(shard, 2, 0, g[2])))
+    assert not out[("push", 2)].get("dropped") and shard.rule.barrier.step == 1
+    assert shard.rule.barrier.dropped == 0
+    assert not torch.equal(shard.params.detach(), p0)
+    # and a step whose live workers have all pushed closes when the one it waits for leaves
+    for r in (1, 2):
+        answers(shard.handle(("push", r), push(shard, r, 1, g[r])))
+    assert shard.rule.barrier.step == 2
+    answers(shard.handle(("push", 1), push(shard, 1, 2, g[1])))
+    shard.set_live({1: 0})
+    assert shard.rule.barrier.step == 3

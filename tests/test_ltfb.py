@@ -19,7 +19,7 @@ import torch
 from psgd import wire
 from psgd.config import Config, ConfigError, load
 from psgd.consistency.ltfb import LtfbRule, LtfbSchedule, pack_meta, unpack_meta
-from psgd.consistency.rule import AnswerModel, Deposit, Fetch, Push, Read
+from psgd.consistency.rule import FINAL_ROUND, AnswerModel, Deposit, Fetch, Push, Read
 from psgd.consistency.tournament import (
     GroupSteps,
     Late,
@@ -151,6 +151,23 @@ def test_scoreboard_waits_for_every_live_trainer_and_freezes():
     assert s.set_live({0}) == [("t2", 2, {0: 0.9})]         # trainers 1 and 2 left
     s.put(2, 1, 0.3)                                         # a late one does not change a frozen board
     assert s.get(2, "t3") == {0: 0.9}
+
+
+@unit
+def test_a_final_model_leaves_the_rounds_boards_as_they_are():
+    """A trainer whose `train.seconds` budget ends before a round deposits its final
+    model (round FINAL): the round's board, waiting or frozen, keeps its scores (the
+    final round counted as the newest and dropped every board)."""
+    s = Scoreboard(range(4))
+    for t, score in [(0, 0.9), (1, 0.5), (2, 0.1)]:
+        assert s.put(1, t, score) == []
+        assert s.get(1, ("ask", t)) is None                  # trainer 3 has not deposited round 1
+    released = {tok: board for tok, _, board in s.put(FINAL_ROUND, 3, 0.7)}
+    assert released == {("ask", t): {0: 0.9, 1: 0.5, 2: 0.1} for t in range(3)}
+    assert truncation(0, 1, released[("ask", 2)], 1) == {2: 0}   # the worst takes the best's model
+    assert s.get(1, "again") == {0: 0.9, 1: 0.5, 2: 0.1}         # frozen, the same for a resend
+    s.put(FINAL_ROUND, 0, 0.95)
+    assert s.get(1, "later") == {0: 0.9, 1: 0.5, 2: 0.1}
 
 
 @unit

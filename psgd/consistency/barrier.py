@@ -1,5 +1,7 @@
 """Bulk-synchronous steps: each step is applied exactly once, with exactly the
-gradients of the first `live - backup` distinct workers that push for it.
+gradients of the first `live - backup` distinct workers that push for it (a worker
+that pushed and then left keeps its gradient in the step but no longer counts towards
+closing it: the workers still live are waited for).
 
 Chen et al. 2016 (backup workers): with b backups, a step completes after N - b
 gradients; the late ones are dropped and counted. Reads of clock c wait until step c
@@ -32,6 +34,7 @@ class StepBarrier:
     def contributors(self, ranks: Iterable[int]) -> None:
         self._order: list[int] = list(ranks)
         self._in: set[int] = set(self._order)
+        self._live_in = len(self._in & self.live)   # the contributors still live
 
     @property
     def need(self) -> int:
@@ -48,6 +51,8 @@ class StepBarrier:
             return DUPLICATE
         self._order.append(rank)
         self._in.add(rank)
+        if rank in self.live:
+            self._live_in += 1
         return ACCEPT
 
     def contributed(self, rank: int) -> bool:
@@ -68,7 +73,8 @@ class StepBarrier:
         return self._release()
 
     def complete(self) -> bool:
-        return len(self._order) >= self.need
+        """Have `need` live workers pushed for the open step?"""
+        return self._live_in >= self.need
 
     def advance(self) -> tuple[list[int], list[Hashable]]:
         """Close the current step: (its contributors, the parked reads now released)."""
@@ -87,6 +93,7 @@ class StepBarrier:
     def set_live(self, live: Iterable[int]) -> None:
         """Membership changed; the caller then checks `complete()`."""
         self.live = set(live)
+        self._live_in = len(self._in & self.live)
 
     def _release(self) -> list[Hashable]:
         ready = [t for c, t in self._reads if c <= self.step]

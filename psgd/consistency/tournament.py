@@ -26,6 +26,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .rule import FINAL_ROUND
+
 
 def trainer_of(rank: int, k: int) -> int:
     return rank // k
@@ -161,14 +163,15 @@ class Scoreboard:
     def put(self, round_: int, trainer: int, score: float) -> list[tuple[Hashable, int, dict[int, float]]]:
         """Record a deposit's score; the parked requests that may now be answered:
         (token, round, scores)."""
-        if round_ not in self.frozen:
-            self.rounds.setdefault(round_, {})[trainer] = score
         self.latest[trainer] = max(round_, self.latest.get(trainer, 0))
-        newest = max(round_, *self.rounds, *self.frozen)
-        for r in [r for r in self.rounds if r < newest - self.KEEP]:
-            del self.rounds[r]
-        for r in [r for r in self.frozen if r < newest - self.KEEP]:
-            del self.frozen[r]
+        if round_ < FINAL_ROUND:   # a final model is on no board: it only shows its trainer past every round
+            if round_ not in self.frozen:
+                self.rounds.setdefault(round_, {})[trainer] = score
+            newest = max(round_, *self.rounds, *self.frozen)
+            for r in [r for r in self.rounds if r < newest - self.KEEP]:
+                del self.rounds[r]
+            for r in [r for r in self.frozen if r < newest - self.KEEP]:
+                del self.frozen[r]
         return self._release()
 
     def get(self, round_: int, token: Hashable) -> dict[int, float] | None:

@@ -5,7 +5,8 @@ DIR/client.key, DIR/client.key_secret   the clients' pair (workers, evaluator, d
 DIR/authorized/                         public keys the servers accept (client.key, server.key)
 
 Copy the whole folder to machines that run servers; clients need server.key and their
-own pair. Remove a key from authorized/ to lock its holder out.
+own pair. Remove a key from authorized/ to lock its holder out: a server reads the folder
+when it starts, so restart the servers (and the coordinator) after removing one.
 """
 from __future__ import annotations
 

@@ -221,6 +221,8 @@ class Shard:
         first, last = wire.tensor(msg, 0), wire.tensor(msg, 2)
         if self.codec == "topk" and last.numel() and not (int(last.min()) >= 0 and int(last.max()) < self.P):
             raise wire.WireError(wire.BAD_FIELD, f"topk indices must be in 0..{self.P - 1}")
+        if self.codec == "topk" and last.unique().numel() != last.numel():   # all but one value would be lost
+            raise wire.WireError(wire.BAD_FIELD, "topk indices must be distinct")
         g = compression.decode(self.codec, first, last, self.P, out=self._incoming)
         return self._finite(g, "gradient", msg.clock), self._finite(wire.tensor(msg, 1), "buffers", msg.clock)
 
@@ -242,10 +244,10 @@ class Shard:
 
     def _serve_read(self, token, msg: wire.Message) -> list[Reply]:
         """Serve a read (a pull, or the read that follows a push, `ThenRead`)."""
-        self.counters["pulls"] += 1
         if msg.rank >= 0:
             self._check_rank(msg)
         self._within_job("clock", msg.clock, 1)   # a push's read is of the clock after it
+        self.counters["pulls"] += 1
         join = bool(msg.fields.get("join"))
         return self.carry_out(self.rule.read(r.Read((token, msg), msg.rank, msg.clock, join)))
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from . import wire
 from .config import ConfigError, load
 from .consistency.staleness import Histogram
-from .transport import Peers, PeerTimeout
+from .transport import HandshakeFailed, Peers, PeerTimeout
 
 ASK_TIMEOUT_S = 3.0
 
@@ -60,9 +60,15 @@ def main(args: argparse.Namespace) -> int:
             or not (port.isdigit() and 1 <= int(port) <= 65535)):
         raise ConfigError(f"psgd status: --address must be tcp://HOST:PORT (a port in 1..65535) or ipc://PATH, "
                           f"got {address!r}")
+    keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
+            f"does not answer" if cfg.security.curve else
+            "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE")
     while True:
         try:
             reply = ask(cfg, address)
+        except HandshakeFailed as e:
+            print(f"psgd status: {e} ({keys})", file=sys.stderr)
+            return 1
         except PeerTimeout:
             summary = os.path.join(args.dir, "summary.json") if args.dir else ""
             if summary and os.path.exists(summary):
@@ -78,9 +84,6 @@ def main(args: argparse.Namespace) -> int:
                           file=sys.stderr)
                     return 1
                 return 0
-            keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
-                    f"does not answer" if cfg.security.curve else
-                    "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE")
             print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
                   f"(not started yet, or gone without a summary; {keys})", file=sys.stderr)
             return 1

@@ -7,7 +7,8 @@ what an op means, tensors or modes.
   carry the request's id, and the loop goes on.
 - `Peers`: one DEALER per peer; requests to all peers are in flight at once and replies
   are matched by request id, so a late answer from one peer blocks no one else. Every
-  wait has a deadline; `PeerTimeout` names the address that did not answer.
+  wait has a deadline; `PeerTimeout` names the address that did not answer, and
+  `HandshakeFailed` one that refused this client's CurveZMQ handshake.
 
 Security (CurveZMQ): `psgd keys DIR` writes DIR/server.key(_secret) and
 DIR/client.key(_secret), and DIR/authorized/ holds the public keys that servers accept.
@@ -34,6 +35,29 @@ class PeerTimeout(TimeoutError):
         super().__init__(f"no answer from {address} after {waited:.0f} s ({what})")
         self.address = address
         self.partial: dict = {}
+
+
+class HandshakeFailed(ConnectionError):
+    """A peer refused the connection's security handshake (a CurveZMQ key it does not
+    accept, or one side without CurveZMQ): no wait makes it answer, so it is not a
+    `PeerTimeout`."""
+
+
+# The client sockets' monitors report these (pyzmq's enums as plain ints)
+_AUTH, _PROTOCOL, _NO_DETAIL = (int(zmq.EVENT_HANDSHAKE_FAILED_AUTH), int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
+                                int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL))
+_MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+
+
+def handshake_failure(event: int, value: int) -> str:
+    """What a failed handshake (a monitor's event and value) means for psgd's user."""
+    if event == _AUTH:
+        return ("the server refused this client's CurveZMQ key: is the client's public key in the server's "
+                "security.keys/authorized/? (a server reads it when it starts)")
+    if event == _PROTOCOL and value == _MECHANISM_MISMATCH:
+        return "one side uses CurveZMQ and the other does not: set security.curve the same everywhere"
+    return (f"the security handshake failed (ZeroMQ event {event}, value {value}): do both sides use the same "
+            f"security.curve and keys (server.key)?")
 
 
 # Frames below this many bytes are copied at send (pyzmq's copy_threshold, 64 KiB by
@@ -164,13 +188,29 @@ class Peers:
         self.security = security
         self.ctx = ctx
         self.socks = [client_socket(ctx, a, security) for a in self.addresses]
+        self.monitors = [self._monitor(s) for s in self.socks]   # failed handshakes only (see `refused`)
         self.bytes_sent = 0
         self.bytes_recv = 0
 
+    @staticmethod
+    def _monitor(sock: zmq.Socket) -> zmq.Socket:
+        return sock.get_monitor_socket(_AUTH | _PROTOCOL | _NO_DETAIL)
+
     def reconnect(self, i: int) -> None:
         """Drop pending traffic to peer i and open a fresh connection."""
-        self.socks[i].close(0)
+        self._close(i)
         self.socks[i] = client_socket(self.ctx, self.addresses[i], self.security)
+        self.monitors[i] = self._monitor(self.socks[i])
+
+    def refused(self, i: int) -> str:
+        """Why peer i refused this client's handshake, if it did ('' if not): asked
+        when an answer is overdue, not on the way of every request."""
+        from zmq.utils.monitor import recv_monitor_message
+        why = ""
+        while readable(self.monitors[i]):
+            e = recv_monitor_message(self.monitors[i], zmq.NOBLOCK)
+            why = handshake_failure(int(e["event"]), int(e["value"]))
+        return why
 
     def send(self, i: int, op: str, rid: int | None = None, **kw: Any) -> int:
         """Send a request to peer i (under a new id, or `rid`: a resend); its id."""
@@ -197,6 +237,10 @@ class Peers:
             left = deadline - time.monotonic()
             if left <= 0 or (cancel is not None and polled and cancel()):
                 missing = sorted({pending[r] for r in pending if r not in got})
+                for i in missing:
+                    why = self.refused(i)
+                    if why:
+                        raise HandshakeFailed(f"{self.addresses[i]} did not let this client in ({what}): {why}")
                 exc = PeerTimeout(self.addresses[missing[0]], timeout - max(0.0, left), what)
                 exc.partial = got
                 raise exc
@@ -218,9 +262,13 @@ class Peers:
         rid = self.send(i, op, **kw)
         return self.wait({rid: i}, timeout, what or op)[rid]
 
+    def _close(self, i: int) -> None:
+        self.monitors[i].close(0)   # (closing the socket ends its monitoring; nothing here may raise)
+        self.socks[i].close(0)
+
     def close(self) -> None:
-        for s in self.socks:
-            s.close(0)
+        for i in range(len(self.socks)):
+            self._close(i)
 
 
 Reply = tuple[Hashable, list]             # (routing identity, frames)
@@ -262,19 +310,28 @@ class Service:
         self.busy_s = 0.0
 
     def poll(self, timeout_ms: int) -> None:
-        """Serve whatever arrives within `timeout_ms` (and everything queued)."""
+        """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
         if self.poller.poll(timeout_ms):
             self.drain()
 
+    DRAIN_S = 0.05   # at most this long serving before `drain` returns to the daemon's loop
+
     def drain(self) -> None:
+        """Serve what is queued, for at most DRAIN_S: a peer that keeps the socket busy
+        does not keep the daemon's own loop (its heartbeats, its stop) from running.
+        A handler's token is the sender's routing identity as bytes: the same peer's
+        requests carry equal tokens (ZeroMQ's frames compare by object)."""
+        until = time.monotonic() + self.DRAIN_S
         while readable(self.sock):
             t0 = time.thread_time()
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) < 2:
                 self.counters["bad_messages"] += 1
-                continue  # no routing identity: nobody to answer
-            self.send(self._serve(frames[0], frames[1:]))
-            self.busy_s += time.thread_time() - t0
+            else:   # (one without a routing identity has nobody to answer)
+                self.send(self._serve(frames[0].bytes, frames[1:]))
+                self.busy_s += time.thread_time() - t0
+            if time.monotonic() > until:
+                return
 
     def _serve(self, ident: Hashable, body: list) -> list[Reply]:
         req_id, op = 0, "?"

@@ -14,7 +14,8 @@ The header always carries
     clock   sender's clock (-1 when not applicable)
     arrays  one [dtype, shape] pair per payload frame; dtype from DTYPES
 
-plus the fields that OPS lists for that op, each with its type. Replies use op
+plus the fields that OPS lists for that op, each with its type (the ops in NO_ARRAYS
+carry no arrays). Replies use op
 "reply" (free-form scalar fields) or "error" (`code`, `reason`). A ROUTER socket
 sees one routing-identity frame in front of frame 0; `split_identity` removes it.
 
@@ -108,6 +109,10 @@ REQUIRED: dict[str, tuple] = {
     "error": ("code", "reason"),
 }
 _BASE = ("v", "op", "id", "rank", "clock", "arrays")
+# ops that carry no arrays: any that come are refused (a parked pull kept them: memory
+# that `max_parked` did not bound)
+NO_ARRAYS = frozenset({"register", "heartbeat", "finish", "release", "layout", "eval", "status", "pull", "get_model",
+                       "models", "stats", "error"})
 
 
 class WireError(Exception):
@@ -306,14 +311,17 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
             raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
         a = np.frombuffer(buf, dtype=dt) if expect else np.zeros(shape, dt)
         arrays.append(a if len(shape) == 1 else a.reshape(shape))
+    if arrays and op in NO_ARRAYS:
+        raise WireError(BAD_FIELD, f"op {op!r} carries no arrays, {len(arrays)} came")
     return Message(op=op, id=h["id"], rank=h["rank"], clock=h["clock"],
                    fields=fields, arrays=arrays, dtypes=[spec[0] for spec in specs])
 
 
 def finite(t: Any) -> bool:
     """Has tensor `t` no NaN or Inf? Its sum is then finite (no t-sized temporary, as
-    `isfinite(t).all()` would make; an empty tensor has nothing to sum: no reduction)."""
-    return not t.numel() or abs(t.sum().item()) < float("inf")
+    `isfinite(t).all()` would make; an empty tensor has nothing to sum: no reduction).
+    A sum that is not may have overflowed from finite values: then each value is asked."""
+    return not t.numel() or abs(t.sum().item()) < float("inf") or bool(t.isfinite().all())
 
 
 def expect_array(msg: Message, i: int, dtype: str, shape: tuple) -> np.ndarray:

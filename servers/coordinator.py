@@ -307,6 +307,7 @@ class Coordinator:
         idx = self._shard_index(msg) if role == "server" else msg.get("index", 0)
         rejoin = False
         if role == "worker":
+            self._within_job(msg.clock)
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
             if self.counting and not rejoin:
                 self._count(msg.rank, now)
@@ -323,6 +324,14 @@ class Coordinator:
             self.told_done.add((role, idx, msg.rank))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
 
+    def _within_job(self, clock: int) -> None:
+        """A worker's clock past `train.steps` (and the one after it), which no honest
+        worker of this job reaches: refused. Kept, it would become the live set's clock
+        that the shards start a joining worker at, and a rejoining worker's start."""
+        steps = self.cfg.train.steps
+        if steps and clock > steps + 1:
+            raise wire.WireError(wire.REFUSED, f"clock {clock} is past the job's last step (train.steps = {steps})")
+
     def on_finish(self, ident, msg: wire.Message) -> list[Reply]:
         """A worker is done. With `hold`, the job does not end when the last worker is
         done until that worker sends `release` (or cluster.timeout_s passes): a
@@ -331,6 +340,7 @@ class Coordinator:
         `error` would abort the job, its `hold` hold its end)."""
         if msg.rank not in self.members.members:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
+        self._within_job(msg.clock)
         stats = msg.get("stats")
         self.members.finish(msg.rank, None if stats is None else checked_stats(stats), msg.clock)
         self._count(msg.rank, time.monotonic())

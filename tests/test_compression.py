@@ -87,7 +87,11 @@ def test_a_shard_refuses_bad_compressed_pushes():
     with pytest.raises(wire.WireError, match="push codec None, this job uses 'topk'"):
         s.handle("t", wire.decode(wire.encode("push", id=2, rank=0, clock=0, read_version=0,
                                               arrays=[torch.zeros(s.P), torch.zeros(s.B)])))
-    assert s.version == 0
+    same = torch.zeros(k, dtype=torch.int32)   # k values for one index: all but one would be lost
+    with pytest.raises(wire.WireError, match="topk indices must be distinct"):
+        s.handle("t", wire.decode(wire.encode("push", id=3, rank=0, clock=0, read_version=0, codec="topk",
+                                              arrays=[torch.ones(k), torch.zeros(s.B), same])))
+    assert s.version == 0 and s.counters["pushes"] == 0
 
 
 def client(codec: str, **sets):
@@ -101,7 +105,7 @@ def client(codec: str, **sets):
     return ParameterClient(cfg, ctx, rank=0), ctx
 
 
-@pytest.mark.unit
+@pytest.mark.inprocess   # a client's sockets, no peer
 @pytest.mark.parametrize("codec", ["onebit", "topk"])
 def test_a_gradient_with_nan_is_refused_by_the_worker_and_leaves_the_residual_clean(codec):
     """It went into the residual, which then carried the NaN into every later push: the

@@ -464,7 +464,12 @@ def test_a_registration_that_can_get_no_rank_says_why():
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
-def test_summary_scores_carry_the_samples_at_their_read():
+def test_summary_scores_carry_the_samples_at_their_read(monkeypatch):
+    import types
+
+    import psgd.servers.coordinator as module
+    clock = [time.monotonic()]   # the coordinator's clock, moved by the test (sleeps overshoot on a busy machine)
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
     cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": free_port_block(3),
                               "cluster.evaluator": False})
     c = coordinator(cfg, "")
@@ -475,10 +480,33 @@ def test_summary_scores_carry_the_samples_at_their_read():
     for r in range(2):
         serve("register", role="worker", want_rank=r, nonce=f"w{r}")
         serve("heartbeat", rank=r, clock=10, role="worker", index=r, stats={"samples": 320}, live_id="")
-    time.sleep(0.2)
+    clock[0] += 0.2
     [said] = serve("eval", accuracy=0.5, loss=1.0, age_s=0.0)   # the model read half way between two beats
     assert said.get("samples") == 640 and c.evals[-1]["samples"] == 640      # the heartbeats' count so far
-    time.sleep(0.2)
+    clock[0] += 0.2
     for r in range(2):   # the next beats, 0.4 s after the last: 128 samples more each
         serve("heartbeat", rank=r, clock=14, role="worker", index=r, stats={"samples": 448}, live_id="")
-    assert 700 <= c.evals[-1]["samples"] <= 840 and not c.counting           # about 2 x (320 + 64)
+    assert c.evals[-1]["samples"] == 2 * (320 + 64) and not c.counting
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_workers_clock_past_the_last_step_is_refused_and_changes_nothing():
+    """As the shards refuse a clock past train.steps, so does the coordinator: kept, a
+    heartbeat's clock of 2^62 - 1 went into the live set that every shard starts joiners
+    at, and into a rejoining worker's start_clock."""
+    from tests.conftest import ask, hand_served
+    c = hand_served(workers=2, **{"train.steps": 10})
+    try:
+        m = ask(c, "heartbeat", role="worker", rank=1, clock=2 ** 62 - 1)
+        assert (m.op, m.get("code")) == ("error", wire.REFUSED) and "train.steps = 10" in m.get("reason")
+        f = ask(c, "finish", rank=1, clock=12)
+        assert (f.op, f.get("code")) == ("error", wire.REFUSED)
+        assert c.members.live() == {0: 0, 1: 0}
+        assert ask(c, "heartbeat", role="worker", rank=1, clock=11).op == "reply"   # the one after the last step
+        c.members.members[0].last_seen -= 3600            # worker 0 is lost ...
+        c.members.expire(time.monotonic())
+        again = ask(c, "register", role="worker", want_rank=0, nonce="n0")   # ... and rejoins
+        assert again.get("start_clock") <= 11
+    finally:
+        c.sock.close(0)

@@ -248,3 +248,136 @@ def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, mo
             t.join(timeout=90)
         assert codes == {"worker": 0, "evaluator": 0} and len(refused) == 3
         assert cluster.coordinator.evals[-1]["final"] and cluster.coordinator.summary["final_accuracy"] > 0.5
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_keeps_sending_does_not_hold_the_daemons_loop():
+    """`Service.poll` returns to the daemon's loop (heartbeats, stop, checkpoints) within
+    about DRAIN_S while a peer keeps the socket busy; what is left is served next poll."""
+    ctx = zmq.Context()
+    sock = server_socket(ctx, "inproc://drain-bound", Config().security)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect("inproc://drain-bound")
+    feed_until = time.monotonic() + 5.0
+    served = [0]
+
+    def stats(ident, msg):   # every request served, the peer has sent the next one already
+        served[0] += 1
+        if time.monotonic() < feed_until:
+            peer.send_multipart(wire.encode("stats", id=served[0] + 1))
+        return []
+
+    service = Service(sock, {"stats": stats}, "test")
+    try:
+        peer.send_multipart(wire.encode("stats", id=1))
+        t0 = time.monotonic()
+        service.poll(50)
+        took = time.monotonic() - t0
+        assert took < 1.0, f"poll(50) took {took:.1f} s serving {served[0]} messages"
+        before = served[0]
+        service.poll(50)
+        assert served[0] > before > 0   # the rest is served by the next poll
+    finally:
+        peer.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_an_init_wait_resent_on_the_same_connection_is_parked_once():
+    """`ParameterClient.finish` resends an unanswered init under the same id on the same
+    socket: the shard keeps one wait for it (the routing identity reaches the handlers
+    as bytes, which compare by value; zmq frames compare by object, and every resend was
+    parked again, towards MAX_AWAITING_INIT)."""
+    from torch import nn
+
+    from psgd.shard import Shard
+    from psgd.sharding import model_layout
+    cfg = Config().replace(**{"cluster.workers": 3, "cluster.servers": 1, "model.name": "script"})
+    shard = Shard(cfg, 0, model_layout(nn.Sequential(nn.Linear(3, 5))))
+    ctx = zmq.Context()
+    sock = server_socket(ctx, "inproc://init-resend", cfg.security)
+    service = Service(sock, shard.handlers, "shard 0", counters=shard.counters)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect("inproc://init-resend")
+    try:
+        for _ in range(3):
+            peer.send_multipart(wire.encode("init", id=7, rank=2))
+            time.sleep(0.05)
+            service.poll(100)
+        assert len(shard._awaiting_init) == 1, list(shard._awaiting_init)
+    finally:
+        peer.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["key not authorized", "client without curve"])
+def test_a_refused_curve_handshake_is_named_not_waited_out(tmp_path, how):
+    """A client whose CurveZMQ key the server does not accept, or a client without
+    CurveZMQ at a server with it: registration fails at its first resend with the
+    reason, not after cluster.timeout_s with "is it running there?"."""
+    import os
+
+    from psgd.keys import make_keys
+    from psgd.membership import REGISTER_RESEND_S
+    from psgd.transport import HandshakeFailed
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.timeout_s": 30.0,
+                              "security.curve": True, "security.keys": keys})
+    if how == "key not authorized":
+        os.remove(os.path.join(keys, "authorized", "client.key"))
+    ctx = zmq.Context()
+    c = Coordinator(cfg, None, ctx=ctx, quiet=True)
+    served = threading.Thread(target=c.serve, daemon=True)
+    served.start()
+    link = CoordinatorLink(cfg if how == "key not authorized" else cfg.replace(**{"security.curve": False}),
+                           "worker", 0, ctx)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeFailed) as e:
+            link.register()
+        assert time.monotonic() - t0 < REGISTER_RESEND_S + 5
+        expect = "authorized" if how == "key not authorized" else "security.curve the same everywhere"
+        assert expect in str(e.value)
+    finally:
+        link.close()
+        c.stop_requested = True
+        served.join(10)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_over_the_servers_limit_cuts_its_sender_off():
+    """`server_socket(max_frame=...)` (ZMQ_MAXMSGSIZE): a larger frame is never read,
+    ZeroMQ drops the sender's connection, and the socket serves others on."""
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port_block(1)}"
+    sock = server_socket(ctx, address, Config().security, max_frame=4096)
+    seen = []
+    service = Service(sock, {"stats": lambda ident, msg: seen.append(len(msg.arrays)) or
+                             [(ident, wire.reply(msg))]}, "test")
+    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (big, small):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+        big.send_multipart([b"\x00" * 8192])   # one frame over the limit
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            service.poll(50)
+        assert seen == [] and service.counters["bad_messages"] == 0   # never read at all
+        small.send_multipart(wire.encode("stats", id=3))
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not small.poll(0):
+            service.poll(50)
+        assert wire.decode(small.recv_multipart()).id == 3 and seen == [0]
+    finally:
+        big.close(0)
+        small.close(0)
+        sock.close(0)
+        ctx.term()

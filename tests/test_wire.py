@@ -92,7 +92,25 @@ def test_an_empty_array_of_impossible_dimensions_is_a_bad_shape_of_its_request()
     with pytest.raises(wire.WireError) as e:
         wire.decode([header(id=77, arrays=[["float32", [0, 1 << 39, 1 << 39]]]), b""])
     assert (e.value.code, e.value.request_id) == (wire.BAD_SHAPE, 77)
-    assert wire.decode([header(arrays=[["float32", [0, 5]]]), b""]).arrays[0].shape == (0, 5)
+    assert wire.decode([header(op="init", arrays=[["float32", [0, 5]]]), b""]).arrays[0].shape == (0, 5)
+
+
+def test_ops_that_carry_no_arrays_are_refused_with_arrays():
+    """A pull with arrays was parked with them: memory that `max_parked` (a count) did not
+    bound. Every op in NO_ARRAYS is refused when arrays come, before any handler."""
+    for op in sorted(wire.NO_ARRAYS - {"error"}):
+        frames = [bytes(f) for f in wire.encode(op, id=9, arrays=[np.ones(4, np.float32)],
+                                                **({"role": "worker"} if op in ("register", "heartbeat") else {}),
+                                                **({"accuracy": 0.5, "loss": 1.0} if op == "eval" else {}),
+                                                **({"round": 1, "owner": 0} if op == "get_model" else {}))]
+        with pytest.raises(wire.WireError) as e:
+            wire.decode(frames)
+        assert (e.value.code, e.value.request_id) == (wire.BAD_FIELD, 9) and "carries no arrays" in e.value.reason
+    assert len(wire.decode([bytes(f) for f in wire.encode("init", arrays=[np.ones(4, np.float32)])]).arrays) == 1
+
+
+def test_a_finite_tensor_whose_sum_overflows_is_finite():
+    assert wire.finite(torch.full((4,), 3e38)) and not wire.finite(torch.tensor([3e38, float("nan")]))
 
 
 def test_size_limit():

@@ -80,6 +80,15 @@ def started_processes() -> set[int]:
 
 
 @pytest.fixture(autouse=True)
+def no_psgd_environment(monkeypatch):
+    """The tests run without the developer's PSGD_* variables (a PSGD_OUT made
+    `psgd.connect` write into that folder; a PSGD_<SECTION>_<KEY> changes every config
+    that `load` builds); a test that needs one sets it."""
+    for name in [n for n in os.environ if n.startswith("PSGD_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_processes():
     before = started_processes()
     yield

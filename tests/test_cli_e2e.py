@@ -73,10 +73,11 @@ def test_daemons_started_one_by_one_in_any_order(tmp_path):
     roles = [["evaluator"], ["worker"], ["worker"], ["server", "--shard", "1"], ["server", "--shard", "0"],
              ["coordinator"]]
     procs = []
+    logs = [tmp_path / f"daemon-{k}.err" for k in range(len(roles))]   # a pipe nobody reads could fill and block one
     try:
-        for role in roles:
-            procs.append(subprocess.Popen(PSGD + role + common, env=ENV, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
+        for role, err in zip(roles, logs, strict=True):
+            with open(err, "w") as f:
+                procs.append(subprocess.Popen(PSGD + role + common, env=ENV, stdout=subprocess.DEVNULL, stderr=f))
             time.sleep(0.3)
         pids = tmp_path / "pids"
         deadline = time.monotonic() + 60
@@ -86,7 +87,7 @@ def test_daemons_started_one_by_one_in_any_order(tmp_path):
         codes = [p.wait(timeout=180) for p in procs]
     finally:
         kill_all(procs)
-    errs = "\n".join(p.stderr.read() for p in procs)
+    errs = "\n".join(err.read_text() for err in logs)
     assert codes == [0] * 6, errs
     assert names == ["coordinator-0.pid", "evaluator-0.pid", "server-0.pid", "server-1.pid",
                      "worker-0.pid", "worker-1.pid"]
@@ -154,7 +155,8 @@ def test_sigterm_to_psgd_run_stops_every_daemon(tmp_path):
     try:
         pids: dict[str, int] = {}
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not {"worker-0.pid", "server-0.pid", "coordinator-0.pid"} <= set(pids):
+        every = {"coordinator-0.pid", "evaluator-0.pid", "server-0.pid", "server-1.pid", "worker-0.pid", "worker-1.pid"}
+        while time.monotonic() < deadline and not every <= set(pids):   # the default job's six daemons
             if (out / "pids").is_dir():
                 for f in (out / "pids").iterdir():
                     try:
@@ -162,7 +164,7 @@ def test_sigterm_to_psgd_run_stops_every_daemon(tmp_path):
                     except (OSError, ValueError):
                         pass  # being written
             time.sleep(0.2)
-        assert {"worker-0.pid", "server-0.pid", "coordinator-0.pid"} <= set(pids), pids
+        assert every <= set(pids), pids
         while not (out / "events" / "worker-0.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.2)  # training
         proc.terminate()

@@ -49,20 +49,21 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     out = tmp_path / "cmp"
     out.mkdir()
     for name in ("compare.json", "report.md", "sweep_staleness.png", "hyper_3.png", "holiday.png"):   # earlier
-        (out / name).write_text("[]" if name.endswith(".json") else "old")
-    calls = []
+        (out / name).write_text('[{"label": "earlier"}]' if name.endswith(".json") else "old")
+    calls, seen = [], []
 
     def run_one(run, folder, device, timeout_s, prefix=""):
         calls.append(run.label)
-        if len(calls) == 1:
-            # a new comparison's compare.json is its own from the start, not the earlier one's
-            assert json.load(open(out / "compare.json")) == []
-            assert not (out / "sweep_staleness.png").exists() and not (out / "hyper_3.png").exists()
+        if len(calls) == 1:   # what the folder holds when the first run starts (asserted below)
+            seen.append((json.loads((out / "compare.json").read_text()) if (out / "compare.json").exists() else None,
+                         (out / "sweep_staleness.png").exists() or (out / "hyper_3.png").exists()))
             raise RuntimeError("the job did not finish")
         raise KeyboardInterrupt
     monkeypatch.setattr(psgd.compare, "run_one", run_one)
     code = psgd.compare.main(compare_args(out, "sync,async,ssp"))
     assert code == 130 and calls == ["sync", "async"]
+    # a new comparison's compare.json is its own from the start, not the earlier one's
+    assert seen == [([], False)]
     assert (out / "holiday.png").read_text() == "old"   # not a file psgd writes: left alone
     ctx = context(out)
     assert ctx["interrupted"] is True

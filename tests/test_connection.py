@@ -180,7 +180,9 @@ def test_a_frozen_layer_that_differs_between_workers_is_refused_naming_it(port_b
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         threads = [threading.Thread(target=worker, args=(0,))]
         threads[0].start()
+        deadline = time.monotonic() + 30
         while cluster.coordinator.layout is None:   # rank 0's model is the job's
+            assert time.monotonic() < deadline and threads[0].is_alive(), got["errors"]
             time.sleep(0.05)
         with pytest.raises(psgd.JobError, match=r"a\.weight .*other values.*torch\.manual_seed"):
             psgd.connect(Frozen(8), config=cfg, rank=1)
@@ -271,8 +273,19 @@ def test_a_shard_that_asked_for_the_layout_closes_that_socket(port_block):
     cfg = config(port_block, "async", workers=1)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        with InProcessCluster(cfg):
-            time.sleep(1.0)   # both shards registered before the worker: they ask for the layout
+        with InProcessCluster(cfg) as cluster:
+            asked: set = set()
+            handlers = cluster.coordinator.service.handlers
+            served = handlers["layout"]
+
+            def layout(ident, msg):   # who asked for the layout before any worker registered it
+                asked.add(ident)
+                return served(ident, msg)
+            handlers["layout"] = layout
+            deadline = time.monotonic() + 20
+            while len(asked) < cfg.cluster.servers:   # both shards ask, on their call sockets
+                assert time.monotonic() < deadline, f"{len(asked)} of {cfg.cluster.servers} shards asked for the layout"
+                time.sleep(0.05)
             got = run_workers(cfg, None, train)
         import gc
         gc.collect()

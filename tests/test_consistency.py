@@ -753,8 +753,9 @@ def test_shard_dc_asgd_compensates_with_the_workers_own_read_copy():
 
 class DilocoModel:
     """DiLoCo's server side as the paper and DESIGN.md state it, next to a real Shard
-    (mode diloco) driven with wire messages: a round closes when as many pseudo-gradients
-    as live workers arrived (sync's barrier, no backups); the global model then takes one
+    (mode diloco) driven with wire messages: a round closes when every live worker's
+    pseudo-gradient arrived (sync's barrier, no backups; one that left keeps its
+    pseudo-gradient in the mean); the global model then takes one
     outer Nesterov step on their mean (torch's convention); a push for a closed round is
     dropped; a read of round c + 1 waits until round c has closed."""
 
@@ -811,7 +812,7 @@ class DilocoModel:
         else:
             assert not reply.get("dropped")
             self.contributors[rank] = delta.float().double()
-            if len(self.contributors) >= max(1, len(self.live)):
+            if self.complete():
                 self.close()
         self.released(got)
 
@@ -830,9 +831,12 @@ class DilocoModel:
 
     def membership(self) -> None:
         got = answers(self.shard.set_live({r: self.workers[r]["round"] for r in sorted(self.live)}))
-        if self.contributors and len(self.contributors) >= max(1, len(self.live)):
+        if self.contributors and self.complete():
             self.close()
         self.released(got)
+
+    def complete(self) -> bool:
+        return len(self.contributors.keys() & self.live) >= max(1, len(self.live))
 
     def check(self) -> None:
         assert self.shard.rule.barrier.step == self.step
@@ -925,3 +929,14 @@ def test_a_worker_that_pushed_and_left_does_not_close_the_step_for_those_still_l
     answers(shard.handle(("push", 1), push(shard, 1, 2, g[1])))
     shard.set_live({1: 0})
     assert shard.rule.barrier.step == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_pull_is_not_counted_as_a_pull():
+    shard, cfg = shard_for("async", 2, **{"train.steps": 10})
+    for bad in (msg("pull", 5, 0), msg("pull", 0, 50)):   # a rank not in the job; a clock past its end
+        with pytest.raises(wire.WireError):
+            shard.handle("t", bad)
+    assert shard.counters["pulls"] == 0
+    shard.handle("t", msg("pull", 0, 0))
+    assert shard.counters["pulls"] == 1

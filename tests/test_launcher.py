@@ -384,3 +384,27 @@ def test_the_pid_files_of_daemons_that_died_go_with_the_job(tmp_path):
     finally:
         job.stop()
     assert list((tmp_path / "pids").glob("*.pid")) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_second_ctrl_c_or_sigterm_while_the_daemons_stop_is_held():
+    """README, Reliability: a second Ctrl-C (or SIGTERM) while `psgd run` stops its
+    daemons does not cut the stop short; the handlers are back afterwards."""
+    import os
+    import signal
+
+    from psgd.launcher import signals_held
+    hits: list[int] = []
+    before = {s: signal.signal(s, lambda n, f: hits.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        assert hits == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert hits == [signal.SIGTERM]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

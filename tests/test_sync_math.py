@@ -80,3 +80,17 @@ def test_warm_up_never_overshoots_the_rate_at_the_fractional_steps_of_ssp_and_as
     rates = [lr_at(cfg, v / 4, 100) for v in range(12)]
     assert max(rates) == 1.0 and rates == sorted(rates)
     assert [lr_at(cfg, s, 100) for s in range(3)] == [0.5, 1.0, 1.0]
+
+
+def test_the_step_and_cosine_schedules_give_their_rates():
+    """`optimizer.schedule`: step multiplies by gamma every step_size updates; cosine falls
+    from lr to min_lr over the steps after the warm-up (half way: the middle)."""
+    step = load(None, ["optimizer.lr=1.0", "optimizer.schedule=step", "optimizer.step_size=10",
+                       "optimizer.gamma=0.5"], env={}).optimizer
+    assert [lr_at(step, s, 100) for s in (0, 9, 10, 19, 20, 35)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.125]
+    cos = load(None, ["optimizer.lr=1.0", "optimizer.schedule=cosine", "optimizer.min_lr=0.1",
+                      "optimizer.warmup_steps=10"], env={}).optimizer
+    assert lr_at(cos, 10, 110) == pytest.approx(1.0)
+    assert lr_at(cos, 60, 110) == pytest.approx(0.55)      # half way: (1.0 + 0.1) / 2
+    assert lr_at(cos, 110, 110) == pytest.approx(0.1) and lr_at(cos, 500, 110) == pytest.approx(0.1)
+    assert lr_at(cos, 35, 110) > lr_at(cos, 85, 110)

@@ -27,13 +27,15 @@ from .layout import SCRIPT_MODEL
 from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
 
 
-def _common(p: argparse.ArgumentParser, out_help: str = "output folder: events/, pids/, summary.json "
-                                                         "(default: $PSGD_OUT)") -> None:
+def _common(p: argparse.ArgumentParser, out_help: str | None = "output folder: events/, pids/, summary.json "
+                                                                "(default: $PSGD_OUT)") -> None:
+    """CONFIG and --set, and --out with `out_help` (None: a command that writes nothing)."""
     p.add_argument("config", nargs="?", default=os.environ.get("PSGD_CONFIG"),
                    help="TOML config file (default: $PSGD_CONFIG, else the built-in default job)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable); beats PSGD_* variables and the file")
-    p.add_argument("--out", default=os.environ.get("PSGD_OUT"), help=out_help)
+    if out_help is not None:
+        p.add_argument("--out", default=os.environ.get("PSGD_OUT"), help=out_help)
 
 
 def _device(p: argparse.ArgumentParser) -> None:
@@ -114,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--started-file", metavar="PATH", help=argparse.SUPPRESS)  # psgd run's progress
 
     p = sub.add_parser("shards", help="print the shard map for the config's model")
-    _common(p)
+    _common(p, out_help=None)
     p.add_argument("--servers", type=int)
 
     from .status import add_parser as add_status
@@ -189,6 +191,12 @@ def cmd_run(args) -> int:
     except LaunchError as e:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:   # its daemons are stopped by now (run_local)
+        ckpt = cfg.checkpoint.dir or os.path.join(out, "checkpoints")
+        print(f"psgd run: {'terminated' if interrupted_code(e) != 130 else 'interrupted'}; its daemons are "
+              f"stopped; the shards' checkpoints are in {ckpt} (a psgd run into the same --out resumes from "
+              f"them)", file=sys.stderr)
+        raise
     print(format_summary(s))
     model = os.path.join(out, "model.pt")
     saved = written_since(model, launched_at)  # not an earlier job's

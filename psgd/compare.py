@@ -86,13 +86,32 @@ SHARED_SECTIONS = ("train", "eval", "data", "model")
 COMPARE_LOCK = ".compare.lock"   # in --out: held by the psgd compare (or simulate) that writes there
 
 
+def split_outside(text: str, sep: str) -> list[str]:
+    """`text` split at `sep` where it is not inside brackets, braces or quotes: a list
+    or a table value (`optimizer.betas=[0.9,0.99]`) is one value."""
+    parts, depth, quote, start = [], 0, "", 0
+    for k, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        elif ch == sep and depth == 0:
+            parts.append(text[start:k])
+            start = k + 1
+    return parts + [text[start:]]
+
+
 def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[ModeSpec]:
     """`sync,ssp:staleness=0,1,2,async,easgd:tau=4:alpha=0.3` -> ModeSpecs, sweeps expanded.
     A mode item may not set keys of the `shared` sections (the same for every run)."""
     if not text or not text.strip():
         raise ConfigError("--modes: empty (expected e.g. sync,ssp:staleness=2,async)")
     groups: list[tuple[str, list[list]]] = []  # (mode, [[key, [values...]], ...])
-    for raw in text.split(","):
+    for raw in split_outside(text, ","):
         item = raw.strip()
         if not item:
             raise ConfigError(f"--modes {text!r}: empty item (two commas in a row?)")
@@ -105,7 +124,7 @@ def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[Mo
             params: list[list] = []
             if ":" in item and not rest.strip():
                 raise ConfigError(f"--modes: {item!r}: nothing after the colon (expected {mode}:key=value)")
-            for part in (rest.split(":") if rest else []):
+            for part in (split_outside(rest, ":") if rest else []):
                 key, eq, value = part.partition("=")
                 key, value = key.strip(), value.strip()
                 if not eq or not key or not value:
@@ -170,6 +189,23 @@ def parse_workers(text: str | None) -> list[int] | None:
             raise ConfigError(f"--workers: {part} is listed twice")
         out.append(int(part))
     return out
+
+
+def refuse_sets_the_plan_overrides(sets: list[str], workers: list[int] | None, servers: int | None) -> None:
+    """A --set of a key that the plan sets for every run, which it would override without
+    a word while the report listed it as applied: each run's mode (--modes), and the
+    workers or servers where --workers or --servers give other values."""
+    given = {key.strip(): value.strip() for key, _, value in (s.partition("=") for s in sets)}
+    if "mode.name" in given:
+        raise ConfigError(f"--set mode.name={given['mode.name']}: each run's mode comes from --modes; give "
+                          f"--modes {given['mode.name']} instead")
+    for key, flag, value in (("cluster.workers", "--workers", workers), ("cluster.servers", "--servers", servers)):
+        if key not in given or value is None:
+            continue
+        said = parse_value(given[key])
+        if (value if isinstance(value, list) else [value]) != [said]:
+            shown = ",".join(map(str, value)) if isinstance(value, list) else value
+            raise ConfigError(f"--set {key}={given[key]} and {flag} {shown} disagree: give one")
 
 
 # ---------------------------------------------------------------- the plan
@@ -458,6 +494,7 @@ def context(args, base: Config, workers: list[int], plan: list[Run]) -> dict:
 def main(args) -> int:
     base = load(args.config, args.set)
     specs = parse_modes(args.modes)
+    refuse_sets_the_plan_overrides(args.set, parse_workers(args.workers), args.servers)
     workers = parse_workers(args.workers) or [base.cluster.workers]
     if args.servers is not None and args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
@@ -504,7 +541,8 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
     write_json_atomic(os.path.join(out, "compare.json"), [])
 
     n = len(plan)
-    print(f"psgd compare: {n} runs ({len(specs)} mode configuration{'s' if len(specs) != 1 else ''} x "
+    print(f"psgd compare: {n} run{'s' if n != 1 else ''} ({len(specs)} mode configuration"
+          f"{'s' if len(specs) != 1 else ''} x "
           f"{len(workers)} worker count{'s' if len(workers) != 1 else ''} x {args.repeats} repeat"
           f"{'s' if args.repeats != 1 else ''}{' + baseline' if not args.no_baseline else ''}), out {out}",
           file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -538,8 +539,17 @@ def load(path: str | None = None, sets: list[str] | tuple = (),
         if not eq:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         layered.append((dotted.strip(), parse_value(text.strip()), f"--set {item}"))
+    sources = {f"{section}.{key}": path for section, values in d.items() if isinstance(values, Mapping)
+               for key in values}
     for dotted, value, source in layered:
         _assign(d, dotted, value, source)
         section, key = dotted.split(".", 1)
         build({section: {key: value}}, source, check=False)  # name the source of a bad value
-    return build(d, path or "config")
+        sources[dotted.strip()] = source
+    try:
+        return build(d, path or "config")
+    except ConfigError as e:   # a value out of range: named with where it came from, if one key says so
+        named = [key for key in sources if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", str(e))]
+        if len(named) == 1:
+            raise ConfigError(f"{sources[named[0]]}: {e}") from None
+        raise

@@ -677,8 +677,8 @@ def format_summary(s: dict) -> str:
     ttt = s.get("time_to_target_s")
     target = s.get("target_accuracy")
     from .report_numbers import AFTER_END, ttt_flag
-    if ttt is None:
-        reached = f"target {target} not reached"
+    if ttt is None:   # (nothing scored: nothing to say of the target)
+        reached = f"target {target} not reached" if acc is not None or s.get("evals") else ""
     elif ttt_flag(s, None) == AFTER_END:   # first seen by the score after training: when it looked
         reached = f"target {target} first seen by the final score ({ttt:.1f} s), after training"
     else:

@@ -46,11 +46,12 @@ def _runs_phrase(ctx: dict, n_runs: int, sim: bool) -> str:
     """How the runs were scheduled, as far as the context knows: a compare runs them one
     after another; a simulation may run several at once (--jobs), each on its own clock;
     a merged report holds runs of several commands."""
+    runs = f"{n_runs} run{'s' if n_runs != 1 else ''}"
     if len(ctx.get("merged_from") or []) > 1:
-        return f"{n_runs} runs from {len(ctx['merged_from'])} folders"
+        return f"{runs} from {len(ctx['merged_from'])} folders"
     if sim:
-        return f"{n_runs} runs, each on its own virtual clock"
-    return f"{n_runs} runs, one after another"
+        return f"{runs}, each on its own virtual clock" if n_runs != 1 else f"{runs}, on a virtual clock"
+    return f"{runs}, one after another" if n_runs != 1 else runs
 
 
 def interruption(ctx: dict) -> list[str] | None:
@@ -119,10 +120,12 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                  f"{'s' if workers != [1] else ''}; seeds {', '.join(map(str, ctx.get('seeds') or []))} "
                  f"(repeat r uses job.seed + r for every configuration); {_runs_phrase(ctx, n_runs, bool(sim))}.")
     lines.append("")
-    many = " or ".join(map(str, workers))
+    real = sorted({r.workers for r in rows if not r.is_baseline and not r.simulated}) if mixed else workers
+    many = " or ".join(map(str, real))
     lines.append(f"Machine: {m.get('cpus', '?')} CPU cores, device {m.get('device', '?')}"
                  f"{' (CUDA available)' if m.get('cuda') else ' (no CUDA)'}, torch {m.get('torch', '?')}."
-                 + (f" Each distributed run starts its {many} worker{'s' if workers != [1] else ''}, "
+                 + (f" Each distributed{' real' if mixed else ''} run starts its {many} "
+                    f"worker{'s' if real != [1] else ''}, "
                     f"{ctx.get('servers', '?')} shards, a coordinator and an evaluator on these {m.get('cpus')} cores."
                     if isinstance(m.get("cpus"), int) and isinstance(ctx.get("servers"), int) and not sim else ""))
     lines.append("")
@@ -151,8 +154,10 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         if "steps" in varies or "seconds" in varies:
             budget = "the budget of the largest run of its own folder"
         elif b.get("steps"):
+            steps = job.get("steps")   # its folder's largest run: the baseline's steps over each worker's
+            largest = b["steps"] // steps if steps and not b["steps"] % steps else max(workers) if workers else "?"
             budget = (f"{b.get('steps')} steps = {b.get('samples'):,} samples, the budget of the largest run "
-                      f"({max(workers) if workers else '?'} workers × {job.get('steps')} steps)"
+                      f"({largest} workers × {steps} steps)"
                       + (f", or {job.get('seconds'):g} s, whichever comes first" if job.get("seconds") else ""))
         else:
             budget = f"{job.get('seconds'):g} s of training, each worker's time budget"
@@ -402,10 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     DIR2 ...` writes OUT/report.md and OUT/compare.json over the runs of several folders,
     e.g. a `psgd compare` and a `psgd simulate` of the same configuration side by side."""
     argv = sys.argv[1:] if argv is None else argv
+    usage = ("usage: python -m psgd.report DIR   (DIR holds compare.json)\n"
+             "       python -m psgd.report OUT DIR1 DIR2 ...   (the runs of several folders in one report)")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) < 1:
-        print("usage: python -m psgd.report DIR   (DIR holds compare.json)\n"
-              "       python -m psgd.report OUT DIR1 DIR2 ...   (the runs of several folders in one report)",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     out = argv[0]
     try:

@@ -282,15 +282,16 @@ def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]
     if not ok:
         return made
     kind = clock(ok)
-    _curve_plot(plt, ok, colors, "t", f"{kind} time since training started ({_seconds(ok)})", target,
-                os.path.join(out, "accuracy_vs_time.png"))
-    made.append(("Accuracy vs time (wall seconds; virtual seconds for the simulated rows)"
-                 if kind == "wall or virtual" else f"Accuracy vs {kind} time", "accuracy_vs_time.png"))
-    left_out = _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
-                           os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
-    made.append(("Accuracy vs samples processed"
-                 + (f" ({left_out} score{'s' if left_out != 1 else ''} taken before the first heartbeat counted "
-                    f"any samples left out)" if left_out else ""), "accuracy_vs_samples.png"))
+    if any(curve_points(run, "t")[0] for r in ok for run in r.runs):   # (no score, no curve: no empty axes)
+        _curve_plot(plt, ok, colors, "t", f"{kind} time since training started ({_seconds(ok)})", target,
+                    os.path.join(out, "accuracy_vs_time.png"))
+        made.append(("Accuracy vs time (wall seconds; virtual seconds for the simulated rows)"
+                     if kind == "wall or virtual" else f"Accuracy vs {kind} time", "accuracy_vs_time.png"))
+        left_out = _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
+                               os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
+        made.append(("Accuracy vs samples processed"
+                     + (f" ({left_out} score{'s' if left_out != 1 else ''} taken before the first heartbeat "
+                        f"counted any samples left out)" if left_out else ""), "accuracy_vs_samples.png"))
     _throughput_plot(plt, ok, colors, os.path.join(out, "throughput.png"))
     made.append(("Throughput (mean ± sd over repeats)", "throughput.png"))
     if any(not r.is_baseline for r in ok):

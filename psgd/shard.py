@@ -20,6 +20,7 @@ from the seed).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -590,8 +591,13 @@ def write_checkpoint(sd: dict, path: str) -> None:
     rename. Safe to run off the serving thread."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-    with open(tmp, "wb") as f:
-        torch.save(sd, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:   # a full disk, an interrupt: no half-written file left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

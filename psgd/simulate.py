@@ -42,6 +42,7 @@ from .compare import (
     hold_output,
     parse_modes,
     parse_workers,
+    refuse_sets_the_plan_overrides,
     tag,
 )
 from .config import ConfigError, load
@@ -107,6 +108,7 @@ def cost_model(base, calibrated: dict) -> dict:
 def main(args) -> int:
     base = load(args.config, args.set)
     specs = runnable(parse_modes(args.modes, SHARED_SECTIONS + ("sim",)))   # one cost model for the whole plan
+    refuse_sets_the_plan_overrides(args.set, parse_workers(args.workers), args.servers)
     workers = parse_workers(args.workers) or [base.cluster.workers]
     if args.servers is not None and args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")

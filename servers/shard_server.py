@@ -130,6 +130,10 @@ class ShardServer:
         link.start()
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                # Ctrl-C (a terminal's reaches every daemon of `psgd run`) stops the shard
+                # as SIGTERM does: a second one cannot interrupt the final checkpoint
+                signal.signal(signal.SIGINT, self._on_sigterm)
         except ValueError:  # not the main thread (in-process tests)
             pass
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
@@ -151,7 +155,7 @@ class ShardServer:
                     self._checkpoint_in_background(shard, ckpt)
                     last_ckpt = now
                 if self._term:
-                    log(self.name, "SIGTERM: checkpointing and exiting")
+                    log(self.name, "stopped (SIGTERM or Ctrl-C): checkpointing and exiting")
                     break
                 if link.done:
                     shard.finished = True   # its last checkpoint says so: no later job resumes from it

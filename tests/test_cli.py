@@ -212,3 +212,32 @@ def test_a_flag_and_a_set_of_its_key_that_disagree_are_an_error(tmp_path, no_job
     assert says in capsys.readouterr().err and no_job.calls == []
     agree = [a.replace("async", "sync").replace("=4", "=3").replace("=true", "=false") for a in argv]
     assert main(["run", "--out", str(tmp_path / "out"), *agree]) == 0   # the same value twice is fine
+
+
+def test_shards_takes_no_output_folder(capsys):
+    """`psgd shards` writes nothing: its help promised events/, pids/ and summary.json in --out."""
+    with pytest.raises(SystemExit):
+        main(["shards", "--help"])
+    assert "--out" not in capsys.readouterr().out
+
+
+def test_the_run_summary_line_says_nothing_of_a_target_nothing_scored():
+    from psgd.launcher import format_summary
+    s = {"mode": "sync", "final_accuracy": None, "final_loss": None, "samples_per_s": 8000.0, "wall_s": 0.4,
+         "time_to_target_s": None, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}}
+    assert "target" not in format_summary(s) and "no evaluation" in format_summary(s)
+    scored = {**s, "final_accuracy": 0.5, "final_loss": 1.0, "evals": [{"t": 0.3, "accuracy": 0.5}]}
+    assert "target 0.9 not reached" in format_summary(scored)
+
+
+def test_an_interrupted_checkpoint_leaves_no_temp_file(tmp_path, monkeypatch):
+    import torch
+
+    from psgd.shard import write_checkpoint
+
+    def save(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint({"x": torch.zeros(1)}, str(tmp_path / "shard-0.pt"))
+    assert os.listdir(tmp_path) == []

@@ -336,3 +336,35 @@ def test_a_shard_stopped_before_it_serves_removes_its_pid_file(tmp_path):
     finally:
         kill_all([proc])
     assert not (tmp_path / "pids" / "server-0.pid").exists()
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_twice_from_a_terminal_keeps_every_shards_checkpoint(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: `psgd run` and every daemon.
+    A second one landed in a shard's final `torch.save` and left only a temp file: the
+    next run into the folder resumed one shard and started the other afresh. The shards
+    now stop on Ctrl-C as on SIGTERM, and `psgd run` says what happened."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(PSGD + ["run", "--quiet", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                                    "--set", "train.steps=100000"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,   # a group, as a shell's job
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    pids: dict[str, int] = {}
+    try:
+        pids = _pids_when_training(out, proc, time.monotonic() + 120, {"server-0.pid", "server-1.pid", "worker-0.pid"})
+        for _ in range(3):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 130, err
+        assert "psgd run: interrupted; its daemons are stopped" in err.strip().splitlines()[-1], err
+        ckpts = sorted(os.listdir(out / "checkpoints"))
+        assert ckpts == ["shard-0.pt", "shard-1.pt"], ckpts
+        for i in (0, 1):
+            log = (out / "logs" / f"server-{i}.log").read_text()
+            assert "stopped (SIGTERM or Ctrl-C): checkpointing" in log, log
+    finally:
+        kill_all([proc])
+        for p in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

@@ -480,3 +480,40 @@ def test_hyper_traces_follow_each_trainers_leader(tmp_path):
     assert got == {"optimizer.lr": {0: [(0.0, 0.1), (1.0, 0.12)], 1: [(pytest.approx(0.2), 0.01),
                                                                       (pytest.approx(1.1), 0.1)]}}
     assert hyper_traces(str(tmp_path), {"dir": "runs/none"}) == {}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cmd,argv,said", [
+    ("compare", ["--modes", "sync", "--set", "mode.name=async"], "give --modes async instead"),
+    ("compare", ["--modes", "sync", "--workers", "2", "--set", "cluster.workers=3"],
+     "--set cluster.workers=3 and --workers 2 disagree"),
+    ("compare", ["--modes", "sync", "--servers", "1", "--set", "cluster.servers=3"],
+     "--set cluster.servers=3 and --servers 1 disagree"),
+    ("simulate", ["--modes", "sync", "--servers", "1", "--set", "cluster.servers=3"],
+     "--set cluster.servers=3 and --servers 1 disagree"),
+])
+def test_a_set_that_the_plan_would_override_is_refused(cmd, argv, said, tmp_path, monkeypatch, capsys):
+    """The plan sets each run's mode, workers and servers: a --set of one of them was
+    dropped without a word while the report listed it as applied."""
+    import psgd.compare
+    from psgd.cli import main
+    ran = []
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **k: ran.append(run))
+    code = main([cmd, *argv, "--set", "train.steps=5", "--out", str(tmp_path / "c"),
+                 *(["--no-baseline"] if cmd == "compare" else [])])
+    assert code == 2 and not ran and said in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    # the same --set as the flag, or a --set with no flag, is fine
+    from psgd.compare import refuse_sets_the_plan_overrides
+    refuse_sets_the_plan_overrides(["cluster.workers=2"], [2], None)
+    refuse_sets_the_plan_overrides(["cluster.workers=3", "cluster.servers=2"], None, None)
+
+
+def test_a_list_or_table_value_in_a_mode_item_is_one_value():
+    assert [dict(s.params) for s in parse_modes("sync:optimizer.betas=[0.9,0.99]")] == [
+        {"optimizer.betas": [0.9, 0.99]}]
+    specs = parse_modes('ltfb:explore={"optimizer.lr" = [0.001, 1.0]},async')
+    assert [(s.mode, dict(s.params)) for s in specs] == [("ltfb", {"explore": {"optimizer.lr": [0.001, 1.0]}}),
+                                                         ("async", {})]
+    assert [dict(s.params)["optimizer.betas"] for s in parse_modes("sync:optimizer.betas=[0.9,0.99],[0.8,0.9]")] \
+        == [[0.9, 0.99], [0.8, 0.9]]

@@ -144,3 +144,14 @@ def test_given_keys_are_those_the_user_set(tmp_path):
     got = given_keys(str(path), ["cluster.port=6000"], env={"PSGD_MODE_NAME": "ssp", "PSGD_OUT": "x"})
     assert got == {"cluster.workers", "train.steps", "cluster.port", "mode.name"}
     assert "cluster.port" not in given_keys(None, [], env={})
+
+
+def test_a_value_out_of_range_names_where_it_came_from(tmp_path):
+    with pytest.raises(ConfigError, match=r"^environment PSGD_OPTIMIZER_LR: optimizer\.lr must be > 0"):
+        load(None, [], env={"PSGD_OPTIMIZER_LR": "-1"})
+    with pytest.raises(ConfigError, match=r"^--set optimizer\.lr=-1: optimizer\.lr must be > 0"):
+        load(None, ["optimizer.lr=-1"], env={})
+    f = tmp_path / "job.toml"
+    f.write_text("[optimizer]\nlr = -1\n")
+    with pytest.raises(ConfigError, match=r"job\.toml: optimizer\.lr must be > 0"):
+        load(str(f), [], env={})

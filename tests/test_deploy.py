@@ -492,7 +492,7 @@ def test_slurm_scancel_keeps_the_shard_checkpoints(slurm, tmp_path):
         assert path.stat().st_mtime >= cancelled_at - 1, "the checkpoint was not written on SIGTERM"
         sd = torch.load(path, weights_only=True)
         assert sd["shard"] == i and int(sd["version"]) > 0
-        assert "SIGTERM: checkpointing" in (out / "logs" / f"server-{i}.log").read_text()
+        assert "stopped (SIGTERM or Ctrl-C): checkpointing" in (out / "logs" / f"server-{i}.log").read_text()
     assert not (out / "summary.json").exists()
     assert_no_leftovers(out)
 
@@ -537,7 +537,7 @@ def test_slurm_requeue_resumes_from_the_checkpoints(slurm, tmp_path):
     assert "requeueing" in log and "(restart 1)" in log
     for i in range(2):
         text = (out / "logs" / f"server-{i}.log").read_text()
-        assert "SIGTERM: checkpointing" in text and "resumed from" in text, text
+        assert "stopped (SIGTERM or Ctrl-C): checkpointing" in text and "resumed from" in text, text
     summary_ok(tmp_path, jid)
     assert_no_leftovers(out)
 

@@ -296,3 +296,47 @@ def test_a_target_first_seen_by_the_final_score_is_after_the_end_even_when_its_t
     assert s["time_to_target_s"] == 0.017429
     assert ttt_flag({**s, "evals": evals}, 0.01) == AFTER_END
     assert ttt_flag({**s, "evals": evals, "time_to_target_s": 0.017}, 0.01) == AFTER_END
+
+
+@pytest.mark.timeout(60)
+def test_no_accuracy_plots_when_nothing_was_scored(tmp_path):
+    """Timing-only simulations and runs without an evaluator: the report said "no run was
+    scored" and showed two empty accuracy plots."""
+    pytest.importorskip("matplotlib")
+    from psgd.report_plots import make_plots
+    rows = build_rows([run("sync", evals=[], acc=None), run("async", "async", evals=[], acc=None)])
+    names = [name for _, name in make_plots(str(tmp_path), rows, 0.9)]
+    assert "accuracy_vs_time.png" not in names and "accuracy_vs_samples.png" not in names and "throughput.png" in names
+    scored = build_rows([run("sync"), run("async", "async", evals=[], acc=None)])
+    (tmp_path / "s").mkdir()
+    assert "accuracy_vs_time.png" in [name for _, name in make_plots(str(tmp_path / "s"), scored, 0.9)]
+
+
+@pytest.mark.timeout(60)
+def test_a_merged_reports_baseline_budget_is_its_own_folders(tmp_path):
+    """A compare at 2 workers merged with a simulation at 8: the baseline's 60 steps were
+    said to be "8 workers × 30 steps"; and only the real runs start processes here."""
+    def folder(name, results, workers, baseline, simulated=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "compare.json").write_text(json.dumps(results))
+        ctx = {**CTX, "workers": workers, "servers": 2, "sets": [], "seeds": [0],
+               "machine": {"cpus": 2, "device": "cpu", "torch": "2", "cuda": False},
+               "job": {"model": "mlp", "data": "digits", "batch_size": 32, "steps": 30, "seconds": 0.0},
+               "baseline": baseline, **({"simulated": simulated} if simulated else {})}
+        (d / "compare-context.json").write_text(json.dumps(ctx))
+        return str(d)
+    a = folder("a", [run("baseline", "baseline", workers=1), run("sync", workers=2)], [2],
+               {"steps": 60, "samples": 1920, "threads": 1})
+    b = folder("b", [run("sync", workers=8, simulated=True)], [8], None, {"train": True})
+    out = tmp_path / "m"
+    assert report_main([str(out), a, b]) == 0
+    text = (out / "report.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("Baseline:"))
+    assert "(2 workers × 30 steps)" in line, line
+    machine = next(x for x in text.splitlines() if x.startswith("Machine:"))
+    assert "starts its 2 workers" in machine and "8" not in machine.partition("starts")[2], machine
+
+
+def test_report_help_is_its_usage(capsys):
+    assert report_main(["--help"]) == 0 and "usage: python -m psgd.report DIR" in capsys.readouterr().out

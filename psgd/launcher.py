@@ -239,9 +239,10 @@ class LocalJob:
         gone (or whose pid another process, started after the file, has now). A model.pt
         stays until this job saves its own; shard checkpoints stay, and a shard resumes
         from one only if it is of an unfinished job of the same training config
-        (psgd/servers/shard_server.py); those of a job that wrote its summary (it ended)
-        are moved aside (`shard-I.pt.earlier`). A folder whose pid files name a running
-        process is another job's, still running: a LaunchError, and nothing is removed."""
+        (psgd/servers/shard_server.py); those of a job that wrote its summary (it ended),
+        and an incomplete set (some shards' only), are moved aside (`shard-I.pt.earlier`).
+        A folder whose pid files name a running process is another job's, still running: a
+        LaunchError, and nothing is removed."""
         from .metrics import process_start_time
 
         def remove(path: str) -> None:
@@ -265,13 +266,23 @@ class LocalJob:
         for path in stale:
             remove(path)
         remove(os.path.join(self.out, "coordinator-state.json"))
+        folder = self.cfg.checkpoint.dir or os.path.join(self.out, "checkpoints")
         if os.path.exists(os.path.join(self.out, "summary.json")):
             # The earlier job ended (a summary is written at the end): its shards' checkpoints
             # are not to be resumed. A shard marks its own finished when told the job is done;
             # one stopped before it was told (the coordinator died after the summary) did not.
-            folder = self.cfg.checkpoint.dir or os.path.join(self.out, "checkpoints")
             for path in glob.glob(os.path.join(folder, "shard-*.pt")):
                 os.replace(path, path + ".earlier")
+        mine = [os.path.join(folder, f"shard-{i}.pt") for i in range(self.cfg.cluster.servers)]
+        have = [path for path in mine if os.path.exists(path)]
+        if have and len(have) < len(mine):
+            # Some shards would resume and the others start from the initial values: one
+            # model of two versions. All of them start afresh instead.
+            for path in have:
+                os.replace(path, path + ".earlier")
+            log("run", f"warning: {len(have)} of the {len(mine)} shard checkpoints in {folder} are there (no "
+                       f"{', '.join(os.path.basename(p) for p in mine if p not in have)}): not resuming a part of "
+                       f"the model; moved to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))
         for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
                      + glob.glob(os.path.join(self.out, "logs", "*.log"))):

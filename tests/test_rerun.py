@@ -74,6 +74,24 @@ def test_a_second_launcher_started_at_the_same_moment_is_refused(tmp_path):
     assert 'name = "async"' in (tmp_path / "config.toml").read_text()
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_an_incomplete_set_of_shard_checkpoints_is_not_resumed(tmp_path, capsys):
+    """A review: shard-0.pt without shard-1.pt (a save cut short, a file removed): shard 0
+    resumed and shard 1 started from the initial values, one model of two versions. The
+    whole set, or none: the job starts afresh, and says why."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=2"], env={})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "shard-0.pt").write_text("a checkpoint")
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["shard-0.pt.earlier"]
+    assert "1 of the 2 shard checkpoints" in capsys.readouterr().err
+    for i in (0, 1):   # a whole set stays, to be resumed
+        (tmp_path / "checkpoints" / f"shard-{i}.pt").write_text("a checkpoint")
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["shard-0.pt", "shard-0.pt.earlier", "shard-1.pt"]
+
+
 def shard_server(cfg: Config, out) -> tuple[ShardServer, Shard]:
     return ShardServer(cfg, 0, str(out)), Shard(cfg, 0)
 

@@ -70,6 +70,7 @@ class FakeTrainer:
         model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
         self.replica = Replica(model, cfg.cluster.servers, torch.device("cpu"))
         self.clock = 0
+        self.loss, self.samples = 0.0, 0
         self.hist = Histogram()
         self.logged: list[tuple] = []
 
@@ -81,7 +82,7 @@ class FakeTrainer:
     def score(self) -> tuple[float, float]:
         return self.replica.score(*self.holdout, self.cfg.eval.batch_size)
 
-    def log_step(self, staleness: int, wait_s: float, **extra) -> None:
+    def log_step(self, staleness: int, wait_s: float, step=None, **extra) -> None:
         self.logged.append((self.clock, staleness, extra))
 
     def live(self) -> set[int]:

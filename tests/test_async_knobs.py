@@ -151,6 +151,8 @@ class FakeTrainer:
     real: bool = False
     rank: int = 0
     clock: int = 0
+    loss: float = 0.0
+    samples: int = 0
     hist: Histogram = field(default_factory=Histogram)
     lines: list = field(default_factory=list)
     computed_on: list = field(default_factory=list)   # the parameters each compute saw
@@ -182,7 +184,7 @@ class FakeTrainer:
             loss = torch.tensor(1.0)
         return float(loss.detach())
 
-    def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None:
+    def log_step(self, staleness: int, wait_s: float, step: Any = None, **extra: Any) -> None:
         self.lines.append({"clock": self.clock, "staleness": staleness, **extra})
 
     def live(self) -> set[int]:

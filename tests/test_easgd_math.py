@@ -133,3 +133,43 @@ def test_sync_a_resent_offer_of_the_open_round_is_answered_when_the_round_closes
     torch.testing.assert_close(shard.params.detach(), c0 + ALPHA * (x0 - c0) + ALPHA * (x1 - c0))
     late = wire.decode(shard.handle("resend again", _offer(shard, 0, 0, x0))[0][1])  # after the close
     assert late.op == "reply" and late.get("dropped") is True and shard.version == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_async_worker_restarted_before_it_was_missed_resumes_after_its_rounds():
+    """kill -9 of an async-EASGD worker, started again before the coordinator missed it:
+    it resumed at the slowest other worker's clock, and its offers of rounds its earlier
+    process had offered were answered as resends, moving it but never the centre. The
+    join's answer says the rank's last round; the worker continues after it."""
+    from psgd.membership import Membership
+    tau = 2
+    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": False, "mode.tau": tau, "mode.alpha": 0.3,
+                              "cluster.workers": 2, "cluster.servers": 1, "optimizer.momentum": 0.0,
+                              "train.steps": 100})
+    shards = [Shard(cfg, 0)]
+    shards[0].set_live({0: 0, 1: 0})
+    members = Membership(2, 5.0)
+    members.join(0.0, 0, "life-1")
+    members.join(0.0, 1, "other")
+    slow = FakeTrainer(cfg, Loopback(shards, 1), lambda x: 0.5 * x - 0.1, rank=1)
+    EasgdSchedule(cfg).start(slow)
+    slow.clock = 2
+    fast = FakeTrainer(cfg, Loopback(shards, 0), lambda x: 0.5 * x - 0.1, rank=0)
+    s = EasgdSchedule(cfg)
+    s.start(fast)
+    for _ in range(8):   # rounds 0..3
+        s.step(fast)
+    members.beat(0, 1.0, clock=fast.clock)
+    members.beat(1, 1.0, clock=slow.clock)
+    members.join(2.0, 0, "life-2")                     # the new process takes rank 0 back
+    again = FakeTrainer(cfg, Loopback(shards, 0), lambda x: 0.5 * x - 0.1, rank=0)
+    again.clock = members.members[0].clock             # the coordinator's start_clock: 2
+    s = EasgdSchedule(cfg)
+    s.start(again)
+    assert again.clock == 8                            # after round 3, its earlier process's last
+    s.step(again)                                      # round 4's exchange (x is the centre it loaded: d = 0)
+    s.step(again)
+    centre = flat([sh.params for sh in shards]).clone()
+    s.step(again)                                      # round 5's, after two local steps: the centre moves
+    assert float((flat([sh.params for sh in shards]) - centre).abs().max()) > 0
+    assert shards[0].rule.offered[0] == 5

@@ -91,7 +91,7 @@ class Worker:
         self.loss = float("nan")
         self.hist = Histogram()
         self.rejected = 0          # steps refused by the shards (or diverged locally)
-        self.in_a_row = 0          # of them, since the last step that was not
+        self.in_a_row = 0          # of them, since the last step logged (one that went through)
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
 
@@ -207,8 +207,7 @@ class Worker:
         """One step. A refused one is counted and the caller goes on, unless it is the
         `cluster.max_rejections`-th in a row: then the reason, in one line."""
         try:
-            step(self)
-            self.in_a_row = 0
+            step(self)   # (a step that went through is logged: `log_step` ends a run of refusals)
             return ""
         except (wire.Refused, Diverged) as e:
             if isinstance(e, wire.Refused) and e.code == wire.NOT_READY:
@@ -296,14 +295,18 @@ class Worker:
         x, y = self.holdout
         return self.replica.score(x, y, self.cfg.eval.batch_size)
 
-    def log_step(self, staleness: int, wait_s: float, **extra) -> None:
-        """The step line of the step just taken (`clock` is the clock after it; with
-        jitter on, `jitter` says whether its compute, at clock - 1, was delayed)."""
+    def log_step(self, staleness: int, wait_s: float, step: tuple[float, int] | None = None, **extra) -> None:
+        """The step line of a step that went through (`clock` is the clock after it; with
+        jitter on, `jitter` says whether its compute, at clock - 1, was delayed): the one
+        just computed, or `step`, its (loss, samples) when it is settled after the next
+        one computed (prefetch). It ends a run of refused steps (`cluster.max_rejections`)."""
         self.steps += 1
+        self.in_a_row = 0
+        loss, samples = step if step is not None else (self.loss, self.samples)
         if self.cfg.faults.jitter_prob > 0:
             extra["jitter"] = self.jitter.delayed(self.clock - 1)
-        self.events.write(rank=self.rank, step=self.steps, clock=self.clock, loss=round(self.loss, 5),
-                          samples=self.samples, staleness=staleness, wait_s=round(wait_s, 5),
+        self.events.write(rank=self.rank, step=self.steps, clock=self.clock, loss=round(loss, 5),
+                          samples=samples, staleness=staleness, wait_s=round(wait_s, 5),
                           bytes_sent=self.client.bytes_sent, bytes_recv=self.client.bytes_recv, **extra)
 
     def rejoin_if_dropped(self) -> bool:

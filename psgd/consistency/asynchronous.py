@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pushpull import load, own_update
+from .pushpull import finite_or_diverged, load, own_update
 from .rule import Answer, Read, Trainer
 from .ssp import SspRule, SspSchedule
 from .staleness import delay_compensate, lr_scale
@@ -72,8 +72,9 @@ class AsyncSchedule(SspSchedule):
     `mode.n_fetch` say otherwise; then `downpour_step`."""
 
     caches = False
-    inflight: Any = None        # the request in flight (prefetch), and whether it pushed
+    inflight: Any = None        # the request in flight (prefetch), whether it pushed, and its step's (loss, samples)
     inflight_pushed = False
+    inflight_step: tuple[float, int] | None = None
     slot = 0                    # which set of gradient buffers the next push uses
 
     def __init__(self, cfg):
@@ -105,6 +106,8 @@ class AsyncSchedule(SspSchedule):
         (its answers loaded) after that step's gradient is taken."""
         w.compute()                      # on the parameters we have, while the last request travels
         grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
+        if self.n_push > 1 or self.n_fetch > 1:   # summed into the accrued, stepping the worker's own copy:
+            finite_or_diverged(w, grads)          # refused before either (the shards never see it to refuse it)
         read = self.versions             # the read this gradient was computed on (settle may load a newer one)
         self.settle(w)
         self.since_push += 1
@@ -118,7 +121,7 @@ class AsyncSchedule(SspSchedule):
         if push or fetch:
             self.inflight = w.client.begin_push_pull(w.clock, grads if push else None, buffers if push else None,
                                                      read, self.slot, pull=fetch)
-            self.inflight_pushed = push
+            self.inflight_pushed, self.inflight_step = push, (w.loss, w.samples)
             self.slot ^= 1
             if push:
                 self.since_push, self.accrued = 0, None
@@ -162,4 +165,4 @@ class AsyncSchedule(SspSchedule):
         if pulled:
             self.versions = load(w, pulled)
         extra = {} if self.inflight_pushed else {"pushed": False}
-        w.log_step(self.last_tau, w.client.wait_s - w0, **extra)
+        w.log_step(self.last_tau, w.client.wait_s - w0, self.inflight_step, **extra)

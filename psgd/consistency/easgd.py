@@ -40,6 +40,7 @@ from .rule import (
     ElasticOffer,
     MixBuffers,
     Move,
+    Read,
     Schedule,
     SetBuffers,
     Trainer,
@@ -115,6 +116,15 @@ class EasgdRule(SyncRule):
     def gated_read(self, e):
         return [self.answer(e)]
 
+    def answer(self, e: Read) -> Answer:
+        """Async: a worker (re)joining learns the last round its rank moved the centre in
+        (`offered`): a process restarted before the coordinator missed the one it replaces
+        keeps that rank's rounds, whose offers would be answered as resends."""
+        a = super().answer(e)
+        if e.join and not self.mode.sync:
+            a.fields = {**a.fields, "offered": self.offered.get(e.rank, -1)}
+        return a
+
     def state_dict(self) -> dict:
         # The open round's offers live here, not in the shard's tables, and their askers
         # resend them to a restored shard: it starts the round afresh.
@@ -134,8 +144,11 @@ class EasgdSchedule(Schedule):
 
     def join(self, w: Trainer) -> int:
         answers = w.client.join(w.clock)
+        tau = self.cfg.mode.tau
         if self.cfg.mode.sync:   # continue in the shards' open round
-            w.clock = max(w.clock, max(int(m.get("step", 0)) for m in answers) * self.cfg.mode.tau)
+            w.clock = max(w.clock, max(int(m.get("step", 0)) for m in answers) * tau)
+        else:                    # after the rounds this rank offered already (a restart of its process)
+            w.clock = max(w.clock, (max(int(m.get("offered", -1)) for m in answers) + 1) * tau)
         return load(w, answers)[0]
 
     def rejoin(self, w: Trainer) -> None:

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from .. import wire
 from ..optim import lr_at
-from .rule import Schedule, Trainer
+from .rule import Diverged, Schedule, Trainer
 
 
 class PushPullSchedule(Schedule):
@@ -59,8 +60,10 @@ class PushPullSchedule(Schedule):
         else:
             w.clock = self.next_clock(w.clock, pulled)
             self.loaded(w, pulled)
-        extra = {"cached": True} if cached else {}
-        w.log_step(tau, w.client.wait_s - w0, dropped=dropped, **extra)
+        if cached:
+            w.log_step(tau, w.client.wait_s - w0, dropped=dropped, cached=True)
+        else:
+            w.log_step(tau, w.client.wait_s - w0, dropped=dropped)
 
 
 def acknowledged(pushed: list[Any]) -> tuple[int, bool, bool]:
@@ -82,6 +85,16 @@ def load(w: Trainer, answers: list[Any]) -> list[int]:
     """Write the shards' answers (params, buffers) into the model; their versions."""
     w.replica.load(*w.client.tables(answers))
     return [int(m.get("version", 0)) for m in answers]
+
+
+def finite_or_diverged(w: Trainer, grads: list[torch.Tensor]) -> None:
+    """Refuse (Diverged) a gradient with NaN or Inf before the worker steps its own copy
+    by it: the shards refuse the push, but the copy would keep the NaN, and every later
+    gradient computed on it."""
+    for g in grads:
+        if not wire.finite(g):
+            raise Diverged(f"worker {w.rank}: the gradient at step {w.clock} has NaN or Inf values; lower "
+                           f"optimizer.lr")
 
 
 @torch.no_grad()

@@ -271,13 +271,16 @@ class Trainer(Protocol):
     cfg: Config
     rank: int
     clock: int
+    loss: float              # of the step just computed
+    samples: int             # trained on so far
     client: Any              # psgd.workers.client.ParameterClient (or a simulator's)
     replica: Replica
     hist: Histogram
 
     def compute(self) -> float: ...
     def score(self) -> tuple[float, float]: ...   # (accuracy, loss) of the model on its tournament data
-    def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None: ...
+    def log_step(self, staleness: int, wait_s: float, step: tuple[float, int] | None = None,
+                 **extra: Any) -> None: ...   # step: the (loss, samples) of a step settled later (prefetch)
     def live(self) -> set[int]: ...
     def event(self, **fields: Any) -> None: ...
     def note(self, text: str) -> None: ...

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .clock import ClockTable
-from .pushpull import PushPullSchedule, load, own_update
+from .pushpull import PushPullSchedule, finite_or_diverged, load, own_update
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
 
@@ -131,7 +131,7 @@ class SspSchedule(PushPullSchedule):
     step pushes, pulls and waits, as without either."""
 
     caches = True   # async (no bound) has its own prefetch and no use for the cache
-    inflight: Any = None   # (the request, the wait counter at its start) in flight (prefetch)
+    inflight: Any = None   # (the request, the wait counter at its start, its step's (loss, samples)) (prefetch)
     slot = 0
 
     def __init__(self, cfg):
@@ -166,6 +166,8 @@ class SspSchedule(PushPullSchedule):
         self.settle(w)
         w0, c = w.client.wait_s, w.clock
         serve = self.cache.serves(c + 1, w.live())
+        if serve:
+            finite_or_diverged(w, grads)   # (the worker's own copy is stepped by it below)
         f = w.client.begin_push_pull(c, grads, buffers, read, self.slot, pull=not (serve and self.pull_less))
         if serve:  # read-my-writes, at clock c's lr as the shard applies it: the next step computes on this copy
             own_update(w)
@@ -174,7 +176,7 @@ class SspSchedule(PushPullSchedule):
             return self.settled(w, f, w0, cached=False)
         if not self.prefetch:
             return self.settled(w, f, w0, cached=True)
-        self.inflight, self.slot = (f, w0), self.slot ^ 1
+        self.inflight, self.slot = (f, w0, (w.loss, w.samples)), self.slot ^ 1
         return None
 
     def finish(self, w: Trainer) -> None:
@@ -183,14 +185,14 @@ class SspSchedule(PushPullSchedule):
     def settle(self, w: Trainer) -> None:
         """Wait for the request in flight (prefetch): load what it pulled, log its step."""
         if self.inflight is not None:
-            (f, w0), self.inflight = self.inflight, None
-            self.settled(w, f, w0, cached=True)
+            (f, w0, step), self.inflight = self.inflight, None
+            self.settled(w, f, w0, cached=True, step=step)
 
-    def settled(self, w: Trainer, f: Any, w0: float, cached: bool) -> None:
+    def settled(self, w: Trainer, f: Any, w0: float, cached: bool, step: tuple[float, int] | None = None) -> None:
         pushed, pulled = w.client.finish_push_pull(f)
         tau = max(int(m.get("staleness", 0)) for m in pushed)
         if not any(m.get("duplicate") for m in pushed):
             w.hist.add(tau)
         if pulled:
             self.loaded(w, pulled)
-        w.log_step(tau, w.client.wait_s - w0, dropped=False, **({"cached": True} if cached else {}))
+        w.log_step(tau, w.client.wait_s - w0, step, dropped=False, **({"cached": True} if cached else {}))

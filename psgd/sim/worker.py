@@ -183,8 +183,7 @@ class SimWorker:
     def _attempt(self, step: Callable[[Any], None]) -> bool:
         """One step, as the real worker counts it; True when the worker must stop."""
         try:
-            step(self)
-            self.in_a_row = 0
+            step(self)   # (a step that went through is logged: `log_step` ends a run of refusals)
             return False
         except (wire.Refused, Diverged) as e:
             self.rejected += 1
@@ -245,14 +244,18 @@ class SimWorker:
     def score(self) -> tuple[float, float]:
         return self.replica.score(*self.holdout, self.cfg.eval.batch_size)
 
-    def log_step(self, staleness: int, wait_s: float, **extra: Any) -> None:
-        """A step's line, kept as a tuple until the log is written (`log_lines`): a dict
-        per step of every worker was most of a long run's memory, and slow to build."""
+    def log_step(self, staleness: int, wait_s: float, step: tuple[float, int] | None = None, **extra: Any) -> None:
+        """A step's line (as the real worker's: `step`, the (loss, samples) of a step
+        settled after the next one computed), kept as a tuple until the log is written
+        (`log_lines`): a dict per step of every worker was most of a long run's memory,
+        and slow to build."""
         self.steps += 1
+        self.in_a_row = 0
         c = self.client
+        loss, samples = step if step is not None else (self.loss, self.samples)
         if self._jitter.prob > 0:   # as the real worker's step line: was this step's compute (at clock - 1) delayed?
             extra = {**extra, "jitter": self._jitter.delayed(self.clock - 1)}
-        self.lines.append((self.t, self.steps, self.clock, self.loss, self.samples, staleness, wait_s, c._sent,
+        self.lines.append((self.t, self.steps, self.clock, loss, samples, staleness, wait_s, c._sent,
                            c._recv, extra))
 
     def samples_by(self, t: float) -> int:

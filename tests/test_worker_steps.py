@@ -1,0 +1,77 @@
+"""A worker's steps as its event log and its refusals count them, with prefetch and
+Downpour's n_fetch: a step line carries its own loss and samples, one bad gradient is one
+refused step, and refusals in a row stop the worker (`cluster.max_rejections`)."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+from psgd.config import load
+from psgd.inprocess import InProcessCluster
+from psgd.workers.worker import Worker
+
+pytestmark = pytest.mark.inprocess
+
+
+def run(port: int, out: str, bad, *sets: str) -> tuple[Worker, int, list]:
+    """One worker, one shard; `bad(n)`: make the n-th compute's gradient NaN. The worker,
+    its exit code and (clock, loss, samples) after each compute."""
+    cfg = load(None, [f"cluster.port={port}", "cluster.workers=1", "cluster.servers=1", "cluster.evaluator=false",
+                      "cluster.max_rejections=5", "optimizer.momentum=0", *sets], env={})
+    computed: list = []
+
+    class W(Worker):
+        def compute(self):
+            loss = super().compute()
+            computed.append((self.clock, round(loss, 5), self.samples))
+            if bad(len(computed)):
+                next(self.replica.model.parameters()).grad[0].fill_(math.nan)
+            return loss
+    box: dict = {}
+    with InProcessCluster(cfg, out) as cluster:
+        def go():
+            box["w"] = W(cfg, out, "cpu", 0, cluster.ctx)
+            box["code"] = box["w"].run()
+        t = threading.Thread(target=go)
+        t.start()
+        t.join(timeout=100)
+    return box["w"], box["code"], computed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_prefetched_steps_line_has_its_own_loss_and_samples(port_block, tmp_path, mode):
+    """With prefetch a step is settled (and logged) after the next one computed: its line
+    carried the next compute's loss and samples (the first loss was never logged)."""
+    w, code, computed = run(port_block(3), str(tmp_path), lambda n: False, f"mode.name={mode}",
+                            "mode.prefetch=true", "train.steps=6")
+    assert code == 0
+    lines = [e for e in map(json.loads, open(tmp_path / "events" / "worker-0.jsonl")) if "staleness" in e]
+    assert [(e["clock"] - 1, e["loss"], e["samples"]) for e in lines] == computed
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sets", [(), ("mode.n_fetch=2",), ("mode.n_fetch=2", "mode.prefetch=true"),
+                                  ("mode.n_push=2",)], ids=["n_fetch=1", "n_fetch=2", "n_fetch=2+prefetch", "n_push=2"])
+def test_one_nan_gradient_is_one_refused_step(port_block, tmp_path, sets):
+    """Downpour with n_fetch > 1 steps the worker's own copy by its gradient before the
+    shards see it: a NaN one made the copy NaN for good (every later push refused). It is
+    refused by the worker first, as one step."""
+    w, code, _ = run(port_block(3), str(tmp_path), lambda n: n == 3, "mode.name=async", "train.steps=20", *sets)
+    assert (code, w.rejected, w.clock) == (0, 1, 20)
+    assert all(bool(torch.isfinite(p).all()) for p in w.replica.model.parameters())
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("prefetch", ["false", "true"])
+def test_refusals_in_a_row_stop_the_worker_with_prefetch_too(port_block, tmp_path, prefetch):
+    """With prefetch a refusal comes in the step after the one that sent the push, and
+    the step between counted as one that went through: refusals never came "in a row",
+    and a worker whose every push was refused trained to the end of its budget."""
+    w, code, _ = run(port_block(3), str(tmp_path), lambda n: n >= 3, "mode.name=async",
+                     f"mode.prefetch={prefetch}", "train.steps=40")
+    assert code == 1 and w.rejected == 5 and w.clock < 10

@@ -50,7 +50,7 @@ class InProcessCluster:
         stuck = [t.name for t in self.threads if t.is_alive()]
         if stuck:
             raise RuntimeError(f"in-process cluster threads did not stop within {JOIN_TIMEOUT_S:.0f} s: {stuck}")
-        stop_auth(self.ctx)
+        stop_auth(self.ctx, every=True)   # (each daemon let go of its share as it stopped)
         # term() waits for every socket of the context to close: one left open (a caller's
         # client, a daemon's bug) would hang here for ever; say which instead.
         left = [s for s in list(getattr(self.ctx, "_sockets", ())) if not s.closed]

@@ -197,7 +197,7 @@ class Membership:
         m = self.members.get(rank)
         if m is None or m.state == "lost":
             return False
-        if stats:
+        if stats and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
             m.before = (m.stats_at, m.samples())
             m.stats, m.stats_at = stats, now
         m.last_seen = now
@@ -293,6 +293,8 @@ class CoordinatorLink:
         self._thread: threading.Thread | None = None
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
         self.nonce = os.urandom(8).hex()  # this daemon's registrations, to the coordinator
+        self._registrations = 0           # answers to older ones are not applied over a newer one's
+        self._applying = threading.Lock()
 
     def register(self, want_rank: int = -1, cancel: Callable[[], bool] | None = None, **fields: Any) -> wire.Message:
         """Register with the coordinator, waiting for it (and, for workers, for the
@@ -340,8 +342,17 @@ class CoordinatorLink:
         finally:
             peers.close()
         self.rank = msg.get("assigned_rank", self.index)
-        self._apply(msg)
+        with self._applying:
+            self._registrations += 1
+            self._apply(msg)
         return msg
+
+    def _apply_since(self, msg: wire.Message, registrations: int) -> None:
+        """Apply a heartbeat's answer unless a registration was answered since it was
+        sent: an answer from before a rejoin said `rejoin` still, and undid it."""
+        with self._applying:
+            if registrations == self._registrations:
+                self._apply(msg)
 
     def _hint(self) -> str:
         if self.role == "worker":  # the coordinator answers workers once all have registered
@@ -372,7 +383,8 @@ class CoordinatorLink:
         try:
             while not self._stop.is_set():
                 try:
-                    self._apply(peers.call(0, "heartbeat", timeout=max(hb * 4, 2.0), **self._beat()))
+                    sent = self._registrations
+                    self._apply_since(peers.call(0, "heartbeat", timeout=max(hb * 4, 2.0), **self._beat()), sent)
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError):
@@ -402,7 +414,8 @@ class CoordinatorLink:
 
     def beat(self) -> None:
         """A heartbeat now, from the caller's thread (the counters up to this moment)."""
-        self._apply(self.call("heartbeat", **self._beat()))
+        sent = self._registrations
+        self._apply_since(self.call("heartbeat", **self._beat()), sent)
 
     def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
         """A request (finish, eval) from the caller's thread, on one socket kept open

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, cast
@@ -82,24 +83,36 @@ def readable(sock: zmq.Socket) -> bool:
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
-_auth: dict[int, Any] = {}  # id(context) -> its ZAP authenticator
+_auth: dict[int, list] = {}  # id(context) -> [its ZAP authenticator, how many daemons use it]
+_auth_lock = threading.Lock()
 
 
 def _start_auth(ctx: zmq.Context, keys: str) -> None:
-    """One ZAP authenticator per context: only keys in KEYS/authorized may connect."""
-    if id(ctx) in _auth:
-        return
-    from zmq.auth.thread import ThreadAuthenticator
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve(domain="*", location=os.path.join(keys, "authorized"))
-    _auth[id(ctx)] = auth
+    """One ZAP authenticator per context: only keys in KEYS/authorized may connect.
+    Daemons that share a context (in one process) share it: it stops with the last
+    (`stop_auth`); without it, ZeroMQ's CURVE servers would take any client key."""
+    with _auth_lock:
+        if id(ctx) in _auth:
+            _auth[id(ctx)][1] += 1
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve(domain="*", location=os.path.join(keys, "authorized"))
+        _auth[id(ctx)] = [auth, 1]
 
 
-def stop_auth(ctx: zmq.Context) -> None:
-    auth = _auth.pop(id(ctx), None)
-    if auth:
-        auth.stop()
+def stop_auth(ctx: zmq.Context, every: bool = False) -> None:
+    """A daemon of this context is done with its authenticator (`every`: all of them)."""
+    with _auth_lock:
+        held = _auth.get(id(ctx))
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0 and not every:
+            return
+        del _auth[id(ctx)]
+    held[0].stop()
 
 
 def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
@@ -137,6 +150,8 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
         sock.bind(address)
     except zmq.ZMQError as e:
         sock.close()
+        if security.curve:
+            stop_auth(ctx)   # this daemon's share of the authenticator: it will not serve
         if e.errno == zmq.EADDRINUSE:
             raise AddressInUse(f"cannot listen on {address}: the port is in use (another job or program has it)"
                                ) from None

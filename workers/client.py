@@ -156,6 +156,13 @@ class ParameterClient:
                                  for rid, (k, i) in f.pending.items()}
                     continue
                 f.take(got)
+        except BaseException:
+            # Given up (a refusal, a cancel, a timeout) while requests to other shards may
+            # still wait in ZeroMQ's queues: their frames are the caller's buffers, sent
+            # without copies, which its next step rewrites. A fresh connection drops them.
+            for i in {i for _, i in f.pending.values()}:
+                self.peers.reconnect(i)
+            raise
         finally:
             self.wait_s += time.monotonic() - t0
         return f.out

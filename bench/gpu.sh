@@ -6,21 +6,22 @@
 #   OUT=/tmp/gpu PY=/opt/venv/bin/python bash bench/gpu.sh
 #
 # PY must be a Python with a CUDA build of torch and psgd's dependencies (pyzmq, msgpack,
-# numpy, scikit-learn); the checkout is put on PYTHONPATH. Steps, each with its own timeout,
-# all together under 7 minutes:
+# numpy, scikit-learn); the checkout is put on PYTHONPATH. Steps, each with its own timeout
+# (60 + 90 + 120 + 60 + 300 s: at most about 11 minutes; less when they end sooner):
 #   1. the GPU and torch's view of it                  -> $OUT/gpu.txt
 #   2. psgd's CUDA worker path: `psgd run --device cuda` (MLP default job, then ResNet-20 on
 #      synthetic 3x32x32 data, evaluator on the GPU too) -> $OUT/run-*/summary.json, run-*.log
 #   3. pinned-memory transfers: pageable vs pinned device->host copies, and that
 #      psgd.replica.Replica stages its tables in pinned buffers -> $OUT/pinned.json
 #   4. bench/throughput.py's comparisons on the GPU: psgd sync vs DDP with NCCL (one GPU: one
-#      DDP rank, W=1), psgd sync/async vs a plain loop -> $OUT/throughput.txt (last line JSON)
+#      DDP rank, W=1), psgd sync/async vs a plain loop -> $OUT/throughput.txt (last line JSON;
+#      its `workers` is 1: not the CPU goal's W=2 figure), its runs' logs in $OUT/throughput-runs
 # Exit status: 2 if there is no usable GPU (said on stderr), 1 if a step failed, 0 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
 PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+command -v "$PY" >/dev/null || PY=python3   # (a path or a command name on PATH)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 failed=0
@@ -93,7 +94,8 @@ sys.exit(0 if out["replica_tables_pinned"] and out["replica_grads_match"] else 1
 EOF
 
 # 4. The throughput comparisons on the GPU (NCCL allows one rank per GPU: W=1 here).
-step throughput 200 "$PY" -m bench.throughput --parts ddp,local,async --backend nccl --device cuda --workers 1
+step throughput 300 "$PY" -m bench.throughput --parts ddp,local,async --backend nccl --device cuda --workers 1 \
+    --repeats 1 --keep "$OUT/throughput-runs"
 cp "$OUT/throughput.log" "$OUT/throughput.txt" 2>/dev/null
 
 echo "results in $OUT" >&2

@@ -80,11 +80,16 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
     "resnet20": (["model.name=resnet20", "data.name=synthetic", "data.shape=[3,32,32]"], 40, 8),
 }
 COMMON = ["cluster.evaluator=false", "train.batch_size=32"]
+MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
 
 
 # ---------------------------------------------------------------- baselines: plain loop and DDP
-def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, ddp: bool) -> list[dict]:
-    """A plain PyTorch loop over psgd's data for this rank; (t, samples) after each step."""
+def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, ddp: bool,
+               min_s: float = 0.0) -> list[dict]:
+    """A plain PyTorch loop over psgd's data for this rank; (t, samples) after each step.
+    Without DDP it goes on past `steps` until `min_s` seconds after its first step: a
+    loop five times faster than the psgd run it is the baseline of is timed over as long
+    a window (DDP's ranks stop together, after `steps`)."""
     import torch
     from torch import nn
 
@@ -105,8 +110,9 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
     part = partition(len(ds.train_y), rank, world, cfg.job.seed)
     batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, rank)
     model.train()
-    rows, samples = [], 0
-    for step in range(1, steps + 1):
+    rows, samples, step = [], 0, 0
+    while step < steps or (not ddp and time.time() - rows[0]["t"] < min_s):
+        step += 1
         x, y = batches.next()
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=False)
@@ -127,7 +133,7 @@ def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port) -> Non
             import torch.distributed as dist
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            q.put((rank, train_loop(cfg_dict, rank, world, steps, device, ddp=bool(backend))))
+            q.put((rank, train_loop(cfg_dict, rank, world, steps, device, ddp=bool(backend), min_s=MIN_LOOP_S)))
         finally:
             if backend:
                 dist.destroy_process_group()
@@ -256,10 +262,9 @@ def phases_alone(servers: int, reps: int = 500) -> dict:
         model.zero_grad(set_to_none=False)
         nn.functional.cross_entropy(model(x), y).backward()
 
-    def encode():
+    def encode():   # one request per shard, a push that reads (workers/client.py begin_push_pull)
         for i in range(servers):
-            wire.encode("push", id=1, rank=0, clock=1, arrays=[grads[i], bufs[i]], read_version=0)
-            wire.encode("pull", id=2, rank=0, clock=2)
+            wire.encode("push", id=1, rank=0, clock=1, arrays=[grads[i], bufs[i]], read_version=0, pull=True)
 
     ops = {"compute": compute, "gather": lambda: (rep.grads(), rep.buffers()), "encode": encode,
            "decode": lambda: [wire.decode(r) for r in replies], "scatter": lambda: rep.load(params, bufs)}
@@ -391,7 +396,8 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
-    rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend}
+    rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend, "workers": a.workers,
+                        "servers": a.servers, "models": a.models, "repeats": a.repeats, "steps_scale": a.steps_scale}
     t_start = time.monotonic()
 
     def steps_of(model: str) -> tuple[list[str], int, int]:

@@ -5,10 +5,10 @@
 
 For each table size (the whole model: 64 KiB, 1 MiB, 16 MiB, 100 MiB, split over the
 shards), shard count (1, 2, 4) and worker count (1, 4), both sides run W client
-processes (the same processes) against S server processes on tcp loopback, psgd's
-timed sections first, then the raw side's (not interleaved: each side's daemons run
-only during its own sections, so a drift of the machine's speed between the two moves
-the ratio; run the benchmark twice before reading much into one ratio):
+processes (the same processes) against S server processes on tcp loopback, all up at
+once; the two sides' timed sections (`--seconds` each, `--repeats` per side) take turns,
+and which of a pair goes first alternates, so that a drift of the machine's speed moves
+both sides alike (a side not being timed waits in poll):
 
 - psgd: each client registers as a worker with a `psgd coordinator` process
   (`CoordinatorLink.register`, heartbeats on) and calls `ParameterClient.push_pull` in
@@ -32,12 +32,14 @@ pull); throughput = W x steps x that / (last client's end - common start). The t
 also shows each side's wire bytes per step, every frame counted as psgd's `Peers`
 counts them (headers included), as a check that both move the same bytes. The
 round-trip time is the median step time of one client. Each psgd row also gives the
-shards' own CPU time per request (`shard_busy_ms`, from their `busy_s` counters) and, with
-one worker, the `ceiling` raw / (raw + that): the worker waits for the shard's work
+shards' own CPU time per push in psgd's timed sections (`shard_busy_ms`, from their
+`busy_s` and `pushes` counters read before and after each section: decoding,
+validation, the finiteness check, the optimizer's update and the reply's hand-off) and,
+with one worker, the `ceiling` raw / (raw + that): the worker waits for the shard's work
 every step, so psgd/raw cannot be much above it unless that work gets cheaper (an
-estimate: psgd's and the raw side's timed sections run at different moments, and a
-reply just written by the update leaves from warmer caches than the echo's buffer; one
-run measured psgd/raw 5% above it). The
+estimate, not a bound: the shard's work and the raw side's echo need not add up
+exactly). A psgd/raw above 1 (psgd doing more work, faster) says the machine's speed
+changed within a pair of sections: the benchmark says so. The
 last line is one JSON object: `ratio` (psgd / raw throughput at 16 MiB, 1 worker, 1
 shard), `latency_ratio` (psgd / raw round trip at 64 KiB, 1 worker, 1 shard),
 `ratio_ceiling` (the ceiling of `ratio`) and every measured row.
@@ -193,7 +195,7 @@ class RawSide:
 def client_main(conn, index: int) -> None:
     import torch
     torch.set_num_threads(1)
-    side = None
+    sides: dict[str, PsgdSide | RawSide] = {}
     while True:
         try:
             cmd, *args = conn.recv()
@@ -204,29 +206,31 @@ def client_main(conn, index: int) -> None:
             if cmd == "exit":
                 return
             if cmd == "psgd":
-                side = PsgdSide(*args)
-                result = side.shard_bytes
+                sides["psgd"] = PsgdSide(*args)
+                result = sides["psgd"].shard_bytes
             elif cmd == "raw":
-                side = RawSide(*args)
+                sides["raw"] = RawSide(*args)
             elif cmd == "warm":
-                for _ in range(args[0]):
-                    side.step()
-            elif cmd == "timed":
-                iters, t_go = args
+                name, n = args
+                for _ in range(n):
+                    sides[name].step()
+            elif cmd == "timed":   # steps until `seconds` after t_go (at least MIN_STEPS)
+                name, seconds, t_go = args
+                side = sides[name]
                 while time.time() < t_go:
                     time.sleep(0.001)
                 b0, r0, times = side.traffic(), side.retries(), []
                 t0 = time.time()
-                for _ in range(iters):
+                while len(times) < MIN_STEPS or time.time() < t_go + seconds:
                     s = time.perf_counter()
                     side.step()
                     times.append(time.perf_counter() - s)
-                result = {"t0": t0, "t1": time.time(), "steps": iters, "median_s": statistics.median(times),
+                result = {"t0": t0, "t1": time.time(), "steps": len(times), "median_s": statistics.median(times),
                           "wire": side.traffic() - b0, "retries": side.retries() - r0}
             elif cmd == "close":
-                if side is not None:
+                for side in sides.values():
                     side.close()
-                side = None
+                sides = {}
             conn.send(("ok", result))
         except Exception:
             conn.send(("error", f"client {index}: {traceback.format_exc()}"))
@@ -276,10 +280,7 @@ class Pool:
 
 
 # ---------------------------------------------------------------- the benchmark
-def iterations(size: int, workers: int, scale: float) -> int:
-    """Steps per client for one timed section: about `scale` GiB of payload per client
-    (at least 3, at most 300)."""
-    return int(min(300, max(3, scale * (1 << 30) / (2 * size) / max(1, workers ** 0.5))))
+MIN_STEPS = 3   # per client and timed section, however long a step takes
 
 
 def wait_for(procs: Procs, names: list[str], text: str, timeout: float = 120) -> None:
@@ -292,42 +293,43 @@ def wait_for(procs: Procs, names: list[str], text: str, timeout: float = 120) ->
             time.sleep(0.05)
 
 
-def measure(pool: Pool, workers: list[int], size: int, repeats: int, scale: float) -> dict[int, dict]:
-    """Warm up, then `repeats` timed sections per worker count: median over sections."""
+def measure(pool: Pool, workers: list[int], size: int, repeats: int, seconds: float,
+            shards_busy) -> dict[int, dict[str, dict]]:
+    """For each worker count: warm up both sides, then `repeats` pairs of timed sections
+    of `seconds` each, psgd's and the raw side's in turn (which goes first alternates, so
+    that a drift of the machine's speed during a pair moves both sides alike). Per side,
+    the median section; for psgd also the shards' CPU time per push over its timed
+    sections alone (`shards_busy()`: (busy_s, pushes) per shard, read between sections)."""
     out = {}
     for w in workers:
         active = range(w)
-        pool.ask({i: ("warm", 3 if size < (64 << 20) else 2) for i in active})
-        iters = iterations(size, w, scale)
-        runs = []
-        for _ in range(repeats):
-            got = pool.ask({i: ("timed", iters, time.time() + 0.05) for i in active})
-            t0 = min(r["t0"] for r in got.values())
-            t1 = max(r["t1"] for r in got.values())
-            steps = sum(r["steps"] for r in got.values())
-            runs.append({"GBps": steps * 2 * size / (t1 - t0) / 1e9,
-                         "rtt_ms": 1e3 * statistics.median(r["median_s"] for r in got.values()),
-                         "wire_per_step": sum(r["wire"] for r in got.values()) / steps, "steps": iters,
-                         "retries": sum(r["retries"] for r in got.values())})
-        runs.sort(key=lambda r: r["GBps"])
-        best = runs[(len(runs) - 1) // 2]   # the median section (of an even count, the lower of the two)
-        best["rtt_ms"] = statistics.median(r["rtt_ms"] for r in runs)
-        out[w] = best
+        for name in ("psgd", "raw"):
+            pool.ask({i: ("warm", name, 3 if size < (64 << 20) else 2) for i in active})
+        runs: dict[str, list] = {"psgd": [], "raw": []}
+        busy = []
+        for k in range(repeats):
+            for name in (("psgd", "raw") if k % 2 == 0 else ("raw", "psgd")):
+                before = shards_busy() if name == "psgd" else None
+                got = pool.ask({i: ("timed", name, seconds, time.time() + 0.05) for i in active})
+                if before is not None:
+                    after = shards_busy()
+                    busy.append(max(1e3 * (a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before,
+                                                                                                strict=True)))
+                t0 = min(r["t0"] for r in got.values())
+                t1 = max(r["t1"] for r in got.values())
+                steps = sum(r["steps"] for r in got.values())
+                runs[name].append({"GBps": steps * 2 * size / (t1 - t0) / 1e9,
+                                   "rtt_ms": 1e3 * statistics.median(r["median_s"] for r in got.values()),
+                                   "wire_per_step": sum(r["wire"] for r in got.values()) / steps,
+                                   "steps": steps // w, "retries": sum(r["retries"] for r in got.values())})
+        out[w] = {}
+        for name, rs in runs.items():
+            rs.sort(key=lambda r: r["GBps"])
+            best = rs[(len(rs) - 1) // 2]   # the median section (of an even count, the lower of the two)
+            best["rtt_ms"] = statistics.median(r["rtt_ms"] for r in rs)
+            out[w][name] = best
+        out[w]["psgd"]["busy_ms"] = statistics.median(busy)
     return out
-
-
-def run_raw(pool: Pool, work: str, size: int, shard_bytes: list[int], workers, repeats, scale) -> dict:
-    from psgd.launcher import pick_port
-    port = pick_port("127.0.0.1", 7300, len(shard_bytes))
-    with Procs(os.path.join(work, "logs-raw")) as procs:
-        for i, n in enumerate(shard_bytes):
-            procs.start(f"echo-{i}", [sys.executable, "-m", "bench.transport", "--echo", str(port + i), str(n)])
-        wait_for(procs, [f"echo-{i}" for i in range(len(shard_bytes))], "echo serving")
-        pool.all("raw", [f"tcp://127.0.0.1:{port + i}" for i in range(len(shard_bytes))], shard_bytes)
-        try:
-            return measure(pool, workers, size, repeats, scale)
-        finally:
-            pool.all("close")
 
 
 def main() -> None:
@@ -335,8 +337,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="64K,1M,16M,100M", help="table sizes (whole model, KiB/MiB)")
     ap.add_argument("--shards", default="1,2,4")
     ap.add_argument("--workers", default="1,4", help="client processes")
-    ap.add_argument("--repeats", type=int, default=3, help="timed sections per point (median)")
-    ap.add_argument("--scale", type=float, default=0.5, help="GiB of payload per client per timed section")
+    ap.add_argument("--repeats", type=int, default=3, help="timed sections per side and point (median)")
+    ap.add_argument("--seconds", type=float, default=1.0, help="length of each timed section")
     ap.add_argument("--keep", help="keep psgd's logs in this folder")
     ap.add_argument("--echo", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -356,14 +358,17 @@ def main() -> None:
         total = len(sizes) * len(shard_counts)
         for k, (size, shards) in enumerate((z, s) for z in sizes for s in shard_counts):
             progress(f"{label(size)} over {shards} shard(s) ({k + 1}/{total}, {time.monotonic() - t_start:.0f} s)")
-            got, shard_bytes, shard_ms = run_psgd_side(pool, work, size, shards, workers, a.repeats, a.scale)
-            raw = run_raw(pool, work, size, shard_bytes, workers, a.repeats, a.scale)
+            got = run_point(pool, work, size, shards, workers, a.repeats, a.seconds)
             for w in workers:
-                r, p = raw[w], got[w]
+                r, p = got[w]["raw"], got[w]["psgd"]
+                shard_ms = p["busy_ms"]
                 ceiling = r["rtt_ms"] / (r["rtt_ms"] + shard_ms) if w == 1 else None
+                if p["GBps"] > r["GBps"]:
+                    progress(f"{label(size)}, {shards} shard(s), {w} worker(s): psgd faster than raw pyzmq, which "
+                             f"does less: the machine's speed changed within a pair of sections; run again")
                 rows.append([label(size), shards, w, r["GBps"], p["GBps"], p["GBps"] / r["GBps"],
                              "" if ceiling is None else ceiling, r["rtt_ms"], p["rtt_ms"], shard_ms,
-                             f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"]])
+                             f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"], p["steps"]])
                 records.append({"bytes": size, "shards": shards, "workers": w,
                                 "raw_GBps": round(r["GBps"], 4), "psgd_GBps": round(p["GBps"], 4),
                                 "raw_rtt_ms": round(r["rtt_ms"], 4), "psgd_rtt_ms": round(p["rtt_ms"], 4),
@@ -378,12 +383,14 @@ def main() -> None:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(table(["table", "shards", "workers", "raw GB/s", "psgd GB/s", "psgd/raw", "ceiling", "raw ms/step",
-                 "psgd ms/step", "shard busy ms", "raw wire B/step", "psgd wire B/step", "steps"], rows,
-                "psgd push+pull vs raw pyzmq (payload 2 x table per step; median of "
-                f"{a.repeats} timed sections; ms/step = median round trip of one client; shard busy ms: the "
-                "shard's own CPU time per request, from its counters (the most of any shard, over the whole run); "
-                "ceiling = raw / (raw + busy), an estimate of the most psgd/raw can be with one worker, which "
-                "waits for that work)"))
+                 "psgd ms/step", "shard busy ms", "raw wire B/step", "psgd wire B/step", "raw steps",
+                 "psgd steps"], rows,
+                "psgd push+pull vs raw pyzmq (payload 2 x table per step; per side the median of "
+                f"{a.repeats} timed sections of {a.seconds:g} s, the two sides' sections in turn; ms/step = median "
+                "round trip of one client; steps: per client in the median section; shard busy ms: the shard's own "
+                "CPU time per push in psgd's timed sections, from its counters (the most of any shard, the median "
+                "over sections); ceiling = raw / (raw + busy), an estimate of the most psgd/raw can be with one "
+                "worker, which waits for that work)"))
 
     def pick(size: int, key: str):
         for r in records:
@@ -398,7 +405,7 @@ def main() -> None:
     emit_json({"bench": "transport", "ratio": round(p16 / r16, 4) if p16 else None,
                "latency_ratio": round(p64 / r64, 4) if p64 else None, "ratio_ceiling": ceiling,
                "psgd_GBps_16MiB": p16, "raw_GBps_16MiB": r16, "psgd_rtt_ms_64KiB": p64, "raw_rtt_ms_64KiB": r64,
-               "mode": "async", "rows": records})
+               "mode": "async", "repeats": a.repeats, "seconds": a.seconds, "rows": records})
 
 
 def psgd_sets(size: int, shards: int, workers: int) -> list[str]:
@@ -409,43 +416,47 @@ def psgd_sets(size: int, shards: int, workers: int) -> list[str]:
             "train.steps=1000000000"]   # the clients push as often as they like: no step limit
 
 
-def shard_busy_ms(cfg) -> float:
-    """The shards' own CPU time per request, from their counters (`psgd server`'s `busy_s`:
-    from taking a request off the socket to handing its reply to ZeroMQ, i.e. decoding,
-    validation, the finiteness check, the optimizer step, the reply): the most of any
-    shard, in ms per push. With one worker, which waits for that work every step, psgd's
-    round trip is about the raw one plus this, so raw / (raw + this) is the most that
-    psgd/raw can be without making the shard's work itself cheaper."""
+def shards_busy(cfg) -> list[tuple[float, int]]:
+    """Each shard's (busy_s, pushes) now, from its counters (`psgd server`'s `busy_s`: the
+    CPU time from taking a request off the socket to handing its reply to ZeroMQ, i.e.
+    decoding, validation, the finiteness check, the optimizer step, the reply)."""
     from psgd.transport import Peers
-    most = 0.0
+    out = []
     for i in range(cfg.cluster.servers):
         peers = Peers(zmq.Context.instance(), [cfg.shard_address(i)], cfg.security)
         try:
             st = peers.call(0, "stats", 30).fields
         finally:
             peers.close()
-        most = max(most, 1e3 * float(st["busy_s"]) / max(1, int(st["pushes"])))
-    return most
+        out.append((float(st["busy_s"]), int(st["pushes"])))
+    return out
 
 
-def run_psgd_side(pool: Pool, work: str, size: int, shards: int, workers, repeats, scale):
-    """psgd's daemons as processes; every pool client registers as worker `index`."""
+def run_point(pool: Pool, work: str, size: int, shards: int, workers, repeats, seconds):
+    """psgd's daemons and the raw echo servers, as processes, both up for the whole point
+    (a side not being timed waits in poll); every pool client registers as psgd worker
+    `index` and connects to the echo servers too."""
+    from psgd.launcher import pick_port
     out = os.path.join(work, f"psgd-{size >> 10}K-{shards}")
     cfg = psgd_config(psgd_sets(size, shards, len(pool.conns)))
     with Procs(os.path.join(out, "logs")) as procs:
         start_daemons(procs, cfg, out)
         wait_for(procs, ["coordinator"], "shards registered")  # then the workers' layout, and they serve
         shard_bytes = pool.ask({i: ("psgd", cfg.to_dict(), i) for i in range(len(pool.conns))})[0]
+        port = pick_port("127.0.0.1", 7300, shards)
+        for i, n in enumerate(shard_bytes):
+            procs.start(f"echo-{i}", [sys.executable, "-m", "bench.transport", "--echo", str(port + i), str(n)])
+        wait_for(procs, [f"echo-{i}" for i in range(shards)], "echo serving")
+        pool.all("raw", [f"tcp://127.0.0.1:{port + i}" for i in range(shards)], shard_bytes)
         try:
-            got = measure(pool, workers, size, repeats, scale)
-            busy_ms = shard_busy_ms(cfg)
+            got = measure(pool, workers, size, repeats, seconds, lambda: shards_busy(cfg))
         finally:
             pool.all("close")
         try:
             procs.wait("coordinator", 30)  # every worker finished: the job ends and the shards exit
         except (TimeoutError, RuntimeError) as e:
             progress(f"psgd's job did not end cleanly ({e}); stopping it")
-    return got, shard_bytes, busy_ms
+    return got
 
 
 if __name__ == "__main__":

@@ -322,7 +322,8 @@ class Shard:
         self._within_job("round", int(msg.get("round")), 1, r.FINAL_ROUND)
         self._room_to_park()
         return self.carry_out(self.rule.fetch(
-            r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")))))
+            r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")), msg.rank,
+                    None if msg.get("score") is None else float(msg.get("score")))))
 
     def on_models(self, token, msg: wire.Message) -> list[Reply]:
         return self.carry_out(self.rule.index((token, msg)))

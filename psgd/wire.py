@@ -90,7 +90,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,)},
     "elastic": {"round": (int,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,)},
-    "get_model": {"round": (int,), "owner": (int,), "exact": (bool,)},
+    "get_model": {"round": (int,), "owner": (int,), "exact": (bool,), "score": _num},
     "models": {},
     "stats": {},
     "init": {},

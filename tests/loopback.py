@@ -71,6 +71,7 @@ class FakeTrainer:
         self.replica = Replica(model, cfg.cluster.servers, torch.device("cpu"))
         self.clock = 0
         self.loss, self.samples = 0.0, 0
+        self.t0 = time.monotonic()
         self.hist = Histogram()
         self.logged: list[tuple] = []
 
@@ -95,7 +96,7 @@ class FakeTrainer:
         pass
 
     def now(self) -> float:
-        return time.monotonic()
+        return time.monotonic() - self.t0
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

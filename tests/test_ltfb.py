@@ -446,3 +446,90 @@ def test_trainer_groups_keep_identical_replicas(tmp_path, port_block, strategy):
     first = {e["trainer"]: e["hyper"]["optimizer.lr"] for e in lines if e["round"] == 1 and not e["adopted"]}
     drawn = {t: draw_hyper({"optimizer.lr": [0.02, 0.3]}, cfg.job.seed, t)["optimizer.lr"] for t in (0, 1)}
     assert all(abs(v - drawn[t]) <= 1e-5 * drawn[t] for t, v in first.items())
+
+
+@unit
+def test_the_global_model_waits_for_a_deposit_on_its_way_to_every_shard(monkeypatch):
+    """Each shard keeps a trainer's latest deposit only: while the newest ones have
+    reached shard 0 and not yet shard 1, no deposit is on both, and `global_model` gave
+    the shards' tables (ltfb's: the initial model; a chance-level score). It waits for
+    the deposit to arrive instead."""
+    import psgd.consistency.ltfb as ltfb
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "cluster.servers": 2, "train.steps": 100})
+    shards = [Shard(cfg, i) for i in range(2)]
+    initial = flat([s.params for s in shards]).clone()
+    clients = [TourLoopback(shards, r) for r in range(2)]
+
+    def deposit(rank, rnd, x, on):
+        arrays = [[torch.full((s.P,), x), s.buffers.clone()] for s in shards]
+        clients[rank].request([(i, "put_model", {"round": rnd, "score": x, "step": 10 * rnd, "arrays": arrays[i]})
+                               for i in on])
+    for rank in (0, 1):
+        deposit(rank, 1, 1.0 + rank, on=(0, 1))
+    assert flat(TourLoopback.tables(ltfb.global_model(clients[0]))[0]).max() == 2.0
+    for rank in (0, 1):
+        deposit(rank, 2, 3.0 + rank, on=(0,))            # on their way to shard 1
+    waited = []
+
+    def arrive(s):   # while the reader waits, the deposits reach shard 1
+        waited.append(s)
+        for rank in (0, 1):
+            deposit(rank, 2, 3.0 + rank, on=(1,))
+    monkeypatch.setattr(ltfb.time, "sleep", arrive)
+    got = flat(TourLoopback.tables(ltfb.global_model(clients[0]))[0])
+    assert waited and not torch.equal(got, initial) and got.max() == 4.0
+
+
+@unit
+def test_a_restarted_worker_holds_no_tournament_without_a_local_round_after_it():
+    """A worker restarted into a job with a `train.seconds` budget counted the budget from
+    its own start: 1 s before the job's end it held a tournament with no local round
+    after it (rounds take 3 s here). The budget is the job's (`Trainer.now`)."""
+    cfg = ltfb_cfg(**{"cluster.workers": 1, "train.steps": 0, "train.seconds": 60.0, "mode.round_steps": 3})
+    _, [(w, s)] = trainers_on(cfg, 1)
+    now = [50.0]   # the job had trained 50 s when this worker (re)joined it
+    w.now = lambda: now[0]
+    s.start(w)
+    held = []
+    s.lead = lambda w, rnd: held.append((now[0], rnd))
+    while now[0] < cfg.train.seconds:   # Worker.more()
+        now[0] += 1.0
+        s.step(w)
+    assert held and not [(t, r) for t, r in held if cfg.train.seconds - t < 3.0], held
+
+
+@unit
+def test_truncations_board_completes_after_a_shard_restarts_from_an_older_checkpoint(tmp_path):
+    """A shard restored from its periodic checkpoint has lost the deposits made after it,
+    and nobody deposits again: trainers 0-2 wait on round 2's board, which waited for
+    their round-2 deposits, for good. A board request carries the asker's own score:
+    the resent requests put them back."""
+    ids = iter(range(1, 1 << 20))
+
+    def req(op, rank, clock, arrays=(), **fields):
+        return wire.decode(wire.encode(op, id=next(ids), rank=rank, clock=clock, arrays=arrays, **fields))
+
+    def answered(shard, request):
+        return [t for t, _ in shard.handle(("t", request.id), request)]
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "cluster.servers": 1,
+                              "mode.strategy": "truncation", "train.steps": 100, "mode.round_steps": 10})
+    a = Shard(cfg, 0)
+
+    def model(x):
+        return [torch.full((a.P,), float(x)), torch.zeros(a.B)]
+    for t in range(4):
+        answered(a, req("put_model", t, 10, model(t), round=1, score=0.1 * t))
+    a.save(str(tmp_path / "shard-0.pt"))                      # the periodic checkpoint
+    boards = {}
+    for t in range(3):                                       # round 2: trainers 0-2 deposit, then wait for 3
+        answered(a, req("put_model", t, 20, model(t), round=2, score=0.2 * t))
+        boards[t] = req("get_model", t, 20, round=2, owner=-1, score=0.2 * t)
+        assert answered(a, boards[t]) == []
+    b = Shard(cfg, 0)                                        # kill -9, restarted from the checkpoint
+    assert b.resume(str(tmp_path / "shard-0.pt")) == ""
+    for t in range(3):                                       # the askers resend their requests
+        assert answered(b, boards[t]) == []
+    out = answered(b, req("put_model", 3, 20, model(3), round=2, score=0.6))   # the last trainer's deposit
+    assert set(out) >= {("t", boards[t].id) for t in range(3)}                # releases the three boards
+    scores = b.handle("x", req("get_model", 0, 20, round=2, owner=-1))
+    assert wire.decode(scores[0][1]).get("scores") == [[0, 0.0], [1, 0.2], [2, 0.4], [3, 0.6]]

@@ -261,7 +261,7 @@ class Worker:
             return False
         if t.steps and self.clock >= t.steps:
             return False
-        return not (t.seconds and self.trained_s + time.monotonic() - self.t_start >= t.seconds)
+        return not (t.seconds and self.now() >= t.seconds)
 
     def compute(self) -> float:
         """One forward/backward on the next batch (with injected slowness: a slow link, a
@@ -329,4 +329,6 @@ class Worker:
         log(self.name, text)
 
     def now(self) -> float:
-        return time.monotonic()
+        """How long the job has trained, by this worker's clock: what `train.seconds`
+        counts (a worker restarted into the job starts at `trained_s`)."""
+        return self.trained_s + time.monotonic() - self.t_start

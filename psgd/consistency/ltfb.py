@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ from .tournament import (
 )
 
 FETCH_TRIES = 5   # a chosen deposit can be replaced by a newer one between index and fetch
+DEPOSIT_WAIT_S = 0.05   # then 0.1, 0.2, 0.4 s: for a deposit to reach every shard (`global_model`)
 SCORES = -1       # get_model's owner for a round's scores (truncation)
 META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
 NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
@@ -126,8 +128,14 @@ class LtfbRule(ServerRule):
 
     def fetch(self, e: Fetch) -> list[Decision]:
         if e.owner == SCORES:
+            out: list[Decision] = []
+            if e.score is not None and e.rank >= 0:   # the asker's own score, as it deposited it: a shard
+                # restored from a checkpoint older than that deposit learns it again from the resent request
+                # (else the board waited for good for trainers that wait on the board)
+                out += [self.answer_scores(t, r, b)
+                        for t, r, b in self.board.put(e.round, trainer_of(e.rank, self.k), e.score)]
             board = self.board.get(e.round, e.token)
-            return [] if board is None else [self.answer_scores(e.token, e.round, board)]
+            return out + ([] if board is None else [self.answer_scores(e.token, e.round, board)])
         if e.round < 0:
             found = self.outcomes.get(-e.round, e.owner, e.token)
             return [] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})]
@@ -214,10 +222,17 @@ def choose_best(indexes: list[list]) -> tuple[int, int] | None:
 
 def global_model(client: Any) -> list:
     """The best trainer's model, all of its slices from the same deposit; the initial
-    model (the shards' tables) before the first round."""
+    model (the shards' tables) before the first round. A deposit on its way to some of
+    the shards (each keeps a trainer's latest only: for a moment no deposit is on every
+    shard) is waited for, briefly, where the client can wait (`waits`: the simulator's
+    evaluator reads between events, when nothing moves); after that, the shards' tables."""
     for attempt in range(FETCH_TRIES):
-        best = choose_best([m.get("models") for m in client.index()])
+        indexes = [m.get("models") for m in client.index()]
+        best = choose_best(indexes)
         if best is None:
+            if any(indexes) and attempt < FETCH_TRIES - 1 and getattr(client, "waits", True):
+                time.sleep(DEPOSIT_WAIT_S * 2 ** attempt)
+                continue
             return client.pull(-1)
         got = client.get_model(best[0], best[1], exact=True, missing_ok=attempt < FETCH_TRIES - 1)
         if got is not None:
@@ -259,7 +274,7 @@ class LtfbSchedule(Schedule):
         self.rejoin(w)
         self.opt = make_local_optimizer(w)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
-        self.t_start = self.t_round = w.now()
+        self.t_round = w.now()
         self.round_s = 0.0
 
     def rejoin(self, w: Trainer) -> None:
@@ -332,7 +347,7 @@ class LtfbSchedule(Schedule):
         t = self.cfg.train
         if t.steps and w.clock + self.cfg.mode.round_steps > t.steps:
             return False
-        return not (t.seconds and w.now() - self.t_start + self.round_s > t.seconds)
+        return not (t.seconds and w.now() + self.round_s > t.seconds)   # (the job's time: a restart's too)
 
     def leader(self, w: Trainer) -> int:
         return min(r for r in w.live() | {w.rank} if trainer_of(r, self.k) == self.trainer)
@@ -377,7 +392,7 @@ class LtfbSchedule(Schedule):
         live = trainers(w.live() | {w.rank}, self.k)
         seed, metric = self.cfg.job.seed, self.cfg.mode.metric
         if self.cfg.mode.strategy == "truncation":
-            board = self.scores(w, rnd)
+            board = self.scores(w, rnd, local)
             source = truncation(seed, rnd, board, self.cfg.mode.truncation_k).get(self.trainer)
             if source is None:
                 return None, None, None
@@ -407,9 +422,10 @@ class LtfbSchedule(Schedule):
             w.note(f"round {rnd}: trainer {owner} did not deliver its model; keeping ours")
         return got
 
-    def scores(self, w: Trainer, rnd: int) -> dict[int, float]:
-        """Every live trainer's score of round `rnd` (the same board for all of them)."""
-        (m,) = w.client.request([(0, "get_model", {"round": rnd, "owner": SCORES})])
+    def scores(self, w: Trainer, rnd: int, own: float) -> dict[int, float]:
+        """Every live trainer's score of round `rnd` (the same board for all of them);
+        the request carries this trainer's own, `own`, as deposited."""
+        (m,) = w.client.request([(0, "get_model", {"round": rnd, "owner": SCORES, "score": own})])
         return {int(t): float(s) for t, s in m.get("scores")}
 
     def take(self, w: Trainer, got: list, rnd: int) -> None:

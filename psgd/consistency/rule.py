@@ -95,11 +95,14 @@ class Deposit:
 
 @dataclass
 class Fetch:
-    """A request for `owner`'s model of `round` (or later, unless `exact`)."""
+    """A request for `owner`'s model of `round` (or later, unless `exact`); of a round's
+    scores (owner SCORES), with the asker's own `score` of it when it has one."""
     token: Any
     owner: int
     round: int
     exact: bool = False
+    rank: int = -1
+    score: float | None = None
 
 
 # ---------------------------------------------------------------- decisions (rule -> shard)
@@ -284,7 +287,7 @@ class Trainer(Protocol):
     def live(self) -> set[int]: ...
     def event(self, **fields: Any) -> None: ...
     def note(self, text: str) -> None: ...
-    def now(self) -> float: ...   # seconds on the worker's clock (virtual in psgd simulate)
+    def now(self) -> float: ...   # how long the job has trained, by the worker's clock (virtual in psgd simulate)
 
 
 class Diverged(RuntimeError):

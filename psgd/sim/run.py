@@ -103,7 +103,10 @@ def _timed_steps(cfg: Config, ds: Any, batches: Any, device: str) -> float:
 class DirectClient(ParameterClient):
     """The evaluator's client: requests served by the shards at once, off the network.
     A read that a rule would park is a bug of the simulation's use (an evaluator's read
-    is never gated) and raises."""
+    is never gated) and raises. It cannot wait for a message on its way (`waits`): the
+    loop does not move while it reads."""
+
+    waits = False
 
     def __init__(self, sim: Simulation):
         self.sim = sim

@@ -442,9 +442,11 @@ class CoordinatorLink:
             self._calls = None
 
     def stop(self) -> None:
+        """End the heartbeats: the thread ends once its call in flight is answered or
+        times out (`_run`: at most 4 heartbeat periods, at least 2 s)."""
         self._stop.set()
         if self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=max(5.0, 4 * self.cfg.cluster.heartbeat_s + 1.0))
 
     @property
     def done(self) -> bool:

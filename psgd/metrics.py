@@ -46,9 +46,13 @@ class PidFile:
         if self.path:
             try:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                with open(self.path, "w") as f:
+                tmp = f"{self.path}.tmp.{os.getpid()}"   # whole or absent: a launcher reading an empty file
+                with open(tmp, "w") as f:                # took it for a stale one and removed it
                     f.write(f"{os.getpid()}\n")
+                os.replace(tmp, self.path)
             except BaseException:   # SIGTERM's SystemExit once the file exists, before `with` holds it
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{self.path}.tmp.{os.getpid()}")
                 self.__exit__()
                 raise
         return self

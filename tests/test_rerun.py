@@ -271,3 +271,27 @@ def test_the_checkpoints_of_a_job_that_ended_are_not_resumed(tmp_path):
     (tmp_path / "summary.json").write_text("{}")             # the job ended
     LocalJob(cfg, str(tmp_path), quiet=True).stop()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["shard-0.pt.earlier"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_pid_file_is_never_seen_empty(tmp_path, monkeypatch):
+    """A pid file was truncated, then written: a launcher reading it in between found no
+    pid, took the file for a stale one and removed it (and the running job's logs). It is
+    written whole under another name and renamed."""
+    import builtins
+
+    from psgd.metrics import PidFile
+    written = []
+    real_open = builtins.open
+
+    def open_(path, mode="r", *a, **k):
+        if "w" in mode:
+            written.append(str(path))
+        return real_open(path, mode, *a, **k)
+    monkeypatch.setattr(builtins, "open", open_)
+    with PidFile(str(tmp_path), "server", 0) as pid:
+        assert written and pid.path not in written
+        assert open(pid.path).read() == f"{os.getpid()}\n"
+        assert os.listdir(tmp_path / "pids") == ["server-0.pid"]
+    assert os.listdir(tmp_path / "pids") == []

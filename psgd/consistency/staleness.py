@@ -42,8 +42,9 @@ class Histogram:
         return cls(stats.get("staleness_hist") or [], stats.get("staleness_sum"), stats.get("staleness_max"))
 
     def stats(self) -> dict:
-        """The counters' fields: the bins, the exact sum and the largest tau."""
-        return {"staleness_hist": self.counts, "staleness_sum": self.tau_sum, "staleness_max": self.top}
+        """The counters' fields: the bins (a copy: a heartbeat thread sends them while the
+        serving or training thread adds), the exact sum and the largest tau."""
+        return {"staleness_hist": list(self.counts), "staleness_sum": self.tau_sum, "staleness_max": self.top}
 
     def add(self, tau: int, n: int = 1) -> None:
         if tau < 0:   # (comparisons, not max and min: a few per worker step)

@@ -353,8 +353,8 @@ class GroupSteps:
         return ready
 
     @property
-    def parked(self) -> int:
-        return sum(len(g.reads) for g in self.groups.values())
+    def parked(self) -> int:   # (a copy of the groups: a heartbeat thread asks while the serving thread adds)
+        return sum(len(g.reads) for g in list(self.groups.values()))
 
 
 def _clone(x: Any) -> Any:

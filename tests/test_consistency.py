@@ -940,3 +940,27 @@ def test_a_refused_pull_is_not_counted_as_a_pull():
     assert shard.counters["pulls"] == 0
     shard.handle("t", msg("pull", 0, 0))
     assert shard.counters["pulls"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_the_global_model_is_read_again_while_its_shards_stand_at_different_steps(monkeypatch):
+    """The evaluator read shard 0 after it closed step c and shard 1 before: a model of
+    two steps' slices. It reads again until the shards agree (a few tries)."""
+    from psgd.consistency import rule
+
+    class Client:
+        def __init__(self, steps):
+            self.steps = steps
+            self.reads = 0
+
+        def pull(self, clock):
+            self.reads += 1
+            at = self.steps[min(self.reads, len(self.steps)) - 1]
+            return [{"step": s} for s in at]
+    monkeypatch.setattr(rule.time, "sleep", lambda s: None)
+    c = Client([(4, 3), (4, 3), (4, 4)])
+    assert rule.read_params(c) == [{"step": 4}, {"step": 4}] and c.reads == 3
+    stuck = Client([(4, 3)])
+    assert rule.read_params(stuck) == [{"step": 4}, {"step": 3}] and stuck.reads == rule.READ_TRIES
+    stuck.waits, stuck.reads = False, 0
+    assert rule.read_params(stuck) and stuck.reads == 1

@@ -34,6 +34,7 @@ the parameter client, the replica, the step log) and never to sockets itself.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -320,9 +321,22 @@ class Schedule:
         """The budget is spent: settle what is still in flight."""
 
 
+READ_TRIES = 5   # reads of the global model whose shards stand at different steps (`read_params`)
+
+
 def read_params(client: Any) -> list:
-    """The global model of the parameter-server modes: the shards' parameters."""
-    return client.pull(-1)
+    """The global model of the parameter-server modes: the shards' parameters, all of
+    the same step where the shards count steps (sync, diloco, synchronous easgd): a read
+    between one shard's close of a step and another's would score a model of two steps'
+    slices, so it is read again, briefly (where the client can wait: `waits`; the
+    simulator's evaluator reads between events, when nothing moves)."""
+    for attempt in range(READ_TRIES):
+        answers = client.pull(-1)
+        if (len({int(m.get("step", 0)) for m in answers}) <= 1 or attempt == READ_TRIES - 1
+                or not getattr(client, "waits", True)):
+            return answers
+        time.sleep(0.01 * 2 ** attempt)
+    raise AssertionError("unreachable: the last try returns")
 
 
 @dataclass(frozen=True)

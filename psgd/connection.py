@@ -64,7 +64,7 @@ from .forkserver import end_with_launcher
 from .log import log
 from .metrics import PidFile
 from .replica import pick_device
-from .transport import PeerTimeout
+from .transport import HandshakeFailed, PeerTimeout
 from .workers.client import Cancelled, ShardUnreachable
 from .workers.worker import Worker, local_rank
 
@@ -127,7 +127,7 @@ class Connection(Worker):
         self._batch = 0
         try:
             cfg = self.join(model)
-        except (wire.RemoteError, PeerTimeout) as e:  # refused (the rank is taken, ...), or no coordinator
+        except (wire.RemoteError, PeerTimeout, HandshakeFailed) as e:  # refused (the rank is taken, ...), or none
             self.link.close()
             raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}") from None
         self._check(cfg)
@@ -231,7 +231,7 @@ class Connection(Worker):
             # worker's own is brought up to date first (a report right after the loop).
             self.link.beat()
             self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
-        except (PeerTimeout, wire.RemoteError) as e:
+        except (PeerTimeout, HandshakeFailed, wire.RemoteError) as e:
             raise JobError(f"report(): the score was not recorded: {getattr(e, 'reason', e)}") from None
 
     def close(self, error: str = "") -> None:

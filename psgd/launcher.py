@@ -274,15 +274,20 @@ class LocalJob:
             for path in glob.glob(os.path.join(folder, "shard-*.pt")):
                 os.replace(path, path + ".earlier")
         mine = [os.path.join(folder, f"shard-{i}.pt") for i in range(self.cfg.cluster.servers)]
-        have = [path for path in mine if os.path.exists(path)]
-        if have and len(have) < len(mine):
-            # Some shards would resume and the others start from the initial values: one
-            # model of two versions. All of them start afresh instead.
-            for path in have:
-                os.replace(path, path + ".earlier")
-            log("run", f"warning: {len(have)} of the {len(mine)} shard checkpoints in {folder} are there (no "
-                       f"{', '.join(os.path.basename(p) for p in mine if p not in have)}): not resuming a part of "
-                       f"the model; moved to *.pt.earlier, the job starts afresh")
+        if any(os.path.exists(path) for path in mine):
+            from .shard import resumable  # (torch: only where there are checkpoints to look at)
+            can = [resumable(path, self.cfg, i) for i, path in enumerate(mine)]
+            if any(can) and not all(can):
+                # Some shards would resume and the others start from the initial values: one
+                # model of two versions. All of them start afresh instead.
+                for path in mine:
+                    if os.path.exists(path):
+                        os.replace(path, path + ".earlier")
+                not_ok = ", ".join(os.path.basename(p) for p, ok in zip(mine, can, strict=True) if not ok)
+                log("run", f"warning: only {sum(can)} of the {len(mine)} shard checkpoints in {folder} can be "
+                           f"resumed (not {not_ok}: "
+                           f"missing, or of another job or configuration): not resuming a part of the model; moved "
+                           f"to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))
         for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
                      + glob.glob(os.path.join(self.out, "logs", "*.log"))):

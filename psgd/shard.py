@@ -503,11 +503,9 @@ class Shard:
             sd = torch.load(path, weights_only=True)
         except Exception as e:  # unreadable, or not a checkpoint
             return f"it cannot be read ({type(e).__name__}: {e})"
-        mine = training_config(self.cfg)
-        if sd.get("finished"):
-            return "its job finished"
-        if sd.get("training", mine) != mine:   # older checkpoints do not say
-            return "it is of another training configuration (job, model, data, mode, optimizer or wire)"
+        why = why_not_resume(sd, self.cfg, self.index)
+        if why:
+            return why
         other = self._other_shard(sd)
         if other:
             return f"it is {other}"
@@ -569,10 +567,33 @@ def refuses(decisions: list[r.Decision], token: Any) -> bool:
 
 def training_config(cfg: Config) -> str:
     """What a checkpoint's state means only under: the sections that define the training
-    (not its budget, addresses, timeouts or evaluation), and the worker count."""
+    (not its budget, addresses, timeouts or evaluation), and the worker and shard counts."""
     d = cfg.to_dict()
     kept = {k: d[k] for k in ("job", "model", "data", "mode", "optimizer", "wire")}
-    return json.dumps({**kept, "workers": cfg.cluster.workers}, sort_keys=True)
+    return json.dumps({**kept, "workers": cfg.cluster.workers, "servers": cfg.cluster.servers}, sort_keys=True)
+
+
+def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
+    """'' if shard `index` of a job of `cfg` may resume from a checkpoint's state `sd`
+    (its table sizes aside, which its shard checks), else why not."""
+    mine = training_config(cfg)
+    if sd.get("finished"):
+        return "its job finished"
+    if sd.get("training", mine) != mine:   # older checkpoints do not say
+        return "it is of another training configuration (job, model, data, mode, optimizer, wire or shards)"
+    if sd.get("shard", index) != index:
+        return f"it is shard {sd.get('shard')}'s"
+    return ""
+
+
+def resumable(path: str, cfg: Config, index: int) -> bool:
+    """Would shard `index` of a job of `cfg` resume from the checkpoint at `path`? (Read
+    mapped, not whole: only its fields are looked at.)"""
+    try:
+        sd = torch.load(path, weights_only=True, mmap=True)
+    except Exception:  # unreadable, or not a checkpoint: nothing to resume
+        return False
+    return isinstance(sd, dict) and not why_not_resume(sd, cfg, index)
 
 
 def copied(x):

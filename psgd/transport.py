@@ -44,21 +44,24 @@ class HandshakeFailed(ConnectionError):
     `PeerTimeout`."""
 
 
-# The client sockets' monitors report these (pyzmq's enums as plain ints)
-_AUTH, _PROTOCOL, _NO_DETAIL = (int(zmq.EVENT_HANDSHAKE_FAILED_AUTH), int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
-                                int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL))
+# The client sockets' monitors report these (pyzmq's enums as plain ints): a handshake
+# that succeeded, and the two failures that are a refusal (a connection dropped during its
+# greeting, a peer restarting, is none: ZeroMQ says NO_DETAIL, and tries again)
+_AUTH, _PROTOCOL, _SUCCEEDED = (int(zmq.EVENT_HANDSHAKE_FAILED_AUTH), int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
+                                int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 _MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+_monitors = itertools.count(1)   # each monitor's own inproc name (pyzmq's default reuses a closed socket's fd)
 
 
 def handshake_failure(event: int, value: int) -> str:
-    """What a failed handshake (a monitor's event and value) means for psgd's user."""
+    """What a failed handshake (a monitor's event and value) means for psgd's user; ''
+    for any other event."""
     if event == _AUTH:
         return ("the server refused this client's CurveZMQ key: is the client's public key in the server's "
                 "security.keys/authorized/? (a server reads it when it starts)")
     if event == _PROTOCOL and value == _MECHANISM_MISMATCH:
         return "one side uses CurveZMQ and the other does not: set security.curve the same everywhere"
-    return (f"the security handshake failed (ZeroMQ event {event}, value {value}): do both sides use the same "
-            f"security.curve and keys (server.key)?")
+    return ""
 
 
 # Frames below this many bytes are copied at send (pyzmq's copy_threshold, 64 KiB by
@@ -138,11 +141,12 @@ def check_keys(keys: str) -> None:
 def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
                   max_frame: int = wire.MAX_HEADER) -> zmq.Socket:
     """A ROUTER bound to `address`; frames over `max_frame` bytes cut the sender off."""
+    if security.curve:   # (the keys first: a missing one leaves no socket, nor a share of the authenticator)
+        public, secret = _load_pair(security.keys, "server")
     sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     if security.curve:
         _start_auth(ctx, security.keys)
-        public, secret = _load_pair(security.keys, "server")
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
@@ -203,29 +207,32 @@ class Peers:
         self.security = security
         self.ctx = ctx
         self.socks = [client_socket(ctx, a, security) for a in self.addresses]
-        self.monitors = [self._monitor(s) for s in self.socks]   # failed handshakes only (see `refused`)
+        self.monitors = [self._monitor(s) for s in self.socks]   # handshakes (see `refused`)
+        self.why = ["" for _ in self.socks]                       # the last handshake's refusal, per peer
         self.bytes_sent = 0
         self.bytes_recv = 0
 
     @staticmethod
     def _monitor(sock: zmq.Socket) -> zmq.Socket:
-        return sock.get_monitor_socket(_AUTH | _PROTOCOL | _NO_DETAIL)
+        return sock.get_monitor_socket(_AUTH | _PROTOCOL | _SUCCEEDED,
+                                       addr=f"inproc://psgd-monitor-{os.getpid()}-{next(_monitors)}")
 
     def reconnect(self, i: int) -> None:
         """Drop pending traffic to peer i and open a fresh connection."""
         self._close(i)
         self.socks[i] = client_socket(self.ctx, self.addresses[i], self.security)
         self.monitors[i] = self._monitor(self.socks[i])
+        self.why[i] = ""
 
     def refused(self, i: int) -> str:
-        """Why peer i refused this client's handshake, if it did ('' if not): asked
-        when an answer is overdue, not on the way of every request."""
+        """Why peer i refused this client's handshake, if its last handshake was refused
+        ('' if not; one that succeeded since ends an earlier refusal): asked when an
+        answer is overdue, not on the way of every request."""
         from zmq.utils.monitor import recv_monitor_message
-        why = ""
         while readable(self.monitors[i]):
             e = recv_monitor_message(self.monitors[i], zmq.NOBLOCK)
-            why = handshake_failure(int(e["event"]), int(e["value"]))
-        return why
+            self.why[i] = handshake_failure(int(e["event"]), int(e["value"]))
+        return self.why[i]
 
     def send(self, i: int, op: str, rid: int | None = None, **kw: Any) -> int:
         """Send a request to peer i (under a new id, or `rid`: a resend); its id."""

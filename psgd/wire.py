@@ -320,7 +320,9 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
 def finite(t: Any) -> bool:
     """Has tensor `t` no NaN or Inf? Its sum is then finite (no t-sized temporary, as
     `isfinite(t).all()` would make; an empty tensor has nothing to sum: no reduction).
-    A sum that is not may have overflowed from finite values: then each value is asked."""
+    A sum that is not may have overflowed from finite values: then each value is asked
+    (a float16 tensor's sum overflows at 65504; summing it in float32, `dtype=`, would be
+    2-3x slower for every float32 one)."""
     return not t.numel() or abs(t.sum().item()) < float("inf") or bool(t.isfinite().all())
 
 

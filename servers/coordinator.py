@@ -596,6 +596,8 @@ class Coordinator:
         if self.ended:   # a restart after its job ended (`_resume`): exit as that job did
             self.sock.close(0)
             self.events.close()
+            if self.cfg.security.curve:
+                stop_auth(self.ctx)
             return 1 if self.abort else 0
         start = time.monotonic()
         waited_note = start

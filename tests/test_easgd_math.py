@@ -173,3 +173,38 @@ def test_an_async_worker_restarted_before_it_was_missed_resumes_after_its_rounds
     s.step(again)                                      # round 5's, after two local steps: the centre moves
     assert float((flat([sh.params for sh in shards]) - centre).abs().max()) > 0
     assert shards[0].rule.offered[0] == 5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,sync,fields", [("easgd", False, {"offered": 2}), ("easgd", True, {"step": 3}),
+                                              ("diloco", False, {"step": 3})])
+def test_a_worker_joining_near_the_end_catches_up_to_no_clock_past_the_last_step(monkeypatch, mode, sync, fields):
+    """tau = H = 4, 10 steps: a worker joining after round 2 caught up to clock 12, which
+    the coordinator refuses (past train.steps), so its heartbeats and its finish were
+    refused. It stops at the job's last step."""
+    import types
+
+    import psgd.consistency.diloco as diloco
+    import psgd.consistency.easgd as easgd
+    from psgd.consistency.diloco import DilocoSchedule
+    from tests.conftest import ask, hand_served
+    cfg = Config().replace(**{"mode.name": mode, "mode.tau": 4, "mode.local_steps": 4, "mode.sync": sync,
+                              "train.steps": 10, "cluster.workers": 2})
+    for module in (easgd, diloco):
+        monkeypatch.setattr(module, "load", lambda w, answers: [3])
+
+    class Client:
+        def join(self, clock):
+            return [wire.Message("reply", 1, fields={"version": 3, **fields})]
+    w = types.SimpleNamespace(clock=9, client=Client(), cfg=cfg, replica=types.SimpleNamespace(params=lambda: []))
+    if mode == "easgd":
+        EasgdSchedule(cfg).join(w)
+    else:
+        DilocoSchedule(cfg).begin_round(w, w.client.join(9))
+    assert w.clock == 10
+    c = hand_served(workers=2, **{"train.steps": 10})
+    try:
+        assert ask(c, "heartbeat", role="worker", rank=1, index=1, clock=w.clock).op == "reply"
+        assert ask(c, "finish", rank=1, clock=w.clock).op == "reply"
+    finally:
+        c.sock.close(0)

@@ -75,21 +75,36 @@ def test_a_second_launcher_started_at_the_same_moment_is_refused(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_an_incomplete_set_of_shard_checkpoints_is_not_resumed(tmp_path, capsys):
-    """A review: shard-0.pt without shard-1.pt (a save cut short, a file removed): shard 0
-    resumed and shard 1 started from the initial values, one model of two versions. The
-    whole set, or none: the job starts afresh, and says why."""
-    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=2"], env={})
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "shard-0.pt").write_text("a checkpoint")
-    LocalJob(cfg, str(tmp_path), quiet=True).stop()
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["shard-0.pt.earlier"]
-    assert "1 of the 2 shard checkpoints" in capsys.readouterr().err
-    for i in (0, 1):   # a whole set stays, to be resumed
-        (tmp_path / "checkpoints" / f"shard-{i}.pt").write_text("a checkpoint")
-    LocalJob(cfg, str(tmp_path), quiet=True).stop()
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["shard-0.pt", "shard-0.pt.earlier", "shard-1.pt"]
+    """A review: shard-0.pt without shard-1.pt (a save cut short, a file removed), or a
+    set mixed from two jobs of other shard counts in one folder: some shards resumed and
+    the others started from the initial values, one model of two versions. The whole set,
+    or none: the job starts afresh, and says why."""
+    port = free_port_block(3)
+    two = load(None, [f"cluster.port={port}", "cluster.servers=2"], env={})
+    four = load(None, [f"cluster.port={port}", "cluster.servers=4"], env={})
+    ckpt = tmp_path / "checkpoints"
+
+    def saved(cfg, *shards):
+        for i in shards:
+            Shard(cfg, i).save(str(ckpt / f"shard-{i}.pt"))
+
+    def files():
+        return sorted(os.listdir(ckpt))
+    saved(two, 0)
+    LocalJob(two, str(tmp_path), quiet=True).stop()
+    assert files() == ["shard-0.pt.earlier"] and "only 1 of the 2 shard checkpoints" in capsys.readouterr().err
+    saved(two, 0, 1)                           # a whole set stays, to be resumed
+    LocalJob(two, str(tmp_path), quiet=True).stop()
+    assert files() == ["shard-0.pt", "shard-0.pt.earlier", "shard-1.pt"]
+    saved(four, 0, 1, 2, 3)                    # a 4-shard job, then a 2-shard one in the same folder
+    saved(two, 0, 1)
+    LocalJob(four, str(tmp_path), quiet=True).stop()   # shards 2, 3 would resume, 0 and 1 not
+    assert [f for f in files() if f.endswith(".pt")] == [] and "only 2 of the 4" in capsys.readouterr().err
+    (ckpt / "shard-0.pt").write_text("not a checkpoint")   # none resumable: each shard says why, nothing moved
+    LocalJob(two, str(tmp_path), quiet=True).stop()
+    assert "shard-0.pt" in files()
 
 
 def shard_server(cfg: Config, out) -> tuple[ShardServer, Shard]:

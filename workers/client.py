@@ -17,6 +17,7 @@ gives up with `Cancelled` (the job ended).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -161,7 +162,8 @@ class ParameterClient:
             # still wait in ZeroMQ's queues: their frames are the caller's buffers, sent
             # without copies, which its next step rewrites. A fresh connection drops them.
             for i in {i for _, i in f.pending.values()}:
-                self.peers.reconnect(i)
+                with contextlib.suppress(zmq.ZMQError):   # (a context terminated meanwhile: nothing queued is sent)
+                    self.peers.reconnect(i)
             raise
         finally:
             self.wait_s += time.monotonic() - t0

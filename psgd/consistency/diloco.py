@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from .. import wire
 from ..config import OptimizerConfig
-from .pushpull import load
+from .pushpull import caught_up, load
 from .rule import Schedule, Trainer, local_step, make_local_optimizer
 from .sync import SyncRule
 
@@ -65,7 +65,7 @@ class DilocoSchedule(Schedule):
     def begin_round(self, w: Trainer, answers: list, catch_up: bool = True) -> None:
         """Continue in the shards' open round (`catch_up`), from the global model they sent."""
         if catch_up:
-            w.clock = max(w.clock, max(int(m.get("step", 0)) for m in answers) * self.cfg.mode.local_steps)
+            w.clock = caught_up(w, max(int(m.get("step", 0)) for m in answers) * self.cfg.mode.local_steps)
         self.versions = load(w, answers)
         self.origin = [p.clone() for p in w.replica.params()]   # theta at the round's start, per shard
 

@@ -32,7 +32,7 @@ import torch
 
 from . import barrier as bsp
 from .elastic import default_alpha, elastic_delta, round_deltas
-from .pushpull import load
+from .pushpull import caught_up, load
 from .rule import (
     BUFFERS,
     Answer,
@@ -146,9 +146,9 @@ class EasgdSchedule(Schedule):
         answers = w.client.join(w.clock)
         tau = self.cfg.mode.tau
         if self.cfg.mode.sync:   # continue in the shards' open round
-            w.clock = max(w.clock, max(int(m.get("step", 0)) for m in answers) * tau)
+            w.clock = caught_up(w, max(int(m.get("step", 0)) for m in answers) * tau)
         else:                    # after the rounds this rank offered already (a restart of its process)
-            w.clock = max(w.clock, (max(int(m.get("offered", -1)) for m in answers) + 1) * tau)
+            w.clock = caught_up(w, (max(int(m.get("offered", -1)) for m in answers) + 1) * tau)
         return load(w, answers)[0]
 
     def rejoin(self, w: Trainer) -> None:

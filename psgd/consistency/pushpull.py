@@ -87,6 +87,14 @@ def load(w: Trainer, answers: list[Any]) -> list[int]:
     return [int(m.get("version", 0)) for m in answers]
 
 
+def caught_up(w: Trainer, clock: int) -> int:
+    """A joining worker's clock, moved up to `clock` (the start of the shards' open round,
+    or the round after its own last), but never past the job's last step: a round that
+    starts after it was never held, and the coordinator refuses a clock beyond it."""
+    steps = w.cfg.train.steps
+    return max(w.clock, min(clock, steps) if steps else clock)
+
+
 def finite_or_diverged(w: Trainer, grads: list[torch.Tensor]) -> None:
     """Refuse (Diverged) a gradient with NaN or Inf before the worker steps its own copy
     by it: the shards refuse the push, but the copy would keep the NaN, and every later

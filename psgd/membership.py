@@ -18,6 +18,7 @@ phase, done).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -388,7 +389,8 @@ class CoordinatorLink:
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError):
-                    peers.reconnect(0)
+                    with contextlib.suppress(zmq.ZMQError):   # a reconnect that fails is tried at the next beat;
+                        peers.reconnect(0)                     # (a terminated context ends the loop there)
                 except zmq.ContextTerminated:
                     raise
                 except Exception as e:

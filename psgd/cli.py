@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="number of workers (= --set cluster.workers=...)")
     p.add_argument("--servers", type=int, help="number of shards (= --set cluster.servers=...)")
     p.add_argument("--restart-workers", action="store_true", help="restart a worker that dies")
-    p.add_argument("--timeout", type=_seconds, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=_seconds, default=None,
+                   help="give up after this many seconds (default: an hour, or train.seconds + 600 if longer)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--script", metavar="FILE",
                    help="run W copies of this training script (it calls psgd.connect) as the workers; "
@@ -90,7 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")
-    p.add_argument("--timeout", type=_seconds, default=3600.0, help="per run")
+    p.add_argument("--timeout", type=_seconds, default=None,
+                   help="per run, in seconds (default: an hour, or train.seconds + 600 if longer)")
 
     from .simulate import add_parser as add_simulate
     add_simulate(sub)

@@ -390,7 +390,7 @@ class Monitor:
 # ---------------------------------------------------------------- running
 
 
-def run_one(run: Run, folder: str, device: str, timeout_s: float, prefix: str = "") -> dict:
+def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix: str = "") -> dict:
     """One run's summary (raises LaunchError / ConfigError on failure)."""
     from .launcher import run_local
     if run.is_baseline:

@@ -187,7 +187,7 @@ class LocalJob:
     all (another job bound it between the check and the bind)."""
 
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
-                 quiet: bool = False, timeout_s: float = 3600.0, env: dict | None = None,
+                 quiet: bool = False, timeout_s: float | None = None, env: dict | None = None,
                  launched_at: float | None = None, port_explicit: bool = False, script: list[str] | None = None):
         # startup_s counts from here (a time.time() value), or from launched_at: psgd run
         # passes its own process's start
@@ -201,7 +201,7 @@ class LocalJob:
         self.cfg = self._place(cfg)
         self.device = device
         self.restart_workers = restart_workers
-        self.timeout_s = timeout_s
+        self.timeout_s = default_timeout(cfg) if timeout_s is None else timeout_s
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.env = {k: v for k, v in self.env.items() if not (k.startswith("PSGD_") and k not in ("PSGD_DEVICE",))}
         # Many processes share this machine's cores: one compute thread each, unless told
@@ -661,6 +661,12 @@ def _code(rc: int) -> str:
         return f"{rc} ({signal.Signals(-rc).name})"
     except ValueError:
         return f"{rc} (a signal)"
+
+
+def default_timeout(cfg: Config) -> float:
+    """How long `psgd run` waits for a job by default (`--timeout`): an hour, or the
+    job's `train.seconds` and ten minutes more when that is longer."""
+    return max(3600.0, cfg.train.seconds + 600.0)
 
 
 def run_local(cfg: Config, out: str, **kw) -> dict:

@@ -583,6 +583,9 @@ def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
         return "it is of another training configuration (job, model, data, mode, optimizer, wire or shards)"
     if sd.get("shard", index) != index:
         return f"it is shard {sd.get('shard')}'s"
+    done = max((int(c) for c in sd.get("last_clock", {}).values()), default=-1) + 1
+    if cfg.train.steps and done > cfg.train.steps:   # its workers would resume past this job's last step
+        return f"its workers had pushed for step {done - 1}, past this job's last (train.steps = {cfg.train.steps})"
     return ""
 
 

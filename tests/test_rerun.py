@@ -135,6 +135,17 @@ def test_a_shard_resumes_only_an_unfinished_job_of_the_same_training_config(tmp_
         f.write(b"not a checkpoint")
     assert not server._resume(Shard(cfg, 0), path)
     assert "it cannot be read" in capsys.readouterr().err
+    # A review: a job stopped at step 237 and resumed with train.steps = 30: its workers
+    # continued at clock 237, were refused every push, and the job failed. A smaller budget
+    # than the steps done starts afresh; the budget of the steps done (or more) resumes.
+    earlier = Shard(cfg, 0)
+    earlier.last_clock = {0: 236}
+    earlier.save(path)
+    server, fresh = shard_server(cfg.replace(**{"train.steps": 30}), tmp_path)
+    assert not server._resume(fresh, path)
+    assert "its workers had pushed for step 236, past this job's last (train.steps = 30)" in capsys.readouterr().err
+    server, fresh = shard_server(cfg.replace(**{"train.steps": 237}), tmp_path)
+    assert server._resume(fresh, path)
 
 
 @pytest.mark.processes
@@ -310,3 +321,18 @@ def test_a_pid_file_is_never_seen_empty(tmp_path, monkeypatch):
         assert open(pid.path).read() == f"{os.getpid()}\n"
         assert os.listdir(tmp_path / "pids") == ["server-0.pid"]
     assert os.listdir(tmp_path / "pids") == []
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_psgd_runs_own_timeout_outlasts_the_jobs_time_budget(tmp_path):
+    """`psgd run --timeout` defaulted to an hour whatever the job's budget: a job of
+    train.seconds = 7200 was stopped at 3600 s as failed."""
+    port = free_port_block(3)
+    job = LocalJob(load(None, [f"cluster.port={port}"], env={}), str(tmp_path / "a"), quiet=True)
+    long = LocalJob(load(None, [f"cluster.port={port}", "train.seconds=7200", "train.steps=0"], env={}),
+                    str(tmp_path / "b"), quiet=True)
+    given = LocalJob(load(None, [f"cluster.port={port}"], env={}), str(tmp_path / "c"), quiet=True, timeout_s=5)
+    for j in (job, long, given):
+        j.stop()
+    assert (job.timeout_s, long.timeout_s, given.timeout_s) == (3600.0, 7800.0, 5)

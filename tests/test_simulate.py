@@ -11,6 +11,7 @@ import pytest
 
 from psgd.config import ConfigError, load
 from psgd.report import build_rows, describe_faults, write_report
+from psgd.sim import run as sim_run
 from psgd.sim.engine import Loop, Network, Node
 from psgd.sim.run import Simulation
 from psgd.simulate import cli
@@ -363,7 +364,9 @@ def test_timing_only_at_many_workers_completes():
                       "mode.name=async"])
     sim = Simulation(cfg, cfg.sim.compute_s)
     s = sim.run()
-    assert s["samples"] == 1024 * 3 * 32 and s["final_accuracy"] is None
+    # digits' 1,438 training samples over 1,024 workers: partitions of 1 or 2, each step of
+    # each worker a batch of its partition's size (a timing-only run counts the real batch)
+    assert s["samples"] == 3 * 1438 and s["final_accuracy"] is None
     # the summary's staleness is the steps' own, exactly: at 1,024 workers most delays lie
     # far past the histogram's last bin (32+), which once capped the mean and the max
     taus = [x[5] for w in sim.workers for x in w.lines if type(x) is tuple]
@@ -675,3 +678,65 @@ def test_a_timing_only_sweep_plots_without_warnings(tmp_path):
     # nothing is scored: the report does not describe an evaluator's scores (it did)
     assert "Time to target: none; these runs are timing only (sim.train = false)" in report
     assert "scored every" not in report
+
+
+# ---------------------------------------------------------------- from a review of the simulator
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(120)
+def test_the_evaluator_scores_a_changed_model_although_no_step_line_came_yet(monkeypatch):
+    """1 worker, 1 shard, sync; links and apply rate 1e6 B/s (0.008 Gbit/s), 1 ms latency,
+    10 ms compute, eval every 0.02 s. By hand: the join's answer (104,575 B) arrives at
+    0.001043 + 0.001 + 0.104575 = 0.106618; the push (104,569 B) leaves at 0.116618,
+    arrives 0.117618 + 0.104569 = 0.222187, is applied for 0.104488 s: the shard's model
+    changes at 0.326675; its reply reaches the worker at 0.326675 + 0.001 + 0.104601 = 0.432276.
+    The first score of the updated model should come within one period of 0.326675."""
+    cfg = load(None, ["mode.name=sync", "cluster.workers=1", "cluster.servers=1", "train.steps=2",
+                      "sim.compute_s=0.01", "sim.latency_s=0.001", "sim.bandwidth_gbps=0.008",
+                      "sim.apply_gbps=0.008", "eval.every_seconds=0.02", "eval.target_accuracy=0.04"], env={})
+    sim = sim_run.Simulation(cfg, 0.01)
+    applied = []
+    handle = sim_run.Simulation.handle
+
+    def spy(self, i, token, msg):
+        handle(self, i, token, msg)
+        if msg.op == "push":
+            applied.append(round(self.loop.now, 6))
+    monkeypatch.setattr(sim_run.Simulation, "handle", spy)
+    s = sim.run()
+    assert applied[0] == pytest.approx(0.326675)
+    first = min(e["t"] for e in s["evals"] if e["t"] >= applied[0])
+    assert first <= applied[0] + cfg.eval.every_seconds, (first, s["time_to_target_s"])
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(120)
+def test_timing_only_counts_the_samples_a_training_run_of_the_same_config_has():
+    """digits: 1,437 training samples; at 64 workers a partition holds 22-23, so every batch
+    is 22-23 samples (Batches: min(batch_size, partition)), not train.batch_size's 32."""
+    got = {}
+    for train in ("true", "false"):
+        cfg = load(None, ["mode.name=async", "cluster.workers=64", "cluster.servers=1", "train.steps=2",
+                          "sim.compute_s=0.01", "cluster.evaluator=false", f"sim.train={train}"], env={})
+        got[train] = sim_run.Simulation(cfg, 0.01).run()
+    assert got["true"]["wall_s"] == got["false"]["wall_s"]          # same timing
+    assert got["false"]["samples"] == got["true"]["samples"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(120)
+def test_a_deadlock_is_dated_when_the_workers_blocked_not_at_the_evaluators_last_tick(monkeypatch):
+    """The shard stops answering after 0.05 s: both workers block at about 0.052 s (the
+    timing-only run says 0.0520); with the evaluator on, the message says 0.5000 (its tick)."""
+    reply = sim_run.Simulation.reply
+    monkeypatch.setattr(sim_run.Simulation, "reply",
+                        lambda self, i, t, m: None if self.loop.now > 0.05 else reply(self, i, t, m))
+    said = {}
+    for train in ("false", "true"):
+        cfg = load(None, ["cluster.workers=2", "cluster.servers=1", "train.steps=5", "sim.compute_s=0.01",
+                          f"sim.train={train}"], env={})
+        with pytest.raises(sim_run.Deadlock) as e:
+            sim_run.Simulation(cfg, 0.01).run()
+        said[train] = str(e.value).split("virtual time ")[1].split(" s")[0]
+    assert said["true"] == said["false"], said

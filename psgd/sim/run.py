@@ -29,7 +29,7 @@ from torch import nn
 from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
-from ..data import Dataset, StreamingDataset, load_dataset, worker_part
+from ..data import DataError, Dataset, StreamingDataset, load_dataset, worker_part
 from ..metrics import json_line, summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
@@ -178,16 +178,21 @@ class Simulation:
         shape, classes = (self.ds.input_shape, self.ds.num_classes) if self.ds else self._describe()
         shared = None if s.train else self._replica(shape, classes, TimingReplica)   # timing only: one for all
         self.workers: list[SimWorker] = []
+        n = self.ds.train_size if self.ds is not None else self._train_size()
         for r in range(W):
             batches, held = None, None
-            if self.ds is not None:
-                part, h = worker_part(self.ds.train_size, r, W, cfg.job.seed, split)
-                if h is not None:
-                    held = self.ds.take(h)
-                if s.train:
-                    batches = self.ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, r)
+            part, h = worker_part(n, r, W, cfg.job.seed, split)
+            if h is not None and self.ds is not None:
+                held = self.ds.take(h)
+            if s.train:
+                assert self.ds is not None
+                batches = self.ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, r)
+            elif not len(part):
+                raise DataError(f"worker {r}: its data partition is empty (too many workers for the dataset)")
             replica = shared if shared is not None else self._replica(shape, classes)
-            self.workers.append(SimWorker(self, r, schedules[r], replica, batches, held))
+            # timing only: a step counts the samples a real worker's batch holds (its partition may be smaller)
+            self.workers.append(SimWorker(self, r, schedules[r], replica, batches, held,
+                                          min(cfg.train.batch_size, len(part))))
         self.live: dict[int, int] = {r: 0 for r in range(W)}
         self.cancellable: dict[int, SimWorker] = {}   # rank -> a worker whose wait has a cancel condition
         self.evals: list[dict] = []
@@ -197,10 +202,17 @@ class Simulation:
         self.direct = DirectClient(self)
         self.end_t = 0.0
         self.abort = ""
+        self.changes = 0          # requests the shards served and membership changes: what a score may see move
+        self.scored = -1          # `changes` at the last score
+        self.moved_at = 0.0       # the virtual time of the last of them or of a delivery (a deadlock's, if any)
 
     def _describe(self) -> tuple[tuple, int]:
         from ..data import describe
         return describe(self.cfg.data)
+
+    def _train_size(self) -> int:
+        """The training set's size (a timing-only run's partitions), its data not kept."""
+        return load_dataset(self.cfg.data, self.cfg.job.seed).train_size
 
     def _replica(self, shape: tuple, classes: int, kind: type[Replica] = Replica) -> Replica:
         c = self.cfg
@@ -250,6 +262,8 @@ class Simulation:
         return packets(replies)
 
     def handle(self, i: int, token: Any, msg: Packet) -> None:
+        self.changes += 1
+        self.moved_at = self.loop.now
         for tok, m in self.serve(i, token, msg):
             self.reply(i, tok, m)
 
@@ -269,6 +283,7 @@ class Simulation:
         self.loop.at(self.net.arrive(token[0].node, msg.nbytes, start), self.deliver, i, token, msg)
 
     def deliver(self, i: int, token: Any, msg: Packet) -> None:
+        self.moved_at = self.loop.now
         w, f, k = token
         w.client._recv += msg.nbytes
         if f.closed:
@@ -307,6 +322,8 @@ class Simulation:
             self.loop.at(self.loop.now, self.evaluate, True)
 
     def membership(self, live: dict[int, int]) -> None:
+        self.changes += 1
+        self.moved_at = self.loop.now
         for i, shard in enumerate(self.shards):
             for token, msg in packets(shard.set_live(live)):
                 self.reply(i, token, msg)
@@ -323,11 +340,18 @@ class Simulation:
         if not final and not self.live:
             return
         samples = sum(w.samples if final else w.samples_by(self.loop.now) for w in self.workers)
-        # No step finished since the last score: nothing to score, and the next score waits
-        # for the next event (steps far longer than eval.every_seconds made thousands of
-        # identical scores, or, with nothing due for hours of virtual time, an endless run).
-        unchanged = not final and bool(self.evals) and samples == self.evals[-1]["samples"]
-        if not unchanged:
+        # Nothing served since the last score (the shards' model cannot have moved): nothing
+        # to score, and the next score waits for the next event (steps far longer than
+        # eval.every_seconds made thousands of identical scores, or, with nothing due for
+        # hours of virtual time, an endless run). Asking whether a worker logged a step
+        # instead missed a model updated by a push whose reply was still on its way.
+        unchanged = bool(self.evals) and self.changes == self.scored
+        if final and unchanged and self.evals[-1]["t"] == round(self.loop.now, 6):
+            self.evals[-1]["final"] = True            # the last score was of this model, now: it is the final one
+            self.ev_lines[-1]["final"] = True
+            return
+        if not unchanged or final:
+            self.scored = self.changes
             self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
             acc, loss = self.evaluator.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
             t = round(self.loop.now, 6)
@@ -378,7 +402,7 @@ class Simulation:
     def _deadlock(self, stuck: list[SimWorker]) -> str:
         names = ", ".join(f"{w.rank} (clock {w.clock})" for w in stuck[:8]) + (" ..." if len(stuck) > 8 else "")
         ops = sorted({op for w in stuck if w.blocked_on is not None for op in w.blocked_on.ops})
-        return (f"simulation of {self.cfg.mode.name} deadlocked at virtual time {self.loop.now:.4f} s: "
+        return (f"simulation of {self.cfg.mode.name} deadlocked at virtual time {self.moved_at:.4f} s: "
                 f"{len(stuck)} worker(s) wait for answers that no event will bring: {names}"
                 + (f"; waiting on {', '.join(ops)}" if ops else ""))
 

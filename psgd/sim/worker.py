@@ -138,7 +138,7 @@ class SimWorker:
     """One virtual worker: the Trainer of its mode's schedule, run as a `Process` (a greenlet or a thread)."""
 
     def __init__(self, sim: Simulation, rank: int, schedule: Schedule, replica: Replica,
-                 batches: Batches | None, holdout: tuple[Any, Any] | None):
+                 batches: Batches | None, holdout: tuple[Any, Any] | None, batch: int = 0):
         cfg = sim.cfg
         self.sim = sim
         self.cfg = cfg
@@ -146,6 +146,7 @@ class SimWorker:
         self.schedule = schedule
         self.replica = replica
         self.batches = batches
+        self.batch = batch            # samples a timing-only step counts (the real batch: a partition may be smaller)
         if holdout is not None:
             self.holdout = holdout
         self.clock = 0
@@ -235,9 +236,9 @@ class SimWorker:
             loss.backward()
             self.loss = float(loss.item())
             self.samples += len(y)
-        else:   # timing only: no gradient, a finite loss
+        else:   # timing only: no gradient, a finite loss, the samples of this worker's batch
             self.loss = 0.0
-            self.samples += self.cfg.train.batch_size
+            self.samples += self.batch
         self.t += self.step_time()
         return self.loss
 

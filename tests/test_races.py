@@ -135,17 +135,29 @@ def test_refused_push_leaves_a_zero_copy_push_in_flight():
     assert got in ([], [(7, 1.0)]), f"shard 1 received clock 7's push carrying the next step's values: {got}"
 
 
+def two_workers(heartbeat_timeout_s: float):
+    """A job of two workers (whose links the test drives by hand) and one shard."""
+    return load(None, [f"cluster.port={free_port_block(3)}", "cluster.workers=2", "cluster.servers=1",
+                       "cluster.evaluator=false", "cluster.heartbeat_s=0.2",
+                       f"cluster.heartbeat_timeout_s={heartbeat_timeout_s}"], env={})
+
+
+def registered_links(cfg, cluster) -> list:
+    """Both workers' links, registered (at once: the rendezvous answers when both have)."""
+    links = [CoordinatorLink(cfg, "worker", r, cluster.ctx) for r in range(2)]
+    ts = [threading.Thread(target=lk.register, args=(r,)) for r, lk in enumerate(links)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return links
+
+
 @pytest.mark.timeout(60)
 def test_heartbeat_after_finish_keeps_final_counters():
-    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.workers=2", "cluster.servers=1",
-                      "cluster.evaluator=false", "cluster.heartbeat_s=0.2", "cluster.heartbeat_timeout_s=5"], env={})
+    cfg = two_workers(heartbeat_timeout_s=5)
     with InProcessCluster(cfg) as cluster:
-        links = [CoordinatorLink(cfg, "worker", r, cluster.ctx) for r in range(2)]
-        ts = [threading.Thread(target=lk.register, args=(r,)) for r, lk in enumerate(links)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        links = registered_links(cfg, cluster)
         link = links[1]
         samples = [10]
         armed, taken, finished = threading.Event(), threading.Event(), threading.Event()
@@ -173,15 +185,9 @@ def test_heartbeat_after_finish_keeps_final_counters():
 
 @pytest.mark.timeout(60)
 def test_stale_heartbeat_answer_does_not_undo_a_rejoin(monkeypatch):
-    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.workers=2", "cluster.servers=1",
-                      "cluster.evaluator=false", "cluster.heartbeat_s=0.2", "cluster.heartbeat_timeout_s=1"], env={})
+    cfg = two_workers(heartbeat_timeout_s=1)
     with InProcessCluster(cfg) as cluster:
-        links = [CoordinatorLink(cfg, "worker", r, cluster.ctx) for r in range(2)]
-        ts = [threading.Thread(target=lk.register, args=(r,)) for r, lk in enumerate(links)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        links = registered_links(cfg, cluster)
         links[0].start()                      # worker 0 heartbeats; worker 1 is partitioned away
         m = cluster.coordinator.members
         deadline = time.monotonic() + 10

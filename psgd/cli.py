@@ -383,4 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.cmd in ("run", "compare"):
             from .forkserver import shutdown
-            shutdown()
+            from .launcher import signals_held
+            with signals_held():   # a terminal's next Ctrl-C does not cut the fork server's stop short
+                shutdown()

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from .config import MODES, ConfigError, given_keys, load, parse_value
+from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
 from .layout import SCRIPT_MODEL
 from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
 
@@ -138,13 +138,10 @@ def _config(args, extra: dict | None = None):
     """The config from CONFIG and --set, with the keys the flags set (`extra`); a --set
     of a flag's key to another value is an error (the flag won without a word)."""
     sets = list(args.set)
-    given = {key.strip(): value for key, _, value in (s.partition("=") for s in args.set)}
     for key, value in (extra or {}).items():
         if value is None:
             continue
-        if key in given and parse_value(given[key].strip()) != parse_value(str(value)):
-            flag = FLAG_OF.get(key, key + "={}").format(value)
-            raise ConfigError(f"--set {key}={given[key].strip()} and {flag} disagree: give one")
+        refuse_set_against_flag(args.set, key, parse_value(str(value)), FLAG_OF.get(key, key + "={}").format(value))
         sets.append(f"{key}={value}")
     return load(args.config, sets)
 

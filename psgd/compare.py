@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .config import MODES, Config, ConfigError, load, parse_value
+from .config import MODES, Config, ConfigError, load, parse_value, refuse_set_against_flag
 from .metrics import write_json_atomic
 
 # ---------------------------------------------------------------- --modes / --workers
@@ -199,13 +199,11 @@ def refuse_sets_the_plan_overrides(sets: list[str], workers: list[int] | None, s
     if "mode.name" in given:
         raise ConfigError(f"--set mode.name={given['mode.name']}: each run's mode comes from --modes; give "
                           f"--modes {given['mode.name']} instead")
-    for key, flag, value in (("cluster.workers", "--workers", workers), ("cluster.servers", "--servers", servers)):
-        if key not in given or value is None:
-            continue
-        said = parse_value(given[key])
-        if (value if isinstance(value, list) else [value]) != [said]:
-            shown = ",".join(map(str, value)) if isinstance(value, list) else value
-            raise ConfigError(f"--set {key}={given[key]} and {flag} {shown} disagree: give one")
+    if workers is not None:   # (a sweep of several counts disagrees with any one)
+        refuse_set_against_flag(sets, "cluster.workers", workers[0] if len(workers) == 1 else workers,
+                                f"--workers {','.join(map(str, workers))}")
+    if servers is not None:
+        refuse_set_against_flag(sets, "cluster.servers", servers, f"--servers {servers}")
 
 
 # ---------------------------------------------------------------- the plan

@@ -16,7 +16,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -473,6 +473,15 @@ def parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def refuse_set_against_flag(sets: Sequence[str], key: str, value: Any, flag: str) -> None:
+    """A ConfigError if a `--set key=...` in `sets` (the last one, which `load` applies)
+    gives `key` another value than `value`, which `flag` (as the user wrote it) gives it:
+    the flag would win without a word."""
+    given = {k.strip(): text.strip() for k, _, text in (s.partition("=") for s in sets)}
+    if key in given and parse_value(given[key]) != value:
+        raise ConfigError(f"--set {key}={given[key]} and {flag} disagree: give one")
 
 
 def _assign(d: dict, dotted: str, value: Any, source: str) -> None:

@@ -475,7 +475,8 @@ def test_the_global_model_waits_for_a_deposit_on_its_way_to_every_shard(monkeypa
         waited.append(s)
         for rank in (0, 1):
             deposit(rank, 2, 3.0 + rank, on=(1,))
-    monkeypatch.setattr(ltfb.time, "sleep", arrive)
+    from psgd.consistency import rule
+    monkeypatch.setattr(rule.time, "sleep", arrive)
     got = flat(TourLoopback.tables(ltfb.global_model(clients[0]))[0])
     assert waited and not torch.equal(got, initial) and got.max() == 4.0
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any
 
 import torch
@@ -70,6 +69,7 @@ from .rule import (
     Trainer,
     make_local_optimizer,
     schedule_lr,
+    waited,
 )
 from .tournament import (
     Exchange,
@@ -224,14 +224,13 @@ def global_model(client: Any) -> list:
     """The best trainer's model, all of its slices from the same deposit; the initial
     model (the shards' tables) before the first round. A deposit on its way to some of
     the shards (each keeps a trainer's latest only: for a moment no deposit is on every
-    shard) is waited for, briefly, where the client can wait (`waits`: the simulator's
-    evaluator reads between events, when nothing moves); after that, the shards' tables."""
+    shard) is waited for, briefly, where the client can wait (`rule.waited`); after
+    that, the shards' tables."""
     for attempt in range(FETCH_TRIES):
         indexes = [m.get("models") for m in client.index()]
         best = choose_best(indexes)
         if best is None:
-            if any(indexes) and attempt < FETCH_TRIES - 1 and getattr(client, "waits", True):
-                time.sleep(DEPOSIT_WAIT_S * 2 ** attempt)
+            if any(indexes) and attempt < FETCH_TRIES - 1 and waited(client, DEPOSIT_WAIT_S * 2 ** attempt):
                 continue
             return client.pull(-1)
         got = client.get_model(best[0], best[1], exact=True, missing_ok=attempt < FETCH_TRIES - 1)

@@ -324,18 +324,26 @@ class Schedule:
 READ_TRIES = 5   # reads of the global model whose shards stand at different steps (`read_params`)
 
 
+def waited(client: Any, seconds: float) -> bool:
+    """Wait `seconds` for a message on its way to the shards, where the client can
+    (`waits`: the simulator's evaluator reads between events, when nothing moves);
+    whether it did."""
+    if not getattr(client, "waits", True):
+        return False
+    time.sleep(seconds)
+    return True
+
+
 def read_params(client: Any) -> list:
     """The global model of the parameter-server modes: the shards' parameters, all of
     the same step where the shards count steps (sync, diloco, synchronous easgd): a read
     between one shard's close of a step and another's would score a model of two steps'
-    slices, so it is read again, briefly (where the client can wait: `waits`; the
-    simulator's evaluator reads between events, when nothing moves)."""
+    slices, so it is read again, briefly (where the client can wait: `waited`)."""
     for attempt in range(READ_TRIES):
         answers = client.pull(-1)
         if (len({int(m.get("step", 0)) for m in answers}) <= 1 or attempt == READ_TRIES - 1
-                or not getattr(client, "waits", True)):
+                or not waited(client, 0.01 * 2 ** attempt)):
             return answers
-        time.sleep(0.01 * 2 ** attempt)
     raise AssertionError("unreachable: the last try returns")
 
 

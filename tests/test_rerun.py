@@ -3,10 +3,12 @@ its shards resume from a checkpoint only if it is of an unfinished job of the sa
 training config (a restarted job), never from a finished job's or another config's."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +18,35 @@ from psgd.launcher import LaunchError, LocalJob
 from psgd.servers.shard_server import ShardServer
 from psgd.shard import Shard
 from tests.conftest import free_port_block
+
+
+def default_job(out) -> LocalJob:
+    """A launcher of the default job into `out`, on a port block of its own (none of
+    these tests starts it)."""
+    return LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(out), quiet=True)
+
+
+@contextlib.contextmanager
+def launcher_of(out, *children) -> Iterator[LocalJob]:
+    """`default_job(out)` watching `children` (stand-ins for its daemons), stopped after
+    without them."""
+    j = default_job(out)
+    j.children = list(children)
+    try:
+        yield j
+    finally:
+        j.children = []
+        j.stop()
+
+
+class Exited:
+    """A daemon's process as the launcher sees it: its exit code (None: running)."""
+
+    def __init__(self, code: int | None):
+        self.pid, self.code = 4242425, code
+
+    def poll(self) -> int | None:
+        return self.code
 
 
 @pytest.mark.unit
@@ -63,7 +94,7 @@ def test_a_second_launcher_started_at_the_same_moment_is_refused(tmp_path):
     """Before the first job's pid files exist, its launcher holds the folder: a second
     one wrote its config.toml over the first job's, whose daemons then ran the second
     job's config. Once the first job stops, the folder is free."""
-    first = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    first = default_job(tmp_path)
     written = (tmp_path / "config.toml").read_text()
     other = load(None, [f"cluster.port={free_port_block(3)}", "mode.name=async"], env={})
     with pytest.raises(LaunchError, match="still running .*another psgd launcher holds"):
@@ -193,7 +224,7 @@ def test_stopping_a_job_whose_daemon_never_reports_its_end_does_not_raise(tmp_pa
         def wait(self, timeout=None):
             raise sp.TimeoutExpired(f"pid {self.pid}", timeout or 0)
 
-    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    j = default_job(tmp_path)
     j.children = [Child("worker", 0, [], proc=Silent())]
     j.stop()
     assert "worker-0 (pid 4242424) did not report its end after SIGKILL; leaving it" in capsys.readouterr().err
@@ -207,15 +238,7 @@ def test_a_coordinator_that_dies_after_writing_the_summary_leaves_a_finished_job
     exit code -9", with the job's complete summary on disk."""
     from psgd.launcher import Child
 
-    class Killed:
-        pid, code = 4242425, -9
-
-        def poll(self):
-            return self.code
-
-    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
-    try:
-        j.children = [Child("coordinator", 0, [], proc=Killed())]
+    with launcher_of(tmp_path, Child("coordinator", 0, [], proc=Exited(-9))) as j:
         (tmp_path / "summary.json").write_text(json.dumps({"mode": "sync", "samples": 64}))
         assert j.wait() == {"mode": "sync", "samples": 64}
         assert "the coordinator exited with -9 (SIGKILL) after writing the job's summary" in capsys.readouterr().err
@@ -223,9 +246,6 @@ def test_a_coordinator_that_dies_after_writing_the_summary_leaves_a_finished_job
         j.children[0].proc.code = 1   # its own code, without a summary (a -9 would restart it)
         with pytest.raises(LaunchError, match=r"the coordinator ended without a summary \(exit code 1\)"):
             j.wait()
-    finally:
-        j.children = []
-        j.stop()
 
 
 @pytest.mark.unit
@@ -236,7 +256,7 @@ def test_a_coordinator_that_crashes_mid_job_is_restarted_and_one_that_gave_up_is
     coordinator ended without a summary" mid-training. A 1 while the state file says the
     job was under way is a crash."""
     from psgd.launcher import Child
-    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
+    j = default_job(tmp_path)
     started = []
     j._start = started.append
     coord = Child("coordinator", 0, [])
@@ -261,26 +281,15 @@ def test_a_shard_that_lost_a_coordinator_still_running_names_the_coordinator(tmp
     dying", minutes later, and the coordinator not named."""
     from psgd.launcher import Child
 
-    class Proc:
-        def __init__(self, code):
-            self.pid, self.code = 4242426, code
-
-        def poll(self):
-            return self.code
-
-    j = LocalJob(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path), quiet=True)
     logs = tmp_path / "logs"
-    (logs / "server-0.log").write_text("[psgd server-0] lost the coordinator at tcp://127.0.0.1:1 for 60 s; exiting\n")
-    (logs / "coordinator.log").write_text("[psgd coordinator] sync  12.0 s  step 40/300\n")
-    j.children = [Child("coordinator", 0, [], proc=Proc(None), log_path=str(logs / "coordinator.log")),
-                  Child("server", 0, [], proc=Proc(1), log_path=str(logs / "server-0.log"))]
-    try:
+    with launcher_of(tmp_path, Child("coordinator", 0, [], proc=Exited(None), log_path=str(logs / "coordinator.log")),
+                     Child("server", 0, [], proc=Exited(1), log_path=str(logs / "server-0.log"))) as j:
+        (logs / "server-0.log").write_text("[psgd server-0] lost the coordinator at tcp://127.0.0.1:1 for 60 s; "
+                                           "exiting\n")   # (the launcher clears an earlier job's logs: written after)
+        (logs / "coordinator.log").write_text("[psgd coordinator] sync  12.0 s  step 40/300\n")
         with pytest.raises(LaunchError, match=r"server-0 lost the coordinator .*whose process still runs: is it "
                                               r"stopped \(SIGSTOP\) or hung\?(.|\n)*step 40/300"):
             j.wait()
-    finally:
-        j.children = []
-        j.stop()
 
 
 @pytest.mark.unit

@@ -191,7 +191,7 @@ def cmd_run(args) -> int:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:   # its daemons are stopped by now (run_local)
-        ckpt = cfg.checkpoint.dir or os.path.join(out, "checkpoints")
+        ckpt = cfg.checkpoint_folder(out)
         print(f"psgd run: {'terminated' if interrupted_code(e) != 130 else 'interrupted'}; its daemons are "
               f"stopped; the shards' checkpoints are in {ckpt} (a psgd run into the same --out resumes from "
               f"them)", file=sys.stderr)

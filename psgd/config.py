@@ -249,6 +249,16 @@ class Config:
             return self.cluster.addresses[shard]
         return f"tcp://{self.cluster.host}:{self.cluster.port + 1 + shard}"
 
+    def checkpoint_folder(self, out: str | None) -> str:
+        """Where the shards' checkpoints are: `checkpoint.dir`, else OUT/checkpoints ('' with
+        neither: none are written)."""
+        return self.checkpoint.dir or (os.path.join(out, "checkpoints") if out else "")
+
+    def checkpoint_file(self, out: str | None, shard: int) -> str | None:
+        """Shard `shard`'s checkpoint (None: none is written)."""
+        folder = self.checkpoint_folder(out)
+        return os.path.join(folder, f"shard-{shard}.pt") if folder else None
+
     def coordinator_address(self) -> str:
         return f"tcp://{self.cluster.host}:{self.cluster.port}"
 

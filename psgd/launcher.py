@@ -266,26 +266,27 @@ class LocalJob:
         for path in stale:
             remove(path)
         remove(os.path.join(self.out, "coordinator-state.json"))
-        folder = self.cfg.checkpoint.dir or os.path.join(self.out, "checkpoints")
+        folder = self.cfg.checkpoint_folder(self.out)
         if os.path.exists(os.path.join(self.out, "summary.json")):
             # The earlier job ended (a summary is written at the end): its shards' checkpoints
             # are not to be resumed. A shard marks its own finished when told the job is done;
             # one stopped before it was told (the coordinator died after the summary) did not.
             for path in glob.glob(os.path.join(folder, "shard-*.pt")):
                 os.replace(path, path + ".earlier")
-        mine = [os.path.join(folder, f"shard-{i}.pt") for i in range(self.cfg.cluster.servers)]
+        mine = [self.cfg.checkpoint_file(self.out, i) or "" for i in range(self.cfg.cluster.servers)]
         if any(os.path.exists(path) for path in mine):
-            from .shard import resumable  # (torch: only where there are checkpoints to look at)
-            can = [resumable(path, self.cfg, i) for i, path in enumerate(mine)]
-            if any(can) and not all(can):
+            from .shard import unresumable  # (torch: only where there are checkpoints to look at)
+            cannot = unresumable(self.cfg, self.out)
+            if 0 < len(cannot) < len(mine):
                 # Some shards would resume and the others start from the initial values: one
-                # model of two versions. All of them start afresh instead.
+                # model of two versions. All of them start afresh instead (a shard resumes
+                # no part either: ShardServer._resume), moved aside, with one warning here.
                 for path in mine:
                     if os.path.exists(path):
                         os.replace(path, path + ".earlier")
-                not_ok = ", ".join(os.path.basename(p) for p, ok in zip(mine, can, strict=True) if not ok)
-                log("run", f"warning: only {sum(can)} of the {len(mine)} shard checkpoints in {folder} can be "
-                           f"resumed (not {not_ok}: "
+                not_ok = ", ".join(os.path.basename(mine[i]) for i in cannot)
+                log("run", f"warning: only {len(mine) - len(cannot)} of the {len(mine)} shard checkpoints in "
+                           f"{folder} can be resumed (not {not_ok}: "
                            f"missing, or of another job or configuration): not resuming a part of the model; moved "
                            f"to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))

@@ -599,6 +599,15 @@ def resumable(path: str, cfg: Config, index: int) -> bool:
     return isinstance(sd, dict) and not why_not_resume(sd, cfg, index)
 
 
+def unresumable(cfg: Config, out: str | None) -> list[int]:
+    """The shards of a job of `cfg` whose checkpoint (`Config.checkpoint_file`) would not
+    be resumed: missing, unreadable, or of another job or configuration. A job resumes
+    the whole set or none: some shards resumed and the others at their initial values
+    make one model of two versions."""
+    return [i for i in range(cfg.cluster.servers)
+            if not resumable(cfg.checkpoint_file(out, i) or "", cfg, i)]
+
+
 def copied(x):
     """A state dict with its tensors cloned (torch's optimizer state_dict shares them with
     the optimizer, whose next step would change a checkpoint being written or kept)."""

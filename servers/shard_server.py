@@ -24,18 +24,13 @@ from psgd import wire
 from psgd.config import Config
 from psgd.log import log
 from psgd.membership import CoordinatorLink, RegistrationCancelled
-from psgd.shard import Shard, write_checkpoint
+from psgd.shard import Shard, unresumable, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
 LAYOUT_POLL_S = 0.2
 LAYOUT_CALL_S = 2.0
 WAITING_EVERY_S = 5.0
 SAVER_JOIN_S = 120.0  # the longest a shard waits at exit for a checkpoint being written
-
-
-def checkpoint_path(cfg: Config, out: str | None, index: int) -> str | None:
-    folder = cfg.checkpoint.dir or (os.path.join(out, "checkpoints") if out else "")
-    return os.path.join(folder, f"shard-{index}.pt") if folder else None
 
 
 class ShardServer:
@@ -59,13 +54,20 @@ class ShardServer:
                                        name=f"checkpoint-{self.index}", daemon=True)
         self._saver.start()
 
-    def _resume(self, shard: Shard, path: str) -> bool:
+    def _resume(self, shard: Shard, path: str, whole_set: bool = False) -> bool:
         """Resume from the checkpoint at `path` if there is one this job may resume from
-        (this shard's, of an unfinished job of the same training config: `Shard.resume`);
-        else say why not: this job's checkpoints replace it. True if it resumed."""
+        (this shard's, of an unfinished job of the same training config: `Shard.resume`),
+        and, with `whole_set` (a job's start: a shard restarted during a job resumes on its
+        own), if every other shard's would be resumed too (`unresumable`: the launcher of
+        `psgd run` checks the set before it starts the shards; under Compose or Slurm each
+        shard checks it). Else say why not: this job's checkpoints replace it. True if it
+        resumed."""
         if not os.path.exists(path):
             return False
-        why = shard.resume(path)
+        others = [i for i in unresumable(shard.cfg, self.out) if i != self.index] if whole_set else []
+        why = (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
+               f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
+               f"and resuming a part of the model would mix two" if others else shard.resume(path))
         if why:
             log(self.name, f"not resuming from {path}: {why}; starting afresh")
             return False
@@ -112,8 +114,9 @@ class ShardServer:
                 link.close()
                 return 1
         shard = Shard(cfg, self.index, layout)
-        ckpt = checkpoint_path(cfg, self.out, self.index)
-        if not (ckpt and self._resume(shard, ckpt)) and answer.get("restarted"):
+        ckpt = cfg.checkpoint_file(self.out, self.index)
+        restarted = bool(answer.get("restarted"))
+        if not (ckpt and self._resume(shard, ckpt, whole_set=not restarted)) and restarted:
             # Restarted with nothing to restore: its tables as built (psgd's own model, from
             # the seed) or zeros (a learned one) are the job's start, not where it is. Any
             # worker's current copy is taken instead (rank 0's first values are long gone).

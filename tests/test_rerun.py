@@ -179,6 +179,34 @@ def test_a_shard_resumes_only_an_unfinished_job_of_the_same_training_config(tmp_
     assert server._resume(fresh, path)
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_at_a_jobs_start_a_shard_resumes_only_with_the_whole_set(tmp_path, capsys):
+    """A review: under Compose or Slurm (no launcher looks at the set before the shards
+    start) shard 0 resumed its checkpoint while shard 1, whose checkpoint was missing or of
+    another configuration, started from the initial values: one model of two versions.
+    At a job's start each shard looks at the whole set; a shard restarted during a job
+    (`restarted` in the coordinator's answer) resumes its own."""
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 1})
+    folder = tmp_path / "checkpoints"
+    earlier = Shard(cfg, 0)
+    earlier.version = 7
+    earlier.save(str(folder / "shard-0.pt"))
+    path = str(folder / "shard-0.pt")
+    server, fresh = shard_server(cfg, tmp_path)
+    assert not server._resume(fresh, path, whole_set=True) and fresh.version == 0
+    assert (f"not resuming from {path}: the checkpoints of shard 1 in {folder} cannot be resumed"
+            in capsys.readouterr().err)
+    assert server._resume(fresh, path) and fresh.version == 7          # restarted during the job
+    other = Shard(cfg.replace(**{"optimizer.lr": 0.5}), 1)
+    other.save(str(folder / "shard-1.pt"))                           # of another configuration
+    server, fresh = shard_server(cfg, tmp_path)
+    assert not server._resume(fresh, path, whole_set=True) and fresh.version == 0
+    Shard(cfg, 1).save(str(folder / "shard-1.pt"))                   # the whole set
+    assert server._resume(fresh, path, whole_set=True) and fresh.version == 7
+    assert (folder / "shard-0.pt").exists() and (folder / "shard-1.pt").exists()   # a shard moves no file
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_the_same_command_twice_trains_twice(tmp_path):

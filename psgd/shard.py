@@ -248,6 +248,10 @@ class Shard:
         if msg.rank >= 0:
             self._check_rank(msg)
         self._within_job("clock", msg.clock, 1)   # a push's read is of the clock after it
+        return self._serve_checked(token, msg)
+
+    def _serve_checked(self, token, msg: wire.Message) -> list[Reply]:
+        """Serve a read whose rank and clock are checked (a push's: `_acknowledged`)."""
         self.counters["pulls"] += 1
         join = bool(msg.fields.get("join"))
         return self.carry_out(self.rule.read(r.Read((token, msg), msg.rank, msg.clock, join)))
@@ -351,7 +355,7 @@ class Shard:
             assert isinstance(then, ThenRead)
             push = then.msg
             read = wire.Message("pull", id=push.id, rank=push.rank, clock=push.clock + 1, fields={"push": fields})
-            out += self._serve_read(then.token, read)
+            out += self._serve_checked(then.token, read)
         return out
 
     def _do_apply(self, d: r.Apply) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -57,45 +57,39 @@ class Packet(wire.Message):
 
 
 def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any = (), **fields: Any) -> Packet:
-    """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes."""
-    tensors, specs, dtypes, payload = _payload(arrays)
-    packed = wire.pack_header({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
-                               "arrays": specs, **fields})
-    if not _as_sent(fields):
-        fields = {k: v for k, v in msgpack.unpackb(packed, strict_map_key=True).items() if k in fields}
-    return Packet(op, id, rank, clock, fields, dtypes, tensors, len(packed) + payload, payload)
-
-
-def _payload(arrays: Any) -> tuple[list[torch.Tensor], list[list], list[str], int]:
-    """A packet's arrays as sent: (their tensors, the header's [dtype, shape] of each,
-    their dtypes' names, their bytes). Each tensor that goes as it is is described once
-    (`_seen`, filled by `_described`): a worker sends the same buffers every step, a
-    shard the same snapshot to every reader; every array of every packet comes here."""
+    """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes. (Every
+    request and reply of a run is made here, a few per worker step: the loops are
+    written out, not calls per array or per field.)"""
     tensors: list[torch.Tensor] = []
     specs: list[list] = []
     dtypes: list[str] = []
     payload = 0
-    for a in arrays:
-        seen = _seen.get(id(a))
+    for a in arrays:   # each tensor that goes as it is is described once (`_seen`, filled by `_described`)
+        seen = _seen.get(_key(a))
         if seen is not None and seen[0]() is a:
-            t, spec, nbytes = _without_grad(a), seen[1], seen[2]
+            sent = cast(torch.Tensor, a)
+            t, spec, nbytes = sent if seen[3] else sent.detach(), seen[1], seen[2]
         else:
             t, spec, nbytes = _described(a)
         tensors.append(t)
         specs.append(spec)
         dtypes.append(spec[0])
         payload += nbytes
-    return tensors, specs, dtypes, payload
-
-
-def _as_sent(fields: dict) -> bool:
-    """Does every field arrive as it is sent: a scalar, or a flat map of scalars? (Loops,
-    not `all` over a generator, nor sets of the types: every packet asks, a few times
-    per worker step, of a few fields.)"""
-    for v in fields.values():
+    packed = _pack({"v": wire.PROTOCOL_VERSION, "op": op, "id": id, "rank": rank, "clock": clock,
+                    "arrays": specs, **fields})
+    for v in fields.values():   # a field that is not a scalar or a flat map arrives as msgpack makes it
         if type(v) not in _SCALARS and not _flat_map(v):
-            return False
-    return True
+            fields = {k: v for k, v in msgpack.unpackb(packed, strict_map_key=True).items() if k in fields}
+            break
+    return Packet(op, id, rank, clock, fields, dtypes, tensors, len(packed) + payload, payload)
+
+
+_key = id   # (`packet`'s own `id` is the request's)
+
+# The header's packer: the simulation runs one body at a time (greenlets, or threads
+# strictly handed off), so one reused Packer serves every packet (`wire.pack_header`
+# keeps one per thread, for the daemons' threads).
+_pack = msgpack.Packer(use_bin_type=True).pack
 
 
 def _flat_map(v: Any) -> bool:
@@ -109,37 +103,28 @@ def _flat_map(v: Any) -> bool:
     return True
 
 
-def _tensor(a: Any) -> torch.Tensor:
-    """An array to send (a CPU tensor or a numpy array) as the tensor `wire.tensor` reads."""
-    if _goes_as_it_is(a):
-        return _without_grad(a)
-    name, x = wire._as_array(a)
-    return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if name == "bfloat16" else torch.from_numpy(x)
-
-
-def _without_grad(t: Any) -> torch.Tensor:
-    return t.detach() if t.requires_grad else t
-
-
 def _goes_as_it_is(a: Any) -> bool:
     """Is `a` a tensor that is sent as it is (no conversion, no copy)?"""
     return isinstance(a, torch.Tensor) and a.dtype in _NAMES and a.is_contiguous()
 
 
-_seen: dict[int, tuple[weakref.ref, list, int]] = {}   # id -> (the tensor, [dtype, shape], bytes)
+# id -> (the tensor, [dtype, shape], bytes, whether it goes without `detach()`)
+_seen: dict[int, tuple[weakref.ref, list, int, bool]] = {}
 
 
 def _described(a: Any) -> tuple[torch.Tensor, list, int]:
     """An array not in `_seen` as (its tensor, the header's [dtype, shape], its bytes),
-    kept in `_seen` if it goes as it is (a tensor sent does not change its dtype, shape
-    or layout in place); others are converted every time they are sent. Only a weak
-    reference is kept: a tensor sent may be freed."""
-    key = id(a)
-    t = _tensor(a)
-    spec, nbytes = [_NAMES[t.dtype], list(t.shape)], t.nbytes
+    kept in `_seen` if it goes as it is (a tensor sent does not change its dtype, shape,
+    layout or `requires_grad` in place); others are converted every time they are sent.
+    Only a weak reference is kept: a tensor sent may be freed."""
     if _goes_as_it_is(a):
-        _seen[key] = (weakref.ref(a, _forget(key)), spec, nbytes)
-    return t, spec, nbytes
+        key = id(a)
+        spec = [_NAMES[a.dtype], list(a.shape)]
+        _seen[key] = (weakref.ref(a, _forget(key)), spec, a.nbytes, not a.requires_grad)
+        return (a.detach() if a.requires_grad else a), spec, a.nbytes
+    name, x = wire._as_array(a)
+    t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if name == "bfloat16" else torch.from_numpy(x)
+    return t, [_NAMES[t.dtype], list(t.shape)], t.nbytes
 
 
 def _forget(key: int, seen: dict = _seen) -> Callable[[Any], None]:

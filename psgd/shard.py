@@ -487,9 +487,13 @@ class Shard:
                 **self.rule.stats()}
 
     def state_dict(self) -> dict:
+        # A push that waits for a later step is in last_clock but in no sum: restored, the
+        # shard takes it again when its worker resends it (the worker got no answer).
+        waiting = self.rule.waiting_pushes()
+        last_clock = {r: min(c, waiting[r] - 1) if r in waiting else c for r, c in self.last_clock.items()}
         return {"params": self.params.detach().clone(), "buffers": self.buffers.clone(),
                 "opt": copied(self.opt.state_dict()), "version": self.version, "rule": self.rule.state_dict(),
-                "last_clock": dict(self.last_clock), "counters": dict(self.counters), "shard": self.index,
+                "last_clock": last_clock, "counters": dict(self.counters), "shard": self.index,
                 "sizes": [self.P, self.B],
                 # the open step's sums: its pushes are in last_clock, so they are not sent again
                 "acc": None if self.acc is None else self.acc.clone(),

@@ -904,6 +904,43 @@ def test_a_restored_rule_keeps_the_largest_clock_gap(mode):
     assert again.stats()["max_clock_gap"] == gap
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_a_push_waiting_for_its_step_is_taken_again_after_a_restore(tmp_path, mode):
+    """A review: rank 2 is ahead of this shard (it rejoined past the open step, or the
+    shard was restored from an older checkpoint), so its push for step 1 waits at the
+    shard (`SyncRule.early`), already in `last_clock`, in no sum and not in the
+    checkpoint. Restored, the shard answered its resend as a duplicate and closed step 1
+    without it. It now takes it, as a shard that never restarted does."""
+    from psgd.shard import Shard
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 3, "cluster.servers": 1,
+                              "optimizer.name": "sgd", "optimizer.momentum": 0.0})
+    a = Shard(cfg, 0)
+    rng = np.random.default_rng(0)
+    g = {(r, c): (0.1 * rng.standard_normal(a.P)).astype(np.float32) for r in range(3) for c in range(2)}
+
+    def handle(shard, m):
+        return answers(shard.handle(("t", m.id), m))
+
+    def push_read(shard, rank, clock, read_version=0):
+        return msg("push", rank, clock, [g[rank, clock], np.zeros(shard.B, np.float32)],
+                   read_version=read_version, pull=True)
+    early = push_read(a, 2, 1)
+    assert handle(a, early) == {}                        # it waits: step 0 is open
+    a.save(str(tmp_path / "shard-0.pt"))                 # stopped (SIGTERM: its final checkpoint)
+    b = Shard(cfg, 0)
+    assert b.resume(str(tmp_path / "shard-0.pt")) == ""
+    assert handle(b, early) == {}                        # its worker sends it again: it waits again
+    for s in (a, b):
+        for c in range(2):
+            for r in range(2):
+                handle(s, push_read(s, r, c, read_version=c))
+        assert s.rule.barrier.step == 2
+    torch.testing.assert_close(b.params, a.params)       # rank 2's gradient is in step 1 on both
+    assert b.rule.short_steps == a.rule.short_steps   # (step 0: without rank 2, which is past it)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["sync", "diloco"])
 def test_a_worker_that_pushed_and_left_does_not_close_the_step_for_those_still_live(mode):

@@ -257,6 +257,12 @@ class ServerRule:
         """How many requests wait here for a later event to answer them."""
         return 0
 
+    def waiting_pushes(self) -> dict[int, int]:
+        """rank -> the clock of its push that waits here, not yet counted, for a later
+        event (a later step: `SyncRule.early`). A checkpoint does not hold it: its push
+        is not a duplicate when it comes again after a restore (`Shard.state_dict`)."""
+        return {}
+
     def stats(self) -> dict:
         """Counters for summary.json."""
         return {"max_clock_gap": 0, "dropped": 0, "parked": self.parked(), **self.hist.stats()}

@@ -158,6 +158,9 @@ class SyncRule(ServerRule):
     def parked(self) -> int:
         return self.barrier.parked
 
+    def waiting_pushes(self) -> dict[int, int]:
+        return {r: e.clock for r, e in self.early.items() if isinstance(e, Push)}
+
     def stats(self) -> dict:
         return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "dropped": self.barrier.dropped,
                 "step": self.barrier.step, "fast_forwards": self.fast_forwards,

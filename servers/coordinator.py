@@ -528,7 +528,8 @@ class Coordinator:
     def _save_state(self, now: float) -> None:
         """Replace DIR/coordinator-state.json (atomically) when the job's state changed,
         and every STATE_EVERY_S for the counters: what a restarted coordinator resumes."""
-        key = (self.members.version, self.phase, len(self.evals), self.abort, len(self.server_joins))
+        key = (self.members.version, self.phase, len(self.evals), self.abort, len(self.server_joins),
+               self.held_until)
         if not self.state_path or (key == self._saved and now - self._saved_at < STATE_EVERY_S):
             return
         self._saved, self._saved_at = key, now
@@ -537,6 +538,8 @@ class Coordinator:
             "saved_at": wall, "config": self.cfg.to_dict(), "phase": self.phase, "abort": self.abort,
             "t0_wall": wall - (now - self.t0) if self.t0 else None,
             "t_end_wall": wall - (now - self.t_end) if self.t_end else None,
+            # rank 0's hold on the job's end (a script reading the final model: on_finish)
+            "held_until_wall": wall + (self.held_until - now) if self.held_until > now else None,
             "membership": self.members.state_dict(), "nonces": self.nonces,
             "server_joins": self.server_joins, "server_nonces": self.server_nonces, "servers": self.servers,
             "evals": self.evals,
@@ -575,6 +578,7 @@ class Coordinator:
         self.phase, self.abort = st["phase"], st["abort"]
         self.t0 = now - (wall - st["t0_wall"]) if st["t0_wall"] else 0.0
         self.t_end = now - (wall - st["t_end_wall"]) if st["t_end_wall"] else 0.0
+        self.held_until = now + (st["held_until_wall"] - wall) if st.get("held_until_wall") else 0.0
         self.members.load_state_dict(st["membership"], now)
         self.nonces = {k: int(v) for k, v in st["nonces"].items()}
         self.server_joins = {int(k): int(v) for k, v in st["server_joins"].items()}

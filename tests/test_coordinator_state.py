@@ -510,3 +510,34 @@ def test_a_workers_clock_past_the_last_step_is_refused_and_changes_nothing():
         assert again.get("start_clock") <= 11
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_restarted_coordinator_keeps_rank_0s_hold_on_the_jobs_end(tmp_path):
+    """A review: a training script's rank 0 finishes with `hold` (psgd/connection.py)
+    and waits for the others, to read the final model into DIR/model.pt; the coordinator
+    holds the job's end meanwhile. Restarted from its state file, which did not carry the
+    hold, the coordinator ended the job as soon as the last other worker finished, and the
+    shards exited before rank 0 read the model. The hold is now in the state file."""
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first = coordinator(cfg, str(tmp_path))
+    first.members.join(0.0, 0)
+    first.members.join(0.0, 1)
+    first.phase, first.t0 = "training", time.monotonic() - 5.0
+
+    def serve(c, op: str, **kw) -> wire.Message:
+        (_, frames), = c.service._serve(b"x", wire.encode(op, id=1, **kw))
+        return wire.decode(frames)
+    assert serve(first, "finish", rank=0, clock=10, stats={"samples": 64}, hold=True).op == "reply"
+    first._save_state(time.monotonic())
+    second = coordinator(cfg, str(tmp_path))                   # kill -9, restarted from the state file
+    assert second.restarts == 1 and second.phase == "training"
+    assert second.held_until - time.monotonic() > 50
+    for c in (first, second):
+        c.members.beat(1, time.monotonic(), 10, {})
+        assert serve(c, "finish", rank=1, clock=10, stats={"samples": 64}).op == "reply"
+        c._checked = -1e9
+        c._tick(time.monotonic())
+        assert c.phase == "training"                           # held: rank 0 reads the final model

@@ -411,12 +411,15 @@ class Shard:
         token, msg = d.token
         if type(token) is ThenRead:  # a push whose read follows: `carry_out` serves it
             return token, {**d.fields, "version": self.version}
-        if d.snapshot:
-            arrays = self._snapshot()
-        else:
-            # the params-sized first array in wire.dtype; buffers travel as float32
-            arrays = [self.buffers.clone() if a is r.BUFFERS else a.to(self._wire_torch) if k == 0 else a
-                      for k, a in enumerate(d.arrays)]
+        try:
+            if d.snapshot:
+                arrays = self._snapshot()
+            else:
+                # the params-sized first array in wire.dtype; buffers travel as float32
+                arrays = [self.buffers.clone() if a is r.BUFFERS else self._on_wire(a) if k == 0 else a
+                          for k, a in enumerate(d.arrays)]
+        except wire.WireError as e:   # (float16 cannot carry the tables: `_on_wire`)
+            return token, wire.error(msg.id, e.code, e.reason)
         fields = d.fields
         if "push" in msg.fields:  # the read of a push's request carries the push's answer
             fields = {**fields, "push": msg.fields["push"]}
@@ -438,11 +441,23 @@ class Shard:
                 self._shared = (self._revision, [self.params.detach(), self.buffers])
                 self._lent = True
             else:
-                params = self.params.detach()
-                self._shared = (self._revision, [params.to(self._wire_torch, copy=True), self.buffers.clone()])
+                self._shared = (self._revision, [self._on_wire(self.params.detach(), copy=True),
+                                                self.buffers.clone()])
         if self._lent:
             self._unsent = True
         return self._shared[1]
+
+    def _on_wire(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """A params-sized float32 vector in `wire.dtype` (itself if that is float32 and
+        not `copy`). float16 carries values up to 65504: one beyond it would reach the
+        reader as Inf (its next gradient NaN, refused as if the learning rate were the
+        cause), so the read is refused, naming why."""
+        out = t.to(self._wire_torch, copy=copy)
+        if self.wire_dtype == "float16" and not wire.finite(out):
+            raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have values beyond float16's "
+                                               f"range (65504) at version {self.version}: set wire.dtype = "
+                                               f"\"bfloat16\" (float32's range) or \"float32\"")
+        return out
 
     def sent(self) -> None:
         """The daemon has handed this event's replies to the transport."""

@@ -80,9 +80,31 @@ def test_a_float16_value_beyond_its_range_is_refused_by_the_worker_naming_the_dt
             c._wire("g0", 0, g, clock=4)
         g[3] = float("nan")     # not a range problem: the shard refuses it as a NaN
         assert torch.isnan(c._wire("g0", 0, g, clock=5)).any()
+        g[3] = float("inf")     # a review: nor is an Inf (the run diverged), which was blamed on float16
+        assert torch.isinf(c._wire("g0", 0, g, clock=6)).any()
     finally:
         c.close()
         ctx.term()
+
+
+@pytest.mark.unit
+def test_a_float16_read_of_parameters_beyond_its_range_is_refused_naming_the_dtype():
+    """A review: the shard sent its float32 master weights as float16 unchecked. A
+    parameter past 65504 (reached by gradients all in range) reached every worker as Inf,
+    whose next gradient was NaN: it stopped with "...; lower optimizer.lr", not naming
+    float16. The read is refused, naming it."""
+    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "optimizer.lr": 1000.0, "wire.dtype": "float16"})
+    s = Shard(cfg, 0)
+    g = torch.zeros(s.P)
+    g[0] = -100.0                                   # well within float16's range
+    s.handle("t", wire.decode(wire.encode("push", id=1, rank=0, clock=0, read_version=0,
+                                          arrays=[g.half(), torch.zeros(s.B)])))
+    assert float(s.params[0]) > 65504               # the master weight is fine, in float32
+    (_, frames), = s.handle("t", wire.decode(wire.encode("pull", id=2, rank=0, clock=1)))
+    m = wire.decode(frames)
+    assert (m.op, m.get("code")) == ("error", wire.REFUSED)
+    assert "beyond float16's range (65504)" in m.get("reason") and "bfloat16" in m.get("reason")
 
 
 @pytest.mark.unit

@@ -78,9 +78,9 @@ class ParameterClient:
         if t.dtype == self.wire_dtype:
             return t
         if self.wire_dtype == torch.float16 and t.numel():
-            low, high = torch.aminmax(t)   # no P-sized temporary; NaN goes on, for the shard to refuse
+            low, high = torch.aminmax(t)   # no P-sized temporary; NaN and Inf go on, for the shard to refuse
             peak = max(-float(low), float(high))
-            if peak > FLOAT16_MAX:
+            if FLOAT16_MAX < peak < float("inf"):
                 raise Diverged(f"values up to {peak:.3g} at step {clock} are beyond "
                                f"float16's range ({FLOAT16_MAX:.0f}): set wire.dtype = \"bfloat16\" (float32's range) "
                                f"or \"float32\"")
@@ -198,6 +198,8 @@ class ParameterClient:
         `pull=False`: push only. `slot` picks the conversion buffers, so that two pushes
         can be in flight."""
         reqs = []
+        if grads is not None and self.cfg.wire.compression != "none":
+            self._finite_before_residuals(grads, clock)
         for i in range(self.n):
             if grads is None:
                 reqs.append((i, "pull", {"clock": clock + 1}))
@@ -210,16 +212,21 @@ class ParameterClient:
             reqs.append((i, "push", fields))
         return self.begin(reqs)
 
+    def _finite_before_residuals(self, grads: list[torch.Tensor], clock: int) -> None:
+        """A gradient with NaN or Inf is not compressed: it would stay in the error-feedback
+        residual and spoil every later push. The step is refused before any shard's slice
+        is encoded: a slice encoded changes its residual, and the step would not be sent."""
+        if not all(wire.finite(g) for g in grads):   # as the shard checks a gradient
+            codec = self.cfg.wire.compression
+            raise Diverged(f"gradient has NaN or Inf values at step {clock}; lower optimizer.lr (not sent: the "
+                           f"{codec} residual keeps what a push leaves out, and would keep them)")
+
     def _gradient(self, slot: int, shard: int, g: torch.Tensor, buffers: torch.Tensor, clock: int) -> dict:
-        """A push's arrays (and codec): the gradient in `wire.dtype`, or compressed. A
-        gradient with NaN or Inf is not compressed: it would stay in the error-feedback
-        residual and spoil every later push; the step is refused here instead."""
+        """A push's arrays (and codec): the gradient in `wire.dtype`, or compressed (a
+        finite one: `_finite_before_residuals`)."""
         codec = self.cfg.wire.compression
         if codec == "none":
             return {"arrays": [self._wire(f"g{slot}", shard, g, clock), buffers]}
-        if not wire.finite(g):   # as the shard checks a gradient
-            raise Diverged(f"gradient has NaN or Inf values at step {clock}; lower optimizer.lr (not sent: the "
-                           f"{codec} residual keeps what a push leaves out, and would keep them)")
         if shard not in self._compressors:
             self._compressors[shard] = ErrorFeedback(codec, g.numel(), self.cfg.wire.topk_fraction)
         first, last = self._compressors[shard].encode(g)

@@ -16,7 +16,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -301,8 +301,9 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{where}: expected true or false (or 1 or 0), got {value!r}")
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if kind is int:   # a float with no integer value (1.5, inf, nan) is no integer
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or isinstance(value, float) and not value.is_integer()):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(value)
     if kind is float:
@@ -361,13 +362,33 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# The wire's integers are below 2**62 in magnitude (psgd.wire: a header's clock, a field):
+# a config int past them could not reach the daemons, nor a worker's clock count to it.
+WIRE_INT = 1 << 62
+
+
+def _numbers(value: Any) -> Iterator[Any]:
+    """The numbers in a config value, inside its lists and tables too."""
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list):
+        for v in value:
+            yield from _numbers(v)
+    elif is_number(value):
+        yield value
+
+
 def validate(cfg: Config) -> None:
     """Range checks that span keys; each message names the key."""
     m, c, t, o = cfg.mode, cfg.cluster, cfg.train, cfg.optimizer
-    for section in fields(cfg):   # inf or nan in any number: a time that never ends, a rate that is none
+    for section in fields(cfg):   # every number, in lists and tables too
         for f in fields(getattr(cfg, section.name)):
-            v = getattr(getattr(cfg, section.name), f.name)
-            _check(not isinstance(v, float) or math.isfinite(v), f"{section.name}.{f.name} must be finite, got {v}")
+            key, v = f"{section.name}.{f.name}", getattr(getattr(cfg, section.name), f.name)
+            for x in _numbers(v):   # inf or nan: a time that never ends, a rate that is none
+                _check(not isinstance(x, float) or math.isfinite(x), f"{key} must be finite, got {v}")
+                _check(not isinstance(x, int) or -WIRE_INT < x < WIRE_INT,
+                       f"{key} must be below 2**62 in magnitude (the coordinator sends the config to every "
+                       f"daemon, and the wire's integers stop there), got {v}")
     _check(m.name in MODES, f"mode.name must be one of {', '.join(MODES)}, got {m.name!r}")
     _check(c.servers >= 1, f"cluster.servers must be >= 1, got {c.servers}")
     _check(cfg.wire.dtype in WIRE_DTYPES,
@@ -376,6 +397,8 @@ def validate(cfg: Config) -> None:
            f"wire.compression must be none, onebit or topk, got {cfg.wire.compression!r}")
     _check(0 < cfg.wire.topk_fraction <= 1, f"wire.topk_fraction must be in (0, 1], got {cfg.wire.topk_fraction}")
     _check(c.workers >= 1, f"cluster.workers must be >= 1, got {c.workers}")
+    _check(c.servers <= 65535 - 2, f"cluster.servers must be at most {65535 - 2} (each shard listens on a port "
+                                   f"above the coordinator's, and ports end at 65535), got {c.servers}")
     _check(1 <= c.port <= 65535 - 1 - c.servers,
            f"cluster.port must be in 1..{65535 - 1 - c.servers} (the coordinator's; the shards take the next "
            f"{c.servers}), got {c.port}")

@@ -170,7 +170,7 @@ def test_a_config_file_that_cannot_be_read_is_one_line(content, needle, tmp_path
 
 @pytest.mark.parametrize("sets,says", [
     (["job.seed=-1"], "job.seed must be in 0..4294967295, got -1"),
-    (["job.seed=99999999999999999999"], "job.seed must be in 0..4294967295"),
+    (["job.seed=99999999999999999999"], "job.seed must be below 2**62 in magnitude"),
     (["cluster.port=0"], "cluster.port must be in 1..65532 (the coordinator's; the shards take the next 2), got 0"),
     (["checkpoint.dir=/proc/psgd-not-here"], "checkpoint.dir = '/proc/psgd-not-here' cannot be written"),
     (["cluster.host=psgd-no-such-host.invalid"], "cluster.host = 'psgd-no-such-host.invalid' does not resolve here"),
@@ -186,6 +186,23 @@ def test_values_that_failed_every_daemon_after_the_start_are_one_error_before_it
     for s in sets:
         argv += ["--set", s]
     assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert no_job.calls == []
+
+
+@pytest.mark.parametrize("item,says", [
+    ("train.steps=inf", "--set train.steps=inf: train.steps: expected an integer, got inf"),
+    ("train.steps=1e20", "train.steps must be below 2**62 in magnitude"),
+    ("cluster.max_rejections=99999999999999999999", "cluster.max_rejections must be below 2**62 in magnitude"),
+    ("mode.staleness=1e20", "mode.staleness must be below 2**62 in magnitude"),
+])
+def test_an_integer_that_is_inf_or_past_64_bits_is_one_error_before_the_job_starts(tmp_path, no_job, capsys, item,
+                                                                                     says):
+    """A review: train.steps=inf was a traceback (OverflowError); train.steps=1e20 started the
+    job, whose coordinator could not send the config (msgpack: Integer value out of range),
+    and every worker died with a traceback."""
+    assert main(["run", "--out", str(tmp_path / "out"), "--set", item]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert no_job.calls == []

@@ -168,6 +168,13 @@ def test_plan_validates_every_config_before_running():
 
 
 @pytest.mark.timeout(30)
+def test_inf_in_a_mode_item_is_a_config_error():
+    """A review: `--modes ssp:staleness=inf` was a traceback (int(inf): OverflowError)."""
+    with pytest.raises(ConfigError, match="--modes ssp:staleness=inf with 2 workers: .*expected an integer, got inf"):
+        build_plan(load(None, [], env={}), parse_modes("ssp:staleness=inf"), [2], 1)
+
+
+@pytest.mark.timeout(30)
 def test_time_left_estimate():
     base = load(None, [], env={})
     plan = build_plan(base, parse_modes("sync,async"), [1, 3], 1)

@@ -155,3 +155,38 @@ def test_a_value_out_of_range_names_where_it_came_from(tmp_path):
     f.write_text("[optimizer]\nlr = -1\n")
     with pytest.raises(ConfigError, match=r"job\.toml: optimizer\.lr must be > 0"):
         load(str(f), [], env={})
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e400"])
+def test_inf_or_nan_for_an_integer_key_is_a_config_error(tmp_path, text):
+    """A review: int(inf) raised OverflowError and int(nan) ValueError, a traceback instead of
+    a ConfigError, whether the value came from --set, the environment or the file."""
+    with pytest.raises(ConfigError, match=f"--set train.steps={text}: train.steps: expected an integer"):
+        load(None, [f"train.steps={text}"], env={})
+    with pytest.raises(ConfigError, match="PSGD_MODE_STALENESS: mode.staleness: expected an integer"):
+        load(None, [], env={"PSGD_MODE_STALENESS": text})
+    f = tmp_path / "job.toml"
+    f.write_text(f"[job]\nseed = {text}\n")
+    with pytest.raises(ConfigError, match="job.seed: expected an integer"):
+        load(str(f), [], env={})
+
+
+@pytest.mark.parametrize("item,key", [
+    ("train.steps=99999999999999999999", "train.steps"), ("train.steps=1e20", "train.steps"),
+    ("cluster.max_rejections=99999999999999999999", "cluster.max_rejections"),
+    ("mode.staleness=-1e20", "mode.staleness"), ("data.samples=4611686018427387904", "data.samples"),
+    ("data.shape=[1, 99999999999999999999]", "data.shape"),
+])
+def test_an_integer_past_what_the_wire_carries_is_a_config_error(item, key):
+    """A review: train.steps = 1e20 was accepted, and then the coordinator could not pack the
+    run config for the daemons (msgpack: Integer value out of range): every worker died
+    with a traceback after the job had started."""
+    with pytest.raises(ConfigError, match=rf"^--set .*: {key} must be below 2\*\*62 in magnitude"):
+        load(None, [item], env={})
+    assert load(None, ["data.samples=4611686018427387903"], env={}).data.samples == 2 ** 62 - 1
+
+
+def test_more_servers_than_ports_is_said_plainly():
+    """A review: --servers 70000 said 'cluster.port must be in 1..-4466'."""
+    with pytest.raises(ConfigError, match="cluster.servers must be at most 65533 .*got 70000"):
+        load(None, ["cluster.servers=70000"], env={})

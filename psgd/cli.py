@@ -23,7 +23,7 @@ import threading
 import time
 
 from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
-from .layout import SCRIPT_MODEL
+from .layout import BUILTIN_MODELS, SCRIPT_MODEL
 from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
 
 
@@ -166,6 +166,25 @@ def _script(args) -> list[str] | None:
     return [os.path.abspath(args.script), *args.script_args]
 
 
+def check_model(name: str) -> None:
+    """A model.name that no worker could build, as one ConfigError now (not a job whose
+    evaluator is restarted until it gives up): a built-in name is checked without torch, a
+    factory is imported (as `check_dataset` imports a dataset's)."""
+    if ":" in name:
+        from .models import load_factory
+        load_factory(name, "model.name")
+    elif name not in BUILTIN_MODELS:
+        raise ConfigError(f"model.name {name!r}: expected {', '.join(BUILTIN_MODELS)} or package.module:factory")
+
+
+def check_job(cfg) -> None:
+    """What psgd's own workers need, checked before psgd run or compare starts one: a bad
+    dataset or model is one line here, not a failed job later."""
+    from .data import check_dataset
+    check_dataset(cfg.data, cfg.job.seed)
+    check_model(cfg.model.name)
+
+
 def cmd_run(args) -> int:
     from .launcher import LaunchError, check_before_launch, format_summary, run_local, written_since
     from .metrics import process_start_time
@@ -174,9 +193,8 @@ def cmd_run(args) -> int:
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers,
                          **({"model.name": SCRIPT_MODEL, "cluster.evaluator": "false"} if script else {})})
     port_explicit = "cluster.port" in given_keys(args.config, args.set)
-    if not script:
-        from .data import check_dataset
-        check_dataset(cfg.data, cfg.job.seed)  # a bad dataset is one line here, not a failed job later
+    if not script:   # a script's workers bring their own model and data
+        check_job(cfg)
     check_before_launch(cfg, args.device)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster

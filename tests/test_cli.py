@@ -208,6 +208,20 @@ def test_an_integer_that_is_inf_or_past_64_bits_is_one_error_before_the_job_star
     assert no_job.calls == []
 
 
+@pytest.mark.parametrize("name,says", [
+    ("foo", "model.name 'foo': expected mlp, cnn, resnet20 or package.module:factory"),
+    ("nosuchpkg_psgd_test.mod:factory", "model.name 'nosuchpkg_psgd_test.mod:factory': cannot import"),
+    ("psgd.models:no_such_factory", "psgd.models has no callable 'no_such_factory'"),
+])
+def test_a_bad_model_name_is_one_error_before_the_job_starts(tmp_path, no_job, capsys, name, says):
+    """A review: the job started, its evaluator died on the name and was restarted five times,
+    and psgd run ended with exit 1 and seven lines (the README promises one line and exit 2)."""
+    assert main(["run", "--out", str(tmp_path / "out"), "--set", f"model.name={name}"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert no_job.calls == []
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_one_error(tmp_path, no_job, capsys):
     (tmp_path / "ckpt").write_text("")
     assert main(["run", "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]) == 2

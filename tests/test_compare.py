@@ -175,6 +175,24 @@ def test_inf_in_a_mode_item_is_a_config_error():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("sets,toml", [
+    (["mode.backup_workers=1"], ""),
+    ([], '[mode]\nname = "ltfb"\ntrainer_size = 2\n'),
+])
+def test_the_baseline_does_not_refuse_a_valid_plan_for_mode_keys_it_does_not_use(tmp_path, sets, toml):
+    """A review: the baseline's config was the base's with one worker, mode keys and all, so
+    `--modes sync --workers 4 --set mode.backup_workers=1` (or an ltfb config with 2-worker
+    trainers) was refused: 'mode.backup_workers must be in [0, workers), got 1'. The baseline
+    runs no mode: it has the default mode section."""
+    path = tmp_path / "job.toml"
+    path.write_text(toml)
+    base = load(str(path), [*sets, "cluster.workers=4"], env={})
+    plan = build_plan(base, parse_modes(base.mode.name), [4], 1)
+    assert plan[0].is_baseline and plan[0].cfg.cluster.workers == 1 and plan[0].cfg.mode == load(None, [], {}).mode
+    assert plan[1].cfg.mode == base.mode and plan[1].cfg.cluster.workers == 4
+
+
+@pytest.mark.timeout(30)
 def test_time_left_estimate():
     base = load(None, [], env={})
     plan = build_plan(base, parse_modes("sync,async"), [1, 3], 1)

@@ -43,13 +43,12 @@ def test_the_coordinator_imports_no_torch():
 @pytest.mark.processes
 def test_psgd_run_checks_the_config_and_data_without_torch_or_sklearn():
     """What `psgd run` does before it starts the first process: parse, load the config,
-    check the dataset, import the launcher."""
+    check the dataset and the model's name, import the launcher."""
     out = fresh("import sys\n"
                 "from psgd import cli, launcher\n"
-                "from psgd.data import check_dataset\n"
                 "args = cli.parser().parse_args(['run', '--set', 'train.steps=5'])\n"
                 "cfg = cli._config(args)\n"
-                "check_dataset(cfg.data, cfg.job.seed)\n"
+                "cli.check_job(cfg)\n"
                 "print(sorted(m for m in ('torch', 'sklearn', 'scipy', 'matplotlib') if m in sys.modules))")
     assert out.strip() == "[]"
 

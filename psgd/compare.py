@@ -237,6 +237,18 @@ def _folder(mode: str, params: dict, workers: int, repeat: int) -> str:
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(parts))
 
 
+def baseline_config(base: Config, seed: int) -> Config:
+    """The sequential baseline's config: one worker, and the default mode section, since it
+    runs no mode (the base's mode keys, as mode.backup_workers = 1 or ltfb's trainer_size = 2,
+    may need more workers than its one)."""
+    d = {**base.to_dict(), "mode": {}}
+    d["job"]["seed"], d["cluster"]["workers"] = seed, 1
+    try:
+        return Config.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"the sequential baseline: {e}") from None
+
+
 def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats: int,
                servers: int | None = None, baseline: bool = True) -> list[Run]:
     """Every run, in order: for each repeat the baseline, then each worker count x mode.
@@ -248,7 +260,7 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
         seed = base.job.seed + r
         if baseline:
             steps = max(workers) * base.train.steps if base.train.steps else 0
-            cfg = base.replace(**{"job.seed": seed, "cluster.workers": 1})
+            cfg = baseline_config(base, seed)
             plan.append(Run("baseline", "baseline", {}, 1, r, cfg, f"baseline-r{r}", baseline_steps=steps))
         for w in workers:
             for spec in specs:

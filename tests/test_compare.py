@@ -534,6 +534,32 @@ def test_a_set_that_the_plan_would_override_is_refused(cmd, argv, said, tmp_path
     refuse_sets_the_plan_overrides(["cluster.workers=3", "cluster.servers=2"], None, None)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets,said", [
+    (["data.name=mnist", "data.path=/nonexistent"], "/nonexistent"),
+    (["model.name=foo"], "model.name 'foo': expected mlp, cnn, resnet20 or package.module:factory"),
+])
+def test_compare_checks_the_data_and_model_before_running_anything(sets, said, tmp_path, monkeypatch, capsys):
+    """A review: psgd run checks the dataset before it starts (and psgd simulate too); psgd
+    compare removed the earlier report in --out and started every run, each failing with its
+    daemons restarted."""
+    import psgd.compare
+    from psgd.cli import main
+    ran = []
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **k: ran.append(run))
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "compare.json").write_text("[]")
+    (out / "report.md").write_text("an earlier report")
+    argv = ["compare", "--modes", "sync,async", "--out", str(out)]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+    assert not ran and (out / "report.md").read_text() == "an earlier report"
+
+
 def test_a_list_or_table_value_in_a_mode_item_is_one_value():
     assert [dict(s.params) for s in parse_modes("sync:optimizer.betas=[0.9,0.99]")] == [
         {"optimizer.betas": [0.9, 0.99]}]

@@ -386,6 +386,30 @@ def test_truncation_loser_takes_the_winners_model_exactly_and_winners_keep_their
 
 @unit
 @pytest.mark.timeout(60)
+def test_a_fetch_takes_every_slice_of_one_deposit_when_the_shards_hold_different_rounds():
+    """A review: a shard restored from a checkpoint older than a trainer's deposit (or a
+    deposit on its way to some shards) answered a fetch with an older round than the
+    other shards: the asker scored, and could adopt, a model stitched from two rounds.
+    The shards are asked again for the newest round; one that lacks it answers when it
+    comes (here, in a loopback, it cannot: the partner's model is not delivered)."""
+    cfg = ltfb_cfg()
+    shards, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    meta = [0.0, -1.0, math.nan, math.nan]
+    s1.deposit(w1, 1, 0.5, meta, s1.with_opt)
+    assert {m.get("round") for m in s0.fetch(w0, 1, 1)} == {1}
+    before = shards[0].state_dict()                    # shard 0's periodic checkpoint
+    s1.step(w1)
+    s1.deposit(w1, 2, 0.6, meta, s1.with_opt)
+    shards[0].load_state_dict(before)                  # kill -9: restored without round 2
+    notes = []
+    w0.note = notes.append
+    assert s0.fetch(w0, 1, 1) is None and "trainer 1 did not deliver its model" in notes[0]
+    s1.deposit(w1, 3, 0.7, meta, s1.with_opt)          # trainer 1 moves on: every shard has round 3
+    assert {m.get("round") for m in s0.fetch(w0, 1, 1)} == {3}
+
+
+@unit
+@pytest.mark.timeout(60)
 def test_the_last_round_is_local_no_tournament_at_the_end_of_the_budget():
     cfg = ltfb_cfg(**{"cluster.workers": 1, "train.steps": 9, "mode.round_steps": 3})
     _, [(w, s)] = trainers_on(cfg, 1)

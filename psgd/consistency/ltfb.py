@@ -415,8 +415,19 @@ class LtfbSchedule(Schedule):
         return partner, acc if metric == "accuracy" else loss, True
 
     def fetch(self, w: Trainer, rnd: int, owner: int) -> list | None:
+        """`owner`'s model of round `rnd` or later, every slice of one deposit: shards that
+        answer with different rounds (the owner's newer deposit on its way to some of
+        them, or a shard restored from a checkpoint without a deposit) are asked again
+        for the newest, which a shard that lacks it answers when it comes."""
         gone = lambda: owner not in trainers(w.live(), self.k)  # noqa: E731
         got = w.client.get_model(rnd, owner, cancel=gone, missing_ok=True)
+        for _ in range(FETCH_TRIES):
+            rounds = {int(m.get("round")) for m in got or ()}
+            if len(rounds) <= 1:
+                break
+            got = w.client.get_model(max(rounds), owner, cancel=gone, missing_ok=True)
+        else:
+            got = None
         if got is None:
             w.note(f"round {rnd}: trainer {owner} did not deliver its model; keeping ours")
         return got

@@ -275,6 +275,15 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 params = dict(spec.params)
                 plan.append(Run(spec.label, spec.mode, params, w, r, cfg, _folder(spec.mode, params, w, r),
                                 sweep=spec.sweep, sweep_value=spec.sweep_value))
+    seen: dict[str, Run] = {}
+    for run in plan:   # a run's folder is its own (a second would replace the first's), and a mode run's config
+        keys = [run.name] if run.is_baseline else [run.name, json.dumps(run.cfg.to_dict(), sort_keys=True)]
+        for key in keys:
+            if key in seen:
+                raise ConfigError(f"--modes {seen[key].label} and {run.label} with {run.workers} workers are the "
+                                  f"same run (folder runs/{seen[key].name}): give each configuration once "
+                                  f"(--repeats repeats them)")
+            seen[key] = run
     return plan
 
 

@@ -468,6 +468,12 @@ def validate(cfg: Config) -> None:
     _check(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
     _check(o.gamma > 0 and o.min_lr >= 0, f"optimizer.gamma must be > 0 and optimizer.min_lr >= 0, "
                                           f"got {o.gamma}, {o.min_lr}")
+    if o.schedule == "cosine":   # (else the rate stayed constant, or rose, without a word)
+        _check(t.steps > o.warmup_steps, f"optimizer.schedule = \"cosine\" decays over train.steps after the "
+                                         f"warm-up: it needs train.steps > optimizer.warmup_steps (a budget of "
+                                         f"train.seconds alone has no length), got {t.steps}, {o.warmup_steps}")
+        _check(o.min_lr <= o.lr, f"optimizer.min_lr must be <= optimizer.lr for the cosine schedule to decay, "
+                                 f"got {o.min_lr} > {o.lr}")
     _check(cfg.model.hidden >= 1, f"model.hidden must be >= 1, got {cfg.model.hidden}")
     _check(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
     _check(len(cfg.data.shape) >= 1 and all(is_number(d) and isinstance(d, int) and d >= 1

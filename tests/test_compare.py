@@ -168,6 +168,16 @@ def test_plan_validates_every_config_before_running():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("modes", ["ssp:staleness=1,1.0", "sync:job.name=a b,a_b"])
+def test_two_items_of_one_run_are_refused_before_either_replaces_the_other(modes):
+    """A review: two --modes items that make the same folder (the same configuration
+    written twice, or names that differ only where a folder name cannot) ran both, and
+    the second replaced the first's results."""
+    with pytest.raises(ConfigError, match=r"are the same run \(folder runs/"):
+        build_plan(load(None, [], env={}), parse_modes(modes), [2], 1)
+
+
+@pytest.mark.timeout(30)
 def test_inf_in_a_mode_item_is_a_config_error():
     """A review: `--modes ssp:staleness=inf` was a traceback (int(inf): OverflowError)."""
     with pytest.raises(ConfigError, match="--modes ssp:staleness=inf with 2 workers: .*expected an integer, got inf"):

@@ -190,3 +190,18 @@ def test_more_servers_than_ports_is_said_plainly():
     """A review: --servers 70000 said 'cluster.port must be in 1..-4466'."""
     with pytest.raises(ConfigError, match="cluster.servers must be at most 65533 .*got 70000"):
         load(None, ["cluster.servers=70000"], env={})
+
+
+def test_a_cosine_schedule_needs_a_length_and_a_floor_below_the_rate():
+    """A review: with a budget of train.seconds only (train.steps = 0) the cosine schedule
+    kept the rate constant, and with optimizer.min_lr above optimizer.lr it rose: both
+    without a word."""
+    cosine = ["optimizer.schedule=cosine", "train.seconds=60"]
+    with pytest.raises(ConfigError, match="needs train.steps > optimizer.warmup_steps"):
+        load(None, [*cosine, "train.steps=0"], env={})
+    with pytest.raises(ConfigError, match="needs train.steps > optimizer.warmup_steps"):
+        load(None, [*cosine, "train.steps=100", "optimizer.warmup_steps=100"], env={})
+    with pytest.raises(ConfigError, match="optimizer.min_lr must be <= optimizer.lr"):
+        load(None, [*cosine, "train.steps=100", "optimizer.min_lr=0.5", "optimizer.lr=0.1"], env={})
+    assert load(None, [*cosine, "train.steps=100", "train.seconds=0"], env={}).optimizer.schedule == "cosine"
+    assert load(None, ["optimizer.min_lr=0.5", "optimizer.lr=0.1"], env={}).optimizer.min_lr == 0.5   # not cosine

@@ -4,7 +4,8 @@
 
 `python -m psgd.report OUT DIR1 DIR2 ...` merges folders; it refuses (one line, exit 2) a
 folder given twice, an OUT that is one of the DIRs (its compare.json would be overwritten),
-and a compare.json or compare-context.json that psgd did not write. A compare.json of no
+folders whose times are to different targets (eval.target_accuracy), and a compare.json
+or compare-context.json that psgd did not write. A compare.json of no
 run (`[]`, a compare interrupted before its first run ended) gives a report saying so, and
 a context that says the command was interrupted (`interrupted`, `not_run`) is said first.
 
@@ -24,7 +25,19 @@ import json
 import os
 import sys
 
-from .report_numbers import SIM_SUFFIX, Row, build_rows, eval_period, mean, sd, spearman, sweeps, trend, worker_sweeps
+from .report_numbers import (
+    SIM_SUFFIX,
+    Row,
+    build_rows,
+    eval_period,
+    eval_periods,
+    mean,
+    sd,
+    spearman,
+    sweeps,
+    trend,
+    worker_sweeps,
+)
 from .report_plots import PLOT_DPI, make_plots, plt_or_none
 from .report_reading import describe_faults, reading
 from .report_relations import sweep_sentences
@@ -166,14 +179,18 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                      f"stops while it is scored.")
         lines.append("")
     period = eval_period([run for r in rows for run in r.runs], ctx)
+    periods = eval_periods([run for r in rows for run in r.runs])
+    every = (f"{'?' if period is None else f'{period:g}'} s by the evaluator, so their times are rounded up to "
+             f"that period" if len(periods) < 2 else
+             f"{' or '.join(f'{p:g}' for p in periods)} s by the evaluator (by configuration), so their times are "
+             f"rounded up to their period, and two are told apart only beyond the coarsest, {period:g} s")
     clock = "virtual" if sim else "wall (virtual for the rows marked (simulated))" if mixed else "wall"
     timing_only = sim is not None and sim.get("train") is False
     lines.append("Time to target: none; these runs are timing only (sim.train = false): no gradients, no scores. "
                  if timing_only else
                  f"Time to target: {clock} time from the start of training until the global model first scored "
-                 f"≥ {target:g} on the test set; distributed runs are scored every "
-                 f"{'?' if period is None else f'{period:g}'} s by the evaluator, so their times are rounded up "
-                 f"to that period. Speedup = reference time to target / this time (> 1: faster). ")
+                 f"≥ {target:g} on the test set; distributed runs are scored every {every}. Speedup = reference "
+                 f"time to target / this time (> 1: faster). ")
     lines[-1] += ("Measured staleness = updates applied between a worker's read and its push (easgd: moves of the "
                   "center between two exchanges; ltfb: 0). It is not ssp's bound s, which limits how many clocks a "
                   "worker may run ahead of the slowest: even with s = 0 the other workers' pushes of the same "
@@ -340,16 +357,36 @@ def setup_tags(folders: list[str], ctxs: list[dict]) -> list[str | None]:
     return [by_folder.get(f) for f in folders]
 
 
+def _target(ctx: dict, runs: list[dict]) -> float | None:
+    """The test accuracy a folder's times to target are times to: its context's, else its runs'."""
+    t = ctx.get("target_accuracy", next((r["target_accuracy"] for r in runs if r.get("target_accuracy") is not None),
+                                        None))
+    return None if t is None else float(t)
+
+
+def one_target(folders: list[str], targets: list[float | None]) -> float | None:
+    """The target every folder shares (None when none says): a report ranks times to one
+    target and names it once, so folders of different targets are refused (ReportError)."""
+    known = {f: t for f, t in zip(folders, targets, strict=True) if t is not None}
+    if len(set(known.values())) > 1:
+        raise ReportError("the folders measured time to different targets ("
+                          + ", ".join(f"{f}: {t:g}" for f, t in known.items())
+                          + "): a report compares times to one target; merge folders of one eval.target_accuracy")
+    return next(iter(known.values()), None)
+
+
 def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
     """The runs of several compare/simulate folders in one list (each run's `dir`
     relative to `out`), and the context of the first real one (else the first). When the
     folders' setups differ (setup_tags), each run carries its folder's `setup` tag, which
-    keeps it in a row of its own, and the context says what each folder applied."""
+    keeps it in a row of its own, and the context says what each folder applied. Folders
+    of different targets are refused (one_target)."""
     per_folder, ctxs = [], []
     for folder in folders:
         rs, ctx = _read(folder)
         per_folder.append(rs)
         ctxs.append(ctx)
+    target = one_target(folders, [_target(c, rs) for c, rs in zip(ctxs, per_folder, strict=True)])
     tags = setup_tags(folders, ctxs)
     results = []
     for folder, rs, tag in zip(folders, per_folder, tags, strict=True):
@@ -360,6 +397,8 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
                 r = {**r, "setup": tag}
             results.append(r)
     ctx = dict(next((c for c in ctxs if not c.get("simulated")), ctxs[0]))
+    if target is not None:
+        ctx["target_accuracy"] = target
     if not all(c.get("simulated") for c in ctxs):
         ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
     ctx["merged_from"] = list(folders)

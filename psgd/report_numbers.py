@@ -124,6 +124,12 @@ def trend(values: list[float]) -> str:
     return "rose" if ups else "fell" if downs else "went up and down"
 
 
+def run_period(run: dict, period: float | None) -> float | None:
+    """The seconds between two scores of `run`: its own `eval_every_s` (runs of merged
+    folders or of a label that sets eval.every_seconds may differ), else `period`."""
+    return float(run["eval_every_s"]) if run.get("eval_every_s") else period
+
+
 def ttt_flag(run: dict, period: float | None) -> str | None:
     """Why a run's time to target cannot rank it, or None when it can (or is None).
 
@@ -131,8 +137,9 @@ def ttt_flag(run: dict, period: float | None) -> str | None:
     score taken once training had ended, which says when the evaluator looked, not when
     the model got there. FIRST_SCORE (distributed runs): the model was already above the
     target at the evaluator's first score, or the time is shorter than one evaluation
-    period: the time is the evaluator's phase. The sequential baseline is scored on its own
-    training clock, from step 0, many times per run, so only AFTER_END applies to it."""
+    period (the run's own, run_period): the time is the evaluator's phase. The sequential
+    baseline is scored on its own training clock, from step 0, many times per run, so only
+    AFTER_END applies to it."""
     t = run.get("time_to_target_s")
     if t is None:
         return None
@@ -148,7 +155,8 @@ def ttt_flag(run: dict, period: float | None) -> str | None:
         return AFTER_END                            # round to just below wall_s
     if target is not None and evals and float(evals[0]["accuracy"]) >= float(target):
         return FIRST_SCORE
-    return FIRST_SCORE if period and float(t) < period else None
+    own = run_period(run, period)
+    return FIRST_SCORE if own and float(t) < own else None
 
 
 def training_scores(run: dict) -> int:
@@ -159,13 +167,20 @@ def training_scores(run: dict) -> int:
                and (wall is None or float(e.get("t", 0.0)) < float(wall)))
 
 
+def eval_periods(results: list[dict]) -> list[float]:
+    """The distinct `eval_every_s` of the distributed runs (compare tags every one), ascending."""
+    return sorted({float(r["eval_every_s"]) for r in results if r.get("eval_every_s") and r.get("mode") != "baseline"})
+
+
 def eval_period(results: list[dict], ctx: dict) -> float | None:
-    """Seconds between two scores of the evaluator: a run's `eval_every_s` (compare tags
-    every distributed run with it), else the compare context's, else the median spacing of
-    the distributed runs' evaluation curves (less the last point, the final score)."""
-    for r in results:
-        if r.get("eval_every_s") and r.get("mode") != "baseline":
-            return float(r["eval_every_s"])
+    """Seconds between two scores of the evaluator, as far as two times can be told apart:
+    the coarsest of the runs' `eval_every_s` (a time is known to within its own run's
+    period, so two runs scored every 0.5 s and every 5 s are ranked only beyond 5 s), else
+    the compare context's, else the median spacing of the distributed runs' evaluation
+    curves (less the last point, the final score)."""
+    periods = eval_periods(results)
+    if periods:
+        return periods[-1]
     if ctx.get("eval_every_s"):
         return float(ctx["eval_every_s"])
     gaps = sorted(b["t"] - a["t"] for r in results if r.get("mode") != "baseline"

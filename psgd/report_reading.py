@@ -10,7 +10,7 @@ seen in fewer than MIN_SCORES scores during training is not called missed.
 """
 from __future__ import annotations
 
-from .report_numbers import AFTER_END, MIN_SCORES, Row, eval_period, mean, sd
+from .report_numbers import AFTER_END, MIN_SCORES, Row, eval_period, mean, run_period, sd
 from .report_relations import (
     ONCE,
     names,
@@ -66,8 +66,9 @@ def _why_unranked(r: Row, target: float, period: float | None) -> str:
         s = (f"first scored ≥ {target:g} at {secs(t)} s, after its training had ended at "
              f"{secs(float(run['wall_s']))} s")
     else:
+        own = run_period(run, period)
         s = f"already ≥ {target:g} at the evaluator's first score, {secs(t)} s"
-        s += f", less than one evaluation period ({period:g} s) after the start" if period and t < period else ""
+        s += f", less than one evaluation period ({own:g} s) after the start" if own and t < own else ""
     n = len(r.runs)
     return f"{r.name} ({s}" + (f"; {len(flags)} of {n} repeats" if n > 1 else "") + ")"
 

@@ -340,3 +340,55 @@ def test_a_merged_reports_baseline_budget_is_its_own_folders(tmp_path):
 
 def test_report_help_is_its_usage(capsys):
     assert report_main(["--help"]) == 0 and "usage: python -m psgd.report DIR" in capsys.readouterr().out
+
+
+def folder_of(path, results, ctx) -> str:
+    """A compare folder at `path`: its compare.json and compare-context.json."""
+    os.makedirs(path)
+    with open(os.path.join(path, "compare.json"), "w") as f:
+        json.dump(results, f)
+    with open(os.path.join(path, "compare-context.json"), "w") as f:
+        json.dump(ctx, f)
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+def test_folders_of_different_targets_are_not_merged(tmp_path, capsys):
+    """A review: folder b ran with eval.target_accuracy=0.8 and never scored above 0.85, yet
+    merged with folder a (0.9) its rows were "First to reach 0.9 test accuracy: sync [b]":
+    the merged report took the first folder's target for every row."""
+    a = folder_of(tmp_path / "a", [run("sync", repeat=i, ttt=4.0 + 0.1 * i, wall=8.0) for i in range(3)],
+                  {**CTX, "sets": [], "command": "psgd compare --modes sync"})
+    ev = [{"t": 0.5, "samples": 100, "accuracy": 0.5, "loss": 1.0}, {"t": 1.0, "samples": 200, "accuracy": 0.85,
+          "loss": 0.4}, {"t": 8.1, "samples": 900, "accuracy": 0.85, "loss": 0.4, "final": True}]
+    b = folder_of(tmp_path / "b", [run("sync", repeat=i, ttt=1.0, acc=0.85, wall=8.0, evals=ev, target_accuracy=0.8)
+                                   for i in range(3)],
+                  {**CTX, "target_accuracy": 0.8, "sets": ["eval.target_accuracy=0.8"],
+                   "command": "psgd compare --modes sync --set eval.target_accuracy=0.8"})
+    out = tmp_path / "m"
+    assert report_main([str(out), a, b]) == 2
+    said = capsys.readouterr().err
+    assert f"different targets ({a}: 0.9, {b}: 0.8)" in said and len(said.strip().splitlines()) == 1
+    assert not (out / "report.md").exists()
+
+
+@pytest.mark.timeout(60)
+def test_merged_folders_of_different_evaluation_periods_are_ranked_by_the_coarsest(tmp_path):
+    """A review: folder b scored every 5 s, so its 10.0 s says only "somewhere in (5, 10]",
+    yet it was ranked after folder a's 9.05 s by a's period of 0.5 s, and the header said
+    every run was scored every 0.5 s."""
+    a = folder_of(tmp_path / "a", [run("sync", repeat=i, ttt=9.0 + 0.05 * i, wall=20.0) for i in range(3)],
+                  {**CTX, "sets": [], "command": "psgd compare --modes sync"})
+    ev = [{"t": 5.0, "samples": 100, "accuracy": 0.5, "loss": 1.0}, {"t": 10.0, "samples": 200, "accuracy": 0.95,
+          "loss": 0.3}, {"t": 15.0, "samples": 300, "accuracy": 0.95, "loss": 0.3},
+          {"t": 20.1, "samples": 400, "accuracy": 0.95, "loss": 0.3, "final": True}]
+    b = folder_of(tmp_path / "b", [run("async", "async", repeat=i, ttt=10.0, acc=0.95, wall=20.0, evals=ev,
+                                       eval_every_s=5.0) for i in range(3)],
+                  {**CTX, "eval_every_s": 5.0, "sets": ["eval.every_seconds=5"],
+                   "command": "psgd compare --modes async --set eval.every_seconds=5"})
+    out = tmp_path / "m"
+    assert report_main([str(out), a, b]) == 0
+    text = (out / "report.md").read_text()
+    said = text[text.index("## Reading"):]
+    assert "Order to the target: sync [a] 9.05 s ≈ async [b] 10.0 s" in said
+    assert "scored every 0.5 or 5 s by the evaluator" in text and "coarsest, 5 s" in text

@@ -392,3 +392,34 @@ def test_merged_folders_of_different_evaluation_periods_are_ranked_by_the_coarse
     said = text[text.index("## Reading"):]
     assert "Order to the target: sync [a] 9.05 s ≈ async [b] 10.0 s" in said
     assert "scored every 0.5 or 5 s by the evaluator" in text and "coarsest, 5 s" in text
+
+
+@pytest.mark.timeout(60)
+def test_the_speed_against_the_baseline_is_checked_against_the_spread_like_the_speed_against_sync():
+    """A review: baseline 2.0/3.0/4.0 s (sd 1.0) and async 2.5/2.6/2.7 s are 0.4 s apart,
+    within one sd; the table marked the speedup ≈, the reading called async 1.15× the
+    baseline's speed without a word."""
+    res = [run("baseline", "baseline", repeat=i, ttt=t, workers=1, wall=8.0) for i, t in enumerate((2.0, 3.0, 4.0))]
+    res += [run("async", "async", repeat=i, ttt=t, wall=8.0) for i, t in enumerate((2.5, 2.6, 2.7))]
+    res += [run("sync", repeat=i, ttt=t, wall=8.0) for i, t in enumerate((5.0, 5.1, 5.2))]
+    line = sentence(told(res), "First to reach")
+    assert "1.15× the speed of the sequential baseline, which needed 3.00 s, not told apart from it: within one " \
+           "run-to-run sd" in line
+
+
+@pytest.mark.timeout(60)
+def test_the_speed_against_a_baseline_that_lost_repeats_is_not_stated_as_measured():
+    """A review: one of three baseline repeats failed, so its time was its survivors'; the
+    reading refused to rank a distributed configuration that lost repeats but stated a
+    speedup against such a baseline, and called it sooner than every configuration."""
+    base = [run("baseline", "baseline", repeat=i, ttt=6.0, workers=1, wall=8.0) for i in range(2)]
+    base += [dict(failed("baseline", "baseline", 2), workers=1)]
+    res = base + [run("async", "async", repeat=i, ttt=2.0 + 0.05 * i, wall=8.0) for i in range(3)]
+    line = sentence(told(res), "First to reach")
+    assert "the speed of the sequential baseline" not in line
+    assert "not compared with the sequential baseline (1 of 3 repeats failed)" in line
+    slower = base + [run("async", "async", repeat=i, ttt=7.0 + 0.05 * i, wall=8.0) for i in range(3)]
+    text = told(slower)
+    assert "sooner than" not in text
+    assert "The sequential baseline (1 of 3 repeats failed) reached the target in 6.00 s in the 2 that finished: " \
+           "not ranked" in text

@@ -23,6 +23,11 @@ READ_PUSH_MODES = ("sync", "ssp", "async")
 MIN_POINTS = 5
 MIN_REPEATS = 3
 
+# The two-sided 5 % critical values of Spearman's ρ under no relation, exact (from all n!
+# orderings) for n = 5..10 points; above 10, 1.96 / sqrt(n - 1), which counted over random
+# orderings keeps the level at or below 5 % (it falls below for n = 9 and fewer).
+RHO_CRITICAL = {5: 1.0, 6: 0.886, 7: 0.786, 8: 0.738, 9: 0.700, 10: 0.648}
+
 # Why a time to target does not rank (see ttt_flag).
 AFTER_END = "after the end"
 FIRST_SCORE = "first score"
@@ -110,6 +115,12 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
     return num / den if den > 0 else None
+
+
+def rho_critical(n: int) -> float:
+    """The smallest |ρ| over n points that chance gives at most 5 % of the time (RHO_CRITICAL):
+    a weaker rank correlation establishes no relation (|ρ| >= 0.5 happens ~45 % of the time at n = 5)."""
+    return RHO_CRITICAL[n] if n in RHO_CRITICAL else 1.96 / math.sqrt(n - 1) if n > 10 else math.inf
 
 
 def trend(values: list[float]) -> str:

@@ -4,7 +4,8 @@ phrase helpers the whole reading shares.
 Measured staleness against final accuracy and time to target: a rank correlation is
 stated only over configurations whose staleness means the same thing (sync, ssp, async:
 updates applied between a worker's read and its push), at least MIN_POINTS of them with
-MIN_REPEATS runs each (psgd.report_numbers says why those numbers); easgd's and ltfb's
+MIN_REPEATS runs each (psgd.report_numbers says why those numbers), and called a relation
+only where |ρ| reaches the 5 % critical value for its count (rho_critical); easgd's and ltfb's
 figures are named as the different quantities they are. Then the parameter sweeps and
 the worker-count sweeps, each value against throughput, time to target, accuracy.
 Values that are not ordered: equal ones, ones closer than the run-to-run sd (tie_reason),
@@ -26,6 +27,7 @@ from .report_numbers import (  # ONCE and tie_reason: imported from here too
     correlation_rows,
     mean,
     param_name,
+    rho_critical,
     sd,
     spearman,
     sweep_fixed,
@@ -121,12 +123,13 @@ def _staleness_vs_accuracy(st: list[Row]) -> str:
         top_sd = max(sd(r.acc) or 0.0 for r in pts)
         return (f"; the final accuracies differ by less than the run-to-run noise (sd up to {top_sd:.4f}), so "
                 f"they show no effect of staleness ({over})")
-    if rho <= -0.5:
+    if abs(rho) < (crit := rho_critical(len(pairs))):
+        return (f"; no relation between staleness and final accuracy is established ({over}: below {crit:.2f}, the "
+                f"|ρ| that chance reaches at most 5 % of the time over {len(pairs)} points)")
+    if rho < 0:
         return f"; more staleness went with lower final accuracy ({over})"
-    if rho >= 0.5:
-        return (f"; more staleness did not cost final accuracy here — it went with higher accuracy ({over}), "
-                f"so other differences between the configurations dominate")
-    return f"; no consistent relation between staleness and final accuracy ({over})"
+    return (f"; more staleness did not cost final accuracy here — it went with higher accuracy ({over}), "
+            f"so other differences between the configurations dominate")
 
 
 def _run_staleness(r: Row) -> list[float]:
@@ -156,8 +159,8 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
             tt = [(r, sm, t) for r in correlation_rows(st)
                   if (t := r.resolved_ttt_mean(period)) is not None and (sm := r.staleness_mean) is not None]
             rho_t = spearman([sm for _, sm, _ in tt], [t for _, _, t in tt])
-            if len(tt) >= MIN_POINTS and rho_t is not None and abs(rho_t) >= 0.5 and not noise_note(
-                    [r.ttt for r, _, _ in tt]):
+            if (len(tt) >= MIN_POINTS and rho_t is not None and abs(rho_t) >= rho_critical(len(tt))
+                    and not noise_note([r.ttt for r, _, _ in tt])):
                 out.append(f"More staleness went with {'longer' if rho_t > 0 else 'shorter'} times to the target "
                            f"(Spearman ρ = {rho_t:.2f} over {len(tt)} configurations).")
     other = [m for m in OTHER_STALENESS if any(r.mode == m for r in dist)]

@@ -423,3 +423,20 @@ def test_the_speed_against_a_baseline_that_lost_repeats_is_not_stated_as_measure
     assert "sooner than" not in text
     assert "The sequential baseline (1 of 3 repeats failed) reached the target in 6.00 s in the 2 that finished: " \
            "not ranked" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_staleness_accuracy_relation_is_not_claimed_from_a_rank_correlation_chance_gives_often():
+    """A review: five configurations with Spearman ρ = -0.5 were said to show that "more
+    staleness went with lower final accuracy"; with no relation |ρ| >= 0.5 has probability
+    about 0.45 at n = 5, where only |ρ| = 1 reaches the 5 % level."""
+    from psgd.report_numbers import rho_critical
+    acc_of_rank = {1: 0.90, 2: 0.91, 3: 0.92, 4: 0.93, 5: 0.94}
+    res = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", repeat=i,
+               acc=acc_of_rank[y] + 0.0005 * i, stal=float(s) + 0.01 * i, ttt=None)
+           for s, y in zip(range(5), (3, 5, 2, 4, 1), strict=True) for i in range(3)]
+    text = told(res)
+    assert "went with" not in text
+    assert "no relation between staleness and final accuracy is established (Spearman ρ = -0.50 over 5 " \
+           "configurations of at least 3 repeats: below 1.00" in text
+    assert [rho_critical(n) for n in (5, 6, 10)] == [1.0, 0.886, 0.648] and 0.44 < rho_critical(20) < 0.46

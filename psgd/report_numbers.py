@@ -250,9 +250,14 @@ class Row:
         return {k: v for k, v in self.params.items() if "." in str(k)}
 
     @property
+    def failed_repeats(self) -> str:
+        """'k of n repeats failed' for a configuration that lost repeats, else ''."""
+        return f"{len(self.errors)} of {self.n} repeats failed" if self.errors and self.runs else ""
+
+    @property
     def failed_note(self) -> str:
         """' (k of n repeats failed)' for a configuration that lost repeats, else ''."""
-        return f" ({len(self.errors)} of {self.n} repeats failed)" if self.errors and self.runs else ""
+        return f" ({self.failed_repeats})" if self.failed_repeats else ""
 
     @property
     def scored(self) -> bool:

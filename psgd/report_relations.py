@@ -232,12 +232,29 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
         if a and b:
             gain = b / a
             eff = gain / (last.workers / first.workers)
+            why = tie_reason(first.sps, last.sps)
             s = (f"{first.name} from {first.workers} to {last.workers} workers: throughput ×{gain:.2f} "
-                 f"(scaling efficiency {100 * eff:.0f}%)")
-            t0, t1 = first.resolved_ttt_mean(period), last.resolved_ttt_mean(period)
-            if t0 is not None and t1 is not None:
-                s += f", time to target {secs(t0)} s → {secs(t1)} s"
-            if unmeasured([first.sps, last.sps]):
+                 f"(scaling efficiency {100 * eff:.0f}%" + (f"; not told apart: {why}" if why and why != ONCE else "")
+                 + ")" + _times_across(first, last, period))
+            if why == ONCE:
                 s += f" (each worker count {ONCE})"
             out.append(s + ".")
     return out
+
+
+def _times_across(first: Row, last: Row, period: float | None) -> str:
+    """', time to target T0 s → T1 s' of a worker-count sweep, where both are resolved, with
+    why they are not told apart (tie_reason, or less than one evaluation period apart). A
+    worker count that lost repeats has its survivors' time, which the time sentences do not
+    rank either: said instead of the times."""
+    lost = [r for r in (first, last) if r.errors]
+    if lost:
+        return "; " + " and ".join(f"{r.failed_repeats} at {r.workers} workers" for r in lost) + \
+            ", so the times to target are not compared"
+    t0, t1 = first.resolved_ttt_mean(period), last.resolved_ttt_mean(period)
+    if t0 is None or t1 is None:
+        return ""
+    why = tie_reason(first.ttt, last.ttt) or ("less than one evaluation period apart"
+                                              if period and abs(t1 - t0) < period else None)
+    return f", time to target {secs(t0)} s → {secs(t1)} s" + (f" (not told apart: {why})" if why and why != ONCE
+                                                               else "")

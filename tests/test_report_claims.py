@@ -440,3 +440,32 @@ def test_a_staleness_accuracy_relation_is_not_claimed_from_a_rank_correlation_ch
     assert "no relation between staleness and final accuracy is established (Spearman ρ = -0.50 over 5 " \
            "configurations of at least 3 repeats: below 1.00" in text
     assert [rho_critical(n) for n in (5, 6, 10)] == [1.0, 0.886, 0.648] and 0.44 < rho_critical(20) < 0.46
+
+
+@pytest.mark.timeout(60)
+def test_the_worker_count_sweep_does_not_use_the_time_of_a_configuration_that_lost_repeats():
+    """A review: async at 4 workers lost one of three repeats; the time sentences refused
+    to rank it, but the worker-count sweep said "time to target 4.10 s → 2.05 s"."""
+    res = [run("async", "async", repeat=i, workers=2, ttt=4.0 + 0.1 * i, sps=5000 + 10 * i, wall=8.0)
+           for i in range(3)]
+    res += [run("async", "async", repeat=i, workers=4, ttt=2.0 + 0.1 * i, sps=9000 + 10 * i, wall=8.0)
+            for i in range(2)]
+    res += [dict(failed("async", "async", 2), workers=4)]
+    text = told(res)
+    assert "Not ranked by time to 0.9, because repeats failed: async" in text
+    line = sentence(text, "async from 2 to 4 workers")
+    assert "→" not in line and "1 of 3 repeats failed at 4 workers, so the times to target are not compared" in line
+
+
+@pytest.mark.timeout(60)
+def test_the_worker_count_sweep_says_when_its_gain_is_within_the_noise():
+    """A review: throughput 4,500/5,000/5,500 at 2 workers and 4,600/5,100/5,600 at 4 is
+    not told apart by the throughput sentence, yet the sweep stated ×1.02 and a 51 %
+    scaling efficiency without a word; its times 2.0-2.4 s at both counts likewise."""
+    res = [run("async", "async", repeat=i, workers=w, ttt=2.0 + 0.2 * i, sps=s0 + d, wall=8.0)
+           for w, s0 in ((2, 5000), (4, 5100)) for i, d in enumerate((-500, 0, 500))]
+    text = told(res)
+    assert "Throughput does not separate the configurations" in text
+    line = sentence(text, "async from 2 to 4 workers")
+    assert "throughput ×1.02 (scaling efficiency 51%; not told apart: within one run-to-run sd)" in line
+    assert "time to target 2.20 s → 2.20 s (not told apart: equal)" in line

@@ -250,7 +250,8 @@ def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:
 
 def write_report(out: str, results: list[dict], ctx: dict) -> str:
     rows = build_rows(results)
-    plots = make_plots(out, rows, float(ctx.get("target_accuracy", 0.9)))
+    plots = make_plots(out, rows, float(ctx.get("target_accuracy", 0.9)),
+                       eval_period([run for r in rows for run in r.runs], ctx))
     path = os.path.join(out, "report.md")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -2,9 +2,11 @@
 
 Accuracy against wall time and against samples, throughput bars, one measured-staleness
 histogram per configuration, for sweeps the swept value (or the worker count) against
-time to target and throughput, and for ltfb with `mode.explore` each trainer's explored
-hyperparameters after every tournament. `make_plots` writes them and lists them; without
-matplotlib it writes nothing and the report goes without plots.
+time to target and throughput (only resolved times of configurations that lost no repeats
+are drawn; a sweep plot's title says why the others have none), and for ltfb with
+`mode.explore` each trainer's explored hyperparameters after every tournament.
+`make_plots` writes them and lists them; without matplotlib it writes nothing and the
+report goes without plots.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 from typing import Any
 
 from .report_numbers import Row, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
+from .report_relations import time_status
 from .report_tables import num, smax
 
 PLOT_DPI = 80
@@ -179,11 +182,29 @@ def _staleness_plot(plt, rows: list[Row], colors, path: str) -> None:
     plt.close(fig)
 
 
-def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title: str) -> None:
+def plotted_time(r: Row, period: float | None) -> float | None:
+    """The time to target a plot draws for a row: a resolved mean of a row that lost no
+    repeats (time_status says why another has none), else None."""
+    return None if time_status(r, period) else r.resolved_ttt_mean(period)
+
+
+def _unplotted(xs: list, rows: list[Row], period: float | None, target: float) -> str:
+    """A second title line, "(0, 4: not scored; 8: 2/3 reached)": why the swept values
+    without a plotted time (plotted_time) have none, in the reading's words; "" if none."""
+    by_why: dict[str, list[str]] = {}
+    for x, r in zip(xs, rows, strict=True):
+        if why := time_status(r, period, target):
+            by_why.setdefault(why, []).append(str(x))
+    said = "; ".join(", ".join(values) + f": {why}" for why, values in by_why.items())
+    return f"\n({said})" if said else ""
+
+
+def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title: str, period: float | None,
+                target: float) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
     pos = xs if numeric else list(range(len(xs)))
-    tt = [r.ttt_mean for r in rows]
+    tt = [plotted_time(r, period) for r in rows]
     tt_sd = [sd(r.ttt) or 0 for r in rows]
     pts = [(p, t, e) for p, t, e in zip(pos, tt, tt_sd, strict=True) if t is not None]
     if pts:
@@ -198,21 +219,20 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
     if not numeric:
         ax.set_xticks(pos)
         ax.set_xticklabels([str(x) for x in xs])
-    missing = [str(x) for x, t in zip(xs, tt, strict=True) if t is None]
-    ax.set_title(title + (f"\n(target not reached at {', '.join(missing)})" if missing else ""), fontsize=9)
+    ax.set_title(title + _unplotted(xs, rows, period, target), fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
 
 
-def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str) -> None:
+def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: float | None) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
     for rs in groups.values():
         c, label = colors[rs[0].key], rs[0].name
         ws = [r.workers for r in rs]
         a1.plot(ws, [mean(r.sps) or 0 for r in rs], marker="o", color=c, label=label)
-        pts = [(r.workers, r.ttt_mean) for r in rs if r.ttt_mean is not None]
+        pts = [(r.workers, t) for r in rs if (t := plotted_time(r, period)) is not None]
         if pts:
             a2.plot([p for p, _ in pts], [t for _, t in pts], marker="o", color=c, label=label)
     ws = sorted({r.workers for rs in groups.values() for r in rs})
@@ -224,9 +244,10 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        else:   # timing only, or no run reached the target: nothing drawn
-            ax.text(0.5, 0.5, "no run reached the target", ha="center", va="center", transform=ax.transAxes,
-                    fontsize=8, color="grey")
+        else:   # timing only, or no resolved time to target: nothing drawn
+            ax.text(0.5, 0.5, "no run was scored" if not any(r.scored for r in every) else
+                    "no resolved time to target (see the reading)", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=8, color="grey")
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
@@ -271,8 +292,9 @@ def _hyper_plot(plt, label: str, traces: dict[str, dict[int, list[tuple[float, f
 PLOT_FILE = re.compile(r"(accuracy_vs_time|accuracy_vs_samples|throughput|staleness|sweep_.+|hyper_\d+)\.png")
 
 
-def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]]:
-    """[(title, file name)] of the plots written into `out`."""
+def make_plots(out: str, rows: list[Row], target: float, period: float | None = None) -> list[tuple[str, str]]:
+    """[(title, file name)] of the plots written into `out`; `period`: the evaluator's
+    (eval_period), which says which times to target are resolved."""
     plt = plt_or_none()
     if plt is None:
         return []
@@ -309,11 +331,11 @@ def make_plots(out: str, rows: list[Row], target: float) -> list[tuple[str, str]
         what = param_name(mode, key)
         fixed = "; ".join([f"{w} workers"] + sweep_fixed(rs))
         _sweep_plot(plt, f"{mode} {what}", [r.sweep_value for r in rs], rs, os.path.join(out, name),
-                    f"{mode}: {what} sweep, {fixed}")
+                    f"{mode}: {what} sweep, {fixed}", period, target)
         made.append((f"Sweep: {mode} {what} ({fixed})", name))
     groups = worker_sweeps(ok)
     if groups:
-        _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"))
+        _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"), period)
         made.append(("Sweep: worker count", "sweep_workers.png"))
     for r in ok:  # ltfb with mode.explore: each trainer's hyperparameters against time (first repeat)
         traces = hyper_traces(out, r.runs[0])

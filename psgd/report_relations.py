@@ -181,16 +181,25 @@ def _times_clause(rs: list[Row], period: float | None, target: float | None = No
     return "time to target " + ", ".join(_one_time(r, period, target) for r in rs)
 
 
-def _one_time(r: Row, period: float | None, target: float | None = None) -> str:
-    """One sweep point's time to target, saying how many repeats reached it."""
+def time_status(r: Row, period: float | None, target: float | None = None) -> str:
+    """Why a sweep point has no plain, resolved time to target: "not scored", "not reached"
+    (or unseen), "k/n reached", "not resolved", "k of n repeats failed"; "" when it has one."""
     if not r.scored:
         return "not scored"
     got, n = len(r.ttt), len(r.runs)
     if not got:
         return unseen(r, target) or "not reached"
-    t = mean(r.ttt) or 0.0
-    s = f"{secs(t)} s" + ("" if r.ttt_resolved(period) or got < n else " (not resolved)")
-    return s + (f" ({got}/{n} reached)" if got < n else "") + r.failed_note
+    parts = [f"{got}/{n} reached" if got < n else "" if r.ttt_resolved(period) else "not resolved",
+             r.failed_repeats]
+    return "; ".join(p for p in parts if p)
+
+
+def _one_time(r: Row, period: float | None, target: float | None = None) -> str:
+    """One sweep point's time to target, saying how many repeats reached it (time_status)."""
+    why = time_status(r, period, target)
+    if not r.scored or not r.ttt:
+        return why
+    return f"{secs(mean(r.ttt) or 0.0)} s" + (f" ({why})" if why else "")
 
 
 def sweep_sentences(dist: list[Row], period: float | None = None, target: float | None = None) -> list[str]:

@@ -469,3 +469,40 @@ def test_the_worker_count_sweep_says_when_its_gain_is_within_the_noise():
     line = sentence(text, "async from 2 to 4 workers")
     assert "throughput ×1.02 (scaling efficiency 51%; not told apart: within one run-to-run sd)" in line
     assert "time to target 2.20 s → 2.20 s (not told apart: equal)" in line
+
+
+@pytest.mark.timeout(120)
+def test_sweep_plots_say_why_a_value_has_no_time_instead_of_target_not_reached(tmp_path, monkeypatch):
+    """A review: the sweep plots of a timing-only simulation (nothing scored) said "target
+    not reached" and "no run reached the target"; a 2-of-3 row was "not reached", and
+    unresolved times and times of configurations that lost repeats were plotted."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from psgd.report_plots import plotted_time
+    said: list[str] = []
+    set_title, text = matplotlib.axes.Axes.set_title, matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (said.append(label), set_title(self, label, *a, **k))[1])
+    monkeypatch.setattr(matplotlib.axes.Axes, "text",
+                        lambda self, x, y, s, *a, **k: (said.append(s), text(self, x, y, s, *a, **k))[1])
+    # psgd simulate --modes ssp:staleness=0,4 --workers 4,8 --set sim.train=false: nothing is scored
+    res = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", workers=w, evals=[],
+               acc=None, ttt=None, simulated=True, repeat=i) for s in (0, 4) for w in (4, 8) for i in range(2)]
+    write_report(str(tmp_path), res, {**CTX, "simulated": {"train": False, "compute_s": 0.01}})
+    assert not [s for s in said if "reached" in s], said
+    assert "ssp: bound s sweep, 4 workers\n(0, 4: not scored)" in said and "no run was scored" in said
+    # 2 of 3 reached; 3 of 3 but one above the target at the first score; lost a repeat; resolved
+    sweep = [run("ssp:staleness=0", "ssp", params={"staleness": 0}, sweep="staleness", repeat=i,
+                 ttt=None if i == 2 else 2.0) for i in range(3)]
+    sweep += [run("ssp:staleness=2", "ssp", params={"staleness": 2}, sweep="staleness", repeat=i,
+                  ttt=0.4 if i == 2 else 2.0) for i in range(3)]
+    sweep += [run("ssp:staleness=4", "ssp", params={"staleness": 4}, sweep="staleness", repeat=i, ttt=2.0)
+              for i in range(2)] + [dict(failed("ssp:staleness=4", "ssp", 2), params={"staleness": 4},
+                                         sweep="staleness", sweep_value=4)]
+    sweep += [run("ssp:staleness=8", "ssp", params={"staleness": 8}, sweep="staleness", repeat=i, ttt=2.0)
+              for i in range(3)]
+    rows = build_rows(sweep)
+    assert [plotted_time(r, 0.5) for r in rows] == [None, None, None, 2.0]
+    said.clear()
+    (tmp_path / "s").mkdir()
+    write_report(str(tmp_path / "s"), sweep, CTX)
+    assert "ssp: bound s sweep, 2 workers\n(0: 2/3 reached; 2: not resolved; 4: 1 of 3 repeats failed)" in said

@@ -40,7 +40,8 @@ every worker must build them alike (the layout carries their fingerprint; a work
 differ is refused). A model with no trainable parameter is a ConfigError. On `close()`,
 rank 0 waits for the other workers to finish (while they are live, however long),
 loads the job's final global model into its `model` and saves it as
-DIR/model.pt (a state_dict). A worker that fails (too many refused steps, shards
+DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
+`JobError` and saves nothing. A worker that fails (too many refused steps, shards
 unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) and a
 `report()` after the job ended; an exception inside `with` ends the job with its reason
 (`sys.exit()` or `sys.exit(0)` there is a clean end).
@@ -48,6 +49,7 @@ unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) an
 from __future__ import annotations
 
 import math
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -75,6 +77,11 @@ class JobError(RuntimeError):
     """The job cannot go on for this worker: the reason, in one line."""
 
 
+def _aborted(reason: str) -> JobError:
+    """What step() and close() raise in a job that was aborted (another worker failed)."""
+    return JobError(f"the job was aborted: {reason}")
+
+
 def connect(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
             out: str | None = None, rank: int | None = None) -> Connection:
@@ -86,6 +93,20 @@ def device() -> torch.device:
     """The device for this worker's model: `psgd run --device` (PSGD_DEVICE; default
     auto: GPU LOCAL_RANK % GPUs where there is CUDA, else the CPU)."""
     return pick_device(os.environ.get("PSGD_DEVICE", "auto"), local_rank())
+
+
+def _sample_count(samples: Any) -> int:
+    """step()'s `samples` as an int: a Python or numpy integer, or a one-element integer
+    tensor (`mask.sum()`). Kept as given, it could not be sent: the step line and the
+    heartbeats failed, and the worker was lost. Anything else is a ConfigError."""
+    try:
+        n = operator.index(samples)
+    except TypeError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"step(samples={samples!r}): samples is the batch's size, a count of samples "
+                          f"(an integer >= 0)")
+    return n
 
 
 def _rank_from_env(text: str) -> int:
@@ -109,7 +130,7 @@ class Connection(Worker):
         env = os.environ
         cfg = config if isinstance(config, Config) else load(config or env.get("PSGD_CONFIG"))
         want = rank if rank is not None else _rank_from_env(env.get("PSGD_RANK", ""))
-        if want >= cfg.cluster.workers:
+        if want >= cfg.cluster.workers or (rank is not None and rank < 0):   # (-1 from the environment: any)
             raise ConfigError(f"rank {want} ({'rank=' if rank is not None else 'PSGD_RANK='}{want}) is not a worker "
                               f"rank of this job: 0..{cfg.cluster.workers - 1} (cluster.workers = "
                               f"{cfg.cluster.workers})")
@@ -179,6 +200,11 @@ class Connection(Worker):
         if the job was aborted (another worker failed, ...), with the reason."""
         if self.closed:
             raise JobError("step() after close()")
+        try:
+            batch = self.cfg.train.batch_size if samples is None else _sample_count(samples)
+        except ConfigError as e:   # the job is told, as for a step without gradients
+            self._end(f"worker {self.rank}: {e}")
+            raise
         if not self.more():
             self._raise_if_aborted()
             return False
@@ -191,7 +217,7 @@ class Connection(Worker):
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().item()
         self._loss = None if loss is None else float(loss)
-        self._batch = samples if samples is not None else self.cfg.train.batch_size
+        self._batch = batch
         try:
             if self.rejoin_if_dropped():
                 self.schedule.rejoin(self)
@@ -216,7 +242,7 @@ class Connection(Worker):
         abort = self.link.state.get("abort")
         if abort:
             self._end("")
-            raise JobError(f"the job was aborted: {abort}")
+            raise _aborted(abort)
 
     def report(self, accuracy: float, loss: float) -> None:
         """A score of the model (the script's own evaluation): the job's evaluation curve
@@ -252,15 +278,17 @@ class Connection(Worker):
         if error or self.rank != 0:
             return self._end(error)
         held = self._report_end("", hold=True)
+        abort = ""
         try:
-            if held:
-                self._final_model()
+            abort = self._final_model() if held else self.link.state.get("abort", "")
         finally:
             try:
                 if held:
                     self.link.call("release")
             finally:  # a coordinator gone by now must not keep the pid file and the sockets
                 self._end("", reported=True)
+        if abort:
+            raise _aborted(abort)
 
     def __enter__(self) -> Connection:
         return self
@@ -300,28 +328,30 @@ class Connection(Worker):
             self._close(error)
             self.pidfile.__exit__(None, None, None)
 
-    def _final_model(self) -> None:
+    def _final_model(self) -> str:
         """Wait until every other worker is done (however long they train, while they
         are live: heartbeating), then load the job's global model into the script's
         model and save it as DIR/model.pt. No final model if the job ends or aborts
-        meanwhile, or the coordinator stops answering for cluster.timeout_s."""
+        meanwhile, or the coordinator stops answering for cluster.timeout_s. Returns the
+        abort's reason if the job was aborted meanwhile (a worker that failed is no longer
+        live either: its end must not pass for the others' being done), else ""."""
         renew_s = self.cfg.cluster.timeout_s / 3
         renewed = time.monotonic()
         while True:
-            if self.stopped():
-                log(self.name, f"the job ended before the other workers finished "
-                               f"({self.link.state.get('abort') or 'done'}): no final model")
-                return
             try:
-                status = self.link.call("status")
-                if all(w["state"] != "live" for w in status.get("workers", []) if w["rank"] != self.rank):
+                view = self.link.state if self.stopped() else self.link.call("status")
+                if view.get("done") or view.get("abort"):
+                    log(self.name, f"the job ended before the other workers finished "
+                                   f"({view.get('abort') or 'done'}): no final model")
+                    return view.get("abort") or ""
+                if all(w["state"] != "live" for w in view.get("workers", []) if w["rank"] != self.rank):
                     break
                 if time.monotonic() - renewed >= renew_s:  # the coordinator holds the end for timeout_s at a time
                     self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats(), hold=True)
                     renewed = time.monotonic()
             except (PeerTimeout, wire.RemoteError) as e:
                 log(self.name, f"the coordinator stopped answering ({e}): no final model")
-                return
+                return ""
             time.sleep(FINAL_POLL_S)
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         if self.out:
@@ -329,3 +359,4 @@ class Connection(Worker):
             torch.save(self.replica.model.state_dict(), f"{path}.tmp")
             os.replace(f"{path}.tmp", path)
             log(self.name, f"saved the final model: {path}")
+        return ""

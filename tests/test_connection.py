@@ -6,9 +6,12 @@ running a training loop of their own, the shards learn the model from them.
 - the script's own optimizer keeps its learning rate in the local-optimizer modes;
 - ltfb without `score` is a clear error; `step()` or `report()` after `close()` is one too;
   so are `step()` without gradients, a model with nothing to train, a rank outside the
-  job, a refused connect and a `report()` after the job ended; `sys.exit(0)` in `with` is not;
+  job (a negative one too), a `samples` that is not a count, a refused connect and a
+  `report()` after the job ended; `sys.exit(0)` in `with` is not; a count given as a
+  tensor or a numpy integer is counted as its int;
 - a frozen layer built differently on two workers is refused when they register;
-- rank 0 waits for a slower worker (however long, while it is live) to save the final model.
+- rank 0 waits for a slower worker (however long, while it is live) to save the final
+  model, and raises, saving none, when another worker fails meanwhile.
 """
 from __future__ import annotations
 
@@ -409,3 +412,84 @@ def test_a_report_right_after_the_loop_counts_every_sample_of_the_reporting_work
         ps.report(accuracy=0.5, loss=1.0)
         assert cluster.coordinator.evals[-1]["samples"] == 20 * 16
         ps.close()
+
+
+@pytest.mark.timeout(90)
+def test_close_on_rank_0_raises_when_another_worker_fails_while_it_waits(port_block, tmp_path):
+    """A review: rank 0 waited in close() for rank 1, whose script then raised inside `with`
+    (the job aborted with its reason); rank 0's close() returned normally and saved
+    DIR/model.pt: its wait took rank 1, no longer live, for done, and never read the abort
+    in the coordinator's answer."""
+    cfg = config(port_block, "async", **{"cluster.servers": 1, "train.steps": 10, "cluster.timeout_s": 5})
+    got: dict = {}
+
+    def worker(rank: int) -> None:
+        model = Net(0)
+        try:
+            with psgd.connect(model, config=cfg, out=str(tmp_path), rank=rank) as ps:
+                train(ps, model, None)
+                if rank == 1:
+                    time.sleep(2)   # rank 0 is in close(), waiting for this one
+                    raise ValueError("rank 1's evaluation broke")
+            got[rank] = "closed normally"
+        except Exception as e:  # noqa: BLE001 - checked below
+            got[rank] = f"{type(e).__name__}: {e}"
+
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert "rank 1's evaluation broke" in (cluster.coordinator.abort or "")   # the job was aborted
+    assert got[1].startswith("ValueError")
+    assert got[0].startswith("JobError: the job was aborted") and "rank 1's evaluation broke" in got[0], got
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_step_samples_given_as_a_tensor_or_numpy_int_is_counted(port_block, tmp_path, kind):
+    """A review: `samples=mask.sum()` or a numpy count was kept as given: step() raised a
+    TypeError from inside psgd (the step line could not be written as JSON), or, without
+    an out folder, the heartbeats could not send it until the worker was lost and step()
+    said a shard did not answer."""
+    import numpy as np
+    cfg = config(port_block, "async", workers=1, **{"train.steps": 10})
+    with InProcessCluster(cfg, str(tmp_path)):
+        model = Net(0)
+        with psgd.connect(model, config=cfg, out=str(tmp_path), rank=0) as ps:   # the step lines too
+            while True:
+                model.zero_grad()
+                model(torch.randn(16, 6)).sum().backward()
+                if not ps.step(samples=torch.tensor(16) if kind == "tensor" else np.int64(16)):
+                    break
+            ps.report(accuracy=0.5, loss=1.0)   # a heartbeat carries the count
+        assert ps.samples == 10 * 16 and type(ps.samples) is int
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("samples", [-3, 1.5, torch.tensor(16.0)], ids=["negative", "float", "float-tensor"])
+def test_step_samples_that_are_not_a_count_are_a_config_error_naming_samples(port_block, samples):
+    """A review: any value was kept as given, and sent or counted (a negative count
+    lowered the job's samples/s)."""
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, rank=0)
+        model(torch.randn(4, 6)).sum().backward()
+        with pytest.raises(ConfigError, match=r"step\(samples=.*\): samples is the batch's size"):
+            ps.step(samples=samples)
+        assert ps.closed and ps.steps == 0 and "samples" in cluster.coordinator.abort   # nothing pushed; the job told
+
+
+@pytest.mark.timeout(60)
+def test_a_negative_rank_is_a_config_error_before_anything_is_sent(port_block):
+    """A review: README says a rank outside 0..workers-1 is a ConfigError before anything is
+    sent, but rank=-5 was sent to the coordinator (here none: a JobError after
+    cluster.timeout_s)."""
+    cfg = config(port_block, "sync", **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    t = time.monotonic()
+    with pytest.raises(ConfigError, match=r"rank -5 \(rank=-5\) is not a worker rank of this job: 0\.\.1"):
+        psgd.connect(Net(0), config=cfg, rank=-5)
+    assert time.monotonic() - t < 1.5

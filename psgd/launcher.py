@@ -8,8 +8,9 @@ coordinator's progress, and supervises: a shard that dies is
 started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
 started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log (their
 stderr; a training script's stdout too). A training script that exits before the job
-begins training stops the job at once, with its log. Every child is stopped on the way
-out, whatever happens.
+begins training stops the job at once, with its log; once the job has ended, the scripts'
+work after close() is waited for (up to --timeout), and one that exits with a code other
+than 0 fails the run. Every child is stopped on the way out, whatever happens.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -45,6 +46,7 @@ from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
 MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
+SCRIPT_NOTE_S = 30  # how often psgd run says it still waits for a training script after the job ended
 LOCK_FILE = ".launcher.lock"  # in the output folder: held by the launcher of the job that uses it
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
@@ -535,7 +537,33 @@ class LocalJob:
         if code != 0:   # it wrote this job's summary (an earlier job's is removed at the start), then died
             log("run", f"the coordinator exited with {_code(code)} after writing the job's summary, while it "
                        f"waited for every daemon to hear that the job was done; the summary stands")
+        self._scripts_end(deadline)
         return summary
+
+    def _scripts_end(self, deadline: float) -> None:
+        """Wait for every training script to end: after close() it may go on (score
+        DIR/model.pt, save its results), up to the job's --timeout (`deadline`), saying
+        which one it waits for at once and every SCRIPT_NOTE_S (psgd run is otherwise
+        silent meanwhile). A script still running then, or one that ended with a code
+        other than 0, is the run's failure, with its log's end."""
+        scripts = [c for c in self.children if c.script]
+        said = time.monotonic() - SCRIPT_NOTE_S
+        for child in scripts:
+            while child.poll() is None and time.monotonic() < deadline:
+                if time.monotonic() - said >= SCRIPT_NOTE_S:
+                    log("run", f"the job has ended; waiting for {child.name}'s script to end")
+                    said = time.monotonic()
+                time.sleep(0.1)
+        failed = [self._script_failure(c) for c in scripts if c.poll() != 0]
+        if failed:
+            raise LaunchError("\n".join(failed) + f"(the job itself ended: {self.out}/summary.json)")
+
+    def _script_failure(self, child: Child) -> str:
+        """How a training script failed the run, with its log's end."""
+        rc = child.poll()
+        how = (f"was still running at the job's --timeout ({self.timeout_s:.0f} s): stopped it" if rc is None
+               else f"exited with code {_exit(child, rc)}")
+        return f"{child.name}'s script {how}; {child.log_path} ends:\n{self.tail(child)}"
 
     def _exited_before_connect(self, child: Child, rc: int) -> None:
         """A training script that ends before the job began training never comes back:

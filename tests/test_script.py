@@ -7,7 +7,8 @@ starts the coordinator and the shards, then copies of the script, in every mode.
   DIR/model.pt loads into the script's own module;
 - the shards learn the model from the workers: no shard imports the script;
 - a script that raises ends the job with its reason; a job whose workers build
-  different models is refused with the difference.
+  different models is refused with the difference;
+- psgd run waits for a script's work after close(), and fails if a script fails there.
 """
 from __future__ import annotations
 
@@ -235,6 +236,55 @@ def test_a_script_that_never_closes_is_told_so(tmp_path):
     path.write_text(SCRIPT_NO_CLOSE)
     with pytest.raises(LaunchError, match=r"worker-0 0, worker-1 0; a script that exits without ps.close\(\)"):
         run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 20})
+
+
+SCRIPT_WORKS_AFTER_CLOSE = """
+import os, sys, time, torch, psgd
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+with psgd.connect(model, None) as ps:
+    while True:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+        if not ps.step(samples=16):
+            break
+    rank = ps.rank
+# after close(): `model` holds the job's global model (README); score it, save results
+time.sleep(float(sys.argv[2]))
+with open(os.path.join(sys.argv[1], f"after-{rank}.txt"), "w") as f:
+    f.write("scored")
+if len(sys.argv) > 3:
+    raise RuntimeError("writing the results failed")
+"""
+
+
+@pytest.mark.timeout(150)
+def test_psgd_run_lets_a_script_finish_its_work_after_close(tmp_path, capsys):
+    """A review: a script scores or saves after close() (README: rank 0 loads the final
+    global model into its model; score DIR/model.pt), but psgd run gave the scripts 10 s
+    after the coordinator exited, then SIGTERMed them: the work was lost, and the run
+    reported success."""
+    path = tmp_path / "after.py"
+    path.write_text(SCRIPT_WORKS_AFTER_CLOSE)
+    run_script(tmp_path / "out", [str(path), str(tmp_path), "20"],
+               **{"mode.name": "async", "train.steps": 20, "cluster.servers": 1})
+    assert (tmp_path / "after-0.txt").exists() and (tmp_path / "after-1.txt").exists()
+    assert "the job has ended; waiting for worker-0's script to end" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+def test_psgd_run_fails_when_a_script_fails_after_close(tmp_path):
+    """A review: a script whose own work after close() raised (exit 1) still gave a clean
+    psgd run (exit 0, no word): the launcher did not look at the scripts' exit codes once
+    the coordinator had written its summary."""
+    path = tmp_path / "after.py"
+    path.write_text(SCRIPT_WORKS_AFTER_CLOSE)
+    with pytest.raises(LaunchError, match=r"worker-0's script exited with code 1; .*worker-0.log ends:\n(.|\n)*"
+                                          r"RuntimeError: writing the results failed") as e:
+        run_script(tmp_path / "out", [str(path), str(tmp_path), "0", "fail"],
+                   **{"mode.name": "async", "train.steps": 20, "cluster.servers": 1})
+    assert "worker-1's script exited with code 1" in str(e.value)
 
 
 @pytest.mark.timeout(120)

@@ -543,11 +543,11 @@ class LocalJob:
     def _scripts_end(self, deadline: float) -> None:
         """Wait for every training script to end: after close() it may go on (score
         DIR/model.pt, save its results), up to the job's --timeout (`deadline`), saying
-        which one it waits for at once and every SCRIPT_NOTE_S (psgd run is otherwise
+        which one it waits for after 2 s and every SCRIPT_NOTE_S (psgd run is otherwise
         silent meanwhile). A script still running then, or one that ended with a code
         other than 0, is the run's failure, with its log's end."""
         scripts = [c for c in self.children if c.script]
-        said = time.monotonic() - SCRIPT_NOTE_S
+        said = time.monotonic() - SCRIPT_NOTE_S + 2.0   # (the first note after 2 s: most end at once)
         for child in scripts:
             while child.poll() is None and time.monotonic() < deadline:
                 if time.monotonic() - said >= SCRIPT_NOTE_S:
@@ -556,7 +556,7 @@ class LocalJob:
                 time.sleep(0.1)
         failed = [self._script_failure(c) for c in scripts if c.poll() != 0]
         if failed:
-            raise LaunchError("\n".join(failed) + f"(the job itself ended: {self.out}/summary.json)")
+            raise LaunchError("\n".join(failed) + f"\n(the job itself ended: {self.out}/summary.json)")
 
     def _script_failure(self, child: Child) -> str:
         """How a training script failed the run, with its log's end."""

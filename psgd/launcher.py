@@ -734,7 +734,11 @@ def format_summary(s: dict) -> str:
         reached = f"target {target} first seen by the final score ({ttt:.1f} s), after training"
     else:
         reached = f"time to {target}: {ttt:.1f} s"
-    parts = [f"{s['mode']}: accuracy {acc:.4f}" if acc is not None else f"{s['mode']}: no evaluation",
+    last = s["evals"][-1] if s.get("evals") else None
+    parts = [f"{s['mode']}: accuracy {acc:.4f}" if acc is not None else
+             f"{s['mode']}: no final evaluation (the last score, during training: accuracy "
+             f"{last['accuracy']:.4f} at {last['t']:.1f} s)" if s.get("final_eval_missing") and last else
+             f"{s['mode']}: no evaluation",
              f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else "",
              f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s", reached,
              f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",

@@ -122,9 +122,12 @@ def finite_json(obj: Any) -> Any:
 
 def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_s: float,
               worker_stats: dict[int, dict], server_stats: dict[int, dict], evals: list[dict],
-              target: float, failures: dict, extra: dict | None = None) -> dict:
+              target: float, failures: dict, extra: dict | None = None, final_expected: bool = False) -> dict:
     """Build summary.json from the workers' cumulative counters, the shards' counters and
-    the evaluator's scores (t relative to the start of training)."""
+    the evaluator's scores (t relative to the start of training). `final_expected`: the
+    evaluator scores the model after training (`final`); when that score never came, the
+    final accuracy and loss are null and `final_eval_missing` says so (the last score
+    then is of the model during training, and stays in `evals`)."""
     samples = sum(int(s.get("samples", 0)) for s in worker_stats.values())
     hist = Histogram()
     for s in worker_stats.values():
@@ -134,6 +137,9 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     traffic = sum(int(s.get("bytes_sent", 0)) + int(s.get("bytes_recv", 0)) for s in worker_stats.values())
     reached = [e["t"] for e in evals if e["accuracy"] >= target]
     final = evals[-1] if evals else None
+    missing = final_expected and not (final and final.get("final"))
+    if missing:
+        final = None
     out = {
         "mode": mode,
         "mode_params": mode_params,
@@ -160,6 +166,8 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "evals": [{"t": e["t"], "samples": e["samples"], "accuracy": e["accuracy"], "loss": e["loss"],
                    **({"final": True} if e.get("final") else {})} for e in evals],   # final: after training
     }
+    if missing:
+        out["final_eval_missing"] = True
     if extra:
         out.update(extra)
     return out

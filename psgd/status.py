@@ -118,6 +118,12 @@ def ask(cfg, address: str) -> wire.Message:
         peers.close()
 
 
+def _fmt(x: float | None) -> str:
+    """A score's value, or '-' where it has none (a loss that was not finite is kept as
+    null: a restarted coordinator reads it so from its state file)."""
+    return "-" if x is None else f"{x:.4f}"
+
+
 def table(r: wire.Message) -> str:
     """The status reply as text."""
     mode = r.get("mode", "?")
@@ -128,8 +134,8 @@ def table(r: wire.Message) -> str:
     if r.get("abort"):
         head.append(f"aborted: {r.get('abort')}")
     ev = r.get("last_eval")
-    head.append(f"last evaluation: accuracy {ev['accuracy']:.4f}  loss {ev['loss']:.4f}  at {ev['t']:.1f} s"
-                if ev else "last evaluation: none yet")
+    head.append(f"last evaluation: accuracy {_fmt(ev.get('accuracy'))}  loss {_fmt(ev.get('loss'))}  at "
+                f"{ev['t']:.1f} s" if ev else "last evaluation: none yet")
     rows: list[tuple[str, ...]] = [("worker", "state", "clock", "samples/s", "staleness", "wait", "rejected", "joins")]
     for w in r.get("workers") or []:
         elapsed = float(w.get("elapsed_s") or 0)

@@ -70,7 +70,8 @@ MAX_STAT = 2 ** 53    # a counter's magnitude: sums over ranks and lives stay ex
 def checked_stats(stats: Any) -> dict:
     """A daemon's counters (heartbeat, finish) as the coordinator keeps them, or
     BAD_FIELD. They are what workers and shards send (their `stats()`): str keys, each
-    a finite number (not a bool), a list of them (a histogram's counts) or null. Kept
+    a finite number (not a bool) or a list of them (a histogram's counts); the loss may
+    be null (a worker that has none yet). Kept
     unchecked, one bad value would stop the coordinator later, outside any request
     (the state file's JSON, the sums of `samples`). A `loss` that is not finite is
     kept as null: an honest worker's last loss may be inf (it refuses that step)."""
@@ -86,9 +87,9 @@ def checked_stats(stats: Any) -> dict:
             if len(v) > MAX_STAT_LIST or not all(map(_stat_number, v)):
                 raise wire.WireError(wire.BAD_FIELD, f"stats: {k} must be a list of at most {MAX_STAT_LIST} "
                                                      f"finite numbers")
-        elif v is not None and not _stat_number(v):
-            raise wire.WireError(wire.BAD_FIELD, f"stats: {k} = {v!r:.40} is not a finite number, a list of them, "
-                                                 f"or null")
+        elif not (_stat_number(v) or (v is None and k == "loss")):   # (a null count: the sums fail later)
+            raise wire.WireError(wire.BAD_FIELD, f"stats: {k} = {v!r:.40} is not a finite number or a list of "
+                                                 f"them" + (" (only the loss may be null)" if v is None else ""))
         out[k] = v
     return out
 
@@ -506,7 +507,8 @@ class Coordinator:
                                  workers=self.cfg.cluster.workers, servers=self.cfg.cluster.servers,
                                  wall_s=wall, worker_stats=m.stats(), server_stats=self.servers,
                                  evals=[e for e in self.evals], target=self.cfg.eval.target_accuracy,
-                                 failures=failures, extra=extra)
+                                 failures=failures, extra=extra,
+                                 final_expected=self.cfg.cluster.evaluator and not self.abort)
         if self.out:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
         self.events.write(event="done", wall_s=round(wall, 3))

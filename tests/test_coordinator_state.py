@@ -541,3 +541,50 @@ def test_a_restarted_coordinator_keeps_rank_0s_hold_on_the_jobs_end(tmp_path):
         c._checked = -1e9
         c._tick(time.monotonic())
         assert c.phase == "training"                           # held: rank 0 reads the final model
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_summary_without_the_final_evaluation_says_so_not_a_score_from_training():
+    """A review: when no final evaluation came (a shard restarted with nothing to
+    restore, an evaluator that stayed dead), summary.json's final_accuracy was the last
+    score during training, here at t = 0, with nothing to tell it from the final model's:
+    psgd run printed it as the job's accuracy and compare ranked it."""
+    from psgd.launcher import format_summary
+    from tests.conftest import ask, hand_served
+    c = hand_served(workers=1, **{"cluster.evaluator": True, "cluster.timeout_s": 0.3})
+    try:
+        assert ask(c, "eval", accuracy=0.25, loss=2.0, age_s=0.0).op == "reply"    # during training
+        ask(c, "finish", rank=0, clock=10, stats={"samples": 320, "elapsed_s": 1.0, "wait_s": 0.1})
+        end = time.monotonic() + 10
+        while c.summary is None and time.monotonic() < end:
+            c._tick(time.monotonic())
+            time.sleep(0.02)
+        s = c.summary
+        assert s is not None and (s["final_accuracy"], s["final_loss"], s["final_eval_missing"]) == (None, None, True)
+        assert [e["accuracy"] for e in s["evals"]] == [0.25]
+        assert "no final evaluation (the last score, during training: accuracy 0.2500 at" in format_summary(s)
+    finally:
+        c.sock.close(0)
+        c.events.close()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_status_shows_a_score_whose_loss_was_not_finite_after_a_coordinator_restart(tmp_path):
+    """A review: a score's loss that was not finite (a diverged model, a script's
+    report(loss=nan)) is null in the state file; a coordinator restarted from it answers
+    `status` with that null, and `psgd status` died formatting it."""
+    from psgd.status import table
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.timeout_s": 30.0})
+    first = coordinator(cfg, str(tmp_path))
+    first.members.join(0.0, 0)
+    first.phase, first.t0 = "training", time.monotonic() - 5.0
+    first.evals = [{"t": 2.0, "samples": 64, "accuracy": 0.1, "loss": float("nan"), "final": False}]
+    first._save_state(time.monotonic())
+    second = coordinator(cfg, str(tmp_path))
+    assert second.restarts == 1
+    (_, frames), = second.service._serve(b"x", wire.encode("status", id=3))
+    reply = wire.decode(frames)
+    assert reply.get("last_eval")["loss"] is None
+    assert "last evaluation: accuracy 0.1000  loss -  at 2.0 s" in table(reply)

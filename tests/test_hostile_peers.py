@@ -32,7 +32,9 @@ def honest_worker_stats() -> dict:
 BAD_STATS = {"bytes": {"samples": 3, "note": b""}, "str": {"samples": "12 samples"}, "nan": {"samples": math.nan},
              "inf": {"samples": math.inf}, "bool": {"samples": True}, "huge": {"samples": 2 ** 62},
              "map": {"samples": {"a": 1}}, "list of str": {"staleness_hist": [1, "x"]},
-             "long list": {"staleness_hist": [0] * 5000}}
+             "long list": {"staleness_hist": [0] * 5000},
+             # a review: a null count (only the loss may be null) stopped the coordinator in its sums
+             "null samples": {"samples": None}, "null bytes": {"bytes_sent": None, "elapsed_s": None}}
 
 
 @pytest.mark.inprocess

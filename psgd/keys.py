@@ -20,7 +20,12 @@ def make_keys(folder: str) -> str:
     os.makedirs(folder, exist_ok=True)
     for name in ("server", "client"):
         if not os.path.exists(os.path.join(folder, f"{name}.key_secret")):
-            zmq.auth.create_certificates(folder, name)
+            mask = os.umask(0o077)   # the secret key is never readable by others, not even while written
+            try:
+                zmq.auth.create_certificates(folder, name)
+            finally:
+                os.umask(mask)
+            os.chmod(os.path.join(folder, f"{name}.key"), 0o644)   # a public key is for sharing
         os.chmod(os.path.join(folder, f"{name}.key_secret"), 0o600)
     auth = os.path.join(folder, "authorized")
     os.makedirs(auth, exist_ok=True)

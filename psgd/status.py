@@ -63,35 +63,49 @@ def main(args: argparse.Namespace) -> int:
     keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
             f"does not answer" if cfg.security.curve else
             "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE")
+    summary = os.path.join(args.dir, "summary.json") if args.dir else ""
+    phase = ""   # the last answer's
     while True:
+        if summary and os.path.exists(summary):   # DIR's job has ended (a job removes an earlier one's at its
+            return _finished(summary)             # start): whatever answers at its address is a later job
         try:
             reply = ask(cfg, address)
         except HandshakeFailed as e:
             print(f"psgd status: {e} ({keys})", file=sys.stderr)
             return 1
         except PeerTimeout:
-            summary = os.path.join(args.dir, "summary.json") if args.dir else ""
             if summary and os.path.exists(summary):
-                from .launcher import format_summary
-                try:
-                    with open(summary) as f:
-                        done = json.load(f)
-                    if not isinstance(done, dict):
-                        raise ValueError(f"a JSON {type(done).__name__}, not an object")
-                    print(f"finished: {format_summary(done)}")
-                except (ValueError, OSError, TypeError, KeyError) as e:
-                    print(f"psgd status: the coordinator is gone and {summary} is not a psgd summary ({e})",
-                          file=sys.stderr)
-                    return 1
+                return _finished(summary)
+            if phase in ENDING:   # watched to its end: the coordinator exits once every daemon has heard
+                print(f"the job has ended (it was {phase}, and its coordinator is gone)")
                 return 0
             print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
                   f"(not started yet, or gone without a summary; {keys})", file=sys.stderr)
             return 1
         print(table(reply), flush=True)
+        phase = str(reply.get("phase"))
         if not args.watch or reply.get("done"):
             return 0
         time.sleep(args.watch)
         print()
+
+
+ENDING = ("final_eval", "settling", "done")   # the coordinator's phases once every worker has finished
+
+
+def _finished(summary: str) -> int:
+    """A finished job's summary line (`psgd status DIR`)."""
+    from .launcher import format_summary
+    try:
+        with open(summary) as f:
+            done = json.load(f)
+        if not isinstance(done, dict):
+            raise ValueError(f"a JSON {type(done).__name__}, not an object")
+        print(f"finished: {format_summary(done)}")
+    except (ValueError, OSError, TypeError, KeyError) as e:
+        print(f"psgd status: the job ended and {summary} is not a psgd summary ({e})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _config(folder: str | None, path: str | None = None, sets: list[str] | None = None):
@@ -110,8 +124,6 @@ def ask(cfg, address: str) -> wire.Message:
         peers = Peers(zmq.Context.instance(), [address], cfg.security)
     except zmq.ZMQError as e:
         raise ConfigError(f"psgd status: cannot connect to {address!r}: {e}") from None
-    except FileNotFoundError as e:   # --keys DIR without the keys: the user's input
-        raise ConfigError(str(e)) from None
     try:
         return peers.call(0, "status", ASK_TIMEOUT_S)
     finally:

@@ -25,7 +25,7 @@ from typing import Any, cast
 import zmq
 
 from . import wire
-from .config import SecurityConfig
+from .config import ConfigError, SecurityConfig
 from .log import log
 
 LOOPBACK = ("127.", "localhost", "[::1]", "::1")
@@ -119,23 +119,42 @@ def stop_auth(ctx: zmq.Context, every: bool = False) -> None:
 
 
 def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
-    import zmq.auth
+    """The pair in KEYS/NAME.key_secret; a ConfigError (one line, before any socket) if it
+    is missing or is no key file (`psgd keys` makes them)."""
     path = os.path.join(keys, f"{name}.key_secret")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"security.keys: {path} not found (make keys with `psgd keys {keys}`)")
-    public, secret = zmq.auth.load_certificate(path)
+    public, secret = _certificate(path, keys)
     if secret is None:
-        raise ValueError(f"security.keys: {path} holds no secret key")
+        raise ConfigError(f"security.keys: {path} holds no secret key (make keys with `psgd keys {keys}`)")
     return public, secret
 
 
+def _certificate(path: str, keys: str) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+    if not os.path.isfile(path):
+        raise ConfigError(f"security.keys: {path} not found (make keys with `psgd keys {keys}`)")
+    try:
+        return zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as e:   # not a key file (pyzmq: "No public key found in ...")
+        raise ConfigError(f"security.keys: {path} is not a key file ({e}; make keys with `psgd keys {keys}`)") from None
+
+
+def _authorized(keys: str) -> str:
+    """KEYS/authorized, the public keys a server accepts; a ConfigError if it holds none
+    (the server would refuse every client, each of them until cluster.timeout_s)."""
+    folder = os.path.join(keys, "authorized")
+    if not os.path.isdir(folder) or not any(n.endswith(".key") for n in os.listdir(folder)):
+        raise ConfigError(f"security.keys: {folder} holds no client's public key (*.key), so this server would "
+                          f"refuse every client: copy the whole folder `psgd keys` made")
+    return folder
+
+
 def check_keys(keys: str) -> None:
-    """A ConfigError unless `keys` holds what every daemon of a CurveZMQ job loads."""
-    from .config import ConfigError
-    for name in ("server.key_secret", "client.key_secret", "server.key"):
-        if not os.path.isfile(os.path.join(keys, name)):
-            raise ConfigError(f"security.keys: {os.path.join(keys, name)} not found (make keys with "
-                              f"`psgd keys {keys}`)")
+    """A ConfigError unless `keys` holds what every daemon of a CurveZMQ job loads, each
+    file a key file."""
+    for name in ("server", "client"):
+        _load_pair(keys, name)
+    _certificate(os.path.join(keys, "server.key"), keys)
+    _authorized(keys)
 
 
 def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
@@ -143,6 +162,7 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
     """A ROUTER bound to `address`; frames over `max_frame` bytes cut the sender off."""
     if security.curve:   # (the keys first: a missing one leaves no socket, nor a share of the authenticator)
         public, secret = _load_pair(security.keys, "server")
+        _authorized(security.keys)
     sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     if security.curve:
@@ -171,15 +191,16 @@ class AddressInUse(OSError):
 EXIT_ADDRESS_IN_USE = 98  # errno EADDRINUSE on Linux
 
 
-def client_socket(ctx: zmq.Context, address: str, security: SecurityConfig) -> zmq.Socket:
+def client_socket(ctx: zmq.Context, address: str, security: SecurityConfig, connect: bool = True) -> zmq.Socket:
     sock = _base(ctx.socket(zmq.DEALER))
     if security.curve:
         public, secret = _load_pair(security.keys, "client")
-        server_public, _ = zmq.auth.load_certificate(os.path.join(security.keys, "server.key"))
+        server_public, _ = _certificate(os.path.join(security.keys, "server.key"), security.keys)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_serverkey = server_public
-    sock.connect(address)
+    if connect:
+        sock.connect(address)
     return sock
 
 
@@ -206,22 +227,29 @@ class Peers:
         self.addresses = list(addresses)
         self.security = security
         self.ctx = ctx
-        self.socks = [client_socket(ctx, a, security) for a in self.addresses]
-        self.monitors = [self._monitor(s) for s in self.socks]   # handshakes (see `refused`)
+        self.socks, self.monitors = [], []   # each peer's socket, and its handshakes' monitor (see `refused`)
+        for a in self.addresses:
+            sock, monitor = self._open(a)
+            self.socks.append(sock)
+            self.monitors.append(monitor)
         self.why = ["" for _ in self.socks]                       # the last handshake's refusal, per peer
         self.bytes_sent = 0
         self.bytes_recv = 0
 
-    @staticmethod
-    def _monitor(sock: zmq.Socket) -> zmq.Socket:
-        return sock.get_monitor_socket(_AUTH | _PROTOCOL | _SUCCEEDED,
-                                       addr=f"inproc://psgd-monitor-{os.getpid()}-{next(_monitors)}")
+    def _open(self, address: str) -> tuple[zmq.Socket, zmq.Socket]:
+        """A socket to `address` and its monitor, watching before it connects: a handshake
+        refused at once is seen too (a monitor started after it could miss it, and the
+        refusal passed for silence until cluster.timeout_s)."""
+        sock = client_socket(self.ctx, address, self.security, connect=False)
+        monitor = sock.get_monitor_socket(_AUTH | _PROTOCOL | _SUCCEEDED,
+                                          addr=f"inproc://psgd-monitor-{os.getpid()}-{next(_monitors)}")
+        sock.connect(address)
+        return sock, monitor
 
     def reconnect(self, i: int) -> None:
         """Drop pending traffic to peer i and open a fresh connection."""
         self._close(i)
-        self.socks[i] = client_socket(self.ctx, self.addresses[i], self.security)
-        self.monitors[i] = self._monitor(self.socks[i])
+        self.socks[i], self.monitors[i] = self._open(self.addresses[i])
         self.why[i] = ""
 
     def refused(self, i: int) -> str:

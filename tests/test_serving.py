@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from psgd import wire
-from psgd.config import Config
+from psgd.config import Config, ConfigError
 from psgd.inprocess import InProcessCluster
 from psgd.membership import CoordinatorLink
 from psgd.servers.coordinator import Coordinator
@@ -459,7 +459,58 @@ def test_a_daemon_without_its_server_key_takes_no_share_of_the_authenticator(tmp
     os.remove(os.path.join(keys, "server.key_secret"))
     ctx = zmq.Context()
     security = Config().replace(**{"security.curve": True, "security.keys": keys}).security
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="server.key_secret not found"):
         server_socket(ctx, f"tcp://127.0.0.1:{free_port_block(1)}", security)
     assert id(ctx) not in transport._auth
     ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_psgd_keys_never_leaves_a_secret_key_readable_by_others(tmp_path, monkeypatch):
+    """A review: make_keys lets pyzmq write the secret key files with the umask's mode (0644 under
+    the usual 022) and chmods them to 0600 only afterwards: for a moment (or for good, if
+    interrupted there) any local user can read the job's secret keys."""
+    import os
+    import stat
+
+    import zmq.auth.certs as certs
+
+    from psgd.keys import make_keys
+    seen = {}
+    original = certs._write_key_file
+
+    def spy(path, *a, **kw):
+        original(path, *a, **kw)
+        if str(path).endswith("_secret"):
+            seen[str(path)] = stat.S_IMODE(os.stat(path).st_mode)
+
+    monkeypatch.setattr(certs, "_write_key_file", spy)
+    old = os.umask(0o022)
+    try:
+        make_keys(str(tmp_path / "keys"))
+    finally:
+        os.umask(old)
+    assert all(mode & 0o077 == 0 for mode in seen.values()), {p: oct(m) for p, m in seen.items()}
+
+
+@pytest.mark.timeout(30)
+def test_a_server_whose_keys_folder_has_no_authorized_keys_refuses_to_start(tmp_path):
+    """A review: keys.py: "Copy the whole folder to machines that run servers". A folder copied
+    without authorized/: pyzmq logs "Failed to load CURVE certs" and the daemon serves on,
+    refusing every client until cluster.timeout_s (check_keys does not look for it)."""
+    import shutil
+
+    from psgd.keys import make_keys
+    keys = tmp_path / "keys"
+    make_keys(str(keys))
+    shutil.rmtree(keys / "authorized")
+    cfg = Config().replace(**{"security.curve": True, "security.keys": str(keys)})
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ConfigError, match="authorized holds no client's public key"):
+            sock = server_socket(ctx, f"tcp://127.0.0.1:{free_port_block(1)}", cfg.security)
+            sock.close(0)
+    finally:
+        from psgd.transport import stop_auth
+        stop_auth(ctx, every=True)
+        ctx.destroy(linger=0)

@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 import time
 
 import pytest
+import zmq
 
+from psgd import wire
 from psgd.cli import main
 from psgd.config import Config
 from psgd.inprocess import InProcessCluster
+from psgd.keys import make_keys
 from psgd.membership import CoordinatorLink
 from psgd.status import ask, table
+from psgd.transport import Service, server_socket
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.inprocess
@@ -124,3 +130,98 @@ def test_each_shards_busy_share_is_its_serving_time_over_the_elapsed_time():
                                           "shards": [{"index": 0, "version": 9, "busy_s": 3.0},
                                                      {"index": 1, "version": 9, "busy_s": 0.0, "restarts": 1}]})
     assert "shard 0: version 9, busy 75%  shard 1: version 9, 1 restarts" in table(reply)
+
+
+SUMMARY = {"mode": "sync", "final_accuracy": 0.97, "final_loss": 0.1, "samples_per_s": 5000.0, "wall_s": 4.0,
+           "time_to_target_s": 1.0, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}}
+
+
+@pytest.mark.timeout(60)
+def test_status_of_a_finished_job_is_not_answered_by_a_later_job_on_its_port(tmp_path, capsys):
+    """A review: Jobs reuse ports (5555 by default): `psgd status OLD_DIR` showed the new job's
+    table as if it were the old job's, though OLD_DIR/summary.json says it finished."""
+    port = free_port_block(3)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.toml").write_text(Config().replace(**{"cluster.port": port, "mode.name": "sync"}).to_toml())
+    (old / "summary.json").write_text(json.dumps(SUMMARY))
+    new = Config().replace(**{"cluster.port": port, "mode.name": "async", "cluster.servers": 1,
+                              "cluster.evaluator": False})
+    with InProcessCluster(new):
+        code = main(["status", str(old)])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("finished: sync: accuracy 0.9700"), out
+
+
+@pytest.mark.timeout(60)
+def test_watch_by_address_ends_cleanly_when_the_job_ends(capsys):
+    """A review: `psgd status --address A --watch` on a job that finishes normally: the coordinator
+    exits right after `done`, and the watch ended with exit 1 and "no answer ... (not
+    started yet, or gone without a summary; a job secured with CurveZMQ ...)"."""
+    port = free_port_block(1)
+    address = f"tcp://127.0.0.1:{port}"
+    ctx = zmq.Context()
+    sock = server_socket(ctx, address, Config().security)
+    answered = threading.Event()
+
+    def on_status(ident, msg):
+        answered.set()
+        return [(ident, wire.reply(msg, phase="final_eval", done=False, mode="sync", mode_params={}, steps=10,
+                                   samples=640, elapsed_s=2.0, workers_expected=1, live={},
+                                   workers=[{"rank": 0, "state": "finished", "clock": 10, "joins": 1}],
+                                   shards=[], last_eval=None))]
+
+    svc = Service(sock, {"status": on_status}, "fake-coordinator")
+
+    def serve():  # answers one status request (the last one of the job), then exits as a coordinator does
+        while not answered.is_set():
+            svc.poll(50)
+        time.sleep(0.2)
+        sock.close(0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        code = main(["status", "--address", address, "--watch", "0.5"])
+    finally:
+        t.join(5)
+        ctx.destroy(linger=0)
+    err = capsys.readouterr().err
+    assert code == 0 and "CurveZMQ" not in err, err
+
+
+@pytest.mark.timeout(30)
+def test_a_malformed_key_file_is_one_line_from_psgd_status(tmp_path, capsys):
+    """A review: client.key_secret holding the public key (a copy gone wrong) or nothing: a
+    ValueError traceback out of `psgd status --keys DIR`."""
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    for bad in ("public", "empty"):
+        path = os.path.join(keys, "client.key_secret")
+        if bad == "public":
+            shutil.copy(os.path.join(keys, "client.key"), path)
+        else:
+            open(path, "w").close()
+        try:
+            code = main(["status", "--address", f"tcp://127.0.0.1:{free_port_block(1)}", "--keys", keys])
+        except ValueError as e:
+            code = f"raised {e!r}"
+        err = capsys.readouterr().err
+        assert code == 2 and "client.key_secret" in err, (bad, code, err)
+
+
+@pytest.mark.timeout(120)
+def test_psgd_run_refuses_a_malformed_key_file_before_starting_anything(tmp_path, capsys):
+    """A review: check_keys only asks whether the files exist: with a client.key_secret that holds no
+    secret key, psgd run started the job, restarted a shard 5 times and ended with exit 1
+    and a ValueError traceback (README: a bad config value is one line and exit 2, before
+    anything starts)."""
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    shutil.copy(os.path.join(keys, "client.key"), os.path.join(keys, "client.key_secret"))
+    t0 = time.monotonic()
+    code = main(["run", "--set", "security.curve=true", "--set", f"security.keys={keys}", "--set", "train.steps=30",
+                 "--set", f"cluster.port={free_port_block(3)}", "--quiet", "--out", str(tmp_path / "job")])
+    err = capsys.readouterr().err
+    assert code == 2 and "client.key_secret" in err and "Traceback" not in err, (code, err[-2000:])
+    assert time.monotonic() - t0 < 5

@@ -10,6 +10,8 @@ again (with its rank: `psgd run --restart-workers`, or by hand) counts from 0, s
 rank is joined by a new process (another registration nonce) the counters of the one
 before are kept (`Member.past`) and `stats()` gives each rank's totals. The same process
 rejoining after it was dropped (a partition; its own nonce) keeps counting where it was.
+The process that held a rank before another took it over is `superseded`: its
+heartbeats and finish (which carry its nonce) are not the rank's.
 
 `CoordinatorLink` is the daemons' side: register (waiting, with a clear message, for a
 coordinator that is not up yet), then a background thread that heartbeats every
@@ -144,7 +146,11 @@ class Membership:
     def join(self, now: float, want_rank: int = -1, nonce: str = "") -> int:
         """A worker registers: returns its rank, or -1 if every rank is taken and live.
         `nonce`: the registering process's; a rank taken back by another process than
-        the one that held it starts a new life (its counters add to the earlier ones)."""
+        the one that held it starts a new life (its counters add to the earlier ones) at
+        the slowest live worker's clock. The same process coming back (dropped in a
+        partition) keeps its own clock: its budget of steps is its own, and in the modes
+        without a step the shards share (async, EASGD's async rounds, LTFB) nothing
+        would move it back up from the slowest's."""
         free = [r for r in range(self.world) if r not in self.members]
         gone = [r for r, m in self.members.items() if m.state == "lost"]
         if 0 <= want_rank < self.world and want_rank in self.members and self.members[want_rank].state == "live":
@@ -163,8 +169,8 @@ class Membership:
         if old is not None:
             self.rejoined += 1
             old.state, old.last_seen, old.joins = "live", now, old.joins + 1
-            old.clock = self.current_clock(exclude=rank, default=old.clock)
-            if nonce != old.nonce:  # a new process: it counts from 0
+            if nonce != old.nonce:  # a new process: it counts from 0, at the slowest live worker's clock
+                old.clock = self.current_clock(exclude=rank, default=old.clock)
                 old.past, old.stats, old.nonce = old.totals(), {}, nonce
                 self.restarted += 1
             old.before, old.stats_at = (now, old.samples()), now
@@ -188,8 +194,16 @@ class Membership:
         if m is not None:
             m.last_seen = max(m.last_seen, now)
 
+    def superseded(self, rank: int, nonce: str) -> bool:
+        """Is `nonce` a process that held `rank` before another process took it over (it
+        was dropped, or missed, and a worker started with its rank joined)? Its
+        heartbeats and its finish are not the rank's. (A message without a nonce is
+        taken as the holder's.)"""
+        m = self.members.get(rank)
+        return bool(nonce) and m is not None and nonce != m.nonce
+
     def current_clock(self, exclude: int = -1, default: int = 0) -> int:
-        """Where a returning worker continues: the slowest live worker's clock."""
+        """Where a new process taking up a rank continues: the slowest live worker's clock."""
         clocks = [m.clock for r, m in self.members.items() if m.state == "live" and r != exclude]
         return min(clocks) if clocks else default
 
@@ -410,9 +424,11 @@ class CoordinatorLink:
             peers.close()
 
     def _beat(self) -> dict:
-        """A heartbeat's fields: who beats, with its clock and counters now."""
+        """A heartbeat's fields: who beats (its registration's nonce: a process whose rank
+        another took over is told so), with its clock and counters now."""
         return {"role": self.role, "index": self.index, "rank": self.rank if self.role == "worker" else -1,
-                "clock": self.clock_fn(), "stats": self.stats_fn(), "live_id": self.state.get("live_id", "")}
+                "nonce": self.nonce, "clock": self.clock_fn(), "stats": self.stats_fn(),
+                "live_id": self.state.get("live_id", "")}
 
     def beat(self) -> None:
         """A heartbeat now, from the caller's thread (the counters up to this moment)."""

@@ -79,8 +79,8 @@ _scalar = (int, float, str, bool, type(None))
 OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
     "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "layout": (list,)},
-    "heartbeat": {"role": (str,), "index": (int,), "stats": (dict,), "live_id": (str,)},
-    "finish": {"stats": (dict,), "error": (str,), "hold": (bool,)},
+    "heartbeat": {"role": (str,), "index": (int,), "nonce": (str,), "stats": (dict,), "live_id": (str,)},
+    "finish": {"nonce": (str,), "stats": (dict,), "error": (str,), "hold": (bool,)},
     "release": {},
     "layout": {},
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,), "age_s": _num},

@@ -168,6 +168,11 @@ class Coordinator:
                     f"others are live")
         return f"all {self.cfg.cluster.workers} {ALL_RANKS_LIVE}"
 
+    def _taken_over(self, rank: int) -> str:
+        """Why a process whose rank another process took over must stop."""
+        return (f"rank {rank} was taken over by another process (a worker started with its rank after the "
+                f"coordinator dropped or missed this one); this one stops")
+
     def _view(self, known: str = "") -> dict:
         """The job as daemons see it. The live set (rank -> clock) goes only to a daemon
         whose `known` live set (`live_id`: this coordinator's and the membership's
@@ -196,6 +201,8 @@ class Coordinator:
             self._check_layout(msg.get("layout"))
             nonce = msg.get("nonce") or ""
             again = self.nonces.get(nonce, -1)
+            if again >= 0 and self.members.superseded(again, nonce):   # (a rejoin after another took its rank)
+                raise wire.WireError(wire.REFUSED, self._taken_over(again))
             if again >= 0 and self.members.members.get(again) and self.members.members[again].state == "live":
                 # A repeat (its answer was lost, or this coordinator restarted): same rank, no new join.
                 self.members.seen(again, now)
@@ -308,6 +315,10 @@ class Coordinator:
         idx = self._shard_index(msg) if role == "server" else msg.get("index", 0)
         rejoin = False
         if role == "worker":
+            if self.members.superseded(msg.rank, msg.get("nonce") or ""):
+                # Not the rank's process (its counters are not the rank's): it is told to stop.
+                return [(ident, wire.reply(msg, **{**self._view(msg.get("live_id", "")),
+                                                   "abort": self._taken_over(msg.rank)}))]
             self._within_job(msg.clock)
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
             if self.counting and not rejoin:
@@ -337,10 +348,13 @@ class Coordinator:
         """A worker is done. With `hold`, the job does not end when the last worker is
         done until that worker sends `release` (or cluster.timeout_s passes): a
         training script's rank 0 reads the final model meanwhile (psgd/connection.py).
-        Refused, before anything is applied, from a rank that is not a member (its
-        `error` would abort the job, its `hold` hold its end)."""
+        Refused, before anything is applied, from a rank that is not a member, or from a
+        process whose rank another took over (its `error` would abort the job, its `hold`
+        hold its end)."""
         if msg.rank not in self.members.members:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
+        if self.members.superseded(msg.rank, msg.get("nonce") or ""):   # (its end is not the rank's)
+            raise wire.WireError(wire.REFUSED, self._taken_over(msg.rank))
         self._within_job(msg.clock)
         stats = msg.get("stats")
         self.members.finish(msg.rank, None if stats is None else checked_stats(stats), msg.clock)

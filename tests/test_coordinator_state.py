@@ -195,6 +195,68 @@ def test_a_ranks_counters_add_up_over_its_processes():
     assert again.stats()[1]["samples"] == 5120
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["easgd", "ltfb"])
+def test_a_worker_that_rejoins_after_a_partition_keeps_its_own_clock(mode):
+    """A review: in easgd (async rounds) and ltfb each worker runs its own budget of
+    train.steps. Worker 0, at clock 84, was cut off for longer than heartbeat_timeout_s,
+    dropped, and rejoined (the same process, its own nonce): the coordinator answered
+    start_clock = the slowest other live worker's clock (30), which
+    `Worker.rejoin_if_dropped` wrote over its own, and neither schedule moved it back up
+    (easgd: the shards forget its rounds on the membership change; ltfb only loads a
+    model). It repeated 54 steps past its budget (a slow worker rejoining behind a fast
+    one skipped steps instead). It keeps its clock; a new process taking up a rank
+    starts at the slowest live worker's."""
+    import types
+
+    import torch
+
+    from psgd.consistency import get as get_mode
+    from psgd.consistency import rule as R
+    from psgd.consistency.pushpull import caught_up
+    from psgd.workers.worker import Worker
+    cfg = Config().replace(**{"cluster.workers": 3, "cluster.servers": 1, "cluster.port": free_port_block(3),
+                              "cluster.evaluator": False, "train.steps": 100, "mode.name": mode})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    for r in range(3):
+        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
+    for r, clock in ((0, 84), (1, 30), (2, 50)):
+        serve("heartbeat", role="worker", index=r, rank=r, clock=clock, stats={"samples": 32 * clock}, live_id="")
+    c.members.members[0].last_seen -= 100        # the partition: its heartbeats stop coming
+    c._tick(time.monotonic())
+    assert c.members.members[0].state == "lost"
+    assert serve("heartbeat", role="worker", index=0, rank=0, clock=84, stats={}, live_id="").get("rejoin")
+
+    class Link:   # worker 0's, as `Worker.rejoin_if_dropped` uses it
+        state = {"rejoin": True}
+
+        def register(self, rank: int) -> wire.Message:
+            self.answer = serve("register", role="worker", want_rank=rank, nonce="n0")
+            return self.answer
+
+    w = types.SimpleNamespace(cfg=cfg, rank=0, clock=84, name="worker-0", link=Link())
+    assert Worker.rejoin_if_dropped(w)
+    assert w.link.answer.get("start_clock") == 84
+    if mode == "easgd":   # EasgdSchedule.join on the shard's answer after the membership change
+        T = types.SimpleNamespace(version=0, params=torch.zeros(4), buffers=torch.zeros(0))
+        rule = get_mode("easgd").rule(cfg.mode, 3, T)
+        rule.elastic(R.ElasticOffer("o", 0, 84 // cfg.mode.tau, torch.zeros(4), torch.zeros(0)))
+        rule.membership({1: 30, 2: 50})                     # the shard sees worker 0 leave ...
+        rule.membership({0: w.clock, 1: 30, 2: 50})         # ... and come back
+        [a] = [d for d in rule.read(R.Read("j", 0, w.clock, join=True)) if isinstance(d, R.Answer)]
+        w.clock = caught_up(w, (a.fields["offered"] + 1) * cfg.mode.tau)
+    # (ltfb's LtfbSchedule.rejoin loads the global model and leaves the clock as it is)
+    assert w.clock == 84, f"{mode}: the worker at clock 84 continues at clock {w.clock} after rejoining"
+    c.members.members[1].last_seen -= 100        # worker 1 dies; a new process takes up its rank
+    c._tick(time.monotonic())
+    assert serve("register", role="worker", want_rank=1, nonce="m1").get("start_clock") == 50
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_summary_samples_count_every_life_of_a_restarted_worker():

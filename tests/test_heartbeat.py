@@ -173,3 +173,39 @@ def test_a_heartbeat_thread_ends_quietly_when_its_context_is_terminated():
         threading.excepthook = hook
     assert not ended.is_alive() and not link._thread.is_alive()
     assert died == []
+
+
+@pytest.mark.timeout(30)
+def test_a_superseded_workers_heartbeats_are_not_taken_as_its_replacements():
+    """A review: worker 1's machine is cut off; it is dropped, and a replacement is
+    started with `--rank 1`. When the network healed, the first process (alive all along)
+    heartbeated again: heartbeats carried no nonce and any beat for a live rank was
+    taken, so two processes trained as rank 1 and rank 1's counters were whichever
+    process beat last. The beat carries its registration's nonce: the superseded process
+    is told to stop (`abort`, with the reason), its counters are not taken, and neither
+    its finish nor a registration again is."""
+    c = hand_served(2, **{"train.steps": 1000})
+    old = CoordinatorLink(c.cfg, "worker", 1)          # what the first rank-1 process sends
+    try:
+        old.nonce = "n1"                                # (its registration's, in hand_served)
+        old.rank, old.clock_fn, old.stats_fn = 1, lambda: 200, lambda: {"samples": 6400}
+        ask(c, "heartbeat", **old._beat())
+        c.members.members[1].last_seen -= 100        # cut off: dropped
+        c._tick(time.monotonic())
+        assert c.members.members[1].state == "lost"
+        assert ask(c, "register", role="worker", want_rank=1, nonce="replacement").get("assigned_rank") == 1
+        ask(c, "heartbeat", role="worker", index=1, rank=1, nonce="replacement", clock=150,
+            stats={"samples": 320}, live_id="")
+        assert c.members.stats()[1]["samples"] == 6400 + 320
+        old.clock_fn, old.stats_fn = lambda: 210, lambda: {"samples": 6720}
+        old._apply(ask(c, "heartbeat", **old._beat()))   # the network heals
+        assert c.members.stats()[1]["samples"] == 6400 + 320, "the superseded process's counters replaced rank 1's"
+        assert old.state["abort"].startswith("rank 1 was taken over by another process"), old.state
+        for op, fields in (("finish", {"clock": 210, "stats": {"samples": 6720}, "error": "a failure"}),
+                           ("register", {"role": "worker", "want_rank": 1})):
+            refused = ask(c, op, rank=1, nonce="n1", **fields)
+            assert refused.op == "error" and "taken over" in refused.get("reason"), op
+        assert c.members.members[1].state == "live" and not c.abort
+    finally:
+        old.close()
+        c.sock.close(0)

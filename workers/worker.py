@@ -188,7 +188,7 @@ class Worker:
         if error:
             log(self.name, error)
         elif self.link.state.get("abort"):
-            log(self.name, f"job aborted: {self.link.state['abort']}")
+            log(self.name, f"stopping: {self.link.state['abort']}")   # the job's abort, or this process's
         self._finish(error)
         return 1 if error or self.link.state.get("abort") else 0
 
@@ -237,7 +237,8 @@ class Worker:
         try:
             if error:
                 fields["error"] = error
-            self.link.call("finish", rank=self.rank, clock=self.clock, stats=self.stats(), **fields)
+            self.link.call("finish", rank=self.rank, nonce=self.link.nonce, clock=self.clock, stats=self.stats(),
+                           **fields)
             return True
         except Exception as e:  # the coordinator may be gone: nothing more to tell
             log(self.name, f"could not report the end to the coordinator: {e}")
@@ -310,11 +311,13 @@ class Worker:
                           bytes_sent=self.client.bytes_sent, bytes_recv=self.client.bytes_recv, **extra)
 
     def rejoin_if_dropped(self) -> bool:
-        """After a partition the coordinator may have dropped us: rejoin with our rank."""
+        """After a partition the coordinator may have dropped us: rejoin with our rank,
+        at our own clock (the budget of steps is this process's; the coordinator's
+        `start_clock` is its last heartbeat's). The schedule's rejoin moves it up to the
+        shards' step where they share one."""
         if not self.link.state.get("rejoin"):
             return False
-        answer = self.link.register(self.rank)
-        self.clock = int(answer.get("start_clock", self.clock))
+        self.link.register(self.rank)
         log(self.name, f"rejoined the job at clock {self.clock}")
         return True
 

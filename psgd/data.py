@@ -5,7 +5,8 @@ package: no download), `synthetic` (Gaussian classes of any shape, for throughpu
 `cifar10` (the official binary files in data.path), `mnist` (IDX files in data.path,
 optionally .gz). A user dataset is `package.module:factory`, called with no arguments,
 returning either (train_x, train_y, test_x, test_y) as arrays or tensors (x as N x C x H x W
-or N x D floats, y as integer labels), or (train_dataset, test_dataset) as torch
+or N x D floats, y as N class indices >= 0; `data.classes`, where set, is the number of
+classes, else the largest label + 1), or (train_dataset, test_dataset) as torch
 `Dataset`s whose items are (tensor, int label), with `data.classes` saying how many
 classes there are: those are streamed through a `DataLoader` (`data.loader_workers`
 processes), so a dataset bigger than memory trains; each worker reads only its
@@ -106,9 +107,14 @@ class StreamingDataset:
         return iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers))
 
 
+def _test_count(n: int, test_fraction: float) -> int:
+    """How many of `n` samples `_split` holds out for the test set."""
+    return max(1, int(round(n * test_fraction)))
+
+
 def _split(x: np.ndarray, y: np.ndarray, test_fraction: float):
     perm = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-    n_test = max(1, int(round(len(x) * test_fraction)))
+    n_test = _test_count(len(x), test_fraction)
     te, tr = perm[:n_test], perm[n_test:]
     return x[tr], y[tr], x[te], y[te]
 
@@ -142,11 +148,28 @@ def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
     return d.images, d.target.astype(np.int64)
 
 
+DIGITS_SAMPLES = 1797  # scikit-learn's digits: the training set's size without reading them
+
+
 def _digits(cfg: DataConfig):
     images, y = _digits_raw()
     x = images.astype(np.float32)[:, None, :, :] / 16.0
     x = (x - x.mean()) / x.std()
     return _split(x, y, cfg.test_fraction) + (10,)
+
+
+KNOWN = {"digits": ((1, 8, 8), 10), "cifar10": ((3, 32, 32), 10), "mnist": ((1, 28, 28), 10)}  # (shape, classes)
+
+
+def _classes(cfg: DataConfig, own: int) -> int:
+    """The number of classes the model gets: data.classes where set, else the dataset's
+    `own` (the largest label + 1), which the labels must fit."""
+    if not cfg.classes:
+        return own
+    if own > cfg.classes:
+        raise DataError(f"data.name {cfg.name!r}: label {own - 1} is out of range for data.classes = {cfg.classes} "
+                        f"(0 = the dataset's own number of classes)")
+    return cfg.classes
 
 
 SYNTHETIC_CLASSES = 10  # the synthetic dataset's classes when data.classes is unset (0)
@@ -166,11 +189,21 @@ def _check_synthetic(cfg: DataConfig) -> tuple[int, ...]:
     return shape
 
 
+def _synthetic_size(cfg: DataConfig) -> int:
+    """How many samples to draw so that `_split` leaves data.samples for training: the
+    first count from samples / (1 - test_fraction) on that does (that count alone, which
+    fell short for some settings, made the sets that had data.samples: they stay the same)."""
+    n = int(cfg.samples / (1 - cfg.test_fraction))
+    while n - _test_count(n, cfg.test_fraction) < cfg.samples:
+        n += 1
+    return n
+
+
 def _synthetic(cfg: DataConfig, seed: int):
     shape = _check_synthetic(cfg)
     classes = synthetic_classes(cfg)
     rng = np.random.default_rng(seed + 7)
-    n = int(cfg.samples / (1 - cfg.test_fraction))
+    n = _synthetic_size(cfg)
     centers = rng.normal(size=(classes,) + shape).astype(np.float32)
     y = rng.integers(0, classes, size=n)
     x = centers[y] + 2.0 * rng.normal(size=(n,) + shape).astype(np.float32)
@@ -282,17 +315,44 @@ def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
     return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers)
 
 
+def _labels(cfg: DataConfig, y: np.ndarray) -> np.ndarray:
+    """A factory's labels as int64, or a DataError: they must be one whole number >= 0 per
+    sample (float targets were truncated, to one class when in [0, 1); N x 1 labels and
+    negative ones failed every step inside torch)."""
+    if y.ndim != 1:
+        raise DataError(f"data.name {cfg.name!r}: the labels must be one integer per sample (shape (N,)), "
+                        f"got shape {y.shape}")
+    if not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_
+            or np.issubdtype(y.dtype, np.floating) and np.isfinite(y).all() and (y == np.round(y)).all()):
+        raise DataError(f"data.name {cfg.name!r}: the labels must be whole numbers (class indices), got {y.dtype} "
+                        f"values such as {y[:3].tolist()}")
+    if y.min() < 0:
+        raise DataError(f"data.name {cfg.name!r}: the labels must be class indices >= 0, got {y.min()}")
+    return y.astype(np.int64)
+
+
+def _host_array(a: Any) -> np.ndarray:
+    """An array or a tensor (on any device, requiring grad or not) as a numpy array."""
+    return np.asarray(a.detach().cpu().numpy() if hasattr(a, "detach") else a)
+
+
 def _user(cfg: DataConfig, got: Any = None):
     try:
         got = _call_factory(cfg) if got is None else got
-        tx, ty, vx, vy = (np.asarray(a.numpy() if hasattr(a, "numpy") else a) for a in got)
+        tx, ty, vx, vy = (_host_array(a) for a in got)
     except (TypeError, ValueError) as e:
         raise DataError(f"data.name {cfg.name!r}: the factory must return (train_x, train_y, test_x, test_y) "
                         f"or (train_dataset, test_dataset) ({e})") from None
     if len(tx) != len(ty) or len(vx) != len(vy) or len(tx) == 0 or len(vx) == 0:
         raise DataError(f"data.name {cfg.name!r}: x and y lengths differ or a split is empty")
-    classes = int(max(ty.max(), vy.max())) + 1
-    return tx.astype(np.float32), ty.astype(np.int64), vx.astype(np.float32), vy.astype(np.int64), classes
+    if tx.shape[1:] != vx.shape[1:]:
+        raise DataError(f"data.name {cfg.name!r}: a training sample has shape {tx.shape[1:]}, a test sample "
+                        f"{vx.shape[1:]}")
+    ty, vy = _labels(cfg, ty), _labels(cfg, vy)
+    own = int(max(ty.max(), vy.max())) + 1
+    if own < 2 and not cfg.classes:
+        raise DataError(f"data.name {cfg.name!r}: every label is 0: a classifier needs two classes or more")
+    return tx.astype(np.float32), ty, vx.astype(np.float32), vy, _classes(cfg, own)
 
 
 def _arrays(cfg: DataConfig, seed: int):
@@ -306,27 +366,30 @@ def _arrays(cfg: DataConfig, seed: int):
     elif cfg.name == "mnist":
         parts = _mnist(cfg)
     elif ":" in cfg.name:
-        parts = _user(cfg)
+        return _user(cfg)
     else:
         raise DataError(f"data.name {cfg.name!r}: expected digits, synthetic, cifar10, mnist "
                         f"or package.module:factory")
-    return parts
+    return parts[:4] + (_classes(cfg, parts[4]),)
 
 
-def check_dataset(cfg: DataConfig, seed: int = 0) -> None:
-    """Raise the `DataError` that `load_dataset` would, without torch: the files (cifar10,
-    mnist) are read and checked as a worker will read them, a factory is called; digits
-    and synthetic, which cannot fail once their settings are valid, are not made."""
+def check_dataset(cfg: DataConfig, seed: int = 0) -> int:
+    """Raise the `DataError` that `load_dataset` would, without torch, or return the size of
+    the training set: the files (cifar10, mnist) are read and checked as a worker will
+    read them, a factory is called; digits and synthetic, which cannot fail once their
+    settings are valid, are not made."""
     if cfg.name == "digits":
         if digits_file() is None and importlib.util.find_spec("sklearn") is None:
             raise DataError("data.name = digits needs scikit-learn: pip install scikit-learn")
-    elif cfg.name == "synthetic":
+        _classes(cfg, KNOWN["digits"][1])
+        return DIGITS_SAMPLES - _test_count(DIGITS_SAMPLES, cfg.test_fraction)
+    if cfg.name == "synthetic":
         _check_synthetic(cfg)
-    elif ":" in cfg.name:
+        return cfg.samples
+    if ":" in cfg.name:
         got = _call_factory(cfg)
-        _streaming(cfg, got) if _is_datasets(got) else _user(cfg, got)
-    else:
-        _arrays(cfg, seed)
+        return _streaming(cfg, got).train_size if _is_datasets(got) else len(_user(cfg, got)[1])
+    return len(_arrays(cfg, seed)[1])
 
 
 def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset | StreamingDataset:
@@ -441,9 +504,9 @@ class LoaderBatches:
 
 def describe(cfg: DataConfig) -> tuple[tuple, int]:
     """(input shape, number of classes) without loading the files where they are known."""
-    known = {"digits": ((1, 8, 8), 10), "cifar10": ((3, 32, 32), 10), "mnist": ((1, 28, 28), 10)}
-    if cfg.name in known:
-        return known[cfg.name]
+    if cfg.name in KNOWN:
+        shape, own = KNOWN[cfg.name]
+        return shape, _classes(cfg, own)
     if cfg.name == "synthetic":
         return tuple(int(s) for s in cfg.shape), synthetic_classes(cfg)
     ds = load_dataset(cfg)

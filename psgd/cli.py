@@ -166,23 +166,32 @@ def _script(args) -> list[str] | None:
     return [os.path.abspath(args.script), *args.script_args]
 
 
-def check_model(name: str) -> None:
+def check_model(cfg) -> None:
     """A model.name that no worker could build, as one ConfigError now (not a job whose
-    evaluator is restarted until it gives up): a built-in name is checked without torch, a
-    factory is imported (as `check_dataset` imports a dataset's)."""
-    if ":" in name:
-        from .models import load_factory
-        load_factory(name, "model.name")
-    elif name not in BUILTIN_MODELS:
-        raise ConfigError(f"model.name {name!r}: expected {', '.join(BUILTIN_MODELS)} or package.module:factory")
+    evaluator is restarted until it gives up, or whose workers wait cluster.timeout_s): a
+    built-in name is checked without torch; a factory's model is built as the workers
+    build it, from the seed on the CPU, so that one that is not an nn.Module, has no
+    trainable parameter or one not float32 is refused here."""
+    if ":" in cfg.model.name:
+        from .data import describe
+        from .models import build_model
+        build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed, cfg.model.hidden)
+    elif cfg.model.name not in BUILTIN_MODELS:
+        raise ConfigError(f"model.name {cfg.model.name!r}: expected {', '.join(BUILTIN_MODELS)} "
+                          f"or package.module:factory")
 
 
-def check_job(cfg) -> None:
+def check_job(cfg, runs: list | None = None) -> None:
     """What psgd's own workers need, checked before psgd run or compare starts one: a bad
-    dataset or model is one line here, not a failed job later."""
-    from .data import check_dataset
-    check_dataset(cfg.data, cfg.job.seed)
-    check_model(cfg.model.name)
+    dataset or model, or more workers than the training set has samples for (in each of
+    the configs `runs`, default cfg), is one line here, not a failed job later (nor one
+    that trained with fewer workers: a worker with no data stops, the others go on)."""
+    from .consistency import data_split
+    from .data import check_dataset, check_partitions
+    n = check_dataset(cfg.data, cfg.job.seed)
+    check_model(cfg)
+    for run in runs or [cfg]:
+        check_partitions(n, run.cluster.workers, run.job.seed, data_split(run))
 
 
 def cmd_run(args) -> int:

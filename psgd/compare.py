@@ -521,7 +521,8 @@ def main(args) -> int:
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=not args.no_baseline)
     from .cli import check_job
     from .launcher import check_before_launch
-    check_job(base)   # the data and model are every run's (SHARED_SECTIONS): one error, not every run failing
+    # the data and model are every run's (SHARED_SECTIONS): one error, not every run failing
+    check_job(base, [run.cfg for run in plan])
     check_before_launch(base, args.device)   # a bad --device or missing keys: the same
     out = args.out or os.path.join("runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)

@@ -407,7 +407,8 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset | StreamingDataset:
 
 
 def partition(n: int, rank: int, world: int, seed: int) -> np.ndarray:
-    """A disjoint share of range(n) for worker `rank` of `world` (same on every party)."""
+    """A disjoint share of range(n) for worker `rank` of `world` (same on every party);
+    the shares shrink with the rank, by one sample at most."""
     perm = np.random.default_rng(seed).permutation(n)
     return perm[rank::world]
 
@@ -430,6 +431,18 @@ def worker_part(n: int, rank: int, world: int, seed: int, split: float = 0.0) ->
                         f"all held out for the mode's tournaments (at least one sample, {split:g} of it), "
                         f"none left to train on (too many workers for the dataset)")
     return train, held
+
+
+def check_partitions(n: int, world: int, seed: int, split: float = 0.0) -> None:
+    """Raise the DataError that a worker of `world` would for a training set of `n`
+    samples: its partition empty, or all held out by its mode (`split`). The last rank's
+    partition is the smallest, so its check is every worker's; psgd run and psgd simulate
+    check before a job starts (a worker that stopped there left the job to the others)."""
+    rank = world - 1
+    part, _ = worker_part(n, rank, world, seed, split)
+    if not len(part):
+        raise DataError(f"worker {rank}: its data partition is empty ({world} workers, {n} training "
+                        f"sample{'s' if n != 1 else ''}: too many workers for the dataset)")
 
 
 class Batches:

@@ -2,7 +2,8 @@
 
 Every party builds the model with the job's seed, so frozen parameters and integer
 buffers agree everywhere without being sent. A factory is called as
-`factory(input_shape=(C, H, W), num_classes=K)` and must return an `nn.Module`.
+`factory(input_shape=(C, H, W), num_classes=K)` and must return an `nn.Module` with
+trainable parameters, all float32.
 """
 from __future__ import annotations
 
@@ -128,7 +129,11 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
                 raise ConfigError(f"model.name {name!r}: the factory returned {type(model).__name__}, not nn.Module")
         else:
             raise ConfigError(f"model.name {name!r}: expected mlp, cnn, resnet20 or package.module:factory")
-    for p in model.parameters():
-        if p.dtype != torch.float32 and p.requires_grad:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:  # the shards would hold nothing: every worker's registration is refused
+        raise ConfigError(f"model.name {name!r}: the model has no trainable parameters (none with "
+                          f"requires_grad=True): psgd trains a model's trainable parameters")
+    for p in trainable:
+        if p.dtype != torch.float32:
             raise ConfigError(f"model.name {name!r}: trainable parameters must be float32, got {p.dtype}")
     return model

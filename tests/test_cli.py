@@ -222,6 +222,64 @@ def test_a_bad_model_name_is_one_error_before_the_job_starts(tmp_path, no_job, c
     assert no_job.calls == []
 
 
+def not_a_module(input_shape, num_classes):
+    return 42
+
+
+def float64_model(input_shape, num_classes):
+    import torch
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes)).double()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,says", [
+    (f"{__name__}:not_a_module", "the factory returned int, not nn.Module"),
+    ("tests.test_data_models:no_parameters", "the model has no trainable parameters"),
+    (f"{__name__}:float64_model", "trainable parameters must be float32, got torch.float64"),
+])
+def test_a_model_factory_no_worker_can_use_is_one_error_before_the_job_starts(tmp_path, no_job, capsys, name, says):
+    """A review: the factory was only imported. The job started: with a model that is not
+    a Module or is float64 every worker exited 2 and the evaluator was restarted five
+    times; with no trainable parameter every worker died with a wire traceback and the
+    job waited cluster.timeout_s."""
+    assert main(["run", "--out", str(tmp_path / "out"), "--set", f"model.name={name}"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert no_job.calls == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,says", [
+    (["--workers", "3"], "worker 2: its data partition is empty (3 workers, 2 training samples"),
+    (["--workers", "2", "--mode", "ltfb", "--set", "mode.tournament_fraction=0.5"],
+     "worker 1: its data partition (1 sample) is all held out for the mode's tournaments"),
+])
+def test_more_workers_than_the_training_set_has_samples_for_is_one_error_before_the_job_starts(tmp_path, no_job,
+                                                                                                 capsys, argv, says):
+    """A review: psgd run --workers 3 on 2 training samples trained with one worker and
+    exited 0 (workers 1 and 2 stopped: their partitions were empty); psgd simulate
+    refused it."""
+    data = ["--set", "data.name=synthetic", "--set", "data.classes=2", "--set", "data.samples=2",
+            "--set", "data.shape=[4]"]
+    assert main(["run", "--out", str(tmp_path / "out"), *data, *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert no_job.calls == []
+    assert main(["run", "--out", str(tmp_path / "out"), *data, "--workers", "2"]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_compare_checks_the_partitions_of_the_worker_counts_it_runs():
+    """psgd compare checks its plan's worker counts, not the config's."""
+    from psgd.cli import check_job
+    from psgd.config import ConfigError, load
+    base = load(None, ["data.name=synthetic", "data.classes=2", "data.samples=3", "data.shape=[4]",
+                       "cluster.workers=4"], env={})
+    with pytest.raises(ConfigError, match="4 workers, 3 training samples"):
+        check_job(base)
+    check_job(base, [base.replace(**{"cluster.workers": w}) for w in (1, 3)])
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_one_error(tmp_path, no_job, capsys):
     (tmp_path / "ckpt").write_text("")
     assert main(["run", "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]) == 2

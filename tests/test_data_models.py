@@ -210,6 +210,29 @@ def test_the_synthetic_sets_that_had_data_samples_are_the_same():
     assert torch.equal(ds.test_x, torch.from_numpy(x[test])) and torch.equal(ds.test_y, torch.from_numpy(y[test]))
 
 
+class _NoParameters(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros(len(x), 10)
+
+
+def no_parameters(input_shape, num_classes):
+    return _NoParameters()
+
+
+def frozen(input_shape, num_classes):
+    return user_model(input_shape, num_classes).requires_grad_(False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("factory", ["no_parameters", "frozen"])
+def test_a_model_factory_with_no_trainable_parameter_is_a_config_error(factory):
+    """A review: it was built; each worker then died with a wire BadRequest traceback (a
+    layout is a non-empty list) and the job waited cluster.timeout_s (the README says
+    it is a ConfigError)."""
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        build_model(f"{__name__}:{factory}", (1, 8, 8), 10, seed=0)
+
+
 @pytest.mark.parametrize("name,shape", [("mlp", (1, 8, 8)), ("cnn", (1, 8, 8)), ("resnet20", (3, 32, 32))])
 def test_models_forward_and_are_seeded(name, shape):
     a, b = build_model(name, shape, 10, seed=3), build_model(name, shape, 10, seed=3)

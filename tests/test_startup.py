@@ -41,12 +41,14 @@ def test_the_coordinator_imports_no_torch():
 
 
 @pytest.mark.processes
-def test_psgd_run_checks_the_config_and_data_without_torch_or_sklearn():
+@pytest.mark.parametrize("mode", ["sync", "ltfb"])
+def test_psgd_run_checks_the_config_and_data_without_torch_or_sklearn(mode):
     """What `psgd run` does before it starts the first process: parse, load the config,
-    check the dataset and the model's name, import the launcher."""
+    check the dataset, the model's name and the workers' partitions (with the share a
+    mode holds out), import the launcher."""
     out = fresh("import sys\n"
                 "from psgd import cli, launcher\n"
-                "args = cli.parser().parse_args(['run', '--set', 'train.steps=5'])\n"
+                f"args = cli.parser().parse_args(['run', '--set', 'train.steps=5', '--mode', {mode!r}])\n"
                 "cfg = cli._config(args)\n"
                 "cli.check_job(cfg)\n"
                 "print(sorted(m for m in ('torch', 'sklearn', 'scipy', 'matplotlib') if m in sys.modules))")

@@ -31,14 +31,16 @@ if TYPE_CHECKING:
 class Entry:
     """One registry line: the mode's name; its module in this package; the names there
     of its `ServerRule` and `Schedule` classes; the config keys that matter for it
-    (`ModeConfig` fields: summaries, labels); and the name there of its `global_model`
-    function, when its global model is not the shards' parameters."""
+    (`ModeConfig` fields: summaries, labels); the name there of its `global_model`
+    function, when its global model is not the shards' parameters; and the key of the
+    share of each worker's partition it holds out of training (`data_split`), if any."""
     name: str
     module: str
     rule: str
     schedule: str
     params: tuple[str, ...]
     global_model: str = ""
+    data_split: str = ""
 
 
 class Registry(Mapping[str, "Mode"]):
@@ -73,12 +75,20 @@ MODES = Registry(
     Entry("easgd", "easgd", "EasgdRule", "EasgdSchedule", ("tau", "alpha", "sync")),
     Entry("ltfb", "ltfb", "LtfbRule", "LtfbSchedule",
           ("round_steps", "tournament_fraction", "exchange", "trainer_size", "strategy", "truncation_k", "metric",
-           "explore", "mutation"), "global_model"),
+           "explore", "mutation"), "global_model", data_split="tournament_fraction"),
     Entry("diloco", "diloco", "DilocoRule", "DilocoSchedule", ("local_steps", "outer_lr", "outer_momentum")),
 )
 
 NAMES: tuple[str, ...] = tuple(MODES)
 PARAMS: dict[str, tuple[str, ...]] = {name: e.params for name, e in MODES.entries.items()}
+
+
+def data_split(cfg) -> float:
+    """The share of each worker's partition that the job's mode holds out of training
+    (its schedule's `data_split`), without importing the mode: the launcher checks the
+    partitions without torch."""
+    key = MODES.entries[cfg.mode.name].data_split
+    return float(getattr(cfg.mode, key)) if key else 0.0
 
 
 def get(name: str) -> Mode:

@@ -49,6 +49,7 @@ import torch
 
 from .. import wire
 from ..sharding import model_grads
+from . import data_split
 from .pushpull import load
 from .rule import (
     FINAL_ROUND,
@@ -262,7 +263,7 @@ class LtfbSchedule(Schedule):
         super().__init__(cfg)
         m = cfg.mode
         self.k = m.trainer_size
-        self.data_split = m.tournament_fraction
+        self.data_split = data_split(cfg)
         self.with_opt = m.exchange == "weights+optimizer"
         self.explore = dict(m.explore)
         self.hyper: dict[str, float] = {}

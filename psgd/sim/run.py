@@ -29,7 +29,7 @@ from torch import nn
 from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
-from ..data import DataError, Dataset, StreamingDataset, load_dataset, worker_part
+from ..data import Dataset, StreamingDataset, check_partitions, load_dataset, worker_part
 from ..metrics import json_line, summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
@@ -179,6 +179,7 @@ class Simulation:
         shared = None if s.train else self._replica(shape, classes, TimingReplica)   # timing only: one for all
         self.workers: list[SimWorker] = []
         n = self.ds.train_size if self.ds is not None else self._train_size()
+        check_partitions(n, W, cfg.job.seed, split)
         for r in range(W):
             batches, held = None, None
             part, h = worker_part(n, r, W, cfg.job.seed, split)
@@ -187,8 +188,6 @@ class Simulation:
             if s.train:
                 assert self.ds is not None
                 batches = self.ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, r)
-            elif not len(part):
-                raise DataError(f"worker {r}: its data partition is empty (too many workers for the dataset)")
             replica = shared if shared is not None else self._replica(shape, classes)
             # timing only: a step counts the samples a real worker's batch holds (its partition may be smaller)
             self.workers.append(SimWorker(self, r, schedules[r], replica, batches, held,

@@ -175,7 +175,12 @@ def check_model(cfg) -> None:
     if ":" in cfg.model.name:
         from .data import describe
         from .models import build_model
-        build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed, cfg.model.hidden)
+        try:
+            build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed, cfg.model.hidden)
+        except ConfigError:
+            raise
+        except Exception as e:   # the factory's own error: one line here, each worker's log has its traceback
+            raise ConfigError(f"model.name {cfg.model.name!r}: the factory raised {type(e).__name__}: {e}") from None
     elif cfg.model.name not in BUILTIN_MODELS:
         raise ConfigError(f"model.name {cfg.model.name!r}: expected {', '.join(BUILTIN_MODELS)} "
                           f"or package.module:factory")

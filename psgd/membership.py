@@ -370,10 +370,12 @@ class CoordinatorLink:
                 self._apply(msg)
 
     def _hint(self) -> str:
+        keys = (f"; with security.curve, a client whose {self.cfg.security.keys}/server.key is not the "
+                f"coordinator's public key (another job's keys) is never answered" if self.cfg.security.curve else "")
         if self.role == "worker":  # the coordinator answers workers once all have registered
             return (f"is it running there? (it answers when all {self.cfg.cluster.workers} workers have "
-                    f"registered; its log says how many it has)")
-        return "is it running there, and is that the address it listens on (cluster.host, cluster.port)?"
+                    f"registered; its log says how many it has{keys})")
+        return f"is it running there, and is that the address it listens on (cluster.host, cluster.port)?{keys}"
 
     def _apply(self, msg: wire.Message) -> None:
         """Take in the coordinator's view; a view without the live set (the one we have is

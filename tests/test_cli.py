@@ -231,9 +231,14 @@ def float64_model(input_shape, num_classes):
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes)).double()
 
 
+def raising_factory(input_shape, num_classes):
+    raise RuntimeError("no weights file here")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name,says", [
     (f"{__name__}:not_a_module", "the factory returned int, not nn.Module"),
+    (f"{__name__}:raising_factory", "the factory raised RuntimeError: no weights file here"),   # (was a traceback)
     ("tests.test_data_models:no_parameters", "the model has no trainable parameters"),
     (f"{__name__}:float64_model", "trainable parameters must be float32, got torch.float64"),
 ])

@@ -514,3 +514,52 @@ def test_a_server_whose_keys_folder_has_no_authorized_keys_refuses_to_start(tmp_
         from psgd.transport import stop_auth
         stop_auth(ctx, every=True)
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_with_another_jobs_server_key_is_told_to_look_at_it(tmp_path):
+    """A review: a worker whose keys folder holds another job's server.key (keys made
+    with `psgd keys` on each machine) is never answered: ZeroMQ says only NO_DETAIL of
+    its handshake, which is no refusal to name. After cluster.timeout_s it was told "is
+    it running there?", nothing of the keys; the hint now names server.key."""
+    import os
+    import shutil
+
+    from psgd.keys import make_keys
+    keys, other, mixed = (str(tmp_path / n) for n in ("keys", "other", "mixed"))
+    make_keys(keys)
+    make_keys(other)
+    os.makedirs(mixed)
+    for name in ("client.key", "client.key_secret", "server.key_secret"):   # this job's client pair ...
+        shutil.copy(os.path.join(keys, name), mixed)
+    shutil.copy(os.path.join(other, "server.key"), mixed)                  # ... another job's server key
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.timeout_s": 3.0,
+                              "security.curve": True, "security.keys": keys})
+    ctx = zmq.Context()
+    c = Coordinator(cfg, None, ctx=ctx, quiet=True)
+    served = threading.Thread(target=c.serve, daemon=True)
+    served.start()
+    link = CoordinatorLink(cfg.replace(**{"security.keys": mixed}), "worker", 0, ctx)
+    try:
+        with pytest.raises(PeerTimeout, match=f"{mixed}/server.key is not the coordinator's public key"):
+            link.register()
+    finally:
+        link.close()
+        c.stop_requested = True
+        served.join(10)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_psgd_keys_again_keeps_a_key_removed_from_authorized_locked_out(tmp_path):
+    """A review: running `psgd keys DIR` again copied both public keys into authorized/
+    again, silently undoing a lock-out (keys.py: remove a key there to lock its holder
+    out), and said "keys written" though it wrote none."""
+    import os
+
+    from psgd.keys import make_keys
+    keys = str(tmp_path / "keys")
+    assert "the server and client pairs" in make_keys(keys)
+    os.remove(os.path.join(keys, "authorized", "client.key"))
+    assert "nothing written" in make_keys(keys)
+    assert os.listdir(os.path.join(keys, "authorized")) == ["server.key"]

@@ -77,6 +77,15 @@ def no_job(monkeypatch):
     signal.signal(signal.SIGTERM, handler)
 
 
+def refused_before_start(argv: list[str], says: str, capsys, no_job: NoJob) -> None:
+    """`psgd argv` is refused with `says`, in one line on stderr (no traceback) and exit
+    code 2, before any job starts (`no_job`)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert no_job.calls == []
+
+
 def test_arguments_after_the_double_dash_are_the_scripts_not_checked_as_psgds(tmp_path, no_job, capsys):
     """`-- --set large` used to be refused as psgd's own malformed --set."""
     script = tmp_path / "train.py"
@@ -185,10 +194,7 @@ def test_values_that_failed_every_daemon_after_the_start_are_one_error_before_it
     argv = ["run", "--out", str(tmp_path / "out")]
     for s in sets:
         argv += ["--set", s]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert no_job.calls == []
+    refused_before_start(argv, says, capsys, no_job)
 
 
 @pytest.mark.parametrize("item,says", [
@@ -202,10 +208,7 @@ def test_an_integer_that_is_inf_or_past_64_bits_is_one_error_before_the_job_star
     """A review: train.steps=inf was a traceback (OverflowError); train.steps=1e20 started the
     job, whose coordinator could not send the config (msgpack: Integer value out of range),
     and every worker died with a traceback."""
-    assert main(["run", "--out", str(tmp_path / "out"), "--set", item]) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert no_job.calls == []
+    refused_before_start(["run", "--out", str(tmp_path / "out"), "--set", item], says, capsys, no_job)
 
 
 @pytest.mark.parametrize("name,says", [
@@ -216,10 +219,7 @@ def test_an_integer_that_is_inf_or_past_64_bits_is_one_error_before_the_job_star
 def test_a_bad_model_name_is_one_error_before_the_job_starts(tmp_path, no_job, capsys, name, says):
     """A review: the job started, its evaluator died on the name and was restarted five times,
     and psgd run ended with exit 1 and seven lines (the README promises one line and exit 2)."""
-    assert main(["run", "--out", str(tmp_path / "out"), "--set", f"model.name={name}"]) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
-    assert no_job.calls == []
+    refused_before_start(["run", "--out", str(tmp_path / "out"), "--set", f"model.name={name}"], says, capsys, no_job)
 
 
 def not_a_module(input_shape, num_classes):
@@ -247,10 +247,7 @@ def test_a_model_factory_no_worker_can_use_is_one_error_before_the_job_starts(tm
     a Module or is float64 every worker exited 2 and the evaluator was restarted five
     times; with no trainable parameter every worker died with a wire traceback and the
     job waited cluster.timeout_s."""
-    assert main(["run", "--out", str(tmp_path / "out"), "--set", f"model.name={name}"]) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
-    assert no_job.calls == []
+    refused_before_start(["run", "--out", str(tmp_path / "out"), "--set", f"model.name={name}"], says, capsys, no_job)
 
 
 @pytest.mark.timeout(60)
@@ -266,10 +263,7 @@ def test_more_workers_than_the_training_set_has_samples_for_is_one_error_before_
     refused it."""
     data = ["--set", "data.name=synthetic", "--set", "data.classes=2", "--set", "data.samples=2",
             "--set", "data.shape=[4]"]
-    assert main(["run", "--out", str(tmp_path / "out"), *data, *argv]) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
-    assert no_job.calls == []
+    refused_before_start(["run", "--out", str(tmp_path / "out"), *data, *argv], says, capsys, no_job)
     assert main(["run", "--out", str(tmp_path / "out"), *data, "--workers", "2"]) == 0
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgpack
 import numpy as np
@@ -314,6 +316,22 @@ def test_an_init_wait_resent_on_the_same_connection_is_parked_once():
         ctx.term()
 
 
+@contextmanager
+def served_coordinator(cfg: Config) -> Iterator[zmq.Context]:
+    """A coordinator of `cfg` serving on a thread of its own; its context, for clients
+    (closed before the block ends); the coordinator stops, and the context ends, after."""
+    ctx = zmq.Context()
+    c = Coordinator(cfg, None, ctx=ctx, quiet=True)
+    served = threading.Thread(target=c.serve, daemon=True)
+    served.start()
+    try:
+        yield ctx
+    finally:
+        c.stop_requested = True
+        served.join(10)
+        ctx.term()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["key not authorized", "client without curve"])
 def test_a_refused_curve_handshake_is_named_not_waited_out(tmp_path, how):
@@ -331,24 +349,18 @@ def test_a_refused_curve_handshake_is_named_not_waited_out(tmp_path, how):
                               "security.curve": True, "security.keys": keys})
     if how == "key not authorized":
         os.remove(os.path.join(keys, "authorized", "client.key"))
-    ctx = zmq.Context()
-    c = Coordinator(cfg, None, ctx=ctx, quiet=True)
-    served = threading.Thread(target=c.serve, daemon=True)
-    served.start()
-    link = CoordinatorLink(cfg if how == "key not authorized" else cfg.replace(**{"security.curve": False}),
-                           "worker", 0, ctx)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(HandshakeFailed) as e:
-            link.register()
-        assert time.monotonic() - t0 < cfg.cluster.timeout_s   # (its resends come every REGISTER_RESEND_S)
-        expect = "authorized" if how == "key not authorized" else "security.curve the same everywhere"
-        assert expect in str(e.value)
-    finally:
-        link.close()
-        c.stop_requested = True
-        served.join(10)
-        ctx.term()
+    with served_coordinator(cfg) as ctx:
+        link = CoordinatorLink(cfg if how == "key not authorized" else cfg.replace(**{"security.curve": False}),
+                               "worker", 0, ctx)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(HandshakeFailed) as e:
+                link.register()
+            assert time.monotonic() - t0 < cfg.cluster.timeout_s   # (its resends come every REGISTER_RESEND_S)
+            expect = "authorized" if how == "key not authorized" else "security.curve the same everywhere"
+            assert expect in str(e.value)
+        finally:
+            link.close()
 
 
 @pytest.mark.timeout(60)
@@ -535,19 +547,13 @@ def test_a_client_with_another_jobs_server_key_is_told_to_look_at_it(tmp_path):
     shutil.copy(os.path.join(other, "server.key"), mixed)                  # ... another job's server key
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.timeout_s": 3.0,
                               "security.curve": True, "security.keys": keys})
-    ctx = zmq.Context()
-    c = Coordinator(cfg, None, ctx=ctx, quiet=True)
-    served = threading.Thread(target=c.serve, daemon=True)
-    served.start()
-    link = CoordinatorLink(cfg.replace(**{"security.keys": mixed}), "worker", 0, ctx)
-    try:
-        with pytest.raises(PeerTimeout, match=f"{mixed}/server.key is not the coordinator's public key"):
-            link.register()
-    finally:
-        link.close()
-        c.stop_requested = True
-        served.join(10)
-        ctx.term()
+    with served_coordinator(cfg) as ctx:
+        link = CoordinatorLink(cfg.replace(**{"security.keys": mixed}), "worker", 0, ctx)
+        try:
+            with pytest.raises(PeerTimeout, match=f"{mixed}/server.key is not the coordinator's public key"):
+                link.register()
+        finally:
+            link.close()
 
 
 @pytest.mark.timeout(30)

@@ -124,7 +124,7 @@ class Coordinator:
         self.t_end = 0.0
         self.final_deadline = 0.0
         self.done_at = 0.0
-        self.told_done: set = set()
+        self.told_done: set = set()    # (role, its rank or index) of each process heard since `done`
         self.abort = ""
         self.counters = {"bad_messages": 0}
         self.nonces: dict[str, int] = {}   # a worker's registration nonce -> the rank it got
@@ -198,7 +198,7 @@ class Coordinator:
         if role == "worker":
             if self.phase in FINISHING:
                 raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
-            self._check_layout(msg.get("layout"))
+            layout = self._checked_layout(msg.get("layout"))
             nonce = msg.get("nonce") or ""
             again = self.nonces.get(nonce, -1)
             if again >= 0 and self.members.superseded(again, nonce):   # (a rejoin after another took its rank)
@@ -220,6 +220,7 @@ class Coordinator:
             rank = self.members.join(now, want, nonce)
             if rank < 0:
                 raise wire.WireError(wire.REFUSED, self._no_rank(want))
+            self._keep_layout(layout)
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             if nonce:
                 self.nonces[nonce] = rank
@@ -267,23 +268,28 @@ class Coordinator:
                                                f"(cluster.servers = {self.cfg.cluster.servers})")
         return idx
 
-    def _check_layout(self, given: Any) -> None:
-        """A worker's model layout (psgd/layout.py): the first one is the job's, which
-        the shards of a learned model ask for; any later one must equal it."""
+    def _checked_layout(self, given: Any) -> list | None:
+        """A worker's model layout (psgd/layout.py), checked: refused if malformed, or if
+        it differs from the job's. It becomes the job's only once its registration is
+        accepted (`_keep_layout`): a refused worker's would refuse every honest one."""
         if given is None:
-            return
+            return None
         try:
             given = layouts.checked(given)
         except ValueError as e:
             raise wire.WireError(wire.BAD_FIELD, f"layout: {e}") from None
-        if self.layout is None:
-            self.layout = given
-            log("coordinator", f"the model's layout: {len(given)} tensors, {layouts.size(given):,} values")
-            return
-        diff = layouts.difference(self.layout, given)
+        diff = layouts.difference(self.layout, given) if self.layout is not None else ""
         if diff:
             raise wire.WireError(wire.REFUSED, f"this worker's model differs from the job's ({diff}); every "
                                                f"worker must build the same model")
+        return given
+
+    def _keep_layout(self, layout: list | None) -> None:
+        """The first accepted worker's layout is the job's, which the shards of a learned
+        model ask for."""
+        if layout is not None and self.layout is None:
+            self.layout = layout
+            log("coordinator", f"the model's layout: {len(layout)} tensors, {layouts.size(layout):,} values")
 
     def on_layout(self, ident, msg: wire.Message) -> list[Reply]:
         """The job's model layout, once a worker has registered it (else null)."""
@@ -332,8 +338,10 @@ class Coordinator:
             self.server_seen[idx] = now
         elif role == "evaluator":
             self.evaluator_seen = now
+        else:
+            raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
         if self.phase == "done":
-            self.told_done.add((role, idx, msg.rank))
+            self.told_done.add((role, msg.rank if role == "worker" else idx))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
 
     def _within_job(self, clock: int) -> None:
@@ -532,13 +540,16 @@ class Coordinator:
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
-        shards, the evaluator, and every worker still live (an aborted job's worker
-        blocked at a barrier learns of the end only so; finished and lost ones need not)."""
-        expected = self.cfg.cluster.servers + (1 if self.cfg.cluster.evaluator else 0)
-        heard = len({k for k in self.told_done if k[0] != "worker"})
-        workers = {k[2] for k in self.told_done if k[0] == "worker"}
+        job's shards, its evaluator (if any), and every worker still live (an aborted
+        job's worker blocked at a barrier learns of the end only so; finished and lost
+        ones need not)."""
+        daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
+        if self.cfg.cluster.evaluator:
+            daemons.add(("evaluator", 0))
+        workers = {who for role, who in self.told_done if role == "worker"}
         live = set(self.members.live())
-        return (heard >= expected and live <= workers) or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
+        heard = daemons <= self.told_done and live <= workers
+        return heard or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
 
     # ------------------------------------------------------------ the state file
     def _save_state(self, now: float) -> None:

@@ -161,6 +161,26 @@ def test_a_rank_outside_the_job_is_refused_and_any_rank_still_works():
         c.sock.close(0)
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_refused_registration_does_not_set_the_jobs_layout():
+    """A review: a worker registration refused (here a rank outside cluster.workers) set
+    the job's model layout all the same, before its rank was checked: every honest
+    worker, whose model differs from the stray one's, was then refused."""
+    c = coordinator(workers=2, start=False, **{"model.name": "script"})
+    good = [["fc.weight", "params", [5, 3], "float32"], ["fc.bias", "params", [5], "float32"]]
+    try:
+        m = ask(c, "register", role="worker", want_rank=7, nonce="stray",
+                layout=[["lin.weight", "params", [7, 7], "float32"]])
+        assert (m.op, m.get("code")) == ("error", wire.REFUSED)
+        assert c.layout is None
+        assert c.service._serve(b"a", wire.encode("register", id=3, role="worker", want_rank=0, nonce="a",
+                                                  layout=good)) == []   # parked for the rendezvous
+        assert c.layout == good
+    finally:
+        c.sock.close(0)
+
+
 # ------------------------------------------------------------ a shard's pushes
 def push(shard: Shard, rank: int, clock: int, read_version: int, **fields) -> wire.Message:
     return wire.decode(wire.encode("push", id=1, rank=rank, clock=clock, read_version=read_version,
@@ -308,6 +328,30 @@ def test_a_job_whose_workers_all_finished_ends_once_the_shards_heard_it():
         assert not c._lingered(time.monotonic())
         ask(c, "heartbeat", role="server", index=0)
         assert c._lingered(time.monotonic())   # no worker to wait for
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("role, index", [("bogus", 0), ("evaluator", 3), ("evaluator", 0)])
+def test_a_heartbeat_that_is_no_shards_does_not_count_as_a_shard_hearing_the_end(role, index):
+    """A review: after `done` the coordinator lingers until every shard (and the
+    evaluator) heard it. A heartbeat of an unknown role (register refuses it) or of an
+    evaluator (another index, or none in the job: cluster.evaluator is off here) counted
+    as one more daemon that heard: the coordinator exited before shard 0 heard `done`,
+    which ran on until cluster.timeout_s and exited 1. An unknown role is refused."""
+    c = coordinator(workers=1, servers=1)
+    try:
+        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
+        c._tick(time.monotonic())
+        c._finish_job()
+        assert c.phase == "done"
+        m = ask(c, "heartbeat", role=role, index=index)
+        assert role == "evaluator" or (m.op, m.get("code")) == ("error", wire.BAD_FIELD), m.fields
+        assert not c._lingered(time.monotonic())   # shard 0 has not heard the end
+        ask(c, "heartbeat", role="server", index=0)
+        assert c._lingered(time.monotonic())
     finally:
         c.sock.close(0)
 

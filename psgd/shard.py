@@ -100,6 +100,7 @@ class Shard:
         self._incoming = torch.empty(self.P if converting else 0)  # a conversion's or decoding's target
         rule = get_mode(cfg.mode.name).rule
         self.opt_cfg = rule.server_optimizer(cfg)  # [optimizer], or the mode's outer optimizer
+        self.last_exchange = rule.last_exchange(cfg)   # a push's or an elastic offer's last clock (round)
         self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
         self._revision = 0           # changes of either table (params or buffers)
@@ -247,7 +248,7 @@ class Shard:
         """Serve a read (a pull, or the read that follows a push, `ThenRead`)."""
         if msg.rank >= 0:
             self._check_rank(msg)
-        self._within_job("clock", msg.clock, 1)   # a push's read is of the clock after it
+        self._within_job("clock", msg.clock, self.cfg.train.steps + 1)   # a push's read is of the clock after it
         return self._serve_checked(token, msg)
 
     def _serve_checked(self, token, msg: wire.Message) -> list[Reply]:
@@ -279,27 +280,28 @@ class Shard:
         is a version this shard answered, so never negative (tau would be up to 2**63,
         past what the counters can carry); one past the current version is not refused:
         a shard restored from an older checkpoint is behind its workers' reads (tau is 0).
-        A clock past `train.steps` is never an honest push's (a worker stops there; a
-        late or rejoining one catches up to clocks the others reached) and would mark every
-        later push of the rank a duplicate. A job with no step limit has no such bound:
-        clocks jump on a catch-up, a rejoin, or a restore from an older checkpoint."""
+        A clock past the job's last push (`last_exchange`: its last step, or diloco's
+        last round) is never an honest push's (a worker stops there; a late or rejoining
+        one catches up to clocks the others reached) and would mark every later push of
+        the rank a duplicate. A job with no step limit has no such bound: clocks jump on a
+        catch-up, a rejoin, or a restore from an older checkpoint."""
         if int(msg.get("read_version")) < 0:
             raise wire.WireError(wire.BAD_FIELD, f"read_version {msg.get('read_version')} is negative")
-        self._within_job("clock", msg.clock, 0)
+        self._within_job("clock", msg.clock, self.last_exchange)
 
-    def _within_job(self, what: str, value: int, beyond: int, *allowed: int) -> None:
-        """A clock or round (either sign) more than `beyond` past `train.steps`, which no
-        honest request of this job carries (a round counts steps or more), other than
-        `allowed`: refused. Kept, it would stay in the rule's state (a barrier moved past
-        every honest step, a rank's last clock, a tournament round) for good."""
+    def _within_job(self, what: str, value: int, last: int, *allowed: int) -> None:
+        """A clock or round (either sign) past `last`, which no honest request of a job of
+        `train.steps` steps carries, other than `allowed`: refused. Kept, it would stay in
+        the rule's state (a barrier moved past every honest step, a rank's last clock or
+        round, a tournament round) for good. No bound without a step limit."""
         steps = self.cfg.train.steps
-        if steps and abs(value) > steps + beyond and value not in allowed:
+        if steps and abs(value) > last and value not in allowed:
             raise wire.WireError(wire.REFUSED, f"{what} {value} is past the job's last step "
-                                               f"(train.steps = {steps})")
+                                               f"(train.steps = {steps}: {what} {last} at most)")
 
     def on_elastic(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
-        self._within_job("round", int(msg.get("round")), 1)
+        self._within_job("round", int(msg.get("round")), self.last_exchange)
         x, b = self._vectors(msg, "replica")
         self.counters["pushes"] += 1
         return self.carry_out(self.rule.elastic(r.ElasticOffer((token, msg), msg.rank, int(msg.get("round")), x, b)))
@@ -314,7 +316,7 @@ class Shard:
         self._finite(wire.tensor(msg, 1), "model's buffers", msg.clock)
         for i in range(2, len(msg.arrays)):  # the optimizer's state
             wire.expect_array(msg, i, "float32", (self.P,))
-        self._within_job("round", int(msg.get("round")), 1, r.FINAL_ROUND)
+        self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
         score = float(msg.get("score"))
         if score != score or score == float("inf"):   # -inf is a score: a trainer that has none yet
             raise wire.WireError(wire.BAD_FIELD, f"score {score} is not a score (NaN or +inf)")
@@ -323,7 +325,7 @@ class Shard:
             r.Deposit((token, msg), msg.rank, int(msg.get("round")), score, arrays)))
 
     def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
-        self._within_job("round", int(msg.get("round")), 1, r.FINAL_ROUND)
+        self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
         self._room_to_park()
         return self.carry_out(self.rule.fetch(
             r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")), msg.rank,

@@ -248,6 +248,41 @@ def test_an_elastic_round_past_the_last_step_is_refused(sync):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_a_diloco_push_for_a_round_past_the_jobs_last_round_is_refused():
+    """A review: diloco's push clock is its round (train.steps / mode.local_steps of
+    them), but the shard bounded it by train.steps: a push for round 50 of a 10-round job
+    was taken (it waited as an early push) and set the rank's last clock to 50, so every
+    honest push of that rank for the rest of the job was answered `duplicate` and never
+    summed. The last round (9) is still taken."""
+    shard = small_shard("diloco", workers=2, **{"mode.local_steps": 10, "train.steps": 100})
+    with pytest.raises(wire.WireError, match="clock 50 is past the job's last step") as e:
+        shard.handle("w", push(shard, 0, 50, 0))
+    assert e.value.code == wire.REFUSED
+    assert shard.handle("w1", push(shard, 1, 9, 0)) == []   # rank 1's last round waits for its turn
+    (_, frames), = shard.handle("w0", push(shard, 0, 0, 0))
+    assert not wire.decode(frames).get("duplicate")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_an_async_easgd_offer_for_a_round_past_the_jobs_last_round_is_refused():
+    """A review: the same bound for easgd's rounds (train.steps / mode.tau of them, and
+    the budget's end's exchange): an offer for round 50 of a 25-round job was taken and
+    marked every later offer of the rank a duplicate, so its replica never moved the
+    centre again. The last round (25) is still taken."""
+    shard = small_shard("easgd", workers=2, **{"mode.tau": 4, "mode.alpha": 0.1, "train.steps": 100})
+    x = [np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]
+    with pytest.raises(wire.WireError, match="round 50 is past the job's last step") as e:
+        shard.handle("w", request("elastic", rank=0, clock=0, round=50, arrays=x))
+    assert e.value.code == wire.REFUSED
+    for rank, rnd in ((1, 25), (0, 1)):
+        (_, frames), = shard.handle("w", request("elastic", rank=rank, clock=4 * rnd, round=rnd, arrays=x))
+        assert not wire.decode(frames).get("duplicate")
+    assert shard.version == 2
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_non_finite_buffers_and_a_nan_or_infinite_tournament_score_are_refused():
     cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 2, "cluster.servers": 1, "model.name": "cnn"})
     shard = Shard(cfg, 0)

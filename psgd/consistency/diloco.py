@@ -48,6 +48,12 @@ class DilocoRule(SyncRule):
         return OptimizerConfig(name="sgd", lr=m.outer_lr, momentum=m.outer_momentum,
                                nesterov=m.outer_momentum > 0, weight_decay=0.0)
 
+    @classmethod
+    def last_exchange(cls, cfg: Config) -> int:
+        """A push's clock is its round: the last is the round of step train.steps - 1
+        (a shorter last round when local_steps does not divide train.steps)."""
+        return (cfg.train.steps - 1) // cfg.mode.local_steps
+
     def backup(self) -> int:
         return 0
 

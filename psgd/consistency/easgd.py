@@ -27,6 +27,7 @@ since the worker's previous exchange.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from .rule import (
 )
 from .sync import SyncRule
 
+if TYPE_CHECKING:
+    from ..config import Config
+
 
 class EasgdRule(SyncRule):
     """The round barrier is sync's, with its recovery (offers for a later round wait;
@@ -61,6 +65,12 @@ class EasgdRule(SyncRule):
         self.alpha = default_alpha(mode.alpha, world)
         self.round: dict[int, ElasticOffer] = {}   # sync rounds: the offers of the open round
         self.offered: dict[int, int] = {}          # async: rank -> the last round that moved the centre
+
+    @classmethod
+    def last_exchange(cls, cfg: Config) -> int:
+        """An offer's round is its step / tau: the last is the one the budget's end makes
+        at train.steps when tau divides it (`EasgdSchedule.finish`), else the last step's."""
+        return cfg.train.steps // cfg.mode.tau
 
     def backup(self) -> int:
         return 0

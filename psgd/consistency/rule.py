@@ -209,6 +209,13 @@ class ServerRule:
         `Apply`/`ApplySum`: `[optimizer]`, unless the mode has an outer optimizer of its own."""
         return cfg.optimizer
 
+    @classmethod
+    def last_exchange(cls, cfg: Config) -> int:
+        """The clock of the last push (or round of the last elastic offer) that an honest
+        worker sends in a job of `train.steps` (> 0) steps: the shard refuses a later one.
+        A push's clock is its step; a mode whose exchanges count rounds says its last."""
+        return cfg.train.steps
+
     def __init__(self, mode: ModeConfig, world: int, tables: Tables):
         self.mode = mode
         self.world = world

@@ -203,6 +203,12 @@ class Shard:
         if not 0 <= msg.rank < self.world:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not in 0..{self.world - 1}")
 
+    def _check_asker(self, msg: wire.Message) -> None:
+        """A request that anyone may send (a read, a model fetch): a worker's rank must be
+        the job's (-1: the evaluator or another reader that is none)."""
+        if msg.rank >= 0:
+            self._check_rank(msg)
+
     def _vectors(self, msg: wire.Message, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's params-sized vector (in `wire.dtype`, as float32) and buffers."""
         wire.expect_array(msg, 0, self.wire_dtype, (self.P,))
@@ -246,8 +252,7 @@ class Shard:
 
     def _serve_read(self, token, msg: wire.Message) -> list[Reply]:
         """Serve a read (a pull, or the read that follows a push, `ThenRead`)."""
-        if msg.rank >= 0:
-            self._check_rank(msg)
+        self._check_asker(msg)
         self._within_job("clock", msg.clock, self.cfg.train.steps + 1)   # a push's read is of the clock after it
         return self._serve_checked(token, msg)
 
@@ -325,6 +330,9 @@ class Shard:
             r.Deposit((token, msg), msg.rank, int(msg.get("round")), score, arrays)))
 
     def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
+        """A fetch of a trainer's model, or of a round's scores (which puts the asker's own
+        score on the board: its rank must be the job's)."""
+        self._check_asker(msg)
         self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
         self._room_to_park()
         return self.carry_out(self.rule.fetch(

@@ -558,3 +558,43 @@ def test_truncations_board_completes_after_a_shard_restarts_from_an_older_checkp
     assert set(out) >= {("t", boards[t].id) for t in range(3)}                # releases the three boards
     scores = b.handle("x", req("get_model", 0, 20, round=2, owner=-1))
     assert wire.decode(scores[0][1]).get("scores") == [[0, 0.0], [1, 0.2], [2, 0.4], [3, 0.6]]
+
+
+def ltfb_request(op: str, rank: int, **fields) -> wire.Message:
+    return wire.decode(wire.encode(op, id=1, rank=rank, clock=0, **fields))
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [4, 7, 2 ** 40])
+def test_a_score_fetch_from_a_rank_outside_the_job_does_not_join_the_truncation_board(rank):
+    """A review: get_model of a round's scores (owner -1) carries the asker's own score,
+    which the shard puts on the round's board, and its rank was not checked (put_model's
+    is): a rank outside cluster.workers put a trainer that does not exist on the board
+    that every trainer gets, ranked first, so a loser 'took' its model, which never came."""
+    shard = Shard(Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2,
+                                      "cluster.servers": 1, "train.steps": 100, "mode.strategy": "truncation"}), 0)
+    with pytest.raises(wire.WireError) as e:
+        shard.handle("x", ltfb_request("get_model", rank, round=1, owner=-1, score=0.99))
+    assert e.value.code == wire.REFUSED
+    model = [torch.zeros(shard.P), torch.zeros(shard.B)]
+    for r, score in ((0, 0.5), (2, 0.25)):
+        shard.handle(f"w{r}", ltfb_request("put_model", r, round=1, score=score, step=50, arrays=model))
+    (_, op, fields, _), = _ask(shard, ltfb_request("get_model", 2, round=1, owner=-1, score=0.25))
+    assert fields.get("scores") == [[0, 0.5], [1, 0.25]]
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("owner", [2, 99, -7])
+def test_a_fetch_of_a_trainer_that_does_not_exist_is_refused_not_parked_for_good(owner):
+    """A review: get_model of a trainer outside the job (owner >= workers / trainer_size,
+    or below -1, the scores') can never be answered: it was parked until the job ended,
+    its sender waiting without an error (and counted against max_parked). It is refused,
+    a tournament's model and a group's outcome (round -r) alike."""
+    shard = Shard(Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2,
+                                      "cluster.servers": 1, "train.steps": 100}), 0)
+    for rnd in (1, -1):
+        (_, op, fields, _), = _ask(shard, ltfb_request("get_model", 0, round=rnd, owner=owner))
+        assert (op, fields.get("code")) == ("error", wire.REFUSED), fields
+    assert shard.rule.parked() == 0

@@ -105,7 +105,8 @@ class LtfbRule(ServerRule):
         self.exchange = Exchange()
         self.outcomes = Exchange()
         self.scores: dict[tuple[int, int], float] = {}   # stored (round, trainer) -> score
-        self.board = Scoreboard(trainers(range(world), self.k))
+        self.trainers = trainers(range(world), self.k)   # the job's trainers, whose models one may fetch
+        self.board = Scoreboard(self.trainers)
         self.groups = GroupSteps(self.k, range(world))
 
     # ------------------------------------------------------------ tournaments
@@ -137,6 +138,9 @@ class LtfbRule(ServerRule):
                         for t, r, b in self.board.put(e.round, trainer_of(e.rank, self.k), e.score)]
             board = self.board.get(e.round, e.token)
             return out + ([] if board is None else [self.answer_scores(e.token, e.round, board)])
+        if e.owner not in self.trainers:   # (parked, it would wait for a deposit that never comes)
+            return [Refuse(e.token, REFUSED, f"there is no trainer {e.owner} (trainers 0..{len(self.trainers) - 1}, "
+                                             f"or {SCORES}: a round's scores)")]
         if e.round < 0:
             found = self.outcomes.get(-e.round, e.owner, e.token)
             return [] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})]

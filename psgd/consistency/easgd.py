@@ -15,9 +15,10 @@ Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, ta
 same x; the replica moves by -d and then takes the local update, so that with plain SGD
     x_i <- x_i - eta g(x_i) - alpha (x_i - x~),   x~ <- x~ + alpha (x_i - x~)
 both terms evaluated at the x_i from before the step. (Before this order was fixed, the
-exchange offered the x after the step's update.) When the step budget ends at a multiple
-of tau, the exchange of the step that would come next is made, without its update, so
-that the centre has the last local steps too. The local optimizer is `[optimizer]`:
+exchange offered the x after the step's update.) When the step budget ends, one more
+exchange is made, without an update, if local steps came after the last one: at a
+multiple of tau it is the round of the step that would come next; otherwise the next
+round, early, so that the centre has the last (fewer than tau) local steps too. The local optimizer is `[optimizer]`:
 plain SGD is EASGD as the equations above; with `optimizer.nesterov = true` (momentum
 > 0) it is EAMSGD (Algorithm 2, in torch's look-ahead form of Nesterov momentum, so the
 elastic term acts on the look-ahead point); with plain momentum, EASGD with a
@@ -68,9 +69,9 @@ class EasgdRule(SyncRule):
 
     @classmethod
     def last_exchange(cls, cfg: Config) -> int:
-        """An offer's round is its step / tau: the last is the one the budget's end makes
-        at train.steps when tau divides it (`EasgdSchedule.finish`), else the last step's."""
-        return cfg.train.steps // cfg.mode.tau
+        """An offer's round is its step / tau: the last is the one the budget's end makes,
+        ceil(train.steps / tau) (`EasgdSchedule.finish`)."""
+        return -(-cfg.train.steps // cfg.mode.tau)
 
     def backup(self) -> int:
         return 0
@@ -173,10 +174,12 @@ class EasgdSchedule(Schedule):
         w.log_step(*self.exchanged)
 
     def finish(self, w: Trainer) -> None:
-        """The budget ends where step t = clock would begin: its exchange (no local update),
-        so that the centre has the last tau local steps too."""
-        if w.clock and w.clock % self.cfg.mode.tau == 0:
-            self.exchange(w, w.clock // self.cfg.mode.tau)
+        """The budget ends where step t = clock would begin: the exchange of round
+        ceil(t / tau) (no local update), so that the centre has the local steps since the
+        last exchange too (all of a job's when tau > train.steps; before, the remainder of
+        steps / tau was never offered)."""
+        if w.clock:
+            self.exchange(w, -(-w.clock // self.cfg.mode.tau))
 
     def exchange(self, w: Trainer, round_: int) -> None:
         """Offer x_i, move it by -d; staleness counts the centre's moves by others since

@@ -211,6 +211,22 @@ def test_compose_gpu_override_reserves_one_gpu_per_worker(compose):
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
+def test_compose_gpu_workers_wait_for_the_servers_to_start_not_to_listen(compose):
+    """A review: compose.gpu.yaml's GPU workers waited for the servers to be healthy, but a
+    server of a learned model (model.name = "package.module:factory") binds its port only
+    after a worker has registered the model's layout: with the GPU override such a job never
+    started (the servers waited for a worker, the workers for the servers). They now wait as
+    the CPU workers do."""
+    services = compose_json(compose, "gpu")["services"]
+    cpu = {k: v["condition"] for k, v in services["worker"]["depends_on"].items()}
+    assert cpu == {"coordinator": "service_healthy", "server-0": "service_started", "server-1": "service_started"}
+    for name in ("gpu-worker-0", "gpu-worker-1"):
+        gpu = {k: v["condition"] for k, v in services[name]["depends_on"].items()}
+        assert gpu == cpu, f"{name} waits for {gpu}, the CPU workers for {cpu}"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("overrides", [(), ("gpu",), ("host",)], ids=["base", "gpu", "host"])
 def test_compose_settings_are_valid_psgd_config(compose, overrides):
     """Each service's PSGD_* variables and the mounted config load with psgd's own loader,

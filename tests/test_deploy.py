@@ -323,6 +323,37 @@ def test_sbatch_script_refuses_a_switch_that_is_not_1_or_0(script, tmp_path):
     assert r.returncode == 2 and "DEPLOY_CURVE must be 1 or 0, got 'true'" in r.stderr, r.stderr
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("folder", ["my env", "a-project-folder-" + "x" * 110], ids=["space", "long"])
+def test_sbatch_finds_the_python_behind_a_psgd_launcher_with_a_sh_trampoline(tmp_path, folder):
+    """A review: DEPLOY_PYTHON defaults to the interpreter of `psgd` on PATH, which the script
+    read from the first line of the launcher. Where that interpreter's path has a space or is
+    longer than 127 bytes (a venv deep in a project folder), pip writes a /bin/sh trampoline
+    instead of the shebang (`'''exec' "/path/python" "$0" "$@"`): the script took /bin/sh
+    for the Python and stopped with "/bin/sh cannot import psgd"."""
+    from pip._vendor.distlib.scripts import ScriptMaker, enquote_executable
+
+    env_dir = tmp_path / folder / "bin"
+    env_dir.mkdir(parents=True)
+    python = env_dir / "python"                   # this Python, in that folder
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    maker = ScriptMaker(None, str(env_dir), add_launchers=False)
+    maker.executable = enquote_executable(str(python))   # as pip does
+    maker.variants = {""}
+    maker.make("psgd = psgd.cli:main")
+    assert (env_dir / "psgd").read_text().startswith("#!/bin/sh\n")
+    r = run([env_dir / "psgd", "--help"], env=clean_env(PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr           # the launcher itself works
+    # A PSGD_CONFIG that does not exist stops the script right after it chose its Python.
+    env = clean_env(PATH=f"{env_dir}{os.pathsep}/usr/bin:/bin", PYTHONPATH=str(REPO), SLURM_JOB_ID="5",
+                    PSGD_CONFIG=str(tmp_path / "missing.toml"))
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path)
+    assert "cannot import psgd" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "missing.toml does not exist" in r.stderr, r.stderr
+
+
 # ====================================================================== Slurm cluster
 
 

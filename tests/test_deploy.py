@@ -354,29 +354,34 @@ def test_sbatch_finds_the_python_behind_a_psgd_launcher_with_a_sh_trampoline(tmp
     assert r.returncode == 2 and "missing.toml does not exist" in r.stderr, r.stderr
 
 
-def stub_job(tmp_path: Path, coordinator_code: int = 0, **settings: str) -> tuple[subprocess.CompletedProcess, list]:
-    """psgd.sbatch run outside Slurm, on a two-node allocation of two tasks a node, with srun
-    and scontrol stubbed and a DEPLOY_PYTHON whose `-m psgd ROLE` only records ROLE (the
-    coordinator exits `coordinator_code`, the others 0). Returns the run and the roles started."""
+def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, **settings: str) -> dict:
+    """The environment to run psgd.sbatch outside Slurm, as on a two-node allocation of two
+    tasks a node: srun and scontrol stubbed, and a DEPLOY_PYTHON whose `-m psgd ROLE` only
+    records ROLE (the coordinator exits `coordinator_code`, the evaluator after `evaluator_s`
+    seconds, the others at once). `stub_calls` reads what they were asked to do."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    calls = tmp_path / "calls"
     (bin_dir / "srun").write_text('#!/bin/bash\necho "srun $*" >> "$STUB_CALLS"\n')
     (bin_dir / "scontrol").write_text(
-        '#!/bin/bash\ncase "$1 $2" in "show hostnames") echo n1;; "show node") echo "   NodeAddr=10.0.0.1 x";; esac\n')
+        '#!/bin/bash\necho "scontrol $*" >> "$STUB_CALLS"\n'
+        'case "$1 $2" in "show hostnames") echo n1;; "show node") echo "   NodeAddr=10.0.0.1 x";; esac\n')
     (bin_dir / "python").write_text(
         '#!/bin/bash\n'
         'if [ "$1" = -m ]; then echo "$3" >> "$STUB_CALLS"; '
-        f'[ "$3" = coordinator ] && exit {coordinator_code}; exit 0; fi\n'
+        f'[ "$3" = coordinator ] && exit {coordinator_code}; [ "$3" = evaluator ] && sleep {evaluator_s}; exit 0; fi\n'
         f'exec "{sys.executable}" "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = clean_env(PATH=f"{bin_dir}{os.pathsep}/usr/bin:/bin", PYTHONPATH=str(REPO), STUB_CALLS=str(calls),
-                    DEPLOY_PYTHON=str(bin_dir / "python"), DEPLOY_GRACE_S="1", SLURM_JOB_ID="42",
-                    SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2", SLURM_NTASKS_PER_NODE="2",
-                    SLURM_SUBMIT_DIR=str(tmp_path), **settings)
-    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path)
-    return r, calls.read_text().split() if calls.exists() else []
+    return clean_env(**{"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                        "STUB_CALLS": str(tmp_path / "calls"), "DEPLOY_PYTHON": str(bin_dir / "python"),
+                        "DEPLOY_GRACE_S": "1", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]",
+                        "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2",
+                        "SLURM_SUBMIT_DIR": str(tmp_path), **settings})
+
+
+def stub_calls(tmp_path: Path) -> list[str]:
+    calls = tmp_path / "calls"
+    return calls.read_text().splitlines() if calls.exists() else []
 
 
 @pytest.mark.processes
@@ -386,7 +391,8 @@ def test_sbatch_does_not_restart_a_coordinator_whose_port_is_taken(tmp_path):
     `psgd run` does not restart; the script restarted any exit code past 2, so a port taken on
     the head node gave five restarts that failed the same way, with the reason only in the
     coordinator's log. It now starts it once and says which port to change."""
-    r, calls = stub_job(tmp_path, 98)
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, 98), cwd=tmp_path)
+    calls = stub_calls(tmp_path)
     assert r.returncode == 98, r.stderr
     assert calls.count("coordinator") == 1 and "restarting it" not in r.stderr, r.stderr
     assert "port 10672 is in use on n1" in r.stderr and "set PSGD_CLUSTER_PORT" in r.stderr, r.stderr
@@ -396,9 +402,43 @@ def test_sbatch_does_not_restart_a_coordinator_whose_port_is_taken(tmp_path):
 @pytest.mark.timeout(60)
 def test_sbatch_restarts_a_killed_coordinator_five_times(tmp_path):
     """The control of the test above: a coordinator killed with SIGKILL (137) is restarted."""
-    r, calls = stub_job(tmp_path, 137)
-    assert calls.count("coordinator") == 6, r.stderr
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, 137), cwd=tmp_path)
+    assert stub_calls(tmp_path).count("coordinator") == 6, r.stderr
     assert "coordinator exited with 137; restarting it (restart 5)" in r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_sbatch_refuses_more_workers_per_node_than_the_allocation_has_tasks(tmp_path):
+    """A review: DEPLOY_WORKERS_PER_NODE above --ntasks-per-node started the daemons and a
+    workers' step that srun cannot place, and the coordinator waited cluster.timeout_s for
+    workers that never came. The script now stops before it starts anything."""
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, DEPLOY_WORKERS_PER_NODE="3"), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert ("DEPLOY_WORKERS_PER_NODE=3 is more than the allocation's --ntasks-per-node=2; "
+            "submit with --ntasks-per-node=3") in r.stderr, r.stderr
+    assert not [c for c in stub_calls(tmp_path) if not c.startswith("scontrol")]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_sbatch_does_not_requeue_a_job_that_has_ended(tmp_path):
+    """A review: the SIGUSR1 that Slurm sends before the time limit still requeued the job
+    while the script waited (DEPLOY_GRACE_S) for the daemons of a job that had ended: Slurm
+    would have run the whole job again. Once the coordinator has ended, SIGUSR1 is ignored."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        p = subprocess.Popen(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, evaluator_s=3, DEPLOY_GRACE_S="20"),
+                             cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            end = time.monotonic() + 30
+            while "waiting for the other daemons" not in err.read_text() and time.monotonic() < end:
+                time.sleep(0.1)
+            p.send_signal(signal.SIGUSR1)
+            assert p.wait(timeout=40) == 1, err.read_text()   # no summary.json from the stub
+        finally:
+            p.kill()
+    assert "scontrol requeue 42" not in stub_calls(tmp_path) and "requeueing" not in err.read_text(), err.read_text()
 
 
 # ====================================================================== Slurm cluster

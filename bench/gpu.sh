@@ -6,62 +6,113 @@
 #   OUT=/tmp/gpu PY=/opt/venv/bin/python bash bench/gpu.sh
 #
 # PY must be a Python with a CUDA build of torch and psgd's dependencies (pyzmq, msgpack,
-# numpy, scikit-learn); the checkout is put on PYTHONPATH. Steps, each with its own timeout
-# (60 + 90 + 120 + 60 + 300 s: at most about 11 minutes; less when they end sooner):
-#   1. the GPU and torch's view of it                  -> $OUT/gpu.txt
+# numpy, scikit-learn); the checkout is put on PYTHONPATH. Those missing there can travel as
+# wheels in .whl/ at the repository root: when that folder exists, its wheels are installed
+# into a scratch folder on PYTHONPATH first. On the device tool's H200 (Python 3.12, a CUDA
+# torch, no pyzmq, nothing to download), prepare them here, once, from the repository root:
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl pyzmq==$(.venv/bin/python -c 'import zmq; print(zmq.__version__)')
+#
+# and run it there with: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=570).
+# Steps, each with its own timeout (with the wheels and the results: at most about 520 s, one
+# device command's 600 s with room; less when they end sooner). A step that fails or runs out
+# of time is noted and the next one runs:
+#   1. the GPU and torch's view of it, then psgd's imports        -> $OUT/gpu.txt
 #   2. psgd's CUDA worker path: `psgd run --device cuda` (MLP default job, then ResNet-20 on
-#      synthetic 3x32x32 data, evaluator on the GPU too) -> $OUT/run-*/summary.json, run-*.log
+#      synthetic 3x32x32 data, evaluator on the GPU too)
 #   3. pinned-memory transfers: pageable vs pinned device->host copies, and that
-#      psgd.replica.Replica stages its tables in pinned buffers -> $OUT/pinned.json
+#      psgd.replica.Replica stages its tables in pinned buffers
 #   4. bench/throughput.py's comparisons on the GPU: psgd sync vs DDP with NCCL (one GPU: one
-#      DDP rank, W=1), psgd sync/async vs a plain loop -> $OUT/throughput.txt (last line JSON;
-#      its `workers` is 1: not the CPU goal's W=2 figure), its runs' logs in $OUT/throughput-runs
-# Exit status: 2 if there is no usable GPU (said on stderr), 1 if a step failed, 0 otherwise.
+#      DDP rank, W=1), psgd sync/async vs a plain loop (its `workers` is 1: not the CPU goal's
+#      W=2 figure)
+# $OUT holds four files, as few as the device tool brings back (8, none in subfolders deeper
+# than 2): gpu.txt; steps.log (every step's output, appended as each ends); results.json (the
+# steps that failed, the two runs' summary.json, the pinned-memory figures, throughput's
+# JSON); runs.tar.gz (the run folders, made in a scratch folder, without their .pt files).
+# Exit status: 2 if there is no usable GPU, 3 if PY cannot import psgd or a dependency (both
+# said on stderr), 1 if a step failed, 0 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
 PY=${PY:-.venv/bin/python}
 command -v "$PY" >/dev/null || PY=python3   # (a path or a command name on PATH)
 mkdir -p "$OUT"
+rm -f "$OUT/gpu.txt" "$OUT/steps.log" "$OUT/results.json" "$OUT/runs.tar.gz"   # (an earlier run's)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/psgd-gpu.XXXXXX")   # run folders, step logs, wheels: not under $OUT
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/runs" "$WORK/logs"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-failed=0
-step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.log, note failures
-    local name=$1 secs=$2; shift 2
+failed=()
+step() {  # step NAME SECONDS COMMAND...: run with a timeout, append its log to $OUT/steps.log, note failures
+    local name=$1 secs=$2 log="$WORK/logs/$1.log" code=0; shift 2
     echo "== $name (up to ${secs} s)" >&2
-    if timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.log" 2>&1; then
+    timeout --kill-after=5 "$secs" "$@" >"$log" 2>&1 || code=$?
+    { echo "== $name: exit $code"; cat "$log"; } >>"$OUT/steps.log"
+    if [ "$code" = 0 ]; then
         echo "   ok" >&2
     else
-        echo "   FAILED (exit $?): tail of $OUT/$name.log:" >&2
-        tail -n 15 "$OUT/$name.log" >&2
-        failed=1
+        echo "   FAILED (exit $code): tail of its log (all of it in $OUT/steps.log):" >&2
+        tail -n 15 "$log" >&2
+        failed+=("$name")
     fi
 }
+missing_dependency() {  # missing_dependency WHAT: exit 3, saying what PY lacks and how to bring it
+    echo "bench/gpu.sh: $1" >&2
+    echo "(the GPU is there: carry the missing packages as wheels in .whl/, see this script's header)" >&2
+    exit 3
+}
 
-# 1. Is there a GPU that torch can use?
-{ command -v nvidia-smi >/dev/null && nvidia-smi; } >"$OUT/gpu.txt" 2>&1
-if ! timeout 60 "$PY" - >>"$OUT/gpu.txt" 2>&1 <<'EOF'
+# 0. Wheels carried to a machine with no package index.
+if [ -d .whl ]; then
+    export PYTHONPATH="$PYTHONPATH:$WORK/site"
+    timeout 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$WORK/site" .whl/*.whl >>"$OUT/gpu.txt" 2>&1 \
+        || missing_dependency "installing .whl/*.whl failed: $(tail -n 1 "$OUT/gpu.txt")"
+fi
+
+# 1. Is there a GPU that torch can use, and can PY import psgd and what it needs?
+{ command -v nvidia-smi >/dev/null && nvidia-smi; } >>"$OUT/gpu.txt" 2>&1
+if ! timeout 40 "$PY" - >>"$OUT/gpu.txt" 2>&1 <<'EOF'
 import sys
 import torch
 print("torch", torch.__version__, "cuda build", torch.version.cuda)
 if not torch.cuda.is_available():
     sys.exit(f"no CUDA device visible to torch {torch.__version__} (cuda build: {torch.version.cuda})")
 print("device 0:", torch.cuda.get_device_name(0), "count", torch.cuda.device_count())
-import psgd, zmq  # noqa: E401,F401  psgd and its dependencies import
 EOF
 then
     echo "bench/gpu.sh: no usable GPU: $(tail -n 1 "$OUT/gpu.txt")" >&2
     echo "(needs an NVIDIA GPU, its driver, and PY=$PY with a CUDA build of torch)" >&2
     exit 2
 fi
+if ! timeout 30 "$PY" - >>"$OUT/gpu.txt" 2>&1 <<'EOF'
+import importlib
+import sys
+missing = []
+for module, package in (("zmq", "pyzmq"), ("msgpack", "msgpack"), ("numpy", "numpy"), ("sklearn", "scikit-learn"),
+                        ("psgd", "psgd (this checkout)")):
+    try:
+        print(module, getattr(importlib.import_module(module), "__version__", ""))
+    except ImportError as e:
+        missing.append(f"{package} ({e})")
+if missing:
+    sys.exit(f"{sys.executable} cannot import: {'; '.join(missing)}")
+EOF
+then
+    missing_dependency "$(tail -n 1 "$OUT/gpu.txt")"
+fi
 cat "$OUT/gpu.txt" >&2
 
 # 2. The CUDA worker path, end to end.
-step run-mlp 90 "$PY" -m psgd run --device cuda --quiet --out "$OUT/run-mlp" --set train.steps=300
-step run-resnet20 120 "$PY" -m psgd run --device cuda --quiet --out "$OUT/run-resnet20" \
+step run-mlp 60 "$PY" -m psgd run --device cuda --quiet --out "$WORK/runs/run-mlp" --set train.steps=300
+step run-resnet20 90 "$PY" -m psgd run --device cuda --quiet --out "$WORK/runs/run-resnet20" \
     --set model.name=resnet20 --set data.name=synthetic --set "data.shape=[3,32,32]" --set train.steps=100
 
 # 3. Pinned host buffers: bandwidth, and psgd's replica uses them.
-step pinned 60 "$PY" - "$OUT/pinned.json" <<'EOF'
+step pinned 40 "$PY" - "$WORK/pinned.json" <<'EOF'
 import json, sys, time
 import torch
 from psgd.models import build_model
@@ -94,9 +145,41 @@ sys.exit(0 if out["replica_tables_pinned"] and out["replica_grads_match"] else 1
 EOF
 
 # 4. The throughput comparisons on the GPU (NCCL allows one rank per GPU: W=1 here).
-step throughput 300 "$PY" -m bench.throughput --parts ddp,local,async --backend nccl --device cuda --workers 1 \
-    --repeats 1 --keep "$OUT/throughput-runs"
-cp "$OUT/throughput.log" "$OUT/throughput.txt" 2>/dev/null
+step throughput 200 "$PY" -m bench.throughput --parts ddp,local,async --backend nccl --device cuda --workers 1 \
+    --repeats 1 --keep "$WORK/runs/throughput-runs"
 
-echo "results in $OUT" >&2
-exit $failed
+# What comes back: the figures in one JSON, the run folders in one archive.
+if ! timeout 20 "$PY" - "$OUT/results.json" "$WORK" "${failed[@]}" <<'EOF'
+import json, os, sys
+path, work, failed = sys.argv[1], sys.argv[2], sys.argv[3:]
+
+def read_json(p):
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+def last_json_line(p):
+    try:
+        with open(p) as f:
+            return json.loads(f.read().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+out = {"failed": failed,
+       "run-mlp": read_json(os.path.join(work, "runs", "run-mlp", "summary.json")),
+       "run-resnet20": read_json(os.path.join(work, "runs", "run-resnet20", "summary.json")),
+       "pinned": read_json(os.path.join(work, "pinned.json")),
+       "throughput": last_json_line(os.path.join(work, "logs", "throughput.log"))}
+with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+EOF
+then
+    echo "bench/gpu.sh: could not write $OUT/results.json" >&2
+    failed+=(results)
+fi
+tar -czf "$OUT/runs.tar.gz" -C "$WORK" --exclude='*.pt' runs
+
+echo "results in $OUT${failed[*]:+; failed: ${failed[*]}}" >&2
+[ ${#failed[@]} = 0 ]

@@ -1,0 +1,195 @@
+"""The CUDA path, checked without a GPU: bench/gpu.sh runs with PY pointing at a stand-in
+(that runs the real psgd commands on the CPU, or the real step-1 scripts with CUDA faked).
+
+- gpu.sh fits the device tool (/work/.library/device/README.md, "Limits"): one command of
+  at most 600 s, and from $OUT at most 8 files, none more than 2 folders down;
+- it installs the wheels carried in .whl/ (the H200 image has no pyzmq and no package
+  index) before it imports psgd, and names a missing dependency as such (exit 3), not as a
+  missing GPU (exit 2).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import free_port_block
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_SH = os.path.join(REPO, "bench", "gpu.sh")
+
+# What the device tool brings back from $OUT: at most 8 files, no more than 2 folders
+# down, 64 MiB together; one command at most 600 s.
+MAX_FILES, MAX_DEPTH, MAX_BYTES, MAX_COMMAND_S = 8, 2, 64 << 20, 600
+
+# A stand-in for PY: the GPU check passes, the `psgd run --device cuda` steps run the real
+# psgd on the CPU (few steps, the port given for the run's folder in FAKE_PORTS), the
+# pinned-memory step writes its JSON, and bench.throughput leaves in --keep what it leaves
+# there: a `psgd run` folder per variant (one of them here; five with gpu.sh's --parts).
+FAKE_PY = r'''#!{python}
+import json, os, subprocess, sys
+REAL = {python!r}
+PORTS = json.loads(os.environ["FAKE_PORTS"])
+args = sys.argv[1:]
+if args[:1] == ["-"]:
+    src = sys.stdin.read()
+    if "is_available" in src:
+        print("fake: torch sees one GPU")
+        sys.exit(0)
+    if len(args) > 1 and args[1].endswith(".json"):
+        open(args[1], "w").write("{{}}")
+    sys.exit(0)
+if args[:2] == ["-m", "psgd"]:
+    out = []
+    for a in args:
+        a = {{"cuda": "cpu", "model.name=resnet20": "model.name=mlp"}}.get(a, a)
+        out.append("train.steps=3" if a.startswith("train.steps=") else a)
+    port = PORTS[os.path.basename(args[args.index("--out") + 1])]
+    os.execv(REAL, [REAL] + out + ["--set", f"cluster.port={{port}}"])
+if args[:2] == ["-m", "bench.throughput"]:
+    keep = args[args.index("--keep") + 1]
+    subprocess.run([REAL, "-m", "psgd", "run", "--device", "cpu", "--quiet", "--out", os.path.join(keep, "vs_local"),
+                    "--set", "train.steps=3", "--set", "cluster.workers=1", "--set", "cluster.servers=1",
+                    "--set", "cluster.evaluator=false", "--set", f"cluster.port={{PORTS['vs_local']}}"], check=True)
+    print(json.dumps({{"bench": "throughput"}}))
+    sys.exit(0)
+sys.exit("fake PY: not a call gpu.sh makes: " + repr(args))
+'''
+
+# A stand-in for PY as the lent H200 image has it (a CUDA torch, msgpack, numpy,
+# scikit-learn, but no pyzmq): the real step-1 scripts, CUDA faked.
+NO_ZMQ_PY = r'''#!{python}
+import sys
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda i=0: "NVIDIA H200 (fake)"
+torch.cuda.device_count = lambda: 1
+sys.modules["zmq"] = None   # not installed
+if sys.argv[1:2] != ["-"]:
+    sys.exit("only step 1 expected")
+src = sys.stdin.read()
+sys.argv = sys.argv[1:]
+exec(compile(src, "<stdin>", "exec"), {{"__name__": "__main__"}})
+'''
+
+# A stand-in for PY on a machine with a GPU, pip and no index: pip is the real one; the GPU
+# check passes; the import check says where the carried wheel's module came from, and ends
+# the script there.
+WHEELS_PY = r'''#!{python}
+import os, sys
+REAL = {python!r}
+if sys.argv[1:3] == ["-m", "pip"]:
+    os.execv(REAL, [REAL] + sys.argv[1:])
+if "is_available" in sys.stdin.read():
+    sys.exit(0)
+import carried
+print("carried", carried.__version__, "from", carried.__file__)
+sys.exit("the test ends here")
+'''
+
+
+def _script(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def _wheel(folder, name: str, version: str) -> None:
+    """A pure-Python wheel of one module, `name`, with its `__version__`."""
+    files = {f"{name}/__init__.py": f"__version__ = {version!r}\n",
+             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{name}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                                  "Tag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text)}" for path, text in files.items()]
+    files[f"{name}-{version}.dist-info/RECORD"] = "\n".join([*record, f"{name}-{version}.dist-info/RECORD,,"]) + "\n"
+    os.makedirs(folder, exist_ok=True)
+    with zipfile.ZipFile(os.path.join(folder, f"{name}-{version}-py3-none-any.whl"), "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def _gpu_sh(tmp_path, py: str, script: str = GPU_SH, **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": py, **env}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=280)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_gpu_sh_leaves_in_OUT_no_more_files_than_the_device_tool_brings_back(tmp_path):
+    """A review: gpu.sh, meant for the device tool, which returns from $OUT at most 8 files
+    none more than 2 folders down, put whole `psgd run` folders (23 files each: logs,
+    events, checkpoints, model.pt, ...) and bench.throughput's --keep folders under $OUT,
+    about 66 files: the summaries it was run for could be among those left behind."""
+    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_local")}
+    r = _gpu_sh(tmp_path, _script(tmp_path, "fakepy", FAKE_PY), FAKE_PORTS=json.dumps(ports))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "out"
+    files, deep, size = [], [], 0
+    for root, _, names in os.walk(out):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), out)
+            files.append(rel)
+            size += os.path.getsize(os.path.join(root, n))
+            if rel.count(os.sep) > MAX_DEPTH:
+                deep.append(rel)
+    assert len(files) <= MAX_FILES and not deep and size <= MAX_BYTES, (
+        f"{len(files)} files under $OUT ({size:,} bytes; {len(deep)} more than {MAX_DEPTH} folders down), "
+        f"of which the device tool returns {MAX_FILES}: {sorted(files)[:40]}")
+    runs = subprocess.run(["tar", "-tzf", str(out / "runs.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert {"runs/run-mlp/summary.json", "runs/run-resnet20/summary.json",
+            "runs/throughput-runs/vs_local/summary.json"} <= set(runs)
+    assert "== throughput: exit 0" in (out / "steps.log").read_text()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_gpu_sh_names_a_missing_dependency_not_a_missing_gpu(tmp_path):
+    """A review: on the lent H200 image python3 has a CUDA torch but no pyzmq; step 1
+    failed in `import psgd, zmq`, and gpu.sh said "no usable GPU" and exited 2 (the code
+    it documents for no GPU), with "(needs an NVIDIA GPU, its driver, and PY=... with a
+    CUDA build of torch)": the GPU was there; what was missing was a wheel to carry."""
+    r = _gpu_sh(tmp_path, _script(tmp_path, "nozmq", NO_ZMQ_PY))
+    assert "pyzmq" in r.stderr and ".whl" in r.stderr, r.stderr[-2000:]
+    assert "no usable GPU" not in r.stderr and r.returncode == 3, (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_gpu_sh_installs_the_wheels_carried_in_whl_before_it_imports(tmp_path):
+    """A review: the device tool's machine has no package index, so what its Python lacks
+    (pyzmq) travels as wheels in .whl/; gpu.sh never installed them."""
+    repo = tmp_path / "repo"
+    os.makedirs(repo / "bench")
+    shutil.copy(GPU_SH, repo / "bench" / "gpu.sh")
+    _wheel(repo / ".whl", "carried", "9.1")
+    r = _gpu_sh(tmp_path, _script(tmp_path, "wheelspy", WHEELS_PY), script=str(repo / "bench" / "gpu.sh"))
+    gpu_txt = (tmp_path / "out" / "gpu.txt").read_text()
+    assert r.returncode == 3 and "the test ends here" in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert "carried 9.1 from" in gpu_txt, gpu_txt[-2000:]
+
+
+@pytest.mark.unit
+def test_gpu_sh_ends_within_one_device_command():
+    """A review: the device tool runs one command for at most 600 s; gpu.sh's own timeouts
+    (step 1's 60 s and each step's, each with its 10 s --kill-after) added up to 670 s, so
+    a slow run was cut before the last step (throughput) wrote its figures."""
+    text = open(GPU_SH).read()
+    steps = [int(s) for s in re.findall(r"^step \S+ (\d+) ", text, re.M)]
+    kill_after = [int(s) for s in re.findall(r"--kill-after=(\d+)", text)]
+    others = [int(s) for s in re.findall(r'\btimeout (\d+) "\$PY"', text)]   # wheels, GPU, imports, results
+    assert steps and others and len(kill_after) == 1, "gpu.sh's layout changed: update this test"
+    worst = sum(steps) + sum(others) + len(steps) * kill_after[0]
+    assert worst <= MAX_COMMAND_S - 60, f"gpu.sh may run {worst} s; one device command may run {MAX_COMMAND_S} s"
+

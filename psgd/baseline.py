@@ -80,6 +80,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             out_ = model(x)
             batch_loss = nn.functional.cross_entropy(out_, y)
             batch_loss.backward()
+            loss = float(batch_loss.item())   # (on a GPU: waits for the backward, which slow_factor scales)
             extra = f.step_delay_s + jitter.draw()
             if f.slow_rank == 0 and f.slow_factor > 1:
                 extra += (f.slow_factor - 1) * (time.perf_counter() - t0)
@@ -88,7 +89,6 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             opt.step()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            loss = float(batch_loss.item())
             step += 1
             samples += len(y)
             train_s += time.perf_counter() - t0

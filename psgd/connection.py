@@ -356,7 +356,7 @@ class Connection(Worker):
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         if self.out:
             path = os.path.join(self.out, "model.pt")
-            torch.save(self.replica.model.state_dict(), f"{path}.tmp")
+            torch.save(self.replica.cpu_state_dict(), f"{path}.tmp")
             os.replace(f"{path}.tmp", path)
             log(self.name, f"saved the final model: {path}")
         return ""

@@ -112,8 +112,8 @@ class Replica:
             if host is not dev:
                 host.copy_(dev, non_blocking=True)
             out.append(host)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        if self.device.type == "cuda":  # the copies run on the stream of the replica's GPU, not the current one's
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
     @torch.no_grad()
@@ -141,6 +141,11 @@ class Replica:
                 if views:
                     torch._foreach_copy_(views, flats[i].to(self.device, non_blocking=True).split(lengths),
                                          non_blocking=True)
+
+    def cpu_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict with every tensor on the CPU: what a saved model.pt holds,
+        so that `torch.load(path, weights_only=True)` reads it on a machine without a GPU."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def score(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> tuple[float, float]:
         """(accuracy, mean cross-entropy) in eval mode; restores the previous mode."""

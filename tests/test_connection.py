@@ -493,3 +493,37 @@ def test_a_negative_rank_is_a_config_error_before_anything_is_sent(port_block):
     with pytest.raises(ConfigError, match=r"rank -5 \(rank=-5\) is not a worker rank of this job: 0\.\.1"):
         psgd.connect(Net(0), config=cfg, rank=-5)
     assert time.monotonic() - t < 1.5
+
+
+class OnAGpu:
+    """A tensor of a state_dict on a GPU, as far as DIR/model.pt goes: torch.load(...,
+    weights_only=True) refuses it as it refuses a CUDA tensor on a machine without CUDA;
+    `.detach().cpu()` is the tensor on the CPU."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def detach(self) -> OnAGpu:
+        return self
+
+    def cpu(self) -> torch.Tensor:
+        return self.tensor
+
+
+class NetOnAGpu(Net):
+    def state_dict(self, *args, **kwargs):
+        return {k: OnAGpu(v) for k, v in super().state_dict(*args, **kwargs).items()}
+
+
+@pytest.mark.timeout(60)
+def test_the_saved_final_model_of_a_gpu_worker_loads_on_a_machine_without_one(port_block, tmp_path):
+    """A review: rank 0 saved DIR/model.pt from its model's state_dict as it was, on the
+    GPU of a `--device cuda` worker, which `torch.load(path, weights_only=True)` cannot read
+    on a machine without CUDA (the evaluator's model.pt was on the CPU)."""
+    cfg = config(port_block, "sync", workers=1)
+    with InProcessCluster(cfg, str(tmp_path)):
+        model = NetOnAGpu(100)
+        with psgd.connect(model, config=cfg, out=str(tmp_path), rank=0) as ps:
+            train(ps, model, None)
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(state) == set(Net(0).state_dict()) and all(t.device.type == "cpu" for t in state.values())

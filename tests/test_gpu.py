@@ -1,11 +1,16 @@
 """The CUDA path, checked without a GPU: bench/gpu.sh runs with PY pointing at a stand-in
-(that runs the real psgd commands on the CPU, or the real step-1 scripts with CUDA faked).
+(that runs the real psgd commands on the CPU, or the real step-1 scripts with CUDA faked),
+and the replica's CUDA-only branch runs with torch.cuda's calls stubbed.
 
 - gpu.sh fits the device tool (/work/.library/device/README.md, "Limits"): one command of
   at most 600 s, and from $OUT at most 8 files, none more than 2 folders down;
 - it installs the wheels carried in .whl/ (the H200 image has no pyzmq and no package
   index) before it imports psgd, and names a missing dependency as such (exit 3), not as a
-  missing GPU (exit 2).
+  missing GPU (exit 2);
+- a replica on cuda:N waits for the copies to its host buffers on cuda:N's stream;
+- a straggler's `faults.slow_factor` scales its step's GPU time, which is paid when the
+  loss is read (emulated: forward and backward return at once, `.item()` pays), in a
+  worker and in the sequential baseline alike.
 """
 from __future__ import annotations
 
@@ -18,9 +23,13 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
+import types
 import zipfile
 
 import pytest
+import torch
+from torch import nn
 
 from tests.conftest import free_port_block
 
@@ -193,3 +202,101 @@ def test_gpu_sh_ends_within_one_device_command():
     worst = sum(steps) + sum(others) + len(steps) * kill_after[0]
     assert worst <= MAX_COMMAND_S - 60, f"gpu.sh may run {worst} s; one device command may run {MAX_COMMAND_S} s"
 
+
+@pytest.mark.unit
+def test_a_replica_on_another_gpu_waits_for_the_copies_of_its_own(monkeypatch):
+    """A review: Replica._tables copies each table to its pinned host buffer with
+    non_blocking=True on the stream of the table's device (the replica's, cuda:N), then
+    waited with torch.cuda.current_stream().synchronize(): the stream of the *current*
+    device, cuda:0 unless someone set it, and nothing in psgd does. A worker on cuda:1
+    (`--device auto`, LOCAL_RANK=1, on a machine of two GPUs) then sent host buffers whose
+    copies might not have landed. Here the CUDA calls are stubbed and the replica's device
+    is set to cuda:1."""
+    from psgd.replica import Replica
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    rep = Replica(model, 2, torch.device("cpu"))
+    model(torch.randn(5, 4)).sum().backward()
+    rep.grads()   # the buffers, made on the CPU; give each table a host buffer of its own, as on CUDA
+    rep._bufs = {k: (dev, dev.clone()) for k, (dev, _) in rep._bufs.items()}
+    rep.device = torch.device("cuda", 1)
+    waited = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            waited.append(self.device)
+
+    def current_stream(device=None):
+        return Stream(torch.device("cuda", 0) if device is None else torch.device(device))
+
+    def synchronize(device=None):
+        waited.append(torch.device("cuda", 0) if device is None else torch.device(device))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    rep.grads()
+    assert torch.device("cuda", 1) in waited, f"waited for {waited}: not for the replica's device cuda:1"
+
+
+GPU_S = 0.2   # the emulated GPU time of a training step's forward and backward
+
+
+@pytest.fixture
+def gpu_time_at_item(monkeypatch):
+    """A training loss as on CUDA: forward and backward only queue their kernels, and the
+    GPU's time (GPU_S) is paid when the loss's value is read (`.item()`). (An evaluation's
+    loss, reduction="sum", reads at once.)"""
+    real_item, real_ce = torch.Tensor.item, nn.functional.cross_entropy
+
+    def item(self):
+        if getattr(self, "_emulated_gpu", False):
+            time.sleep(GPU_S)
+        return real_item(self)
+
+    def cross_entropy(*a, **k):
+        out = real_ce(*a, **k)
+        out._emulated_gpu = k.get("reduction", "mean") == "mean"
+        return out
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    monkeypatch.setattr(nn.functional, "cross_entropy", cross_entropy)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_slow_workers_slow_factor_counts_the_gpu_time_of_its_step(gpu_time_at_item):
+    """A review: `faults.slow_factor = f` makes the slow rank "take f times as long to
+    compute each step" (it sleeps (f - 1) x its measured forward/backward time), but
+    Worker.compute measured that time before `loss.item()`: on CUDA, only the kernels'
+    launches, and the straggler was barely slower."""
+    from psgd.config import load
+    from psgd.workers.worker import Jitter, Worker
+    factor = 3.0
+    w = Worker.__new__(Worker)
+    w.cfg = load(None, ["faults.slow_rank=0", f"faults.slow_factor={factor}"], env={})
+    w.rank, w.clock, w.samples, w.device = 0, 0, 0, torch.device("cpu")
+    w.jitter = Jitter(0.0, 0.0, 0, 0)
+    w.replica = types.SimpleNamespace(model=nn.Linear(4, 3))
+    w.batches = types.SimpleNamespace(next=lambda: (torch.randn(8, 4), torch.randint(0, 3, (8,))))
+    w.compute()   # (the first backward of a process pays its own set-up)
+    t0 = time.perf_counter()
+    w.compute()
+    took = time.perf_counter() - t0
+    assert took >= 0.9 * factor * GPU_S, (f"a step of {GPU_S} s of GPU work took {took:.2f} s with slow_factor "
+                                          f"{factor}: expected about {factor * GPU_S:.1f} s")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_baselines_slow_factor_counts_the_gpu_time_of_its_step(gpu_time_at_item):
+    """A review: the sequential baseline's straggler (`faults.slow_rank=0`) measured its
+    step before `loss.item()`, as the worker did: on CUDA, only the kernels' launches."""
+    from psgd.baseline import run_baseline
+    from psgd.config import load
+    factor, steps = 3.0, 2
+    cfg = load(None, [f"train.steps={steps}", "faults.slow_rank=0", f"faults.slow_factor={factor}"], env={})
+    s = run_baseline(cfg, device="cpu", steps=steps)
+    assert s["wall_s"] >= 0.9 * factor * GPU_S * steps, (f"{steps} steps of {GPU_S} s of GPU work took "
+                                                         f"{s['wall_s']:.2f} s with slow_factor {factor}")

@@ -266,7 +266,9 @@ class Worker:
 
     def compute(self) -> float:
         """One forward/backward on the next batch (with injected slowness: a slow link, a
-        slow rank, transient jitter); the loss."""
+        slow rank, transient jitter); the loss. The loss is read before the step's time is
+        taken: on a GPU forward and backward only queue their kernels, and reading it waits
+        for them."""
         t0 = time.perf_counter()
         x, y = self.batches.next()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -274,8 +276,8 @@ class Worker:
         model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        self.slow_down(time.perf_counter() - t0)
         self.loss = float(loss.item())
+        self.slow_down(time.perf_counter() - t0)
         self.samples += len(y)
         return self.loss
 

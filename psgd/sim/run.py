@@ -92,7 +92,7 @@ def _timed_steps(cfg: Config, ds: Any, batches: Any, device: str) -> float:
             model.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
             if dev.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(dev)
             if i >= 5:
                 times.append(time.perf_counter() - t0)
     finally:

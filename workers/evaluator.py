@@ -106,6 +106,5 @@ class Evaluator:
             return
         path = os.path.join(self.out, "model.pt")
         tmp = path + ".tmp"
-        state = {k: v.detach().cpu() for k, v in self.replica.model.state_dict().items()}
-        torch.save(state, tmp)
+        torch.save(self.replica.cpu_state_dict(), tmp)
         os.replace(tmp, path)

@@ -10,7 +10,8 @@ take yet; `Simulation.send` books a message there when it leaves its sender). A 
 serves what arrives in order, each request for `request bytes / apply rate`. `Process`
 runs a worker's schedule on its own greenlet (or thread), strictly handed off: the loop
 resumes it and waits until it blocks again (on a reply or on its own clock) or ends, so
-exactly one body runs at any time.
+exactly one body runs at any time; a body that trains has torch's random state of its own
+(`TorchRandom`), current while it runs.
 """
 from __future__ import annotations
 
@@ -144,11 +145,40 @@ except ImportError:  # pragma: no cover - depends on the environment
     _greenlet = None
 
 
+class TorchRandom:
+    """torch's random state of one body, current only while the body runs: a real worker
+    is a process of its own that seeds torch with `job.seed * 1000 + rank`
+    (workers/worker.py `_train`), so its dropout masks (and any other draw of its model)
+    are its own; the simulated workers share this process's generators, and each has its
+    state swapped in while it runs (`Process.resume`). A few microseconds a hand-off: a
+    timing-only run, which draws nothing, has none."""
+
+    def __init__(self, seed: int, device: Any):
+        import torch
+        cuda = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            self.cpu = torch.get_rng_state()
+            self.cuda = [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+
+    def swap(self) -> None:
+        """Make the body's state current and keep the one that was in its place (called
+        when the body is resumed, and again when it hands back)."""
+        import torch
+        cpu = torch.get_rng_state()
+        torch.set_rng_state(self.cpu)
+        self.cpu = cpu
+        for k, (d, state) in enumerate(self.cuda):
+            self.cuda[k] = (d, torch.cuda.get_rng_state(d))
+            torch.cuda.set_rng_state(state, d)
+
+
 class Process:
     """A body (a worker's step loop) that runs only while the loop waits for it.
 
     `resume()` (from the loop) hands control to the body and returns when the body calls
     `suspend()` or ends; only one of the two runs at any time, so a run is deterministic.
+    With `rng`, torch's random state is the body's own while it runs.
     An exception in the body is re-raised by `resume()`; `abandon()` ends a suspended
     body by raising `Stop` inside it. The body runs on a greenlet when the `greenlet`
     package is installed (`BACKEND`), else on its own thread with strict hand-off."""
@@ -156,9 +186,10 @@ class Process:
     STACK = 1 << 20  # bytes per worker thread (torch's CPU kernels run on it)
     BACKEND = "greenlet" if _greenlet is not None else "thread"
 
-    def __init__(self, name: str, body: Callable[[], None]):
+    def __init__(self, name: str, body: Callable[[], None], rng: TorchRandom | None = None):
         self.name = name
         self.body = body
+        self.rng = rng
         self.done = False
         self.error: BaseException | None = None
         self._stop = False
@@ -201,6 +232,20 @@ class Process:
     def resume(self) -> None:
         if self.done:
             return
+        if self.rng is not None:
+            self.rng.swap()
+            try:
+                self._switch()
+            finally:
+                self.rng.swap()
+        else:
+            self._switch()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _switch(self) -> None:
+        """Run the body until it suspends or ends."""
         if self.thread is None:
             import torch
             outer = torch.is_grad_enabled()
@@ -219,9 +264,6 @@ class Process:
                 self.thread.start()
             self._go.release()
             self._back.acquire()
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
 
     def suspend(self) -> None:
         """(The body) give control back to the loop until resumed."""

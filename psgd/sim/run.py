@@ -164,7 +164,7 @@ class Simulation:
         self.ids = itertools.count(1)   # request ids (their msgpack size counts on the wire)
         self.net = Network(s.latency_s, s.bandwidth_gbps, s.apply_gbps)
         self.mode = get_mode(cfg.mode.name)
-        torch.manual_seed(cfg.job.seed)
+        torch.manual_seed(cfg.job.seed)   # outside the workers' bodies (each draws from its own: `TorchRandom`)
         shard_cls = SimShard if s.train else TimingShard   # timing only: the mechanism without the arithmetic
         self.shards = [shard_cls(cfg, i) for i in range(cfg.cluster.servers)]
         self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]

@@ -30,7 +30,7 @@ from ..consistency.rule import Diverged, Schedule
 from ..consistency.staleness import Histogram
 from ..workers.client import Cancelled, ParameterClient
 from ..workers.worker import Jitter
-from .engine import Node, Process
+from .engine import Node, Process, TorchRandom
 from .messages import Packet, packet
 
 if TYPE_CHECKING:
@@ -167,7 +167,8 @@ class SimWorker:
         self._jitter = Jitter(f.jitter_prob, f.jitter_s, cfg.job.seed, rank)  # the real worker's, on its own stream
         self._sigma = math.sqrt(math.log1p(s.compute_cv ** 2)) if s.compute_cv > 0 else 0.0
         self._slow = f.slow_factor if f.slow_rank == rank and f.slow_factor > 1 else 1.0
-        self.proc = Process(f"sim-worker-{rank}", self.run)
+        rng = TorchRandom(cfg.job.seed * 1000 + rank, replica.device) if batches is not None else None
+        self.proc = Process(f"sim-worker-{rank}", self.run, rng)   # a worker that trains draws as the real one
 
     # ------------------------------------------------------------ the step loop (its thread)
     def run(self) -> None:

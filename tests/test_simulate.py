@@ -780,3 +780,15 @@ def test_a_model_with_dropout_trains_in_sync_as_the_real_run_does(tmp_path):
     real, sim = real_then_simulated(tmp_path, "train.steps=10", "model.name=tests.test_simulate:dropnet")
     assert sim["samples"] == real["samples"]
     assert sim["final_accuracy"] == real["final_accuracy"]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_bytes_per_sample_counts_the_initial_values_as_a_real_run_does(tmp_path):
+    """A review: a real rank 0 sends the shards their initial values (`Worker.start`:
+    `client.init`, one whole model) and the other ranks ask for them; the simulation sent
+    and counted neither, so its bytes/sample was lower than the real run's of the same
+    training, which side by side (psgd.report) read as a network difference."""
+    real, sim = real_then_simulated(tmp_path, "train.steps=15")
+    assert sim["final_accuracy"] == real["final_accuracy"]
+    assert sim["bytes_per_sample"] == pytest.approx(real["bytes_per_sample"], rel=0.01)

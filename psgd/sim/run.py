@@ -101,17 +101,19 @@ def _timed_steps(cfg: Config, ds: Any, batches: Any, device: str) -> float:
 
 
 class DirectClient(ParameterClient):
-    """The evaluator's client: requests served by the shards at once, off the network.
+    """A client whose requests the shards serve at once, off the network: the evaluator's
+    (rank -1), and a worker's before the virtual clock starts (`offer_initial_values`).
     A read that a rule would park is a bug of the simulation's use (an evaluator's read
     is never gated) and raises. It cannot wait for a message on its way (`waits`): the
-    loop does not move while it reads."""
+    loop does not move while it reads. It counts the bytes a real client would have
+    sent and received."""
 
     waits = False
 
-    def __init__(self, sim: Simulation):
+    def __init__(self, sim: Simulation, rank: int = -1):
         self.sim = sim
         self.cfg = sim.cfg
-        self.rank = -1
+        self.rank = rank
         self.n = sim.cfg.cluster.servers
         self.wait_s = 0.0
         self.retries = 0
@@ -119,29 +121,35 @@ class DirectClient(ParameterClient):
         self.wire_dtype = getattr(torch, sim.cfg.wire.dtype)
         self._outgoing: dict = {}
         self._compressors: dict = {}
+        self._sent = 0
+        self._recv = 0
 
     @property
     def bytes_sent(self) -> int:
-        return 0
+        return self._sent
 
     @property
     def bytes_recv(self) -> int:
-        return 0
+        return self._recv
 
     def request(self, reqs: Sequence[tuple[int, str, dict]],
                 cancel: Callable[[], bool] | None = None) -> list[wire.Message]:
         out = []
         for k, (i, op, kw) in enumerate(reqs):
-            mine = ("evaluator", k)
+            mine = ("direct", self.rank, k)
             got = None
-            for token, msg in self.sim.serve(i, mine, packet(op, id=k + 1, rank=-1, **kw)):
+            sent = packet(op, id=k + 1, rank=self.rank, **kw)
+            self._sent += sent.nbytes
+            for token, msg in self.sim.serve(i, mine, sent):
                 if token == mine:
+                    self._recv += msg.nbytes
                     got = wire.raise_if_error(msg, f"shard {i} (simulated)")
                 else:
                     self.sim.reply(i, token, msg)
             if got is None:
-                raise RuntimeError(f"the evaluator's {op} was parked by shard {i}; an evaluator's read is never "
-                                   f"gated (rule of mode {self.cfg.mode.name})")
+                who = "the evaluator" if self.rank < 0 else f"worker {self.rank} (before the clock starts)"
+                raise RuntimeError(f"the {op} of {who} was parked by shard {i}; a request served off the network "
+                                   f"is never gated (rule of mode {self.cfg.mode.name})")
             out.append(got)
         return out
 
@@ -370,6 +378,7 @@ class Simulation:
                              "simulated": True})
             self.loop.at(0.0, self.membership, dict(self.live))
             for w in self.workers:
+                self.offer_initial_values(w)
                 self.loop.at(0.0, self.wake, w)
             if self.evaluator is not None:
                 self.loop.at(0.0, self.evaluate, False)
@@ -385,6 +394,17 @@ class Simulation:
         if out:
             self.write(out, summary)
         return summary
+
+    def offer_initial_values(self, w: SimWorker) -> None:
+        """What a real worker does before its training clock starts (`Worker.start`): rank 0
+        offers the shards its initial values and every other rank asks for them. The shards,
+        built from the seed, have them already (they answer at once and keep theirs), so
+        here the messages only count, in the worker's bytes as in a real run's: served
+        before virtual time 0, as a real worker's wait for them is not training time."""
+        direct = DirectClient(self, w.rank)
+        direct.init((w.replica.params(), w.replica.buffers()) if w.rank == 0 else None)
+        w.client._sent += direct.bytes_sent
+        w.client._recv += direct.bytes_recv
 
     def _loop(self) -> None:
         last = [time.monotonic()]

@@ -143,6 +143,22 @@ def check_data(plan: list) -> None:
             in_memory(run.cfg, split)
 
 
+def same_worker_dropped(plan: list) -> str | None:
+    """A warning for the runs whose backup workers drop the same worker at every step:
+    with no spread in step times (`sim.compute_cv = 0`, no `faults.jitter_*`) the pushes
+    of every step reach the shards in the order of the first step's (each shard answers
+    in the order they arrived, and equal steps keep that order), so the last
+    `mode.backup_workers` to arrive are the same ranks every time, and their partitions
+    never train the model. Real runs spread the drops; so does any spread here."""
+    runs = dict.fromkeys(run.label for run in plan if run.cfg.mode.backup_workers > 0 and run.cfg.sim.compute_cv <= 0
+                         and not (run.cfg.faults.jitter_prob > 0 and run.cfg.faults.jitter_s > 0))
+    if not runs:
+        return None
+    return (f"{', '.join(runs)}: mode.backup_workers with no spread in step times (sim.compute_cv = 0, no "
+            f"faults.jitter_*) drops the same worker(s) at every step, whose partitions never train the model "
+            f"(real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
+
+
 def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     from .cli import interrupted_code
     from .compare import _fmt_duration, context
@@ -153,6 +169,10 @@ def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     ctx = context(args, base, workers, plan)
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
+    warning = same_worker_dropped(plan)
+    if warning:
+        ctx["warnings"] = [warning]
+        print(f"psgd simulate: warning: {warning}", file=sys.stderr, flush=True)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
     write_json_atomic(os.path.join(out, "compare.json"), [])
     n = len(plan)

@@ -792,3 +792,30 @@ def test_bytes_per_sample_counts_the_initial_values_as_a_real_run_does(tmp_path)
     real, sim = real_then_simulated(tmp_path, "train.steps=15")
     assert sim["final_accuracy"] == real["final_accuracy"]
     assert sim["bytes_per_sample"] == pytest.approx(real["bytes_per_sample"], rel=0.01)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_backup_workers_with_no_spread_in_step_times_are_warned_of(tmp_path, capsys):
+    """A review: at the default sim.compute_cv = 0 with no jitter, the pushes of every step
+    reach the shards in the first step's order, so mode.backup_workers = 1 dropped the
+    highest rank's gradient at every step (its partition never trained the model; real
+    runs spread the drops), without a word. psgd simulate now says so, and a spread in the
+    step times spreads the drops."""
+    def dropped(cv: float) -> dict[int, int]:
+        cfg = load(None, ["cluster.workers=3", "mode.name=sync", "mode.backup_workers=1", "train.steps=20",
+                          "sim.compute_s=0.002", f"sim.compute_cv={cv}", "cluster.evaluator=false"], env={})
+        sim = Simulation(cfg, cfg.sim.compute_s)
+        sim.run()
+        return {w.rank: sum(1 for line in w.log_lines() if line.get("dropped")) for w in sim.workers}
+    assert dropped(0.0) == {0: 0, 1: 0, 2: 20}
+    assert max(dropped(0.1).values()) < 20
+    small = ["--workers", "3", "--set", "train.steps=3", "--set", "sim.compute_s=0.001", "--set", "sim.train=false"]
+    assert simulate(tmp_path, "a", "--modes", "sync,sync:backup_workers=1", *small)[0] == 0
+    said = capsys.readouterr().err
+    assert "warning: sync:backup_workers=1: mode.backup_workers with no spread in step times" in said
+    warned = said.split("warning: ")[1].split("\n")[0]
+    assert json.load(open(tmp_path / "a" / "compare-context.json"))["warnings"] == [warned]
+    assert simulate(tmp_path, "b", "--modes", "sync:backup_workers=1", *small, "--set", "sim.compute_cv=0.1")[0] == 0
+    assert "warning" not in capsys.readouterr().err
+    assert "warnings" not in json.load(open(tmp_path / "b" / "compare-context.json"))

@@ -120,6 +120,7 @@ def main(args) -> int:
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
     check_data(plan)
+    refuse_tensorboard(plan)
     out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     lock = hold_output(out, "psgd simulate")
@@ -141,6 +142,15 @@ def check_data(plan: list) -> None:
         if (run.cfg.sim.train or split > 0) and key not in seen:
             seen.add(key)
             in_memory(run.cfg, split)
+
+
+def refuse_tensorboard(plan: list) -> None:
+    """`eval.tensorboard`'s scalars are the coordinator's, on the real clock (it writes
+    them as the heartbeats come); a simulation has neither, and wrote nothing: refused,
+    before anything runs."""
+    if any(run.cfg.eval.tensorboard for run in plan):
+        raise ConfigError("eval.tensorboard = true: psgd simulate writes no TensorBoard scalars (they are a real "
+                          "job's coordinator's); the runs' summary.json and events/ hold the same numbers")
 
 
 def same_worker_dropped(plan: list) -> str | None:

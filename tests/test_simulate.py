@@ -819,3 +819,17 @@ def test_backup_workers_with_no_spread_in_step_times_are_warned_of(tmp_path, cap
     assert simulate(tmp_path, "b", "--modes", "sync:backup_workers=1", *small, "--set", "sim.compute_cv=0.1")[0] == 0
     assert "warning" not in capsys.readouterr().err
     assert "warnings" not in json.load(open(tmp_path / "b" / "compare-context.json"))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(120)
+def test_eval_tensorboard_is_refused_before_anything_runs(tmp_path, capsys):
+    """A review: README says eval.tensorboard writes TensorBoard scalars under OUT/tb/, and
+    psgd simulate writes what psgd compare writes; it accepted the key and wrote nothing
+    (the scalars are a real job's coordinator's). It is one clear error now."""
+    out = tmp_path / "sim"
+    assert cli(["--modes", "sync", "--workers", "2", "--set", "train.steps=5", "--set", "sim.compute_s=0.001",
+                "--set", "eval.tensorboard=true", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "eval.tensorboard = true: psgd simulate writes no TensorBoard scalars" in err
+    assert "Traceback" not in err and not out.exists()

@@ -148,6 +148,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
                   f"of the same configuration, on a virtual clock (their times are virtual seconds, their cost "
                   f"model is in each summary's `sim`); the others ran for real.", ""]
+    for warning in ctx.get("warnings") or []:   # what the command warned of (psgd simulate's)
+        lines += [f"**Warning:** {warning}", ""]
     sets = ctx.get("sets") or []
     setups = ctx.get("setups") or []
     if sets or setups:

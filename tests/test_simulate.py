@@ -816,6 +816,7 @@ def test_backup_workers_with_no_spread_in_step_times_are_warned_of(tmp_path, cap
     assert "warning: sync:backup_workers=1: mode.backup_workers with no spread in step times" in said
     warned = said.split("warning: ")[1].split("\n")[0]
     assert json.load(open(tmp_path / "a" / "compare-context.json"))["warnings"] == [warned]
+    assert f"**Warning:** {warned}" in (tmp_path / "a" / "report.md").read_text()
     assert simulate(tmp_path, "b", "--modes", "sync:backup_workers=1", *small, "--set", "sim.compute_cv=0.1")[0] == 0
     assert "warning" not in capsys.readouterr().err
     assert "warnings" not in json.load(open(tmp_path / "b" / "compare-context.json"))

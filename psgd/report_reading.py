@@ -18,7 +18,6 @@ from .report_relations import (
     rname,
     staleness_sentences,
     sweep_sentences,
-    tie,
     tie_reason,
     unmeasured,
     unseen,
@@ -71,6 +70,16 @@ def _why_unranked(r: Row, target: float, period: float | None) -> str:
         s += f", less than one evaluation period ({own:g} s) after the start" if own and t < own else ""
     n = len(r.runs)
     return f"{r.name} ({s}" + (f"; {len(flags)} of {n} repeats" if n > 1 else "") + ")"
+
+
+def _unresolved_share(unranked: list[Row], period: float | None) -> str:
+    """In which repeats of the unranked rows the time cannot rank: every one, or at least one
+    of each row's (a row with one such repeat is not ranked), with the count."""
+    flagged = sum(len(r.ttt_flags(period)) for r in unranked)
+    repeats = sum(len(r.runs) for r in unranked)
+    if flagged == repeats:
+        return "in every repeat"
+    return f"in at least one of its repeats ({flagged} of {repeats} in all)"
 
 
 def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) -> str:
@@ -141,9 +150,10 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         walls = [w for r in dist for w in r.values("wall_s")]
         facts = ([f"training lasted {secs(min(walls))}–{secs(max(walls))} s"] if walls else []) + \
                 ([f"the evaluator scores every {period:g} s"] if period else [])
-        out.append(f"The budget is too short to rank the configurations by time to {target:g}: each one that "
-                   f"reached it was first seen there by a score taken after its training had ended or by the "
-                   f"evaluator's first score" + (f" ({'; '.join(facts)})" if facts else "")
+        who = "each one that reached it" + (" with every repeat finished" if lost else "")
+        out.append(f"The budget is too short to rank the configurations by time to {target:g}: {who} was first seen "
+                   f"at it, {_unresolved_share(unranked, period)}, by a score taken after its training had ended or "
+                   f"by the evaluator's first score" + (f" ({'; '.join(facts)})" if facts else "")
                    + ". Raise train.steps or train.seconds, or lower eval.every_seconds, to get times that rank.")
     elif any(r.thin_misses() for r in dist):
         out.append(f"No distributed configuration was seen at {target:g} test accuracy in every repeat within the "
@@ -216,6 +226,16 @@ def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplace
             f"configuration: on this job and machine no mode paid for its communication."]
 
 
+def _not_told_apart(level: list[tuple[Row, str]], many_w: bool) -> str:
+    """", but B (n) and C (m) are not told apart from it (why)": the rows whose throughput
+    the spread cannot tell from the one just named, each with its own mean ("" for none)."""
+    if not level:
+        return ""
+    whys = list(dict.fromkeys(why for _, why in level))
+    return (", but " + " and ".join(f"{rname(r, many_w)} ({mean(r.sps):,.0f})" for r, _ in level)
+            + f" {'is' if len(level) == 1 else 'are'} not told apart from it ({'; '.join(whys)})")
+
+
 def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: bool) -> list[str]:
     out: list[str] = []
     by_sps = sorted([r for r in dist if r.sps], key=lambda r: mean(r.sps) or 0.0, reverse=True)
@@ -240,17 +260,13 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
         if ratio is not None and ref is not None and ref is not top:
             s += f" ({ratio:.2f}× {top.sync_name()}'s {mean(ref.sps):,.0f})"
         level = [(r, why) for r in by_sps[1:] if (why := tie_reason(top.sps, r.sps))]
-        if level:
-            whys = list(dict.fromkeys(why for _, why in level))
-            s += ", but " + " and ".join(f"{rname(r, many_w)} ({mean(r.sps):,.0f})" for r, _ in level) + \
-                 f" {'is' if len(level) == 1 else 'are'} not told apart from it ({'; '.join(whys)})"
+        s += _not_told_apart(level, many_w)
         rest = [r for r in by_sps[1:] if r not in [x for x, _ in level]]
         # "lowest" only where the lowest is ranked below every other: no configuration that, like
         # it, ran once (ONCE) lies above it.
-        if not any(tie_reason(low.sps, r.sps) == ONCE for r in rest):
-            bottom = [r for r in rest if tie(low.sps, r.sps)]
-            if bottom:
-                s += f"; lowest: {' and '.join(rname(r, many_w) for r in bottom)} with {mean(low.sps):,.0f}"
+        if low is not top and not any(tie_reason(low.sps, r.sps) == ONCE for r in rest):
+            near = [(r, why) for r in rest if r is not low and (why := tie_reason(low.sps, r.sps))]
+            s += f"; lowest: {rname(low, many_w)} with {mean(low.sps):,.0f}" + _not_told_apart(near, many_w)
         out.append(s + ".")
     b = mean(base.sps) if base is not None else None
     if b and base is not None:

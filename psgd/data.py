@@ -13,6 +13,12 @@ processes), so a dataset bigger than memory trains; each worker reads only its
 partition, reshuffled every epoch from the seed (as DistributedSampler does), and the
 evaluator streams the test set.
 
+The built-in datasets' inputs, as the model trains on them and as a user feeds the saved
+DIR/model.pt (README, "Output files"): digits: pixels (0..16) / 16, then standardised by
+the mean and sd of all 1,797 images' pixels (0.3053 and 0.3760); mnist: bytes / 255, then
+(x - MNIST_MEAN) / MNIST_STD; cifar10: bytes / 255, then per channel (x - CIFAR_MEAN) /
+CIFAR_STD; synthetic: as drawn. A factory's are used as it returns them.
+
 Both kinds answer the same calls: `train_size`, `train_batches(...)` (endless
 mini-batches over a partition), `take(indices)` (a small held-out set, as tensors) and
 `test_batches(batch_size)`.
@@ -46,6 +52,7 @@ SPLIT_SEED = 1234  # the train/test split does not depend on the job seed
 CIFAR_RECORD = 1 + 3 * 32 * 32
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 class DataError(ConfigError):
@@ -280,7 +287,7 @@ def _mnist(cfg: DataConfig):
             raise DataError(f"{cfg.path}: {split} has {len(xi)} images but {len(yi)} labels")
         if yi.size and yi.max() > 9:
             raise DataError(f"{cfg.path}: {split} label {int(yi.max())} out of range 0..9")
-        x = (xi.astype(np.float32)[:, None] / 255.0 - 0.1307) / 0.3081
+        x = (xi.astype(np.float32)[:, None] / 255.0 - MNIST_MEAN) / MNIST_STD
         out += [x, yi.astype(np.int64)]
     return tuple(out) + (10,)
 

@@ -6,11 +6,13 @@ the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/conf
 imported torch: psgd/forkserver.py, unless `cluster.fork = false`), shows the
 coordinator's progress, and supervises: a shard that dies is
 started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
-started again with its rank. Other daemons log to DIR/logs/<role>-<i>.log (their
-stderr; a training script's stdout too). A training script that exits before the job
-begins training stops the job at once, with its log; once the job has ended, the scripts'
-work after close() is waited for (up to --timeout), and one that exits with a code other
-than 0 fails the run. Every child is stopped on the way out, whatever happens.
+started again with its rank, unless the job is ending (aborted, or done training). Other
+daemons log to DIR/logs/<role>-<i>.log (their stderr; a training script's stdout too). A
+worker that exits before the job begins training (a training script; psgd's own worker
+with an error, not restarted) stops the job at once, with its log; once the job has
+ended, the scripts' work after close() is waited for (up to --timeout), and one that
+exits with a code other than 0 fails the run. Every child is stopped on the way out,
+whatever happens.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -35,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -45,6 +47,7 @@ from .log import log
 from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
+ENDING_WAIT_S = 1.0  # how long a worker's exit waits for the coordinator to say the job ends (see _restarted)
 MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
 SCRIPT_NOTE_S = 30  # how often psgd run says it still waits for a training script after the job ended
 LOCK_FILE = ".launcher.lock"  # in the output folder: held by the launcher of the job that uses it
@@ -358,15 +361,53 @@ class LocalJob:
         self._start(coord)
         return True
 
-    def _under_way(self) -> bool:
-        """Whether the coordinator's state file says the job had begun training and not
-        ended (it is rewritten at every change of phase)."""
-        from .servers.coordinator import STATE_FILE, UNDER_WAY
+    def _state(self) -> dict:
+        """The coordinator's state file ({} where there is none yet): it is rewritten at
+        every change of phase, and at an abort."""
+        from .servers.coordinator import STATE_FILE
         try:
             with open(os.path.join(self.out, STATE_FILE)) as f:
-                return json.load(f).get("phase") in UNDER_WAY
-        except (OSError, ValueError, AttributeError):
-            return False
+                state = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _under_way(self) -> bool:
+        """Whether the coordinator's state file says the job had begun training and not
+        ended."""
+        from .servers.coordinator import UNDER_WAY
+        return self._state().get("phase") in UNDER_WAY
+
+    def _ending(self) -> bool:
+        """Whether the coordinator has ended the job or is ending it: summary.json is
+        written, or its state file says the job was aborted or its training is over. It
+        takes no worker then ("the job is finishing; no new workers")."""
+        from .servers.coordinator import FINISHING
+        state = self._state()
+        return (os.path.exists(os.path.join(self.out, "summary.json")) or bool(state.get("abort"))
+                or state.get("phase") in FINISHING)
+
+    def _restarted(self, child: Child) -> bool:
+        """Whether a child that exited with a code other than 0 is started again: a shard
+        and the evaluator are; a worker with --restart-workers is, unless the job is
+        ending: a worker exits 1 on the job's abort, and the coordinator takes no new
+        worker then (restarted, it was refused, and the job's error gave the exit codes
+        of those refused processes, not of the ones that ended it). The worker whose
+        error aborted the job may exit before the coordinator's state file says so: that
+        gets up to ENDING_WAIT_S."""
+        if child.role in ("server", "evaluator"):
+            return True
+        return child.role == "worker" and self.restart_workers and not self._within(ENDING_WAIT_S, self._ending)
+
+    @staticmethod
+    def _within(seconds: float, happened: Callable[[], bool]) -> bool:
+        """Whether `happened()` is true now or becomes true within `seconds`."""
+        end = time.monotonic() + seconds
+        while not happened():
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.1)
+        return True
 
     def _argv(self, role: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "psgd", role, self.config_path, "--out", self.out, *extra]
@@ -501,17 +542,17 @@ class LocalJob:
                 if rc is None:
                     continue
                 self._exited_before_connect(child, rc)
-                if rc == 0:
+                if rc == 0 or child.reported:
                     continue
                 if rc == 1 and child.role in ("server", "evaluator") and coord.poll() is None \
                         and "lost the coordinator" in self.tail(child, 3):
                     raise LaunchError(f"{child.name} lost the coordinator (no answer for cluster.timeout_s = "
                                       f"{self.cfg.cluster.timeout_s:g} s), whose process still runs: is it stopped "
                                       f"(SIGSTOP) or hung? Its log ends:\n{self.tail(coord)}")
-                if child.restarts >= MAX_RESTARTS:
-                    raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "
-                                      f"{MAX_RESTARTS} restarts:\n{self.tail(child)}")
-                if child.role in ("server", "evaluator") or (child.role == "worker" and self.restart_workers):
+                if self._restarted(child):
+                    if child.restarts >= MAX_RESTARTS:
+                        raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "
+                                          f"{MAX_RESTARTS} restarts:\n{self.tail(child)}")
                     child.restarts += 1
                     log("run", f"{child.name} exited with {_exit(child, rc)}; restarting it (restart {child.restarts})")
                     self._start(child)
@@ -572,21 +613,23 @@ class LocalJob:
         writes its .started file: its `--help`, a bad argument, an import error), or in
         psgd.connect, before any worker began training (refused, say). Not one that
         --restart-workers starts again: one that failed (code != 0) after calling
-        psgd.connect, or one killed by a signal."""
-        if not child.script or (self.restart_workers and rc < 0):
+        psgd.connect, or one killed by a signal. A worker of psgd's own that fails (code
+        != 0) before the job began training, and that --restart-workers does not start
+        again, is the same: its model factory raised on this machine, it was killed for
+        memory."""
+        if child.role != "worker" or (self.restart_workers and rc < 0) or (not child.script and rc == 0):
             return
-        if not os.path.exists(self.started_file(child.name)):
+        if child.script and not os.path.exists(self.started_file(child.name)):
             when = "before calling psgd.connect"
         elif not (self.restart_workers and rc != 0) and not self._training_began():
-            when = "in psgd.connect, before the job began training"
-            coord, end = self.children[0], time.monotonic() + 2
-            while coord.poll() is None and time.monotonic() < end:
-                time.sleep(0.1)
-            if coord.poll() is not None:
+            when = "in psgd.connect, before the job began training" if child.script else "before the job began training"
+            coord = self.children[0]
+            if self._within(2.0, lambda: coord.poll() is not None or self._ending()):
                 return  # the coordinator ended the job (refused it, say): its summary says why
         else:
             return
-        raise LaunchError(f"{child.name}'s script exited with code {_code(rc)} {when}; the job cannot start "
+        which = f"{child.name}'s script" if child.script else child.name
+        raise LaunchError(f"{which} exited with code {_exit(child, rc)} {when}; the job cannot start "
                           f"without it. {child.log_path} ends:\n{self.tail(child)}")
 
     def _training_began(self) -> bool:

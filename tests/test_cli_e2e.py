@@ -318,6 +318,57 @@ def test_psgd_run_fails_when_every_worker_crashed(tmp_path):
     assert s["failures"]["workers_lost"] == 2
 
 
+RANK_1_FAILS = """
+import os
+from torch import nn
+
+def model(input_shape, num_classes):
+    if os.environ.get("LOCAL_RANK") == "1":
+        raise RuntimeError("rank 1 cannot build the model here")
+    n = 1
+    for d in input_shape:
+        n *= d
+    return nn.Sequential(nn.Flatten(), nn.Linear(n, num_classes))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_fails_before_training_stops_the_job_at_once(tmp_path):
+    """A review: a training script that ended before the job began training stopped the
+    job at once; psgd's own worker that did (here its model factory raises on rank 1
+    only; an OOM kill is the same) was only logged, and the job waited for the
+    coordinator's cluster.timeout_s before failing with "the coordinator ended without a
+    summary". The error now names the worker, with the end of its log."""
+    (tmp_path / "rankfail.py").write_text(RANK_1_FAILS)
+    began = time.monotonic()
+    proc = psgd("run", "--quiet", "--out", str(tmp_path / "run"), "--servers", "1",
+                "--set", f"cluster.port={free_port_block(2)}", "--set", "cluster.evaluator=false",
+                "--set", "model.name=rankfail:model", "--set", "cluster.timeout_s=90", timeout=170, cwd=str(tmp_path))
+    took = time.monotonic() - began
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    failure = proc.stderr[proc.stderr.index("psgd: error:"):]
+    assert failure.startswith("psgd: error: worker-1 exited with code 1 before the job began training"), failure
+    assert "rank 1 cannot build the model here" in failure
+    assert took < 60, f"psgd run took {took:.0f} s to report a worker that died at start-up"
+
+
+@pytest.mark.timeout(180)
+def test_restart_workers_does_not_restart_the_workers_of_an_aborted_job(tmp_path):
+    """A review: --restart-workers is for a worker that dies; one that exits 1 because the
+    coordinator aborted the job (here: a diverging lr) is not one. The launcher restarted
+    it anyway: the new process was refused ("the job is finishing; no new workers"), and
+    the error named the exit codes of those processes ("worker-0 still running") instead
+    of the ones that ended the job."""
+    proc = psgd("run", "--quiet", "--restart-workers", "--out", str(tmp_path / "run"), "--servers", "1",
+                "--set", f"cluster.port={free_port_block(2)}", "--set", "cluster.evaluator=false",
+                "--set", "train.steps=1000", "--set", "optimizer.lr=1e6", timeout=170)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    assert "job aborted: " in err and "gradient has NaN or Inf" in err, err[-3000:]
+    assert "restarting it" not in err and "still running" not in err, err[-3000:]
+    assert "worker exit codes: worker-0 1, worker-1 1" in err, err[-3000:]
+
+
 @pytest.mark.timeout(120)
 def test_a_shard_stopped_before_it_serves_removes_its_pid_file(tmp_path):
     """SIGTERM while a shard waited for the coordinator killed it at once (no handler yet):

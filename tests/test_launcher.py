@@ -18,11 +18,12 @@ pytestmark = pytest.mark.processes
 
 
 class StandInJob(LocalJob):
-    """The coordinator and the evaluator wait to be stopped; every other child says it started
-    and dies. (A dying evaluator is restarted too: it would race the shard to give up first.)"""
+    """The coordinator, the worker and the evaluator wait to be stopped; a shard says it
+    started and dies. (A dying evaluator is restarted too: it would race the shard to give
+    up first; a worker dying before training stops the job at once.)"""
 
     def _argv(self, role: str, *extra: str) -> list[str]:
-        if role in ("coordinator", "evaluator"):
+        if role in ("coordinator", "worker", "evaluator"):
             return [sys.executable, "-c", "import time; time.sleep(60)"]
         return [sys.executable, "-c", f"import sys; print('{role} up', file=sys.stderr); sys.exit(3)"]
 

@@ -200,7 +200,7 @@ def check_job(cfg, runs: list | None = None) -> None:
 
 
 def cmd_run(args) -> int:
-    from .launcher import LaunchError, check_before_launch, format_summary, run_local, written_since
+    from .launcher import LaunchError, check_before_launch, format_summary, resumable, run_local, written_since
     from .metrics import process_start_time
     launched_at = process_start_time() or time.time()  # startup_s: from the command's start
     script = _script(args)
@@ -223,10 +223,10 @@ def cmd_run(args) -> int:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:   # its daemons are stopped by now (run_local)
-        ckpt = cfg.checkpoint_folder(out)
+        resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
+                  f"--out resumes from them)" if resumable(cfg, out, launched_at) else "")
         print(f"psgd run: {'terminated' if interrupted_code(e) != 130 else 'interrupted'}; its daemons are "
-              f"stopped; the shards' checkpoints are in {ckpt} (a psgd run into the same --out resumes from "
-              f"them)", file=sys.stderr)
+              f"stopped{resume}", file=sys.stderr)
         raise
     print(format_summary(s))
     model = os.path.join(out, "model.pt")

@@ -177,7 +177,12 @@ class ForkServer:
         os.set_blocking(self._fd, False)
         self._buf = b""
         self.codes: dict[int, int] = {}   # pid -> exit code, once ended
-        self._next(lambda m: "ready" in m, READY_S, "to import torch")
+        try:
+            self._next(lambda m: "ready" in m, READY_S, "to import torch")
+        except BaseException:   # Ctrl-C or SIGTERM too: it would outlive psgd run, and say so after its end
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     @property
     def pid(self) -> int:

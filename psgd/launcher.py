@@ -716,6 +716,16 @@ def written_since(path: str, t: float) -> bool:
         return False
 
 
+def resumable(cfg: Config, out: str, since: float) -> bool:
+    """Whether a psgd run into `out` would resume from the shards' checkpoints of the job
+    launched at time.time() `since`: every shard wrote its own, and the job wrote no
+    summary.json (a job that ended is not resumed: LocalJob._forget_earlier_job)."""
+    if os.path.exists(os.path.join(out, "summary.json")):
+        return False
+    files = [cfg.checkpoint_file(out, i) for i in range(cfg.cluster.servers)]
+    return all(path and written_since(path, since) for path in files)
+
+
 def _exit(child: Child, rc: int) -> str:
     """A daemon's exit code as said in messages, or why it is not known."""
     proc = child.proc

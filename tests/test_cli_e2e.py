@@ -370,6 +370,33 @@ def test_restart_workers_does_not_restart_the_workers_of_an_aborted_job(tmp_path
 
 
 @pytest.mark.timeout(120)
+def test_an_interrupt_before_any_shard_ran_does_not_claim_checkpoints(tmp_path):
+    """A review: SIGTERM to `psgd run` while it was still starting (no shard had run,
+    nothing was saved) ended with "the shards' checkpoints are in DIR/checkpoints (a psgd
+    run into the same --out resumes from them)": there were none. The fork server, still
+    importing torch, outlived the command and said "the process that started this one
+    (PID) is gone" after it."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(PSGD + ["run", "--quiet", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                                    "--set", "train.steps=100000"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "config.toml").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (out / "config.toml").exists()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)   # (until every holder of its stderr is gone)
+    finally:
+        kill_all([proc])
+    assert proc.returncode == 143, err
+    ckpts = os.listdir(out / "checkpoints") if (out / "checkpoints").is_dir() else []
+    assert not [f for f in ckpts if f.endswith(".pt")], ckpts   # the premise: nothing was saved
+    assert "psgd run: terminated; its daemons are stopped" in err and "checkpoints are in" not in err, err
+    assert "the process that started this one" not in err, err
+
+
+@pytest.mark.timeout(120)
 def test_a_shard_stopped_before_it_serves_removes_its_pid_file(tmp_path):
     """SIGTERM while a shard waited for the coordinator killed it at once (no handler yet):
     its pid file stayed, as after `docker compose stop` or `scancel` during the rendezvous."""

@@ -154,3 +154,21 @@ def test_a_daemon_that_ended_with_its_fork_server_is_said_so(tmp_path):
     assert proc.code_lost
     said = _exit(Child("worker", 0, [], proc=proc), rc)
     assert said == "an unknown code: the fork server that started it ended (exit -9 (SIGKILL)), and it with it"
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_server_interrupted_while_it_starts_is_ended_with_it(monkeypatch):
+    """A review: Ctrl-C or SIGTERM to `psgd run` while its fork server imported torch left
+    that process running on its own, after the command had ended ("the process that started
+    this one (PID) is gone", printed into the terminal later)."""
+    from tests.conftest import children
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forkserver.ForkServer, "_next", interrupted)
+    before = children(os.getpid())
+    with pytest.raises(KeyboardInterrupt):
+        forkserver.ForkServer(ENV)
+    assert children(os.getpid()) - before == set()
+

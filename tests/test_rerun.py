@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from psgd.config import Config, load
-from psgd.launcher import LaunchError, LocalJob
+from psgd.launcher import LaunchError, LocalJob, resumable
 from psgd.servers.shard_server import ShardServer
 from psgd.shard import Shard
 from tests.conftest import free_port_block
@@ -334,6 +335,26 @@ def test_the_checkpoints_of_a_job_that_ended_are_not_resumed(tmp_path):
     (tmp_path / "summary.json").write_text("{}")             # the job ended
     LocalJob(cfg, str(tmp_path), quiet=True).stop()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["shard-0.pt.earlier"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_an_interrupted_job_names_the_checkpoints_only_where_a_rerun_resumes_from_them(tmp_path):
+    """A review: `psgd run` stopped by Ctrl-C or SIGTERM always said "the shards'
+    checkpoints are in DIR (a psgd run into the same --out resumes from them)": also
+    before any shard had saved one, and after the job's summary (a next run then moves
+    them aside)."""
+    cfg = load(None, ["cluster.servers=2"], env={})
+    out, now = str(tmp_path), time.time()
+    assert not resumable(cfg, out, now)                     # none saved
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "shard-0.pt").write_text("")
+    assert not resumable(cfg, out, now)                     # one of the two: the next job moves it aside
+    (tmp_path / "checkpoints" / "shard-1.pt").write_text("")
+    assert resumable(cfg, out, now)
+    assert not resumable(cfg, out, now + 60)                # an earlier job's, not this one's
+    (tmp_path / "summary.json").write_text("{}")
+    assert not resumable(cfg, out, now)                     # the job ended: not resumed
 
 
 @pytest.mark.unit

@@ -193,8 +193,9 @@ class ForkServer:
 
     def spawn(self, argv: list[str], env: dict, log_path: str | None) -> Forked:
         request = {"argv": argv, "env": env, "log": log_path, "cwd": os.getcwd()}
-        self._in.write((json.dumps(request) + "\n").encode())
-        self._in.flush()
+        with contextlib.suppress(BrokenPipeError):   # it has ended: _next says with which code
+            self._in.write((json.dumps(request) + "\n").encode())
+            self._in.flush()
         return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
 
     def collect(self) -> None:

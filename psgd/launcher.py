@@ -461,7 +461,10 @@ class LocalJob:
         child.log_path = os.path.join(self.out, "logs", f"{child.name}.log")
         server = self._forks(child)
         if server is not None:
-            child.proc = server.spawn(child.argv[3:], child.env or self.env, child.log_path)
+            try:
+                child.proc = server.spawn(child.argv[3:], child.env or self.env, child.log_path)
+            except forkserver.ForkServerError as e:   # it died since it was started (killed, say)
+                raise LaunchError(f"could not start {child.name}: {e}") from None
             return
         # Appended to across restarts. The child gets its own copy of the descriptor, so
         # this process closes its handle at once: none accumulates, however many restarts.

@@ -172,3 +172,22 @@ def test_a_fork_server_interrupted_while_it_starts_is_ended_with_it(monkeypatch)
         forkserver.ForkServer(ENV)
     assert children(os.getpid()) - before == set()
 
+
+@pytest.mark.timeout(120)
+def test_a_fork_server_that_died_before_a_daemon_is_started_is_one_error(tmp_path, monkeypatch):
+    """A review: a fork server that died between the job's start and a daemon's (killed,
+    say) raised ForkServerError, or BrokenPipeError, through `psgd run` as a traceback; it
+    is a LaunchError, which `psgd run` prints in one line and exits 1."""
+    from psgd.launcher import LaunchError
+    own = forkserver.ForkServer(ENV)   # not the module's: this one is killed
+    os.kill(own.pid, signal.SIGKILL)
+    own.proc.wait(timeout=10)
+    monkeypatch.setattr(forkserver, "server", lambda env: own)
+    cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True)
+    try:
+        with pytest.raises(LaunchError, match=r"could not start server-0: the fork server exited with -9"):
+            job._start(job._spec("server", 0, "--shard", "0"))
+    finally:
+        job.stop()
+        own.close()

@@ -240,7 +240,7 @@ class LocalJob:
         """A new job in a folder that an earlier job used replaces that job's outputs:
         its coordinator state (not this job's to resume), summary.json (read as this
         job's end, it made a crash look like a finished job), event logs and daemon logs
-        (this job's would be appended to them), and the pid files of processes that are
+        (this job's would be appended to them), TensorBoard scalars (tb/), and the pid files of processes that are
         gone (or whose pid another process, started after the file, has now). A model.pt
         stays until this job saves its own; shard checkpoints stay, and a shard resumes
         from one only if it is of an unfinished job of the same training config
@@ -296,8 +296,9 @@ class LocalJob:
                            f"to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))
         for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
-                     + glob.glob(os.path.join(self.out, "logs", "*.log"))):
-            remove(path)
+                     + glob.glob(os.path.join(self.out, "logs", "*.log"))
+                     + glob.glob(os.path.join(self.out, "tb", "events.out.tfevents.*"))):
+            remove(path)   # (TensorBoard reads a folder's event files as one run: two jobs' curves spliced)
 
     def _place(self, cfg: Config, avoid: int | None = None) -> Config:
         """The config with the ports the job will listen on."""
@@ -311,7 +312,7 @@ class LocalJob:
                 raise LaunchError(f"cluster.port = {c.port}: port {busy} on {c.host} is in use (the job needs "
                                   f"{c.port}-{c.port + n - 1}: the coordinator and {c.servers} shards); set "
                                   f"another cluster.port, or leave it unset and psgd run picks a free block")
-            if in_ephemeral_range(c.port, n) and not self.quiet:
+            if in_ephemeral_range(c.port, n):   # a warning: --quiet too (compare's runs are quiet)
                 low, high = ephemeral_ports()
                 log("run", f"warning: cluster.port = {c.port}: ports {c.port}-{c.port + n - 1} lie in the OS's range "
                            f"for outgoing connections ({low}-{high}), where a connection can take a port before its "

@@ -53,9 +53,12 @@ class Exited:
 @pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
+    """(A review: tb/ stayed, and TensorBoard read the two jobs' event files in it as one
+    run, their curves spliced.)"""
     def earlier(pid: int) -> None:
         for name, text in (("summary.json", "{}"), ("coordinator-state.json", "{}"), ("events/worker-0.jsonl", "{}\n"),
-                           ("logs/server-0.log", "old\n"), ("pids/worker-0.pid", f"{pid}\n"), ("model.pt", "old")):
+                           ("logs/server-0.log", "old\n"), ("pids/worker-0.pid", f"{pid}\n"), ("model.pt", "old"),
+                           ("tb/events.out.tfevents.1.host.1.0", "old")):
             (tmp_path / name).parent.mkdir(exist_ok=True)
             (tmp_path / name).write_text(text)
 
@@ -71,7 +74,7 @@ def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
     with pytest.raises(LaunchError, match="is the output folder of a job that is still running"):
         LocalJob(cfg, str(tmp_path), quiet=True)
     assert files() == [".launcher.lock", "coordinator-state.json", "events/worker-0.jsonl", "logs/server-0.log",
-                       "model.pt", "pids/worker-0.pid", "summary.json"]
+                       "model.pt", "pids/worker-0.pid", "summary.json", "tb/events.out.tfevents.1.host.1.0"]
 
 
 @pytest.mark.unit

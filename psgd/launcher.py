@@ -784,11 +784,14 @@ def format_summary(s: dict) -> str:
     acc = s.get("final_accuracy")
     ttt = s.get("time_to_target_s")
     target = s.get("target_accuracy")
-    from .report_numbers import AFTER_END, ttt_flag
+    from .report_numbers import AFTER_END, FIRST_SCORE, ttt_flag
+    flag = ttt_flag(s, None)
     if ttt is None:   # (nothing scored: nothing to say of the target)
         reached = f"target {target} not reached" if acc is not None or s.get("evals") else ""
-    elif ttt_flag(s, None) == AFTER_END:   # first seen by the score after training: when it looked
+    elif flag == AFTER_END:   # first seen by the score after training: when it looked
         reached = f"target {target} first seen by the final score ({ttt:.1f} s), after training"
+    elif flag == FIRST_SCORE:   # the model was there at the evaluator's first look: when it looked, too
+        reached = f"target {target} reached by the evaluator's first score ({ttt:.1f} s): when it looked"
     else:
         reached = f"time to {target}: {ttt:.1f} s"
     last = s["evals"][-1] if s.get("evals") else None

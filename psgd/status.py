@@ -8,7 +8,9 @@ Asks the job's coordinator (its `status` op: one request, with a timeout) and pr
 table: the phase and mode, each worker's clock, samples/s, live/lost/finished state,
 mean staleness and wait share, each shard's version, and the last evaluation. A job
 that has finished (its coordinator is gone and DIR/summary.json exists) gets its
-summary. `--watch` prints the table again every few seconds until the job ends.
+summary; one that is not running while another job's coordinator answers at its
+address (an interrupted job: no summary) gets a line that says so, and exit 1.
+`--watch` prints the table again every few seconds until the job ends.
 
 DIR/config.toml gives the job's security settings; with `--address` they come from
 `--config FILE` (the job's config), `--set` or `--keys DIR` (= security.curve = true,
@@ -17,6 +19,7 @@ security.keys = DIR): a job secured with CurveZMQ answers only a client with its
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -82,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
                   f"(not started yet, or gone without a summary; {keys})", file=sys.stderr)
             return 1
+        if args.dir and not _answers_for(reply, args.dir):
+            print(f"psgd status: {_not_running(cfg, args.dir, reply, address)}", file=sys.stderr)
+            return 1
         print(table(reply), flush=True)
         phase = str(reply.get("phase"))
         if not args.watch or reply.get("done"):
@@ -91,6 +97,22 @@ def main(args: argparse.Namespace) -> int:
 
 
 ENDING = ("final_eval", "settling", "done")   # the coordinator's phases once every worker has finished
+
+
+def _answers_for(reply: wire.Message, folder: str) -> bool:
+    """Is the coordinator that answered DIR's job's? Every job listens on 5555 unless
+    that is taken, so after DIR's job was interrupted (no summary) a later job, in
+    another folder, answers at its address: the reply names its output folder (`out`)."""
+    return bool(reply.get("out")) and os.path.realpath(str(reply.get("out"))) == os.path.realpath(folder)
+
+
+def _not_running(cfg, folder: str, reply: wire.Message, address: str) -> str:
+    """Why DIR's job has no status: another job's coordinator answers at its address."""
+    checkpoints = cfg.checkpoint_folder(folder)
+    interrupted = (f"interrupted: its checkpoints are in {checkpoints}; "
+                   if glob.glob(os.path.join(checkpoints, "shard-*.pt")) else "")
+    return (f"{folder}'s job is not running ({interrupted}the coordinator at {address} is another job's, "
+            f"in {reply.get('out') or 'no folder'})")
 
 
 def _finished(summary: str) -> int:

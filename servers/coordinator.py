@@ -404,7 +404,8 @@ class Coordinator:
         return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
-        """What `psgd status` shows: the job, each worker and shard, the last score."""
+        """What `psgd status` shows: the job, each worker and shard, the last score; and
+        the job's output folder (`out`): `psgd status DIR` takes no other job's answer."""
         totals = self.members.stats()  # over each rank's lives
         workers = [{"rank": r, "state": m.state, "clock": m.clock, "joins": m.joins,
                     **{k: totals[r].get(k) for k in STATUS_WORKER_STATS}}
@@ -417,7 +418,8 @@ class Coordinator:
                                    mode=self.cfg.mode.name, mode_params=self.cfg.mode_params,
                                    workers_expected=self.cfg.cluster.workers, elapsed_s=round(elapsed, 3),
                                    steps=self.cfg.train.steps, workers=workers, shards=shards,
-                                   last_eval=self.evals[-1] if self.evals else None, **self._view()))]
+                                   last_eval=self.evals[-1] if self.evals else None,
+                                   out=os.path.realpath(self.out) if self.out else "", **self._view()))]
 
     # ------------------------------------------------------------ phases
     def _tick(self, now: float) -> None:

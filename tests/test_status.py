@@ -154,6 +154,30 @@ def test_status_of_a_finished_job_is_not_answered_by_a_later_job_on_its_port(tmp
 
 
 @pytest.mark.timeout(60)
+def test_status_of_an_interrupted_job_is_not_answered_by_another_job_on_its_port(tmp_path, capsys):
+    """A review: `psgd status DIR` of a job stopped with SIGTERM (checkpoints, no summary)
+    while another job, in another folder, listens on DIR's port (5555 by default for every
+    job): it printed that other job's table (mode async, phase rendezvous) as DIR's job.
+    The status reply names its job's folder; the other job's own folder is answered."""
+    port = free_port_block(3)
+    old, new = tmp_path / "old", tmp_path / "new"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "config.toml").write_text(Config().replace(**{"cluster.port": port, "mode.name": "sync"}).to_toml())
+    (old / "checkpoints" / "shard-0.pt").write_text("an interrupted job's checkpoint")   # no summary.json
+    cfg = Config().replace(**{"cluster.port": port, "mode.name": "async", "cluster.servers": 1,
+                              "cluster.evaluator": False})
+    with InProcessCluster(cfg, str(new)):
+        code = main(["status", str(old)])
+        out, err = capsys.readouterr()
+        (new / "config.toml").write_text(cfg.to_toml())
+        assert main(["status", str(new)]) == 0
+        assert "mode async" in capsys.readouterr().out
+    assert "mode async" not in out and code == 1, f"psgd status {old} described the job of {new}:\n{out}"
+    assert f"{old}'s job is not running (interrupted: its checkpoints are in {old / 'checkpoints'}" in err, err
+    assert len([line for line in err.splitlines() if line.startswith("psgd status")]) == 1, err
+
+
+@pytest.mark.timeout(60)
 def test_watch_by_address_ends_cleanly_when_the_job_ends(capsys):
     """A review: `psgd status --address A --watch` on a job that finishes normally: the coordinator
     exits right after `done`, and the watch ended with exit 1 and "no answer ... (not

@@ -545,6 +545,17 @@ class Shard:
         self.load_state_dict(sd)
         return ""
 
+    def new_run(self) -> None:
+        """A new run of the job resumed from its checkpoints (not a shard restarted during
+        a run): the run's counters (bad messages, pushes, pulls; the rule's dropped
+        gradients, clock gap, staleness) start at zero, as its workers' and coordinator's
+        do: summary.json is the run's. A shard restarted during a run keeps them, since
+        the coordinator takes a shard's latest counters as the run's. (In place: the
+        serve loop counts bad messages into the same dict.)"""
+        for k in self.counters:
+            self.counters[k] = 0
+        self.rule.new_run()
+
     def _other_shard(self, sd: dict) -> str:
         """'' if the checkpoint `sd` is this shard's (its index and table sizes), else whose."""
         if list(sd["sizes"]) != [self.P, self.B] or sd["shard"] != self.index:
@@ -622,14 +633,19 @@ def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
     return ""
 
 
-def resumable(path: str, cfg: Config, index: int) -> bool:
-    """Would shard `index` of a job of `cfg` resume from the checkpoint at `path`? (Read
-    mapped, not whole: only its fields are looked at.)"""
+def why_not_resume_from(path: str, cfg: Config, index: int) -> str:
+    """'' if shard `index` of a job of `cfg` may resume from the checkpoint at `path`,
+    else why not (`why_not_resume`). (Read mapped, not whole: only its fields are looked at.)"""
     try:
         sd = torch.load(path, weights_only=True, mmap=True)
-    except Exception:  # unreadable, or not a checkpoint: nothing to resume
-        return False
-    return isinstance(sd, dict) and not why_not_resume(sd, cfg, index)
+    except Exception as e:  # unreadable, or not a checkpoint: nothing to resume
+        return f"it cannot be read ({type(e).__name__}: {e})"
+    return why_not_resume(sd, cfg, index) if isinstance(sd, dict) else "it is not a psgd checkpoint"
+
+
+def resumable(path: str, cfg: Config, index: int) -> bool:
+    """Would shard `index` of a job of `cfg` resume from the checkpoint at `path`?"""
+    return not why_not_resume_from(path, cfg, index)
 
 
 def unresumable(cfg: Config, out: str | None) -> list[int]:

@@ -24,7 +24,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.log import log
 from psgd.membership import CoordinatorLink, RegistrationCancelled
-from psgd.shard import Shard, unresumable, write_checkpoint
+from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
 LAYOUT_POLL_S = 0.2
@@ -60,19 +60,30 @@ class ShardServer:
         and, with `whole_set` (a job's start: a shard restarted during a job resumes on its
         own), if every other shard's would be resumed too (`unresumable`: the launcher of
         `psgd run` checks the set before it starts the shards; under Compose or Slurm each
-        shard checks it). Else say why not: this job's checkpoints replace it. True if it
+        shard checks it). Else say why not (its own checkpoint's reason first, the other
+        shards' only when its own would do): this job's checkpoints replace it. A whole
+        set resumed is a new run, which counts from zero (`Shard.new_run`). True if it
         resumed."""
         if not os.path.exists(path):
             return False
-        others = [i for i in unresumable(shard.cfg, self.out) if i != self.index] if whole_set else []
-        why = (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
-               f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
-               f"and resuming a part of the model would mix two" if others else shard.resume(path))
+        why = why_not_resume_from(path, shard.cfg, self.index) or (self._others_unresumable(shard, path)
+                                                                   if whole_set else "")
+        if not why:
+            why = shard.resume(path)
         if why:
             log(self.name, f"not resuming from {path}: {why}; starting afresh")
             return False
+        if whole_set:
+            shard.new_run()
         log(self.name, f"resumed from {path} at version {shard.version}")
         return True
+
+    def _others_unresumable(self, shard: Shard, path: str) -> str:
+        """'' if every other shard's checkpoint would be resumed too, else which would not."""
+        others = [i for i in unresumable(shard.cfg, self.out) if i != self.index]
+        return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
+                f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
+                f"and resuming a part of the model would mix two" if others else "")
 
     def _on_sigterm(self, *_):
         self._term = True

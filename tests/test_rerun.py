@@ -211,6 +211,73 @@ def test_at_a_jobs_start_a_shard_resumes_only_with_the_whole_set(tmp_path, capsy
     assert (folder / "shard-0.pt").exists() and (folder / "shard-1.pt").exists()   # a shard moves no file
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_shards_log_names_its_own_checkpoints_reason_not_another_shards(tmp_path, capsys):
+    """A review: both shards' checkpoints are of an interrupted job of another config (mode
+    sync, the new job async). Each shard's log said only that the *other* shard's
+    checkpoint cannot be resumed and that "resuming a part of the model would mix two",
+    as if its own were fine; README promises the log says why (here: another training
+    configuration)."""
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 2, "mode.name": "async"})
+    sync = cfg.replace(**{"mode.name": "sync"})
+    folder = tmp_path / "checkpoints"
+    for i in range(2):
+        Shard(sync, i).save(str(folder / f"shard-{i}.pt"))
+    server, fresh = shard_server(cfg, tmp_path)
+    assert not server._resume(fresh, str(folder / "shard-0.pt"), whole_set=True)
+    err = capsys.readouterr().err
+    assert "another training configuration" in err and "mix two" not in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_whole_set_resumed_counts_afresh_and_a_restarted_shard_keeps_its_counts(tmp_path):
+    """A review: a new run that resumed the job's checkpoints reported the earlier
+    process's bad messages, dropped gradients and clock gap as its own (its workers'
+    samples and its wall time are its own); a shard restarted during a run keeps them,
+    since the coordinator takes a shard's latest counters as the run's."""
+    cfg = Config().replace(**{"cluster.servers": 1, "cluster.workers": 2})
+    path = str(tmp_path / "checkpoints" / "shard-0.pt")
+    earlier = Shard(cfg, 0)
+    earlier.counters["bad_messages"] = 5
+    earlier.rule.barrier.dropped, earlier.rule.clocks.max_gap = 3, 2
+    earlier.save(path)
+    counted = ("bad_messages", "dropped", "max_clock_gap")
+    for whole_set, counts in ((True, [0, 0, 0]), (False, [5, 3, 2])):
+        server, fresh = shard_server(cfg, tmp_path)
+        assert server._resume(fresh, path, whole_set=whole_set)
+        assert [fresh.stats()[k] for k in counted] == counts, whole_set
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_resumed_jobs_summary_counts_its_own_bad_messages_only(tmp_path):
+    """A review: a job stopped with SIGTERM after 5 malformed messages reached shard 0, then
+    the same command again: the shards resume, and summary.json counts samples, staleness,
+    wall time and failures from this run only, but `bad_messages` (and
+    `dropped_gradients`, `max_clock_gap`: the shard counters restored with the
+    checkpoint) added the earlier process's: this job received none. Here the earlier
+    process's checkpoints are made directly, with 5 bad messages and 3 dropped
+    gradients counted."""
+    port = free_port_block(3)
+    sets = [f"cluster.port={port}", "train.steps=30"]
+    cfg = load(None, sets, env={})
+    for i in range(cfg.cluster.servers):
+        shard = Shard(cfg, i)
+        shard.counters["bad_messages"] = 5
+        shard.rule.barrier.dropped = 3
+        shard.save(str(tmp_path / "checkpoints" / f"shard-{i}.pt"))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--quiet", "--out", str(tmp_path),
+                        *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in (tmp_path / "logs" / "server-0.log").read_text()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["samples"] == 2 * 30 * 32          # this run's only
+    assert (s["bad_messages"], s["dropped_gradients"]) == (0, 0), s   # were 10 and 3: the earlier process's
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_the_same_command_twice_trains_twice(tmp_path):

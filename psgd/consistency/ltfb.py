@@ -206,6 +206,10 @@ class LtfbRule(ServerRule):
         self.board.load_state_dict(sd.get("board", {}))
         self.groups.load_state_dict(sd.get("groups", {}))
 
+    def new_run(self) -> None:
+        super().new_run()
+        self.groups.dropped = 0
+
     def parked(self) -> int:
         return self.exchange.parked + self.outcomes.parked + self.board.parked + self.groups.parked
 

@@ -281,6 +281,11 @@ class ServerRule:
         """A restore from a checkpoint written by `state_dict`."""
         self.hist = Histogram(sd.get("hist"), sd.get("hist_sum"), sd.get("hist_max"))
 
+    def new_run(self) -> None:
+        """Zero the counters of `stats` (a new run resumed from a checkpoint counts its
+        own: `Shard.new_run`); what the rule answers from stays."""
+        self.hist = Histogram()
+
 
 # ---------------------------------------------------------------- the worker schedule
 class Trainer(Protocol):

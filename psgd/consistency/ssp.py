@@ -83,6 +83,10 @@ class SspRule(ServerRule):
         super().load_state_dict(sd)
         self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()}, int(sd.get("max_gap", 0)))
 
+    def new_run(self) -> None:
+        super().new_run()
+        self.clocks.max_gap = 0
+
 
 class ClientCache:
     """Bösen's client cache, as clocks (pure: the model itself is the worker's replica).

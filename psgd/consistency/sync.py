@@ -182,6 +182,10 @@ class SyncRule(ServerRule):
         self.short_steps = int(sd.get("short_steps", 0))
         self.barrier.contributors = [int(r) for r in sd.get("contributors", [])]
 
+    def new_run(self) -> None:
+        super().new_run()
+        self.barrier.dropped = self.clocks.max_gap = self.fast_forwards = self.short_steps = 0
+
 
 class SyncSchedule(PushPullSchedule):
     def resume_clock(self, answers: list) -> int:

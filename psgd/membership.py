@@ -20,10 +20,12 @@ counters and keeps the latest answer (live set, phase, done).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +52,7 @@ RENDEZVOUS_QUIET_S = 2 * REGISTER_RESEND_S + 1.0
 ALL_RANKS_LIVE = "worker ranks are taken and live"
 LATEST_STATS = ("clock", "loss")  # a worker's counters that are not summed over its lives: the last life's
 LARGEST_STATS = ("staleness_max",)  # ... and those that are the largest of its lives'
+COUNTS_KEPT = 32  # a worker's counts kept for `SamplesAt`: about this many over the window
 
 
 def add_stats(past: dict, current: dict) -> dict:
@@ -71,6 +74,43 @@ def add_stats(past: dict, current: dict) -> dict:
     return out
 
 
+class Counts:
+    """A worker's samples (over all its lives) at its heartbeats of the last `window_s`
+    seconds, as (time, samples) points, for `SamplesAt`: a score may arrive long after
+    its read of the model (a slow evaluator on a busy machine), and the count at the
+    read lies between two of these. Bounded: the points are at least window_s /
+    COUNTS_KEPT apart (each beat moves the last one on until it is), and only one is
+    older than the window. O(1) amortized per heartbeat: the coordinator serves a
+    thousand workers'."""
+
+    def __init__(self, window_s: float = 0.0):
+        self.window_s = window_s
+        self.spacing = window_s / COUNTS_KEPT
+        self.points: deque[tuple[float, int]] = deque()
+
+    def add(self, t: float, samples: int) -> None:
+        p = self.points
+        if len(p) >= 2 and p[-1][0] - p[-2][0] < self.spacing:
+            p[-1] = (t, samples)
+        else:
+            p.append((t, samples))
+        while len(p) > 2 and p[1][0] <= t - self.window_s:
+            p.popleft()
+
+    @property
+    def last(self) -> tuple[float, int]:
+        return self.points[-1]
+
+    def at(self, t: float) -> float:
+        """The count at `t`, in proportion between the points around it (a worker's steps
+        are about evenly spaced); before the first point its count, after the last the last."""
+        p = self.points
+        i = bisect.bisect_right(p, t, key=lambda x: x[0])
+        if i == 0 or i == len(p):
+            return p[0][1] if i == 0 else p[-1][1]
+        (t0, s0), (t1, s1) = p[i - 1], p[i]
+        return s0 + (s1 - s0) * (t - t0) / (t1 - t0)
+
 
 @dataclass
 class Member:
@@ -82,10 +122,8 @@ class Member:
     joins: int = 1
     nonce: str = ""                              # that process's registration nonce
     past: dict = field(default_factory=dict)    # the counters of the rank's earlier processes, summed
-    stats_at: float = 0.0                        # when `stats` came (a heartbeat; the join): last_seen also
-    #                                              moves without new counts (a stall excused, a repeated join)
-    before: tuple[float, int] = (0.0, 0)         # (time, samples over all lives) of the heartbeat before the
-    #                                              last (of the join, before a first heartbeat)
+    counts: Counts = field(default_factory=Counts)   # its samples at its recent heartbeats (and its join):
+    #                                              last_seen also moves without new counts (a stall excused)
 
     def totals(self) -> dict:
         """The rank's counters over all its lives."""
@@ -101,22 +139,20 @@ class SamplesAt:
     heartbeat before `t`, moved towards its count at its first one after, in proportion to
     the time between (its steps are about evenly spaced). The count at the score's arrival
     lagged the model by up to a heartbeat period, early in a run several times the true
-    count. A worker heard from only after `t` has its two last heartbeats around it, or
-    just after it; one that finished is final; one never heard from again (lost, or the
-    job ends first) keeps its count before `t`."""
+    count. A worker heard from since `t` has its recent heartbeats (and its finish)
+    around it (`Counts`: a score that took longer than a heartbeat period, too); a live
+    one not heard from since is waited for; one that finished before `t` is final; one
+    never heard from again (lost, or the job ends first) keeps its count before `t`."""
 
     def __init__(self, members: dict[int, Member], t: float):
         self.t = t
         self.known = 0.0
         self.waiting: dict[int, tuple[float, int]] = {}   # rank -> (time, samples) of its last beat before t
         for r, m in members.items():
-            (t0, s0), t1, s1 = m.before, m.stats_at, m.samples()
-            if m.state == "live" and t1 <= t:
-                self.waiting[r] = (t1, s1)
-            elif m.state == "live" and t0 <= t < t1:
-                self.known += s0 + (s1 - s0) * (t - t0) / (t1 - t0)
-            else:   # live, both beats after t: the earlier; finished or lost: its last count
-                self.known += s0 if m.state == "live" else s1
+            if m.state == "live" and m.counts.last[0] <= t:
+                self.waiting[r] = m.counts.last
+            else:
+                self.known += m.counts.at(t)
 
     def beat(self, rank: int, now: float, samples: int) -> None:
         """Rank's count at `now`, its first heartbeat (or its finish) after `t`."""
@@ -139,9 +175,12 @@ class RegistrationCancelled(RuntimeError):
 
 
 class Membership:
-    def __init__(self, world: int, timeout_s: float):
+    def __init__(self, world: int, timeout_s: float, counts_s: float = 0.0):
+        """`counts_s`: how far back each worker's counts are kept (`Counts`; the
+        coordinator's cluster.timeout_s), at least the heartbeat timeout."""
         self.world = world
         self.timeout_s = timeout_s
+        self.counts_s = max(counts_s, timeout_s)
         self.members: dict[int, Member] = {}
         self.version = 0
         self.lost = 0        # workers dropped for missing heartbeats
@@ -178,9 +217,10 @@ class Membership:
                 old.clock = self.current_clock(exclude=rank, default=old.clock)
                 old.past, old.stats, old.nonce = old.totals(), {}, nonce
                 self.restarted += 1
-            old.before, old.stats_at = (now, old.samples()), now
         else:
-            self.members[rank] = Member(rank, now, nonce=nonce, stats_at=now, before=(now, 0))
+            self.members[rank] = Member(rank, now, nonce=nonce, counts=Counts(self.counts_s))
+        m = self.members[rank]
+        m.counts.add(now, m.samples())
         self.version += 1
         return rank
 
@@ -218,19 +258,20 @@ class Membership:
         if m is None or m.state == "lost":
             return False
         if stats and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
-            m.before = (m.stats_at, m.samples())
-            m.stats, m.stats_at = stats, now
+            m.stats = stats
+            m.counts.add(now, m.samples())
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
         return True
 
-    def finish(self, rank: int, stats: dict | None = None, clock: int | None = None) -> None:
+    def finish(self, rank: int, now: float, stats: dict | None = None, clock: int | None = None) -> None:
         m = self.members.get(rank)
         if m and m.state != "finished":
             m.state = "finished"
             if stats:
                 m.stats = stats
+                m.counts.add(now, m.samples())
             if clock is not None:   # its last clock (the heartbeats' is up to a period old)
                 m.clock = max(m.clock, clock)
             self.version += 1
@@ -290,7 +331,8 @@ class Membership:
                                        str(m.get("nonce", "")), dict(m.get("past") or {}))
                         for r, m in sd["members"].items()}
         for m in self.members.values():
-            m.before, m.stats_at = (now, m.samples()), now
+            m.counts = Counts(self.counts_s)
+            m.counts.add(now, m.samples())
         self.version, self.lost, self.rejoined = int(sd["version"]) + 1, int(sd["lost"]), int(sd["rejoined"])
         self.restarted = int(sd.get("restarted", 0))   # older state files do not say
 

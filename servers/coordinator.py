@@ -108,7 +108,7 @@ class Coordinator:
         self.out = out
         self.quiet = quiet
         self.ctx = ctx or zmq.Context.instance()
-        self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s)
+        self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s, cfg.cluster.timeout_s)
         self.epoch = os.urandom(4).hex()  # this coordinator's life: with the membership version, the `live_id`
         self.address = bind_address(cfg.coordinator_address())
         self.sock = server_socket(self.ctx, self.address, cfg.security, MAX_FRAME)
@@ -365,8 +365,9 @@ class Coordinator:
             raise wire.WireError(wire.REFUSED, self._taken_over(msg.rank))
         self._within_job(msg.clock)
         stats = msg.get("stats")
-        self.members.finish(msg.rank, None if stats is None else checked_stats(stats), msg.clock)
-        self._count(msg.rank, time.monotonic())
+        now = time.monotonic()
+        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock)
+        self._count(msg.rank, now)
         if msg.get("hold"):
             self.held_until = time.monotonic() + self.cfg.cluster.timeout_s
         error = msg.get("error")
@@ -381,8 +382,9 @@ class Coordinator:
         (`age_s` before now: the scoring took that long), its samples the workers' count
         at that time: the heartbeats' count now in the answer and the event lines, the
         count at the read in summary.json once every live worker has heartbeated since
-        (`SamplesAt`). An accuracy outside [0, 1] (NaN too) is refused: no score is one.
-        A loss that is not finite is kept (an evaluator's score of a diverged model);
+        (`SamplesAt`, from each worker's counts of the last cluster.timeout_s: a score may
+        take longer than a heartbeat period). An accuracy outside [0, 1] (NaN too) is
+        refused: no score is one. A loss that is not finite is kept (an evaluator's score of a diverged model);
         summary.json writes it as null (metrics.write_json_atomic)."""
         accuracy, loss = float(msg.get("accuracy")), float(msg.get("loss"))
         if not 0.0 <= accuracy <= 1.0:

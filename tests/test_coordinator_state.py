@@ -22,7 +22,7 @@ def test_membership_round_trips_through_its_state_dict():
     for r in range(3):
         m.join(0.0, r)
     m.beat(0, 1.0, 7, {"samples": 10})
-    m.finish(2, {"samples": 3})
+    m.finish(2, 2.0, {"samples": 3})
     m.expire(100.0)  # 0 and 1 are lost
     m.join(101.0, 1)  # 1 comes back
     again = Membership(3, timeout_s=5.0)
@@ -184,7 +184,7 @@ def test_a_ranks_counters_add_up_over_its_processes():
                      "staleness_max": 40}   # the largest of its lives
     assert st[0]["samples"] == 4800 and st[0]["staleness_hist"] == [6, 1]   # not counted twice
     m.join(12.5, 1, nonce="c1")           # restarted again, before it was even missed: a third life
-    m.finish(1, {"samples": 320, "elapsed_s": 1.0, "clock": 160})
+    m.finish(1, 13.0, {"samples": 320, "elapsed_s": 1.0, "clock": 160})
     assert m.stats()[1]["samples"] == 5120 and m.stats()[1]["elapsed_s"] == 16.0
     assert m.members[1].joins == 3
     assert (m.lost, m.rejoined, m.restarted) == (2, 3, 2)   # rank 1 twice a new process; rank 0 came back itself
@@ -303,7 +303,7 @@ def test_a_job_whose_every_worker_was_lost_fails(tmp_path, finished):
     c.members.join(0.0, 1)
     c._start_training()
     if finished:
-        c.members.finish(0, {"samples": 64})
+        c.members.finish(0, 0.0, {"samples": 64})
     for m in c.members.members.values():
         m.last_seen -= 100
     c._tick(time.monotonic())
@@ -406,8 +406,8 @@ def test_a_finished_worker_is_at_the_clock_it_finished_at():
     for r in range(2):
         m.join(0.0, r)
     m.beat(0, 1.0, 2953)
-    m.finish(0, {"samples": 96000}, 3000)
-    m.finish(1, {"samples": 0})
+    m.finish(0, 1.0, {"samples": 96000}, 3000)
+    m.finish(1, 1.0, {"samples": 0})
     assert m.members[0].clock == 3000 and m.members[1].clock == 0
 
 
@@ -490,7 +490,7 @@ def test_a_scores_samples_are_the_workers_count_when_the_model_was_read():
     assert set(at.waiting) == {0, 1}
     m.beat(0, 3.0, 30, {"samples": 300})
     at.beat(0, 3.0, 300)                         # 200 at 2.0, 300 at 3.0: 250 at 2.5
-    m.finish(1, {"samples": 280}, 28)
+    m.finish(1, 2.8, {"samples": 280}, 28)
     at.beat(1, 2.8, 280)                         # 200 at 2.0, 280 at 2.8: 250 at 2.5
     assert not at.waiting and at.value() == 250 + 250 + 250
     m.excuse(10.0, 3.2)                            # a stall: last_seen moves, the counts do not
@@ -518,7 +518,7 @@ def test_a_registration_that_can_get_no_rank_says_why():
     c.members.join(0.0, 1, "b")
     c._start_training()
     assert refusal(want_rank=-1, nonce="c") == "all 2 worker ranks are taken and live"
-    c.members.finish(0, {"samples": 64})
+    c.members.finish(0, 0.0, {"samples": 64})
     assert refusal(want_rank=0, nonce="c") == "rank 0 has finished its share of the job"
     assert refusal(want_rank=-1, nonce="c") == ("no worker rank is free: 1 of 2 finished their share, the others "
                                                 "are live")
@@ -549,6 +549,60 @@ def test_summary_scores_carry_the_samples_at_their_read(monkeypatch):
     for r in range(2):   # the next beats, 0.4 s after the last: 128 samples more each
         serve("heartbeat", rank=r, clock=14, role="worker", index=r, stats={"samples": 448}, live_id="")
     assert c.evals[-1]["samples"] == 2 * (320 + 64) and not c.counting
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_slow_scores_samples_are_the_count_at_its_read_not_at_its_arrival(monkeypatch):
+    """A review: on 2 cores shared by 11 busy processes, the evaluator took ~30 s to score
+    resnet20: summary.json then had {"t": 0.589, "samples": 2048} (the initial model,
+    read before any step; 2048 was the count when the score arrived) and
+    {"t": 30.258, "samples": 3072} (3072 = the job's final count; at 30 s it was ~2048):
+    the coordinator kept each worker's last two heartbeats only, both after the read.
+    README: `samples` is "the workers' count when the evaluator read the model"."""
+    import types
+
+    import psgd.servers.coordinator as module
+    clock = [time.monotonic()]
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": free_port_block(3),
+                              "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> list[wire.Message]:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
+
+    for r in range(2):
+        serve("register", role="worker", want_rank=r, nonce=f"w{r}")
+    # 20 s of training, a heartbeat every 0.5 s, 32 samples a worker per beat
+    for beat in range(1, 41):
+        clock[0] += 0.5
+        for r in range(2):
+            serve("heartbeat", rank=r, clock=beat, role="worker", index=r, stats={"samples": 32 * beat},
+                  live_id="")
+    # a score of the model read 18 s ago (at 2 s: 4 beats, 2 x 128 samples); scoring took 18 s
+    serve("eval", accuracy=0.5, loss=1.0, age_s=18.0)
+    for r in range(2):   # the next beats come; the summary's count is settled by them
+        clock[0] += 0.5
+        serve("heartbeat", rank=r, clock=41, role="worker", index=r, stats={"samples": 32 * 41}, live_id="")
+    e = c.evals[-1]
+    assert abs(e["t"] - 2.0) < 0.6                # the time is the read's (this held)
+    assert e["samples"] <= 2 * 32 * 6, e          # ... and so is the count now: it was 2 x 1248 = 2496
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_workers_counts_cover_the_window_in_bounded_memory():
+    """The counts kept for a score's samples (`Counts`) go back at least the window
+    (cluster.timeout_s) and stay a few dozen points however long the job runs."""
+    from psgd.membership import COUNTS_KEPT
+    m = Membership(1, timeout_s=5.0, counts_s=60.0)
+    m.join(0.0, 0)
+    for beat in range(1, 20_001):                  # 10,000 s of heartbeats every 0.5 s, 32 samples each
+        m.beat(0, beat / 2, beat, {"samples": 32 * beat})
+    counts = m.members[0].counts
+    assert len(counts.points) <= COUNTS_KEPT + 2 and counts.points[0][0] <= 10_000 - 60
+    assert counts.at(10_000 - 59.3) == pytest.approx(64 * (10_000 - 59.3))
 
 
 @pytest.mark.inprocess

@@ -6,8 +6,10 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -440,3 +442,141 @@ def test_a_partitioned_worker_is_dropped_then_rejoins(tmp_path, two_hosts):
     assert s["failures"]["workers_lost"] >= 1 and s["failures"]["workers_rejoined"] >= 1, s["failures"]
     assert s["final_accuracy"] >= 0.9
     assert "rejoined the job" in errs
+
+
+# ---------------------------------------------------------------- a shard this worker cannot reach
+
+UNREACHABLE_TIMEOUT_S = 8.0   # the job's cluster.timeout_s (the coordinator's, which its workers take)
+
+
+class Partition:
+    """A TCP forwarder to a port on loopback; `cut()` stops it forwarding, both ways, with
+    the connections left open (what a network partition does: packets dropped)."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut_off = threading.Event()
+        self.closing = False
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                a, _ = self.listener.accept()
+                b = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                continue   # (the shard not listening yet: ZeroMQ connects again; closed: the loop ends)
+            self.socks += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while not self.closing:
+            if self.cut_off.is_set():   # partitioned: nothing read, nothing sent
+                time.sleep(0.05)
+                continue
+            try:
+                data = src.recv(1 << 16)
+                if not data:
+                    return
+                if not self.cut_off.is_set():   # (what arrived as the cut began is lost)
+                    dst.sendall(data)
+            except OSError:
+                return
+
+    def cut(self) -> None:
+        self.cut_off.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def one_shard_job(tmp_path, port: int, shard_address: str) -> list[subprocess.Popen]:
+    """Shard 0 on port + 1 and worker 0, which is told the shard is at `shard_address`;
+    once both are up (waiting for the coordinator), the coordinator on `port`,
+    with cluster.timeout_s = UNREACHABLE_TIMEOUT_S, too short for the others' start-up on
+    a busy machine. Each daemon's log is tmp_path/ROLE.log."""
+    sets = [f"cluster.port={port}", "cluster.servers=1", "cluster.workers=1", "cluster.evaluator=false",
+            "train.steps=100000", "checkpoint.every_s=0", *FAST_HB]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+
+    def start(*role: str) -> None:
+        with open(tmp_path / f"{role[0]}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "psgd", *role, "--out", str(tmp_path),
+                                           *[x for s in sets for x in ("--set", s)]],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+
+    start("server", "--shard", "0")
+    start("worker", "--rank", "0", "--set", f'cluster.addresses=["{shard_address}"]')
+    wait_until(tmp_path, procs, lambda: all("waiting for the coordinator" in (tmp_path / f"{r}.log").read_text()
+                                            for r in ("server", "worker")), "start-up")
+    start("coordinator", "--set", f"cluster.timeout_s={UNREACHABLE_TIMEOUT_S:g}")
+    return procs
+
+
+def wait_until(tmp_path, procs, done, what: str) -> None:
+    """Wait (up to 120 s) until `done()`; a daemon that exits first fails the test."""
+    deadline = time.monotonic() + 120
+    while not done():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            f"no {what}; the logs end:\n" + "\n".join(f"{f.name}: {f.read_text()[-800:]}"
+                                                      for f in tmp_path.glob("*.log"))
+        time.sleep(0.1)
+
+
+def gives_up_within_timeout(tmp_path, worker: subprocess.Popen, address: str) -> None:
+    """Worker 0 exits 1 within cluster.timeout_s (and a margin), its log naming `address`."""
+    waited = time.monotonic()
+    try:
+        worker.wait(timeout=UNREACHABLE_TIMEOUT_S + 15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"worker 0 still waits after {time.monotonic() - waited:.0f} s (cluster.timeout_s = "
+                    f"{UNREACHABLE_TIMEOUT_S:g}); its log ends:\n{(tmp_path / 'worker.log').read_text()[-1500:]}")
+    text = (tmp_path / "worker.log").read_text()
+    assert worker.returncode == 1 and f"shard at {address} did not answer" in text, text[-1500:]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_a_worker_cut_off_from_a_live_shard_exits_within_timeout_naming_its_address(tmp_path):
+    """A review: README says a worker that cannot reach a shard within cluster.timeout_s
+    exits with an error that names the address. Cut off from its shard (a partition
+    between the two: the shard still heartbeats to the coordinator, which calls it
+    live), the worker waited for ever, saying nothing: a live shard's request was taken
+    for parked and its deadline moved on, again and again. Only what the worker hears
+    from the shard itself keeps it waiting now."""
+    port = free_port_block(2)
+    proxy = Partition(port + 1)
+    procs = []
+    try:
+        procs = one_shard_job(tmp_path, port, f"tcp://127.0.0.1:{proxy.port}")
+        wait_until(tmp_path, procs, lambda: steps_done(str(tmp_path), 0) >= 20, "20 steps")
+        proxy.cut()
+        gives_up_within_timeout(tmp_path, procs[1], f"tcp://127.0.0.1:{proxy.port}")
+    finally:
+        kill_all(procs)
+        proxy.close()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_a_worker_given_a_wrong_shard_address_exits_within_timeout_naming_it(tmp_path):
+    """A review: the same with a shard address nothing listens on (a typo in
+    cluster.addresses, a firewall) while the shard heartbeats to the coordinator: the
+    worker never trained, never said why, and never exited."""
+    port, wrong = free_port_block(2), free_port_block(1)
+    procs = []
+    try:
+        procs = one_shard_job(tmp_path, port, f"tcp://127.0.0.1:{wrong}")
+        wait_until(tmp_path, procs, lambda: "starting at clock" in (tmp_path / "worker.log").read_text(),
+                   "start of training")
+        gives_up_within_timeout(tmp_path, procs[1], f"tcp://127.0.0.1:{wrong}")
+    finally:
+        kill_all(procs)

@@ -9,8 +9,11 @@ request that gets no answer within the retry window is sent again (pushes are
 deduplicated by (rank, clock) and elastic offers by (rank, round), so a resend is
 safe): while its shard heartbeats to the coordinator (it is parked, or slow, most
 likely), on the same connection under the same id, so that the first answer is taken,
-the original's too, with a window that doubles; else on a fresh connection after a
-backoff, until `cluster.timeout_s` runs out; then `ShardUnreachable` names the address.
+the original's too, with a window that doubles, and with a `stats` request that the
+shard answers at once, parked or not; else on a fresh connection after a backoff. Once
+`cluster.timeout_s` passes without anything from a shard that owes an answer (what the
+coordinator hears says nothing of this worker's way to it: a partition, a wrong
+address), `ShardUnreachable` names the address.
 An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
 `wire.ServerFault`) at once. `cancel`, when set, is asked while waiting: turning true
 gives up with `Cancelled` (the job ended).
@@ -48,7 +51,7 @@ class InFlight:
     reqs: list
     pending: dict[int, tuple[int, int]]
     out: list
-    deadline: float
+    sent: float       # when (monotonic): a shard that owes an answer is silent since then, or its last message
     cancel: Callable[[], bool] | None
 
     def take(self, got: dict[int, wire.Message]) -> None:
@@ -113,40 +116,45 @@ class ParameterClient:
             own, extra = self.cancel, cancel
             cancel = lambda: own() or extra()  # noqa: E731
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
-        return InFlight(list(reqs), pending, [None] * len(reqs),
-                        time.monotonic() + self.cfg.cluster.timeout_s, cancel)
+        return InFlight(list(reqs), pending, [None] * len(reqs), time.monotonic(), cancel)
 
     def finish(self, f: InFlight) -> list[wire.Message]:
-        """Wait for the answers of `begin`'s requests (resending on fresh connections
-        with backoff while the deadline allows); the time spent here is `wait_s`."""
+        """Wait for the answers of `begin`'s requests (resending, see the module's
+        docstring, until a shard that owes one is silent for `cluster.timeout_s`); the
+        time spent here is `wait_s`."""
         t0 = time.monotonic()
+        timeout_s = self.cfg.cluster.timeout_s
         backoff = 0.5
-        patience = self.retry_s
+        # At most half the timeout: a parked request's shard is asked at least twice per
+        # timeout_s whether it still answers (its answers move its silence back).
+        patience = min(self.retry_s, timeout_s / 2)
         try:
             while f.pending:
-                window = min(patience, max(0.1, f.deadline - time.monotonic()))
+                silent_s, _ = self._silence(f)
+                window = min(patience, max(0.1, timeout_s - silent_s))
                 try:
                     got = self.peers.wait({rid: i for rid, (_, i) in f.pending.items()}, window,
                                           "parameter request", f.cancel)
                 except PeerTimeout as e:
                     if f.cancel is not None and f.cancel():
                         raise Cancelled(e.address) from None
-                    alive = self._alive(f)
-                    if time.monotonic() >= f.deadline and alive:
-                        # Parked, not lost (a synchronous round waits for a slow worker): the
-                        # shards still heartbeat to the coordinator. Wait another timeout_s.
-                        f.deadline = time.monotonic() + self.cfg.cluster.timeout_s
-                    elif time.monotonic() >= f.deadline:
-                        raise ShardUnreachable(f"worker {self.rank}: shard at {e.address} did not answer within "
-                                               f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s") from None
                     f.take(e.partial)
+                    silent_s, shard = self._silence(f)
+                    if silent_s >= timeout_s:
+                        raise ShardUnreachable(f"worker {self.rank}: shard at {self.peers.addresses[shard]} did not "
+                                               f"answer within cluster.timeout_s = {timeout_s:.0f} s") from None
                     self.retries += 1
+                    alive = self._alive(f)
                     if alive:
                         # Parked or slow, most likely: the requests again (a shard that restarted
                         # lost them) on the same connections under the same ids, so that the
                         # first answer to come is taken, the original's too, and at once; the
-                        # window doubles, up to 4 x retry_s (a parked request waits for a peer).
-                        patience = min(4 * self.retry_s, 2 * patience)
+                        # window doubles, up to 4 x retry_s or half the timeout (a parked request
+                        # waits for a peer). The shard's `stats` answer, which comes at once, says
+                        # that it still hears this worker.
+                        patience = min(4 * self.retry_s, timeout_s / 2, 2 * patience)
+                        for i in {i for _, i in f.pending.values()}:
+                            self.peers.send(i, "stats", rank=self.rank)
                     else:
                         for i in {i for _, i in f.pending.values()}:
                             self.peers.reconnect(i)
@@ -168,6 +176,12 @@ class ParameterClient:
         finally:
             self.wait_s += time.monotonic() - t0
         return f.out
+
+    def _silence(self, f: InFlight) -> tuple[float, int]:
+        """(seconds, shard): the shard that owes `f` an answer and has sent this client
+        nothing for longest, since `f` was sent."""
+        now = time.monotonic()
+        return max((now - max(f.sent, self.peers.heard[i]), i) for _, i in f.pending.values())
 
     def _alive(self, f: InFlight) -> bool:
         """Is every shard that still owes `f` an answer known to be alive?"""

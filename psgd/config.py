@@ -120,7 +120,7 @@ class ClusterConfig:
     servers: int = 2
     workers: int = 2
     addresses: list = field(default_factory=list)  # tcp://HOST:PORT per shard (optional)
-    timeout_s: float = 60.0    # longest wait on any peer
+    timeout_s: float = 60.0    # longest wait on a peer that does not answer (not on a live worker's next step)
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
     evaluator: bool = True     # wait for an evaluator's final score before ending

@@ -139,6 +139,7 @@ class Coordinator:
         self.ended = False                 # restarted after its job ended (`_resume`): nothing to run
         self.counting: list[tuple[dict, SamplesAt]] = []   # scores whose samples wait for the heartbeats after them
         self._last_progress = 0.0
+        self._moved: dict[int, tuple[tuple, float]] = {}   # live rank -> ((clock, wait_s), since when): `_stalled`
         self.stop_requested = False  # set from another thread to end serve() (tests)
         self.scalars = None
         if cfg.eval.tensorboard and out:
@@ -486,8 +487,24 @@ class Coordinator:
         silent = sorted(set(range(self.cfg.cluster.servers)) - set(self.live_shards(now)))
         shards = f"  shards silent: {', '.join(map(str, silent))}" \
             if silent and t > self.cfg.cluster.heartbeat_timeout_s else ""
+        stalled = "; ".join(f"worker {r}: no step for {s:.0f} s" for r, s in self._stalled(now))
+        waiting = f"  waiting for {stalled}" if stalled else ""
         log("coordinator", f"{self.cfg.mode.name}  {t:6.1f} s  step {clock}{total}  samples {n:,}  "
-            f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}{shards}")
+            f"{n / t if t > 0 else 0:,.0f}/s{acc}  live {len(live)}/{self.cfg.cluster.workers}{shards}{waiting}")
+
+    def _stalled(self, now: float) -> list[tuple[int, float]]:
+        """Live workers whose heartbeats have said neither a step nor a wait on the shards
+        (the same clock and wait_s) for cluster.timeout_s or more, with how long: still
+        live, they are never dropped, and the others' steps may wait for them (a sync
+        round) until `psgd run --timeout`. (Seen at each progress line.)"""
+        seen, self._moved = self._moved, {}
+        for r, m in self.members.members.items():
+            if m.state == "live":
+                mark = (m.clock, m.stats.get("wait_s"))
+                was = seen.get(r)
+                self._moved[r] = was if was is not None and was[0] == mark else (mark, now)
+        return [(r, now - since) for r, (_, since) in sorted(self._moved.items())
+                if now - since >= self.cfg.cluster.timeout_s]
 
     def _count(self, rank: int, now: float) -> None:
         """Rank's count at `now` to the scores that wait for it; a score's samples once

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import torch
 from psgd import consistency
 from psgd.config import Config
 from psgd.launcher import LaunchError, LocalJob, run_local
+from tests.conftest import free_port_block
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -285,6 +287,82 @@ def test_psgd_run_fails_when_a_script_fails_after_close(tmp_path):
         run_script(tmp_path / "out", [str(path), str(tmp_path), "0", "fail"],
                    **{"mode.name": "async", "train.steps": 20, "cluster.servers": 1})
     assert "worker-1's script exited with code 1" in str(e.value)
+
+
+SCRIPT_RANK_1_STALLS = """
+import sys, time, torch, psgd
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+ps = psgd.connect(model)
+x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+for k in range(int(sys.argv[1 + ps.rank])):   # rank 0's steps, rank 1's before it stalls
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    print(f"STEP {k}", flush=True)
+    ps.step(samples=8)
+if ps.rank == 1:
+    time.sleep(10 ** 6)     # alive (its heartbeats go on), never steps again: a data loader that deadlocked
+print("CLOSING", flush=True)
+t0 = time.monotonic()
+try:
+    ps.close()
+    print(f"close() returned after {time.monotonic() - t0:.1f} s", flush=True)
+except psgd.JobError as e:
+    print(f"close() raised JobError after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+except BaseException as e:
+    print(f"close() raised {type(e).__module__}.{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}",
+          flush=True)
+"""
+STALL_TIMEOUT_S = 12.0   # cluster.timeout_s: the scripts' start-up on a busy 2-core machine fits in it
+
+
+def stalled_job(tmp_path, mode: str, steps: tuple[int, int]) -> LocalJob:
+    """Two copies of SCRIPT_RANK_1_STALLS, started: rank 0 steps steps[0] times, then
+    closes; rank 1 stalls, still live, after steps[1]."""
+    path = tmp_path / "stalls.py"
+    path.write_text(SCRIPT_RANK_1_STALLS)
+    cfg = Config().replace(**{**SMALL, "cluster.servers": 1, "mode.name": mode, "train.steps": 1000,
+                              "cluster.timeout_s": STALL_TIMEOUT_S, "cluster.heartbeat_s": 0.25,
+                              "cluster.heartbeat_timeout_s": 2, "cluster.port": free_port_block(2)})
+    j = LocalJob(cfg, str(tmp_path / "out"), quiet=True, timeout_s=200, script=[str(path), *map(str, steps)])
+    j.start()
+    return j
+
+
+def child_named(j: LocalJob, name: str):
+    return next(c for c in j.children if c.name == name)
+
+
+def wait_for_line(j: LocalJob, name: str, text: str, timeout: float) -> str:
+    """The first line of child NAME's log that holds `text`, waiting up to `timeout` s."""
+    path = child_named(j, name).log_path
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            found = [line for line in open(path).read().splitlines() if text in line]
+            if found:
+                return found[0]
+        time.sleep(0.2)
+    tail = open(path).read()[-1500:] if os.path.exists(path) else "(no log)"
+    raise AssertionError(f"no {text!r} in {name}'s log within {timeout:.0f} s; it ends:\n{tail}")
+
+
+@pytest.mark.timeout(240)
+def test_a_sync_job_names_a_live_worker_that_does_not_step(tmp_path):
+    """A review: in sync, rank 1's script stalled after connect (its heartbeat thread
+    went on: live, never dropped) and rank 0's step() waited for it with no word, until
+    psgd run's --timeout (an hour by default). cluster.timeout_s does not bound that wait
+    (a slow step is legitimate), but the coordinator's progress line now names the
+    worker the job waits for once it has neither stepped nor waited on the shards for
+    cluster.timeout_s."""
+    j = stalled_job(tmp_path, "sync", (1000, 0))
+    try:
+        wait_for_line(j, "worker-0", "STEP 0", 120)
+        line = wait_for_line(j, "coordinator-0", "waiting for worker", STALL_TIMEOUT_S + 20)
+        assert "waiting for worker 1: no step for" in line and "worker 0" not in line, line
+        assert child_named(j, "worker-0").poll() is None   # (still waiting: --timeout bounds it)
+    finally:
+        j.stop()
 
 
 @pytest.mark.timeout(120)

@@ -67,6 +67,7 @@ class ParameterClient:
         self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security)
         self.retry_s = max(2.0, 4 * cfg.cluster.heartbeat_s)  # resend window (a restarted shard lost them)
         self.wait_s = 0.0     # time blocked on the servers
+        self._waiting_since = 0.0   # when the wait in progress began (monotonic; 0: none)
         self.retries = 0
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
         self.alive: Callable[[int], bool] | None = None  # is shard i heartbeating (the coordinator's view)?
@@ -122,7 +123,7 @@ class ParameterClient:
         """Wait for the answers of `begin`'s requests (resending, see the module's
         docstring, until a shard that owes one is silent for `cluster.timeout_s`); the
         time spent here is `wait_s`."""
-        t0 = time.monotonic()
+        t0 = self._waiting_since = time.monotonic()
         timeout_s = self.cfg.cluster.timeout_s
         backoff = 0.5
         # At most half the timeout: a parked request's shard is asked at least twice per
@@ -175,7 +176,14 @@ class ParameterClient:
             raise
         finally:
             self.wait_s += time.monotonic() - t0
+            self._waiting_since = 0.0
         return f.out
+
+    def waited(self) -> float:
+        """`wait_s` with the wait in progress (a heartbeat's: the coordinator tells a
+        worker parked in a long step from one that does not step)."""
+        since = self._waiting_since
+        return self.wait_s + (time.monotonic() - since if since else 0.0)
 
     def _silence(self, f: InFlight) -> tuple[float, int]:
         """(seconds, shard): the shard that owes `f` an answer and has sent this client

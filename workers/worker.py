@@ -100,7 +100,7 @@ class Worker:
         c = getattr(self, "client", None)
         return {"samples": self.samples, "steps": self.steps, "clock": self.clock,
                 "elapsed_s": round(time.monotonic() - self.t_start, 4),
-                "wait_s": round(c.wait_s if c else 0.0, 4), "bytes_sent": c.bytes_sent if c else 0,
+                "wait_s": round(c.waited() if c else 0.0, 4), "bytes_sent": c.bytes_sent if c else 0,
                 "bytes_recv": c.bytes_recv if c else 0, **self.hist.stats(),
                 "loss": self.loss if self.loss == self.loss else None, "retries": c.retries if c else 0,
                 "rejected": self.rejected}

@@ -41,7 +41,8 @@ differ is refused). A model with no trainable parameter is a ConfigError. On `cl
 rank 0 waits for the other workers to finish (while they are live, however long),
 loads the job's final global model into its `model` and saves it as
 DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
-`JobError` and saves nothing. A worker that fails (too many refused steps, shards
+`JobError` and saves nothing (a coordinator that stops answering for cluster.timeout_s
+is a `JobError` too). A worker that fails (too many refused steps, shards
 unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) and a
 `report()` after the job ended; an exception inside `with` ends the job with its reason
 (`sys.exit()` or `sys.exit(0)` there is a clean end).
@@ -278,17 +279,29 @@ class Connection(Worker):
         if error or self.rank != 0:
             return self._end(error)
         held = self._report_end("", hold=True)
-        abort = ""
+        abort = problem = ""
         try:
             abort = self._final_model() if held else self.link.state.get("abort", "")
         finally:
             try:
-                if held:
-                    self.link.call("release")
+                problem = self._release(held)
             finally:  # a coordinator gone by now must not keep the pid file and the sockets
                 self._end("", reported=True)
         if abort:
             raise _aborted(abort)
+        if problem:
+            raise JobError(f"close(): {problem}")
+
+    def _release(self, held: bool) -> str:
+        """Let the job end (`held`: rank 0 held its end for the final model), unless the
+        coordinator stopped answering meanwhile: another cluster.timeout_s would go on it
+        for nothing (a hold ends by itself). What went wrong with the coordinator, or ''."""
+        if held and not self.link.unanswered:
+            try:
+                self.link.call("release")
+            except (PeerTimeout, HandshakeFailed, wire.RemoteError) as e:
+                return f"release: {getattr(e, 'reason', e)}"
+        return f"the coordinator stopped answering ({self.link.unanswered})" if self.link.unanswered else ""
 
     def __enter__(self) -> Connection:
         return self

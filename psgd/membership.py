@@ -355,6 +355,7 @@ class CoordinatorLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
+        self.unanswered = ""              # the last `call`'s PeerTimeout, until one is answered
         self.nonce = os.urandom(8).hex()  # this daemon's registrations, to the coordinator
         self._registrations = 0           # answers to older ones are not applied over a newer one's
         self._applying = threading.Lock()
@@ -489,18 +490,24 @@ class CoordinatorLink:
         """A request (finish, eval) from the caller's thread, on one socket kept open
         for all of them. Unanswered, it is sent again on a fresh connection every
         `REGISTER_RESEND_S` (a restarted coordinator lost it; finish is idempotent)
-        until `timeout` (default cluster.timeout_s) runs out."""
+        until `timeout` (default cluster.timeout_s) runs out: then `PeerTimeout` says
+        how long it waited in all, and `unanswered` keeps it until a call is answered."""
         if self._calls is None:
             self._calls = Peers(self.ctx, [self.address], self.cfg.security)
-        deadline = time.monotonic() + (timeout or self.cfg.cluster.timeout_s)
+        start = time.monotonic()
+        deadline = start + (timeout or self.cfg.cluster.timeout_s)
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._calls.call(0, op, max(0.01, min(REGISTER_RESEND_S, left)), **kw)
+                answer = self._calls.call(0, op, max(0.01, min(REGISTER_RESEND_S, left)), **kw)
+                self.unanswered = ""
+                return answer
             except PeerTimeout:
                 self._calls.reconnect(0)
                 if left <= REGISTER_RESEND_S:
-                    raise
+                    e = PeerTimeout(self.address, time.monotonic() - start, op)
+                    self.unanswered = str(e)
+                    raise e from None
 
     def close(self) -> None:
         """Stop heartbeating and close the call socket."""

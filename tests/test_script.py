@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -362,6 +363,27 @@ def test_a_sync_job_names_a_live_worker_that_does_not_step(tmp_path):
         assert "waiting for worker 1: no step for" in line and "worker 0" not in line, line
         assert child_named(j, "worker-0").poll() is None   # (still waiting: --timeout bounds it)
     finally:
+        j.stop()
+
+
+@pytest.mark.timeout(240)
+def test_close_with_the_coordinator_stopped_gives_up_within_timeout_with_a_job_error(tmp_path):
+    """A review: README says rank 0's close() gives up if the coordinator stops answering
+    for cluster.timeout_s. With the coordinator stopped (SIGSTOP) while close() waited
+    for rank 1, close() took twice that (the status poll's timeout, then the `release`
+    call's) and raised the transport's PeerTimeout, which said 3 s (its last window).
+    Now it skips the release and raises JobError."""
+    j = stalled_job(tmp_path, "async", (5, 5))
+    coordinator = j.children[0]
+    try:
+        wait_for_line(j, "worker-0", "CLOSING", 120)
+        time.sleep(1.0)   # rank 0 polls the coordinator's status in close()
+        coordinator.proc.send_signal(signal.SIGSTOP)
+        line = wait_for_line(j, "worker-0", "close() r", 2 * STALL_TIMEOUT_S + 20)
+        assert line.startswith("close() raised JobError") and "the coordinator stopped answering" in line, line
+        assert float(line.split(" after ")[1].split(" s")[0]) <= STALL_TIMEOUT_S + 5, line
+    finally:
+        coordinator.proc.send_signal(signal.SIGCONT)
         j.stop()
 
 

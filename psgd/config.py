@@ -420,10 +420,12 @@ def validate(cfg: Config) -> None:
     _check(m.dc_lambda >= 0, "mode.dc_lambda must be >= 0")
     _check(m.tau >= 1, f"mode.tau must be >= 1, got {m.tau}")
     _check(0 <= m.alpha < 1, f"mode.alpha must be in [0, 1), got {m.alpha}")
-    _check(m.name != "easgd" or not m.sync or m.alpha * c.workers < 2,
-           f"mode.alpha = {m.alpha} with {c.workers} workers: synchronous EASGD moves the centre by "
-           f"beta = alpha x workers = {m.alpha * c.workers:g} times (mean - centre) a round, which diverges "
-           f"unless beta < 2 (Zhang et al. use beta = 0.9: alpha = 0.9 / workers, the default, mode.alpha = 0)")
+    _check(m.name != "easgd" or not m.sync or m.alpha * (c.workers + 1) < 2,
+           f"mode.alpha = {m.alpha} with {c.workers} workers: a synchronous EASGD round moves each worker by "
+           f"-alpha (x_i - centre) and the centre by alpha x workers (mean - centre), so mean - centre changes by "
+           f"1 - alpha (workers + 1) = {1 - m.alpha * (c.workers + 1):.3g} times a round, which diverges unless "
+           f"alpha (workers + 1) < 2, i.e. mode.alpha < {2 / (c.workers + 1):.3g} "
+           f"(Zhang et al. use beta = 0.9: alpha = 0.9 / workers, the default, mode.alpha = 0)")
     _check(m.round_steps >= 1, f"mode.round_steps must be >= 1, got {m.round_steps}")
     _check(0 < m.tournament_fraction < 1, "mode.tournament_fraction must be in (0, 1)")
     _check(m.exchange in ("weights", "weights+optimizer"),

@@ -41,7 +41,8 @@ def test_set_parses_toml_values():
     (["mode.sync=maybe"], "expected true or false"),
     (["badformat"], "expected section.key=value"),
     (["security.curve=true"], "security.keys"),
-    (["mode.name=easgd", "mode.sync=true", "mode.alpha=0.3", "cluster.workers=8"], "diverges unless beta < 2"),
+    (["mode.name=easgd", "mode.sync=true", "mode.alpha=0.3", "cluster.workers=8"],
+     "diverges unless alpha (workers + 1) < 2, i.e. mode.alpha < 0.222"),
     (["sim.compute_s=inf"], "sim.compute_s must be finite, got inf"),      # was accepted: Infinity in compare.json
     (["faults.step_delay_s=inf"], "faults.step_delay_s must be finite"),
     (["train.seconds=inf"], "train.seconds must be finite"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from psgd import wire
-from psgd.config import Config
+from psgd.config import Config, ConfigError, load
 from psgd.consistency.easgd import EasgdSchedule
 from psgd.shard import Shard
 from tests.loopback import FakeTrainer, Loopback, flat
@@ -137,6 +137,29 @@ def test_sync_a_resent_offer_of_the_open_round_is_answered_when_the_round_closes
     torch.testing.assert_close(shard.params.detach(), c0 + ALPHA * (x0 - c0) + ALPHA * (x1 - c0))
     late = wire.decode(shard.handle("resend again", _offer(shard, 0, 0, x0))[0][1])  # after the close
     assert late.op == "reply" and late.get("dropped") is True and shard.version == 1
+
+
+@pytest.mark.timeout(60)
+def test_sync_an_alpha_the_config_accepts_shrinks_the_gap_between_the_workers_and_the_centre():
+    """A review: a synchronous round moves every worker by -alpha (x_i - c) and the
+    centre by alpha W (mean - c), so mean - c changes by 1 - alpha (W + 1) a round. The
+    config bounded alpha W < 2 only: W = 2, alpha = 0.9 was accepted, and with no
+    gradient the exchange alone made the gap grow x1.7 a round. alpha (W + 1) < 2 is
+    now the bound; the largest alpha it accepts, and the default 0.9 / W, shrink it."""
+    sets = ["mode.name=easgd", "mode.sync=true", "cluster.workers=2", "cluster.servers=1"]
+    with pytest.raises(ConfigError, match=r"mode.alpha < 0.667"):
+        load(None, [*sets, "mode.alpha=0.9"], env={})
+    for alpha, factor in ((0.66, 0.98), (0, 0.35)):   # |1 - alpha (W + 1)|, the default alpha = 0.45
+        shard = Shard(load(None, [*sets, f"mode.alpha={alpha}"], env={}), 0)
+        c0 = shard.params.detach().clone()
+        xs = [c0 + 0.01, c0 + 0.03]                # two replicas near the centre, no gradient
+        gaps = []
+        for rnd in range(4):
+            replies = [r for rank in (0, 1) for r in shard.handle(rank, _offer(shard, rank, rnd, xs[rank]))]
+            ds = {t: torch.from_numpy(wire.decode(f).arrays[0].copy()) for t, f in replies}
+            xs = [xs[r] - ds[r] for r in (0, 1)]
+            gaps.append(float((torch.stack(xs).mean(0) - shard.params.detach()).abs().max()))
+        np.testing.assert_allclose(np.array(gaps[1:]) / gaps[:-1], factor, rtol=1e-3)
 
 
 @pytest.mark.timeout(60)

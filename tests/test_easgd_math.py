@@ -140,6 +140,32 @@ def test_sync_a_resent_offer_of_the_open_round_is_answered_when_the_round_closes
 
 
 @pytest.mark.timeout(60)
+def test_sync_a_resent_offer_waiting_for_a_later_round_is_not_refused_as_superseded():
+    """A review: a shard restored from an older checkpoint meets a worker whose offer is
+    for a later round, and the offer waits (sync's `early`). The client resent it after
+    retry_s while the other worker had not yet shown it was past the open round: the
+    original was refused ('step 3 was superseded by 3'), so the worker's exchange raised
+    Refused and counted a rejected step (max_rejections of them abort the job). The
+    resend now waits in its place, as a resend of the open round's offer does."""
+    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": True, "cluster.workers": 2, "cluster.servers": 1,
+                              "mode.alpha": ALPHA, "mode.tau": 4, "train.steps": 40})
+    shard = Shard(cfg, 0)
+    old = shard.state_dict()                       # a checkpoint at round 0
+    c = shard.params.detach().clone()
+    for rnd in range(3):                           # rounds 0..2 close on the shard's first life
+        shard.handle(("a", rnd), _offer(shard, 0, rnd, c + 1.0))
+        shard.handle(("b", rnd), _offer(shard, 1, rnd, c - 1.0))
+    restored = Shard(cfg, 0)
+    restored.load_state_dict(old)
+    assert restored.handle("first", _offer(restored, 0, 3, c + 1.0)) == []   # waits: worker 1 may offer round 0
+    assert restored.handle("resend", _offer(restored, 0, 3, c + 1.0)) == []  # the client's resend, same id
+    replies = restored.handle("worker 1", _offer(restored, 1, 3, c - 1.0))   # rounds 0..2 skipped, 3 closes
+    assert sorted(t for t, _ in replies) == ["resend", "worker 1"]
+    assert all(wire.decode(f).op == "reply" for _, f in replies)
+    assert restored.counters["bad_messages"] == 0 and restored.version == 1
+
+
+@pytest.mark.timeout(60)
 def test_sync_an_alpha_the_config_accepts_shrinks_the_gap_between_the_workers_and_the_centre():
     """A review: a synchronous round moves every worker by -alpha (x_i - c) and the
     centre by alpha W (mean - c), so mean - c changes by 1 - alpha (W + 1) a round. The

@@ -6,8 +6,9 @@ With `mode.sync = true` the offers of a round wait for each other (sync's round
 barrier, with its recovery after a restore or a rejoin); the centre moves by the sum
 of the round's d_i, and an offer that comes after its round closed gets its d without
 moving the centre. A worker's offer moves the centre once: its resend (the client's,
-after `retry_s` without an answer) is answered, by the open round's close in sync, or
-with its d and the centre unmoved once its round has moved it.
+after `retry_s` without an answer) is answered, by its round's close in sync (also
+while it waits for a later round: `SyncRule.wait`), or with its d and the centre
+unmoved once its round has moved it.
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
 Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, tau,

@@ -69,14 +69,20 @@ class SyncRule(ServerRule):
 
     def wait(self, e) -> list[Decision]:
         """A contribution to a later step waits at the shard, as a read does, until its
-        step opens (one per worker: a newer one replaces it). Its worker has shown that
-        it will not contribute to the open step."""
-        out: list[Decision] = []
+        step opens (one per worker: one for another step replaces it, and the replaced
+        one is refused). Its worker has shown that it will not contribute to the open
+        step. Another for the same step is a resend (the client's, after `retry_s`: an
+        easgd offer; the shard answers a push's as a duplicate before it comes here):
+        the waiting copy stays and will answer the resend's token, as `take` does with
+        a DUPLICATE of the open step."""
         old = self.early.pop(e.rank, None)
-        if old is not None:
-            out.append(Refuse(old.token, REFUSED, f"step {self.step_of(old)} was superseded by {self.step_of(e)}"))
+        if old is not None and self.step_of(old) == self.step_of(e):
+            self.early[e.rank] = replace(old, token=e.token)
+            return []
         self.early[e.rank] = self.keep(e)
-        return out
+        if old is None:
+            return []
+        return [Refuse(old.token, REFUSED, f"step {self.step_of(old)} was superseded by {self.step_of(e)}")]
 
     def settle(self) -> list[Decision]:
         """Close every complete step and take the waiting pushes whose step is open. A

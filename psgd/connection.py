@@ -364,7 +364,7 @@ class Connection(Worker):
                     renewed = time.monotonic()
             except (PeerTimeout, wire.RemoteError) as e:
                 log(self.name, f"the coordinator stopped answering ({e}): no final model")
-                return ""
+                return self.link.state.get("abort", "")   # (its heartbeats' answers may have said why)
             time.sleep(FINAL_POLL_S)
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         if self.out:

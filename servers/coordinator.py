@@ -132,6 +132,7 @@ class Coordinator:
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
+        self.holder: int | None = None     # ... that worker's rank (it must hear an abort: _lingered)
         self.state_path = os.path.join(out, STATE_FILE) if out else ""
         self._saved: tuple = ()
         self._saved_at = 0.0
@@ -298,7 +299,7 @@ class Coordinator:
 
     def on_release(self, ident, msg: wire.Message) -> list[Reply]:
         """The worker that held the end of the job (finish with hold) is done with it."""
-        self.held_until = 0.0
+        self.held_until, self.holder = 0.0, None
         return [(ident, wire.reply(msg, **self._view()))]
 
     def _start_training(self) -> list[Reply]:
@@ -370,7 +371,7 @@ class Coordinator:
         self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock)
         self._count(msg.rank, now)
         if msg.get("hold"):
-            self.held_until = time.monotonic() + self.cfg.cluster.timeout_s
+            self.held_until, self.holder = time.monotonic() + self.cfg.cluster.timeout_s, msg.rank
         error = msg.get("error")
         self.events.write(event="finish", rank=msg.rank, **({"error": error} if error else {}))
         if error and self.phase == "training" and not self.abort:
@@ -561,14 +562,16 @@ class Coordinator:
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
-        job's shards, its evaluator (if any), and every worker still live (an aborted
-        job's worker blocked at a barrier learns of the end only so; finished and lost
-        ones need not)."""
+        job's shards, its evaluator (if any), every worker still live (an aborted job's
+        worker blocked at a barrier learns of the end only so; finished and lost ones need
+        not), and a finished worker that holds the job's end (rank 0 of a script waiting
+        to read the final model: an abort, which ends the job through its hold, reaches
+        it only so)."""
         daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
         if self.cfg.cluster.evaluator:
             daemons.add(("evaluator", 0))
         workers = {who for role, who in self.told_done if role == "worker"}
-        live = set(self.members.live())
+        live = set(self.members.live()) | ({self.holder} if self.holder is not None else set())
         heard = daemons <= self.told_done and live <= workers
         return heard or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
 

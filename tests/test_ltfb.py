@@ -12,6 +12,7 @@ import json
 import math
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from psgd import wire
 from psgd.config import Config, ConfigError, load
 from psgd.consistency.ltfb import LtfbRule, LtfbSchedule, pack_meta, unpack_meta
-from psgd.consistency.rule import FINAL_ROUND, AnswerModel, Deposit, Fetch, Push, Read
+from psgd.consistency.rule import FINAL_ROUND, AnswerModel, Deposit, Diverged, Fetch, Push, Read
 from psgd.consistency.tournament import (
     GroupSteps,
     Late,
@@ -396,16 +397,16 @@ def test_a_fetch_takes_every_slice_of_one_deposit_when_the_shards_hold_different
     shards, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
     meta = [0.0, -1.0, math.nan, math.nan]
     s1.deposit(w1, 1, 0.5, meta, s1.with_opt)
-    assert {m.get("round") for m in s0.fetch(w0, 1, 1)} == {1}
+    assert {m.get("round") for m in s0.fetch(w0, 1, 1, 0.0)} == {1}
     before = shards[0].state_dict()                    # shard 0's periodic checkpoint
     s1.step(w1)
     s1.deposit(w1, 2, 0.6, meta, s1.with_opt)
     shards[0].load_state_dict(before)                  # kill -9: restored without round 2
     notes = []
     w0.note = notes.append
-    assert s0.fetch(w0, 1, 1) is None and "trainer 1 did not deliver its model" in notes[0]
+    assert s0.fetch(w0, 1, 1, 0.0) is None and "trainer 1 did not deliver its model" in notes[0]
     s1.deposit(w1, 3, 0.7, meta, s1.with_opt)          # trainer 1 moves on: every shard has round 3
-    assert {m.get("round") for m in s0.fetch(w0, 1, 1)} == {3}
+    assert {m.get("round") for m in s0.fetch(w0, 1, 1, 0.0)} == {3}
 
 
 @unit
@@ -598,3 +599,172 @@ def test_a_fetch_of_a_trainer_that_does_not_exist_is_refused_not_parked_for_good
         (_, op, fields, _), = _ask(shard, ltfb_request("get_model", 0, round=rnd, owner=owner))
         assert (op, fields.get("code")) == ("error", wire.REFUSED), fields
     assert shard.rule.parked() == 0
+
+
+class WaitingLoopback(TourLoopback):
+    """A loopback that waits for parked requests, as ParameterClient does: every reply a
+    shard gives goes to its token; an unanswered request is resent on the same token
+    every RESEND_S (the real client's retry window) until `cancel()` turns true."""
+    RESEND_S = 0.2
+    GIVE_UP_S = 8.0
+    lock = threading.Lock()
+    replies: dict = {}
+
+    def request(self, reqs, cancel=None):
+        out = []
+        for i, op, fields in reqs:
+            token = ("wl", self.rank, time.monotonic_ns())
+            frames = wire.encode(op, id=hash(token) & 0xFFFFFF, rank=self.rank, **fields)
+            msg = wire.decode([bytes(f) for f in frames])
+            t0, sent = time.monotonic(), -1.0
+            while True:
+                with self.lock:
+                    if time.monotonic() - sent >= self.RESEND_S:
+                        for tok, reply in self.shards[i].handle(token, msg):
+                            self.replies[tok] = reply
+                        sent = time.monotonic()
+                    reply = self.replies.pop(token, None)
+                if reply is not None:
+                    break
+                if cancel is not None and cancel():
+                    raise Cancelled("cancelled")
+                if time.monotonic() - t0 > self.GIVE_UP_S:
+                    raise TimeoutError(f"rank {self.rank}: {op} {fields.get('round')}/{fields.get('owner')} on "
+                                       f"shard {i} still parked after {self.GIVE_UP_S} s")
+                time.sleep(0.01)
+            out.append(wire.raise_if_error(wire.decode([bytes(f) for f in reply]), f"shard {i}"))
+        return out
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_pairwise_partners_do_not_wait_for_good_after_a_shard_restores_an_older_checkpoint():
+    """A review: a shard killed after both partners of a pair deposited round r, and
+    restored from its periodic checkpoint (written before those deposits), held
+    neither deposit; each partner's fetch of the other's model was parked there until
+    the other deposited round r or later, which it never did, waiting for this one: both
+    trainers hung (the truncation board was fixed for this case, the pairwise swap was
+    not). A deposit that a shard lacks is made again once the partner's model comes, or
+    while it does not come."""
+    cfg = ltfb_cfg(**{"cluster.servers": 1, "mode.round_steps": 3})
+    shards, ts = trainers_on(cfg, 2)
+    for w, _ in ts:
+        w.client = WaitingLoopback(shards, w.rank)
+    for w, s in ts:
+        for _ in range(2):
+            s.step(w)
+    checkpoint = shards[0].state_dict()      # the shard's periodic checkpoint, before round 1
+
+    def restore():                           # kill -9 after both deposits, restarted from it
+        with WaitingLoopback.lock:
+            shards[0].load_state_dict(checkpoint)
+    both_deposited = threading.Barrier(2, action=restore)
+    for _, s in ts:
+        real = s.fetch
+
+        def fetch(*args, real=real):
+            both_deposited.wait()
+            return real(*args)
+        s.fetch = fetch
+    errors = []
+
+    def run(w, s):
+        try:
+            s.step(w)                        # clock 3: the tournament of round 1
+        except BaseException as e:           # noqa: BLE001
+            errors.append(repr(e))
+    threads = [threading.Thread(target=run, args=t) for t in ts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for w, _ in ts:
+        assert [e["partner"] for e in w.events] == [1 - w.rank]
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_diverged_trainer_loses_its_next_tournament_instead_of_ending_the_job():
+    """A review: docs/modes.md says a diverged trainer loses its next tournament, but a
+    NaN loss raised Diverged before the trainer's clock moved, so it never reached one:
+    after cluster.max_rejections steps the whole job was aborted ('worker 3: loss is nan
+    at step 7'), which is what mode.explore with a wide lr range produces. It now skips
+    its updates until its tournament and takes its partner's model there; with no other
+    trainer to take a model from, the job still ends."""
+    cfg = ltfb_cfg(**{"mode.metric": "loss", "mode.round_steps": 3})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(3):                       # trainer 0 trains a round and deposits round 1
+        s0.step(w0)
+    theirs = flat(w0.replica.params())
+    with torch.no_grad():                    # trainer 1 has diverged: NaN weights, NaN loss
+        for p in w1.replica.model.parameters():
+            p.fill_(math.nan)
+
+    def nan_compute():
+        for p in w1.replica.model.parameters():
+            p.grad = torch.full_like(p, math.nan)
+        return math.nan
+    w1.compute = nan_compute
+    for _ in range(3):                       # its next tournament (round 1, at clock 3)
+        s1.step(w1)
+    assert w1.clock == 3
+    assert torch.equal(flat(w1.replica.params()), theirs)   # it lost: it holds trainer 0's model
+    (line,) = w1.events
+    assert line["adopted"] and line["partner"] == 0 and line["local_score"] is None
+    _, [(alone, s)] = trainers_on(cfg, 1)    # a lone trainer: nothing can replace its model
+    alone.compute = lambda: math.nan
+    with pytest.raises(Diverged, match="loss is nan at step 0; lower optimizer.lr"):
+        s.step(alone)
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_restarted_trainer_keeps_the_hyperparameters_of_the_model_it_resumes():
+    """A review: mode.explore's values 'then change only by adoption and mutation', but a
+    worker restarted into the job resumed the best deposit's weights with its trainer's
+    initial draw: the explored, mutated values that travelled with that model were lost
+    (and, for a restarted leader, its outcome handed them to its whole group)."""
+    explore = {"optimizer.lr": [0.01, 0.5], "optimizer.momentum": [0.5, 0.95]}
+    cfg = ltfb_cfg(**{"mode.explore": explore})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(2):                       # trainer 1's weights move away from trainer 0's
+        s1.step(w1)
+    s1.deposit(w1, 1, 0.9, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    theirs = flat(w1.replica.params())
+    w0.replica.score = lambda *a, **k: (0.9 if torch.equal(flat(w0.replica.params()), theirs) else 0.1, 0.0)
+    s0.lead(w0, 1)                           # trainer 0 adopts trainer 1's model: mutated hyperparameters
+    mutated = dict(s0.hyper)
+    assert mutated != draw_hyper(explore, cfg.job.seed, 0)
+    for _ in range(3):
+        s0.step(w0)
+    s1.deposit(w1, 2, 0.0, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    w0.replica.score = lambda *a, **k: (1.0, 0.0)
+    s0.deposit(w0, 2, 1.0, [0.0, -1.0, math.nan, math.nan], s0.with_opt)
+    deposited = flat(w0.replica.params())
+    again = LtfbSchedule(cfg)                # worker 0 is killed and restarted into the job
+    again.start(w0)
+    assert torch.equal(flat(w0.replica.params()), deposited)   # it resumes its own deposit (the best)
+    assert again.hyper == mutated
+    assert again.opt.param_groups[0]["momentum"] == mutated["optimizer.momentum"]
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_an_explored_learning_rate_reaches_a_training_scripts_optimizer():
+    """A review: with psgd.connect(model, optimizer, score=fn) in ltfb, an explored lr went
+    only into `opt_cfg`, which `schedule_lr` never applies to the script's own optimizer,
+    while an explored momentum went into its param_groups: the lr exploration did
+    nothing, yet every tournament line's `hyper` (and hyper_N.png) showed each trainer
+    at its drawn, later mutated, lr."""
+    explore = {"optimizer.lr": [0.01, 0.5], "optimizer.momentum": [0.5, 0.95]}
+    cfg = ltfb_cfg(**{"mode.explore": explore})
+    shards, [(w, _)] = trainers_on(cfg, 1)
+    w.user_optimizer = torch.optim.SGD(w.replica.model.parameters(), lr=0.1, momentum=0.9)   # the script's
+    s = LtfbSchedule(cfg)
+    s.start(w)
+    s.step(w)
+    drawn = draw_hyper(explore, cfg.job.seed, 0)
+    assert s.hyper == drawn                                   # what the tournament lines report
+    assert s.opt.param_groups[0]["momentum"] == drawn["optimizer.momentum"]
+    assert s.opt.param_groups[0]["lr"] == drawn["optimizer.lr"]

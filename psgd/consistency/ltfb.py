@@ -34,6 +34,9 @@ follows (LBANN ends with a final local round after the last tournament), the lea
 3. on adopting, takes the partner's hyperparameters times (1 - m) or (1 + m)
    (`mode.mutation`); with `weights+optimizer` also its optimizer state;
 4. deposits the outcome for its group; every worker writes a `tournament` line.
+A diverged trainer (a non-finite loss) skips its updates until its next round, which it
+loses (`LtfbSchedule.diverge`). A deposit that a shard lost (restored from an older
+checkpoint) is made again while its trainer waits for its partner's (`keep_deposit`).
 
 The global model (for the evaluator and a rejoining worker) is the best-scored
 deposit of the latest round: its (round, trainer) is chosen once from every shard's
@@ -43,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -275,23 +280,38 @@ class LtfbSchedule(Schedule):
         self.with_opt = m.exchange == "weights+optimizer"
         self.explore = dict(m.explore)
         self.hyper: dict[str, float] = {}
+        self.diverged = False   # a non-finite loss since the last tournament (`diverge`)
 
     # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
         self.trainer = trainer_of(w.rank, self.k)
-        self.rejoin(w)
         self.opt = make_local_optimizer(w)
+        self.scripts_optimizer = self.opt is getattr(w, "user_optimizer", None)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
+        self.rejoin(w)
         self.t_round = w.now()
         self.round_s = 0.0
 
     def rejoin(self, w: Trainer) -> None:
-        """Continue from the best trainer's model (a group's next outcome re-aligns it)."""
-        load(w, global_model(w.client))
+        """Continue from the best trainer's model, with the hyperparameters (and, with
+        weights+optimizer, the optimizer state) deposited with it: explored values
+        change only by adoption and mutation, so a restarted worker does not go back to
+        its trainer's initial draw. Before any deposit: the initial model, with the
+        values we have (a group's next outcome re-aligns them)."""
+        got = global_model(w.client)
+        load(w, got)
+        if got[0].get("owner") is None:   # the shards' tables: no deposit yet
+            return
+        if self.with_opt:
+            self.load_opt_state(w, got)
+        if self.explore:
+            self.set_hyper(self.read_meta(got)[1])
 
     def set_hyper(self, hyper: dict[str, float]) -> None:
         """The trainer's hyperparameters into its optimizer (the learning rate through its
-        schedule: `opt_cfg`)."""
+        schedule, `opt_cfg`; a training script's own optimizer, whose rate `schedule_lr`
+        leaves alone, takes it into its param groups, where the script's own scheduler,
+        if any, may change it)."""
         self.hyper = dict(hyper)
         values = {key.split(".", 1)[1]: v for key, v in hyper.items()}
         base = self.cfg.optimizer
@@ -300,7 +320,7 @@ class LtfbSchedule(Schedule):
             for g in self.opt.param_groups:
                 if name == "momentum" and "betas" in g:   # Adam's momentum is beta1
                     g["betas"] = (v, g["betas"][1])
-                elif name != "lr":
+                elif name != "lr" or self.scripts_optimizer:
                     g[name] = v
 
     # ------------------------------------------------------------ steps
@@ -308,10 +328,12 @@ class LtfbSchedule(Schedule):
         w0 = w.client.wait_s
         schedule_lr(w, self.opt, self.opt_cfg)
         loss = w.compute()
-        if not math.isfinite(loss):
-            raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
-        if self.k == 1 or self.group_mean(w):
-            self.opt.step()
+        finite = math.isfinite(loss)
+        if not finite:
+            self.diverge(w, loss)
+        if not finite or self.k == 1 or self.group_mean(w):
+            if finite:
+                self.opt.step()
             w.clock += 1
             R = self.cfg.mode.round_steps
             if w.clock % R == 0:
@@ -319,6 +341,20 @@ class LtfbSchedule(Schedule):
                 self.round_s, self.t_round = now - self.t_round, now
                 self.tournament(w, w.clock // R)
         w.log_step(0, w.client.wait_s - w0)
+
+    def diverge(self, w: Trainer, loss: float) -> None:
+        """A non-finite loss (a learning rate too high: `mode.explore` draws some): the
+        trainer skips its updates until its next tournament, which it loses (`lead`).
+        Diverged, which ends the job, when no tournament can replace its model: no other
+        live trainer, or no tournament before the budget's end."""
+        R, steps = self.cfg.mode.round_steps, self.cfg.train.steps
+        ahead = not steps or (w.clock // R + 1) * R + R <= steps   # (`due` at the next tournament)
+        if not ahead or len(trainers(w.live() | {w.rank}, self.k)) < 2:
+            raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+        if not self.diverged:
+            w.note(f"loss is {loss} at step {w.clock}: trainer {self.trainer} diverged; it skips its updates "
+                   f"and loses its next tournament")
+        self.diverged = True
 
     def group_mean(self, w: Trainer) -> bool:
         """Replace the gradient with the trainer's mean (and the buffers with theirs).
@@ -346,9 +382,11 @@ class LtfbSchedule(Schedule):
         less than two rounds, is the initial model)."""
         if w.rank != self.leader(w):
             return
+        if self.diverged:   # (under a time budget: no tournament came to replace it)
+            w.note(f"trainer {self.trainer} diverged after its last tournament; no final model from it")
+            return
         acc, loss = w.score()
-        self.deposit(w, FINAL, fitness(self.cfg.mode.metric, acc, loss), [0.0, -1.0, math.nan, math.nan],
-                     self.with_opt)
+        self.deposit_model(w, FINAL, fitness(self.cfg.mode.metric, acc, loss))
 
     def due(self, w: Trainer) -> bool:
         """A tournament only if a whole local round follows it (LBANN's final round)."""
@@ -375,12 +413,21 @@ class LtfbSchedule(Schedule):
         self.lead(w, rnd)
 
     def lead(self, w: Trainer, rnd: int) -> None:
-        acc, loss = w.score()
+        """Play round `rnd` for the trainer. A diverged one loses it: it deposits the
+        best trainer's model (`rejoin`: a partner waits for a deposit, which must be
+        finite) scored as the worst, so that any partner's model, or a top-k one,
+        replaces it."""
+        if self.diverged:
+            self.rejoin(w)
+            acc = loss = math.nan
+        else:
+            acc, loss = w.score()
+        self.diverged = False
         metric = self.cfg.mode.metric
         local = fitness(metric, acc, loss)
         params = [t.clone() for t in w.replica.params()]
         buffers = [t.clone() for t in w.replica.buffers()]
-        self.deposit(w, rnd, local, [0.0, -1.0, math.nan, math.nan], self.with_opt)
+        self.deposit_model(w, rnd, local)
         partner, partner_value, adopted = self.select(w, rnd, local)
         if adopted is None:     # nothing to take: our model stays
             adopted = False
@@ -404,7 +451,7 @@ class LtfbSchedule(Schedule):
             source = truncation(seed, rnd, board, self.cfg.mode.truncation_k).get(self.trainer)
             if source is None:
                 return None, None, None
-            got = self.fetch(w, rnd, source)
+            got = self.fetch(w, rnd, source, local)
             if got is None:
                 return source, None, None
             self.take(w, got, rnd)
@@ -413,7 +460,7 @@ class LtfbSchedule(Schedule):
         partner = pairings(seed, rnd, live).get(self.trainer)
         if partner is None:
             return None, None, None
-        got = self.fetch(w, rnd, partner)
+        got = self.fetch(w, rnd, partner, local)
         if got is None:
             return partner, None, None
         w.replica.load(*w.client.tables(got))
@@ -423,13 +470,14 @@ class LtfbSchedule(Schedule):
         self.take(w, got, rnd)
         return partner, acc if metric == "accuracy" else loss, True
 
-    def fetch(self, w: Trainer, rnd: int, owner: int) -> list | None:
+    def fetch(self, w: Trainer, rnd: int, owner: int, own: float) -> list | None:
         """`owner`'s model of round `rnd` or later, every slice of one deposit: shards that
         answer with different rounds (the owner's newer deposit on its way to some of
         them, or a shard restored from a checkpoint without a deposit) are asked again
-        for the newest, which a shard that lacks it answers when it comes."""
+        for the newest, which a shard that lacks it answers when it comes. `own`: this
+        trainer's score of round `rnd`, as deposited (`await_model`)."""
         gone = lambda: owner not in trainers(w.live(), self.k)  # noqa: E731
-        got = w.client.get_model(rnd, owner, cancel=gone, missing_ok=True)
+        got = self.await_model(w, rnd, owner, own, gone)
         for _ in range(FETCH_TRIES):
             rounds = {int(m.get("round")) for m in got or ()}
             if len(rounds) <= 1:
@@ -440,6 +488,36 @@ class LtfbSchedule(Schedule):
         if got is None:
             w.note(f"round {rnd}: trainer {owner} did not deliver its model; keeping ours")
         return got
+
+    def await_model(self, w: Trainer, rnd: int, owner: int, own: float, gone: Callable[[], bool]) -> list | None:
+        """`owner`'s model of round `rnd` or later, from every shard. A shard restored from
+        a checkpoint older than both partners' deposits holds neither, and each would
+        wait for good for the other's: so once the model comes, and while the owner is
+        live and has not answered for a while (`cluster.heartbeat_timeout_s`, then twice
+        as long each time), this trainer's own deposit is made again where a shard lacks
+        it (`keep_deposit`)."""
+        window = self.cfg.cluster.heartbeat_timeout_s
+        while True:
+            until = time.monotonic() + window
+            got = w.client.get_model(rnd, owner, cancel=lambda until=until: gone() or time.monotonic() > until,
+                                     missing_ok=True)
+            if got is None and (gone() or time.monotonic() <= until):   # (left, refused, or unreachable)
+                return None
+            self.keep_deposit(w, rnd, own)
+            if got is not None:
+                return got
+            window = min(2 * window, self.cfg.cluster.timeout_s)
+
+    def keep_deposit(self, w: Trainer, rnd: int, own: float) -> None:
+        """This trainer's deposit of round `rnd` (scored `own`) again if a shard has none
+        of that round or later: the partner may wait for it (and may have taken ours
+        only from a deposit again of its own). The replica still holds the deposited
+        model: a deposit again is the same one."""
+        if all(any(int(o) == self.trainer and int(r) >= rnd for r, o, _ in m.get("models"))
+               for m in w.client.index()):
+            return
+        w.note(f"round {rnd}: a shard lost trainer {self.trainer}'s deposit; depositing it again")
+        self.deposit_model(w, rnd, own)
 
     def scores(self, w: Trainer, rnd: int, own: float) -> dict[int, float]:
         """Every live trainer's score of round `rnd` (the same board for all of them);
@@ -467,10 +545,15 @@ class LtfbSchedule(Schedule):
         meta, hyper = self.read_meta(got)
         if meta[0] == NOT_HELD:   # the leader's time budget left no whole round after it
             return
+        self.diverged = False
         w.replica.load(*w.client.tables(got))
         self.load_opt_state(w, got, with_meta=True)
         self.set_hyper(hyper)
         self.log(w, rnd, leader, meta)
+
+    def deposit_model(self, w: Trainer, rnd: int, score: float) -> None:
+        """A tournament (or final) deposit of the replica, scored `score`."""
+        self.deposit(w, rnd, score, [0.0, -1.0, math.nan, math.nan], self.with_opt)
 
     def deposit(self, w: Trainer, rnd: int, score: float, meta: list[float], with_opt: bool) -> None:
         """Deposit the replica as it is: a tournament model (rnd > 0) or an outcome

@@ -87,8 +87,7 @@ def mutate(hyper: Mapping[str, float], explore: Mapping[str, list], m: float, se
            trainer: int) -> dict[str, float]:
     """An adopter's values: each of the partner's times (1 - m) or (1 + m), chosen from
     (seed, round, trainer) in key order, then kept within the key's exploration range
-    (a momentum above 1, or a rate far beyond what was explored, would diverge, and a
-    diverged worker ends a psgd job)."""
+    (a momentum above 1, or a rate far beyond what was explored, would diverge)."""
     rng = random.Random(f"ltfb-mutate:{seed}:{round_}:{trainer}")
     out = {}
     for key in sorted(hyper):

@@ -17,6 +17,7 @@ from torch import nn
 from psgd import wire
 from psgd.config import Config
 from psgd.consistency import get as get_mode
+from psgd.consistency.clock import live_key
 from psgd.consistency.rule import Apply, Push
 from psgd.consistency.staleness import Histogram, lr_scale
 from psgd.replica import Replica
@@ -95,10 +96,12 @@ class Msg(dict):
 
 class FakeClient:
     """One shard, in the same process: a push applies plain SGD at lr / W to `params`
-    and counts a version; a pull answers a copy. Every request is recorded."""
+    and counts a version; a pull answers a copy, gated over the live set `live`. Every
+    request is recorded."""
 
-    def __init__(self, params: torch.Tensor, buffers: torch.Tensor, lr: float, world: int):
+    def __init__(self, params: torch.Tensor, buffers: torch.Tensor, lr: float, world: int, live: set[int]):
         self.params, self.buffers, self.lr, self.world = params.clone(), buffers.clone(), lr, world
+        self.live_key = live_key(live)
         self.version = 0
         self.finished = 0
         self.wait_s = 0.0
@@ -108,7 +111,7 @@ class FakeClient:
     def _pull(self, clock: int) -> Msg:
         self.log.append(("pull", clock))
         return Msg(version=self.version, finished=self.finished, guaranteed=self.finished, step=0,
-                   params=self.params.clone(), buffers=self.buffers.clone())
+                   live_key=self.live_key, params=self.params.clone(), buffers=self.buffers.clone())
 
     def _push(self, clock: int, g: torch.Tensor, read_version: int) -> Msg:
         assert not any(e[0] == "push" and e[1] >= clock for e in self.log), "push clocks must grow"
@@ -162,7 +165,7 @@ class FakeTrainer:
         torch.manual_seed(0)
         self.replica = Replica(nn.Linear(4, 3), 1, torch.device("cpu"))
         (p,), (b,) = self.replica.params(), self.replica.buffers()
-        self.client = FakeClient(p, b, self.cfg.optimizer.lr, self.cfg.cluster.workers)
+        self.client = FakeClient(p, b, self.cfg.optimizer.lr, self.cfg.cluster.workers, self.live_ranks)
         self.direction = torch.randn(p.numel())
         self.x, self.y = torch.randn(8, 4), torch.randint(0, 3, (8,))
         self.calls = 0

@@ -16,6 +16,7 @@ hypothesis. `SspSchedule` itself is then run with a fake trainer and client.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
@@ -23,9 +24,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from psgd import wire
 from psgd.config import Config
+from psgd.consistency.clock import live_key
 from psgd.consistency.rule import Answer, Apply, Push, Read
 from psgd.consistency.ssp import ClientCache, SspRule, SspSchedule, guaranteed
+from psgd.shard import Shard
+from psgd.workers.client import ParameterClient
+from tests.loopback import FakeTrainer as LoopbackTrainer
 from tests.test_async_knobs import FakeTrainer, Tables, pulls, pushes
 
 pytestmark = pytest.mark.unit
@@ -200,7 +206,7 @@ def test_rule_answers_carry_the_guaranteed_clock():
     assert r.read(Read("t", 0, 2)) == []                 # worker 1 has finished 0 < 2 - 1: parked
     out = r.push(Push(("p", 9), 1, 0, 0, "g", None))      # it finishes clock 1: the read goes
     (a,) = [d for d in out if isinstance(d, Answer) and d.token == "t"]
-    assert a.fields == {"step": 0, "finished": 2, "guaranteed": 1} and a.snapshot
+    assert a.fields == {"step": 0, "finished": 2, "guaranteed": 1, "live_key": live_key({0, 1})} and a.snapshot
     (b,) = r.read(Read("u", 1, 1))
     assert b.fields["guaranteed"] == 1
 
@@ -252,3 +258,103 @@ def test_schedule_prefetch_waits_outside_the_bound():
     # s = 0: no copy is ever fresh for the next clock, so every step waits for its pull
     w = run_ssp(4, **{"mode.staleness": 0, "mode.prefetch": True})
     assert pulls(w) == [0, 1, 2, 3, 4] and not any(e.get("cached") for e in w.lines)
+
+
+# ---------------------------------------------------------------- SspSchedule against a real Shard
+
+class Parked(Exception):
+    """The worker would block here: its request is parked at the shard."""
+
+
+class ShardClient:
+    """`ParameterClient`'s begin/finish halves over one real `Shard`, in this thread: a
+    request is served when it is sent (`begin`), so its answer is the shard's state then;
+    `finish` only hands it over, or raises `Parked` if the shard parked it."""
+
+    tables = staticmethod(ParameterClient.tables)
+
+    def __init__(self, shard: Shard, rank: int):
+        self.shard, self.rank = shard, rank
+        self.wait_s = 0.0
+        self.answered: dict = {}
+        self.ids = itertools.count(1)
+
+    def _send(self, op: str, **fields):
+        token = ("c", self.rank, next(self.ids))
+        req = wire.decode([bytes(f) for f in wire.encode(op, id=next(self.ids), rank=self.rank, **fields)])
+        self.deliver(self.shard.handle(token, req))
+        return token
+
+    def deliver(self, replies) -> None:
+        for token, frames in replies:
+            self.answered[token] = wire.raise_if_error(wire.decode([bytes(f) for f in frames]), "shard")
+
+    def begin_push_pull(self, clock, grads, buffers, read_versions, slot=0, pull=True):
+        fields = {"clock": clock, "read_version": read_versions[0], "arrays": [grads[0].clone(), buffers[0].clone()]}
+        return [("pushpull" if pull else "push", self._send("push", **fields, **({"pull": True} if pull else {})))]
+
+    def finish_push_pull(self, f):
+        pushed, pulled = [], []
+        for kind, token in f:
+            if token not in self.answered:
+                raise Parked(f"worker {self.rank}'s {kind} is parked at the shard")
+            m = self.answered.pop(token)
+            if kind == "pushpull":
+                pushed.append(wire.Message("reply", m.id, m.rank, m.clock, m.get("push")))
+                pulled.append(m)
+            elif kind == "push":
+                pushed.append(m)
+            else:
+                pulled.append(m)
+        return pushed, pulled
+
+    def join(self, clock):
+        return self.finish_push_pull([("pull", self._send("pull", clock=clock, join=True))])[1]
+
+    def pull(self, clock):
+        return self.finish_push_pull([("pull", self._send("pull", clock=clock))])[1]
+
+
+class LiveTrainer(LoopbackTrainer):
+    """A worker whose view of the live set (the coordinator's, `live()`) is settable, and
+    which records the clock of every compute."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.view = {self.rank}
+        self.computed: list[int] = []
+
+    def live(self) -> set[int]:
+        return set(self.view)
+
+    def compute(self) -> float:
+        self.computed.append(self.clock)
+        return super().compute()
+
+
+@pytest.mark.timeout(120)
+def test_a_prefetched_answer_does_not_cover_a_worker_that_rejoined_before_it_was_loaded():
+    """A review: with prefetch, the pull answered while worker 1 was out of the job is
+    loaded one compute later, when the worker's view has worker 1 back (at clock 0). The
+    cache took that view as the live set the answer's `guaranteed` was counted over, so
+    worker 0 computed clock 6 on a copy lacking worker 1's clocks <= 4, which SSP with
+    s = 1 requires there. The answer now names the shard's live set (`live_key`), the
+    copy covers no one the shard did not count, and the gated pull of clock 6 (parked at
+    the shard for worker 1) is waited for."""
+    cfg = Config().replace(**{"mode.name": "ssp", "mode.staleness": 1, "mode.prefetch": True,
+                              "cluster.workers": 2, "cluster.servers": 1, "optimizer.momentum": 0.0,
+                              "train.steps": 20})
+    shard = Shard(cfg, 0)
+    shard.set_live({0: 0})                                    # worker 1 is out of the job
+    w = LiveTrainer(cfg, ShardClient(shard, 0), lambda p: torch.full_like(p, 1e-3), rank=0)
+    schedule = SspSchedule(cfg)
+    schedule.start(w)
+    for _ in range(5):                                        # worker 0 alone: clocks 0..4
+        schedule.step(w)
+    assert w.clock == 5 and schedule.inflight is not None     # step 4's push and pull are in flight
+    w.client.deliver(shard.set_live({0: 5, 1: 0}))            # worker 1 is back at clock 0: both views learn it
+    w.view = {0, 1}
+    with pytest.raises(Parked):                               # step 5: its read of clock 6 waits for worker 1
+        schedule.step(w)
+        schedule.step(w)
+    assert max(w.computed) == 5

@@ -10,6 +10,10 @@ With no live worker the condition holds vacuously.
 worker's finished clock: the spread between the fastest worker's clock (the clock
 it reads at) and the slowest's. A worker parked after pushing clock c is still at
 clock c, so under SSP `max_gap <= s`.
+
+`key` names the live set (`live_key`) in O(1): a read's answer carries it, so that the
+reader can tell whether the live set its `guaranteed` clock was counted over is the
+one it sees (`ssp.gated_over`).
 """
 from __future__ import annotations
 
@@ -17,6 +21,27 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
+
+MASK64 = (1 << 64) - 1
+
+
+def rank_key(rank: int) -> int:
+    """A rank's share of `live_key`: 62 pseudo-random bits (splitmix64's finalizer; the
+    wire's ints are below 2^62)."""
+    z = (rank + 1) * 0x9E3779B97F4A7C15 & MASK64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & MASK64
+    return (z ^ (z >> 31)) >> 2
+
+
+def live_key(ranks: Iterable[int]) -> int:
+    """A live set's name, one int on the wire in place of its W ranks: its ranks'
+    `rank_key`s XORed (kept up to date by the ranks that join or leave). Equal sets have
+    equal keys; two different ones share a key with a chance of about 2^-62."""
+    key = 0
+    for r in ranks:
+        key ^= rank_key(r)
+    return key
 
 
 class ClockTable:
@@ -28,6 +53,7 @@ class ClockTable:
         live = dict(live) if isinstance(live, Mapping) else {r: 0 for r in live}
         self.finished: dict[int, int] = dict(live)
         self.live: set[int] = set(live)
+        self.key = live_key(self.live)
         self.bound = bound
         self.max_gap = 0                     # largest lead of a reader over the slowest, at any read
         self._reads: list[tuple[int, int, Hashable]] = []   # heap of (clock, arrival, token)
@@ -104,6 +130,8 @@ class ClockTable:
             c = live[r]
             self.finished[r] = max(c, self.finished.get(r, 0)) if r in self.finished else c
         self.live = set(live)
+        for r in joined | left:
+            self.key ^= rank_key(r)
         for r in left:
             self._uncount(self.finished[r])
         for r in joined:

@@ -6,16 +6,18 @@ clock c may read only when every live worker has finished clock >= c - s (bound
 `mode.staleness`); otherwise its read is parked until a push or a membership change
 frees it (`clock.ClockTable`), never by polling. Every read's answer carries
 `guaranteed`: the slowest live worker's finished clock when it was answered, so the
-model it sends holds every update of clocks < guaranteed of every live worker.
+model it sends holds every update of clocks < guaranteed of every live worker, and
+`live_key`, which live set that was (`clock.live_key`).
 
 Worker schedule: push+pull every step; a joining worker continues at the clock it had
 finished on the shards. With `mode.cache = true`, Bösen's client cache (`ClientCache`):
 the worker keeps the model it read with its `guaranteed` clock t, and its read for
 clock c is served from that copy, without a pull, while t >= c - s (the copy then holds
 every update of clocks <= c - s - 1, which is all that SSP promises a read at c) and no
-worker has joined since. Its own updates go into the copy as they are pushed
-(read-my-writes, `pushpull.own_update`), and every update is still pushed. A read the
-cache cannot serve pulls, gated by the rule as without the cache. With
+worker is live that the shards did not count when they answered (`gated_over`). Its
+own updates go into the copy as they are pushed (read-my-writes,
+`pushpull.own_update`), and every update is still pushed. A read the cache cannot
+serve pulls, gated by the rule as without the cache. With
 `mode.prefetch = true` (issue 10's overlap, within the bound) the worker pulls every
 step but computes its next step on the copy it has while the push and pull travel,
 whenever the same condition says that copy is within the bound; otherwise it waits.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .clock import ClockTable
+from .clock import ClockTable, live_key
 from .pushpull import PushPullSchedule, finite_or_diverged, load, own_update
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
@@ -67,8 +69,10 @@ class SspRule(ServerRule):
 
     def read_fields(self, rank: int) -> dict:
         """`finished`: the reader's clock here; `guaranteed`: the slowest live worker's
-        finished clock now (the answer holds all their updates of clocks below it)."""
-        return {"step": 0, "finished": self.clocks.finished.get(rank, 0), "guaranteed": self.clocks.slowest()}
+        finished clock now (the answer holds all their updates of clocks below it);
+        `live_key`: the live set that was counted over (`gated_over`)."""
+        return {"step": 0, "finished": self.clocks.finished.get(rank, 0), "guaranteed": self.clocks.slowest(),
+                "live_key": self.clocks.key}
 
     def parked(self) -> int:
         return self.clocks.parked
@@ -92,11 +96,13 @@ class ClientCache:
     """Bösen's client cache, as clocks (pure: the model itself is the worker's replica).
 
     `fill(t, live)` records a read whose answers guaranteed clock t (the smallest
-    `guaranteed` over the shards) with the live workers then. `serves(c, live)`: the
-    copy may serve the worker's read at clock c, i.e. t >= c - s (it holds every update
-    of clocks <= c - s - 1 of every worker live at the read; SSP's condition, Ho et al.
-    2013) and no worker is live now that was not live at the read (a (re)joiner may still
-    push clocks below t, which the copy lacks). Empty until the first fill."""
+    `guaranteed` over the shards) with the live workers it covers (`gated_over`: the
+    shards' live set when they answered, not the worker's when it loads the answer,
+    which may have a rejoiner more). `serves(c, live)`: the copy may serve the worker's
+    read at clock c, i.e. t >= c - s (it holds every update of clocks <= c - s - 1 of
+    every worker live at the read; SSP's condition, Ho et al. 2013) and no worker is
+    live now that was not live at the read (a (re)joiner may still push clocks below t,
+    which the copy lacks). Empty until the first fill."""
 
     def __init__(self, bound: int):
         self.bound = bound
@@ -124,6 +130,17 @@ class ClientCache:
 def guaranteed(answers: list) -> int:
     """The clock a read's answers guarantee: the smallest over the shards."""
     return min(int(m.get("guaranteed", 0)) for m in answers)
+
+
+def gated_over(answers: list, live: set[int]) -> frozenset[int]:
+    """The workers whose updates of clocks below `guaranteed(answers)` the answers
+    hold, as far as the worker can tell: its view of the live set if every shard counted
+    that same set (its `live_key`), else none. The views differ while a membership
+    change travels; with prefetch an answer is loaded a compute after it was made, when
+    a worker that rejoined in between may be in the reader's view but was not in the
+    shard's: its updates are not in the answer."""
+    key = live_key(live)
+    return frozenset(live) if all(m.get("live_key") == key for m in answers) else frozenset()
 
 
 class SspSchedule(PushPullSchedule):
@@ -159,7 +176,7 @@ class SspSchedule(PushPullSchedule):
     def loaded(self, w: Trainer, answers: list) -> None:
         self.versions = load(w, answers)
         if self.cache is not None:
-            self.cache.fill(guaranteed(answers), w.live())
+            self.cache.fill(guaranteed(answers), gated_over(answers, w.live()))
 
     def step(self, w: Trainer) -> None:
         if self.cache is None:

@@ -260,6 +260,17 @@ def test_n_fetch_steps_the_own_copy_in_between(prefetch):
     assert len(w.lines) == 9 and w.hist.total == 9
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_last_partial_push_of_n_push_is_counted_in_the_staleness_histogram(prefetch):
+    """A review: with n_push = 3 and 7 steps, `finish` pushes what is still summed (step
+    6) at clock 6, and the shards apply it as any push, but its answer was dropped: its
+    staleness never reached the worker's histogram, so summary.json's `staleness`
+    (counted per push) held one push fewer per worker than the shards applied."""
+    w = run(7, **{"mode.n_push": 3, "mode.prefetch": prefetch})
+    assert [c for c, _ in pushes(w)] == [2, 5, 6]
+    assert w.hist.total == 3
+
+
 def test_n_push_and_n_fetch_with_prefetch_settle_every_request_and_log_every_step():
     w = run(10, **{"mode.n_push": 2, "mode.n_fetch": 5, "mode.prefetch": True})
     d = w.direction

@@ -21,7 +21,7 @@ from typing import Any
 
 from .pushpull import finite_or_diverged, load, own_update
 from .rule import Answer, Read, Trainer
-from .ssp import SspRule, SspSchedule
+from .ssp import SspRule, SspSchedule, counted
 from .staleness import delay_compensate, lr_scale
 
 READS = 2  # DC-ASGD copies kept per worker: the read a gradient is computed on, and one in flight
@@ -145,10 +145,11 @@ class AsyncSchedule(SspSchedule):
         return self.accrued
 
     def finish(self, w: Trainer) -> None:
-        """Settle the request in flight, then push what is still accrued (n_push > 1)."""
+        """Settle the request in flight, then push what is still accrued (n_push > 1),
+        counting its staleness as every other push's."""
         self.settle(w)
         if self.accrued is not None and self.since_push > 0:
-            w.client.push(w.clock - 1, self.accrued, w.replica.buffers(self.slot), self.accrued_read)
+            counted(w, w.client.push(w.clock - 1, self.accrued, w.replica.buffers(self.slot), self.accrued_read))
             self.accrued, self.since_push = None, 0
 
     def settle(self, w: Trainer) -> None:
@@ -159,9 +160,7 @@ class AsyncSchedule(SspSchedule):
         w0 = w.client.wait_s
         pushed, pulled = w.client.finish_push_pull(inflight)
         if pushed:
-            self.last_tau = max(int(m.get("staleness", 0)) for m in pushed)
-            if not any(m.get("duplicate") for m in pushed):
-                w.hist.add(self.last_tau)
+            self.last_tau = counted(w, pushed)
         if pulled:
             self.versions = load(w, pulled)
         extra = {} if self.inflight_pushed else {"pushed": False}

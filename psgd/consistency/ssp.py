@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .clock import ClockTable, live_key
-from .pushpull import PushPullSchedule, finite_or_diverged, load, own_update
+from .pushpull import PushPullSchedule, acknowledged, finite_or_diverged, load, own_update
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
 
@@ -143,6 +143,15 @@ def gated_over(answers: list, live: set[int]) -> frozenset[int]:
     return frozenset(live) if all(m.get("live_key") == key for m in answers) else frozenset()
 
 
+def counted(w: Trainer, pushed: list) -> int:
+    """A push's staleness (the largest of the shards' answers), added to the worker's
+    histogram unless a shard had the push already (a resend: counted when first applied)."""
+    tau, _, duplicate = acknowledged(pushed)
+    if not duplicate:
+        w.hist.add(tau)
+    return tau
+
+
 class SspSchedule(PushPullSchedule):
     """Push+pull every step, or, with `mode.cache` or `mode.prefetch`, the model the
     worker has (its own updates applied, `own_update`) serves its next step while the
@@ -211,9 +220,7 @@ class SspSchedule(PushPullSchedule):
 
     def settled(self, w: Trainer, f: Any, w0: float, cached: bool, step: tuple[float, int] | None = None) -> None:
         pushed, pulled = w.client.finish_push_pull(f)
-        tau = max(int(m.get("staleness", 0)) for m in pushed)
-        if not any(m.get("duplicate") for m in pushed):
-            w.hist.add(tau)
+        tau = counted(w, pushed)
         if pulled:
             self.loaded(w, pulled)
         w.log_step(tau, w.client.wait_s - w0, step, dropped=False, **({"cached": True} if cached else {}))

@@ -8,6 +8,7 @@ A last group drives `psgd.shard.Shard` with real wire messages (no sockets).
 from __future__ import annotations
 
 import math
+import pathlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from hypothesis.extra import numpy as hnp
 from psgd import wire
 from psgd.config import Config
 from psgd.consistency import barrier as bsp
+from psgd.consistency.asynchronous import READS
 from psgd.consistency.barrier import StepBarrier
 from psgd.consistency.clock import ClockTable
 from psgd.consistency.elastic import elastic_delta, round_deltas
@@ -747,6 +749,22 @@ def test_shard_dc_asgd_compensates_with_the_workers_own_read_copy():
     np.testing.assert_allclose(shard.params.detach().numpy(), p2 - lr / W * compensated, rtol=1e-5, atol=1e-6)
     wrong = p2 - lr / W * (g1 + lam * g1 * g1 * (p2 - p1))                   # with its newer read
     assert np.abs(shard.params.detach().numpy() - wrong).max() > 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_the_docs_count_the_copies_that_dc_asgd_keeps_per_worker():
+    """A review: docs/modes.md said DC-ASGD costs one extra copy of the shard per worker,
+    but the rule keeps each worker's last READS = 2 reads (with prefetch a gradient is
+    computed on the older one while the newer is in flight): twice the memory the docs
+    told a user to budget for."""
+    shard, _ = shard_for("async", 2, **{"mode.dc_lambda": 0.1})
+    g = np.zeros(shard.P, np.float32)
+    for c in range(3):                                   # three reads of worker 0, each of a newer version
+        shard.handle(("r", c), msg("pull", 0, c))
+        shard.handle(("p", c), push(shard, 1, c, g))
+    held = len(shard.rule.w_read[0])
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "modes.md").read_text()
+    assert held == READS == 2 and "two copies of the shard per worker" in doc
 
 
 # ---------------------------------------------------------------- DiLoCo: rounds of pseudo-gradients on a Shard

@@ -716,6 +716,15 @@ def test_a_diverged_trainer_loses_its_next_tournament_instead_of_ending_the_job(
     alone.compute = lambda: math.nan
     with pytest.raises(Diverged, match="loss is nan at step 0; lower optimizer.lr"):
         s.step(alone)
+    for _ in range(3):                       # trainer 1 diverges again with the model it took: round 2 ...
+        s0.step(w0)
+        s1.step(w1)
+    assert w1.clock == 6 and len(w1.events) == 2
+    for _ in range(3):                       # ... and round 3: a learning rate too high for every model
+        s0.step(w0)
+    with pytest.raises(Diverged, match="in 3 rounds in a row of trainer 1"):
+        for _ in range(3):
+            s1.step(w1)
 
 
 @unit

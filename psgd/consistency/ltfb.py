@@ -97,6 +97,7 @@ DEPOSIT_WAIT_S = 0.05   # then 0.1, 0.2, 0.4 s: for a deposit to reach every sha
 SCORES = -1       # get_model's owner for a round's scores (truncation)
 META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
 NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
+DIVERGED_ROUNDS = 3   # a trainer diverging this many rounds in a row ends the job (`diverge`)
 FINAL = FINAL_ROUND  # the round of the trainers' final models (after the last local round)
 
 
@@ -281,6 +282,7 @@ class LtfbSchedule(Schedule):
         self.explore = dict(m.explore)
         self.hyper: dict[str, float] = {}
         self.diverged = False   # a non-finite loss since the last tournament (`diverge`)
+        self.lost_to_divergence = 0   # tournaments in a row that this trainer entered diverged
 
     # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
@@ -346,11 +348,18 @@ class LtfbSchedule(Schedule):
         """A non-finite loss (a learning rate too high: `mode.explore` draws some): the
         trainer skips its updates until its next tournament, which it loses (`lead`).
         Diverged, which ends the job, when no tournament can replace its model: no other
-        live trainer, or no tournament before the budget's end."""
+        live trainer, or no tournament before the budget's end; or when it diverged again
+        with the model (and hyperparameters) of each of its last DIVERGED_ROUNDS - 1
+        tournaments: a learning rate too high for every trainer, which would otherwise
+        train the whole budget on models that keep diverging."""
         R, steps = self.cfg.mode.round_steps, self.cfg.train.steps
         ahead = not steps or (w.clock // R + 1) * R + R <= steps   # (`due` at the next tournament)
         if not ahead or len(trainers(w.live() | {w.rank}, self.k)) < 2:
             raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+        if self.lost_to_divergence >= DIVERGED_ROUNDS - 1:
+            raise Diverged(f"loss is {loss} at step {w.clock}, in {DIVERGED_ROUNDS} rounds in a row of trainer "
+                           f"{self.trainer}, each with the model another trainer gave it; lower optimizer.lr"
+                           f"{' (or narrow mode.explore)' if self.explore else ''}")
         if not self.diverged:
             w.note(f"loss is {loss} at step {w.clock}: trainer {self.trainer} diverged; it skips its updates "
                    f"and loses its next tournament")
@@ -422,6 +431,7 @@ class LtfbSchedule(Schedule):
             acc = loss = math.nan
         else:
             acc, loss = w.score()
+        self.lost_to_divergence = self.lost_to_divergence + 1 if self.diverged else 0
         self.diverged = False
         metric = self.cfg.mode.metric
         local = fitness(metric, acc, loss)

@@ -132,16 +132,23 @@ def main(args) -> int:
 
 def check_data(plan: list) -> None:
     """A dataset that the runs need in memory (training, or a mode's held-out share) but
-    is streamed: one error before anything runs, not one failed run each."""
+    is streamed, or more workers than the training set has samples for (a partition
+    empty, or all held out): one error before anything runs, not one failed run each
+    after the runs before it."""
     from .consistency import get as get_mode
+    from .data import check_dataset, check_partitions
     from .sim.run import in_memory
     seen = set()
+    sizes: dict[tuple, int] = {}
     for run in plan:
         split = get_mode(run.mode).schedule(run.cfg).data_split
         key = (repr(run.cfg.data), run.cfg.job.seed)
         if (run.cfg.sim.train or split > 0) and key not in seen:
             seen.add(key)
             in_memory(run.cfg, split)
+        if key not in sizes:
+            sizes[key] = check_dataset(run.cfg.data, run.cfg.job.seed)
+        check_partitions(sizes[key], run.cfg.cluster.workers, run.cfg.job.seed, split)
 
 
 def refuse_tensorboard(plan: list) -> None:
@@ -237,7 +244,9 @@ def _record(plan: list, i: int, result: tuple, entries: dict, durations: dict, r
         entry = failed_entry(run, error or "no result", simulated=True)
     if error is not None:
         said = f"FAILED: {error.splitlines()[0]}"
-    durations[i] = real[run.name] = seconds
+    real[run.name] = seconds
+    if error is None:   # (a run that failed at once says nothing of how long the others take)
+        durations[i] = seconds
     entries[i] = entry
     write_json_atomic(os.path.join(out, "compare.json"), [entries[k] for k in sorted(entries)])
     pending = [k for k in range(n) if k not in entries]

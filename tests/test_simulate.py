@@ -834,3 +834,58 @@ def test_eval_tensorboard_is_refused_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "eval.tensorboard = true: psgd simulate writes no TensorBoard scalars" in err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("modes, workers, train", [
+    ("ltfb", "4,1024", "false"),   # timing only: ltfb's partitions need 2 samples (digits: at most 719 workers)
+    ("sync", "2,2000", "true"),    # training: more workers than digits' 1,438 training samples
+])
+def test_more_workers_than_the_data_holds_is_refused_before_any_run(tmp_path, capsys, modes, workers, train):
+    """A review: psgd compare refuses such a plan in one line before it runs anything;
+    psgd simulate ran the plan's smaller runs first, then failed the run at scale and
+    exited 1."""
+    out = tmp_path / "sim"
+    code = cli(["--modes", modes, "--workers", workers, "--set", f"sim.train={train}", "--set", "train.steps=2",
+                "--set", "sim.compute_s=0.01", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "too many workers" in err, err
+    assert not os.path.exists(out / "runs"), "a run of the plan ran first"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_progress_counts_the_time_budget_when_it_ends_the_run_before_the_steps():
+    """A review: with train.steps and train.seconds both set, the progress line counted
+    the steps only: a run that the time budget ended said '5% of the steps' at its end
+    (at 1,024 workers: '12% of the steps, about 62 s left' a second before it ended)."""
+    import io
+
+    from psgd.sim.run import progress_line
+    cfg = load(None, ["cluster.workers=4", "sim.train=false", "sim.compute_s=0.01", "train.steps=1000",
+                      "train.seconds=0.5"], env={})
+    sim = Simulation(cfg, 0.01)
+    sim.run()
+    assert max(w.clock for w in sim.workers) < 1000   # the time budget ended it
+    buf = io.StringIO()
+    progress_line("[1/1]", buf)(sim)
+    assert sim.fraction_done()[0] >= 0.99 and "of the 0.5 virtual seconds" in buf.getvalue(), buf.getvalue()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_failed_run_does_not_make_the_plans_time_left_zero(tmp_path, capsys):
+    """A review: a run that failed at once (ltfb at 1,024 workers on digits, in 0.1 s)
+    counted in the plan's time-left estimate: the next lines said 'about 0 s left' for
+    runs of 12 s."""
+    from psgd.compare import SHARED_SECTIONS, build_plan, parse_modes
+    from psgd.simulate import _record
+    base = load(None, ["sim.train=false", "train.steps=300", "sim.compute_s=0.01"], env={})
+    plan = build_plan(base, parse_modes("ltfb,sync,async", SHARED_SECTIONS + ("sim",)), [1024], 1, None,
+                      baseline=False)
+    os.makedirs(tmp_path / "runs")
+    entries, durations, real = {}, {}, {}
+    _record(plan, 0, (None, 0, "worker 1023: its data partition (1 sample) is all held out", 0.1), entries,
+            durations, real, str(tmp_path), 1)
+    assert "0 s left" not in capsys.readouterr().err and real == {plan[0].name: 0.1}

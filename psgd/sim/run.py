@@ -425,11 +425,18 @@ class Simulation:
                 f"{len(stuck)} worker(s) wait for answers that no event will bring: {names}"
                 + (f"; waiting on {', '.join(ops)}" if ops else ""))
 
-    def fraction_done(self) -> float:
+    def fraction_done(self) -> tuple[float, str]:
+        """The share of the budget done, and of which: the workers' steps of `train.steps`
+        or the virtual seconds of `train.seconds`, whichever is further (the first reached
+        ends the run)."""
         t = self.cfg.train
+        shares = []
         if t.steps:
-            return sum(min(w.clock, t.steps) for w in self.workers) / (t.steps * len(self.workers))
-        return min(1.0, self.loop.now / t.seconds)
+            shares.append((sum(min(w.clock, t.steps) for w in self.workers) / (t.steps * len(self.workers)),
+                           "of the steps"))
+        if t.seconds:
+            shares.append((min(1.0, self.loop.now / t.seconds), f"of the {t.seconds:g} virtual seconds"))
+        return max(shares)
 
     def summary(self) -> dict:
         c = self.cfg
@@ -468,17 +475,14 @@ class Simulation:
 
 
 def progress_line(prefix: str, stream: Any = sys.stderr) -> Callable[[Simulation], None]:
-    """A progress callback: virtual time, the share of the budget done (`train.steps`'
-    worker steps, else `train.seconds`' virtual seconds) and the real time left, to stderr."""
+    """A progress callback: virtual time, the share of the budget done (`fraction_done`)
+    and the real time left, to stderr."""
     t0 = time.monotonic()
 
     def show(sim: Simulation) -> None:
-        done = sim.fraction_done()
+        done, of = sim.fraction_done()
         spent = time.monotonic() - t0
         left = f", about {spent * (1 - done) / done:.0f} s left" if done > 0 else ""
-        t = sim.cfg.train
-        share = (f"{100 * done:.0f}% of the steps" if t.steps else
-                 f"{100 * done:.0f}% of the {t.seconds:g} virtual seconds")
-        stream.write(f"{prefix}  virtual {sim.loop.now:.2f} s, {share}{left}\n")
+        stream.write(f"{prefix}  virtual {sim.loop.now:.2f} s, {100 * done:.0f}% {of}{left}\n")
         stream.flush()
     return show

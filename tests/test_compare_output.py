@@ -97,14 +97,18 @@ def test_an_interrupted_simulation_writes_the_report_of_the_runs_done(tmp_path, 
 
 
 @pytest.mark.timeout(120)
-def test_a_simulated_run_leaves_nothing_of_an_earlier_run_of_its_name(tmp_path):
+def test_a_simulated_run_leaves_nothing_of_an_earlier_run_of_its_name(tmp_path, monkeypatch):
+    from psgd.sim.run import Simulation
+
+    def fails(self, *a, **kw):
+        raise RuntimeError("a run that fails")
+    monkeypatch.setattr(Simulation, "run", fails)
     out = tmp_path / "sim"
     old = out / "runs" / "sync-w16-r0"
     old.mkdir(parents=True)
     (old / "summary.json").write_text('{"final_accuracy": 0.688}')   # an earlier plan's
     code = psgd.simulate.cli(["--modes", "sync", "--workers", "16", "--set", "train.steps=5",
-                              "--set", "sim.compute_s=0.001", "--set", "data.name=synthetic",
-                              "--set", "data.samples=10", "--out", str(out)])   # fails: empty partitions
+                              "--set", "sim.compute_s=0.001", "--set", "sim.train=false", "--out", str(out)])
     assert code == 1 and "error" in json.load(open(out / "compare.json"))[0]
     assert not (old / "summary.json").exists()
 

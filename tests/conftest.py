@@ -183,3 +183,22 @@ def ask(c: Any, op: str, **fields) -> Any:
     from psgd import wire
     (_, frames), = c.service._serve(b"x", wire.encode(op, id=2, **fields))
     return wire.decode(frames)
+
+
+def train_on_threads(cfg: Any, out: str, cluster: Any, prepare: Any = None) -> dict[int, int]:
+    """Every rank's `Worker` of `cfg` trained on a thread of this process against an
+    `InProcessCluster` (each after `prepare(worker)`, if given): their exit codes."""
+    from psgd.workers.worker import Worker
+    codes: dict[int, int] = {}
+
+    def work(rank: int) -> None:
+        w = Worker(cfg, out, device="cpu", want_rank=rank, ctx=cluster.ctx)
+        if prepare is not None:
+            prepare(w)
+        codes[rank] = w.run()
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(cfg.cluster.workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    return codes

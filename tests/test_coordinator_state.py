@@ -524,13 +524,13 @@ def test_a_registration_that_can_get_no_rank_says_why():
                                                 "are live")
 
 
-@pytest.mark.unit
-@pytest.mark.timeout(30)
-def test_summary_scores_carry_the_samples_at_their_read(monkeypatch):
+def on_a_test_clock(monkeypatch) -> tuple:
+    """A coordinator of 2 workers whose clock the test moves (sleeps overshoot on a busy
+    machine): (it, a function serving one request through its serve path, the clock)."""
     import types
 
     import psgd.servers.coordinator as module
-    clock = [time.monotonic()]   # the coordinator's clock, moved by the test (sleeps overshoot on a busy machine)
+    clock = [time.monotonic()]
     monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
     cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": free_port_block(3),
                               "cluster.evaluator": False})
@@ -538,7 +538,13 @@ def test_summary_scores_carry_the_samples_at_their_read(monkeypatch):
 
     def serve(op: str, **kw) -> list[wire.Message]:
         return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
+    return c, serve, clock
 
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_summary_scores_carry_the_samples_at_their_read(monkeypatch):
+    c, serve, clock = on_a_test_clock(monkeypatch)
     for r in range(2):
         serve("register", role="worker", want_rank=r, nonce=f"w{r}")
         serve("heartbeat", rank=r, clock=10, role="worker", index=r, stats={"samples": 320}, live_id="")
@@ -560,18 +566,7 @@ def test_a_slow_scores_samples_are_the_count_at_its_read_not_at_its_arrival(monk
     {"t": 30.258, "samples": 3072} (3072 = the job's final count; at 30 s it was ~2048):
     the coordinator kept each worker's last two heartbeats only, both after the read.
     README: `samples` is "the workers' count when the evaluator read the model"."""
-    import types
-
-    import psgd.servers.coordinator as module
-    clock = [time.monotonic()]
-    monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
-    cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": free_port_block(3),
-                              "cluster.evaluator": False})
-    c = coordinator(cfg, "")
-
-    def serve(op: str, **kw) -> list[wire.Message]:
-        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
-
+    c, serve, clock = on_a_test_clock(monkeypatch)
     for r in range(2):
         serve("register", role="worker", want_rank=r, nonce=f"w{r}")
     # 20 s of training, a heartbeat every 0.5 s, 32 samples a worker per beat

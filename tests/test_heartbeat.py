@@ -219,27 +219,19 @@ def test_a_sync_step_does_not_wait_a_heartbeat_for_a_worker_whose_time_budget_en
     shard's next heartbeat, up to `cluster.heartbeat_s` (0.5 s of a 3 s comparison run,
     14 % of sync's samples/s). Shards beat every SHARD_BEAT_S at most."""
     import json
-    import threading
 
     from psgd.inprocess import InProcessCluster
-    from psgd.workers.worker import Worker
+    from tests.conftest import train_on_threads
     hb = 1.5
     cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.workers": 2, "cluster.servers": 1,
                               "cluster.evaluator": False, "mode.name": "sync", "train.steps": 0,
                               "train.seconds": 2.0, "cluster.heartbeat_s": hb, "cluster.heartbeat_timeout_s": 6})
-    codes = {}
+    def later(w):   # rank 1's clock started 50 ms after rank 0's, as separate processes' do
+        if w.want_rank == 1:
+            own = w.now
+            w.now = lambda: own() - 0.05
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
-        def work(rank):
-            w = Worker(cfg, str(tmp_path), device="cpu", want_rank=rank, ctx=cluster.ctx)
-            if rank == 1:   # its clock started 50 ms after rank 0's, as separate processes' do
-                own = w.now
-                w.now = lambda: own() - 0.05
-            codes[rank] = w.run()
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=100)
+        codes = train_on_threads(cfg, str(tmp_path), cluster, later)
     assert codes == {0: 0, 1: 0}
     waits = {}
     for rank in range(2):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import pytest
 
 from psgd.config import load
 from psgd.inprocess import InProcessCluster
-from psgd.workers.worker import Jitter, Worker
+from psgd.workers.worker import Jitter
+from tests.conftest import train_on_threads
 
 
 @pytest.mark.unit
@@ -39,15 +39,8 @@ def test_a_run_with_jitter_takes_its_delays(port_block, tmp_path, mode):
     cfg = load(None, [f"cluster.port={port_block(3)}", "cluster.workers=2", "cluster.servers=1",
                       "cluster.evaluator=false", f"mode.name={mode}", f"train.steps={steps}",
                       f"faults.jitter_prob={p}", f"faults.jitter_s={d}"], env={})
-    codes = {}
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
-        def work(rank):
-            codes[rank] = Worker(cfg, str(tmp_path), device="cpu", want_rank=rank, ctx=cluster.ctx).run()
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=150)
+        codes = train_on_threads(cfg, str(tmp_path), cluster)
     assert codes == {0: 0, 1: 0}
     for rank in range(2):
         lines = [json.loads(x) for x in open(tmp_path / "events" / f"worker-{rank}.jsonl")]

@@ -65,12 +65,13 @@ missing_dependency() {  # missing_dependency WHAT: exit 3, saying what PY lacks 
     exit 3
 }
 
-# 0. Wheels carried to a machine with no package index.
-if [ -d .whl ]; then
+# 0. Wheels carried to a machine with no package index (GPU_WHEELS: another folder of them).
+WHEELS=${GPU_WHEELS:-.whl}
+if [ -d "$WHEELS" ]; then
     export PYTHONPATH="$PYTHONPATH:$WORK/site"
     timeout 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$WORK/site" .whl/*.whl >>"$OUT/gpu.txt" 2>&1 \
-        || missing_dependency "installing .whl/*.whl failed: $(tail -n 1 "$OUT/gpu.txt")"
+        --target "$WORK/site" "$WHEELS"/*.whl >>"$OUT/gpu.txt" 2>&1 \
+        || missing_dependency "installing $WHEELS/*.whl failed: $(tail -n 1 "$OUT/gpu.txt")"
 fi
 
 # 1. Is there a GPU that torch can use, and can PY import psgd and what it needs?

@@ -129,7 +129,9 @@ def _wheel(folder, name: str, version: str) -> None:
 
 
 def _gpu_sh(tmp_path, py: str, script: str = GPU_SH, **env) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": py, **env}
+    """gpu.sh with a stand-in PY; the checkout's own .whl/ (prepared for the device) is
+    not installed unless GPU_WHEELS says so."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": py, "GPU_WHEELS": str(tmp_path / "no-wheels"), **env}
     env.pop("PYTHONPATH", None)
     return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=280)
 
@@ -183,7 +185,8 @@ def test_gpu_sh_installs_the_wheels_carried_in_whl_before_it_imports(tmp_path):
     os.makedirs(repo / "bench")
     shutil.copy(GPU_SH, repo / "bench" / "gpu.sh")
     _wheel(repo / ".whl", "carried", "9.1")
-    r = _gpu_sh(tmp_path, _script(tmp_path, "wheelspy", WHEELS_PY), script=str(repo / "bench" / "gpu.sh"))
+    r = _gpu_sh(tmp_path, _script(tmp_path, "wheelspy", WHEELS_PY), script=str(repo / "bench" / "gpu.sh"),
+                GPU_WHEELS=".whl")
     gpu_txt = (tmp_path / "out" / "gpu.txt").read_text()
     assert r.returncode == 3 and "the test ends here" in r.stderr, (r.returncode, r.stderr[-2000:])
     assert "carried 9.1 from" in gpu_txt, gpu_txt[-2000:]

@@ -167,7 +167,8 @@ def same_worker_dropped(plan: list) -> str | None:
     in the order they arrived, and equal steps keep that order), so the last
     `mode.backup_workers` to arrive are the same ranks every time, and their partitions
     never train the model. Real runs spread the drops; so does any spread here."""
-    runs = dict.fromkeys(run.label for run in plan if run.cfg.mode.backup_workers > 0 and run.cfg.sim.compute_cv <= 0
+    runs = dict.fromkeys(run.label for run in plan if run.mode == "sync"   # (the one mode with backup workers)
+                         and run.cfg.mode.backup_workers > 0 and run.cfg.sim.compute_cv <= 0
                          and not (run.cfg.faults.jitter_prob > 0 and run.cfg.faults.jitter_s > 0))
     if not runs:
         return None

@@ -777,3 +777,69 @@ def test_an_explored_learning_rate_reaches_a_training_scripts_optimizer():
     assert s.hyper == drawn                                   # what the tournament lines report
     assert s.opt.param_groups[0]["momentum"] == drawn["optimizer.momentum"]
     assert s.opt.param_groups[0]["lr"] == drawn["optimizer.lr"]
+
+
+def quadratic(w):
+    """A compute whose loss is sum(p^2) / 2 in float32 (inf once the weights blow up), its
+    gradient p: too high a learning rate diverges as a network's does."""
+    def compute() -> float:
+        params = list(w.replica.model.parameters())
+        for p in params:
+            p.grad = p.detach().clone()
+        return float(sum((p.detach() ** 2).sum() for p in params) / 2)
+    return compute
+
+
+@unit
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", ["weights", "weights+optimizer"])
+def test_a_diverged_trainer_that_loses_does_not_keep_its_diverged_momentum(exchange):
+    """A review: a diverged trainer that lost its tournament kept, with mode.exchange =
+    weights, the momentum it built up while diverging, and the first step threw the model
+    it took as far (it trained garbage, or diverged again and ended the job)."""
+    cfg = ltfb_cfg(**{"mode.exchange": exchange, "mode.metric": "loss", "mode.round_steps": 20,
+                      "train.steps": 300, "mode.explore": {"optimizer.lr": [0.01, 100.0]}})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    s0.set_hyper({"optimizer.lr": 0.05})
+    s1.set_hyper({"optimizer.lr": 50.0})        # trainer 1 drew a rate far too high
+    w0.compute, w1.compute = quadratic(w0), quadratic(w1)
+    notes = []
+    w1.note = notes.append
+    for _ in range(20):                         # trainer 0's round 1: it deposits a good model
+        s0.step(w0)
+    for _ in range(20):                         # trainer 1 diverges within its round 1 ...
+        s1.step(w1)
+    assert any("diverged" in n for n in notes), notes
+    (line,) = w1.events                         # ... and loses its tournament: trainer 0's model
+    assert line["adopted"] and line["partner"] == 0
+    assert torch.equal(flat(w1.replica.params()), flat(w0.replica.params()))
+    assert s1.hyper["optimizer.lr"] < 0.1       # with trainer 0's rate, mutated
+    start = flat(w1.replica.params()).abs().max().item()
+    s1.step(w1)                                 # one step of plain SGD with a sane rate ...
+    after = flat(w1.replica.params()).abs().max().item()
+    assert math.isfinite(after) and after < 10 * start + 1, (start, after)   # ... moves the weights a little
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(300)
+def test_a_simulated_ltfb_run_does_not_depend_on_the_machines_time(monkeypatch):
+    """A review: the wait for a partner's model was bounded by the machine's clock, in
+    psgd simulate too: on a slow machine a fetch gave up, asked every shard's index and
+    waited again (other messages, other virtual times: another compare.json for the same
+    config and seed). It is bounded on the worker's clock, virtual there."""
+    import itertools
+    import types
+
+    from psgd.consistency import ltfb
+    from psgd.sim.run import Simulation
+    keys = ["mode.name=ltfb", "mode.round_steps=4", "cluster.workers=4", "train.steps=24",
+            "sim.compute_s=0.002", "sim.compute_cv=0.5", "faults.slow_rank=1", "faults.slow_factor=4"]
+
+    def summary() -> dict:
+        cfg = load(None, keys, env={})
+        out = Simulation(cfg, cfg.sim.compute_s).run()
+        return {k: v for k, v in out.items() if "real" not in k and k != "wall_s"}
+    fast = summary()
+    ticks = itertools.count()   # a slow (or busy) machine: each look at the clock finds 10 s more gone
+    monkeypatch.setattr(ltfb, "time", types.SimpleNamespace(monotonic=lambda: 10.0 * next(ticks)), raising=False)
+    assert summary() == fast

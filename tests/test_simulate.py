@@ -819,6 +819,9 @@ def test_backup_workers_with_no_spread_in_step_times_are_warned_of(tmp_path, cap
     assert f"**Warning:** {warned}" in (tmp_path / "a" / "report.md").read_text()
     assert simulate(tmp_path, "b", "--modes", "sync:backup_workers=1", *small, "--set", "sim.compute_cv=0.1")[0] == 0
     assert "warning" not in capsys.readouterr().err
+    # (a review: it named every run with the key set, also of modes that have no backup workers)
+    assert simulate(tmp_path, "c", "--modes", "sync,async,diloco", *small, "--set", "mode.backup_workers=1")[0] == 0
+    assert "warning: sync: mode.backup_workers" in capsys.readouterr().err
     assert "warnings" not in json.load(open(tmp_path / "b" / "compare-context.json"))
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -427,6 +426,7 @@ class LtfbSchedule(Schedule):
         finite) scored as the worst, so that any partner's model, or a top-k one,
         replaces it."""
         if self.diverged:
+            self.opt.state.clear()   # its momentum (or Adam's moments) diverged too: not for the model it takes
             self.rejoin(w)
             acc = loss = math.nan
         else:
@@ -506,12 +506,12 @@ class LtfbSchedule(Schedule):
         live and has not answered for a while (`cluster.heartbeat_timeout_s`, then twice
         as long each time), this trainer's own deposit is made again where a shard lacks
         it (`keep_deposit`)."""
-        window = self.cfg.cluster.heartbeat_timeout_s
+        window = self.cfg.cluster.heartbeat_timeout_s   # (on the worker's clock: virtual in psgd simulate)
         while True:
-            until = time.monotonic() + window
-            got = w.client.get_model(rnd, owner, cancel=lambda until=until: gone() or time.monotonic() > until,
+            until = w.now() + window
+            got = w.client.get_model(rnd, owner, cancel=lambda until=until: gone() or w.now() > until,
                                      missing_ok=True)
-            if got is None and (gone() or time.monotonic() <= until):   # (left, refused, or unreachable)
+            if got is None and (gone() or w.now() <= until):   # (left, refused, or unreachable)
                 return None
             self.keep_deposit(w, rnd, own)
             if got is not None:

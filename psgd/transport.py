@@ -8,8 +8,7 @@ what an op means, tensors or modes.
 - `Peers`: one DEALER per peer; requests to all peers are in flight at once and replies
   are matched by request id, so a late answer from one peer blocks no one else. Every
   wait has a deadline; `PeerTimeout` names the address that did not answer, and
-  `HandshakeFailed` one that refused this client's CurveZMQ handshake. `heard` says when
-  each peer last sent anything (an answer to a request not waited for too).
+  `HandshakeFailed` one that refused this client's CurveZMQ handshake.
 
 Security (CurveZMQ): `psgd keys DIR` writes DIR/server.key(_secret) and
 DIR/client.key(_secret), and DIR/authorized/ holds the public keys that servers accept.
@@ -17,7 +16,6 @@ DIR/client.key(_secret), and DIR/authorized/ holds the public keys that servers 
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
 import time
@@ -235,7 +233,6 @@ class Peers:
             self.socks.append(sock)
             self.monitors.append(monitor)
         self.why = ["" for _ in self.socks]                       # the last handshake's refusal, per peer
-        self.heard = [-math.inf for _ in self.socks]              # when each peer's last message came
         self.bytes_sent = 0
         self.bytes_recv = 0
 
@@ -284,9 +281,8 @@ class Peers:
         deadline = start + timeout
         polled = False
         poller = zmq.Poller()
-        peer = {self.socks[i]: i for i in set(pending.values())}
-        for sock in peer:
-            poller.register(sock, zmq.POLLIN)
+        for i in set(pending.values()):
+            poller.register(self.socks[i], zmq.POLLIN)
         while len(got) < len(pending):
             left = deadline - time.monotonic()
             if left <= 0 or (cancel is not None and polled and cancel()):
@@ -300,7 +296,6 @@ class Peers:
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
             for sock, _ in poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
-                self.heard[peer[sock]] = time.monotonic()
                 while readable(sock):
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self.bytes_recv += sum(len(f.buffer) for f in frames)

@@ -120,3 +120,32 @@ def test_a_parked_request_is_answered_when_its_step_closes_not_at_the_next_resen
         finally:
             for link in links:
                 link.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_prefetched_request_parked_over_a_long_compute_is_not_unreachable(port_block):
+    """A review: a push+pull begun ahead (prefetch, or a psgd.connect script computing
+    long between steps) and finished after a compute longer than cluster.timeout_s, while
+    legitimately parked (rank 1 has not pushed), was ShardUnreachable at once, without a
+    single probe: the shard's silence was counted from `begin`, and what it sent was
+    heard only inside a wait. Only the time in `finish` counts now, and the shard, which
+    answers probes, is waited for until the step closes, 0.5 s into `finish`."""
+    cfg = config(port_block)
+    with InProcessCluster(cfg) as cluster:
+        links = registered_workers(cfg, cluster)
+        clients = [ParameterClient(cfg, cluster.ctx, r) for r in range(2)]
+        try:
+            clients[0].alive = lambda i: i in links[0].state["live_shards"]
+            params, buffers = clients[0].tables(clients[0].join(0))
+            f = clients[0].begin_push_pull(0, params, buffers, [0])   # parked: rank 1 has not pushed
+            time.sleep(TIMEOUT_S + 0.3)                                  # the next step's compute
+            late = threading.Timer(0.5, lambda: clients[1].push_pull(0, params, buffers, [0]))
+            late.start()
+            try:
+                pulled = clients[0].finish_push_pull(f)[1]
+            finally:
+                late.join()
+            assert int(pulled[0].get("version")) == 1
+        finally:
+            for c in [*clients, *links]:
+                c.close()

@@ -9,11 +9,13 @@ request that gets no answer within the retry window is sent again (pushes are
 deduplicated by (rank, clock) and elastic offers by (rank, round), so a resend is
 safe): while its shard heartbeats to the coordinator (it is parked, or slow, most
 likely), on the same connection under the same id, so that the first answer is taken,
-the original's too, with a window that doubles, and with a `stats` request that the
-shard answers at once, parked or not; else on a fresh connection after a backoff. Once
-`cluster.timeout_s` passes without anything from a shard that owes an answer (what the
-coordinator hears says nothing of this worker's way to it: a partition, a wrong
-address), `ShardUnreachable` names the address.
+the original's too, with a window that doubles, once a `stats` probe that the shard
+answers at once, parked or not, has been answered on a connection of its own (what the
+coordinator hears says nothing of this worker's way to the shard: a partition, a wrong
+address; and an answer on the data connection waits behind the large frames ahead of
+it); else on a fresh connection after a backoff. A probe unanswered for
+`cluster.timeout_s`, or a shard not live for that long in `finish`, is
+`ShardUnreachable`, naming the address.
 An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
 `wire.ServerFault`) at once. `cancel`, when set, is asked while waiting: turning true
 gives up with `Cancelled` (the job ended).
@@ -51,7 +53,6 @@ class InFlight:
     reqs: list
     pending: dict[int, tuple[int, int]]
     out: list
-    sent: float       # when (monotonic): a shard that owes an answer is silent since then, or its last message
     cancel: Callable[[], bool] | None
 
     def take(self, got: dict[int, wire.Message]) -> None:
@@ -65,6 +66,7 @@ class ParameterClient:
         self.rank = rank
         self.n = cfg.cluster.servers
         self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security)
+        self._probes: Peers | None = None   # the shards again, for `stats` probes only (`_probe`)
         self.retry_s = max(2.0, 4 * cfg.cluster.heartbeat_s)  # resend window (a restarted shard lost them)
         self.wait_s = 0.0     # time blocked on the servers
         self._waiting_since = 0.0   # when the wait in progress began (monotonic; 0: none)
@@ -117,22 +119,24 @@ class ParameterClient:
             own, extra = self.cancel, cancel
             cancel = lambda: own() or extra()  # noqa: E731
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
-        return InFlight(list(reqs), pending, [None] * len(reqs), time.monotonic(), cancel)
+        return InFlight(list(reqs), pending, [None] * len(reqs), cancel)
 
     def finish(self, f: InFlight) -> list[wire.Message]:
         """Wait for the answers of `begin`'s requests (resending, see the module's
-        docstring, until a shard that owes one is silent for `cluster.timeout_s`); the
-        time spent here is `wait_s`."""
+        docstring, while the shards that owe one answer probes, or until a shard not live
+        has not answered for `cluster.timeout_s`); the time spent here is `wait_s`, and
+        only it counts towards the timeout (a request sent ahead may wait parked while
+        the worker computes)."""
         t0 = self._waiting_since = time.monotonic()
         timeout_s = self.cfg.cluster.timeout_s
+        deadline = t0 + timeout_s
         backoff = 0.5
-        # At most half the timeout: a parked request's shard is asked at least twice per
-        # timeout_s whether it still answers (its answers move its silence back).
+        # At most half the timeout: a parked request's shard is probed at least twice per
+        # timeout_s (a partition found within 1.5 x timeout_s).
         patience = min(self.retry_s, timeout_s / 2)
         try:
             while f.pending:
-                silent_s, _ = self._silence(f)
-                window = min(patience, max(0.1, timeout_s - silent_s))
+                window = min(patience, max(0.1, deadline - time.monotonic()))
                 try:
                     got = self.peers.wait({rid: i for rid, (_, i) in f.pending.items()}, window,
                                           "parameter request", f.cancel)
@@ -140,22 +144,20 @@ class ParameterClient:
                     if f.cancel is not None and f.cancel():
                         raise Cancelled(e.address) from None
                     f.take(e.partial)
-                    silent_s, shard = self._silence(f)
-                    if silent_s >= timeout_s:
-                        raise ShardUnreachable(f"worker {self.rank}: shard at {self.peers.addresses[shard]} did not "
-                                               f"answer within cluster.timeout_s = {timeout_s:.0f} s") from None
-                    self.retries += 1
                     alive = self._alive(f)
+                    if not alive and time.monotonic() >= deadline:
+                        raise self._unreachable(e.address) from None
+                    self.retries += 1
                     if alive:
-                        # Parked or slow, most likely: the requests again (a shard that restarted
-                        # lost them) on the same connections under the same ids, so that the
-                        # first answer to come is taken, the original's too, and at once; the
-                        # window doubles, up to 4 x retry_s or half the timeout (a parked request
-                        # waits for a peer). The shard's `stats` answer, which comes at once, says
-                        # that it still hears this worker.
+                        # Parked or slow, most likely, once the shards answer a probe (one that
+                        # does not for timeout_s is unreachable): the requests again (a shard that
+                        # restarted lost them) on the same connections under the same ids, so
+                        # that the first answer to come is taken, the original's too, and at
+                        # once; the window doubles, up to 4 x retry_s or half the timeout (a
+                        # parked request waits for a peer).
+                        self._probe({i for _, i in f.pending.values()}, f.cancel)
+                        deadline = time.monotonic() + timeout_s
                         patience = min(4 * self.retry_s, timeout_s / 2, 2 * patience)
-                        for i in {i for _, i in f.pending.values()}:
-                            self.peers.send(i, "stats", rank=self.rank)
                     else:
                         for i in {i for _, i in f.pending.values()}:
                             self.peers.reconnect(i)
@@ -185,11 +187,35 @@ class ParameterClient:
         since = self._waiting_since
         return self.wait_s + (time.monotonic() - since if since else 0.0)
 
-    def _silence(self, f: InFlight) -> tuple[float, int]:
-        """(seconds, shard): the shard that owes `f` an answer and has sent this client
-        nothing for longest, since `f` was sent."""
-        now = time.monotonic()
-        return max((now - max(f.sent, self.peers.heard[i]), i) for _, i in f.pending.values())
+    def _probe(self, shards: set[int], cancel: Callable[[], bool] | None) -> None:
+        """Return once each of `shards` has answered a `stats` probe on the probe
+        connections, which carry nothing else: an answer there queues behind no large
+        frames, so a slow answer on its way on the data connection is not taken for
+        silence. Each window the unanswered probes go again on fresh connections;
+        `ShardUnreachable` when one has none after `cluster.timeout_s`."""
+        timeout_s = self.cfg.cluster.timeout_s
+        if self._probes is None:
+            self._probes = Peers(self.peers.ctx, self.peers.addresses, self.peers.security)
+        probes = self._probes
+        until = time.monotonic() + timeout_s
+        while True:
+            pending = {probes.send(i, "stats", rank=self.rank): i for i in shards}
+            try:
+                probes.wait(pending, min(self.retry_s, timeout_s / 2, max(0.1, until - time.monotonic())),
+                            "reachability probe", cancel)
+                return
+            except PeerTimeout as e:
+                if cancel is not None and cancel():
+                    raise Cancelled(e.address) from None
+                shards = {i for rid, i in pending.items() if rid not in e.partial}
+                if time.monotonic() >= until:
+                    raise self._unreachable(e.address) from None
+                for i in shards:
+                    probes.reconnect(i)
+
+    def _unreachable(self, address: str) -> ShardUnreachable:
+        return ShardUnreachable(f"worker {self.rank}: shard at {address} did not answer within "
+                                f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s")
 
     def _alive(self, f: InFlight) -> bool:
         """Is every shard that still owes `f` an answer known to be alive?"""
@@ -311,6 +337,8 @@ class ParameterClient:
 
     def close(self) -> None:
         self.peers.close()
+        if self._probes is not None:
+            self._probes.close()
 
 
 def tensors_of(msgs: Sequence[wire.Message], k: int) -> list[torch.Tensor]:

@@ -284,7 +284,7 @@ class Connection(Worker):
             abort = self._final_model() if held else self.link.state.get("abort", "")
         finally:
             try:
-                problem = self._release(held)
+                problem = self._release(held and not abort)   # (an abort the status view said)
             finally:  # a coordinator gone by now must not keep the pid file and the sockets
                 self._end("", reported=True)
         if abort:
@@ -293,10 +293,12 @@ class Connection(Worker):
             raise JobError(f"close(): {problem}")
 
     def _release(self, held: bool) -> str:
-        """Let the job end (`held`: rank 0 held its end for the final model), unless the
-        coordinator stopped answering meanwhile: another cluster.timeout_s would go on it
-        for nothing (a hold ends by itself). What went wrong with the coordinator, or ''."""
-        if held and not self.link.unanswered:
+        """Let the job end (`held`: rank 0 held its end for the final model), unless it
+        has ended (done or aborted: the coordinator lingers only until this worker has
+        heard so, and may be gone) or the coordinator stopped answering meanwhile: another
+        cluster.timeout_s would go on it for nothing (a hold ends by itself). What went
+        wrong with the coordinator, or ''."""
+        if held and not self.link.unanswered and not self.stopped():
             try:
                 self.link.call("release")
             except (PeerTimeout, HandshakeFailed, wire.RemoteError) as e:

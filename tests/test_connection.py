@@ -11,7 +11,7 @@ running a training loop of their own, the shards learn the model from them.
   tensor or a numpy integer is counted as its int;
 - a frozen layer built differently on two workers is refused when they register;
 - rank 0 waits for a slower worker (however long, while it is live) to save the final
-  model, and raises, saving none, when another worker fails meanwhile.
+  model, and raises at once, saving none, when another worker fails meanwhile.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import psgd
+import psgd.connection
 from psgd.config import Config, ConfigError
 from psgd.inprocess import InProcessCluster
 
@@ -446,6 +447,43 @@ def test_close_on_rank_0_raises_when_another_worker_fails_while_it_waits(port_bl
     assert got[1].startswith("ValueError")
     assert got[0].startswith("JobError: the job was aborted") and "rank 1's evaluation broke" in got[0], got
     assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.timeout(90)
+def test_close_on_rank_0_raises_an_abort_promptly(port_block, tmp_path, monkeypatch):
+    """A review: the same abort, and rank 0's close() raised it only cluster.timeout_s
+    later. The coordinator lingers until rank 0, the holder, has heard the end on a
+    heartbeat, then exits; rank 0, which learned of the abort then (or by its status
+    poll), still sent `release` to the coordinator gone and waited for its answer. A
+    status poll slower than the heartbeats (2 s against 0.1 s) made it happen every time;
+    an ended job is not released now."""
+    monkeypatch.setattr(psgd.connection, "FINAL_POLL_S", 2.0)
+    cfg = config(port_block, "async", **{"cluster.servers": 1, "train.steps": 10, "cluster.timeout_s": 10.0,
+                                         "cluster.heartbeat_s": 0.1})
+    got: dict = {}
+
+    def worker(rank: int) -> None:
+        model = Net(0)
+        try:
+            with psgd.connect(model, config=cfg, out=str(tmp_path), rank=rank) as ps:
+                train(ps, model, None)
+                if rank == 1:
+                    time.sleep(3)   # rank 0 is in close(), waiting for this one (between two of its polls)
+                    got["raised_at"] = time.monotonic()
+                    raise ValueError("rank 1's evaluation broke")
+        except Exception as e:  # noqa: BLE001 - checked below
+            got[rank] = f"{type(e).__name__}: {e}"
+        got[f"end{rank}"] = time.monotonic()
+
+    with InProcessCluster(cfg, str(tmp_path)):
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert got.get(0, "").startswith("JobError: the job was aborted"), got
+    took = got["end0"] - got["raised_at"]
+    assert took < 3.0, f"rank 0's close() raised the abort {took:.1f} s after it (cluster.timeout_s = 10)"
 
 
 @pytest.mark.timeout(60)

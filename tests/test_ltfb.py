@@ -843,3 +843,30 @@ def test_a_simulated_ltfb_run_does_not_depend_on_the_machines_time(monkeypatch):
     ticks = itertools.count()   # a slow (or busy) machine: each look at the clock finds 10 s more gone
     monkeypatch.setattr(ltfb, "time", types.SimpleNamespace(monotonic=lambda: 10.0 * next(ticks)), raising=False)
     assert summary() == fast
+
+
+@unit
+@pytest.mark.timeout(120)
+def test_a_diverged_trainer_adopting_with_weights_and_optimizer_takes_the_partners_optimizer_state():
+    """A review: with weights+optimizer a diverged trainer that cleared its state before
+    taking its partner's model took no state with it (load_opt_state matched the
+    deposit's kinds of state against ours, then none): it trained on with zero momentum."""
+    cfg = ltfb_cfg(**{"mode.exchange": "weights+optimizer", "mode.metric": "loss", "mode.round_steps": 20,
+                      "train.steps": 300, "mode.explore": {"optimizer.lr": [0.01, 100.0]}})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    s0.set_hyper({"optimizer.lr": 0.05})
+    s1.set_hyper({"optimizer.lr": 50.0})
+    w0.compute, w1.compute = quadratic(w0), quadratic(w1)
+    w1.note = lambda *_: None
+    for _ in range(20):
+        s0.step(w0)
+    partner_momentum = momentum(s0, w0).clone()
+    assert partner_momentum.abs().max() > 0
+    for _ in range(20):
+        s1.step(w1)
+    (line,) = w1.events
+    assert line["adopted"] and line["partner"] == 0
+    assert torch.equal(flat(w1.replica.params()), flat(w0.replica.params()))
+    got = [s1.opt.state.get(p, {}).get("momentum_buffer") for p in w1.replica.model.parameters()]
+    assert all(m is not None for m in got), "the adopted model came without its optimizer state"
+    assert torch.allclose(flat(got), partner_momentum)

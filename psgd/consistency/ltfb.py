@@ -426,7 +426,8 @@ class LtfbSchedule(Schedule):
         finite) scored as the worst, so that any partner's model, or a top-k one,
         replaces it."""
         if self.diverged:
-            self.opt.state.clear()   # its momentum (or Adam's moments) diverged too: not for the model it takes
+            if not self.with_opt:   # its momentum (or Adam's moments) diverged too: not for the model it
+                self.opt.state.clear()   # takes (with weights+optimizer, that model's state replaces it)
             self.rejoin(w)
             acc = loss = math.nan
         else:
@@ -610,12 +611,17 @@ class LtfbSchedule(Schedule):
                       for k in keys]
 
     def load_opt_state(self, w: Trainer, got: list, with_meta: bool | None = None) -> None:
-        """The deposit's optimizer state into ours, when it holds the same kinds of state
-        (a deposit made before the first step may hold none)."""
+        """The deposit's optimizer state into ours, when it holds the same kinds of state.
+        One that holds none (made before its first step, or by a diverged trainer's leader,
+        which cleared its own) clears ours: the state goes with the model (a group's
+        replicas stay alike)."""
         keys, _ = self.opt_state(w)
         if with_meta is None:
             with_meta = bool(self.explore)
-        if len(got[0].arrays) - 2 - int(with_meta) != len(keys):
+        held = len(got[0].arrays) - 2 - int(with_meta)
+        if held == 0:
+            self.opt.state.clear()
+        if held != len(keys):
             return
         params, names = self._trainable(w)
         for j, k in enumerate(keys):

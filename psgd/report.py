@@ -125,7 +125,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         return "varies (below)" if key in varies else x.get(key, "?")
 
     lines.append(f"Model **{val(job, 'model')}** on **{val(job, 'data')}**, batch {val(job, 'batch_size')} "
-                 f"per worker, budget {budget or '?'}, optimizer "
+                 f"per worker (at most its share of the training set), budget {budget or '?'}, optimizer "
                  + (f"{opt.get('name', '?')} (lr {opt.get('lr', '?')}, momentum {opt.get('momentum', '?')})"
                     if "optimizer" not in varies else "varies (below)")
                  + f", {ctx.get('servers', '?')} shard"
@@ -224,7 +224,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         for title, name in plots:
             lines += [f"### {title}", "", f"![{title}]({name})", ""]
     elif plt_or_none() is None:
-        lines += ["(No plots: matplotlib is not installed; `pip install psgd[plots]`.)", ""]
+        lines += ["(No plots: matplotlib is not installed; `pip install 'psgd[plots]'`.)", ""]
     return "\n".join(lines)
 
 

@@ -816,7 +816,10 @@ def test_backup_workers_with_no_spread_in_step_times_are_warned_of(tmp_path, cap
     assert "warning: sync:backup_workers=1: mode.backup_workers with no spread in step times" in said
     warned = said.split("warning: ")[1].split("\n")[0]
     assert json.load(open(tmp_path / "a" / "compare-context.json"))["warnings"] == [warned]
-    assert f"**Warning:** {warned}" in (tmp_path / "a" / "report.md").read_text()
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert f"**Warning:** {warned}" in report
+    # (a review: 'batch 32 per worker' where a worker's share of the data made its batches smaller)
+    assert "batch 32 per worker (at most its share of the training set)" in report
     assert simulate(tmp_path, "b", "--modes", "sync:backup_workers=1", *small, "--set", "sim.compute_cv=0.1")[0] == 0
     assert "warning" not in capsys.readouterr().err
     # (a review: it named every run with the key set, also of modes that have no backup workers)

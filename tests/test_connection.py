@@ -416,6 +416,36 @@ def test_a_report_right_after_the_loop_counts_every_sample_of_the_reporting_work
         ps.close()
 
 
+def abort_while_rank_0_closes(cfg, out, sleep_s: float) -> dict:
+    """Rank 0 in close(), waiting for rank 1, whose script raises inside `with` after
+    `sleep_s`: what each raised (or "closed normally"), and when (monotonic) rank 1 raised
+    and each ended."""
+    got: dict = {}
+
+    def worker(rank: int) -> None:
+        model = Net(0)
+        try:
+            with psgd.connect(model, config=cfg, out=out, rank=rank) as ps:
+                train(ps, model, None)
+                if rank == 1:
+                    time.sleep(sleep_s)   # rank 0 is in close(), waiting for this one
+                    got["raised_at"] = time.monotonic()
+                    raise ValueError("rank 1's evaluation broke")
+            got[rank] = "closed normally"
+        except Exception as e:  # noqa: BLE001 - checked by the callers
+            got[rank] = f"{type(e).__name__}: {e}"
+        got[f"end{rank}"] = time.monotonic()
+
+    with InProcessCluster(cfg, out) as cluster:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        got["abort"] = cluster.coordinator.abort or ""
+    return got
+
+
 @pytest.mark.timeout(90)
 def test_close_on_rank_0_raises_when_another_worker_fails_while_it_waits(port_block, tmp_path):
     """A review: rank 0 waited in close() for rank 1, whose script then raised inside `with`
@@ -423,27 +453,8 @@ def test_close_on_rank_0_raises_when_another_worker_fails_while_it_waits(port_bl
     DIR/model.pt: its wait took rank 1, no longer live, for done, and never read the abort
     in the coordinator's answer."""
     cfg = config(port_block, "async", **{"cluster.servers": 1, "train.steps": 10, "cluster.timeout_s": 5})
-    got: dict = {}
-
-    def worker(rank: int) -> None:
-        model = Net(0)
-        try:
-            with psgd.connect(model, config=cfg, out=str(tmp_path), rank=rank) as ps:
-                train(ps, model, None)
-                if rank == 1:
-                    time.sleep(2)   # rank 0 is in close(), waiting for this one
-                    raise ValueError("rank 1's evaluation broke")
-            got[rank] = "closed normally"
-        except Exception as e:  # noqa: BLE001 - checked below
-            got[rank] = f"{type(e).__name__}: {e}"
-
-    with InProcessCluster(cfg, str(tmp_path)) as cluster:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert "rank 1's evaluation broke" in (cluster.coordinator.abort or "")   # the job was aborted
+    got = abort_while_rank_0_closes(cfg, str(tmp_path), 2.0)
+    assert "rank 1's evaluation broke" in got["abort"]   # the job was aborted
     assert got[1].startswith("ValueError")
     assert got[0].startswith("JobError: the job was aborted") and "rank 1's evaluation broke" in got[0], got
     assert not (tmp_path / "model.pt").exists()
@@ -460,27 +471,7 @@ def test_close_on_rank_0_raises_an_abort_promptly(port_block, tmp_path, monkeypa
     monkeypatch.setattr(psgd.connection, "FINAL_POLL_S", 2.0)
     cfg = config(port_block, "async", **{"cluster.servers": 1, "train.steps": 10, "cluster.timeout_s": 10.0,
                                          "cluster.heartbeat_s": 0.1})
-    got: dict = {}
-
-    def worker(rank: int) -> None:
-        model = Net(0)
-        try:
-            with psgd.connect(model, config=cfg, out=str(tmp_path), rank=rank) as ps:
-                train(ps, model, None)
-                if rank == 1:
-                    time.sleep(3)   # rank 0 is in close(), waiting for this one (between two of its polls)
-                    got["raised_at"] = time.monotonic()
-                    raise ValueError("rank 1's evaluation broke")
-        except Exception as e:  # noqa: BLE001 - checked below
-            got[rank] = f"{type(e).__name__}: {e}"
-        got[f"end{rank}"] = time.monotonic()
-
-    with InProcessCluster(cfg, str(tmp_path)):
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+    got = abort_while_rank_0_closes(cfg, str(tmp_path), 3.0)   # (between two of rank 0's polls)
     assert got.get(0, "").startswith("JobError: the job was aborted"), got
     took = got["end0"] - got["raised_at"]
     assert took < 3.0, f"rank 0's close() raised the abort {took:.1f} s after it (cluster.timeout_s = 10)"

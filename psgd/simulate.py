@@ -119,6 +119,10 @@ def main(args) -> int:
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
+    from .cli import check_job
+    # the data and model are every run's (SHARED_SECTIONS): one error, not every run failing
+    # (more workers than the training set has samples for, too), as psgd compare
+    check_job(base, [run.cfg for run in plan])
     check_data(plan)
     refuse_tensorboard(plan)
     out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -132,23 +136,16 @@ def main(args) -> int:
 
 def check_data(plan: list) -> None:
     """A dataset that the runs need in memory (training, or a mode's held-out share) but
-    is streamed, or more workers than the training set has samples for (a partition
-    empty, or all held out): one error before anything runs, not one failed run each
-    after the runs before it."""
+    is streamed: one error before anything runs, not one failed run each."""
     from .consistency import get as get_mode
-    from .data import check_dataset, check_partitions
     from .sim.run import in_memory
     seen = set()
-    sizes: dict[tuple, int] = {}
     for run in plan:
         split = get_mode(run.mode).schedule(run.cfg).data_split
         key = (repr(run.cfg.data), run.cfg.job.seed)
         if (run.cfg.sim.train or split > 0) and key not in seen:
             seen.add(key)
             in_memory(run.cfg, split)
-        if key not in sizes:
-            sizes[key] = check_dataset(run.cfg.data, run.cfg.job.seed)
-        check_partitions(sizes[key], run.cfg.cluster.workers, run.cfg.job.seed, split)
 
 
 def refuse_tensorboard(plan: list) -> None:

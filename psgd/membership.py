@@ -450,8 +450,8 @@ class CoordinatorLink:
             while not self._stop.is_set():
                 try:
                     sent = self._registrations
-                    rid = peers.send(0, "heartbeat", **self._beat())   # (stop() ends the wait for its answer)
-                    self._apply_since(peers.wait({rid: 0}, max(hb * 4, 2.0), "heartbeat", self._stop.is_set)[rid], sent)
+                    self._apply_since(peers.call(0, "heartbeat", max(hb * 4, 2.0), cancel=self._stop.is_set,
+                                                 **self._beat()), sent)   # (stop() ends the wait for its answer)
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError):

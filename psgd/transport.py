@@ -308,9 +308,10 @@ class Peers:
                         got[msg.id] = msg
         return got
 
-    def call(self, i: int, op: str, timeout: float, what: str = "", **kw: Any) -> wire.Message:
+    def call(self, i: int, op: str, timeout: float, what: str = "", cancel: Callable[[], bool] | None = None,
+             **kw: Any) -> wire.Message:
         rid = self.send(i, op, **kw)
-        return self.wait({rid: i}, timeout, what or op)[rid]
+        return self.wait({rid: i}, timeout, what or op, cancel)[rid]
 
     def _close(self, i: int) -> None:
         self.monitors[i].close(0)   # (closing the socket ends its monitoring; nothing here may raise)

@@ -196,16 +196,16 @@ def test_stale_heartbeat_answer_does_not_undo_a_rejoin(monkeypatch):
         assert m.members[1].state == "lost"
         link = links[1]
         answered, registered = threading.Event(), threading.Event()
-        wait = transport.Peers.wait
+        call = transport.Peers.call
 
-        def held_wait(self, *a, **kw):        # the heartbeat thread gets its answer, then loses the GIL
-            r = wait(self, *a, **kw)
+        def held_call(self, *a, **kw):        # the heartbeat thread gets its answer, then loses the GIL
+            r = call(self, *a, **kw)
             if threading.current_thread().name == "heartbeat-worker" and self.addresses == [link.address] \
                     and not answered.is_set():
                 answered.set()
                 registered.wait(5)
             return r
-        monkeypatch.setattr(transport.Peers, "wait", held_wait)
+        monkeypatch.setattr(transport.Peers, "call", held_call)
         link.clock_fn = lambda: 3
         link.start()                          # the partition heals: its first beat is answered `rejoin`
         assert answered.wait(5)

@@ -348,7 +348,7 @@ class LtfbSchedule(Schedule):
         trainer skips its updates until its next tournament, which it loses (`lead`).
         Diverged, which ends the job, when no tournament can replace its model: no other
         live trainer, or no tournament before the budget's end; or when it diverged again
-        with the model (and hyperparameters) of each of its last DIVERGED_ROUNDS - 1
+        with the model (and hyperparameters) it took at each of its last DIVERGED_ROUNDS - 1
         tournaments: a learning rate too high for every trainer, which would otherwise
         train the whole budget on models that keep diverging."""
         R, steps = self.cfg.mode.round_steps, self.cfg.train.steps
@@ -357,7 +357,8 @@ class LtfbSchedule(Schedule):
             raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
         if self.lost_to_divergence >= DIVERGED_ROUNDS - 1:
             raise Diverged(f"loss is {loss} at step {w.clock}, in {DIVERGED_ROUNDS} rounds in a row of trainer "
-                           f"{self.trainer}, each with the model another trainer gave it; lower optimizer.lr"
+                           f"{self.trainer}, the last {DIVERGED_ROUNDS - 1} with the model it took at its "
+                           f"tournament; lower optimizer.lr"
                            f"{' (or narrow mode.explore)' if self.explore else ''}")
         if not self.diverged:
             w.note(f"loss is {loss} at step {w.clock}: trainer {self.trainer} diverged; it skips its updates "

@@ -72,7 +72,10 @@ class ForkServerError(RuntimeError):
 
 # ---------------------------------------------------------------- the server process
 def serve() -> None:
-    end_with_launcher()
+    try:
+        end_with_launcher()
+    except SystemExit:   # the launcher ended while this started (SIGTERM during its Popen): no one to serve or tell
+        return
     for name in PRELOAD:
         importlib.import_module(name)
     import torch

@@ -191,3 +191,15 @@ def test_a_fork_server_that_died_before_a_daemon_is_started_is_one_error(tmp_pat
     finally:
         job.stop()
         own.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_server_whose_launcher_is_gone_before_it_starts_ends_silently():
+    """CI: SIGTERM to `psgd run` while it was starting its fork server (inside Popen, before
+    the server's start could be undone) left that process to find its launcher gone; it said
+    "psgd: the process that started this one (PID) is gone" into the terminal, after the
+    command had ended. Nothing waits for it: it ends with nothing on stderr."""
+    env = {**ENV, forkserver.PARENT_ENV: "1"}   # not this process's parent: "gone"
+    proc = subprocess.run([sys.executable, "-m", "psgd.forkserver"], env=env, stdin=subprocess.PIPE,
+                          capture_output=True, text=True, timeout=30)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")

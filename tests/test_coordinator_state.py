@@ -135,10 +135,10 @@ def test_a_worker_restarted_without_a_rank_waits_for_the_one_it_replaces_to_be_m
         def dies() -> None:   # worker 1's heartbeats stop: after a while the coordinator misses it
             time.sleep(1.5)
             cluster.coordinator.members.members[1].last_seen -= 100.0
+        t0 = time.monotonic()   # (before the thread's sleep starts: a busy machine may run this one later)
         threading.Thread(target=dies, daemon=True).start()
         link = CoordinatorLink(cfg, "worker", 0, cluster.ctx)
         try:
-            t0 = time.monotonic()
             assert link.register(-1).get("assigned_rank") == 1
             assert time.monotonic() - t0 >= 1.4
         finally:

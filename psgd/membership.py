@@ -55,6 +55,14 @@ LARGEST_STATS = ("staleness_max",)  # ... and those that are the largest of its 
 COUNTS_KEPT = 32  # a worker's counts kept for `SamplesAt`: about this many over the window
 
 
+def beat_answer_s(cfg: Config) -> float:
+    """How long a daemon waits for the answer to a heartbeat. Unanswered (its coordinator
+    died with it, or is slow), the next goes a heartbeat period later, on a fresh
+    connection: a restarted coordinator may hear nothing from a live daemon for that long
+    (`Membership.load_state_dict`'s grace)."""
+    return max(cfg.cluster.heartbeat_s * 4, 2.0)
+
+
 def add_stats(past: dict, current: dict) -> dict:
     """Two lives' counters as one: numbers (and lists of numbers, e.g. a histogram's
     counts, position by position) are summed, LARGEST_STATS the larger; LATEST_STATS and
@@ -290,10 +298,11 @@ class Membership:
     def excuse(self, seconds: float, now: float) -> None:
         """The watcher itself did not run for `seconds` (the machine stalled, or its
         process was stopped): a heartbeat that could not be read in that time is not a
-        missed one, so every live member's silence is counted from `seconds` later."""
+        missed one, so every live member's silence is counted from `seconds` later (and
+        never from earlier than it was: a restarted coordinator's grace stays)."""
         for m in self.members.values():
             if m.state == "live":
-                m.last_seen = min(m.last_seen + seconds, now)
+                m.last_seen = max(m.last_seen, min(m.last_seen + seconds, now))
 
     def live(self) -> dict[int, int]:
         return {r: m.clock for r, m in sorted(self.members.items()) if m.state == "live"}
@@ -324,11 +333,14 @@ class Membership:
                             for r, m in self.members.items()},
                 "version": self.version, "lost": self.lost, "rejoined": self.rejoined, "restarted": self.restarted}
 
-    def load_state_dict(self, sd: dict, now: float) -> None:
-        """Restore the table; live members count as seen `now` (they get a full
-        heartbeat timeout to reach the restarted coordinator)."""
-        self.members = {int(r): Member(int(r), now, int(m["clock"]), m["state"], dict(m["stats"]), int(m["joins"]),
-                                       str(m.get("nonce", "")), dict(m.get("past") or {}))
+    def load_state_dict(self, sd: dict, now: float, grace: float = 0.0) -> None:
+        """Restore the table; live members count as seen `grace` after `now`: they get a
+        full heartbeat timeout to reach the restarted coordinator from the moment their
+        next heartbeat is due (a restarted coordinator's `grace` is `beat_answer_s` and a
+        period: a beat that died with the coordinator before it answered is followed by
+        the next only then)."""
+        self.members = {int(r): Member(int(r), now + grace, int(m["clock"]), m["state"], dict(m["stats"]),
+                                       int(m["joins"]), str(m.get("nonce", "")), dict(m.get("past") or {}))
                         for r, m in sd["members"].items()}
         for m in self.members.values():
             m.counts = Counts(self.counts_s)
@@ -444,13 +456,12 @@ class CoordinatorLink:
     def _run(self) -> None:
         peers = Peers(self.ctx, [self.address], self.cfg.security)
         last_ok = time.monotonic()
-        hb = self.cfg.cluster.heartbeat_s
         failed = ""   # the last failure logged (one line per kind, not one per beat)
         try:
             while not self._stop.is_set():
                 try:
                     sent = self._registrations
-                    self._apply_since(peers.call(0, "heartbeat", max(hb * 4, 2.0), cancel=self._stop.is_set,
+                    self._apply_since(peers.call(0, "heartbeat", beat_answer_s(self.cfg), cancel=self._stop.is_set,
                                                  **self._beat()), sent)   # (stop() ends the wait for its answer)
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again

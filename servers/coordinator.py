@@ -40,7 +40,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config, is_number
 from psgd.log import log
-from psgd.membership import ALL_RANKS_LIVE, Membership, SamplesAt
+from psgd.membership import ALL_RANKS_LIVE, Membership, SamplesAt, beat_answer_s
 from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
@@ -630,7 +630,9 @@ class Coordinator:
         self.t0 = now - (wall - st["t0_wall"]) if st["t0_wall"] else 0.0
         self.t_end = now - (wall - st["t_end_wall"]) if st["t_end_wall"] else 0.0
         self.held_until = now + (st["held_until_wall"] - wall) if st.get("held_until_wall") else 0.0
-        self.members.load_state_dict(st["membership"], now)
+        # A worker's heartbeat that this coordinator's last life read and never answered is
+        # followed by its next only beat_answer_s and a period later.
+        self.members.load_state_dict(st["membership"], now, beat_answer_s(self.cfg) + self.cfg.cluster.heartbeat_s)
         self.nonces = {k: int(v) for k, v in st["nonces"].items()}
         self.server_joins = {int(k): int(v) for k, v in st["server_joins"].items()}
         self.server_nonces = {str(k): int(v) for k, v in st.get("server_nonces", {}).items()}

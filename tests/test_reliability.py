@@ -132,6 +132,59 @@ def test_kill_9_the_coordinator_mid_run(tmp_path, mode):
     assert "resumed the job from" in log and "training, 2 live workers; restart 1" in log, log[-2000:]
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_a_heartbeat_that_died_with_the_coordinator_does_not_lose_its_worker(tmp_path):
+    """A heartbeat the coordinator read and never answered (killed: the CI failure of
+    test_kill_9_the_coordinator_mid_run[ltfb] under load) is sent again only after its
+    answer's wait (2 s) and a period; a coordinator restarted at once counted the worker's
+    silence from its own start and dropped it after heartbeat_timeout_s = 2 s. It counts
+    it from when that next beat comes now, and still drops a worker that never beats."""
+    from psgd.config import Config
+    from psgd.membership import CoordinatorLink
+    from psgd.servers.coordinator import Coordinator
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.workers": 2, "cluster.evaluator": False,
+                              "cluster.heartbeat_s": 0.25, "cluster.heartbeat_timeout_s": 2.0})
+    out = str(tmp_path)
+    link_ctx, ctx = zmq.Context(), zmq.Context()
+    link = CoordinatorLink(cfg, "worker", 0, link_ctx)   # rank 0 heartbeats; rank 1 is dead
+    before = Coordinator(cfg, out, ctx=zmq.Context(), quiet=True)
+    before.sock.close(0)
+    before.ctx.term()
+    before.members.join(0.0, 0, nonce=link.nonce)
+    before.members.join(0.0, 1, nonce="dead")
+    before.phase, before.t0 = "training", time.monotonic()
+    before._save_state(time.monotonic())
+    before.events.close()
+    hung_ctx = zmq.Context()   # the coordinator as it dies: it reads a heartbeat and never answers
+    hung = hung_ctx.socket(zmq.ROUTER)
+    hung.setsockopt(zmq.LINGER, 0)
+    hung.bind(cfg.coordinator_address())
+    served = None
+    try:
+        link.start()
+        assert hung.poll(10_000), "no heartbeat came"
+        hung.close(0)
+        hung_ctx.term()   # (the port is free when this returns)
+        c = Coordinator(cfg, out, ctx=ctx, quiet=True)   # restarted at once, from its state file
+        assert c.restarts == 1 and set(c.members.live()) == {0, 1}
+        served = threading.Thread(target=c.serve, daemon=True)
+        served.start()
+        deadline = time.monotonic() + 20
+        while c.members.members[1].state != "lost" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        link.close()
+        if served is not None:
+            c.stop_requested = True
+            served.join(timeout=10)
+        hung.close(0)
+        link_ctx.term()
+        ctx.term()
+    assert c.members.members[1].state == "lost", "a worker that never beats again was not dropped"
+    assert c.members.members[0].state == "live" and c.members.lost == 1, c.members.members[0]
+
+
 @pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)

@@ -80,8 +80,16 @@ def test_custom_model_and_loss_in_every_mode(tmp_path, mode):
 def test_resnet_loop_in_every_mode(tmp_path, mode):
     s = run_script(tmp_path, [os.path.join(EXAMPLES, "cifar10_resnet.py"), "--width", "4", "--synthetic", "1200"],
                    **{"mode.name": mode, "train.steps": 60, "optimizer.lr": 0.05, "cluster.servers": 1})
-    assert s["final_accuracy"] > 0.2, s  # 10 classes: chance is 0.1
-    model = example("cifar10_resnet").ResNet(4, 1)
+    ex = example("cifar10_resnet")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)   # as the script seeds its model
+        _, test = ex.cifar10(None, 1200)
+        untrained, _ = ex.evaluate(ex.ResNet(4, 1), test)
+    assert untrained < 0.1   # 10 classes: chance is 0.1 (0.07; 0.065-0.12 for seeds 0-4)
+    # Learned: 0.24-0.475 after these 60 steps on a loaded machine (ssp 0.24-0.465 in 11 runs, mean 0.37,
+    # sd 0.07; async 0.32-0.475; easgd 0.36-0.455; diloco 0.32): > 0.2 was 2.4 sd below ssp's mean
+    assert s["final_accuracy"] >= 0.15, s
+    model = ex.ResNet(4, 1)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
 

@@ -669,8 +669,10 @@ class Coordinator:
                     left = self.cfg.cluster.timeout_s - (now - start)
                     have = f"{len(self.members.members)}/{self.cfg.cluster.workers} workers registered"
                     if left <= 0:
+                        slow = ("; a script's work before psgd.connect counts: raise cluster.timeout_s if it takes "
+                                "longer" if self.cfg.model.name == layouts.SCRIPT_MODEL else "")
                         log("coordinator", f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s; "
-                            f"giving up (are all workers started, and do they reach {self.address}?)")
+                            f"giving up (are all workers started, and do they reach {self.address}{slow}?)")
                         return 1
                     if now - waited_note >= WAITING_EVERY_S:
                         waited_note = now

@@ -159,6 +159,18 @@ def test_coordinator_alone_gives_up_after_timeout_and_says_what_it_waits_for(cap
     assert code == 1 and took < 5, took
     assert "0/2 workers registered, giving up in 1 s" in err, err
     assert "0/2 workers registered after cluster.timeout_s = 2 s; giving up" in err, err
+    assert "psgd.connect" not in err   # (psgd's own workers)
+
+
+@pytest.mark.timeout(60)
+def test_a_script_job_that_gives_up_on_registrations_says_the_scripts_start_counts(capsys):
+    """A review: the rendezvous counts from the coordinator's start, so a script that loads
+    its data before psgd.connect for longer than cluster.timeout_s failed with "0/2 workers
+    registered ... giving up (are all workers started ...?)" and no word of what to raise."""
+    cfg = config(**{"cluster.workers": 2, "cluster.timeout_s": 0.5, "model.name": "script"})
+    assert Coordinator(cfg, quiet=True, ctx=zmq.Context.instance()).serve() == 1
+    err = capsys.readouterr().err
+    assert "a script's work before psgd.connect counts: raise cluster.timeout_s if it takes longer?)" in err, err
 
 
 @pytest.mark.timeout(60)

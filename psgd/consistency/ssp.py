@@ -141,7 +141,8 @@ def gated_over(answers: list, live: set[int]) -> frozenset[int]:
     a worker that rejoined in between may be in the reader's view but was not in the
     shard's: its updates are not in the answer."""
     view = frozenset(live)
-    return view if all(m.get("live_key") == _view_key(view) for m in answers) else frozenset()
+    key = _view_key(view)
+    return view if all(m.get("live_key") == key for m in answers) else frozenset()
 
 
 # A view's key, kept for the few views of a run (every worker's, between membership

@@ -258,9 +258,9 @@ def hyper_traces(out: str, run: dict) -> dict[str, dict[int, list[tuple[float, f
     lines: {key: {trainer: [(seconds since the first line, value), ...]}}; {} if none."""
     lines = []
     for path in sorted(glob.glob(os.path.join(out, run.get("dir", ""), "events", "worker-*.jsonl"))):
-        with open(path) as f:
-            lines += [e for e in map(json.loads, f) if e.get("event") == "tournament" and e.get("hyper")
-                      and e.get("rank") == e.get("leader")]
+        with open(path) as f:   # only lines that name a tournament are decoded: a long run has millions of others
+            lines += [e for e in (json.loads(x) for x in f if '"tournament"' in x)
+                      if e.get("event") == "tournament" and e.get("hyper") and e.get("rank") == e.get("leader")]
     if not lines:
         return {}
     t0 = min(e["t"] for e in lines)

@@ -37,9 +37,17 @@ from .replica import Replica, pick_device
 EVALS_PER_RUN = 50
 
 
+class BaselineTimeout(RuntimeError):
+    """The baseline ran past its time limit (`psgd compare --timeout`)."""
+
+
 def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps: int | None = None,
-                 threads: int = 1) -> dict:
-    """Train sequentially; returns a summary with the fields of summary.json (mode "baseline")."""
+                 threads: int = 1, timeout_s: float | None = None) -> dict:
+    """Train sequentially; returns a summary with the fields of summary.json (mode "baseline").
+    Past `timeout_s` of wall time (`psgd compare --timeout`; None: no limit, since the
+    baseline does W x the steps of a W-worker run alone) it raises BaselineTimeout, as a
+    distributed run past it fails."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     steps = cfg.train.steps if steps is None else int(steps)
     seconds = cfg.train.seconds
     dev = pick_device(device)
@@ -72,6 +80,9 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         last_eval_t = 0.0
         model.train()
         while (not steps or step < steps) and (not seconds or train_s < seconds):
+            if deadline is not None and time.monotonic() > deadline:
+                raise BaselineTimeout(f"the baseline did not finish within {timeout_s:g} s (--timeout): "
+                                      f"{step:,}{f' of {steps:,}' if steps else ''} steps done")
             t0 = time.perf_counter()
             set_lr(opt, lr_at(cfg.optimizer, step, steps))
             x, y = batches.next()

@@ -92,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")
     p.add_argument("--timeout", type=_seconds, default=None,
-                   help="per run, in seconds (default: an hour, or train.seconds + 600 if longer)")
+                   help="per run, in seconds (default: an hour, or train.seconds + 600 if longer; "
+                        "the sequential baseline: none unless given)")
 
     from .simulate import add_parser as add_simulate
     add_simulate(sub)

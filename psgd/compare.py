@@ -414,7 +414,7 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix:
     from .launcher import run_local
     if run.is_baseline:
         from .baseline import run_baseline
-        return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps)
+        return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps, timeout_s=timeout_s)
     if os.path.exists(folder):
         shutil.rmtree(folder)  # events are appended: start each run from an empty folder
     with Monitor(prefix, folder, run.cfg.train.steps):

@@ -231,6 +231,24 @@ def test_baseline_trains_and_writes_a_summary(tmp_path):
     assert on_disk["samples"] == s["samples"]
 
 
+@pytest.mark.timeout(60)
+def test_compare_timeout_bounds_the_baseline_too(tmp_path):
+    """A review: `psgd compare --timeout 3 --set train.steps=100000` stopped each
+    distributed run after 3 s but ran the baseline's 200,000 steps to the end (minutes,
+    unbounded): --timeout is per run, and the baseline is one."""
+    import time
+
+    from psgd.baseline import BaselineTimeout
+    from psgd.compare import run_one
+    base = load(None, ["train.steps=1000000"], env={})
+    baseline = build_plan(base, parse_modes("sync"), [2], 1)[0]
+    assert baseline.is_baseline
+    t0 = time.monotonic()
+    with pytest.raises(BaselineTimeout, match=r"did not finish within 1 s \(--timeout\): [\d,]+ of 2,000,000 steps"):
+        run_one(baseline, str(tmp_path / "baseline"), "cpu", 1.0)
+    assert time.monotonic() - t0 < 20
+
+
 @pytest.mark.timeout(120)
 def test_the_baseline_has_the_transient_stragglers_of_worker_0():
     """A review: faults.jitter_* delayed every worker but never the baseline, so a

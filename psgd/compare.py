@@ -32,7 +32,8 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -558,10 +559,23 @@ def hold_output(out: str, command: str) -> IO:
     return lock
 
 
+@contextmanager
+def said_if_interrupted(command: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM while a comparison gets ready (importing torch, calibrating) ends it
+    with a line that says so, not silently (its runs, later, write the report of those done)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted before its first run: nothing ran, no report written", file=sys.stderr,
+              flush=True)
+        raise
+
+
 def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str) -> int:
-    ctx = context(args, base, workers, plan)
-    write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
-    write_json_atomic(os.path.join(out, "compare.json"), [])
+    with said_if_interrupted("psgd compare"):
+        ctx = context(args, base, workers, plan)
+        write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
+        write_json_atomic(os.path.join(out, "compare.json"), [])
 
     n = len(plan)
     print(f"psgd compare: {n} run{'s' if n != 1 else ''} ({len(specs)} mode configuration"

@@ -176,12 +176,13 @@ def same_worker_dropped(plan: list) -> str | None:
 
 def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     from .cli import interrupted_code
-    from .compare import _fmt_duration, context
+    from .compare import _fmt_duration, context, said_if_interrupted
     from .report import write_report
     cache: dict = {}
-    costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
+    with said_if_interrupted("psgd simulate"):
+        costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
+        ctx = context(args, base, workers, plan)
     calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
-    ctx = context(args, base, workers, plan)
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
     warning = same_worker_dropped(plan)

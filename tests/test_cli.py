@@ -329,3 +329,20 @@ def test_an_interrupted_checkpoint_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_checkpoint({"x": torch.zeros(1)}, str(tmp_path / "shard-0.pt"))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("verb,slow", [("compare", "psgd.compare.context"), ("simulate", "psgd.simulate.compute_cost")])
+def test_an_interrupt_while_a_comparison_gets_ready_says_so(verb, slow, tmp_path, capsys, monkeypatch, no_job):
+    """A review: Ctrl-C in the second or two psgd compare takes to import torch (psgd
+    simulate: to calibrate) after making OUT ended it with exit 130 and not a word."""
+    import importlib
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+    module, name = slow.rsplit(".", 1)
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    argv = [verb, "--modes", "sync", "--workers", "2", "--out", str(tmp_path / "out"), "--set", "train.steps=5"]
+    assert main(argv + (["--no-baseline"] if verb == "compare" else [])) == 130
+    err = capsys.readouterr().err
+    assert f"psgd {verb}: interrupted before its first run: nothing ran, no report written" in err, err

@@ -119,6 +119,9 @@ class Coordinator:
         self.server_joins: dict[int, int] = {}
         self.server_seen: dict[int, float] = {}   # shard -> its last heartbeat (monotonic): `shards` in the view
         self.evaluator_seen = 0.0
+        # A script's job runs no evaluator (none can build the script's model), whatever
+        # cluster.evaluator says: one started by hand need not set it to false.
+        self.has_evaluator = cfg.cluster.evaluator and cfg.model.name != layouts.SCRIPT_MODEL
         self.evals: list[dict] = []
         self.t0 = 0.0
         self.t_end = 0.0
@@ -457,7 +460,7 @@ class Coordinator:
                               f"heartbeating) and none finished")
             if self.abort or (self.members.all_done and now >= self.held_until):
                 self.t_end = now
-                if self.cfg.cluster.evaluator and not self.abort:
+                if self.has_evaluator and not self.abort:
                     self.phase = "final_eval"
                     self.final_deadline = now + self.cfg.cluster.timeout_s
                     log("coordinator", "all workers finished; waiting for the final evaluation")
@@ -552,7 +555,7 @@ class Coordinator:
                                  wall_s=wall, worker_stats=m.stats(), server_stats=self.servers,
                                  evals=[e for e in self.evals], target=self.cfg.eval.target_accuracy,
                                  failures=failures, extra=extra,
-                                 final_expected=self.cfg.cluster.evaluator and not self.abort)
+                                 final_expected=self.has_evaluator and not self.abort)
         if self.out:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
         self.events.write(event="done", wall_s=round(wall, 3))
@@ -568,7 +571,7 @@ class Coordinator:
         to read the final model: an abort, which ends the job through its hold, reaches
         it only so)."""
         daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
-        if self.cfg.cluster.evaluator:
+        if self.has_evaluator:
             daemons.add(("evaluator", 0))
         workers = {who for role, who in self.told_done if role == "worker"}
         live = set(self.members.live()) | ({self.holder} if self.holder is not None else set())

@@ -565,3 +565,26 @@ def test_the_saved_final_model_of_a_gpu_worker_loads_on_a_machine_without_one(po
             train(ps, model, None)
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert set(state) == set(Net(0).state_dict()) and all(t.device.type == "cpu" for t in state.values())
+
+
+@pytest.mark.timeout(90)
+def test_a_script_job_by_hand_waits_for_no_evaluator_and_keeps_the_reported_score(port_block, tmp_path):
+    """A review: a script job started by hand (`psgd coordinator` + `psgd server` + the
+    script, model.name = "script", cluster.evaluator left at its default) waited
+    cluster.timeout_s after the workers finished for a final evaluation that no evaluator
+    can give (none can build the script's model), then wrote summary.json with
+    final_accuracy null and final_eval_missing, though the script had called report()."""
+    cfg = config(port_block, "async", workers=1, **{"cluster.evaluator": True, "cluster.timeout_s": 30})
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        model = Net(0)
+        with psgd.connect(model, config=cfg, out=str(tmp_path), rank=0) as ps:
+            train(ps, model, None)
+            ps.report(accuracy=0.75, loss=0.5)
+        closed = time.monotonic()
+        while cluster.coordinator.phase != "done" and time.monotonic() - closed < 40:
+            time.sleep(0.05)
+        ended_s = time.monotonic() - closed
+        summary = cluster.coordinator.summary
+    assert ended_s < 10, f"the job ended {ended_s:.1f} s after close(): it waited for an evaluator"
+    assert summary["final_accuracy"] == 0.75 and summary["final_loss"] == 0.5
+    assert not summary.get("final_eval_missing")

@@ -44,4 +44,7 @@ def __getattr__(name: str):
     if name in _API:
         from . import connection
         return getattr(connection, name)
+    if name == "ConfigError":   # what connect(), step(samples=...) raise for a bad rank, count or model
+        from .config import ConfigError
+        return ConfigError
     raise AttributeError(f"module 'psgd' has no attribute {name!r}")

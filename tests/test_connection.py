@@ -588,3 +588,14 @@ def test_a_script_job_by_hand_waits_for_no_evaluator_and_keeps_the_reported_scor
     assert ended_s < 10, f"the job ended {ended_s:.1f} s after close(): it waited for an evaluator"
     assert summary["final_accuracy"] == 0.75 and summary["final_loss"] == 0.5
     assert not summary.get("final_eval_missing")
+
+
+@pytest.mark.timeout(60)
+def test_the_config_error_a_script_is_told_to_expect_is_psgd_config_error(port_block):
+    """A review: README's "Your own training loop" says a bad rank, a bad `samples=` and a
+    model with nothing to train are a `ConfigError`, beside `psgd.JobError`, but `psgd`
+    had no `ConfigError`: `except psgd.ConfigError` was an AttributeError."""
+    assert psgd.ConfigError is ConfigError
+    cfg = config(port_block, "sync", **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    with pytest.raises(psgd.ConfigError, match="is not a worker rank of this job"):
+        psgd.connect(Net(0), config=cfg, rank=7)

@@ -92,8 +92,10 @@ def connect(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 
 def device() -> torch.device:
     """The device for this worker's model: `psgd run --device` (PSGD_DEVICE; default
-    auto: GPU LOCAL_RANK % GPUs where there is CUDA, else the CPU)."""
-    return pick_device(os.environ.get("PSGD_DEVICE", "auto"), local_rank())
+    auto: GPU LOCAL_RANK % GPUs where there is CUDA, else the CPU; empty: auto). A
+    script started by hand sets the variable itself: an error names it, not the flag."""
+    return pick_device(os.environ.get("PSGD_DEVICE", "").strip() or "auto", local_rank(),
+                       name="PSGD_DEVICE")
 
 
 def _sample_count(samples: Any) -> int:

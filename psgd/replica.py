@@ -36,9 +36,10 @@ def runs(pieces: list[Piece]) -> list[tuple[str, int, int]]:
     return out
 
 
-def pick_device(spec: str, local_rank: int = 0) -> torch.device:
+def pick_device(spec: str, local_rank: int = 0, name: str = "--device") -> torch.device:
     """`--device`: auto (GPU local_rank % GPUs where there is CUDA, else the CPU), cpu,
-    cuda or cuda:N; a ConfigError naming it if it is none of these, or no CUDA is here."""
+    cuda or cuda:N; a ConfigError naming it (as `name`) if it is none of these, or no
+    CUDA is here."""
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -46,9 +47,9 @@ def pick_device(spec: str, local_rank: int = 0) -> torch.device:
     try:
         dev = torch.device(spec)
     except RuntimeError:   # not a device string torch knows
-        raise ConfigError(f"--device {spec!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"{name} {spec!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {spec}: CUDA is not available on this machine")
+        raise ConfigError(f"{name} {spec}: CUDA is not available on this machine")
     return dev
 
 

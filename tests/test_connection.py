@@ -599,3 +599,15 @@ def test_the_config_error_a_script_is_told_to_expect_is_psgd_config_error(port_b
     cfg = config(port_block, "sync", **{"cluster.timeout_s": 2})   # no cluster: it must not register
     with pytest.raises(psgd.ConfigError, match="is not a worker rank of this job"):
         psgd.connect(Net(0), config=cfg, rank=7)
+
+
+@pytest.mark.timeout(30)
+def test_psgd_device_names_psgd_device_and_takes_an_empty_one_for_auto(monkeypatch):
+    """A review: a script started by hand with PSGD_DEVICE=bogus was told "--device 'bogus'
+    is not a device", a flag it was never given; an empty PSGD_DEVICE (unset in a job
+    script, as an empty PSGD_RANK is) was refused instead of meaning the default, auto."""
+    monkeypatch.setenv("PSGD_DEVICE", "bogus")
+    with pytest.raises(psgd.ConfigError, match=r"^PSGD_DEVICE 'bogus' is not a device"):
+        psgd.device()
+    monkeypatch.setenv("PSGD_DEVICE", "")
+    assert psgd.device() == psgd.connection.pick_device("auto", psgd.connection.local_rank())

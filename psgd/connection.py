@@ -112,6 +112,20 @@ def _sample_count(samples: Any) -> int:
     return n
 
 
+def _loss_value(loss: Any) -> float | None:
+    """step()'s `loss` as a float (None: not given): a number or a one-element tensor.
+    Anything else (the per-sample losses of reduction="none", a list) is a ConfigError,
+    not torch's or float()'s error from inside step()."""
+    if loss is None:
+        return None
+    try:
+        return float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
+    except (TypeError, ValueError, RuntimeError):
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:60]
+        raise ConfigError(f"step(loss={what}): loss is the batch's loss, one number (a float or a one-element "
+                          f"tensor: the mean of per-sample losses)") from None
+
+
 def _rank_from_env(text: str) -> int:
     """$PSGD_RANK: a rank (0, 1, ...), or unset or empty for the next free one."""
     text = text.strip()
@@ -205,6 +219,7 @@ class Connection(Worker):
             raise JobError("step() after close()")
         try:
             batch = self.cfg.train.batch_size if samples is None else _sample_count(samples)
+            value = _loss_value(loss)
         except ConfigError as e:   # the job is told, as for a step without gradients
             self._end(f"worker {self.rank}: {e}")
             raise
@@ -217,9 +232,7 @@ class Connection(Worker):
             error = "step() without gradients: call loss.backward() before ps.step()"
             self._end(f"worker {self.rank}: {error}")
             raise JobError(error)
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach().item()
-        self._loss = None if loss is None else float(loss)
+        self._loss = value
         self._batch = batch
         try:
             if self.rejoin_if_dropped():

@@ -611,3 +611,19 @@ def test_psgd_device_names_psgd_device_and_takes_an_empty_one_for_auto(monkeypat
         psgd.device()
     monkeypatch.setenv("PSGD_DEVICE", "")
     assert psgd.device() == psgd.connection.pick_device("auto", psgd.connection.local_rank())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loss", [torch.ones(4), "low", [0.5]], ids=["per-sample-tensor", "text", "list"])
+def test_step_loss_that_is_not_one_number_is_a_config_error_naming_loss(port_block, loss):
+    """A review: step(loss) with the per-sample losses (reduction="none") raised torch's
+    bare RuntimeError "a Tensor with 4 elements cannot be converted to Scalar" from inside
+    psgd (a list: a TypeError), and the job was not told."""
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, rank=0)
+        model(torch.randn(4, 6)).sum().backward()
+        with pytest.raises(ConfigError, match=r"step\(loss=.*\): loss is the batch's loss, one number"):
+            ps.step(loss)
+        assert ps.closed and ps.steps == 0 and "loss" in cluster.coordinator.abort   # nothing pushed; the job told

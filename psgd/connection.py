@@ -112,6 +112,11 @@ def _sample_count(samples: Any) -> int:
     return n
 
 
+def _described(value: Any) -> str:
+    """A value that is not one number, for an error: a tensor by its shape, else its repr."""
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:60]
+
+
 def _loss_value(loss: Any) -> float | None:
     """step()'s `loss` as a float (None: not given): a number or a one-element tensor.
     Anything else (the per-sample losses of reduction="none", a list) is a ConfigError,
@@ -121,9 +126,8 @@ def _loss_value(loss: Any) -> float | None:
     try:
         return float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
     except (TypeError, ValueError, RuntimeError):
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:60]
-        raise ConfigError(f"step(loss={what}): loss is the batch's loss, one number (a float or a one-element "
-                          f"tensor: the mean of per-sample losses)") from None
+        raise ConfigError(f"step(loss={_described(loss)}): loss is the batch's loss, one number (a float or a "
+                          f"one-element tensor: the mean of per-sample losses)") from None
 
 
 def _rank_from_env(text: str) -> int:
@@ -268,11 +272,18 @@ class Connection(Worker):
         if self.stopped():
             raise JobError(f"report(): the job has ended ({self.link.state.get('abort') or 'done'}); "
                            f"the score was not recorded")
+        score = {}
+        for name, value in (("accuracy", accuracy), ("loss", loss)):
+            try:
+                score[name] = float(value)
+            except (TypeError, ValueError, RuntimeError):   # None, text, a tensor of several values
+                raise JobError(f"report(): the score was not recorded: {name} {_described(value)} is not a number") \
+                    from None
         try:
             # The score's sample count is the workers' as of their last heartbeats: this
             # worker's own is brought up to date first (a report right after the loop).
             self.link.beat()
-            self.link.call("eval", accuracy=float(accuracy), loss=float(loss))
+            self.link.call("eval", **score)
         except (PeerTimeout, HandshakeFailed, wire.RemoteError) as e:
             raise JobError(f"report(): the score was not recorded: {getattr(e, 'reason', e)}") from None
 

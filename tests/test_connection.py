@@ -627,3 +627,21 @@ def test_step_loss_that_is_not_one_number_is_a_config_error_naming_loss(port_blo
         with pytest.raises(ConfigError, match=r"step\(loss=.*\): loss is the batch's loss, one number"):
             ps.step(loss)
         assert ps.closed and ps.steps == 0 and "loss" in cluster.coordinator.abort   # nothing pushed; the job told
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("score", [{"accuracy": None, "loss": 0.5}, {"accuracy": 0.5, "loss": torch.ones(3)}],
+                         ids=["accuracy-None", "loss-tensor"])
+def test_a_report_of_what_is_not_a_number_is_a_job_error(port_block, score):
+    """A review: README says a report() the coordinator refuses is a JobError, but one whose
+    accuracy or loss was not a number raised float()'s bare TypeError (ValueError) from
+    inside psgd."""
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        with psgd.connect(model, config=cfg, rank=0) as ps:
+            train(ps, model, None)
+            with pytest.raises(psgd.JobError, match=r"report\(\): the score was not recorded: .* is not a number"):
+                ps.report(**score)
+            ps.report(accuracy=0.5, loss=1.0)   # the job goes on, as after a refused score
+        assert cluster.coordinator.evals[-1]["accuracy"] == 0.5

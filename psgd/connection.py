@@ -248,6 +248,9 @@ class Connection(Worker):
         except ShardUnreachable as e:
             self._end(str(e))
             raise JobError(str(e)) from None
+        except ConfigError as e:   # the script's score function's answer (ltfb)
+            self._end(f"worker {self.rank}: {e}")
+            raise
         if error:
             self._end(error)
             raise JobError(error)
@@ -302,6 +305,9 @@ class Connection(Worker):
             pass
         except ShardUnreachable as e:
             error = str(e)
+        except ConfigError as e:   # the script's score function's answer (ltfb's final deposit)
+            self._end(f"worker {self.rank}: {e}")
+            raise
         if error or self.rank != 0:
             return self._end(error)
         held = self._report_end("", hold=True)
@@ -356,8 +362,12 @@ class Connection(Worker):
             got = self.score_fn(model)
         finally:
             model.train(was)   # a score function that sets eval() leaves the script's mode as it was
-        acc, loss = got if isinstance(got, tuple) else (float(got), -float(got))
-        return float(acc), float(loss)
+        try:
+            acc, loss = got if isinstance(got, tuple) else (float(got), -float(got))
+            return float(acc), float(loss)
+        except (TypeError, ValueError, RuntimeError):   # None, a tensor of several values, a triple
+            raise ConfigError(f"psgd.connect(score=...) returned {_described(got)}: it returns the model's "
+                              f"accuracy (a number) or an (accuracy, loss) pair") from None
 
     # ------------------------------------------------------------ the end
     def _end(self, error: str, reported: bool = False) -> None:

@@ -172,7 +172,7 @@ class Connection(Worker):
         except (wire.RemoteError, PeerTimeout, HandshakeFailed) as e:  # refused (the rank is taken, ...), or none
             self.link.close()
             raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}") from None
-        self._check(cfg)
+        self._check(cfg, model)
         try:
             self.schedule = self.attach(model, next(model.parameters()).device)
         except Exception as e:   # the job is told at once, not after missed heartbeats
@@ -190,7 +190,7 @@ class Connection(Worker):
             raise
         self._computed_at = time.perf_counter()
 
-    def _check(self, cfg: Config) -> None:
+    def _check(self, cfg: Config, model: nn.Module) -> None:
         problem = ""
         schedule = get_mode(cfg.mode.name).schedule
         if not layouts.learned(cfg.model.name):
@@ -199,6 +199,8 @@ class Connection(Worker):
         elif schedule.needs_score and self.score_fn is None:
             problem = (f"mode {cfg.mode.name} needs psgd.connect(..., score=fn): fn(model) scores it on the "
                        f"trainer's own data")
+        elif schedule.local_optimizer and self.user_optimizer is not None:
+            problem = self._optimizer_problem(self.user_optimizer, model)
         if problem:
             self._report_end(problem)
             self.link.close()
@@ -206,6 +208,19 @@ class Connection(Worker):
         if self.user_optimizer is not None and not schedule.local_optimizer:
             self.note(f"mode {cfg.mode.name}: the shards run [optimizer]; the optimizer given to psgd.connect "
                       f"is not stepped")
+
+    def _optimizer_problem(self, opt: Any, model: nn.Module) -> str:
+        """Why the script's optimizer cannot be a local mode's (it is stepped on the model's
+        gradients), or ''."""
+        if not callable(getattr(opt, "step", None)) or not isinstance(getattr(opt, "param_groups", None), list):
+            return (f"psgd.connect's optimizer must be a torch.optim.Optimizer (mode {self.cfg.mode.name} steps it "
+                    f"locally), not {_described(opt)}")
+        mine = {id(p) for p in model.parameters() if p.requires_grad}
+        if not any(id(p) in mine for group in opt.param_groups for p in group.get("params", ())):
+            return (f"psgd.connect's optimizer holds none of the model's trainable parameters (mode "
+                    f"{self.cfg.mode.name} steps it locally): build it on the parameters of the model given to "
+                    f"psgd.connect")
+        return ""
 
     # ------------------------------------------------------------ the script's calls
     @property

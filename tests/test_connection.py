@@ -664,3 +664,19 @@ def test_an_ltfb_score_that_is_not_a_score_is_a_config_error_naming_score(port_b
             train(ps, model, ps.user_optimizer)   # (no tournament within 20 steps of 100-step rounds)
             ps.close()
         assert ps.closed and "score" in cluster.coordinator.abort   # the job told
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given", ["lr", "another-models"])
+def test_a_local_optimizer_that_cannot_train_the_model_is_a_config_error_at_connect(port_block, given):
+    """A review: in easgd, psgd.connect(model, 0.01) raised "'float' object has no
+    attribute 'step'" from inside psgd's first step; an optimizer built on another
+    model's parameters trained nothing, and the job ended as if it had."""
+    cfg = config(port_block, "easgd", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        opt = 0.01 if given == "lr" else torch.optim.SGD(Net(1).parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match=r"psgd.connect's optimizer "):
+            psgd.connect(model, opt, config=cfg, rank=0)
+        time.sleep(0.5)
+        assert "optimizer" in cluster.coordinator.abort   # the job told

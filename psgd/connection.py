@@ -64,6 +64,7 @@ from . import wire
 from .config import Config, ConfigError, load
 from .consistency import get as get_mode
 from .forkserver import end_with_launcher
+from .launcher import JOINED
 from .log import log
 from .metrics import PidFile
 from .replica import pick_device
@@ -172,6 +173,9 @@ class Connection(Worker):
         except (wire.RemoteError, PeerTimeout, HandshakeFailed) as e:  # refused (the rank is taken, ...), or none
             self.link.close()
             raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}") from None
+        if env.get("PSGD_STARTED_FILE"):  # ... and that this copy joined the job (a restarted one may not)
+            with open(env["PSGD_STARTED_FILE"], "w") as f:
+                f.write(JOINED)
         self._check(cfg, model)
         try:
             self.schedule = self.attach(model, next(model.parameters()).device)

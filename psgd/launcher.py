@@ -47,6 +47,7 @@ from .log import log
 from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
+JOINED = "joined"   # what psgd.connect writes in its PSGD_STARTED_FILE once the coordinator registered it
 ENDING_WAIT_S = 1.0  # how long a worker's exit waits for the coordinator to say the job ends (see _restarted)
 MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
 SCRIPT_NOTE_S = 30  # how often psgd run says it still waits for a training script after the job ended
@@ -592,6 +593,13 @@ class LocalJob:
         silent meanwhile). A script still running then, or one that ended with a code
         other than 0, is the run's failure, with its log's end."""
         scripts = [c for c in self.children if c.script]
+        for child in [c for c in scripts if c.restarts and c.poll() is None and not self._joined(c)]:
+            # Restarted by --restart-workers, it had not rejoined when the job ended: it
+            # has no work after close(), and its psgd.connect would wait cluster.timeout_s
+            # for a coordinator that is gone, then fail the finished job.
+            log("run", f"{child.name}'s restarted script had not rejoined the job when it ended: stopping it")
+            scripts.remove(child)
+            self._stop_child(child)
         said = time.monotonic() - SCRIPT_NOTE_S + 2.0   # (the first note after 2 s: most end at once)
         for child in scripts:
             while child.poll() is None and time.monotonic() < deadline:
@@ -602,6 +610,24 @@ class LocalJob:
         failed = [self._script_failure(c) for c in scripts if c.poll() != 0]
         if failed:
             raise LaunchError("\n".join(failed) + f"\n(the job itself ended: {self.out}/summary.json)")
+
+    def _joined(self, child: Child) -> bool:
+        """Whether this copy of a training script joined the job (psgd.connect registered it)."""
+        try:
+            with open(self.started_file(child.name)) as f:
+                return f.read() == JOINED
+        except FileNotFoundError:
+            return False
+
+    @staticmethod
+    def _stop_child(child: Child) -> None:
+        assert child.proc is not None
+        child.proc.terminate()
+        try:
+            child.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait(timeout=5)
 
     def _script_failure(self, child: Child) -> str:
         """How a training script failed the run, with its log's end."""

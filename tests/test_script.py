@@ -482,3 +482,45 @@ def test_the_cifar_example_refuses_a_data_folder_without_the_files(tmp_path):
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 1
     assert f"--data {tmp_path}: no CIFAR-10 binary file data_batch_1.bin there" in r.stderr
+
+
+SCRIPT_KILLED_ONCE = """
+import os, signal, sys, time, torch
+from torch import nn
+import psgd
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+marker = os.path.join(sys.argv[1], "killed")
+if os.path.exists(marker):
+    time.sleep(10)   # the restarted copy loads its data: the job ends meanwhile
+ps = psgd.connect(model)
+step = 0
+while True:
+    step += 1
+    if ps.rank == 1 and step == 5 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    model.zero_grad()
+    x = torch.randn(8, 4)
+    nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+    if not ps.step(samples=8):
+        break
+ps.close()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_restarted_script_that_had_not_rejoined_when_the_job_ended_is_stopped(tmp_path):
+    """A review: with --restart-workers, a script killed mid-job was started again, and the
+    job ended (the other worker finished) before the new copy registered; psgd run then
+    waited for that copy, whose psgd.connect waited cluster.timeout_s for a coordinator
+    that was gone, and failed the finished job ("worker-1's script exited with code 1")."""
+    path = tmp_path / "killed_once.py"
+    path.write_text(SCRIPT_KILLED_ONCE)
+    cfg = Config().replace(**{**SMALL, "mode.name": "async", "train.steps": 10, "cluster.servers": 1,
+                              "cluster.timeout_s": SCRIPT_TIMEOUT_S, "cluster.heartbeat_timeout_s": 2.0})
+    started = time.monotonic()
+    summary = run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path), str(tmp_path)],
+                        restart_workers=True)
+    assert (tmp_path / "killed").exists() and summary["failures"]["workers_lost"] == 1
+    assert time.monotonic() - started < 60 + SCRIPT_TIMEOUT_S - 10   # not the restarted copy's wait for the coordinator

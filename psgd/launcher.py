@@ -599,7 +599,7 @@ class LocalJob:
             # for a coordinator that is gone, then fail the finished job.
             log("run", f"{child.name}'s restarted script had not rejoined the job when it ended: stopping it")
             scripts.remove(child)
-            self._stop_child(child)
+            self._stop_children([child])
         said = time.monotonic() - SCRIPT_NOTE_S + 2.0   # (the first note after 2 s: most end at once)
         for child in scripts:
             while child.poll() is None and time.monotonic() < deadline:
@@ -618,16 +618,6 @@ class LocalJob:
                 return f.read() == JOINED
         except FileNotFoundError:
             return False
-
-    @staticmethod
-    def _stop_child(child: Child) -> None:
-        assert child.proc is not None
-        child.proc.terminate()
-        try:
-            child.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait(timeout=5)
 
     def _script_failure(self, child: Child) -> str:
         """How a training script failed the run, with its log's end."""
@@ -691,12 +681,14 @@ class LocalJob:
         finally:
             self._lock.close()   # closing the file drops the lock
 
-    def _stop_children(self) -> None:
-        for child in self.children:
+    def _stop_children(self, children: list[Child] | None = None) -> None:
+        """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after 5 s."""
+        children = self.children if children is None else children
+        for child in children:
             if child.proc and child.proc.poll() is None:
                 child.proc.terminate()
         end = time.monotonic() + 5
-        for child in self.children:
+        for child in children:
             if child.proc:
                 try:
                     child.proc.wait(timeout=max(0.1, end - time.monotonic()))
@@ -707,7 +699,7 @@ class LocalJob:
                     except subprocess.TimeoutExpired:   # e.g. its fork server is stopped: no exit code comes
                         log("run", f"{child.name} (pid {child.proc.pid}) did not report its end after "
                                 f"SIGKILL; leaving it")
-        for child in self.children:   # one killed (-9) left its pid file: it is gone, so goes the file
+        for child in children:   # one killed (-9) left its pid file: it is gone, so goes the file
             if child.proc and child.proc.poll() is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.out, "pids", f"{child.name}.pid"))

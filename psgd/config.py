@@ -32,7 +32,8 @@ from . import consistency
 MODES: tuple[str, ...] = consistency.NAMES
 
 # Environment variables that are not config keys: read by the CLI and by psgd.connect.
-ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE", "PSGD_PARENT_PID"}
+ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE", "PSGD_PARENT_PID",
+                "PSGD_JOB_TOKEN"}
 
 
 class ConfigError(ValueError):

@@ -53,6 +53,16 @@ ALL_RANKS_LIVE = "worker ranks are taken and live"
 LATEST_STATS = ("clock", "loss")  # a worker's counters that are not summed over its lives: the last life's
 LARGEST_STATS = ("staleness_max",)  # ... and those that are the largest of its lives'
 COUNTS_KEPT = 32  # a worker's counts kept for `SamplesAt`: about this many over the window
+# The job a daemon belongs to: `psgd run` gives each job a token of its own, which its
+# daemons send when they register and its coordinator checks, so that a daemon of
+# another job (a script still retrying the same port) cannot join it. Unset: the job
+# of daemons started by hand (Slurm, Compose), which carry none either.
+JOB_TOKEN_ENV = "PSGD_JOB_TOKEN"
+
+
+def job_token() -> str:
+    """This process's job token ('' when none was given)."""
+    return os.environ.get(JOB_TOKEN_ENV, "")
 
 
 def beat_answer_s(cfg: Config) -> float:
@@ -385,7 +395,7 @@ class CoordinatorLink:
                 # Sent again after every wait: a coordinator restarted meanwhile lost the
                 # request. The nonce lets it answer a repeat with the rank it gave before.
                 rid = peers.send(0, "register", role=self.role, index=self.index, want_rank=want_rank,
-                                 nonce=self.nonce, **fields)
+                                 nonce=self.nonce, job=job_token(), **fields)
                 try:
                     msg = peers.wait({rid: 0}, min(REGISTER_RESEND_S, self.cfg.cluster.timeout_s), "register",
                                      cancel)[rid]

@@ -78,7 +78,8 @@ _scalar = (int, float, str, bool, type(None))
 # op -> {field: accepted types}. Every field listed is optional unless in REQUIRED.
 OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
-    "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "layout": (list,)},
+    "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "job": (str,),
+                 "layout": (list,)},
     "heartbeat": {"role": (str,), "index": (int,), "nonce": (str,), "stats": (dict,), "live_id": (str,)},
     "finish": {"nonce": (str,), "stats": (dict,), "error": (str,), "hold": (bool,)},
     "release": {},

@@ -40,7 +40,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config, is_number
 from psgd.log import log
-from psgd.membership import ALL_RANKS_LIVE, Membership, SamplesAt, beat_answer_s
+from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
 from psgd.metrics import EventLog, summarize, write_json_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
@@ -131,6 +131,7 @@ class Coordinator:
         self.abort = ""
         self.counters = {"bad_messages": 0}
         self.nonces: dict[str, int] = {}   # a worker's registration nonce -> the rank it got
+        self.job = job_token()             # psgd run's token for this job ('' for daemons started by hand)
         self.server_nonces: dict[str, int] = {}   # a shard server's registration nonce -> its index
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
@@ -200,6 +201,8 @@ class Coordinator:
     # ------------------------------------------------------------ handlers
     def on_register(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
+        if (msg.get("job") or "") != self.job:
+            raise wire.WireError(wire.REFUSED, self._other_job(role))
         if role == "worker":
             if self.phase in FINISHING:
                 raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
@@ -254,6 +257,12 @@ class Coordinator:
             self.evaluator_seen = now
             return [self._reply_register(ident, msg, -1)]
         raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
+
+    def _other_job(self, role: Any) -> str:
+        """Why a daemon whose job token is not this job's is refused."""
+        whose = "a job of its own psgd run" if self.job else "a job whose daemons were started by hand"
+        return (f"this {role} belongs to another job: the coordinator at {self.cfg.coordinator_address()} runs "
+                f"{whose} ({JOB_TOKEN_ENV} differs); is another job using its port?")
 
     def _reply_register(self, ident, msg, rank: int, **extra: Any) -> Reply:
         """The answer to a registration. A worker that joins a job in training (a

@@ -342,6 +342,33 @@ def model(input_shape, num_classes):
 """
 
 
+@pytest.mark.timeout(240)
+def test_a_worker_of_another_job_waiting_on_the_port_cannot_join_a_psgd_run_job(tmp_path):
+    """Seen by a review: a worker of another job, still waiting for its coordinator on the
+    port a new `psgd run` then took, registered first; it took a rank of the new job (and
+    its model's layout became the job's), and one of the job's own workers was refused.
+    Now the job's daemons carry its token: the stray is refused, and the job trains."""
+    port = free_port_block(3)
+    common = ["--set", f"cluster.port={port}", "--set", "train.steps=60"]
+    with open(tmp_path / "stray.err", "w") as err:
+        stray = subprocess.Popen(PSGD + ["worker", "--out", str(tmp_path / "stray"), "--set", "cluster.timeout_s=120",
+                                         *common], env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 90   # until it waits for a coordinator (after importing torch)
+        while "waiting for the coordinator" not in (tmp_path / "stray.err").read_text():
+            assert time.monotonic() < deadline and stray.poll() is None, (tmp_path / "stray.err").read_text()
+            time.sleep(0.2)
+        r = psgd("run", "--quiet", "--out", str(tmp_path / "job"), "--set", "cluster.evaluator=false", *common,
+                 timeout=180)
+        code = stray.wait(timeout=60)
+    finally:
+        kill_all([stray])
+    said = (tmp_path / "stray.err").read_text()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["samples"] == 2 * 60 * 32
+    assert code != 0 and "this worker belongs to another job" in said, said[-2000:]
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_that_fails_before_training_stops_the_job_at_once(tmp_path):
     """A review: a training script that ended before the job began training stopped the

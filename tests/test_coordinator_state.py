@@ -349,6 +349,33 @@ def test_two_processes_asking_for_one_rank_in_the_rendezvous_the_second_is_refus
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("token", ["job-a", ""])
+def test_a_daemon_of_another_job_is_refused_and_changes_nothing(monkeypatch, token):
+    """A daemon registers with its job token (PSGD_JOB_TOKEN, which `psgd run` gives its
+    own daemons; none for daemons started by hand): a coordinator refuses every role of
+    another job, or of none when it has one, before it takes a rank or a layout."""
+    from psgd import wire
+    monkeypatch.setenv("PSGD_JOB_TOKEN", token)
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.port": free_port_block(3), "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> list[wire.Message]:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))]
+
+    other = {"job": "job-b"} if token else {"job": "job-a"}
+    for role, kw in [("worker", {"want_rank": 0, "layout": [["w", [2], "float32"]]}), ("server", {"index": 0}),
+                     ("evaluator", {})]:
+        for theirs in ([other, {}] if token else [other]):
+            [refused] = serve("register", role=role, nonce="stray", **kw, **theirs)
+            assert refused.op == "error" and refused.get("code") == wire.REFUSED
+            assert refused.get("reason").startswith(f"this {role} belongs to another job"), refused.fields
+    assert c.members.members == {} and c.layout is None and c.server_joins == {} and c.phase == "rendezvous"
+    [joined] = serve("register", role="worker", want_rank=0, nonce="own", job=token)   # the job's own: trains
+    assert joined.get("assigned_rank") == 0 and c.phase == "training"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
 def test_a_worker_that_joins_a_job_in_training_has_what_is_left_of_train_seconds(tmp_path):
     """A restarted worker was given a fresh `train.seconds` from its own start: the job
     ran on for up to that long after the others had stopped. Its budget is the job's."""

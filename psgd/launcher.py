@@ -810,8 +810,8 @@ def format_summary(s: dict) -> str:
         reached = f"target {target} not reached" if acc is not None or s.get("evals") else ""
     elif flag == AFTER_END:   # first seen by the score after training: when it looked
         reached = f"target {target} first seen by the final score ({ttt:.1f} s), after training"
-    elif flag == FIRST_SCORE:   # the model was there at the evaluator's first look: when it looked, too
-        reached = f"target {target} reached by the evaluator's first score ({ttt:.1f} s): when it looked"
+    elif flag == FIRST_SCORE:   # there at the first score (the evaluator's, or a script's report): when it looked
+        reached = f"target {target} reached by the first score ({ttt:.1f} s): when it looked"
     else:
         reached = f"time to {target}: {ttt:.1f} s"
     last = s["evals"][-1] if s.get("evals") else None

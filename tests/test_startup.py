@@ -233,8 +233,8 @@ def test_the_final_line_does_not_call_a_score_after_training_a_time_to_target():
     assert "target 0.9 first seen by the final score (1.8 s), after training" in line and "time to" not in line
     earlier = [evals[0], {**evals[1], "accuracy": 0.91}, evals[2]]   # reached during training: a time
     assert "time to 0.9: 1.5 s" in format_summary({**s, "evals": earlier, "time_to_target_s": 1.5})
-    # (a review: nor the time of the evaluator's first score, already above the target, as
+    # (a review: nor the time of the first score, already above the target, as
     # psgd compare's report marks it)
     first = [{**evals[0], "t": 0.6, "accuracy": 0.93}, *evals[1:]]
     line = format_summary({**s, "evals": first, "time_to_target_s": 0.6})
-    assert "target 0.9 reached by the evaluator's first score (0.6 s): when it looked" in line and "time to" not in line
+    assert "target 0.9 reached by the first score (0.6 s): when it looked" in line and "time to" not in line

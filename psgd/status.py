@@ -135,6 +135,8 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
     Not the PSGD_* variables of this shell: they are not the job's."""
     if folder:
         path = os.path.join(folder, "config.toml")
+        if not os.path.isdir(folder):
+            raise ConfigError(f"psgd status: no folder {folder} (give a psgd run's output folder, or --address)")
         if not os.path.exists(path):
             raise ConfigError(f"psgd status: {folder} has no config.toml (is it a psgd run's output folder?)")
     return load(path, sets or [], env={})

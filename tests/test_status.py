@@ -74,6 +74,9 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 1
     assert "no answer from the coordinator" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nope")]) == 2
+    assert f"no folder {tmp_path / 'nope'}" in capsys.readouterr().err     # said it had no config.toml
+    (tmp_path / "empty").mkdir()
+    assert main(["status", str(tmp_path / "empty")]) == 2
     assert "has no config.toml" in capsys.readouterr().err
     for text, why in (("{bad json", "Expecting property name"), ("[1, 2]", "a JSON list, not an object")):
         (tmp_path / "summary.json").write_text(text)   # were a JSONDecodeError / AttributeError traceback

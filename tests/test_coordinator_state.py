@@ -455,7 +455,7 @@ def test_the_loop_looks_over_every_worker_only_every_check_period(monkeypatch):
     for k in range(100):   # a poll per heartbeat, 100 heartbeats within 10 ms
         c._tick(now + k * 1e-4)
     assert len(scans) == 1
-    c._tick(now + CHECK_EVERY_S)
+    c._tick(now + CHECK_EVERY_S * 1.001)   # (now + CHECK_EVERY_S) - now can round to just below it
     assert len(scans) == 2
 
 

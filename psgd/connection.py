@@ -118,17 +118,26 @@ def _described(value: Any) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:60]
 
 
+def _number(value: Any) -> float | None:
+    """`value` as a float if it is one number (a Python or numpy number, a one-element
+    tensor), else None (None, text, a list, a tensor of several values)."""
+    try:
+        return float(value.detach().item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def _loss_value(loss: Any) -> float | None:
     """step()'s `loss` as a float (None: not given): a number or a one-element tensor.
     Anything else (the per-sample losses of reduction="none", a list) is a ConfigError,
     not torch's or float()'s error from inside step()."""
     if loss is None:
         return None
-    try:
-        return float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
-    except (TypeError, ValueError, RuntimeError):
+    value = _number(loss)
+    if value is None:
         raise ConfigError(f"step(loss={_described(loss)}): loss is the batch's loss, one number (a float or a "
-                          f"one-element tensor: the mean of per-sample losses)") from None
+                          f"one-element tensor: the mean of per-sample losses)")
+    return value
 
 
 def _rank_from_env(text: str) -> int:
@@ -296,11 +305,10 @@ class Connection(Worker):
                            f"the score was not recorded")
         score = {}
         for name, value in (("accuracy", accuracy), ("loss", loss)):
-            try:
-                score[name] = float(value)
-            except (TypeError, ValueError, RuntimeError):   # None, text, a tensor of several values
-                raise JobError(f"report(): the score was not recorded: {name} {_described(value)} is not a number") \
-                    from None
+            number = _number(value)
+            if number is None:
+                raise JobError(f"report(): the score was not recorded: {name} {_described(value)} is not a number")
+            score[name] = number
         try:
             # The score's sample count is the workers' as of their last heartbeats: this
             # worker's own is brought up to date first (a report right after the loop).
@@ -381,12 +389,18 @@ class Connection(Worker):
             got = self.score_fn(model)
         finally:
             model.train(was)   # a score function that sets eval() leaves the script's mode as it was
-        try:
-            acc, loss = got if isinstance(got, tuple) else (float(got), -float(got))
-            return float(acc), float(loss)
-        except (TypeError, ValueError, RuntimeError):   # None, a tensor of several values, a triple
+        if isinstance(got, tuple):
+            acc, loss = (_number(got[0]), _number(got[1])) if len(got) == 2 else (None, None)
+        else:
+            acc = _number(got)
+            loss = None if acc is None else -acc
+        if acc is None or loss is None:   # None, a tensor of several values, a triple
             raise ConfigError(f"psgd.connect(score=...) returned {_described(got)}: it returns the model's "
-                              f"accuracy (a number) or an (accuracy, loss) pair") from None
+                              f"accuracy (a number) or an (accuracy, loss) pair")
+        if acc == acc and not 0.0 <= acc <= 1.0:   # (NaN: a diverged model's score, which loses its tournament)
+            raise ConfigError(f"psgd.connect(score=...) returned accuracy {acc:g}: an accuracy is a fraction in "
+                              f"[0, 1]" + (" (a percentage? divide it by 100)" if 1.0 < acc <= 100.0 else ""))
+        return acc, loss
 
     # ------------------------------------------------------------ the end
     def _end(self, error: str, reported: bool = False) -> None:

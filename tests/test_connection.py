@@ -648,19 +648,22 @@ def test_a_report_of_what_is_not_a_number_is_a_job_error(port_block, score):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("got", [None, (0.5, 0.1, 2), torch.ones(3)], ids=["None", "triple", "tensor"])
+@pytest.mark.parametrize("got", [None, (0.5, 0.1, 2), torch.ones(3), 95.0, (-0.5, 1.0)],
+                         ids=["None", "triple", "tensor", "percentage", "negative"])
 @pytest.mark.parametrize("when", ["step", "close"])
 def test_an_ltfb_score_that_is_not_a_score_is_a_config_error_naming_score(port_block, got, when):
     """A review: an ltfb `score=fn` whose fn returned None, a triple or several values
     raised float()'s TypeError or a ValueError ("too many values to unpack") from inside
     psgd's step (or close(): the final deposit's score), and a script not in `with` left
-    the job waiting for its heartbeats."""
+    the job waiting for its heartbeats. An accuracy outside [0, 1] (a percentage) was
+    taken as a score, where report() refuses one."""
     cfg = config(port_block, "ltfb", workers=1, **{"mode.round_steps": 2 if when == "step" else 100})
     with InProcessCluster(cfg) as cluster:
         model = Net(0)
         ps = psgd.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, rank=0,
                           score=lambda m: got)
-        with pytest.raises(ConfigError, match=r"psgd.connect\(score=\.\.\.\) returned .*: it returns the "):
+        with pytest.raises(ConfigError, match=r"psgd.connect\(score=\.\.\.\) returned .*(: it returns the |"
+                                              r"an accuracy is a fraction in \[0, 1\])"):
             train(ps, model, ps.user_optimizer)   # (no tournament within 20 steps of 100-step rounds)
             ps.close()
         assert ps.closed and "score" in cluster.coordinator.abort   # the job told

@@ -9,6 +9,7 @@ killed after a grace period. Children get PYTHONPATH = the repository root (so t
 """
 from __future__ import annotations
 
+import argparse
 import bisect
 import glob
 import json
@@ -94,6 +95,49 @@ class Procs:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------- flags
+def int_list(minimum: int = 1):
+    """An argparse type: whole numbers separated by commas, each at least `minimum`
+    (a bad value is a usage error before anything starts, not a traceback mid-run)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas (e.g. 1,2,4), "
+                                             f"got {text!r}") from None
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"each must be >= {minimum}, got {text!r}")
+        return values
+    return parse
+
+
+def name_list(choices: Iterable[str]):
+    """An argparse type: names separated by commas, each one of `choices`."""
+    known = list(choices)
+
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",")]
+        bad = [v for v in values if v not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))}: not one of {', '.join(known)}")
+        return values
+    return parse
+
+
+def number(kind: type = int, minimum: float = 1, above: bool = False):
+    """An argparse type: one number of `kind`, at least `minimum` (above it if `above`)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not (value > minimum if above else value >= minimum) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {minimum:g}, got {text}")
+        return value
+    return parse
 
 
 # ---------------------------------------------------------------- psgd

@@ -45,7 +45,7 @@ import time
 
 import zmq
 
-from bench.common import emit_json, progress, table
+from bench.common import emit_json, int_list, number, progress, table
 from psgd import wire
 from psgd.config import Config
 from psgd.launcher import pick_port
@@ -146,15 +146,17 @@ def live_share(workers: int, seconds: float, heartbeat_s: float, ctx: zmq.Contex
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", default="2,64,256,1024")
-    ap.add_argument("--beats", type=int, default=4000, help="heartbeats measured at each W")
-    ap.add_argument("--heartbeat-s", type=float, default=Config().cluster.heartbeat_s)
-    ap.add_argument("--live", type=float, default=6.0, metavar="SECONDS",
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--workers", type=int_list(1), default="2,64,256,1024")
+    ap.add_argument("--beats", type=number(int, 1), default=4000, help="heartbeats measured at each W")
+    ap.add_argument("--heartbeat-s", type=number(float, 0, above=True), default=Config().cluster.heartbeat_s)
+    ap.add_argument("--live", type=number(float, 0), default=6.0, metavar="SECONDS",
                     help="also run the whole coordinator on its socket under W workers' heartbeats this long "
-                         "(0: not)")
+                         "(0: not; else more than the sender's 1 s start)")
     a = ap.parse_args()
-    sizes = sorted({2, *(int(w) for w in a.workers.split(","))})
+    if 0 < a.live <= 1:
+        ap.error(f"--live must be 0 or more than 1 s (the first second is the sender's start), got {a.live:g}")
+    sizes = sorted({2, *a.workers})
     ctx = zmq.Context()
     rows, out, shares, lives = [], {}, {}, {}
     for w in sizes:

@@ -24,7 +24,8 @@ import shutil
 import tempfile
 import time
 
-from bench.common import emit_json, progress, run_psgd, stop_on_signals, table
+from bench.common import emit_json, int_list, name_list, number, progress, run_psgd, stop_on_signals, table
+from psgd import config
 
 MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
     "mlp": (["model.name=mlp", "data.name=digits"], 300, 30),
@@ -35,34 +36,36 @@ MODES = "sync,ssp,async,easgd,ltfb,diloco"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="mlp,resnet20")
-    ap.add_argument("--modes", default=MODES)
-    ap.add_argument("--workers", default="1,2,4")
-    ap.add_argument("--shards", default="1,2,4")
+    ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20")
+    ap.add_argument("--modes", type=name_list(config.MODES), default=MODES)
+    ap.add_argument("--workers", type=int_list(1), default="1,2,4")
+    ap.add_argument("--shards", type=int_list(1), default="1,2,4")
     ap.add_argument("--quick", action="store_true", help="= --models mlp --shards 1")
-    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every run's steps")
+    ap.add_argument("--steps-scale", type=number(float, 0, above=True), default=1.0,
+                    help="multiply every run's steps")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
     if a.quick:
-        a.models, a.shards = "mlp", "1"
+        a.models, a.shards = ["mlp"], [1]
+    points = [(m, mode, w, s) for m in a.models for mode in a.modes for w in a.workers for s in a.shards]
+    for model, mode, w, s in points:   # every point's config checked before the first run, not after hours
+        try:
+            config.load(None, point_sets(model, mode, w, s, a.steps_scale), env={})
+        except config.ConfigError as e:
+            ap.error(f"{model} {mode} W={w} S={s}: {e}")
     stop_on_signals()
-    points = [(m, mode, int(w), int(s)) for m in a.models.split(",") for mode in a.modes.split(",")
-              for w in a.workers.split(",") for s in a.shards.split(",")]
     work = a.keep or tempfile.mkdtemp(prefix="bench-scaling-")
     records, took = [], {}
     t0 = time.monotonic()
     try:
         for k, (model, mode, w, s) in enumerate(points):
-            keys, steps, warm = MODELS[model]
-            steps = max(warm + 4, int(steps * a.steps_scale))
+            warm = MODELS[model][2]
             left = sum(_guess(took, p[0], p[2]) for p in points[k:])
             progress(f"{k + 1}/{len(points)}: {model} {mode} W={w} S={s}  "
                      f"({time.monotonic() - t0:.0f} s so far, about {left:.0f} s left)")
             out = os.path.join(work, f"{model}-{mode}-w{w}-s{s}")
             t = time.monotonic()
-            summary = run_psgd(keys + [f"mode.name={mode}", f"cluster.workers={w}", f"cluster.servers={s}",
-                                       "cluster.evaluator=false", "train.batch_size=32", f"train.steps={steps}"],
-                               out, warm)
+            summary = run_psgd(point_sets(model, mode, w, s, a.steps_scale), out, warm)
             took.setdefault((model, w), []).append(time.monotonic() - t)
             records.append({"model": model, "mode": mode, "workers": w, "shards": s,
                             "samples_per_s": round(summary["steady"], 1),
@@ -93,6 +96,14 @@ def main() -> None:
         print(table(headers, rows, f"\n{model}: steady-state samples/s (batch 32 per worker, "
                                    f"{MODELS[model][1]} steps per worker x {a.steps_scale:g})"))
     emit_json({"bench": "scaling", "rows": records, "wall_s": round(time.monotonic() - t0, 1)})
+
+
+def point_sets(model: str, mode: str, workers: int, shards: int, steps_scale: float) -> list[str]:
+    """The config keys of one point's `psgd run`."""
+    keys, steps, warm = MODELS[model]
+    steps = max(warm + 4, int(steps * steps_scale))
+    return keys + [f"mode.name={mode}", f"cluster.workers={workers}", f"cluster.servers={shards}",
+                   "cluster.evaluator=false", "train.batch_size=32", f"train.steps={steps}"]
 
 
 def _guess(took: dict, model: str, workers: int) -> float:

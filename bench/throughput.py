@@ -65,6 +65,8 @@ from bench.common import (
     Procs,
     child_env,
     emit_json,
+    name_list,
+    number,
     progress,
     psgd_argv,
     psgd_config,
@@ -80,6 +82,7 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
     "resnet20": (["model.name=resnet20", "data.name=synthetic", "data.shape=[3,32,32]"], 40, 8),
 }
 COMMON = ["cluster.evaluator=false", "train.batch_size=32"]
+PARTS = ("ddp", "local", "async", "startup", "phases")
 MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
 
 
@@ -376,20 +379,35 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--profiled":
         raise SystemExit(profiled(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="ddp,local,async,startup,phases")
-    ap.add_argument("--workers", type=int, default=2, help="W for the DDP comparison and the phases")
-    ap.add_argument("--servers", type=int, default=1, help="psgd shards in the DDP comparison and the phases")
+    ap.add_argument("--parts", type=name_list(PARTS), default=",".join(PARTS))
+    ap.add_argument("--workers", type=number(int, 1), default=2, help="W for the DDP comparison and the phases")
+    ap.add_argument("--servers", type=number(int, 1), default=1,
+                    help="psgd shards in the DDP comparison and the phases")
     ap.add_argument("--backend", default="gloo", help="DDP backend (nccl with --device cuda)")
-    ap.add_argument("--device", default="cpu", help="cpu | cuda: psgd's workers and the baselines")
-    ap.add_argument("--models", default="mlp,resnet20", help="models of the DDP comparison")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: psgd's workers and the baselines")
+    ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20", help="models of the DDP comparison")
+    ap.add_argument("--repeats", type=number(int, 1), default=3,
                     help="interleaved repeats of each side (ratios: the median of the repeats' ratios)")
-    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every run's steps")
+    ap.add_argument("--steps-scale", type=number(float, 0, above=True), default=1.0,
+                    help="multiply every run's steps")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
+    parts = set(a.parts)
+    used = (set(a.models) if "ddp" in parts else set()) | ({"mlp"} if parts & {"local", "async", "phases"} else set())
+    for model in sorted(used):
+        steps, warm = MODELS[model][1:]
+        if int(steps * a.steps_scale) < warm + 2:
+            ap.error(f"--steps-scale {a.steps_scale:g} leaves {model} {int(steps * a.steps_scale)} steps, fewer "
+                     f"than its {warm} warm-up steps + 2")
+    if a.device != "cpu":
+        import torch
+        if a.device.split(":")[0] != "cuda":
+            ap.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
+        if not torch.cuda.is_available():
+            ap.error(f"--device cuda: no CUDA device visible to torch {torch.__version__} "
+                     f"(cuda build: {torch.version.cuda})")
     from bench.common import stop_on_signals
     stop_on_signals()
-    parts = set(a.parts.split(","))
     os.environ.update({k: v for k, v in child_env().items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
     if a.device == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -397,7 +415,8 @@ def main() -> None:
     torch.set_num_threads(1)
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
     rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend, "workers": a.workers,
-                        "servers": a.servers, "models": a.models, "repeats": a.repeats, "steps_scale": a.steps_scale}
+                        "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
+                        "steps_scale": a.steps_scale}
     t_start = time.monotonic()
 
     def steps_of(model: str) -> tuple[list[str], int, int]:
@@ -437,7 +456,7 @@ def main() -> None:
     try:
         if "ddp" in parts:
             w, s = a.workers, a.servers
-            for model in a.models.split(","):
+            for model in a.models:
                 name = "small" if model == "mlp" else "large"
                 paired(model, w, a.backend, f"DDP {a.backend} W={w}",
                        [(f"vs_ddp_{name}", f"{model} sync W={w} S={s}",

@@ -59,7 +59,18 @@ import traceback
 import numpy as np
 import zmq
 
-from bench.common import Procs, child_env, emit_json, progress, psgd_config, start_daemons, stop_on_signals, table
+from bench.common import (
+    Procs,
+    child_env,
+    emit_json,
+    int_list,
+    number,
+    progress,
+    psgd_config,
+    start_daemons,
+    stop_on_signals,
+    table,
+)
 from psgd.transport import COPY_THRESHOLD, readable
 
 PUSH, DATA = b"push", b"data"
@@ -67,9 +78,20 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def parse_size(text: str) -> int:
+    raw = text
     text = text.strip().upper().rstrip("B").rstrip("I")
-    n = int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+    try:
+        n = int(float(text[:-1]) * UNITS[text[-1]]) if text[-1:] in UNITS else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is bytes or a number with K, M or G (e.g. 64K, 16M), "
+                                         f"got {raw!r}") from None
+    if n < 8:
+        raise argparse.ArgumentTypeError(f"a table size must be at least 8 bytes, got {raw!r}")
     return n - n % 8  # a whole number of float32 pairs
+
+
+def size_list(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",")]
 
 
 def label(n: int) -> str:
@@ -334,11 +356,12 @@ def measure(pool: Pool, workers: list[int], size: int, repeats: int, seconds: fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="64K,1M,16M,100M", help="table sizes (whole model, KiB/MiB)")
-    ap.add_argument("--shards", default="1,2,4")
-    ap.add_argument("--workers", default="1,4", help="client processes")
-    ap.add_argument("--repeats", type=int, default=3, help="timed sections per side and point (median)")
-    ap.add_argument("--seconds", type=float, default=1.0, help="length of each timed section")
+    ap.add_argument("--sizes", type=size_list, default="64K,1M,16M,100M", help="table sizes (whole model, KiB/MiB)")
+    ap.add_argument("--shards", type=int_list(1), default="1,2,4")
+    ap.add_argument("--workers", type=int_list(1), default="1,4", help="client processes")
+    ap.add_argument("--repeats", type=number(int, 1), default=3, help="timed sections per side and point (median)")
+    ap.add_argument("--seconds", type=number(float, 0, above=True), default=1.0,
+                    help="length of each timed section")
     ap.add_argument("--keep", help="keep psgd's logs in this folder")
     ap.add_argument("--echo", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -346,9 +369,7 @@ def main() -> None:
         echo_server(*a.echo)
         return
     stop_on_signals()
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
-    shard_counts = [int(s) for s in a.shards.split(",")]
-    workers = sorted(int(w) for w in a.workers.split(","))
+    sizes, shard_counts, workers = a.sizes, a.shards, sorted(set(a.workers))
     os.environ.update({k: v for k, v in child_env().items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
     work = a.keep or tempfile.mkdtemp(prefix="bench-transport-")
     rows, records = [], []

@@ -14,7 +14,8 @@ fraction of the workers' time blocked on the shards (summary.json's `wait_fracti
 whole run). Modes run with their defaults (ssp staleness 2, easgd tau 4, ltfb
 round_steps 50 and diloco local_steps 20: with ResNet-20's few steps no tournament and
 at most one outer step happens). Progress and the time
-left go to stderr; the last line is one JSON object.
+left go to stderr; the last line is one JSON object. A point that fails is said on stderr
+and in the JSON's `failed` (with its error), the others still run, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def main() -> None:
             ap.error(f"{model} {mode} W={w} S={s}: {e}")
     stop_on_signals()
     work = a.keep or tempfile.mkdtemp(prefix="bench-scaling-")
-    records, took = [], {}
+    records: list[dict] = []
+    failed: list[dict] = []
+    took: dict[tuple[str, int], list[float]] = {}
     t0 = time.monotonic()
     try:
         for k, (model, mode, w, s) in enumerate(points):
@@ -65,8 +68,15 @@ def main() -> None:
                      f"({time.monotonic() - t0:.0f} s so far, about {left:.0f} s left)")
             out = os.path.join(work, f"{model}-{mode}-w{w}-s{s}")
             t = time.monotonic()
-            summary = run_psgd(point_sets(model, mode, w, s, a.steps_scale), out, warm)
-            took.setdefault((model, w), []).append(time.monotonic() - t)
+            try:
+                summary = run_psgd(point_sets(model, mode, w, s, a.steps_scale), out, warm)
+            except Exception as e:   # the other points still run, and what they measured is printed
+                failed.append({"model": model, "mode": mode, "workers": w, "shards": s,
+                               "error": f"{type(e).__name__}: {e}"})
+                progress(f"{model} {mode} W={w} S={s} failed: {failed[-1]['error']}")
+                continue
+            finally:
+                took.setdefault((model, w), []).append(time.monotonic() - t)
             records.append({"model": model, "mode": mode, "workers": w, "shards": s,
                             "samples_per_s": round(summary["steady"], 1),
                             "wait_fraction": summary.get("wait_fraction")})
@@ -95,7 +105,13 @@ def main() -> None:
         headers.append(f"speedup vs W=1 (S={shards[0]})")
         print(table(headers, rows, f"\n{model}: steady-state samples/s (batch 32 per worker, "
                                    f"{MODELS[model][1]} steps per worker x {a.steps_scale:g})"))
-    emit_json({"bench": "scaling", "rows": records, "wall_s": round(time.monotonic() - t0, 1)})
+    if failed:
+        print("\nfailed (not measured): " + "; ".join(f"{f['model']} {f['mode']} W={f['workers']} S={f['shards']}"
+                                                    for f in failed), flush=True)
+    emit_json({"bench": "scaling", "rows": records, "wall_s": round(time.monotonic() - t0, 1),
+               **({"failed": failed} if failed else {})})
+    if failed:
+        raise SystemExit(1)
 
 
 def point_sets(model: str, mode: str, workers: int, shards: int, steps_scale: float) -> list[str]:

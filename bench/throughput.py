@@ -45,11 +45,13 @@ the samples all processes completed in the window when every one is past its fir
 `warm-up` steps (50 MLP, 8 ResNet-20) and none has finished, over the window's length.
 psgd's side reads (t, samples) of each step from the worker event logs; the baselines
 record the same pair after each step (after `loss.item()`, as a psgd worker does).
-The last line is one JSON object.
+The last line is one JSON object. A part that fails is said on stderr and in the JSON's
+`failed` (part: its error), the others still run, and the exit status is 1.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -60,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 from bench.common import (
     Procs,
@@ -453,14 +456,27 @@ def main() -> None:
             result[f"psgd_{key}"], result[f"base_{key}"] = round(ours, 1), round(base, 1)
             result[f"ratio_{key}"] = round(ratio, 4)
 
+    failed: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def part(name: str) -> Iterator[None]:
+        """A part that fails is reported (stderr, the JSON's `failed`, exit status 1); the
+        other parts still run, and what they measured is printed."""
+        try:
+            yield
+        except Exception as e:
+            failed[name] = f"{type(e).__name__}: {e}"
+            progress(f"{name} failed: {failed[name]}")
+
     try:
         if "ddp" in parts:
             w, s = a.workers, a.servers
             for model in a.models:
                 name = "small" if model == "mlp" else "large"
-                paired(model, w, a.backend, f"DDP {a.backend} W={w}",
-                       [(f"vs_ddp_{name}", f"{model} sync W={w} S={s}",
-                         ["mode.name=sync", f"cluster.workers={w}", f"cluster.servers={s}"])])
+                with part(f"ddp {model}"):
+                    paired(model, w, a.backend, f"DDP {a.backend} W={w}",
+                           [(f"vs_ddp_{name}", f"{model} sync W={w} S={s}",
+                             ["mode.name=sync", f"cluster.workers={w}", f"cluster.servers={s}"])])
         one = ["cluster.workers=1", "cluster.servers=1"]
         local = ([("vs_local", "mlp sync W=1 S=1", ["mode.name=sync", *one])] if "local" in parts else [])
         if "async" in parts:   # the goal's figure is with prefetch; without it, beside it
@@ -469,17 +485,21 @@ def main() -> None:
                       ("async_noprefetch_vs_local", "mlp async W=1 S=1 mode.prefetch=false",
                        ["mode.name=async", *one, "mode.prefetch=false"])]
         if local:   # one plain loop, shared by the three
-            paired("mlp", 1, None, "plain loop", local)
+            with part(",".join(p for p in ("local", "async") if p in parts)):
+                paired("mlp", 1, None, "plain loop", local)
         if "startup" in parts:
             progress("startup: psgd run (default job)")
-            first, whole, own = startup(work)
-            result["startup_s"], result["default_job_wall_s"] = round(first, 2), round(whole, 2)
-            result["summary_startup_s"] = own
+            with part("startup"):
+                first, whole, own = startup(work)
+                result["startup_s"], result["default_job_wall_s"] = round(first, 2), round(whole, 2)
+                result["summary_startup_s"] = own
         if "phases" in parts:
             progress("phases: an instrumented MLP sync step")
             _, steps, warm = steps_of("mlp")
-            result["phases_ms"] = phases(work, a.workers, a.servers, steps, warm)
-            result["phases_ms"]["alone"] = phases_alone(a.servers)
+            with part("phases"):
+                got = phases(work, a.workers, a.servers, steps, warm)
+                got["alone"] = phases_alone(a.servers)
+                result["phases_ms"] = got
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -494,7 +514,12 @@ def main() -> None:
               + (f"; summary.json's startup_s, to the start of training: {own:.2f} s)" if own is not None else ")"))
     if "phases_ms" in result:
         print_phases(result["phases_ms"], a.workers, a.servers)
+    if failed:
+        print("\nfailed (not measured): " + "; ".join(failed), flush=True)
+        result["failed"] = failed
     emit_json(result)
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

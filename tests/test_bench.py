@@ -4,6 +4,7 @@ after minutes of runs. What the benchmarks measure is never asserted here."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -72,3 +73,39 @@ def test_throughput_cuda_without_a_gpu_says_so() -> None:
     r = subprocess.run([sys.executable, "-m", "bench.throughput", "--parts", "local", "--device", "cuda"], cwd=REPO,
                        capture_output=True, text=True, timeout=50, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 2 and "no CUDA device" in r.stderr.splitlines()[-1], r.stderr
+
+
+def _main_with(module: str, patch: str, args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m bench.MODULE ARGS` with `patch` (code run on the module, as `m`) applied first."""
+    code = f"import sys\nimport bench.{module} as m\n{patch}\nsys.argv = ['{module}', *{args!r}]\nm.main()\n"
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": REPO})
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_throughput_part_that_fails_leaves_the_others_measured() -> None:
+    """A failing part (here the DDP baseline, as NCCL failing on a GPU machine) used to end
+    the benchmark with a traceback, the later parts not run and nothing printed."""
+    patch = ("def boom(*a, **k):\n    raise RuntimeError('baseline rank 0: no NCCL')\n"
+             "m.run_loops = boom\nm.startup = lambda work: (1.5, 3.0, 1.4)\n")
+    r = _main_with("throughput", patch, ["--parts", "ddp,startup", "--models", "mlp"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "ddp mlp failed: RuntimeError: baseline rank 0: no NCCL" in r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["failed"] == {"ddp mlp": "RuntimeError: baseline rank 0: no NCCL"}
+    assert out["startup_s"] == 1.5 and "ratio_vs_ddp_small" not in out
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_scaling_point_that_fails_leaves_the_others_measured() -> None:
+    patch = ("def fake(sets, out, warm):\n    if 'mode.name=async' in sets:\n        raise RuntimeError('boom')\n"
+             "    return {'steady': 100.0, 'wait_fraction': 0.25}\nm.run_psgd = fake\n")
+    r = _main_with("scaling", patch, ["--quick", "--modes", "sync,async,ssp", "--workers", "1"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "mlp async W=1 S=1 failed: RuntimeError: boom" in r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert [(p["mode"], p["samples_per_s"]) for p in out["rows"]] == [("sync", 100.0), ("ssp", 100.0)]
+    assert out["failed"] == [{"model": "mlp", "mode": "async", "workers": 1, "shards": 1,
+                              "error": "RuntimeError: boom"}]

@@ -274,6 +274,10 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 except ConfigError as e:
                     raise ConfigError(f"--modes {spec.label} with {w} workers: {e}") from None
                 params = dict(spec.params)
+                if "wire.topk_fraction" in params and cfg.wire.compression != "topk":
+                    raise ConfigError(f"--modes {spec.label}: wire.topk_fraction is the share a topk push sends, and "
+                                      f"this run's wire.compression is {cfg.wire.compression}: it would change "
+                                      f"nothing (set wire.compression=topk, in the item or with --set)")
                 plan.append(Run(spec.label, spec.mode, params, w, r, cfg, _folder(spec.mode, params, w, r),
                                 sweep=spec.sweep, sweep_value=spec.sweep_value))
     seen: dict[str, Run] = {}

@@ -171,3 +171,19 @@ def test_a_topk_job_trains_and_pushes_few_bytes(tmp_path):
     dense = 4 * 26_122                                    # the MLP's float32 gradient, over both shards
     assert per_step < 0.1 * dense, per_step
     assert np.isfinite(s["final_loss"])
+
+
+@pytest.mark.unit
+def test_compare_refuses_a_topk_fraction_item_without_topk():
+    """A sweep of wire.topk_fraction without wire.compression=topk ran identical dense jobs
+    and reported them as a sweep of the fraction."""
+    from psgd.compare import build_plan, parse_modes
+    from psgd.config import ConfigError
+    base = Config()
+    for modes in ("sync:wire.topk_fraction=0.01,0.5", "sync:wire.compression=onebit:wire.topk_fraction=0.1"):
+        with pytest.raises(ConfigError, match="wire.topk_fraction .* would change nothing"):
+            build_plan(base, parse_modes(modes), [2], 1)
+    plan = build_plan(base, parse_modes("sync:wire.compression=topk:wire.topk_fraction=0.01,0.5"), [2], 1)
+    assert [r.cfg.wire.topk_fraction for r in plan if not r.is_baseline] == [0.01, 0.5]
+    topk = base.replace(**{"wire.compression": "topk"})   # --set wire.compression=topk
+    assert len(build_plan(topk, parse_modes("sync,async:wire.topk_fraction=0.1"), [2], 1)) == 3

@@ -41,11 +41,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import time
 
 import zmq
 
-from bench.common import emit_json, int_list, number, progress, table
+from bench.common import emit_json, int_list, number, progress, stop_on_signals, table
 from psgd import wire
 from psgd.config import Config
 from psgd.launcher import pick_port
@@ -109,7 +110,8 @@ def beats_at(address: str, live_id: str, workers: int, seconds: float, rate: flo
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     t0, k = time.monotonic(), 0
-    while time.monotonic() - t0 < seconds:
+    parent = os.getppid()
+    while time.monotonic() - t0 < seconds and os.getppid() == parent:   # not past the benchmark's end
         wait = t0 + k / rate - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -135,13 +137,16 @@ def live_share(workers: int, seconds: float, heartbeat_s: float, ctx: zmq.Contex
         target=beats_at, args=(coord.address, f"{coord.epoch}:{coord.members.version}", workers, seconds,
                                workers / heartbeat_s), daemon=True)
     sender.start()
-    time.sleep(1.0)   # the sender's interpreter starts
-    cpu0, t0 = time.process_time(), time.monotonic()
-    coord.serve(deadline_s=seconds - 1.0)
-    share = (time.process_time() - cpu0) / (time.monotonic() - t0)
-    sender.join(timeout=30)
-    if sender.is_alive():
-        sender.kill()
+    try:
+        time.sleep(1.0)   # the sender's interpreter starts
+        cpu0, t0 = time.process_time(), time.monotonic()
+        coord.serve(deadline_s=seconds - 1.0)
+        share = (time.process_time() - cpu0) / (time.monotonic() - t0)
+        sender.join(timeout=30)
+    finally:   # also on Ctrl-C or SIGTERM (stop_on_signals): no sender left beating for the rest of `seconds`
+        if sender.is_alive():
+            sender.kill()
+            sender.join(timeout=5)
     return share
 
 
@@ -157,6 +162,7 @@ def main() -> None:
     if 0 < a.live <= 1:
         ap.error(f"--live must be 0 or more than 1 s (the first second is the sender's start), got {a.live:g}")
     sizes = sorted({2, *a.workers})
+    stop_on_signals()
     ctx = zmq.Context()
     rows, out, shares, lives = [], {}, {}, {}
     for w in sizes:

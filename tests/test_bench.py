@@ -4,10 +4,13 @@ after minutes of runs. What the benchmarks measure is never asserted here."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,3 +112,39 @@ def test_scaling_point_that_fails_leaves_the_others_measured() -> None:
     assert [(p["mode"], p["samples_per_s"]) for p in out["rows"]] == [("sync", 100.0), ("ssp", 100.0)]
     assert out["failed"] == [{"model": "mlp", "mode": "async", "workers": 1, "shards": 1,
                               "error": "RuntimeError: boom"}]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_control_stopped_during_live_leaves_no_sender() -> None:
+    """SIGTERM during `--live` ended the benchmark at once, and its heartbeat sender went on
+    beating at a dead coordinator for the rest of the --live seconds."""
+    from tests.conftest import children
+    started: set[int] = set()
+    p = subprocess.Popen([sys.executable, "-m", "bench.control", "--workers", "2", "--beats", "20", "--live", "60"],
+                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        assert p.stderr is not None
+        for line in p.stderr:   # the sender starts right after this line
+            if "the whole coordinator on its socket" in line:
+                break
+        deadline = time.monotonic() + 30
+        while not children(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        started = children(p.pid)
+        assert started
+        p.terminate()
+        assert p.wait(timeout=20) != 0
+        deadline = time.monotonic() + 10
+        while (left := {c for c in started if os.path.exists(f"/proc/{c}")}) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"left running after the benchmark ended: {left}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+        for c in started:   # what a failed check found still running
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)

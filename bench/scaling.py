@@ -67,6 +67,7 @@ def main() -> None:
             progress(f"{k + 1}/{len(points)}: {model} {mode} W={w} S={s}  "
                      f"({time.monotonic() - t0:.0f} s so far, about {left:.0f} s left)")
             out = os.path.join(work, f"{model}-{mode}-w{w}-s{s}")
+            shutil.rmtree(out, ignore_errors=True)   # (an earlier --keep run's: psgd would resume its job from there)
             t = time.monotonic()
             try:
                 summary = run_psgd(point_sets(model, mode, w, s, a.steps_scale), out, warm)

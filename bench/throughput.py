@@ -192,6 +192,7 @@ def startup(work: str) -> tuple[float, float, float | None]:
     """(seconds from launching `psgd run` to the end of the first worker step, the whole
     command, summary.json's own `startup_s` (to the start of training) if it has one)."""
     out = os.path.join(work, "startup")
+    shutil.rmtree(out, ignore_errors=True)   # (an earlier --keep run's: psgd would resume its job from there)
     exe = os.path.join(os.path.dirname(sys.executable), "psgd")
     argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "psgd"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}

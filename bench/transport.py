@@ -459,6 +459,7 @@ def run_point(pool: Pool, work: str, size: int, shards: int, workers, repeats, s
     `index` and connects to the echo servers too."""
     from psgd.launcher import pick_port
     out = os.path.join(work, f"psgd-{size >> 10}K-{shards}")
+    shutil.rmtree(out, ignore_errors=True)   # (an earlier --keep run's: psgd would resume its job from there)
     cfg = psgd_config(psgd_sets(size, shards, len(pool.conns)))
     with Procs(os.path.join(out, "logs")) as procs:
         start_daemons(procs, cfg, out)

@@ -148,3 +148,33 @@ def test_control_stopped_during_live_leaves_no_sender() -> None:
         for c in started:   # what a failed check found still running
             with contextlib.suppress(OSError):
                 os.kill(c, signal.SIGKILL)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_scaling_starts_each_point_in_a_fresh_folder(tmp_path) -> None:
+    """A --keep folder holding an interrupted run's point (its checkpoints) made psgd resume
+    that job instead of running the point."""
+    stale = tmp_path / "keep" / "mlp-sync-w1-s1" / "checkpoints"
+    stale.mkdir(parents=True)
+    (stale / "shard-0.pt").write_text("an interrupted run's")
+    patch = ("import os\ndef fake(sets, out, warm):\n    assert not os.path.exists(os.path.join(out, 'checkpoints'))\n"
+             "    return {'steady': 100.0, 'wait_fraction': 0.25}\nm.run_psgd = fake\n")
+    r = _main_with("scaling", patch, ["--quick", "--modes", "sync", "--workers", "1", "--keep", str(tmp_path / "keep")])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_transport_starts_each_point_in_a_fresh_folder(tmp_path) -> None:
+    """psgd resumed an interrupted --keep run's job from its checkpoint (the shard answering
+    its pushes as duplicates: a shard busy 157 ms a push, psgd/raw far above its ceiling),
+    and the wait for the daemons read their earlier logs."""
+    point = tmp_path / "keep" / "psgd-64K-1"
+    (point / "checkpoints").mkdir(parents=True)
+    (point / "checkpoints" / "stale").write_text("an interrupted run's")   # psgd itself neither reads nor writes it
+    r = subprocess.run([sys.executable, "-m", "bench.transport", "--sizes", "64K", "--shards", "1", "--workers", "1",
+                        "--repeats", "1", "--seconds", "0.2", "--keep", str(tmp_path / "keep")], cwd=REPO,
+                       capture_output=True, text=True, timeout=110, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (point / "checkpoints" / "stale").exists()

@@ -32,7 +32,7 @@
 # than 2): gpu.txt; steps.log (every step's output, appended as each ends); results.json (the
 # steps that failed, the two runs' summary.json, the pinned-memory figures, throughput's
 # JSON); runs.tar.gz (the run folders, made in a scratch folder, without their .pt files).
-# Exit status: 2 if there is no usable GPU, 3 if PY cannot import psgd or a dependency (both
+# Exit status: 2 if there is no usable GPU, 3 if PY cannot import torch, psgd or a dependency (all
 # said on stderr), 1 if a step failed, 0 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,15 +76,24 @@ fi
 
 # 1. Is there a GPU that torch can use, and can PY import psgd and what it needs?
 { command -v nvidia-smi >/dev/null && nvidia-smi; } >>"$OUT/gpu.txt" 2>&1
-if ! timeout 40 "$PY" - >>"$OUT/gpu.txt" 2>&1 <<'EOF'
+code=0
+timeout 40 "$PY" - >>"$OUT/gpu.txt" 2>&1 <<'EOF' || code=$?
 import sys
-import torch
+try:
+    import torch
+except ImportError as e:
+    print(f"{sys.executable} cannot import torch ({e})")
+    sys.exit(3)
 print("torch", torch.__version__, "cuda build", torch.version.cuda)
 if not torch.cuda.is_available():
     sys.exit(f"no CUDA device visible to torch {torch.__version__} (cuda build: {torch.version.cuda})")
 print("device 0:", torch.cuda.get_device_name(0), "count", torch.cuda.device_count())
 EOF
-then
+if [ "$code" = 3 ]; then   # a dependency missing, not the GPU (not looked at without torch)
+    echo "bench/gpu.sh: $(tail -n 1 "$OUT/gpu.txt")" >&2
+    echo "(set PY to a Python with a CUDA build of torch; PY=$PY)" >&2
+    exit 3
+elif [ "$code" != 0 ]; then
     echo "bench/gpu.sh: no usable GPU: $(tail -n 1 "$OUT/gpu.txt")" >&2
     echo "(needs an NVIDIA GPU, its driver, and PY=$PY with a CUDA build of torch)" >&2
     exit 2

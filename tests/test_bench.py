@@ -178,3 +178,20 @@ def test_transport_starts_each_point_in_a_fresh_folder(tmp_path) -> None:
                        capture_output=True, text=True, timeout=110, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 0, r.stdout + r.stderr
     assert not (point / "checkpoints" / "stale").exists()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_gpu_sh_names_a_python_without_torch_not_a_missing_gpu(tmp_path) -> None:
+    """With no .venv at the checkout's root, gpu.sh takes python3; one without torch made
+    it say "no usable GPU" and exit 2, the code it documents for no GPU."""
+    (tmp_path / "notorch").mkdir()
+    (tmp_path / "notorch" / "torch.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    py = tmp_path / "py"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'notorch'}:$PYTHONPATH exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "gpu.sh")], capture_output=True, text=True, timeout=50,
+                       env={**os.environ, "OUT": str(tmp_path / "out"), "PY": str(py),
+                            "GPU_WHEELS": str(tmp_path / "no-wheels")})
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert "cannot import torch" in r.stderr and "no usable GPU" not in r.stderr, r.stderr

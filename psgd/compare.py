@@ -250,6 +250,16 @@ def baseline_config(base: Config, seed: int) -> Config:
         raise ConfigError(f"the sequential baseline: {e}") from None
 
 
+def _sweeps_topk(spec: ModeSpec, specs: list[ModeSpec]) -> bool:
+    """Whether `spec` is one value of a wire.compression sweep that has a topk value (whose
+    wire.topk_fraction the item sets: sync:wire.topk_fraction=0.05:wire.compression=none,topk)."""
+    def fixed(s: ModeSpec) -> tuple:
+        return tuple(p for p in s.params if p[0] != "wire.compression")
+    return spec.sweep == "wire.compression" and any(
+        o.mode == spec.mode and o.sweep == spec.sweep and fixed(o) == fixed(spec)
+        and dict(o.params).get("wire.compression") == "topk" for o in specs)
+
+
 def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats: int,
                servers: int | None = None, baseline: bool = True) -> list[Run]:
     """Every run, in order: for each repeat the baseline, then each worker count x mode.
@@ -274,7 +284,7 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 except ConfigError as e:
                     raise ConfigError(f"--modes {spec.label} with {w} workers: {e}") from None
                 params = dict(spec.params)
-                if "wire.topk_fraction" in params and cfg.wire.compression != "topk":
+                if "wire.topk_fraction" in params and cfg.wire.compression != "topk" and not _sweeps_topk(spec, specs):
                     raise ConfigError(f"--modes {spec.label}: wire.topk_fraction is the share a topk push sends, and "
                                       f"this run's wire.compression is {cfg.wire.compression}: it would change "
                                       f"nothing (set wire.compression=topk, in the item or with --set)")

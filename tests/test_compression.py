@@ -180,10 +180,13 @@ def test_compare_refuses_a_topk_fraction_item_without_topk():
     from psgd.compare import build_plan, parse_modes
     from psgd.config import ConfigError
     base = Config()
-    for modes in ("sync:wire.topk_fraction=0.01,0.5", "sync:wire.compression=onebit:wire.topk_fraction=0.1"):
+    for modes in ("sync:wire.topk_fraction=0.01,0.5", "sync:wire.compression=onebit:wire.topk_fraction=0.1",
+                  "sync,sync:wire.topk_fraction=0.5", "sync:wire.topk_fraction=0.05:wire.compression=none,onebit"):
         with pytest.raises(ConfigError, match="wire.topk_fraction .* would change nothing"):
             build_plan(base, parse_modes(modes), [2], 1)
     plan = build_plan(base, parse_modes("sync:wire.compression=topk:wire.topk_fraction=0.01,0.5"), [2], 1)
     assert [r.cfg.wire.topk_fraction for r in plan if not r.is_baseline] == [0.01, 0.5]
+    plan = build_plan(base, parse_modes("sync:wire.topk_fraction=0.05:wire.compression=none,topk"), [2], 1)
+    assert [r.cfg.wire.compression for r in plan if not r.is_baseline] == ["none", "topk"]   # the topk value's
     topk = base.replace(**{"wire.compression": "topk"})   # --set wire.compression=topk
     assert len(build_plan(topk, parse_modes("sync,async:wire.topk_fraction=0.1"), [2], 1)) == 3

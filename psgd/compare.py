@@ -120,7 +120,12 @@ def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[Mo
             mode, _, rest = item.partition(":")
             mode = mode.strip()
             if mode not in MODES:
-                raise ConfigError(f"--modes: unknown mode {mode!r} in {item!r} (modes: {', '.join(MODES)})")
+                hint = ""
+                if groups and groups[-1][1]:   # sync:wire.compression=none,topk:wire.topk_fraction=0.05
+                    last = groups[-1][1][-1][0]
+                    hint = (f"; if {mode!r} is one more value of {last}: only an item's last parameter takes a "
+                            f"list, so put {last} last")
+                raise ConfigError(f"--modes: unknown mode {mode!r} in {item!r} (modes: {', '.join(MODES)}){hint}")
             keys = mode_keys(mode)
             params: list[list] = []
             if ":" in item and not rest.strip():

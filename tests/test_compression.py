@@ -190,3 +190,16 @@ def test_compare_refuses_a_topk_fraction_item_without_topk():
     assert [r.cfg.wire.compression for r in plan if not r.is_baseline] == ["none", "topk"]   # the topk value's
     topk = base.replace(**{"wire.compression": "topk"})   # --set wire.compression=topk
     assert len(build_plan(topk, parse_modes("sync,async:wire.topk_fraction=0.1"), [2], 1)) == 3
+
+
+@pytest.mark.unit
+def test_compare_says_a_list_goes_on_the_items_last_parameter():
+    """`sync:wire.compression=none,topk:wire.topk_fraction=0.05` read 'topk:...' as a mode
+    and said only "unknown mode 'topk'", not what to do."""
+    from psgd.compare import parse_modes
+    from psgd.config import ConfigError
+    with pytest.raises(ConfigError, match="only an item's last parameter takes a list, so put wire.compression last"):
+        parse_modes("sync:wire.compression=none,topk:wire.topk_fraction=0.05")
+    specs = parse_modes("sync:wire.topk_fraction=0.05:wire.compression=none,topk")
+    assert [s.label for s in specs] == ["sync:wire.topk_fraction=0.05:wire.compression=none",
+                                        "sync:wire.topk_fraction=0.05:wire.compression=topk"]

@@ -152,9 +152,11 @@ def live_share(workers: int, seconds: float, heartbeat_s: float, ctx: zmq.Contex
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--workers", type=int_list(1), default="2,64,256,1024")
+    ap.add_argument("--workers", type=int_list(1), default="2,64,256,1024",
+                    help="worker counts (W = 2, the baseline, always runs)")
     ap.add_argument("--beats", type=number(int, 1), default=4000, help="heartbeats measured at each W")
-    ap.add_argument("--heartbeat-s", type=number(float, 0, above=True), default=Config().cluster.heartbeat_s)
+    ap.add_argument("--heartbeat-s", type=number(float, 0, above=True), default=Config().cluster.heartbeat_s,
+                    help="the heartbeat period the core share is worked out for (cluster.heartbeat_s)")
     ap.add_argument("--live", type=number(float, 0), default=6.0, metavar="SECONDS",
                     help="also run the whole coordinator on its socket under W workers' heartbeats this long "
                          "(0: not; else more than the sender's 1 s start)")

@@ -37,10 +37,10 @@ MODES = "sync,ssp,async,easgd,ltfb,diloco"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20")
-    ap.add_argument("--modes", type=name_list(config.MODES), default=MODES)
-    ap.add_argument("--workers", type=int_list(1), default="1,2,4")
-    ap.add_argument("--shards", type=int_list(1), default="1,2,4")
+    ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20", help="mlp, resnet20 (default: both)")
+    ap.add_argument("--modes", type=name_list(config.MODES), default=MODES, help=f"some of {MODES} (default: all)")
+    ap.add_argument("--workers", type=int_list(1), default="1,2,4", help="worker counts (default: 1,2,4)")
+    ap.add_argument("--shards", type=int_list(1), default="1,2,4", help="shard counts (default: 1,2,4)")
     ap.add_argument("--quick", action="store_true", help="= --models mlp --shards 1")
     ap.add_argument("--steps-scale", type=number(float, 0, above=True), default=1.0,
                     help="multiply every run's steps")

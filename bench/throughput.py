@@ -383,13 +383,15 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--profiled":
         raise SystemExit(profiled(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", type=name_list(PARTS), default=",".join(PARTS))
+    ap.add_argument("--parts", type=name_list(PARTS), default=",".join(PARTS),
+                    help=f"some of {','.join(PARTS)} (default: all)")
     ap.add_argument("--workers", type=number(int, 1), default=2, help="W for the DDP comparison and the phases")
     ap.add_argument("--servers", type=number(int, 1), default=1,
                     help="psgd shards in the DDP comparison and the phases")
     ap.add_argument("--backend", default="gloo", help="DDP backend (nccl with --device cuda)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: psgd's workers and the baselines")
-    ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20", help="models of the DDP comparison")
+    ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20",
+                    help="models of the DDP comparison: mlp, resnet20")
     ap.add_argument("--repeats", type=number(int, 1), default=3,
                     help="interleaved repeats of each side (ratios: the median of the repeats' ratios)")
     ap.add_argument("--steps-scale", type=number(float, 0, above=True), default=1.0,

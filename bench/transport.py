@@ -357,7 +357,7 @@ def measure(pool: Pool, workers: list[int], size: int, repeats: int, seconds: fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=size_list, default="64K,1M,16M,100M", help="table sizes (whole model, KiB/MiB)")
-    ap.add_argument("--shards", type=int_list(1), default="1,2,4")
+    ap.add_argument("--shards", type=int_list(1), default="1,2,4", help="shard counts (default: 1,2,4)")
     ap.add_argument("--workers", type=int_list(1), default="1,4", help="client processes")
     ap.add_argument("--repeats", type=number(int, 1), default=3, help="timed sections per side and point (median)")
     ap.add_argument("--seconds", type=number(float, 0, above=True), default=1.0,

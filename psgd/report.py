@@ -334,8 +334,15 @@ def _setup(ctx: dict, with_sim: bool) -> str:
     real run and a simulation of it (sim.* settings, the cost model) unless `with_sim`."""
     sets = sorted(x for x in ctx.get("sets") or [] if with_sim or not x.startswith("sim."))
     keys = {k: ctx.get(k) for k in SETUP_KEYS}
-    return json.dumps({"sets": sets, **keys, "sim": ctx.get("simulated") if with_sim else None},
+    return json.dumps({"sets": sets, **keys, "sim": cost_model(ctx) if with_sim else None},
                       sort_keys=True, default=str)
+
+
+def cost_model(ctx: dict) -> dict | None:
+    """A simulate folder's cost model (None: real runs), less what differs between two
+    simulations of one setup: how many real seconds each run took (`real_s`)."""
+    sim = ctx.get("simulated")
+    return {k: v for k, v in sim.items() if k != "real_s"} if isinstance(sim, dict) else sim
 
 
 def setup_tags(folders: list[str], ctxs: list[dict]) -> list[str | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -477,6 +478,20 @@ def test_merged_report_puts_simulated_next_to_real(tmp_path):
     merged = json.load(open(tmp_path / "both" / "compare.json"))
     assert merged[1]["dir"] == os.path.join("..", "s", "runs", "sync-w2-r0")
     assert write_report(str(tmp_path / "both"), merged, {}).endswith("report.md")
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_simulations_of_one_setup_in_two_folders_merge_as_one_comparison(tmp_path):
+    # sync simulated in one folder and async in another, same settings: each row was tagged with
+    # its folder and async had no sync to be compared with, because the folders' real seconds differ
+    for name, mode in (("a", "sync"), ("b", "async")):
+        assert simulate(tmp_path, name, "--modes", mode, "--workers", "2", *SMALL)[0] == 0
+    from psgd.report import main as report_main
+    assert report_main([str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    text = open(tmp_path / "m" / "report.md").read()
+    assert "| sync | 2 |" in text and "rows marked" not in text
+    assert re.search(r"\| async \| 2 \| 1/1 \| [\d.]+ \| [\d,]+ \| [\d.]+× \|", text)   # throughput vs sync
 
 
 # ---------------------------------------------------------------- bad input

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from .report_numbers import (
     SIM_SUFFIX,
@@ -228,25 +229,45 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:
-    """What a simulated report must say first: that it is simulated, and its cost model."""
+def _keys(differs: list[str]) -> list[str]:
+    """The config keys of a cost model's fields (a calibrated compute time is sim.compute_s's)."""
+    return list(dict.fromkeys("sim." + k.replace("calibrated_", "") for k in differs))
+
+
+def _compute(sim: dict) -> str:
     cal = sim.get("calibrated_compute_s") or {}
     if sim.get("compute_s"):
-        compute = f"{sim['compute_s']:g} s per step (sim.compute_s)"
-    else:
-        compute = ("calibrated on this machine by timing the model's forward and backward on one thread: "
-                   + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cal.items()))
-    train = ("every simulated worker computes real gradients on its own batches, so accuracy is real"
-             if sim.get("train", True) else
-             "timing only (sim.train = false): no gradients are computed, so accuracies are absent")
+        return f"{sim['compute_s']:g} s per step (sim.compute_s)"
+    return ("calibrated on this machine by timing the model's forward and backward on one thread: "
+            + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cal.items()))
+
+
+def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:
+    """What a simulated report must say first: that it is simulated, and its cost model
+    (merged folders of different cost models: what differs, per folder)."""
+    differs, folders = sim.get("differs") or [], sim.get("per_folder") or []
+
+    def said(keys: tuple[str, ...], fmt: Callable[[dict], str]) -> str:
+        if not any(k in differs for k in keys):
+            return fmt(sim)
+        return " and ".join(f"{fmt(m)} in the rows marked [{tag}]" for tag, m in folders)
+
+    train = said(("train",), lambda m: "every simulated worker computes real gradients on its own batches, so "
+                 "accuracy is real" if m.get("train", True) else
+                 "timing only (sim.train = false): no gradients are computed, so accuracies are absent")
+    compute = said(("compute_s", "calibrated_compute_s"), _compute)
+
+    def num(key: str, unit: str) -> str:
+        return said((key,), lambda m: f"{m.get(key, 0):g}{unit}")
     return (f"**These runs are simulated** (`psgd simulate`): one process ran the real consistency rules and "
             f"shards on a virtual clock; {train}; only time is simulated, and every time in this report is in "
-            f"virtual seconds. Cost model: compute {compute}, lognormal spread cv {sim.get('compute_cv', 0):g}; "
-            f"link latency {sim.get('latency_s', 0):g} s one way; {sim.get('bandwidth_gbps', 0):g} Gbit/s per "
-            f"worker and per shard NIC, messages to one shard queueing behind each other (incast); each shard "
-            f"serves its requests in order at {sim.get('apply_gbps', 0):g} Gbit/s of the bytes each makes it work "
-            f"through (a push or an elastic offer: its float32 tables, whatever the wire carried; any other "
-            f"request: its payload); the evaluator's reads are free"
+            f"virtual seconds. Cost model"
+            f"{' (the merged folders differ in ' + ', '.join(_keys(differs)) + ')' if differs else ''}: compute "
+            f"{compute}, lognormal spread cv {num('compute_cv', '')}; one-way link latency {num('latency_s', ' s')}; "
+            f"{num('bandwidth_gbps', ' Gbit/s')} per worker and per shard NIC, messages to one shard queueing behind "
+            f"each other (incast); each shard serves its requests in order at {num('apply_gbps', ' Gbit/s')} of the "
+            f"bytes each makes it work through (a push or an elastic offer: its float32 tables, whatever the wire "
+            f"carried; any other request: its payload); the evaluator's reads are free"
             f"{'; faults.* as below' if any_fault else ''}. Design and limits: docs/simulation.md.")
 
 
@@ -411,6 +432,12 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
         ctx["target_accuracy"] = target
     if not all(c.get("simulated") for c in ctxs):
         ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
+    else:   # simulations of different cost models: the report says what differs, per folder (its rows' tag)
+        models = [cost_model(c) or {} for c in ctxs]
+        differs = sorted({k for m in models for k in m if any(m.get(k) != o.get(k) for o in models)})
+        if differs:
+            ctx["simulated"] = {**models[0], "differs": differs,
+                                "per_folder": [[t or f, m] for f, t, m in zip(folders, tags, models, strict=True)]}
     ctx["merged_from"] = list(folders)
     # Each folder's interruption, said per folder: the first folder's context speaks for none but its own.
     ctx.pop("interrupted", None)

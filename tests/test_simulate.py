@@ -494,6 +494,21 @@ def test_simulations_of_one_setup_in_two_folders_merge_as_one_comparison(tmp_pat
     assert re.search(r"\| async \| 2 \| 1/1 \| [\d.]+ \| [\d,]+ \| [\d.]+× \|", text)   # throughput vs sync
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_merged_simulations_of_different_cost_models_say_each_ones(tmp_path):
+    # the merged report said "compute 0.002 s per step" of every run, the first folder's cost model
+    for name, compute in (("fast", "0.002"), ("slow", "0.004")):
+        assert simulate(tmp_path, name, "--modes", "sync", "--workers", "2", "--set", "train.steps=20",
+                        "--set", f"sim.compute_s={compute}")[0] == 0
+    from psgd.report import main as report_main
+    assert report_main([str(tmp_path / "m"), str(tmp_path / "fast"), str(tmp_path / "slow")]) == 0
+    text = open(tmp_path / "m" / "report.md").read()
+    assert "Cost model (the merged folders differ in sim.compute_s): compute 0.002 s per step (sim.compute_s) in " \
+           "the rows marked [sim.compute_s=0.002] and 0.004 s per step (sim.compute_s) in the rows marked " \
+           "[sim.compute_s=0.004], lognormal spread cv 0;" in text
+
+
 # ---------------------------------------------------------------- bad input
 @pytest.mark.unit
 def test_bad_input_is_one_clear_error(tmp_path, capsys):

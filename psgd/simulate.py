@@ -221,7 +221,13 @@ def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
         ctx["not_run"] = [run.describe() for k, run in enumerate(plan) if k not in entries]
     write_json_atomic(os.path.join(out, "compare.json"), results)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
-    path = write_report(out, results, ctx)
+    try:
+        path = write_report(out, results, ctx)
+    except KeyboardInterrupt as e:   # a second Ctrl-C while the report is written: say what is there
+        print(f"psgd simulate: interrupted while writing the report: none written; {os.path.join(out, 'compare.json')} "
+              f"holds the {len(entries)} run{'s' if len(entries) != 1 else ''} done, and `python -m psgd.report "
+              f"{out}` writes their report", file=sys.stderr, flush=True)
+        return interrupted or interrupted_code(e)
     print(f"psgd simulate: {len(entries) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
     print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")

@@ -509,6 +509,22 @@ def test_merged_simulations_of_different_cost_models_say_each_ones(tmp_path):
            "[sim.compute_s=0.004], lognormal spread cv 0;" in text
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_report_is_written_says_what_is_left(tmp_path, capsys, monkeypatch):
+    # a second Ctrl-C after "writing the report of those" ended the command silently, no report.md
+    import psgd.report
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(psgd.report, "write_report", interrupted)
+    code, res = simulate(tmp_path, "s", "--modes", "sync", "--workers", "2", *SMALL)
+    assert code == 130 and len(res) == 1 and not os.path.exists(tmp_path / "s" / "report.md")
+    err = capsys.readouterr().err
+    assert "interrupted while writing the report: none written" in err
+    assert f"python -m psgd.report {tmp_path / 's'}" in err and "holds the 1 run done" in err
+
+
 # ---------------------------------------------------------------- bad input
 @pytest.mark.unit
 def test_bad_input_is_one_clear_error(tmp_path, capsys):

@@ -480,7 +480,8 @@ def check_merge_folders(out: str, folders: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m psgd.report DIR` rebuilds DIR's report; `python -m psgd.report OUT DIR1
-    DIR2 ...` writes OUT/report.md and OUT/compare.json over the runs of several folders,
+    DIR2 ...` writes OUT/report.md, OUT/compare.json and OUT/compare-context.json (from
+    which `python -m psgd.report OUT` rebuilds it) over the runs of several folders,
     e.g. a `psgd compare` and a `psgd simulate` of the same configuration side by side."""
     argv = sys.argv[1:] if argv is None else argv
     usage = ("usage: python -m psgd.report DIR   (DIR holds compare.json)\n"
@@ -508,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "compare.json"), "w") as f:
             json.dump(results, f, indent=2)
+        with open(os.path.join(out, "compare-context.json"), "w") as f:   # what `python -m psgd.report OUT` reads
+            json.dump(ctx, f, indent=2)
     print(write_report(out, results, ctx))
     return 0
 

@@ -511,6 +511,23 @@ def test_merged_simulations_of_different_cost_models_say_each_ones(tmp_path):
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
+def test_a_merged_report_rebuilds_as_it_was_written(tmp_path):
+    # python -m psgd.report OUT after a merge wrote "# psgd compare", "Model ? on ?", "wall time"
+    # and no cost model for simulated runs: the merge wrote no compare-context.json
+    for name, compute in (("fast", "0.002"), ("slow", "0.004")):
+        assert simulate(tmp_path, name, "--modes", "sync", "--workers", "2", "--set", "train.steps=20",
+                        "--set", f"sim.compute_s={compute}")[0] == 0
+    from psgd.report import main as report_main
+    out = str(tmp_path / "m")
+    assert report_main([out, str(tmp_path / "fast"), str(tmp_path / "slow")]) == 0
+    merged = open(os.path.join(out, "report.md")).read()
+    assert report_main([out]) == 0
+    rebuilt = open(os.path.join(out, "report.md")).read()
+    assert rebuilt == merged and rebuilt.startswith("# psgd simulate") and "Model **mlp**" in rebuilt
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
 def test_ctrl_c_while_the_report_is_written_says_what_is_left(tmp_path, capsys, monkeypatch):
     # a second Ctrl-C after "writing the report of those" ended the command silently, no report.md
     import psgd.report

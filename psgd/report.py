@@ -366,6 +366,14 @@ def cost_model(ctx: dict) -> dict | None:
     return {k: v for k, v in sim.items() if k != "real_s"} if isinstance(sim, dict) else sim
 
 
+def _cost_models(ctx: dict, tag: str) -> list[list]:
+    """[[the tag of its rows, a cost model]] of a simulate folder: one, or a merged
+    folder's own (their rows tagged after the folder's tag)."""
+    m = {k: v for k, v in (cost_model(ctx) or {}).items() if k not in ("differs", "per_folder")}
+    inner = (ctx.get("simulated") or {}).get("per_folder")
+    return [[f"{tag} {t}", im] for t, im in inner] if inner else [[tag, m]]
+
+
 def setup_tags(folders: list[str], ctxs: list[dict]) -> list[str | None]:
     """A tag per folder when the folders' setups differ (other --set values, budget,
     config, faults; among simulations also the cost model), else None for each: the runs
@@ -424,8 +432,8 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
         for r in rs:
             if r.get("dir"):
                 r = {**r, "dir": os.path.relpath(os.path.join(folder, r["dir"]), out)}
-            if tag:
-                r = {**r, "setup": tag}
+            if tag:   # (a run of a merged folder keeps its own tag after its folder's)
+                r = {**r, "setup": f"{tag} {r['setup']}" if r.get("setup") else tag}
             results.append(r)
     ctx = dict(next((c for c in ctxs if not c.get("simulated")), ctxs[0]))
     if target is not None:
@@ -433,11 +441,11 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
     if not all(c.get("simulated") for c in ctxs):
         ctx.pop("simulated", None)  # a merged report says per row which runs are simulated
     else:   # simulations of different cost models: the report says what differs, per folder (its rows' tag)
-        models = [cost_model(c) or {} for c in ctxs]
+        costs = [x for f, t, c in zip(folders, tags, ctxs, strict=True) for x in _cost_models(c, t or f)]
+        models = [m for _, m in costs]
         differs = sorted({k for m in models for k in m if any(m.get(k) != o.get(k) for o in models)})
         if differs:
-            ctx["simulated"] = {**models[0], "differs": differs,
-                                "per_folder": [[t or f, m] for f, t, m in zip(folders, tags, models, strict=True)]}
+            ctx["simulated"] = {**models[0], "differs": differs, "per_folder": costs}
     ctx["merged_from"] = list(folders)
     # Each folder's interruption, said per folder: the first folder's context speaks for none but its own.
     ctx.pop("interrupted", None)

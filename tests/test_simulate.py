@@ -524,6 +524,14 @@ def test_a_merged_report_rebuilds_as_it_was_written(tmp_path):
     assert report_main([out]) == 0
     rebuilt = open(os.path.join(out, "report.md")).read()
     assert rebuilt == merged and rebuilt.startswith("# psgd simulate") and "Model **mlp**" in rebuilt
+    # merged again with another folder: its runs keep their own cost models, rows and sentences
+    assert simulate(tmp_path, "t", "--modes", "sync", "--workers", "2", "--set", "train.steps=20",
+                    "--set", "sim.compute_s=0.002", "--set", "sim.train=false")[0] == 0
+    assert report_main([str(tmp_path / "m2"), out, str(tmp_path / "t")]) == 0
+    again = open(tmp_path / "m2" / "report.md").read()
+    assert "| sync [m sim.compute_s=0.002] | 2 | 0." in again and "| sync [m sim.compute_s=0.004] | 2 | 0." in again
+    assert "0.004 s per step (sim.compute_s) in the rows marked [m sim.compute_s=0.004]" in again
+    assert "differ in sim.compute_s, sim.train)" in again
 
 
 @pytest.mark.inprocess

@@ -590,6 +590,21 @@ def said_if_interrupted(command: str) -> Iterator[None]:
         raise
 
 
+def report_or_interrupted(who: str, out: str, results: list[dict], ctx: dict) -> tuple[str | None, int]:
+    """Write the report: (its path, 0). A second Ctrl-C (or SIGTERM) while it is written
+    leaves none: then say what there is and how to write it, and give (None, the exit code)."""
+    from .cli import interrupted_code
+    from .report import write_report
+    try:
+        return write_report(out, results, ctx), 0
+    except KeyboardInterrupt as e:
+        n = len(results)
+        print(f"{who}: interrupted while writing the report: none written; {os.path.join(out, 'compare.json')} "
+              f"holds the {n} run{'s' if n != 1 else ''} done, and `python -m psgd.report {out}` writes their "
+              f"report", file=sys.stderr, flush=True)
+        return None, interrupted_code(e)
+
+
 def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str) -> int:
     with said_if_interrupted("psgd compare"):
         ctx = context(args, base, workers, plan)
@@ -637,12 +652,13 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
         print(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those",
               file=sys.stderr, flush=True)
 
-    from .report import write_report
     write_json_atomic(os.path.join(out, "compare.json"), results)
     if len(results) < n:   # interrupted: the report says which runs did not run
         ctx = {**ctx, "interrupted": True, "not_run": [run.describe() for run in plan[len(results):]]}
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
-    path = write_report(out, results, ctx)
+    path, stopped = report_or_interrupted("psgd compare", out, results, ctx)
+    if path is None:
+        return interrupted or stopped
     print(f"psgd compare: {len(results) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
     print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")

@@ -62,9 +62,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--modes", default="sync,ssp,async",
                    help="comma-separated modes with parameters, as for psgd compare: sync,ssp:staleness=4,async")
     p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 8,64,256")
-    p.add_argument("--servers", type=int)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="where the simulated workers compute: cpu | cuda | cuda:N")
+    from .cli import REPEATS_HELP, SERVERS_HELP
+    p.add_argument("--servers", type=int, help=SERVERS_HELP)
+    p.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
+    p.add_argument("--device", default="cpu",
+                   help="where the simulated workers compute: cpu (default) | auto | cuda | cuda:N")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="runs simulated at once, in N processes that take runs one after another (default 1); "
                         "the results are the same")
@@ -176,8 +178,7 @@ def same_worker_dropped(plan: list) -> str | None:
 
 def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     from .cli import interrupted_code
-    from .compare import _fmt_duration, context, said_if_interrupted
-    from .report import write_report
+    from .compare import _fmt_duration, context, report_or_interrupted, said_if_interrupted
     cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
@@ -221,13 +222,9 @@ def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
         ctx["not_run"] = [run.describe() for k, run in enumerate(plan) if k not in entries]
     write_json_atomic(os.path.join(out, "compare.json"), results)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
-    try:
-        path = write_report(out, results, ctx)
-    except KeyboardInterrupt as e:   # a second Ctrl-C while the report is written: say what is there
-        print(f"psgd simulate: interrupted while writing the report: none written; {os.path.join(out, 'compare.json')} "
-              f"holds the {len(entries)} run{'s' if len(entries) != 1 else ''} done, and `python -m psgd.report "
-              f"{out}` writes their report", file=sys.stderr, flush=True)
-        return interrupted or interrupted_code(e)
+    path, stopped = report_or_interrupted("psgd simulate", out, results, ctx)
+    if path is None:
+        return interrupted or stopped
     print(f"psgd simulate: {len(entries) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
           f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
     print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")

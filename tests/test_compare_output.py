@@ -74,6 +74,24 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     assert not (out / ".compare.lock").exists() or hold(str(out / ".compare.lock")) is not None   # released
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_compare_report_is_written_says_what_is_left(tmp_path, monkeypatch, capsys):
+    # a second Ctrl-C after "writing the report of those" ended psgd compare with a traceback
+    # and no report.md (psgd simulate's twin: tests/test_simulate.py)
+    import psgd.report
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **kw: {"label": run.label, "failed": "stood in"})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(psgd.report, "write_report", interrupted)
+    out = tmp_path / "cmp"
+    assert psgd.compare.main(compare_args(out, "sync")) == 130
+    err = capsys.readouterr().err
+    assert "psgd compare: interrupted while writing the report: none written" in err
+    assert "holds the 1 run done" in err and f"python -m psgd.report {out}" in err
+    assert not (out / "report.md").exists()
+
+
 @pytest.mark.timeout(120)
 def test_an_interrupted_simulation_writes_the_report_of_the_runs_done(tmp_path, monkeypatch, capsys):
     # it exited 130 silently, leaving an earlier run's report beside the new compare.json

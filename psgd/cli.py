@@ -57,6 +57,10 @@ def _seconds(text: str) -> float:
     return v
 
 
+SERVERS_HELP = "number of shards (= --set cluster.servers=...)"
+REPEATS_HELP = "runs of each mode and worker count, with seeds job.seed + 0, 1, ... (default 1)"
+
+
 def _insecure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="allow binding a non-loopback address without CurveZMQ")
@@ -72,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     _device(p)
     p.add_argument("--mode", help=f"{' | '.join(MODES)} (= --set mode.name=...)")
     p.add_argument("--workers", type=int, help="number of workers (= --set cluster.workers=...)")
-    p.add_argument("--servers", type=int, help="number of shards (= --set cluster.servers=...)")
+    p.add_argument("--servers", type=int, help=SERVERS_HELP)
     p.add_argument("--restart-workers", action="store_true", help="restart a worker that dies")
     p.add_argument("--timeout", type=_seconds, default=None,
                    help="give up after this many seconds (default: an hour, or train.seconds + 600 if longer)")
@@ -88,8 +92,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated modes, each optionally with parameters (ssp:staleness=2, "
                         "easgd:tau=4:alpha=0.3); a value list sweeps one parameter: ssp:staleness=0,1,2,4,8")
     p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 1,2,4")
-    p.add_argument("--servers", type=int)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--servers", type=int, help=SERVERS_HELP)
+    p.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")
     p.add_argument("--timeout", type=_seconds, default=None,
                    help="per run, in seconds (default: an hour, or train.seconds + 600 if longer; "
@@ -120,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shards", help="print the shard map for the config's model")
     _common(p, out_help=None)
-    p.add_argument("--servers", type=int)
+    p.add_argument("--servers", type=int, help=SERVERS_HELP)
 
     from .status import add_parser as add_status
     add_status(sub)

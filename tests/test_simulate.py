@@ -496,24 +496,10 @@ def test_simulations_of_one_setup_in_two_folders_merge_as_one_comparison(tmp_pat
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
-def test_merged_simulations_of_different_cost_models_say_each_ones(tmp_path):
-    # the merged report said "compute 0.002 s per step" of every run, the first folder's cost model
-    for name, compute in (("fast", "0.002"), ("slow", "0.004")):
-        assert simulate(tmp_path, name, "--modes", "sync", "--workers", "2", "--set", "train.steps=20",
-                        "--set", f"sim.compute_s={compute}")[0] == 0
-    from psgd.report import main as report_main
-    assert report_main([str(tmp_path / "m"), str(tmp_path / "fast"), str(tmp_path / "slow")]) == 0
-    text = open(tmp_path / "m" / "report.md").read()
-    assert "Cost model (the merged folders differ in sim.compute_s): compute 0.002 s per step (sim.compute_s) in " \
-           "the rows marked [sim.compute_s=0.002] and 0.004 s per step (sim.compute_s) in the rows marked " \
-           "[sim.compute_s=0.004], lognormal spread cv 0;" in text
-
-
-@pytest.mark.inprocess
-@pytest.mark.timeout(120)
-def test_a_merged_report_rebuilds_as_it_was_written(tmp_path):
-    # python -m psgd.report OUT after a merge wrote "# psgd compare", "Model ? on ?", "wall time"
-    # and no cost model for simulated runs: the merge wrote no compare-context.json
+def test_merged_simulations_say_each_cost_model_and_rebuild_as_written(tmp_path):
+    # the merged report said "compute 0.002 s per step" of every run, the first folder's cost
+    # model; and python -m psgd.report OUT after a merge wrote "# psgd compare", "Model ? on ?",
+    # "wall time" and no cost model for simulated runs: the merge wrote no compare-context.json
     for name, compute in (("fast", "0.002"), ("slow", "0.004")):
         assert simulate(tmp_path, name, "--modes", "sync", "--workers", "2", "--set", "train.steps=20",
                         "--set", f"sim.compute_s={compute}")[0] == 0
@@ -521,6 +507,9 @@ def test_a_merged_report_rebuilds_as_it_was_written(tmp_path):
     out = str(tmp_path / "m")
     assert report_main([out, str(tmp_path / "fast"), str(tmp_path / "slow")]) == 0
     merged = open(os.path.join(out, "report.md")).read()
+    assert "Cost model (the merged folders differ in sim.compute_s): compute 0.002 s per step (sim.compute_s) in " \
+           "the rows marked [sim.compute_s=0.002] and 0.004 s per step (sim.compute_s) in the rows marked " \
+           "[sim.compute_s=0.004], lognormal spread cv 0;" in merged
     assert report_main([out]) == 0
     rebuilt = open(os.path.join(out, "report.md")).read()
     assert rebuilt == merged and rebuilt.startswith("# psgd simulate") and "Model **mlp**" in rebuilt

@@ -760,6 +760,31 @@ def test_a_restarted_trainer_keeps_the_hyperparameters_of_the_model_it_resumes()
 
 @unit
 @pytest.mark.timeout(60)
+def test_a_trainer_that_starts_after_another_has_deposited_keeps_its_own_draw_and_model():
+    """A review: at the job's start each trainer resumed the best deposit if there was
+    one, as a restarted worker does; on a busy machine one trainer played round 1 before
+    the others had started, and they all began from its model with its hyperparameters
+    (psgd run --mode ltfb --workers 4 --set mode.strategy=truncation --set mode.explore=
+    ...: every tournament line showed trainer 1's lr and momentum): no population."""
+    explore = {"optimizer.lr": [0.01, 0.5], "optimizer.momentum": [0.5, 0.95]}
+    cfg = ltfb_cfg(**{"mode.explore": explore})
+    shards = [Shard(cfg, i) for i in range(cfg.cluster.servers)]
+    w1, s1 = FakeTrainer(cfg, TourLoopback(shards, 1), grad, 1), LtfbSchedule(cfg)
+    w1.holdout = (torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    s1.start(w1)
+    initial = flat(w1.replica.params())
+    for _ in range(2):                       # trainer 1 trains and deposits round 1 ...
+        s1.step(w1)
+    s1.deposit(w1, 1, 0.9, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    w0 = FakeTrainer(cfg, TourLoopback(shards, 0), grad, 0)   # ... before trainer 0 starts
+    s0 = LtfbSchedule(cfg)
+    s0.start(w0)
+    assert torch.equal(flat(w0.replica.params()), initial)
+    assert s0.hyper == draw_hyper(explore, cfg.job.seed, 0) != s1.hyper
+
+
+@unit
+@pytest.mark.timeout(60)
 def test_an_explored_learning_rate_reaches_a_training_scripts_optimizer():
     """A review: with psgd.connect(model, optimizer, score=fn) in ltfb, an explored lr went
     only into `opt_cfg`, which `schedule_lr` never applies to the script's own optimizer,

@@ -289,7 +289,10 @@ class LtfbSchedule(Schedule):
         self.opt = make_local_optimizer(w)
         self.scripts_optimizer = self.opt is getattr(w, "user_optimizer", None)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
-        self.rejoin(w)
+        if w.clock:    # a worker restarted into the job: the best trainer's model, with its values
+            self.rejoin(w)
+        else:          # the job's start: its own draw on the initial model, even if a trainer that
+            load(w, w.client.pull(-1))   # started sooner has deposited a round already
         self.t_round = w.now()
         self.round_s = 0.0
 

@@ -261,3 +261,25 @@ def test_a_worker_joining_near_the_end_catches_up_to_no_clock_past_the_last_step
         assert ask(c, "finish", rank=1, clock=w.clock).op == "reply"
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.timeout(60)
+def test_async_the_clock_gap_is_the_lead_of_an_offer_over_the_slowest_workers_round():
+    """A review: easgd's max_clock_gap was 0 whatever the workers did (psgd run --mode
+    easgd --workers 3 --set faults.slow_rank=1 --set faults.slow_factor=4: 0, while the
+    fast workers offered round 25 with the straggler at round 7), so psgd compare's
+    table showed asynchronous easgd in lockstep. It counts rounds, as diloco's does; a
+    (re)joining worker's clock, in steps, counts as its round."""
+    cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 2, "cluster.servers": 1, "mode.tau": 4})
+    shard = Shard(cfg, 0)
+    x = shard.params.detach().clone()
+    shard.handle("slow", _offer(shard, 1, 0, x))
+    for r in range(6):
+        shard.handle(("fast", r), _offer(shard, 0, r, x))
+    assert shard.stats()["max_clock_gap"] == 5
+    shard.set_live({0: 20})
+    shard.set_live({0: 20, 1: 16})          # worker 1 rejoins at step 16: round 4
+    shard.handle("fast", _offer(shard, 0, 9, x))
+    assert shard.stats()["max_clock_gap"] == 5   # 9 - 4
+    shard.handle("fast", _offer(shard, 0, 10, x))
+    assert shard.stats()["max_clock_gap"] == 6

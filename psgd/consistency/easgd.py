@@ -89,6 +89,8 @@ class EasgdRule(SyncRule):
         if e.round <= self.offered.get(e.rank, -1):
             return [self.unmoved(e, {"duplicate": True})]
         self.offered[e.rank] = e.round
+        self.clocks.note(e.rank, e.round)   # the clock gap, in rounds: this offer's lead over the slowest's
+        self.clocks.answered(e.round)
         d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
         return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
 
@@ -114,7 +116,7 @@ class EasgdRule(SyncRule):
     def membership(self, live: dict[int, int]) -> list[Decision]:
         for rank in live.keys() - self.barrier.live:
             self.offered.pop(rank, None)  # a returning worker counts its rounds afresh
-        return super().membership(live)
+        return super().membership({r: c // self.mode.tau for r, c in live.items()})  # steps -> rounds
 
     def close_step(self) -> list[Decision]:
         offers = [self.round[r] for r in sorted(self.round)]

@@ -454,6 +454,9 @@ def validate(cfg: Config) -> None:
                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in span)
                and span[0] <= span[1],
                f"mode.explore: {key} must be [low, high] with 0 < low <= high, got {span!r}")
+        _check(key != "optimizer.eps" or o.name != "sgd",
+               "mode.explore: optimizer.eps is Adam's and AdamW's epsilon; optimizer.name = sgd has none, so the "
+               "trainers would differ only in the values their tournament lines show")
     _check(0 <= m.mutation < 1, f"mode.mutation must be in [0, 1), got {m.mutation}")
     _check(m.local_steps >= 1, f"mode.local_steps must be >= 1, got {m.local_steps}")
     _check(m.outer_lr > 0, f"mode.outer_lr must be > 0, got {m.outer_lr}")

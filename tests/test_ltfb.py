@@ -182,6 +182,17 @@ def test_a_trainer_size_that_does_not_divide_the_workers_is_refused():
 
 
 @unit
+def test_exploring_an_epsilon_that_sgd_does_not_have_is_refused():
+    """A review: mode.explore of optimizer.eps with the default optimizer.name = sgd ran,
+    and every tournament line showed each trainer at its own eps, though SGD has none:
+    the trainers differed in nothing but those lines."""
+    explore = 'mode.explore={"optimizer.eps" = [1e-8, 1e-2]}'
+    with pytest.raises(ConfigError, match="optimizer.eps is Adam's and AdamW's epsilon"):
+        load(None, ["mode.name=ltfb", explore], env={})
+    assert load(None, ["mode.name=ltfb", "optimizer.name=adam", explore], env={}).mode.explore
+
+
+@unit
 def test_rule_keeps_outcomes_apart_from_tournament_deposits():
     """A group's outcome (round -r) is never in the index that chooses the global model,
     and a request for it is parked until the leader deposits it."""

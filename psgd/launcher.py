@@ -53,6 +53,7 @@ ENDING_WAIT_S = 1.0  # how long a worker's exit waits for the coordinator to say
 MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
 SCRIPT_NOTE_S = 30  # how often psgd run says it still waits for a training script after the job ended
 LOCK_FILE = ".launcher.lock"  # in the output folder: held by the launcher of the job that uses it
+TOKEN_FILE = ".job-token"     # in the output folder while its job runs: the job's PSGD_JOB_TOKEN (folder_token)
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
 
@@ -303,6 +304,16 @@ class LocalJob:
                      + glob.glob(os.path.join(self.out, "tb", "events.out.tfevents.*"))):
             remove(path)   # (TensorBoard reads a folder's event files as one run: two jobs' curves spliced)
 
+    def _write_token(self) -> None:
+        """The job's token in OUT/.job-token (this user's only): a daemon started by hand
+        with `--out OUT` (a worker restarted with `psgd worker --rank R`) joins this job
+        with it (folder_token); one of another folder is still refused."""
+        path = os.path.join(self.out, TOKEN_FILE)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(self.env[JOB_TOKEN_ENV])
+
     def _place(self, cfg: Config, avoid: int | None = None) -> Config:
         """The config with the ports the job will listen on."""
         c = cfg.cluster
@@ -491,6 +502,7 @@ class LocalJob:
         if warning and warning not in _warned:
             _warned.add(warning)
             log("run", warning)
+        self._write_token()
         specs = [self._spec("coordinator", 0, "--launched-at", repr(self.launched_at))]
         specs += [self._spec("server", i, "--shard", str(i)) for i in range(c.servers)]
         if self.script:
@@ -681,6 +693,8 @@ class LocalJob:
         try:
             self._stop_children()
         finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.out, TOKEN_FILE))   # no job of its own runs there now
             self._lock.close()   # closing the file drops the lock
 
     def _stop_children(self, children: list[Child] | None = None) -> None:
@@ -729,6 +743,18 @@ def check_before_launch(cfg: Config, device: str) -> None:
         except OSError as e:
             raise ConfigError(f"checkpoint.dir = {cfg.checkpoint.dir!r} cannot be written: "
                               f"{e.strerror or e}") from None
+
+
+def folder_token(out: str) -> str:
+    """The token of the `psgd run` job running in the output folder `out` ('' if none):
+    what a daemon started by hand with `--out OUT` and no PSGD_JOB_TOKEN of its own
+    registers with, so that it can join that job (its coordinator refuses a daemon of
+    another job, and of none)."""
+    try:
+        with open(os.path.join(out, TOKEN_FILE)) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def written_since(path: str, t: float) -> bool:

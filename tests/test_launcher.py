@@ -3,6 +3,7 @@ do no training, so that restarts happen at once."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -412,3 +413,44 @@ def test_a_second_ctrl_c_or_sigterm_while_the_daemons_stop_is_held():
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_started_by_hand_into_a_running_jobs_folder_carries_its_token(tmp_path, monkeypatch):
+    """README: a worker that comes back, restarted with `--rank R`, rejoins. Under `psgd
+    run` a `psgd worker --rank 1 --out DIR` started by hand carried no job token and was
+    refused ("this worker belongs to another job ... is another job using its port?"):
+    the job's token is in DIR/.job-token while it runs, and a daemon with `--out DIR` and
+    none of its own takes it; a daemon of another folder still has none."""
+    import psgd.workers.evaluator as evaluator
+    from psgd import cli
+    from psgd.launcher import TOKEN_FILE, folder_token
+    from psgd.membership import JOB_TOKEN_ENV, job_token
+
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = StandInJob(cfg, str(tmp_path / "job"), quiet=True, timeout_s=50)
+    seen: list[str] = []
+
+    class Evaluator:   # what the daemon would register with
+        def __init__(self, *args, **kw):
+            seen.append(job_token())
+
+        def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(evaluator, "Evaluator", Evaluator)
+    monkeypatch.delenv(JOB_TOKEN_ENV, raising=False)
+    sigterm = signal.getsignal(signal.SIGTERM)   # (cli.main sets a daemon's)
+    try:
+        job.start()
+        token = job.env[JOB_TOKEN_ENV]
+        assert token and folder_token(job.out) == token
+        assert oct(os.stat(os.path.join(job.out, TOKEN_FILE)).st_mode & 0o777) == "0o600"
+        for out in (job.out, str(tmp_path / "other")):
+            monkeypatch.delenv(JOB_TOKEN_ENV, raising=False)
+            assert cli.main(["evaluator", job.config_path, "--out", out]) == 0
+        assert seen == [token, ""]
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        job.stop()
+    assert folder_token(job.out) == "" and not os.path.exists(os.path.join(job.out, TOKEN_FILE))

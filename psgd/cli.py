@@ -25,6 +25,7 @@ import time
 from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
 from .layout import BUILTIN_MODELS, SCRIPT_MODEL
 from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
+from .wire import RemoteError
 
 
 def _common(p: argparse.ArgumentParser, out_help: str | None = "output folder: events/, pids/, summary.json "
@@ -416,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     except AddressInUse as e:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_ADDRESS_IN_USE
+    except RemoteError as e:   # a peer's answer that ends this daemon: refused by the coordinator, say
+        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
     except (OSError, TimeoutError) as e:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return 1

@@ -454,3 +454,30 @@ def test_a_daemon_started_by_hand_into_a_running_jobs_folder_carries_its_token(t
         signal.signal(signal.SIGTERM, sigterm)
         job.stop()
     assert folder_token(job.out) == "" and not os.path.exists(os.path.join(job.out, TOKEN_FILE))
+
+
+@pytest.mark.timeout(30)
+def test_a_daemon_refused_by_the_coordinator_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """A daemon of another job (or started by hand into another folder) is refused by a
+    `psgd run` job's coordinator: `psgd worker|server|evaluator` ended with a traceback of
+    psgd.wire.Refused, the reason on its last line; now one line and exit code 1."""
+    import psgd.workers.evaluator as evaluator
+    from psgd import cli, wire
+
+    class Evaluator:
+        def __init__(self, *args, **kw):
+            pass
+
+        def run(self) -> int:
+            raise wire.Refused(wire.REFUSED, "this evaluator belongs to another job: ...", "tcp://127.0.0.1:5555")
+
+    monkeypatch.setattr(evaluator, "Evaluator", Evaluator)
+    sigterm = signal.getsignal(signal.SIGTERM)   # (cli.main sets a daemon's)
+    try:
+        code = cli.main(["evaluator", "--out", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == ("psgd evaluator: error: refused: tcp://127.0.0.1:5555: this evaluator belongs to another job: "
+                   "...\n"), err

@@ -82,8 +82,10 @@ def main(args: argparse.Namespace) -> int:
             if phase in ENDING:   # watched to its end: the coordinator exits once every daemon has heard
                 print(f"the job has ended (it was {phase}, and its coordinator is gone)")
                 return 0
+            why = (f"{_silent(cfg, args.dir, phase)}{f'; {keys}' if cfg.security.curve else ''}" if args.dir else
+                   f"not started yet, or gone without a summary; {keys}")
             print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
-                  f"(not started yet, or gone without a summary; {keys})", file=sys.stderr)
+                  f"({why})", file=sys.stderr)
             return 1
         if args.dir and not _answers_for(reply, args.dir):
             print(f"psgd status: {_not_running(cfg, args.dir, reply, address)}", file=sys.stderr)
@@ -113,6 +115,17 @@ def _not_running(cfg, folder: str, reply: wire.Message, address: str) -> str:
                    if glob.glob(os.path.join(checkpoints, "shard-*.pt")) else "")
     return (f"{folder}'s job is not running ({interrupted}the coordinator at {address} is another job's, "
             f"in {reply.get('out') or 'no folder'})")
+
+
+def _silent(cfg, folder: str, phase: str = "") -> str:
+    """Why DIR's job may not answer. Its config.toml has the job's security settings, so
+    the keys are not it, unless it runs with CurveZMQ; a job interrupted or killed (no
+    summary) may have left checkpoints (which a psgd run into DIR may resume from).
+    `phase`: the job's, where an earlier answer (--watch) gave it."""
+    checkpoints = cfg.checkpoint_folder(folder)
+    resume = f"; its checkpoints are in {checkpoints}" if glob.glob(os.path.join(checkpoints, "shard-*.pt")) else ""
+    when = f"ended without a summary (it was {phase})" if phase else "has not started yet, or ended without a summary"
+    return f"{folder}'s job {when}: interrupted or killed{resume}"
 
 
 def _finished(summary: str) -> int:

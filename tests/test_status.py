@@ -72,7 +72,19 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("finished: sync: accuracy 0.9700")
     (tmp_path / "summary.json").unlink()
     assert main(["status", str(tmp_path)]) == 1
-    assert "no answer from the coordinator" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # (said "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE":
+    # DIR's config.toml has the job's security settings, and this job has no CurveZMQ)
+    assert "no answer from the coordinator" in err and "--keys" not in err, err
+    assert f"{tmp_path}'s job has not started yet, or ended without a summary: interrupted or killed)" in err, err
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "shard-0.pt").write_bytes(b"")
+    assert main(["status", str(tmp_path)]) == 1
+    assert f"killed; its checkpoints are in {tmp_path / 'checkpoints'})" in capsys.readouterr().err
+    from psgd.status import _silent
+    assert _silent(Config(), str(tmp_path), "training") == (f"{tmp_path}'s job ended without a summary (it was "
+                                                             f"training): interrupted or killed; its checkpoints "
+                                                             f"are in {tmp_path / 'checkpoints'}")
     assert main(["status", str(tmp_path / "nope")]) == 2
     assert f"no folder {tmp_path / 'nope'}" in capsys.readouterr().err     # said it had no config.toml
     (tmp_path / "empty").mkdir()

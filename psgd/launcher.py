@@ -554,7 +554,7 @@ class LocalJob:
             if code is not None:
                 break
             if time.monotonic() > deadline:
-                raise LaunchError(f"the job did not finish within {self.timeout_s:.0f} s")
+                raise LaunchError(f"the job did not finish within {self.timeout_s:g} s")
             self.show_started()
             for child in self.children[1:]:
                 rc = child.poll()
@@ -636,7 +636,7 @@ class LocalJob:
     def _script_failure(self, child: Child) -> str:
         """How a training script failed the run, with its log's end."""
         rc = child.poll()
-        how = (f"was still running at the job's --timeout ({self.timeout_s:.0f} s): stopped it" if rc is None
+        how = (f"was still running at the job's --timeout ({self.timeout_s:g} s): stopped it" if rc is None
                else f"exited with code {_exit(child, rc)}")
         return f"{child.name}'s script {how}; {child.log_path} ends:\n{self.tail(child)}"
 

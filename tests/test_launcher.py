@@ -481,3 +481,23 @@ def test_a_daemon_refused_by_the_coordinator_says_so_in_one_line(tmp_path, monke
     assert code == 1
     assert err == ("psgd evaluator: error: refused: tcp://127.0.0.1:5555: this evaluator belongs to another job: "
                    "...\n"), err
+
+
+class SleepingJob(LocalJob):
+    """Every daemon waits to be stopped: a job that never ends."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.mark.timeout(60)
+def test_the_timeout_is_said_as_given(tmp_path):
+    """`psgd run --timeout 0.5` said "the job did not finish within 0 s"."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = SleepingJob(cfg, str(tmp_path), quiet=True, timeout_s=0.5)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match=r"the job did not finish within 0\.5 s$"):
+            job.wait()
+    finally:
+        job.stop()

@@ -8,8 +8,9 @@ Asks the job's coordinator (its `status` op: one request, with a timeout) and pr
 table: the phase and mode, each worker's clock, samples/s, live/lost/finished state,
 mean staleness and wait share, each shard's version, and the last evaluation. A job
 that has finished (its coordinator is gone and DIR/summary.json exists) gets its
-summary; one that is not running while another job's coordinator answers at its
-address (an interrupted job: no summary) gets a line that says so, and exit 1.
+summary (an aborted one: "aborted: REASON: ..." and exit 1, as psgd run); one that is
+not running while another job's coordinator answers at its address (an interrupted
+job: no summary) gets a line that says so, and exit 1.
 `--watch` prints the table again every few seconds until the job ends.
 
 DIR/config.toml gives the job's security settings; with `--address` they come from
@@ -92,7 +93,9 @@ def main(args: argparse.Namespace) -> int:
             return 1
         print(table(reply), flush=True)
         phase = str(reply.get("phase"))
-        if not args.watch or reply.get("done"):
+        if reply.get("done"):
+            return 1 if reply.get("abort") else 0   # (an aborted job: as its summary, below)
+        if not args.watch:
             return 0
         time.sleep(args.watch)
         print()
@@ -129,13 +132,16 @@ def _silent(cfg, folder: str, phase: str = "") -> str:
 
 
 def _finished(summary: str) -> int:
-    """A finished job's summary line (`psgd status DIR`)."""
+    """A finished job's summary line (`psgd status DIR`); exit 1 for an aborted job."""
     from .launcher import format_summary
     try:
         with open(summary) as f:
             done = json.load(f)
         if not isinstance(done, dict):
             raise ValueError(f"a JSON {type(done).__name__}, not an object")
+        if done.get("aborted"):   # psgd run exits 1 on it: so does this, with the reason
+            print(f"aborted: {done['aborted']}: {format_summary(done)}")
+            return 1
         print(f"finished: {format_summary(done)}")
     except (ValueError, OSError, TypeError, KeyError) as e:
         print(f"psgd status: the job ended and {summary} is not a psgd summary ({e})", file=sys.stderr)

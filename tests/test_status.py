@@ -70,6 +70,10 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert main(["status", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("finished: sync: accuracy 0.9700")
+    # (an aborted job's summary read "finished: sync: accuracy ...", exit 0; psgd run said "job aborted", exit 1)
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "aborted": "worker 1 was lost"}))
+    assert main(["status", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.startswith("aborted: worker 1 was lost: sync: accuracy 0.9700")
     (tmp_path / "summary.json").unlink()
     assert main(["status", str(tmp_path)]) == 1
     err = capsys.readouterr().err
@@ -227,6 +231,41 @@ def test_watch_by_address_ends_cleanly_when_the_job_ends(capsys):
         ctx.destroy(linger=0)
     err = capsys.readouterr().err
     assert code == 0 and "CurveZMQ" not in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("abort, code", [("", 0), ("worker 1 was lost and faults.on_worker_loss = abort", 1)])
+def test_a_job_that_answers_done_ends_the_watch_with_its_outcome(capsys, abort, code):
+    """An aborted job's coordinator answers done with its reason: the watch printed it and
+    exited 0, where psgd run (and psgd status DIR, from the summary) exit 1."""
+    port = free_port_block(1)
+    address = f"tcp://127.0.0.1:{port}"
+    ctx = zmq.Context()
+    sock = server_socket(ctx, address, Config().security)
+
+    def on_status(ident, msg):
+        return [(ident, wire.reply(msg, phase="done", done=True, abort=abort, mode="sync", mode_params={}, steps=10,
+                                   samples=640, elapsed_s=2.0, workers_expected=1, live={}, workers=[], shards=[],
+                                   last_eval=None))]
+
+    svc = Service(sock, {"status": on_status}, "fake-coordinator")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            svc.poll(50)
+        sock.close(0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        assert main(["status", "--address", address, "--watch", "0.5"]) == code
+    finally:
+        stop.set()
+        t.join(5)
+        ctx.destroy(linger=0)
+    out = capsys.readouterr().out
+    assert out.startswith("phase done") and (f"aborted: {abort}" in out) == bool(abort), out
 
 
 @pytest.mark.timeout(30)

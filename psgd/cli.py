@@ -22,10 +22,13 @@ import sys
 import threading
 import time
 
-from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
-from .layout import BUILTIN_MODELS, SCRIPT_MODEL
-from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
-from .wire import RemoteError
+try:
+    from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
+    from .layout import BUILTIN_MODELS, SCRIPT_MODEL
+    from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
+    from .wire import RemoteError
+except KeyboardInterrupt:   # Ctrl-C while psgd loads (numpy, ZeroMQ): nothing started yet, no traceback
+    raise SystemExit(130) from None
 
 
 def _common(p: argparse.ArgumentParser, out_help: str | None = "output folder: events/, pids/, summary.json "

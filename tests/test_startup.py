@@ -41,6 +41,24 @@ def test_the_coordinator_imports_no_torch():
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_psgd_loads_is_exit_130_without_a_traceback():
+    """Ctrl-C in the first ~0.3 s of `psgd run` (the console script's `from psgd.cli
+    import main`, importing numpy) printed a 20-line KeyboardInterrupt traceback; main()
+    already took one while the verbs' modules load. Here the import of numpy is the Ctrl-C."""
+    code = ("import builtins\n"
+            "real = builtins.__import__\n"
+            "def ctrl_c(name, *args, **kw):\n"
+            "    if name == 'numpy':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *args, **kw)\n"
+            "builtins.__import__ = ctrl_c\n"
+            "from psgd.cli import main\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 130 and r.stderr == "", r.stderr
+
+
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["sync", "ltfb"])
 def test_psgd_run_checks_the_config_and_data_without_torch_or_sklearn(mode):
     """What `psgd run` does before it starts the first process: parse, load the config,

@@ -270,15 +270,10 @@ def _started(args) -> None:
 
 
 def cmd_daemon(args) -> int:
-    from .membership import JOB_TOKEN_ENV
+    from .launcher import adopt_folder_token
     from .metrics import PidFile, process_start_time
     cfg = _config(args)
-    if args.out and not os.environ.get(JOB_TOKEN_ENV):
-        # Started by hand into the folder of a psgd run job: that job's token (else its
-        # coordinator refuses this daemon as another job's).
-        from .launcher import folder_token
-        if token := folder_token(args.out):
-            os.environ[JOB_TOKEN_ENV] = token
+    adopt_folder_token(args.out)   # started by hand into a psgd run job's folder: that job's token
     if args.cmd == "coordinator":
         from .servers.coordinator import Coordinator
         from .transport import bind_address

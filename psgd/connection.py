@@ -64,7 +64,7 @@ from . import wire
 from .config import Config, ConfigError, load
 from .consistency import get as get_mode
 from .forkserver import end_with_launcher
-from .launcher import JOINED
+from .launcher import JOINED, adopt_folder_token
 from .log import log
 from .metrics import PidFile
 from .replica import pick_device
@@ -165,7 +165,9 @@ class Connection(Worker):
             raise ConfigError(f"rank {want} ({'rank=' if rank is not None else 'PSGD_RANK='}{want}) is not a worker "
                               f"rank of this job: 0..{cfg.cluster.workers - 1} (cluster.workers = "
                               f"{cfg.cluster.workers})")
-        super().__init__(cfg, out or env.get("PSGD_OUT"), want_rank=want)
+        out = out or env.get("PSGD_OUT")
+        adopt_folder_token(out)   # a script started by hand into a psgd run job's folder: that job's token
+        super().__init__(cfg, out, want_rank=want)
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
             open(env["PSGD_STARTED_FILE"], "w").close()
         end_with_launcher()  # started by psgd run --script: it ends when psgd run does

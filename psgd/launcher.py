@@ -757,6 +757,17 @@ def folder_token(out: str) -> str:
         return ""
 
 
+def adopt_folder_token(out: str | None) -> None:
+    """A process started by hand with the output folder of a running `psgd run` job (a
+    worker restarted with `--rank R`, a training script calling `psgd.connect`) and no
+    PSGD_JOB_TOKEN of its own: that job's token, so that its coordinator takes the
+    process for one of the job's (it refuses a daemon of another job, and of none)."""
+    if out and not os.environ.get(JOB_TOKEN_ENV):
+        token = folder_token(out)
+        if token:
+            os.environ[JOB_TOKEN_ENV] = token
+
+
 def written_since(path: str, t: float) -> bool:
     """Whether the file exists and was written at or after time.time() `t` (to a second):
     this job's, not an earlier job's in the same output folder."""

@@ -338,6 +338,28 @@ def test_a_rank_outside_the_job_is_a_clear_error_before_registering(port_block, 
 
 
 @pytest.mark.timeout(60)
+def test_a_script_started_by_hand_into_a_psgd_run_jobs_folder_joins_with_its_token(port_block, tmp_path,
+                                                                                     monkeypatch):
+    """A helper's review: a worker restarted by hand into a `psgd run` job's folder takes
+    the job's token from OUT/.job-token; psgd.connect did not, and was refused as a
+    daemon of another job. A script of another folder still is."""
+    from psgd.launcher import TOKEN_FILE
+    from psgd.membership import JOB_TOKEN_ENV
+    cfg = config(port_block, "async", workers=1)
+    monkeypatch.setenv(JOB_TOKEN_ENV, "the-job")
+    with InProcessCluster(cfg):   # (its coordinator and shards: the job's token)
+        (tmp_path / "job").mkdir()
+        (tmp_path / "job" / TOKEN_FILE).write_text("the-job")
+        monkeypatch.delenv(JOB_TOKEN_ENV)
+        with pytest.raises(psgd.JobError, match="this worker belongs to another job"):
+            psgd.connect(Net(0), config=cfg, rank=0, out=str(tmp_path / "other"))
+        model = Net(0)
+        with psgd.connect(model, config=cfg, rank=0, out=str(tmp_path / "job")) as ps:
+            train(ps, model, None)
+        assert ps.closed
+
+
+@pytest.mark.timeout(60)
 def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port_block):
     cfg = config(port_block, "async", workers=1)
     with InProcessCluster(cfg) as cluster:

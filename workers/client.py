@@ -62,17 +62,22 @@ class InFlight:
 
 class ParameterClient:
     def __init__(self, cfg: Config, ctx: zmq.Context, rank: int):
-        self.cfg = cfg
-        self.rank = rank
-        self.n = cfg.cluster.servers
+        self._setup(cfg, rank)
         self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security)
         self._probes: Peers | None = None   # the shards again, for `stats` probes only (`_probe`)
         self.retry_s = max(2.0, 4 * cfg.cluster.heartbeat_s)  # resend window (a restarted shard lost them)
-        self.wait_s = 0.0     # time blocked on the servers
         self._waiting_since = 0.0   # when the wait in progress began (monotonic; 0: none)
+        self.alive: Callable[[int], bool] | None = None  # is shard i heartbeating (the coordinator's view)?
+
+    def _setup(self, cfg: Config, rank: int) -> None:
+        """What every client has, over sockets or simulated (psgd.sim): the step's
+        bookkeeping and its wire buffers."""
+        self.cfg = cfg
+        self.rank = rank
+        self.n = cfg.cluster.servers
+        self.wait_s = 0.0     # time blocked on the servers
         self.retries = 0
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
-        self.alive: Callable[[int], bool] | None = None  # is shard i heartbeating (the coordinator's view)?
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)

@@ -37,7 +37,7 @@ from ..workers.client import ParameterClient
 from .engine import Loop, Network, Node, few_collections
 from .messages import Packet, SimShard, packet, packets
 from .timing import TimingReplica, TimingShard
-from .worker import SimWorker
+from .worker import CountingClient, SimWorker
 
 PROGRESS_EVERY_S = 2.0
 CALIBRATION_STEPS = 20
@@ -100,37 +100,18 @@ def _timed_steps(cfg: Config, ds: Any, batches: Any, device: str) -> float:
     return statistics.median(times)
 
 
-class DirectClient(ParameterClient):
+class DirectClient(CountingClient):
     """A client whose requests the shards serve at once, off the network: the evaluator's
     (rank -1), and a worker's before the virtual clock starts (`offer_initial_values`).
     A read that a rule would park is a bug of the simulation's use (an evaluator's read
     is never gated) and raises. It cannot wait for a message on its way (`waits`): the
-    loop does not move while it reads. It counts the bytes a real client would have
-    sent and received."""
+    loop does not move while it reads."""
 
     waits = False
 
     def __init__(self, sim: Simulation, rank: int = -1):
+        super().__init__(sim.cfg, rank)
         self.sim = sim
-        self.cfg = sim.cfg
-        self.rank = rank
-        self.n = sim.cfg.cluster.servers
-        self.wait_s = 0.0
-        self.retries = 0
-        self.cancel = None
-        self.wire_dtype = getattr(torch, sim.cfg.wire.dtype)
-        self._outgoing: dict = {}
-        self._compressors: dict = {}
-        self._sent = 0
-        self._recv = 0
-
-    @property
-    def bytes_sent(self) -> int:
-        return self._sent
-
-    @property
-    def bytes_recv(self) -> int:
-        return self._recv
 
     def request(self, reqs: Sequence[tuple[int, str, dict]],
                 cancel: Callable[[], bool] | None = None) -> list[wire.Message]:

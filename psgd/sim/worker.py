@@ -62,22 +62,13 @@ class Flight:
         return self.left == 0 or self.error is not None
 
 
-class SimClient(ParameterClient):
-    """The parameter client over the simulated network (no sockets: the parent's
-    `__init__`, which opens them, is not called)."""
+class CountingClient(ParameterClient):
+    """The parameter client with the simulator for its transport: no sockets (the
+    parent's `__init__`, which opens them, is not called); it counts the bytes a real
+    client would have sent and received."""
 
-    def __init__(self, cfg: Config, rank: int, worker: SimWorker):
-        self.cfg = cfg
-        self.rank = rank
-        self.n = cfg.cluster.servers
-        self.worker = worker
-        self.retry_s = 0.0
-        self.wait_s = 0.0
-        self.retries = 0
-        self.cancel: Callable[[], bool] | None = None
-        self.wire_dtype = getattr(torch, cfg.wire.dtype)
-        self._outgoing: dict = {}
-        self._compressors: dict = {}
+    def __init__(self, cfg: Config, rank: int):
+        self._setup(cfg, rank)
         self._sent = 0
         self._recv = 0
 
@@ -88,6 +79,15 @@ class SimClient(ParameterClient):
     @property
     def bytes_recv(self) -> int:
         return self._recv
+
+
+class SimClient(CountingClient):
+    """The parameter client over the simulated network."""
+
+    def __init__(self, cfg: Config, rank: int, worker: SimWorker):
+        super().__init__(cfg, rank)
+        self.worker = worker
+        self.retry_s = 0.0
 
     def begin(self, reqs: Sequence[tuple[int, str, dict]], cancel: Callable[[], bool] | None = None) -> Any:
         w = self.worker

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOAD_AT_START = os.getloadavg()  # the machine's load when the benchmark started (others may share it)
@@ -270,3 +272,21 @@ def emit_json(obj: dict) -> None:
 
 def progress(text: str) -> None:
     print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def fresh_folder(path: str) -> str:
+    """`path`, emptied of an earlier --keep run's job: psgd would resume that job from there."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+@contextlib.contextmanager
+def reported(label: str, record: Callable[[str], None]) -> Iterator[None]:
+    """A part of a benchmark that fails is reported (stderr, and `record(error)` for the
+    JSON's `failed`); the other parts still run, and what they measured is printed."""
+    try:
+        yield
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        record(error)
+        progress(f"{label} failed: {error}")

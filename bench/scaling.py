@@ -25,7 +25,18 @@ import shutil
 import tempfile
 import time
 
-from bench.common import emit_json, int_list, name_list, number, progress, run_psgd, stop_on_signals, table
+from bench.common import (
+    emit_json,
+    fresh_folder,
+    int_list,
+    name_list,
+    number,
+    progress,
+    reported,
+    run_psgd,
+    stop_on_signals,
+    table,
+)
 from psgd import config
 
 MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
@@ -64,23 +75,17 @@ def main() -> None:
         for k, (model, mode, w, s) in enumerate(points):
             warm = MODELS[model][2]
             left = sum(_guess(took, p[0], p[2]) for p in points[k:])
-            progress(f"{k + 1}/{len(points)}: {model} {mode} W={w} S={s}  "
+            name = f"{model} {mode} W={w} S={s}"
+            progress(f"{k + 1}/{len(points)}: {name}  "
                      f"({time.monotonic() - t0:.0f} s so far, about {left:.0f} s left)")
-            out = os.path.join(work, f"{model}-{mode}-w{w}-s{s}")
-            shutil.rmtree(out, ignore_errors=True)   # (an earlier --keep run's: psgd would resume its job from there)
+            out = fresh_folder(os.path.join(work, f"{model}-{mode}-w{w}-s{s}"))
+            point = {"model": model, "mode": mode, "workers": w, "shards": s}
             t = time.monotonic()
-            try:
+            with reported(name, lambda error, point=point: failed.append({**point, "error": error})):
                 summary = run_psgd(point_sets(model, mode, w, s, a.steps_scale), out, warm)
-            except Exception as e:   # the other points still run, and what they measured is printed
-                failed.append({"model": model, "mode": mode, "workers": w, "shards": s,
-                               "error": f"{type(e).__name__}: {e}"})
-                progress(f"{model} {mode} W={w} S={s} failed: {failed[-1]['error']}")
-                continue
-            finally:
-                took.setdefault((model, w), []).append(time.monotonic() - t)
-            records.append({"model": model, "mode": mode, "workers": w, "shards": s,
-                            "samples_per_s": round(summary["steady"], 1),
-                            "wait_fraction": summary.get("wait_fraction")})
+                records.append({**point, "samples_per_s": round(summary["steady"], 1),
+                                "wait_fraction": summary.get("wait_fraction")})
+            took.setdefault((model, w), []).append(time.monotonic() - t)
             if not a.keep:
                 shutil.rmtree(out, ignore_errors=True)
     finally:

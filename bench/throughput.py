@@ -62,17 +62,18 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 
 from bench.common import (
     Procs,
     child_env,
     emit_json,
+    fresh_folder,
     name_list,
     number,
     progress,
     psgd_argv,
     psgd_config,
+    reported,
     run_psgd,
     steady_rate,
     table,
@@ -183,16 +184,13 @@ def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str
 
 # ---------------------------------------------------------------- psgd sides
 def psgd_rate(sets: list[str], work: str, name: str, warmup: int, device: str) -> float:
-    out = os.path.join(work, name)
-    shutil.rmtree(out, ignore_errors=True)
-    return run_psgd(sets, out, warmup, device=device)["steady"]
+    return run_psgd(sets, fresh_folder(os.path.join(work, name)), warmup, device=device)["steady"]
 
 
 def startup(work: str) -> tuple[float, float, float | None]:
     """(seconds from launching `psgd run` to the end of the first worker step, the whole
     command, summary.json's own `startup_s` (to the start of training) if it has one)."""
-    out = os.path.join(work, "startup")
-    shutil.rmtree(out, ignore_errors=True)   # (an earlier --keep run's: psgd would resume its job from there)
+    out = fresh_folder(os.path.join(work, "startup"))
     exe = os.path.join(os.path.dirname(sys.executable), "psgd")
     argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "psgd"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
@@ -211,8 +209,7 @@ def startup(work: str) -> tuple[float, float, float | None]:
 
 def phases(work: str, workers: int, servers: int, steps: int, warmup: int) -> dict:
     """A psgd MLP sync job with timers in worker 0 and shard 0 (see `profiled`)."""
-    out = os.path.join(work, "phases")
-    shutil.rmtree(out, ignore_errors=True)
+    out = fresh_folder(os.path.join(work, "phases"))
     cfg = psgd_config(MODELS["mlp"][0] + COMMON + ["mode.name=sync", f"cluster.workers={workers}",
                                                    f"cluster.servers={servers}", f"train.steps={steps}"])
     path = write_config(cfg, out)
@@ -461,15 +458,8 @@ def main() -> None:
 
     failed: dict[str, str] = {}
 
-    @contextlib.contextmanager
-    def part(name: str) -> Iterator[None]:
-        """A part that fails is reported (stderr, the JSON's `failed`, exit status 1); the
-        other parts still run, and what they measured is printed."""
-        try:
-            yield
-        except Exception as e:
-            failed[name] = f"{type(e).__name__}: {e}"
-            progress(f"{name} failed: {failed[name]}")
+    def part(name: str) -> contextlib.AbstractContextManager[None]:
+        return reported(name, lambda error: failed.__setitem__(name, error))
 
     try:
         if "ddp" in parts:

@@ -63,6 +63,7 @@ from bench.common import (
     Procs,
     child_env,
     emit_json,
+    fresh_folder,
     int_list,
     number,
     progress,
@@ -458,8 +459,7 @@ def run_point(pool: Pool, work: str, size: int, shards: int, workers, repeats, s
     (a side not being timed waits in poll); every pool client registers as psgd worker
     `index` and connects to the echo servers too."""
     from psgd.launcher import pick_port
-    out = os.path.join(work, f"psgd-{size >> 10}K-{shards}")
-    shutil.rmtree(out, ignore_errors=True)   # (an earlier --keep run's: psgd would resume its job from there)
+    out = fresh_folder(os.path.join(work, f"psgd-{size >> 10}K-{shards}"))
     cfg = psgd_config(psgd_sets(size, shards, len(pool.conns)))
     with Procs(os.path.join(out, "logs")) as procs:
         start_daemons(procs, cfg, out)

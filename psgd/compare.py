@@ -590,19 +590,25 @@ def said_if_interrupted(command: str) -> Iterator[None]:
         raise
 
 
-def report_or_interrupted(who: str, out: str, results: list[dict], ctx: dict) -> tuple[str | None, int]:
-    """Write the report: (its path, 0). A second Ctrl-C (or SIGTERM) while it is written
-    leaves none: then say what there is and how to write it, and give (None, the exit code)."""
+def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: int, failed: int,
+           t_start: float, interrupted: int) -> int:
+    """Write the report and say what was done; the exit code. A second Ctrl-C (or
+    SIGTERM) while the report is written leaves none: then say what there is and how to
+    write it."""
     from .cli import interrupted_code
     from .report import write_report
     try:
-        return write_report(out, results, ctx), 0
+        path = write_report(out, results, ctx)
     except KeyboardInterrupt as e:
-        n = len(results)
+        k = len(results)
         print(f"{who}: interrupted while writing the report: none written; {os.path.join(out, 'compare.json')} "
-              f"holds the {n} run{'s' if n != 1 else ''} done, and `python -m psgd.report {out}` writes their "
+              f"holds the {k} run{'s' if k != 1 else ''} done, and `python -m psgd.report {out}` writes their "
               f"report", file=sys.stderr, flush=True)
-        return None, interrupted_code(e)
+        return interrupted or interrupted_code(e)
+    print(f"{who}: {done} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
+          f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
+    print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
+    return interrupted or (1 if failed else 0)
 
 
 def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str) -> int:
@@ -656,12 +662,5 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
     if len(results) < n:   # interrupted: the report says which runs did not run
         ctx = {**ctx, "interrupted": True, "not_run": [run.describe() for run in plan[len(results):]]}
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
-    path, stopped = report_or_interrupted("psgd compare", out, results, ctx)
-    if path is None:
-        return interrupted or stopped
-    print(f"psgd compare: {len(results) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
-          f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
-    print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
-    if interrupted:
-        return interrupted
-    return 1 if failed else 0
+    return finish("psgd compare", out, results, ctx, done=len(results) - failed, n=n, failed=failed,
+                  t_start=t_start, interrupted=interrupted)

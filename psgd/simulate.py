@@ -178,7 +178,7 @@ def same_worker_dropped(plan: list) -> str | None:
 
 def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     from .cli import interrupted_code
-    from .compare import _fmt_duration, context, report_or_interrupted, said_if_interrupted
+    from .compare import context, finish, said_if_interrupted
     cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
@@ -222,13 +222,8 @@ def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
         ctx["not_run"] = [run.describe() for k, run in enumerate(plan) if k not in entries]
     write_json_atomic(os.path.join(out, "compare.json"), results)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
-    path, stopped = report_or_interrupted("psgd simulate", out, results, ctx)
-    if path is None:
-        return interrupted or stopped
-    print(f"psgd simulate: {len(entries) - failed} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
-          f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
-    print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
-    return interrupted or (1 if failed else 0)
+    return finish("psgd simulate", out, results, ctx, done=len(entries) - failed, n=n, failed=failed,
+                  t_start=t_start, interrupted=interrupted)
 
 
 def _record(plan: list, i: int, result: tuple, entries: dict, durations: dict, real: dict, out: str,

@@ -146,13 +146,15 @@ FLAG_OF = {"mode.name": "--mode {}", "cluster.workers": "--workers {}", "cluster
 def _config(args, extra: dict | None = None):
     """The config from CONFIG and --set, with the keys the flags set (`extra`); a --set
     of a flag's key to another value is an error (the flag won without a word)."""
-    sets = list(args.set)
+    sets, flags = list(args.set), {}
     for key, value in (extra or {}).items():
         if value is None:
             continue
-        refuse_set_against_flag(args.set, key, parse_value(str(value)), FLAG_OF.get(key, key + "={}").format(value))
+        flag = FLAG_OF.get(key, key + "={}").format(value)
+        refuse_set_against_flag(args.set, key, parse_value(str(value)), flag)
         sets.append(f"{key}={value}")
-    return load(args.config, sets)
+        flags[sets[-1]] = flag
+    return load(args.config, sets, said_as=flags)
 
 
 def _check_bind(cfg, addresses: list[str], insecure: bool) -> None:
@@ -398,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     if script_args and not getattr(args, "script", None):
         print("psgd: error: arguments after -- are a training script's: give --script FILE", file=sys.stderr)
         return 2
+    out = getattr(args, "out", None)
+    if out and os.path.exists(out) and not os.path.isdir(out):   # (not an errno after the job was announced)
+        print(f"psgd {args.cmd}: error: --out {out} is a file, not a folder", file=sys.stderr)
+        return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
     if args.cmd in ("run", "compare", "simulate") and threading.current_thread() is threading.main_thread():
@@ -419,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return 1
     except (OSError, TimeoutError) as e:
-        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+        said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
+        print(f"psgd {args.cmd}: error: {said}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         return interrupted_code(e)

@@ -183,9 +183,12 @@ def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[Mo
 
 
 def parse_workers(text: str | None) -> list[int] | None:
-    """`"3"` -> [3]; `"1,2,4"` -> [1, 2, 4]; None -> None (the config's cluster.workers)."""
-    if text is None or str(text).strip() == "":
+    """`"3"` -> [3]; `"1,2,4"` -> [1, 2, 4]; None -> None (the config's cluster.workers).
+    An empty --workers (a shell variable that was not set) is an error, not the default."""
+    if text is None:
         return None
+    if not str(text).strip():
+        raise ConfigError("--workers: empty (expected a worker count, or a comma-separated sweep: 1,2,4)")
     out = []
     for part in str(text).split(","):
         part = part.strip()
@@ -483,7 +486,7 @@ def command_line(args) -> str:
     if args.config:
         parts.append(args.config)
     parts += ["--modes", args.modes]
-    if args.workers:
+    if args.workers is not None:
         parts += ["--workers", str(args.workers)]
     if args.servers is not None:
         parts += ["--servers", str(args.servers)]

@@ -580,8 +580,10 @@ def _read_toml(path: str) -> dict:
 
 
 def load(path: str | None = None, sets: list[str] | tuple = (),
-         env: Mapping[str, str] | None = None) -> Config:
-    """Build the config from defaults, a TOML file, the environment and `--set` flags."""
+         env: Mapping[str, str] | None = None, said_as: Mapping[str, str] | None = None) -> Config:
+    """Build the config from defaults, a TOML file, the environment and `--set` flags.
+    An error names a bad value's source: the file, the variable, `--set ITEM`, or what
+    `said_as` gives for ITEM (the command-line flag that set it: `--workers 0`)."""
     env = os.environ if env is None else env
     d: dict = {}
     if path:
@@ -592,7 +594,7 @@ def load(path: str | None = None, sets: list[str] | tuple = (),
         dotted, eq, text = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
-        layered.append((dotted.strip(), parse_value(text.strip()), f"--set {item}"))
+        layered.append((dotted.strip(), parse_value(text.strip()), (said_as or {}).get(item, f"--set {item}")))
     sources = {f"{section}.{key}": path for section, values in d.items() if isinstance(values, Mapping)
                for key in values}
     for dotted, value, source in layered:

@@ -302,6 +302,28 @@ def test_a_flag_and_a_set_of_its_key_that_disagree_are_an_error(tmp_path, no_job
     assert main(["run", "--out", str(tmp_path / "out"), *agree]) == 0   # the same value twice is fine
 
 
+@pytest.mark.parametrize("flag,value,says", [
+    ("--workers", "0", "--workers 0: cluster.workers must be >= 1, got 0"),
+    ("--servers", "-1", "--servers -1: cluster.servers must be >= 1, got -1"),
+    ("--mode", "bogus", "--mode bogus: mode.name must be one of"),
+])
+def test_a_bad_flag_value_is_named_as_the_flag_given(tmp_path, no_job, capsys, flag, value, says):
+    """It was named as a `--set cluster.workers=0` the user never typed."""
+    assert main(["run", "--out", str(tmp_path / "out"), flag, value]) == 2
+    assert says in capsys.readouterr().err and no_job.calls == []
+
+
+@pytest.mark.parametrize("verb", [["run"], ["compare", "--modes", "sync"], ["simulate", "--modes", "sync"],
+                                  ["coordinator"], ["server", "--shard", "0"], ["worker"]])
+def test_an_output_folder_that_is_a_file_is_one_error(tmp_path, no_job, capsys, verb):
+    """It was an errno ("[Errno 20] Not a directory: '.../logs'"), after `psgd run` had announced the job."""
+    (tmp_path / "out").write_text("")
+    assert main([*verb, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'out'} is a file, not a folder" in err
+    assert "psgd run: psgd, mode" not in err and no_job.calls == []
+
+
 def test_shards_takes_no_output_folder(capsys):
     """`psgd shards` writes nothing: its help promised events/, pids/ and summary.json in --out."""
     with pytest.raises(SystemExit):

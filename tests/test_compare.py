@@ -127,7 +127,7 @@ def test_parse_workers():
     assert parse_workers(None) is None
     assert parse_workers("3") == [3]
     assert parse_workers("1, 2,4") == [1, 2, 4]
-    for bad in ("0", "two", "1,,2", "-1", "2,2"):
+    for bad in ("0", "two", "1,,2", "-1", "2,2", "", " "):   # empty: an unset shell variable, not the default
         with pytest.raises(ConfigError):
             parse_workers(bad)
 

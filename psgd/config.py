@@ -454,6 +454,9 @@ def validate(cfg: Config) -> None:
                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in span)
                and span[0] <= span[1],
                f"mode.explore: {key} must be [low, high] with 0 < low <= high, got {span!r}")
+        _check(key != "optimizer.momentum" or not isinstance(span, list) or len(span) != 2 or span[1] < 1,
+               f"mode.explore: optimizer.momentum must stay below 1 (SGD diverges at 1 and above; it is Adam's "
+               f"beta1 there, which must be < 1 too), got {span!r}")
         _check(key != "optimizer.eps" or o.name != "sgd",
                "mode.explore: optimizer.eps is Adam's and AdamW's epsilon; optimizer.name = sgd has none, so the "
                "trainers would differ only in the values their tournament lines show")
@@ -469,7 +472,8 @@ def validate(cfg: Config) -> None:
     _check(o.warmup_steps >= 0 and o.step_size >= 1, "optimizer.warmup_steps >= 0 and step_size >= 1")
     _check(len(o.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in o.betas),
            f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
-    _check(o.momentum >= 0, f"optimizer.momentum must be >= 0, got {o.momentum}")
+    _check(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1) (at 1 and above SGD's steps grow without "
+                                f"bound), got {o.momentum}")
     _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
     _check(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
     _check(o.gamma > 0 and o.min_lr >= 0, f"optimizer.gamma must be > 0 and optimizer.min_lr >= 0, "

@@ -50,7 +50,11 @@ def test_set_parses_toml_values():
     # each of these was accepted, then a daemon died with a traceback (or trained a 0-wide model)
     (["model.hidden=0"], "model.hidden must be >= 1, got 0"),
     (["eval.batch_size=0"], "eval.batch_size must be >= 1"),
-    (["optimizer.momentum=-1"], "optimizer.momentum must be >= 0"),
+    (["optimizer.momentum=-1"], "optimizer.momentum must be in [0, 1)"),
+    # these two were accepted: the job's loss went to 5e5 (SGD), or an Adam trainer took a beta1 >= 1
+    (["optimizer.momentum=1.2"], "optimizer.momentum must be in [0, 1)"),
+    (["mode.name=ltfb", "cluster.workers=4", 'mode.explore={"optimizer.momentum" = [0.5, 1.5]}'],
+     "mode.explore: optimizer.momentum must stay below 1"),
     (['optimizer.betas=["a", "b"]'], "optimizer.betas must be two numbers in [0, 1)"),
     (["optimizer.betas=[0.9, 1.0]"], "optimizer.betas must be two numbers in [0, 1)"),
     (["optimizer.eps=0"], "optimizer.eps must be > 0"),

@@ -100,6 +100,7 @@ def shapes(codec: str, size: int, topk_fraction: float) -> tuple[tuple[str, int]
 
 
 def topk_count(size: int, topk_fraction: float) -> int:
-    """How many elements a topk push of `size` carries: at least one, none of nothing
-    (a shard that holds no trainable parameter)."""
-    return min(size, max(1, math.ceil(topk_fraction * size)))
+    """How many elements a topk push of `size` carries: the fraction, rounded up; at
+    least one, none of nothing (a shard that holds no trainable parameter). The product's
+    float error is not rounded up (0.07 of 100 is 7.000000000000001: 7, not 8)."""
+    return min(size, max(1, math.ceil(round(topk_fraction * size, 6))))

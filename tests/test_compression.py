@@ -57,6 +57,14 @@ def test_topk_sends_the_largest_magnitudes():
     assert torch.equal(decode("topk", values, idx, 5), torch.tensor([0.0, -5.0, 0.0, 4.0, 0.0]))
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("size,fraction,k", [(100, 0.07, 7), (700, 0.07, 49), (300, 0.07, 21), (1000, 0.01, 10),
+                                             (101, 0.01, 2), (10, 0.001, 1), (0, 0.01, 0), (5, 1.0, 5)])
+def test_topk_count_is_the_fraction_rounded_up(size, fraction, k):
+    """0.07 of 100 carried 8 values: the product's float error (7.000000000000001) was rounded up."""
+    assert compression.topk_count(size, fraction) == k
+
+
 def shard(codec: str) -> Shard:
     cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
                               "optimizer.momentum": 0.0, "wire.compression": codec, "wire.topk_fraction": 0.1})

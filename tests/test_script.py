@@ -287,7 +287,7 @@ def test_psgd_run_lets_a_script_finish_its_work_after_close(tmp_path, capsys):
     reported success."""
     path = tmp_path / "after.py"
     path.write_text(SCRIPT_WORKS_AFTER_CLOSE)
-    run_script(tmp_path / "out", [str(path), str(tmp_path), "20"],
+    run_script(tmp_path / "out", [str(path), str(tmp_path), "14"],   # past the 10 s psgd run gave
                **{"mode.name": "async", "train.steps": 20, "cluster.servers": 1})
     assert (tmp_path / "after-0.txt").exists() and (tmp_path / "after-1.txt").exists()
     assert "the job has ended; waiting for worker-0's script to end" in capsys.readouterr().err
@@ -331,7 +331,7 @@ except BaseException as e:
     print(f"close() raised {type(e).__module__}.{type(e).__name__} after {time.monotonic() - t0:.1f} s "
           f"[ended {time.time():.3f}]: {e}", flush=True)
 """
-STALL_TIMEOUT_S = SCRIPT_TIMEOUT_S   # what close() and the coordinator's notice of a stall wait
+STALL_TIMEOUT_S = 15.0   # what close() and the coordinator's notice of a stall wait (each test waits it out)
 
 
 def stalled_job(tmp_path, mode: str, steps: tuple[int, int]) -> LocalJob:

@@ -122,8 +122,17 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
             out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
     elif ranked:
         best_t, best = ranked[0]
-        among = ", of the configurations whose time is resolved" if unranked or lost else ""
-        s = f"First to reach {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
+        # An unranked time is an upper bound (the model was above the target when first seen):
+        # one below the best resolved time got there sooner, so that one is not "first".
+        sooner = [r for r in unranked if (mean(r.ttt) or 0.0) < best_t]
+        if sooner:
+            s = f"Shortest resolved time to {target:g} test accuracy: {rname(best, many_w)} after {secs(best_t)} s"
+        elif len(ranked) == 1 and (unranked or lost):
+            s = (f"Time to {target:g} test accuracy of the one configuration whose time is resolved: "
+                 f"{rname(best, many_w)} after {secs(best_t)} s")
+        else:
+            among = ", of the configurations whose time is resolved" if unranked or lost else ""
+            s = f"First to reach {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
         extras = []
         ref = best.ref_sync
         if ref is not None and ref is not best and ref.ttt_resolved(period) and not ref.errors:
@@ -133,6 +142,11 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         if base is not None and base_t is not None:
             extras.append(_against_base(best, base, base_t))
         out.append(s + ((" (" + "; ".join(extras) + ")") if extras else "") + ".")
+        if sooner:
+            by = [f"{names([r])}{f' was already at {target:g}' if k == 0 else ''} by {secs(mean(r.ttt) or 0.0)} s"
+                  for k, r in enumerate(sooner)]
+            out.append(f"Not the first to get there: {', '.join(by[:-1]) + ' and ' if len(by) > 1 else ''}{by[-1]}, "
+                       f"sooner, though {'its time is' if len(by) == 1 else 'their times are'} not resolved (below).")
         if len(ranked) > 1:
             out.append(_order(ranked, period, many_w))
             tied = [(r, why) for _, r in ranked[1:] if (why := tie_reason(best.ttt, r.ttt))]

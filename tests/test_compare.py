@@ -391,8 +391,11 @@ def test_time_to_target_after_training_ended_is_not_ranked(tmp_path):
                fake_run("ltfb", "ltfb", 3, 0, 0.92, 0.32, 60000.0, wall=0.313, hist={},
                         evals=scored((0.32, 0.92)))]
     text = told(results)
-    assert "First to reach 0.9 test accuracy, of the configurations whose time is resolved: **sync** after " \
-           "1.30 s." in text
+    # easgd and ltfb were above 0.9 when first seen, before sync's 1.30 s: sync is not called first
+    assert "Shortest resolved time to 0.9 test accuracy: **sync** after 1.30 s." in text
+    assert "First to reach" not in text
+    assert "Not the first to get there: easgd (3 w) was already at 0.9 by 0.64 s and ltfb (3 w) by 0.32 s, " \
+           "sooner, though their times are not resolved (below)." in text
     assert "**ltfb** after" not in text and "**easgd** after" not in text and "Order to the target" not in text
     assert "Not ranked by time to 0.9: easgd (first scored ≥ 0.9 at 0.64 s, after its training had ended at " \
            "0.57 s); ltfb (first scored ≥ 0.9 at 0.32 s, after its training had ended at 0.31 s)." in text
@@ -410,7 +413,8 @@ def test_time_to_target_at_the_first_score_is_not_ranked():
                fake_run("async", "async", 3, 0, 0.95, 0.27, 9000.0, 2.0, 5, wall=3.0,
                         evals=scored((0.27, 0.91), (0.77, 0.93), (3.1, 0.95)))]
     text = told(results)
-    assert "of the configurations whose time is resolved: **sync** after 1.30 s." in text
+    assert "Shortest resolved time to 0.9 test accuracy: **sync** after 1.30 s." in text
+    assert "First to reach" not in text and "async (3 w) was already at 0.9 by 0.27 s" in text
     assert "async (already ≥ 0.9 at the evaluator's first score, 0.27 s, less than one evaluation period " \
            "(0.5 s) after the start)" in text
     # A first score later than one period is still the evaluator's phase, and is not called early.

@@ -1,0 +1,42 @@
+"""The report after using `psgd compare` as a user choosing between modes would: one test
+per defect found so, each on crafted compare.json entries (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from .test_report_claims import run, sentence, told
+
+pytestmark = pytest.mark.unit
+
+
+def first_seen_at(t, wall=4.0, acc=0.95):
+    """Evaluations of a run already above the target at the evaluator's first score, at t."""
+    return [{"t": t, "samples": 500, "accuracy": 0.91, "loss": 0.4},
+            {"t": wall + 0.1, "samples": 2000, "accuracy": acc, "loss": 0.3}]
+
+
+@pytest.mark.timeout(60)
+def test_a_configuration_known_to_be_sooner_keeps_the_best_resolved_one_from_being_called_first():
+    # sync,async,ssp at 2 workers: ssp's 1.10 s was the one resolved time, and the reading said
+    # "First to reach 0.9 test accuracy, of the configurations whose time is resolved: ssp after
+    # 1.10 s" while sync and async had been above 0.9 at the evaluator's first score, 0.55 s and 0.53 s.
+    res = [run("sync", repeat=i, ttt=0.55 + 0.01 * i, evals=first_seen_at(0.55 + 0.01 * i)) for i in range(2)]
+    res += [run("async", "async", repeat=i, ttt=0.53, evals=first_seen_at(0.53)) for i in range(2)]
+    res += [run("ssp", "ssp", repeat=i, ttt=1.1 + 0.02 * i) for i in range(2)]
+    text = told(res)
+    assert "First to reach" not in text
+    assert "Shortest resolved time to 0.9 test accuracy: **ssp** after 1.11 s" in text
+    assert sentence(text, "Not the first") == (
+        "Not the first to get there: sync (2 w) was already at 0.9 by 0.56 s and async (2 w) by 0.53 s, sooner, "
+        "though their times are not resolved (below).")
+    # Unranked configurations seen above the target only later: ssp may have been first, among one
+    late = [dict(r, time_to_target_s=1.5, evals=first_seen_at(1.5)) for r in res[:4]] + res[4:]
+    text = told(late)
+    assert "Not the first" not in text and "First to reach" not in text
+    assert "Time to 0.9 test accuracy of the one configuration whose time is resolved: **ssp** after 1.11 s" in text
+    # Two resolved, one unranked later: "first" among the resolved holds
+    two = [dict(r, time_to_target_s=1.5, evals=first_seen_at(1.5)) for r in res[:2]] + res[2:]
+    two[2:4] = [run("async", "async", repeat=i, ttt=1.2 + 0.02 * i) for i in range(2)]
+    text = told(two)
+    assert "First to reach 0.9 test accuracy, of the configurations whose time is resolved: **ssp** after 1.11 s" \
+        in text and "Not the first" not in text

@@ -4,6 +4,8 @@
 
 `python -m psgd.report OUT DIR1 DIR2 ...` merges folders; it refuses (one line, exit 2) a
 folder given twice, an OUT that is one of the DIRs (its compare.json would be overwritten),
+an OUT that holds a compare's or simulate's own runs (not an earlier merge's: `python -m
+psgd.report A B` would have replaced A's runs with B's),
 folders whose times are to different targets (eval.target_accuracy), and a compare.json
 or compare-context.json that psgd did not write. A compare.json of no
 run (`[]`, a compare interrupted before its first run ended) gives a report saying so, and
@@ -484,6 +486,17 @@ def check_merge_folders(out: str, folders: list[str]) -> None:
     if real_out in seen:
         raise ReportError(f"the output folder {out} is also one of the folders to merge ({seen[real_out]}): its "
                           f"compare.json would be overwritten; give a new output folder")
+    # `python -m psgd.report A B`, meant as "merge A and B", makes A the output: a compare's or
+    # simulate's runs there would be replaced by B's. Only an earlier merge's output is rewritten.
+    if os.path.exists(os.path.join(out, "compare.json")):
+        try:
+            merged = bool(_read(out)[1].get("merged_from"))
+        except (ReportError, OSError):
+            merged = False
+        if not merged:
+            raise ReportError(f"the output folder {out} holds the runs of a psgd compare or simulate (its "
+                              f"compare.json), which the merge would replace; to merge them with the others, name "
+                              f"it after a new output folder: python -m psgd.report NEW {out} {' '.join(folders)}")
 
 
 def main(argv: list[str] | None = None) -> int:

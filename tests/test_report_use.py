@@ -2,9 +2,15 @@
 per defect found so, each on crafted compare.json entries (no processes)."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
-from .test_report_claims import run, sentence, told
+from psgd.report import main as report_main
+
+from .test_report_claims import CTX, run, sentence, told
+from .test_report_review import _folder, _one_line_error
 
 pytestmark = pytest.mark.unit
 
@@ -40,3 +46,25 @@ def test_a_configuration_known_to_be_sooner_keeps_the_best_resolved_one_from_bei
     text = told(two)
     assert "First to reach 0.9 test accuracy, of the configurations whose time is resolved: **ssp** after 1.11 s" \
         in text and "Not the first" not in text
+
+
+@pytest.mark.timeout(60)
+def test_merging_into_a_folder_that_holds_a_comparisons_runs_is_refused(tmp_path, capsys):
+    # `python -m psgd.report A B`, meant as "merge A and B", replaced A's compare.json with B's runs
+    a = _folder(tmp_path / "a", [run("sync:wire.dtype=float32", params={"wire.dtype": "float32"})],
+                {**CTX, "command": "psgd compare a"})
+    b = _folder(tmp_path / "b", [run("async", "async")], {**CTX, "command": "psgd compare b"})
+    before = open(os.path.join(a, "compare.json")).read()
+    assert report_main([a, b]) == 2
+    err = _one_line_error(capsys)
+    assert f"the output folder {a} holds the runs of a psgd compare or simulate" in err
+    assert f"python -m psgd.report NEW {a} {b}" in err
+    assert open(os.path.join(a, "compare.json")).read() == before and not os.path.exists(os.path.join(a, "report.md"))
+    # so is one without a context (no merge wrote it); a new folder, or an earlier merge's, is written
+    os.unlink(os.path.join(a, "compare-context.json"))
+    assert report_main([a, b]) == 2
+    _one_line_error(capsys)
+    m = str(tmp_path / "m")
+    assert report_main([m, a, b]) == 0
+    assert report_main([m, b, a]) == 0 and report_main([m, b]) == 0
+    assert [r["label"] for r in json.load(open(os.path.join(m, "compare.json")))] == ["async"]

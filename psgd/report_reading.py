@@ -383,6 +383,21 @@ def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
             f"servers, those of {rname(lo[1], many_w)} {100 * lo[0]:.0f}%{note}."]
 
 
+def _refused_sentences(dist: list[Row], many_w: bool) -> list[str]:
+    """The configurations whose workers had steps refused (summary `rejected`: a shard refused
+    the push, as a NaN or Inf gradient, or the worker's own loss diverged): those steps
+    changed no model, yet their batches count in samples and samples/s."""
+    hit = [(r, [int(x.get("rejected") or 0) for x in r.runs]) for r in dist]
+    hit = [(r, ks) for r, ks in hit if any(ks)]
+    if not hit:
+        return []
+    each = "; ".join(f"{rname(r, many_w)}: {sum(ks):,}" + (f" in {sum(1 for k in ks if k)} of its {len(ks)} "
+                                                           f"finished runs" if len(ks) > 1 else "") for r, ks in hit)
+    return [f"Refused steps (a shard refused the push, e.g. a NaN or Inf gradient, or the worker's loss diverged): "
+            f"{each}. They changed no model, but their batches count in samples and samples/s, so "
+            f"{'that throughput overstates' if len(hit) == 1 else 'those throughputs overstate'} the training done."]
+
+
 def _kinds(dist: list[Row]) -> list[tuple[str, list[Row]]]:
     """[(sentence prefix, rows)]: real and simulated rows apart when a report has both, so
     that no sentence ranks a virtual second against a real one."""
@@ -421,6 +436,7 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         said += _accuracy_sentences(group, base, many_w)
         said += staleness_sentences(group, period, many_w)
         said += _wait_sentences(group, many_w)
+        said += _refused_sentences(group, many_w)
         out += [prefix + s for s in said]
 
     f = ctx.get("faults") or {}

@@ -68,3 +68,18 @@ def test_merging_into_a_folder_that_holds_a_comparisons_runs_is_refused(tmp_path
     assert report_main([m, a, b]) == 0
     assert report_main([m, b, a]) == 0 and report_main([m, b]) == 0
     assert [r["label"] for r in json.load(open(os.path.join(m, "compare.json")))] == ["async"]
+
+
+@pytest.mark.timeout(60)
+def test_refused_steps_are_said_since_their_batches_count_in_the_throughput():
+    # sync:optimizer.lr=0.1,50: the lr=50 run finished with 138 of 538 steps refused (NaN
+    # gradients), "samples 17,216" of a 12,800 budget and 16,331 samples/s, and the report
+    # said nothing of it
+    res = [run("sync:optimizer.lr=0.1", params={"optimizer.lr": 0.1}, sweep="optimizer.lr", repeat=i, rejected=0)
+           for i in range(2)]
+    res += [run("sync:optimizer.lr=50", params={"optimizer.lr": 50}, sweep="optimizer.lr", repeat=i, acc=0.1,
+                rejected=k) for i, k in enumerate((0, 138))]
+    line = sentence(told(res), "Refused steps")
+    assert "**sync:optimizer.lr=50**: 138 in 1 of its 2 finished runs." in line
+    assert "lr=0.1" not in line and "their batches count in samples and samples/s" in line
+    assert "Refused steps" not in told(res[:2])

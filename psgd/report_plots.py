@@ -329,7 +329,7 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
         while name in taken:  # another sweep of the same key (other fixed settings, or simulated)
             name, i = f"sweep_{mode}_{key}_w{w}_{i}.png", i + 1
         what = param_name(mode, key)
-        fixed = "; ".join([f"{w} workers"] + sweep_fixed(rs))
+        fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs))
         _sweep_plot(plt, f"{mode} {what}", [r.sweep_value for r in rs], rs, os.path.join(out, name),
                     f"{mode}: {what} sweep, {fixed}", period, target)
         made.append((f"Sweep: {mode} {what} ({fixed})", name))

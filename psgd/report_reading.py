@@ -57,7 +57,12 @@ def _all_faults_apply(faults: dict, workers: int) -> bool:
     return not (rank >= 0 and float(faults.get("slow_factor", 1.0)) > 1) or workers > rank
 
 
-def _why_unranked(r: Row, target: float, period: float | None) -> str:
+def _with_workers(r: Row, many_w: bool) -> str:
+    """The row's name, with its worker count where the report has several (one label per count)."""
+    return r.name + (f" with {r.workers} worker{'s' if r.workers != 1 else ''}" if many_w else "")
+
+
+def _why_unranked(r: Row, target: float, period: float | None, many_w: bool = False) -> str:
     flags = r.ttt_flags(period)
     flag, run = next(((g, x) for g, x in flags if g == AFTER_END), flags[0])
     t = float(run["time_to_target_s"])
@@ -69,7 +74,7 @@ def _why_unranked(r: Row, target: float, period: float | None) -> str:
         s = f"already ≥ {target:g} at the evaluator's first score, {secs(t)} s"
         s += f", less than one evaluation period ({own:g} s) after the start" if own and t < own else ""
     n = len(r.runs)
-    return f"{r.name} ({s}" + (f"; {len(flags)} of {n} repeats" if n > 1 else "") + ")"
+    return f"{_with_workers(r, many_w)} ({s}" + (f"; {len(flags)} of {n} repeats" if n > 1 else "") + ")"
 
 
 def _unresolved_share(unranked: list[Row], period: float | None) -> str:
@@ -176,11 +181,11 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         out.append(f"No distributed configuration reached {target:g} test accuracy in every repeat within the budget.")
     if unranked:
         out.append(f"Not ranked by time to {target:g}: "
-                   + "; ".join(_why_unranked(r, target, period) for r in unranked) + ".")
+                   + "; ".join(_why_unranked(r, target, period, many_w) for r in unranked) + ".")
     if lost:
         out.append(f"Not ranked by time to {target:g}, because repeats failed: "
-                   + "; ".join(f"{r.name} ({len(r.errors)} of {r.n} repeats failed; {secs(mean(r.ttt) or 0.0)} s "
-                               f"in the {len(r.runs)} that finished)" for r in lost) + ".")
+                   + "; ".join(f"{_with_workers(r, many_w)} ({len(r.errors)} of {r.n} repeats failed; "
+                               f"{secs(mean(r.ttt) or 0.0)} s in the {len(r.runs)} that finished)" for r in lost) + ".")
     missed = [r for r in dist if r.ttt_mean is None and r.scored]
     # A miss is unresolved, like a † time, when the evaluator scored the run fewer than
     # MIN_SCORES times while it trained (once, or only after training ended).

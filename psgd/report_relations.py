@@ -232,7 +232,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             parts.append(course("measured staleness (mean)", ", ".join(f"{s:.2f}" for s in st),
                                 [_run_staleness(r) for r in rs], st, lambda x: f"{x:.2f}"))
             once |= unmeasured([_run_staleness(r) for r in rs])
-        fixed = "; ".join([f"{w} workers"] + sweep_fixed(rs))
+        fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs))
         out.append(f"Sweep of {mode} {param_name(mode, key)} over {', '.join(vals)} ({fixed}): "
                    + "; ".join(parts) + (f"; each value {ONCE}" if once else "") + ".")
     for rs in worker_sweeps(dist).values():

@@ -83,3 +83,18 @@ def test_refused_steps_are_said_since_their_batches_count_in_the_throughput():
     assert "**sync:optimizer.lr=50**: 138 in 1 of its 2 finished runs." in line
     assert "lr=0.1" not in line and "their batches count in samples and samples/s" in line
     assert "Refused steps" not in told(res[:2])
+
+
+@pytest.mark.timeout(60)
+def test_unranked_configurations_of_a_worker_sweep_are_told_apart_by_their_worker_count():
+    # --modes sync,async --workers 1,2: "Not ranked by time to 0.9: sync (...); async (...);
+    # sync (...); async (...)", two rows of each name with nothing to tell which was which;
+    # and a sweep at one worker was "(1 workers)"
+    res = [run(m, m, workers=w, ttt=0.6, wall=0.5, evals=first_seen_at(0.6, wall=0.5))
+           for w in (1, 2) for m in ("sync", "async")]
+    line = sentence(told(res), "Not ranked by time to 0.9")
+    for w, n in ((1, "1 worker"), (2, "2 workers")):
+        assert f"sync with {n} (first scored ≥ 0.9 at 0.60 s" in line and f"async with {n} (first" in line, w
+    sweep = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", workers=1) for s in (1, 4)]
+    assert "over 1, 4 (1 worker):" in sentence(told(sweep), "Sweep of ssp")
+    assert "with 1 worker" not in sentence(told(res[:2]), "Not ranked by time to 0.9")

@@ -87,7 +87,7 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", ncol=2 if len(rows) > 6 else 1)
+    ax.legend(fontsize=7, loc="best", ncol=2 if len(rows) > 6 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)

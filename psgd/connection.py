@@ -25,7 +25,8 @@ What `step()` does is the mode's worker schedule (psgd/consistency/), the same o
   script's own keeps its learning rate, psgd's lr schedule does not touch it) and
   exchange every tau / H / round.
 - ltfb needs `score=fn`: `fn(model)` returns the model's accuracy on the trainer's
-  tournament data (higher is better), or an `(accuracy, loss)` pair.
+  tournament data (higher is better), or an `(accuracy, loss)` pair; what fn raises
+  (in step(), or close()'s final deposit) ends the job with its reason and is raised.
 It returns False once the job's budget (`train.steps`, `train.seconds`) is spent or the
 job has ended; then it does nothing more.
 
@@ -281,6 +282,9 @@ class Connection(Worker):
         except ConfigError as e:   # the script's score function's answer (ltfb)
             self._end(f"worker {self.rank}: {e}")
             raise
+        except Exception as e:   # what the script's score function raised (ltfb): the job is told at once
+            self._end(self._raised(e))
+            raise
         if error:
             self._end(error)
             raise JobError(error)
@@ -337,6 +341,9 @@ class Connection(Worker):
         except ConfigError as e:   # the script's score function's answer (ltfb's final deposit)
             self._end(f"worker {self.rank}: {e}")
             raise
+        except Exception as e:   # what it raised: the job ends with that, not after missed heartbeats
+            self._end(self._raised(e))
+            raise
         if error or self.rank != 0:
             return self._end(error)
         held = self._report_end("", hold=True)
@@ -366,13 +373,17 @@ class Connection(Worker):
                 return f"release: {getattr(e, 'reason', e)}"
         return f"the coordinator stopped answering ({self.link.unanswered})" if self.link.unanswered else ""
 
+    def _raised(self, e: BaseException) -> str:
+        """The job's reason for ending when the script raised `e`."""
+        return f"worker {self.rank}'s training script raised {type(e).__name__}: {e}"
+
     def __enter__(self) -> Connection:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
         if kind is SystemExit and value.code in (None, 0):  # sys.exit() inside `with`: a clean end
             kind = None
-        self.close(f"worker {self.rank}'s training script raised {kind.__name__}: {value}" if kind else "")
+        self.close(self._raised(value) if kind else "")
 
     # ------------------------------------------------------------ what the schedule calls
     def compute(self) -> float:

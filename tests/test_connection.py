@@ -705,3 +705,25 @@ def test_a_local_optimizer_that_cannot_train_the_model_is_a_config_error_at_conn
             psgd.connect(model, opt, config=cfg, rank=0)
         time.sleep(0.5)
         assert "optimizer" in cluster.coordinator.abort   # the job told
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["step", "close"])
+def test_an_ltfb_score_function_that_raises_ends_the_job_with_its_reason(port_block, when):
+    """A user's run: an ltfb `score=fn` that raised (in a step's tournament, or in close()'s
+    final deposit) left step() or close() without telling the job, even from inside `with`
+    (close() was where it raised): the job waited out the missed heartbeats and ended as
+    "all 2 workers were lost", the reason gone."""
+    cfg = config(port_block, "ltfb", workers=1, **{"mode.round_steps": 2 if when == "step" else 100})
+
+    def score(model):
+        raise RuntimeError("the tournament set is gone")
+
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, rank=0, score=score)
+        with pytest.raises(RuntimeError, match="the tournament set is gone"):
+            train(ps, model, ps.user_optimizer)   # (no tournament within 20 steps of 100-step rounds)
+            ps.close()
+        assert ps.closed
+        assert "training script raised RuntimeError: the tournament set is gone" in cluster.coordinator.abort

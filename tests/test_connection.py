@@ -727,3 +727,35 @@ def test_an_ltfb_score_function_that_raises_ends_the_job_with_its_reason(port_bl
             ps.close()
         assert ps.closed
         assert "training script raised RuntimeError: the tournament set is gone" in cluster.coordinator.abort
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["swapped", "parameters", "score", "rank", "config"])
+def test_connect_arguments_of_the_wrong_type_are_a_config_error_naming_them(port_block, case):
+    """A user's run: psgd.connect(optimizer, model) (or model.parameters(), a state_dict)
+    raised AttributeError "'SGD' object has no attribute 'parameters'", rank="0" a
+    TypeError from a comparison, config={...} os.fspath's TypeError; a score that is not
+    a function was taken, to fail at the first ltfb tournament."""
+    cfg = config(port_block, "ltfb", workers=1)
+    model = Net(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args, kwargs, said = {
+        "swapped": ((opt, model), {}, r"model must be a torch.nn.Module, not SGD \(model and optimizer swapped\?\)"),
+        "parameters": ((model.parameters(), opt), {}, r"model must be a torch.nn.Module, not generator"),
+        "score": ((model, opt), {"score": 0.5}, r"score=\.\.\.\) must be a function of the model, not 0.5"),
+        "rank": ((model, opt), {"rank": "0"}, r"rank=\.\.\.\) must be a worker rank .*not '0'"),
+        "config": ((model, opt), {"config": {"mode": "sync"}}, r"config=\.\.\.\) must be a config file's path"),
+    }[case]
+    with pytest.raises(ConfigError, match=said):
+        psgd.connect(*args, **{"config": cfg, "rank": 0, "score": lambda m: 0.5, **kwargs})
+
+
+@pytest.mark.timeout(60)
+def test_connect_takes_a_numpy_integer_rank(port_block):
+    np = pytest.importorskip("numpy")
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg):
+        model = Net(0)
+        with psgd.connect(model, config=cfg, rank=np.int64(0)) as ps:
+            assert ps.rank == 0 and type(ps.rank) is int
+            train(ps, model, None)

@@ -79,6 +79,14 @@ def cifar10(folder: str | None, synthetic: int) -> tuple[TensorDataset, TensorDa
     return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
 
 
+def tournament_split(train: TensorDataset) -> tuple[TensorDataset, TensorDataset]:
+    """(what the workers train on, ltfb's tournament data): the last tenth of the training
+    set (at most 500 samples) held out, so that a tournament scores trainers on data that
+    none of them trained on."""
+    n = min(500, len(train) // 10)
+    return (TensorDataset(*[t[:-n] for t in train.tensors]), TensorDataset(*[t[-n:] for t in train.tensors]))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TensorDataset, limit: int = 2000) -> tuple[float, float]:
     was = model.training
@@ -103,7 +111,7 @@ def main() -> None:
     train, test = cifar10(a.data, a.synthetic)
     model = ResNet(a.width, a.blocks)
     optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
-    tournament = TensorDataset(*[t[-500:] for t in train.tensors])  # ltfb scores trainers on this
+    train, tournament = tournament_split(train)  # ltfb scores trainers on data held out of training
     with psgd.connect(model, optimizer, score=lambda m: evaluate(m, tournament)) as ps:
         sampler = DistributedSampler(train, num_replicas=ps.world_size, rank=ps.rank, seed=0)
         loader = DataLoader(train, batch_size=a.batch, sampler=sampler, drop_last=True)

@@ -1,0 +1,48 @@
+"""The examples' own data (examples/): what ltfb's tournaments score a model on (the
+script's `score=`) is held out of what the script trains on and of what it reports its
+score on, as psgd's own ltfb holds the tournament data out of each partition."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(x: torch.Tensor) -> set[bytes]:
+    return {r.numpy().tobytes() for r in x.reshape(len(x), -1)}
+
+
+def test_custom_loss_scores_its_tournaments_on_other_data_than_its_test_set():
+    """A review: the pinball example's score=, ltfb's tournament data, was the first 500
+    windows of its test set, which it then reported its accuracy on: the reported score
+    was that of the model the tournaments picked on the same windows."""
+    ex = example("custom_loss")
+    torch.manual_seed(0)
+    (tour_x, _), (test_x, _) = ex.held_out()
+    assert len(tour_x) and len(test_x) and not rows(tour_x) & rows(test_x)
+
+
+@pytest.mark.parametrize("size", [1200, 6000])
+def test_the_cifar_example_holds_its_tournament_data_out_of_training(size):
+    """A review: the CIFAR example's tournament data was the last 500 samples of the
+    training set, which every worker also trained on: a tournament scored trainers on
+    data they had fit."""
+    ex = example("cifar10_resnet")
+    train, _ = ex.cifar10(None, size)
+    fit, tournament = ex.tournament_split(train)
+    assert len(fit) + len(tournament) == len(train) and 0 < len(tournament) <= 500
+    assert not rows(fit.tensors[0]) & rows(tournament.tensors[0])

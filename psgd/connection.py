@@ -393,8 +393,10 @@ class Connection(Worker):
         return f"the coordinator stopped answering ({self.link.unanswered})" if self.link.unanswered else ""
 
     def _raised(self, e: BaseException) -> str:
-        """The job's reason for ending when the script raised `e`."""
-        return f"worker {self.rank}'s training script raised {type(e).__name__}: {e}"
+        """The job's reason for ending when the script raised `e` (Ctrl-C's KeyboardInterrupt
+        says nothing more: its name alone)."""
+        said = str(e)
+        return f"worker {self.rank}'s training script raised {type(e).__name__}" + (f": {said}" if said else "")
 
     def __enter__(self) -> Connection:
         return self

@@ -759,3 +759,17 @@ def test_connect_takes_a_numpy_integer_rank(port_block):
         with psgd.connect(model, config=cfg, rank=np.int64(0)) as ps:
             assert ps.rank == 0 and type(ps.rank) is int
             train(ps, model, None)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_inside_with_ends_the_job_naming_keyboard_interrupt(port_block):
+    """A user's run: Ctrl-C in a script's loop ended the job as "worker 0's training
+    script raised KeyboardInterrupt: " (an empty reason after the colon)."""
+    cfg = config(port_block, "async", workers=1, **{"train.steps": 1000})
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        with pytest.raises(KeyboardInterrupt), psgd.connect(model, config=cfg, rank=0) as ps:
+            model(torch.randn(4, 6)).sum().backward()
+            ps.step()
+            raise KeyboardInterrupt
+        assert cluster.coordinator.abort == "worker 0's training script raised KeyboardInterrupt"

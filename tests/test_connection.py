@@ -347,9 +347,13 @@ def test_a_script_started_by_hand_into_a_psgd_run_jobs_folder_joins_with_its_tok
     from psgd.membership import JOB_TOKEN_ENV
     cfg = config(port_block, "async", workers=1)
     monkeypatch.setenv(JOB_TOKEN_ENV, "the-job")
-    with InProcessCluster(cfg):   # (its coordinator and shards: the job's token)
+    with InProcessCluster(cfg) as cluster:   # (its coordinator and shards: the job's token)
         (tmp_path / "job").mkdir()
         (tmp_path / "job" / TOKEN_FILE).write_text("the-job")
+        deadline = time.monotonic() + 20   # the shards' threads read the token as they register (was flaky: a
+        while len(cluster.coordinator.server_joins) < cfg.cluster.servers:   # shard registered without it)
+            assert time.monotonic() < deadline, "the shards did not register"
+            time.sleep(0.02)
         monkeypatch.delenv(JOB_TOKEN_ENV)
         with pytest.raises(psgd.JobError, match="this worker belongs to another job"):
             psgd.connect(Net(0), config=cfg, rank=0, out=str(tmp_path / "other"))

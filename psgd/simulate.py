@@ -165,15 +165,16 @@ def same_worker_dropped(plan: list) -> str | None:
     of every step reach the shards in the order of the first step's (each shard answers
     in the order they arrived, and equal steps keep that order), so the last
     `mode.backup_workers` to arrive are the same ranks every time, and their partitions
-    never train the model. Real runs spread the drops; so does any spread here."""
+    never train the model. Real runs spread the drops; so does any spread here (jitter
+    with `faults.jitter_prob` = 1 is none: it delays every step alike)."""
     runs = dict.fromkeys(run.label for run in plan if run.mode == "sync"   # (the one mode with backup workers)
                          and run.cfg.mode.backup_workers > 0 and run.cfg.sim.compute_cv <= 0
-                         and not (run.cfg.faults.jitter_prob > 0 and run.cfg.faults.jitter_s > 0))
+                         and not (0 < run.cfg.faults.jitter_prob < 1 and run.cfg.faults.jitter_s > 0))
     if not runs:
         return None
     return (f"{', '.join(runs)}: mode.backup_workers with no spread in step times (sim.compute_cv = 0, no "
-            f"faults.jitter_*) drops the same worker(s) at every step, whose partitions never train the model "
-            f"(real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
+            f"faults.jitter_* with 0 < jitter_prob < 1) drops the same worker(s) at every step, whose partitions "
+            f"never train the model (real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
 
 
 def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:

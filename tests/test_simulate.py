@@ -955,3 +955,21 @@ def test_a_failed_run_does_not_make_the_plans_time_left_zero(tmp_path, capsys):
     _record(plan, 0, (None, 0, "worker 1023: its data partition (1 sample) is all held out", 0.1), entries,
             durations, real, str(tmp_path), 1)
     assert "0 s left" not in capsys.readouterr().err and real == {plan[0].name: 0.1}
+
+
+@pytest.mark.unit
+def test_jitter_on_every_step_is_no_spread_for_the_backup_workers_warning():
+    """A review: with faults.jitter_prob = 1 every step of every worker is delayed alike,
+    so backup workers dropped the same rank at every step (rank 3 of 4, 20 of 20), but
+    any jitter key set silenced the warning that says so."""
+    from psgd.compare import SHARED_SECTIONS, build_plan, parse_modes
+    from psgd.simulate import same_worker_dropped
+
+    def warned(*sets: str) -> bool:
+        base = load(None, ["sim.compute_s=0.01", "train.steps=5", *sets], env={})
+        plan = build_plan(base, parse_modes("sync:backup_workers=1", SHARED_SECTIONS + ("sim",)), [4], 1, None,
+                          baseline=False)
+        return same_worker_dropped(plan) is not None
+    assert warned("faults.jitter_prob=1", "faults.jitter_s=0.01")
+    assert not warned("faults.jitter_prob=0.5", "faults.jitter_s=0.01")
+    assert warned("faults.jitter_prob=0.5")   # (no delay: no spread)

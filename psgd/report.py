@@ -155,18 +155,20 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines += [f"**Warning:** {warning}", ""]
     sets = ctx.get("sets") or []
     setups = ctx.get("setups") or []
-    if sets or setups:
-        if sets:
-            lines.append(f"**Applied to every run:** `{' '.join('--set ' + s for s in sets)}`.")
-        for s in setups:
-            tag = f" (rows marked [{s['tag']}])" if s.get("tag") else ""
-            cmd = f"`{s['command']}`" if s.get("command") else "no compare-context.json"
-            only = f"; of the merged runs, only this folder's had `{' '.join('--set ' + x for x in s['sets'])}`"
-            lines.append(f"**Folder {s['folder']}**{tag}: {cmd}" + (only if s.get("sets") else "") + ".")
-        faults = describe_faults(ctx.get("faults") or {}, workers, any(r.is_baseline and r.runs for r in rows))
-        if faults:
-            lines.append(f"**Injected fault:** {faults}.")
-        lines.append("")
+    said = []
+    if sets:
+        said.append(f"**Applied to every run:** `{' '.join('--set ' + s for s in sets)}`.")
+    for s in setups:
+        tag = f" (rows marked [{s['tag']}])" if s.get("tag") else ""
+        cmd = f"`{s['command']}`" if s.get("command") else "no compare-context.json"
+        only = f"; of the merged runs, only this folder's had `{' '.join('--set ' + x for x in s['sets'])}`"
+        said.append(f"**Folder {s['folder']}**{tag}: {cmd}" + (only if s.get("sets") else "") + ".")
+    # (a fault set in the config file or the environment, with no --set, is stated too)
+    faults = describe_faults(ctx.get("faults") or {}, workers, any(r.is_baseline and r.runs for r in rows))
+    if faults:
+        said.append(f"**Injected fault:** {faults}.")
+    if said:
+        lines += [*said, ""]
     b = ctx.get("baseline")
     if b:
         if "steps" in varies or "seconds" in varies:

@@ -98,3 +98,16 @@ def test_unranked_configurations_of_a_worker_sweep_are_told_apart_by_their_worke
     sweep = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", workers=1) for s in (1, 4)]
     assert "over 1, 4 (1 worker):" in sentence(told(sweep), "Sweep of ssp")
     assert "with 1 worker" not in sentence(told(res[:2]), "Not ranked by time to 0.9")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets", [[], ["train.steps=20"]])
+def test_a_fault_from_the_config_file_is_stated_as_one_from_a_set_is(tmp_path, sets):
+    # A helper's review: `[faults] slow_rank = 1, slow_factor = 2` in the config file (no --set)
+    # left the report without its "Injected fault" line: only a report with --set or merged
+    # folders stated the fault.
+    ctx = {**CTX, "sets": sets, "faults": {"slow_rank": 1, "slow_factor": 2.0}}
+    out = _folder(tmp_path / "c", [run("sync"), run("async", "async")], ctx)
+    assert report_main([out]) == 0
+    text = open(os.path.join(out, "report.md")).read()
+    assert "**Injected fault:** worker rank 1 is an injected straggler: each of its steps takes 2× as long" in text

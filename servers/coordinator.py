@@ -28,6 +28,7 @@ started after it is), "coordinator" for one built in a process that does other t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -113,6 +114,7 @@ class Coordinator:
         self.address = bind_address(cfg.coordinator_address())
         self.sock = server_socket(self.ctx, self.address, cfg.security, MAX_FRAME)
         self.events = EventLog(out, "coordinator", 0)
+        self._write_config()
         self.phase = "rendezvous"
         self.parked: list[tuple[Any, wire.Message, int]] = []  # registrations held until all are in
         self.servers: dict[int, dict] = {}
@@ -160,6 +162,24 @@ class Coordinator:
                                            "release": self.on_release},
                                "the coordinator", MAX_FRAME, self.counters)
         self._resume()
+
+    def _write_config(self) -> None:
+        """OUT/config.toml: the job's resolved config (its address and security settings),
+        which `psgd status OUT` reads. `psgd run` writes it before it starts the daemons;
+        a coordinator started by hand, by the Slurm scripts or by Compose writes it here,
+        so that their folders answer `psgd status` too. Replaced atomically (the other
+        daemons may be reading the one psgd run wrote), and only if it differs."""
+        if not self.out:
+            return
+        path, text = os.path.join(self.out, "config.toml"), self.cfg.to_toml()
+        with contextlib.suppress(OSError):
+            with open(path) as f:
+                if f.read() == text:
+                    return
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
 
     def _no_rank(self, want: int) -> str:
         """Why a worker's registration got no rank: every rank held by a live worker (one

@@ -12,7 +12,7 @@ import zmq
 
 from psgd import wire
 from psgd.cli import main
-from psgd.config import Config
+from psgd.config import Config, load
 from psgd.inprocess import InProcessCluster
 from psgd.keys import make_keys
 from psgd.membership import CoordinatorLink
@@ -303,3 +303,20 @@ def test_psgd_run_refuses_a_malformed_key_file_before_starting_anything(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and "client.key_secret" in err and "Traceback" not in err, (code, err[-2000:])
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(60)
+def test_status_of_a_folder_whose_daemons_were_started_by_hand(tmp_path, capsys):
+    """A review: daemons started by hand (`psgd coordinator job.toml --out DIR`, as
+    docs/deploy.md has them, and the Slurm scripts' and Compose's) left no DIR/config.toml,
+    so `psgd status DIR` said "DIR has no config.toml (is it a psgd run's output
+    folder?)", while the job ran and after it had written DIR/summary.json. The
+    coordinator writes its resolved config there."""
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "mode.name": "async", "cluster.servers": 1,
+                              "cluster.evaluator": False})
+    out = tmp_path / "by-hand"
+    with InProcessCluster(cfg, str(out)):
+        code = main(["status", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0 and "mode async" in captured.out, captured.err
+    assert load(str(out / "config.toml"), env={}) == cfg

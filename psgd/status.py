@@ -68,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
             f"does not answer" if cfg.security.curve else
             "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE")
     summary = os.path.join(args.dir, "summary.json") if args.dir else ""
-    phase = ""   # the last answer's
+    phase = there = ""   # the last answer's phase, and where its job's summary will be (its `out`)
+    asked = time.time()
     while True:
         if summary and os.path.exists(summary):   # DIR's job has ended (a job removes an earlier one's at its
             return _finished(summary)             # start): whatever answers at its address is a later job
@@ -80,10 +81,14 @@ def main(args: argparse.Namespace) -> int:
         except PeerTimeout:
             if summary and os.path.exists(summary):
                 return _finished(summary)
+            if there and not summary and os.path.exists(there) and os.path.getmtime(there) >= asked - 1:
+                return _finished(there)   # (--address: the folder its coordinator named, on this machine)
             if phase in ENDING:   # watched to its end: the coordinator exits once every daemon has heard
                 print(f"the job has ended (it was {phase}, and its coordinator is gone)")
                 return 0
             why = (f"{_silent(cfg, args.dir, phase)}{f'; {keys}' if cfg.security.curve else ''}" if args.dir else
+                   f"it was {phase}: the job was stopped, or ended where {there or 'its summary.json'} cannot be "
+                   f"read from here" if phase else
                    f"not started yet, or gone without a summary; {keys}")
             print(f"psgd status: no answer from the coordinator at {address} within {ASK_TIMEOUT_S:.0f} s "
                   f"({why})", file=sys.stderr)
@@ -93,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
             return 1
         print(table(reply), flush=True)
         phase = str(reply.get("phase"))
+        there = os.path.join(str(reply.get("out")), "summary.json") if reply.get("out") else ""
         if reply.get("done"):
             return 1 if reply.get("abort") else 0   # (an aborted job: as its summary, below)
         if not args.watch:

@@ -320,3 +320,43 @@ def test_status_of_a_folder_whose_daemons_were_started_by_hand(tmp_path, capsys)
     captured = capsys.readouterr()
     assert code == 0 and "mode async" in captured.out, captured.err
     assert load(str(out / "config.toml"), env={}) == cfg
+
+
+@pytest.mark.timeout(60)
+def test_watch_by_address_of_a_job_that_ends_between_two_looks_prints_its_summary(tmp_path, capsys):
+    """A review: `psgd status --address A --watch` of a `psgd run` job whose end (final
+    score, summary, exit) fell between two looks: the watch had last seen it training,
+    and ended with exit 1 and "no answer ... (not started yet, or gone without a summary;
+    a job secured with CurveZMQ ...)". The coordinator's answers name its folder: the
+    summary written there since is the job's end."""
+    port = free_port_block(1)
+    address = f"tcp://127.0.0.1:{port}"
+    ctx = zmq.Context()
+    sock = server_socket(ctx, address, Config().security)
+    answered = threading.Event()
+
+    def on_status(ident, msg):
+        answered.set()
+        return [(ident, wire.reply(msg, phase="training", done=False, mode="sync", mode_params={}, steps=10,
+                                   samples=64, elapsed_s=1.0, workers_expected=1, live={"0": 1}, out=str(tmp_path),
+                                   workers=[{"rank": 0, "state": "live", "clock": 1, "joins": 1}],
+                                   shards=[], last_eval=None))]
+
+    svc = Service(sock, {"status": on_status}, "fake-coordinator")
+
+    def serve():  # answers one status request while training, then the job ends: its summary, and it exits
+        while not answered.is_set():
+            svc.poll(50)
+        time.sleep(0.2)
+        (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
+        sock.close(0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        code = main(["status", "--address", address, "--watch", "0.5"])
+    finally:
+        t.join(5)
+        ctx.destroy(linger=0)
+    out, err = capsys.readouterr()
+    assert code == 0 and "finished: sync: accuracy 0.9700" in out, err

@@ -280,6 +280,15 @@ class Config:
 # ---------------------------------------------------------------- building
 
 
+def written_by_psgd(text: str) -> bool:
+    """Whether a config file's text is one `Config.to_toml` wrote (every key, in its order,
+    no comment), not a user's."""
+    try:
+        return build(tomllib.loads(text), "config.toml").to_toml() == text
+    except Exception:   # not TOML, or not a valid config: not psgd's
+        return False
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -39,7 +39,7 @@ import zmq
 
 from psgd import layout as layouts
 from psgd import wire
-from psgd.config import Config, is_number
+from psgd.config import Config, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
 from psgd.metrics import EventLog, summarize, write_json_atomic
@@ -168,14 +168,21 @@ class Coordinator:
         which `psgd status OUT` reads. `psgd run` writes it before it starts the daemons;
         a coordinator started by hand, by the Slurm scripts or by Compose writes it here,
         so that their folders answer `psgd status` too. Replaced atomically (the other
-        daemons may be reading the one psgd run wrote), and only if it differs."""
+        daemons may be reading the one psgd run wrote), and only if it differs and is one
+        psgd wrote: a file of the user's there (the job's own config, with comments) is
+        left as it is."""
         if not self.out:
             return
         path, text = os.path.join(self.out, "config.toml"), self.cfg.to_toml()
+        old = None
         with contextlib.suppress(OSError):
             with open(path) as f:
-                if f.read() == text:
-                    return
+                old = f.read()
+        if old == text:
+            return
+        if old is not None and not written_by_psgd(old):
+            log("coordinator", f"{path} is not a config psgd wrote: left as it is (psgd status {self.out} reads it)")
+            return
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(text)

@@ -323,6 +323,25 @@ def test_status_of_a_folder_whose_daemons_were_started_by_hand(tmp_path, capsys)
 
 
 @pytest.mark.timeout(60)
+def test_the_coordinator_leaves_a_users_own_config_toml_in_its_folder(tmp_path):
+    """`psgd coordinator OUT/config.toml --out OUT`, the user's own file (comments, a few
+    keys) in the folder: the coordinator's resolved config must not replace it. One that
+    psgd wrote (an earlier job's, another port) is replaced."""
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "mode.name": "async", "cluster.servers": 1,
+                              "cluster.evaluator": False})
+    mine = "# my job\n[mode]\nname = \"async\"\n"
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "config.toml").write_text(mine)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.toml").write_text(cfg.replace(**{"cluster.port": 5555}).to_toml())
+    for name in ("own", "old"):
+        with InProcessCluster(cfg, str(tmp_path / name)):
+            pass
+    assert (tmp_path / "own" / "config.toml").read_text() == mine
+    assert load(str(tmp_path / "old" / "config.toml"), env={}) == cfg
+
+
+@pytest.mark.timeout(60)
 def test_watch_by_address_of_a_job_that_ends_between_two_looks_prints_its_summary(tmp_path, capsys):
     """A review: `psgd status --address A --watch` of a `psgd run` job whose end (final
     score, summary, exit) fell between two looks: the watch had last seen it training,

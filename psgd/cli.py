@@ -300,6 +300,9 @@ def cmd_daemon(args) -> int:
             return ShardServer(cfg, args.shard, args.out).run()
     if args.cmd == "worker":
         from .workers.worker import Worker
+        if args.rank != -1 and not 0 <= args.rank < cfg.cluster.workers:   # (it waited, then asked for rank 0)
+            raise ConfigError(f"--rank {args.rank} is out of range: cluster.workers = {cfg.cluster.workers} "
+                              f"(ranks 0..{cfg.cluster.workers - 1}; without --rank, the next free one)")
         _started(args)
         return Worker(cfg, args.out, args.device, args.rank).run()  # writes its pid once it has a rank
     from .workers.evaluator import Evaluator

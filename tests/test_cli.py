@@ -324,6 +324,19 @@ def test_an_output_folder_that_is_a_file_is_one_error(tmp_path, no_job, capsys, 
     assert "psgd run: psgd, mode" not in err and no_job.calls == []
 
 
+@pytest.mark.parametrize("rank", ["-5", "2"])
+def test_a_worker_rank_outside_the_job_is_one_error(tmp_path, capsys, rank):
+    """A helper's review: `psgd worker --rank -5` waited out cluster.timeout_s for a
+    coordinator, then said "worker 0 could not register"."""
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["worker", "--rank", rank, "--out", str(tmp_path / "out"), "--set", "cluster.timeout_s=2"]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert f"--rank {rank} is out of range: cluster.workers = 2 (ranks 0..1" in capsys.readouterr().err
+
+
 def test_shards_takes_no_output_folder(capsys):
     """`psgd shards` writes nothing: its help promised events/, pids/ and summary.json in --out."""
     with pytest.raises(SystemExit):

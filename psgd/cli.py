@@ -230,12 +230,12 @@ def cmd_run(args) -> int:
         s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
                       quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at, port_explicit=port_explicit,
                       script=script)
-    except LaunchError as e:
-        print(f"psgd: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:   # its daemons are stopped by now (run_local)
+    except (LaunchError, KeyboardInterrupt) as e:   # its daemons are stopped by now (run_local)
         resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
                   f"--out resumes from them)" if resumable(cfg, out, launched_at) else "")
+        if isinstance(e, LaunchError):   # (--timeout, a daemon that failed)
+            print(f"psgd: error: {e}{resume}", file=sys.stderr)
+            return 1
         print(f"psgd run: {'terminated' if interrupted_code(e) != 130 else 'interrupted'}; its daemons are "
               f"stopped{resume}", file=sys.stderr)
         raise

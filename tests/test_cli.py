@@ -337,6 +337,26 @@ def test_a_worker_rank_outside_the_job_is_one_error(tmp_path, capsys, rank):
     assert f"--rank {rank} is out of range: cluster.workers = 2 (ranks 0..1" in capsys.readouterr().err
 
 
+def test_a_job_that_timed_out_says_where_its_checkpoints_are(tmp_path, no_job, capsys):
+    """A helper's review: "the job did not finish within 8 s" (psgd run --timeout) did not
+    say that a psgd run into the same --out resumes from the shards' checkpoints, as an
+    interrupted job's message does."""
+    from psgd.config import Config
+    from psgd.launcher import LaunchError
+
+    def checkpointed_then_timed_out(out: str) -> None:
+        for i in range(2):
+            path = Config().checkpoint_file(out, i)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "wb").close()
+        raise LaunchError("the job did not finish within 8 s")
+    no_job.during.append(checkpointed_then_timed_out)
+    assert main(["run", "--out", str(tmp_path / "out"), "--timeout", "8"]) == 1
+    assert ("the job did not finish within 8 s; the shards' checkpoints are in "
+            f"{tmp_path / 'out' / 'checkpoints'} (a psgd run into the same --out resumes from them)") \
+        in capsys.readouterr().err
+
+
 def test_shards_takes_no_output_folder(capsys):
     """`psgd shards` writes nothing: its help promised events/, pids/ and summary.json in --out."""
     with pytest.raises(SystemExit):

@@ -173,7 +173,8 @@ def _script(args) -> list[str] | None:
     if not args.script:
         return None
     if not os.path.isfile(args.script):
-        raise ConfigError(f"--script {args.script}: no such file")
+        raise ConfigError(f"--script {args.script}: " + ("a folder, not a Python file" if os.path.isdir(args.script)
+                                                         else "no such file"))
     return [os.path.abspath(args.script), *args.script_args]
 
 

@@ -357,6 +357,13 @@ def test_a_job_that_timed_out_says_where_its_checkpoints_are(tmp_path, no_job, c
         in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("what,says", [("missing.py", "no such file"), ("", "a folder, not a Python file")])
+def test_a_script_that_is_no_file_is_one_error(tmp_path, no_job, capsys, what, says):
+    """A helper's review: `--script DIR` said "no such file" of a folder that exists."""
+    refused_before_start(["run", "--out", str(tmp_path / "out"), "--script", str(tmp_path / what)],
+                         f"--script {tmp_path / what}: {says}", capsys, no_job)
+
+
 def test_shards_takes_no_output_folder(capsys):
     """`psgd shards` writes nothing: its help promised events/, pids/ and summary.json in --out."""
     with pytest.raises(SystemExit):

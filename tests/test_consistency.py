@@ -1019,3 +1019,23 @@ def test_the_global_model_is_read_again_while_its_shards_stand_at_different_step
     assert rule.read_params(stuck) == [{"step": 4}, {"step": 3}] and stuck.reads == rule.READ_TRIES
     stuck.waits, stuck.reads = False, 0
     assert rule.read_params(stuck) and stuck.reads == 1
+
+
+@pytest.mark.parametrize("given,says", [(True, "lower the learning rate of the optimizer given to psgd.connect"),
+                                        (False, "lower optimizer.lr")])
+def test_a_local_optimizers_divergence_names_the_rate_that_steps_it(given, says):
+    """A helper's review: a training script's own optimizer that diverged (easgd, diloco,
+    ltfb) ended the job with "lower optimizer.lr", a key that does not reach that
+    optimizer: the advice names the optimizer given to psgd.connect."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from psgd.config import Config
+    from psgd.consistency.rule import Diverged, local_step
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e6)
+    w = SimpleNamespace(cfg=Config(), clock=3, compute=lambda: math.nan, user_optimizer=opt if given else None)
+    with pytest.raises(Diverged) as e:
+        local_step(w, opt)
+    assert str(e.value) == f"loss is nan at step 3; {says}"

@@ -72,6 +72,7 @@ from .rule import (
     ServerRule,
     Store,
     Trainer,
+    lower_lr,
     make_local_optimizer,
     schedule_lr,
     waited,
@@ -357,11 +358,11 @@ class LtfbSchedule(Schedule):
         R, steps = self.cfg.mode.round_steps, self.cfg.train.steps
         ahead = not steps or (w.clock // R + 1) * R + R <= steps   # (`due` at the next tournament)
         if not ahead or len(trainers(w.live() | {w.rank}, self.k)) < 2:
-            raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+            raise Diverged(f"loss is {loss} at step {w.clock}; {lower_lr(w)}")
         if self.lost_to_divergence >= DIVERGED_ROUNDS - 1:
             raise Diverged(f"loss is {loss} at step {w.clock}, in {DIVERGED_ROUNDS} rounds in a row of trainer "
                            f"{self.trainer}, the last {DIVERGED_ROUNDS - 1} with the model it took at its "
-                           f"tournament; lower optimizer.lr"
+                           f"tournament; {lower_lr(w)}"
                            f"{' (or narrow mode.explore)' if self.explore else ''}")
         if not self.diverged:
             w.note(f"loss is {loss} at step {w.clock}: trainer {self.trainer} diverged; it skips its updates "

@@ -384,11 +384,20 @@ def local_step(w: Trainer, opt: Any, before_update: Callable[[], None] | None = 
     schedule_lr(w, opt, w.cfg.optimizer)
     loss = w.compute()
     if not math.isfinite(loss):
-        raise Diverged(f"loss is {loss} at step {w.clock}; lower optimizer.lr")
+        raise Diverged(f"loss is {loss} at step {w.clock}; {lower_lr(w)}")
     if before_update is not None:
         before_update()
     opt.step()
     w.clock += 1
+
+
+def lower_lr(w: Trainer) -> str:
+    """What to do about a worker's diverged loss: lower the learning rate of the optimizer
+    it steps, which is the training script's own when it gave psgd.connect one
+    (`optimizer.lr` does not reach that)."""
+    if getattr(w, "user_optimizer", None) is not None:
+        return "lower the learning rate of the optimizer given to psgd.connect"
+    return "lower optimizer.lr"
 
 
 def make_local_optimizer(w: Trainer) -> Any:

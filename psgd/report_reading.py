@@ -316,10 +316,15 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
     if len(accs) == 1:
         out.append((f"Only {rname(hi[1], many_w)} was scored: final accuracy" if len(dist) > 1 else
                     f"Final accuracy of {rname(hi[1], many_w)}:") + f" {hi[0]:.4f}.")
-    elif hi[0] - lo[0] <= max(0.005, 2 * noise):
+    elif hi[0] - lo[0] <= 0.005:
         spread = f"all ended at {hi[0]:.4f}" if f"{hi[0]:.4f}" == f"{lo[0]:.4f}" else \
             f"all lie between {lo[0]:.4f} and {hi[0]:.4f}"
         out.append(f"Final accuracy hardly separates the configurations: {spread}.")
+    elif hi[0] - lo[0] <= 2 * noise:   # a wide range, but no wider than one configuration's own repeats
+        noisy = max((r for _, r in accs), key=lambda r: sd(r.acc) or 0.0)
+        out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
+                   f"({rname(hi[1], many_w)}), which does not tell the configurations apart: the repeats of "
+                   f"{rname(noisy, many_w)} alone spread as much (sd {noise:.4f}).")
     elif tie_reason(lo[1].acc, hi[1].acc) == ONCE:   # the extremes ran once: the values, in the rows' order
         every = "" if unmeasured([r.acc for _, r in accs]) else "the highest and the lowest "
         out.append("Final accuracy: " + ", ".join(f"{rname(r, many_w)} {a:.4f}" for a, r in accs)

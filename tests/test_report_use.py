@@ -111,3 +111,20 @@ def test_a_fault_from_the_config_file_is_stated_as_one_from_a_set_is(tmp_path, s
     assert report_main([out]) == 0
     text = open(os.path.join(out, "report.md")).read()
     assert "**Injected fault:** worker rank 1 is an injected straggler: each of its steps takes 2× as long" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_wide_accuracy_range_is_not_called_hardly_separating_when_one_configuration_is_noisy():
+    # A helper's review: with --repeats 2, one configuration's repeats at 0.66 and 0.91 made the
+    # reading say "Final accuracy hardly separates the configurations: all lie between 0.6588 and 0.9136".
+    res = [run("sync", repeat=0, acc=0.66), run("sync", repeat=1, acc=0.91)]
+    res += [run("async", "async", repeat=i, acc=0.90 + 0.01 * i) for i in range(2)]
+    text = told(res)
+    assert "hardly separates" not in text
+    assert sentence(text, "Final accuracy") == (
+        "Final accuracy ranged from 0.7850 (**sync**) to 0.9050 (**async**), which does not tell the "
+        "configurations apart: the repeats of **sync** alone spread as much (sd 0.1768).")
+    close = [run("sync", repeat=i, acc=0.920) for i in range(2)] + [run("async", "async", repeat=i, acc=0.922)
+                                                                    for i in range(2)]
+    assert sentence(told(close), "Final accuracy") == \
+        "Final accuracy hardly separates the configurations: all lie between 0.9200 and 0.9220."

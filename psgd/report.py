@@ -161,7 +161,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     for s in setups:
         tag = f" (rows marked [{s['tag']}])" if s.get("tag") else ""
         cmd = f"`{s['command']}`" if s.get("command") else "no compare-context.json"
-        only = f"; of the merged runs, only this folder's had `{' '.join('--set ' + x for x in s['sets'])}`"
+        only = f"; its runs also had `{' '.join('--set ' + x for x in s['sets'])}` (not every merged folder's did)"
         said.append(f"**Folder {s['folder']}**{tag}: {cmd}" + (only if s.get("sets") else "") + ".")
     # (a fault set in the config file or the environment, with no --set, is stated too)
     faults = describe_faults(ctx.get("faults") or {}, workers, any(r.is_baseline and r.runs for r in rows))

@@ -128,3 +128,17 @@ def test_a_wide_accuracy_range_is_not_called_hardly_separating_when_one_configur
                                                                     for i in range(2)]
     assert sentence(told(close), "Final accuracy") == \
         "Final accuracy hardly separates the configurations: all lie between 0.9200 and 0.9220."
+
+
+@pytest.mark.timeout(60)
+def test_a_set_that_two_of_three_merged_folders_had_is_not_said_to_be_only_one_folders(tmp_path):
+    # A helper's review: merging simA, simC (both --set sim.compute_s=0.001) and a real folder said
+    # of each simulated folder that "only this folder's had `--set sim.compute_s=0.001`".
+    a = _folder(tmp_path / "a", [run("sync")], {**CTX, "command": "psgd compare a", "sets": ["x.y=1"]})
+    c = _folder(tmp_path / "c", [run("async", "async")], {**CTX, "command": "psgd compare c", "sets": ["x.y=1"]})
+    r = _folder(tmp_path / "r", [run("ssp", "ssp")], {**CTX, "command": "psgd compare r", "sets": []})
+    out = str(tmp_path / "m")
+    assert report_main([out, a, c, r]) == 0
+    text = open(os.path.join(out, "report.md")).read()
+    assert "only this folder" not in text
+    assert text.count("its runs also had `--set x.y=1` (not every merged folder's did)") == 2

@@ -11,6 +11,7 @@ mixes tiers marks each test, not the module.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
@@ -202,3 +203,15 @@ def train_on_threads(cfg: Any, out: str, cluster: Any, prepare: Any = None) -> d
     for t in threads:
         t.join(timeout=150)
     return codes
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def example(name: str) -> Any:
+    """examples/NAME.py, imported as a module (its functions, without running its main)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

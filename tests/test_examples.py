@@ -3,23 +3,12 @@ script's `score=`) is held out of what the script trains on and of what it repor
 score on, as psgd's own ltfb holds the tournament data out of each partition."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
+from tests.conftest import example
+
 pytestmark = pytest.mark.unit
-
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-
-
-def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def rows(x: torch.Tensor) -> set[bytes]:

@@ -12,7 +12,6 @@ starts the coordinator and the shards, then copies of the script, in every mode.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -25,12 +24,10 @@ import torch
 from psgd import consistency
 from psgd.config import Config
 from psgd.launcher import LaunchError, LocalJob, run_local
-from tests.conftest import free_port_block
+from tests.conftest import EXAMPLES, example, free_port_block
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
 SMALL = {"cluster.workers": 2, "cluster.servers": 2, "model.name": "script", "cluster.evaluator": False,
          "mode.round_steps": 20, "mode.tau": 4, "mode.local_steps": 10}
 # cluster.timeout_s of the script jobs below. It is also the coordinator's rendezvous, counted from its
@@ -38,14 +35,6 @@ SMALL = {"cluster.workers": 2, "cluster.servers": 2, "model.name": "script", "cl
 # after the coordinator on a loaded 2-core machine and 12.5 s under heavier load, where 8 s and 12 s
 # failed with "0/2 workers registered"; the tests' waits grow with it.
 SCRIPT_TIMEOUT_S = 30.0
-
-
-def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_script(tmp_path, script: list[str], **sets) -> dict:

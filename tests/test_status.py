@@ -196,39 +196,45 @@ def test_status_of_an_interrupted_job_is_not_answered_by_another_job_on_its_port
     assert len([line for line in err.splitlines() if line.startswith("psgd status")]) == 1, err
 
 
-@pytest.mark.timeout(60)
-def test_watch_by_address_ends_cleanly_when_the_job_ends(capsys):
-    """A review: `psgd status --address A --watch` on a job that finishes normally: the coordinator
-    exits right after `done`, and the watch ended with exit 1 and "no answer ... (not
-    started yet, or gone without a summary; a job secured with CurveZMQ ...)"."""
-    port = free_port_block(1)
-    address = f"tcp://127.0.0.1:{port}"
+def watch_a_job_that_answers_once(fields: dict, then=lambda: None) -> int:
+    """`psgd status --address A --watch 0.5` of a fake coordinator that answers one status
+    request with `fields`, then (after `then()`: what the job does as it ends) exits as a
+    coordinator does: main's exit code."""
+    address = f"tcp://127.0.0.1:{free_port_block(1)}"
     ctx = zmq.Context()
     sock = server_socket(ctx, address, Config().security)
     answered = threading.Event()
 
     def on_status(ident, msg):
         answered.set()
-        return [(ident, wire.reply(msg, phase="final_eval", done=False, mode="sync", mode_params={}, steps=10,
-                                   samples=640, elapsed_s=2.0, workers_expected=1, live={},
-                                   workers=[{"rank": 0, "state": "finished", "clock": 10, "joins": 1}],
-                                   shards=[], last_eval=None))]
+        return [(ident, wire.reply(msg, done=False, mode="sync", mode_params={}, steps=10, workers_expected=1,
+                                   shards=[], last_eval=None, **fields))]
 
     svc = Service(sock, {"status": on_status}, "fake-coordinator")
 
-    def serve():  # answers one status request (the last one of the job), then exits as a coordinator does
+    def serve():
         while not answered.is_set():
             svc.poll(50)
         time.sleep(0.2)
+        then()
         sock.close(0)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        code = main(["status", "--address", address, "--watch", "0.5"])
+        return main(["status", "--address", address, "--watch", "0.5"])
     finally:
         t.join(5)
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_watch_by_address_ends_cleanly_when_the_job_ends(capsys):
+    """A review: `psgd status --address A --watch` on a job that finishes normally: the coordinator
+    exits right after `done`, and the watch ended with exit 1 and "no answer ... (not
+    started yet, or gone without a summary; a job secured with CurveZMQ ...)"."""
+    code = watch_a_job_that_answers_once({"phase": "final_eval", "samples": 640, "elapsed_s": 2.0, "live": {},
+                                          "workers": [{"rank": 0, "state": "finished", "clock": 10, "joins": 1}]})
     err = capsys.readouterr().err
     assert code == 0 and "CurveZMQ" not in err, err
 
@@ -348,34 +354,9 @@ def test_watch_by_address_of_a_job_that_ends_between_two_looks_prints_its_summar
     and ended with exit 1 and "no answer ... (not started yet, or gone without a summary;
     a job secured with CurveZMQ ...)". The coordinator's answers name its folder: the
     summary written there since is the job's end."""
-    port = free_port_block(1)
-    address = f"tcp://127.0.0.1:{port}"
-    ctx = zmq.Context()
-    sock = server_socket(ctx, address, Config().security)
-    answered = threading.Event()
-
-    def on_status(ident, msg):
-        answered.set()
-        return [(ident, wire.reply(msg, phase="training", done=False, mode="sync", mode_params={}, steps=10,
-                                   samples=64, elapsed_s=1.0, workers_expected=1, live={"0": 1}, out=str(tmp_path),
-                                   workers=[{"rank": 0, "state": "live", "clock": 1, "joins": 1}],
-                                   shards=[], last_eval=None))]
-
-    svc = Service(sock, {"status": on_status}, "fake-coordinator")
-
-    def serve():  # answers one status request while training, then the job ends: its summary, and it exits
-        while not answered.is_set():
-            svc.poll(50)
-        time.sleep(0.2)
-        (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
-        sock.close(0)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        code = main(["status", "--address", address, "--watch", "0.5"])
-    finally:
-        t.join(5)
-        ctx.destroy(linger=0)
+    code = watch_a_job_that_answers_once(
+        {"phase": "training", "samples": 64, "elapsed_s": 1.0, "live": {"0": 1}, "out": str(tmp_path),
+         "workers": [{"rank": 0, "state": "live", "clock": 1, "joins": 1}]},
+        then=lambda: (tmp_path / "summary.json").write_text(json.dumps(SUMMARY)))
     out, err = capsys.readouterr()
     assert code == 0 and "finished: sync: accuracy 0.9700" in out, err

@@ -78,6 +78,15 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - age if 0 <= age < 7 * 86400 else None
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed over it: a reader sees the
+    old file or the new one, never half of one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     """Write `obj` as strict JSON (temp file, fsync, rename): a float that is not finite
     (an untrained baseline's last loss) is written as null, never as NaN or Infinity,

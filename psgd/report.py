@@ -28,6 +28,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .metrics import write_text_atomic
 from .report_numbers import (
     SIM_SUFFIX,
     Row,
@@ -280,10 +281,7 @@ def write_report(out: str, results: list[dict], ctx: dict) -> str:
     plots = make_plots(out, rows, float(ctx.get("target_accuracy", 0.9)),
                        eval_period([run for r in rows for run in r.runs], ctx))
     path = os.path.join(out, "report.md")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(render(rows, ctx, plots))
-    os.replace(tmp, path)
+    write_text_atomic(path, render(rows, ctx, plots))
     return path
 
 

@@ -42,7 +42,7 @@ from psgd import wire
 from psgd.config import Config, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
-from psgd.metrics import EventLog, summarize, write_json_atomic
+from psgd.metrics import EventLog, summarize, write_json_atomic, write_text_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
 STATUS_WORKER_STATS = ("samples", "elapsed_s", "wait_s", "staleness_hist", "staleness_sum", "staleness_max", "rejected",
@@ -183,10 +183,7 @@ class Coordinator:
         if old is not None and not written_by_psgd(old):
             log("coordinator", f"{path} is not a config psgd wrote: left as it is (psgd status {self.out} reads it)")
             return
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
 
     def _no_rank(self, want: int) -> str:
         """Why a worker's registration got no rank: every rank held by a live worker (one

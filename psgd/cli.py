@@ -31,8 +31,7 @@ except KeyboardInterrupt:   # Ctrl-C while psgd loads (numpy, ZeroMQ): nothing s
     raise SystemExit(130) from None
 
 
-def _common(p: argparse.ArgumentParser, out_help: str | None = "output folder: events/, pids/, summary.json "
-                                                                "(default: $PSGD_OUT)") -> None:
+def _common(p: argparse.ArgumentParser, out_help: str | None) -> None:
     """CONFIG and --set, and --out with `out_help` (None: a command that writes nothing)."""
     p.add_argument("config", nargs="?", default=os.environ.get("PSGD_CONFIG"),
                    help="TOML config file (default: $PSGD_CONFIG, else the built-in default job)")
@@ -48,6 +47,12 @@ def _device(p: argparse.ArgumentParser) -> None:
 
 
 DAEMONS = ("coordinator", "server", "worker", "evaluator")
+# What each daemon writes into --out (README, "Output files").
+NOTHING = "(default: $PSGD_OUT; with neither, nothing is written)"
+DAEMON_OUT = {"coordinator": f"summary.json, config.toml, coordinator-state.json, events/, pids/ {NOTHING}",
+              "server": "checkpoints/shard-I.pt, pids/ (default: $PSGD_OUT; checkpoint.dir, if set, holds the "
+                        "checkpoints instead, with or without --out)",
+              "worker": f"events/worker-R.jsonl, pids/ {NOTHING}", "evaluator": f"model.pt, events/, pids/ {NOTHING}"}
 
 
 def _seconds(text: str) -> float:
@@ -110,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
                        ("server", "one shard server"), ("worker", "one worker"),
                        ("evaluator", "scores the global model")):
         p = sub.add_parser(role, help=text)
-        _common(p)
+        _common(p, f"output folder: {DAEMON_OUT[role]}")
         if role == "server":
             p.add_argument("--shard", type=int, required=True, help="shard index I (port = cluster.port + 1 + I)")
         if role == "worker":

@@ -67,6 +67,7 @@ def _seconds(text: str) -> float:
 
 
 SERVERS_HELP = "number of shards (= --set cluster.servers=...)"
+WORKERS_HELP = "worker count, or a comma-separated sweep: {} (default: the config's cluster.workers)"
 REPEATS_HELP = "runs of each mode and worker count, with seeds job.seed + 0, 1, ... (default 1)"
 
 
@@ -99,8 +100,10 @@ def parser() -> argparse.ArgumentParser:
     _device(p)
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated modes, each optionally with parameters (ssp:staleness=2, "
-                        "easgd:tau=4:alpha=0.3); a value list sweeps one parameter: ssp:staleness=0,1,2,4,8")
-    p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 1,2,4")
+                        "easgd:tau=4:alpha=0.3) or config keys as SECTION.KEY (sync:wire.dtype=bfloat16); a "
+                        f"value list sweeps the item's last parameter: ssp:staleness=0,1,2,4,8 (default: every "
+                        f"mode, {','.join(MODES)})")
+    p.add_argument("--workers", default=None, help=WORKERS_HELP.format("1,2,4"))
     p.add_argument("--servers", type=int, help=SERVERS_HELP)
     p.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     p.add_argument("--no-baseline", action="store_true", help="skip the sequential 1-worker baseline")

@@ -60,9 +60,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="output folder: report.md, compare.json, runs/ (default: $PSGD_OUT, else "
                         "runs/simulate-DATE-TIME)")
     p.add_argument("--modes", default="sync,ssp,async",
-                   help="comma-separated modes with parameters, as for psgd compare: sync,ssp:staleness=4,async")
-    p.add_argument("--workers", default=None, help="worker count, or a comma-separated sweep: 8,64,256")
-    from .cli import REPEATS_HELP, SERVERS_HELP
+                   help="comma-separated modes with parameters, as for psgd compare: sync,ssp:staleness=4,async "
+                        "(default: sync,ssp,async)")
+    from .cli import REPEATS_HELP, SERVERS_HELP, WORKERS_HELP
+    p.add_argument("--workers", default=None, help=WORKERS_HELP.format("8,64,256"))
     p.add_argument("--servers", type=int, help=SERVERS_HELP)
     p.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     p.add_argument("--device", default="cpu",

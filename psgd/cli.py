@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     except RemoteError as e:   # a peer's answer that ends this daemon: refused by the coordinator, say
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:   # `psgd shards | head -1`: the reader is gone; end as SIGPIPE would, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush would fail again)
+        return 128 + signal.SIGPIPE
     except (OSError, TimeoutError) as e:
         said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
         print(f"psgd {args.cmd}: error: {said}", file=sys.stderr)

@@ -139,6 +139,22 @@ def test_the_psgd_command_imports_a_factory_from_the_folder_it_runs_in(tmp_path)
     assert "cannot import" not in got.stderr
 
 
+@pytest.mark.timeout(120)
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`psgd shards | head -1`: the reader gone, psgd said "error: [Errno 32] Broken pipe"
+    and exited 1. It ends as a Unix tool killed by SIGPIPE does: nothing said, 141."""
+    import subprocess
+    import sys
+    read, write = os.pipe()
+    os.close(read)   # no reader at all: the first write fails, every time
+    try:
+        got = subprocess.run([sys.executable, "-m", "psgd", "shards", "--servers", "4"], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=100)
+    finally:
+        os.close(write)
+    assert got.returncode == 141 and got.stderr == "", got.stderr
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["run", "--timeout", "nan"], "argument --timeout: expected a number of seconds > 0, got 'nan'"),
     (["compare", "--modes", "sync", "--timeout", "0", "--out", "x"], "expected a number of seconds > 0, got '0'"),

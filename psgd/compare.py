@@ -13,7 +13,8 @@ previous item's last key: `sync,ssp:staleness=0,2,async` is sync, ssp s=0, ssp s
 Every configuration (mode x parameters x worker count) runs with the same model, data,
 optimizer and budget via the local launcher, each in DIR/runs/<name>/ (its own events,
 logs, summary.json). Repeat r uses job.seed + r for every configuration, so repeats are
-paired across modes. `--set` flags apply to every run. Unless --no-baseline, each repeat
+paired across modes. `--set` flags apply to every run (a --set of a key that a mode item
+sets too is refused: the item would win for its runs). Unless --no-baseline, each repeat
 also trains the sequential baseline (psgd.baseline) in this process, with the budget of
 the largest run: max(W) x train.steps steps of train.batch_size samples.
 
@@ -213,6 +214,19 @@ def refuse_sets_the_plan_overrides(sets: list[str], workers: list[int] | None, s
                                 f"--workers {','.join(map(str, workers))}")
     if servers is not None:
         refuse_set_against_flag(sets, "cluster.servers", servers, f"--servers {servers}")
+
+
+def refuse_sets_an_item_overrides(sets: list[str], specs: list[ModeSpec]) -> None:
+    """A --set of a key that a mode item also sets (`--set mode.staleness=4` with
+    `--modes ssp:staleness=0,2`): the item's value wins for its runs, while the report
+    listed the --set as applied to every run."""
+    given = {key.strip(): value.strip() for key, _, value in (s.partition("=") for s in sets)}
+    for spec in specs:
+        for key, value in spec.params:
+            dotted = key if "." in key else f"mode.{key}"
+            if dotted in given and parse_value(given[dotted]) != value:
+                raise ConfigError(f"--set {dotted}={given[dotted]} and --modes {spec.label} disagree (the item's "
+                                  f"value would win for its runs): give {dotted} in one place")
 
 
 # ---------------------------------------------------------------- the plan
@@ -538,6 +552,7 @@ def main(args) -> int:
     base = load(args.config, args.set)
     specs = parse_modes(args.modes)
     refuse_sets_the_plan_overrides(args.set, parse_workers(args.workers), args.servers)
+    refuse_sets_an_item_overrides(args.set, specs)
     workers = parse_workers(args.workers) or [base.cluster.workers]
     if args.servers is not None and args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")

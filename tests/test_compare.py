@@ -567,6 +567,29 @@ def test_a_set_that_the_plan_would_override_is_refused(cmd, argv, said, tmp_path
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("modes,sets,said", [
+    ("ssp:staleness=0,2", ["mode.staleness=4"], "--set mode.staleness=4 and --modes ssp:staleness=0 disagree"),
+    ("sync,ssp:mode.staleness=1", ["mode.staleness=4"], "--set mode.staleness=4 and --modes ssp:staleness=1"),
+    ("sync:wire.dtype=float32,bfloat16", ["wire.dtype=float16"], "--set wire.dtype=float16 and --modes sync:wire"),
+])
+def test_a_set_that_a_mode_item_overrides_is_refused(modes, sets, said, tmp_path, monkeypatch, capsys):
+    """`--set mode.staleness=4` with `--modes ssp:staleness=0,2` ran s = 0 and 2, while the
+    progress line and the report said the --set was applied to every run."""
+    import psgd.compare
+    from psgd.cli import main
+    ran = []
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **k: ran.append(run))
+    code = main(["compare", "--modes", modes, *(a for s in sets for a in ("--set", s)), "--set", "train.steps=5",
+                 "--out", str(tmp_path / "c"), "--no-baseline"])
+    assert code == 2 and not ran and said in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    # the same value, or a key that no item sets, is fine
+    from psgd.compare import refuse_sets_an_item_overrides
+    refuse_sets_an_item_overrides(["mode.staleness=2"], parse_modes("ssp:staleness=2,sync"))
+    refuse_sets_an_item_overrides(["mode.staleness=4", "wire.dtype=float16"], parse_modes("ssp:cache=true,sync"))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,said", [
     (["data.name=mnist", "data.path=/nonexistent"], "/nonexistent"),
     (["model.name=foo"], "model.name 'foo': expected mlp, cnn, resnet20 or package.module:factory"),

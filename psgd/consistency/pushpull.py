@@ -111,7 +111,9 @@ def own_update(w: Trainer) -> None:
     to its copy of the model as a plain SGD step at the shards' per-push rate,
     -lr / W * g (lr at the worker's clock). Exact for a shard running plain SGD; with
     momentum, weight decay or Adam it approximates the shard's step (their state lives
-    on the shards), and the next pull replaces it with the shards' model."""
+    on the shards), and the next pull replaces it with the shards' model. With
+    `wire.compression` the push carries only part of g (error feedback sends the rest
+    later), so the copy runs ahead of the shards by what is still left out."""
     lr = lr_at(w.cfg.optimizer, w.clock, w.cfg.train.steps) / w.cfg.cluster.workers
     for p in w.replica.model.parameters():
         if p.grad is not None:

@@ -485,7 +485,8 @@ def failed_entry(run: Run, msg: str, **extra: Any) -> dict:
 def _one_line(s: dict) -> str:
     acc = s.get("final_accuracy")
     ttt = s.get("time_to_target_s")
-    parts = [f"acc {acc:.4f}" if acc is not None else
+    parts = [f"acc {acc:.4f}" + (" (loss not finite: the model diverged)" if s.get("final_loss_not_finite") else "")
+             if acc is not None else
              "no final evaluation" if s.get("final_eval_missing") else "no evaluation",
              f"{s.get('samples_per_s', 0):,.0f} samples/s",
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else

@@ -856,7 +856,8 @@ def format_summary(s: dict) -> str:
              f"{s['mode']}: no final evaluation (the last score, during training: accuracy "
              f"{last['accuracy']:.4f} at {last['t']:.1f} s)" if s.get("final_eval_missing") and last else
              f"{s['mode']}: no evaluation",
-             f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else "",
+             f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else
+             "loss not finite (the model diverged)" if s.get("final_loss_not_finite") else "",
              f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s", reached,
              f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",
              f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else ""]

@@ -177,6 +177,8 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     }
     if missing:
         out["final_eval_missing"] = True
+    if final and isinstance(final["loss"], float) and not math.isfinite(final["loss"]):
+        out["final_loss_not_finite"] = True   # final_loss is written null: a diverged model, not a score missing
     if extra:
         out.update(extra)
     return out

@@ -2,6 +2,7 @@
 (tests/test_cli_e2e.py runs it as real processes)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -394,6 +395,26 @@ def test_the_run_summary_line_says_nothing_of_a_target_nothing_scored():
     assert "target" not in format_summary(s) and "no evaluation" in format_summary(s)
     scored = {**s, "final_accuracy": 0.5, "final_loss": 1.0, "evals": [{"t": 0.3, "accuracy": 0.5}]}
     assert "target 0.9 not reached" in format_summary(scored)
+
+
+def test_a_final_loss_that_is_not_finite_is_said_not_left_out():
+    """A diverged diloco run (mode.outer_lr = 50) ended "accuracy 0.1031" with no loss and
+    summary.json's final_loss null, as if no score had come: the evaluator's loss was NaN."""
+    from psgd.launcher import format_summary
+    from psgd.metrics import json_line, summarize
+    final = {"t": 1.0, "samples": 64, "accuracy": 0.1031, "loss": float("nan"), "final": True}
+    s = summarize(mode="diloco", mode_params={}, workers=2, servers=1, wall_s=1.0, worker_stats={}, server_stats={},
+                  evals=[final], target=0.9, failures={}, final_expected=True)
+    written = json.loads(json_line(s))
+    assert written["final_loss"] is None and written["final_loss_not_finite"] is True
+    assert "final_eval_missing" not in written
+    line = format_summary(written)
+    assert "accuracy 0.1031  loss not finite (the model diverged)" in line, line
+    from psgd.compare import _one_line
+    assert _one_line(written).startswith("acc 0.1031 (loss not finite: the model diverged), ")
+    fine = summarize(mode="sync", mode_params={}, workers=1, servers=1, wall_s=1.0, worker_stats={}, server_stats={},
+                     evals=[{**final, "loss": 2.5}], target=0.9, failures={}, final_expected=True)
+    assert "final_loss_not_finite" not in fine and "loss 2.5000" in format_summary(fine)
 
 
 def test_an_interrupted_checkpoint_leaves_no_temp_file(tmp_path, monkeypatch):

@@ -42,6 +42,7 @@ from .compare import (
     hold_output,
     parse_modes,
     parse_workers,
+    refuse_sets_an_item_overrides,
     refuse_sets_the_plan_overrides,
     tag,
 )
@@ -112,6 +113,7 @@ def main(args) -> int:
     base = load(args.config, args.set)
     specs = runnable(parse_modes(args.modes, SHARED_SECTIONS + ("sim",)))   # one cost model for the whole plan
     refuse_sets_the_plan_overrides(args.set, parse_workers(args.workers), args.servers)
+    refuse_sets_an_item_overrides(args.set, specs)
     workers = parse_workers(args.workers) or [base.cluster.workers]
     if args.servers is not None and args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")

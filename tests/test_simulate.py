@@ -552,6 +552,10 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert cli(["--modes", "sync", "--workers", "0", "--out", str(tmp_path / "v")]) == 2
     assert "--workers: expected positive integers" in capsys.readouterr().err
+    # as psgd compare: a --set of a key that a mode item sets otherwise was said to apply to every run
+    assert cli(["--modes", "ssp:staleness=0,2", "--set", "mode.staleness=4", "--out", str(tmp_path / "u")]) == 2
+    assert "--set mode.staleness=4 and --modes" in capsys.readouterr().err
+    assert not (tmp_path / "u").exists()
 
 
 # ---------------------------------------------------------------- reviewed: --jobs, calibration, --device, streams

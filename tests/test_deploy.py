@@ -422,6 +422,24 @@ def test_sbatch_refuses_more_workers_per_node_than_the_allocation_has_tasks(tmp_
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,value,message", [
+    ("DEPLOY_GRACE_S", "abc", "DEPLOY_GRACE_S must be a whole number of seconds, got 'abc'"),
+    ("DEPLOY_WORKERS_PER_NODE", "abc", "DEPLOY_WORKERS_PER_NODE must be a whole number of at least 1, got 'abc'"),
+    ("DEPLOY_WORKERS_PER_NODE", "0", "DEPLOY_WORKERS_PER_NODE must be a whole number of at least 1, got '0'"),
+], ids=["grace", "per-node-word", "per-node-0"])
+def test_sbatch_refuses_a_setting_that_is_not_a_number_before_it_starts_anything(tmp_path, name, value, message):
+    """DEPLOY_GRACE_S=abc ran the whole job, then failed it at the end ("abc: unbound
+    variable"), without printing its summary; DEPLOY_WORKERS_PER_NODE=abc said it was "more
+    than the allocation's --ntasks-per-node", and 0 blamed PSGD_CLUSTER_WORKERS, which the
+    user had not set. Each now stops the script, naming the setting, before it starts anything."""
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, **{name: value}), cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "integer expression" not in r.stderr, r.stderr
+    assert not [c for c in stub_calls(tmp_path) if not c.startswith("scontrol")]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
 def test_sbatch_does_not_requeue_a_job_that_has_ended(tmp_path):
     """A review: the SIGUSR1 that Slurm sends before the time limit still requeued the job
     while the script waited (DEPLOY_GRACE_S) for the daemons of a job that had ended: Slurm

@@ -439,6 +439,32 @@ def test_sbatch_refuses_a_setting_that_is_not_a_number_before_it_starts_anything
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,message", [
+    ("DEPLOY_EVAL_DEVICE", "DEPLOY_EVAL_DEVICE: --device 'gpu' is not a device: expected auto, cpu, cuda or cuda:N"),
+    ("PSGD_DEVICE", "PSGD_DEVICE 'gpu' is not a device: expected auto, cpu, cuda or cuda:N"),
+], ids=["evaluator", "workers"])
+def test_sbatch_refuses_a_device_that_is_not_one_before_it_starts_anything(tmp_path, name, message):
+    """DEPLOY_EVAL_DEVICE=gpu stopped the evaluator at its start, and the job ended COMPLETED
+    (exit 0) after waiting for a final evaluation, with no score in summary.json; PSGD_DEVICE=gpu
+    stopped every worker, and the job aborted after the coordinator had waited for them. The
+    script now stops, naming the setting, before it starts anything."""
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, **{name: "gpu"}), cwd=tmp_path, timeout=100)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not [c for c in stub_calls(tmp_path) if not c.startswith("scontrol")]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_sbatch_takes_a_gpu_for_the_workers_on_a_first_node_without_one(tmp_path):
+    """The control of the test above: the workers run on other nodes (a hetjob's GPU nodes),
+    so their device is checked for its spelling only, not against this node's GPUs."""
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, PSGD_DEVICE="cuda:1"), cwd=tmp_path)
+    assert "coordinator" in stub_calls(tmp_path), r.stderr
+    assert any(c.startswith("srun") and "--device cuda:1" in c for c in stub_calls(tmp_path)), stub_calls(tmp_path)
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_sbatch_does_not_requeue_a_job_that_has_ended(tmp_path):
     """A review: the SIGUSR1 that Slurm sends before the time limit still requeued the job

@@ -628,6 +628,9 @@ def test_slurm_default_job_reaches_target(slurm, tmp_path):
     assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
     s = summary_ok(tmp_path, jid)
     assert (s["mode"], s["workers"], s["servers"], s["steps"]) == ("sync", 2, 2, 300)
+    # docs/deploy.md: `psgd status runs/slurm-<jobid>`, after the job: its summary line
+    r = run([sys.executable, "-m", "psgd", "status", tmp_path / "out"], env=clean_env(PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.startswith("finished: sync"), r.stdout + r.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in (out / "logs").glob("worker-*.log")) == ["worker-0.log", "worker-1.log"]
     assert sorted(p.name for p in (out / "checkpoints").glob("shard-*.pt")) == ["shard-0.pt", "shard-1.pt"]

@@ -354,21 +354,26 @@ def test_sbatch_finds_the_python_behind_a_psgd_launcher_with_a_sh_trampoline(tmp
     assert r.returncode == 2 and "missing.toml does not exist" in r.stderr, r.stderr
 
 
-def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, **settings: str) -> dict:
+def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, coordinator_s: int = 0,
+               workers_s: int = 60, **settings: str) -> dict:
     """The environment to run psgd.sbatch outside Slurm, as on a two-node allocation of two
     tasks a node: srun and scontrol stubbed, and a DEPLOY_PYTHON whose `-m psgd ROLE` only
-    records ROLE (the coordinator exits `coordinator_code`, the evaluator after `evaluator_s`
-    seconds, the others at once). `stub_calls` reads what they were asked to do."""
+    records ROLE (the coordinator exits `coordinator_code`, or runs `coordinator_s` seconds
+    and exits 0; the evaluator runs `evaluator_s` seconds, the others exit at once). The
+    workers' step (srun) runs `workers_s` seconds, until the script stops it: a step that
+    ends before the job began training stops the job. `stub_calls` reads what they were
+    asked to do."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\necho "srun $*" >> "$STUB_CALLS"\n')
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> "$STUB_CALLS"\nexec sleep {workers_s}\n')
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\necho "scontrol $*" >> "$STUB_CALLS"\n'
         'case "$1 $2" in "show hostnames") echo n1;; "show node") echo "   NodeAddr=10.0.0.1 x";; esac\n')
     (bin_dir / "python").write_text(
         '#!/bin/bash\n'
         'if [ "$1" = -m ]; then echo "$3" >> "$STUB_CALLS"; '
-        f'[ "$3" = coordinator ] && exit {coordinator_code}; [ "$3" = evaluator ] && sleep {evaluator_s}; exit 0; fi\n'
+        f'[ "$3" = coordinator ] && {{ [ {coordinator_s} = 0 ] || exec sleep {coordinator_s}; exit {coordinator_code}; }}; '
+        f'[ "$3" = evaluator ] && exec sleep {evaluator_s}; exit 0; fi\n'
         f'exec "{sys.executable}" "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -462,6 +467,28 @@ def test_sbatch_takes_a_gpu_for_the_workers_on_a_first_node_without_one(tmp_path
     r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, PSGD_DEVICE="cuda:1"), cwd=tmp_path)
     assert "coordinator" in stub_calls(tmp_path), r.stderr
     assert any(c.startswith("srun") and "--device cuda:1" in c for c in stub_calls(tmp_path)), stub_calls(tmp_path)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("worker_log", [True, False], ids=["script-failed", "srun-failed"])
+def test_sbatch_stops_a_job_whose_workers_all_exited_before_training_began(tmp_path, worker_log):
+    """A training script given a bad argument (`sbatch psgd.sbatch train.py --bogus`) exited
+    at once in every worker task, and the job waited cluster.timeout_s (60 s; 120 with
+    deploy/configs/default.toml) for workers that could no longer come, then ended with "no
+    summary.json". `psgd run` stops such a job at once; the script now does too, with the
+    first worker's log. (Here the coordinator would run 120 s: the 60 s timeout of the run is the bound.)"""
+    logs = tmp_path / "runs" / "slurm-42" / "logs"
+    logs.mkdir(parents=True)
+    if worker_log:
+        (logs / "worker-0.log").write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: unrecognized arguments: --bogus\n")
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, coordinator_s=120, workers_s=0), cwd=tmp_path, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "the workers' srun step ended before the job began training" in r.stderr, r.stderr
+    if worker_log:
+        assert "unrecognized arguments: --bogus" in r.stderr, r.stderr
+    else:   # srun itself failed (DEPLOY_SRUN_ARGS=--bogus): its error is in the job's output
+        assert "without a worker log (srun's own error is above)" in r.stderr and "tail:" not in r.stderr, r.stderr
 
 
 @pytest.mark.processes

@@ -307,6 +307,18 @@ def test_slurm_scripts_share_one_body():
     assert "#SBATCH hetjob" in SCRIPTS[1].read_text()
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_deploy_docs_name_the_batch_scripts_output_files():
+    """Every message of the batch scripts (their errors, the coordinator's restarts, the
+    summary) goes to their #SBATCH --output file, which docs/deploy.md did not name."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for script in SCRIPTS:
+        name = re.search(r"^#SBATCH --output=(\S+)$", script.read_text(), re.M)
+        assert name, script
+        assert name.group(1).replace("%j", "<jobid>") in docs, name.group(1)
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(30)
 def test_sbatch_script_refuses_outside_slurm():

@@ -359,6 +359,14 @@ class LocalJob:
         self.start()
         return True
 
+    def _refused_by_another_job(self, child: Child) -> bool:
+        """Did `child` reach another job's coordinator on this job's port, which then is
+        taken? Its own coordinator (or a shard) fails to bind it about then: within 2 s."""
+        if "belongs to another job" not in self.tail(child, 3):
+            return False
+        return self._within(2.0, lambda: any(c.role in ("coordinator", "server") and c.poll() == EXIT_ADDRESS_IN_USE
+                                             for c in self.children))
+
     def _coordinator_died(self, coord: Child, code: int) -> bool:
         """The coordinator ended without a summary, killed (a signal) or crashed (not
         its own exit codes 0, 1, 2; or 1, a Python error's, while its state file says the
@@ -560,6 +568,8 @@ class LocalJob:
                 rc = child.poll()
                 if rc is None:
                     continue
+                if rc != 0 and self._refused_by_another_job(child):
+                    break   # this block is another job's: the top of the loop moves the job (or says so)
                 self._exited_before_connect(child, rc)
                 if rc == 0 or child.reported:
                     continue

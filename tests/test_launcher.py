@@ -212,6 +212,39 @@ def test_a_job_whose_chosen_ports_are_taken_moves_to_another_block(tmp_path, cap
     assert f"port = {job.cfg.cluster.port}" in (tmp_path / "config.toml").read_text()
 
 
+class ForeignCoordinatorJob(LocalJob):
+    """Another job took the block at once: this job's daemons reached its coordinator and
+    were refused (they exit 1 at once), and this job's coordinator finds its port taken a
+    moment later; the second block runs."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        if self.moves == 0 and role == "coordinator":
+            return [sys.executable, "-c", f"import sys, time; time.sleep(0.5); sys.exit({EXIT_ADDRESS_IN_USE})"]
+        if self.moves == 0:
+            return [sys.executable, "-c", f"import sys; print('psgd {role}: error: this {role} belongs to another "
+                                          f"job: the coordinator at ... runs another', file=sys.stderr); sys.exit(1)"]
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.mark.timeout(60)
+def test_daemons_refused_by_another_job_on_the_block_are_not_reported_as_failures(tmp_path, capsys):
+    """Two jobs that chose the same block at once: the one that lost printed "worker-0
+    exited with 1 ... belongs to another job" and restarted its shard and evaluator, then
+    moved: alarming messages for a start that recovers."""
+    base = free_port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = ForeignCoordinatorJob(cfg, str(tmp_path), quiet=False, timeout_s=3)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-ins never end
+            job.wait()
+    finally:
+        job.stop()
+    err = capsys.readouterr().err
+    assert job.moves == 1 and f"moved the job to {job.cfg.cluster.port}" in err
+    assert "exited with" not in err and "restarting" not in err, err
+
+
 # What psgd.connect leaves behind in a stand-in script: its .started file, then (once
 # every worker has registered and training begins) its step log.
 CONNECTS = "import os\nopen(os.environ['PSGD_STARTED_FILE'], 'w').close()\n"

@@ -384,7 +384,8 @@ def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, 
     (bin_dir / "python").write_text(
         '#!/bin/bash\n'
         'if [ "$1" = -m ]; then echo "$3" >> "$STUB_CALLS"; '
-        f'[ "$3" = coordinator ] && {{ [ {coordinator_s} = 0 ] || exec sleep {coordinator_s}; exit {coordinator_code}; }}; '
+        f'[ "$3" = coordinator ] && {{ [ {coordinator_s} = 0 ] || exec sleep {coordinator_s}; '
+        f'exit {coordinator_code}; }}; '
         f'[ "$3" = evaluator ] && exec sleep {evaluator_s}; exit 0; fi\n'
         f'exec "{sys.executable}" "$@"\n')
     for f in bin_dir.iterdir():
@@ -493,7 +494,8 @@ def test_sbatch_stops_a_job_whose_workers_all_exited_before_training_began(tmp_p
     logs = tmp_path / "runs" / "slurm-42" / "logs"
     logs.mkdir(parents=True)
     if worker_log:
-        (logs / "worker-0.log").write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: unrecognized arguments: --bogus\n")
+        (logs / "worker-0.log").write_text("usage: train.py [-h] [--lr LR]\n"
+                                           "train.py: error: unrecognized arguments: --bogus\n")
     r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, coordinator_s=120, workers_s=0), cwd=tmp_path, timeout=60)
     assert r.returncode == 1, r.stderr
     assert "the workers' srun step ended before the job began training" in r.stderr, r.stderr

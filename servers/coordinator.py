@@ -413,6 +413,11 @@ class Coordinator:
         if error and self.phase == "training" and not self.abort:
             self.abort = error
             log("coordinator", f"aborting the job: {error}")
+        # In the state file before the worker hears the answer (it stops heartbeating, and
+        # exits): a coordinator killed before its next save came back with the worker
+        # live, and dropped it after the heartbeat timeout (workers_lost 1 for a worker
+        # that finished).
+        self._save_state(now)
         return [(ident, wire.reply(msg, **self._view()))]
 
     def on_eval(self, ident, msg: wire.Message) -> list[Reply]:

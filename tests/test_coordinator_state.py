@@ -681,6 +681,33 @@ def test_a_restarted_coordinator_keeps_rank_0s_hold_on_the_jobs_end(tmp_path):
         assert c.phase == "training"                           # held: rank 0 reads the final model
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_finish_answered_is_in_the_state_file_before_the_coordinator_dies(tmp_path):
+    """A worker that heard its finish answered stops heartbeating and exits. The state
+    file took the finish only at the coordinator's next save (up to a drain of the socket
+    later, 50 ms and more on a busy machine): killed in between, the coordinator came back
+    with that worker live and dropped it after the heartbeat timeout (workers_lost 1, seen
+    once in test_kill_9_the_coordinator_mid_run[easgd] on a loaded machine)."""
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first = coordinator(cfg, str(tmp_path))
+    first.members.join(0.0, 0)
+    first.members.join(0.0, 1)
+    first.phase, first.t0 = "training", time.monotonic() - 5.0
+    first._save_state(time.monotonic())
+    (_, frames), = first.service._serve(b"x", wire.encode("finish", id=1, rank=0, clock=10, stats={"samples": 64}))
+    assert wire.decode(frames).op == "reply"
+    second = coordinator(cfg, str(tmp_path))                   # kill -9 before its loop's next save
+    assert second.restarts == 1
+    assert second.members.members[0].state == "finished", second.members.members[0]
+    later = time.monotonic() + cfg.cluster.heartbeat_timeout_s + 60   # no beat comes from the finished worker
+    second.members.beat(1, later, 10, {})
+    second._checked = -1e9
+    second._tick(later)
+    assert second.members.lost == 0
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_summary_without_the_final_evaluation_says_so_not_a_score_from_training():

@@ -67,6 +67,28 @@ def child(j: LocalJob, name: str):
     return next(c for c in j.children if c.name == name)
 
 
+def coordinator_events(out: str) -> list[dict]:
+    """The coordinator's event lines so far (a line still being written is left out)."""
+    path = os.path.join(out, "events", "coordinator-0.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def coordinator_story(out: str) -> str:
+    """The coordinator's membership events (joins, losses, restarts, finishes: not the
+    scores), seconds from the start of training, and its log's end: what a failed
+    assertion on a job's failures needs to say (which worker was dropped, and when)."""
+    events = coordinator_events(out)
+    t0 = next((e["t"] for e in events if e.get("event") == "start"), events[0]["t"] if events else 0.0)
+    said = "\n".join(f"  {e['t'] - t0:7.2f} s  " + " ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "role"))
+                     for e in events if e.get("event") not in ("eval", None))
+    steps = ", ".join(f"worker {r}: {steps_done(out, r)}" for r in range(2))
+    return (f"\ncoordinator events:\n{said}\nsteps logged: {steps}\ncoordinator log ends:\n"
+            f"{log_tail(out, 'coordinator-0')}")
+
+
 # ---------------------------------------------------------------- killed workers
 
 
@@ -125,7 +147,8 @@ def test_kill_9_the_coordinator_mid_run(tmp_path, mode):
             "faults.step_delay_s=0.002")
     s = kill_during(j, "coordinator-0", (0, 150))
     assert child(j, "coordinator-0").restarts == 1
-    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_lost"] == 0, s["failures"]
+    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_lost"] == 0, \
+        f"{s['failures']}{coordinator_story(j.out)}"
     assert s["final_accuracy"] >= 0.85, s
     assert steps_done(j.out, 0) == 500 and steps_done(j.out, 1) == 500
     log = open(os.path.join(j.out, "logs", "coordinator-0.log")).read()
@@ -356,8 +379,10 @@ def test_fuzz_a_live_shard_while_it_trains(tmp_path):
                     errors[m.get("code")] = errors.get(m.get("code"), 0) + 1
                 except wire.WireError:
                     pass
-        end = time.monotonic() + 5
-        while time.monotonic() < end and sock.poll(200):
+        # The answers still on their way: until 1 s without one (the shard, on a busy
+        # machine, can wait longer than a moment for a core), 10 s at most.
+        end = time.monotonic() + 10
+        while replies < n and time.monotonic() < end and sock.poll(1000):
             sock.recv_multipart()
             replies += 1
         sock.close()
@@ -430,6 +455,11 @@ def test_a_job_with_curve_trains(tmp_path):
 # ---------------------------------------------------------------- partitions
 
 
+def dropped(out: str, rank: int) -> bool:
+    """Whether the coordinator has dropped worker `rank` (its `lost` event)."""
+    return any(e.get("event") == "lost" and e.get("rank") == rank for e in coordinator_events(out))
+
+
 def _netns_ok() -> bool:
     if os.geteuid() != 0 or not shutil.which("ip"):
         return False
@@ -489,14 +519,23 @@ def test_a_partitioned_worker_is_dropped_then_rejoins(tmp_path, two_hosts):
         link = ["ip", "-n", two_hosts["b"], "link", "set", two_hosts["link_b"]]
         subprocess.run(link + ["down"], check=True, timeout=10)
         before = steps_done(out, 0)
-        time.sleep(5)  # > heartbeat_timeout_s: worker 1 is dropped, worker 0 goes on alone
-        assert steps_done(out, 0) > before + 50, "the live worker stalled during the partition"
+        # The link stays down until worker 1 is dropped (heartbeat_timeout_s after its last
+        # beat) and worker 0 has gone on alone: waited for, not slept for (a fixed 5 s,
+        # on a busy machine, could end the partition before either).
+        deadline = time.monotonic() + 60
+        while not (dropped(out, 1) and steps_done(out, 0) > before + 50):
+            assert time.monotonic() < deadline and procs[0].poll() is None, \
+                f"worker 1 not dropped, or the live worker stalled, during the partition{coordinator_story(out)}"
+            time.sleep(0.1)
         subprocess.run(link + ["up"], check=True, timeout=10)
         codes = [p.wait(timeout=180) for p in procs]
     finally:
         kill_all(procs)
-    errs = "\n".join(p.stderr.read()[-2000:] for p in procs)
-    assert codes == [0] * 6, errs
+    tails = [p.stderr.read()[-2000:] for p in procs]
+    errs = "\n".join(tails)
+    names = ["coordinator", "server-0", "server-1", "worker-0", "worker-1", "evaluator"]
+    assert codes == [0] * 6, "\n".join(f"--- {n} exited {c}; its stderr ends:\n{t}"
+                                        for n, c, t in zip(names, codes, tails, strict=True))
     s = json.load(open(os.path.join(out, "summary.json")))
     assert s["failures"]["workers_lost"] >= 1 and s["failures"]["workers_rejoined"] >= 1, s["failures"]
     assert s["final_accuracy"] >= 0.9

@@ -15,6 +15,7 @@ DIR/client.key(_secret), and DIR/authorized/ holds the public keys that servers 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -314,7 +315,13 @@ class Peers:
         return self.wait({rid: i}, timeout, what or op, cancel)[rid]
 
     def _close(self, i: int) -> None:
-        self.monitors[i].close(0)   # (closing the socket ends its monitoring; nothing here may raise)
+        """The socket's monitoring ends first: a monitor's reader closed while the socket
+        is still monitored leaves ZeroMQ's I/O thread blocked for good on the next event
+        (a handshake under way completing), and with it every socket of this process
+        (libzmq#3575): a worker's heartbeats stopped, and it was dropped."""
+        with contextlib.suppress(zmq.ZMQError):   # (nothing here may raise)
+            self.socks[i].disable_monitor()
+        self.monitors[i].close(0)
         self.socks[i].close(0)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from psgd import wire
-from psgd.config import Config, ConfigError
+from psgd.config import Config, ConfigError, SecurityConfig
 from psgd.inprocess import InProcessCluster
 from psgd.membership import CoordinatorLink
 from psgd.servers.coordinator import Coordinator
@@ -581,3 +581,28 @@ def test_psgd_keys_again_keeps_a_key_removed_from_authorized_locked_out(tmp_path
     os.remove(os.path.join(keys, "authorized", "client.key"))
     assert "nothing written" in make_keys(keys)
     assert os.listdir(os.path.join(keys, "authorized")) == ["server.key"]
+
+
+@pytest.mark.timeout(30)
+def test_reconnecting_while_a_handshake_is_under_way_leaves_the_process_able_to_talk():
+    """A worker whose diloco exchange was refused reconnected its sockets, and its
+    heartbeats then went unanswered until the coordinator dropped it (the same in a
+    kill -9 test's rare failure): a socket's monitor closed before the socket itself
+    left ZeroMQ's I/O thread blocked for good on the handshake's event, and with it every
+    socket of the process."""
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    peers = Peers(ctx, [address], SecurityConfig())
+    fresh = ctx.socket(zmq.DEALER)
+    try:
+        for _ in range(30):
+            peers.reconnect(0)   # each closes a socket whose handshake is under way
+        fresh.connect(address)
+        fresh.send(b"still there?")
+        assert server.poll(5000), "this process's sockets no longer move messages"
+    finally:
+        peers.close()
+        for s in (fresh, server):
+            s.close(0)
+        ctx.term()

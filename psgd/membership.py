@@ -23,10 +23,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -546,11 +544,6 @@ class CoordinatorLink:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5.0)
-            frame = sys._current_frames().get(self._thread.ident or -1) if self._thread.is_alive() else None
-            if frame is not None:   # (a hang seen once in ~50 kill -9 test runs: say where it is)
-                where = "".join(traceback.format_stack(frame)[-3:]).rstrip()
-                log(f"{self.role}-{self.index}", f"the heartbeat thread has not ended 5 s after it was told to; "
-                                                 f"it is at:\n{where}")
 
     @property
     def done(self) -> bool:

@@ -422,7 +422,11 @@ class Shard:
         if type(token) is ThenRead:  # a push whose read follows: `carry_out` serves it
             return token, {**d.fields, "version": self.version}
         try:
-            if d.snapshot:
+            if d.snapshot and msg.rank < 0 and self.wire_dtype != "float32":
+                # the evaluator's read: it scores the float32 master weights the shard holds
+                # (a model beyond float16's range too), not their rounded copy on the wire
+                arrays = [self.params.detach().clone(), self.buffers.clone()]
+            elif d.snapshot:
                 arrays = self._snapshot()
             else:
                 # the params-sized first array in wire.dtype; buffers travel as float32

@@ -108,6 +108,32 @@ def test_a_float16_read_of_parameters_beyond_its_range_is_refused_naming_the_dty
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_evaluator_reads_the_float32_master_weights_whatever_the_wire_dtype(dtype):
+    """A diverging diloco job with wire.dtype = "float16": the shards refused the
+    evaluator's reads (parameters beyond float16's range), the evaluator died and was
+    restarted 5 times, and the job ended with no summary. The evaluator (rank -1) scores
+    the model the shards hold, in float32: a diverged one is scored (its loss not finite),
+    not refused; a worker's read still travels in wire.dtype."""
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "wire.dtype": dtype})
+    s = Shard(cfg, 0)
+    with torch.no_grad():
+        s.params.fill_(1 / 3)
+        s.params[0] = 1e6
+    (_, frames), = s.handle("e", wire.decode(wire.encode("pull", id=1, rank=-1, clock=-1)))
+    m = wire.decode(frames)
+    assert m.op == "reply" and m.dtypes[0] == "float32"
+    assert torch.equal(wire.tensor(m, 0), s.params.detach())
+    (_, frames), = s.handle("w", wire.decode(wire.encode("pull", id=2, rank=0, clock=0)))
+    m = wire.decode(frames)
+    if dtype == "float16":
+        assert (m.op, m.get("code")) == ("error", wire.REFUSED)
+    else:
+        assert m.dtypes[0] == "bfloat16"
+
+
+@pytest.mark.unit
 def test_ltfb_deposits_and_a_trainers_buffers_stay_float32_under_bfloat16():
     """The deposit went as bfloat16: a trainer's followers loaded a rounded copy of the
     model their leader kept in float32, so its replicas differed; a group step's mean

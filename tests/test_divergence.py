@@ -36,3 +36,22 @@ def test_a_diverging_job_ends_with_a_clear_message(tmp_path, mode, reason):
     summary = json.loads((out / "summary.json").read_text())
     assert reason in summary["aborted"]
     assert summary["rejected"] >= 5
+
+
+@pytest.mark.timeout(180)
+def test_refused_exchanges_between_local_steps_are_refusals_in_a_row(tmp_path):
+    """A float16 diloco job whose outer step left float16's range: every exchange was
+    refused, but the local steps between two exchanges each ended the run of refusals,
+    so the workers never stopped; they trained on alone, without the global model (and,
+    with ZeroMQ's I/O thread blocked, were dropped). A step that asks the shards nothing
+    ends no run of refusals: the job stops with the reason and its fix."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--mode", "diloco", "--workers", "2", "--out", str(out),
+                        "--set", "wire.dtype=float16", "--set", "mode.outer_lr=30", "--set", "mode.local_steps=5",
+                        "--set", "train.steps=300", "--set", "cluster.max_rejections=3",
+                        "--set", f"cluster.port={free_port_block(3)}"],
+                       capture_output=True, text=True, timeout=150, env=ENV)
+    text = r.stdout + r.stderr
+    assert r.returncode != 0, text
+    assert "beyond float16's range" in text and "stopping after 3 refused steps in a row" in text, text
+    assert "beyond float16's range" in json.loads((out / "summary.json").read_text())["aborted"]

@@ -77,6 +77,7 @@ class ParameterClient:
         self.n = cfg.cluster.servers
         self.wait_s = 0.0     # time blocked on the servers
         self.retries = 0
+        self.answered = 0     # requests answered: a step that made none does not end a run of refusals
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
@@ -184,6 +185,7 @@ class ParameterClient:
         finally:
             self.wait_s += time.monotonic() - t0
             self._waiting_since = 0.0
+        self.answered += 1
         return f.out
 
     def waited(self) -> float:

@@ -91,7 +91,7 @@ class Worker:
         self.loss = float("nan")
         self.hist = Histogram()
         self.rejected = 0          # steps refused by the shards (or diverged locally)
-        self.in_a_row = 0          # of them, since the last step logged (one that went through)
+        self.in_a_row = 0          # of them, since the last step the shards answered
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
 
@@ -205,9 +205,14 @@ class Worker:
 
     def _attempt(self, step) -> str:
         """One step. A refused one is counted and the caller goes on, unless it is the
-        `cluster.max_rejections`-th in a row: then the reason, in one line."""
+        `cluster.max_rejections`-th in a row: then the reason, in one line. A run of
+        refusals ends with a step the shards answered: local steps between refused
+        exchanges (diloco, easgd) do not end it."""
+        answered = self.client.answered
         try:
-            step(self)   # (a step that went through is logged: `log_step` ends a run of refusals)
+            step(self)
+            if self.client.answered != answered:   # (a local step, diloco's or easgd's, asks nothing)
+                self.in_a_row = 0
             return ""
         except (wire.Refused, Diverged) as e:
             if isinstance(e, wire.Refused) and e.code == wire.NOT_READY:
@@ -302,9 +307,8 @@ class Worker:
         """The step line of a step that went through (`clock` is the clock after it; with
         jitter on, `jitter` says whether its compute, at clock - 1, was delayed): the one
         just computed, or `step`, its (loss, samples) when it is settled after the next
-        one computed (prefetch). It ends a run of refused steps (`cluster.max_rejections`)."""
+        one computed (prefetch)."""
         self.steps += 1
-        self.in_a_row = 0
         loss, samples = step if step is not None else (self.loss, self.samples)
         if self.cfg.faults.jitter_prob > 0:
             extra["jitter"] = self.jitter.delayed(self.clock - 1)

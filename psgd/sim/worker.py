@@ -122,6 +122,7 @@ class SimClient(CountingClient):
         if f.error is not None:
             f.closed = True
             raise f.error
+        self.answered += 1
         return f.out
 
     @staticmethod
@@ -184,8 +185,11 @@ class SimWorker:
 
     def _attempt(self, step: Callable[[Any], None]) -> bool:
         """One step, as the real worker counts it; True when the worker must stop."""
+        answered = self.client.answered
         try:
-            step(self)   # (a step that went through is logged: `log_step` ends a run of refusals)
+            step(self)
+            if self.client.answered != answered:   # as the real worker's: a local step does not end a run
+                self.in_a_row = 0
             return False
         except (wire.Refused, Diverged) as e:
             self.rejected += 1
@@ -252,7 +256,6 @@ class SimWorker:
         (`log_lines`): a dict per step of every worker was most of a long run's memory,
         and slow to build."""
         self.steps += 1
-        self.in_a_row = 0
         c = self.client
         loss, samples = step if step is not None else (self.loss, self.samples)
         if self._jitter.prob > 0:   # as the real worker's step line: was this step's compute (at clock - 1) delayed?

@@ -417,6 +417,19 @@ def test_sbatch_does_not_restart_a_coordinator_whose_port_is_taken(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_sbatch_stops_the_daemons_at_once_when_the_coordinators_port_is_taken(tmp_path):
+    """A coordinator whose port is taken (exit 98) ends the job without a summary, and the
+    other daemons, which will not hear from it, do not exit on their own: the script waited
+    DEPLOY_GRACE_S (30 s by default) for them before stopping them. It now stops them at once.
+    (Here the grace is 600 s: the 60 s timeout of the run is the bound.)"""
+    env = stub_slurm(tmp_path, 98, evaluator_s=120, DEPLOY_GRACE_S="600")
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 98, r.stderr
+    assert "port 10672 is in use on n1" in r.stderr and "stopping the other daemons" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_sbatch_restarts_a_killed_coordinator_five_times(tmp_path):
     """The control of the test above: a coordinator killed with SIGKILL (137) is restarted."""

@@ -367,14 +367,18 @@ def test_sbatch_finds_the_python_behind_a_psgd_launcher_with_a_sh_trampoline(tmp
 
 
 def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, coordinator_s: int = 0,
-               workers_s: int = 60, **settings: str) -> dict:
+               workers_s: int = 60, fails: dict[str, tuple[int, int]] | None = None, **settings: str) -> dict:
     """The environment to run psgd.sbatch outside Slurm, as on a two-node allocation of two
     tasks a node: srun and scontrol stubbed, and a DEPLOY_PYTHON whose `-m psgd ROLE` only
     records ROLE (the coordinator exits `coordinator_code`, or runs `coordinator_s` seconds
-    and exits 0; the evaluator runs `evaluator_s` seconds, the others exit at once). The
-    workers' step (srun) runs `workers_s` seconds, until the script stops it: a step that
-    ends before the job began training stops the job. `stub_calls` reads what they were
-    asked to do."""
+    and exits 0; the evaluator runs `evaluator_s` seconds, the others exit at once). `fails`
+    {ROLE: (N, CODE)}: the first N starts of ROLE (of each shard, for `server`) exit CODE at
+    once. The workers' step (srun) runs `workers_s` seconds, until the script stops it: a
+    step that ends before the job began training stops the job. `stub_calls` reads what
+    they were asked to do."""
+    fail = "".join(f'[ "$3" = {role} ] && echo >> "$STUB_CALLS.$3-$5" && '   # $5: a shard's index
+                   f'[ "$(wc -l < "$STUB_CALLS.$3-$5")" -le {n} ] && exit {code}; '
+                   for role, (n, code) in (fails or {}).items())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> "$STUB_CALLS"\nexec sleep {workers_s}\n')
@@ -383,7 +387,7 @@ def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, 
         'case "$1 $2" in "show hostnames") echo n1;; "show node") echo "   NodeAddr=10.0.0.1 x";; esac\n')
     (bin_dir / "python").write_text(
         '#!/bin/bash\n'
-        'if [ "$1" = -m ]; then echo "$3" >> "$STUB_CALLS"; '
+        'if [ "$1" = -m ]; then echo "$3" >> "$STUB_CALLS"; ' + fail +
         f'[ "$3" = coordinator ] && {{ [ {coordinator_s} = 0 ] || exec sleep {coordinator_s}; '
         f'exit {coordinator_code}; }}; '
         f'[ "$3" = evaluator ] && exec sleep {evaluator_s}; exit 0; fi\n'
@@ -427,6 +431,62 @@ def test_sbatch_stops_the_daemons_at_once_when_the_coordinators_port_is_taken(tm
     r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 98, r.stderr
     assert "port 10672 is in use on n1" in r.stderr and "stopping the other daemons" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_sbatch_restarts_a_dead_evaluator(tmp_path):
+    """A review: `psgd run` starts a shard or the evaluator that dies again (up to 5 times);
+    the script restarted only the coordinator, so an evaluator killed early in a job left the
+    coordinator waiting for a final evaluation that never came, and the job ended COMPLETED
+    without a score. The script now starts it again, with a line in the job's output."""
+    env = stub_slurm(tmp_path, coordinator_s=6, evaluator_s=1, fails={"evaluator": (1, 137)})
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+    assert stub_calls(tmp_path).count("evaluator") == 2, r.stderr
+    assert "evaluator exited with 137; restarting it (restart 1)" in r.stderr, r.stderr
+    assert "restart 2" not in r.stderr and "gave up" not in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_sbatch_does_not_restart_a_daemon_stopped_by_sigterm(tmp_path):
+    """The control of the test above: a daemon that exited on SIGTERM (143) was stopped, by
+    scancel or preemption, which Slurm sends to every process of the job: not restarted."""
+    env = stub_slurm(tmp_path, coordinator_s=4, evaluator_s=1, fails={"evaluator": (1, 143)})
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+    assert stub_calls(tmp_path).count("evaluator") == 1 and "restarting it" not in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("role,name", [("evaluator", "evaluator"), ("server", "server-0")], ids=["evaluator", "shard"])
+def test_sbatch_stops_a_job_whose_daemon_keeps_dying(tmp_path, role, name):
+    """The bound of the restarts above: as `psgd run` does, a shard or the evaluator that dies
+    a sixth time ends the job (exit code 1) with the end of its log, rather than be restarted
+    forever. (Here the coordinator would run 120 s: the 60 s timeout of the run is the bound.)"""
+    (tmp_path / "runs" / "slurm-42" / "logs").mkdir(parents=True)
+    (tmp_path / "runs" / "slurm-42" / "logs" / f"{name}.log").write_text("RuntimeError: out of memory\n")
+    env = stub_slurm(tmp_path, coordinator_s=120, fails={role: (99, 1)})
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert f"{name} exited with 1; restarting it (restart 5)" in r.stderr, r.stderr
+    assert f"{name} keeps dying (exit 1); gave up after 5 restarts" in r.stderr, r.stderr
+    assert "RuntimeError: out of memory" in r.stderr, r.stderr
+    assert stub_calls(tmp_path).count(role) == {"evaluator": 6, "server": 12}[role], r.stderr   # (both shards die)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_sbatch_stops_a_job_whose_shard_port_is_taken(tmp_path):
+    """A shard whose port is taken (exit 98) would find it taken again if restarted, and the job
+    cannot go on without it: as `psgd run` does, the job stops at once, naming the port.
+    (Here the coordinator would run 120 s: the 60 s timeout of the run is the bound.)"""
+    env = stub_slurm(tmp_path, coordinator_s=120, fails={"server": (1, 98)})
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 98, r.stderr
+    assert stub_calls(tmp_path).count("server") == 2 and "restarting it" not in r.stderr, r.stderr
+    assert "server-0 could not listen: port 10673 is in use on n1" in r.stderr, r.stderr
+    assert "set PSGD_CLUSTER_PORT" in r.stderr, r.stderr
 
 
 @pytest.mark.processes
@@ -746,6 +806,28 @@ def test_slurm_restarts_a_killed_coordinator(slurm, tmp_path):
     assert "resumed the job from" in (out / "logs" / "coordinator.log").read_text()
     s = summary_ok(tmp_path, jid)
     assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_lost"] == 0, s["failures"]
+    assert_no_leftovers(out)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_slurm_restarts_a_killed_evaluator_and_shard(slurm, tmp_path):
+    """A review: the evaluator killed early in a job was not started again (only the
+    coordinator was): the coordinator waited for a final evaluation that never came, and the
+    job ended COMPLETED without a score. As under `psgd run`, the evaluator and the shards
+    are started again, and the job ends with its score."""
+    jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="1500", PSGD_CHECKPOINT_EVERY_S="1")
+    out = tmp_path / "out"
+    slurm.wait_for("training progress", lambda: events(out, "worker-0") >= 100, 300, jid, tmp_path)
+    for name in ("evaluator-0", "server-0"):
+        os.kill(int((out / "pids" / f"{name}.pid").read_text().split()[0]), signal.SIGKILL)
+    st = slurm.wait(jid, 360, tmp_path)
+    assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
+    text = (tmp_path / f"job-{jid}.out").read_text()
+    for name in ("evaluator", "server-0"):
+        assert f"{name} exited with 137; restarting it (restart 1)" in text, text
+    s = summary_ok(tmp_path, jid)
+    assert s["failures"]["workers_lost"] == 0, s["failures"]
     assert_no_leftovers(out)
 
 

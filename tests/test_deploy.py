@@ -513,6 +513,20 @@ def test_sbatch_refuses_more_workers_per_node_than_the_allocation_has_tasks(tmp_
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
+def test_sbatch_hetjob_refuses_workers_per_node(tmp_path):
+    """A review: psgd-hetjob.sbatch takes its worker count from the tasks of component 1 and
+    ignored DEPLOY_WORKERS_PER_NODE without a word: the job ran with another number of workers
+    than asked for. It now stops, before it starts anything, and says where the count comes from."""
+    env = stub_slurm(tmp_path, DEPLOY_WORKERS_PER_NODE="1", SLURM_HET_SIZE="2", SLURM_JOB_NODELIST_HET_GROUP_0="n1",
+                     SLURM_NTASKS_HET_GROUP_1="2")
+    r = run(["bash", SCRIPTS[1]], env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "DEPLOY_WORKERS_PER_NODE does not apply to a heterogeneous job" in r.stderr, r.stderr
+    assert not [c for c in stub_calls(tmp_path) if not c.startswith("scontrol")]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("name,value,message", [
     ("DEPLOY_GRACE_S", "abc", "DEPLOY_GRACE_S must be a whole number of seconds, got 'abc'"),
     ("DEPLOY_WORKERS_PER_NODE", "abc", "DEPLOY_WORKERS_PER_NODE must be a whole number of at least 1, got 'abc'"),

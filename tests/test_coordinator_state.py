@@ -46,6 +46,17 @@ def coordinator(cfg: Config, out: str) -> Coordinator:
     return c
 
 
+def training_with_two_workers(out: str) -> tuple[Config, Coordinator]:
+    """A coordinator 5 s into training two workers (no evaluator, one shard), and its config."""
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    c = coordinator(cfg, out)
+    c.members.join(0.0, 0)
+    c.members.join(0.0, 1)
+    c.phase, c.t0 = "training", time.monotonic() - 5.0
+    return cfg, c
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_a_restarted_coordinator_resumes_only_its_own_recent_unfinished_job(tmp_path):
@@ -658,12 +669,7 @@ def test_a_restarted_coordinator_keeps_rank_0s_hold_on_the_jobs_end(tmp_path):
     holds the job's end meanwhile. Restarted from its state file, which did not carry the
     hold, the coordinator ended the job as soon as the last other worker finished, and the
     shards exited before rank 0 read the model. The hold is now in the state file."""
-    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
-                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
-    first = coordinator(cfg, str(tmp_path))
-    first.members.join(0.0, 0)
-    first.members.join(0.0, 1)
-    first.phase, first.t0 = "training", time.monotonic() - 5.0
+    cfg, first = training_with_two_workers(str(tmp_path))
 
     def serve(c, op: str, **kw) -> wire.Message:
         (_, frames), = c.service._serve(b"x", wire.encode(op, id=1, **kw))
@@ -689,12 +695,7 @@ def test_a_finish_answered_is_in_the_state_file_before_the_coordinator_dies(tmp_
     later, 50 ms and more on a busy machine): killed in between, the coordinator came back
     with that worker live and dropped it after the heartbeat timeout (workers_lost 1, seen
     once in test_kill_9_the_coordinator_mid_run[easgd] on a loaded machine)."""
-    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
-                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
-    first = coordinator(cfg, str(tmp_path))
-    first.members.join(0.0, 0)
-    first.members.join(0.0, 1)
-    first.phase, first.t0 = "training", time.monotonic() - 5.0
+    cfg, first = training_with_two_workers(str(tmp_path))
     first._save_state(time.monotonic())
     (_, frames), = first.service._serve(b"x", wire.encode("finish", id=1, rank=0, clock=10, stats={"samples": 64}))
     assert wire.decode(frames).op == "reply"

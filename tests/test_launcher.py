@@ -196,17 +196,24 @@ class BusyOnceJob(LocalJob):
         return [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
-@pytest.mark.timeout(60)
-def test_a_job_whose_chosen_ports_are_taken_moves_to_another_block(tmp_path, capsys):
+def run_stand_ins(job_class: type[LocalJob], tmp_path, timeout_s: float) -> tuple[int, LocalJob]:
+    """A job of 1 shard and 1 worker on a free port block, its daemons `job_class`'s
+    stand-ins, which never end: run until its timeout. The block's first port, and the job."""
     base = free_port_block(3)
     cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
-    job = BusyOnceJob(cfg, str(tmp_path), quiet=False, timeout_s=2)
+    job = job_class(cfg, str(tmp_path), quiet=False, timeout_s=timeout_s)
     try:
         job.start()
         with pytest.raises(LaunchError, match="did not finish within"):  # the stand-ins never end
             job.wait()
     finally:
         job.stop()
+    return base, job
+
+
+@pytest.mark.timeout(60)
+def test_a_job_whose_chosen_ports_are_taken_moves_to_another_block(tmp_path, capsys):
+    base, job = run_stand_ins(BusyOnceJob, tmp_path, timeout_s=2)
     assert job.moves == 1 and job.cfg.cluster.port != base
     assert f"moved the job to {job.cfg.cluster.port}" in capsys.readouterr().err
     assert f"port = {job.cfg.cluster.port}" in (tmp_path / "config.toml").read_text()
@@ -231,15 +238,7 @@ def test_daemons_refused_by_another_job_on_the_block_are_not_reported_as_failure
     """Two jobs that chose the same block at once: the one that lost printed "worker-0
     exited with 1 ... belongs to another job" and restarted its shard and evaluator, then
     moved: alarming messages for a start that recovers."""
-    base = free_port_block(3)
-    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
-    job = ForeignCoordinatorJob(cfg, str(tmp_path), quiet=False, timeout_s=3)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-ins never end
-            job.wait()
-    finally:
-        job.stop()
+    _, job = run_stand_ins(ForeignCoordinatorJob, tmp_path, timeout_s=3)
     err = capsys.readouterr().err
     assert job.moves == 1 and f"moved the job to {job.cfg.cluster.port}" in err
     assert "exited with" not in err and "restarting" not in err, err

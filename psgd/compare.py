@@ -65,9 +65,24 @@ class ModeSpec:
 
 
 def _fmt_value(v: Any) -> str:
+    """`v` as a --modes item writes it: `[0.9,0.99]`, `{optimizer.lr=[0.01,0.1]}`, not
+    Python's repr (`{'optimizer': {'lr': [0.01, 0.1]}}`) in labels, reports and folders."""
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ",".join(_fmt_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}={_fmt_value(x)}" for k, x in _dotted(v)) + "}"
     return str(v)
+
+
+def _dotted(table: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A table's values under their dotted keys: TOML reads `{optimizer.lr=...}` as nested tables."""
+    for k, v in table.items():
+        if isinstance(v, dict) and v:
+            yield from _dotted(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def _is_config_key(key: str) -> bool:

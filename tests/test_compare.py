@@ -54,6 +54,12 @@ class TestParseModes:
         assert all(s.params == () and s.sweep is None for s in specs)
         assert [s.label for s in specs] == ["sync", "ssp", "async", "easgd", "ltfb"]
 
+    def test_list_and_table_values_are_labelled_as_written(self):
+        specs = parse_modes("sync:optimizer.betas=[0.9, 0.99],ltfb:explore={optimizer.lr=[0.01,0.1]}")
+        assert [s.label for s in specs] == ["sync:optimizer.betas=[0.9,0.99]",
+                                            "ltfb:explore={optimizer.lr=[0.01,0.1]}"]
+        assert parse_modes(specs[1].label) == [specs[1]]   # a label is a --modes item again
+
     def test_parameters_are_typed(self):
         specs = parse_modes("sync,ssp:staleness=2,async:lr_policy=staleness,easgd:tau=4:alpha=0.3,ltfb")
         assert specs[1] == ModeSpec("ssp", (("staleness", 2),))

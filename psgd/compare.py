@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .config import MODES, Config, ConfigError, load, parse_value, refuse_set_against_flag
+from .config import MODES, Config, ConfigError, format_value, load, parse_value, refuse_set_against_flag
 from .metrics import write_json_atomic
 
 # ---------------------------------------------------------------- --modes / --workers
@@ -57,32 +57,11 @@ class ModeSpec:
 
     @property
     def label(self) -> str:
-        return ":".join([self.mode] + [f"{k}={_fmt_value(v)}" for k, v in self.params])
+        return ":".join([self.mode] + [f"{k}={format_value(v)}" for k, v in self.params])
 
     @property
     def sweep_value(self) -> Any:
         return dict(self.params).get(self.sweep) if self.sweep else None
-
-
-def _fmt_value(v: Any) -> str:
-    """`v` as a --modes item writes it: `[0.9,0.99]`, `{optimizer.lr=[0.01,0.1]}`, not
-    Python's repr (`{'optimizer': {'lr': [0.01, 0.1]}}`) in labels, reports and folders."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, list):
-        return "[" + ",".join(_fmt_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}={_fmt_value(x)}" for k, x in _dotted(v)) + "}"
-    return str(v)
-
-
-def _dotted(table: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """A table's values under their dotted keys: TOML reads `{optimizer.lr=...}` as nested tables."""
-    for k, v in table.items():
-        if isinstance(v, dict) and v:
-            yield from _dotted(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
 
 
 def _is_config_key(key: str) -> bool:
@@ -271,7 +250,7 @@ class Run:
 
 
 def _folder(mode: str, params: dict, workers: int, repeat: int) -> str:
-    parts = [mode] + [f"{k}={_fmt_value(v)}" for k, v in params.items()] + [f"w{workers}", f"r{repeat}"]
+    parts = [mode] + [f"{k}={format_value(v)}" for k, v in params.items()] + [f"w{workers}", f"r{repeat}"]
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(parts))
 
 

@@ -533,6 +533,28 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def format_value(v: Any) -> str:
+    """`v` as a --set or --modes item writes it: `[0.9,0.99]`,
+    `{optimizer.lr=[0.01,0.1]}`, not Python's repr (`{'optimizer': {'lr': [0.01, 0.1]}}`),
+    in labels, report sentences and folder names."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ",".join(format_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}={format_value(x)}" for k, x in _dotted(v)) + "}"
+    return str(v)
+
+
+def _dotted(table: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A table's values under their dotted keys: TOML reads `{optimizer.lr=...}` as nested tables."""
+    for k, v in table.items():
+        if isinstance(v, dict) and v:
+            yield from _dotted(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
 def refuse_set_against_flag(sets: Sequence[str], key: str, value: Any, flag: str) -> None:
     """A ConfigError if a `--set key=...` in `sets` (the last one, which `load` applies)
     gives `key` another value than `value`, which `flag` (as the user wrote it) gives it:

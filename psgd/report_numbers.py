@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import format_value
+
 # Modes whose measured staleness is "updates a shard applied between a worker's read and
 # its push". easgd's counts moves of the centre between a worker's exchanges and ltfb's is
 # 0 by definition (independent trainers): other quantities, never put on the same axis.
@@ -408,7 +410,7 @@ def sweep_fixed(rs: list[Row]) -> list[str]:
     names it: the other settings ("bound s=0", "wire.dtype=bfloat16") and the row suffix
     (setup, simulated)."""
     r = rs[0]
-    fixed = [f"{param_name(r.mode, k)}={v}" for k, v in r.params.items() if k != r.sweep]
+    fixed = [f"{param_name(r.mode, k)}={format_value(v)}" for k, v in r.params.items() if k != r.sweep]
     setup = r.suffix.partition("[")[2].partition("]")[0]
     return fixed + ([setup] if setup else []) + (["simulated"] if r.suffix.endswith(SIM_SUFFIX) else [])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .config import format_value
 from .report_numbers import (  # ONCE and tie_reason: imported from here too
     MIN_POINTS,
     MIN_REPEATS,
@@ -210,7 +211,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
         rs = [r for r in rs if r.runs]
         if len(rs) < 2:
             continue
-        vals = [str(r.sweep_value) for r in rs]
+        vals = [format_value(r.sweep_value) for r in rs]
         parts = []
         once = False   # whether some quantity's values could not be ordered (unmeasured)
         tput = [t for r in rs if (t := mean(r.sps)) is not None]

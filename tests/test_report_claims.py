@@ -92,6 +92,18 @@ def test_a_sweep_holds_only_rows_of_one_kind_and_one_set_of_fixed_settings():
 
 
 @pytest.mark.timeout(60)
+def test_a_sweep_of_list_values_names_them_as_the_modes_item_writes_them():
+    # Python's repr was the sentence's: "over [0.9, 0.999], [0.8, 0.99] (...; optimizer.betas=[0.9, 0.999])"
+    results = [run(f"sync:optimizer.betas={b}", params={"optimizer.betas": b}, sweep="optimizer.betas")
+               for b in ([0.9, 0.999], [0.8, 0.99])]
+    results += [run(f"sync:optimizer.momentum={m}:optimizer.betas=[0.9,0.999]", sweep="optimizer.momentum",
+                    params={"optimizer.momentum": m, "optimizer.betas": [0.9, 0.999]}) for m in (0.0, 0.9)]
+    text = told(results)
+    assert "Sweep of sync optimizer.betas over [0.9,0.999], [0.8,0.99] (2 workers):" in text
+    assert "Sweep of sync optimizer.momentum over 0.0, 0.9 (2 workers; optimizer.betas=[0.9,0.999]):" in text
+
+
+@pytest.mark.timeout(60)
 def test_ssp_rows_keep_their_other_settings_in_their_name():
     # defect 4: two configurations were both "ssp (bound s=0)"
     results = [run(f"ssp:staleness=0:wire.dtype={d}", "ssp", params={"staleness": 0, "wire.dtype": d})

@@ -43,6 +43,10 @@ OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker
                    "ltfb": "ltfb's is 0 by definition (independent trainers)"}
 
 
+# A sweep's sentence gives bytes/sample where its values differ by more than this factor.
+TRAFFIC_MOVED = 1.1
+
+
 def unmeasured(series: list[list[float]]) -> bool:
     """Whether these values cannot be ordered at all: two or more means, not all equal, and
     no run-to-run sd measured for any of them (every one ran once). A sentence then states
@@ -228,6 +232,13 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             parts.append(course("final accuracy", ", ".join(f"{a:.4f}" for a in accs), [r.acc for r in rs], accs,
                                 lambda x: f"{x:.4f}"))
             once |= unmeasured([r.acc for r in rs])
+        traffic = [b for r in rs if (b := mean(r.values("bytes_per_sample"))) is not None]
+        # What a wire.dtype, wire.compression or communication-period sweep trades accuracy
+        # for; left out where the sweep moved it by less than TRAFFIC_MOVED (ssp's bound).
+        if len(traffic) == len(rs) and max(traffic) > TRAFFIC_MOVED * min(traffic):
+            parts.append(course("bytes/sample", ", ".join(f"{b:,.0f}" for b in traffic),
+                                [r.values("bytes_per_sample") for r in rs], traffic, lambda x: f"{x:,.0f}"))
+            once |= unmeasured([r.values("bytes_per_sample") for r in rs])
         st = [sm for r in rs if (sm := r.staleness_mean) is not None]
         if len(st) == len(rs):
             parts.append(course("measured staleness (mean)", ", ".join(f"{s:.2f}" for s in st),

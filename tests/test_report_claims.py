@@ -104,6 +104,19 @@ def test_a_sweep_of_list_values_names_them_as_the_modes_item_writes_them():
 
 
 @pytest.mark.timeout(60)
+def test_a_sweep_of_the_wire_says_what_it_saved_in_bytes_per_sample():
+    # the sweep's sentence gave throughput and accuracy, not the traffic it trades them for
+    results = [run(f"async:wire.compression={c}", "async", repeat=k, params={"wire.compression": c},
+                   sweep="wire.compression", bytes_per_sample=b + k)
+               for c, b in (("none", 6000.0), ("onebit", 200.0)) for k in (0, 1)]
+    line = sentence(told(results), "Sweep of async wire.compression")
+    assert "bytes/sample fell (6,000, 200)" in line, line
+    flat = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", bytes_per_sample=b)
+            for s, b in ((0, 6000.0), (4, 6300.0))]
+    assert "bytes/sample" not in sentence(told(flat), "Sweep of ssp")   # a sweep that did not move it
+
+
+@pytest.mark.timeout(60)
 def test_ssp_rows_keep_their_other_settings_in_their_name():
     # defect 4: two configurations were both "ssp (bound s=0)"
     results = [run(f"ssp:staleness=0:wire.dtype={d}", "ssp", params={"staleness": 0, "wire.dtype": d})

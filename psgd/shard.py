@@ -322,22 +322,31 @@ class Shard:
         for i in range(2, len(msg.arrays)):  # the optimizer's state
             wire.expect_array(msg, i, "float32", (self.P,))
         self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
-        score = float(msg.get("score"))
-        if score != score or score == float("inf"):   # -inf is a score: a trainer that has none yet
-            raise wire.WireError(wire.BAD_FIELD, f"score {score} is not a score (NaN or +inf)")
+        score = self._score(msg)
         arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]
         return self.carry_out(self.rule.deposit(
             r.Deposit((token, msg), msg.rank, int(msg.get("round")), score, arrays)))
 
+    @staticmethod
+    def _score(msg: wire.Message) -> float:
+        """A request's tournament score (a deposit's, or the one a fetch of the scores puts
+        on the board), refused if NaN or +inf: either would win or spoil every comparison."""
+        score = float(msg.get("score"))
+        if score != score or score == float("inf"):   # -inf is a score: a trainer that has none yet
+            raise wire.WireError(wire.BAD_FIELD, f"score {score} is not a score (NaN or +inf)")
+        return score
+
     def on_get_model(self, token, msg: wire.Message) -> list[Reply]:
         """A fetch of a trainer's model, or of a round's scores (which puts the asker's own
-        score on the board: its rank must be the job's)."""
+        score on the board: its rank must be the job's, its score a score: a NaN one froze
+        a round's board with NaN for every trainer, the honest scores coming too late)."""
         self._check_asker(msg)
         self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
+        score = None if msg.get("score") is None else self._score(msg)
         self._room_to_park()
         return self.carry_out(self.rule.fetch(
             r.Fetch((token, msg), int(msg.get("owner")), int(msg.get("round")), bool(msg.get("exact")), msg.rank,
-                    None if msg.get("score") is None else float(msg.get("score")))))
+                    score)))
 
     def on_models(self, token, msg: wire.Message) -> list[Reply]:
         return self.carry_out(self.rule.index((token, msg)))

@@ -304,6 +304,25 @@ def test_non_finite_buffers_and_a_nan_or_infinite_tournament_score_are_refused()
                                   arrays=model))
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("score", [math.nan, math.inf])
+def test_a_fetch_of_the_scores_with_a_nan_or_infinite_score_is_refused_and_the_board_keeps_the_honest_ones(score):
+    """A get_model of a round's scores puts the asker's own score on the board: one that
+    is no score (NaN, +inf), sent for every trainer, froze the round's board with it, and
+    the honest trainers' scores, come later, were not taken."""
+    shard = small_shard("ltfb", workers=2)
+    for rank in (0, 1):
+        with pytest.raises(wire.WireError, match="is not a score"):
+            shard.handle(("hostile", rank), request("get_model", rank=rank, clock=0, round=1, owner=-1, score=score))
+    answers = []
+    for rank, honest in ((0, 0.9), (1, 0.5)):
+        answers += shard.handle(("honest", rank), request("get_model", rank=rank, clock=0, round=1, owner=-1,
+                                                          score=honest))
+    boards = [wire.decode([bytes(f) for f in frames]).get("scores") for _, frames in answers]
+    assert boards == [[[0, 0.9], [1, 0.5]]] * 2
+
+
 # ------------------------------------------------------------ the heartbeat thread
 @pytest.mark.inprocess
 @pytest.mark.timeout(60)

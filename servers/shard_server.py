@@ -179,16 +179,22 @@ class ShardServer:
                     code = 1
                     break
         finally:
-            if self._saver is not None:
-                self._saver.join(timeout=SAVER_JOIN_S)
-            if self._saver is not None and self._saver.is_alive():  # a stalled disk: do not race it, nor wait forever
-                log(self.name, f"the checkpoint being written is not done after {SAVER_JOIN_S:.0f} s; "
-                               f"exiting without the final checkpoint")
-            elif ckpt and shard.ready:
-                shard.save(ckpt)
-            elif ckpt:   # a checkpoint of tables never given their values would resume the next job at zeros
-                log(self.name, "no checkpoint written: the shard never received its initial values")
-            link.close()  # the heartbeats and the socket of its calls (the layout): ctx.term() waits for every socket
-            sock.close(0)
-            stop_auth(self.ctx)
+            try:
+                self._final_checkpoint(shard, ckpt)
+            finally:   # (also when it fails: a full disk left the heartbeats going and the port bound)
+                link.close()  # the heartbeats and the socket of its calls (the layout): ctx.term() waits for them
+                sock.close(0)
+                stop_auth(self.ctx)
         return code
+
+    def _final_checkpoint(self, shard: Shard, ckpt: str | None) -> None:
+        """The checkpoint at exit, once the periodic one being written is done."""
+        if self._saver is not None:
+            self._saver.join(timeout=SAVER_JOIN_S)
+        if self._saver is not None and self._saver.is_alive():  # a stalled disk: do not race it, nor wait forever
+            log(self.name, f"the checkpoint being written is not done after {SAVER_JOIN_S:.0f} s; "
+                           f"exiting without the final checkpoint")
+        elif ckpt and shard.ready:
+            shard.save(ckpt)
+        elif ckpt:   # a checkpoint of tables never given their values would resume the next job at zeros
+            log(self.name, "no checkpoint written: the shard never received its initial values")

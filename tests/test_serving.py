@@ -234,6 +234,34 @@ def test_a_shard_told_to_stop_while_waiting_for_the_coordinator_stops_at_once(tm
     ctx.term()
 
 
+@pytest.mark.timeout(60)
+def test_a_shard_whose_final_checkpoint_fails_still_stops_heartbeating_and_closes_its_sockets(tmp_path, monkeypatch):
+    # a review: the failed save (a full disk) skipped the rest of the shard's exit: its
+    # heartbeats went on, its port stayed bound, and the cluster's context held 3 sockets
+    from psgd.shard import Shard
+
+    def full_disk(self, path: str) -> None:
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Shard, "save", full_disk)
+    cluster = InProcessCluster(config(**{"cluster.evaluator": False, "cluster.servers": 1, "checkpoint.every_s": 0}),
+                               str(tmp_path))
+    server, raised = cluster.servers[0], []
+
+    def run() -> None:
+        try:
+            server.run()
+        except OSError as e:   # (what psgd server's caller says in one line)
+            raised.append(e)
+    cluster.threads[1] = threading.Thread(target=run, name="inprocess-server-0", daemon=True)
+    with cluster:   # (leaving it: an error if a socket of its context is still open)
+        until = time.monotonic() + 30
+        while 0 not in cluster.coordinator.server_seen and time.monotonic() < until:
+            time.sleep(0.05)   # the shard serves: it heartbeats
+        assert 0 in cluster.coordinator.server_seen
+    assert [e.errno for e in raised] == [28]
+    assert not [t for t in threading.enumerate() if t.name == "heartbeat-server"]
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
 def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, monkeypatch):

@@ -475,7 +475,12 @@ class CoordinatorLink:
                                                  **self._beat()), sent)   # (stop() ends the wait for its answer)
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
-                except (PeerTimeout, wire.RemoteError):
+                except (PeerTimeout, wire.RemoteError) as e:
+                    if isinstance(e, wire.RemoteError):   # said once: else the daemon would end "lost the
+                        why = f"refused by the coordinator ({e.code}: {e.reason})"   # coordinator", the why unsaid
+                        if why != failed:
+                            log(f"{self.role}-{self.index}", f"a heartbeat was {why}; heartbeating on")
+                            failed = why
                     with contextlib.suppress(zmq.ZMQError):   # a reconnect that fails is tried at the next beat;
                         peers.reconnect(0)                     # (a terminated context ends the loop there)
                 except zmq.ContextTerminated:

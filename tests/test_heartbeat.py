@@ -93,6 +93,45 @@ def test_a_link_that_lost_the_coordinator_finds_it_again_when_it_comes_back():
         ctx.term()
 
 
+@pytest.mark.timeout(60)
+def test_a_refused_heartbeat_is_said_once_with_the_coordinators_reason(capsys):
+    # a refusal was taken for a silence: the daemon later ended "lost the coordinator",
+    # the coordinator's reason never said
+    import threading
+
+    import zmq
+
+    from psgd.transport import Service, server_socket
+    cfg = Config().replace(**{"cluster.port": free_port_block(1), "cluster.heartbeat_s": 0.05})
+    ctx = zmq.Context()
+    sock = server_socket(ctx, cfg.coordinator_address(), cfg.security)
+    beats = []
+
+    def refuse(ident, msg):
+        beats.append(msg)
+        raise wire.WireError(wire.BAD_FIELD, "stats: 'samples' must be a count")
+    service = Service(sock, {"heartbeat": refuse}, "a coordinator")
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)])
+    thread.start()
+    link = CoordinatorLink(cfg, "shard", 0, ctx)
+    link.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(beats) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(beats) >= 4
+    finally:
+        link.close()
+        stop.set()
+        thread.join(timeout=5)
+        sock.close(0)
+        ctx.term()
+    said = [line for line in capsys.readouterr().err.splitlines() if "refused by the coordinator" in line]
+    assert said == ["[psgd shard-0] a heartbeat was refused by the coordinator (bad_field: stats: 'samples' "
+                    "must be a count); heartbeating on"]
+
+
 @pytest.mark.timeout(30)
 def test_a_score_is_timed_when_the_evaluator_read_the_model():
     # the evaluator reports how long ago it read the model it scored (`age_s`): the

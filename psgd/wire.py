@@ -198,6 +198,11 @@ def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
             raise WireError(BAD_FIELD, f"field {k!r} is reserved")
         header[k] = v
     frames: list = [pack_header(header)]
+    # What decode refuses is refused here, where the sender can say why: the peer's refusal
+    # of a header it could not read carries no request id, so no caller would hear of it.
+    if len(frames[0]) > MAX_HEADER or len(arrs) > MAX_FRAMES:
+        raise WireError(TOO_LARGE, f"{op}: a header of {len(frames[0])} bytes and {len(arrs)} arrays; a peer reads "
+                                   f"at most {MAX_HEADER} bytes and {MAX_FRAMES} arrays")
     frames.extend(memoryview(a.reshape(-1).view(np.uint8).data) if a.size else b"" for a in arrs)
     return frames
 

@@ -139,6 +139,16 @@ def test_encode_refuses_unknown_dtype_and_op():
         wire.encode("nope")
 
 
+def test_encode_refuses_what_decode_would_refuse_without_the_request_id():
+    # the peer's refusal of an unreadable header carries id 0: the sender waited, resending
+    with pytest.raises(wire.WireError, match="register: a header of .* at most 1048576 bytes") as e:
+        wire.encode("register", id=7, role="worker", layout=[["t" * 100, [4]]] * 20_000)
+    assert e.value.code == wire.TOO_LARGE
+    with pytest.raises(wire.WireError, match="65 arrays"):
+        wire.encode("push", arrays=[np.zeros(1, np.float32)] * (wire.MAX_FRAMES + 1), read_version=0)
+    assert len(wire.encode("push", arrays=[np.zeros(1, np.float32)] * wire.MAX_FRAMES, read_version=0)) == 65
+
+
 def test_big_endian_input_is_sent_little_endian():
     a = np.arange(4, dtype=">f4")
     msg = roundtrip(wire.encode("push", arrays=[a], read_version=0))

@@ -303,3 +303,14 @@ def test_the_baselines_slow_factor_counts_the_gpu_time_of_its_step(gpu_time_at_i
     s = run_baseline(cfg, device="cpu", steps=steps)
     assert s["wall_s"] >= 0.9 * factor * GPU_S * steps, (f"{steps} steps of {GPU_S} s of GPU work took "
                                                          f"{s['wall_s']:.2f} s with slow_factor {factor}")
+
+
+@pytest.mark.unit
+def test_a_device_whose_torch_module_is_missing_is_one_error(tmp_path, capsys):
+    """A review: `psgd run --device hpu` (a name torch.device takes, whose backend module
+    this torch lacks) ended in a traceback from the device check (ModuleNotFoundError: No
+    module named 'torch.hpu'), not in the check's one line."""
+    from psgd.cli import main
+    assert main(["run", "--device", "hpu", "--out", str(tmp_path / "job")]) == 2
+    err = capsys.readouterr().err
+    assert "--device hpu: torch cannot compute on it on this machine" in err and "Traceback" not in err, err

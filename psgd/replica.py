@@ -53,15 +53,17 @@ def pick_device(spec: str, local_rank: int = 0, name: str = "--device") -> torch
     return dev
 
 
-def check_device(spec: str) -> None:
+def check_device(spec: str, local_rank: int = 0) -> torch.device:
     """`pick_device`, and a ConfigError naming --device unless torch can compute on it
-    here (a job's or a simulation's: checked before anything starts)."""
-    dev = pick_device(spec)
+    here (a job's or a simulation's: checked before anything starts; a worker's and the
+    evaluator's, before they join the job); the device."""
+    dev = pick_device(spec, local_rank)
     try:
         float(torch.ones(1, device=dev).sum())
     except Exception as e:  # a device torch names but cannot use here: cuda:N past the last, hpu without its module
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"--device {spec}: torch cannot compute on it on this machine ({reason})") from None
+    return dev
 
 
 def make_contiguous(model: nn.Module) -> None:

@@ -314,3 +314,28 @@ def test_a_device_whose_torch_module_is_missing_is_one_error(tmp_path, capsys):
     assert main(["run", "--device", "hpu", "--out", str(tmp_path / "job")]) == 2
     err = capsys.readouterr().err
     assert "--device hpu: torch cannot compute on it on this machine" in err and "Traceback" not in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("role", ["worker", "evaluator"])
+def test_a_daemon_on_a_device_torch_cannot_use_says_so_before_it_joins(role, monkeypatch):
+    """A review: `psgd worker --device D` started by hand or by Slurm (psgd run checks
+    --device first; a worker node's PSGD_DEVICE is checked for its spelling only) loaded
+    the data, registered with the coordinator and only then found that torch cannot use
+    D (`cuda` on a node without a GPU, cuda:N past the last): the coordinator waited
+    cluster.timeout_s for a worker that was gone. The evaluator registered first too.
+    "meta" stands for such a device: torch takes its name, and cannot compute on it."""
+    from psgd.config import ConfigError, load
+    from psgd.workers import evaluator, worker
+
+    class Registered(Exception):
+        pass
+
+    def registers(*a, **k):
+        raise Registered(f"the {role} registered with the coordinator before checking its device")
+    module = worker if role == "worker" else evaluator
+    monkeypatch.setattr(module, "CoordinatorLink", registers)
+    cfg = load(None, [], env={})
+    daemon = worker.Worker(cfg, None, "meta") if role == "worker" else evaluator.Evaluator(cfg, None, "meta")
+    with pytest.raises(ConfigError, match="--device meta: torch cannot compute on it"):
+        daemon.run()

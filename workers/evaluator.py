@@ -26,7 +26,7 @@ from psgd.log import log
 from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog
 from psgd.models import build_model
-from psgd.replica import Replica, pick_device
+from psgd.replica import Replica, check_device
 from psgd.workers.client import ParameterClient, ShardUnreachable
 
 
@@ -47,12 +47,13 @@ class Evaluator:
         return acc, loss, read_at
 
     def run(self) -> int:
+        device = check_device(self.device_spec)   # before registering: one torch cannot use here is one line
         link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)
         answer = link.register()
         cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
         self.ds = load_dataset(cfg.data, cfg.job.seed)
         model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden)
-        self.replica = Replica(model, cfg.cluster.servers, pick_device(self.device_spec))
+        self.replica = Replica(model, cfg.cluster.servers, device)
         self.client = ParameterClient(cfg, self.ctx, -1)
         events = EventLog(self.out, "evaluator", 0)
         link.start()

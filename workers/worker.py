@@ -35,7 +35,7 @@ from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, PidFile
 from psgd.models import build_model
 from psgd.optim import make_optimizer
-from psgd.replica import Replica, pick_device
+from psgd.replica import Replica, check_device
 from psgd.sharding import model_layout
 from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
 
@@ -107,8 +107,11 @@ class Worker:
 
     # ------------------------------------------------------------ set-up
     def run(self) -> int:
-        # Load the data and build the model before registering, so that the job's clock
-        # starts when every worker is ready; redo it if the run's config differs.
+        # The device first: one torch cannot use here is one line before this worker joins
+        # (after, the job waited cluster.timeout_s for it). Then load the data and build the
+        # model before registering, so that the job's clock starts when every worker is
+        # ready; redo it if the run's config differs.
+        self.device = check_device(self.device_spec, local_rank())
         ds, model = self._build(self.cfg0)
         cfg = self.join(model)
         if (cfg.data, cfg.model, cfg.job) != (self.cfg0.data, self.cfg0.model, self.cfg0.job):
@@ -163,7 +166,7 @@ class Worker:
 
     def _train(self, cfg: Config, ds, model) -> int:
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)
-        schedule = self.attach(model, pick_device(self.device_spec, local_rank()))
+        schedule = self.attach(model, self.device)
         self.replica.model.train()   # psgd's own loop trains in training mode (a script's model keeps the script's)
         part, held = worker_part(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed, schedule.data_split)
         if held is not None:

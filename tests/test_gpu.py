@@ -339,3 +339,36 @@ def test_a_daemon_on_a_device_torch_cannot_use_says_so_before_it_joins(role, mon
     daemon = worker.Worker(cfg, None, "meta") if role == "worker" else evaluator.Evaluator(cfg, None, "meta")
     with pytest.raises(ConfigError, match="--device meta: torch cannot compute on it"):
         daemon.run()
+
+
+@pytest.mark.unit
+def test_a_worker_on_another_gpu_makes_it_the_current_device(monkeypatch):
+    """A review: torch's Adam and AdamW steps ask the current stream of the *current*
+    device (torch.accelerator.current_stream(), for their graph-capture check: shown
+    here with the accelerator stubbed); a worker on cuda:1 (`--device auto`, LOCAL_RANK=1)
+    never set it, so each worker on a GPU other than 0 running a local Adam (easgd,
+    diloco, ltfb) opened a CUDA context on cuda:0 too."""
+    from psgd.workers import worker
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    asked = []
+    monkeypatch.setattr(torch.accelerator, "current_stream",
+                        lambda device=None: asked.append(device) or types.SimpleNamespace(is_capturing=lambda: False))
+    p = nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    torch.optim.Adam([p]).step()
+    assert asked == [None], asked   # the current device's stream: it must be the worker's
+
+    class Registered(Exception):
+        pass
+
+    def registers(*a, **k):
+        raise Registered
+    current = []
+    monkeypatch.setattr(worker, "check_device", lambda spec, rank=0: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    monkeypatch.setattr(worker, "CoordinatorLink", registers)
+    monkeypatch.setattr(worker.Worker, "_build", staticmethod(lambda cfg: (None, None)))
+    from psgd.config import load
+    with pytest.raises(Registered):
+        worker.Worker(load(None, [], env={}), None, "auto").run()
+    assert current == [torch.device("cuda", 1)], f"the current CUDA device was set to {current}, not cuda:1"

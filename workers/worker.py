@@ -112,6 +112,10 @@ class Worker:
         # model before registering, so that the job's clock starts when every worker is
         # ready; redo it if the run's config differs.
         self.device = check_device(self.device_spec, local_rank())
+        if self.device.type == "cuda" and self.device.index is not None:
+            # What asks the current device (Adam's step asks its stream) asks this one: not
+            # cuda:0, where each worker on another GPU would open a context of its own.
+            torch.cuda.set_device(self.device)
         ds, model = self._build(self.cfg0)
         cfg = self.join(model)
         if (cfg.data, cfg.model, cfg.job) != (self.cfg0.data, self.cfg0.model, self.cfg0.job):

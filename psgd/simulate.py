@@ -19,7 +19,9 @@ Writes what `psgd compare` writes: DIR/compare.json, DIR/compare-context.json,
 DIR/report.md, the plots, DIR/runs/<name>/summary.json and events/, with times in
 virtual seconds and every summary marked `"simulated": true`. The same config and seed
 give the same compare.json to the last digit (with `sim.compute_s` given; a calibrated
-value, the one the runs used, is in compare-context.json, to pass back with --set).
+value, the one the runs used, is in compare-context.json, to pass back with --set: one
+per batch size, so a sweep whose worker counts differ in batch is passed back one worker
+count at a time).
 No sequential baseline.
 Progress, with the time left, goes to stderr.
 """

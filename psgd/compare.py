@@ -40,6 +40,7 @@ from typing import IO, Any
 
 from .config import MODES, Config, ConfigError, format_value, load, parse_value, refuse_set_against_flag
 from .metrics import write_json_atomic
+from .report_numbers import amount
 
 # ---------------------------------------------------------------- --modes / --workers
 
@@ -482,7 +483,7 @@ def _one_line(s: dict) -> str:
     parts = [f"acc {acc:.4f}" + (" (loss not finite: the model diverged)" if s.get("final_loss_not_finite") else "")
              if acc is not None else
              "no final evaluation" if s.get("final_eval_missing") else "no evaluation",
-             f"{s.get('samples_per_s', 0):,.0f} samples/s",
+             f"{amount(s.get('samples_per_s', 0))} samples/s",
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
              f"target {s.get('target_accuracy')} not reached" if acc is not None else "",
              f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}" if s.get("staleness") else ""]

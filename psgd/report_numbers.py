@@ -56,6 +56,15 @@ def param_name(mode: str, key: str) -> str:
     return PARAM_NAMES.get((mode, key), key)
 
 
+def amount(x: float | None) -> str:
+    """A rate or a size as the report writes it: whole, with thousands separators, from 10
+    up; three significant digits below (a simulation at a low bandwidth runs at 0.04
+    samples/s, which a whole number wrote as 0); — for none."""
+    if x is None:
+        return "—"
+    return f"{x:,.0f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
 def close(a: float, b: float, rel: float) -> bool:
     """a and b within `rel` of the larger magnitude."""
     return abs(a - b) <= rel * max(abs(a), abs(b))

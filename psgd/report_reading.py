@@ -10,7 +10,7 @@ seen in fewer than MIN_SCORES scores during training is not called missed.
 """
 from __future__ import annotations
 
-from .report_numbers import AFTER_END, MIN_SCORES, Row, eval_period, mean, run_period, sd
+from .report_numbers import AFTER_END, MIN_SCORES, Row, amount, eval_period, mean, run_period, sd
 from .report_relations import (
     ONCE,
     names,
@@ -251,7 +251,7 @@ def _not_told_apart(level: list[tuple[Row, str]], many_w: bool) -> str:
     if not level:
         return ""
     whys = list(dict.fromkeys(why for _, why in level))
-    return (", but " + " and ".join(f"{rname(r, many_w)} ({mean(r.sps):,.0f})" for r, _ in level)
+    return (", but " + " and ".join(f"{rname(r, many_w)} ({amount(mean(r.sps))})" for r, _ in level)
             + f" {'is' if len(level) == 1 else 'are'} not told apart from it ({'; '.join(whys)})")
 
 
@@ -265,19 +265,19 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     flat = tie_reason(top.sps, low.sps) if low is not top else None
     if flat == ONCE:   # the highest and the lowest each ran once: the values, in the rows' order, not ranked
         every = "" if unmeasured([r.sps for r in by_sps]) else "the highest and the lowest "
-        out.append("Throughput: " + ", ".join(f"{rname(r, many_w)} {mean(r.sps):,.0f}" for r in dist if r.sps)
+        out.append("Throughput: " + ", ".join(f"{rname(r, many_w)} {amount(mean(r.sps))}" for r in dist if r.sps)
                    + f" samples/s ({every}{ONCE}).")
     elif flat == "equal":
-        out.append(f"Throughput does not separate the configurations: all at {top_sps:,.0f} samples/s.")
+        out.append(f"Throughput does not separate the configurations: all at {amount(top_sps)} samples/s.")
     elif flat:
-        out.append(f"Throughput does not separate the configurations: {mean(low.sps):,.0f} to {top_sps:,.0f} "
+        out.append(f"Throughput does not separate the configurations: {amount(mean(low.sps))} to {amount(top_sps)} "
                    f"samples/s ({flat}).")
     else:
-        s = f"Highest throughput: {rname(top, many_w)} with {top_sps:,.0f} samples/s"
+        s = f"Highest throughput: {rname(top, many_w)} with {amount(top_sps)} samples/s"
         ref = top.ref_sync
         ratio = top.throughput_ratio(ref)
         if ratio is not None and ref is not None and ref is not top:
-            s += f" ({ratio:.2f}× {top.sync_name()}'s {mean(ref.sps):,.0f})"
+            s += f" ({ratio:.2f}× {top.sync_name()}'s {amount(mean(ref.sps))})"
         level = [(r, why) for r in by_sps[1:] if (why := tie_reason(top.sps, r.sps))]
         s += _not_told_apart(level, many_w)
         rest = [r for r in by_sps[1:] if r not in [x for x, _ in level]]
@@ -285,24 +285,24 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
         # it, ran once (ONCE) lies above it.
         if low is not top and not any(tie_reason(low.sps, r.sps) == ONCE for r in rest):
             near = [(r, why) for r in rest if r is not low and (why := tie_reason(low.sps, r.sps))]
-            s += f"; lowest: {rname(low, many_w)} with {mean(low.sps):,.0f}" + _not_told_apart(near, many_w)
+            s += f"; lowest: {rname(low, many_w)} with {amount(mean(low.sps))}" + _not_told_apart(near, many_w)
         out.append(s + ".")
     b = mean(base.sps) if base is not None else None
     if b and base is not None:
         why = tie_reason(base.sps, top.sps)
         if why == ONCE:
-            out.append(f"The sequential baseline alone processed {b:,.0f} samples/s ({ONCE}).")
+            out.append(f"The sequential baseline alone processed {amount(b)} samples/s ({ONCE}).")
         elif why:
-            out.append(f"The sequential baseline alone processed {b:,.0f} samples/s, not told apart from the best "
-                       f"distributed configuration's {top_sps:,.0f} ({why}).")
+            out.append(f"The sequential baseline alone processed {amount(b)} samples/s, not told apart from the best "
+                       f"distributed configuration's {amount(top_sps)} ({why}).")
         elif b > top_sps:
-            out.append(f"The sequential baseline alone processed {b:,.0f} samples/s, {b / top_sps:.1f}× the "
+            out.append(f"The sequential baseline alone processed {amount(b)} samples/s, {b / top_sps:.1f}× the "
                        f"best distributed configuration: the per-step cost of the parameter-server round trips and "
                        f"of sharing {ctx.get('machine', {}).get('cpus', '?')} cores among the processes outweighs "
                        f"what the extra workers add.")
         else:
             out.append(f"The best distributed configuration processed {top_sps / b:.2f}× the samples per second "
-                       f"of the sequential baseline ({b:,.0f}).")
+                       f"of the sequential baseline ({amount(b)}).")
     return out
 
 
@@ -457,8 +457,8 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         ref = top.ref_sync if top else None   # the sync row with the same worker count
         s = f"All runs had a fault injected: {faults}."
         if top is not None and ref is not None and top.mode != "sync" and mean(ref.sps):
-            s += (f" Under it, {rname(top, many_w)} kept {mean(top.sps):,.0f} samples/s against "
-                  f"{top.sync_name()}'s {mean(ref.sps):,.0f} with {ref.workers} workers"
+            s += (f" Under it, {rname(top, many_w)} kept {amount(mean(top.sps))} samples/s against "
+                  f"{top.sync_name()}'s {amount(mean(ref.sps))} with {ref.workers} workers"
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
         out.append(s)
 

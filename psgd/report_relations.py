@@ -24,6 +24,7 @@ from .report_numbers import (  # ONCE and tie_reason: imported from here too
     READ_PUSH_MODES,
     REL_EQUAL,
     Row,
+    amount,
     close,
     correlation_rows,
     mean,
@@ -220,8 +221,8 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
         once = False   # whether some quantity's values could not be ordered (unmeasured)
         tput = [t for r in rs if (t := mean(r.sps)) is not None]
         if len(tput) == len(rs):
-            parts.append(course("throughput", f"{', '.join(f'{t:,.0f}' for t in tput)} samples/s",
-                                [r.sps for r in rs], tput, lambda x: f"{x:,.0f}"))
+            parts.append(course("throughput", f"{', '.join(amount(t) for t in tput)} samples/s",
+                                [r.sps for r in rs], tput, amount))
             once |= unmeasured([r.sps for r in rs])
         times_clause = _times_clause(rs, period, target)
         if times_clause:
@@ -236,8 +237,8 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
         # What a wire.dtype, wire.compression or communication-period sweep trades accuracy
         # for; left out where the sweep moved it by less than TRAFFIC_MOVED (ssp's bound).
         if len(traffic) == len(rs) and max(traffic) > TRAFFIC_MOVED * min(traffic):
-            parts.append(course("bytes/sample", ", ".join(f"{b:,.0f}" for b in traffic),
-                                [r.values("bytes_per_sample") for r in rs], traffic, lambda x: f"{x:,.0f}"))
+            parts.append(course("bytes/sample", ", ".join(amount(b) for b in traffic),
+                                [r.values("bytes_per_sample") for r in rs], traffic, amount))
             once |= unmeasured([r.values("bytes_per_sample") for r in rs])
         st = [sm for r in rs if (sm := r.staleness_mean) is not None]
         if len(st) == len(rs):

@@ -10,7 +10,7 @@ number formats are shared with the reading (psgd.report_reading) and the plots
 """
 from __future__ import annotations
 
-from .report_numbers import ONCE, Row, mean, sd, tie_reason
+from .report_numbers import ONCE, Row, amount, mean, sd, tie_reason
 
 MARK = "†"
 MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score taken after training had "
@@ -123,10 +123,10 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
             continue
         stal = "—" if row.is_baseline else f"{num(row.staleness_mean)} / {smax(row.staleness_max)}"
         wait = "—" if row.is_baseline else num(mean(row.values("wait_fraction")))
-        bps = "—" if row.is_baseline else f"{mean(row.values('bytes_per_sample')):,.0f}"
+        bps = "—" if row.is_baseline else f"{amount(mean(row.values('bytes_per_sample')))}"
         sps = mean(row.sps)
         sps_sd = sd(row.sps)
-        sps_cell = f"{sps:,.0f}" + (f" ± {sps_sd:,.0f}" if sps_sd is not None else "")
+        sps_cell = f"{amount(sps)}" + (f" ± {amount(sps_sd)}" if sps_sd is not None else "")
         failed = f" ({len(row.errors)} failed)" if row.errors else ""
         lines.append(
             f"| {md_escape(row.name)}{failed} | {row.workers} | {pm(row.acc, 4)} | {ttt_cell(row, period)} | "
@@ -154,7 +154,7 @@ def detail_table(rows: list[Row]) -> list[str]:
         lost = sum(int((r.get("failures") or {}).get("workers_lost", 0)) for r in row.runs)
         lines.append(
             f"| {md_escape(row.name)} | {row.workers} | {len(row.runs)}/{row.n} | {pm(row.values('wall_s'), 2)} | "
-            f"{mean(row.values('samples')):,.0f} | {times(row.throughput_ratio(row.ref_sync))} | "
+            f"{amount(mean(row.values('samples')))} | {times(row.throughput_ratio(row.ref_sync))} | "
             f"{times(row.throughput_ratio(row.ref_base))} | "
             f"{'—' if row.is_baseline else max(int(r.get('max_clock_gap', 0)) for r in row.runs)} | "
             f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} | {busiest(row)} |")

@@ -282,6 +282,16 @@ def test_fault_sentences_name_no_baseline_that_did_not_run_and_compare_only_runs
     assert "Under it" not in alone      # no run had the straggler: nothing kept up "under it"
 
 
+@pytest.mark.timeout(60)
+def test_a_throughput_under_one_sample_a_second_is_not_written_as_zero():
+    # a simulation at a low bandwidth: "Throughput: sync 0, async 0 samples/s", its ratio 1.50×
+    results = [run("sync", sps=0.04), run("async", "async", sps=0.06)]
+    text = told(results)
+    assert "Throughput: **sync** 0.04, **async** 0.06 samples/s" in text, text
+    table = render(build_rows(results), CTX, [])
+    assert "| 0.04 |" in table and "| 0.06 |" in table
+
+
 @pytest.mark.timeout(30)
 def test_rebuilding_a_report_of_a_folder_without_compare_json_is_one_line(tmp_path, capsys):
     assert report_main([str(tmp_path)]) == 2   # was a FileNotFoundError traceback

@@ -33,7 +33,10 @@ def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> 
     if rank >= 0 and factor > 1:
         s = f"worker rank {rank} is an injected straggler: each of its steps takes {factor:g}× as long"
         small = [w for w in workers if w <= rank]
-        if small:
+        if small and len(small) == len(workers):
+            s += (f" (no effect: no run has a rank {rank}; they have {' or '.join(map(str, small))} "
+                  f"worker{'s' if small != [1] else ''})")
+        elif small:
             s += f" (no effect in runs with {', '.join(map(str, small))} worker{'s' if small != [1] else ''})"
         if baseline:
             s += "; the sequential baseline is rank 0, so it is " + ("slowed too" if rank == 0 else "not slowed")
@@ -48,6 +51,15 @@ def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> 
                      f"{prob:g}, independently (seeded by job.seed and rank), so a step of W workers waits for at "
                      f"least one delayed worker with probability 1 − (1 − {prob:g})^W")
     return "; ".join(parts) if parts else None
+
+
+def _faulted(faults: dict, workers: int) -> bool:
+    """Does a run of `workers` workers have some injected fault (a delay, jitter, or the
+    straggler's rank among its workers)?"""
+    rank = int(faults.get("slow_rank", -1))
+    return (float(faults.get("step_delay_s", 0.0)) > 0
+            or (float(faults.get("jitter_prob", 0.0)) > 0 and float(faults.get("jitter_s", 0.0)) > 0)
+            or (rank >= 0 and float(faults.get("slow_factor", 1.0)) > 1 and workers > rank))
 
 
 def _all_faults_apply(faults: dict, workers: int) -> bool:
@@ -455,7 +467,8 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         group = [r for r in _kinds(dist)[0][1] if _all_faults_apply(f, r.workers)]
         top = max(group, key=lambda r: mean(r.sps) or 0.0) if group else None
         ref = top.ref_sync if top else None   # the sync row with the same worker count
-        s = f"All runs had a fault injected: {faults}."
+        hit = [_faulted(f, w) for w in ctx.get("workers") or []]
+        s = f"{'All runs' if all(hit) else 'Some runs' if any(hit) else 'No run'} had a fault injected: {faults}."
         if top is not None and ref is not None and top.mode != "sync" and mean(ref.sps):
             s += (f" Under it, {rname(top, many_w)} kept {amount(mean(top.sps))} samples/s against "
                   f"{top.sync_name()}'s {amount(mean(ref.sps))} with {ref.workers} workers"

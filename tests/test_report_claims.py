@@ -280,6 +280,12 @@ def test_fault_sentences_name_no_baseline_that_did_not_run_and_compare_only_runs
     ctx2 = {**ctx, "faults": {"slow_rank": 2, "slow_factor": 4.0}, "workers": [2]}
     alone = sentence(told(results[:2], ctx2), "had a fault injected")
     assert "Under it" not in alone      # no run had the straggler: nothing kept up "under it"
+    # ... and the sentence began "All runs had a fault injected" where none or some had it
+    assert alone.startswith("No run had a fault injected: worker rank 2 is an injected straggler") and \
+        "(no effect: no run has a rank 2; they have 2 workers)" in alone, alone
+    assert said.startswith("Some runs had a fault injected:") and "(no effect in runs with 2 workers)" in said
+    jitter = {**ctx2, "faults": {"slow_rank": 2, "slow_factor": 4.0, "jitter_prob": 0.1, "jitter_s": 0.01}}
+    assert sentence(told(results[:2], jitter), "had a fault injected").startswith("All runs had a fault injected")
 
 
 @pytest.mark.timeout(60)

@@ -436,7 +436,8 @@ def worker_part(n: int, rank: int, world: int, seed: int, split: float = 0.0) ->
     if len(part) and not len(train):
         raise DataError(f"worker {rank}: its data partition ({len(part)} sample{'s' if len(part) != 1 else ''}) is "
                         f"all held out for the mode's tournaments (at least one sample, {split:g} of it), "
-                        f"none left to train on (too many workers for the dataset)")
+                        f"none left to train on ({world} workers, {n} training sample{'s' if n != 1 else ''}: too "
+                        f"many workers for the dataset)")
     return train, held
 
 

@@ -660,6 +660,8 @@ def test_a_partition_all_held_out_is_an_error_that_names_the_hold_out():
     with pytest.raises(DataError, match=r"worker 413: its data partition \(1 sample\) is all held out for the "
                                          r"mode's tournaments"):
         worker_part(1437, 413, 1024, 0, 0.1)   # ranks 0-412 hold 2 samples, the others 1
+    with pytest.raises(DataError, match=r"none left to train on \(720 workers, 1437 training samples: too many"):
+        worker_part(1437, 719, 720, 0, 0.1)    # (which run of a --workers list it is: the count says)
 
 
 @pytest.mark.unit

@@ -33,6 +33,9 @@ job has ended; then it does nothing more.
 `step()` with no gradient at all (every trainable parameter's `.grad` is None: no
 `loss.backward()`) raises `JobError` in every mode: it would push zeros, or step a local
 optimizer that skips parameters without one.
+A model changed after `connect` (a layer replaced or added, a tensor given new storage:
+`.double()`, `.to(...)`, `p.data = ...`) raises `JobError` at the first `step()` and at
+`close()`: psgd reads the gradients from and loads the model into the tensors it was given.
 
 The shards learn the model from the workers: its layout (names, shapes, dtypes) when
 the workers register, rank 0's initial values when it connects (psgd/layout.py), so the
@@ -69,6 +72,7 @@ from .launcher import JOINED, adopt_folder_token
 from .log import log
 from .metrics import PidFile
 from .replica import pick_device
+from .sharding import model_entries, model_tensors
 from .transport import HandshakeFailed, PeerTimeout
 from .workers.client import Cancelled, ShardUnreachable
 from .workers.worker import Worker, local_rank
@@ -214,6 +218,9 @@ class Connection(Worker):
             self._report_end(f"worker {self.rank} could not start: {type(e).__name__}: {e}")
             self.link.close()
             raise
+        # What the replica reads and writes: the tensors (and their storage) of the model as given.
+        self._held = {name: self.replica.tensors[name].data_ptr() for name, _, _ in model_entries(model)}
+        self._checked = False
         self.pidfile = PidFile(self.out, "worker", self.rank).__enter__()
         try:
             self.start(self.schedule)
@@ -286,6 +293,9 @@ class Connection(Worker):
             error = "step() without gradients: call loss.backward() before ps.step()"
             self._end(f"worker {self.rank}: {error}")
             raise JobError(error)
+        if not self._checked:   # (once: a model is changed between connect and the loop, not per step)
+            self._checked = True
+            self._refuse_a_changed_model("step()")
         self._loss = value
         self._batch = batch
         try:
@@ -312,6 +322,31 @@ class Connection(Worker):
             return True
         self._raise_if_aborted()
         return False
+
+    def _model_change(self) -> str:
+        """How the script's model is no longer the one given to connect, or ''. psgd reads
+        the gradients from, and writes the shards' model into, the tensors that the model
+        had then, in place: a layer replaced since, or a tensor given new storage
+        (`.double()`, `.half()`, `.to(...)`, `p.data = ...`), would train nothing and leave
+        the script's model as it was (and rank 0's model.pt), while the job ran on."""
+        now = model_tensors(self.replica.model)
+        for name, ptr in self._held.items():
+            t = now.get(name)
+            if t is None or t is not self.replica.tensors[name]:
+                return f"{name} was {'removed' if t is None else 'replaced'}"
+            if t.data_ptr() != ptr:
+                return f"{name} has new storage (.double(), .half(), .to(...) or .data = ...)"
+        added = [n for n, p in self.replica.model.named_parameters() if p.requires_grad and n not in self._held]
+        return f"{added[0]} is a new trainable parameter" if added else ""
+
+    def _refuse_a_changed_model(self, call: str) -> None:
+        """JobError (the job ends with it) if the model changed after connect."""
+        change = self._model_change()
+        if change:
+            error = (f"{call}: the model changed after psgd.connect: {change}; psgd trains the tensors the model "
+                     f"had at connect: change the model (layers, dtype, device) before psgd.connect")
+            self._end(f"worker {self.rank}: {error}")
+            raise JobError(error)
 
     def _raise_if_aborted(self) -> None:
         """The job was aborted (not its budget spent): leave it, and say why."""
@@ -350,6 +385,7 @@ class Connection(Worker):
             return
         if not error:
             self._raise_if_aborted()
+            self._refuse_a_changed_model("close()")   # rank 0 would save the stale tensors as model.pt
         try:
             if not error:
                 error = self._attempt(self.schedule.finish)

@@ -7,7 +7,7 @@ running a training loop of their own, the shards learn the model from them.
 - ltfb without `score` is a clear error; `step()` or `report()` after `close()` is one too;
   so are `step()` without gradients, a model with nothing to train, a rank outside the
   job (a negative one too), a `samples` that is not a count, a refused connect and a
-  `report()` after the job ended; `sys.exit(0)` in `with` is not; a count given as a
+  `report()` after the job ended, a model changed after connect; `sys.exit(0)` in `with` is not; a count given as a
   tensor or a numpy integer is counted as its int;
 - a frozen layer built differently on two workers is refused when they register;
 - rank 0 waits for a slower worker (however long, while it is live) to save the final
@@ -777,3 +777,62 @@ def test_ctrl_c_inside_with_ends_the_job_naming_keyboard_interrupt(port_block):
             ps.step()
             raise KeyboardInterrupt
         assert cluster.coordinator.abort == "worker 0's training script raised KeyboardInterrupt"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change, said", [
+    ("layer", r"b.weight was replaced"),
+    ("double", r"a.weight has new storage \(.double\(\)"),
+    ("data", r"a.weight has new storage"),
+    ("added", r"c.weight is a new trainable parameter"),
+])
+@pytest.mark.parametrize("mode", ["async", "easgd"])
+def test_a_model_changed_after_connect_is_a_job_error_at_the_first_step(port_block, mode, change, said):
+    """A user's run: a head replaced after psgd.connect (model.b = nn.Linear(...)), or a
+    model given new storage (model.double(), p.data = ...) trained for the whole job
+    without a word while psgd pushed and loaded the tensors it had been given: the
+    script's layer never moved, and rank 0's model.pt held the script's stale tensors."""
+    cfg = config(port_block, mode, workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, rank=0)
+        if change == "layer":
+            model.b = nn.Linear(8, 3)
+        elif change == "double":
+            model.double()
+        elif change == "data":
+            model.a.weight.data = model.a.weight.data * 0.5
+        else:
+            model.c = nn.Linear(3, 3)
+        x = torch.randn(4, 6, dtype=torch.float64 if change == "double" else torch.float32)
+        model(x).sum().backward()
+        with pytest.raises(psgd.JobError, match=r"step\(\): the model changed after psgd.connect: " + said):
+            ps.step()
+        assert ps.closed and "the model changed after psgd.connect" in cluster.coordinator.abort
+
+
+@pytest.mark.timeout(60)
+def test_a_model_changed_during_training_is_a_job_error_at_close_not_a_stale_model_pt(port_block, tmp_path):
+    """rank 0's close() loads the job's model into the tensors it was given and saves
+    the model's state_dict: after a change it saved the script's stale tensors."""
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg):
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, out=str(tmp_path), rank=0)
+        train(ps, model, None)
+        model.b = nn.Linear(8, 3)
+        with pytest.raises(psgd.JobError, match=r"close\(\): the model changed after psgd.connect: b.weight"):
+            ps.close()
+        assert ps.closed and not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_model_changed_in_place_after_connect_trains(port_block):
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg):
+        model = Net(0)
+        with psgd.connect(model, config=cfg, rank=0) as ps:
+            with torch.no_grad():
+                nn.init.zeros_(model.b.bias)
+                model.a.weight.mul_(0.5)
+            train(ps, model, None)

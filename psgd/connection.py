@@ -53,6 +53,7 @@ unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) an
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import os
@@ -143,6 +144,18 @@ def _loss_value(loss: Any) -> float | None:
         raise ConfigError(f"step(loss={_described(loss)}): loss is the batch's loss, one number (a float or a "
                           f"one-element tensor: the mean of per-sample losses)")
     return value
+
+
+def _needs_a_closure(step: Callable) -> bool:
+    """Does an optimizer's step() need an argument (LBFGS's `closure`)? A local mode calls
+    it as `step()`: the TypeError would come from inside psgd's step, as if the script
+    had raised it."""
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):   # (no signature to read: taken as it is)
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in params)
 
 
 def _rank_from_env(text: str) -> int:
@@ -257,6 +270,10 @@ class Connection(Worker):
         if not callable(getattr(opt, "step", None)) or not isinstance(getattr(opt, "param_groups", None), list):
             return (f"psgd.connect's optimizer must be a torch.optim.Optimizer (mode {self.cfg.mode.name} steps it "
                     f"locally), not {_described(opt)}")
+        if _needs_a_closure(opt.step):
+            return (f"psgd.connect's optimizer {type(opt).__name__} needs a closure in step(closure) (mode "
+                    f"{self.cfg.mode.name} steps it locally, as optimizer.step()): give one that steps on the "
+                    f"gradients alone (SGD, Adam, ...)")
         mine = {id(p) for p in model.parameters() if p.requires_grad}
         if not any(id(p) in mine for group in opt.param_groups for p in group.get("params", ())):
             return (f"psgd.connect's optimizer holds none of the model's trainable parameters (mode "

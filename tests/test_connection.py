@@ -696,15 +696,19 @@ def test_an_ltfb_score_that_is_not_a_score_is_a_config_error_naming_score(port_b
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("given", ["lr", "another-models"])
+@pytest.mark.parametrize("given", ["lr", "another-models", "lbfgs"])
 def test_a_local_optimizer_that_cannot_train_the_model_is_a_config_error_at_connect(port_block, given):
     """A review: in easgd, psgd.connect(model, 0.01) raised "'float' object has no
     attribute 'step'" from inside psgd's first step; an optimizer built on another
-    model's parameters trained nothing, and the job ended as if it had."""
+    model's parameters trained nothing, and the job ended as if it had. A user's run:
+    LBFGS ended the job at the first step as "worker 0's training script raised
+    TypeError: LBFGS.step() missing 1 required positional argument: 'closure'", psgd's
+    call blamed on the script."""
     cfg = config(port_block, "easgd", workers=1)
     with InProcessCluster(cfg) as cluster:
         model = Net(0)
-        opt = 0.01 if given == "lr" else torch.optim.SGD(Net(1).parameters(), lr=0.1)
+        opt = {"lr": lambda: 0.01, "another-models": lambda: torch.optim.SGD(Net(1).parameters(), lr=0.1),
+               "lbfgs": lambda: torch.optim.LBFGS(model.parameters(), lr=0.1)}[given]()
         with pytest.raises(ConfigError, match=r"psgd.connect's optimizer "):
             psgd.connect(model, opt, config=cfg, rank=0)
         time.sleep(0.5)

@@ -37,7 +37,7 @@ from .consistency import rule as r
 from .data import describe
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
-from .sharding import ShardMap, model_tensors
+from .sharding import ShardMap, model_tensors, shard_map
 
 Reply = tuple[Hashable, Any]   # (token, frames; a packet in psgd.sim; a push's fields for `ThenRead`)
 Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
@@ -83,7 +83,7 @@ class Shard:
                 self.params = self.map.gather(tensors, index, "params").detach().clone()
                 self.buffers = self.map.gather(tensors, index, "buffers").detach().clone()
         else:
-            self.map = ShardMap(layouts.entries(layout), cfg.cluster.servers)
+            self.map = shard_map(tuple(layouts.entries(layout)), cfg.cluster.servers)
             self.params = torch.zeros(self.map.size(index, "params"))
             self.buffers = torch.zeros(self.map.size(index, "buffers"))
         self.ready = layout is None       # has initial values (built, from a worker, or restored)

@@ -652,6 +652,20 @@ def test_each_worker_count_is_calibrated_on_the_batch_its_workers_train_on():
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_shards_and_workers_of_a_simulation_share_one_shard_map():
+    # each of S shards built its own map of S shards: psgd simulate --servers 20000 took 24 GB
+    from psgd.replica import Replica
+    from psgd.sim.timing import TimingShard
+    cfg = load(None, ["cluster.servers=300", "sim.train=false"])
+    shards = [TimingShard(cfg, i) for i in range(cfg.cluster.servers)]
+    assert len({id(s.map) for s in shards}) == 1
+    assert sum(s.P for s in shards) == sum(shards[0].map.sizes["params"])   # (each its own part of it)
+    model = nn.Sequential(nn.Linear(3, 2))
+    assert Replica(model, 4, "cpu").map is Replica(nn.Sequential(nn.Linear(3, 2)), 4, "cpu").map
+
+
+@pytest.mark.unit
 def test_a_partition_all_held_out_is_an_error_that_names_the_hold_out():
     from psgd.data import DataError, worker_part
     part, held = worker_part(1437, 0, 64, 0, 0.1)

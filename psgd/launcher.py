@@ -284,9 +284,19 @@ class LocalJob:
                 os.replace(path, path + ".earlier")
         mine = [self.cfg.checkpoint_file(self.out, i) or "" for i in range(self.cfg.cluster.servers)]
         if any(os.path.exists(path) for path in mine):
-            from .shard import unresumable  # (torch: only where there are checkpoints to look at)
+            from .shard import unresumable, why_not_resume_from  # (torch: only where there are checkpoints)
             cannot = unresumable(self.cfg, self.out)
-            if 0 < len(cannot) < len(mine):
+            # Said here, not only in a shard's log: the interrupted job's message promised a
+            # resume, and a changed key (optimizer.lr, a smaller train.steps) loses it.
+            if not cannot:
+                log("run", f"resuming the unfinished job whose shard checkpoints are in {folder} (same training "
+                           f"config): its training goes on from them")
+            elif len(cannot) == len(mine):
+                first = next(i for i in cannot if os.path.exists(mine[i]))
+                log("run", f"warning: not resuming from the shard checkpoints in {folder} "
+                           f"({os.path.basename(mine[first])}: {why_not_resume_from(mine[first], self.cfg, first)}): "
+                           f"the job starts afresh, and its checkpoints replace them")
+            else:
                 # Some shards would resume and the others start from the initial values: one
                 # model of two versions. All of them start afresh instead (a shard resumes
                 # no part either: ShardServer._resume), moved aside, with one warning here.

@@ -589,12 +589,18 @@ def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
 def given_keys(path: str | None = None, sets: list[str] | tuple = (),
                env: Mapping[str, str] | None = None) -> set[str]:
     """The dotted keys that the file, the environment or `--set` give a value (the rest
-    are defaults): `psgd run` honours an explicit cluster.port and chooses an unset one."""
+    are defaults): `psgd run` honours an explicit cluster.port and chooses an unset one.
+    A file psgd wrote (a job's OUT/config.toml: every key, `written_by_psgd`) gives none:
+    its cluster.port is the block an earlier psgd run chose, not the user's, and a job run
+    again from it was refused whenever another job held that block."""
     env = os.environ if env is None else env
     keys = {dotted for dotted, _, _ in _env_sets(env)}
     keys |= {item.partition("=")[0].strip() for item in sets}
     if path:
         d = _read_toml(path)
+        with open(path, encoding="utf-8") as f:
+            if written_by_psgd(f.read()):
+                return keys
         keys |= {f"{section}.{key}" for section, values in d.items() if isinstance(values, Mapping) for key in values}
     return keys
 

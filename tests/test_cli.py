@@ -296,6 +296,22 @@ def test_compare_checks_the_partitions_of_the_worker_counts_it_runs():
     check_job(base, [base.replace(**{"cluster.workers": w}) for w in (1, 3)])
 
 
+def test_a_jobs_own_config_toml_run_again_leaves_the_port_to_psgd_run(tmp_path, no_job, capsys):
+    """A helper's review: `psgd run DIR/config.toml` (the job run again from its resolved
+    config) took the port that the earlier run had chosen as the user's own: with another
+    job on that block it was refused ("set another cluster.port, or leave it unset"), which
+    that file gives no way to do. A file of the user's that names cluster.port still pins it."""
+    from psgd.config import Config
+    written = tmp_path / "config.toml"
+    written.write_text(Config().replace(**{"cluster.port": 21234}).to_toml())
+    assert main(["run", str(written), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
+    assert no_job.calls[-1]["port_explicit"] is False
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[cluster]\nport = 21234\n")
+    assert main(["run", str(mine), "--out", str(tmp_path / "mine")]) == 0, capsys.readouterr().err
+    assert no_job.calls[-1]["port_explicit"] is True
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_one_error(tmp_path, no_job, capsys):
     (tmp_path / "ckpt").write_text("")
     assert main(["run", "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]) == 2

@@ -12,11 +12,12 @@ msgpack, so the coordinator can hand the run config to every daemon.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -337,13 +338,21 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover
 
 
+def _did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:
+    """'; did you mean X?' for the known name closest to a misspelt one ('' if none is
+    close): `cluster.worker`, `[optimiser]`, `PSGD_CLUSTER_WORKER`."""
+    close = difflib.get_close_matches(str(word).lower(), [k.lower() for k in known], n=1, cutoff=0.75)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
 def build(d: Mapping[str, Any], source: str, check: bool = True) -> Config:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a table of sections")
     sections = {}
     for name, section in d.items():
         if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(SECTIONS)})")
+            raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, SECTIONS)} "
+                              f"(known: {', '.join(SECTIONS)})")
         if not isinstance(section, Mapping):
             raise ConfigError(f"{source}: [{name}] must be a table")
         cls = SECTIONS[name]
@@ -352,8 +361,8 @@ def build(d: Mapping[str, Any], source: str, check: bool = True) -> Config:
         values = {}
         for key, value in section.items():
             if key not in known:
-                raise ConfigError(
-                    f"{source}: unknown key {name}.{key} (known: {', '.join(sorted(known))})")
+                raise ConfigError(f"{source}: unknown key {name}.{key}{_did_you_mean(key, known, name + '.')} "
+                                  f"(known: {', '.join(sorted(known))})")
             values[key] = _coerce(value, getattr(defaults, key), f"{source}: {name}.{key}")
         sections[name] = cls(**values)
     cfg = Config(**sections)

@@ -210,3 +210,23 @@ def test_a_cosine_schedule_needs_a_length_and_a_floor_below_the_rate():
         load(None, [*cosine, "train.steps=100", "optimizer.min_lr=0.5", "optimizer.lr=0.1"], env={})
     assert load(None, [*cosine, "train.steps=100", "train.seconds=0"], env={}).optimizer.schedule == "cosine"
     assert load(None, ["optimizer.min_lr=0.5", "optimizer.lr=0.1"], env={}).optimizer.min_lr == 0.5   # not cosine
+
+
+@pytest.mark.parametrize("where,says", [
+    ({"sets": ["cluster.worker=3"]}, "unknown key cluster.worker; did you mean cluster.workers? (known: "),
+    ({"sets": ["optimiser.lr=0.1"]}, "unknown section [optimiser]; did you mean optimizer? (known: "),
+    ({"env": {"PSGD_TRAIN_STEP": "5"}}, "environment PSGD_TRAIN_STEP: unknown key train.step; did you mean "
+                                        "train.steps?"),
+    ({"file": "[mode]\nStaleness = 2\n"}, "unknown key mode.Staleness; did you mean mode.staleness?"),
+    ({"sets": ["job.foo=1"]}, "unknown key job.foo (known: name, seed)"),   # nothing close: the list alone
+])
+def test_a_misspelt_key_or_section_gets_the_closest_known_one(tmp_path, where, says):
+    """A helper's review: `--set cluster.worker=3` was refused with the section's keys
+    listed, and no word of which one was meant."""
+    path = None
+    if "file" in where:
+        path = tmp_path / "c.toml"
+        path.write_text(where["file"])
+    with pytest.raises(ConfigError) as e:
+        load(str(path) if path else None, where.get("sets", []), env=where.get("env", {}))
+    assert says in str(e.value)

@@ -370,6 +370,31 @@ def check_sets(argv: list[str]) -> None:
         raise ConfigError(f"--set {item}: expected SECTION.KEY=VALUE, one word; did you mean --set {item}={value}?")
 
 
+ENV_DEFAULTS = (("config", "PSGD_CONFIG", ""), ("out", "PSGD_OUT", "--out"), ("device", "PSGD_DEVICE", "--device"))
+
+
+def from_environment(args, argv: list[str]) -> dict[str, str]:
+    """CONFIG, --out and --device that came from $PSGD_CONFIG, $PSGD_OUT or $PSGD_DEVICE,
+    not from the command line: {what an error names them by: "$VARIABLE=value"}. (An
+    error of `--device 'gpu'` or `config file x.toml`, neither typed, left the user to
+    guess where it came from.)"""
+    found = {}
+    for dest, var, flag in ENV_DEFAULTS:
+        value = getattr(args, dest, None)
+        if not value or value != os.environ.get(var):
+            continue
+        given = value in argv if dest == "config" else any(a == flag or a.startswith(flag + "=") for a in argv)
+        if not given:
+            found[flag or str(value)] = f"${var}={value}"
+    return found
+
+
+def with_env(message: str, env: dict[str, str]) -> str:
+    """An error message, with the variable that gave a value it names (`from_environment`)."""
+    notes = [note for name, note in env.items() if name in message]
+    return f"{message} ({', '.join(notes)})" if notes else message
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM to `psgd run`, `psgd compare` or `psgd simulate`: the job stops as on Ctrl-C
     (its daemons, or simulate's `--jobs` processes, are stopped; compare writes the report
@@ -412,9 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     if script_args and not getattr(args, "script", None):
         print("psgd: error: arguments after -- are a training script's: give --script FILE", file=sys.stderr)
         return 2
+    env = from_environment(args, argv)
     out = getattr(args, "out", None)
     if out and os.path.exists(out) and not os.path.isdir(out):   # (not an errno after the job was announced)
-        print(f"psgd {args.cmd}: error: --out {out} is a file, not a folder", file=sys.stderr)
+        print(f"psgd {args.cmd}: error: {with_env(f'--out {out} is a file, not a folder', env)}", file=sys.stderr)
         return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
@@ -428,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers.get(args.cmd, cmd_daemon)(args)
     except ConfigError as e:
-        print(f"psgd: error: {e}", file=sys.stderr)
+        print(f"psgd: error: {with_env(str(e), env)}", file=sys.stderr)
         return 2
     except AddressInUse as e:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)

@@ -461,3 +461,22 @@ def test_an_interrupt_while_a_comparison_gets_ready_says_so(verb, slow, tmp_path
     assert main(argv + (["--no-baseline"] if verb == "compare" else [])) == 130
     err = capsys.readouterr().err
     assert f"psgd {verb}: interrupted before its first run: nothing ran, no report written" in err, err
+
+
+@pytest.mark.parametrize("var,value,argv,says", [
+    ("PSGD_CONFIG", "missing.toml", ["shards"], "config file missing.toml does not exist ($PSGD_CONFIG=missing.toml)"),
+    ("PSGD_DEVICE", "gpu", ["run"], "--device 'gpu' is not a device: expected auto, cpu, cuda or cuda:N "
+                                    "($PSGD_DEVICE=gpu)"),
+    ("PSGD_OUT", "a-file", ["run"], "--out a-file is a file, not a folder ($PSGD_OUT=a-file)"),
+])
+def test_a_bad_value_from_a_psgd_variable_names_the_variable(tmp_path, monkeypatch, no_job, capsys, var, value,
+                                                              argv, says):
+    """A helper's review: `PSGD_DEVICE=gpu psgd run` said "--device 'gpu' is not a device",
+    a flag the user never typed; $PSGD_CONFIG's missing file and $PSGD_OUT's file alike."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(var, value)
+    refused_before_start(argv, says, capsys, no_job)
+    flag = {"PSGD_DEVICE": ["--device", value], "PSGD_OUT": [f"--out={value}"], "PSGD_CONFIG": [value]}[var]
+    assert main(argv + flag) == 2
+    assert f"(${var}=" not in capsys.readouterr().err   # typed on the command line: nothing to add

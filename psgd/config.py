@@ -542,6 +542,16 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def parse_value_for(dotted: str, text: str) -> Any:
+    """`parse_value`, but the text itself for a string key: `job.name=2024` and
+    `PSGD_DATA_PATH=2024-01-01` (a TOML integer and date) were refused as "expected a
+    string", with no quotes to give them in an environment variable."""
+    value = parse_value(text)
+    section, _, key = dotted.strip().partition(".")
+    default = getattr(SECTIONS[section](), key, None) if section in SECTIONS else None
+    return text if isinstance(default, str) and not isinstance(value, str) else value
+
+
 def format_value(v: Any) -> str:
     """`v` as a --set or --modes item writes it: `[0.9,0.99]`,
     `{optimizer.lr=[0.01,0.1]}`, not Python's repr (`{'optimizer': {'lr': [0.01, 0.1]}}`),
@@ -591,7 +601,7 @@ def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
             raise ConfigError(f"environment: {name} is not a psgd setting "
                               f"(expected PSGD_<SECTION>_<KEY>, sections: {', '.join(SECTIONS)}; "
                               f"the deploy files' own settings are DEPLOY_*)")
-        out.append((f"{section}.{key}", parse_value(text), f"environment {name}"))
+        out.append((f"{section}.{key}", parse_value_for(f"{section}.{key}", text), f"environment {name}"))
     return out
 
 
@@ -644,7 +654,8 @@ def load(path: str | None = None, sets: list[str] | tuple = (),
         dotted, eq, text = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
-        layered.append((dotted.strip(), parse_value(text.strip()), (said_as or {}).get(item, f"--set {item}")))
+        layered.append((dotted.strip(), parse_value_for(dotted, text.strip()),
+                        (said_as or {}).get(item, f"--set {item}")))
     sources = {f"{section}.{key}": path for section, values in d.items() if isinstance(values, Mapping)
                for key in values}
     for dotted, value, source in layered:

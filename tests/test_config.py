@@ -230,3 +230,14 @@ def test_a_misspelt_key_or_section_gets_the_closest_known_one(tmp_path, where, s
     with pytest.raises(ConfigError) as e:
         load(str(path) if path else None, where.get("sets", []), env=where.get("env", {}))
     assert says in str(e.value)
+
+
+def test_a_string_key_takes_a_value_that_reads_as_a_number_or_a_date_as_its_text():
+    """A helper's review: `--set job.name=123` and `PSGD_DATA_PATH=2024-01-01` were refused
+    ("expected a string, got 123", "got datetime.date(2024, 1, 1)"): TOML read them as an
+    integer and a date, and an environment variable has no quotes to give them."""
+    cfg = load(None, ["job.name=123", "checkpoint.dir=1e3"], env={"PSGD_DATA_PATH": "2024-01-01"})
+    assert (cfg.job.name, cfg.checkpoint.dir, cfg.data.path) == ("123", "1e3", "2024-01-01")
+    assert load(None, ['job.name="quoted"'], env={}).job.name == "quoted"   # TOML's own string: its value
+    with pytest.raises(ConfigError, match="cluster.workers: expected an integer, got 'abc'"):
+        load(None, ["cluster.workers=abc"], env={})   # other keys: as before

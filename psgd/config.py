@@ -508,25 +508,28 @@ def validate(cfg: Config) -> None:
                                             for d in cfg.data.shape),
            f"data.shape must be a list of sizes >= 1 (e.g. [1, 8, 8]), got {cfg.data.shape}")
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
-    _check(t.steps >= 0 and t.seconds >= 0, "train.steps and train.seconds must be >= 0")
+    _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    _check(t.seconds >= 0, f"train.seconds must be >= 0, got {t.seconds}")
     _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")
-    _check(0 < cfg.data.test_fraction < 1, "data.test_fraction must be in (0, 1)")
+    _check(0 < cfg.data.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
     _check(cfg.data.loader_workers >= 0, f"data.loader_workers must be >= 0, got {cfg.data.loader_workers}")
     _check(cfg.data.classes == 0 or cfg.data.classes >= 2,
            f"data.classes must be 0 (the dataset's own) or >= 2, got {cfg.data.classes}")
-    _check(cfg.eval.every_seconds > 0, "eval.every_seconds must be > 0")
-    _check(0 <= cfg.eval.target_accuracy <= 1, "eval.target_accuracy must be in [0, 1]")
-    _check(cfg.faults.slow_factor >= 1, "faults.slow_factor must be >= 1")
-    _check(cfg.faults.step_delay_s >= 0, "faults.step_delay_s must be >= 0")
+    _check(cfg.eval.every_seconds > 0, f"eval.every_seconds must be > 0, got {cfg.eval.every_seconds}")
+    _check(0 <= cfg.eval.target_accuracy <= 1,
+           f"eval.target_accuracy must be in [0, 1], got {cfg.eval.target_accuracy}")
+    _check(cfg.faults.slow_factor >= 1, f"faults.slow_factor must be >= 1, got {cfg.faults.slow_factor}")
+    _check(cfg.faults.step_delay_s >= 0, f"faults.step_delay_s must be >= 0, got {cfg.faults.step_delay_s}")
     _check(0 <= cfg.faults.jitter_prob <= 1, f"faults.jitter_prob must be in [0, 1], got {cfg.faults.jitter_prob}")
     _check(cfg.faults.jitter_s >= 0, f"faults.jitter_s must be >= 0, got {cfg.faults.jitter_s}")
     sim = cfg.sim
-    _check(sim.compute_s >= 0 and sim.compute_cv >= 0 and sim.latency_s >= 0,
-           "sim.compute_s, sim.compute_cv and sim.latency_s must be >= 0")
-    _check(sim.bandwidth_gbps > 0 and sim.apply_gbps > 0, "sim.bandwidth_gbps and sim.apply_gbps must be > 0")
+    for key in ("compute_s", "compute_cv", "latency_s"):   # one key a message: its source is named (load)
+        _check(getattr(sim, key) >= 0, f"sim.{key} must be >= 0, got {getattr(sim, key)}")
+    for key in ("bandwidth_gbps", "apply_gbps"):
+        _check(getattr(sim, key) > 0, f"sim.{key} must be > 0, got {getattr(sim, key)}")
     _check(cfg.faults.on_worker_loss in ("continue", "abort"),
            "faults.on_worker_loss must be continue or abort")
-    _check(cfg.checkpoint.every_s >= 0, "checkpoint.every_s must be >= 0")
+    _check(cfg.checkpoint.every_s >= 0, f"checkpoint.every_s must be >= 0, got {cfg.checkpoint.every_s}")
     _check(not cfg.security.curve or bool(cfg.security.keys),
            "security.curve = true needs security.keys (a folder made by `psgd keys DIR`)")
 

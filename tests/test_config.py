@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from psgd.config import Config, ConfigError, given_keys, load
@@ -82,6 +84,22 @@ def test_error_names_its_source(tmp_path):
         load(str(f), [], env={})
     with pytest.raises(ConfigError, match="does not exist"):
         load(str(tmp_path / "missing.toml"), [], env={})
+
+
+@pytest.mark.parametrize("key,bad,says", [
+    ("sim.latency_s", "-1", "sim.latency_s must be >= 0, got -1.0"),
+    ("sim.apply_gbps", "0", "sim.apply_gbps must be > 0, got 0.0"),
+    ("train.seconds", "-5", "train.seconds must be >= 0, got -5.0"),
+    ("checkpoint.every_s", "-1", "checkpoint.every_s must be >= 0, got -1.0"),
+])
+def test_an_out_of_range_value_is_named_with_its_source_and_value(key, bad, says):
+    # "sim.compute_s, sim.compute_cv and sim.latency_s must be >= 0": which, what, from where?
+    with pytest.raises(ConfigError) as e:
+        load(None, ["sim.compute_s=0.01", f"{key}={bad}"], env={})
+    assert str(e.value) == f"--set {key}={bad}: {says}"
+    variable = "PSGD_" + key.upper().replace(".", "_")
+    with pytest.raises(ConfigError, match=f"^environment {variable}: {re.escape(says)}$"):
+        load(None, ["sim.compute_s=0.01"], env={variable: bad})
 
 
 def test_switches_are_true_false_1_or_0_everywhere(tmp_path):

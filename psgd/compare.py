@@ -38,7 +38,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .config import MODES, Config, ConfigError, format_value, load, parse_value, refuse_set_against_flag
+from .config import (
+    MODES,
+    Config,
+    ConfigError,
+    format_value,
+    load,
+    parse_value,
+    parse_value_for,
+    refuse_set_against_flag,
+)
 from .metrics import write_json_atomic
 from .report_numbers import amount
 
@@ -147,11 +156,12 @@ def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[Mo
                                       f" or any config key as SECTION.KEY, e.g. wire.dtype)")
                 if any(p[0] == key for p in params):
                     raise ConfigError(f"--modes: {item!r} sets {key} twice")
-                params.append([key, [parse_value(value)]])
+                params.append([key, [parse_value_for(key if "." in key else f"mode.{key}", value)]])
             groups.append((mode, params))
         elif "=" not in item and groups and groups[-1][1]:
             # One more value of the previous item's last key: ssp:staleness=0,1,2
-            groups[-1][1][-1][1].append(parse_value(item))
+            last = groups[-1][1][-1][0]
+            groups[-1][1][-1][1].append(parse_value_for(last if "." in last else f"mode.{last}", item))
         elif "=" in item:
             raise ConfigError(f"--modes: {item!r} names no mode (write MODE:{item})")
         else:

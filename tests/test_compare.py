@@ -60,6 +60,13 @@ class TestParseModes:
                                             "ltfb:explore={optimizer.lr=[0.01,0.1]}"]
         assert parse_modes(specs[1].label) == [specs[1]]   # a label is a --modes item again
 
+    def test_a_text_key_takes_a_number_like_value_as_its_text(self):
+        # "job.name: expected a string, got 123", as --set said before it took such values
+        specs = parse_modes("sync:job.name=123,2024-01-01,async:lr_policy=staleness")
+        assert [s.params for s in specs] == [(("job.name", "123"),), (("job.name", "2024-01-01"),),
+                                             (("lr_policy", "staleness"),)]
+        assert parse_modes("ssp:staleness=2")[0].params == (("staleness", 2),)   # a number key: a number
+
     def test_parameters_are_typed(self):
         specs = parse_modes("sync,ssp:staleness=2,async:lr_policy=staleness,easgd:tau=4:alpha=0.3,ltfb")
         assert specs[1] == ModeSpec("ssp", (("staleness", 2),))

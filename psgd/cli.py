@@ -299,6 +299,10 @@ def cmd_daemon(args) -> int:
         with PidFile(args.out, "coordinator", 0):
             return Coordinator(cfg, args.out, **launched).serve()
     if args.cmd == "server":
+        # A shard computes on the CPU. On a GPU machine torch's Adam and AdamW steps ask for
+        # the current CUDA stream even of CPU tensors, which opened a context (hundreds of
+        # MB) on GPU 0 in every shard mid-job: no GPU is visible to it.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         from .servers.shard_server import ShardServer
         from .transport import bind_address
         if not 0 <= args.shard < cfg.cluster.servers:

@@ -357,6 +357,25 @@ def test_an_output_folder_that_is_a_file_is_one_error(tmp_path, no_job, capsys, 
     assert "psgd run: psgd, mode" not in err and no_job.calls == []
 
 
+def test_a_shard_daemon_sees_no_gpu(tmp_path, monkeypatch):
+    """A shard computes on the CPU; on a GPU machine torch's Adam step asked for the current
+    CUDA stream and opened a context on GPU 0 in every shard (a helper's review)."""
+    import os
+    import signal
+
+    from psgd.servers import shard_server
+    seen = []
+    monkeypatch.setattr(shard_server.ShardServer, "run", lambda self: seen.append(os.environ.get(
+        "CUDA_VISIBLE_DEVICES")) or 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")   # (restored after the test)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["server", "--shard", "0", "--out", str(tmp_path / "out")]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [""]
+
+
 @pytest.mark.parametrize("rank", ["-5", "2"])
 def test_a_worker_rank_outside_the_job_is_one_error(tmp_path, capsys, rank):
     """A helper's review: `psgd worker --rank -5` waited out cluster.timeout_s for a

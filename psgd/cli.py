@@ -26,7 +26,7 @@ try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
-    from .wire import RemoteError
+    from .wire import RemoteError, WireError
 except KeyboardInterrupt:   # Ctrl-C while psgd loads (numpy, ZeroMQ): nothing started yet, no traceback
     raise SystemExit(130) from None
 
@@ -463,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     except AddressInUse as e:
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_ADDRESS_IN_USE
-    except RemoteError as e:   # a peer's answer that ends this daemon: refused by the coordinator, say
-        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+    except (RemoteError, WireError) as e:   # a peer's answer that ends this daemon (refused by the
+        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)   # coordinator), or a request no peer reads
         return 1
     except BrokenPipeError:   # `psgd shards | head -1`: the reader is gone; end as SIGPIPE would, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush would fail again)

@@ -376,6 +376,26 @@ def test_a_shard_daemon_sees_no_gpu(tmp_path, monkeypatch):
     assert seen == [""]
 
 
+def test_a_request_too_large_for_any_peer_ends_a_daemon_with_one_line(tmp_path, monkeypatch, capsys):
+    """A register whose layout's header passes 1 MiB: its refusal came back with no request
+    id, and the worker resent it until it gave up on the coordinator."""
+    import signal
+
+    from psgd import wire
+    from psgd.workers import worker as worker_mod
+
+    def too_large(self, model):
+        wire.encode("register", role="worker", layout=[["t" * 100, "params", [4]]] * 20_000)
+    monkeypatch.setattr(worker_mod.Worker, "join", too_large)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["worker", "--out", str(tmp_path / "out")]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert "psgd worker: error: too_large: register: a header of" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("rank", ["-5", "2"])
 def test_a_worker_rank_outside_the_job_is_one_error(tmp_path, capsys, rank):
     """A helper's review: `psgd worker --rank -5` waited out cluster.timeout_s for a

@@ -861,7 +861,7 @@ def format_summary(s: dict) -> str:
     acc = s.get("final_accuracy")
     ttt = s.get("time_to_target_s")
     target = s.get("target_accuracy")
-    from .report_numbers import AFTER_END, FIRST_SCORE, ttt_flag
+    from .report_numbers import AFTER_END, FIRST_SCORE, amount, ttt_flag
     flag = ttt_flag(s, None)
     if ttt is None:   # (nothing scored: nothing to say of the target)
         reached = f"target {target} not reached" if acc is not None or s.get("evals") else ""
@@ -878,7 +878,7 @@ def format_summary(s: dict) -> str:
              f"{s['mode']}: no evaluation",
              f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else
              "loss not finite (the model diverged)" if s.get("final_loss_not_finite") else "",
-             f"{s['samples_per_s']:,.0f} samples/s", f"wall {s['wall_s']:.1f} s", reached,
+             f"{amount(s['samples_per_s'])} samples/s", f"wall {s['wall_s']:.1f} s", reached,
              f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",
              f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else ""]
     return "  ".join(p for p in parts if p)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from . import wire
 from .config import ConfigError, load
 from .consistency.staleness import Histogram
+from .report_numbers import amount
 from .transport import HandshakeFailed, Peers, PeerTimeout
 
 ASK_TIMEOUT_S = 3.0
@@ -200,7 +201,7 @@ def table(r: wire.Message) -> str:
     rows: list[tuple[str, ...]] = [("worker", "state", "clock", "samples/s", "staleness", "wait", "rejected", "joins")]
     for w in r.get("workers") or []:
         elapsed = float(w.get("elapsed_s") or 0)
-        rate = f"{(w.get('samples') or 0) / elapsed:,.0f}" if elapsed > 0 else "-"
+        rate = amount((w.get('samples') or 0) / elapsed) if elapsed > 0 else "-"
         hist = Histogram.of(w)
         wait = f"{float(w.get('wait_s') or 0) / elapsed:.0%}" if elapsed > 0 else "-"
         clock = f"{w['clock']}/{steps}" if steps else str(w["clock"])

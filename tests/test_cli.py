@@ -450,6 +450,7 @@ def test_the_run_summary_line_says_nothing_of_a_target_nothing_scored():
     assert "target" not in format_summary(s) and "no evaluation" in format_summary(s)
     scored = {**s, "final_accuracy": 0.5, "final_loss": 1.0, "evals": [{"t": 0.3, "accuracy": 0.5}]}
     assert "target 0.9 not reached" in format_summary(scored)
+    assert "  0.25 samples/s  " in format_summary({**s, "samples_per_s": 0.25})   # a big model: was "0 samples/s"
 
 
 def test_a_final_loss_that_is_not_finite_is_said_not_left_out():

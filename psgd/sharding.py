@@ -108,11 +108,12 @@ class ShardMap:
 
     def describe(self) -> str:
         lines = [f"shard map: {self.num_shards} shard(s), chunk {self.chunk} elements"]
+        span = max((len(f"[{p.start}:{p.start + p.length}]") for p in self.pieces), default=0)   # one column
         for s in range(self.num_shards):
             lines.append(f"shard {s}: {self.bytes_per_shard()[s]:,} bytes "
                          f"(params {self.sizes['params'][s]:,}, buffers {self.sizes['buffers'][s]:,} elements)")
             for p in self.pieces_of(s, "params") + self.pieces_of(s, "buffers"):
-                lines.append(f"  {p.table:<7} {p.name:<40} [{p.start}:{p.start + p.length}] "
+                lines.append(f"  {p.table:<7} {p.name:<40} {f'[{p.start}:{p.start + p.length}]':<{span}} "
                              f"{4 * p.length:>12,} B")
         return "\n".join(lines)
 

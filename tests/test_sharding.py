@@ -73,3 +73,7 @@ def test_frozen_parameters_and_integer_buffers_are_not_sharded():
 def test_describe_lists_bytes_per_shard():
     text = ShardMap.for_model(build_model("mlp", (1, 8, 8), 10, 0), 2).describe()
     assert "shard 0:" in text and "shard 1:" in text and "bytes" in text
+    # one column each: a range such as [5462:8192] pushed its row's bytes out of line
+    rows = [line for line in text.splitlines() if line.startswith("  ")]
+    assert len({line.index(" B") if line.endswith(" B") else -1 for line in rows}) == 1
+    assert len({line.rindex("]") for line in rows}) > 1 and all(line.endswith(" B") for line in rows)

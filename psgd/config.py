@@ -588,7 +588,7 @@ def refuse_set_against_flag(sets: Sequence[str], key: str, value: Any, flag: str
 
 def _assign(d: dict, dotted: str, value: Any, source: str) -> None:
     section, _, key = dotted.partition(".")
-    if not key or "." in key:
+    if not section or not key or "." in key:   # (`.workers=3` named an "unknown section []")
         raise ConfigError(f"{source}: expected section.key, got {dotted!r}")
     d.setdefault(section, {})[key] = value
 
@@ -657,7 +657,8 @@ def load(path: str | None = None, sets: list[str] | tuple = (),
         dotted, eq, text = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
-        layered.append((dotted.strip(), parse_value_for(dotted, text.strip()),
+        dotted = ".".join(part.strip() for part in dotted.split("."))   # ` cluster . servers `
+        layered.append((dotted, parse_value_for(dotted, text.strip()),
                         (said_as or {}).get(item, f"--set {item}")))
     sources = {f"{section}.{key}": path for section, values in d.items() if isinstance(values, Mapping)
                for key in values}

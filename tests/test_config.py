@@ -102,6 +102,12 @@ def test_an_out_of_range_value_is_named_with_its_source_and_value(key, bad, says
         load(None, ["sim.compute_s=0.01"], env={variable: bad})
 
 
+def test_a_key_with_no_section_or_spaces_around_its_dot():
+    with pytest.raises(ConfigError, match=r"^--set \.workers=3: expected section\.key, got '\.workers'$"):
+        load(None, [".workers=3"], env={})
+    assert load(None, [" cluster . servers =3"], env={}).cluster.servers == 3   # was "unknown section [cluster ]"
+
+
 def test_switches_are_true_false_1_or_0_everywhere(tmp_path):
     """`1` is what the deploy files export (DEPLOY_CURVE=1 becomes PSGD_SECURITY_CURVE=1);
     it used to be refused, as a TOML integer, from the environment and from --set."""

@@ -79,6 +79,25 @@ def test_a_new_job_replaces_the_earlier_jobs_outputs(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+def test_two_jobs_are_not_given_one_checkpoint_dir(tmp_path):
+    """A helper's review: two jobs given the same checkpoint.dir wrote the same shard-I.pt,
+    and a restarted shard of one resumed from the other's."""
+    shared = str(tmp_path / "shared")
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", f"checkpoint.dir={shared}"], env={})
+    first = LocalJob(cfg, str(tmp_path / "a"), quiet=True)
+    try:
+        with pytest.raises(LaunchError, match=f"checkpoint.dir = {shared} holds the shard checkpoints of a job that "
+                                              f"is still running"):
+            LocalJob(cfg, str(tmp_path / "b"), quiet=True)
+        assert not (tmp_path / "b" / "config.toml").exists()
+        LocalJob(cfg.replace(**{"checkpoint.dir": ""}), str(tmp_path / "c"), quiet=True).stop()   # its own folder
+    finally:
+        first.stop()
+    LocalJob(cfg, str(tmp_path / "b"), quiet=True).stop()   # the first job ended: its folder is free
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_a_pid_file_whose_pid_is_now_another_process_is_stale(tmp_path):
     """A review: a pid file left by a job killed with -9 (or a reboot) names a pid that a
     later process took; it blocked the folder for good. A process that started after

@@ -477,6 +477,24 @@ def test_sbatch_stops_a_job_whose_daemon_keeps_dying(tmp_path, role, name):
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
+def test_sbatch_stops_a_job_whose_shard_lost_a_coordinator_that_still_runs(tmp_path):
+    """As `psgd run` does: a shard that exits "lost the coordinator" while the coordinator's
+    process runs (stopped, hung) ends the job with the coordinator's log; the script restarted
+    the shard 5 times, each waiting cluster.timeout_s for the coordinator again."""
+    logs = tmp_path / "runs" / "slurm-42" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "server-0.log").write_text("[psgd server-0] lost the coordinator at tcp://n1:10672 for 60 s; exiting\n")
+    (logs / "coordinator.log").write_text("[psgd coordinator] training: 2 workers\n")
+    env = stub_slurm(tmp_path, coordinator_s=120, fails={"server": (99, 1)})
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "server-0 lost the coordinator (no answer for cluster.timeout_s), whose process still runs" in r.stderr
+    assert "[psgd coordinator] training: 2 workers" in r.stderr, r.stderr
+    assert "server-0 exited with 1; restarting it" not in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
 def test_sbatch_stops_a_job_whose_shard_port_is_taken(tmp_path):
     """A shard whose port is taken (exit 98) would find it taken again if restarted, and the job
     cannot go on without it: as `psgd run` does, the job stops at once, naming the port.

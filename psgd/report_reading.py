@@ -140,8 +140,12 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
     elif ranked:
         best_t, best = ranked[0]
         # An unranked time is an upper bound (the model was above the target when first seen):
-        # one below the best resolved time got there sooner, so that one is not "first".
-        sooner = [r for r in unranked if (mean(r.ttt) or 0.0) < best_t]
+        # one below the best resolved time got there sooner, so that one is not "first" -- where
+        # the two are told apart: more than one evaluation period (the best's time is rounded up
+        # to it) and more than the run-to-run sd apart (single repeats: the bound holds per run).
+        sooner = [r for r in unranked if (bound := mean(r.ttt) or 0.0) < best_t
+                  and not (period and best_t - bound < period)
+                  and tie_reason(r.ttt, best.ttt) in (None, ONCE)]
         if sooner:
             s = f"Shortest resolved time to {target:g} test accuracy: {rname(best, many_w)} after {secs(best_t)} s"
         elif len(ranked) == 1 and (unranked or lost):

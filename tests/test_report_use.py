@@ -142,3 +142,20 @@ def test_a_set_that_two_of_three_merged_folders_had_is_not_said_to_be_only_one_f
     text = open(os.path.join(out, "report.md")).read()
     assert "only this folder" not in text
     assert text.count("its runs also had `--set x.y=1` (not every merged folder's did)") == 2
+
+
+@pytest.mark.timeout(60)
+def test_an_unranked_time_within_the_evaluation_period_or_the_spread_is_not_called_sooner():
+    # ssp:staleness=0,2,8 at 2 workers, 2 repeats: "Not the first to get there: ssp (bound s=2) (2 w)
+    # was already at 0.9 by 0.57 s, sooner" than s=8's resolved 0.60 s, though 0.57 was the mean of
+    # 0.49 (the evaluator's first score) and 0.64 (resolved, later than both of s=8's repeats): less
+    # than one 0.5 s evaluation period and less than one sd apart.
+    res = [run("ssp:staleness=2", "ssp", repeat=0, ttt=0.49, evals=first_seen_at(0.49)),
+           run("ssp:staleness=2", "ssp", repeat=1, ttt=0.64),
+           run("ssp:staleness=8", "ssp", repeat=0, ttt=0.586), run("ssp:staleness=8", "ssp", repeat=1, ttt=0.621)]
+    text = told(res)
+    assert "Not the first" not in text and "sooner" not in text
+    assert "Time to 0.9 test accuracy of the one configuration whose time is resolved: **ssp:staleness=8** " \
+           "after 0.60 s" in text
+    assert "Not ranked by time to 0.9: ssp:staleness=2 (already ≥ 0.9 at the evaluator's first score, 0.49 s, " \
+           "less than one evaluation period (0.5 s) after the start; 1 of 2 repeats)" in text

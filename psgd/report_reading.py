@@ -151,6 +151,8 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         elif len(ranked) == 1 and (unranked or lost):
             s = (f"Time to {target:g} test accuracy of the one configuration whose time is resolved: "
                  f"{rname(best, many_w)} after {secs(best_t)} s")
+        elif len(dist) == 1:   # one configuration: nothing to be first among
+            s = f"Time to {target:g} test accuracy: {rname(best, many_w)} after {secs(best_t)} s"
         else:
             among = ", of the configurations whose time is resolved" if unranked or lost else ""
             s = f"First to reach {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
@@ -279,7 +281,9 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     top, low = by_sps[0], by_sps[-1]
     top_sps = mean(top.sps) or 0.0
     flat = tie_reason(top.sps, low.sps) if low is not top else None
-    if flat == ONCE:   # the highest and the lowest each ran once: the values, in the rows' order, not ranked
+    if low is top:   # one configuration: nothing to be highest among
+        out.append(f"Throughput: {rname(top, many_w)} {amount(top_sps)} samples/s.")
+    elif flat == ONCE:   # the highest and the lowest each ran once: the values, in the rows' order, not ranked
         every = "" if unmeasured([r.sps for r in by_sps]) else "the highest and the lowest "
         out.append("Throughput: " + ", ".join(f"{rname(r, many_w)} {amount(mean(r.sps))}" for r in dist if r.sps)
                    + f" samples/s ({every}{ONCE}).")

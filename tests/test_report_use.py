@@ -159,3 +159,15 @@ def test_an_unranked_time_within_the_evaluation_period_or_the_spread_is_not_call
            "after 0.60 s" in text
     assert "Not ranked by time to 0.9: ssp:staleness=2 (already ≥ 0.9 at the evaluator's first score, 0.49 s, " \
            "less than one evaluation period (0.5 s) after the start; 1 of 2 repeats)" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_single_configuration_is_not_called_first_or_highest():
+    # `psgd compare --modes sync --no-baseline`: "Every configuration ran once: ... the values below are
+    # stated but not ranked", then "First to reach 0.9 test accuracy: **sync**" and "Highest
+    # throughput: **sync**", with nothing to rank it against.
+    for res in ([run("sync", ttt=1.2, sps=9066.0)], [run("sync", repeat=i, ttt=1.2 + 0.1 * i) for i in range(2)]):
+        text = told(res)
+        assert "First" not in text and "Highest" not in text and "lowest" not in text
+        assert "Time to 0.9 test accuracy: **sync** after 1.2" in text
+        assert sentence(text, "Throughput") == f"Throughput: **sync** {'9,066' if len(res) == 1 else '5,000'} samples/s."

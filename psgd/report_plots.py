@@ -67,22 +67,26 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
                 allow_log: bool = True) -> int:
     """Draws the accuracy curves against `xkey`; returns how many scores were left out (curve_points)."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    positive = []
-    left_out = 0
-    for r in rows:
-        for j, run in enumerate(r.runs):
-            xs, ys, skipped = curve_points(run, xkey)
-            left_out += skipped
-            if not xs:
-                continue
-            positive += [x for x in xs if x > 0]
-            ax.plot(xs, ys, color=colors[r.key], lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.45,
-                    ls="--" if r.is_baseline else "-", marker="." if len(xs) < 30 else None,
-                    label=(r.name + (f" ({r.workers} w)" if not r.is_baseline else "")) if j == 0 else None)
+    curves = [(r, j, curve_points(run, xkey)) for r in rows for j, run in enumerate(r.runs)]
+    positive = [x for _, _, (xs, _, _) in curves for x in xs if x > 0]
+    # A log axis has no place for a score at 0 s (the baseline's first): matplotlib would
+    # clip it to a tiny x and draw a flat line from the axis' edge at the next score's height.
+    log = allow_log and bool(positive) and max(positive) / max(min(positive), 1e-9) > 30
+    left_out = at_zero = 0
+    for r, j, (xs, ys, skipped) in curves:
+        left_out += skipped
+        if log:
+            at_zero += sum(1 for x in xs if x <= 0)
+            xs, ys = [x for x in xs if x > 0], [y for x, y in zip(xs, ys, strict=True) if x > 0]
+        if not xs:
+            continue
+        ax.plot(xs, ys, color=colors[r.key], lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.45,
+                ls="--" if r.is_baseline else "-", marker="." if len(xs) < 30 else None,
+                label=(r.name + (f" ({r.workers} w)" if not r.is_baseline else "")) if j == 0 else None)
     ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g}")
-    if allow_log and positive and max(positive) / max(min(positive), 1e-9) > 30:
+    if log:
         ax.set_xscale("log")
-        xlabel += " (log scale)"
+        xlabel += " (log scale" + ("; scores at 0 s not drawn)" if at_zero else ")")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1.02)

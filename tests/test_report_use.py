@@ -171,3 +171,26 @@ def test_a_single_configuration_is_not_called_first_or_highest():
         assert "First" not in text and "Highest" not in text and "lowest" not in text
         assert "Time to 0.9 test accuracy: **sync** after 1.2" in text
         assert sentence(text, "Throughput") == f"Throughput: **sync** {'9,066' if len(res) == 1 else '5,000'} samples/s."
+
+
+@pytest.mark.timeout(60)
+def test_a_score_at_0_s_is_not_drawn_on_the_log_time_axis(tmp_path, monkeypatch):
+    # The default comparison's accuracy_vs_time.png (log axis): the baseline's first score, at 0 s
+    # and accuracy 0.03, was clipped by matplotlib to the axis' far left and drawn as a flat line at
+    # 0.45 (its next score's, at 0.05 s) from 0.003 s on: a curve no score measured.
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from psgd.report import build_rows
+    from psgd.report_plots import _colors, _curve_plot
+    base = run("baseline", "baseline", workers=1, ttt=0.06, wall=0.2,
+               evals=[{"t": 0.0, "samples": 0, "accuracy": 0.03, "loss": 2.3},
+                      {"t": 0.05, "samples": 1000, "accuracy": 0.45, "loss": 1.0},
+                      {"t": 0.06, "samples": 2000, "accuracy": 0.92, "loss": 0.3}])
+    rows = build_rows([base, run("sync", ttt=1.2)])
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: drawn.extend(
+        (list(line.get_xdata()), fig.axes[0].get_xscale(), fig.axes[0].get_xlabel()) for line in fig.axes[0].lines))
+    _curve_plot(plt, rows, _colors(rows), "t", "wall time since training started (s)", 0.9,
+                str(tmp_path / "a.png"))
+    assert drawn and all(scale == "log" for _, scale, _ in drawn)
+    assert all(x > 0 for xs, _, _ in drawn[:-1] for x in xs)   # (the last line: the target's)
+    assert drawn[0][2] == "wall time since training started (s) (log scale; scores at 0 s not drawn)"

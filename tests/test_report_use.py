@@ -170,7 +170,8 @@ def test_a_single_configuration_is_not_called_first_or_highest():
         text = told(res)
         assert "First" not in text and "Highest" not in text and "lowest" not in text
         assert "Time to 0.9 test accuracy: **sync** after 1.2" in text
-        assert sentence(text, "Throughput") == f"Throughput: **sync** {'9,066' if len(res) == 1 else '5,000'} samples/s."
+        sps = "9,066" if len(res) == 1 else "5,000"
+        assert sentence(text, "Throughput") == f"Throughput: **sync** {sps} samples/s."
 
 
 @pytest.mark.timeout(60)

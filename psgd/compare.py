@@ -326,6 +326,11 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                                   f"same run (folder runs/{seen[key].name}): give each configuration once "
                                   f"(--repeats repeats them)")
             seen[key] = run
+    for run in plan:   # (after: the check above compares the configurations as given)
+        if run.cfg.checkpoint.dir and not run.is_baseline:
+            # Each run's own: with one checkpoint.dir a run's shards found the earlier run's
+            # checkpoints there (and `psgd run` refuses a folder another job holds).
+            run.cfg = run.cfg.replace(**{"checkpoint.dir": os.path.join(run.cfg.checkpoint.dir, run.name)})
     return plan
 
 

@@ -170,6 +170,18 @@ def test_plan_order_seeds_folders_and_budget():
 
 
 @pytest.mark.timeout(30)
+def test_each_run_has_its_own_checkpoint_folder_under_a_checkpoint_dir():
+    # one checkpoint.dir for every run: a run's shards met the earlier run's shard-I.pt there
+    base = load(None, ["train.steps=50", "checkpoint.dir=/ck"], env={})
+    plan = build_plan(base, parse_modes("sync,ssp:staleness=0,3"), [2], repeats=2)
+    dirs = [r.cfg.checkpoint.dir for r in plan if not r.is_baseline]
+    assert len(set(dirs)) == len(dirs) == 6 and "/ck/ssp-staleness=3-w2-r1" in dirs
+    assert all(r.cfg.checkpoint.dir == "" for r in build_plan(load(None, [], env={}), parse_modes("sync"), [2], 1))
+    with pytest.raises(ConfigError, match="are the same run"):   # still seen as one configuration
+        build_plan(base, parse_modes("ssp:staleness=1,1.0"), [2], 1)
+
+
+@pytest.mark.timeout(30)
 def test_plan_validates_every_config_before_running():
     base = load(None, [], env={})
     with pytest.raises(ConfigError, match="backup_workers"):

@@ -56,6 +56,11 @@ def param_name(mode: str, key: str) -> str:
     return PARAM_NAMES.get((mode, key), key)
 
 
+# Final accuracies this close are not told apart anywhere in a report: the configurations'
+# range ("hardly separates"), a configuration against the baseline, a sweep's course.
+ACC_HARDLY = 0.005
+
+
 def amount(x: float | None) -> str:
     """A rate or a size as the report writes it: whole, with thousands separators, from 10
     up; three significant digits below (a simulation at a low bandwidth runs at 0.04
@@ -76,8 +81,10 @@ ONCE = "ran once: no spread measured, so differences are not ranked"
 
 def tie_reason(a: list[float], b: list[float]) -> str | None:
     """Why the means of a and b cannot be ranked, or None when they can: equal; closer
-    than the larger run-to-run sd of the two; or no sd measured on either side (single
-    repeats: ONCE, however far apart they are)."""
+    than twice the larger run-to-run sd of the two (the bound a sweep's trend words use,
+    noise_note: at one sd a report ranked two values that its sweep sentence then called
+    "not established"); or no sd measured on either side (single repeats: ONCE, however
+    far apart they are)."""
     ma, mb = mean(a), mean(b)
     if ma is None or mb is None:
         return None
@@ -85,7 +92,7 @@ def tie_reason(a: list[float], b: list[float]) -> str | None:
         return "equal"
     sds = [x for x in (sd(a), sd(b)) if x is not None]
     if sds:
-        return "within one run-to-run sd" if abs(ma - mb) < max(sds) else None
+        return "within two run-to-run sds" if abs(ma - mb) < 2 * max(sds) else None
     return ONCE
 
 

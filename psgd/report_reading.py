@@ -3,14 +3,14 @@
 Time to target (ranked only where the time is resolved; a warning instead of a ranking
 when the budget is too short for the evaluator's period), throughput, final accuracy,
 waiting, injected faults; then measured staleness and the sweeps (psgd.report_relations).
-Every sentence says only what the numbers carry: ties within the run-to-run sd or within
+Every sentence says only what the numbers carry: ties within two run-to-run sds or within
 one evaluation period are called so; values of configurations that each ran once (no
 spread measured) are stated without being ranked (report_relations.ONCE); a target not
 seen in fewer than MIN_SCORES scores during training is not called missed.
 """
 from __future__ import annotations
 
-from .report_numbers import AFTER_END, MIN_SCORES, Row, amount, eval_period, mean, run_period, sd
+from .report_numbers import ACC_HARDLY, AFTER_END, MIN_SCORES, Row, amount, eval_period, mean, run_period, sd
 from .report_relations import (
     ONCE,
     names,
@@ -101,8 +101,8 @@ def _unresolved_share(unranked: list[Row], period: float | None) -> str:
 
 def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) -> str:
     """The rows by their mean time to the target, each joined to the one before it by "<"
-    where the two are told apart, by "≈" where they are not: equal, within one run-to-run
-    sd of each other, both run once, or less than one evaluation period apart."""
+    where the two are told apart, by "≈" where they are not: equal, within two run-to-run
+    sds of each other, both run once, or less than one evaluation period apart."""
     parts, joined = [], False
     for k, (t, r) in enumerate(ranked):
         if k:
@@ -112,7 +112,7 @@ def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) 
             joined |= near
             parts.append(" ≈ " if near else " < ")
         parts.append(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s")
-    legend = (" (≈: not told apart from the one before it: equal, within one run-to-run sd, both run once, or "
+    legend = (" (≈: not told apart from the one before it: equal, within two run-to-run sds, both run once, or "
               "less than one evaluation period apart)") if joined else ""
     return f"Order to the target: {''.join(parts)}{legend}."
 
@@ -142,7 +142,7 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         # An unranked time is an upper bound (the model was above the target when first seen):
         # one below the best resolved time got there sooner, so that one is not "first" -- where
         # the two are told apart: more than one evaluation period (the best's time is rounded up
-        # to it) and more than the run-to-run sd apart (single repeats: the bound holds per run).
+        # to it) and not within two run-to-run sds (single repeats: the bound holds per run).
         sooner = [r for r in unranked if (bound := mean(r.ttt) or 0.0) < best_t
                   and not (period and best_t - bound < period)
                   and tie_reason(r.ttt, best.ttt) in (None, ONCE)]
@@ -228,7 +228,7 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
 def _against_base(best: Row, base: Row, base_t: float) -> str:
     """The fastest configuration's speed against the baseline's, with the checks its speed
     against sync gets: not stated from a baseline that lost repeats (its survivors' time),
-    and said not told apart where the times are within the run-to-run sd (tie_reason)."""
+    and said not told apart where the times are within two run-to-run sds (tie_reason)."""
     if base.errors:
         return f"not compared with the sequential baseline{base.failed_note}"
     why = tie_reason(best.ttt, base.ttt)
@@ -336,7 +336,7 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
     if len(accs) == 1:
         out.append((f"Only {rname(hi[1], many_w)} was scored: final accuracy" if len(dist) > 1 else
                     f"Final accuracy of {rname(hi[1], many_w)}:") + f" {hi[0]:.4f}.")
-    elif hi[0] - lo[0] <= 0.005:
+    elif hi[0] - lo[0] <= ACC_HARDLY:
         spread = f"all ended at {hi[0]:.4f}" if f"{hi[0]:.4f}" == f"{lo[0]:.4f}" else \
             f"all lie between {lo[0]:.4f} and {hi[0]:.4f}"
         out.append(f"Final accuracy hardly separates the configurations: {spread}.")
@@ -358,20 +358,16 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
     return out
 
 
-# Final accuracies closer than this are not called higher or lower than the baseline's.
-ACC_NEAR = 0.002
-
-
 def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> str:
     """Each distributed configuration's final accuracy against the baseline's: higher,
-    lower, within ACC_NEAR of it, or not told apart from it (tie_reason)."""
+    lower, within ACC_HARDLY of it, or not told apart from it (tie_reason)."""
     near: list[Row] = []
     higher: list[Row] = []
     lower: list[Row] = []
     level: list[tuple[Row, str]] = []
     for a, r in accs:
         why = tie_reason(r.acc, base.acc)
-        if abs(a - ba) < ACC_NEAR:
+        if abs(a - ba) < ACC_HARDLY:
             near.append(r)
         elif why:
             level.append((r, why))
@@ -379,7 +375,7 @@ def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> st
             (higher if a > ba else lower).append(r)
     parts = ([f"{names(higher)} ended higher"] if higher else []) + \
             ([f"{names(lower)} ended lower"] if lower else []) + \
-            ([f"{names(near)} ended within {ACC_NEAR:g} of it"] if near else []) + \
+            ([f"{names(near)} ended within {ACC_HARDLY:g} of it"] if near else []) + \
             [f"{names(rs)} {'is' if len(rs) == 1 else 'are'} not told apart from it ({why})"
              for why in dict.fromkeys(w for _, w in level) for rs in [[r for r, w in level if w == why]]]
     return "; ".join(parts)

@@ -8,7 +8,7 @@ MIN_REPEATS runs each (psgd.report_numbers says why those numbers), and called a
 only where |ρ| reaches the 5 % critical value for its count (rho_critical); easgd's and ltfb's
 figures are named as the different quantities they are. Then the parameter sweeps and
 the worker-count sweeps, each value against throughput, time to target, accuracy.
-Values that are not ordered: equal ones, ones closer than the run-to-run sd (tie_reason),
+Values that are not ordered: equal ones, ones closer than two run-to-run sds (tie_reason),
 and those of configurations that each ran once, which are stated without higher, lower or
 a trend verb, with the reason (ONCE): with no spread measured, no difference is ranked.
 """
@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from .config import format_value
 from .report_numbers import (  # ONCE and tie_reason: imported from here too
+    ACC_HARDLY,
     MIN_POINTS,
     MIN_REPEATS,
     ONCE,
@@ -229,7 +230,9 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             parts.append(times_clause)
             once |= unmeasured([r.ttt for r in rs]) and all(r.resolved_ttt_mean(period) is not None for r in rs)
         accs = [acc for r in rs if (acc := mean(r.acc)) is not None]
-        if len(accs) == len(rs):
+        if len(accs) == len(rs) and max(accs) - min(accs) <= ACC_HARDLY:   # as the range sentence says
+            parts.append(f"final accuracy hardly moved ({', '.join(f'{a:.4f}' for a in accs)})")
+        elif len(accs) == len(rs):
             parts.append(course("final accuracy", ", ".join(f"{a:.4f}" for a in accs), [r.acc for r in rs], accs,
                                 lambda x: f"{x:.4f}"))
             once |= unmeasured([r.acc for r in rs])

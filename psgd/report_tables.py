@@ -20,8 +20,8 @@ MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score 
 
 
 TIE_MARK = "≈"
-TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two times to the target are equal or within one run-to-run "
-            f"sd of each other.")
+TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two times to the target are equal or within two run-to-run "
+            f"sds of each other.")
 
 
 FAILED_MARK = "‡"

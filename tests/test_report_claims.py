@@ -212,11 +212,31 @@ def test_accuracy_against_the_baseline_uses_the_spread_and_says_within():
     near = [run("baseline", "baseline", ttt=1.0, wall=5.0, acc=0.9000, workers=1),
             run("sync", ttt=2.0, acc=0.9019), run("async", "async", ttt=2.5, acc=0.9015)]
     line = sentence(told(near), "The sequential baseline ended at")
-    assert "as high as" not in line and "within 0.002 of it" in line
+    assert "as high as" not in line and "within 0.005 of it" in line
+    # a review: "s=0 and s=8 ended lower" than the baseline by 0.0028, while the sentence before
+    # said that their 0.9847-0.9861 "hardly separates" them; and their sweep "fell" by 0.0014
+    sweep = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", acc=a)
+             for s, a in ((0, 0.9861), (8, 0.9847))]
+    text = told([run("baseline", "baseline", ttt=1.0, wall=5.0, acc=0.9875, workers=1), *sweep])
+    assert "ended lower" not in sentence(text, "The sequential baseline ended at")
+    assert "final accuracy hardly moved (0.9861, 0.9847)" in sentence(text, "Sweep of ssp"), text
     noisy = [run("baseline", "baseline", r, ttt=1.0, wall=5.0, acc=a, workers=1) for r, a in enumerate((0.88, 0.96))]
     noisy += [run("sync", repeat=r, ttt=2.0, acc=0.93) for r in range(2)]
     line = sentence(told(noisy), "The sequential baseline ended at")
-    assert "ended higher" not in line and "not told apart from it (within one run-to-run sd)" in line
+    assert "ended higher" not in line and "not told apart from it (within two run-to-run sds)" in line
+
+
+def test_a_ranking_and_a_sweep_sentence_hold_a_difference_to_the_same_noise():
+    # a review: "Highest throughput: none 16,191; lowest: topk 11,931" (apart by one sd), then the
+    # sweep's "throughput fell (...: not established)" (within two)
+    results = [run(f"async:wire.compression={c}", "async", repeat=k, params={"wire.compression": c},
+                   sweep="wire.compression", sps=v) for c, vs in (("none", (16000.0, 20000.0)),
+                                                                  ("topk", (12000.0, 13000.0)))
+               for k, v in enumerate(vs)]
+    text = told(results)
+    assert "not established" in sentence(text, "Sweep of async wire.compression"), text
+    assert sentence(text, "Throughput") == "Throughput does not separate the configurations: 12,500 to 18,000 " \
+                                            "samples/s (within two run-to-run sds)."
 
 
 def _folder(path, results, ctx):
@@ -319,7 +339,7 @@ def test_the_order_to_the_target_joins_neighbours_that_the_spread_cannot_tell_ap
     assert "| 3.45× |" in next(line for line in report.splitlines() if line.startswith("| easgd"))
     assert "≈ Not told apart from 1×" in report
     results = [x for x in results if x["mode"] != "easgd"]
-    assert ("**diloco** after 3.20 s (1.19× the speed of sync, not told apart from it: within one run-to-run sd)"
+    assert ("**diloco** after 3.20 s (1.19× the speed of sync, not told apart from it: within two run-to-run sds)"
             in told(results))
 
 
@@ -444,8 +464,8 @@ def test_the_speed_against_the_baseline_is_checked_against_the_spread_like_the_s
     res += [run("async", "async", repeat=i, ttt=t, wall=8.0) for i, t in enumerate((2.5, 2.6, 2.7))]
     res += [run("sync", repeat=i, ttt=t, wall=8.0) for i, t in enumerate((5.0, 5.1, 5.2))]
     line = sentence(told(res), "First to reach")
-    assert "1.15× the speed of the sequential baseline, which needed 3.00 s, not told apart from it: within one " \
-           "run-to-run sd" in line
+    assert "1.15× the speed of the sequential baseline, which needed 3.00 s, not told apart from it: within two " \
+           "run-to-run sds" in line
 
 
 @pytest.mark.timeout(60)
@@ -508,7 +528,7 @@ def test_the_worker_count_sweep_says_when_its_gain_is_within_the_noise():
     text = told(res)
     assert "Throughput does not separate the configurations" in text
     line = sentence(text, "async from 2 to 4 workers")
-    assert "throughput ×1.02 (scaling efficiency 51%; not told apart: within one run-to-run sd)" in line
+    assert "throughput ×1.02 (scaling efficiency 51%; not told apart: within two run-to-run sds)" in line
     assert "time to target 2.20 s → 2.20 s (not told apart: equal)" in line
 
 
@@ -555,10 +575,10 @@ def test_lowest_throughput_gives_each_named_configuration_its_own_number():
     said "lowest: **sync** and **async** with 6,364", async's number given to sync too."""
     results = [run("sync", repeat=r, sps=s) for r, s in enumerate((6395.0, 9097.0, 4204.0))]
     results += [run("async", "async", repeat=r, sps=s) for r, s in enumerate((6061.0, 7247.0, 5783.0))]
-    results += [run("easgd:tau=4", "easgd", repeat=r, sps=s) for r, s in enumerate((9677.0, 9516.0, 12326.0))]
+    results += [run("easgd:tau=4", "easgd", repeat=r, sps=s) for r, s in enumerate((15677.0, 15516.0, 18326.0))]
     line = sentence(told(results), "Highest throughput")
     assert line.endswith("; lowest: **async** with 6,364, but **sync** (6,565) is not told apart from it (within "
-                         "one run-to-run sd)."), line
+                         "two run-to-run sds)."), line
 
 
 def scores(*points):

@@ -174,12 +174,12 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
             out.append(_order(ranked, period, many_w))
             tied = [(r, why) for _, r in ranked[1:] if (why := tie_reason(best.ttt, r.ttt))]
             if tied:
-                out.append(f"Not told apart from {best.name}'s time: "
+                out.append(f"Not told apart from {names([best])}'s time: "
                            + ", ".join(f"{names([r])} ({why})" for r, why in tied) + ".")
             close = [r for t, r in ranked[1:] if period and t - best_t < period and r not in [x for x, _ in tied]]
             if close:
                 out.append(f"{names(close)} reached it less than one evaluation period ({period:g} s) after "
-                           f"{best.name}: the evaluator scores the model every {period:g} s, so that order is "
+                           f"{names([best])}: the evaluator scores the model every {period:g} s, so that order is "
                            f"within the measurement's resolution.")
         if base is not None and base_t is not None and base_t < best_t:
             out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
@@ -252,10 +252,10 @@ def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplace
     why = tie_reason(base.ttt, best.ttt)
     if why:
         return [f"The sequential baseline reached the target in {secs(base_t)} s, not told apart from "
-                f"{best.name}'s {secs(best_t)} s ({why})."]
+                f"{names([best])}'s {secs(best_t)} s ({why})."]
     if period and best_t - base_t < period:
         return [f"The sequential baseline reached the target in {secs(base_t)} s, less than one evaluation "
-                f"period ({period:g} s) before {best.name}: within the measurement's resolution."]
+                f"period ({period:g} s) before {names([best])}: within the measurement's resolution."]
     if unplaced:
         return [f"The sequential baseline reached the target in {secs(base_t)} s, sooner than every distributed "
                 f"configuration whose time is resolved; {names(unplaced)} cannot be placed against it."]

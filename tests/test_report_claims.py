@@ -239,6 +239,17 @@ def test_a_ranking_and_a_sweep_sentence_hold_a_difference_to_the_same_noise():
                                             "samples/s (within two run-to-run sds)."
 
 
+def test_the_configuration_a_time_is_held_against_is_named_with_its_worker_count():
+    # a review, --workers 1,2: "sync (1 w) reached it less than one evaluation period (0.5 s)
+    # after async": which async?
+    results = [run("async", "async", repeat=k, workers=w, ttt=t + 0.01 * k)
+               for w, t in ((1, 2.0), (2, 1.0)) for k in range(2)]
+    results += [run("sync", repeat=k, workers=1, ttt=1.2 + 0.01 * k) for k in range(2)]
+    line = sentence(told(results), "reached it less than one evaluation period")
+    assert line.endswith("after async (2 w): the evaluator scores the model every 0.5 s, so that order is within "
+                         "the measurement's resolution."), line
+
+
 def _folder(path, results, ctx):
     os.makedirs(path)
     json.dump(results, open(os.path.join(path, "compare.json"), "w"))

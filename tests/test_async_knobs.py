@@ -18,7 +18,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.consistency import get as get_mode
 from psgd.consistency.clock import live_key
-from psgd.consistency.rule import Apply, Push
+from psgd.consistency.rule import Apply, Push, Read
 from psgd.consistency.staleness import Histogram, lr_scale
 from psgd.replica import Replica
 
@@ -86,6 +86,24 @@ def test_n_push_moves_the_lr_schedule_n_push_steps_per_push():
     assert progress(rule("async", 2, **{"mode.n_push": 4}), 50) == 100.0
     assert progress(rule("async", 2), 50) == 25.0
     assert progress(rule("ssp", 2), 50) == 25.0
+
+
+def test_dc_asgd_compensates_a_downpour_sum_as_its_gradients_not_as_one_gradient():
+    """A review: with mode.n_push = n a push is the sum S of n gradients, and the shard
+    compensated it as one gradient, S + lambda S S (w_now - w_read): n times as strongly
+    as DC-ASGD (Zheng et al. 2017) compensates each of the n (n^2 g g against n g g for
+    n equal gradients g). It is now compensated as n times their mean's."""
+    lam, n = 0.5, 4
+    for pushes in (1, n):
+        r = rule("async", 2, **{"mode.dc_lambda": lam, "mode.n_push": pushes})
+        r.tables.params, r.tables.buffers = torch.zeros(3), torch.zeros(0)
+        r.read(Read(("pull", 0), 0, 0))                     # worker 0 reads version 0: w_read = 0
+        r.tables.params, r.tables.version = torch.tensor([1.0, -2.0, 0.5]), 2   # two updates by others
+        g = torch.tensor([0.5, 0.25, -1.0])
+        out = r.push(Push(("push", 0), 0, 0, 2, pushes * g, torch.zeros(0)))
+        (apply,) = [d for d in out if isinstance(d, Apply)]
+        per_gradient = g + lam * g * g * (r.tables.params - 0)     # DC-ASGD of one gradient
+        torch.testing.assert_close(apply.grad, pushes * per_gradient)
 
 
 # ---------------------------------------------------------------- a fake trainer and client

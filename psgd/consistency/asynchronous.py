@@ -48,10 +48,15 @@ class AsyncRule(SspRule):
 
     def gradient(self, e):
         """DC-ASGD: compensated with w_bak, the copy this worker read at the version its
-        gradient was computed on (the push's read_version = version - tau)."""
+        gradient was computed on (the push's read_version = version - tau). A push of
+        Downpour's `mode.n_push` is the sum S of n gradients: it is compensated as n times
+        their mean g = S / n, n (g + lambda g g (w_now - w_bak)) = S + lambda / n S S (...),
+        as each of n equal gradients would be (lambda S S, the sum taken for one gradient,
+        compensated n times as strongly)."""
         w_bak = self.w_read.get(e.rank, {}).get(self.tables.version - e.tau) if self.mode.dc_lambda > 0 else None
         if w_bak is not None:
-            return delay_compensate(e.grad, self.tables.params.detach(), w_bak, self.mode.dc_lambda)
+            lam = self.mode.dc_lambda / self.mode.n_push
+            return delay_compensate(e.grad, self.tables.params.detach(), w_bak, lam)
         return e.grad
 
     def answer(self, e: Read) -> Answer:

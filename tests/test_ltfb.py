@@ -906,3 +906,56 @@ def test_a_diverged_trainer_adopting_with_weights_and_optimizer_takes_the_partne
     got = [s1.opt.state.get(p, {}).get("momentum_buffer") for p in w1.replica.model.parameters()]
     assert all(m is not None for m in got), "the adopted model came without its optimizer state"
     assert torch.allclose(flat(got), partner_momentum)
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who", ["leader", "follower"])
+def test_a_non_finite_loss_in_a_group_at_a_rounds_last_step_keeps_its_tournament(who):
+    """A review: in a trainer of 2, a worker whose loss was non-finite at the last step
+    of a round pushed nothing and went on to the round's tournament. A follower waited
+    there for its leader's outcome while the leader waited for the follower's push: the
+    job hung (until the clients' timeouts). A leader played the round, and its follower,
+    told it was behind the group's step (the leader's next push), moved to that step
+    without the round: it kept its model for a round while its leader took another, and
+    wrote no line for it. The follower's request for the outcome now tells the shards
+    that it will not push for that step (the step closes on the others, as for a
+    worker that left), and a worker moved to its group's step at a round's end plays
+    that round."""
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "cluster.servers": 1, "mode.round_steps": 3})
+    shards, ts = trainers_on(cfg, 4)
+    for w, _ in ts:
+        w.client = WaitingLoopback(shards, w.rank)
+    w, _ = ts[0 if who == "leader" else 1]
+    real = w.compute
+
+    def nan_at_the_rounds_last_step(w=w, real=real):
+        loss = real()
+        return math.nan if w.clock == 2 else loss
+    w.compute = nan_at_the_rounds_last_step
+    notes: list[str] = []
+    w.note = notes.append
+    errors = []
+
+    def run(w, s):
+        try:
+            while w.clock < 6:
+                s.step(w)
+        except BaseException as e:           # noqa: BLE001
+            errors.append(f"rank {w.rank}: {e!r}")
+    threads = [threading.Thread(target=run, args=t, daemon=True) for t in ts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert [w.clock for w, _ in ts] == [6] * 4
+    (w0, _), (w1, _) = ts[0], ts[1]
+    assert [e["round"] for e in w0.events] == [e["round"] for e in w1.events] == [1, 2]
+    for a, b in zip(w0.events, w1.events, strict=True):
+        assert {k: v for k, v in a.items() if k != "rank"} == {k: v for k, v in b.items() if k != "rank"}
+    assert torch.equal(flat(w0.replica.params()), flat(w1.replica.params()))
+    # the note says what happens (it said 'it skips its updates' until the tournament: the
+    # later steps update it as usual)
+    (said,) = [n for n in notes if "diverged" in n]
+    assert "this step makes no update and the trainer loses its next tournament" in said

@@ -34,9 +34,11 @@ follows (LBANN ends with a final local round after the last tournament), the lea
 3. on adopting, takes the partner's hyperparameters times (1 - m) or (1 + m)
    (`mode.mutation`); with `weights+optimizer` also its optimizer state;
 4. deposits the outcome for its group; every worker writes a `tournament` line.
-A diverged trainer (a non-finite loss) skips its updates until its next round, which it
-loses (`LtfbSchedule.diverge`). A deposit that a shard lost (restored from an older
-checkpoint) is made again while its trainer waits for its partner's (`keep_deposit`).
+A diverged trainer (a non-finite loss) makes no update at that step and loses its next
+round, whatever its loss does until then (`LtfbSchedule.diverge`); in a group its step
+is dropped, or at a round's last step closed on the others (`GroupSteps.passed`). A
+deposit that a shard lost (restored from an older checkpoint) is made again while its
+trainer waits for its partner's (`keep_deposit`).
 
 The global model (for the evaluator and a rejoining worker) is the best-scored
 deposit of the latest round: its (round, trainer) is chosen once from every shard's
@@ -148,8 +150,13 @@ class LtfbRule(ServerRule):
             return [Refuse(e.token, REFUSED, f"there is no trainer {e.owner} (trainers 0..{len(self.trainers) - 1}, "
                                              f"or {SCORES}: a round's scores)")]
         if e.round < 0:
+            out = []
+            if e.rank >= 0 and trainer_of(e.rank, self.k) == e.owner:   # a worker of the trainer, at round -r's
+                # tournament, pushes for no step before it: its group's step does not wait for it (its loss was
+                # non-finite; else the step closed already), or its leader would wait for good (`GroupSteps.passed`)
+                out = [self.answer_step(t, a) for t, a in self.groups.passed(e.rank, -e.round * self.mode.round_steps)]
             found = self.outcomes.get(-e.round, e.owner, e.token)
-            return [] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})]
+            return out + ([] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})])
         if e.exact:
             key = (e.round, e.owner)
             if key not in self.scores:
@@ -336,20 +343,25 @@ class LtfbSchedule(Schedule):
         finite = math.isfinite(loss)
         if not finite:
             self.diverge(w, loss)
+        before = w.clock
         if not finite or self.k == 1 or self.group_mean(w):
             if finite:
                 self.opt.step()
             w.clock += 1
-            R = self.cfg.mode.round_steps
-            if w.clock % R == 0:
-                now = w.now()
-                self.round_s, self.t_round = now - self.t_round, now
-                self.tournament(w, w.clock // R)
+        R = self.cfg.mode.round_steps
+        if w.clock != before and w.clock % R == 0:   # (also a worker behind its group that moved to its step
+            now = w.now()                             # there: the step its leader played the round at)
+            self.round_s, self.t_round = now - self.t_round, now
+            self.tournament(w, w.clock // R)
         w.log_step(0, w.client.wait_s - w0)
 
     def diverge(self, w: Trainer, loss: float) -> None:
         """A non-finite loss (a learning rate too high: `mode.explore` draws some): the
-        trainer skips its updates until its next tournament, which it loses (`lead`).
+        worker makes no update at this step and pushes nothing for it (its group drops the
+        step, or at a round's last step closes it on the others' mean: `GroupSteps.passed`),
+        and the trainer loses its next tournament (`lead`; a group's when it is its
+        leader's loss), whatever its loss does until then: its later steps update it as
+        usual (in a group they must: its replica follows the group's mean).
         Diverged, which ends the job, when no tournament can replace its model: no other
         live trainer, or no tournament before the budget's end; or when it diverged again
         with the model (and hyperparameters) it took at each of its last DIVERGED_ROUNDS - 1
@@ -365,8 +377,8 @@ class LtfbSchedule(Schedule):
                            f"tournament; {lower_lr(w)}"
                            f"{' (or narrow mode.explore)' if self.explore else ''}")
         if not self.diverged:
-            w.note(f"loss is {loss} at step {w.clock}: trainer {self.trainer} diverged; it skips its updates "
-                   f"and loses its next tournament")
+            w.note(f"loss is {loss} at step {w.clock}: trainer {self.trainer} diverged; this step makes no update "
+                   f"and the trainer loses its next tournament")
         self.diverged = True
 
     def group_mean(self, w: Trainer) -> bool:

@@ -251,22 +251,25 @@ class GroupSteps:
     the read is answered once every live worker of t has pushed step c, with the mean of
     their gradients and buffers: the same arrays for all of them, so replicas that
     start equal stay equal. A worker that leaves shrinks its group (the open step closes
-    on the others). A push behind the group's step is dropped and its read answered
-    `Late` with the group's step (the worker catches up there); a push ahead of it (a
-    worker that the others lag, or a shard that restarted) moves the group to its step,
-    dropping the open one. Arrays of a closed step are never modified (they may still
-    be on their way out)."""
+    on the others), as does one that will push for no step before a later one
+    (`passed`: its loss was non-finite and it went on to its tournament). A push behind
+    the group's step is dropped and its read answered `Late` with the group's step (the
+    worker catches up there); a push ahead of it (a worker that the others lag, or a
+    shard that restarted) moves the group to its step, dropping the open one. Arrays of
+    a closed step are never modified (they may still be on their way out)."""
 
     def __init__(self, k: int, live: Iterable[int]):
         self.k = k
         self.live = set(live)
         self.groups: dict[int, _Group] = {}
         self.dropped = 0
+        self.past: dict[int, int] = {}   # rank -> the step it pushes for next, when it is past its group's
 
     def push(self, rank: int, clock: int, grad: Any, buffers: Any) -> tuple[bool, list[tuple[Hashable, Any]]]:
         """(accepted, the reads that may now be answered: (token, Mean or Late))."""
         t = trainer_of(rank, self.k)
         g = self.groups.setdefault(t, _Group())
+        self.past.pop(rank, None)
         if clock < g.step:
             self.dropped += 1
             return False, []
@@ -292,6 +295,21 @@ class GroupSteps:
         if answer is None:
             g.reads.append((clock, token))
         return answer
+
+    def passed(self, rank: int, step: int) -> list[tuple[Hashable, Any]]:
+        """`rank` will push for no step before `step` (a worker whose step had a
+        non-finite loss, so pushed nothing, and went on to its tournament): its group's
+        open step no longer waits for it, as for a worker that left; the reads that may
+        now be answered."""
+        t = trainer_of(rank, self.k)
+        g = self.groups.get(t)
+        if g is None or step <= g.step:
+            return []
+        self.past[rank] = max(step, self.past.get(rank, step))
+        if g.contributors and self._complete(t, g):
+            self._close(g)
+            return self._release(g)
+        return []
 
     def set_live(self, live: Iterable[int]) -> list[tuple[Hashable, Any]]:
         self.live = set(live)
@@ -327,7 +345,8 @@ class GroupSteps:
                 None if done is None else Mean(int(done["step"]), done["grad"], done["buffers"], int(done["count"])))
 
     def _complete(self, t: int, g: _Group) -> bool:
-        return all(r in g.contributors for r in self.live if trainer_of(r, self.k) == t)
+        return all(r in g.contributors or self.past.get(r, 0) > g.step
+                   for r in self.live if trainer_of(r, self.k) == t)
 
     def _close(self, g: _Group) -> None:
         n = len(g.contributors)

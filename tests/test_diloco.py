@@ -290,3 +290,12 @@ def test_two_workers_over_sockets_average_exactly(port_block, outer_lr, outer_mo
     for r in range(W):
         torch.testing.assert_close(finals[r], theta, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(centre, theta, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_the_docs_cite_the_diloco_paper_by_its_arxiv_number():
+    """A review: docs/modes.md cited DiLoCo (Douillard et al. 2023) as arXiv:2311.08455,
+    another paper's number; it is arXiv:2311.08105."""
+    import pathlib
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "modes.md").read_text()
+    assert "Language Models*, 2023 (arXiv:2311.08105)" in doc and "2311.08455" not in doc

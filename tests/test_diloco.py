@@ -156,6 +156,16 @@ def test_a_worker_leaving_mid_round_closes_it_and_its_late_push_is_dropped():
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_a_joining_workers_clock_is_counted_in_rounds():
+    # a helper's review: the coordinator's clocks (steps) went into the rule's table of rounds
+    shard = shard_for(2, **{"mode.local_steps": 5})
+    shard.set_live({0: 0})
+    shard.set_live({0: 0, 1: 23})    # rank 1 back at step 23: round 4 (23 before)
+    assert shard.rule.read_fields(1)["finished"] == 4 and shard.rule.clocks.finished == {0: 0, 1: 4}
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_a_shard_restored_from_an_older_checkpoint_fast_forwards_to_the_workers():
     shard = shard_for(2)
     old = shard.state_dict()                                           # round 0

@@ -57,6 +57,10 @@ class DilocoRule(SyncRule):
     def backup(self) -> int:
         return 0
 
+    def membership(self, live: dict[int, int]) -> list:
+        """The coordinator's clocks are steps; this rule's clocks are rounds (as easgd's)."""
+        return super().membership({r: c // self.mode.local_steps for r, c in live.items()})
+
 
 class DilocoSchedule(Schedule):
     local_optimizer = True

@@ -106,8 +106,9 @@ def test_deploy_switches_have_one_spelling():
     words = {n: v for n, v in values.items() if {x.lower() for x in v} & BOOLEAN_WORDS}
     assert not words, f"a switch is 1 or 0, not a word: {words}"
     assert values["DEPLOY_CURVE"] == {"0", "1"}
-    for f in [COMPOSE, *OVERRIDES["gpu"]]:
-        assert "PSGD_SECURITY_CURVE: ${DEPLOY_CURVE:-0}" in f.read_text(), f
+    assert "PSGD_SECURITY_CURVE: ${DEPLOY_CURVE:-0}" in COMPOSE.read_text()
+    # (the GPU workers take compose.yaml's worker environment: `extends`)
+    assert "environment:" not in OVERRIDES["gpu"][0].read_text()
 
 
 # ====================================================================== Compose
@@ -223,6 +224,32 @@ def test_compose_gpu_workers_wait_for_the_servers_to_start_not_to_listen(compose
     for name in ("gpu-worker-0", "gpu-worker-1"):
         gpu = {k: v["condition"] for k, v in services[name]["depends_on"].items()}
         assert gpu == cpu, f"{name} waits for {gpu}, the CPU workers for {cpu}"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_compose_gpu_workers_get_the_settings_added_to_x_psgd(compose, tmp_path):
+    """docs/deploy.md: add PSGD_SECTION_KEY lines to x-psgd's `environment:`, "shared by
+    every service". compose.gpu.yaml's GPU workers had an environment of their own (a YAML
+    anchor cannot reach into another file): such a line reached every service but them, so
+    they trained with another config than the coordinator's and the shards'. They now
+    extend compose.yaml's worker."""
+    (tmp_path / "deploy").mkdir()
+    text = COMPOSE.read_text()
+    line = "    PSGD_SECURITY_KEYS: /data/keys\n"
+    assert text.count(line) == 1
+    (tmp_path / "deploy" / "compose.yaml").write_text(text.replace(line, line + '    PSGD_TRAIN_STEPS: "2000"\n'))
+    shutil.copy(OVERRIDES["gpu"][0], tmp_path / "deploy")
+    r = run([*compose, "-f", tmp_path / "deploy" / "compose.yaml", "-f", tmp_path / "deploy" / "compose.gpu.yaml",
+             "config", "--format", "json"], env=clean_env(DEPLOY_WORKERS="2"))
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    assert services["worker"]["environment"]["PSGD_TRAIN_STEPS"] == "2000"
+    for name in ("gpu-worker-0", "gpu-worker-1"):
+        assert services[name]["environment"] == services["worker"]["environment"], name
+        assert services[name]["deploy"]["replicas"] == 1, name
+        for key in ("volumes", "restart", "init", "depends_on"):
+            assert services[name][key] == services["worker"][key], (name, key)
 
 
 @pytest.mark.processes

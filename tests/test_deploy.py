@@ -313,6 +313,22 @@ def test_dockerfile_lints_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def compose_docs() -> str:
+    """docs/deploy.md's Docker Compose section, its lines joined."""
+    text = (REPO / "docs" / "deploy.md").read_text()
+    return " ".join(text[text.index("## Docker Compose"):text.index("## Slurm")].split())
+
+
+@pytest.mark.unit
+def test_compose_docs_say_scale_does_not_set_the_worker_count():
+    """`up --scale worker=3` (Compose's own way to scale) left cluster.workers at 2: the third
+    container waited for a rank, then exited 1 ("the job is finishing; no new workers") and
+    was restarted 3 times, each waiting cluster.timeout_s for a coordinator that had ended.
+    The docs did not say that only DEPLOY_WORKERS sets both."""
+    docs = compose_docs()
+    assert "not `up --scale worker=N`" in docs and "but not `cluster.workers`" in docs
+
+
 # ====================================================================== Slurm scripts
 
 

@@ -329,6 +329,16 @@ def test_compose_docs_say_scale_does_not_set_the_worker_count():
     assert "not `up --scale worker=N`" in docs and "but not `cluster.workers`" in docs
 
 
+@pytest.mark.unit
+def test_compose_docs_say_stop_ends_the_job():
+    """The docs said only that `docker compose stop` lets the shards checkpoint. On an
+    engine, stop then `up` with the same DEPLOY_RUN resumed nothing: the workers stopped
+    first, the coordinator wrote an aborted summary ("all 2 workers were lost"), and the next
+    `up` found the job ended while its workers waited cluster.timeout_s four times over."""
+    docs = compose_docs()
+    assert "`docker compose stop` (or Ctrl-C on `up`) ends the job; it does not pause it" in docs
+
+
 # ====================================================================== Slurm scripts
 
 

@@ -697,6 +697,26 @@ def test_shard_async_never_parks_and_scales_by_staleness():
     assert shard.stats()["staleness_hist"][5] == 1
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_shard_a_push_moves_the_buffers_one_workers_share_towards_its_own(mode):
+    """ssp and async keep the buffers (BatchNorm's running statistics) as a running mean of
+    the pushed ones: each push moves them 1 / W of the way towards the pusher's, not all
+    the way (sync's mean of a step's buffers: test_diloco's batchnorm test)."""
+    W = 4
+    shard, _ = shard_for(mode, W, **{"model.name": "cnn"})
+    assert shard.B > 0
+    rng = np.random.default_rng(5)
+    b0 = shard.buffers.clone().numpy()
+    b = [rng.standard_normal(shard.B).astype(np.float32) for _ in range(2)]
+    zero = np.zeros(shard.P, np.float32)
+    shard.handle("p0", msg("push", 0, 0, [zero, b[0]], read_version=0))
+    b1 = b0 + (b[0] - b0) / W
+    np.testing.assert_allclose(shard.buffers.numpy(), b1, rtol=1e-5, atol=1e-6)
+    shard.handle("p1", msg("push", 1, 0, [zero, b[1]], read_version=1))
+    np.testing.assert_allclose(shard.buffers.numpy(), b1 + (b[1] - b1) / W, rtol=1e-5, atol=1e-6)
+
+
 def test_sync_fast_forward_only_an_empty_step():
     bar = StepBarrier(range(2))
     assert not bar.read(3, "r3") and not bar.read(6, "r6")

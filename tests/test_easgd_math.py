@@ -94,6 +94,28 @@ def test_the_exchange_uses_the_x_before_the_step_not_after():
                                atol=1e-6)
 
 
+@pytest.mark.timeout(60)
+def test_async_a_workers_staleness_counts_the_centres_moves_by_others_between_its_exchanges():
+    """An exchange's staleness is the number of times other workers moved the centre
+    since this worker's previous exchange: 0 for its first, and 2 after another worker
+    exchanged twice in between (not counting its own move)."""
+    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": False, "mode.tau": 1, "mode.alpha": ALPHA,
+                              "cluster.workers": 2, "cluster.servers": 1, "optimizer.lr": ETA,
+                              "optimizer.momentum": 0.0})
+    shards = [Shard(cfg, 0)]
+    workers = [FakeTrainer(cfg, Loopback(shards, r), grad, rank=r) for r in range(2)]
+    schedules = [EasgdSchedule(cfg) for _ in range(2)]
+    for s, w in zip(schedules, workers, strict=True):
+        s.start(w)
+    schedules[0].step(workers[0])
+    schedules[0].step(workers[0])              # only its own moves since its last exchange
+    for _ in range(2):
+        schedules[1].step(workers[1])
+    schedules[0].step(workers[0])
+    assert [staleness for _, staleness, _ in workers[0].logged] == [0, 0, 2]
+    assert [staleness for _, staleness, _ in workers[1].logged] == [2, 0]   # worker 0's two, then none
+
+
 def _offer(shard: Shard, rank: int, round_: int, x: torch.Tensor):
     return wire.decode(wire.encode("elastic", id=9 + rank, rank=rank, clock=round_, round=round_,
                                    arrays=[x.numpy(), np.zeros(shard.B, np.float32)]))

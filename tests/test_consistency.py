@@ -625,6 +625,30 @@ def test_shard_sync_backup_workers_drop_late_gradients():
 
 
 @pytest.mark.timeout(120)
+def test_a_sync_worker_whose_push_was_dropped_catches_up_to_the_shards_step():
+    """With a backup worker the fast one closes steps 0 and 1 alone; the slow worker's
+    push for step 0 is dropped as late, and its read is answered at step 2: it continues
+    at clock 2, not at clock 1, whose step is closed too (its next push would be dropped
+    again, and every later one)."""
+    from psgd.consistency.sync import SyncSchedule
+    from psgd.shard import Shard
+    from tests.loopback import FakeTrainer, Loopback
+    cfg = Config().replace(**{"mode.name": "sync", "mode.backup_workers": 1, "cluster.workers": 2,
+                              "cluster.servers": 1, "optimizer.momentum": 0.0, "train.steps": 10})
+    shards = [Shard(cfg, 0)]
+    fast, slow = (FakeTrainer(cfg, Loopback(shards, r), lambda x: 0.1 * x, rank=r) for r in range(2))
+    schedules = [SyncSchedule(cfg), SyncSchedule(cfg)]
+    schedules[0].start(fast)
+    schedules[1].start(slow)
+    for _ in range(2):
+        schedules[0].step(fast)
+    assert fast.clock == 2 and shards[0].rule.barrier.step == 2
+    schedules[1].step(slow)
+    assert slow.logged[-1][2]["dropped"] is True
+    assert slow.clock == 2
+
+
+@pytest.mark.timeout(120)
 def test_shard_sync_membership_change_completes_a_step():
     shard, _ = shard_for("sync", 3)
     g = np.ones(shard.P, np.float32)

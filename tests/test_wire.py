@@ -67,15 +67,18 @@ def header(**over):
     ([header(op="format_disk")], wire.UNKNOWN_OP),
     ([header(id="x")], wire.BAD_HEADER),
     ([header(id=-5)], wire.BAD_HEADER),
+    ([header(id=-1)], wire.BAD_HEADER),    # -1 is a rank's or a clock's "none", never a request's id
     ([header(rank=True)], wire.BAD_HEADER),
     ([header(evil=1)], wire.BAD_FIELD),
     ([header(table=5)], wire.BAD_FIELD),
     ([header(op="push")], wire.BAD_FIELD),  # read_version required
+    ([header(op="push", read_version=True)], wire.BAD_FIELD),  # a bool is no int here
     ([header(arrays=[["float32", [2]]])], wire.BAD_HEADER),  # frame missing
     ([header(arrays=[["object", [1]]]), b"x"], wire.BAD_DTYPE),
     ([header(arrays=[["float32", [-1]]]), b""], wire.BAD_SHAPE),
     ([header(arrays=[["float32", [1] * 9]]), b"1234"], wire.BAD_SHAPE),
     ([header(arrays=[["float32", [3]]]), b"12345678"], wire.BAD_LENGTH),
+    ([header(arrays=[["float32", [1]]]), b"12345678"], wire.BAD_LENGTH),   # longer than its spec, too
     ([b"\x00" * (wire.MAX_HEADER + 1)], wire.TOO_LARGE),
     ([header()] + [b""] * (wire.MAX_FRAMES + 1), wire.TOO_LARGE),
 ])

@@ -133,6 +133,10 @@ def test_expect_array_checks_registered_shape_and_dtype():
     assert e.value.code == wire.BAD_DTYPE
     with pytest.raises(wire.WireError):
         wire.expect_array(msg, 1, "float32", (4,))
+    square = roundtrip(wire.encode("push", arrays=[np.zeros((2, 2), np.float32)], read_version=0))
+    with pytest.raises(wire.WireError) as e:   # as many values, but not the registered shape
+        wire.expect_array(square, 0, "float32", (4,))
+    assert e.value.code == wire.BAD_SHAPE
 
 
 def test_encode_refuses_unknown_dtype_and_op():

@@ -473,6 +473,37 @@ def test_a_final_loss_that_is_not_finite_is_said_not_left_out():
     assert "final_loss_not_finite" not in fine and "loss 2.5000" in format_summary(fine)
 
 
+@pytest.mark.timeout(60)
+def test_the_summary_adds_up_the_workers_and_shards_counters_as_the_readme_says():
+    """Each summary.json field from known counters: sums over the workers (samples, bytes,
+    waits, refused steps) and the shards' bad messages, the largest clock gap and dropped
+    count of a shard (README: "the most that any shard left out"), the first score at or
+    above the target, and no final score when the evaluator's final one never came."""
+    from psgd.metrics import summarize
+    workers = {0: {"samples": 300, "elapsed_s": 10.0, "wait_s": 2.0, "bytes_sent": 1000, "bytes_recv": 2000,
+                   "rejected": 1, "staleness_hist": [2, 1], "staleness_sum": 1, "staleness_max": 1},
+               1: {"samples": 100, "elapsed_s": 6.0, "wait_s": 2.0, "bytes_sent": 500, "bytes_recv": 500,
+                   "rejected": 2, "staleness_hist": [0, 0, 1], "staleness_sum": 2, "staleness_max": 2}}
+    shards = {0: {"max_clock_gap": 3, "dropped": 4, "bad_messages": 1, "busy_s": 1.0},
+              1: {"max_clock_gap": 1, "dropped": 2, "bad_messages": 5, "busy_s": 0.5}}
+    evals = [{"t": 1.0, "samples": 10, "accuracy": 0.5, "loss": 1.0},
+             {"t": 2.0, "samples": 20, "accuracy": 0.9, "loss": 0.5},       # at the target: reached
+             {"t": 3.0, "samples": 30, "accuracy": 0.95, "loss": 0.4},
+             {"t": 4.0, "samples": 40, "accuracy": 0.85, "loss": 0.6}]      # during training: not final
+    s = summarize(mode="sync", mode_params={}, workers=2, servers=2, wall_s=8.0, worker_stats=workers,
+                  server_stats=shards, evals=evals, target=0.9, failures={}, final_expected=True)
+    assert (s["samples"], s["samples_per_s"], s["time_to_target_s"]) == (400, 50.0, 2.0)
+    assert s["staleness"] == {"mean": 0.75, "max": 2, "hist": {"0": 2, "1": 1, "2": 1}}
+    assert (s["wait_fraction"], s["bytes_per_sample"]) == (0.25, 10.0)   # 4 s of 16; 4000 bytes / 400
+    assert (s["max_clock_gap"], s["dropped_gradients"], s["bad_messages"], s["rejected"]) == (3, 4, 6, 3)
+    assert s["shard_busy_fraction"] == [0.125, 0.0625]
+    assert s["final_accuracy"] is None and s["final_loss"] is None and s["final_eval_missing"] is True
+    final = summarize(mode="sync", mode_params={}, workers=2, servers=2, wall_s=8.0, worker_stats=workers,
+                      server_stats=shards, evals=[*evals, {**evals[-1], "t": 5.0, "final": True}], target=0.9,
+                      failures={}, final_expected=True)
+    assert (final["final_accuracy"], final["final_loss"]) == (0.85, 0.6) and "final_eval_missing" not in final
+
+
 def test_an_interrupted_checkpoint_leaves_no_temp_file(tmp_path, monkeypatch):
     import torch
 

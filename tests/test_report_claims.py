@@ -618,3 +618,14 @@ def test_budget_too_short_is_not_claimed_of_every_run_when_some_runs_have_resolv
     text = told(results)
     assert "each one that reached it was first seen at it, in at least one of its repeats (3 of 6 in all), by a " \
            "score taken after its training had ended or by the evaluator's first score" in text, text
+
+
+@pytest.mark.timeout(60)
+def test_accuracy_against_the_baseline_says_higher_of_the_higher_and_lower_of_the_lower():
+    """Repeats whose spread tells them apart from the baseline's: the configuration that
+    ended above it is called higher, the one below it lower, never the other way round."""
+    results = [run("baseline", "baseline", r, ttt=1.0, wall=5.0, acc=a, workers=1) for r, a in enumerate((0.9, 0.902))]
+    results += [run("sync", repeat=r, ttt=2.0, acc=a) for r, a in enumerate((0.95, 0.952))]
+    results += [run("async", "async", r, ttt=2.5, acc=a) for r, a in enumerate((0.8, 0.802))]
+    line = sentence(told(results), "The sequential baseline ended at")
+    assert line == "The sequential baseline ended at 0.9010; sync (2 w) ended higher; async (2 w) ended lower.", line

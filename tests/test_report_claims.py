@@ -629,3 +629,18 @@ def test_accuracy_against_the_baseline_says_higher_of_the_higher_and_lower_of_th
     results += [run("async", "async", r, ttt=2.5, acc=a) for r, a in enumerate((0.8, 0.802))]
     line = sentence(told(results), "The sequential baseline ended at")
     assert line == "The sequential baseline ended at 0.9010; sync (2 w) ended higher; async (2 w) ended lower.", line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("base_sps,says", [
+    ((9000.0, 9100.0), "The sequential baseline alone processed 9,050 samples/s, 1.8× the best distributed "
+                       "configuration"),
+    ((2000.0, 2100.0), "The best distributed configuration processed 2.46× the samples per second of the "
+                       "sequential baseline (2,050).")])
+def test_the_baseline_throughput_sentence_names_the_faster_side(base_sps, says):
+    """Repeats that tell the baseline's samples/s apart from the best distributed one's:
+    the sentence says which is faster and by its ratio, not a ratio below 1 as a gain."""
+    results = [run("baseline", "baseline", r, ttt=1.0, wall=5.0, sps=s, workers=1) for r, s in enumerate(base_sps)]
+    results += [run("sync", repeat=r, ttt=2.0, sps=s) for r, s in enumerate((5000.0, 5100.0))]
+    text = told(results)
+    assert says in text, text

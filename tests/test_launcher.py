@@ -12,6 +12,7 @@ import pytest
 
 from psgd.config import load
 from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob, ephemeral_ports, pick_port, ports_free
+from psgd.servers.coordinator import STATE_FILE
 from psgd.transport import EXIT_ADDRESS_IN_USE
 from tests.conftest import free_port_block
 
@@ -61,6 +62,47 @@ def test_restarts_append_to_one_log_and_leave_no_handle_open(tmp_path):
     assert server.restarts == MAX_RESTARTS
     with open(server.log_path) as f:
         assert f.read().splitlines() == ["server up"] * (1 + MAX_RESTARTS)  # appended, not truncated
+
+
+class DyingCoordinatorJob(LocalJob):
+    """The coordinator says it started and dies at once: killed (SIGKILL), or exiting 1
+    with its state file saying the job is under way (`phase`), or exiting 1 before any
+    (its own refusal); the other children wait to be stopped."""
+    phase: str | None = None
+    code = -signal.SIGKILL
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        if role != "coordinator":
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+        state = os.path.join(self.out, STATE_FILE)
+        die = "os.kill(os.getpid(), 9)" if self.code < 0 else f"sys.exit({self.code})"
+        write = f"json.dump({{'phase': {self.phase!r}}}, open({state!r}, 'w')); " if self.phase else ""
+        return [sys.executable, "-c", f"import json, os, sys; print('coordinator up', file=sys.stderr); "
+                                      f"{write}{die}"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code,phase,restarts", [(-signal.SIGKILL, None, MAX_RESTARTS), (1, "training", MAX_RESTARTS),
+                                                 (1, None, 0)])
+def test_a_dying_coordinator_is_restarted_up_to_the_limit_unless_it_ended_the_job_itself(tmp_path, code, phase,
+                                                                                         restarts):
+    """Killed, or crashed (exit 1) while its state file says the job is under way, the
+    coordinator is started again, MAX_RESTARTS times and no more; its own exit 1 before
+    training (a refusal, which it has said) is the job's end, not a crash."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = DyingCoordinatorJob(cfg, str(tmp_path), quiet=True, timeout_s=50)
+    job.code, job.phase = code, phase
+    try:
+        job.start()
+        gave_up = f"the coordinator keeps dying \\(exit {code}\\); gave up after {MAX_RESTARTS} restarts"
+        with pytest.raises(LaunchError, match=gave_up if restarts else "ended without a summary"):
+            job.wait()
+    finally:
+        job.stop()
+    coord = job.children[0]
+    assert coord.role == "coordinator" and coord.restarts == restarts
+    with open(coord.log_path) as f:
+        assert f.read().splitlines() == ["coordinator up"] * (1 + restarts)
 
 
 class StartedJob(LocalJob):

@@ -542,6 +542,7 @@ def test_psgd_keys_never_leaves_a_secret_key_readable_by_others(tmp_path, monkey
         make_keys(str(tmp_path / "keys"))
     finally:
         os.umask(old)
+    assert len(seen) == 2, seen   # both secret keys went through the spy (else nothing below is checked)
     assert all(mode & 0o077 == 0 for mode in seen.values()), {p: oct(m) for p, m in seen.items()}
 
 

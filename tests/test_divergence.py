@@ -31,7 +31,9 @@ def test_a_diverging_job_ends_with_a_clear_message(tmp_path, mode, reason):
     assert r.returncode != 0, text
     assert "Traceback" not in text, text
     assert reason in text and "lower optimizer.lr" in text and "stopping after 5 refused steps" in text, text
-    for log in (out / "logs").glob("*.log"):
+    logs = sorted((out / "logs").glob("*.log"))
+    assert len(logs) >= 5, logs   # the shards', the workers' and the evaluator's: none unread
+    for log in logs:
         assert "Traceback" not in log.read_text(), log
     summary = json.loads((out / "summary.json").read_text())
     assert reason in summary["aborted"]

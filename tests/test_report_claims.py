@@ -644,3 +644,14 @@ def test_the_baseline_throughput_sentence_names_the_faster_side(base_sps, says):
     results += [run("sync", repeat=r, ttt=2.0, sps=s) for r, s in enumerate((5000.0, 5100.0))]
     text = told(results)
     assert says in text, text
+
+
+@pytest.mark.timeout(60)
+def test_a_range_of_final_accuracies_within_twice_a_repeats_sd_is_not_called_a_range():
+    """sync's repeats spread with sd 0.042, async's none; their means lie 0.06 apart: more
+    than one sd, less than two, which the reading does not take for a difference."""
+    results = [run("sync", repeat=r, ttt=2.0, acc=a) for r, a in enumerate((0.90, 0.96))]
+    results += [run("async", "async", r, ttt=2.5, acc=0.99) for r in range(2)]
+    line = sentence(told(results), "Final accuracy")
+    assert line == ("Final accuracy ranged from 0.9300 (**sync**) to 0.9900 (**async**), which does not tell the "
+                    "configurations apart: the repeats of **sync** alone spread as much (sd 0.0424)."), line

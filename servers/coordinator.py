@@ -446,6 +446,13 @@ class Coordinator:
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
         if e["final"] and self.phase == "final_eval":
             self._settle(time.monotonic())
+        if e["final"]:
+            # The evaluator ends once its final score is answered: it is not waited for after
+            # `done` (it waited for a heartbeat saying so, and a late one after the linger
+            # left it waiting cluster.timeout_s, then exiting "lost the coordinator": 2 runs in
+            # 3 under Compose). In the state file first, as a worker's finish is (on_finish).
+            self.told_done.add(("evaluator", 0))
+            self._save_state(time.monotonic())
         return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:

@@ -292,6 +292,38 @@ def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, mo
         assert cluster.coordinator.evals[-1]["final"] and cluster.coordinator.summary["final_accuracy"] > 0.5
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_the_evaluator_ends_once_its_final_score_is_answered(tmp_path, monkeypatch):
+    """A helper's review under Compose: the evaluator waited for a heartbeat saying `done`;
+    when none came before the coordinator's linger ended (2 runs in 3 there), it waited
+    cluster.timeout_s, exited 1 "lost the coordinator" and was restarted. Here no heartbeat
+    of the evaluator is answered after its final score: it ends with that score, exit 0."""
+    from psgd.servers.coordinator import Coordinator
+    from psgd.workers.evaluator import Evaluator
+    from psgd.workers.worker import Worker
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.servers": 1,
+                              "train.steps": 30, "cluster.evaluator": True, "cluster.timeout_s": 15})
+    real = Coordinator.on_heartbeat
+
+    def on_heartbeat(self, ident, msg):
+        if msg.get("role") == "evaluator" and any(e["final"] for e in self.evals):
+            return []   # unanswered after the final score, as a late heartbeat is
+        return real(self, ident, msg)
+    monkeypatch.setattr(Coordinator, "on_heartbeat", on_heartbeat)
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        codes = {}
+        runs = {"worker": lambda: Worker(cfg, str(tmp_path), "cpu", want_rank=0).run(),
+                "evaluator": lambda: Evaluator(cfg, str(tmp_path), "cpu").run()}
+        threads = [threading.Thread(target=lambda n=n, f=f: codes.__setitem__(n, f())) for n, f in runs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert codes == {"worker": 0, "evaluator": 0}
+        assert cluster.coordinator.summary["final_accuracy"] > 0.5
+
+
 @pytest.mark.timeout(60)
 def test_a_peer_that_keeps_sending_does_not_hold_the_daemons_loop():
     """`Service.poll` returns to the daemon's loop (heartbeats, stop, checkpoints) within

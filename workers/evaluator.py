@@ -57,7 +57,7 @@ class Evaluator:
         self.client = ParameterClient(cfg, self.ctx, -1)
         events = EventLog(self.out, "evaluator", 0)
         link.start()
-        next_at, final_sent, said = time.monotonic(), False, False
+        next_at, said = time.monotonic(), False
         try:
             while not link.done:
                 if link.lost:
@@ -65,7 +65,7 @@ class Evaluator:
                     return 1
                 phase = link.state["phase"]
                 now = time.monotonic()
-                if phase == "final_eval" and not final_sent:
+                if phase == "final_eval":
                     try:
                         acc, loss, read_at = self.evaluate()
                     except wire.Refused as e:   # a shard restarted after training with nothing to restore
@@ -81,7 +81,7 @@ class Evaluator:
                     r = link.call("eval", accuracy=acc, loss=loss, final=True, age_s=time.monotonic() - read_at)
                     events.write(samples=r.get("samples"), accuracy=acc, loss=loss, final=True)
                     log("evaluator", f"final accuracy {acc:.4f}, loss {loss:.4f}")
-                    final_sent = True
+                    return 0   # the coordinator has it (its answer came): nothing more is asked of this process
                 elif phase == "training" and now >= next_at:
                     next_at = now + cfg.eval.every_seconds
                     try:

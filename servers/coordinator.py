@@ -99,6 +99,14 @@ def _stat_number(x: Any) -> bool:
     return is_number(x) and abs(x) <= MAX_STAT  # NaN, inf: not <=
 
 
+def linger_s(cfg: Config) -> float:
+    """How long after `done` the coordinator answers the heartbeats of daemons that have not
+    heard it yet: two heartbeats in a row unanswered (each waits beat_answer_s, the next
+    goes a period later on a fresh connection), and 3 s. At 3 periods and 3 s a shard of a
+    busy machine missed it, waited cluster.timeout_s and exited 1 "lost the coordinator"."""
+    return 2 * (beat_answer_s(cfg) + cfg.cluster.heartbeat_s) + 3
+
+
 class Coordinator:
     def __init__(self, cfg: Config, out: str | None = None, ctx: zmq.Context | None = None,
                  quiet: bool = False, launched_at: float | None = None, launched_by: str = "coordinator"):
@@ -621,7 +629,7 @@ class Coordinator:
         workers = {who for role, who in self.told_done if role == "worker"}
         live = set(self.members.live()) | ({self.holder} if self.holder is not None else set())
         heard = daemons <= self.told_done and live <= workers
-        return heard or now - self.done_at > 3 * self.cfg.cluster.heartbeat_s + 3
+        return heard or now - self.done_at > linger_s(self.cfg)
 
     # ------------------------------------------------------------ the state file
     def _save_state(self, now: float) -> None:

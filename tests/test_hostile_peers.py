@@ -17,6 +17,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, write_json_atomic
+from psgd.servers.coordinator import linger_s
 from psgd.shard import Shard
 from tests.conftest import ask
 from tests.conftest import hand_served as coordinator
@@ -365,7 +366,27 @@ def test_an_aborted_job_lingers_until_its_live_workers_heard_the_end():
         assert not c._lingered(time.monotonic())               # worker 0, live (at a barrier), has not
         assert ask(c, "heartbeat", role="worker", rank=0, index=0, clock=4).get("done")
         assert c._lingered(time.monotonic())
-        assert c._lingered(c.done_at + 3 * c.cfg.cluster.heartbeat_s + 3.1)   # and never past the time limit
+        assert c._lingered(c.done_at + linger_s(c.cfg) + 0.1)   # and never past the time limit
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_the_coordinator_lingers_for_a_daemon_through_two_unanswered_heartbeats():
+    """A review: a shard on a busy machine whose heartbeat went unanswered (each waits
+    beat_answer_s, the next goes a period later on a fresh connection) had not heard `done`
+    3 periods and 3 s after it; the coordinator had exited, and the shard waited
+    cluster.timeout_s and exited 1 "lost the coordinator"."""
+    from psgd.membership import beat_answer_s
+    c = coordinator(workers=1, servers=1)
+    try:
+        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
+        c._tick(time.monotonic())
+        c._finish_job()
+        hb = c.cfg.cluster.heartbeat_s
+        assert not c._lingered(c.done_at + 2 * (beat_answer_s(c.cfg) + hb) + 0.5)   # shard 0 has not heard
+        assert c._lingered(c.done_at + linger_s(c.cfg) + 0.1)
     finally:
         c.sock.close(0)
 

@@ -262,6 +262,22 @@ def test_a_shard_whose_final_checkpoint_fails_still_stops_heartbeating_and_close
     assert not [t for t in threading.enumerate() if t.name == "heartbeat-server"]
 
 
+def worker_and_evaluator(cfg: Config, out: str) -> dict[str, int]:
+    """Worker 0 and the evaluator of `cfg`'s job, each run on a thread against a cluster
+    already up: their exit codes."""
+    from psgd.workers.evaluator import Evaluator
+    from psgd.workers.worker import Worker
+    codes: dict[str, int] = {}
+    runs = {"worker": lambda: Worker(cfg, out, "cpu", want_rank=0).run(),
+            "evaluator": lambda: Evaluator(cfg, out, "cpu").run()}
+    threads = [threading.Thread(target=lambda n=n, f=f: codes.__setitem__(n, f())) for n, f in runs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    return codes
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
 def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, monkeypatch):
@@ -269,7 +285,6 @@ def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, mo
     answers `not_ready`; the evaluator raised, the launcher restarted it five times in two
     seconds and gave up, and `psgd run` failed without summary.json. It asks again."""
     from psgd.workers.evaluator import Evaluator
-    from psgd.workers.worker import Worker
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.servers": 2,
                               "train.steps": 30, "cluster.evaluator": True, "cluster.timeout_s": 20})
     real, refused = Evaluator.evaluate, []
@@ -280,14 +295,7 @@ def test_the_final_evaluation_asks_again_a_shard_that_has_no_tables(tmp_path, mo
                 raise wire.Refused(wire.NOT_READY, "shard 1 has no initial values yet", "shard 1")
             return real(self)
         monkeypatch.setattr(Evaluator, "evaluate", evaluate)
-        codes = {}
-        runs = {"worker": lambda: Worker(cfg, str(tmp_path), "cpu", want_rank=0).run(),
-                "evaluator": lambda: Evaluator(cfg, str(tmp_path), "cpu").run()}
-        threads = [threading.Thread(target=lambda n=n, f=f: codes.__setitem__(n, f())) for n, f in runs.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=90)
+        codes = worker_and_evaluator(cfg, str(tmp_path))
         assert codes == {"worker": 0, "evaluator": 0} and len(refused) == 3
         assert cluster.coordinator.evals[-1]["final"] and cluster.coordinator.summary["final_accuracy"] > 0.5
 
@@ -300,8 +308,6 @@ def test_the_evaluator_ends_once_its_final_score_is_answered(tmp_path, monkeypat
     cluster.timeout_s, exited 1 "lost the coordinator" and was restarted. Here no heartbeat
     of the evaluator is answered after its final score: it ends with that score, exit 0."""
     from psgd.servers.coordinator import Coordinator
-    from psgd.workers.evaluator import Evaluator
-    from psgd.workers.worker import Worker
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.servers": 1,
                               "train.steps": 30, "cluster.evaluator": True, "cluster.timeout_s": 15})
     real = Coordinator.on_heartbeat
@@ -312,14 +318,7 @@ def test_the_evaluator_ends_once_its_final_score_is_answered(tmp_path, monkeypat
         return real(self, ident, msg)
     monkeypatch.setattr(Coordinator, "on_heartbeat", on_heartbeat)
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
-        codes = {}
-        runs = {"worker": lambda: Worker(cfg, str(tmp_path), "cpu", want_rank=0).run(),
-                "evaluator": lambda: Evaluator(cfg, str(tmp_path), "cpu").run()}
-        threads = [threading.Thread(target=lambda n=n, f=f: codes.__setitem__(n, f())) for n, f in runs.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=90)
+        codes = worker_and_evaluator(cfg, str(tmp_path))
         assert codes == {"worker": 0, "evaluator": 0}
         assert cluster.coordinator.summary["final_accuracy"] > 0.5
 

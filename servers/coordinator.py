@@ -452,9 +452,9 @@ class Coordinator:
             if self.scalars:
                 self.scalars.add({"job/accuracy": e["accuracy"], "job/loss": e["loss"]}, e["samples"])
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
-        if e["final"] and self.phase == "final_eval":
-            self._settle(time.monotonic())
         if e["final"]:
+            if self.phase == "final_eval":
+                self._settle(time.monotonic())
             # The evaluator ends once its final score is answered: it is not waited for after
             # `done` (it waited for a heartbeat saying so, and a late one after the linger
             # left it waiting cluster.timeout_s, then exiting "lost the coordinator": 2 runs in

@@ -218,40 +218,43 @@ class LocalJob:
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.env[JOB_TOKEN_ENV] = os.urandom(8).hex()   # its coordinator refuses other jobs' daemons
         self.config_path = os.path.join(self.out, "config.toml")
-        self._checkpoints_lock: IO | None = None   # checkpoint.dir's, where it is outside the output folder
-        self._lock = self._hold_folder()
+        self._locks = self._hold_folders()
         try:
             self._forget_earlier_job()   # first: a folder of a job still running is refused, untouched
         except LaunchError:
-            self._lock.close()
-            if self._checkpoints_lock is not None:
-                self._checkpoints_lock.close()
+            self._release_folders()
             raise
         self._write_config()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0
 
-    def _hold_folder(self) -> IO:
+    def _hold_folders(self) -> list[IO]:
         """The output folder is this launcher's until stop(): an exclusive lock on
         OUT/.launcher.lock, held while the job's files are written. A second launcher
         started at the same moment (before the first job's pid files exist) is refused
-        here, where it would have written its config over the first job's."""
+        here, where it would have written its config over the first job's. So is a
+        `checkpoint.dir` outside it: two jobs given one wrote the same shard-I.pt, each
+        resuming the other's."""
         f = hold(os.path.join(self.out, LOCK_FILE))
         if f is None:
             raise LaunchError(f"{self.out} is the output folder of a job that is still running (another psgd "
                               f"launcher holds {LOCK_FILE}): give another --out, or stop that job first")
         folder = self.cfg.checkpoint.dir
-        if folder and os.path.abspath(folder) != os.path.join(self.out, "checkpoints"):
-            # Two jobs given one checkpoint.dir wrote the same shard-I.pt, each resuming the other's.
-            os.makedirs(folder, exist_ok=True)
-            self._checkpoints_lock = hold(os.path.join(folder, LOCK_FILE))
-            if self._checkpoints_lock is None:
-                f.close()
-                raise LaunchError(f"checkpoint.dir = {folder} holds the shard checkpoints of a job that is still "
-                                  f"running (its launcher holds {LOCK_FILE} there): give another checkpoint.dir, "
-                                  f"or stop that job first")
-        return f
+        if not folder or os.path.abspath(folder) == os.path.join(self.out, "checkpoints"):
+            return [f]
+        os.makedirs(folder, exist_ok=True)
+        g = hold(os.path.join(folder, LOCK_FILE))
+        if g is None:
+            f.close()
+            raise LaunchError(f"checkpoint.dir = {folder} holds the shard checkpoints of a job that is still "
+                              f"running (its launcher holds {LOCK_FILE} there): give another checkpoint.dir, "
+                              f"or stop that job first")
+        return [f, g]
+
+    def _release_folders(self) -> None:
+        for f in self._locks:
+            f.close()   # closing the file drops the lock
 
     def _forget_earlier_job(self) -> None:
         """A new job in a folder that an earlier job used replaces that job's outputs:
@@ -728,9 +731,7 @@ class LocalJob:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.out, TOKEN_FILE))   # no job of its own runs there now
-            self._lock.close()   # closing the file drops the lock
-            if self._checkpoints_lock is not None:
-                self._checkpoints_lock.close()
+            self._release_folders()
 
     def _stop_children(self, children: list[Child] | None = None) -> None:
         """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after 5 s."""

@@ -74,6 +74,12 @@ class ModeSpec:
         return dict(self.params).get(self.sweep) if self.sweep else None
 
 
+def config_key(key: str) -> str:
+    """A --modes item's key as the config key it sets: a mode's parameter (`staleness`) is
+    `mode.staleness`; a SECTION.KEY is itself."""
+    return key if "." in key else f"mode.{key}"
+
+
 def _is_config_key(key: str) -> bool:
     """SECTION.KEY naming a config key: a mode item may set or sweep any of them
     (`sync:wire.dtype=float32,bfloat16`)."""
@@ -156,12 +162,11 @@ def parse_modes(text: str, shared: tuple[str, ...] = SHARED_SECTIONS) -> list[Mo
                                       f" or any config key as SECTION.KEY, e.g. wire.dtype)")
                 if any(p[0] == key for p in params):
                     raise ConfigError(f"--modes: {item!r} sets {key} twice")
-                params.append([key, [parse_value_for(key if "." in key else f"mode.{key}", value)]])
+                params.append([key, [parse_value_for(config_key(key), value)]])
             groups.append((mode, params))
         elif "=" not in item and groups and groups[-1][1]:
             # One more value of the previous item's last key: ssp:staleness=0,1,2
-            last = groups[-1][1][-1][0]
-            groups[-1][1][-1][1].append(parse_value_for(last if "." in last else f"mode.{last}", item))
+            groups[-1][1][-1][1].append(parse_value_for(config_key(groups[-1][1][-1][0]), item))
         elif "=" in item:
             raise ConfigError(f"--modes: {item!r} names no mode (write MODE:{item})")
         else:
@@ -228,7 +233,7 @@ def refuse_sets_an_item_overrides(sets: list[str], specs: list[ModeSpec]) -> Non
     given = {key.strip(): value.strip() for key, _, value in (s.partition("=") for s in sets)}
     for spec in specs:
         for key, value in spec.params:
-            dotted = key if "." in key else f"mode.{key}"
+            dotted = config_key(key)
             if dotted in given and parse_value(given[dotted]) != value:
                 raise ConfigError(f"--set {dotted}={given[dotted]} and --modes {spec.label} disagree (the item's "
                                   f"value would win for its runs): give {dotted} in one place")
@@ -305,7 +310,7 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 sets = {"mode.name": spec.mode, "cluster.workers": w, "job.seed": seed}
                 if servers is not None:
                     sets["cluster.servers"] = servers
-                sets.update({k if "." in k else f"mode.{k}": v for k, v in spec.params})
+                sets.update({config_key(k): v for k, v in spec.params})
                 try:
                     cfg = base.replace(**sets)
                 except ConfigError as e:

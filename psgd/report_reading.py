@@ -29,9 +29,10 @@ def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> 
     """The injected faults in words; `baseline`: whether a sequential baseline ran (psgd
     simulate and `--no-baseline` run none)."""
     parts = []
-    rank, factor = int(faults.get("slow_rank", -1)), float(faults.get("slow_factor", 1.0))
-    if rank >= 0 and factor > 1:
-        s = f"worker rank {rank} is an injected straggler: each of its steps takes {factor:g}× as long"
+    rank = _straggler(faults)
+    if rank is not None:
+        s = (f"worker rank {rank} is an injected straggler: each of its steps takes "
+             f"{float(faults['slow_factor']):g}× as long")
         small = [w for w in workers if w <= rank]
         if small and len(small) == len(workers):
             s += (f" (no effect: no run has a rank {rank}; they have {' or '.join(map(str, small))} "
@@ -53,20 +54,26 @@ def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> 
     return "; ".join(parts) if parts else None
 
 
+def _straggler(faults: dict) -> int | None:
+    """The rank that `faults.slow_rank` and `faults.slow_factor` slow down, if any."""
+    rank = int(faults.get("slow_rank", -1))
+    return rank if rank >= 0 and float(faults.get("slow_factor", 1.0)) > 1 else None
+
+
 def _faulted(faults: dict, workers: int) -> bool:
     """Does a run of `workers` workers have some injected fault (a delay, jitter, or the
     straggler's rank among its workers)?"""
-    rank = int(faults.get("slow_rank", -1))
+    rank = _straggler(faults)
     return (float(faults.get("step_delay_s", 0.0)) > 0
             or (float(faults.get("jitter_prob", 0.0)) > 0 and float(faults.get("jitter_s", 0.0)) > 0)
-            or (rank >= 0 and float(faults.get("slow_factor", 1.0)) > 1 and workers > rank))
+            or (rank is not None and workers > rank))
 
 
 def _all_faults_apply(faults: dict, workers: int) -> bool:
     """Does a run of `workers` workers have every injected fault (the straggler's rank
     among its workers)? The others (delays, jitter) apply to every run."""
-    rank = int(faults.get("slow_rank", -1))
-    return not (rank >= 0 and float(faults.get("slow_factor", 1.0)) > 1) or workers > rank
+    rank = _straggler(faults)
+    return rank is None or workers > rank
 
 
 def _with_workers(r: Row, many_w: bool) -> str:

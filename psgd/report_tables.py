@@ -123,10 +123,10 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
             continue
         stal = "—" if row.is_baseline else f"{num(row.staleness_mean)} / {smax(row.staleness_max)}"
         wait = "—" if row.is_baseline else num(mean(row.values("wait_fraction")))
-        bps = "—" if row.is_baseline else f"{amount(mean(row.values('bytes_per_sample')))}"
+        bps = "—" if row.is_baseline else amount(mean(row.values("bytes_per_sample")))
         sps = mean(row.sps)
         sps_sd = sd(row.sps)
-        sps_cell = f"{amount(sps)}" + (f" ± {amount(sps_sd)}" if sps_sd is not None else "")
+        sps_cell = amount(sps) + (f" ± {amount(sps_sd)}" if sps_sd is not None else "")
         failed = f" ({len(row.errors)} failed)" if row.errors else ""
         lines.append(
             f"| {md_escape(row.name)}{failed} | {row.workers} | {pm(row.acc, 4)} | {ttt_cell(row, period)} | "

@@ -509,6 +509,11 @@ class Shard:
             self.acc.add_(g)
             self.bacc.add_(b)
 
+    def worker_lr(self, clock: int) -> float:
+        """The rate at which a worker steps its own copy by its gradient at `clock`
+        (`pushpull.own_update`: lr / W at that clock of `[optimizer]`'s schedule)."""
+        return lr_at(self.cfg.optimizer, clock, self.cfg.train.steps) / self.world
+
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         set_lr(self.opt, scale * lr_at(self.opt_cfg, progress, self.cfg.train.steps))
         own = self.params.grad

@@ -311,5 +311,65 @@ def test_prefetch_pushes_say_which_read_they_were_computed_on():
     # one worker: each gradient but the first is computed before the previous push lands
     w = run(10, **{"mode.prefetch": True})
     assert [e["staleness"] for e in w.lines] == [0] + [1] * 9
-    w = run(9, **{"mode.prefetch": True, "mode.n_fetch": 3})   # fetches every 3: staleness since that read
+    # fetches every 3: updates since that read (this fake server counts the worker's own too; a shard
+    # does not: test_n_fetch_counts_only_the_other_workers_updates_as_staleness)
+    w = run(9, **{"mode.prefetch": True, "mode.n_fetch": 3})
     assert [e["staleness"] for e in w.lines] == [0, 1, 2, 3, 1, 2, 3, 1, 2]
+
+
+# ---------------------------------------------------------------- n_fetch > 1: own pushes are not stale
+
+def downpour_shard(workers: int, **sets):
+    from psgd.shard import Shard
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": workers, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, **sets})
+    return Shard(cfg, 0), cfg
+
+
+def shard_push(shard, rank: int, clock: int, g, read_version: int):
+    m = wire.decode(wire.encode("push", id=1000 * rank + clock + 1, rank=rank, clock=clock,
+                                read_version=read_version, arrays=[g, np.zeros(shard.B, np.float32)]))
+    return wire.decode(shard.handle(("p", rank, clock), m)[0][1])
+
+
+@pytest.mark.timeout(120)
+def test_n_fetch_counts_only_the_other_workers_updates_as_staleness():
+    """A review: with n_fetch > 1 a worker steps its own copy by each of its gradients
+    between fetches, but the shard counted its own pushes since its fetch as staleness:
+    one worker reported tau = 0, 1, 2, 3, 0, ... (mean 1.5 with n_fetch = 4) and
+    lr_policy = "staleness" applied its pushes at lr, lr, lr / 2, lr / 3. Its own pushes
+    are in the model it computes on: only the other workers' updates are stale."""
+    shard, cfg = downpour_shard(2, **{"mode.n_fetch": 4, "mode.lr_policy": "staleness"})
+    lr, g = cfg.optimizer.lr, np.ones(shard.P, np.float32)
+    p0 = shard.params.detach().clone().numpy()
+    assert [shard_push(shard, 0, c, g, read_version=0).get("staleness") for c in range(4)] == [0, 0, 0, 0]
+    np.testing.assert_allclose(shard.params.detach().numpy(), p0 - 4 * lr * g, rtol=1e-5, atol=1e-6)
+    # worker 1 read version 0 too: worker 0's 4 updates are stale for it ...
+    assert shard_push(shard, 1, 0, g, read_version=0).get("staleness") == 4
+    # ... and worker 1's one update, not its own 4, for worker 0 (still on its read of version 0)
+    assert shard_push(shard, 0, 4, g, read_version=0).get("staleness") == 1
+    assert shard.stats()["staleness_max"] == 4 and shard.stats()["staleness_sum"] == 5
+    # without n_fetch the next read brings a worker's own push: one made before it is stale
+    shard, _ = downpour_shard(1)
+    assert [shard_push(shard, 0, c, g, read_version=0).get("staleness") for c in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_n_fetch_dc_asgd_compensates_only_for_the_other_workers_updates():
+    """A review: DC-ASGD compensated a Downpour push with w_now - w_read, w_read the
+    worker's fetch, but between fetches the worker computes on that read stepped by its
+    own gradients: with one worker every push after the first was compensated for its own
+    earlier updates. w_bak is now the read stepped as the worker steps its copy."""
+    shard, cfg = downpour_shard(1, **{"mode.n_fetch": 3, "mode.dc_lambda": 2.0})
+    lr = cfg.optimizer.lr
+    rng = np.random.default_rng(0)
+    copy = shard.params.detach().clone()
+    shard.handle("read", wire.decode(wire.encode("pull", id=999, rank=0, clock=0)))
+    for c in range(3):
+        g = rng.standard_normal(shard.P).astype(np.float32)
+        before = shard.params.detach().clone()
+        torch.testing.assert_close(before, copy)            # one worker: its copy is the shard's model
+        shard_push(shard, 0, c, g, read_version=0)
+        # w_now - w_bak = 0: plain SGD at lr / W by the raw gradient, as the worker's own step
+        torch.testing.assert_close(shard.params.detach(), before - lr * torch.from_numpy(g))
+        copy -= lr * torch.from_numpy(g)

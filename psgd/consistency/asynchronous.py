@@ -33,6 +33,7 @@ class AsyncRule(SspRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.w_read: dict = {}   # DC-ASGD: rank -> {version: the parameters it read}, its last READS
+        self.own: dict[int, list[int]] = {}   # n_fetch > 1: rank -> the versions its pushes since its read met
 
     def bound(self) -> int | None:
         return None
@@ -46,18 +47,48 @@ class AsyncRule(SspRule):
         schedule moves n_push / W steps per push."""
         return self.mode.n_push
 
+    def holds_own(self) -> bool:
+        """Does the model a worker computes on hold its own pushes since its read? With
+        Downpour's `mode.n_fetch` > 1 it does: between fetches the worker steps its copy by
+        each of its gradients (`pushpull.own_update`). Otherwise the next read brings them
+        (with prefetch a gradient is computed on a read that lacks the push before it:
+        that one is stale)."""
+        return self.mode.n_fetch > 1
+
+    def staleness(self, e) -> int:
+        """tau: the updates since the push's read, less the worker's own pushes applied
+        since then where its copy holds them (`holds_own`): those are not stale (Zhang et
+        al. 2016 and Zheng et al. 2017 count the updates the gradient's model lacks). So
+        one worker's pushes have tau = 0 whatever n_fetch, and `lr_policy = "staleness"`
+        scales a push by the other workers' updates only."""
+        if not self.holds_own():
+            return e.tau
+        read = self.tables.version - e.tau
+        own = [v for v in self.own.get(e.rank, ()) if v >= read]
+        self.own[e.rank] = own + [self.tables.version]
+        return max(0, e.tau - len(own))
+
     def gradient(self, e):
         """DC-ASGD: compensated with w_bak, the copy this worker read at the version its
-        gradient was computed on (the push's read_version = version - tau). A push of
-        Downpour's `mode.n_push` is the sum S of n gradients: it is compensated as n times
-        their mean g = S / n, n (g + lambda g g (w_now - w_bak)) = S + lambda / n S S (...),
-        as each of n equal gradients would be (lambda S S, the sum taken for one gradient,
-        compensated n times as strongly)."""
-        w_bak = self.w_read.get(e.rank, {}).get(self.tables.version - e.tau) if self.mode.dc_lambda > 0 else None
+        gradient was computed on (the push's read_version = version - tau), stepped by the
+        worker's own pushes since then as the worker steps its copy (`holds_own`:
+        -lr / W * g, `pushpull.own_update`), so that w_now - w_bak is the other workers'
+        updates. A push of Downpour's `mode.n_push` is the sum S of n gradients: it is
+        compensated as n times their mean g = S / n, n (g + lambda g g (w_now - w_bak)) =
+        S + lambda / n S S (...), as each of n equal gradients would be (lambda S S, the
+        sum taken for one gradient, compensated n times as strongly)."""
+        if self.mode.dc_lambda <= 0:
+            return e.grad
+        reads = self.w_read.get(e.rank, {})
+        w_bak = reads.get(self.tables.version - e.tau)
+        g = e.grad
         if w_bak is not None:
-            lam = self.mode.dc_lambda / self.mode.n_push
-            return delay_compensate(e.grad, self.tables.params.detach(), w_bak, lam)
-        return e.grad
+            g = delay_compensate(e.grad, self.tables.params.detach(), w_bak, self.mode.dc_lambda / self.mode.n_push)
+        if self.holds_own():   # the worker's copies of every read it may still compute on take this push
+            lr = self.tables.worker_lr(e.clock)
+            for w in reads.values():
+                w.add_(e.grad, alpha=-lr)
+        return g
 
     def answer(self, e: Read) -> Answer:
         if self.mode.dc_lambda > 0 and e.rank >= 0:  # keep its last READS reads (prefetch computes on the older)
@@ -69,7 +100,7 @@ class AsyncRule(SspRule):
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        self.w_read = {}  # the reads were of the tables before the restore
+        self.w_read, self.own = {}, {}  # the reads were of the tables before the restore
 
 
 class AsyncSchedule(SspSchedule):

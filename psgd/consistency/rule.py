@@ -194,6 +194,10 @@ class Tables(Protocol):
     buffers: torch.Tensor
     version: int
 
+    def worker_lr(self, clock: int) -> float:
+        """The rate at which a worker steps its own copy at `clock` (`pushpull.own_update`)."""
+        ...
+
 
 # ---------------------------------------------------------------- the server rule
 class ServerRule:

@@ -55,11 +55,16 @@ class SspRule(ServerRule):
     def gradient(self, e: Push):
         return e.grad
 
+    def staleness(self, e: Push) -> int:
+        """The push's tau: updates applied since the read it was computed on."""
+        return e.tau
+
     def push(self, e: Push) -> list[Decision]:
         progress = self.tables.version * self.steps_per_push() / self.world
-        out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(e.tau), progress),
-                               MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, {"staleness": e.tau})]
-        self.hist.add(e.tau)
+        tau = self.staleness(e)
+        out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(tau), progress),
+                               MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, {"staleness": tau})]
+        self.hist.add(tau)
         return out + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
 
     def gated_read(self, e: Read) -> list[Decision]:

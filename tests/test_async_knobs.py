@@ -100,7 +100,7 @@ def test_dc_asgd_compensates_a_downpour_sum_as_its_gradients_not_as_one_gradient
         r.read(Read(("pull", 0), 0, 0))                     # worker 0 reads version 0: w_read = 0
         r.tables.params, r.tables.version = torch.tensor([1.0, -2.0, 0.5]), 2   # two updates by others
         g = torch.tensor([0.5, 0.25, -1.0])
-        out = r.push(Push(("push", 0), 0, 0, 2, pushes * g, torch.zeros(0)))
+        out = r.push(Push(("push", 0), 0, pushes - 1, 2, pushes * g, torch.zeros(0)))   # of steps 0 .. n - 1
         (apply,) = [d for d in out if isinstance(d, Apply)]
         per_gradient = g + lam * g * g * (r.tables.params - 0)     # DC-ASGD of one gradient
         torch.testing.assert_close(apply.grad, pushes * per_gradient)
@@ -373,3 +373,29 @@ def test_n_fetch_dc_asgd_compensates_only_for_the_other_workers_updates():
         # w_now - w_bak = 0: plain SGD at lr / W by the raw gradient, as the worker's own step
         torch.testing.assert_close(shard.params.detach(), before - lr * torch.from_numpy(g))
         copy -= lr * torch.from_numpy(g)
+
+
+def test_dc_asgd_compensates_the_last_partial_push_as_its_gradients():
+    """A review: with n_push = n, the push of what is still summed when the budget ends
+    (k < n steps, `AsyncSchedule.finish`) was compensated as n gradients' sum,
+    S + lambda / n S S (...), k / n as strongly as its k gradients each would be. It is
+    now compensated as k times their mean's."""
+    lam, n = 0.5, 4
+    r = rule("async", 2, **{"mode.dc_lambda": lam, "mode.n_push": n})
+    r.tables.params, r.tables.buffers = torch.zeros(3), torch.zeros(0)
+    g = torch.tensor([0.5, 0.25, -1.0])
+
+    def compensated(clock: int, steps: int) -> torch.Tensor:
+        r.read(Read(("pull", 0), 0, clock))                 # w_read = the parameters now
+        r.tables.params, r.tables.version = r.tables.params + torch.tensor([1.0, -2.0, 0.5]), r.tables.version + 2
+        out = r.push(Push(("push", 0), 0, clock, 2, steps * g, torch.zeros(0)))
+        (apply,) = [d for d in out if isinstance(d, Apply)]
+        return apply.grad
+
+    per_gradient = g + lam * g * g * torch.tensor([1.0, -2.0, 0.5])
+    torch.testing.assert_close(compensated(n - 1, n), n * per_gradient)          # steps 0..3
+    torch.testing.assert_close(compensated(2 * n - 1, n), n * per_gradient)      # steps 4..7
+    torch.testing.assert_close(compensated(2 * n + 1, 2), 2 * per_gradient)      # steps 8, 9: the last
+    r = rule("async", 2, **{"mode.dc_lambda": lam, "mode.n_push": n})           # a budget under n steps
+    r.tables.params, r.tables.buffers = torch.zeros(3), torch.zeros(0)
+    torch.testing.assert_close(compensated(2, 3), 3 * per_gradient)

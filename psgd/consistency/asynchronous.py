@@ -34,6 +34,7 @@ class AsyncRule(SspRule):
         super().__init__(mode, world, tables)
         self.w_read: dict = {}   # DC-ASGD: rank -> {version: the parameters it read}, its last READS
         self.own: dict[int, list[int]] = {}   # n_fetch > 1: rank -> the versions its pushes since its read met
+        self.pushed_at: dict[int, int] = {}   # n_push > 1: rank -> the clock of its latest push
 
     def bound(self) -> int | None:
         return None
@@ -76,19 +77,34 @@ class AsyncRule(SspRule):
         updates. A push of Downpour's `mode.n_push` is the sum S of n gradients: it is
         compensated as n times their mean g = S / n, n (g + lambda g g (w_now - w_bak)) =
         S + lambda / n S S (...), as each of n equal gradients would be (lambda S S, the
-        sum taken for one gradient, compensated n times as strongly)."""
+        sum taken for one gradient, compensated n times as strongly). n is the steps the push
+        carries (`carried`): n_push, or fewer in the push of what is still summed when the
+        budget ends."""
+        n = self.carried(e)
         if self.mode.dc_lambda <= 0:
             return e.grad
         reads = self.w_read.get(e.rank, {})
         w_bak = reads.get(self.tables.version - e.tau)
         g = e.grad
         if w_bak is not None:
-            g = delay_compensate(e.grad, self.tables.params.detach(), w_bak, self.mode.dc_lambda / self.mode.n_push)
+            g = delay_compensate(e.grad, self.tables.params.detach(), w_bak, self.mode.dc_lambda / n)
         if self.holds_own():   # the worker's copies of every read it may still compute on take this push
             lr = self.tables.worker_lr(e.clock)
             for w in reads.values():
                 w.add_(e.grad, alpha=-lr)
         return g
+
+    def carried(self, e) -> int:
+        """How many steps' gradients a push sums: `mode.n_push`, or, for a push fewer steps
+        after the rank's previous one (`AsyncSchedule.finish`: the last, partial sum), that
+        many. (A push's clock is its last step's; a worker's first push carries the steps
+        from 0, or n_push after a jump of its clock: a rejoin, a restore.)"""
+        n = self.mode.n_push
+        if n > 1:
+            last, self.pushed_at[e.rank] = self.pushed_at.get(e.rank, -1), e.clock   # -1: from step 0
+            if 0 < e.clock - last < n:
+                return e.clock - last
+        return n
 
     def answer(self, e: Read) -> Answer:
         if self.mode.dc_lambda > 0 and e.rank >= 0:  # keep its last READS reads (prefetch computes on the older)
@@ -100,7 +116,7 @@ class AsyncRule(SspRule):
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        self.w_read, self.own = {}, {}  # the reads were of the tables before the restore
+        self.w_read, self.own, self.pushed_at = {}, {}, {}  # the reads were of the tables before the restore
 
 
 class AsyncSchedule(SspSchedule):

@@ -2,8 +2,9 @@
 
 Accuracy against wall time and against samples, throughput bars, one measured-staleness
 histogram per configuration, for sweeps the swept value (or the worker count) against
-time to target and throughput (only resolved times of configurations that lost no repeats
-are drawn; a sweep plot's title says why the others have none), and for ltfb with
+time to target and throughput, mean ± sd over repeats (only resolved times of
+configurations that lost no repeats are drawn; a sweep plot's title says why the others
+have none), and for ltfb with
 `mode.explore` each trainer's explored hyperparameters after every tournament.
 `make_plots` writes them and lists them; without matplotlib it writes nothing and the
 report goes without plots.
@@ -14,6 +15,7 @@ import glob
 import json
 import os
 import re
+import textwrap
 from typing import Any
 
 from .report_numbers import Row, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
@@ -230,15 +232,29 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
     plt.close(fig)
 
 
-def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: float | None) -> None:
+def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: float | None,
+                  target: float | None = None) -> None:
+    """Throughput and time to target against the worker count, one line per configuration,
+    mean ± sd over repeats as in the other plots; the time panel's title says which worker
+    counts have no plotted time and why (time_status), as a parameter sweep's does."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    missing: list[str] = []
     for rs in groups.values():
         c, label = colors[rs[0].key], rs[0].name
         ws = [r.workers for r in rs]
-        a1.plot(ws, [mean(r.sps) or 0 for r in rs], marker="o", color=c, label=label)
-        pts = [(r.workers, t) for r in rs if (t := plotted_time(r, period)) is not None]
+        a1.errorbar(ws, [mean(r.sps) or 0 for r in rs], yerr=[sd(r.sps) or 0 for r in rs], marker="o", capsize=3,
+                    color=c, label=label)
+        pts = [(r.workers, t, sd(r.ttt) or 0) for r in rs if (t := plotted_time(r, period)) is not None]
         if pts:
-            a2.plot([p for p, _ in pts], [t for _, t in pts], marker="o", color=c, label=label)
+            a2.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts], marker="o",
+                        capsize=3, color=c, label=label)
+        if any(r.scored for r in rs):
+            by_why: dict[str, list[str]] = {}
+            for r in rs:
+                if why := time_status(r, period, target):
+                    by_why.setdefault(why, []).append(str(r.workers))
+            if by_why:
+                missing.append(f"{label}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})
     every = [r for rs in groups.values() for r in rs]
     for ax, yl in ((a1, _per_s(every)), (a2, f"time to target ({_seconds(every)})")):
@@ -252,6 +268,9 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
             ax.text(0.5, 0.5, "no run was scored" if not any(r.scored for r in every) else
                     "no resolved time to target (see the reading)", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8, color="grey")
+    a1.set_title("throughput (mean ± sd over repeats)", fontsize=8)
+    a2.set_title("\n".join(["time to target (mean ± sd over repeats)"]
+                           + [textwrap.fill(f"(not drawn: {m})", 64) for m in missing]), fontsize=7 if missing else 8)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
@@ -339,7 +358,7 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
         made.append((f"Sweep: {mode} {what} ({fixed})", name))
     groups = worker_sweeps(ok)
     if groups:
-        _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"), period)
+        _workers_plot(plt, groups, colors, os.path.join(out, "sweep_workers.png"), period, target)
         made.append(("Sweep: worker count", "sweep_workers.png"))
     for r in ok:  # ltfb with mode.explore: each trainer's hyperparameters against time (first repeat)
         traces = hyper_traces(out, r.runs[0])

@@ -549,6 +549,7 @@ def test_sweep_plots_say_why_a_value_has_no_time_instead_of_target_not_reached(t
     not reached" and "no run reached the target"; a 2-of-3 row was "not reached", and
     unresolved times and times of configurations that lost repeats were plotted."""
     matplotlib = pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib.axes")   # (matplotlib.axes is not loaded by `import matplotlib`)
     from psgd.report_plots import plotted_time
     said: list[str] = []
     set_title, text = matplotlib.axes.Axes.set_title, matplotlib.axes.Axes.text
@@ -578,6 +579,37 @@ def test_sweep_plots_say_why_a_value_has_no_time_instead_of_target_not_reached(t
     (tmp_path / "s").mkdir()
     write_report(str(tmp_path / "s"), sweep, CTX)
     assert "ssp: bound s sweep, 2 workers\n(0: 2/3 reached; 2: not resolved; 4: 1 of 3 repeats failed)" in said
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_count_plot_shows_the_spread_and_says_which_counts_have_no_time(tmp_path, monkeypatch):
+    """A review: `psgd simulate --modes sync,async --workers 8,64,256 --repeats 2` drew the
+    worker-count sweep without error bars, though the other plots show the run-to-run
+    spread, and left out the worker counts whose time to target was unresolved without a word."""
+    matplotlib = pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib.axes")
+    said: list[str] = []
+    bars: list[list[float]] = []
+    set_title, errorbar = matplotlib.axes.Axes.set_title, matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (said.append(label), set_title(self, label, *a, **k))[1])
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, x, y, *a, **k: (bars.append(list(k.get("yerr") or [])),
+                                                     errorbar(self, x, y, *a, **k))[1])
+    # sync reaches the target at every count; async at 8 only (2/2), at 64 in 1 of 2 repeats, at 256 never
+    res = [run("sync", repeat=i, workers=w, ttt=1.0 + 0.2 * i, sps=5000 + 100 * i) for w in (8, 64, 256)
+           for i in range(2)]
+    res += [run("async", "async", repeat=i, workers=w, sps=6000 + 200 * i,
+                ttt=1.0 + 0.2 * i if w == 8 or (w == 64 and i == 0) else None, acc=0.95 if w == 8 else 0.8)
+            for w in (8, 64, 256) for i in range(2)]
+    write_report(str(tmp_path), res, CTX)
+    assert (tmp_path / "sweep_workers.png").exists()
+    spread = [[round(float(x), 3) for x in b] for b in bars]
+    assert [70.711] * 3 in spread and [141.421] * 3 in spread   # the throughputs' sds: 5000/5100, 6000/6200
+    assert [0.141] * 3 in spread   # sync's times: sd of 1.0 and 1.2
+    title = next(t for t in said if t.startswith("time to target (mean ± sd over repeats)"))
+    assert " ".join(title.split()) == "time to target (mean ± sd over repeats) (not drawn: async: 64 w 1/2 " \
+        "reached; 256 w not seen ≥ 0.9 in 1 score during training, 2 of 2 repeats)"
 
 
 @pytest.mark.timeout(60)

@@ -259,12 +259,18 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             eff = gain / (last.workers / first.workers)
             why = tie_reason(first.sps, last.sps)
             s = (f"{first.name} from {first.workers} to {last.workers} workers: throughput ×{gain:.2f} "
-                 f"(scaling efficiency {100 * eff:.0f}%" + (f"; not told apart: {why}" if why and why != ONCE else "")
+                 f"(scaling efficiency {percent(eff)}" + (f"; not told apart: {why}" if why and why != ONCE else "")
                  + ")" + _times_across(first, last, period))
             if why == ONCE:
                 s += f" (each worker count {ONCE})"
             out.append(s + ".")
     return out
+
+
+def percent(x: float) -> str:
+    """A fraction as a percentage, to two significant digits below 10% (0.0071: "0.71%", not
+    "1%", which would also be what 0.0116 gives), else to whole percents ("51%")."""
+    return f"{100 * x:.0f}%" if 100 * x >= 9.5 else f"{100 * x:.2g}%"
 
 
 def _times_across(first: Row, last: Row, period: float | None) -> str:

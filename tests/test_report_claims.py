@@ -581,6 +581,20 @@ def test_sweep_plots_say_why_a_value_has_no_time_instead_of_target_not_reached(t
     assert "ssp: bound s sweep, 2 workers\n(0: 2/3 reached; 2: not resolved; 4: 1 of 3 repeats failed)" in said
 
 
+@pytest.mark.timeout(60)
+def test_a_small_scaling_efficiency_keeps_its_digits():
+    """A review: `psgd simulate --modes sync,async --workers 8,64,256 --set sim.train=false`
+    said "scaling efficiency 1%" of sync (×0.37 over 32× the workers: 1.2%) and of async
+    (×0.23: 0.71%), two efficiencies that differ by half given as one."""
+    res = [run(m, m, repeat=i, workers=w, sps=s + i) for m, ss in (("sync", (3000, 1110)), ("async", (6000, 1360)))
+           for w, s in zip((8, 256), ss, strict=True) for i in range(2)]
+    text = told(res)
+    assert "throughput ×0.37 (scaling efficiency 1.2%)" in sentence(text, "sync from 8 to 256 workers")
+    assert "throughput ×0.23 (scaling efficiency 0.71%)" in sentence(text, "async from 8 to 256 workers")
+    from psgd.report_relations import percent
+    assert [percent(x) for x in (0.51, 0.095, 0.0949, 1.0)] == ["51%", "10%", "9.5%", "100%"]
+
+
 @pytest.mark.timeout(120)
 def test_the_worker_count_plot_shows_the_spread_and_says_which_counts_have_no_time(tmp_path, monkeypatch):
     """A review: `psgd simulate --modes sync,async --workers 8,64,256 --repeats 2` drew the

@@ -153,7 +153,7 @@ def detail_table(rows: list[Row]) -> list[str]:
             continue
         lost = sum(int((r.get("failures") or {}).get("workers_lost", 0)) for r in row.runs)
         lines.append(
-            f"| {md_escape(row.name)} | {row.workers} | {len(row.runs)}/{row.n} | {pm(row.values('wall_s'), 2)} | "
+            f"| {md_escape(row.name)} | {row.workers} | {len(row.runs)}/{row.n} | {pm_secs(row.values('wall_s'))} | "
             f"{amount(mean(row.values('samples')))} | {times(row.throughput_ratio(row.ref_sync))} | "
             f"{times(row.throughput_ratio(row.ref_base))} | "
             f"{'—' if row.is_baseline else max(int(r.get('max_clock_gap', 0)) for r in row.runs)} | "

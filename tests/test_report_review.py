@@ -269,3 +269,15 @@ def test_the_detail_table_gives_the_busiest_shards_share_of_the_time():
     assert table[0].endswith("| workers lost | busiest shard |")
     assert next(line for line in table if line.startswith("| sync |")).endswith("| 45% |")
     assert next(line for line in table if line.startswith("| async |")).endswith("| — |")
+
+
+@pytest.mark.timeout(30)
+def test_the_detail_tables_wall_time_keeps_the_digits_of_a_short_run():
+    """A review: a simulated run of 8 workers lasts 0.0184 virtual s, and the detail table said
+    "0.02 ± 0.00" (two decimals whatever the size) where the time cells say 0.0184."""
+    from psgd.report_tables import detail_table
+    rows = build_rows([run("sync", repeat=i, wall=w, simulated=True) for i, w in enumerate((0.0185, 0.0191))]
+                      + [run("async", "async", repeat=i, wall=w) for i, w in enumerate((12.34, 12.5))])
+    table = detail_table(rows)
+    assert "| 2/2 | 0.0188 ± 0.0004 |" in next(line for line in table if line.startswith("| sync (simulated) |"))
+    assert "| 2/2 | 12.4 ± 0.1 |" in next(line for line in table if line.startswith("| async |"))

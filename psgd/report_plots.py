@@ -237,7 +237,7 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     """Throughput and time to target against the worker count, one line per configuration,
     mean ± sd over repeats as in the other plots; the time panel's title says which worker
     counts have no plotted time and why (time_status), as a parameter sweep's does."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), sharex=True)   # (a panel with no point keeps the axis)
     missing: list[str] = []
     for rs in groups.values():
         c, label = colors[rs[0].key], rs[0].name

@@ -281,3 +281,22 @@ def test_the_detail_tables_wall_time_keeps_the_digits_of_a_short_run():
     table = detail_table(rows)
     assert "| 2/2 | 0.0188 ± 0.0004 |" in next(line for line in table if line.startswith("| sync (simulated) |"))
     assert "| 2/2 | 12.4 ± 0.1 |" in next(line for line in table if line.startswith("| async |"))
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_count_plots_panels_share_their_axis(tmp_path, monkeypatch):
+    """A review: in `psgd simulate --modes sync,ssp:staleness=4 --workers 8,32 --set
+    sim.train=false`, the worker-count plot's empty time panel put 8 workers mid-axis and 32
+    at its edge, while the throughput panel beside it put them at its two ends."""
+    figure = pytest.importorskip("matplotlib.figure")
+    limits: list[list[tuple[float, float]]] = []
+    savefig = figure.Figure.savefig
+    monkeypatch.setattr(figure.Figure, "savefig",
+                        lambda self, path, *a, **k: (limits.append([tuple(ax.get_xlim()) for ax in self.axes])
+                                                     if str(path).endswith("sweep_workers.png") else None,
+                                                     savefig(self, path, *a, **k))[1])
+    res = [run(m, m, repeat=i, workers=w, evals=[], acc=None, simulated=True) for m in ("sync", "async")
+           for w in (8, 32) for i in range(2)]
+    assert ("Sweep: worker count", "sweep_workers.png") in make_plots(str(tmp_path), build_rows(res), 0.9, 0.5)
+    (left, right), = limits
+    assert left == right

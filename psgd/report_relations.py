@@ -86,7 +86,16 @@ def course(what: str, values: str, series: list[list[float]], means: list[float]
     be ordered (unmeasured), 'WHAT VALUES' without a trend verb: the caller says why (ONCE)."""
     if unmeasured(series):
         return f"{what} {values}"
-    return f"{what} {trend(means)} ({values}{noise_note(series, fmt)})"
+    word, noisy = trend(means), ""
+    if word == "went up and down":
+        # A reversal within two run-to-run sds is not one: the told-apart steps decide.
+        told = [b > a for (a, b), (u, v) in zip(zip(means, means[1:], strict=False),
+                                                 zip(series, series[1:], strict=False), strict=True)
+                if tie_reason(u, v) is None]
+        if told and len(set(told)) == 1:
+            word = "rose" if told[0] else "fell"
+            noisy = "; its other steps are within two run-to-run sds"
+    return f"{what} {word} ({values}{noise_note(series, fmt) or noisy})"
 
 
 def unseen(r: Row, target: float | None = None) -> str | None:

@@ -701,3 +701,19 @@ def test_a_range_of_final_accuracies_within_twice_a_repeats_sd_is_not_called_a_r
     line = sentence(told(results), "Final accuracy")
     assert line == ("Final accuracy ranged from 0.9300 (**sync**) to 0.9900 (**async**), which does not tell the "
                     "configurations apart: the repeats of **sync** alone spread as much (sd 0.0424)."), line
+
+
+@pytest.mark.timeout(60)
+def test_a_sweep_reversal_within_the_noise_is_not_called_up_and_down():
+    """A review: ssp bound s 0, 4, 16 at 5,000, 7,000 and 6,990 samples/s (sds 71) was said to
+    have "went up and down", though 7,000 and 6,990 are within two run-to-run sds (the rule
+    that the report's rankings use); a reversal told apart is still one."""
+    def sweep(means):
+        return [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", repeat=i, sps=m + d,
+                    ttt=2.0) for s, m in zip((0, 4, 16), means, strict=True) for i, d in enumerate((-50, 50))]
+    line = sentence(told(sweep((5000, 7000, 6990))), "Sweep of ssp")
+    assert "throughput rose (5,000, 7,000, 6,990 samples/s; its other steps are within two run-to-run sds)" in line
+    line = sentence(told(sweep((7000, 5000, 5010))), "Sweep of ssp")
+    assert "throughput fell (7,000, 5,000, 5,010 samples/s; its other steps are within two run-to-run sds)" in line
+    line = sentence(told(sweep((5000, 7000, 6000))), "Sweep of ssp")
+    assert "throughput went up and down (5,000, 7,000, 6,000 samples/s)" in line

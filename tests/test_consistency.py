@@ -625,6 +625,29 @@ def test_shard_sync_backup_workers_drop_late_gradients():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_a_rejoined_workers_second_push_for_the_open_step_is_dropped_and_counted(mode):
+    """A worker pushes for step 0, is dropped by the coordinator, rejoins (the shard
+    forgets its last clock) and pushes for step 0 again: its first gradient stays in the
+    step, the second is answered `dropped` and counted in `dropped`, as the worker's
+    step line says (summary.json's dropped_gradients is the shards' count)."""
+    shard, cfg = shard_for(mode, 2, **{"cluster.servers": 1})
+    g0, g1 = np.ones(shard.P, np.float32), np.full(shard.P, 3.0, np.float32)
+    p0 = shard.params.detach().clone().numpy()
+    assert not answers(shard.handle("a", push(shard, 0, 0, g0)))["a"].get("dropped")
+    shard.set_live({1: 0})                     # rank 0 lost (its gradient stays in step 0) ...
+    shard.set_live({0: 0, 1: 0})               # ... and back
+    out = answers(shard.handle("b", push(shard, 0, 0, 5 * g0)))
+    assert out["b"].get("dropped") is True
+    assert shard.stats()["dropped"] == 1 and shard.rule.state_dict()["dropped"] == 1
+    shard.handle("c", push(shard, 1, 0, g1))   # step 0 closes with the first gradient of rank 0
+    assert shard.rule.barrier.step == 1 and shard.stats()["dropped"] == 1
+    if mode == "sync":
+        np.testing.assert_allclose(shard.params.detach().numpy(), p0 - cfg.optimizer.lr * (g0 + g1) / 2,
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
 def test_a_sync_worker_whose_push_was_dropped_catches_up_to_the_shards_step():
     """With a backup worker the fast one closes steps 0 and 1 alone; the slow worker's
     push for step 0 is dropped as late, and its read is answered at step 2: it continues
@@ -870,7 +893,8 @@ class DilocoModel:
             self.dropped += 1
             assert reply.get("dropped") is True
         elif rank in self.contributors:
-            assert reply.get("dropped") is True          # the same round twice (a rejoin): not counted
+            self.dropped += 1
+            assert reply.get("dropped") is True          # the same round twice (a rejoin): counted
         else:
             assert not reply.get("dropped")
             self.contributors[rank] = delta.float().double()

@@ -137,6 +137,9 @@ def test_group_steps_answer_every_worker_with_the_same_mean():
     g.push(0, 2, a, buf)
     assert g.push(1, 5, b, buf) == (True, []) and g.dropped == 2
     assert g.read(0, 3, "x") == Late(5)
+    # a worker that rejoined (the shard forgot its last clock) pushes the open step again:
+    # dropped (its first gradient stays in the step) and counted, as its step line says
+    assert g.push(1, 5, b, buf) == (False, []) and g.dropped == 3
 
 
 @unit

@@ -273,7 +273,8 @@ class GroupSteps:
         if clock < g.step:
             self.dropped += 1
             return False, []
-        if clock == g.step and rank in g.contributors:
+        if clock == g.step and rank in g.contributors:   # again, after a rejoin: dropped
+            self.dropped += 1
             return False, []
         if clock > g.step:
             self.dropped += len(g.contributors)

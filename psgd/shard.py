@@ -408,7 +408,8 @@ class Shard:
             self.buffers.copy_(values).div_(d.count)
 
     def _do_refuse(self, d: r.Refuse) -> Reply:
-        self.counters["bad_messages"] += 1
+        if d.bad:
+            self.counters["bad_messages"] += 1
         token, msg = d.token
         if type(token) is ThenRead:  # a refused push is the request's answer: no read follows
             token = token.token

@@ -160,6 +160,7 @@ class Refuse:
     token: Any
     code: str
     reason: str
+    bad: bool = True   # counted in the shard's bad_messages; False: a race that honest clients meet and retry
 
 
 @dataclass

@@ -12,10 +12,12 @@ starts together; the coordinator waits `cluster.timeout_s` for them, saying how 
 it has. A worker that finishes with an error (it stopped after too many refused
 steps) aborts the job with that reason, and so does the loss of every worker with none
 finished (they all crashed: a job that survives the loss of some workers fails when
-nobody trained to the end); an aborted job's summary.json has `aborted` (the reason)
-and the coordinator exits 1. Heartbeats carry each daemon's cumulative counters and get
-the live set back. When no worker is live any more, the evaluator is asked for a final
-score; then summary.json is written, every daemon is told `done`, and it exits.
+nobody trained to the end; a restarted coordinator that has no live worker left waits
+cluster.timeout_s from its start for new ones to take up the lost ranks); an aborted
+job's summary.json has `aborted` (the reason) and the coordinator exits 1. Heartbeats
+carry each daemon's cumulative counters and get the live set back. When no worker is
+live any more, the evaluator is asked for a final score; then summary.json is written,
+every daemon is told `done`, and it exits.
 
 Start-up: `startup_s` in the `start` event and in summary.json is the time from
 `launched_at` (a time.time() value) to the start of training, and `startup_from` says
@@ -144,6 +146,7 @@ class Coordinator:
         self.job = job_token()             # psgd run's token for this job ('' for daemons started by hand)
         self.server_nonces: dict[str, int] = {}   # a shard server's registration nonce -> its index
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
+        self.rejoin_until = 0.0            # a restarted one waits until then for its workers to come back (_resume)
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
         self.holder: int | None = None     # ... that worker's rank (it must hear an abort: _lingered)
@@ -505,13 +508,22 @@ class Coordinator:
                 self.events.write(event="lost", rank=r)
                 if self.cfg.faults.on_worker_loss == "abort":
                     self.abort = f"worker {r} was lost and faults.on_worker_loss = abort"
-            if not self.abort and self.members.all_done and self.members.all_lost:
+            # Restarted, and no worker live, some missed: they were stopped with it (`docker
+            # compose stop` of the whole stack; new containers take a while to start), or have
+            # not reached it yet. The job waits for new worker processes to take up the missed
+            # ranks for as long as daemons keep trying to reach a restarted coordinator.
+            rejoining = (not self.abort and now < self.rejoin_until and self.members.all_done
+                         and any(m.state == "lost" for m in self.members.members.values()))
+            if rejoining and lost:
+                log("coordinator", f"no worker is live since this coordinator's restart; waiting up to "
+                    f"{self.rejoin_until - now:.0f} s (cluster.timeout_s) for workers to take up the lost ranks")
+            if not rejoining and not self.abort and self.members.all_done and self.members.all_lost:
                 # Nobody trained to the end (they all crashed, or their machines went): the
                 # job failed. Losing some workers while others finish is survived.
                 n = self.cfg.cluster.workers
                 self.abort = (f"{'all ' * (n > 1)}{n} worker{'s were' if n > 1 else ' was'} lost (stopped "
                               f"heartbeating) and none finished")
-            if self.abort or (self.members.all_done and now >= self.held_until):
+            if not rejoining and (self.abort or (self.members.all_done and now >= self.held_until)):
                 self.t_end = now
                 if self.has_evaluator and not self.abort:
                     self.phase = "final_eval"
@@ -700,6 +712,7 @@ class Coordinator:
         self.restarts = int(st["restarts"]) + 1
         if self.phase == "final_eval":
             self.final_deadline = now + self.cfg.cluster.timeout_s
+        self.rejoin_until = now + self.cfg.cluster.timeout_s
         self.events.write(event="coordinator_restart", restarts=self.restarts, phase=self.phase)
         log("coordinator", f"resumed the job from {self.state_path} (saved {age:.1f} s ago): {self.phase}, "
             f"{len(self.members.live())} live workers; restart {self.restarts}")

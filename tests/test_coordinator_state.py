@@ -754,3 +754,47 @@ def test_status_shows_a_score_whose_loss_was_not_finite_after_a_coordinator_rest
     reply = wire.decode(frames)
     assert reply.get("last_eval")["loss"] is None
     assert "last evaluation: accuracy 0.1000  loss -  at 2.0 s" in table(reply)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("finished", [0, 1])
+def test_a_restarted_coordinator_whose_workers_were_stopped_with_it_waits_for_new_ones(tmp_path, finished):
+    """`docker compose stop` of the whole stack, then `start`: the coordinator resumed the
+    job from its state file, missed the old workers (stopped with it) before the new
+    containers had imported torch, and aborted the job ("all 2 workers were lost"), or,
+    with one worker finished before the stop, ended it without the other's share. A
+    restarted coordinator waits cluster.timeout_s for new workers to take up the lost
+    ranks; past that, the job ends as before."""
+    cfg, first = training_with_two_workers(str(tmp_path))
+    for r in (0, 1):
+        first.members.beat(r, time.monotonic(), 40, {"samples": 1280})
+    if finished:
+        first.members.finish(0, time.monotonic(), {"samples": 1280}, 40)
+    first._save_state(time.monotonic())
+    c = coordinator(cfg, str(tmp_path))
+    assert (c.phase, c.restarts) == ("training", 1)
+
+    def tick(now: float) -> None:
+        c._checked = -1e9
+        c._tick(now)
+    later = time.monotonic() + cfg.cluster.heartbeat_timeout_s + 10   # no old worker beats again
+    tick(later)
+    assert c.members.lost == 2 - finished and (c.phase, c.abort) == ("training", "")
+    for nonce in ("new-a", "new-b")[finished:]:   # the new worker containers, without a rank of their own
+        [(_, frames)] = c.on_register(b"w", wire.Message("register", id=1, fields={
+            "role": "worker", "want_rank": -1, "nonce": nonce}))
+        assert wire.decode(frames).get("start_clock") == 40
+    assert len(c.members.live()) == 2 - finished and c.members.restarted == 2 - finished
+    for r in c.members.live():
+        c.members.finish(r, later, {"samples": 640}, 60)
+    tick(later)
+    assert c.phase == "done" and not c.abort and c.summary["failures"]["workers_restarted"] == 2 - finished
+
+    os.makedirs(tmp_path / "again")   # nobody takes the ranks up in time: the job ends as before
+    first.state_path, first._saved = str(tmp_path / "again" / STATE_FILE), ()
+    first._save_state(time.monotonic())
+    c = coordinator(cfg, str(tmp_path / "again"))
+    tick(time.monotonic() + cfg.cluster.timeout_s + 1)
+    assert c.phase == "done" and c.members.lost == 2 - finished
+    assert c.abort == ("" if finished else "all 2 workers were lost (stopped heartbeating) and none finished")

@@ -330,13 +330,18 @@ def test_compose_docs_say_scale_does_not_set_the_worker_count():
 
 
 @pytest.mark.unit
-def test_compose_docs_say_stop_ends_the_job():
-    """The docs said only that `docker compose stop` lets the shards checkpoint. On an
-    engine, stop then `up` with the same DEPLOY_RUN resumed nothing: the workers stopped
-    first, the coordinator wrote an aborted summary ("all 2 workers were lost"), and the next
-    `up` found the job ended while its workers waited cluster.timeout_s four times over."""
+def test_compose_docs_say_stop_then_start_resumes_the_job():
+    """On an engine, stop then `up` with the same DEPLOY_RUN resumed nothing: the restarted
+    coordinator missed the old workers before the new containers came up and aborted the
+    job ("all 2 workers were lost"), while the workers waited cluster.timeout_s four times
+    over. It now waits for new workers to take up the ranks (test_coordinator_state.py), and
+    the docs say that a stop pauses the job and what it does not survive."""
     docs = compose_docs()
-    assert "`docker compose stop` (or Ctrl-C on `up`) ends the job; it does not pause it" in docs
+    assert "`docker compose stop` (or Ctrl-C on `up`) pauses the job" in docs
+    assert "ends the job; it does not pause it" not in docs
+    assert "no worker is live since this coordinator's restart" in docs
+    from psgd.servers import coordinator
+    assert "no worker is live since this coordinator's restart" in Path(coordinator.__file__).read_text()
 
 
 # ====================================================================== Slurm scripts

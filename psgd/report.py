@@ -139,8 +139,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     lines.append("")
     real = sorted({r.workers for r in rows if not r.is_baseline and not r.simulated}) if mixed else workers
     many = " or ".join(map(str, real))
-    lines.append(f"Machine: {m.get('cpus', '?')} CPU cores, device {m.get('device', '?')}"
-                 f"{' (CUDA available)' if m.get('cuda') else ' (no CUDA)'}, torch {m.get('torch', '?')}."
+    lines.append(f"Machine: {m.get('cpus', '?')} CPU cores, device {machine_device(m)}, torch {m.get('torch', '?')}."
                  + (f" Each distributed{' real' if mixed else ''} run starts its {many} "
                     f"worker{'s' if real != [1] else ''}, "
                     f"{ctx.get('servers', '?')} shards, a coordinator and an evaluator on these {m.get('cpus')} cores."
@@ -232,6 +231,16 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     elif plt_or_none() is None:
         lines += ["(No plots: matplotlib is not installed; `pip install 'psgd[plots]'`.)", ""]
     return "\n".join(lines)
+
+
+def machine_device(m: dict) -> str:
+    """The device the runs used, as compare-context.json's `machine` records it: `--device
+    auto` is a GPU for each worker where there is CUDA, else the CPU (psgd/replica.py
+    pick_device)."""
+    device, cuda = m.get("device", "?"), m.get("cuda")
+    if device == "auto":
+        return f"{'cuda' if cuda else 'cpu'} (--device auto{'' if cuda else ': no CUDA here'})"
+    return f"{device} ({'CUDA available' if cuda else 'no CUDA'})"
 
 
 def _keys(differs: list[str]) -> list[str]:

@@ -717,3 +717,13 @@ def test_a_sweep_reversal_within_the_noise_is_not_called_up_and_down():
     assert "throughput fell (7,000, 5,000, 5,010 samples/s; its other steps are within two run-to-run sds)" in line
     line = sentence(told(sweep((5000, 7000, 6000))), "Sweep of ssp")
     assert "throughput went up and down (5,000, 7,000, 6,000 samples/s)" in line
+
+
+@pytest.mark.unit
+def test_the_machine_line_names_the_device_that_auto_chose():
+    """`psgd compare` records --device as given (auto by default): the report said
+    "device auto (no CUDA)", leaving the reader to work out that the runs used the CPU."""
+    from psgd.report import machine_device
+    assert machine_device({"device": "auto", "cuda": False}) == "cpu (--device auto: no CUDA here)"
+    assert machine_device({"device": "auto", "cuda": True}) == "cuda (--device auto)"
+    assert machine_device({"device": "cpu", "cuda": True}) == "cpu (CUDA available)"

@@ -14,7 +14,8 @@
 `connect` reads the job's config from `config` (a path or a Config), else $PSGD_CONFIG,
 then `PSGD_<SECTION>_<KEY>` variables; the output folder from `out` or $PSGD_OUT; the
 rank to ask for from `rank` or $PSGD_RANK (default: the next free one). `psgd run
---script FILE` sets all three for each copy of the script it starts.
+--script FILE` sets all three for each copy of the script it starts. A model on a GPU
+(cuda:N) makes cuda:N the current CUDA device, as `psgd worker --device cuda:N` does.
 
 What `step()` does is the mode's worker schedule (psgd/consistency/), the same one
 `psgd worker` runs, with the script's backward pass as its compute:

@@ -358,17 +358,50 @@ def test_a_worker_on_another_gpu_makes_it_the_current_device(monkeypatch):
     torch.optim.Adam([p]).step()
     assert asked == [None], asked   # the current device's stream: it must be the worker's
 
-    class Registered(Exception):
+    class Attached(Exception):
         pass
 
-    def registers(*a, **k):
-        raise Registered
+    class Link:   # the coordinator's answer to the registration: rank 0 of the job
+        def __init__(self, cfg, *a, **k):
+            self.config = cfg.to_dict()
+
+        def register(self, *a, **k):
+            return {"assigned_rank": 0, "config": self.config}
+
+    def replica(model, shards, device):   # where the model goes to the device
+        raise Attached
     current = []
     monkeypatch.setattr(worker, "check_device", lambda spec, rank=0: torch.device("cuda", 1))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
-    monkeypatch.setattr(worker, "CoordinatorLink", registers)
-    monkeypatch.setattr(worker.Worker, "_build", staticmethod(lambda cfg: (None, None)))
+    monkeypatch.setattr(worker, "CoordinatorLink", Link)
+    monkeypatch.setattr(worker, "Replica", replica)
     from psgd.config import load
-    with pytest.raises(Registered):
+    with pytest.raises(Attached):
         worker.Worker(load(None, [], env={}), None, "auto").run()
+    assert current == [torch.device("cuda", 1)], f"the current CUDA device was set to {current}, not cuda:1"
+
+
+@pytest.mark.unit
+def test_a_script_whose_model_is_on_another_gpu_makes_it_the_current_device(monkeypatch):
+    """A review: `psgd worker --device cuda:1` made cuda:1 the current device (above), but
+    a script's `psgd.connect(model)` with its model on cuda:1 did not: a local Adam (its
+    own or psgd's) then asked cuda:0's stream, and opened a context there. connect hands
+    attach the model's device (`next(model.parameters()).device`), as _train hands it
+    `--device`'s: called here as connect calls it, with the replica stubbed."""
+    from psgd.config import load
+    from psgd.connection import Connection
+    from psgd.workers import worker
+
+    class Attached(Exception):
+        pass
+
+    def replica(model, shards, device):
+        raise Attached
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    monkeypatch.setattr(worker, "Replica", replica)
+    conn = Connection.__new__(Connection)
+    conn.cfg, conn.rank = load(None, [], env={}), 0
+    with pytest.raises(Attached):
+        conn.attach(nn.Linear(4, 3), torch.device("cuda", 1))
     assert current == [torch.device("cuda", 1)], f"the current CUDA device was set to {current}, not cuda:1"

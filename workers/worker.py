@@ -112,10 +112,6 @@ class Worker:
         # model before registering, so that the job's clock starts when every worker is
         # ready; redo it if the run's config differs.
         self.device = check_device(self.device_spec, local_rank())
-        if self.device.type == "cuda" and self.device.index is not None:
-            # What asks the current device (Adam's step asks its stream) asks this one: not
-            # cuda:0, where each worker on another GPU would open a context of its own.
-            torch.cuda.set_device(self.device)
         ds, model = self._build(self.cfg0)
         cfg = self.join(model)
         if (cfg.data, cfg.model, cfg.job) != (self.cfg0.data, self.cfg0.model, self.cfg0.job):
@@ -138,9 +134,14 @@ class Worker:
 
     def attach(self, model: nn.Module, device: torch.device) -> Schedule:
         """The mechanism around the model: replica, parameter client, step log,
-        heartbeats; the mode's schedule (not started)."""
+        heartbeats; the mode's schedule (not started). `device` (the model's: `psgd
+        worker --device`, or where a script's model lies) becomes the current CUDA device:
+        what asks the current one (a local Adam's step asks its stream) asks this one, not
+        cuda:0, where each worker on another GPU would open a context of its own."""
         cfg = self.cfg
         self.device = device
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
         self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
         self.replica = Replica(model, cfg.cluster.servers, device)
         self.client = ParameterClient(cfg, self.ctx, self.rank)

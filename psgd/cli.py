@@ -232,13 +232,12 @@ def cmd_run(args) -> int:
     check_before_launch(cfg, args.device)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
-    print(f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
-          f"{f'script {args.script}' if script else f'model {cfg.model.name} on {cfg.data.name}'}, out {out}",
-          file=sys.stderr, flush=True)
-    try:
+    job = (f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
+           f"{f'script {args.script}' if script else f'model {cfg.model.name} on {cfg.data.name}'}, out {out}")
+    try:   # the job is announced once the launcher has accepted it: a refused run says only why
         s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
                       quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at, port_explicit=port_explicit,
-                      script=script)
+                      script=script, announce=lambda: print(job, file=sys.stderr, flush=True))
     except (LaunchError, KeyboardInterrupt) as e:   # its daemons are stopped by now (run_local)
         resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
                   f"--out resumes from them)" if resumable(cfg, out, launched_at) else "")

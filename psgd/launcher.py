@@ -192,11 +192,17 @@ class LocalJob:
     """`port_explicit`: the user gave cluster.port, so the job listens there or not at
     all; otherwise the launcher chooses a free block (cluster.port if it is free), says
     which, and moves the job to another block if a daemon finds its port taken after
-    all (another job bound it between the check and the bind)."""
+    all (another job bound it between the check and the bind).
+
+    A job it refuses (its ports, its folders another job's, a config error found here)
+    raises before it says anything or writes a file: the refusal is all the user sees.
+    `announce`, if given, is called once it is accepted, before anything it says (psgd
+    run's line that names the job)."""
 
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
                  quiet: bool = False, timeout_s: float | None = None, env: dict | None = None,
-                 launched_at: float | None = None, port_explicit: bool = False, script: list[str] | None = None):
+                 launched_at: float | None = None, port_explicit: bool = False, script: list[str] | None = None,
+                 announce: Callable[[], None] | None = None):
         # startup_s counts from here (a time.time() value), or from launched_at: psgd run
         # passes its own process's start
         self.launched_at = time.time() if launched_at is None else launched_at
@@ -206,7 +212,10 @@ class LocalJob:
         self.script = script  # [FILE, ARGS...]: the workers are copies of the user's training script
         self.moves = 0
         self.quiet = quiet
+        self._ports_note = ""
         self.cfg = self._place(cfg)
+        from . import scalars
+        scalars.check(self.cfg)  # before any process starts
         self.device = device
         self.restart_workers = restart_workers
         self.timeout_s = default_timeout(cfg) if timeout_s is None else timeout_s
@@ -220,10 +229,15 @@ class LocalJob:
         self.config_path = os.path.join(self.out, "config.toml")
         self._locks = self._hold_folders()
         try:
-            self._forget_earlier_job()   # first: a folder of a job still running is refused, untouched
+            self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
         except LaunchError:
             self._release_folders()
             raise
+        if announce is not None:
+            announce()
+        if self._ports_note:
+            log("run", self._ports_note)
+        self._forget_earlier_job()
         self._write_config()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
@@ -256,24 +270,12 @@ class LocalJob:
         for f in self._locks:
             f.close()   # closing the file drops the lock
 
-    def _forget_earlier_job(self) -> None:
-        """A new job in a folder that an earlier job used replaces that job's outputs:
-        its coordinator state (not this job's to resume), summary.json (read as this
-        job's end, it made a crash look like a finished job), event logs and daemon logs
-        (this job's would be appended to them), TensorBoard scalars (tb/), and the pid files of processes that are
-        gone (or whose pid another process, started after the file, has now). A model.pt
-        stays until this job saves its own; shard checkpoints stay, and a shard resumes
-        from one only if it is of an unfinished job of the same training config
-        (psgd/servers/shard_server.py); those of a job that wrote its summary (it ended),
-        and an incomplete set (some shards' only), are moved aside (`shard-I.pt.earlier`).
-        A folder whose pid files name a running process is another job's, still running: a
-        LaunchError, and nothing is removed."""
+    def _refuse_running_job(self) -> None:
+        """A folder whose pid files name a running process is another job's, still
+        running: a LaunchError, and nothing is removed. The pid files of processes that
+        are gone (or whose pid another process, started after the file, has now) are
+        removed."""
         from .metrics import process_start_time
-
-        def remove(path: str) -> None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
         stale = []
         for path in sorted(glob.glob(os.path.join(self.out, "pids", "*.pid"))):
             try:
@@ -289,7 +291,23 @@ class LocalJob:
             raise LaunchError(f"{self.out} is the output folder of a job that is still running ({path} names "
                               f"process {pid}): give another --out, or stop that job first")
         for path in stale:
-            remove(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _forget_earlier_job(self) -> None:
+        """A new job in a folder that an earlier job used replaces that job's outputs:
+        its coordinator state (not this job's to resume), summary.json (read as this
+        job's end, it made a crash look like a finished job), event logs and daemon logs
+        (this job's would be appended to them), TensorBoard scalars (tb/); its pid files
+        went in _refuse_running_job, which refused a job still running there. A model.pt
+        stays until this job saves its own; shard checkpoints stay, and a shard resumes
+        from one only if it is of an unfinished job of the same training config
+        (psgd/servers/shard_server.py); those of a job that wrote its summary (it ended),
+        and an incomplete set (some shards' only), are moved aside (`shard-I.pt.earlier`)."""
+        def remove(path: str) -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
         remove(os.path.join(self.out, "coordinator-state.json"))
         folder = self.cfg.checkpoint_folder(self.out)
         if os.path.exists(os.path.join(self.out, "summary.json")):
@@ -359,9 +377,9 @@ class LocalJob:
                            f"daemon binds it; a port below {low} is safer")
             return cfg
         port = pick_port(c.host, c.port if avoid is None else avoid + n + 1, n)
-        if not self.quiet:
-            log("run", f"ports {port}-{port + n - 1} on {c.host} (cluster.port unset: "
-                       f"{'the default block' if port == c.port and avoid is None else 'a free block'})")
+        if not self.quiet:   # said once the job is accepted (__init__); a move says its own line
+            self._ports_note = (f"ports {port}-{port + n - 1} on {c.host} (cluster.port unset: "
+                                f"{'the default block' if port == c.port and avoid is None else 'a free block'})")
         return cfg.replace(**{"cluster.port": port})
 
     def _write_config(self) -> None:
@@ -529,8 +547,6 @@ class LocalJob:
         return forkserver.server(self.env)
 
     def start(self) -> None:
-        from . import scalars
-        scalars.check(self.cfg)  # before any process starts
         c = self.cfg.cluster
         warning = oversubscribed(self.cfg)
         if warning and warning not in _warned:

@@ -2,6 +2,7 @@
 (tests/test_cli_e2e.py runs it as real processes)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -67,6 +68,7 @@ def no_job(monkeypatch):
 
     def run_local(cfg, out, **kw):
         job.calls.append({"cfg": cfg, "out": out, **kw})
+        kw["announce"]()
         for write in job.during:
             write(out)
         return summary
@@ -551,3 +553,38 @@ def test_a_bad_value_from_a_psgd_variable_names_the_variable(tmp_path, monkeypat
     flag = {"PSGD_DEVICE": ["--device", value], "PSGD_OUT": [f"--out={value}"], "PSGD_CONFIG": [value]}[var]
     assert main(argv + flag) == 2
     assert f"(${var}=" not in capsys.readouterr().err   # typed on the command line: nothing to add
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("refusal", ["folder held", "port taken", "late config error"])
+def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refusal):
+    """A helper's review: a run refused by the launcher (its output folder held by another
+    job's launcher, its cluster.port taken, a config error found there) printed the job's
+    announcement and its port choice before the refusal. Now the refusal alone, one line."""
+    import fcntl
+    import socket
+
+    from psgd import scalars
+    from psgd.config import ConfigError
+    from tests.conftest import free_port_block
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port_block(3)
+    argv = ["run", "--out", str(out)]
+    with contextlib.ExitStack() as held:
+        if refusal == "folder held":   # another launcher's lock (flock: per open file, so in this process too)
+            lock = held.enter_context(open(out / ".launcher.lock", "w"))
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        elif refusal == "port taken":
+            listener = held.enter_context(socket.socket())
+            listener.bind(("127.0.0.1", port + 1))
+            listener.listen()
+            argv += ["--set", f"cluster.port={port}"]
+        else:
+            def late(cfg):
+                raise ConfigError("eval.tensorboard = true needs the tensorboard package")
+            monkeypatch.setattr(scalars, "check", late)
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("psgd: error: ") and "ports" not in err and "psgd run: psgd, mode" not in err, err

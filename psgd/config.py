@@ -619,19 +619,25 @@ def given_keys(path: str | None = None, sets: list[str] | tuple = (),
     keys = {dotted for dotted, _, _ in _env_sets(env)}
     keys |= {item.partition("=")[0].strip() for item in sets}
     if path:
-        d = _read_toml(path)
-        with open(path, encoding="utf-8") as f:
-            if written_by_psgd(f.read()):
-                return keys
+        text, d = _read_config(path)
+        if written_by_psgd(text):
+            return keys
         keys |= {f"{section}.{key}" for section, values in d.items() if isinstance(values, Mapping) for key in values}
     return keys
 
 
 def _read_toml(path: str) -> dict:
     """A config file's contents; a ConfigError naming the file if it cannot be read."""
+    return _read_config(path)[1]
+
+
+def _read_config(path: str) -> tuple[str, dict]:
+    """A config file's text and contents, from one read; a ConfigError naming the file if
+    it cannot be read."""
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return text, tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:

@@ -175,6 +175,27 @@ def test_given_keys_are_those_the_user_set(tmp_path):
     assert "cluster.port" not in given_keys(None, [], env={})
 
 
+def test_given_keys_read_the_file_once(tmp_path, monkeypatch):
+    """A helper's review: it opened the file twice (its TOML, then its text for
+    written_by_psgd); a file rewritten between the two could be judged by two contents."""
+    import builtins
+
+    from psgd import config
+    user = tmp_path / "job.toml"
+    user.write_text("[cluster]\nport = 6000\n")
+    written = tmp_path / "config.toml"
+    written.write_text(Config().to_toml())
+    opened = []
+
+    def counting(file, *args, **kw):
+        opened.append(str(file))
+        return builtins.open(file, *args, **kw)
+    monkeypatch.setattr(config, "open", counting, raising=False)
+    assert given_keys(str(user), [], env={}) == {"cluster.port"}
+    assert given_keys(str(written), [], env={}) == set()   # psgd's own file: no key of the user's
+    assert opened == [str(user), str(written)]
+
+
 def test_a_value_out_of_range_names_where_it_came_from(tmp_path):
     with pytest.raises(ConfigError, match=r"^environment PSGD_OPTIMIZER_LR: optimizer\.lr must be > 0"):
         load(None, [], env={"PSGD_OPTIMIZER_LR": "-1"})

@@ -52,6 +52,11 @@ _AUTH, _PROTOCOL, _SUCCEEDED = (int(zmq.EVENT_HANDSHAKE_FAILED_AUTH), int(zmq.EV
                                 int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 _MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
 _monitors = itertools.count(1)   # each monitor's own inproc name (pyzmq's default reuses a closed socket's fd)
+# How often a waiting client reads its monitors' events (Peers.wait): one left unread
+# blocks ZeroMQ's I/O thread, and every socket of the process, once it holds about a
+# thousand (a socket that handshook that often: its peer restarting, its connection dropped
+# and made again); a handshake takes a reconnect interval (100 ms), so about 10 come a second.
+MONITOR_READ_S = 1.0
 
 
 def handshake_failure(event: int, value: int) -> str:
@@ -234,6 +239,7 @@ class Peers:
             self.socks.append(sock)
             self.monitors.append(monitor)
         self.why = ["" for _ in self.socks]                       # the last handshake's refusal, per peer
+        self._read_monitors_at = 0.0   # time.monotonic() when wait() next reads every monitor (MONITOR_READ_S)
         self.bytes_sent = 0
         self.bytes_recv = 0
 
@@ -256,7 +262,8 @@ class Peers:
     def refused(self, i: int) -> str:
         """Why peer i refused this client's handshake, if its last handshake was refused
         ('' if not; one that succeeded since ends an earlier refusal): asked when an
-        answer is overdue, not on the way of every request."""
+        answer is overdue, not on the way of every request. It reads the monitor's queued
+        events, which `wait` also does every MONITOR_READ_S."""
         from zmq.utils.monitor import recv_monitor_message
         while readable(self.monitors[i]):
             e = recv_monitor_message(self.monitors[i], zmq.NOBLOCK)
@@ -285,7 +292,12 @@ class Peers:
         for i in set(pending.values()):
             poller.register(self.socks[i], zmq.POLLIN)
         while len(got) < len(pending):
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if now >= self._read_monitors_at:   # (a comparison a poll; the reads, once a second at most)
+                self._read_monitors_at = now + MONITOR_READ_S
+                for i in range(len(self.monitors)):
+                    self.refused(i)
+            left = deadline - now
             if left <= 0 or (cancel is not None and polled and cancel()):
                 missing = sorted({pending[r] for r in pending if r not in got})
                 for i in missing:

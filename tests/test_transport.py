@@ -1,0 +1,95 @@
+"""psgd/transport.py's client sockets (`Peers`) over real ZeroMQ sockets in this process."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import zmq
+
+from psgd import transport, wire
+from psgd.config import SecurityConfig
+from psgd.transport import Peers, Service, readable
+
+pytestmark = pytest.mark.inprocess
+
+
+@contextmanager
+def answering(ctx: zmq.Context) -> Iterator[str]:
+    """A server on a thread that answers `stats` at once; its address."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    service = Service(sock, {"stats": lambda ident, msg: [(ident, wire.reply(msg))]}, "test")
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)], name="answering")
+    thread.start()
+    try:
+        yield address
+    finally:
+        stop.set()
+        thread.join(10)
+        sock.close(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_client_reads_its_monitors_events(monkeypatch):
+    """A helper's review: a socket's monitor was read only when an answer was late, and
+    one that holds about a thousand unread events (handshakes: a peer restarting, a
+    connection dropped and made again) blocks ZeroMQ's I/O thread, and every socket of
+    the process. Every MONITOR_READ_S, a wait reads them: here the first handshake's."""
+    monkeypatch.setattr(transport, "MONITOR_READ_S", 0.0, raising=False)   # every poll of a wait reads them
+    ctx = zmq.Context()
+    try:
+        with answering(ctx) as address:
+            peers = Peers(ctx, [address], SecurityConfig())
+            try:
+                peers.call(0, "stats", timeout=10)   # answered: its handshake succeeded, an event
+                assert peers.call(0, "stats", timeout=10).op == "reply"
+                assert not readable(peers.monitors[0]), "the handshake's event is still queued"
+                assert peers.refused(0) == ""
+            finally:
+                peers.close()
+    finally:
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_whose_connection_is_made_again_and_again_goes_on_talking(monkeypatch):
+    """Thousands of handshakes on one socket (its peer drops each connection: a frame over
+    its limit; made again after 1 ms, not ZeroMQ's 100 ms, so that they come within
+    seconds, where a real peer's come at most 10 a second) while the client's answers
+    come on time from another peer: the process's sockets still move messages."""
+    base = transport._base
+
+    def reconnecting_at_once(sock, *args):
+        sock.setsockopt(zmq.RECONNECT_IVL, 1)   # (before connect: a connection takes its options then)
+        return base(sock, *args)
+    monkeypatch.setattr(transport, "_base", reconnecting_at_once)
+    ctx = zmq.Context()
+    dropping = ctx.socket(zmq.ROUTER)
+    dropping.setsockopt(zmq.MAXMSGSIZE, 10)
+    dropping.setsockopt(zmq.LINGER, 0)
+    drop_address = f"tcp://127.0.0.1:{dropping.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        with answering(ctx) as address:
+            peers = Peers(ctx, [drop_address, address], SecurityConfig())
+            try:
+                end = time.monotonic() + 5   # (about 400 handshakes a second here: 1,000 unread stopped it in 2.5 s)
+                while time.monotonic() < end:
+                    for _ in range(20):
+                        try:   # each connection takes one frame over the limit, and is dropped for it
+                            peers.socks[0].send(b"x" * 100, zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
+                        time.sleep(0.002)   # at most 500 handshakes a second: fewer than a thousand between reads
+                    assert peers.call(1, "stats", timeout=5).op == "reply"
+            finally:
+                while readable(peers.monitors[0]):   # (a blocked I/O thread would hang the close)
+                    peers.monitors[0].recv_multipart()
+                peers.close()
+    finally:
+        dropping.close(0)
+        ctx.term()

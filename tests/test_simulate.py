@@ -666,6 +666,31 @@ def test_the_shards_and_workers_of_a_simulation_share_one_shard_map():
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("train", ["true", "false"])
+def test_the_shards_of_a_simulation_build_no_model_of_their_own(monkeypatch, train):
+    """A helper's review: each of S simulated shards built the whole model from the seed
+    (a real shard does), to take its own slice of it; the simulation builds it once for
+    them all. A shard's tables are what the real shard's are (timing only: their sizes)."""
+    import torch
+
+    from psgd import shard as shard_mod
+    from psgd.shard import Shard
+    cfg = load(None, ["cluster.servers=5", "cluster.workers=2", f"sim.train={train}", "train.steps=2"], env={})
+    built = []
+    build = shard_mod.build_model
+    monkeypatch.setattr(shard_mod, "build_model", lambda *a, **kw: built.append(a) or build(*a, **kw))
+    sim = Simulation(cfg, compute_s=0.001)
+    assert built == []
+    monkeypatch.setattr(shard_mod, "build_model", build)
+    for i, simulated in enumerate(sim.shards):
+        real = Shard(cfg, i)
+        assert simulated.ready and (simulated.P, simulated.B) == (real.P, real.B)
+        if train == "true":
+            assert torch.equal(simulated.params, real.params) and torch.equal(simulated.buffers, real.buffers)
+
+
+@pytest.mark.unit
 def test_a_partition_all_held_out_is_an_error_that_names_the_hold_out():
     from psgd.data import DataError, worker_part
     part, held = worker_part(1437, 0, 64, 0, 0.1)

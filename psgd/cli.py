@@ -234,13 +234,19 @@ def cmd_run(args) -> int:
     c = cfg.cluster
     job = (f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
            f"{f'script {args.script}' if script else f'model {cfg.model.name} on {cfg.data.name}'}, out {out}")
+    accepted = []
+
+    def announce() -> None:
+        accepted.append(True)
+        print(job, file=sys.stderr, flush=True)
     try:   # the job is announced once the launcher has accepted it: a refused run says only why
         s = run_local(cfg, out, device=args.device, restart_workers=args.restart_workers,
                       quiet=args.quiet, timeout_s=args.timeout, launched_at=launched_at, port_explicit=port_explicit,
-                      script=script, announce=lambda: print(job, file=sys.stderr, flush=True))
+                      script=script, announce=announce)
     except (LaunchError, KeyboardInterrupt) as e:   # its daemons are stopped by now (run_local)
+        # (a refused run's folder may hold the checkpoints of the job running there: not its own)
         resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
-                  f"--out resumes from them)" if resumable(cfg, out, launched_at) else "")
+                  f"--out resumes from them)" if accepted and resumable(cfg, out, launched_at) else "")
         if isinstance(e, LaunchError):   # (--timeout, a daemon that failed)
             print(f"psgd: error: {e}{resume}", file=sys.stderr)
             return 1

@@ -560,7 +560,8 @@ def test_a_bad_value_from_a_psgd_variable_names_the_variable(tmp_path, monkeypat
 def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refusal):
     """A helper's review: a run refused by the launcher (its output folder held by another
     job's launcher, its cluster.port taken, a config error found there) printed the job's
-    announcement and its port choice before the refusal. Now the refusal alone, one line."""
+    announcement and its port choice before the refusal. Now the refusal alone, one line;
+    nor does it offer to resume from the checkpoints in that folder (the running job's)."""
     import fcntl
     import socket
 
@@ -568,7 +569,9 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
     from psgd.config import ConfigError
     from tests.conftest import free_port_block
     out = tmp_path / "out"
-    out.mkdir()
+    (out / "checkpoints").mkdir(parents=True)
+    for i in range(2):   # the running job's, as it writes them every checkpoint.every_s
+        (out / "checkpoints" / f"shard-{i}.pt").write_bytes(b"")
     port = free_port_block(3)
     argv = ["run", "--out", str(out)]
     with contextlib.ExitStack() as held:
@@ -588,3 +591,4 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
     err = capsys.readouterr().err
     assert code != 0 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("psgd: error: ") and "ports" not in err and "psgd run: psgd, mode" not in err, err
+    assert "resumes from them" not in err, err   # (that job's checkpoints: not this refused run's to resume)

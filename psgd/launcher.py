@@ -372,9 +372,9 @@ class LocalJob:
                                   f"another cluster.port, or leave it unset and psgd run picks a free block")
             if in_ephemeral_range(c.port, n):   # a warning: --quiet too (compare's runs are quiet)
                 low, high = ephemeral_ports()
-                log("run", f"warning: cluster.port = {c.port}: ports {c.port}-{c.port + n - 1} lie in the OS's range "
-                           f"for outgoing connections ({low}-{high}), where a connection can take a port before its "
-                           f"daemon binds it; a port below {low} is safer")
+                self._ports_note = (f"warning: cluster.port = {c.port}: ports {c.port}-{c.port + n - 1} lie in the "
+                                    f"OS's range for outgoing connections ({low}-{high}), where a connection can take "
+                                    f"a port before its daemon binds it; a port below {low} is safer")
             return cfg
         port = pick_port(c.host, c.port if avoid is None else avoid + n + 1, n)
         if not self.quiet:   # said once the job is accepted (__init__); a move says its own line

@@ -556,7 +556,8 @@ def test_a_bad_value_from_a_psgd_variable_names_the_variable(tmp_path, monkeypat
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("refusal", ["folder held", "port taken", "late config error"])
+@pytest.mark.parametrize("refusal", ["folder held", "folder held, port in the ephemeral range", "port taken",
+                                     "late config error"])
 def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refusal):
     """A helper's review: a run refused by the launcher (its output folder held by another
     job's launcher, its cluster.port taken, a config error found there) printed the job's
@@ -565,7 +566,7 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
     import fcntl
     import socket
 
-    from psgd import scalars
+    from psgd import launcher, scalars
     from psgd.config import ConfigError
     from tests.conftest import free_port_block
     out = tmp_path / "out"
@@ -575,9 +576,12 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
     port = free_port_block(3)
     argv = ["run", "--out", str(out)]
     with contextlib.ExitStack() as held:
-        if refusal == "folder held":   # another launcher's lock (flock: per open file, so in this process too)
+        if refusal.startswith("folder held"):   # another launcher's lock (flock: per open file, so here too)
             lock = held.enter_context(open(out / ".launcher.lock", "w"))
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if refusal.endswith("range"):   # (its warning, said for a job that starts)
+                monkeypatch.setattr(launcher, "in_ephemeral_range", lambda base, n: True)
+                argv += ["--set", f"cluster.port={port}"]
         elif refusal == "port taken":
             listener = held.enter_context(socket.socket())
             listener.bind(("127.0.0.1", port + 1))

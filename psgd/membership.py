@@ -43,6 +43,10 @@ REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent agai
 # one. Shards are few, so they beat this often (a time-budget sync run lost up to a
 # heartbeat_s, 0.5 s, at its end: 14 % of a 3 s comparison run's samples/s).
 SHARD_BEAT_S = 0.05
+# The coordinator's phases after training (every worker done) and before `done`: the
+# tables change no more, and the final evaluation reads them. A shard checkpoints as it
+# learns of them; one restarted then without those tables says so (`lost_tables`).
+AFTER_TRAINING = ("final_eval", "settling")
 # During the rendezvous a registered worker waits, sending its registration again every
 # REGISTER_RESEND_S: one not heard from for this long is gone, and its rank may be taken.
 RENDEZVOUS_QUIET_S = 2 * REGISTER_RESEND_S + 1.0
@@ -371,6 +375,7 @@ class CoordinatorLink:
         self.address = cfg.coordinator_address()
         self.stats_fn: Callable[[], dict] = dict
         self.clock_fn: Callable[[], int] = lambda: -1
+        self.fields_fn: Callable[[], dict] = dict   # more of a heartbeat (a shard's `lost_tables`)
         self.state: dict[str, Any] = {"phase": "rendezvous", "done": False, "live": {}, "version": -1}
         self.lost = False
         self.rank = index
@@ -506,7 +511,7 @@ class CoordinatorLink:
         another took over is told so), with its clock and counters now."""
         return {"role": self.role, "index": self.index, "rank": self.rank if self.role == "worker" else -1,
                 "nonce": self.nonce, "clock": self.clock_fn(), "stats": self.stats_fn(),
-                "live_id": self.state.get("live_id", "")}
+                "live_id": self.state.get("live_id", ""), **self.fields_fn()}
 
     def beat(self) -> None:
         """A heartbeat now, from the caller's thread (the counters up to this moment)."""

@@ -74,6 +74,11 @@ class Shard:
         self.index = index
         self.world = cfg.cluster.workers
         self.finished = False   # the job ended (the last checkpoint says so: no later job resumes from it)
+        # The tables are the job's last: every worker had finished (the coordinator's final
+        # phases) when they were checkpointed, so a shard restarted during the final
+        # evaluation that restores them has the final model's share (shard_server).
+        self.trained = False
+        self.unready = ""   # why it has no values, when not for want of a worker's init (not_ready's reason)
         if layout is None:
             shape, classes = describe(cfg.data)
             model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
@@ -144,8 +149,8 @@ class Shard:
     def _when_ready(self, fn):
         def guarded(token, msg: wire.Message) -> list[Reply]:
             if not self.ready:
-                raise wire.WireError(wire.NOT_READY, f"shard {self.index} has no initial values yet "
-                                                     f"(a worker's init brings them)")
+                raise wire.WireError(wire.NOT_READY, f"shard {self.index} " + (self.unready or (
+                    "has no initial values yet (a worker's init brings them)")))
             return fn(token, msg)
         return guarded
 
@@ -545,7 +550,7 @@ class Shard:
                 # the stored models (ltfb's deposits), which the rule's state names by key;
                 # not copied: a stored model's arrays are never modified, only replaced
                 "models": {k: list(arrays) for k, arrays in self.models.items()},
-                "training": training_config(self.cfg), "finished": self.finished}
+                "training": training_config(self.cfg), "finished": self.finished, "trained": self.trained}
 
     def resume(self, path: str) -> str:
         """Load the checkpoint at `path` if this shard may resume from it; '' if it did,
@@ -573,6 +578,7 @@ class Shard:
         serve loop counts bad messages into the same dict.)"""
         for k in self.counters:
             self.counters[k] = 0
+        self.trained = False   # the new run's end is yet to come (a run of train.seconds trains on)
         self.rule.new_run()
 
     def _other_shard(self, sd: dict) -> str:
@@ -597,6 +603,7 @@ class Shard:
         if sd.get("acc") is not None:
             self.acc, self.bacc = sd["acc"].clone(), sd["bacc"].clone()
         self.models = {k: list(arrays) for k, arrays in sd.get("models", {}).items()}  # older: none kept
+        self.trained = bool(sd.get("trained"))   # older checkpoints do not say: not the final tables
         self.ready = True
 
     def save(self, path: str) -> None:

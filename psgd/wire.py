@@ -80,7 +80,8 @@ OPS: dict[str, dict[str, tuple]] = {
     # to the coordinator
     "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "job": (str,),
                  "layout": (list,)},
-    "heartbeat": {"role": (str,), "index": (int,), "nonce": (str,), "stats": (dict,), "live_id": (str,)},
+    "heartbeat": {"role": (str,), "index": (int,), "nonce": (str,), "stats": (dict,), "live_id": (str,),
+                  "lost_tables": (str,)},
     "finish": {"nonce": (str,), "stats": (dict,), "error": (str,), "hold": (bool,)},
     "release": {},
     "layout": {},

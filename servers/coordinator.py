@@ -385,6 +385,14 @@ class Coordinator:
         elif role == "server":
             self.servers[idx] = stats
             self.server_seen[idx] = now
+            lost = msg.get("lost_tables")
+            if lost and self.phase == "final_eval" and not self.abort:
+                # Restarted after training without the tables it ended with: the final model
+                # cannot be whole. A score and a model.pt of the other shards' final tables
+                # and its older ones (or none) would pass for the job's.
+                self.abort = f"shard {idx} {lost}: the final model is lost (no score, no model.pt)"
+                log("coordinator", f"aborting the job: {self.abort}")
+                self._finish_job()
         elif role == "evaluator":
             self.evaluator_seen = now
         else:
@@ -620,7 +628,9 @@ class Coordinator:
                                  wall_s=wall, worker_stats=m.stats(), server_stats=self.servers,
                                  evals=[e for e in self.evals], target=self.cfg.eval.target_accuracy,
                                  failures=failures, extra=extra,
-                                 final_expected=self.has_evaluator and not self.abort)
+                                 # (a final score is missing, not merely never asked for, when the
+                                 # job was aborted during the final evaluation: a shard lost its tables)
+                                 final_expected=self.has_evaluator and (not self.abort or self.phase == "final_eval"))
         if self.out:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
         self.events.write(event="done", wall_s=round(wall, 3))

@@ -6,8 +6,9 @@ Registers with the coordinator (which hands out the run's config), learns the mo
 layout from it unless the model is one of psgd's own (psgd/layout.py: the server never
 imports user code), restores its checkpoint if one exists, binds its ROUTER on shard I's address and serves until the
 coordinator says the job is done. A bad message gets an error reply and is counted;
-the loop goes on. Checkpoints are written every `checkpoint.every_s` seconds and on
-SIGTERM (atomically), and once more at the end.
+the loop goes on. Checkpoints are written every `checkpoint.every_s` seconds, when
+training ends (every worker done: a shard restarted during the final evaluation
+resumes the final tables) and on SIGTERM (atomically), and once more at the end.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import Config
 from psgd.log import log
-from psgd.membership import CoordinatorLink, RegistrationCancelled
+from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
@@ -45,9 +46,12 @@ class ShardServer:
         self._term = False
         self._saver: threading.Thread | None = None  # the periodic checkpoint being written
 
-    def _checkpoint_in_background(self, shard: Shard, path: str) -> None:
+    def _checkpoint_in_background(self, shard: Shard, path: str, wait: bool = False) -> None:
         """Copy the state here (the serving thread), write it on another thread: the
-        serve loop does not wait for the disk. One write at a time."""
+        serve loop does not wait for the disk. One write at a time: with `wait`, after
+        the one being written (up to SAVER_JOIN_S), else none while one is."""
+        if self._saver is not None and wait:
+            self._saver.join(timeout=SAVER_JOIN_S)
         if self._saver is not None and self._saver.is_alive():
             return
         self._saver = threading.Thread(target=write_checkpoint, args=(shard.state_dict(), path),
@@ -127,7 +131,20 @@ class ShardServer:
         shard = Shard(cfg, self.index, layout)
         ckpt = cfg.checkpoint_file(self.out, self.index)
         restarted = bool(answer.get("restarted"))
-        if not (ckpt and self._resume(shard, ckpt, whole_set=not restarted)) and restarted:
+        resumed = bool(ckpt and self._resume(shard, ckpt, whole_set=not restarted))
+        if restarted and answer.get("phase") in AFTER_TRAINING and not shard.trained:
+            # Restarted after training ended without the tables it ended with (killed before
+            # it learned of the end, and checkpointed it: `_end_of_training`): no worker is
+            # left to bring them, and older ones would make the final model a mix of two.
+            # It serves none, and its heartbeats tell the coordinator, which ends the job
+            # without a final model if the final evaluation is not in yet.
+            why = (f"its checkpoint is of version {shard.version}, from before the end" if resumed
+                   else "it had no checkpoint to resume")
+            lost = f"restarted after training ended without its final tables ({why})"
+            shard.ready, shard.unready = False, f"was {lost}"
+            link.fields_fn = lambda: {"lost_tables": shard.unready}
+            log(self.name, f"{lost}: it serves none")
+        elif not resumed and restarted:
             # Restarted with nothing to restore: its tables as built (psgd's own model, from
             # the seed) or zeros (a learned one) are the job's start, not where it is. Any
             # worker's current copy is taken instead (rank 0's first values are long gone).
@@ -165,6 +182,9 @@ class ShardServer:
                     seen_version = seen
                     service.send(shard.set_live(state["live"]))
                 now = time.monotonic()
+                if shard.ready and not shard.trained and state["phase"] in AFTER_TRAINING:
+                    self._end_of_training(shard, ckpt)
+                    last_ckpt = now
                 if ckpt and shard.ready and cfg.checkpoint.every_s and now - last_ckpt >= cfg.checkpoint.every_s:
                     self._checkpoint_in_background(shard, ckpt)
                     last_ckpt = now
@@ -187,6 +207,16 @@ class ShardServer:
                 stop_auth(self.ctx)
         return code
 
+    def _end_of_training(self, shard: Shard, ckpt: str | None) -> None:
+        """Every worker is done (the coordinator's phase after training): the tables are
+        the final model's share, and are checkpointed at once, marked so (`trained`). A
+        shard killed during the final evaluation resumes them: with only its periodic
+        checkpoint (every 10 s) it came back with older tables, and the final model
+        mixed them with the other shards' final ones (or, with none, had no values)."""
+        shard.trained = True
+        if ckpt:
+            self._checkpoint_in_background(shard, ckpt, wait=True)
+
     def _final_checkpoint(self, shard: Shard, ckpt: str | None) -> None:
         """The checkpoint at exit, once the periodic one being written is done."""
         if self._saver is not None:
@@ -197,4 +227,4 @@ class ShardServer:
         elif ckpt and shard.ready:
             shard.save(ckpt)
         elif ckpt:   # a checkpoint of tables never given their values would resume the next job at zeros
-            log(self.name, "no checkpoint written: the shard never received its initial values")
+            log(self.name, f"no checkpoint written: the shard {shard.unready or 'never received its initial values'}")

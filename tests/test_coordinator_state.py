@@ -798,3 +798,34 @@ def test_a_restarted_coordinator_whose_workers_were_stopped_with_it_waits_for_ne
     tick(time.monotonic() + cfg.cluster.timeout_s + 1)
     assert c.phase == "done" and c.members.lost == 2 - finished
     assert c.abort == ("" if finished else "all 2 workers were lost (stopped heartbeating) and none finished")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("score_first", [False, True])
+def test_a_shard_back_without_its_final_tables_aborts_the_final_evaluation(tmp_path, score_first):
+    """A shard restarted after training without the tables it ended with says so in its
+    heartbeats (`lost_tables`): before the final score, the job ends aborted with that
+    reason and the final score missing (the evaluator scored and saved a model mixing
+    that shard's older tables with the others' final ones); after it, the score stands."""
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 2, "cluster.port": free_port_block(4)})
+    c = coordinator(cfg, str(tmp_path))
+
+    def serve(op: str, **kw) -> None:
+        c.service._serve(b"x", wire.encode(op, id=1, **kw))
+
+    serve("register", role="worker", want_rank=0, nonce="w0")
+    serve("finish", rank=0, clock=10, stats={"samples": 320})
+    c._tick(time.monotonic())
+    assert c.phase == "final_eval"
+    if score_first:
+        serve("eval", accuracy=0.9, loss=0.3, final=True)
+    lost = "was restarted after training ended without its final tables (its checkpoint is of version 7, ...)"
+    serve("heartbeat", rank=-1, role="server", index=1, stats={"version": 7}, live_id="", lost_tables=lost)
+    c._tick(time.monotonic() + 1.0)
+    if score_first:
+        assert not c.abort and c.summary["final_accuracy"] == 0.9
+        return
+    assert c.phase == "done" and c.abort.startswith(f"shard 1 {lost}: the final model is lost")
+    assert c.summary["aborted"] == c.abort
+    assert c.summary["final_accuracy"] is None and c.summary["final_eval_missing"] is True

@@ -1,6 +1,7 @@
 """Failures with real processes: killed workers and shards, bad input, strangers."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -280,6 +281,115 @@ def test_kill_9_a_shard_without_a_checkpoint_takes_a_workers_copy(tmp_path):
                                                                                       f"worker-{r}.log")).read()]
     assert offered, "no worker offered its copy"
     assert s["final_accuracy"] >= 0.97, s   # 0.944 without the copy
+
+
+def kill_a_shard_after_training(j: LocalJob, during=None, before_kill=None) -> dict:
+    """Run the job and kill -9 server-1 after every worker has finished, before the final
+    evaluation: the evaluator is stopped (SIGSTOP) near the end of training and let go
+    once the shard is killed. `during()` runs a third of the way through training,
+    `before_kill()` just before the kill, once server-1's checkpoint is there (waited for
+    up to 10 s: before the fix none came). Returns the summary, with `launch_error`, the
+    one line of an aborted job."""
+    evaluator = None
+    try:
+        j.start()
+        if during:
+            wait_for_steps(j, 0, j.cfg.train.steps // 3)
+            during()
+        wait_for_steps(j, 0, j.cfg.train.steps - 20)
+        evaluator = child(j, "evaluator-0").proc
+        evaluator.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while "all workers finished" not in log_tail(j.out, "coordinator-0"):
+            assert time.monotonic() < deadline, log_tail(j.out, "coordinator-0")
+            time.sleep(0.05)
+        ckpt = os.path.join(j.out, "checkpoints", "shard-1.pt")
+        deadline = time.monotonic() + 10
+        while not os.path.exists(ckpt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if before_kill:
+            before_kill()
+        child(j, "server-1").proc.send_signal(signal.SIGKILL)
+        evaluator.send_signal(signal.SIGCONT)
+        try:
+            return j.wait()
+        except LaunchError as e:
+            with open(os.path.join(j.out, "summary.json")) as f:
+                return {**json.load(f), "launch_error": str(e)}
+    finally:
+        if evaluator is not None:
+            with contextlib.suppress(OSError):
+                evaluator.send_signal(signal.SIGCONT)
+        j.stop()
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_shard_killed_during_the_final_evaluation_resumes_the_final_tables(tmp_path):
+    """helper E: a shard killed with -9 after every worker finished, before the final
+    evaluation, came back with its last periodic checkpoint (or none: the evaluator
+    waited for values no worker was left to bring, and the job ended with no final
+    score and no model.pt, exit 0), and the final model mixed its older tables with the
+    other shard's final ones. Each shard now checkpoints as training ends."""
+    j = job(tmp_path, "mode.name=ssp", "train.steps=300", "checkpoint.every_s=0", "faults.step_delay_s=0.004",
+            "cluster.timeout_s=20")
+    s = kill_a_shard_after_training(j)
+    assert "aborted" not in s and "launch_error" not in s, s
+    assert s["failures"]["shard_restarts"] == 1, s["failures"]
+    assert s["final_accuracy"] is not None, log_tail(j.out, "evaluator-0")
+    assert os.path.exists(os.path.join(j.out, "model.pt"))
+    import torch
+    versions = [torch.load(os.path.join(j.out, "checkpoints", f"shard-{i}.pt"), weights_only=True)["version"]
+                for i in range(2)]
+    assert versions[0] == versions[1] == 2 * 300, versions   # ssp: every push of both workers, on both shards
+    assert f"at version {versions[1]}" in log_tail(j.out, "server-1")
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_shard_back_without_the_final_tables_ends_the_job_without_a_mixed_model(tmp_path):
+    """A shard killed after training but before it checkpointed the end (here: its
+    checkpoint replaced by an older one) resumes older tables. The job ends aborted,
+    saying why, with no final score and no model.pt (one was saved that mixed the
+    shards' versions, and nothing said so)."""
+    j = job(tmp_path, "mode.name=ssp", "train.steps=300", "checkpoint.every_s=0.2", "faults.step_delay_s=0.004",
+            "cluster.timeout_s=20")
+    ckpt, older = os.path.join(j.out, "checkpoints", "shard-1.pt"), str(tmp_path / "older.pt")
+
+    def keep_an_older_one():
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ckpt):
+            assert time.monotonic() < deadline, "no periodic checkpoint"
+            time.sleep(0.02)
+        shutil.copyfile(ckpt, older)
+
+    s = kill_a_shard_after_training(j, during=keep_an_older_one, before_kill=lambda: os.replace(older, ckpt))
+    assert "shard 1 was restarted after training ended without its final tables" in (s.get("aborted") or ""), s
+    assert "job aborted" in s["launch_error"], s["launch_error"]
+    assert s["final_accuracy"] is None and not any(e.get("final") for e in s["evals"]), s["evals"]
+    assert not os.path.exists(os.path.join(j.out, "model.pt"))
+    assert "restarted after training ended without its final tables" in log_tail(j.out, "server-1")
+
+
+@pytest.mark.unit
+def test_a_checkpoint_says_whether_training_had_ended(tmp_path):
+    """`trained`: the checkpoint written as training ended holds the final tables (a
+    shard restarted during the final evaluation may serve them); a periodic one, or one
+    of older psgd, does not; a new run resumed from it has its own end to come."""
+    from psgd.shard import Shard
+    cfg = load(None, ["cluster.servers=1"], env={})
+    path = str(tmp_path / "shard-0.pt")
+    shard = Shard(cfg, 0)
+    shard.save(path)
+    again = Shard(cfg, 0)
+    assert again.resume(path) == "" and not again.trained
+    shard.trained = True
+    shard.save(path)
+    assert again.resume(path) == "" and again.trained
+    again.new_run()
+    assert not again.trained
 
 
 @pytest.mark.processes

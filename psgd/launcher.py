@@ -422,9 +422,10 @@ class LocalJob:
         if code == 1 and not self._under_way():
             return False
         if coord.restarts >= MAX_RESTARTS:
-            raise LaunchError(f"the coordinator keeps dying (exit {code}); gave up after {MAX_RESTARTS} restarts")
+            raise LaunchError(f"the coordinator keeps dying (exit {_exit(coord, code)}); gave up after "
+                             f"{MAX_RESTARTS} restarts")
         coord.restarts += 1
-        log("run", f"the coordinator exited with {code}; restarting it (restart {coord.restarts})")
+        log("run", f"the coordinator exited with {_exit(coord, code)}; restarting it (restart {coord.restarts})")
         self._start(coord)
         return True
 

@@ -3,6 +3,7 @@ do no training, so that restarts happen at once."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -84,21 +85,26 @@ class DyingCoordinatorJob(LocalJob):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("code,phase,restarts", [(-signal.SIGKILL, None, MAX_RESTARTS), (1, "training", MAX_RESTARTS),
                                                  (1, None, 0)])
-def test_a_dying_coordinator_is_restarted_up_to_the_limit_unless_it_ended_the_job_itself(tmp_path, code, phase,
-                                                                                         restarts):
+def test_a_dying_coordinator_is_restarted_up_to_the_limit_unless_it_ended_the_job_itself(tmp_path, capsys, code,
+                                                                                         phase, restarts):
     """Killed, or crashed (exit 1) while its state file says the job is under way, the
     coordinator is started again, MAX_RESTARTS times and no more; its own exit 1 before
-    training (a refusal, which it has said) is the job's end, not a crash."""
+    training (a refusal, which it has said) is the job's end, not a crash. Its exit code
+    is said as the other daemons' are: a kill's with the signal's name (it used to be a
+    bare "-9")."""
     cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
     job = DyingCoordinatorJob(cfg, str(tmp_path), quiet=True, timeout_s=50)
     job.code, job.phase = code, phase
+    said = "-9 (SIGKILL)" if code < 0 else str(code)
     try:
         job.start()
-        gave_up = f"the coordinator keeps dying \\(exit {code}\\); gave up after {MAX_RESTARTS} restarts"
-        with pytest.raises(LaunchError, match=gave_up if restarts else "ended without a summary"):
+        gave_up = f"the coordinator keeps dying (exit {said}); gave up after {MAX_RESTARTS} restarts"
+        with pytest.raises(LaunchError, match=re.escape(gave_up) if restarts else "ended without a summary"):
             job.wait()
     finally:
         job.stop()
+    err = capsys.readouterr().err
+    assert (f"the coordinator exited with {said}; restarting it (restart 1)" in err) == bool(restarts), err
     coord = job.children[0]
     assert coord.role == "coordinator" and coord.restarts == restarts
     with open(coord.log_path) as f:

@@ -667,6 +667,8 @@ class LocalJob:
             log("run", f"{child.name}'s restarted script had not rejoined the job when it ended: stopping it")
             scripts.remove(child)
             self._stop_children([child])
+            self._note(child, "this restarted copy of the script had not rejoined the job when the job ended: "
+                              "psgd run stopped it")
         said = time.monotonic() - SCRIPT_NOTE_S + 2.0   # (the first note after 2 s: most end at once)
         for child in scripts:
             while child.poll() is None and time.monotonic() < deadline:
@@ -685,6 +687,14 @@ class LocalJob:
                 return f.read() == JOINED
         except FileNotFoundError:
             return False
+
+    def _note(self, child: Child, text: str) -> None:
+        """Add what psgd run said of this ended child to the end of its log, which psgd
+        run's own messages point at (rank 0's for a missing model.pt): a copy it stopped
+        wrote no reason there."""
+        if child.log_path:
+            with contextlib.suppress(OSError), open(child.log_path, "a") as f:
+                f.write(f"[psgd run] {text}\n")
 
     def _script_failure(self, child: Child) -> str:
         """How a training script failed the run, with its log's end."""

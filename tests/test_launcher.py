@@ -400,6 +400,34 @@ def test_scripts_that_exit_0_after_training_are_a_normal_end(tmp_path):
         job.stop()
 
 
+@pytest.mark.timeout(60)
+def test_a_restarted_script_stopped_before_it_rejoined_says_so_at_the_end_of_its_log(tmp_path):
+    """psgd run's warning of rank 0's missing model.pt points at its log, which held only
+    the restarted copy's "waiting for the coordinator" lines: the reason (it had not
+    rejoined when the job ended, so psgd run stopped it) was said on psgd run's terminal only."""
+    job = script_job(tmp_path, CONNECTS + "import sys, time\n"
+                                          "if os.environ['PSGD_RANK'] == '0':\n"
+                                          "    print('waiting for the coordinator', flush=True); time.sleep(60)\n",
+                     timeout_s=50)
+    log = tmp_path / "out" / "logs" / "worker-0.log"
+    try:
+        job.start()
+        rank0 = job.children[1 + job.cfg.cluster.servers]
+        assert rank0.name == "worker-0" and rank0.script
+        rank0.restarts = 1   # a copy started again by --restart-workers, still in psgd.connect
+        deadline = time.monotonic() + 40
+        while "waiting" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        job._scripts_end(time.monotonic() + 40)   # the job has ended: rank 1 exits 0, rank 0 is stopped
+        assert rank0.poll() is not None
+    finally:
+        job.stop()
+    lines = log.read_text().splitlines()
+    assert lines[0] == "waiting for the coordinator"
+    assert lines[-1] == ("[psgd run] this restarted copy of the script had not rejoined the job when the job "
+                         "ended: psgd run stopped it"), lines
+
+
 class EnvJob(LocalJob):
     """Every child writes its LOCAL_RANK and PSGD_DEVICE into its --started-file (the last
     argument) and waits to be stopped."""

@@ -578,6 +578,12 @@ class LocalJob:
             took = f" in {time.time() - self.launched_at:.1f} s" if n == total else ""
             log("run", f"started {n}/{total} processes{took}")
 
+    def _ends(self, child: Child) -> str:
+        """"LOG ends:" and its last lines, or that it is empty: a copy of a script killed
+        before it printed anything (the message ended in a colon and a blank line)."""
+        tail = self.tail(child)
+        return f"{child.log_path} ends:\n{tail}" if tail.strip() else f"{child.log_path} is empty"
+
     def tail(self, child: Child, n: int = 12) -> str:
         if not child.log_path or not os.path.exists(child.log_path):
             return ""
@@ -624,12 +630,12 @@ class LocalJob:
                 if self._restarted(child):
                     if child.restarts >= MAX_RESTARTS:
                         raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "
-                                          f"{MAX_RESTARTS} restarts:\n{self.tail(child)}")
+                                          f"{MAX_RESTARTS} restarts; {self._ends(child)}")
                     child.restarts += 1
                     log("run", f"{child.name} exited with {_exit(child, rc)}; restarting it (restart {child.restarts})")
                     self._start(child)
                 elif not child.reported:
-                    log("run", f"{child.name} exited with {_exit(child, rc)}:\n{self.tail(child)}")
+                    log("run", f"{child.name} exited with {_exit(child, rc)}; {self._ends(child)}")
                     child.reported = True  # the coordinator decides what follows
             time.sleep(0.1)
         grace = time.monotonic() + 10
@@ -701,7 +707,7 @@ class LocalJob:
         rc = child.poll()
         how = (f"was still running at the job's --timeout ({self.timeout_s:g} s): stopped it" if rc is None
                else f"exited with code {_exit(child, rc)}")
-        return f"{child.name}'s script {how}; {child.log_path} ends:\n{self.tail(child)}"
+        return f"{child.name}'s script {how}; {self._ends(child)}"
 
     def _exited_before_connect(self, child: Child, rc: int) -> None:
         """A training script that ends before the job began training never comes back:
@@ -727,7 +733,7 @@ class LocalJob:
             return
         which = f"{child.name}'s script" if child.script else child.name
         raise LaunchError(f"{which} exited with code {_exit(child, rc)} {when}; the job cannot start "
-                          f"without it. {child.log_path} ends:\n{self.tail(child)}")
+                          f"without it. {self._ends(child)}")
 
     def _training_began(self) -> bool:
         """Whether a worker of this job has begun training: it opens its step log

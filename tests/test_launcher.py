@@ -428,6 +428,26 @@ def test_a_restarted_script_stopped_before_it_rejoined_says_so_at_the_end_of_its
                          "ended: psgd run stopped it"), lines
 
 
+@pytest.mark.timeout(60)
+def test_a_script_killed_before_it_printed_is_said_to_have_an_empty_log(tmp_path, capsys):
+    """psgd run said "worker-1 exited with -9 (SIGKILL):" and a blank line, and its error
+    "worker-1.log ends:" and a blank line: the log was empty."""
+    job = script_job(tmp_path, CONNECTS + TRAINS + "import signal, time\n"
+                                                   "if os.environ['PSGD_RANK'] == '1':\n"
+                                                   "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                                                   "time.sleep(60)\n", timeout_s=8)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-in coordinator never ends
+            job.wait()
+        rank1 = next(c for c in job.children if c.name == "worker-1")
+        log = tmp_path / "out" / "logs" / "worker-1.log"
+        assert job._script_failure(rank1) == f"worker-1's script exited with code -9 (SIGKILL); {log} is empty"
+    finally:
+        job.stop()
+    assert f"[psgd run] worker-1 exited with -9 (SIGKILL); {log} is empty\n" in capsys.readouterr().err
+
+
 class EnvJob(LocalJob):
     """Every child writes its LOCAL_RANK and PSGD_DEVICE into its --started-file (the last
     argument) and waits to be stopped."""

@@ -556,7 +556,9 @@ class Coordinator:
     def _progress(self, now: float) -> None:
         live = self.members.live()
         steps = self.cfg.train.steps
-        clock = min(live.values()) if live else 0
+        # the slowest live worker's step; with none live (all finished or dropped), the furthest
+        # any reached (was 0: "step 0/400 ... live 0/2" after the last live worker was dropped)
+        clock = min(live.values()) if live else max((m.clock for m in self.members.members.values()), default=0)
         n, t = self.samples(), now - self.t0
         acc = f"  acc {self.evals[-1]['accuracy']:.3f}" if self.evals else ""
         total = f"/{steps}" if steps else ""

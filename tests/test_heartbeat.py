@@ -171,6 +171,21 @@ def test_the_progress_line_names_the_shards_not_heard_from(capsys):
 
 
 @pytest.mark.timeout(30)
+def test_the_progress_line_keeps_the_step_when_no_worker_is_live(capsys):
+    """Once the last live worker was dropped the line said "step 0/400 ... live 0/2": the
+    step the job reached is the furthest worker's, live or not."""
+    c = hand_served(2, servers=1)
+    try:
+        c.quiet = False
+        for r, clock in ((0, 37), (1, 41)):
+            c.members.members[r].clock, c.members.members[r].state = clock, "lost"
+        c._progress(time.monotonic())
+        assert " step 41" in capsys.readouterr().err and not c.members.live()
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.timeout(30)
 def test_a_repeated_shard_registration_is_not_a_restart():
     # a shard re-sends its registration when the answer is slow (REGISTER_RESEND_S): the
     # same nonce is the same process, not a restarted shard; another nonce is one

@@ -136,7 +136,8 @@ def test_group_steps_answer_every_worker_with_the_same_mean():
     # a push ahead of the group (the others lag) moves the group there, dropping the open step
     g.push(0, 2, a, buf)
     assert g.push(1, 5, b, buf) == (True, []) and g.dropped == 2
-    assert g.read(0, 3, "x") == Late(5)
+    assert g.read(0, 3, "x") == Late(5, dropped=True)   # rank 0's accepted push was left out
+    assert g.read(1, 3, "y") == Late(5)                # rank 1 pushed no step 2: nothing of its left out
     # a worker that rejoined (the shard forgot its last clock) pushes the open step again:
     # dropped (its first gradient stays in the step) and counted, as its step line says
     assert g.push(1, 5, b, buf) == (False, []) and g.dropped == 3
@@ -981,3 +982,45 @@ def test_a_non_finite_loss_in_a_group_at_a_rounds_last_step_keeps_its_tournament
     # later steps update it as usual)
     (said,) = [n for n in notes if "diverged" in n]
     assert "this step makes no update and the trainer loses its next tournament" in said
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_group_step_dropped_by_a_push_ahead_of_it_says_so_on_its_contributors_step_lines():
+    """Found by reading: a push ahead of a trainer's open step (a worker that restarted
+    into the job ahead of the others, or a shard that restored an older checkpoint)
+    drops the open step and counts its contributors' gradients in `dropped` (summary.json's
+    dropped_gradients), but their pushes had been answered `staleness: 0` and their step
+    lines said nothing of it. The read of such a worker now says its gradient was left
+    out, and its step line says `dropped`: the lines and the count agree."""
+    cfg = ltfb_cfg(**{"cluster.workers": 2, "mode.trainer_size": 2, "cluster.servers": 1, "mode.round_steps": 10})
+    shards, ts = trainers_on(cfg, 2)
+    (w0, s0), (w1, s1) = ts
+    for w, _ in ts:
+        w.client = WaitingLoopback(shards, w.rank)
+    groups = shards[0].rule.groups
+    errors = []
+
+    def run(w, s, steps):
+        try:
+            for _ in range(steps):
+                s.step(w)
+        except BaseException as e:           # noqa: BLE001
+            errors.append(f"rank {w.rank}: {e!r}")
+    a = threading.Thread(target=run, args=(w0, s0, 2), daemon=True)
+    a.start()                                # rank 0 pushes step 0 (accepted) and waits for rank 1's
+    deadline = time.monotonic() + 10
+    while groups.groups.get(0) is None or groups.groups[0].contributors != {0}:
+        assert time.monotonic() < deadline, "rank 0's push never reached the shard"
+        time.sleep(0.01)
+    w1.clock = 1                             # rank 1 is a step ahead: its push drops the open step 0
+    b = threading.Thread(target=run, args=(w1, s1, 1), daemon=True)
+    b.start()
+    for t in (a, b):
+        t.join(30)
+    assert not errors, errors
+    assert [w.clock for w, _ in ts] == [2, 2]
+    lines = [extra for w, _ in ts for _, _, extra in w.logged]
+    assert [extra for _, _, extra in w0.logged] == [{"dropped": True}, {"dropped": False}]
+    assert [extra for _, _, extra in w1.logged] == [{"dropped": False}]
+    assert shards[0].stats()["dropped"] == sum(e["dropped"] for e in lines) == 1

@@ -193,7 +193,7 @@ class LtfbRule(ServerRule):
         """A step's read: the group's mean gradient and buffers, or where a late worker
         continues."""
         if isinstance(mean, Late):
-            return Answer(token, {"late": True, "step": mean.step})
+            return Answer(token, {"late": True, "step": mean.step, "dropped": mean.dropped})
         return Answer(token, {"step": mean.step + 1, "count": mean.count}, arrays=[mean.grad, mean.buffers])
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
@@ -344,7 +344,8 @@ class LtfbSchedule(Schedule):
         if not finite:
             self.diverge(w, loss)
         before = w.clock
-        if not finite or self.k == 1 or self.group_mean(w):
+        applied, dropped = (True, False) if not finite or self.k == 1 else self.group_mean(w)
+        if applied:
             if finite:
                 self.opt.step()
             w.clock += 1
@@ -353,7 +354,8 @@ class LtfbSchedule(Schedule):
             now = w.now()                             # there: the step its leader played the round at)
             self.round_s, self.t_round = now - self.t_round, now
             self.tournament(w, w.clock // R)
-        w.log_step(0, w.client.wait_s - w0)
+        extra: dict[str, Any] = {"dropped": dropped} if self.k > 1 else {}
+        w.log_step(0, w.client.wait_s - w0, **extra)
 
     def diverge(self, w: Trainer, loss: float) -> None:
         """A non-finite loss (a learning rate too high: `mode.explore` draws some): the
@@ -381,15 +383,18 @@ class LtfbSchedule(Schedule):
                    f"and the trainer loses its next tournament")
         self.diverged = True
 
-    def group_mean(self, w: Trainer) -> bool:
-        """Replace the gradient with the trainer's mean (and the buffers with theirs).
-        False for a worker behind its group: it skips the update and moves to the
-        group's step."""
-        _, pulled = w.client.push_pull(w.clock, w.replica.grads(), w.replica.buffers(), [0] * w.replica.n)
-        if pulled[0].get("late"):
+    def group_mean(self, w: Trainer) -> tuple[bool, bool]:
+        """Replace the gradient with the trainer's mean (and the buffers with theirs):
+        (applied, dropped). Not applied for a worker behind its group: it skips the
+        update and moves to the group's step. Dropped: a shard left this worker's
+        gradient out of the step (a late push, or an accepted one whose open step a push
+        ahead of the group dropped), as the shard counts it in `dropped`."""
+        pushed, pulled = w.client.push_pull(w.clock, w.replica.grads(), w.replica.buffers(), [0] * w.replica.n)
+        dropped = any(bool(m.get("dropped")) for m in [*pushed, *pulled])
+        if any(m.get("late") for m in pulled):
             w.note(f"behind trainer {self.trainer}'s step at clock {w.clock}; continuing at its step")
             w.clock = max(w.clock, max(int(m.get("step", 0)) for m in pulled))
-            return False
+            return False, dropped
         for p in w.replica.model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -397,7 +402,7 @@ class LtfbSchedule(Schedule):
         for i, m in enumerate(pulled):
             w.replica.map.scatter(wire.tensor(m, 0), i, "params", grads)
         w.replica.load(None, [wire.tensor(m, 1) for m in pulled])
-        return True
+        return True, dropped
 
     def finish(self, w: Trainer) -> None:
         """The budget is spent: each trainer's leader deposits its final model, scored,

@@ -236,13 +236,17 @@ class _Group:
     grad: Any = None                    # sums of the open step
     buffers: Any = None
     done: Mean | None = None            # the last closed step (answers a late or resent read)
-    reads: list = field(default_factory=list)  # parked (clock, token)
+    reads: list = field(default_factory=list)  # parked (rank, clock, token)
 
 
 @dataclass
 class Late:
-    """The answer to a read of a worker behind its group: continue at `step`."""
+    """The answer to a read of a worker behind its group: continue at `step`. `dropped`:
+    the reader's push for the step it read was accepted, then left out when a push ahead
+    of the group dropped that open step (counted in `GroupSteps.dropped`, so its step
+    line says so)."""
     step: int
+    dropped: bool = False
 
 
 class GroupSteps:
@@ -255,8 +259,10 @@ class GroupSteps:
     (`passed`: its loss was non-finite and it went on to its tournament). A push behind
     the group's step is dropped and its read answered `Late` with the group's step (the
     worker catches up there); a push ahead of it (a worker that the others lag, or a
-    shard that restarted) moves the group to its step, dropping the open one. Arrays of
-    a closed step are never modified (they may still be on their way out)."""
+    shard that restarted) moves the group to its step, dropping the open one: its
+    contributors' pushes, already accepted, are counted as dropped and their reads
+    answered `Late` with `dropped`. Arrays of a closed step are never modified (they may
+    still be on their way out)."""
 
     def __init__(self, k: int, live: Iterable[int]):
         self.k = k
@@ -264,6 +270,7 @@ class GroupSteps:
         self.groups: dict[int, _Group] = {}
         self.dropped = 0
         self.past: dict[int, int] = {}   # rank -> the step it pushes for next, when it is past its group's
+        self.lost: dict[int, int] = {}   # rank -> the step of its accepted push that an open step's drop left out
 
     def push(self, rank: int, clock: int, grad: Any, buffers: Any) -> tuple[bool, list[tuple[Hashable, Any]]]:
         """(accepted, the reads that may now be answered: (token, Mean or Late))."""
@@ -278,6 +285,7 @@ class GroupSteps:
             return False, []
         if clock > g.step:
             self.dropped += len(g.contributors)
+            self.lost.update(dict.fromkeys(g.contributors, g.step))
             g.step, g.contributors, g.grad, g.buffers = clock, set(), None, None
         if g.grad is None:
             g.grad, g.buffers = grad.clone(), buffers.clone()
@@ -292,9 +300,9 @@ class GroupSteps:
     def read(self, rank: int, clock: int, token: Hashable) -> Any:
         """The answer to a read of `clock` (a Mean, or Late), or None: parked."""
         g = self.groups.setdefault(trainer_of(rank, self.k), _Group())
-        answer = self._answer(g, clock)
+        answer = self._answer(g, rank, clock)
         if answer is None:
-            g.reads.append((clock, token))
+            g.reads.append((rank, clock, token))
         return answer
 
     def passed(self, rank: int, step: int) -> list[tuple[Hashable, Any]]:
@@ -354,18 +362,17 @@ class GroupSteps:
         g.done = Mean(g.step, g.grad.div_(n), g.buffers.div_(n), n)
         g.step, g.contributors, g.grad, g.buffers = g.step + 1, set(), None, None
 
-    @staticmethod
-    def _answer(g: _Group, clock: int) -> Any:
+    def _answer(self, g: _Group, rank: int, clock: int) -> Any:
         if g.done is not None and g.done.step == clock - 1:
             return g.done
-        return Late(g.step) if clock <= g.step else None
+        return Late(g.step, self.lost.get(rank) == clock - 1) if clock <= g.step else None
 
     def _release(self, g: _Group) -> list[tuple[Hashable, Any]]:
         ready, still = [], []
-        for clock, token in g.reads:
-            answer = self._answer(g, clock)
+        for rank, clock, token in g.reads:
+            answer = self._answer(g, rank, clock)
             if answer is None:
-                still.append((clock, token))
+                still.append((rank, clock, token))
             else:
                 ready.append((token, answer))
         g.reads = still

@@ -75,3 +75,22 @@ def test_refusals_in_a_row_stop_the_worker_with_prefetch_too(port_block, tmp_pat
     w, code, _ = run(port_block(3), str(tmp_path), lambda n: n >= 3, "mode.name=async",
                      f"mode.prefetch={prefetch}", "train.steps=40")
     assert code == 1 and w.rejected == 5 and w.clock < 10
+
+
+@pytest.mark.timeout(200)
+def test_a_diloco_round_whose_exchange_is_refused_keeps_its_last_steps_line(port_block, tmp_path):
+    """A round's last local step advances the clock and counts its samples before the
+    round's exchange; when the shards refused that exchange (here a NaN pseudo-gradient
+    from the round's last step; under Compose a shard that restarted), the step had no
+    line: the worker said 'finished 11 steps, ... 1 rejected' at clock 12 of train.steps
+    12. The step happened
+    locally; its line now says that its exchange was refused (`refused: true`), and the
+    lines, the worker's count and its samples agree."""
+    w, code, computed = run(port_block(3), str(tmp_path), lambda n: n == 4, "mode.name=diloco",
+                            "mode.local_steps=4", "train.steps=12")
+    assert (code, w.rejected, w.clock) == (0, 1, 12)
+    lines = [e for e in map(json.loads, open(tmp_path / "events" / "worker-0.jsonl")) if "staleness" in e]
+    assert len(lines) == w.steps == len(computed) == 12
+    assert [e["clock"] for e in lines] == list(range(1, 13))
+    assert [e["clock"] for e in lines if e.get("refused")] == [4]
+    assert lines[-1]["samples"] == w.samples == computed[-1][2]

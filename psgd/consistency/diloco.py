@@ -85,7 +85,7 @@ class DilocoSchedule(Schedule):
         if w.clock % h:
             w.log_step(0, 0.0)
             return
-        tau, wait, dropped = self.exchange(w, w.clock // h - 1)
+        tau, wait, dropped = self.exchange(w, w.clock // h - 1, logged=True)
         w.log_step(tau, wait, dropped=dropped)
 
     def finish(self, w: Trainer) -> None:
@@ -93,13 +93,20 @@ class DilocoSchedule(Schedule):
         if w.clock % self.cfg.mode.local_steps:
             self.exchange(w, w.clock // self.cfg.mode.local_steps, catch_up=False)
 
-    def exchange(self, w: Trainer, round_: int, catch_up: bool = True) -> tuple[int, float, bool]:
-        """Push this round's pseudo-gradient, pull the next round's global model."""
+    def exchange(self, w: Trainer, round_: int, catch_up: bool = True,
+                 logged: bool = False) -> tuple[int, float, bool]:
+        """Push this round's pseudo-gradient, pull the next round's global model.
+        `logged`: the exchange ends a step (the round's last), whose line is written here
+        when the shards refuse it: the step happened locally (its clock and samples
+        count), only its exchange was refused (`refused: true`; the worker counts it in
+        `rejected`)."""
         deltas = [s - p for s, p in zip(self.origin, w.replica.params(), strict=True)]
         w0 = w.client.wait_s
         try:
             pushed, pulled = w.client.push_pull(round_, deltas, w.replica.buffers(), self.versions)
         except wire.Refused:  # not this round's (a shard restored, or we are ahead): start from the open one
+            if logged:
+                w.log_step(0, w.client.wait_s - w0, dropped=False, refused=True)
             self.rejoin(w)
             raise
         tau = max(int(m.get("staleness", 0)) for m in pushed)

@@ -1024,3 +1024,41 @@ def test_a_group_step_dropped_by_a_push_ahead_of_it_says_so_on_its_contributors_
     assert [extra for _, _, extra in w0.logged] == [{"dropped": True}, {"dropped": False}]
     assert [extra for _, _, extra in w1.logged] == [{"dropped": False}]
     assert shards[0].stats()["dropped"] == sum(e["dropped"] for e in lines) == 1
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_restarted_worker_continues_at_the_step_of_the_model_it_resumes():
+    """Stopping the whole job and starting it again (a coordinator whose last record of
+    a worker's clock is older than the trainers' deposits): the restarted worker resumed
+    the latest round's best model at the coordinator's clock, so it redid the steps in
+    between and its rank trained past train.steps (4867 step lines for 3000 steps after a
+    kill -9 of the coordinator and workers). It now continues at the clock of its
+    trainer's latest round; a worker ahead of it keeps its own clock, and the budget caps
+    it. The shards may hold different rounds (restored from checkpoints of different
+    times: no deposit on every shard, so the worker resumes the initial tables): the
+    latest on any shard counts. Left behind, its tournaments asked for rounds its partner
+    had played long before, and the two trainers waited for each other for good (a psgd
+    run that hung)."""
+    cfg = ltfb_cfg(**{"mode.round_steps": 3, "train.steps": 30})
+    shards, [(w0, _), (w1, s1)] = trainers_on(cfg, 2)
+    s1.deposit(w1, 3, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    checkpoint = shards[0].state_dict()
+    s1.deposit(w1, 4, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    shards[0].load_state_dict(checkpoint)    # shard 0 holds round 3, shard 1 round 4
+    for registered_at, continues_at in [(5, 12), (14, 14)]:
+        w1.clock = registered_at
+        LtfbSchedule(cfg).start(w1)
+        assert w1.clock == continues_at
+    w0.clock = 5                             # trainer 0 deposited nothing: where it was is unknown
+    LtfbSchedule(cfg).start(w0)
+    assert w0.clock == 5
+    s1.deposit(w1, 11, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)   # (a longer job's round)
+    w1.clock = 5
+    LtfbSchedule(cfg).start(w1)
+    assert w1.clock == 30
+    # killed after its final deposit (the coordinator had not heard its end): nothing left to train
+    s1.deposit(w1, FINAL_ROUND, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    w1.clock = 5
+    LtfbSchedule(cfg).start(w1)
+    assert w1.clock == 30

@@ -56,7 +56,7 @@ import torch
 from .. import wire
 from ..sharding import model_grads
 from . import data_split
-from .pushpull import load
+from .pushpull import caught_up, load
 from .rule import (
     FINAL_ROUND,
     REFUSED,
@@ -298,26 +298,52 @@ class LtfbSchedule(Schedule):
         self.scripts_optimizer = self.opt is getattr(w, "user_optimizer", None)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
         if w.clock:    # a worker restarted into the job: the best trainer's model, with its values
-            self.rejoin(w)
+            self.rejoin(w, catch_up=True)
         else:          # the job's start: its own draw on the initial model, even if a trainer that
             load(w, w.client.pull(-1))   # started sooner has deposited a round already
         self.t_round = w.now()
         self.round_s = 0.0
 
-    def rejoin(self, w: Trainer) -> None:
+    def rejoin(self, w: Trainer, catch_up: bool = True) -> None:
         """Continue from the best trainer's model, with the hyperparameters (and, with
         weights+optimizer, the optimizer state) deposited with it: explored values
         change only by adoption and mutation, so a restarted worker does not go back to
         its trainer's initial draw. Before any deposit: the initial model, with the
-        values we have (a group's next outcome re-aligns them)."""
+        values we have (a group's next outcome re-aligns them). `catch_up`: a worker
+        (re)joining the job continues where the trainers are (`catch_up`)."""
         got = global_model(w.client)
         load(w, got)
+        if catch_up:
+            self.catch_up(w)
         if got[0].get("owner") is None:   # the shards' tables: no deposit yet
             return
         if self.with_opt:
             self.load_opt_state(w, got)
         if self.explore:
             self.set_hyper(self.read_meta(got)[1])
+
+    def catch_up(self, w: Trainer) -> None:
+        """Move a (re)joining worker's clock up to the latest tournament round that its
+        trainer deposited on any shard, where the trainer was: a restarted worker
+        registers at the coordinator's last record of its rank's clock, which may be far
+        behind it (a coordinator stopped or killed with its workers). Left there, it
+        redid those steps (its rank trained past train.steps), and its tournaments asked
+        for rounds that its partner had played long before: with shards restored from
+        checkpoints of different rounds, no deposit of the partner was on every shard,
+        and the two trainers waited for each other for good. Its own trainer's round, not
+        the others' (a group's other workers may be behind them: a worker ahead of its
+        group would make it skip steps; one behind it is moved up by the group's step,
+        `group_mean`). Never past the budget; a final deposit says that the trainer spent
+        a budget of steps (killed before the coordinator heard its end, it redid all of
+        them), so the worker has nothing left to train (under a time budget the job's
+        time says so)."""
+        rounds = [int(r) for m in w.client.index() for r, o, _ in m.get("models")
+                  if int(o) == self.trainer and int(r) > 0]
+        steps = self.cfg.train.steps
+        if rounds and max(rounds) < FINAL:
+            w.clock = caught_up(w, max(rounds) * self.cfg.mode.round_steps)
+        elif rounds and steps:
+            w.clock = max(w.clock, steps)
 
     def set_hyper(self, hyper: dict[str, float]) -> None:
         """The trainer's hyperparameters into its optimizer (the learning rate through its
@@ -450,7 +476,7 @@ class LtfbSchedule(Schedule):
         if self.diverged:
             if not self.with_opt:   # its momentum (or Adam's moments) diverged too: not for the model it
                 self.opt.state.clear()   # takes (with weights+optimizer, that model's state replaces it)
-            self.rejoin(w)
+            self.rejoin(w, catch_up=False)   # (it plays this round, at its clock)
             acc = loss = math.nan
         else:
             acc, loss = w.score()

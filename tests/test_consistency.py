@@ -1107,3 +1107,36 @@ def test_a_local_optimizers_divergence_names_the_rate_that_steps_it(given, says)
     with pytest.raises(Diverged) as e:
         local_step(w, opt)
     assert str(e.value) == f"loss is nan at step 3; {says}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "diloco", "easgd"])
+def test_a_new_worker_process_registered_behind_the_shards_continues_where_they_are(mode):
+    """A whole job stopped and started (or its coordinator killed with its workers): a new
+    worker process registers at the coordinator's last record of its rank's clock, which
+    may be far behind the shards, restored from later checkpoints. Its schedule's start
+    moves it up to where the shards are (the shards' step, or its rank's last finished
+    clock there), as a rejoin does: no step is trained twice, so the job trains no more
+    than train.steps (checked with kill -9 of the coordinator and workers in psgd run)."""
+    from psgd.consistency import get as get_mode
+    from psgd.shard import Shard
+    from tests.loopback import FakeTrainer, Loopback
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 1, "cluster.servers": 2,
+                              "mode.local_steps": 2, "mode.tau": 2, "train.steps": 20})
+    shards = [Shard(cfg, i) for i in range(2)]
+    before = FakeTrainer(cfg, Loopback(shards, 0), lambda x: 0.1 * x)
+    s = get_mode(mode).schedule(cfg)
+    s.start(before)
+    for _ in range(6):
+        s.step(before)
+    checkpoints = [sh.state_dict() for sh in shards]
+    shards = [Shard(cfg, i) for i in range(2)]   # restarted, restored
+    for sh, sd in zip(shards, checkpoints, strict=True):
+        sh.load_state_dict(sd)
+    after = FakeTrainer(cfg, Loopback(shards, 0), lambda x: 0.1 * x)
+    after.clock = 2                              # the coordinator's last record
+    s = get_mode(mode).schedule(cfg)
+    s.start(after)
+    assert after.clock == 6
+    s.step(after)
+    assert after.clock == 7 and not after.logged[-1][2].get("dropped")

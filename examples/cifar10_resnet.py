@@ -103,7 +103,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=1, help="blocks per stage (3 = ResNet-20)")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.05,
+                    help="this script's optimizer's learning rate: easgd, diloco and ltfb step it; in sync, "
+                         "ssp and async the shards run [optimizer] (optimizer.lr) instead")
     ap.add_argument("--synthetic", type=int, default=6000, help="samples of the synthetic set")
     a = ap.parse_args()
 

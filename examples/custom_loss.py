@@ -65,7 +65,9 @@ def within(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=0.01,
+                    help="this script's optimizer's learning rate: easgd, diloco and ltfb step it; in sync, "
+                         "ssp and async the shards run [optimizer] (optimizer.lr) instead")
     a = ap.parse_args()
 
     torch.manual_seed(0)

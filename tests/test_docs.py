@@ -154,3 +154,68 @@ def test_readme_command_line_synopsis_matches_the_parsers():
         problems += [f"psgd {verb} {f}: in the parser, not in README" for f in sorted(flags - shown[verb])
                      if (verb, f) not in UNLISTED]
     assert problems == []
+
+
+VERBS = "run|compare|simulate|coordinator|server|worker|evaluator|shards|status|keys"
+# A word that makes a command a template, not one to run as written.
+PLACEHOLDER = re.compile(r"\.\.\.|[][|<>]|\b(?:FILE|DIR|HOST|SECTION|ROLE|NAME|OUT)\b|\bI\b")
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    """(file, command) for every `psgd VERB ...` that README, docs/*.md and the examples'
+    docstrings show written out: lines of code blocks (a trailing `\\` joins the next line)
+    and inline code spans with arguments (which may wrap across lines; not a name such as
+    `psgd run` or `psgd run --timeout`), with arguments after `--` (a training script's) and
+    templates (`psgd run [CONFIG] ...`, `--shard I`) left out."""
+    out = []
+    start = re.compile(rf"psgd (?:{VERBS})\b")
+    for path in [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
+                 *sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))]:
+        text, name = open(path).read(), os.path.relpath(path, ROOT)
+        fence = re.compile(r"```[a-z]*\n(.*?)```", re.S)
+        blocks = [b for b in fence.findall(text)] if path.endswith(".md") else [text]
+        spans = re.findall(r"`([^`]+)`", fence.sub("", text)) if path.endswith(".md") else []
+        lines = [ln.split(" #")[0] for b in blocks for ln in re.sub(r"\\\n\s*", " ", b).splitlines()]
+        at_start = re.compile(rf"^\s*(?:[A-Z_]+=\S* )*(?:\S*/)?({start.pattern}(?: .*)?)$")
+        for cmd in [m.group(1) for ln in lines if (m := at_start.match(ln))] + \
+                   [c for s in spans if start.match(c := " ".join(s.split()))
+                    and " " in c[5:] and not c.split()[-1].startswith("--")]:  # (`psgd run --timeout`: names)
+            cmd = cmd.split(" -- ")[0].strip()
+            if not PLACEHOLDER.search(cmd):
+                out.append((name, cmd))
+    return out
+
+
+def test_the_docs_commands_parse_and_their_settings_are_valid():
+    """Every command the docs show written out is one `psgd` takes: its flags (the parser),
+    its `--set` keys and values, and a compare's or simulate's `--modes` items and plan (as
+    `psgd compare` builds them before it starts anything). A renamed flag, key or mode
+    parameter would otherwise leave a command in the docs that fails as written."""
+    import contextlib
+    import io
+    import shlex
+
+    from psgd import compare
+    commands, wrong = doc_commands(), []
+    for name, cmd in commands:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                args = parser().parse_args(shlex.split(cmd)[1:])
+        except SystemExit:
+            wrong.append(f"{name}: {cmd}: {err.getvalue().strip().splitlines()[-1]}")
+            continue
+        try:
+            path = getattr(args, "config", None)
+            path = os.path.join(ROOT, path) if path and os.path.exists(os.path.join(ROOT, path)) else None
+            if hasattr(args, "set"):
+                base = config.load(path, args.set)
+            if args.cmd in ("compare", "simulate") and args.modes:
+                specs = compare.parse_modes(args.modes)
+                compare.refuse_sets_an_item_overrides(args.set, specs)
+                compare.build_plan(base, specs, compare.parse_workers(args.workers) or [base.cluster.workers],
+                                   args.repeats, args.servers, baseline=False)
+        except config.ConfigError as e:
+            wrong.append(f"{name}: {cmd}: {e}")
+    assert len(commands) > 40   # (the commands are found: a changed layout does not pass by matching nothing)
+    assert not wrong, "\n".join(wrong)

@@ -66,10 +66,13 @@ class ThenRead:
 
 
 class Shard:
-    def __init__(self, cfg: Config, index: int, layout: list[list] | None = None):
+    def __init__(self, cfg: Config, index: int, layout: list[list] | None = None,
+                 model: torch.nn.Module | None = None):
         """`layout` (psgd/layout.py): a model learned from the workers; its tables start
         empty and the shard serves nothing but `init` until a worker's initial values
-        arrive (`ready`). Without it the shard builds psgd's model from the seed."""
+        arrive (`ready`). Without it the shard takes its slice of psgd's model: `model`,
+        built from the seed already (the simulator builds it once for all its shards), or
+        built here."""
         self.cfg = cfg
         self.index = index
         self.world = cfg.cluster.workers
@@ -80,8 +83,9 @@ class Shard:
         self.trained = False
         self.unready = ""   # why it has no values, when not for want of a worker's init (not_ready's reason)
         if layout is None:
-            shape, classes = describe(cfg.data)
-            model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
+            if model is None:
+                shape, classes = describe(cfg.data)
+                model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
             self.map = ShardMap.for_model(model, cfg.cluster.servers)
             tensors = model_tensors(model)
             with torch.no_grad():

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from .. import wire
-from ..config import Config
 from ..shard import Shard
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
@@ -149,26 +148,8 @@ def received(frames: list) -> Packet:
 
 class SimShard(Shard):
     """The real shard, whose replies are packets (`Shard._reply`); its error replies are
-    frames, which `received` turns into packets.
-
-    `model`: the job's model (`model_layout`, `model_tensors`), which the simulation
-    builds from the seed once for all its shards: a real shard builds its own to take
-    its slice (S simulated shards built S models). Without it, the shard builds it."""
-
-    def __init__(self, cfg: Config, index: int, model: tuple[list[list], dict[str, torch.Tensor]] | None = None):
-        if model is None:
-            super().__init__(cfg, index)
-            return
-        layout, tensors = model
-        super().__init__(cfg, index, layout)   # tables of the layout's sizes, empty: a learned model's
-        self._initial_values(tensors)
-        self.ready = True
-
-    def _initial_values(self, tensors: dict[str, torch.Tensor]) -> None:
-        """This shard's slice of the model, as the real shard takes it."""
-        with torch.no_grad():
-            self.params.copy_(self.map.gather(tensors, self.index, "params"))
-            self.buffers.copy_(self.map.gather(tensors, self.index, "buffers"))
+    frames, which `received` turns into packets. The simulation builds the model once
+    and hands it to each of them (`Shard`'s `model`; they built one each)."""
 
     def _reply(self, req: wire.Message, arrays: Any = (), **fields: Any) -> Packet:
         return packet("reply", id=req.id, rank=req.rank, clock=req.clock, arrays=arrays, **fields)

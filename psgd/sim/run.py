@@ -33,7 +33,6 @@ from ..data import Dataset, StreamingDataset, check_partitions, load_dataset, wo
 from ..metrics import json_line, summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
-from ..sharding import model_layout, model_tensors
 from ..workers.client import ParameterClient
 from .engine import Loop, Network, Node, few_collections
 from .messages import Packet, SimShard, packet, packets
@@ -156,8 +155,8 @@ class Simulation:
         self.mode = get_mode(cfg.mode.name)
         torch.manual_seed(cfg.job.seed)   # outside the workers' bodies (each draws from its own: `TorchRandom`)
         shard_cls = SimShard if s.train else TimingShard   # timing only: the mechanism without the arithmetic
-        model = self._shards_model()
-        self.shards = [shard_cls(cfg, i, model) for i in range(cfg.cluster.servers)]
+        model = build_model(cfg.model.name, *self._describe(), cfg.job.seed, cfg.model.hidden)  # once for all shards
+        self.shards = [shard_cls(cfg, i, model=model) for i in range(cfg.cluster.servers)]
         self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]
         for shard, node in zip(self.shards, self.nodes, strict=True):
             shard.busy = node.busy   # its virtual serving time (summary.json's shard_busy_fraction)
@@ -195,14 +194,6 @@ class Simulation:
         self.changes = 0          # requests the shards served and membership changes: what a score may see move
         self.scored = -1          # `changes` at the last score
         self.moved_at = 0.0       # the virtual time of the last of them or of a delivery (a deadlock's, if any)
-
-    def _shards_model(self) -> tuple[list[list], dict[str, torch.Tensor]]:
-        """The job's model as the shards take their tables from it (SimShard): built from
-        the seed once for all of them."""
-        from ..data import describe
-        c = self.cfg
-        model = build_model(c.model.name, *describe(c.data), c.job.seed, c.model.hidden)
-        return model_layout(model), model_tensors(model)
 
     def _describe(self) -> tuple[tuple, int]:
         from ..data import describe

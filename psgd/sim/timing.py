@@ -5,10 +5,10 @@ needs is real: the rules' events and decisions (gates, barriers, parking, stalen
 versions), the shards' dedupe and refusals, the message sizes. These two classes skip
 the tensor work that would otherwise dominate a run of thousands of workers:
 
-- `TimingShard`: a `Shard` (answering with packets, `SimShard`) whose tables are zeros
-  of the model's sizes, that does not read the vectors sent (its own tables stand in
-  for a gradient or a replica), steps no optimizer (an update only bumps the version),
-  accumulates nothing, and answers reads with one fixed snapshot of the right sizes.
+- `TimingShard`: a `Shard` (answering with packets, `SimShard`) that does not read the
+  vectors sent (its own tables stand in for a gradient or a replica), steps no
+  optimizer (an update only bumps the version), accumulates nothing, and answers reads
+  with one fixed snapshot of the right sizes.
 - `TimingReplica`: a `Replica` whose gathered tables are fixed zero vectors of the
   right sizes and whose loads are skipped (one replica serves every worker).
 """
@@ -21,13 +21,10 @@ from .messages import SimShard
 
 
 class TimingShard(SimShard):
-    def __init__(self, cfg, index: int, model: tuple[list[list], dict[str, torch.Tensor]] | None = None):
-        super().__init__(cfg, index, model)
+    def __init__(self, cfg, index: int, model: torch.nn.Module | None = None):
+        super().__init__(cfg, index, model=model)
         self._fixed = [self.params.detach().to(self._wire_torch, copy=True), self.buffers.clone()]
         self._read = (self.params.detach(), self.buffers)   # what every push and offer "sends"
-
-    def _initial_values(self, tensors: dict[str, torch.Tensor]) -> None:
-        pass   # the tables' sizes are all a timing study needs of them (zeros)
 
     def _vectors(self, msg, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read

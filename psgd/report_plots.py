@@ -194,14 +194,20 @@ def plotted_time(r: Row, period: float | None) -> float | None:
     return None if time_status(r, period) else r.resolved_ttt_mean(period)
 
 
-def _unplotted(xs: list, rows: list[Row], period: float | None, target: float) -> str:
-    """A second title line, "(0, 4: not scored; 8: 2/3 reached)": why the swept values
-    without a plotted time (plotted_time) have none, in the reading's words; "" if none."""
+def _why_unplotted(xs: list, rows: list[Row], period: float | None, target: float | None) -> dict[str, list[str]]:
+    """Why the values `xs` (of `rows`) without a plotted time (plotted_time) have none, in
+    the reading's words (time_status): {why: [the values, as text]}."""
     by_why: dict[str, list[str]] = {}
     for x, r in zip(xs, rows, strict=True):
         if why := time_status(r, period, target):
             by_why.setdefault(why, []).append(str(x))
-    said = "; ".join(", ".join(values) + f": {why}" for why, values in by_why.items())
+    return by_why
+
+
+def _unplotted(xs: list, rows: list[Row], period: float | None, target: float) -> str:
+    """A second title line, "(0, 4: not scored; 8: 2/3 reached)"; "" if every value has
+    a plotted time."""
+    said = "; ".join(", ".join(values) + f": {why}" for why, values in _why_unplotted(xs, rows, period, target).items())
     return f"\n({said})" if said else ""
 
 
@@ -248,13 +254,8 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
         if pts:
             a2.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts], marker="o",
                         capsize=3, color=c, label=label)
-        if any(r.scored for r in rs):
-            by_why: dict[str, list[str]] = {}
-            for r in rs:
-                if why := time_status(r, period, target):
-                    by_why.setdefault(why, []).append(str(r.workers))
-            if by_why:
-                missing.append(f"{label}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
+        if any(r.scored for r in rs) and (by_why := _why_unplotted(ws, rs, period, target)):
+            missing.append(f"{label}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})
     every = [r for rs in groups.values() for r in rs]
     for ax, yl in ((a1, _per_s(every)), (a2, f"time to target ({_seconds(every)})")):

@@ -80,9 +80,9 @@ class AsyncRule(SspRule):
         sum taken for one gradient, compensated n times as strongly). n is the steps the push
         carries (`carried`): n_push, or fewer in the push of what is still summed when the
         budget ends."""
-        n = self.carried(e)
         if self.mode.dc_lambda <= 0:
             return e.grad
+        n = self.carried(e)   # (on every push while DC-ASGD is on: it counts from the rank's previous one)
         reads = self.w_read.get(e.rank, {})
         w_bak = reads.get(self.tables.version - e.tau)
         g = e.grad

@@ -216,12 +216,12 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     lines.append("")
     lines += [f"- {s}" for s in reading(rows, ctx)]
     lines.append("")
-    failed = [(r, e) for r in rows for e in r.errors]
+    failed = [(r, e) for r in rows for e in r.failed]
     if failed:
         lines.append("## Failed runs")
         lines.append("")
-        for r, e in failed:
-            lines.append(f"- {r.name} ({r.workers} workers): {e.splitlines()[0][:300]}")
+        for r, e in failed:   # each run told apart (its repeat), and where its logs are
+            lines.append(f"- {failed_run(r, e)}: {str(e['error']).splitlines()[0][:300]}")
         lines.append("")
     if plots:
         lines.append("## Plots")
@@ -231,6 +231,13 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     elif plt_or_none() is None:
         lines += ["(No plots: matplotlib is not installed; `pip install 'psgd[plots]'`.)", ""]
     return "\n".join(lines)
+
+
+def failed_run(r: Row, e: dict) -> str:
+    """Which run of row `r` the failed entry `e` is: 'sync (2 workers), repeat 1, runs/sync-w2-r1'."""
+    who = r.name if r.is_baseline else f"{r.name} ({r.workers} worker{'s' if r.workers != 1 else ''})"
+    return who + "".join(f", {x}" for x in (f"repeat {e['repeat']}" if e.get("repeat") is not None else "",
+                                             f"`{e['dir']}`" if e.get("dir") else "") if x)
 
 
 def machine_device(m: dict) -> str:

@@ -227,6 +227,7 @@ class Row:
     sweep_value: Any
     runs: list = field(default_factory=list)      # successful summaries
     errors: list = field(default_factory=list)    # failed runs' messages
+    failed: list = field(default_factory=list)    # failed runs' entries (repeat, dir: which run it was)
     ref_sync: Row | None = None
     ref_base: Row | None = None
     suffix: str = ""       # what build_rows appended to the label: " [setup]", SIM_SUFFIX
@@ -387,6 +388,7 @@ def build_rows(results: list[dict]) -> list[Row]:
                                   r.get("sweep"), r.get("sweep_value"), suffix=suffix)
         if r.get("error"):
             row.errors.append(r["error"])
+            row.failed.append(r)
         else:
             row.runs.append(r)
     out = list(rows.values())

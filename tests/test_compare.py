@@ -367,6 +367,24 @@ def test_report_rows_speedups_and_reading(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_failed_runs_say_which_repeat_and_folder():
+    # Two repeats of one configuration failed alike: the list told them apart by neither repeat nor folder.
+    from psgd.report import render
+    results = [fake_run("async", "async", 2, 0, 0.95, 1.0, 9000.0)]
+    for r in range(2):
+        results.append({"label": "sync", "mode": "sync", "params": {}, "workers": 2, "repeat": r,
+                        "dir": f"runs/sync-w2-r{r}", "error": "the job did not finish within 2.5 s"})
+    results.append({"label": "baseline", "mode": "baseline", "params": {}, "workers": 1, "repeat": 0,
+                    "dir": "runs/baseline-r0", "error": "the baseline did not finish within 0.3 s"})
+    text = render(build_rows(results), {**CTX, "repeats": 2}, [])
+    failed = text.split("## Failed runs")[1].strip().splitlines()
+    assert failed == ["- sync (2 workers), repeat 0, `runs/sync-w2-r0`: the job did not finish within 2.5 s",
+                      "- sync (2 workers), repeat 1, `runs/sync-w2-r1`: the job did not finish within 2.5 s",
+                      "- baseline (sequential), repeat 0, `runs/baseline-r0`: the baseline did not finish within "
+                      "0.3 s"]
+
+
+@pytest.mark.timeout(60)
 def test_reading_follows_the_numbers():
     # Flip the numbers: now sync is first and fastest, staleness costs accuracy.
     results = [fake_run("sync", "sync", 2, 0, 0.98, 1.0, 9000.0),

@@ -10,7 +10,18 @@ seen in fewer than MIN_SCORES scores during training is not called missed.
 """
 from __future__ import annotations
 
-from .report_numbers import ACC_HARDLY, AFTER_END, MIN_SCORES, Row, amount, eval_period, mean, run_period, sd
+from .report_numbers import (
+    ACC_HARDLY,
+    AFTER_END,
+    FIRST_SCORE,
+    MIN_SCORES,
+    Row,
+    amount,
+    eval_period,
+    mean,
+    run_period,
+    sd,
+)
 from .report_relations import (
     ONCE,
     names,
@@ -82,18 +93,26 @@ def _with_workers(r: Row, many_w: bool) -> str:
 
 
 def _why_unranked(r: Row, target: float, period: float | None, many_w: bool = False) -> str:
+    """Why row `r`'s time does not rank: per kind of flag (a score after training ended,
+    the evaluator's first score), one repeat's numbers and in how many repeats it was so."""
     flags = r.ttt_flags(period)
-    flag, run = next(((g, x) for g, x in flags if g == AFTER_END), flags[0])
-    t = float(run["time_to_target_s"])
-    if flag == AFTER_END:
-        s = (f"first scored ≥ {target:g} at {secs(t)} s, after its training had ended at "
-             f"{secs(float(run['wall_s']))} s")
-    else:
-        own = run_period(run, period)
-        s = f"already ≥ {target:g} at the evaluator's first score, {secs(t)} s"
-        s += f", less than one evaluation period ({own:g} s) after the start" if own and t < own else ""
-    n = len(r.runs)
-    return f"{_with_workers(r, many_w)} ({s}" + (f"; {len(flags)} of {n} repeats" if n > 1 else "") + ")"
+    kinds = [g for g in (AFTER_END, FIRST_SCORE) if any(f == g for f, _ in flags)]
+    n, parts = len(r.runs), []
+    for flag in kinds:
+        run = next(x for g, x in flags if g == flag)
+        t = float(run["time_to_target_s"])
+        if flag == AFTER_END:
+            s = (f"first scored ≥ {target:g} at {secs(t)} s, after its training had ended at "
+                 f"{secs(float(run['wall_s']))} s")
+        else:
+            own = run_period(run, period)
+            s = f"already ≥ {target:g} at the evaluator's first score, {secs(t)} s"
+            s += f", less than one evaluation period ({own:g} s) after the start" if own and t < own else ""
+        k = sum(1 for f, _ in flags if f == flag)
+        # one kind: '...; 2 of 2 repeats'; both: each kind with its own count (a repeat is of one kind)
+        parts.append(s + ((f"; {k} of {n} repeats" if len(kinds) == 1 else f", in {k} of {n} repeats")
+                          if n > 1 else ""))
+    return f"{_with_workers(r, many_w)} ({'; '.join(parts)})"
 
 
 def _unresolved_share(unranked: list[Row], period: float | None) -> str:

@@ -467,6 +467,21 @@ def test_time_to_target_at_the_first_score_is_not_ranked():
 
 
 @pytest.mark.timeout(60)
+def test_unranked_repeats_of_two_kinds_are_each_said():
+    # Repeat 0 was first seen at the target after training ended, repeat 1 at the evaluator's first score,
+    # during training: the sentence gave repeat 0's reason as that of "2 of 2 repeats".
+    results = [fake_run("sync", "sync", 2, 0, 0.91, 0.56, 9000.0, wall=0.19, evals=scored((0.04, 0.1), (0.56, 0.91))),
+               fake_run("sync", "sync", 2, 1, 0.92, 0.05, 9000.0, wall=0.19, evals=scored((0.05, 0.93), (0.52, 0.92)))]
+    text = told(results)
+    assert "Not ranked by time to 0.9: sync (first scored ≥ 0.9 at 0.56 s, after its training had ended at 0.19 s, " \
+           "in 1 of 2 repeats; already ≥ 0.9 at the evaluator's first score, 0.0500 s, less than one evaluation " \
+           "period (0.5 s) after the start, in 1 of 2 repeats)." in text
+    results[1] = fake_run("sync", "sync", 2, 1, 0.92, 0.6, 9000.0, wall=0.19, evals=scored((0.04, 0.1), (0.6, 0.92)))
+    assert "sync (first scored ≥ 0.9 at 0.56 s, after its training had ended at 0.19 s; 2 of 2 repeats)" \
+        in told(results)
+
+
+@pytest.mark.timeout(60)
 def test_a_budget_too_short_for_the_evaluator_ranks_nothing():
     results = [fake_run(m, m, 3, 0, 0.93, t, 9000.0, wall=w, evals=scored((t, 0.93)))
                for m, t, w in (("sync", 0.45, 0.4), ("async", 0.3, 0.35), ("easgd", 0.2, 0.6))]

@@ -211,7 +211,8 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
             out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
     elif unranked:
         walls = [w for r in dist for w in r.values("wall_s")]
-        facts = ([f"training lasted {secs(min(walls))}–{secs(max(walls))} s"] if walls else []) + \
+        lasted = "–".join(dict.fromkeys([secs(min(walls)), secs(max(walls))])) if walls else ""  # 0.27 s, not 0.27–0.27
+        facts = ([f"training lasted {lasted} s"] if walls else []) + \
                 ([f"the evaluator scores every {period:g} s"] if period else [])
         who = "each one that reached it" + (" with every repeat finished" if lost else "")
         out.append(f"The budget is too short to rank the configurations by time to {target:g}: {who} was first seen "

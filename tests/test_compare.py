@@ -488,6 +488,8 @@ def test_a_budget_too_short_for_the_evaluator_ranks_nothing():
     text = told(results)
     assert "The budget is too short to rank the configurations by time to 0.9" in text
     assert "training lasted 0.35–0.60 s; the evaluator scores every 0.5 s" in text
+    # one run (or runs of one length): one number, not "0.40–0.40 s"
+    assert "training lasted 0.40 s; the evaluator" in told(results[:1])
     assert "First to reach" not in text and "Order to the target" not in text
 
 

@@ -25,6 +25,7 @@ the report.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -292,6 +293,16 @@ def _sweeps_topk(spec: ModeSpec, specs: list[ModeSpec]) -> bool:
         and dict(o.params).get("wire.compression") == "topk" for o in specs)
 
 
+def _misspelled_mode(spec: ModeSpec, specs: list[ModeSpec]) -> str:
+    """A hint for a swept value that was refused and is close to a mode's name: a misspelled
+    mode after a value list (`easgd:tau=4,ltbf`) is read as one more value of that list."""
+    k, value = specs.index(spec), spec.sweep_value
+    later = k > 0 and (specs[k - 1].mode, specs[k - 1].sweep) == (spec.mode, spec.sweep)   # not the list's first
+    close = difflib.get_close_matches(value, MODES, n=1) if later and spec.sweep and isinstance(value, str) else []
+    return (f" ({value!r} came after a value of {spec.sweep}, so it was read as one more value: if it is a mode, "
+            f"did you mean {close[0]}?)") if close else ""
+
+
 def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats: int,
                servers: int | None = None, baseline: bool = True) -> list[Run]:
     """Every run, in order: for each repeat the baseline, then each worker count x mode.
@@ -314,7 +325,8 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 try:
                     cfg = base.replace(**sets)
                 except ConfigError as e:
-                    raise ConfigError(f"--modes {spec.label} with {w} workers: {e}") from None
+                    hint = _misspelled_mode(spec, specs)
+                    raise ConfigError(f"--modes {spec.label} with {w} workers: {e}{hint}") from None
                 params = dict(spec.params)
                 if "wire.topk_fraction" in params and cfg.wire.compression != "topk" and not _sweeps_topk(spec, specs):
                     raise ConfigError(f"--modes {spec.label}: wire.topk_fraction is the share a topk push sends, and "

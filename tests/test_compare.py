@@ -193,6 +193,18 @@ def test_plan_validates_every_config_before_running():
 
 
 @pytest.mark.timeout(30)
+def test_a_misspelled_mode_after_a_value_list_is_named_as_such():
+    # 'easgd:tau=4,ltbf' read ltbf as one more tau: the error said only "expected an integer, got 'ltbf'".
+    base = load(None, [], env={})
+    for modes, meant in (("easgd:tau=4,ltbf", "ltfb"), ("sync:wire.dtype=float32,asnyc", "async")):
+        with pytest.raises(ConfigError, match=f"read as one more value: if it is a mode, did you mean {meant}"):
+            build_plan(base, parse_modes(modes), [2], 1)
+    with pytest.raises(ConfigError) as e:   # the list's first value came after no value
+        build_plan(base, parse_modes("ssp:staleness=asnyc,1"), [2], 1)
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("modes", ["ssp:staleness=1,1.0", "sync:job.name=a b,a_b"])
 def test_two_items_of_one_run_are_refused_before_either_replaces_the_other(modes):
     """A review: two --modes items that make the same folder (the same configuration

@@ -603,9 +603,9 @@ def hold_output(out: str, command: str) -> IO:
     """OUT is this command's until it returns (an exclusive lock on OUT/.compare.lock);
     another psgd compare or psgd simulate writing there now is refused: it would remove
     the run folders of this one while its jobs write them. An earlier comparison's
-    report and plots are removed (they would stand beside this one's, and a rebuilt
-    report read its compare.json as this one's); its run folders stay, replaced where
-    this plan runs the same configuration."""
+    report, plots and compare.json are removed (they would stand beside this one's, and a
+    rebuilt report read its compare.json as this one's), and said so; its run folders
+    stay, replaced where this plan runs the same configuration."""
     from .launcher import hold
     lock = hold(os.path.join(out, COMPARE_LOCK))
     if lock is None:
@@ -617,8 +617,9 @@ def hold_output(out: str, command: str) -> IO:
     if not os.path.exists(os.path.join(out, "compare.json")):
         earlier = []   # not a comparison's folder: nothing of it is psgd's to remove
     if earlier:
-        print(f"{command}: {out} held an earlier comparison: its report and plots are replaced; its run folders "
-              f"stay where this one does not run the same configuration", file=sys.stderr, flush=True)
+        print(f"{command}: {out} held an earlier comparison: its report, plots and compare.json (its runs' "
+              f"summaries) are replaced; its run folders stay where this one does not run the same configuration",
+              file=sys.stderr, flush=True)
     for path in earlier:
         os.unlink(path)
     return lock

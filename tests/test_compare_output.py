@@ -70,7 +70,8 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     assert ctx["not_run"] == ["async, 2 workers, repeat 0", "ssp, 2 workers, repeat 0"]
     assert [e["label"] for e in json.load(open(out / "compare.json"))] == ["sync"]
     err = capsys.readouterr().err
-    assert "held an earlier comparison" in err and "interrupted after 1 of 3 runs" in err
+    assert "held an earlier comparison: its report, plots and compare.json (its runs' summaries) are replaced" in err
+    assert "interrupted after 1 of 3 runs" in err
     assert not (out / ".compare.lock").exists() or hold(str(out / ".compare.lock")) is not None   # released
 
 

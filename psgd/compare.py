@@ -518,7 +518,9 @@ def _one_line(s: dict) -> str:
              f"{amount(s.get('samples_per_s', 0))} samples/s",
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
              f"target {s.get('target_accuracy')} not reached" if acc is not None else "",
-             f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}" if s.get("staleness") else ""]
+             # (the sequential baseline reads no servers: its summary's zero staleness is no measurement)
+             f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}"
+             if s.get("staleness") and s.get("mode") != "baseline" else ""]
     return ", ".join(p for p in parts if p)
 
 

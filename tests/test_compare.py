@@ -378,6 +378,16 @@ def test_report_rows_speedups_and_reading(tmp_path):
     assert all(PLOT_FILE.fullmatch(f) for f in os.listdir(tmp_path) if f.endswith(".png"))
 
 
+@pytest.mark.timeout(30)
+def test_the_progress_line_of_the_baseline_states_no_staleness():
+    # "[1/8] acc 0.9359, 25,943 samples/s, target 0.5 in 0.06 s, measured staleness 0.00/0": the baseline has none
+    from psgd.compare import _one_line
+    base = {**fake_run("baseline", "baseline", 1, 0, 0.95, 0.5, 40000.0), "staleness": {"mean": 0.0, "max": 0}}
+    assert _one_line(base) == "acc 0.9500, 40,000 samples/s, target 0.9 in 0.50 s"
+    assert _one_line(fake_run("async", "async", 2, 0, 0.95, 1.0, 9000.0, 1.5, 9)).endswith(
+        ", measured staleness 1.50/9")
+
+
 @pytest.mark.timeout(60)
 def test_failed_runs_say_which_repeat_and_folder():
     # Two repeats of one configuration failed alike: the list told them apart by neither repeat nor folder.

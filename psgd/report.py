@@ -207,8 +207,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     lines.append("")
     if rows:
         lines += main_table(rows, target, period)
-        lines.append("")
-        lines += detail_table(rows)
+        detail = detail_table(rows)
+        lines += [""] + detail if detail else []
     else:   # compare.json is [] (a compare interrupted before its first run ended)
         lines.append("No run finished: compare.json lists no run, so there is nothing to tabulate.")
     lines.append("")

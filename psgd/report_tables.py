@@ -145,6 +145,10 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
 
 
 def detail_table(rows: list[Row]) -> list[str]:
+    """The detail rows of the configurations with a finished run; none (no table, not a
+    header alone) when every run failed."""
+    if not any(row.runs for row in rows):
+        return []
     lines = ["| configuration | workers | runs | wall (s) | samples | throughput vs sync | "
              "throughput vs baseline | max clock gap | dropped gradients | workers lost | busiest shard |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -404,6 +404,9 @@ def test_failed_runs_say_which_repeat_and_folder():
                       "- sync (2 workers), repeat 1, `runs/sync-w2-r1`: the job did not finish within 2.5 s",
                       "- baseline (sequential), repeat 0, `runs/baseline-r0`: the baseline did not finish within "
                       "0.3 s"]
+    # no run finished: the detail table is left out, not written as a header alone
+    text = render(build_rows(results[1:]), {**CTX, "repeats": 2}, [])
+    assert "| configuration | workers | runs |" not in text and "failed: the job did not finish" in text
 
 
 @pytest.mark.timeout(60)

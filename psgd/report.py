@@ -72,8 +72,9 @@ def _runs_phrase(ctx: dict, n_runs: int, sim: bool) -> str:
 
 
 def interruption(ctx: dict) -> list[str] | None:
-    """The labels of the planned runs that did not run when the command that wrote `ctx`
-    was interrupted or ended before running them all (psgd compare writes `interrupted`
+    """The labels of the planned runs that did not finish (the one it stopped, and those it
+    never started) when the command that wrote `ctx` was interrupted or ended before
+    running them all (psgd compare writes `interrupted`
     and `not_run` into compare-context.json then), else None."""
     not_run = ctx.get("not_run") or []
     if not ctx.get("interrupted") and not not_run:
@@ -102,7 +103,7 @@ def interrupted_lines(ctx: dict, n_runs: int) -> list[str]:
         missing = list(stop.get("not_run") or [])
         planned = int(stop.get("ran", 0)) + len(missing)
         if missing:
-            out.append(f"**Interrupted:** {where}{len(missing)} of {planned} planned runs did not run: "
+            out.append(f"**Interrupted:** {where}{len(missing)} of {planned} planned runs did not finish: "
                        f"{_labels(missing)}. This report covers the {planned - len(missing)} that did.")
         else:
             out.append(f"**Interrupted:** {where}the command was interrupted before it ended normally.")

@@ -203,7 +203,8 @@ def test_an_empty_compare_json_is_a_report_that_no_run_finished(tmp_path, capsys
     assert report_main([d]) == 0
     text = open(os.path.join(d, "report.md")).read()
     assert "No run finished" in text and "No distributed run finished" in text
-    assert "**Interrupted:** 2 of 2 planned runs did not run: sync, 2 workers, repeat 0; async, 2 workers, " \
+    # the first was stopped while it ran (not "did not run"): every one listed did not finish
+    assert "**Interrupted:** 2 of 2 planned runs did not finish: sync, 2 workers, repeat 0; async, 2 workers, " \
            "repeat 0." in text
 
 
@@ -216,7 +217,7 @@ def test_an_interrupted_compare_says_so_at_the_top(tmp_path):
     ctx = {**CTX, "command": "psgd compare --modes sync,async,ssp --repeats 2", "interrupted": True,
            "not_run": ["async, 2 workers, repeat 1", "ssp", "ssp"]}
     text = render(build_rows(results), ctx, [])
-    line = ("**Interrupted:** 3 of 5 planned runs did not run: async, 2 workers, repeat 1; ssp ×2. This report "
+    line = ("**Interrupted:** 3 of 5 planned runs did not finish: async, 2 workers, repeat 1; ssp ×2. This report "
             "covers the 2 that did.")
     assert line in text and text.index(line) < text.index("Model **") < text.index("## Results")
     assert "Interrupted" not in render(build_rows(results), CTX, [])
@@ -228,7 +229,7 @@ def test_an_interrupted_compare_says_so_at_the_top(tmp_path):
     b = _folder(tmp_path / "b", [run("ssp", "ssp")], {**CTX, "command": "psgd compare b"})
     assert report_main([str(tmp_path / "m"), b, a]) == 0
     merged = open(tmp_path / "m" / "report.md").read()
-    assert f"**Interrupted:** folder {a}: 3 of 5 planned runs did not run: async, 2 workers, repeat 1; " \
+    assert f"**Interrupted:** folder {a}: 3 of 5 planned runs did not finish: async, 2 workers, repeat 1; " \
            "ssp ×2." in merged
     assert merged.count("**Interrupted:**") == 1
 

@@ -77,7 +77,10 @@ def checked_stats(stats: Any) -> dict:
     be null (a worker that has none yet). Kept
     unchecked, one bad value would stop the coordinator later, outside any request
     (the state file's JSON, the sums of `samples`). A `loss` that is not finite is
-    kept as null: an honest worker's last loss may be inf (it refuses that step)."""
+    kept as null: an honest worker's last loss may be inf (it refuses that step); a
+    finite one is kept whatever its size (it is no counter, summed nowhere: a diverging
+    worker's 1e30, which float16 on the wire refuses before it turns inf, was refused,
+    and the worker's heartbeats and its end with it)."""
     if not isinstance(stats, dict) or len(stats) > MAX_STATS:
         raise wire.WireError(wire.BAD_FIELD, f"stats must be a map of at most {MAX_STATS} counters")
     out = {}
@@ -90,7 +93,8 @@ def checked_stats(stats: Any) -> dict:
             if len(v) > MAX_STAT_LIST or not all(map(_stat_number, v)):
                 raise wire.WireError(wire.BAD_FIELD, f"stats: {k} must be a list of at most {MAX_STAT_LIST} "
                                                      f"finite numbers")
-        elif not (_stat_number(v) or (v is None and k == "loss")):   # (a null count: the sums fail later)
+        elif not (_stat_number(v) or (k == "loss" and (v is None or isinstance(v, float)))):
+            # (a null count: the sums fail later)
             raise wire.WireError(wire.BAD_FIELD, f"stats: {k} = {v!r:.40} is not a finite number or a list of "
                                                  f"them" + (" (only the loss may be null)" if v is None else ""))
         out[k] = v

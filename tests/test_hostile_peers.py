@@ -77,6 +77,23 @@ def test_honest_counters_are_kept_and_a_non_finite_loss_as_null(tmp_path):
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
+def test_a_finite_loss_beyond_the_counters_bound_is_kept(tmp_path):
+    """A diverging worker's loss of 6.8e30 (float16 on the wire refused its steps before
+    the loss turned inf) was refused as a counter beyond 2**53: its heartbeats and its
+    end with it, and the job ended 'all workers were lost', the reason unsaid."""
+    c = coordinator(out=str(tmp_path))
+    try:
+        stats = {**honest_worker_stats(), "loss": 6.8e30}
+        assert ask(c, "heartbeat", rank=0, clock=2, role="worker", stats=stats).op == "reply"
+        assert ask(c, "finish", rank=0, clock=2, stats=stats, error="values beyond float16's range").op == "reply"
+        assert c.members.members[0].stats == stats and c.abort
+        c._save_state(time.monotonic() + 5)
+    finally:
+        c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("accuracy, loss", [(math.nan, 1.0), (1.5, 1.0), (-0.1, 1.0), (87.5, 0.3)])
 def test_a_score_that_is_not_one_is_refused(accuracy, loss):
     c = coordinator()

@@ -50,6 +50,17 @@ def test_onebit_keeps_each_blocks_sums_of_both_signs():
 
 
 @pytest.mark.unit
+def test_onebit_sends_the_negatives_mean_beside_much_larger_positives():
+    """The negatives' sum was the block's sum less the positives': 255 values of 1000 and
+    one of -0.001 sent 0 for the negative one (float32 rounding of 255000 - 0.001)."""
+    v = torch.full((BLOCK,), 1000.0)
+    v[7] = -0.001
+    signs, means = compression.onebit_encode(v)
+    torch.testing.assert_close(means, torch.tensor([1000.0, -0.001]))
+    assert decode("onebit", signs, means, BLOCK)[7] == means[1]
+
+
+@pytest.mark.unit
 def test_topk_sends_the_largest_magnitudes():
     v = torch.tensor([0.1, -5.0, 0.2, 4.0, -0.3])
     values, idx = compression.topk_encode(v, 2)

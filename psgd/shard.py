@@ -647,6 +647,28 @@ def training_config(cfg: Config) -> str:
     return json.dumps({**kept, "workers": cfg.cluster.workers, "servers": cfg.cluster.servers}, sort_keys=True)
 
 
+CLUSTER_KEYS = {"workers": "cluster.workers", "servers": "cluster.servers"}   # training_config's names
+
+
+def config_changes(was: Any, now: str, most: int = 4) -> list[str]:
+    """The keys in which two `training_config`s differ, each as 'optimizer.lr 0.1 → 0.05'
+    (the first `most`, then how many more); [] when `was` cannot be read as one."""
+    try:
+        a, b = json.loads(was), json.loads(now)
+    except (TypeError, ValueError):
+        return []
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, key: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{key}.{k}" if key else k)
+        elif x != y:
+            out.append(f"{CLUSTER_KEYS.get(key, key)} {json.dumps(x)[:40]} → {json.dumps(y)[:40]}")
+    walk(a, b, "")
+    return out[:most] + ([f"{len(out) - most} more"] if len(out) > most else [])
+
+
 def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
     """'' if shard `index` of a job of `cfg` may resume from a checkpoint's state `sd`
     (its table sizes aside, which its shard checks), else why not."""
@@ -654,7 +676,9 @@ def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
     if sd.get("finished"):
         return "its job finished"
     if sd.get("training", mine) != mine:   # older checkpoints do not say
-        return "it is of another training configuration (job, model, data, mode, optimizer, wire or shards)"
+        changed = config_changes(sd["training"], mine)
+        return "it is of another training configuration (" + (
+            ", ".join(changed) if changed else "job, model, data, mode, optimizer, wire or shards") + ")"
     if sd.get("shard", index) != index:
         return f"it is shard {sd.get('shard')}'s"
     done = max((int(c) for c in sd.get("last_clock", {}).values()), default=-1) + 1

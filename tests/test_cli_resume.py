@@ -29,5 +29,5 @@ def test_run_says_whether_it_resumes_the_shard_checkpoints_in_its_folder(tmp_pat
     LocalJob(other, str(tmp_path), quiet=True).stop()
     err = capsys.readouterr().err
     assert (f"warning: not resuming from the shard checkpoints in {tmp_path / 'checkpoints'} (shard-0.pt: it is of "
-            f"another training configuration") in err and "the job starts afresh" in err, err
+            f"another training configuration (optimizer.lr 0.1 → 0.05)") in err and "the job starts afresh" in err, err
     assert "resuming the unfinished" not in err

@@ -579,8 +579,16 @@ def context(args, base: Config, workers: list[int], plan: list[Run]) -> dict:
 
 
 def main(args) -> int:
-    base = load(args.config, args.set)
     specs = parse_modes(args.modes)
+    try:
+        base = load(args.config, args.set)
+    except ConfigError as e:   # `--set key=a,b` is one value: a sweep is a mode item's (README: Comparing modes)
+        listed = next((item for item in args.set if "," in item.partition("=")[2]
+                       and item.partition(".")[0] not in SHARED_SECTIONS), None)
+        if listed is None:
+            raise
+        raise ConfigError(f"{e} (--set gives every run one value; to compare several, sweep the key in a mode "
+                          f"item: --modes {specs[0].mode}:{listed})") from None
     refuse_sets_the_plan_overrides(args.set, parse_workers(args.workers), args.servers)
     refuse_sets_an_item_overrides(args.set, specs)
     workers = parse_workers(args.workers) or [base.cluster.workers]

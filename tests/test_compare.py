@@ -674,6 +674,22 @@ def test_a_set_that_a_mode_item_overrides_is_refused(modes, sets, said, tmp_path
     refuse_sets_an_item_overrides(["mode.staleness=4", "wire.dtype=float16"], parse_modes("ssp:cache=true,sync"))
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("modes,item,said", [
+    ("sync", "wire.compression=none,onebit,topk", "sweep the key in a mode item: --modes sync:wire.compression=none,"),
+    ("async,sync", "optimizer.lr=0.1,0.05", "sweep the key in a mode item: --modes async:optimizer.lr=0.1,0.05)"),
+    ("sync", "data.name=digits,synthetic", None),   # a shared key: no mode item may sweep it
+])
+def test_a_value_list_in_set_points_to_the_sweep_of_a_mode_item(modes, item, said, tmp_path, capsys):
+    """A helper's review: `psgd compare --set wire.compression=none,onebit,topk` said only
+    "wire.compression must be none, onebit or topk, got 'none,onebit,topk'"."""
+    from psgd.cli import main
+    code = main(["compare", "--modes", modes, "--set", item, "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == 2 and (said in err if said else "sweep the key" not in err), err
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,said", [
     (["data.name=mnist", "data.path=/nonexistent"], "/nonexistent"),

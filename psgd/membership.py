@@ -10,6 +10,9 @@ again (with its rank: `psgd run --restart-workers`, or by hand) counts from 0, s
 rank is joined by a new process (another registration nonce) the counters of the one
 before are kept (`Member.past`) and `stats()` gives each rank's totals. The same process
 rejoining after it was dropped (a partition; its own nonce) keeps counting where it was.
+A process dies between heartbeats: the new one sends what the rank's earlier processes
+logged (their step lines' counts), which stands where the coordinator heard less
+(`Member.credit`).
 The process that held a rank before another took it over is `superseded`: its
 heartbeats and finish (which carry its nonce) are not the rank's.
 
@@ -35,6 +38,7 @@ import zmq
 from . import wire
 from .config import Config, is_number
 from .log import log
+from .metrics import LOGGED_STATS
 from .transport import Peers, PeerTimeout
 
 REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent again this often
@@ -153,6 +157,15 @@ class Member:
 
     def samples(self) -> int:
         return int(self.totals().get("samples", 0))
+
+    def credit(self, logged: dict) -> None:
+        """The counters of the rank's earlier processes as their step lines have them
+        (`metrics.earlier_lives`, sent by the process now holding the rank): where the
+        coordinator heard less of one (it died between heartbeats, or with the coordinator
+        after its last state save), the step lines' count stands."""
+        for k, v in logged.items():
+            if k in LOGGED_STATS and is_number(v) and v > self.past.get(k, 0):
+                self.past[k] = v
 
 
 class SamplesAt:
@@ -274,25 +287,30 @@ class Membership:
         clocks = [m.clock for r, m in self.members.items() if m.state == "live" and r != exclude]
         return min(clocks) if clocks else default
 
-    def beat(self, rank: int, now: float, clock: int | None = None, stats: dict | None = None) -> bool:
-        """A heartbeat; False if the rank is unknown or was dropped (it must rejoin)."""
+    def beat(self, rank: int, now: float, clock: int | None = None, stats: dict | None = None,
+             logged: dict | None = None) -> bool:
+        """A heartbeat; False if the rank is unknown or was dropped (it must rejoin).
+        `logged`: its earlier processes' counters from their step lines (`Member.credit`)."""
         m = self.members.get(rank)
         if m is None or m.state == "lost":
             return False
-        if stats and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
-            m.stats = stats
+        if (stats or logged) and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
+            m.stats = stats or m.stats
+            m.credit(logged or {})
             m.counts.add(now, m.samples())
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
         return True
 
-    def finish(self, rank: int, now: float, stats: dict | None = None, clock: int | None = None) -> None:
+    def finish(self, rank: int, now: float, stats: dict | None = None, clock: int | None = None,
+               logged: dict | None = None) -> None:
         m = self.members.get(rank)
         if m and m.state != "finished":
             m.state = "finished"
-            if stats:
-                m.stats = stats
+            if stats or logged:
+                m.stats = stats or m.stats
+                m.credit(logged or {})
                 m.counts.add(now, m.samples())
             if clock is not None:   # its last clock (the heartbeats' is up to a period old)
                 m.clock = max(m.clock, clock)

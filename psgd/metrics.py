@@ -36,6 +36,44 @@ class EventLog:
             self._f = None
 
 
+# A worker's counters that its step lines carry (stat -> the line's field), each counted
+# from its process's start: a process's last line has them up to its last step.
+LOGGED_STATS = {"samples": "samples", "steps": "step", "bytes_sent": "bytes_sent", "bytes_recv": "bytes_recv"}
+
+
+def earlier_lives(out: str | None, rank: int, since: float) -> dict:
+    """What the earlier processes of worker `rank` did in this job, from their step lines
+    in DIR/events/worker-<rank>.jsonl written at `since` (a time.time(): the job's start)
+    or later: their LOGGED_STATS summed (each process's last line's). Read by a new
+    process for the rank before it writes a line: the coordinator heard a process that
+    died only up to its last heartbeat. Each process's `step` goes up by one a line from
+    1, which tells its lines from those of another process written in between (one
+    whose rank was taken over, still stepping until its next heartbeat says so)."""
+    lasts: list[dict] = []   # each earlier process's latest step line
+    path = os.path.join(out or "", "events", f"worker-{rank}.jsonl")
+    if not out or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        for line in f:
+            if '"step"' not in line or not line.endswith("\n"):   # (a line cut short as its process died)
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            step = d.get("step") if isinstance(d, dict) else None
+            t = d.get("t") if isinstance(d, dict) else None
+            if not isinstance(step, int) or "event" in d or not isinstance(t, (int, float)) or t < since:
+                continue
+            i = next((i for i in range(len(lasts) - 1, -1, -1) if lasts[i]["step"] == step - 1), None)
+            if i is None:
+                lasts.append(d)
+            else:
+                lasts[i] = d
+    totals = {k: sum(d[f] for d in lasts if isinstance(d.get(f), int)) for k, f in LOGGED_STATS.items()}
+    return {k: v for k, v in totals.items() if v}
+
+
 class PidFile:
     """DIR/pids/<role>-<index>.pid for as long as the daemon runs."""
 

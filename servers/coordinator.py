@@ -379,7 +379,8 @@ class Coordinator:
                 return [(ident, wire.reply(msg, **{**self._view(msg.get("live_id", "")),
                                                    "abort": self._taken_over(msg.rank)}))]
             self._within_job(msg.clock)
-            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats)
+            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats,
+                                           checked_stats(msg.get("logged") or {}))
             if self.counting and not rejoin:
                 self._count(msg.rank, now)
             if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
@@ -427,7 +428,8 @@ class Coordinator:
         self._within_job(msg.clock)
         stats = msg.get("stats")
         now = time.monotonic()
-        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock)
+        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock,
+                            checked_stats(msg.get("logged") or {}))
         self._count(msg.rank, now)
         if msg.get("hold"):
             self.held_until, self.holder = time.monotonic() + self.cfg.cluster.timeout_s, msg.rank

@@ -301,6 +301,65 @@ def test_summary_samples_count_every_life_of_a_restarted_worker():
     assert c.summary["failures"]["workers_lost"] == 1 and c.summary["failures"]["workers_rejoined"] == 1
 
 
+@pytest.mark.unit
+def test_earlier_lives_sums_each_earlier_process_from_its_step_lines(tmp_path):
+    """A worker's step lines of this job (an earlier job's lines, older than `since`, are
+    not), process by process: the first process (3 steps, cut off mid-line as it was
+    killed), a second one whose lines interleave with a third's (the second's rank was
+    taken over while it still stepped). Each process's last line counts once."""
+    from psgd.metrics import earlier_lives
+    os.makedirs(tmp_path / "events")
+
+    def line(t, step, samples, clock, **kw):
+        return json.dumps({"t": t, "role": "worker", "rank": 1, "step": step, "clock": clock, "samples": samples,
+                           "bytes_sent": 10 * step, "bytes_recv": 20 * step, **kw}) + "\n"
+    lines = [line(5.0, 7, 224, 7),                                      # an earlier job's
+             line(11.0, 1, 32, 1), line(11.1, 2, 64, 2), line(11.2, 3, 96, 3),
+             json.dumps({"t": 11.3, "role": "worker", "event": "tournament", "step": 9}) + "\n",
+             line(12.0, 1, 32, 4), line(12.1, 2, 64, 5), line(12.2, 1, 32, 5), line(12.3, 3, 96, 6),
+             line(12.4, 2, 64, 6), '{"t": 12.5, "role": "worker", "step": 4, "sam']
+    (tmp_path / "events" / "worker-1.jsonl").write_text("".join(lines))
+    logged = earlier_lives(str(tmp_path), 1, since=10.0)
+    assert logged == {"samples": 96 + 96 + 64, "steps": 3 + 3 + 2, "bytes_sent": 80, "bytes_recv": 160}
+    assert earlier_lives(str(tmp_path), 0, since=10.0) == {} and earlier_lives(None, 1, 0.0) == {}
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_restarted_workers_earlier_processes_count_as_their_step_lines_say():
+    """kill -9 of the coordinator and the workers together, the job resumed: the
+    coordinator's state file had a worker's counters of up to a state save and a
+    heartbeat before its death, and a new process for the rank counted from there
+    (summary.json said 142,688 samples where the step lines had 191,936). The new
+    process sends what its rank's earlier processes logged; the coordinator takes the
+    larger of that and what it heard, and keeps it in its state file."""
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    for r in range(2):
+        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"first{r}"))
+    for r in range(2):
+        serve("heartbeat", rank=r, clock=100, role="worker", index=r, live_id="",
+              stats={"samples": 3200, "steps": 100, "rejected": 1})
+    assert serve("register", role="worker", want_rank=1, nonce="second1").get("assigned_rank") == 1
+    logged = {"samples": 4800, "steps": 150, "bytes_sent": 1000, "bytes_recv": 2000}
+    serve("heartbeat", rank=1, clock=160, role="worker", index=1, live_id="", logged=logged,
+          stats={"samples": 320, "steps": 10, "rejected": 0})
+    assert c.members.stats()[1] == {"samples": 5120, "steps": 160, "rejected": 1, "bytes_sent": 1000,
+                                    "bytes_recv": 2000}
+    serve("finish", rank=1, clock=200, stats={"samples": 1600, "steps": 50}, logged={"samples": 100})
+    assert c.members.stats()[1]["samples"] == 6400    # (a smaller count than heard changes nothing)
+    again = Membership(2, timeout_s=5.0)
+    again.load_state_dict(json.loads(json.dumps(c.members.state_dict())), now=0.0)
+    assert again.stats()[1]["samples"] == 6400
+    with pytest.raises(wire.RemoteError, match="not a finite number"):
+        wire.raise_if_error(serve("heartbeat", rank=1, clock=160, role="worker", index=1, live_id="",
+                                  logged={"samples": "many"}), "coordinator")
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("finished", [0, 1])

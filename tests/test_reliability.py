@@ -229,6 +229,43 @@ def test_a_restarted_worker_rejoins_with_its_rank(tmp_path):
     assert [e["joins"] for e in joins] == [1, 2]  # the restarted worker came back as rank 1
 
 
+def step_line_samples(out: str, rank: int) -> int:
+    """Worker `rank`'s samples by its step lines: each process's last line's count (a
+    process counts from its start; its steps from 1)."""
+    total = last = 0
+    with open(os.path.join(out, "events", f"worker-{rank}.jsonl")) as f:
+        for d in map(json.loads, f):
+            if "step" in d:
+                if d["step"] == 1:
+                    total += last
+                last = d["samples"]
+    return total + last
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_9_the_coordinator_and_the_workers_together_counts_every_step(tmp_path):
+    """kill -9 of the coordinator and every worker at once; psgd run starts them again
+    and the job resumes. The coordinator's state file had each worker's counters of up
+    to a state save and a heartbeat before their death, and summary.json's samples fell
+    short of the step lines' (142,688 against 191,936). Now the new processes' counts
+    of their ranks' earlier ones are their step lines': the summary has every step's
+    samples (and at most the batch each killed process computed and never logged)."""
+    j = job(tmp_path, "train.steps=600", "faults.step_delay_s=0.002", restart_workers=True)
+    try:
+        j.start()
+        wait_for_steps(j, 0, 200)
+        for name in ("coordinator-0", "worker-0", "worker-1"):
+            child(j, name).proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_restarted"] == 2, s["failures"]
+    lines = sum(step_line_samples(j.out, r) for r in range(2))
+    assert lines <= s["samples"] <= lines + 2 * 32, (s["samples"], lines)
+
+
 @pytest.mark.processes
 def test_abort_on_worker_loss(tmp_path):
     j = job(tmp_path, "train.steps=2000", "faults.on_worker_loss=abort", "faults.step_delay_s=0.002")

@@ -11,7 +11,10 @@ A step that the shards refuse (or that diverges locally) is counted (`rejected`)
 tried again with the next batch; after `cluster.max_rejections` refusals in a row the
 worker stops with one line naming the reason and tells the coordinator, which ends the
 job. Every step is a line in DIR/events/worker-<rank>.jsonl. Cumulative counters ride
-on the heartbeats, so the coordinator's summary survives a worker that dies.
+on the heartbeats, so the coordinator's summary survives a worker that dies; a new
+process for a rank of a job under way reads the rank's step lines first, and its
+heartbeats carry what its earlier processes did (`logged`: a process that died was
+heard up to its last heartbeat).
 """
 from __future__ import annotations
 
@@ -32,12 +35,16 @@ from psgd.consistency.staleness import Histogram
 from psgd.data import load_dataset, worker_part
 from psgd.log import log
 from psgd.membership import CoordinatorLink
-from psgd.metrics import EventLog, PidFile
+from psgd.metrics import EventLog, PidFile, earlier_lives
 from psgd.models import build_model
 from psgd.optim import make_optimizer
 from psgd.replica import Replica, check_device
 from psgd.sharding import model_layout
 from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
+
+# The step lines of this job are those written since it started (`trained_s` ago; an
+# earlier job's may be in the folder): this much earlier too, for the clocks of two hosts.
+LINES_SLACK_S = 1.0
 
 
 class Jitter:
@@ -94,6 +101,7 @@ class Worker:
         self.in_a_row = 0          # of them, since the last step the shards answered
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
+        self.logged: dict = {}     # the counters of the rank's earlier processes, from their step lines
 
     # ------------------------------------------------------------ counters
     def stats(self) -> dict:
@@ -129,6 +137,8 @@ class Worker:
         self.cfg = self.cfg0.with_run(answer.get("config"))
         self.clock = int(answer.get("start_clock", 0))
         self.trained_s = float(answer.get("trained_s", 0.0))  # a restarted worker's job has trained that long
+        if self.trained_s > 0:   # a new process for a rank of a job under way: what the rank's earlier ones did
+            self.logged = earlier_lives(self.out, self.rank, time.time() - self.trained_s - LINES_SLACK_S)
         self.name = f"worker-{self.rank}"
         return self.cfg
 
@@ -150,6 +160,7 @@ class Worker:
         self.events = EventLog(self.out, "worker", self.rank)
         self.link.clock_fn = lambda: self.clock
         self.link.stats_fn = self.stats
+        self.link.fields_fn = lambda: {"logged": self.logged} if self.logged else {}
         self.link.start()
         return get_mode(cfg.mode.name).schedule(cfg)
 
@@ -251,7 +262,7 @@ class Worker:
             if error:
                 fields["error"] = error
             self.link.call("finish", rank=self.rank, nonce=self.link.nonce, clock=self.clock, stats=self.stats(),
-                           **fields)
+                           **self.link.fields_fn(), **fields)
             return True
         except Exception as e:  # the coordinator may be gone: nothing more to tell
             log(self.name, f"could not report the end to the coordinator: {e}")

@@ -39,8 +39,8 @@ from typing import Any
 
 import zmq
 
+from psgd import consistency, wire
 from psgd import layout as layouts
-from psgd import wire
 from psgd.config import Config, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
@@ -123,7 +123,8 @@ class Coordinator:
         self.out = out
         self.quiet = quiet
         self.ctx = ctx or zmq.Context.instance()
-        self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s, cfg.cluster.timeout_s)
+        self.members = Membership(cfg.cluster.workers, cfg.cluster.heartbeat_timeout_s, cfg.cluster.timeout_s,
+                                  consistency.shared_step(cfg))
         self.epoch = os.urandom(4).hex()  # this coordinator's life: with the membership version, the `live_id`
         self.address = bind_address(cfg.coordinator_address())
         self.sock = server_socket(self.ctx, self.address, cfg.security, MAX_FRAME)

@@ -217,8 +217,8 @@ def test_a_worker_that_rejoins_after_a_partition_keeps_its_own_clock(mode):
     `Worker.rejoin_if_dropped` wrote over its own, and neither schedule moved it back up
     (easgd: the shards forget its rounds on the membership change; ltfb only loads a
     model). It repeated 54 steps past its budget (a slow worker rejoining behind a fast
-    one skipped steps instead). It keeps its clock; a new process taking up a rank
-    starts at the slowest live worker's."""
+    one skipped steps instead). It keeps its clock; so does a new process taking up a
+    rank in these modes (`test_a_new_process_for_a_rank_starts_at_its_clock_...`)."""
     import types
 
     import torch
@@ -265,7 +265,39 @@ def test_a_worker_that_rejoins_after_a_partition_keeps_its_own_clock(mode):
     assert w.clock == 84, f"{mode}: the worker at clock 84 continues at clock {w.clock} after rejoining"
     c.members.members[1].last_seen -= 100        # worker 1 dies; a new process takes up its rank
     c._tick(time.monotonic())
-    assert serve("register", role="worker", want_rank=1, nonce="m1").get("start_clock") == 50
+    assert serve("register", role="worker", want_rank=1, nonce="m1").get("start_clock") == 30
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode,sync,start", [("sync", False, 50), ("ssp", False, 50), ("diloco", False, 50),
+                                             ("easgd", True, 50), ("easgd", False, 30), ("async", False, 30),
+                                             ("ltfb", False, 30)])
+def test_a_new_process_for_a_rank_starts_at_its_clock_where_the_shards_share_no_step(mode, sync, start):
+    """Worker 1 (clock 30; the others at 84 and 50) dies, and a new process takes up its
+    rank. Where the shards share a step it starts at the slowest live worker's clock (50:
+    SSP's gate counts it from there; the schedule moves it up to the shards' step). In
+    async, easgd's async rounds and ltfb each rank's clock is its budget of train.steps:
+    it started at the slowest other's too, and skipped the steps between (an easgd rank
+    killed with the coordinator trained 1,944 of its 3,000), or redid them behind a
+    slower one. It continues at its own (30; the schedule moves it on to the rank's
+    last step the shards have: async's finished clock, easgd's rounds, ltfb's deposits)."""
+    cfg = Config().replace(**{"cluster.workers": 3, "cluster.servers": 1, "cluster.port": free_port_block(3),
+                              "cluster.evaluator": False, "train.steps": 100, "mode.name": mode,
+                              "mode.sync": sync})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    for r in range(3):
+        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
+    for r, clock in ((0, 84), (1, 30), (2, 50)):
+        serve("heartbeat", role="worker", index=r, rank=r, clock=clock, stats={"samples": 32 * clock}, live_id="")
+    assert serve("register", role="worker", want_rank=1, nonce="m1").get("start_clock") == start   # not missed yet
+    c.members.members[1].last_seen -= 100        # ... or missed: the same
+    c._tick(time.monotonic())
+    assert serve("register", role="worker", want_rank=1, nonce="m2").get("start_clock") == start
 
 
 @pytest.mark.inprocess

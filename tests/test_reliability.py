@@ -266,6 +266,42 @@ def test_kill_9_the_coordinator_and_the_workers_together_counts_every_step(tmp_p
     assert lines <= s["samples"] <= lines + 2 * 32, (s["samples"], lines)
 
 
+def step_line_clocks(out: str, rank: int) -> list[int]:
+    with open(os.path.join(out, "events", f"worker-{rank}.jsonl")) as f:
+        return [d["clock"] for d in map(json.loads, f) if "step" in d]
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["async", "easgd"])
+def test_kill_9_the_coordinator_and_the_workers_together_each_rank_trains_its_steps(tmp_path, mode):
+    """async and easgd's async rounds: each rank's clock is its own budget of
+    train.steps. Killed with the coordinator and started again, a rank's new process
+    began at the slowest other live worker's clock as the coordinator last heard it,
+    and skipped the steps between (an easgd rank trained 1,944 of its 3,000) or redid
+    steps its earlier process had done. It continues after its own last step now: no
+    clock twice, and none missed but the step in flight (and, in easgd, the local steps
+    after the rank's last exchange, which died with its process)."""
+    steps, tau = 600, 4
+    j = job(tmp_path, f"mode.name={mode}", f"train.steps={steps}", f"mode.tau={tau}", "faults.step_delay_s=0.002",
+            "faults.slow_rank=1", "faults.slow_factor=3", restart_workers=True)
+    try:
+        j.start()
+        wait_for_steps(j, 0, 200)
+        for name in ("coordinator-0", "worker-0", "worker-1"):
+            child(j, name).proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_restarted"] == 2, s["failures"]
+    for r in range(2):
+        clocks = step_line_clocks(j.out, r)
+        assert len(clocks) == len(set(clocks)) and max(clocks) == steps, (r, len(clocks), len(set(clocks)))
+        missed = sorted(set(range(1, steps + 1)) - set(clocks))
+        assert len(missed) <= (tau if mode == "easgd" else 1), (r, missed[:20], len(missed))
+
+
 @pytest.mark.processes
 def test_abort_on_worker_loss(tmp_path):
     j = job(tmp_path, "train.steps=2000", "faults.on_worker_loss=abort", "faults.step_delay_s=0.002")

@@ -91,6 +91,15 @@ def data_split(cfg) -> float:
     return float(getattr(cfg.mode, key)) if key else 0.0
 
 
+def shared_step(cfg) -> bool:
+    """Do the shards keep a step (a round) that every worker moves up to: sync, ssp,
+    diloco, easgd with sync rounds? A new process taking up a lost rank starts there at
+    the slowest live worker's clock (SSP's gate counts it from there), and its schedule
+    moves it up to the shards'. In async, easgd's async rounds and ltfb each worker's
+    clock is its own budget of `train.steps`: a new process continues at its rank's."""
+    return cfg.mode.name in ("sync", "ssp", "diloco") or (cfg.mode.name == "easgd" and bool(cfg.mode.sync))
+
+
 def get(name: str) -> Mode:
     try:
         return MODES[name]

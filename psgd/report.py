@@ -150,8 +150,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines += [simulated_note(sim, rows, describe_faults(ctx.get("faults") or {}, workers) is not None), ""]
     elif mixed:
         lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
-                  f"of the same configuration, on a virtual clock (their times are virtual seconds, their cost "
-                  f"model is in each summary's `sim`); the others ran for real.", ""]
+                  f"of the same configuration, on a virtual clock (their times are virtual seconds); the others "
+                  f"ran for real. {simulated_rows_cost(rows)}", ""]
     for warning in ctx.get("warnings") or []:   # what the command warned of (psgd simulate's)
         lines += [f"**Warning:** {warning}", ""]
     sets = ctx.get("sets") or []
@@ -262,6 +262,44 @@ def _compute(sim: dict) -> str:
         return f"{sim['compute_s']:g} s per step (sim.compute_s)"
     return ("calibrated on this machine by timing the model's forward and backward on one thread: "
             + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cal.items()))
+
+
+# A simulated run's cost model in its summary's `sim` (the keys that make one; `events` is a count).
+COST_KEYS = ("compute_s", "compute_s_source", "compute_cv", "latency_s", "bandwidth_gbps", "apply_gbps", "train")
+
+
+def simulated_rows_cost(rows: list[Row]) -> str:
+    """The cost model of the simulated rows of a report that has real ones too, from each
+    run's `sim` (its summary's): a simulated time means nothing beside a real one without
+    it (a calibrated compute time, say, is the bare forward and backward). Rows of
+    different cost models (other folders, or one calibrated value per batch size) are
+    named with theirs."""
+    groups: dict[tuple, list[str]] = {}
+    for r in rows:
+        for run in r.runs if r.simulated else []:
+            m = run.get("sim")
+            if isinstance(m, dict):
+                names = groups.setdefault(tuple(m.get(k) for k in COST_KEYS), [])
+                name = f"{r.name} ({r.workers} w)"
+                if name not in names:
+                    names.append(name)
+    if not groups:
+        return "Their cost model is not recorded (no `sim` in their summaries)."
+
+    def said(key: tuple) -> str:
+        m = dict(zip(COST_KEYS, key, strict=True))
+        c = float(m["compute_s"] or 0.0)
+        compute = (f"{c:g} s per step (sim.compute_s)" if m["compute_s_source"] == "config" else
+                   f"{c * 1e3:.3f} ms per step (calibrated by timing the model's forward and backward on one "
+                   f"thread of the machine that simulated them)")
+        return (f"compute {compute}, lognormal spread cv {m['compute_cv']:g}; one-way link latency "
+                f"{m['latency_s']:g} s; {m['bandwidth_gbps']:g} Gbit/s per worker and per shard NIC; shards "
+                f"applying at {m['apply_gbps']:g} Gbit/s"
+                + ("" if m["train"] is not False else "; timing only (sim.train = false): no gradients, no scores"))
+    if len(groups) == 1:
+        return f"Their cost model: {said(next(iter(groups)))} (docs/simulation.md)."
+    return " ".join(f"Cost model of {', '.join(v[:-1]) + ' and ' if len(v) > 1 else ''}{v[-1]}: {said(k)}."
+                    for k, v in groups.items()) + " (docs/simulation.md)"
 
 
 def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:

@@ -482,6 +482,33 @@ def test_merged_report_puts_simulated_next_to_real(tmp_path):
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
+def test_merged_report_gives_the_simulated_rows_cost_model_beside_real_ones(tmp_path):
+    # beside real runs the report said only that the cost model "is in each summary's sim":
+    # a simulated row 10x faster than its real one, and nothing in the report to say why
+    assert simulate(tmp_path, "s", "--modes", "sync", "--workers", "2", *SMALL)[0] == 0
+    assert simulate(tmp_path, "t", "--modes", "async", "--workers", "2", "--set", "train.steps=30",
+                    "--set", "sim.train=false", "--set", "sim.latency_s=0.001")[0] == 0
+    real = tmp_path / "r"
+    os.makedirs(real)
+    made_up = {k: v for k, v in json.load(open(tmp_path / "s" / "compare.json"))[0].items()
+               if k not in ("simulated", "sim")}
+    json.dump([{**made_up, "samples_per_s": 900.0, "wall_s": 3.0}], open(real / "compare.json", "w"))
+    from psgd.report import main as report_main
+    assert report_main([str(tmp_path / "one"), str(real), str(tmp_path / "s")]) == 0
+    text = open(tmp_path / "one" / "report.md").read()
+    assert ("Their cost model: compute 0.002 s per step (sim.compute_s), lognormal spread cv 0.2; one-way link "
+            "latency 5e-05 s; 10 Gbit/s per worker and per shard NIC; shards applying at 20 Gbit/s") in text
+    assert report_main([str(tmp_path / "two"), str(real), str(tmp_path / "s"), str(tmp_path / "t")]) == 0
+    text = open(tmp_path / "two" / "report.md").read()
+    calibrated = json.load(open(tmp_path / "t" / "compare.json"))[0]["sim"]["compute_s"]
+    assert re.search(r"Cost model of sync \[[^]]+\] \(simulated\) \(2 w\): compute 0\.002 s per step", text)
+    assert re.search(r"Cost model of async \[[^]]+\] \(simulated\) \(2 w\): compute "
+                     + re.escape(f"{calibrated * 1e3:.3f} ms per step (calibrated"), text)
+    assert "one-way link latency 0.001 s" in text and "timing only (sim.train = false)" in text
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
 def test_simulations_of_one_setup_in_two_folders_merge_as_one_comparison(tmp_path):
     # sync simulated in one folder and async in another, same settings: each row was tagged with
     # its folder and async had no sync to be compared with, because the folders' real seconds differ

@@ -179,6 +179,11 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                  f"{rname(best, many_w)} after {secs(best_t)} s")
         elif len(dist) == 1:   # one configuration: nothing to be first among
             s = f"Time to {target:g} test accuracy: {rname(best, many_w)} after {secs(best_t)} s"
+        elif any(tie_reason(best.ttt, r.ttt) for _, r in ranked[1:]):
+            # Another time not told apart from the best's (equal: common in simulations, whose
+            # clocks are exact): the best is the shortest, not known to be first (the order says more)
+            among = ", of the configurations whose time is resolved" if unranked or lost else ""
+            s = f"Shortest time to {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
         else:
             among = ", of the configurations whose time is resolved" if unranked or lost else ""
             s = f"First to reach {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"

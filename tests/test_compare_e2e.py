@@ -55,7 +55,8 @@ def test_compare_end_to_end(tmp_path):
     assert ("First to reach" in said or "No distributed configuration reached" in said
             or "The budget is too short to rank" in said or "Time to 0.5 test accuracy" in said
             or "No distributed configuration was seen at" in said
-            or "Shortest resolved time to 0.5 test accuracy" in said), said
+            or "Shortest resolved time to 0.5 test accuracy" in said
+            or "Shortest time to 0.5 test accuracy" in said), said
     assert all(r["eval_every_s"] == 0.25 for r in runs[1:]) and "eval_every_s" not in runs[0]
     for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput.png", "staleness.png",
                  "sweep_ssp_staleness_w2.png"):

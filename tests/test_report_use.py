@@ -195,3 +195,25 @@ def test_a_score_at_0_s_is_not_drawn_on_the_log_time_axis(tmp_path, monkeypatch)
     assert drawn and all(scale == "log" for _, scale, _ in drawn)
     assert all(x > 0 for xs, _, _ in drawn[:-1] for x in xs)   # (the last line: the target's)
     assert drawn[0][2] == "wall time since training started (s) (log scale; scores at 0 s not drawn)"
+
+
+@pytest.mark.timeout(60)
+def test_a_time_shared_with_another_is_not_called_first():
+    # `psgd simulate --modes sync,async --workers 2 --set eval.every_seconds=0.1`: both first scored
+    # >= 0.9 at 0.20 virtual s, and the reading said "First to reach 0.9 test accuracy: **sync** after
+    # 0.20 s" before its order called the two equal
+    sim = {"wall": 1.3, "simulated": True, "eval_every_s": 0.1,
+           "evals": [{"t": 0.1, "samples": 100, "accuracy": 0.5, "loss": 1.0},
+                     {"t": 0.2, "samples": 200, "accuracy": 0.91, "loss": 0.3}]}
+    for results in ([run("sync", ttt=0.2, **sim), run("async", "async", ttt=0.2, **sim)],
+                    [run("sync", repeat=r, ttt=1.0) for r in range(2)]
+                    + [run("easgd", "easgd", repeat=r, ttt=1.0) for r in range(2)]
+                    + [run("async", "async", repeat=r, ttt=2.0) for r in range(2)]):
+        text = told(results)
+        assert "First to reach" not in text
+        assert "Shortest time to 0.9 test accuracy: **sync** after" in text
+        assert "(equal)" in sentence(text, "Not told apart from")
+    # told apart: first
+    text = told([run("sync", repeat=r, ttt=1.0) for r in range(2)]
+                + [run("async", "async", repeat=r, ttt=2.0) for r in range(2)])
+    assert "First to reach 0.9 test accuracy: **sync** after 1.00 s" in text

@@ -126,9 +126,14 @@ def rname(r: Row, many_w: bool) -> str:
 def _staleness_vs_accuracy(st: list[Row]) -> str:
     pts = correlation_rows(st)
     if not pts:
-        k = sum(1 for r in st if len(r.runs) >= MIN_REPEATS)
+        if not any(r.acc for r in st):   # (not for want of repeats: it said "takes at least 5 ..., and has 5")
+            return ("; no relation to final accuracy is claimed: no run of sync, ssp or async has one (no "
+                    "evaluator, or a timing-only simulation)")
+        # (the configurations correlation_rows could use: repeats, each with a final accuracy)
+        k = sum(1 for r in st if len(r.runs) >= MIN_REPEATS and len(r.acc) == len(r.runs))
         return (f"; no relation to final accuracy is claimed: that takes at least {MIN_POINTS} configurations "
-                f"of sync, ssp or async with {MIN_REPEATS} or more repeats each, and this comparison has {k}")
+                f"of sync, ssp or async with {MIN_REPEATS} or more scored repeats each, and this comparison "
+                f"has {k}")
     # Every correlation row has a measured staleness and an accuracy for each run (correlation_rows).
     pairs = [(sm, acc) for r in pts if (sm := r.staleness_mean) is not None and (acc := mean(r.acc)) is not None]
     rho = spearman([sm for sm, _ in pairs], [acc for _, acc in pairs])

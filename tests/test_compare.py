@@ -529,7 +529,7 @@ def test_no_staleness_correlation_from_a_few_single_runs():
     text = told(results)
     assert "ρ" not in text and "Spearman" not in text and "went with" not in text
     assert "no relation to final accuracy is claimed: that takes at least 5 configurations of sync, ssp or " \
-           "async with 3 or more repeats each, and this comparison has 0" in text
+           "async with 3 or more scored repeats each, and this comparison has 0" in text
     assert "**async** 2.00 (max 9) (ran once" in text  # easgd's 2.5 is another quantity
     assert "easgd's counts moves of the centre between a worker's exchanges" in text
 

@@ -217,3 +217,22 @@ def test_a_time_shared_with_another_is_not_called_first():
     text = told([run("sync", repeat=r, ttt=1.0) for r in range(2)]
                 + [run("async", "async", repeat=r, ttt=2.0) for r in range(2)])
     assert "First to reach 0.9 test accuracy: **sync** after 1.00 s" in text
+
+
+@pytest.mark.timeout(60)
+def test_no_accuracy_is_the_reason_no_staleness_relation_is_claimed():
+    # `psgd simulate --modes sync,ssp:staleness=0,1,2,async --repeats 3 --set sim.train=false`: "no relation
+    # to final accuracy is claimed: that takes at least 5 configurations of sync, ssp or async with 3 or more
+    # repeats each, and this comparison has 5"
+    plan = [("sync", "sync", 0.0), ("ssp:staleness=0", "ssp", 1.0), ("ssp:staleness=1", "ssp", 1.5),
+            ("ssp:staleness=2", "ssp", 2.0), ("async", "async", 2.5)]
+    timing = [run(label, mode, repeat=r, stal=stal, evals=[], final_accuracy=None, simulated=True)
+              for label, mode, stal in plan for r in range(3)]
+    said = sentence(told(timing), "Measured staleness")
+    assert "this comparison has" not in said
+    assert said.endswith("no relation to final accuracy is claimed: no run of sync, ssp or async has one (no "
+                         "evaluator, or a timing-only simulation).")
+    # scored, but one configuration's third repeat has no final accuracy: it is not among those counted
+    scored = [run(label, mode, repeat=r, stal=stal) for label, mode, stal in plan for r in range(3)]
+    scored[-1] = {**scored[-1], "final_accuracy": None}
+    assert "3 or more scored repeats each, and this comparison has 4." in sentence(told(scored), "Measured staleness")

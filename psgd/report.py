@@ -194,8 +194,10 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
              f"rounded up to their period, and two are told apart only beyond the coarsest, {period:g} s")
     clock = "virtual" if sim else "wall (virtual for the rows marked (simulated))" if mixed else "wall"
     timing_only = sim is not None and sim.get("train") is False
+    unscored = bool(rows) and not any(r.scored for r in rows if not r.is_baseline)
     lines.append("Time to target: none; these runs are timing only (sim.train = false): no gradients, no scores. "
                  if timing_only else
+                 "Time to target: none; no distributed run was scored (cluster.evaluator = false). " if unscored else
                  f"Time to target: {clock} time from the start of training until the global model first scored "
                  f"≥ {target:g} on the test set; distributed runs are scored every {every}. Speedup = reference "
                  f"time to target / this time (> 1: faster). ")
@@ -312,8 +314,10 @@ def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:
             return fmt(sim)
         return " and ".join(f"{fmt(m)} in the rows marked [{tag}]" for tag, m in folders)
 
+    scored = any(r.scored for r in rows)   # (training with cluster.evaluator = false scores nothing)
     train = said(("train",), lambda m: "every simulated worker computes real gradients on its own batches, so "
-                 "accuracy is real" if m.get("train", True) else
+                 + ("accuracy is real" if scored else "training is real, but no run was scored (no evaluator)")
+                 if m.get("train", True) else
                  "timing only (sim.train = false): no gradients are computed, so accuracies are absent")
     compute = said(("compute_s", "calibrated_compute_s"), _compute)
 

@@ -236,3 +236,21 @@ def test_no_accuracy_is_the_reason_no_staleness_relation_is_claimed():
     scored = [run(label, mode, repeat=r, stal=stal) for label, mode, stal in plan for r in range(3)]
     scored[-1] = {**scored[-1], "final_accuracy": None}
     assert "3 or more scored repeats each, and this comparison has 4." in sentence(told(scored), "Measured staleness")
+
+
+@pytest.mark.timeout(60)
+def test_runs_without_an_evaluator_are_not_said_to_be_scored():
+    # `psgd simulate ... --set cluster.evaluator=false`: the report said "so accuracy is real" and "distributed
+    # runs are scored every 0.5 s by the evaluator", though no run was scored
+    from psgd.report import render
+    from psgd.report_numbers import build_rows
+    unscored = [run(label, mode, evals=[], final_accuracy=None, simulated=True) for label, mode in
+                (("sync", "sync"), ("async", "async"))]
+    sim = {"train": True, "compute_s": 0.01, "compute_cv": 0.0, "latency_s": 5e-5, "bandwidth_gbps": 10,
+           "apply_gbps": 20}
+    text = render(build_rows(unscored), {**CTX, "simulated": sim}, [])
+    assert "Time to target: none; no distributed run was scored (cluster.evaluator = false)." in text, text
+    assert "scored every" not in text and "accuracy is real" not in text
+    assert "training is real, but no run was scored (no evaluator)" in text
+    scored = render(build_rows([run("sync"), run("async", "async")]), {**CTX, "simulated": sim}, [])
+    assert "distributed runs are scored every 0.5 s" in scored and "so accuracy is real" in scored

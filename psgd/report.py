@@ -147,7 +147,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                     if isinstance(m.get("cpus"), int) and isinstance(ctx.get("servers"), int) and not sim else ""))
     lines.append("")
     if sim:
-        lines += [simulated_note(sim, rows, describe_faults(ctx.get("faults") or {}, workers) is not None), ""]
+        lines += [simulated_note(sim, rows, describe_faults(ctx.get("faults") or {}, workers) is not None
+                                 or bool(item_fault_lines(rows, ctx.get("faults") or {}, False))), ""]
     elif mixed:
         lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
                   f"of the same configuration, on a virtual clock (their times are virtual seconds); the others "
@@ -168,6 +169,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     faults = describe_faults(ctx.get("faults") or {}, workers, any(r.is_baseline and r.runs for r in rows))
     if faults:
         said.append(f"**Injected fault:** {faults}.")
+    said += item_fault_lines(rows, ctx.get("faults") or {}, bool(faults))
     if said:
         lines += [*said, ""]
     b = ctx.get("baseline")
@@ -234,6 +236,28 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     elif plt_or_none() is None:
         lines += ["(No plots: matplotlib is not installed; `pip install 'psgd[plots]'`.)", ""]
     return "\n".join(lines)
+
+
+def item_fault_lines(rows: list[Row], common: dict, stated: bool) -> list[str]:
+    """A line per configuration whose mode item sets faults.* keys (`sync:faults.step_delay_s=0.1`):
+    all the faults its runs had, the item's values in place of `common`'s (the faults of every
+    run, from --set or the config, stated before when `stated`). The baseline runs none of an
+    item's."""
+    out, seen = [], set()
+    for r in rows:
+        own = {str(k)[len("faults."):]: v for k, v in r.params.items() if str(k).startswith("faults.")}
+        if r.is_baseline or not own or r.label in seen:
+            continue
+        seen.add(r.label)
+        desc = describe_faults({**common, **own}, sorted({x.workers for x in rows if x.label == r.label}), False)
+        if desc:
+            out.append(f"**Injected fault in {r.name}:** {desc}" + (" (its item's faults.* in place of those of "
+                                                                    "every run)." if stated else "."))
+        else:
+            sets = " ".join(f"faults.{k}={v}" for k, v in own.items())
+            out.append(f"**No injected fault in {r.name}:** its item sets {sets}"
+                       + (", in place of those of every run." if stated else "."))
+    return out
 
 
 def failed_run(r: Row, e: dict) -> str:

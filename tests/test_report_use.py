@@ -254,3 +254,27 @@ def test_runs_without_an_evaluator_are_not_said_to_be_scored():
     assert "training is real, but no run was scored (no evaluator)" in text
     scored = render(build_rows([run("sync"), run("async", "async")]), {**CTX, "simulated": sim}, [])
     assert "distributed runs are scored every 0.5 s" in scored and "so accuracy is real" in scored
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_that_a_mode_item_sets_is_stated_for_its_rows():
+    # `--modes sync:faults.step_delay_s=0.01,async`: the report had no "Injected fault" line
+    # (only --set or the config's faults made one); the fault showed only in the row's label
+    from psgd.report import build_rows, render
+    delayed = run("sync:faults.step_delay_s=0.01", params={"faults.step_delay_s": 0.01})
+    faults = {"slow_rank": -1, "slow_factor": 1.0, "step_delay_s": 0.0, "jitter_prob": 0.0, "jitter_s": 0.0}
+    text = render(build_rows([delayed, run("async", "async")]), {**CTX, "faults": faults}, [])
+    assert ("**Injected fault in sync:faults.step_delay_s=0.01:** every step of every worker is delayed by 0.01 s "
+            "(a slow link).") in text
+    assert "**Injected fault:**" not in text and "async:" not in text
+    # with a fault for every run too: the item's line gives all its run had, the item's value in place
+    straggler = {**faults, "slow_rank": 1, "slow_factor": 2.0, "step_delay_s": 0.05}
+    text = render(build_rows([delayed, run("async", "async")]), {**CTX, "faults": straggler}, [])
+    assert "**Injected fault:** worker rank 1 is an injected straggler" in text
+    line = sentence(text, "**Injected fault in sync")
+    assert "worker rank 1 is an injected straggler" in line and "delayed by 0.01 s" in line
+    assert "0.05" not in line and "baseline" not in line
+    # an item that turns the fault off says so
+    off = run("sync:faults.step_delay_s=0", params={"faults.step_delay_s": 0.0})
+    text = render(build_rows([off]), {**CTX, "faults": {**faults, "step_delay_s": 0.05}}, [])
+    assert "**No injected fault in sync:faults.step_delay_s=0:**" in text

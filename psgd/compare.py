@@ -8,7 +8,8 @@
 (`mode:key=value`, several as `mode:k1=v1:k2=v2`). A list of values for the last key
 sweeps it: `ssp:staleness=0,1,2,4,8` is five runs. Because commas also separate modes,
 an item without ':' that is not a mode name (and has no '=') is one more value of the
-previous item's last key: `sync,ssp:staleness=0,2,async` is sync, ssp s=0, ssp s=2, async.
+previous item's last key: `sync,ssp:staleness=0,2,async` is sync, ssp s=0, ssp s=2, async;
+such a value close to a mode's name (`job.name=a,asnyc`) is refused as a misspelled mode.
 
 Every configuration (mode x parameters x worker count) runs with the same model, data,
 optimizer and budget via the local launcher, each in DIR/runs/<name>/ (its own events,
@@ -296,11 +297,28 @@ def _sweeps_topk(spec: ModeSpec, specs: list[ModeSpec]) -> bool:
 def _misspelled_mode(spec: ModeSpec, specs: list[ModeSpec]) -> str:
     """A hint for a swept value that was refused and is close to a mode's name: a misspelled
     mode after a value list (`easgd:tau=4,ltbf`) is read as one more value of that list."""
+    said = _read_as_a_value(spec, specs)
+    return f" ({said})" if said else ""
+
+
+def _read_as_a_value(spec: ModeSpec, specs: list[ModeSpec]) -> str:
+    """'...so it was read as one more value: if it is a mode, did you mean ltfb?' for a
+    swept value after the list's first that is close to a mode's name, else ''."""
     k, value = specs.index(spec), spec.sweep_value
     later = k > 0 and (specs[k - 1].mode, specs[k - 1].sweep) == (spec.mode, spec.sweep)   # not the list's first
     close = difflib.get_close_matches(value, MODES, n=1) if later and spec.sweep and isinstance(value, str) else []
-    return (f" ({value!r} came after a value of {spec.sweep}, so it was read as one more value: if it is a mode, "
-            f"did you mean {close[0]}?)") if close else ""
+    return (f"{value!r} came after a value of {spec.sweep}, so it was read as one more value: if it is a mode, "
+            f"did you mean {close[0]}?") if close else ""
+
+
+def _takes_any_text(base: Config, key: str) -> bool:
+    """Whether config key `key` takes any text (job.name, checkpoint.dir), not one of a few
+    choices (optimizer.name=sgd is one, though close to easgd's name)."""
+    try:
+        base.replace(**{key: "psgd-no-choice-of-any-key"})
+    except ConfigError:
+        return False
+    return isinstance(getattr(getattr(base, key.partition(".")[0]), key.partition(".")[2]), str)
 
 
 def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats: int,
@@ -327,6 +345,12 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 except ConfigError as e:
                     hint = _misspelled_mode(spec, specs)
                     raise ConfigError(f"--modes {spec.label} with {w} workers: {e}{hint}") from None
+                if spec.sweep and _takes_any_text(base, config_key(spec.sweep)):
+                    # (refused as a value of a key of choices or numbers is: sync:job.name=a,asnyc)
+                    said = _read_as_a_value(spec, specs)
+                    if said:
+                        raise ConfigError(f"--modes {spec.label}: {said} If it is a value of {spec.sweep}, give it "
+                                          f"first in the list")
                 params = dict(spec.params)
                 if "wire.topk_fraction" in params and cfg.wire.compression != "topk" and not _sweeps_topk(spec, specs):
                     raise ConfigError(f"--modes {spec.label}: wire.topk_fraction is the share a topk push sends, and "

@@ -205,6 +205,20 @@ def test_a_misspelled_mode_after_a_value_list_is_named_as_such():
 
 
 @pytest.mark.timeout(30)
+def test_a_misspelled_mode_after_a_list_of_any_text_is_refused_as_one_after_a_list_of_numbers_is():
+    # 'sync:job.name=a,asnyc' ran job.name=asnyc without a word (job.name takes any text), where
+    # 'easgd:tau=4,ltbf' is refused naming ltfb
+    base = load(None, [], env={})
+    for modes, meant in (("sync:job.name=a,asnyc", "async"), ("sync:checkpoint.dir=/tmp/a,ltbf", "ltfb")):
+        with pytest.raises(ConfigError, match=f"read as one more value: if it is a mode, did you mean {meant}") as e:
+            build_plan(base, parse_modes(modes), [2], 1)
+        assert "give it first" in str(e.value)
+    # as the list's first value it is a value; and a key of a few choices takes a choice close to a mode's name
+    for modes in ("sync:job.name=asnyc,a", "sync:optimizer.name=adam,sgd", "sync:job.name=a,b,async"):
+        assert build_plan(base, parse_modes(modes), [2], 1)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("modes", ["ssp:staleness=1,1.0", "sync:job.name=a b,a_b"])
 def test_two_items_of_one_run_are_refused_before_either_replaces_the_other(modes):
     """A review: two --modes items that make the same folder (the same configuration

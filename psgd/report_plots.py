@@ -231,7 +231,9 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
     if not numeric:
         ax.set_xticks(pos)
         ax.set_xticklabels([str(x) for x in xs])
-    ax.set_title(title + _unplotted(xs, rows, period, target), fontsize=9)
+    # (wrapped: the reasons a value has no time run past the figure's edges on one line)
+    ax.set_title("\n".join(textwrap.fill(line, 72) for line in (title + _unplotted(xs, rows, period, target))
+                           .split("\n")), fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)

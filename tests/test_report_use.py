@@ -278,3 +278,37 @@ def test_a_fault_that_a_mode_item_sets_is_stated_for_its_rows():
     off = run("sync:faults.step_delay_s=0", params={"faults.step_delay_s": 0.0})
     text = render(build_rows([off]), {**CTX, "faults": {**faults, "step_delay_s": 0.05}}, [])
     assert "**No injected fault in sync:faults.step_delay_s=0:**" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_plots_title_fits_its_figure(tmp_path, monkeypatch):
+    # `psgd compare --modes sync:wire.compression=none,onebit,topk --repeats 2` with a short budget:
+    # the sweep plot's second title line ("(none: 1/2 reached; onebit: not seen ≥ 0.9 in at most 1
+    # score during training, 2 of 2 repeats; topk: ...)") ran past both edges of the figure, cut
+    matplotlib = pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib.figure")
+    from psgd.report import write_report
+    from psgd.report_plots import plt_or_none
+    plt_or_none()
+    titles: list[tuple[str, bool]] = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(self, *a, **k):
+        savefig(self, *a, **k)
+        renderer = self.canvas.get_renderer()
+        for ax in self.axes:
+            box = ax.title.get_window_extent(renderer)
+            titles.append((ax.title.get_text(), box.x0 >= 0 and box.x1 <= self.bbox.width))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+
+    def scored_once(label, value, repeat, ttt=None):
+        evals = [{"t": 0.3, "samples": 600, "accuracy": 0.5 if ttt is None else 0.92, "loss": 1.0},
+                 {"t": 0.5, "samples": 1280, "accuracy": 0.8, "loss": 0.6}]
+        return run(label, params={"wire.compression": value}, sweep="wire.compression", repeat=repeat, wall=0.4,
+                   ttt=ttt, acc=0.8, evals=evals)
+    res = [scored_once(f"sync:wire.compression={v}", v, i, ttt=0.3 if (v, i) == ("none", 0) else None)
+           for v in ("none", "onebit", "topk") for i in range(2)]
+    write_report(str(tmp_path), res, CTX)
+    sweep = [(t, fits) for t, fits in titles if t.startswith("sync: wire.compression sweep")]
+    assert sweep and "onebit, topk: not seen ≥ 0.9 in 1 score during" in sweep[0][0], titles
+    assert all(fits for _, fits in titles), titles

@@ -423,9 +423,9 @@ def _repeat_note(rows: list[Row]) -> list[str]:
         return ["Every configuration ran once: no run-to-run spread was measured, so the values below are "
                 "stated but not ranked against each other (two runs of one configuration can differ by more than "
                 "configurations do); use --repeats 3 or more to rank them."]
-    it = "it" if len(once) == 1 else "them"
-    return [f"{names(once)}: a single successful run, so no run-to-run spread was measured for {it}: {it} "
-            f"{'is' if len(once) == 1 else 'are'} ranked only against configurations whose repeats measured one, "
+    it, they = ("it", "it is") if len(once) == 1 else ("them", "they are")
+    return [f"{names(once)}: a single successful run, so no run-to-run spread was measured for {it}: {they} "
+            f"ranked only against configurations whose repeats measured one, "
             f"by that spread" + (", and not against each other" if len(once) > 1 else "") + "."]
 
 

@@ -312,3 +312,15 @@ def test_a_sweep_plots_title_fits_its_figure(tmp_path, monkeypatch):
     sweep = [(t, fits) for t, fits in titles if t.startswith("sync: wire.compression sweep")]
     assert sweep and "onebit, topk: not seen ≥ 0.9 in 1 score during" in sweep[0][0], titles
     assert all(fits for _, fits in titles), titles
+
+
+@pytest.mark.timeout(60)
+def test_the_note_on_configurations_run_once_is_grammatical():
+    # merging a --repeats 2 folder with a folder of single runs: "...no run-to-run spread was
+    # measured for them: them are ranked only against configurations whose repeats measured one"
+    res = [run("sync", repeat=i) for i in range(2)] + [run("async", "async"), run("ssp", "ssp")]
+    assert sentence(told(res), "a single successful run") == (
+        "async (2 w), ssp (2 w): a single successful run, so no run-to-run spread was measured for them: they "
+        "are ranked only against configurations whose repeats measured one, by that spread, and not against each "
+        "other.")
+    assert "measured for it: it is ranked only" in sentence(told(res[:3]), "a single successful run")

@@ -218,8 +218,8 @@ def time_status(r: Row, period: float | None, target: float | None = None) -> st
 def _one_time(r: Row, period: float | None, target: float | None = None) -> str:
     """One sweep point's time to target, saying how many repeats reached it (time_status)."""
     why = time_status(r, period, target)
-    if not r.scored or not r.ttt:
-        return why
+    if not r.scored or not r.ttt:   # (one with its own commas in brackets: the sentence lists the values by commas)
+        return f"({why})" if "," in why else why
     return f"{secs(mean(r.ttt) or 0.0)} s" + (f" ({why})" if why else "")
 
 

@@ -280,6 +280,18 @@ def test_a_fault_that_a_mode_item_sets_is_stated_for_its_rows():
     assert "**No injected fault in sync:faults.step_delay_s=0:**" in text
 
 
+def short_compression_sweep() -> list[dict]:
+    """sync:wire.compression=none,onebit,topk, 2 repeats, scored once during training: only
+    none's first repeat reached 0.9."""
+    def scored_once(value, repeat, ttt=None):
+        evals = [{"t": 0.3, "samples": 600, "accuracy": 0.5 if ttt is None else 0.92, "loss": 1.0},
+                 {"t": 0.5, "samples": 1280, "accuracy": 0.8, "loss": 0.6}]
+        return run(f"sync:wire.compression={value}", params={"wire.compression": value}, sweep="wire.compression",
+                   repeat=repeat, wall=0.4, ttt=ttt, acc=0.8, evals=evals)
+    return [scored_once(v, i, ttt=0.3 if (v, i) == ("none", 0) else None)
+            for v in ("none", "onebit", "topk") for i in range(2)]
+
+
 @pytest.mark.timeout(120)
 def test_a_sweep_plots_title_fits_its_figure(tmp_path, monkeypatch):
     # `psgd compare --modes sync:wire.compression=none,onebit,topk --repeats 2` with a short budget:
@@ -301,14 +313,7 @@ def test_a_sweep_plots_title_fits_its_figure(tmp_path, monkeypatch):
             titles.append((ax.title.get_text(), box.x0 >= 0 and box.x1 <= self.bbox.width))
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
 
-    def scored_once(label, value, repeat, ttt=None):
-        evals = [{"t": 0.3, "samples": 600, "accuracy": 0.5 if ttt is None else 0.92, "loss": 1.0},
-                 {"t": 0.5, "samples": 1280, "accuracy": 0.8, "loss": 0.6}]
-        return run(label, params={"wire.compression": value}, sweep="wire.compression", repeat=repeat, wall=0.4,
-                   ttt=ttt, acc=0.8, evals=evals)
-    res = [scored_once(f"sync:wire.compression={v}", v, i, ttt=0.3 if (v, i) == ("none", 0) else None)
-           for v in ("none", "onebit", "topk") for i in range(2)]
-    write_report(str(tmp_path), res, CTX)
+    write_report(str(tmp_path), short_compression_sweep(), CTX)
     sweep = [(t, fits) for t, fits in titles if t.startswith("sync: wire.compression sweep")]
     assert sweep and "onebit, topk: not seen ≥ 0.9 in 1 score during" in sweep[0][0], titles
     assert all(fits for _, fits in titles), titles
@@ -324,3 +329,13 @@ def test_the_note_on_configurations_run_once_is_grammatical():
         "are ranked only against configurations whose repeats measured one, by that spread, and not against each "
         "other.")
     assert "measured for it: it is ranked only" in sentence(told(res[:3]), "a single successful run")
+
+
+@pytest.mark.timeout(60)
+def test_a_sweeps_times_to_target_are_as_many_as_its_values():
+    # the sweep sentence of --modes sync:wire.compression=none,onebit,topk read "time to target 0.61 s
+    # (1/2 reached), not seen ≥ 0.9 in 1 score during training, 2 of 2 repeats, not seen ≥ 0.9 in 1
+    # score during training, 2 of 2 repeats": five items, by its commas, for three values
+    line = sentence(told(short_compression_sweep()), "Sweep of sync wire.compression")
+    assert ("time to target 0.30 s (1/2 reached), (not seen ≥ 0.9 in 1 score during training, 2 of 2 repeats), "
+            "(not seen ≥ 0.9 in 1 score during training, 2 of 2 repeats);") in line

@@ -42,7 +42,8 @@ The shards learn the model from the workers: its layout (names, shapes, dtypes) 
 the workers register, rank 0's initial values when it connects (psgd/layout.py), so the
 servers never import the script. Frozen parameters and integer buffers are not sent:
 every worker must build them alike (the layout carries their fingerprint; a worker whose
-differ is refused). A model with no trainable parameter is a ConfigError. On `close()`,
+differ is refused). A model with no trainable parameter, a lazy layer not yet initialized
+or a complex trainable parameter is a ConfigError. On `close()`,
 rank 0 waits for the other workers to finish (while they are live, however long),
 loads the job's final global model into its `model` and saves it as
 DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
@@ -188,6 +189,23 @@ def _argument_problem(model: Any, score: Any, config: Any, rank: Any) -> str:
     return ""
 
 
+def _model_problem(model: nn.Module) -> str:
+    """Why psgd cannot train `model`, or '': checked before registering, instead of
+    torch's error from inside psgd (a lazy module's shape, a complex table's cast)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return ("the model has no trainable parameters (none with requires_grad=True): psgd trains a model's "
+                "trainable parameters; unfreeze some before connecting")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if nn.parameter.is_lazy(t):
+            return (f"{name} is not initialized yet (a lazy module: nn.LazyLinear, ...): run one forward pass "
+                    f"on a batch before psgd.connect, so that the model has its shapes")
+    for name, p in model.named_parameters():
+        if p.requires_grad and not p.is_floating_point():
+            return (f"{name} is a trainable {str(p.dtype).removeprefix('torch.')} parameter: psgd trains real "
+                    f"floating-point parameters (float32, float16, bfloat16, float64)")
+    return ""
+
+
 class Connection(Worker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
@@ -209,9 +227,9 @@ class Connection(Worker):
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress
             open(env["PSGD_STARTED_FILE"], "w").close()
         end_with_launcher()  # started by psgd run --script: it ends when psgd run does
-        if not any(p.requires_grad for p in model.parameters()):  # before registering: the others are not held up
-            raise ConfigError("psgd.connect: the model has no trainable parameters (none with requires_grad=True): "
-                              "psgd trains a model's trainable parameters; unfreeze some before connecting")
+        problem = _model_problem(model)   # before registering: the others are not held up
+        if problem:
+            raise ConfigError(f"psgd.connect: {problem}")
         self.user_optimizer = optimizer
         self.score_fn = score
         self.closed = False

@@ -5,7 +5,8 @@ running a training loop of their own, the shards learn the model from them.
 - sync: every rank ends with the same model, which is the shards' and DIR/model.pt's;
 - the script's own optimizer keeps its learning rate in the local-optimizer modes;
 - ltfb without `score` is a clear error; `step()` or `report()` after `close()` is one too;
-  so are `step()` without gradients, a model with nothing to train, a rank outside the
+  so are `step()` without gradients, a model with nothing to train (or a lazy or complex
+  parameter), a rank outside the
   job (a negative one too), a `samples` that is not a count, a refused connect and a
   `report()` after the job ended, a model changed after connect; `sys.exit(0)` in `with` is not; a count given as a
   tensor or a numpy integer is counted as its int;
@@ -207,6 +208,29 @@ def test_a_model_with_nothing_to_train_is_a_clear_error_before_registering(port_
     cfg = config(port_block, "sync", workers=1, **{"cluster.timeout_s": 2})   # no cluster: it must not register
     with pytest.raises(ConfigError, match="no trainable parameters"):
         psgd.connect(model, config=cfg, rank=0)
+
+
+class Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 3, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (x.cfloat() @ self.w).abs()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("model, said", [
+    (lambda: nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 3)), r"0.weight is not initialized yet \(a lazy module"),
+    (Complex, r"w is a trainable complex64 parameter: psgd trains real floating-point parameters"),
+], ids=["lazy", "complex"])
+def test_a_model_psgd_cannot_hold_is_a_clear_error_before_registering(port_block, model, said):
+    """A user's run: a model with a lazy layer failed at connect with torch's "Attempted to
+    use an uninitialized parameter" from inside psgd's layout, and a complex parameter with
+    "worker 0 could not start: torch.cat(): input types can't be cast to ... Float"."""
+    cfg = config(port_block, "sync", workers=1, **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    with pytest.raises(ConfigError, match="psgd.connect: " + said):
+        psgd.connect(model(), config=cfg, rank=0)
 
 
 @pytest.mark.timeout(60)

@@ -19,8 +19,8 @@ rank to ask for from `rank` or $PSGD_RANK (default: the next free one). `psgd ru
 
 What `step()` does is the mode's worker schedule (psgd/consistency/), the same one
 `psgd worker` runs, with the script's backward pass as its compute:
-- sync, ssp, async: push the gradients in the model's `.grad`, pull the next model into
-  the model's parameters. The shards run `[optimizer]`; `optimizer` may be None (one
+- sync, ssp, async: push the gradients in the model's `.grad` (a sparse one as dense),
+  pull the next model into the model's parameters. The shards run `[optimizer]`; `optimizer` may be None (one
   given is not stepped).
 - easgd, diloco, ltfb: step `optimizer` locally (psgd's `[optimizer]` when None; the
   script's own keeps its learning rate, psgd's lr schedule does not touch it) and

@@ -130,8 +130,10 @@ class Replica:
 
     @torch.no_grad()
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
-        """(zeros where a trainable parameter got no gradient)"""
-        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in self.trainable.items()}
+        """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
+        made dense: the tables are)"""
+        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad if p.grad.layout == torch.strided
+                 else p.grad.to_dense() for n, p in self.trainable.items()}
         return self._tables(grads, "params", f"g{slot}")
 
     @torch.no_grad()

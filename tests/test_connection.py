@@ -864,3 +864,49 @@ def test_a_model_changed_in_place_after_connect_trains(port_block):
                 nn.init.zeros_(model.b.bias)
                 model.a.weight.mul_(0.5)
             train(ps, model, None)
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.e = nn.Embedding(10, 6, sparse=True)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, i):
+        return self.b(self.e(i))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["sync", "async", "easgd", "ltfb"])
+def test_a_model_with_sparse_gradients_trains(port_block, mode):
+    """A user's run: an nn.Embedding(sparse=True) ended the job at the first step with
+    "RuntimeError: reshape is not implemented for sparse tensors" from inside psgd's
+    gather of the gradients (ltfb's trainer of two: its group mean written into them)."""
+    cfg = config(port_block, mode, **{"mode.trainer_size": 2})
+    models = [Bag() for _ in range(2)]
+    start = models[0].e.weight.detach().clone()
+    errors: list = []
+
+    def worker(rank: int) -> None:
+        try:
+            model = models[rank]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with psgd.connect(model, opt, config=cfg, rank=rank, score=lambda m: 0.5) as ps:
+                while True:
+                    opt.zero_grad()
+                    i = torch.randint(0, 10, (16,))
+                    nn.functional.cross_entropy(model(i), i % 3).backward()
+                    if not ps.step():
+                        break
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    with InProcessCluster(cfg):
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    assert not torch.equal(models[0].e.weight, start)

@@ -421,8 +421,8 @@ class LtfbSchedule(Schedule):
             w.note(f"behind trainer {self.trainer}'s step at clock {w.clock}; continuing at its step")
             w.clock = max(w.clock, max(int(m.get("step", 0)) for m in pulled))
             return False, dropped
-        for p in w.replica.model.parameters():
-            if p.requires_grad and p.grad is None:
+        for p in w.replica.model.parameters():   # (the mean is written over every one: dense, as the tables)
+            if p.requires_grad and (p.grad is None or p.grad.layout != torch.strided):
                 p.grad = torch.zeros_like(p)
         grads = model_grads(w.replica.model)
         for i, m in enumerate(pulled):

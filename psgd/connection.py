@@ -60,6 +60,7 @@ import math
 import operator
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -206,6 +207,24 @@ def _model_problem(model: nn.Module) -> str:
     return ""
 
 
+_OPEN: weakref.WeakSet[Connection] = weakref.WeakSet()   # this process's connections, until they end
+
+
+def _connected_already(address: str, model: nn.Module, rank: int) -> str:
+    """Why this process may not connect `model` as `rank` (-1: any) to the job at `address`,
+    or '': a second connect of the same model, or for a rank this process holds, would
+    register as another process taking that rank over, and the first connection was told
+    so and stopped, with "rank R was taken over by another process"."""
+    for c in list(_OPEN):
+        if c.closed or c.link.address != address:
+            continue
+        if c.replica.model is model or c.rank == rank:
+            what = "this model" if c.replica.model is model else f"rank {rank}"
+            return (f"psgd.connect: {what} is connected to this job already (rank {c.rank}, by an earlier "
+                    f"psgd.connect in this process): use that connection, or close() it first")
+    return ""
+
+
 class Connection(Worker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
@@ -221,6 +240,9 @@ class Connection(Worker):
             raise ConfigError(f"rank {want} ({'rank=' if rank is not None else 'PSGD_RANK='}{want}) is not a worker "
                               f"rank of this job: 0..{cfg.cluster.workers - 1} (cluster.workers = "
                               f"{cfg.cluster.workers})")
+        problem = _connected_already(cfg.coordinator_address(), model, want)
+        if problem:
+            raise ConfigError(problem)
         out = out or env.get("PSGD_OUT")
         adopt_folder_token(out)   # a script started by hand into a psgd run job's folder: that job's token
         super().__init__(cfg, out, want_rank=want)
@@ -263,6 +285,7 @@ class Connection(Worker):
             self._end(f"worker {self.rank} could not start: {e}")
             raise
         self._computed_at = time.perf_counter()
+        _OPEN.add(self)
 
     def _check(self, cfg: Config, model: nn.Module) -> None:
         problem = ""

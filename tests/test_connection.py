@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -388,10 +389,12 @@ def test_a_script_started_by_hand_into_a_psgd_run_jobs_folder_joins_with_its_tok
 
 
 @pytest.mark.timeout(60)
-def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port_block):
+def test_a_refused_connect_and_a_report_after_the_job_ended_raise_job_error(port_block, monkeypatch):
     cfg = config(port_block, "async", workers=1)
     with InProcessCluster(cfg) as cluster:
         ps = psgd.connect(Net(0), config=cfg, rank=0)
+        # the second connect as another process's (this process's own is refused before it registers)
+        monkeypatch.setattr(psgd.connection, "_OPEN", weakref.WeakSet())
         with pytest.raises(psgd.JobError, match="psgd.connect: this worker's model differs from the job's"):
             psgd.connect(nn.Linear(6, 3), config=cfg, rank=0)   # the coordinator refuses it
         cluster.coordinator.abort = "stopped by the test"
@@ -910,3 +913,22 @@ def test_a_model_with_sparse_gradients_trains(port_block, mode):
             t.join(timeout=60)
     assert not errors, errors
     assert not torch.equal(models[0].e.weight, start)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("again", ["same-model", "same-rank"])
+def test_a_second_connect_in_one_process_is_a_config_error_and_the_first_trains_on(port_block, tmp_path, again):
+    """A user's run: a script that called psgd.connect a second time (the same model, or
+    the rank it held) registered as another process taking its rank over; the first
+    connection was stopped with "rank 0 was taken over by another process" and the job
+    failed with "1 worker was lost"."""
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg):
+        model = Net(0)
+        with psgd.connect(model, config=cfg, out=str(tmp_path), rank=0) as ps:
+            with pytest.raises(ConfigError, match=r"psgd.connect: (this model|rank 0) is connected to this job "
+                                                  r"already \(rank 0"):
+                psgd.connect(model if again == "same-model" else Net(0), config=cfg,
+                             rank=None if again == "same-model" else 0)
+            train(ps, model, None)
+    assert (tmp_path / "model.pt").exists()

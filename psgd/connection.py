@@ -175,7 +175,7 @@ def _rank_from_env(text: str) -> int:
     return rank
 
 
-def _argument_problem(model: Any, score: Any, config: Any, rank: Any) -> str:
+def _argument_problem(model: Any, score: Any, config: Any, rank: Any, out: Any) -> str:
     """Why connect's arguments are not what it takes (a type), or '': checked before
     anything is sent, instead of an AttributeError or TypeError from inside psgd."""
     if not isinstance(model, nn.Module):
@@ -185,6 +185,8 @@ def _argument_problem(model: Any, score: Any, config: Any, rank: Any) -> str:
         return f"psgd.connect(score=...) must be a function of the model, not {_described(score)}"
     if config is not None and not isinstance(config, (str, os.PathLike, Config)):
         return f"psgd.connect(config=...) must be a config file's path or a psgd Config, not {type(config).__name__}"
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        return f"psgd.connect(out=...) must be the job's output folder (a path), not {type(out).__name__}"
     if rank is not None and (isinstance(rank, bool) or not hasattr(type(rank), "__index__")):
         return f"psgd.connect(rank=...) must be a worker rank (an integer: 0, 1, ...), not {rank!r:.60}"
     return ""
@@ -229,7 +231,7 @@ class Connection(Worker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
                  out: str | None = None, rank: int | None = None):
-        problem = _argument_problem(model, score, config, rank)
+        problem = _argument_problem(model, score, config, rank, out)
         if problem:
             raise ConfigError(problem)
         rank = None if rank is None else operator.index(rank)   # (a numpy integer: sent as an int)

@@ -765,12 +765,12 @@ def test_an_ltfb_score_function_that_raises_ends_the_job_with_its_reason(port_bl
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["swapped", "parameters", "score", "rank", "config"])
+@pytest.mark.parametrize("case", ["swapped", "parameters", "score", "rank", "config", "out"])
 def test_connect_arguments_of_the_wrong_type_are_a_config_error_naming_them(port_block, case):
     """A user's run: psgd.connect(optimizer, model) (or model.parameters(), a state_dict)
     raised AttributeError "'SGD' object has no attribute 'parameters'", rank="0" a
     TypeError from a comparison, config={...} os.fspath's TypeError; a score that is not
-    a function was taken, to fail at the first ltfb tournament."""
+    a function was taken, to fail at the first ltfb tournament; out=123 os.fspath's TypeError."""
     cfg = config(port_block, "ltfb", workers=1)
     model = Net(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -780,6 +780,7 @@ def test_connect_arguments_of_the_wrong_type_are_a_config_error_naming_them(port
         "score": ((model, opt), {"score": 0.5}, r"score=\.\.\.\) must be a function of the model, not 0.5"),
         "rank": ((model, opt), {"rank": "0"}, r"rank=\.\.\.\) must be a worker rank .*not '0'"),
         "config": ((model, opt), {"config": {"mode": "sync"}}, r"config=\.\.\.\) must be a config file's path"),
+        "out": ((model, opt), {"out": 123}, r"out=\.\.\.\) must be the job's output folder \(a path\), not int"),
     }[case]
     with pytest.raises(ConfigError, match=said):
         psgd.connect(*args, **{"config": cfg, "rank": 0, "score": lambda m: 0.5, **kwargs})

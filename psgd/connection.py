@@ -51,7 +51,9 @@ DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
 is a `JobError` too). A worker that fails (too many refused steps, shards
 unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) and a
 `report()` after the job ended; an exception inside `with` ends the job with its reason
-(`sys.exit()` or `sys.exit(0)` there is a clean end).
+(`sys.exit()` or `sys.exit(0)` there is a clean end), and so does one that the script
+does not catch while a connection is open without `with` (`sys.excepthook`, unless the
+script set its own).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ import inspect
 import math
 import operator
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -212,6 +215,20 @@ def _model_problem(model: nn.Module) -> str:
 _OPEN: weakref.WeakSet[Connection] = weakref.WeakSet()   # this process's connections, until they end
 
 
+def _end_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """sys.excepthook while a connection is open: a script that raises outside `with`
+    (the README's first example closes by hand) ends the job with its reason, as `with`
+    does, instead of leaving the other workers to train on until the job's end while the
+    coordinator waits out its heartbeats. The traceback is printed first."""
+    sys.__excepthook__(kind, value, tb)
+    for c in list(_OPEN):
+        if not c.closed:
+            try:
+                c.close(c._raised(value))
+            except Exception as e:  # (the job may be gone already: nothing more to tell)
+                log(f"worker-{c.rank}", f"could not end the job: {type(e).__name__}: {e}")
+
+
 def _connected_already(address: str, model: nn.Module, rank: int) -> str:
     """Why this process may not connect `model` as `rank` (-1: any) to the job at `address`,
     or '': a second connect of the same model, or for a rank this process holds, would
@@ -288,6 +305,8 @@ class Connection(Worker):
             raise
         self._computed_at = time.perf_counter()
         _OPEN.add(self)
+        if sys.excepthook is sys.__excepthook__:   # (not over a hook the script or a debugger set)
+            sys.excepthook = _end_on_uncaught
 
     def _check(self, cfg: Config, model: nn.Module) -> None:
         problem = ""

@@ -127,6 +127,31 @@ def test_a_script_that_raises_ends_the_job_with_its_reason(tmp_path):
         run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 1000})
 
 
+SCRIPT_RAISES_WITHOUT_WITH = """
+import os, torch, psgd
+model = torch.nn.Linear(4, 2)
+ps = psgd.connect(model)
+for i in range(10 ** 6):
+    model(torch.randn(8, 4)).sum().backward()
+    if not ps.step():
+        break
+    if i == 5 and os.environ["PSGD_RANK"] == "1":
+        raise ValueError("the data ran dry")
+ps.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_raises_outside_with_ends_the_job_with_its_reason(tmp_path):
+    """A helper's review: as the README's first example does (no `with`), a rank that raised
+    left the job until the end of the other's train.steps (this one: 10**6 steps)."""
+    path = tmp_path / "raises.py"
+    path.write_text(SCRIPT_RAISES_WITHOUT_WITH)
+    with pytest.raises(LaunchError, match="worker 1's training script raised ValueError: the data ran dry"):
+        run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 10 ** 6})
+    assert "Traceback" in (tmp_path / "out" / "logs" / "worker-1.log").read_text()
+
+
 SCRIPT_RANK1_FAILS_FIRST = """
 import os, sys, time, torch, psgd
 from torch import nn

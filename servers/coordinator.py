@@ -511,6 +511,7 @@ class Coordinator:
             self.server_seen = {i: min(t + stalled, now) for i, t in self.server_seen.items()}
         if self.phase == "training" and now - self._checked >= CHECK_EVERY_S:
             self._checked = now
+            aborted = self.abort
             lost = self.members.expire(now)
             for _, at in self.counting:   # no beat will come from them: the scores do not wait for them
                 for r in lost:
@@ -538,6 +539,8 @@ class Coordinator:
                 n = self.cfg.cluster.workers
                 self.abort = (f"{'all ' * (n > 1)}{n} worker{'s were' if n > 1 else ' was'} lost (stopped "
                               f"heartbeating) and none finished")
+            if self.abort and not aborted:   # (as every abort: the log says why the job ends, not only summary.json)
+                log("coordinator", f"aborting the job: {self.abort}")
             if not rejoining and (self.abort or (self.members.all_done and now >= self.held_until)):
                 self.t_end = now
                 if self.has_evaluator and not self.abort:

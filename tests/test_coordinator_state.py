@@ -395,10 +395,12 @@ def test_a_restarted_workers_earlier_processes_count_as_their_step_lines_say():
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("finished", [0, 1])
-def test_a_job_whose_every_worker_was_lost_fails(tmp_path, finished):
+def test_a_job_whose_every_worker_was_lost_fails(tmp_path, capsys, finished):
     """Every worker lost and none finished (they all crashed): the job is aborted —
-    summary.json has `aborted`, serve() exits 1. One finished and the other lost: the
-    loss is survived, the job is done."""
+    summary.json has `aborted`, serve() exits 1, and the coordinator's log says so (it
+    ended with the workers' drops: a coordinator started by hand, by Slurm or by Compose
+    exited 1 without a word of why). One finished and the other lost: the loss is
+    survived, the job is done."""
     cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
     c = coordinator(cfg, str(tmp_path))
     c.members.join(0.0, 0)
@@ -416,6 +418,8 @@ def test_a_job_whose_every_worker_was_lost_fails(tmp_path, finished):
     else:
         assert c.abort == s["aborted"] == "all 2 workers were lost (stopped heartbeating) and none finished"
         assert s["failures"]["workers_lost"] == 2
+    err = capsys.readouterr().err
+    assert ("[psgd coordinator] aborting the job: all 2 workers were lost" in err) == (not finished)
 
 
 @pytest.mark.inprocess

@@ -762,8 +762,12 @@ class Coordinator:
                     if left <= 0:
                         slow = ("; a script's work before psgd.connect counts: raise cluster.timeout_s if it takes "
                                 "longer" if self.cfg.model.name == layouts.SCRIPT_MODEL else "")
+                        keys = (f"; with security.curve, a worker without this job's keys ({self.cfg.security.keys}) "
+                                f"is never answered" if self.cfg.security.curve else "")
+                        # The address they dial, not the one bound (tcp://*:PORT off loopback).
                         log("coordinator", f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s; "
-                            f"giving up (are all workers started, and do they reach {self.address}{slow}?)")
+                            f"giving up (are all workers started, and do they reach "
+                            f"{self.cfg.coordinator_address()}{slow}?{keys})")
                         return 1
                     if now - waited_note >= WAITING_EVERY_S:
                         waited_note = now

@@ -163,6 +163,22 @@ def test_coordinator_alone_gives_up_after_timeout_and_says_what_it_waits_for(cap
 
 
 @pytest.mark.timeout(60)
+def test_a_coordinator_off_loopback_gives_up_naming_the_address_workers_dial(capsys, tmp_path):
+    """On a cluster (cluster.host a node's address) the coordinator binds tcp://*:PORT; its
+    give-up line asked "do they reach tcp://*:5555?", not the address the workers dial.
+    With CurveZMQ, a worker with other keys is never answered: the line says so."""
+    from psgd.cli import main as cli_main
+    cli_main(["keys", str(tmp_path / "keys")])
+    capsys.readouterr()
+    cfg = config(**{"cluster.workers": 2, "cluster.timeout_s": 0.5, "cluster.host": "psgd-head.invalid",
+                    "security.curve": True, "security.keys": str(tmp_path / "keys")})
+    assert Coordinator(cfg, quiet=True, ctx=zmq.Context.instance()).serve() == 1
+    err = capsys.readouterr().err
+    assert f"do they reach tcp://psgd-head.invalid:{cfg.cluster.port}?; with security.curve, a worker without this " \
+           f"job's keys ({tmp_path / 'keys'}) is never answered)" in err, err
+
+
+@pytest.mark.timeout(60)
 def test_a_script_job_that_gives_up_on_registrations_says_the_scripts_start_counts(capsys):
     """A review: the rendezvous counts from the coordinator's start, so a script that loads
     its data before psgd.connect for longer than cluster.timeout_s failed with "0/2 workers

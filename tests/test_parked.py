@@ -149,3 +149,20 @@ def test_a_prefetched_request_parked_over_a_long_compute_is_not_unreachable(port
         finally:
             for c in [*clients, *links]:
                 c.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank, who", [(0, "worker 0"), (-1, "the evaluator")])
+def test_an_unreachable_shard_is_reported_by_who_waited_for_it(port_block, rank, who):
+    """The evaluator's client (rank -1) cut off from a shard said "worker -1: shard at ...
+    did not answer" in the evaluator's log."""
+    import zmq
+    cfg = config(port_block).replace(**{"cluster.timeout_s": 0.5})   # no shard listens there
+    client = ParameterClient(cfg, zmq.Context.instance(), rank)
+    try:
+        with pytest.raises(ShardUnreachable) as e:
+            client.pull(0)
+    finally:
+        client.close()
+    assert str(e.value).startswith(f"{who}: shard at {cfg.shard_address(0)} did not answer within "
+                                   f"cluster.timeout_s"), str(e.value)

@@ -221,7 +221,8 @@ class ParameterClient:
                     probes.reconnect(i)
 
     def _unreachable(self, address: str) -> ShardUnreachable:
-        return ShardUnreachable(f"worker {self.rank}: shard at {address} did not answer within "
+        who = f"worker {self.rank}" if self.rank >= 0 else "the evaluator"   # (its client's rank is -1)
+        return ShardUnreachable(f"{who}: shard at {address} did not answer within "
                                 f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s")
 
     def _alive(self, f: InFlight) -> bool:

@@ -493,6 +493,44 @@ def test_sbatch_stops_the_daemons_at_once_when_the_coordinators_port_is_taken(tm
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("live", [True, False])
+def test_sbatch_refuses_a_psgd_out_whose_coordinator_runs(tmp_path, live):
+    """A second sbatch given a running job's PSGD_OUT removed that job's coordinator state,
+    moved its summary aside and ran its shards on the same checkpoints: both jobs "completed".
+    A coordinator-state.json that keeps being rewritten (a live coordinator's, every second)
+    is now refused before anything starts; one that is not (a cancelled job's, moments ago:
+    resubmitted to go on from its checkpoints) is not."""
+    import threading
+    state = tmp_path / "runs" / "slurm-42" / "coordinator-state.json"
+    state.parent.mkdir(parents=True)
+    stop = threading.Event()
+
+    def coordinator() -> None:   # as servers/coordinator.py writes it
+        while True:
+            tmp = state.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"saved_at": time.time(), "phase": "training"}))
+            tmp.replace(state)
+            if not live or stop.wait(0.5):
+                return
+
+    writer = threading.Thread(target=coordinator)
+    writer.start()
+    try:
+        r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, coordinator_s=1, evaluator_s=1), cwd=tmp_path,
+                timeout=60)
+    finally:
+        stop.set()
+        writer.join()
+    calls = stub_calls(tmp_path)
+    if live:
+        assert r.returncode == 2 and "coordinator" not in calls, (r.stderr, calls)
+        assert f"error: PSGD_OUT={state.parent} is in use: another job's coordinator runs there" in r.stderr, r.stderr
+    else:
+        assert "is in use" not in r.stderr and "coordinator" in calls, (r.stderr, calls)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
 def test_sbatch_restarts_a_dead_evaluator(tmp_path):
     """A review: `psgd run` starts a shard or the evaluator that dies again (up to 5 times);
     the script restarted only the coordinator, so an evaluator killed early in a job left the

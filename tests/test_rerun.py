@@ -286,6 +286,7 @@ def test_a_resumed_jobs_summary_counts_its_own_bad_messages_only(tmp_path):
         shard = Shard(cfg, i)
         shard.counters["bad_messages"] = 5
         shard.rule.barrier.dropped = 3
+        shard.rule.barrier.step = 10   # (its workers had done 10 of the 30 steps)
         shard.save(str(tmp_path / "checkpoints" / f"shard-{i}.pt"))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "psgd", "run", "--quiet", "--out", str(tmp_path),
@@ -293,8 +294,10 @@ def test_a_resumed_jobs_summary_counts_its_own_bad_messages_only(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in (tmp_path / "logs" / "server-0.log").read_text()
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["samples"] == 2 * 30 * 32          # this run's only
+    assert s["samples"] == 2 * 20 * 32          # this run's only: the 20 steps left
     assert (s["bad_messages"], s["dropped_gradients"]) == (0, 0), s   # were 10 and 3: the earlier process's
+    # the worker's log said "starting at clock 0", then "finished 20 steps", and nothing of the 10 between
+    assert "continuing at clock 10, the step the shards stand at" in (tmp_path / "logs" / "worker-0.log").read_text()
 
 
 @pytest.mark.processes

@@ -170,7 +170,10 @@ class Worker:
         self.client.init((self.replica.params(), self.replica.buffers()) if self.rank == 0 else None)
         self.t_start = time.monotonic()
         self.client.wait_s = 0.0  # wait_fraction is of the training time: the wait for the initial values is not
+        clock = self.clock
         schedule.start(self)
+        if self.clock != clock:   # (the log's first line said where it started: "starting at clock 0")
+            log(self.name, f"continuing at clock {self.clock}, the step the shards stand at")
 
     @staticmethod
     def _build(cfg: Config):

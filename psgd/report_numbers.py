@@ -226,8 +226,7 @@ class Row:
     sweep: str | None
     sweep_value: Any
     runs: list = field(default_factory=list)      # successful summaries
-    errors: list = field(default_factory=list)    # failed runs' messages
-    failed: list = field(default_factory=list)    # failed runs' entries (repeat, dir: which run it was)
+    failed: list = field(default_factory=list)    # failed runs' entries (their error, and repeat, dir: which run)
     ref_sync: Row | None = None
     ref_base: Row | None = None
     suffix: str = ""       # what build_rows appended to the label: " [setup]", SIM_SUFFIX
@@ -283,6 +282,11 @@ class Row:
         """Whether any repeat was scored by the evaluator: one that was not (no evaluator,
         a timing-only simulation) neither reached nor missed the target."""
         return any(e.get("accuracy") is not None for r in self.runs for e in r.get("evals") or [])
+
+    @property
+    def errors(self) -> list[str]:
+        """The failed runs' messages."""
+        return [str(e["error"]) for e in self.failed]
 
     @property
     def n(self) -> int:
@@ -387,7 +391,6 @@ def build_rows(results: list[dict]) -> list[Row]:
             row = rows[key] = Row(key[0], r.get("mode", "?"), key[1], r.get("params") or {},
                                   r.get("sweep"), r.get("sweep_value"), suffix=suffix)
         if r.get("error"):
-            row.errors.append(r["error"])
             row.failed.append(r)
         else:
             row.runs.append(r)

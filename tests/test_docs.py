@@ -219,3 +219,26 @@ def test_the_docs_commands_parse_and_their_settings_are_valid():
             wrong.append(f"{name}: {cmd}: {e}")
     assert len(commands) > 40   # (the commands are found: a changed layout does not pass by matching nothing)
     assert not wrong, "\n".join(wrong)
+
+
+def output_files() -> str:
+    text = open(README).read()
+    return text[text.index("## Output files"):text.index("## Reliability")]
+
+
+def test_readme_says_which_step_line_fields_are_running_totals():
+    """A step line's samples, step and bytes are the process's totals so far (a script that
+    summed `samples` over the lines got about steps/2 times the job's), the others the
+    step's own: README said neither."""
+    from psgd.metrics import LOGGED_STATS
+    section = " ".join(output_files().split())
+    said = re.search(r"\(([^()]*) are running totals counted from the process's start", section)
+    assert said, "README's Output files does not say which step-line fields are running totals"
+    assert set(re.findall(r"`([a-z_]+)`", said.group(1))) == set(LOGGED_STATS.values())
+
+
+def test_readme_says_what_the_summary_rates_are_of():
+    """summary.json's time, rates and fractions: of what, and in which unit (README named them only)."""
+    section = " ".join(output_files().split())
+    for field in ("wall_s", "samples", "samples_per_s", "max_clock_gap", "wait_fraction", "bytes_per_sample"):
+        assert re.search(rf"`{field}` \(", section), f"README's Output files does not say what {field} is"

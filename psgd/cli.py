@@ -219,6 +219,22 @@ def check_job(cfg, runs: list | None = None) -> None:
         check_partitions(n, run.cluster.workers, run.job.seed, data_split(run))
 
 
+def known_bad(cfg) -> str:
+    """One warning line for a combination of settings measured to train to about chance
+    on the default job, else "". Only diloco with rounds of one step and both momenta at
+    0.9 so far: the inner momentum buffer, kept across rounds, makes each pseudo-gradient
+    a momentum sum, and the outer Nesterov momentum sums those again (docs/modes.md,
+    "Short rounds"). The bounds are those measured: the neighbouring settings that
+    trained (a lower lr, outer_lr or either momentum, Nesterov or Adam inside) get none."""
+    m, o = cfg.mode, cfg.optimizer
+    if (m.name == "diloco" and m.local_steps == 1 and m.outer_lr >= 0.2 and m.outer_momentum >= 0.9
+            and o.name == "sgd" and not o.nesterov and o.momentum >= 0.9 and o.lr >= 0.1):
+        return ("mode diloco with mode.local_steps = 1 and both momenta at 0.9 (optimizer.momentum, "
+                "mode.outer_momentum) trained to about chance at 1-4 workers (docs/modes.md); set either to 0, "
+                "or use mode.outer_lr=1 mode.outer_momentum=0 (model averaging)")
+    return ""
+
+
 def cmd_run(args) -> int:
     from .launcher import LaunchError, check_before_launch, format_summary, resumable, run_local, written_since
     from .metrics import process_start_time
@@ -230,6 +246,8 @@ def cmd_run(args) -> int:
     if not script:   # a script's workers bring their own model and data
         check_job(cfg)
     check_before_launch(cfg, args.device)
+    if not script and known_bad(cfg):   # (a script's own optimizer may not be [optimizer]'s)
+        print(f"psgd run: warning: {known_bad(cfg)}", file=sys.stderr, flush=True)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     job = (f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "

@@ -596,3 +596,37 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
     assert code != 0 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("psgd: error: ") and "ports" not in err and "psgd run: psgd, mode" not in err, err
     assert "resumes from them" not in err, err   # (that job's checkpoints: not this refused run's to resume)
+
+
+@pytest.mark.parametrize("sets,warned", [
+    (["mode.local_steps=1"], True),
+    (["mode.local_steps=1", "cluster.workers=4", "optimizer.schedule=cosine"], True),
+    ([], False),                                            # H = 20: 0.99
+    (["mode.local_steps=2"], False),                         # 0.87-0.95
+    (["mode.local_steps=1", "optimizer.momentum=0.5"], False),   # 0.99
+    (["mode.local_steps=1", "mode.outer_momentum=0.5"], False),  # 0.99
+    (["mode.local_steps=1", "mode.outer_lr=1", "mode.outer_momentum=0"], False),  # averaging: 0.99
+    (["mode.local_steps=1", "mode.outer_lr=0.05"], False),   # 0.90
+    (["mode.local_steps=1", "optimizer.lr=0.01"], False),    # 0.96
+    (["mode.local_steps=1", "optimizer.nesterov=true"], False),  # 0.94
+    (["mode.local_steps=1", "optimizer.name=adam", "optimizer.lr=0.001"], False),  # 0.95
+])
+def test_run_warns_at_start_of_diloco_rounds_of_one_step_with_both_momenta(sets, warned, no_job, capsys, tmp_path):
+    """diloco with local_steps = 1 and the default momenta (inner 0.9, outer 0.9) trains
+    to chance (0.07-0.23 at 1-4 workers, docs/modes.md) and used to say nothing; the
+    settings measured to train get no warning."""
+    argv = ["run", "--mode", "diloco", "--out", str(tmp_path / "out")]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "local_steps" in line]
+    assert len(lines) == int(warned), err
+    if warned:
+        assert lines[0].startswith("psgd run: warning: mode diloco with mode.local_steps = 1") and "chance" in lines[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
+def test_no_mode_warning_for_the_other_modes_with_one_step_settings(mode, no_job, capsys, tmp_path):
+    assert main(["run", "--mode", mode, "--set", "mode.local_steps=1", "--out", str(tmp_path / "out")]) == 0
+    assert "local_steps" not in capsys.readouterr().err

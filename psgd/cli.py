@@ -230,8 +230,8 @@ def known_bad(cfg) -> str:
     if (m.name == "diloco" and m.local_steps == 1 and m.outer_lr >= 0.2 and m.outer_momentum >= 0.9
             and o.name == "sgd" and not o.nesterov and o.momentum >= 0.9 and o.lr >= 0.1):
         return ("mode diloco with mode.local_steps = 1 and both momenta at 0.9 (optimizer.momentum, "
-                "mode.outer_momentum) trained to about chance at 1-4 workers (docs/modes.md); set either to 0, "
-                "or use mode.outer_lr=1 mode.outer_momentum=0 (model averaging)")
+                "mode.outer_momentum) trained the default job to about chance at 1-4 workers (docs/modes.md); "
+                "set either to 0, or use mode.outer_lr=1 mode.outer_momentum=0 (model averaging)")
     return ""
 
 
@@ -246,8 +246,9 @@ def cmd_run(args) -> int:
     if not script:   # a script's workers bring their own model and data
         check_job(cfg)
     check_before_launch(cfg, args.device)
-    if not script and known_bad(cfg):   # (a script's own optimizer may not be [optimizer]'s)
-        print(f"psgd run: warning: {known_bad(cfg)}", file=sys.stderr, flush=True)
+    bad = "" if script else known_bad(cfg)   # (a script's own optimizer may not be [optimizer]'s)
+    if bad:
+        print(f"psgd run: warning: {bad}", file=sys.stderr, flush=True)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     job = (f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "

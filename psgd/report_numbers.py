@@ -9,6 +9,7 @@ sweep. And what the numbers cannot carry: whether a time to target is resolved
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,8 +80,10 @@ def close(a: float, b: float, rel: float) -> bool:
 ONCE = "ran once: no spread measured, so differences are not ranked"
 
 
-def tie_reason(a: list[float], b: list[float]) -> str | None:
-    """Why the means of a and b cannot be ranked, or None when they can: equal; closer
+def tie_reason(a: list[float], b: list[float], fmt: Callable[[float], str] | None = None) -> str | None:
+    """Why the means of a and b cannot be ranked, or None when they can: equal (or, given
+    the `fmt` a sentence writes them with, written the same: repeats of a simulation do not
+    spread, so an sd of 0 ranked 12,321.56 below 12,321.71, both written 12,322); closer
     than twice the larger run-to-run sd of the two (the bound a sweep's trend words use,
     noise_note: at one sd a report ranked two values that its sweep sentence then called
     "not established"); or no sd measured on either side (single repeats: ONCE, however
@@ -88,7 +91,7 @@ def tie_reason(a: list[float], b: list[float]) -> str | None:
     ma, mb = mean(a), mean(b)
     if ma is None or mb is None:
         return None
-    if close(ma, mb, REL_EQUAL):
+    if close(ma, mb, REL_EQUAL) or (fmt is not None and fmt(ma) == fmt(mb)):
         return "equal"
     sds = [x for x in (sd(a), sd(b)) if x is not None]
     if sds:

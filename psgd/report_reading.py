@@ -312,7 +312,7 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
         return out
     top, low = by_sps[0], by_sps[-1]
     top_sps = mean(top.sps) or 0.0
-    flat = tie_reason(top.sps, low.sps) if low is not top else None
+    flat = tie_reason(top.sps, low.sps, amount) if low is not top else None
     if low is top:   # one configuration: nothing to be highest among
         out.append(f"Throughput: {rname(top, many_w)} {amount(top_sps)} samples/s.")
     elif flat == ONCE:   # the highest and the lowest each ran once: the values, in the rows' order, not ranked
@@ -330,18 +330,18 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
         ratio = top.throughput_ratio(ref)
         if ratio is not None and ref is not None and ref is not top:
             s += f" ({ratio:.2f}× {top.sync_name()}'s {amount(mean(ref.sps))})"
-        level = [(r, why) for r in by_sps[1:] if (why := tie_reason(top.sps, r.sps))]
+        level = [(r, why) for r in by_sps[1:] if (why := tie_reason(top.sps, r.sps, amount))]
         s += _not_told_apart(level, many_w)
         rest = [r for r in by_sps[1:] if r not in [x for x, _ in level]]
         # "lowest" only where the lowest is ranked below every other: no configuration that, like
         # it, ran once (ONCE) lies above it.
-        if low is not top and not any(tie_reason(low.sps, r.sps) == ONCE for r in rest):
-            near = [(r, why) for r in rest if r is not low and (why := tie_reason(low.sps, r.sps))]
+        if low is not top and not any(tie_reason(low.sps, r.sps, amount) == ONCE for r in rest):
+            near = [(r, why) for r in rest if r is not low and (why := tie_reason(low.sps, r.sps, amount))]
             s += f"; lowest: {rname(low, many_w)} with {amount(mean(low.sps))}" + _not_told_apart(near, many_w)
         out.append(s + ".")
     b = mean(base.sps) if base is not None else None
     if b and base is not None:
-        why = tie_reason(base.sps, top.sps)
+        why = tie_reason(base.sps, top.sps, amount)
         if why == ONCE:
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s ({ONCE}).")
         elif why:

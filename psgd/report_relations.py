@@ -58,9 +58,9 @@ def unmeasured(series: list[list[float]]) -> bool:
             and all(sd(v) is None for v in series))
 
 
-def tie(a: list[float], b: list[float]) -> bool:
+def tie(a: list[float], b: list[float], fmt: Callable[[float], str] | None = None) -> bool:
     """Means that the numbers cannot rank (tie_reason)."""
-    return tie_reason(a, b) is not None
+    return tie_reason(a, b, fmt) is not None
 
 
 def noise_note(series: list[list[float]], fmt: Callable[[float], str] = str) -> str:
@@ -71,8 +71,8 @@ def noise_note(series: list[list[float]], fmt: Callable[[float], str] = str) -> 
     if len(means) < 2:
         return ""
     span = max(means) - min(means)
-    if close(max(means), min(means), REL_EQUAL):
-        return ""  # the same number: the trend says "stayed flat"
+    if close(max(means), min(means), REL_EQUAL) or fmt(max(means)) == fmt(min(means)):
+        return ""  # the same number, or written the same: the trend says "stayed flat"
     if sds:
         if span < 2 * max(sds):
             return f"; within the run-to-run noise, sd up to {fmt(max(sds))}: not established"
@@ -86,12 +86,16 @@ def course(what: str, values: str, series: list[list[float]], means: list[float]
     be ordered (unmeasured), 'WHAT VALUES' without a trend verb: the caller says why (ONCE)."""
     if unmeasured(series):
         return f"{what} {values}"
-    word, noisy = trend(means), ""
+    # A step between values written the same (repeats of a simulation do not spread) is none.
+    shown = means[:1]
+    for m in means[1:]:
+        shown.append(shown[-1] if fmt(m) == fmt(shown[-1]) else m)
+    word, noisy = trend(shown), ""
     if word == "went up and down":
         # A reversal within two run-to-run sds is not one: the told-apart steps decide.
         told = [b > a for (a, b), (u, v) in zip(zip(means, means[1:], strict=False),
                                                  zip(series, series[1:], strict=False), strict=True)
-                if tie_reason(u, v) is None]
+                if tie_reason(u, v, fmt) is None]
         if told and len(set(told)) == 1:
             word = "rose" if told[0] else "fell"
             noisy = "; its other steps are within two run-to-run sds"
@@ -159,12 +163,13 @@ def _run_staleness(r: Row) -> list[float]:
 
 def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> list[str]:
     out: list[str] = []
+    two = "{:.2f}".format   # as the sentence writes a staleness
     measured = [(sm, r) for r in dist
                 if r.mode in READ_PUSH_MODES and (sm := r.staleness_mean) is not None and r.hist]
     st = [r for _, r in measured]
     if measured:
         most_mean, most = max(measured, key=lambda p: p[0])
-        level = [r for _, r in measured if r is not most and tie(_run_staleness(r), _run_staleness(most))]
+        level = [r for _, r in measured if r is not most and tie(_run_staleness(r), _run_staleness(most), two)]
         if most_mean == 0:
             out.append("No configuration of sync, ssp or async read stale parameters (measured staleness (mean) "
                        "0 everywhere).")
@@ -271,7 +276,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
         if a and b:
             gain = b / a
             eff = gain / (last.workers / first.workers)
-            why = tie_reason(first.sps, last.sps)
+            why = tie_reason(first.sps, last.sps, amount)
             s = (f"{first.name} from {first.workers} to {last.workers} workers: throughput ×{gain:.2f} "
                  f"(scaling efficiency {percent(eff)}" + (f"; not told apart: {why}" if why and why != ONCE else "")
                  + ")" + _times_across(first, last, period))

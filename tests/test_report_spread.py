@@ -1,0 +1,39 @@
+"""The report where repeats do not spread (simulations are exact), faults differ per
+configuration, and worker-count curves turn: one test per defect found so, each on crafted
+compare.json entries (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from .test_report_claims import run, sentence, told
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.timeout(60)
+def test_throughputs_that_print_the_same_are_not_ranked():
+    # `psgd simulate --modes sync,ssp:staleness=0,async --repeats 2 --set sim.train=false`: repeats
+    # are identical (sd 0), so 12,321.56 against 12,321.71 was ranked: "lowest: ssp (bound s=0)
+    # with 12,322" while sync was also at 12,322
+    results = [run(label, mode, repeat=k, params=params, sps=sps, evals=[], acc=None, simulated=True)
+               for label, mode, params, sps in (("sync", "sync", {}, 12321.71),
+                                                ("ssp:staleness=0", "ssp", {"staleness": 0}, 12321.56),
+                                                ("async", "async", {}, 14000.0))
+               for k in range(2)]
+    line = sentence(told(results), "Highest throughput")
+    assert "lowest: **ssp (bound s=0)** with 12,322" not in line or "not told apart" in line, line
+    assert "**sync** (12,322)" in line and "equal" in line, line
+    level = [run(label, mode, repeat=k, params=params, sps=sps, evals=[], acc=None, simulated=True)
+             for label, mode, params, sps in (("sync", "sync", {}, 12321.71),
+                                              ("ssp:staleness=0", "ssp", {"staleness": 0}, 12321.56))
+             for k in range(2)]
+    assert sentence(told(level), "Throughput") == ("Throughput does not separate the configurations: all at 12,322 "
+                                                  "samples/s.")
+    # ... nor a sweep's course called a rise
+    sweep = [run(f"ssp:staleness={s}", "ssp", repeat=k, params={"staleness": s}, sweep="staleness", sps=sps,
+                 evals=[], acc=None, simulated=True) for s, sps in ((0, 12321.56), (4, 12321.71)) for k in range(2)]
+    assert "throughput stayed flat (12,322, 12,322 samples/s)" in sentence(told(sweep), "Sweep of ssp")
+    # ... nor a staleness written the same called the highest alone
+    stale = [run(label, mode, repeat=k, stal=st, evals=[], acc=None, simulated=True)
+             for label, mode, st in (("ssp", "ssp", 1.001), ("async", "async", 0.999)) for k in range(2)]
+    assert "highest in **ssp** (1.00, max 2), not told apart from **async**" in told(stale)

@@ -43,7 +43,7 @@ from .report_numbers import (
     worker_sweeps,
 )
 from .report_plots import PLOT_DPI, make_plots, plt_or_none
-from .report_reading import describe_faults, reading
+from .report_reading import describe_faults, item_faults, reading
 from .report_relations import sweep_sentences
 from .report_tables import detail_table, main_table
 
@@ -245,7 +245,7 @@ def item_fault_lines(rows: list[Row], common: dict, stated: bool) -> list[str]:
     item's."""
     out, seen = [], set()
     for r in rows:
-        own = {str(k)[len("faults."):]: v for k, v in r.params.items() if str(k).startswith("faults.")}
+        own = item_faults(r)
         if r.is_baseline or not own or r.label in seen:
             continue
         seen.add(r.label)

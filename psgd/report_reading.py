@@ -80,6 +80,12 @@ def _faulted(faults: dict, workers: int) -> bool:
             or (rank is not None and workers > rank))
 
 
+def item_faults(r: Row) -> dict:
+    """The faults.* keys that row `r`'s mode item sets (`sync:faults.step_delay_s=0`), without
+    the section: they replace those of every run for its runs."""
+    return {str(k)[len("faults."):]: v for k, v in r.params.items() if str(k).startswith("faults.")}
+
+
 def _all_faults_apply(faults: dict, workers: int) -> bool:
     """Does a run of `workers` workers have every injected fault (the straggler's rank
     among its workers)? The others (delays, jitter) apply to every run."""
@@ -500,12 +506,16 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
     f = ctx.get("faults") or {}
     faults = describe_faults(f, ctx.get("workers") or [], any(r.is_baseline for r in ok))
     if faults:
-        group = [r for r in _kinds(dist)[0][1] if _all_faults_apply(f, r.workers)]
+        # A row whose mode item sets faults.* ran its own (stated with the rows): not "under it".
+        own = [r for r in dist if item_faults(r)]
+        group = [r for r in _kinds(dist)[0][1] if _all_faults_apply(f, r.workers) and r not in own]
         top = max(group, key=lambda r: mean(r.sps) or 0.0) if group else None
         ref = top.ref_sync if top else None   # the sync row with the same worker count
-        hit = [_faulted(f, w) for w in ctx.get("workers") or []]
-        s = f"{'All runs' if all(hit) else 'Some runs' if any(hit) else 'No run'} had a fault injected: {faults}."
-        if top is not None and ref is not None and top.mode != "sync" and mean(ref.sps):
+        hit = [_faulted({**f, **item_faults(r)}, r.workers) for r in dist]
+        s = (f"{'All runs' if all(hit) else 'Some runs' if any(hit) else 'No run'} had a fault injected: {faults}"
+             + (f"; except in {names(own)}, whose mode item sets faults.* of its own (stated above the tables)"
+                if own else "") + ".")
+        if top is not None and ref is not None and ref not in own and top.mode != "sync" and mean(ref.sps):
             s += (f" Under it, {rname(top, many_w)} kept {amount(mean(top.sps))} samples/s against "
                   f"{top.sync_name()}'s {amount(mean(ref.sps))} with {ref.workers} workers"
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")

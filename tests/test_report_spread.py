@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_report_claims import run, sentence, told
+from .test_report_claims import CTX, run, sentence, told
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +37,22 @@ def test_throughputs_that_print_the_same_are_not_ranked():
     stale = [run(label, mode, repeat=k, stal=st, evals=[], acc=None, simulated=True)
              for label, mode, st in (("ssp", "ssp", 1.001), ("async", "async", 0.999)) for k in range(2)]
     assert "highest in **ssp** (1.00, max 2), not told apart from **async**" in told(stale)
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_that_a_mode_item_turns_off_is_not_said_to_be_in_every_run():
+    # `--set faults.step_delay_s=0.05 --modes sync:faults.step_delay_s=0,async`: "All runs had a
+    # fault injected", and async "kept" its samples/s "under it" against a sync that had none
+    faults = {"slow_rank": -1, "slow_factor": 1.0, "step_delay_s": 0.05, "jitter_prob": 0.0, "jitter_s": 0.0}
+    ctx = {**CTX, "faults": faults, "workers": [2]}
+    results = [run("sync:faults.step_delay_s=0", params={"faults.step_delay_s": 0.0}, repeat=k, sps=9000.0 + k)
+               for k in range(2)] + [run("async", "async", repeat=k, sps=5000.0 + k) for k in range(2)]
+    said = sentence(told(results, ctx), "had a fault injected")
+    assert said.startswith("Some runs had a fault injected: every step of every worker is delayed by 0.05 s"), said
+    assert "except in sync:faults.step_delay_s=0 (2 w), whose mode item sets faults.* of its own" in said
+    assert "Under it" not in said
+    # an item that changes the fault: every run had one, and the item's sync is no reference "under it"
+    results = [run("sync:faults.step_delay_s=0.1", params={"faults.step_delay_s": 0.1}, repeat=k, sps=900.0 + k)
+               for k in range(2)] + results[2:]
+    said = sentence(told(results, ctx), "had a fault injected")
+    assert said.startswith("All runs had a fault injected") and "Under it" not in said, said

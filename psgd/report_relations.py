@@ -279,11 +279,42 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             why = tie_reason(first.sps, last.sps, amount)
             s = (f"{first.name} from {first.workers} to {last.workers} workers: throughput ×{gain:.2f} "
                  f"(scaling efficiency {percent(eff)}" + (f"; not told apart: {why}" if why and why != ONCE else "")
-                 + ")" + _times_across(first, last, period))
+                 + ")" + _turn(rs) + _times_across(first, last, period))
             if why == ONCE:
                 s += f" (each worker count {ONCE})"
             out.append(s + ".")
     return out
+
+
+def _turn(rs: list[Row]) -> str:
+    """Where a worker-count curve of more than two counts turns inside its ends, which the
+    ends' ratio hides: '; peaking at 2 workers with 10,512 samples/s (×2.33)' (or 'dipping')
+    for a count above (below) both ends and told apart from each (tie_reason); one within
+    two run-to-run sds of an end is said not told apart; with every count run once (ONCE),
+    the values at each count, unranked. '' for a curve that does not turn."""
+    tput = [mean(r.sps) for r in rs]
+    if len(rs) < 3 or any(t is None for t in tput):
+        return ""
+    if unmeasured([r.sps for r in rs]):
+        return (f"; {', '.join(amount(t) for t in tput)} samples/s at "
+                f"{', '.join(str(r.workers) for r in rs)} workers")
+    first, last, a = rs[0], rs[-1], tput[0] or 0.0
+    inner = rs[1:-1]
+    hi = max(inner, key=lambda r: mean(r.sps) or 0.0)
+    lo = min(inner, key=lambda r: mean(r.sps) or 0.0)
+    for r, word, beyond in ((hi, "peaking", lambda x, y: x > y), (lo, "dipping", lambda x, y: x < y)):
+        t = mean(r.sps) or 0.0
+        ends = [e for e in (first, last) if not beyond(t, mean(e.sps) or 0.0)]
+        whys = [why for e in (first, last) if (why := tie_reason(r.sps, e.sps, amount))]
+        if ends or "equal" in whys:
+            continue   # not beyond both ends (as written)
+        if whys:
+            side = "above" if word == "peaking" else "below"
+            return (f"; {amount(t)} samples/s at {r.workers} workers, {side} both ends but not told apart from them "
+                    f"({'; '.join(dict.fromkeys(whys))})")
+        to = "with" if word == "peaking" else "to"
+        return f"; {word} at {r.workers} workers {to} {amount(t)} samples/s (×{t / a:.2f})" if a else ""
+    return ""
 
 
 def percent(x: float) -> str:

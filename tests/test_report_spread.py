@@ -56,3 +56,30 @@ def test_a_fault_that_a_mode_item_turns_off_is_not_said_to_be_in_every_run():
                for k in range(2)] + results[2:]
     said = sentence(told(results, ctx), "had a fault injected")
     assert said.startswith("All runs had a fault injected") and "Under it" not in said, said
+
+
+def _scaled(sps_by_w: dict[int, tuple[float, ...]]) -> list[dict]:
+    return [run("sync", repeat=k, workers=w, sps=v) for w, vs in sps_by_w.items() for k, v in enumerate(vs)]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_count_sweep_that_peaks_inside_says_where():
+    # `psgd compare --modes sync --workers 1,2,3`: "sync from 1 to 3 workers: throughput ×1.81"
+    # hid that 2 workers did better than 3 (10,512 against 8,151 samples/s)
+    line = sentence(told(_scaled({1: (4500.0, 4506.0), 2: (10500.0, 10524.0), 3: (8150.0, 8152.0)})), "sync from 1")
+    assert line.startswith("sync from 1 to 3 workers: throughput ×1.81 (scaling efficiency 60%)"), line
+    assert "peaking at 2 workers with 10,512 samples/s (×2.33)" in line, line
+    # a peak within two run-to-run sds of an end is not one
+    noisy = sentence(told(_scaled({1: (4500.0, 4506.0), 2: (8000.0, 9000.0), 3: (8150.0, 8152.0)})), "sync from 1")
+    assert "peaking" not in noisy, noisy
+    assert "8,500 samples/s at 2 workers, above both ends but not told apart from them (within two run-to-run " \
+        "sds)" in noisy, noisy
+    # a dip inside, told apart from both ends
+    dip = sentence(told(_scaled({1: (4500.0, 4506.0), 2: (3000.0, 3010.0), 3: (8150.0, 8152.0)})), "sync from 1")
+    assert "dipping at 2 workers to 3,005 samples/s (×0.67)" in dip, dip
+    # each count ran once: the values, not ranked
+    once = sentence(told(_scaled({1: (4503.0,), 2: (10512.0,), 3: (8151.0,)})), "sync from 1")
+    assert "4,503, 10,512, 8,151 samples/s at 1, 2, 3 workers" in once and "peaking" not in once, once
+    # a monotone curve keeps its sentence
+    assert "at 2 workers" not in sentence(told(_scaled({1: (4500.0, 4506.0), 2: (6000.0, 6010.0),
+                                                        3: (8150.0, 8152.0)})), "sync from 1")

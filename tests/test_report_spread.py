@@ -83,3 +83,17 @@ def test_a_worker_count_sweep_that_peaks_inside_says_where():
     # a monotone curve keeps its sentence
     assert "at 2 workers" not in sentence(told(_scaled({1: (4500.0, 4506.0), 2: (6000.0, 6010.0),
                                                         3: (8150.0, 8152.0)})), "sync from 1")
+
+
+@pytest.mark.timeout(60)
+def test_the_straggler_table_of_the_simulation_docs_writes_samples_per_s_as_the_report_does():
+    # docs/simulation.md gave 7,581 for the 64-worker ssp s = 16 run, whose report says 7,580:
+    # compare.json holds 41,334 samples in 5.452678 virtual s, 7,580.495 a second (stored 7,580.5)
+    import pathlib
+
+    from psgd.report import build_rows, render
+    sps = round(41334 / 5.452678, 2)
+    row = run("ssp:staleness=16", "ssp", params={"staleness": 16}, workers=64, sps=sps, evals=[], acc=None)
+    assert "| 7,580 |" in render(build_rows([row]), CTX, [])
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "simulation.md").read_text()
+    assert "| 64 | ssp s = 16 | 7,580 |" in doc

@@ -36,17 +36,23 @@ def plt_or_none():
 
 
 def _colors(rows: list[Row]) -> dict[tuple, Any]:
+    """{row key: colour}: one colour per configuration (label), whatever its worker count,
+    so that sync is the same colour in the histograms, the bars and the worker-count plot's
+    one sync line; the accuracy plots tell its worker counts apart by marker (_markers)."""
     plt = plt_or_none()
     cmap = plt.get_cmap("tab10") if plt else None
-    out: dict[tuple, Any] = {}
-    i = 0
-    for r in rows:
-        if r.is_baseline:
-            out[r.key] = "black"
-        else:
-            out[r.key] = cmap(i % 10) if cmap else None
-            i += 1
-    return out
+    labels = list(dict.fromkeys(r.label for r in rows if not r.is_baseline))
+    return {r.key: "black" if r.is_baseline else cmap(labels.index(r.label) % 10) if cmap else None for r in rows}
+
+
+MARKERS = "os^Dv<>PX*"
+
+
+def _markers(rows: list[Row]) -> dict[int, str]:
+    """{worker count: marker} of the accuracy curves, which share a configuration's colour
+    across its worker counts (_colors); "." alone where every row has one worker count."""
+    ws = sorted({r.workers for r in rows if not r.is_baseline})
+    return {w: MARKERS[i % len(MARKERS)] if len(ws) > 1 else "." for i, w in enumerate(ws)}
 
 
 def unplaced(e: dict) -> bool:
@@ -75,6 +81,7 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     # clip it to a tiny x and draw a flat line from the axis' edge at the next score's height.
     log = allow_log and bool(positive) and max(positive) / max(min(positive), 1e-9) > 30
     left_out = at_zero = 0
+    markers = _markers(rows)
     for r, j, (xs, ys, skipped) in curves:
         left_out += skipped
         if log:
@@ -82,8 +89,10 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
             xs, ys = [x for x in xs if x > 0], [y for x, y in zip(xs, ys, strict=True) if x > 0]
         if not xs:
             continue
+        marker = "." if r.is_baseline else markers[r.workers]
         ax.plot(xs, ys, color=colors[r.key], lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.45,
-                ls="--" if r.is_baseline else "-", marker="." if len(xs) < 30 else None,
+                ls="--" if r.is_baseline else "-", marker=marker, ms=4 if marker != "." else None,
+                markevery=max(1, len(xs) // 15),
                 label=(r.name + (f" ({r.workers} w)" if not r.is_baseline else "")) if j == 0 else None)
     ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g}")
     if log:

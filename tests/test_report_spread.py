@@ -97,3 +97,38 @@ def test_the_straggler_table_of_the_simulation_docs_writes_samples_per_s_as_the_
     assert "| 7,580 |" in render(build_rows([row]), CTX, [])
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "simulation.md").read_text()
     assert "| 64 | ssp s = 16 | 7,580 |" in doc
+
+
+def _saved(monkeypatch, name: str) -> list:
+    """The figures make_plots saves as `name`, kept for inspection."""
+    figure = pytest.importorskip("matplotlib.figure")
+    figs: list = []
+    savefig = figure.Figure.savefig
+    monkeypatch.setattr(figure.Figure, "savefig", lambda self, path, *a, **k: (
+        figs.append(self) if str(path).endswith(name) else None, savefig(self, path, *a, **k))[1])
+    return figs
+
+
+@pytest.mark.timeout(120)
+def test_a_configuration_has_one_colour_in_every_plot(tmp_path, monkeypatch):
+    # `--modes sync,async --workers 1,2,3`: the staleness histograms coloured sync at 1, 2 and 3
+    # workers blue, red and pink, while the worker-count plot drew sync as one blue line
+    from matplotlib.colors import to_hex
+
+    from psgd.report import build_rows
+    from psgd.report_plots import make_plots
+    hists, workers, bars = (_saved(monkeypatch, n) for n in ("staleness.png", "sweep_workers.png", "throughput.png"))
+    res = [run(m, m, repeat=k, workers=w, sps=1000.0 * w + k) for m in ("sync", "async") for w in (1, 2, 3)
+           for k in range(2)]
+    make_plots(str(tmp_path), build_rows(res), 0.9, 0.5)
+    by_panel = {ax.get_title().split(" (")[0] + f" {ax.get_title().split('(')[1][:3]}": to_hex(ax.patches[0]
+                .get_facecolor()) for ax in hists[0].axes if ax.patches}
+    line = {text.get_text(): to_hex(h.get_color()) for h, text in
+            zip(workers[0].axes[0].get_legend().legend_handles, workers[0].axes[0].get_legend().get_texts(),
+                strict=True)}
+    for mode in ("sync", "async"):
+        assert {by_panel[f"{mode} {w} w"] for w in (1, 2, 3)} == {line[mode]}, (by_panel, line)
+    assert line["sync"] != line["async"]
+    ticks = [t.get_text().split("\n")[0] for t in bars[0].axes[0].get_xticklabels()]
+    assert {to_hex(p.get_facecolor()) for t, p in zip(ticks, bars[0].axes[0].patches, strict=True)
+            if t == "sync"} == {line["sync"]}

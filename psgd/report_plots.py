@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import textwrap
@@ -71,10 +72,50 @@ def curve_points(run: dict, xkey: str) -> tuple[list[float], list[float], int]:
     return [float(e[xkey]) for e in kept], [float(e["accuracy"]) for e in kept], len(ev) - len(kept)
 
 
+# Two lines closer than this fraction of their axes' spans at every point are drawn on each
+# other (about a pixel at the plots' size): the later one is dashed over the earlier (_hosts).
+ALIKE = 0.005
+
+
+def _hosts(lines: list[tuple[list[float], list[float]]], log: bool = False) -> list[int | None]:
+    """For each line (xs, ys), the index of the first earlier line it would hide (the same
+    x values, as near as ALIKE at every point: simulated repeats and configurations that
+    behave alike draw exactly the same curve), or None."""
+    def fx(x: float) -> float:
+        return math.log(x) if log else x
+    xs = [fx(x) for line, _ in lines for x in line]
+    ys = [y for _, line in lines for y in line]
+    xspan = (max(xs) - min(xs)) if xs else 0.0
+    yspan = (max(ys) - min(ys)) if ys else 0.0
+    out: list[int | None] = []
+    for i, (xa, ya) in enumerate(lines):
+        out.append(next((k for k, (xb, yb) in enumerate(lines[:i]) if out[k] is None and len(xb) == len(xa)
+                         and all(abs(fx(a) - fx(b)) <= ALIKE * xspan for a, b in zip(xa, xb, strict=True))
+                         and all(abs(a - b) <= ALIKE * yspan for a, b in zip(ya, yb, strict=True))), None))
+    return out
+
+
+def _dashes(hosts: list[int | None]) -> list[Any]:
+    """The line style of each line: its own (None) where it hides no other, else dashes that
+    leave its host (and the host's other guests) showing in the gaps."""
+    guests: dict[int, list[int]] = {}
+    for i, h in enumerate(hosts):
+        if h is not None:
+            guests.setdefault(h, []).append(i)
+    out: list[Any] = [None] * len(hosts)
+    for gs in guests.values():
+        for k, i in enumerate(gs):
+            out[i] = (4 * k, (4, 4 * len(gs)))
+    return out
+
+
 def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: float, path: str,
                 allow_log: bool = True) -> int:
-    """Draws the accuracy curves against `xkey`; returns how many scores were left out (curve_points)."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    """Draws the accuracy curves against `xkey`; returns how many scores were left out
+    (curve_points). A configuration's first repeat is its line, its other repeats faint
+    lines (the legend says so); a line on another's (_hosts) is dashed over it, named so in
+    the legend; a curve of one score is a large marker above the lines."""
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     curves = [(r, j, curve_points(run, xkey)) for r in rows for j, run in enumerate(r.runs)]
     positive = [x for _, _, (xs, _, _) in curves for x in xs if x > 0]
     # A log axis has no place for a score at 0 s (the baseline's first): matplotlib would
@@ -82,18 +123,37 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     log = allow_log and bool(positive) and max(positive) / max(min(positive), 1e-9) > 30
     left_out = at_zero = 0
     markers = _markers(rows)
+    drawn: list[tuple[Row, int, list[float], list[float]]] = []
     for r, j, (xs, ys, skipped) in curves:
         left_out += skipped
         if log:
             at_zero += sum(1 for x in xs if x <= 0)
             xs, ys = [x for x in xs if x > 0], [y for x, y in zip(xs, ys, strict=True) if x > 0]
-        if not xs:
-            continue
+        if xs:
+            drawn.append((r, j, xs, ys))
+    firsts = [k for k, (_, j, _, _) in enumerate(drawn) if j == 0]
+    hosts = _hosts([(drawn[k][2], drawn[k][3]) for k in firsts], log)
+    dashes = dict(zip(firsts, _dashes(hosts), strict=True))
+    host_of = {k: firsts[h] for k, h in zip(firsts, hosts, strict=True) if h is not None}
+
+    def name(r: Row) -> str:
+        return r.name + (f" ({r.workers} w)" if not r.is_baseline else "")
+    for k, (r, j, xs, ys) in enumerate(drawn):
         marker = "." if r.is_baseline else markers[r.workers]
+        one = len(xs) == 1   # a single score: a point, not a line, drawn large and above the lines
+        label = None
+        if j == 0 and k in host_of:   # (a point on another's: smaller, inside it)
+            label = name(r) + (f", inside {name(drawn[host_of[k]][0])}'s point" if one else
+                               f", dashed on {name(drawn[host_of[k]][0])}'s line")
+        elif j == 0:
+            label = name(r)
         ax.plot(xs, ys, color=colors[r.key], lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.45,
-                ls="--" if r.is_baseline else "-", marker=marker, ms=4 if marker != "." else None,
-                markevery=max(1, len(xs) // 15),
-                label=(r.name + (f" ({r.workers} w)" if not r.is_baseline else "")) if j == 0 else None)
+                ls=dashes.get(k) or ("--" if r.is_baseline else "-"), marker="o" if one else marker,
+                ms=(4 if k in host_of else 8 if j == 0 else 6) if one else 4 if marker != "." else None,
+                zorder=3 if one else None,
+                markevery=max(1, len(xs) // 15), label=label)
+    if any(j for _, j, _, _ in drawn):
+        ax.plot([], [], color="grey", lw=0.8, alpha=0.45, label="faint: each configuration's other repeats")
     ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g}")
     if log:
         ax.set_xscale("log")
@@ -102,7 +162,9 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best", ncol=2 if len(rows) > 6 else 1)
+    # (outside the axes, to the right: inside, "best" still covered the curves)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              ncol=2 if len(rows) > 12 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
@@ -256,17 +318,29 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     counts have no plotted time and why (time_status), as a parameter sweep's does."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), sharex=True)   # (a panel with no point keeps the axis)
     missing: list[str] = []
-    for rs in groups.values():
-        c, label = colors[rs[0].key], rs[0].name
+    rows = list(groups.values())
+    names = [rs[0].name for rs in rows]
+    tput = [([float(r.workers) for r in rs], [mean(r.sps) or 0.0 for r in rs]) for rs in rows]
+    times = [[(r.workers, t, sd(r.ttt) or 0) for r in rs if (t := plotted_time(r, period)) is not None]
+             for rs in rows]
+    # A line on another's (simulated sync and ssp s=0 can run alike) is dashed over it (_hosts).
+    t_hosts = _hosts(tput)
+    p_hosts = _hosts([([float(w) for w, _, _ in pts], [t for _, t, _ in pts]) for pts in times])
+
+    def label(i: int, hosts: list[int | None]) -> str:
+        h = hosts[i]
+        return names[i] + (f", dashed on {names[h]}'s line" if h is not None else "")
+    for i, rs in enumerate(rows):
+        c = colors[rs[0].key]
         ws = [r.workers for r in rs]
-        a1.errorbar(ws, [mean(r.sps) or 0 for r in rs], yerr=[sd(r.sps) or 0 for r in rs], marker="o", capsize=3,
-                    color=c, label=label)
-        pts = [(r.workers, t, sd(r.ttt) or 0) for r in rs if (t := plotted_time(r, period)) is not None]
+        a1.errorbar(ws, tput[i][1], yerr=[sd(r.sps) or 0 for r in rs], marker="o", capsize=3,
+                    color=c, label=label(i, t_hosts), ls=_dashes(t_hosts)[i] or "-")
+        pts = times[i]
         if pts:
             a2.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts], marker="o",
-                        capsize=3, color=c, label=label)
+                        capsize=3, color=c, label=label(i, p_hosts), ls=_dashes(p_hosts)[i] or "-")
         if any(r.scored for r in rs) and (by_why := _why_unplotted(ws, rs, period, target)):
-            missing.append(f"{label}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
+            missing.append(f"{names[i]}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})
     every = [r for rs in groups.values() for r in rs]
     for ax, yl in ((a1, _per_s(every)), (a2, f"time to target ({_seconds(every)})")):

@@ -118,7 +118,8 @@ def test_a_configuration_has_one_colour_in_every_plot(tmp_path, monkeypatch):
     from psgd.report import build_rows
     from psgd.report_plots import make_plots
     hists, workers, bars = (_saved(monkeypatch, n) for n in ("staleness.png", "sweep_workers.png", "throughput.png"))
-    res = [run(m, m, repeat=k, workers=w, sps=1000.0 * w + k) for m in ("sync", "async") for w in (1, 2, 3)
+    res = [run(m, m, repeat=k, workers=w, sps=(1000.0 if m == "sync" else 1500.0) * w + k)
+           for m in ("sync", "async") for w in (1, 2, 3)
            for k in range(2)]
     make_plots(str(tmp_path), build_rows(res), 0.9, 0.5)
     by_panel = {ax.get_title().split(" (")[0] + f" {ax.get_title().split('(')[1][:3]}": to_hex(ax.patches[0]
@@ -132,3 +133,30 @@ def test_a_configuration_has_one_colour_in_every_plot(tmp_path, monkeypatch):
     ticks = [t.get_text().split("\n")[0] for t in bars[0].axes[0].get_xticklabels()]
     assert {to_hex(p.get_facecolor()) for t, p in zip(ticks, bars[0].axes[0].patches, strict=True)
             if t == "sync"} == {line["sync"]}
+
+
+@pytest.mark.timeout(120)
+def test_accuracy_curves_that_coincide_or_have_one_score_stay_visible_and_the_legend_says_what_is_faint(
+        tmp_path, monkeypatch):
+    # `psgd simulate --modes sync,ssp:staleness=0,async --workers 1,2,3 --repeats 2`: at 1 worker the
+    # three curves are one, and only async's (drawn last) showed; a curve of one score was a small
+    # dot under the lines; the repeats' faint lines were in no legend; the worker-count plot's
+    # ssp line hid sync's
+    from psgd.report import build_rows
+    from psgd.report_plots import make_plots
+    curves, workers = _saved(monkeypatch, "accuracy_vs_samples.png"), _saved(monkeypatch, "sweep_workers.png")
+    res = [run(label, mode, repeat=k, workers=w, params=params, sps=1000.0 * w)
+           for label, mode, params in (("sync", "sync", {}), ("ssp:staleness=0", "ssp", {"staleness": 0}))
+           for w in (1, 2) for k in range(2)]
+    res += [run("async", "async", repeat=k, workers=w, evals=[{"t": 1.0, "samples": 900, "accuracy": 0.6}])
+            for w in (1, 2) for k in range(2)]
+    make_plots(str(tmp_path), build_rows(res), 0.9, 0.5)
+    ax = curves[0].axes[0]
+    lines = {line.get_label(): line for line in ax.lines}
+    assert "ssp (bound s=0) (1 w), dashed on sync (1 w)'s line" in lines, list(lines)
+    assert lines["ssp (bound s=0) (1 w), dashed on sync (1 w)'s line"].get_linestyle() != "-"
+    assert "faint: each configuration's other repeats" in lines
+    single = lines["async (1 w)"]
+    assert single.get_markersize() >= 8 and single.get_zorder() > lines["sync (1 w)"].get_zorder()
+    texts = [t.get_text() for t in workers[0].axes[0].get_legend().get_texts()]
+    assert "ssp (bound s=0), dashed on sync's line" in texts, texts

@@ -175,6 +175,7 @@ class Shard:
                 raise wire.WireError(wire.REFUSED, f"{MAX_AWAITING_INIT} requests wait for the initial values already")
             self._awaiting_init[key] = (token, wire.Message(msg.op, msg.id, msg.rank, msg.clock))
             return []
+        self._array_count(msg, 2)
         wire.expect_array(msg, 0, "float32", (self.P,))
         wire.expect_array(msg, 1, "float32", (self.B,))
         p, b = self._finite(wire.tensor(msg, 0), "initial values", msg.clock), wire.tensor(msg, 1)
@@ -218,8 +219,16 @@ class Shard:
         if msg.rank >= 0:
             self._check_rank(msg)
 
+    @staticmethod
+    def _array_count(msg: wire.Message, n: int) -> None:
+        """A request of `n` arrays (a push, an offer, initial values) with more is refused:
+        no worker sends one, and the rest was ignored, the request applied."""
+        if len(msg.arrays) > n:
+            raise wire.WireError(wire.BAD_SHAPE, f"op {msg.op!r} carries {n} arrays, got {len(msg.arrays)}")
+
     def _vectors(self, msg: wire.Message, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's params-sized vector (in `wire.dtype`, as float32) and buffers."""
+        self._array_count(msg, 2)
         wire.expect_array(msg, 0, self.wire_dtype, (self.P,))
         wire.expect_array(msg, 1, "float32", (self.B,))
         v, b = wire.tensor(msg, 0), wire.tensor(msg, 1)
@@ -232,6 +241,7 @@ class Shard:
         if msg.get("codec") != self.codec:
             raise wire.WireError(wire.BAD_FIELD, f"push codec {msg.get('codec')!r}, this job uses {self.codec!r}")
         (dt0, n0), (dt1, n1) = compression.shapes(self.codec, self.P, self.cfg.wire.topk_fraction)
+        self._array_count(msg, 3)
         wire.expect_array(msg, 0, dt0, (n0,))
         wire.expect_array(msg, 1, "float32", (self.B,))
         wire.expect_array(msg, 2, dt1, (n1,))
@@ -274,6 +284,8 @@ class Shard:
     def on_push(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
         self._check_push(msg)
+        if self.codec == "none" and msg.get("codec", "none") != "none":   # (a compressed job's: `_gradient`)
+            raise wire.WireError(wire.BAD_FIELD, f"push codec {msg.get('codec')!r}, this job uses 'none'")
         g, b = self._gradient(msg) if self.codec != "none" else self._vectors(msg, "gradient")
         if msg.fields.get("pull"):
             self._room_to_park()

@@ -225,6 +225,35 @@ def test_a_push_with_a_negative_read_version_or_a_clock_past_the_last_step_is_re
     assert wire.decode(frames).get("staleness") == 0 and shard.version == 2
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode, sets", [("async", {}), ("sync", {"wire.compression": "topk"}), ("easgd", {})],
+                         ids=["dense", "topk", "elastic"])
+def test_a_push_or_offer_with_an_array_too_many_or_another_codec_is_refused_and_changes_nothing(mode, sets):
+    """A fuzzer's finding: a push whose header listed a third array (or an elastic offer
+    with one), or an uncompressed job's push that said `codec = "topk"`, was taken as an
+    honest one and applied, the rest ignored: a message of another shape than any worker
+    sends, counted as a push, not as a bad message."""
+    shard = small_shard(mode, workers=2, **{"mode.alpha": 0.1, **sets})
+    g = [np.zeros(shard.P, np.float32), np.zeros(shard.B, np.float32)]
+    if shard.codec != "none":
+        from psgd import compression
+        (dt0, n0), (dt1, n1) = compression.shapes(shard.codec, shard.P, shard.cfg.wire.topk_fraction)
+        g = [np.zeros(n0, dt0), g[1], np.arange(n1).astype(dt1)]
+    op, fields = ("elastic", {"round": 1}) if mode == "easgd" else ("push", {"read_version": 0, "codec": shard.codec})
+    bad = [request(op, rank=0, clock=1, arrays=g + [np.zeros(3, np.float32)], **fields)]
+    if op == "push" and shard.codec == "none":
+        bad.append(request(op, rank=0, clock=1, arrays=g, **{**fields, "codec": "topk"}))
+    for m in bad:
+        with pytest.raises(wire.WireError) as e:
+            shard.handle("w", m)
+        assert e.value.code in (wire.BAD_SHAPE, wire.BAD_FIELD), e.value
+    assert shard.counters["pushes"] == 0 and shard.last_clock == {} and shard.version == 0
+    (_, frames), = shard.handle("w", request(op, rank=0, clock=1, arrays=g, **fields)) or [(None, None)]
+    assert frames is None or wire.decode(frames).op == "reply"
+    assert shard.counters["pushes"] == 1
+
+
 def request(op: str, **fields) -> wire.Message:
     return wire.decode(wire.encode(op, id=1, **fields))
 

@@ -318,9 +318,8 @@ def simulated_rows_cost(rows: list[Row]) -> str:
         compute = (f"{c:g} s per step (sim.compute_s)" if m["compute_s_source"] == "config" else
                    f"{c * 1e3:.3f} ms per step (calibrated by timing the model's forward and backward on one "
                    f"thread of the machine that simulated them)")
-        return (f"compute {compute}, lognormal spread cv {m['compute_cv']:g}; one-way link latency "
-                f"{m['latency_s']:g} s; {m['bandwidth_gbps']:g} Gbit/s per worker and per shard NIC; shards "
-                f"applying at {m['apply_gbps']:g} Gbit/s"
+        return (cost_phrase(compute, f"{m['compute_cv']:g}", f"{m['latency_s']:g} s", f"{m['bandwidth_gbps']:g} Gbit/s",
+                            f"{m['apply_gbps']:g} Gbit/s")
                 + ("" if m["train"] is not False else "; timing only (sim.train = false): no gradients, no scores"))
     if len(groups) == 1:
         return f"Their cost model: {said(next(iter(groups)))} (docs/simulation.md)."
@@ -347,16 +346,22 @@ def simulated_note(sim: dict, rows: list[Row], any_fault: bool = False) -> str:
 
     def num(key: str, unit: str) -> str:
         return said((key,), lambda m: f"{m.get(key, 0):g}{unit}")
+    cost = cost_phrase(compute, num("compute_cv", ""), num("latency_s", " s"), num("bandwidth_gbps", " Gbit/s"),
+                       num("apply_gbps", " Gbit/s"))
     return (f"**These runs are simulated** (`psgd simulate`): one process ran the real consistency rules and "
             f"shards on a virtual clock; {train}; only time is simulated, and every time in this report is in "
             f"virtual seconds. Cost model"
-            f"{' (the merged folders differ in ' + ', '.join(_keys(differs)) + ')' if differs else ''}: compute "
-            f"{compute}, lognormal spread cv {num('compute_cv', '')}; one-way link latency {num('latency_s', ' s')}; "
-            f"{num('bandwidth_gbps', ' Gbit/s')} per worker and per shard NIC, messages to one shard queueing behind "
-            f"each other (incast); each shard serves its requests in order at {num('apply_gbps', ' Gbit/s')} of the "
-            f"bytes each makes it work through (a push or an elastic offer: its float32 tables, whatever the wire "
-            f"carried; any other request: its payload); the evaluator's reads are free"
+            f"{' (the merged folders differ in ' + ', '.join(_keys(differs)) + ')' if differs else ''}: {cost}"
             f"{'; faults.* as below' if any_fault else ''}. Design and limits: docs/simulation.md.")
+
+
+def cost_phrase(compute: str, cv: str, latency: str, bandwidth: str, apply: str) -> str:
+    """A simulation's cost model in words, given each of its values as written."""
+    return (f"compute {compute}, lognormal spread cv {cv}; one-way link latency {latency}; {bandwidth} per worker "
+            f"and per shard NIC, messages to one shard queueing behind each other (incast); each shard serves its "
+            f"requests in order at {apply} of the bytes each makes it work through (a push or an elastic offer: "
+            f"its float32 tables, whatever the wire carried; any other request: its payload); the evaluator's "
+            f"reads are free")
 
 
 def write_report(out: str, results: list[dict], ctx: dict) -> str:

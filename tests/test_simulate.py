@@ -497,7 +497,8 @@ def test_merged_report_gives_the_simulated_rows_cost_model_beside_real_ones(tmp_
     assert report_main([str(tmp_path / "one"), str(real), str(tmp_path / "s")]) == 0
     text = open(tmp_path / "one" / "report.md").read()
     assert ("Their cost model: compute 0.002 s per step (sim.compute_s), lognormal spread cv 0.2; one-way link "
-            "latency 5e-05 s; 10 Gbit/s per worker and per shard NIC; shards applying at 20 Gbit/s") in text
+            "latency 5e-05 s; 10 Gbit/s per worker and per shard NIC, messages to one shard queueing behind each "
+            "other (incast); each shard serves its requests in order at 20 Gbit/s") in text
     assert report_main([str(tmp_path / "two"), str(real), str(tmp_path / "s"), str(tmp_path / "t")]) == 0
     text = open(tmp_path / "two" / "report.md").read()
     calibrated = json.load(open(tmp_path / "t" / "compare.json"))[0]["sim"]["compute_s"]

@@ -294,21 +294,19 @@ def _sweeps_topk(spec: ModeSpec, specs: list[ModeSpec]) -> bool:
         and dict(o.params).get("wire.compression") == "topk" for o in specs)
 
 
-def _misspelled_mode(spec: ModeSpec, specs: list[ModeSpec]) -> str:
-    """A hint for a swept value that was refused and is close to a mode's name: a misspelled
-    mode after a value list (`easgd:tau=4,ltbf`) is read as one more value of that list."""
-    said = _read_as_a_value(spec, specs)
-    return f" ({said})" if said else ""
-
-
-def _read_as_a_value(spec: ModeSpec, specs: list[ModeSpec]) -> str:
+def _read_as_a_value(spec: ModeSpec, specs: list[ModeSpec], cutoff: float = 0.6) -> str:
     """'...so it was read as one more value: if it is a mode, did you mean ltfb?' for a
-    swept value after the list's first that is close to a mode's name, else ''."""
+    swept value after the list's first that is close to a mode's name (`easgd:tau=4,ltbf`:
+    a misspelled mode after a value list is read as one more value of that list), else ''."""
     k, value = specs.index(spec), spec.sweep_value
     later = k > 0 and (specs[k - 1].mode, specs[k - 1].sweep) == (spec.mode, spec.sweep)   # not the list's first
-    close = difflib.get_close_matches(value, MODES, n=1) if later and spec.sweep and isinstance(value, str) else []
+    close = difflib.get_close_matches(value, MODES, n=1, cutoff=cutoff) \
+        if later and spec.sweep and isinstance(value, str) else []
     return (f"{value!r} came after a value of {spec.sweep}, so it was read as one more value: if it is a mode, "
             f"did you mean {close[0]}?") if close else ""
+
+
+MISSPELLED_CUTOFF = 0.75   # a value of a key that takes any text is taken for a mode's misspelling only this close
 
 
 def _takes_any_text(base: Config, key: str) -> bool:
@@ -343,14 +341,18 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 try:
                     cfg = base.replace(**sets)
                 except ConfigError as e:
-                    hint = _misspelled_mode(spec, specs)
-                    raise ConfigError(f"--modes {spec.label} with {w} workers: {e}{hint}") from None
-                if spec.sweep and _takes_any_text(base, config_key(spec.sweep)):
-                    # (refused as a value of a key of choices or numbers is: sync:job.name=a,asnyc)
-                    said = _read_as_a_value(spec, specs)
+                    hint = _read_as_a_value(spec, specs)
+                    raise ConfigError(f"--modes {spec.label} with {w} workers: {e}" + (f" ({hint})" if hint else "")
+                                      ) from None
+                value = spec.sweep_value
+                if spec.sweep and isinstance(value, str) and value.isalpha() \
+                        and _takes_any_text(base, config_key(spec.sweep)):
+                    # (refused as a value of a key of choices or numbers is: sync:job.name=a,asnyc; a word
+                    # only, and closer: sync:job.name=sync1,sync2 and checkpoint.dir=/tmp/sync are values)
+                    said = _read_as_a_value(spec, specs, MISSPELLED_CUTOFF)
                     if said:
                         raise ConfigError(f"--modes {spec.label}: {said} If it is a value of {spec.sweep}, give it "
-                                          f"first in the list")
+                                          f"in an item of its own: {spec.mode}:{spec.sweep}={value}")
                 params = dict(spec.params)
                 if "wire.topk_fraction" in params and cfg.wire.compression != "topk" and not _sweeps_topk(spec, specs):
                     raise ConfigError(f"--modes {spec.label}: wire.topk_fraction is the share a topk push sends, and "
@@ -607,8 +609,8 @@ def main(args) -> int:
     try:
         base = load(args.config, args.set)
     except ConfigError as e:   # `--set key=a,b` is one value: a sweep is a mode item's (README: Comparing modes)
-        listed = next((item for item in args.set if "," in item.partition("=")[2]
-                       and item.partition(".")[0] not in SHARED_SECTIONS), None)
+        listed = next((item for item in args.set if "," in item.partition("=")[2]   # (the item the error is of)
+                       and item.partition(".")[0] not in SHARED_SECTIONS and item in str(e)), None)
         if listed is None:
             raise
         raise ConfigError(f"{e} (--set gives every run one value; to compare several, sweep the key in a mode "

@@ -53,7 +53,7 @@ unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) an
 `report()` after the job ended; an exception inside `with` ends the job with its reason
 (`sys.exit()` or `sys.exit(0)` there is a clean end), and so does one that the script
 does not catch while a connection is open without `with` (`sys.excepthook`, unless the
-script set its own).
+script set its own, or runs at an interactive prompt).
 """
 from __future__ import annotations
 
@@ -244,6 +244,13 @@ def _connected_already(address: str, model: nn.Module, rank: int) -> str:
     return ""
 
 
+def _hook_uncaught() -> None:
+    """Install `_end_on_uncaught`: not over a hook the script or a debugger set, nor at an
+    interactive prompt, where the hook sees every error typed and the session goes on."""
+    if sys.excepthook is sys.__excepthook__ and not (hasattr(sys, "ps1") or sys.flags.interactive):
+        sys.excepthook = _end_on_uncaught
+
+
 class Connection(Worker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
@@ -305,8 +312,7 @@ class Connection(Worker):
             raise
         self._computed_at = time.perf_counter()
         _OPEN.add(self)
-        if sys.excepthook is sys.__excepthook__:   # (not over a hook the script or a debugger set)
-            sys.excepthook = _end_on_uncaught
+        _hook_uncaught()
 
     def _check(self, cfg: Config, model: nn.Module) -> None:
         problem = ""

@@ -212,9 +212,12 @@ def test_a_misspelled_mode_after_a_list_of_any_text_is_refused_as_one_after_a_li
     for modes, meant in (("sync:job.name=a,asnyc", "async"), ("sync:checkpoint.dir=/tmp/a,ltbf", "ltfb")):
         with pytest.raises(ConfigError, match=f"read as one more value: if it is a mode, did you mean {meant}") as e:
             build_plan(base, parse_modes(modes), [2], 1)
-        assert "give it first" in str(e.value)
-    # as the list's first value it is a value; and a key of a few choices takes a choice close to a mode's name
-    for modes in ("sync:job.name=asnyc,a", "sync:optimizer.name=adam,sgd", "sync:job.name=a,b,async"):
+        assert "give it in an item of its own" in str(e.value)
+    # as the list's first value it is a value; and a key of a few choices takes a choice close to a mode's name;
+    # a review: names and paths that merely hold a mode's name were refused (sync1,sync2: "give it first")
+    for modes in ("sync:job.name=asnyc,a", "sync:optimizer.name=adam,sgd", "sync:job.name=a,b,async",
+                  "sync:job.name=sync1,sync2", "sync:checkpoint.dir=/tmp/x,/tmp/sync", "sync:job.name=run,ssp2",
+                  "sync:job.name=a,sync:job.name=asnyc"):
         assert build_plan(base, parse_modes(modes), [2], 1)
 
 
@@ -693,12 +696,14 @@ def test_a_set_that_a_mode_item_overrides_is_refused(modes, sets, said, tmp_path
     ("sync", "wire.compression=none,onebit,topk", "sweep the key in a mode item: --modes sync:wire.compression=none,"),
     ("async,sync", "optimizer.lr=0.1,0.05", "sweep the key in a mode item: --modes async:optimizer.lr=0.1,0.05)"),
     ("sync", "data.name=digits,synthetic", None),   # a shared key: no mode item may sweep it
+    ("sync", "job.name=a,b --set optimizer.lr=abc", None),   # the error is of another --set
 ])
 def test_a_value_list_in_set_points_to_the_sweep_of_a_mode_item(modes, item, said, tmp_path, capsys):
     """A helper's review: `psgd compare --set wire.compression=none,onebit,topk` said only
     "wire.compression must be none, onebit or topk, got 'none,onebit,topk'"."""
     from psgd.cli import main
-    code = main(["compare", "--modes", modes, "--set", item, "--out", str(tmp_path / "c")])
+    sets = [a for one in item.split(" --set ") for a in ("--set", one)]
+    code = main(["compare", "--modes", modes, *sets, "--out", str(tmp_path / "c")])
     err = capsys.readouterr().err
     assert code == 2 and (said in err if said else "sweep the key" not in err), err
     assert not (tmp_path / "c").exists()

@@ -933,3 +933,22 @@ def test_a_second_connect_in_one_process_is_a_config_error_and_the_first_trains_
                              rank=None if again == "same-model" else 0)
             train(ps, model, None)
     assert (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.timeout(30)
+def test_the_hook_that_ends_the_job_on_an_uncaught_exception_is_not_set_at_a_prompt(monkeypatch):
+    """A review: at an interactive prompt (python -i, the REPL) sys.excepthook sees every
+    error typed, and a NameError after psgd.connect ended the whole job."""
+    from psgd.connection import _end_on_uncaught, _hook_uncaught
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    _hook_uncaught()
+    assert sys.excepthook is sys.__excepthook__
+    monkeypatch.delattr(sys, "ps1")
+    if not sys.flags.interactive:
+        _hook_uncaught()
+        assert sys.excepthook is _end_on_uncaught
+    mine = lambda *a: None   # noqa: E731  (a script's own hook is kept)
+    monkeypatch.setattr(sys, "excepthook", mine)
+    _hook_uncaught()
+    assert sys.excepthook is mine

@@ -28,6 +28,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .config import is_number
 from .metrics import write_text_atomic
 from .report_numbers import (
     SIM_SUFFIX,
@@ -196,10 +197,12 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
              f"rounded up to their period, and two are told apart only beyond the coarsest, {period:g} s")
     clock = "virtual" if sim else "wall (virtual for the rows marked (simulated))" if mixed else "wall"
     timing_only = sim is not None and sim.get("train") is False
-    unscored = bool(rows) and not any(r.scored for r in rows if not r.is_baseline)
+    distributed = [r for r in rows if not r.is_baseline and r.runs]   # (failed runs were not scored for want of one)
+    unscored = bool(distributed) and not any(r.scored for r in distributed)
     lines.append("Time to target: none; these runs are timing only (sim.train = false): no gradients, no scores. "
                  if timing_only else
-                 "Time to target: none; no distributed run was scored (cluster.evaluator = false). " if unscored else
+                 "Time to target: none; no distributed run was scored (no evaluator: cluster.evaluator = false; "
+                 "or none of its scores came). " if unscored else
                  f"Time to target: {clock} time from the start of training until the global model first scored "
                  f"≥ {target:g} on the test set; distributed runs are scored every {every}. Speedup = reference "
                  f"time to target / this time (> 1: faster). ")
@@ -284,10 +287,15 @@ def _keys(differs: list[str]) -> list[str]:
 
 def _compute(sim: dict) -> str:
     cal = sim.get("calibrated_compute_s") or {}
-    if sim.get("compute_s"):
-        return f"{sim['compute_s']:g} s per step (sim.compute_s)"
-    return ("calibrated on this machine by timing the model's forward and backward on one thread: "
-            + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cal.items()))
+    return compute_words(sim.get("compute_s"), ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in cal.items()))
+
+
+def compute_words(fixed: float | None, calibrated: str = "") -> str:
+    """A simulation's compute time per step: `fixed` (sim.compute_s), or else what was
+    calibrated (its value(s), as written)."""
+    if fixed:
+        return f"{fixed:g} s per step (sim.compute_s)"
+    return f"calibrated on this machine by timing the model's forward and backward on one thread: {calibrated}"
 
 
 # A simulated run's cost model in its summary's `sim` (the keys that make one; `events` is a count).
@@ -314,12 +322,13 @@ def simulated_rows_cost(rows: list[Row]) -> str:
 
     def said(key: tuple) -> str:
         m = dict(zip(COST_KEYS, key, strict=True))
-        c = float(m["compute_s"] or 0.0)
-        compute = (f"{c:g} s per step (sim.compute_s)" if m["compute_s_source"] == "config" else
-                   f"{c * 1e3:.3f} ms per step (calibrated by timing the model's forward and backward on one "
-                   f"thread of the machine that simulated them)")
-        return (cost_phrase(compute, f"{m['compute_cv']:g}", f"{m['latency_s']:g} s", f"{m['bandwidth_gbps']:g} Gbit/s",
-                            f"{m['apply_gbps']:g} Gbit/s")
+
+        def num(k: str, unit: str = "") -> str:   # (a summary without the key: not written by psgd simulate)
+            return f"{m[k]:g}{unit}" if is_number(m[k]) else "?"
+        c = float(m["compute_s"]) if is_number(m["compute_s"]) else 0.0
+        compute = compute_words(c if m["compute_s_source"] == "config" else None, f"{c * 1e3:.3f} ms per step")
+        return (cost_phrase(compute, num("compute_cv"), num("latency_s", " s"), num("bandwidth_gbps", " Gbit/s"),
+                            num("apply_gbps", " Gbit/s"))
                 + ("" if m["train"] is not False else "; timing only (sim.train = false): no gradients, no scores"))
     if len(groups) == 1:
         return f"Their cost model: {said(next(iter(groups)))} (docs/simulation.md)."

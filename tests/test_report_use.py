@@ -249,7 +249,15 @@ def test_runs_without_an_evaluator_are_not_said_to_be_scored():
     sim = {"train": True, "compute_s": 0.01, "compute_cv": 0.0, "latency_s": 5e-5, "bandwidth_gbps": 10,
            "apply_gbps": 20}
     text = render(build_rows(unscored), {**CTX, "simulated": sim}, [])
-    assert "Time to target: none; no distributed run was scored (cluster.evaluator = false)." in text, text
+    assert "Time to target: none; no distributed run was scored (no evaluator: cluster.evaluator = false" in text
+    # a review: every distributed run failed (the baseline ran): not the evaluator's doing
+    failed = render(build_rows([run("baseline", "baseline", workers=1), {**run("sync"), "error": "it broke"}]),
+                    CTX, [])
+    assert "no distributed run was scored" not in failed
+    # a review: a simulated run whose summary's sim lacks keys was a TypeError
+    from psgd.report import simulated_rows_cost
+    rows = build_rows([run("sync"), run("sync", simulated=True, sim={"train": True})])
+    assert "lognormal spread cv ?" in simulated_rows_cost(rows)
     assert "scored every" not in text and "accuracy is real" not in text
     assert "training is real, but no run was scored (no evaluator)" in text
     scored = render(build_rows([run("sync"), run("async", "async")]), {**CTX, "simulated": sim}, [])

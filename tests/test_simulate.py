@@ -503,8 +503,9 @@ def test_merged_report_gives_the_simulated_rows_cost_model_beside_real_ones(tmp_
     text = open(tmp_path / "two" / "report.md").read()
     calibrated = json.load(open(tmp_path / "t" / "compare.json"))[0]["sim"]["compute_s"]
     assert re.search(r"Cost model of sync \[[^]]+\] \(simulated\) \(2 w\): compute 0\.002 s per step", text)
-    assert re.search(r"Cost model of async \[[^]]+\] \(simulated\) \(2 w\): compute "
-                     + re.escape(f"{calibrated * 1e3:.3f} ms per step (calibrated"), text)
+    assert re.search(r"Cost model of async \[[^]]+\] \(simulated\) \(2 w\): compute calibrated on this machine "
+                     + re.escape(f"by timing the model's forward and backward on one thread: {calibrated * 1e3:.3f} "
+                                 f"ms per step"), text)
     assert "one-way link latency 0.001 s" in text and "timing only (sim.train = false)" in text
 
 

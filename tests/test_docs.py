@@ -242,3 +242,114 @@ def test_readme_says_what_the_summary_rates_are_of():
     section = " ".join(output_files().split())
     for field in ("wall_s", "samples", "samples_per_s", "max_clock_gap", "wait_fraction", "bytes_per_sample"):
         assert re.search(rf"`{field}` \(", section), f"README's Output files does not say what {field} is"
+
+
+ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
+SOURCES = [*glob.glob(os.path.join(ROOT, "psgd", "**", "*.py"), recursive=True),
+           *glob.glob(os.path.join(ROOT, "servers", "*.py")), *glob.glob(os.path.join(ROOT, "workers", "*.py"))]
+
+
+def code_names() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, list[str]]]:
+    """From the sources, without importing them: class -> the names it has (methods,
+    class attributes, `self.x = ...`, and `__base__Name` per base class), module (file
+    stem) -> its top-level names, and a method name -> the classes that define it."""
+    import ast
+    classes: dict[str, set[str]] = {}
+    modules: dict[str, set[str]] = {}
+    methods: dict[str, list[str]] = {}
+    for path in SOURCES:
+        tree = ast.parse(open(path).read())
+        top = modules.setdefault(os.path.splitext(os.path.basename(path))[0], set())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                top.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                top.update(t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                           if isinstance(t, ast.Name))
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            have = classes.setdefault(cls.name, set())
+            have.update(f"__base__{b.id}" for b in cls.bases if isinstance(b, ast.Name))
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef):
+                    have.add(node.name)
+                    methods.setdefault(node.name, []).append(cls.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                        and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    have.add(node.attr)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    have.update(t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                                if isinstance(t, ast.Name))
+    return classes, modules, methods
+
+
+def test_architecture_names_what_the_code_has():
+    """docs/architecture.md names the functions that do each part: every `Class.name`
+    (a class of psgd's, or one it inherits), `module.name` (psgd's modules by file name),
+    path (psgd/x.py), and bare class name it cites exists, and a private name is cited
+    with its class (`Shard._serve_checked`, not `_serve_read`: unqualified, it cannot be
+    checked, and a renamed or rerouted step went unnoticed)."""
+    classes, modules, _ = code_names()
+
+    def has(cls: str, name: str) -> bool:
+        got = classes.get(cls, set())
+        return name in got or any(has(b[8:], name) for b in got if b.startswith("__base__"))
+
+    text = open(ARCHITECTURE).read()
+    wrong = []
+    for path in set(re.findall(r"\b((?:psgd|servers|workers)/[\w/]*\.py)\b", text)):
+        if not os.path.exists(os.path.join(ROOT, path)):
+            wrong.append(f"{path}: no such file")
+    for owner, name in set(re.findall(r"(?<![\w./`-])`?([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b", text)):
+        if name in ("py", "md", "jsonl", "json", "toml", "pt", "log"):
+            continue   # a file
+        if owner in classes:
+            ok = has(owner, name)
+        elif owner in modules:
+            ok = name in modules[owner]
+        elif owner[0].isupper():
+            ok = False
+        else:
+            continue   # an instance (`schedule.step`), a file (`worker-0.jsonl`), a config key
+        if not ok:
+            wrong.append(f"{owner}.{name}")
+    for span in re.findall(r"`([^`\n]+)`", text):
+        if re.fullmatch(r"_\w+", span):
+            wrong.append(f"{span}: a private name without its class")
+        elif re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", span) and span not in classes:
+            wrong.append(f"{span}: no such class")
+    assert sorted(wrong) == [], "docs/architecture.md names what the code does not have"
+
+
+def test_architecture_ops_table_is_wire_ops():
+    """docs/architecture.md's table of ops has one row per op of `wire.OPS`, and says
+    who serves it as the code does: the coordinator's ops are those its serve loop
+    dispatches; a shard's those `Shard.handlers` has, and where a row names modes, the
+    modes whose rule serves the op (`ServerRule.serves`)."""
+    from psgd import wire
+    from psgd.consistency import MODES
+    from psgd.shard import Shard
+    text = open(ARCHITECTURE).read()
+    start = text.index("| op | sent by | served by |")
+    rows = text[start:].split("\n\n")[0].splitlines()[2:]
+    served: dict[str, str] = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split(" | ")]
+        for op in re.findall(r"`([a-z_]+)`", cells[0]):
+            served[op] = cells[2]
+    assert sorted(served) == sorted(wire.OPS), "the table's ops are not wire.OPS"
+    source = open(os.path.join(ROOT, "servers", "coordinator.py")).read()
+    coordinator = set(re.findall(r'"(\w+)": self\.on_\w+', source))
+    shard = set(Shard(config.load(None, []), 0).handlers)
+    wrong = []
+    for op, who in served.items():
+        if op in ("reply", "error"):
+            continue
+        if (who == "coordinator") != (op in coordinator) or who.startswith("shard") != (op in shard):
+            wrong.append(f"{op}: the table says {who!r}")
+        if who.startswith("shard:"):
+            named = {m.strip() for m in who.split(":", 1)[1].split(",")}
+            serving = {m for m in MODES if op in MODES[m].rule.serves}
+            if named != serving:
+                wrong.append(f"{op}: the table names modes {sorted(named)}, the rules serve it in {sorted(serving)}")
+    assert wrong == []
+

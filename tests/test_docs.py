@@ -353,3 +353,36 @@ def test_architecture_ops_table_is_wire_ops():
                 wrong.append(f"{op}: the table names modes {sorted(named)}, the rules serve it in {sorted(serving)}")
     assert wrong == []
 
+
+def test_readme_layout_names_every_module():
+    """README's Layout names every module of psgd/, psgd/sim/, servers/ and workers/ (a
+    module added without a word there went unlisted: forkserver.py, baseline.py, ...)."""
+    import fnmatch
+    text = open(README).read()
+    start = text.index("## Layout")
+    block = text[text.index("```", start) + 3:]
+    block = block[:block.index("```")]
+    named = set(re.findall(r"[\w*]+\.py", block))
+    missing = []
+    for folder in ("psgd", "servers", "workers"):
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "*.py"))):
+            name = os.path.basename(path)
+            if name not in ("__init__.py", "__main__.py") and not any(fnmatch.fnmatch(name, n) for n in named):
+                missing.append(f"{folder}/{name}")
+    sim = block[block.index("sim/ ("):]
+    sim = sim[:sim.index(")")]
+    for path in sorted(glob.glob(os.path.join(ROOT, "psgd", "sim", "*.py"))):
+        stem = os.path.basename(path)[:-3]
+        if stem != "__init__" and not re.search(rf"\b{stem}\b", sim):
+            missing.append(f"psgd/sim/{stem}.py")
+    assert missing == [], "README's Layout does not name these modules"
+
+
+def test_readme_idea_table_has_every_mode():
+    """README's "The idea" has one row per mode of the registry."""
+    from psgd.consistency import NAMES
+    text = open(README).read()
+    start = text.index("## The idea")
+    table = text[text.index("| mode |", start):]
+    table = table[:table.index("\n\n")]
+    assert [re.match(r"\| `(\w+)`", r).group(1) for r in table.splitlines()[2:]] == list(NAMES)

@@ -1,4 +1,4 @@
-"""The evaluator daemon: scores the global model on the test set every few seconds.
+"""The evaluator daemon: scores the global model on the test set every `eval.every_seconds`.
 
     psgd evaluator [CONFIG] --out DIR [--device ...] [--set k=v ...]
 
@@ -6,9 +6,13 @@ The global model is what the mode says it is (`Mode.global_model`): the shards'
 parameters, which are the centre x~ in elastic averaging, or the best trainer's model
 of the latest tournament, fetched whole from one deposit. Each
 score goes to the coordinator (which stamps it with the samples processed so far) and
-to DIR/events/evaluator-0.jsonl. When the workers are done it scores once more, saves
-the model as DIR/model.pt (a state_dict; `torch.load(path, weights_only=True)`), and
-exits when the coordinator says the job is done.
+to DIR/events/evaluator-0.jsonl. When the workers are done (the coordinator's phase
+`final_eval`) it scores once more, saves the model as DIR/model.pt (a state_dict;
+`torch.load(path, weights_only=True)`), sends that score as the final one and exits
+once the coordinator has answered it (it does not wait for `done`). A shard that
+answers `not_ready` is asked again (during training: at the next period; for the final
+score: until the coordinator writes the summary without one). A shard that does not
+answer for `cluster.timeout_s`, or a coordinator silent that long, ends it with exit 1.
 """
 from __future__ import annotations
 

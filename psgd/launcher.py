@@ -4,11 +4,15 @@ The launcher writes the resolved config to DIR/config.toml, starts the coordinat
 the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/config.toml
 --out DIR`; all but the coordinator forked, as that command, from one process that has
 imported torch: psgd/forkserver.py, unless `cluster.fork = false`), shows the
-coordinator's progress, and supervises: a shard that dies is
-started again (it resumes from its checkpoint); with `restart_workers` a dead worker is
-started again with its rank, unless the job is ending (aborted, or done training). Other
-daemons log to DIR/logs/<role>-<i>.log (their stderr; a training script's stdout too). A
-worker that exits before the job begins training (a training script; psgd's own worker
+coordinator's progress, and supervises: a shard or the evaluator that exits with a code
+other than 0 is started again (a shard resumes from its checkpoint); a coordinator killed
+or crashed while the job is under way is started again and resumes from its state file;
+with `restart_workers` a dead worker is started again with its rank, unless the job is
+ending (aborted, or done training); a child restarted MAX_RESTARTS times that dies again
+fails the run. Daemons log to DIR/logs/<role>-<i>.log (their stderr; a training
+script's stdout too), but for the coordinator, whose progress goes to the terminal
+(unless --quiet, as in the runs of psgd compare). A worker
+that exits before the job begins training (a training script; psgd's own worker
 with an error, not restarted) stops the job at once, with its log; once the job has
 ended, the scripts' work after close() is waited for (up to --timeout), and one that
 exits with a code other than 0 fails the run. Every child is stopped on the way out,

@@ -10,8 +10,8 @@ The optimizer is the one the rule names (`ServerRule.server_optimizer`): `[optim
 with its lr schedule, or a mode's outer optimizer (stepped on pseudo-gradients).
 
 A learned model (`layout`: psgd/layout.py) starts with empty tables and serves only
-`init` until a worker's initial values arrive (`on_init`); other requests meanwhile get
-the error `not_ready`.
+`init` and `stats` until a worker's initial values arrive (`on_init`); other requests
+meanwhile get the error `not_ready`.
 
 Tables: `params` (trainable parameters; for easgd the centre x~) and `buffers`
 (floating-point buffers such as BatchNorm running statistics), each one flat float32

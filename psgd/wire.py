@@ -16,7 +16,7 @@ The header always carries
 
 plus the fields that OPS lists for that op, each with its type (the ops in NO_ARRAYS
 carry no arrays). Replies use op
-"reply" (free-form scalar fields) or "error" (`code`, `reason`). A ROUTER socket
+"reply" (free-form fields: scalars, lists and maps) or "error" (`code`, `reason`). A ROUTER socket
 sees one routing-identity frame in front of frame 0; `split_identity` removes it.
 
 Validation is strict and happens before anything is used: header size, msgpack

@@ -13,11 +13,19 @@ it has. A worker that finishes with an error (it stopped after too many refused
 steps) aborts the job with that reason, and so does the loss of every worker with none
 finished (they all crashed: a job that survives the loss of some workers fails when
 nobody trained to the end; a restarted coordinator that has no live worker left waits
-cluster.timeout_s from its start for new ones to take up the lost ranks); an aborted
-job's summary.json has `aborted` (the reason) and the coordinator exits 1. Heartbeats
+cluster.timeout_s from its start for new ones to take up the lost ranks); so does the
+loss of any worker with `faults.on_worker_loss = "abort"`, and a shard that says it was
+restarted without its final tables (`lost_tables`) before the final score is in. An
+aborted job's summary.json has `aborted` (the reason) and the coordinator exits 1.
+A rendezvous that does not complete within cluster.timeout_s exits 1 without a summary.
+Every change of the job's state goes to DIR/coordinator-state.json, from which a
+restarted coordinator resumes the job (within cluster.timeout_s). Heartbeats
 carry each daemon's cumulative counters and get the live set back. When no worker is
-live any more, the evaluator is asked for a final score; then summary.json is written,
-every daemon is told `done`, and it exits.
+live any more (each finished or lost; a training script's rank 0 holding the end has
+released it or its hold ran out), the evaluator, if the job has one, is asked for a final score (phase
+`final_eval`, waited for up to cluster.timeout_s); then summary.json is written, every
+daemon is told `done` (its heartbeats are answered until each has heard it, or
+`linger_s`), and it exits.
 
 Start-up: `startup_s` in the `start` event and in summary.json is the time from
 `launched_at` (a time.time() value) to the start of training, and `startup_from` says

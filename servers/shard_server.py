@@ -4,9 +4,11 @@
 
 Registers with the coordinator (which hands out the run's config), learns the model's
 layout from it unless the model is one of psgd's own (psgd/layout.py: the server never
-imports user code), restores its checkpoint if one exists, binds its ROUTER on shard I's address and serves until the
-coordinator says the job is done. A bad message gets an error reply and is counted;
-the loop goes on. Checkpoints are written every `checkpoint.every_s` seconds, when
+imports user code), restores its checkpoint if one exists, binds its ROUTER on shard
+I's address and serves until the coordinator says the job is done. A bad message gets
+an error reply and is counted; the loop goes on. It exits 1 if the coordinator stays
+silent for cluster.timeout_s, or if no worker registers a learned model's layout within
+that time. Checkpoints are written every `checkpoint.every_s` seconds, when
 training ends (every worker done: a shard restarted during the final evaluation
 resumes the final tables) and on SIGTERM (atomically), and once more at the end.
 """

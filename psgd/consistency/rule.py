@@ -8,8 +8,9 @@ events and carries out the decisions it returns, in order. No sockets, no thread
 clock reads, so the real daemon, the in-process test cluster and a simulator on a
 virtual clock can all drive it.
 
-    events in   `Push`, `Read`, `ElasticOffer`, `Deposit`, `Fetch`, `membership(live)`,
-                `load_state_dict(...)` (a restore from a checkpoint)
+    events in   `Push`, `Read`, `ElasticOffer`, `Deposit`, `Fetch`, `index(token)` (the
+                `models` op), `membership(live)`, `load_state_dict(...)` (a restore
+                from a checkpoint)
     decisions   `Apply`        step the optimizer on a vector at lr x `lr_scale`
                 `Accumulate`   add a vector to the open step's sum
                 `ApplySum`     step on the mean of the accumulated gradients

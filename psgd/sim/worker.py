@@ -1,6 +1,6 @@
 """A simulated worker: the `Trainer` a mode's schedule drives, and its parameter client.
 
-`SimWorker` is what psgd/workers/worker.py's `Worker` is to a schedule (compute, client,
+`SimWorker` is what workers/worker.py's `Worker` is to a schedule (compute, client,
 replica, step log, live set), on the virtual clock: `compute()` runs the real forward
 and backward (unless `sim.train = false`) and moves the worker's own clock `t` by the
 cost model's step time; the step loop, the counting of refused steps and

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -41,36 +42,56 @@ class EventLog:
 LOGGED_STATS = {"samples": "samples", "steps": "step", "bytes_sent": "bytes_sent", "bytes_recv": "bytes_recv"}
 
 
+# The head of a worker's step line as EventLog.write and Worker.log_step write it: (t, step)
+# read without decoding the whole line (a long job's file holds millions of them).
+_STEP_HEAD = re.compile(r'\{"t": ([0-9.eE+-]+), "role": "worker", "rank": -?\d+, "step": (\d+), ')
+
+
+def _step_of(line: str) -> tuple[float, int] | None:
+    """(t, step) of a worker's step line, None for any other line (an event's, one cut short)."""
+    m = _STEP_HEAD.match(line)
+    if m:
+        return float(m[1]), int(m[2])
+    try:   # (written otherwise: decoded)
+        d = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or "event" in d or not isinstance(d.get("step"), int) \
+            or not isinstance(d.get("t"), (int, float)):
+        return None
+    return float(d["t"]), d["step"]
+
+
 def earlier_lives(out: str | None, rank: int, since: float) -> dict:
     """What the earlier processes of worker `rank` did in this job, from their step lines
     in DIR/events/worker-<rank>.jsonl written at `since` (a time.time(): the job's start)
-    or later: their LOGGED_STATS summed (each process's last line's). Read by a new
-    process for the rank before it writes a line: the coordinator heard a process that
-    died only up to its last heartbeat. Each process's `step` goes up by one a line from
-    1, which tells its lines from those of another process written in between (one
+    or later: their LOGGED_STATS summed (each process's last line's); {} if the file
+    cannot be read. Read by a new process for the rank: the coordinator heard a process
+    that died only up to its last heartbeat. Each process's `step` goes up by one a line
+    from 1, which tells its lines from those of another process written in between (one
     whose rank was taken over, still stepping until its next heartbeat says so)."""
-    lasts: list[dict] = []   # each earlier process's latest step line
+    lasts: list[tuple[int, str]] = []   # each earlier process's latest step line: (step, the line)
     path = os.path.join(out or "", "events", f"worker-{rank}.jsonl")
     if not out or not os.path.exists(path):
         return {}
-    with open(path) as f:
-        for line in f:
-            if '"step"' not in line or not line.endswith("\n"):   # (a line cut short as its process died)
-                continue
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            step = d.get("step") if isinstance(d, dict) else None
-            t = d.get("t") if isinstance(d, dict) else None
-            if not isinstance(step, int) or "event" in d or not isinstance(t, (int, float)) or t < since:
-                continue
-            i = next((i for i in range(len(lasts) - 1, -1, -1) if lasts[i]["step"] == step - 1), None)
-            if i is None:
-                lasts.append(d)
-            else:
-                lasts[i] = d
-    totals = {k: sum(d[f] for d in lasts if isinstance(d.get(f), int)) for k, f in LOGGED_STATS.items()}
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if '"step"' not in line or not line.endswith("\n"):   # (a line cut short as its process died)
+                    continue
+                got = _step_of(line)
+                if got is None or got[0] < since:
+                    continue
+                step = got[1]
+                i = next((i for i in range(len(lasts) - 1, -1, -1) if lasts[i][0] == step - 1), None)
+                if i is None:
+                    lasts.append((step, line))
+                else:
+                    lasts[i] = (step, line)
+    except OSError:
+        return {}
+    last = [json.loads(line) for _, line in lasts]
+    totals = {k: sum(d[f] for d in last if isinstance(d.get(f), int)) for k, f in LOGGED_STATS.items()}
     return {k: v for k, v in totals.items() if v}
 
 

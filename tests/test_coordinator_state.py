@@ -350,10 +350,17 @@ def test_earlier_lives_sums_each_earlier_process_from_its_step_lines(tmp_path):
              json.dumps({"t": 11.3, "role": "worker", "event": "tournament", "step": 9}) + "\n",
              line(12.0, 1, 32, 4), line(12.1, 2, 64, 5), line(12.2, 1, 32, 5), line(12.3, 3, 96, 6),
              line(12.4, 2, 64, 6), '{"t": 12.5, "role": "worker", "step": 4, "sam']
+    # a line written otherwise (other separators, other order) is decoded: the fourth process's one step
+    lines[-1:-1] = [json.dumps({"samples": 32, "step": 1, "t": 12.45, "rank": 1, "role": "worker"},
+                               separators=(",", ":")) + "\n"]
     (tmp_path / "events" / "worker-1.jsonl").write_text("".join(lines))
     logged = earlier_lives(str(tmp_path), 1, since=10.0)
-    assert logged == {"samples": 96 + 96 + 64, "steps": 3 + 3 + 2, "bytes_sent": 80, "bytes_recv": 160}
+    assert logged == {"samples": 96 + 96 + 64 + 32, "steps": 3 + 3 + 2 + 1, "bytes_sent": 80, "bytes_recv": 160}
     assert earlier_lives(str(tmp_path), 0, since=10.0) == {} and earlier_lives(None, 1, 0.0) == {}
+    # a review: bytes that are not UTF-8 raised at the new process's join, and it died
+    with open(tmp_path / "events" / "worker-1.jsonl", "ab") as f:
+        f.write(b"\xff\xfe garbled\n" + line(13.0, 4, 128, 7).encode())
+    assert earlier_lives(str(tmp_path), 1, since=10.0)["samples"] == 96 + 128 + 64 + 32   # (the second goes on)
 
 
 @pytest.mark.inprocess

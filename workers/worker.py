@@ -137,8 +137,6 @@ class Worker:
         self.cfg = self.cfg0.with_run(answer.get("config"))
         self.clock = int(answer.get("start_clock", 0))
         self.trained_s = float(answer.get("trained_s", 0.0))  # a restarted worker's job has trained that long
-        if self.trained_s > 0:   # a new process for a rank of a job under way: what the rank's earlier ones did
-            self.logged = earlier_lives(self.out, self.rank, time.time() - self.trained_s - LINES_SLACK_S)
         self.name = f"worker-{self.rank}"
         return self.cfg
 
@@ -162,6 +160,9 @@ class Worker:
         self.link.stats_fn = self.stats
         self.link.fields_fn = lambda: {"logged": self.logged} if self.logged else {}
         self.link.start()
+        if self.trained_s > 0:   # a new process for a rank of a job under way: what the rank's earlier ones did
+            # (read with the heartbeats going: a long job's lines take seconds; the next beats carry it)
+            self.logged = earlier_lives(self.out, self.rank, time.time() - self.trained_s - LINES_SLACK_S)
         return get_mode(cfg.mode.name).schedule(cfg)
 
     def start(self, schedule: Schedule) -> None:

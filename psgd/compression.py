@@ -64,10 +64,10 @@ def onebit_encode(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, pos = _blocks(v), _blocks(positive.float())
     n_pos = pos.sum(1)
     n_neg = (_blocks(torch.ones_like(v)) - pos).sum(1)       # padding counts for neither side
-    mean_pos = (rows * pos).sum(1) / n_pos.clamp(min=1)
+    mean_pos = rows.clamp(min=0).sum(1) / n_pos.clamp(min=1)
     # Each side summed on its own: the block's sum less the positives' lost the negatives
     # to rounding where the positives are larger (255 of 1000 and one of -0.001: 0, not -0.001)
-    mean_neg = (rows * (1 - pos)).sum(1) / n_neg.clamp(min=1)
+    mean_neg = rows.clamp(max=0).sum(1) / n_neg.clamp(min=1)
     signs = torch.from_numpy(np.packbits(positive.numpy()))
     return signs, torch.cat([mean_pos, mean_neg])
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
-from .sharding import TABLES, Piece, ShardMap, model_tensors
+from .sharding import TABLES, Piece, ShardMap, grad_of, model_tensors
 
 
 def runs(pieces: list[Piece]) -> list[tuple[str, int, int]]:
@@ -132,8 +132,7 @@ class Replica:
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
         made dense: the tables are)"""
-        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad if p.grad.layout == torch.strided
-                 else p.grad.to_dense() for n, p in self.trainable.items()}
+        grads = {n: grad_of(p) for n, p in self.trainable.items()}
         return self._tables(grads, "params", f"g{slot}")
 
     @torch.no_grad()

@@ -174,9 +174,13 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def model_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """name -> gradient (zeros where a trainable parameter got none)."""
-    out = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            out[n] = p.grad if p.grad is not None else torch.zeros_like(p)
-    return out
+    """name -> gradient (zeros where a trainable parameter got none; a sparse one,
+    nn.Embedding(sparse=True)'s, made dense: the tables are)."""
+    return {n: grad_of(p) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """A trainable parameter's gradient, dense (zeros where it got none)."""
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad if p.grad.layout == torch.strided else p.grad.to_dense()

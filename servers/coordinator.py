@@ -86,7 +86,7 @@ def checked_stats(stats: Any) -> dict:
     unchecked, one bad value would stop the coordinator later, outside any request
     (the state file's JSON, the sums of `samples`). A `loss` that is not finite is
     kept as null: an honest worker's last loss may be inf (it refuses that step); a
-    finite one is kept whatever its size (it is no counter, summed nowhere: a diverging
+    finite float one is kept whatever its size (it is no counter, summed nowhere: a diverging
     worker's 1e30, which float16 on the wire refuses before it turns inf, was refused,
     and the worker's heartbeats and its end with it)."""
     if not isinstance(stats, dict) or len(stats) > MAX_STATS:

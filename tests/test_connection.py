@@ -913,6 +913,7 @@ def test_a_model_with_sparse_gradients_trains(port_block, mode):
         for t in threads:
             t.join(timeout=60)
     assert not errors, errors
+    assert not any(t.is_alive() for t in threads)   # (each trained its steps: it ended)
     assert not torch.equal(models[0].e.weight, start)
 
 

@@ -174,7 +174,7 @@ class Worker:
         clock = self.clock
         schedule.start(self)
         if self.clock != clock:   # (the log's first line said where it started: "starting at clock 0")
-            log(self.name, f"continuing at clock {self.clock}, the step the shards stand at")
+            log(self.name, f"continuing at clock {self.clock}, where the shards' answers put it")
 
     @staticmethod
     def _build(cfg: Config):

@@ -297,7 +297,8 @@ def test_a_resumed_jobs_summary_counts_its_own_bad_messages_only(tmp_path):
     assert s["samples"] == 2 * 20 * 32          # this run's only: the 20 steps left
     assert (s["bad_messages"], s["dropped_gradients"]) == (0, 0), s   # were 10 and 3: the earlier process's
     # the worker's log said "starting at clock 0", then "finished 20 steps", and nothing of the 10 between
-    assert "continuing at clock 10, where the shards' answers put it" in (tmp_path / "logs" / "worker-0.log").read_text()
+    log = (tmp_path / "logs" / "worker-0.log").read_text()
+    assert "continuing at clock 10, where the shards' answers put it" in log, log
 
 
 @pytest.mark.processes

@@ -326,6 +326,7 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     # A line on another's (simulated sync and ssp s=0 can run alike) is dashed over it (_hosts).
     t_hosts = _hosts(tput)
     p_hosts = _hosts([([float(w) for w, _, _ in pts], [t for _, t, _ in pts]) for pts in times])
+    t_dash, p_dash = _dashes(t_hosts), _dashes(p_hosts)
 
     def label(i: int, hosts: list[int | None]) -> str:
         h = hosts[i]
@@ -334,11 +335,11 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
         c = colors[rs[0].key]
         ws = [r.workers for r in rs]
         a1.errorbar(ws, tput[i][1], yerr=[sd(r.sps) or 0 for r in rs], marker="o", capsize=3,
-                    color=c, label=label(i, t_hosts), ls=_dashes(t_hosts)[i] or "-")
+                    color=c, label=label(i, t_hosts), ls=t_dash[i] or "-")
         pts = times[i]
         if pts:
             a2.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts], marker="o",
-                        capsize=3, color=c, label=label(i, p_hosts), ls=_dashes(p_hosts)[i] or "-")
+                        capsize=3, color=c, label=label(i, p_hosts), ls=p_dash[i] or "-")
         if any(r.scored for r in rs) and (by_why := _why_unplotted(ws, rs, period, target)):
             missing.append(f"{names[i]}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})

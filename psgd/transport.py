@@ -75,6 +75,11 @@ def handshake_failure(event: int, value: int) -> str:
 # to send (and wakes its garbage-collector thread for the GIL when ZeroMQ is done with
 # it); copying 256 KiB costs about that.
 COPY_THRESHOLD = 256 << 10
+# A Service forgets the trackers of frames ZeroMQ is done with when asked (`in_flight`), and
+# whenever it holds twice as many as were still in flight at its last look, or this many
+# (`Service.send`): a daemon that never asks (a shard whose tables do not change: ltfb's)
+# kept every one, about 2 KB per large reply, for its whole run.
+PRUNE_TRACKERS = 64
 
 
 def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
@@ -377,6 +382,7 @@ class Service:
         self.poller.register(sock, zmq.POLLIN)
         self.sent = sent
         self._trackers: list[zmq.MessageTracker] = []  # of zero-copy frames (larger than COPY_THRESHOLD)
+        self._prune_at = PRUNE_TRACKERS   # `send` forgets those done when it holds this many
         self.busy_s = 0.0
 
     def poll(self, timeout_ms: int) -> None:
@@ -435,6 +441,9 @@ class Service:
             except zmq.ZMQError:
                 pass  # the peer is gone; nothing to answer
         if self.sent is not None:
+            if len(self._trackers) >= self._prune_at:   # (amortized: the live ones are looked at again later)
+                self.in_flight()
+                self._prune_at = max(PRUNE_TRACKERS, 2 * len(self._trackers))
             self.sent()
 
     def in_flight(self) -> bool:

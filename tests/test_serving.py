@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
-from psgd import wire
+from psgd import transport, wire
 from psgd.config import Config, ConfigError, SecurityConfig
 from psgd.inprocess import InProcessCluster
 from psgd.membership import CoordinatorLink
@@ -117,6 +117,35 @@ def test_service_tracks_the_frames_it_sends_without_copying_until_zeromq_is_done
         while service.in_flight() and time.monotonic() < deadline:  # released once ZeroMQ has sent it
             time.sleep(0.01)
         assert not service.in_flight()
+    finally:
+        peer.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_service_keeps_no_tracker_of_frames_zeromq_is_done_with_when_nobody_asks():
+    """A daemon whose tables never change (ltfb's shards: its steps answer with the group's
+    mean, its fetches with stored models) never asks `in_flight`: the tracker of every
+    zero-copy frame it sent was kept for the whole run (about 2 KB each, one per large
+    reply: a shard's memory grew by hundreds of MB an hour)."""
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    sock = server_socket(ctx, f"tcp://127.0.0.1:{port}", Config().security)
+    table = np.arange(1 << 18, dtype=np.float32)    # 1 MiB: above COPY_THRESHOLD, sent without a copy
+    service = Service(sock, {"pull": lambda ident, msg: [(ident, wire.reply(msg, arrays=[table]))]},
+                      "the test daemon", sent=lambda: None)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    n = 8 * transport.PRUNE_TRACKERS
+    try:
+        for i in range(n):   # one reply at a time, each read before the next request
+            peer.send_multipart(wire.encode("pull", id=i + 1))
+            while not peer.poll(5):
+                service.poll(5)
+            assert wire.decode(peer.recv_multipart()).id == i + 1
+        assert len(service._trackers) <= 2 * transport.PRUNE_TRACKERS, f"{len(service._trackers)} of {n} kept"
     finally:
         peer.close(0)
         sock.close(0)

@@ -18,7 +18,7 @@ heartbeats and finish (which carry its nonce) are not the rank's.
 
 `CoordinatorLink` is the daemons' side: register (waiting, with a clear message, for a
 coordinator that is not up yet), then a background thread that heartbeats every
-`cluster.heartbeat_s` (a shard: every `SHARD_BEAT_S` at most) with the caller's
+`cluster.heartbeat_s` (a shard and the evaluator: every `SHARD_BEAT_S` at most) with the caller's
 counters and keeps the latest answer (live set, phase, done).
 """
 from __future__ import annotations
@@ -45,7 +45,9 @@ REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent agai
 # A shard learns the live set from its heartbeats' answers: a step that waits for a
 # worker that finished (its time budget spent) or was dropped waits until the next
 # one. Shards are few, so they beat this often (a time-budget sync run lost up to a
-# heartbeat_s, 0.5 s, at its end: 14 % of a 3 s comparison run's samples/s).
+# heartbeat_s, 0.5 s, at its end: 14 % of a 3 s comparison run's samples/s). The
+# evaluator too: it learns from them that training has begun (its first score came up
+# to a heartbeat_s into training, whatever eval.every_seconds said) and that it ended.
 SHARD_BEAT_S = 0.05
 # The coordinator's phases after training (every worker done) and before `done`: the
 # tables change no more, and the final evaluation reads them. A shard checkpoints as it
@@ -396,7 +398,8 @@ class CoordinatorLink:
         self.cfg = cfg
         self.role = role
         self.index = index
-        self.period = min(cfg.cluster.heartbeat_s, SHARD_BEAT_S) if role == "server" else cfg.cluster.heartbeat_s
+        self.period = (min(cfg.cluster.heartbeat_s, SHARD_BEAT_S) if role in ("server", "evaluator")
+                       else cfg.cluster.heartbeat_s)
         self.ctx = ctx or zmq.Context.instance()
         self.address = cfg.coordinator_address()
         self.stats_fn: Callable[[], dict] = dict

@@ -711,3 +711,32 @@ def test_reconnecting_while_a_handshake_is_under_way_leaves_the_process_able_to_
         for s in (fresh, server):
             s.close(0)
         ctx.term()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_the_evaluator_scores_from_the_start_of_training_not_from_its_next_heartbeat(tmp_path):
+    """A review: the evaluator learned that training had begun (and, later, that it had
+    ended) from its heartbeats' answers, every cluster.heartbeat_s: the first score came up
+    to 0.5 s into training (0.48 s of a 4 s run; 0.05 s in another), whatever
+    eval.every_seconds said, and set time_to_target_s where the target was met early. Here
+    its heartbeats are 3 s apart and training lasts 1.5 s: it still scores during it."""
+    from psgd.workers.evaluator import Evaluator
+    from psgd.workers.worker import Worker
+    cfg = config(**{"cluster.servers": 1, "cluster.evaluator": True, "cluster.timeout_s": 30,
+                    "cluster.heartbeat_s": 3.0, "cluster.heartbeat_timeout_s": 20.0,
+                    "train.steps": 0, "train.seconds": 1.5, "eval.every_seconds": 0.1})
+    codes: dict[str, int] = {}
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        ev = threading.Thread(target=lambda: codes.__setitem__("evaluator", Evaluator(cfg, str(tmp_path), "cpu").run()))
+        ev.start()
+        until = time.monotonic() + 30
+        while not cluster.coordinator.evaluator_seen and time.monotonic() < until:
+            time.sleep(0.02)   # registered and heartbeating before training begins
+        time.sleep(0.2)
+        codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
+        ev.join(timeout=60)
+        assert codes == {"worker": 0, "evaluator": 0}
+        summary = cluster.coordinator.summary
+    during = [e for e in summary["evals"] if not e.get("final") and e["t"] < summary["wall_s"]]
+    assert during, summary["evals"]

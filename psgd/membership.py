@@ -107,7 +107,10 @@ class Counts:
     seconds, as (time, samples) points, for `SamplesAt`: a score may arrive long after
     its read of the model (a slow evaluator on a busy machine), and the count at the
     read lies between two of these. Bounded: the points are at least window_s /
-    COUNTS_KEPT apart (each beat moves the last one on until it is), and only one is
+    COUNTS_KEPT apart but for the latest three, which are every heartbeat's (most
+    scores are read within the last two periods; the point where a worker began
+    stepping, `Worker.start`'s beat, was moved on to the next beat, and an early score
+    was counted up to a period of samples the workers had not done), and only one is
     older than the window. O(1) amortized per heartbeat: the coordinator serves a
     thousand workers'."""
 
@@ -118,10 +121,9 @@ class Counts:
 
     def add(self, t: float, samples: int) -> None:
         p = self.points
-        if len(p) >= 2 and p[-1][0] - p[-2][0] < self.spacing:
-            p[-1] = (t, samples)
-        else:
-            p.append((t, samples))
+        p.append((t, samples))
+        if len(p) >= 4 and p[-3][0] - p[-4][0] < self.spacing:
+            del p[-3]   # thinned once it is no longer among the latest three
         while len(p) > 2 and p[1][0] <= t - self.window_s:
             p.popleft()
 
@@ -409,6 +411,7 @@ class CoordinatorLink:
         self.lost = False
         self.rank = index
         self._stop = threading.Event()
+        self._wake = threading.Event()   # a beat now, not at the next period (`beat_soon`)
         self._thread: threading.Thread | None = None
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
         self.unanswered = ""              # the last `call`'s PeerTimeout, until one is answered
@@ -529,7 +532,8 @@ class CoordinatorLink:
                         failed = why
                 if time.monotonic() - last_ok > self.cfg.cluster.timeout_s:
                     self.lost = True
-                self._stop.wait(self.period)
+                self._wake.wait(self.period)
+                self._wake.clear()
         except zmq.ContextTerminated:
             pass  # the process is closing its sockets' context (its daemon ended first): so must we
         finally:
@@ -541,6 +545,12 @@ class CoordinatorLink:
         return {"role": self.role, "index": self.index, "rank": self.rank if self.role == "worker" else -1,
                 "nonce": self.nonce, "clock": self.clock_fn(), "stats": self.stats_fn(),
                 "live_id": self.state.get("live_id", ""), **self.fields_fn()}
+
+    def beat_soon(self) -> None:
+        """A heartbeat now from the heartbeat thread, without waiting for it: a worker
+        that begins stepping says so (its count then is where the evaluator's scores'
+        samples are counted from, `SamplesAt`; the beat before may be a period earlier)."""
+        self._wake.set()
 
     def beat(self) -> None:
         """A heartbeat now, from the caller's thread (the counters up to this moment)."""
@@ -581,6 +591,7 @@ class CoordinatorLink:
         """End the heartbeats: the thread ends within 0.2 s (the answer to a beat in flight
         is not waited for: a shard beats every 0.05 s, so one is mostly in flight)."""
         self._stop.set()
+        self._wake.set()
         if self._thread:
             self._thread.join(timeout=5.0)
 

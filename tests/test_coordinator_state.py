@@ -931,3 +931,19 @@ def test_a_shard_back_without_its_final_tables_aborts_the_final_evaluation(tmp_p
     assert c.phase == "done" and c.abort.startswith(f"shard 1 {lost}: the final model is lost")
     assert c.summary["aborted"] == c.abort
     assert c.summary["final_accuracy"] is None and c.summary["final_eval_missing"] is True
+
+
+@pytest.mark.unit
+def test_the_count_where_a_worker_began_stepping_is_kept():
+    """A review: the counts kept for a score's samples moved their last point on to each
+    beat until it was window / COUNTS_KEPT (1.9 s) from the one before: the beat saying a
+    worker had begun stepping (0 samples, after 0.5 s of waiting for the initial values)
+    was replaced by the next one, and a score read before any step (the initial model's)
+    was counted at 64 samples here (1,175 in a real 2-worker run)."""
+    m = Membership(1, timeout_s=5.0, counts_s=60.0)
+    m.join(0.0, 0)
+    m.beat(0, 0.02, 0, {"samples": 0})     # the heartbeats' first, while the initial values come
+    m.beat(0, 0.5, 0, {"samples": 0})      # Worker.start: it begins stepping now
+    m.beat(0, 1.0, 5, {"samples": 160})
+    assert m.members[0].counts.at(0.4) == 0
+    assert m.members[0].counts.at(0.75) == 80

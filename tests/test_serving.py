@@ -740,3 +740,43 @@ def test_the_evaluator_scores_from_the_start_of_training_not_from_its_next_heart
         summary = cluster.coordinator.summary
     during = [e for e in summary["evals"] if not e.get("final") and e["t"] < summary["wall_s"]]
     assert during, summary["evals"]
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, monkeypatch):
+    """A review: a score's samples are the workers' count at its read, between the
+    heartbeats around it, in proportion to the time; a worker's beat before the wait for
+    the initial values and its next one, after steps began, put the untrained model's
+    score at 584 and 1,175 samples in 2-worker runs whose step lines had none yet. A
+    worker beats when it begins stepping. Here the initial values take 1 s to come, and
+    its heartbeats are 3 s apart."""
+    import json
+
+    from psgd.workers.evaluator import Evaluator
+    from psgd.workers.worker import Worker
+    cfg = config(**{"cluster.servers": 1, "cluster.evaluator": True, "cluster.timeout_s": 30,
+                    "cluster.heartbeat_s": 3.0, "cluster.heartbeat_timeout_s": 20.0,
+                    "train.steps": 0, "train.seconds": 1.5, "eval.every_seconds": 0.1})
+    real = ParameterClient.init
+
+    def slow_init(self, tables):
+        time.sleep(1.0)
+        return real(self, tables)
+    monkeypatch.setattr(ParameterClient, "init", slow_init)
+    codes: dict[str, int] = {}
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        ev = threading.Thread(target=lambda: codes.__setitem__("evaluator", Evaluator(cfg, str(tmp_path), "cpu").run()))
+        ev.start()
+        codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
+        ev.join(timeout=60)
+        assert codes == {"worker": 0, "evaluator": 0}
+        evals = cluster.coordinator.summary["evals"]
+
+    def lines(name: str) -> list[dict]:
+        with open(tmp_path / "events" / f"{name}.jsonl") as f:
+            return [json.loads(line) for line in f]
+    start = next(e["t"] for e in lines("coordinator-0") if e.get("event") == "start")
+    first_step = min(e["t"] for e in lines("worker-0") if "step" in e)
+    before = [e for e in evals if not e.get("final") and start + e["t"] < first_step - 0.2]
+    assert before and all(e["samples"] == 0 for e in before), (first_step - start, evals)

@@ -170,6 +170,7 @@ class Worker:
         shard that built the model itself ignores them), then start the schedule."""
         self.client.init((self.replica.params(), self.replica.buffers()) if self.rank == 0 else None)
         self.t_start = time.monotonic()
+        self.link.beat_soon()   # its count at its first step (`Counts`): not its beat before the initial values
         self.client.wait_s = 0.0  # wait_fraction is of the training time: the wait for the initial values is not
         clock = self.clock
         schedule.start(self)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -76,8 +77,15 @@ def serve() -> None:
         end_with_launcher()
     except SystemExit:   # the launcher ended while this started (SIGTERM during its Popen): no one to serve or tell
         return
+    # The collector is off while the preload imports (torch's ~170k objects): a full
+    # collection that a few allocations more or less set off mid-import cost 0.1-0.35 s
+    # of every job's start-up (a 22-line function added to psgd/shard.py moved the default
+    # job's from 1.37 to 1.59 s); what it imported is frozen, as each daemon's is (cli._started).
+    gc.disable()
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.freeze()
+    gc.enable()
     import torch
     if torch.cuda.is_initialized():  # a fork could not use CUDA: the launcher falls back to interpreters
         raise SystemExit("psgd.forkserver: CUDA was initialized while importing; not forking")

@@ -206,6 +206,24 @@ def test_a_ranks_counters_add_up_over_its_processes():
     assert again.stats()[1]["samples"] == 5120
 
 
+def three_workers_heard(mode: str, sync: bool = False) -> tuple:
+    """A coordinator of 3 workers (mode `mode`, easgd's `mode.sync`), each registered (nonce
+    n<rank>) and heard at clocks 84, 30 and 50; and a function that serves it a request."""
+    cfg = Config().replace(**{"cluster.workers": 3, "cluster.servers": 1, "cluster.port": free_port_block(3),
+                              "cluster.evaluator": False, "train.steps": 100, "mode.name": mode,
+                              "mode.sync": sync})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    for r in range(3):
+        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
+    for r, clock in ((0, 84), (1, 30), (2, 50)):
+        serve("heartbeat", role="worker", index=r, rank=r, clock=clock, stats={"samples": 32 * clock}, live_id="")
+    return c, serve
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["easgd", "ltfb"])
@@ -227,17 +245,8 @@ def test_a_worker_that_rejoins_after_a_partition_keeps_its_own_clock(mode):
     from psgd.consistency import rule as R
     from psgd.consistency.pushpull import caught_up
     from psgd.workers.worker import Worker
-    cfg = Config().replace(**{"cluster.workers": 3, "cluster.servers": 1, "cluster.port": free_port_block(3),
-                              "cluster.evaluator": False, "train.steps": 100, "mode.name": mode})
-    c = coordinator(cfg, "")
-
-    def serve(op: str, **kw) -> wire.Message:
-        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
-
-    for r in range(3):
-        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
-    for r, clock in ((0, 84), (1, 30), (2, 50)):
-        serve("heartbeat", role="worker", index=r, rank=r, clock=clock, stats={"samples": 32 * clock}, live_id="")
+    c, serve = three_workers_heard(mode)
+    cfg = c.cfg
     c.members.members[0].last_seen -= 100        # the partition: its heartbeats stop coming
     c._tick(time.monotonic())
     assert c.members.members[0].state == "lost"
@@ -282,18 +291,7 @@ def test_a_new_process_for_a_rank_starts_at_its_clock_where_the_shards_share_no_
     killed with the coordinator trained 1,944 of its 3,000), or redid them behind a
     slower one. It continues at its own (30; the schedule moves it on to the rank's
     last step the shards have: async's finished clock, easgd's rounds, ltfb's deposits)."""
-    cfg = Config().replace(**{"cluster.workers": 3, "cluster.servers": 1, "cluster.port": free_port_block(3),
-                              "cluster.evaluator": False, "train.steps": 100, "mode.name": mode,
-                              "mode.sync": sync})
-    c = coordinator(cfg, "")
-
-    def serve(op: str, **kw) -> wire.Message:
-        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
-
-    for r in range(3):
-        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
-    for r, clock in ((0, 84), (1, 30), (2, 50)):
-        serve("heartbeat", role="worker", index=r, rank=r, clock=clock, stats={"samples": 32 * clock}, live_id="")
+    c, serve = three_workers_heard(mode, sync)
     assert serve("register", role="worker", want_rank=1, nonce="m1").get("start_clock") == start   # not missed yet
     c.members.members[1].last_seen -= 100        # ... or missed: the same
     c._tick(time.monotonic())

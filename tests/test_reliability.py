@@ -242,6 +242,22 @@ def step_line_samples(out: str, rank: int) -> int:
     return total + last
 
 
+def kill_9_coordinator_and_workers(j) -> dict:
+    """Job `j` (2 workers, --restart-workers) started; its coordinator and both workers
+    killed together once worker 0 has stepped 200 times; its summary once it has ended,
+    every one of them restarted."""
+    try:
+        j.start()
+        wait_for_steps(j, 0, 200)
+        for name in ("coordinator-0", "worker-0", "worker-1"):
+            child(j, name).proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_restarted"] == 2, s["failures"]
+    return s
+
+
 @pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(240)
@@ -253,15 +269,7 @@ def test_kill_9_the_coordinator_and_the_workers_together_counts_every_step(tmp_p
     of their ranks' earlier ones are their step lines': the summary has every step's
     samples (and at most the batch each killed process computed and never logged)."""
     j = job(tmp_path, "train.steps=600", "faults.step_delay_s=0.002", restart_workers=True)
-    try:
-        j.start()
-        wait_for_steps(j, 0, 200)
-        for name in ("coordinator-0", "worker-0", "worker-1"):
-            child(j, name).proc.send_signal(signal.SIGKILL)
-        s = j.wait()
-    finally:
-        j.stop()
-    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_restarted"] == 2, s["failures"]
+    s = kill_9_coordinator_and_workers(j)
     lines = sum(step_line_samples(j.out, r) for r in range(2))
     assert lines <= s["samples"] <= lines + 2 * 32, (s["samples"], lines)
 
@@ -286,15 +294,7 @@ def test_kill_9_the_coordinator_and_the_workers_together_each_rank_trains_its_st
     steps, tau = 600, 4
     j = job(tmp_path, f"mode.name={mode}", f"train.steps={steps}", f"mode.tau={tau}", "faults.step_delay_s=0.002",
             "faults.slow_rank=1", "faults.slow_factor=3", restart_workers=True)
-    try:
-        j.start()
-        wait_for_steps(j, 0, 200)
-        for name in ("coordinator-0", "worker-0", "worker-1"):
-            child(j, name).proc.send_signal(signal.SIGKILL)
-        s = j.wait()
-    finally:
-        j.stop()
-    assert s["failures"]["coordinator_restarts"] == 1 and s["failures"]["workers_restarted"] == 2, s["failures"]
+    kill_9_coordinator_and_workers(j)
     for r in range(2):
         clocks = step_line_clocks(j.out, r)
         assert len(clocks) == len(set(clocks)) and max(clocks) == steps, (r, len(clocks), len(set(clocks)))

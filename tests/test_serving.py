@@ -713,6 +713,16 @@ def test_reconnecting_while_a_handshake_is_under_way_leaves_the_process_able_to_
         ctx.term()
 
 
+def written_summary(coordinator, within_s: float = 30.0) -> dict:
+    """The coordinator's summary, once written: it writes it after the final score is in,
+    a moment after the evaluator's thread has ended (read at once, it was None)."""
+    until = time.monotonic() + within_s
+    while coordinator.summary is None and time.monotonic() < until:
+        time.sleep(0.05)
+    assert coordinator.summary is not None, f"no summary within {within_s:g} s"
+    return coordinator.summary
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
 def test_the_evaluator_scores_from_the_start_of_training_not_from_its_next_heartbeat(tmp_path):
@@ -737,7 +747,7 @@ def test_the_evaluator_scores_from_the_start_of_training_not_from_its_next_heart
         codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
         ev.join(timeout=60)
         assert codes == {"worker": 0, "evaluator": 0}
-        summary = cluster.coordinator.summary
+        summary = written_summary(cluster.coordinator)
     during = [e for e in summary["evals"] if not e.get("final") and e["t"] < summary["wall_s"]]
     assert during, summary["evals"]
 
@@ -771,7 +781,7 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
         codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
         ev.join(timeout=60)
         assert codes == {"worker": 0, "evaluator": 0}
-        evals = cluster.coordinator.summary["evals"]
+        evals = written_summary(cluster.coordinator)["evals"]
 
     def lines(name: str) -> list[dict]:
         with open(tmp_path / "events" / f"{name}.jsonl") as f:

@@ -54,16 +54,18 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_workers(cfg: Config, out: str | None, loop, optimizer=None) -> dict:
-    """One thread per rank: connect a Net built from seed 100 + rank, run `loop`."""
+def run_workers(cfg: Config, out: str | None, loop, optimizer=None, models: list | None = None, score=None) -> dict:
+    """One thread per rank: connect `models[rank]` (default: a Net built from seed 100 +
+    rank), run `loop`. `got["alive"]`: the ranks whose thread had not ended after 60 s."""
     got: dict = {"errors": []}
-    models = [Net(100 + rank) for rank in range(cfg.cluster.workers)]  # here: Net seeds torch's global RNG
+    if models is None:
+        models = [Net(100 + rank) for rank in range(cfg.cluster.workers)]  # here: Net seeds torch's global RNG
 
     def worker(rank: int) -> None:
         try:
             model = models[rank]
             opt = optimizer(model) if optimizer else None
-            ps = psgd.connect(model, opt, config=cfg, out=out, rank=rank)
+            ps = psgd.connect(model, opt, config=cfg, out=out, rank=rank, score=score)
             got[("start", rank)] = flat(model)
             loop(ps, model, opt)
             ps.close()
@@ -77,6 +79,7 @@ def run_workers(cfg: Config, out: str | None, loop, optimizer=None) -> dict:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    got["alive"] = [r for r, t in enumerate(threads) if t.is_alive()]
     return got
 
 
@@ -890,30 +893,20 @@ def test_a_model_with_sparse_gradients_trains(port_block, mode):
     cfg = config(port_block, mode, **{"mode.trainer_size": 2})
     models = [Bag() for _ in range(2)]
     start = models[0].e.weight.detach().clone()
-    errors: list = []
 
-    def worker(rank: int) -> None:
-        try:
-            model = models[rank]
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            with psgd.connect(model, opt, config=cfg, rank=rank, score=lambda m: 0.5) as ps:
-                while True:
-                    opt.zero_grad()
-                    i = torch.randint(0, 10, (16,))
-                    nn.functional.cross_entropy(model(i), i % 3).backward()
-                    if not ps.step():
-                        break
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            errors.append(e)
+    def loop(ps, model, opt) -> None:
+        while True:
+            opt.zero_grad()
+            i = torch.randint(0, 10, (16,))
+            nn.functional.cross_entropy(model(i), i % 3).backward()
+            if not ps.step():
+                break
 
     with InProcessCluster(cfg):
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)   # (each trained its steps: it ended)
+        got = run_workers(cfg, None, loop, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), models,
+                          score=lambda m: 0.5)
+    assert not got["errors"], got["errors"]
+    assert not got["alive"]   # (each trained its steps: it ended)
     assert not torch.equal(models[0].e.weight, start)
 
 

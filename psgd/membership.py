@@ -162,6 +162,12 @@ class Member:
     def samples(self) -> int:
         return int(self.totals().get("samples", 0))
 
+    def heard(self, now: float, stats: dict | None, logged: dict | None) -> None:
+        """A heartbeat's or a finish's counters (`stats`, and `logged`: `credit`)."""
+        self.stats = stats or self.stats
+        self.credit(logged or {})
+        self.counts.add(now, self.samples())
+
     def credit(self, logged: dict) -> None:
         """The counters of the rank's earlier processes as their step lines have them
         (`metrics.earlier_lives`, sent by the process now holding the rank): where the
@@ -307,9 +313,7 @@ class Membership:
         if m is None or m.state == "lost":
             return False
         if (stats or logged) and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
-            m.stats = stats or m.stats
-            m.credit(logged or {})
-            m.counts.add(now, m.samples())
+            m.heard(now, stats, logged)
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
@@ -321,9 +325,7 @@ class Membership:
         if m and m.state != "finished":
             m.state = "finished"
             if stats or logged:
-                m.stats = stats or m.stats
-                m.credit(logged or {})
-                m.counts.add(now, m.samples())
+                m.heard(now, stats, logged)
             if clock is not None:   # its last clock (the heartbeats' is up to a period old)
                 m.clock = max(m.clock, clock)
             self.version += 1

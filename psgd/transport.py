@@ -275,13 +275,16 @@ class Peers:
             self.why[i] = handshake_failure(int(e["event"]), int(e["value"]))
         return self.why[i]
 
-    def send(self, i: int, op: str, rid: int | None = None, **kw: Any) -> int:
-        """Send a request to peer i (under a new id, or `rid`: a resend); its id."""
+    def send(self, i: int, op: str, rid: int | None = None, copy: bool = False, **kw: Any) -> int:
+        """Send a request to peer i (under a new id, or `rid`: a resend); its id. Its
+        arrays' frames over COPY_THRESHOLD are ZeroMQ's to read until they have left:
+        the caller rewrites them only once an answer shows that they did. `copy`: ZeroMQ
+        gets copies of them now (a resend, which an earlier send's answer does not wait for)."""
         if rid is None:
             rid = next(self._ids)
         frames = wire.encode(op, id=rid, **kw)
         self.bytes_sent += sum(len(f) for f in frames)
-        self.socks[i].send_multipart(frames, copy=False)
+        self.socks[i].send_multipart(frames, copy=copy)
         return rid
 
     def wait(self, pending: dict[int, int], timeout: float, what: str,

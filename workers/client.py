@@ -5,15 +5,16 @@ the shard serves the push and then the read, so the read sees this worker's own
 update, and answers once) and all shards work in parallel: one round trip, one
 message each way per shard and step. A push may also go alone (its answer carries no
 arrays), and a pull alone, for schedules that read less often than they push. A
-request that gets no answer within the retry window is sent again (pushes are
-deduplicated by (rank, clock) and elastic offers by (rank, round), so a resend is
-safe): while its shard heartbeats to the coordinator (it is parked, or slow, most
-likely), on the same connection under the same id, so that the first answer is taken,
-the original's too, with a window that doubles, once a `stats` probe that the shard
-answers at once, parked or not, has been answered on a connection of its own (what the
-coordinator hears says nothing of this worker's way to the shard: a partition, a wrong
-address; and an answer on the data connection waits behind the large frames ahead of
-it); else on a fresh connection after a backoff. A probe unanswered for
+request that gets no answer within the retry window is sent again, its arrays copied
+(pushes are deduplicated by (rank, clock) and elastic offers by (rank, round), so a
+resend is safe if it carries what was sent first: see `finish`): while its shard
+heartbeats to the coordinator (it is parked, or slow, most likely), on the same
+connection under the same id, so that the first answer is taken, the original's too,
+with a window that doubles, once a `stats` probe that the shard answers at once,
+parked or not, has been answered on a connection of its own (what the coordinator
+hears says nothing of this worker's way to the shard: a partition, a wrong address;
+and an answer on the data connection waits behind the large frames ahead of it); else
+on a fresh connection after a backoff. A probe unanswered for
 `cluster.timeout_s`, or a shard not live for that long in `finish`, is
 `ShardUnreachable`, naming the address.
 An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
@@ -118,7 +119,8 @@ class ParameterClient:
     def begin(self, reqs: Sequence[tuple[int, str, dict]],
               cancel: Callable[[], bool] | None = None) -> InFlight:
         """Send the requests and return at once; `finish` waits for the answers. The
-        arrays sent must not change until then (they go without copies)."""
+        arrays sent must not change until then (they go without copies; a resend's are
+        copies, see `finish`)."""
         if cancel is None:
             cancel = self.cancel
         elif self.cancel is not None:
@@ -169,8 +171,12 @@ class ParameterClient:
                             self.peers.reconnect(i)
                         time.sleep(backoff)
                         backoff = min(4.0, backoff * 2)
+                    # A resend goes with copies of its arrays: the answer that ends this wait may
+                    # be an earlier send's while the resend still waits in ZeroMQ's queue, and the
+                    # caller's next step rewrites the buffers the frames would be read from (the
+                    # shard would take that step's values for this request's (rank, clock)).
                     f.pending = {self.peers.send(f.reqs[k][0], f.reqs[k][1], rid=rid if alive else None,
-                                                 rank=self.rank, **f.reqs[k][2]): (k, i)
+                                                 copy=True, rank=self.rank, **f.reqs[k][2]): (k, i)
                                  for rid, (k, i) in f.pending.items()}
                     continue
                 f.take(got)

@@ -154,6 +154,7 @@ class Member:
     past: dict = field(default_factory=dict)    # the counters of the rank's earlier processes, summed
     counts: Counts = field(default_factory=Counts)   # its samples at its recent heartbeats (and its join):
     #                                              last_seen also moves without new counts (a stall excused)
+    left: str = ""                               # why that process said it stops unfinished (`Membership.leaving`)
 
     def totals(self) -> dict:
         """The rank's counters over all its lives."""
@@ -263,7 +264,7 @@ class Membership:
             return -1
         if old is not None:
             self.rejoined += 1
-            old.state, old.last_seen, old.joins = "live", now, old.joins + 1
+            old.state, old.last_seen, old.joins, old.left = "live", now, old.joins + 1, ""
             if nonce != old.nonce:  # a new process: it counts from 0 (at the slowest live worker's clock)
                 if self.shared_step:
                     old.clock = self.current_clock(exclude=rank, default=old.clock)
@@ -317,6 +318,17 @@ class Membership:
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
+        return True
+
+    def leaving(self, rank: int, reason: str) -> bool:
+        """The live rank's process says it stops without finishing its share, and why (a
+        shard it could not reach): the rank stays live until its heartbeats are missed
+        (a new process may take it up), and `left` names the reason when it is dropped;
+        False if the rank is not live."""
+        m = self.members.get(rank)
+        if m is None or m.state != "live":
+            return False
+        m.left = reason
         return True
 
     def finish(self, rank: int, now: float, stats: dict | None = None, clock: int | None = None,
@@ -375,7 +387,7 @@ class Membership:
     def state_dict(self) -> dict:
         """The table as JSON-able data (the coordinator's state file)."""
         return {"members": {str(r): {"clock": m.clock, "state": m.state, "stats": m.stats, "joins": m.joins,
-                                     "nonce": m.nonce, "past": m.past}
+                                     "nonce": m.nonce, "past": m.past, "left": m.left}
                             for r, m in self.members.items()},
                 "version": self.version, "lost": self.lost, "rejoined": self.rejoined, "restarted": self.restarted}
 
@@ -386,7 +398,8 @@ class Membership:
         period: a beat that died with the coordinator before it answered is followed by
         the next only then)."""
         self.members = {int(r): Member(int(r), now + grace, int(m["clock"]), m["state"], dict(m["stats"]),
-                                       int(m["joins"]), str(m.get("nonce", "")), dict(m.get("past") or {}))
+                                       int(m["joins"]), str(m.get("nonce", "")), dict(m.get("past") or {}),
+                                       left=str(m.get("left", "")))
                         for r, m in sd["members"].items()}
         for m in self.members.values():
             m.counts = Counts(self.counts_s)
@@ -553,6 +566,15 @@ class CoordinatorLink:
         that begins stepping says so (its count then is where the evaluator's scores'
         samples are counted from, `SamplesAt`; the beat before may be a period earlier)."""
         self._wake.set()
+
+    def leave(self, reason: str) -> None:
+        """A worker process that stops without finishing its share (a shard it cannot
+        reach: `ShardUnreachable`) tells the coordinator why, in a heartbeat now with its
+        last counters (`leaving`): if the job ends because its workers are gone, the
+        coordinator's reason names this one, not only "all workers were lost". Waits
+        `beat_answer_s` at most (raises `PeerTimeout`, or `RemoteError` from a coordinator
+        that predates the field)."""
+        self.call("heartbeat", timeout=beat_answer_s(self.cfg), **self._beat(), leaving=reason[:1000])
 
     def beat(self) -> None:
         """A heartbeat now, from the caller's thread (the counters up to this moment)."""

@@ -81,7 +81,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "job": (str,),
                  "layout": (list,)},
     "heartbeat": {"role": (str,), "index": (int,), "nonce": (str,), "stats": (dict,), "live_id": (str,),
-                  "lost_tables": (str,), "logged": (dict,)},
+                  "lost_tables": (str,), "logged": (dict,), "leaving": (str,)},
     "finish": {"nonce": (str,), "stats": (dict,), "error": (str,), "hold": (bool,), "logged": (dict,)},
     "release": {},
     "layout": {},

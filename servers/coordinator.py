@@ -13,7 +13,8 @@ it has. A worker that finishes with an error (it stopped after too many refused
 steps) aborts the job with that reason, and so does the loss of every worker with none
 finished (they all crashed: a job that survives the loss of some workers fails when
 nobody trained to the end; a restarted coordinator that has no live worker left waits
-cluster.timeout_s from its start for new ones to take up the lost ranks); so does the
+cluster.timeout_s from its start for new ones to take up the lost ranks; the reason names
+what the lost workers said as they gave up, `leaving`: a shard they could not reach); so does the
 loss of any worker with `faults.on_worker_loss = "abort"`, and a shard that says it was
 restarted without its final tables (`lost_tables`) before the final score is in. An
 aborted job's summary.json has `aborted` (the reason) and the coordinator exits 1.
@@ -392,6 +393,10 @@ class Coordinator:
                                            checked_stats(msg.get("logged") or {}))
             if self.counting and not rejoin:
                 self._count(msg.rank, now)
+            leaving = msg.get("leaving")
+            if leaving and self.members.leaving(msg.rank, leaving[:1000]):
+                log("coordinator", f"worker {msg.rank} gave up, leaving its share unfinished: {self._left(msg.rank)}")
+                self.events.write(event="leaving", rank=msg.rank, reason=leaving[:1000])
             if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
                 rejoin = False
             if self.phase in FINISHING:
@@ -527,11 +532,13 @@ class Coordinator:
             if lost:
                 self._count(-1, now)
             for r in lost:
+                gave_up = self._gave_up([r])
                 log("coordinator", f"worker {r} missed heartbeats for {self.cfg.cluster.heartbeat_timeout_s:.0f} s: "
-                    f"dropped from the membership")
+                    f"dropped from the membership" + (f" (it gave up: {self._left(r)})" if gave_up else ""))
                 self.events.write(event="lost", rank=r)
                 if self.cfg.faults.on_worker_loss == "abort":
-                    self.abort = f"worker {r} was lost and faults.on_worker_loss = abort"
+                    self.abort = f"worker {r} was lost and faults.on_worker_loss = abort" + \
+                        (f"; {gave_up}" if gave_up else "")
             # Restarted, and no worker live, some missed: they were stopped with it (`docker
             # compose stop` of the whole stack; new containers take a while to start), or have
             # not reached it yet. The job waits for new worker processes to take up the missed
@@ -545,8 +552,9 @@ class Coordinator:
                 # Nobody trained to the end (they all crashed, or their machines went): the
                 # job failed. Losing some workers while others finish is survived.
                 n = self.cfg.cluster.workers
+                gave_up = self._gave_up(sorted(self.members.members))   # (a shard they could not reach)
                 self.abort = (f"{'all ' * (n > 1)}{n} worker{'s were' if n > 1 else ' was'} lost (stopped "
-                              f"heartbeating) and none finished")
+                              f"heartbeating) and none finished" + (f"; {gave_up}" if gave_up else ""))
             if self.abort and not aborted:   # (as every abort: the log says why the job ends, not only summary.json)
                 log("coordinator", f"aborting the job: {self.abort}")
             if not rejoining and (self.abort or (self.members.all_done and now >= self.held_until)):
@@ -570,6 +578,23 @@ class Coordinator:
         if not self.quiet and self.phase == "training" and now - self._last_progress >= PROGRESS_EVERY_S:
             self._last_progress = now
             self._progress(now)
+
+    def _left(self, rank: int) -> str:
+        """Why rank's process said it stops unfinished (`leaving`), without its "worker R: "."""
+        left = self.members.members[rank].left
+        return left[len(f"worker {rank}: "):] if left.startswith(f"worker {rank}: ") else left
+
+    def _gave_up(self, ranks: list[int]) -> str:
+        """What the processes of these (lost) ranks said as they stopped unfinished (a
+        shard they could not reach: `leaving`), one reason with its ranks; '' when none
+        said: a job that ends with its workers gone says why they went, where its
+        workers know ("all 2 workers were lost" alone hid the silent shard)."""
+        said: dict[str, list[int]] = {}
+        for r in ranks:
+            if self.members.members[r].left:
+                said.setdefault(self._left(r), []).append(r)
+        return "; ".join(f"worker{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} gave up: {why}"
+                         for why, rs in said.items())
 
     def _progress(self, now: float) -> None:
         live = self.members.live()

@@ -10,11 +10,12 @@ the step log) and knows no mode.
 A step that the shards refuse (or that diverges locally) is counted (`rejected`) and
 tried again with the next batch; after `cluster.max_rejections` refusals in a row the
 worker stops with one line naming the reason and tells the coordinator, which ends the
-job. Every step is a line in DIR/events/worker-<rank>.jsonl. Cumulative counters ride
-on the heartbeats, so the coordinator's summary survives a worker that dies; a new
-process for a rank of a job under way reads the rank's step lines first, and its
-heartbeats carry what its earlier processes did (`logged`: a process that died was
-heard up to its last heartbeat).
+job. A worker that gives up on a shard it cannot reach tells the coordinator why
+(`leaving`), without finishing its rank. Every step is a line in
+DIR/events/worker-<rank>.jsonl. Cumulative counters ride on the heartbeats, so the
+coordinator's summary survives a worker that dies; a new process for a rank of a job
+under way reads the rank's step lines first, and its heartbeats carry what its earlier
+processes did (`logged`: a process that died was heard up to its last heartbeat).
 """
 from __future__ import annotations
 
@@ -201,6 +202,7 @@ class Worker:
             error = self._steps(schedule)
         except ShardUnreachable as e:  # the launcher or the coordinator decides what follows
             log(self.name, f"error: {e}")
+            self._report_leaving(str(e))
             self.client.close()
             return 1
         except Cancelled:
@@ -272,6 +274,19 @@ class Worker:
         except Exception as e:  # the coordinator may be gone: nothing more to tell
             log(self.name, f"could not report the end to the coordinator: {e}")
             return False
+
+    def _report_leaving(self, reason: str) -> None:
+        """Tell the coordinator why this process stops without finishing (a shard it
+        cannot reach), with its last counters: not a `finish` (the rank is not done, a
+        restarted process may take it up, and the job goes on without it), but if every
+        worker goes so, the job's reason names the shard (it said only "all workers were
+        lost")."""
+        if self.link.lost or self.link.state.get("abort"):
+            return
+        try:
+            self.link.leave(reason)
+        except Exception as e:  # the coordinator may be gone (or predate `leaving`): nothing more to tell
+            log(self.name, f"could not tell the coordinator why this worker stops: {e}")
 
     def _close(self, error: str) -> None:
         self.link.close()

@@ -56,20 +56,13 @@ def _markers(rows: list[Row]) -> dict[int, str]:
     return {w: MARKERS[i % len(MARKERS)] if len(ws) > 1 else "." for i, w in enumerate(ws)}
 
 
-def unplaced(e: dict) -> bool:
-    """An evaluation that has no place on the samples axis: taken after training started
-    (t > 0) but counted at 0 samples. Its `samples` comes from the workers' heartbeats and
-    lags by up to cluster.heartbeat_s, so a score taken before the first heartbeat arrived
-    says 0 whatever the workers had processed."""
-    return float(e.get("samples") or 0) == 0 and float(e.get("t") or 0) > 0
-
-
-def curve_points(run: dict, xkey: str) -> tuple[list[float], list[float], int]:
-    """(xs, accuracies, how many scores were left out) of a run's evaluation curve against
-    `xkey` ("t" or "samples"); on the samples axis, scores that are unplaced are left out."""
+def curve_points(run: dict, xkey: str) -> tuple[list[float], list[float]]:
+    """(xs, accuracies) of a run's evaluation curve against `xkey` ("t" or "samples"). A
+    score's `samples` is the workers' count when the evaluator read the model (summary.json's
+    `evals`), so one counted at 0 after the start is of the model before any step: it is
+    drawn (it was left out when the count was the heartbeats' at the score's arrival)."""
     ev = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
-    kept = [e for e in ev if not (xkey == "samples" and unplaced(e))]
-    return [float(e[xkey]) for e in kept], [float(e["accuracy"]) for e in kept], len(ev) - len(kept)
+    return [float(e[xkey]) for e in ev], [float(e["accuracy"]) for e in ev]
 
 
 # Two lines closer than this fraction of their axes' spans at every point are drawn on each
@@ -110,22 +103,21 @@ def _dashes(hosts: list[int | None]) -> list[Any]:
 
 
 def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: float, path: str,
-                allow_log: bool = True) -> int:
-    """Draws the accuracy curves against `xkey`; returns how many scores were left out
-    (curve_points). A configuration's first repeat is its line, its other repeats faint
-    lines (the legend says so); a line on another's (_hosts) is dashed over it, named so in
-    the legend; a curve of one score is a large marker above the lines."""
+                allow_log: bool = True) -> None:
+    """Draws the accuracy curves against `xkey` (curve_points). A configuration's first
+    repeat is its line, its other repeats faint lines (the legend says so); a line on
+    another's (_hosts) is dashed over it, named so in the legend; a curve of one score is
+    a large marker above the lines."""
     fig, ax = plt.subplots(figsize=(10, 4.2))
     curves = [(r, j, curve_points(run, xkey)) for r in rows for j, run in enumerate(r.runs)]
-    positive = [x for _, _, (xs, _, _) in curves for x in xs if x > 0]
+    positive = [x for _, _, (xs, _) in curves for x in xs if x > 0]
     # A log axis has no place for a score at 0 s (the baseline's first): matplotlib would
     # clip it to a tiny x and draw a flat line from the axis' edge at the next score's height.
     log = allow_log and bool(positive) and max(positive) / max(min(positive), 1e-9) > 30
-    left_out = at_zero = 0
+    at_zero = 0
     markers = _markers(rows)
     drawn: list[tuple[Row, int, list[float], list[float]]] = []
-    for r, j, (xs, ys, skipped) in curves:
-        left_out += skipped
+    for r, j, (xs, ys) in curves:
         if log:
             at_zero += sum(1 for x in xs if x <= 0)
             xs, ys = [x for x in xs if x > 0], [y for x, y in zip(xs, ys, strict=True) if x > 0]
@@ -168,7 +160,6 @@ def _curve_plot(plt, rows: list[Row], colors, xkey: str, xlabel: str, target: fl
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
-    return left_out
 
 
 def clock(rows: list[Row]) -> str:
@@ -419,11 +410,9 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
                     os.path.join(out, "accuracy_vs_time.png"))
         made.append(("Accuracy vs time (wall seconds; virtual seconds for the simulated rows)"
                      if kind == "wall or virtual" else f"Accuracy vs {kind} time", "accuracy_vs_time.png"))
-        left_out = _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
-                               os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
-        made.append(("Accuracy vs samples processed"
-                     + (f" ({left_out} score{'s' if left_out != 1 else ''} taken before the first heartbeat "
-                        f"counted any samples left out)" if left_out else ""), "accuracy_vs_samples.png"))
+        _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
+                    os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
+        made.append(("Accuracy vs samples processed", "accuracy_vs_samples.png"))
     _throughput_plot(plt, ok, colors, os.path.join(out, "throughput.png"))
     made.append(("Throughput (mean ± sd over repeats)", "throughput.png"))
     if any(not r.is_baseline for r in ok):

@@ -238,19 +238,19 @@ def test_an_interrupted_compare_says_so_at_the_top(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_scores_counted_at_zero_samples_after_the_start_are_left_off_the_samples_axis(tmp_path):
-    evals = [{"t": 0.5, "samples": 0, "accuracy": 0.4, "loss": 1.0},   # before the first heartbeat
-             {"t": 1.0, "samples": 640, "accuracy": 0.7, "loss": 0.8},
-             {"t": 4.1, "samples": 2000, "accuracy": 0.92, "loss": 0.3}]
+def test_a_score_counted_at_zero_samples_after_the_start_is_drawn_on_the_samples_axis(tmp_path):
+    # a review: the untrained model's score (read 0.086 s after the start, before any worker's
+    # first step: summary.json's samples 0, the count at the read) was left off the samples
+    # axis, captioned "taken before the first heartbeat counted any samples"
+    evals = [{"t": 0.086, "samples": 0, "accuracy": 0.033, "loss": 2.3},   # no step yet
+             {"t": 0.32, "samples": 1425, "accuracy": 0.72, "loss": 2.1},
+             {"t": 0.45, "samples": 2560, "accuracy": 0.77, "loss": 1.7, "final": True}]
     r = run("sync", evals=evals)
-    assert curve_points(r, "samples") == ([640.0, 2000.0], [0.7, 0.92], 1)
-    assert curve_points(r, "t") == ([0.5, 1.0, 4.1], [0.4, 0.7, 0.92], 0)
-    base = run("baseline", "baseline", workers=1, evals=[{"t": 0.0, "samples": 0, "accuracy": 0.1, "loss": 2.0},
-                                                         {"t": 1.0, "samples": 500, "accuracy": 0.9, "loss": 0.3}])
-    assert curve_points(base, "samples")[0] == [0.0, 500.0]   # scored before training started: 0 samples is right
+    assert curve_points(r, "samples") == ([0.0, 1425.0, 2560.0], [0.033, 0.72, 0.77])
+    assert curve_points(r, "t") == ([0.086, 0.32, 0.45], [0.033, 0.72, 0.77])
     pytest.importorskip("matplotlib")
-    made = dict((n, t) for t, n in make_plots(str(tmp_path), build_rows([r, base]), 0.9))
-    assert "1 score taken before the first heartbeat counted any samples left out" in made["accuracy_vs_samples.png"]
+    made = dict((n, t) for t, n in make_plots(str(tmp_path), build_rows([r]), 0.9))
+    assert made["accuracy_vs_samples.png"] == "Accuracy vs samples processed"
 
 
 @pytest.mark.timeout(30)

@@ -918,8 +918,12 @@ def format_summary(s: dict) -> str:
     flag = ttt_flag(s, None)
     if ttt is None:   # (nothing scored: nothing to say of the target)
         reached = f"target {target} not reached" if acc is not None or s.get("evals") else ""
-    elif flag == AFTER_END:   # first seen by the score after training: when it looked
-        reached = f"target {target} first seen by the final score ({ttt:.1f} s), after training"
+    elif flag == AFTER_END:   # first seen by a score after training: when it looked
+        # (the final score, or one the evaluator read before it knew training had ended)
+        first: dict = next((e for e in s.get("evals") or [] if e.get("accuracy") is not None
+                              and target is not None and e["accuracy"] >= target), {})
+        by = "the final score" if first.get("final") else "a score"
+        reached = f"target {target} first seen by {by} ({ttt:.1f} s), after training"
     elif flag == FIRST_SCORE:   # there at the first score (the evaluator's, or a script's report): when it looked
         reached = f"target {target} reached by the first score ({ttt:.1f} s): when it looked"
     else:

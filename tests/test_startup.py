@@ -256,3 +256,21 @@ def test_the_final_line_does_not_call_a_score_after_training_a_time_to_target():
     first = [{**evals[0], "t": 0.6, "accuracy": 0.93}, *evals[1:]]
     line = format_summary({**s, "evals": first, "time_to_target_s": 0.6})
     assert "target 0.9 reached by the first score (0.6 s): when it looked" in line and "time to" not in line
+
+
+@pytest.mark.unit
+def test_a_target_first_seen_by_a_score_after_training_but_before_the_final_one():
+    """A review: the evaluator read the model after the workers were done but before it
+    heard so (its heartbeat's phase still said training): that score, not the final one,
+    first reached the target, at 1.18 s of a 1.149 s run (time_to_target_s past wall_s);
+    the line called it the final score."""
+    from psgd.metrics import summarize
+    evals = [{"t": 0.5, "samples": 9000, "accuracy": 0.85, "loss": 0.6},
+             {"t": 1.18, "samples": 19200, "accuracy": 0.92, "loss": 0.3},
+             {"t": 1.241, "samples": 19200, "accuracy": 0.92, "loss": 0.3, "final": True}]
+    s = summarize(mode="sync", mode_params={}, workers=2, servers=2, wall_s=1.149017, worker_stats={},
+                  server_stats={}, evals=evals, target=0.9, failures={})
+    assert s["time_to_target_s"] == 1.18 > s["wall_s"]
+    line = format_summary(s)
+    assert "target 0.9 first seen by a score (1.2 s), after training" in line, line
+    assert "final score" not in line and "time to" not in line

@@ -51,7 +51,7 @@ from .config import (
     refuse_set_against_flag,
 )
 from .metrics import write_json_atomic
-from .report_numbers import amount
+from .report_numbers import AFTER_END, FIRST_SCORE, amount, ttt_flag
 
 # ---------------------------------------------------------------- --modes / --workers
 
@@ -542,6 +542,11 @@ def _one_line(s: dict) -> str:
              if acc is not None else
              "no final evaluation" if s.get("final_eval_missing") else "no evaluation",
              f"{amount(s.get('samples_per_s', 0))} samples/s",
+             # (the words of psgd run's line: a time the report marks † is not given as one)
+             f"target {s.get('target_accuracy')} first seen after training ({ttt:.2f} s)"
+             if ttt is not None and ttt_flag(s, None) == AFTER_END else
+             f"target {s.get('target_accuracy')} already at the first score ({ttt:.2f} s)"
+             if ttt is not None and ttt_flag(s, None) == FIRST_SCORE else
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
              f"target {s.get('target_accuracy')} not reached" if acc is not None else "",
              # (the sequential baseline reads no servers: its summary's zero staleness is no measurement)
@@ -723,7 +728,7 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
             try:
                 s = run_one(run, folder, args.device, args.timeout, prefix=f"[{i + 1}/{n}]")
                 entry = tag(s, run, os.path.join("runs", run.name), time.monotonic() - t0)
-                result = _one_line(s)
+                result = _one_line(entry)   # (with the run's eval period, as the report reads it)
             except (RuntimeError, ConfigError, OSError) as e:  # LaunchError is a RuntimeError
                 failed += 1
                 msg = str(e).strip() or type(e).__name__

@@ -405,6 +405,21 @@ def test_the_progress_line_of_the_baseline_states_no_staleness():
         ", measured staleness 1.50/9")
 
 
+@pytest.mark.timeout(30)
+def test_the_progress_line_gives_no_time_to_target_that_the_report_marks():
+    # "[1/1] acc 0.9861, 14,366 samples/s, target 0.9 in 1.44 s" for a run whose training
+    # ended at 1.34 s (eval.every_seconds=5: only the final score, after training, saw 0.9);
+    # the report marked that time † and psgd run's line said "first seen ... after training"
+    from psgd.compare import _one_line
+    late = fake_run("sync", "sync", 2, 0, 0.9861, 1.44, 14366.0, wall=1.34,
+                    evals=[{"t": 1.44, "samples": 19200, "accuracy": 0.9861, "loss": 0.05, "final": True}])
+    assert _one_line(late).startswith("acc 0.9861, 14,366 samples/s, target 0.9 first seen after training (1.44 s)")
+    first = fake_run("sync", "sync", 2, 0, 0.97, 0.6, 9000.0, wall=3.0,
+                     evals=[{"t": 0.6, "samples": 900, "accuracy": 0.93, "loss": 0.3},
+                            {"t": 3.1, "samples": 9000, "accuracy": 0.97, "loss": 0.1, "final": True}])
+    assert "target 0.9 already at the first score (0.60 s)" in _one_line(first)
+
+
 @pytest.mark.timeout(60)
 def test_failed_runs_say_which_repeat_and_folder():
     # Two repeats of one configuration failed alike: the list told them apart by neither repeat nor folder.

@@ -555,11 +555,11 @@ class CoordinatorLink:
             peers.close()
 
     def _beat(self) -> dict:
-        """A heartbeat's fields: who beats (its registration's nonce: a process whose rank
-        another took over is told so), with its clock and counters now."""
+        """A heartbeat's fields: who beats (its job's token; its registration's nonce: a
+        process whose rank another took over is told so), with its clock and counters now."""
         return {"role": self.role, "index": self.index, "rank": self.rank if self.role == "worker" else -1,
                 "nonce": self.nonce, "clock": self.clock_fn(), "stats": self.stats_fn(),
-                "live_id": self.state.get("live_id", ""), **self.fields_fn()}
+                "live_id": self.state.get("live_id", ""), "job": job_token(), **self.fields_fn()}
 
     def beat_soon(self) -> None:
         """A heartbeat now from the heartbeat thread, without waiting for it: a worker
@@ -582,13 +582,14 @@ class CoordinatorLink:
         self._apply_since(self.call("heartbeat", **self._beat()), sent)
 
     def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
-        """A request (finish, eval) from the caller's thread, on one socket kept open
-        for all of them. Unanswered, it is sent again on a fresh connection every
+        """A request (finish, eval), with this process's job token, from the caller's
+        thread, on one socket kept open for all of them. Unanswered, it is sent again on a fresh connection every
         `REGISTER_RESEND_S` (a restarted coordinator lost it; finish is idempotent)
         until `timeout` (default cluster.timeout_s) runs out: then `PeerTimeout` says
         how long it waited in all, and `unanswered` keeps it until a call is answered."""
         if self._calls is None:
             self._calls = Peers(self.ctx, [self.address], self.cfg.security)
+        kw.setdefault("job", job_token())   # (the coordinator takes no other job's: `Coordinator._ours`)
         start = time.monotonic()
         deadline = start + (timeout or self.cfg.cluster.timeout_s)
         while True:

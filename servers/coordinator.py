@@ -250,8 +250,7 @@ class Coordinator:
     # ------------------------------------------------------------ handlers
     def on_register(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
-        if (msg.get("job") or "") != self.job:
-            raise wire.WireError(wire.REFUSED, self._other_job(role))
+        self._ours(msg, role)
         if role == "worker":
             if self.phase in FINISHING:
                 raise wire.WireError(wire.REFUSED, "the job is finishing; no new workers")
@@ -307,6 +306,15 @@ class Coordinator:
             return [self._reply_register(ident, msg, -1)]
         raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
 
+    def _ours(self, msg: wire.Message, role: Any) -> None:
+        """Refuse a daemon's message whose job token is not this job's: a registration,
+        and every message that changes the job (a heartbeat, a finish, a score, a
+        release). A daemon of another job still dialing this port (its own coordinator
+        gone, this one on the same port) had its scores taken: a time to target of 0.0 s,
+        and its final score ended this job before this job's own evaluator scored."""
+        if (msg.get("job") or "") != self.job:
+            raise wire.WireError(wire.REFUSED, self._other_job(role))
+
     def _other_job(self, role: Any) -> str:
         """Why a daemon whose job token is not this job's is refused."""
         whose = "a job of its own psgd run" if self.job else "a job whose daemons were started by hand"
@@ -360,6 +368,7 @@ class Coordinator:
 
     def on_release(self, ident, msg: wire.Message) -> list[Reply]:
         """The worker that held the end of the job (finish with hold) is done with it."""
+        self._ours(msg, "worker")
         self.held_until, self.holder = 0.0, None
         return [(ident, wire.reply(msg, **self._view()))]
 
@@ -380,6 +389,7 @@ class Coordinator:
 
     def on_heartbeat(self, ident, msg: wire.Message) -> list[Reply]:
         role, now = msg.get("role"), time.monotonic()
+        self._ours(msg, role)
         stats = checked_stats(msg.get("stats") or {})
         idx = self._shard_index(msg) if role == "server" else msg.get("index", 0)
         rejoin = False
@@ -434,7 +444,8 @@ class Coordinator:
         training script's rank 0 reads the final model meanwhile (psgd/connection.py).
         Refused, before anything is applied, from a rank that is not a member, or from a
         process whose rank another took over (its `error` would abort the job, its `hold`
-        hold its end)."""
+        hold its end), or of another job."""
+        self._ours(msg, "worker")
         if msg.rank not in self.members.members:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
         if self.members.superseded(msg.rank, msg.get("nonce") or ""):   # (its end is not the rank's)
@@ -467,7 +478,9 @@ class Coordinator:
         (`SamplesAt`, from each worker's counts of the last cluster.timeout_s: a score may
         take longer than a heartbeat period). An accuracy outside [0, 1] (NaN too) is
         refused: no score is one. A loss that is not finite is kept (an evaluator's score of a diverged model);
-        summary.json writes it as null (metrics.write_json_atomic)."""
+        summary.json writes it as null (metrics.write_json_atomic). Another job's is
+        refused."""
+        self._ours(msg, "evaluator")
         accuracy, loss = float(msg.get("accuracy")), float(msg.get("loss"))
         if not 0.0 <= accuracy <= 1.0:
             raise wire.WireError(wire.BAD_FIELD, f"accuracy {accuracy} is not in [0, 1]")

@@ -487,6 +487,51 @@ def test_a_daemon_of_another_job_is_refused_and_changes_nothing(monkeypatch, tok
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
+def test_a_job_in_training_takes_no_score_heartbeat_finish_or_release_of_another_job(monkeypatch):
+    """A daemon of another job still dialing the port (its coordinator gone, this job's on
+    the same port) was heard after registration: its score set time to target 0.0 s and
+    its final score ended the job before its own evaluator scored. Every message that
+    changes the job now carries the job token (CoordinatorLink) and another's is refused."""
+    from psgd import wire
+    from psgd.membership import CoordinatorLink
+    monkeypatch.setenv("PSGD_JOB_TOKEN", "job-a")
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.port": free_port_block(3), "cluster.evaluator": True})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    assert serve("register", role="worker", want_rank=0, nonce="own", job="job-a").get("assigned_rank") == 0
+    assert c.phase == "training"
+    stray = {"job": "job-b"}
+    for op, kw in [("eval", {"accuracy": 0.99, "loss": 0.01, "final": True}),
+                   ("heartbeat", {"role": "worker", "rank": 0, "clock": 5, "stats": {"samples": 10 ** 6}}),
+                   ("heartbeat", {"role": "evaluator"}),
+                   ("finish", {"rank": 0, "clock": 5, "error": "stray", "hold": True}),
+                   ("release", {})]:
+        for theirs in (stray, {}):
+            refused = serve(op, **kw, **theirs)
+            assert refused.op == "error" and refused.get("code") == wire.REFUSED, (op, refused.fields)
+            assert "belongs to another job" in refused.get("reason")
+    assert c.evals == [] and c.phase == "training" and not c.abort and c.holder is None
+    assert c.members.members[0].state == "live" and c.samples() == 0 and not c.evaluator_seen
+    # the job's own daemons' messages carry its token: heartbeats, and every call
+    link, sent = CoordinatorLink(cfg, "evaluator", 0), []
+
+    class Calls:
+        def call(self, i, op, timeout, **kw):
+            sent.append((op, kw))
+            return wire.Message("reply", id=1)
+
+    link._calls = Calls()
+    link.call("eval", accuracy=0.5, loss=1.0)
+    assert link._beat()["job"] == "job-a" and sent == [("eval", {"accuracy": 0.5, "loss": 1.0, "job": "job-a"})]
+    assert serve("eval", accuracy=0.5, loss=1.0, job="job-a").op == "reply" and len(c.evals) == 1
+    assert serve("heartbeat", role="evaluator", job="job-a").op == "reply"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
 def test_a_worker_that_joins_a_job_in_training_has_what_is_left_of_train_seconds(tmp_path):
     """A restarted worker was given a fresh `train.seconds` from its own start: the job
     ran on for up to that long after the others had stopped. Its budget is the job's."""

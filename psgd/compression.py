@@ -13,7 +13,13 @@ shard and compresses v = g + residual; the new residual is v - decode(message), 
 decode(message) + new residual == g + old residual, step after step, and every part of
 every gradient reaches the shard eventually (but what a refused push carried is lost, as
 an uncompressed push's whole gradient is; a gradient with NaN or Inf is refused by the
-worker before it reaches the residual, `ParameterClient._gradient`).
+worker before it reaches the residual, `ParameterClient._gradient`). Finite gradients
+can still overflow float32 in their sum: g + residual (topk keeps a huge value left out
+and adds the next one to it), or onebit's block sums. The means are then summed in
+float64 (a mean of finite values is finite), and a residual that overflowed is dropped:
+that push carries g alone, as an uncompressed one would, and the worker says so (once).
+An Inf sent would be refused, and the residual, Inf - Inf = NaN, would spoil every later
+push: the worker stopped after cluster.max_rejections, blaming a gradient that was finite.
 
 Wire layout of a compressed push (the `codec` header field names the codec):
     onebit  arrays [signs: uint8[ceil(P/8)], buffers: float32[B], means: float32[2 * blocks]]
@@ -27,6 +33,8 @@ import math
 import numpy as np
 import torch
 
+from .log import log
+
 CODECS = ("none", "onebit", "topk")
 BLOCK = 256   # onebit: elements that share a pair of means
 
@@ -35,22 +43,41 @@ class ErrorFeedback:
     """A worker's compressor for one shard: `encode(g)` -> (first array, last array)
     of the push, keeping the residual."""
 
-    def __init__(self, codec: str, size: int, topk_fraction: float = 0.01):
+    def __init__(self, codec: str, size: int, topk_fraction: float = 0.01, name: str = "worker"):
         if codec not in CODECS[1:]:
             raise ValueError(f"wire.compression must be one of {', '.join(CODECS)}, got {codec!r}")
         self.codec = codec
         self.size = size
         self.k = topk_count(size, topk_fraction)
         self.residual = torch.zeros(size)
+        self.name = name        # who logs a residual dropped
+        self.dropped = 0        # residuals dropped because g + residual overflowed float32
 
     def encode(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g (finite: the client refuses a step with NaN or Inf first) as a push."""
         v = self.residual.add_(g)                       # v = g + residual, in the residual's memory
-        if self.codec == "onebit":
-            first, last = onebit_encode(v)
-        else:
-            first, last = topk_encode(v, self.k)
+        first, last = self._encode(v)
+        if not _sent_finite(self.codec, first, last):
+            # v overflowed (g is finite): an Inf or NaN in v is among what is sent (topk's
+            # largest magnitudes, torch.topk taking NaN for the largest; onebit's block
+            # means). What the residual held is dropped: g goes alone.
+            self.dropped += 1
+            if self.dropped == 1:
+                log(self.name, f"wire.compression = {self.codec}: the gradient plus its error-feedback residual "
+                               f"overflowed float32; the residual was dropped (what earlier pushes left out is "
+                               f"lost; further ones are not logged)")
+            v = self.residual.copy_(g)
+            first, last = self._encode(v)
         v.sub_(decode(self.codec, first, last, self.size))   # the new residual: what was left out
         return first, last
+
+    def _encode(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return onebit_encode(v) if self.codec == "onebit" else topk_encode(v, self.k)
+
+
+def _sent_finite(codec: str, first: torch.Tensor, last: torch.Tensor) -> bool:
+    """Are a push's values (topk's, onebit's means) finite? A few: k, or 2 a block."""
+    return bool(torch.isfinite(last if codec == "onebit" else first).all())
 
 
 def _blocks(v: torch.Tensor) -> torch.Tensor:
@@ -64,12 +91,15 @@ def onebit_encode(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, pos = _blocks(v), _blocks(positive.float())
     n_pos = pos.sum(1)
     n_neg = (_blocks(torch.ones_like(v)) - pos).sum(1)       # padding counts for neither side
-    mean_pos = rows.clamp(min=0).sum(1) / n_pos.clamp(min=1)
     # Each side summed on its own: the block's sum less the positives' lost the negatives
     # to rounding where the positives are larger (255 of 1000 and one of -0.001: 0, not -0.001)
-    mean_neg = rows.clamp(max=0).sum(1) / n_neg.clamp(min=1)
+    sums = torch.cat([rows.clamp(min=0).sum(1), rows.clamp(max=0).sum(1)])
+    if not bool(torch.isfinite(sums).all()) and bool(torch.isfinite(v).all()):
+        # finite values whose sum overflowed float32 (256 of 2e38): their mean does not
+        sums = torch.cat([rows.clamp(min=0).sum(1, dtype=torch.float64), rows.clamp(max=0).sum(1, dtype=torch.float64)])
+    means = (sums / torch.cat([n_pos, n_neg]).clamp(min=1)).float()
     signs = torch.from_numpy(np.packbits(positive.numpy()))
-    return signs, torch.cat([mean_pos, mean_neg])
+    return signs, means
 
 
 def topk_encode(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,6 +153,35 @@ def test_a_gradient_with_nan_is_refused_by_the_worker_and_leaves_every_residual_
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("codec", ["onebit", "topk"])
+def test_finite_gradients_whose_sum_overflows_float32_leave_the_residual_finite(codec, capsys):
+    """Two steps of finite gradients near float32's limit: topk's residual kept the first
+    one's values left out, and adding the second made them Inf; onebit's block sums
+    overflowed at once. The push carried Inf (refused by the shard), the residual became
+    Inf - Inf = NaN, and every later push was refused: the worker stopped, blaming a
+    gradient that was finite, where an uncompressed job trained on."""
+    size = 2 * BLOCK
+    ef = ErrorFeedback(codec, size, topk_fraction=0.01)
+    ef.name = "worker-3"
+    huge = torch.full((size,), 3e38)
+    pushes = [ef.encode(huge) for _ in range(2)]
+    for first, last in pushes:
+        assert torch.isfinite(decode(codec, first, last, size)).all()
+    assert torch.isfinite(ef.residual).all()
+    old = ef.residual.clone()
+    g = torch.randn(size)
+    first, last = ef.encode(g)      # the pushes after it go on as before
+    torch.testing.assert_close(decode(codec, first, last, size) + ef.residual, g + old, rtol=1e-6, atol=1e-5)
+    said = capsys.readouterr().err
+    if codec == "topk":   # onebit's means are summed in float64: nothing to drop
+        assert ef.dropped == 1 and said.count("[psgd worker-3] wire.compression = topk: the gradient plus its "
+                                              "error-feedback residual overflowed float32") == 1
+    else:
+        assert ef.dropped == 0 and not said
+        assert torch.equal(pushes[0][1], torch.tensor([3e38, 3e38, 0.0, 0.0]))   # each block's mean, no negatives
+
+
+@pytest.mark.unit
 def test_topk_sends_nothing_for_a_shard_without_parameters():
     """A small model over many shards leaves one with no trainable parameter: k was 1,
     and torch.topk of an empty vector raised."""

@@ -290,7 +290,8 @@ class ParameterClient:
         if codec == "none":
             return {"arrays": [self._wire(f"g{slot}", shard, g, clock), buffers]}
         if shard not in self._compressors:
-            self._compressors[shard] = ErrorFeedback(codec, g.numel(), self.cfg.wire.topk_fraction)
+            self._compressors[shard] = ErrorFeedback(codec, g.numel(), self.cfg.wire.topk_fraction,
+                                                     name=f"worker-{self.rank}")
         first, last = self._compressors[shard].encode(g)
         return {"arrays": [first, buffers, last], "codec": codec}
 

@@ -37,6 +37,8 @@ from .log import log
 
 CODECS = ("none", "onebit", "topk")
 BLOCK = 256   # onebit: elements that share a pair of means
+TOPK_FEW = 10  # topk: fewer elements a push than this get a warning (`few_elements`)
+_warned: set[str] = set()   # warnings this process gave (psgd simulate runs many workers)
 
 
 class ErrorFeedback:
@@ -51,6 +53,10 @@ class ErrorFeedback:
         self.k = topk_count(size, topk_fraction)
         self.residual = torch.zeros(size)
         self.name = name        # who logs a residual dropped
+        few = few_elements(codec, size, topk_fraction)
+        if few and few not in _warned:
+            _warned.add(few)
+            log(name, few)
         self.dropped = 0        # residuals dropped because g + residual overflowed float32
 
     def encode(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +134,24 @@ def shapes(codec: str, size: int, topk_fraction: float) -> tuple[tuple[str, int]
         return ("uint8", (size + 7) // 8), ("float32", 2 * -(-size // BLOCK))
     k = topk_count(size, topk_fraction)
     return ("float32", k), ("int32", k)
+
+
+def few_elements(codec: str, size: int, topk_fraction: float) -> str:
+    """A warning when a topk push of `size` carries fewer than TOPK_FEW elements, else "".
+    Error feedback then delivers each element in rare bursts, the sum of the many steps it
+    waited, and the shards' momentum amplifies each burst: not a flaw of the codec (every
+    element still arrives; Lin et al., 2018, correct the momentum on the worker for this),
+    the method's behaviour with so few. Measured with `psgd simulate` (sync, 2 workers, 2
+    shards, digits' MLP, lr 0.1, momentum 0.9, 600 steps): hidden 16 (5 elements a push on
+    its smaller shard) reached 0.82 against 0.97 uncompressed, 0.96 with topk_fraction
+    0.05; hidden 24 (at least 10 a push) 0.97 against 0.99."""
+    k = topk_count(size, topk_fraction) if codec == "topk" else TOPK_FEW
+    if k >= TOPK_FEW or k == 0:
+        return ""
+    return (f"warning: wire.compression = topk pushes {k} of a shard's {size:,} values (wire.topk_fraction = "
+            f"{topk_fraction:g}): with under {TOPK_FEW}, error feedback sends each value in rare bursts that the "
+            f"optimizer's momentum amplifies, and training may lag far behind uncompressed; raise "
+            f"wire.topk_fraction, or lower optimizer.lr or optimizer.momentum")
 
 
 def topk_count(size: int, topk_fraction: float) -> int:

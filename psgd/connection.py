@@ -114,9 +114,12 @@ def device() -> torch.device:
 def _sample_count(samples: Any) -> int:
     """step()'s `samples` as an int: a Python or numpy integer, or a one-element integer
     tensor (`mask.sum()`). Kept as given, it could not be sent: the step line and the
-    heartbeats failed, and the worker was lost. Anything else is a ConfigError."""
+    heartbeats failed, and the worker was lost. Anything else is a ConfigError: a bool
+    too (Python's True is the integer 1, and a bool tensor's index is one, which counted
+    `samples=True` as one sample)."""
     try:
-        n = operator.index(samples)
+        boolean = isinstance(samples, bool) or getattr(samples, "dtype", None) == torch.bool
+        n = -1 if boolean else operator.index(samples)
     except TypeError:
         n = -1
     if n < 0:

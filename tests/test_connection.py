@@ -563,10 +563,11 @@ def test_step_samples_given_as_a_tensor_or_numpy_int_is_counted(port_block, tmp_
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("samples", [-3, 1.5, torch.tensor(16.0)], ids=["negative", "float", "float-tensor"])
+@pytest.mark.parametrize("samples", [-3, 1.5, torch.tensor(16.0), True, torch.tensor(True)],
+                         ids=["negative", "float", "float-tensor", "bool", "bool-tensor"])
 def test_step_samples_that_are_not_a_count_are_a_config_error_naming_samples(port_block, samples):
     """A review: any value was kept as given, and sent or counted (a negative count
-    lowered the job's samples/s)."""
+    lowered the job's samples/s). `samples=True` was counted as 1 sample (a bool is an int)."""
     cfg = config(port_block, "async", workers=1)
     with InProcessCluster(cfg) as cluster:
         model = Net(0)

@@ -24,7 +24,8 @@ What `step()` does is the mode's worker schedule (psgd/consistency/), the same o
   given is not stepped).
 - easgd, diloco, ltfb: step `optimizer` locally (psgd's `[optimizer]` when None; the
   script's own keeps its learning rate, psgd's lr schedule does not touch it) and
-  exchange every tau / H / round.
+  exchange every tau / H / round (an ltfb trainer of several workers steps on its group's
+  mean gradient, sparse where the script's was: SparseAdam takes no dense one).
 - ltfb needs `score=fn`: `fn(model)` returns the model's accuracy on the trainer's
   tournament data (higher is better), or an `(accuracy, loss)` pair; what fn raises
   (in step(), or close()'s final deposit) ends the job with its reason and is raised.

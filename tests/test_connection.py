@@ -886,12 +886,17 @@ class Bag(nn.Module):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["sync", "async", "easgd", "ltfb"])
-def test_a_model_with_sparse_gradients_trains(port_block, mode):
+@pytest.mark.parametrize("mode,optimizer", [("sync", "sgd"), ("async", "sgd"), ("easgd", "sgd"), ("ltfb", "sgd"),
+                                            ("easgd", "sparseadam"), ("ltfb", "sparseadam")])
+def test_a_model_with_sparse_gradients_trains(port_block, mode, optimizer):
     """A user's run: an nn.Embedding(sparse=True) ended the job at the first step with
     "RuntimeError: reshape is not implemented for sparse tensors" from inside psgd's
-    gather of the gradients (ltfb's trainer of two: its group mean written into them)."""
+    gather of the gradients (ltfb's trainer of two: its group mean written into them).
+    Then the mean was written dense, and the script's SparseAdam raised "SparseAdam does
+    not support dense gradients" at ltfb's first group step."""
     cfg = config(port_block, mode, **{"mode.trainer_size": 2})
+    make = ((lambda m: torch.optim.SGD(m.parameters(), lr=0.1)) if optimizer == "sgd"
+            else (lambda m: torch.optim.SparseAdam([m.e.weight], lr=0.1)))
     models = [Bag() for _ in range(2)]
     start = models[0].e.weight.detach().clone()
 
@@ -904,11 +909,12 @@ def test_a_model_with_sparse_gradients_trains(port_block, mode):
                 break
 
     with InProcessCluster(cfg):
-        got = run_workers(cfg, None, loop, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), models,
-                          score=lambda m: 0.5)
+        got = run_workers(cfg, None, loop, make, models, score=lambda m: 0.5)
     assert not got["errors"], got["errors"]
     assert not got["alive"]   # (each trained its steps: it ended)
     assert not torch.equal(models[0].e.weight, start)
+    if mode == "ltfb":   # one trainer of two: its replicas stepped alike on the group's mean
+        assert torch.equal(models[0].e.weight, models[1].e.weight)
 
 
 @pytest.mark.timeout(60)

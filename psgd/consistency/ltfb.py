@@ -421,12 +421,20 @@ class LtfbSchedule(Schedule):
             w.note(f"behind trainer {self.trainer}'s step at clock {w.clock}; continuing at its step")
             w.clock = max(w.clock, max(int(m.get("step", 0)) for m in pulled))
             return False, dropped
-        for p in w.replica.model.parameters():   # (the mean is written over every one: dense, as the tables)
+        # A sparse gradient (nn.Embedding(sparse=True)'s) gets the mean back sparse, over the
+        # rows it touches: an optimizer for sparse gradients (SparseAdam) raised on a dense one.
+        model = w.replica.model
+        sparse = {n: p.grad.sparse_dim() for n, p in model.named_parameters()
+                  if p.requires_grad and p.grad is not None and p.grad.layout == torch.sparse_coo}
+        for p in model.parameters():   # (the mean is written over every one: dense, as the tables)
             if p.requires_grad and (p.grad is None or p.grad.layout != torch.strided):
                 p.grad = torch.zeros_like(p)
-        grads = model_grads(w.replica.model)
+        grads = model_grads(model)
         for i, m in enumerate(pulled):
             w.replica.map.scatter(wire.tensor(m, 0), i, "params", grads)
+        for n, p in model.named_parameters():
+            if n in sparse:
+                p.grad = grads[n].to_sparse(sparse[n])
         w.replica.load(None, [wire.tensor(m, 1) for m in pulled])
         return True, dropped
 

@@ -446,6 +446,27 @@ def interrupted_code(e: KeyboardInterrupt) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():
+            exit_on_signals()
+
+
+def exit_on_signals() -> None:
+    """The command's work is done and its process exits (psgd's own: `psgd ...`, `python
+    -m psgd ...`): Ctrl-C or SIGTERM now ends it at once, as a signal's default action
+    does. Its handlers, left in place, raised KeyboardInterrupt or SystemExit inside the
+    interpreter's exit (threading._shutdown), a traceback on the terminal: SIGTERM to a
+    `psgd run` job's process group reached the coordinator just after it had written the
+    summary. Nothing is left to clean up: every `finally` has run. (A signal the process
+    was started ignoring, as Ctrl-C in a shell's background job, stays ignored.)"""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(s)):
+            signal.signal(s, signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if os.getcwd() not in sys.path:  # as `python -m psgd`: a `package.module:factory` in the folder it runs in
         sys.path.insert(0, os.getcwd())

@@ -269,8 +269,8 @@ def cmd_run(args) -> int:
         if isinstance(e, LaunchError):   # (--timeout, a daemon that failed)
             print(f"psgd: error: {e}{resume}", file=sys.stderr)
             return 1
-        print(f"psgd run: {'terminated' if interrupted_code(e) != 130 else 'interrupted'}; its daemons are "
-              f"stopped{resume}", file=sys.stderr)
+        how = {129: "hung up (SIGHUP)", 143: "terminated"}.get(interrupted_code(e), "interrupted")
+        print(f"psgd run: {how}; its daemons are stopped{resume}", file=sys.stderr)
         raise
     print(format_summary(s))
     model = os.path.join(out, "model.pt")
@@ -429,8 +429,40 @@ class Terminated(KeyboardInterrupt):
     of the runs done), and the exit code is 143."""
 
 
+class HungUp(Terminated):
+    """SIGHUP (the terminal closed) to `psgd run`, `psgd compare` or `psgd simulate`: the
+    job stops as on SIGTERM, and the exit code is 129. By default the hang-up killed every
+    process of the job's group at once: no shard checkpointed, every pid file stayed."""
+
+
 def _terminate(signum, frame) -> None:
     raise Terminated()
+
+
+_TERMINALS: list[int] = []   # this command's stdout and stderr where they were a terminal at its start
+
+
+def _hung_up_terminal() -> None:
+    """A terminal that hung up fails every write (EIO): the stopped command's last lines
+    raised in its `except` blocks (psgd run exited 1, not 129; psgd compare wrote no
+    report). Its stdout and stderr, where they were that terminal, go to /dev/null."""
+    for fd in _TERMINALS:
+        if not os.isatty(fd):   # (a hung-up terminal is not one any more)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def _hang_up(signum, frame) -> None:
+    _hung_up_terminal()
+    raise HungUp()
+
+
+def _hang_up_daemon(signum, frame) -> None:
+    """SIGHUP to a daemon (its terminal closed; all of a `psgd run` job's group gets it):
+    as SIGTERM, whatever handles that now (a shard checkpoints first)."""
+    _hung_up_terminal()
+    signal.raise_signal(signal.SIGTERM)
 
 
 def _exit_on_term(signum, frame) -> None:
@@ -441,8 +473,9 @@ def _exit_on_term(signum, frame) -> None:
 
 
 def interrupted_code(e: KeyboardInterrupt) -> int:
-    """The exit code of a command stopped by Ctrl-C (130) or SIGTERM (143)."""
-    return 128 + signal.SIGTERM if isinstance(e, Terminated) else 130
+    """The exit code of a command stopped by Ctrl-C (130), SIGTERM (143) or SIGHUP (129)."""
+    return 128 + (signal.SIGHUP if isinstance(e, HungUp) else signal.SIGTERM if isinstance(e, Terminated)
+                  else signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,13 +488,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_on_signals() -> None:
     """The command's work is done and its process exits (psgd's own: `psgd ...`, `python
-    -m psgd ...`): Ctrl-C or SIGTERM now ends it at once, as a signal's default action
+    -m psgd ...`): Ctrl-C, SIGTERM or SIGHUP now ends it at once, as a signal's default action
     does. Its handlers, left in place, raised KeyboardInterrupt or SystemExit inside the
     interpreter's exit (threading._shutdown), a traceback on the terminal: SIGTERM to a
     `psgd run` job's process group reached the coordinator just after it had written the
     summary. Nothing is left to clean up: every `finally` has run. (A signal the process
     was started ignoring, as Ctrl-C in a shell's background job, stays ignored.)"""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if callable(signal.getsignal(s)):
             signal.signal(s, signal.SIG_DFL)
 
@@ -493,10 +526,18 @@ def _main(argv: list[str] | None) -> int:
         return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
-    if args.cmd in ("run", "compare", "simulate") and threading.current_thread() is threading.main_thread():
+    main_thread = threading.current_thread() is threading.main_thread()
+    hangup = main_thread and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN   # (not under nohup)
+    if main_thread:
+        _TERMINALS[:] = [fd for fd in (1, 2) if os.isatty(fd)]
+    if args.cmd in ("run", "compare", "simulate") and main_thread:
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
-    elif args.cmd in DAEMONS and threading.current_thread() is threading.main_thread():
+        if hangup:
+            signal.signal(signal.SIGHUP, _hang_up)
+    elif args.cmd in DAEMONS and main_thread:
         signal.signal(signal.SIGTERM, _exit_on_term)
+        if hangup:
+            signal.signal(signal.SIGHUP, _hang_up_daemon)
     if args.cmd in DAEMONS:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()

@@ -164,6 +164,7 @@ def _child(argv: list[str], env: dict, log_path: str | None, cwd: str | None = N
     os.closerange(3, 64)  # the server's pipes and files are not the daemon's
     sys.argv = ["psgd", *argv]
     signal.signal(signal.SIGINT, _child_sigint)  # the server ignores it; a daemon does as a new interpreter would
+    signal.signal(signal.SIGHUP, _child_sighup)  # (so SIGHUP)
     import random
 
     import numpy as np
@@ -324,6 +325,7 @@ def running_pid() -> int | None:
 
 
 _child_sigint = signal.default_int_handler  # what a new interpreter started by the launcher would have
+_child_sighup = signal.SIG_DFL
 
 if __name__ == "__main__":
     # Ctrl-C is for the launcher and the daemons. A daemon gets what this process
@@ -331,4 +333,8 @@ if __name__ == "__main__":
     # SIGINT ignored (in the background of a shell without job control).
     _child_sigint = signal.getsignal(signal.SIGINT)  # type: ignore[assignment]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So is a hang-up (the terminal closed: its whole group gets SIGHUP): its default
+    # action killed the server, which took the daemons' exit codes along.
+    _child_sighup = signal.getsignal(signal.SIGHUP)  # type: ignore[assignment]
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     serve()

@@ -897,12 +897,12 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM ignored while the daemons are being stopped (a bounded wait): a
-    second one would cut the stop short and leave them running."""
+    """Ctrl-C, SIGTERM and SIGHUP ignored while the daemons are being stopped (a bounded
+    wait): a second one would cut the stop short and leave them running."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

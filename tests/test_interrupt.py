@@ -5,15 +5,17 @@ and kills what is left of it."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import termios
 import time
 
 import pytest
 
-pytestmark = pytest.mark.processes
+from tests.conftest import free_port_block
 
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
 
@@ -75,6 +77,7 @@ raise SystemExit(cli.main())
 """
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("verb,sig", [("worker", signal.SIGTERM), ("coordinator", signal.SIGINT),
                                       ("run", signal.SIGTERM), ("run", signal.SIGINT)])
@@ -96,3 +99,96 @@ def test_a_signal_while_a_command_exits_stops_it_without_a_traceback(tmp_path, v
         end_session(proc)
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert proc.returncode in (-sig, 128 + sig), (proc.returncode, err)
+
+
+def pids_when_training(out, proc: subprocess.Popen, names: set[str], seconds: float = 120,
+                       tick=lambda: None) -> dict[str, int]:
+    """The daemons' pids (their pid files) once they all run and worker 0 has logged a
+    step; `tick()` meanwhile, every 0.2 s."""
+    pids: dict[str, int] = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            names <= set(pids) and (out / "events" / "worker-0.jsonl").exists()):
+        if (out / "pids").is_dir():
+            for f in (out / "pids").iterdir():
+                with contextlib.suppress(OSError, ValueError):   # being written
+                    pids[f.name] = int(f.read_text())
+        tick()
+        time.sleep(0.2)
+    assert names <= set(pids) and (out / "events" / "worker-0.jsonl").exists(), pids
+    return pids
+
+
+def gone(pids, seconds: float = 10) -> list[int]:
+    """Those of `pids` still running after up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_closing_the_terminal_of_psgd_run_stops_the_job_as_sigterm_does(tmp_path):
+    """A terminal that closes sends SIGHUP to its job's process group: `psgd run` and every
+    daemon. Its default action killed them all at once: no shard checkpointed, every pid
+    file stayed, and the exit code was a signal's. Now the job stops as on SIGTERM: the
+    shards checkpoint, the pid files go, psgd run exits 129 (its last lines, to a
+    terminal that is gone, are dropped, not a failure of their own)."""
+    out = tmp_path / "run"
+    master, slave = os.openpty()
+
+    def terminal() -> None:   # (after setsid: the terminal becomes the new session's)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    proc = subprocess.Popen([sys.executable, "-m", "psgd", "run", "--out", str(out), "--set", "train.steps=100000",
+                             "--set", f"cluster.port={free_port_block(3)}"], env=ENV, stdin=slave, stdout=slave,
+                            stderr=slave, start_new_session=True, preexec_fn=terminal)
+    os.close(slave)
+    os.set_blocking(master, False)
+    pids: dict[str, int] = {}
+    try:
+        pids = pids_when_training(out, proc, {"server-0.pid", "server-1.pid", "worker-0.pid", "coordinator-0.pid"},
+                                  tick=lambda: _drain(master))   # a terminal shows what it is sent
+        os.close(master)   # the terminal closes
+        master = -1
+        assert proc.wait(timeout=60) == 129
+        assert not gone(pids.values())
+        assert not session(proc.pid)
+        assert sorted(os.listdir(out / "pids")) == []
+        assert sorted(os.listdir(out / "checkpoints")) == ["shard-0.pt", "shard-1.pt"]
+    finally:
+        if master >= 0:
+            os.close(master)
+        for p in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        end_session(proc)
+
+
+def _drain(fd: int) -> None:
+    """Read what there is to read (a terminal's screen): a full one would block its writers."""
+    with contextlib.suppress(OSError):   # (BlockingIOError: nothing more now)
+        while os.read(fd, 1 << 16):
+            pass
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_hang_up_while_the_daemons_stop_is_held():
+    """A terminal that closes while `psgd run` stops its daemons (after a Ctrl-C) does not
+    cut the stop short, as a second Ctrl-C or SIGTERM does not; its handler is back
+    afterwards."""
+    from psgd.launcher import signals_held
+    hits: list[int] = []
+    before = signal.signal(signal.SIGHUP, lambda n, f: hits.append(n))
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.1)
+        assert hits == []
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.1)
+        assert hits == [signal.SIGHUP]
+    finally:
+        signal.signal(signal.SIGHUP, before)

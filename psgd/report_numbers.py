@@ -375,6 +375,40 @@ class Row:
         return a / b
 
 
+def run_steps(x: dict, seconds: float = 0.0) -> int | None:
+    """Every worker's steps of one run together, where its summary tells them: train.steps
+    (`steps`) times its workers, for a run with a step budget and no time budget (`seconds`:
+    either ends a run, and a summary does not say which did), no worker lost, rejoined or
+    restarted (a rejoining worker's clock jumps), no refused step (its samples counted,
+    its step taken again) and not aborted; its samples at most `batch_size` per step.
+    None otherwise."""
+    steps, workers = int(x.get("steps") or 0), int(x.get("workers") or 0)
+    if (not steps or not workers or seconds or x.get("aborted") or x.get("rejected")
+            or any(v for v in (x.get("failures") or {}).values())):
+        return None
+    total, batch = steps * workers, x.get("batch_size")
+    samples = x.get("samples")
+    if samples is None or (batch and samples > total * int(batch)):
+        return None
+    return total
+
+
+def worker_batches(r: Row, seconds: float = 0.0) -> list[float]:
+    """Each run's mean samples per step per worker (its samples over run_steps): the batch
+    a worker held, train.batch_size or, where a worker's share of the training set is
+    smaller, that share. [] unless every run of r tells its steps. `seconds`: the job's
+    time budget ([train] is every configuration's)."""
+    got = [(x["samples"] / n) for x in r.runs if (n := run_steps(x, seconds))]
+    return got if r.runs and len(got) == len(r.runs) else []
+
+
+def steps_per_s(r: Row, seconds: float = 0.0) -> list[float]:
+    """Each run's steps per second, all workers together (run_steps over wall_s); [] unless
+    every run of r tells its steps and has a wall time."""
+    got = [n / float(x["wall_s"]) for x in r.runs if (n := run_steps(x, seconds)) and x.get("wall_s")]
+    return got if r.runs and len(got) == len(r.runs) else []
+
+
 def build_rows(results: list[dict]) -> list[Row]:
     """One Row per (label, workers). Simulated and real runs of the same configuration
     (one compare.json holding both: `python -m psgd.report OUT REAL SIM`) are separate

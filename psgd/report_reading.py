@@ -521,5 +521,5 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
         out.append(s)
 
-    out += sweep_sentences(dist, period, target)
+    out += sweep_sentences(dist, period, target, float((ctx.get("job") or {}).get("seconds") or 0.0))
     return out

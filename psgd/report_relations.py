@@ -33,10 +33,12 @@ from .report_numbers import (  # ONCE and tie_reason: imported from here too
     rho_critical,
     sd,
     spearman,
+    steps_per_s,
     sweep_fixed,
     sweeps,
     tie_reason,
     trend,
+    worker_batches,
     worker_sweeps,
 )
 from .report_tables import secs, smax
@@ -47,6 +49,10 @@ OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker
 
 # A sweep's sentence gives bytes/sample where its values differ by more than this factor.
 TRAFFIC_MOVED = 1.1
+
+# A worker-count sweep's sentence gives steps/s where the mean batches of its ends differ
+# by more than this fraction (a share of the training set below train.batch_size).
+BATCH_ALIKE = 0.01
 
 
 def unmeasured(series: list[list[float]]) -> bool:
@@ -228,9 +234,11 @@ def _one_time(r: Row, period: float | None, target: float | None = None) -> str:
     return f"{secs(mean(r.ttt) or 0.0)} s" + (f" ({why})" if why else "")
 
 
-def sweep_sentences(dist: list[Row], period: float | None = None, target: float | None = None) -> list[str]:
+def sweep_sentences(dist: list[Row], period: float | None = None, target: float | None = None,
+                    seconds: float = 0.0) -> list[str]:
     """A sentence per parameter sweep (each quantity's trend over the swept values, or,
-    where every value ran once, the values without a trend: ONCE) and per worker-count sweep."""
+    where every value ran once, the values without a trend: ONCE) and per worker-count sweep.
+    `seconds`: the job's time budget (train.seconds), which run_steps needs."""
     out = []
     for mode, key, w, rs in sweeps(dist):
         rs = [r for r in rs if r.runs]
@@ -277,13 +285,46 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             gain = b / a
             eff = gain / (last.workers / first.workers)
             why = tie_reason(first.sps, last.sps, amount)
+            shrank = _batch_clause(rs, seconds)
             s = (f"{first.name} from {first.workers} to {last.workers} workers: throughput ×{gain:.2f} "
-                 f"(scaling efficiency {percent(eff)}" + (f"; not told apart: {why}" if why and why != ONCE else "")
-                 + ")" + _turn(rs) + _times_across(first, last, period))
+                 + ("in samples/s " if shrank else "")
+                 + f"(scaling efficiency {percent(eff)}" + (f"; not told apart: {why}" if why and why != ONCE else "")
+                 + ")" + shrank + _turn(rs) + _times_across(first, last, period))
             if why == ONCE:
                 s += f" (each worker count {ONCE})"
             out.append(s + ".")
     return out
+
+
+def _batch_clause(rs: list[Row], seconds: float) -> str:
+    """Where a worker's batch differs between the ends of a worker-count sweep (its share of
+    a small training set is below train.batch_size at the larger count, and a batch holds
+    no more), samples/s measure the data split as much as the mode: the throughput in
+    steps/s and its scaling efficiency, and each count's batch (mean samples per step per
+    worker, worker_batches), e.g. ', ×13.35 in steps/s (scaling efficiency 42%): a worker's
+    batch held 32, 22.5, 5.6 samples at 8, 64, 256 workers, so samples/s fall with the
+    batch as well as with the mode'. '' where the batches are equal or not known
+    (run_steps: a time budget, lost workers)."""
+    batches = {id(r): mean(worker_batches(r, seconds)) for r in rs}
+    first, last = rs[0], rs[-1]
+    ba, bb = batches[id(first)], batches[id(last)]
+    sa, sb = steps_per_s(first, seconds), steps_per_s(last, seconds)
+    if ba is None or bb is None or close(ba, bb, BATCH_ALIKE) or not sa or not sb:
+        return ""
+    gain = (mean(sb) or 0.0) / (mean(sa) or 1.0)
+    why = tie_reason(sa, sb, amount)
+    told = [r for r in rs if batches[id(r)] is not None]
+    held = ", ".join(_batch(batches[id(r)] or 0.0) for r in told)
+    return (f", ×{gain:.2f} in steps/s (scaling efficiency {percent(gain / (last.workers / first.workers))}"
+            + (f"; not told apart: {why}" if why and why != ONCE else "")
+            + f"): a worker's batch held {held} samples at {', '.join(str(r.workers) for r in told)} workers "
+            f"(samples per step: train.batch_size, or the worker's share of the training set where that is "
+            f"smaller), so samples/s fall with the batch as well as with the mode")
+
+
+def _batch(x: float) -> str:
+    """A mean batch: 32, 22.5, 5.6."""
+    return f"{x:.1f}".removesuffix(".0")
 
 
 def _turn(rs: list[Row]) -> str:

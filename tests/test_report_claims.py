@@ -727,3 +727,28 @@ def test_the_machine_line_names_the_device_that_auto_chose():
     assert machine_device({"device": "auto", "cuda": False}) == "cpu (--device auto: no CUDA here)"
     assert machine_device({"device": "auto", "cuda": True}) == "cuda (--device auto)"
     assert machine_device({"device": "cpu", "cuda": True}) == "cpu (CUDA available)"
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_worker_count_sweep_whose_batch_shrank_gives_its_scaling_in_steps_too():
+    """A review: `psgd simulate --modes sync --workers 8,64,256` on digits (1,438 training
+    samples) said "sync from 8 to 256 workers: throughput ×2.34 (scaling efficiency 7.3%)",
+    in samples/s, while a worker's batch, capped by its share of the data, held 32 samples
+    at 8 workers and 5-6 at 256: in steps/s the same runs scaled at 42%. The sentence now
+    gives each count's batch (samples per step per worker) and the steps/s efficiency."""
+    def runs(ends, **kw):   # (workers, samples, wall) per count; 50 steps per worker, batch 32
+        return [run("sync", "sync", repeat=i, workers=w, sps=s / wall, wall=wall, samples=s, steps=50,
+                    batch_size=32, **kw) for w, s, wall in ends for i in range(2)]
+    shrank = [(8, 12800, 13.0), (64, 71900, 29.5), (256, 71900, 31.2)]
+    line = sentence(told(runs(shrank)), "sync from 8 to 256 workers")
+    assert line.startswith("sync from 8 to 256 workers: throughput ×2.34 in samples/s (scaling efficiency 7.3%), "
+                           "×13.33 in steps/s (scaling efficiency 42%): a worker's batch held 32, 22.5, 5.6 "
+                           "samples at 8, 64, 256 workers"), line
+    # The same batch at both ends: samples/s and steps/s scale alike, and the sentence is as it was.
+    line = sentence(told(runs([(8, 12800, 13.0), (16, 25600, 14.0)])), "sync from 8 to 16 workers")
+    assert "steps/s" not in line and "batch" not in line
+    # Steps not known: a time budget (either ends a run), or a worker lost: samples/s only.
+    assert "steps/s" not in sentence(told(runs(shrank), {**CTX, "job": {"seconds": 5.0}}), "sync from 8")
+    lost = runs(shrank, failures={"workers_lost": 1})
+    assert "steps/s" not in sentence(told(lost), "sync from 8")

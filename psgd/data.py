@@ -453,6 +453,34 @@ def check_partitions(n: int, world: int, seed: int, split: float = 0.0) -> None:
                         f"sample{'s' if n != 1 else ''}: too many workers for the dataset)")
 
 
+def _share(n: int, rank: int, world: int, split: float) -> int:
+    """How many samples worker `rank` of `world` trains on (worker_part's, counted without
+    drawing the permutation)."""
+    size = len(range(rank, n, world))
+    return size - max(1, int(round(size * split))) if split > 0 and size else size
+
+
+def batch_over_share(n: int, batch_size: int, counts: list[tuple[int, float]]) -> str:
+    """A warning for the worker counts at which train.batch_size is larger than a worker's
+    share of a training set of `n` samples, else "": a batch holds no more than the share
+    (Batches, LoaderBatches), so each step processes fewer samples than the config says
+    and samples/s fall with the worker count for want of data, not of speed. `counts`:
+    (workers, the mode's held-out share, worker_part's `split`), each said once."""
+    over = []
+    for world, split in dict.fromkeys(counts):
+        small, large = _share(n, world - 1, world, split), _share(n, 0, world, split)
+        if 0 < small < batch_size:
+            over.append((world, small, large))
+    if not over:
+        return ""
+    at = ", ".join(f"{w} worker{'s' if w != 1 else ''} ({lo}{f'-{hi}' if hi != lo else ''} each)"
+                   for w, lo, hi in over)
+    return (f"train.batch_size = {batch_size} is larger than a worker's share of the {n:,} training samples at "
+            f"{at}: a worker's batch is its whole share, so each step processes fewer samples than "
+            f"train.batch_size and samples/s fall with the batch; use fewer workers, a smaller train.batch_size "
+            f"or a larger dataset")
+
+
 class Batches:
     """Endless mini-batches over a partition, reshuffled every epoch from (seed, rank, epoch)."""
 

@@ -182,6 +182,19 @@ def same_worker_dropped(plan: list) -> str | None:
             f"never train the model (real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
 
 
+def batch_over_shares(plan: list) -> str | None:
+    """A warning, once for the whole plan, for the worker counts at which train.batch_size
+    is larger than a worker's share of the training set (data.batch_over_share): the
+    batch shrinks to the share, as a real worker's does, and the report's samples/s with it."""
+    from .consistency import get as get_mode
+    from .data import batch_over_share, check_dataset
+    if not plan:
+        return None
+    first = plan[0].cfg   # the data and the batch are every run's (SHARED_SECTIONS)
+    counts = [(run.cfg.cluster.workers, get_mode(run.mode).schedule(run.cfg).data_split) for run in plan]
+    return batch_over_share(check_dataset(first.data, first.job.seed), first.train.batch_size, counts) or None
+
+
 def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     from .cli import interrupted_code
     from .compare import context, finish, said_if_interrupted
@@ -192,9 +205,10 @@ def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
-    warning = same_worker_dropped(plan)
-    if warning:
-        ctx["warnings"] = [warning]
+    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan)) if w]
+    if warnings:
+        ctx["warnings"] = warnings
+    for warning in warnings:
         print(f"psgd simulate: warning: {warning}", file=sys.stderr, flush=True)
     write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
     write_json_atomic(os.path.join(out, "compare.json"), [])

@@ -266,3 +266,18 @@ def test_resnet20_size():
     assert 260_000 < n < 300_000  # He et al. 2016: 0.27M
     with pytest.raises(ConfigError):
         build_model("resnet20", (1, 4, 4), 10, 0)
+
+
+def test_a_batch_larger_than_a_workers_share_is_one_warning_naming_the_counts_and_shares():
+    """A review: at 64 and 256 workers a worker's share of digits' 1,438 training samples
+    holds 22-23 and 5-6, and its batch no more than that, while train.batch_size = 32:
+    psgd simulate said nothing, and its report's samples/s fell for want of data."""
+    from psgd.data import batch_over_share, worker_part
+    said = batch_over_share(1438, 32, [(8, 0.0), (64, 0.0), (256, 0.0), (64, 0.0)])
+    assert said.startswith("train.batch_size = 32 is larger than a worker's share of the 1,438 training samples at "
+                           "64 workers (22-23 each), 256 workers (5-6 each): ")
+    assert said.endswith("use fewer workers, a smaller train.batch_size or a larger dataset")
+    assert batch_over_share(1438, 32, [(8, 0.0), (44, 0.0)]) == ""   # 32-33 each: a full batch
+    # ltfb holds out a share of each partition: the share that trains is what a batch holds
+    assert "4 workers (22-23 each)" in batch_over_share(98, 24, [(4, 0.1)])
+    assert [len(worker_part(98, r, 4, 0, 0.1)[0]) for r in range(4)] == [23, 23, 22, 22]

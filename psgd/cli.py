@@ -236,7 +236,15 @@ def known_bad(cfg) -> str:
 
 
 def cmd_run(args) -> int:
-    from .launcher import LaunchError, check_before_launch, format_summary, resumable, run_local, written_since
+    from .launcher import (
+        LaunchError,
+        check_before_launch,
+        ended_before,
+        format_summary,
+        resumable,
+        run_local,
+        written_since,
+    )
     from .metrics import process_start_time
     launched_at = process_start_time() or time.time()  # startup_s: from the command's start
     script = _script(args)
@@ -266,12 +274,18 @@ def cmd_run(args) -> int:
         # (a refused run's folder may hold the checkpoints of the job running there: not its own)
         resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
                   f"--out resumes from them)" if accepted and resumable(cfg, out, launched_at) else "")
-        if isinstance(e, LaunchError):   # (--timeout, a daemon that failed)
-            print(f"psgd: error: {e}{resume}", file=sys.stderr)
+        # A signal after the job had ended cut nothing short: the job is reported, as without it.
+        ended = ended_before(e) if isinstance(e, KeyboardInterrupt) else e
+        if isinstance(ended, LaunchError):   # (--timeout, a daemon that failed, an aborted job)
+            print(f"psgd: error: {ended}{resume}", file=sys.stderr)
             return 1
+        assert isinstance(e, KeyboardInterrupt)
         how = {129: "hung up (SIGHUP)", 143: "terminated"}.get(interrupted_code(e), "interrupted")
-        print(f"psgd run: {how}; its daemons are stopped{resume}", file=sys.stderr)
-        raise
+        if ended is None:
+            print(f"psgd run: {how}; its daemons are stopped{resume}", file=sys.stderr)
+            raise
+        print(f"psgd run: {how} after the job had ended; its outputs are complete", file=sys.stderr)
+        s = ended
     print(format_summary(s))
     model = os.path.join(out, "model.pt")
     saved = written_since(model, launched_at)  # not an earlier job's

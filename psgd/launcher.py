@@ -652,7 +652,7 @@ class LocalJob:
             with open(path) as f:
                 summary = json.load(f)
         if summary is not None and summary.get("aborted"):  # the reason is one line: say it, no log dump
-            raise LaunchError(f"job aborted: {summary['aborted']} ({self.worker_exits()}); logs in {self.out}/logs")
+            raise self.aborted(summary)
         if summary is None:
             tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children[1:] if self.tail(c))
             raise LaunchError(f"the coordinator ended without a summary (exit code {code}); logs in "
@@ -661,6 +661,27 @@ class LocalJob:
             log("run", f"the coordinator exited with {_code(code)} after writing the job's summary, while it "
                        f"waited for every daemon to hear that the job was done; the summary stands")
         self._scripts_end(deadline)
+        return summary
+
+    def aborted(self, summary: dict) -> LaunchError:
+        """The error of a job that ended aborted (its summary's `aborted`)."""
+        return LaunchError(f"job aborted: {summary['aborted']} ({self.worker_exits()}); logs in {self.out}/logs")
+
+    def ended(self) -> dict | None:
+        """This job's summary if the job has ended with nothing of its work left undone,
+        else None: its summary.json is written (an earlier job's was removed at the
+        start), and every training script has ended by itself, with code 0 (its work
+        after close() done). A signal to psgd run that comes then, while the coordinator
+        tells the daemons the job is done (up to linger_s) or the launcher waits for them
+        to exit, cut nothing short: the job's outputs are complete."""
+        try:
+            with open(os.path.join(self.out, "summary.json")) as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(summary, dict) or any(c.script and (c.proc is None or c.poll() != 0)
+                                                for c in self.children):
+            return None
         return summary
 
     def _scripts_end(self, deadline: float) -> None:
@@ -886,13 +907,31 @@ def default_timeout(cfg: Config) -> float:
 
 
 def run_local(cfg: Config, out: str, **kw) -> dict:
+    """Run the job; its summary. A Ctrl-C, SIGTERM or SIGHUP (KeyboardInterrupt) still
+    raises, once the daemons are stopped; one that came after the job had ended (while
+    its coordinator told the daemons so, or its scripts' work after close() was waited
+    for) carries the job's end (`ended_before`): psgd run reports the job, not an
+    interrupt (psgd compare stops, as on any)."""
     job = LocalJob(cfg, out, **kw)
     try:
         job.start()
         return job.wait()
+    except KeyboardInterrupt as e:
+        with signals_held():
+            job.stop()   # (first: a script that the stop cut short has not ended with 0)
+        summary = job.ended()
+        e.ended = job.aborted(summary) if summary and summary.get("aborted") else summary  # type: ignore[attr-defined]
+        raise
     finally:
         with signals_held():
             job.stop()
+
+
+def ended_before(e: KeyboardInterrupt) -> dict | LaunchError | None:
+    """How the job had ended when the signal `e` stopped run_local: its summary, the
+    LaunchError of an aborted job (as wait() raises it), or None: it had not ended."""
+    ended = getattr(e, "ended", None)
+    return ended if isinstance(ended, (dict, LaunchError)) else None
 
 
 @contextlib.contextmanager

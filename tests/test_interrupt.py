@@ -192,3 +192,100 @@ def test_a_hang_up_while_the_daemons_stop_is_held():
         assert hits == [signal.SIGHUP]
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+SUMMARY = {"mode": "sync", "final_accuracy": 0.97, "final_loss": 0.1, "samples_per_s": 100.0, "wall_s": 1.0,
+           "time_to_target_s": 0.5, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0, "hist": {}},
+           "evals": []}
+
+
+class Script:
+    """A training script's process as the launcher sees it: exited with `code`."""
+
+    def __init__(self, code: int | None):
+        self.code, self.pid = code, 0
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def terminate(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.code
+
+
+def run_then_signal(monkeypatch, tmp_path, capsys, summary: dict | None, scripts: list[int | None],
+                    sig: type[KeyboardInterrupt] = KeyboardInterrupt) -> tuple[int, str, str]:
+    """`psgd run`, whose job writes `summary` (None: none), has training scripts that
+    exited with `scripts`' codes, and then gets `sig` while the launcher waits (the
+    coordinator's linger after the summary, say): main's exit code, stdout, stderr."""
+    import json
+
+    from psgd import cli, launcher
+    from psgd.launcher import Child, LocalJob
+
+    def start(job: LocalJob) -> None:
+        job.children = [Child("worker", r, [], proc=Script(code), script=True) for r, code in enumerate(scripts)]
+
+    def wait(job: LocalJob) -> dict:
+        if summary is not None:
+            (tmp_path / "out" / "summary.json").write_text(json.dumps(summary))
+        raise sig()
+    monkeypatch.setattr(LocalJob, "start", start)
+    monkeypatch.setattr(LocalJob, "wait", wait)
+    monkeypatch.setattr(launcher, "check_before_launch", lambda cfg, device: None)
+    monkeypatch.setattr(cli, "check_job", lambda cfg: None)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = cli.main(["run", "--out", str(tmp_path / "out"), "--quiet", "--set",
+                         f"cluster.port={free_port_block(3)}"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_signal_after_the_job_ended_reports_the_finished_job(monkeypatch, tmp_path, capsys):
+    """Ctrl-C just after the job's summary.json and model.pt were written (the coordinator
+    still telling the daemons the job was done) made psgd run say "interrupted" and exit
+    130 without the summary line, although the job was complete (`psgd status` said
+    "finished"). It now prints the summary, as for a job not interrupted, notes the
+    signal, and exits 0; SIGTERM too."""
+    from psgd.cli import Terminated
+    for sig in (KeyboardInterrupt, Terminated):
+        code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, SUMMARY, [], sig)
+        assert code == 0, err
+        assert "sync: accuracy 0.9700" in out and f"summary: {tmp_path}/out/summary.json" in out, out
+        assert "after the job had ended; its outputs are complete" in err and "Traceback" not in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_signal_before_the_end_or_while_a_script_works_on_is_an_interrupt(monkeypatch, tmp_path, capsys):
+    """No summary yet, or a training script still at its work after close() (stopped by
+    the signal): the run was interrupted (130), and no summary line is printed. A
+    script's job whose scripts had all ended with 0 had ended."""
+    for summary, scripts in ((None, []), (SUMMARY, [0, -2]), (SUMMARY, [0, None])):
+        code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, summary, scripts)
+        assert code == 130 and out == "" and "psgd run: interrupted; its daemons are stopped" in err, (code, err)
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, SUMMARY, [0, 0])
+    assert code == 0 and "sync: accuracy 0.9700" in out, err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_signal_after_an_aborted_job_ended_says_why_it_was_aborted(monkeypatch, tmp_path, capsys):
+    """An aborted job's end is its error (exit 1, the reason), signal or none. run_local
+    still raises the signal (psgd compare, its other caller, stops on it)."""
+    from psgd.config import load
+    from psgd.launcher import LaunchError, ended_before, run_local
+    aborted = {**SUMMARY, "aborted": "shard 0 was lost"}
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, aborted, [])
+    assert code == 1 and "psgd: error: job aborted: shard 0 was lost" in err and out == "", err
+    with pytest.raises(KeyboardInterrupt) as e:
+        run_local(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path / "out"), quiet=True)
+    assert isinstance(ended_before(e.value), LaunchError)

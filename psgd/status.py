@@ -54,16 +54,16 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if not args.dir and not args.address and not args.config:
-        raise ConfigError("psgd status: give the job's folder (DIR), --address tcp://HOST:PORT or --config FILE")
+        raise ConfigError("give the job's folder (DIR), --address tcp://HOST:PORT or --config FILE")
     if args.dir and args.config:
-        raise ConfigError("psgd status: give DIR (its config.toml is the job's) or --config FILE, not both")
+        raise ConfigError("give DIR (its config.toml is the job's) or --config FILE, not both")
     sets = list(args.set) + (["security.curve=true", f"security.keys={args.keys}"] if args.keys else [])
     cfg = _config(args.dir, args.config, sets)
     address = args.address or cfg.coordinator_address()
     port = address.rpartition(":")[2] if address.startswith("tcp://") else "1"
     if (not address.startswith(("tcp://", "ipc://")) or address.endswith(("://", ":"))
             or not (port.isdigit() and 1 <= int(port) <= 65535)):
-        raise ConfigError(f"psgd status: --address must be tcp://HOST:PORT (a port in 1..65535) or ipc://PATH, "
+        raise ConfigError(f"--address must be tcp://HOST:PORT (a port in 1..65535) or ipc://PATH, "
                           f"got {address!r}")
     keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
             f"does not answer" if cfg.security.curve else
@@ -162,9 +162,10 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
     if folder:
         path = os.path.join(folder, "config.toml")
         if not os.path.isdir(folder):
-            raise ConfigError(f"psgd status: no folder {folder} (give a psgd run's output folder, or --address)")
+            what = f"{folder} is a file, not a folder" if os.path.exists(folder) else f"no folder {folder}"
+            raise ConfigError(f"{what} (give a psgd run's output folder, or --address)")
         if not os.path.exists(path):
-            raise ConfigError(f"psgd status: {folder} has no config.toml (is it a psgd run's output folder?)")
+            raise ConfigError(f"{folder} has no config.toml (is it a psgd run's output folder?)")
     return load(path, sets or [], env={})
 
 
@@ -173,7 +174,7 @@ def ask(cfg, address: str) -> wire.Message:
     try:
         peers = Peers(zmq.Context.instance(), [address], cfg.security)
     except zmq.ZMQError as e:
-        raise ConfigError(f"psgd status: cannot connect to {address!r}: {e}") from None
+        raise ConfigError(f"cannot connect to {address!r}: {e}") from None
     try:
         return peers.call(0, "status", ASK_TIMEOUT_S)
     finally:

@@ -101,6 +101,22 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
 
 
 @pytest.mark.timeout(30)
+def test_status_errors_are_one_line_with_one_prefix(tmp_path, capsys):
+    """`psgd status FILE` said "no folder FILE", and every refusal began "psgd: error:
+    psgd status: ..."."""
+    (tmp_path / "a-file").write_text("")
+    assert main(["status", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"psgd: error: {tmp_path / 'a-file'} is a file, not a folder"), err
+    assert len(err.strip().splitlines()) == 1
+    for args in (["status"], ["status", str(tmp_path)], ["status", "--address", "foo"],
+                 ["status", str(tmp_path), "--config", "x.toml"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("psgd: error: ") and "psgd status:" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("args, said", [
     (["--address", "foo"], "--address must be tcp://HOST:PORT"),     # was a ZMQError traceback
     (["--address", "tcp://127.0.0.1:1", "--watch", "-1"], "expected a number of seconds > 0"),

@@ -487,7 +487,9 @@ class Coordinator:
         age = max(0.0, float(msg.get("age_s", 0.0)))
         read_at = time.monotonic() - age
         t = max(0.0, read_at - self.t0) if self.t0 else 0.0
-        e = {"t": round(t, 3), "samples": self.samples(), "accuracy": accuracy, "loss": loss,
+        # t to the microsecond, as summary.json's wall_s (metrics.summarize): at 3 decimals a
+        # score read just after training ended could round to before its end (AFTER_END)
+        e = {"t": round(t, 6), "samples": self.samples(), "accuracy": accuracy, "loss": loss,
              "final": bool(msg.get("final", False))}
         if self.phase in ("training", "final_eval"):
             self.evals.append(e)  # t: seconds since training started (summary.json's curve)
@@ -691,7 +693,7 @@ class Coordinator:
                                  final_expected=self.has_evaluator and (not self.abort or self.phase == "final_eval"))
         if self.out:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
-        self.events.write(event="done", wall_s=round(wall, 3))
+        self.events.write(event="done", wall_s=round(wall, 6))   # (as summary.json's, and the scores' t)
         self.phase = "done"
         self.done_at = time.monotonic()
         self._save_state(self.done_at)

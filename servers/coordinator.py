@@ -476,10 +476,10 @@ class Coordinator:
         at that time: the heartbeats' count now in the answer and the event lines, the
         count at the read in summary.json once every live worker has heartbeated since
         (`SamplesAt`, from each worker's counts of the last cluster.timeout_s: a score may
-        take longer than a heartbeat period). An accuracy outside [0, 1] (NaN too) is
-        refused: no score is one. A loss that is not finite is kept (an evaluator's score of a diverged model);
-        summary.json writes it as null (metrics.write_json_atomic). Another job's is
-        refused."""
+        take longer than a heartbeat period), its TensorBoard points then. An accuracy
+        outside [0, 1] (NaN too) is refused: no score is one. A loss that is not finite
+        is kept (an evaluator's score of a diverged model); summary.json writes it as null
+        (metrics.write_json_atomic). Another job's is refused."""
         self._ours(msg, "evaluator")
         accuracy, loss = float(msg.get("accuracy")), float(msg.get("loss"))
         if not 0.0 <= accuracy <= 1.0:
@@ -495,8 +495,6 @@ class Coordinator:
             self.evals.append(e)  # t: seconds since training started (summary.json's curve)
             self.counting.append((e, SamplesAt(self.members.members, read_at)))
             self._count(-1, read_at)
-            if self.scalars:
-                self.scalars.add({"job/accuracy": e["accuracy"], "job/loss": e["loss"]}, e["samples"])
             self.events.write(event="eval", elapsed_s=e["t"], **{k: v for k, v in e.items() if k != "t"})
         if e["final"]:
             if self.phase == "final_eval":
@@ -651,8 +649,15 @@ class Coordinator:
             for _, at in self.counting:
                 at.beat(rank, now, samples)
         while self.counting and not self.counting[0][1].waiting:
-            e, at = self.counting.pop(0)
-            e["samples"] = at.value()
+            self._counted(*self.counting.pop(0))
+
+    def _counted(self, e: dict, at: SamplesAt) -> None:
+        """A score's samples settled (the count at its read): summary.json's, and the step
+        of its TensorBoard points, written now (written at its arrival, at the heartbeats'
+        count then, they stood thousands of samples off summary.json's curve)."""
+        e["samples"] = at.value()
+        if self.scalars:
+            self.scalars.add({"job/accuracy": e["accuracy"], "job/loss": e["loss"]}, e["samples"])
 
     def _settle(self, now: float) -> None:
         """Write the summary once every live shard has heartbeated since training ended
@@ -666,8 +671,8 @@ class Coordinator:
             self.phase = "settling"
 
     def _finish_job(self) -> None:
-        for e, at in self.counting:   # those never heard from again keep their counts before the score
-            e["samples"] = at.value()
+        for waiting in self.counting:   # those never heard from again keep their counts before the score
+            self._counted(*waiting)
         self.counting = []
         wall = (self.t_end or time.monotonic()) - self.t0
         m = self.members
@@ -826,6 +831,8 @@ class Coordinator:
             self.sock.close(0)
             self.events.close()
             if self.scalars:
+                for waiting in self.counting:   # (a job that ended without a summary: stopped)
+                    self._counted(*waiting)
                 self.scalars.workers(self.members.stats(), self.samples())
                 self.scalars.close()
             stop_auth(self.ctx)

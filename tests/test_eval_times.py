@@ -32,7 +32,8 @@ def score(c: Coordinator, monkeypatch, now: float, accuracy: float, final: bool 
     """The evaluator's score of the model it read at time.monotonic() `now`."""
     monkeypatch.setattr(time, "monotonic", lambda: now)
     try:
-        c.on_eval(b"e", wire.Message("eval", 1, fields={"job": c.job, "accuracy": accuracy, "loss": 0.5, "final": final}))
+        fields = {"job": c.job, "accuracy": accuracy, "loss": 0.5, "final": final}
+        c.on_eval(b"e", wire.Message("eval", 1, fields=fields))
     finally:
         monkeypatch.undo()
 
@@ -53,3 +54,35 @@ def test_a_score_read_just_after_training_ended_is_after_the_end(tmp_path, monke
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["evals"][1]["t"] > summary["wall_s"], summary
     assert summary["time_to_target_s"] > summary["wall_s"] and ttt_flag(summary, None) == AFTER_END, summary
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_tensorboard_puts_each_score_at_its_samples_in_summary_json(tmp_path, monkeypatch):
+    """TensorBoard's job/accuracy and job/loss were written when a score arrived, at the
+    heartbeats' count then, while summary.json later put the score at the count at its
+    read (thousands of samples apart: at 0 and 8,416 in TensorBoard, 7,318 and 17,221 in
+    summary.json). They are written once that count is settled, at summary.json's."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    c = coordinator(str(tmp_path), **{"eval.tensorboard": True})
+    c.t0 = 100.0
+
+    def beat(now: float, samples: int) -> None:
+        c.members.beat(0, now, samples // 32, {"samples": samples, "elapsed_s": now - 100.0})
+        c._count(0, now)
+    beat(100.2, 1000)
+    score(c, monkeypatch, 100.5, 0.5)   # read between the beats: at 1,500 samples
+    beat(100.8, 2000)
+    score(c, monkeypatch, 100.9, 0.7)   # after the last beat (none comes): 2,000
+    c.members.finish(0, 101.0, {"samples": 2400, "elapsed_s": 1.0})
+    c.phase, c.t_end = "final_eval", 101.0
+    score(c, monkeypatch, 101.1, 0.9, final=True)
+    c.events.close()
+    c.scalars.close()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    board = [(p.step, round(p.value, 4)) for p in accumulator.Scalars("job/accuracy")]
+    assert board == [(e["samples"], e["accuracy"]) for e in summary["evals"]], (board, summary["evals"])
+    assert summary["evals"][0]["samples"] == 1500, summary["evals"]

@@ -165,6 +165,11 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
             what = f"{folder} is a file, not a folder" if os.path.exists(folder) else f"no folder {folder}"
             raise ConfigError(f"{what} (give a psgd run's output folder, or --address)")
         if not os.path.exists(path):
+            runs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "config.toml")))
+            if runs:   # a psgd compare's: each of its runs is a psgd run's folder
+                named = (f"{runs[0]}, {runs[1]}, ... ({len(runs)} runs)" if len(runs) > 3 else
+                         " or ".join([", ".join(runs[:-1]), runs[-1]] if len(runs) > 1 else runs))
+                raise ConfigError(f"{folder} is a psgd compare's output folder: give one of its runs, {named}")
             raise ConfigError(f"{folder} has no config.toml (is it a psgd run's output folder?)")
     return load(path, sets or [], env={})
 

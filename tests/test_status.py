@@ -117,6 +117,19 @@ def test_status_errors_are_one_line_with_one_prefix(tmp_path, capsys):
 
 
 @pytest.mark.timeout(30)
+def test_status_of_a_compare_folder_names_its_runs(tmp_path, capsys):
+    """`psgd status OUT` of a `psgd compare` said "OUT has no config.toml (is it a psgd
+    run's output folder?)": it names the run folders to give instead."""
+    for name in ("sync-w2-r0", "async-w2-r0"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.toml").write_text("")
+    assert main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{tmp_path} is a psgd compare's output folder: give one of its runs, "
+            f"{tmp_path / 'runs' / 'async-w2-r0'} or {tmp_path / 'runs' / 'sync-w2-r0'}") in err, err
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("args, said", [
     (["--address", "foo"], "--address must be tcp://HOST:PORT"),     # was a ZMQError traceback
     (["--address", "tcp://127.0.0.1:1", "--watch", "-1"], "expected a number of seconds > 0"),

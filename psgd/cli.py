@@ -206,17 +206,21 @@ def check_model(cfg) -> None:
                           f"or package.module:factory")
 
 
-def check_job(cfg, runs: list | None = None) -> None:
+def check_job(cfg, runs: list | None = None) -> str:
     """What psgd's own workers need, checked before psgd run or compare starts one: a bad
     dataset or model, or more workers than the training set has samples for (in each of
     the configs `runs`, default cfg), is one line here, not a failed job later (nor one
-    that trained with fewer workers: a worker with no data stops, the others go on)."""
+    that trained with fewer workers: a worker with no data stops, the others go on).
+    Returns a warning for worker counts whose share of the data is smaller than a batch
+    (`data.batch_over_share`: the batch shrinks to the share), else ""."""
     from .consistency import data_split
-    from .data import check_dataset, check_partitions
+    from .data import batch_over_share, check_dataset, check_partitions
     n = check_dataset(cfg.data, cfg.job.seed)
     check_model(cfg)
-    for run in runs or [cfg]:
+    runs = runs or [cfg]
+    for run in runs:
         check_partitions(n, run.cluster.workers, run.job.seed, data_split(run))
+    return batch_over_share(n, cfg.train.batch_size, [(run.cluster.workers, data_split(run)) for run in runs])
 
 
 def known_bad(cfg) -> str:
@@ -251,12 +255,12 @@ def cmd_run(args) -> int:
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers,
                          **({"model.name": SCRIPT_MODEL, "cluster.evaluator": "false"} if script else {})})
     port_explicit = "cluster.port" in given_keys(args.config, args.set)
-    if not script:   # a script's workers bring their own model and data
-        check_job(cfg)
+    small = "" if script else check_job(cfg)   # (a script's workers bring their own model and data)
     check_before_launch(cfg, args.device)
     bad = "" if script else known_bad(cfg)   # (a script's own optimizer may not be [optimizer]'s)
-    if bad:
-        print(f"psgd run: warning: {bad}", file=sys.stderr, flush=True)
+    for warning in (bad, small):
+        if warning:
+            print(f"psgd run: warning: {warning}", file=sys.stderr, flush=True)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     c = cfg.cluster
     job = (f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "

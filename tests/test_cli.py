@@ -630,3 +630,15 @@ def test_run_warns_at_start_of_diloco_rounds_of_one_step_with_both_momenta(sets,
 def test_no_mode_warning_for_the_other_modes_with_one_step_settings(mode, no_job, capsys, tmp_path):
     assert main(["run", "--mode", mode, "--set", "mode.local_steps=1", "--out", str(tmp_path / "out")]) == 0
     assert "local_steps" not in capsys.readouterr().err
+
+
+def test_run_warns_once_when_a_batch_is_larger_than_a_workers_share_of_the_data(no_job, capsys, tmp_path):
+    """A batch larger than a worker's share of the training set shrinks to the share, and
+    psgd run said nothing (only each worker's log gave its batch)."""
+    argv = ["run", "--workers", "2", "--set", "data.name=synthetic", "--set", "data.samples=40",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "train.batch_size" in line]
+    assert len(lines) == 1 and lines[0].startswith("psgd run: warning: train.batch_size = 32 is larger than"), lines
+    assert "2 workers" in lines[0] and main(["run", "--out", str(tmp_path / "o2")]) == 0
+    assert "train.batch_size" not in capsys.readouterr().err   # the default job: no warning

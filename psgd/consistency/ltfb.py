@@ -299,8 +299,8 @@ class LtfbSchedule(Schedule):
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
         if w.clock:    # a worker restarted into the job: the best trainer's model, with its values
             self.rejoin(w, catch_up=True)
-        else:          # the job's start: its own draw on the initial model, even if a trainer that
-            load(w, w.client.pull(-1))   # started sooner has deposited a round already
+        elif not self.resume(w):   # the job's start: its own draw on the initial model, even if a trainer
+            load(w, w.client.pull(-1))   # that started sooner has deposited a round already
         self.t_round = w.now()
         self.round_s = 0.0
 
@@ -317,10 +317,40 @@ class LtfbSchedule(Schedule):
             self.catch_up(w)
         if got[0].get("owner") is None:   # the shards' tables: no deposit yet
             return
+        self.carry_on(w, got)
+
+    def carry_on(self, w: Trainer, got: list) -> None:
+        """What travels with a deposit that a (re)starting worker continues from: the
+        optimizer state (weights+optimizer) and the explored values."""
         if self.with_opt:
             self.load_opt_state(w, got)
         if self.explore:
             self.set_hyper(self.read_meta(got)[1])
+
+    def resume(self, w: Trainer) -> bool:
+        """A job resumed from its shards' checkpoints: its workers register at clock 0 (a
+        new run's coordinator), and the shards hold deposits of their own trainer, which
+        a job's start cannot have (a trainer's first deposit waits for its workers' steps).
+        The trainer continues from its own latest deposit that every shard holds (weights,
+        buffers, explored values, as `rejoin` the optimizer state: the population stays as
+        it was) at that round's step (`catch_up`); its steps after that round are lost. Before, every
+        worker began again from the initial model at step 0. With the shards restored from
+        checkpoints of different rounds, no deposit of its own is on every shard: the best
+        trainer's model, as a restarted worker takes (`rejoin`). False where no shard
+        holds a deposit of its trainer: the job's start."""
+        held = [{int(r) for r, o, _ in m.get("models") if int(o) == self.trainer and int(r) > 0}
+                for m in w.client.index()]
+        if not any(held):
+            return False
+        common = set.intersection(*held)
+        got = w.client.get_model(max(common), self.trainer, exact=True, missing_ok=True) if common else None
+        if got is None:
+            self.rejoin(w, catch_up=True)
+            return True
+        load(w, got)
+        self.catch_up(w)
+        self.carry_on(w, got)
+        return True
 
     def catch_up(self, w: Trainer) -> None:
         """Move a (re)joining worker's clock up to the latest tournament round that its

@@ -203,7 +203,7 @@ class Worker:
         except ShardUnreachable as e:  # the launcher or the coordinator decides what follows
             log(self.name, f"error: {e}")
             self._report_leaving(str(e))
-            self.client.close()
+            self._close(str(e))   # (the coordinator call socket too: `_report_leaving` opened it)
             return 1
         except Cancelled:
             pass  # the job ended while we waited

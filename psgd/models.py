@@ -7,7 +7,10 @@ trainable parameters, all float32.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import os
 import threading
 
 import torch
@@ -94,19 +97,66 @@ class ResNet20(nn.Module):
         return self.fc(x)
 
 
+def _raised(e: BaseException, root: str | None) -> str:
+    """`Type: message` of a user's exception on one line, with the file and line where it
+    was raised in the user's package (under `root`), the deepest such frame: a data factory
+    that raised printed a traceback, or its message alone ("/data/x.bin") without saying
+    which factory, and one line must still say where to look."""
+    said = f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")
+    where = None
+    tb = e.__traceback__
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if root and os.path.abspath(f).startswith(root):
+            where = (f, tb.tb_lineno)
+        tb = tb.tb_next
+    return f"{said} ({where[0]}, line {where[1]})" if where and not isinstance(e, SyntaxError) else said
+
+
+def _package_root(module_name: str) -> str | None:
+    """The folder of a module's top-level package, or the module's file: where its code is."""
+    try:
+        spec = importlib.util.find_spec(module_name.partition(".")[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return os.path.join(os.path.abspath(list(spec.submodule_search_locations)[0]), "")
+    return os.path.abspath(spec.origin) if spec.origin and os.path.isfile(spec.origin) else None
+
+
 def load_factory(spec: str, what: str):
-    """`package.module:factory` -> the callable, or a ConfigError that says what failed."""
+    """`package.module:factory` -> the callable, or a ConfigError that says what failed.
+    What the factory raises when called, or the module when imported, is a ConfigError
+    naming the factory (the user's exception chained: a log's traceback keeps it)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{what} {spec!r}: expected a built-in name or package.module:factory")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"{what} {spec!r}: cannot import {module_name} ({e})") from None
+        hint = ""
+        if e.name == module_name.partition(".")[0]:   # the user's package itself, not found
+            hint = "; psgd imports it from the folder it runs in and PYTHONPATH"
+        raise ConfigError(f"{what} {spec!r}: cannot import {module_name} ({e}){hint}") from None
+    except Exception as e:   # a syntax error, or the module's own code raised
+        raise ConfigError(f"{what} {spec!r}: importing {module_name} raised "
+                          f"{_raised(e, _package_root(module_name))}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{what} {spec!r}: {module_name} has no callable {attr!r}")
-    return fn
+    root = _package_root(module_name)
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"{what} {spec!r}: the factory raised {_raised(e, root)}") from e
+    return factory
 
 
 def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int = 128) -> nn.Module:

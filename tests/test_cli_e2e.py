@@ -384,8 +384,9 @@ def test_a_worker_that_fails_before_training_stops_the_job_at_once(tmp_path):
     took = time.monotonic() - began
     assert proc.returncode == 1, proc.stderr[-3000:]
     failure = proc.stderr[proc.stderr.index("psgd: error:"):]
-    assert failure.startswith("psgd: error: worker-1 exited with code 1 before the job began training"), failure
-    assert "rank 1 cannot build the model here" in failure
+    assert failure.startswith("psgd: error: worker-1 exited with code 2 before the job began training"), failure
+    # (the factory's error is one line, a ConfigError's exit code 2: it was a traceback, exit 1)
+    assert "model.name 'rankfail:model': the factory raised RuntimeError: rank 1 cannot build the model here" in failure
     assert took < 60, f"psgd run took {took:.0f} s to report a worker that died at start-up"
 
 

@@ -3,7 +3,8 @@
 Every party builds the model with the job's seed, so frozen parameters and integer
 buffers agree everywhere without being sent. A factory is called as
 `factory(input_shape=(C, H, W), num_classes=K)` and must return an `nn.Module` with
-trainable parameters, all float32.
+trainable parameters, all float32, whose output for a batch of N inputs is N x K logits
+(built, it is run on a batch of zeros to check).
 """
 from __future__ import annotations
 
@@ -159,8 +160,44 @@ def load_factory(spec: str, what: str):
     return factory
 
 
+def _check_output(model: nn.Module, name: str, input_shape: tuple, num_classes: int) -> None:
+    """A factory's model run on a batch of two zero inputs of the data's sample shape, on
+    the device of its parameters (a factory may move its model to a GPU), in eval mode
+    (restored) and without gradients, must give (2, num_classes)
+    logits: what psgd's cross-entropy reads. The inputs are float32, as psgd's in-memory
+    datasets give them, or, where that raises, integers (a streamed dataset's token ids).
+    A model that did not fit the data failed every worker's first step, and the
+    evaluator until psgd run gave up restarting it, each with a traceback; one with more
+    outputs than classes trained with nothing said."""
+    device = next(p for p in model.parameters() if p.requires_grad).device   # a factory's .cuda() model: there
+    x = torch.zeros((2, *input_shape), device=device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                out = model(x)
+            except Exception as e:
+                try:
+                    out = model(x.long())
+                except Exception:
+                    raise ConfigError(f"model.name {name!r}: the model fails on the data: a batch of 2 inputs of "
+                                      f"shape {input_shape} (float32 zeros, on {device}) raised "
+                                      f"{_raised(e, _package_root(name.partition(':')[0]))}") \
+                        from e
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        raise ConfigError(f"model.name {name!r}: its output for a batch of 2 inputs of shape {input_shape} is {got}; "
+                          f"psgd trains it with cross-entropy over the data's {num_classes} classes: it must be a "
+                          f"tensor of shape (2, {num_classes})")
+
+
 def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int = 128) -> nn.Module:
-    """Build a model deterministically from the seed (same parameters on every party)."""
+    """Build a model deterministically from the seed (same parameters on every party); a
+    factory's is checked against the data (`_check_output`), with the seed still set."""
     input_shape = tuple(int(d) for d in input_shape)
     with _SEEDING, torch.random.fork_rng(devices=[]):  # the global RNG: one builder at a time
         torch.manual_seed(seed)
@@ -179,11 +216,13 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
                 raise ConfigError(f"model.name {name!r}: the factory returned {type(model).__name__}, not nn.Module")
         else:
             raise ConfigError(f"model.name {name!r}: expected mlp, cnn, resnet20 or package.module:factory")
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:  # the shards would hold nothing: every worker's registration is refused
-        raise ConfigError(f"model.name {name!r}: the model has no trainable parameters (none with "
-                          f"requires_grad=True): psgd trains a model's trainable parameters")
-    for p in trainable:
-        if p.dtype != torch.float32:
-            raise ConfigError(f"model.name {name!r}: trainable parameters must be float32, got {p.dtype}")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:  # the shards would hold nothing: every worker's registration is refused
+            raise ConfigError(f"model.name {name!r}: the model has no trainable parameters (none with "
+                              f"requires_grad=True): psgd trains a model's trainable parameters")
+        for p in trainable:
+            if p.dtype != torch.float32:
+                raise ConfigError(f"model.name {name!r}: trainable parameters must be float32, got {p.dtype}")
+        if ":" in name:
+            _check_output(model, name, input_shape, num_classes)
     return model

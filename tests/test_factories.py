@@ -1,8 +1,11 @@
 """A user's `model.name` / `data.name = "package.module:factory"`: what a factory that is
 wrong in a user's usual ways gives (one ConfigError line naming the factory)."""
+import math
 import re
 
 import pytest
+import torch
+from torch import nn
 
 from psgd.config import ConfigError, DataConfig
 from psgd.data import check_dataset, load_dataset
@@ -55,3 +58,94 @@ def test_a_factory_module_that_fails_to_import_is_one_config_error(tmp_path, mon
     with pytest.raises(ConfigError, match="No module named 'no_such_pkg_psgd_test'.*; psgd imports it from the folder "
                                           "it runs in and PYTHONPATH$"):
         build_model("no_such_pkg_psgd_test.nets:make", (4,), 3, seed=0)
+
+
+def linear(input_shape, outputs):
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), outputs))
+
+
+def more_outputs(input_shape, num_classes):
+    return linear(input_shape, num_classes + 3)
+
+
+def other_input(input_shape, num_classes):
+    return linear((7,), num_classes)
+
+
+class _OneLogit(nn.Module):
+    def __init__(self, input_shape):
+        super().__init__()
+        self.fc = nn.Linear(math.prod(input_shape), 1)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1)).squeeze(1)
+
+
+def one_logit(input_shape, num_classes):
+    return _OneLogit(input_shape)
+
+
+class _Pair(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = linear(input_shape, num_classes)
+
+    def forward(self, x):
+        return self.net(x), x
+
+
+def pair(input_shape, num_classes):
+    return _Pair(input_shape, num_classes)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("factory,says", [
+    ("more_outputs", "its output for a batch of 2 inputs of shape (6,) is shape (2, 6); psgd trains it with "
+                     "cross-entropy over the data's 3 classes: it must be a tensor of shape (2, 3)"),
+    ("other_input", "the model fails on the data: a batch of 2 inputs of shape (6,) (float32 zeros, on cpu) "
+                    "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x6 and 7x3)"),
+    ("one_logit", "is shape (2,);"),
+    ("pair", "is a tuple;"),
+])
+def test_a_model_that_does_not_fit_the_data_is_a_config_error(factory, says):
+    """Seen by a review: a model with 6 outputs for 3 classes trained with nothing said;
+    one whose first layer took another input size, or that gave one logit, passed the
+    launcher's check and failed every worker's first step and the evaluator (restarted
+    five times) with a traceback."""
+    with pytest.raises(ConfigError, match=f"^model.name '{__name__}:{factory}': .*{re.escape(says)}"):
+        build_model(f"{__name__}:{factory}", (6,), 3, seed=0)
+
+
+def batchnorm_frozen(input_shape, num_classes):
+    m = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 8), nn.BatchNorm1d(8), nn.Dropout(0.5),
+                      nn.Linear(8, num_classes))
+    m[1].requires_grad_(False)
+    m[2].running_mean.fill_(0.5)
+    return m
+
+
+def embedding(input_shape, num_classes):
+    return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(4 * math.prod(input_shape), num_classes))
+
+
+@pytest.mark.timeout(60)
+def test_the_check_leaves_the_model_as_built_and_takes_token_ids():
+    """The check's forward pass changes nothing: BatchNorm's statistics and batch count,
+    and every module's training mode, stay as the factory left them; a model of integer
+    inputs (a streamed dataset's token ids) passes."""
+    m = build_model(f"{__name__}:batchnorm_frozen", (6,), 3, seed=0)
+    assert m.training and all(x.training for x in m.modules())
+    assert torch.equal(m[2].running_mean, torch.full((8,), 0.5)) and int(m[2].num_batches_tracked) == 0
+    assert build_model(f"{__name__}:embedding", (5,), 3, seed=0)(torch.zeros(4, 5, dtype=torch.long)).shape == (4, 3)
+
+
+def elsewhere(input_shape, num_classes):
+    return linear(input_shape, num_classes).to("meta")
+
+
+@pytest.mark.timeout(60)
+def test_the_check_runs_a_model_on_the_device_its_factory_put_it_on():
+    """A factory that moves its model to a GPU (`.cuda()`; "meta" here) is checked there:
+    the CPU's zeros would make its forward raise, refusing a model that trains."""
+    model = build_model(f"{__name__}:elsewhere", (6,), 3, seed=0)
+    assert next(model.parameters()).device.type == "meta"

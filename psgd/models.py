@@ -134,9 +134,16 @@ def load_factory(spec: str, what: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{what} {spec!r}: expected a built-in name or package.module:factory")
+    as_module = module_name.removesuffix(".py").replace("\\", "/").strip("./").replace("/", ".")
+    not_a_name = (f"{what} {spec!r}: {module_name} is not a module's name: give it as Python imports it, "
+                  f"e.g. {as_module}:{attr}")
+    if module_name.startswith(".") or "/" in module_name or "\\" in module_name:   # a file's path, a relative name
+        raise ConfigError(not_a_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        if module_name.endswith(".py"):
+            raise ConfigError(not_a_name) from None
         hint = ""
         if e.name == module_name.partition(".")[0]:   # the user's package itself, not found
             hint = "; psgd imports it from the folder it runs in and PYTHONPATH"

@@ -149,3 +149,17 @@ def test_the_check_runs_a_model_on_the_device_its_factory_put_it_on():
     the CPU's zeros would make its forward raise, refusing a model that trains."""
     model = build_model(f"{__name__}:elsewhere", (6,), 3, seed=0)
     assert next(model.parameters()).device.type == "meta"
+
+
+@pytest.mark.parametrize("module,means", [("tests/test_factories.py", "tests.test_factories"),
+                                          ("./tests/test_factories.py", "tests.test_factories"),
+                                          ("tests.test_factories.py", "tests.test_factories"),
+                                          (".test_factories", "test_factories")])
+def test_a_file_s_path_for_a_module_s_name_says_the_name(module, means):
+    """Seen by a review: model.name = "mypkg/nets.py:make" said "No module named
+    'mypkg/nets'", and ".nets:make" "importing .nets raised TypeError: the 'package'
+    argument is required to perform a relative import"."""
+    for check in (lambda name: build_model(name, (6,), 3, seed=0), lambda name: check_dataset(DataConfig(name=name))):
+        with pytest.raises(ConfigError, match=re.escape(f"{module} is not a module's name: give it as Python imports "
+                                                        f"it, e.g. {means}:linear")):
+            check(f"{module}:linear")

@@ -448,11 +448,25 @@ def sync_reference(row: Row, rows: list[Row]) -> Row | None:
     """The sync row `row` is measured against: same worker count, kind and setup, and
     preferably the same config settings (a swept sync:wire.dtype=... has one per value).
     Without such a row: the plain `sync`, else the first sync row; the report then names
-    it (Row.ref_named), since it differs from `row` in more than the mode."""
+    it (Row.ref_named), since it differs from `row` in more than the mode.
+
+    A sync row with settings of its own would be its own reference, 1.00× whatever its
+    times (every row of `sync:wire.compression=none,onebit,topk`): it is measured against
+    the plain `sync` where there is one, else against the first value of its sweep
+    (sync_sweep_first), else against the first sync row, as a row of another mode is."""
     syncs = [x for x in rows if x.mode == "sync" and x.workers == row.workers and same_kind(x, row)]
+    if row.mode == "sync" and row.params:
+        return next((x for x in syncs if not x.params), sync_sweep_first(row, rows) or syncs[0])
     alike = [x for x in syncs if x.settings == row.settings]
     return next((x for x in alike if not x.params), alike[0] if alike else
                 next((x for x in syncs if not x.params), syncs[0] if syncs else None))
+
+
+def sync_sweep_first(row: Row, rows: list[Row]) -> Row | None:
+    """The first row (in the sweeps' order) with a finished run of the sweep that `row` is a
+    value of, else None."""
+    rs = next((rs for _mode, _key, _w, rs in sweeps(rows) if any(x is row for x in rs)), [])
+    return next((x for x in rs if x.runs), rs[0] if rs else None)
 
 
 def correlation_rows(rows: list[Row]) -> list[Row]:

@@ -10,7 +10,7 @@ number formats are shared with the reading (psgd.report_reading) and the plots
 """
 from __future__ import annotations
 
-from .report_numbers import ONCE, Row, amount, mean, sd, tie_reason
+from .report_numbers import ONCE, Row, amount, mean, sd, sync_sweep_first, tie_reason
 
 MARK = "†"
 MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score taken after training had "
@@ -101,12 +101,18 @@ def _speedup_cell(row: Row, ref: Row | None, period: float | None) -> str:
 
 def reference_note(rows: list[Row]) -> list[str]:
     """Names the sync row that "vs sync" means wherever it is not the plain `sync` of the
-    row's worker count (a sync with settings of its own, e.g. one value of a sweep)."""
+    row's worker count (a sync with settings of its own, e.g. one value of a sweep). A sync
+    row with settings of its own is not its own reference (sync_reference): its note says
+    which it has."""
     named = [(r, ref) for r in rows if r.runs and r.ref_named and (ref := r.ref_sync) is not None]
     if not named:
         return []
-    return ["vs sync: " + "; ".join(f"{r.name} ({r.workers} w) against {ref.name}" +
-                                    ("" if ref.settings == r.settings else " (no sync row has its settings)")
+
+    def why(r: Row, ref: Row) -> str:
+        if r.mode == "sync":
+            return " (the first value of its sweep)" if sync_sweep_first(r, rows) is ref else " (no plain sync row)"
+        return "" if ref.settings == r.settings else " (no sync row has its settings)"
+    return ["vs sync: " + "; ".join(f"{r.name} ({r.workers} w) against {ref.name}{why(r, ref)}"
                                     for r, ref in named) + "."]
 
 

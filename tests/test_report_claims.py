@@ -280,9 +280,11 @@ def test_speedup_vs_sync_names_its_reference_when_sync_is_swept(tmp_path):
                 run("ssp:staleness=0:wire.dtype=float32", "ssp", params={"staleness": 0, "wire.dtype": "float32"})]
     by = {r.label: r for r in build_rows(results)}
     assert by["ssp:staleness=0:wire.dtype=float32"].ref_sync is by["sync:wire.dtype=float32"]
-    assert by["sync:wire.dtype=float32"].ref_sync is by["sync:wire.dtype=float32"]
+    # (a swept sync is measured against its sweep's first value, not itself)
+    assert by["sync:wire.dtype=float32"].ref_sync is by["sync:wire.dtype=bfloat16"]
     report = open(write_report(str(tmp_path), results, CTX)).read()
-    assert "vs sync: async (2 w) against sync:wire.dtype=bfloat16 (no sync row has its settings)" in report
+    assert ("vs sync: sync:wire.dtype=float32 (2 w) against sync:wire.dtype=bfloat16 (the first value of its "
+            "sweep); async (2 w) against sync:wire.dtype=bfloat16 (no sync row has its settings)") in report
 
 
 @pytest.mark.timeout(60)
@@ -752,3 +754,27 @@ def test_a_worker_count_sweep_whose_batch_shrank_gives_its_scaling_in_steps_too(
     assert "steps/s" not in sentence(told(runs(shrank), {**CTX, "job": {"seconds": 5.0}}), "sync from 8")
     lost = runs(shrank, failures={"workers_lost": 1})
     assert "steps/s" not in sentence(told(lost), "sync from 8")
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_sweep_is_measured_against_its_first_value_not_each_row_against_itself(tmp_path):
+    # a review: `--modes sync:wire.compression=none,onebit,topk` gave "speedup vs sync" and
+    # "throughput vs sync" 1.00× on every row (each its own reference) though the times differed
+    results = [run(f"sync:wire.compression={c}", params={"wire.compression": c}, sweep="wire.compression",
+                   ttt=t, sps=sps, wall=w)
+               for c, t, sps, w in (("none", 1.0, 8000.0, 0.6), ("onebit", 2.0, 4000.0, 1.2),
+                                    ("topk", 1.5, 5000.0, 1.0))]
+    rows = build_rows(results)
+    by = {r.label: r for r in rows}
+    none, onebit = by["sync:wire.compression=none"], by["sync:wire.compression=onebit"]
+    assert onebit.ref_sync is none and by["sync:wire.compression=topk"].ref_sync is none
+    assert onebit.speedup(onebit.ref_sync) == pytest.approx(0.5)
+    assert onebit.throughput_ratio(onebit.ref_sync) == pytest.approx(0.5)
+    report = open(write_report(str(tmp_path), results, CTX)).read()
+    assert "| sync:wire.compression=onebit | 2 | 1/1 | 1.20 | 4,800 | 0.50× |" in report
+    assert ("vs sync: sync:wire.compression=onebit (2 w) against sync:wire.compression=none (the first value of "
+            "its sweep); sync:wire.compression=topk (2 w) against sync:wire.compression=none (the first value of "
+            "its sweep).") in report
+    # a plain sync, where there is one, is the reference of every sync row with settings of its own
+    plain = build_rows(results + [run("sync")])
+    assert all(r.ref_sync is plain[-1] for r in plain)

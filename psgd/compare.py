@@ -609,6 +609,20 @@ def context(args, base: Config, workers: list[int], plan: list[Run]) -> dict:
     }
 
 
+def batch_over_shares(plan: list[Run]) -> str | None:
+    """A warning, once for the whole plan, for the worker counts at which train.batch_size
+    is larger than a worker's share of the training set (data.batch_over_share): each
+    batch shrinks to the share, and the report's samples/s with it. The data and the batch
+    are every run's (SHARED_SECTIONS); the sequential baseline trains on the whole set."""
+    from .consistency import data_split
+    from .data import batch_over_share, check_dataset
+    if not plan:
+        return None
+    first = plan[0].cfg
+    counts = [(1, 0.0) if run.is_baseline else (run.cfg.cluster.workers, data_split(run.cfg)) for run in plan]
+    return batch_over_share(check_dataset(first.data, first.job.seed), first.train.batch_size, counts) or None
+
+
 def main(args) -> int:
     specs = parse_modes(args.modes)
     try:
@@ -702,6 +716,9 @@ def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: 
 def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str) -> int:
     with said_if_interrupted("psgd compare"):
         ctx = context(args, base, workers, plan)
+        warning = batch_over_shares(plan)
+        if warning:
+            ctx["warnings"] = [warning]
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
         write_json_atomic(os.path.join(out, "compare.json"), [])
 
@@ -713,6 +730,8 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
           file=sys.stderr, flush=True)
     if args.set:
         print(f"psgd compare: applied to every run: {' '.join(args.set)}", file=sys.stderr, flush=True)
+    for warning in ctx.get("warnings") or []:
+        print(f"psgd compare: warning: {warning}", file=sys.stderr, flush=True)
 
     results: list[dict] = []
     durations: dict[int, float] = {}

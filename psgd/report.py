@@ -156,7 +156,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines += [f"**Simulated and real runs side by side:** rows marked{SIM_SUFFIX} are `psgd simulate` runs "
                   f"of the same configuration, on a virtual clock (their times are virtual seconds); the others "
                   f"ran for real. {simulated_rows_cost(rows)}", ""]
-    for warning in ctx.get("warnings") or []:   # what the command warned of (psgd simulate's)
+    for warning in ctx.get("warnings") or []:   # what the command warned of (psgd compare's, simulate's)
         lines += [f"**Warning:** {warning}", ""]
     sets = ctx.get("sets") or []
     setups = ctx.get("setups") or []

@@ -170,3 +170,26 @@ def test_python_m_psgd_simulate_says_an_os_error_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_larger_than_a_workers_share_is_warned_once_in_stderr_and_the_report(tmp_path, monkeypatch, capsys):
+    # `psgd compare --workers 2 --set data.samples=40`: each worker's batch (train.batch_size 32)
+    # shrank to its 20 samples without a word, as psgd simulate's once did
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **kw: (_ for _ in ()).throw(RuntimeError("x")))
+    small = ["train.steps=5", "data.name=synthetic", "data.samples=40"]
+    args = compare_args(tmp_path / "a", "sync,async,ltfb")
+    args.set, args.workers, args.no_baseline = small, "1,2", False
+    psgd.compare.main(args)
+    said = [line for line in capsys.readouterr().err.splitlines() if "warning: train.batch_size" in line]
+    assert said == ["psgd compare: warning: train.batch_size = 32 is larger than a worker's share of the 40 "
+                    "training samples at 2 workers (20 each), 2 workers (18 each): a worker's batch is its whole "
+                    "share, so each step processes fewer samples than train.batch_size and samples/s fall with the "
+                    "batch; use fewer workers, a smaller train.batch_size or a larger dataset"], said
+    assert f"**Warning:** {said[0].split('warning: ')[1]}" in (tmp_path / "a" / "report.md").read_text()
+    assert context(tmp_path / "a")["warnings"] == [said[0].split("warning: ")[1]]
+    args = compare_args(tmp_path / "b", "sync")
+    args.set = ["train.steps=5", "data.name=synthetic", "data.samples=64"]
+    psgd.compare.main(args)
+    assert "warning: train.batch_size" not in capsys.readouterr().err
+    assert "**Warning:**" not in (tmp_path / "b" / "report.md").read_text()

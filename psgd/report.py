@@ -35,6 +35,7 @@ from .metrics import write_text_atomic
 from .report_numbers import (
     SIM_SUFFIX,
     Row,
+    amount,
     build_rows,
     eval_period,
     eval_periods,
@@ -43,6 +44,7 @@ from .report_numbers import (
     spearman,
     sweeps,
     trend,
+    worker_batches,
     worker_sweeps,
 )
 from .report_plots import PLOT_DPI, make_plots, plt_or_none
@@ -60,6 +62,21 @@ def _budget(job: dict, varies: list[str]) -> str:
         return "per folder (below)"
     return ((f"{job.get('steps')} steps per worker" if job.get("steps") else "") +
             (f"{', ' if job.get('steps') else ''}{job.get('seconds'):g} s per worker" if job.get("seconds") else ""))
+
+
+def _capped_largest(rows: list[Row], largest, job: dict) -> str:
+    """Where the largest run's workers held batches smaller than train.batch_size (their
+    shares of the training set), the samples that run processed: fewer than the baseline's,
+    whose one process holds the whole set. '' otherwise."""
+    batch, seconds = job.get("batch_size"), float(job.get("seconds") or 0.0)
+    big = [r for r in rows if not r.is_baseline and not r.simulated and r.workers == largest
+           and (held := worker_batches(r, seconds)) and batch and max(held) < batch]
+    if not big:
+        return ""
+    lo, hi = (amount(f(x for r in big for x in worker_batches(r, seconds))) for f in (min, max))
+    samples = max(mean(r.values("samples")) or 0.0 for r in big)
+    return (f", though its workers' batches were their shares of the training set ({lo}{'' if hi == lo else f'-{hi}'} "
+            f"samples a step, not {batch}): it processed {amount(samples)} samples")
 
 
 def _runs_phrase(ctx: dict, n_runs: int, sim: bool) -> str:
@@ -184,7 +201,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
             largest = b["steps"] // steps if steps and not b["steps"] % steps else max(workers) if workers else "?"
             budget = (f"{b.get('steps')} steps = {b.get('samples'):,} samples, the budget of the largest run "
                       f"({largest} workers × {steps} steps)"
-                      + (f", or {job.get('seconds'):g} s, whichever comes first" if job.get("seconds") else ""))
+                      + (f", or {job.get('seconds'):g} s, whichever comes first" if job.get("seconds") else "")
+                      + _capped_largest(rows, largest, job))
         else:
             budget = f"{job.get('seconds'):g} s of training, each worker's time budget"
         lines.append(f"Baseline: one process, plain PyTorch loop (no servers), same model, data, optimizer and "

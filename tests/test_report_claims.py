@@ -778,3 +778,21 @@ def test_a_sync_sweep_is_measured_against_its_first_value_not_each_row_against_i
     # a plain sync, where there is one, is the reference of every sync row with settings of its own
     plain = build_rows(results + [run("sync")])
     assert all(r.ref_sync is plain[-1] for r in plain)
+
+
+@pytest.mark.timeout(60)
+def test_the_baseline_sentence_says_the_largest_runs_batches_were_capped_at_their_shares():
+    # `psgd compare --workers 2 --set data.samples=40 --set train.steps=20`: "40 steps = 1,280
+    # samples, the budget of the largest run (2 workers × 20 steps)", though each worker's
+    # batch was its 20 samples and that run processed 800
+    results = [run("baseline", "baseline", workers=1, sps=8000.0, wall=0.16, steps=40, batch_size=32),
+               *(run(m, m, sps=4000.0, wall=0.2, steps=20, batch_size=32) for m in ("sync", "async"))]
+    ctx = {**CTX, "workers": [2], "job": {"steps": 20, "batch_size": 32, "seconds": 0.0},
+           "baseline": {"steps": 40, "samples": 1280, "threads": 1}}
+    text = render(build_rows(results), ctx, [])
+    assert ("40 steps = 1,280 samples, the budget of the largest run (2 workers × 20 steps), though its workers' "
+            "batches were their shares of the training set (20 samples a step, not 32): it processed 800 samples;"
+            ) in text
+    full = [run("baseline", "baseline", workers=1, sps=8000.0, wall=0.16, steps=40, batch_size=32),
+            run("sync", sps=6400.0, wall=0.2, steps=20, batch_size=32)]
+    assert "though its workers' batches" not in render(build_rows(full), ctx, [])

@@ -299,8 +299,10 @@ class LtfbSchedule(Schedule):
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
         if w.clock:    # a worker restarted into the job: the best trainer's model, with its values
             self.rejoin(w, catch_up=True)
-        elif not self.resume(w):   # the job's start: its own draw on the initial model, even if a trainer
-            load(w, w.client.pull(-1))   # that started sooner has deposited a round already
+        else:   # the job's start: its own draw on the initial model, even if a trainer that started
+            got = w.client.pull(-1)   # sooner has deposited a round already; or a resumed job's
+            if not (any(int(m.get("version", 0)) for m in got) and self.resume(w)):   # (a deposit moves it)
+                load(w, got)
         self.t_round = w.now()
         self.round_s = 0.0
 
@@ -337,7 +339,8 @@ class LtfbSchedule(Schedule):
         worker began again from the initial model at step 0. With the shards restored from
         checkpoints of different rounds, no deposit of its own is on every shard: the best
         trainer's model, as a restarted worker takes (`rejoin`). False where no shard
-        holds a deposit of its trainer: the job's start."""
+        holds a deposit of its trainer: the job's start. Asked only of shards whose tables
+        have a version past 0 (a deposit made it): a job's start asks nothing more."""
         held = [{int(r) for r, o, _ in m.get("models") if int(o) == self.trainer and int(r) > 0}
                 for m in w.client.index()]
         if not any(held):

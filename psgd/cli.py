@@ -206,21 +206,19 @@ def check_model(cfg) -> None:
                           f"or package.module:factory")
 
 
-def check_job(cfg, runs: list | None = None) -> str:
+def check_job(cfg, runs: list | None = None) -> int:
     """What psgd's own workers need, checked before psgd run or compare starts one: a bad
     dataset or model, or more workers than the training set has samples for (in each of
     the configs `runs`, default cfg), is one line here, not a failed job later (nor one
     that trained with fewer workers: a worker with no data stops, the others go on).
-    Returns a warning for worker counts whose share of the data is smaller than a batch
-    (`data.batch_over_share`: the batch shrinks to the share), else ""."""
+    Returns the training set's size (for `data.batch_over_share`)."""
     from .consistency import data_split
-    from .data import batch_over_share, check_dataset, check_partitions
+    from .data import check_dataset, check_partitions
     n = check_dataset(cfg.data, cfg.job.seed)
     check_model(cfg)
-    runs = runs or [cfg]
-    for run in runs:
+    for run in runs or [cfg]:
         check_partitions(n, run.cluster.workers, run.job.seed, data_split(run))
-    return batch_over_share(n, cfg.train.batch_size, [(run.cluster.workers, data_split(run)) for run in runs])
+    return n
 
 
 def known_bad(cfg) -> str:
@@ -255,7 +253,11 @@ def cmd_run(args) -> int:
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers,
                          **({"model.name": SCRIPT_MODEL, "cluster.evaluator": "false"} if script else {})})
     port_explicit = "cluster.port" in given_keys(args.config, args.set)
-    small = "" if script else check_job(cfg)   # (a script's workers bring their own model and data)
+    small = ""
+    if not script:   # a script's workers bring their own model and data
+        from .consistency import data_split
+        from .data import batch_over_share
+        small = batch_over_share(check_job(cfg), cfg.train.batch_size, [(cfg.cluster.workers, data_split(cfg))])
     check_before_launch(cfg, args.device)
     bad = "" if script else known_bad(cfg)   # (a script's own optimizer may not be [optimizer]'s)
     for warning in (bad, small):

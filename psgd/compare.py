@@ -609,18 +609,18 @@ def context(args, base: Config, workers: list[int], plan: list[Run]) -> dict:
     }
 
 
-def batch_over_shares(plan: list[Run]) -> str | None:
+def batch_over_shares(plan: list[Run], n: int) -> str | None:
     """A warning, once for the whole plan, for the worker counts at which train.batch_size
     is larger than a worker's share of the training set (data.batch_over_share): each
     batch shrinks to the share, and the report's samples/s with it. The data and the batch
-    are every run's (SHARED_SECTIONS); the sequential baseline trains on the whole set."""
+    are every run's (SHARED_SECTIONS); the sequential baseline trains on the whole set.
+    `n`: the training set's size (`cli.check_job`). psgd simulate's plan too."""
     from .consistency import data_split
-    from .data import batch_over_share, check_dataset
+    from .data import batch_over_share
     if not plan:
         return None
-    first = plan[0].cfg
     counts = [(1, 0.0) if run.is_baseline else (run.cfg.cluster.workers, data_split(run.cfg)) for run in plan]
-    return batch_over_share(check_dataset(first.data, first.job.seed), first.train.batch_size, counts) or None
+    return batch_over_share(n, plan[0].cfg.train.batch_size, counts) or None
 
 
 def main(args) -> int:
@@ -643,13 +643,13 @@ def main(args) -> int:
     from .cli import check_job
     from .launcher import check_before_launch
     # the data and model are every run's (SHARED_SECTIONS): one error, not every run failing
-    check_job(base, [run.cfg for run in plan])
+    n = check_job(base, [run.cfg for run in plan])
     check_before_launch(base, args.device)   # a bad --device or missing keys: the same
     out = args.out or os.path.join("runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     lock = hold_output(out, "psgd compare")
     try:
-        return _compare(args, base, specs, workers, plan, out)
+        return _compare(args, base, specs, workers, plan, out, n)
     finally:
         lock.close()
 
@@ -713,10 +713,11 @@ def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: 
     return interrupted or (1 if failed else 0)
 
 
-def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str) -> int:
+def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str,
+             n: int) -> int:
     with said_if_interrupted("psgd compare"):
         ctx = context(args, base, workers, plan)
-        warning = batch_over_shares(plan)
+        warning = batch_over_shares(plan, n)   # (n: the training set's size)
         if warning:
             ctx["warnings"] = [warning]
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)

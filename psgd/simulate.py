@@ -129,14 +129,14 @@ def main(args) -> int:
     from .cli import check_job
     # the data and model are every run's (SHARED_SECTIONS): one error, not every run failing
     # (more workers than the training set has samples for, too), as psgd compare
-    check_job(base, [run.cfg for run in plan])
+    n = check_job(base, [run.cfg for run in plan])
     check_data(plan)
     refuse_tensorboard(plan)
     out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     lock = hold_output(out, "psgd simulate")
     try:
-        return _simulate(args, base, workers, plan, out)
+        return _simulate(args, base, workers, plan, out, n)
     finally:
         lock.close()
 
@@ -182,22 +182,10 @@ def same_worker_dropped(plan: list) -> str | None:
             f"never train the model (real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
 
 
-def batch_over_shares(plan: list) -> str | None:
-    """A warning, once for the whole plan, for the worker counts at which train.batch_size
-    is larger than a worker's share of the training set (data.batch_over_share): the
-    batch shrinks to the share, as a real worker's does, and the report's samples/s with it."""
-    from .consistency import get as get_mode
-    from .data import batch_over_share, check_dataset
-    if not plan:
-        return None
-    first = plan[0].cfg   # the data and the batch are every run's (SHARED_SECTIONS)
-    counts = [(run.cfg.cluster.workers, get_mode(run.mode).schedule(run.cfg).data_split) for run in plan]
-    return batch_over_share(check_dataset(first.data, first.job.seed), first.train.batch_size, counts) or None
-
-
-def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
+def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> int:
+    """`n`: the training set's size (`cli.check_job`)."""
     from .cli import interrupted_code
-    from .compare import context, finish, said_if_interrupted
+    from .compare import batch_over_shares, context, finish, said_if_interrupted
     cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
@@ -205,7 +193,7 @@ def _simulate(args, base, workers: list[int], plan: list, out: str) -> int:
     calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
-    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan)) if w]
+    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan, n)) if w]
     if warnings:
         ctx["warnings"] = warnings
     for warning in warnings:

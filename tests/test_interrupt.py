@@ -235,7 +235,7 @@ def run_then_signal(monkeypatch, tmp_path, capsys, summary: dict | None, scripts
     monkeypatch.setattr(LocalJob, "start", start)
     monkeypatch.setattr(LocalJob, "wait", wait)
     monkeypatch.setattr(launcher, "check_before_launch", lambda cfg, device: None)
-    monkeypatch.setattr(cli, "check_job", lambda cfg: None)
+    monkeypatch.setattr(cli, "check_job", lambda cfg: 10 ** 6)   # (the training set's size)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         code = cli.main(["run", "--out", str(tmp_path / "out"), "--quiet", "--set",

@@ -542,7 +542,7 @@ def _one_line(s: dict) -> str:
              if acc is not None else
              "no final evaluation" if s.get("final_eval_missing") else "no evaluation",
              f"{amount(s.get('samples_per_s', 0))} samples/s",
-             # (the words of psgd run's line: a time the report marks † is not given as one)
+             # (a time the report marks † is not given as one: as psgd run's line, shorter)
              f"target {s.get('target_accuracy')} first seen after training ({ttt:.2f} s)"
              if ttt is not None and ttt_flag(s, None) == AFTER_END else
              f"target {s.get('target_accuracy')} already at the first score ({ttt:.2f} s)"

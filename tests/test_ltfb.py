@@ -1062,3 +1062,40 @@ def test_a_restarted_worker_continues_at_the_step_of_the_model_it_resumes():
     w1.clock = 5
     LtfbSchedule(cfg).start(w1)
     assert w1.clock == 30
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("registered_at", [3, 0])   # restarted into the job; the job resumed from checkpoints
+@pytest.mark.parametrize("optimizer", [
+    {"optimizer.name": "sgd"}, {"optimizer.name": "sgd", "optimizer.nesterov": True},
+    {"optimizer.name": "adam", "optimizer.lr": 0.01},
+    {"optimizer.name": "adamw", "optimizer.lr": 0.01, "optimizer.weight_decay": 0.1}])
+def test_a_restarted_trainer_takes_the_deposits_optimizer_state_and_steps_as_the_original_would(
+        optimizer, registered_at):
+    """A review: a restarted (or resumed) worker was to resume the deposited model 'with
+    ... the optimizer state', but loading filled in only the kinds of state its own
+    optimizer had, and a fresh one has none: it continued with no momentum, no Adam
+    moments. The deposit now names its state (and carries Adam's step count), so the
+    restarted trainer's next steps are the original's, bit for bit."""
+    cfg = ltfb_cfg(**{"mode.exchange": "weights+optimizer", "mode.round_steps": 5, **optimizer})
+    shards, [_, (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(3):
+        s1.step(w1)
+    s1.deposit(w1, 1, 0.9, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    again = FakeTrainer(cfg, TourLoopback(shards, 1), grad, 1)   # worker 1, killed and restarted
+    again.live, again.note = w1.live, lambda *_: None
+    again.clock = registered_at
+    s = LtfbSchedule(cfg)
+    s.start(again)
+    assert torch.equal(flat(again.replica.params()), flat(w1.replica.params()))
+    theirs = [s1.opt.state[p] for p in w1.replica.model.parameters()]
+    ours = [s.opt.state.get(p, {}) for p in again.replica.model.parameters()]
+    assert [sorted(o) for o in ours] == [sorted(t) for t in theirs]
+    for o, t in zip(ours, theirs, strict=True):
+        assert all(torch.equal(o[k], t[k]) and o[k].dtype == t[k].dtype and o[k].device == t[k].device for k in t)
+    for _ in range(2):                       # (the same batch: `grad` of the same weights)
+        for w, sch in [(w1, s1), (again, s)]:
+            w.compute()
+            sch.opt.step()
+        assert torch.equal(flat(again.replica.params()), flat(w1.replica.params()))

@@ -343,13 +343,24 @@ def _host_array(a: Any) -> np.ndarray:
     return np.asarray(a.detach().cpu().numpy() if hasattr(a, "detach") else a)
 
 
+FACTORY_PARTS = ("train_x", "train_y", "test_x", "test_y")
+
+
 def _user(cfg: DataConfig, got: Any = None):
     try:
-        got = _call_factory(cfg) if got is None else got
+        got = tuple(_call_factory(cfg) if got is None else got)
         tx, ty, vx, vy = (_host_array(a) for a in got)
     except (TypeError, ValueError) as e:
         raise DataError(f"data.name {cfg.name!r}: the factory must return (train_x, train_y, test_x, test_y) "
                         f"or (train_dataset, test_dataset) ({e})") from None
+    for part, given, a in zip(FACTORY_PARTS, got, (tx, ty, vx, vy), strict=True):
+        # (four strings or numbers became 0-d arrays: len() raised TypeError, a traceback;
+        # an x of strings failed astype below)
+        if a.ndim < 1:
+            raise DataError(f"data.name {cfg.name!r}: {part} is a {type(given).__name__} {given!r:.40}, not an "
+                            f"array or tensor of one item per sample")
+        if part.endswith("_x") and not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+            raise DataError(f"data.name {cfg.name!r}: {part} holds {a.dtype} values, not numbers")
     if len(tx) != len(ty) or len(vx) != len(vy) or len(tx) == 0 or len(vx) == 0:
         raise DataError(f"data.name {cfg.name!r}: x and y lengths differ or a split is empty")
     if tx.shape[1:] != vx.shape[1:]:

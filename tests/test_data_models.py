@@ -163,6 +163,33 @@ def test_a_factory_whose_labels_are_not_class_indices_or_whose_splits_differ_in_
             check(DataConfig(name=f"{__name__}:{factory}"))
 
 
+def strings():           # four things, none of them an array
+    return "a", "b", "c", "d"
+
+
+def scalar_x():
+    return 1.0, np.arange(40) % 3, np.zeros((10, 6), np.float32), np.arange(10) % 3
+
+
+def text_x():
+    return _factory_data(np.arange(40) % 3, np.arange(10) % 3)[:2] + (np.full((10, 6), "x"), np.arange(10) % 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("factory,says", [
+    ("strings", "train_x is a str 'a', not an array or tensor of one item per sample"),
+    ("scalar_x", "train_x is a float 1.0, not an array or tensor of one item per sample"),
+    ("text_x", "test_x holds <U1 values, not numbers"),
+])
+def test_a_factory_that_returns_four_things_that_are_not_arrays_is_a_data_error(factory, says):
+    """A review: `return "a", "b", "c", "d"` printed a traceback (TypeError: len() of
+    unsized object), and an array of strings for x one (ValueError from astype)."""
+    name = f"{__name__}:{factory}"
+    for check in (check_dataset, load_dataset):
+        with pytest.raises(DataError, match=rf"^data.name '{name}': {re.escape(says)}"):
+            check(DataConfig(name=name))
+
+
 def tensors_that_require_grad():
     return tuple(torch.from_numpy(np.asarray(a)).float().requires_grad_() if i % 2 == 0 else torch.from_numpy(a)
                  for i, a in enumerate(user_data()))

@@ -8,8 +8,9 @@ returning either (train_x, train_y, test_x, test_y) as arrays or tensors (x as N
 or N x D floats, y as N class indices >= 0; `data.classes`, where set, is the number of
 classes, else the largest label + 1), or (train_dataset, test_dataset) as torch
 `Dataset`s whose items are (tensor, int label), with `data.classes` saying how many
-classes there are: those are streamed through a `DataLoader` (`data.loader_workers`
-processes), so a dataset bigger than memory trains; each worker reads only its
+classes there are (x is made float32 in both): those are streamed through a
+`DataLoader` (`data.loader_workers` processes), so a dataset bigger than memory
+trains; each worker reads only its
 partition, reshuffled every epoch from the seed (as DistributedSampler does), and the
 evaluator streams the test set.
 
@@ -105,13 +106,22 @@ class StreamingDataset:
         return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers)
 
     def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
-        items = [self.train[int(i)] for i in indices]
-        return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items])
+        from torch.utils.data import default_collate
+        x, y = default_collate([self.train[int(i)] for i in indices])
+        return _streamed_batch(x, y)
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from torch.utils.data import DataLoader
-        return iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers))
+        for x, y in DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers):
+            yield _streamed_batch(x, y)
+
+
+def _streamed_batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of a torch Dataset's items as the model takes it: x as float32, as an
+    in-memory factory's is (float64 items failed every step and every evaluation:
+    "mat1 and mat2 must have the same dtype")."""
+    import torch
+    return (x if x.dtype == torch.float32 else x.float()), y
 
 
 def _test_count(n: int, test_fraction: float) -> int:
@@ -555,11 +565,12 @@ class LoaderBatches:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return next(self._it)
+            x, y = next(self._it)
         except StopIteration:
             self.sampler.epoch += 1
             self._it = iter(self.loader)
-            return next(self._it)
+            x, y = next(self._it)
+        return _streamed_batch(x, y)
 
 
 def describe(cfg: DataConfig) -> tuple[tuple, int]:

@@ -87,6 +87,58 @@ def from_two() -> tuple[Indexed, Indexed]:
     return Shifted(10), Shifted(10)
 
 
+class Items(torch.utils.data.Dataset):
+    """n items of `shape` floats of `dtype` (as numpy arrays if `numpy`), labels i % 3
+    unless `label` says otherwise."""
+
+    def __init__(self, n: int, dtype=torch.float32, numpy: bool = False, shape=(4,), label=None):
+        self.n, self.dtype, self.numpy, self.label = n, dtype, numpy, label or (lambda i: i % 3)
+        self.x = torch.randn((n,) + tuple(shape), generator=torch.Generator().manual_seed(n))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = self.x[i].to(self.dtype)
+        return (x.numpy() if self.numpy else x), self.label(i)
+
+
+def doubles():
+    return Items(60, torch.float64), Items(30, torch.float64)
+
+
+def numpy_doubles():
+    return Items(60, torch.float64, numpy=True), Items(30, torch.float64, numpy=True)
+
+
+def halves():
+    return Items(60, torch.float16), Items(30, torch.float16)
+
+
+def _streamed(factory: str, classes: int = 3) -> StreamingDataset:
+    ds = load_dataset(Config().replace(**{"data.name": f"{__name__}:{factory}", "data.classes": classes}).data)
+    assert isinstance(ds, StreamingDataset)
+    return ds
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("factory", ["doubles", "numpy_doubles", "halves"])
+def test_streamed_items_of_another_float_type_are_float32_as_in_memory_data_is(factory):
+    """A review: float64 items (tensors or numpy arrays) failed every worker's step and
+    the evaluator ("mat1 and mat2 must have the same dtype"): psgd run gave up after 5
+    evaluator restarts. An in-memory factory's x is cast to float32."""
+    ds = _streamed(factory)
+    model = build_model("mlp", ds.input_shape, ds.num_classes, 0, 16)
+    x, y = ds.train_batches(np.arange(60), 8, seed=0, rank=0).next()
+    assert x.dtype == torch.float32 and model(x).shape == (8, 3)
+    x, _ = ds.take(np.array([1, 2]))
+    assert x.dtype == torch.float32
+    assert all(x.dtype == torch.float32 for x, _ in ds.test_batches(16))
+    acc, loss = Replica(model, 1, torch.device("cpu")).score_batches(ds.test_batches(16))
+    assert 0.0 <= acc <= 1.0 and loss > 0
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), in MB; 0 once it is gone."""
     try:

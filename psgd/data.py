@@ -97,30 +97,38 @@ class StreamingDataset:
     num_classes: int
     input_shape: tuple
     loader_workers: int = 0
+    name: str = ""   # data.name, for the errors
 
     @property
     def train_size(self) -> int:
         return len(self.train)
 
     def train_batches(self, indices: np.ndarray, batch_size: int, seed: int, rank: int) -> LoaderBatches:
-        return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers)
+        return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers, self.name)
 
     def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
         x, y = default_collate([self.train[int(i)] for i in indices])
-        return _streamed_batch(x, y)
+        return _streamed_batch(x, y, self.name, "training")
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from torch.utils.data import DataLoader
         for x, y in DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers):
-            yield _streamed_batch(x, y)
+            yield _streamed_batch(x, y, self.name, "test")
 
 
-def _streamed_batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of a torch Dataset's items as the model takes it: x as float32, as an
     in-memory factory's is (float64 items failed every step and every evaluation:
-    "mat1 and mat2 must have the same dtype")."""
+    "mat1 and mat2 must have the same dtype"), y as int64, or a DataError if the labels
+    are not integers (`_streaming` checks the first item's; float ones after it failed
+    every step: "expected target dtype to be Long")."""
     import torch
+    if y.dtype != torch.int64:
+        if y.is_floating_point() or y.is_complex():
+            raise DataError(f"data.name {name!r}: the {split} labels must be class indices (ints), got {y.dtype} "
+                            f"ones such as {y[:3].tolist()}")
+        y = y.long()
     return (x if x.dtype == torch.float32 else x.float()), y
 
 
@@ -314,22 +322,36 @@ def _is_datasets(got: Any) -> bool:
             and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") and not hasattr(d, "shape") for d in got))
 
 
+def _first_item(cfg: DataConfig, dataset: Any, split: str) -> tuple[tuple, int]:
+    """(x's shape, label) of a torch Dataset's first item, or a DataError: the label must
+    be an integer (a float one, 1.0, failed every step and every evaluation: "expected
+    target dtype to be Long"; a tensor([1]) gave N x 1 labels)."""
+    try:
+        x, y = dataset[0]
+        shape = tuple(x.shape)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"data.name {cfg.name!r}: a dataset's items must be (tensor, int label) ({e})") from None
+    whole = isinstance(y, (int, np.integer)) or (
+        getattr(y, "ndim", None) == 0 and hasattr(y, "dtype") and str(y.dtype).removeprefix("torch.").startswith(
+            ("int", "uint", "bool")))
+    if not whole:
+        raise DataError(f"data.name {cfg.name!r}: the first {split} item's label is {y!r:.40}, a {type(y).__name__}, "
+                        f"not a class index (an int)")
+    return shape, int(y)
+
+
 def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
     train, test = got
     if len(train) == 0 or len(test) == 0:
         raise DataError(f"data.name {cfg.name!r}: the train or the test dataset is empty")
-    try:
-        x, y = train[0]
-        shape = tuple(x.shape)
-        label = int(y)
-    except (TypeError, ValueError, AttributeError) as e:
-        raise DataError(f"data.name {cfg.name!r}: a dataset's items must be (tensor, int label) ({e})") from None
+    shape, label = _first_item(cfg, train, "training")
+    _first_item(cfg, test, "test")
     if cfg.classes < 2:
         raise DataError(f"data.name {cfg.name!r}: set data.classes (>= 2) to the number of classes")
     if not 0 <= label < cfg.classes:
         raise DataError(f"data.name {cfg.name!r}: the first training item's label is {label}, not in "
                         f"0..{cfg.classes - 1}; set data.classes to the number of classes")
-    return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers)
+    return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers, cfg.name)
 
 
 def _labels(cfg: DataConfig, y: np.ndarray) -> np.ndarray:
@@ -549,7 +571,7 @@ class LoaderBatches:
     (`loader_workers` processes; 0 = in this process), reshuffled every epoch."""
 
     def __init__(self, dataset: Any, indices: np.ndarray, batch_size: int, seed: int, rank: int,
-                 loader_workers: int = 0):
+                 loader_workers: int = 0, name: str = ""):
         from torch.utils.data import DataLoader
         if len(indices) == 0:
             raise DataError(f"worker {rank}: its data partition is empty (too many workers for the dataset)")
@@ -558,6 +580,7 @@ class LoaderBatches:
         self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=True,
                                  num_workers=loader_workers, persistent_workers=loader_workers > 0)
         self._it = iter(self.loader)
+        self.name = name
 
     @property
     def epoch(self) -> int:
@@ -570,7 +593,7 @@ class LoaderBatches:
             self.sampler.epoch += 1
             self._it = iter(self.loader)
             x, y = next(self._it)
-        return _streamed_batch(x, y)
+        return _streamed_batch(x, y, self.name, "training")
 
 
 def describe(cfg: DataConfig) -> tuple[tuple, int]:

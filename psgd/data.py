@@ -345,7 +345,9 @@ def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
     if len(train) == 0 or len(test) == 0:
         raise DataError(f"data.name {cfg.name!r}: the train or the test dataset is empty")
     shape, label = _first_item(cfg, train, "training")
-    _first_item(cfg, test, "test")
+    test_shape, _ = _first_item(cfg, test, "test")
+    if test_shape != shape:   # (the evaluator failed every score: "mat1 and mat2 shapes cannot be multiplied")
+        raise DataError(f"data.name {cfg.name!r}: a training sample has shape {shape}, a test sample {test_shape}")
     if cfg.classes < 2:
         raise DataError(f"data.name {cfg.name!r}: set data.classes (>= 2) to the number of classes")
     if not 0 <= label < cfg.classes:

@@ -191,6 +191,22 @@ def test_float_labels_after_the_first_item_are_refused_in_the_batch_and_other_in
     assert ds.take(np.array([1, 2]))[1].tolist() == [1, 2]
 
 
+def other_test_shape():
+    return Items(60), Items(30, shape=(5,))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_streamed_test_set_of_another_sample_shape_is_refused_before_the_job():
+    """A review: the evaluator failed with a traceback (mat1 and mat2 shapes cannot be
+    multiplied), restarted 5 times; an in-memory factory's shapes were compared."""
+    name = f"{__name__}:other_test_shape"
+    for check in (check_dataset, load_dataset):
+        with pytest.raises(DataError, match=rf"^data.name '{name}': a training sample has shape \(4,\), "
+                                            rf"a test sample \(5,\)$"):
+            check(Config().replace(**{"data.name": name, "data.classes": 3}).data)
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), in MB; 0 once it is gone."""
     try:

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import operator
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -104,31 +106,44 @@ class StreamingDataset:
         return len(self.train)
 
     def train_batches(self, indices: np.ndarray, batch_size: int, seed: int, rank: int) -> LoaderBatches:
-        return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers, self.name)
+        return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers, self.name,
+                             self.num_classes)
 
     def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
         x, y = default_collate([self.train[int(i)] for i in indices])
-        return _streamed_batch(x, y, self.name, "training")
+        return _streamed_batch(x, y, self.name, "training", self.num_classes, lambda k: int(indices[k]))
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from torch.utils.data import DataLoader
+        start = 0
         for x, y in DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers):
-            yield _streamed_batch(x, y, self.name, "test")
+            yield _streamed_batch(x, y, self.name, "test", self.num_classes, partial(operator.add, start))
+            start += len(y)
 
 
-def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str, classes: int,
+                    index: Callable[[int], int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of a torch Dataset's items as the model takes it: x as float32, as an
     in-memory factory's is (float64 items failed every step and every evaluation:
     "mat1 and mat2 must have the same dtype"), y as int64, or a DataError if the labels
     are not integers (`_streaming` checks the first item's; float ones after it failed
-    every step: "expected target dtype to be Long")."""
+    every step: "expected target dtype to be Long") or one is not in 0..classes - 1
+    (`index(k)`: the dataset's index of the batch's item k): one out of range failed the
+    worker that read it ("Target 7 is out of bounds"), and the job went on without it,
+    or the evaluator, restarted until psgd run gave up. A streamed dataset's labels are
+    not all read before the job (it may be bigger than memory): each batch's are
+    checked, which costs the min and max of a few ints."""
     import torch
     if y.dtype != torch.int64:
         if y.is_floating_point() or y.is_complex():
             raise DataError(f"data.name {name!r}: the {split} labels must be class indices (ints), got {y.dtype} "
                             f"ones such as {y[:3].tolist()}")
         y = y.long()
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= classes):
+        k = int(((y < 0) | (y >= classes)).nonzero()[0, 0])
+        raise DataError(f"data.name {name!r}: the {split} item at index {index(k)} has label {int(y[k])}, not in "
+                        f"0..{classes - 1} (data.classes = {classes})")
     return (x if x.dtype == torch.float32 else x.float()), y
 
 
@@ -573,7 +588,7 @@ class LoaderBatches:
     (`loader_workers` processes; 0 = in this process), reshuffled every epoch."""
 
     def __init__(self, dataset: Any, indices: np.ndarray, batch_size: int, seed: int, rank: int,
-                 loader_workers: int = 0, name: str = ""):
+                 loader_workers: int = 0, name: str = "", classes: int = 0):
         from torch.utils.data import DataLoader
         if len(indices) == 0:
             raise DataError(f"worker {rank}: its data partition is empty (too many workers for the dataset)")
@@ -582,7 +597,8 @@ class LoaderBatches:
         self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=True,
                                  num_workers=loader_workers, persistent_workers=loader_workers > 0)
         self._it = iter(self.loader)
-        self.name = name
+        self.name, self.classes = name, classes
+        self.served = 0   # batches of this epoch so far: which indices a batch holds (`_index`)
 
     @property
     def epoch(self) -> int:
@@ -594,8 +610,14 @@ class LoaderBatches:
         except StopIteration:
             self.sampler.epoch += 1
             self._it = iter(self.loader)
+            self.served = 0
             x, y = next(self._it)
-        return _streamed_batch(x, y, self.name, "training")
+        self.served += 1
+        return _streamed_batch(x, y, self.name, "training", self.classes, self._index)
+
+    def _index(self, k: int) -> int:
+        """The dataset's index of item k of the latest batch (its epoch's order drawn again)."""
+        return list(self.sampler)[(self.served - 1) * self.batch_size + k]
 
 
 def describe(cfg: DataConfig) -> tuple[tuple, int]:

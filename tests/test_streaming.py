@@ -207,6 +207,34 @@ def test_a_streamed_test_set_of_another_sample_shape_is_refused_before_the_job()
             check(Config().replace(**{"data.name": name, "data.classes": 3}).data)
 
 
+def late_label_7():        # item 5's label is 7 (data.classes = 3): the first item's is fine
+    return Items(60, label=lambda i: 7 if i == 5 else i % 3), Items(30, label=lambda i: -1 if i == 21 else i % 3)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_streamed_label_out_of_range_after_the_first_item_is_one_data_error_naming_it():
+    """A review: label 7 at index 5 (data.classes = 3) killed a worker mid-training
+    (IndexError: Target 7 is out of bounds) and the job went on with the other; in the
+    test set it killed the evaluator, restarted 5 times."""
+    ds = _streamed("late_label_7")
+    says = r"^data.name 'tests.test_streaming:late_label_7': the {} item at index {} has label {}, not in 0..2 " \
+           r"\(data.classes = 3\)$"
+    for rank, part in enumerate((np.arange(0, 60, 2), np.arange(1, 60, 2))):   # item 5 in rank 1's part only
+        batches = ds.train_batches(part, 5, seed=0, rank=rank)
+        if rank == 0:
+            for _ in range(30):   # (5 epochs of 6 batches)
+                batches.next()
+            continue
+        with pytest.raises(DataError, match=says.format("training", 5, 7)):
+            for _ in range(6):    # (an epoch)
+                batches.next()
+    with pytest.raises(DataError, match=says.format("test", 21, -1)):
+        list(ds.test_batches(8))
+    with pytest.raises(DataError, match=says.format("training", 5, 7)):
+        ds.take(np.array([4, 5]))
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), in MB; 0 once it is gone."""
     try:

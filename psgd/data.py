@@ -331,10 +331,13 @@ def _call_factory(cfg: DataConfig):
 
 
 def _is_datasets(got: Any) -> bool:
-    """(train_dataset, test_dataset): two objects with __getitem__ and __len__ that are
-    not arrays or tensors."""
+    """(train_dataset, test_dataset): two torch Datasets, or two objects with __getitem__
+    and __len__ that are not arrays or tensors (a Dataset with an attribute `shape` was
+    taken for an array)."""
+    from torch.utils.data import Dataset
     return (isinstance(got, (tuple, list)) and len(got) == 2
-            and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") and not hasattr(d, "shape") for d in got))
+            and all(isinstance(d, Dataset) or hasattr(d, "__getitem__") and hasattr(d, "__len__")
+                    and not hasattr(d, "shape") for d in got))
 
 
 def _first_item(cfg: DataConfig, dataset: Any, split: str) -> tuple[tuple, int]:

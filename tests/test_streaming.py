@@ -235,6 +235,27 @@ def test_a_streamed_label_out_of_range_after_the_first_item_is_one_data_error_na
         ds.take(np.array([4, 5]))
 
 
+class Shaped(Items):
+    """A Dataset that says its samples' shape in an attribute `shape`, as some do."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.shape = (4,)
+
+
+def with_shape_attribute():
+    return Shaped(60), Shaped(30)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_torch_dataset_with_a_shape_attribute_is_streamed_not_taken_for_an_array():
+    """A review: such a Dataset was taken for an array: "the factory must return (train_x,
+    train_y, test_x, test_y) ... (setting an array element with a sequence ...)"."""
+    ds = _streamed("with_shape_attribute")
+    assert ds.train_size == 60 and ds.input_shape == (4,)
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), in MB; 0 once it is gone."""
     try:

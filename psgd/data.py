@@ -345,7 +345,13 @@ def _first_item(cfg: DataConfig, dataset: Any, split: str) -> tuple[tuple, int]:
     be an integer (a float one, 1.0, failed every step and every evaluation: "expected
     target dtype to be Long"; a tensor([1]) gave N x 1 labels)."""
     try:
-        x, y = dataset[0]
+        item = dataset[0]
+    except Exception as e:   # (a file it reads not found: "psgd run: error: /data/img0.png", which factory?)
+        from .models import _package_root, _raised
+        raise DataError(f"data.name {cfg.name!r}: the {split} dataset's item 0 raised "
+                        f"{_raised(e, _package_root(cfg.name.partition(':')[0]))}") from e
+    try:
+        x, y = item
         shape = tuple(x.shape)
     except (TypeError, ValueError, AttributeError) as e:
         raise DataError(f"data.name {cfg.name!r}: a dataset's items must be (tensor, int label) ({e})") from None

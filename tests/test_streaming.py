@@ -256,6 +256,27 @@ def test_a_torch_dataset_with_a_shape_attribute_is_streamed_not_taken_for_an_arr
     assert ds.train_size == 60 and ds.input_shape == (4,)
 
 
+class Unreadable(Items):
+    def __getitem__(self, i: int):
+        raise FileNotFoundError(f"/data/img{i}.png")
+
+
+def unreadable_test_set():
+    return Items(60), Unreadable(30)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_dataset_whose_first_item_raises_is_one_data_error_naming_the_factory_and_where():
+    """A review: psgd run said only "psgd run: error: /data/img0.png" (which factory?),
+    and an exception that is not an OSError was a traceback."""
+    name = f"{__name__}:unreadable_test_set"
+    for check in (check_dataset, load_dataset):
+        with pytest.raises(DataError, match=rf"^data.name '{name}': the test dataset's item 0 raised "
+                                            rf"FileNotFoundError: /data/img0.png \({re.escape(__file__)}, line \d+\)$"):
+            check(Config().replace(**{"data.name": name, "data.classes": 3}).data)
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), in MB; 0 once it is gone."""
     try:

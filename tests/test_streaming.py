@@ -319,3 +319,29 @@ def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_
     print(f"workers' peak memory: {peaks} MB")
     assert summary["samples"] == 2 * 150 * 32 and summary["final_accuracy"] >= 0.8, summary
     assert os.path.exists(tmp_path / "model.pt")
+
+
+def late_label_7_in_training():   # item 5's training label is 7 (data.classes = 3); the test set is fine
+    return Items(200, label=lambda i: 7 if i == 5 else i % 3), Items(30)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_label_out_of_range_that_a_worker_reads_mid_training_ends_the_job_naming_it(tmp_path):
+    """A review: the worker that read label 7 (data.classes = 3) died with a DataError
+    (exit 2), the job went on with the other worker and ended with an accuracy; it now
+    ends the job (a worker's finish with an error), with the data's line as the reason."""
+    from psgd.config import load
+    from psgd.launcher import LaunchError, LocalJob
+    from tests.conftest import free_port_block
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", "data.name=tests.test_streaming:late_label_7_in_training",
+                      "data.classes=3", "train.steps=200", "train.batch_size=8", "cluster.servers=1",
+                      "cluster.evaluator=false"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=90)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match=r"worker 1: data.name '.*late_label_7_in_training': the training item "
+                                              r"at index 5 has label 7, not in 0..2"):
+            job.wait()
+    finally:
+        job.stop()

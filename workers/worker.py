@@ -33,7 +33,7 @@ from psgd.config import Config
 from psgd.consistency import get as get_mode
 from psgd.consistency.rule import Diverged, Schedule
 from psgd.consistency.staleness import Histogram
-from psgd.data import load_dataset, worker_part
+from psgd.data import DataError, load_dataset, worker_part
 from psgd.log import log
 from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, PidFile, earlier_lives
@@ -209,6 +209,8 @@ class Worker:
             pass  # the job ended while we waited
         except wire.RemoteError as e:   # e.g. the initial values will not come (psgd/shard.py FIRST_WORKER_GONE)
             error = f"worker {self.rank}: {e.reason}"
+        except DataError as e:   # a streamed batch it read (a label out of range): the job ends, naming it
+            error = f"worker {self.rank}: {e}"
         finally:
             self.link.stop()
         if error:

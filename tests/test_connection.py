@@ -917,6 +917,41 @@ def test_a_model_with_sparse_gradients_trains(port_block, mode, optimizer):
         assert torch.equal(models[0].e.weight, models[1].e.weight)
 
 
+class BagNowAndThen(Bag):
+    """A Bag whose embedding takes part in every other forward only: its gradient is
+    sparse at one step and None at the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, i):
+        self.calls += 1
+        return self.b(self.e(i) if self.calls % 2 else torch.zeros(len(i), 6))
+
+
+@pytest.mark.timeout(90)
+def test_an_ltfb_trainers_sparse_gradient_that_is_none_at_a_step_comes_back_sparse(port_block):
+    """A review: a parameter with a sparse gradient at one step and none at the next (its
+    rows not used) got the group's mean back dense at the second, and SparseAdam raised."""
+    cfg = config(port_block, "ltfb", **{"mode.trainer_size": 2})
+    models = [BagNowAndThen() for _ in range(2)]
+
+    def loop(ps, model, opt) -> None:
+        while True:
+            opt.zero_grad()
+            i = torch.randint(0, 10, (16,))
+            nn.functional.cross_entropy(model(i), i % 3).backward()
+            if not ps.step():
+                break
+
+    with InProcessCluster(cfg):
+        got = run_workers(cfg, None, loop, lambda m: torch.optim.SparseAdam([m.e.weight], lr=0.1), models,
+                          score=lambda m: 0.5)
+    assert not got["errors"], got["errors"]
+    assert not got["alive"] and torch.equal(models[0].e.weight, models[1].e.weight)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("again", ["same-model", "same-rank"])
 def test_a_second_connect_in_one_process_is_a_config_error_and_the_first_trains_on(port_block, tmp_path, again):

@@ -312,6 +312,7 @@ class LtfbSchedule(Schedule):
         self.hyper: dict[str, float] = {}
         self.diverged = False   # a non-finite loss since the last tournament (`diverge`)
         self.lost_to_divergence = 0   # tournaments in a row that this trainer entered diverged
+        self.sparse: dict[str, int] = {}   # parameters whose gradients are sparse -> their sparse_dim (`group_step`)
 
     # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
@@ -476,11 +477,13 @@ class LtfbSchedule(Schedule):
             w.note(f"behind trainer {self.trainer}'s step at clock {w.clock}; continuing at its step")
             w.clock = max(w.clock, max(int(m.get("step", 0)) for m in pulled))
             return False, dropped
-        # A sparse gradient (nn.Embedding(sparse=True)'s) gets the mean back sparse, over the
-        # rows it touches: an optimizer for sparse gradients (SparseAdam) raised on a dense one.
+        # A parameter whose gradients are sparse (nn.Embedding(sparse=True)'s) gets the mean
+        # back sparse, over its rows where the mean is not zero: an optimizer for sparse
+        # gradients (SparseAdam) raised on a dense one. So does one that had a sparse
+        # gradient at an earlier step and none at this one (the group's rows may be others).
         model = w.replica.model
-        sparse = {n: p.grad.sparse_dim() for n, p in model.named_parameters()
-                  if p.requires_grad and p.grad is not None and p.grad.layout == torch.sparse_coo}
+        self.sparse.update({n: p.grad.sparse_dim() for n, p in model.named_parameters()
+                            if p.requires_grad and p.grad is not None and p.grad.layout == torch.sparse_coo})
         for p in model.parameters():   # (the mean is written over every one: dense, as the tables)
             if p.requires_grad and (p.grad is None or p.grad.layout != torch.strided):
                 p.grad = torch.zeros_like(p)
@@ -488,8 +491,8 @@ class LtfbSchedule(Schedule):
         for i, m in enumerate(pulled):
             w.replica.map.scatter(wire.tensor(m, 0), i, "params", grads)
         for n, p in model.named_parameters():
-            if n in sparse:
-                p.grad = grads[n].to_sparse(sparse[n])
+            if n in self.sparse:
+                p.grad = grads[n].to_sparse(self.sparse[n])
         w.replica.load(None, [wire.tensor(m, 1) for m in pulled])
         return True, dropped
 

@@ -562,7 +562,14 @@ def _main(argv: list[str] | None) -> int:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()
     try:
-        return handlers.get(args.cmd, cmd_daemon)(args)
+        try:
+            return handlers.get(args.cmd, cmd_daemon)(args)
+        finally:
+            if args.cmd in ("run", "compare"):
+                from .forkserver import shutdown
+                from .launcher import signals_held
+                with signals_held():   # a terminal's next Ctrl-C does not cut the fork server's stop short
+                    shutdown()   # (it comes after it: as a KeyboardInterrupt below)
     except ConfigError as e:
         print(f"psgd: error: {with_env(str(e), env)}", file=sys.stderr)
         return 2
@@ -581,9 +588,3 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except KeyboardInterrupt as e:
         return interrupted_code(e)
-    finally:
-        if args.cmd in ("run", "compare"):
-            from .forkserver import shutdown
-            from .launcher import signals_held
-            with signals_held():   # a terminal's next Ctrl-C does not cut the fork server's stop short
-                shutdown()

@@ -910,21 +910,38 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
     """Run the job; its summary. A Ctrl-C, SIGTERM or SIGHUP (KeyboardInterrupt) still
     raises, once the daemons are stopped; one that came after the job had ended (while
     its coordinator told the daemons so, or its scripts' work after close() was waited
-    for) carries the job's end (`ended_before`): psgd run reports the job, not an
-    interrupt (psgd compare stops, as on any)."""
+    for, or its daemons were stopped) carries the job's end (`ended_before`): psgd run
+    reports the job, not an interrupt (psgd compare stops, as on any). One held while the
+    daemons stopped (`signals_held`) comes then: after a Ctrl-C, it is the one raised
+    (a hang-up's exit code, 129)."""
     job = LocalJob(cfg, out, **kw)
+    end: dict | BaseException | None = None   # its summary, or what ended it
     try:
         job.start()
-        return job.wait()
-    except KeyboardInterrupt as e:
-        with signals_held():
-            job.stop()   # (first: a script that the stop cut short has not ended with 0)
-        summary = job.ended()
-        e.ended = job.aborted(summary) if summary and summary.get("aborted") else summary  # type: ignore[attr-defined]
+        summary = end = job.wait()
+    except BaseException as e:
+        end = e
         raise
-    finally:
-        with signals_held():
-            job.stop()
+    finally:   # (also on a signal in `except`: the daemons are stopped, and waited for)
+        try:
+            with signals_held():
+                job.stop()   # (first: a script that the stop cut short has not ended with 0)
+        except KeyboardInterrupt as e:   # held while they stopped: it is the one raised
+            e.ended = _ended(job, end)  # type: ignore[attr-defined]
+            raise
+        if isinstance(end, KeyboardInterrupt):
+            end.ended = _ended(job, end)  # type: ignore[attr-defined]
+    return summary
+
+
+def _ended(job: LocalJob, end: dict | BaseException | None) -> dict | LaunchError | None:
+    """How the job had ended when a signal came (`ended_before`), given what ended
+    run_local (`end`): its summary or LaunchError; after a signal, what its folder
+    says (`LocalJob.ended`); else None."""
+    if isinstance(end, KeyboardInterrupt):
+        summary = job.ended()
+        return job.aborted(summary) if summary and summary.get("aborted") else summary
+    return end if isinstance(end, (dict, LaunchError)) else None
 
 
 def ended_before(e: KeyboardInterrupt) -> dict | LaunchError | None:
@@ -936,17 +953,33 @@ def ended_before(e: KeyboardInterrupt) -> dict | LaunchError | None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP ignored while the daemons are being stopped (a bounded
-    wait): a second one would cut the stop short and leave them running."""
+    """Ctrl-C, SIGTERM and SIGHUP held while the daemons are being stopped (a bounded
+    wait): one then would cut the stop short and leave them running. Held, not ignored:
+    the first comes, to the handler that was there, once the stop is over (unless it
+    ended with an exception: the command is stopping already). A hang-up sends this
+    process's output away from the dead terminal at once (`cli._hung_up_terminal`): the
+    lines the stop and the command's end write would fail (EIO)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    from .cli import _hung_up_terminal
+    came: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            _hung_up_terminal()
+        came.append(signum)
+    held = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s, handler in held.items():
+        if handler is not signal.SIG_IGN:   # (one ignored stays so: SIGHUP under nohup)
+            signal.signal(s, hold)
     try:
         yield
     finally:
         for s, handler in held.items():
             signal.signal(s, handler)
+    if came:
+        signal.raise_signal(came[0])
 
 
 def format_summary(s: dict) -> str:

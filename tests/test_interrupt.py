@@ -12,6 +12,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -175,23 +176,56 @@ def _drain(fd: int) -> None:
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
-def test_a_hang_up_while_the_daemons_stop_is_held():
+def test_a_hang_up_while_the_daemons_stop_is_held(monkeypatch):
     """A terminal that closes while `psgd run` stops its daemons (after a Ctrl-C) does not
-    cut the stop short, as a second Ctrl-C or SIGTERM does not; its handler is back
-    afterwards."""
+    cut the stop short, as a second Ctrl-C or SIGTERM does not. It was ignored: the
+    command's last lines then failed on the dead terminal (EIO: exit 1, a traceback). Its
+    stdout and stderr now go to /dev/null at once, and the hang-up is delivered, to the
+    handler that was there, once the hold ends."""
+    from psgd import cli
     from psgd.launcher import signals_held
+    master, slave = os.openpty()
+    monkeypatch.setattr(cli, "_TERMINALS", [slave])
     hits: list[int] = []
     before = signal.signal(signal.SIGHUP, lambda n, f: hits.append(n))
     try:
+        os.close(master)   # the terminal closes
         with signals_held():
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(0.1)
-        assert hits == []
-        os.kill(os.getpid(), signal.SIGHUP)
-        time.sleep(0.1)
+            assert hits == []
+            assert os.readlink(f"/proc/self/fd/{slave}") == os.devnull
         assert hits == [signal.SIGHUP]
     finally:
         signal.signal(signal.SIGHUP, before)
+        os.close(slave)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_signal_while_the_daemons_stop_is_delivered_after_the_stop():
+    """Ctrl-C or SIGTERM during the stop waits for its end, then comes (the first one
+    only), as it would have then; none comes out of a hold that an exception leaves (the
+    command is stopping already)."""
+    from psgd.launcher import signals_held
+    hits: list[int] = []
+    before = {s: signal.signal(s, lambda n, f: hits.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            assert hits == []
+        assert hits == [signal.SIGTERM]
+        with pytest.raises(ValueError), signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+            raise ValueError
+        time.sleep(0.1)
+        assert hits == [signal.SIGTERM]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 SUMMARY = {"mode": "sync", "final_accuracy": 0.97, "final_loss": 0.1, "samples_per_s": 100.0, "wall_s": 1.0,
@@ -216,10 +250,13 @@ class Script:
 
 
 def run_then_signal(monkeypatch, tmp_path, capsys, summary: dict | None, scripts: list[int | None],
-                    sig: type[KeyboardInterrupt] = KeyboardInterrupt) -> tuple[int, str, str]:
+                    sig: Callable[[], BaseException] | None = KeyboardInterrupt,
+                    during_stop: int | None = None) -> tuple[int, str, str]:
     """`psgd run`, whose job writes `summary` (None: none), has training scripts that
     exited with `scripts`' codes, and then gets `sig` while the launcher waits (the
-    coordinator's linger after the summary, say): main's exit code, stdout, stderr."""
+    coordinator's linger after the summary, say; a LaunchError: the job failed; None: it
+    ended), and the signal
+    `during_stop` while its daemons are stopped: main's exit code, stdout, stderr."""
     import json
 
     from psgd import cli, launcher
@@ -231,9 +268,20 @@ def run_then_signal(monkeypatch, tmp_path, capsys, summary: dict | None, scripts
     def wait(job: LocalJob) -> dict:
         if summary is not None:
             (tmp_path / "out" / "summary.json").write_text(json.dumps(summary))
+        if sig is None:
+            return summary or {}
         raise sig()
+    stop, sent = LocalJob.stop, []
+
+    def stop_with_a_signal(job: LocalJob) -> None:
+        if during_stop is not None and not sent:
+            sent.append(during_stop)
+            os.kill(os.getpid(), during_stop)
+            time.sleep(0.1)
+        stop(job)
     monkeypatch.setattr(LocalJob, "start", start)
     monkeypatch.setattr(LocalJob, "wait", wait)
+    monkeypatch.setattr(LocalJob, "stop", stop_with_a_signal)
     monkeypatch.setattr(launcher, "check_before_launch", lambda cfg, device: None)
     monkeypatch.setattr(cli, "check_job", lambda cfg: 10 ** 6)   # (the training set's size)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -289,3 +337,40 @@ def test_a_signal_after_an_aborted_job_ended_says_why_it_was_aborted(monkeypatch
     with pytest.raises(KeyboardInterrupt) as e:
         run_local(load(None, [f"cluster.port={free_port_block(3)}"], env={}), str(tmp_path / "out"), quiet=True)
     assert isinstance(ended_before(e.value), LaunchError)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_signal_while_the_daemons_of_an_ended_job_stop_is_noted(monkeypatch, tmp_path, capsys):
+    """SIGTERM while the daemons of a job that had ended were stopped was ignored: psgd
+    run printed the summary with nothing said. It is now noted, as one that comes a
+    moment earlier, and the job reported (exit 0)."""
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, SUMMARY, [], None, signal.SIGTERM)
+    assert code == 0 and "sync: accuracy 0.9700" in out, err
+    assert "psgd run: terminated after the job had ended; its outputs are complete" in err, err
+    from psgd.launcher import LaunchError
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, None, [],
+                                     lambda: LaunchError("job aborted: shard 0 was lost"), signal.SIGTERM)
+    assert code == 1 and "psgd: error: job aborted: shard 0 was lost" in err and out == "", err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_hang_up_while_an_interrupted_job_stops_ends_the_run_with_129(monkeypatch, tmp_path, capsys):
+    """A hang-up (the terminal closed) while the daemons stopped after a Ctrl-C was thrown
+    away: psgd run's last lines then failed on the dead terminal (exit 1, a traceback).
+    It now comes once they are stopped: exit 129, as for a hang-up that came first."""
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, None, [], KeyboardInterrupt, signal.SIGHUP)
+    assert code == 129 and "psgd run: hung up (SIGHUP); its daemons are stopped" in err, (code, err)
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_signal_while_the_fork_server_stops_ends_the_command_with_its_code(monkeypatch, tmp_path, capsys):
+    """Ctrl-C or SIGTERM while psgd run stops its fork server, at its very end, waits for
+    that stop, then ends the command with the signal's exit code, no traceback."""
+    from psgd import forkserver
+    monkeypatch.setattr(forkserver, "shutdown", lambda: os.kill(os.getpid(), signal.SIGTERM))
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, SUMMARY, [], None)
+    assert code == 143 and "sync: accuracy 0.9700" in out, (code, err)

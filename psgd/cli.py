@@ -14,6 +14,7 @@ print one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -512,11 +513,24 @@ def exit_on_signals() -> None:
     does. Its handlers, left in place, raised KeyboardInterrupt or SystemExit inside the
     interpreter's exit (threading._shutdown), a traceback on the terminal: SIGTERM to a
     `psgd run` job's process group reached the coordinator just after it had written the
-    summary. Nothing is left to clean up: every `finally` has run. (A signal the process
-    was started ignoring, as Ctrl-C in a shell's background job, stays ignored.)"""
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if callable(signal.getsignal(s)):
-            signal.signal(s, signal.SIG_DFL)
+    summary. Nothing is left to clean up: every `finally` has run, and the output is
+    flushed first (to a file or a pipe, its last lines waited in Python's buffer for the
+    exit's flush, which the signal's default action skips; one that comes during the
+    flush has that action once the write returns). (A signal the process was started
+    ignoring, as Ctrl-C in a shell's background job, stays ignored.)"""
+    ours = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if callable(signal.getsignal(s))]
+    for s in ours:
+        signal.signal(s, _end_as_default)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):   # (a dead terminal; closed; None)
+            stream.flush()
+    for s in ours:
+        signal.signal(s, signal.SIG_DFL)
+
+
+def _end_as_default(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 def _main(argv: list[str] | None) -> int:

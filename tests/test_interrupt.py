@@ -102,6 +102,41 @@ def test_a_signal_while_a_command_exits_stops_it_without_a_traceback(tmp_path, v
     assert proc.returncode in (-sig, 128 + sig), (proc.returncode, err)
 
 
+# A psgd command that prints its last line (to a pipe: into Python's buffer) and returns;
+# a signal comes at once, before the interpreter's exit flushes that buffer.
+PRINTS = """
+import os, signal, sys
+from psgd import cli
+
+def done(args):
+    print("its summary")
+    return 0
+
+cli.cmd_run = done
+sys.argv = ["psgd", "run"]
+code = cli.main()
+os.kill(os.getpid(), signal.SIGTERM)
+raise SystemExit(code)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_signal_as_a_command_returns_leaves_its_output_written():
+    """Ctrl-C, SIGTERM and SIGHUP end a command whose work is done at once (their default
+    action): its output to a file or a pipe, still in Python's buffer, was lost with it
+    (psgd run's summary line). It is written before."""
+    proc = subprocess.Popen([sys.executable, "-c", PRINTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env={k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"})   # (buffered)
+    try:
+        out, err = proc.communicate(timeout=40)
+    finally:
+        end_session(proc)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, err)
+    assert out == "its summary\n", err
+
+
 def pids_when_training(out, proc: subprocess.Popen, names: set[str], seconds: float = 120,
                        tick=lambda: None) -> dict[str, int]:
     """The daemons' pids (their pid files) once they all run and worker 0 has logged a

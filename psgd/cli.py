@@ -452,8 +452,9 @@ class Terminated(KeyboardInterrupt):
 
 class HungUp(Terminated):
     """SIGHUP (the terminal closed) to `psgd run`, `psgd compare` or `psgd simulate`: the
-    job stops as on SIGTERM, and the exit code is 129. By default the hang-up killed every
-    process of the job's group at once: no shard checkpointed, every pid file stayed."""
+    job stops as on SIGTERM, and the exit code is 129. By default the hang-up (the shell's,
+    to the job's whole process group) killed every process of the job at once: no shard
+    checkpointed, every pid file stayed."""
 
 
 def _terminate(signum, frame) -> None:
@@ -480,8 +481,10 @@ def _hang_up(signum, frame) -> None:
 
 
 def _hang_up_daemon(signum, frame) -> None:
-    """SIGHUP to a daemon (its terminal closed; all of a `psgd run` job's group gets it):
-    as SIGTERM, whatever handles that now (a shard checkpoints first)."""
+    """SIGHUP to a daemon (its terminal closed: the shell hangs up each of its jobs'
+    process groups, so every daemon of a `psgd run` started there gets one; the kernel
+    itself sends it to the session's leader only): as SIGTERM, whatever handles that now
+    (a shard checkpoints first)."""
     _hung_up_terminal()
     signal.raise_signal(signal.SIGTERM)
 

@@ -333,8 +333,9 @@ if __name__ == "__main__":
     # SIGINT ignored (in the background of a shell without job control).
     _child_sigint = signal.getsignal(signal.SIGINT)  # type: ignore[assignment]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # So is a hang-up (the terminal closed: its whole group gets SIGHUP): its default
-    # action killed the server, which took the daemons' exit codes along.
+    # So is a hang-up (the terminal closed: the shell sends SIGHUP to its job's whole
+    # process group, this server included): its default action killed the server, which
+    # took the daemons' exit codes along.
     _child_sighup = signal.getsignal(signal.SIGHUP)  # type: ignore[assignment]
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     serve()

@@ -38,11 +38,15 @@ def session(pid: int) -> list[int]:
 
 
 def start(argv: list[str], **kw) -> subprocess.Popen:
-    """A command in a session of its own, with Ctrl-C's default action as a shell's
-    foreground job has it."""
+    """A command in a session of its own, with Ctrl-C's and a hang-up's default actions as
+    a shell's foreground job has them."""
     return subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            **kw)
+                            start_new_session=True, preexec_fn=defaults, **kw)
+
+
+def defaults() -> None:
+    for s in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def end_session(proc: subprocess.Popen) -> None:
@@ -81,7 +85,7 @@ raise SystemExit(cli.main())
 @pytest.mark.processes
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("verb,sig", [("worker", signal.SIGTERM), ("coordinator", signal.SIGINT),
-                                      ("run", signal.SIGTERM), ("run", signal.SIGINT)])
+                                      ("worker", signal.SIGHUP), ("run", signal.SIGTERM), ("run", signal.SIGINT)])
 def test_a_signal_while_a_command_exits_stops_it_without_a_traceback(tmp_path, verb, sig):
     """SIGTERM to the process group at the end of a `psgd run` job reached the coordinator
     after its serve() had returned, while the interpreter exited: its handler raised there
@@ -166,16 +170,18 @@ def gone(pids, seconds: float = 10) -> list[int]:
 @pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_closing_the_terminal_of_psgd_run_stops_the_job_as_sigterm_does(tmp_path):
-    """A terminal that closes sends SIGHUP to its job's process group: `psgd run` and every
-    daemon. Its default action killed them all at once: no shard checkpointed, every pid
-    file stayed, and the exit code was a signal's. Now the job stops as on SIGTERM: the
-    shards checkpoint, the pid files go, psgd run exits 129 (its last lines, to a
-    terminal that is gone, are dropped, not a failure of their own)."""
+    """A terminal that closes sends SIGHUP to its session's leader (here `psgd run`; else
+    the shell), and a shell sends one to each job's process group (bash: `psgd run` and
+    every daemon, the fork server too). Its default action killed them all at once: no
+    shard checkpointed, every pid file stayed, and the exit code was a signal's. Now the
+    job stops as on SIGTERM: the shards checkpoint, the pid files go, psgd run exits 129
+    (its last lines, to a terminal that is gone, are dropped, not a failure of their
+    own)."""
     out = tmp_path / "run"
     master, slave = os.openpty()
 
     def terminal() -> None:   # (after setsid: the terminal becomes the new session's)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        defaults()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     proc = subprocess.Popen([sys.executable, "-m", "psgd", "run", "--out", str(out), "--set", "train.steps=100000",
                              "--set", f"cluster.port={free_port_block(3)}"], env=ENV, stdin=slave, stdout=slave,
@@ -186,8 +192,10 @@ def test_closing_the_terminal_of_psgd_run_stops_the_job_as_sigterm_does(tmp_path
     try:
         pids = pids_when_training(out, proc, {"server-0.pid", "server-1.pid", "worker-0.pid", "coordinator-0.pid"},
                                   tick=lambda: _drain(master))   # a terminal shows what it is sent
-        os.close(master)   # the terminal closes
+        os.close(master)   # the terminal closes: SIGHUP to psgd run, the session's leader
         master = -1
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGHUP)   # and to its job's group, as a shell sends it
         assert proc.wait(timeout=60) == 129
         assert not gone(pids.values())
         assert not session(proc.pid)

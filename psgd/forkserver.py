@@ -139,6 +139,10 @@ def _fork(req: dict) -> int:
     except BaseException:
         traceback.print_exc()
     finally:
+        # Its work is done: a signal now (a late SIGTERM to the job's group) would raise
+        # from the daemon's handler past os._exit, on into this server's code. It waits,
+        # and goes with the process: the daemon's exit code stands.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()

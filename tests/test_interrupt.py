@@ -417,3 +417,51 @@ def test_a_signal_while_the_fork_server_stops_ends_the_command_with_its_code(mon
     monkeypatch.setattr(forkserver, "shutdown", lambda: os.kill(os.getpid(), signal.SIGTERM))
     code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, SUMMARY, [], None)
     assert code == 143 and "sync: accuracy 0.9700" in out, (code, err)
+
+
+# A daemon forked by the fork server (psgd/forkserver.py) whose SIGTERM handler raises, as
+# a worker's does (SystemExit), and which gets SIGTERM while its output is flushed, at its end.
+FORKED = """
+import os, signal, sys
+from psgd import forkserver
+marker = sys.argv[1]
+
+def child(argv, env, log_path, cwd=None):
+    signal.signal(signal.SIGTERM, lambda n, f: sys.exit(143))
+
+    class Stderr:
+        def write(self, text):
+            return len(text)
+
+        def flush(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+    sys.stderr = Stderr()
+    return 0
+
+forkserver._child = child
+server = os.getpid()
+try:
+    pid = forkserver._fork({"argv": [], "env": {}})
+finally:
+    if os.getpid() != server:
+        open(marker, "w").close()   # the fork ran on in the server's code
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_signal_as_a_forked_daemon_exits_does_not_run_the_fork_servers_code(tmp_path):
+    """A forked daemon's end (its `finally`: flush, os._exit) ran with its handlers in
+    place: a late SIGTERM raised SystemExit there, past os._exit, and the child went on
+    in the fork server's own code (its loop: a second server reading the launcher's
+    requests). Signals are held there now: the daemon exits with its own code."""
+    marker = tmp_path / "ran-on"
+    proc = start([sys.executable, "-c", FORKED, str(marker)])
+    try:
+        out, err = proc.communicate(timeout=40)
+    finally:
+        end_session(proc)
+    assert not marker.exists(), err
+    assert proc.returncode == 0 and out == "0\n", (proc.returncode, out, err)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gc
 import math
 import os
@@ -600,6 +601,9 @@ def _main(argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush would fail again)
         return 128 + signal.SIGPIPE
     except (OSError, TimeoutError) as e:
+        if isinstance(e, OSError) and e.errno == errno.EIO and any(not os.isatty(fd) for fd in _TERMINALS):
+            _hung_up_terminal()   # a line to the terminal after it hung up (before, or without, its SIGHUP):
+            return 128 + signal.SIGHUP   # saying so to it failed again (exit 1, a traceback)
         said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
         print(f"psgd {args.cmd}: error: {said}", file=sys.stderr)
         return 1

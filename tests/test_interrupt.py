@@ -465,3 +465,53 @@ def test_a_signal_as_a_forked_daemon_exits_does_not_run_the_fork_servers_code(tm
         end_session(proc)
     assert not marker.exists(), err
     assert proc.returncode == 0 and out == "0\n", (proc.returncode, out, err)
+
+
+# A psgd command whose terminal hangs up, with no SIGHUP (it is no session's terminal):
+# its next line fails (EIO).
+WRITES = """
+import os, sys, time
+from psgd import cli
+ready, closed = sys.argv[1], sys.argv[2]
+
+def run(args):
+    open(ready, "w").close()
+    while not os.path.exists(closed):
+        time.sleep(0.01)
+    print("its summary", flush=True)
+    return 0
+
+cli.cmd_run = run
+sys.argv = ["psgd", "run"]
+raise SystemExit(cli.main())
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_write_to_a_hung_up_terminal_ends_the_command_as_a_hang_up(tmp_path):
+    """A line written to the terminal after it hung up, before the hang-up's handler ran
+    (or with none sent), failed with EIO: the error said so to the same dead terminal,
+    which failed again (exit 1, a traceback). The command now ends as on a hang-up: 129,
+    its output to /dev/null."""
+    ready, closed = tmp_path / "ready", tmp_path / "closed"
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", WRITES, str(ready), str(closed)], env=ENV,
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    os.set_blocking(master, False)
+    try:
+        deadline = time.monotonic() + 40
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            _drain(master)
+            time.sleep(0.02)
+        assert ready.exists()
+        _drain(master)
+        os.close(master)   # the terminal hangs up
+        master = -1
+        closed.touch()
+        assert proc.wait(timeout=30) == 129
+    finally:
+        if master >= 0:
+            os.close(master)
+        end_session(proc)

@@ -503,12 +503,28 @@ def interrupted_code(e: KeyboardInterrupt) -> int:
                   else signal.SIGINT)
 
 
-def main(argv: list[str] | None = None) -> int:
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def main(argv: list[str] | None = None, *, own_process: bool | None = None) -> int:
+    """psgd's command line. `own_process`: this call is the command of its process, which
+    exits when it returns: its entry points (`psgd`, the console script, which can pass
+    nothing: main() with no argv; `python -m psgd`; `python -m psgd.simulate`; a daemon
+    forked by psgd/forkserver.py). Its terminal is the command's (a hang-up sends its output
+    to /dev/null), and its work done, a signal ends it at once (`exit_on_signals`). Any
+    other call, `main([...])` from Python (a test, a notebook), leaves its caller's
+    terminal alone and gives back the signal handlers it had: it kept the command's."""
+    own = argv is None if own_process is None else own_process
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = {s: signal.getsignal(s) for s in SIGNALS} if main_thread and not own else {}
     try:
-        return _main(argv)
+        return _main(argv, own)
     finally:
-        if argv is None and threading.current_thread() is threading.main_thread():
+        if own and main_thread:
             exit_on_signals()
+        for s, handler in before.items():
+            if handler is not None:   # (None: not set from Python)
+                signal.signal(s, handler)
 
 
 def exit_on_signals() -> None:
@@ -522,7 +538,7 @@ def exit_on_signals() -> None:
     exit's flush, which the signal's default action skips; one that comes during the
     flush has that action once the write returns). (A signal the process was started
     ignoring, as Ctrl-C in a shell's background job, stays ignored.)"""
-    ours = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if callable(signal.getsignal(s))]
+    ours = [s for s in SIGNALS if callable(signal.getsignal(s))]
     for s in ours:
         signal.signal(s, _end_as_default)
     for stream in (sys.stdout, sys.stderr):
@@ -537,7 +553,7 @@ def _end_as_default(signum, frame) -> None:
     signal.raise_signal(signum)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, own_process: bool) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if os.getcwd() not in sys.path:  # as `python -m psgd`: a `package.module:factory` in the folder it runs in
         sys.path.insert(0, os.getcwd())
@@ -566,8 +582,8 @@ def _main(argv: list[str] | None) -> int:
                 "status": cmd_status, "simulate": cmd_simulate}
     main_thread = threading.current_thread() is threading.main_thread()
     hangup = main_thread and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN   # (not under nohup)
-    if main_thread:
-        _TERMINALS[:] = [fd for fd in (1, 2) if os.isatty(fd)]
+    if main_thread:   # (a call from Python: its caller's terminal is not the command's)
+        _TERMINALS[:] = [fd for fd in (1, 2) if own_process and os.isatty(fd)]
     if args.cmd in ("run", "compare", "simulate") and main_thread:
         signal.signal(signal.SIGTERM, _terminate)  # default: die at once, the daemons left running
         if hangup:

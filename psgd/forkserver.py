@@ -179,7 +179,7 @@ def _child(argv: list[str], env: dict, log_path: str | None, cwd: str | None = N
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     from .cli import main
-    return main(argv)
+    return main(argv, own_process=True)
 
 
 # ---------------------------------------------------------------- the launcher's side

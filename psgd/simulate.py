@@ -410,11 +410,12 @@ def _time_left(plan: list, durations: dict[int, float], pending: list[int], jobs
     return None if left is None else left / max(1, min(jobs, len(pending)))
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """`python -m psgd.simulate ...`: `psgd simulate ...`, errors and signals handled alike."""
+def cli(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """`python -m psgd.simulate ...`: `psgd simulate ...`, errors and signals handled alike
+    (`own_process`: as its process's command; psgd.cli.main)."""
     from .cli import main as psgd_main
-    return psgd_main(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    return psgd_main(["simulate", *(sys.argv[1:] if argv is None else argv)], own_process=own_process)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli(own_process=True))

@@ -76,7 +76,11 @@ def done(args):
     threading.Thread(target=linger).start()
     return 0
 
-cli.cmd_run = cli.cmd_daemon = done
+cli.cmd_run = cli.cmd_daemon = cli.cmd_simulate = done
+if sys.argv[2].startswith("psgd."):   # a module's own entry: python -m psgd.simulate
+    import runpy
+    sys.argv = [sys.argv[2]]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 sys.argv = ["psgd", sys.argv[2]]
 raise SystemExit(cli.main())
 """
@@ -85,7 +89,8 @@ raise SystemExit(cli.main())
 @pytest.mark.processes
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("verb,sig", [("worker", signal.SIGTERM), ("coordinator", signal.SIGINT),
-                                      ("worker", signal.SIGHUP), ("run", signal.SIGTERM), ("run", signal.SIGINT)])
+                                      ("worker", signal.SIGHUP), ("run", signal.SIGTERM), ("run", signal.SIGINT),
+                                      ("psgd.simulate", signal.SIGTERM)])
 def test_a_signal_while_a_command_exits_stops_it_without_a_traceback(tmp_path, verb, sig):
     """SIGTERM to the process group at the end of a `psgd run` job reached the coordinator
     after its serve() had returned, while the interpreter exited: its handler raised there
@@ -515,3 +520,33 @@ def test_a_write_to_a_hung_up_terminal_ends_the_command_as_a_hang_up(tmp_path):
         if master >= 0:
             os.close(master)
         end_session(proc)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_command_called_from_python_leaves_its_callers_signals_and_terminal(monkeypatch):
+    """cli.main([...]) called from Python (a test, a notebook) left its SIGTERM and SIGHUP
+    handlers in the caller's process (a later SIGTERM raised Terminated there), and took
+    the caller's terminal for its own (a hang-up sent the caller's output to /dev/null).
+    Its handlers are the command's only while it runs; the terminal is a process's own
+    command's (`psgd`, `python -m psgd`, `python -m psgd.simulate`)."""
+    from psgd import cli
+    seen: list[list[int]] = []
+
+    def simulate(args) -> int:
+        seen.append(list(cli._TERMINALS))
+        assert signal.getsignal(signal.SIGTERM) is cli._terminate
+        return 0
+    monkeypatch.setattr(cli, "cmd_simulate", simulate)
+    monkeypatch.setattr(os, "isatty", lambda fd: True)
+
+    def mine(n, f):
+        pass
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert cli.main(["simulate"]) == 0
+        assert {s: signal.getsignal(s) for s in before} == {s: mine for s in before}
+        assert seen == [[]]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

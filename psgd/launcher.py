@@ -631,6 +631,9 @@ class LocalJob:
                     raise LaunchError(f"{child.name} lost the coordinator (no answer for cluster.timeout_s = "
                                       f"{self.cfg.cluster.timeout_s:g} s), whose process still runs: is it stopped "
                                       f"(SIGSTOP) or hung? Its log ends:\n{self.tail(coord)}")
+                if rc == 2 and child.role in ("server", "evaluator"):   # a ConfigError (a DataError): a restart
+                    said = self.tail(child, 1).strip().removeprefix("psgd: error: ")   # would say it again
+                    raise LaunchError(f"{child.name} stopped: {said} (logs in {os.path.join(self.out, 'logs')})")
                 if self._restarted(child):
                     if child.restarts >= MAX_RESTARTS:
                         raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "

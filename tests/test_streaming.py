@@ -345,3 +345,28 @@ def test_a_label_out_of_range_that_a_worker_reads_mid_training_ends_the_job_nami
             job.wait()
     finally:
         job.stop()
+
+
+def late_label_in_test():   # the test set's item 21 has label -1; training is fine
+    return Items(200), Items(30, label=lambda i: -1 if i == 21 else i % 3)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_label_out_of_range_that_the_evaluator_reads_ends_the_job_at_once_naming_it(tmp_path):
+    """A review: the evaluator that read label -1 exited 2 (a DataError), and psgd run
+    restarted it five times, each saying the same, before it gave up."""
+    from psgd.config import load
+    from psgd.launcher import LaunchError, LocalJob
+    from tests.conftest import free_port_block
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", "data.name=tests.test_streaming:late_label_in_test",
+                      "data.classes=3", "train.steps=300", "train.batch_size=8", "cluster.servers=1",
+                      "faults.step_delay_s=0.01"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=90)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match=r"^evaluator-0 stopped: data.name '.*late_label_in_test': the test item "
+                                              r"at index 21 has label -1, not in 0..2"):
+            job.wait()
+    finally:
+        job.stop()

@@ -1012,5 +1012,17 @@ def format_summary(s: dict) -> str:
              "loss not finite (the model diverged)" if s.get("final_loss_not_finite") else "",
              f"{amount(s['samples_per_s'])} samples/s", f"wall {s['wall_s']:.1f} s", reached,
              f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",
-             f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else ""]
+             f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else "",
+             lost_words(s)]
     return "  ".join(p for p in parts if p)
+
+
+def lost_words(s: dict) -> str:
+    """'1 worker lost (of 2)' for a job that went on without some of its workers (a
+    worker died and was not replaced; the job ended with the others), else '': the
+    line's accuracy and samples/s are those of fewer workers than the job was given."""
+    lost = int((s.get("failures") or {}).get("workers_lost") or 0) - int((s.get("failures") or {}).get(
+        "workers_rejoined") or 0)
+    if lost <= 0:
+        return ""
+    return f"{lost} worker{'s' if lost != 1 else ''} lost (of {s.get('workers', '?')})"

@@ -455,6 +455,17 @@ def test_the_run_summary_line_says_nothing_of_a_target_nothing_scored():
     assert "  0.25 samples/s  " in format_summary({**s, "samples_per_s": 0.25})   # a big model: was "0 samples/s"
 
 
+def test_the_run_summary_line_says_a_job_went_on_without_a_lost_worker():
+    """A review: a worker died mid-training, the job went on with the other and ended
+    "accuracy 1.0000 ...": only summary.json's failures said one was lost."""
+    from psgd.launcher import format_summary
+    s = {"mode": "sync", "final_accuracy": 1.0, "final_loss": 0.1, "samples_per_s": 800.0, "wall_s": 4.0,
+         "time_to_target_s": 1.0, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}, "workers": 2}
+    assert "lost" not in format_summary({**s, "failures": {"workers_lost": 0}})
+    assert format_summary({**s, "failures": {"workers_lost": 1}}).endswith("  1 worker lost (of 2)")
+    assert "lost" not in format_summary({**s, "failures": {"workers_lost": 1, "workers_rejoined": 1}})   # replaced
+
+
 def test_a_final_loss_that_is_not_finite_is_said_not_left_out():
     """A diverged diloco run (mode.outer_lr = 50) ended "accuracy 0.1031" with no loss and
     summary.json's final_loss null, as if no score had come: the evaluator's loss was NaN."""

@@ -8,9 +8,10 @@ imports user code), restores its checkpoint if one exists, binds its ROUTER on s
 I's address and serves until the coordinator says the job is done. A bad message gets
 an error reply and is counted; the loop goes on. It exits 1 if the coordinator stays
 silent for cluster.timeout_s, or if no worker registers a learned model's layout within
-that time. Checkpoints are written every `checkpoint.every_s` seconds, when
-training ends (every worker done: a shard restarted during the final evaluation
-resumes the final tables) and on SIGTERM (atomically), and once more at the end.
+that time. Checkpoints are written every `checkpoint.every_s` seconds, as a run
+resumed from them starts (its counters from zero), when training ends (every worker
+done: a shard restarted during the final evaluation resumes the final tables) and on
+SIGTERM (atomically), and once more at the end.
 """
 from __future__ import annotations
 
@@ -134,6 +135,11 @@ class ShardServer:
         ckpt = cfg.checkpoint_file(self.out, self.index)
         restarted = bool(answer.get("restarted"))
         resumed = bool(ckpt and self._resume(shard, ckpt, whole_set=not restarted))
+        if ckpt and resumed and not restarted:
+            # A new run, counting from zero (`Shard.new_run`), checkpointed at once: killed
+            # before its first periodic checkpoint, this shard came back with the earlier
+            # run's counters (its bad messages, dropped gradients), reported as this run's.
+            self._checkpoint_in_background(shard, ckpt)
         if restarted and answer.get("phase") in AFTER_TRAINING and not shard.trained:
             # Restarted after training ended without the tables it ended with (killed before
             # it learned of the end, and checkpointed it: `_end_of_training`): no worker is

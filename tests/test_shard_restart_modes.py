@@ -1,0 +1,58 @@
+"""A shard killed with -9 and restarted: what its checkpoints hold and what it resumes."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from psgd.config import load
+from psgd.shard import Shard
+from tests.test_reliability import child, job, wait_for_steps
+
+
+def kill_and_restart(j, name: str, after: tuple[int, int]) -> dict:
+    """Run the job, kill -9 child `name` once worker after[0] has done after[1] steps
+    (psgd run restarts it: the supervision runs in `j.wait()`, on a thread here), and
+    return the summary."""
+    got: dict = {}
+
+    def supervise():
+        try:
+            got["summary"] = j.wait()
+        except Exception as e:  # noqa: BLE001 (said by the assertion below)
+            got["error"] = e
+
+    try:
+        j.start()
+        wait_for_steps(j, *after)
+        supervisor = threading.Thread(target=supervise, daemon=True)
+        supervisor.start()
+        child(j, name).proc.send_signal(signal.SIGKILL)
+        supervisor.join(200)
+        assert "summary" in got, got.get("error", "the job did not end")
+        return got["summary"]
+    finally:
+        j.stop()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_shard_killed_in_a_resumed_run_before_its_first_checkpoint_counts_this_runs_counters(tmp_path):
+    """A run resumed from an interrupted job's checkpoints counts from zero (`new_run`),
+    but a shard killed before it wrote a checkpoint of this run came back with the
+    interrupted run's counters (here 77 bad messages and 55 dropped gradients), and
+    summary.json reported them as this run's. A resumed shard now checkpoints at once."""
+    cfg = load(None, ["cluster.servers=2"], env={})
+    for i in range(2):
+        earlier = Shard(cfg, i)
+        earlier.counters["bad_messages"] = 77
+        earlier.rule.barrier.dropped = 55
+        earlier.save(str(tmp_path / "run" / "checkpoints" / f"shard-{i}.pt"))
+    # checkpoint.every_s is 10 s (the default): the job is done before a periodic one
+    j = job(tmp_path, "mode.name=sync", "train.steps=300", "faults.step_delay_s=0.004")
+    s = kill_and_restart(j, "server-1", (0, 100))
+    assert "resumed from" in open(os.path.join(j.out, "logs", "server-1.log")).read()
+    assert s["failures"]["shard_restarts"] == 1, s["failures"]
+    assert s["bad_messages"] == 0 and s["dropped_gradients"] == 0, s

@@ -151,10 +151,14 @@ class Shard:
         return handler(token, msg)
 
     def _when_ready(self, fn):
+        """`fn`, served once the shard has values; before, the error `not_ready`, answered
+        here, not raised: the daemon counts a raised error in `bad_messages`, and these are
+        the honest requests of the job's own workers and evaluator (a learned model before
+        its init, a shard restarted with nothing to restore, which a worker's copy mends)."""
         def guarded(token, msg: wire.Message) -> list[Reply]:
             if not self.ready:
-                raise wire.WireError(wire.NOT_READY, f"shard {self.index} " + (self.unready or (
-                    "has no initial values yet (a worker's init brings them)")))
+                return [(token, wire.error(msg.id, wire.NOT_READY, f"shard {self.index} " + (self.unready or (
+                    "has no initial values yet (a worker's init brings them)"))))]
             return fn(token, msg)
         return guarded
 

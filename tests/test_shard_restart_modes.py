@@ -56,3 +56,21 @@ def test_a_shard_killed_in_a_resumed_run_before_its_first_checkpoint_counts_this
     assert "resumed from" in open(os.path.join(j.out, "logs", "server-1.log")).read()
     assert s["failures"]["shard_restarts"] == 1, s["failures"]
     assert s["bad_messages"] == 0 and s["dropped_gradients"] == 0, s
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["sync", "easgd"])
+def test_a_shard_restarted_without_a_checkpoint_counts_no_bad_message(tmp_path, mode):
+    """A shard restarted with nothing to restore refuses every request but `init` with
+    `not_ready` until a worker offers its copy (README, Reliability). Those are honest
+    requests of the job's own workers and evaluator, but each was counted in
+    `bad_messages` (summary.json said 6 for a job that got no bad input)."""
+    j = job(tmp_path, f"mode.name={mode}", "train.steps=300", "checkpoint.every_s=0", "faults.step_delay_s=0.004")
+    s = kill_and_restart(j, "server-1", (0, 100))
+    said = open(os.path.join(j.out, "logs", "server-1.log")).read()
+    assert "restarted with nothing to restore: taking the first worker's current copy" in said, said
+    assert s["failures"]["shard_restarts"] == 1, s["failures"]
+    assert s["rejected"] >= 1, s   # the steps the empty shard refused, as the workers count them
+    assert s["bad_messages"] == 0, s
+    assert s["final_accuracy"] >= 0.95, s

@@ -68,13 +68,21 @@ class ShardServer:
         own), if every other shard's would be resumed too (`unresumable`: the launcher of
         `psgd run` checks the set before it starts the shards; under Compose or Slurm each
         shard checks it). Else say why not (its own checkpoint's reason first, the other
-        shards' only when its own would do): this job's checkpoints replace it. A whole
+        shards' only when its own would do): this job's checkpoints replace it, and one
+        that would do but for the others is moved aside (`shard-I.pt.earlier`). A whole
         set resumed is a new run, which counts from zero (`Shard.new_run`). True if it
         resumed."""
         if not os.path.exists(path):
             return False
-        why = why_not_resume_from(path, shard.cfg, self.index) or (self._others_unresumable(shard, path)
-                                                                   if whole_set else "")
+        why = why_not_resume_from(path, shard.cfg, self.index)
+        others = self._others_unresumable(shard, path) if whole_set and not why else ""
+        if others:
+            # Its own would do: moved aside (as `psgd run` does), or this shard, restarted
+            # before its first checkpoint of this job, would resume it alone (a model of
+            # two jobs, whose clocks make this job's pushes duplicates).
+            with contextlib.suppress(OSError):
+                os.replace(path, path + ".earlier")
+            why = f"{others}; moved to {os.path.basename(path)}.earlier"
         if not why:
             why = shard.resume(path)
         if why:

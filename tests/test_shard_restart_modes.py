@@ -74,3 +74,25 @@ def test_a_shard_restarted_without_a_checkpoint_counts_no_bad_message(tmp_path, 
     assert s["rejected"] >= 1, s   # the steps the empty shard refused, as the workers count them
     assert s["bad_messages"] == 0, s
     assert s["final_accuracy"] >= 0.95, s
+
+
+@pytest.mark.unit
+def test_a_shard_that_starts_afresh_does_not_resume_the_earlier_jobs_checkpoint_when_restarted(tmp_path):
+    """Under Compose or Slurm each shard checks the set (`_resume` with `whole_set`): with
+    shard 0's checkpoint missing, shard 1 started afresh but left its earlier job's one
+    in place, and restarted before its first checkpoint of this job (every 10 s) it
+    resumed that one alone: a model of two jobs, and its clocks made this job's pushes
+    duplicates. The earlier job's checkpoint is now moved aside, as `psgd run` does."""
+    from servers.shard_server import ShardServer
+    out = str(tmp_path)
+    cfg = load(None, ["cluster.servers=2", "train.steps=500"], env={})
+    earlier = Shard(cfg, 1)
+    earlier.last_clock = {0: 300, 1: 300}
+    path = cfg.checkpoint_file(out, 1)
+    earlier.save(path)
+    server = ShardServer(cfg, 1, out)
+    assert not server._resume(Shard(cfg, 1), path, whole_set=True)   # the job starts: shard 0 has none
+    restarted = Shard(cfg, 1)
+    assert not server._resume(restarted, path)                       # killed, and restarted in this job
+    assert restarted.last_clock == {}
+    assert os.path.exists(path + ".earlier")

@@ -12,8 +12,8 @@ it on its tournament split; the others take the outcome.
 Server rule: the shards are the exchange and the reduction.
 - `push` + `pull` (k > 1): the trainer's step mean, as above.
 - `put_model` of round r >= 1: a trainer's model (weights, buffers, with
-  `mode.exchange = "weights+optimizer"` its optimizer's state, named, with
-  `mode.explore` its hyperparameters) and its score (`tournament.fitness`: higher is better). A request
+  `mode.exchange = "weights+optimizer"` its optimizer's state, with `mode.explore` its
+  hyperparameters) and its score (`tournament.fitness`: higher is better). A request
   for a partner's model of round r is answered with it, or the partner's later one, or
   parked until deposited (`tournament.Exchange`); each trainer's older deposits are
   forgotten.
@@ -97,9 +97,7 @@ from .tournament import (
 FETCH_TRIES = 5   # a chosen deposit can be replaced by a newer one between index and fetch
 DEPOSIT_WAIT_S = 0.05   # then 0.1, 0.2, 0.4 s: for a deposit to reach every shard (`global_model`)
 SCORES = -1       # get_model's owner for a round's scores (truncation)
-META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order,
-# then the names of the optimizer state's arrays (`pack_names`)
-SCALAR = "()"     # an optimizer state's name's suffix: a 0-dim value (Adam's step), deposited filled into its parameter
+META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
 NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
 DIVERGED_ROUNDS = 3   # a trainer diverging this many rounds in a row ends the job (`diverge`)
 FINAL = FINAL_ROUND  # the round of the trainers' final models (after the last local round)
@@ -269,8 +267,7 @@ def pack_meta(values: list[float], size: int) -> torch.Tensor:
     bits = torch.tensor(values, dtype=torch.float64).view(torch.float32)
     if bits.numel() > size:
         raise ValueError(f"ltfb: shard 0 holds {size} parameters, too few to carry {len(values)} "
-                         f"tournament values; use fewer cluster.servers, fewer mode.explore keys or "
-                         f"mode.exchange = \"weights\"")
+                         f"tournament values; use fewer cluster.servers or fewer mode.explore keys")
     out = torch.zeros(size)
     out[:bits.numel()] = bits
     return out
@@ -278,25 +275,6 @@ def pack_meta(values: list[float], size: int) -> torch.Tensor:
 
 def unpack_meta(array: torch.Tensor, n: int) -> list[float]:
     return array[:2 * n].clone().view(torch.float64).tolist()
-
-
-def pack_names(names: list[str]) -> list[float]:
-    """Names as float64 values (a deposit's meta): their UTF-8 bytes' count, then the
-    bytes six to a value (an integer below 2**48: exact in a float64)."""
-    data = "\n".join(names).encode()
-    return [float(len(data))] + [float(int.from_bytes(data[i:i + 6], "little")) for i in range(0, len(data), 6)]
-
-
-def names_size(count: float) -> int:
-    """How many values `pack_names` wrote for names of `count` bytes, the count's with them."""
-    return 1 + -(-int(count) // 6)
-
-
-def unpack_names(values: list[float]) -> list[str]:
-    """`pack_names`'s names from its values (`names_size` of them)."""
-    count = int(values[0])
-    data = b"".join(int(v).to_bytes(6, "little") for v in values[1:])[:count]
-    return data.decode().split("\n") if count else []
 
 
 class LtfbSchedule(Schedule):
@@ -330,8 +308,9 @@ class LtfbSchedule(Schedule):
         self.round_s = 0.0
 
     def rejoin(self, w: Trainer, catch_up: bool = True) -> None:
-        """Continue from the best trainer's model, with the hyperparameters (and, with
-        weights+optimizer, the optimizer state) deposited with it: explored values
+        """Continue from the best trainer's model, with the hyperparameters deposited with
+        it (a restarted worker's optimizer, fresh, has no state that the deposit's can
+        fill: `load_opt_state`; it starts anew): explored values
         change only by adoption and mutation, so a restarted worker does not go back to
         its trainer's initial draw. Before any deposit: the initial model, with the
         values we have (a group's next outcome re-aligns them). `catch_up`: a worker
@@ -357,8 +336,8 @@ class LtfbSchedule(Schedule):
         new run's coordinator), and the shards hold deposits of their own trainer, which
         a job's start cannot have (a trainer's first deposit waits for its workers' steps).
         The trainer continues from its own latest deposit that every shard holds (weights,
-        buffers, explored values, as `rejoin` the optimizer state: the population stays as
-        it was) at that round's step (`catch_up`); its steps after that round are lost. Before, every
+        buffers, explored values; its optimizer starts anew, as `rejoin`'s) at that
+        round's step (`catch_up`); its steps after that round are lost. Before, every
         worker began again from the initial model at step 0. With the shards restored from
         checkpoints of different rounds, no deposit of its own is on every shard: the best
         trainer's model, as a restarted worker takes (`rejoin`). False where no shard
@@ -672,7 +651,7 @@ class LtfbSchedule(Schedule):
             return
         self.diverged = False
         w.replica.load(*w.client.tables(got))
-        self.load_opt_state(w, got)
+        self.load_opt_state(w, got, with_meta=True)
         self.set_hyper(hyper)
         self.log(w, rnd, leader, meta)
 
@@ -682,14 +661,12 @@ class LtfbSchedule(Schedule):
 
     def deposit(self, w: Trainer, rnd: int, score: float, meta: list[float], with_opt: bool) -> None:
         """Deposit the replica as it is: a tournament model (rnd > 0) or an outcome
-        (rnd < 0); with the optimizer's state, and the values `meta`, the
-        hyperparameters and the state's names when explored, for an outcome or with the
-        state (a fresh optimizer, a restarted worker's, learns from them what to take:
-        `load_opt_state`)."""
+        (rnd < 0); with the optimizer's state, and the values `meta` and the
+        hyperparameters when explored or for an outcome."""
         params, buffers = w.replica.params(), w.replica.buffers()
-        names, state = self.opt_state(w) if with_opt else ([], [])
-        extra = rnd < 0 or bool(self.explore) or with_opt
-        values = meta + [self.hyper[k] for k in sorted(self.explore)] + pack_names(names)
+        state = self.opt_state(w)[1] if with_opt else []
+        extra = rnd < 0 or bool(self.explore)
+        values = meta + [self.hyper[k] for k in sorted(self.explore)]
         arrays = [[params[i], buffers[i]] + [w.replica.map.gather(t, i, "params").cpu() for t in state]
                   + ([pack_meta(values, params[i].numel()) if i == 0 else torch.zeros(params[i].numel())]
                      if extra else [])
@@ -718,80 +695,32 @@ class LtfbSchedule(Schedule):
         return [p for p in model.parameters() if p.requires_grad], {id(p): n for n, p in model.named_parameters()}
 
     def opt_state(self, w: Trainer) -> tuple[list[str], list[dict]]:
-        """The optimizer's per-parameter state as tensors shaped like the parameters, and
-        their names: a tensor shaped like its parameter (momentum, Adam's moments) as it
-        is, a 0-dim one (Adam's step count) filled into its parameter's shape and named
-        with SCALAR after its key. A parameter without that state gives zeros."""
+        """Optimizer state tensors shaped like the parameters (momentum, Adam moments)."""
         params, names = self._trainable(w)
-        kinds: dict[str, bool] = {}   # name -> a 0-dim value
-        for p in params:
-            for k, v in self.opt.state.get(p, {}).items():
-                if isinstance(k, str) and torch.is_tensor(v) and (v.dim() == 0 or v.shape == p.shape):
-                    kinds[k + SCALAR if v.dim() == 0 else k] = v.dim() == 0
-        out = []
-        for name in sorted(kinds):
-            key = name.removesuffix(SCALAR) if kinds[name] else name
-            full = {}
-            for p in params:
-                v = self.opt.state.get(p, {}).get(key)
-                if v is None:
-                    v = torch.zeros_like(p, dtype=torch.float32)
-                elif kinds[name]:
-                    v = v.to(p.device, torch.float32).expand(p.shape)
-                full[names[id(p)]] = v
-            out.append(full)
-        return sorted(kinds), out
+        state = self.opt.state
+        keys = sorted({k for p in params for k, v in state.get(p, {}).items()
+                       if torch.is_tensor(v) and v.shape == p.shape})
+        return keys, [{names[id(p)]: state[p][k] if k in state.get(p, {}) else torch.zeros_like(p) for p in params}
+                      for k in keys]
 
-    def state_names(self, got: list) -> list[str] | None:
-        """The names of a deposit's optimizer state arrays (`opt_state`), from its meta;
-        None for a deposit laid out otherwise (one an older psgd checkpointed)."""
-        last = wire.tensor(got[0], len(got[0].arrays) - 1)
-        n = len(META) + len(self.explore)
-        values = unpack_meta(last, n + 1)
-        count = values[-1] if len(values) == n + 1 else -1.0
-        if not (math.isfinite(count) and count == int(count) and 0 <= count <= 3 * last.numel()):
-            return None
-        try:
-            names = unpack_names(unpack_meta(last, n + names_size(count))[n:])
-        except (OverflowError, ValueError):   # (not integers below 2**48; not UTF-8)
-            return None
-        return names if len(got[0].arrays) == 3 + len(names) else None   # params, buffers, the state, the meta
-
-    def load_opt_state(self, w: Trainer, got: list) -> None:
-        """The deposit's optimizer state in place of ours, exactly, whatever ours holds: a
-        fresh optimizer (a restarted worker's, before its first step) has none, and takes
-        every kind of state the deposit names, Adam's step count with its moments. One that
-        holds none (made before its first step, or by a diverged trainer's leader, which
-        cleared its own) clears ours: the state goes with the model (a group's replicas
-        stay alike)."""
-        names = self.state_names(got)
-        if names is None:
-            w.note(f"trainer {got[0].get('owner')}'s deposit of round {got[0].get('round')} does not name its "
-                   f"optimizer state (an older psgd's?); keeping ours")
-            return
-        if not names:
+    def load_opt_state(self, w: Trainer, got: list, with_meta: bool | None = None) -> None:
+        """The deposit's optimizer state into ours, when it holds the same kinds of state
+        (a live trainer adopting another's model; not a fresh optimizer, a restarted or
+        resumed worker's, which holds none yet: its state starts anew; nor Adam's step
+        count, which is not deposited). One that holds none (made before its first step,
+        or by a diverged trainer's leader, which cleared its own) clears ours: the state
+        goes with the model (a group's replicas stay alike)."""
+        keys, _ = self.opt_state(w)
+        if with_meta is None:
+            with_meta = bool(self.explore)
+        held = len(got[0].arrays) - 2 - int(with_meta)
+        if held == 0:
             self.opt.state.clear()
+        if held != len(keys):
             return
-        params, pnames = self._trainable(w)
-        group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
-        taken: dict[torch.Tensor, dict] = {p: {} for p in params if id(p) in group}   # (a script's optimizer
-        for j, name in enumerate(names):                                             # may hold some of them)
-            scalar = name.endswith(SCALAR)
-            target = {pnames[id(p)]: torch.zeros_like(p, dtype=torch.float32 if scalar else p.dtype) for p in params}
+        params, names = self._trainable(w)
+        for j, k in enumerate(keys):
+            target = {names[id(p)]: self.opt.state.setdefault(p, {}).setdefault(k, torch.zeros_like(p))
+                      for p in params}
             for i, m in enumerate(got):
                 w.replica.map.scatter(wire.tensor(m, 2 + j), i, "params", target)
-            for p in taken:
-                t = target[pnames[id(p)]]
-                taken[p][name.removesuffix(SCALAR) if scalar else name] = scalar_state(t, group[id(p)]) if scalar else t
-        self.opt.state.clear()
-        self.opt.state.update(taken)
-
-
-def scalar_state(t: torch.Tensor, group: dict) -> torch.Tensor:
-    """A 0-dim state value (filled into `t`) as torch.optim keeps it: float32 on the
-    parameter's device for a fused or capturable step, else on the CPU in torch's
-    default float dtype's precision (`torch.optim.optimizer._get_scalar_dtype`)."""
-    value = float(t.reshape(-1)[0]) if t.numel() else 0.0
-    if group.get("fused") or group.get("capturable"):
-        return torch.tensor(value, dtype=torch.float32, device=t.device)
-    return torch.tensor(value, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)

@@ -87,6 +87,15 @@ def tournament_split(train: TensorDataset) -> tuple[TensorDataset, TensorDataset
     return (TensorDataset(*[t[:-n] for t in train.tensors]), TensorDataset(*[t[-n:] for t in train.tensors]))
 
 
+def loader(train: TensorDataset, world_size: int, rank: int, batch: int) -> tuple[DistributedSampler, DataLoader]:
+    """This worker's share of `train` in batches of `batch`, the last partial batch dropped
+    (so that every step's batch has the same size), except where the share is smaller than
+    one batch: then the whole share is the batch, as psgd's own workers do, instead of an
+    empty loader around which the loop would spin without ever stepping."""
+    sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, seed=0)
+    return sampler, DataLoader(train, batch_size=batch, sampler=sampler, drop_last=len(sampler) >= batch)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TensorDataset, limit: int = 2000) -> tuple[float, float]:
     was = model.training
@@ -115,12 +124,11 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     train, tournament = tournament_split(train)  # ltfb scores trainers on data held out of training
     with psgd.connect(model, optimizer, score=lambda m: evaluate(m, tournament)) as ps:
-        sampler = DistributedSampler(train, num_replicas=ps.world_size, rank=ps.rank, seed=0)
-        loader = DataLoader(train, batch_size=a.batch, sampler=sampler, drop_last=True)
+        sampler, batches = loader(train, ps.world_size, ps.rank, a.batch)
         epoch, going = 0, True
         while going:
             sampler.set_epoch(epoch)
-            for x, y in loader:
+            for x, y in batches:
                 optimizer.zero_grad()
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()

@@ -35,3 +35,14 @@ def test_the_cifar_example_holds_its_tournament_data_out_of_training(size):
     fit, tournament = ex.tournament_split(train)
     assert len(fit) + len(tournament) == len(train) and 0 < len(tournament) <= 500
     assert not rows(fit.tensors[0]) & rows(tournament.tensors[0])
+
+
+def test_the_cifar_example_steps_with_a_batch_larger_than_its_share():
+    """A user: `-- --synthetic 1200 --batch 512` with 2 workers (450 training samples
+    each) never stepped: the loader dropped its only, partial, batch, and the loop went
+    round an empty loader until psgd run's --timeout. The share is then the batch."""
+    ex = example("cifar10_resnet")
+    train, _ = ex.tournament_split(ex.cifar10(None, 1200)[0])
+    sizes = [len(y) for _, y in ex.loader(train, 2, 0, 512)[1]]
+    assert sizes == [450]
+    assert {len(y) for _, y in ex.loader(train, 2, 1, 32)[1]} == {32}   # a share of several batches: whole ones

@@ -7,7 +7,8 @@ It reads the official binary files (data_batch_1.bin ... test_batch.bin) from --
 (a folder without them is an error), and without --data makes a synthetic CIFAR-shaped
 set whose classes are learnable (a per-class pattern plus noise), so that it runs
 anywhere. The loop is
-an ordinary PyTorch loop; psgd adds four lines: connect, step, report, close.
+an ordinary PyTorch loop; psgd adds three lines: connect (a `with` block, which closes
+the connection at its end), step and report.
 """
 from __future__ import annotations
 

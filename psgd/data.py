@@ -8,7 +8,7 @@ returning either (train_x, train_y, test_x, test_y) as arrays or tensors (x as N
 or N x D floats, y as N class indices >= 0; `data.classes`, where set, is the number of
 classes, else the largest label + 1), or (train_dataset, test_dataset) as torch
 `Dataset`s whose items are (tensor, int label), with `data.classes` saying how many
-classes there are (x is made float32 in both): those are streamed through a
+classes there are (x is made float32 in both; streamed integer x, token ids, is kept): those are streamed through a
 `DataLoader` (`data.loader_workers` processes), so a dataset bigger than memory
 trains; each worker reads only its
 partition, reshuffled every epoch from the seed (as DistributedSampler does), and the
@@ -124,9 +124,10 @@ class StreamingDataset:
 
 def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str, classes: int,
                     index: Callable[[int], int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of a torch Dataset's items as the model takes it: x as float32, as an
-    in-memory factory's is (float64 items failed every step and every evaluation:
-    "mat1 and mat2 must have the same dtype"), y as int64, or a DataError if the labels
+    """A batch of a torch Dataset's items as the model takes it: floating x as float32,
+    as an in-memory factory's is (float64 items failed every step and every evaluation:
+    "mat1 and mat2 must have the same dtype"), integer x as it is (token ids for an
+    nn.Embedding), y as int64, or a DataError if the labels
     are not integers (`_streaming` checks the first item's; float ones after it failed
     every step: "expected target dtype to be Long") or one is not in 0..classes - 1
     (`index(k)`: the dataset's index of the batch's item k): one out of range failed the
@@ -144,7 +145,7 @@ def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str, cla
         k = int(((y < 0) | (y >= classes)).nonzero()[0, 0])
         raise DataError(f"data.name {name!r}: the {split} item at index {index(k)} has label {int(y[k])}, not in "
                         f"0..{classes - 1} (data.classes = {classes})")
-    return (x if x.dtype == torch.float32 else x.float()), y
+    return (x.float() if x.is_floating_point() and x.dtype != torch.float32 else x), y
 
 
 def _test_count(n: int, test_fraction: float) -> int:

@@ -370,3 +370,28 @@ def test_a_label_out_of_range_that_the_evaluator_reads_ends_the_job_at_once_nami
             job.wait()
     finally:
         job.stop()
+
+
+class Tokens(Items):
+    """Items whose x are token ids (int64), for a model that embeds them."""
+
+    def __getitem__(self, i: int):
+        return torch.arange(4, dtype=torch.int64) + i % 7, i % 3
+
+
+def token_ids():
+    return Tokens(60), Tokens(30)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_streamed_token_ids_stay_integers_for_an_embedding():
+    """A review: every streamed batch's x was cast to float32, token ids too, and a model
+    that embeds them failed every step ("Expected tensor for argument #1 'indices' to
+    have one of the following scalar types: Long, Int")."""
+    ds = _streamed("token_ids")
+    x, y = ds.train_batches(np.arange(60), 8, seed=0, rank=0).next()
+    assert x.dtype == torch.int64 and y.dtype == torch.int64
+    torch.nn.Embedding(16, 3)(x)   # (what failed)
+    tx, _ = next(iter(ds.test_batches(8)))
+    assert tx.dtype == torch.int64

@@ -367,6 +367,10 @@ def _first_item(cfg: DataConfig, dataset: Any, split: str) -> tuple[tuple, int]:
 
 def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
     train, test = got
+    if not all(hasattr(d, "__len__") and hasattr(d, "__getitem__") for d in got):   # (TypeError: no len())
+        raise DataError(f"data.name {cfg.name!r}: the datasets must be map-style torch Datasets (with __len__ "
+                        f"and __getitem__); an IterableDataset is not read, since each worker reads its own "
+                        f"partition by index")
     if len(train) == 0 or len(test) == 0:
         raise DataError(f"data.name {cfg.name!r}: the train or the test dataset is empty")
     shape, label = _first_item(cfg, train, "training")

@@ -395,3 +395,21 @@ def test_streamed_token_ids_stay_integers_for_an_embedding():
     torch.nn.Embedding(16, 3)(x)   # (what failed)
     tx, _ = next(iter(ds.test_batches(8)))
     assert tx.dtype == torch.int64
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(4), 0)] * 10)
+
+
+def iterable():
+    return Stream(), Stream()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_an_iterable_dataset_is_one_data_error_not_a_traceback():
+    """A review: an IterableDataset (no __len__) was taken for a streamed Dataset and
+    psgd run printed a traceback (TypeError: object of type 'Stream' has no len())."""
+    with pytest.raises(DataError, match=r"map-style torch Datasets .* an IterableDataset is not read"):
+        _streamed("iterable")

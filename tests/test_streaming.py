@@ -413,3 +413,29 @@ def test_an_iterable_dataset_is_one_data_error_not_a_traceback():
     psgd run printed a traceback (TypeError: object of type 'Stream' has no len())."""
     with pytest.raises(DataError, match=r"map-style torch Datasets .* an IterableDataset is not read"):
         _streamed("iterable")
+
+
+def bad_after_first():   # every label but item 0's is 7 (data.classes = 3)
+    return Items(200, label=lambda i: 0 if i == 0 else 7), Items(30)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_label_out_of_range_in_ltfbs_held_out_part_ends_the_job_naming_it(tmp_path):
+    """A review: ltfb's tournament data (`ds.take`) was read before the worker's steps,
+    outside what turns a DataError into the job's end: the worker exited 2 and the job
+    went on without it."""
+    from psgd.config import load
+    from psgd.launcher import LaunchError, LocalJob
+    from tests.conftest import free_port_block
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", "data.name=tests.test_streaming:bad_after_first",
+                      "data.classes=3", "mode.name=ltfb", "train.steps=50", "train.batch_size=8",
+                      "cluster.servers=1", "cluster.evaluator=false"], env={})
+    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=90)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match=r"worker \d: data.name '.*bad_after_first': the training item at "
+                                              r"index \d+ has label 7, not in 0..2"):
+            job.wait()
+    finally:
+        job.stop()

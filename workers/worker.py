@@ -191,13 +191,13 @@ class Worker:
         schedule = self.attach(model, self.device)
         self.replica.model.train()   # psgd's own loop trains in training mode (a script's model keeps the script's)
         part, held = worker_part(ds.train_size, self.rank, cfg.cluster.workers, cfg.job.seed, schedule.data_split)
-        if held is not None:
-            self.holdout = ds.take(held)
-        self.batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, self.rank)
-        log(self.name, f"{cfg.mode.name} on {self.device}: {len(part)} samples, batch {self.batches.batch_size}, "
-            f"starting at clock {self.clock}")
         error = ""
         try:
+            if held is not None:   # (a streamed holdout's labels are checked: a DataError ends the job below)
+                self.holdout = ds.take(held)
+            self.batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, self.rank)
+            log(self.name, f"{cfg.mode.name} on {self.device}: {len(part)} samples, batch "
+                f"{self.batches.batch_size}, starting at clock {self.clock}")
             self.start(schedule)
             error = self._steps(schedule)
         except ShardUnreachable as e:  # the launcher or the coordinator decides what follows

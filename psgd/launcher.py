@@ -1021,8 +1021,7 @@ def lost_words(s: dict) -> str:
     """'1 worker lost (of 2)' for a job that went on without some of its workers (a
     worker died and was not replaced; the job ended with the others), else '': the
     line's accuracy and samples/s are those of fewer workers than the job was given."""
-    lost = int((s.get("failures") or {}).get("workers_lost") or 0) - int((s.get("failures") or {}).get(
-        "workers_rejoined") or 0)
+    lost = int((s.get("failures") or {}).get("workers_gone") or 0)
     if lost <= 0:
         return ""
     return f"{lost} worker{'s' if lost != 1 else ''} lost (of {s.get('workers', '?')})"

@@ -677,6 +677,7 @@ class Coordinator:
         wall = (self.t_end or time.monotonic()) - self.t0
         m = self.members
         failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined, "workers_restarted": m.restarted,
+                    "workers_gone": sum(x.state == "lost" for x in m.members.values()),   # (lost, never back)
                     "shard_restarts": sum(max(0, n - 1) for n in self.server_joins.values()),
                     "coordinator_restarts": self.restarts}
         script = self.cfg.model.name == layouts.SCRIPT_MODEL  # a script job: its data and batches are its own

@@ -461,9 +461,13 @@ def test_the_run_summary_line_says_a_job_went_on_without_a_lost_worker():
     from psgd.launcher import format_summary
     s = {"mode": "sync", "final_accuracy": 1.0, "final_loss": 0.1, "samples_per_s": 800.0, "wall_s": 4.0,
          "time_to_target_s": 1.0, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0}, "workers": 2}
-    assert "lost" not in format_summary({**s, "failures": {"workers_lost": 0}})
-    assert format_summary({**s, "failures": {"workers_lost": 1}}).endswith("  1 worker lost (of 2)")
-    assert "lost" not in format_summary({**s, "failures": {"workers_lost": 1, "workers_rejoined": 1}})   # replaced
+    assert "lost" not in format_summary({**s, "failures": {"workers_lost": 0, "workers_gone": 0}})
+    assert format_summary({**s, "failures": {"workers_lost": 1, "workers_gone": 1}}).endswith("  1 worker lost (of 2)")
+    # replaced (lost and back), while another rank's quick restart counted a rejoin without a loss
+    back = {"workers_lost": 1, "workers_rejoined": 1, "workers_gone": 0}
+    assert "lost" not in format_summary({**s, "failures": back})
+    assert "1 worker lost" in format_summary({**s, "failures": {"workers_lost": 1, "workers_rejoined": 1,
+                                                                "workers_gone": 1}})
 
 
 def test_a_final_loss_that_is_not_finite_is_said_not_left_out():

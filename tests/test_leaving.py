@@ -55,7 +55,8 @@ def test_a_job_whose_workers_gave_up_on_a_shard_names_it(tmp_path, capsys):
         c.events.close()
     want = f"all 2 workers were lost (stopped heartbeating) and none finished; workers 0, 1 gave up: {UNREACHABLE}"
     assert c.phase == "done" and c.abort == want
-    assert json.load(open(tmp_path / "summary.json"))["aborted"] == want
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["aborted"] == want and summary["failures"]["workers_gone"] == 2
     assert f"worker 1 gave up, leaving its share unfinished: {UNREACHABLE}" in capsys.readouterr().err
 
 

@@ -198,7 +198,7 @@ def check_model(cfg) -> None:
         from .data import describe
         from .models import build_model
         try:
-            build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed, cfg.model.hidden)
+            build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed, cfg.model.hidden, check=True)
         except ConfigError:
             raise
         except Exception as e:   # the factory's own error: one line here, each worker's log has its traceback

@@ -202,9 +202,13 @@ def _check_output(model: nn.Module, name: str, input_shape: tuple, num_classes: 
                           f"tensor of shape (2, {num_classes})")
 
 
-def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int = 128) -> nn.Module:
-    """Build a model deterministically from the seed (same parameters on every party); a
-    factory's is checked against the data (`_check_output`), with the seed still set."""
+def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int = 128, check: bool = False
+                ) -> nn.Module:
+    """Build a model deterministically from the seed (same parameters on every party).
+    `check`: a factory's is checked against the data (`_check_output`: a forward of two
+    zero samples), with the seed still set: before a job starts (`cli.check_model`) and
+    in the daemons that train or score it (started by hand, they see it first); not in
+    every one of a simulation's replicas, nor in a shard's build."""
     input_shape = tuple(int(d) for d in input_shape)
     with _SEEDING, torch.random.fork_rng(devices=[]):  # the global RNG: one builder at a time
         torch.manual_seed(seed)
@@ -230,6 +234,6 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
         for p in trainable:
             if p.dtype != torch.float32:
                 raise ConfigError(f"model.name {name!r}: trainable parameters must be float32, got {p.dtype}")
-        if ":" in name:
+        if check and ":" in name:
             _check_output(model, name, input_shape, num_classes)
     return model

@@ -113,7 +113,7 @@ def test_a_model_that_does_not_fit_the_data_is_a_config_error(factory, says):
     launcher's check and failed every worker's first step and the evaluator (restarted
     five times) with a traceback."""
     with pytest.raises(ConfigError, match=f"^model.name '{__name__}:{factory}': .*{re.escape(says)}"):
-        build_model(f"{__name__}:{factory}", (6,), 3, seed=0)
+        build_model(f"{__name__}:{factory}", (6,), 3, seed=0, check=True)
 
 
 def batchnorm_frozen(input_shape, num_classes):
@@ -133,10 +133,11 @@ def test_the_check_leaves_the_model_as_built_and_takes_token_ids():
     """The check's forward pass changes nothing: BatchNorm's statistics and batch count,
     and every module's training mode, stay as the factory left them; a model of integer
     inputs (a streamed dataset's token ids) passes."""
-    m = build_model(f"{__name__}:batchnorm_frozen", (6,), 3, seed=0)
+    m = build_model(f"{__name__}:batchnorm_frozen", (6,), 3, seed=0, check=True)
     assert m.training and all(x.training for x in m.modules())
     assert torch.equal(m[2].running_mean, torch.full((8,), 0.5)) and int(m[2].num_batches_tracked) == 0
-    assert build_model(f"{__name__}:embedding", (5,), 3, seed=0)(torch.zeros(4, 5, dtype=torch.long)).shape == (4, 3)
+    embedding = build_model(f"{__name__}:embedding", (5,), 3, seed=0, check=True)
+    assert embedding(torch.zeros(4, 5, dtype=torch.long)).shape == (4, 3)
 
 
 def elsewhere(input_shape, num_classes):
@@ -147,7 +148,7 @@ def elsewhere(input_shape, num_classes):
 def test_the_check_runs_a_model_on_the_device_its_factory_put_it_on():
     """A factory that moves its model to a GPU (`.cuda()`; "meta" here) is checked there:
     the CPU's zeros would make its forward raise, refusing a model that trains."""
-    model = build_model(f"{__name__}:elsewhere", (6,), 3, seed=0)
+    model = build_model(f"{__name__}:elsewhere", (6,), 3, seed=0, check=True)
     assert next(model.parameters()).device.type == "meta"
 
 

@@ -56,7 +56,8 @@ class Evaluator:
         answer = link.register()
         cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
         self.ds = load_dataset(cfg.data, cfg.job.seed)
-        model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden)
+        model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden,
+                            check=True)
         self.replica = Replica(model, cfg.cluster.servers, device)
         self.client = ParameterClient(cfg, self.ctx, -1)
         events = EventLog(self.out, "evaluator", 0)

@@ -184,7 +184,8 @@ class Worker:
         # Whatever the first optimizer still imports (psgd.optim avoids torch._dynamo where
         # torch allows) is paid here, before the job's clock starts, not in a first step.
         make_optimizer([torch.zeros(1, requires_grad=True)], cfg.optimizer)
-        return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
+        return ds, build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden,
+                               check=True)
 
     def _train(self, cfg: Config, ds, model) -> int:
         torch.manual_seed(cfg.job.seed * 1000 + self.rank)

@@ -337,7 +337,9 @@ class LtfbSchedule(Schedule):
         a job's start cannot have (a trainer's first deposit waits for its workers' steps).
         The trainer continues from its own latest deposit that every shard holds (weights,
         buffers, explored values; its optimizer starts anew, as `rejoin`'s) at that
-        round's step (`catch_up`); its steps after that round are lost. Before, every
+        round's step (`catch_up`): the model it entered that round's tournament with, so
+        an adoption there is not in it (a group's outcome deposit, which has it, is not
+        read); its steps after that round are lost. Before, every
         worker began again from the initial model at step 0. With the shards restored from
         checkpoints of different rounds, no deposit of its own is on every shard: the best
         trainer's model, as a restarted worker takes (`rejoin`). False where no shard

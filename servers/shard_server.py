@@ -191,12 +191,15 @@ class ShardServer:
         code = 0
         try:
             while True:
-                service.poll(50)
+                # The membership first: a restarted shard learns the live workers' clocks
+                # (`ClockTable.set_live`) before it answers the requests waiting for it
                 state = link.state
                 seen = (state["version"], state.get("live_id"))  # live_id: a restarted coordinator may repeat a version
                 if seen != seen_version and state["phase"] != "rendezvous":
                     seen_version = seen
                     service.send(shard.set_live(state["live"]))
+                service.poll(50)
+                state = link.state
                 now = time.monotonic()
                 if shard.ready and not shard.trained and state["phase"] in AFTER_TRAINING:
                     self._end_of_training(shard, ckpt)

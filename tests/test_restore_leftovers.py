@@ -48,3 +48,33 @@ def test_a_restored_ssp_shard_still_gates_on_its_checkpoints_clocks():
     released = rule.push(Push("p", 1, 150, 0, None, None))
     assert [d.token for d in released if getattr(d, "token", None) == "r"], released
     assert rule.stats()["max_clock_gap"] <= 3
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_restored_group_step_that_the_group_left_behind_drops_no_gradient():
+    """ltfb, `mode.trainer_size = 2`: a shard restored from a checkpoint whose open step 10
+    had rank 0's push, while the lost life had closed it and the group went on. The next
+    push (step 30) moved the group there and counted rank 0's push as dropped
+    (summary.json dropped_gradients 1) though the lost life had applied it and answered
+    its read, so no step line said `dropped`. It is not counted; a push of this life that
+    a push ahead drops still is, and its read says so."""
+    import torch
+
+    from psgd.consistency.tournament import GroupSteps, Late
+    g = torch.zeros(3)
+    earlier = GroupSteps(2, [0, 1])
+    for c in range(10):
+        earlier.push(0, c, g, g)
+        earlier.push(1, c, g, g)
+    earlier.push(0, 10, g, g)
+    steps = GroupSteps(2, [0, 1])
+    steps.load_state_dict(earlier.state_dict())
+    assert steps.push(1, 30, g, g)[0]
+    assert steps.dropped == 0
+    assert steps.read(1, 31, "r1") is None                  # waits for rank 0's push of 30
+    assert steps.push(0, 30, g, g)[0]
+    assert steps.push(0, 31, g, g)[0]                       # accepted here, then dropped by
+    assert steps.push(1, 33, g, g)[0]                       # a push ahead (rank 1 restarted there, say)
+    assert steps.dropped == 1
+    assert steps.read(0, 32, "r0") == Late(33, dropped=True)

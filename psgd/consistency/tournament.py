@@ -237,6 +237,7 @@ class _Group:
     buffers: Any = None
     done: Mean | None = None            # the last closed step (answers a late or resent read)
     reads: list = field(default_factory=list)  # parked (rank, clock, token)
+    restored: set = field(default_factory=set)  # the open step's contributors from a checkpoint
 
 
 @dataclass
@@ -261,7 +262,9 @@ class GroupSteps:
     worker catches up there); a push ahead of it (a worker that the others lag, or a
     shard that restarted) moves the group to its step, dropping the open one: its
     contributors' pushes, already accepted, are counted as dropped and their reads
-    answered `Late` with `dropped`. Arrays of a closed step are never modified (they may
+    answered `Late` with `dropped`, but for those of an open step restored from a
+    checkpoint (the lost life closed it with them and answered their reads: no step
+    line would say so). Arrays of a closed step are never modified (they may
     still be on their way out)."""
 
     def __init__(self, k: int, live: Iterable[int]):
@@ -284,9 +287,12 @@ class GroupSteps:
             self.dropped += 1
             return False, []
         if clock > g.step:
-            self.dropped += len(g.contributors)
-            self.lost.update(dict.fromkeys(g.contributors, g.step))
-            g.step, g.contributors, g.grad, g.buffers = clock, set(), None, None
+            # (not the pushes of a restored open step that the group left behind: the
+            # shard's lost life closed that step with them and answered their reads)
+            dropped = g.contributors - g.restored
+            self.dropped += len(dropped)
+            self.lost.update(dict.fromkeys(dropped, g.step))
+            g.step, g.contributors, g.grad, g.buffers, g.restored = clock, set(), None, None, set()
         if g.grad is None:
             g.grad, g.buffers = grad.clone(), buffers.clone()
         else:
@@ -349,9 +355,11 @@ class GroupSteps:
         self.groups = {}
         for t, g in sd.get("groups", {}).items():
             done = g["done"]
+            contributors = {int(r) for r in g["contributors"]}
             self.groups[int(t)] = _Group(
-                int(g["step"]), {int(r) for r in g["contributors"]}, _clone(g["grad"]), _clone(g["buffers"]),
-                None if done is None else Mean(int(done["step"]), done["grad"], done["buffers"], int(done["count"])))
+                int(g["step"]), contributors, _clone(g["grad"]), _clone(g["buffers"]),
+                None if done is None else Mean(int(done["step"]), done["grad"], done["buffers"], int(done["count"])),
+                restored=set(contributors))
 
     def _complete(self, t: int, g: _Group) -> bool:
         return all(r in g.contributors or self.past.get(r, 0) > g.step
@@ -360,7 +368,7 @@ class GroupSteps:
     def _close(self, g: _Group) -> None:
         n = len(g.contributors)
         g.done = Mean(g.step, g.grad.div_(n), g.buffers.div_(n), n)
-        g.step, g.contributors, g.grad, g.buffers = g.step + 1, set(), None, None
+        g.step, g.contributors, g.grad, g.buffers, g.restored = g.step + 1, set(), None, None, set()
 
     def _answer(self, g: _Group, rank: int, clock: int) -> Any:
         if g.done is not None and g.done.step == clock - 1:

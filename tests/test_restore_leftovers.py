@@ -78,3 +78,28 @@ def test_a_restored_group_step_that_the_group_left_behind_drops_no_gradient():
     assert steps.push(1, 33, g, g)[0]                       # a push ahead (rank 1 restarted there, say)
     assert steps.dropped == 1
     assert steps.read(0, 32, "r0") == Late(33, dropped=True)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_step_whose_tournament_a_restarted_shard_refuses_has_its_line():
+    """ltfb, a shard restarted with nothing to restore (`checkpoint.every_s = 0`): the
+    deposit of the step that ends a round is refused `not_ready`, after the step trained
+    (its optimizer step, its clock, its samples), and the step wrote no line: each rank
+    logged 399 step lines with clock 400. It has its line, `refused: true` (as diloco's
+    step whose exchange is refused), and the worker still counts the refusal."""
+    from psgd import wire
+    from tests.test_ltfb import ltfb_cfg, trainers_on
+    cfg = ltfb_cfg(**{"cluster.workers": 1, "train.steps": 9, "mode.round_steps": 3})
+    _, [(w, s)] = trainers_on(cfg, 1)
+    w.replica.score = lambda *a, **k: (0.5, 1.0)
+
+    def refused(*a, **k):
+        raise wire.Refused(wire.NOT_READY, "shard 1 has no values yet", "tcp://shard-1")
+    w.client.put_model = refused
+    s.step(w)
+    s.step(w)
+    with pytest.raises(wire.Refused):
+        s.step(w)
+    assert w.clock == 3
+    assert [(clock, extra.get("refused", False)) for clock, _, extra in w.logged] == [(1, False), (2, False), (3, True)]

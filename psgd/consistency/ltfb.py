@@ -413,11 +413,15 @@ class LtfbSchedule(Schedule):
                 self.opt.step()
             w.clock += 1
         R = self.cfg.mode.round_steps
+        extra: dict[str, Any] = {"dropped": dropped} if self.k > 1 else {}
         if w.clock != before and w.clock % R == 0:   # (also a worker behind its group that moved to its step
             now = w.now()                             # there: the step its leader played the round at)
             self.round_s, self.t_round = now - self.t_round, now
-            self.tournament(w, w.clock // R)
-        extra: dict[str, Any] = {"dropped": dropped} if self.k > 1 else {}
+            try:
+                self.tournament(w, w.clock // R)
+            except wire.Refused:   # (a restarted shard's not_ready): the step trained, only its round was
+                w.log_step(0, w.client.wait_s - w0, **extra, refused=True)   # refused (the worker counts it
+                raise                                                           # in `rejected`)
         w.log_step(0, w.client.wait_s - w0, **extra)
 
     def diverge(self, w: Trainer, loss: float) -> None:

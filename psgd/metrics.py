@@ -137,6 +137,26 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - age if 0 <= age < 7 * 86400 else None
 
 
+def writer_gone(tmp: str, pid: int) -> bool:
+    """Is the process `pid` that wrote the temporary file `tmp` gone? No such process
+    here, or one started after the file was last written (its pid taken again: a
+    restarted container's processes number from 1 again). False where that cannot be
+    told: a live process's file is never taken for a leftover."""
+    try:
+        written = os.stat(tmp).st_mtime
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:   # another user's process: alive
+        pass
+    except OSError:
+        return False
+    started = process_start_time(pid)
+    return started is not None and started > written + 1.0   # (start times are estimates to about 10 ms)
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """Write `text` to `path` through a temporary file renamed over it: a reader sees the
     old file or the new one, never half of one."""

@@ -4,7 +4,8 @@
 
 Registers with the coordinator (which hands out the run's config), learns the model's
 layout from it unless the model is one of psgd's own (psgd/layout.py: the server never
-imports user code), restores its checkpoint if one exists, binds its ROUTER on shard
+imports user code), removes its checkpoint's temp files that a killed shard left
+(`_remove_leftovers`), restores its checkpoint if one exists, binds its ROUTER on shard
 I's address and serves until the coordinator says the job is done. A bad message gets
 an error reply and is counted; the loop goes on. It exits 1 if the coordinator stays
 silent for cluster.timeout_s, or if no worker registers a learned model's layout within
@@ -16,6 +17,7 @@ SIGTERM (atomically), and once more at the end.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import threading
@@ -28,6 +30,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
+from psgd.metrics import writer_gone
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
@@ -93,6 +96,19 @@ class ShardServer:
         log(self.name, f"resumed from {path} at version {shard.version}")
         return True
 
+    def _remove_leftovers(self, path: str) -> None:
+        """Remove this shard's checkpoint temp files (`write_checkpoint`'s
+        `shard-I.pt.tmp.PID.TID`) whose writer is gone (`writer_gone`): a shard killed
+        while writing one left a checkpoint-sized file that nothing removed. Another
+        process's file, while it lives, is left alone."""
+        for tmp in glob.glob(glob.escape(path) + ".tmp.*"):
+            pid, _, tid = tmp[len(path) + len(".tmp."):].partition(".")
+            if pid.isdigit() and tid.isdigit() and writer_gone(tmp, int(pid)):
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                    log(self.name, f"removed {os.path.basename(tmp)}, a checkpoint that process {pid} "
+                                   f"left half-written")
+
     def _others_unresumable(self, shard: Shard, path: str) -> str:
         """'' if every other shard's checkpoint would be resumed too, else which would not."""
         others = [i for i in unresumable(shard.cfg, self.out) if i != self.index]
@@ -141,6 +157,8 @@ class ShardServer:
                 return 1
         shard = Shard(cfg, self.index, layout)
         ckpt = cfg.checkpoint_file(self.out, self.index)
+        if ckpt:
+            self._remove_leftovers(ckpt)
         restarted = bool(answer.get("restarted"))
         resumed = bool(ckpt and self._resume(shard, ckpt, whole_set=not restarted))
         if ckpt and resumed and not restarted:

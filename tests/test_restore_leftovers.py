@@ -103,3 +103,71 @@ def test_a_step_whose_tournament_a_restarted_shard_refuses_has_its_line():
         s.step(w)
     assert w.clock == 3
     assert [(clock, extra.get("refused", False)) for clock, _, extra in w.logged] == [(1, False), (2, False), (3, True)]
+
+
+def leftover(path: str, pid: int) -> str:
+    tmp = f"{path}.tmp.{pid}.140234"
+    with open(tmp, "wb") as f:
+        f.write(b"half a checkpoint")
+    return tmp
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_temp_files_writer_is_gone_only_when_no_process_that_could_have_written_it_lives(tmp_path):
+    import os
+    import subprocess
+
+    from psgd.metrics import writer_gone
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        assert writer_gone(leftover(str(tmp_path / "a"), ended.pid), ended.pid)
+        mine = leftover(str(tmp_path / "b"), os.getpid())
+        assert not writer_gone(mine, os.getpid())
+        theirs = leftover(str(tmp_path / "c"), sleeper.pid)
+        assert not writer_gone(theirs, sleeper.pid)          # written by it, as far as can be told
+        os.utime(theirs, (1_000_000, 1_000_000))              # written long before it started: its pid again
+        assert writer_gone(theirs, sleeper.pid)
+        assert not writer_gone(str(tmp_path / "none"), ended.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_restarted_shard_removes_the_checkpoint_its_killed_life_left_half_written(tmp_path, monkeypatch):
+    """A shard killed while writing a checkpoint left `checkpoints/shard-I.pt.tmp.PID.TID`
+    behind, a checkpoint-sized file that nothing removed. Restarted, it removes its own
+    index's whose writer is gone; a live process's, and another shard's, stay."""
+    import os
+    import subprocess
+
+    import tests.test_shard_restart_modes as restart_modes
+    from tests.test_reliability import job, wait_for_steps
+    j = job(tmp_path, "mode.name=sync", "train.steps=300", "faults.step_delay_s=0.004")
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    sleeper = subprocess.Popen(["sleep", "200"])
+    made: dict = {}
+
+    def then_leave_leftovers(jj, rank, n):   # (before the kill)
+        wait_for_steps(jj, rank, n)
+        folder = os.path.join(jj.out, "checkpoints")
+        os.makedirs(folder, exist_ok=True)
+        made["gone"] = leftover(os.path.join(folder, "shard-1.pt"), ended.pid)
+        made["live"] = leftover(os.path.join(folder, "shard-1.pt"), sleeper.pid)
+        made["other"] = leftover(os.path.join(folder, "shard-0.pt"), ended.pid)
+    monkeypatch.setattr(restart_modes, "wait_for_steps", then_leave_leftovers)
+    try:
+        s = restart_modes.kill_and_restart(j, "server-1", (0, 100))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert s["failures"]["shard_restarts"] == 1, s["failures"]
+    assert not os.path.exists(made["gone"])
+    assert os.path.exists(made["live"]) and os.path.exists(made["other"])
+    said = open(os.path.join(j.out, "logs", "server-1.log")).read()
+    assert f"removed {os.path.basename(made['gone'])}" in said, said

@@ -288,7 +288,7 @@ def cmd_run(args) -> int:
             print(f"psgd: error: {ended}{resume}", file=sys.stderr)
             return 1
         assert isinstance(e, KeyboardInterrupt)
-        how = {129: "hung up (SIGHUP)", 143: "terminated"}.get(interrupted_code(e), "interrupted")
+        how = stopped_by(e)
         if ended is None:
             print(f"psgd run: {how}; its daemons are stopped{resume}", file=sys.stderr)
             raise
@@ -497,6 +497,11 @@ def _exit_on_term(signum, frame) -> None:
     raise SystemExit(128 + signal.SIGTERM)
 
 
+def stopped_by(e: KeyboardInterrupt) -> str:
+    """How a command was stopped, as its line says it."""
+    return {129: "hung up (SIGHUP)", 143: "terminated"}.get(interrupted_code(e), "interrupted")
+
+
 def interrupted_code(e: KeyboardInterrupt) -> int:
     """The exit code of a command stopped by Ctrl-C (130), SIGTERM (143) or SIGHUP (129)."""
     return 128 + (signal.SIGHUP if isinstance(e, HungUp) else signal.SIGTERM if isinstance(e, Terminated)
@@ -595,15 +600,36 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
     if args.cmd in DAEMONS:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()
+    code: int | None = None
     try:
-        try:
-            return handlers.get(args.cmd, cmd_daemon)(args)
-        finally:
-            if args.cmd in ("run", "compare"):
-                from .forkserver import shutdown
-                from .launcher import signals_held
-                with signals_held():   # a terminal's next Ctrl-C does not cut the fork server's stop short
-                    shutdown()   # (it comes after it: as a KeyboardInterrupt below)
+        code = _command(handlers.get(args.cmd, cmd_daemon), args, env)
+    finally:
+        if args.cmd in ("run", "compare"):
+            _stop_fork_server(args.cmd, code)
+    assert code is not None
+    return code
+
+
+def _stop_fork_server(cmd: str, code: int | None) -> None:
+    """psgd run's and compare's last step, once the command has its exit code (`code`;
+    None: an exception goes on): their fork server is stopped. A Ctrl-C, SIGTERM or SIGHUP
+    meanwhile waits for that stop (a terminal's next Ctrl-C does not cut it short), then
+    is noted, and the command exits with its own code, as one that came while the daemons
+    of an ended job stopped (it exited 143 with nothing said, after the summary)."""
+    from .forkserver import shutdown
+    from .launcher import signals_held
+    try:
+        with signals_held():
+            shutdown()
+    except KeyboardInterrupt as e:   # held, raised once the stop was over
+        if code is not None:
+            print(f"psgd {cmd}: {stopped_by(e)} while it exited; its exit code stands ({code})", file=sys.stderr)
+
+
+def _command(handler, args, env: dict[str, str]) -> int:
+    """The command's exit code: its handler's, or the one for what it raised."""
+    try:
+        return handler(args)
     except ConfigError as e:
         print(f"psgd: error: {with_env(str(e), env)}", file=sys.stderr)
         return 2

@@ -415,13 +415,21 @@ def test_a_hang_up_while_an_interrupted_job_stops_ends_the_run_with_129(monkeypa
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
-def test_a_signal_while_the_fork_server_stops_ends_the_command_with_its_code(monkeypatch, tmp_path, capsys):
-    """Ctrl-C or SIGTERM while psgd run stops its fork server, at its very end, waits for
-    that stop, then ends the command with the signal's exit code, no traceback."""
+def test_a_signal_while_the_fork_server_stops_is_noted_and_the_code_kept(monkeypatch, tmp_path, capsys):
+    """Ctrl-C or SIGTERM while psgd run stops its fork server, at its very end (its summary
+    printed, or its error, or its interrupt), exited 143 with nothing said, where one a
+    moment earlier, while its daemons stopped, was noted and the job's code kept. It waits
+    for that stop, is noted in one line, and the command exits with its own code."""
     from psgd import forkserver
+    from psgd.launcher import LaunchError
     monkeypatch.setattr(forkserver, "shutdown", lambda: os.kill(os.getpid(), signal.SIGTERM))
-    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, SUMMARY, [], None)
-    assert code == 143 and "sync: accuracy 0.9700" in out, (code, err)
+    for summary, sig, want in ((SUMMARY, None, 0), (None, lambda: LaunchError("job aborted: shard 0 was lost"), 1),
+                               (None, KeyboardInterrupt, 130)):
+        code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, summary, [], sig)
+        assert code == want, (code, err)
+        assert ("sync: accuracy 0.9700" in out) == (want == 0), out
+        assert err.count(f"psgd run: terminated while it exited; its exit code stands ({want})") == 1, err
+        assert "Traceback" not in err, err
 
 
 # A daemon forked by the fork server (psgd/forkserver.py) whose SIGTERM handler raises, as

@@ -511,14 +511,15 @@ def interrupted_code(e: KeyboardInterrupt) -> int:
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def main(argv: list[str] | None = None, *, own_process: bool | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool | None = None, forked: bool = False) -> int:
     """psgd's command line. `own_process`: this call is the command of its process, which
     exits when it returns: its entry points (`psgd`, the console script, which can pass
     nothing: main() with no argv; `python -m psgd`; `python -m psgd.simulate`; a daemon
-    forked by psgd/forkserver.py). Its terminal is the command's (a hang-up sends its output
-    to /dev/null), and its work done, a signal ends it at once (`exit_on_signals`). Any
-    other call, `main([...])` from Python (a test, a notebook), leaves its caller's
-    terminal alone and gives back the signal handlers it had: it kept the command's."""
+    forked by psgd/forkserver.py, also `forked`: its process ends in os._exit). Its terminal
+    is the command's (a hang-up sends its output to /dev/null), and its work done, a signal
+    ends it at once (`exit_on_signals`). Any other call, `main([...])` from Python (a test,
+    a notebook), leaves its caller's terminal alone and gives back the signal handlers it
+    had: it kept the command's."""
     own = argv is None if own_process is None else own_process
     main_thread = threading.current_thread() is threading.main_thread()
     before = {s: signal.getsignal(s) for s in SIGNALS} if main_thread and not own else {}
@@ -526,13 +527,13 @@ def main(argv: list[str] | None = None, *, own_process: bool | None = None) -> i
         return _main(argv, own)
     finally:
         if own and main_thread:
-            exit_on_signals()
+            exit_on_signals(forked)
         for s, handler in before.items():
             if handler is not None:   # (None: not set from Python)
                 signal.signal(s, handler)
 
 
-def exit_on_signals() -> None:
+def exit_on_signals(forked: bool = False) -> None:
     """The command's work is done and its process exits (psgd's own: `psgd ...`, `python
     -m psgd ...`): Ctrl-C, SIGTERM or SIGHUP now ends it at once, as a signal's default action
     does. Its handlers, left in place, raised KeyboardInterrupt or SystemExit inside the
@@ -540,22 +541,28 @@ def exit_on_signals() -> None:
     `psgd run` job's process group reached the coordinator just after it had written the
     summary. Nothing is left to clean up: every `finally` has run, and the output is
     flushed first (to a file or a pipe, its last lines waited in Python's buffer for the
-    exit's flush, which the signal's default action skips; one that comes during the
-    flush has that action once the write returns). (A signal the process was started
-    ignoring, as Ctrl-C in a shell's background job, stays ignored.)"""
+    exit's flush, which the signal's default action skips). During the flush the signals
+    are blocked in this thread (a write would stop with EINTR and run a handler), and one
+    another thread takes (a daemon's heartbeat thread) is only noted by the handler; the
+    first comes after, with its default action. A daemon `forked` by psgd/forkserver.py
+    keeps them blocked, and noted only, until its os._exit: a default action there killed
+    it by the signal, not with its exit code. (A signal the process was started ignoring,
+    as Ctrl-C in a shell's background job, stays ignored.)"""
     ours = [s for s in SIGNALS if callable(signal.getsignal(s))]
+    came: list[int] = []
     for s in ours:
-        signal.signal(s, _end_as_default)
+        signal.signal(s, lambda signum, frame: came.append(signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):   # (a dead terminal; closed; None)
             stream.flush()
+    if forked:
+        return
     for s in ours:
         signal.signal(s, signal.SIG_DFL)
-
-
-def _end_as_default(signum, frame) -> None:
-    signal.signal(signum, signal.SIG_DFL)
-    signal.raise_signal(signum)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)   # (one this thread held: its default action now)
+    if came:
+        signal.raise_signal(came[0])
 
 
 def _main(argv: list[str] | None, own_process: bool) -> int:

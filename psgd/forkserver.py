@@ -140,8 +140,9 @@ def _fork(req: dict) -> int:
         traceback.print_exc()
     finally:
         # Its work is done: a signal now (a late SIGTERM to the job's group) would raise
-        # from the daemon's handler past os._exit, on into this server's code. It waits,
-        # and goes with the process: the daemon's exit code stands.
+        # from the daemon's handler past os._exit, on into this server's code. From main's
+        # end on they wait (cli.exit_on_signals), and go with the process: the daemon's
+        # exit code stands. So here, for a child that did not get that far.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -179,7 +180,7 @@ def _child(argv: list[str], env: dict, log_path: str | None, cwd: str | None = N
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     from .cli import main
-    return main(argv, own_process=True)
+    return main(argv, own_process=True, forked=True)
 
 
 # ---------------------------------------------------------------- the launcher's side

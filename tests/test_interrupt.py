@@ -146,6 +146,47 @@ def test_a_signal_as_a_command_returns_leaves_its_output_written():
     assert out == "its summary\n", err
 
 
+# A psgd command with a thread still running (a daemon's heartbeat) that gets SIGTERM while
+# its exit flushes its output: the thread, not the main one, takes it.
+FLUSHES = """
+import os, signal, sys, threading, time
+from psgd import cli
+
+class Stderr:
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        os.write(1, b"flushed")
+
+def done(args):
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    sys.stderr = Stderr()
+    return 0
+
+cli.cmd_run = done
+sys.argv = ["psgd", "run"]
+raise SystemExit(cli.main())
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_signal_during_the_exits_flush_waits_for_it_in_any_thread():
+    """A signal during the flush at a command's end waits for its end, then has its default
+    action, also where another thread of the process took it (the main one had it blocked):
+    its handler, run in the main thread, would raise there."""
+    proc = start([sys.executable, "-c", FLUSHES])
+    try:
+        out, err = proc.communicate(timeout=40)
+    finally:
+        end_session(proc)
+    assert "Traceback" not in err, err
+    assert proc.returncode == -signal.SIGTERM and out == "flushed", (proc.returncode, out, err)
+
+
 def pids_when_training(out, proc: subprocess.Popen, names: set[str], seconds: float = 120,
                        tick=lambda: None) -> dict[str, int]:
     """The daemons' pids (their pid files) once they all run and worker 0 has logged a
@@ -432,29 +473,38 @@ def test_a_signal_while_the_fork_server_stops_is_noted_and_the_code_kept(monkeyp
         assert "Traceback" not in err, err
 
 
-# A daemon forked by the fork server (psgd/forkserver.py) whose SIGTERM handler raises, as
-# a worker's does (SystemExit), and which gets SIGTERM while its output is flushed, at its end.
+# A daemon forked by the fork server (psgd/forkserver.py), run as the server runs one
+# (_fork, _child, cli.main) with its work stubbed, which gets a signal at its end: while
+# main flushes its output ("flush"), or once main has returned ("after").
 FORKED = """
 import os, signal, sys
-from psgd import forkserver
-marker = sys.argv[1]
+from psgd import cli, forkserver
+marker, when, sig = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
-def child(argv, env, log_path, cwd=None):
-    signal.signal(signal.SIGTERM, lambda n, f: sys.exit(143))
+class Stderr:
+    def write(self, text):
+        return len(text)
 
-    class Stderr:
-        def write(self, text):
-            return len(text)
+    def flush(self):
+        os.kill(os.getpid(), sig)
 
-        def flush(self):
-            os.kill(os.getpid(), signal.SIGTERM)
-    sys.stderr = Stderr()
+def done(args):
+    if when == "flush":
+        sys.stderr = Stderr()
     return 0
 
-forkserver._child = child
+real_main = cli.main
+
+def main(*args, **kw):
+    code = real_main(*args, **kw)
+    if when == "after":
+        os.kill(os.getpid(), sig)
+    return code
+
+cli.cmd_daemon, cli.main = done, main
 server = os.getpid()
 try:
-    pid = forkserver._fork({"argv": [], "env": {}})
+    pid = forkserver._fork({"argv": ["worker"], "env": dict(os.environ)})
 finally:
     if os.getpid() != server:
         open(marker, "w").close()   # the fork ran on in the server's code
@@ -465,13 +515,17 @@ print(os.waitstatus_to_exitcode(status))
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
-def test_a_signal_as_a_forked_daemon_exits_does_not_run_the_fork_servers_code(tmp_path):
-    """A forked daemon's end (its `finally`: flush, os._exit) ran with its handlers in
-    place: a late SIGTERM raised SystemExit there, past os._exit, and the child went on
-    in the fork server's own code (its loop: a second server reading the launcher's
-    requests). Signals are held there now: the daemon exits with its own code."""
+@pytest.mark.parametrize("when,sig", [("flush", signal.SIGTERM), ("after", signal.SIGTERM),
+                                      ("after", signal.SIGINT), ("after", signal.SIGHUP)])
+def test_a_signal_as_a_forked_daemon_exits_leaves_its_exit_code(tmp_path, when, sig):
+    """A forked daemon's end ran with its handlers in place: a late SIGTERM raised
+    SystemExit past os._exit, and the child went on in the fork server's own code (its
+    loop: a second server reading the launcher's requests). Then its main set their
+    default actions before the fork's end: one just after main (or during its flush)
+    killed the daemon by the signal, not with its exit code. From main's end on, the
+    signals wait, and go with the process: the daemon exits with its own code."""
     marker = tmp_path / "ran-on"
-    proc = start([sys.executable, "-c", FORKED, str(marker)])
+    proc = start([sys.executable, "-c", FORKED, str(marker), when, str(int(sig))])
     try:
         out, err = proc.communicate(timeout=40)
     finally:

@@ -133,8 +133,9 @@ def _unresolved_share(unranked: list[Row], period: float | None) -> str:
 
 def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) -> str:
     """The rows by their mean time to the target, each joined to the one before it by "<"
-    where the two are told apart, by "≈" where they are not: equal, within two run-to-run
-    sds of each other, both run once, or less than one evaluation period apart."""
+    where the two are told apart, by "≈" where they are not ranked: equal, within two run-to-run
+    sds of each other, both run once (however far apart: ONCE), or less than one evaluation
+    period apart."""
     parts, joined = [], False
     for k, (t, r) in enumerate(ranked):
         if k:
@@ -144,7 +145,7 @@ def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) 
             joined |= near
             parts.append(" ≈ " if near else " < ")
         parts.append(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s")
-    legend = (" (≈: not told apart from the one before it: equal, within two run-to-run sds, both run once, or "
+    legend = (" (≈: not ranked against the one before it: equal, within two run-to-run sds, both run once, or "
               "less than one evaluation period apart)") if joined else ""
     return f"Order to the target: {''.join(parts)}{legend}."
 
@@ -197,8 +198,7 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         ref = best.ref_sync
         if ref is not None and ref is not best and ref.ttt_resolved(period) and not ref.errors:
             why = tie_reason(best.ttt, ref.ttt)
-            extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}"
-                          + (f", not told apart from it: {why}" if why else ""))
+            extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}" + _tie_clause(why))
         if base is not None and base_t is not None:
             extras.append(_against_base(best, base, base_t))
         out.append(s + ((" (" + "; ".join(extras) + ")") if extras else "") + ".")
@@ -210,9 +210,13 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         if len(ranked) > 1:
             out.append(_order(ranked, period, many_w))
             tied = [(r, why) for _, r in ranked[1:] if (why := tie_reason(best.ttt, r.ttt))]
-            if tied:
+            # A row that, like the best, ran once is not ranked against it; not tied with it either.
+            level = [(r, why) for r, why in tied if why != ONCE]
+            if level:
                 out.append(f"Not told apart from {names([best])}'s time: "
-                           + ", ".join(f"{names([r])} ({why})" for r, why in tied) + ".")
+                           + ", ".join(f"{names([r])} ({why})" for r, why in level) + ".")
+            if once := [r for r, why in tied if why == ONCE]:
+                out.append(f"Not ranked against {names([best])}'s time: {names(once)} ({ONCE}).")
             close = [r for t, r in ranked[1:] if period and t - best_t < period and r not in [x for x, _ in tied]]
             if close:
                 out.append(f"{names(close)} reached it less than one evaluation period ({period:g} s) after "
@@ -271,7 +275,23 @@ def _against_base(best: Row, base: Row, base_t: float) -> str:
         return f"not compared with the sequential baseline{base.failed_note}"
     why = tie_reason(best.ttt, base.ttt)
     return (f"{times(best.speedup(base))} the speed of the sequential baseline, which needed {secs(base_t)} s"
-            + (f", not told apart from it: {why}" if why else ""))
+            + _tie_clause(why))
+
+
+def _unordered(why: str) -> str:
+    """How a sentence says that two values are not ordered, for tie_reason's `why`: "not told
+    apart from" where the numbers tie them; "not ranked against" where each ran once (ONCE),
+    which says nothing of how far apart they are."""
+    return "not ranked against" if why == ONCE else "not told apart from"
+
+
+def _tie_clause(why: str | None) -> str:
+    """What a ratio's clause adds about its two values: ', not told apart from it: WHY' where
+    the numbers tie them; '; ran once ...' (ONCE) where neither measured a spread, so that a
+    36× ratio is not called a tie; '' where they rank."""
+    if why == ONCE:
+        return f"; {ONCE}"
+    return f", not told apart from it: {why}" if why else ""
 
 
 def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplaced: list[Row],
@@ -281,13 +301,16 @@ def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplace
     was already above the target when first seen); one that lost repeats has its
     survivors' time: either at or below the baseline's and the claim is void; above it,
     the claim covers the resolved configurations only. A baseline that lost repeats has
-    its survivors' time too: stated, not ranked."""
+    its survivors' time too: stated, not ranked; so is one that, like the best, ran once
+    (ONCE: however far apart the two times, neither measured a spread)."""
     if any((mean(r.ttt) or 0.0) <= base_t for r in unplaced):
         return []
     if base.errors:
         return [f"The sequential baseline{base.failed_note} reached the target in {secs(base_t)} s in the "
                 f"{len(base.runs)} that finished: not ranked against the distributed configurations."]
     why = tie_reason(base.ttt, best.ttt)
+    if why == ONCE:   # no spread on either side: its time, not ranked (however far apart), as its samples/s
+        return [f"The sequential baseline reached the target in {secs(base_t)} s ({ONCE})."]
     if why:
         return [f"The sequential baseline reached the target in {secs(base_t)} s, not told apart from "
                 f"{names([best])}'s {secs(best_t)} s ({why})."]
@@ -306,9 +329,12 @@ def _not_told_apart(level: list[tuple[Row, str]], many_w: bool) -> str:
     the spread cannot tell from the one just named, each with its own mean ("" for none)."""
     if not level:
         return ""
-    whys = list(dict.fromkeys(why for _, why in level))
-    return (", but " + " and ".join(f"{rname(r, many_w)} ({amount(mean(r.sps))})" for r, _ in level)
-            + f" {'is' if len(level) == 1 else 'are'} not told apart from it ({'; '.join(whys)})")
+    parts = []
+    for why in dict.fromkeys(why for _, why in level):
+        rs = [r for r, w in level if w == why]
+        parts.append(" and ".join(f"{rname(r, many_w)} ({amount(mean(r.sps))})" for r in rs)
+                     + f" {'is' if len(rs) == 1 else 'are'} {_unordered(why)} it ({why})")
+    return ", but " + "; ".join(parts)
 
 
 def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: bool) -> list[str]:
@@ -398,7 +424,8 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
 
 def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> str:
     """Each distributed configuration's final accuracy against the baseline's: higher,
-    lower, within ACC_HARDLY of it, or not told apart from it (tie_reason)."""
+    lower, within ACC_HARDLY of it, not told apart from it (tie_reason), or, where neither ran
+    more than once, not ranked against it (ONCE: no spread measured, however far apart)."""
     near: list[Row] = []
     higher: list[Row] = []
     lower: list[Row] = []
@@ -414,7 +441,7 @@ def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> st
     parts = ([f"{names(higher)} ended higher"] if higher else []) + \
             ([f"{names(lower)} ended lower"] if lower else []) + \
             ([f"{names(near)} ended within {ACC_HARDLY:g} of it"] if near else []) + \
-            [f"{names(rs)} {'is' if len(rs) == 1 else 'are'} not told apart from it ({why})"
+            [f"{names(rs)} {'is' if len(rs) == 1 else 'are'} {_unordered(why)} it ({why})"
              for why in dict.fromkeys(w for _, w in level) for rs in [[r for r, w in level if w == why]]]
     return "; ".join(parts)
 

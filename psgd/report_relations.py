@@ -64,11 +64,6 @@ def unmeasured(series: list[list[float]]) -> bool:
             and all(sd(v) is None for v in series))
 
 
-def tie(a: list[float], b: list[float], fmt: Callable[[float], str] | None = None) -> bool:
-    """Means that the numbers cannot rank (tie_reason)."""
-    return tie_reason(a, b, fmt) is not None
-
-
 def noise_note(series: list[list[float]], fmt: Callable[[float], str] = str) -> str:
     """'; within the run-to-run noise ...' when the means' range is below 2 sd; with no sd
     measured, '; ran once ...' (ONCE) unless they are equal; else ''."""
@@ -175,7 +170,10 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
     st = [r for _, r in measured]
     if measured:
         most_mean, most = max(measured, key=lambda p: p[0])
-        level = [r for _, r in measured if r is not most and tie(_run_staleness(r), _run_staleness(most), two)]
+        whys = {id(r): tie_reason(_run_staleness(r), _run_staleness(most), two) for _, r in measured}
+        level = [r for _, r in measured if r is not most and whys[id(r)] not in (None, ONCE)]
+        # one that, like the highest, ran once: not ranked below it (ONCE), nor tied with it
+        once = [r for _, r in measured if r is not most and whys[id(r)] == ONCE]
         if most_mean == 0:
             out.append("No configuration of sync, ssp or async read stale parameters (measured staleness (mean) "
                        "0 everywhere).")
@@ -187,6 +185,7 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
             out.append(f"Measured staleness (mean updates applied between a worker's read and its push): highest "
                        f"in {rname(most, many_w)} ({most_mean:.2f}, max {smax(most.staleness_max)})"
                        + (f", not told apart from {', '.join(rname(r, many_w) for r in level)}" if level else "")
+                       + (f", not ranked against {', '.join(rname(r, many_w) for r in once)} ({ONCE})" if once else "")
                        + _staleness_vs_accuracy(st) + ".")
             tt = [(r, sm, t) for r in correlation_rows(st)
                   if (t := r.resolved_ttt_mean(period)) is not None and (sm := r.staleness_mean) is not None]

@@ -345,8 +345,8 @@ def test_the_order_to_the_target_joins_neighbours_that_the_spread_cannot_tell_ap
     times = {"easgd": [1.0, 1.1, 1.2], "diloco": [3.2, 3.2, 3.2], "sync": [3.0, 3.8, 4.6], "async": [5.5, 5.6, 5.7]}
     results = [run(m, m, r, ttt=t, wall=6.0) for m, ts in times.items() for r, t in enumerate(ts)]
     text = told(results)
-    assert ("Order to the target: easgd 1.10 s < diloco 3.20 s ≈ sync 3.80 s < async 5.60 s (≈: not told apart "
-            "from the one before it") in text
+    assert ("Order to the target: easgd 1.10 s < diloco 3.20 s ≈ sync 3.80 s < async 5.60 s (≈: not ranked against "
+            "the one before it") in text
     report = open(write_report(str(tmp_path), results, CTX)).read()
     assert "| 1.19× ≈ |" in next(line for line in report.splitlines() if line.startswith("| diloco"))
     assert "| 3.45× |" in next(line for line in report.splitlines() if line.startswith("| easgd"))

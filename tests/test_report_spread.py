@@ -160,3 +160,47 @@ def test_accuracy_curves_that_coincide_or_have_one_score_stay_visible_and_the_le
     assert single.get_markersize() >= 8 and single.get_zorder() > lines["sync (1 w)"].get_zorder()
     texts = [t.get_text() for t in workers[0].axes[0].get_legend().get_texts()]
     assert "ssp (bound s=0), dashed on sync's line" in texts, texts
+
+
+def _no_once_tie(text: str) -> None:
+    """No sentence calls two values "not told apart" for the reason that each ran once (ONCE)."""
+    from psgd.report_numbers import ONCE
+    for line in text.splitlines():
+        assert not ("not told apart" in line and ONCE in line), line
+    assert "not told apart from the one before it" not in text   # the order's ≈ legend, "both run once"
+
+
+@pytest.mark.timeout(60)
+def test_values_measured_once_are_not_called_not_told_apart_however_far_apart():
+    # `psgd compare --modes ssp:staleness=0,1,2,4,8 --workers 3 --set train.steps=100`: "The
+    # sequential baseline reached the target in 0.0174 s, not told apart from ssp (bound s=4)
+    # (3 w)'s 0.63 s": 36x apart, each run once, so unranked, not tied
+    from psgd.report_numbers import ONCE
+    base = run("baseline", "baseline", ttt=0.0174, wall=0.1, acc=0.9833, sps=63000.0, workers=1,
+               evals=[{"t": 0.0174, "samples": 100, "accuracy": 0.91}, {"t": 0.1, "samples": 200, "accuracy": 0.9833}])
+    sweep = [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", workers=3, ttt=t,
+                 acc=a, wall=2.0) for s, t, a in ((0, 0.60, 0.9805), (4, 0.63, 0.9444))]
+    text = told([base, *sweep])
+    _no_once_tie(text)
+    assert f"The sequential baseline reached the target in 0.0174 s ({ONCE})." in text, text
+    assert f"ssp (bound s=4) (3 w) is not ranked against it ({ONCE})" in sentence(text, "The sequential baseline ended")
+    # the straggler comparison: one configuration's time resolved, against the baseline's
+    ctx = {**CTX, "faults": {"slow_rank": 1, "slow_factor": 4.0}, "workers": [3]}
+    text = told([base, run("sync", workers=3, ttt=0.59, wall=2.0)], ctx)
+    _no_once_tie(text)
+    assert f"0.029× the speed of the sequential baseline, which needed 0.0174 s; {ONCE})" in text, text
+
+
+@pytest.mark.timeout(60)
+def test_rows_measured_once_among_repeated_ones_are_not_ranked_nor_tied_with_each_other():
+    # async and ssp ran once each, sync twice: async against ssp (3x apart in time to target, 3x in
+    # samples/s, 3x in staleness) was "not told apart (ran once ...)"
+    from psgd.report_numbers import ONCE
+    results = [run("sync", repeat=k, ttt=2.0 + k / 50, sps=2000.0 + k, stal=0.0, wall=6.0) for k in range(2)]
+    results += [run("async", "async", ttt=1.0, sps=9000.0, stal=3.0, wall=6.0),
+                run("ssp", "ssp", ttt=3.0, sps=3000.0, stal=1.0, wall=6.0)]
+    text = told(results)
+    _no_once_tie(text)
+    assert f"Not ranked against async (2 w)'s time: ssp (2 w) ({ONCE})." in text, text
+    assert f"but **ssp** (3,000) is not ranked against it ({ONCE})" in sentence(text, "Highest throughput")
+    assert f"highest in **async** (3.00, max 2), not ranked against **ssp** ({ONCE})" in text, text

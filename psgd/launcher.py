@@ -1011,10 +1011,19 @@ def format_summary(s: dict) -> str:
              f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else
              "loss not finite (the model diverged)" if s.get("final_loss_not_finite") else "",
              f"{amount(s['samples_per_s'])} samples/s", f"wall {s['wall_s']:.1f} s", reached,
-             f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}",
+             staleness_words(s),
              f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else "",
              lost_words(s)]
     return "  ".join(p for p in parts if p)
+
+
+def staleness_words(s: dict) -> str:
+    """'staleness mean M max N', or '' where the job counted none: an empty histogram (ltfb's
+    independent trainers read no shared model; nothing is measured, so no 0 is claimed)."""
+    st = s.get("staleness") or {}
+    if not st or st.get("hist") == {}:
+        return ""
+    return f"staleness mean {st['mean']:.2f} max {st['max']}"
 
 
 def lost_words(s: dict) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 from .config import format_value
 
 # Modes whose measured staleness is "updates a shard applied between a worker's read and
-# its push". easgd's counts moves of the centre between a worker's exchanges and ltfb's is
-# 0 by definition (independent trainers): other quantities, never put on the same axis.
+# its push". easgd's counts moves of the centre between a worker's exchanges (another
+# quantity, never put on the same axis) and ltfb records none (independent trainers).
 READ_PUSH_MODES = ("sync", "ssp", "async")
 # A staleness correlation needs MIN_POINTS comparable configurations of MIN_REPEATS runs
 # each. Five is the fewest points for which any Spearman ρ can be told from chance at the

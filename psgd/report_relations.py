@@ -5,9 +5,10 @@ Measured staleness against final accuracy and time to target: a rank correlation
 stated only over configurations whose staleness means the same thing (sync, ssp, async:
 updates applied between a worker's read and its push), at least MIN_POINTS of them with
 MIN_REPEATS runs each (psgd.report_numbers says why those numbers), and called a relation
-only where |ρ| reaches the 5 % critical value for its count (rho_critical); easgd's and ltfb's
-figures are named as the different quantities they are. Then the parameter sweeps and
-the worker-count sweeps, each value against throughput, time to target, accuracy.
+only where |ρ| reaches the 5 % critical value for its count (rho_critical); easgd's
+figures are named as the different quantity they are, and ltfb's lack of any (NO_STALENESS).
+Then the parameter sweeps and the worker-count sweeps, each value against throughput, time
+to target, accuracy.
 Values that are not ordered: equal ones, ones closer than two run-to-run sds (tie_reason),
 and those of configurations that each ran once, which are stated without higher, lower or
 a trend verb, with the reason (ONCE): with no spread measured, no difference is ranked.
@@ -43,8 +44,9 @@ from .report_numbers import (  # ONCE and tie_reason: imported from here too
 )
 from .report_tables import secs, smax
 
-OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker's exchanges",
-                   "ltfb": "ltfb's is 0 by definition (independent trainers)"}
+OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker's exchanges"}
+# Modes that count no staleness (summary.json's histogram is empty): said so, not given a 0.
+NO_STALENESS = {"ltfb": "ltfb records no staleness (independent trainers: none reads a shared model)"}
 
 
 # A sweep's sentence gives bytes/sample where its values differ by more than this factor.
@@ -198,6 +200,8 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
     if other:
         out.append(f"Measured staleness of another kind, not compared with sync, ssp or async: "
                    f"{'; '.join(OTHER_STALENESS[m] for m in other)}.")
+    out += [f"{NO_STALENESS[m]}." for m in NO_STALENESS
+            if any(r.mode == m and not r.hist for r in dist)]
     return out
 
 

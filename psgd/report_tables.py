@@ -127,7 +127,8 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
             lines.append(f"| {md_escape(row.name)} | {row.workers} | failed: {md_escape(first[:120])} "
                          f"| | | | | | | |")
             continue
-        stal = "—" if row.is_baseline else f"{num(row.staleness_mean)} / {smax(row.staleness_max)}"
+        # none counted (ltfb's independent trainers: an empty histogram): none claimed, as the plot's "—"
+        stal = "—" if row.is_baseline or not row.hist else f"{num(row.staleness_mean)} / {smax(row.staleness_max)}"
         wait = "—" if row.is_baseline else num(mean(row.values("wait_fraction")))
         bps = "—" if row.is_baseline else amount(mean(row.values("bytes_per_sample")))
         sps = mean(row.sps)

@@ -470,6 +470,22 @@ def test_the_run_summary_line_says_a_job_went_on_without_a_lost_worker():
                                                                 "workers_gone": 1}})
 
 
+def test_the_run_summary_line_claims_no_staleness_that_the_mode_does_not_record():
+    """`psgd run --mode ltfb` ended "staleness mean 0.00 max 0", while ltfb's independent
+    trainers count none (summary.json's staleness.hist is empty; README: "none in ltfb")."""
+    from psgd.launcher import format_summary
+    from psgd.metrics import summarize
+    final = {"t": 1.0, "samples": 64, "accuracy": 0.95, "loss": 0.2, "final": True}
+    ltfb = summarize(mode="ltfb", mode_params={}, workers=2, servers=1, wall_s=1.0, worker_stats={},
+                     server_stats={}, evals=[final], target=0.9, failures={}, final_expected=True)
+    assert ltfb["staleness"]["hist"] == {}
+    line = format_summary(json.loads(json.dumps(ltfb)))
+    assert "staleness" not in line and "accuracy 0.9500" in line, line
+    # a mode that counts it, all at 0 (sync), keeps its measured 0
+    sync = {**ltfb, "mode": "sync", "staleness": {"mean": 0.0, "max": 0, "hist": {"0": 40}}}
+    assert "  staleness mean 0.00 max 0" in format_summary(sync)
+
+
 def test_a_final_loss_that_is_not_finite_is_said_not_left_out():
     """A diverged diloco run (mode.outer_lr = 50) ended "accuracy 0.1031" with no loss and
     summary.json's final_loss null, as if no score had come: the evaluator's loss was NaN."""

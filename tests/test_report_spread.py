@@ -204,3 +204,19 @@ def test_rows_measured_once_among_repeated_ones_are_not_ranked_nor_tied_with_eac
     assert f"Not ranked against async (2 w)'s time: ssp (2 w) ({ONCE})." in text, text
     assert f"but **ssp** (3,000) is not ranked against it ({ONCE})" in sentence(text, "Highest throughput")
     assert f"highest in **async** (3.00, max 2), not ranked against **ssp** ({ONCE})" in text, text
+
+
+@pytest.mark.timeout(60)
+def test_a_mode_that_records_no_staleness_has_none_in_the_table_nor_the_reading():
+    # ltfb's trainers are independent: summary.json's staleness.hist is empty (README: "none in
+    # ltfb"), yet the table gave it a measured staleness "0.00 / 0" and the reading "ltfb's is 0"
+    from psgd.report import build_rows, render
+    results = [run("sync", ttt=1.0, wall=3.0),
+               run("ltfb", "ltfb", ttt=1.2, wall=3.0, staleness={"mean": 0.0, "max": 0, "hist": {}})]
+    report = render(build_rows(results), CTX, [])
+    row = next(line for line in report.splitlines() if line.startswith("| ltfb"))
+    assert row.split(" | ")[5] == "—", row
+    assert next(line for line in report.splitlines() if line.startswith("| sync")).split(" | ")[5] == "0.00 / 2"
+    assert "ltfb: 0)" not in report and "ltfb's is 0" not in report
+    assert "ltfb: none recorded" in report
+    assert "ltfb records no staleness (independent trainers" in told(results)

@@ -403,6 +403,9 @@ def test_the_progress_line_of_the_baseline_states_no_staleness():
     assert _one_line(base) == "acc 0.9500, 40,000 samples/s, target 0.9 in 0.50 s"
     assert _one_line(fake_run("async", "async", 2, 0, 0.95, 1.0, 9000.0, 1.5, 9)).endswith(
         ", measured staleness 1.50/9")
+    # ltfb counts none (an empty histogram): its line said "measured staleness 0.00/0"
+    ltfb = {**fake_run("ltfb", "ltfb", 2, 0, 0.95, 1.0, 9000.0), "staleness": {"mean": 0.0, "max": 0, "hist": {}}}
+    assert "staleness" not in _one_line(ltfb)
 
 
 @pytest.mark.timeout(30)

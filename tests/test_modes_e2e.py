@@ -73,8 +73,8 @@ def test_every_mode_reaches_085(tmp_path_factory, mode):
     assert s["mode"] == mode and s["workers"] == WORKERS and s["servers"] == SERVERS
     assert s["final_accuracy"] is not None and s["final_accuracy"] >= 0.85, s
     assert s["samples"] == WORKERS * Config().train.steps * Config().train.batch_size
-    assert s["failures"] == {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "shard_restarts": 0,
-                             "coordinator_restarts": 0}
+    assert s["failures"] == {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 0,
+                             "shard_restarts": 0, "coordinator_restarts": 0}
     assert len(events(out, "worker")) >= WORKERS * Config().train.steps
 
 

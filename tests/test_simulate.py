@@ -319,7 +319,7 @@ def test_same_config_and_seed_give_identical_compare_json(tmp_path):
         assert r["samples"] == 4 * 30 * 32
         assert 0 < r["wall_s"] < 1.0     # virtual seconds: 30 steps of ~2 ms (+ jitter)
         assert len(r["shard_busy_fraction"]) == r["servers"] and all(0 < f < 1 for f in r["shard_busy_fraction"])
-        assert r["failures"] == {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0,
+        assert r["failures"] == {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 0,
                                  "shard_restarts": 0, "coordinator_restarts": 0}   # a real summary's fields
     assert first[1]["staleness"]["mean"] > first[0]["staleness"]["mean"]  # async reads go stale, sync's do not
     events = tmp_path / "a" / "runs" / "sync-w4-r0" / "events"

@@ -438,7 +438,7 @@ class Simulation:
                          worker_stats={w.rank: w.stats() for w in self.workers},
                          server_stats={i: sh.stats() for i, sh in enumerate(self.shards)},
                          evals=self.evals, target=c.eval.target_accuracy,
-                         failures={"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0,
+                         failures={"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 0,
                                    "shard_restarts": 0, "coordinator_restarts": 0}, extra=extra)
 
     def write(self, out: str, summary: dict) -> None:

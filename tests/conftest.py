@@ -52,8 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("\n".join(problems))
 
 
-def children(pid: int) -> set[int]:
-    """Direct children of pid, from /proc."""
+def processes_with(field: int, value: int) -> set[int]:
+    """The live (not zombie) processes whose /proc stat field `field` (counted after the
+    command's name: 1 the parent, 3 the session) is `value`."""
     out = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -63,9 +64,14 @@ def children(pid: int) -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
+        if int(fields[field]) == value and fields[0] != "Z":
             out.add(int(name))
     return out
+
+
+def children(pid: int) -> set[int]:
+    """Direct children of pid, from /proc."""
+    return processes_with(1, pid)
 
 
 def started_processes() -> set[int]:

@@ -885,19 +885,34 @@ class Bag(nn.Module):
         return self.b(self.e(i))
 
 
+class BagNowAndThen(Bag):
+    """A Bag whose embedding takes part in every other forward only: its gradient is
+    sparse at one step and None at the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, i):
+        self.calls += 1
+        return self.b(self.e(i) if self.calls % 2 else torch.zeros(len(i), 6))
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode,optimizer", [("sync", "sgd"), ("async", "sgd"), ("easgd", "sgd"), ("ltfb", "sgd"),
-                                            ("easgd", "sparseadam"), ("ltfb", "sparseadam")])
-def test_a_model_with_sparse_gradients_trains(port_block, mode, optimizer):
+@pytest.mark.parametrize("mode,optimizer,bag", [("sync", "sgd", Bag), ("async", "sgd", Bag), ("easgd", "sgd", Bag),
+                                                ("ltfb", "sgd", Bag), ("easgd", "sparseadam", Bag),
+                                                ("ltfb", "sparseadam", Bag), ("ltfb", "sparseadam", BagNowAndThen)])
+def test_a_model_with_sparse_gradients_trains(port_block, mode, optimizer, bag):
     """A user's run: an nn.Embedding(sparse=True) ended the job at the first step with
     "RuntimeError: reshape is not implemented for sparse tensors" from inside psgd's
     gather of the gradients (ltfb's trainer of two: its group mean written into them).
     Then the mean was written dense, and the script's SparseAdam raised "SparseAdam does
-    not support dense gradients" at ltfb's first group step."""
+    not support dense gradients" at ltfb's first group step; and (a review) at the first
+    step where the parameter's gradient was None (BagNowAndThen)."""
     cfg = config(port_block, mode, **{"mode.trainer_size": 2})
     make = ((lambda m: torch.optim.SGD(m.parameters(), lr=0.1)) if optimizer == "sgd"
             else (lambda m: torch.optim.SparseAdam([m.e.weight], lr=0.1)))
-    models = [Bag() for _ in range(2)]
+    models = [bag() for _ in range(2)]
     start = models[0].e.weight.detach().clone()
 
     def loop(ps, model, opt) -> None:
@@ -915,41 +930,6 @@ def test_a_model_with_sparse_gradients_trains(port_block, mode, optimizer):
     assert not torch.equal(models[0].e.weight, start)
     if mode == "ltfb":   # one trainer of two: its replicas stepped alike on the group's mean
         assert torch.equal(models[0].e.weight, models[1].e.weight)
-
-
-class BagNowAndThen(Bag):
-    """A Bag whose embedding takes part in every other forward only: its gradient is
-    sparse at one step and None at the next."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, i):
-        self.calls += 1
-        return self.b(self.e(i) if self.calls % 2 else torch.zeros(len(i), 6))
-
-
-@pytest.mark.timeout(90)
-def test_an_ltfb_trainers_sparse_gradient_that_is_none_at_a_step_comes_back_sparse(port_block):
-    """A review: a parameter with a sparse gradient at one step and none at the next (its
-    rows not used) got the group's mean back dense at the second, and SparseAdam raised."""
-    cfg = config(port_block, "ltfb", **{"mode.trainer_size": 2})
-    models = [BagNowAndThen() for _ in range(2)]
-
-    def loop(ps, model, opt) -> None:
-        while True:
-            opt.zero_grad()
-            i = torch.randint(0, 10, (16,))
-            nn.functional.cross_entropy(model(i), i % 3).backward()
-            if not ps.step():
-                break
-
-    with InProcessCluster(cfg):
-        got = run_workers(cfg, None, loop, lambda m: torch.optim.SparseAdam([m.e.weight], lr=0.1), models,
-                          score=lambda m: 0.5)
-    assert not got["errors"], got["errors"]
-    assert not got["alive"] and torch.equal(models[0].e.weight, models[1].e.weight)
 
 
 @pytest.mark.timeout(60)

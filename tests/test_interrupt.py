@@ -16,25 +16,14 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, processes_with
 
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
 
 
 def session(pid: int) -> list[int]:
     """The processes of the session that `pid` leads (what a terminal's job left)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == pid and fields[0] != "Z":
-            found.append(int(name))
-    return found
+    return sorted(processes_with(3, pid))
 
 
 def start(argv: list[str], **kw) -> subprocess.Popen:

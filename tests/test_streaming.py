@@ -331,20 +331,8 @@ def test_a_label_out_of_range_that_a_worker_reads_mid_training_ends_the_job_nami
     """A review: the worker that read label 7 (data.classes = 3) died with a DataError
     (exit 2), the job went on with the other worker and ended with an accuracy; it now
     ends the job (a worker's finish with an error), with the data's line as the reason."""
-    from psgd.config import load
-    from psgd.launcher import LaunchError, LocalJob
-    from tests.conftest import free_port_block
-    cfg = load(None, [f"cluster.port={free_port_block(4)}", "data.name=tests.test_streaming:late_label_7_in_training",
-                      "data.classes=3", "train.steps=200", "train.batch_size=8", "cluster.servers=1",
-                      "cluster.evaluator=false"], env={})
-    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=90)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match=r"worker 1: data.name '.*late_label_7_in_training': the training item "
-                                              r"at index 5 has label 7, not in 0..2"):
-            job.wait()
-    finally:
-        job.stop()
+    ends_naming(tmp_path, "late_label_7_in_training", r"worker 1: data.name '.*late_label_7_in_training': the "
+                r"training item at index 5 has label 7, not in 0..2", "train.steps=200", "cluster.evaluator=false")
 
 
 def late_label_in_test():   # the test set's item 21 has label -1; training is fine
@@ -356,20 +344,8 @@ def late_label_in_test():   # the test set's item 21 has label -1; training is f
 def test_a_label_out_of_range_that_the_evaluator_reads_ends_the_job_at_once_naming_it(tmp_path):
     """A review: the evaluator that read label -1 exited 2 (a DataError), and psgd run
     restarted it five times, each saying the same, before it gave up."""
-    from psgd.config import load
-    from psgd.launcher import LaunchError, LocalJob
-    from tests.conftest import free_port_block
-    cfg = load(None, [f"cluster.port={free_port_block(4)}", "data.name=tests.test_streaming:late_label_in_test",
-                      "data.classes=3", "train.steps=300", "train.batch_size=8", "cluster.servers=1",
-                      "faults.step_delay_s=0.01"], env={})
-    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=90)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match=r"^evaluator-0 stopped: data.name '.*late_label_in_test': the test item "
-                                              r"at index 21 has label -1, not in 0..2"):
-            job.wait()
-    finally:
-        job.stop()
+    ends_naming(tmp_path, "late_label_in_test", r"^evaluator-0 stopped: data.name '.*late_label_in_test': the test "
+                r"item at index 21 has label -1, not in 0..2", "train.steps=300", "faults.step_delay_s=0.01")
 
 
 class Tokens(Items):
@@ -425,17 +401,21 @@ def test_a_label_out_of_range_in_ltfbs_held_out_part_ends_the_job_naming_it(tmp_
     """A review: ltfb's tournament data (`ds.take`) was read before the worker's steps,
     outside what turns a DataError into the job's end: the worker exited 2 and the job
     went on without it."""
+    ends_naming(tmp_path, "bad_after_first", r"worker \d: data.name '.*bad_after_first': the training item at "
+                r"index \d+ has label 7, not in 0..2", "mode.name=ltfb", "train.steps=50", "cluster.evaluator=false")
+
+
+def ends_naming(tmp_path, factory: str, says: str, *sets: str) -> None:
+    """A real job on `factory`'s data (data.classes = 3, one shard) ends with LaunchError `says`."""
     from psgd.config import load
     from psgd.launcher import LaunchError, LocalJob
     from tests.conftest import free_port_block
-    cfg = load(None, [f"cluster.port={free_port_block(4)}", "data.name=tests.test_streaming:bad_after_first",
-                      "data.classes=3", "mode.name=ltfb", "train.steps=50", "train.batch_size=8",
-                      "cluster.servers=1", "cluster.evaluator=false"], env={})
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", f"data.name=tests.test_streaming:{factory}",
+                      "data.classes=3", "train.batch_size=8", "cluster.servers=1", *sets], env={})
     job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=90)
     try:
         job.start()
-        with pytest.raises(LaunchError, match=r"worker \d: data.name '.*bad_after_first': the training item at "
-                                              r"index \d+ has label 7, not in 0..2"):
+        with pytest.raises(LaunchError, match=says):
             job.wait()
     finally:
         job.stop()

@@ -78,6 +78,13 @@ def test_a_restored_group_step_that_the_group_left_behind_drops_no_gradient():
     assert steps.push(1, 33, g, g)[0]                       # a push ahead (rank 1 restarted there, say)
     assert steps.dropped == 1
     assert steps.read(0, 32, "r0") == Late(33, dropped=True)
+    # A review: a contributor that reads the restored open step again never had its
+    # answer (the lost life died before the step closed): a step left behind drops its push
+    again = GroupSteps(2, [0, 1])
+    again.load_state_dict(earlier.state_dict())
+    assert again.read(0, 11, "r0") is None                  # rank 0 resends its read of 11: parked
+    assert again.push(1, 30, g, g)[0]
+    assert again.dropped == 1 and again.lost == {0: 10}
 
 
 @pytest.mark.unit

@@ -264,8 +264,8 @@ class GroupSteps:
     contributors' pushes, already accepted, are counted as dropped and their reads
     answered `Late` with `dropped`, but for those of an open step restored from a
     checkpoint (the lost life closed it with them and answered their reads: no step
-    line would say so). Arrays of a closed step are never modified (they may
-    still be on their way out)."""
+    line would say so), unless one reads that step here again (its answer was lost).
+    Arrays of a closed step are never modified (they may still be on their way out)."""
 
     def __init__(self, k: int, live: Iterable[int]):
         self.k = k
@@ -306,6 +306,8 @@ class GroupSteps:
     def read(self, rank: int, clock: int, token: Hashable) -> Any:
         """The answer to a read of `clock` (a Mean, or Late), or None: parked."""
         g = self.groups.setdefault(trainer_of(rank, self.k), _Group())
+        if clock == g.step + 1:   # it still waits for the open step: the lost life answered it nothing,
+            g.restored.discard(rank)   # so a step left behind is dropped for it (counted, said)
         answer = self._answer(g, rank, clock)
         if answer is None:
             g.reads.append((rank, clock, token))

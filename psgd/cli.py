@@ -552,7 +552,7 @@ def exit_on_signals(forked: bool = False) -> None:
     came: list[int] = []
     for s in ours:
         signal.signal(s, lambda signum, frame: came.append(signum))
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):   # (a dead terminal; closed; None)
             stream.flush()
@@ -560,7 +560,8 @@ def exit_on_signals(forked: bool = False) -> None:
         return
     for s in ours:
         signal.signal(s, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)   # (one this thread held: its default action now)
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)   # (one this thread held: its default action now; one
+    #                                                      blocked before the command stays so)
     if came:
         signal.raise_signal(came[0])
 

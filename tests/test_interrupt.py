@@ -601,3 +601,23 @@ def test_a_command_called_from_python_leaves_its_callers_signals_and_terminal(mo
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+KEEPS_MASK = """
+import signal
+from psgd import cli
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGHUP])   # blocked by whoever started it
+signal.signal(signal.SIGTERM, lambda *a: None)               # a command's handler
+cli.exit_on_signals()
+print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_the_exits_signal_handling_leaves_a_signal_blocked_before_the_command_blocked():
+    """A review: the exit's handling blocked SIGINT, SIGTERM and SIGHUP, then unblocked all
+    three, also one the process had been started with blocked."""
+    got = subprocess.run([sys.executable, "-c", KEEPS_MASK], env=ENV, capture_output=True, text=True, timeout=40)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == str([int(signal.SIGHUP)]), got.stdout

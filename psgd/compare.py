@@ -51,7 +51,7 @@ from .config import (
     refuse_set_against_flag,
 )
 from .metrics import write_json_atomic
-from .report_numbers import AFTER_END, FIRST_SCORE, amount, ttt_flag
+from .report_numbers import AFTER_END, FIRST_SCORE, amount, records_staleness, ttt_flag
 
 # ---------------------------------------------------------------- --modes / --workers
 
@@ -549,10 +549,9 @@ def _one_line(s: dict) -> str:
              if ttt is not None and ttt_flag(s, None) == FIRST_SCORE else
              f"target {s.get('target_accuracy')} in {ttt:.2f} s" if ttt is not None else
              f"target {s.get('target_accuracy')} not reached" if acc is not None else "",
-             # (the sequential baseline reads no servers, ltfb's trainers no shared model: an empty
-             # histogram is no measurement, its zeros none to give)
+             # (the sequential baseline reads no servers, ltfb's trainers no shared model)
              f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}"
-             if s.get("staleness") and s["staleness"].get("hist") != {} and s.get("mode") != "baseline" else ""]
+             if records_staleness(s) and s.get("mode") != "baseline" else ""]
     return ", ".join(p for p in parts if p)
 
 

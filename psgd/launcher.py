@@ -1020,10 +1020,10 @@ def format_summary(s: dict) -> str:
 def staleness_words(s: dict) -> str:
     """'staleness mean M max N', or '' where the job counted none: an empty histogram (ltfb's
     independent trainers read no shared model; nothing is measured, so no 0 is claimed)."""
-    st = s.get("staleness") or {}
-    if not st or st.get("hist") == {}:
+    from .report_numbers import records_staleness
+    if not records_staleness(s):
         return ""
-    return f"staleness mean {st['mean']:.2f} max {st['max']}"
+    return f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}"
 
 
 def lost_words(s: dict) -> str:

@@ -162,6 +162,13 @@ def run_period(run: dict, period: float | None) -> float | None:
     return float(run["eval_every_s"]) if run.get("eval_every_s") else period
 
 
+def records_staleness(s: dict) -> bool:
+    """Did the run count any staleness (a histogram with a read in it)? Not ltfb's
+    independent trainers, which read no shared model, nor the sequential baseline,
+    which reads none: their zeros are no measurement (Row.hist, the tables' "—")."""
+    return bool((s.get("staleness") or {}).get("hist"))
+
+
 def ttt_flag(run: dict, period: float | None) -> str | None:
     """Why a run's time to target cannot rank it, or None when it can (or is None).
 

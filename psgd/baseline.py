@@ -133,7 +133,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         "wait_fraction": 0.0,
         "bytes_per_sample": 0.0,
         "failures": {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 0,
-                     "shard_restarts": 0},
+                     "shard_restarts": 0, "coordinator_restarts": 0},   # (a real summary's fields)
         "dropped_gradients": 0,
         "rejected": 0,
         "bad_messages": 0,

@@ -133,21 +133,24 @@ def _unresolved_share(unranked: list[Row], period: float | None) -> str:
 
 def _order(ranked: list[tuple[float, Row]], period: float | None, many_w: bool) -> str:
     """The rows by their mean time to the target, each joined to the one before it by "<"
-    where the two are told apart, by "≈" where they are not ranked: equal, within two run-to-run
-    sds of each other, both run once (however far apart: ONCE), or less than one evaluation
-    period apart."""
-    parts, joined = [], False
+    where the two are told apart, by "≈" where they are not: equal, within two run-to-run
+    sds of each other, or less than one evaluation period apart; by "vs" where both ran
+    once (ONCE: however far apart, no spread says whether the order would hold)."""
+    parts, said = [], set()
     for k, (t, r) in enumerate(ranked):
         if k:
             t0, r0 = ranked[k - 1]
             why = tie_reason(r0.ttt, r.ttt)
-            near = why is not None or bool(period and t - t0 < period)
-            joined |= near
-            parts.append(" ≈ " if near else " < ")
+            near = (why is not None and why != ONCE) or bool(period and t - t0 < period)
+            sign = "≈" if near else "vs" if why == ONCE else "<"
+            said.add(sign)
+            parts.append(f" {sign} ")
         parts.append(f"{r.name}{f' ({r.workers} w)' if many_w else ''} {secs(t)} s")
-    legend = (" (≈: not ranked against the one before it: equal, within two run-to-run sds, both run once, or "
-              "less than one evaluation period apart)") if joined else ""
-    return f"Order to the target: {''.join(parts)}{legend}."
+    legend = [text for sign, text in (("≈", "≈: not told apart from the one before it: equal, within two "
+                                             "run-to-run sds, or less than one evaluation period apart"),
+                                      ("vs", "vs: both ran once, not ranked against each other")) if sign in said]
+    explained = f" ({'; '.join(legend)})" if legend else ""
+    return f"Order to the target: {''.join(parts)}{explained}."
 
 
 def _time_sentences(dist: list[Row], base: Row | None, target: float, period: float | None,

@@ -345,8 +345,8 @@ def test_the_order_to_the_target_joins_neighbours_that_the_spread_cannot_tell_ap
     times = {"easgd": [1.0, 1.1, 1.2], "diloco": [3.2, 3.2, 3.2], "sync": [3.0, 3.8, 4.6], "async": [5.5, 5.6, 5.7]}
     results = [run(m, m, r, ttt=t, wall=6.0) for m, ts in times.items() for r, t in enumerate(ts)]
     text = told(results)
-    assert ("Order to the target: easgd 1.10 s < diloco 3.20 s ≈ sync 3.80 s < async 5.60 s (≈: not ranked against "
-            "the one before it") in text
+    assert ("Order to the target: easgd 1.10 s < diloco 3.20 s ≈ sync 3.80 s < async 5.60 s (≈: not told apart "
+            "from the one before it") in text
     report = open(write_report(str(tmp_path), results, CTX)).read()
     assert "| 1.19× ≈ |" in next(line for line in report.splitlines() if line.startswith("| diloco"))
     assert "| 3.45× |" in next(line for line in report.splitlines() if line.startswith("| easgd"))
@@ -796,3 +796,14 @@ def test_the_baseline_sentence_says_the_largest_runs_batches_were_capped_at_thei
     full = [run("baseline", "baseline", workers=1, sps=8000.0, wall=0.16, steps=40, batch_size=32),
             run("sync", sps=6400.0, wall=0.2, steps=20, batch_size=32)]
     assert "though its workers' batches" not in render(build_rows(full), ctx, [])
+
+
+def test_the_order_to_the_target_says_vs_between_times_each_measured_once():
+    """A review: the order line joined two configurations that each ran once by "≈",
+    however far apart (async 1.00 s ≈ ssp 3.00 s): "≈" reads as "about equal"; "vs" says
+    they are not ranked, for want of a spread."""
+    results = [run("async", "async", r, ttt=t, wall=6.0) for r, t in enumerate((1.0, 1.1, 0.9))] + \
+        [run("ssp", "ssp", 0, ttt=3.0, wall=6.0), run("sync", "sync", 0, ttt=5.0, wall=6.0)]
+    text = told(results)
+    assert "ssp 3.00 s vs sync 5.00 s" in text and "(vs: both ran once, not ranked against each other)" in text, text
+    assert "≈" not in next(line for line in text.splitlines() if line.startswith("Order to the target"))

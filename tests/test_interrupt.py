@@ -363,6 +363,7 @@ def run_then_signal(monkeypatch, tmp_path, capsys, summary: dict | None, scripts
     monkeypatch.setattr(launcher, "check_before_launch", lambda cfg, device: None)
     monkeypatch.setattr(cli, "check_job", lambda cfg: 10 ** 6)   # (the training set's size)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)   # (under nohup, as a CI may run, it is ignored: psgd run keeps it so)
     try:
         code = cli.main(["run", "--out", str(tmp_path / "out"), "--quiet", "--set",
                          f"cluster.port={free_port_block(3)}"])

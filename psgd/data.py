@@ -494,9 +494,15 @@ def partition(n: int, rank: int, world: int, seed: int) -> np.ndarray:
     return perm[rank::world]
 
 
+def held_out_count(size: int, fraction: float) -> int:
+    """How many of a partition of `size` samples `holdout` holds out: the fraction,
+    rounded, at least one."""
+    return max(1, int(round(size * fraction)))
+
+
 def holdout(indices: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train part, held-out part): LTFB's tournament split of a partition."""
-    k = max(1, int(round(len(indices) * fraction)))
+    k = held_out_count(len(indices), fraction)
     return indices[k:], indices[:k]
 
 
@@ -530,8 +536,8 @@ def check_partitions(n: int, world: int, seed: int, split: float = 0.0) -> None:
 def _share(n: int, rank: int, world: int, split: float) -> int:
     """How many samples worker `rank` of `world` trains on (worker_part's, counted without
     drawing the permutation)."""
-    size = len(range(rank, n, world))
-    return size - max(1, int(round(size * split))) if split > 0 and size else size
+    size = len(range(rank, n, world))   # (partition's rank::world)
+    return size - held_out_count(size, split) if split > 0 and size else size
 
 
 def batch_over_share(n: int, batch_size: int, counts: list[tuple[int, float]]) -> str:

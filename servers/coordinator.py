@@ -403,10 +403,10 @@ class Coordinator:
                                            checked_stats(msg.get("logged") or {}))
             if self.counting and not rejoin:
                 self._count(msg.rank, now)
-            leaving = msg.get("leaving")
-            if leaving and self.members.leaving(msg.rank, leaving[:1000]):
+            leaving = (msg.get("leaving") or "")[:1000]   # (a peer's text: bounded once, kept and logged so)
+            if leaving and self.members.leaving(msg.rank, leaving):
                 log("coordinator", f"worker {msg.rank} gave up, leaving its share unfinished: {self._left(msg.rank)}")
-                self.events.write(event="leaving", rank=msg.rank, reason=leaving[:1000])
+                self.events.write(event="leaving", rank=msg.rank, reason=leaving)
             if rejoin and self.members.members.get(msg.rank) and self.members.members[msg.rank].state == "finished":
                 rejoin = False
             if self.phase in FINISHING:

@@ -3,7 +3,9 @@
 The launcher writes the resolved config to DIR/config.toml, starts the coordinator,
 the shards, the workers and the evaluator with it (`python -m psgd ROLE DIR/config.toml
 --out DIR`; all but the coordinator forked, as that command, from one process that has
-imported torch: psgd/forkserver.py, unless `cluster.fork = false`), shows the
+imported torch: psgd/forkserver.py, unless `cluster.fork = false`; that process has
+imported it before the coordinator starts, whose wait for the workers, cluster.timeout_s,
+counts from its start), shows the
 coordinator's progress, and supervises: a shard or the evaluator that exits with a code
 other than 0 is started again (a shard resumes from its checkpoint); a coordinator killed
 or crashed while the job is under way is started again and resumes from its state file;
@@ -566,6 +568,10 @@ class LocalJob:
             specs += [self._worker_spec(r) for r in range(c.workers)]
         if c.evaluator:
             specs.append(self._spec("evaluator", 0, "--device", self.device))
+        # The fork server's import of torch before the coordinator starts: the coordinator
+        # waits cluster.timeout_s from its start for every worker, and that import took
+        # 30 s of its 60 on a busy 2-core machine (12 workers), up to READY_S on a busier one.
+        any(self._forks(child) is not None for child in specs)
         for child in specs:
             self._start(child)
             self.children.append(child)

@@ -631,3 +631,28 @@ def test_the_timeout_is_said_as_given(tmp_path):
             job.wait()
     finally:
         job.stop()
+
+
+class OrderJob(LocalJob):
+    """Starts nothing: records the order in which the fork server was readied and the
+    children were started."""
+
+    def _start(self, child) -> None:
+        self.order.append(child.name)
+
+
+@pytest.mark.timeout(30)
+def test_the_fork_server_has_imported_torch_before_the_coordinator_starts(tmp_path, monkeypatch):
+    """The coordinator gives the workers cluster.timeout_s from its start to register: the
+    fork server's import of torch (30 s on a busy machine, READY_S allowed) was counted in
+    it, as the coordinator started first, and a slow import ended the job with 0 workers."""
+    from psgd import forkserver
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = OrderJob(cfg, str(tmp_path), quiet=True, timeout_s=20)
+    job.order = []
+    monkeypatch.setattr(forkserver, "server", lambda env: job.order.append("fork server") or object())
+    try:
+        job.start()
+    finally:
+        job.stop()
+    assert job.order[:2] == ["fork server", "coordinator-0"], job.order   # (was the coordinator first)

@@ -34,6 +34,7 @@ import contextlib
 import fcntl
 import glob
 import json
+import math
 import os
 import random
 import signal
@@ -67,13 +68,36 @@ class LaunchError(RuntimeError):
     pass
 
 
-def available_cores() -> int:
+def available_cores(cgroup: str = "/sys/fs/cgroup") -> int:
     """The cores this process may run on (its affinity mask, as taskset or a container's
-    cpuset limit it), else the machine's."""
+    cpuset limit it), else the machine's; fewer where its cgroup's CPU quota allows less
+    time than that (`docker run --cpus 2`, a Kubernetes CPU limit: every core is in its
+    mask, and no job was warned), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def cpu_quota(cgroup: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU time, in cores, that this process's cgroup may use (cgroup v2's cpu.max,
+    "QUOTA PERIOD"; v1's cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us; a container
+    sees its own at the root), or None: no quota ("max", -1), or none to read."""
+    def read(*names: str) -> str:
+        with open(os.path.join(cgroup, *names)) as f:
+            return f.read().strip()
+    for quota_period in (lambda: read("cpu.max").split(),
+                         lambda: [read("cpu", "cpu.cfs_quota_us"), read("cpu", "cpu.cfs_period_us")]):
+        try:
+            quota, period = quota_period()
+            if quota in ("max", "-1"):
+                return None
+            return int(quota) / int(period) if int(quota) > 0 and int(period) > 0 else None
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def busy_processes(cfg: Config) -> tuple[int, str]:

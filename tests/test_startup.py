@@ -6,6 +6,7 @@ marked: this file mixes tiers)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import torch
 from psgd import consistency
 from psgd.config import MODES, Config, load
 from psgd.data import _digits_raw, check_dataset, digits_file
-from psgd.launcher import busy_processes, format_summary, oversubscribed
+from psgd.launcher import available_cores, busy_processes, cpu_quota, format_summary, oversubscribed
 from psgd.metrics import process_start_time
 from psgd.optim import make_optimizer
 from tests.conftest import free_port_block, kill_all
@@ -175,6 +176,26 @@ def test_a_warning_when_busy_processes_outnumber_cores():
     assert warning.startswith("warning: 7 busy processes (2 shards, 4 workers, an evaluator) on 2 cores")
     assert oversubscribed(load(None, ["cluster.evaluator=false", "cluster.workers=1", "cluster.servers=1"],
                                env={}), cores=2) == ""
+
+
+@pytest.mark.unit
+def test_a_cgroup_cpu_quota_counts_as_fewer_cores(tmp_path):
+    """`docker run --cpus 1` on a bigger host: every core is in the affinity mask, the
+    quota allows one core's time; the job's processes take turns as on one core (psgd
+    run gave no warning there)."""
+    mask = len(os.sched_getaffinity(0))
+    assert available_cores(str(tmp_path)) == mask   # no quota to read
+    (tmp_path / "cpu.max").write_text("max 100000\n")   # cgroup v2, unlimited
+    assert available_cores(str(tmp_path)) == mask
+    (tmp_path / "cpu.max").write_text("50000 100000\n")   # half a core: rounded up
+    assert cpu_quota(str(tmp_path)) == 0.5 and available_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()   # cgroup v1
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert available_cores(str(tmp_path)) == 1
 
 
 @pytest.mark.unit

@@ -272,6 +272,7 @@ class LocalJob:
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0
+        self._starting = 0   # the children start() is starting (the count's total while it does)
 
     def _hold_folders(self) -> list[IO]:
         """The output folder is this launcher's until stop(): an exclusive lock on
@@ -596,17 +597,19 @@ class LocalJob:
         # waits cluster.timeout_s from its start for every worker, and that import took
         # 30 s of its 60 on a busy 2-core machine (12 workers), up to READY_S on a busier one.
         any(self._forks(child) is not None for child in specs)
+        self._starting = len(specs)
         for child in specs:
             self._start(child)
             self.children.append(child)
-        self.show_started()
+            self.show_started()   # (forking them all took tens of seconds on a busy machine: said as they start)
 
     def show_started(self) -> None:
         """Count the children that have loaded their code; say so when the count grows."""
-        if len(self.started) == len(self.children):
+        total = max(self._starting, len(self.children))
+        if len(self.started) == total:
             return
         self.started |= {c.name for c in self.children if os.path.exists(self.started_file(c.name))}
-        n, total = len(self.started), len(self.children)
+        n = len(self.started)
         if not self.quiet and n != self._shown_started:
             self._shown_started = n
             took = f" in {time.time() - self.launched_at:.1f} s" if n == total else ""

@@ -656,3 +656,28 @@ def test_the_fork_server_has_imported_torch_before_the_coordinator_starts(tmp_pa
     finally:
         job.stop()
     assert job.order[:2] == ["fork server", "coordinator-0"], job.order   # (was the coordinator first)
+
+
+class TouchingJob(LocalJob):
+    """Starts nothing: each child "starts" at once (its .started file is touched)."""
+
+    def _start(self, child) -> None:
+        open(self.started_file(child.name), "w").close()
+
+
+@pytest.mark.timeout(30)
+def test_start_up_progress_is_said_while_the_children_are_being_started(tmp_path, capsys, monkeypatch):
+    """Forking a dozen daemons took tens of seconds on a busy machine, and the count was
+    first said after the last: "started 7/18" came after the coordinator's "workers
+    registered 1/12"."""
+    from psgd import forkserver
+    monkeypatch.setattr(forkserver, "server", lambda env: None)
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = TouchingJob(cfg, str(tmp_path), quiet=False, timeout_s=20)
+    try:
+        job.start()
+    finally:
+        job.stop()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "] started " in line]
+    assert [line.split("started ")[1].split(" ")[0] for line in lines] == ["1/4", "2/4", "3/4", "4/4"], lines
+    assert lines[-1].startswith("[psgd run] started 4/4 processes in ")

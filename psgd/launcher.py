@@ -596,7 +596,9 @@ class LocalJob:
         # The fork server's import of torch before the coordinator starts: the coordinator
         # waits cluster.timeout_s from its start for every worker, and that import took
         # 30 s of its 60 on a busy 2-core machine (12 workers), up to READY_S on a busier one.
-        any(self._forks(child) is not None for child in specs)
+        for child in specs:
+            if self._forks(child) is not None:
+                break
         self._starting = len(specs)
         for child in specs:
             self._start(child)

@@ -815,7 +815,9 @@ class Coordinator:
                     have = f"{len(self.members.members)}/{self.cfg.cluster.workers} workers registered"
                     if left <= 0:
                         slow = ("; a script's work before psgd.connect counts: raise cluster.timeout_s if it takes "
-                                "longer" if self.cfg.model.name == layouts.SCRIPT_MODEL else "")
+                                "longer" if self.cfg.model.name == layouts.SCRIPT_MODEL else
+                                "; where the job has more busy processes than the machine has cores, starting "
+                                "them can take longer than that: raise cluster.timeout_s")
                         keys = (f"; with security.curve, a worker without this job's keys ({self.cfg.security.keys}) "
                                 f"is never answered" if self.cfg.security.curve else "")
                         # The address they dial, not the one bound (tcp://*:PORT off loopback).

@@ -166,14 +166,19 @@ def write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
+def write_json_atomic(path: str, obj: Any, encoded: dict[str, str] | None = None) -> None:
     """Write `obj` as strict JSON (temp file, fsync, rename): a float that is not finite
     (an untrained baseline's last loss) is written as null, never as NaN or Infinity,
-    which JSON does not have."""
+    which JSON does not have. `encoded`: more members of the object `obj` is, each value
+    already JSON text (a long list whose items were encoded once each, `json_line`)."""
     tmp = f"{path}.tmp.{os.getpid()}"
+    text = json.dumps(finite_json(obj), indent=2, sort_keys=False, allow_nan=False)
+    if encoded:
+        members = ",\n".join(f"  {json.dumps(k)}: {v}" for k, v in encoded.items())
+        text = text[:-1].rstrip() + (",\n" if obj else "\n") + members + "\n}"
     try:
         with open(tmp, "w") as f:
-            json.dump(finite_json(obj), f, indent=2, sort_keys=False, allow_nan=False)
+            f.write(text)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

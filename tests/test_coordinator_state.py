@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from psgd import wire
+from psgd import metrics, wire
 from psgd.config import Config
 from psgd.membership import Membership
 from psgd.servers.coordinator import CHECK_EVERY_S, SETTLE_BEATS, STATE_FILE, Coordinator
@@ -579,6 +579,42 @@ def test_the_coordinators_own_stall_loses_no_worker():
         now += 0.05
         c._tick(now)
     assert now == pytest.approx(t + 10.0 + cfg.cluster.heartbeat_timeout_s, abs=0.1)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_a_long_curve_is_encoded_once_a_score_and_saved_once_a_second(tmp_path, monkeypatch):
+    """A soak: the state file holds the whole evaluation curve (7,200 scores an hour),
+    which was encoded whole on every score and every second; hours into a job each
+    rewrite took a second of the serve loop, most of the coordinator's time. A score is
+    saved with the next periodic save, and encoded once."""
+    cfg, c = training_with_two_workers(str(tmp_path))
+    encoded, writes = [], []
+    real_line, real_write = metrics.json_line, metrics.write_json_atomic
+
+    def line(obj):
+        encoded.append(obj)
+        return real_line(obj)
+
+    def write(path, obj, *more):
+        writes.append(path)
+        real_write(path, obj, *more)
+
+    monkeypatch.setattr("psgd.servers.coordinator.json_line", line, raising=False)
+    monkeypatch.setattr("psgd.servers.coordinator.write_json_atomic", write)
+    now = time.monotonic()
+    for i in range(1200):   # 60 s of the loop, a score every 0.5 s
+        now += 0.05
+        if i % 10 == 0:
+            c.evals.append({"t": i * 0.05, "samples": i, "accuracy": 0.5, "loss": float("nan") if i == 0 else 1.0,
+                            "final": False})
+        c._save_state(now)
+    c._save_state(now + 1.0)           # (the last score's second)
+    assert len(writes) <= 62           # once a second (was: once a score, and every second)
+    assert len(encoded) == 120         # each score once (was: all of them at every rewrite)
+    state = json.load(open(os.path.join(str(tmp_path), STATE_FILE)))
+    assert state["evals"] == [{**e, "loss": None if i == 0 else e["loss"]} for i, e in enumerate(c.evals)]
+    assert state["phase"] == "training" and set(state["membership"]) == set(c.members.state_dict())
 
 
 @pytest.mark.unit

@@ -12,7 +12,8 @@ classes there are (x is made float32 in both; streamed integer x, token ids, is 
 `DataLoader` (`data.loader_workers` processes), so a dataset bigger than memory
 trains; each worker reads only its
 partition, reshuffled every epoch from the seed (as DistributedSampler does), and the
-evaluator streams the test set.
+evaluator streams the test set. A worker that starts at a clock past 0 (a resumed job's,
+a restarted one) `seek`s its batches there: it goes on in the epoch its rank had reached.
 
 The built-in datasets' inputs, as the model trains on them and as a user feeds the saved
 DIR/model.pt (README, "Output files"): digits: pixels (0..16) / 16, then standardised by
@@ -587,6 +588,14 @@ class Batches:
         self.pos += self.batch_size
         return self.x[sel], self.y[sel]
 
+    def seek(self, steps: int) -> None:
+        """Continue as if `steps` batches had been drawn: where a rank's earlier process
+        (a resumed job's, a restarted worker's) left its data, not at epoch 0 again."""
+        per_epoch = len(self.idx) // self.batch_size
+        self.epoch, self.pos = divmod(steps, per_epoch)
+        self.pos *= self.batch_size
+        self._order = self._shuffle()
+
 
 class EpochSampler:
     """A partition's indices in a new order every epoch, from (seed, rank, epoch): what
@@ -594,10 +603,16 @@ class EpochSampler:
 
     def __init__(self, indices: np.ndarray, seed: int, rank: int):
         self.idx, self.seed, self.rank, self.epoch = np.asarray(indices), seed, rank, 0
+        self.skip = 0   # items of the epoch already served (`LoaderBatches.seek`): its next pass starts after them
+
+    def order(self) -> list[int]:
+        """The epoch's order, whole."""
+        rng = np.random.default_rng([self.seed, self.rank, self.epoch])
+        return self.idx[rng.permutation(len(self.idx))].tolist()
 
     def __iter__(self) -> Iterator[int]:
-        rng = np.random.default_rng([self.seed, self.rank, self.epoch])
-        return iter(self.idx[rng.permutation(len(self.idx))].tolist())
+        skip, self.skip = self.skip, 0
+        return iter(self.order()[skip:])
 
     def __len__(self) -> int:
         return len(self.idx)
@@ -635,9 +650,16 @@ class LoaderBatches:
         self.served += 1
         return _streamed_batch(x, y, self.name, "training", self.classes, self._index)
 
+    def seek(self, steps: int) -> None:
+        """Continue as if `steps` batches had been drawn (`Batches.seek`), without reading
+        the ones skipped."""
+        self.sampler.epoch, self.served = divmod(steps, len(self.sampler) // self.batch_size)
+        self.sampler.skip = self.served * self.batch_size
+        self._it = iter(self.loader)
+
     def _index(self, k: int) -> int:
         """The dataset's index of item k of the latest batch (its epoch's order drawn again)."""
-        return list(self.sampler)[(self.served - 1) * self.batch_size + k]
+        return self.sampler.order()[(self.served - 1) * self.batch_size + k]
 
 
 def describe(cfg: DataConfig) -> tuple[tuple, int]:

@@ -53,6 +53,18 @@ def test_batches_cycle_over_partition():
         Batches(x, y, np.arange(0), 4, 0, 3)
 
 
+@pytest.mark.parametrize("steps", [1, 2, 5, 7])
+def test_batches_sought_to_a_step_continue_where_drawing_that_many_would(steps):
+    """A resumed job's worker (and a restarted one) drew its rank's data from epoch 0's
+    first batch again, whatever clock it continued at."""
+    x, y = torch.arange(10).float()[:, None], torch.arange(10)
+    drawn, sought = (Batches(x, y, np.arange(10), 4, seed=0, rank=1) for _ in range(2))
+    for _ in range(steps):
+        drawn.next()
+    sought.seek(steps)
+    assert [sought.next()[1].tolist() for _ in range(4)] == [drawn.next()[1].tolist() for _ in range(4)]
+
+
 def write_cifar(folder, n=20, truncate=None):
     rec = np.zeros((n, 3073), np.uint8)
     rec[:, 0] = np.arange(n) % 10

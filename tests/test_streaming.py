@@ -419,3 +419,20 @@ def ends_naming(tmp_path, factory: str, says: str, *sets: str) -> None:
             job.wait()
     finally:
         job.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("loader_workers", [0, 1])
+def test_batches_sought_to_a_step_continue_where_drawing_that_many_would(loader_workers):
+    """A resumed job's worker (and a restarted one) drew its rank's data from epoch 0's
+    first batch again: the batches that `seek(steps)` leads to are those after `steps` drawn."""
+    cfg = Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 3,
+                              "data.loader_workers": loader_workers})
+    ds = load_dataset(cfg.data)
+    part = partition(ds.train_size, 0, 2, seed=5)
+    drawn = ds.train_batches(part, 10, seed=5, rank=0)
+    read(drawn, 7)
+    sought = ds.train_batches(part, 10, seed=5, rank=0)
+    sought.seek(7)
+    assert sought.epoch == drawn.epoch == 1
+    assert read(sought, 6) == read(drawn, 6)

@@ -94,3 +94,40 @@ def test_a_diloco_round_whose_exchange_is_refused_keeps_its_last_steps_line(port
     assert [e["clock"] for e in lines] == list(range(1, 13))
     assert [e["clock"] for e in lines if e.get("refused")] == [4]
     assert lines[-1]["samples"] == w.samples == computed[-1][2]
+
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_continues_at_a_clock_draws_the_batches_of_that_clock(port_block, tmp_path):
+    """A worker of a resumed job (or one restarted into its rank) continued at its rank's
+    clock but drew its data from epoch 0's first batch again: a job resumed each time
+    before an epoch ends trained on the same first part of every partition."""
+    from psgd.data import load_dataset, worker_part
+    cfg = load(None, [f"cluster.port={port_block(3)}", "cluster.workers=1", "cluster.servers=1",
+                      "cluster.evaluator=false", "train.steps=70"], env={})
+    drawn: list = []
+
+    class W(Worker):
+        def join(self, model):
+            got = super().join(model)
+            self.clock = 60   # as the coordinator's start_clock says of the rank's earlier process
+            return got
+
+        def compute(self):
+            x, y = self.batches.next()
+            drawn.append(y)
+            self.batches.next = lambda: (x, y)   # (the batch just read, for the worker's own compute)
+            try:
+                return super().compute()
+            finally:
+                del self.batches.next
+    box: dict = {}
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        t = threading.Thread(target=lambda: box.update(code=W(cfg, str(tmp_path), "cpu", 0, cluster.ctx).run()))
+        t.start()
+        t.join(timeout=100)
+    assert box["code"] == 0 and len(drawn) == 10
+    ds = load_dataset(cfg.data, cfg.job.seed)
+    batches = ds.train_batches(worker_part(ds.train_size, 0, 1, cfg.job.seed)[0], 32, cfg.job.seed, 0)
+    whole = [batches.next()[1] for _ in range(70)]
+    assert all(torch.equal(a, b) for a, b in zip(drawn, whole[60:], strict=True))

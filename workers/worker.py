@@ -175,6 +175,8 @@ class Worker:
         self.client.wait_s = 0.0  # wait_fraction is of the training time: the wait for the initial values is not
         clock = self.clock
         schedule.start(self)
+        if self.clock and hasattr(self, "batches"):   # (a script's worker draws its own batches)
+            self.batches.seek(self.clock)   # a rank's earlier process drew one batch a clock
         if self.clock != clock:   # (the log's first line said where it started: "starting at clock 0")
             log(self.name, f"continuing at clock {self.clock}, where the shards' answers put it")
 

@@ -27,6 +27,7 @@ import time
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL
+    from .metrics import EXIT_CANNOT_WRITE, OutputError
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
     from .wire import RemoteError, WireError
 except KeyboardInterrupt:   # Ctrl-C while psgd loads (numpy, ZeroMQ): nothing started yet, no traceback
@@ -647,6 +648,10 @@ def _command(handler, args, env: dict[str, str]) -> int:
     except (RemoteError, WireError) as e:   # a peer's answer that ends this daemon (refused by the
         print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)   # coordinator), or a request no peer reads
         return 1
+    except OutputError as e:   # a full disk, a read-only or vanished folder: a daemon started again fails again
+        with contextlib.suppress(OSError):   # (a daemon's stderr is a log on that same disk)
+            print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE if args.cmd in DAEMONS else 1
     except BrokenPipeError:   # `psgd shards | head -1`: the reader is gone; end as SIGPIPE would, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush would fail again)
         return 128 + signal.SIGPIPE

@@ -78,7 +78,7 @@ from .consistency import get as get_mode
 from .forkserver import end_with_launcher
 from .launcher import JOINED, adopt_folder_token
 from .log import log
-from .metrics import PidFile
+from .metrics import PidFile, write_file_atomic
 from .replica import pick_device
 from .sharding import model_entries, model_tensors
 from .transport import HandshakeFailed, PeerTimeout
@@ -600,7 +600,7 @@ class Connection(Worker):
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         if self.out:
             path = os.path.join(self.out, "model.pt")
-            torch.save(self.replica.cpu_state_dict(), f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)
+            sd = self.replica.cpu_state_dict()
+            write_file_atomic(path, lambda f: torch.save(sd, f), binary=True)
             log(self.name, f"saved the final model: {path}")
         return ""

@@ -52,6 +52,7 @@ from . import forkserver
 from .config import Config, ConfigError
 from .log import log
 from .membership import JOB_TOKEN_ENV
+from .metrics import EXIT_CANNOT_WRITE
 from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
@@ -623,6 +624,15 @@ class LocalJob:
         tail = self.tail(child)
         return f"{child.log_path} ends:\n{tail}" if tail.strip() else f"{child.log_path} is empty"
 
+    def _cannot_write(self, child: Child) -> str:
+        """A daemon exited with EXIT_CANNOT_WRITE: the file it could not write and why, as
+        its log's last line says, or (that log being on the same full disk, or the
+        coordinator's on the terminal) what the output folder's file system says. It is
+        not started again: it would fail the same way."""
+        said = self.tail(child, 1).strip()
+        said = said.split(": error: ", 1)[1] if ": error: cannot write " in said else ""
+        return f"{child.name} could not write the job's outputs ({said or folder_fault(self.out)})"
+
     def tail(self, child: Child, n: int = 12) -> str:
         if not child.log_path or not os.path.exists(child.log_path):
             return ""
@@ -645,6 +655,8 @@ class LocalJob:
                 said = self.tail(child, 2).strip() or f"a port of {self.cfg.cluster.port}-" \
                     f"{self.cfg.cluster.port + self.cfg.cluster.servers} is in use"
                 raise LaunchError(f"{child.name} could not listen: {said}")
+            if code == EXIT_CANNOT_WRITE:
+                raise LaunchError(self._cannot_write(coord) + "; a restart would fail the same way")
             if code is not None and self._coordinator_died(coord, code):
                 continue
             if code is not None:
@@ -658,6 +670,15 @@ class LocalJob:
                     continue
                 if rc != 0 and self._refused_by_another_job(child):
                     break   # this block is another job's: the top of the loop moves the job (or says so)
+                if rc == EXIT_CANNOT_WRITE and not child.reported and not child.script:
+                    if not os.path.exists(os.path.join(self.out, "summary.json")):
+                        raise LaunchError(self._cannot_write(child) + "; the job is stopped, as a restart "
+                                                                      "would fail the same way")
+                    # The job's end is written: a shard's checkpoint at exit, of a job that ended
+                    # (never resumed), is all that is lost
+                    log("run", f"warning: {self._cannot_write(child)}")
+                    child.reported = True
+                    continue
                 self._exited_before_connect(child, rc)
                 if rc == 0 or child.reported:
                     continue
@@ -875,6 +896,22 @@ def check_before_launch(cfg: Config, device: str) -> None:
         except OSError as e:
             raise ConfigError(f"checkpoint.dir = {cfg.checkpoint.dir!r} cannot be written: "
                               f"{e.strerror or e}") from None
+
+
+def folder_fault(out: str) -> str:
+    """What the file system of the output folder `out` tells of a write that failed there."""
+    if not os.path.isdir(out):
+        return f"{out} is gone: removed while the job ran"
+    try:
+        st = os.statvfs(out)
+    except OSError as e:
+        return f"{out}: {e.strerror}"
+    if st.f_flag & os.ST_RDONLY:
+        return f"{out} is on a read-only file system"
+    if st.f_bavail == 0 or st.f_favail == 0:
+        return f"no space left on the device of {out}"
+    return (f"in {out}: a full disk ({st.f_bavail * st.f_frsize:,} bytes free now), or a file there that cannot "
+            f"be written")
 
 
 def folder_token(out: str) -> str:

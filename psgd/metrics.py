@@ -12,29 +12,60 @@ import math
 import os
 import re
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 from .consistency.staleness import Histogram
 
+# The exit code of a daemon that cannot write its outputs (a full disk, a read-only or
+# vanished folder: `OutputError`); sysexits' EX_CANTCREAT. `psgd run` does not start it
+# again (a restart would fail the same way), and stops the job with the path and cause.
+EXIT_CANNOT_WRITE = 73
+
+
+class OutputError(OSError):
+    """A file of the job's outputs could not be written: the OSError, with the file's path
+    (a write to an open file, or torch.save, says only "No space left on device")."""
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: {self.strerror}"
+
+
+def output_error(e: OSError, path: str) -> OutputError:
+    """`e`, raised while writing `path`, as an OutputError naming it."""
+    if isinstance(e, OutputError):
+        return e
+    return OutputError(e.errno, e.strerror or str(e), path)
+
 
 class EventLog:
-    """Appends JSON lines to DIR/events/<role>-<id>.jsonl; a no-op without DIR."""
+    """Appends JSON lines to DIR/events/<role>-<id>.jsonl; a no-op without DIR. A line
+    that cannot be written raises OutputError."""
 
     def __init__(self, out: str | None, role: str, ident: Any):
         self.role = role
         self._f = None
+        self.path = ""
         if out:
-            os.makedirs(os.path.join(out, "events"), exist_ok=True)
-            self._f = open(os.path.join(out, "events", f"{role}-{ident}.jsonl"), "a", buffering=1)
+            self.path = os.path.join(out, "events", f"{role}-{ident}.jsonl")
+            try:
+                os.makedirs(os.path.join(out, "events"), exist_ok=True)
+                self._f = open(self.path, "a", buffering=1)
+            except OSError as e:
+                raise output_error(e, e.filename or self.path) from None
 
     def write(self, **fields: Any) -> None:
         if self._f:
-            self._f.write(json_line({"t": round(time.time(), 4), "role": self.role, **fields}))
+            try:
+                self._f.write(json_line({"t": round(time.time(), 4), "role": self.role, **fields}))
+            except OSError as e:
+                raise output_error(e, self.path) from None
 
     def close(self) -> None:
         if self._f:
-            self._f.close()
-            self._f = None
+            f, self._f = self._f, None
+            with contextlib.suppress(OSError):   # (its last line's failure was raised by write)
+                f.close()
 
 
 # A worker's counters that its step lines carry (stat -> the line's field), each counted
@@ -157,36 +188,47 @@ def writer_gone(tmp: str, pid: int) -> bool:
     return started is not None and started > written + 1.0   # (start times are estimates to about 10 ms)
 
 
+def write_file_atomic(path: str, write: Callable[[IO], object], binary: bool = False, tmp: str = "") -> None:
+    """Write `path` with `write(file)` through a temporary file (`tmp`, default
+    PATH.tmp.PID), fsync'd and renamed over it: a reader sees the old file or the new
+    one, never half of one. One that fails (a full disk, a value JSON cannot hold, an
+    interrupt) leaves no temporary file behind; a failure to write raises OutputError,
+    which names `path`."""
+    tmp = tmp or f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        # (torch.save, closing a file a write to failed, raises RuntimeError "unexpected
+        # pos": the disk's OSError is its context)
+        cause = e if isinstance(e, OSError) else \
+            e.__context__ if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError) else None
+        if cause is None:
+            raise
+        raise output_error(cause, path) from None
+
+
 def write_text_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file renamed over it: a reader sees the
-    old file or the new one, never half of one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Write `text` to `path` atomically (`write_file_atomic`)."""
+    write_file_atomic(path, lambda f: f.write(text))
 
 
 def write_json_atomic(path: str, obj: Any, encoded: dict[str, str] | None = None) -> None:
-    """Write `obj` as strict JSON (temp file, fsync, rename): a float that is not finite
-    (an untrained baseline's last loss) is written as null, never as NaN or Infinity,
-    which JSON does not have. `encoded`: more members of the object `obj` is, each value
-    already JSON text (a long list whose items were encoded once each, `json_line`)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    """Write `obj` as strict JSON, atomically (`write_file_atomic`): a float that is not
+    finite (an untrained baseline's last loss) is written as null, never as NaN or
+    Infinity, which JSON does not have. `encoded`: more members of the object `obj` is,
+    each value already JSON text (a long list whose items were encoded once each,
+    `json_line`)."""
     text = json.dumps(finite_json(obj), indent=2, sort_keys=False, allow_nan=False)
     if encoded:
         members = ",\n".join(f"  {json.dumps(k)}: {v}" for k, v in encoded.items())
         text = text[:-1].rstrip() + (",\n" if obj else "\n") + members + "\n}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)   # a value JSON cannot hold: no half-written file left behind
-        raise
-    os.replace(tmp, path)
+    write_file_atomic(path, lambda f: f.write(text + "\n"))
 
 
 _STRICT = json.JSONEncoder(allow_nan=False)

@@ -20,7 +20,6 @@ from the seed).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -35,6 +34,7 @@ from .config import Config
 from .consistency import get as get_mode
 from .consistency import rule as r
 from .data import describe
+from .metrics import OutputError, write_file_atomic
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
 from .sharding import ShardMap, model_tensors, shard_map
@@ -742,15 +742,10 @@ def copied(x):
 def write_checkpoint(sd: dict, path: str) -> None:
     """Atomic checkpoint of a `state_dict` (whose tensors are copies): temp file, fsync,
     rename. Safe to run off the serving thread."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     try:
-        with open(tmp, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:   # a full disk, an interrupt: no half-written file left behind
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError as e:
+        raise OutputError(e.errno, e.strerror, e.filename or path) from None
+    # a full disk, an interrupt: no half-written file left behind (OutputError names `path`)
+    write_file_atomic(path, lambda f: torch.save(sd, f), binary=True,
+                      tmp=f"{path}.tmp.{os.getpid()}.{threading.get_ident()}")

@@ -30,7 +30,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
-from psgd.metrics import writer_gone
+from psgd.metrics import OutputError, writer_gone
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
@@ -51,6 +51,7 @@ class ShardServer:
         self.name = f"server-{index}"
         self._term = False
         self._saver: threading.Thread | None = None  # the periodic checkpoint being written
+        self._unwritten = False   # the last one failed (said in the log)
 
     def _checkpoint_in_background(self, shard: Shard, path: str, wait: bool = False) -> None:
         """Copy the state here (the serving thread), write it on another thread: the
@@ -60,9 +61,22 @@ class ShardServer:
             self._saver.join(timeout=SAVER_JOIN_S)
         if self._saver is not None and self._saver.is_alive():
             return
-        self._saver = threading.Thread(target=write_checkpoint, args=(shard.state_dict(), path),
+        self._saver = threading.Thread(target=self._write_checkpoint, args=(shard.state_dict(), path),
                                        name=f"checkpoint-{self.index}", daemon=True)
         self._saver.start()
+
+    def _write_checkpoint(self, sd: dict, path: str) -> None:
+        """A checkpoint written off the serving thread: one that cannot be written (a full
+        disk) is said in one line, and the shard serves on (the job's outputs fail it
+        where they must; its checkpoint at exit says it again)."""
+        try:
+            write_checkpoint(sd, path)
+        except OutputError as e:
+            if not self._unwritten:   # (said once, not at every checkpoint while the disk stays full)
+                log(self.name, f"checkpoint not written: {e}; serving on without it")
+            self._unwritten = True
+        else:
+            self._unwritten = False
 
     def _resume(self, shard: Shard, path: str, whole_set: bool = False) -> bool:
         """Resume from the checkpoint at `path` if there is one this job may resume from

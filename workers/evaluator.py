@@ -28,7 +28,7 @@ from psgd.consistency import get as get_mode
 from psgd.data import load_dataset
 from psgd.log import log
 from psgd.membership import CoordinatorLink
-from psgd.metrics import EventLog
+from psgd.metrics import EventLog, write_file_atomic
 from psgd.models import build_model
 from psgd.replica import Replica, check_device
 from psgd.workers.client import ParameterClient, ShardUnreachable
@@ -110,7 +110,5 @@ class Evaluator:
     def save(self) -> None:
         if not self.out:
             return
-        path = os.path.join(self.out, "model.pt")
-        tmp = path + ".tmp"
-        torch.save(self.replica.cpu_state_dict(), tmp)
-        os.replace(tmp, path)
+        sd = self.replica.cpu_state_dict()
+        write_file_atomic(os.path.join(self.out, "model.pt"), lambda f: torch.save(sd, f), binary=True)

@@ -1,0 +1,111 @@
+"""The output folder's faults as a user meets them: a full disk, a file that cannot be
+written. Each is one line naming the file and the cause, no half-written file is left,
+and `psgd run` does not start a daemon again that would fail the same way."""
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from psgd.metrics import EventLog, OutputError, write_json_atomic
+from psgd.shard import write_checkpoint
+from tests.conftest import free_port_block
+
+PSGD = [sys.executable, "-m", "psgd"]
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
+
+
+class _Full:
+    """A file whose writes fail as on a full disk, once `room` bytes are written."""
+
+    def __init__(self, f, room: int):
+        self._f, self._room = f, room
+
+    def write(self, data):
+        if len(data) > self._room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _full_disk(monkeypatch, room: int = 1000) -> None:
+    """Every file opened for writing from now on fills after `room` bytes."""
+    real = builtins.open
+
+    def fake(file, mode="r", *a, **kw):
+        f = real(file, mode, *a, **kw)
+        return _Full(f, room) if any(c in mode for c in "wa") else f
+    monkeypatch.setattr(builtins, "open", fake)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_event_line_that_cannot_be_written_names_its_file(tmp_path):
+    (tmp_path / "events").mkdir()
+    path = tmp_path / "events" / "worker-0.jsonl"
+    path.symlink_to("/dev/full")   # every write: ENOSPC
+    log = EventLog(str(tmp_path), "worker", 0)
+    with pytest.raises(OutputError) as e:
+        log.write(step=1)
+    log.close()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+    assert str(e.value) == f"cannot write {path}: No space left on device"
+
+
+@pytest.mark.unit
+def test_a_checkpoint_on_a_full_disk_names_its_file_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """torch.save hides the disk's error behind its own RuntimeError ("unexpected pos");
+    the error names the checkpoint, and its temporary file is gone."""
+    path = str(tmp_path / "checkpoints" / "shard-0.pt")
+    _full_disk(monkeypatch)
+    with pytest.raises(OutputError) as e:
+        write_checkpoint({"params": torch.zeros(10_000)}, path)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == path
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+@pytest.mark.unit
+def test_a_summary_on_a_full_disk_names_it_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    (tmp_path / "summary.json").write_text('{"old": true}\n')
+    _full_disk(monkeypatch, room=10)
+    with pytest.raises(OutputError) as e:
+        write_json_atomic(str(tmp_path / "summary.json"), {"mode": "sync", "samples": list(range(100))})
+    monkeypatch.undo()
+    assert e.value.filename == str(tmp_path / "summary.json")
+    assert os.listdir(tmp_path) == ["summary.json"] and (tmp_path / "summary.json").read_text() == '{"old": true}\n'
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_daemon_that_cannot_write_its_output_stops_the_job_in_one_line_and_is_not_restarted(tmp_path):
+    """The evaluator cannot save model.pt (a folder is in its way, as a full disk would
+    stop it): it exits with EXIT_CANNOT_WRITE, and psgd run stops the job with one line
+    naming the file and the cause. It restarted it five times ("keeps dying"), each
+    leaving a traceback, then failed without saying why."""
+    out = tmp_path / "run"
+    (out / "model.pt" / "in-the-way").mkdir(parents=True)
+    proc = subprocess.run(PSGD + ["run", "--quiet", "--out", str(out), "--set", f"cluster.port={free_port_block(3)}",
+                                  "--set", "train.steps=40"],
+                          capture_output=True, text=True, timeout=200, env=ENV)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "restarting it" not in proc.stderr, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("psgd: error:")]
+    assert len(error) == 1 and f"evaluator-0 could not write the job's outputs (cannot write {out}/model.pt: " \
+        in error[0], proc.stderr[-3000:]
+    log = (out / "logs" / "evaluator-0.log").read_text()
+    assert "Traceback" not in log and f"psgd evaluator: error: cannot write {out}/model.pt" in log, log
+    assert not list((out / "pids").glob("*.pid")) and not list(out.glob("model.pt.tmp*"))

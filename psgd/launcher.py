@@ -366,13 +366,14 @@ class LocalJob:
                 # Some shards would resume and the others start from the initial values: one
                 # model of two versions. All of them start afresh instead (a shard resumes
                 # no part either: ShardServer._resume), moved aside, with one warning here.
+                not_ok = "; ".join(f"{os.path.basename(mine[i])}: " + (why_not_resume_from(mine[i], self.cfg, i)
+                                                                        if os.path.exists(mine[i]) else "missing")
+                                   for i in cannot)
                 for path in mine:
                     if os.path.exists(path):
                         os.replace(path, path + ".earlier")
-                not_ok = ", ".join(os.path.basename(mine[i]) for i in cannot)
                 log("run", f"warning: only {len(mine) - len(cannot)} of the {len(mine)} shard checkpoints in "
-                           f"{folder} can be resumed (not {not_ok}: "
-                           f"missing, or of another job or configuration): not resuming a part of the model; moved "
+                           f"{folder} can be resumed (not {not_ok}): not resuming a part of the model; moved "
                            f"to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))
         for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import zipfile
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -706,11 +707,30 @@ def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
 def why_not_resume_from(path: str, cfg: Config, index: int) -> str:
     """'' if shard `index` of a job of `cfg` may resume from the checkpoint at `path`,
     else why not (`why_not_resume`). (Read mapped, not whole: only its fields are looked at.)"""
+    fault = checkpoint_fault(path) if os.path.exists(path) else ""
+    if fault:
+        return fault
     try:
         sd = torch.load(path, weights_only=True, mmap=True)
     except Exception as e:  # unreadable, or not a checkpoint: nothing to resume
         return f"it cannot be read ({type(e).__name__}: {e})"
     return why_not_resume(sd, cfg, index) if isinstance(sd, dict) else "it is not a psgd checkpoint"
+
+
+def checkpoint_fault(path: str) -> str:
+    """'' if the file at `path` is whole, as `write_checkpoint` wrote it: a zip archive
+    each of whose records matches its CRC-32; else what is wrong with it. torch.load
+    takes a record whose bytes changed since (a disk's fault, a copy gone wrong) without
+    a word, and says of a truncated file "Invalid argument" or that it was not saved
+    with `_use_new_zipfile_serialization`."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    except Exception as e:   # BadZipFile, a record cut short (EOFError), ...
+        return f"it is not a whole checkpoint: truncated or corrupt ({e})"
+    return f"it is corrupt ({bad} does not match its CRC-32)" if bad else ""
 
 
 def resumable(path: str, cfg: Config, index: int) -> bool:

@@ -109,3 +109,26 @@ def test_a_daemon_that_cannot_write_its_output_stops_the_job_in_one_line_and_is_
     log = (out / "logs" / "evaluator-0.log").read_text()
     assert "Traceback" not in log and f"psgd evaluator: error: cannot write {out}/model.pt" in log, log
     assert not list((out / "pids").glob("*.pid")) and not list(out.glob("model.pt.tmp*"))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_corrupt_or_truncated_checkpoint_is_refused_saying_so(tmp_path):
+    """A checkpoint whose bytes changed after it was written (a disk's fault, a copy gone
+    wrong) was resumed: torch.load does not check the archive's CRCs, and the shard went
+    on with the changed values. A truncated one was refused "it cannot be read (OSError:
+    [Errno 22] Invalid argument)"."""
+    from psgd.config import load
+    from psgd.shard import Shard, why_not_resume_from
+    cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
+    path = tmp_path / "shard-0.pt"
+    shard = Shard(cfg, 0)
+    shard.save(str(path))
+    assert why_not_resume_from(str(path), cfg, 0) == ""
+    data = path.read_bytes()
+    at = data.index(shard.params.detach().numpy().tobytes()[:64]) + 32
+    path.write_bytes(data[:at] + bytes(b ^ 0xFF for b in data[at:at + 8]) + data[at + 8:])
+    why = why_not_resume_from(str(path), cfg, 0)
+    assert why.startswith("it is corrupt (archive/data/") and why.endswith("does not match its CRC-32)"), why
+    path.write_bytes(data[:len(data) // 2])
+    assert why_not_resume_from(str(path), cfg, 0).startswith("it is not a whole checkpoint: truncated or corrupt (")

@@ -605,6 +605,29 @@ def test_sbatch_stops_a_job_whose_shard_port_is_taken(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_sbatch_stops_a_job_whose_shard_cannot_write_its_outputs(tmp_path, script):
+    """A daemon that cannot write the job's outputs (a full disk) exits 73
+    (EXIT_CANNOT_WRITE), which `psgd run` does not restart; the scripts restarted it five
+    times, each failing the same way, and then said only that it "keeps dying"."""
+    env = stub_slurm(tmp_path, coordinator_s=120, fails={"server": (1, 73)})
+    r = run(["bash", script], env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 73, r.stderr
+    assert "restarting it" not in r.stderr and "keeps dying" not in r.stderr, r.stderr
+    assert "server-0 could not write the job's outputs (" in r.stderr and "stopping the job" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_sbatch_does_not_restart_a_coordinator_that_cannot_write_its_outputs(tmp_path):
+    """The coordinator's state file or summary on a full disk: exit 73, not restarted."""
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, 73), cwd=tmp_path)
+    assert r.returncode == 73, r.stderr
+    assert stub_calls(tmp_path).count("coordinator") == 1 and "restarting it" not in r.stderr, r.stderr
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_sbatch_restarts_a_killed_coordinator_five_times(tmp_path):
     """The control of the test above: a coordinator killed with SIGKILL (137) is restarted."""

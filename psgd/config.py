@@ -281,6 +281,14 @@ class Config:
 # ---------------------------------------------------------------- building
 
 
+def anchored(cfg: Config) -> Config:
+    """`cfg` with an absolute security.keys, as a job's OUT/config.toml holds it: that file
+    is read from other folders (`psgd status OUT`, a daemon started again by hand), where
+    the folder of a relative one, the launching shell's, was another or none."""
+    keys = cfg.security.keys
+    return cfg.replace(**{"security.keys": os.path.abspath(keys)}) if keys and not os.path.isabs(keys) else cfg
+
+
 def written_by_psgd(text: str) -> bool:
     """Whether a config file's text is one `Config.to_toml` wrote (every key, in its order,
     no comment), not a user's."""

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import Config, ConfigError
+from .config import Config, ConfigError, anchored
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE
@@ -417,7 +417,7 @@ class LocalJob:
 
     def _write_config(self) -> None:
         with open(self.config_path, "w") as f:
-            f.write(self.cfg.to_toml())
+            f.write(anchored(self.cfg).to_toml())
 
     def _move(self) -> bool:
         """A daemon found its port taken before training began: start the whole job again

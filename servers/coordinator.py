@@ -50,7 +50,7 @@ import zmq
 
 from psgd import consistency, wire
 from psgd import layout as layouts
-from psgd.config import Config, is_number, written_by_psgd
+from psgd.config import Config, anchored, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
 from psgd.metrics import EventLog, json_line, summarize, write_json_atomic, write_text_atomic
@@ -199,7 +199,7 @@ class Coordinator:
         left as it is."""
         if not self.out:
             return
-        path, text = os.path.join(self.out, "config.toml"), self.cfg.to_toml()
+        path, text = os.path.join(self.out, "config.toml"), anchored(self.cfg).to_toml()
         old = None
         with contextlib.suppress(OSError):
             with open(path) as f:

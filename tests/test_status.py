@@ -171,6 +171,33 @@ def test_status_at_an_address_reaches_a_job_secured_with_curve_given_its_keys(tm
         assert f"it was asked with the keys in {other}" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+def test_status_of_a_curve_jobs_folder_from_another_folder(tmp_path, capsys, monkeypatch):
+    """A helper's use: a job started with `--set security.keys=keys` (relative) wrote
+    keys = "keys" into OUT/config.toml, so `psgd status OUT` from any other folder said
+    "security.keys: keys/client.key_secret not found" (README: DIR/config.toml already
+    has the keys). The job's config.toml names the folder absolutely, psgd run's and a
+    coordinator's started by hand alike."""
+    from psgd.launcher import LocalJob
+    monkeypatch.chdir(tmp_path)
+    make_keys("keys")
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.servers": 1, "cluster.evaluator": False,
+                              "security.curve": True, "security.keys": "keys"})
+    LocalJob(cfg, "run", quiet=True).stop()   # (writes run/config.toml, starts nothing)
+    assert load("run/config.toml", env={}).security.keys == str(tmp_path / "keys")
+    (tmp_path / "elsewhere").mkdir()
+    out = str(tmp_path / "by-hand")
+    with InProcessCluster(cfg, out):
+        # (the status of its shard first: the daemons, threads of this process, load the keys from this folder)
+        while "shards: none registered yet" in (main(["status", out]), capsys.readouterr().out)[1]:
+            time.sleep(0.1)
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        code = main(["status", out])
+        captured = capsys.readouterr()
+        monkeypatch.chdir(tmp_path)
+    assert code == 0 and captured.out.startswith("phase "), captured.err
+
+
 @pytest.mark.timeout(30)
 def test_each_shards_busy_share_is_its_serving_time_over_the_elapsed_time():
     from psgd import wire

@@ -5,7 +5,8 @@ DIR/client.key, DIR/client.key_secret   the clients' pair (workers, evaluator, d
 DIR/authorized/                         public keys the servers accept (client.key, server.key)
 
 Copy the whole folder to machines that run servers; clients need server.key and their
-own pair. Remove a key from authorized/ to lock its holder out: a server reads the folder
+own pair (`psgd keys DIR` in a client's folder makes its own pair and keeps the servers'
+server.key). Remove a key from authorized/ to lock its holder out: a server reads the folder
 when it starts, so restart the servers (and the coordinator) after removing one.
 """
 from __future__ import annotations
@@ -18,13 +19,19 @@ import zmq.auth
 
 def make_keys(folder: str) -> str:
     """The pairs that `folder` lacks, each authorized as it is made: a pair made before is
-    kept, and so is its absence from authorized/ (a key removed there stays locked out)."""
+    kept, and so is its absence from authorized/ (a key removed there stays locked out).
+    A public key there without its secret is another machine's (a client's folder holds
+    the servers' server.key alone): it is kept too, not replaced by a new pair's, which no
+    server would answer to."""
     os.makedirs(folder, exist_ok=True)
     auth = os.path.join(folder, "authorized")
     os.makedirs(auth, exist_ok=True)
-    made = []
+    made, alone = [], []
     for name in ("server", "client"):
         if not os.path.exists(os.path.join(folder, f"{name}.key_secret")):
+            if os.path.exists(os.path.join(folder, f"{name}.key")):
+                alone.append(f"{name}.key")
+                continue
             made.append(name)
             mask = os.umask(0o077)   # the secret key is never readable by others, not even while written
             try:
@@ -35,7 +42,11 @@ def make_keys(folder: str) -> str:
         os.chmod(os.path.join(folder, f"{name}.key_secret"), 0o600)
     for name in made:  # daemons talk to the coordinator as clients with either pair
         shutil.copy(os.path.join(folder, f"{name}.key"), os.path.join(auth, f"{name}.key"))
+    kept = (f"; {' and '.join(alone)} kept: a public key without its secret is another machine's (a new pair "
+            f"would not be the one its holder uses)" if alone else "")
     if not made:
+        if alone:
+            return f"{folder}: nothing written{kept}"
         return f"{folder} holds both pairs already: nothing written (authorized clients in {auth})"
     pairs = f"the {' and '.join(made)} pair{'s' * (len(made) > 1)}"
-    return f"keys written to {folder}: {pairs} (authorized clients in {auth})"
+    return f"keys written to {folder}: {pairs} (authorized clients in {auth}){kept}"

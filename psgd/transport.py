@@ -142,7 +142,9 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
 def _certificate(path: str, keys: str) -> tuple[bytes, bytes | None]:
     import zmq.auth
     if not os.path.isfile(path):
-        raise ConfigError(f"security.keys: {path} not found (make keys with `psgd keys {keys}`)")
+        how = (f"make keys with `psgd keys {keys}`" if path.endswith("_secret") else
+               "copy it from the folder `psgd keys` made: it is the servers' public key")   # (a new pair's is not)
+        raise ConfigError(f"security.keys: {path} not found ({how})")
     try:
         return zmq.auth.load_certificate(path)
     except (ValueError, OSError) as e:   # not a key file (pyzmq: "No public key found in ...")

@@ -693,6 +693,37 @@ def test_psgd_keys_again_keeps_a_key_removed_from_authorized_locked_out(tmp_path
 
 
 @pytest.mark.timeout(30)
+def test_psgd_keys_on_a_clients_folder_keeps_the_servers_public_key(tmp_path):
+    """A helper's use: a client's folder holds the servers' server.key and its own pair
+    (keys.py: "clients need server.key and their own pair"); `psgd keys DIR` there, as
+    the message for a missing key file advised, made a new server pair over that
+    server.key, and the client was then never answered. A public key without its secret
+    is kept, and said to be."""
+    import os
+    import shutil
+
+    from psgd.keys import make_keys
+    from psgd.transport import client_socket
+    keys, client = str(tmp_path / "keys"), str(tmp_path / "client")
+    make_keys(keys)
+    os.makedirs(client)
+    shutil.copy(os.path.join(keys, "server.key"), client)
+    said = make_keys(client)
+    assert "the client pair" in said and "server.key kept" in said, said
+    with open(os.path.join(keys, "server.key")) as a, open(os.path.join(client, "server.key")) as b:
+        assert a.read() == b.read()
+    assert not os.path.exists(os.path.join(client, "server.key_secret"))
+    os.remove(os.path.join(client, "server.key"))   # and a client without it is told to copy it, not to make keys
+    security = Config().replace(**{"security.curve": True, "security.keys": client}).security
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ConfigError, match="server.key not found .copy it from the folder `psgd keys` made"):
+            client_socket(ctx, "tcp://127.0.0.1:1", security, connect=False).close(0)
+    finally:
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
 def test_reconnecting_while_a_handshake_is_under_way_leaves_the_process_able_to_talk():
     """A worker whose diloco exchange was refused reconnected its sockets, and its
     heartbeats then went unanswered until the coordinator dropped it (the same in a

@@ -135,20 +135,45 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
     path = os.path.join(keys, f"{name}.key_secret")
     public, secret = _certificate(path, keys)
     if secret is None:
-        raise ConfigError(f"security.keys: {path} holds no secret key (make keys with `psgd keys {keys}`)")
+        raise ConfigError(f"security.keys: {path} holds no secret key ({_replace(path, keys)})")
+    if zmq.curve_public(secret) != public:
+        raise ConfigError(f"security.keys: {path}'s public and secret keys are not one pair ({_replace(path, keys)})")
     return public, secret
 
 
+def _replace(path: str, keys: str) -> str:
+    """How to mend a key file that is there but wrong (`psgd keys` keeps the keys it finds,
+    a public key alone too)."""
+    if not path.endswith("_secret"):
+        return "copy it again from the folder `psgd keys` made"
+    pair = path[:-len("_secret")]
+    return f"copy it again from the folder `psgd keys` made, or remove {pair}(_secret) and run `psgd keys {keys}`"
+
+
+def _is_key(key: bytes) -> bool:
+    """A CurveZMQ key as a key file holds it: 32 bytes in 40 Z85 characters."""
+    from zmq.utils.z85 import Z85CHARS
+    return len(key) == 40 and all(c in Z85CHARS for c in key)
+
+
 def _certificate(path: str, keys: str) -> tuple[bytes, bytes | None]:
+    """The (public, secret or None) keys of a key file, each checked: one cut short or
+    changed made the daemons' sockets fail with a bare "Invalid argument" traceback. The
+    message never shows a key."""
     import zmq.auth
     if not os.path.isfile(path):
         how = (f"make keys with `psgd keys {keys}`" if path.endswith("_secret") else
                "copy it from the folder `psgd keys` made: it is the servers' public key")   # (a new pair's is not)
         raise ConfigError(f"security.keys: {path} not found ({how})")
     try:
-        return zmq.auth.load_certificate(path)
+        public, secret = zmq.auth.load_certificate(path)
     except (ValueError, OSError) as e:   # not a key file (pyzmq: "No public key found in ...")
-        raise ConfigError(f"security.keys: {path} is not a key file ({e}; make keys with `psgd keys {keys}`)") from None
+        raise ConfigError(f"security.keys: {path} is not a key file ({e}; {_replace(path, keys)})") from None
+    for what, key in (("public", public), ("secret", secret)):
+        if key is not None and not _is_key(key):
+            raise ConfigError(f"security.keys: {path}'s {what} key is malformed (not 40 Z85 characters: the file "
+                              f"was cut short or changed; {_replace(path, keys)})")
+    return public, secret
 
 
 def _authorized(keys: str) -> str:

@@ -724,6 +724,37 @@ def test_psgd_keys_on_a_clients_folder_keeps_the_servers_public_key(tmp_path):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("damage", ["cut short", "another pair's public key"])
+def test_a_damaged_secret_key_is_one_line_before_anything_starts(tmp_path, damage):
+    """A helper's use: a client.key_secret cut short (or edited) passed check_keys, so
+    `psgd run` started the job and every daemon died with a "zmq.error.ZMQError: Invalid
+    argument" traceback (`psgd status --keys`: "cannot connect ...: Invalid argument"). A
+    key is checked as it is loaded, and the message names the file, not the key."""
+    import os
+    import re
+
+    from psgd.keys import make_keys
+    from psgd.transport import check_keys
+    keys, other = str(tmp_path / "keys"), str(tmp_path / "other")
+    make_keys(keys)
+    make_keys(other)
+    path = os.path.join(keys, "client.key_secret")
+    with open(path) as f:
+        text = f.read()
+    if damage == "cut short":
+        text = re.sub(r'(secret-key = ").{5}', r"\1", text)
+    else:
+        with open(os.path.join(other, "client.key")) as f:
+            public = re.search(r'public-key = "(.*)"', f.read()).group(1)
+        text = re.sub(r'public-key = ".*"', lambda m: f'public-key = "{public}"', text)
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(ConfigError, match=f"{re.escape(path)}'s .*(malformed|not one pair)") as e:
+        check_keys(keys)
+    assert not any(k in str(e.value) for k in re.findall(r'-key = "(.*)"', text)), str(e.value)
+
+
+@pytest.mark.timeout(30)
 def test_reconnecting_while_a_handshake_is_under_way_leaves_the_process_able_to_talk():
     """A worker whose diloco exchange was refused reconnected its sockets, and its
     heartbeats then went unanswered until the coordinator dropped it (the same in a

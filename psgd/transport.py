@@ -138,7 +138,15 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
         raise ConfigError(f"security.keys: {path} holds no secret key ({_replace(path, keys)})")
     if zmq.curve_public(secret) != public:
         raise ConfigError(f"security.keys: {path}'s public and secret keys are not one pair ({_replace(path, keys)})")
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o044 and path not in _said_readable:   # (once a process: every socket loads its pair)
+        _said_readable.add(path)
+        log("keys", f"warning: {path} is readable by other users (mode {mode:03o}): whoever reads it can join "
+                    f"the job; chmod 600 {path}")
     return public, secret
+
+
+_said_readable: set[str] = set()   # the secret key files said to be readable by others
 
 
 def _replace(path: str, keys: str) -> str:

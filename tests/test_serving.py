@@ -755,6 +755,26 @@ def test_a_damaged_secret_key_is_one_line_before_anything_starts(tmp_path, damag
 
 
 @pytest.mark.timeout(30)
+def test_a_secret_key_readable_by_others_is_warned_about_once(tmp_path, capsys):
+    """A helper's use: a keys folder unpacked or copied with 0644 files (tar, chmod -R)
+    left the secret keys readable by every local user, and nothing said so: whoever reads
+    one can join the job. Its loading warns, once a process."""
+    import os
+
+    from psgd.keys import make_keys
+    from psgd.transport import check_keys
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    check_keys(keys)
+    assert "readable" not in capsys.readouterr().err   # psgd keys' own files: 0600
+    os.chmod(os.path.join(keys, "client.key_secret"), 0o644)
+    check_keys(keys)
+    check_keys(keys)
+    err = capsys.readouterr().err
+    assert err.count("readable by other users") == 1 and "client.key_secret" in err and "chmod 600" in err, err
+
+
+@pytest.mark.timeout(30)
 def test_reconnecting_while_a_handshake_is_under_way_leaves_the_process_able_to_talk():
     """A worker whose diloco exchange was refused reconnected its sockets, and its
     heartbeats then went unanswered until the coordinator dropped it (the same in a

@@ -29,7 +29,7 @@ from torch import nn
 
 from .config import Config
 from .data import load_dataset, partition
-from .metrics import write_json_atomic
+from .metrics import rate, write_json_atomic
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
 from .replica import Replica, pick_device
@@ -123,7 +123,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         "servers": 0,
         "wall_s": round(train_s, 4),
         "samples": samples,
-        "samples_per_s": round(samples / train_s, 2) if train_s > 0 else 0.0,
+        "samples_per_s": rate(samples / train_s) if train_s > 0 else 0.0,
         "final_accuracy": final["accuracy"],
         "final_loss": final["loss"],
         "time_to_target_s": round(min(reached), 4) if reached else None,

@@ -1134,3 +1134,20 @@ def test_a_batch_larger_than_a_workers_share_is_warned_once_and_the_sweep_scales
     assert simulate(tmp_path, "b", "--modes", "sync", "--workers", "8,16", *small)[0] == 0
     assert "warning" not in capsys.readouterr().err
     assert "steps/s" not in (tmp_path / "b" / "report.md").read_text()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_throughput_far_below_one_sample_a_second_is_kept_and_compared(tmp_path):
+    """At 1 bit/s (sim.bandwidth_gbps = 1e-9) sync ran at 4.7e-05 samples/s and async at
+    7.0e-05, and summary.json kept both as 0.0 (2 decimals): the report said "Throughput
+    does not separate the configurations: all at 0 samples/s" with walls of 5.4e7 and
+    3.7e7 virtual s."""
+    code, res = simulate(tmp_path, "slow", "--modes", "sync,async", "--workers", "4", "--set", "sim.train=false",
+                         "--set", "sim.compute_s=0.01", "--set", "train.steps=5", "--set", "sim.bandwidth_gbps=1e-9")
+    assert code == 0 and len(res) == 2
+    for r in res:
+        assert r["samples_per_s"] == pytest.approx(r["samples"] / r["wall_s"], rel=1e-3), r
+    report = open(os.path.join(tmp_path, "slow", "report.md")).read()
+    assert "does not separate" not in report and "all at 0 samples/s" not in report
+

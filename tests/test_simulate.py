@@ -1151,3 +1151,16 @@ def test_a_throughput_far_below_one_sample_a_second_is_kept_and_compared(tmp_pat
     report = open(os.path.join(tmp_path, "slow", "report.md")).read()
     assert "does not separate" not in report and "all at 0 samples/s" not in report
 
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_very_large_compute_cv_runs(tmp_path):
+    """sim.compute_cv = 1e300 is a valid spread (>= 0, finite), and every run failed with
+    "OverflowError: (34, 'Numerical result out of range')" (the lognormal's cv^2); the
+    sigma of a usual cv is the one it was."""
+    code, res = simulate(tmp_path, "cv", "--modes", "sync", "--workers", "2", "--set", "sim.train=false",
+                         "--set", "sim.compute_s=0.01", "--set", "train.steps=5", "--set", "sim.compute_cv=1e300")
+    assert code == 0 and res[0].get("error") is None and res[0]["samples"] == 2 * 5 * 32, res
+    from psgd.sim.worker import lognormal_sigma
+    assert lognormal_sigma(0.2) == math.sqrt(math.log1p(0.2 ** 2)) and lognormal_sigma(0) == 0.0
+    assert lognormal_sigma(1e300) == pytest.approx(math.sqrt(2 * math.log(1e300)))

@@ -39,6 +39,16 @@ if TYPE_CHECKING:
     from ..replica import Replica
     from .run import Simulation
 
+
+def lognormal_sigma(cv: float) -> float:
+    """The sigma of a lognormal of coefficient of variation `cv` (`sim.compute_cv`):
+    sqrt(log(1 + cv^2)), as 2 log(cv) where cv^2 would overflow (above 1e154 it did:
+    every run failed with "OverflowError: (34, 'Numerical result out of range')")."""
+    if cv <= 0:
+        return 0.0
+    return math.sqrt(math.log1p(cv ** 2) if cv < 1e150 else 2 * math.log(cv))
+
+
 @dataclass
 class Flight:
     """Requests sent by `SimClient.begin`, answered in the order they were made
@@ -166,7 +176,7 @@ class SimWorker:
         s, f = cfg.sim, cfg.faults
         self._rng = random.Random(f"psgd-sim:{cfg.job.seed}:{rank}")   # the compute spread
         self._jitter = Jitter(f.jitter_prob, f.jitter_s, cfg.job.seed, rank)  # the real worker's, on its own stream
-        self._sigma = math.sqrt(math.log1p(s.compute_cv ** 2)) if s.compute_cv > 0 else 0.0
+        self._sigma = lognormal_sigma(s.compute_cv)
         self._slow = f.slow_factor if f.slow_rank == rank and f.slow_factor > 1 else 1.0
         rng = TorchRandom(cfg.job.seed * 1000 + rank, replica.device) if batches is not None else None
         self.proc = Process(f"sim-worker-{rank}", self.run, rng)   # a worker that trains draws as the real one

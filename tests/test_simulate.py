@@ -1164,3 +1164,16 @@ def test_a_very_large_compute_cv_runs(tmp_path):
     from psgd.sim.worker import lognormal_sigma
     assert lognormal_sigma(0.2) == math.sqrt(math.log1p(0.2 ** 2)) and lognormal_sigma(0) == 0.0
     assert lognormal_sigma(1e300) == pytest.approx(math.sqrt(2 * math.log(1e300)))
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_the_done_line_says_the_wall_that_the_summary_says(tmp_path):
+    """The coordinator log's `done` line gave wall_s to 3 decimals (0.208) where summary.json,
+    and a real coordinator's `done` line, give it to 6 (0.207929)."""
+    code, res = simulate(tmp_path, "done", "--modes", "sync", "--workers", "4", "--set", "sim.train=false",
+                         "--set", "sim.compute_s=0.01", "--set", "train.steps=20")
+    assert code == 0 and res[0]["wall_s"] != round(res[0]["wall_s"], 3), res   # (the network's share shows)
+    log = os.path.join(tmp_path, "done", res[0]["dir"], "events", "coordinator-0.jsonl")
+    lines = [json.loads(x) for x in open(log)]
+    assert lines[-1]["event"] == "done" and lines[-1]["wall_s"] == res[0]["wall_s"] == lines[-1]["t"], lines[-1]

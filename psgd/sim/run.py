@@ -451,8 +451,8 @@ class Simulation:
         for w in self.workers:
             dump(f"worker-{w.rank}.jsonl", w.log_lines())
         dump("evaluator-0.jsonl", self.ev_lines)
-        dump("coordinator-0.jsonl", self.log + [{"t": round(self.end_t, 6), "role": "coordinator",
-                                                 "event": "done", "wall_s": round(self.end_t, 3)}])
+        dump("coordinator-0.jsonl", self.log + [{"t": round(self.end_t, 6), "role": "coordinator",   # wall_s:
+                                                 "event": "done", "wall_s": round(self.end_t, 6)}])   # summary's
         write_json_atomic(os.path.join(out, "summary.json"), summary)
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import multiprocessing
 import operator
 import os
 import sys
@@ -233,6 +234,16 @@ def _end_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -
                 log(f"worker-{c.rank}", f"could not end the job: {type(e).__name__}: {e}")
 
 
+def _importing_main() -> bool:
+    """Is this a child process that 'spawn' or 'forkserver' started (a DataLoader's
+    worker: `multiprocessing_context="spawn"`), running the script's top level to
+    import it? A script without `if __name__ == "__main__":` calls connect there: the
+    child registered for the script's rank (the environment's PSGD_RANK), took it over
+    from the script, and the script's step failed. (multiprocessing's own check, which
+    torch's reads too: `_inheriting` is set while the child imports the main module.)"""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
 def _connected_already(address: str, model: nn.Module, rank: int) -> str:
     """Why this process may not connect `model` as `rank` (-1: any) to the job at `address`,
     or '': a second connect of the same model, or for a rank this process holds, would
@@ -262,6 +273,10 @@ class Connection(Worker):
         problem = _argument_problem(model, score, config, rank, out)
         if problem:
             raise ConfigError(problem)
+        if _importing_main():
+            raise ConfigError("psgd.connect was called by a child process (a DataLoader worker started with "
+                              "'spawn' or 'forkserver') that runs the script's top level to import it: put the "
+                              "script's training under `if __name__ == \"__main__\":`")
         rank = None if rank is None else operator.index(rank)   # (a numpy integer: sent as an int)
         env = os.environ
         cfg = config if isinstance(config, Config) else load(config or env.get("PSGD_CONFIG"))

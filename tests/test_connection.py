@@ -238,6 +238,20 @@ def test_a_model_psgd_cannot_hold_is_a_clear_error_before_registering(port_block
 
 
 @pytest.mark.timeout(60)
+def test_connect_in_a_spawned_loader_worker_importing_the_script_is_a_clear_error(port_block, monkeypatch):
+    """A user's run: a script without `if __name__ == "__main__":` and a DataLoader with
+    multiprocessing_context="spawn". Each loader worker ran the script's top level, and its
+    psgd.connect registered for the script's rank (PSGD_RANK): "worker 1 rejoined", the rank
+    taken over from the script (under psgd run: "the process that started this one is
+    gone"). multiprocessing marks a child that imports the main module so (`_inheriting`)."""
+    import multiprocessing
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    cfg = config(port_block, "sync", workers=1, **{"cluster.timeout_s": 2})   # no cluster: it must not register
+    with pytest.raises(ConfigError, match=r"child process .* `if __name__ == \"__main__\":`"):
+        psgd.connect(Net(0), config=cfg, rank=0)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("value", ["abc", "-3", "1.5"])
 def test_a_bad_psgd_rank_is_a_clear_error_before_registering(port_block, monkeypatch, value):
     monkeypatch.setenv("PSGD_RANK", value)

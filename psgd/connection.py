@@ -157,10 +157,16 @@ def _loss_value(loss: Any) -> float | None:
     return value
 
 
-def _needs_a_closure(step: Callable) -> bool:
+def _needs_a_closure(opt: Any) -> bool:
     """Does an optimizer's step() need an argument (LBFGS's `closure`)? A local mode calls
     it as `step()`: the TypeError would come from inside psgd's step, as if the script
-    had raised it."""
+    had raised it. An LR scheduler wraps `opt.step` on the instance (a plain function
+    whose signature, read through `__wrapped__`, is the class's unbound `(self, closure=None)`):
+    what it calls, the wrapped function bound to `opt`, says what step() takes; read
+    as it was, `self` made every optimizer with a scheduler "need a closure"."""
+    step = opt.step
+    if not inspect.ismethod(step) and inspect.isfunction(getattr(step, "__wrapped__", None)):
+        step = step.__wrapped__.__get__(opt, type(opt))
     try:
         params = inspect.signature(step).parameters.values()
     except (TypeError, ValueError):   # (no signature to read: taken as it is)
@@ -358,7 +364,7 @@ class Connection(Worker):
         if not callable(getattr(opt, "step", None)) or not isinstance(getattr(opt, "param_groups", None), list):
             return (f"psgd.connect's optimizer must be a torch.optim.Optimizer (mode {self.cfg.mode.name} steps it "
                     f"locally), not {_described(opt)}")
-        if _needs_a_closure(opt.step):
+        if _needs_a_closure(opt):
             return (f"psgd.connect's optimizer {type(opt).__name__} needs a closure in step(closure) (mode "
                     f"{self.cfg.mode.name} steps it locally, as optimizer.step()): give one that steps on the "
                     f"gradients alone (SGD, Adam, ...)")

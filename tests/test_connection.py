@@ -740,6 +740,48 @@ def test_an_ltfb_score_that_is_not_a_score_is_a_config_error_naming_score(port_b
         assert ps.closed and "score" in cluster.coordinator.abort   # the job told
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["easgd", "diloco"])
+def test_the_scripts_optimizer_with_an_lr_scheduler_is_stepped_and_scheduled(port_block, mode):
+    """A user's run: an optimizer with a torch LR scheduler (StepLR) was refused at connect,
+    "psgd.connect's optimizer SGD needs a closure in step(closure)": the scheduler wraps
+    optimizer.step, and its wrapper's signature read as the unbound `(self, closure=None)`."""
+    cfg = config(port_block, mode, **{"mode.tau": 4, "mode.local_steps": 5})
+    scheds = {}
+
+    def opt_with_a_schedule(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scheds[id(opt)] = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return opt
+
+    def loop(ps, model, opt):
+        g = torch.Generator().manual_seed(ps.rank)
+        while True:
+            opt.zero_grad()
+            x = torch.randn(16, 6, generator=g)
+            nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+            if not ps.step():
+                break
+            scheds[id(opt)].step()
+
+    with InProcessCluster(cfg):
+        got = run_workers(cfg, None, loop, opt_with_a_schedule)
+    assert not got["errors"], got["errors"]
+    for rank in range(2):
+        opt = got[("opt", rank)]
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)   # 19 of 20 steps scheduled
+        assert not torch.equal(got[("start", rank)], got[("end", rank)])
+
+
+def test_an_lbfgs_with_an_lr_scheduler_still_needs_a_closure():
+    from psgd.connection import _needs_a_closure
+    model = Net(0)
+    lbfgs, sgd = torch.optim.LBFGS(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(lbfgs, step_size=5)
+    torch.optim.lr_scheduler.StepLR(sgd, step_size=5)
+    assert _needs_a_closure(lbfgs) and not _needs_a_closure(sgd)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("given", ["lr", "another-models", "lbfgs"])
 def test_a_local_optimizer_that_cannot_train_the_model_is_a_config_error_at_connect(port_block, given):

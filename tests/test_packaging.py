@@ -3,8 +3,10 @@ daemons of servers/ and workers/ as `psgd.servers` and `psgd.workers` (setup.cfg
 package_dir), every module of the tree in it, and the `psgd` command."""
 from __future__ import annotations
 
+import configparser
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,3 +112,14 @@ def test_in_the_checkout_only_the_daemon_folders_join_the_package():
         assert spec is not None and spec.origin == str(ROOT / name / "__init__.py")
     for name in ("tests", "bench", "deploy", "docs", "psgd"):
         assert importlib.util.find_spec(f"psgd.{name}") is None, name
+
+
+@pytest.mark.unit
+def test_the_package_summary_names_every_mode():
+    """`pip show psgd`'s Summary (setup.cfg's description) named sync, ssp, async, easgd
+    and ltfb side by side: diloco, the sixth mode, was missing from it."""
+    from psgd.consistency import NAMES
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    named = re.findall(r"[a-z]+", cfg["metadata"]["description"].split(":", 1)[1])
+    assert [n for n in named if n in NAMES] == list(NAMES)

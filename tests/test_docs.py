@@ -386,3 +386,25 @@ def test_readme_idea_table_has_every_mode():
     table = text[text.index("| mode |", start):]
     table = table[:table.index("\n\n")]
     assert [re.match(r"\| `(\w+)`", r).group(1) for r in table.splitlines()[2:]] == list(NAMES)
+
+
+def test_every_torch_install_the_docs_show_pins_the_tested_torch():
+    """README's GPU install was `pip install torch --index-url .../whl/cu124`: unpinned, it
+    took that index's newest torch (cu124 has none after 2.6), which psgd's `torch>=2.1`
+    then kept, in place of the 2.13.0 that the CPU install, the images and the tests use.
+    Every `pip install torch` of README and docs/*.md pins the Dockerfile's TORCH_VERSION,
+    and a CUDA index is the one deploy/compose.gpu.yaml builds with."""
+    dockerfile = open(os.path.join(ROOT, "deploy", "docker", "Dockerfile")).read()
+    version = re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M).group(1)
+    gpu = open(os.path.join(ROOT, "deploy", "compose.gpu.yaml")).read()
+    cuda = re.search(r"DEPLOY_CUDA_TORCH_INDEX_URL:-(\S+?)\}", gpu).group(1)
+    installs = []
+    for path in [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        for line in open(path):
+            found = re.findall(r"pip install [^`\n#]*?\btorch\b[^`\n#]*", line)
+            installs += [(os.path.basename(path), command) for command in found]
+    assert installs
+    for where, command in installs:
+        assert f"torch=={version}" in command.split(), (where, command)
+        index = re.search(r"--index-url (\S+)", command)
+        assert index is None or "/whl/cu" not in index.group(1) or index.group(1) == cuda, (where, command)

@@ -113,7 +113,7 @@ def _saved(monkeypatch, name: str) -> list:
 def test_a_configuration_has_one_colour_in_every_plot(tmp_path, monkeypatch):
     # `--modes sync,async --workers 1,2,3`: the staleness histograms coloured sync at 1, 2 and 3
     # workers blue, red and pink, while the worker-count plot drew sync as one blue line
-    from matplotlib.colors import to_hex
+    to_hex = pytest.importorskip("matplotlib.colors").to_hex
 
     from psgd.report import build_rows
     from psgd.report_plots import make_plots

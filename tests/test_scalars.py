@@ -10,6 +10,10 @@ from psgd.config import Config, ConfigError
 from psgd.launcher import run_local
 from tests.conftest import free_port_block
 
+# psgd[tensorboard]: without it these skip, as the option then refuses (the first test)
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                                       reason="needs tensorboard: pip install 'psgd[tensorboard]'")
+
 
 def read(folder: str) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -27,6 +31,7 @@ def test_without_tensorboard_the_option_says_what_to_install(monkeypatch):
     scalars.check(Config())  # off: nothing needed
 
 
+@needs_tensorboard
 @pytest.mark.unit
 def test_worker_scalars_per_worker_and_for_the_job(tmp_path):
     s = scalars.Scalars(str(tmp_path))
@@ -41,6 +46,7 @@ def test_worker_scalars_per_worker_and_for_the_job(tmp_path):
     assert got["job/accuracy"] == [(400, 0.5)]
 
 
+@needs_tensorboard
 @pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_a_job_writes_its_curves_for_tensorboard(tmp_path):
@@ -54,6 +60,7 @@ def test_a_job_writes_its_curves_for_tensorboard(tmp_path):
     assert steps == sorted(steps) and steps[-1] == summary["samples"]
 
 
+@needs_tensorboard
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_compare_writes_one_tensorboard_run_per_configuration(tmp_path):

@@ -80,10 +80,12 @@ def test_installed_outside_the_checkout(wheel, tmp_path):
                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     deps = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
     Path(purelib, "psgd-test-deps.pth").write_text("\n".join(deps) + "\n")
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", str(wheel)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PSGD_", "PYTHON"))}
+    # pip without PYTHONPATH too: on it, a checkout's psgd.egg-info (`pip install .` leaves one)
+    # passed for psgd installed, and pip installed nothing.
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", str(wheel)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
     def run(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -68,6 +68,32 @@ def test_wheel_holds_psgd_only_with_every_module(wheel):
 
 @pytest.mark.processes
 @pytest.mark.timeout(300)
+def test_the_source_archive_holds_the_whole_test_suite(tmp_path):
+    """The sdist held tests/test_*.py (setuptools' default) without conftest.py, __init__.py,
+    loopback.py or streaming_data.py, so its tests could not run. MANIFEST.in grafts tests/."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES + ["MANIFEST.in", "tests", "docs", "examples"]:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif path.exists():
+            shutil.copy(path, src / name)
+    r = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                        "b.build_sdist(sys.argv[1])", str(tmp_path / "dist")],
+                       cwd=src, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sdist,) = (tmp_path / "dist").glob("psgd-*.tar.gz")
+    import tarfile
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    tests = {f"tests/{p.name}" for p in (ROOT / "tests").glob("*.py")}
+    assert tests - names == set(), sorted(tests - names)
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
 def test_installed_outside_the_checkout(wheel, tmp_path):
     """Installed into a fresh venv and run from a folder outside the checkout: the daemons
     import as psgd.*, never as top-level names. (The venv borrows the dependencies from this

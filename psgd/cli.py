@@ -80,7 +80,9 @@ def _insecure(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from . import __version__
     ap = argparse.ArgumentParser(prog="psgd", description="Sharded parameter-server training for PyTorch.")
+    ap.add_argument("--version", action="version", version=f"psgd {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="run a whole job on this machine (coordinator, shards, workers, evaluator)")

@@ -673,3 +673,11 @@ def test_run_warns_once_when_a_batch_is_larger_than_a_workers_share_of_the_data(
     assert len(lines) == 1 and lines[0].startswith("psgd run: warning: train.batch_size = 32 is larger than"), lines
     assert "2 workers" in lines[0] and main(["run", "--out", str(tmp_path / "o2")]) == 0
     assert "train.batch_size" not in capsys.readouterr().err   # the default job: no warning
+
+
+def test_psgd_version_says_the_packages_version(capsys):
+    """`psgd --version` said "the following arguments are required: cmd"."""
+    from psgd import __version__
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"psgd {__version__}"

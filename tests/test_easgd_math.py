@@ -116,6 +116,30 @@ def test_async_a_workers_staleness_counts_the_centres_moves_by_others_between_it
     assert [staleness for _, staleness, _ in workers[1].logged] == [2, 0]   # worker 0's two, then none
 
 
+@pytest.mark.timeout(60)
+def test_async_staleness_after_a_rejoin_counts_from_the_centre_it_loaded():
+    """A worker dropped and rejoined loads the centre (its replica is replaced): its next
+    exchange's staleness counts the moves since that load, not since its exchange before
+    the drop (before the fix: 3, the other worker's moves that the loaded centre held)."""
+    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": False, "mode.tau": 1, "mode.alpha": ALPHA,
+                              "cluster.workers": 2, "cluster.servers": 2, "optimizer.lr": ETA,
+                              "optimizer.momentum": 0.0})
+    shards = [Shard(cfg, i) for i in range(2)]
+    workers = [FakeTrainer(cfg, Loopback(shards, r), grad, rank=r) for r in range(2)]
+    schedules = [EasgdSchedule(cfg) for _ in range(2)]
+    for s, w in zip(schedules, workers, strict=True):
+        s.start(w)
+    schedules[0].step(workers[0])
+    for _ in range(3):
+        schedules[1].step(workers[1])
+    schedules[0].rejoin(workers[0])
+    torch.testing.assert_close(flat(workers[0].replica.params()), centre(shards))   # it holds the 3 moves
+    schedules[0].step(workers[0])
+    schedules[1].step(workers[1])
+    schedules[0].step(workers[0])
+    assert [staleness for _, staleness, _ in workers[0].logged] == [0, 0, 1]
+
+
 def _offer(shard: Shard, rank: int, round_: int, x: torch.Tensor):
     return wire.decode(wire.encode("elastic", id=9 + rank, rank=rank, clock=round_, round=round_,
                                    arrays=[x.numpy(), np.zeros(shard.B, np.float32)]))

@@ -24,7 +24,7 @@ plain SGD is EASGD as the equations above; with `optimizer.nesterov = true` (mom
 > 0) it is EAMSGD (Algorithm 2, in torch's look-ahead form of Nesterov momentum, so the
 elastic term acts on the look-ahead point); with plain momentum, EASGD with a
 heavy-ball local optimizer (not EAMSGD). Staleness counts the centre's moves by others
-since the worker's previous exchange.
+since the worker's previous exchange (or its join, which loads the centre).
 """
 from __future__ import annotations
 
@@ -166,7 +166,10 @@ class EasgdSchedule(Schedule):
         return load(w, answers)[0]
 
     def rejoin(self, w: Trainer) -> None:
-        self.join(w)
+        """The join loads the centre into the replica: the next exchange's staleness counts
+        the centre's moves since then (before, since the exchange before the worker was
+        dropped, moves that the centre it loaded already held)."""
+        self.last_version = self.join(w)
 
     def step(self, w: Trainer) -> None:
         """Algorithm 1's step t: at tau | t the elastic exchange, with the x the gradient
@@ -186,7 +189,7 @@ class EasgdSchedule(Schedule):
 
     def exchange(self, w: Trainer, round_: int) -> None:
         """Offer x_i, move it by -d; staleness counts the centre's moves by others since
-        this worker's previous exchange."""
+        this worker's previous exchange (or its join)."""
         w0 = w.client.wait_s
         answers = w.client.elastic(round_, w.replica.params(), w.replica.buffers(), w.clock)
         version = int(answers[0].get("version", 0))

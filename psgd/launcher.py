@@ -1092,11 +1092,14 @@ def format_summary(s: dict) -> str:
 
 def staleness_words(s: dict) -> str:
     """'staleness mean M max N', or '' where the job counted none: an empty histogram (ltfb's
-    independent trainers read no shared model; nothing is measured, so no 0 is claimed)."""
+    independent trainers read no shared model; nothing is measured, so no 0 is claimed).
+    easgd's says its unit: the others' exchanges (each tau local steps), not updates, so that
+    its 1.00 does not read as fresher than async's."""
     from .report_numbers import records_staleness
     if not records_staleness(s):
         return ""
-    return f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}"
+    unit = " (centre moves between exchanges)" if s.get("mode") == "easgd" else ""
+    return f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}{unit}"
 
 
 def lost_words(s: dict) -> str:

@@ -227,7 +227,9 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                  f"≥ {target:g} on the test set; distributed runs are scored every {every}. Speedup = reference "
                  f"time to target / this time (> 1: faster). ")
     lines[-1] += ("Measured staleness = updates applied between a worker's read and its push (easgd: moves of the "
-                  "center between two exchanges; ltfb: none recorded, —). It is not ssp's bound s, which limits "
+                  "center between two of a worker's exchanges, each another worker's exchange of tau local steps: "
+                  "another unit, so its numbers are not comparable with the other modes'; ltfb: none recorded, "
+                  "—). It is not ssp's bound s, which limits "
                   "how many clocks a worker may run ahead of the slowest: even with s = 0 the other workers' pushes "
                   "of the same clock land between a read and a push.")
     lines.append("")

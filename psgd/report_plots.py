@@ -207,7 +207,7 @@ def staleness_axis(rows: list[Row]) -> tuple[float, str]:
     top = max([_bin_order(k) for k in keys] + [1])
     caption = "measured staleness: updates applied between a worker's read and its push"
     if any(r.mode == "easgd" for r in rows):
-        caption += " (easgd: moves of the centre between a worker's exchanges)"
+        caption += " (easgd: moves of the centre between a worker's exchanges, each of tau local steps)"
     if any(k.endswith("+") for k in keys):
         caption += f"; the last bar, {BINS - 1}+, collects every delay ≥ {BINS - 1}"
     return top, caption

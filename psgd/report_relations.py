@@ -44,7 +44,8 @@ from .report_numbers import (  # ONCE and tie_reason: imported from here too
 )
 from .report_tables import secs, smax
 
-OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker's exchanges"}
+OTHER_STALENESS = {"easgd": "easgd's counts moves of the centre between a worker's exchanges (the other workers' "
+                            "exchanges, each of tau local steps, not updates)"}
 # Modes that count no staleness (summary.json's histogram is empty): said so, not given a 0.
 NO_STALENESS = {"ltfb": "ltfb records no staleness (independent trainers: none reads a shared model)"}
 

@@ -486,6 +486,20 @@ def test_the_run_summary_line_claims_no_staleness_that_the_mode_does_not_record(
     assert "  staleness mean 0.00 max 0" in format_summary(sync)
 
 
+def test_the_run_summary_line_says_easgds_staleness_is_in_exchanges_not_updates():
+    """A soak of easgd (2 workers) ended "staleness mean 1.00 max 51", the same words as
+    async's updates, though each of easgd's is another worker's exchange of tau steps."""
+    from psgd.launcher import format_summary
+    from psgd.metrics import summarize
+    final = {"t": 1.0, "samples": 64, "accuracy": 0.95, "loss": 0.2, "final": True}
+    s = summarize(mode="easgd", mode_params={}, workers=2, servers=1, wall_s=1.0, worker_stats={},
+                  server_stats={}, evals=[final], target=0.9, failures={}, final_expected=True)
+    easgd = {**s, "staleness": {"mean": 1.0, "max": 51, "hist": {"1": 40, "32+": 1}}}
+    assert "  staleness mean 1.00 max 51 (centre moves between exchanges)" in format_summary(easgd)
+    line = format_summary({**easgd, "mode": "async"})
+    assert "staleness mean 1.00 max 51" in line and "exchanges" not in line, line
+
+
 def test_a_final_loss_that_is_not_finite_is_said_not_left_out():
     """A diverged diloco run (mode.outer_lr = 50) ended "accuracy 0.1031" with no loss and
     summary.json's final_loss null, as if no score had come: the evaluator's loss was NaN."""

@@ -825,3 +825,14 @@ def test_one_noisy_configuration_does_not_make_every_accuracy_difference_noise()
     text = told(res)
     assert "no effect of staleness" not in text and "less than the run-to-run noise" not in text, text
     assert "no relation between staleness and final accuracy is established" in text
+
+
+def test_easgds_staleness_is_said_to_be_another_unit_than_asyncs():
+    """easgd 1.00 and async 1.00 (2 workers) stood in one column with only "easgd: moves of
+    the center between two exchanges": each move is another worker's exchange of tau local
+    steps, so easgd's number is not comparable with async's, and the report says so."""
+    results = [run("async", "async", stal=1.0), run("easgd", "easgd", stal=1.0)]
+    report = render(build_rows(results), CTX, [])
+    assert ("moves of the center between two of a worker's exchanges, each another worker's exchange of tau "
+            "local steps: another unit, so its numbers are not comparable with the other modes'") in report
+    assert "(the other workers' exchanges, each of tau local steps, not updates)" in told(results)

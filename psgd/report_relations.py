@@ -184,6 +184,10 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
         if most_mean == 0:
             out.append("No configuration of sync, ssp or async read stale parameters (measured staleness (mean) "
                        "0 everywhere).")
+        elif len(measured) == 1:   # nothing to be highest among
+            out.append(f"Measured staleness (mean updates applied between a worker's read and its push): "
+                       f"{rname(most, many_w)} {most_mean:.2f} (max {smax(most.staleness_max)})"
+                       + _staleness_vs_accuracy(st) + ".")
         elif unmeasured([_run_staleness(r) for r in st]):
             out.append("Measured staleness (mean updates applied between a worker's read and its push): "
                        + ", ".join(f"{rname(r, many_w)} {sm:.2f} (max {smax(r.staleness_max)})" for sm, r in measured)

@@ -836,3 +836,13 @@ def test_easgds_staleness_is_said_to_be_another_unit_than_asyncs():
     assert ("moves of the center between two of a worker's exchanges, each another worker's exchange of tau "
             "local steps: another unit, so its numbers are not comparable with the other modes'") in report
     assert "(the other workers' exchanges, each of tau local steps, not updates)" in told(results)
+
+
+@pytest.mark.timeout(60)
+def test_one_configuration_that_counts_updates_is_not_called_the_highest():
+    """`psgd compare --modes async,easgd:tau=1,4,16,diloco` read "Measured staleness ...:
+    highest in **async** (0.70, max 11)": the only sync/ssp/async row, highest of one."""
+    results = [run("async", "async", stal=0.7), run("easgd", "easgd", stal=0.9), run("diloco", "diloco", stal=0.0)]
+    line = sentence(told(results), "Measured staleness (mean")
+    assert "highest" not in line and line.startswith("Measured staleness (mean updates applied between a worker's "
+                                                     "read and its push): **async** 0.70 (max 2)"), line

@@ -449,6 +449,11 @@ class Monitor:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.t0 = time.monotonic()
         self._shown = False
+        self._started: tuple[int, int] | None = None   # (k, N) processes started: the launcher's count
+
+    def started(self, k: int, total: int) -> None:
+        """The launcher's `on_started`: k of the run's `total` processes have started."""
+        self._started = (k, total)
 
     def status(self) -> str:
         events = os.path.join(self.folder, "events")
@@ -467,8 +472,9 @@ class Monitor:
                 if last and "accuracy" in last:
                     acc = float(last["accuracy"])
         elapsed = time.monotonic() - self.t0
-        if not clocks:
-            where = "starting processes"
+        if not clocks:   # (a quiet launcher says nothing of its start-up: its count is said here)
+            where = f"started {self._started[0]}/{self._started[1]} processes" if self._started \
+                else "starting processes"
         else:
             total = f"/{self.steps}" if self.steps else ""
             where = f"step {min(clocks)}{total}"
@@ -507,9 +513,10 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix:
         return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps, timeout_s=timeout_s)
     if os.path.exists(folder):
         shutil.rmtree(folder)  # events are appended: start each run from an empty folder
-    with Monitor(prefix, folder, run.cfg.train.steps):
+    with Monitor(prefix, folder, run.cfg.train.steps) as monitor:
         # A port taken by another job before the daemons bind it: the launcher moves the job.
-        summary = run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s)
+        summary = run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s,
+                            on_started=monitor.started)
     if run.cfg.eval.tensorboard and os.path.isdir(os.path.join(folder, "tb")):
         # One TensorBoard run per configuration and repeat, side by side: OUT/tb/RUN/
         tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))

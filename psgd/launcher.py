@@ -228,12 +228,15 @@ class LocalJob:
     A job it refuses (its ports, its folders another job's, a config error found here)
     raises before it says anything or writes a file: the refusal is all the user sees.
     `announce`, if given, is called once it is accepted, before anything it says (psgd
-    run's line that names the job)."""
+    run's line that names the job). `on_started`, if given, is told the started count and
+    the job's process count (k, N) as the count grows, and (0, N) as the processes start
+    (again after a move): a quiet job's start-up progress (psgd compare's)."""
 
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
                  quiet: bool = False, timeout_s: float | None = None, env: dict | None = None,
                  launched_at: float | None = None, port_explicit: bool = False, script: list[str] | None = None,
-                 announce: Callable[[], None] | None = None):
+                 announce: Callable[[], None] | None = None,
+                 on_started: Callable[[int, int], None] | None = None):
         # startup_s counts from here (a time.time() value), or from launched_at: psgd run
         # passes its own process's start
         self.launched_at = time.time() if launched_at is None else launched_at
@@ -243,6 +246,7 @@ class LocalJob:
         self.script = script  # [FILE, ARGS...]: the workers are copies of the user's training script
         self.moves = 0
         self.quiet = quiet
+        self.on_started = on_started
         self._ports_note = ""
         self.cfg = self._place(cfg)
         from . import scalars
@@ -602,6 +606,8 @@ class LocalJob:
             if self._forks(child) is not None:
                 break
         self._starting = len(specs)
+        if self.on_started is not None:   # (0 again after a move)
+            self.on_started(len(self.started), self._starting)
         for child in specs:
             self._start(child)
             self.children.append(child)
@@ -614,10 +620,13 @@ class LocalJob:
             return
         self.started |= {c.name for c in self.children if os.path.exists(self.started_file(c.name))}
         n = len(self.started)
-        if not self.quiet and n != self._shown_started:
+        if n != self._shown_started:
             self._shown_started = n
-            took = f" in {time.time() - self.launched_at:.1f} s" if n == total else ""
-            log("run", f"started {n}/{total} processes{took}")
+            if self.on_started is not None:
+                self.on_started(n, total)
+            if not self.quiet:
+                took = f" in {time.time() - self.launched_at:.1f} s" if n == total else ""
+                log("run", f"started {n}/{total} processes{took}")
 
     def _ends(self, child: Child) -> str:
         """"LOG ends:" and its last lines, or that it is empty: a copy of a script killed

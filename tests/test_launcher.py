@@ -681,3 +681,25 @@ def test_start_up_progress_is_said_while_the_children_are_being_started(tmp_path
     lines = [line for line in capsys.readouterr().err.splitlines() if "] started " in line]
     assert [line.split("started ")[1].split(" ")[0] for line in lines] == ["1/4", "2/4", "3/4", "4/4"], lines
     assert lines[-1].startswith("[psgd run] started 4/4 processes in ")
+
+
+@pytest.mark.timeout(30)
+def test_a_quiet_job_tells_its_start_up_count_to_on_started(tmp_path, capsys, monkeypatch):
+    """psgd compare runs its jobs quietly, and its progress line said only "starting
+    processes" while a run's daemons started (tens of seconds on a busy machine): the
+    launcher's k/N count is handed to it, and a quiet job still says nothing itself."""
+    from psgd import forkserver
+    from psgd.compare import Monitor
+    monkeypatch.setattr(forkserver, "server", lambda env: None)
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    monitor = Monitor("[1/2]", str(tmp_path), cfg.train.steps, every_s=60)
+    seen = []
+    job = TouchingJob(cfg, str(tmp_path), quiet=True, timeout_s=20,
+                      on_started=lambda k, n: (seen.append(f"{k}/{n}"), monitor.started(k, n)))
+    try:
+        job.start()
+    finally:
+        job.stop()
+    assert seen == ["0/4", "1/4", "2/4", "3/4", "4/4"], seen
+    assert "started" not in capsys.readouterr().err
+    assert monitor.status().endswith("started 4/4 processes"), monitor.status()

@@ -436,6 +436,29 @@ def _tail_line(path: str) -> dict | None:
     return None
 
 
+class _AfterTheLine:
+    """sys.stderr while a Monitor's updating line is on a terminal: what another writes
+    there (the launcher's warnings, a daemon's exit) starts on a cleared line, not glued
+    after the status ("...started 3/10 processes[psgd run] port block ..."), and the
+    status waits until that line is ended."""
+
+    def __init__(self, monitor: Monitor):
+        self._monitor = monitor
+
+    def write(self, text: str) -> int:
+        m = self._monitor
+        with m.lock:
+            if m.on_line and text:
+                m.stream.write("\r\033[K")
+                m.on_line = False
+            if text:
+                m.mid_line = not text.endswith("\n")
+            return m.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._monitor.stream, name)
+
+
 class Monitor:
     """While a run goes on, reads the tail of its event logs and shows how far it is:
     one updating line on a terminal, a line every `every_s` otherwise."""
@@ -450,6 +473,10 @@ class Monitor:
         self.t0 = time.monotonic()
         self._shown = False
         self._started: tuple[int, int] | None = None   # (k, N) processes started: the launcher's count
+        self.lock = threading.Lock()   # (a terminal's line: the status, or another's through _AfterTheLine)
+        self.on_line = False           # the status is on the terminal's current line
+        self.mid_line = False          # another's line is on it, not yet ended
+        self._stderr: Any = None       # sys.stderr as it was, while _AfterTheLine stands in for it
 
     def started(self, k: int, total: int) -> None:
         """The launcher's `on_started`: k of the run's `total` processes have started."""
@@ -480,24 +507,35 @@ class Monitor:
             where = f"step {min(clocks)}{total}"
         return f"{self.prefix}  {elapsed:5.0f} s  {where}" + (f"  acc {acc:.3f}" if acc is not None else "")
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            line = self.status()
+    def show(self) -> None:
+        line = self.status()
+        with self.lock:
             if self.tty:
+                if self.mid_line:
+                    return
                 self.stream.write("\r\033[K" + line)
+                self.on_line = True
             else:
                 self.stream.write(line + "\n")
             self.stream.flush()
             self._shown = True
 
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.show()
+
     def __enter__(self):
+        if self.tty and self.stream is sys.stderr:
+            self._stderr, sys.stderr = sys.stderr, _AfterTheLine(self)
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.tty and self._shown:
+        if self._stderr is not None:
+            sys.stderr, self._stderr = self._stderr, None
+        if self.tty and self._shown and self.on_line:
             self.stream.write("\r\033[K")
             self.stream.flush()
 

@@ -2,6 +2,7 @@
 (from made-up summaries) and one small compare end to end through the CLI."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -764,3 +765,29 @@ def test_a_list_or_table_value_in_a_mode_item_is_one_value():
                                                          ("async", {})]
     assert [dict(s.params)["optimizer.betas"] for s in parse_modes("sync:optimizer.betas=[0.9,0.99],[0.8,0.9]")] \
         == [[0.9, 0.99], [0.8, 0.9]]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(30)
+def test_a_line_said_during_a_run_is_not_glued_to_the_progress_line(tmp_path, monkeypatch):
+    """On a terminal the launcher's lines (a port block moved, a daemon's exit) came right
+    after the updating status: "[1/2]   5 s  started 3/10 processes[psgd run] port block ..."."""
+    import sys
+
+    from psgd.compare import Monitor
+    from psgd.log import log
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with Monitor("[1/2]", str(tmp_path), 300, every_s=3600) as monitor:
+        monitor.started(3, 10)
+        monitor.show()
+        log("run", "port block 5555 was taken")
+        monitor.show()
+    assert sys.stderr is term
+    shown = term.getvalue()
+    assert "processes[psgd" not in shown
+    assert "started 3/10 processes\r\033[K[psgd run] port block 5555 was taken\n\r\033[K[1/2]" in shown, repr(shown)

@@ -807,7 +807,15 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
             print(f"[{i + 1}/{n}] {result} ({durations[i]:.0f} s{eta})", file=sys.stderr, flush=True)
     except KeyboardInterrupt as e:
         from .cli import interrupted_code
+        from .launcher import ended_before
         interrupted = interrupted_code(e)
+        ended = ended_before(e)   # the run's job had ended (its summary written): it is one of those done
+        if ended is not None:
+            if isinstance(ended, dict):
+                results.append(tag(ended, run, os.path.join("runs", run.name), time.monotonic() - t0))
+            else:   # (aborted: LaunchError)
+                failed += 1
+                results.append(failed_entry(run, str(ended).strip(), duration_s=round(time.monotonic() - t0, 2)))
         print(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those",
               file=sys.stderr, flush=True)
 

@@ -996,7 +996,7 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
     raises, once the daemons are stopped; one that came after the job had ended (while
     its coordinator told the daemons so, or its scripts' work after close() was waited
     for, or its daemons were stopped) carries the job's end (`ended_before`): psgd run
-    reports the job, not an interrupt (psgd compare stops, as on any). One held while the
+    reports the job, not an interrupt (psgd compare keeps that run, and stops). One held while the
     daemons stopped (`signals_held`) comes then: after a Ctrl-C, it is the one raised
     (a hang-up's exit code, 129)."""
     job = LocalJob(cfg, out, **kw)

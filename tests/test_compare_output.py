@@ -193,3 +193,32 @@ def test_a_batch_larger_than_a_workers_share_is_warned_once_in_stderr_and_the_re
     psgd.compare.main(args)
     assert "warning: train.batch_size" not in capsys.readouterr().err
     assert "**Warning:**" not in (tmp_path / "b" / "report.md").read_text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_signal_after_a_runs_job_had_ended_keeps_that_run(tmp_path, monkeypatch, capsys, aborted):
+    """A Ctrl-C while a run's daemons were stopped, its summary.json written, left the run out of
+    compare.json, and the report listed it among those that did not finish; psgd run reports
+    such a job. It is kept (or counted failed, an aborted job), and the comparison stops."""
+    from psgd.baseline import run_baseline
+    from psgd.launcher import LaunchError
+    summary = run_baseline(load(None, ["train.steps=5"], env={}), device="cpu", steps=5)
+    calls = []
+
+    def run_one(run, folder, device, timeout_s, prefix=""):
+        calls.append(run.label)
+        if len(calls) == 1:
+            return dict(summary)
+        e = KeyboardInterrupt()
+        e.ended = LaunchError("job aborted: shard 0 was lost") if aborted else dict(summary)  # as run_local sets it
+        raise e
+    monkeypatch.setattr(psgd.compare, "run_one", run_one)
+    out = tmp_path / "cmp"
+    code = psgd.compare.main(compare_args(out, "sync,async,ssp"))
+    assert code == 130 and calls == ["sync", "async"]
+    entries = json.load(open(out / "compare.json"))
+    assert [e["label"] for e in entries] == ["sync", "async"]
+    assert ("shard 0 was lost" in entries[1].get("error", "")) == aborted
+    assert context(out)["not_run"] == ["ssp, 2 workers, repeat 0"]
+    assert "interrupted after 2 of 3 runs" in capsys.readouterr().err

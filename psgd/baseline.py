@@ -22,6 +22,7 @@ of `psgd run` does (OMP_NUM_THREADS=1), so the baseline is "one of those workers
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -142,6 +143,8 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         "batch_size": cfg.train.batch_size, "steps": step, "last_loss": loss,
         "faults": dict(vars(cfg.faults)), "threads": threads, "device": str(dev),
     }
+    if isinstance(final["loss"], float) and not math.isfinite(final["loss"]):
+        summary["final_loss_not_finite"] = True   # as in a distributed run's summary: it diverged
     if out:
         import os
         os.makedirs(out, exist_ok=True)

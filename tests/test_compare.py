@@ -791,3 +791,18 @@ def test_a_line_said_during_a_run_is_not_glued_to_the_progress_line(tmp_path, mo
     shown = term.getvalue()
     assert "processes[psgd" not in shown
     assert "started 3/10 processes\r\033[K[psgd run] port block 5555 was taken\n\r\033[K[1/2]" in shown, repr(shown)
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_baseline_says_so(tmp_path):
+    """With optimizer.lr=1e6 the baseline's line read "acc 0.1031, ... target 0.9 not reached",
+    as a model that trained, while the distributed runs' said the loss was not finite."""
+    from psgd.baseline import run_baseline
+    from psgd.compare import _one_line
+    s = run_baseline(load(None, ["train.steps=20", "optimizer.lr=1e6"], env={}), out=str(tmp_path), device="cpu",
+                     steps=20)
+    assert s["final_loss_not_finite"] is True
+    assert json.load(open(tmp_path / "summary.json"))["final_loss_not_finite"] is True
+    assert "(loss not finite: the model diverged)" in _one_line(s)
+    fine = run_baseline(load(None, ["train.steps=5"], env={}), device="cpu", steps=5)
+    assert "final_loss_not_finite" not in fine

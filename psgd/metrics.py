@@ -13,7 +13,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from .consistency.staleness import Histogram
 
@@ -188,29 +188,63 @@ def writer_gone(tmp: str, pid: int) -> bool:
     return started is not None and started > written + 1.0   # (start times are estimates to about 10 ms)
 
 
+class _Writes:
+    """The file that a `write_file_atomic` callable writes to, keeping the OSError of its
+    own writes: that one is the file's (a full disk), not another's the callable met."""
+
+    def __init__(self, f: IO):
+        self.f = f
+        self.failed: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
 def write_file_atomic(path: str, write: Callable[[IO], object], binary: bool = False, tmp: str = "") -> None:
     """Write `path` with `write(file)` through a temporary file (`tmp`, default
     PATH.tmp.PID), fsync'd and renamed over it: a reader sees the old file or the new
     one, never half of one. One that fails (a full disk, a value JSON cannot hold, an
-    interrupt) leaves no temporary file behind; a failure to write raises OutputError,
-    which names `path`."""
+    interrupt) leaves no temporary file behind. A failure of the file's own open, writes,
+    fsync or rename raises OutputError, which names `path` (torch.save says of a write
+    that failed only RuntimeError "unexpected pos"); any other error is raised as it is."""
     tmp = tmp or f"{path}.tmp.{os.getpid()}"
+    own: OSError | None = None
     try:
-        with open(tmp, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
+        try:
+            f = open(tmp, "wb" if binary else "w")
+        except OSError as e:
+            own = e
+            raise
+        with f:
+            writes = _Writes(f)
+            try:
+                write(cast(IO, writes))
+            finally:
+                own = writes.failed
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                own = e
+                raise
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            own = e
+            raise
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        # (torch.save, closing a file a write to failed, raises RuntimeError "unexpected
-        # pos": the disk's OSError is its context)
-        cause = e if isinstance(e, OSError) else \
-            e.__context__ if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError) else None
-        if cause is None:
+        if own is None:
             raise
-        raise output_error(cause, path) from None
+        raise output_error(own, path) from None
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -28,6 +28,7 @@ import zmq
 from . import wire
 from .config import ConfigError, SecurityConfig
 from .log import log
+from .metrics import OutputError
 
 LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
@@ -136,7 +137,7 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
     public, secret = _certificate(path, keys)
     if secret is None:
         raise ConfigError(f"security.keys: {path} holds no secret key ({_replace(path, keys)})")
-    if zmq.curve_public(secret) != public:
+    if zmq.has("curve") and zmq.curve_public(secret) != public:   # (a libzmq without CURVE: its sockets say so)
         raise ConfigError(f"security.keys: {path}'s public and secret keys are not one pair ({_replace(path, keys)})")
     mode = os.stat(path).st_mode & 0o777
     if mode & 0o044 and path not in _said_readable:   # (once a process: every socket loads its pair)
@@ -460,6 +461,8 @@ class Service:
         except wire.WireError as e:
             self.counters["bad_messages"] += 1
             return [(ident, wire.error(req_id or e.request_id, e.code, e.reason))]
+        except OutputError:   # the daemon's own files (a full disk), not the message: it exits 73
+            raise             # (answered as a bad message, it served on and its peers were restarted)
         except Exception as e:  # a bug in a handler must not take the daemon down
             self.counters["bad_messages"] += 1
             log(self.name, f"error serving {op}: {type(e).__name__}: {e}")

@@ -125,7 +125,9 @@ class ShardServer:
 
     def _others_unresumable(self, shard: Shard, path: str) -> str:
         """'' if every other shard's checkpoint would be resumed too, else which would not."""
-        others = [i for i in unresumable(shard.cfg, self.out) if i != self.index]
+        # (their CRCs are each shard's own to read, before it resumes: S shards reading all
+        # S checkpoints whole read S² of them, minutes for large ones on a network disk)
+        others = [i for i in unresumable(shard.cfg, self.out, whole=False) if i != self.index]
         return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
                 f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
                 f"and resuming a part of the model would mix two" if others else "")

@@ -8,6 +8,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,6 +90,54 @@ def test_a_summary_on_a_full_disk_names_it_and_leaves_no_temporary_file(tmp_path
     assert os.listdir(tmp_path) == ["summary.json"] and (tmp_path / "summary.json").read_text() == '{"old": true}\n'
 
 
+@pytest.mark.unit
+def test_only_the_files_own_failures_are_called_cannot_write(tmp_path):
+    """A review: a RuntimeError raised while another OSError was being handled (a bug in
+    a `finally`, a shard's checkpoint at exit) was taken for torch.save's "unexpected pos"
+    and said "cannot write PATH: Connection reset by peer" (exit 73, not restarted), and an
+    OSError of another file was said to be this one's. Both are raised as they are."""
+    from psgd.metrics import write_file_atomic
+    path = str(tmp_path / "x.json")
+
+    def bug(f):
+        raise RuntimeError("a bug")
+    try:
+        raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+    except ConnectionResetError:
+        with pytest.raises(RuntimeError, match="a bug"):
+            write_file_atomic(path, bug)
+
+    def reads_another(f):
+        open(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError) as e:
+        write_file_atomic(path, reads_another)
+    assert not isinstance(e.value, OutputError) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_cannot_write_its_state_file_stops_instead_of_answering_an_error(tmp_path):
+    """A review: the serve loop's catch-all took a handler's OutputError (the state file
+    written at a worker's finish) for a bad message, answered INTERNAL and served on: the
+    worker was refused and restarted. It reaches the daemon, which exits 73."""
+    import zmq
+
+    from psgd import wire
+    from psgd.servers.coordinator import Coordinator
+    from tests.test_serving import config
+    c = Coordinator(config(**{"cluster.workers": 1}), out=str(tmp_path / "out"), quiet=True, ctx=zmq.Context.instance())
+    try:
+        c.members.join(0.0, 0)
+        c.phase, c.t0 = "training", time.monotonic() - 5.0
+        c.state_path = str(tmp_path / "gone" / "coordinator-state.json")
+        body = wire.encode("finish", rank=0, clock=3, job=c.job, nonce="")
+        with pytest.raises(OutputError):
+            c.service._serve(b"w", body)
+    finally:
+        c.sock.close(0)
+        c.events.close()
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_a_daemon_that_cannot_write_its_output_stops_the_job_in_one_line_and_is_not_restarted(tmp_path):
@@ -130,5 +179,31 @@ def test_a_corrupt_or_truncated_checkpoint_is_refused_saying_so(tmp_path):
     path.write_bytes(data[:at] + bytes(b ^ 0xFF for b in data[at:at + 8]) + data[at + 8:])
     why = why_not_resume_from(str(path), cfg, 0)
     assert why.startswith("it is corrupt (archive/data/") and why.endswith("does not match its CRC-32)"), why
+    assert why_not_resume_from(str(path), cfg, 0, whole=False) == ""   # (the CRCs not read: below)
     path.write_bytes(data[:len(data) // 2])
-    assert why_not_resume_from(str(path), cfg, 0).startswith("it is not a whole checkpoint: truncated or corrupt (")
+    for whole in (True, False):
+        assert why_not_resume_from(str(path), cfg, 0, whole).startswith(
+            "it is not a whole checkpoint: truncated or corrupt (")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_shard_reads_only_its_own_checkpoint_whole(tmp_path, monkeypatch):
+    """A review: each of S shards read every shard's checkpoint whole for its CRCs (the
+    set's check), S² reads of them in all: minutes before serving for large checkpoints
+    on a network disk. A shard reads its own whole and the others' directories."""
+    import zipfile
+
+    from psgd.config import load
+    from psgd.servers.shard_server import ShardServer
+    from psgd.shard import Shard
+    cfg = load(None, [f"cluster.port={free_port_block(4)}", "cluster.servers=3"], env={})
+    for i in range(3):
+        Shard(cfg, i).save(cfg.checkpoint_file(str(tmp_path), i))
+    read_whole = []
+    testzip = zipfile.ZipFile.testzip
+    monkeypatch.setattr(zipfile.ZipFile, "testzip", lambda z: read_whole.append(z.filename) or testzip(z))
+    server = ShardServer(cfg, 1, str(tmp_path))
+    shard = Shard(cfg, 1)
+    assert server._resume(shard, cfg.checkpoint_file(str(tmp_path), 1), whole_set=True)
+    assert read_whole == [cfg.checkpoint_file(str(tmp_path), 1)]

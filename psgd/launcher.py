@@ -52,7 +52,7 @@ from . import forkserver
 from .config import Config, ConfigError, anchored
 from .log import log
 from .membership import JOB_TOKEN_ENV
-from .metrics import EXIT_CANNOT_WRITE
+from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
 from .transport import EXIT_ADDRESS_IN_USE
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
@@ -420,8 +420,7 @@ class LocalJob:
         return cfg.replace(**{"cluster.port": port})
 
     def _write_config(self) -> None:
-        with open(self.config_path, "w") as f:
-            f.write(anchored(self.cfg).to_toml())
+        write_text_atomic(self.config_path, anchored(self.cfg).to_toml())
 
     def _move(self) -> bool:
         """A daemon found its port taken before training began: start the whole job again
@@ -665,7 +664,7 @@ class LocalJob:
                 said = self.tail(child, 2).strip() or f"a port of {self.cfg.cluster.port}-" \
                     f"{self.cfg.cluster.port + self.cfg.cluster.servers} is in use"
                 raise LaunchError(f"{child.name} could not listen: {said}")
-            if code == EXIT_CANNOT_WRITE:
+            if code == EXIT_CANNOT_WRITE and not os.path.exists(os.path.join(self.out, "summary.json")):
                 raise LaunchError(self._cannot_write(coord) + "; a restart would fail the same way")
             if code is not None and self._coordinator_died(coord, code):
                 continue

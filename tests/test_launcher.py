@@ -13,6 +13,7 @@ import pytest
 
 from psgd.config import load
 from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob, ephemeral_ports, pick_port, ports_free
+from psgd.metrics import EXIT_CANNOT_WRITE
 from psgd.servers.coordinator import STATE_FILE
 from psgd.transport import EXIT_ADDRESS_IN_USE
 from tests.conftest import free_port_block
@@ -290,6 +291,34 @@ def test_daemons_refused_by_another_job_on_the_block_are_not_reported_as_failure
     err = capsys.readouterr().err
     assert job.moves == 1 and f"moved the job to {job.cfg.cluster.port}" in err
     assert "exited with" not in err and "restarting" not in err, err
+
+
+class SummaryThenFullDiskJob(LocalJob):
+    """The coordinator writes the job's summary, then cannot write its last event line (a
+    full disk) and exits EXIT_CANNOT_WRITE; the other daemons end at once."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        if role == "coordinator":
+            return [sys.executable, "-c", f"import json, sys; json.dump({{'mode': 'sync'}}, open("
+                                          f"{os.path.join(self.out, 'summary.json')!r}, 'w')); "
+                                          f"print('psgd coordinator: error: cannot write x: No space left on device', "
+                                          f"file=sys.stderr); sys.exit({EXIT_CANNOT_WRITE})"]
+        return [sys.executable, "-c", "pass"]
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_cannot_write_after_the_summary_leaves_the_job_done(tmp_path, capsys):
+    """A review: a coordinator exit 73 (a full disk) failed the run even when the job's
+    summary was already written, where a shard's exit 73 then is a warning: the summary
+    stands."""
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = SummaryThenFullDiskJob(cfg, str(tmp_path), quiet=True, timeout_s=30)
+    try:
+        job.start()
+        assert job.wait() == {"mode": "sync"}
+    finally:
+        job.stop()
+    assert "after writing the job's summary" in capsys.readouterr().err
 
 
 # What psgd.connect leaves behind in a stand-in script: its .started file, then (once

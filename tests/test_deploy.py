@@ -619,12 +619,16 @@ def test_sbatch_stops_a_job_whose_shard_cannot_write_its_outputs(tmp_path, scrip
 
 
 @pytest.mark.processes
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_sbatch_does_not_restart_a_coordinator_that_cannot_write_its_outputs(tmp_path):
-    """The coordinator's state file or summary on a full disk: exit 73, not restarted."""
-    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, 73), cwd=tmp_path)
+    """The coordinator's state file or summary on a full disk: exit 73, not restarted, and
+    the other daemons, which will not hear from it, stopped at once (a review: they were
+    waited for DEPLOY_GRACE_S, with no word of the cause; here the grace is 600 s)."""
+    env = stub_slurm(tmp_path, 73, evaluator_s=120, DEPLOY_GRACE_S="600")
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 73, r.stderr
     assert stub_calls(tmp_path).count("coordinator") == 1 and "restarting it" not in r.stderr, r.stderr
+    assert "the coordinator could not write the job's outputs" in r.stderr, r.stderr
 
 
 @pytest.mark.processes

@@ -6,7 +6,8 @@ DIR/authorized/                         public keys the servers accept (client.k
 
 Copy the whole folder to machines that run servers; clients need server.key and their
 own pair (`psgd keys DIR` in a client's folder makes its own pair and keeps the servers'
-server.key). Remove a key from authorized/ to lock its holder out: a server reads the folder
+server.key; that pair's client.key then goes into the servers' authorized/, and the
+servers are restarted). Remove a key from authorized/ to lock its holder out: a server reads the folder
 when it starts, so restart the servers (and the coordinator) after removing one.
 """
 from __future__ import annotations
@@ -44,6 +45,9 @@ def make_keys(folder: str) -> str:
         shutil.copy(os.path.join(folder, f"{name}.key"), os.path.join(auth, f"{name}.key"))
     kept = (f"; {' and '.join(alone)} kept: a public key without its secret is another machine's (a new pair "
             f"would not be the one its holder uses)" if alone else "")
+    if "server.key" in alone and "client" in made:   # (the servers know only the pairs in their authorized/)
+        kept += (f"; copy {os.path.join(folder, 'client.key')} into the servers' authorized/ folder and restart "
+                 f"them: until then they do not answer this pair")
     if not made:
         if alone:
             return f"{folder}: nothing written{kept}"

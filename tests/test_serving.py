@@ -710,6 +710,8 @@ def test_psgd_keys_on_a_clients_folder_keeps_the_servers_public_key(tmp_path):
     shutil.copy(os.path.join(keys, "server.key"), client)
     said = make_keys(client)
     assert "the client pair" in said and "server.key kept" in said, said
+    # (a review: the servers know only the pairs in their authorized/; the new pair is not there)
+    assert f"copy {os.path.join(client, 'client.key')} into the servers' authorized/ folder" in said, said
     with open(os.path.join(keys, "server.key")) as a, open(os.path.join(client, "server.key")) as b:
         assert a.read() == b.read()
     assert not os.path.exists(os.path.join(client, "server.key_secret"))

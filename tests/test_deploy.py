@@ -493,13 +493,16 @@ def test_sbatch_stops_the_daemons_at_once_when_the_coordinators_port_is_taken(tm
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("live", [True, False, "garbled"])
+@pytest.mark.parametrize("live", [True, "skewed", False, "garbled"])
 def test_sbatch_refuses_a_psgd_out_whose_coordinator_runs(tmp_path, live):
     """A second sbatch given a running job's PSGD_OUT removed that job's coordinator state,
     moved its summary aside and ran its shards on the same checkpoints: both jobs "completed".
     A coordinator-state.json that keeps being rewritten (a live coordinator's, every second)
     is now refused before anything starts; one that is not (a cancelled job's, moments ago:
-    resubmitted to go on from its checkpoints) is not."""
+    resubmitted to go on from its checkpoints) is not. "skewed": a live coordinator whose
+    `saved_at` is an hour behind this node's clock (its node's clock is, or was stepped back
+    since it started): only a file saved within 5 s of this node's time was watched, so
+    that job's folder was taken."""
     import threading
     state = tmp_path / "runs" / "slurm-42" / "coordinator-state.json"
     state.parent.mkdir(parents=True)
@@ -509,9 +512,10 @@ def test_sbatch_refuses_a_psgd_out_whose_coordinator_runs(tmp_path, live):
         while True:
             tmp = state.with_suffix(".tmp")
             # (a review: a file the check could not read, here not an object, was refused as in use)
-            tmp.write_text(json.dumps({"saved_at": time.time(), "phase": "training"} if live != "garbled" else [1]))
+            saved_at = time.time() - (3600 if live == "skewed" else 0)
+            tmp.write_text(json.dumps({"saved_at": saved_at, "phase": "training"} if live != "garbled" else [1]))
             tmp.replace(state)
-            if live is not True or stop.wait(0.5):
+            if live not in (True, "skewed") or stop.wait(0.5):
                 return
 
     writer = threading.Thread(target=coordinator)
@@ -523,7 +527,7 @@ def test_sbatch_refuses_a_psgd_out_whose_coordinator_runs(tmp_path, live):
         stop.set()
         writer.join()
     calls = stub_calls(tmp_path)
-    if live is True:
+    if live in (True, "skewed"):
         assert r.returncode == 2 and "coordinator" not in calls, (r.stderr, calls)
         assert f"error: PSGD_OUT={state.parent} is in use: another job's coordinator runs there" in r.stderr, r.stderr
     else:

@@ -239,7 +239,10 @@ class LocalJob:
                  on_started: Callable[[int, int], None] | None = None):
         # startup_s counts from here (a time.time() value), or from launched_at: psgd run
         # passes its own process's start
-        self.launched_at = time.time() if launched_at is None else launched_at
+        wall = time.time()
+        self.launched_at = wall if launched_at is None else launched_at
+        self._launched_mono = time.monotonic() - (wall - self.launched_at)   # (start-up counted on it: steps of
+        # the wall clock, by NTP or a resumed VM, do not count)
         self.out = os.path.abspath(out)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         self.port_explicit = port_explicit
@@ -624,7 +627,7 @@ class LocalJob:
             if self.on_started is not None:
                 self.on_started(n, total)
             if not self.quiet:
-                took = f" in {time.time() - self.launched_at:.1f} s" if n == total else ""
+                took = f" in {time.monotonic() - self._launched_mono:.1f} s" if n == total else ""
                 log("run", f"started {n}/{total} processes{took}")
 
     def _ends(self, child: Child) -> str:

@@ -29,7 +29,9 @@ daemon is told `done` (its heartbeats are answered until each has heard it, or
 `linger_s`), and it exits.
 
 Start-up: `startup_s` in the `start` event and in summary.json is the time from
-`launched_at` (a time.time() value) to the start of training, and `startup_from` says
+`launched_at` (a time.time() value; counted on the monotonic clock from when this
+coordinator was built, so that a wall clock stepped meanwhile moves nothing), to the start
+of training, and `startup_from` says
 what `launched_at` was: "launcher" when `psgd run` / `psgd compare` started this
 coordinator (`--launched-at`: the moment it started the job; for `psgd run`, the
 command's own start), "coordinator process" for a coordinator started by hand (its
@@ -126,8 +128,13 @@ class Coordinator:
     def __init__(self, cfg: Config, out: str | None = None, ctx: zmq.Context | None = None,
                  quiet: bool = False, launched_at: float | None = None, launched_by: str = "coordinator"):
         self.cfg = cfg
-        self.launched_at = time.time() if launched_at is None else launched_at
+        wall = time.time()
+        self.launched_at = wall if launched_at is None else launched_at
         self.launched_by = launched_by
+        # launched_at on the monotonic clock, which startup_s is counted on: counted on the
+        # wall clock, one stepped during start-up (NTP, a VM resumed) moved it by the step
+        # (an hour back: startup_s -3600)
+        self._launched_mono = time.monotonic() - (wall - self.launched_at)
         self.startup_s: float | None = None
         self.out = out
         self.quiet = quiet
@@ -378,7 +385,7 @@ class Coordinator:
         self.t0 = time.monotonic()
         for m in self.members.members.values():
             m.last_seen = self.t0
-        self.startup_s = round(time.time() - self.launched_at, 3)
+        self.startup_s = round(time.monotonic() - self._launched_mono, 3)
         self.events.write(event="start", workers=self.cfg.cluster.workers, startup_s=self.startup_s,
                           startup_from=self.launched_by)
         log("coordinator", f"all {self.cfg.cluster.workers} workers registered; training "
@@ -790,6 +797,7 @@ class Coordinator:
         self.servers = {int(k): v for k, v in st["servers"].items()}
         self.evals, self.startup_s = st["evals"], st["startup_s"]
         self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]
+        self._launched_mono = now - (wall - self.launched_at)   # (another process's: only wall times compare)
         self.counters.update(st["counters"])
         self.layout = st.get("layout")
         self.restarts = int(st["restarts"]) + 1

@@ -295,3 +295,60 @@ def test_a_target_first_seen_by_a_score_after_training_but_before_the_final_one(
     line = format_summary(s)
     assert "target 0.9 first seen by a score (1.2 s), after training" in line, line
     assert "final score" not in line and "time to" not in line
+
+
+class SteppedClock:
+    """time.time() that reads `step` seconds off the real one once stepped (NTP stepping
+    the wall clock, a VM resumed): the monotonic clock goes on as it did."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.step = 0.0
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + self.step)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_startup_s_is_not_moved_by_a_wall_clock_stepped_during_start_up(tmp_path, monkeypatch, step):
+    """startup_s was the wall clock's time from launched_at to the start of training: a
+    clock stepped an hour back while the workers registered gave startup_s -3600 (in the
+    summary and the final line), an hour on 3600. It is counted on the monotonic clock."""
+    import zmq
+
+    from psgd.servers.coordinator import Coordinator
+    clock = SteppedClock(monkeypatch)
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.servers": 1})
+    ctx = zmq.Context()
+    c = Coordinator(cfg, str(tmp_path), ctx=ctx, quiet=True, launched_at=time.time() - 2.0, launched_by="launcher")
+    try:
+        clock.step = step
+        c._start_training()
+    finally:
+        c.sock.close(0)
+        ctx.term()
+        c.events.close()
+    assert c.startup_s is not None and 2.0 <= c.startup_s < 60, c.startup_s
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_the_started_processes_line_is_not_moved_by_a_stepped_wall_clock(tmp_path, monkeypatch, capsys, step):
+    """psgd run's "started N/N processes in T s" counted T on the wall clock: stepped an
+    hour back while the processes started, it said "in -3598.0 s"."""
+    from psgd.launcher import Child, LocalJob
+    clock = SteppedClock(monkeypatch)
+    cfg = Config().replace(**{"cluster.port": free_port_block(3)})
+    job = LocalJob(cfg, str(tmp_path), launched_at=time.time() - 2.0)
+    try:
+        job.children = [Child("coordinator", 0, []), Child("server", 0, [])]
+        for c in job.children:
+            open(job.started_file(c.name), "w").close()
+        clock.step = step
+        job.show_started()
+    finally:
+        job.stop()
+    took = [line for line in capsys.readouterr().err.splitlines() if "started 2/2 processes in" in line]
+    assert len(took) == 1, took
+    assert 2.0 <= float(took[0].rsplit(" in ", 1)[1].split()[0]) < 60, took

@@ -247,6 +247,7 @@ def cmd_run(args) -> int:
         LaunchError,
         check_before_launch,
         ended_before,
+        file_stamps,
         format_summary,
         resumable,
         run_local,
@@ -272,6 +273,9 @@ def cmd_run(args) -> int:
     c = cfg.cluster
     job = (f"psgd run: {cfg.job.name}, mode {cfg.mode.name}, {c.workers} workers x {c.servers} shards, "
            f"{f'script {args.script}' if script else f'model {cfg.model.name} on {cfg.data.name}'}, out {out}")
+    model = os.path.join(out, "model.pt")
+    # the job's files are told from an earlier job's in `out` by these (launcher.written_since)
+    before = file_stamps([model, *(cfg.checkpoint_file(out, i) or "" for i in range(c.servers))])
     accepted = []
 
     def announce() -> None:
@@ -284,7 +288,7 @@ def cmd_run(args) -> int:
     except (LaunchError, KeyboardInterrupt) as e:   # its daemons are stopped by now (run_local)
         # (a refused run's folder may hold the checkpoints of the job running there: not its own)
         resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
-                  f"--out resumes from them)" if accepted and resumable(cfg, out, launched_at) else "")
+                  f"--out resumes from them)" if accepted and resumable(cfg, out, before) else "")
         # A signal after the job had ended cut nothing short: the job is reported, as without it.
         ended = ended_before(e) if isinstance(e, KeyboardInterrupt) else e
         if isinstance(ended, LaunchError):   # (--timeout, a daemon that failed, an aborted job)
@@ -298,8 +302,7 @@ def cmd_run(args) -> int:
         print(f"psgd run: {how} after the job had ended; its outputs are complete", file=sys.stderr)
         s = ended
     print(format_summary(s))
-    model = os.path.join(out, "model.pt")
-    saved = written_since(model, launched_at)  # not an earlier job's
+    saved = written_since(model, before)  # not an earlier job's
     print(f"summary: {os.path.join(out, 'summary.json')}" + (f"  model: {model}" if saved else ""))
     if not saved:
         print(f"psgd run: warning: no final model was saved ({model}: "

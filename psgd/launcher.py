@@ -276,6 +276,8 @@ class LocalJob:
         if self._ports_note:
             log("run", self._ports_note)
         self._forget_earlier_job()
+        self._step_logs = os.path.join(self.out, "events", "worker-*.jsonl")
+        self._events_before = file_stamps(glob.glob(self._step_logs))   # (`_training_began`)
         self._write_config()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
@@ -834,8 +836,7 @@ class LocalJob:
     def _training_began(self) -> bool:
         """Whether a worker of this job has begun training: it opens its step log
         (DIR/events/worker-R.jsonl) once every worker has registered."""
-        return any(written_since(path, self.launched_at)
-                   for path in glob.glob(os.path.join(self.out, "events", "worker-*.jsonl")))
+        return any(written_since(path, self._events_before) for path in glob.glob(self._step_logs))
 
     def worker_exits(self) -> str:
         """How each worker process ended, for a failed job's message: "worker exit codes:
@@ -949,23 +950,41 @@ def adopt_folder_token(out: str | None) -> None:
             os.environ[JOB_TOKEN_ENV] = token
 
 
-def written_since(path: str, t: float) -> bool:
-    """Whether the file exists and was written at or after time.time() `t` (to a second):
-    this job's, not an earlier job's in the same output folder."""
-    try:
-        return os.path.getmtime(path) >= t - 1
-    except OSError:
-        return False
+Stamp = tuple[int, int, int, int]
 
 
-def resumable(cfg: Config, out: str, since: float) -> bool:
+def file_stamps(paths: list[str]) -> dict[str, Stamp | None]:
+    """Each file's (device, inode, mtime in ns, size), None for one that does not exist:
+    taken at a job's launch, `written_since` tells its own files from an earlier job's."""
+    stamps: dict[str, Stamp | None] = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+            stamps[path] = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamps[path] = None
+    return stamps
+
+
+def written_since(path: str, before: dict[str, Stamp | None]) -> bool:
+    """Whether the file exists and was written (or replaced) since its stamp was `before`
+    (`file_stamps`; absent from it: did not exist then): this job's, not an earlier job's
+    in the same output folder. Not judged by its mtime against the job's launch: a wall
+    clock stepped back during the job (NTP, a VM resumed) made this job's files look older
+    than its launch, and one stepped back since an earlier job made that job's newer."""
+    now = file_stamps([path])[path]
+    return now is not None and now != before.get(path)
+
+
+def resumable(cfg: Config, out: str, before: dict[str, Stamp | None]) -> bool:
     """Whether a psgd run into `out` would resume from the shards' checkpoints of the job
-    launched at time.time() `since`: every shard wrote its own, and the job wrote no
-    summary.json (a job that ended is not resumed: LocalJob._forget_earlier_job)."""
+    whose launch found the files `before` (`file_stamps`): every shard wrote its own, and
+    the job wrote no summary.json (a job that ended is not resumed:
+    LocalJob._forget_earlier_job)."""
     if os.path.exists(os.path.join(out, "summary.json")):
         return False
     files = [cfg.checkpoint_file(out, i) for i in range(cfg.cluster.servers)]
-    return all(path and written_since(path, since) for path in files)
+    return all(path and written_since(path, before) for path in files)
 
 
 def _exit(child: Child, rc: int) -> str:

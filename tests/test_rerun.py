@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from psgd.config import Config, load
-from psgd.launcher import LaunchError, LocalJob, resumable
+from psgd.launcher import LaunchError, LocalJob, file_stamps, resumable
 from psgd.servers.shard_server import ShardServer
 from psgd.shard import Shard
 from tests.conftest import free_port_block
@@ -443,16 +443,18 @@ def test_an_interrupted_job_names_the_checkpoints_only_where_a_rerun_resumes_fro
     before any shard had saved one, and after the job's summary (a next run then moves
     them aside)."""
     cfg = load(None, ["cluster.servers=2"], env={})
-    out, now = str(tmp_path), time.time()
-    assert not resumable(cfg, out, now)                     # none saved
+    out = str(tmp_path)
+    files = [str(tmp_path / "checkpoints" / f"shard-{i}.pt") for i in range(2)]
+    launch = file_stamps(files)
+    assert not resumable(cfg, out, launch)                  # none saved
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "shard-0.pt").write_text("")
-    assert not resumable(cfg, out, now)                     # one of the two: the next job moves it aside
+    assert not resumable(cfg, out, launch)                  # one of the two: the next job moves it aside
     (tmp_path / "checkpoints" / "shard-1.pt").write_text("")
-    assert resumable(cfg, out, now)
-    assert not resumable(cfg, out, now + 60)                # an earlier job's, not this one's
+    assert resumable(cfg, out, launch)
+    assert not resumable(cfg, out, file_stamps(files))      # an earlier job's, not this one's
     (tmp_path / "summary.json").write_text("{}")
-    assert not resumable(cfg, out, now)                     # the job ended: not resumed
+    assert not resumable(cfg, out, launch)                  # the job ended: not resumed
 
 
 @pytest.mark.unit
@@ -492,3 +494,55 @@ def test_psgd_runs_own_timeout_outlasts_the_jobs_time_budget(tmp_path):
     for j in (job, long, given):
         j.stop()
     assert (job.timeout_s, long.timeout_s, given.timeout_s) == (3600.0, 7800.0, 5)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["saved after a step back", "an earlier job's, before a step back", "interrupted"])
+def test_a_jobs_own_files_are_told_from_an_earlier_jobs_whatever_the_wall_clock_did(tmp_path, monkeypatch, capsys,
+                                                                                    case):
+    """psgd run told the job's model.pt and shard checkpoints from an earlier job's by their
+    mtime against its launch: with the wall clock stepped back (NTP, a VM resumed) during
+    the job, it warned "no final model was saved" of the model the job had just saved, and
+    an interrupted job did not name the checkpoints a rerun resumes from; stepped back since
+    an earlier job, that job's model.pt was named as this job's. (The job is faked: its
+    files get the mtimes such steps give them.)"""
+    import psgd.launcher
+    from psgd.cli import main
+    out = tmp_path / "run"
+    model = out / "model.pt"
+    if case == "an earlier job's, before a step back":   # written an hour "after" this job's launch
+        out.mkdir()
+        model.write_text("earlier")
+        os.utime(model, (time.time() + 3600,) * 2)
+
+    def run_local(cfg, out_, announce=None, **kw):
+        announce()
+        os.makedirs(out_, exist_ok=True)
+        stepped = (time.time() - 3600,) * 2   # written after the clock was stepped an hour back
+        if case == "saved after a step back":
+            model.write_text("model")
+            os.utime(model, stepped)
+        elif case == "interrupted":
+            for i in range(cfg.cluster.servers):
+                path = cfg.checkpoint_file(str(out), i)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "w").close()
+                os.utime(path, stepped)
+            raise KeyboardInterrupt
+        return {}
+
+    monkeypatch.setattr(psgd.launcher, "run_local", run_local)
+    monkeypatch.setattr(psgd.launcher, "format_summary", lambda s: "(the summary)")
+    if case == "interrupted":
+        with contextlib.suppress(KeyboardInterrupt, SystemExit):
+            main(["run", "--out", str(out), "--set", "cluster.servers=2"])
+    else:
+        assert main(["run", "--out", str(out)]) == 0
+    r = capsys.readouterr()
+    if case == "saved after a step back":
+        assert f"model: {model}" in r.out and "no final model" not in r.err, (r.out, r.err)
+    elif case == "an earlier job's, before a step back":
+        assert "model:" not in r.out and "no final model was saved" in r.err, (r.out, r.err)
+    else:
+        assert f"the shards' checkpoints are in {out / 'checkpoints'}" in r.err, r.err

@@ -168,11 +168,30 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - age if 0 <= age < 7 * 86400 else None
 
 
+def holds_open(pid: int, path: str) -> bool:
+    """Whether process `pid` has the file `path` open (from /proc/PID/fd: a process of
+    this user's); False where that cannot be read."""
+    try:
+        st = os.stat(path)
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            with contextlib.suppress(OSError):
+                s = os.stat(os.path.join(fds, fd))
+                if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 def writer_gone(tmp: str, pid: int) -> bool:
     """Is the process `pid` that wrote the temporary file `tmp` gone? No such process
     here, or one started after the file was last written (its pid taken again: a
-    restarted container's processes number from 1 again). False where that cannot be
-    told: a live process's file is never taken for a leftover."""
+    restarted container's processes number from 1 again) that does not hold it open.
+    False where that cannot be told: a live process's file is never taken for a leftover.
+    (Start and mtime are wall times: a clock stepped on between the file's last write and
+    now, by more than its writer had run then, puts the start after the write; the
+    writer, which holds the file open while it writes, is told by that.)"""
     try:
         written = os.stat(tmp).st_mtime
         if pid <= 0:
@@ -185,7 +204,8 @@ def writer_gone(tmp: str, pid: int) -> bool:
     except OSError:
         return False
     started = process_start_time(pid)
-    return started is not None and started > written + 1.0   # (start times are estimates to about 10 ms)
+    # (start times are estimates to about 10 ms)
+    return started is not None and started > written + 1.0 and not holds_open(pid, tmp)
 
 
 class _Writes:

@@ -178,3 +178,24 @@ def test_a_restarted_shard_removes_the_checkpoint_its_killed_life_left_half_writ
     assert os.path.exists(made["live"]) and os.path.exists(made["other"])
     said = open(os.path.join(j.out, "logs", "server-1.log")).read()
     assert f"removed {os.path.basename(made['gone'])}" in said, said
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_temp_file_its_live_writer_holds_open_is_not_gone_after_the_clock_steps_on(tmp_path, monkeypatch):
+    """writer_gone took a live writer for another process with its pid once the wall clock
+    stepped on (NTP, a VM resumed) by more than the time from the writer's start to its
+    last write: its start, read as a wall time now, came after the file's mtime. A shard
+    starting then removed a checkpoint that a live process was writing. A process that
+    holds the file open is its writer, whatever the clocks say."""
+    import os
+    import time
+
+    from psgd.metrics import writer_gone
+    tmp = f"{tmp_path / 'shard-0.pt'}.tmp.{os.getpid()}.1"
+    with open(tmp, "wb") as f:   # being written
+        f.write(b"half a checkpoint")
+        f.flush()
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600)   # stepped an hour on
+        assert not writer_gone(tmp, os.getpid())

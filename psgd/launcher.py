@@ -197,6 +197,23 @@ def pick_port(host: str, want: int, n: int) -> int:
     raise LaunchError(f"no block of {n} free ports on {host}")
 
 
+FOLDER_KEYS = ("data.path", "checkpoint.dir", "security.keys")   # the config's folders (absolute_folders)
+
+
+def absolute_folders(cfg: Config) -> Config:
+    """The config with its folders made absolute. A relative one means the folder psgd
+    run runs in; DIR/config.toml is also read from elsewhere: by a user who loads the
+    test set with it to score DIR/model.pt (README, "Output files"), `psgd status DIR`,
+    a worker restarted by hand."""
+    sets = {}
+    for key in FOLDER_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not os.path.isabs(value):
+            sets[key] = os.path.abspath(value)
+    return cfg.replace(**sets) if sets else cfg
+
+
 @dataclass
 class Child:
     role: str
@@ -251,7 +268,7 @@ class LocalJob:
         self.quiet = quiet
         self.on_started = on_started
         self._ports_note = ""
-        self.cfg = self._place(cfg)
+        self.cfg = self._place(absolute_folders(cfg))
         from . import scalars
         scalars.check(self.cfg)  # before any process starts
         self.device = device

@@ -9,9 +9,11 @@ import socket
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from psgd.config import load
+from psgd.data import load_dataset
 from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob, ephemeral_ports, pick_port, ports_free
 from psgd.metrics import EXIT_CANNOT_WRITE
 from psgd.servers.coordinator import STATE_FILE
@@ -732,3 +734,26 @@ def test_a_quiet_job_tells_its_start_up_count_to_on_started(tmp_path, capsys, mo
     assert seen == ["0/4", "1/4", "2/4", "3/4", "4/4"], seen
     assert "started" not in capsys.readouterr().err
     assert monitor.status().endswith("started 4/4 processes"), monitor.status()
+
+
+@pytest.mark.timeout(60)
+def test_the_job_config_names_its_folders_absolute_so_the_test_set_loads_from_anywhere(tmp_path, monkeypatch):
+    """A helper's review: a job run with `--set data.path=data` (a relative folder) wrote
+    `path = "data"` to DIR/config.toml, so README's scoring of DIR/model.pt
+    (`load_dataset(load("DIR/config.toml").data)`) raised "data/train-images-idx3-ubyte:
+    file not found" from any other folder; so did `psgd status DIR` with relative keys."""
+    from tests.test_data_models import write_idx
+    (tmp_path / "launch" / "data").mkdir(parents=True)
+    for split, n in (("train", 30), ("t10k", 10)):
+        write_idx(tmp_path / "launch" / "data" / f"{split}-images-idx3-ubyte", np.zeros((n, 28, 28)), 0x803)
+        write_idx(tmp_path / "launch" / "data" / f"{split}-labels-idx1-ubyte", np.arange(n) % 10, 0x801)
+    monkeypatch.chdir(tmp_path / "launch")
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "data.name=mnist", "data.path=data",
+                      "checkpoint.dir=ckpt", "security.keys=keys"], env={})
+    LocalJob(cfg, "out", quiet=True, port_explicit=True).stop()
+    monkeypatch.chdir(tmp_path)
+    written = load(str(tmp_path / "launch" / "out" / "config.toml"))
+    assert written.data.path == str(tmp_path / "launch" / "data")
+    assert written.checkpoint.dir == str(tmp_path / "launch" / "ckpt")
+    assert written.security.keys == str(tmp_path / "launch" / "keys")
+    assert len(load_dataset(written.data, written.job.seed).test_y) == 10

@@ -39,12 +39,14 @@ def pinball(pred: torch.Tensor, target: torch.Tensor, q: float = 0.5) -> torch.T
 
 
 def series(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of a sum of two sines with heavy-tailed noise; the target is the next clean value."""
+    """Windows of a sum of two sines with heavy-tailed noise; the target is the next clean value.
+    All of it drawn from `seed`, so that a fresh process (scoring DIR/model.pt) gets the same set."""
     g = torch.Generator().manual_seed(seed)
     t = torch.arange(n + WINDOW, dtype=torch.float32) * 0.1
     phase = torch.rand(1, generator=g) * 2 * math.pi
     clean = torch.sin(t + phase) + 0.5 * torch.sin(3.1 * t)
-    noisy = clean + 0.1 * torch.distributions.StudentT(2.0).sample((len(t),))
+    z = torch.randn(3, len(t), generator=g)   # Student's t with 2 degrees of freedom: z0 / sqrt((z1² + z2²) / 2)
+    noisy = clean + 0.1 * z[0] / ((z[1] ** 2 + z[2] ** 2) / 2).sqrt()
     x = torch.stack([noisy[i:i + WINDOW] for i in range(n)])
     return x, clean[WINDOW:WINDOW + n]
 

@@ -281,12 +281,22 @@ class Config:
 # ---------------------------------------------------------------- building
 
 
+FOLDER_KEYS = ("data.path", "checkpoint.dir", "security.keys")   # the config's folders (`anchored`)
+
+
 def anchored(cfg: Config) -> Config:
-    """`cfg` with an absolute security.keys, as a job's OUT/config.toml holds it: that file
-    is read from other folders (`psgd status OUT`, a daemon started again by hand), where
-    the folder of a relative one, the launching shell's, was another or none."""
-    keys = cfg.security.keys
-    return cfg.replace(**{"security.keys": os.path.abspath(keys)}) if keys and not os.path.isabs(keys) else cfg
+    """`cfg` with its folders (FOLDER_KEYS) absolute, as a job runs with them and its
+    OUT/config.toml holds them: a relative one means the folder psgd run (or the
+    coordinator) started in, and that file is read from other folders: by a user who
+    loads the test set with it to score OUT/model.pt (README, "Output files"), `psgd
+    status OUT`, a daemon started again by hand."""
+    sets = {}
+    for key in FOLDER_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not os.path.isabs(value):
+            sets[key] = os.path.abspath(value)
+    return cfg.replace(**sets) if sets else cfg
 
 
 def written_by_psgd(text: str) -> bool:

@@ -197,23 +197,6 @@ def pick_port(host: str, want: int, n: int) -> int:
     raise LaunchError(f"no block of {n} free ports on {host}")
 
 
-FOLDER_KEYS = ("data.path", "checkpoint.dir", "security.keys")   # the config's folders (absolute_folders)
-
-
-def absolute_folders(cfg: Config) -> Config:
-    """The config with its folders made absolute. A relative one means the folder psgd
-    run runs in; DIR/config.toml is also read from elsewhere: by a user who loads the
-    test set with it to score DIR/model.pt (README, "Output files"), `psgd status DIR`,
-    a worker restarted by hand."""
-    sets = {}
-    for key in FOLDER_KEYS:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value and not os.path.isabs(value):
-            sets[key] = os.path.abspath(value)
-    return cfg.replace(**sets) if sets else cfg
-
-
 @dataclass
 class Child:
     role: str
@@ -268,7 +251,7 @@ class LocalJob:
         self.quiet = quiet
         self.on_started = on_started
         self._ports_note = ""
-        self.cfg = self._place(absolute_folders(cfg))
+        self.cfg = self._place(anchored(cfg))
         from . import scalars
         scalars.check(self.cfg)  # before any process starts
         self.device = device
@@ -442,7 +425,7 @@ class LocalJob:
         return cfg.replace(**{"cluster.port": port})
 
     def _write_config(self) -> None:
-        write_text_atomic(self.config_path, anchored(self.cfg).to_toml())
+        write_text_atomic(self.config_path, self.cfg.to_toml())
 
     def _move(self) -> bool:
         """A daemon found its port taken before training began: start the whole job again

@@ -233,12 +233,14 @@ def write_file_atomic(path: str, write: Callable[[IO], object], binary: bool = F
     one, never half of one. One that fails (a full disk, a value JSON cannot hold, an
     interrupt) leaves no temporary file behind. A failure of the file's own open, writes,
     fsync or rename raises OutputError, which names `path` (torch.save says of a write
-    that failed only RuntimeError "unexpected pos"); any other error is raised as it is."""
+    that failed only RuntimeError "unexpected pos"); any other error is raised as it is.
+    Text is UTF-8, whatever the locale (report.md's "≈", "×" and "—" are not ASCII: under
+    LC_ALL=C with PYTHONUTF8=0 the locale's codec refused them)."""
     tmp = tmp or f"{path}.tmp.{os.getpid()}"
     own: OSError | None = None
     try:
         try:
-            f = open(tmp, "wb" if binary else "w")
+            f = open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8")
         except OSError as e:
             own = e
             raise

@@ -209,7 +209,7 @@ class Coordinator:
         path, text = os.path.join(self.out, "config.toml"), anchored(self.cfg).to_toml()
         old = None
         with contextlib.suppress(OSError):
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 old = f.read()
         if old == text:
             return

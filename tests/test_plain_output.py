@@ -2,11 +2,16 @@
 file, a pipe, a C locale, a dumb or narrow terminal. One test per defect found so."""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+
+from psgd.compare import Monitor
+from psgd.log import log
 
 from .conftest import free_port_block
 from .test_report_claims import CTX, run
@@ -43,3 +48,40 @@ def test_a_config_with_non_ascii_text_runs_under_an_ascii_locale(tmp_path):
     err = got.stderr.decode(errors="replace")
     assert got.returncode == 0 and "Traceback" not in err, err
     assert 'name = "essai-café"' in (tmp_path / "run" / "config.toml").read_text(encoding="utf-8")
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal; `screen()` is what it shows, line by line."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def screen(self) -> list[str]:
+        return [line.split("\r\033[K")[-1] for line in self.getvalue().split("\n")]
+
+
+def shown(terminal: Terminal, text: str) -> None:
+    deadline = time.monotonic() + 30
+    while text not in terminal.getvalue():
+        assert time.monotonic() < deadline, terminal.getvalue()
+        time.sleep(0.01)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_line_said_while_the_compare_progress_line_shows_is_a_line_of_its_own(tmp_path, monkeypatch):
+    # a shard killed during a compare on a terminal showed
+    # "[1/1]      7 s  step 1253/2500  acc 0.989[psgd run] server-0 exited with -9 (SIGKILL); restarting it"
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with Monitor("[1/1]", str(tmp_path), 100, every_s=0.01):
+        shown(terminal, "starting processes")
+        log("run", "server-0 exited with -9 (SIGKILL); restarting it (restart 1)")
+        n = terminal.getvalue().count("starting processes")
+        deadline = time.monotonic() + 30
+        while terminal.getvalue().count("starting processes") == n:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert sys.stderr is terminal
+    assert "[psgd run] server-0 exited with -9 (SIGKILL); restarting it (restart 1)" in terminal.screen()
+    assert terminal.screen()[-1] == ""   # the progress line cleared at the end

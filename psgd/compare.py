@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -513,7 +513,9 @@ class Monitor:
             if self.tty:
                 if self.mid_line:
                     return
-                self.stream.write("\r\033[K" + line)
+                # (wider than the terminal, it wraps, and \r\033[K clears only its last row:
+                # the rows above stayed, one more at each update)
+                self.stream.write("\r\033[K" + line[:max(1, _columns(self.stream) - 1)])
                 self.on_line = True
             else:
                 self.stream.write(line + "\n")
@@ -538,6 +540,19 @@ class Monitor:
         if self.tty and self._shown and self.on_line:
             self.stream.write("\r\033[K")
             self.stream.flush()
+
+
+def _columns(stream) -> int:
+    """The width of the terminal `stream` shows on: $COLUMNS where set (as
+    shutil.get_terminal_size reads it), else the terminal's own, now (it may be resized
+    while a run goes on), else 80."""
+    with suppress(ValueError):
+        if int(os.environ.get("COLUMNS", "")) > 0:
+            return int(os.environ["COLUMNS"])
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):   # (io.UnsupportedOperation is both)
+        return 80
 
 
 # ---------------------------------------------------------------- running

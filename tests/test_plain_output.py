@@ -63,7 +63,7 @@ class Terminal(io.StringIO):
 def shown(terminal: Terminal, text: str) -> None:
     deadline = time.monotonic() + 30
     while text not in terminal.getvalue():
-        assert time.monotonic() < deadline, terminal.getvalue()
+        assert time.monotonic() < deadline, terminal.getvalue()[-300:]
         time.sleep(0.01)
 
 
@@ -85,3 +85,16 @@ def test_a_line_said_while_the_compare_progress_line_shows_is_a_line_of_its_own(
     assert sys.stderr is terminal
     assert "[psgd run] server-0 exited with -9 (SIGKILL); restarting it (restart 1)" in terminal.screen()
     assert terminal.screen()[-1] == ""   # the progress line cleared at the end
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_compare_progress_line_fits_a_narrow_terminal(tmp_path, monkeypatch):
+    # wider than the terminal, the line wrapped, and each update left its first rows behind
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setenv("COLUMNS", "20")
+    with Monitor("[12/120]", str(tmp_path), 100, every_s=0.01):
+        shown(terminal, "\r\033[K[12/120]")
+    updates = terminal.getvalue().split("\r\033[K")[1:]
+    assert updates and all(len(u) <= 19 for u in updates), updates[:3]

@@ -461,12 +461,14 @@ class _AfterTheLine:
 
 class Monitor:
     """While a run goes on, reads the tail of its event logs and shows how far it is:
-    one updating line on a terminal, a line every `every_s` otherwise."""
+    one updating line on a terminal (not a TERM=dumb one), a line every `every_s`
+    otherwise."""
 
     def __init__(self, prefix: str, folder: str, steps: int, stream=None, every_s: float | None = None):
         self.prefix, self.folder, self.steps = prefix, folder, steps
         self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        # (a dumb terminal, Emacs' shell's, shows \033[K as "^[[K": it gets the lines a log gets)
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) and os.environ.get("TERM") != "dumb"
         self.every_s = every_s if every_s is not None else (1.0 if self.tty else 15.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)

@@ -98,3 +98,16 @@ def test_the_compare_progress_line_fits_a_narrow_terminal(tmp_path, monkeypatch)
         shown(terminal, "\r\033[K[12/120]")
     updates = terminal.getvalue().split("\r\033[K")[1:]
     assert updates and all(len(u) <= 19 for u in updates), updates[:3]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_dumb_terminal_gets_progress_lines_without_escapes(tmp_path, monkeypatch):
+    # TERM=dumb (Emacs' shell): the updating line's \r\033[K showed as "^[[K" before each update
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setenv("TERM", "dumb")
+    with Monitor("[1/1]", str(tmp_path), 100, every_s=0.01):
+        shown(terminal, "starting processes")
+    assert "\033" not in terminal.getvalue() and "\r" not in terminal.getvalue(), terminal.getvalue()[:200]
+    assert terminal.getvalue().startswith("[1/1]") and terminal.getvalue().endswith("starting processes\n")

@@ -754,6 +754,21 @@ def said_if_interrupted(command: str) -> Iterator[None]:
         raise
 
 
+def say(text: str, stream: IO[str] | None = None) -> None:
+    """print(text) to `stream` (default stderr), or to nothing where its reader is gone:
+    Ctrl-C on `psgd compare ... 2>&1 | tee log` ends tee too, and the line that said the
+    comparison was interrupted raised BrokenPipeError, which left the runs done without
+    their report. The stream is /dev/null from then on (a later line, and the exit's
+    flush, would fail again)."""
+    stream = stream or sys.stderr
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+
+
 def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: int, failed: int,
            t_start: float, interrupted: int) -> int:
     """Write the report and say what was done; the exit code. A second Ctrl-C (or
@@ -765,13 +780,12 @@ def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: 
         path = write_report(out, results, ctx)
     except KeyboardInterrupt as e:
         k = len(results)
-        print(f"{who}: interrupted while writing the report: none written; {os.path.join(out, 'compare.json')} "
-              f"holds the {k} run{'s' if k != 1 else ''} done, and `python -m psgd.report {out}` writes their "
-              f"report", file=sys.stderr, flush=True)
+        say(f"{who}: interrupted while writing the report: none written; {os.path.join(out, 'compare.json')} "
+            f"holds the {k} run{'s' if k != 1 else ''} done, and `python -m psgd.report {out}` writes their report")
         return interrupted or interrupted_code(e)
-    print(f"{who}: {done} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
-          f"{f', {failed} failed' if failed else ''}", file=sys.stderr, flush=True)
-    print(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}")
+    say(f"{who}: {done} of {n} runs done in {_fmt_duration(time.monotonic() - t_start)}"
+        f"{f', {failed} failed' if failed else ''}")
+    say(f"report: {path}\nruns: {os.path.join(out, 'compare.json')}", sys.stdout)
     return interrupted or (1 if failed else 0)
 
 
@@ -833,8 +847,7 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
             else:   # (aborted: LaunchError)
                 failed += 1
                 results.append(failed_entry(run, str(ended).strip(), duration_s=round(time.monotonic() - t0, 2)))
-        print(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those",
-              file=sys.stderr, flush=True)
+        say(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those")
 
     write_json_atomic(os.path.join(out, "compare.json"), results)
     if len(results) < n:   # interrupted: the report says which runs did not run

@@ -185,7 +185,7 @@ def same_worker_dropped(plan: list) -> str | None:
 def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> int:
     """`n`: the training set's size (`cli.check_job`)."""
     from .cli import interrupted_code
-    from .compare import batch_over_shares, context, finish, said_if_interrupted
+    from .compare import batch_over_shares, context, finish, said_if_interrupted, say
     cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
@@ -220,8 +220,7 @@ def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> i
                 failed += _record(plan, i, result, entries, durations, real, out, args.jobs)
     except KeyboardInterrupt as e:
         interrupted = interrupted_code(e)
-        print(f"psgd simulate: interrupted after {len(entries)} of {n} runs; writing the report of those",
-              file=sys.stderr, flush=True)
+        say(f"psgd simulate: interrupted after {len(entries)} of {n} runs; writing the report of those")
     results = [entries[k] for k in sorted(entries)]
 
     ctx["simulated"]["real_s"] = {k: round(v, 2) for k, v in real.items()}

@@ -10,10 +10,12 @@ import time
 
 import pytest
 
+import psgd.compare
 from psgd.compare import Monitor
 from psgd.log import log
 
 from .conftest import free_port_block
+from .test_compare_output import compare_args
 from .test_report_claims import CTX, run
 from .test_report_review import _folder
 
@@ -111,3 +113,31 @@ def test_a_dumb_terminal_gets_progress_lines_without_escapes(tmp_path, monkeypat
         shown(terminal, "starting processes")
     assert "\033" not in terminal.getvalue() and "\r" not in terminal.getvalue(), terminal.getvalue()[:200]
     assert terminal.getvalue().startswith("[1/1]") and terminal.getvalue().endswith("starting processes\n")
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_a_compare_interrupted_in_a_pipe_whose_reader_ended_writes_the_report_of_the_runs_done(tmp_path,
+                                                                                              monkeypatch):
+    # Ctrl-C on `psgd compare ... 2>&1 | tee log` ends tee too: the line "interrupted after 1
+    # of 2 runs" raised BrokenPipeError, and the run done got no report (exit 141)
+    calls = []
+
+    def run_one(run, folder, device, timeout_s, prefix=""):
+        calls.append(run.label)
+        if len(calls) > 1:
+            os.close(read)   # tee ends with the Ctrl-C
+            raise KeyboardInterrupt
+        raise RuntimeError("the job did not finish")   # (a run done, failed: its report needs no plots)
+    read, write = os.pipe()
+    pipe = open(write, "w")
+    monkeypatch.setattr(sys, "stderr", pipe)
+    monkeypatch.setattr(sys, "stdout", pipe)
+    monkeypatch.setattr(psgd.compare, "run_one", run_one)
+    out = tmp_path / "cmp"
+    try:
+        assert psgd.compare.main(compare_args(out, "sync,async")) == 130
+    finally:
+        monkeypatch.undo()
+        pipe.close()
+    assert calls == ["sync", "async"] and (out / "report.md").exists()

@@ -31,7 +31,7 @@ from psgd.config import Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
 from psgd.metrics import OutputError, writer_gone
-from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
+from psgd.shard import SET_CHECKED_ENV, Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
 LAYOUT_POLL_S = 0.2
@@ -125,9 +125,11 @@ class ShardServer:
 
     def _others_unresumable(self, shard: Shard, path: str) -> str:
         """'' if every other shard's checkpoint would be resumed too, else which would not."""
-        # (their CRCs are each shard's own to read, before it resumes: S shards reading all
-        # S checkpoints whole read S² of them, minutes for large ones on a network disk)
-        others = [i for i in unresumable(shard.cfg, self.out, whole=False) if i != self.index]
+        # (where psgd run has read them all whole, their CRCs are each shard's own to read: S
+        # shards reading all S checkpoints whole read S² of them, minutes for large ones
+        # on a network disk)
+        whole = os.environ.get(SET_CHECKED_ENV) != "1"
+        others = [i for i in unresumable(shard.cfg, self.out, whole) if i != self.index]
         return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
                 f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
                 f"and resuming a part of the model would mix two" if others else "")

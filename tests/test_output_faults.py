@@ -191,12 +191,15 @@ def test_a_corrupt_or_truncated_checkpoint_is_refused_saying_so(tmp_path):
 def test_a_shard_reads_only_its_own_checkpoint_whole(tmp_path, monkeypatch):
     """A review: each of S shards read every shard's checkpoint whole for its CRCs (the
     set's check), S² reads of them in all: minutes before serving for large checkpoints
-    on a network disk. A shard reads its own whole and the others' directories."""
+    on a network disk. Where psgd run has read the set whole, a shard reads its own whole
+    and the others' directories; under Compose or Slurm (no launcher read them) it reads
+    all of them whole: another's corrupt checkpoint, refused by that shard alone, would
+    leave a model of two versions (a second review)."""
     import zipfile
 
     from psgd.config import load
     from psgd.servers.shard_server import ShardServer
-    from psgd.shard import Shard
+    from psgd.shard import SET_CHECKED_ENV, Shard
     cfg = load(None, [f"cluster.port={free_port_block(4)}", "cluster.servers=3"], env={})
     for i in range(3):
         Shard(cfg, i).save(cfg.checkpoint_file(str(tmp_path), i))
@@ -204,6 +207,10 @@ def test_a_shard_reads_only_its_own_checkpoint_whole(tmp_path, monkeypatch):
     testzip = zipfile.ZipFile.testzip
     monkeypatch.setattr(zipfile.ZipFile, "testzip", lambda z: read_whole.append(z.filename) or testzip(z))
     server = ShardServer(cfg, 1, str(tmp_path))
-    shard = Shard(cfg, 1)
-    assert server._resume(shard, cfg.checkpoint_file(str(tmp_path), 1), whole_set=True)
+    monkeypatch.setenv(SET_CHECKED_ENV, "1")
+    assert server._resume(Shard(cfg, 1), cfg.checkpoint_file(str(tmp_path), 1), whole_set=True)
     assert read_whole == [cfg.checkpoint_file(str(tmp_path), 1)]
+    read_whole.clear()
+    monkeypatch.delenv(SET_CHECKED_ENV)
+    assert server._resume(Shard(cfg, 1), cfg.checkpoint_file(str(tmp_path), 1), whole_set=True)
+    assert sorted(set(read_whole)) == [cfg.checkpoint_file(str(tmp_path), i) for i in (0, 1, 2)]   # (its own twice)

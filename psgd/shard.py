@@ -661,7 +661,24 @@ def training_config(cfg: Config) -> str:
     (not its budget, addresses, timeouts or evaluation), and the worker and shard counts."""
     d = cfg.to_dict()
     kept = {k: d[k] for k in ("job", "model", "data", "mode", "optimizer", "wire")}
-    return json.dumps({**kept, "workers": cfg.cluster.workers, "servers": cfg.cluster.servers}, sort_keys=True)
+    return _data_path_absolute(json.dumps({**kept, "workers": cfg.cluster.workers, "servers": cfg.cluster.servers},
+                                          sort_keys=True))
+
+
+def _data_path_absolute(training: Any) -> Any:
+    """A `training_config` with its data.path absolute (a relative one: from this
+    process's folder). psgd run makes the job's folders absolute (`config.anchored`); a
+    checkpoint of a job run before that, or of a daemon given a relative one, names it
+    relative: the same folder, not another training configuration."""
+    try:
+        d = json.loads(training)
+        path = d["data"]["path"]
+    except (TypeError, ValueError, KeyError):
+        return training
+    if not path or os.path.isabs(path):
+        return training
+    d["data"]["path"] = os.path.abspath(path)
+    return json.dumps(d, sort_keys=True)
 
 
 CLUSTER_KEYS = {"workers": "cluster.workers", "servers": "cluster.servers"}   # training_config's names
@@ -692,8 +709,8 @@ def why_not_resume(sd: dict, cfg: Config, index: int) -> str:
     mine = training_config(cfg)
     if sd.get("finished"):
         return "its job finished"
-    if sd.get("training", mine) != mine:   # older checkpoints do not say
-        changed = config_changes(sd["training"], mine)
+    if _data_path_absolute(sd.get("training", mine)) != mine:   # older checkpoints do not say
+        changed = config_changes(_data_path_absolute(sd["training"]), mine)
         return "it is of another training configuration (" + (
             ", ".join(changed) if changed else "job, model, data, mode, optimizer, wire or shards") + ")"
     if sd.get("shard", index) != index:
@@ -733,6 +750,14 @@ def checkpoint_fault(path: str, whole: bool = True) -> str:
     except Exception as e:   # BadZipFile, a record cut short (EOFError), ...
         return f"it is not a whole checkpoint: truncated or corrupt ({e})"
     return f"it is corrupt ({bad} does not match its CRC-32)" if bad else ""
+
+
+# Set by `psgd run` in its shards' environment once it has read every shard's checkpoint
+# whole (`unresumable`): a shard then reads only its own whole, the others' directories.
+# Under Compose or Slurm no launcher checked the set, and each shard reads all of them
+# whole: another shard's corrupt checkpoint, taken for whole, would be refused by that
+# shard alone, which starts afresh beside the others resumed: a model of two versions.
+SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
 
 
 def resumable(path: str, cfg: Config, index: int, whole: bool = True) -> bool:

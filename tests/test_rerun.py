@@ -17,7 +17,7 @@ import torch
 from psgd.config import Config, load
 from psgd.launcher import LaunchError, LocalJob, file_stamps, resumable
 from psgd.servers.shard_server import ShardServer
-from psgd.shard import Shard
+from psgd.shard import Shard, why_not_resume_from
 from tests.conftest import free_port_block
 
 
@@ -200,6 +200,24 @@ def test_a_shard_resumes_only_an_unfinished_job_of_the_same_training_config(tmp_
     assert "its workers had pushed for step 236, past this job's last (train.steps = 30)" in capsys.readouterr().err
     server, fresh = shard_server(cfg.replace(**{"train.steps": 237}), tmp_path)
     assert server._resume(fresh, path)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_checkpoint_naming_its_data_folder_relative_resumes_under_its_absolute_name(tmp_path, monkeypatch):
+    """A review: psgd run now makes data.path absolute (config.anchored), so the checkpoint
+    of a job run before with `data.path=data` read as another training configuration
+    ('data.path "data" → "/.../data"'), and its progress was lost. The same folder is the
+    same configuration; another folder is not."""
+    from psgd.config import anchored
+    monkeypatch.chdir(tmp_path)
+    cfg = Config().replace(**{"cluster.servers": 1, "cluster.workers": 1, "data.path": "data"})
+    path = str(tmp_path / "shard-0.pt")
+    earlier = Shard(cfg, 0)
+    earlier.version = 7
+    earlier.save(path)
+    assert why_not_resume_from(path, anchored(cfg), 0) == ""
+    assert "data.path" in why_not_resume_from(path, cfg.replace(**{"data.path": str(tmp_path / "other")}), 0)
 
 
 @pytest.mark.unit

@@ -536,12 +536,16 @@ class Monitor:
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join(timeout=5)
-        if self._stderr is not None:
-            sys.stderr, self._stderr = self._stderr, None
-        if self.tty and self._shown and self.on_line:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+        try:
+            self._thread.join(timeout=5)
+        finally:   # (a second Ctrl-C in the join left sys.stderr wrapped after the run)
+            if self._stderr is not None:
+                sys.stderr, self._stderr = self._stderr, None
+            with self.lock:
+                if self.tty and self._shown and self.on_line:
+                    self.stream.write("\r\033[K")
+                    self.stream.flush()
+                self.on_line = False   # (a writer still holding the wrapper clears no later line)
 
 
 def _columns(stream) -> int:
@@ -568,15 +572,21 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix:
         return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps, timeout_s=timeout_s)
     if os.path.exists(folder):
         shutil.rmtree(folder)  # events are appended: start each run from an empty folder
-    with Monitor(prefix, folder, run.cfg.train.steps) as monitor:
-        # A port taken by another job before the daemons bind it: the launcher moves the job.
-        summary = run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s,
-                            on_started=monitor.started)
-    if run.cfg.eval.tensorboard and os.path.isdir(os.path.join(folder, "tb")):
-        # One TensorBoard run per configuration and repeat, side by side: OUT/tb/RUN/
-        tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))
-        shutil.rmtree(tb, ignore_errors=True)
-        shutil.copytree(os.path.join(folder, "tb"), tb)
+    summary = None
+    try:
+        with Monitor(prefix, folder, run.cfg.train.steps) as monitor:
+            # A port taken by another job before the daemons bind it: the launcher moves the job.
+            summary = run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s,
+                                on_started=monitor.started)
+        if run.cfg.eval.tensorboard and os.path.isdir(os.path.join(folder, "tb")):
+            # One TensorBoard run per configuration and repeat, side by side: OUT/tb/RUN/
+            tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))
+            shutil.rmtree(tb, ignore_errors=True)
+            shutil.copytree(os.path.join(folder, "tb"), tb)
+    except KeyboardInterrupt as e:   # after run_local returned (the monitor's end, the copy): the run is done
+        if summary is not None and getattr(e, "ended", None) is None:
+            e.ended = summary   # type: ignore[attr-defined]
+        raise
     return summary
 
 
@@ -749,8 +759,7 @@ def said_if_interrupted(command: str) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        print(f"{command}: interrupted before its first run: nothing ran, no report written", file=sys.stderr,
-              flush=True)
+        say(f"{command}: interrupted before its first run: nothing ran, no report written")
         raise
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 import psgd.compare
+import psgd.launcher
 import psgd.simulate
 from psgd.config import ConfigError, load
 from psgd.launcher import hold
@@ -222,3 +224,42 @@ def test_a_signal_after_a_runs_job_had_ended_keeps_that_run(tmp_path, monkeypatc
     assert ("shard 0 was lost" in entries[1].get("error", "")) == aborted
     assert context(out)["not_run"] == ["ssp, 2 workers, repeat 0"]
     assert "interrupted after 2 of 3 runs" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_after_run_local_returned_keeps_the_run_it_returned(tmp_path, monkeypatch):
+    """A review: a Ctrl-C after run_local had returned (in the progress line's end, the
+    TensorBoard copy) carried no summary, and the finished run was called not run."""
+    summary = {"mode": "sync", "samples": 10}
+    monkeypatch.setattr(psgd.launcher, "run_local", lambda *a, **kw: dict(summary))
+
+    ends = psgd.compare.Monitor.__exit__
+
+    def interrupted(self, *exc):
+        ends(self, *exc)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(psgd.compare.Monitor, "__exit__", interrupted)
+    run = psgd.compare.Run(label="sync", mode="sync", params={}, workers=2, repeat=0, cfg=load(None, [], env={}),
+                           name="sync-r0")
+    with pytest.raises(KeyboardInterrupt) as e:
+        psgd.compare.run_one(run, str(tmp_path / "run"), "cpu", 30)
+    assert psgd.launcher.ended_before(e.value) == summary
+
+
+@pytest.mark.timeout(60)
+def test_a_second_ctrl_c_while_the_progress_line_ends_leaves_stderr_as_it_was(monkeypatch):
+    """A review: a KeyboardInterrupt in the Monitor's wait for its thread skipped putting
+    sys.stderr back: the wrapper stayed after the run."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    monitor = psgd.compare.Monitor("[1/1]", "/nonexistent", 10, every_s=60)
+    with pytest.raises(KeyboardInterrupt):
+        with monitor:
+            assert sys.stderr is not term
+            monkeypatch.setattr(monitor._thread, "join", lambda timeout=None: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert sys.stderr is term

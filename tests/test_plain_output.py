@@ -12,7 +12,6 @@ import pytest
 
 import psgd.compare
 from psgd.compare import Monitor
-from psgd.log import log
 
 from .conftest import free_port_block
 from .test_compare_output import compare_args
@@ -67,26 +66,6 @@ def shown(terminal: Terminal, text: str) -> None:
     while text not in terminal.getvalue():
         assert time.monotonic() < deadline, terminal.getvalue()[-300:]
         time.sleep(0.01)
-
-
-@pytest.mark.unit
-@pytest.mark.timeout(60)
-def test_a_line_said_while_the_compare_progress_line_shows_is_a_line_of_its_own(tmp_path, monkeypatch):
-    # a shard killed during a compare on a terminal showed
-    # "[1/1]      7 s  step 1253/2500  acc 0.989[psgd run] server-0 exited with -9 (SIGKILL); restarting it"
-    terminal = Terminal()
-    monkeypatch.setattr(sys, "stderr", terminal)
-    with Monitor("[1/1]", str(tmp_path), 100, every_s=0.01):
-        shown(terminal, "starting processes")
-        log("run", "server-0 exited with -9 (SIGKILL); restarting it (restart 1)")
-        n = terminal.getvalue().count("starting processes")
-        deadline = time.monotonic() + 30
-        while terminal.getvalue().count("starting processes") == n:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    assert sys.stderr is terminal
-    assert "[psgd run] server-0 exited with -9 (SIGKILL); restarting it (restart 1)" in terminal.screen()
-    assert terminal.screen()[-1] == ""   # the progress line cleared at the end
 
 
 @pytest.mark.unit

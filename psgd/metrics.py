@@ -253,6 +253,7 @@ def write_file_atomic(path: str, write: Callable[[IO], object], binary: bool = F
             try:
                 f.flush()
                 os.fsync(f.fileno())
+                f.close()   # (a network file system may say EDQUOT or EIO only here)
             except OSError as e:
                 own = e
                 raise

@@ -207,6 +207,7 @@ class Child:
     restarts: int = 0
     reported: bool = False
     log_path: str = ""
+    log_start: int = 0               # the log's size when this process of it started (logs are appended to)
     script: bool = False             # a copy of the user's training script (psgd run --script)
 
     @property
@@ -428,7 +429,7 @@ class LocalJob:
     def _write_config(self) -> None:
         write_text_atomic(self.config_path, self.cfg.to_toml())
 
-    def _move(self) -> bool:
+    def _move(self, why: str = "was taken by another program before the daemons bound it") -> bool:
         """A daemon found its port taken before training began: start the whole job again
         on another block, if the launcher chose the ports. True if it did."""
         started = glob.glob(os.path.join(self.out, "events", "worker-*.jsonl"))
@@ -438,20 +439,20 @@ class LocalJob:
         self._stop_children()
         old = self.cfg.cluster.port
         self.cfg = self._place(self.cfg, avoid=old)
-        log("run", f"port block {old} was taken by another program before the daemons bound it; moved the job "
-                   f"to {self.cfg.cluster.port}")
+        log("run", f"port block {old} {why}; moved the job to {self.cfg.cluster.port}")
         self._write_config()
         self.children, self.started, self._shown_started = [], set(), 0
         self.start()
         return True
 
     def _refused_by_another_job(self, child: Child) -> bool:
-        """Did `child` reach another job's coordinator on this job's port, which then is
-        taken? Its own coordinator (or a shard) fails to bind it about then: within 2 s."""
-        if "belongs to another job" not in self.tail(child, 3):
-            return False
-        return self._within(2.0, lambda: any(c.role in ("coordinator", "server") and c.poll() == EXIT_ADDRESS_IN_USE
-                                             for c in self.children))
+        """Did `child` (this process of it) reach another job's coordinator on this job's
+        port? Another launcher chose the block at the same moment, and its coordinator
+        bound the port first. This job's own coordinator need not then fail to bind it:
+        the other job may have moved away (one of its shards lost the race) before this
+        one's coordinator bound the port, its daemons already refused. Either way the
+        block is contested, and the job moves."""
+        return "belongs to another job" in self.tail(child, 3, since_start=True)
 
     def _coordinator_died(self, coord: Child, code: int) -> bool:
         """The coordinator ended without a summary, killed (a signal) or crashed (not
@@ -569,6 +570,7 @@ class LocalJob:
             child.proc = popen(None)  # progress goes to the terminal
             return
         child.log_path = os.path.join(self.out, "logs", f"{child.name}.log")
+        child.log_start = os.path.getsize(child.log_path) if os.path.exists(child.log_path) else 0
         server = self._forks(child)
         if server is not None:
             try:
@@ -648,10 +650,14 @@ class LocalJob:
         said = said.split(": error: ", 1)[1] if ": error: cannot write " in said else ""
         return f"{child.name} could not write the job's outputs ({said or folder_fault(self.out)})"
 
-    def tail(self, child: Child, n: int = 12) -> str:
+    def tail(self, child: Child, n: int = 12, since_start: bool = False) -> str:
+        """The last `n` lines of the child's log; `since_start`: of what its current
+        process wrote (the log also holds its earlier processes', before a restart or a move)."""
         if not child.log_path or not os.path.exists(child.log_path):
             return ""
         with open(child.log_path, errors="replace") as f:
+            if since_start:
+                f.seek(child.log_start)
             return "".join(f.readlines()[-n:])
 
     def wait(self) -> dict:
@@ -684,7 +690,11 @@ class LocalJob:
                 if rc is None:
                     continue
                 if rc != 0 and self._refused_by_another_job(child):
-                    break   # this block is another job's: the top of the loop moves the job (or says so)
+                    if not self._move(f"is another job's (its coordinator refused {child.name})"):
+                        raise LaunchError(f"{child.name} reached another job's coordinator on this job's port "
+                                          f"{self.cfg.cluster.port} and was refused; {self._ends(child)}")
+                    coord = self.children[0]
+                    break
                 if rc == EXIT_CANNOT_WRITE and not child.reported and not child.script:
                     if not os.path.exists(os.path.join(self.out, "summary.json")):
                         raise LaunchError(self._cannot_write(child) + "; the job is stopped, as a restart "

@@ -295,6 +295,60 @@ def test_daemons_refused_by_another_job_on_the_block_are_not_reported_as_failure
     assert "exited with" not in err and "restarting" not in err, err
 
 
+class RefusedThenBoundJob(LocalJob):
+    """Two jobs chose the block at once; the other job's coordinator bound its first port
+    and refused this job's daemons (they exit 1 at once), then that job moved away (one of
+    its shards lost the race), and this job's coordinator bound the port after all: it
+    runs, no daemon of this job exits EXIT_ADDRESS_IN_USE; the second block runs."""
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        if self.moves == 0 and role != "coordinator":
+            return [sys.executable, "-c", f"import sys; print('psgd {role}: error: this {role} belongs to another "
+                                          f"job: the coordinator at ... runs another', file=sys.stderr); sys.exit(1)"]
+        if self.moves == 1 and role == "worker":   # (its log still ends with the refusal of the first block's)
+            return [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(1)"]
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.mark.timeout(60)
+def test_daemons_refused_by_another_job_move_the_job_though_its_coordinator_bound(tmp_path, capsys):
+    """Two psgd runs started at once, both on the default block: the one whose daemons the
+    other's coordinator refused failed with "worker-0 exited with code 1 before the job
+    began training" where its own coordinator bound the port once the other job had moved
+    away. A refusal by another job's coordinator moves the job; one whose current process
+    was not refused (only the log's earlier lines say so) does not move it again."""
+    base = free_port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = RefusedThenBoundJob(cfg, str(tmp_path), quiet=False, timeout_s=20)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match="worker-0 exited with code 1 before the job began training"):
+            job.wait()
+    finally:
+        job.stop()
+    err = capsys.readouterr().err
+    assert job.moves == 1 and job.cfg.cluster.port != base, err
+    assert f"port block {base} is another job's (its coordinator refused " in err
+    assert f"moved the job to {job.cfg.cluster.port}" in err
+
+
+@pytest.mark.timeout(60)
+def test_daemons_refused_by_another_job_on_an_explicit_port_say_so(tmp_path):
+    """The user's cluster.port: the job cannot move; it stops with the refusal, not with
+    "worker-0 exited with code 1 before the job began training"."""
+    base = free_port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    job = RefusedThenBoundJob(cfg, str(tmp_path), quiet=True, timeout_s=20, port_explicit=True)
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match=f"(?s)reached another job's coordinator on this job's port {base} and "
+                                              f"was refused; .* belongs to another job"):
+            job.wait()
+    finally:
+        job.stop()
+    assert job.moves == 0
+
+
 class SummaryThenFullDiskJob(LocalJob):
     """The coordinator writes the job's summary, then cannot write its last event line (a
     full disk) and exits EXIT_CANNOT_WRITE; the other daemons end at once."""

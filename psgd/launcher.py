@@ -156,6 +156,38 @@ def hold(path: str) -> IO | None:
     return f
 
 
+def port_locks_folder() -> str:
+    """Where this user's launchers lock the ports they chose: one file per port."""
+    return os.path.join(tempfile.gettempdir(), f"psgd-ports-{os.getuid()}")
+
+
+def claim_ports(base: int, n: int) -> list[IO] | None:
+    """Locks on ports base..base+n-1 (port_locks_folder), for the launcher that chose
+    them until its job ends: another launcher choosing at the same moment, before any
+    daemon has bound a port, finds them taken and chooses another block. (Two jobs
+    started at once both chose the default block, free to either's probe: one job's
+    daemons reached the other's coordinator.) None, and nothing held, if another
+    launcher holds one of them. Per port, not per block: blocks of other sizes overlap.
+    Where the folder cannot be written, nothing is held ([]): a job whose block another
+    takes still moves (LocalJob._move)."""
+    held: list[IO] = []
+    try:
+        folder = port_locks_folder()
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        for p in range(base, base + n):
+            f = hold(os.path.join(folder, f"{p}.lock"))
+            if f is None:
+                for g in held:
+                    g.close()
+                return None
+            held.append(f)
+    except OSError:
+        for g in held:
+            g.close()
+        return []
+    return held
+
+
 def ephemeral_ports() -> tuple[int, int]:
     """The range the OS takes the local port of an outgoing connection from (Linux's
     net.ipv4.ip_local_port_range; IANA's 49152-65535 where it cannot be read)."""
@@ -172,27 +204,31 @@ def in_ephemeral_range(base: int, n: int) -> bool:
     return base <= high and base + n - 1 >= low
 
 
-def pick_port(host: str, want: int, n: int) -> int:
+def pick_port(host: str, want: int, n: int, claim: Callable[[int], bool] | None = None) -> int:
     """`want` if ports want..want+n-1 are free, else a free block below the OS's
     ephemeral range, at random (two launchers rarely pick the same). Not in it: a port
     there may be taken, before its daemon binds it, as the local end of some outgoing
     connection, and a connection to it from this host may connect to itself (TCP
     self-connect: the worker's socket then holds the shard's port, and the shard cannot
-    bind it; libzmq issue 4588)."""
-    if ports_free(host, want, n):
+    bind it; libzmq issue 4588). `claim(base)`, if given, must also hold for the block
+    chosen: a launcher's claim_ports, which serializes launchers choosing at once."""
+    def usable(base: int) -> bool:
+        return ports_free(host, base, n) and (claim is None or claim(base))
+
+    if usable(want):
         return want
     low, _ = ephemeral_ports()
     first = 10000 if low - n > 20000 else 1024
     rng = random.Random()
     for _ in range(200 if low - n > first else 0):
         base = rng.randrange(first, low - n + 1)
-        if ports_free(host, base, n):
+        if usable(base):
             return base
     for _ in range(50):   # no free block below it: one the OS suggests
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             base = s.getsockname()[1]
-        if base + n < 65535 and ports_free(host, base, n):
+        if base + n < 65535 and usable(base):
             return base
     raise LaunchError(f"no block of {n} free ports on {host}")
 
@@ -252,9 +288,14 @@ class LocalJob:
         self.quiet = quiet
         self.on_started = on_started
         self._ports_note = ""
+        self._port_locks: list[IO] = []   # (claim_ports) held until stop()
         self.cfg = self._place(anchored(cfg))
-        from . import scalars
-        scalars.check(self.cfg)  # before any process starts
+        try:
+            from . import scalars
+            scalars.check(self.cfg)  # before any process starts
+        except BaseException:
+            self._release_ports()
+            raise
         self.device = device
         self.restart_workers = restart_workers
         self.timeout_s = default_timeout(cfg) if timeout_s is None else timeout_s
@@ -266,11 +307,16 @@ class LocalJob:
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.env[JOB_TOKEN_ENV] = os.urandom(8).hex()   # its coordinator refuses other jobs' daemons
         self.config_path = os.path.join(self.out, "config.toml")
-        self._locks = self._hold_folders()
+        try:
+            self._locks = self._hold_folders()
+        except BaseException:
+            self._release_ports()
+            raise
         try:
             self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
         except LaunchError:
             self._release_folders()
+            self._release_ports()
             raise
         if announce is not None:
             announce()
@@ -410,6 +456,10 @@ class LocalJob:
         n = c.servers + 1
         if self.port_explicit:
             busy = busy_port(c.host, c.port, n)
+            if busy is None and not self._claim(c.port, n):
+                raise LaunchError(f"cluster.port = {c.port}: another psgd run of this user chose ports of "
+                                  f"{c.port}-{c.port + n - 1} for its job; set another cluster.port, or leave it "
+                                  f"unset and psgd run picks a free block")
             if busy is not None:
                 raise LaunchError(f"cluster.port = {c.port}: port {busy} on {c.host} is in use (the job needs "
                                   f"{c.port}-{c.port + n - 1}: the coordinator and {c.servers} shards); set "
@@ -420,11 +470,27 @@ class LocalJob:
                                     f"OS's range for outgoing connections ({low}-{high}), where a connection can take "
                                     f"a port before its daemon binds it; a port below {low} is safer")
             return cfg
-        port = pick_port(c.host, c.port if avoid is None else avoid + n + 1, n)
+        before = self._port_locks   # (a move: the old block stays held while the new one is chosen)
+        port = pick_port(c.host, c.port if avoid is None else avoid + n + 1, n, claim=lambda base: self._claim(base, n))
+        for f in before:
+            f.close()
         if not self.quiet:   # said once the job is accepted (__init__); a move says its own line
             self._ports_note = (f"ports {port}-{port + n - 1} on {c.host} (cluster.port unset: "
                                 f"{'the default block' if port == c.port and avoid is None else 'a free block'})")
         return cfg.replace(**{"cluster.port": port})
+
+    def _claim(self, base: int, n: int) -> bool:
+        """Hold ports base..base+n-1 for this job (claim_ports); False if another launcher does."""
+        held = claim_ports(base, n)
+        if held is None:
+            return False
+        self._port_locks = held
+        return True
+
+    def _release_ports(self) -> None:
+        for f in self._port_locks:
+            f.close()
+        self._port_locks = []
 
     def _write_config(self) -> None:
         write_text_atomic(self.config_path, self.cfg.to_toml())
@@ -873,6 +939,7 @@ class LocalJob:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.out, TOKEN_FILE))   # no job of its own runs there now
             self._release_folders()
+            self._release_ports()
 
     def _stop_children(self, children: list[Child] | None = None) -> None:
         """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after 5 s."""

@@ -198,6 +198,31 @@ def test_an_explicit_port_in_the_ephemeral_range_is_warned_about(tmp_path, capsy
     assert f"warning: cluster.port = {base}: ports {base}-{base + 1} lie in the OS's range" in capsys.readouterr().err
 
 
+def test_jobs_started_at_once_choose_blocks_of_their_own(tmp_path):
+    """Two psgd runs started at the same moment, cluster.port unset: both found the
+    default block free (no daemon had bound it yet) and chose it, and one job's daemons
+    reached the other's coordinator. A launcher holds the ports it chose until its job
+    ends: the second chooses another block, a job given them explicitly is refused, and
+    once the first job stops they are free to the next."""
+    base = free_port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    first = LocalJob(cfg, str(tmp_path / "a"), quiet=True)
+    try:
+        second = LocalJob(cfg, str(tmp_path / "b"), quiet=True)
+        try:
+            assert first.cfg.cluster.port == base
+            assert abs(second.cfg.cluster.port - base) >= 2, (base, second.cfg.cluster.port)
+            with pytest.raises(LaunchError, match=f"cluster.port = {base}: another psgd run of this user chose"):
+                LocalJob(cfg, str(tmp_path / "c"), quiet=True, port_explicit=True)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+    third = LocalJob(cfg, str(tmp_path / "d"), quiet=True)
+    third.stop()
+    assert third.cfg.cluster.port == base
+
+
 def leave_time_wait(port: int) -> None:
     """A connection to a listener on port that the listening side closes first: its end
     stays in TIME_WAIT (a minute on Linux), as after a job whose coordinator served workers."""

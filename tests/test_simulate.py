@@ -427,6 +427,44 @@ def test_an_evaluation_counts_the_samples_of_steps_done_by_its_time(mode):
 
 
 @pytest.mark.inprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sets", [["mode.name=async", "sim.train=false"],
+                                  ["mode.name=diloco", "mode.local_steps=10", "eval.every_seconds=0.05"]])
+def test_a_run_holds_a_bounded_number_of_event_lines_and_writes_the_same_logs(tmp_path, monkeypatch, sets):
+    """A review: every step line of every worker was held until the run ended (about 0.6 KB
+    a worker step: 6 GB at 1,024 workers x 10,000 steps). Written as the run goes
+    (`Simulation.spill`), the workers hold about `SPILL_LINES` (and what the evaluator may
+    still ask about: diloco's workers run a round ahead), and the event logs, summary and
+    evaluations are those of a run that holds them all. An interrupted run leaves no
+    event logs, as before."""
+    from psgd.metrics import json_line
+    from psgd.sim.worker import SimWorker
+    cfg = load(None, ["cluster.workers=4", "train.steps=60", "sim.compute_s=0.01", "sim.compute_cv=0.3", *sets])
+    whole = Simulation(cfg, 0.01)
+    summary = whole.run()   # no output folder: every line held, as before
+    monkeypatch.setattr(sim_run, "SPILL_LINES", 20, raising=False)
+    most = [0]
+    real = SimWorker.log_step
+
+    def log_step(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        most[0] = max(most[0], sum(len(w.lines) for w in self.sim.workers))
+        if self.rank == 0 and self.steps == stop_at:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(SimWorker, "log_step", log_step)
+    stop_at = -1
+    assert Simulation(cfg, 0.01).run(str(tmp_path / "a")) == summary
+    assert 0 < most[0] <= 20 + 4 * (10 + 1) < 4 * 60, most[0]   # (held to the end: 4 * 60)
+    for w in whole.workers:
+        assert (tmp_path / "a" / "events" / f"worker-{w.rank}.jsonl").read_text() == \
+            "".join(map(json_line, w.log_lines()))
+    stop_at = 50
+    with pytest.raises(KeyboardInterrupt):
+        Simulation(cfg, 0.01).run(str(tmp_path / "b"))
+    assert not (tmp_path / "b" / "events").exists()
+
+
+@pytest.mark.inprocess
 @pytest.mark.timeout(120)
 def test_a_shard_works_through_its_tables_whatever_the_push_weighs_on_the_wire():
     """A bfloat16 or top-k push is decoded into a dense float32 gradient and applied to

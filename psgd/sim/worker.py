@@ -28,6 +28,7 @@ from torch import nn
 from .. import wire
 from ..consistency.rule import Diverged, Schedule
 from ..consistency.staleness import Histogram
+from ..metrics import json_line
 from ..workers.client import Cancelled, ParameterClient
 from ..workers.worker import Jitter
 from .engine import Node, Process, TorchRandom
@@ -169,7 +170,8 @@ class SimWorker:
         self.hist = Histogram()
         self.client = SimClient(cfg, rank, self)
         self.node = Node(f"worker-{rank}")
-        self.lines: list[dict | tuple] = []   # the event log (steps as tuples: `log_step`), written at the end
+        self.lines: list[dict | tuple] = []   # the event log's lines not yet written (steps as tuples: `log_step`)
+        self.spilled = False          # some of them are in its file already (`spill`)
         self.error = ""
         self.finished_at: float | None = None
         self.blocked_on: Flight | None = None   # the requests this worker waits for
@@ -264,7 +266,8 @@ class SimWorker:
         """A step's line (as the real worker's: `step`, the (loss, samples) of a step
         settled after the next one computed), kept as a tuple until the log is written
         (`log_lines`): a dict per step of every worker was most of a long run's memory,
-        and slow to build."""
+        and slow to build. Written to the event log once the run's workers hold
+        `SPILL_LINES` of them (`Simulation.spill`)."""
         self.steps += 1
         c = self.client
         loss, samples = step if step is not None else (self.loss, self.samples)
@@ -272,6 +275,10 @@ class SimWorker:
             extra = {**extra, "jitter": self._jitter.delayed(self.clock - 1)}
         self.lines.append((self.t, self.steps, self.clock, loss, samples, staleness, wait_s, c._sent,
                            c._recv, extra))
+        sim = self.sim
+        sim.held += 1
+        if sim.held >= sim.spill_at:
+            sim.spill()
 
     def samples_by(self, t: float) -> int:
         """The samples of the steps this worker had finished at virtual time t (its body
@@ -282,8 +289,28 @@ class SimWorker:
         return 0
 
     def log_lines(self) -> list[dict]:
-        """The event log's lines, in order."""
+        """The event log's lines not yet written to its file (`spill`: all of them, in a
+        run that writes no event logs), in order."""
         return [self._step_line(x) if isinstance(x, tuple) else x for x in self.lines]
+
+    def spill(self, path: str, now: float) -> int:
+        """Append the lines held to the event log at `path` (made anew by the first
+        spill), but for those `samples_by` may still be asked about from virtual time
+        `now` on: the last step finished by `now` and those after it (this worker's body
+        runs ahead of the loop). How many lines are still held."""
+        lines = self.lines
+        keep = 0
+        for k in range(len(lines) - 1, -1, -1):
+            x = lines[k]
+            if type(x) is tuple and x[0] <= now:
+                keep = k
+                break
+        if keep:
+            with open(path, "a" if self.spilled else "w") as f:
+                f.writelines(json_line(self._step_line(x) if isinstance(x, tuple) else x) for x in lines[:keep])
+            self.spilled = True
+            del lines[:keep]
+        return len(lines)
 
     def _step_line(self, step: tuple) -> dict:
         t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step
@@ -298,9 +325,11 @@ class SimWorker:
 
     def event(self, **fields: Any) -> None:
         self.lines.append({"t": round(self.t, 6), "role": "worker", **fields})
+        self.sim.held += 1
 
     def note(self, text: str) -> None:
         self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "note": text})
+        self.sim.held += 1
 
     def now(self) -> float:
         return self.t   # virtual: a time budget (train.seconds) is of virtual seconds

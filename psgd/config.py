@@ -33,8 +33,11 @@ from . import consistency
 MODES: tuple[str, ...] = consistency.NAMES
 
 # Environment variables that are not config keys: read by the CLI and by psgd.connect.
+# Set by psgd run in its shards' environment once it has read every shard's checkpoint
+# whole (shard.unresumable): a shard then reads only its own whole (ShardServer).
+SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
 ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE", "PSGD_PARENT_PID",
-                "PSGD_JOB_TOKEN"}
+                "PSGD_JOB_TOKEN", SET_CHECKED_ENV}
 
 
 class ConfigError(ValueError):

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import Config, ConfigError, anchored
+from .config import SET_CHECKED_ENV, Config, ConfigError, anchored
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
@@ -406,8 +406,8 @@ class LocalJob:
                 os.replace(path, path + ".earlier")
         mine = [self.cfg.checkpoint_file(self.out, i) or "" for i in range(self.cfg.cluster.servers)]
         if any(os.path.exists(path) for path in mine):
-            from .shard import SET_CHECKED_ENV, unresumable, why_not_resume_from  # (torch: only where there are
-            cannot = unresumable(self.cfg, self.out)                                # checkpoints)
+            from .shard import unresumable, why_not_resume_from  # (torch: only where there are checkpoints)
+            cannot = unresumable(self.cfg, self.out)
             self.env[SET_CHECKED_ENV] = "1"   # (read whole here: each shard reads only its own whole)
             # Said here, not only in a shard's log: the interrupted job's message promised a
             # resume, and a changed key (optimizer.lr, a smaller train.steps) loses it.

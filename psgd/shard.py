@@ -752,12 +752,12 @@ def checkpoint_fault(path: str, whole: bool = True) -> str:
     return f"it is corrupt ({bad} does not match its CRC-32)" if bad else ""
 
 
-# Set by `psgd run` in its shards' environment once it has read every shard's checkpoint
-# whole (`unresumable`): a shard then reads only its own whole, the others' directories.
-# Under Compose or Slurm no launcher checked the set, and each shard reads all of them
-# whole: another shard's corrupt checkpoint, taken for whole, would be refused by that
-# shard alone, which starts afresh beside the others resumed: a model of two versions.
-SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
+# (config.SET_CHECKED_ENV) Set by `psgd run` in its shards' environment once it has read
+# every shard's checkpoint whole (`unresumable`): a shard then reads only its own whole,
+# the others' directories. Under Compose or Slurm no launcher checked the set, and each
+# shard reads all of them whole: another shard's corrupt checkpoint, taken for whole,
+# would be refused by that shard alone, which starts afresh beside the others resumed: a
+# model of two versions.
 
 
 def resumable(path: str, cfg: Config, index: int, whole: bool = True) -> bool:

@@ -27,11 +27,11 @@ import zmq
 
 from psgd import layout as layouts
 from psgd import wire
-from psgd.config import Config
+from psgd.config import SET_CHECKED_ENV, Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
 from psgd.metrics import OutputError, writer_gone
-from psgd.shard import SET_CHECKED_ENV, Shard, unresumable, why_not_resume_from, write_checkpoint
+from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
 LAYOUT_POLL_S = 0.2

@@ -836,3 +836,20 @@ def test_the_job_config_names_its_folders_absolute_so_the_test_set_loads_from_an
     assert written.checkpoint.dir == str(tmp_path / "launch" / "ckpt")
     assert written.security.keys == str(tmp_path / "launch" / "keys")
     assert len(load_dataset(written.data, written.job.seed).test_y) == 10
+
+
+@pytest.mark.timeout(60)
+def test_the_environment_the_launcher_gives_its_daemons_loads_as_their_config(tmp_path):
+    """A review: PSGD_CHECKPOINT_SET_CHECKED, set for the daemons of a job over a folder of
+    shard checkpoints, was read as the config key checkpoint.set_checked, unknown: every
+    daemon of every resumed job exited 2 at its start."""
+    from psgd.config import SET_CHECKED_ENV
+    from psgd.shard import Shard
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
+    Shard(cfg, 0).save(cfg.checkpoint_file(str(tmp_path), 0))
+    job = LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
+    try:
+        assert job.env[SET_CHECKED_ENV] == "1"
+        assert load(job.config_path, [], env=job.env) == job.cfg
+    finally:
+        job.stop()

@@ -197,9 +197,9 @@ def test_a_shard_reads_only_its_own_checkpoint_whole(tmp_path, monkeypatch):
     leave a model of two versions (a second review)."""
     import zipfile
 
-    from psgd.config import load
+    from psgd.config import SET_CHECKED_ENV, load
     from psgd.servers.shard_server import ShardServer
-    from psgd.shard import SET_CHECKED_ENV, Shard
+    from psgd.shard import Shard
     cfg = load(None, [f"cluster.port={free_port_block(4)}", "cluster.servers=3"], env={})
     for i in range(3):
         Shard(cfg, i).save(cfg.checkpoint_file(str(tmp_path), i))

@@ -39,6 +39,7 @@ import os
 import random
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -147,7 +148,9 @@ def busy_port(host: str, base: int, n: int) -> int | None:
 def hold(path: str) -> IO | None:
     """An exclusive lock on the file at `path` (created if need be), held until the
     returned file is closed or this process ends; None if another process holds it."""
-    f = open(path, "w")
+    # (not truncated, and not through a symbolic link: a lock file another user planted as
+    # a link to one of this user's files would have emptied it)
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -174,6 +177,9 @@ def claim_ports(base: int, n: int) -> list[IO] | None:
     try:
         folder = port_locks_folder()
         os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return []   # (another user's, or writable by others: its files could be theirs)
         for p in range(base, base + n):
             f = hold(os.path.join(folder, f"{p}.lock"))
             if f is None:
@@ -307,25 +313,22 @@ class LocalJob:
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.env[JOB_TOKEN_ENV] = os.urandom(8).hex()   # its coordinator refuses other jobs' daemons
         self.config_path = os.path.join(self.out, "config.toml")
-        try:
+        self._locks: list[IO] = []
+        try:   # (whatever ends the job here, a Ctrl-C, a full disk, lets go of its folder and ports)
             self._locks = self._hold_folders()
-        except BaseException:
-            self._release_ports()
-            raise
-        try:
             self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
-        except LaunchError:
+            if announce is not None:
+                announce()
+            if self._ports_note:
+                log("run", self._ports_note)
+            self._forget_earlier_job()
+            self._step_logs = os.path.join(self.out, "events", "worker-*.jsonl")
+            self._events_before = file_stamps(glob.glob(self._step_logs))   # (`_training_began`)
+            self._write_config()
+        except BaseException:
             self._release_folders()
             self._release_ports()
             raise
-        if announce is not None:
-            announce()
-        if self._ports_note:
-            log("run", self._ports_note)
-        self._forget_earlier_job()
-        self._step_logs = os.path.join(self.out, "events", "worker-*.jsonl")
-        self._events_before = file_stamps(glob.glob(self._step_logs))   # (`_training_began`)
-        self._write_config()
         self.children: list[Child] = []
         self.started: set[str] = set()  # children whose .started file has appeared
         self._shown_started = 0

@@ -853,3 +853,27 @@ def test_the_environment_the_launcher_gives_its_daemons_loads_as_their_config(tm
         assert load(job.config_path, [], env=job.env) == job.cfg
     finally:
         job.stop()
+
+
+@pytest.mark.timeout(30)
+def test_port_locks_follow_no_link_and_no_folder_others_may_write(tmp_path, monkeypatch):
+    """A review: the port locks' folder was used whoever made it, and a lock file was opened
+    for writing, truncated, through a symbolic link: another user could plant
+    PORT.lock -> ~/.bashrc there and empty it. A link is not followed (no locks then, and
+    the file is untouched), nor a folder others may write."""
+    import tempfile
+
+    from psgd.launcher import claim_ports, port_locks_folder
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    folder = port_locks_folder()
+    os.makedirs(folder, mode=0o700)
+    precious = tmp_path / "bashrc"
+    precious.write_text("keep me\n")
+    os.symlink(precious, os.path.join(folder, "25001.lock"))
+    assert claim_ports(25001, 2) == [] and precious.read_text() == "keep me\n"
+    held = claim_ports(25010, 2)
+    assert held and len(held) == 2
+    for f in held:
+        f.close()
+    os.chmod(folder, 0o777)
+    assert claim_ports(25020, 2) == []

@@ -216,7 +216,13 @@ def test_a_checkpoint_naming_its_data_folder_relative_resumes_under_its_absolute
     earlier = Shard(cfg, 0)
     earlier.version = 7
     earlier.save(path)
+    sd = torch.load(path, weights_only=True)   # as the job before wrote it: the path as given
+    training = json.loads(sd["training"])
+    training["data"]["path"] = "data"
+    sd["training"] = json.dumps(training, sort_keys=True)
+    torch.save(sd, path)
     assert why_not_resume_from(path, anchored(cfg), 0) == ""
+    assert why_not_resume_from(path, cfg, 0) == ""   # (a daemon given the relative path: the same)
     assert "data.path" in why_not_resume_from(path, cfg.replace(**{"data.path": str(tmp_path / "other")}), 0)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from psgd.config import ConfigError, load
 from psgd.report import build_rows, describe_faults, write_report
 from psgd.sim import run as sim_run
+from psgd.sim import worker as sim_worker
 from psgd.sim.engine import Loop, Network, Node
 from psgd.sim.run import Simulation
 from psgd.simulate import cli
@@ -462,6 +463,12 @@ def test_a_run_holds_a_bounded_number_of_event_lines_and_writes_the_same_logs(tm
     with pytest.raises(KeyboardInterrupt):
         Simulation(cfg, 0.01).run(str(tmp_path / "b"))
     assert not (tmp_path / "b" / "events").exists()
+    # A first write that fails part-way (a full disk): its file goes too (a review).
+    stop_at = -1
+    monkeypatch.setattr(sim_worker, "json_line", lambda obj: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):
+        Simulation(cfg, 0.01).run(str(tmp_path / "c"))
+    assert not (tmp_path / "c" / "events").exists()
 
 
 @pytest.mark.inprocess

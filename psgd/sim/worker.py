@@ -306,9 +306,10 @@ class SimWorker:
                 keep = k
                 break
         if keep:
-            with open(path, "a" if self.spilled else "w") as f:
+            mode = "a" if self.spilled else "w"
+            self.spilled = True   # (before the file is made: a first write that fails leaves it to `unspill`)
+            with open(path, mode) as f:
                 f.writelines(json_line(self._step_line(x) if isinstance(x, tuple) else x) for x in lines[:keep])
-            self.spilled = True
             del lines[:keep]
         return len(lines)
 

@@ -27,6 +27,7 @@ import time
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL
+    from .log import say
     from .metrics import EXIT_CANNOT_WRITE, OutputError
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
     from .wire import RemoteError, WireError
@@ -297,9 +298,9 @@ def cmd_run(args) -> int:
         assert isinstance(e, KeyboardInterrupt)
         how = stopped_by(e)
         if ended is None:
-            print(f"psgd run: {how}; its daemons are stopped{resume}", file=sys.stderr)
+            say(f"psgd run: {how}; its daemons are stopped{resume}")   # (to a `| tee` the signal ended too)
             raise
-        print(f"psgd run: {how} after the job had ended; its outputs are complete", file=sys.stderr)
+        say(f"psgd run: {how} after the job had ended; its outputs are complete")
         s = ended
     print(format_summary(s))
     saved = written_since(model, before)  # not an earlier job's

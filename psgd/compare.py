@@ -50,6 +50,7 @@ from .config import (
     parse_value_for,
     refuse_set_against_flag,
 )
+from .log import say
 from .metrics import write_json_atomic
 from .report_numbers import AFTER_END, FIRST_SCORE, amount, records_staleness, ttt_flag
 
@@ -761,21 +762,6 @@ def said_if_interrupted(command: str) -> Iterator[None]:
     except KeyboardInterrupt:
         say(f"{command}: interrupted before its first run: nothing ran, no report written")
         raise
-
-
-def say(text: str, stream: IO[str] | None = None) -> None:
-    """print(text) to `stream` (default stderr), or to nothing where its reader is gone:
-    Ctrl-C on `psgd compare ... 2>&1 | tee log` ends tee too, and the line that said the
-    comparison was interrupted raised BrokenPipeError, which left the runs done without
-    their report. The stream is /dev/null from then on (a later line, and the exit's
-    flush, would fail again)."""
-    stream = stream or sys.stderr
-    try:
-        print(text, file=stream, flush=True)
-    except BrokenPipeError:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
 
 
 def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: int, failed: int,

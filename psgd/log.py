@@ -1,8 +1,25 @@
 """Progress and diagnostics: one line to stderr per event, prefixed with the role."""
 from __future__ import annotations
 
+import os
 import sys
+from typing import IO
 
 
 def log(role: str, text: str) -> None:
     print(f"[psgd {role}] {text}", file=sys.stderr, flush=True)
+
+
+def say(text: str, stream: IO[str] | None = None) -> None:
+    """print(text) to `stream` (default stderr), or to nothing where its reader is gone:
+    Ctrl-C on `psgd compare ... 2>&1 | tee log` (or `psgd run`) ends tee too, and the line
+    that said the command was interrupted raised BrokenPipeError: compare's runs done got
+    no report, and each command's exit was 141, not its signal's. The stream is /dev/null
+    from then on (a later line, and the exit's flush, would fail again)."""
+    stream = stream or sys.stderr
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)

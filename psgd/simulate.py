@@ -185,7 +185,8 @@ def same_worker_dropped(plan: list) -> str | None:
 def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> int:
     """`n`: the training set's size (`cli.check_job`)."""
     from .cli import interrupted_code
-    from .compare import batch_over_shares, context, finish, said_if_interrupted, say
+    from .compare import batch_over_shares, context, finish, said_if_interrupted
+    from .log import say
     cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}

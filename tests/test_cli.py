@@ -695,3 +695,26 @@ def test_psgd_version_says_the_packages_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"psgd {__version__}"
+
+
+def test_a_run_interrupted_in_a_pipe_whose_reader_ended_exits_with_its_signals_code(tmp_path, no_job, monkeypatch):
+    """Ctrl-C on `psgd run ... 2>&1 | tee log` ends tee too: the line saying the run was
+    interrupted raised BrokenPipeError, and the exit was 141, not 130."""
+    import io
+    import sys
+
+    import psgd.launcher
+
+    def run_local(cfg, out, **kw):
+        kw["announce"]()
+        os.close(read)   # the signal ended the reader too
+        raise KeyboardInterrupt
+    monkeypatch.setattr(psgd.launcher, "run_local", run_local)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    stderr = io.TextIOWrapper(io.FileIO(write, "w"), write_through=True)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    try:
+        assert main(["run", "--out", str(tmp_path / "out")]) == 130
+    finally:
+        stderr.close()

@@ -343,8 +343,8 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                     cfg = base.replace(**sets)
                 except ConfigError as e:
                     hint = _read_as_a_value(spec, specs)
-                    raise ConfigError(f"--modes {spec.label} with {w} workers: {e}" + (f" ({hint})" if hint else "")
-                                      ) from None
+                    raise ConfigError(f"--modes {spec.label} with {w} worker{'s' * (w != 1)}: {e}"
+                                      + (f" ({hint})" if hint else "")) from None
                 value = spec.sweep_value
                 if spec.sweep and isinstance(value, str) and value.isalpha() \
                         and _takes_any_text(base, config_key(spec.sweep)):
@@ -366,7 +366,8 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
         keys = [run.name] if run.is_baseline else [run.name, json.dumps(run.cfg.to_dict(), sort_keys=True)]
         for key in keys:
             if key in seen:
-                raise ConfigError(f"--modes {seen[key].label} and {run.label} with {run.workers} workers are the "
+                raise ConfigError(f"--modes {seen[key].label} and {run.label} with {run.workers} "
+                                  f"worker{'s' * (run.workers != 1)} are the "
                                   f"same run (folder runs/{seen[key].name}): give each configuration once "
                                   f"(--repeats repeats them)")
             seen[key] = run

@@ -237,6 +237,8 @@ def test_inf_in_a_mode_item_is_a_config_error():
     """A review: `--modes ssp:staleness=inf` was a traceback (int(inf): OverflowError)."""
     with pytest.raises(ConfigError, match="--modes ssp:staleness=inf with 2 workers: .*expected an integer, got inf"):
         build_plan(load(None, [], env={}), parse_modes("ssp:staleness=inf"), [2], 1)
+    with pytest.raises(ConfigError, match="--modes sync:backup_workers=1 with 1 worker: "):   # (not "1 workers")
+        build_plan(load(None, [], env={}), parse_modes("sync:backup_workers=1"), [1], 1)
 
 
 @pytest.mark.timeout(30)

@@ -139,7 +139,10 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
         raise ConfigError(f"security.keys: {path} holds no secret key ({_replace(path, keys)})")
     if zmq.has("curve") and zmq.curve_public(secret) != public:   # (a libzmq without CURVE: its sockets say so)
         raise ConfigError(f"security.keys: {path}'s public and secret keys are not one pair ({_replace(path, keys)})")
-    mode = os.stat(path).st_mode & 0o777
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:   # (gone since it was read: the pair read stands)
+        mode = 0
     if mode & 0o044 and path not in _said_readable:   # (once a process: every socket loads its pair)
         _said_readable.add(path)
         log("keys", f"warning: {path} is readable by other users (mode {mode:03o}): whoever reads it can join "

@@ -34,7 +34,11 @@ MODES: tuple[str, ...] = consistency.NAMES
 
 # Environment variables that are not config keys: read by the CLI and by psgd.connect.
 # Set by psgd run in its shards' environment once it has read every shard's checkpoint
-# whole (shard.unresumable): a shard then reads only its own whole (ShardServer).
+# whole (shard.unresumable): a shard then reads only its own whole, the others'
+# directories (ShardServer). Under Compose or Slurm no launcher checked the set, and each
+# shard reads all of them whole: another shard's corrupt checkpoint, taken for whole,
+# would be refused by that shard alone, which starts afresh beside the others resumed: a
+# model of two versions.
 SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
 ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE", "PSGD_PARENT_PID",
                 "PSGD_JOB_TOKEN", SET_CHECKED_ENV}

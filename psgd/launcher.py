@@ -409,7 +409,7 @@ class LocalJob:
                 os.replace(path, path + ".earlier")
         mine = [self.cfg.checkpoint_file(self.out, i) or "" for i in range(self.cfg.cluster.servers)]
         if any(os.path.exists(path) for path in mine):
-            from .shard import unresumable, why_not_resume_from  # (torch: only where there are checkpoints)
+            from .shard import unresumable  # (torch: only where there are checkpoints)
             cannot = unresumable(self.cfg, self.out)
             self.env[SET_CHECKED_ENV] = "1"   # (read whole here: each shard reads only its own whole)
             # Said here, not only in a shard's log: the interrupted job's message promised a
@@ -420,15 +420,14 @@ class LocalJob:
             elif len(cannot) == len(mine):
                 first = next(i for i in cannot if os.path.exists(mine[i]))
                 log("run", f"warning: not resuming from the shard checkpoints in {folder} "
-                           f"({os.path.basename(mine[first])}: {why_not_resume_from(mine[first], self.cfg, first)}): "
+                           f"({os.path.basename(mine[first])}: {cannot[first]}): "
                            f"the job starts afresh, and its checkpoints replace them")
             else:
                 # Some shards would resume and the others start from the initial values: one
                 # model of two versions. All of them start afresh instead (a shard resumes
                 # no part either: ShardServer._resume), moved aside, with one warning here.
-                not_ok = "; ".join(f"{os.path.basename(mine[i])}: " + (why_not_resume_from(mine[i], self.cfg, i)
-                                                                        if os.path.exists(mine[i]) else "missing")
-                                   for i in cannot)
+                not_ok = "; ".join(f"{os.path.basename(mine[i])}: " + (why if os.path.exists(mine[i]) else "missing")
+                                   for i, why in cannot.items())
                 for path in mine:
                     if os.path.exists(path):
                         os.replace(path, path + ".earlier")

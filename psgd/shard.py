@@ -752,26 +752,23 @@ def checkpoint_fault(path: str, whole: bool = True) -> str:
     return f"it is corrupt ({bad} does not match its CRC-32)" if bad else ""
 
 
-# (config.SET_CHECKED_ENV) Set by `psgd run` in its shards' environment once it has read
-# every shard's checkpoint whole (`unresumable`): a shard then reads only its own whole,
-# the others' directories. Under Compose or Slurm no launcher checked the set, and each
-# shard reads all of them whole: another shard's corrupt checkpoint, taken for whole,
-# would be refused by that shard alone, which starts afresh beside the others resumed: a
-# model of two versions.
-
-
 def resumable(path: str, cfg: Config, index: int, whole: bool = True) -> bool:
     """Would shard `index` of a job of `cfg` resume from the checkpoint at `path`?"""
     return not why_not_resume_from(path, cfg, index, whole)
 
 
-def unresumable(cfg: Config, out: str | None, whole: bool = True) -> list[int]:
-    """The shards of a job of `cfg` whose checkpoint (`Config.checkpoint_file`) would not
-    be resumed: missing, unreadable, or of another job or configuration. A job resumes
-    the whole set or none: some shards resumed and the others at their initial values
-    make one model of two versions. (`whole`: `checkpoint_fault`'s CRCs too.)"""
-    return [i for i in range(cfg.cluster.servers)
-            if not resumable(cfg.checkpoint_file(out, i) or "", cfg, i, whole)]
+def unresumable(cfg: Config, out: str | None, whole: bool = True, skip: int | None = None) -> dict[int, str]:
+    """The shards of a job of `cfg` (but `skip`) whose checkpoint (`Config.checkpoint_file`)
+    would not be resumed, each with why not: missing, unreadable, or of another job or
+    configuration. A job resumes the whole set or none: some shards resumed and the others
+    at their initial values make one model of two versions. (`whole`: `checkpoint_fault`'s
+    CRCs too, which read every byte: the reasons are kept, not read again.)"""
+    cannot = {}
+    for i in range(cfg.cluster.servers):
+        why = why_not_resume_from(cfg.checkpoint_file(out, i) or "", cfg, i, whole) if i != skip else ""
+        if why:
+            cannot[i] = why
+    return cannot
 
 
 def copied(x):

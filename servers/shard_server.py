@@ -129,7 +129,7 @@ class ShardServer:
         # shards reading all S checkpoints whole read S² of them, minutes for large ones
         # on a network disk)
         whole = os.environ.get(SET_CHECKED_ENV) != "1"
-        others = [i for i in unresumable(shard.cfg, self.out, whole) if i != self.index]
+        others = list(unresumable(shard.cfg, self.out, whole, skip=self.index))   # (its own was read: `_resume`)
         return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
                 f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
                 f"and resuming a part of the model would mix two" if others else "")

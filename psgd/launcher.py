@@ -295,13 +295,7 @@ class LocalJob:
         self.on_started = on_started
         self._ports_note = ""
         self._port_locks: list[IO] = []   # (claim_ports) held until stop()
-        self.cfg = self._place(anchored(cfg))
-        try:
-            from . import scalars
-            scalars.check(self.cfg)  # before any process starts
-        except BaseException:
-            self._release_ports()
-            raise
+        self._locks: list[IO] = []        # (_hold_folders) held until stop()
         self.device = device
         self.restart_workers = restart_workers
         self.timeout_s = default_timeout(cfg) if timeout_s is None else timeout_s
@@ -313,8 +307,10 @@ class LocalJob:
         self.env[forkserver.PARENT_ENV] = str(os.getpid())  # its processes end with it (forkserver.exit_with_parent)
         self.env[JOB_TOKEN_ENV] = os.urandom(8).hex()   # its coordinator refuses other jobs' daemons
         self.config_path = os.path.join(self.out, "config.toml")
-        self._locks: list[IO] = []
         try:   # (whatever ends the job here, a Ctrl-C, a full disk, lets go of its folder and ports)
+            self.cfg = self._place(anchored(cfg))
+            from . import scalars
+            scalars.check(self.cfg)  # before any process starts
             self._locks = self._hold_folders()
             self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
             if announce is not None:

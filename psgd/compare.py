@@ -602,6 +602,15 @@ def tag(summary: dict, run: Run, folder_rel: str, duration_s: float) -> dict:
             **{k: v for k, v in summary.items() if k not in ("mode", "workers")}}
 
 
+def run_entry(run: Run, outcome: dict | BaseException, t0: float) -> dict:
+    """compare.json's entry for a run started at time.monotonic() `t0` that ended with its
+    summary (`tag`), or with the error that failed it (`failed_entry`)."""
+    if isinstance(outcome, dict):
+        return tag(outcome, run, os.path.join("runs", run.name), time.monotonic() - t0)
+    return failed_entry(run, str(outcome).strip() or type(outcome).__name__,
+                        duration_s=round(time.monotonic() - t0, 2))
+
+
 def failed_entry(run: Run, msg: str, **extra: Any) -> dict:
     """compare.json's entry for a run that failed, with its error message."""
     return {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
@@ -818,14 +827,12 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
             folder = os.path.join(out, "runs", run.name)
             t0 = time.monotonic()
             try:
-                s = run_one(run, folder, args.device, args.timeout, prefix=f"[{i + 1}/{n}]")
-                entry = tag(s, run, os.path.join("runs", run.name), time.monotonic() - t0)
+                entry = run_entry(run, run_one(run, folder, args.device, args.timeout, prefix=f"[{i + 1}/{n}]"), t0)
                 result = _one_line(entry)   # (with the run's eval period, as the report reads it)
             except (RuntimeError, ConfigError, OSError) as e:  # LaunchError is a RuntimeError
                 failed += 1
-                msg = str(e).strip() or type(e).__name__
-                entry = failed_entry(run, msg, duration_s=round(time.monotonic() - t0, 2))
-                result = f"FAILED: {msg.splitlines()[0]}"
+                entry = run_entry(run, e, t0)
+                result = f"FAILED: {(str(e).strip() or type(e).__name__).splitlines()[0]}"
             durations[i] = time.monotonic() - t0
             results.append(entry)
             write_json_atomic(os.path.join(out, "compare.json"), results)
@@ -838,11 +845,9 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
         interrupted = interrupted_code(e)
         ended = ended_before(e)   # the run's job had ended (its summary written): it is one of those done
         if ended is not None:
-            if isinstance(ended, dict):
-                results.append(tag(ended, run, os.path.join("runs", run.name), time.monotonic() - t0))
-            else:   # (aborted: LaunchError)
+            if not isinstance(ended, dict):   # (aborted: LaunchError)
                 failed += 1
-                results.append(failed_entry(run, str(ended).strip(), duration_s=round(time.monotonic() - t0, 2)))
+            results.append(run_entry(run, ended, t0))
         say(f"psgd compare: interrupted after {len(results)} of {n} runs; writing the report of those")
 
     write_json_atomic(os.path.join(out, "compare.json"), results)

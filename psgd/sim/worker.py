@@ -288,10 +288,10 @@ class SimWorker:
                 return x[4]
         return 0
 
-    def log_lines(self) -> list[dict]:
+    def log_lines(self, upto: int | None = None) -> list[dict]:
         """The event log's lines not yet written to its file (`spill`: all of them, in a
-        run that writes no event logs), in order."""
-        return [self._step_line(x) if isinstance(x, tuple) else x for x in self.lines]
+        run that writes no event logs), in order; the first `upto` of them."""
+        return [self._step_line(x) if isinstance(x, tuple) else x for x in self.lines[:upto]]
 
     def spill(self, path: str, now: float) -> int:
         """Append the lines held to the event log at `path` (made anew by the first
@@ -309,7 +309,7 @@ class SimWorker:
             mode = "a" if self.spilled else "w"
             self.spilled = True   # (before the file is made: a first write that fails leaves it to `unspill`)
             with open(path, mode) as f:
-                f.writelines(json_line(self._step_line(x) if isinstance(x, tuple) else x) for x in lines[:keep])
+                f.writelines(map(json_line, self.log_lines(keep)))
             del lines[:keep]
         return len(lines)
 

@@ -27,7 +27,7 @@ import time
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL
-    from .log import say
+    from .log import say, to_devnull
     from .metrics import EXIT_CANNOT_WRITE, OutputError
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
     from .wire import RemoteError, WireError
@@ -478,9 +478,7 @@ def _hung_up_terminal() -> None:
     report). Its stdout and stderr, where they were that terminal, go to /dev/null."""
     for fd in _TERMINALS:
         if not os.isatty(fd):   # (a hung-up terminal is not one any more)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
+            to_devnull(fd)
 
 
 def _hang_up(signum, frame) -> None:
@@ -659,7 +657,7 @@ def _command(handler, args, env: dict[str, str]) -> int:
             print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_CANNOT_WRITE if args.cmd in DAEMONS else 1
     except BrokenPipeError:   # `psgd shards | head -1`: the reader is gone; end as SIGPIPE would, quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush would fail again)
+        to_devnull(sys.stdout.fileno())   # (the exit's flush would fail again)
         return 128 + signal.SIGPIPE
     except (OSError, TimeoutError) as e:
         if isinstance(e, OSError) and e.errno == errno.EIO and any(not os.isatty(fd) for fd in _TERMINALS):

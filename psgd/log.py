@@ -20,6 +20,12 @@ def say(text: str, stream: IO[str] | None = None) -> None:
     try:
         print(text, file=stream, flush=True)
     except BrokenPipeError:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
+        to_devnull(stream.fileno())
+
+
+def to_devnull(fd: int) -> None:
+    """Point file descriptor `fd`, whose reader is gone (a closed pipe, a terminal that
+    hung up), at /dev/null: later writes, and the exit's flush, do not fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)

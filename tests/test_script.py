@@ -48,16 +48,19 @@ def test_custom_model_and_loss_in_every_mode(tmp_path, mode):
     s = run_script(tmp_path, [os.path.join(EXAMPLES, "custom_loss.py")], **{"mode.name": mode, "train.steps": 300})
     ex = example("custom_loss")
     x, y = ex.series(2000, seed=10_000)
-    untrained, _ = ex.within(ex.Forecaster(), x, y)
-    assert untrained < 0.15
-    # Learned: the share within 0.1 of the truth, 0.05-0.09 untrained, 0.36-0.53 after these 300
-    # steps on an idle machine; async and ssp lower on a busy one (0.2975 in a CI run)
-    assert s["final_accuracy"] >= 0.25, s            # the script's report
+    with torch.random.fork_rng():
+        torch.manual_seed(0)   # as the script seeds its model
+        untrained, untrained_loss = ex.within(ex.Forecaster(), x, y)
+    assert untrained < 0.15 and untrained_loss > 0.4   # (0.047, 0.439; 0.28-0.44 for seeds 0-4)
+    # Learned: the pinball loss 0.068-0.077 after these 300 steps of async (10 runs, idle and loaded).
+    # The share within 0.1 of the truth is noisier: 0.32-0.51 in those runs, 0.2255 in one CI run,
+    # where > 0.25 failed; it need only beat the untrained model's ceiling.
+    assert s["final_loss"] < 0.15 and s["final_accuracy"] >= 0.15, s   # the script's report
     assert s["mode"] == mode and s["failures"]["workers_lost"] == 0
     assert s["data"] is None and s["batch_size"] is None   # the script's own, not psgd's config (was digits, 32)
     model = ex.Forecaster()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))   # the final global model
-    assert ex.within(model, x, y)[0] >= 0.25
+    assert ex.within(model, x, y)[1] < 0.15
     for i in range(2):  # the shards never imported the script, and the workers wrote step lines
         with open(tmp_path / "logs" / f"server-{i}.log") as f:
             assert "custom_loss" not in f.read()

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import stat
@@ -62,6 +63,7 @@ ENDING_WAIT_S = 1.0  # how long a worker's exit waits for the coordinator to say
 MAX_MOVES = 5     # a job whose chosen ports were taken before its daemons bound them moves this often
 SCRIPT_NOTE_S = 30  # how often psgd run says it still waits for a training script after the job ended
 LOCK_FILE = ".launcher.lock"  # in the output folder: held by the launcher of the job that uses it
+EARLIER = "earlier"            # in the output folder: logs, event logs and tb/ of the job a resumed job goes on from
 TOKEN_FILE = ".job-token"     # in the output folder while its job runs: the job's PSGD_JOB_TOKEN (folder_token)
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
@@ -385,7 +387,8 @@ class LocalJob:
         """A new job in a folder that an earlier job used replaces that job's outputs:
         its coordinator state (not this job's to resume), summary.json (read as this
         job's end, it made a crash look like a finished job), event logs and daemon logs
-        (this job's would be appended to them), TensorBoard scalars (tb/); its pid files
+        (this job's would be appended to them), TensorBoard scalars (tb/) -- those three
+        moved to OUT/earlier/ when this job resumes that one's checkpoints; its pid files
         went in _refuse_running_job, which refused a job still running there. A model.pt
         stays until this job saves its own; shard checkpoints stay, and a shard resumes
         from one only if it is of an unfinished job of the same training config
@@ -404,6 +407,7 @@ class LocalJob:
             for path in glob.glob(os.path.join(folder, "shard-*.pt")):
                 os.replace(path, path + ".earlier")
         mine = [self.cfg.checkpoint_file(self.out, i) or "" for i in range(self.cfg.cluster.servers)]
+        resuming = False
         if any(os.path.exists(path) for path in mine):
             from .shard import unresumable  # (torch: only where there are checkpoints)
             cannot = unresumable(self.cfg, self.out)
@@ -411,8 +415,10 @@ class LocalJob:
             # Said here, not only in a shard's log: the interrupted job's message promised a
             # resume, and a changed key (optimizer.lr, a smaller train.steps) loses it.
             if not cannot:
+                resuming = True
                 log("run", f"resuming the unfinished job whose shard checkpoints are in {folder} (same training "
-                           f"config): its training goes on from them")
+                           f"config): its training goes on from them; its logs and event logs are kept in "
+                           f"{os.path.join(self.out, EARLIER)}")
             elif len(cannot) == len(mine):
                 first = next(i for i in cannot if os.path.exists(mine[i]))
                 log("run", f"warning: not resuming from the shard checkpoints in {folder} "
@@ -431,10 +437,16 @@ class LocalJob:
                            f"{folder} can be resumed (not {not_ok}): not resuming a part of the model; moved "
                            f"to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))
-        for path in (glob.glob(os.path.join(self.out, "events", "*.jsonl"))
-                     + glob.glob(os.path.join(self.out, "logs", "*.log"))
-                     + glob.glob(os.path.join(self.out, "tb", "events.out.tfevents.*"))):
-            remove(path)   # (TensorBoard reads a folder's event files as one run: two jobs' curves spliced)
+        earlier = os.path.join(self.out, EARLIER)
+        if resuming:   # the job it resumes: what its logs say (why it stopped) is not lost
+            shutil.rmtree(earlier, ignore_errors=True)
+        for kind, pattern in (("events", "*.jsonl"), ("logs", "*.log"), ("tb", "events.out.tfevents.*")):
+            for path in glob.glob(os.path.join(self.out, kind, pattern)):
+                if resuming:
+                    os.makedirs(os.path.join(earlier, kind), exist_ok=True)
+                    os.replace(path, os.path.join(earlier, kind, os.path.basename(path)))
+                else:   # (TensorBoard reads a folder's event files as one run: two jobs' curves spliced)
+                    remove(path)
 
     def _write_token(self) -> None:
         """The job's token in OUT/.job-token (this user's only): a daemon started by hand

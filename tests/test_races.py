@@ -154,13 +154,23 @@ def registered_links(cfg, cluster) -> list:
 
 
 @pytest.mark.timeout(60)
-def test_heartbeat_after_finish_keeps_final_counters():
+def test_heartbeat_after_finish_keeps_final_counters(monkeypatch):
     cfg = two_workers(heartbeat_timeout_s=5)
+    from psgd.membership import Membership
+    real_beat, late = Membership.beat, threading.Event()
+
+    def beat(self, rank, now, *a, **kw):   # the coordinator's handling of a heartbeat
+        applied = real_beat(self, rank, now, *a, **kw)
+        if rank == 1 and finished.is_set():
+            late.set()   # the beat in flight at the finish, handled (on a busy machine, well after close())
+        return applied
+    monkeypatch.setattr(Membership, "beat", beat)
+    finished = threading.Event()
     with InProcessCluster(cfg) as cluster:
         links = registered_links(cfg, cluster)
         link = links[1]
         samples = [10]
-        armed, taken, finished = threading.Event(), threading.Event(), threading.Event()
+        armed, taken = threading.Event(), threading.Event()
 
         def stats():   # Worker.stats, on the heartbeat thread
             s = {"samples": samples[0], "steps": samples[0] // 10}
@@ -177,7 +187,9 @@ def test_heartbeat_after_finish_keeps_final_counters():
         link.call("finish", rank=1, clock=2, stats={"samples": 20, "steps": 2})   # Connection._end: _report_end
         finished.set()
         link.close()               # ... then _close: the heartbeat in flight still goes out
-        time.sleep(0.5)
+        # waited for, not slept for: a fixed 0.5 s, with the coordinator's thread slow to
+        # get a core, read the counters before the stale beat was applied (a pass with the defect)
+        assert late.wait(20), "the heartbeat in flight at the finish never reached the coordinator"
         got = dict(cluster.coordinator.members.members[1].stats)
         links[0].close()
         assert got.get("samples") == 20, f"coordinator's final counters of rank 1: {got} (finish said 20 samples)"

@@ -218,13 +218,22 @@ def test_stale_heartbeat_answer_does_not_undo_a_rejoin(monkeypatch):
                 registered.wait(5)
             return r
         monkeypatch.setattr(transport.Peers, "call", held_call)
+        applied, apply = threading.Event(), link._apply_since
+
+        def apply_since(msg, registrations):   # the heartbeat thread's use of that answer
+            apply(msg, registrations)
+            if registered.is_set() and threading.current_thread().name == "heartbeat-worker":
+                applied.set()
+        link._apply_since = apply_since
         link.clock_fn = lambda: 3
         link.start()                          # the partition heals: its first beat is answered `rejoin`
         assert answered.wait(5)
         link.register(1)                      # Worker.rejoin_if_dropped (the state said rejoin)
         assert not link.state["rejoin"]
         registered.set()
-        time.sleep(0.1)
+        # waited for, not slept for: a fixed 0.1 s, with the heartbeat thread slow to get the
+        # GIL back, read the state before the stale answer was applied (a pass with the defect)
+        assert applied.wait(10), "the heartbeat thread never used the answer it was holding"
         stale = link.state["rejoin"]
         rejoined = m.rejoined
         for lk in links:

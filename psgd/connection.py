@@ -79,8 +79,9 @@ from .consistency import get as get_mode
 from .forkserver import end_with_launcher
 from .launcher import JOINED, adopt_folder_token
 from .log import log
-from .metrics import PidFile, write_file_atomic
+from .metrics import PidFile
 from .replica import pick_device
+from .shard import save_state_dict
 from .sharding import model_entries, model_tensors
 from .transport import HandshakeFailed, PeerTimeout
 from .workers.client import Cancelled, ShardUnreachable
@@ -621,7 +622,6 @@ class Connection(Worker):
         self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
         if self.out:
             path = os.path.join(self.out, "model.pt")
-            sd = self.replica.cpu_state_dict()
-            write_file_atomic(path, lambda f: torch.save(sd, f), binary=True)
+            save_state_dict(self.replica.cpu_state_dict(), path)
             log(self.name, f"saved the final model: {path}")
         return ""

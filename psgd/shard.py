@@ -783,6 +783,14 @@ def copied(x):
     return x
 
 
+def save_state_dict(sd: dict, path: str, tmp: str = "") -> None:
+    """`torch.save` a `state_dict` to `path` atomically (`write_file_atomic`, through
+    `tmp`): a full disk or an interrupt leaves no half-written file behind, and its
+    OutputError names `path`. A shard's checkpoint (`write_checkpoint`) and a job's final
+    model (model.pt, of the last worker or the evaluator) are written with it."""
+    write_file_atomic(path, lambda f: torch.save(sd, f), binary=True, tmp=tmp)
+
+
 def write_checkpoint(sd: dict, path: str) -> None:
     """Atomic checkpoint of a `state_dict` (whose tensors are copies): temp file, fsync,
     rename. Safe to run off the serving thread."""
@@ -790,6 +798,4 @@ def write_checkpoint(sd: dict, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     except OSError as e:
         raise output_error(e, e.filename or path) from None
-    # a full disk, an interrupt: no half-written file left behind (OutputError names `path`)
-    write_file_atomic(path, lambda f: torch.save(sd, f), binary=True,
-                      tmp=f"{path}.tmp.{os.getpid()}.{threading.get_ident()}")
+    save_state_dict(sd, path, tmp=f"{path}.tmp.{os.getpid()}.{threading.get_ident()}")

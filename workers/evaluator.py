@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 import zmq
 
 from psgd import wire
@@ -28,9 +27,10 @@ from psgd.consistency import get as get_mode
 from psgd.data import load_dataset
 from psgd.log import log
 from psgd.membership import CoordinatorLink
-from psgd.metrics import EventLog, write_file_atomic
+from psgd.metrics import EventLog
 from psgd.models import build_model
 from psgd.replica import Replica, check_device
+from psgd.shard import save_state_dict
 from psgd.workers.client import ParameterClient, ShardUnreachable
 
 
@@ -110,5 +110,4 @@ class Evaluator:
     def save(self) -> None:
         if not self.out:
             return
-        sd = self.replica.cpu_state_dict()
-        write_file_atomic(os.path.join(self.out, "model.pt"), lambda f: torch.save(sd, f), binary=True)
+        save_state_dict(self.replica.cpu_state_dict(), os.path.join(self.out, "model.pt"))

@@ -68,16 +68,24 @@ def shown(terminal: Terminal, text: str) -> None:
         time.sleep(0.01)
 
 
+def progress_shown(tmp_path, monkeypatch, label: str, until: str, **env: str) -> str:
+    """What compare's progress line (a `Monitor` labelled `label`) wrote to a terminal
+    (sys.stderr), with the environment variables `env`, once `until` was on it."""
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with Monitor(label, str(tmp_path), 100, every_s=0.01):
+        shown(terminal, until)
+    return terminal.getvalue()
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_the_compare_progress_line_fits_a_narrow_terminal(tmp_path, monkeypatch):
     # wider than the terminal, the line wrapped, and each update left its first rows behind
-    terminal = Terminal()
-    monkeypatch.setattr(sys, "stderr", terminal)
-    monkeypatch.setenv("COLUMNS", "20")
-    with Monitor("[12/120]", str(tmp_path), 100, every_s=0.01):
-        shown(terminal, "\r\033[K[12/120]")
-    updates = terminal.getvalue().split("\r\033[K")[1:]
+    written = progress_shown(tmp_path, monkeypatch, "[12/120]", "\r\033[K[12/120]", COLUMNS="20")
+    updates = written.split("\r\033[K")[1:]
     assert updates and all(len(u) <= 19 for u in updates), updates[:3]
 
 
@@ -85,13 +93,9 @@ def test_the_compare_progress_line_fits_a_narrow_terminal(tmp_path, monkeypatch)
 @pytest.mark.timeout(60)
 def test_a_dumb_terminal_gets_progress_lines_without_escapes(tmp_path, monkeypatch):
     # TERM=dumb (Emacs' shell): the updating line's \r\033[K showed as "^[[K" before each update
-    terminal = Terminal()
-    monkeypatch.setattr(sys, "stderr", terminal)
-    monkeypatch.setenv("TERM", "dumb")
-    with Monitor("[1/1]", str(tmp_path), 100, every_s=0.01):
-        shown(terminal, "starting processes")
-    assert "\033" not in terminal.getvalue() and "\r" not in terminal.getvalue(), terminal.getvalue()[:200]
-    assert terminal.getvalue().startswith("[1/1]") and terminal.getvalue().endswith("starting processes\n")
+    written = progress_shown(tmp_path, monkeypatch, "[1/1]", "starting processes", TERM="dumb")
+    assert "\033" not in written and "\r" not in written, written[:200]
+    assert written.startswith("[1/1]") and written.endswith("starting processes\n")
 
 
 @pytest.mark.inprocess

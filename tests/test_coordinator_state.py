@@ -2,9 +2,11 @@
 resumes, and what it refuses to resume."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -46,15 +48,30 @@ def coordinator(cfg: Config, out: str) -> Coordinator:
     return c
 
 
+@contextlib.contextmanager
+def closed_after(c: Coordinator) -> Iterator[Coordinator]:
+    """`c`, a coordinator served by hand (`_serve`) with its socket open: its socket and
+    event log are closed after the block."""
+    try:
+        yield c
+    finally:
+        c.sock.close(0)
+        c.events.close()
+
+
+def in_training(c: Coordinator, ranks: tuple[int, ...] = (0,), for_s: float = 5.0) -> Coordinator:
+    """`c`, `for_s` seconds into training, the workers of `ranks` joined at its start."""
+    for rank in ranks:
+        c.members.join(0.0, rank)
+    c.phase, c.t0 = "training", time.monotonic() - for_s
+    return c
+
+
 def training_with_two_workers(out: str) -> tuple[Config, Coordinator]:
     """A coordinator 5 s into training two workers (no evaluator, one shard), and its config."""
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
                               "cluster.evaluator": False, "cluster.timeout_s": 60.0})
-    c = coordinator(cfg, out)
-    c.members.join(0.0, 0)
-    c.members.join(0.0, 1)
-    c.phase, c.t0 = "training", time.monotonic() - 5.0
-    return cfg, c
+    return cfg, in_training(coordinator(cfg, out), (0, 1))
 
 
 @pytest.mark.inprocess
@@ -62,11 +79,8 @@ def training_with_two_workers(out: str) -> tuple[Config, Coordinator]:
 def test_a_restarted_coordinator_resumes_only_its_own_recent_unfinished_job(tmp_path):
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.timeout_s": 30.0})
     out = str(tmp_path)
-    first = coordinator(cfg, out)
-    first.members.join(0.0, 0)
-    first.members.join(0.0, 1)
+    first = in_training(coordinator(cfg, out), (0, 1), for_s=12.0)
     first.nonces = {"abc": 1}
-    first.phase, first.t0 = "training", time.monotonic() - 12.0
     first.evals = [{"t": 5.0, "samples": 100, "accuracy": 0.5, "loss": 1.0, "final": False}]
     first._save_state(time.monotonic())
     state = json.load(open(os.path.join(out, STATE_FILE)))
@@ -539,9 +553,7 @@ def test_a_worker_that_joins_a_job_in_training_has_what_is_left_of_train_seconds
     from psgd.workers.worker import Worker
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
                               "train.steps": 0, "train.seconds": 20.0})
-    c = coordinator(cfg, str(tmp_path))
-    c.members.join(0.0, 0)
-    c.phase, c.t0 = "training", time.monotonic() - 15.0   # worker 1 died, and comes back 15 s in
+    c = in_training(coordinator(cfg, str(tmp_path)), for_s=15.0)   # worker 1 died, and comes back 15 s in
     req = wire.Message("register", id=1, rank=1, clock=0, fields={"role": "worker", "want_rank": 1, "nonce": "n2"})
     [(_, frames)] = c.on_register(b"w1", req)
     answer = wire.decode(frames)
@@ -826,8 +838,7 @@ def test_a_workers_clock_past_the_last_step_is_refused_and_changes_nothing():
     heartbeat's clock of 2^62 - 1 went into the live set that every shard starts joiners
     at, and into a rejoining worker's start_clock."""
     from tests.conftest import ask, hand_served
-    c = hand_served(workers=2, **{"train.steps": 10})
-    try:
+    with closed_after(hand_served(workers=2, **{"train.steps": 10})) as c:
         m = ask(c, "heartbeat", role="worker", rank=1, clock=2 ** 62 - 1)
         assert (m.op, m.get("code")) == ("error", wire.REFUSED) and "train.steps = 10" in m.get("reason")
         f = ask(c, "finish", rank=1, clock=12)
@@ -838,8 +849,6 @@ def test_a_workers_clock_past_the_last_step_is_refused_and_changes_nothing():
         c.members.expire(time.monotonic())
         again = ask(c, "register", role="worker", want_rank=0, nonce="n0")   # ... and rejoins
         assert again.get("start_clock") <= 11
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
@@ -899,8 +908,7 @@ def test_a_summary_without_the_final_evaluation_says_so_not_a_score_from_trainin
     psgd run printed it as the job's accuracy and compare ranked it."""
     from psgd.launcher import format_summary
     from tests.conftest import ask, hand_served
-    c = hand_served(workers=1, **{"cluster.evaluator": True, "cluster.timeout_s": 0.3})
-    try:
+    with closed_after(hand_served(workers=1, **{"cluster.evaluator": True, "cluster.timeout_s": 0.3})) as c:
         assert ask(c, "eval", accuracy=0.25, loss=2.0, age_s=0.0).op == "reply"    # during training
         ask(c, "finish", rank=0, clock=10, stats={"samples": 320, "elapsed_s": 1.0, "wait_s": 0.1})
         end = time.monotonic() + 10
@@ -911,9 +919,6 @@ def test_a_summary_without_the_final_evaluation_says_so_not_a_score_from_trainin
         assert s is not None and (s["final_accuracy"], s["final_loss"], s["final_eval_missing"]) == (None, None, True)
         assert [e["accuracy"] for e in s["evals"]] == [0.25]
         assert "no final evaluation (the last score, during training: accuracy 0.2500 at" in format_summary(s)
-    finally:
-        c.sock.close(0)
-        c.events.close()
 
 
 @pytest.mark.unit
@@ -924,9 +929,7 @@ def test_status_shows_a_score_whose_loss_was_not_finite_after_a_coordinator_rest
     `status` with that null, and `psgd status` died formatting it."""
     from psgd.status import table
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 1, "cluster.timeout_s": 30.0})
-    first = coordinator(cfg, str(tmp_path))
-    first.members.join(0.0, 0)
-    first.phase, first.t0 = "training", time.monotonic() - 5.0
+    first = in_training(coordinator(cfg, str(tmp_path)))
     first.evals = [{"t": 2.0, "samples": 64, "accuracy": 0.1, "loss": float("nan"), "final": False}]
     first._save_state(time.monotonic())
     second = coordinator(cfg, str(tmp_path))

@@ -8,7 +8,6 @@ import errno
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -124,18 +123,15 @@ def test_a_coordinator_that_cannot_write_its_state_file_stops_instead_of_answeri
 
     from psgd import wire
     from psgd.servers.coordinator import Coordinator
+    from tests.test_coordinator_state import closed_after, in_training
     from tests.test_serving import config
     c = Coordinator(config(**{"cluster.workers": 1}), out=str(tmp_path / "out"), quiet=True, ctx=zmq.Context.instance())
-    try:
-        c.members.join(0.0, 0)
-        c.phase, c.t0 = "training", time.monotonic() - 5.0
+    with closed_after(c):
+        in_training(c)
         c.state_path = str(tmp_path / "gone" / "coordinator-state.json")
         body = wire.encode("finish", rank=0, clock=3, job=c.job, nonce="")
         with pytest.raises(OutputError):
             c.service._serve(b"w", body)
-    finally:
-        c.sock.close(0)
-        c.events.close()
 
 
 @pytest.mark.processes

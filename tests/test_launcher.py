@@ -34,6 +34,18 @@ class StandInJob(LocalJob):
         return [sys.executable, "-c", f"import sys; print('{role} up', file=sys.stderr); sys.exit(3)"]
 
 
+def launch_failure(job: LocalJob, match: str | None = None) -> str:
+    """Start the job and wait for it to fail, with a LaunchError (whose message matches
+    the regular expression `match`, if given), then stop it; the LaunchError's message."""
+    try:
+        job.start()
+        with pytest.raises(LaunchError, match=match) as e:
+            job.wait()
+    finally:
+        job.stop()
+    return str(e.value)
+
+
 def open_descriptors_on(paths: set[str]) -> list[str]:
     """This process's open file descriptors that point at one of paths."""
     found = []
@@ -99,13 +111,8 @@ def test_a_dying_coordinator_is_restarted_up_to_the_limit_unless_it_ended_the_jo
     job = DyingCoordinatorJob(cfg, str(tmp_path), quiet=True, timeout_s=50)
     job.code, job.phase = code, phase
     said = "-9 (SIGKILL)" if code < 0 else str(code)
-    try:
-        job.start()
-        gave_up = f"the coordinator keeps dying (exit {said}); gave up after {MAX_RESTARTS} restarts"
-        with pytest.raises(LaunchError, match=re.escape(gave_up) if restarts else "ended without a summary"):
-            job.wait()
-    finally:
-        job.stop()
+    gave_up = f"the coordinator keeps dying (exit {said}); gave up after {MAX_RESTARTS} restarts"
+    launch_failure(job, re.escape(gave_up) if restarts else "ended without a summary")
     err = capsys.readouterr().err
     assert (f"the coordinator exited with {said}; restarting it (restart 1)" in err) == bool(restarts), err
     coord = job.children[0]
@@ -278,12 +285,7 @@ def run_stand_ins(job_class: type[LocalJob], tmp_path, timeout_s: float) -> tupl
     base = free_port_block(3)
     cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
     job = job_class(cfg, str(tmp_path), quiet=False, timeout_s=timeout_s)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-ins never end
-            job.wait()
-    finally:
-        job.stop()
+    launch_failure(job, "did not finish within")   # the stand-ins never end
     return base, job
 
 
@@ -345,12 +347,7 @@ def test_daemons_refused_by_another_job_move_the_job_though_its_coordinator_boun
     base = free_port_block(3)
     cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
     job = RefusedThenBoundJob(cfg, str(tmp_path), quiet=False, timeout_s=20)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match="worker-0 exited with code 1 before the job began training"):
-            job.wait()
-    finally:
-        job.stop()
+    launch_failure(job, "worker-0 exited with code 1 before the job began training")
     err = capsys.readouterr().err
     assert job.moves == 1 and job.cfg.cluster.port != base, err
     assert f"port block {base} is another job's (its coordinator refused " in err
@@ -364,13 +361,8 @@ def test_daemons_refused_by_another_job_on_an_explicit_port_say_so(tmp_path):
     base = free_port_block(3)
     cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
     job = RefusedThenBoundJob(cfg, str(tmp_path), quiet=True, timeout_s=20, port_explicit=True)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match=f"(?s)reached another job's coordinator on this job's port {base} and "
-                                              f"was refused; .* belongs to another job"):
-            job.wait()
-    finally:
-        job.stop()
+    launch_failure(job, f"(?s)reached another job's coordinator on this job's port {base} and was refused; "
+                        f".* belongs to another job")
     assert job.moves == 0
 
 
@@ -434,27 +426,11 @@ def test_a_scripts_stdout_goes_to_its_log_with_its_stderr_in_order(tmp_path):
                                                    "for i in range(3):\n"
                                                    "    print('out', i, sys.argv[1:])\n"
                                                    "    print('err', i, file=sys.stderr)\n", timeout_s=3)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match="did not finish within"):  # the stand-in coordinator never ends
-            job.wait()
-    finally:
-        job.stop()
+    launch_failure(job, "did not finish within")   # the stand-in coordinator never ends
     for rank in range(2):
         with open(tmp_path / "out" / "logs" / f"worker-{rank}.log") as f:
             assert f.read().splitlines() == [line for i in range(3) for line in (f"out {i} ['--flag']", f"err {i}")]
     assert all(c.poll() is not None for c in job.children)
-
-
-def launch_failure(job) -> str:
-    """Start the job and wait for it to fail; the LaunchError's message."""
-    try:
-        job.start()
-        with pytest.raises(LaunchError) as e:
-            job.wait()
-    finally:
-        job.stop()
-    return str(e.value)
 
 
 @pytest.mark.timeout(60)
@@ -502,12 +478,7 @@ def test_scripts_that_exit_0_after_training_are_a_normal_end(tmp_path):
                                           "if os.environ['PSGD_RANK'] == '1':\n"
                                           "    time.sleep(2)\n"   # rank 0 ends first, after training
                                + TRAINS, timeout_s=5)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match="did not finish within"):  # not a script's exit
-            job.wait()
-    finally:
-        job.stop()
+    launch_failure(job, "did not finish within")   # not a script's exit
 
 
 @pytest.mark.timeout(60)
@@ -735,12 +706,7 @@ def test_the_timeout_is_said_as_given(tmp_path):
     """`psgd run --timeout 0.5` said "the job did not finish within 0 s"."""
     cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
     job = SleepingJob(cfg, str(tmp_path), quiet=True, timeout_s=0.5)
-    try:
-        job.start()
-        with pytest.raises(LaunchError, match=r"the job did not finish within 0\.5 s$"):
-            job.wait()
-    finally:
-        job.stop()
+    launch_failure(job, r"the job did not finish within 0\.5 s$")
 
 
 class OrderJob(LocalJob):

@@ -124,6 +124,10 @@ class Shard:
         self._lent = False            # a reply made since the last change holds the tables themselves
         self._unsent = False          # ... and may not have been handed to the transport yet
         self.counters = {"pushes": 0, "duplicates": 0, "bad_messages": 0, "pulls": 0}  # bad: error replies
+        # This shard object's own id, in its answers to `stats` probes: a client whose request
+        # is late tells a shard that still holds it (the same id as before the request left)
+        # from one restarted since, which lost it (workers/client.py `finish`)
+        self.incarnation = os.urandom(8).hex()
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
         self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
         self.bacc: torch.Tensor | None = None
@@ -378,7 +382,7 @@ class Shard:
         return self.carry_out(self.rule.index((token, msg)))
 
     def on_stats(self, token, msg: wire.Message) -> list[Reply]:
-        return [(token, self._reply(msg, **self.stats()))]
+        return [(token, self._reply(msg, **self.stats(), incarnation=self.incarnation))]
 
     # ------------------------------------------------------------ carrying out decisions
     def carry_out(self, decisions: list[r.Decision]) -> list[Reply]:

@@ -17,6 +17,10 @@ and an answer on the data connection waits behind the large frames ahead of it);
 on a fresh connection after a backoff. A probe unanswered for
 `cluster.timeout_s`, or a shard not live for that long in `finish`, is
 `ShardUnreachable`, naming the address.
+A shard that answers the probe as the same process (its `incarnation`) that had
+answered one before the request left holds the request: it is waited for, not sent
+again (a 100 MB push late by a slow apply went twice), until the window is the longest;
+a restarted shard, or one not probed before, gets it again at once.
 An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
 `wire.ServerFault`) at once. `cancel`, when set, is asked while waiting: turning true
 gives up with `Cancelled` (the job ended).
@@ -55,6 +59,7 @@ class InFlight:
     pending: dict[int, tuple[int, int]]
     out: list
     cancel: Callable[[], bool] | None
+    sent_at: dict[int, float]   # shard -> when its request (or its resend) was last sent (monotonic)
 
     def take(self, got: dict[int, wire.Message]) -> None:
         for rid, m in got.items():
@@ -83,6 +88,8 @@ class ParameterClient:
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
+        # shard -> (its incarnation, when a probe's answer first said it: monotonic), from `_probe`
+        self._incarnations: dict[int, tuple[str, float]] = {}
 
     def _wire(self, kind: str, shard: int, t: torch.Tensor, clock: int) -> torch.Tensor:
         """A params-sized float32 vector in `wire.dtype`, converted into a buffer reused
@@ -127,7 +134,8 @@ class ParameterClient:
             own, extra = self.cancel, cancel
             cancel = lambda: own() or extra()  # noqa: E731
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
-        return InFlight(list(reqs), pending, [None] * len(reqs), cancel)
+        now = time.monotonic()
+        return InFlight(list(reqs), pending, [None] * len(reqs), cancel, {i: now for i, _, _ in reqs})
 
     def finish(self, f: InFlight) -> list[wire.Message]:
         """Wait for the answers of `begin`'s requests (resending, see the module's
@@ -156,6 +164,8 @@ class ParameterClient:
                     if not alive and time.monotonic() >= deadline:
                         raise self._unreachable(e.address) from None
                     self.retries += 1
+                    owing = {i for _, i in f.pending.values()}
+                    again = owing   # the shards whose requests go again
                     if alive:
                         # Parked or slow, most likely, once the shards answer a probe (one that
                         # does not for timeout_s is unreachable): the requests again (a shard that
@@ -163,9 +173,19 @@ class ParameterClient:
                         # that the first answer to come is taken, the original's too, and at
                         # once; the window doubles, up to 4 x retry_s or half the timeout (a
                         # parked request waits for a peer).
-                        self._probe({i for _, i in f.pending.values()}, f.cancel)
+                        before = {i: self._incarnations.get(i) for i in owing}
+                        self._probe(owing, f.cancel)
+                        longest = min(4 * self.retry_s, timeout_s / 2)
+                        if patience < longest:
+                            # A shard that answers the probe as the same process that had answered
+                            # one before the request left holds it (a large push still on its way
+                            # or being applied, a parked read): sent again, 100 MB went twice each
+                            # step that took over retry_s, and the shard read, checked and answered
+                            # both. Only a restarted shard (or one never probed) gets it again, and,
+                            # once the window is the longest, every shard that still owes an answer.
+                            again = {i for i in owing if not self._holds(i, before[i], f.sent_at[i])}
                         deadline = time.monotonic() + timeout_s
-                        patience = min(4 * self.retry_s, timeout_s / 2, 2 * patience)
+                        patience = min(longest, 2 * patience)
                     else:
                         for i in {i for _, i in f.pending.values()}:
                             self.peers.reconnect(i)
@@ -175,9 +195,11 @@ class ParameterClient:
                     # be an earlier send's while the resend still waits in ZeroMQ's queue, and the
                     # caller's next step rewrites the buffers the frames would be read from (the
                     # shard would take that step's values for this request's (rank, clock)).
-                    f.pending = {self.peers.send(f.reqs[k][0], f.reqs[k][1], rid=rid if alive else None,
-                                                 copy=True, rank=self.rank, **f.reqs[k][2]): (k, i)
-                                 for rid, (k, i) in f.pending.items()}
+                    f.pending = {(self.peers.send(f.reqs[k][0], f.reqs[k][1], rid=rid if alive else None,
+                                                  copy=True, rank=self.rank, **f.reqs[k][2]) if i in again else rid):
+                                 (k, i) for rid, (k, i) in f.pending.items()}
+                    now = time.monotonic()
+                    f.sent_at.update({i: now for i in again})
                     continue
                 f.take(got)
         except BaseException:
@@ -200,6 +222,14 @@ class ParameterClient:
         since = self._waiting_since
         return self.wait_s + (time.monotonic() - since if since else 0.0)
 
+    def _holds(self, shard: int, before: tuple[str, float] | None, sent_at: float) -> bool:
+        """Does `shard` still hold a request sent at `sent_at`? Yes if the probe just
+        answered names the incarnation that a probe's answer had named before the request
+        left (`before`): the same process then and now, so it had it all along."""
+        now = self._incarnations.get(shard)
+        return (before is not None and bool(before[0]) and before[1] <= sent_at and now is not None
+                and now[0] == before[0])
+
     def _probe(self, shards: set[int], cancel: Callable[[], bool] | None) -> None:
         """Return once each of `shards` has answered a `stats` probe on the probe
         connections, which carry nothing else: an answer there queues behind no large
@@ -214,10 +244,12 @@ class ParameterClient:
         while True:
             pending = {probes.send(i, "stats", rank=self.rank): i for i in shards}
             try:
-                probes.wait(pending, min(self.retry_s, timeout_s / 2, max(0.1, until - time.monotonic())),
-                            "reachability probe", cancel)
+                got = probes.wait(pending, min(self.retry_s, timeout_s / 2, max(0.1, until - time.monotonic())),
+                                  "reachability probe", cancel)
+                self._note_incarnations(pending, got)
                 return
             except PeerTimeout as e:
+                self._note_incarnations(pending, e.partial)
                 if cancel is not None and cancel():
                     raise Cancelled(e.address) from None
                 shards = {i for rid, i in pending.items() if rid not in e.partial}
@@ -225,6 +257,15 @@ class ParameterClient:
                     raise self._unreachable(e.address) from None
                 for i in shards:
                     probes.reconnect(i)
+
+    def _note_incarnations(self, pending: dict[int, int], got: dict[int, wire.Message]) -> None:
+        """Keep each answered probe's incarnation (a shard's own id: `Shard.incarnation`;
+        '' from one that does not say), with when it was first said."""
+        now = time.monotonic()
+        for rid, m in got.items():
+            said = str(m.get("incarnation") or "")
+            if rid in pending and self._incarnations.get(pending[rid], ("",))[0] != said:
+                self._incarnations[pending[rid]] = (said, now)   # (since when: the first answer that said it)
 
     def _unreachable(self, address: str) -> ShardUnreachable:
         who = f"worker {self.rank}" if self.rank >= 0 else "the evaluator"   # (its client's rank is -1)

@@ -543,10 +543,16 @@ def validate(cfg: Config) -> None:
     _check(cfg.eval.every_seconds > 0, f"eval.every_seconds must be > 0, got {cfg.eval.every_seconds}")
     _check(0 <= cfg.eval.target_accuracy <= 1,
            f"eval.target_accuracy must be in [0, 1], got {cfg.eval.target_accuracy}")
-    _check(cfg.faults.slow_factor >= 1, f"faults.slow_factor must be >= 1, got {cfg.faults.slow_factor}")
-    _check(cfg.faults.step_delay_s >= 0, f"faults.step_delay_s must be >= 0, got {cfg.faults.step_delay_s}")
+    faults = cfg.faults   # a worker sleeps its delays: past Python's longest sleep (~292 years), time.sleep
+    #                      raised OverflowError at every worker's first step: the job aborted, all of them lost
+    _check(faults.slow_rank >= -1,
+           f"faults.slow_rank must be -1 (no straggler) or a worker's rank >= 0, got {faults.slow_rank}")
+    _check(1 <= faults.slow_factor <= MAX_SLOW_FACTOR,
+           f"faults.slow_factor must be in [1, {MAX_SLOW_FACTOR:g}] (times a step's compute), got {faults.slow_factor}")
+    for key in ("step_delay_s", "jitter_s"):
+        _check(0 <= getattr(faults, key) <= MAX_DELAY_S, f"faults.{key} must be in [0, {MAX_DELAY_S:g}] seconds "
+                                                         f"(a worker sleeps it at a step), got {getattr(faults, key)}")
     _check(0 <= cfg.faults.jitter_prob <= 1, f"faults.jitter_prob must be in [0, 1], got {cfg.faults.jitter_prob}")
-    _check(cfg.faults.jitter_s >= 0, f"faults.jitter_s must be >= 0, got {cfg.faults.jitter_s}")
     sim = cfg.sim
     for key in ("compute_s", "compute_cv", "latency_s"):   # one key a message: its source is named (load)
         _check(getattr(sim, key) >= 0, f"sim.{key} must be >= 0, got {getattr(sim, key)}")
@@ -560,6 +566,10 @@ def validate(cfg: Config) -> None:
 
 
 _NUMERIC_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "eps")
+# The injected faults' bounds (a worker sleeps step_delay_s + jitter_s + (slow_factor - 1) x its compute at a
+# step): far inside threading.TIMEOUT_MAX, and past any delay an experiment means (11.6 days a step).
+MAX_DELAY_S = 1e6
+MAX_SLOW_FACTOR = 1e6
 
 
 def parse_value(text: str) -> Any:

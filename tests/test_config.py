@@ -286,3 +286,27 @@ def test_a_string_key_takes_a_value_that_reads_as_a_number_or_a_date_as_its_text
     assert load(None, ['job.name="quoted"'], env={}).job.name == "quoted"   # TOML's own string: its value
     with pytest.raises(ConfigError, match="cluster.workers: expected an integer, got 'abc'"):
         load(None, ["cluster.workers=abc"], env={})   # other keys: as before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("item,says", [
+    # accepted, then every worker's time.sleep raised OverflowError at its first step: the job
+    # aborted with "all 2 workers were lost", a traceback in each worker's log
+    ("faults.step_delay_s=1e23", "faults.step_delay_s must be in [0, 1e+06] seconds"),
+    ("faults.jitter_s=1e12", "faults.jitter_s must be in [0, 1e+06] seconds"),
+    ("faults.slow_factor=1e23", "faults.slow_factor must be in [1, 1e+06]"),
+])
+def test_an_injected_delay_no_worker_can_sleep_is_a_config_error(item, says):
+    with pytest.raises(ConfigError) as e:
+        load(None, ["faults.slow_rank=0", "faults.jitter_prob=1", item], env={})
+    assert str(e.value).startswith(f"--set {item}: {says}"), str(e.value)
+    load(None, [item.split("=")[0] + "=1e6"], env={})   # the bound itself is allowed
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("rank", ["-2", "-5"])
+def test_a_straggler_rank_below_minus_one_is_a_config_error(rank):
+    # -5 was taken as "no straggler" (-1) without a word
+    with pytest.raises(ConfigError, match=rf"^--set faults.slow_rank={rank}: faults.slow_rank must be -1 \(no "
+                                          rf"straggler\) or a worker's rank >= 0, got {rank}$"):
+        load(None, [f"faults.slow_rank={rank}", "faults.slow_factor=4"], env={})

@@ -718,3 +718,27 @@ def test_a_run_interrupted_in_a_pipe_whose_reader_ended_exits_with_its_signals_c
         assert main(["run", "--out", str(tmp_path / "out")]) == 130
     finally:
         stderr.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets,warned", [
+    (["faults.slow_rank=7", "faults.slow_factor=4"], "faults.slow_rank = 7 is no rank of this job's 2 workers"),
+    (["faults.slow_factor=4"], "faults.slow_factor = 4 slows no worker: faults.slow_rank = -1"),
+    (["faults.slow_rank=1"], "faults.slow_rank = 1 slows nothing: faults.slow_factor = 1"),
+    (["faults.slow_rank=1", "faults.slow_factor=4"], None),
+    (["faults.jitter_prob=0.5"], "faults.jitter_prob = 0.5 delays nothing: faults.jitter_s = 0"),
+    (["faults.jitter_s=0.5"], "faults.jitter_s = 0.5 delays nothing: faults.jitter_prob = 0"),
+    (["faults.jitter_s=0.5", "faults.jitter_prob=0.1"], None),
+])
+def test_run_warns_of_an_injected_straggler_that_slows_no_worker(sets, warned, no_job, capsys, tmp_path):
+    """`psgd run --workers 2 --set faults.slow_rank=7 ...` (or a slow_factor without a
+    slow_rank, one half of the jitter pair) ran a job with no straggler and said nothing."""
+    argv = ["run", "--workers", "2", "--out", str(tmp_path / "out")]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "faults." in line]
+    if warned is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(f"psgd run: warning: {warned}"), lines

@@ -359,7 +359,7 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     if kind is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a table, got {value!r}")
-        return dict(value)
+        return dict(_dotted(dict(value)))   # (TOML reads `{optimizer.lr = [...]}` as nested tables)
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover
 
 

@@ -310,3 +310,23 @@ def test_a_straggler_rank_below_minus_one_is_a_config_error(rank):
     with pytest.raises(ConfigError, match=rf"^--set faults.slow_rank={rank}: faults.slow_rank must be -1 \(no "
                                           rf"straggler\) or a worker's rank >= 0, got {rank}$"):
         load(None, [f"faults.slow_rank={rank}", "faults.slow_factor=4"], env={})
+
+
+@pytest.mark.timeout(30)
+def test_explore_takes_its_keys_dotted_as_toml_writes_them_unquoted(tmp_path):
+    # TOML reads `{optimizer.lr = [...]}` and `optimizer.lr = [...]` under [mode.explore] as
+    # nested tables: refused as "'optimizer' is not a numeric optimizer key", though psgd
+    # itself writes the value so in labels (format_value) and only the quoted key was taken
+    ltfb = ["mode.name=ltfb", "cluster.workers=4"]
+    want = {"optimizer.lr": [0.01, 0.1], "optimizer.momentum": [0.5, 0.9]}
+    for item in ['mode.explore={optimizer.lr=[0.01,0.1], optimizer.momentum=[0.5,0.9]}',
+                 'mode.explore={"optimizer.lr"=[0.01,0.1], "optimizer.momentum"=[0.5,0.9]}',
+                 'mode.explore={optimizer={lr=[0.01,0.1], momentum=[0.5,0.9]}}']:
+        assert load(None, [*ltfb, item], env={}).mode.explore == want, item
+    f = tmp_path / "c.toml"
+    f.write_text('[mode]\nname = "ltfb"\n[cluster]\nworkers = 4\n'
+                 '[mode.explore]\noptimizer.lr = [0.01, 0.1]\noptimizer.momentum = [0.5, 0.9]\n')
+    cfg = load(str(f), [], env={})
+    assert cfg.mode.explore == want and Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="'optimizer.nope' is not a numeric optimizer key"):
+        load(None, [*ltfb, "mode.explore={optimizer.nope=[1,2]}"], env={})

@@ -370,11 +370,24 @@ def _did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
+def _section_of(key: str) -> str:
+    """Where a key written outside any section belongs: '; it belongs under [train]
+    (train.steps)', the sections that have one of that name, or the sections."""
+    owners = [name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    if len(owners) == 1:
+        return f"; it belongs under [{owners[0]}] ({owners[0]}.{key})"
+    if owners:
+        return f"; it is a key of {', '.join(f'[{o}]' for o in owners)}: write it under one"
+    return f" (sections: {', '.join(SECTIONS)})"
+
+
 def build(d: Mapping[str, Any], source: str, check: bool = True) -> Config:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a table of sections")
     sections = {}
     for name, section in d.items():
+        if name not in SECTIONS and not isinstance(section, Mapping):   # a key above every [section] header
+            raise ConfigError(f"{source}: {name} = {section!r} is outside any [section]{_section_of(name)}")
         if name not in SECTIONS:
             raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, SECTIONS)} "
                               f"(known: {', '.join(SECTIONS)})")

@@ -330,3 +330,20 @@ def test_explore_takes_its_keys_dotted_as_toml_writes_them_unquoted(tmp_path):
     assert cfg.mode.explore == want and Config.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="'optimizer.nope' is not a numeric optimizer key"):
         load(None, [*ltfb, "mode.explore={optimizer.nope=[1,2]}"], env={})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text,says", [
+    # "unknown section [steps]": the key was one, written above its section's header
+    ("steps = 5\n[train]\nbatch_size = 8\n",
+     "c.toml: steps = 5 is outside any [section]; it belongs under [train] (train.steps)"),
+    ("name = 'x'\n", "c.toml: name = 'x' is outside any [section]; it is a key of [job], [model], [data], "
+                     "[mode], [optimizer]: write it under one"),
+    ("stepz = 5\n", "c.toml: stepz = 5 is outside any [section] (sections: job, model,"),
+])
+def test_a_key_above_every_section_header_is_said_so(tmp_path, text, says):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(str(f), [], env={})
+    assert str(e.value).startswith(says.replace("c.toml", str(f), 1)), str(e.value)

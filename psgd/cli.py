@@ -420,6 +420,11 @@ def cmd_status(args) -> int:
 
 def cmd_keys(args) -> int:
     from .keys import make_keys
+    if not args.dir:
+        raise ConfigError("psgd keys: give a folder to write the keys into (psgd keys DIR)")
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        raise ConfigError(f"psgd keys: {args.dir} is a file, not a folder (psgd keys DIR makes or completes "
+                          f"the folder DIR)")
     print(make_keys(args.dir))
     return 0
 

@@ -742,3 +742,17 @@ def test_run_warns_of_an_injected_straggler_that_slows_no_worker(sets, warned, n
         assert lines == []
     else:
         assert len(lines) == 1 and lines[0].startswith(f"psgd run: warning: {warned}"), lines
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what,says", [
+    ("file", "is a file, not a folder (psgd keys DIR makes or completes the folder DIR)"),   # "File exists: x", exit 1
+    ("empty", "psgd keys: give a folder to write the keys into"),   # "[Errno 2] No such file or directory: ''"
+])
+def test_keys_into_a_file_or_no_folder_is_one_usage_error(tmp_path, capsys, what, says):
+    target = tmp_path / "c.toml"
+    target.write_text("[train]\n")
+    assert main(["keys", str(target) if what == "file" else ""]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert target.read_text() == "[train]\n"

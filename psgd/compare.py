@@ -320,12 +320,18 @@ def _takes_any_text(base: Config, key: str) -> bool:
     return isinstance(getattr(getattr(base, key.partition(".")[0]), key.partition(".")[2]), str)
 
 
+MAX_REPEATS = 10_000   # of each configuration (each repeat is a run of its own)
+
+
 def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats: int,
                servers: int | None = None, baseline: bool = True) -> list[Run]:
     """Every run, in order: for each repeat the baseline, then each worker count x mode.
     Configs are built (and validated) here, before anything runs."""
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if not 1 <= repeats <= MAX_REPEATS:   # (a typo of 100000000 built its plan for minutes)
+        raise ConfigError(f"--repeats must be in 1..{MAX_REPEATS}, got {repeats}")
+    if base.job.seed + repeats > 2 ** 32:
+        raise ConfigError(f"--repeats {repeats} with job.seed = {base.job.seed}: repeat r runs with seed job.seed + r, "
+                          f"which must stay below 2**32; set a smaller job.seed")
     plan: list[Run] = []
     for r in range(repeats):
         seed = base.job.seed + r

@@ -623,7 +623,14 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert cli(["--modes", "sync", "--set", "sim.bandwidth_gbps=0", "--out", str(tmp_path / "z")]) == 2
     assert "sim.bandwidth_gbps" in capsys.readouterr().err
     assert cli(["--modes", "sync", "--repeats", "0", "--out", str(tmp_path / "w")]) == 2
-    assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert "--repeats must be in 1..10000, got 0" in capsys.readouterr().err
+    # A helper's review: 100000000 built its plan for minutes (killed by a 60 s timeout), folder-less
+    assert cli(["--modes", "sync", "--repeats", "100000000", "--out", str(tmp_path / "w")]) == 2
+    assert "--repeats must be in 1..10000, got 100000000" in capsys.readouterr().err
+    late_seed = f"job.seed={2 ** 32 - 2}"
+    assert cli(["--modes", "sync", "--repeats", "3", "--set", late_seed, "--out", str(tmp_path / "w")]) == 2
+    assert "repeat r runs with seed job.seed + r, which must stay below 2**32" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "w")
     assert cli(["--modes", "sync", "--workers", "0", "--out", str(tmp_path / "v")]) == 2
     assert "--workers: expected positive integers" in capsys.readouterr().err
     # as psgd compare: a --set of a key that a mode item sets otherwise was said to apply to every run

@@ -115,6 +115,12 @@ class ShardMap:
             for p in self.pieces_of(s, "params") + self.pieces_of(s, "buffers"):
                 lines.append(f"  {p.table:<7} {p.name:<40} {f'[{p.start}:{p.start + p.length}]':<{span}} "
                              f"{4 * p.length:>12,} B")
+        empty = [s for s, n in enumerate(self.bytes_per_shard()) if n == 0]
+        if empty:   # (their processes start and serve nothing: the only sign was "serving 0 values" in their logs)
+            lines.append(f"{len(empty)} of the {self.num_shards} shards hold no part of the model "
+                         f"({', '.join(map(str, empty))}): it is cut into only {len(self.pieces)} pieces (its tensors, "
+                         f"split into chunks of up to {self.chunk} elements); cluster.servers = "
+                         f"{self.num_shards - len(empty)} serves it with fewer processes")
         return "\n".join(lines)
 
 

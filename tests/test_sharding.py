@@ -77,3 +77,12 @@ def test_describe_lists_bytes_per_shard():
     rows = [line for line in text.splitlines() if line.startswith("  ")]
     assert len({line.index(" B") if line.endswith(" B") else -1 for line in rows}) == 1
     assert len({line.rindex("]") for line in rows}) > 1 and all(line.endswith(" B") for line in rows)
+    assert "hold no part of the model" not in text
+
+
+def test_describe_names_shards_that_hold_nothing():
+    """A helper's finding: 8 shards of a hidden-16 MLP (6 tensors, each one piece) left two
+    shards empty; their processes started and served nothing, said only in their logs."""
+    text = ShardMap.for_model(build_model("mlp", (1, 8, 8), 10, 0, 16), 8).describe()
+    assert "2 of the 8 shards hold no part of the model (6, 7): it is cut into only 6 pieces" in text, text
+    assert "cluster.servers = 6 serves it with fewer processes" in text

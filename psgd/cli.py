@@ -72,7 +72,7 @@ def _seconds(text: str) -> float:
 
 SERVERS_HELP = "number of shards (= --set cluster.servers=...)"
 WORKERS_HELP = "worker count, or a comma-separated sweep: {} (default: the config's cluster.workers)"
-REPEATS_HELP = "runs of each mode and worker count, with seeds job.seed + 0, 1, ... (default 1)"
+REPEATS_HELP = "runs of each mode and worker count, with seeds job.seed + 0, 1, ... (default 1, at most 10000)"
 
 
 def _insecure(p: argparse.ArgumentParser) -> None:

@@ -365,6 +365,8 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "shard_busy_fraction": [round(float(server_stats[i].get("busy_s", 0)) / wall_s, 4) if wall_s > 0 else 0.0
                                 for i in sorted(server_stats)],
         "rejected": sum(int(s.get("rejected", 0)) for s in worker_stats.values()),
+        # requests sent again, unanswered within the retry window (their bytes count in bytes_per_sample)
+        "resends": sum(int(s.get("retries", 0)) for s in worker_stats.values()),
         "evals": [{"t": e["t"], "samples": e["samples"], "accuracy": e["accuracy"], "loss": e["loss"],
                    **({"final": True} if e.get("final") else {})} for e in evals],   # final: after training
     }

@@ -528,7 +528,7 @@ def test_the_summary_adds_up_the_workers_and_shards_counters_as_the_readme_says(
     above the target, and no final score when the evaluator's final one never came."""
     from psgd.metrics import summarize
     workers = {0: {"samples": 300, "elapsed_s": 10.0, "wait_s": 2.0, "bytes_sent": 1000, "bytes_recv": 2000,
-                   "rejected": 1, "staleness_hist": [2, 1], "staleness_sum": 1, "staleness_max": 1},
+                   "rejected": 1, "staleness_hist": [2, 1], "staleness_sum": 1, "staleness_max": 1, "retries": 2},
                1: {"samples": 100, "elapsed_s": 6.0, "wait_s": 2.0, "bytes_sent": 500, "bytes_recv": 500,
                    "rejected": 2, "staleness_hist": [0, 0, 1], "staleness_sum": 2, "staleness_max": 2}}
     shards = {0: {"max_clock_gap": 3, "dropped": 4, "bad_messages": 1, "busy_s": 1.0},
@@ -543,6 +543,7 @@ def test_the_summary_adds_up_the_workers_and_shards_counters_as_the_readme_says(
     assert s["staleness"] == {"mean": 0.75, "max": 2, "hist": {"0": 2, "1": 1, "2": 1}}
     assert (s["wait_fraction"], s["bytes_per_sample"]) == (0.25, 10.0)   # 4 s of 16; 4000 bytes / 400
     assert (s["max_clock_gap"], s["dropped_gradients"], s["bad_messages"], s["rejected"]) == (3, 4, 6, 3)
+    assert s["resends"] == 2   # (a helper found 11 of 12 pushes of a 100 MB model sent twice: seen only in bytes)
     assert s["shard_busy_fraction"] == [0.125, 0.0625]
     assert s["final_accuracy"] is None and s["final_loss"] is None and s["final_eval_missing"] is True
     final = summarize(mode="sync", mode_params={}, workers=2, servers=2, wall_s=8.0, worker_stats=workers,

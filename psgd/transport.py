@@ -283,6 +283,10 @@ class Peers:
             self.socks.append(sock)
             self.monitors.append(monitor)
         self.why = ["" for _ in self.socks]                       # the last handshake's refusal, per peer
+        # when this client read each peer's latest successful handshake (monotonic; up to MONITOR_READ_S after
+        # it happened): a connection made again since a request left (ZeroMQ reconnects a dropped TCP
+        # connection on its own) may have lost the request, or its answer, sent to the old connection
+        self.handshook = [0.0 for _ in self.socks]
         self._read_monitors_at = 0.0   # time.monotonic() when wait() next reads every monitor (MONITOR_READ_S)
         self.bytes_sent = 0
         self.bytes_recv = 0
@@ -312,6 +316,8 @@ class Peers:
         while readable(self.monitors[i]):
             e = recv_monitor_message(self.monitors[i], zmq.NOBLOCK)
             self.why[i] = handshake_failure(int(e["event"]), int(e["value"]))
+            if int(e["event"]) == _SUCCEEDED:
+                self.handshook[i] = time.monotonic()
         return self.why[i]
 
     def send(self, i: int, op: str, rid: int | None = None, copy: bool = False, **kw: Any) -> int:

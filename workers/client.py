@@ -5,7 +5,8 @@ the shard serves the push and then the read, so the read sees this worker's own
 update, and answers once) and all shards work in parallel: one round trip, one
 message each way per shard and step. A push may also go alone (its answer carries no
 arrays), and a pull alone, for schedules that read less often than they push. A
-request that gets no answer within the retry window is sent again, its arrays copied
+request that gets no answer within the retry window is sent again (unless its shard
+most likely holds it: below), its arrays copied
 (pushes are deduplicated by (rank, clock) and elastic offers by (rank, round), so a
 resend is safe if it carries what was sent first: see `finish`): while its shard
 heartbeats to the coordinator (it is parked, or slow, most likely), on the same
@@ -18,9 +19,10 @@ on a fresh connection after a backoff. A probe unanswered for
 `cluster.timeout_s`, or a shard not live for that long in `finish`, is
 `ShardUnreachable`, naming the address.
 A shard that answers the probe as the same process (its `incarnation`) that had
-answered one before the request left holds the request: it is waited for, not sent
-again (a 100 MB push late by a slow apply went twice), until the window is the longest;
-a restarted shard, or one not probed before, gets it again at once.
+answered one before the request left, over a data connection not made again since,
+most likely holds the request: it is waited for, not sent again (a 100 MB push late by
+a slow apply went twice), until the window is the longest; a restarted shard, a new
+connection, or a shard not probed before gets it again at once.
 An error reply raises its typed exception (`wire.Refused`, `wire.BadRequest`,
 `wire.ServerFault`) at once. `cancel`, when set, is asked while waiting: turning true
 gives up with `Cancelled` (the job ended).
@@ -163,7 +165,6 @@ class ParameterClient:
                     alive = self._alive(f)
                     if not alive and time.monotonic() >= deadline:
                         raise self._unreachable(e.address) from None
-                    self.retries += 1
                     owing = {i for _, i in f.pending.values()}
                     again = owing   # the shards whose requests go again
                     if alive:
@@ -178,10 +179,11 @@ class ParameterClient:
                         longest = min(4 * self.retry_s, timeout_s / 2)
                         if patience < longest:
                             # A shard that answers the probe as the same process that had answered
-                            # one before the request left holds it (a large push still on its way
-                            # or being applied, a parked read): sent again, 100 MB went twice each
-                            # step that took over retry_s, and the shard read, checked and answered
-                            # both. Only a restarted shard (or one never probed) gets it again, and,
+                            # one before the request left, over a data connection not made again
+                            # since, holds it (a large push still on its way or being applied, a
+                            # parked read): sent again, 100 MB went twice each step that took over
+                            # retry_s, and the shard read, checked and answered both. Only a restarted
+                            # shard, a new connection (or a shard never probed) gets it again, and,
                             # once the window is the longest, every shard that still owes an answer.
                             again = {i for i in owing if not self._holds(i, before[i], f.sent_at[i])}
                         deadline = time.monotonic() + timeout_s
@@ -191,6 +193,7 @@ class ParameterClient:
                             self.peers.reconnect(i)
                         time.sleep(backoff)
                         backoff = min(4.0, backoff * 2)
+                    self.retries += bool(again)   # (a window that resends nothing is a wait, not a retry)
                     # A resend goes with copies of its arrays: the answer that ends this wait may
                     # be an earlier send's while the resend still waits in ZeroMQ's queue, and the
                     # caller's next step rewrites the buffers the frames would be read from (the
@@ -223,12 +226,16 @@ class ParameterClient:
         return self.wait_s + (time.monotonic() - since if since else 0.0)
 
     def _holds(self, shard: int, before: tuple[str, float] | None, sent_at: float) -> bool:
-        """Does `shard` still hold a request sent at `sent_at`? Yes if the probe just
+        """Does `shard` hold a request sent at `sent_at`, most likely? Yes if the probe just
         answered names the incarnation that a probe's answer had named before the request
-        left (`before`): the same process then and now, so it had it all along."""
+        left (`before`: the same process then and now) and the data connection has not
+        been made again since (ZeroMQ reconnects a dropped one by itself: what it carried
+        may be lost, and an answer to the old connection is dropped). A loss that neither
+        shows is sent again once the window is the longest."""
+        self.peers.refused(shard)   # (reads its handshakes so far)
         now = self._incarnations.get(shard)
         return (before is not None and bool(before[0]) and before[1] <= sent_at and now is not None
-                and now[0] == before[0])
+                and now[0] == before[0] and self.peers.handshook[shard] <= sent_at)
 
     def _probe(self, shards: set[int], cancel: Callable[[], bool] | None) -> None:
         """Return once each of `shards` has answered a `stats` probe on the probe

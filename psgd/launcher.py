@@ -417,8 +417,7 @@ class LocalJob:
             if not cannot:
                 resuming = True
                 log("run", f"resuming the unfinished job whose shard checkpoints are in {folder} (same training "
-                           f"config): its training goes on from them; its logs and event logs are kept in "
-                           f"{os.path.join(self.out, EARLIER)}")
+                           f"config): its training goes on from them")
             elif len(cannot) == len(mine):
                 first = next(i for i in cannot if os.path.exists(mine[i]))
                 log("run", f"warning: not resuming from the shard checkpoints in {folder} "
@@ -437,16 +436,28 @@ class LocalJob:
                            f"{folder} can be resumed (not {not_ok}): not resuming a part of the model; moved "
                            f"to *.pt.earlier, the job starts afresh")
         remove(os.path.join(self.out, "summary.json"))
+        # (TensorBoard reads a folder's event files as one run: two jobs' curves spliced)
+        files = [(kind, path) for kind, pattern in (("events", "*.jsonl"), ("logs", "*.log"),
+                                                    ("tb", "events.out.tfevents.*"))
+                 for path in glob.glob(os.path.join(self.out, kind, pattern))]
+        # A resumed job keeps those of the job it resumes, what they say of why it stopped, in
+        # OUT/earlier/: unless that job wrote none (a resume stopped before its daemons said
+        # anything), which keeps what is there, the logs of the job before it.
+        keep = resuming and any(os.path.getsize(path) for _, path in files)
         earlier = os.path.join(self.out, EARLIER)
-        if resuming:   # the job it resumes: what its logs say (why it stopped) is not lost
+        if keep or not resuming:
             shutil.rmtree(earlier, ignore_errors=True)
-        for kind, pattern in (("events", "*.jsonl"), ("logs", "*.log"), ("tb", "events.out.tfevents.*")):
-            for path in glob.glob(os.path.join(self.out, kind, pattern)):
-                if resuming:
-                    os.makedirs(os.path.join(earlier, kind), exist_ok=True)
-                    os.replace(path, os.path.join(earlier, kind, os.path.basename(path)))
-                else:   # (TensorBoard reads a folder's event files as one run: two jobs' curves spliced)
-                    remove(path)
+        for kind, path in files:
+            if not (keep and os.path.getsize(path)):
+                remove(path)
+                continue
+            try:
+                os.makedirs(os.path.join(earlier, kind), exist_ok=True)
+                shutil.move(path, os.path.join(earlier, kind, os.path.basename(path)))
+            except OSError as e:   # (OUT/earlier a file, say: refused, not lost)
+                raise LaunchError(f"could not keep the logs of the job it resumes in {earlier}: {e}") from None
+        if keep:
+            log("run", f"the logs and event logs of the job it resumes are kept in {earlier}")
 
     def _write_token(self) -> None:
         """The job's token in OUT/.job-token (this user's only): a daemon started by hand

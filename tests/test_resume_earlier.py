@@ -4,11 +4,12 @@ an old folder replaces them, as before."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 from psgd.config import load
-from psgd.launcher import LocalJob
+from psgd.launcher import LaunchError, LocalJob
 from psgd.shard import Shard
 from tests.conftest import free_port_block
 
@@ -34,7 +35,7 @@ def test_a_resumed_job_keeps_the_interrupted_jobs_logs_in_earlier(tmp_path, caps
     _interrupted_job(tmp_path, cfg)
     LocalJob(cfg, str(tmp_path), quiet=True).stop()
     err = capsys.readouterr().err
-    assert f"its logs and event logs are kept in {tmp_path / 'earlier'}" in err, err
+    assert f"the logs and event logs of the job it resumes are kept in {tmp_path / 'earlier'}" in err, err
     assert (tmp_path / "earlier" / "logs" / "server-0.log").read_text() == "killed: out of memory\n"
     assert (tmp_path / "earlier" / "events" / "worker-0.jsonl").read_text() == '{"step": 1}\n'
     assert (tmp_path / "earlier" / "tb" / "events.out.tfevents.1.host").exists()
@@ -45,12 +46,27 @@ def test_a_resumed_job_keeps_the_interrupted_jobs_logs_in_earlier(tmp_path, caps
     LocalJob(cfg, str(tmp_path), quiet=True).stop()
     assert (tmp_path / "earlier" / "logs" / "server-0.log").read_text() == "killed again\n"
     assert not (tmp_path / "earlier" / "events" / "worker-0.jsonl").exists()
+    # A review: a resume stopped before its daemons wrote a line (empty logs) replaced the
+    # kept logs of the job before it with nothing
+    (tmp_path / "logs" / "server-0.log").write_text("")
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    assert (tmp_path / "earlier" / "logs" / "server-0.log").read_text() == "killed again\n"
+    assert not (tmp_path / "logs" / "server-0.log").exists()
+    # ... and OUT/earlier as a file is one error naming it, the logs left where they are
+    (tmp_path / "logs" / "server-0.log").write_text("killed a third time\n")
+    shutil.rmtree(tmp_path / "earlier")
+    (tmp_path / "earlier").write_text("a file")
+    with pytest.raises(LaunchError, match="could not keep the logs of the job it resumes in"):
+        LocalJob(cfg, str(tmp_path), quiet=True)
+    assert (tmp_path / "logs" / "server-0.log").read_text() == "killed a third time\n"
 
 
 @pytest.mark.timeout(60)
 def test_a_job_that_does_not_resume_replaces_the_earlier_jobs_logs(tmp_path, capsys):
     cfg = load(None, [f"cluster.port={free_port_block(3)}"], env={})
     _interrupted_job(tmp_path, cfg)
+    (tmp_path / "earlier" / "logs").mkdir(parents=True)   # a review: kept by a resume two jobs back, left
+    (tmp_path / "earlier" / "logs" / "server-0.log").write_text("two jobs back\n")
     other = load(None, [f"cluster.port={cfg.cluster.port}", "optimizer.lr=0.05"], env={})   # not resumed
     LocalJob(other, str(tmp_path), quiet=True).stop()
     assert "kept in" not in capsys.readouterr().err

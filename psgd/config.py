@@ -359,7 +359,12 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     if kind is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a table, got {value!r}")
-        return dict(_dotted(dict(value)))   # (TOML reads `{optimizer.lr = [...]}` as nested tables)
+        flat: dict = {}
+        for key, v in _dotted(dict(value)):   # (TOML reads `{optimizer.lr = [...]}` as nested tables)
+            if key in flat:   # ("optimizer.lr" = [..] beside optimizer = {lr = [..]}: the last won, unsaid)
+                raise ConfigError(f"{where}: {key} is given twice")
+            flat[key] = v
+        return flat
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover
 
 

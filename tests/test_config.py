@@ -330,6 +330,9 @@ def test_explore_takes_its_keys_dotted_as_toml_writes_them_unquoted(tmp_path):
     assert cfg.mode.explore == want and Config.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="'optimizer.nope' is not a numeric optimizer key"):
         load(None, [*ltfb, "mode.explore={optimizer.nope=[1,2]}"], env={})
+    # a review: both spellings of one key in one table, and the last won without a word
+    with pytest.raises(ConfigError, match="optimizer.lr is given twice"):
+        load(None, [*ltfb, 'mode.explore={"optimizer.lr"=[0.01,0.1], optimizer={lr=[0.2,0.3]}}'], env={})
 
 
 @pytest.mark.timeout(30)

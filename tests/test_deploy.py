@@ -922,7 +922,9 @@ def test_slurm_runs_a_training_script_as_the_workers(slurm, tmp_path):
     out = tmp_path / "out"
     s = json.loads((out / "summary.json").read_text())
     assert (s["mode"], s["workers"], s["model"]) == ("async", 2, "script")
-    assert s["final_accuracy"] >= 0.25, s  # the script's own: 0.05-0.09 untrained, async 0.40 at 300 steps idle
+    # the script's own pinball loss, 0.44 untrained, 0.061-0.109 after 300 steps in every mode (tests/test_script.py);
+    # its share within 0.1 of the truth (0.05-0.09 untrained, async 0.40 idle) was 0.2255 in one loaded run
+    assert s["final_loss"] < 0.2 and s["final_accuracy"] >= 0.15, s
     assert (out / "model.pt").exists()
     assert_no_leftovers(out)
 

@@ -134,3 +134,18 @@ def test_a_request_on_a_connection_made_again_since_goes_again():
     client.peers.wait = reconnected_then_late
     step(client, 2, late=1)
     assert pushes(client, 2) == 2
+
+
+def test_a_shard_names_its_incarnation_in_its_stats_answer():
+    """A review: the client's half alone was tested; a shard whose stats answer said no
+    incarnation ('') would have every late push sent again, as before, with no test failing."""
+    from psgd.shard import Shard
+    cfg = Config().replace(**{"cluster.servers": 1})
+    probe = wire.decode(wire.encode("stats", id=7, rank=0))
+
+    def said(shard: Shard) -> str:
+        [(_, frames)] = shard.on_stats(b"token", probe)
+        return str(wire.decode(frames).get("incarnation") or "")
+    first, second = Shard(cfg, 0), Shard(cfg, 0)   # the same shard, restarted: another process's object
+    assert said(first) and said(first) == said(first)
+    assert said(second) and said(second) != said(first)

@@ -35,6 +35,8 @@ SMALL = {"cluster.workers": 2, "cluster.servers": 2, "model.name": "script", "cl
 # after the coordinator on a loaded 2-core machine and 12.5 s under heavier load, where 8 s and 12 s
 # failed with "0/2 workers registered"; the tests' waits grow with it.
 SCRIPT_TIMEOUT_S = 30.0
+# examples/custom_loss.py's pinball loss on its test set: above this untrained (0.439, its seed 0)
+UNTRAINED_LOSS = 0.4
 
 
 def run_script(tmp_path, script: list[str], **sets) -> dict:
@@ -51,16 +53,17 @@ def test_custom_model_and_loss_in_every_mode(tmp_path, mode):
     with torch.random.fork_rng():
         torch.manual_seed(0)   # as the script seeds its model
         untrained, untrained_loss = ex.within(ex.Forecaster(), x, y)
-    assert untrained < 0.15 and untrained_loss > 0.4   # (0.047, 0.439; 0.28-0.44 for seeds 0-4)
-    # Learned: the pinball loss 0.068-0.077 after these 300 steps of async (10 runs, idle and loaded).
-    # The share within 0.1 of the truth is noisier: 0.32-0.51 in those runs, 0.2255 in one CI run,
-    # where > 0.25 failed; it need only beat the untrained model's ceiling.
-    assert s["final_loss"] < 0.15 and s["final_accuracy"] >= 0.15, s   # the script's report
+    assert untrained < 0.15 and untrained_loss > UNTRAINED_LOSS   # (0.047, 0.439; 0.28-0.44 for seeds 0-4)
+    # Learned: the pinball loss 0.068-0.077 after these 300 steps of async in 10 runs, idle and
+    # loaded; 0.061-0.109 over every mode in a review's runs (ssp 0.109, async 0.1065): below half
+    # the untrained model's. The share within 0.1 of the truth is noisier: 0.27-0.51 in those
+    # runs, 0.2255 in one CI run, where > 0.25 failed; it need only beat the untrained ceiling.
+    assert s["final_loss"] < UNTRAINED_LOSS / 2 and s["final_accuracy"] >= 0.15, s   # the script's report
     assert s["mode"] == mode and s["failures"]["workers_lost"] == 0
     assert s["data"] is None and s["batch_size"] is None   # the script's own, not psgd's config (was digits, 32)
     model = ex.Forecaster()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))   # the final global model
-    assert ex.within(model, x, y)[1] < 0.15
+    assert ex.within(model, x, y)[1] < UNTRAINED_LOSS / 2
     for i in range(2):  # the shards never imported the script, and the workers wrote step lines
         with open(tmp_path / "logs" / f"server-{i}.log") as f:
             assert "custom_loss" not in f.read()

@@ -80,6 +80,7 @@ def test_describe_lists_bytes_per_shard():
     assert "hold no part of the model" not in text
 
 
+@pytest.mark.timeout(30)
 def test_describe_names_shards_that_hold_nothing():
     """A helper's finding: 8 shards of a hidden-16 MLP (6 tensors, each one piece) left two
     shards empty; their processes started and served nothing, said only in their logs."""

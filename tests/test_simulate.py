@@ -615,6 +615,7 @@ def test_ctrl_c_while_the_report_is_written_says_what_is_left(tmp_path, capsys, 
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert cli(["--modes", "sync,nosuchmode", "--out", str(tmp_path / "x")]) == 2
     assert "'nosuchmode' is neither a mode" in capsys.readouterr().err

@@ -57,6 +57,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("give the job's folder (DIR), --address tcp://HOST:PORT or --config FILE")
     if args.dir and args.config:
         raise ConfigError("give DIR (its config.toml is the job's) or --config FILE, not both")
+    if (args.dir and os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, "config.toml"))
+            and os.path.exists(os.path.join(args.dir, "summary.json"))):   # a psgd simulate's run: it has
+        return _finished(os.path.join(args.dir, "summary.json"))       # ended, and had no coordinator to ask
     sets = list(args.set) + (["security.curve=true", f"security.keys={args.keys}"] if args.keys else [])
     cfg = _config(args.dir, args.config, sets)
     address = args.address or cfg.coordinator_address()
@@ -146,6 +149,9 @@ def _finished(summary: str) -> int:
             done = json.load(f)
         if not isinstance(done, dict):
             raise ValueError(f"a JSON {type(done).__name__}, not an object")
+        if done.get("simulated"):   # psgd simulate's: its times are the virtual clock's
+            print(f"finished (simulated by psgd simulate): {format_summary(done)}")
+            return 0
         if done.get("aborted"):   # psgd run exits 1 on it: so does this, with the reason
             print(f"aborted: {done['aborted']}: {format_summary(done)}")
             return 1
@@ -166,10 +172,15 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
             raise ConfigError(f"{what} (give a psgd run's output folder, or --address)")
         if not os.path.exists(path):
             runs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "config.toml")))
-            if runs:   # a psgd compare's: each of its runs is a psgd run's folder
-                named = (f"{runs[0]}, {runs[1]}, ... ({len(runs)} runs)" if len(runs) > 3 else
-                         " or ".join([", ".join(runs[:-1]), runs[-1]] if len(runs) > 1 else runs))
-                raise ConfigError(f"{folder} is a psgd compare's output folder: give one of its runs, {named}")
+            simulated = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "summary.json")))
+            if runs or simulated:   # a psgd compare's: each of its runs is a psgd run's folder; a psgd
+                some = runs or simulated   # simulate's: each run's has only its summary (and events)
+                named = (f"{some[0]}, {some[1]}, ... ({len(some)} runs)" if len(some) > 3 else
+                         " or ".join([", ".join(some[:-1]), some[-1]] if len(some) > 1 else some))
+                if runs:
+                    raise ConfigError(f"{folder} is a psgd compare's output folder: give one of its runs, {named}")
+                raise ConfigError(f"{folder} is a psgd simulate's output folder (its runs have ended: nothing runs "
+                                  f"there): give one of its runs for its summary, {named}; or read its report.md")
             raise ConfigError(f"{folder} has no config.toml (is it a psgd run's output folder?)")
     return load(path, sets or [], env={})
 

@@ -417,3 +417,23 @@ def test_watch_by_address_of_a_job_that_ends_between_two_looks_prints_its_summar
         then=lambda: (tmp_path / "summary.json").write_text(json.dumps(SUMMARY)))
     out, err = capsys.readouterr()
     assert code == 0 and "finished: sync: accuracy 0.9700" in out, err
+
+
+@pytest.mark.timeout(30)
+def test_status_of_a_simulate_folder_and_of_one_of_its_runs(tmp_path, capsys):
+    """`psgd status` of a `psgd simulate` folder, or of one of its runs (a summary.json, no
+    config.toml), said "... has no config.toml (is it a psgd run's output folder?)", exit 2:
+    a run's prints its summary, marked simulated; the folder's names its runs."""
+    summary = {"mode": "sync", "final_accuracy": 0.89, "final_loss": 0.3, "samples_per_s": 85552.0, "wall_s": 0.0,
+               "time_to_target_s": None, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0},
+               "simulated": True}
+    for name in ("sync-w2-r0", "async-w2-r0"):
+        (tmp_path / "runs" / name / "events").mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
+    assert main(["status", str(tmp_path / "runs" / "sync-w2-r0")]) == 0
+    assert capsys.readouterr().out.startswith("finished (simulated by psgd simulate): sync: accuracy 0.8900")
+    assert main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{tmp_path} is a psgd simulate's output folder (its runs have ended: nothing runs there): give one "
+            f"of its runs for its summary, {tmp_path / 'runs' / 'async-w2-r0'} or "
+            f"{tmp_path / 'runs' / 'sync-w2-r0'}") in err, err

@@ -25,6 +25,11 @@ from tests.test_compare import ROOT
 
 SMALL = ["--set", "train.steps=30", "--set", "sim.compute_s=0.002", "--set", "sim.compute_cv=0.2"]
 
+# A simulated run's final accuracy against a figure of the docs: the virtual times are the
+# same on every machine, the real model's accuracy moves with the CPU's float kernels (by
+# 0.016-0.017 between the docs' machines and an AMD EPYC, in a CI run)
+CPU_SPREAD = 0.03
+
 
 def simulate(tmp, name: str, *argv: str) -> tuple[int, list[dict]]:
     out = os.path.join(tmp, name)
@@ -1121,8 +1126,11 @@ def test_the_ltfb_trainers_table_of_the_docs_is_what_the_simulation_gives():
 
         firsts = [next((f"{e['t']:.2f}" for e in s["evals"] if e["accuracy"] >= target), "—")
                   for target in (0.8, 0.9, 0.95)]
-        assert (f"{s['final_accuracy']:.3f}", *firsts, f"{s['samples_per_s']:,.0f}") == (acc, to8, to9, to95, rate), \
-            trainers
+        assert (*firsts, f"{s['samples_per_s']:,.0f}") == (to8, to9, to95, rate), trainers
+        # The final accuracy is the real model's, whose float kernels differ between CPUs: one
+        # trainer gave 0.978 where the table was made and 0.961 on an AMD EPYC (CI), the times
+        # above the same to the digit. The same within CPU_SPREAD, not to the last digit.
+        assert abs(s["final_accuracy"] - float(acc)) <= CPU_SPREAD, (trainers, s["final_accuracy"], acc)
 
 
 @pytest.mark.inprocess
@@ -1161,8 +1169,9 @@ def test_the_every_mode_validation_table_of_the_docs_is_what_the_simulation_give
         cfg = load(None, ["cluster.workers=1", f"mode.name={mode}", "eval.every_seconds=0.25", "sim.compute_s=0.00351",
                           "sim.latency_s=0.00196", "sim.compute_cv=0.3"], env={})
         s = Simulation(cfg, cfg.sim.compute_s).run()
-        assert (f"{s['samples_per_s']:,.0f}", f"{s['time_to_target_s']:.2f}", f"{s['final_accuracy']:.3f}") \
-            == (cells[1], cells[6], cells[9]), mode
+        assert (f"{s['samples_per_s']:,.0f}", f"{s['time_to_target_s']:.2f}") == (cells[1], cells[6]), mode
+        # (ssp: 0.967 where the table was made, 0.983 on an AMD EPYC: see CPU_SPREAD)
+        assert abs(s["final_accuracy"] - float(cells[9])) <= CPU_SPREAD, (mode, s["final_accuracy"], cells[9])
 
 
 @pytest.mark.inprocess

@@ -1193,6 +1193,8 @@ def format_summary(s: dict) -> str:
     target = s.get("target_accuracy")
     from .report_numbers import AFTER_END, FIRST_SCORE, amount, ttt_flag
     flag = ttt_flag(s, None)
+    virtual = bool(s.get("simulated"))   # psgd simulate's: virtual seconds, finer than a real run's tenths,
+    at = "{:.3f} virtual s".format if virtual else "{:.1f} s".format   # and no start-up (nothing started)
     if ttt is None:   # (nothing scored: nothing to say of the target)
         reached = f"target {target} not reached" if acc is not None or s.get("evals") else ""
     elif flag == AFTER_END:   # first seen by a score after training: when it looked
@@ -1200,11 +1202,11 @@ def format_summary(s: dict) -> str:
         first: dict = next((e for e in s.get("evals") or [] if e.get("accuracy") is not None
                               and target is not None and e["accuracy"] >= target), {})
         by = "the final score" if first.get("final") else "a score"
-        reached = f"target {target} first seen by {by} ({ttt:.1f} s), after training"
+        reached = f"target {target} first seen by {by} ({at(ttt)}), after training"
     elif flag == FIRST_SCORE:   # there at the first score (the evaluator's, or a script's report): when it looked
-        reached = f"target {target} reached by the first score ({ttt:.1f} s): when it looked"
+        reached = f"target {target} reached by the first score ({at(ttt)}): when it looked"
     else:
-        reached = f"time to {target}: {ttt:.1f} s"
+        reached = f"time to {target}: {at(ttt)}"
     last = s["evals"][-1] if s.get("evals") else None
     parts = [f"{s['mode']}: accuracy {acc:.4f}" if acc is not None else
              f"{s['mode']}: no final evaluation (the last score, during training: accuracy "
@@ -1212,9 +1214,9 @@ def format_summary(s: dict) -> str:
              f"{s['mode']}: no evaluation",
              f"loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else
              "loss not finite (the model diverged)" if s.get("final_loss_not_finite") else "",
-             f"{amount(s['samples_per_s'])} samples/s", f"wall {s['wall_s']:.1f} s", reached,
+             f"{amount(s['samples_per_s'])} samples/s", f"wall {at(s['wall_s'])}", reached,
              staleness_words(s),
-             f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else "",
+             f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None and not virtual else "",
              lost_words(s)]
     return "  ".join(p for p in parts if p)
 

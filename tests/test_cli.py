@@ -455,6 +455,20 @@ def test_the_run_summary_line_says_nothing_of_a_target_nothing_scored():
     assert "  0.25 samples/s  " in format_summary({**s, "samples_per_s": 0.25})   # a big model: was "0 samples/s"
 
 
+def test_a_simulated_runs_summary_line_gives_virtual_seconds_and_no_start_up():
+    """`psgd status` of a `psgd simulate` run printed "wall 0.0 s ... start-up 0.0 s": its
+    virtual wall was 0.023 s, rounded to tenths, and a simulation starts no process."""
+    from psgd.launcher import format_summary
+    s = {"mode": "sync", "final_accuracy": 0.93, "final_loss": 0.2, "samples_per_s": 112611.0, "wall_s": 0.0227,
+         "time_to_target_s": 0.0114, "target_accuracy": 0.9, "staleness": {"mean": 0.0, "max": 0},
+         "startup_s": 0.0, "simulated": True}
+    line = format_summary(s)
+    assert "wall 0.023 virtual s" in line and "time to 0.9: 0.011 virtual s" in line, line
+    assert "start-up" not in line, line
+    real = format_summary({**s, "simulated": False})
+    assert "wall 0.0 s" in real and "start-up 0.0 s" in real and "virtual" not in real, real
+
+
 def test_the_run_summary_line_says_a_job_went_on_without_a_lost_worker():
     """A review: a worker died mid-training, the job went on with the other and ended
     "accuracy 1.0000 ...": only summary.json's failures said one was lost."""

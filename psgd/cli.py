@@ -243,24 +243,25 @@ def known_bad(cfg) -> str:
     return ""
 
 
-def idle_faults(cfg) -> str:
-    """One warning line for an injected fault that would slow no worker of this one job
-    (else ""): a straggler rank the job does not have, one half of a pair set without the
-    other (the job ran at full speed, and said nothing). psgd compare and simulate sweep
-    worker counts, and their report says which runs had the fault."""
+def idle_faults(cfg) -> list[str]:
+    """A warning line for each injected fault that would slow no worker of this one job:
+    a straggler rank the job does not have, one half of a pair set without the other (the
+    job ran at full speed, and said nothing). psgd compare and simulate sweep worker
+    counts, and their report says which runs had the fault."""
     f, w = cfg.faults, cfg.cluster.workers
+    said = []
     if f.slow_rank >= w:
-        return (f"faults.slow_rank = {f.slow_rank} is no rank of this job's {w} worker{'s' * (w != 1)} "
-                f"(ranks 0..{w - 1}): no worker is slowed")
-    if f.slow_factor > 1 and f.slow_rank < 0:
-        return f"faults.slow_factor = {f.slow_factor:g} slows no worker: faults.slow_rank = -1 (set it to a rank)"
-    if f.slow_rank >= 0 and f.slow_factor == 1:
-        return f"faults.slow_rank = {f.slow_rank} slows nothing: faults.slow_factor = 1 (set it above 1)"
+        said.append(f"faults.slow_rank = {f.slow_rank} is no rank of this job's {w} worker{'s' * (w != 1)} "
+                    f"(ranks 0..{w - 1}): no worker is slowed")
+    elif f.slow_factor > 1 and f.slow_rank < 0:
+        said.append(f"faults.slow_factor = {f.slow_factor:g} slows no worker: faults.slow_rank = -1 (set it to a rank)")
+    elif f.slow_rank >= 0 and f.slow_factor == 1:
+        said.append(f"faults.slow_rank = {f.slow_rank} slows nothing: faults.slow_factor = 1 (set it above 1)")
     if (f.jitter_prob > 0) != (f.jitter_s > 0):
-        said = (f"faults.jitter_prob = {f.jitter_prob:g} delays nothing: faults.jitter_s = 0" if f.jitter_prob > 0
-                else f"faults.jitter_s = {f.jitter_s:g} delays nothing: faults.jitter_prob = 0")
-        return said + " (set both: each step is delayed by jitter_s with probability jitter_prob)"
-    return ""
+        said.append((f"faults.jitter_prob = {f.jitter_prob:g} delays nothing: faults.jitter_s = 0" if f.jitter_prob > 0
+                     else f"faults.jitter_s = {f.jitter_s:g} delays nothing: faults.jitter_prob = 0")
+                    + " (set both: each step is delayed by jitter_s with probability jitter_prob)")
+    return said
 
 
 def cmd_run(args) -> int:
@@ -287,7 +288,7 @@ def cmd_run(args) -> int:
         small = batch_over_share(check_job(cfg), cfg.train.batch_size, [(cfg.cluster.workers, data_split(cfg))])
     check_before_launch(cfg, args.device)
     bad = "" if script else known_bad(cfg)   # (a script's own optimizer may not be [optimizer]'s)
-    for warning in (bad, small, idle_faults(cfg)):
+    for warning in (bad, small, *idle_faults(cfg)):
         if warning:
             print(f"psgd run: warning: {warning}", file=sys.stderr, flush=True)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")

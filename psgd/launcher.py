@@ -364,17 +364,11 @@ class LocalJob:
         running: a LaunchError, and nothing is removed. The pid files of processes that
         are gone (or whose pid another process, started after the file, has now) are
         removed."""
-        from .metrics import process_start_time
+        from .metrics import live_pid
         stale = []
         for path in sorted(glob.glob(os.path.join(self.out, "pids", "*.pid"))):
-            try:
-                with open(path) as f:
-                    pid = int(f.read().strip())
-                os.kill(pid, 0)
-                started = process_start_time(pid)
-                if started is not None and started > os.path.getmtime(path) + 1:
-                    raise ProcessLookupError   # that pid is another process now, started after the file
-            except (OSError, ValueError):   # gone, or not a pid: an earlier job's leftover
+            pid = live_pid(path)
+            if pid is None:   # gone, or not a pid: an earlier job's leftover
                 stale.append(path)
                 continue
             raise LaunchError(f"{self.out} is the output folder of a job that is still running ({path} names "

@@ -168,6 +168,20 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - age if 0 <= age < 7 * 86400 else None
 
 
+def live_pid(path: str) -> int | None:
+    """The pid that the pid file `path` names, if that process runs; None if it is gone,
+    the file is not a pid, or the pid is another process now (started after the file)."""
+    try:
+        with open(path) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+        written = os.path.getmtime(path)
+    except (OSError, ValueError):
+        return None
+    started = process_start_time(pid)
+    return None if started is not None and started > written + 1 else pid
+
+
 def holds_open(pid: int, path: str) -> bool:
     """Whether process `pid` has the file `path` open (from /proc/PID/fd: a process of
     this user's); False where that cannot be read."""

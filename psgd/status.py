@@ -135,9 +135,19 @@ def _silent(cfg, folder: str, phase: str = "") -> str:
     the keys are not it, unless it runs with CurveZMQ; a job interrupted or killed (no
     summary) may have left checkpoints (which a psgd run into DIR may resume from).
     `phase`: the job's, where an earlier answer (--watch) gave it."""
+    from .metrics import live_pid
+    live = [os.path.basename(p)[:-4] for p in sorted(glob.glob(os.path.join(folder, "pids", "*.pid")))
+            if live_pid(p) is not None]
+    if live:   # its daemons run: the coordinator is busy, stopped (SIGSTOP), or gone alone
+        return (f"{folder}'s job has processes running ({', '.join(live)}) whose coordinator does not answer"
+                f"{'' if 'coordinator-0' in live else ': the coordinator is gone'}")
     checkpoints = cfg.checkpoint_folder(folder)
     resume = f"; its checkpoints are in {checkpoints}" if glob.glob(os.path.join(checkpoints, "shard-*.pt")) else ""
-    when = f"ended without a summary (it was {phase})" if phase else "has not started yet, or ended without a summary"
+    written = [os.path.getmtime(p) for p in glob.glob(os.path.join(folder, "events", "*.jsonl"))]
+    when = (f"ended without a summary (it was {phase})" if phase else
+            f"ended without a summary (it ran: its last event was written at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(max(written)))})" if written else
+            "has not started yet, or ended without a summary")
     return f"{folder}'s job {when}: interrupted or killed{resume}"
 
 

@@ -101,6 +101,29 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
 
 
 @pytest.mark.timeout(30)
+def test_status_of_a_killed_job_says_it_ran_or_that_its_processes_still_run(tmp_path):
+    """`kill -9` of `psgd run` after 20 s of training: its daemons exit and remove their
+    pid files, and `psgd status DIR` said "has not started yet, or ended without a
+    summary", though DIR/events held the job's 20 s. A job whose daemons still run while
+    its coordinator does not answer (stopped, or gone alone) was said to be killed."""
+    from psgd.status import _silent
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "coordinator-0.jsonl").write_text('{"t": 0.0, "event": "start"}\n')
+    os.utime(tmp_path / "events" / "coordinator-0.jsonl", (0, time.mktime((2026, 12, 3, 23, 36, 5, 0, 0, -1))))
+    assert _silent(Config(), str(tmp_path)) == (f"{tmp_path}'s job ended without a summary (it ran: its last event "
+                                                f"was written at 2026-12-03 23:36:05): interrupted or killed")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    (pids / "server-0.pid").write_text(f"{os.getpid()}\n")   # this process: it runs
+    (pids / "worker-0.pid").write_text("999999999\n")         # no such process: a leftover
+    assert _silent(Config(), str(tmp_path)) == (f"{tmp_path}'s job has processes running (server-0) whose "
+                                                f"coordinator does not answer: the coordinator is gone")
+    (pids / "coordinator-0.pid").write_text(f"{os.getpid()}\n")
+    assert _silent(Config(), str(tmp_path)).endswith("running (coordinator-0, server-0) whose coordinator does "
+                                                     "not answer")
+
+
+@pytest.mark.timeout(30)
 def test_status_errors_are_one_line_with_one_prefix(tmp_path, capsys):
     """`psgd status FILE` said "no folder FILE", and every refusal began "psgd: error:
     psgd status: ..."."""

@@ -102,7 +102,7 @@ class Shard:
         self._awaiting_init: dict[tuple[Hashable, int], tuple[Hashable, wire.Message]] = {}
         self.max_parked = max(MIN_MAX_PARKED, MAX_PARKED_PER_WORKER * self.world)
         self.P, self.B = self.params.numel(), self.buffers.numel()
-        self.params.grad = torch.zeros_like(self.params)
+        self.params.grad = None   # where a sum's mean goes (sync's ApplySum): made at the first sum
         self.wire_dtype = cfg.wire.dtype  # params-sized vectors on the wire; the tables stay float32
         self._wire_torch = getattr(torch, self.wire_dtype)
         self.codec = cfg.wire.compression
@@ -417,7 +417,8 @@ class Shard:
     def _do_apply_sum(self, d: r.ApplySum) -> None:
         self._changing()
         assert self.acc is not None, "ApplySum before any Accumulate"
-        assert self.params.grad is not None  # the mean, written where the optimizer reads it
+        if self.params.grad is None:   # the mean, written where the optimizer reads it: a table
+            self.params.grad = torch.empty_like(self.params)   # only the modes that sum need
         self._step(torch.div(self.acc, d.count, out=self.params.grad), 1.0, d.progress)
 
     def _do_move(self, d: r.Move) -> None:

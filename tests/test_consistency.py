@@ -583,6 +583,22 @@ def answers(replies) -> dict:
     return {tok: wire.decode(frames) for tok, frames in replies}
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,sums", [("sync", True), ("async", False), ("ssp", False)])
+def test_a_shard_holds_a_gradient_table_only_in_a_mode_that_sums(mode, sums):
+    """Every shard held a zeroed table as large as its parameters for a sum's mean, which
+    only sync writes: 50 MB a shard of a 100 MB model, in async or ssp too."""
+    shard, _ = shard_for(mode, 1)
+    assert shard.params.grad is None
+    before = shard.params.detach().clone()
+    g = np.full(shard.P, 0.5, np.float32)
+    shard.handle(("push", 0, 0), push(shard, 0, 0, g))
+    assert not torch.equal(shard.params.detach(), before)   # the step was applied
+    assert (shard.params.grad is not None) == sums
+    if sums:   # the mean was written in the table the optimizer read
+        assert torch.equal(shard.params.grad, torch.from_numpy(g))
+
+
 @pytest.mark.timeout(120)
 def test_shard_sync_backup_workers_drop_late_gradients():
     shard, cfg = shard_for("sync", 3, **{"mode.backup_workers": 1})

@@ -172,7 +172,8 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                    + ", ".join(f"{rname(r, many_w)} {secs(t)} s" for r in dist for t, x in ranked if x is r)
                    + f" ({ONCE}).")
         if base is not None and base_t is not None and base_t < best_t:
-            out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
+            out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period,
+                                    [r for _, r in ranked[1:]])
     elif ranked:
         best_t, best = ranked[0]
         # An unranked time is an upper bound (the model was above the target when first seen):
@@ -226,7 +227,8 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                            f"{names([best])}: the evaluator scores the model every {period:g} s, so that order is "
                            f"within the measurement's resolution.")
         if base is not None and base_t is not None and base_t < best_t:
-            out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period)
+            out += _baseline_sooner(base, base_t, best, best_t, unranked + lost, period,
+                                    [r for _, r in ranked[1:]])
     elif unranked:
         walls = [w for r in dist for w in r.values("wall_s")]
         lasted = "–".join(dict.fromkeys([secs(min(walls)), secs(max(walls))])) if walls else ""  # 0.27 s, not 0.27–0.27
@@ -298,14 +300,17 @@ def _tie_clause(why: str | None) -> str:
 
 
 def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplaced: list[Row],
-                     period: float | None) -> list[str]:
+                     period: float | None, others: list[Row] | None = None) -> list[str]:
     """Whether the baseline beat every distributed configuration, as far as the numbers
     carry it. An unranked configuration's time is an upper bound on when it got there (it
     was already above the target when first seen); one that lost repeats has its
     survivors' time: either at or below the baseline's and the claim is void; above it,
     the claim covers the resolved configurations only. A baseline that lost repeats has
     its survivors' time too: stated, not ranked; so is one that, like the best, ran once
-    (ONCE: however far apart the two times, neither measured a spread)."""
+    (ONCE: however far apart the two times, neither measured a spread). `others`: the
+    other resolved configurations, slower than the best; one whose time the spread does
+    not tell from the baseline's (a wide sd: 1.51 ± 1.36 s against 0.057 s, marked ≈ in
+    the table) is named as such, not counted among those the baseline beat."""
     if any((mean(r.ttt) or 0.0) <= base_t for r in unplaced):
         return []
     if base.errors:
@@ -320,6 +325,14 @@ def _baseline_sooner(base: Row, base_t: float, best: Row, best_t: float, unplace
     if period and best_t - base_t < period:
         return [f"The sequential baseline reached the target in {secs(base_t)} s, less than one evaluation "
                 f"period ({period:g} s) before {names([best])}: within the measurement's resolution."]
+    level = [(r, w) for r in others or [] if (w := tie_reason(base.ttt, r.ttt))]
+    if level:
+        beaten = [best] + [r for r in others or [] if r not in [x for x, _ in level]]
+        return [f"The sequential baseline reached the target in {secs(base_t)} s, sooner than {names(beaten)}; "
+                + "; ".join(f"{names(rs)} {'is' if len(rs) == 1 else 'are'} {_unordered(why)} it ({why})"
+                            for why in dict.fromkeys(w for _, w in level)
+                            for rs in [[r for r, w in level if w == why]])
+                + (f"; {names(unplaced)} cannot be placed against it" if unplaced else "") + "."]
     if unplaced:
         return [f"The sequential baseline reached the target in {secs(base_t)} s, sooner than every distributed "
                 f"configuration whose time is resolved; {names(unplaced)} cannot be placed against it."]

@@ -22,3 +22,17 @@ def test_baseline_is_not_called_sooner_than_a_configuration_whose_time_it_does_n
     s = sentence(text, "The sequential baseline reached the target")
     assert "sooner than any" not in s and "paid for its communication" not in s
     assert "sooner than sync (2 w); async (2 w) is not told apart from it (within two run-to-run sds)" in s
+
+
+@pytest.mark.timeout(60)
+def test_lowest_throughput_names_a_configuration_tied_with_both_ends():
+    # cmp3 (5 steps): "Highest throughput: easgd with 2,259 samples/s (...), but sync (1,948) is not told apart
+    # from it (within two run-to-run sds); lowest: async with 1,282" -- sync's 2,610 and 1,286 put it within two
+    # sds of async's 1,282 too, so async was not shown below sync
+    results = [run("sync", repeat=k, sps=v) for k, v in enumerate((1286.1, 2609.7))]
+    results += [run("async", "async", repeat=k, sps=v) for k, v in enumerate((1225.6, 1337.9))]
+    results += [run("easgd", "easgd", repeat=k, sps=v) for k, v in enumerate((2507.8, 2010.5))]
+    s = sentence(told(results), "Highest throughput")
+    assert "Highest throughput: **easgd** with 2,259" in s
+    assert s.endswith("; lowest: **async** with 1,282, but **sync** (1,948) is not told apart from it "
+                      "(within two run-to-run sds)."), s

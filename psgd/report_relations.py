@@ -182,8 +182,8 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
         # one that, like the highest, ran once: not ranked below it (ONCE), nor tied with it
         once = [r for _, r in measured if r is not most and whys[id(r)] == ONCE]
         if most_mean == 0:
-            out.append("No configuration of sync, ssp or async read stale parameters (measured staleness (mean) "
-                       "0 everywhere).")
+            # (named: "no configuration of sync, ssp or async" covered one that failed, measuring nothing)
+            out.append(f"No worker of {names(st)} read stale parameters (measured staleness 0 in every run).")
         elif len(measured) == 1:   # nothing to be highest among
             out.append(f"Measured staleness (mean updates applied between a worker's read and its push): "
                        f"{rname(most, many_w)} {most_mean:.2f} (max {smax(most.staleness_max)})"

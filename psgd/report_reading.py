@@ -392,18 +392,26 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     b = mean(base.sps) if base is not None else None
     if b and base is not None:
         why = tie_reason(base.sps, top.sps, amount)
+        # "the best" only where the highest mean is told apart from every other: where the sentence
+        # before said throughput does not separate them (or named ties), the highest mean and its ties
+        ties = [(r, w) for r in by_sps[1:] if (w := tie_reason(top.sps, r.sps, amount))]
+        best = "the best distributed configuration" if not ties else (
+            f"the highest distributed mean ({rname(top, many_w)}'s {amount(top_sps)}, "
+            + "; ".join(f"{_unordered(why)} {', '.join(rname(r, many_w) for r, w in ties if w == why)}"
+                        for why in dict.fromkeys(w for _, w in ties)) + ")")
         if why == ONCE:
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s ({ONCE}).")
         elif why:
-            out.append(f"The sequential baseline alone processed {amount(b)} samples/s, not told apart from the best "
-                       f"distributed configuration's {amount(top_sps)} ({why}).")
+            out.append(f"The sequential baseline alone processed {amount(b)} samples/s, not told apart from "
+                       + (f"the best distributed configuration's {amount(top_sps)}" if not ties else best)
+                       + f" ({why}).")
         elif b > top_sps:
-            out.append(f"The sequential baseline alone processed {amount(b)} samples/s, {b / top_sps:.1f}× the "
-                       f"best distributed configuration: the per-step cost of the parameter-server round trips and "
+            out.append(f"The sequential baseline alone processed {amount(b)} samples/s, {b / top_sps:.1f}× "
+                       f"{best}: the per-step cost of the parameter-server round trips and "
                        f"of sharing {ctx.get('machine', {}).get('cpus', '?')} cores among the processes outweighs "
                        f"what the extra workers add.")
         else:
-            out.append(f"The best distributed configuration processed {top_sps / b:.2f}× the samples per second "
+            out.append(f"{best[0].upper() + best[1:]} processed {top_sps / b:.2f}× the samples per second "
                        f"of the sequential baseline ({amount(b)}).")
     return out
 

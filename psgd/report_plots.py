@@ -174,7 +174,11 @@ def _seconds(rows: list[Row]) -> str:
 
 
 def _per_s(rows: list[Row]) -> str:
-    return "samples / s" + (" (virtual s for simulated rows)" if clock(rows) == "wall or virtual" else "")
+    """A throughput axis's unit: per virtual second where every row is simulated (psgd simulate's
+    plot said "samples / s" beside its time axes in virtual s)."""
+    kind = clock(rows)
+    return ("samples / virtual s" if kind == "virtual" else
+            "samples / s" + (" (virtual s for simulated rows)" if kind == "wall or virtual" else ""))
 
 
 def _throughput_plot(plt, rows: list[Row], colors, path: str) -> None:
@@ -289,7 +293,7 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
     ax2 = ax.twinx()
     ax2.errorbar(pos, [mean(r.sps) or 0 for r in rows], yerr=[sd(r.sps) or 0 for r in rows], color="tab:orange",
                  marker="s", capsize=3, label="samples/s")
-    ax2.set_ylabel("samples / s", color="tab:orange")
+    ax2.set_ylabel(_per_s(rows), color="tab:orange")
     if not numeric:
         ax.set_xticks(pos)
         ax.set_xticklabels([str(x) for x in xs])
@@ -335,7 +339,8 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
             missing.append(f"{names[i]}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})
     every = [r for rs in groups.values() for r in rs]
-    for ax, yl in ((a1, _per_s(every)), (a2, f"time to target ({_seconds(every)})")):
+    seconds = "virtual s" if clock(every) == "virtual" else _seconds(every)   # (as the parameter sweep's axis)
+    for ax, yl in ((a1, _per_s(every)), (a2, f"time to target ({seconds})")):
         ax.set_xticks(ws)
         ax.set_xlabel("workers")
         ax.set_ylabel(yl)

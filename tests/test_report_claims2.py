@@ -67,3 +67,21 @@ def test_the_baseline_throughput_is_not_set_against_a_best_the_spread_did_not_te
     assert "the best distributed configuration" not in s
     assert ("21,793 samples/s, 2.8× the highest distributed mean (**easgd**'s 7,856, not told apart from "
             "**sync**):") in s, s
+
+
+@pytest.mark.timeout(120)
+def test_a_simulations_plots_give_throughput_and_time_in_virtual_seconds(tmp_path, monkeypatch):
+    # sim1 (psgd simulate, sim.train = false, 8 and 64 workers): throughput.png and sweep_workers.png
+    # labelled their axes "samples / s" and "time to target (s)", where the parameter sweep's axis said
+    # "virtual s" and the report every time is virtual
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from psgd.report import build_rows, make_plots
+    results = [run(m, m, workers=w, ttt=0.1 * w, sps=1000.0 * w, simulated=True) for m in ("sync", "async")
+               for w in (8, 64)]
+    rows = build_rows(results)
+    labels: dict[str, list[str]] = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **k: labels.__setitem__(
+        str(path).rsplit("/", 1)[-1], [a.get_ylabel() for a in fig.axes]))
+    make_plots(str(tmp_path), rows, 0.9, 0.5)
+    assert labels["throughput.png"] == ["samples / virtual s"]
+    assert labels["sweep_workers.png"] == ["samples / virtual s", "time to target (virtual s)"]

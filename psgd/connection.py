@@ -23,7 +23,8 @@ What `step()` does is the mode's worker schedule (psgd/consistency/), the same o
   pull the next model into the model's parameters. The shards run `[optimizer]`; `optimizer` may be None (one
   given is not stepped).
 - easgd, diloco, ltfb: step `optimizer` locally (psgd's `[optimizer]` when None; the
-  script's own keeps its learning rate, psgd's lr schedule does not touch it) and
+  script's own keeps its learning rate, psgd's lr schedule does not touch it: a loop that
+  also calls `optimizer.step()` itself is a JobError at the next step()) and
   exchange every tau / H / round (an ltfb trainer of several workers steps on its group's
   mean gradient, sparse where the script's was: SparseAdam takes no dense one).
 - ltfb needs `score=fn`: `fn(model)` returns the model's accuracy on the trainer's
@@ -58,6 +59,7 @@ script set its own, or runs at an interactive prompt).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import multiprocessing
@@ -66,7 +68,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -337,8 +339,47 @@ class Connection(Worker):
             self._end(f"worker {self.rank} could not start: {e}")
             raise
         self._computed_at = time.perf_counter()
+        self._watch_the_scripts_optimizer()
         _OPEN.add(self)
         _hook_uncaught()
+
+    def _watch_the_scripts_optimizer(self) -> None:
+        """A local mode steps the script's optimizer in step(): a loop that still calls
+        `optimizer.step()` itself (kept from a plain training loop, or `scaler.step(optimizer)`)
+        stepped every batch twice, without a word (twice the learning rate; Adam's moments
+        updated twice). A step hook counts the optimizer's steps that psgd did not take."""
+        self._psgd_stepping = False
+        self._script_steps = 0
+        self._step_hook = None
+        opt = self.user_optimizer
+        if opt is None or not self.schedule.local_optimizer or not hasattr(opt, "register_step_pre_hook"):
+            return
+        me = weakref.ref(self)
+
+        def counted(*_: Any) -> None:
+            c = me()
+            if c is not None and not c._psgd_stepping:
+                c._script_steps += 1
+        self._step_hook = opt.register_step_pre_hook(counted)
+
+    @contextlib.contextmanager
+    def _psgd_steps(self) -> Iterator[None]:
+        """What the schedule does here steps the script's optimizer as psgd's own."""
+        self._psgd_stepping = True
+        try:
+            yield
+        finally:
+            self._psgd_stepping = False
+
+    def _refuse_the_scripts_own_steps(self) -> None:
+        """JobError (the job ends with it) if the script stepped the optimizer that psgd steps."""
+        if self._script_steps:
+            name = type(self.user_optimizer).__name__
+            error = (f"step(): the script called optimizer.step() itself: in mode {self.cfg.mode.name} ps.step() "
+                     f"steps the optimizer given to psgd.connect ({name}), so each batch was stepped twice; remove "
+                     f"optimizer.step() (or scaler.step(optimizer)) from the loop")
+            self._end(f"worker {self.rank}: {error}")
+            raise JobError(error)
 
     def _check(self, cfg: Config, model: nn.Module) -> None:
         problem = ""
@@ -408,12 +449,14 @@ class Connection(Worker):
         if not self._checked:   # (once: a model is changed between connect and the loop, not per step)
             self._checked = True
             self._refuse_a_changed_model("step()")
+        self._refuse_the_scripts_own_steps()
         self._loss = value
         self._batch = batch
         try:
-            if self.rejoin_if_dropped():
-                self.schedule.rejoin(self)
-            error = self._attempt(self.schedule.step)
+            with self._psgd_steps():
+                if self.rejoin_if_dropped():
+                    self.schedule.rejoin(self)
+                error = self._attempt(self.schedule.step)
         except Cancelled:
             self._raise_if_aborted()
             return False
@@ -500,7 +543,8 @@ class Connection(Worker):
             self._refuse_a_changed_model("close()")   # rank 0 would save the stale tensors as model.pt
         try:
             if not error:
-                error = self._attempt(self.schedule.finish)
+                with self._psgd_steps():
+                    error = self._attempt(self.schedule.finish)
         except Cancelled:
             pass
         except ShardUnreachable as e:
@@ -587,6 +631,9 @@ class Connection(Worker):
     # ------------------------------------------------------------ the end
     def _end(self, error: str, reported: bool = False) -> None:
         self.closed = True
+        hook, self._step_hook = getattr(self, "_step_hook", None), None
+        if hook is not None:   # (after the job, the script may step its optimizer itself)
+            hook.remove()
         try:
             if not reported:
                 self._report_end(error)

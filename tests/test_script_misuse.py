@@ -1,0 +1,56 @@
+"""A training script's mistakes with `psgd.connect` (psgd/connection.py) that psgd saw
+nothing of: each is now a clear error naming what to do, not a run that trains wrong.
+
+- a loop that still calls `optimizer.step()` itself in a mode where `ps.step()` steps the
+  script's optimizer (easgd, diloco, ltfb) stepped each batch twice;
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import psgd
+from psgd.config import Config
+from psgd.inprocess import InProcessCluster
+
+pytestmark = pytest.mark.inprocess
+
+
+def config(port_block, mode: str, **sets) -> Config:
+    return Config().replace(**{"cluster.port": port_block(3), "cluster.workers": 1, "cluster.servers": 1,
+                               "model.name": "script", "cluster.evaluator": False, "mode.name": mode,
+                               "train.steps": 6, "cluster.timeout_s": 20, "mode.tau": 2, "mode.local_steps": 3,
+                               "mode.round_steps": 3, **sets})
+
+
+def loop(ps, model: nn.Module, opt: torch.optim.Optimizer, steps_itself: bool) -> int:
+    """The script's loop; how many batches it stepped."""
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    while True:
+        opt.zero_grad()
+        model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+        if steps_itself:
+            opt.step()   # kept from the script's own loop
+        n += 1
+        if not ps.step():
+            return n
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["easgd", "diloco", "ltfb"])
+def test_a_loop_that_steps_the_optimizer_psgd_steps_is_a_job_error_at_once(port_block, mode):
+    """Was: Adam's step count 2 per batch (20 after 10 batches), silently."""
+    cfg = config(port_block, mode)
+    with InProcessCluster(cfg) as cluster:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        ps = psgd.connect(model, opt, config=cfg, rank=0, score=lambda m: 0.5)
+        with pytest.raises(psgd.JobError, match=r"the script called optimizer.step\(\) itself.*stepped twice; "
+                                                r"remove optimizer.step\(\)"):
+            loop(ps, model, opt, steps_itself=True)
+        assert ps.closed and opt.state[model.weight]["step"].item() == 1   # the script's one step: psgd took none
+        assert "called optimizer.step() itself" in cluster.coordinator.abort   # the job ended with it
+        opt.step()   # after the job, the script's optimizer is its own again

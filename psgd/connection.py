@@ -209,6 +209,20 @@ def _argument_problem(model: Any, score: Any, config: Any, rank: Any, out: Any) 
     return ""
 
 
+def _folder_problem(out: str | None, given: str) -> str:
+    """Why the job's output folder `out` (`given` as out= or PSGD_OUT) cannot be written,
+    or '': made here if it is not there, as the worker's step log would make it."""
+    if not out:
+        return ""
+    try:
+        os.makedirs(os.path.join(out, "events"), exist_ok=True)
+    except OSError as e:
+        return (f"psgd.connect: {given} {out!r} is not a folder this worker can write its step log in "
+                f"({e.strerror or e}{': ' + e.filename if e.filename and e.filename != out else ''}): "
+                f"give the job's output folder (psgd run --out)")
+    return ""
+
+
 def _model_problem(model: nn.Module) -> str:
     """Why psgd cannot train `model`, or '': checked before registering, instead of
     torch's error from inside psgd (a lazy module's shape, a complex table's cast)."""
@@ -297,7 +311,11 @@ class Connection(Worker):
         problem = _connected_already(cfg.coordinator_address(), model, want)
         if problem:
             raise ConfigError(problem)
-        out = out or env.get("PSGD_OUT")
+        given = "out=" if out else "PSGD_OUT"
+        out = os.fspath(out) if out else env.get("PSGD_OUT")
+        problem = _folder_problem(out, given)
+        if problem:   # (was: an OutputError from inside psgd, after registering, which ended the job)
+            raise ConfigError(problem)
         adopt_folder_token(out)   # a script started by hand into a psgd run job's folder: that job's token
         super().__init__(cfg, out, want_rank=want)
         if env.get("PSGD_STARTED_FILE"):  # psgd run's start-up progress

@@ -3,8 +3,12 @@ nothing of: each is now a clear error naming what to do, not a run that trains w
 
 - a loop that still calls `optimizer.step()` itself in a mode where `ps.step()` steps the
   script's optimizer (easgd, diloco, ltfb) stepped each batch twice;
+- an output folder (out= or PSGD_OUT) that is a file, or cannot be made: an OutputError from
+  inside psgd after registering; now a ConfigError naming it before anything is sent.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -54,3 +58,28 @@ def test_a_loop_that_steps_the_optimizer_psgd_steps_is_a_job_error_at_once(port_
         assert ps.closed and opt.state[model.weight]["step"].item() == 1   # the script's one step: psgd took none
         assert "called optimizer.step() itself" in cluster.coordinator.abort   # the job ended with it
         opt.step()   # after the job, the script's optimizer is its own again
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["out", "PSGD_OUT"])
+def test_an_output_folder_that_cannot_be_written_is_a_config_error_before_registering(port_block, tmp_path,
+                                                                                     monkeypatch, how):
+    (tmp_path / "a-file").write_text("")
+    out = str(tmp_path / "a-file")
+    if how == "PSGD_OUT":
+        monkeypatch.setenv("PSGD_OUT", out)
+    cfg = config(port_block, "async", **{"cluster.timeout_s": 3})   # no coordinator: nothing is sent
+    with pytest.raises(psgd.ConfigError, match=rf"{'out=' if how == 'out' else 'PSGD_OUT'} '{out}' is not a "
+                                               rf"folder .*Not a directory.*give the job's output folder"):
+        psgd.connect(nn.Linear(4, 2), config=cfg, rank=0, out=out if how == "out" else None)
+
+
+@pytest.mark.timeout(60)
+def test_an_output_folder_not_there_yet_is_made(port_block, tmp_path):
+    cfg = config(port_block, "async")
+    with InProcessCluster(cfg):
+        model = nn.Linear(4, 2)
+        out = tmp_path / "new" / "job"
+        with psgd.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, rank=0, out=out) as ps:
+            loop(ps, model, torch.optim.SGD(model.parameters(), lr=0.1), steps_itself=False)
+    assert os.path.isfile(out / "model.pt")

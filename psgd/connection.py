@@ -333,7 +333,12 @@ class Connection(Worker):
             cfg = self.join(model)
         except (wire.RemoteError, PeerTimeout, HandshakeFailed) as e:  # refused (the rank is taken, ...), or none
             self.link.close()
-            raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}") from None
+            unset = ""
+            if isinstance(e, PeerTimeout) and config is None and not env.get("PSGD_CONFIG"):
+                unset = ("; no config was given (psgd.connect(config=...), $PSGD_CONFIG), so this is psgd's default "
+                         "job's address: start the script with `psgd run --script`, or set PSGD_CONFIG to the "
+                         "job's config file")
+            raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}{unset}") from None
         if env.get("PSGD_STARTED_FILE"):  # ... and that this copy joined the job (a restarted one may not)
             with open(env["PSGD_STARTED_FILE"], "w") as f:
                 f.write(JOINED)

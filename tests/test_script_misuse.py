@@ -4,7 +4,9 @@ nothing of: each is now a clear error naming what to do, not a run that trains w
 - a loop that still calls `optimizer.step()` itself in a mode where `ps.step()` steps the
   script's optimizer (easgd, diloco, ltfb) stepped each batch twice;
 - an output folder (out= or PSGD_OUT) that is a file, or cannot be made: an OutputError from
-  inside psgd after registering; now a ConfigError naming it before anything is sent.
+  inside psgd after registering; now a ConfigError naming it before anything is sent;
+- a script started by hand without PSGD_CONFIG (or config=) joins psgd's default job's
+  address: its "no answer from tcp://127.0.0.1:5555" now says that no config was given.
 """
 from __future__ import annotations
 
@@ -83,3 +85,21 @@ def test_an_output_folder_not_there_yet_is_made(port_block, tmp_path):
         with psgd.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, rank=0, out=out) as ps:
             loop(ps, model, torch.optim.SGD(model.parameters(), lr=0.1), steps_itself=False)
     assert os.path.isfile(out / "model.pt")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given", [False, True])
+def test_a_connect_with_no_config_that_finds_no_coordinator_says_no_config_was_given(port_block, tmp_path,
+                                                                                    monkeypatch, given):
+    monkeypatch.delenv("PSGD_CONFIG", raising=False)
+    monkeypatch.setenv("PSGD_CLUSTER_TIMEOUT_S", "1")
+    monkeypatch.setenv("PSGD_CLUSTER_PORT", str(port_block(3)))   # (nobody there)
+    monkeypatch.setenv("PSGD_MODEL_NAME", "script")
+    if given:   # a config file given: its address is the user's to check, no word about a missing config
+        (tmp_path / "job.toml").write_text("")
+        monkeypatch.setenv("PSGD_CONFIG", str(tmp_path / "job.toml"))
+    with pytest.raises(psgd.JobError, match="no answer from") as e:
+        psgd.connect(nn.Linear(4, 2), rank=0)
+    said = "no config was given (psgd.connect(config=...), $PSGD_CONFIG)"
+    assert (said in str(e.value)) == (not given), str(e.value)
+    assert given or "set PSGD_CONFIG to the job's config file" in str(e.value)

@@ -547,6 +547,10 @@ class Connection(Worker):
             if number is None:
                 raise JobError(f"report(): the score was not recorded: {name} {_described(value)} is not a number")
             score[name] = number
+        acc = score["accuracy"]
+        if not 0.0 <= acc <= 1.0:   # (the coordinator refuses it too, without a word about percentages)
+            raise JobError(f"report(): the score was not recorded: accuracy {acc:g} is not a fraction in [0, 1]"
+                           + (" (a percentage? divide it by 100)" if 1.0 < acc <= 100.0 else ""))
         try:
             # The score's sample count is the workers' as of their last heartbeats: this
             # worker's own is brought up to date first (a report right after the loop).

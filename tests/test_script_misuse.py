@@ -6,7 +6,9 @@ nothing of: each is now a clear error naming what to do, not a run that trains w
 - an output folder (out= or PSGD_OUT) that is a file, or cannot be made: an OutputError from
   inside psgd after registering; now a ConfigError naming it before anything is sent;
 - a script started by hand without PSGD_CONFIG (or config=) joins psgd's default job's
-  address: its "no answer from tcp://127.0.0.1:5555" now says that no config was given.
+  address: its "no answer from tcp://127.0.0.1:5555" now says that no config was given;
+- `ps.report(accuracy=95.0, ...)`, a percentage: the coordinator's "accuracy 95.0 is not in
+  [0, 1]" now says "a percentage? divide it by 100", as an ltfb score function's does.
 """
 from __future__ import annotations
 
@@ -103,3 +105,22 @@ def test_a_connect_with_no_config_that_finds_no_coordinator_says_no_config_was_g
     said = "no config was given (psgd.connect(config=...), $PSGD_CONFIG)"
     assert (said in str(e.value)) == (not given), str(e.value)
     assert given or "set PSGD_CONFIG to the job's config file" in str(e.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("accuracy, said", [(95.0, r"accuracy 95 is not a fraction in \[0, 1\] \(a percentage\? "
+                                                    r"divide it by 100\)"),
+                                            (-0.5, r"accuracy -0.5 is not a fraction in \[0, 1\]$"),
+                                            (float("nan"), r"accuracy nan is not a fraction in \[0, 1\]$")],
+                         ids=["percentage", "negative", "nan"])
+def test_a_report_of_an_accuracy_that_is_not_a_fraction_says_so_and_the_job_goes_on(port_block, accuracy, said):
+    cfg = config(port_block, "async")
+    with InProcessCluster(cfg) as cluster:
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with psgd.connect(model, config=cfg, rank=0) as ps:
+            loop(ps, model, opt, steps_itself=False)
+            with pytest.raises(psgd.JobError, match=r"report\(\): the score was not recorded: " + said):
+                ps.report(accuracy=accuracy, loss=1.0)
+            ps.report(accuracy=0.95, loss=1.0)
+        assert [e["accuracy"] for e in cluster.coordinator.evals] == [0.95]

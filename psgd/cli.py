@@ -189,6 +189,11 @@ def _script(args) -> list[str] | None:
     if not os.path.isfile(args.script):
         raise ConfigError(f"--script {args.script}: " + ("a folder, not a Python file" if os.path.isdir(args.script)
                                                          else "no such file"))
+    if args.config and not os.path.exists(args.config) and args.config != os.environ.get("PSGD_CONFIG"):
+        # `psgd run --script train.py 32`: the script's argument taken as CONFIG, which
+        # failed as "config file 32 does not exist"
+        raise ConfigError(f"config file {args.config} does not exist (arguments for the script go after --: "
+                          f"psgd run --script {args.script} [options] -- {args.config})")
     return [os.path.abspath(args.script), *args.script_args]
 
 

@@ -438,6 +438,16 @@ def test_a_script_that_is_no_file_is_one_error(tmp_path, no_job, capsys, what, s
                          f"--script {tmp_path / what}: {says}", capsys, no_job)
 
 
+def test_a_scripts_argument_given_before_the_double_dash_says_where_it_goes(tmp_path, no_job, capsys):
+    """`psgd run --script train.py --workers 2 32` said "config file 32 does not exist":
+    the script's argument, given without `--`, was taken as psgd's CONFIG."""
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    refused_before_start(["run", "--out", str(tmp_path / "out"), "--script", str(script), "32"],
+                         f"config file 32 does not exist (arguments for the script go after --: psgd run "
+                         f"--script {script} [options] -- 32)", capsys, no_job)
+
+
 def test_shards_takes_no_output_folder(capsys):
     """`psgd shards` writes nothing: its help promised events/, pids/ and summary.json in --out."""
     with pytest.raises(SystemExit):

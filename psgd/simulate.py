@@ -275,7 +275,21 @@ def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, 
         msg = str(e).strip()
         if not msg or not isinstance(e, (RuntimeError, ConfigError, OSError)):  # name what is not self-explaining
             msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        _remove_if_empty(folder)
         return i, (None, 0, msg, time.monotonic() - t0)
+    except BaseException:   # interrupted (Ctrl-C; SIGTERM in a --jobs process): the run left no event logs
+        _remove_if_empty(folder)
+        raise
+
+
+def _remove_if_empty(folder: str) -> None:
+    """A run that failed or was interrupted removed its event logs (`Simulation.run`):
+    its folder, empty, goes too (it stood among the finished runs' folders, where `psgd
+    status` took it for a run's and found no config)."""
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 class _Process:
@@ -385,6 +399,10 @@ def _serve(conn: Any) -> None:
     parent's to handle: it stops this process."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent stops a process with SIGTERM (Ctrl-C, SIGTERM, an error): its run unwinds
+    # and removes the event logs it had written (it died with them, tens of MB at 1,024
+    # workers, in the folder of a run the report says did not finish)
+    signal.signal(signal.SIGTERM, _stopped)
     from .sim import run  # noqa: F401  (torch and the simulator: the start-up, paid once per process)
     try:
         conn.send("ready")
@@ -394,6 +412,10 @@ def _serve(conn: Any) -> None:
         pass
     finally:
         conn.close()
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)   # (multiprocessing ends the process with that code, without a traceback)
 
 
 def worker_steps(run) -> float:

@@ -2,6 +2,9 @@
 outputs say, interrupting it."""
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from psgd import data
@@ -41,3 +44,52 @@ def test_a_run_draws_the_data_permutation_once_not_once_a_worker(monkeypatch, mo
         assert part.tolist() == want.tolist()
         assert (held is None) == (want_held is None)
         assert held is None or held.tolist() == want_held.tolist()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
+    """Ctrl-C during a run removed its event logs but left its folder, empty, among the
+    finished runs' (psgd status of it: 'has no config.toml')."""
+    from psgd import simulate
+    cfg = load(None, ["cluster.workers=4", "sim.train=false", "sim.compute_s=0.01", "train.steps=50"])
+    monkeypatch.setattr(sim_run, "SPILL_LINES", 20)
+    spill = Simulation.spill
+
+    def interrupted(self):
+        spill(self)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Simulation, "spill", interrupted)
+    folder = str(tmp_path / "runs" / "sync-w4-r0")
+    with pytest.raises(KeyboardInterrupt):
+        simulate.simulate_one((0, cfg, 0.01, "cpu", folder, "[1/1]", "sync, 4 workers"))
+    assert not os.path.exists(folder)
+    assert os.listdir(tmp_path / "runs") == []
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
+    """--jobs N: Ctrl-C stopped the processes with SIGTERM, which killed them where they
+    were: a run that had begun writing its event logs left them (57 MB in 2,048 files at
+    1,024 workers), in the folder of a run the report says did not finish. Now its process
+    unwinds the run, which removes them, as in one process."""
+    from psgd import simulate
+    long = load(None, ["cluster.workers=256", "sim.train=false", "sim.compute_s=0.01", "train.steps=100000"])
+    short = load(None, ["cluster.workers=2", "sim.train=false", "sim.compute_s=0.01", "train.steps=2"])
+    runs = tmp_path / "runs"
+    folder = str(runs / "long")
+    tasks = [(0, long, 0.01, "cpu", folder, "[1/2]", "long"), (1, short, 0.01, "cpu", str(runs / "short"), "[2/2]",
+                                                              "short")]
+    gen = simulate.simulated(tasks, 2)
+    try:
+        i, (summary, _, error, _) = next(gen)   # the short run; the long one runs on in its process
+        assert (i, error) == (1, None)
+        deadline = time.monotonic() + 180
+        while not os.path.isdir(os.path.join(folder, "events")):   # it has written event lines
+            assert time.monotonic() < deadline, "the long run wrote no event logs"
+            time.sleep(0.2)
+    finally:
+        gen.close()   # as on Ctrl-C: its processes stop
+    assert not os.path.exists(folder), os.listdir(folder)
+    assert sorted(os.listdir(runs)) == ["short"]

@@ -182,6 +182,30 @@ def same_worker_dropped(plan: list) -> str | None:
             f"never train the model (real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
 
 
+def idle_faults_of(plan: list) -> list[str]:
+    """`psgd run`'s warnings for an injected fault that slows no worker (`cli.idle_faults`:
+    one half of a pair set without the other, a straggler rank the run does not have),
+    each once, with the runs it is about where not every run: `--set
+    faults.jitter_prob=0.5` alone delayed nothing, and neither stderr nor the report said
+    so (its fault lines name only faults that act)."""
+    from types import SimpleNamespace as NS
+
+    from .cli import idle_faults
+    said: dict[str, list[str]] = {}
+    for run in plan:
+        f = run.cfg.faults
+        cluster = NS(workers=run.cfg.cluster.workers)
+        for faults in (NS(slow_rank=f.slow_rank, slow_factor=f.slow_factor, jitter_prob=0.0, jitter_s=0.0),
+                       NS(slow_rank=-1, slow_factor=1.0, jitter_prob=f.jitter_prob, jitter_s=f.jitter_s)):
+            if warning := idle_faults(NS(faults=faults, cluster=cluster)):   # (each pair on its own)
+                runs = said.setdefault(warning, [])
+                name = f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}"
+                if name not in runs:
+                    runs.append(name)
+    every = {f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}" for run in plan}
+    return [warning if set(runs) == every else f"{'; '.join(runs)}: {warning}" for warning, runs in said.items()]
+
+
 def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> int:
     """`n`: the training set's size (`cli.check_job`)."""
     from .cli import interrupted_code
@@ -194,7 +218,7 @@ def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> i
     calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
-    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan, n)) if w]
+    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan, n), *idle_faults_of(plan)) if w]
     if warnings:
         ctx["warnings"] = warnings
     for warning in warnings:

@@ -2,6 +2,7 @@
 outputs say, interrupting it."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -93,3 +94,35 @@ def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
         gen.close()   # as on Ctrl-C: its processes stop
     assert not os.path.exists(folder), os.listdir(folder)
     assert sorted(os.listdir(runs)) == ["short"]
+
+
+TIMING = ["--set", "sim.train=false", "--set", "train.steps=2", "--set", "sim.compute_s=0.01"]
+
+
+def warnings_of(tmp_path, capsys, *argv: str) -> tuple[list[str], str]:
+    from psgd.simulate import cli
+    out = str(tmp_path / "out")
+    assert cli([*argv, *TIMING, "--out", out]) == 0
+    ctx = json.load(open(os.path.join(out, "compare-context.json")))
+    return ctx.get("warnings") or [], capsys.readouterr().err
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_fault_that_slows_no_worker_is_warned_of(tmp_path, capsys):
+    """`--set faults.jitter_prob=0.5` without jitter_s (or slow_factor without slow_rank)
+    delayed nothing, and psgd simulate said nothing of it, on stderr or in the report,
+    where psgd run warns."""
+    warnings, err = warnings_of(tmp_path, capsys, "--modes", "sync", "--workers", "2,4",
+                                "--set", "faults.jitter_prob=0.5", "--set", "faults.slow_rank=3",
+                                "--set", "faults.slow_factor=2")
+    assert warnings == [
+        "sync with 2 workers: faults.slow_rank = 3 is no rank of this job's 2 workers (ranks 0..1): no worker is "
+        "slowed",
+        "faults.jitter_prob = 0.5 delays nothing: faults.jitter_s = 0 (set both: each step is delayed by jitter_s "
+        "with probability jitter_prob)"]
+    assert all(f"psgd simulate: warning: {w}" in err for w in warnings)
+    report = open(tmp_path / "out" / "report.md").read()
+    assert all(f"**Warning:** {w}" in report for w in warnings)
+    warnings, _ = warnings_of(tmp_path, capsys, "--modes", "sync", "--workers", "2", "--set", "faults.slow_factor=3")
+    assert warnings == ["faults.slow_factor = 3 slows no worker: faults.slow_rank = -1 (set it to a rank)"]

@@ -39,6 +39,7 @@ from typing import Any
 from .compare import (
     SHARED_SECTIONS,
     build_plan,
+    config_key,
     estimate_left,
     failed_entry,
     hold_output,
@@ -206,6 +207,39 @@ def idle_faults_of(plan: list) -> list[str]:
     return [warning if set(runs) == every else f"{'; '.join(runs)}: {warning}" for warning, runs in said.items()]
 
 
+# Config keys that nothing in a simulation reads: (a key, or a section's prefix; why)
+MEANINGLESS = (
+    ("cluster.host", "no sockets: the shards and workers are objects of one process"),
+    ("cluster.port", "no sockets: the shards and workers are objects of one process"),
+    ("cluster.addresses", "no sockets: the shards and workers are objects of one process"),
+    ("security.", "no sockets: the shards and workers are objects of one process"),
+    ("cluster.fork", "no processes are started"),
+    ("cluster.heartbeat_s", "no heartbeats: a membership change reaches the shards after sim.latency_s"),
+    ("checkpoint.", "no checkpoints are written: no shard restarts are simulated"),
+    ("faults.on_worker_loss", "no worker is lost: no failures are simulated"),
+    ("data.loader_workers", "batches are read in this process"),
+)
+
+
+def meaningless_sets(sets: list[str], plan: list) -> str | None:
+    """A warning naming the keys given with --set (or a --modes item) that nothing in a
+    simulation reads: `--set checkpoint.every_s=1` or `--set security.curve=true` ran as
+    if not given, without a word, while the report listed them as applied."""
+    keys = [key.strip() for key, _, _ in (s.partition("=") for s in sets)]
+    keys += [config_key(key) for run in plan for key in run.params]
+    found: dict[str, list[str]] = {}   # why -> keys
+    for key in dict.fromkeys(keys):
+        for name, why in MEANINGLESS:
+            if key == name or (name.endswith(".") and key.startswith(name)):
+                found.setdefault(why, []).append(key)
+                break
+    if not found:
+        return None
+    n = sum(map(len, found.values()))
+    return ("a simulation reads none of " + "; ".join(f"{', '.join(k)} ({why})" for why, k in found.items())
+            + f": setting {'it changes' if n == 1 else 'them changes'} nothing")
+
+
 def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> int:
     """`n`: the training set's size (`cli.check_job`)."""
     from .cli import interrupted_code
@@ -218,7 +252,8 @@ def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> i
     calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
     ctx["simulated"] = cost_model(base, calibrated)
     ctx["machine"]["device"] = args.device
-    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan, n), *idle_faults_of(plan)) if w]
+    warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan, n), *idle_faults_of(plan),
+                            meaningless_sets(args.set, plan)) if w]
     if warnings:
         ctx["warnings"] = warnings
     for warning in warnings:

@@ -126,3 +126,26 @@ def test_a_fault_that_slows_no_worker_is_warned_of(tmp_path, capsys):
     assert all(f"**Warning:** {w}" in report for w in warnings)
     warnings, _ = warnings_of(tmp_path, capsys, "--modes", "sync", "--workers", "2", "--set", "faults.slow_factor=3")
     assert warnings == ["faults.slow_factor = 3 slows no worker: faults.slow_rank = -1 (set it to a rank)"]
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_set_key_that_a_simulation_does_not_read_is_warned_of(tmp_path, capsys):
+    """`--set checkpoint.every_s=1`, `--set security.curve=true` (its keys folder absent),
+    `--set cluster.port=...`: nothing in a simulation reads them; they ran as if not
+    given, without a word, while the report listed them as applied."""
+    warnings, err = warnings_of(tmp_path, capsys, "--modes", "sync,async:checkpoint.dir=/nowhere", "--workers", "2",
+                                "--set", "security.curve=true", "--set", "security.keys=/nowhere",
+                                "--set", "cluster.port=7000", "--set", "checkpoint.every_s=3",
+                                "--set", "faults.on_worker_loss=abort")
+    assert warnings == [
+        "a simulation reads none of security.curve, security.keys, cluster.port (no sockets: the shards and workers "
+        "are objects of one process); checkpoint.every_s, checkpoint.dir (no checkpoints are written: no shard "
+        "restarts are simulated); faults.on_worker_loss (no worker is lost: no failures are simulated): setting "
+        "them changes nothing"]
+    assert f"psgd simulate: warning: {warnings[0]}" in err
+    # keys it reads say nothing (cluster.servers, ltfb's heartbeat_timeout_s and timeout_s, the faults it simulates)
+    warnings, _ = warnings_of(tmp_path, capsys, "--modes", "sync", "--workers", "2", "--set", "cluster.servers=3",
+                              "--set", "cluster.heartbeat_timeout_s=9", "--set", "cluster.timeout_s=30",
+                              "--set", "faults.step_delay_s=0.01")
+    assert warnings == []

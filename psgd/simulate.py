@@ -127,6 +127,7 @@ def main(args) -> int:
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
+    check_cost_model(base)
     from .cli import check_job
     # the data and model are every run's (SHARED_SECTIONS): one error, not every run failing
     # (more workers than the training set has samples for, too), as psgd compare
@@ -140,6 +141,28 @@ def main(args) -> int:
         return _simulate(args, base, workers, plan, out, n)
     finally:
         lock.close()
+
+
+# The cost model's bounds: as the injected delays' (config.MAX_DELAY_S: 11.6 days a step or
+# a message), and links of at least 0.001 bit/s, far outside any network an experiment
+# means (a test runs at 1 bit/s), where a message's time stays finite
+MIN_GBPS = 1e-12
+
+
+def check_cost_model(cfg) -> None:
+    """`sim.compute_s` or `sim.latency_s` of 1e300 s, or a bandwidth of 1e-300 Gbit/s, ran:
+    the virtual times overflowed to inf (summary.json's wall_s null, psgd status of the run
+    'not a psgd summary', the report's wall 'inf') or printed as 300-digit numbers. Refused,
+    once, before anything runs."""
+    from .config import MAX_DELAY_S
+    s = cfg.sim   # (one cost model for the whole plan: a --modes item cannot set sim.*)
+    for key in ("compute_s", "latency_s"):
+        if getattr(s, key) > MAX_DELAY_S:
+            raise ConfigError(f"sim.{key} must be at most {MAX_DELAY_S:g} s (11.6 virtual days), got "
+                              f"{getattr(s, key):g}")
+    for key in ("bandwidth_gbps", "apply_gbps"):
+        if getattr(s, key) < MIN_GBPS:
+            raise ConfigError(f"sim.{key} must be at least {MIN_GBPS:g} Gbit/s (0.001 bit/s), got {getattr(s, key):g}")
 
 
 def check_data(plan: list) -> None:

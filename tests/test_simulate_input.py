@@ -149,3 +149,21 @@ def test_a_set_key_that_a_simulation_does_not_read_is_warned_of(tmp_path, capsys
                               "--set", "cluster.heartbeat_timeout_s=9", "--set", "cluster.timeout_s=30",
                               "--set", "faults.step_delay_s=0.01")
     assert warnings == []
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key, value, said", [
+    ("sim.compute_s", "1.7e308", "sim.compute_s must be at most 1e+06 s"),
+    ("sim.latency_s", "1e300", "sim.latency_s must be at most 1e+06 s"),
+    ("sim.bandwidth_gbps", "1e-300", "sim.bandwidth_gbps must be at least 1e-12 Gbit/s"),
+    ("sim.apply_gbps", "1e-300", "sim.apply_gbps must be at least 1e-12 Gbit/s")])
+def test_a_cost_model_whose_times_overflow_is_refused(tmp_path, capsys, key, value, said):
+    """sim.compute_s = 1.7e308 ran: its virtual times overflowed to inf (summary.json's
+    wall_s null, `psgd status` of the run 'not a psgd summary', the report's wall 'inf');
+    1e300 printed a 300-digit wall. Refused before anything runs."""
+    from psgd.simulate import cli
+    out = tmp_path / "out"
+    assert cli(["--modes", "sync", "--workers", "2", *TIMING, "--set", f"{key}={value}", "--out", str(out)]) == 2
+    assert said in capsys.readouterr().err
+    assert not out.exists()

@@ -212,20 +212,14 @@ def idle_faults_of(plan: list) -> list[str]:
     each once, with the runs it is about where not every run: `--set
     faults.jitter_prob=0.5` alone delayed nothing, and neither stderr nor the report said
     so (its fault lines name only faults that act)."""
-    from types import SimpleNamespace as NS
-
     from .cli import idle_faults
     said: dict[str, list[str]] = {}
     for run in plan:
-        f = run.cfg.faults
-        cluster = NS(workers=run.cfg.cluster.workers)
-        for faults in (NS(slow_rank=f.slow_rank, slow_factor=f.slow_factor, jitter_prob=0.0, jitter_s=0.0),
-                       NS(slow_rank=-1, slow_factor=1.0, jitter_prob=f.jitter_prob, jitter_s=f.jitter_s)):
-            if warning := idle_faults(NS(faults=faults, cluster=cluster)):   # (each pair on its own)
-                runs = said.setdefault(warning, [])
-                name = f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}"
-                if name not in runs:
-                    runs.append(name)
+        for warning in idle_faults(run.cfg):   # (each pair of keys on its own)
+            runs = said.setdefault(warning, [])
+            name = f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}"
+            if name not in runs:
+                runs.append(name)
     every = {f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}" for run in plan}
     return [warning if set(runs) == every else f"{'; '.join(runs)}: {warning}" for warning, runs in said.items()]
 

@@ -2,8 +2,10 @@
 outputs say, interrupting it."""
 from __future__ import annotations
 
+import _thread
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -82,16 +84,21 @@ def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
     folder = str(runs / "long")
     tasks = [(0, long, 0.01, "cpu", folder, "[1/2]", "long"), (1, short, 0.01, "cpu", str(runs / "short"), "[2/2]",
                                                               "short")]
-    gen = simulate.simulated(tasks, 2)
-    try:
-        i, (summary, _, error, _) = next(gen)   # the short run; the long one runs on in its process
-        assert (i, error) == (1, None)
-        deadline = time.monotonic() + 180
-        while not os.path.isdir(os.path.join(folder, "events")):   # it has written event lines
-            assert time.monotonic() < deadline, "the long run wrote no event logs"
-            time.sleep(0.2)
-    finally:
-        gen.close()   # as on Ctrl-C: its processes stop
+    wrote = threading.Event()
+
+    def ctrl_c_once_it_has_written() -> None:   # (the generator must be running to hand out tasks:
+        deadline = time.monotonic() + 180       # a test that stopped at the short run's answer starved
+        while not os.path.isdir(os.path.join(folder, "events")) and time.monotonic() < deadline:   # the long
+            time.sleep(0.2)                                                   # one when it started second)
+        wrote.set() if os.path.isdir(os.path.join(folder, "events")) else None
+        _thread.interrupt_main()   # as Ctrl-C: a KeyboardInterrupt in the loop below
+    threading.Thread(target=ctrl_c_once_it_has_written, daemon=True).start()
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        for i, (_s, _, error, _) in simulate.simulated(tasks, 2):
+            done.append((i, error))
+    assert wrote.is_set(), "the long run wrote no event logs"
+    assert done == [(1, None)]
     assert not os.path.exists(folder), os.listdir(folder)
     assert sorted(os.listdir(runs)) == ["short"]
 

@@ -24,6 +24,10 @@ TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two times to the target ar
             f"sds of each other.")
 
 
+THROUGHPUT_TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two throughputs are equal or within two "
+                      f"run-to-run sds of each other.")
+
+
 FAILED_MARK = "‡"
 FAILED_NOTE = (f"{FAILED_MARK} Computed from a configuration that lost repeats (failed runs): its time is "
                f"that of the repeats that finished, which may not be the typical ones; the reading does not "
@@ -165,11 +169,24 @@ def detail_table(rows: list[Row]) -> list[str]:
         lost = sum(int((r.get("failures") or {}).get("workers_lost", 0)) for r in row.runs)
         lines.append(
             f"| {md_escape(row.name)} | {row.workers} | {len(row.runs)}/{row.n} | {pm_secs(row.values('wall_s'))} | "
-            f"{amount(mean(row.values('samples')))} | {times(row.throughput_ratio(row.ref_sync))} | "
-            f"{times(row.throughput_ratio(row.ref_base))} | "
+            f"{amount(mean(row.values('samples')))} | {_throughput_cell(row, row.ref_sync)} | "
+            f"{_throughput_cell(row, row.ref_base)} | "
             f"{'—' if row.is_baseline else max(int(r.get('max_clock_gap', 0)) for r in row.runs)} | "
             f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} | {busiest(row)} |")
+    if any(f" {TIE_MARK}" in line for line in lines[2:]):
+        lines += ["", THROUGHPUT_TIE_NOTE]
     return lines
+
+
+def _throughput_cell(row: Row, ref: Row | None) -> str:
+    """The ratio of the mean samples/s to ref's, marked ≈ where the spread does not tell the
+    two apart (tie_reason with the reading's number format, as the reading's throughput
+    sentences: single runs are not marked, as the speedups are not)."""
+    v = row.throughput_ratio(ref)
+    if v is None or ref is None or ref is row:
+        return times(v)
+    why = tie_reason(row.sps, ref.sps, amount)
+    return times(v) + (f" {TIE_MARK}" if why is not None and why != ONCE else "")
 
 
 def busiest(row: Row) -> str:

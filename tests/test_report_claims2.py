@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from psgd.report import build_rows
 from tests.test_report_claims import run, sentence, told
 
 pytestmark = pytest.mark.unit
@@ -75,7 +76,7 @@ def test_a_simulations_plots_give_throughput_and_time_in_virtual_seconds(tmp_pat
     # labelled their axes "samples / s" and "time to target (s)", where the parameter sweep's axis said
     # "virtual s" and the report every time is virtual
     plt = pytest.importorskip("matplotlib.pyplot")
-    from psgd.report import build_rows, make_plots
+    from psgd.report import make_plots
     results = [run(m, m, workers=w, ttt=0.1 * w, sps=1000.0 * w, simulated=True) for m in ("sync", "async")
                for w in (8, 64)]
     rows = build_rows(results)
@@ -85,3 +86,37 @@ def test_a_simulations_plots_give_throughput_and_time_in_virtual_seconds(tmp_pat
     make_plots(str(tmp_path), rows, 0.9, 0.5)
     assert labels["throughput.png"] == ["samples / virtual s"]
     assert labels["sweep_workers.png"] == ["samples / virtual s", "time to target (virtual s)"]
+
+
+@pytest.mark.timeout(60)
+def test_the_detail_tables_throughput_ratios_are_marked_where_the_spread_does_not_separate_them():
+    # cmp1: "Throughput does not separate the configurations: 5,938 to 7,856 samples/s", while the detail
+    # table gave easgd 1.32× and async 1.01× sync's throughput with no mark
+    from psgd.report_tables import TIE_MARK, detail_table
+    results = [run("baseline", "baseline", repeat=k, ttt=0.06, workers=1, sps=v, wall=0.45)
+               for k, v in enumerate((20718.7, 22867.7))]
+    results += [run("sync", repeat=k, ttt=0.65, sps=v) for k, v in enumerate((2621.0, 9255.2))]
+    results += [run("easgd", "easgd", repeat=k, ttt=0.86, sps=v) for k, v in enumerate((12088.3, 3623.7))]
+    results += [run("async", "async", repeat=k, ttt=0.7, sps=v) for k, v in enumerate((30000.0, 30100.0))]
+    lines = detail_table(build_rows(results))
+    row = {line.split(" | ")[0][2:]: line.split(" | ") for line in lines[2:] if line.startswith("| ")}
+    assert row["easgd"][5] == f"1.32× {TIE_MARK}"            # vs sync: within two sds
+    assert row["easgd"][6] == "0.36×"                        # vs the baseline: told apart
+    assert row["sync"][5] == "1.00×"                         # its own reference
+    assert row["async"][5] == "5.06×"                        # vs sync (5,938 ± 4,691): told apart
+    assert row["async"][6] == "1.38×"                        # vs the baseline (21,793 ± 1,520): told apart
+    assert lines[-1] == (f"{TIE_MARK} Not told apart from 1×: the two throughputs are equal or within two "
+                         f"run-to-run sds of each other.")
+    # single runs: no spread measured, no mark (as the speedups), and no note
+    once = detail_table(build_rows([run("sync", sps=1000.0), run("easgd", "easgd", sps=1320.0)]))
+    assert not any(TIE_MARK in line for line in once)
+
+
+@pytest.mark.timeout(60)
+def test_equal_throughputs_of_a_simulation_are_marked_and_unequal_ones_are_not():
+    # sim2: repeats of a simulation do not spread (sd 0): ssp and async 183,359, sync 154,333
+    from psgd.report_tables import TIE_MARK, detail_table
+    results = [run(m, m, repeat=k, sps=v, simulated=True) for m, v in
+               (("sync", 154333.0), ("ssp", 183359.0), ("async", 183359.0)) for k in range(2)]
+    lines = detail_table(build_rows(results))
+    assert not any(TIE_MARK in line for line in lines)

@@ -2,9 +2,10 @@
 
 Accuracy against wall time and against samples, throughput bars, one measured-staleness
 histogram per configuration, for sweeps the swept value (or the worker count) against
-time to target and throughput, mean ± sd over repeats (only resolved times of
-configurations that lost no repeats are drawn; a sweep plot's title says why the others
-have none), and for ltfb with
+time to target and throughput, mean ± sd over repeats (an error bar only where a
+configuration ran more than once: a single run measured no sd, and the titles say so; only
+resolved times of configurations that lost no repeats are drawn; a sweep plot's title says
+why the others have none), and for ltfb with
 `mode.explore` each trainer's explored hyperparameters after every tournament.
 `make_plots` writes them and lists them; without matplotlib it writes nothing and the
 report goes without plots.
@@ -181,17 +182,44 @@ def _per_s(rows: list[Row]) -> str:
             "samples / s" + (" (virtual s for simulated rows)" if kind == "wall or virtual" else ""))
 
 
+def spread_words(counts: list[int]) -> str:
+    """What a plot's points are, given how many runs each point is the mean of: "mean ± sd
+    over repeats", "one run each: no sd measured", or where both kinds are drawn, which
+    points have no error bar. (A zero-length bar for a single run drew an sd never measured.)"""
+    counts = [n for n in counts if n]
+    if counts and all(n == 1 for n in counts):
+        return "one run each: no sd measured"
+    if any(n == 1 for n in counts):
+        return "mean ± sd over repeats; no error bar where one run was measured"
+    return "mean ± sd over repeats"
+
+
+def _error_bars(ax, xs: list, ys: list, errs: list[float | None], **kw) -> None:
+    """Error bars at the points whose sd was measured (not None), none at the others."""
+    pts = [(x, y, e) for x, y, e in zip(xs, ys, errs, strict=True) if e is not None and y is not None]
+    if pts:
+        ax.errorbar([x for x, _, _ in pts], [y for _, y, _ in pts], yerr=[e for _, _, e in pts], fmt="none",
+                    capsize=3, **kw)
+
+
+def _line(ax, xs: list, ys: list, errs: list[float | None], **kw) -> None:
+    """A line through (xs, ys), with error bars where an sd was measured (_error_bars)."""
+    ax.plot(xs, ys, **kw)
+    _error_bars(ax, xs, ys, errs, color=kw.get("color"))
+
+
 def _throughput_plot(plt, rows: list[Row], colors, path: str) -> None:
     ok = [r for r in rows if r.runs]
     fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(ok) + 2), 4))
-    xs = range(len(ok))
-    ax.bar(xs, [mean(r.sps) for r in ok], yerr=[sd(r.sps) or 0 for r in ok], capsize=3,
-           color=[colors[r.key] for r in ok])
+    xs = list(range(len(ok)))
+    ys = [mean(r.sps) for r in ok]
+    ax.bar(xs, ys, color=[colors[r.key] for r in ok])
+    _error_bars(ax, xs, ys, [sd(r.sps) for r in ok], color="black")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r.name.replace(" (sequential)", "") + ("" if r.is_baseline else f"\n{r.workers} w")
                         for r in ok], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(_per_s(ok))
-    ax.set_title("throughput", fontsize=10)
+    ax.set_title(f"throughput ({spread_words([len(r.sps) for r in ok])})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
@@ -283,16 +311,19 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
     numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
     pos = xs if numeric else list(range(len(xs)))
     tt = [plotted_time(r, period) for r in rows]
-    tt_sd = [sd(r.ttt) or 0 for r in rows]
-    pts = [(p, t, e) for p, t, e in zip(pos, tt, tt_sd, strict=True) if t is not None]
+    pts = [(p, t, sd(r.ttt)) for p, t, r in zip(pos, tt, rows, strict=True) if t is not None]
     if pts:
-        ax.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts],
-                    color="tab:blue", marker="o", capsize=3, label="time to target")
+        _line(ax, [p for p, _, _ in pts], [t for _, t, _ in pts], [e for _, _, e in pts],
+              color="tab:blue", marker="o", label="time to target")
     ax.set_xlabel(xs_label)
     ax.set_ylabel(f"time to target ({clock(rows)} s)", color="tab:blue")
     ax2 = ax.twinx()
-    ax2.errorbar(pos, [mean(r.sps) or 0 for r in rows], yerr=[sd(r.sps) or 0 for r in rows], color="tab:orange",
-                 marker="s", capsize=3, label="samples/s")
+    _line(ax2, pos, [mean(r.sps) or 0 for r in rows], [sd(r.sps) for r in rows], color="tab:orange",
+          marker="s", label="samples/s")
+    timed = [len(r.ttt) for r, t in zip(rows, tt, strict=True) if t is not None]
+    if any(n == 1 for n in [len(r.sps) for r in rows] + timed):   # (with repeats everywhere, the bars are sds)
+        title += f"\n(throughput: {spread_words([len(r.sps) for r in rows])}" + \
+            (f"; time: {spread_words(timed)})" if timed else ")")
     ax2.set_ylabel(_per_s(rows), color="tab:orange")
     if not numeric:
         ax.set_xticks(pos)
@@ -316,7 +347,7 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     rows = list(groups.values())
     names = [rs[0].name for rs in rows]
     tput = [([float(r.workers) for r in rs], [mean(r.sps) or 0.0 for r in rs]) for rs in rows]
-    times = [[(r.workers, t, sd(r.ttt) or 0) for r in rs if (t := plotted_time(r, period)) is not None]
+    times = [[(r.workers, t, sd(r.ttt)) for r in rs if (t := plotted_time(r, period)) is not None]
              for rs in rows]
     # A line on another's (simulated sync and ssp s=0 can run alike) is dashed over it (_hosts).
     t_hosts = _hosts(tput)
@@ -329,12 +360,12 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     for i, rs in enumerate(rows):
         c = colors[rs[0].key]
         ws = [r.workers for r in rs]
-        a1.errorbar(ws, tput[i][1], yerr=[sd(r.sps) or 0 for r in rs], marker="o", capsize=3,
-                    color=c, label=label(i, t_hosts), ls=t_dash[i] or "-")
+        _line(a1, ws, tput[i][1], [sd(r.sps) for r in rs], marker="o", color=c, label=label(i, t_hosts),
+              ls=t_dash[i] or "-")
         pts = times[i]
         if pts:
-            a2.errorbar([p for p, _, _ in pts], [t for _, t, _ in pts], yerr=[e for _, _, e in pts], marker="o",
-                        capsize=3, color=c, label=label(i, p_hosts), ls=p_dash[i] or "-")
+            _line(a2, [p for p, _, _ in pts], [t for _, t, _ in pts], [e for _, _, e in pts], marker="o",
+                  color=c, label=label(i, p_hosts), ls=p_dash[i] or "-")
         if any(r.scored for r in rs) and (by_why := _why_unplotted(ws, rs, period, target)):
             missing.append(f"{names[i]}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})
@@ -351,8 +382,9 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
             ax.text(0.5, 0.5, "no run was scored" if not any(r.scored for r in every) else
                     "no resolved time to target (see the reading)", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8, color="grey")
-    a1.set_title("throughput (mean ± sd over repeats)", fontsize=8)
-    a2.set_title("\n".join(["time to target (mean ± sd over repeats)"]
+    a1.set_title(f"throughput ({spread_words([len(r.sps) for r in every])})", fontsize=8)
+    timed = [len(r.ttt) for rs in groups.values() for r in rs if plotted_time(r, period) is not None]
+    a2.set_title("\n".join([f"time to target ({spread_words(timed)})" if timed else "time to target"]
                            + [textwrap.fill(f"(not drawn: {m})", 64) for m in missing]), fontsize=7 if missing else 8)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
@@ -419,7 +451,7 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
                     os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
         made.append(("Accuracy vs samples processed", "accuracy_vs_samples.png"))
     _throughput_plot(plt, ok, colors, os.path.join(out, "throughput.png"))
-    made.append(("Throughput (mean ± sd over repeats)", "throughput.png"))
+    made.append((f"Throughput ({spread_words([len(r.sps) for r in ok])})", "throughput.png"))
     if any(not r.is_baseline for r in ok):
         _staleness_plot(plt, ok, colors, os.path.join(out, "staleness.png"))
         made.append(("Measured staleness histogram per configuration", "staleness.png"))

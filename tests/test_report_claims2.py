@@ -120,3 +120,40 @@ def test_equal_throughputs_of_a_simulation_are_marked_and_unequal_ones_are_not()
                (("sync", 154333.0), ("ssp", 183359.0), ("async", 183359.0)) for k in range(2)]
     lines = detail_table(build_rows(results))
     assert not any(TIE_MARK in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_plots_of_single_runs_say_so_and_draw_no_sd(tmp_path, monkeypatch):
+    # sim1 (each configuration ran once): throughput.png and the worker sweep said "mean ± sd over repeats"
+    # and drew zero-length error bars, an sd that was never measured
+    matplotlib = pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib.axes")
+    from psgd.report import write_report
+    from tests.test_report_claims import CTX
+    said: list[str] = []
+    bars: list[list[float]] = []
+    set_title, errorbar = matplotlib.axes.Axes.set_title, matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (said.append(label), set_title(self, label, *a, **k))[1])
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, x, y, *a, **k: (bars.append(list(k.get("yerr") or [])),
+                                                     errorbar(self, x, y, *a, **k))[1])
+    results = [run(m, m, workers=w, ttt=0.6 * w, sps=1000.0 * w, wall=50.0) for m in ("sync", "async")
+               for w in (8, 64)]
+    results += [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", workers=8,
+                    ttt=4.0 + s, sps=5000.0, wall=10.0) for s in (0, 4)]
+    report = open(write_report(str(tmp_path), results, CTX)).read()
+    assert bars == []
+    assert any(" ".join(t.split()).endswith("(throughput: one run each: no sd measured; time: one run each: no "
+                                            "sd measured)")
+               for t in said), said
+    assert "mean ± sd" not in report and not any("mean ± sd" in t for t in said), said
+    assert "### Throughput (one run each: no sd measured)" in report
+    assert "throughput (one run each: no sd measured)" in said
+    assert any(t.startswith("time to target (one run each: no sd measured)") for t in said), said
+    # repeats of one configuration and a single run of another: bars only where an sd was measured
+    said.clear()
+    mixed = [run("sync", repeat=k, sps=1000.0 + 100 * k) for k in range(2)] + [run("async", "async", sps=900.0)]
+    report = open(write_report(str(tmp_path), mixed, CTX)).read()
+    assert [[round(x, 3) for x in b] for b in bars] == [[70.711]]
+    assert "### Throughput (mean ± sd over repeats; no error bar where one run was measured)" in report

@@ -275,7 +275,9 @@ def _staleness_plot(plt, rows: list[Row], colors, path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     for j in range(n, nrows * cols):
         axes[j // cols][j % cols].axis("off")
-    fig.supxlabel(caption, fontsize=7)
+    # (wrapped to the figure's width: on one line the caption ran past both edges of a 3-panel figure;
+    # about 14 characters of 7-point text to the inch)
+    fig.supxlabel(textwrap.fill(caption, max(30, int(14 * fig.get_figwidth()))), fontsize=7)
     fig.supylabel("fraction of steps (log)", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)

@@ -157,3 +157,33 @@ def test_plots_of_single_runs_say_so_and_draw_no_sd(tmp_path, monkeypatch):
     report = open(write_report(str(tmp_path), mixed, CTX)).read()
     assert [[round(x, 3) for x in b] for b in bars] == [[70.711]]
     assert "### Throughput (mean ± sd over repeats; no error bar where one run was measured)" in report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("modes", [("easgd",), ("sync", "async", "easgd"), ("async",) * 6])
+def test_the_staleness_plots_caption_fits_inside_the_figure(tmp_path, monkeypatch, modes):
+    # cmp1 (sync, async, easgd): the one-line x-axis caption of staleness.png was cut off at both edges
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from psgd.report import make_plots
+    results = [run(f"{m}:k={i}" if modes.count(m) > 1 else m, m, params={"k": i} if modes.count(m) > 1 else None,
+                   stal=1.0) for i, m in enumerate(modes)]
+    for r in results:
+        r["staleness"]["hist"] = {"0": 5, "1": 5, "15+": 1}
+    seen: dict[str, tuple] = {}
+
+    def savefig(fig, path, **k):
+        if not str(path).endswith("staleness.png"):
+            return
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.bbox
+        cap = fig._supxlabel
+        ext = cap.get_window_extent(renderer)
+        seen[str(path).rsplit("/", 1)[-1]] = (cap.get_text(), ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1
+                                              and ext.y0 >= box.y0 - 1)
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    make_plots(str(tmp_path), build_rows(results), 0.9, 0.5)
+    text, inside = seen["staleness.png"]
+    assert "easgd: moves of the centre" in " ".join(text.split()) or "easgd" not in modes
+    assert "collects every delay" in " ".join(text.split())
+    assert inside, text

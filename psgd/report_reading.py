@@ -479,13 +479,46 @@ def _repeat_note(rows: list[Row]) -> list[str]:
     if not once:
         return []
     if len(once) == len(rows):
-        return ["Every configuration ran once: no run-to-run spread was measured, so the values below are "
-                "stated but not ranked against each other (two runs of one configuration can differ by more than "
-                "configurations do); use --repeats 3 or more to rank them."]
+        head = ("Every configuration ran once: no run-to-run spread was measured, so the values below are stated "
+                "but not ranked against each other")
+        fixed = fixed_timing(rows)
+        if fixed is None:
+            return [head + " (two runs of one configuration can differ by more than configurations do); use "
+                    "--repeats 3 or more to rank them."]
+        if not fixed:   # timing only: nothing the seed changes reaches the clock
+            return [head + ". The simulated timing draws nothing at random in these runs (sim.compute_cv = 0, no "
+                    "faults.jitter) and they train nothing (sim.train = false), so a repeat with another seed is "
+                    "expected to give the same throughput, waiting and staleness; --repeats 2 or more measures "
+                    "that spread and lets the report rank them."]
+        return [head + ". The simulated timing draws nothing at random in these runs (sim.compute_cv = 0, no "
+                "faults.jitter), but another seed changes the data order and the model's initialisation, so "
+                "accuracy and time to target can differ between two runs of one configuration by more than "
+                "between configurations, and throughput, waiting and staleness change where that changes what "
+                "the runs do (refused steps, for instance); use --repeats 3 or more to rank them."]
     it, they = ("it", "it is") if len(once) == 1 else ("them", "they are")
     return [f"{names(once)}: a single successful run, so no run-to-run spread was measured for {it}: {they} "
             f"ranked only against configurations whose repeats measured one, "
             f"by that spread" + (", and not against each other" if len(once) > 1 else "") + "."]
+
+
+def fixed_timing(rows: list[Row]) -> bool | None:
+    """Whether the clock of every run of `rows` is free of chance: each a simulated run whose
+    summary records sim.compute_cv = 0 (no lognormal spread of the compute) and faults
+    without jitter (the only random draws of psgd.sim's timing). None where any run is real,
+    or its summary does not record them; else True where the runs trained (sim.train: the
+    seed still changes the data order and initialisation, hence accuracy), False where they
+    are timing only."""
+    runs = [x for r in rows for x in r.runs]
+    if not runs:
+        return None
+    for x in runs:
+        sim, f = x.get("sim"), x.get("faults")
+        if not x.get("simulated") or not isinstance(sim, dict) or not isinstance(f, dict) \
+                or sim.get("compute_cv") is None or "train" not in sim:
+            return None
+        if float(sim["compute_cv"]) > 0 or (float(f.get("jitter_prob") or 0) > 0 and float(f.get("jitter_s") or 0) > 0):
+            return None
+    return any(bool(x["sim"]["train"]) for x in runs)
 
 
 def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:

@@ -187,3 +187,35 @@ def test_the_staleness_plots_caption_fits_inside_the_figure(tmp_path, monkeypatc
     assert "easgd: moves of the centre" in " ".join(text.split()) or "easgd" not in modes
     assert "collects every delay" in " ".join(text.split())
     assert inside, text
+
+
+def _sim(cv=0.0, train=True, jitter=(0.0, 0.0)) -> dict:
+    """What a psgd simulate summary records of its cost model and faults."""
+    return {"simulated": True, "sim": {"compute_s": 0.0003, "compute_cv": cv, "train": train},
+            "faults": {"slow_rank": -1, "slow_factor": 1.0, "step_delay_s": 0.0, "jitter_prob": jitter[0],
+                       "jitter_s": jitter[1]}}
+
+
+@pytest.mark.timeout(60)
+def test_the_single_run_note_of_a_simulation_without_chance_in_its_timing_does_not_blame_timing_noise():
+    # sim1 (sim.train = false, sim.compute_cv = 0, no jitter): "two runs of one configuration can differ by more
+    # than configurations do", while sim2's repeats of the same cost model differed in nothing but accuracy
+    # (throughput, wall, waiting, staleness identical to the last digit)
+    old = "two runs of one configuration can differ by more than configurations do"
+    timing = [run(m, m, workers=w, evals=[], acc=None, **_sim(train=False)) for m in ("sync", "async")
+              for w in (8, 64)]
+    s = sentence(told(timing), "Every configuration ran once")
+    assert old not in s
+    assert ("The simulated timing draws nothing at random in these runs (sim.compute_cv = 0, no faults.jitter) and "
+            "they train nothing (sim.train = false), so a repeat with another seed is expected to give the same "
+            "throughput, waiting and staleness") in s, s
+    trained = [run(m, m, ttt=2.0, **_sim()) for m in ("sync", "async")]
+    s = sentence(told(trained), "Every configuration ran once")
+    assert old not in s
+    assert "another seed changes the data order and the model's initialisation, so accuracy and time to target " \
+           "can differ between two runs of one configuration by more than between configurations" in s, s
+    # chance in the timing (a compute spread, jitter), or real runs: the old note
+    for results in ([run(m, m, ttt=2.0, **_sim(cv=0.1)) for m in ("sync", "async")],
+                    [run(m, m, ttt=2.0, **_sim(jitter=(0.1, 0.01))) for m in ("sync", "async")],
+                    [run(m, m, ttt=2.0) for m in ("sync", "async")]):
+        assert old in sentence(told(results), "Every configuration ran once")

@@ -50,7 +50,7 @@ from .report_numbers import (
 from .report_plots import PLOT_DPI, make_plots, plt_or_none
 from .report_reading import describe_faults, item_faults, reading
 from .report_relations import sweep_sentences
-from .report_tables import detail_table, main_table
+from .report_tables import clip, detail_table, main_table
 
 __all__ = ["PLOT_DPI", "Row", "build_rows", "describe_faults", "detail_table", "eval_period", "main",
            "main_table", "make_plots", "mean", "reading", "render", "sd", "spearman", "sweep_sentences",
@@ -251,7 +251,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines.append("## Failed runs")
         lines.append("")
         for r, e in failed:   # each run told apart (its repeat), and where its logs are
-            lines.append(f"- {failed_run(r, e)}: {str(e['error']).splitlines()[0][:300]}")
+            lines.append(f"- {failed_run(r, e)}: {clip(str(e['error']).splitlines()[0], 300)}")
         lines.append("")
     if plots:
         lines.append("## Plots")

@@ -74,6 +74,17 @@ def times(v: float | None) -> str:
     return f"{v:.2g}×" if v < 0.1 else f"{v:.2f}×"
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters at a word boundary, the cut marked " …" (a cell cut
+    mid-word read "…; stoppi"); unchanged where it fits."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit - 2]
+    if not text[limit - 2].isspace() and " " in head[limit // 2:]:
+        head = head[:head.rindex(" ")]
+    return head.rstrip(" ;,:(") + " …"
+
+
 def md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
@@ -128,7 +139,7 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
     for row in rows:
         if not row.runs:
             first = row.errors[0].splitlines()[0] if row.errors else "failed"
-            lines.append(f"| {md_escape(row.name)} | {row.workers} | failed: {md_escape(first[:120])} "
+            lines.append(f"| {md_escape(row.name)} | {row.workers} | failed: {md_escape(clip(first, 120))} "
                          f"| | | | | | | |")
             continue
         # none counted (ltfb's independent trainers: an empty histogram): none claimed, as the plot's "—"

@@ -219,3 +219,27 @@ def test_the_single_run_note_of_a_simulation_without_chance_in_its_timing_does_n
                     [run(m, m, ttt=2.0, **_sim(jitter=(0.1, 0.01))) for m in ("sync", "async")],
                     [run(m, m, ttt=2.0) for m in ("sync", "async")]):
         assert old in sentence(told(results), "Every configuration ran once")
+
+
+NAN_ERROR = ("job aborted: worker 1: gradient has NaN or Inf values at step 2; lower optimizer.lr (shard "
+             "tcp://127.0.0.1:5556); stopping after 10 refused steps in a row (cluster.max_rejections) (worker exit "
+             "codes: worker-0 1, worker-1 1); logs in /tmp/hC/cmp2/runs/async-optimizer.lr=1000000.0-w2-r0/logs")
+
+
+def _nan_failed(k: int) -> dict:
+    return {"label": "async:optimizer.lr=1000000.0", "mode": "async", "params": {"optimizer.lr": 1e6},
+            "workers": 2, "repeat": k, "sweep": None, "sweep_value": None,
+            "dir": f"runs/async-optimizer.lr=1000000.0-w2-r{k}", "error": NAN_ERROR}
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_configurations_error_cell_is_cut_at_a_word_and_marked():
+    # cmp2: "failed: job aborted: worker 1: ... (shard tcp://127.0.0.1:5556); stoppi"
+    from psgd.report_tables import clip, main_table
+    rows = build_rows([run("sync", ttt=0.6), _nan_failed(0)])
+    cell = next(line for line in main_table(rows, 0.9, 0.5) if line.startswith("| async")).split(" | ")[2]
+    assert cell.startswith("failed: job aborted: worker 1: gradient has NaN or Inf values at step 2")
+    assert cell.endswith("lower optimizer.lr (shard tcp://127.0.0.1:5556) …"), cell
+    assert len(cell) <= len("failed: ") + 120
+    assert clip("short", 120) == "short"
+    assert clip("a" * 200, 120) == "a" * 118 + " …"    # one word longer than the cell: cut, still marked

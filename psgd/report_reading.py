@@ -33,7 +33,7 @@ from .report_relations import (
     unmeasured,
     unseen,
 )
-from .report_tables import secs, times
+from .report_tables import clip, secs, times
 
 
 def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> str | None:
@@ -472,6 +472,25 @@ def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> st
     return "; ".join(parts)
 
 
+def _failed_note(rows: list[Row]) -> list[str]:
+    """Said first: the configurations none of whose runs finished, and that every sentence after
+    leaves them out (listed only under "Failed runs", a reading of the others read as if they
+    were all that ran: "Throughput: **sync** 13,024 samples/s"). Each with its first run's
+    reason, up to the first "; "."""
+    gone = [r for r in rows if not r.runs and r.failed]
+    if not gone:
+        return []
+
+    def one(r: Row) -> str:
+        who = f"**{r.name}**" + ("" if r.is_baseline else f" with {r.workers} worker{'s' if r.workers != 1 else ''}")
+        reasons = list(dict.fromkeys(clip((str(e).splitlines() or [""])[0].split("; ")[0], 100) for e in r.errors))
+        runs = "its run" if r.n == 1 else f"all {r.n} of its runs" + ("" if len(reasons) < 2 else ", the first")
+        return f"{who} ({runs}: {reasons[0] if reasons else 'failed'})"
+    it = "it is" if len(gone) == 1 else "they are"
+    return [f"Failed, no run finished: {'; '.join(one(r) for r in gone)}; {it} left out of everything below "
+            f"(see Failed runs)."]
+
+
 def _repeat_note(rows: list[Row]) -> list[str]:
     """Said once: which configurations ran a single time, so that no spread was measured
     and their orderings are not checked against run-to-run noise."""
@@ -571,9 +590,10 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
     ok = [r for r in rows if r.runs]
     dist = [r for r in ok if not r.is_baseline]
     many_w = len({r.workers for r in dist}) > 1
+    out = _failed_note(rows)
     if not dist:
-        return ["No distributed run finished, so there is nothing to compare."]
-    out = _repeat_note(ok)
+        return out + ["No distributed run finished, so there is nothing to compare."]
+    out += _repeat_note(ok)
     for prefix, group in _kinds(dist):
         base = _group_base(group)
         said: list[str] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from psgd.report import build_rows
-from tests.test_report_claims import run, sentence, told
+from tests.test_report_claims import failed, run, sentence, told
 
 pytestmark = pytest.mark.unit
 
@@ -243,3 +243,29 @@ def test_a_failed_configurations_error_cell_is_cut_at_a_word_and_marked():
     assert len(cell) <= len("failed: ") + 120
     assert clip("short", 120) == "short"
     assert clip("a" * 200, 120) == "a" * 118 + " …"    # one word longer than the cell: cut, still marked
+
+
+@pytest.mark.timeout(60)
+def test_the_reading_names_the_configurations_that_failed_before_what_it_says_of_the_others():
+    # cmp2: async (optimizer.lr=1e6) diverged in both repeats; the reading never said so, and
+    # "Throughput: **sync** 13,024 samples/s" read as if sync were the only configuration
+    results = [run("sync", repeat=k, ttt=0.6, sps=13000.0 + 100 * k) for k in range(2)]
+    results += [_nan_failed(k) for k in range(2)]
+    text = told(results)
+    first = text.splitlines()[0]
+    assert first == ("Failed, no run finished: **async:optimizer.lr=1000000.0** with 2 workers (all 2 of its runs: "
+                     "job aborted: worker 1: gradient has NaN or Inf values at step 2); it is left out of everything "
+                     "below (see Failed runs)."), first
+    # repeats that failed differently: the first reason, said to be the first
+    other = dict(_nan_failed(1), error="the coordinator exited with 1")
+    first = told(results[:2] + [_nan_failed(0), other]).splitlines()[0]
+    assert "(all 2 of its runs, the first: job aborted: worker 1: gradient has NaN or Inf values at step 2)" in first
+    # every distributed configuration failed: named too
+    text = told([failed("sync", "sync", 0), run("baseline", "baseline", ttt=0.05, workers=1)])
+    assert text.splitlines() == ["Failed, no run finished: **sync** with 2 workers (its run: job aborted: worker 1 "
+                                 "was lost); it is left out of everything below (see Failed runs).",
+                                 "No distributed run finished, so there is nothing to compare."]
+    # a configuration that lost only some repeats is not said to have failed
+    part = [run("sync", repeat=k, ttt=0.6) for k in range(2)] + [failed("async", "async", 0),
+                                                                 run("async", "async", 1, ttt=0.7)]
+    assert "Failed, no run finished" not in told(part)

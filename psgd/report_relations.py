@@ -314,8 +314,9 @@ def _batch_clause(rs: list[Row], seconds: float) -> str:
     no more), samples/s measure the data split as much as the mode: the throughput in
     steps/s and its scaling efficiency, and each count's batch (mean samples per step per
     worker, worker_batches), e.g. ', ×13.35 in steps/s (scaling efficiency 42%): a worker's
-    batch held 32, 22.5, 5.6 samples at 8, 64, 256 workers, so samples/s fall with the
-    batch as well as with the mode'. '' where the batches are equal or not known
+    batch held 32, 22.5, 5.6 samples at 8, 64, 256 workers, so samples/s change with the
+    batch as well as with the worker count' (what the sweep varies: the mode is the same at
+    every count). '' where the batches are equal or not known
     (run_steps: a time budget, lost workers)."""
     batches = {id(r): mean(worker_batches(r, seconds)) for r in rs}
     first, last = rs[0], rs[-1]
@@ -331,7 +332,7 @@ def _batch_clause(rs: list[Row], seconds: float) -> str:
             + (f"; not told apart: {why}" if why and why != ONCE else "")
             + f"): a worker's batch held {held} samples at {', '.join(str(r.workers) for r in told)} workers "
             f"(samples per step: train.batch_size, or the worker's share of the training set where that is "
-            f"smaller), so samples/s fall with the batch as well as with the mode")
+            f"smaller), so samples/s change with the batch as well as with the worker count")
 
 
 def _batch(x: float) -> str:

@@ -269,3 +269,16 @@ def test_the_reading_names_the_configurations_that_failed_before_what_it_says_of
     part = [run("sync", repeat=k, ttt=0.6) for k in range(2)] + [failed("async", "async", 0),
                                                                  run("async", "async", 1, ttt=0.7)]
     assert "Failed, no run finished" not in told(part)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_sweep_with_a_shrinking_batch_speaks_of_the_worker_count_not_the_mode():
+    # sim1: "sync from 8 to 64 workers: ... so samples/s fall with the batch as well as with the mode", in a
+    # sweep whose mode is sync at both ends: what it varies is the worker count
+    results = [run("sync", workers=w, wall=wall, sps=samples / wall, samples=samples, steps=100, batch_size=32)
+               for w, wall, samples in ((8, 0.0866, 25600), (64, 0.33, 143800))]
+    s = sentence(told(results), "sync from 8 to 64 workers")
+    assert "with the mode" not in s
+    assert ("a worker's batch held 32, 22.5 samples at 8, 64 workers (samples per step: train.batch_size, or the "
+            "worker's share of the training set where that is smaller), so samples/s change with the batch as well "
+            "as with the worker count") in s, s

@@ -171,7 +171,10 @@ def detail_table(rows: list[Row]) -> list[str]:
     header alone) when every run failed."""
     if not any(row.runs for row in rows):
         return []
-    lines = ["| configuration | workers | runs | wall (s) | samples | throughput vs sync | "
+    kinds = {row.simulated for row in rows if row.runs}   # (a simulated run's wall time is virtual)
+    wall = ("virtual wall (s)" if kinds == {True} else
+            "wall (s; virtual for the rows marked (simulated))" if kinds == {True, False} else "wall (s)")
+    lines = [f"| configuration | workers | runs | {wall} | samples | throughput vs sync | "
              "throughput vs baseline | max clock gap | dropped gradients | workers lost | busiest shard |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:

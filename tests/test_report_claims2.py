@@ -282,3 +282,15 @@ def test_a_worker_sweep_with_a_shrinking_batch_speaks_of_the_worker_count_not_th
     assert ("a worker's batch held 32, 22.5 samples at 8, 64 workers (samples per step: train.batch_size, or the "
             "worker's share of the training set where that is smaller), so samples/s change with the batch as well "
             "as with the worker count") in s, s
+
+
+@pytest.mark.timeout(60)
+def test_the_detail_tables_wall_column_of_simulated_rows_says_virtual():
+    # sim1, sim2: psgd simulate's detail table headed its virtual times "wall (s)"
+    from psgd.report_tables import detail_table
+    sim = [run(m, m, simulated=True) for m in ("sync", "async")]
+    real = [run(m, m) for m in ("sync", "async")]
+    assert "| runs | virtual wall (s) | samples |" in detail_table(build_rows(sim))[0]
+    assert "| runs | wall (s) | samples |" in detail_table(build_rows(real))[0]
+    assert "| runs | wall (s; virtual for the rows marked (simulated)) | samples |" in \
+        detail_table(build_rows(sim + real))[0]

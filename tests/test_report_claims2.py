@@ -294,3 +294,17 @@ def test_the_detail_tables_wall_column_of_simulated_rows_says_virtual():
     assert "| runs | wall (s) | samples |" in detail_table(build_rows(real))[0]
     assert "| runs | wall (s; virtual for the rows marked (simulated)) | samples |" in \
         detail_table(build_rows(sim + real))[0]
+
+
+@pytest.mark.timeout(60)
+def test_waiting_is_compared_within_one_worker_count():
+    # sim1: "Workers of **sync** with 64 workers spent 91% of their time blocked on the servers, those of
+    # **ssp (bound s=4)** with 8 workers 45%": two rows that differ in W as well as in mode
+    waits = {("sync", 8): 0.65, ("ssp", 8): 0.45, ("sync", 64): 0.91, ("ssp", 64): 0.80}
+    results = [run(m if m == "sync" else "ssp:staleness=4", m, workers=w, wait=v,
+                   params=None if m == "sync" else {"staleness": 4}) for (m, w), v in waits.items()]
+    lines = [line for line in told(results).splitlines() if "blocked on the servers" in line]
+    assert lines == ["With 8 workers, workers of **sync** spent 65% of their time blocked on the servers, those of "
+                     "**ssp (bound s=4)** 45%; ran once: no spread measured, so differences are not ranked.",
+                     "With 64 workers, workers of **sync** spent 91% of their time blocked on the servers, those of "
+                     "**ssp (bound s=4)** 80%; ran once: no spread measured, so differences are not ranked."], lines

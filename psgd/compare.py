@@ -802,11 +802,14 @@ def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: 
 
 def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str,
              n: int) -> int:
+    from .simulate import idle_faults_of  # (psgd run's warnings for a fault that slows no worker, once each)
     with said_if_interrupted("psgd compare"):
         ctx = context(args, base, workers, plan)
-        warning = batch_over_shares(plan, n)   # (n: the training set's size)
-        if warning:
-            ctx["warnings"] = [warning]
+        # (the sequential baseline is rank 0 alone, slowed only by faults.slow_rank = 0: by design)
+        warnings = [w for w in (batch_over_shares(plan, n),   # (n: the training set's size)
+                                *idle_faults_of([run for run in plan if not run.is_baseline])) if w]
+        if warnings:
+            ctx["warnings"] = warnings
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
         write_json_atomic(os.path.join(out, "compare.json"), [])
 

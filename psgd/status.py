@@ -183,16 +183,50 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
         if not os.path.exists(path):
             runs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "config.toml")))
             simulated = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "summary.json")))
+            earlier = _earlier_plans(folder, sorted({*runs, *simulated}))
+            if [r for r in runs + simulated if r not in earlier]:   # this plan's: the others are named apart
+                runs, simulated = [r for r in runs if r not in earlier], [r for r in simulated if r not in earlier]
             if runs or simulated:   # a psgd compare's: each of its runs is a psgd run's folder; a psgd
                 some = runs or simulated   # simulate's: each run's has only its summary (and events)
                 named = (f"{some[0]}, {some[1]}, ... ({len(some)} runs)" if len(some) > 3 else
                          " or ".join([", ".join(some[:-1]), some[-1]] if len(some) > 1 else some))
+                kind = "a psgd compare's" if runs else "a psgd simulate's"
+                if set(some) <= set(earlier):   # (this plan's first run has not started)
+                    raise ConfigError(f"{folder} is {kind} output folder whose runs have not started yet: its run "
+                                      f"folders, {named}, are an earlier plan's (none is in its compare.json)")
+                left = [r for r in earlier if r not in some]
+                stale = ("" if not left else
+                         f" ({len(left)} other run folder{'s' * (len(left) != 1)} there, "
+                         f"{', '.join(left[:3])}{', ...' * (len(left) > 3)}, "
+                         f"{'is' if len(left) == 1 else 'are'} an earlier plan's, not in its compare.json)")
                 if runs:
-                    raise ConfigError(f"{folder} is a psgd compare's output folder: give one of its runs, {named}")
+                    raise ConfigError(f"{folder} is a psgd compare's output folder: give one of its runs, "
+                                      f"{named}{stale}")
                 raise ConfigError(f"{folder} is a psgd simulate's output folder (its runs have ended: nothing runs "
-                                  f"there): give one of its runs for its summary, {named}; or read its report.md")
+                                  f"there): give one of its runs for its summary, {named}{stale}; or read its "
+                                  f"report.md")
             raise ConfigError(f"{folder} has no config.toml (is it a psgd run's output folder?)")
     return load(path, sets or [], env={})
+
+
+def _earlier_plans(folder: str, runs: list[str]) -> list[str]:
+    """The run folders under DIR/runs/ that an earlier psgd compare or simulate into DIR
+    left (README: its run folders stay): neither named in DIR/compare.json nor written
+    since this plan started (compare-context.json's `started`: the run it runs now). None
+    where DIR has no compare.json to tell them by."""
+    try:
+        with open(os.path.join(folder, "compare.json")) as f:
+            entries = json.load(f)
+        with open(os.path.join(folder, "compare-context.json")) as f:
+            started = time.mktime(time.strptime(json.load(f)["started"], "%Y-%m-%d %H:%M:%S"))
+        named = {os.path.normpath(os.path.join(folder, str(e["dir"]))) for e in entries if e.get("dir")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):
+        return []
+
+    def written(run: str) -> float:   # (a run of this plan starts from an empty folder, or writes its summary)
+        return max(os.path.getmtime(p) for p in (run, *(os.path.join(run, f) for f in ("config.toml", "summary.json")))
+                   if os.path.exists(p))
+    return [run for run in runs if os.path.normpath(run) not in named and written(run) < started]
 
 
 def ask(cfg, address: str) -> wire.Message:

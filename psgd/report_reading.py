@@ -395,7 +395,8 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
         # "the best" only where the highest mean is told apart from every other: where the sentence
         # before said throughput does not separate them (or named ties), the highest mean and its ties
         ties = [(r, w) for r in by_sps[1:] if (w := tie_reason(top.sps, r.sps, amount))]
-        best = "the best distributed configuration" if not ties else (
+        # (one distributed configuration measured, as where the others failed: it is named, not "the best")
+        best = rname(top, many_w) if low is top else "the best distributed configuration" if not ties else (
             f"the highest distributed mean ({rname(top, many_w)}'s {amount(top_sps)}, "
             + "; ".join(f"{_unordered(why)} {', '.join(rname(r, many_w) for r, w in ties if w == why)}"
                         for why in dict.fromkeys(w for _, w in ties)) + ")")
@@ -403,7 +404,7 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s ({ONCE}).")
         elif why:
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s, not told apart from "
-                       + (f"the best distributed configuration's {amount(top_sps)}" if not ties else best)
+                       + (f"{best}'s {amount(top_sps)}" if low is top or not ties else best)
                        + f" ({why}).")
         elif b > top_sps:
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s, {b / top_sps:.1f}× "

@@ -131,8 +131,16 @@ def reference_note(rows: list[Row]) -> list[str]:
                                     for r, ref in named) + "."]
 
 
+def seconds(rows: list[Row]) -> str:
+    """A column of times' unit: a simulated run's times are virtual (of the rows with a
+    finished run: a failed row has no kind)."""
+    kinds = {row.simulated for row in rows if row.runs}
+    return ("(virtual s)" if kinds == {True} else
+            "(s; virtual for the rows marked (simulated))" if kinds == {True, False} else "(s)")
+
+
 def main_table(rows: list[Row], target: float, period: float | None = None) -> list[str]:
-    lines = [f"| configuration | workers | final accuracy | time to {target:g} (s) | samples/s | "
+    lines = [f"| configuration | workers | final accuracy | time to {target:g} {seconds(rows)} | samples/s | "
              f"measured staleness mean / max | wait fraction | bytes/sample | speedup vs sync | "
              f"speedup vs baseline |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -171,10 +179,9 @@ def detail_table(rows: list[Row]) -> list[str]:
     header alone) when every run failed."""
     if not any(row.runs for row in rows):
         return []
-    kinds = {row.simulated for row in rows if row.runs}   # (a simulated run's wall time is virtual)
-    wall = ("virtual wall (s)" if kinds == {True} else
-            "wall (s; virtual for the rows marked (simulated))" if kinds == {True, False} else "wall (s)")
-    lines = [f"| configuration | workers | runs | {wall} | samples | throughput vs sync | "
+    unit = seconds(rows)
+    lines = [f"| configuration | workers | runs | {'virtual wall (s)' if unit == '(virtual s)' else f'wall {unit}'} | "
+             "samples | throughput vs sync | "
              "throughput vs baseline | max clock gap | dropped gradients | workers lost | busiest shard |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:

@@ -26,3 +26,18 @@ def test_the_one_distributed_configuration_that_finished_is_named_not_called_the
     assert "the best distributed configuration" not in text, text
     s = sentence(text, "samples per second of" if "2.46" in says else "The sequential baseline alone")
     assert says in s, s
+
+
+@pytest.mark.timeout(60)
+def test_the_main_tables_time_column_of_simulated_rows_says_virtual():
+    """psgd simulate's main table headed its virtual times to target 'time to 0.9 (s)',
+    where its detail table says 'virtual wall (s)'."""
+    from psgd.report import build_rows
+    from psgd.report_tables import main_table
+    sim = [run(m, m, ttt=1.0, simulated=True) for m in ("sync", "async")]
+    real = [run(m, m, ttt=1.0) for m in ("sync", "async")]
+    assert "| final accuracy | time to 0.9 (virtual s) | samples/s |" in main_table(build_rows(sim), 0.9)[0]
+    assert "| final accuracy | time to 0.9 (s) | samples/s |" in main_table(build_rows(real), 0.9)[0]
+    assert "| time to 0.9 (s; virtual for the rows marked (simulated)) |" in main_table(build_rows(sim + real), 0.9)[0]
+    merged = build_rows(sim + [failed("ssp", "ssp", 0)])   # (a failed row has no kind: still all simulated)
+    assert "| time to 0.9 (virtual s) |" in main_table(merged, 0.9)[0]

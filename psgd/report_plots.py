@@ -214,7 +214,10 @@ def _throughput_plot(plt, rows: list[Row], colors, path: str) -> None:
     xs = list(range(len(ok)))
     ys = [mean(r.sps) for r in ok]
     ax.bar(xs, ys, color=[colors[r.key] for r in ok])
-    _error_bars(ax, xs, ys, [sd(r.sps) for r in ok], color="black")
+    # black with a white rim: the baseline's bar is black, and a plain black bar hid the lower half of its own
+    from matplotlib import patheffects
+    _error_bars(ax, xs, ys, [sd(r.sps) for r in ok], color="black", lw=1.2,
+                path_effects=[patheffects.withStroke(linewidth=3.5, foreground="white")])
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r.name.replace(" (sequential)", "") + ("" if r.is_baseline else f"\n{r.workers} w")
                         for r in ok], rotation=30, ha="right", fontsize=7)

@@ -41,3 +41,34 @@ def test_the_main_tables_time_column_of_simulated_rows_says_virtual():
     assert "| time to 0.9 (s; virtual for the rows marked (simulated)) |" in main_table(build_rows(sim + real), 0.9)[0]
     merged = build_rows(sim + [failed("ssp", "ssp", 0)])   # (a failed row has no kind: still all simulated)
     assert "| time to 0.9 (virtual s) |" in main_table(merged, 0.9)[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_baselines_error_bar_shows_on_its_black_bar(monkeypatch):
+    """throughput.png drew every error bar black, the baseline's on its own black bar: the
+    half of it below the mean could not be seen."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from psgd.report import build_rows
+    from psgd.report_plots import _colors, _throughput_plot
+    results = [run("baseline", "baseline", r, workers=1, sps=s) for r, s in enumerate((9000.0, 11000.0))]
+    results += [run("sync", repeat=r, sps=s) for r, s in enumerate((4000.0, 6000.0))]
+    rows = build_rows(results)
+    seen: list[float] = []
+
+    def savefig(fig, path, **kw):   # the lower half of the baseline's bar: any pixel there not black?
+        fig.canvas.draw()
+        px = np.asarray(fig.canvas.buffer_rgba())[:, :, :3] / 255.0
+        ax = fig.axes[0]
+        h = px.shape[0]
+        (x0, y_lo), (_, y_hi) = ax.transData.transform([(0, 10000.0 - 1414.0 * 0.8), (0, 10000.0 - 1414.0 * 0.2)])
+        band = px[int(h - y_hi):int(h - y_lo), int(x0) - 6:int(x0) + 7]
+        seen.append(float(band.max()))
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    assert rows[0].is_baseline
+    _throughput_plot(plt, rows, _colors(rows), "throughput.png")
+    assert seen and seen[0] > 0.8, seen   # (white: the bar's black beside a black line alone)

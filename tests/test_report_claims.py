@@ -597,11 +597,8 @@ def test_a_small_scaling_efficiency_keeps_its_digits():
     assert [percent(x) for x in (0.51, 0.095, 0.0949, 1.0)] == ["51%", "10%", "9.5%", "100%"]
 
 
-@pytest.mark.timeout(120)
-def test_the_worker_count_plot_shows_the_spread_and_says_which_counts_have_no_time(tmp_path, monkeypatch):
-    """A review: `psgd simulate --modes sync,async --workers 8,64,256 --repeats 2` drew the
-    worker-count sweep without error bars, though the other plots show the run-to-run
-    spread, and left out the worker counts whose time to target was unresolved without a word."""
+def titles_and_error_bars(monkeypatch) -> tuple[list[str], list[list[float]]]:
+    """Every title the plots set and every error bar they draw (its yerr), as they are drawn."""
     matplotlib = pytest.importorskip("matplotlib")
     pytest.importorskip("matplotlib.axes")
     said: list[str] = []
@@ -612,6 +609,15 @@ def test_the_worker_count_plot_shows_the_spread_and_says_which_counts_have_no_ti
     monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
                         lambda self, x, y, *a, **k: (bars.append(list(k.get("yerr") or [])),
                                                      errorbar(self, x, y, *a, **k))[1])
+    return said, bars
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_count_plot_shows_the_spread_and_says_which_counts_have_no_time(tmp_path, monkeypatch):
+    """A review: `psgd simulate --modes sync,async --workers 8,64,256 --repeats 2` drew the
+    worker-count sweep without error bars, though the other plots show the run-to-run
+    spread, and left out the worker counts whose time to target was unresolved without a word."""
+    said, bars = titles_and_error_bars(monkeypatch)
     # sync reaches the target at every count; async at 8 only (2/2), at 64 in 1 of 2 repeats, at 256 never
     res = [run("sync", repeat=i, workers=w, ttt=1.0 + 0.2 * i, sps=5000 + 100 * i) for w in (8, 64, 256)
            for i in range(2)]

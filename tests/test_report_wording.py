@@ -1,6 +1,8 @@
-"""The report's sentences against real reports of session 28 (psgd compare of sync, async and
-easgd at 150, 100 and 5 steps, one mode diverging; psgd simulate timing-only and training):
-one test per claim that its numbers did not carry, on crafted summaries (no processes)."""
+"""The report's sentences, tables and plots against real reports (psgd compare of sync, async
+and easgd at 150, 100 and 5 steps, one mode diverging; psgd simulate timing-only and
+training): one test per claim that its numbers did not carry -- a baseline or a "best"
+the spread does not tell apart, one configuration called "the best", a simulated report's
+time in seconds, a hidden error bar -- on crafted summaries (no processes)."""
 from __future__ import annotations
 
 import pytest
@@ -53,15 +55,20 @@ def test_zero_staleness_is_claimed_only_of_the_configurations_that_measured_it()
     assert "No worker of sync (2 w) read stale parameters (measured staleness 0 in every run)." in text
 
 
+def cmp1_throughputs() -> list[dict]:
+    """cmp1's baseline, sync and easgd: samples/s that two repeats each do not tell apart."""
+    results = [run("baseline", "baseline", repeat=k, ttt=0.06, workers=1, sps=v, wall=0.45)
+               for k, v in enumerate((20718.7, 22867.7))]
+    results += [run("sync", repeat=k, ttt=0.65, sps=v) for k, v in enumerate((2621.0, 9255.2))]
+    return results + [run("easgd", "easgd", repeat=k, ttt=0.86, sps=v) for k, v in enumerate((12088.3, 3623.7))]
+
+
 @pytest.mark.timeout(60)
 def test_the_baseline_throughput_is_not_set_against_a_best_the_spread_did_not_tell():
     # cmp1: "Throughput does not separate the configurations: 5,938 to 7,856 samples/s (within two run-to-run
     # sds)", then "The sequential baseline alone processed 21,793 samples/s, 2.8× the best distributed
     # configuration"
-    results = [run("baseline", "baseline", repeat=k, ttt=0.06, workers=1, sps=v, wall=0.45)
-               for k, v in enumerate((20718.7, 22867.7))]
-    results += [run("sync", repeat=k, ttt=0.65, sps=v) for k, v in enumerate((2621.0, 9255.2))]
-    results += [run("easgd", "easgd", repeat=k, ttt=0.86, sps=v) for k, v in enumerate((12088.3, 3623.7))]
+    results = cmp1_throughputs()
     text = told(results)
     assert "Throughput does not separate the configurations" in text
     s = sentence(text, "The sequential baseline alone processed")
@@ -93,10 +100,7 @@ def test_the_detail_tables_throughput_ratios_are_marked_where_the_spread_does_no
     # cmp1: "Throughput does not separate the configurations: 5,938 to 7,856 samples/s", while the detail
     # table gave easgd 1.32× and async 1.01× sync's throughput with no mark
     from psgd.report_tables import TIE_MARK, detail_table
-    results = [run("baseline", "baseline", repeat=k, ttt=0.06, workers=1, sps=v, wall=0.45)
-               for k, v in enumerate((20718.7, 22867.7))]
-    results += [run("sync", repeat=k, ttt=0.65, sps=v) for k, v in enumerate((2621.0, 9255.2))]
-    results += [run("easgd", "easgd", repeat=k, ttt=0.86, sps=v) for k, v in enumerate((12088.3, 3623.7))]
+    results = cmp1_throughputs()
     results += [run("async", "async", repeat=k, ttt=0.7, sps=v) for k, v in enumerate((30000.0, 30100.0))]
     lines = detail_table(build_rows(results))
     row = {line.split(" | ")[0][2:]: line.split(" | ") for line in lines[2:] if line.startswith("| ")}
@@ -126,18 +130,9 @@ def test_equal_throughputs_of_a_simulation_are_marked_and_unequal_ones_are_not()
 def test_plots_of_single_runs_say_so_and_draw_no_sd(tmp_path, monkeypatch):
     # sim1 (each configuration ran once): throughput.png and the worker sweep said "mean ± sd over repeats"
     # and drew zero-length error bars, an sd that was never measured
-    matplotlib = pytest.importorskip("matplotlib")
-    pytest.importorskip("matplotlib.axes")
     from psgd.report import write_report
-    from tests.test_report_claims import CTX
-    said: list[str] = []
-    bars: list[list[float]] = []
-    set_title, errorbar = matplotlib.axes.Axes.set_title, matplotlib.axes.Axes.errorbar
-    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
-                        lambda self, label, *a, **k: (said.append(label), set_title(self, label, *a, **k))[1])
-    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
-                        lambda self, x, y, *a, **k: (bars.append(list(k.get("yerr") or [])),
-                                                     errorbar(self, x, y, *a, **k))[1])
+    from tests.test_report_claims import CTX, titles_and_error_bars
+    said, bars = titles_and_error_bars(monkeypatch)
     results = [run(m, m, workers=w, ttt=0.6 * w, sps=1000.0 * w, wall=50.0) for m in ("sync", "async")
                for w in (8, 64)]
     results += [run(f"ssp:staleness={s}", "ssp", params={"staleness": s}, sweep="staleness", workers=8,
@@ -308,3 +303,67 @@ def test_waiting_is_compared_within_one_worker_count():
                      "**ssp (bound s=4)** 45%; ran once: no spread measured, so differences are not ranked.",
                      "With 64 workers, workers of **sync** spent 91% of their time blocked on the servers, those of "
                      "**ssp (bound s=4)** 80%; ran once: no spread measured, so differences are not ranked."], lines
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("base_sps,says", [
+    ((9000.0, 9100.0), "The sequential baseline alone processed 9,050 samples/s, 1.8× **sync**: the per-step cost"),
+    ((2000.0, 2100.0), "**sync** processed 2.46× the samples per second of the sequential baseline (2,050)."),
+    ((4000.0, 6000.0), "The sequential baseline alone processed 5,000 samples/s, not told apart from **sync**'s "
+                       "5,050 (within two run-to-run sds).")])
+def test_the_one_distributed_configuration_that_finished_is_named_not_called_the_best(base_sps, says):
+    """async failed in both repeats and sync finished: the reading said the baseline ran at
+    '1.8× the best distributed configuration', a best of one."""
+    results = [run("baseline", "baseline", r, ttt=1.0, wall=5.0, sps=s, workers=1) for r, s in enumerate(base_sps)]
+    results += [run("sync", repeat=r, ttt=2.0, sps=s) for r, s in enumerate((5000.0, 5100.0))]
+    results += [failed("async", "async", r) for r in range(2)]
+    text = told(results)
+    assert "the best distributed configuration" not in text, text
+    s = sentence(text, "samples per second of" if "2.46" in says else "The sequential baseline alone")
+    assert says in s, s
+
+
+@pytest.mark.timeout(60)
+def test_the_main_tables_time_column_of_simulated_rows_says_virtual():
+    """psgd simulate's main table headed its virtual times to target 'time to 0.9 (s)',
+    where its detail table says 'virtual wall (s)'."""
+    from psgd.report import build_rows
+    from psgd.report_tables import main_table
+    sim = [run(m, m, ttt=1.0, simulated=True) for m in ("sync", "async")]
+    real = [run(m, m, ttt=1.0) for m in ("sync", "async")]
+    assert "| final accuracy | time to 0.9 (virtual s) | samples/s |" in main_table(build_rows(sim), 0.9)[0]
+    assert "| final accuracy | time to 0.9 (s) | samples/s |" in main_table(build_rows(real), 0.9)[0]
+    assert "| time to 0.9 (s; virtual for the rows marked (simulated)) |" in main_table(build_rows(sim + real), 0.9)[0]
+    merged = build_rows(sim + [failed("ssp", "ssp", 0)])   # (a failed row has no kind: still all simulated)
+    assert "| time to 0.9 (virtual s) |" in main_table(merged, 0.9)[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_baselines_error_bar_shows_on_its_black_bar(monkeypatch):
+    """throughput.png drew every error bar black, the baseline's on its own black bar: the
+    half of it below the mean could not be seen."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from psgd.report import build_rows
+    from psgd.report_plots import _colors, _throughput_plot
+    results = [run("baseline", "baseline", r, workers=1, sps=s) for r, s in enumerate((9000.0, 11000.0))]
+    results += [run("sync", repeat=r, sps=s) for r, s in enumerate((4000.0, 6000.0))]
+    rows = build_rows(results)
+    seen: list[float] = []
+
+    def savefig(fig, path, **kw):   # the lower half of the baseline's bar: any pixel there not black?
+        fig.canvas.draw()
+        px = np.asarray(fig.canvas.buffer_rgba())[:, :, :3] / 255.0
+        ax = fig.axes[0]
+        h = px.shape[0]
+        (x0, y_lo), (_, y_hi) = ax.transData.transform([(0, 10000.0 - 1414.0 * 0.8), (0, 10000.0 - 1414.0 * 0.2)])
+        band = px[int(h - y_hi):int(h - y_lo), int(x0) - 6:int(x0) + 7]
+        seen.append(float(band.max()))
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    assert rows[0].is_baseline
+    _throughput_plot(plt, rows, _colors(rows), "throughput.png")
+    assert seen and seen[0] > 0.8, seen   # (white: the bar's black beside a black line alone)

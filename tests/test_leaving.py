@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -73,6 +74,20 @@ def test_a_new_process_for_the_rank_forgets_why_the_last_one_left():
     assert m.members[1].left == ""
 
 
+def continue_after(coordinator, stopped) -> threading.Thread:
+    """A thread that sends SIGCONT to the `stopped` process once the coordinator's process
+    has exited (or, at the latest, after 150 s)."""
+    def watch() -> None:
+        deadline = time.monotonic() + 150
+        while coordinator.proc.poll() is None and stopped.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if stopped.poll() is None:
+            stopped.send_signal(signal.SIGCONT)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_a_job_whose_shard_stopped_answering_names_it(tmp_path):
@@ -83,17 +98,22 @@ def test_a_job_whose_shard_stopped_answering_names_it(tmp_path):
     cfg = load(None, [f"cluster.port={free_port_block(8)}", "cluster.timeout_s=5", "train.steps=100000",
                       "faults.step_delay_s=0.002"] + FAST_HB, env={})
     j = LocalJob(cfg, str(tmp_path / "run"), quiet=True, timeout_s=200)
-    shard = None
+    shard, waking = None, None
     try:
         j.start()
         wait_for_steps(j, 0, 20)
         shard = child(j, "server-1").proc
         shard.send_signal(signal.SIGSTOP)
+        # Once the coordinator has ended the job and exited, the shard goes on (and exits): j.wait()
+        # would otherwise wait out the launcher's 10 s for the daemons after the coordinator's exit
+        waking = continue_after(child(j, "coordinator-0"), shard)
         with pytest.raises(LaunchError) as e:
             j.wait()
     finally:
         if shard is not None:
             shard.send_signal(signal.SIGCONT)
+        if waking is not None:
+            waking.join(timeout=10)
         j.stop()
     said = f"shard at {cfg.shard_address(1)} did not answer within cluster.timeout_s = 5 s"
     assert said in str(e.value), str(e.value)

@@ -20,8 +20,10 @@ security.keys = DIR): a job secured with CurveZMQ answers only a client with its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -138,11 +140,12 @@ def _silent(cfg, folder: str, phase: str = "") -> str:
     from .metrics import live_pid
     live = [os.path.basename(p)[:-4] for p in sorted(glob.glob(os.path.join(folder, "pids", "*.pid")))
             if live_pid(p) is not None]
-    if live:   # its daemons run: the coordinator is busy, stopped (SIGSTOP), or gone alone
-        return (f"{folder}'s job has processes running ({', '.join(live)}) whose coordinator does not answer"
-                f"{'' if 'coordinator-0' in live else ': the coordinator is gone'}")
     checkpoints = cfg.checkpoint_folder(folder)
     resume = f"; its checkpoints are in {checkpoints}" if glob.glob(os.path.join(checkpoints, "shard-*.pt")) else ""
+    if live:   # its daemons run (here: a pid file written on another host names a pid of that host's):
+        return (f"{folder}'s pid files name processes that run on this machine ({', '.join(live)}) and its "   # the
+                f"coordinator does not answer"   # coordinator is busy, stopped (SIGSTOP), or gone alone
+                f"{'' if 'coordinator-0' in live else ' (no coordinator among them)'}{resume}")
     written = [os.path.getmtime(p) for p in glob.glob(os.path.join(folder, "events", "*.jsonl"))]
     when = (f"ended without a summary (it was {phase})" if phase else
             f"ended without a summary (it ran: its last event was written at "
@@ -183,23 +186,30 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
         if not os.path.exists(path):
             runs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "config.toml")))
             simulated = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "runs", "*", "summary.json")))
-            earlier = _earlier_plans(folder, sorted({*runs, *simulated}))
+            plan = _plan(folder)
+            earlier = _earlier_plans(folder, sorted({*runs, *simulated}), plan)
             if [r for r in runs + simulated if r not in earlier]:   # this plan's: the others are named apart
                 runs, simulated = [r for r in runs if r not in earlier], [r for r in simulated if r not in earlier]
             if runs or simulated:   # a psgd compare's: each of its runs is a psgd run's folder; a psgd
                 some = runs or simulated   # simulate's: each run's has only its summary (and events)
                 named = (f"{some[0]}, {some[1]}, ... ({len(some)} runs)" if len(some) > 3 else
                          " or ".join([", ".join(some[:-1]), some[-1]] if len(some) > 1 else some))
-                kind = "a psgd compare's" if runs else "a psgd simulate's"
-                if set(some) <= set(earlier):   # (this plan's first run has not started)
-                    raise ConfigError(f"{folder} is {kind} output folder whose runs have not started yet: its run "
-                                      f"folders, {named}, are an earlier plan's (none is in its compare.json)")
+                simulate = "simulated" in plan[1] if plan else not runs   # (the plan's own word, not its
+                kind = "a psgd simulate's" if simulate else "a psgd compare's"   # predecessor's folders')
+                if set(some) <= set(earlier):   # no run folder of this plan's
+                    ended = plan and (plan[0] or plan[1].get("interrupted")
+                                      or os.path.exists(os.path.join(folder, "report.md")))
+                    raise ConfigError(
+                        f"{folder} is {kind} output folder "
+                        + ("whose runs left no folder (they failed or were not run: read its report.md)" if ended
+                           else "whose runs have not started yet")
+                        + f": its run folders, {named}, are an earlier plan's (none is in its compare.json)")
                 left = [r for r in earlier if r not in some]
                 stale = ("" if not left else
                          f" ({len(left)} other run folder{'s' * (len(left) != 1)} there, "
                          f"{', '.join(left[:3])}{', ...' * (len(left) > 3)}, "
                          f"{'is' if len(left) == 1 else 'are'} an earlier plan's, not in its compare.json)")
-                if runs:
+                if not simulate:
                     raise ConfigError(f"{folder} is a psgd compare's output folder: give one of its runs, "
                                       f"{named}{stale}")
                 raise ConfigError(f"{folder} is a psgd simulate's output folder (its runs have ended: nothing runs "
@@ -209,23 +219,39 @@ def _config(folder: str | None, path: str | None = None, sets: list[str] | None 
     return load(path, sets or [], env={})
 
 
-def _earlier_plans(folder: str, runs: list[str]) -> list[str]:
+def _plan(folder: str) -> tuple[list, dict] | None:
+    """DIR/compare.json's entries and DIR/compare-context.json (the plan that wrote them
+    last), or None where either cannot be read."""
+    try:
+        with open(os.path.join(folder, "compare.json")) as f:
+            entries = json.load(f)
+        with open(os.path.join(folder, "compare-context.json")) as f:
+            ctx = json.load(f)
+        if isinstance(entries, list) and isinstance(ctx, dict):
+            return entries, ctx
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _earlier_plans(folder: str, runs: list[str], plan: tuple[list, dict] | None) -> list[str]:
     """The run folders under DIR/runs/ that an earlier psgd compare or simulate into DIR
     left (README: its run folders stay): neither named in DIR/compare.json nor written
     since this plan started (compare-context.json's `started`: the run it runs now). None
     where DIR has no compare.json to tell them by."""
     try:
-        with open(os.path.join(folder, "compare.json")) as f:
-            entries = json.load(f)
-        with open(os.path.join(folder, "compare-context.json")) as f:
-            started = time.mktime(time.strptime(json.load(f)["started"], "%Y-%m-%d %H:%M:%S"))
+        entries, ctx = plan or ([], {})
+        started = time.mktime(time.strptime(ctx["started"], "%Y-%m-%d %H:%M:%S"))
         named = {os.path.normpath(os.path.join(folder, str(e["dir"]))) for e in entries if e.get("dir")}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
         return []
 
-    def written(run: str) -> float:   # (a run of this plan starts from an empty folder, or writes its summary)
-        return max(os.path.getmtime(p) for p in (run, *(os.path.join(run, f) for f in ("config.toml", "summary.json")))
-                   if os.path.exists(p))
+    def written(run: str) -> float:   # (a run of this plan starts from an empty folder, or writes its summary;
+        times = []                     # one removed meanwhile, by the plan that runs there: not an earlier one's)
+        for p in (run, *(os.path.join(run, f) for f in ("config.toml", "summary.json"))):
+            with contextlib.suppress(OSError):
+                times.append(os.path.getmtime(p))
+        return max(times, default=math.inf)
     return [run for run in runs if os.path.normpath(run) not in named and written(run) < started]
 
 

@@ -116,11 +116,15 @@ def test_status_of_a_killed_job_says_it_ran_or_that_its_processes_still_run(tmp_
     pids.mkdir()
     (pids / "server-0.pid").write_text(f"{os.getpid()}\n")   # this process: it runs
     (pids / "worker-0.pid").write_text("999999999\n")         # no such process: a leftover
-    assert _silent(Config(), str(tmp_path)) == (f"{tmp_path}'s job has processes running (server-0) whose "
-                                                f"coordinator does not answer: the coordinator is gone")
+    assert _silent(Config(), str(tmp_path)) == (f"{tmp_path}'s pid files name processes that run on this machine "
+                                                f"(server-0) and its coordinator does not answer (no coordinator "
+                                                f"among them)")
     (pids / "coordinator-0.pid").write_text(f"{os.getpid()}\n")
-    assert _silent(Config(), str(tmp_path)).endswith("running (coordinator-0, server-0) whose coordinator does "
-                                                     "not answer")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "shard-0.pt").write_bytes(b"")
+    assert _silent(Config(), str(tmp_path)).endswith(f"this machine (coordinator-0, server-0) and its coordinator "
+                                                     f"does not answer; its checkpoints are in "
+                                                     f"{tmp_path / 'checkpoints'}")
 
 
 @pytest.mark.timeout(30)

@@ -214,8 +214,11 @@ def _folder_problem(out: str | None, given: str) -> str:
     or '': made here if it is not there, as the worker's step log would make it."""
     if not out:
         return ""
+    events = os.path.join(out, "events")
     try:
-        os.makedirs(os.path.join(out, "events"), exist_ok=True)
+        os.makedirs(events, exist_ok=True)
+        if not os.access(events, os.W_OK | os.X_OK):   # (there already, read-only: makedirs says nothing)
+            raise PermissionError(13, "Permission denied", events)
     except OSError as e:
         return (f"psgd.connect: {given} {out!r} is not a folder this worker can write its step log in "
                 f"({e.strerror or e}{': ' + e.filename if e.filename and e.filename != out else ''}): "
@@ -335,9 +338,10 @@ class Connection(Worker):
             self.link.close()
             unset = ""
             if isinstance(e, PeerTimeout) and config is None and not env.get("PSGD_CONFIG"):
-                unset = ("; no config was given (psgd.connect(config=...), $PSGD_CONFIG), so this is psgd's default "
-                         "job's address: start the script with `psgd run --script`, or set PSGD_CONFIG to the "
-                         "job's config file")
+                unset = ("; no config was given (psgd.connect(config=...), $PSGD_CONFIG), so this address is from "
+                         "psgd's defaults" + (" and the PSGD_CLUSTER_* variables" if any(
+                             k.startswith("PSGD_CLUSTER_") for k in env) else "")
+                         + ": start the script with `psgd run --script`, or set PSGD_CONFIG to the job's config file")
             raise JobError(f"psgd.connect: {getattr(e, 'reason', e)}{unset}") from None
         if env.get("PSGD_STARTED_FILE"):  # ... and that this copy joined the job (a restarted one may not)
             with open(env["PSGD_STARTED_FILE"], "w") as f:

@@ -90,6 +90,22 @@ def test_an_output_folder_not_there_yet_is_made(port_block, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_an_existing_output_folder_without_write_access_is_a_config_error(port_block, tmp_path, monkeypatch):
+    """A review: an events/ folder there already but read-only passed (makedirs says nothing
+    of a folder that exists), and the OutputError came after registering. (The tests run as
+    root, whom no permission stops: os.access stands in for a read-only folder.)"""
+    from psgd import connection
+    events = str(tmp_path / "job" / "events")
+    os.makedirs(events)
+    real = os.access
+    monkeypatch.setattr(connection.os, "access", lambda p, mode: p != events and real(p, mode))
+    cfg = config(port_block, "async", **{"cluster.timeout_s": 3})
+    with pytest.raises(psgd.ConfigError, match=r"out= '.*job' is not a folder this worker can write its step log in "
+                                               r"\(Permission denied: .*events\)"):
+        psgd.connect(nn.Linear(4, 2), config=cfg, rank=0, out=str(tmp_path / "job"))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("given", [False, True])
 def test_a_connect_with_no_config_that_finds_no_coordinator_says_no_config_was_given(port_block, tmp_path,
                                                                                     monkeypatch, given):
@@ -105,6 +121,8 @@ def test_a_connect_with_no_config_that_finds_no_coordinator_says_no_config_was_g
     said = "no config was given (psgd.connect(config=...), $PSGD_CONFIG)"
     assert (said in str(e.value)) == (not given), str(e.value)
     assert given or "set PSGD_CONFIG to the job's config file" in str(e.value)
+    # (its port came from PSGD_CLUSTER_PORT: the address is not psgd's default, and not said to be)
+    assert given or "so this address is from psgd's defaults and the PSGD_CLUSTER_* variables" in str(e.value)
 
 
 @pytest.mark.timeout(60)

@@ -323,6 +323,8 @@ def _record(plan: list, i: int, result: tuple, entries: dict, durations: dict, r
             error = entry["error"] = s["aborted"]
     else:
         entry = failed_entry(run, error or "no result", simulated=True)
+        if not os.path.isdir(os.path.join(out, entry["dir"])):   # (it left no logs: the report names no folder)
+            del entry["dir"]
     if error is not None:
         said = f"FAILED: {error.splitlines()[0]}"
     real[run.name] = seconds
@@ -353,8 +355,8 @@ def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, 
             msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
         _remove_if_empty(folder)
         return i, (None, 0, msg, time.monotonic() - t0)
-    except BaseException:   # interrupted (Ctrl-C; SIGTERM in a --jobs process): the run left no event logs
-        _remove_if_empty(folder)
+    except BaseException:   # interrupted (Ctrl-C; SIGTERM in a --jobs process): nothing of the run stays (its
+        shutil.rmtree(folder, ignore_errors=True)   # logs and summary, if it was writing them when it came)
         raise
 
 

@@ -70,6 +70,44 @@ def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "runs") == []
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_run_interrupted_while_it_writes_its_summary_leaves_no_folder(tmp_path, monkeypatch):
+    """A review: a Ctrl-C (or a --jobs process's SIGTERM) while the run wrote its outputs left
+    its summary.json, so the folder of a run the report says did not finish read as a
+    finished run's."""
+    from psgd import simulate
+    cfg = load(None, ["cluster.workers=2", "sim.train=false", "sim.compute_s=0.01", "train.steps=5"])
+    write = Simulation.write
+
+    def interrupted(self, out, summary):
+        write(self, out, summary)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Simulation, "write", interrupted)
+    folder = str(tmp_path / "runs" / "sync-w2-r0")
+    with pytest.raises(KeyboardInterrupt):
+        simulate.simulate_one((0, cfg, 0.01, "cpu", folder, "[1/1]", "sync, 2 workers"))
+    assert not os.path.exists(folder)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_failed_runs_report_line_names_no_folder_it_did_not_leave(tmp_path, monkeypatch, capsys):
+    """A review: the report's Failed runs line named `runs/sync-w2-r0` as where its logs
+    are, a folder the failed run had removed (it leaves none)."""
+    from psgd.simulate import cli
+
+    def fails(self, out):
+        raise RuntimeError("the run's own error")
+    monkeypatch.setattr(Simulation, "run", fails)
+    out = tmp_path / "out"
+    assert cli(["--modes", "sync", "--workers", "2", *TIMING, "--out", str(out)]) == 1
+    [entry] = json.load(open(out / "compare.json"))
+    assert entry["error"] == "the run's own error" and "dir" not in entry, entry
+    report = (out / "report.md").read_text()
+    assert "- sync (2 workers), repeat 0: the run's own error\n" in report and "runs/" not in report, report
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
@@ -85,15 +123,15 @@ def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
     tasks = [(0, long, 0.01, "cpu", folder, "[1/2]", "long"), (1, short, 0.01, "cpu", str(runs / "short"), "[2/2]",
                                                               "short")]
     wrote = threading.Event()
+    done: list[tuple] = []
 
     def ctrl_c_once_it_has_written() -> None:   # (the generator must be running to hand out tasks:
         deadline = time.monotonic() + 180       # a test that stopped at the short run's answer starved
-        while not os.path.isdir(os.path.join(folder, "events")) and time.monotonic() < deadline:   # the long
-            time.sleep(0.2)                                                   # one when it started second)
+        while not (done and os.path.isdir(os.path.join(folder, "events"))) and time.monotonic() < deadline:
+            time.sleep(0.2)                     # the long one when it started second)
         wrote.set() if os.path.isdir(os.path.join(folder, "events")) else None
         _thread.interrupt_main()   # as Ctrl-C: a KeyboardInterrupt in the loop below
     threading.Thread(target=ctrl_c_once_it_has_written, daemon=True).start()
-    done = []
     with pytest.raises(KeyboardInterrupt):
         for i, (_s, _, error, _) in simulate.simulated(tasks, 2):
             done.append((i, error))

@@ -679,10 +679,10 @@ def two_hosts():
 @pytest.mark.timeout(240)
 def test_a_partitioned_worker_is_dropped_then_rejoins(tmp_path, two_hosts):
     out = str(tmp_path)
-    # 1200 steps: the partition ends at worker 0's step 150-300, and worker 1 rejoined 1 s after
-    # it (idle machine) while worker 0 had 900+ steps left to go (9 s at its 100 steps/s, 3.6 s at
-    # the least with the step delay): the job cannot end before the rejoin (was 2500: 22 s more)
-    sets = ["cluster.host=10.201.0.1", "cluster.port=7100", "train.steps=1200", "faults.step_delay_s=0.004",
+    # 1800 steps: the partition ends at worker 0's step 150-300, and worker 1 rejoined 1 s after
+    # it (idle machine) while worker 0 had 1,500+ steps left to go (15 s at its 100 steps/s, 6 s at
+    # the least with the step delay: room for TCP's retransmission back-off after the outage)
+    sets = ["cluster.host=10.201.0.1", "cluster.port=7100", "train.steps=1800", "faults.step_delay_s=0.004",
             *FAST_HB]
     common = ["--out", out] + [x for s in sets for x in ("--set", s)]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}

@@ -617,6 +617,24 @@ def run_entry(run: Run, outcome: dict | BaseException, t0: float) -> dict:
                         duration_s=round(time.monotonic() - t0, 2))
 
 
+def idle_faults_of(plan: list) -> list[str]:
+    """`psgd run`'s warnings for an injected fault that slows no worker (`cli.idle_faults`:
+    one half of a pair set without the other, a straggler rank the run does not have),
+    each once, with the runs it is about where not every run: `--set
+    faults.jitter_prob=0.5` alone delayed nothing, and neither stderr nor the report said
+    so (its fault lines name only faults that act)."""
+    from .cli import idle_faults
+    said: dict[str, list[str]] = {}
+    for run in plan:
+        for warning in idle_faults(run.cfg):   # (each pair of keys on its own)
+            runs = said.setdefault(warning, [])
+            name = f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}"
+            if name not in runs:
+                runs.append(name)
+    every = {f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}" for run in plan}
+    return [warning if set(runs) == every else f"{'; '.join(runs)}: {warning}" for warning, runs in said.items()]
+
+
 def failed_entry(run: Run, msg: str, **extra: Any) -> dict:
     """compare.json's entry for a run that failed, with its error message."""
     return {"label": run.label, "mode": run.mode, "params": run.params, "workers": run.workers,
@@ -802,7 +820,6 @@ def finish(who: str, out: str, results: list[dict], ctx: dict, *, done: int, n: 
 
 def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan: list[Run], out: str,
              n: int) -> int:
-    from .simulate import idle_faults_of  # (psgd run's warnings for a fault that slows no worker, once each)
     with said_if_interrupted("psgd compare"):
         ctx = context(args, base, workers, plan)
         # (the sequential baseline is rank 0 alone, slowed only by faults.slow_rank = 0: by design)

@@ -43,6 +43,7 @@ from .compare import (
     estimate_left,
     failed_entry,
     hold_output,
+    idle_faults_of,
     parse_modes,
     parse_workers,
     refuse_sets_an_item_overrides,
@@ -204,24 +205,6 @@ def same_worker_dropped(plan: list) -> str | None:
     return (f"{', '.join(runs)}: mode.backup_workers with no spread in step times (sim.compute_cv = 0, no "
             f"faults.jitter_* with 0 < jitter_prob < 1) drops the same worker(s) at every step, whose partitions "
             f"never train the model (real runs spread the drops); set sim.compute_cv > 0 (e.g. 0.1) for a spread")
-
-
-def idle_faults_of(plan: list) -> list[str]:
-    """`psgd run`'s warnings for an injected fault that slows no worker (`cli.idle_faults`:
-    one half of a pair set without the other, a straggler rank the run does not have),
-    each once, with the runs it is about where not every run: `--set
-    faults.jitter_prob=0.5` alone delayed nothing, and neither stderr nor the report said
-    so (its fault lines name only faults that act)."""
-    from .cli import idle_faults
-    said: dict[str, list[str]] = {}
-    for run in plan:
-        for warning in idle_faults(run.cfg):   # (each pair of keys on its own)
-            runs = said.setdefault(warning, [])
-            name = f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}"
-            if name not in runs:
-                runs.append(name)
-    every = {f"{run.label} with {run.workers} worker{'s' * (run.workers != 1)}" for run in plan}
-    return [warning if set(runs) == every else f"{'; '.join(runs)}: {warning}" for warning, runs in said.items()]
 
 
 # Config keys that nothing in a simulation reads: (a key, or a section's prefix; why)

@@ -28,21 +28,22 @@ def test_a_run_draws_the_data_permutation_once_not_once_a_worker(monkeypatch, mo
     cfg = load(None, [f"cluster.workers={W}", "sim.train=false", "sim.compute_s=0.01", "train.steps=1",
                       'data.name="synthetic"', f"data.samples={n}", f'mode.name="{mode}"'])
     drawn = []
-    real = data.partition
+    real = data.permutation
 
     def counting(*a):
         drawn.append(a)
         return real(*a)
-    monkeypatch.setattr(data, "partition", counting)
-    if hasattr(sim_run, "partition"):
-        monkeypatch.setattr(sim_run, "partition", counting)
+    monkeypatch.setattr(data, "permutation", counting)
+    monkeypatch.setattr(sim_run, "permutation", counting)
     sim = Simulation(cfg, cfg.sim.compute_s)
     assert len(drawn) <= 2, len(drawn)   # check_partitions' and the run's
-    monkeypatch.setattr(data, "partition", real)
+    monkeypatch.setattr(data, "permutation", real)
     split = get_mode(mode).schedule(cfg).data_split
     assert (split > 0) == (mode == "ltfb")
     n_train = sim._train_size()
-    for r, (part, held) in enumerate(sim_run.worker_parts(n_train, W, cfg.job.seed, split)):
+    perm = data.permutation(n_train, cfg.job.seed)
+    for r in range(W):   # each worker's share, dealt from the one permutation, is a real worker's
+        part, held = data.worker_part(n_train, r, W, cfg.job.seed, split, perm)
         want, want_held = data.worker_part(n_train, r, W, cfg.job.seed, split)
         assert part.tolist() == want.tolist()
         assert (held is None) == (want_held is None)

@@ -29,7 +29,7 @@ from torch import nn
 from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
-from ..data import Dataset, StreamingDataset, check_partitions, holdout, load_dataset, partition, worker_part
+from ..data import Dataset, StreamingDataset, check_partitions, load_dataset, permutation, worker_part
 from ..metrics import json_line, summarize, write_json_atomic
 from ..models import build_model
 from ..replica import Replica, pick_device
@@ -58,15 +58,6 @@ def in_memory(cfg: Config, split: float = 0.0) -> Dataset:
         raise ConfigError(f"psgd simulate needs an in-memory dataset; data.name = {cfg.data.name!r} is streamed "
                           f"({hint})")
     return ds
-
-
-def worker_parts(n: int, world: int, seed: int, split: float = 0.0) -> list[tuple[Any, Any]]:
-    """`data.worker_part` of every rank of `world`, from one permutation of range(n):
-    drawing it once a worker made building a run take W x n (100,000 workers of 200,000
-    samples: minutes before its first event, and not a word said)."""
-    perm = partition(n, 0, 1, seed)   # (a worker's partition is perm[rank::world])
-    parts = [perm[r::world] for r in range(world)]
-    return [holdout(p, split) if split > 0 else (p, None) for p in parts]
 
 
 def calibrate(cfg: Config, device: str, cache: dict) -> float:
@@ -180,10 +171,10 @@ class Simulation:
         self.workers: list[SimWorker] = []
         n = self.ds.train_size if self.ds is not None else self._train_size()
         check_partitions(n, W, cfg.job.seed, split)
-        parts = worker_parts(n, W, cfg.job.seed, split)
+        perm = permutation(n, cfg.job.seed)   # (once: every worker's share is dealt from it)
         for r in range(W):
             batches, held = None, None
-            part, h = parts[r]
+            part, h = worker_part(n, r, W, cfg.job.seed, split, perm)
             if h is not None and self.ds is not None:
                 held = self.ds.take(h)
             if s.train:

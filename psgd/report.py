@@ -289,7 +289,9 @@ def failed_run(r: Row, e: dict) -> str:
     """Which run of row `r` the failed entry `e` is: 'sync (2 workers), repeat 1, runs/sync-w2-r1'."""
     who = r.name if r.is_baseline else f"{r.name} ({r.workers} worker{'s' if r.workers != 1 else ''})"
     return who + "".join(f", {x}" for x in (f"repeat {e['repeat']}" if e.get("repeat") is not None else "",
-                                             f"`{e['dir']}`" if e.get("dir") else "") if x)
+                                             # (a simulated run that failed leaves no folder: no logs to name)
+                                             f"`{e['dir']}`" if e.get("dir") and not e.get("simulated") else "")
+                         if x)
 
 
 def machine_device(m: dict) -> str:

@@ -306,8 +306,6 @@ def _record(plan: list, i: int, result: tuple, entries: dict, durations: dict, r
             error = entry["error"] = s["aborted"]
     else:
         entry = failed_entry(run, error or "no result", simulated=True)
-        if not os.path.isdir(os.path.join(out, entry["dir"])):   # (it left no logs: the report names no folder)
-            del entry["dir"]
     if error is not None:
         said = f"FAILED: {error.splitlines()[0]}"
     real[run.name] = seconds
@@ -471,11 +469,14 @@ def _serve(conn: Any) -> None:
             conn.send(simulate_one(task))
     except (EOFError, OSError):  # the parent is gone
         pass
-    finally:
+    finally:   # (a SIGTERM from here on finds no run to unwind: raised in an atexit callback as the
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # process ends, it printed "Exception ignored ...")
         conn.close()
 
 
 def _stopped(signum: int, frame: Any) -> None:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # once: the unwinding is not interrupted again
     raise SystemExit(128 + signum)   # (multiprocessing ends the process with that code, without a traceback)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import signal
 import threading
 import time
 
@@ -132,10 +133,16 @@ def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
             time.sleep(0.2)                     # the long one when it started second)
         wrote.set() if os.path.isdir(os.path.join(folder, "events")) else None
         _thread.interrupt_main()   # as Ctrl-C: a KeyboardInterrupt in the loop below
-    threading.Thread(target=ctrl_c_once_it_has_written, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        for i, (_s, _, error, _) in simulate.simulated(tasks, 2):
-            done.append((i, error))
+    # interrupt_main does nothing where SIGINT is ignored, as a test before this one in CI left it
+    # (the test then waited out its timeout): Python's own handler, for this test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=ctrl_c_once_it_has_written, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            for i, (_s, _, error, _) in simulate.simulated(tasks, 2):
+                done.append((i, error))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert wrote.is_set(), "the long run wrote no event logs"
     assert done == [(1, None)]
     assert not os.path.exists(folder), os.listdir(folder)

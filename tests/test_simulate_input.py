@@ -133,8 +133,8 @@ def test_a_jobs_process_stopped_mid_run_leaves_no_event_logs(tmp_path):
             time.sleep(0.2)                     # the long one when it started second)
         wrote.set() if os.path.isdir(os.path.join(folder, "events")) else None
         _thread.interrupt_main()   # as Ctrl-C: a KeyboardInterrupt in the loop below
-    # interrupt_main does nothing where SIGINT is ignored, as a test before this one in CI left it
-    # (the test then waited out its timeout): Python's own handler, for this test
+    # interrupt_main does nothing where SIGINT is ignored, as in pytest started in the background by
+    # a non-interactive shell (the test then waited out its timeout): Python's own handler, for this test
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Thread(target=ctrl_c_once_it_has_written, daemon=True).start()

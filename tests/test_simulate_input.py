@@ -53,43 +53,26 @@ def test_a_run_draws_the_data_permutation_once_not_once_a_worker(monkeypatch, mo
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
-def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
-    """Ctrl-C during a run removed its event logs but left its folder, empty, among the
-    finished runs' (psgd status of it: 'has no config.toml')."""
+@pytest.mark.parametrize("after", ["spill", "write"])
+def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch, after):
+    """Ctrl-C during a run (after it began its event logs: `spill`) removed its event logs
+    but left its folder, empty, among the finished runs' (psgd status of it: 'has no
+    config.toml'). A review: one while it wrote its outputs (`write`) left its summary.json,
+    so the folder of a run the report says did not finish read as a finished run's."""
     from psgd import simulate
     cfg = load(None, ["cluster.workers=4", "sim.train=false", "sim.compute_s=0.01", "train.steps=50"])
     monkeypatch.setattr(sim_run, "SPILL_LINES", 20)
-    spill = Simulation.spill
+    done = getattr(Simulation, after)
 
-    def interrupted(self):
-        spill(self)
+    def interrupted(self, *args):
+        done(self, *args)
         raise KeyboardInterrupt
-    monkeypatch.setattr(Simulation, "spill", interrupted)
+    monkeypatch.setattr(Simulation, after, interrupted)
     folder = str(tmp_path / "runs" / "sync-w4-r0")
     with pytest.raises(KeyboardInterrupt):
         simulate.simulate_one((0, cfg, 0.01, "cpu", folder, "[1/1]", "sync, 4 workers"))
     assert not os.path.exists(folder)
     assert os.listdir(tmp_path / "runs") == []
-
-
-@pytest.mark.inprocess
-@pytest.mark.timeout(120)
-def test_a_run_interrupted_while_it_writes_its_summary_leaves_no_folder(tmp_path, monkeypatch):
-    """A review: a Ctrl-C (or a --jobs process's SIGTERM) while the run wrote its outputs left
-    its summary.json, so the folder of a run the report says did not finish read as a
-    finished run's."""
-    from psgd import simulate
-    cfg = load(None, ["cluster.workers=2", "sim.train=false", "sim.compute_s=0.01", "train.steps=5"])
-    write = Simulation.write
-
-    def interrupted(self, out, summary):
-        write(self, out, summary)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(Simulation, "write", interrupted)
-    folder = str(tmp_path / "runs" / "sync-w2-r0")
-    with pytest.raises(KeyboardInterrupt):
-        simulate.simulate_one((0, cfg, 0.01, "cpu", folder, "[1/1]", "sync, 2 workers"))
-    assert not os.path.exists(folder)
 
 
 @pytest.mark.inprocess

@@ -20,7 +20,6 @@ security.keys = DIR): a job secured with CurveZMQ answers only a client with its
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import math
@@ -87,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
         except PeerTimeout:
             if summary and os.path.exists(summary):
                 return _finished(summary)
-            if there and not summary and os.path.exists(there) and os.path.getmtime(there) >= asked - 1:
+            if there and not summary and _mtime(there) >= asked - 1:
                 return _finished(there)   # (--address: the folder its coordinator named, on this machine)
             if phase in ENDING:   # watched to its end: the coordinator exits once every daemon has heard
                 print(f"the job has ended (it was {phase}, and its coordinator is gone)")
@@ -146,12 +145,21 @@ def _silent(cfg, folder: str, phase: str = "") -> str:
         return (f"{folder}'s pid files name processes that run on this machine ({', '.join(live)}) and its "   # the
                 f"coordinator does not answer"   # coordinator is busy, stopped (SIGSTOP), or gone alone
                 f"{'' if 'coordinator-0' in live else ' (no coordinator among them)'}{resume}")
-    written = [os.path.getmtime(p) for p in glob.glob(os.path.join(folder, "events", "*.jsonl"))]
+    written = [t for t in map(_mtime, glob.glob(os.path.join(folder, "events", "*.jsonl"))) if t > -math.inf]
     when = (f"ended without a summary (it was {phase})" if phase else
             f"ended without a summary (it ran: its last event was written at "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(max(written)))})" if written else
             "has not started yet, or ended without a summary")
     return f"{folder}'s job {when}: interrupted or killed{resume}"
+
+
+def _mtime(path: str) -> float:
+    """When `path` was last written; -inf where it is gone (a job that starts in the
+    folder removes the earlier job's files while they are read)."""
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return -math.inf
 
 
 def _finished(summary: str) -> int:
@@ -247,11 +255,9 @@ def _earlier_plans(folder: str, runs: list[str], plan: tuple[list, dict] | None)
         return []
 
     def written(run: str) -> float:   # (a run of this plan starts from an empty folder, or writes its summary;
-        times = []                     # one removed meanwhile, by the plan that runs there: not an earlier one's)
-        for p in (run, *(os.path.join(run, f) for f in ("config.toml", "summary.json"))):
-            with contextlib.suppress(OSError):
-                times.append(os.path.getmtime(p))
-        return max(times, default=math.inf)
+        times = [_mtime(p) for p in (run, *(os.path.join(run, f) for f in ("config.toml", "summary.json")))]
+        return max((t for t in times if t > -math.inf), default=math.inf)   # one removed meanwhile, by the plan
+                                                                            # that runs there: not an earlier one's
     return [run for run in runs if os.path.normpath(run) not in named and written(run) < started]
 
 

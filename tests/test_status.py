@@ -128,6 +128,24 @@ def test_status_of_a_killed_job_says_it_ran_or_that_its_processes_still_run(tmp_
 
 
 @pytest.mark.timeout(30)
+def test_status_of_a_folder_whose_event_logs_go_while_it_looks(tmp_path, monkeypatch):
+    """A job starting in DIR removes the earlier job's event logs: one listed and gone
+    before it was read was a FileNotFoundError traceback from `psgd status DIR`."""
+    from psgd import status
+    (tmp_path / "events").mkdir()
+    kept = tmp_path / "events" / "worker-0.jsonl"
+    kept.write_text('{"t": 0.0}\n')
+    os.utime(kept, (0, time.mktime((2026, 12, 4, 3, 0, 0, 0, 0, -1))))
+    listed = [str(tmp_path / "events" / "coordinator-0.jsonl"), str(kept)]   # the first gone since
+    monkeypatch.setattr(status.glob, "glob", lambda pattern: listed if pattern.endswith(".jsonl") else [])
+    assert status._silent(Config(), str(tmp_path)) == (f"{tmp_path}'s job ended without a summary (it ran: its "
+                                                       f"last event was written at 2026-12-04 03:00:00): "
+                                                       f"interrupted or killed")
+    listed.remove(str(kept))
+    assert "has not started yet, or ended without a summary" in status._silent(Config(), str(tmp_path))
+
+
+@pytest.mark.timeout(30)
 def test_status_errors_are_one_line_with_one_prefix(tmp_path, capsys):
     """`psgd status FILE` said "no folder FILE", and every refusal began "psgd: error:
     psgd status: ..."."""

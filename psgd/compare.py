@@ -575,11 +575,14 @@ def _columns(stream) -> int:
 def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix: str = "") -> dict:
     """One run's summary (raises LaunchError / ConfigError on failure)."""
     from .launcher import run_local
+    if os.path.exists(folder):
+        # Events are appended: start each run from an empty folder. The baseline's too: an
+        # earlier comparison's summary.json stayed in a baseline folder whose run now failed
+        # or was interrupted, and `psgd status` read it as this run's.
+        shutil.rmtree(folder)
     if run.is_baseline:
         from .baseline import run_baseline
         return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps, timeout_s=timeout_s)
-    if os.path.exists(folder):
-        shutil.rmtree(folder)  # events are appended: start each run from an empty folder
     summary = None
     try:
         with Monitor(prefix, folder, run.cfg.train.steps) as monitor:

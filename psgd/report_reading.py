@@ -545,7 +545,7 @@ def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
     """The most and the least waiting, compared within one worker count (across counts a
     64-worker row was set against an 8-worker one: waiting grows with the workers)."""
     if many_w:
-        return [f"With {w} workers, " + s[0].lower() + s[1:] for w in sorted({r.workers for r in dist})
+        return [f"With {w} worker{'s' * (w != 1)}, " + s[0].lower() + s[1:] for w in sorted({r.workers for r in dist})
                 for s in _wait_sentences([r for r in dist if r.workers == w], False)]
     waits = [(w, r) for r in dist if (w := mean(r.values("wait_fraction"))) is not None]
     if len(waits) < 2:

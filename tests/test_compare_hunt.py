@@ -26,3 +26,18 @@ def test_a_failed_baseline_does_not_keep_an_earlier_comparisons_summary(tmp_path
     with pytest.raises(BaselineTimeout):
         run_one(baseline, str(folder), "cpu", 0.5)
     assert not (folder / "summary.json").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_waiting_sentence_of_one_worker_says_worker():
+    """`psgd compare --modes sync,ssp:staleness=0,4 --workers 1,2`: the reading said "With 1
+    workers, workers of ssp (bound s=4) spent 58% of their time blocked on the servers"."""
+    from psgd.report import build_rows, reading
+    from tests.test_compare import CTX, fake_run
+    results = [fake_run(label, "ssp" if "ssp" in label else "sync", w, 0, 0.95, 1.0, 5000.0, wait=wait,
+                        params={"staleness": 4} if "ssp" in label else None)
+               for w in (1, 2) for label, wait in (("sync", 0.2), ("ssp:staleness=4", 0.6))]
+    text = "\n".join(reading(build_rows(results), {**CTX, "workers": [1, 2], "baseline": None}))
+    assert "With 1 worker, " in text and "With 2 workers, " in text
+    assert "With 1 workers" not in text

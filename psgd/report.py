@@ -149,9 +149,15 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     def val(x, key):
         return "varies (below)" if key in varies else x.get(key, "?")
 
+    # Optimizer keys a mode item sets (sync:optimizer.lr=0.01,0.05): those rows' own, not the
+    # job's optimizer stated here, which the sequential baseline ran with.
+    own_opt = sorted({k for r in rows if not r.is_baseline for k in (r.params or {}) if k.startswith("optimizer.")})
+    own_said = (f"; {' and '.join(own_opt)} as the configuration's name sets it, where it does"
+                if own_opt else "")
     lines.append(f"Model **{val(job, 'model')}** on **{val(job, 'data')}**, batch {val(job, 'batch_size')} "
                  f"per worker (at most its share of the training set), budget {budget or '?'}, optimizer "
-                 + (f"{opt.get('name', '?')} (lr {opt.get('lr', '?')}, momentum {opt.get('momentum', '?')})"
+                 + (f"{opt.get('name', '?')} (lr {opt.get('lr', '?')}, momentum {opt.get('momentum', '?')}"
+                    f"{own_said})"
                     if "optimizer" not in varies else "varies (below)")
                  + f", {ctx.get('servers', '?')} shard"
                  f"{'s' if ctx.get('servers') != 1 else ''}, {', '.join(map(str, workers))} worker"
@@ -205,9 +211,11 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                       + _capped_largest(rows, largest, job))
         else:
             budget = f"{job.get('seconds'):g} s of training, each worker's time budget"
-        lines.append(f"Baseline: one process, plain PyTorch loop (no servers), same model, data, optimizer and "
-                     f"batch size; {budget}; {b.get('threads', 1)} compute thread like each worker; its clock "
-                     f"stops while it is scored.")
+        same = ("same model, data and batch size, and the optimizer above without a configuration's own "
+                f"{' or '.join(own_opt)}" if own_opt and "optimizer" not in varies
+                else "same model, data, optimizer and batch size")
+        lines.append(f"Baseline: one process, plain PyTorch loop (no servers), {same}; {budget}; "
+                     f"{b.get('threads', 1)} compute thread like each worker; its clock stops while it is scored.")
         lines.append("")
     period = eval_period([run for r in rows for run in r.runs], ctx)
     periods = eval_periods([run for r in rows for run in r.runs])

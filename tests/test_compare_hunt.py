@@ -41,3 +41,29 @@ def test_the_waiting_sentence_of_one_worker_says_worker():
     text = "\n".join(reading(build_rows(results), {**CTX, "workers": [1, 2], "baseline": None}))
     assert "With 1 worker, " in text and "With 2 workers, " in text
     assert "With 1 workers" not in text
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_an_optimizer_key_of_a_mode_item_is_not_said_to_be_the_baselines(tmp_path):
+    """`psgd compare --modes sync:optimizer.lr=0.01,0.05`: the report said "optimizer sgd (lr
+    0.1, ...)" for every run and "Baseline: ... same model, data, optimizer and batch size",
+    while the rows ran with lr 0.01 and 0.05 and the baseline with lr 0.1 (build_plan gives
+    it the job's optimizer, not a mode item's)."""
+    from psgd.report import write_report
+    from tests.test_compare import CTX, fake_run
+    results = [fake_run("baseline", "baseline", 1, 0, 0.95, 0.5, 40000.0)]
+    results += [fake_run(f"sync:optimizer.lr={lr}", "sync", 3, 0, 0.95, 1.0, 5000.0,
+                         params={"optimizer.lr": lr}, sweep="optimizer.lr") for lr in (0.01, 0.05)]
+    ctx = {**CTX, "job": {**CTX["job"], "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}}}
+    text = open(write_report(str(tmp_path), results, ctx)).read()
+    baseline = next(line for line in text.splitlines() if line.startswith("Baseline:"))
+    assert "same model, data, optimizer" not in baseline
+    assert "without a configuration's own optimizer.lr" in baseline
+    header = next(line for line in text.splitlines() if line.startswith("Model "))
+    assert "optimizer sgd (lr 0.1, momentum 0.9; optimizer.lr as the configuration's name sets it" in header
+    # a plan whose items set no optimizer key says as before
+    plain = [results[0], fake_run("sync", "sync", 3, 0, 0.95, 1.0, 5000.0)]
+    (tmp_path / "plain").mkdir()
+    text = open(write_report(str(tmp_path / "plain"), plain, ctx)).read()
+    assert "same model, data, optimizer and batch size" in text and "optimizer sgd (lr 0.1, momentum 0.9)," in text

@@ -615,9 +615,13 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
         print(f"psgd: error: {e}", file=sys.stderr)
         return 2
     try:
-        args = parser().parse_args(argv)
+        ap = parser()
+        args, extra = ap.parse_known_args(argv)
     except KeyboardInterrupt:   # Ctrl-C while the verbs' modules load: nothing started yet
         return 130
+    if extra:
+        print(f"psgd {args.cmd}: error: {_unrecognized(ap, args, argv, extra)}", file=sys.stderr)
+        return 2
     args.script_args = script_args
     if script_args and not getattr(args, "script", None):
         print("psgd: error: arguments after -- are a training script's: give --script FILE", file=sys.stderr)
@@ -652,6 +656,28 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
             _stop_fork_server(args.cmd, code)
     assert code is not None
     return code
+
+
+def _unrecognized(ap: argparse.ArgumentParser, args, argv: list[str], extra: list[str]) -> str:
+    """The one line for arguments no option takes (argparse printed the top-level usage and
+    "psgd: error: unrecognized arguments: --batch"): a training script's options given
+    before `--` say where they go (the README's `psgd run --script S -- --batch 64` without
+    its `--`); a misspelt option names the closest one (`--mdoe`: --mode)."""
+    said = " ".join(extra)
+    if args.cmd == "run" and getattr(args, "script", None):
+        config = args.config if (args.config and args.config != os.environ.get("PSGD_CONFIG")
+                                 and not os.path.exists(args.config)) else None
+        theirs = [a for a in argv if a in extra or a == config]   # (a value after one is taken as CONFIG)
+        return (f"unrecognized arguments: {said} (arguments for the script go after --: "
+                f"psgd run --script {args.script} [options] -- {' '.join(theirs)})")
+    import difflib
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    for word in extra:
+        close = difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.75)
+        if word.startswith("--") and close:
+            return f"unrecognized arguments: {said}; did you mean {close[0]}? (psgd {args.cmd} --help lists them)"
+    return f"unrecognized arguments: {said} (psgd {args.cmd} --help lists the options)"
 
 
 def _stop_fork_server(cmd: str, code: int | None) -> None:

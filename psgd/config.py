@@ -229,11 +229,12 @@ class Config:
         return build(d, source)
 
     def replace(self, **sets: Any) -> Config:
-        """`cfg.replace(**{"mode.name": "ssp"})`: a copy with dotted keys changed."""
+        """`cfg.replace(**{"mode.name": "ssp"})`: a copy with dotted keys changed. A bad
+        value's error names the key, not where it came from: the caller says that."""
         d = self.to_dict()
         for dotted, value in sets.items():
-            _assign(d, dotted, value, "replace")
-        return build(d, "replace")
+            _assign(d, dotted, value, "")
+        return build(d, "")
 
     def to_toml(self) -> str:
         """The whole config as a TOML file (what `load` reads back)."""
@@ -387,26 +388,27 @@ def _section_of(key: str) -> str:
 
 
 def build(d: Mapping[str, Any], source: str, check: bool = True) -> Config:
+    at = f"{source}: " if source else ""   # ("": Config.replace, whose caller says where)
     if not isinstance(d, Mapping):
-        raise ConfigError(f"{source}: expected a table of sections")
+        raise ConfigError(f"{at}expected a table of sections")
     sections = {}
     for name, section in d.items():
         if name not in SECTIONS and not isinstance(section, Mapping):   # a key above every [section] header
-            raise ConfigError(f"{source}: {name} = {section!r} is outside any [section]{_section_of(name)}")
+            raise ConfigError(f"{at}{name} = {section!r} is outside any [section]{_section_of(name)}")
         if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, SECTIONS)} "
+            raise ConfigError(f"{at}unknown section [{name}]{_did_you_mean(name, SECTIONS)} "
                               f"(known: {', '.join(SECTIONS)})")
         if not isinstance(section, Mapping):
-            raise ConfigError(f"{source}: [{name}] must be a table")
+            raise ConfigError(f"{at}[{name}] must be a table")
         cls = SECTIONS[name]
         defaults = cls()
         known = {f.name for f in dataclasses.fields(cls)}
         values = {}
         for key, value in section.items():
             if key not in known:
-                raise ConfigError(f"{source}: unknown key {name}.{key}{_did_you_mean(key, known, name + '.')} "
+                raise ConfigError(f"{at}unknown key {name}.{key}{_did_you_mean(key, known, name + '.')} "
                                   f"(known: {', '.join(sorted(known))})")
-            values[key] = _coerce(value, getattr(defaults, key), f"{source}: {name}.{key}")
+            values[key] = _coerce(value, getattr(defaults, key), f"{at}{name}.{key}")
         sections[name] = cls(**values)
     cfg = Config(**sections)
     if check:
@@ -642,7 +644,8 @@ def refuse_set_against_flag(sets: Sequence[str], key: str, value: Any, flag: str
 def _assign(d: dict, dotted: str, value: Any, source: str) -> None:
     section, _, key = dotted.partition(".")
     if not section or not key or "." in key:   # (`.workers=3` named an "unknown section []")
-        raise ConfigError(f"{source}: expected section.key, got {dotted!r}")
+        raise ConfigError(f"{source}: expected section.key, got {dotted!r}" if source else
+                          f"expected section.key, got {dotted!r}")
     d.setdefault(section, {})[key] = value
 
 

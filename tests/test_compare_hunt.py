@@ -67,3 +67,15 @@ def test_an_optimizer_key_of_a_mode_item_is_not_said_to_be_the_baselines(tmp_pat
     (tmp_path / "plain").mkdir()
     text = open(write_report(str(tmp_path / "plain"), plain, ctx)).read()
     assert "same model, data, optimizer and batch size" in text and "optimizer sgd (lr 0.1, momentum 0.9)," in text
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_bad_value_in_a_mode_item_is_named_without_an_internal_label():
+    """`psgd compare --modes ssp:staleness=0,1,x` said "--modes ssp:staleness=x with 2
+    workers: replace: mode.staleness: expected an integer": `replace` was the label of
+    Config.replace, a function's name, not where the value came from."""
+    from psgd.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        build_plan(load(None, [], env={}), parse_modes("ssp:staleness=0,1,x"), [2], 1)
+    assert str(e.value) == "--modes ssp:staleness=x with 2 workers: mode.staleness: expected an integer, got 'x'"

@@ -956,6 +956,29 @@ def test_slurm_scancel_keeps_the_shard_checkpoints(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
+def test_slurm_job_stopped_by_the_script_leaves_no_worker_pid_files(slurm, tmp_path):
+    """A job that the script itself stops (here its coordinator cannot write its state file:
+    exit 73; also a port taken, a shard that keeps dying) stopped the workers through srun,
+    which answers SIGTERM with SIGKILL to its tasks ("srun: error: n2: tasks 0-1: Killed"):
+    `OUT/pids/worker-0.pid` and `worker-1.pid` stayed behind, naming processes that were gone.
+    The workers' tasks now get SIGTERM through Slurm, exit, and remove their pid files."""
+    jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="100000")
+    out = tmp_path / "out"
+    slurm.wait_for("training progress", lambda: events(out, "worker-0") >= 30, 300, jid, tmp_path)
+    assert (out / "pids" / "worker-0.pid").exists()
+    state = out / "coordinator-state.json"   # the coordinator's next write fails: exit 73
+    state.unlink()
+    state.mkdir()
+    st = slurm.wait(jid, 120, tmp_path)
+    text = (tmp_path / f"job-{jid}.out").read_text()
+    assert st.get("ExitCode") == "73:0" and "the coordinator could not write the job's outputs" in text, text
+    assert "Killed" not in text, text
+    assert sorted(p.name for p in (out / "pids").glob("*.pid")) == [], text
+    assert_no_leftovers(out)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
 def test_slurm_restarts_a_killed_coordinator(slurm, tmp_path):
     jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="1500")
     out = tmp_path / "out"

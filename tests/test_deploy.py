@@ -739,6 +739,41 @@ def test_sbatch_stops_a_job_whose_workers_all_exited_before_training_began(tmp_p
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("saved", [False, True], ids=["before-checkpoints", "with-checkpoints"])
+def test_sbatch_says_what_a_cancelled_job_can_resume_from(tmp_path, saved):
+    """`scancel` of a job whose shards had written no checkpoint yet (cancelled in its first
+    seconds) ended with "stopped; a requeued job resumes from the checkpoints" in its output,
+    with no checkpoint anywhere; and a cancelled job, which Slurm does not requeue, was not
+    told how to go on from the checkpoints it had. The script now counts them and says so."""
+    out = tmp_path / "runs" / "slurm-42"
+    if saved:
+        (out / "checkpoints").mkdir(parents=True)
+        for i in range(2):
+            (out / "checkpoints" / f"shard-{i}.pt").write_bytes(b"x")
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        p = subprocess.Popen(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, coordinator_s=60, evaluator_s=60),
+                             cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            end = time.monotonic() + 60
+            while "coordinator" not in stub_calls(tmp_path) and time.monotonic() < end:
+                time.sleep(0.1)
+            time.sleep(1)
+            p.send_signal(signal.SIGTERM)   # as scancel does
+            assert p.wait(timeout=40) == 143, err.read_text()
+        finally:
+            p.kill()
+    text = err.read_text()
+    assert "a requeued job resumes from the checkpoints" not in text, text
+    if saved:
+        assert f"stopped; 2 of 2 shard checkpoints in {out / 'checkpoints'}: a requeued job resumes" in text, text
+        assert f"(PSGD_OUT={out} sbatch ...)" in text, text
+    else:
+        assert f"stopped before any shard wrote a checkpoint (none in {out / 'checkpoints'})" in text, text
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_sbatch_does_not_requeue_a_job_that_has_ended(tmp_path):
     """A review: the SIGUSR1 that Slurm sends before the time limit still requeued the job

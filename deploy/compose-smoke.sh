@@ -23,14 +23,16 @@
 #
 # Settings: SMOKE_NETWORK (host | bridge; default host), SMOKE_DIR (default /tmp/psgd-compose-smoke), SMOKE_CACHE (default
 # /var/tmp/psgd-smoke-cache), SMOKE_TIMEOUT_S for the compose run (default 900),
-# DEPLOY_WORKERS (default 2), SMOKE_KEEP=1 keeps the engine and the project running for a look
-# around and prints the commands to use them; SMOKE_CLEANUP=1 then tears down what it kept.
+# DEPLOY_WORKERS (default 2), SMOKE_TORCH_INDEX_URL (where torch's wheel comes from; default the
+# CPU index), SMOKE_KEEP=1 keeps the engine and the project running for a look around and
+# prints the commands to use them; SMOKE_CLEANUP=1 then tears down what it kept.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${SMOKE_DIR:-/tmp/psgd-compose-smoke}
 CACHE=${SMOKE_CACHE:-/var/tmp/psgd-smoke-cache}
 RUN_TIMEOUT=${SMOKE_TIMEOUT_S:-900}
 NETWORK=${SMOKE_NETWORK:-host}
+TORCH_INDEX=${SMOKE_TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
 case "$NETWORK" in host|bridge) ;; *) echo "SMOKE_NETWORK must be host or bridge" >&2; exit 2;; esac
 BASE_IMAGE=localhost/psgd-base:bookworm
 IMAGE=localhost/psgd:smoke
@@ -160,8 +162,11 @@ PYBIN=${SMOKE_PYTHON:-python3}
 if [ ! -e "$CACHE/wheels/.complete" ]; then
   say "downloading wheels into $CACHE/wheels"
   mkdir -p "$CACHE/wheels"
+  # torch from the CPU index, as the Dockerfile's default TORCH_INDEX_URL: PyPI's torch for
+  # Linux x86_64 is the CUDA build, several GB of nvidia-* wheels (SMOKE_TORCH_INDEX_URL=''
+  # leaves the index to pip's own configuration)
   bounded 900 "$PYBIN" -m pip download -q --only-binary=:all: -d "$CACHE/wheels" \
-    "torch==2.13.0" "pyzmq>=25" "msgpack>=1.0" "numpy>=1.24" "scikit-learn>=1.2" "setuptools>=61" wheel \
+    ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "torch==2.13.0" "pyzmq>=25" "msgpack>=1.0" "numpy>=1.24" "scikit-learn>=1.2" "setuptools>=61" wheel \
     >"$CACHE/pip.log" 2>&1 || { tail -20 "$CACHE/pip.log" >&2; die "pip download failed"; }
   touch "$CACHE/wheels/.complete"
 fi

@@ -313,6 +313,19 @@ def test_dockerfile_lints_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_compose_smoke_downloads_torch_from_the_dockerfiles_index():
+    """compose-smoke.sh downloaded `torch==2.13.0` from PyPI, which on Linux x86_64 is the
+    CUDA build (several GB of nvidia-* wheels), while the image it builds installs from
+    the Dockerfile's CPU index."""
+    index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)$", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
+    smoke = (DEPLOY / "compose-smoke.sh").read_text()
+    assert index and f"TORCH_INDEX=${{SMOKE_TORCH_INDEX_URL-{index[1]}}}" in smoke
+    download = re.search(r"pip download[^\n]*\\\n[^\n]*", smoke)
+    assert download and '${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "torch==' in download[0]
+
+
 def compose_docs() -> str:
     """docs/deploy.md's Docker Compose section, its lines joined."""
     text = (REPO / "docs" / "deploy.md").read_text()

@@ -787,6 +787,27 @@ def test_sbatch_says_what_a_cancelled_job_can_resume_from(tmp_path, saved):
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("asked", ["variable", "file", "same"])
+def test_sbatch_says_when_the_allocation_replaces_the_worker_count_asked_for(tmp_path, asked):
+    """`PSGD_CLUSTER_WORKERS=4 sbatch -N2 --ntasks-per-node=2 psgd.sbatch`, or a config file
+    with `[cluster] workers = 4`, ran the allocation's 2 workers without a word (and
+    `mode.backup_workers = 2` then failed as "must be in [0, workers)", workers unexplained)."""
+    settings = {"PSGD_CLUSTER_WORKERS": "4"} if asked == "variable" else {"PSGD_CLUSTER_WORKERS": "2"}
+    if asked == "file":
+        settings = {"PSGD_CONFIG": str(tmp_path / "job.toml")}
+        (tmp_path / "job.toml").write_text("[cluster]\nworkers = 4\n")
+    r = run(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, **settings), cwd=tmp_path, timeout=60)
+    said = {"variable": "PSGD_CLUSTER_WORKERS", "file": str(tmp_path / "job.toml")}
+    if asked == "same":
+        assert "warning: cluster.workers" not in r.stderr, r.stderr
+    else:
+        assert (f"warning: cluster.workers = 4 ({said[asked]}) is replaced by the allocation's 2 workers"
+                in r.stderr), r.stderr
+    assert "2 workers; config" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_sbatch_does_not_requeue_a_job_that_has_ended(tmp_path):
     """A review: the SIGUSR1 that Slurm sends before the time limit still requeued the job

@@ -809,6 +809,22 @@ def test_sbatch_says_when_the_allocation_replaces_the_worker_count_asked_for(tmp
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
+def test_sbatch_into_a_finished_jobs_folder_keeps_its_event_logs_apart(tmp_path):
+    """`PSGD_OUT=runs/slurm-1 sbatch ...` again after that job finished: its summary.json
+    went to summary.json.earlier, but the new job's steps were appended to its event logs
+    (each events/worker-R.jsonl held both jobs' 300 steps)."""
+    out = tmp_path / "runs" / "slurm-1"
+    (out / "events").mkdir(parents=True)
+    (out / "events" / "worker-0.jsonl").write_text('{"t": 0.0, "step": 1}\n')
+    (out / "summary.json").write_text("{}")
+    r = run(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, PSGD_OUT=str(out)), cwd=tmp_path, timeout=60)
+    assert (out / "earlier" / "events" / "worker-0.jsonl").read_text() == '{"t": 0.0, "step": 1}\n', r.stderr
+    assert not (out / "events" / "worker-0.jsonl").exists() and (out / "summary.json.earlier").exists()
+    assert f"and its events/ to {out}/earlier/" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
 def test_sbatch_does_not_requeue_a_job_that_has_ended(tmp_path):
     """A review: the SIGUSR1 that Slurm sends before the time limit still requeued the job
     while the script waited (DEPLOY_GRACE_S) for the daemons of a job that had ended: Slurm

@@ -35,7 +35,7 @@ from psgd.consistency.rule import Diverged, Schedule
 from psgd.consistency.staleness import Histogram
 from psgd.data import DataError, load_dataset, worker_part
 from psgd.log import log
-from psgd.membership import CoordinatorLink
+from psgd.membership import AFTER_TRAINING, CoordinatorLink
 from psgd.metrics import EventLog, PidFile, earlier_lives
 from psgd.models import build_model
 from psgd.optim import make_optimizer
@@ -103,6 +103,7 @@ class Worker:
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
         self.logged: dict = {}     # the counters of the rank's earlier processes, from their step lines
+        self.reported = False      # the coordinator has this process's finish (`_report_end`)
 
     # ------------------------------------------------------------ counters
     def stats(self) -> dict:
@@ -216,6 +217,11 @@ class Worker:
             error = f"worker {self.rank}: {e}"
         finally:
             self.link.stop()
+        behind = "" if error else self.left_behind()
+        if behind:   # no finish: the rank is not done, and its steps since it was dropped are not the job's
+            log(self.name, behind)
+            self._close(behind)
+            return 1
         if error:
             log(self.name, error)
         elif self.link.state.get("abort"):
@@ -232,7 +238,7 @@ class Worker:
             error = self._attempt(schedule.step)
             if error:
                 return error
-        return self._attempt(schedule.finish)
+        return "" if self.left_behind() else self._attempt(schedule.finish)
 
     def _attempt(self, step) -> str:
         """One step. A refused one is counted and the caller goes on, unless it is the
@@ -275,6 +281,7 @@ class Worker:
                 fields["error"] = error
             self.link.call("finish", rank=self.rank, nonce=self.link.nonce, clock=self.clock, stats=self.stats(),
                            **self.link.fields_fn(), **fields)
+            self.reported = True
             return True
         except Exception as e:  # the coordinator may be gone: nothing more to tell
             log(self.name, f"could not report the end to the coordinator: {e}")
@@ -302,8 +309,24 @@ class Worker:
 
     # ------------------------------------------------------------ budget and faults
     def stopped(self) -> bool:
-        """The job ended (done or aborted): stop waiting and stop training."""
-        return bool(self.link.done or self.link.state.get("abort"))
+        """The job ended (done or aborted), or its training ended without this process
+        (`left_behind`): stop waiting and stop training."""
+        return bool(self.link.done or self.link.state.get("abort") or self.left_behind())
+
+    def left_behind(self) -> str:
+        """Why this process stops with its share unfinished, or '': the job's training
+        ended (the coordinator is past it: every worker finished or was lost) before this
+        process said it finished. A live worker holds that end, so the coordinator had
+        dropped this one (it missed heartbeats: stopped with SIGSTOP, or cut off), and
+        it came back too late to rejoin. Its steps would go on into the final model
+        while the evaluator scored it (an async job's dropped worker came back and pushed
+        278 steps then), and its finish would count them in summary.json."""
+        state = self.link.state
+        if self.reported or state.get("abort") or state.get("phase") not in (*AFTER_TRAINING, "done"):
+            return ""
+        return (f"worker {self.rank}: the job's training ended while the coordinator had this worker dropped (no "
+                f"heartbeat for cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s:g} s: was it "
+                f"stopped, or cut off?); stopping with its share unfinished, at clock {self.clock}")
 
     def more(self) -> bool:
         t = self.cfg.train

@@ -1,0 +1,68 @@
+"""Job membership as a user's jobs meet it: a worker dropped (stopped with SIGSTOP, cut
+off) that comes back after the job's training ended, and what the coordinator takes
+from it then."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from psgd.config import Config
+from tests.conftest import free_port_block
+
+
+def step_lines(out, rank: int) -> list[dict]:
+    with open(out / "events" / f"worker-{rank}.jsonl") as f:
+        return [json.loads(x) for x in f if '"staleness"' in x]
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_worker_back_after_training_ended_stops_and_does_not_step_into_the_final_model(tmp_path):
+    """A hunt: an async worker stopped (SIGSTOP) mid-run is dropped; the others finish,
+    and the coordinator waits for the final evaluation. Continued then, the worker
+    trained on: 278 pushes into the model that the evaluator was scoring, after the
+    shards' end-of-training checkpoint, then a `finish` that counted those steps in
+    summary.json (workers_gone 0, samples over a wall time without them), and exit 0,
+    "finished 300 steps". It stops at once, unfinished, exit 1, saying why."""
+    from psgd.inprocess import InProcessCluster
+    from tests.conftest import train_on_threads
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.workers": 2, "cluster.servers": 1,
+                              "mode.name": "async", "train.steps": 60, "cluster.heartbeat_s": 0.1,
+                              "cluster.heartbeat_timeout_s": 0.6, "cluster.timeout_s": 6,
+                              # the job has an evaluator (none runs here): the final evaluation waits
+                              "cluster.evaluator": True})
+    resumed_at: list[float] = []
+
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        def stop_rank_1(w):
+            if w.want_rank != 1:
+                return
+            compute = w.compute
+
+            def stopped_once() -> float:
+                if w.clock == 5 and not resumed_at:   # the process is stopped: heartbeats too
+                    w.link.stop()
+                    deadline = time.monotonic() + 60
+                    while cluster.coordinator.phase != "final_eval" and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    resumed_at.append(time.time())   # ... and continued (SIGCONT)
+                    w.link._stop.clear()
+                    w.link.start()
+                return compute()
+            w.compute = stopped_once
+        codes = train_on_threads(cfg, str(tmp_path), cluster, stop_rank_1)
+        coordinator = cluster.coordinator
+        deadline = time.monotonic() + 30   # the summary, without a final score, after cluster.timeout_s
+        while coordinator.phase != "done" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert resumed_at, "rank 1 never paused"
+    late = [e for e in step_lines(tmp_path, 1) if e["t"] > resumed_at[0]]
+    assert len(late) <= 2, f"rank 1 stepped {len(late)} times after the job's training ended"
+    assert codes == {0: 0, 1: 1}, codes
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["failures"]["workers_lost"] == 1 and s["failures"]["workers_gone"] == 1, s["failures"]
+    assert coordinator.members.members[1].state == "lost"
+    assert s["samples"] <= 32 * (60 + len(step_lines(tmp_path, 1)) - len(late)), s["samples"]
+

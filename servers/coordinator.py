@@ -458,6 +458,12 @@ class Coordinator:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
         if self.members.superseded(msg.rank, msg.get("nonce") or ""):   # (its end is not the rank's)
             raise wire.WireError(wire.REFUSED, self._taken_over(msg.rank))
+        if self.phase in FINISHING and self.members.members[msg.rank].state == "lost":
+            # Dropped, and back after training ended (stopped with SIGSTOP, cut off): its
+            # steps since are not the job's. Taken, its finish counted them in summary.json
+            # (samples over a wall time that ended without them) and its rank as finished.
+            raise wire.WireError(wire.REFUSED, f"the job's training ended while worker {msg.rank} was dropped (it "
+                                               f"missed heartbeats); its finish is not taken")
         self._within_job(msg.clock)
         stats = msg.get("stats")
         now = time.monotonic()

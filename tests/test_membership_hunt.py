@@ -9,7 +9,7 @@ import time
 import pytest
 
 from psgd.config import Config
-from tests.conftest import free_port_block
+from tests.conftest import ask, free_port_block, hand_served
 
 
 def step_lines(out, rank: int) -> list[dict]:
@@ -66,3 +66,31 @@ def test_a_worker_back_after_training_ended_stops_and_does_not_step_into_the_fin
     assert coordinator.members.members[1].state == "lost"
     assert s["samples"] <= 32 * (60 + len(step_lines(tmp_path, 1)) - len(late)), s["samples"]
 
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_the_finish_of_a_dropped_worker_after_training_ended_is_refused_and_changes_nothing(tmp_path):
+    """A hunt: a worker dropped for missed heartbeats whose finish came after the others
+    had finished (the final evaluation under way) was taken: its rank became finished
+    (workers_gone 0) and its counters, steps taken after training ended, went into
+    summary.json's samples. Refused, saying why; the summary counts the rank as gone."""
+    c = hand_served(workers=2, out=str(tmp_path), **{"cluster.evaluator": True, "cluster.heartbeat_timeout_s": 1.0})
+    try:
+        assert ask(c, "finish", rank=0, nonce="n0", clock=10, stats={"samples": 320}).op == "reply"
+        c.members.members[1].last_seen -= 100   # rank 1 went silent (stopped)
+        c._tick(time.monotonic())
+        assert c.members.members[1].state == "lost" and c.phase == "final_eval"
+        got = ask(c, "finish", rank=1, nonce="n1", clock=10, stats={"samples": 9999})
+        assert got.op == "error" and "was dropped" in got.get("reason"), got
+        assert c.members.members[1].state == "lost"
+        ask(c, "eval", accuracy=0.9, loss=0.3, final=True, age_s=0.0)
+        assert c.summary is not None or c.phase == "settling"
+        end = time.monotonic() + 10
+        while c.summary is None and time.monotonic() < end:
+            c._tick(time.monotonic())
+            time.sleep(0.02)
+        s = c.summary
+        assert s["failures"]["workers_gone"] == 1 and s["samples"] == 320, (s["failures"], s["samples"])
+    finally:
+        c.sock.close(0)
+        c.events.close()

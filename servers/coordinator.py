@@ -168,6 +168,7 @@ class Coordinator:
         self.server_nonces: dict[str, int] = {}   # a shard server's registration nonce -> its index
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
         self.rejoin_until = 0.0            # a restarted one waits until then for its workers to come back (_resume)
+        self.awaited: set[int] = set()     # ... those live when it died: a rank lost before is not waited for
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
         self.holder: int | None = None     # ... that worker's rank (it must hear an abort: _lingered)
@@ -570,8 +571,10 @@ class Coordinator:
             # compose stop` of the whole stack; new containers take a while to start), or have
             # not reached it yet. The job waits for new worker processes to take up the missed
             # ranks for as long as daemons keep trying to reach a restarted coordinator.
+            # (Only ranks live at the restart: one its last life had dropped was not stopped with it,
+            # and waiting for it held a finished job silent until rejoin_until, in its wall_s.)
             rejoining = (not self.abort and now < self.rejoin_until and self.members.all_done
-                         and any(m.state == "lost" for m in self.members.members.values()))
+                         and any(self.members.members[r].state == "lost" for r in self.awaited))
             if rejoining and lost:
                 log("coordinator", f"no worker is live since this coordinator's restart; waiting up to "
                     f"{self.rejoin_until - now:.0f} s (cluster.timeout_s) for workers to take up the lost ranks")
@@ -810,6 +813,7 @@ class Coordinator:
         if self.phase == "final_eval":
             self.final_deadline = now + self.cfg.cluster.timeout_s
         self.rejoin_until = now + self.cfg.cluster.timeout_s
+        self.awaited = set(self.members.live())
         self.events.write(event="coordinator_restart", restarts=self.restarts, phase=self.phase)
         log("coordinator", f"resumed the job from {self.state_path} (saved {age:.1f} s ago): {self.phase}, "
             f"{len(self.members.live())} live workers; restart {self.restarts}")

@@ -94,3 +94,36 @@ def test_the_finish_of_a_dropped_worker_after_training_ended_is_refused_and_chan
     finally:
         c.sock.close(0)
         c.events.close()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_restarted_coordinator_does_not_wait_for_a_rank_lost_before_its_restart(tmp_path):
+    """A hunt: worker 2 killed (lost, dropped by the coordinator), then the coordinator
+    killed and restarted (psgd run, Compose). When the other workers finished, the job
+    sat silent until cluster.timeout_s after the restart (the restarted coordinator's
+    wait for workers stopped with it) before its final evaluation, waiting for a rank the
+    coordinator before it had already dropped. It waits only for ranks missed since
+    its restart."""
+    from psgd.servers.coordinator import Coordinator
+    from tests.test_coordinator_state import coordinator
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 3, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first: Coordinator = coordinator(cfg, str(tmp_path))
+    for r in range(3):
+        first.members.join(time.monotonic(), r, f"n{r}")
+    first._start_training()
+    first.members.members[2].last_seen -= 100          # worker 2 killed: dropped
+    first._checked = -1e9
+    first._tick(time.monotonic())
+    assert first.members.members[2].state == "lost"
+    first._save_state(time.monotonic() + 10)           # ... then the coordinator, restarted
+    c = coordinator(cfg, str(tmp_path))
+    assert c.restarts == 1
+    now = time.monotonic()
+    for r in (0, 1):
+        c.members.finish(r, now, {"samples": 640}, 20)
+    c._checked = -1e9
+    c._tick(now)
+    assert c.phase == "done" and not c.abort, (c.phase, c.abort)
+    assert c.summary["failures"]["workers_gone"] == 1

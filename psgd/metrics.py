@@ -148,11 +148,14 @@ class PidFile:
         return self
 
     def __exit__(self, *exc):
+        """Removes the file while it names this process: a process that took this rank over
+        (`psgd worker --rank R` while this one was stopped) has written its own pid there."""
         if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(OSError):   # (gone already, or unreadable: left as it is)
+                with open(self.path) as f:
+                    named = f.read().strip()
+                if named == str(os.getpid()):
+                    os.unlink(self.path)
 
 
 def process_start_time(pid: int | str = "self") -> float | None:

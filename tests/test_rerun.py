@@ -507,6 +507,19 @@ def test_a_pid_file_is_never_seen_empty(tmp_path, monkeypatch):
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+def test_a_pid_file_taken_over_by_another_process_is_left_to_it(tmp_path):
+    """A stopped worker whose rank was taken over (`psgd worker --rank 1` wrote its own pid
+    file) exited on SIGCONT and removed pids/worker-1.pid, while the new process trained
+    on without one: `psgd status` and a later `psgd run` no longer saw it."""
+    from psgd.metrics import PidFile
+    with PidFile(str(tmp_path), "worker", 1) as pid:
+        with open(pid.path, "w") as f:   # the process that took the rank over
+            f.write("4194000\n")
+    assert open(tmp_path / "pids" / "worker-1.pid").read() == "4194000\n"
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_psgd_runs_own_timeout_outlasts_the_jobs_time_budget(tmp_path):
     """`psgd run --timeout` defaulted to an hour whatever the job's budget: a job of
     train.seconds = 7200 was stopped at 3600 s as failed."""

@@ -441,6 +441,8 @@ class CoordinatorLink:
         true (a daemon told to stop) gives up at once: RegistrationCancelled."""
         peers = Peers(self.ctx, [self.address], self.cfg.security)
         said_live = False
+        unranked = self.role == "worker" and want_rank < 0   # (its rank is the coordinator's answer: not 0)
+        tag, who = (self.role, self.role) if unranked else (f"{self.role}-{self.index}", f"{self.role} {self.index}")
         try:
             start = time.monotonic()
             while True:
@@ -458,23 +460,23 @@ class CoordinatorLink:
                         raise
                     if not said_live:
                         said_live = True
-                        log(f"{self.role}-{self.index}", f"{e.reason}: waiting for the coordinator to miss the worker "
+                        log(tag, f"{e.reason}: waiting for the coordinator to miss the worker "
                             f"this one replaces (cluster.heartbeat_timeout_s = "
                             f"{self.cfg.cluster.heartbeat_timeout_s:g} s), up to cluster.timeout_s")
                     if cancel is not None and cancel():
-                        raise RegistrationCancelled(f"{self.role} {self.index}: stopped while waiting for a free "
+                        raise RegistrationCancelled(f"{who}: stopped while waiting for a free "
                                                     f"rank") from None
                     time.sleep(min(1.0, self.cfg.cluster.heartbeat_s))
                 except PeerTimeout:
                     if cancel is not None and cancel():
-                        raise RegistrationCancelled(f"{self.role} {self.index}: stopped while waiting for the "
+                        raise RegistrationCancelled(f"{who}: stopped while waiting for the "
                                                     f"coordinator at {self.address}") from None
                     peers.reconnect(0)
                     waited = time.monotonic() - start
                     if waited >= self.cfg.cluster.timeout_s:
-                        raise PeerTimeout(self.address, waited, f"{self.role} {self.index} could not register "
+                        raise PeerTimeout(self.address, waited, f"{who} could not register "
                                           f"with the coordinator at {self.address}; {self._hint()}") from None
-                    log(f"{self.role}-{self.index}", f"waiting for the coordinator at {self.address}"
+                    log(tag, f"waiting for the coordinator at {self.address}"
                         f"{' and the other workers' if self.role == 'worker' else ''} "
                         f"({waited:.0f} s of cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s)")
         finally:

@@ -127,3 +127,23 @@ def test_a_restarted_coordinator_does_not_wait_for_a_rank_lost_before_its_restar
     c._tick(now)
     assert c.phase == "done" and not c.abort, (c.phase, c.abort)
     assert c.summary["failures"]["workers_gone"] == 1
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("want_rank", [-1, 1])
+def test_a_worker_without_a_rank_is_not_called_worker_0_before_it_has_one(capsys, want_rank):
+    """`psgd worker` without --rank, with no coordinator answering, logged "[psgd worker-0]
+    waiting for the coordinator" and ended "worker 0 could not register": the rank it
+    asked for is none, and the coordinator could have given it any."""
+    import zmq
+
+    from psgd.membership import CoordinatorLink
+    from psgd.transport import PeerTimeout
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.timeout_s": 1.5})
+    link = CoordinatorLink(cfg, "worker", max(want_rank, 0), zmq.Context.instance())
+    with pytest.raises(PeerTimeout) as e:
+        link.register(want_rank)
+    said = "worker 1" if want_rank == 1 else "worker"
+    assert f"{said} could not register with the coordinator" in str(e.value)
+    assert ("worker 0" not in str(e.value) and "worker-0" not in capsys.readouterr().err) if want_rank < 0 else True

@@ -389,9 +389,10 @@ class Coordinator:
         self.startup_s = round(time.monotonic() - self._launched_mono, 3)
         self.events.write(event="start", workers=self.cfg.cluster.workers, startup_s=self.startup_s,
                           startup_from=self.launched_by)
-        log("coordinator", f"all {self.cfg.cluster.workers} workers registered; training "
-            f"({self.cfg.mode.name}, {self.cfg.cluster.servers} shards) after {self.startup_s:.1f} s of start-up "
-            f"(since the {self.launched_by} started)")
+        c = self.cfg.cluster
+        log("coordinator", f"{'all ' * (c.workers != 1)}{c.workers} worker{'s' * (c.workers != 1)} registered; "
+            f"training ({self.cfg.mode.name}, {c.servers} shard{'s' * (c.servers != 1)}) after "
+            f"{self.startup_s:.1f} s of start-up (since the {self.launched_by} started)")
         replies = [self._reply_register(ident, msg, rank) for ident, msg, rank in self.parked]
         self.parked = []
         return replies
@@ -561,7 +562,7 @@ class Coordinator:
                 self._count(-1, now)
             for r in lost:
                 gave_up = self._gave_up([r])
-                log("coordinator", f"worker {r} missed heartbeats for {self.cfg.cluster.heartbeat_timeout_s:.0f} s: "
+                log("coordinator", f"worker {r} missed heartbeats for {self.cfg.cluster.heartbeat_timeout_s:g} s: "
                     f"dropped from the membership" + (f" (it gave up: {self._left(r)})" if gave_up else ""))
                 self.events.write(event="lost", rank=r)
                 if self.cfg.faults.on_worker_loss == "abort":

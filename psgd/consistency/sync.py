@@ -98,7 +98,11 @@ class SyncRule(ServerRule):
         out: list[Decision] = []
         while True:
             if self.early:   # (the usual: none waits)
-                for rank in sorted(r for r, p in self.early.items() if self.step_of(p) == self.barrier.step):
+                # its step open, or passed without it: a fast-forward while its worker was not live skips to
+                # the live workers' step, and a waiting push below the open step, kept, was `ahead` for good
+                # (every step closed short without its rank; with its rank the only one live, the loop never
+                # ended: the shard hung). Taken, it is answered late (dropped, counted).
+                for rank in sorted(r for r, p in self.early.items() if self.step_of(p) <= self.barrier.step):
                     p = self.early.pop(rank)
                     out += self.take(p, self.barrier.offer(rank, self.step_of(p)))
             ahead = self.ahead() if self.early or self.past else {}

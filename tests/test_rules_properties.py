@@ -14,6 +14,8 @@ and the papers state:
 - ssp: a worker's gated read of clock c is answered only when every live worker has
   finished clock c - s (its `guaranteed`);
 - async: reads never wait;
+- easgd: the centre moves by exactly the d's its answers hand the workers (symmetric),
+  each d = alpha (x_i - centre);
 - ltfb: a fetch of (round r, trainer t) is answered with t's deposit of round r or
   later, with the arrays deposited under it; a trainer's step mean is the mean of its
   contributors' gradients;
@@ -308,6 +310,76 @@ def test_async_reads_never_wait(n, events, policy, dc, n_push, n_fetch):
         assert h.shard.rule.parked() == 0
 
 
+# ---------------------------------------------------------------- easgd
+
+class ElasticHarness(Harness):
+    """Checks, per event, that the centre moved by exactly the d's handed to the workers
+    whose offers moved it, each d = alpha (x - centre), and that every other offer's d
+    (a resend, a late one) is alpha (x - centre) with the centre unmoved."""
+
+    def begin(self) -> None:
+        self.moved = torch.zeros(self.shard.P)
+        self.handed = torch.zeros(self.shard.P)
+        self.centre = self.shard.params.detach().clone()
+
+    def x(self, rank: int, round_: int) -> np.ndarray:
+        """A worker's replica at a round (a resend carries the same)."""
+        g = np.random.default_rng(1000 * rank + round_)
+        if not hasattr(self, "x0"):
+            self.x0 = self.shard.params.detach().clone().numpy()
+        return (self.x0 + g.standard_normal(self.shard.P)).astype(np.float32)
+
+    def before(self, shard: Shard, d) -> None:
+        super().before(shard, d)
+        if isinstance(d, r.Move):
+            self.at_move = shard.params.detach().clone()
+            self.moved += d.delta
+        if isinstance(d, r.Answer) and d.arrays:
+            token, m = d.token
+            x = torch.from_numpy(np.array(m.arrays[0]))
+            alpha = shard.rule.alpha
+            if m.get("duplicate") is None and not (d.fields.get("dropped") or d.fields.get("duplicate")):
+                self.handed += d.arrays[0]
+                torch.testing.assert_close(d.arrays[0], alpha * (x - self.at_move))
+            else:
+                torch.testing.assert_close(d.arrays[0], alpha * (x - shard.params.detach()))
+
+
+def elastic_step(h: ElasticHarness, kind: int, a: int, b: int, c: int) -> None:
+    rank = a % h.n
+    rule = h.shard.rule
+    near = rule.barrier.step if h.cfg.mode.sync else rule.offered.get(rank, -1) + 1
+    round_ = max(0, min(h.shard.last_exchange, near + b % 5 - 2))
+    h.begin()
+    if kind <= 4:
+        h.send(h.message("elastic", rank, round_ * h.cfg.mode.tau, [h.x(rank, round_), h.buffers()], round=round_))
+    elif kind <= 6:
+        h.send(h.message("pull", rank, round_ * h.cfg.mode.tau))
+    elif kind == 7:
+        h.send(h.message("pull", rank, round_ * h.cfg.mode.tau, join=True))
+    elif kind == 8:
+        h.send(h.message("pull", -1, 0))
+    elif kind == 9:
+        membership_event(h, a, b)
+    elif kind == 10:
+        h.save()
+    else:
+        h.restore()
+        h.begin()
+    torch.testing.assert_close(h.moved, h.handed)
+    if kind <= 9:
+        torch.testing.assert_close(h.shard.params.detach(), h.centre + h.moved)
+
+
+@pytest.mark.timeout(120)
+@RUNS
+@given(n=st.integers(1, 4), sync=st.booleans(), tau=st.integers(1, 3), events=EVENTS)
+def test_easgd_the_centre_moves_by_exactly_the_workers_elastic_terms(n, sync, tau, events):
+    h = ElasticHarness("easgd", n, **{"mode.sync": sync, "mode.tau": tau})
+    for kind, a, b, c in events:
+        elastic_step(h, kind, a, b, c)
+
+
 # ---------------------------------------------------------------- ltfb
 
 class LtfbHarness(Harness):
@@ -449,3 +521,30 @@ def test_a_waiting_push_whose_step_was_skipped_is_answered_late_not_kept_for_goo
         h.send(step_push(h, 2, 5))
         assert h.shard.rule.barrier.step == 6 and h.shard.rule.short_steps == 0
 
+
+@pytest.mark.timeout(60)
+def test_rounds_closed_by_one_event_take_each_d_against_the_centre_the_earlier_rounds_moved():
+    """Found by the easgd property above. Rank 1 offers round 0, then round 1 (it waits);
+    rank 0's offer for round 1 shows that round 0 gets nothing more: round 0 closes with
+    rank 1's offer, then round 1 with both, in one event. Round 1's d_i were taken
+    against the centre before round 0's move (the shard carries the moves out after the
+    rule decides), so the workers moved by alpha (x_i - a centre that was no longer the
+    centre)."""
+    h = ElasticHarness("easgd", 2, **{"mode.sync": True, "mode.tau": 1})
+    h.begin()
+    c0 = h.shard.params.detach().clone()
+    alpha = h.shard.rule.alpha
+    x = {(rank, rnd): h.x(rank, rnd) for rank in (0, 1) for rnd in (0, 1)}
+
+    def offer(rank, rnd):
+        return h.send(h.message("elastic", rank, rnd, [x[rank, rnd], h.buffers()], round=rnd))
+    offer(1, 0)
+    offer(1, 1)
+    got = offer(0, 1)
+    assert h.shard.rule.barrier.step == 2 and h.shard.rule.short_steps == 1
+    d0 = alpha * (torch.from_numpy(x[1, 0]) - c0)
+    c1 = c0 + d0
+    ds = {m.rank: torch.from_numpy(np.array(m.arrays[0])) for m in got.values()}
+    for rank in (0, 1):
+        torch.testing.assert_close(ds[rank], alpha * (torch.from_numpy(x[rank, 1]) - c1))
+    torch.testing.assert_close(h.shard.params.detach(), c1 + ds[0] + ds[1])

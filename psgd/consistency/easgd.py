@@ -67,6 +67,7 @@ class EasgdRule(SyncRule):
         self.alpha = default_alpha(mode.alpha, world)
         self.round: dict[int, ElasticOffer] = {}   # sync rounds: the offers of the open round
         self.offered: dict[int, int] = {}          # async: rank -> the last round that moved the centre
+        self.moving = None   # sync: the centre's moves decided in this `settle`, not yet carried out
 
     @classmethod
     def last_exchange(cls, cfg: Config) -> int:
@@ -96,7 +97,24 @@ class EasgdRule(SyncRule):
 
     def unmoved(self, e: ElasticOffer, fields: dict) -> Answer:
         """An offer answered with its d = alpha (x - centre) without moving the centre."""
-        return Answer(e.token, fields, arrays=[elastic_delta(e.x, self.tables.params.detach(), self.alpha), BUFFERS])
+        return Answer(e.token, fields, arrays=[elastic_delta(e.x, self.centre(), self.alpha), BUFFERS])
+
+    def centre(self):
+        """The centre as the decisions made so far leave it: the shard's, plus the moves of
+        the rounds that this `settle` closed already (the shard carries them out after it)."""
+        c = self.tables.params.detach()
+        return c if self.moving is None else c + self.moving
+
+    def settle(self) -> list[Decision]:
+        """Sync's, over rounds. One event may close several rounds (offers that waited for
+        later rounds: a shard restored from a checkpoint, a worker rejoining ahead): each
+        round's d_i are taken against the centre that the rounds before it moved (before,
+        against the shard's centre, which the earlier rounds' moves had not reached yet)."""
+        self.moving = None
+        try:
+            return super().settle()
+        finally:
+            self.moving = None
 
     def step_of(self, e: ElasticOffer) -> int:
         return e.round
@@ -120,10 +138,12 @@ class EasgdRule(SyncRule):
 
     def close_step(self) -> list[Decision]:
         offers = [self.round[r] for r in sorted(self.round)]
-        ds = round_deltas([o.x for o in offers], self.tables.params.detach(), self.alpha)
+        ds = round_deltas([o.x for o in offers], self.centre(), self.alpha)
         self.round = {}
         self.barrier.advance()
-        out: list[Decision] = [Move(torch.stack(ds).sum(0)),
+        move = torch.stack(ds).sum(0)
+        self.moving = move if self.moving is None else self.moving + move
+        out: list[Decision] = [Move(move),
                                SetBuffers(torch.stack([o.buffers for o in offers]).mean(0))]
         return out + [Answer(o.token, arrays=[d, BUFFERS]) for o, d in zip(offers, ds, strict=True)]
 

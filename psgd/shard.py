@@ -134,8 +134,9 @@ class Shard:
         self.models: dict[Hashable, list] = {}  # stored models (deposits) by the rule's key
         self.live = set(range(self.world))
         self.rule = rule(cfg.mode, self.world, self)
-        ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
-                 "get_model": self.on_get_model, "models": self.on_models}
+        ruled = {"push": self._until_trained(self.on_push), "elastic": self._until_trained(self.on_elastic),
+                 "put_model": self._until_trained(self.on_put_model), "get_model": self.on_get_model,
+                 "models": self.on_models}
         served = {"pull": self.on_pull, **{op: fn if op in self.rule.serves else self.not_in_mode
                                            for op, fn in ruled.items()}}
         self.handlers = {"stats": self.on_stats, "init": self.on_init,
@@ -164,6 +165,19 @@ class Shard:
             if not self.ready:
                 return [(token, wire.error(msg.id, wire.NOT_READY, f"shard {self.index} " + (self.unready or (
                     "has no initial values yet (a worker's init brings them)"))))]
+            return fn(token, msg)
+        return guarded
+
+    def _until_trained(self, fn):
+        """`fn`, served until the job's training ended (`trained`: the coordinator is past
+        it, every worker finished or was lost); after, the error `refused`, answered, not
+        raised (not a bad message). Only a worker the coordinator had dropped (stopped,
+        cut off) still sends one then: its push changed the final model while the
+        evaluator scored it, and after the end-of-training checkpoint."""
+        def guarded(token, msg: wire.Message) -> list[Reply]:
+            if self.trained:
+                return [(token, wire.error(msg.id, wire.REFUSED, f"shard {self.index}: the job's training has "
+                                                                 f"ended (every worker finished or was lost)"))]
             return fn(token, msg)
         return guarded
 

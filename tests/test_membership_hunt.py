@@ -147,3 +147,29 @@ def test_a_worker_without_a_rank_is_not_called_worker_0_before_it_has_one(capsys
     said = "worker 1" if want_rank == 1 else "worker"
     assert f"{said} could not register with the coordinator" in str(e.value)
     assert ("worker 0" not in str(e.value) and "worker-0" not in capsys.readouterr().err) if want_rank < 0 else True
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "sync", "easgd"])
+def test_a_shard_refuses_updates_once_the_jobs_training_has_ended(mode):
+    """A worker the coordinator had dropped (SIGSTOP) that came back during the final
+    evaluation still had its in-flight push applied: the final model changed while the
+    evaluator scored it, after the shards' end-of-training checkpoint. Once `trained`, a
+    shard refuses pushes and elastic offers (answered, not counted as bad messages)."""
+    import numpy as np
+
+    from psgd import wire
+    from psgd.shard import Shard
+    shard = Shard(Config().replace(**{"mode.name": mode, "cluster.workers": 2, "cluster.servers": 1}), 0)
+    shard.trained = True
+    before = shard.params.detach().clone()
+    op, arrays = (("elastic", [shard.params.detach().numpy() + 1]) if mode == "easgd" else
+                  ("push", [np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]))
+    fields = {"round": 1} if op == "elastic" else {"read_version": 0}
+    m = wire.decode(wire.encode(op, id=1, rank=1, clock=5, arrays=arrays, **fields))
+    (_, reply), = shard.handle(("w", 1), m)
+    answer = wire.decode(reply)
+    assert answer.op == "error" and answer.get("code") == wire.REFUSED, answer.header
+    assert "training has ended" in answer.get("reason")
+    assert bool((shard.params == before).all()) and shard.counters["bad_messages"] == 0

@@ -405,6 +405,12 @@ class LocalJob:
         if any(os.path.exists(path) for path in mine):
             from .shard import unresumable  # (torch: only where there are checkpoints)
             cannot = unresumable(self.cfg, self.out)
+            from .servers.shard_server import not_a_shard_checkpoint
+            for i, path in enumerate(mine):   # (a model.pt copied in: a dict, which `unresumable` took)
+                why = "" if i in cannot or not os.path.exists(path) else not_a_shard_checkpoint(path)
+                if why:
+                    cannot[i] = why
+            cannot = dict(sorted(cannot.items()))
             self.env[SET_CHECKED_ENV] = "1"   # (read whole here: each shard reads only its own whole)
             # Said here, not only in a shard's log: the interrupted job's message promised a
             # resume, and a changed key (optimizer.lr, a smaller train.steps) loses it.

@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 
+import torch
 import zmq
 
 from psgd import layout as layouts
@@ -38,6 +39,27 @@ LAYOUT_POLL_S = 0.2
 LAYOUT_CALL_S = 2.0
 WAITING_EVERY_S = 5.0
 SAVER_JOIN_S = 120.0  # the longest a shard waits at exit for a checkpoint being written
+# What `Shard.load_state_dict` reads from a checkpoint (`Shard.state_dict`'s fields)
+CHECKPOINT_KEYS = ("params", "buffers", "opt", "version", "rule", "last_clock", "counters", "shard", "sizes")
+
+
+def not_a_shard_checkpoint(path: str) -> str:
+    """'' if the file at `path` holds a shard checkpoint's fields, else what it is
+    instead. `why_not_resume_from` takes any dict for one (a model.pt copied into the
+    folder, another program's state_dict): `psgd run` said it resumed it and each shard
+    died on its KeyError, five times, with a traceback. A file that cannot be read is '':
+    `why_not_resume_from` says why."""
+    try:
+        sd = torch.load(path, weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 (why_not_resume_from says what)
+        return ""
+    if not isinstance(sd, dict):
+        return ""
+    missing = [k for k in CHECKPOINT_KEYS if k not in sd]
+    if missing:
+        return (f"it is not a psgd shard checkpoint (it has no {', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}: a model's state_dict, or another program's file?)")
+    return ""
 
 
 class ShardServer:
@@ -91,7 +113,7 @@ class ShardServer:
         resumed."""
         if not os.path.exists(path):
             return False
-        why = why_not_resume_from(path, shard.cfg, self.index)
+        why = why_not_resume_from(path, shard.cfg, self.index) or not_a_shard_checkpoint(path)
         others = self._others_unresumable(shard, path) if whole_set and not why else ""
         if others:
             # Its own would do: moved aside (as `psgd run` does), or this shard, restarted
@@ -130,6 +152,11 @@ class ShardServer:
         # on a network disk)
         whole = os.environ.get(SET_CHECKED_ENV) != "1"
         others = list(unresumable(shard.cfg, self.out, whole, skip=self.index))   # (its own was read: `_resume`)
+        for i in range(shard.cfg.cluster.servers):   # a model's state_dict
+            other = shard.cfg.checkpoint_file(self.out, i) or ""
+            if i != self.index and i not in others and not_a_shard_checkpoint(other):
+                others.append(i)
+        others.sort()
         return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "
                 f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
                 f"and resuming a part of the model would mix two" if others else "")

@@ -1,0 +1,56 @@
+"""Resuming a job from its shard checkpoints: files in the checkpoint folder that are not
+this job's shard checkpoints (a model.pt copied in, a learned model changed since) are
+not resumed, in part or whole, and say why."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from psgd.config import load
+from psgd.launcher import LocalJob
+from psgd.servers.shard_server import ShardServer
+from psgd.shard import Shard
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.unit
+
+
+def a_models_state_dict(path) -> None:
+    """What a user finds at hand to put there: a job's model.pt (the model's state_dict)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(nn.Linear(4, 2).state_dict(), path)
+
+
+@pytest.mark.timeout(60)
+def test_a_models_state_dict_in_the_checkpoint_folder_is_not_resumed(tmp_path, capsys):
+    """A user's run into an interrupted job's --out whose checkpoints/shard-I.pt were a
+    model.pt (a dict, as a checkpoint is): `psgd run` said "resuming the unfinished job
+    ... its training goes on from them", then every shard died at its start with
+    `KeyError: 'sizes'` and a traceback, was restarted five times, and the job failed
+    ("server-0 keeps dying"). It is not resumed now, said so, and the job starts afresh;
+    with the other shard's checkpoint whole, none is resumed (not a part of the model)."""
+    port = free_port_block(3)
+    cfg = load(None, [f"cluster.port={port}"], env={})
+    folder = tmp_path / "checkpoints"
+    for i in range(2):
+        a_models_state_dict(str(folder / f"shard-{i}.pt"))
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    err = capsys.readouterr().err
+    assert "resuming the unfinished" not in err, err
+    assert (f"not resuming from the shard checkpoints in {folder} (shard-0.pt: it is not a psgd shard checkpoint"
+            in err), err
+    # each shard, as psgd run starts them (the launcher left them: this job's replace them)
+    server = ShardServer(cfg, 0, str(tmp_path))
+    fresh = Shard(cfg, 0)
+    assert not server._resume(fresh, str(folder / "shard-0.pt"), whole_set=True) and fresh.version == 0
+    assert "it is not a psgd shard checkpoint" in capsys.readouterr().err
+    assert not server._resume(fresh, str(folder / "shard-0.pt")) and fresh.version == 0   # restarted during a job
+    # one shard's whole, the other's a model's state_dict: neither resumed, both moved aside
+    Shard(cfg, 0).save(str(folder / "shard-0.pt"))
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    err = capsys.readouterr().err
+    assert "only 1 of the 2 shard checkpoints" in err and "shard-1.pt: it is not a psgd shard checkpoint" in err, err
+    assert not (folder / "shard-0.pt").exists() and (folder / "shard-0.pt.earlier").exists()

@@ -43,12 +43,15 @@ SAVER_JOIN_S = 120.0  # the longest a shard waits at exit for a checkpoint being
 CHECKPOINT_KEYS = ("params", "buffers", "opt", "version", "rule", "last_clock", "counters", "shard", "sizes")
 
 
-def not_a_shard_checkpoint(path: str) -> str:
-    """'' if the file at `path` holds a shard checkpoint's fields, else what it is
-    instead. `why_not_resume_from` takes any dict for one (a model.pt copied into the
-    folder, another program's state_dict): `psgd run` said it resumed it and each shard
-    died on its KeyError, five times, with a traceback. A file that cannot be read is '':
-    `why_not_resume_from` says why."""
+def not_a_shard_checkpoint(path: str, sizes: list[int] | None = None) -> str:
+    """'' if the file at `path` holds a shard checkpoint's fields (and, given `sizes`,
+    tables of those sizes: [params, buffers]), else what it is instead. `why_not_resume_from`
+    takes any dict for one (a model.pt copied into the folder, another program's
+    state_dict): `psgd run` said it resumed it and each shard died on its KeyError, five
+    times, with a traceback; and a learned model (a factory's, a script's) changed since
+    the checkpoints were written has tables of other sizes, refused by the shards whose
+    sizes changed while the others resumed theirs, one model of two versions. A file that
+    cannot be read is '': `why_not_resume_from` says why."""
     try:
         sd = torch.load(path, weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 (why_not_resume_from says what)
@@ -59,6 +62,13 @@ def not_a_shard_checkpoint(path: str) -> str:
     if missing:
         return (f"it is not a psgd shard checkpoint (it has no {', '.join(missing[:3])}"
                 f"{', ...' if len(missing) > 3 else ''}: a model's state_dict, or another program's file?)")
+    try:
+        had = [int(n) for n in sd["sizes"]]
+    except (TypeError, ValueError):
+        return f"it is not a psgd shard checkpoint (its sizes are {sd['sizes']!r})"
+    if sizes is not None and had != list(sizes):
+        return (f"it is of a model of another layout (its tables hold {had[0]:,} parameters and {had[1]:,} "
+                f"buffer values, this job's shard {sizes[0]:,} and {sizes[1]:,}: the model changed)")
     return ""
 
 
@@ -113,7 +123,7 @@ class ShardServer:
         resumed."""
         if not os.path.exists(path):
             return False
-        why = why_not_resume_from(path, shard.cfg, self.index) or not_a_shard_checkpoint(path)
+        why = why_not_resume_from(path, shard.cfg, self.index) or not_a_shard_checkpoint(path, [shard.P, shard.B])
         others = self._others_unresumable(shard, path) if whole_set and not why else ""
         if others:
             # Its own would do: moved aside (as `psgd run` does), or this shard, restarted
@@ -152,9 +162,10 @@ class ShardServer:
         # on a network disk)
         whole = os.environ.get(SET_CHECKED_ENV) != "1"
         others = list(unresumable(shard.cfg, self.out, whole, skip=self.index))   # (its own was read: `_resume`)
-        for i in range(shard.cfg.cluster.servers):   # a model's state_dict
+        for i in range(shard.cfg.cluster.servers):   # a model's state_dict; a learned model of another layout
             other = shard.cfg.checkpoint_file(self.out, i) or ""
-            if i != self.index and i not in others and not_a_shard_checkpoint(other):
+            if i != self.index and i not in others and not_a_shard_checkpoint(
+                    other, [shard.map.size(i, "params"), shard.map.size(i, "buffers")]):
                 others.append(i)
         others.sort()
         return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from psgd.config import load
+from psgd.config import Config, load
 from psgd.launcher import LocalJob
 from psgd.servers.shard_server import ShardServer
 from psgd.shard import Shard
+from psgd.sharding import model_layout
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.unit
@@ -54,3 +55,41 @@ def test_a_models_state_dict_in_the_checkpoint_folder_is_not_resumed(tmp_path, c
     err = capsys.readouterr().err
     assert "only 1 of the 2 shard checkpoints" in err and "shard-1.pt: it is not a psgd shard checkpoint" in err, err
     assert not (folder / "shard-0.pt").exists() and (folder / "shard-0.pt.earlier").exists()
+
+
+class Net(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = nn.Linear(40, 25)      # 1,000 weights: shard 0's alone (each tensor one piece)
+        self.b = nn.Linear(25, width)   # the rest on shard 1
+
+
+@pytest.mark.timeout(60)
+def test_a_learned_model_changed_since_its_checkpoints_is_not_resumed_in_part(tmp_path, capsys):
+    """A factory's model (`model.name = "pkg.mod:factory"`, whose code the shards never
+    import) changed between the interrupted job and the next run into its --out: the
+    training config is the same, so each shard took the set as resumable; a shard whose
+    tables kept their size resumed its trained values, one whose tables changed started
+    from the initial ones: one model of two versions (seen: both refused, each on its own,
+    with `psgd run` saying it resumed them). At a job's start a shard now checks the
+    other shards' checkpoints against the sizes the new layout gives them."""
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 1, "model.name": "facmod:model"})
+    folder = tmp_path / "checkpoints"
+    before, after = model_layout(Net(10)), model_layout(Net(12))
+    for i in range(2):
+        earlier = Shard(cfg, i, before)
+        earlier.version = 7
+        earlier.save(str(folder / f"shard-{i}.pt"))
+    sizes = [[Shard(cfg, i, lay).P for i in range(2)] for lay in (before, after)]
+    changed = [i for i in range(2) if sizes[0][i] != sizes[1][i]]
+    kept = [i for i in range(2) if sizes[0][i] == sizes[1][i]]
+    assert changed and kept, sizes   # (the case: one shard's tables changed, the other's did not)
+    server = ShardServer(cfg, kept[0], str(tmp_path))
+    fresh = Shard(cfg, kept[0], after)
+    assert not server._resume(fresh, str(folder / f"shard-{kept[0]}.pt"), whole_set=True)
+    assert fresh.version == 0
+    assert f"the checkpoints of shard {changed[0]} in {folder} cannot be resumed" in capsys.readouterr().err
+    server = ShardServer(cfg, changed[0], str(tmp_path))
+    fresh = Shard(cfg, changed[0], after)
+    assert not server._resume(fresh, str(folder / f"shard-{changed[0]}.pt"), whole_set=True)
+    assert "it is of a model of another layout" in capsys.readouterr().err

@@ -416,8 +416,12 @@ class LocalJob:
             # resume, and a changed key (optimizer.lr, a smaller train.steps) loses it.
             if not cannot:
                 resuming = True
+                from .layout import learned
                 log("run", f"resuming the unfinished job whose shard checkpoints are in {folder} (same training "
-                           f"config): its training goes on from them")
+                           f"config): its training goes on from them" +
+                           (f", if {self.cfg.model.name}'s layout is the same (each shard checks it once the "
+                            f"workers bring it, and says in its log if it starts afresh)"
+                            if learned(self.cfg.model.name) else ""))
             elif len(cannot) == len(mine):
                 first = next(i for i in cannot if os.path.exists(mine[i]))
                 log("run", f"warning: not resuming from the shard checkpoints in {folder} "

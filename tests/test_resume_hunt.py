@@ -93,3 +93,17 @@ def test_a_learned_model_changed_since_its_checkpoints_is_not_resumed_in_part(tm
     fresh = Shard(cfg, changed[0], after)
     assert not server._resume(fresh, str(folder / f"shard-{changed[0]}.pt"), whole_set=True)
     assert "it is of a model of another layout" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_psgd_run_says_a_learned_models_resume_depends_on_its_layout(tmp_path, capsys):
+    """`psgd run` said "resuming the unfinished job ...: its training goes on from them" of
+    a factory's model whose code had changed since, where each shard then started afresh
+    (its log said why): the launcher never sees the layout, so it says that it depends."""
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 1, "model.name": "facmod:model",
+                              "cluster.port": free_port_block(3)})
+    for i in range(2):
+        Shard(cfg, i, model_layout(Net(10))).save(str(tmp_path / "checkpoints" / f"shard-{i}.pt"))
+    LocalJob(cfg, str(tmp_path), quiet=True).stop()
+    err = capsys.readouterr().err
+    assert "its training goes on from them, if facmod:model's layout is the same (each shard checks it" in err, err

@@ -583,7 +583,7 @@ class Shard:
         return {"params": self.params.detach().clone(), "buffers": self.buffers.clone(),
                 "opt": copied(self.opt.state_dict()), "version": self.version, "rule": self.rule.state_dict(),
                 "last_clock": last_clock, "counters": dict(self.counters), "shard": self.index,
-                "sizes": [self.P, self.B],
+                "sizes": [self.P, self.B], "map": self.map.digest,
                 # the open step's sums: its pushes are in last_clock, so they are not sent again
                 "acc": None if self.acc is None else self.acc.clone(),
                 "bacc": None if self.bacc is None else self.bacc.clone(),

@@ -45,6 +45,9 @@ class ShardMap:
             raise ValueError("num_shards must be >= 1")
         self.num_shards = num_shards
         entries = list(entries)
+        # what a checkpoint's tables are of (names, tables, sizes in order): a model changed
+        # since, its tables' sizes kept (a layer renamed), is told by it (Shard.state_dict)
+        self.digest = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
         total = sum(n for _, _, n in entries)
         self.chunk = max(MIN_CHUNK, math.ceil(total / (4 * num_shards)))
         raw = []

@@ -43,7 +43,7 @@ SAVER_JOIN_S = 120.0  # the longest a shard waits at exit for a checkpoint being
 CHECKPOINT_KEYS = ("params", "buffers", "opt", "version", "rule", "last_clock", "counters", "shard", "sizes")
 
 
-def not_a_shard_checkpoint(path: str, sizes: list[int] | None = None) -> str:
+def not_a_shard_checkpoint(path: str, sizes: list[int] | None = None, digest: str = "") -> str:
     """'' if the file at `path` holds a shard checkpoint's fields (and, given `sizes`,
     tables of those sizes: [params, buffers]), else what it is instead. `why_not_resume_from`
     takes any dict for one (a model.pt copied into the folder, another program's
@@ -69,6 +69,9 @@ def not_a_shard_checkpoint(path: str, sizes: list[int] | None = None) -> str:
     if sizes is not None and had != list(sizes):
         return (f"it is of a model of another layout (its tables hold {had[0]:,} parameters and {had[1]:,} "
                 f"buffer values, this job's shard {sizes[0]:,} and {sizes[1]:,}: the model changed)")
+    if digest and sd.get("map", digest) != digest:   # (older checkpoints do not say)
+        return ("it is of a model of another layout (its tensors' names or sizes are not this job's model's, "
+                "though its tables' sizes are: the model changed)")
     return ""
 
 
@@ -123,7 +126,8 @@ class ShardServer:
         resumed."""
         if not os.path.exists(path):
             return False
-        why = why_not_resume_from(path, shard.cfg, self.index) or not_a_shard_checkpoint(path, [shard.P, shard.B])
+        why = (why_not_resume_from(path, shard.cfg, self.index)
+               or not_a_shard_checkpoint(path, [shard.P, shard.B], shard.map.digest))
         others = self._others_unresumable(shard, path) if whole_set and not why else ""
         if others:
             # Its own would do: moved aside (as `psgd run` does), or this shard, restarted
@@ -165,7 +169,7 @@ class ShardServer:
         for i in range(shard.cfg.cluster.servers):   # a model's state_dict; a learned model of another layout
             other = shard.cfg.checkpoint_file(self.out, i) or ""
             if i != self.index and i not in others and not_a_shard_checkpoint(
-                    other, [shard.map.size(i, "params"), shard.map.size(i, "buffers")]):
+                    other, [shard.map.size(i, "params"), shard.map.size(i, "buffers")], shard.map.digest):
                 others.append(i)
         others.sort()
         return (f"the checkpoints of shard{'s' * (len(others) > 1)} {', '.join(map(str, others))} in "

@@ -47,7 +47,7 @@ class ShardMap:
         entries = list(entries)
         # what a checkpoint's tables are of (names, tables, sizes in order): a model changed
         # since, its tables' sizes kept (a layer renamed), is told by it (Shard.state_dict)
-        self.digest = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+        self.digest = hashlib.sha256(repr([tuple(e) for e in entries]).encode()).hexdigest()[:16]
         total = sum(n for _, _, n in entries)
         self.chunk = max(MIN_CHUNK, math.ceil(total / (4 * num_shards)))
         raw = []

@@ -314,8 +314,9 @@ def cmd_run(args) -> int:
                       script=script, announce=announce)
     except (LaunchError, KeyboardInterrupt) as e:   # its daemons are stopped by now (run_local)
         # (a refused run's folder may hold the checkpoints of the job running there: not its own)
-        resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run into the same "
-                  f"--out resumes from them)" if accepted and resumable(cfg, out, before) else "")
+        again = "with the same checkpoint.dir" if cfg.checkpoint.dir else "into the same --out"   # (where it looks)
+        resume = (f"; the shards' checkpoints are in {cfg.checkpoint_folder(out)} (a psgd run {again} resumes "
+                  f"from them)" if accepted and resumable(cfg, out, before) else "")
         # A signal after the job had ended cut nothing short: the job is reported, as without it.
         ended = ended_before(e) if isinstance(e, KeyboardInterrupt) else e
         if isinstance(ended, LaunchError):   # (--timeout, a daemon that failed, an aborted job)

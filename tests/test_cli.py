@@ -431,6 +431,24 @@ def test_a_job_that_timed_out_says_where_its_checkpoints_are(tmp_path, no_job, c
         in capsys.readouterr().err
 
 
+def test_a_job_with_its_own_checkpoint_dir_says_a_run_with_that_dir_resumes(tmp_path, no_job, capsys):
+    """With checkpoint.dir set, an interrupted job said "a psgd run into the same --out
+    resumes from them": one into the same --out without checkpoint.dir starts afresh, and
+    one into another --out with the same checkpoint.dir resumes."""
+    from psgd.launcher import LaunchError
+    ckpt = tmp_path / "ckpt"
+
+    def checkpointed_then_timed_out(out: str) -> None:
+        ckpt.mkdir(exist_ok=True)
+        for i in range(2):
+            open(ckpt / f"shard-{i}.pt", "wb").close()
+        raise LaunchError("the job did not finish within 8 s")
+    no_job.during.append(checkpointed_then_timed_out)
+    assert main(["run", "--out", str(tmp_path / "out"), "--timeout", "8", "--set", f"checkpoint.dir={ckpt}"]) == 1
+    assert (f"the shards' checkpoints are in {ckpt} (a psgd run with the same checkpoint.dir resumes from them)"
+            in capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("what,says", [("missing.py", "no such file"), ("", "a folder, not a Python file")])
 def test_a_script_that_is_no_file_is_one_error(tmp_path, no_job, capsys, what, says):
     """A helper's review: `--script DIR` said "no such file" of a folder that exists."""

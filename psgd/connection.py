@@ -531,11 +531,16 @@ class Connection(Worker):
             raise JobError(error)
 
     def _raise_if_aborted(self) -> None:
-        """The job was aborted (not its budget spent): leave it, and say why."""
+        """The job was aborted (not its budget spent), or its training ended while the
+        coordinator had this worker dropped (`left_behind`): leave it, and say why."""
         abort = self.link.state.get("abort")
         if abort:
             self._end("")
             raise _aborted(abort)
+        behind = self.left_behind()
+        if behind:   # no finish (the coordinator refuses it): the rank is not done
+            self._end(behind, reported=True)
+            raise JobError(behind)
 
     def report(self, accuracy: float, loss: float) -> None:
         """A score of the model (the script's own evaluation): the job's evaluation curve

@@ -96,7 +96,7 @@ def test_the_finish_of_a_dropped_worker_after_training_ended_is_refused_and_chan
         c.events.close()
 
 
-@pytest.mark.unit
+@pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_a_restarted_coordinator_does_not_wait_for_a_rank_lost_before_its_restart(tmp_path):
     """A hunt: worker 2 killed (lost, dropped by the coordinator), then the coordinator
@@ -173,3 +173,23 @@ def test_a_shard_refuses_updates_once_the_jobs_training_has_ended(mode):
     assert answer.op == "error" and answer.get("code") == wire.REFUSED, answer.header
     assert "training has ended" in answer.get("reason")
     assert bool((shard.params == before).all()) and shard.counters["bad_messages"] == 0
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_training_script_left_behind_is_told_so_by_a_job_error(monkeypatch):
+    """A review: a `psgd.connect` script dropped by the coordinator (stopped) that came back
+    after training ended saw step() return False as for a spent budget, and close() send a
+    finish the coordinator refused, then return: exit 0, no model.pt, no word. It is now a
+    JobError saying why, and no finish is sent."""
+    from types import SimpleNamespace
+
+    from psgd.connection import Connection, JobError
+    c = Connection.__new__(Connection)
+    c.cfg, c.rank, c.clock, c.reported = Config(), 1, 40, False
+    c.link = SimpleNamespace(state={"phase": "final_eval"})
+    ended = []
+    monkeypatch.setattr(c, "_end", lambda error, reported=False: ended.append((error, reported)))
+    with pytest.raises(JobError, match="the job's training ended while the coordinator had this worker dropped"):
+        c._raise_if_aborted()
+    assert ended and ended[0][1] is True and "stopping with its share unfinished" in ended[0][0]

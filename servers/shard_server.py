@@ -226,6 +226,11 @@ class ShardServer:
             # before its first periodic checkpoint, this shard came back with the earlier
             # run's counters (its bad messages, dropped gradients), reported as this run's.
             self._checkpoint_in_background(shard, ckpt)
+        if restarted and answer.get("phase") not in AFTER_TRAINING:
+            # Training goes on: a checkpoint still the earlier run's (this run's first, written
+            # in the background, not done when it was killed), of a run stopped during its
+            # final evaluation, says `trained`, and the shard refused every push of this one.
+            shard.trained = False
         if restarted and answer.get("phase") in AFTER_TRAINING and not shard.trained:
             # Restarted after training ended without the tables it ended with (killed before
             # it learned of the end, and checkpointed it: `_end_of_training`): no worker is

@@ -446,6 +446,31 @@ def test_a_shard_back_without_the_final_tables_ends_the_job_without_a_mixed_mode
     assert "restarted after training ended without its final tables" in log_tail(j.out, "server-1")
 
 
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_shard_restarted_mid_run_from_a_checkpoint_that_says_trained_serves_on(tmp_path):
+    """A review: a shard restarted during training from a checkpoint that says `trained`
+    (still the earlier run's, of a run stopped during its final evaluation: this run's
+    first checkpoint was written in the background and not done) refused every push of
+    the run once shards refuse updates after training, and the job aborted."""
+    from psgd.shard import Shard
+    j = job(tmp_path, "mode.name=ssp", "train.steps=400", "checkpoint.every_s=0", "faults.step_delay_s=0.004",
+            "cluster.timeout_s=20")
+    try:
+        j.start()
+        wait_for_steps(j, 0, 100)
+        earlier = Shard(j.cfg, 1)
+        earlier.trained = True
+        earlier.save(os.path.join(j.out, "checkpoints", "shard-1.pt"))
+        child(j, "server-1").proc.send_signal(signal.SIGKILL)
+        s = j.wait()
+    finally:
+        j.stop()
+    assert "aborted" not in s and "launch_error" not in s, s
+    assert s["failures"]["shard_restarts"] == 1 and s["final_accuracy"] is not None, s
+
+
 @pytest.mark.unit
 def test_a_checkpoint_says_whether_training_had_ended(tmp_path):
     """`trained`: the checkpoint written as training ended holds the final tables (a

@@ -814,7 +814,10 @@ class Coordinator:
         if self.phase == "final_eval":
             self.final_deadline = now + self.cfg.cluster.timeout_s
         self.rejoin_until = now + self.cfg.cluster.timeout_s
-        self.awaited = set(self.members.live())
+        # Awaited: the ranks live when it died; or, none live then (a stack stopped whole,
+        # `compose stop`: workers first, dropped by the coordinator before it stopped), every
+        # lost rank, which `compose start` brings back.
+        self.awaited = set(self.members.live()) or {r for r, m in self.members.members.items() if m.state == "lost"}
         self.events.write(event="coordinator_restart", restarts=self.restarts, phase=self.phase)
         log("coordinator", f"resumed the job from {self.state_path} (saved {age:.1f} s ago): {self.phase}, "
             f"{len(self.members.live())} live workers; restart {self.restarts}")

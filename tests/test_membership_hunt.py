@@ -193,3 +193,34 @@ def test_a_training_script_left_behind_is_told_so_by_a_job_error(monkeypatch):
     with pytest.raises(JobError, match="the job's training ended while the coordinator had this worker dropped"):
         c._raise_if_aborted()
     assert ended and ended[0][1] is True and "stopping with its share unfinished" in ended[0][0]
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_coordinator_restarted_twice_waits_for_the_workers_stopped_with_it(tmp_path):
+    """A review: a coordinator restarted (the whole stack stopped, `compose stop`) waits
+    for the ranks live when it died; restarted again within that wait (no worker back
+    yet: all lost), it waited for none of them and aborted at once, "all workers were
+    lost", where the next `compose start` resumes the job. With none live when it died,
+    it waits for the lost ranks."""
+    from psgd.servers.coordinator import Coordinator
+    from tests.test_coordinator_state import coordinator
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first: Coordinator = coordinator(cfg, str(tmp_path))
+    for r in range(2):
+        first.members.join(time.monotonic(), r, f"n{r}")
+    first._start_training()
+    first._save_state(time.monotonic())                # stopped with both workers
+    again = coordinator(cfg, str(tmp_path))
+    for r in range(2):
+        again.members.members[r].last_seen -= 100       # none came back: dropped, waited for
+    again._checked = -1e9
+    again._tick(time.monotonic())
+    assert not again.abort and [m.state for m in again.members.members.values()] == ["lost", "lost"]
+    again._save_state(time.monotonic() + 10)           # ... stopped again
+    c = coordinator(cfg, str(tmp_path))
+    assert c.restarts == 2
+    c._checked = -1e9
+    c._tick(time.monotonic())
+    assert not c.abort and c.phase == "training", (c.phase, c.abort)

@@ -664,20 +664,28 @@ def _unrecognized(ap: argparse.ArgumentParser, args, argv: list[str], extra: lis
     "psgd: error: unrecognized arguments: --batch"): a training script's options given
     before `--` say where they go (the README's `psgd run --script S -- --batch 64` without
     its `--`); a misspelt option names the closest one (`--mdoe`: --mode)."""
-    said = " ".join(extra)
-    if args.cmd == "run" and getattr(args, "script", None):
-        config = args.config if (args.config and args.config != os.environ.get("PSGD_CONFIG")
-                                 and not os.path.exists(args.config)) else None
-        theirs = [a for a in argv if a in extra or a == config]   # (a value after one is taken as CONFIG)
-        return (f"unrecognized arguments: {said} (arguments for the script go after --: "
-                f"psgd run --script {args.script} [options] -- {' '.join(theirs)})")
+    import collections
     import difflib
+    said = " ".join(extra)
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
     options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
-    for word in extra:
+    for word in extra:   # (first: `--script S --mdoe sync` is a misspelt option, not the script's)
         close = difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.75)
         if word.startswith("--") and close:
             return f"unrecognized arguments: {said}; did you mean {close[0]}? (psgd {args.cmd} --help lists them)"
+    if args.cmd == "run" and getattr(args, "script", None):
+        config = args.config if (args.config and args.config != os.environ.get("PSGD_CONFIG")
+                                 and not os.path.exists(args.config)) else None
+        # In the order typed (a value after one is taken as CONFIG), from the end: the script's
+        # come after psgd's own, whose values may repeat them (`--workers 2 --batch 2`).
+        left = collections.Counter(extra + ([config] if config else []))
+        theirs: list[str] = []
+        for a in reversed(argv):
+            if left[a] > 0:
+                left[a] -= 1
+                theirs.insert(0, a)
+        return (f"unrecognized arguments: {said} (arguments for the script go after --: "
+                f"psgd run --script {args.script} [options] -- {' '.join(theirs)})")
     return f"unrecognized arguments: {said} (psgd {args.cmd} --help lists the options)"
 
 

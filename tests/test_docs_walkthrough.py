@@ -13,6 +13,7 @@ pytestmark = pytest.mark.unit
     (["--batch", "64"], "-- --batch 64"),
     (["--batch=64"], "-- --batch=64"),
     (["--workers", "3", "--batch", "64"], "-- --batch 64"),
+    (["--workers", "2", "--batch", "2"], "-- --batch 2"),   # (a review: it said "-- 2 --batch 2")
 ])
 def test_a_scripts_options_before_the_dashes_say_where_they_go(given, after_dashes, tmp_path, capsys):
     """README: `psgd run --script examples/custom_loss.py --mode async --workers 3 -- --batch 64`.
@@ -33,6 +34,7 @@ def test_a_scripts_options_before_the_dashes_say_where_they_go(given, after_dash
     (["run", "--mdoe", "sync"], "--mode"),
     (["compare", "--repaets=2"], "--repeats"),
     (["worker", "--rnak", "1"], "--rank"),
+    (["run", "--script", "train.py", "--mdoe", "sync"], "--mode"),   # (a review: "go after --")
 ])
 def test_a_misspelt_option_is_one_line_naming_the_closest(argv, close, capsys):
     """It was the top-level usage (psgd [-h] [--version] {run,compare,...}) and
@@ -40,5 +42,6 @@ def test_a_misspelt_option_is_one_line_naming_the_closest(argv, close, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
-    assert f"psgd {argv[0]}: error: unrecognized arguments: {argv[1]}" in err, err
+    misspelt = next(a for a in argv[1:] if a.startswith("--") and a != "--script")
+    assert f"psgd {argv[0]}: error: unrecognized arguments: {misspelt}" in err, err
     assert f"did you mean {close}?" in err, err

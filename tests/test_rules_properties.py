@@ -548,3 +548,21 @@ def test_rounds_closed_by_one_event_take_each_d_against_the_centre_the_earlier_r
     for rank in (0, 1):
         torch.testing.assert_close(ds[rank], alpha * (torch.from_numpy(x[rank, 1]) - c1))
     torch.testing.assert_close(h.shard.params.detach(), c1 + ds[0] + ds[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_step_of_waiting_pushes_closes_with_the_first_n_minus_b_with_backup_workers():
+    """E's note: with backup workers, the pushes that waited for a step (`early`: workers
+    ahead of this shard, restored from an older checkpoint, say) were all taken when it
+    opened, so the step closed with more than N - b gradients and fewer counted dropped
+    than "the first N - b, the rest dropped" (Chen et al. 2016). It takes the first N - b
+    of them in arrival order; the rest are late, dropped and counted."""
+    h = Harness("sync", 5, **{"mode.backup_workers": 2})     # N - b = 3
+    h.send(step_push(h, 0, 0))                                # step 0: rank 0's gradient
+    early = [step_push(h, rank, 1) for rank in (0, 1, 2, 3)]  # four wait for step 1; rank 4 has not pushed
+    for m in early:
+        assert h.send(m) == {}
+    got = h.send(step_push(h, 4, 0))                          # step 0 closes short; step 1 with 3 of the 4
+    assert h.shard.rule.barrier.step == 2, h.shard.rule.barrier.step
+    assert h.shard.rule.barrier.dropped == 1 and h.drops == 1
+    assert got[("t", early[3].id)].get("push")["dropped"]      # the fourth to arrive: late

@@ -102,7 +102,12 @@ class SyncRule(ServerRule):
                 # the live workers' step, and a waiting push below the open step, kept, was `ahead` for good
                 # (every step closed short without its rank; with its rank the only one live, the loop never
                 # ended: the shard hung). Taken, it is answered late (dropped, counted).
-                for rank in sorted(r for r, p in self.early.items() if self.step_of(p) <= self.barrier.step):
+                # Taken until the step is complete: with backup workers it closes with the first
+                # N - b (in arrival order), and the waiting pushes after them are late, dropped and
+                # counted (all were taken: a step of more than N - b gradients, fewer counted dropped).
+                for rank in [r for r, p in self.early.items() if self.step_of(p) <= self.barrier.step]:
+                    if self.barrier.contributors and self.barrier.complete():
+                        break
                     p = self.early.pop(rank)
                     out += self.take(p, self.barrier.offer(rank, self.step_of(p)))
             ahead = self.ahead() if self.early or self.past else {}

@@ -5,6 +5,9 @@ under DIR/tb/ with tensorboard's own event writer (no torch):
     job/samples_per_s, job/staleness, job/wait_fraction
     worker-R/samples_per_s, worker-R/staleness, worker-R/wait_fraction
                                         every few seconds, from the heartbeats' counters
+                                        (staleness once it counted any: never for ltfb,
+                                        whose trainers read no shared model; a 0 there
+                                        would be no measurement, as in summary.json)
 
 The step of every point is the number of samples the job has processed, so that runs of
 different speeds overlay on one axis (TensorBoard's "relative" or "wall" axes give time).
@@ -41,7 +44,10 @@ class Scalars:
         self.writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
 
     def workers(self, stats: dict[int, dict], step: int) -> None:
-        """Per worker and for the job: samples/s, mean staleness, share of time waiting."""
+        """Per worker and for the job: samples/s, mean staleness, share of time waiting.
+        A mean staleness only where the histogram counted some: ltfb's trainers count none
+        (summary.json's is empty, psgd run's line and the report show none), and a 0
+        drawn for them read as a measured one."""
         values: dict[str, float] = {}
         hist, busy, wait = Histogram(), 0.0, 0.0
         for r, s in sorted(stats.items()):
@@ -50,13 +56,14 @@ class Scalars:
                 continue
             h = Histogram.of(s)
             values[f"worker-{r}/samples_per_s"] = int(s.get("samples") or 0) / elapsed
-            values[f"worker-{r}/staleness"] = h.mean
+            if h.total:
+                values[f"worker-{r}/staleness"] = h.mean
             values[f"worker-{r}/wait_fraction"] = float(s.get("wait_s") or 0) / elapsed
             hist.merge(h)
             busy, wait = busy + elapsed, wait + float(s.get("wait_s") or 0)
         if values:
             values.update({"job/samples_per_s": sum(v for k, v in values.items() if k.endswith("samples_per_s")),
-                           "job/staleness": hist.mean, "job/wait_fraction": wait / busy})
+                           "job/wait_fraction": wait / busy, **({"job/staleness": hist.mean} if hist.total else {})})
             self.add(values, step)
 
     def close(self) -> None:

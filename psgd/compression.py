@@ -144,9 +144,11 @@ def few_elements(codec: str, size: int, topk_fraction: float) -> str:
     the method's behaviour with so few. Measured with `psgd simulate` (sync, 2 workers, 2
     shards, digits' MLP, lr 0.1, momentum 0.9, 600 steps): hidden 16 (5 elements a push on
     its smaller shard) reached 0.82 against 0.97 uncompressed, 0.96 with topk_fraction
-    0.05; hidden 24 (at least 10 a push) 0.97 against 0.99."""
+    0.05; hidden 24 (at least 10 a push) 0.97 against 0.99. A push of every value of its
+    shard (a shard of under 10 values at a large fraction, as 1) leaves nothing out: no
+    burst, nothing to warn of (it warned, advising to raise a fraction already at 1)."""
     k = topk_count(size, topk_fraction) if codec == "topk" else TOPK_FEW
-    if k >= TOPK_FEW or k == 0:
+    if k >= TOPK_FEW or k == 0 or k >= size:
         return ""
     return (f"warning: wire.compression = topk pushes {k} of a shard's {size:,} values (wire.topk_fraction = "
             f"{topk_fraction:g}): with under {TOPK_FEW}, error feedback sends each value in rare bursts that the "

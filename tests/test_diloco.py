@@ -309,3 +309,31 @@ def test_the_docs_cite_the_diloco_paper_by_its_arxiv_number():
     import pathlib
     doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "modes.md").read_text()
     assert "Language Models*, 2023 (arXiv:2311.08105)" in doc and "2311.08455" not in doc
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_an_exchange_the_worker_refuses_itself_starts_it_from_the_global_model():
+    """helper H: a round's pseudo-gradient beyond float16's range is refused by the worker
+    itself (Diverged, before the shards see it); the exchange caught only the shards'
+    refusal, so the worker kept its own diverging model (its next exchange pushed two
+    rounds' change: accuracy 0.033 at lr 5). It starts from the open round's global model,
+    as after the shards' refusal."""
+    from psgd.consistency.rule import Diverged
+    cfg = Config().replace(**{"mode.name": "diloco", "cluster.workers": 1, "cluster.servers": 2,
+                              "mode.local_steps": 2, "optimizer.lr": 0.05, "train.steps": 6})
+    shards = [Shard(cfg, i) for i in range(2)]
+    w = FakeTrainer(cfg, Loopback(shards, 0), grad)
+    schedule = DilocoSchedule(cfg)
+    schedule.start(w)
+    real = w.client.push_pull
+
+    def beyond_float16(*a, **k):
+        w.client.push_pull = real
+        raise Diverged("values up to 4.92e+05 at step 0 are beyond float16's range (65504)")
+    w.client.push_pull = beyond_float16
+    schedule.step(w)
+    assert flat(w.replica.params()).ne(flat([s.params for s in shards])).any()   # a local step away
+    with pytest.raises(Diverged):
+        schedule.step(w)                                                        # round 0's exchange
+    torch.testing.assert_close(flat(w.replica.params()), flat([s.params for s in shards]))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from .. import wire
 from ..config import OptimizerConfig
 from .pushpull import caught_up, load
-from .rule import Schedule, Trainer, local_step, make_local_optimizer
+from .rule import Diverged, Schedule, Trainer, local_step, make_local_optimizer
 from .sync import SyncRule
 
 if TYPE_CHECKING:
@@ -104,7 +104,8 @@ class DilocoSchedule(Schedule):
         w0 = w.client.wait_s
         try:
             pushed, pulled = w.client.push_pull(round_, deltas, w.replica.buffers(), self.versions)
-        except wire.Refused:  # not this round's (a shard restored, or we are ahead): start from the open one
+        except (wire.Refused, Diverged):   # not this round's (a shard restored, or we are ahead), or refused
+            # by the worker itself (a pseudo-gradient beyond float16's range): start from the open round's model
             if logged:
                 w.log_step(0, w.client.wait_s - w0, dropped=False, refused=True)
             self.rejoin(w)

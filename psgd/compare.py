@@ -307,6 +307,21 @@ def _read_as_a_value(spec: ModeSpec, specs: list[ModeSpec], cutoff: float = 0.6)
             f"did you mean {close[0]}?") if close else ""
 
 
+def _the_jobs_key(base: Config, sets: dict, error: str) -> str:
+    """'wire.compression is the job's (...): set it in the items that take it' for an
+    error that names a key the job sets for every item (`--set`, the config file), not
+    this item (`--modes sync,easgd --set wire.compression=topk`: easgd pushes none), else ''."""
+    default = Config().to_dict()
+    for section, values in base.to_dict().items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if (value != default[section][key] and dotted not in sets
+                    and re.search(rf"(?<![\w.]){re.escape(dotted)}(?![\w])", error)):
+                return (f"{dotted} = {value} is the job's, for every mode item: set it in the items that take it "
+                        f"instead, as MODE:{dotted}={value}")
+    return ""
+
+
 MISSPELLED_CUTOFF = 0.75   # a value of a key that takes any text is taken for a mode's misspelling only this close
 
 
@@ -348,7 +363,7 @@ def build_plan(base: Config, specs: list[ModeSpec], workers: list[int], repeats:
                 try:
                     cfg = base.replace(**sets)
                 except ConfigError as e:
-                    hint = _read_as_a_value(spec, specs)
+                    hint = _read_as_a_value(spec, specs) or _the_jobs_key(base, sets, str(e))
                     raise ConfigError(f"--modes {spec.label} with {w} worker{'s' * (w != 1)}: {e}"
                                       + (f" ({hint})" if hint else "")) from None
                 value = spec.sweep_value

@@ -79,3 +79,18 @@ def test_a_bad_value_in_a_mode_item_is_named_without_an_internal_label():
     with pytest.raises(ConfigError) as e:
         build_plan(load(None, [], env={}), parse_modes("ssp:staleness=0,1,x"), [2], 1)
     assert str(e.value) == "--modes ssp:staleness=x with 2 workers: mode.staleness: expected an integer, got 'x'"
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_jobs_key_that_one_mode_refuses_says_to_set_it_in_the_items():
+    """helper H: `psgd compare --modes sync,easgd --set wire.compression=topk` said only
+    "set wire.compression = none": the --set is every item's, and easgd refuses it."""
+    from psgd.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        build_plan(load(None, ["wire.compression=topk"], env={}), parse_modes("sync,easgd"), [2], 1)
+    assert str(e.value).endswith("(wire.compression = topk is the job's, for every mode item: set it in the items "
+                                 "that take it instead, as MODE:wire.compression=topk)"), str(e.value)
+    with pytest.raises(ConfigError) as e:   # an item's own key: no such hint
+        build_plan(load(None, [], env={}), parse_modes("sync,easgd:wire.compression=topk"), [2], 1)
+    assert "is the job's" not in str(e.value)

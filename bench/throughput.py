@@ -87,6 +87,7 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
 }
 COMMON = ["cluster.evaluator=false", "train.batch_size=32"]
 PARTS = ("ddp", "local", "async", "startup", "phases")
+BACKENDS = ("gloo", "nccl")
 MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
 
 
@@ -376,6 +377,35 @@ def print_phases(ph: dict, workers: int, servers: int) -> None:
 
 
 # ---------------------------------------------------------------- main
+def check_device_and_backend(ap: argparse.ArgumentParser, a: argparse.Namespace, parts: set[str]) -> None:
+    """--device and, where the DDP part runs, --backend: a usage error before anything
+    starts, not a part that fails after the others' minutes of runs."""
+    import torch
+    kind, _, index = a.device.partition(":")
+    if a.device != "cpu":
+        if kind != "cuda" or not (index == "" or index.isdigit()):
+            ap.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
+        if not torch.cuda.is_available():
+            ap.error(f"--device {a.device}: no CUDA device visible to torch {torch.__version__} "
+                     f"(cuda build: {torch.version.cuda})")
+        n = torch.cuda.device_count()
+        if index and int(index) >= n:
+            ap.error(f"--device {a.device}: torch sees {n} CUDA device{'s' if n != 1 else ''} here "
+                     f"(cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
+    if "ddp" not in parts:
+        return
+    import torch.distributed as dist
+    if not dist.is_available() or not getattr(dist, f"is_{a.backend}_available")():
+        ap.error(f"--backend {a.backend}: torch {torch.__version__} here has no {a.backend} backend")
+    if a.backend == "nccl":
+        if a.device == "cpu":
+            ap.error("--backend nccl runs on GPUs: give --device cuda")
+        gpus = 1 if index else torch.cuda.device_count()
+        if a.workers > gpus:
+            ap.error(f"--backend nccl takes a GPU per DDP rank: --workers {a.workers} on {gpus} GPU(s) "
+                     f"(--workers {gpus}, or --backend gloo)")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--profiled":
         raise SystemExit(profiled(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
@@ -385,7 +415,7 @@ def main() -> None:
     ap.add_argument("--workers", type=number(int, 1), default=2, help="W for the DDP comparison and the phases")
     ap.add_argument("--servers", type=number(int, 1), default=1,
                     help="psgd shards in the DDP comparison and the phases")
-    ap.add_argument("--backend", default="gloo", help="DDP backend (nccl with --device cuda)")
+    ap.add_argument("--backend", choices=BACKENDS, default="gloo", help="DDP backend (nccl with --device cuda)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: psgd's workers and the baselines")
     ap.add_argument("--models", type=name_list(MODELS), default="mlp,resnet20",
                     help="models of the DDP comparison: mlp, resnet20")
@@ -402,13 +432,7 @@ def main() -> None:
         if int(steps * a.steps_scale) < warm + 2:
             ap.error(f"--steps-scale {a.steps_scale:g} leaves {model} {int(steps * a.steps_scale)} steps, fewer "
                      f"than its {warm} warm-up steps + 2")
-    if a.device != "cpu":
-        import torch
-        if a.device.split(":")[0] != "cuda":
-            ap.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
-        if not torch.cuda.is_available():
-            ap.error(f"--device cuda: no CUDA device visible to torch {torch.__version__} "
-                     f"(cuda build: {torch.version.cuda})")
+    check_device_and_backend(ap, a, parts)
     from bench.common import stop_on_signals
     stop_on_signals()
     os.environ.update({k: v for k, v in child_env().items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})

@@ -45,6 +45,8 @@ BAD = [
     ("throughput", ["--repeats", "0"], "--repeats"),
     ("throughput", ["--steps-scale", "0.05"], "--steps-scale"),
     ("throughput", ["--device", "gpu"], "--device"),
+    ("throughput", ["--parts", "ddp", "--backend", "bogus"], "--backend"),   # failed after the plain loop's runs
+    ("throughput", ["--parts", "ddp", "--backend", "nccl"], "--backend"),    # NCCL on the CPU (or none in torch)
     ("scaling", ["--models", "mlp,foo"], "--models"),          # crashed after mlp's runs
     ("scaling", ["--modes", "sync,bogus"], "--modes"),
     ("scaling", ["--models", "mlp", "--modes", "sync", "--workers", "1", "--shards", "1,70000"], "S=70000"),
@@ -76,6 +78,27 @@ def test_throughput_cuda_without_a_gpu_says_so() -> None:
     r = subprocess.run([sys.executable, "-m", "bench.throughput", "--parts", "local", "--device", "cuda"], cwd=REPO,
                        capture_output=True, text=True, timeout=50, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 2 and "no CUDA device" in r.stderr.splitlines()[-1], r.stderr
+
+
+# One GPU as torch sees it, with NCCL: what the checks of --device and --backend look at.
+ONE_GPU = ("import torch\nimport torch.distributed as dist\ntorch.cuda.is_available = lambda: True\n"
+           "torch.cuda.device_count = lambda: 1\ndist.is_nccl_available = lambda: True\n")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,said", [
+    (["--device", "cuda:1"], "--device cuda:1: torch sees 1 CUDA device here (cuda:0)"),
+    (["--device", "cuda", "--backend", "nccl"], "--backend nccl takes a GPU per DDP rank: --workers 2 on 1 GPU"),
+    (["--device", "cuda:0", "--backend", "nccl", "--workers", "2"], "--workers 2 on 1 GPU"),
+])
+def test_throughput_device_or_backend_this_machine_cannot_run_is_a_usage_error(args, said) -> None:
+    """A review: `--device cuda:1` on a machine of one GPU, or DDP with NCCL and more ranks
+    than GPUs (NCCL refuses two ranks on one GPU), started the benchmark; each part then
+    failed in turn, after the runs before it."""
+    r = _main_with("throughput", ONE_GPU, [*args, "--parts", "ddp,local", "--models", "mlp"])
+    assert r.returncode == 2 and said in r.stderr.splitlines()[-1], r.stderr
+    assert r.stdout == "" and "[bench]" not in r.stderr
 
 
 def _main_with(module: str, patch: str, args: list[str]) -> subprocess.CompletedProcess:

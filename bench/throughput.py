@@ -158,6 +158,7 @@ def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str
     q = ctx.Queue()
     procs = [ctx.Process(target=_loop_process, args=(q, cfg.to_dict(), r, world, steps, device, backend, port),
                          daemon=True) for r in range(world)]
+    done = False
     try:
         for p in procs:
             p.start()
@@ -174,12 +175,16 @@ def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str
             if isinstance(rows, str):
                 raise RuntimeError(f"baseline rank {rank}: {rows}")
             runs[rank] = rows
+        done = True
         return steady_rate(runs, warmup)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
+    finally:   # every rank has sent its rows (they end by themselves), or the benchmark is stopped or failed
+        for p in procs:   # (a rank still training, or waiting for a failed peer, is not waited for)
+            p.join(timeout=10 if done else 0)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
                 p.join(timeout=5)
 
 

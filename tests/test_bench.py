@@ -218,3 +218,51 @@ def test_gpu_sh_names_a_python_without_torch_not_a_missing_gpu(tmp_path) -> None
                             "GPU_WHEELS": str(tmp_path / "no-wheels")})
     assert r.returncode == 3, (r.returncode, r.stderr)
     assert "cannot import torch" in r.stderr and "no usable GPU" not in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_throughput_stopped_during_a_baseline_stops_its_ranks_at_once() -> None:
+    """A review: SIGTERM (or Ctrl-C) while the plain loop or DDP ranks ran ended the
+    benchmark only after it had waited 10 s for each rank to finish by itself (22 s at W =
+    2), ranks still training; `timeout --kill-after=5` (bench/gpu.sh) then killed the
+    benchmark and left its ranks running on."""
+    from tests.conftest import children
+    code = ("import bench.throughput as m\nfrom bench.common import stop_on_signals\nstop_on_signals()\n"
+            "print('started', flush=True)\n"
+            "m.run_loops(m.MODELS['mlp'][0] + m.COMMON, 2, 10 ** 9, 'cpu', None, 50)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": REPO})
+    ranks: set[int] = set()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2 and time.monotonic() < deadline:   # the two ranks (spawn's resource tracker aside)
+            ranks = {c for c in children(p.pid) if "multiprocessing.spawn" in _cmdline(c)}
+            time.sleep(0.2)
+        assert len(ranks) == 2, children(p.pid)
+        time.sleep(1.0)
+        p.terminate()
+        t = time.monotonic()
+        p.wait(timeout=30)
+        took = time.monotonic() - t
+        deadline = time.monotonic() + 10
+        while (left := {c for c in ranks if os.path.exists(f"/proc/{c}")}) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"ranks left running: {left}"
+        assert took < 8, f"the benchmark took {took:.1f} s to stop after SIGTERM"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+        for c in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

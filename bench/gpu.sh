@@ -17,7 +17,7 @@
 #       -d .whl pyzmq==$(.venv/bin/python -c 'import zmq; print(zmq.__version__)')
 #
 # and run it there with: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=570).
-# Steps, each with its own timeout (with the wheels and the results: at most about 520 s, one
+# Steps, each with its own timeout (with the wheels and the results: at most about 505 s, one
 # device command's 600 s with room; less when they end sooner). A step that fails or runs out
 # of time is noted and the next one runs:
 #   1. the GPU and torch's view of it, then psgd's imports        -> $OUT/gpu.txt
@@ -25,13 +25,14 @@
 #      synthetic 3x32x32 data, evaluator on the GPU too)
 #   3. pinned-memory transfers: pageable vs pinned device->host copies, and that
 #      psgd.replica.Replica stages its tables in pinned buffers
-#   4. bench/throughput.py's comparisons on the GPU: psgd sync vs DDP with NCCL (one GPU: one
-#      DDP rank, W=1), psgd sync/async vs a plain loop (its `workers` is 1: not the CPU goal's
-#      W=2 figure)
+#   4. bench/throughput.py's comparisons on the GPU, as two steps: psgd sync vs DDP with NCCL
+#      (one GPU: one DDP rank, W=1; its `workers` is 1, not the CPU goal's W=2 figure), then
+#      psgd sync/async vs a plain loop
 # $OUT holds four files, as few as the device tool brings back (8, none in subfolders deeper
 # than 2): gpu.txt; steps.log (every step's output, appended as each ends); results.json (the
-# steps that failed, the two runs' summary.json, the pinned-memory figures, throughput's
-# JSON); runs.tar.gz (the run folders, made in a scratch folder, without their .pt files).
+# steps that failed, the two runs' summary.json, the pinned-memory figures, the two
+# throughput steps' JSON); runs.tar.gz (the run folders, made in a scratch folder, without
+# their .pt files).
 # Exit status: 2 if there is no usable GPU, 3 if PY cannot import torch, psgd or a dependency (all
 # said on stderr), 1 if a step failed, 0 otherwise.
 set -uo pipefail
@@ -154,9 +155,13 @@ json.dump(out, open(sys.argv[1], "w"), indent=1)
 sys.exit(0 if out["replica_tables_pinned"] and out["replica_grads_match"] else 1)
 EOF
 
-# 4. The throughput comparisons on the GPU (NCCL allows one rank per GPU: W=1 here).
-step throughput 200 "$PY" -m bench.throughput --parts ddp,local,async --backend nccl --device cuda --workers 1 \
+# 4. The throughput comparisons on the GPU (NCCL allows one rank per GPU: W=1 here), in two
+#    steps: DDP with NCCL (the likeliest to hang, at its init) does not take the plain loop's
+#    comparisons down with it.
+step throughput-ddp 100 "$PY" -m bench.throughput --parts ddp --backend nccl --device cuda --workers 1 \
     --repeats 1 --keep "$WORK/runs/throughput-runs"
+step throughput-local 80 "$PY" -m bench.throughput --parts local,async --device cuda --repeats 1 \
+    --keep "$WORK/runs/throughput-runs"
 
 # What comes back: the figures in one JSON, the run folders in one archive.
 if ! timeout 20 "$PY" - "$OUT/results.json" "$WORK" "${failed[@]}" <<'EOF'
@@ -181,7 +186,8 @@ out = {"failed": failed,
        "run-mlp": read_json(os.path.join(work, "runs", "run-mlp", "summary.json")),
        "run-resnet20": read_json(os.path.join(work, "runs", "run-resnet20", "summary.json")),
        "pinned": read_json(os.path.join(work, "pinned.json")),
-       "throughput": last_json_line(os.path.join(work, "logs", "throughput.log"))}
+       "throughput-ddp": last_json_line(os.path.join(work, "logs", "throughput-ddp.log")),
+       "throughput-local": last_json_line(os.path.join(work, "logs", "throughput-local.log"))}
 with open(path, "w") as f:
     json.dump(out, f, indent=1)
 EOF

@@ -42,8 +42,10 @@ MAX_FILES, MAX_DEPTH, MAX_BYTES, MAX_COMMAND_S = 8, 2, 64 << 20, 600
 
 # A stand-in for PY: the GPU check passes, the `psgd run --device cuda` steps run the real
 # psgd on the CPU (few steps, the port given for the run's folder in FAKE_PORTS), the
-# pinned-memory step writes its JSON, and bench.throughput leaves in --keep what it leaves
-# there: a `psgd run` folder per variant (one of them here; five with gpu.sh's --parts).
+# pinned-memory step writes its JSON, gpu.sh's own script writes results.json, and
+# bench.throughput leaves in --keep what it leaves there: a `psgd run` folder per variant
+# (one a call here; two and three with gpu.sh's --parts). With FAKE_DDP_HANGS set,
+# bench.throughput --parts ddp hangs.
 FAKE_PY = r'''#!{python}
 import json, os, subprocess, sys
 REAL = {python!r}
@@ -53,6 +55,10 @@ if args[:1] == ["-"]:
     src = sys.stdin.read()
     if "is_available" in src:
         print("fake: torch sees one GPU")
+        sys.exit(0)
+    if "last_json_line" in src:   # what comes back: the real script
+        sys.argv = args
+        exec(compile(src, "<stdin>", "exec"), {{"__name__": "__main__"}})
         sys.exit(0)
     if len(args) > 1 and args[1].endswith(".json"):
         open(args[1], "w").write("{{}}")
@@ -65,11 +71,15 @@ if args[:2] == ["-m", "psgd"]:
     port = PORTS[os.path.basename(args[args.index("--out") + 1])]
     os.execv(REAL, [REAL] + out + ["--set", f"cluster.port={{port}}"])
 if args[:2] == ["-m", "bench.throughput"]:
-    keep = args[args.index("--keep") + 1]
-    subprocess.run([REAL, "-m", "psgd", "run", "--device", "cpu", "--quiet", "--out", os.path.join(keep, "vs_local"),
+    keep, parts = args[args.index("--keep") + 1], args[args.index("--parts") + 1]
+    name = "vs_ddp_small" if parts == "ddp" else "vs_local"
+    if name == "vs_ddp_small" and os.environ.get("FAKE_DDP_HANGS"):
+        import time
+        time.sleep(600)
+    subprocess.run([REAL, "-m", "psgd", "run", "--device", "cpu", "--quiet", "--out", os.path.join(keep, name),
                     "--set", "train.steps=3", "--set", "cluster.workers=1", "--set", "cluster.servers=1",
-                    "--set", "cluster.evaluator=false", "--set", f"cluster.port={{PORTS['vs_local']}}"], check=True)
-    print(json.dumps({{"bench": "throughput"}}))
+                    "--set", "cluster.evaluator=false", "--set", f"cluster.port={{PORTS[name]}}"], check=True)
+    print(json.dumps({{"bench": "throughput", "parts": parts}}))
     sys.exit(0)
 sys.exit("fake PY: not a call gpu.sh makes: " + repr(args))
 '''
@@ -143,7 +153,7 @@ def test_gpu_sh_leaves_in_OUT_no_more_files_than_the_device_tool_brings_back(tmp
     none more than 2 folders down, put whole `psgd run` folders (23 files each: logs,
     events, checkpoints, model.pt, ...) and bench.throughput's --keep folders under $OUT,
     about 66 files: the summaries it was run for could be among those left behind."""
-    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_local")}
+    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_ddp_small", "vs_local")}
     r = _gpu_sh(tmp_path, _script(tmp_path, "fakepy", FAKE_PY), FAKE_PORTS=json.dumps(ports))
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "out"
@@ -160,8 +170,34 @@ def test_gpu_sh_leaves_in_OUT_no_more_files_than_the_device_tool_brings_back(tmp
         f"of which the device tool returns {MAX_FILES}: {sorted(files)[:40]}")
     runs = subprocess.run(["tar", "-tzf", str(out / "runs.tar.gz")], capture_output=True, text=True).stdout.split()
     assert {"runs/run-mlp/summary.json", "runs/run-resnet20/summary.json",
-            "runs/throughput-runs/vs_local/summary.json"} <= set(runs)
-    assert "== throughput: exit 0" in (out / "steps.log").read_text()
+            "runs/throughput-runs/vs_ddp_small/summary.json", "runs/throughput-runs/vs_local/summary.json"} <= set(runs)
+    log = (out / "steps.log").read_text()
+    assert "== throughput-ddp: exit 0" in log and "== throughput-local: exit 0" in log
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_gpu_sh_still_compares_with_the_plain_loop_when_ddp_hangs(tmp_path):
+    """A review: gpu.sh ran bench.throughput's DDP (NCCL) and plain-loop comparisons as one
+    step of 200 s; DDP with NCCL hanging (its init, in a VM never tried) used the step's
+    time and the plain-loop figures were never measured: results.json had no throughput
+    at all. Here the DDP step's timeout is cut to 3 s and the stand-in's DDP hangs."""
+    repo = tmp_path / "repo"
+    for part in ("bench", "psgd", "servers", "workers"):
+        shutil.copytree(os.path.join(REPO, part), repo / part, ignore=shutil.ignore_patterns("__pycache__"))
+    script = repo / "bench" / "gpu.sh"
+    text, n = re.subn(r"^step throughput-ddp \d+ ", "step throughput-ddp 3 ", script.read_text(), flags=re.M)
+    assert n == 1
+    script.write_text(text)
+    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_ddp_small", "vs_local")}
+    t = time.monotonic()
+    r = _gpu_sh(tmp_path, _script(tmp_path, "fakepy", FAKE_PY), script=str(script), FAKE_PORTS=json.dumps(ports),
+                FAKE_DDP_HANGS="1")
+    assert r.returncode == 1 and "throughput-ddp" in r.stderr.splitlines()[-1], (r.returncode, r.stderr[-2000:])
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["failed"] == ["throughput-ddp"] and results["throughput-ddp"] is None, results
+    assert results["throughput-local"] == {"bench": "throughput", "parts": "local,async"}, results
+    assert time.monotonic() - t < 200
 
 
 @pytest.mark.processes

@@ -17,7 +17,7 @@
 #       -d .whl pyzmq==$(.venv/bin/python -c 'import zmq; print(zmq.__version__)')
 #
 # and run it there with: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=570).
-# Steps, each with its own timeout (with the wheels and the results: at most about 505 s, one
+# Steps, each with its own timeout (with the wheels and the results: at most about 520 s, one
 # device command's 600 s with room; less when they end sooner). A step that fails or runs out
 # of time is noted and the next one runs:
 #   1. the GPU and torch's view of it, then psgd's imports        -> $OUT/gpu.txt
@@ -38,10 +38,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
-PY=${PY:-.venv/bin/python}
-command -v "$PY" >/dev/null || PY=python3   # (a path or a command name on PATH)
 mkdir -p "$OUT"
 rm -f "$OUT/gpu.txt" "$OUT/steps.log" "$OUT/results.json" "$OUT/runs.tar.gz"   # (an earlier run's)
+if [ -z "${PY:-}" ]; then   # the checkout's .venv, else python3 (the device's: no .venv travels)
+    PY=.venv/bin/python
+    [ -x "$PY" ] || PY=python3
+elif ! command -v "$PY" >/dev/null; then   # (a path or a command name on PATH) given, and not there
+    echo "bench/gpu.sh: PY=$PY: no such command (set PY to a Python with a CUDA build of torch)" \
+        | tee "$OUT/gpu.txt" >&2
+    exit 3
+fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/psgd-gpu.XXXXXX")   # run folders, step logs, wheels: not under $OUT
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/runs" "$WORK/logs"
@@ -76,7 +82,7 @@ if [ -d "$WHEELS" ]; then
 fi
 
 # 1. Is there a GPU that torch can use, and can PY import psgd and what it needs?
-{ command -v nvidia-smi >/dev/null && nvidia-smi; } >>"$OUT/gpu.txt" 2>&1
+{ command -v nvidia-smi >/dev/null && timeout 15 nvidia-smi; } >>"$OUT/gpu.txt" 2>&1   # (a hung driver hangs it)
 code=0
 timeout 40 "$PY" - >>"$OUT/gpu.txt" 2>&1 <<'EOF' || code=$?
 import sys
@@ -89,6 +95,11 @@ print("torch", torch.__version__, "cuda build", torch.version.cuda)
 if not torch.cuda.is_available():
     sys.exit(f"no CUDA device visible to torch {torch.__version__} (cuda build: {torch.version.cuda})")
 print("device 0:", torch.cuda.get_device_name(0), "count", torch.cuda.device_count())
+try:   # seen is not usable: a context, and a kernel on it
+    float(torch.ones(1, device="cuda").sum())
+except Exception as e:
+    sys.exit(f"torch sees {torch.cuda.get_device_name(0)} but cannot compute on it "
+             f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})")
 EOF
 if [ "$code" = 3 ]; then   # a dependency missing, not the GPU (not looked at without torch)
     echo "bench/gpu.sh: $(tail -n 1 "$OUT/gpu.txt")" >&2

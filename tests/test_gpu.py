@@ -92,6 +92,8 @@ import torch
 torch.cuda.is_available = lambda: True
 torch.cuda.get_device_name = lambda i=0: "NVIDIA H200 (fake)"
 torch.cuda.device_count = lambda: 1
+real_ones = torch.ones
+torch.ones = lambda *a, device=None, **k: real_ones(*a, **k)   # (computes, on the CPU)
 sys.modules["zmq"] = None   # not installed
 if sys.argv[1:2] != ["-"]:
     sys.exit("only step 1 expected")
@@ -138,12 +140,12 @@ def _wheel(folder, name: str, version: str) -> None:
             z.writestr(path, text)
 
 
-def _gpu_sh(tmp_path, py: str, script: str = GPU_SH, **env) -> subprocess.CompletedProcess:
+def _gpu_sh(tmp_path, py: str, script: str = GPU_SH, timeout_s: float = 280, **env) -> subprocess.CompletedProcess:
     """gpu.sh with a stand-in PY; the checkout's own .whl/ (prepared for the device) is
     not installed unless GPU_WHEELS says so."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": py, "GPU_WHEELS": str(tmp_path / "no-wheels"), **env}
     env.pop("PYTHONPATH", None)
-    return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=280)
+    return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.mark.processes
@@ -212,6 +214,59 @@ def test_gpu_sh_names_a_missing_dependency_not_a_missing_gpu(tmp_path):
     assert "no usable GPU" not in r.stderr and r.returncode == 3, (r.returncode, r.stderr[-2000:])
 
 
+# A stand-in for PY on a machine whose torch sees a GPU it cannot compute on: the real
+# step-1 scripts, with torch.cuda's look faked (as torch would see it) and its computing
+# real (a CPU torch's, which fails).
+SEES_A_GPU_PY = r'''#!{python}
+import sys
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda i=0: "NVIDIA H200 (fake)"
+torch.cuda.device_count = lambda: 1
+if sys.argv[1:2] != ["-"]:
+    sys.exit("only step 1 expected")
+src = sys.stdin.read()
+sys.argv = sys.argv[1:]
+exec(compile(src, "<stdin>", "exec"), {{"__name__": "__main__"}})
+'''
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_gpu_sh_names_a_gpu_torch_sees_and_cannot_use_as_no_usable_gpu(tmp_path):
+    """A review: step 1 asked torch.cuda.is_available() only; a GPU it sees but cannot
+    make a context or run a kernel on passed, and every step then failed on its own."""
+    r = _gpu_sh(tmp_path, _script(tmp_path, "seesgpu", SEES_A_GPU_PY))
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "no usable GPU: torch sees NVIDIA H200 (fake) but cannot compute on it" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_gpu_sh_says_a_PY_that_is_not_there(tmp_path):
+    """A review: PY set to a path that is not there was taken as python3 without a word,
+    and gpu.sh went on with that Python (here: said python3 cannot import torch)."""
+    r = _gpu_sh(tmp_path, str(tmp_path / "no" / "python"))
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.splitlines()[0] == (f"bench/gpu.sh: PY={tmp_path / 'no' / 'python'}: no such command (set PY to "
+                                        f"a Python with a CUDA build of torch)"), r.stderr[-2000:]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_gpu_sh_does_not_wait_for_a_hung_nvidia_smi(tmp_path):
+    """A review: step 1 ran nvidia-smi without a timeout: a driver that hangs it hung
+    gpu.sh for the rest of the device command, and no step ran."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 100\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    t = time.monotonic()
+    r = _gpu_sh(tmp_path, _script(tmp_path, "seesgpu", SEES_A_GPU_PY), timeout_s=90,
+                PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert r.returncode == 2 and time.monotonic() - t < 60, (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_gpu_sh_installs_the_wheels_carried_in_whl_before_it_imports(tmp_path):
@@ -236,7 +291,7 @@ def test_gpu_sh_ends_within_one_device_command():
     text = open(GPU_SH).read()
     steps = [int(s) for s in re.findall(r"^step \S+ (\d+) ", text, re.M)]
     kill_after = [int(s) for s in re.findall(r"--kill-after=(\d+)", text)]
-    others = [int(s) for s in re.findall(r'\btimeout (\d+) "\$PY"', text)]   # wheels, GPU, imports, results
+    others = [int(s) for s in re.findall(r"\btimeout (\d+) ", text)]   # wheels, nvidia-smi, GPU, imports, results
     assert steps and others and len(kill_after) == 1, "gpu.sh's layout changed: update this test"
     worst = sum(steps) + sum(others) + len(steps) * kill_after[0]
     assert worst <= MAX_COMMAND_S - 60, f"gpu.sh may run {worst} s; one device command may run {MAX_COMMAND_S} s"

@@ -202,6 +202,69 @@ def test_gpu_sh_still_compares_with_the_plain_loop_when_ddp_hangs(tmp_path):
     assert time.monotonic() - t < 200
 
 
+# A stand-in for PY that runs every command gpu.sh runs as gpu.sh gives it, on the CPU:
+# `cuda` -> `cpu` and `nccl` -> `gloo` in the arguments, a tenth of the runs' steps and a
+# quarter of the benchmark's; in the scripts it feeds on stdin, torch.cuda's look faked
+# (step 1) and the pinned-memory step's CUDA-only calls made the CPU's (pinning, the
+# device, synchronize); gpu.sh's results.json script as it is.
+ON_THE_CPU_PY = r'''#!{python}
+import json, os, sys
+REAL = {python!r}
+PORTS = json.loads(os.environ["FAKE_PORTS"])
+args = sys.argv[1:]
+if args[:2] == ["-m", "psgd"]:
+    out = [{{"cuda": "cpu"}}.get(a, a) for a in args]
+    out = [f"train.steps={{int(a.split('=')[1]) // 10}}" if a.startswith("train.steps=") else a for a in out]
+    port = PORTS[os.path.basename(args[args.index("--out") + 1])]
+    os.execv(REAL, [REAL] + out + ["--set", f"cluster.port={{port}}"])
+if args[:2] == ["-m", "bench.throughput"]:
+    os.execv(REAL, [REAL] + [{{"cuda": "cpu", "nccl": "gloo"}}.get(a, a) for a in args] + ["--steps-scale", "0.25"])
+if args[:1] != ["-"]:
+    sys.exit("stand-in PY: not a call gpu.sh makes: " + repr(args))
+src = sys.stdin.read()
+sys.argv = args
+import torch
+if "is_available" in src:
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_name = lambda i=0: "NVIDIA H200 (fake)"
+    torch.cuda.device_count = lambda: 1
+    real_ones = torch.ones
+    torch.ones = lambda *a, device=None, **k: real_ones(*a, **k)
+elif "pin_memory" in src:
+    real_empty, real_device = torch.empty, torch.device
+    torch.empty = lambda *a, pin_memory=False, **k: real_empty(*a, **k)
+    torch.Tensor.is_pinned = lambda self: True
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    class Device:   # torch.device("cuda", 0) -> the CPU
+        def __new__(cls, *a):
+            return real_device("cpu")
+    torch.device = Device
+exec(compile(src, "<stdin>", "exec"), {{"__name__": "__main__"}})
+'''
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_sh_runs_its_own_commands_on_the_cpu(tmp_path):
+    """gpu.sh had never run: its tests' stand-in ran other commands in the place of its
+    `psgd run`s (an MLP for the ResNet-20), bench.throughput's and the pinned-memory
+    script. Here every command is gpu.sh's own, on the CPU: a flag bench.throughput
+    refuses, a config key psgd refuses or a name the pinned-memory script misuses
+    (psgd.replica's, psgd.models') fails here, not on the device."""
+    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20")}
+    r = _gpu_sh(tmp_path, _script(tmp_path, "onthecpu", ON_THE_CPU_PY), FAKE_PORTS=json.dumps(ports))
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["failed"] == []
+    assert results["run-mlp"]["model"] == "mlp" and results["run-resnet20"]["model"] == "resnet20", results
+    assert results["pinned"]["replica_tables_pinned"] and results["pinned"]["replica_grads_match"], results["pinned"]
+    ddp, local = results["throughput-ddp"], results["throughput-local"]
+    assert {"ratio_vs_ddp_small", "ratio_vs_ddp_large"} <= set(ddp) and ddp["workers"] == 1, ddp
+    assert {"ratio_vs_local", "ratio_async_vs_local", "ratio_async_noprefetch_vs_local"} <= set(local), local
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_gpu_sh_names_a_missing_dependency_not_a_missing_gpu(tmp_path):

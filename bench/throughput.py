@@ -23,11 +23,11 @@ Parts (`--parts`, default all):
 Each ratio: the repeats (`--repeats`, 3) run psgd and its baseline interleaved, and the
 ratio is the median of the repeats' own ratios (the baseline's runs are not set apart
 from psgd's, so the machine's drifting load hits both alike).
-- `startup`: `psgd run` of the default job (evaluator on): seconds from launching the
+- `startup`: `psgd run` of the default job (evaluator on, `--device`): seconds from launching the
   command to the end of the first worker step (the earliest `t` in the worker event
   logs) (`startup_s`); also summary.json's own `startup_s` (to the start of training).
-- `phases`: where the time of a psgd MLP `sync` step goes (W workers, `--servers`
-  shards), on both ends: worker 0 runs with timers around compute, gather
+- `phases` (with `--device cpu` only): where the time of a psgd MLP `sync` step goes (W
+  workers, `--servers` shards), on both ends: worker 0 runs with timers around compute, gather
   (Replica.grads/buffers), encode+send and wait (Peers.send / Peers.wait inside
   ParameterClient.push_pull; of the wait, the time blocked in zmq's poll and in
   wire.decode) and scatter (Replica.load); shard 0 with timers around its blocking poll,
@@ -193,7 +193,7 @@ def psgd_rate(sets: list[str], work: str, name: str, warmup: int, device: str) -
     return run_psgd(sets, fresh_folder(os.path.join(work, name)), warmup, device=device)["steady"]
 
 
-def startup(work: str) -> tuple[float, float, float | None]:
+def startup(work: str, device: str) -> tuple[float, float, float | None]:
     """(seconds from launching `psgd run` to the end of the first worker step, the whole
     command, summary.json's own `startup_s` (to the start of training) if it has one)."""
     out = fresh_folder(os.path.join(work, "startup"))
@@ -202,7 +202,7 @@ def startup(work: str) -> tuple[float, float, float | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
     with Procs(os.path.join(work, "startup-logs")) as procs:
         t0 = time.time()
-        procs.start("run", argv + ["run", "--out", out, "--quiet"], env=env)
+        procs.start("run", argv + ["run", "--out", out, "--quiet", "--device", device], env=env)
         rc = procs.wait("run", 300)
         t1 = time.time()
         if rc != 0:
@@ -397,6 +397,8 @@ def check_device_and_backend(ap: argparse.ArgumentParser, a: argparse.Namespace,
         if index and int(index) >= n:
             ap.error(f"--device {a.device}: torch sees {n} CUDA device{'s' if n != 1 else ''} here "
                      f"(cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
+    if "phases" in parts and a.device != "cpu":   # its workers, and the floor it measures alone, run on the CPU
+        ap.error(f"--parts phases times a step on the CPU only: leave it out with --device {a.device}")
     if "ddp" not in parts:
         return
     import torch.distributed as dist
@@ -415,8 +417,8 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--profiled":
         raise SystemExit(profiled(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", type=name_list(PARTS), default=",".join(PARTS),
-                    help=f"some of {','.join(PARTS)} (default: all)")
+    ap.add_argument("--parts", type=name_list(PARTS),
+                    help=f"some of {','.join(PARTS)} (default: all; all but phases with a GPU --device)")
     ap.add_argument("--workers", type=number(int, 1), default=2, help="W for the DDP comparison and the phases")
     ap.add_argument("--servers", type=number(int, 1), default=1,
                     help="psgd shards in the DDP comparison and the phases")
@@ -430,7 +432,7 @@ def main() -> None:
                     help="multiply every run's steps")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
-    parts = set(a.parts)
+    parts = set(a.parts or [p for p in PARTS if p != "phases" or a.device == "cpu"])
     used = (set(a.models) if "ddp" in parts else set()) | ({"mlp"} if parts & {"local", "async", "phases"} else set())
     for model in sorted(used):
         steps, warm = MODELS[model][1:]
@@ -512,7 +514,7 @@ def main() -> None:
         if "startup" in parts:
             progress("startup: psgd run (default job)")
             with part("startup"):
-                first, whole, own = startup(work)
+                first, whole, own = startup(work, a.device)
                 result["startup_s"], result["default_job_wall_s"] = round(first, 2), round(whole, 2)
                 result["summary_startup_s"] = own
         if "phases" in parts:

@@ -91,12 +91,15 @@ ONE_GPU = ("import torch\nimport torch.distributed as dist\ntorch.cuda.is_availa
     (["--device", "cuda:1"], "--device cuda:1: torch sees 1 CUDA device here (cuda:0)"),
     (["--device", "cuda", "--backend", "nccl"], "--backend nccl takes a GPU per DDP rank: --workers 2 on 1 GPU"),
     (["--device", "cuda:0", "--backend", "nccl", "--workers", "2"], "--workers 2 on 1 GPU"),
+    # (the phases part's workers, and the floor it times alone, ran on the CPU, in a JSON that said "device": "cuda")
+    (["--device", "cuda", "--workers", "1", "--parts", "phases"], "--parts phases times a step on the CPU only"),
 ])
 def test_throughput_device_or_backend_this_machine_cannot_run_is_a_usage_error(args, said) -> None:
     """A review: `--device cuda:1` on a machine of one GPU, or DDP with NCCL and more ranks
     than GPUs (NCCL refuses two ranks on one GPU), started the benchmark; each part then
     failed in turn, after the runs before it."""
-    r = _main_with("throughput", ONE_GPU, [*args, "--parts", "ddp,local", "--models", "mlp"])
+    r = _main_with("throughput", ONE_GPU, [*args, "--parts", "ddp,local", "--models", "mlp"]
+                   if "--parts" not in args else args)
     assert r.returncode == 2 and said in r.stderr.splitlines()[-1], r.stderr
     assert r.stdout == "" and "[bench]" not in r.stderr
 
@@ -114,13 +117,37 @@ def test_throughput_part_that_fails_leaves_the_others_measured() -> None:
     """A failing part (here the DDP baseline, as NCCL failing on a GPU machine) used to end
     the benchmark with a traceback, the later parts not run and nothing printed."""
     patch = ("def boom(*a, **k):\n    raise RuntimeError('baseline rank 0: no NCCL')\n"
-             "m.run_loops = boom\nm.startup = lambda work: (1.5, 3.0, 1.4)\n")
+             "m.run_loops = boom\nm.startup = lambda work, device: (1.5, 3.0, 1.4)\n")
     r = _main_with("throughput", patch, ["--parts", "ddp,startup", "--models", "mlp"])
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "ddp mlp failed: RuntimeError: baseline rank 0: no NCCL" in r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["failed"] == {"ddp mlp": "RuntimeError: baseline rank 0: no NCCL"}
     assert out["startup_s"] == 1.5 and "ratio_vs_ddp_small" not in out
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_throughput_startup_runs_on_the_benchmarks_device() -> None:
+    """A review: the startup part ran `psgd run` with its default --device (auto: the GPU
+    where there is one), whatever the benchmark's --device, which its JSON names."""
+    patch = ("def start(self, name, argv, env=None):\n    raise RuntimeError('argv: ' + ' '.join(argv))\n"
+             "m.Procs.start = start\n")
+    r = _main_with("throughput", patch, ["--parts", "startup", "--device", "cpu"])
+    assert r.returncode == 1 and " run --out " in r.stderr, r.stdout + r.stderr
+    assert "--device cpu" in r.stderr.split("startup failed: RuntimeError: argv: ")[1].splitlines()[0], r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_throughput_on_a_gpu_runs_every_part_but_phases_by_default() -> None:
+    """(--parts phases with a GPU --device is a usage error: the default leaves it out.)"""
+    patch = ONE_GPU + ("def boom(*a, **k):\n    raise RuntimeError('not run here')\n"
+                       "m.run_loops = m.startup = m.phases = boom\n")
+    r = _main_with("throughput", patch, ["--device", "cuda", "--workers", "1"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert set(json.loads(r.stdout.splitlines()[-1])["failed"]) == {"ddp mlp", "ddp resnet20", "local,async",
+                                                                     "startup"}, r.stdout
 
 
 @pytest.mark.processes

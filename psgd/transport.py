@@ -81,6 +81,21 @@ COPY_THRESHOLD = 256 << 10
 # (`Service.send`): a daemon that never asks (a shard whose tables do not change: ltfb's)
 # kept every one, about 2 KB per large reply, for its whole run.
 PRUNE_TRACKERS = 64
+# Large replies (zero-copy frames, each holding what it lends: a shard's tables of its
+# revision) a Service keeps for one peer while ZeroMQ has not sent them (the peer does not
+# read its answers); past this many, a reply to that peer is dropped and counted as a bad
+# message. An honest peer has a request or two in flight a server and reads its answers;
+# ZeroMQ's own bound is its high-water mark, 1,000 messages a connection, so a peer that
+# never read pinned up to 1,000 versions of the tables a connection (52 KB tables: +250 MB
+# a shard for five connections; 40 MB tables: 40 GB a connection). Small replies (error
+# replies, copied at send) are not bounded here: a flood that reads gets every answer.
+MAX_UNREAD_REPLIES = 16
+# ... and ZeroMQ's own bound on the replies of any size a server queues for one peer (its
+# send high-water mark, per connection; past it, ZeroMQ drops that peer's replies): its
+# default, 1,000, let a peer that never read hold 1,000 copies of a shard's replies below
+# COPY_THRESHOLD a connection (52 KB tables, copied at send: 52 MB). 128 leaves a flood of
+# requests that does read room for every answer, on a busy machine too.
+SERVER_SNDHWM = 128
 
 
 def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
@@ -215,6 +230,7 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
         _authorized(security.keys)
     sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
     if security.curve:
         _start_auth(ctx, security.keys)
         sock.curve_secretkey = secret
@@ -430,7 +446,10 @@ class Service:
         self.poller.register(sock, zmq.POLLIN)
         self.sent = sent
         self._trackers: list[zmq.MessageTracker] = []  # of zero-copy frames (larger than COPY_THRESHOLD)
+        self._unread: dict[Hashable, list[zmq.MessageTracker]] = {}   # a tracker a large reply, by peer
         self._prune_at = PRUNE_TRACKERS   # `send` forgets those done when it holds this many
+        self._dropped_unread = 0          # replies dropped for peers that do not read them (`send`)
+        self._say_dropped_at = 0.0
         self.busy_s = 0.0
 
     def poll(self, timeout_ms: int) -> None:
@@ -483,11 +502,24 @@ class Service:
                 if self.sent is None:
                     self.sock.send_multipart([ident] + frames, copy=False)
                     continue
+                if self._unsent_to(ident) >= MAX_UNREAD_REPLIES:   # a peer that does not read its answers
+                    self.counters["bad_messages"] += 1
+                    self._dropped_unread += 1
+                    if self._dropped_unread == 1 or time.monotonic() >= self._say_dropped_at:
+                        self._say_dropped_at = time.monotonic() + 60.0
+                        log(self.name.removeprefix("the "), f"a peer does not read its answers: "
+                                                            f"{MAX_UNREAD_REPLIES} large replies to it are unsent; "
+                                                            f"{self._dropped_unread} replies dropped so far")
+                    continue
                 self.sock.send(cast(bytes, ident), zmq.SNDMORE, copy=False)
+                held = None
                 for k, f in enumerate(frames):  # each frame's tracker: `in_flight`
                     t = self.sock.send(f, zmq.SNDMORE if k + 1 < len(frames) else 0, copy=False, track=True)
                     if not t.done:
                         self._trackers.append(t)
+                        held = t
+                if held is not None:
+                    self._unread.setdefault(ident, []).append(held)
             except zmq.ZMQError:
                 pass  # the peer is gone; nothing to answer
         if self.sent is not None:
@@ -496,8 +528,20 @@ class Service:
                 self._prune_at = max(PRUNE_TRACKERS, 2 * len(self._trackers))
             self.sent()
 
+    def _unsent_to(self, ident: Hashable) -> int:
+        """How many large replies to this peer ZeroMQ has not sent yet."""
+        held = self._unread.get(ident)
+        if not held:
+            return 0
+        held[:] = [t for t in held if not t.done]
+        if not held:
+            del self._unread[ident]
+        return len(held)
+
     def in_flight(self) -> bool:
         """May ZeroMQ still read a frame of a reply already sent? (Frames below
         COPY_THRESHOLD were copied at send; larger ones are read until their tracker is done.)"""
         self._trackers = [t for t in self._trackers if not t.done]
+        for ident in [i for i, held in self._unread.items() if all(t.done for t in held)]:
+            del self._unread[ident]   # (peers gone, or whose replies all left)
         return bool(self._trackers)

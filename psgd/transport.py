@@ -168,6 +168,36 @@ def _load_pair(keys: str, name: str) -> tuple[bytes, bytes]:
 _said_readable: set[str] = set()   # the secret key files said to be readable by others
 
 
+# The key files' keys as this process's sockets first loaded them (by file): a daemon keeps
+# the keys it started with, as a server keeps the authorized/ it read at its start. Each
+# reconnect (a heartbeat unanswered, a shard restarted) loaded them again: a key file
+# replaced during a job (`psgd keys` in another folder copied over it) gave that daemon's
+# next connection a key the servers never accepted, and one cut short or removed raised a
+# ConfigError inside its heartbeat thread, which ended: the worker was dropped for silence.
+_socket_keys: dict[str, tuple[bytes, bytes | None]] = {}
+_socket_keys_lock = threading.Lock()
+
+
+def _socket_pair(keys: str, name: str) -> tuple[bytes, bytes]:
+    """KEYS/NAME.key_secret's pair (`_load_pair`), as this process first loaded it."""
+    path = os.path.abspath(os.path.join(keys, f"{name}.key_secret"))
+    with _socket_keys_lock:
+        if path not in _socket_keys:
+            _socket_keys[path] = _load_pair(keys, name)
+        public, secret = _socket_keys[path]
+    assert secret is not None
+    return public, secret
+
+
+def _socket_server_key(keys: str) -> bytes:
+    """The servers' public key in KEYS/server.key (`_certificate`), as this process first loaded it."""
+    path = os.path.abspath(os.path.join(keys, "server.key"))
+    with _socket_keys_lock:
+        if path not in _socket_keys:
+            _socket_keys[path] = _certificate(path, keys)
+        return _socket_keys[path][0]
+
+
 def _replace(path: str, keys: str) -> str:
     """How to mend a key file that is there but wrong (`psgd keys` keeps the keys it finds,
     a public key alone too)."""
@@ -226,7 +256,7 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
                   max_frame: int = wire.MAX_HEADER) -> zmq.Socket:
     """A ROUTER bound to `address`; frames over `max_frame` bytes cut the sender off."""
     if security.curve:   # (the keys first: a missing one leaves no socket, nor a share of the authenticator)
-        public, secret = _load_pair(security.keys, "server")
+        public, secret = _socket_pair(security.keys, "server")
         _authorized(security.keys)
     sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -260,8 +290,8 @@ EXIT_ADDRESS_IN_USE = 98  # errno EADDRINUSE on Linux
 def client_socket(ctx: zmq.Context, address: str, security: SecurityConfig, connect: bool = True) -> zmq.Socket:
     sock = _base(ctx.socket(zmq.DEALER))
     if security.curve:
-        public, secret = _load_pair(security.keys, "client")
-        server_public, _ = _certificate(os.path.join(security.keys, "server.key"), security.keys)
+        public, secret = _socket_pair(security.keys, "client")
+        server_public = _socket_server_key(security.keys)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_serverkey = server_public

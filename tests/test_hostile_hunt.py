@@ -63,3 +63,57 @@ def test_a_peer_that_never_reads_its_replies_pins_a_bounded_number_of_them(value
         peer.close(0)
         sock.close(0)
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", ["replaced by another pair", "cut short", "removed"])
+def test_a_clients_key_file_changed_during_a_job_leaves_its_reconnects_talking(tmp_path, change):
+    """A daemon keeps the keys it started with, as a server keeps the authorized/ it read
+    at its start. Each reconnect (a heartbeat unanswered, a shard restarted) loaded the
+    client's key file again: replaced during the job by another pair (`psgd keys` elsewhere,
+    copied over it) the connection was refused, a HandshakeFailed; cut short or removed, the
+    reconnect raised a ConfigError, which ended the heartbeat thread it came from."""
+    import os
+    import shutil
+
+    from psgd.keys import make_keys
+    from psgd.transport import Peers
+    keys, other = str(tmp_path / "keys"), str(tmp_path / "other")
+    make_keys(keys)
+    make_keys(other)
+    security = Config().replace(**{"security.curve": True, "security.keys": keys}).security
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    address = f"tcp://127.0.0.1:{port}"
+    sock = server_socket(ctx, address, security)
+    service = Service(sock, {"stats": lambda ident, msg: [(ident, wire.reply(msg, ok=True))]}, "the test daemon")
+    peers = Peers(ctx, [address], security)
+
+    def ask() -> wire.Message:
+        rid = peers.send(0, "stats")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            service.poll(20)
+            try:
+                return peers.wait({rid: 0}, 0.05, "stats")[rid]
+            except transport.PeerTimeout:
+                continue
+        raise AssertionError("no answer")
+    try:
+        assert ask().get("ok")
+        secret = os.path.join(keys, "client.key_secret")
+        if change == "replaced by another pair":
+            for name in ("client.key", "client.key_secret"):
+                shutil.copy(os.path.join(other, name), os.path.join(keys, name))
+        elif change == "cut short":
+            with open(secret, "r+") as f:
+                f.truncate(os.path.getsize(secret) // 2)
+        else:
+            os.remove(secret)
+        peers.reconnect(0)
+        assert ask().get("ok")
+    finally:
+        peers.close()
+        sock.close(0)
+        transport.stop_auth(ctx)
+        ctx.term()

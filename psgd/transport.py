@@ -455,7 +455,9 @@ class Service:
     - a handler that raises WireError: its code; any other exception: `internal`,
       logged with the op.
 
-    Each of them adds one to `counters["bad_messages"]`; nothing ends the loop.
+    Each of them adds one to `counters["bad_messages"]`; nothing ends the loop. The log
+    says the first at once (its code and reason), and the rest at most once every
+    BAD_LOG_S, counted, with the latest (`_bad`): a peer sending garbage does not flood it.
     `busy_s` is the CPU time spent serving: from taking a message off the socket to
     handing its replies to ZeroMQ, on this thread (a shard's share of the wall time: is
     it the bottleneck?). CPU time, not wall time: a process waiting for a core on a
@@ -463,12 +465,15 @@ class Service:
 
     def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
                  max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None,
-                 sent: Callable[[], None] | None = None):
+                 sent: Callable[[], None] | None = None, role: str = ""):
         """`sent`, when given, is called after the replies of each event have been handed
-        to ZeroMQ; `in_flight` then says whether ZeroMQ may still read any of their frames."""
+        to ZeroMQ; `in_flight` then says whether ZeroMQ may still read any of their frames.
+        `name` is what error replies call the daemon ("the coordinator", "shard 0"), `role`
+        what its log lines do (`server-0`; default: `name` without its "the ")."""
         self.sock = sock
         self.handlers = handlers
         self.name = name
+        self.role = role or name.removeprefix("the ")
         self.max_bytes = max_bytes
         self.counters = counters if counters is not None else {}
         self.counters.setdefault("bad_messages", 0)
@@ -478,14 +483,41 @@ class Service:
         self._trackers: list[zmq.MessageTracker] = []  # of zero-copy frames (larger than COPY_THRESHOLD)
         self._unread: dict[Hashable, list[zmq.MessageTracker]] = {}   # a tracker a large reply, by peer
         self._prune_at = PRUNE_TRACKERS   # `send` forgets those done when it holds this many
-        self._dropped_unread = 0          # replies dropped for peers that do not read them (`send`)
-        self._say_dropped_at = 0.0
         self.busy_s = 0.0
+        self._unsaid = 0              # bad messages since the log last said any
+        self._latest_bad = ""         # the latest of them
+        self._say_bad_at = 0.0        # time.monotonic() from which the log may say them
+
+    BAD_LOG_S = 60.0   # the log says bad messages at most once this often
+
+    def _bad(self, what: str) -> None:
+        """Count a bad message (`what`: its code and reason) and say it: the first at once,
+        later ones at most every BAD_LOG_S in one line (`_say_bad`). The log said none of
+        them (a shard fuzzed with 6,000 garbled messages said nothing; summary.json's
+        count was the first sign), but each handler's exception (`internal`), one line a
+        message, however fast a peer sent them."""
+        self.counters["bad_messages"] += 1
+        self._unsaid += 1
+        self._latest_bad = what[:300]
+        if time.monotonic() >= self._say_bad_at:
+            self._say_bad()
+
+    def _say_bad(self) -> None:
+        """Say the bad messages not said yet, in one line."""
+        n, self._unsaid = self._unsaid, 0
+        self._say_bad_at = time.monotonic() + self.BAD_LOG_S
+        if n == 1:
+            log(self.role, f"a bad message, answered with an error: {self._latest_bad}")
+        else:
+            log(self.role, f"{n} bad messages in the last {self.BAD_LOG_S:.0f} s, each answered with an error "
+                           f"(bad_messages counts them); the latest: {self._latest_bad}")
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
         if self.poller.poll(timeout_ms):
             self.drain()
+        if self._unsaid and time.monotonic() >= self._say_bad_at:
+            self._say_bad()
 
     DRAIN_S = 0.05   # at most this long serving before `drain` returns to the daemon's loop
 
@@ -499,7 +531,7 @@ class Service:
             t0 = time.thread_time()
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) < 2:
-                self.counters["bad_messages"] += 1
+                self._bad("a message without a routing identity")
             else:   # (one without a routing identity has nobody to answer)
                 self.send(self._serve(frames[0].bytes, frames[1:]))
                 self.busy_s += time.thread_time() - t0
@@ -517,13 +549,12 @@ class Service:
                                                       f"(it serves {', '.join(sorted(self.handlers))})")
             return handler(ident, msg)
         except wire.WireError as e:
-            self.counters["bad_messages"] += 1
+            self._bad(f"{op if op != '?' else 'a request'}: {e.code}: {e.reason}")
             return [(ident, wire.error(req_id or e.request_id, e.code, e.reason))]
         except OutputError:   # the daemon's own files (a full disk), not the message: it exits 73
             raise             # (answered as a bad message, it served on and its peers were restarted)
         except Exception as e:  # a bug in a handler must not take the daemon down
-            self.counters["bad_messages"] += 1
-            log(self.name, f"error serving {op}: {type(e).__name__}: {e}")
+            self._bad(f"error serving {op}: {type(e).__name__}: {e}")
             return [(ident, wire.error(req_id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
 
     def send(self, replies: list[Reply]) -> None:
@@ -533,13 +564,8 @@ class Service:
                     self.sock.send_multipart([ident] + frames, copy=False)
                     continue
                 if self._unsent_to(ident) >= MAX_UNREAD_REPLIES:   # a peer that does not read its answers
-                    self.counters["bad_messages"] += 1
-                    self._dropped_unread += 1
-                    if self._dropped_unread == 1 or time.monotonic() >= self._say_dropped_at:
-                        self._say_dropped_at = time.monotonic() + 60.0
-                        log(self.name.removeprefix("the "), f"a peer does not read its answers: "
-                                                            f"{MAX_UNREAD_REPLIES} large replies to it are unsent; "
-                                                            f"{self._dropped_unread} replies dropped so far")
+                    self._bad(f"a reply dropped: {MAX_UNREAD_REPLIES} large replies to its peer are unsent "
+                              f"(the peer does not read its answers)")
                     continue
                 self.sock.send(cast(bytes, ident), zmq.SNDMORE, copy=False)
                 held = None

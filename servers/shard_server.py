@@ -267,7 +267,7 @@ class ShardServer:
         except ValueError:  # not the main thread (in-process tests)
             pass
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
-                          sent=shard.sent)
+                          sent=shard.sent, role=self.name)
         shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
         shard.busy = lambda: service.busy_s
         seen_version, last_ckpt = (-1, None), time.monotonic()

@@ -117,3 +117,52 @@ def test_a_clients_key_file_changed_during_a_job_leaves_its_reconnects_talking(t
         sock.close(0)
         transport.stop_auth(ctx)
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_bad_messages_are_said_in_the_log_once_then_counted_not_one_line_each(capsys):
+    """A daemon fuzzed live with 6,000 garbled messages said nothing in its log (summary.json's
+    bad_messages was the first sign), while a handler that raised said one line a message,
+    however fast a peer sent them. Now the first is said at once, with its code and reason,
+    and the rest once every BAD_LOG_S, counted, with the latest."""
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    sock = server_socket(ctx, f"tcp://127.0.0.1:{port}", Config().security)
+
+    def broken(ident, msg):
+        raise KeyError("a handler's bug")
+    service = Service(sock, {"stats": broken}, "the test daemon")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    n = 200
+
+    def serve(frames_list):   # (8 at a time: a server queues at most SERVER_SNDHWM replies a peer)
+        got, deadline = 0, time.monotonic() + 20
+        for k in range(0, len(frames_list), 8):
+            for frames in frames_list[k:k + 8]:
+                peer.send_multipart(frames)
+            while got < min(k + 8, len(frames_list)) and time.monotonic() < deadline:
+                service.poll(10)
+                while peer.poll(0):
+                    peer.recv_multipart()
+                    got += 1
+        assert got == len(frames_list)
+    try:
+        serve([[b"\xc1 not msgpack"]] * n)
+        serve([wire.encode("stats", id=i + 1) for i in range(n)])
+        assert service.counters["bad_messages"] == 2 * n
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("[psgd test daemon] ") and "bad_header: header is not valid msgpack" in lines[0]
+        service._say_bad_at = time.monotonic()   # BAD_LOG_S later: the rest, in one line
+        service.poll(0)
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1, lines
+        assert f"{2 * n - 1} bad messages" in lines[0] and "error serving stats: KeyError" in lines[0]
+        service.poll(0)
+        assert capsys.readouterr().err == ""   # nothing more to say
+    finally:
+        peer.close(0)
+        sock.close(0)
+        ctx.term()

@@ -369,6 +369,9 @@ def test_the_evaluator_ends_once_its_final_score_is_answered(tmp_path, monkeypat
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         codes = worker_and_evaluator(cfg, str(tmp_path))
         assert codes == {"worker": 0, "evaluator": 0}
+        deadline = time.monotonic() + 10   # (the evaluator may end before the coordinator's thread writes it)
+        while cluster.coordinator.summary is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert cluster.coordinator.summary["final_accuracy"] > 0.5
 
 

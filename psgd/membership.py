@@ -24,7 +24,6 @@ counters and keeps the latest answer (live set, phase, done).
 from __future__ import annotations
 
 import bisect
-import contextlib
 import os
 import threading
 import time
@@ -535,8 +534,15 @@ class CoordinatorLink:
                         if why != failed:
                             log(f"{self.role}-{self.index}", f"a heartbeat was {why}; heartbeating on")
                             failed = why
-                    with contextlib.suppress(zmq.ZMQError):   # a reconnect that fails is tried at the next beat;
-                        peers.reconnect(0)                     # (a terminated context ends the loop there)
+                    try:
+                        peers.reconnect(0)
+                    except zmq.ZMQError:   # tried again at the next beat (a terminated context ends the loop there)
+                        pass
+                    except Exception as e:   # (a key file that cannot be read now): the heartbeats go on
+                        why = f"reconnecting to the coordinator failed ({type(e).__name__}: {e})"
+                        if why != failed:
+                            log(f"{self.role}-{self.index}", f"{why}; heartbeating on")
+                            failed = why
                 except zmq.ContextTerminated:
                     raise
                 except Exception as e:

@@ -224,3 +224,30 @@ def test_a_coordinator_restarted_twice_waits_for_the_workers_stopped_with_it(tmp
     c._checked = -1e9
     c._tick(time.monotonic())
     assert not c.abort and c.phase == "training", (c.phase, c.abort)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_reconnect_that_raises_does_not_end_the_heartbeats(monkeypatch, capsys):
+    """helper K: an unanswered heartbeat reconnects, and a reconnect that raised anything
+    but a ZMQError (a CurveZMQ key file cut short, read again) ended the heartbeat thread:
+    the coordinator then dropped the live daemon for silence."""
+    import zmq
+
+    from psgd.membership import CoordinatorLink
+    from psgd.transport import Peers
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.heartbeat_s": 0.1,
+                              "cluster.heartbeat_timeout_s": 0.5, "cluster.timeout_s": 60.0})
+
+    def broken(self, i):
+        raise ValueError("client.key_secret: cut short")
+    monkeypatch.setattr(Peers, "reconnect", broken)
+    link = CoordinatorLink(cfg, "worker", 0, zmq.Context.instance())
+    link.start()
+    try:
+        time.sleep(2.0)   # several unanswered beats, each followed by a reconnect that raises
+        assert link._thread.is_alive()
+    finally:
+        link.stop()
+    said = capsys.readouterr().err
+    assert "reconnecting to the coordinator failed (ValueError: client.key_secret: cut short)" in said

@@ -2,21 +2,10 @@
 an audit of every mode's summary.json, event logs and TensorBoard scalars found off."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from psgd import scalars
-
-needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
-                                       reason="needs tensorboard: pip install 'psgd[tensorboard]'")
-
-
-def read(folder: str) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(folder)
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+from tests.test_scalars import needs_tensorboard, read
 
 
 @needs_tensorboard

@@ -168,7 +168,7 @@ class Coordinator:
         self.server_nonces: dict[str, int] = {}   # a shard server's registration nonce -> its index
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
         self.rejoin_until = 0.0            # a restarted one waits until then for its workers to come back (_resume)
-        self.awaited: set[int] = set()     # ... those live when it died: a rank lost before is not waited for
+        self.awaited: set[int] = set()     # ... those live when it died (and still awaited): not a rank lost before
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
         self.holder: int | None = None     # ... that worker's rank (it must hear an abort: _lingered)
@@ -763,7 +763,8 @@ class Coordinator:
             "membership": self.members.state_dict(), "nonces": self.nonces,
             "server_joins": self.server_joins, "server_nonces": self.server_nonces, "servers": self.servers,
             "startup_s": self.startup_s, "launched_at": self.launched_at, "launched_by": self.launched_by,
-            "restarts": self.restarts, "counters": self.counters, "layout": self.layout}, {"evals": curve})
+            "restarts": self.restarts, "counters": self.counters, "layout": self.layout,
+            "awaited": sorted(self.awaited)}, {"evals": curve})
 
     def _resume(self) -> None:
         """Continue a job whose coordinator died, from its state file: only a file of
@@ -814,10 +815,11 @@ class Coordinator:
         if self.phase == "final_eval":
             self.final_deadline = now + self.cfg.cluster.timeout_s
         self.rejoin_until = now + self.cfg.cluster.timeout_s
-        # Awaited: the ranks live when it died; or, none live then (a stack stopped whole,
-        # `compose stop`: workers first, dropped by the coordinator before it stopped), every
-        # lost rank, which `compose start` brings back.
-        self.awaited = set(self.members.live()) or {r for r, m in self.members.members.items() if m.state == "lost"}
+        # Awaited: the ranks live when it died, and those its last life awaited that are still
+        # lost (restarted again before they came back: a stack stopped whole, twice); not a
+        # rank dropped before (waiting for it held a finished job silent, in its wall_s).
+        self.awaited = set(self.members.live()) | {int(r) for r in st.get("awaited", [])
+                                                   if self.members.members[int(r)].state == "lost"}
         self.events.write(event="coordinator_restart", restarts=self.restarts, phase=self.phase)
         log("coordinator", f"resumed the job from {self.state_path} (saved {age:.1f} s ago): {self.phase}, "
             f"{len(self.members.live())} live workers; restart {self.restarts}")

@@ -251,3 +251,34 @@ def test_a_reconnect_that_raises_does_not_end_the_heartbeats(monkeypatch, capsys
         link.stop()
     said = capsys.readouterr().err
     assert "reconnecting to the coordinator failed (ValueError: client.key_secret: cut short)" in said
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_coordinator_restarted_during_rank_0s_hold_does_not_wait_for_a_rank_lost_long_before(tmp_path):
+    """A review: rank 2 dropped mid-job, ranks 0 and 1 finished, the coordinator killed while
+    rank 0 held the job's end (saving model.pt): none live at the restart, so it waited for
+    every lost rank, rank 2 too, and the finished job sat in `training` for cluster.timeout_s
+    (in its wall_s). It waits for the ranks live when it died and those its last life awaited."""
+    from tests.test_coordinator_state import coordinator
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 3, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first = coordinator(cfg, str(tmp_path))
+    for r in range(3):
+        first.members.join(time.monotonic(), r, f"n{r}")
+    first._start_training()
+    first.members.members[2].last_seen -= 100          # worker 2 dropped long ago
+    first._checked = -1e9
+    first._tick(time.monotonic())
+    assert first.members.members[2].state == "lost"
+    now = time.monotonic()
+    for r in (0, 1):
+        first.members.finish(r, now, {"samples": 640}, 20)
+    first.held_until, first.holder = now + 30, 0       # rank 0 saving model.pt
+    first._save_state(time.monotonic() + 10)           # coordinator killed during the hold
+    c = coordinator(cfg, str(tmp_path))
+    assert c.awaited == set()
+    c.held_until, c.holder = 0.0, None                 # rank 0 lets go
+    c._checked = -1e9
+    c._tick(time.monotonic())
+    assert c.phase == "done" and not c.abort, (c.phase, c.abort)

@@ -669,11 +669,13 @@ def _unrecognized(ap: argparse.ArgumentParser, args, argv: list[str], extra: lis
     said = " ".join(extra)
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]
     options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
-    for word in extra:   # (first: `--script S --mdoe sync` is a misspelt option, not the script's)
+    meant = ""
+    for word in extra:
         close = difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.75)
         if word.startswith("--") and close:
-            return f"unrecognized arguments: {said}; did you mean {close[0]}? (psgd {args.cmd} --help lists them)"
-    if args.cmd == "run" and getattr(args, "script", None):
+            meant = f"did you mean {close[0]}?"
+            break
+    if args.cmd == "run" and getattr(args, "script", None):   # (a misspelt option of psgd's, or the script's own)
         config = args.config if (args.config and args.config != os.environ.get("PSGD_CONFIG")
                                  and not os.path.exists(args.config)) else None
         # In the order typed (a value after one is taken as CONFIG), from the end: the script's
@@ -684,8 +686,12 @@ def _unrecognized(ap: argparse.ArgumentParser, args, argv: list[str], extra: lis
             if left[a] > 0:
                 left[a] -= 1
                 theirs.insert(0, a)
-        return (f"unrecognized arguments: {said} (arguments for the script go after --: "
-                f"psgd run --script {args.script} [options] -- {' '.join(theirs)})")
+        either = f"{meant} Or, if they are the script's, " if meant else ""
+        return (f"unrecognized arguments: {said} ({either}"
+                f"arguments for the script go after --: psgd run --script {args.script} [options] -- "
+                f"{' '.join(theirs)})")
+    if meant:
+        return f"unrecognized arguments: {said}; {meant} (psgd {args.cmd} --help lists them)"
     return f"unrecognized arguments: {said} (psgd {args.cmd} --help lists the options)"
 
 

@@ -507,10 +507,10 @@ class Service:
         n, self._unsaid = self._unsaid, 0
         self._say_bad_at = time.monotonic() + self.BAD_LOG_S
         if n == 1:
-            log(self.role, f"a bad message, answered with an error: {self._latest_bad}")
+            log(self.role, f"a bad message: {self._latest_bad}")
         else:
-            log(self.role, f"{n} bad messages in the last {self.BAD_LOG_S:.0f} s, each answered with an error "
-                           f"(bad_messages counts them); the latest: {self._latest_bad}")
+            log(self.role, f"{n} bad messages in the last {self.BAD_LOG_S:.0f} s (bad_messages counts them); "
+                           f"the latest: {self._latest_bad}")
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
@@ -582,6 +582,9 @@ class Service:
             if len(self._trackers) >= self._prune_at:   # (amortized: the live ones are looked at again later)
                 self.in_flight()
                 self._prune_at = max(PRUNE_TRACKERS, 2 * len(self._trackers))
+                for ident in [i for i, held in self._unread.items() if all(t.done for t in held)]:
+                    del self._unread[ident]   # (peers gone, or whose replies all left; one answered again
+                                              # is pruned by `_unsent_to`)
             self.sent()
 
     def _unsent_to(self, ident: Hashable) -> int:
@@ -598,6 +601,4 @@ class Service:
         """May ZeroMQ still read a frame of a reply already sent? (Frames below
         COPY_THRESHOLD were copied at send; larger ones are read until their tracker is done.)"""
         self._trackers = [t for t in self._trackers if not t.done]
-        for ident in [i for i, held in self._unread.items() if all(t.done for t in held)]:
-            del self._unread[ident]   # (peers gone, or whose replies all left)
         return bool(self._trackers)

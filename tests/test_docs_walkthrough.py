@@ -45,3 +45,15 @@ def test_a_misspelt_option_is_one_line_naming_the_closest(argv, close, capsys):
     misspelt = next(a for a in argv[1:] if a.startswith("--") and a != "--script")
     assert f"psgd {argv[0]}: error: unrecognized arguments: {misspelt}" in err, err
     assert f"did you mean {close}?" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_scripts_option_close_to_one_of_psgds_gets_both_hints(tmp_path, capsys):
+    """A review: `psgd run --script s.py --outdir y` said only "did you mean --out?", where
+    --outdir is likely the script's own option, which goes after `--`."""
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('never run')\n")
+    assert main(["run", "--script", str(script), "--outdir", "y"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean --out? Or, if they are the script's, arguments for the script go after --" in err, err
+    assert err.rstrip().endswith("-- --outdir y)"), err

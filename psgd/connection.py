@@ -105,6 +105,8 @@ def connect(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
             out: str | None = None, rank: int | None = None) -> Connection:
     """Join the job as a worker (see this module's docstring)."""
+    from .transport import forget_socket_keys
+    forget_socket_keys()   # (this process's earlier job's keys, re-made since in the same folder, say)
     return Connection(model, optimizer, score=score, config=config, out=out, rank=rank)
 
 

@@ -52,5 +52,7 @@ def make_keys(folder: str) -> str:
         if alone:
             return f"{folder}: nothing written{kept}"
         return f"{folder} holds both pairs already: nothing written (authorized clients in {auth})"
+    from .transport import forget_socket_keys
+    forget_socket_keys()   # (a socket of this process made later loads the new pairs)
     pairs = f"the {' and '.join(made)} pair{'s' * (len(made) > 1)}"
     return f"keys written to {folder}: {pairs} (authorized clients in {auth}){kept}"

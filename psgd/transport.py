@@ -178,6 +178,13 @@ _socket_keys: dict[str, tuple[bytes, bytes | None]] = {}
 _socket_keys_lock = threading.Lock()
 
 
+def forget_socket_keys() -> None:
+    """A new job in this process (`psgd.connect` in a long-lived one, `make_keys`): its
+    sockets load the key files as they are now, not as an earlier job's first did."""
+    with _socket_keys_lock:
+        _socket_keys.clear()
+
+
 def _socket_pair(keys: str, name: str) -> tuple[bytes, bytes]:
     """KEYS/NAME.key_secret's pair (`_load_pair`), as this process first loaded it."""
     path = os.path.abspath(os.path.join(keys, f"{name}.key_secret"))

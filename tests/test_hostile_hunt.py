@@ -166,3 +166,21 @@ def test_bad_messages_are_said_in_the_log_once_then_counted_not_one_line_each(ca
         peer.close(0)
         sock.close(0)
         ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_keys_made_again_in_one_process_are_the_ones_its_next_sockets_load(tmp_path):
+    """A review: a process's sockets keep the keys they first loaded (a key file replaced
+    mid-job must not break a running daemon); a long-lived process (`psgd.connect` in a
+    notebook) whose next job's keys were made again in the same folder kept the old
+    pair, and that job's servers refused it. A new job, or `make_keys`, forgets them."""
+    import shutil
+
+    from psgd import transport
+    from psgd.keys import make_keys
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    first = transport._socket_pair(keys, "client")
+    shutil.rmtree(keys)
+    make_keys(keys)
+    assert transport._socket_pair(keys, "client") != first

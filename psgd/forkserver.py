@@ -33,6 +33,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import IO
@@ -194,6 +195,13 @@ class ForkServer:
         os.set_blocking(self._fd, False)
         self._buf = b""
         self.codes: dict[int, int] = {}   # pid -> exit code, once ended
+        # Its answers (ready, a fork's pid) read but not yet asked for. A thread that polls a
+        # daemon (`Forked.poll`: a test's watcher, a compare's) read the pipe while another
+        # waited for a fork's pid, and dropped it: that fork "took more than 30 s" and the
+        # job failed. Reads are under `_reading`, forks one at a time under `_spawning`.
+        self._answers: list[dict] = []
+        self._reading = threading.Lock()
+        self._spawning = threading.Lock()
         try:
             self._next(lambda m: "ready" in m, READY_S, "to import torch")
         except BaseException:   # Ctrl-C or SIGTERM too: it would outlive psgd run, and say so after its end
@@ -210,19 +218,23 @@ class ForkServer:
 
     def spawn(self, argv: list[str], env: dict, log_path: str | None) -> Forked:
         request = {"argv": argv, "env": env, "log": log_path, "cwd": os.getcwd()}
-        with contextlib.suppress(BrokenPipeError):   # it has ended: _next says with which code
-            self._in.write((json.dumps(request) + "\n").encode())
-            self._in.flush()
-        return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
+        with self._spawning:   # (one request, one answer: the next pid is this request's)
+            with contextlib.suppress(BrokenPipeError):   # it has ended: _next says with which code
+                self._in.write((json.dumps(request) + "\n").encode())
+                self._in.flush()
+            return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
 
     def collect(self) -> None:
-        """Take in the exits reported so far."""
-        for m in self._lines():
-            self._note(m)
+        """Take in the exits reported so far (and keep its other answers for `_next`)."""
+        with self._reading:
+            for m in self._lines():
+                self._note(m)
 
     def _note(self, m: dict) -> None:
         if "exit" in m:
             self.codes[int(m["exit"])] = int(m["code"])
+        else:
+            self._answers.append(m)
 
     def _lines(self) -> list[dict]:
         try:
@@ -236,10 +248,12 @@ class ForkServer:
     def _next(self, wanted, timeout_s: float, doing: str) -> dict:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
-            for m in self._lines():
-                self._note(m)
-                if wanted(m):
-                    return m
+            with self._reading:
+                for m in self._lines():
+                    self._note(m)
+                for k, m in enumerate(self._answers):
+                    if wanted(m):
+                        return self._answers.pop(k)
             if self.proc.poll() is not None:
                 raise ForkServerError(f"the fork server exited with {self.proc.returncode}")
             select.select([self._fd], [], [], 0.05)

@@ -205,3 +205,33 @@ def test_a_fork_server_whose_launcher_is_gone_before_it_starts_ends_silently():
     proc = subprocess.run([sys.executable, "-m", "psgd.forkserver"], env=env, stdin=subprocess.PIPE,
                           capture_output=True, text=True, timeout=30)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+
+
+@pytest.mark.timeout(30)
+def test_a_forks_answer_read_by_another_thread_is_kept_for_the_fork():
+    """CI: a thread polling a daemon (`Forked.poll` -> `collect`: test_leaving's watcher)
+    read the fork server's pipe while the launcher waited for a restarted evaluator's pid,
+    and dropped the answer: "the fork server took more than 30 s to fork", the job failed.
+    An answer read by `collect` is kept for `_next`; so is one after the answer wanted."""
+    import json as json_
+    import os as os_
+    import threading
+    from types import SimpleNamespace
+
+    from psgd.forkserver import ForkServer
+    r, w = os_.pipe()
+    os_.set_blocking(r, False)
+    fs = ForkServer.__new__(ForkServer)
+    fs.proc = SimpleNamespace(poll=lambda: None)
+    fs._fd, fs._buf, fs.codes, fs._answers = r, b"", {}, []
+    fs._reading, fs._spawning = threading.Lock(), threading.Lock()
+    try:
+        os_.write(w, b"".join(json_.dumps(m).encode() + b"\n"
+                              for m in ({"exit": 7, "code": 1}, {"pid": 42}, {"pid": 43})))
+        fs.collect()   # the other thread
+        assert fs.codes == {7: 1}
+        assert fs._next(lambda m: "pid" in m, 2, "to fork") == {"pid": 42}
+        assert fs._next(lambda m: "pid" in m, 2, "to fork") == {"pid": 43}
+    finally:
+        os_.close(r)
+        os_.close(w)

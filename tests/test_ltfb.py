@@ -1062,3 +1062,47 @@ def test_a_restarted_worker_continues_at_the_step_of_the_model_it_resumes():
     w1.clock = 5
     LtfbSchedule(cfg).start(w1)
     assert w1.clock == 30
+
+
+class _Tempered(torch.nn.Module):
+    """A linear model with a learnable scalar temperature (a 0-dim parameter)."""
+
+    def __init__(self, features: int, classes: int):
+        super().__init__()
+        self.lin, self.temp = torch.nn.Linear(features, classes), torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.lin(x.flatten(1)) * self.temp
+
+
+def tempered(input_shape, num_classes):
+    return _Tempered(math.prod(input_shape), num_classes)
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_adam_state_of_a_model_with_a_scalar_parameter_goes_with_its_deposit():
+    """Helper C: a model with a 0-dim parameter under Adam aborted at its first tournament
+    ("array 4: expected shape [640], got [1]"): Adam's 0-dim `step` has the scalar's shape,
+    so it was taken for state shaped like the parameters, and every other parameter's
+    `step` went into the deposit as its moment."""
+    cfg = ltfb_cfg(**{"mode.exchange": "weights+optimizer", "optimizer.name": "adam",
+                      "model.name": f"{__name__}:tempered"})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(2):
+        s0.step(w0)
+    for _ in range(3):   # a model apart from w0's
+        s1.opt.param_groups[0]["lr"] = 0.5
+        w1.compute()
+        s1.opt.step()
+    keys, _ = s1.opt_state(w1)
+    assert keys == ["exp_avg", "exp_avg_sq"]
+    s1.deposit(w1, 1, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    theirs = flat(w1.replica.params())
+    their_m = flat([s1.opt.state[p]["exp_avg"] for p in w1.replica.model.parameters()])
+    w0.replica.score = lambda *a, **k: (float(torch.equal(flat(w0.replica.params()), theirs)), 0.0)
+    s0.lead(w0, 1)
+    (line,) = [e for e in w0.events if "adopted" in e]
+    assert line["adopted"]
+    assert torch.equal(flat(w0.replica.params()), theirs)
+    assert torch.equal(flat([s0.opt.state[p]["exp_avg"] for p in w0.replica.model.parameters()]), their_m)

@@ -701,11 +701,14 @@ class LtfbSchedule(Schedule):
         return [p for p in model.parameters() if p.requires_grad], {id(p): n for n, p in model.named_parameters()}
 
     def opt_state(self, w: Trainer) -> tuple[list[str], list[dict]]:
-        """Optimizer state tensors shaped like the parameters (momentum, Adam moments)."""
+        """Optimizer state tensors shaped like the parameters (momentum, Adam moments): the
+        kinds of state shaped like every parameter that holds one (Adam's 0-dim `step`
+        has a scalar parameter's shape, and no other's)."""
         params, names = self._trainable(w)
         state = self.opt.state
-        keys = sorted({k for p in params for k, v in state.get(p, {}).items()
-                       if torch.is_tensor(v) and v.shape == p.shape})
+        held = {k for p in params for k in state.get(p, {})}
+        keys = sorted(k for k in held if all(torch.is_tensor(v := state[p][k]) and v.shape == p.shape
+                                             for p in params if k in state.get(p, {})))
         return keys, [{names[id(p)]: state[p][k] if k in state.get(p, {}) else torch.zeros_like(p) for p in params}
                       for k in keys]
 

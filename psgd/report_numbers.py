@@ -177,18 +177,20 @@ def ttt_flag(run: dict, period: float | None) -> str | None:
     the model got there. FIRST_SCORE (distributed runs): the model was already above the
     target at the evaluator's first score, or the time is shorter than one evaluation
     period (the run's own, run_period): the time is the evaluator's phase. The sequential
-    baseline is scored on its own training clock, from step 0, many times per run, so only
-    AFTER_END applies to it."""
+    baseline is scored on its own training clock, from step 0, many times per run, so of
+    FIRST_SCORE only its first score applies to it: the untrained model's, at step 0, at
+    or above the target (a time of 0.0 s, which made every speedup against it 0×)."""
     t = run.get("time_to_target_s")
     if t is None:
         return None
     wall = run.get("wall_s")
     if wall is not None and float(t) >= float(wall):
         return AFTER_END
-    if run.get("mode") == "baseline":
-        return None
     target = run.get("target_accuracy")
     evals = [e for e in run.get("evals") or [] if e.get("accuracy") is not None]
+    if run.get("mode") == "baseline":
+        return FIRST_SCORE if target is not None and evals and float(evals[0]["accuracy"]) >= float(target) \
+            and not evals[0].get("samples") else None
     first = next((e for e in evals if target is not None and float(e["accuracy"]) >= float(target)), None)
     if first is not None and first.get("final"):   # the score after the workers were done: its time can
         return AFTER_END                            # round to just below wall_s
@@ -361,8 +363,8 @@ class Row:
 
     def speedup(self, ref: Row | None) -> float | None:
         """ref's mean time to target / this row's (1.0 for the reference itself)."""
-        if ref is None or ref.ttt_mean is None or self.ttt_mean is None or self.ttt_mean <= 0:
-            return None
+        if ref is None or ref.ttt_mean is None or self.ttt_mean is None or self.ttt_mean <= 0 or ref.ttt_mean <= 0:
+            return None   # (a reference at 0 s: the target met before any step, no speed to compare)
         return ref.ttt_mean / self.ttt_mean
 
     @property

@@ -58,3 +58,28 @@ def test_a_score_is_timed_when_the_model_was_answered_not_asked_for(mode):
     acc, loss, read_at = ev.evaluate()
     assert (acc, loss) == (0.5, 1.0)
     assert read_at >= ev.client.answered_at > asked + 0.25, (asked, ev.client.answered_at, read_at)
+
+
+def _run(mode: str, t: float, evals: list[tuple[float, int, float]], target: float = 0.03) -> dict:
+    return {"mode": mode, "label": mode, "workers": 1 if mode == "baseline" else 2, "wall_s": 1.0,
+            "time_to_target_s": t, "target_accuracy": target, "final_accuracy": 0.97, "samples_per_s": 1e4,
+            "evals": [{"t": a, "samples": n, "accuracy": acc, "loss": 1.0} for a, n, acc in evals]}
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_baseline_at_the_target_before_any_step_is_not_a_time():
+    """A target at or below the untrained model's accuracy: the baseline's score at step 0
+    met it, its time was 0.0 s, written as a resolved time, and every speedup against it
+    was "0×". It is a first score (†), and no speedup is computed from a time of 0."""
+    from psgd.report_numbers import FIRST_SCORE, build_rows, ttt_flag
+    from psgd.report_tables import main_table
+    base = _run("baseline", 0.0, [(0.0, 0, 0.0334), (0.01, 192, 0.37)])
+    sync = _run("sync", 0.3, [(0.3, 1939, 0.81), (0.7, 9600, 0.97)])
+    assert ttt_flag(base, 0.3) == FIRST_SCORE
+    # a baseline that got there by training is timed as before
+    assert ttt_flag(_run("baseline", 0.01, [(0.0, 0, 0.0334), (0.01, 192, 0.37)], target=0.3), 0.3) is None
+    rows = build_rows([base, sync])
+    assert rows[1].speedup(rows[0]) is None
+    table = "\n".join(main_table(rows, 0.03, 0.3))
+    assert " 0×" not in table and "0.0000 †" in table, table

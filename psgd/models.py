@@ -208,7 +208,8 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
     `check`: a factory's is checked against the data (`_check_output`: a forward of two
     zero samples), with the seed still set: before a job starts (`cli.check_model`) and
     in the daemons that train or score it (started by hand, they see it first); not in
-    every one of a simulation's replicas, nor in a shard's build."""
+    every one of a simulation's replicas, nor in a shard's build, except for a model with a lazy
+    layer, which that forward initializes."""
     input_shape = tuple(int(d) for d in input_shape)
     with _SEEDING, torch.random.fork_rng(devices=[]):  # the global RNG: one builder at a time
         torch.manual_seed(seed)
@@ -234,6 +235,11 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
         for p in trainable:
             if p.dtype != torch.float32:
                 raise ConfigError(f"model.name {name!r}: trainable parameters must be float32, got {p.dtype}")
-        if check and ":" in name:
+        # A lazy layer (nn.LazyLinear) gets its shapes, and its values from the seed, from a first forward:
+        # the check's, which every party that builds the model must run alike (it was only the trainers' and
+        # the evaluator's: psgd simulate, psgd shards and psgd compare's baseline failed on an uninitialized
+        # parameter, with torch's traceback).
+        lazy = any(nn.parameter.is_lazy(t) for t in (*model.parameters(), *model.buffers()))
+        if (check and ":" in name) or lazy:
             _check_output(model, name, input_shape, num_classes)
     return model

@@ -287,6 +287,27 @@ def _connected_already(address: str, model: nn.Module, rank: int) -> str:
     return ""
 
 
+def _left_out_by_optimizer(opt: Any, model: nn.Module, mode: str) -> str:
+    """In a mode whose shards train every trainable parameter with `[optimizer]` (sync,
+    ssp, async), a script's optimizer that holds some of them and not the others says
+    that the script trains only those (a head fine-tuned, the backbone left out of the
+    optimizer but not frozen): the shards trained the others too, without a word. Why
+    that is refused, or ''. (An optimizer of none of them is of no use here, and harms none.)"""
+    groups = getattr(opt, "param_groups", None)
+    if not isinstance(groups, list):
+        return ""
+    held = {id(p) for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    left = [n for n, p in trainable if id(p) not in held]
+    if not left or len(left) == len(trainable):
+        return ""
+    named = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    return (f"psgd.connect's optimizer holds {len(trainable) - len(left)} of the model's {len(trainable)} trainable "
+            f"parameters, not {named}: in mode {mode} the shards train every trainable parameter with [optimizer] "
+            f"(the script's optimizer is not stepped), so they would train those too; freeze them before "
+            f"psgd.connect (p.requires_grad_(False)), or give an optimizer of all of them, or none")
+
+
 def _hook_uncaught() -> None:
     """Install `_end_on_uncaught`: not over a hook the script or a debugger set, nor at an
     interactive prompt, where the hook sees every error typed and the session goes on."""
@@ -421,6 +442,8 @@ class Connection(Worker):
                        f"trainer's own data")
         elif schedule.local_optimizer and self.user_optimizer is not None:
             problem = self._optimizer_problem(self.user_optimizer, model)
+        elif self.user_optimizer is not None:
+            problem = _left_out_by_optimizer(self.user_optimizer, model, cfg.mode.name)
         if problem:
             self._report_end(problem)
             self.link.close()

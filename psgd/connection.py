@@ -451,6 +451,10 @@ class Connection(Worker):
         if self.user_optimizer is not None and not schedule.local_optimizer:
             self.note(f"mode {cfg.mode.name}: the shards run [optimizer]; the optimizer given to psgd.connect "
                       f"is not stepped")
+        wide = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float64]
+        if wide:   # (the values psgd writes into the model are the shards' float32 ones, in every mode)
+            self.note(f"{wide[0]}{f' and {len(wide) - 1} more' if len(wide) > 1 else ''}: float64 parameters; the "
+                      f"shards hold the model in float32, so it trains at float32 precision")
 
     def _optimizer_problem(self, opt: Any, model: nn.Module) -> str:
         """Why the script's optimizer cannot be a local mode's (it is stepped on the model's

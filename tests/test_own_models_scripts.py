@@ -64,3 +64,25 @@ def test_a_backbone_frozen_or_left_to_a_local_optimizer_is_not_trained(port_bloc
         with psgd.connect(model, opt, config=cfg, rank=0, score=lambda m: 0.5) as ps:
             fine_tune(ps, model, opt)
         assert torch.equal(model[0].weight, before[0]) and not torch.equal(model[2].weight, before[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_float64_model_is_told_that_it_trains_at_float32_precision(port_block, capfd):
+    """psgd.connect takes a float64 model, and it trained, but every value the shards wrote
+    into it was a float32 one (its weights equal their float32 rounding after the job):
+    a script that chose float64 for its precision was not told."""
+    cfg = config(port_block, "sync")
+    with InProcessCluster(cfg):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+        with psgd.connect(model, config=cfg, rank=0) as ps:
+            g = torch.Generator().manual_seed(0)
+            while True:
+                model(torch.randn(8, 4, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+                if not ps.step():
+                    break
+                model.zero_grad()
+    w = model[0].weight.detach()
+    assert torch.equal(w, w.float().double())
+    assert "0.weight and 3 more: float64 parameters; the shards hold the model in float32, so it trains at " \
+           "float32 precision" in capfd.readouterr().err

@@ -1106,3 +1106,55 @@ def test_adam_state_of_a_model_with_a_scalar_parameter_goes_with_its_deposit():
     assert line["adopted"]
     assert torch.equal(flat(w0.replica.params()), theirs)
     assert torch.equal(flat([s0.opt.state[p]["exp_avg"] for p in w0.replica.model.parameters()]), their_m)
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_adams_step_count_is_never_taken_for_a_moment():
+    """A review: a model of scalars only, or one whose scalar alone had state so far, still
+    deposited Adam's `step` as a moment (and a trainer whose other parameters had state
+    counted other kinds of state, so adoption skipped the optimizer's state silently)."""
+    import types
+
+    class Scalars(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t, self.v = torch.nn.Parameter(torch.tensor(1.0)), torch.nn.Parameter(torch.ones(3))
+
+    for used in ("both", "scalar only"):
+        m = Scalars()
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+        (m.t * (m.v.sum() if used == "both" else 2.0)).backward()
+        opt.step()
+        me = types.SimpleNamespace(opt=opt)
+        me._trainable = lambda w, me=me: LtfbSchedule._trainable(me, w)
+        keys, _ = LtfbSchedule.opt_state(me, types.SimpleNamespace(replica=types.SimpleNamespace(model=m)))
+        assert keys == ["exp_avg", "exp_avg_sq"], used
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_an_adopted_adam_state_for_a_parameter_without_one_of_ours_steps_on():
+    """A review: adopting a deposit's Adam moments for a parameter ours held no state for
+    (no gradient there yet) gave it moments without a step count: Adam's next step on it
+    raised KeyError 'step'."""
+    cfg = ltfb_cfg(**{"mode.exchange": "weights+optimizer", "optimizer.name": "adam",
+                      "model.name": f"{__name__}:tempered"})
+    _, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(2):
+        s0.step(w0)
+    for _ in range(3):
+        s1.opt.param_groups[0]["lr"] = 0.5
+        w1.compute()
+        s1.opt.step()
+    temp = w0.replica.model.temp
+    del s0.opt.state[temp]                       # ours never had a gradient for it
+    s1.deposit(w1, 1, 0.5, [0.0, -1.0, math.nan, math.nan], s1.with_opt)
+    theirs = flat(w1.replica.params())
+    w0.replica.score = lambda *a, **k: (float(torch.equal(flat(w0.replica.params()), theirs)), 0.0)
+    s0.lead(w0, 1)
+    assert [e["adopted"] for e in w0.events if "adopted" in e] == [True]
+    assert torch.equal(s0.opt.state[temp]["exp_avg"], s1.opt.state[w1.replica.model.temp]["exp_avg"])
+    assert s0.opt.state[temp]["step"] == s0.opt.state[w0.replica.model.lin.weight]["step"]
+    w0.compute()
+    s0.opt.step()                                # no KeyError: 'step'

@@ -702,11 +702,11 @@ class LtfbSchedule(Schedule):
 
     def opt_state(self, w: Trainer) -> tuple[list[str], list[dict]]:
         """Optimizer state tensors shaped like the parameters (momentum, Adam moments): the
-        kinds of state shaped like every parameter that holds one (Adam's 0-dim `step`
-        has a scalar parameter's shape, and no other's)."""
+        kinds of state shaped like every parameter that holds one, less Adam's step count
+        (0-dim, as a scalar parameter is: not deposited, each trainer counts its own)."""
         params, names = self._trainable(w)
         state = self.opt.state
-        held = {k for p in params for k in state.get(p, {})}
+        held = {k for p in params for k in state.get(p, {})} - {"step"}
         keys = sorted(k for k in held if all(torch.is_tensor(v := state[p][k]) and v.shape == p.shape
                                              for p in params if k in state.get(p, {})))
         return keys, [{names[id(p)]: state[p][k] if k in state.get(p, {}) else torch.zeros_like(p) for p in params}
@@ -725,11 +725,18 @@ class LtfbSchedule(Schedule):
         held = len(got[0].arrays) - 2 - int(with_meta)
         if held == 0:
             self.opt.state.clear()
-        if held != len(keys):
+        if held != len(keys) or not keys:
             return
         params, names = self._trainable(w)
+        state = self.opt.state
+        fresh = [p for p in params if not state.get(p)]   # no state of ours yet (no gradient so far)
         for j, k in enumerate(keys):
-            target = {names[id(p)]: self.opt.state.setdefault(p, {}).setdefault(k, torch.zeros_like(p))
-                      for p in params}
+            target = {names[id(p)]: state.setdefault(p, {}).setdefault(k, torch.zeros_like(p)) for p in params}
             for i, m in enumerate(got):
                 w.replica.map.scatter(wire.tensor(m, 2 + j), i, "params", target)
+        steps = [st["step"] for p, st in state.items() if "step" in st]
+        for p in fresh:   # Adam keeps a step count beside its moments (a state without one is a KeyError)
+            if not any(torch.any(state[p][k]) for k in keys):
+                state.pop(p)                         # the deposit held none for it either: torch starts it
+            elif steps:
+                state[p]["step"] = steps[0].clone() if torch.is_tensor(steps[0]) else steps[0]

@@ -537,10 +537,12 @@ def validate(cfg: Config) -> None:
            f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
     _check(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1) (at 1 and above SGD's steps grow without "
                                 f"bound), got {o.momentum}")
+    outer = ("; in diloco [optimizer] is the inner optimizer, and the outer step is Nesterov already "
+             "(mode.outer_momentum)") if m.name == "diloco" else ""
     _check(not o.nesterov or (o.name == "sgd" and o.momentum > 0),   # (else dropped without a word: plain SGD, Adam)
            f"optimizer.nesterov = true is Nesterov momentum for optimizer.name = sgd with optimizer.momentum > 0, "
            f"got optimizer.name = {o.name}, optimizer.momentum = {o.momentum:g}: set optimizer.nesterov = false"
-           f"{' (psgd offers no NAdam)' if o.name != 'sgd' else ''}")
+           f"{' (psgd offers no NAdam)' if o.name != 'sgd' else ''}{outer}")
     _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
     _check(o.eps > 0, f"optimizer.eps must be > 0, got {o.eps}")
     _check(o.gamma > 0 and o.min_lr >= 0, f"optimizer.gamma must be > 0 and optimizer.min_lr >= 0, "

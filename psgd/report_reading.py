@@ -112,7 +112,8 @@ def _why_unranked(r: Row, target: float, period: float | None, many_w: bool = Fa
                  f"{secs(float(run['wall_s']))} s")
         else:
             own = run_period(run, period)
-            s = f"already ≥ {target:g} at the evaluator's first score, {secs(t)} s"
+            s = (f"already ≥ {target:g} before its first step (the untrained model)" if run.get("mode") == "baseline"
+                 else f"already ≥ {target:g} at the evaluator's first score, {secs(t)} s")
             s += f", less than one evaluation period ({own:g} s) after the start" if own and t < own else ""
         k = sum(1 for f, _ in flags if f == flag)
         # one kind: '...; 2 of 2 repeats'; both: each kind with its own count (a repeat is of one kind)

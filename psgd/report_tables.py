@@ -14,7 +14,8 @@ from .report_numbers import ONCE, Row, amount, mean, sd, sync_sweep_first, tie_r
 
 MARK = "†"
 MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score taken after training had "
-             f"ended, or the model was already above it at the evaluator's first score, or the time is "
+             f"ended, or the model was already above it at the first score (the evaluator's; the baseline's: its "
+             f"untrained model, before any step), or the time is "
              f"shorter than one evaluation period. Such a time, and a speedup computed from it, says when the "
              f"evaluator looked, not when the model got there; the reading does not rank by it.")
 

@@ -48,7 +48,9 @@ class Evaluator:
         `read_at` is when the shards' answers had all come: a read can wait (a pull parked
         until rank 0's initial values, sync's re-read of a step closing, ltfb's wait for
         a deposit to reach every shard, a busy machine), and the model answered is the
-        one of the end of that wait. Timed from the request, a score of sync's step 17
+        one of the end of that wait (in ltfb, the deposit answered was made before the
+        wait, and with several shards a slice that came early is older: those scores are
+        timed late, never early). Timed from the request, a score of sync's step 17
         (1,088 samples) read in 0.03 s was stamped with 418 samples: time to target and
         the accuracy-vs-samples curve credited the model earlier than it was."""
         answers = get_mode(self.cfg.mode.name).global_model(self.client)

@@ -96,6 +96,14 @@ MAX_UNREAD_REPLIES = 16
 # COPY_THRESHOLD a connection (52 KB tables, copied at send: 52 MB). 128 leaves a flood of
 # requests that does read room for every answer, on a busy machine too.
 SERVER_SNDHWM = 128
+# How long a server gives a connection to finish its handshake (ZeroMQ's ZMQ_HANDSHAKE_IVL)
+# before it drops it. Each connection holds one of the daemon's file descriptors; one that
+# sends nothing, a partial greeting, or a CurveZMQ handshake without the job's keys held it
+# for ZeroMQ's default, 30 s: 1,000 of them from anyone who reaches the port left a daemon
+# under `ulimit -n` 1024 without descriptors. An honest
+# handshake takes milliseconds (a CurveZMQ one a ZAP answer from the daemon's
+# authenticator thread too).
+SERVER_HANDSHAKE_S = 10.0
 
 
 def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
@@ -268,6 +276,7 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
     sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(SERVER_HANDSHAKE_S * 1000))
     if security.curve:
         _start_auth(ctx, security.keys)
         sock.curve_secretkey = secret

@@ -55,7 +55,7 @@ from .config import SET_CHECKED_ENV, Config, ConfigError, anchored
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
-from .transport import EXIT_ADDRESS_IN_USE
+from .transport import EXIT_ADDRESS_IN_USE, raise_fd_limit
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
 JOINED = "joined"   # what psgd.connect writes in its PSGD_STARTED_FILE once the coordinator registered it
@@ -1123,6 +1123,7 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
     reports the job, not an interrupt (psgd compare keeps that run, and stops). One held while the
     daemons stopped (`signals_held`) comes then: after a Ctrl-C, it is the one raised
     (a hang-up's exit code, 129)."""
+    raise_fd_limit()   # (its own and its children's: a log and pipes a child here, a connection a peer there)
     job = LocalJob(cfg, out, **kw)
     end: dict | BaseException | None = None   # its summary, or what ended it
     try:

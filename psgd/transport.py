@@ -30,6 +30,11 @@ from .config import ConfigError, SecurityConfig
 from .log import log
 from .metrics import OutputError
 
+try:
+    import resource
+except ImportError:   # (not a POSIX system)
+    resource = None  # type: ignore[assignment]
+
 LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
@@ -100,10 +105,32 @@ SERVER_SNDHWM = 128
 # before it drops it. Each connection holds one of the daemon's file descriptors; one that
 # sends nothing, a partial greeting, or a CurveZMQ handshake without the job's keys held it
 # for ZeroMQ's default, 30 s: 1,000 of them from anyone who reaches the port left a daemon
-# under `ulimit -n` 1024 without descriptors. An honest
+# under `ulimit -n` 1024 without descriptors (see `raise_fd_limit`). An honest
 # handshake takes milliseconds (a CurveZMQ one a ZAP answer from the daemon's
 # authenticator thread too).
 SERVER_HANDSHAKE_S = 10.0
+# The soft limit on open files that a daemon raises its own to (`raise_fd_limit`), where its
+# hard limit allows: enough for tens of thousands of peers, and not a hard limit of 2^30
+# (some containers) that code closing every possible descriptor would walk.
+FD_LIMIT = 1 << 16
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files (`ulimit -n`) to its hard limit, at
+    most FD_LIMIT (never lowering it); the (soft, hard) limits then. A daemon takes a
+    descriptor for each connection to it: under the usual soft limit of 1,024 (with a hard
+    limit far above), a job of about a thousand peers of one daemon, or anyone holding a
+    thousand connections open to its port, left it none, and the coordinator, unable to
+    write its state file, exited and ended the job."""
+    if resource is None:
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    return soft, hard
 
 
 def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
@@ -273,6 +300,7 @@ def server_socket(ctx: zmq.Context, address: str, security: SecurityConfig,
     if security.curve:   # (the keys first: a missing one leaves no socket, nor a share of the authenticator)
         public, secret = _socket_pair(security.keys, "server")
         _authorized(security.keys)
+    raise_fd_limit()   # (before its socket: a daemon's first)
     sock = _base(ctx.socket(zmq.ROUTER), max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)

@@ -5,7 +5,10 @@ the port can open them; the daemon must outlive them, drop them soon, and say wh
 run out (the same thing a job with more peers than `ulimit -n` allows sees)."""
 from __future__ import annotations
 
+import resource
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +16,7 @@ import zmq
 
 from psgd import transport
 from psgd.config import SecurityConfig
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, kill_all
 
 # A ZMTP 3.0 greeting that asks for CurveZMQ: the HELLO that would follow never comes
 CURVE_GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\0" * 32
@@ -78,3 +81,53 @@ def test_unfinished_handshakes_are_dropped_within_the_handshake_interval(tmp_pat
         sock.close(0)
         transport.stop_auth(ctx, every=True)
         ctx.term()
+
+
+def _limit(soft: int, hard: int):
+    def set_it() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return set_it
+
+
+def _hard() -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 30 if hard == resource.RLIM_INFINITY else hard
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_coordinator_outlives_idle_connections_past_its_soft_limit(tmp_path):
+    """200 connections that send nothing, to a coordinator under a soft limit of 64 open files
+    (a hard one far above): it ran out of descriptors, could not write its state file, and
+    exited 73, ending the job. It raises its soft limit to the hard one at its start."""
+    if _hard() < 1024:
+        pytest.skip("needs a hard limit of 1,024 open files or more")
+    port = free_port_block(2)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "psgd", "coordinator", "--out", str(out), "--set", f"cluster.port={port}",
+         "--set", "cluster.workers=1", "--set", "cluster.timeout_s=50"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_limit(64, min(_hard(), 4096)))
+    conns: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "coordinator-state.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        conns = open_idle(port, 200, every=False)
+        time.sleep(4)   # its state file is written every second
+        assert proc.poll() is None, f"exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+        with open(f"/proc/{proc.pid}/limits") as f:
+            soft = next(line.split()[3] for line in f if line.startswith("Max open files"))
+        assert int(soft) == min(_hard(), 4096, transport.FD_LIMIT)
+    finally:
+        for c in conns:
+            c.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        finally:
+            kill_all([proc])
+            if proc.stderr:
+                proc.stderr.close()

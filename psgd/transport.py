@@ -16,6 +16,7 @@ DIR/client.key(_secret), and DIR/authorized/ holds the public keys that servers 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import threading
@@ -105,7 +106,7 @@ SERVER_SNDHWM = 128
 # before it drops it. Each connection holds one of the daemon's file descriptors; one that
 # sends nothing, a partial greeting, or a CurveZMQ handshake without the job's keys held it
 # for ZeroMQ's default, 30 s: 1,000 of them from anyone who reaches the port left a daemon
-# under `ulimit -n` 1024 without descriptors (see `raise_fd_limit`). An honest
+# under `ulimit -n` 1024 without descriptors (see `raise_fd_limit`, `Service`). An honest
 # handshake takes milliseconds (a CurveZMQ one a ZAP answer from the daemon's
 # authenticator thread too).
 SERVER_HANDSHAKE_S = 10.0
@@ -531,8 +532,14 @@ class Service:
         self._unsaid = 0              # bad messages since the log last said any
         self._latest_bad = ""         # the latest of them
         self._say_bad_at = 0.0        # time.monotonic() from which the log may say them
+        self._fd = cast(int, sock.getsockopt(zmq.FD))   # (a descriptor of its own to dup: `_check_fds`)
+        self._check_fds_at = 0.0      # time.monotonic() when `poll` next checks for a free descriptor
+        self._out_of_fds = 0          # checks in a row that found none (0: it has them)
+        self._fds_back = 0            # checks in a row that found one since the log said it had none
+        self._say_fds_at = 0.0        # time.monotonic() from which the log may say it again
 
     BAD_LOG_S = 60.0   # the log says bad messages at most once this often
+    FDS_CHECK_S = 1.0  # how often `poll` checks that the process has a descriptor free
 
     def _bad(self, what: str) -> None:
         """Count a bad message (`what`: its code and reason) and say it: the first at once,
@@ -560,8 +567,44 @@ class Service:
         """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
         if self.poller.poll(timeout_ms):
             self.drain()
-        if self._unsaid and time.monotonic() >= self._say_bad_at:
+        now = time.monotonic()
+        if self._unsaid and now >= self._say_bad_at:
             self._say_bad()
+        if now >= self._check_fds_at:
+            self._check_fds_at = now + self.FDS_CHECK_S
+            self._check_fds(now)
+
+    def _check_fds(self, now: float) -> None:
+        """Say when this process has no file descriptor free, and when it has them again. A
+        process without one accepts no connection (ZeroMQ's accept fails; the peer waits in
+        the kernel's queue, then times out) and opens no file: a job with more peers of one
+        daemon than `ulimit -n` allows, or someone holding connections open to its port,
+        left its workers saying only "shard at ... did not answer within cluster.timeout_s"."""
+        try:
+            os.close(os.dup(self._fd))
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                return
+            self._out_of_fds += 1
+            self._fds_back = 0
+            if now >= self._say_fds_at:
+                self._say_fds_at = now + self.BAD_LOG_S
+                limit = "ulimit -n"
+                if resource is not None:
+                    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                    limit = f"ulimit -n {soft}, hard limit {'unlimited' if hard < 0 else hard}"
+                where = cast(bytes, self.sock.getsockopt(zmq.LAST_ENDPOINT)).decode(errors="replace")
+                log(self.role, f"out of file descriptors ({limit}; {os.strerror(e.errno)}): it accepts no new "
+                               f"connection on {where} and opens no file until some close. Each connection "
+                               f"takes one: a job with more peers of this daemon than that, or connections "
+                               f"held open to its port by something else (one that does not finish its handshake "
+                               f"is dropped after {SERVER_HANDSHAKE_S:.0f} s); raise `ulimit -n`")
+            return
+        if self._out_of_fds:
+            self._fds_back += 1
+            if self._fds_back >= 3:   # (a descriptor freed for a moment, taken by the next connection, is not it)
+                self._out_of_fds = self._fds_back = 0
+                log(self.role, "has file descriptors again: accepting connections")
 
     DRAIN_S = 0.05   # at most this long serving before `drain` returns to the daemon's loop
 

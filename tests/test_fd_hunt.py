@@ -131,3 +131,47 @@ def test_coordinator_outlives_idle_connections_past_its_soft_limit(tmp_path):
             kill_all([proc])
             if proc.stderr:
                 proc.stderr.close()
+
+
+SERVE = """
+import resource, sys, time, zmq
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+from psgd import transport
+from psgd.config import SecurityConfig
+ctx = zmq.Context()
+sock = transport.server_socket(ctx, "tcp://127.0.0.1:%d", SecurityConfig())
+service = transport.Service(sock, {}, "the test daemon", role="daemon")
+print("serving", flush=True)
+until = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < until:
+    service.poll(50)
+sock.close(0)
+ctx.term()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_daemon_out_of_descriptors_says_so(tmp_path):
+    """A daemon that had run out of descriptors said nothing (the job's workers timed out:
+    "shard at ... did not answer within cluster.timeout_s"): one line says so, and one
+    that it has them again."""
+    port = free_port_block(1)
+    proc = subprocess.Popen([sys.executable, "-c", SERVE % port, "16"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    conns: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "serving\n"
+        conns = open_idle(port, 80, every=False)   # past its 48; the rest wait in the kernel's queue
+        time.sleep(4)
+        for c in conns:
+            c.close()
+        out, err = proc.communicate(timeout=40)
+    finally:
+        kill_all([proc])
+    assert proc.returncode == 0 and out == "done\n", err
+    lines = [line for line in err.splitlines() if "file descriptors" in line]
+    assert len(lines) == 2, err
+    assert "out of file descriptors" in lines[0] and "ulimit -n" in lines[0] and "48" in lines[0], lines[0]
+    assert "again" in lines[1], lines[1]

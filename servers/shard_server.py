@@ -106,7 +106,7 @@ class ShardServer:
         where they must; its checkpoint at exit says it again)."""
         try:
             write_checkpoint(sd, path)
-        except OutputError as e:
+        except (OutputError, OSError) as e:   # (OSError: what torch.save raised itself, out of descriptors say)
             if not self._unwritten:   # (said once, not at every checkpoint while the disk stays full)
                 log(self.name, f"checkpoint not written: {e}; serving on without it")
             self._unwritten = True

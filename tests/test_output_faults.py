@@ -210,3 +210,27 @@ def test_a_shard_reads_only_its_own_checkpoint_whole(tmp_path, monkeypatch):
     monkeypatch.delenv(SET_CHECKED_ENV)
     assert server._resume(Shard(cfg, 1), cfg.checkpoint_file(str(tmp_path), 1), whole_set=True)
     assert sorted(read_whole) == [cfg.checkpoint_file(str(tmp_path), i) for i in (0, 1, 2)]   # (each once)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_periodic_checkpoint_that_torch_cannot_write_is_one_line_and_the_shard_serves_on(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Helper K: out of file descriptors, torch.save raised a plain OSError (a module it
+    imports lazily), which the checkpoint thread did not catch: 'Exception in thread
+    checkpoint-0' and a traceback in the shard's log."""
+    import psgd.servers.shard_server as shard_server
+    from psgd.config import load
+    from psgd.shard import Shard
+
+    def out_of_fds(sd, path):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(shard_server, "write_checkpoint", out_of_fds)
+    cfg = load(None, ["cluster.servers=1"], env={})
+    server = shard_server.ShardServer(cfg, 0, str(tmp_path))
+    for _ in range(2):
+        server._write_checkpoint(Shard(cfg, 0).state_dict(), str(tmp_path / "shard-0.pt"))
+    err = capsys.readouterr().err
+    assert err.count("checkpoint not written") == 1 and "Too many open files" in err and "serving on" in err
+    assert server._unwritten

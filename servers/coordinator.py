@@ -42,6 +42,7 @@ started after it is), "coordinator" for one built in a process that does other t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -55,7 +56,7 @@ from psgd import layout as layouts
 from psgd.config import Config, anchored, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
-from psgd.metrics import EventLog, json_line, summarize, write_json_atomic, write_text_atomic
+from psgd.metrics import EventLog, OutputError, json_line, summarize, write_json_atomic, write_text_atomic
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
 STATUS_WORKER_STATS = ("samples", "elapsed_s", "wait_s", "staleness_hist", "staleness_sum", "staleness_max", "rejected",
@@ -175,6 +176,7 @@ class Coordinator:
         self.state_path = os.path.join(out, STATE_FILE) if out else ""
         self._saved: tuple = ()
         self._saved_at = 0.0
+        self._unsaved_said_at = -math.inf   # when the log last said the state file could not be written for now
         self._curve: list[str] = []        # the state file's settled scores, each encoded once (`_save_state`)
         self.summary: dict | None = None
         self.ended = False                 # restarted after its job ended (`_resume`): nothing to run
@@ -754,6 +756,20 @@ class Coordinator:
         self._curve += [json_line(e)[:-1] for e in self.evals[len(self._curve):settled]]
         curve = "[" + ", ".join(self._curve + [json_line(e)[:-1] for e in self.evals[settled:]]) + "]"
         wall = time.time()
+        try:
+            self._write_state(wall, now, curve)
+        except OutputError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            # Out of file descriptors (connections held open to its port, or more peers than
+            # `ulimit -n`): for now, not for good (a full disk is). It exited 73 and ended the
+            # job; it tries again in a second (STATE_EVERY_S), or at the next change, and the
+            # log says so once a minute.
+            if now - self._unsaved_said_at >= 60.0:
+                self._unsaved_said_at = now
+                log("coordinator", f"{e}; trying again every {STATE_EVERY_S:g} s")
+
+    def _write_state(self, wall: float, now: float, curve: str) -> None:
         write_json_atomic(self.state_path, {
             "saved_at": wall, "config": self.cfg.to_dict(), "phase": self.phase, "abort": self.abort,
             "t0_wall": wall - (now - self.t0) if self.t0 else None,

@@ -1029,3 +1029,36 @@ def test_the_count_where_a_worker_began_stepping_is_kept():
     m.beat(0, 1.0, 5, {"samples": 160})
     assert m.members[0].counts.at(0.4) == 0
     assert m.members[0].counts.at(0.75) == 80
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_state_file_unwritable_for_want_of_descriptors_is_retried_not_the_end_of_the_job(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Helper K: a coordinator under `ulimit -n` sent more idle connections than that could
+    not open its state file's temporary, exited 73 ("a restart would fail the same way")
+    and ended the job. Out of descriptors is for now: it tries again; a full disk is not."""
+    import errno
+
+    from psgd.servers import coordinator as coord_module
+    c = coordinator(Config().replace(**{"cluster.port": free_port_block(3)}), str(tmp_path))
+    real = coord_module.write_json_atomic
+    failing = {"errno": errno.EMFILE}
+
+    def write(path, obj, encoded=None):
+        if failing:
+            raise metrics.OutputError(failing["errno"], os.strerror(failing["errno"]), path + ".tmp")
+        real(path, obj, encoded)
+
+    monkeypatch.setattr(coord_module, "write_json_atomic", write)
+    now = time.monotonic()
+    c._save_state(now)
+    c._save_state(now + 1.5)                      # still none: said once
+    assert capsys.readouterr().err.count("Too many open files") == 1
+    assert not os.path.exists(c.state_path)
+    failing.clear()
+    c._save_state(now + 3.0)                      # descriptors again: written
+    assert json.load(open(c.state_path))["phase"] == c.phase
+    failing["errno"] = errno.ENOSPC
+    with pytest.raises(metrics.OutputError):
+        c._save_state(now + 4.5)

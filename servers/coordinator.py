@@ -20,7 +20,9 @@ restarted without its final tables (`lost_tables`) before the final score is in.
 aborted job's summary.json has `aborted` (the reason) and the coordinator exits 1.
 A rendezvous that does not complete within cluster.timeout_s exits 1 without a summary.
 Every change of the job's state goes to DIR/coordinator-state.json, from which a
-restarted coordinator resumes the job (within cluster.timeout_s). Heartbeats
+restarted coordinator resumes the job (within cluster.timeout_s); the accuracy curve's
+settled scores are appended once each to DIR/coordinator-scores.jsonl, which the state
+file counts (`_save_state`). Heartbeats
 carry each daemon's cumulative counters and get the live set back. When no worker is
 live any more (each finished or lost; a training script's rank 0 holding the end has
 released it or its hold ran out), the evaluator, if the job has one, is asked for a final score (phase
@@ -56,12 +58,21 @@ from psgd import layout as layouts
 from psgd.config import Config, anchored, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
-from psgd.metrics import EventLog, OutputError, json_line, summarize, write_json_atomic, write_text_atomic
+from psgd.metrics import (
+    EventLog,
+    OutputError,
+    json_line,
+    output_error,
+    summarize,
+    write_json_atomic,
+    write_text_atomic,
+)
 from psgd.transport import Reply, Service, bind_address, server_socket, stop_auth
 
 STATUS_WORKER_STATS = ("samples", "elapsed_s", "wait_s", "staleness_hist", "staleness_sum", "staleness_max", "rejected",
                        "loss")
 STATE_FILE = "coordinator-state.json"
+SCORES_FILE = "coordinator-scores.jsonl"   # the settled scores the state file counts (`_save_state`)
 STATE_EVERY_S = 1.0   # the state file is rewritten on every change, and this often for the counters
 PROGRESS_EVERY_S = 2.0
 WAITING_EVERY_S = 5.0
@@ -177,7 +188,8 @@ class Coordinator:
         self._saved: tuple = ()
         self._saved_at = 0.0
         self._unsaved_said_at = -math.inf   # when the log last said the state file could not be written for now
-        self._curve: list[str] = []        # the state file's settled scores, each encoded once (`_save_state`)
+        self.scores_path = os.path.join(out, SCORES_FILE) if out else ""
+        self._appended = 0                 # self.evals[:_appended] are in the scores file (`_save_state`)
         self.summary: dict | None = None
         self.ended = False                 # restarted after its job ended (`_resume`): nothing to run
         self.counting: list[tuple[dict, SamplesAt]] = []   # scores whose samples wait for the heartbeats after them
@@ -198,6 +210,9 @@ class Coordinator:
                                            "release": self.on_release},
                                "the coordinator", MAX_FRAME, self.counters)
         self._resume()
+        if self.scores_path and not self.restarts and not self.ended:   # a job started afresh: an earlier
+            with contextlib.suppress(FileNotFoundError):                # job's scores are not its own
+                os.unlink(self.scores_path)
 
     def _write_config(self) -> None:
         """OUT/config.toml: the job's resolved config (its address and security settings),
@@ -747,17 +762,23 @@ class Coordinator:
         encoded whole on every score and every second, an hour into a job each rewrite
         took 0.15-0.7 s of the serve loop, four hours in over a second, most of the
         coordinator's time. A score is encoded once its samples are settled (those still
-        `counting` are the curve's last), and a new one waits for the next second."""
+        `counting` are the curve's last), and a new one waits for the next second.
+        Encoded once, the whole curve was still written every second (and fsync'd): 6.8 MB
+        at 8 hours, 20 MB a second a day into a job. A settled score is appended once to
+        DIR/coordinator-scores.jsonl (fsync'd before the state file that counts it,
+        `evals_settled`, replaces the old one); the state file holds the scores still
+        counting (`evals`): its size stays that of a job's first seconds."""
         key = (self.members.version, self.phase, self.abort, len(self.server_joins), self.held_until)
         if not self.state_path or (key == self._saved and now - self._saved_at < STATE_EVERY_S):
             return
         self._saved, self._saved_at = key, now
-        settled = len(self.evals) - len(self.counting)
-        self._curve += [json_line(e)[:-1] for e in self.evals[len(self._curve):settled]]
-        curve = "[" + ", ".join(self._curve + [json_line(e)[:-1] for e in self.evals[settled:]]) + "]"
-        wall = time.time()
+        settled = len(self.evals) - len(self.counting)   # (scores settle in order: `_count`)
         try:
-            self._write_state(wall, now, curve)
+            if settled > self._appended:
+                self._append_scores(self.evals[self._appended:settled])
+                self._appended = settled
+            counting = "[" + ", ".join(json_line(e)[:-1] for e in self.evals[settled:]) + "]"
+            self._write_state(time.time(), now, settled, counting)
         except OutputError as e:
             if e.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
@@ -769,7 +790,7 @@ class Coordinator:
                 self._unsaved_said_at = now
                 log("coordinator", f"{e}; trying again every {STATE_EVERY_S:g} s")
 
-    def _write_state(self, wall: float, now: float, curve: str) -> None:
+    def _write_state(self, wall: float, now: float, settled: int, counting: str) -> None:
         write_json_atomic(self.state_path, {
             "saved_at": wall, "config": self.cfg.to_dict(), "phase": self.phase, "abort": self.abort,
             "t0_wall": wall - (now - self.t0) if self.t0 else None,
@@ -780,7 +801,46 @@ class Coordinator:
             "server_joins": self.server_joins, "server_nonces": self.server_nonces, "servers": self.servers,
             "startup_s": self.startup_s, "launched_at": self.launched_at, "launched_by": self.launched_by,
             "restarts": self.restarts, "counters": self.counters, "layout": self.layout,
-            "awaited": sorted(self.awaited)}, {"evals": curve})
+            "awaited": sorted(self.awaited), "evals_settled": settled}, {"evals": counting})
+
+    def _append_scores(self, scores: list[dict]) -> None:
+        """Append settled scores to the scores file, one JSON line each, fsync'd."""
+        try:
+            with open(self.scores_path, "a", encoding="utf-8") as f:
+                f.write("".join(json_line(e) for e in scores))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise output_error(e, self.scores_path) from None
+
+    def _read_scores(self, n: int) -> list[dict]:
+        """The first `n` scores of the scores file, as many whole ones as it has (a file cut
+        short or removed: said); the file is cut to them, so that appends go on after them
+        (a line appended after the state file's last rewrite is not a score it counts)."""
+        scores: list[dict] = []
+        size = 0
+        try:
+            with open(self.scores_path, "rb") as f:
+                for line in f:
+                    if len(scores) == n or not line.endswith(b"\n"):
+                        break
+                    try:
+                        e = json.loads(line)
+                    except ValueError:
+                        break
+                    if not isinstance(e, dict):
+                        break
+                    scores.append(e)
+                    size += len(line)
+            os.truncate(self.scores_path, size)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise output_error(e, self.scores_path) from None
+        if len(scores) < n:
+            log("coordinator", f"{self.scores_path} holds {len(scores)} of the {n} scores that {self.state_path} "
+                               f"counts: the job's accuracy curve goes on from those")
+        return scores
 
     def _resume(self) -> None:
         """Continue a job whose coordinator died, from its state file: only a file of
@@ -822,7 +882,10 @@ class Coordinator:
         self.server_joins = {int(k): int(v) for k, v in st["server_joins"].items()}
         self.server_nonces = {str(k): int(v) for k, v in st.get("server_nonces", {}).items()}
         self.servers = {int(k): v for k, v in st["servers"].items()}
-        self.evals, self.startup_s = st["evals"], st["startup_s"]
+        # (a state file of an earlier psgd held the whole curve in `evals`, none in the scores file)
+        settled = self._read_scores(int(st["evals_settled"])) if "evals_settled" in st else []
+        self._appended = len(settled)
+        self.evals, self.startup_s = settled + st["evals"], st["startup_s"]
         self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]
         self._launched_mono = now - (wall - self.launched_at)   # (another process's: only wall times compare)
         self.counters.update(st["counters"])

@@ -14,7 +14,7 @@ import zmq
 from psgd import metrics, wire
 from psgd.config import Config
 from psgd.membership import Membership
-from psgd.servers.coordinator import CHECK_EVERY_S, SETTLE_BEATS, STATE_FILE, Coordinator
+from psgd.servers.coordinator import CHECK_EVERY_S, SCORES_FILE, SETTLE_BEATS, STATE_FILE, Coordinator
 from tests.conftest import free_port_block
 
 
@@ -625,7 +625,10 @@ def test_a_long_curve_is_encoded_once_a_score_and_saved_once_a_second(tmp_path, 
     assert len(writes) <= 62           # once a second (was: once a score, and every second)
     assert len(encoded) == 120         # each score once (was: all of them at every rewrite)
     state = json.load(open(os.path.join(str(tmp_path), STATE_FILE)))
-    assert state["evals"] == [{**e, "loss": None if i == 0 else e["loss"]} for i, e in enumerate(c.evals)]
+    with open(os.path.join(str(tmp_path), SCORES_FILE)) as f:   # the settled scores; the state file counts them
+        curve = [json.loads(line) for line in f]
+    assert state["evals_settled"] == len(curve) and curve + state["evals"] == [
+        {**e, "loss": None if i == 0 else e["loss"]} for i, e in enumerate(c.evals)]
     assert state["phase"] == "training" and set(state["membership"]) == set(c.members.state_dict())
 
 

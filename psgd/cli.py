@@ -53,7 +53,8 @@ def _device(p: argparse.ArgumentParser) -> None:
 DAEMONS = ("coordinator", "server", "worker", "evaluator")
 # What each daemon writes into --out (README, "Output files").
 NOTHING = "(default: $PSGD_OUT; with neither, nothing is written)"
-DAEMON_OUT = {"coordinator": f"summary.json, config.toml, coordinator-state.json, events/, pids/ {NOTHING}",
+DAEMON_OUT = {"coordinator": f"summary.json, config.toml, coordinator-state.json, coordinator-scores.jsonl, "
+                             f"events/, pids/ {NOTHING}",
               "server": "checkpoints/shard-I.pt, pids/ (default: $PSGD_OUT; checkpoint.dir, if set, holds the "
                         "checkpoints instead, with or without --out)",
               "worker": f"events/worker-R.jsonl, pids/ {NOTHING}", "evaluator": f"model.pt, events/, pids/ {NOTHING}"}

@@ -650,6 +650,7 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
     if args.cmd in DAEMONS:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()
+        one_compute_thread()
     code: int | None = None
     try:
         code = _command(handlers.get(args.cmd, cmd_daemon), args, env)
@@ -658,6 +659,20 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
             _stop_fork_server(args.cmd, code)
     assert code is not None
     return code
+
+
+def one_compute_thread() -> None:
+    """A daemon's torch computes on one thread unless OMP_NUM_THREADS says otherwise, as
+    under `psgd run`, the Dockerfile and the Slurm scripts: a daemon started by hand took
+    torch's default, a thread per core, and the processes of a job on one machine fought
+    for the cores (a job of hand-started daemons on 2 cores: 1,692 samples/s against
+    23,335 with one thread each)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"   # (before torch is imported: its pools and numpy's BLAS read it)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _unrecognized(ap: argparse.ArgumentParser, args, argv: list[str], extra: list[str]) -> str:

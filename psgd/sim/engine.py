@@ -15,6 +15,7 @@ exactly one body runs at any time; a body that trains has torch's random state o
 """
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 import itertools
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 
 class Loop:
     """A discrete-event loop on a virtual clock (seconds)."""
@@ -30,13 +33,17 @@ class Loop:
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
-        self._seq = itertools.count()
+        self.seq = itertools.count()
+        # `push((t, next(seq), fn, args))` is `at(t, fn, *args)` for a caller that has made
+        # sure t is not before `now`, without a Python call (the simulation's messages and
+        # hand-offs: a few per worker step)
+        self.push = functools.partial(heapq.heappush, self._heap)
         self._stopped = False
         self.events = 0
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) at virtual time t (never before now)."""
-        heapq.heappush(self._heap, (t if t >= self.now else self.now, next(self._seq), fn, args))
+        heapq.heappush(self._heap, (t if t >= self.now else self.now, next(self.seq), fn, args))
 
     def run(self, tick: Callable[[], None] | None = None, every: int = 1024) -> None:
         """Until no event is left or `stop()` is called (by an event); `tick()` after
@@ -154,7 +161,6 @@ class TorchRandom:
     timing-only run, which draws nothing, has none."""
 
     def __init__(self, seed: int, device: Any):
-        import torch
         cuda = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
@@ -164,7 +170,6 @@ class TorchRandom:
     def swap(self) -> None:
         """Make the body's state current and keep the one that was in its place (called
         when the body is resumed, and again when it hands back)."""
-        import torch
         cpu = torch.get_rng_state()
         torch.set_rng_state(self.cpu)
         self.cpu = cpu
@@ -247,7 +252,6 @@ class Process:
     def _switch(self) -> None:
         """Run the body until it suspends or ends."""
         if self.thread is None:
-            import torch
             outer = torch.is_grad_enabled()
             if outer != self._grad:
                 torch.set_grad_enabled(self._grad)

@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from ..models import build_model
 from ..replica import Replica, pick_device
 from ..workers.client import ParameterClient
 from .engine import Loop, Network, Node, few_collections
-from .messages import Packet, SimShard, packet, packets
+from .messages import Packet, SimShard, packet, packets, received
 from .timing import TimingReplica, TimingShard
 from .worker import CountingClient, SimWorker
 
@@ -214,30 +214,50 @@ class Simulation:
                     self.device)
 
     # ------------------------------------------------------------ the network and the shards
+    # The network's arithmetic (`Network.depart`, `arrive`, `serve`) is written out in the
+    # methods below, the same operations in the same order (a call per message and NIC
+    # was a tenth of a timing-only worker step); `Network` is the reference, and
+    # tests/test_simulate.py checks these against it.
     def send(self, w: SimWorker, items: list[tuple[int, Packet, Any]]) -> None:
         """A worker's requests leave it now, in order. Each is booked at the shard's NIC
         when its first byte leaves this worker's: one that waits behind this worker's
         earlier messages is booked then, by an event, so that a message another worker
         sends meanwhile, and that reaches the shard first, is taken in first."""
-        now, net = self.loop.now, self.net
+        loop, byte_s, node = self.loop, self.net.byte_s, w.node
+        now = loop.now
         for i, msg, token in items:
-            start = net.depart(w.node, msg.nbytes, now)
+            start = now if now > node.tx_free else node.tx_free   # Network.depart
+            node.tx_free = start + msg.nbytes * byte_s
             if start > now:
-                self.loop.at(start, self.arrive, i, token, msg, start)
+                loop.push((start, next(loop.seq), self.arrive, (i, token, msg, start)))   # (`loop.at`)
             else:
                 self.arrive(i, token, msg, start)
 
     def arrive(self, i: int, token: Any, msg: Packet, start: float) -> None:
         """A request whose first byte left its worker at `start` (now): into shard i's
-        NIC, then served in the order it was taken in."""
+        NIC (`Network.arrive`), then served in the order it was taken in (`Network.serve`,
+        for the bytes it makes the shard work through: `applied`)."""
         node, net = self.nodes[i], self.net
-        self.loop.at(net.serve(node, self.applied(i, msg), net.arrive(node, msg.nbytes, start)), self.handle, i,
-                     token, msg)
+        arrived = start + net.latency_s
+        if node.rx_free > arrived:
+            arrived = node.rx_free
+        node.rx_free = arrived = arrived + msg.nbytes * net.byte_s
+        if msg.payload and (msg.op == "push" or msg.op == "elastic"):
+            shard = self.shards[i]
+            cost = 4 * (shard.P + shard.B) * net.apply_byte_s
+        else:
+            cost = msg.payload * net.apply_byte_s
+        begin = arrived if arrived > node.cpu_free else node.cpu_free
+        node.cpu_free = begin + cost
+        node.busy_s += cost
+        loop = self.loop   # (`loop.at`: cpu_free is not before now)
+        loop.push((node.cpu_free, next(loop.seq), self.handle, (i, token, msg)))
 
     def applied(self, i: int, msg: Packet) -> int:
         """The bytes a request makes shard i work through (`sim.apply_gbps`): a push or an
         elastic offer, its float32 tables (a bfloat16 or compressed gradient is decoded
-        into a dense one and applied to all of them); any other request, its payload."""
+        into a dense one and applied to all of them); any other request, its payload.
+        (Written out in `arrive`.)"""
         if msg.op in ("push", "elastic") and msg.payload:
             shard = self.shards[i]
             return 4 * (shard.P + shard.B)
@@ -247,34 +267,59 @@ class Simulation:
         """Shard i serves one request now, as the daemon's serve loop does."""
         try:
             replies = self.shards[i].handle(token, msg)
-        except wire.WireError as e:
-            self.shards[i].counters["bad_messages"] += 1
-            replies = [(token, wire.error(msg.id, e.code, e.reason))]
-        except Exception as e:  # as the daemon's serve loop (transport.Service): a bug answers, the shard serves on
-            self.shards[i].counters["bad_messages"] += 1
-            replies = [(token, wire.error(msg.id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
+        except Exception as e:
+            replies = self.refused(i, token, msg, e)
         return packets(replies)
 
+    def refused(self, i: int, token: Any, msg: wire.Message, e: Exception) -> list[tuple[Any, Any]]:
+        """The error reply to a request whose handling raised, as the daemon's serve loop
+        (transport.Service) answers it: a WireError's code, or, for a bug, `internal`
+        (the shard serves on); counted as a bad message."""
+        self.shards[i].counters["bad_messages"] += 1
+        if isinstance(e, wire.WireError):
+            return [(token, wire.error(msg.id, e.code, e.reason))]
+        return [(token, wire.error(msg.id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
+
     def handle(self, i: int, token: Any, msg: Packet) -> None:
+        """Shard i serves a request now (`serve`), and its replies leave it."""
         self.changes += 1
         self.moved_at = self.loop.now
-        for tok, m in self.serve(i, token, msg):
-            self.reply(i, tok, m)
+        try:
+            replies = self.shards[i].handle(token, msg)
+        except Exception as e:
+            replies = self.refused(i, token, msg, e)
+        for tok, m in replies:
+            self.reply(i, tok, m if isinstance(m, Packet) else received(m))
 
     def reply(self, i: int, token: Any, msg: Packet) -> None:
         """Shard i's answer leaves it now. A worker hears from every shard: with more
         than one, an answer that waits behind the shard's earlier ones is booked at the
         worker's NIC when it leaves (as in `send`); with one, the worker hears nothing
         else, and booking at once keeps the order its bytes arrive in."""
-        now, net = self.loop.now, self.net
-        start = net.depart(self.nodes[i], msg.nbytes, now)
+        loop, node, net = self.loop, self.nodes[i], self.net
+        now = loop.now
+        start = now if now > node.tx_free else node.tx_free   # Network.depart
+        node.tx_free = start + msg.nbytes * net.byte_s
         if start > now and len(self.nodes) > 1:
-            self.loop.at(start, self.answer, i, token, msg, start)
-        else:
-            self.answer(i, token, msg, start)
+            loop.push((start, next(loop.seq), self.answer, (i, token, msg, start)))   # (`loop.at`)
+            return
+        node = token[0].node   # `answer`, written out
+        arrived = start + net.latency_s
+        if node.rx_free > arrived:
+            arrived = node.rx_free
+        node.rx_free = arrived + msg.nbytes * net.byte_s
+        loop.push((node.rx_free, next(loop.seq), self.deliver, (i, token, msg)))   # (`loop.at`: not before now)
 
     def answer(self, i: int, token: Any, msg: Packet, start: float) -> None:
-        self.loop.at(self.net.arrive(token[0].node, msg.nbytes, start), self.deliver, i, token, msg)
+        """An answer whose first byte left its shard at `start` (now) into its worker's
+        NIC (`Network.arrive`)."""
+        node, net = token[0].node, self.net
+        arrived = start + net.latency_s
+        if node.rx_free > arrived:
+            arrived = node.rx_free
+        node.rx_free = arrived + msg.nbytes * net.byte_s
+        loop = self.loop   # (`loop.at`: rx_free is not before now)
+        loop.push((node.rx_free, next(loop.seq), self.deliver, (i, token, msg)))
 
     def deliver(self, i: int, token: Any, msg: Packet) -> None:
         self.moved_at = self.loop.now
@@ -290,7 +335,7 @@ class Simulation:
         else:
             f.out[k] = msg
             f.left -= 1
-        if f.waiting and f.complete:
+        if f.waiting and (f.left == 0 or f.error is not None):   # (`f.complete`)
             self.wake(w)
 
     # ------------------------------------------------------------ workers
@@ -487,14 +532,14 @@ class Simulation:
         events = os.path.join(out, "events")
         os.makedirs(events, exist_ok=True)
 
-        def dump(name: str, lines: list[dict], mode: str = "w") -> None:
+        def dump(name: str, text: Iterable[str], mode: str = "w") -> None:
             with open(os.path.join(events, name), mode) as f:
-                f.writelines(map(json_line, lines))
+                f.writelines(text)
         for w in self.workers:   # after the lines written while it ran (`spill`)
-            dump(f"worker-{w.rank}.jsonl", w.log_lines(), "a" if w.spilled else "w")
-        dump("evaluator-0.jsonl", self.ev_lines)
-        dump("coordinator-0.jsonl", self.log + [{"t": round(self.end_t, 6), "role": "coordinator",   # wall_s:
-                                                 "event": "done", "wall_s": round(self.end_t, 6)}])   # summary's
+            dump(f"worker-{w.rank}.jsonl", w.log_text(), "a" if w.spilled else "w")
+        dump("evaluator-0.jsonl", map(json_line, self.ev_lines))
+        done = {"t": round(self.end_t, 6), "role": "coordinator", "event": "done", "wall_s": round(self.end_t, 6)}
+        dump("coordinator-0.jsonl", map(json_line, self.log + [done]))   # (wall_s: summary's)
         write_json_atomic(os.path.join(out, "summary.json"), summary)
 
 

@@ -16,11 +16,12 @@ turns true), and `wait_s` is the virtual time it blocked.
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -109,7 +110,8 @@ class SimClient(CountingClient):
             p = packet(op, id=next(ids), rank=self.rank, **kw)
             self._sent += p.nbytes
             items.append((i, p, (w, f, k)))
-        w.sim.loop.at(w.t, w.sim.send, w, items)
+        loop = w.sim.loop   # (`loop.at`, without a call)
+        loop.push((w.t if w.t >= loop.now else loop.now, next(loop.seq), w.sim.send, (w, items)))
         return f
 
     def finish(self, f: Any) -> list[wire.Message]:
@@ -118,16 +120,19 @@ class SimClient(CountingClient):
             w.sleep_until(w.t)
         t0 = w.t
         try:
-            while not f.complete:
+            while f.left and f.error is None:   # (not `f.complete`: a call less, twice a step)
                 if f.cancel is not None and f.cancel():
                     raise Cancelled(f"worker {self.rank}: gave up waiting for {', '.join(sorted(set(f.ops)))}")
                 f.waiting = True
-                w.wait_on(f)
+                w.blocked_on = f   # (`w.wait_on(f)`, written out)
+                if f.cancel is not None:
+                    w.sim.cancellable[w.rank] = w
                 w.proc.suspend()
         finally:
             f.waiting = False
-            w.wait_on(None)
-            if not f.complete:
+            if w.blocked_on is not None:
+                w.wait_on(None)
+            if f.left and f.error is None:
                 f.closed = True
             self.wait_s += w.t - t0
         if f.error is not None:
@@ -139,11 +144,44 @@ class SimClient(CountingClient):
     @staticmethod
     def tables(msgs: Sequence[wire.Message]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`ParameterClient.tables` of the answers, which are packets here: their tensors."""
-        answers = cast(Sequence[Packet], msgs)
+        answers: Sequence[Packet] = msgs   # type: ignore[assignment]   # (not `cast`: a call every step)
         return [m.tensors[0] for m in answers], [m.tensors[1] for m in answers]
 
     def close(self) -> None:
         pass
+
+
+# A step's event-log line as `json_line` writes its dict (`SimWorker._step_text`): floats
+# as `float.__repr__` (null if not finite), ints as `int.__repr__`, ", " and ": " between.
+_STEP = ('{"t": %s, "role": "worker", "rank": %d, "step": %d, "clock": %d, "loss": %s, "samples": %d, '
+         '"staleness": %d, "wait_s": %s, "bytes_sent": %d, "bytes_recv": %d%s')
+_STEP_KEYS = frozenset({"t", "role", "rank", "step", "clock", "loss", "samples", "staleness", "wait_s", "bytes_sent",
+                        "bytes_recv"})
+_EXTRA_KEYS: dict[str, str] = {}   # an extra field's name -> its text before the value (', "name": ')
+_LITERALS = {True: "true", False: "false"}
+
+
+def _extra_text(extra: dict) -> str | None:
+    """The end of a step's line from its extra fields (', "dropped": false}\n'), as
+    `json_line` writes them; None where one is not a bool, None or int of a name that is
+    not the line's own (the line is then encoded as a dict)."""
+    out = []
+    for k, v in extra.items():
+        key = _EXTRA_KEYS.get(k)
+        if key is None:
+            if type(k) is not str or k in _STEP_KEYS:
+                return None
+            key = _EXTRA_KEYS[k] = ", " + json.dumps(k) + ": "
+        if v is True or v is False:
+            out.append(key + _LITERALS[v])
+        elif v is None:
+            out.append(key + "null")
+        elif type(v) is int:
+            out.append(key + repr(v))
+        else:
+            return None
+    out.append("}\n")
+    return "".join(out)
 
 
 class SimWorker:
@@ -231,7 +269,8 @@ class SimWorker:
 
     def sleep_until(self, t: float) -> None:
         """Block this worker's thread until the loop reaches t."""
-        self.sim.loop.at(t, self.sim.wake, self)
+        loop = self.sim.loop   # (`loop.at`, without a call)
+        loop.push((t if t >= loop.now else loop.now, next(loop.seq), self.sim.wake, (self,)))
         self.proc.suspend()
 
     def step_time(self) -> float:
@@ -293,6 +332,12 @@ class SimWorker:
         run that writes no event logs), in order; the first `upto` of them."""
         return [self._step_line(x) if isinstance(x, tuple) else x for x in self.lines[:upto]]
 
+    def log_text(self, upto: int | None = None) -> list[str]:
+        """`log_lines` as the event log's text, `json_line` of each (a step's line written
+        out, not built as a dict and encoded: that was about a tenth of a timing-only
+        worker step)."""
+        return [self._step_text(x) if isinstance(x, tuple) else json_line(x) for x in self.lines[:upto]]
+
     def spill(self, path: str, now: float) -> int:
         """Append the lines held to the event log at `path` (made anew by the first
         spill), but for those `samples_by` may still be asked about from virtual time
@@ -309,9 +354,23 @@ class SimWorker:
             mode = "a" if self.spilled else "w"
             self.spilled = True   # (before the file is made: a first write that fails leaves it to `unspill`)
             with open(path, mode) as f:
-                f.writelines(map(json_line, self.log_lines(keep)))
+                f.writelines(self.log_text(keep))
             del lines[:keep]
         return len(lines)
+
+    def _step_text(self, step: tuple) -> str:
+        """`json_line(self._step_line(step))`, the same text: the usual values (floats, ints,
+        and bool, None or int extra fields of plain names) written out, any other line
+        encoded as the dict."""
+        t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step
+        t, loss, wait_s = round(t, 6), round(loss, 5), round(wait_s, 6)
+        tail = _extra_text(extra) if extra else "}\n"
+        if (tail is None or not float is type(t) is type(loss) is type(wait_s)
+                or not int is type(n) is type(clock) is type(samples) is type(staleness) is type(sent) is type(recv)):
+            return json_line(self._step_line(step))
+        return _STEP % (repr(t) if t - t == 0 else "null", self.rank, n, clock,
+                        repr(loss) if loss - loss == 0 else "null", samples, staleness,
+                        repr(wait_s) if wait_s - wait_s == 0 else "null", sent, recv, tail)
 
     def _step_line(self, step: tuple) -> dict:
         t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step

@@ -470,7 +470,8 @@ def test_a_run_holds_a_bounded_number_of_event_lines_and_writes_the_same_logs(tm
     assert not (tmp_path / "b" / "events").exists()
     # A first write that fails part-way (a full disk): its file goes too (a review).
     stop_at = -1
-    monkeypatch.setattr(sim_worker, "json_line", lambda obj: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(sim_worker.SimWorker, "_step_text",
+                        lambda self, step: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(OSError):
         Simulation(cfg, 0.01).run(str(tmp_path / "c"))
     assert not (tmp_path / "c" / "events").exists()

@@ -314,4 +314,5 @@ def test_the_mark_note_does_not_place_the_evaluators_first_score_within_one_peri
     text = "\n".join(main_table(build_rows(sync), 0.9, 0.5))
     assert "0.57 ± 0.04 †" in text
     assert "within one evaluation period of the start" not in text
-    assert "already above it at the evaluator's first score, or the time is shorter than one evaluation period" in text
+    assert ("already above it at the first score (the evaluator's; the baseline's: its untrained model, before "
+            "any step), or the time is shorter than one evaluation period") in text

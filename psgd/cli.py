@@ -650,7 +650,8 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
     if args.cmd in DAEMONS:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()
-        one_compute_thread()
+        if own_process:   # (not a caller's process: `main([...])` from Python keeps its threads)
+            one_compute_thread()
     code: int | None = None
     try:
         code = _command(handlers.get(args.cmd, cmd_daemon), args, env)

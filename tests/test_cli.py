@@ -819,10 +819,12 @@ def test_a_daemon_started_by_hand_computes_on_one_thread_unless_told(monkeypatch
     threads = torch.get_num_threads()
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        assert cli.main(["worker", "--rank", "0"]) == 0
+        assert cli._main(["worker", "--rank", "0"], own_process=True) == 0
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         torch.set_num_threads(3)
+        assert cli._main(["worker", "--rank", "0"], own_process=True) == 0
+        monkeypatch.delenv("OMP_NUM_THREADS")   # a call from Python: the caller's process is not the daemon's
         assert cli.main(["worker", "--rank", "0"]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert seen == [("1", 1), ("3", 3)]
+    assert seen == [("1", 1), ("3", 3), (None, 3)]

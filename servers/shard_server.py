@@ -31,7 +31,7 @@ from psgd import wire
 from psgd.config import SET_CHECKED_ENV, Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
-from psgd.metrics import OutputError, writer_gone
+from psgd.metrics import writer_gone
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
@@ -106,7 +106,7 @@ class ShardServer:
         where they must; its checkpoint at exit says it again)."""
         try:
             write_checkpoint(sd, path)
-        except (OutputError, OSError) as e:   # (OSError: what torch.save raised itself, out of descriptors say)
+        except OSError as e:   # an OutputError, or what torch.save raised itself (out of descriptors, say)
             if not self._unwritten:   # (said once, not at every checkpoint while the disk stays full)
                 log(self.name, f"checkpoint not written: {e}; serving on without it")
             self._unwritten = True

@@ -61,6 +61,17 @@ class Loopback:
                              for i in range(len(self.shards))])
 
 
+class TournamentOps:
+    """The client's tournament ops (deposits, fetches, the index) for a loopback over
+    `self.shards` (mixed in before it)."""
+    put_model = ParameterClient.put_model
+    get_model = ParameterClient.get_model
+    index = ParameterClient.index
+
+    @property
+    def n(self) -> int:
+        return len(self.shards)
+
 class FakeTrainer:
     """A worker whose `compute` sets every parameter's gradient to `grad(p)`."""
 

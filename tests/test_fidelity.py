@@ -28,7 +28,7 @@ from psgd.consistency.easgd import EasgdSchedule
 from psgd.consistency.elastic import default_alpha
 from psgd.consistency.ltfb import LtfbSchedule
 from psgd.shard import Shard
-from tests.loopback import FakeTrainer, Loopback, flat
+from tests.loopback import FakeTrainer, Loopback, TournamentOps, flat
 
 pytestmark = pytest.mark.unit
 ETA = 0.1
@@ -137,6 +137,24 @@ def test_easgd_async_two_interleaved_workers_and_a_late_joiner_follow_algorithm_
         torch.testing.assert_close(centre(shards), c, rtol=1e-5, atol=1e-6)
 
 
+def two_in_threads(cfg, schedule, steps: int):
+    """Workers 0 and 1 of `schedule` on fresh shards, each in a thread (a round waits for
+    both): `steps` steps, then the end of the budget. (The shards, the workers, and the
+    centre the shards started with.)"""
+    shards = [Shard(cfg, i) for i in range(cfg.cluster.servers)]
+    hub = Hub(shards)
+    ws = [FakeTrainer(cfg, Threaded(hub, r), grad_of(r), rank=r) for r in range(2)]
+    start = centre(shards)
+
+    def worker(r):
+        s = schedule(cfg)
+        s.start(ws[r])
+        for _ in range(steps):
+            s.step(ws[r])
+        s.finish(ws[r])
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    return shards, ws, start
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tau", [1, 3])
 def test_easgd_sync_rounds_of_two_workers_follow_the_synchronous_equations(tau):
@@ -147,18 +165,7 @@ def test_easgd_sync_rounds_of_two_workers_follow_the_synchronous_equations(tau):
     cfg = easgd_cfg(**{"cluster.workers": 2, "mode.tau": tau, "mode.sync": True, "train.steps": steps})
     alpha = default_alpha(0.0, 2)
     assert alpha == pytest.approx(0.45)      # beta = p alpha = 0.9, the paper's
-    shards = [Shard(cfg, i) for i in range(cfg.cluster.servers)]
-    hub = Hub(shards)
-    ws = [FakeTrainer(cfg, Threaded(hub, r), grad_of(r), rank=r) for r in range(2)]
-    c = centre(shards)
-
-    def worker(r):
-        s = EasgdSchedule(cfg)
-        s.start(ws[r])
-        for _ in range(steps):
-            s.step(ws[r])
-        s.finish(ws[r])
-    run_threads([lambda r=r: worker(r) for r in range(2)])
+    shards, ws, c = two_in_threads(cfg, EasgdSchedule, steps)
 
     xs = [c.clone(), c.clone()]
     for t in range(steps + 1):
@@ -233,18 +240,7 @@ def test_diloco_two_workers_with_inner_adamw_follow_algorithm_1(h):
                               "mode.local_steps": h, "mode.outer_lr": eta, "mode.outer_momentum": mu,
                               "optimizer.name": "adamw", "optimizer.lr": lr, "optimizer.weight_decay": wd,
                               "train.steps": steps})
-    shards = [Shard(cfg, i) for i in range(cfg.cluster.servers)]
-    hub = Hub(shards)
-    ws = [FakeTrainer(cfg, Threaded(hub, r), grad_of(r), rank=r) for r in range(2)]
-    theta = centre(shards)
-
-    def worker(r):
-        s = DilocoSchedule(cfg)
-        s.start(ws[r])
-        for _ in range(steps):
-            s.step(ws[r])
-        s.finish(ws[r])
-    run_threads([lambda r=r: worker(r) for r in range(2)])
+    shards, ws, theta = two_in_threads(cfg, DilocoSchedule, steps)
 
     z = torch.zeros_like(theta)
     mom, xs, ms, vs, t = z.clone(), [theta.clone(), theta.clone()], [z.clone(), z.clone()], [z.clone(), z.clone()], 0
@@ -305,16 +301,7 @@ def test_diloco_a_worker_joining_late_starts_from_the_global_model_of_the_open_r
 
 
 # ---------------------------------------------------------------- LTFB
-class TourThreaded(Threaded):
-    from psgd.workers.client import ParameterClient as _PC  # noqa: N814
-    put_model = _PC.put_model
-    get_model = _PC.get_model
-    index = _PC.index
-
-    @property
-    def n(self) -> int:
-        return len(self.shards)
-
+class TourThreaded(TournamentOps, Threaded):
     @staticmethod
     def _wire(kind, shard, t):
         return t

@@ -33,9 +33,9 @@ from psgd.consistency.tournament import (
 )
 from psgd.inprocess import InProcessCluster
 from psgd.shard import Shard
-from psgd.workers.client import Cancelled, ParameterClient
+from psgd.workers.client import Cancelled
 from psgd.workers.worker import Worker
-from tests.loopback import FakeTrainer, Loopback, flat
+from tests.loopback import FakeTrainer, Loopback, TournamentOps, flat
 
 unit, inprocess = pytest.mark.unit, pytest.mark.inprocess
 
@@ -282,15 +282,8 @@ def test_a_restored_shard_answers_every_ltfb_request_as_before(tmp_path):
     assert c.ready and c.models == {} and _ask(c, req("models", 0, 0))[0][2]["models"] == []
 
 
-class TourLoopback(Loopback):
+class TourLoopback(TournamentOps, Loopback):
     """A loopback with the tournament ops (deposits and fetches must be answerable at once)."""
-    put_model = ParameterClient.put_model
-    get_model = ParameterClient.get_model
-    index = ParameterClient.index
-
-    @property
-    def n(self) -> int:
-        return len(self.shards)
 
     def request(self, reqs, cancel=None):
         try:

@@ -7,17 +7,10 @@ import torch
 from torch import nn
 
 import psgd
-from psgd.config import Config
 from psgd.inprocess import InProcessCluster
+from tests.test_script_misuse import config
 
 pytestmark = pytest.mark.inprocess
-
-
-def config(port_block, mode: str, **sets) -> Config:
-    return Config().replace(**{"cluster.port": port_block(3), "cluster.workers": 1, "cluster.servers": 1,
-                               "model.name": "script", "cluster.evaluator": False, "mode.name": mode,
-                               "train.steps": 6, "cluster.timeout_s": 20, "mode.tau": 2, "mode.local_steps": 3,
-                               "mode.round_steps": 3, **sets})
 
 
 def fine_tune(ps, model: nn.Sequential, opt: torch.optim.Optimizer) -> None:

@@ -650,8 +650,10 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
     if args.cmd in DAEMONS:
         from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
         end_with_launcher()
-        if own_process:   # (not a caller's process: `main([...])` from Python keeps its threads)
+        if own_process:   # (not a caller's process: `main([...])` from Python keeps its threads and limits)
             one_compute_thread()
+            from .transport import raise_fd_limit  # (a worker's too: about 4 descriptors a shard)
+            raise_fd_limit()
     code: int | None = None
     try:
         code = _command(handlers.get(args.cmd, cmd_daemon), args, env)

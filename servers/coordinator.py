@@ -882,8 +882,9 @@ class Coordinator:
         self.server_joins = {int(k): int(v) for k, v in st["server_joins"].items()}
         self.server_nonces = {str(k): int(v) for k, v in st.get("server_nonces", {}).items()}
         self.servers = {int(k): v for k, v in st["servers"].items()}
-        # (a state file of an earlier psgd held the whole curve in `evals`, none in the scores file)
-        settled = self._read_scores(int(st["evals_settled"])) if "evals_settled" in st else []
+        # (a state file of an earlier psgd held the whole curve in `evals`, none in the scores
+        # file: one there is not this job's, and is cut to nothing)
+        settled = self._read_scores(int(st.get("evals_settled", 0)))
         self._appended = len(settled)
         self.evals, self.startup_s = settled + st["evals"], st["startup_s"]
         self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]

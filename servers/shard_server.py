@@ -106,7 +106,7 @@ class ShardServer:
         where they must; its checkpoint at exit says it again)."""
         try:
             write_checkpoint(sd, path)
-        except OSError as e:   # an OutputError, or what torch.save raised itself (out of descriptors, say)
+        except (OSError, RuntimeError) as e:   # an OutputError, or what torch.save raised itself
             if not self._unwritten:   # (said once, not at every checkpoint while the disk stays full)
                 log(self.name, f"checkpoint not written: {e}; serving on without it")
             self._unwritten = True

@@ -115,6 +115,10 @@ def test_a_state_file_of_the_earlier_format_with_the_whole_curve_is_resumed(tmp_
     st["evals"] = _scores(5)
     with open(path, "w") as f:
         json.dump(st, f)
+    # A review: a scores file beside it (an earlier job's in this folder) was appended to,
+    # and the next restart read its lines as this job's first scores.
+    with open(os.path.join(out, SCORES_FILE), "w") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in _scores(3, start=50)))
     again = coordinator(cfg, out)
     assert again.restarts == 1 and again.evals == _scores(5)
     again._save_state(time.monotonic() + 5.0)

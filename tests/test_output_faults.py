@@ -214,8 +214,13 @@ def test_a_shard_reads_only_its_own_checkpoint_whole(tmp_path, monkeypatch):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("raised, says", [
+    (OSError(errno.EMFILE, os.strerror(errno.EMFILE)), "Too many open files"),
+    # (a review: torch's own writer's error, not a write of ours that failed, still escaped)
+    (RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"), "unexpected pos"),
+])
 def test_a_periodic_checkpoint_that_torch_cannot_write_is_one_line_and_the_shard_serves_on(tmp_path, monkeypatch,
-                                                                                          capsys):
+                                                                                          capsys, raised, says):
     """Helper K: out of file descriptors, torch.save raised a plain OSError (a module it
     imports lazily), which the checkpoint thread did not catch: 'Exception in thread
     checkpoint-0' and a traceback in the shard's log."""
@@ -224,7 +229,7 @@ def test_a_periodic_checkpoint_that_torch_cannot_write_is_one_line_and_the_shard
     from psgd.shard import Shard
 
     def out_of_fds(sd, path):
-        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        raise raised
 
     monkeypatch.setattr(shard_server, "write_checkpoint", out_of_fds)
     cfg = load(None, ["cluster.servers=1"], env={})
@@ -232,5 +237,5 @@ def test_a_periodic_checkpoint_that_torch_cannot_write_is_one_line_and_the_shard
     for _ in range(2):
         server._write_checkpoint(Shard(cfg, 0).state_dict(), str(tmp_path / "shard-0.pt"))
     err = capsys.readouterr().err
-    assert err.count("checkpoint not written") == 1 and "Too many open files" in err and "serving on" in err
+    assert err.count("checkpoint not written") == 1 and says in err and "serving on" in err
     assert server._unwritten

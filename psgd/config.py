@@ -316,6 +316,24 @@ def written_by_psgd(text: str) -> bool:
         return False
 
 
+def in_psgd_format(text: str) -> bool:
+    """Whether a config file's text is as `Config.to_toml` writes, of this psgd or an
+    earlier one (whose key set may differ): only `[section]` headers and `key = value`
+    lines in psgd's spelling, no comment. A file of the user's (comments, its own
+    spelling) is not, and `psgd run` does not write over it (launcher)."""
+    try:
+        d = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    lines = []
+    for section, values in d.items():
+        if not isinstance(values, Mapping):
+            return False
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return [line for line in text.splitlines() if line.strip()] == lines
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import SET_CHECKED_ENV, Config, ConfigError, anchored
+from .config import SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
@@ -315,6 +315,7 @@ class LocalJob:
             scalars.check(self.cfg)  # before any process starts
             self._locks = self._hold_folders()
             self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
+            self._refuse_users_config()
             if announce is not None:
                 announce()
             if self._ports_note:
@@ -376,6 +377,25 @@ class LocalJob:
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+    def _refuse_users_config(self) -> None:
+        """OUT/config.toml is where the job's resolved config goes (every daemon reads it,
+        and `psgd status OUT`): a file there that psgd did not write, the user's own (`psgd
+        run DIR/config.toml --out DIR`), was replaced without a word, its comments and its
+        own spelling lost. It is refused instead (exit 2), and nothing in the folder is
+        touched. (One psgd wrote, of this version or an earlier one, is replaced.)"""
+        try:
+            with open(self.config_path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{self.config_path} cannot be read ({e}); psgd run writes the job's resolved config "
+                              f"there: give another --out, or move that file") from None
+        if not in_psgd_format(text):
+            raise ConfigError(f"{self.config_path} is a config file psgd did not write (yours?); psgd run writes "
+                              f"the job's resolved config there: give another --out, or move that file out of "
+                              f"the folder")
 
     def _forget_earlier_job(self) -> None:
         """A new job in a folder that an earlier job used replaces that job's outputs:

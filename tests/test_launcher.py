@@ -843,3 +843,27 @@ def test_port_locks_follow_no_link_and_no_folder_others_may_write(tmp_path, monk
         f.close()
     os.chmod(folder, 0o777)
     assert claim_ports(25020, 2) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_config_file_of_the_users_in_the_folder_is_refused_not_replaced(tmp_path):
+    """`psgd run DIR/config.toml --out DIR` with a config of the user's own: psgd run
+    replaced it with the resolved config, its comments lost, without a word. Refused
+    (a ConfigError: exit 2), nothing in the folder touched; one psgd wrote, of this
+    version or of an earlier one with fewer keys, is replaced as before."""
+    from psgd.config import ConfigError
+    mine = "# my job: short\n[train]\nsteps = 20   # enough\n"
+    (tmp_path / "config.toml").write_text(mine)
+    (tmp_path / "summary.json").write_text("{}")   # an earlier job's: kept
+    cfg = load(str(tmp_path / "config.toml"), ["cluster.servers=1", "cluster.workers=1"], env={})
+    with pytest.raises(ConfigError, match="config.toml is a config file psgd did not write"):
+        LocalJob(cfg, str(tmp_path), quiet=True)
+    assert (tmp_path / "config.toml").read_text() == mine
+    assert (tmp_path / "summary.json").read_text() == "{}"
+    older = "\n".join(line for line in cfg.to_toml().splitlines() if not line.startswith("n_fetch"))
+    (tmp_path / "config.toml").write_text(older)   # an earlier psgd's, without a key added since
+    job = LocalJob(cfg, str(tmp_path), quiet=True)
+    try:
+        assert (tmp_path / "config.toml").read_text() == job.cfg.to_toml()
+    finally:
+        job.stop()

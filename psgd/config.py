@@ -320,7 +320,10 @@ def in_psgd_format(text: str) -> bool:
     """Whether a config file's text is as `Config.to_toml` writes, of this psgd or an
     earlier one (whose key set may differ): only `[section]` headers and `key = value`
     lines in psgd's spelling, no comment. A file of the user's (comments, its own
-    spelling) is not, and `psgd run` does not write over it (launcher)."""
+    spelling) is not, and `psgd run` does not write over it (launcher). Looser than
+    `written_by_psgd`, which tells a user's keys from psgd's: a user's file of a few keys,
+    spelled as psgd spells them, gives those keys, and may be replaced by the job's
+    resolved config (its values, and those of any `--set`)."""
     try:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError:

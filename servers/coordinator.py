@@ -180,7 +180,8 @@ class Coordinator:
         self.server_nonces: dict[str, int] = {}   # a shard server's registration nonce -> its index
         self.restarts = 0                  # times this job's coordinator came back (summary.json)
         self.rejoin_until = 0.0            # a restarted one waits until then for its workers to come back (_resume)
-        self.awaited: set[int] = set()     # ... those live when it died (and still awaited): not a rank lost before
+        self.awaited: set[int] = set()     # ... those live when it died (and still awaited), until heard from:
+                                           # not a rank lost before, nor one lost again after it came back
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
         self.holder: int | None = None     # ... that worker's rank (it must hear an abort: _lingered)
@@ -288,6 +289,7 @@ class Coordinator:
             if again >= 0 and self.members.members.get(again) and self.members.members[again].state == "live":
                 # A repeat (its answer was lost, or this coordinator restarted): same rank, no new join.
                 self.members.seen(again, now)
+                self.awaited.discard(again)
                 if self.phase == "rendezvous":
                     self.parked = [p for p in self.parked if p[2] != again] + [(ident, msg, again)]
                     return self._start_training() if self.members.all_joined else []
@@ -304,6 +306,7 @@ class Coordinator:
                 raise wire.WireError(wire.REFUSED, self._no_rank(want))
             self._keep_layout(layout)
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
+            self.awaited.discard(rank)
             if nonce:
                 self.nonces[nonce] = rank
             if self.phase == "rendezvous":
@@ -428,6 +431,8 @@ class Coordinator:
             self._within_job(msg.clock)
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats,
                                            checked_stats(msg.get("logged") or {}))
+            if not rejoin:   # heard since a restart: if it is lost again, it was not stopped with the coordinator
+                self.awaited.discard(msg.rank)
             if self.counting and not rejoin:
                 self._count(msg.rank, now)
             leaving = (msg.get("leaving") or "")[:1000]   # (a peer's text: bounded once, kept and logged so)

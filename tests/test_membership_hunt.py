@@ -282,3 +282,34 @@ def test_a_coordinator_restarted_during_rank_0s_hold_does_not_wait_for_a_rank_lo
     c._checked = -1e9
     c._tick(time.monotonic())
     assert c.phase == "done" and not c.abort, (c.phase, c.abort)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_restarted_coordinator_stops_awaiting_a_rank_once_it_is_heard(tmp_path):
+    """Helper F: the coordinator restarted with both workers live (a shard and it killed);
+    both beat to it, then worker 1 died and worker 0 finished: the job sat in `training`,
+    "live 0/2", until cluster.timeout_s after the restart (wall_s 67.5 s against 30 s of
+    training), though README says it waits only for ranks it missed. A rank heard after the
+    restart is no longer awaited."""
+    from psgd import wire
+    from tests.test_coordinator_state import coordinator
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first = coordinator(cfg, str(tmp_path))
+    for r in range(2):
+        first.members.join(time.monotonic(), r, f"n{r}")
+    first._start_training()
+    first._save_state(time.monotonic())                # killed with both workers live
+    c = coordinator(cfg, str(tmp_path))
+    assert c.awaited == {0, 1}
+    for r in range(2):                                 # both reach the restarted coordinator
+        c.on_heartbeat(f"w{r}".encode(), wire.Message("heartbeat", id=1, rank=r, clock=3,
+                                                      fields={"role": "worker", "nonce": f"n{r}"}))
+    assert c.awaited == set()
+    c.members.members[1].last_seen -= 100              # worker 1 dies
+    c.members.finish(0, time.monotonic(), {"samples": 640}, 20)
+    c._checked = -1e9
+    c._tick(time.monotonic())
+    assert c.members.members[1].state == "lost"
+    assert c.phase != "training" and not c.abort, (c.phase, c.abort)

@@ -193,11 +193,32 @@ def detail_table(rows: list[Row]) -> list[str]:
             f"| {md_escape(row.name)} | {row.workers} | {len(row.runs)}/{row.n} | {pm_secs(row.values('wall_s'))} | "
             f"{amount(mean(row.values('samples')))} | {_throughput_cell(row, row.ref_sync)} | "
             f"{_throughput_cell(row, row.ref_base)} | "
-            f"{'—' if row.is_baseline else max(int(r.get('max_clock_gap', 0)) for r in row.runs)} | "
+            f"{clock_gap(row)} | "
             f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} | {busiest(row)} |")
-    if any(f" {TIE_MARK}" in line for line in lines[2:]):
+    marked = any(f" {TIE_MARK}" in line for line in lines[2:])
+    if {row.mode for row in rows if row.runs} & {*ROUND_MODES, "ltfb"}:
+        lines += ["", CLOCK_GAP_NOTE]
+    if marked:
         lines += ["", THROUGHPUT_TIE_NOTE]
     return lines
+
+
+# summary.json's max_clock_gap counts what a mode's shards see of a worker's clock: its steps
+# in sync, ssp and async, its exchanges in easgd and diloco (one each tau or local_steps
+# steps), nothing in ltfb (its 0 is no measurement, as its staleness is none).
+ROUND_MODES = ("easgd", "diloco")
+CLOCK_GAP_NOTE = ("Max clock gap: in steps; for easgd and diloco in exchange rounds (\"rounds\": their shards "
+                  "see a worker's clock only at its exchanges, each of tau or local_steps steps), so not "
+                  "comparable with the other modes' steps; — for ltfb, whose trainers read no shared model.")
+
+
+def clock_gap(row: Row) -> str:
+    """The largest clock gap of a row's runs, with its unit where it is not steps
+    (CLOCK_GAP_NOTE); — for the baseline and ltfb, which have none."""
+    if row.is_baseline or row.mode == "ltfb":
+        return "—"
+    gap = max(int(r.get("max_clock_gap", 0)) for r in row.runs)
+    return f"{gap} round{'s' if gap != 1 else ''}" if row.mode in ROUND_MODES else str(gap)
 
 
 def _throughput_cell(row: Row, ref: Row | None) -> str:

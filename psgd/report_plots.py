@@ -21,7 +21,7 @@ import textwrap
 from typing import Any
 
 from .report_numbers import Row, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
-from .report_relations import time_status
+from .report_relations import failed_values, time_status
 from .report_tables import num, smax
 
 PLOT_DPI = 80
@@ -460,7 +460,8 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
     if any(not r.is_baseline for r in ok):
         _staleness_plot(plt, ok, colors, os.path.join(out, "staleness.png"))
         made.append(("Measured staleness histogram per configuration", "staleness.png"))
-    for mode, key, w, rs in sweeps(ok):
+    for mode, key, w, rs in sweeps(rows):   # (of every row: a value whose runs all failed is named)
+        lost = failed_values(rs)
         rs = [r for r in rs if r.runs]
         if len(rs) < 2:
             continue
@@ -472,7 +473,7 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
         what = param_name(mode, key)
         fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs))
         _sweep_plot(plt, f"{mode} {what}", [r.sweep_value for r in rs], rs, os.path.join(out, name),
-                    f"{mode}: {what} sweep, {fixed}", period, target)
+                    f"{mode}: {what} sweep, {fixed}" + (f"\n({lost})" if lost else ""), period, target)
         made.append((f"Sweep: {mode} {what} ({fixed})", name))
     groups = worker_sweeps(ok)
     if groups:

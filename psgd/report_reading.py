@@ -634,5 +634,7 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
         out.append(s)
 
-    out += sweep_sentences(dist, period, target, float((ctx.get("job") or {}).get("seconds") or 0.0))
+    # (every distributed row: a swept value whose runs all failed is named, not dropped)
+    out += sweep_sentences([r for r in rows if not r.is_baseline], period, target,
+                           float((ctx.get("job") or {}).get("seconds") or 0.0))
     return out

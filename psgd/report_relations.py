@@ -253,6 +253,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
     `seconds`: the job's time budget (train.seconds), which run_steps needs."""
     out = []
     for mode, key, w, rs in sweeps(dist):
+        lost = failed_values(rs)
         rs = [r for r in rs if r.runs]
         if len(rs) < 2:
             continue
@@ -287,7 +288,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             parts.append(course("measured staleness (mean)", ", ".join(f"{s:.2f}" for s in st),
                                 [_run_staleness(r) for r in rs], st, lambda x: f"{x:.2f}"))
             once |= unmeasured([_run_staleness(r) for r in rs])
-        fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs))
+        fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs) + ([lost] if lost else []))
         out.append(f"Sweep of {mode} {param_name(mode, key)} over {', '.join(vals)} ({fixed}): "
                    + "; ".join(parts) + (f"; each value {ONCE}" if once else "") + ".")
     for rs in worker_sweeps(dist).values():
@@ -306,6 +307,13 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
                 s += f" (each worker count {ONCE})"
             out.append(s + ".")
     return out
+
+
+def failed_values(rs: list[Row]) -> str:
+    """The values of a sweep (its rows, `rs`) of which every run failed, which its sentence
+    and plot leave out: "1e+06: every run failed, left out"; "" where none."""
+    gone = [format_value(r.sweep_value) for r in rs if not r.runs]
+    return f"{', '.join(gone)}: every run failed, left out" if gone else ""
 
 
 def _batch_clause(rs: list[Row], seconds: float) -> str:

@@ -34,3 +34,36 @@ def test_the_detail_tables_clock_gap_says_its_unit_per_mode():
     # a table of step-counting modes alone needs no note
     plain = detail_table(build_rows([run("sync", max_clock_gap=0), run("async", "async", max_clock_gap=3)]))
     assert CLOCK_GAP_NOTE not in plain and _cell(plain, "async", "max clock gap") == "3"
+
+
+def _failed_value(label, params, sweep, repeat):
+    return {"label": label, "mode": "sync", "params": params, "workers": 2, "repeat": repeat, "sweep": sweep,
+            "sweep_value": params[sweep], "dir": f"runs/{label}-r{repeat}",
+            "error": "job aborted: worker 0: gradient has NaN or Inf values at step 2"}
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_value_whose_every_run_failed_is_named_in_the_sweeps_sentence_and_plot(tmp_path, monkeypatch):
+    """A review: `psgd compare --modes sync:optimizer.lr=0.05,0.2,1e6 --repeats 2` (1e6 diverged
+    in both repeats) said "Sweep of sync optimizer.lr over 0.05, 0.2 (2 workers): throughput
+    rose ..." and drew the sweep plot over 0.05 and 0.2 alone, its title silent on 1e6, as
+    if the sweep had been of two values."""
+    from psgd.report import write_report
+
+    from .test_report_claims import CTX, sentence, titles_and_error_bars, told
+    said, _bars = titles_and_error_bars(monkeypatch)
+    results = []
+    for k in range(2):
+        results += [run(f"sync:optimizer.lr={lr}", params={"optimizer.lr": lr}, sweep="optimizer.lr", repeat=k,
+                        sps=4000.0 + 700 * i + 30 * k, ttt=1.0 + i + 0.01 * k, wall=5.0)
+                    for i, lr in enumerate((0.05, 0.2))]
+        results.append(_failed_value("sync:optimizer.lr=1000000.0", {"optimizer.lr": 1000000.0}, "optimizer.lr", k))
+    text = sentence(told(results), "Sweep of sync optimizer.lr")
+    assert text.startswith("Sweep of sync optimizer.lr over 0.05, 0.2 (2 workers; 1000000.0: every run failed, "
+                           "left out): "), text
+    write_report(str(tmp_path), results, CTX)
+    title = next(" ".join(t.split()) for t in said if t.startswith("sync: optimizer.lr sweep"))
+    assert "(1000000.0: every run failed, left out)" in title, title
+    # a sweep that lost no value says nothing of it
+    ok = [r for r in results if not r.get("error")]
+    assert "failed" not in sentence(told(ok), "Sweep of sync optimizer.lr")

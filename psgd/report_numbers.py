@@ -265,13 +265,20 @@ class Row:
             return "baseline (sequential)" + self.suffix
         if self.mode != "ssp":
             return self.label
-        bound = self.params.get("staleness", (self.runs[0].get("mode_params") or {}).get("staleness")
-                                if self.runs else None)
+        bound = self.bound
         if bound is None:
             return self.label
         others = [p for p in core.split(":")[1:] if p.partition("=")[0] != "staleness"]
         inner = ", ".join([f"{param_name('ssp', 'staleness')}={bound}"] + others)
         return f"ssp ({inner}){self.suffix}"
+
+    @property
+    def bound(self) -> int | None:
+        """ssp's bound s (`mode.staleness`) as the configuration or its runs give it."""
+        if self.mode != "ssp":
+            return None
+        return self.params.get("staleness", (self.runs[0].get("mode_params") or {}).get("staleness")
+                               if self.runs else None)
 
     @property
     def settings(self) -> dict:

@@ -555,8 +555,34 @@ def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
     if hi[0] - lo[0] < 0.05:
         return []
     note = noise_note([hi[1].values("wait_fraction"), lo[1].values("wait_fraction")], lambda x: f"{100 * x:.0f}%")
-    return [f"Workers of {rname(hi[1], many_w)} spent {100 * hi[0]:.0f}% of their time blocked on the "
-            f"servers, those of {rname(lo[1], many_w)} {100 * lo[0]:.0f}%{note}."]
+    # (a few rows: those between too, from most to least; ssp between sync and async was left out)
+    between = sorted((t for t in waits if t is not hi and t is not lo), key=lambda t: -t[0]) \
+        if len(waits) <= MAX_LISTED_WAITS else []
+    return [f"Workers of {rname(hi[1], many_w)} spent {100 * hi[0]:.0f}% of their time blocked on the servers, "
+            + "".join(f"those of {rname(r, many_w)} {100 * w:.0f}%, " for w, r in between)
+            + f"those of {rname(lo[1], many_w)} {100 * lo[0]:.0f}%{note}."]
+
+
+MAX_LISTED_WAITS = 6   # rows whose waits one sentence lists; past it, the most and the least
+
+
+def _bounded_waits(group: list[Row], ref: Row, many_w: bool) -> str:
+    """Under an injected fault, why an ssp row beside `ref` (sync, the same workers) waited
+    less: its bound. Said only where the difference is established (repeats whose spread
+    separates the two): a run each cannot tell it from noise."""
+    sync_wait = mean(ref.values("wait_fraction"))
+    said = ""
+    for r in group:
+        w = mean(r.values("wait_fraction"))
+        if r.mode != "ssp" or r.workers != ref.workers or r.bound is None or w is None or sync_wait is None:
+            continue
+        if w < sync_wait and not noise_note([r.values("wait_fraction"), ref.values("wait_fraction")],
+                                            lambda x: f"{100 * x:.0f}%"):
+            said += (f" Workers of {rname(r, many_w)} waited {100 * w:.0f}% of the time against "
+                     f"{ref.sync_name() if ref is r.ref_sync else ref.name}'s {100 * sync_wait:.0f}%: the bound lets a "
+                     f"worker run up to {r.bound} clock{'s' * (r.bound != 1)} ahead of the slowest, so a delayed "
+                     f"worker holds the others back only once its delay outlasts that lead.")
+    return said
 
 
 def _refused_sentences(dist: list[Row], many_w: bool) -> list[str]:
@@ -632,6 +658,8 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
             s += (f" Under it, {rname(top, many_w)} kept {amount(mean(top.sps))} samples/s against "
                   f"{top.sync_name()}'s {amount(mean(ref.sps))} with {ref.workers} workers"
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
+        if ref is not None and ref not in own:
+            s += _bounded_waits(group, ref, many_w)
         out.append(s)
 
     # (every distributed row: a swept value whose runs all failed is named, not dropped)

@@ -500,15 +500,23 @@ def test_a_shard_works_through_its_tables_whatever_the_push_weighs_on_the_wire()
 @pytest.mark.inprocess
 @pytest.mark.timeout(600)
 def test_transient_stragglers_order_async_ssp_sync(tmp_path):
-    code, res = simulate(tmp_path, "j", "--modes", "sync,ssp:staleness=4,async", "--workers", "64",
+    """The issue's "done when": at 64 workers with transient stragglers async >= ssp >= sync
+    in samples/s, and the report explains it. (A review: its wait sentence named sync's and
+    async's waits only, and nothing said why ssp's was between them.)"""
+    code, res = simulate(tmp_path, "j", "--modes", "sync,ssp:staleness=4,async", "--workers", "64", "--repeats", "2",
                          "--set", "train.steps=20", "--set", "sim.train=false", "--set", "sim.compute_s=0.01",
                          "--set", "faults.jitter_prob=0.05", "--set", "faults.jitter_s=0.05")
     assert code == 0
-    sps = {r["mode"]: r["samples_per_s"] for r in res}
+    sps = {m: sum(r["samples_per_s"] for r in res if r["mode"] == m) / 2 for m in ("sync", "ssp", "async")}
     assert sps["async"] >= sps["ssp"] >= sps["sync"], sps
     assert sps["async"] > 1.3 * sps["sync"], sps   # sync waits for the slowest of 64 nearly every step
-    report = open(tmp_path / "j" / "report.md").read()
+    report = " ".join(open(tmp_path / "j" / "report.md").read().split())
     assert "transient stragglers" in report
+    waits = re.search(r"Workers of \*\*sync\*\* spent (\d+)% of their time blocked on the servers, those of "
+                      r"\*\*ssp \(bound s=4\)\*\* (\d+)%, those of \*\*async\*\* (\d+)%", report)
+    assert waits and int(waits[1]) > int(waits[2]) > int(waits[3]), report
+    assert (f"Workers of **ssp (bound s=4)** waited {waits[2]}% of the time against sync's {waits[1]}%: the bound "
+            "lets a worker run up to 4 clocks ahead of the slowest") in report, report
 
 
 @pytest.mark.inprocess

@@ -212,7 +212,7 @@ class AsyncSchedule(SspSchedule):
         w0 = w.client.wait_s
         pushed, pulled = w.client.finish_push_pull(inflight)
         if pushed:
-            self.last_tau = counted(w, pushed)
+            self.last_tau = counted(w, pushed)[0]
         if pulled:
             self.versions = load(w, pulled)
         extra = {} if self.inflight_pushed else {"pushed": False}

@@ -40,6 +40,9 @@ class SspRule(ServerRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.clocks = ClockTable(range(world), self.bound())
+        self.left_at: dict[int, int] = {}   # rank -> the version at which it last left the live set
+        self.away: set[int] = set()         # ranks that left and have sent no read here since
+        self.dropped = 0
 
     def bound(self) -> int | None:
         return self.mode.staleness
@@ -59,7 +62,30 @@ class SspRule(ServerRule):
         """The push's tau: updates applied since the read it was computed on."""
         return e.tau
 
+    def from_before_leaving(self, e: Push) -> bool:
+        """Was this push computed on a read made before its worker left the live set (a
+        worker stopped or cut off, dropped by the coordinator, whose in-flight gradient
+        arrives once it runs again)? While it was out, nobody waited for it: the others
+        ran on, so its gradient is as stale as they got (tau 233 with s = 1 after a
+        5 s SIGSTOP), past any bound. Under SSP it is dropped, as sync drops a late one;
+        async (no bound) applies it. Such a push comes before the worker's next read
+        here (its pushes and reads to a shard are in order: it reads only once the push
+        is answered), or names a read older than its leaving (prefetch: a gradient
+        computed on the copy while the push before it travelled)."""
+        if self.bound() is None or e.rank not in self.left_at:
+            return False
+        return e.rank in self.away or e.tau > self.tables.version - self.left_at[e.rank]
+
+    def read(self, e: Read) -> list[Decision]:
+        if e.rank >= 0:
+            self.away.discard(e.rank)   # its pushes from here on are computed on reads since it left
+        return super().read(e)
+
     def push(self, e: Push) -> list[Decision]:
+        if self.from_before_leaving(e):
+            self.dropped += 1
+            dropped: list[Decision] = [Answer(e.token, {"dropped": True, "staleness": e.tau})]
+            return dropped + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
         progress = self.tables.version * self.steps_per_push() / self.world
         tau = self.staleness(e)
         out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(tau), progress),
@@ -71,6 +97,9 @@ class SspRule(ServerRule):
         return [self.answer(r) for r in self.clocks.read(e.rank, e.clock, e)]  # type: ignore[arg-type]
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
+        for r in self.clocks.live.difference(live):
+            self.left_at[r] = self.tables.version
+            self.away.add(r)
         return [self.answer(r) for r in self.clocks.set_live(live)]  # type: ignore[arg-type]
 
     def read_fields(self, rank: int) -> dict:
@@ -84,18 +113,20 @@ class SspRule(ServerRule):
         return self.clocks.parked
 
     def stats(self) -> dict:
-        return {**super().stats(), "max_clock_gap": self.clocks.max_gap}
+        return {**super().stats(), "max_clock_gap": self.clocks.max_gap, "dropped": self.dropped}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "finished": dict(self.clocks.finished), "max_gap": self.clocks.max_gap}
+        return {**super().state_dict(), "finished": dict(self.clocks.finished), "max_gap": self.clocks.max_gap,
+                "dropped": self.dropped}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()}, int(sd.get("max_gap", 0)))
+        self.dropped = int(sd.get("dropped", 0))
 
     def new_run(self) -> None:
         super().new_run()
-        self.clocks.max_gap = 0
+        self.clocks.max_gap = self.dropped = 0
 
 
 class ClientCache:
@@ -156,13 +187,14 @@ def gated_over(answers: list, live: set[int]) -> frozenset[int]:
 _view_key = functools.lru_cache(maxsize=64)(live_key)
 
 
-def counted(w: Trainer, pushed: list) -> int:
+def counted(w: Trainer, pushed: list) -> tuple[int, bool]:
     """A push's staleness (the largest of the shards' answers), added to the worker's
-    histogram unless a shard had the push already (a resend: counted when first applied)."""
-    tau, _, duplicate = acknowledged(pushed)
-    if not duplicate:
+    histogram unless a shard had the push already (a resend: counted when first applied)
+    or dropped it (`SspRule.from_before_leaving`); and whether one dropped it."""
+    tau, dropped, duplicate = acknowledged(pushed)
+    if not (dropped or duplicate):
         w.hist.add(tau)
-    return tau
+    return tau, dropped
 
 
 class SspSchedule(PushPullSchedule):
@@ -233,7 +265,7 @@ class SspSchedule(PushPullSchedule):
 
     def settled(self, w: Trainer, f: Any, w0: float, cached: bool, step: tuple[float, int] | None = None) -> None:
         pushed, pulled = w.client.finish_push_pull(f)
-        tau = counted(w, pushed)
+        tau, dropped = counted(w, pushed)
         if pulled:
             self.loaded(w, pulled)
-        w.log_step(tau, w.client.wait_s - w0, step, dropped=False, **({"cached": True} if cached else {}))
+        w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **({"cached": True} if cached else {}))

@@ -633,6 +633,10 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
     if out and os.path.exists(out) and not os.path.isdir(out):   # (not an errno after the job was announced)
         print(f"psgd {args.cmd}: error: {with_env(f'--out {out} is a file, not a folder', env)}", file=sys.stderr)
         return 2
+    problem = _cannot_make(out) if out else ""
+    if problem:
+        print(f"psgd {args.cmd}: error: {with_env(problem, env)}", file=sys.stderr)
+        return 2
     handlers = {"run": cmd_run, "compare": cmd_compare, "shards": cmd_shards, "keys": cmd_keys,
                 "status": cmd_status, "simulate": cmd_simulate}
     main_thread = threading.current_thread() is threading.main_thread()
@@ -662,6 +666,29 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
             _stop_fork_server(args.cmd, code)
     assert code is not None
     return code
+
+
+def _cannot_make(out: str) -> str:
+    """Why the output folder `out`, which does not exist yet, cannot be made (its parent a
+    file, read-only or under /proc), or "". It was an errno after the job's checks, exit 1,
+    and named neither --out nor $PSGD_OUT ("psgd run: error: No such file or directory:
+    /proc/x"). The folders made to find out are removed again: nothing is left behind."""
+    made: list[str] = []
+    folder = os.path.abspath(out)
+    while not os.path.lexists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    if not made:
+        return ""
+    try:
+        os.makedirs(out)
+    except OSError as e:
+        return f"--out {out}: cannot make this folder: {e.strerror or e}"
+    finally:
+        for folder in made:   # (the deepest first)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+    return ""
 
 
 def one_compute_thread() -> None:

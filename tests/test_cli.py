@@ -359,6 +359,35 @@ def test_an_output_folder_that_is_a_file_is_one_error(tmp_path, no_job, capsys, 
     assert "psgd run: psgd, mode" not in err and no_job.calls == []
 
 
+@pytest.mark.parametrize("verb", [["run"], ["compare", "--modes", "sync"], ["simulate", "--modes", "sync"],
+                                  ["coordinator"], ["server", "--shard", "0"], ["worker"]])
+@pytest.mark.parametrize("from_env", [False, True])
+@pytest.mark.timeout(60)
+def test_an_output_folder_that_cannot_be_made_is_one_error(tmp_path, no_job, capsys, monkeypatch, verb, from_env):
+    """`psgd run --out /proc/x` (or PSGD_OUT=/proc/x, or under a file) was "psgd run: error:
+    No such file or directory: /proc/x", exit 1, after the job's checks, naming neither
+    --out nor the variable."""
+    (tmp_path / "file").write_text("")
+    out = str(tmp_path / "file" / "sub" / "out")
+    if from_env:
+        monkeypatch.setenv("PSGD_OUT", out)
+    assert main([*verb, *([] if from_env else ["--out", out])]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot make this folder: Not a directory" in err, err
+    assert (f"($PSGD_OUT={out})" in err) == from_env, err
+    assert len(err.strip().splitlines()) == 1 and no_job.calls == []
+    assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.timeout(60)
+def test_the_output_folder_check_leaves_nothing_behind(tmp_path, no_job, capsys):
+    """The folders made to see that --out can be made are removed again when the command
+    stops before it writes there (a config error)."""
+    assert main(["run", "--out", str(tmp_path / "a" / "b"), "--set", "train.steps=ten"]) == 2
+    assert "train.steps: expected an integer" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_shard_daemon_sees_no_gpu(tmp_path, monkeypatch):
     """A shard computes on the CPU; on a GPU machine torch's Adam step asked for the current
     CUDA stream and opened a context on GPU 0 in every shard (a helper's review)."""

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
@@ -81,11 +82,21 @@ def _insecure(p: argparse.ArgumentParser) -> None:
                    help="allow binding a non-loopback address without CurveZMQ")
 
 
+class _VerbParser(argparse.ArgumentParser):
+    """A verb's parser (`psgd run`, ...): an option's bad or missing value (`--workers two`,
+    `psgd server` without `--shard`) is one line, exit 2, as psgd's other input errors are.
+    argparse printed the verb's whole usage first, five lines before the one that said what
+    was wrong."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from . import __version__
     ap = argparse.ArgumentParser(prog="psgd", description="Sharded parameter-server training for PyTorch.")
     ap.add_argument("--version", action="version", version=f"psgd {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_VerbParser)
 
     p = sub.add_parser("run", help="run a whole job on this machine (coordinator, shards, workers, evaluator)")
     _common(p, "output folder: summary.json, events/, logs/, model.pt (default: $PSGD_OUT, else "

@@ -883,3 +883,21 @@ def test_a_daemon_started_by_hand_raises_its_open_file_limit(monkeypatch):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert seen[0] > 256 and seen[1] > 256 and seen[2] == 256, seen   # (a call from Python: the caller's limit)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,says", [
+    (["run", "--workers", "two"], "psgd run: error: argument --workers: invalid int value: 'two'"),
+    (["run", "--workers"], "psgd run: error: argument --workers: expected one argument"),
+    (["server"], "psgd server: error: the following arguments are required: --shard"),
+    (["compare", "--repeats", "x"], "psgd compare: error: argument --repeats: invalid int value: 'x'"),
+    (["simulate", "--jobs", "x"], "psgd simulate: error: argument --jobs: invalid int value: 'x'"),
+])
+def test_a_bad_option_value_is_one_line(argv, says, capsys):
+    """`psgd run --workers two` printed the verb's whole usage, five lines, before the one
+    that said what was wrong."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(says) and f"(psgd {argv[0]} --help lists the options)" in err, err

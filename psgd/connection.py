@@ -194,12 +194,19 @@ def _rank_from_env(text: str) -> int:
     return rank
 
 
-def _argument_problem(model: Any, score: Any, config: Any, rank: Any, out: Any) -> str:
+def _argument_problem(model: Any, optimizer: Any, score: Any, config: Any, rank: Any, out: Any) -> str:
     """Why connect's arguments are not what it takes (a type), or '': checked before
-    anything is sent, instead of an AttributeError or TypeError from inside psgd."""
+    anything is sent, instead of an AttributeError or TypeError from inside psgd (or, for
+    an optimizer, nothing in the modes that do not step it, a ConfigError that ended the
+    job in the others)."""
     if not isinstance(model, nn.Module):
         return (f"psgd.connect(model, optimizer): model must be a torch.nn.Module, not {type(model).__name__}"
                 + (" (model and optimizer swapped?)" if isinstance(model, torch.optim.Optimizer) else ""))
+    if optimizer is not None and (isinstance(optimizer, type) or not callable(getattr(optimizer, "step", None))
+                                  or not isinstance(getattr(optimizer, "param_groups", None), list)):
+        what = f"the class {optimizer.__name__}" if isinstance(optimizer, type) else _described(optimizer)
+        return (f"psgd.connect(model, optimizer): optimizer must be a torch.optim.Optimizer or None, not {what} "
+                f"(an optimizer of the model's parameters: torch.optim.SGD(model.parameters(), lr=0.1))")
     if score is not None and not callable(score):
         return f"psgd.connect(score=...) must be a function of the model, not {_described(score)}"
     if config is not None and not isinstance(config, (str, os.PathLike, Config)):
@@ -319,7 +326,7 @@ class Connection(Worker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
                  out: str | None = None, rank: int | None = None):
-        problem = _argument_problem(model, score, config, rank, out)
+        problem = _argument_problem(model, optimizer, score, config, rank, out)
         if problem:
             raise ConfigError(problem)
         if _importing_main():
@@ -458,10 +465,7 @@ class Connection(Worker):
 
     def _optimizer_problem(self, opt: Any, model: nn.Module) -> str:
         """Why the script's optimizer cannot be a local mode's (it is stepped on the model's
-        gradients), or ''."""
-        if not callable(getattr(opt, "step", None)) or not isinstance(getattr(opt, "param_groups", None), list):
-            return (f"psgd.connect's optimizer must be a torch.optim.Optimizer (mode {self.cfg.mode.name} steps it "
-                    f"locally), not {_described(opt)}")
+        gradients), or ''. (One that is no optimizer was refused before connecting: _argument_problem.)"""
         if _needs_a_closure(opt):
             return (f"psgd.connect's optimizer {type(opt).__name__} needs a closure in step(closure) (mode "
                     f"{self.cfg.mode.name} steps it locally, as optimizer.step()): give one that steps on the "

@@ -796,6 +796,10 @@ def test_a_local_optimizer_that_cannot_train_the_model_is_a_config_error_at_conn
         model = Net(0)
         opt = {"lr": lambda: 0.01, "another-models": lambda: torch.optim.SGD(Net(1).parameters(), lr=0.1),
                "lbfgs": lambda: torch.optim.LBFGS(model.parameters(), lr=0.1)}[given]()
+        if given == "lr":   # no optimizer at all: refused before anything is sent, as in every mode
+            with pytest.raises(ConfigError, match=r"optimizer must be a torch\.optim\.Optimizer or None, not 0\.01"):
+                psgd.connect(model, opt, config=cfg, rank=0)
+            return
         with pytest.raises(ConfigError, match=r"psgd.connect's optimizer "):
             psgd.connect(model, opt, config=cfg, rank=0)
         time.sleep(0.5)
@@ -825,13 +829,18 @@ def test_an_ltfb_score_function_that_raises_ends_the_job_with_its_reason(port_bl
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["swapped", "parameters", "score", "rank", "config", "out"])
-def test_connect_arguments_of_the_wrong_type_are_a_config_error_naming_them(port_block, case):
+@pytest.mark.parametrize("case", ["swapped", "parameters", "score", "rank", "config", "out", "optimizer",
+                                  "optimizer class"])
+@pytest.mark.parametrize("mode", ["ltfb", "sync"])
+def test_connect_arguments_of_the_wrong_type_are_a_config_error_naming_them(port_block, case, mode):
     """A user's run: psgd.connect(optimizer, model) (or model.parameters(), a state_dict)
     raised AttributeError "'SGD' object has no attribute 'parameters'", rank="0" a
     TypeError from a comparison, config={...} os.fspath's TypeError; a score that is not
-    a function was taken, to fail at the first ltfb tournament; out=123 os.fspath's TypeError."""
-    cfg = config(port_block, "ltfb", workers=1)
+    a function was taken, to fail at the first ltfb tournament; out=123 os.fspath's TypeError.
+    An optimizer that is none (`psgd.connect(model, "sgd")`, the class not an instance) was
+    taken in sync, ssp and async, where it is not stepped, and refused in the other modes
+    only once the job had started (the job ended with it)."""
+    cfg = config(port_block, mode, workers=1)
     model = Net(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     args, kwargs, said = {
@@ -841,6 +850,9 @@ def test_connect_arguments_of_the_wrong_type_are_a_config_error_naming_them(port
         "rank": ((model, opt), {"rank": "0"}, r"rank=\.\.\.\) must be a worker rank .*not '0'"),
         "config": ((model, opt), {"config": {"mode": "sync"}}, r"config=\.\.\.\) must be a config file's path"),
         "out": ((model, opt), {"out": 123}, r"out=\.\.\.\) must be the job's output folder \(a path\), not int"),
+        "optimizer": ((model, "sgd"), {}, r"optimizer must be a torch\.optim\.Optimizer or None, not 'sgd'"),
+        "optimizer class": ((model, torch.optim.SGD), {}, r"optimizer must be a torch\.optim\.Optimizer or None, "
+                                                           r"not the class SGD"),
     }[case]
     with pytest.raises(ConfigError, match=said):
         psgd.connect(*args, **{"config": cfg, "rank": 0, "score": lambda m: 0.5, **kwargs})

@@ -644,7 +644,8 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
     if out and os.path.exists(out) and not os.path.isdir(out):   # (not an errno after the job was announced)
         print(f"psgd {args.cmd}: error: {with_env(f'--out {out} is a file, not a folder', env)}", file=sys.stderr)
         return 2
-    problem = _cannot_make(out) if out else ""
+    # (not a daemon's: those of one job start at once into one folder, which one may make as another removes it)
+    problem = _cannot_make(out) if out and args.cmd not in DAEMONS else ""
     if problem:
         print(f"psgd {args.cmd}: error: {with_env(problem, env)}", file=sys.stderr)
         return 2
@@ -692,7 +693,7 @@ def _cannot_make(out: str) -> str:
     if not made:
         return ""
     try:
-        os.makedirs(out)
+        os.makedirs(out, exist_ok=True)
     except OSError as e:
         return f"--out {out}: cannot make this folder: {e.strerror or e}"
     finally:

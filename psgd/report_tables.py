@@ -140,8 +140,15 @@ def seconds(rows: list[Row]) -> str:
             "(s; virtual for the rows marked (simulated))" if kinds == {True, False} else "(s)")
 
 
+def rate(rows: list[Row]) -> str:
+    """The samples/s column's header: beside real runs, a simulated run's are per virtual
+    second (a report of simulated runs alone says so of every number above its tables)."""
+    kinds = {row.simulated for row in rows if row.runs}
+    return "samples/s (per virtual s for the rows marked (simulated))" if kinds == {True, False} else "samples/s"
+
+
 def main_table(rows: list[Row], target: float, period: float | None = None) -> list[str]:
-    lines = [f"| configuration | workers | final accuracy | time to {target:g} {seconds(rows)} | samples/s | "
+    lines = [f"| configuration | workers | final accuracy | time to {target:g} {seconds(rows)} | {rate(rows)} | "
              f"measured staleness mean / max | wait fraction | bytes/sample | speedup vs sync | "
              f"speedup vs baseline |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -534,6 +534,8 @@ def test_merged_report_puts_simulated_next_to_real(tmp_path):
     assert report_main([str(tmp_path / "both"), str(real), str(tmp_path / "s")]) == 0
     text = open(tmp_path / "both" / "report.md").read()
     assert "sync (simulated)" in text and "Simulated and real runs side by side" in text
+    # (a review: the time columns said which rows are virtual, the samples/s column did not)
+    assert "| samples/s (per virtual s for the rows marked (simulated)) |" in text
     merged = json.load(open(tmp_path / "both" / "compare.json"))
     assert merged[1]["dir"] == os.path.join("..", "s", "runs", "sync-w2-r0")
     assert write_report(str(tmp_path / "both"), merged, {}).endswith("report.md")

@@ -491,14 +491,19 @@ class Shard:
                           for k, a in enumerate(d.arrays)]
         except wire.WireError as e:   # (float16 cannot carry the tables: `_on_wire`)
             return token, wire.error(msg.id, e.code, e.reason)
-        fields = d.fields
+        fields = {"version": self.version, **d.fields}   # (a dict made once: `_reply_with`)
         if "push" in msg.fields:  # the read of a push's request carries the push's answer
-            fields = {**fields, "push": msg.fields["push"]}
-        return token, self._reply(msg, arrays, version=self.version, **fields)
+            fields["push"] = msg.fields["push"]
+        return token, self._reply_with(msg, arrays, fields)
 
     def _reply(self, req: wire.Message, arrays: Sequence[Any] = (), **fields: Any) -> Any:
         """The reply to `req` (frames: `wire.reply`); every reply of the shard but the
         error replies is made here (psgd.sim's shard makes in-process messages instead)."""
+        return self._reply_with(req, arrays, fields)
+
+    def _reply_with(self, req: wire.Message, arrays: Sequence[Any], fields: dict) -> Any:
+        """`_reply` with its fields as a dict, the caller's own (a read's answer, made for
+        every read, is not spread into keywords and collected again)."""
         return wire.reply(req, arrays=arrays, **fields)
 
     def _snapshot(self) -> list[torch.Tensor]:

@@ -198,8 +198,11 @@ def test_in_process_messages_give_the_run_that_encoded_messages_give(monkeypatch
         return out
     direct = summaries()
     encoded = lambda op, **kw: messages.received(wire.encode(op, **kw))  # noqa: E731
-    for module in (messages, run, worker):
+    for module in (messages, run):
         monkeypatch.setattr(module, "packet", encoded)
+    for module in (messages, worker):   # (`make`: the positional `packet` of the shards' replies and the workers')
+        monkeypatch.setattr(module, "make", lambda op, id, rank, clock, arrays, fields: encoded(
+            op, id=id, rank=rank, clock=clock, arrays=arrays, **fields))
     assert summaries() == direct
 
 

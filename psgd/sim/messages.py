@@ -10,7 +10,7 @@ copies, too). Header fields that are not scalars (or flat maps of scalars) go th
 msgpack, so that they arrive as they would (tuples as lists); the header is packed
 only to be measured.
 
-`SimShard` is the real `Shard` whose replies are packets (it makes them in `_reply`);
+`SimShard` is the real `Shard` whose replies are packets (it makes them in `_reply_with`);
 its error replies (refusals, bad messages) are encoded by the shard as always, and
 `received` turns those frames into packets.
 """
@@ -57,10 +57,17 @@ class Packet(wire.Message):
 
 
 def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any = (), **fields: Any) -> Packet:
-    """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes. (Every
-    request and reply of a run is made here, a few per worker step: the loops are
-    written out, not calls per array or per field: a Python call costs about as much as
-    packing the whole header.)"""
+    """The message `wire.decode(wire.encode(op, ...))` gives, with its sizes (`make`)."""
+    return make(op, id, rank, clock, arrays, fields)
+
+
+def make(op: str, id: int, rank: int, clock: int, arrays: Any, fields: dict) -> Packet:
+    """`packet`, its arguments positional and its fields a dict that the packet keeps
+    (the caller's own: not changed after). Every request and reply of a run is made
+    here, a few per worker step: the loops are written out, not calls per array or per
+    field (a Python call costs about as much as packing the whole header), and the
+    simulation's callers pass their fields as the dict they have (a keyword call that
+    spreads a dict and collects it again cost a sixth of a packet)."""
     tensors: list[torch.Tensor] = []
     specs: list[list] = []
     dtypes: list[str] = []
@@ -87,37 +94,35 @@ def packet(op: str, *, id: int = 0, rank: int = -1, clock: int = -1, arrays: Any
         entries, count = len(fields) + 6, len(specs)
         size += (described + (1 if count < 16 else 3 if count < 0x10000 else 5)
                  + (1 if entries < 16 else 3 if entries < 0x10000 else 5))
-        for v in (id, rank, clock):
-            size += (1 if -0x21 < v < 0x80 else 2 if -0x81 < v < 0x100 else 3 if -0x8001 < v < 0x10000 else
-                     5 if -0x80000001 < v < 0x100000000 else 9 if -0x8000000000000001 < v < 0x10000000000000000 else
-                     _NO_SIZE)
-        for name, v in fields.items():
-            kind = type(v)
-            if kind is int:
-                size += (1 if -0x21 < v < 0x80 else 2 if -0x81 < v < 0x100 else 3 if -0x8001 < v < 0x10000 else
-                         5 if -0x80000001 < v < 0x100000000 else 9 if -0x8000000000000001 < v < 0x10000000000000000
-                         else _NO_SIZE)
-            elif kind is bool or v is None:
-                size += 1
-            elif kind is float:
-                size += 9
-            elif kind is dict:   # a flat map (a push's answer inside its read's), its scalars as above
-                count = len(v)
-                size += 1 if count < 16 else 3 if count < 0x10000 else 5
-                for inner, x in v.items():
-                    kind = type(x)
-                    if kind is int:
-                        size += (1 if -0x21 < x < 0x80 else 2 if -0x81 < x < 0x100 else 3 if -0x8001 < x < 0x10000
-                                 else 5 if -0x80000001 < x < 0x100000000 else
-                                 9 if -0x8000000000000001 < x < 0x10000000000000000 else _NO_SIZE)
-                    elif kind is bool or x is None:
-                        size += 1
-                    else:
-                        size += _scalar_size(x)
-                    size += _KEYS.get(inner) or _key_size(inner)
-            else:
-                size += _str_size(v) if kind is str else _NO_SIZE
-            size += _KEYS.get(name) or _key_size(name)
+        try:   # an int's size by its bit length (`_POS`, `_NEG`; IndexError: beyond 64 bits, measured by packing)
+            size += ((_POS[id.bit_length()] if id >= 0 else _NEG[(~id).bit_length()])
+                     + (_POS[rank.bit_length()] if rank >= 0 else _NEG[(~rank).bit_length()])
+                     + (_POS[clock.bit_length()] if clock >= 0 else _NEG[(~clock).bit_length()]))
+            for name, v in fields.items():
+                kind = type(v)
+                if kind is int:
+                    size += _POS[v.bit_length()] if v >= 0 else _NEG[(~v).bit_length()]
+                elif kind is bool or v is None:
+                    size += 1
+                elif kind is float:
+                    size += 9
+                elif kind is dict:   # a flat map (a push's answer inside its read's), its scalars as above
+                    count = len(v)
+                    size += 1 if count < 16 else 3 if count < 0x10000 else 5
+                    for inner, x in v.items():
+                        kind = type(x)
+                        if kind is int:
+                            size += _POS[x.bit_length()] if x >= 0 else _NEG[(~x).bit_length()]
+                        elif kind is bool or x is None:
+                            size += 1
+                        else:
+                            size += _scalar_size(x)
+                        size += _KEYS.get(inner) or _key_size(inner)
+                else:
+                    size += _str_size(v) if kind is str else _NO_SIZE
+                size += _KEYS.get(name) or _key_size(name)
+        except IndexError:
+            size = _NO_SIZE
         if size < 0:
             size = None
     if size is None:   # measured by packing; a field that is not a scalar or a flat map arrives as msgpack makes it
@@ -147,6 +152,11 @@ _pack = msgpack.Packer(use_bin_type=True).pack
 # an int beyond 64 bits or of a subclass) makes `packet` pack the header, as it did
 # before; tests/test_simulate.py checks the sizes against the packer's.
 _NO_SIZE = -(1 << 40)   # a value measured by packing: the sum stays negative
+# msgpack's size of an int by its bit length: `_POS[v.bit_length()]` for v >= 0 (fixint,
+# uint8, 16, 32, 64), `_NEG[(~v).bit_length()]` for v < 0 (negative fixint, int8 ... int64);
+# beyond 64 bits an IndexError or _NO_SIZE (the packer's OverflowError)
+_POS = [1] * 8 + [2] + [3] * 8 + [5] * 16 + [9] * 32
+_NEG = [1] * 6 + [2] * 2 + [3] * 8 + [5] * 16 + [9] * 32 + [_NO_SIZE]
 
 
 def _str_size(s: str) -> int:
@@ -247,9 +257,9 @@ def received(frames: list) -> Packet:
 
 
 class SimShard(Shard):
-    """The real shard, whose replies are packets (`Shard._reply`); its error replies are
+    """The real shard, whose replies are packets (`Shard._reply_with`); its error replies are
     frames, which `received` turns into packets. The simulation builds the model once
     and hands it to each of them (`Shard`'s `model`; they built one each)."""
 
-    def _reply(self, req: wire.Message, arrays: Any = (), **fields: Any) -> Packet:
-        return packet("reply", id=req.id, rank=req.rank, clock=req.clock, arrays=arrays, **fields)
+    def _reply_with(self, req: wire.Message, arrays: Any, fields: dict) -> Packet:
+        return make("reply", req.id, req.rank, req.clock, arrays, fields)

@@ -33,7 +33,7 @@ from ..metrics import json_line
 from ..workers.client import Cancelled, ParameterClient
 from ..workers.worker import Jitter
 from .engine import Node, Process, TorchRandom
-from .messages import Packet, packet
+from .messages import Packet, make
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -107,7 +107,8 @@ class SimClient(CountingClient):
         f = Flight(list(reqs), out, len(reqs), w.t, cancel)
         ids, items = w.sim.ids, []   # ids size headers: counted per run
         for k, (i, op, kw) in enumerate(reqs):
-            p = packet(op, id=next(ids), rank=self.rank, **kw)
+            fields = {**kw}   # (the request's own dict stays as it is: `finish_push_pull` reads it)
+            p = make(op, next(ids), self.rank, fields.pop("clock", -1), fields.pop("arrays", ()), fields)
             self._sent += p.nbytes
             items.append((i, p, (w, f, k)))
         loop = w.sim.loop   # (`loop.at`, without a call)

@@ -740,6 +740,23 @@ def test_sbatch_refuses_a_device_that_is_not_one_before_it_starts_anything(tmp_p
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name,value,message", [
+    ("PSGD_TRAIN_STEP", "60", "psgd: error: environment PSGD_TRAIN_STEP: unknown key train.step; did you mean"),
+    ("PSGD_OTU", "x", "psgd: error: environment: PSGD_OTU is not a psgd setting"),
+    ("PSGD_TRAIN_STEPS", "abc", "psgd: error: environment PSGD_TRAIN_STEPS: train.steps: expected an integer"),
+], ids=["misspelt-key", "not-a-setting", "bad-value"])
+def test_sbatch_says_a_bad_psgd_setting_in_one_line(tmp_path, name, value, message):
+    """Found on a real cluster: a misspelt PSGD_* variable stopped the job with psgd's own
+    line, and then a second one, "[psgd-slurm ...] error: bad config", that said nothing more
+    (README: a bad config value is one line and exit 2)."""
+    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, **{name: value}), cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(message) and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not [c for c in stub_calls(tmp_path) if not c.startswith("scontrol")]
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_sbatch_takes_a_gpu_for_the_workers_on_a_first_node_without_one(tmp_path):
     """The control of the test above: the workers run on other nodes (a hetjob's GPU nodes),

@@ -147,6 +147,31 @@ def busy_port(host: str, base: int, n: int) -> int | None:
     return None
 
 
+def taken_port(cfg: Config) -> int:
+    """The first of a job's ports on this node (the coordinator's, then each shard's, bound as
+    the daemons bind them: `bind_address`) that a program here listens on, else 0. The Slurm
+    scripts check it before they start anything: the shards bind only once a worker has
+    registered the model's layout, and the workers, meanwhile, sent their requests to
+    whatever had a shard's port (another job's coordinator); the job was aborted with that
+    program's answer ("the coordinator does not serve 'init'"), exit code 1."""
+    import errno
+
+    from .transport import bind_address
+    for a in [cfg.coordinator_address()] + [cfg.shard_address(i) for i in range(cfg.cluster.servers)]:
+        if not a.startswith("tcp://"):
+            continue
+        host, _, port = bind_address(a)[len("tcp://"):].rpartition(":")
+        host = "" if host == "*" else host.strip("[]")
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (as ZeroMQ binds: `ports_free`)
+            try:
+                s.bind((host, int(port)))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return int(port)
+    return 0
+
+
 def hold(path: str) -> IO | None:
     """An exclusive lock on the file at `path` (created if need be), held until the
     returned file is closed or this process ends; None if another process holds it."""

@@ -93,15 +93,48 @@ def _step_of(line: str) -> tuple[float, int] | None:
     return float(d["t"]), d["step"]
 
 
+# The modes whose step lines are one push each (`pushed: false` and `dropped: true` aside),
+# with the push's staleness: the staleness histogram of a rank's earlier processes can be
+# read from their lines (`earlier_lives`, `credit_staleness`). Not easgd's (a line a local
+# step, the exchange's τ on the round's last), diloco's and ltfb's (0 for every local step).
+LINE_PER_PUSH_MODES = ("sync", "ssp", "async")
+
+# A step line's staleness, and the extra fields that say its push was not applied, as
+# EventLog.write and Worker.log_step write them (a line written otherwise is decoded).
+_STEP_TAU = re.compile(r', "staleness": (\d+), ')
+_NOT_APPLIED = ('"dropped": true', '"pushed": false', '"refused": true')
+
+
+def _applied_tau(line: str) -> int | None:
+    """The staleness of a step line's push if the shards applied it (not `dropped`, not a
+    step that pushed nothing, `pushed: false`, not `refused`); None otherwise."""
+    m = _STEP_TAU.search(line)
+    if m and line.startswith('{"t": '):
+        return None if any(s in line for s in _NOT_APPLIED) else int(m[1])
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    tau = d.get("staleness") if isinstance(d, dict) else None
+    if not isinstance(tau, int) or isinstance(tau, bool) or d.get("dropped") is True \
+            or d.get("pushed") is False or d.get("refused") is True:
+        return None
+    return tau
+
+
 def earlier_lives(out: str | None, rank: int, since: float) -> dict:
     """What the earlier processes of worker `rank` did in this job, from their step lines
     in DIR/events/worker-<rank>.jsonl written at `since` (a time.time(): the job's start)
-    or later: their LOGGED_STATS summed (each process's last line's); {} if the file
-    cannot be read. Read by a new process for the rank: the coordinator heard a process
-    that died only up to its last heartbeat. Each process's `step` goes up by one a line
-    from 1, which tells its lines from those of another process written in between (one
-    whose rank was taken over, still stepping until its next heartbeat says so)."""
+    or later: their LOGGED_STATS summed (each process's last line's), and the staleness
+    histogram of their lines' applied pushes (`staleness_hist`, `_sum`, `_max`, as
+    Histogram.stats(); what the coordinator takes in LINE_PER_PUSH_MODES only:
+    `credit_staleness`); {} if the file cannot be read. Read by a new process for the
+    rank: the coordinator heard a process that died only up to its last heartbeat. Each
+    process's `step` goes up by one a line from 1, which tells its lines from those of
+    another process written in between (one whose rank was taken over, still stepping
+    until its next heartbeat says so)."""
     lasts: list[tuple[int, str]] = []   # each earlier process's latest step line: (step, the line)
+    hist = Histogram()
     path = os.path.join(out or "", "events", f"worker-{rank}.jsonl")
     if not out or not os.path.exists(path):
         return {}
@@ -114,6 +147,9 @@ def earlier_lives(out: str | None, rank: int, since: float) -> dict:
                 if got is None or got[0] < since:
                     continue
                 step = got[1]
+                tau = _applied_tau(line)
+                if tau is not None:
+                    hist.add(tau)
                 i = next((i for i in range(len(lasts) - 1, -1, -1) if lasts[i][0] == step - 1), None)
                 if i is None:
                     lasts.append((step, line))
@@ -123,7 +159,22 @@ def earlier_lives(out: str | None, rank: int, since: float) -> dict:
         return {}
     last = [json.loads(line) for _, line in lasts]
     totals = {k: sum(d[f] for d in last if isinstance(d.get(f), int)) for k, f in LOGGED_STATS.items()}
-    return {k: v for k, v in totals.items() if v}
+    return {**{k: v for k, v in totals.items() if v}, **(hist.stats() if hist.total else {})}
+
+
+def credit_staleness(past: dict, logged: dict) -> bool:
+    """The staleness histogram of a rank's earlier processes (`past`: their counters as
+    the coordinator heard them, summed) replaced by their step lines' (`logged`, from
+    `earlier_lives`) where the lines have more pushes: a process that died was heard up
+    to its last heartbeat. For LINE_PER_PUSH_MODES only (the caller's to tell). Whether
+    `past` changed."""
+    if not isinstance(logged.get("staleness_hist"), list):
+        return False
+    lines = Histogram.of(logged)
+    if lines.total <= Histogram.of(past).total:
+        return False
+    past.update(lines.stats())
+    return True
 
 
 class PidFile:

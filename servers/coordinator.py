@@ -59,8 +59,10 @@ from psgd.config import Config, anchored, is_number, written_by_psgd
 from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
 from psgd.metrics import (
+    LINE_PER_PUSH_MODES,
     EventLog,
     OutputError,
+    credit_staleness,
     json_line,
     output_error,
     summarize,
@@ -429,8 +431,10 @@ class Coordinator:
                 return [(ident, wire.reply(msg, **{**self._view(msg.get("live_id", "")),
                                                    "abort": self._taken_over(msg.rank)}))]
             self._within_job(msg.clock)
-            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats,
-                                           checked_stats(msg.get("logged") or {}))
+            logged = checked_stats(msg.get("logged") or {})
+            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats, logged)
+            if not rejoin:
+                self._credit_staleness(msg.rank, logged)
             if not rejoin:   # heard since a restart: if it is lost again, it was not stopped with the coordinator
                 self.awaited.discard(msg.rank)
             if self.counting and not rejoin:
@@ -462,6 +466,15 @@ class Coordinator:
             self.told_done.add((role, msg.rank if role == "worker" else idx))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
 
+    def _credit_staleness(self, rank: int, logged: dict) -> None:
+        """The staleness histogram of the rank's earlier processes as their step lines have
+        it, where those show more pushes than the coordinator heard (one killed between
+        heartbeats: `metrics.credit_staleness`), as their samples and bytes
+        (`Member.credit`); in the modes whose step lines are one push each."""
+        m = self.members.members.get(rank)
+        if m is not None and logged and self.cfg.mode.name in LINE_PER_PUSH_MODES:
+            credit_staleness(m.past, logged)
+
     def _within_job(self, clock: int) -> None:
         """A worker's clock past `train.steps` (and the one after it), which no honest
         worker of this job reaches: refused. Kept, it would become the live set's clock
@@ -491,8 +504,9 @@ class Coordinator:
         self._within_job(msg.clock)
         stats = msg.get("stats")
         now = time.monotonic()
-        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock,
-                            checked_stats(msg.get("logged") or {}))
+        logged = checked_stats(msg.get("logged") or {})
+        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock, logged)
+        self._credit_staleness(msg.rank, logged)
         self._count(msg.rank, now)
         if msg.get("hold"):
             self.held_until, self.holder = time.monotonic() + self.cfg.cluster.timeout_s, msg.rank

@@ -1,0 +1,99 @@
+"""A worker killed (kill -9) and started again: summary.json's staleness histogram counts
+its earlier processes' pushes as their step lines have them, as samples and bytes do.
+The coordinator heard a dead process only up to its last heartbeat: an ssp run's
+summary.json had 497 histogram entries where the applied step lines were 597."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from psgd import wire
+from psgd.config import Config
+from psgd.consistency.staleness import Histogram
+from psgd.metrics import earlier_lives, json_line
+from tests.conftest import free_port_block
+from tests.test_coordinator_state import coordinator
+
+
+def _line(t: float, step: int, tau: int, **extra) -> str:
+    """A step line as Worker.log_step writes it (EventLog.write: json_line)."""
+    return json_line({"t": t, "role": "worker", "rank": 1, "step": step, "clock": step, "loss": 0.5,
+                      "samples": 32 * step, "staleness": tau, "wait_s": 0.001, "bytes_sent": 10 * step,
+                      "bytes_recv": 20 * step, **extra})
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_earlier_lives_has_the_staleness_of_the_applied_step_lines(tmp_path):
+    """Every applied push of this job's earlier processes: not an earlier job's line, not a
+    dropped one (late behind sync's backup workers), not Downpour's step that pushed
+    nothing (`pushed: false`, which repeats the latest push's τ), not a line cut short."""
+    os.makedirs(tmp_path / "events")
+    lines = [_line(5.0, 9, 30),                                          # an earlier job's
+             _line(11.0, 1, 0), _line(11.1, 2, 3), _line(11.2, 3, 3, dropped=True),
+             _line(11.3, 4, 2, dropped=False), _line(11.4, 5, 2, pushed=False),
+             _line(12.0, 1, 40),                                         # a second process
+             json.dumps({"step": 2, "t": 12.1, "role": "worker", "rank": 1, "staleness": 1, "samples": 64},
+                        separators=(",", ":")) + "\n",                   # written otherwise: decoded
+             _line(12.2, 3, 7)[:-30]]                                    # cut short as it was killed
+    (tmp_path / "events" / "worker-1.jsonl").write_text("".join(lines))
+    logged = earlier_lives(str(tmp_path), 1, since=10.0)
+    hist = Histogram.of(logged)
+    assert (hist.total, hist.tau_sum, hist.max) == (5, 0 + 3 + 2 + 40 + 1, 40)
+    assert hist.as_dict() == {"0": 1, "1": 1, "2": 1, "3": 1, "32+": 1}
+    assert logged["samples"] == 32 * 5 + 64 and logged["steps"] == 5 + 2
+    # lines without a push's τ (none applied): no histogram, as before
+    (tmp_path / "events" / "worker-1.jsonl").write_text(_line(11.0, 1, 4, dropped=True))
+    assert "staleness_hist" not in earlier_lives(str(tmp_path), 1, since=10.0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["ssp", "easgd"])
+def test_a_restarted_workers_earlier_processes_staleness_counts_as_their_step_lines_say(tmp_path, mode):
+    """The new process for rank 1 sends its earlier process's step lines' histogram
+    (`logged`); the coordinator takes it where it has more pushes than it heard, and
+    summary.json's staleness is then the lines' (sync, ssp, async: a line a push). In
+    easgd a line is a local step, not an exchange: what was heard stands."""
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False,
+                              "mode.name": mode})
+    c = coordinator(cfg, "")
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    def hist(taus: list[int]) -> dict:
+        h = Histogram()
+        for tau in taus:
+            h.add(tau)
+        return h.stats()
+
+    for r in range(2):
+        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"first{r}"))
+    for r in range(2):   # heard: 3 pushes each
+        serve("heartbeat", rank=r, clock=3, role="worker", index=r, live_id="",
+              stats={"samples": 96, "steps": 3, **hist([1, 1, 1])})
+    # rank 1's first process pushed twice more (τ 4, 5), logged them, and was killed
+    assert serve("register", role="worker", want_rank=1, nonce="second1").get("assigned_rank") == 1
+    logged = {"samples": 160, "steps": 5, **hist([1, 1, 1, 4, 5])}
+    serve("heartbeat", rank=1, clock=6, role="worker", index=1, live_id="", logged=logged,
+          stats={"samples": 32, "steps": 1, **hist([2])})
+    serve("finish", rank=1, clock=8, stats={"samples": 96, "steps": 3, **hist([2, 2, 2])}, logged=logged)
+    # rank 0's too, but its lines have fewer pushes than was heard (its last push had no line
+    # when it died): what was heard stands
+    assert serve("register", role="worker", want_rank=0, nonce="second0").get("assigned_rank") == 0
+    serve("finish", rank=0, clock=8, stats={"samples": 160, "steps": 5, **hist([1] * 5)},
+          logged={"samples": 96, "steps": 3, **hist([9, 9])})
+    assert Histogram.of(c.members.stats()[0]).stats() == hist([1] * 8)
+    got = Histogram.of(c.members.stats()[1])
+    if mode == "ssp":
+        assert (got.total, got.tau_sum, got.max) == (5 + 3, 1 + 1 + 1 + 4 + 5 + 6, 5)
+    else:
+        assert (got.total, got.tau_sum, got.max) == (3 + 3, 3 + 6, 2)
+    assert c.members.stats()[1]["samples"] == 160 + 96   # (as before)
+    c._finish_job()
+    assert c.summary is not None
+    assert c.summary["staleness"] == {"mean": round((got.tau_sum + 8) / (got.total + 8), 4), "max": got.max,
+                                      "hist": (got.as_dict() | {"1": got.as_dict().get("1", 0) + 8})}

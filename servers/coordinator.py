@@ -435,8 +435,7 @@ class Coordinator:
             rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats, logged)
             if not rejoin:
                 self._credit_staleness(msg.rank, logged)
-            if not rejoin:   # heard since a restart: if it is lost again, it was not stopped with the coordinator
-                self.awaited.discard(msg.rank)
+                self.awaited.discard(msg.rank)   # heard since a restart: lost again, it was not stopped with it
             if self.counting and not rejoin:
                 self._count(msg.rank, now)
             leaving = (msg.get("leaving") or "")[:1000]   # (a peer's text: bounded once, kept and logged so)

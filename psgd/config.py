@@ -40,8 +40,8 @@ MODES: tuple[str, ...] = consistency.NAMES
 # would be refused by that shard alone, which starts afresh beside the others resumed: a
 # model of two versions.
 SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
-ENV_RESERVED = {"PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK", "PSGD_STARTED_FILE", "PSGD_PARENT_PID",
-                "PSGD_JOB_TOKEN", SET_CHECKED_ENV}
+ENV_OWN = ("PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK")   # a user's variables that are no setting
+ENV_RESERVED = {*ENV_OWN, "PSGD_STARTED_FILE", "PSGD_PARENT_PID", "PSGD_JOB_TOKEN", SET_CHECKED_ENV}
 
 
 class ConfigError(ValueError):
@@ -684,9 +684,12 @@ def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
         rest = name[len("PSGD_"):].lower()
         section, _, key = rest.partition("_")
         if section not in SECTIONS or not key:
+            # (a misspelt variable of psgd's own, PSGD_OTU, was told only the settings' form)
+            own = difflib.get_close_matches(name, ENV_OWN, n=1, cutoff=0.75)
             raise ConfigError(f"environment: {name} is not a psgd setting "
-                              f"(expected PSGD_<SECTION>_<KEY>, sections: {', '.join(SECTIONS)}; "
-                              f"the deploy files' own settings are DEPLOY_*)")
+                              + (f"(did you mean {own[0]}?)" if own else
+                                 f"(expected PSGD_<SECTION>_<KEY>, sections: {', '.join(SECTIONS)}; "
+                                 f"the deploy files' own settings are DEPLOY_*)"))
         out.append((f"{section}.{key}", parse_value_for(f"{section}.{key}", text), f"environment {name}"))
     return out
 

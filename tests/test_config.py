@@ -350,3 +350,16 @@ def test_a_key_above_every_section_header_is_said_so(tmp_path, text, says):
     with pytest.raises(ConfigError) as e:
         load(str(f), [], env={})
     assert str(e.value).startswith(says.replace("c.toml", str(f), 1)), str(e.value)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name, says", [("PSGD_OTU", "did you mean PSGD_OUT?"),
+                                        ("PSGD_CONFG", "did you mean PSGD_CONFIG?"),
+                                        ("PSGD_WORKERS", "expected PSGD_<SECTION>_<KEY>")])
+def test_a_misspelt_psgd_variable_is_told_its_name(name, says):
+    """Helper G: PSGD_OTU=x was told that settings are PSGD_<SECTION>_<KEY>, not that it
+    looks like PSGD_OUT."""
+    with pytest.raises(ConfigError) as e:
+        load(None, [], env={name: "x"})
+    assert f"environment: {name} is not a psgd setting" in str(e.value) and says in str(e.value), e.value

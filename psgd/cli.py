@@ -684,22 +684,22 @@ def _cannot_make(out: str) -> str:
     """Why the output folder `out`, which does not exist yet, cannot be made (its parent a
     file, read-only or under /proc), or "". It was an errno after the job's checks, exit 1,
     and named neither --out nor $PSGD_OUT ("psgd run: error: No such file or directory:
-    /proc/x"). The folders made to find out are removed again: nothing is left behind."""
-    made: list[str] = []
+    /proc/x"). Asked of its nearest folder that exists, with a folder of this process's own
+    made and removed there: making `out` itself and removing it again raced with another
+    command making a folder beside it (`--out sweep/a` and `--out sweep/b` at once), whose
+    parent one removed as the other made its own."""
     folder = os.path.abspath(out)
-    while not os.path.lexists(folder):
-        made.append(folder)
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
-    if not made:
+    if folder == os.path.abspath(out):
         return ""
+    probe = os.path.join(folder, f".psgd-out-check-{os.getpid()}-{threading.get_ident()}")
     try:
-        os.makedirs(out, exist_ok=True)
+        os.mkdir(probe)
     except OSError as e:
         return f"--out {out}: cannot make this folder: {e.strerror or e}"
-    finally:
-        for folder in made:   # (the deepest first)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
     return ""
 
 

@@ -900,3 +900,24 @@ def test_a_bad_option_value_is_one_line(argv, says, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(says) and f"(psgd {argv[0]} --help lists the options)" in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_output_folder_check_of_two_commands_at_once_into_one_new_parent_fails_neither(tmp_path):
+    """A review: the check made the missing folders and removed them again, so two commands
+    started at once into sibling folders of a new parent (`--out sweep/a`, `--out sweep/b`)
+    could remove the parent as the other made its folder: 'cannot make this folder: No such
+    file or directory', exit 2 (8 in 3,000 checks), and parents were left behind."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        said = pool.starmap(_check_often, [(str(tmp_path / "sweep" / "a"), 1500),
+                                           (str(tmp_path / "sweep" / "b"), 1500)])
+    assert said == [[], []], said
+    assert os.listdir(tmp_path) == []
+
+
+def _check_often(out: str, n: int) -> list[str]:
+    from psgd.cli import _cannot_make
+    return [why for _ in range(n) if (why := _cannot_make(out))][:3]

@@ -40,8 +40,9 @@ class SspRule(ServerRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.clocks = ClockTable(range(world), self.bound())
-        self.left_at: dict[int, int] = {}   # rank -> the version at which it last left the live set
-        self.away: set[int] = set()         # ranks that left and have sent no read here since
+        self.away: set[int] = set()         # ranks that left the live set and have sent no read here since
+        self.back_at: dict[int, int] = {}   # rank -> the version its first read here after it left saw
+        # (neither is checkpointed: a restored shard learns the live set anew from the coordinator)
         self.dropped = 0
 
     def bound(self) -> int | None:
@@ -70,15 +71,18 @@ class SspRule(ServerRule):
         5 s SIGSTOP), past any bound. Under SSP it is dropped, as sync drops a late one;
         async (no bound) applies it. Such a push comes before the worker's next read
         here (its pushes and reads to a shard are in order: it reads only once the push
-        is answered), or names a read older than its leaving (prefetch: a gradient
-        computed on the copy while the push before it travelled)."""
-        if self.bound() is None or e.rank not in self.left_at:
+        is answered), or names a read older than that next read (prefetch: a gradient
+        computed on the copy while the push before it travelled). (Told by the version
+        of its first read after it came back, not of its leaving: a read made at the
+        version it left at, before it left, looked like one made after.)"""
+        if self.bound() is None:
             return False
-        return e.rank in self.away or e.tau > self.tables.version - self.left_at[e.rank]
+        return e.rank in self.away or (e.rank in self.back_at and self.tables.version - e.tau < self.back_at[e.rank])
 
     def read(self, e: Read) -> list[Decision]:
-        if e.rank >= 0:
-            self.away.discard(e.rank)   # its pushes from here on are computed on reads since it left
+        if e.rank in self.away:   # its pushes from here on are computed on reads since it came back
+            self.away.discard(e.rank)
+            self.back_at[e.rank] = self.tables.version
         return super().read(e)
 
     def push(self, e: Push) -> list[Decision]:
@@ -97,9 +101,7 @@ class SspRule(ServerRule):
         return [self.answer(r) for r in self.clocks.read(e.rank, e.clock, e)]  # type: ignore[arg-type]
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
-        for r in self.clocks.live.difference(live):
-            self.left_at[r] = self.tables.version
-            self.away.add(r)
+        self.away |= self.clocks.live.difference(live)
         return [self.answer(r) for r in self.clocks.set_live(live)]  # type: ignore[arg-type]
 
     def read_fields(self, rank: int) -> dict:

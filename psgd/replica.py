@@ -49,8 +49,19 @@ def pick_device(spec: str, local_rank: int = 0, name: str = "--device") -> torch
     except RuntimeError:   # not a device string torch knows
         raise ConfigError(f"{name} {spec!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{name} {spec}: CUDA is not available on this machine")
+        raise ConfigError(f"{name} {spec}: CUDA is not available on this machine ({why_no_cuda()})")
     return dev
+
+
+def why_no_cuda() -> str:
+    """Why torch has no CUDA here: a CPU-only build of torch (a GPU machine's nvidia-smi
+    shows the GPU, and the user looks for a driver problem there is not), or a CUDA build
+    that sees no GPU."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return (f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch "
+                f"to train on a GPU")
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda or torch.version.hip}) sees no GPU: no "
+            f"driver, or CUDA_VISIBLE_DEVICES hides them")
 
 
 def check_device(spec: str, local_rank: int = 0) -> torch.device:

@@ -44,8 +44,8 @@ The shards learn the model from the workers: its layout (names, shapes, dtypes) 
 the workers register, rank 0's initial values when it connects (psgd/layout.py), so the
 servers never import the script. Frozen parameters and integer buffers are not sent:
 every worker must build them alike (the layout carries their fingerprint; a worker whose
-differ is refused). A model with no trainable parameter, a lazy layer not yet initialized
-or a complex trainable parameter is a ConfigError. On `close()`,
+differ is refused). A model with no trainable parameter, a lazy layer not yet initialized,
+a complex trainable parameter or tensors on more than one device is a ConfigError. On `close()`,
 rank 0 waits for the other workers to finish (while they are live, however long),
 loads the job's final global model into its `model` and saves it as
 DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
@@ -249,6 +249,15 @@ def _model_problem(model: nn.Module) -> str:
         if p.requires_grad and not p.is_floating_point():
             return (f"{name} is a trainable {str(p.dtype).removeprefix('torch.')} parameter: psgd trains real "
                     f"floating-point parameters (float32, float16, bfloat16, float64)")
+    where: dict[torch.device, str] = {}   # device -> its first tensor (a model split over GPUs, or GPU and CPU)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        where.setdefault(t.device, name)
+    if len(where) > 1:
+        (first, _), *_ = where.items()
+        return (f"the model's tensors are on {len(where)} devices ("
+                + ", ".join(f"{name} on {dev}" for dev, name in where.items())
+                + f"): psgd keeps one copy of the model on one device, and would have moved all of it to {first} "
+                  f"(the first parameter's); put the whole model on one device before connecting")
     return ""
 
 

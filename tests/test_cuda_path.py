@@ -29,3 +29,23 @@ def test_cuda_with_a_cpu_only_torch_says_the_build_is_the_cause(tmp_path, capsys
     with pytest.raises(ConfigError, match=r"PSGD_DEVICE cuda:0: CUDA is not available on this machine \(torch "
                                           r".* \(CUDA 12\.4\) sees no GPU"):
         pick_device("cuda:0", name="PSGD_DEVICE")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_script_model_spread_over_devices_is_refused_before_it_is_moved():
+    """A review: psgd.connect(model) with a model split over devices (a model-parallel one
+    on cuda:0 and cuda:1, or an embedding kept on the CPU beside layers on the GPU) was
+    moved whole, without a word, to its first parameter's device (Replica's
+    `model.to(device)`): the script's forward, which moves activations between its
+    layers' devices, then failed inside torch ("Expected all tensors to be on the same
+    device"), or cuda:0 ran out of memory. "meta" stands for the second device here: the
+    CPU torch has no other. Refused in one line before registering, as a lazy layer is."""
+    from torch import nn
+
+    from psgd.connection import _model_problem
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2, device="meta"))
+    problem = _model_problem(model)
+    assert problem.startswith("the model's tensors are on 2 devices (0.weight on cpu, 2.weight on meta): psgd "
+                              "keeps one copy of the model on one device"), problem
+    assert _model_problem(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))) == ""

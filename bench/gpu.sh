@@ -24,7 +24,8 @@
 #   2. psgd's CUDA worker path: `psgd run --device cuda` (MLP default job, then ResNet-20 on
 #      synthetic 3x32x32 data, evaluator on the GPU too)
 #   3. pinned-memory transfers: pageable vs pinned device->host copies, and that
-#      psgd.replica.Replica stages its tables in pinned buffers
+#      psgd.replica.Replica stages its tables in pinned buffers, gathers the gradients
+#      exactly and loads tables into the model and reads them back unchanged
 #   4. bench/throughput.py's comparisons on the GPU, as two steps: psgd sync vs DDP with NCCL
 #      (one GPU: one DDP rank, W=1; its `workers` is 1, not the CPU goal's W=2 figure), then
 #      psgd sync/async vs a plain loop
@@ -161,9 +162,12 @@ grads = rep.grads()
 out["replica_tables_pinned"] = all(g.is_pinned() for g in grads)
 out["replica_grads_match"] = all(torch.equal(g, rep.map.gather({n: p.grad for n, p in model.named_parameters()},
                                                               i, "params").cpu()) for i, g in enumerate(grads))
+sent = [t + 1 for t in rep.params()]   # pageable tables, as the shards' answers come: host -> GPU -> pinned host
+rep.load(sent)
+out["replica_load_roundtrip"] = all(torch.equal(a, b) for a, b in zip(rep.params(), sent))
 print(json.dumps(out))
 json.dump(out, open(sys.argv[1], "w"), indent=1)
-sys.exit(0 if out["replica_tables_pinned"] and out["replica_grads_match"] else 1)
+sys.exit(0 if out["replica_tables_pinned"] and out["replica_grads_match"] and out["replica_load_roundtrip"] else 1)
 EOF
 
 # 4. The throughput comparisons on the GPU (NCCL allows one rank per GPU: W=1 here), in two
@@ -186,12 +190,20 @@ def read_json(p):
     except (OSError, ValueError):
         return None
 
-def last_json_line(p):
+def last_json_line(p):   # (a warning printed after it, at exit: torch's, NCCL's, a leaked semaphore's)
     try:
         with open(p) as f:
-            return json.loads(f.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
+            lines = f.read().splitlines()
+    except (OSError, ValueError):
         return None
+    for line in reversed(lines):
+        try:
+            got = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(got, dict):
+            return got
+    return None
 
 out = {"failed": failed,
        "run-mlp": read_json(os.path.join(work, "runs", "run-mlp", "summary.json")),

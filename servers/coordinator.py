@@ -93,6 +93,7 @@ MAX_FRAME = 16 << 20  # the coordinator's messages are headers only: config, cou
 MAX_STATS = 256       # fields in a daemon's counters (a worker's or a shard's stats() has about 20)
 MAX_STAT_LIST = 1024  # numbers in one field (a staleness histogram's counts: 33)
 MAX_STAT = 2 ** 53    # a counter's magnitude: sums over ranks and lives stay exact, and fit msgpack's 64 bits
+LIST_STATS = ("staleness_hist",)   # the counters that are lists (a histogram's counts); every other is a number
 
 
 def checked_stats(stats: Any) -> dict:
@@ -114,6 +115,11 @@ def checked_stats(stats: Any) -> dict:
             raise wire.WireError(wire.BAD_FIELD, f"stats: a counter's name must be a string, not {k!r:.40}")
         if k == "loss" and isinstance(v, float) and not math.isfinite(v):
             v = None
+        if isinstance(v, list) != (k in LIST_STATS):
+            # a count where a histogram goes, or a list where a count does: the sums (samples,
+            # summary.json's) raised TypeError outside any request, and the coordinator died
+            raise wire.WireError(wire.BAD_FIELD, f"stats: {k} must be " + (
+                "a list of numbers" if k in LIST_STATS else "a number, not a list") + f", got {v!r:.40}")
         if isinstance(v, list):
             if len(v) > MAX_STAT_LIST or not all(map(_stat_number, v)):
                 raise wire.WireError(wire.BAD_FIELD, f"stats: {k} must be a list of at most {MAX_STAT_LIST} "

@@ -35,7 +35,12 @@ BAD_STATS = {"bytes": {"samples": 3, "note": b""}, "str": {"samples": "12 sample
              "map": {"samples": {"a": 1}}, "list of str": {"staleness_hist": [1, "x"]},
              "long list": {"staleness_hist": [0] * 5000},
              # a review: a null count (only the loss may be null) stopped the coordinator in its sums
-             "null samples": {"samples": None}, "null bytes": {"bytes_sent": None, "elapsed_s": None}}
+             "null samples": {"samples": None}, "null bytes": {"bytes_sent": None, "elapsed_s": None},
+             # a fuzzer's (helper K): a list where a count goes, or a count where the histogram goes,
+             # passed, and the sums of samples (each tick) or of summary.json raised TypeError outside
+             # any request: the coordinator died with a traceback
+             "list samples": {"samples": [1, 2]}, "list wait": {"wait_s": [0.5]},
+             "list bad_messages": {"bad_messages": [1], "busy_s": [0.1]}, "number hist": {"staleness_hist": 5}}
 
 
 @pytest.mark.inprocess
@@ -56,6 +61,8 @@ def test_counters_no_daemon_sends_are_refused_and_change_nothing(tmp_path, bad):
         c._save_state(time.monotonic() + 5)   # what died of them before: the state file, the sums
         c._progress(time.monotonic())
         assert c.samples() == 64
+        c._finish_job()   # summary.json's sums
+        assert c.summary["samples"] == 64 and c.summary["bad_messages"] == 0
     finally:
         c.sock.close(0)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared script for a machine with one NVIDIA GPU (never run in CI;
-# not yet run anywhere: no GPU was available when it was written, see docs/performance.md).
+# first run on the device tool's H200 on 2026-12-04: its results are in docs/performance.md).
 #
 #   bash bench/gpu.sh                      # from the repository root; results in ./out
 #   OUT=/tmp/gpu PY=/opt/venv/bin/python bash bench/gpu.sh

@@ -67,3 +67,23 @@ def test_a_sweep_value_whose_every_run_failed_is_named_in_the_sweeps_sentence_an
     # a sweep that lost no value says nothing of it
     ok = [r for r in results if not r.get("error")]
     assert "failed" not in sentence(told(ok), "Sweep of sync optimizer.lr")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("waits, said", [
+    (((0.60, 0.61), (0.30, 0.31)), True),    # repeats that separate the two
+    (((0.60,), (0.30,)), False),             # one run each: no spread measured
+    (((0.414, 0.415), (0.411, 0.412)), False),   # "41% against sync's 41%"
+])
+def test_ssps_wait_is_explained_by_its_bound_only_where_the_difference_is_established(waits, said):
+    """A review: the sentence that explains ssp's smaller wait by its bound was said of two
+    runs whose waits read the same ("waited 41% of the time against sync's 41%")."""
+    from .test_report_claims import CTX, told
+    ctx = {**CTX, "workers": [4], "faults": {"jitter_prob": 0.05, "jitter_s": 0.5}}
+    (sync_waits, ssp_waits) = waits
+    results = [run("sync", "sync", repeat=k, wait=w, workers=4, sps=2000.0 + k) for k, w in enumerate(sync_waits)]
+    results += [run("ssp:staleness=4", "ssp", repeat=k, wait=w, workers=4, sps=6000.0 + k,
+                    params={"staleness": 4}) for k, w in enumerate(ssp_waits)]
+    results += [run("async", "async", repeat=k, wait=0.0, workers=4, sps=9000.0 + k) for k in range(len(sync_waits))]
+    text = told(results, ctx)
+    assert ("the bound lets a worker run up to 4 clocks ahead of the slowest" in text) == said, text

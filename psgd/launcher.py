@@ -922,10 +922,11 @@ class LocalJob:
     def ended(self) -> dict | None:
         """This job's summary if the job has ended with nothing of its work left undone,
         else None: its summary.json is written (an earlier job's was removed at the
-        start), and every training script has ended by itself, with code 0 (its work
-        after close() done). A signal to psgd run that comes then, while the coordinator
-        tells the daemons the job is done (up to linger_s) or the launcher waits for them
-        to exit, cut nothing short: the job's outputs are complete."""
+        start), and every training script has done its work after close() (`_script_done`:
+        it exited with 0, or the signal ended it as its Python was exiting). A signal to
+        psgd run that comes then, while the coordinator tells the daemons the job is done
+        (up to linger_s) or the launcher waits for them to exit, cut nothing short: the
+        job's outputs are complete."""
         try:
             with open(os.path.join(self.out, "summary.json")) as f:
                 summary = json.load(f)

@@ -623,7 +623,8 @@ def test_sbatch_stops_a_job_whose_shard_port_is_taken(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
-def test_sbatch_refuses_a_port_of_the_job_that_a_program_has_before_it_starts_anything(tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_sbatch_refuses_a_port_of_the_job_that_a_program_has_before_it_starts_anything(tmp_path, script):
     """Found on a real one-host cluster: a job whose shard port was another running job's
     coordinator port (PSGD_CLUSTER_PORT one below it). A shard binds only once a worker has
     registered the model's layout, so the workers sent their requests to the other job's
@@ -635,7 +636,7 @@ def test_sbatch_refuses_a_port_of_the_job_that_a_program_has_before_it_starts_an
         other.listen()
         port = other.getsockname()[1]
         env = stub_slurm(tmp_path, coordinator_s=120, PSGD_CLUSTER_PORT=str(port - 1))
-        r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
+        r = run(["bash", script], env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 98, r.stderr
     assert f"error: port {port} is in use on n1" in r.stderr and "nothing was started" in r.stderr, r.stderr
     assert "set PSGD_CLUSTER_PORT to the first of 3 free ports" in r.stderr, r.stderr

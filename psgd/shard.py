@@ -365,8 +365,11 @@ class Shard:
         wire.expect_array(msg, 1, "float32", (self.B,))
         self._finite(wire.tensor(msg, 0), "model", msg.clock)
         self._finite(wire.tensor(msg, 1), "model's buffers", msg.clock)
+        meta = int(bool(self.cfg.mode.explore))   # (the last array: `mode.explore`'s draws, bit patterns)
         for i in range(2, len(msg.arrays)):  # the optimizer's state
             wire.expect_array(msg, i, "float32", (self.P,))
+            if i < len(msg.arrays) - meta:   # (a NaN moment would become its adopters' and their steps')
+                self._finite(wire.tensor(msg, i), f"optimizer state {i - 2}", msg.clock)
         self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
         score = self._score(msg)
         arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]

@@ -358,6 +358,12 @@ def test_non_finite_buffers_and_a_nan_or_infinite_tournament_score_are_refused()
     with pytest.raises(wire.WireError, match="round 1099511627776 is past"):   # wiped later deposits
         shard.handle("w", request("put_model", rank=0, clock=0, round=2 ** 40, score=0.5, step=1,
                                   arrays=model))
+    # (helper K: a deposit's optimizer state was taken unchecked, and handed to whoever adopted it)
+    moment = np.zeros(shard.P, np.float32)
+    moment[1] = np.inf
+    with pytest.raises(wire.WireError, match="optimizer state 0 has NaN or Inf"):
+        shard.handle("w", request("put_model", rank=0, clock=0, round=1, score=0.5, step=1,
+                                  arrays=[*model, moment]))
 
 
 @pytest.mark.unit

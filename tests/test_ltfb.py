@@ -1151,3 +1151,21 @@ def test_an_adopted_adam_state_for_a_parameter_without_one_of_ours_steps_on():
     assert s0.opt.state[temp]["step"] == s0.opt.state[w0.replica.model.lin.weight]["step"]
     w0.compute()
     s0.opt.step()                                # no KeyError: 'step'
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_deposits_of_unlike_optimizer_state_on_the_shards_leave_the_adopters_state_alone():
+    """Helper K: the optimizer state's arrays were counted on shard 0's deposit only: one
+    shard holding fewer (deposits no honest trainer makes alike) gave the adopting worker an
+    IndexError. Unlike deposits are not one trainer's state: it keeps its own."""
+    import numpy as np
+    cfg = ltfb_cfg(**{"mode.exchange": "weights+optimizer", "train.steps": 300})
+    shards, [(w0, s0), (w1, s1)] = trainers_on(cfg, 2)
+    for _ in range(5):
+        s1.step(w1)
+    own = momentum(s1, w1).clone()
+    got = [wire.Message("model", arrays=[np.zeros(sh.P, np.float32), np.zeros(sh.B, np.float32)]
+                        + [np.ones(sh.P, np.float32)] * (1 - i)) for i, sh in enumerate(shards)]
+    s1.load_opt_state(w1, got)
+    assert torch.equal(momentum(s1, w1), own)

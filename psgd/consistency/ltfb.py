@@ -723,6 +723,8 @@ class LtfbSchedule(Schedule):
         if with_meta is None:
             with_meta = bool(self.explore)
         held = len(got[0].arrays) - 2 - int(with_meta)
+        if any(len(m.arrays) != len(got[0].arrays) for m in got):
+            return   # (shards that hold unlike deposits: not one trainer's whole state; an IndexError was)
         if held == 0:
             self.opt.state.clear()
         if held != len(keys) or not keys:

@@ -365,12 +365,14 @@ class Shard:
         wire.expect_array(msg, 1, "float32", (self.B,))
         self._finite(wire.tensor(msg, 0), "model", msg.clock)
         self._finite(wire.tensor(msg, 1), "model's buffers", msg.clock)
-        meta = int(bool(self.cfg.mode.explore))   # (the last array: `mode.explore`'s draws, bit patterns)
         for i in range(2, len(msg.arrays)):  # the optimizer's state
             wire.expect_array(msg, i, "float32", (self.P,))
-            if i < len(msg.arrays) - meta:   # (a NaN moment would become its adopters' and their steps')
-                self._finite(wire.tensor(msg, i), f"optimizer state {i - 2}", msg.clock)
         self._within_job("round", int(msg.get("round")), self.cfg.train.steps + 1, r.FINAL_ROUND)
+        # (the last array of an outcome, round < 0, or of any deposit with `mode.explore`: values as bit
+        # patterns, `ltfb.pack_meta`; the others a NaN moment of which would be its adopters' and their steps')
+        meta = int(int(msg.get("round")) < 0 or bool(self.cfg.mode.explore))
+        for i in range(2, len(msg.arrays) - meta):
+            self._finite(wire.tensor(msg, i), f"optimizer state {i - 2}", msg.clock)
         score = self._score(msg)
         arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]
         return self.carry_out(self.rule.deposit(

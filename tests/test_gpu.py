@@ -559,3 +559,21 @@ def test_a_script_whose_model_is_on_another_gpu_makes_it_the_current_device(monk
     with pytest.raises(Attached):
         conn.attach(nn.Linear(4, 3), torch.device("cuda", 1))
     assert current == [torch.device("cuda", 1)], f"the current CUDA device was set to {current}, not cuda:1"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_gpu_modes_sh_runs_its_jobs_on_the_cpu(tmp_path):
+    """bench/gpu_modes.sh (every mode's CUDA path and a script job on the GPU, first run on
+    the device tool's H200) checked here on the CPU, two of its jobs: a mode with its own
+    optimizer (ltfb) and a script whose model is on psgd.device() (diloco)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "DEVICE": "cpu", "ONLY": "ltfb,script-diloco", "TMPDIR": str(tmp_path),
+           "PY": sys.executable}
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "gpu_modes.sh")], env=env, capture_output=True,
+                       text=True, timeout=220)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (out / "log.txt").read_text()
+    assert log.count("\nexit 0\n") == 2 and "failed: none" in log, log
+    assert "== ltfb\n" in log and "== script-diloco\n" in log and "mode diloco" in log, log
+    assert sorted(os.listdir(out)) == ["log.txt", "runs.tar.gz"]

@@ -21,7 +21,7 @@ def score(m):
 
 
 with psgd.connect(model, opt, score=score) as ps:
-    assert next(model.parameters()).device == dev, (next(model.parameters()).device, dev)   # (psgd.connect left it there)
+    assert next(model.parameters()).device == dev, next(model.parameters()).device   # (connect left it there)
     while True:
         x = torch.randn(64, 20, device=dev)
         y = (x @ w > 0).long()

@@ -38,8 +38,8 @@ def runs(pieces: list[Piece]) -> list[tuple[str, int, int]]:
 
 def pick_device(spec: str, local_rank: int = 0, name: str = "--device") -> torch.device:
     """`--device`: auto (GPU local_rank % GPUs where there is CUDA, else the CPU), cpu,
-    cuda or cuda:N; a ConfigError naming it (as `name`) if it is none of these, or no
-    CUDA is here."""
+    cuda (GPU local_rank % GPUs) or cuda:N; a ConfigError naming it (as `name`) if it is
+    none of these, or no CUDA is here."""
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -50,6 +50,11 @@ def pick_device(spec: str, local_rank: int = 0, name: str = "--device") -> torch
         raise ConfigError(f"{name} {spec!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{name} {spec}: CUDA is not available on this machine ({why_no_cuda()})")
+    if dev.type == "cuda" and dev.index is None:
+        # a GPU, as auto picks one (psgd.device() gave `cuda`, no index: the model of every worker of
+        # `psgd run --device cuda` on cuda:0 of a machine of several, and a script's `model.to(psgd.device())`
+        # compared unequal to where its parameters lay, cuda:0)
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return dev
 
 

@@ -79,3 +79,18 @@ def test_gpu_sh_keeps_a_throughput_json_that_a_warning_follows(tmp_path):
                    timeout=30)
     results = json.loads(out.read_text())
     assert results["throughput-ddp"] == figures and results["throughput-local"] is None, results
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_device_cuda_without_an_index_is_the_ranks_gpu_as_auto_picks_it(monkeypatch):
+    """Found on the device tool's H200: `psgd.device()` under `psgd run --device cuda` was
+    `cuda` with no index, so a script's check that its model lay on psgd.device() failed
+    (its parameters were on cuda:0), and every worker of `--device cuda` on a machine of
+    several GPUs took cuda:0. `cuda` is now the GPU LOCAL_RANK % GPUs, as auto picks it."""
+    from psgd.replica import pick_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [pick_device("cuda", r) for r in (0, 1, 5)] == [torch.device("cuda", i) for i in (0, 1, 1)]
+    assert pick_device("cuda:3", 1) == torch.device("cuda", 3)   # an index given is kept
+    assert pick_device("auto", 2) == torch.device("cuda", 2)

@@ -12,6 +12,19 @@ from psgd.config import Config
 from tests.conftest import ask, free_port_block, hand_served
 
 
+def _training(tmp_path, workers: int):
+    """A coordinator of `workers` workers (1 shard, no evaluator), all joined, training;
+    its config (a coordinator made again with it resumes from its state file)."""
+    from tests.test_coordinator_state import coordinator
+    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": workers, "cluster.servers": 1,
+                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
+    first = coordinator(cfg, str(tmp_path))
+    for r in range(workers):
+        first.members.join(time.monotonic(), r, f"n{r}")
+    first._start_training()
+    return cfg, first
+
+
 def step_lines(out, rank: int) -> list[dict]:
     with open(out / "events" / f"worker-{rank}.jsonl") as f:
         return [json.loads(x) for x in f if '"staleness"' in x]
@@ -203,14 +216,8 @@ def test_a_coordinator_restarted_twice_waits_for_the_workers_stopped_with_it(tmp
     yet: all lost), it waited for none of them and aborted at once, "all workers were
     lost", where the next `compose start` resumes the job. With none live when it died,
     it waits for the lost ranks."""
-    from psgd.servers.coordinator import Coordinator
     from tests.test_coordinator_state import coordinator
-    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
-                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
-    first: Coordinator = coordinator(cfg, str(tmp_path))
-    for r in range(2):
-        first.members.join(time.monotonic(), r, f"n{r}")
-    first._start_training()
+    cfg, first = _training(tmp_path, 2)
     first._save_state(time.monotonic())                # stopped with both workers
     again = coordinator(cfg, str(tmp_path))
     for r in range(2):
@@ -261,12 +268,7 @@ def test_a_coordinator_restarted_during_rank_0s_hold_does_not_wait_for_a_rank_lo
     every lost rank, rank 2 too, and the finished job sat in `training` for cluster.timeout_s
     (in its wall_s). It waits for the ranks live when it died and those its last life awaited."""
     from tests.test_coordinator_state import coordinator
-    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 3, "cluster.servers": 1,
-                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
-    first = coordinator(cfg, str(tmp_path))
-    for r in range(3):
-        first.members.join(time.monotonic(), r, f"n{r}")
-    first._start_training()
+    cfg, first = _training(tmp_path, 3)
     first.members.members[2].last_seen -= 100          # worker 2 dropped long ago
     first._checked = -1e9
     first._tick(time.monotonic())
@@ -294,12 +296,7 @@ def test_a_restarted_coordinator_stops_awaiting_a_rank_once_it_is_heard(tmp_path
     restart is no longer awaited."""
     from psgd import wire
     from tests.test_coordinator_state import coordinator
-    cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.workers": 2, "cluster.servers": 1,
-                              "cluster.evaluator": False, "cluster.timeout_s": 60.0})
-    first = coordinator(cfg, str(tmp_path))
-    for r in range(2):
-        first.members.join(time.monotonic(), r, f"n{r}")
-    first._start_training()
+    cfg, first = _training(tmp_path, 2)
     first._save_state(time.monotonic())                # killed with both workers live
     c = coordinator(cfg, str(tmp_path))
     assert c.awaited == {0, 1}

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import free_port_block
-from tests.test_interrupt import SUMMARY, end_session, run_then_signal, start
+from tests.test_interrupt import SUMMARY, defaults, end_session, run_then_signal, start
 
 # A Python process whose work is done while its interpreter still tears down (a module
 # global's __del__, after the exit handlers: as torch's teardown), which says when.
@@ -44,8 +44,10 @@ def _read_until(proc: subprocess.Popen, text: str, deadline: float) -> None:
 @pytest.mark.timeout(60)
 def test_a_python_process_is_told_exiting_once_its_exit_handlers_have_run():
     from psgd.launcher import script_exiting
-    proc = subprocess.Popen([sys.executable, "-c", TEARS_DOWN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    # (Ctrl-C's default action, as a shell's foreground job has it: a test run in the background, as CI's
+    # was, passes SIGINT ignored to its children, and a Python started so never handles it)
+    proc = subprocess.Popen([sys.executable, "-c", TEARS_DOWN], preexec_fn=defaults, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     try:
         _read_until(proc, "working", time.monotonic() + 30)
         assert script_exiting(proc.pid) is False   # its code runs: Ctrl-C would be its KeyboardInterrupt

@@ -278,10 +278,6 @@ class Child:
     log_path: str = ""
     log_start: int = 0               # the log's size when this process of it started (logs are appended to)
     script: bool = False             # a copy of the user's training script (psgd run --script)
-    # A script's Python handled SIGINT (seen in /proc), and no longer does: its interpreter
-    # is exiting, its own code and exit handlers run (`script_exiting`)
-    handled_sigint: bool = False
-    exiting: bool = False
 
     @property
     def name(self) -> str:
@@ -291,31 +287,6 @@ class Child:
         """The exit code, or None while it runs."""
         assert self.proc is not None, f"{self.name} was never started"
         return self.proc.poll()
-
-
-# How a signal that stopped psgd run also ended a training script that was exiting (it had
-# done its work): the group's Ctrl-C, SIGTERM or hang-up, or psgd run's SIGTERM as it stopped it.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def script_exiting(pid: int) -> bool | None:
-    """Whether the Python of process `pid` is exiting, from its signal dispositions
-    (/proc/PID/status): Python handles SIGINT (KeyboardInterrupt) until its exit handlers
-    (atexit) have run, then gives it back to the default, which a Ctrl-C in the rest of its
-    exit (torch's teardown: 0.5-1 s on a busy machine) finds: the process dies of the
-    signal, its work done. True: SIGINT is neither handled nor ignored; False: it is;
-    None: not to be told (no /proc, the process gone or a zombie). (A script that gives
-    SIGINT back to the default itself is taken for one exiting from then on.)"""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-        if fields.get("State", "").strip()[:1] in ("Z", "X"):
-            return None
-        bit = 1 << (signal.SIGINT - 1)
-        caught, ignored = int(fields["SigCgt"], 16) & bit, int(fields["SigIgn"], 16) & bit
-    except (OSError, KeyError, ValueError):
-        return None
-    return not caught and not ignored
 
 
 class LocalJob:
@@ -727,7 +698,6 @@ class LocalJob:
             return subprocess.Popen(child.argv, stdout=stdout, stderr=stderr, env=child.env or self.env,
                                     stdin=subprocess.DEVNULL)
 
-        child.handled_sigint = child.exiting = False   # (a restarted script's process is a new one)
         if child.script:
             with contextlib.suppress(FileNotFoundError):  # psgd.connect writes it: see _exited_before_connect
                 os.unlink(self.started_file(child.name))
@@ -891,12 +861,10 @@ class LocalJob:
                 elif not child.reported:
                     log("run", f"{child.name} exited with {_exit(child, rc)}; {self._ends(child)}")
                     child.reported = True  # the coordinator decides what follows
-            self._watch_scripts()
             time.sleep(0.1)
         grace = time.monotonic() + 10
         for child in self.children[1:]:
             while child.poll() is None and time.monotonic() < grace:
-                self._watch_scripts()
                 time.sleep(0.05)
         path = os.path.join(self.out, "summary.json")
         summary = None
@@ -922,41 +890,19 @@ class LocalJob:
     def ended(self) -> dict | None:
         """This job's summary if the job has ended with nothing of its work left undone,
         else None: its summary.json is written (an earlier job's was removed at the
-        start), and every training script has done its work after close() (`_script_done`:
-        it exited with 0, or the signal ended it as its Python was exiting). A signal to
-        psgd run that comes then, while the coordinator tells the daemons the job is done
-        (up to linger_s) or the launcher waits for them to exit, cut nothing short: the
-        job's outputs are complete."""
+        start), and every training script has ended by itself, with code 0 (its work
+        after close() done). A signal to psgd run that comes then, while the coordinator
+        tells the daemons the job is done (up to linger_s) or the launcher waits for them
+        to exit, cut nothing short: the job's outputs are complete."""
         try:
             with open(os.path.join(self.out, "summary.json")) as f:
                 summary = json.load(f)
         except (OSError, ValueError):
             return None
-        if not isinstance(summary, dict) or any(c.script and not self._script_done(c) for c in self.children):
+        if not isinstance(summary, dict) or any(c.script and (c.proc is None or c.poll() != 0)
+                                                for c in self.children):
             return None
         return summary
-
-    @staticmethod
-    def _script_done(child: Child) -> bool:
-        """Whether a training script ended its work: it exited with 0, or a signal that
-        stopped psgd run (the group's Ctrl-C: it reaches the scripts too; psgd run's
-        SIGTERM as it stopped them) ended it as its Python was exiting, its exit handlers
-        run (`Child.exiting`): a Ctrl-C 1 s after a job's summary.json and model.pt were
-        written was said to have interrupted it (exit 130) while its scripts only tore
-        down torch."""
-        rc = None if child.proc is None else child.poll()
-        return rc == 0 or (rc is not None and child.exiting and -rc in STOP_SIGNALS)
-
-    def _watch_scripts(self) -> None:
-        """Note which training scripts are exiting (`script_exiting`), as the launcher
-        waits: a signal that then ends one cut none of its work short."""
-        for child in self.children:
-            if child.script and child.proc is not None and child.proc.poll() is None:
-                exiting = script_exiting(child.proc.pid)
-                if exiting is False:
-                    child.handled_sigint, child.exiting = True, False
-                elif exiting and child.handled_sigint:
-                    child.exiting = True
 
     def _scripts_end(self, deadline: float) -> None:
         """Wait for every training script to end: after close() it may go on (score
@@ -980,7 +926,6 @@ class LocalJob:
                 if time.monotonic() - said >= SCRIPT_NOTE_S:
                     log("run", f"the job has ended; waiting for {child.name}'s script to end")
                     said = time.monotonic()
-                self._watch_scripts()
                 time.sleep(0.1)
         failed = [self._script_failure(c) for c in scripts if c.poll() != 0]
         if failed:

@@ -957,8 +957,9 @@ class LocalJob:
     def _exited_before_connect(self, child: Child, rc: int) -> None:
         """A training script that ends before the job began training never comes back:
         the coordinator would wait for its rank until cluster.timeout_s. So the job stops
-        now, with the script's log: one that ended before it called psgd.connect (which
-        writes its .started file: its `--help`, a bad argument, an import error), or in
+        now, with the script's log: one that ended before psgd.connect wrote its .started file
+        (its `--help`, a bad argument, an import error, or psgd.connect's refusal of its
+        arguments, rank or folder, which comes before that file), or in
         psgd.connect, before any worker began training (refused, say). Not one that
         --restart-workers starts again: one that failed (code != 0) after calling
         psgd.connect, or one killed by a signal. A worker of psgd's own that fails (code
@@ -968,7 +969,7 @@ class LocalJob:
         if child.role != "worker" or (self.restart_workers and rc < 0) or (not child.script and rc == 0):
             return
         if child.script and not os.path.exists(self.started_file(child.name)):
-            when = "before calling psgd.connect"
+            when = "before joining the job (no psgd.connect, or one that refused it before registering)"
         elif not (self.restart_workers and rc != 0) and not self._training_began():
             when = "in psgd.connect, before the job began training" if child.script else "before the job began training"
             coord = self.children[0]

@@ -445,8 +445,26 @@ def test_a_script_that_exits_before_psgd_connect_stops_the_job_at_once(tmp_path,
     began = time.monotonic()
     message = launch_failure(job)
     assert time.monotonic() - began < 30
-    assert message.startswith(f"worker-1's script exited with code {code} before calling psgd.connect"), message
+    assert message.startswith(f"worker-1's script exited with code {code} before joining the job"), message
     assert "usage: train.py [--lr LR]" in message and "worker-1.log" in message
+    assert all(c.poll() is not None for c in job.children)
+
+
+@pytest.mark.timeout(60)
+def test_a_script_whose_psgd_connect_refused_its_arguments_is_not_said_to_have_skipped_it(tmp_path):
+    """`psgd.connect(optimizer, model)` (swapped) is refused before psgd.connect writes its
+    .started file: psgd run said the script "exited with code 1 before calling
+    psgd.connect", above a traceback of psgd.connect's ConfigError."""
+    job = script_job(tmp_path, "import os, sys, time\n"
+                               "if os.environ['PSGD_RANK'] == '1':\n"
+                               "    import psgd, torch\n"
+                               "    model = torch.nn.Linear(2, 2)\n"
+                               "    psgd.connect(torch.optim.SGD(model.parameters(), lr=0.1), model)\n"
+                               + CONNECTS + "time.sleep(60)\n", timeout_s=50)
+    message = launch_failure(job)
+    assert message.startswith("worker-1's script exited with code 1 before joining the job "
+                              "(no psgd.connect, or one that refused it"), message
+    assert "before calling psgd.connect" not in message and "model and optimizer swapped" in message, message
     assert all(c.poll() is not None for c in job.children)
 
 

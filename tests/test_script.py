@@ -491,7 +491,7 @@ def test_a_scripts_help_ends_the_job_at_once_with_its_usage(tmp_path):
                         str(tmp_path / "out"), "--quiet", "--", "--help"],
                        capture_output=True, text=True, timeout=80, cwd=tmp_path)
     assert r.returncode == 1, r.stderr
-    assert "script exited with code 0 before calling psgd.connect" in r.stderr, r.stderr
+    assert "script exited with code 0 before joining the job" in r.stderr, r.stderr
     assert "usage: custom_loss.py" in r.stderr and "registered" not in r.stderr, r.stderr
 
 

@@ -20,6 +20,7 @@ security.keys = DIR): a job secured with CurveZMQ answers only a client with its
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
 import json
 import math
@@ -162,6 +163,28 @@ def _mtime(path: str) -> float:
         return -math.inf
 
 
+def _launcher_note(folder: str) -> str:
+    """A note for a summary whose `psgd run` has not returned: it still holds the folder's
+    .launcher.lock while it waits for its training scripts' own work after close() (up
+    to --timeout) or stops the daemons, and a script that then fails fails the run. The
+    lock is only tested (shared, not waited for, dropped at once), never created."""
+    from .launcher import LOCK_FILE
+    try:
+        fd = os.open(os.path.join(folder or ".", LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return ("  (its psgd run has not returned yet: it waits for the training scripts' own work after "
+                "close(), or stops the daemons; the run's outcome is known when it returns)")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)   # (drops the shared lock, if taken)
+    return ""
+
+
 def _finished(summary: str) -> int:
     """A finished job's summary line (`psgd status DIR`); exit 1 for an aborted job."""
     from .launcher import format_summary
@@ -174,9 +197,9 @@ def _finished(summary: str) -> int:
             print(f"finished (simulated by psgd simulate): {format_summary(done)}")
             return 0
         if done.get("aborted"):   # psgd run exits 1 on it: so does this, with the reason
-            print(f"aborted: {done['aborted']}: {format_summary(done)}")
+            print(f"aborted: {done['aborted']}: {format_summary(done)}{_launcher_note(os.path.dirname(summary))}")
             return 1
-        print(f"finished: {format_summary(done)}")
+        print(f"finished: {format_summary(done)}{_launcher_note(os.path.dirname(summary))}")
     except (ValueError, OSError, TypeError, KeyError) as e:
         print(f"psgd status: the job ended and {summary} is not a psgd summary ({e})", file=sys.stderr)
         return 1

@@ -101,6 +101,33 @@ def test_status_of_a_finished_job_prints_its_summary(tmp_path, capsys):
 
 
 @pytest.mark.timeout(30)
+def test_status_of_a_finished_job_whose_psgd_run_still_waits_for_its_scripts_says_so(tmp_path, capsys):
+    """A script job's summary is written when training ends; psgd run then waits (up to
+    --timeout) for the scripts' own work after close(), and a script that fails then fails
+    the run. `psgd status DIR` meanwhile said only "finished: ...", exit 0."""
+    from psgd.launcher import LOCK_FILE, hold
+    cfg = Config().replace(**{"cluster.port": free_port_block(3)})  # nobody listens there
+    (tmp_path / "config.toml").write_text(cfg.to_toml())
+    (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
+    assert main(["status", str(tmp_path)]) == 0
+    assert "has not returned" not in capsys.readouterr().out   # (no lock file: none is made)
+    assert not (tmp_path / LOCK_FILE).exists()
+    lock = hold(str(tmp_path / LOCK_FILE))   # as psgd run holds it until it returns
+    try:
+        assert main(["status", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("finished: sync: accuracy 0.9700") and "its psgd run has not returned yet" in out, out
+        assert len(out.splitlines()) == 1, out
+    finally:
+        lock.close()
+    assert main(["status", str(tmp_path)]) == 0   # returned: the lock file stays, unheld
+    assert "has not returned" not in capsys.readouterr().out
+    again = hold(str(tmp_path / LOCK_FILE))   # and status took no lock that outlives it
+    assert again is not None
+    again.close()
+
+
+@pytest.mark.timeout(30)
 def test_status_of_a_killed_job_says_it_ran_or_that_its_processes_still_run(tmp_path):
     """`kill -9` of `psgd run` after 20 s of training: its daemons exit and remove their
     pid files, and `psgd status DIR` said "has not started yet, or ended without a

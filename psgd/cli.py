@@ -342,6 +342,9 @@ def cmd_run(args) -> int:
         say(f"psgd run: {how} after the job had ended; its outputs are complete")
         s = ended
     print(format_summary(s))
+    idle = untrained_warning(s, bool(script))
+    if idle:
+        print(f"psgd run: warning: {idle}", file=sys.stderr)
     saved = written_since(model, before)  # not an earlier job's
     print(f"summary: {os.path.join(out, 'summary.json')}" + (f"  model: {model}" if saved else ""))
     if not saved:
@@ -350,6 +353,16 @@ def cmd_run(args) -> int:
                  f"{'rank 0' if script else 'the evaluator'} did not write it; {out}/logs/"
                  f"{'worker-0' if script else 'evaluator-0'}.log says why)"), file=sys.stderr)
     return 0
+
+
+def untrained_warning(s: dict, script: bool) -> str:
+    """What a job that ended without a training step (summary.json's `samples` 0) left
+    untrained, or '': its model is the initial one, and its line alone (accuracy, 0
+    samples/s, exit 0) does not say so (a script that never calls ps.step())."""
+    if s.get("samples") != 0:
+        return ""
+    return ("no worker took a training step (0 samples): the model is untrained" +
+            ("; does the script call ps.step() for each batch?" if script else ""))
 
 
 def cmd_compare(args) -> int:

@@ -921,3 +921,13 @@ def test_the_output_folder_check_of_two_commands_at_once_into_one_new_parent_fai
 def _check_often(out: str, n: int) -> list[str]:
     from psgd.cli import _cannot_make
     return [why for _ in range(n) if (why := _cannot_make(out))][:3]
+
+
+@pytest.mark.timeout(10)
+def test_untrained_warning_only_for_a_job_of_no_samples():
+    from psgd.cli import untrained_warning
+    assert untrained_warning({"samples": 640}, script=True) == ""
+    assert untrained_warning({}, script=True) == ""   # (a summary without the count says nothing)
+    assert untrained_warning({"samples": 0}, script=False) == "no worker took a training step (0 samples): " \
+                                                             "the model is untrained"
+    assert untrained_warning({"samples": 0}, script=True).endswith("does the script call ps.step() for each batch?")

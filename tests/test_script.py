@@ -454,6 +454,28 @@ def test_psgd_run_script_from_the_command_line(tmp_path):
     assert r.returncode == 2 and "give --script FILE" in r.stderr
 
 
+SCRIPT_NEVER_STEPS = """
+import torch, psgd
+model = torch.nn.Linear(4, 2)
+with psgd.connect(model) as ps:
+    model(torch.randn(8, 4)).sum().backward()   # a loop that forgot ps.step()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_steps_is_warned_of_its_untrained_model(tmp_path):
+    """Was: exit 0, "accuracy 0.0780 ... 0 samples/s" and the untrained model, with no
+    word that no step was taken (only worker-R.log's "finished 0 steps")."""
+    path = tmp_path / "idle.py"
+    path.write_text(SCRIPT_NEVER_STEPS)
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--script", str(path), "--mode", "sync",
+                        "--workers", "1", "--servers", "1", "--set", "train.steps=20", "--out",
+                        str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert ("psgd run: warning: no worker took a training step (0 samples): the model is untrained; does the "
+            "script call ps.step() for each batch?") in r.stderr
+
+
 SCRIPT_PRINTS = """
 import sys, torch, psgd
 torch.manual_seed(0)

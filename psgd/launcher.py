@@ -368,7 +368,8 @@ class LocalJob:
         f = hold(os.path.join(self.out, LOCK_FILE))
         if f is None:
             raise LaunchError(f"{self.out} is the output folder of a job that is still running (another psgd "
-                              f"launcher holds {LOCK_FILE}): give another --out, or stop that job first")
+                              f"launcher holds {LOCK_FILE}): give another --out, or stop that job first (Ctrl-C, or "
+                              f"SIGTERM to its psgd run)")
         folder = self.cfg.checkpoint.dir
         if not folder or os.path.abspath(folder) == os.path.join(self.out, "checkpoints"):
             return [f]
@@ -378,7 +379,7 @@ class LocalJob:
             f.close()
             raise LaunchError(f"checkpoint.dir = {folder} holds the shard checkpoints of a job that is still "
                               f"running (its launcher holds {LOCK_FILE} there): give another checkpoint.dir, "
-                              f"or stop that job first")
+                              f"or stop that job first (Ctrl-C, or SIGTERM to its psgd run)")
         return [f, g]
 
     def _release_folders(self) -> None:
@@ -398,7 +399,8 @@ class LocalJob:
                 stale.append(path)
                 continue
             raise LaunchError(f"{self.out} is the output folder of a job that is still running ({path} names "
-                              f"process {pid}): give another --out, or stop that job first")
+                              f"process {pid}): give another --out, or stop that job first (Ctrl-C, or SIGTERM to its "
+                              f"psgd run)")
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -464,8 +466,8 @@ class LocalJob:
                 from .layout import learned
                 log("run", f"resuming the unfinished job whose shard checkpoints are in {folder} (same training "
                            f"config): its training goes on from them" +
-                           (f", if {self.cfg.model.name}'s layout is the same (each shard checks it once the "
-                            f"workers bring it, and says in its log if it starts afresh)"
+                           (f", if {own_model(self.cfg.model.name)}'s layout is the same (each shard checks it once "
+                            f"the workers bring it, and says in its log if it starts afresh)"
                             if learned(self.cfg.model.name) else ""))
             elif len(cannot) == len(mine):
                 first = next(i for i in cannot if os.path.exists(mine[i]))
@@ -1236,6 +1238,11 @@ def signals_held() -> Iterator[None]:
             signal.signal(s, handler)
     if came:
         signal.raise_signal(came[0])
+
+
+def own_model(name: str) -> str:
+    """A learned model as a sentence names it: a script's is "the script's model"."""
+    return "the script's model" if name == "script" else name
 
 
 def format_summary(s: dict) -> str:

@@ -96,17 +96,18 @@ def test_a_learned_model_changed_since_its_checkpoints_is_not_resumed_in_part(tm
 
 
 @pytest.mark.timeout(60)
-def test_psgd_run_says_a_learned_models_resume_depends_on_its_layout(tmp_path, capsys):
+@pytest.mark.parametrize("name,said", [("facmod:model", "facmod:model"), ("script", "the script's model")])
+def test_psgd_run_says_a_learned_models_resume_depends_on_its_layout(tmp_path, capsys, name, said):
     """`psgd run` said "resuming the unfinished job ...: its training goes on from them" of
     a factory's model whose code had changed since, where each shard then started afresh
     (its log said why): the launcher never sees the layout, so it says that it depends."""
-    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 1, "model.name": "facmod:model",
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 1, "model.name": name,
                               "cluster.port": free_port_block(3)})
     for i in range(2):
         Shard(cfg, i, model_layout(Net(10))).save(str(tmp_path / "checkpoints" / f"shard-{i}.pt"))
     LocalJob(cfg, str(tmp_path), quiet=True).stop()
     err = capsys.readouterr().err
-    assert "its training goes on from them, if facmod:model's layout is the same (each shard checks it" in err, err
+    assert f"its training goes on from them, if {said}'s layout is the same (each shard checks it" in err, err
 
 
 class Renamed(nn.Module):

@@ -111,6 +111,7 @@ REQUIRED: dict[str, tuple] = {
     "error": ("code", "reason"),
 }
 _BASE = ("v", "op", "id", "rank", "clock", "arrays")
+_BASE_SET = frozenset(_BASE)
 # ops that carry no arrays: any that come are refused (a parked pull kept them: memory
 # that `max_parked` did not bound)
 NO_ARRAYS = frozenset({"register", "heartbeat", "finish", "release", "layout", "eval", "status", "pull", "get_model",
@@ -150,8 +151,9 @@ def _as_array(a: Any) -> tuple[str, np.ndarray]:
         t = a.detach()
         if not t.is_contiguous():
             t = t.contiguous()
-        if str(t.dtype) == "torch.bfloat16":
-            return "bfloat16", t.view(dtype=_torch().int16).numpy().view(np.uint16)
+        torch = _torch_module or _torch()
+        if t.dtype is torch.bfloat16:
+            return "bfloat16", t.view(dtype=torch.int16).numpy().view(np.uint16)
         a = t.numpy()
     a = np.ascontiguousarray(a)
     name = _NAMES.get(a.dtype)
@@ -163,9 +165,16 @@ def _as_array(a: Any) -> tuple[str, np.ndarray]:
     return name, a
 
 
+_torch_module: Any = None
+
+
 def _torch() -> Any:
-    import torch  # only for tensors' dtypes: the wire itself needs no torch
-    return torch
+    """torch, imported on first use (only for tensors: the wire itself needs no torch)."""
+    global _torch_module
+    if _torch_module is None:
+        import torch
+        _torch_module = torch
+    return _torch_module
 
 
 def tensor(msg: Message, i: int) -> Any:
@@ -188,24 +197,31 @@ def tensor(msg: Message, i: int) -> Any:
 def encode(op: str, *, id: int = 0, rank: int = -1, clock: int = -1,
            arrays: Sequence[Any] = (), **fields: Any) -> list:
     """Build a message's frames. Arrays (numpy or CPU torch) are sent without copies."""
+    return encode_with(op, id, rank, clock, arrays, fields)
+
+
+def encode_with(op: str, id: int, rank: int, clock: int, arrays: Sequence[Any], fields: dict) -> list:
+    """`encode` with its fields as a dict (read, not kept): a daemon's answer made for
+    every request is not spread into keywords and collected again."""
     if op not in OPS:
         raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
-    named = [_as_array(a) for a in arrays]
-    arrs = [a for _, a in named]
-    header = {"v": PROTOCOL_VERSION, "op": op, "id": int(id), "rank": int(rank),
-              "clock": int(clock), "arrays": [[name, list(a.shape)] for name, a in named]}
-    for k, v in fields.items():
-        if k in _BASE:
-            raise WireError(BAD_FIELD, f"field {k!r} is reserved")
-        header[k] = v
-    frames: list = [pack_header(header)]
+    specs, payload = [], []
+    for a in arrays:
+        name, a = _as_array(a)
+        specs.append([name, list(a.shape)])
+        payload.append(memoryview(a.reshape(-1).view(np.uint8).data) if a.size else b"")
+    header = {"v": PROTOCOL_VERSION, "op": op, "id": int(id), "rank": int(rank), "clock": int(clock),
+              "arrays": specs}
+    if not _BASE_SET.isdisjoint(fields):
+        raise WireError(BAD_FIELD, f"field {next(k for k in fields if k in _BASE_SET)!r} is reserved")
+    header.update(fields)
+    head = pack_header(header)
     # What decode refuses is refused here, where the sender can say why: the peer's refusal
     # of a header it could not read carries no request id, so no caller would hear of it.
-    if len(frames[0]) > MAX_HEADER or len(arrs) > MAX_FRAMES:
-        raise WireError(TOO_LARGE, f"{op}: a header of {len(frames[0])} bytes and {len(arrs)} arrays; a peer reads "
+    if len(head) > MAX_HEADER or len(payload) > MAX_FRAMES:
+        raise WireError(TOO_LARGE, f"{op}: a header of {len(head)} bytes and {len(payload)} arrays; a peer reads "
                                    f"at most {MAX_HEADER} bytes and {MAX_FRAMES} arrays")
-    frames.extend(memoryview(a.reshape(-1).view(np.uint8).data) if a.size else b"" for a in arrs)
-    return frames
+    return [head, *payload]
 
 
 _packers = threading.local()   # one msgpack Packer per thread, reused (`msgpack.packb` makes one per call)
@@ -223,7 +239,12 @@ def pack_header(header: dict) -> bytes:
 
 
 def reply(req: Message, arrays: Sequence[Any] = (), **fields: Any) -> list:
-    return encode("reply", id=req.id, rank=req.rank, clock=req.clock, arrays=arrays, **fields)
+    return encode_with("reply", req.id, req.rank, req.clock, arrays, fields)
+
+
+def reply_with(req: Message, arrays: Sequence[Any], fields: dict) -> list:
+    """`reply` with its fields as a dict (`encode_with`)."""
+    return encode_with("reply", req.id, req.rank, req.clock, arrays, fields)
 
 
 def error(req_id: int, code: str, reason: str) -> list:
@@ -279,15 +300,17 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
     op = h.get("op")
     if not isinstance(op, str) or op not in OPS:
         raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
-    for k in ("id", "rank", "clock"):
-        v = h.get(k)
+    rid: Any = h.get("id")
+    rank: Any = h.get("rank")
+    clock: Any = h.get("clock")
+    for k, v in (("id", rid), ("rank", rank), ("clock", clock)):
         if type(v) is not int or not -1 <= v < 1 << 62:  # msgpack's ints are exact ints; bool is not one
             raise WireError(BAD_HEADER, f"header field {k!r} must be an int >= -1, got {v!r}")
-    if h["id"] < 0:
+    if rid < 0:
         raise WireError(BAD_HEADER, "request id must be >= 0")
     fields = {}
     for k, v in h.items():
-        if k not in _BASE:
+        if k not in _BASE_SET:
             _check_field(op, k, v)
             fields[k] = v
     for k in REQUIRED.get(op, ()):
@@ -297,8 +320,8 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:
         raise WireError(BAD_HEADER, f"header lists {len(specs) if isinstance(specs, list) else '?'} "
                                     f"arrays but {len(frames) - 1} payload frames came")
-    arrays, total = [], len(head)
-    for i, (spec, frame) in enumerate(zip(specs, frames[1:], strict=True)):
+    arrays, dtypes, total = [], [], len(head)
+    for i, spec in enumerate(specs):
         if not (isinstance(spec, list) and len(spec) == 2):
             raise WireError(BAD_HEADER, f"array {i}: spec must be [dtype, shape]")
         dtype_name, shape = spec
@@ -310,6 +333,7 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
                 0 in shape and math.prod(d for d in shape if d) * dt.itemsize > max_bytes):  # empty, but impossible
             raise WireError(BAD_SHAPE, f"array {i}: bad shape {shape!r}")
         expect = math.prod(shape) * dt.itemsize
+        frame = frames[i + 1]
         buf = _buffer(frame)
         total += len(buf)
         if total > max_bytes:
@@ -318,10 +342,10 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
             raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
         a = np.frombuffer(buf, dtype=dt) if expect else np.zeros(shape, dt)
         arrays.append(a if len(shape) == 1 else a.reshape(shape))
+        dtypes.append(dtype_name)
     if arrays and op in NO_ARRAYS:
         raise WireError(BAD_FIELD, f"op {op!r} carries no arrays, {len(arrays)} came")
-    return Message(op=op, id=h["id"], rank=h["rank"], clock=h["clock"],
-                   fields=fields, arrays=arrays, dtypes=[spec[0] for spec in specs])
+    return Message(op, rid, rank, clock, fields, arrays, dtypes)
 
 
 def finite(t: Any) -> bool:

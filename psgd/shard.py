@@ -134,13 +134,14 @@ class Shard:
         self.models: dict[Hashable, list] = {}  # stored models (deposits) by the rule's key
         self.live = set(range(self.world))
         self.rule = rule(cfg.mode, self.world, self)
-        ruled = {"push": self._until_trained(self.on_push), "elastic": self._until_trained(self.on_elastic),
-                 "put_model": self._until_trained(self.on_put_model), "get_model": self.on_get_model,
-                 "models": self.on_models}
-        served = {"pull": self.on_pull, **{op: fn if op in self.rule.serves else self.not_in_mode
-                                           for op, fn in ruled.items()}}
+        ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
+                 "get_model": self.on_get_model, "models": self.on_models}
+        until_trained = {"push", "elastic", "put_model"}   # refused once training ended (`_ended`)
+        served = {"pull": (self.on_pull, False), **{
+            op: (fn, op in until_trained) if op in self.rule.serves else (self.not_in_mode, False)
+            for op, fn in ruled.items()}}
         self.handlers = {"stats": self.on_stats, "init": self.on_init,
-                         **{op: self._when_ready(fn) for op, fn in served.items()}}
+                         **{op: self._when_ready(fn, trained) for op, (fn, trained) in served.items()}}
         self._carriers = Carriers({
             r.Apply: self._do_apply, r.Accumulate: self._do_accumulate, r.ApplySum: self._do_apply_sum,
             r.Move: self._do_move, r.MixBuffers: self._do_mix_buffers, r.SetBuffers: self._do_set_buffers,
@@ -156,30 +157,40 @@ class Shard:
             raise wire.WireError(wire.UNKNOWN_OP, f"a shard does not serve {msg.op!r}")
         return handler(token, msg)
 
-    def _when_ready(self, fn):
+    def _when_ready(self, fn, until_trained: bool = False):
         """`fn`, served once the shard has values; before, the error `not_ready`, answered
         here, not raised: the daemon counts a raised error in `bad_messages`, and these are
         the honest requests of the job's own workers and evaluator (a learned model before
-        its init, a shard restarted with nothing to restore, which a worker's copy mends)."""
-        def guarded(token, msg: wire.Message) -> list[Reply]:
-            if not self.ready:
-                return [(token, wire.error(msg.id, wire.NOT_READY, f"shard {self.index} " + (self.unready or (
-                    "has no initial values yet (a worker's init brings them)"))))]
-            return fn(token, msg)
-        return guarded
+        its init, a shard restarted with nothing to restore, which a worker's copy mends).
+        With `until_trained`, also only until the job's training ended (`_ended`):
+        one wrapper, not two, around every push."""
+        if until_trained:
+            def guarded(token, msg: wire.Message) -> list[Reply]:
+                if not self.ready:
+                    return self._not_ready(token, msg)
+                if self.trained:
+                    return self._ended(token, msg)
+                return fn(token, msg)
+            return guarded
 
-    def _until_trained(self, fn):
-        """`fn`, served until the job's training ended (`trained`: the coordinator is past
-        it, every worker finished or was lost); after, the error `refused`, answered, not
-        raised (not a bad message). Only a worker the coordinator had dropped (stopped,
-        cut off) still sends one then: its push changed the final model while the
-        evaluator scored it, and after the end-of-training checkpoint."""
-        def guarded(token, msg: wire.Message) -> list[Reply]:
-            if self.trained:
-                return [(token, wire.error(msg.id, wire.REFUSED, f"shard {self.index}: the job's training has "
-                                                                 f"ended (every worker finished or was lost)"))]
+        def guarded_ready(token, msg: wire.Message) -> list[Reply]:
+            if not self.ready:
+                return self._not_ready(token, msg)
             return fn(token, msg)
-        return guarded
+        return guarded_ready
+
+    def _not_ready(self, token, msg: wire.Message) -> list[Reply]:
+        return [(token, wire.error(msg.id, wire.NOT_READY, f"shard {self.index} " + (self.unready or (
+            "has no initial values yet (a worker's init brings them)"))))]
+
+    def _ended(self, token, msg: wire.Message) -> list[Reply]:
+        """The answer to a push, offer or deposit once the job's training ended (`trained`:
+        the coordinator is past it, every worker finished or was lost): the error
+        `refused`, answered, not raised (not a bad message). Only a worker the coordinator
+        had dropped (stopped, cut off) still sends one then: its push changed the final
+        model while the evaluator scored it, and after the end-of-training checkpoint."""
+        return [(token, wire.error(msg.id, wire.REFUSED, f"shard {self.index}: the job's training has "
+                                                         f"ended (every worker finished or was lost)"))]
 
     def on_init(self, token, msg: wire.Message) -> list[Reply]:
         """A worker's initial values (arrays: params, buffers), or, with no arrays, a wait
@@ -509,7 +520,7 @@ class Shard:
     def _reply_with(self, req: wire.Message, arrays: Sequence[Any], fields: dict) -> Any:
         """`_reply` with its fields as a dict, the caller's own (a read's answer, made for
         every read, is not spread into keywords and collected again)."""
-        return wire.reply(req, arrays=arrays, **fields)
+        return wire.reply_with(req, arrays, fields)
 
     def _snapshot(self) -> list[torch.Tensor]:
         """The tables as they are now, shared by every reply until they change: frames are
@@ -575,11 +586,14 @@ class Shard:
     def _step(self, g: torch.Tensor, scale: float, progress: float) -> None:
         set_lr(self.opt, scale * lr_at(self.opt_cfg, progress, self.cfg.train.steps))
         own = self.params.grad
-        self.params.grad = g  # read where it lies (a request's frame, ApplySum's mean): no copy
-        try:
+        if g is own:   # (ApplySum's mean is written there)
             self.opt.step()
-        finally:
-            self.params.grad = own
+        else:
+            self.params.grad = g  # read where it lies (a request's frame, ApplySum's mean): no copy
+            try:
+                self.opt.step()
+            finally:
+                self.params.grad = own
         self.version += 1
 
     # ------------------------------------------------------------ stats, checkpoints

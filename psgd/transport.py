@@ -645,6 +645,10 @@ class Service:
             return [(ident, wire.error(req_id, wire.INTERNAL, f"{type(e).__name__}: {e}"))]
 
     def send(self, replies: list[Reply]) -> None:
+        sock = self.sock
+        # (a frame's len is its bytes: wire.encode's frames are bytes and byte views; one of wider
+        # items is copied below its bytes' threshold, never shared where pyzmq would copy it)
+        copied_below = sock.copy_threshold
         for ident, frames in replies:
             try:
                 if self.sent is None:
@@ -654,10 +658,15 @@ class Service:
                     self._bad(f"a reply dropped: {MAX_UNREAD_REPLIES} large replies to its peer are unsent "
                               f"(the peer does not read its answers)")
                     continue
-                self.sock.send(cast(bytes, ident), zmq.SNDMORE, copy=False)
+                sock.send(cast(bytes, ident), zmq.SNDMORE)
                 held = None
+                last = len(frames) - 1
                 for k, f in enumerate(frames):  # each frame's tracker: `in_flight`
-                    t = self.sock.send(f, zmq.SNDMORE if k + 1 < len(frames) else 0, copy=False, track=True)
+                    flags = zmq.SNDMORE if k < last else 0
+                    if len(f) < copied_below:   # copied at send (as pyzmq does): nothing to track
+                        sock.send(f, flags)
+                        continue
+                    t = sock.send(f, flags, copy=False, track=True)
                     if not t.done:
                         self._trackers.append(t)
                         held = t

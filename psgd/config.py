@@ -493,7 +493,7 @@ def validate(cfg: Config) -> None:
     for a in c.addresses:
         _check(isinstance(a, str) and a.startswith(("tcp://", "ipc://")),
                f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH")
-    _check(c.timeout_s > 0, "cluster.timeout_s must be > 0")
+    _check(c.timeout_s > 0, f"cluster.timeout_s must be > 0, got {c.timeout_s}")
     _check(c.max_rejections >= 1, f"cluster.max_rejections must be >= 1, got {c.max_rejections}")
     _check(0 < c.heartbeat_s < c.heartbeat_timeout_s,
            "cluster.heartbeat_s must be > 0 and below cluster.heartbeat_timeout_s")
@@ -502,7 +502,7 @@ def validate(cfg: Config) -> None:
     _check(m.staleness >= 0, f"mode.staleness must be >= 0, got {m.staleness}")
     _check(m.lr_policy in ("constant", "staleness"),
            f"mode.lr_policy must be constant or staleness, got {m.lr_policy!r}")
-    _check(m.dc_lambda >= 0, "mode.dc_lambda must be >= 0")
+    _check(m.dc_lambda >= 0, f"mode.dc_lambda must be >= 0, got {m.dc_lambda}")
     _check(m.tau >= 1, f"mode.tau must be >= 1, got {m.tau}")
     _check(0 <= m.alpha < 1, f"mode.alpha must be in [0, 1), got {m.alpha}")
     _check(m.name != "easgd" or not m.sync or m.alpha * (c.workers + 1) < 2,
@@ -553,7 +553,9 @@ def validate(cfg: Config) -> None:
     _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     _check(o.schedule in ("constant", "step", "cosine"),
            f"optimizer.schedule must be constant, step or cosine, got {o.schedule!r}")
-    _check(o.warmup_steps >= 0 and o.step_size >= 1, "optimizer.warmup_steps >= 0 and step_size >= 1")
+    _check(o.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _check(o.step_size >= 1, f"optimizer.step_size must be >= 1 (steps between two decays of the step "
+                             f"schedule), got {o.step_size}")
     _check(len(o.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in o.betas),
            f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
     _check(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1) (at 1 and above SGD's steps grow without "
@@ -587,6 +589,13 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.loader_workers >= 0, f"data.loader_workers must be >= 0, got {cfg.data.loader_workers}")
     _check(cfg.data.classes == 0 or cfg.data.classes >= 2,
            f"data.classes must be 0 (the dataset's own) or >= 2, got {cfg.data.classes}")
+    _check(cfg.data.samples >= 1, f"data.samples must be >= 1 (the synthetic dataset's training samples), "
+                                  f"got {cfg.data.samples}")
+    if cfg.data.name == "synthetic":   # (refused later, in the data loader, as "data.classes must be >= 2 and
+        classes = cfg.data.classes or 10   # data.samples >= data.classes", naming neither value nor source)
+        _check(cfg.data.samples >= classes,
+               f"data.samples = {cfg.data.samples} is fewer than the synthetic dataset's {classes} classes "
+               f"(data.classes{' = 0: 10' if not cfg.data.classes else ''}): set data.samples >= {classes}")
     _check(cfg.eval.every_seconds > 0, f"eval.every_seconds must be > 0, got {cfg.eval.every_seconds}")
     _check(0 <= cfg.eval.target_accuracy <= 1,
            f"eval.target_accuracy must be in [0, 1], got {cfg.eval.target_accuracy}")
@@ -606,7 +615,7 @@ def validate(cfg: Config) -> None:
     for key in ("bandwidth_gbps", "apply_gbps"):
         _check(getattr(sim, key) > 0, f"sim.{key} must be > 0, got {getattr(sim, key)}")
     _check(cfg.faults.on_worker_loss in ("continue", "abort"),
-           "faults.on_worker_loss must be continue or abort")
+           f"faults.on_worker_loss must be continue or abort, got {cfg.faults.on_worker_loss!r}")
     _check(cfg.checkpoint.every_s >= 0, f"checkpoint.every_s must be >= 0, got {cfg.checkpoint.every_s}")
     _check(not cfg.security.curve or bool(cfg.security.keys),
            "security.curve = true needs security.keys (a folder made by `psgd keys DIR`)")

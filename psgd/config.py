@@ -730,8 +730,8 @@ def _read_config(path: str) -> tuple[str, dict]:
     """A config file's text and contents, from one read; a ConfigError naming the file if
     it cannot be read."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, encoding="utf-8-sig") as f:   # (a byte-order mark, as Windows editors save
+            text = f.read()                          # UTF-8, was "Invalid statement (at line 1, column 1)")
         return text, tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None

@@ -33,3 +33,12 @@ def test_bad_value_is_named_with_its_source_and_value(sets, says):
 def test_synthetic_with_enough_samples_and_other_data_unchecked():
     assert load(None, ["data.name=synthetic", "data.samples=10"], env={}).data.samples == 10
     assert load(None, ["data.samples=5"], env={}).data.samples == 5   # digits: data.samples is not read
+
+
+@pytest.mark.timeout(30)
+def test_config_file_with_a_byte_order_mark_is_read(tmp_path):
+    """A config saved as UTF-8 with a byte-order mark (Notepad's "UTF-8 with BOM") was refused
+    as "Invalid statement (at line 1, column 1)", a line that looks fine in any editor."""
+    f = tmp_path / "c.toml"
+    f.write_bytes("\ufeff[train]\nsteps = 3\n".encode("utf-8"))
+    assert load(str(f), [], env={}).train.steps == 3

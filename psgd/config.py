@@ -419,8 +419,10 @@ def build(d: Mapping[str, Any], source: str, check: bool = True) -> Config:
         if name not in SECTIONS:
             raise ConfigError(f"{at}unknown section [{name}]{_did_you_mean(name, SECTIONS)} "
                               f"(known: {', '.join(SECTIONS)})")
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{at}[{name}] must be a table")
+        if not isinstance(section, Mapping):   # (`mode = "ssp"` above every header said "[mode] must be a table")
+            keys = sorted(f.name for f in dataclasses.fields(SECTIONS[name]))
+            raise ConfigError(f"{at}{name} = {section!r}: {name} is a section, not a key: write its keys under a "
+                              f"[{name}] header{' (name = ...)' if 'name' in keys else ''} (known: {', '.join(keys)})")
         cls = SECTIONS[name]
         defaults = cls()
         known = {f.name for f in dataclasses.fields(cls)}

@@ -42,3 +42,18 @@ def test_config_file_with_a_byte_order_mark_is_read(tmp_path):
     f = tmp_path / "c.toml"
     f.write_bytes("\ufeff[train]\nsteps = 3\n".encode("utf-8"))
     assert load(str(f), [], env={}).train.steps == 3
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text, says", [
+    ('mode = "ssp"\n', "mode = 'ssp': mode is a section, not a key: write its keys under a [mode] header (name = ...)"),
+    ('[[cluster]]\nworkers = 2\n', "cluster is a section, not a key: write its keys under a [cluster] header"),
+])
+def test_section_name_used_as_a_key(tmp_path, text, says):
+    """`mode = "ssp"` above every header was refused as "[mode] must be a table", which
+    names neither the line written nor what to write instead."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=r"c\.toml: ") as e:
+        load(str(f), [], env={})
+    assert says in str(e.value)

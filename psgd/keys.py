@@ -17,6 +17,8 @@ import shutil
 
 import zmq.auth
 
+from .config import ConfigError
+
 
 def make_keys(folder: str) -> str:
     """The pairs that `folder` lacks, each authorized as it is made: a pair made before is
@@ -27,6 +29,10 @@ def make_keys(folder: str) -> str:
     os.makedirs(folder, exist_ok=True)
     auth = os.path.join(folder, "authorized")
     os.makedirs(auth, exist_ok=True)
+    for name in ("server", "client"):   # (checked before anything is made)
+        public = os.path.join(folder, f"{name}.key")
+        if os.path.exists(public) and not os.path.exists(public + "_secret"):
+            _check_kept(public)
     made, alone = [], []
     for name in ("server", "client"):
         if not os.path.exists(os.path.join(folder, f"{name}.key_secret")):
@@ -56,3 +62,14 @@ def make_keys(folder: str) -> str:
     forget_socket_keys()   # (a socket of this process made later loads the new pairs)
     pairs = f"the {' and '.join(made)} pair{'s' * (len(made) > 1)}"
     return f"keys written to {folder}: {pairs} (authorized clients in {auth}){kept}"
+
+
+def _check_kept(path: str) -> None:
+    """A public key kept as another machine's (the servers' server.key in a client's
+    folder) that is no CurveZMQ key: refused here, where `psgd keys` said "kept" of it and
+    every job with the folder failed at its first connection."""
+    try:
+        zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"psgd keys: {path} is not a CurveZMQ public key ({e}): copy the servers' "
+                          f"{os.path.basename(path)} there again, or remove it to make a new pair") from None

@@ -931,3 +931,15 @@ def test_untrained_warning_only_for_a_job_of_no_samples():
     assert untrained_warning({"samples": 0}, script=False) == "no worker took a training step (0 samples): " \
                                                              "the model is untrained"
     assert untrained_warning({"samples": 0}, script=True).endswith("does the script call ps.step() for each batch?")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name,other", [("server", "client"), ("client", "server")])
+def test_keys_refuses_a_kept_public_key_that_is_no_key(tmp_path, capsys, name, other):
+    """A hunt: a client's folder whose server.key was damaged said "server.key kept", and
+    every job with the folder failed at its first connection."""
+    (tmp_path / f"{name}.key").write_text("garbage\n")
+    assert main(["keys", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/{name}.key is not a CurveZMQ public key" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / f"{other}.key").exists()   # nothing made beside a folder refused

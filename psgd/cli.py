@@ -260,6 +260,17 @@ def known_bad(cfg) -> str:
     return ""
 
 
+def lone_trainer(cfg) -> str:
+    """A warning for an ltfb job of one trainer (cluster.workers = mode.trainer_size): no
+    tournament is ever held, and it ran without a word. Only `psgd run`'s: compare and
+    simulate sweep trainer counts from one (its speedup's baseline)."""
+    m, w = cfg.mode, cfg.cluster.workers
+    if m.name != "ltfb" or w // max(1, m.trainer_size) != 1:
+        return ""
+    return (f"mode ltfb with one trainer ({w} worker{'s' * (w != 1)}, mode.trainer_size = {m.trainer_size}) holds "
+            f"no tournament: it trains that one model alone; give more workers (--workers) for a tournament")
+
+
 def idle_faults(cfg) -> list[str]:
     """A warning line for each injected fault that would slow no worker of this one job:
     a straggler rank the job does not have, one half of a pair set without the other (the
@@ -305,7 +316,7 @@ def cmd_run(args) -> int:
         small = batch_over_share(check_job(cfg), cfg.train.batch_size, [(cfg.cluster.workers, data_split(cfg))])
     check_before_launch(cfg, args.device)
     bad = "" if script else known_bad(cfg)   # (a script's own optimizer may not be [optimizer]'s)
-    for warning in (bad, small, *idle_faults(cfg)):
+    for warning in (bad, small, lone_trainer(cfg), *idle_faults(cfg)):
         if warning:
             print(f"psgd run: warning: {warning}", file=sys.stderr, flush=True)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -943,3 +943,17 @@ def test_keys_refuses_a_kept_public_key_that_is_no_key(tmp_path, capsys, name, o
     err = capsys.readouterr().err
     assert f"{tmp_path}/{name}.key is not a CurveZMQ public key" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / f"{other}.key").exists()   # nothing made beside a folder refused
+
+
+@pytest.mark.timeout(10)
+def test_ltfb_of_one_trainer_is_warned_of_holding_no_tournament():
+    """A hunt: `--mode ltfb --workers 1` (one trainer) ran with no tournament, and no word."""
+    from psgd.cli import lone_trainer
+    from psgd.config import Config
+    one = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 1})
+    assert lone_trainer(one).startswith("mode ltfb with one trainer (1 worker, mode.trainer_size = 1) holds no "
+                                        "tournament")
+    assert "(2 workers, mode.trainer_size = 2)" in lone_trainer(one.replace(**{"cluster.workers": 2,
+                                                                                "mode.trainer_size": 2}))
+    assert lone_trainer(one.replace(**{"cluster.workers": 2})) == ""
+    assert lone_trainer(one.replace(**{"mode.name": "async"})) == ""

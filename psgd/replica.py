@@ -97,6 +97,9 @@ def make_contiguous(model: nn.Module) -> None:
                     module._buffers[name] = b.contiguous()
 
 
+_TAGS = {(kind, slot): f"{kind}{slot}" for kind in "bg" for slot in range(2)}   # (no string built per step)
+
+
 class Replica:
     def __init__(self, model: nn.Module, num_shards: int, device: torch.device):
         self.model = model.to(device)
@@ -111,6 +114,14 @@ class Replica:
             self._views = {key: ([self.tensors[name].view(-1)[start:start + length] for name, start, length in rs],
                                  [length for _, _, length in rs]) for key, rs in self._runs.items()}
         self._bufs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) per table
+        # What a gather takes of each tensor, per (shard, table): (name, None, None) for a run that is the
+        # whole tensor (no slice to make every step), else (name, start, end)
+        self._cuts = {key: [(name, None, None) if start == 0 and length == self.tensors[name].numel()
+                            else (name, start, start + length) for name, start, length in rs]
+                      for key, rs in self._runs.items()}
+        # `load`'s work per table: (shard, its views, their lengths) of the shards whose part is not empty
+        self._loads = {table: [(i, *self._views[(i, table)]) for i in range(num_shards) if self._views[(i, table)][0]]
+                       for table in TABLES}
 
     def _buffers_for(self, tag: str, shard: int, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         key = (tag, shard)
@@ -123,9 +134,12 @@ class Replica:
 
     def _tables(self, tensors: dict, table: str, tag: str) -> list[torch.Tensor]:
         out = []
+        bufs = self._bufs
         for i in range(self.n):
-            dev, host = self._buffers_for(tag, i, table)
-            parts = [tensors[name].reshape(-1)[start:start + length] for name, start, length in self._runs[(i, table)]]
+            pair = bufs.get((tag, i))
+            dev, host = pair if pair is not None else self._buffers_for(tag, i, table)
+            parts = [tensors[name].reshape(-1) if start is None else tensors[name].reshape(-1)[start:end]
+                     for name, start, end in self._cuts[(i, table)]]
             if parts:
                 torch.cat(parts, out=dev)
             if host is not dev:
@@ -135,32 +149,52 @@ class Replica:
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    @torch.no_grad()
+    # (gradient mode is switched off by hand, not by @torch.no_grad(), whose context object costs
+    # more than the gather of a small model's step)
     def params(self) -> list[torch.Tensor]:
-        return self._tables(self.tensors, "params", "p")
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._tables(self.tensors, "params", "p")
+        finally:
+            torch._C._set_grad_enabled(was)
 
-    @torch.no_grad()
     def buffers(self, slot: int = 0) -> list[torch.Tensor]:
         """`slot`: another set of buffers, for a second push in flight."""
-        return self._tables(self.tensors, "buffers", f"b{slot}")
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._tables(self.tensors, "buffers", _TAGS[("b", slot)] if slot < 2 else f"b{slot}")
+        finally:
+            torch._C._set_grad_enabled(was)
 
-    @torch.no_grad()
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
         made dense: the tables are)"""
-        grads = {n: grad_of(p) for n, p in self.trainable.items()}
-        return self._tables(grads, "params", f"g{slot}")
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            grads = {}
+            for n, p in self.trainable.items():
+                g = p.grad
+                grads[n] = g if g is not None and g.layout == torch.strided else grad_of(p)
+            return self._tables(grads, "params", _TAGS[("g", slot)] if slot < 2 else f"g{slot}")
+        finally:
+            torch._C._set_grad_enabled(was)
 
-    @torch.no_grad()
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
-        for table, flats in (("params", params), ("buffers", buffers)):
-            if flats is None:
-                continue
-            for i in range(self.n):
-                views, lengths = self._views[(i, table)]
-                if views:
-                    torch._foreach_copy_(views, flats[i].to(self.device, non_blocking=True).split(lengths),
-                                         non_blocking=True)
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            cpu = self.device.type == "cpu"   # (a table from the wire is on the CPU already: no `.to` to ask)
+            for table, flats in (("params", params), ("buffers", buffers)):
+                if flats is None:
+                    continue
+                for i, views, lengths in self._loads[table]:
+                    flat = flats[i] if cpu else flats[i].to(self.device, non_blocking=True)
+                    torch._foreach_copy_(views, flat.split_with_sizes(lengths), non_blocking=True)
+        finally:
+            torch._C._set_grad_enabled(was)
 
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with every tensor on the CPU: what a saved model.pt holds,

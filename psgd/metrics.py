@@ -44,6 +44,7 @@ class EventLog:
 
     def __init__(self, out: str | None, role: str, ident: Any):
         self.role = role
+        self._role_text = json.dumps(role) if type(role) is str else None   # (as `step` writes it)
         self._f = None
         self.path = ""
         if out:
@@ -61,11 +62,66 @@ class EventLog:
             except OSError as e:
                 raise output_error(e, self.path) from None
 
+    def step(self, rank: int, step: int, clock: int, loss: float, samples: int, staleness: int, wait_s: float,
+             bytes_sent: int, bytes_recv: int, extra: dict) -> None:
+        """A worker's step line: `write(rank=..., step=..., ..., **extra)`, the same text,
+        written out directly for the usual values (a step's line is written every step:
+        the JSON encoder's set-up cost more than the rest of the line)."""
+        if self._f:
+            t = round(time.time(), 4)
+            tail = _extra_text(extra) if extra else "}\n"
+            if (tail is None or not float is type(t) is type(loss) is type(wait_s)
+                    or not int is type(rank) is type(step) is type(clock) is type(samples) is type(staleness)
+                    is type(bytes_sent) is type(bytes_recv) or self._role_text is None):
+                self.write(rank=rank, step=step, clock=clock, loss=loss, samples=samples, staleness=staleness,
+                           wait_s=wait_s, bytes_sent=bytes_sent, bytes_recv=bytes_recv, **extra)
+                return
+            line = _STEP % (repr(t) if t - t == 0 else "null", self._role_text, rank, step, clock,
+                            repr(loss) if loss - loss == 0 else "null", samples, staleness,
+                            repr(wait_s) if wait_s - wait_s == 0 else "null", bytes_sent, bytes_recv, tail)
+            try:
+                self._f.write(line)
+            except OSError as e:
+                raise output_error(e, self.path) from None
+
     def close(self) -> None:
         if self._f:
             f, self._f = self._f, None
             with contextlib.suppress(OSError):   # (its last line's failure was raised by write)
                 f.close()
+
+
+# A step's line as `json_line` writes its dict (`EventLog.step`): floats as `float.__repr__`
+# (null if not finite), ints as `int.__repr__`, ", " and ": " between.
+_STEP = ('{"t": %s, "role": %s, "rank": %d, "step": %d, "clock": %d, "loss": %s, "samples": %d, '
+         '"staleness": %d, "wait_s": %s, "bytes_sent": %d, "bytes_recv": %d%s')
+_STEP_KEYS = frozenset({"t", "role", "rank", "step", "clock", "loss", "samples", "staleness", "wait_s", "bytes_sent",
+                        "bytes_recv"})
+_EXTRA_KEYS: dict[str, str] = {}   # an extra field's name -> its text before the value (', "name": ')
+_LITERALS = {True: "true", False: "false"}
+
+
+def _extra_text(extra: dict) -> str | None:
+    """The end of a step's line from its extra fields (', "dropped": false}\n'), as
+    `json_line` writes them; None where one is not a bool, None or int of a name that is
+    not the line's own (the line is then encoded as a dict)."""
+    out = []
+    for k, v in extra.items():
+        key = _EXTRA_KEYS.get(k)
+        if key is None:
+            if type(k) is not str or k in _STEP_KEYS:
+                return None
+            key = _EXTRA_KEYS[k] = ", " + json.dumps(k) + ": "
+        if v is True or v is False:
+            out.append(key + _LITERALS[v])
+        elif v is None:
+            out.append(key + "null")
+        elif type(v) is int:
+            out.append(key + repr(v))
+        else:
+            return None
+    out.append("}\n")
+    return "".join(out)
 
 
 # A worker's counters that its step lines carry (stat -> the line's field), each counted

@@ -379,9 +379,9 @@ class Worker:
         loss, samples = step if step is not None else (self.loss, self.samples)
         if self.cfg.faults.jitter_prob > 0:
             extra["jitter"] = self.jitter.delayed(self.clock - 1)
-        self.events.write(rank=self.rank, step=self.steps, clock=self.clock, loss=round(loss, 5),
-                          samples=samples, staleness=staleness, wait_s=round(wait_s, 5),
-                          bytes_sent=self.client.bytes_sent, bytes_recv=self.client.bytes_recv, **extra)
+        client = self.client
+        self.events.step(self.rank, self.steps, self.clock, round(loss, 5), samples, staleness, round(wait_s, 5),
+                         client.bytes_sent, client.bytes_recv, extra)
 
     def rejoin_if_dropped(self) -> bool:
         """After a partition the coordinator may have dropped us: rejoin with our rank,

@@ -69,16 +69,12 @@ class EventLog:
         the JSON encoder's set-up cost more than the rest of the line)."""
         if self._f:
             t = round(time.time(), 4)
-            tail = _extra_text(extra) if extra else "}\n"
-            if (tail is None or not float is type(t) is type(loss) is type(wait_s)
-                    or not int is type(rank) is type(step) is type(clock) is type(samples) is type(staleness)
-                    is type(bytes_sent) is type(bytes_recv) or self._role_text is None):
+            line = None if self._role_text is None else step_text(
+                t, self._role_text, rank, step, clock, loss, samples, staleness, wait_s, bytes_sent, bytes_recv, extra)
+            if line is None:
                 self.write(rank=rank, step=step, clock=clock, loss=loss, samples=samples, staleness=staleness,
                            wait_s=wait_s, bytes_sent=bytes_sent, bytes_recv=bytes_recv, **extra)
                 return
-            line = _STEP % (repr(t) if t - t == 0 else "null", self._role_text, rank, step, clock,
-                            repr(loss) if loss - loss == 0 else "null", samples, staleness,
-                            repr(wait_s) if wait_s - wait_s == 0 else "null", bytes_sent, bytes_recv, tail)
             try:
                 self._f.write(line)
             except OSError as e:
@@ -99,6 +95,21 @@ _STEP_KEYS = frozenset({"t", "role", "rank", "step", "clock", "loss", "samples",
                         "bytes_recv"})
 _EXTRA_KEYS: dict[str, str] = {}   # an extra field's name -> its text before the value (', "name": ')
 _LITERALS = {True: "true", False: "false"}
+
+
+def step_text(t: float, role_text: str, rank: int, step: int, clock: int, loss: float, samples: int,
+              staleness: int, wait_s: float, sent: int, recv: int, extra: dict) -> str | None:
+    """A worker's step line as `json_line` writes its dict (`role_text`: the role as JSON),
+    for the usual values (floats, ints, and bool, None or int extra fields of plain names);
+    None for any other, which the caller encodes as the dict."""
+    tail = _extra_text(extra) if extra else "}\n"
+    if (tail is None or not float is type(t) is type(loss) is type(wait_s)
+            or not int is type(rank) is type(step) is type(clock) is type(samples) is type(staleness)
+            is type(sent) is type(recv)):
+        return None
+    return _STEP % (repr(t) if t - t == 0 else "null", role_text, rank, step, clock,
+                    repr(loss) if loss - loss == 0 else "null", samples, staleness,
+                    repr(wait_s) if wait_s - wait_s == 0 else "null", sent, recv, tail)
 
 
 def _extra_text(extra: dict) -> str | None:

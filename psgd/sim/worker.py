@@ -16,7 +16,6 @@ turns true), and `wait_s` is the virtual time it blocked.
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ from torch import nn
 from .. import wire
 from ..consistency.rule import Diverged, Schedule
 from ..consistency.staleness import Histogram
-from ..metrics import json_line
+from ..metrics import json_line, step_text
 from ..workers.client import Cancelled, ParameterClient
 from ..workers.worker import Jitter
 from .engine import Node, Process, TorchRandom
@@ -150,39 +149,6 @@ class SimClient(CountingClient):
 
     def close(self) -> None:
         pass
-
-
-# A step's event-log line as `json_line` writes its dict (`SimWorker._step_text`): floats
-# as `float.__repr__` (null if not finite), ints as `int.__repr__`, ", " and ": " between.
-_STEP = ('{"t": %s, "role": "worker", "rank": %d, "step": %d, "clock": %d, "loss": %s, "samples": %d, '
-         '"staleness": %d, "wait_s": %s, "bytes_sent": %d, "bytes_recv": %d%s')
-_STEP_KEYS = frozenset({"t", "role", "rank", "step", "clock", "loss", "samples", "staleness", "wait_s", "bytes_sent",
-                        "bytes_recv"})
-_EXTRA_KEYS: dict[str, str] = {}   # an extra field's name -> its text before the value (', "name": ')
-_LITERALS = {True: "true", False: "false"}
-
-
-def _extra_text(extra: dict) -> str | None:
-    """The end of a step's line from its extra fields (', "dropped": false}\n'), as
-    `json_line` writes them; None where one is not a bool, None or int of a name that is
-    not the line's own (the line is then encoded as a dict)."""
-    out = []
-    for k, v in extra.items():
-        key = _EXTRA_KEYS.get(k)
-        if key is None:
-            if type(k) is not str or k in _STEP_KEYS:
-                return None
-            key = _EXTRA_KEYS[k] = ", " + json.dumps(k) + ": "
-        if v is True or v is False:
-            out.append(key + _LITERALS[v])
-        elif v is None:
-            out.append(key + "null")
-        elif type(v) is int:
-            out.append(key + repr(v))
-        else:
-            return None
-    out.append("}\n")
-    return "".join(out)
 
 
 class SimWorker:
@@ -364,14 +330,9 @@ class SimWorker:
         and bool, None or int extra fields of plain names) written out, any other line
         encoded as the dict."""
         t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step
-        t, loss, wait_s = round(t, 6), round(loss, 5), round(wait_s, 6)
-        tail = _extra_text(extra) if extra else "}\n"
-        if (tail is None or not float is type(t) is type(loss) is type(wait_s)
-                or not int is type(n) is type(clock) is type(samples) is type(staleness) is type(sent) is type(recv)):
-            return json_line(self._step_line(step))
-        return _STEP % (repr(t) if t - t == 0 else "null", self.rank, n, clock,
-                        repr(loss) if loss - loss == 0 else "null", samples, staleness,
-                        repr(wait_s) if wait_s - wait_s == 0 else "null", sent, recv, tail)
+        line = step_text(round(t, 6), '"worker"', self.rank, n, clock, round(loss, 5), samples, staleness,
+                         round(wait_s, 6), sent, recv, extra)
+        return json_line(self._step_line(step)) if line is None else line
 
     def _step_line(self, step: tuple) -> dict:
         t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step

@@ -151,7 +151,8 @@ def test_digits_are_read_as_scikit_learn_reads_them():
 def test_check_dataset_says_what_load_dataset_would(tmp_path):
     check_dataset(load(None, [], env={}).data)
     check_dataset(load(None, ["data.name=synthetic"], env={}).data)
-    for sets, needle in ((["data.name=synthetic", "data.classes=20", "data.samples=10"], "samples >= data.classes"),
+    for sets, needle in ((["data.name=synthetic", "data.classes=20", "data.samples=10"],
+                          "fewer than the synthetic dataset's 20 classes"),   # (the config refuses it first now)
                          (["data.name=cifar10", f"data.path={tmp_path}"], "data_batch_1.bin: file not found"),
                          (["data.name=imagenet"], "expected digits, synthetic")):
         with pytest.raises(ValueError, match=needle):

@@ -142,6 +142,27 @@ def _base(sock: zmq.Socket, max_frame: int = wire.MAX_MESSAGE) -> zmq.Socket:
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost microseconds an operation
+_SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], copy: bool) -> None:
+    """`sock.send_multipart(frames, copy=copy)` for wire.encode's frames (bytes and byte
+    views), without pyzmq's per-frame `zmq.SNDMORE | flags` (an enum made each frame)."""
+    last = len(frames) - 1
+    for k in range(last):
+        sock.send(frames[k], _SNDMORE, copy=copy)
+    sock.send(frames[last], 0, copy=copy)
+
+
+def recv_frames(sock: zmq.Socket) -> list:
+    """`sock.recv_multipart(zmq.NOBLOCK, copy=False)`, each next part asked of the frame
+    just read (`Frame.more`) instead of a `getsockopt(zmq.RCVMORE)` (an enum made each part)."""
+    f = sock.recv(_NOBLOCK, copy=False)
+    frames = [f]
+    while f.more:
+        f = sock.recv(_NOBLOCK, copy=False)
+        frames.append(f)
+    return frames
 
 
 def readable(sock: zmq.Socket) -> bool:
@@ -379,6 +400,7 @@ class Peers:
         # connection on its own) may have lost the request, or its answer, sent to the old connection
         self.handshook = [0.0 for _ in self.socks]
         self._read_monitors_at = 0.0   # time.monotonic() when wait() next reads every monitor (MONITOR_READ_S)
+        self._pollers: dict[frozenset, zmq.Poller] = {}   # by the peers it polls; made again on a reconnect
         self.bytes_sent = 0
         self.bytes_recv = 0
 
@@ -395,6 +417,7 @@ class Peers:
     def reconnect(self, i: int) -> None:
         """Drop pending traffic to peer i and open a fresh connection."""
         self._close(i)
+        self._pollers.clear()   # (they hold the closed socket)
         self.socks[i], self.monitors[i] = self._open(self.addresses[i])
         self.why[i] = ""
 
@@ -420,7 +443,7 @@ class Peers:
             rid = next(self._ids)
         frames = wire.encode(op, id=rid, **kw)
         self.bytes_sent += sum(len(f) for f in frames)
-        self.socks[i].send_multipart(frames, copy=copy)
+        send_frames(self.socks[i], frames, copy)
         return rid
 
     def wait(self, pending: dict[int, int], timeout: float, what: str,
@@ -432,9 +455,12 @@ class Peers:
         start = time.monotonic()
         deadline = start + timeout
         polled = False
-        poller = zmq.Poller()
-        for i in set(pending.values()):
-            poller.register(self.socks[i], zmq.POLLIN)
+        peers = frozenset(pending.values())
+        poller = self._pollers.get(peers)
+        if poller is None:   # (one a set of peers, kept: a step's wait does not build and register one)
+            poller = self._pollers[peers] = zmq.Poller()
+            for i in peers:
+                poller.register(self.socks[i], _POLLIN)
         while len(got) < len(pending):
             now = time.monotonic()
             if now >= self._read_monitors_at:   # (a comparison a poll; the reads, once a second at most)
@@ -453,8 +479,13 @@ class Peers:
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
             for sock, _ in poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
-                while readable(sock):
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                more = True   # (POLLIN: a whole message waits; `readable` asks for each next one)
+                while more:
+                    try:
+                        frames = recv_frames(sock)
+                    except zmq.Again:   # (none after all: polled again)
+                        break
+                    more = readable(sock)
                     self.bytes_recv += sum(len(f.buffer) for f in frames)
                     try:
                         msg = wire.decode(frames)

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from psgd import wire
 from psgd.config import Config, SecurityConfig
@@ -27,6 +28,15 @@ class Line:
 
     def __init__(self):
         self.queue: list[list[bytes]] = []
+
+    def send(self, frame, flags: int = 0, copy: bool = True) -> None:
+        """One part (`transport.send_frames` sends a message a part at a time): the message
+        goes as a whole with its last part."""
+        parts = self.__dict__.setdefault("parts", [])
+        parts.append(frame)
+        if not flags & zmq.SNDMORE:
+            self.parts = []
+            self.send_multipart(parts, copy=copy)
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
         self.queue.append([bytes(f) for f in frames])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zmq
 
 from psgd import transport, wire
 from psgd.config import Config, SecurityConfig
@@ -25,6 +26,15 @@ class Connection:
     def __init__(self):
         self.queue: list[list] = []
         self.views: list[int] = []   # of each message sent, its frames kept as views
+
+    def send(self, frame, flags: int = 0, copy: bool = True) -> None:
+        """One part (`transport.send_frames` sends a message a part at a time): the message
+        goes as a whole with its last part."""
+        parts = self.__dict__.setdefault("parts", [])
+        parts.append(frame)
+        if not flags & zmq.SNDMORE:
+            self.parts = []
+            self.send_multipart(parts, copy=copy)
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
         kept = [f if not copy and len(f) >= self.copy_threshold else bytes(f) for f in frames]

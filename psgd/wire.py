@@ -33,11 +33,12 @@ changes is sent as a snapshot). Arrays are received without copies: `np.frombuff
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -112,6 +113,7 @@ REQUIRED: dict[str, tuple] = {
 }
 _BASE = ("v", "op", "id", "rank", "clock", "arrays")
 _BASE_SET = frozenset(_BASE)
+_REPLY_TYPES = frozenset({float, str, bool, type(None), dict, list})   # a reply field's types but int (`_decode`)
 # ops that carry no arrays: any that come are refused (a parked pull kept them: memory
 # that `max_parked` did not bound)
 NO_ARRAYS = frozenset({"register", "heartbeat", "finish", "release", "layout", "eval", "status", "pull", "get_model",
@@ -147,6 +149,20 @@ class Message:
 def _as_array(a: Any) -> tuple[str, np.ndarray]:
     """(dtype name on the wire, little-endian contiguous array) of a numpy array or a
     CPU torch tensor; a bfloat16 tensor travels as its 16-bit patterns."""
+    kind = type(a)
+    if kind is np.ndarray:   # the common cases first, each the array the general way gives
+        name = _NAMES.get(a.dtype)
+        if name is not None and a.ndim and a.flags.c_contiguous:
+            return name, a
+    elif kind is _tensor_type and not a.requires_grad:
+        name = _TORCH_NAMES.get(a.dtype)
+        if name is not None and a.dim() and a.is_contiguous() and a.is_cpu:
+            return name, a.numpy()
+    return _as_array_any(a)
+
+
+def _as_array_any(a: Any) -> tuple[str, np.ndarray]:
+    """`_as_array` for any array or tensor."""
     if hasattr(a, "detach"):  # a torch tensor: must be on the CPU
         t = a.detach()
         if not t.is_contiguous():
@@ -166,14 +182,20 @@ def _as_array(a: Any) -> tuple[str, np.ndarray]:
 
 
 _torch_module: Any = None
+_tensor_type: Any = None   # torch.Tensor once torch is imported here (`_as_array`'s fast path)
+_TORCH_NAMES: dict = {}    # torch dtype -> wire name, for the dtypes whose numpy view `_NAMES` names
 
 
 def _torch() -> Any:
     """torch, imported on first use (only for tensors: the wire itself needs no torch)."""
-    global _torch_module
+    global _torch_module, _tensor_type
     if _torch_module is None:
         import torch
+        if sys.byteorder == "little":   # (a tensor's numpy view is then little-endian, as the wire)
+            _TORCH_NAMES.update({torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                                 torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"})
         _torch_module = torch
+        _tensor_type = torch.Tensor
     return _torch_module
 
 
@@ -209,7 +231,7 @@ def encode_with(op: str, id: int, rank: int, clock: int, arrays: Sequence[Any], 
     for a in arrays:
         name, a = _as_array(a)
         specs.append([name, list(a.shape)])
-        payload.append(memoryview(a.reshape(-1).view(np.uint8).data) if a.size else b"")
+        payload.append(memoryview(cast(Any, a)).cast("B") if a.size else b"")   # (its bytes, one a byte: len is nbytes)
     header = {"v": PROTOCOL_VERSION, "op": op, "id": int(id), "rank": int(rank), "clock": int(clock),
               "arrays": specs}
     if not _BASE_SET.isdisjoint(fields):
@@ -309,10 +331,18 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
     if rid < 0:
         raise WireError(BAD_HEADER, "request id must be >= 0")
     fields = {}
-    for k, v in h.items():
-        if k not in _BASE_SET:
-            _check_field(op, k, v)
-            fields[k] = v
+    if op == "reply":   # (a step's every answer) its fields may be any value msgpack gives but bytes and
+        for k, v in h.items():   # ext types: only those and an int's range are asked (`_check_field` says why)
+            if k not in _BASE_SET:
+                t = type(v)
+                if (t is int and not -(1 << 62) <= v < 1 << 62) or (t is not int and t not in _REPLY_TYPES):
+                    _check_field(op, k, v)
+                fields[k] = v
+    else:
+        for k, v in h.items():
+            if k not in _BASE_SET:
+                _check_field(op, k, v)
+                fields[k] = v
     for k in REQUIRED.get(op, ()):
         if k not in fields:
             raise WireError(BAD_FIELD, f"op {op!r} needs field {k!r}")

@@ -113,7 +113,7 @@ REQUIRED: dict[str, tuple] = {
 }
 _BASE = ("v", "op", "id", "rank", "clock", "arrays")
 _BASE_SET = frozenset(_BASE)
-_REPLY_TYPES = frozenset({float, str, bool, type(None), dict, list})   # a reply field's types but int (`_decode`)
+_REPLY_TYPES = frozenset(OPS["reply"]["*"]) - {int}   # a reply field's types but int, whose range is asked (`_decode`)
 # ops that carry no arrays: any that come are refused (a parked pull kept them: memory
 # that `max_parked` did not bound)
 NO_ARRAYS = frozenset({"register", "heartbeat", "finish", "release", "layout", "eval", "status", "pull", "get_model",

@@ -302,7 +302,7 @@ SERVER_TIMERS = (("psgd.shard:Shard", "_step", "optimizer"),
                  ("psgd.shard:Shard", "on_push", "push"), ("psgd.shard:Shard", "_vectors", "validate"),
                  ("psgd.shard:Shard", "_accumulate", "accumulate"),
                  ("psgd.shard:Shard", "on_pull", "pull"), ("psgd.shard:Shard", "_snapshot", "snapshot"),
-                 ("psgd.wire", "encode", "encode"), ("psgd.transport:Service", "send", "send"))
+                 ("psgd.wire", "encode_with", "encode"), ("psgd.transport:Service", "send", "send"))
 
 
 def profiled(role: str, dump: str, warmup: int, argv: list[str]) -> int:

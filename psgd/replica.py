@@ -114,6 +114,7 @@ class Replica:
             self._views = {key: ([self.tensors[name].view(-1)[start:start + length] for name, start, length in rs],
                                  [length for _, _, length in rs]) for key, rs in self._runs.items()}
         self._bufs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) per table
+        self._gplans: dict[tuple[str, int], tuple] = {}   # (tag, shard) -> `grads`' work for it (`_gplan`)
         # What a gather takes of each tensor, per (shard, table): (name, None, None) for a run that is the
         # whole tensor (no slice to make every step), else (name, start, end)
         self._cuts = {key: [(name, None, None) if start == 0 and length == self.tensors[name].numel()
@@ -174,13 +175,47 @@ class Replica:
         was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            grads = {}
-            for n, p in self.trainable.items():
-                g = p.grad
-                grads[n] = g if g is not None and g.layout == torch.strided else grad_of(p)
-            return self._tables(grads, "params", _TAGS[("g", slot)] if slot < 2 else f"g{slot}")
+            tag = _TAGS[("g", slot)] if slot < 2 else f"g{slot}"
+            out = []
+            strided = torch.strided
+            for i in range(self.n):
+                plan = self._gplans.get((tag, i))
+                if plan is None:
+                    plan = self._gplan(tag, i)
+                dev, host, params, cuts, views = plan
+                if views:
+                    grads = []
+                    for p, (start, end) in zip(params, cuts, strict=True):
+                        g = p.grad
+                        if g is None or g.layout != strided:
+                            g = grad_of(p)
+                        grads.append(g if start is None else g.reshape(-1)[start:end])
+                    torch._foreach_copy_(views, grads)
+                if host is not dev:
+                    host.copy_(dev, non_blocking=True)
+                out.append(host)
+            if self.device.type == "cuda":  # the copies run on the stream of the replica's GPU, not the current one's
+                torch.cuda.current_stream(self.device).synchronize()
+            return out
         finally:
             torch._C._set_grad_enabled(was)
+
+    def _gplan(self, tag: str, shard: int) -> tuple:
+        """A gradient gather's work for shard `shard` into the buffers of `tag`, made once: (device buffer,
+        host buffer, each run's parameter, its (start, end) or (None, None) for the whole tensor, the
+        buffer's view it is copied into: shaped as the parameter for a whole one, so that a step copies
+        every gradient in one `torch._foreach_copy_`, without flattening or concatenating them)."""
+        dev, host = self._buffers_for(tag, shard, "params")
+        params, cuts, views, at = [], [], [], 0
+        for name, start, end in self._cuts[(shard, "params")]:
+            p = self.trainable[name]   # (the params table holds the trainable parameters only)
+            n = p.numel() if start is None or end is None else end - start
+            params.append(p)
+            cuts.append((start, end))
+            views.append(dev[at:at + n].view(p.shape) if start is None else dev[at:at + n])
+            at += n
+        plan = self._gplans[(tag, shard)] = (dev, host, params, cuts, views)
+        return plan
 
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
         was = torch.is_grad_enabled()

@@ -46,6 +46,7 @@ from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
 # The step lines of this job are those written since it started (`trained_s` ago; an
 # earlier job's may be in the folder): this much earlier too, for the clocks of two hosts.
 LINES_SLACK_S = 1.0
+_ENDED = (*AFTER_TRAINING, "done")   # the coordinator's phases once the job's training is over (`left_behind`)
 
 
 class Jitter:
@@ -322,7 +323,7 @@ class Worker:
         while the evaluator scored it (an async job's dropped worker came back and pushed
         278 steps then), and its finish would count them in summary.json."""
         state = self.link.state
-        if self.reported or state.get("abort") or state.get("phase") not in (*AFTER_TRAINING, "done"):
+        if self.reported or state.get("abort") or state.get("phase") not in _ENDED:
             return ""
         return (f"worker {self.rank}: the job's training ended while the coordinator had this worker dropped (no "
                 f"heartbeat for cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s:g} s: was it "

@@ -14,8 +14,13 @@ a subclass whose methods call the same torch.optim code without those marks (`ea
 the same arithmetic, state_dict and hooks (tests/test_startup.py checks both). Its step
 runs the step hooks itself, without the `record_function` that torch.optim wraps around
 every step for its profiler (an op dispatch: about half of a 26k-parameter SGD step's
-~100 us on a shard). Where torch._dynamo is already loaded (a user's model compiled), or
-torch's layout is not the expected one, the plain torch.optim class is used.
+~100 us on a shard). For one CPU tensor with no step hook (a shard's table) SGD's and
+Adam/AdamW's step calls the kernel that torch's step calls on it (`torch._fused_sgd_`,
+`_fused_adam(w)_`, plain SGD's `add_`) without torch's ~15 Python calls that group one
+tensor by device and dtype; the first step, which makes the state, is torch's own
+(tests/test_optim_fast.py: the values and state bit for bit torch's). Where
+torch._dynamo is already loaded (a user's model compiled), or torch's layout is not the
+expected one, the plain torch.optim class is used.
 """
 from __future__ import annotations
 
@@ -59,7 +64,20 @@ def eager(cls: type[Opt]) -> type[Opt]:
             or any(getattr(getattr(base, n), "__wrapped__", None) is None for n in _MARKED)):
         return cls
 
+    fast = _FAST.get(cls)
+
     def eager_step(self, *args, **kwargs):
+        if fast is not None and not (args or kwargs or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+                                     or hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks):
+            grad_was = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                done = fast(self)
+            finally:
+                torch._C._set_grad_enabled(grad_was)
+            if done:
+                self._optimizer_step_code()
+                return None
         for pre in chain(hooks._global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
             result = pre(self, args, kwargs)
             if result is not None:
@@ -77,6 +95,82 @@ def eager(cls: type[Opt]) -> type[Opt]:
     namespace.update(step=eager_step, __module__=__name__, __doc__=cls.__doc__)
     _EAGER[cls] = type(cls.__name__, (cls,), namespace)
     return cast("type[Opt]", _EAGER[cls])
+
+
+def _one_param(opt: Any) -> tuple[dict, torch.Tensor, torch.Tensor] | None:
+    """(group, param, grad) of an optimizer of one group of one CPU tensor with a dense
+    gradient, stepped as torch steps it by default (not differentiable, no foreach, no
+    grad scaling); None otherwise."""
+    groups = opt.param_groups
+    if len(groups) != 1:
+        return None
+    group = groups[0]
+    params = group["params"]
+    if len(params) != 1 or group["differentiable"] or group["foreach"] or type(group["lr"]) is not float:
+        return None
+    p = params[0]
+    g = p.grad
+    if (g is None or g.is_sparse or not p.is_cpu
+            or getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None):
+        return None
+    return group, p, g
+
+
+def _sgd_step(opt: Any) -> bool:
+    """torch.optim.SGD.step's arithmetic for `_one_param`'s case, the kernel that torch's
+    own step calls on the same tensors (fused: `torch._fused_sgd_`; plain SGD unfused:
+    `param.add_(grad, alpha=-lr)`), without its ~15 Python calls that group one tensor by
+    device and dtype. False (nothing done) where torch's step would do more: a first
+    step (the momentum buffer made, the fused device check), maximize, another layout."""
+    one = _one_param(opt)
+    if one is None:
+        return False
+    group, p, g = one
+    momentum, lr = group["momentum"], group["lr"]
+    if group["fused"]:
+        if getattr(opt, "_need_device_dtype_check_for_fused", True) or group["maximize"]:
+            return False
+        bufs = []
+        if momentum != 0:
+            state = opt.state.get(p)
+            buf = None if state is None else state.get("momentum_buffer")
+            if buf is None:
+                return False
+            bufs = [buf]
+        torch._fused_sgd_([p], [g], bufs, weight_decay=group["weight_decay"], momentum=momentum, lr=lr,
+                          dampening=group["dampening"], nesterov=group["nesterov"], maximize=False,
+                          is_first_step=False, grad_scale=None, found_inf=None)
+        return True
+    if momentum != 0 or group["weight_decay"] != 0 or group["maximize"] or group["foreach"] is not None:
+        return False
+    p.add_(g, alpha=-lr)   # _single_tensor_sgd's (torch picks it for a CPU tensor: no foreach kernel)
+    return True
+
+
+def _adam_step(opt: Any) -> bool:
+    """torch.optim.Adam/AdamW.step for `_one_param`'s case with fused kernels, as torch's
+    `_fused_adam` calls them (`_foreach_add_` of the step count, then `_fused_adam_` or
+    `_fused_adamw_`); False where torch's step would do more (the first step's state)."""
+    one = _one_param(opt)
+    if one is None:
+        return False
+    group, p, g = one
+    state = opt.state.get(p)
+    beta1, beta2 = group["betas"]
+    if not state or not group["fused"] or group["capturable"] or type(beta1) is not float or type(beta2) is not float:
+        return False
+    amsgrad = group["amsgrad"]
+    steps = [state["step"]]
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+    kernel([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [state["max_exp_avg_sq"]] if amsgrad else [], steps,
+           amsgrad=amsgrad, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+           eps=group["eps"], maximize=group["maximize"], grad_scale=None, found_inf=None)
+    return True
+
+
+# step() of torch's own classes (a subclass may step otherwise) taken by `eager`'s fast path
+_FAST = {torch.optim.SGD: _sgd_step, torch.optim.Adam: _adam_step, torch.optim.AdamW: _adam_step}
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -73,15 +73,17 @@ class StepBarrier:
         return self._release()
 
     def complete(self) -> bool:
-        """Have `need` live workers pushed for the open step?"""
-        return self._live_in >= self.need
+        """Have `need` live workers pushed for the open step (and one at least: with
+        none live, `need` is 1)? (`need` inline: this is asked after every push.)"""
+        return self._live_in >= max(1, len(self.live) - self.backup)
 
     def advance(self) -> tuple[list[int], list[Hashable]]:
-        """Close the current step: (its contributors, the parked reads now released)."""
-        done = self.contributors
-        self.contributors = []
+        """Close the current step: (its contributors, the parked reads now released).
+        (The `contributors` setter's work for an empty list, written out.)"""
+        done = self._order
+        self._order, self._in, self._live_in = [], set(), 0
         self.step += 1
-        return done, self._release()
+        return done, self._release() if self._reads else []
 
     def read(self, clock: int, token: Hashable) -> bool:
         """May a read of `clock` be answered now? If not, it is parked under `token`."""
@@ -96,6 +98,8 @@ class StepBarrier:
         self._live_in = len(self._in & self.live)
 
     def _release(self) -> list[Hashable]:
+        if not self._reads:
+            return []
         ready = [t for c, t in self._reads if c <= self.step]
         self._reads = [(c, t) for c, t in self._reads if c > self.step]
         return ready

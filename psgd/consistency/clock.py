@@ -73,11 +73,15 @@ class ClockTable:
         self.finished[rank] = clock
         if rank not in self.live:
             return
+        at = self._at   # (`_uncount` and Counter's += written out: this runs at every push)
         if old is not None:
-            self._uncount(old)
-        self._at[clock] += 1
-        if old == self._min and old not in self._at:
-            self._min = min(self._at)
+            if at[old] == 1:
+                del at[old]
+            else:
+                at[old] -= 1
+        at[clock] = at.get(clock, 0) + 1
+        if old == self._min and old not in at:
+            self._min = min(at)
 
     def slowest(self) -> int:
         return self._min

@@ -141,10 +141,13 @@ class SyncRule(ServerRule):
         self.past[rank] = max(self.past.get(rank, 0), clock)
 
     def close_step(self) -> list[Decision]:
-        n = len(self.barrier.contributors)
-        out: list[Decision] = [ApplySum(n, self.barrier.step), SetBuffers(None, n)]
-        _, released = self.barrier.advance()
-        return out + [self.released(r) for r in released]  # type: ignore[arg-type]
+        step = self.barrier.step
+        done, released = self.barrier.advance()
+        n = len(done)
+        out: list[Decision] = [ApplySum(n, step), SetBuffers(None, n)]
+        if released:
+            out += [self.released(r) for r in released]  # type: ignore[arg-type]
+        return out
 
     def released(self, e: Read) -> Answer:
         """A worker's read answered: its clock's lead over the slowest live worker then is

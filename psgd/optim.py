@@ -73,6 +73,8 @@ def eager(cls: type[Opt]) -> type[Opt]:
             torch._C._set_grad_enabled(False)
             try:
                 done = fast(self)
+            except KeyError:   # (another torch's groups, without a key it reads before any change: its own step)
+                done = False
             finally:
                 torch._C._set_grad_enabled(grad_was)
             if done:
@@ -160,12 +162,14 @@ def _adam_step(opt: Any) -> bool:
     if not state or not group["fused"] or group["capturable"] or type(beta1) is not float or type(beta2) is not float:
         return False
     amsgrad = group["amsgrad"]
+    # (every key read before the step count changes: a group of another torch without one is stepped by torch)
+    kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+    lr, weight_decay, eps, maximize = group["lr"], group["weight_decay"], group["eps"], group["maximize"]
+    moments = [state["exp_avg"]], [state["exp_avg_sq"]], [state["max_exp_avg_sq"]] if amsgrad else []
     steps = [state["step"]]
     torch._foreach_add_(steps, 1)
-    kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-    kernel([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [state["max_exp_avg_sq"]] if amsgrad else [], steps,
-           amsgrad=amsgrad, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-           eps=group["eps"], maximize=group["maximize"], grad_scale=None, found_inf=None)
+    kernel([p], [g], *moments, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+           eps=eps, maximize=maximize, grad_scale=None, found_inf=None)
     return True
 
 

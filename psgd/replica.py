@@ -15,7 +15,8 @@ model's tensors must keep their storage: updated in place, never given new `.dat
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -100,6 +101,20 @@ def make_contiguous(model: nn.Module) -> None:
 _TAGS = {(kind, slot): f"{kind}{slot}" for kind in "bg" for slot in range(2)}   # (no string built per step)
 
 
+def _grad_off(fn: Callable) -> Callable:
+    """`fn` with gradient mode off, switched by hand: `@torch.no_grad()`'s context object
+    costs more than the gather of a small model's step."""
+    @functools.wraps(fn)
+    def off(*args, **kwargs):
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(was)
+    return off
+
+
 class Replica:
     def __init__(self, model: nn.Module, num_shards: int, device: torch.device):
         self.model = model.to(device)
@@ -134,7 +149,7 @@ class Replica:
         return self._bufs[key]
 
     def _tables(self, tensors: dict, table: str, tag: str) -> list[torch.Tensor]:
-        out = []
+        tables = []
         bufs = self._bufs
         for i in range(self.n):
             pair = bufs.get((tag, i))
@@ -143,6 +158,13 @@ class Replica:
                      for name, start, end in self._cuts[(i, table)]]
             if parts:
                 torch.cat(parts, out=dev)
+            tables.append((dev, host))
+        return self._on_host(tables)
+
+    def _on_host(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """The host buffers of gathered (device, host) tables, copied there from the device's."""
+        out = []
+        for dev, host in tables:
             if host is not dev:
                 host.copy_(dev, non_blocking=True)
             out.append(host)
@@ -150,55 +172,37 @@ class Replica:
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    # (gradient mode is switched off by hand, not by @torch.no_grad(), whose context object costs
-    # more than the gather of a small model's step)
+    @_grad_off
     def params(self) -> list[torch.Tensor]:
-        was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            return self._tables(self.tensors, "params", "p")
-        finally:
-            torch._C._set_grad_enabled(was)
+        return self._tables(self.tensors, "params", "p")
 
+    @_grad_off
     def buffers(self, slot: int = 0) -> list[torch.Tensor]:
         """`slot`: another set of buffers, for a second push in flight."""
-        was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            return self._tables(self.tensors, "buffers", _TAGS[("b", slot)] if slot < 2 else f"b{slot}")
-        finally:
-            torch._C._set_grad_enabled(was)
+        return self._tables(self.tensors, "buffers", _TAGS[("b", slot)] if slot < 2 else f"b{slot}")
 
+    @_grad_off
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
         made dense: the tables are)"""
-        was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            tag = _TAGS[("g", slot)] if slot < 2 else f"g{slot}"
-            out = []
-            strided = torch.strided
-            for i in range(self.n):
-                plan = self._gplans.get((tag, i))
-                if plan is None:
-                    plan = self._gplan(tag, i)
-                dev, host, params, cuts, views = plan
-                if views:
-                    grads = []
-                    for p, (start, end) in zip(params, cuts, strict=True):
-                        g = p.grad
-                        if g is None or g.layout != strided:
-                            g = grad_of(p)
-                        grads.append(g if start is None else g.reshape(-1)[start:end])
-                    torch._foreach_copy_(views, grads)
-                if host is not dev:
-                    host.copy_(dev, non_blocking=True)
-                out.append(host)
-            if self.device.type == "cuda":  # the copies run on the stream of the replica's GPU, not the current one's
-                torch.cuda.current_stream(self.device).synchronize()
-            return out
-        finally:
-            torch._C._set_grad_enabled(was)
+        tag = _TAGS[("g", slot)] if slot < 2 else f"g{slot}"
+        tables = []
+        strided = torch.strided
+        for i in range(self.n):
+            plan = self._gplans.get((tag, i))
+            if plan is None:
+                plan = self._gplan(tag, i)
+            dev, host, params, cuts, views = plan
+            if views:
+                grads = []
+                for p, (start, end) in zip(params, cuts, strict=True):
+                    g = p.grad
+                    if g is None or g.layout != strided:
+                        g = grad_of(p)
+                    grads.append(g if start is None else g.reshape(-1)[start:end])
+                torch._foreach_copy_(views, grads)
+            tables.append((dev, host))
+        return self._on_host(tables)
 
     def _gplan(self, tag: str, shard: int) -> tuple:
         """A gradient gather's work for shard `shard` into the buffers of `tag`, made once: (device buffer,
@@ -217,19 +221,15 @@ class Replica:
         plan = self._gplans[(tag, shard)] = (dev, host, params, cuts, views)
         return plan
 
+    @_grad_off
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
-        was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            cpu = self.device.type == "cpu"   # (a table from the wire is on the CPU already: no `.to` to ask)
-            for table, flats in (("params", params), ("buffers", buffers)):
-                if flats is None:
-                    continue
-                for i, views, lengths in self._loads[table]:
-                    flat = flats[i] if cpu else flats[i].to(self.device, non_blocking=True)
-                    torch._foreach_copy_(views, flat.split_with_sizes(lengths), non_blocking=True)
-        finally:
-            torch._C._set_grad_enabled(was)
+        cpu = self.device.type == "cpu"   # (a table from the wire is on the CPU already: no `.to` to ask)
+        for table, flats in (("params", params), ("buffers", buffers)):
+            if flats is None:
+                continue
+            for i, views, lengths in self._loads[table]:
+                flat = flats[i] if cpu else flats[i].to(self.device, non_blocking=True)
+                torch._foreach_copy_(views, flat.split_with_sizes(lengths), non_blocking=True)
 
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with every tensor on the CPU: what a saved model.pt holds,

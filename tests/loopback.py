@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import zmq
 
 from psgd import wire
 from psgd.config import Config
@@ -24,6 +25,21 @@ from psgd.shard import Shard
 from psgd.workers.client import ParameterClient
 
 _ids = itertools.count(1)
+
+
+class PartwiseSocket:
+    """A fake socket's `send` of one part at a time, as `transport.send_frames` sends a
+    message: the message goes as a whole, to the class's `send_multipart`, with its last part."""
+
+    def send(self, frame, flags: int = 0, copy: bool = True) -> None:
+        parts = self.__dict__.setdefault("parts", [])
+        parts.append(frame)
+        if not flags & zmq.SNDMORE:
+            self.parts = []
+            self.send_multipart(parts, copy=copy)
+
+    def send_multipart(self, frames: list, copy: bool = True) -> None:
+        raise NotImplementedError
 
 
 class Loopback:

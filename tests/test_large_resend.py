@@ -13,30 +13,21 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from psgd import wire
 from psgd.config import Config, SecurityConfig
 from psgd.transport import Peers, PeerTimeout
 from psgd.workers.client import ParameterClient
+from tests.loopback import PartwiseSocket
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
-class Line:
+class Line(PartwiseSocket):
     """A client socket that keeps what is sent on it, copied, in order."""
 
     def __init__(self):
         self.queue: list[list[bytes]] = []
-
-    def send(self, frame, flags: int = 0, copy: bool = True) -> None:
-        """One part (`transport.send_frames` sends a message a part at a time): the message
-        goes as a whole with its last part."""
-        parts = self.__dict__.setdefault("parts", [])
-        parts.append(frame)
-        if not flags & zmq.SNDMORE:
-            self.parts = []
-            self.send_multipart(parts, copy=copy)
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
         self.queue.append([bytes(f) for f in frames])

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zmq
 
 from psgd import transport, wire
 from psgd.config import Config, SecurityConfig
 from psgd.transport import Peers, PeerTimeout
 from psgd.workers.client import ParameterClient
+from tests.loopback import PartwiseSocket
 
 pytestmark = pytest.mark.unit
 
 N = 100_000   # elements of each table: their frames are over COPY_THRESHOLD in every wire dtype
 
 
-class Connection:
+class Connection(PartwiseSocket):
     """A client socket as pyzmq and ZeroMQ treat what is sent on it: a frame of at least
     `copy_threshold` bytes sent with copy=False stays a view of the sender's memory until
     ZeroMQ writes it out (`deliver`, in the order sent); the others are copied at send."""
@@ -26,15 +26,6 @@ class Connection:
     def __init__(self):
         self.queue: list[list] = []
         self.views: list[int] = []   # of each message sent, its frames kept as views
-
-    def send(self, frame, flags: int = 0, copy: bool = True) -> None:
-        """One part (`transport.send_frames` sends a message a part at a time): the message
-        goes as a whole with its last part."""
-        parts = self.__dict__.setdefault("parts", [])
-        parts.append(frame)
-        if not flags & zmq.SNDMORE:
-            self.parts = []
-            self.send_multipart(parts, copy=copy)
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
         kept = [f if not copy and len(f) >= self.copy_threshold else bytes(f) for f in frames]

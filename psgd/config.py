@@ -71,6 +71,13 @@ class DataConfig:
     loader_workers: int = 0    # torch Datasets: DataLoader worker processes per psgd worker (0: in-process)
 
 
+SYNTHETIC_CLASSES = 10  # the synthetic dataset's classes when data.classes is unset (0)
+
+
+def synthetic_classes(cfg: DataConfig) -> int:
+    return cfg.classes or SYNTHETIC_CLASSES
+
+
 @dataclass(frozen=True)
 class ModeConfig:
     name: str = "sync"
@@ -594,10 +601,10 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.samples >= 1, f"data.samples must be >= 1 (the synthetic dataset's training samples), "
                                   f"got {cfg.data.samples}")
     if cfg.data.name == "synthetic":   # (refused later, in the data loader, as "data.classes must be >= 2 and
-        classes = cfg.data.classes or 10   # data.samples >= data.classes", naming neither value nor source)
+        classes = synthetic_classes(cfg.data)   # data.samples >= data.classes", naming neither value nor source)
         _check(cfg.data.samples >= classes,
                f"data.samples = {cfg.data.samples} is fewer than the synthetic dataset's {classes} classes "
-               f"(data.classes{' = 0: 10' if not cfg.data.classes else ''}): set data.samples >= {classes}")
+               f"(data.classes{f' = 0: {classes}' if not cfg.data.classes else ''}): set data.samples >= {classes}")
     _check(cfg.eval.every_seconds > 0, f"eval.every_seconds must be > 0, got {cfg.eval.every_seconds}")
     _check(0 <= cfg.eval.target_accuracy <= 1,
            f"eval.target_accuracy must be in [0, 1], got {cfg.eval.target_accuracy}")

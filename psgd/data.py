@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .config import ConfigError, DataConfig
+from .config import ConfigError, DataConfig, synthetic_classes
 
 if TYPE_CHECKING:
     import torch
@@ -212,13 +212,6 @@ def _classes(cfg: DataConfig, own: int) -> int:
         raise DataError(f"data.name {cfg.name!r}: label {own - 1} is out of range for data.classes = {cfg.classes} "
                         f"(0 = the dataset's own number of classes)")
     return cfg.classes
-
-
-SYNTHETIC_CLASSES = 10  # the synthetic dataset's classes when data.classes is unset (0)
-
-
-def synthetic_classes(cfg: DataConfig) -> int:
-    return cfg.classes or SYNTHETIC_CLASSES
 
 
 def _check_synthetic(cfg: DataConfig) -> tuple[int, ...]:

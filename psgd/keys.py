@@ -26,19 +26,19 @@ def make_keys(folder: str) -> str:
     A public key there without its secret is another machine's (a client's folder holds
     the servers' server.key alone): it is kept too, not replaced by a new pair's, which no
     server would answer to."""
+    alone = [f"{name}.key" for name in ("server", "client")
+             if os.path.exists(os.path.join(folder, f"{name}.key"))
+             and not os.path.exists(os.path.join(folder, f"{name}.key_secret"))]
+    for key in alone:   # (checked before anything is made)
+        _check_kept(os.path.join(folder, key))
     os.makedirs(folder, exist_ok=True)
     auth = os.path.join(folder, "authorized")
     os.makedirs(auth, exist_ok=True)
-    for name in ("server", "client"):   # (checked before anything is made)
-        public = os.path.join(folder, f"{name}.key")
-        if os.path.exists(public) and not os.path.exists(public + "_secret"):
-            _check_kept(public)
-    made, alone = [], []
+    made = []
     for name in ("server", "client"):
+        if f"{name}.key" in alone:
+            continue
         if not os.path.exists(os.path.join(folder, f"{name}.key_secret")):
-            if os.path.exists(os.path.join(folder, f"{name}.key")):
-                alone.append(f"{name}.key")
-                continue
             made.append(name)
             mask = os.umask(0o077)   # the secret key is never readable by others, not even while written
             try:

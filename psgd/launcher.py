@@ -186,6 +186,24 @@ def hold(path: str) -> IO | None:
     return f
 
 
+def held(path: str) -> bool:
+    """Does a process hold `hold`'s lock on the file at `path`? Only tested: a shared lock,
+    not waited for and dropped at once; the file is never created (False if it is not there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)   # (drops the shared lock, if taken)
+    return False
+
+
 def port_locks_folder() -> str:
     """Where this user's launchers lock the ports they chose: one file per port."""
     return os.path.join(tempfile.gettempdir(), f"psgd-ports-{os.getuid()}")

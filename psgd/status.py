@@ -20,7 +20,6 @@ security.keys = DIR): a job secured with CurveZMQ answers only a client with its
 from __future__ import annotations
 
 import argparse
-import fcntl
 import glob
 import json
 import math
@@ -166,23 +165,12 @@ def _mtime(path: str) -> float:
 def _launcher_note(folder: str) -> str:
     """A note for a summary whose `psgd run` has not returned: it still holds the folder's
     .launcher.lock while it waits for its training scripts' own work after close() (up
-    to --timeout) or stops the daemons, and a script that then fails fails the run. The
-    lock is only tested (shared, not waited for, dropped at once), never created."""
-    from .launcher import LOCK_FILE
-    try:
-        fd = os.open(os.path.join(folder or ".", LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    to --timeout) or stops the daemons, and a script that then fails fails the run."""
+    from .launcher import LOCK_FILE, held
+    if not held(os.path.join(folder or ".", LOCK_FILE)):
         return ""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return ("  (its psgd run has not returned yet: it waits for the training scripts' own work after "
-                "close(), or stops the daemons; the run's outcome is known when it returns)")
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)   # (drops the shared lock, if taken)
-    return ""
+    return ("  (its psgd run has not returned yet: it waits for the training scripts' own work after "
+            "close(), or stops the daemons; the run's outcome is known when it returns)")
 
 
 def _finished(summary: str) -> int:

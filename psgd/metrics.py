@@ -57,10 +57,13 @@ class EventLog:
 
     def write(self, **fields: Any) -> None:
         if self._f:
-            try:
-                self._f.write(json_line({"t": round(time.time(), 4), "role": self.role, **fields}))
-            except OSError as e:
-                raise output_error(e, self.path) from None
+            self._put(json_line({"t": round(time.time(), 4), "role": self.role, **fields}))
+
+    def _put(self, line: str) -> None:
+        try:
+            self._f.write(line)   # type: ignore[union-attr]   # (asked by the callers)
+        except OSError as e:
+            raise output_error(e, self.path) from None
 
     def step(self, rank: int, step: int, clock: int, loss: float, samples: int, staleness: int, wait_s: float,
              bytes_sent: int, bytes_recv: int, extra: dict) -> None:
@@ -74,11 +77,8 @@ class EventLog:
             if line is None:
                 self.write(rank=rank, step=step, clock=clock, loss=loss, samples=samples, staleness=staleness,
                            wait_s=wait_s, bytes_sent=bytes_sent, bytes_recv=bytes_recv, **extra)
-                return
-            try:
-                self._f.write(line)
-            except OSError as e:
-                raise output_error(e, self.path) from None
+            else:
+                self._put(line)
 
     def close(self) -> None:
         if self._f:

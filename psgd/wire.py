@@ -192,8 +192,7 @@ def _torch() -> Any:
     if _torch_module is None:
         import torch
         if sys.byteorder == "little":   # (a tensor's numpy view is then little-endian, as the wire)
-            _TORCH_NAMES.update({torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-                                 torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"})
+            _TORCH_NAMES.update({getattr(torch, name): name for name in _NAMES.values()})   # (torch's own names)
         _torch_module = torch
         _tensor_type = torch.Tensor
     return _torch_module

@@ -73,9 +73,8 @@ class StepBarrier:
         return self._release()
 
     def complete(self) -> bool:
-        """Have `need` live workers pushed for the open step (and one at least: with
-        none live, `need` is 1)? (`need` inline: this is asked after every push.)"""
-        return self._live_in >= max(1, len(self.live) - self.backup)
+        """Have `need` live workers pushed for the open step?"""
+        return self._live_in >= self.need
 
     def advance(self) -> tuple[list[int], list[Hashable]]:
         """Close the current step: (its contributors, the parked reads now released).
@@ -83,7 +82,7 @@ class StepBarrier:
         done = self._order
         self._order, self._in, self._live_in = [], set(), 0
         self.step += 1
-        return done, self._release() if self._reads else []
+        return done, self._release()
 
     def read(self, clock: int, token: Hashable) -> bool:
         """May a read of `clock` be answered now? If not, it is parked under `token`."""

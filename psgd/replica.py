@@ -98,7 +98,12 @@ def make_contiguous(model: nn.Module) -> None:
                     module._buffers[name] = b.contiguous()
 
 
-_TAGS = {(kind, slot): f"{kind}{slot}" for kind in "bg" for slot in range(2)}   # (no string built per step)
+_TAGS = {(kind, slot): f"{kind}{slot}" for kind in "bg" for slot in range(2)}
+
+
+def _tag(kind: str, slot: int) -> str:
+    """The buffers' key of a gather's `kind` (b: buffers, g: gradients) and slot (no string built per step)."""
+    return _TAGS.get((kind, slot)) or f"{kind}{slot}"
 
 
 def _grad_off(fn: Callable) -> Callable:
@@ -179,13 +184,13 @@ class Replica:
     @_grad_off
     def buffers(self, slot: int = 0) -> list[torch.Tensor]:
         """`slot`: another set of buffers, for a second push in flight."""
-        return self._tables(self.tensors, "buffers", _TAGS[("b", slot)] if slot < 2 else f"b{slot}")
+        return self._tables(self.tensors, "buffers", _tag("b", slot))
 
     @_grad_off
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
         made dense: the tables are)"""
-        tag = _TAGS[("g", slot)] if slot < 2 else f"g{slot}"
+        tag = _tag("g", slot)
         tables = []
         strided = torch.strided
         for i in range(self.n):

@@ -837,16 +837,18 @@ class Coordinator:
         except OSError as e:
             raise output_error(e, self.scores_path) from None
 
-    def _read_scores(self, n: int) -> list[dict]:
-        """The first `n` scores of the scores file, as many whole ones as it has (a file cut
-        short or removed: said); the file is cut to them, so that appends go on after them
-        (a line appended after the state file's last rewrite is not a score it counts)."""
+    def _read_scores(self, n: int, beyond: bool) -> list[dict]:
+        """The scores of the scores file: its first `n` (those the state file counts), as many
+        whole ones as it has (a file cut short or removed: said), and with `beyond` every
+        whole line after them (scores appended and fsync'd by a coordinator killed before its
+        state file's rewrite counted them: they were settled). The file is cut to them, so
+        that appends go on after them."""
         scores: list[dict] = []
         size = 0
         try:
             with open(self.scores_path, "rb") as f:
                 for line in f:
-                    if len(scores) == n or not line.endswith(b"\n"):
+                    if (len(scores) == n and not beyond) or not line.endswith(b"\n"):
                         break
                     try:
                         e = json.loads(line)
@@ -908,9 +910,13 @@ class Coordinator:
         self.servers = {int(k): v for k, v in st["servers"].items()}
         # (a state file of an earlier psgd held the whole curve in `evals`, none in the scores
         # file: one there is not this job's, and is cut to nothing)
-        settled = self._read_scores(int(st.get("evals_settled", 0)))
+        counted = int(st.get("evals_settled", 0))
+        settled = self._read_scores(counted, beyond="evals_settled" in st)
         self._appended = len(settled)
-        self.evals, self.startup_s = settled + st["evals"], st["startup_s"]
+        # Scores settle in order: those appended beyond the count were the first of `evals`
+        # (still counting at the rewrite before) or came after them.
+        self.evals = settled + st["evals"][max(0, len(settled) - counted):]
+        self.startup_s = st["startup_s"]
         self.launched_at, self.launched_by = st["launched_at"], st["launched_by"]
         self._launched_mono = now - (wall - self.launched_at)   # (another process's: only wall times compare)
         self.counters.update(st["counters"])

@@ -104,6 +104,31 @@ def test_a_scores_file_cut_short_or_gone_keeps_the_job_resumable(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_scores_appended_by_a_coordinator_killed_before_its_state_rewrite_are_kept(tmp_path):
+    """A coordinator killed -9 between the scores' append (fsync'd) and the state file's
+    rewrite that counts them: the restart kept the count's scores and cut the rest off
+    the curve (CI, session 32: three scores of a killed coordinator's last second gone)."""
+    out = str(tmp_path)
+    cfg, c = training_with_two_workers(out)
+    c.evals += _scores(4)
+    c.counting = [(c.evals[3], None)]   # the last score still waits for its samples
+    c._save_state(time.monotonic() + 1.0)
+    with open(os.path.join(out, STATE_FILE)) as f:
+        assert json.load(f)["evals_settled"] == 3
+    c.counting = []
+    c.evals += _scores(3, start=4)
+    c.evals[3] = dict(c.evals[3], samples=9999)   # settled with its counts
+    c._append_scores(c.evals[3:])   # ... and killed here, before the state file's rewrite
+    again = coordinator(cfg, out)
+    assert again.restarts == 1 and again.evals == c.evals
+    again.evals += _scores(1, start=100)
+    again._save_state(time.monotonic() + 5.0)
+    third = coordinator(cfg, out)
+    assert third.evals == c.evals + _scores(1, start=100)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_a_state_file_of_the_earlier_format_with_the_whole_curve_is_resumed(tmp_path):
     out = str(tmp_path)
     cfg, c = training_with_two_workers(out)

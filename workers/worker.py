@@ -79,6 +79,12 @@ class Jitter:
         return was
 
 
+def slowed(faults, rank: int) -> bool:
+    """Is any slowness injected into rank `rank`'s steps (`faults.*`: a slow link, a slow
+    rank, jitter)? If not, a step takes no time for `Worker.slow_down` to scale."""
+    return faults.step_delay_s > 0 or (faults.slow_rank == rank and faults.slow_factor > 1) or faults.jitter_prob > 0
+
+
 def local_rank() -> int:
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
         if os.environ.get(name, "").isdigit():
@@ -87,6 +93,8 @@ def local_rank() -> int:
 
 
 class Worker:
+    slowed = True   # is a fault slowing this rank's steps (`attach` decides; until then each step is timed)
+
     def __init__(self, cfg: Config, out: str | None = None, device: str = "auto", want_rank: int = -1,
                  ctx: zmq.Context | None = None):
         self.cfg0 = cfg
@@ -154,6 +162,7 @@ class Worker:
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
+        self.slowed = slowed(cfg.faults, self.rank)
         self.replica = Replica(model, cfg.cluster.servers, device)
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
@@ -342,15 +351,18 @@ class Worker:
         slow rank, transient jitter); the loss. The loss is read before the step's time is
         taken: on a GPU forward and backward only queue their kernels, and reading it waits
         for them."""
-        t0 = time.perf_counter()
+        slow = self.slowed
+        t0 = time.perf_counter() if slow else 0.0
         x, y = self.batches.next()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if not (x.is_cpu and y.is_cpu and self.device.type == "cpu"):   # (on the CPU, `.to` is two torch calls
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)   # that give them back)
         model = self.replica.model
         model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        self.loss = float(loss.item())
-        self.slow_down(time.perf_counter() - t0)
+        self.loss = loss.item()   # (a Python float)
+        if slow:
+            self.slow_down(time.perf_counter() - t0)
         self.samples += len(y)
         return self.loss
 

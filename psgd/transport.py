@@ -148,19 +148,21 @@ _SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], copy: bool) -> None:
     """`sock.send_multipart(frames, copy=copy)` for wire.encode's frames (bytes and byte
     views), without pyzmq's per-frame `zmq.SNDMORE | flags` (an enum made each frame)."""
+    send = sock.send   # (looked up once: pyzmq's Socket has a Python `__getattr__`, which every lookup passes)
     last = len(frames) - 1
     for k in range(last):
-        sock.send(frames[k], _SNDMORE, copy=copy)
-    sock.send(frames[last], 0, copy=copy)
+        send(frames[k], _SNDMORE, copy=copy)
+    send(frames[last], 0, copy=copy)
 
 
 def recv_frames(sock: zmq.Socket) -> list:
     """`sock.recv_multipart(zmq.NOBLOCK, copy=False)`, each next part asked of the frame
     just read (`Frame.more`) instead of a `getsockopt(zmq.RCVMORE)` (an enum made each part)."""
-    f = sock.recv(_NOBLOCK, copy=False)
+    recv = sock.recv   # (looked up once, as in `send_frames`)
+    f = recv(_NOBLOCK, copy=False)
     frames = [f]
     while f.more:
-        f = sock.recv(_NOBLOCK, copy=False)
+        f = recv(_NOBLOCK, copy=False)
         frames.append(f)
     return frames
 
@@ -442,7 +444,7 @@ class Peers:
         if rid is None:
             rid = next(self._ids)
         frames = wire.encode(op, id=rid, **kw)
-        self.bytes_sent += sum(len(f) for f in frames)
+        self.bytes_sent += sum(map(len, frames))   # (bytes, and byte views: len is their size)
         send_frames(self.socks[i], frames, copy)
         return rid
 
@@ -486,7 +488,7 @@ class Peers:
                     except zmq.Again:   # (none after all: polled again)
                         break
                     more = readable(sock)
-                    self.bytes_recv += sum(len(f.buffer) for f in frames)
+                    self.bytes_recv += sum(map(len, frames))   # (a Frame's len is its size: no memoryview made)
                     try:
                         msg = wire.decode(frames)
                     except wire.WireError:

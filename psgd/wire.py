@@ -273,9 +273,8 @@ def error(req_id: int, code: str, reason: str) -> list:
 
 
 def _buffer(frame: Any) -> memoryview:
-    if hasattr(frame, "buffer"):  # zmq.Frame received with copy=False
-        return frame.buffer
-    return memoryview(frame)
+    buf = getattr(frame, "buffer", None)   # a zmq.Frame received with copy=False: its memoryview, made once
+    return buf if buf is not None else memoryview(frame)   # (`hasattr` then `.buffer` made it twice)
 
 
 def _check_field(op: str, name: str, value: Any) -> None:

@@ -140,6 +140,8 @@ class Replica:
         self._cuts = {key: [(name, None, None) if start == 0 and length == self.tensors[name].numel()
                             else (name, start, start + length) for name, start, length in rs]
                       for key, rs in self._runs.items()}
+        self._bufferless = not any(self.map.size(i, "buffers") for i in range(num_shards))
+        self._empty: dict[int, list[torch.Tensor]] = {}   # slot -> a bufferless model's buffers tables
         # `load`'s work per table: (shard, its views, their lengths) of the shards whose part is not empty
         self._loads = {table: [(i, *self._views[(i, table)]) for i in range(num_shards) if self._views[(i, table)][0]]
                        for table in TABLES}
@@ -181,9 +183,18 @@ class Replica:
     def params(self) -> list[torch.Tensor]:
         return self._tables(self.tensors, "params", "p")
 
-    @_grad_off
     def buffers(self, slot: int = 0) -> list[torch.Tensor]:
-        """`slot`: another set of buffers, for a second push in flight."""
+        """`slot`: another set of buffers, for a second push in flight. A model without
+        buffers (an MLP) has only empty tables: made once, with nothing to gather each step."""
+        if self._bufferless:
+            tables = self._empty.get(slot)
+            if tables is None:
+                tables = self._empty[slot] = self._gather_buffers(slot)
+            return tables
+        return self._gather_buffers(slot)
+
+    @_grad_off
+    def _gather_buffers(self, slot: int) -> list[torch.Tensor]:
         return self._tables(self.tensors, "buffers", _tag("b", slot))
 
     @_grad_off

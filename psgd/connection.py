@@ -332,6 +332,8 @@ def _hook_uncaught() -> None:
 
 
 class Connection(Worker):
+    own_model = False   # the script's model: its tensors stay where the script has them
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
                  out: str | None = None, rank: int | None = None):

@@ -522,7 +522,7 @@ def test_a_worker_on_another_gpu_makes_it_the_current_device(monkeypatch):
         def register(self, *a, **k):
             return {"assigned_rank": 0, "config": self.config}
 
-    def replica(model, shards, device):   # where the model goes to the device
+    def replica(model, shards, device, flat=False):   # where the model goes to the device
         raise Attached
     current = []
     monkeypatch.setattr(worker, "check_device", lambda spec, rank=0: torch.device("cuda", 1))
@@ -549,7 +549,7 @@ def test_a_script_whose_model_is_on_another_gpu_makes_it_the_current_device(monk
     class Attached(Exception):
         pass
 
-    def replica(model, shards, device):
+    def replica(model, shards, device, flat=False):
         raise Attached
     current = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from psgd.replica import Replica
+from psgd.replica import Replica, flat_layout
 from psgd.sharding import TABLES
 
 
@@ -56,3 +56,57 @@ def test_grads_are_the_shard_maps_pieces(shards):
             assert torch.equal(o, w)
             assert o.numel() == 0 or o.data_ptr() != g.data_ptr()
         assert r.model.unused.weight.grad is None   # (the gather gives zeros; it sets no gradient)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shards", [1, 2, 3, 7])
+def test_a_flat_replica_loads_and_gathers_what_a_plain_one_does(shards):
+    """`flat`: the trainable parameters move into one block, each shard's params table a
+    slice of it, so that `load` is one copy a shard. The same values, gradients and
+    model.pt as without it; a frozen parameter stays where it was."""
+    torch.manual_seed(0)
+    nets = [Net(), Net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    for n in nets:
+        n.unused.requires_grad_(False)
+    frozen = nets[1].unused.weight
+    cpu = torch.device("cpu")
+    plain, flat = Replica(nets[0], shards, cpu), Replica(nets[1], shards, cpu, flat=True)
+    assert bool(flat._flat) == (flat_layout(flat.map, shards) is not None) and not plain._flat
+    assert flat._flat or shards > 1   # (one shard: always one block; more: where the map allows it)
+    assert nets[1].unused.weight is frozen
+    if flat._flat:
+        block = flat._flat[next(iter(flat._flat))]
+        assert all(p.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+                   for p in flat.trainable.values())
+        assert frozen.untyped_storage().data_ptr() != block.untyped_storage().data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(flat.params(), plain.params(), strict=True))
+    tables = [torch.randn(flat.map.size(i, "params")) for i in range(shards)]
+    for step in range(2):
+        for r in (plain, flat):
+            r.load([t * (step + 1) for t in tables])
+            r.model.zero_grad(set_to_none=True)
+            r.model(torch.arange(16) % 50).sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(plain.params(), flat.params(), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(plain.grads(), flat.grads(), strict=True))
+    saved = flat.cpu_state_dict()
+    assert saved.keys() == plain.cpu_state_dict().keys()
+    assert all(torch.equal(v, plain.cpu_state_dict()[k]) for k, v in saved.items())
+    assert all(v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in saved.values())
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_no_flat_block_where_a_tensors_pieces_are_not_adjacent():
+    """A tensor cut into pieces that lie apart in the shards' tables one after another
+    has no place in one block: the replica keeps the tensors as they are."""
+    from types import SimpleNamespace
+
+    from psgd.sharding import Piece
+    pieces = {(0, "params"): [Piece("w", "params", 0, 4, 0, 0), Piece("v", "params", 0, 2, 0, 4)],
+              (1, "params"): [Piece("w", "params", 4, 4, 1, 0)]}
+    apart = SimpleNamespace(pieces_of=lambda i, t: pieces[(i, t)])
+    assert flat_layout(apart, 2) is None
+    pieces[(0, "params")].reverse()
+    assert flat_layout(apart, 2) == [("v", 0), ("w", 2)]

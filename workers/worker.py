@@ -94,6 +94,7 @@ def local_rank() -> int:
 
 class Worker:
     slowed = True   # is a fault slowing this rank's steps (`attach` decides; until then each step is timed)
+    own_model = True   # the model is psgd's own: its parameters may move into one block (`Replica`'s `flat`)
 
     def __init__(self, cfg: Config, out: str | None = None, device: str = "auto", want_rank: int = -1,
                  ctx: zmq.Context | None = None):
@@ -163,7 +164,7 @@ class Worker:
             torch.cuda.set_device(device)
         self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
         self.slowed = slowed(cfg.faults, self.rank)
-        self.replica = Replica(model, cfg.cluster.servers, device)
+        self.replica = Replica(model, cfg.cluster.servers, device, flat=self.own_model)
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
         self.client.alive = lambda i: not self.link.lost and i in self.link.state.get("live_shards", ())

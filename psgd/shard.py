@@ -131,6 +131,10 @@ class Shard:
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
         self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
         self.bacc: torch.Tensor | None = None
+        # ... or its first contribution, not copied into them (`_accumulate`) while this event lasts,
+        # and whether the step closed (`ApplySum`) with it
+        self._first: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._first_closed = False
         self.models: dict[Hashable, list] = {}  # stored models (deposits) by the rule's key
         self.live = set(range(self.world))
         self.rule = rule(cfg.mode, self.world, self)
@@ -426,6 +430,8 @@ class Shard:
             reply = carriers[type(d)](d)
             if reply is not None:
                 (reads if type(reply[0]) is ThenRead else out).append(reply)
+        if self._first is not None:
+            self._end_first()
         return out + self._acknowledged(reads) if reads else out
 
     def _acknowledged(self, pushes: list[Reply]) -> list[Reply]:
@@ -448,10 +454,14 @@ class Shard:
 
     def _do_apply_sum(self, d: r.ApplySum) -> None:
         self._changing()
-        assert self.acc is not None, "ApplySum before any Accumulate"
+        summed = self.summed()[0]
+        self._first_closed = self._first is not None
+        if d.count == 1:   # the mean of one is itself (x / 1 is x): stepped where it lies
+            self._step(summed, 1.0, d.progress)
+            return
         if self.params.grad is None:   # the mean, written where the optimizer reads it: a table
             self.params.grad = torch.empty_like(self.params)   # only the modes that sum need
-        self._step(torch.div(self.acc, d.count, out=self.params.grad), 1.0, d.progress)
+        self._step(torch.div(summed, d.count, out=self.params.grad), 1.0, d.progress)
 
     def _do_move(self, d: r.Move) -> None:
         self._changing()
@@ -466,9 +476,12 @@ class Shard:
 
     def _do_set_buffers(self, d: r.SetBuffers) -> None:
         self._changing()
-        values = self.bacc if d.values is None else d.values
-        if self.B and values is not None:
-            self.buffers.copy_(values).div_(d.count)
+        if not self.B:
+            return
+        values = self.summed()[1] if d.values is None else d.values
+        self.buffers.copy_(values)
+        if d.count != 1:   # (x / 1 is x)
+            self.buffers.div_(d.count)
 
     def _do_refuse(self, d: r.Refuse) -> Reply:
         if d.bad:
@@ -569,14 +582,50 @@ class Shard:
                 self._unsent = False
 
     def _accumulate(self, g: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+        """Add a contribution to the open step's sums. The first is held as it is (a
+        request's frames), not copied: a step that closes in the same event with it
+        alone (one worker: `_do_apply_sum` steps on it where it lies) costs no copy, and
+        a second is added to it straight into the sums (one op: the same float sums as
+        a copy and an add). A step still open when the event ends copies it then
+        (`carry_out`: the frames, or the shard's conversion buffer, do not outlive it)."""
+        if first:
+            self._first, self._first_closed = (g, b), False
+            return
+        acc, bacc = self._sums()
+        if self._first is not None:
+            g0, b0 = self._first
+            self._first = None
+            torch.add(g0, g, out=acc)
+            if self.B:
+                torch.add(b0, b, out=bacc)
+        else:
+            acc.add_(g)
+            if self.B:
+                bacc.add_(b)
+
+    def _sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.acc is None or self.bacc is None:
             self.acc, self.bacc = torch.empty(self.P), torch.empty(self.B)
-        if first:
-            self.acc.copy_(g)
-            self.bacc.copy_(b)
-        else:
-            self.acc.add_(g)
-            self.bacc.add_(b)
+        return self.acc, self.bacc
+
+    def _end_first(self) -> None:
+        """The event ends with a first contribution held (`_accumulate`): dropped if its
+        step closed with it, else copied into the sums (the step stays open)."""
+        assert self._first is not None
+        (g, b), self._first = self._first, None
+        if self._first_closed:
+            return
+        acc, bacc = self._sums()
+        acc.copy_(g)
+        if self.B:
+            bacc.copy_(b)
+
+    def summed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The open step's sums of gradients and of buffers (read-only)."""
+        if self._first is not None:
+            return self._first
+        assert self.acc is not None and self.bacc is not None, "a sum read before any Accumulate"
+        return self.acc, self.bacc
 
     def worker_lr(self, clock: int) -> float:
         """The rate at which a worker steps its own copy by its gradient at `clock`
@@ -666,6 +715,7 @@ class Shard:
         self.rule.load_state_dict(sd["rule"])
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
+        self._first = None
         if sd.get("acc") is not None:
             self.acc, self.bacc = sd["acc"].clone(), sd["bacc"].clone()
         self.models = {k: list(arrays) for k, arrays in sd.get("models", {}).items()}  # older: none kept

@@ -584,15 +584,18 @@ def answers(replies) -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode,sums", [("sync", True), ("async", False), ("ssp", False)])
-def test_a_shard_holds_a_gradient_table_only_in_a_mode_that_sums(mode, sums):
+@pytest.mark.parametrize("mode,workers,sums", [("sync", 2, True), ("sync", 1, False), ("async", 1, False),
+                                               ("ssp", 1, False)])
+def test_a_shard_holds_a_gradient_table_only_in_a_mode_that_sums(mode, workers, sums):
     """Every shard held a zeroed table as large as its parameters for a sum's mean, which
-    only sync writes: 50 MB a shard of a 100 MB model, in async or ssp too."""
-    shard, _ = shard_for(mode, 1)
+    only sync writes: 50 MB a shard of a 100 MB model, in async or ssp too. (Sync with
+    one worker steps on its gradient itself: the mean of one.)"""
+    shard, _ = shard_for(mode, workers)
     assert shard.params.grad is None
     before = shard.params.detach().clone()
     g = np.full(shard.P, 0.5, np.float32)
-    shard.handle(("push", 0, 0), push(shard, 0, 0, g))
+    for rank in range(workers):
+        shard.handle(("push", rank, 0), push(shard, rank, 0, g))
     assert not torch.equal(shard.params.detach(), before)   # the step was applied
     assert (shard.params.grad is not None) == sums
     if sums:   # the mean was written in the table the optimizer read

@@ -543,7 +543,9 @@ class Shard:
         themselves, lent until they change (`_changing`)."""
         if self._shared[0] != self._revision:
             if self.in_flight is not None and self.wire_dtype == "float32":
-                self._shared = (self._revision, [self.params.detach(), self.buffers])
+                # (params itself, not a detached view: it never requires grad, and a reply's
+                # frame holds its own view of the storage: wire's `.numpy()` of it)
+                self._shared = (self._revision, [self.params, self.buffers])
                 self._lent = True
             else:
                 self._shared = (self._revision, [self._on_wire(self.params.detach(), copy=True),

@@ -269,10 +269,12 @@ class Shard:
         self._array_count(msg, 2)
         wire.expect_array(msg, 0, self.wire_dtype, (self.P,))
         wire.expect_array(msg, 1, "float32", (self.B,))
-        v, b = wire.tensor(msg, 0), wire.tensor(msg, 1)
+        v = wire.tensor(msg, 0)
         if self.wire_dtype != "float32":  # into float32, for the float32 master weights
             v = self._incoming.copy_(v)
-        return self._finite(v, what, msg.clock), self._finite(b, f"{what}'s buffers", msg.clock)
+        if not self.B:   # (a model without buffers: its empty array, checked above, is not made a tensor)
+            return self._finite(v, what, msg.clock), self.buffers
+        return self._finite(v, what, msg.clock), self._finite(wire.tensor(msg, 1), f"{what}'s buffers", msg.clock)
 
     def _gradient(self, msg: wire.Message) -> tuple[torch.Tensor, torch.Tensor]:
         """A compressed push (`wire.compression`), decoded into a dense float32 vector."""

@@ -114,7 +114,8 @@ class Shard:
         self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
         self._revision = 0           # changes of either table (params or buffers)
-        self._shared: tuple[int, list[torch.Tensor]] = (-1, [])  # the snapshot of one revision
+        self._shared: tuple[int, list[Any]] = (-1, [])  # the snapshot of one revision
+        self._views: list[Any] | None = None   # the tables as numpy arrays, lent (`_table_views`)
         # A daemon that sends every reply as soon as it is made sets `in_flight` (and calls
         # `sent` after each event's replies): its snapshots lend the tables themselves, and
         # the tables move to a copy only if they change while a lent frame is unsent or still
@@ -537,7 +538,7 @@ class Shard:
         every read, is not spread into keywords and collected again)."""
         return wire.reply_with(req, arrays, fields)
 
-    def _snapshot(self) -> list[torch.Tensor]:
+    def _snapshot(self) -> list[Any]:
         """The tables as they are now, shared by every reply until they change: frames are
         sent without copying, after this returns, so a reply must not share memory that
         the next update changes. One copy per revision serves all readers; under a daemon
@@ -545,9 +546,7 @@ class Shard:
         themselves, lent until they change (`_changing`)."""
         if self._shared[0] != self._revision:
             if self.in_flight is not None and self.wire_dtype == "float32":
-                # (params itself, not a detached view: it never requires grad, and a reply's
-                # frame holds its own view of the storage: wire's `.numpy()` of it)
-                self._shared = (self._revision, [self.params, self.buffers])
+                self._shared = (self._revision, self._table_views())
                 self._lent = True
             else:
                 self._shared = (self._revision, [self._on_wire(self.params.detach(), copy=True),
@@ -555,6 +554,15 @@ class Shard:
         if self._lent:
             self._unsent = True
         return self._shared[1]
+
+    def _table_views(self) -> list[Any]:
+        """The tables as numpy arrays over their memory, as the wire sends a tensor (its
+        `.numpy()`: the same frames), made once, not for every read (two `.numpy()` calls,
+        each an op). `_changing` drops them when it moves the tables to a copy: the lent
+        arrays keep the memory they were made over, and the reply its values."""
+        if self._views is None:
+            self._views = [self.params.detach().numpy(), self.buffers.numpy()]
+        return self._views
 
     def _on_wire(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
         """A params-sized float32 vector in `wire.dtype` (itself if that is float32 and
@@ -583,6 +591,7 @@ class Shard:
                 with torch.no_grad():
                     self.params.data = self.params.data.clone()
                     self.buffers.data = self.buffers.data.clone()
+                self._views = None
                 self._unsent = False
 
     def _accumulate(self, g: torch.Tensor, b: torch.Tensor, first: bool) -> None:

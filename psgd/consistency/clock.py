@@ -76,7 +76,7 @@ class ClockTable:
         at = self._at   # (`_uncount` and Counter's += written out: this runs at every push)
         if old is not None:
             if at[old] == 1:
-                del at[old]
+                at.pop(old)   # (dict's: Counter's `del` is a Python method that tolerates a missing key)
             else:
                 at[old] -= 1
         at[clock] = at.get(clock, 0) + 1

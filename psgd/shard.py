@@ -473,14 +473,14 @@ class Shard:
         self.version += 1
 
     def _do_mix_buffers(self, d: r.MixBuffers) -> None:
-        self._changing()
-        if self.B:
+        if self.B:   # (no buffers: nothing changes)
+            self._changing()
             self.buffers.add_(d.values - self.buffers, alpha=d.weight)
 
     def _do_set_buffers(self, d: r.SetBuffers) -> None:
-        self._changing()
-        if not self.B:
+        if not self.B:   # (no buffers: nothing changes)
             return
+        self._changing()
         values = self.summed()[1] if d.values is None else d.values
         self.buffers.copy_(values)
         if d.count != 1:   # (x / 1 is x)

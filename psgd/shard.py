@@ -429,12 +429,14 @@ class Shard:
         out: list[Reply] = []
         reads: list[Reply] = []
         carriers = self._carriers
-        for d in decisions:
-            reply = carriers[type(d)](d)
-            if reply is not None:
-                (reads if type(reply[0]) is ThenRead else out).append(reply)
-        if self._first is not None:
-            self._end_first()
+        try:
+            for d in decisions:
+                reply = carriers[type(d)](d)
+                if reply is not None:
+                    (reads if type(reply[0]) is ThenRead else out).append(reply)
+        finally:   # (a decision that raised too: the frames of a held first gradient do not outlive the event)
+            if self._first is not None:
+                self._end_first()
         return out + self._acknowledged(reads) if reads else out
 
     def _acknowledged(self, pushes: list[Reply]) -> list[Reply]:

@@ -60,3 +60,24 @@ def test_one_worker_s_step_is_torch_s_step_on_its_gradient_bit_for_bit():
         ref.grad = g / 1
         opt.step()
     assert torch.equal(shard.params.detach(), ref)
+
+
+@pytest.mark.timeout(60)
+def test_an_event_that_raises_after_holding_a_first_gradient_keeps_it_in_the_sum(monkeypatch):
+    """A decision that raises after the first gradient was held (`carry_out`): the event
+    still ends with it copied into the step's sum, not with the request's memory held
+    for the next event to add to."""
+    shard = sync_shard(2, **{"optimizer.momentum": 0.0})
+    frames = push_frames(shard, 0, 0, torch.full((shard.P,), 2.0))
+    msg = wire.decode(frames)
+    original = shard.rule.push
+
+    def then_fail(*a, **k):
+        decisions = original(*a, **k)
+        return decisions + [object()]   # (no carrier: an error after the Accumulate)
+    monkeypatch.setattr(shard.rule, "push", then_fail)
+    with pytest.raises(TypeError):
+        shard.handle("w0", msg)
+    frames[1][:] = bytes(len(frames[1]))
+    assert shard._first is None
+    assert torch.equal(shard.summed()[0], torch.full((shard.P,), 2.0))

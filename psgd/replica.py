@@ -308,8 +308,10 @@ class Replica:
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with every tensor on the CPU: what a saved model.pt holds,
         so that `torch.load(path, weights_only=True)` reads it on a machine without a GPU."""
-        # (copies: a parameter in the flat block (`flat`) saved as a view would save the whole block)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self._flat:   # (a parameter in the block, saved as a view of it, would save the whole block)
+            state = {k: v.clone() for k, v in state.items()}
+        return state
 
     def score(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> tuple[float, float]:
         """(accuracy, mean cross-entropy) in eval mode; restores the previous mode."""

@@ -272,11 +272,6 @@ def error(req_id: int, code: str, reason: str) -> list:
     return encode("error", id=req_id, code=code, reason=reason[:1000])
 
 
-def _buffer(frame: Any) -> memoryview:
-    buf = getattr(frame, "buffer", None)   # a zmq.Frame received with copy=False: its memoryview, made once
-    return buf if buf is not None else memoryview(frame)   # (`hasattr` then `.buffer` made it twice)
-
-
 def _check_field(op: str, name: str, value: Any) -> None:
     spec = OPS[op]
     types = spec.get(name, spec.get("*"))
@@ -295,7 +290,7 @@ def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
         raise WireError(BAD_HEADER, "empty message")
     if len(frames) > MAX_FRAMES + 1:
         raise WireError(TOO_LARGE, f"{len(frames)} frames, at most {MAX_FRAMES + 1}")
-    head = _buffer(frames[0])
+    head = memoryview(frames[0])   # (a zmq.Frame's, as its `.buffer`: without the getattr of a Python subclass)
     if len(head) > MAX_HEADER:
         raise WireError(TOO_LARGE, f"header of {len(head)} bytes, at most {MAX_HEADER}")
     try:
@@ -314,37 +309,46 @@ def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
         raise
 
 
+_LIMIT = 1 << 62   # the header's ints, and a field's, lie in [-_LIMIT, _LIMIT): what a peer keeps must encode again
+
+
+def _base_error(rid: Any, rank: Any, clock: Any) -> WireError:
+    """The error of the first of a header's id, rank and clock that is not an int >= -1 (one is not)."""
+    k, v = next((k, v) for k, v in (("id", rid), ("rank", rank), ("clock", clock))
+                if type(v) is not int or not -1 <= v < _LIMIT)
+    return WireError(BAD_HEADER, f"header field {k!r} must be an int >= -1, got {v!r}")
+
+
 def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) -> Message:
-    if h.get("v") != PROTOCOL_VERSION:
-        raise WireError(BAD_VERSION, f"protocol version {h.get('v')!r}, this peer speaks {PROTOCOL_VERSION}")
-    op = h.get("op")
+    # The base fields are popped off `decode`'s own dict: what is left is the op's fields,
+    # each asked once (every step's answer has two; a loop over all eight skipped six).
+    v = h.pop("v", None)
+    if v != PROTOCOL_VERSION:
+        raise WireError(BAD_VERSION, f"protocol version {v!r}, this peer speaks {PROTOCOL_VERSION}")
+    op = h.pop("op", None)
     if not isinstance(op, str) or op not in OPS:
         raise WireError(UNKNOWN_OP, f"unknown op {op!r}")
-    rid: Any = h.get("id")
-    rank: Any = h.get("rank")
-    clock: Any = h.get("clock")
-    for k, v in (("id", rid), ("rank", rank), ("clock", clock)):
-        if type(v) is not int or not -1 <= v < 1 << 62:  # msgpack's ints are exact ints; bool is not one
-            raise WireError(BAD_HEADER, f"header field {k!r} must be an int >= -1, got {v!r}")
+    rid: Any = h.pop("id", None)
+    rank: Any = h.pop("rank", None)
+    clock: Any = h.pop("clock", None)
+    if not (type(rid) is int and type(rank) is int and type(clock) is int   # msgpack's ints are exact ints;
+            and -1 <= rid < _LIMIT and -1 <= rank < _LIMIT and -1 <= clock < _LIMIT):   # bool is not one
+        raise _base_error(rid, rank, clock)
     if rid < 0:
         raise WireError(BAD_HEADER, "request id must be >= 0")
-    fields = {}
+    specs = h.pop("arrays", None)
+    fields = h
     if op == "reply":   # (a step's every answer) its fields may be any value msgpack gives but bytes and
-        for k, v in h.items():   # ext types: only those and an int's range are asked (`_check_field` says why)
-            if k not in _BASE_SET:
-                t = type(v)
-                if (t is int and not -(1 << 62) <= v < 1 << 62) or (t is not int and t not in _REPLY_TYPES):
-                    _check_field(op, k, v)
-                fields[k] = v
-    else:
-        for k, v in h.items():
-            if k not in _BASE_SET:
+        for k, v in fields.items():   # ext types: only those and an int's range are asked (`_check_field` says why)
+            t = type(v)
+            if (t is int and not -_LIMIT <= v < _LIMIT) or (t is not int and t not in _REPLY_TYPES):
                 _check_field(op, k, v)
-                fields[k] = v
+    else:
+        for k, v in fields.items():
+            _check_field(op, k, v)
     for k in REQUIRED.get(op, ()):
         if k not in fields:
             raise WireError(BAD_FIELD, f"op {op!r} needs field {k!r}")
-    specs = h.get("arrays")
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:
         raise WireError(BAD_HEADER, f"header lists {len(specs) if isinstance(specs, list) else '?'} "
                                     f"arrays but {len(frames) - 1} payload frames came")
@@ -356,13 +360,15 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
         dt = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dt is None:
             raise WireError(BAD_DTYPE, f"array {i}: dtype {dtype_name!r} not allowed")
-        if type(shape) is not list or len(shape) > MAX_DIMS or not all(
+        if type(shape) is list and len(shape) == 1 and type(n := shape[0]) is int and 0 <= n < 1 << 40 and (
+                n or dt.itemsize <= max_bytes):
+            pass   # a vector (a step's tables): the general test's answer for one dimension, without its generators
+        elif type(shape) is not list or len(shape) > MAX_DIMS or not all(
                 type(d) is int and 0 <= d < 1 << 40 for d in shape) or (
                 0 in shape and math.prod(d for d in shape if d) * dt.itemsize > max_bytes):  # empty, but impossible
             raise WireError(BAD_SHAPE, f"array {i}: bad shape {shape!r}")
         expect = math.prod(shape) * dt.itemsize
-        frame = frames[i + 1]
-        buf = _buffer(frame)
+        buf = memoryview(frames[i + 1])
         total += len(buf)
         if total > max_bytes:
             raise WireError(TOO_LARGE, f"message larger than {max_bytes} bytes")

@@ -179,3 +179,29 @@ def test_pack_header_is_msgpack_packb_on_a_reused_packer():
     with pytest.raises(TypeError):
         wire.pack_header({"bad": object()})
     assert wire.pack_header(header) == msgpack.packb(header, use_bin_type=True)   # nothing left of the failure
+
+
+@pytest.mark.parametrize("over,reason", [
+    ({"id": "x", "rank": "y"}, "header field 'id' must be an int >= -1, got 'x'"),   # the first of them is named
+    ({"rank": -2, "clock": None}, "header field 'rank' must be an int >= -1, got -2"),
+    ({"clock": 1 << 62}, f"header field 'clock' must be an int >= -1, got {1 << 62}"),
+    ({"clock": False}, "header field 'clock' must be an int >= -1, got False"),
+    ({"arrays": [["float32", [True]]]}, "array 0: bad shape [True]"),
+    ({"arrays": [["float32", [1 << 40]]]}, f"array 0: bad shape [{1 << 40}]"),
+    ({"arrays": [["float64", [0]]]}, "array 0: bad shape [0]"),   # an empty vector, but of an itemsize over max_bytes
+])
+def test_header_checks_name_what_they_refuse(over, reason):
+    """The header's checks (a step's answer takes a shorter way through them: `_decode`)
+    refuse as they always did, with the same reason."""
+    with pytest.raises(wire.WireError) as e:
+        wire.decode([header(**over)] + [b""] * len(over.get("arrays", [])), max_bytes=4)
+    assert e.value.reason == reason
+
+
+def test_a_decoded_message_holds_its_own_fields_in_order():
+    h = {"v": 1, "version": 3, "op": "reply", "id": 5, "push": {"staleness": 0}, "rank": 2, "clock": 7,
+         "arrays": [["float32", [0]], ["float32", [2]]], "z": [1]}
+    msg = wire.decode([msgpack.packb(h), b"", np.ones(2, np.float32).tobytes()])
+    assert (msg.op, msg.id, msg.rank, msg.clock) == ("reply", 5, 2, 7)
+    assert list(msg.fields.items()) == [("version", 3), ("push", {"staleness": 0}), ("z", [1])]
+    assert [a.tolist() for a in msg.arrays] == [[], [1.0, 1.0]] and msg.dtypes == ["float32", "float32"]

@@ -443,7 +443,9 @@ class Peers:
         gets copies of them now (a resend, which an earlier send's answer does not wait for)."""
         if rid is None:
             rid = next(self._ids)
-        frames = wire.encode(op, id=rid, **kw)
+        # (`kw` is this call's own dict: the header's fields are taken out of it, not spread
+        # into `wire.encode`'s keywords and collected again)
+        frames = wire.encode_with(op, rid, kw.pop("rank", -1), kw.pop("clock", -1), kw.pop("arrays", ()), kw)
         self.bytes_sent += sum(map(len, frames))   # (bytes, and byte views: len is their size)
         send_frames(self.socks[i], frames, copy)
         return rid

@@ -93,3 +93,25 @@ def test_a_client_whose_connection_is_made_again_and_again_goes_on_talking(monke
     finally:
         dropping.close(0)
         ctx.term()
+
+
+def test_a_request_goes_as_wire_encode_makes_it(monkeypatch):
+    """`Peers.send` takes the header's fields out of its keywords itself (not spread into
+    `wire.encode`'s): the frames are what `wire.encode` makes of the same request."""
+    import numpy as np
+    sent: list = []
+    monkeypatch.setattr(transport, "send_frames", lambda sock, frames, copy: sent.append(frames))
+    ctx = zmq.Context()
+    peers = Peers(ctx, ["tcp://127.0.0.1:9"], SecurityConfig())
+    try:
+        a = np.arange(4, dtype=np.float32)
+        kw = {"clock": 5, "read_version": 3, "arrays": [a, np.zeros(0, np.float32)], "pull": True}
+        rid = peers.send(0, "push", rank=2, **kw)
+        assert [bytes(f) for f in sent[0]] == [bytes(f) for f in wire.encode("push", id=rid, rank=2, **kw)]
+        assert kw["clock"] == 5 and len(kw) == 4   # (the caller's dict is not the one taken apart)
+        rid = peers.send(0, "stats")
+        assert [bytes(f) for f in sent[1]] == [bytes(f) for f in wire.encode("stats", id=rid)]
+        assert peers.bytes_sent == sum(len(bytes(f)) for frames in sent for f in frames)
+    finally:
+        peers.close()
+        ctx.term()

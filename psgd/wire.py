@@ -114,6 +114,7 @@ REQUIRED: dict[str, tuple] = {
 _BASE = ("v", "op", "id", "rank", "clock", "arrays")
 _BASE_SET = frozenset(_BASE)
 _REPLY_TYPES = frozenset(OPS["reply"]["*"]) - {int}   # a reply field's types but int, whose range is asked (`_decode`)
+_LIMIT = 1 << 62   # the header's ints, and a field's, lie in [-_LIMIT, _LIMIT): what a peer keeps must encode again
 # ops that carry no arrays: any that come are refused (a parked pull kept them: memory
 # that `max_parked` did not bound)
 NO_ARRAYS = frozenset({"register", "heartbeat", "finish", "release", "layout", "eval", "status", "pull", "get_model",
@@ -280,8 +281,8 @@ def _check_field(op: str, name: str, value: Any) -> None:
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise WireError(BAD_FIELD, f"field {name!r} must be {'/'.join(t.__name__ for t in types)}, "
                                    f"got {type(value).__name__}")
-    if type(value) is int and not -(1 << 62) <= value < 1 << 62:   # as the header's own ints: a value a
-        raise WireError(BAD_FIELD, f"field {name!r} is out of range: {value}")  # peer keeps must encode again
+    if type(value) is int and not -_LIMIT <= value < _LIMIT:   # as the header's own ints
+        raise WireError(BAD_FIELD, f"field {name!r} is out of range: {value}")
 
 
 def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
@@ -304,12 +305,9 @@ def decode(frames: Sequence[Any], max_bytes: int = MAX_MESSAGE) -> Message:
     try:
         return _decode(h, head, frames, max_bytes)
     except WireError as e:
-        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 62:
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < _LIMIT:
             e.request_id = rid
         raise
-
-
-_LIMIT = 1 << 62   # the header's ints, and a field's, lie in [-_LIMIT, _LIMIT): what a peer keeps must encode again
 
 
 def _base_error(rid: Any, rank: Any, clock: Any) -> WireError:

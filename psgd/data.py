@@ -562,7 +562,28 @@ def batch_over_share(n: int, batch_size: int, counts: list[tuple[int, float]]) -
             f"or a larger dataset")
 
 
-class Batches:
+class Lookahead:
+    """A source of mini-batches whose next batch may be drawn before it is asked for
+    (`ahead`): the worker draws it while its request is on the way to the shards, not
+    after the answer, when its step waits for it. The batches and their order are the
+    same either way."""
+
+    _held: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        held, self._held = self._held, None
+        return held if held is not None else self._draw()
+
+    def ahead(self) -> None:
+        """Draw the next batch now (once: until `next` takes it)."""
+        if self._held is None:
+            self._held = self._draw()
+
+    def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class Batches(Lookahead):
     """Endless mini-batches over a partition, reshuffled every epoch from (seed, rank, epoch)."""
 
     def __init__(self, ds_x: torch.Tensor, ds_y: torch.Tensor, indices: np.ndarray,
@@ -578,7 +599,7 @@ class Batches:
         rng = np.random.default_rng([self.seed, self.rank, self.epoch])
         return self.idx[rng.permutation(len(self.idx))]
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
         if self.pos + self.batch_size > len(self._order):
             self.epoch += 1
@@ -595,6 +616,7 @@ class Batches:
         self.epoch, self.pos = divmod(steps, per_epoch)
         self.pos *= self.batch_size
         self._order = self._shuffle()
+        self._held = None
 
 
 class EpochSampler:
@@ -618,7 +640,7 @@ class EpochSampler:
         return len(self.idx)
 
 
-class LoaderBatches:
+class LoaderBatches(Lookahead):
     """Endless mini-batches of a torch Dataset's partition through a DataLoader
     (`loader_workers` processes; 0 = in this process), reshuffled every epoch."""
 
@@ -639,7 +661,7 @@ class LoaderBatches:
     def epoch(self) -> int:
         return self.sampler.epoch
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             x, y = next(self._it)
         except StopIteration:
@@ -656,6 +678,7 @@ class LoaderBatches:
         self.sampler.epoch, self.served = divmod(steps, len(self.sampler) // self.batch_size)
         self.sampler.skip = self.served * self.batch_size
         self._it = iter(self.loader)
+        self._held = None
 
     def _index(self, k: int) -> int:
         """The dataset's index of item k of the latest batch (its epoch's order drawn again)."""

@@ -66,19 +66,20 @@ class EventLog:
             raise output_error(e, self.path) from None
 
     def step(self, rank: int, step: int, clock: int, loss: float, samples: int, staleness: int, wait_s: float,
-             bytes_sent: int, bytes_recv: int, extra: dict) -> None:
+             bytes_sent: int, bytes_recv: int, extra: dict, at: float | None = None) -> None:
         """A worker's step line: `write(rank=..., step=..., ..., **extra)`, the same text,
         written out directly for the usual values (a step's line is written every step:
-        the JSON encoder's set-up cost more than the rest of the line)."""
+        the JSON encoder's set-up cost more than the rest of the line). `at`: when the
+        step ended (time.time(); default now)."""
         if self._f:
-            t = round(time.time(), 4)
+            t = round(time.time() if at is None else at, 4)
             line = None if self._role_text is None else step_text(
                 t, self._role_text, rank, step, clock, loss, samples, staleness, wait_s, bytes_sent, bytes_recv, extra)
             if line is None:
-                self.write(rank=rank, step=step, clock=clock, loss=loss, samples=samples, staleness=staleness,
-                           wait_s=wait_s, bytes_sent=bytes_sent, bytes_recv=bytes_recv, **extra)
-            else:
-                self._put(line)
+                line = json_line({"t": t, "role": self.role, "rank": rank, "step": step, "clock": clock, "loss": loss,
+                                  "samples": samples, "staleness": staleness, "wait_s": wait_s,
+                                  "bytes_sent": bytes_sent, "bytes_recv": bytes_recv, **extra})
+            self._put(line)
 
     def close(self) -> None:
         if self._f:

@@ -65,6 +65,25 @@ def test_batches_sought_to_a_step_continue_where_drawing_that_many_would(steps):
     assert [sought.next()[1].tolist() for _ in range(4)] == [drawn.next()[1].tolist() for _ in range(4)]
 
 
+def test_a_batch_drawn_ahead_is_the_next_one_and_a_seek_drops_it():
+    """`ahead` (the worker draws while its request travels) changes when a batch is
+    drawn, not which: the same batches in the same order, across epochs; a seek forgets
+    the one drawn ahead."""
+    x, y = torch.arange(10).float()[:, None], torch.arange(10)
+    plain, early = (Batches(x, y, np.arange(10), 4, seed=0, rank=1) for _ in range(2))
+    got = []
+    for k in range(7):
+        if k % 2:
+            early.ahead()
+            early.ahead()   # (once until taken)
+        got.append(early.next()[1].tolist())
+    assert got == [plain.next()[1].tolist() for _ in range(7)]
+    early.ahead()
+    early.seek(3)
+    plain.seek(3)
+    assert early.next()[1].tolist() == plain.next()[1].tolist()
+
+
 def write_cifar(folder, n=20, truncate=None):
     rec = np.zeros((n, 3073), np.uint8)
     rec[:, 0] = np.arange(n) % 10

@@ -438,3 +438,18 @@ def test_batches_sought_to_a_step_continue_where_drawing_that_many_would(loader_
     sought.seek(7)
     assert sought.epoch == drawn.epoch == 1
     assert read(sought, 6) == read(drawn, 6)
+
+
+@pytest.mark.unit
+def test_a_streamed_batch_drawn_ahead_is_the_next_one_and_a_seek_drops_it():
+    cfg = Config().replace(**{"data.name": "tests.test_streaming:small", "data.classes": 3})
+    ds = load_dataset(cfg.data)
+    part = partition(ds.train_size, 0, 2, seed=5)
+    plain, early = (ds.train_batches(part, 10, seed=5, rank=0) for _ in range(2))
+    for _ in range(4):
+        early.ahead()
+    assert read(early, 9) == read(plain, 9)
+    early.ahead()
+    early.seek(2)
+    plain.seek(2)
+    assert read(early, 3) == read(plain, 3)

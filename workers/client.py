@@ -87,6 +87,8 @@ class ParameterClient:
         self.retries = 0
         self.answered = 0     # requests answered: a step that made none does not end a run of refusals
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
+        # What the caller does while its requests are on their way: `finish` calls it before it waits
+        self.idle: Callable[[], None] | None = None
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
@@ -144,7 +146,9 @@ class ParameterClient:
         docstring, while the shards that owe one answer probes, or until a shard not live
         has not answered for `cluster.timeout_s`); the time spent here is `wait_s`, and
         only it counts towards the timeout (a request sent ahead may wait parked while
-        the worker computes)."""
+        the worker computes). `idle`, if set, is called first (not counted in `wait_s`)."""
+        if self.idle is not None:
+            self.idle()
         t0 = self._waiting_since = time.monotonic()
         timeout_s = self.cfg.cluster.timeout_s
         deadline = t0 + timeout_s

@@ -114,6 +114,7 @@ class Worker:
         self.trained_s = 0.0       # how long the job had trained when this process joined it
         self.logged: dict = {}     # the counters of the rank's earlier processes, from their step lines
         self.reported = False      # the coordinator has this process's finish (`_report_end`)
+        self.unwritten: tuple | None = None   # the latest step's line, until `write_line` (see `_steps`)
 
     # ------------------------------------------------------------ counters
     def stats(self) -> dict:
@@ -242,7 +243,11 @@ class Worker:
 
     def _steps(self, schedule) -> str:
         """Run the schedule until the budget ends, then settle what is in flight; the
-        reason if the worker must stop."""
+        reason if the worker must stop. While a step's request is on its way to the
+        shards the worker writes the step line before it and draws its next batch
+        (`between`): work that does not wait for the answer is not done after it, when
+        the next step waits for it."""
+        self.client.idle = self.between
         while self.more():
             if self.rejoin_if_dropped():
                 schedule.rejoin(self)
@@ -250,6 +255,11 @@ class Worker:
             if error:
                 return error
         return "" if self.left_behind() else self._attempt(schedule.finish)
+
+    def between(self) -> None:
+        """What the worker does while a request is on its way (`ParameterClient.idle`)."""
+        self.write_line()
+        self.batches.ahead()
 
     def _attempt(self, step) -> str:
         """One step. A refused one is counted and the caller goes on, unless it is the
@@ -314,6 +324,7 @@ class Worker:
     def _close(self, error: str) -> None:
         self.link.close()
         self.client.close()
+        self.write_line()
         self.events.close()
         if not error:
             log(self.name, f"finished {self.steps} steps, {self.samples} samples, {self.rejected} rejected")
@@ -394,8 +405,18 @@ class Worker:
         if self.cfg.faults.jitter_prob > 0:
             extra["jitter"] = self.jitter.delayed(self.clock - 1)
         client = self.client
-        self.events.step(self.rank, self.steps, self.clock, round(loss, 5), samples, staleness, round(wait_s, 5),
-                         client.bytes_sent, client.bytes_recv, extra)
+        self.write_line()   # (the one before, if no request has gone since: a local step's)
+        self.unwritten = (self.rank, self.steps, self.clock, round(loss, 5), samples, staleness, round(wait_s, 5),
+                          client.bytes_sent, client.bytes_recv, extra, time.time())
+        if client.idle is None:   # (not psgd's own loop: no request's wait writes it)
+            self.write_line()
+
+    def write_line(self) -> None:
+        """Write the latest step's line, if it is not yet: psgd's own loop writes it while
+        the next request is on its way (`between`), with the time the step ended."""
+        if self.unwritten is not None:
+            line, self.unwritten = self.unwritten, None
+            self.events.step(*line)
 
     def rejoin_if_dropped(self) -> bool:
         """After a partition the coordinator may have dropped us: rejoin with our rank,
@@ -413,6 +434,7 @@ class Worker:
         return set(self.link.state["live"])
 
     def event(self, **fields) -> None:
+        self.write_line()   # (in order)
         self.events.write(**fields)
 
     def note(self, text: str) -> None:

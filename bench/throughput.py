@@ -20,6 +20,10 @@ Parts (`--parts`, default all):
   and without (`ratio_async_noprefetch_vs_local`: a worker computes, then waits for its
   push+pull). The three share one plain loop per repeat.
 
+`--pin-cpus`: psgd's jobs with `cluster.pin_cpus = true` (each shard and worker on a CPU
+of its own, where they fit), and the baseline's processes each on a CPU of its own where
+psgd's are (not DDP's two ranks against psgd's three processes on two CPUs); the JSON
+says `pin_cpus: true`.
 Each ratio: the repeats (`--repeats`, 3) run psgd and its baseline interleaved, and the
 ratio is the median of the repeats' own ratios (the baseline's runs are not set apart
 from psgd's, so the machine's drifting load hits both alike).
@@ -133,9 +137,11 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
     return rows
 
 
-def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port) -> None:
+def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, pin) -> None:
     import torch
     torch.set_num_threads(1)
+    if pin:   # a CPU of its own, as psgd's processes it is compared with have theirs (`--pin-cpus`)
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     try:
         if backend:
             import torch.distributed as dist
@@ -149,14 +155,16 @@ def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port) -> Non
         q.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str | None, warmup: int) -> float:
-    """W processes of `train_loop` (DDP when `backend`), spawned; steady samples/s."""
+def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str | None, warmup: int,
+              pin: bool = False) -> float:
+    """W processes of `train_loop` (DDP when `backend`), spawned, each on a CPU of its own
+    if `pin`; steady samples/s."""
     from psgd.launcher import pick_port
     cfg = psgd_config(sets)
     port = pick_port("127.0.0.1", 29500, 1)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_loop_process, args=(q, cfg.to_dict(), r, world, steps, device, backend, port),
+    procs = [ctx.Process(target=_loop_process, args=(q, cfg.to_dict(), r, world, steps, device, backend, port, pin),
                          daemon=True) for r in range(world)]
     done = False
     try:
@@ -430,6 +438,8 @@ def main() -> None:
                     help="interleaved repeats of each side (ratios: the median of the repeats' ratios)")
     ap.add_argument("--steps-scale", type=number(float, 0, above=True), default=1.0,
                     help="multiply every run's steps")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="psgd with cluster.pin_cpus = true, and each baseline process on a CPU of its own too")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
     parts = set(a.parts or [p for p in PARTS if p != "phases" or a.device == "cpu"])
@@ -453,9 +463,14 @@ def main() -> None:
                         "steps_scale": a.steps_scale}
     t_start = time.monotonic()
 
+    if a.pin_cpus:
+        result["pin_cpus"] = True
+    from psgd.launcher import cpu_places
+
     def steps_of(model: str) -> tuple[list[str], int, int]:
         keys, steps, warm = MODELS[model]
-        return keys + COMMON + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
+        pin = ["cluster.pin_cpus=true"] if a.pin_cpus else []
+        return keys + COMMON + pin + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
 
     def paired(model: str, world: int, backend: str | None, base_label: str,
                variants: list[tuple[str, str, list[str]]]) -> None:
@@ -466,10 +481,12 @@ def main() -> None:
         baseline run apart from its psgd run measured another machine)."""
         sets, steps, warm = steps_of(model)
         base_runs, ours_runs = [], {key: [] for key, _, _ in variants}
+        # (the baseline's processes each on a CPU of its own where psgd's are: `--pin-cpus`)
+        pin = a.pin_cpus and all(cpu_places(psgd_config(sets + v))[0] for _, _, v in variants)
 
         def baseline() -> None:
             progress(f"{base_label} (repeat {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")
-            base_runs.append(run_loops(sets, world, steps, a.device, backend, warm))
+            base_runs.append(run_loops(sets, world, steps, a.device, backend, warm, pin))
 
         for i in range(a.repeats):
             if i % 2 == 0:

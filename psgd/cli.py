@@ -688,9 +688,10 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
         if hangup:
             signal.signal(signal.SIGHUP, _hang_up_daemon)
     if args.cmd in DAEMONS:
-        from .forkserver import end_with_launcher  # started by psgd run: it ends when psgd run does
+        from .forkserver import end_with_launcher, take_cpu  # started by psgd run: it ends when psgd run does
         end_with_launcher()
         if own_process:   # (not a caller's process: `main([...])` from Python keeps its threads and limits)
+            take_cpu()
             one_compute_thread()
             from .transport import raise_fd_limit  # (a worker's too: about 4 descriptors a shard)
             raise_fd_limit()

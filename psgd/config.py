@@ -40,8 +40,9 @@ MODES: tuple[str, ...] = consistency.NAMES
 # would be refused by that shard alone, which starts afresh beside the others resumed: a
 # model of two versions.
 SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
+CPU_ENV = "PSGD_CPU"   # the CPU that `psgd run` pins a daemon to (`cluster.pin_cpus`; psgd/forkserver.py `take_cpu`)
 ENV_OWN = ("PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK")   # a user's variables that are no setting
-ENV_RESERVED = {*ENV_OWN, "PSGD_STARTED_FILE", "PSGD_PARENT_PID", "PSGD_JOB_TOKEN", SET_CHECKED_ENV}
+ENV_RESERVED = {*ENV_OWN, "PSGD_STARTED_FILE", "PSGD_PARENT_PID", "PSGD_JOB_TOKEN", SET_CHECKED_ENV, CPU_ENV}
 
 
 class ConfigError(ValueError):
@@ -142,6 +143,7 @@ class ClusterConfig:
     evaluator: bool = True     # wait for an evaluator's final score before ending
     max_rejections: int = 10   # a worker stops after this many refused steps in a row
     fork: bool = True          # psgd run forks shards, workers, evaluator from one process with torch imported
+    pin_cpus: bool = False     # psgd run: each shard and worker (all its threads) on a CPU of its own, if they fit
 
 
 @dataclass(frozen=True)

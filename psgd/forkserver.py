@@ -38,6 +38,8 @@ import time
 import traceback
 from typing import IO
 
+from .config import CPU_ENV
+
 # What a daemon imports before it does anything (torch most of all).
 PRELOAD = ("torch", "numpy", "zmq", "msgpack", "psgd.cli", "psgd.shard", "psgd.models", "psgd.data",
            "psgd.servers.shard_server", "psgd.workers.worker", "psgd.workers.evaluator")
@@ -66,6 +68,21 @@ def end_with_launcher() -> None:
     it: the launcher's pid); nothing for one started otherwise (by hand, Slurm, Compose)."""
     if os.environ.get(PARENT_ENV, "").isdigit():
         exit_with_parent(int(os.environ[PARENT_ENV]))
+
+
+def take_cpu() -> None:
+    """Pin this process to the CPU that `psgd run` gave it (CPU_ENV: `cluster.pin_cpus`,
+    `launcher.cpu_places`), before it starts a thread: the ones it starts later (ZeroMQ's
+    I/O thread, the heartbeats) share it. A CPU it may not use is said, and left."""
+    cpu = os.environ.get(CPU_ENV, "")
+    if not cpu.isdigit():
+        return
+    try:
+        os.sched_setaffinity(0, {int(cpu)})
+    except (AttributeError, OSError, ValueError) as e:
+        from .log import log
+        log("psgd", f"could not pin this process to CPU {cpu} (cluster.pin_cpus): {e}; it runs where the system "
+                    f"puts it")
 
 
 class ForkServerError(RuntimeError):

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
+from .config import CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
@@ -112,6 +112,42 @@ def busy_processes(cfg: Config) -> tuple[int, str]:
     if c.evaluator:
         parts.append("an evaluator")
     return c.servers + c.workers + int(c.evaluator), ", ".join(parts)
+
+
+def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
+               cpus: list[int] | None = None) -> tuple[dict[str, int], str]:
+    """Where `cluster.pin_cpus` puts the job's shards and workers: each process, with all
+    its threads, on one CPU of those this process may use (`server-I` and `worker-R` ->
+    the CPU), and what `psgd run` says of it ('' if nothing). A process's ZeroMQ I/O
+    thread then shares its CPU: a message hands over between the two threads without
+    waking a CPU that sleeps (docs/performance.md, "Where the time of a step goes").
+    Pinned only where each gets a CPU of its own and computes on one thread
+    (OMP_NUM_THREADS 1), and not a training script's workers (`--script`: the script's
+    process, its threads and loaders are the user's). `threads`: the daemons'
+    OMP_NUM_THREADS."""
+    if not cfg.cluster.pin_cpus:
+        return {}, ""
+    if cpus is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):   # (not Linux)
+            return {}, "cluster.pin_cpus: this system cannot pin a process to a CPU; nothing is pinned"
+    c = cfg.cluster
+    names = [f"server-{i}" for i in range(c.servers)] + [f"worker-{r}" for r in range(c.workers)]
+    if script:
+        return {}, "cluster.pin_cpus: a training script's workers are not pinned, so neither are the shards"
+    if threads != "1":
+        return {}, (f"cluster.pin_cpus: OMP_NUM_THREADS={threads}: a process that computes "
+                    f"on several threads is not pinned to one CPU; nothing is pinned")
+    if cfg.data.loader_workers > 0:
+        return {}, ("cluster.pin_cpus: data.loader_workers > 0: a worker's loader processes would share its CPU; "
+                    "nothing is pinned")
+    if len(names) > len(cpus):
+        return {}, (f"cluster.pin_cpus: {c.servers} shard{'s' * (c.servers != 1)} and {c.workers} "
+                    f"worker{'s' * (c.workers != 1)} on {len(cpus)} CPU{'s' * (len(cpus) != 1)}: each needs a "
+                    f"CPU of its own; nothing is pinned")
+    places = dict(zip(names, cpus, strict=False))
+    return places, f"cluster.pin_cpus: shards and workers on CPUs {', '.join(map(str, places.values()))}, one each"
 
 
 def oversubscribed(cfg: Config, cores: int | None = None) -> str:
@@ -762,6 +798,12 @@ class LocalJob:
             specs += [self._worker_spec(r) for r in range(c.workers)]
         if c.evaluator:
             specs.append(self._spec("evaluator", 0, "--device", self.device))
+        places, said = cpu_places(self.cfg, bool(self.script), self.env.get("OMP_NUM_THREADS", ""))
+        if said and not self.quiet:
+            log("run", said)
+        for child in specs:
+            if child.name in places:
+                child.env = {**(child.env or self.env), CPU_ENV: str(places[child.name])}
         # The fork server's import of torch before the coordinator starts: the coordinator
         # waits cluster.timeout_s from its start for every worker, and that import took
         # 30 s of its 60 on a busy 2-core machine (12 workers), up to READY_S on a busier one.

@@ -607,7 +607,8 @@ class Batches(Lookahead):
             self._order = self._shuffle()
         sel = torch.from_numpy(self._order[self.pos:self.pos + self.batch_size])
         self.pos += self.batch_size
-        return self.x[sel], self.y[sel]
+        # (x[sel]'s values: index_select is one op, advanced indexing several a call)
+        return torch.index_select(self.x, 0, sel), torch.index_select(self.y, 0, sel)
 
     def seek(self, steps: int) -> None:
         """Continue as if `steps` batches had been drawn: where a rank's earlier process

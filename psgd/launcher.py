@@ -132,10 +132,10 @@ def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
             cpus = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):   # (not Linux)
             return {}, "cluster.pin_cpus: this system cannot pin a process to a CPU; nothing is pinned"
-    c = cfg.cluster
-    names = [f"server-{i}" for i in range(c.servers)] + [f"worker-{r}" for r in range(c.workers)]
     if script:
         return {}, "cluster.pin_cpus: a training script's workers are not pinned, so neither are the shards"
+    c = cfg.cluster
+    names = [f"server-{i}" for i in range(c.servers)] + [f"worker-{r}" for r in range(c.workers)]
     if threads != "1":
         return {}, (f"cluster.pin_cpus: OMP_NUM_THREADS={threads}: a process that computes "
                     f"on several threads is not pinned to one CPU; nothing is pinned")
@@ -799,7 +799,7 @@ class LocalJob:
         if c.evaluator:
             specs.append(self._spec("evaluator", 0, "--device", self.device))
         places, said = cpu_places(self.cfg, bool(self.script), self.env.get("OMP_NUM_THREADS", ""))
-        if said and not self.quiet:
+        if said and not (places and self.quiet):   # (why nothing is pinned is said, as a warning is)
             log("run", said)
         for child in specs:
             if child.name in places:

@@ -484,7 +484,8 @@ def validate(cfg: Config) -> None:
                 _check(not isinstance(x, float) or math.isfinite(x), f"{key} must be finite, got {v}")
                 _check(not isinstance(x, int) or -WIRE_INT < x < WIRE_INT,
                        f"{key} must be below 2**62 in magnitude (the coordinator sends the config to every "
-                       f"daemon, and the wire's integers stop there), got {v}")
+                       f"daemon, and the wire's integers stop there), got {v}"
+                       f"{f' ({float(v):g})' if isinstance(v, int) and abs(v) >= 10 ** 15 else ''}")
     _check(m.name in MODES, f"mode.name must be one of {', '.join(MODES)}, got {m.name!r}")
     _check(c.servers >= 1, f"cluster.servers must be >= 1, got {c.servers}")
     _check(cfg.wire.dtype in WIRE_DTYPES,

@@ -219,6 +219,7 @@ def test_values_that_failed_every_daemon_after_the_start_are_one_error_before_it
 @pytest.mark.parametrize("item,says", [
     ("train.steps=inf", "--set train.steps=inf: train.steps: expected an integer, got inf"),
     ("train.steps=1e20", "train.steps must be below 2**62 in magnitude"),
+    ("eval.batch_size=1e30", "got 1000000000000000019884624838656 (1e+30)"),   # (the int it was read as, and so)
     ("cluster.max_rejections=99999999999999999999", "cluster.max_rejections must be below 2**62 in magnitude"),
     ("mode.staleness=1e20", "mode.staleness must be below 2**62 in magnitude"),
 ])

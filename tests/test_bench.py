@@ -128,6 +128,25 @@ def test_throughput_part_that_fails_leaves_the_others_measured() -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
+def test_throughput_pins_a_baseline_only_where_psgds_processes_are_pinned() -> None:
+    """`--pin-cpus` on two CPUs: psgd's W = 1 S = 1 jobs fit (one CPU each), so the plain
+    loop is pinned too; psgd's W = 2 S = 1 job does not (three processes), so DDP's two
+    ranks are not (pinned against psgd unpinned, DDP had an edge of its own)."""
+    patch = ("import os, sys\nos.sched_getaffinity = lambda pid: {0, 1}\n"
+             "def loops(sets, world, steps, device, backend, warmup, pin=False):\n"
+             "    print('baseline', world, pin, file=sys.stderr)\n    return 100.0\n"
+             "def ours(sets, work, name, warmup, device):\n"
+             "    print('psgd', name, 'cluster.pin_cpus=true' in sets, file=sys.stderr)\n    return 50.0\n"
+             "m.run_loops, m.psgd_rate = loops, ours\n")
+    r = _main_with("throughput", patch, ["--parts", "ddp,local", "--models", "mlp", "--repeats", "1", "--pin-cpus"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = {line for line in r.stderr.splitlines() if line.startswith(("baseline", "psgd "))}
+    assert said == {"baseline 2 False", "baseline 1 True", "psgd vs_ddp_small True", "psgd vs_local True"}, said
+    assert json.loads(r.stdout.splitlines()[-1])["pin_cpus"] is True
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
 def test_throughput_startup_runs_on_the_benchmarks_device() -> None:
     """A review: the startup part ran `psgd run` with its default --device (auto: the GPU
     where there is one), whatever the benchmark's --device, which its JSON names."""

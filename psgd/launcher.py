@@ -114,11 +114,31 @@ def busy_processes(cfg: Config) -> tuple[int, str]:
     return c.servers + c.workers + int(c.evaluator), ", ".join(parts)
 
 
+def one_a_core_first(cpus: list[int], topology: str = "/sys/devices/system/cpu") -> list[int]:
+    """`cpus` with one hardware thread of each core first, then the second of each, and so
+    on (Linux's topology files: package and core of each CPU; as given where they cannot be
+    read): two pinned processes share a core's execution units only where there are more
+    of them than cores."""
+    def read(cpu: int, name: str) -> str:
+        with open(os.path.join(topology, f"cpu{cpu}", "topology", name)) as f:
+            return f.read().strip()
+    taken: dict[tuple[str, str], int] = {}   # (package, core) -> its threads listed so far
+    order = []
+    for k, cpu in enumerate(cpus):
+        try:
+            core = (read(cpu, "physical_package_id"), read(cpu, "core_id"))
+        except OSError:
+            return list(cpus)
+        order.append((taken.get(core, 0), k, cpu))
+        taken[core] = taken.get(core, 0) + 1
+    return [cpu for *_, cpu in sorted(order)]
+
+
 def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
                cpus: list[int] | None = None) -> tuple[dict[str, int], str]:
     """Where `cluster.pin_cpus` puts the job's shards and workers: each process, with all
-    its threads, on one CPU of those this process may use (`server-I` and `worker-R` ->
-    the CPU), and what `psgd run` says of it ('' if nothing). A process's ZeroMQ I/O
+    its threads, on one CPU of those this process may use, on cores of their own first
+    (`server-I` and `worker-R` -> the CPU), and what `psgd run` says of it ('' if nothing). A process's ZeroMQ I/O
     thread then shares its CPU: a message hands over between the two threads without
     waking a CPU that sleeps (docs/performance.md, "Where the time of a step goes").
     Pinned only where each gets a CPU of its own and computes on one thread
@@ -129,7 +149,7 @@ def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
         return {}, ""
     if cpus is None:
         try:
-            cpus = sorted(os.sched_getaffinity(0))
+            cpus = one_a_core_first(sorted(os.sched_getaffinity(0)))
         except (AttributeError, OSError):   # (not Linux)
             return {}, "cluster.pin_cpus: this system cannot pin a process to a CPU; nothing is pinned"
     if script:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from psgd.config import CPU_ENV, load
-from psgd.launcher import cpu_places, run_local
+from psgd.launcher import cpu_places, one_a_core_first, run_local
 
 
 def cfg_of(*sets: str):
@@ -44,6 +44,23 @@ def test_where_they_do_not_each_fit_on_one_cpu_nothing_is_pinned_and_it_is_said(
 
 
 @pytest.mark.unit
+def test_cores_of_their_own_first_then_their_second_threads(tmp_path):
+    """Two hardware threads a core, listed as siblings (0/1, 2/3: some VMs and AMD) or as
+    halves (0-3 then 4-7: Intel): pinned processes take one thread of each core first."""
+    def topology(cores: dict[int, int]) -> str:
+        root = tmp_path / f"t{len(list(tmp_path.iterdir()))}"
+        for cpu, core in cores.items():
+            (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+            (root / f"cpu{cpu}" / "topology" / "physical_package_id").write_text("0\n")
+            (root / f"cpu{cpu}" / "topology" / "core_id").write_text(f"{core}\n")
+        return str(root)
+    assert one_a_core_first([0, 1, 2, 3], topology({0: 0, 1: 0, 2: 1, 3: 1})) == [0, 2, 1, 3]
+    assert one_a_core_first([0, 1, 2, 3], topology({0: 0, 1: 1, 2: 0, 3: 1})) == [0, 1, 2, 3]
+    assert one_a_core_first([1, 2, 3], topology({1: 0, 2: 1, 3: 1})) == [1, 2, 3]
+    assert one_a_core_first([0, 1], str(tmp_path / "none")) == [0, 1]   # (no topology: as given)
+
+
+@pytest.mark.unit
 def test_off_by_default():
     assert cpu_places(load(None, [], env={}), cpus=list(range(64))) == ({}, "")
 
@@ -69,7 +86,7 @@ def test_a_daemon_takes_the_cpu_it_is_given_and_says_when_it_cannot():
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_psgd_run_pins_its_shard_and_worker_with_all_their_threads(port_block, tmp_path):
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = one_a_core_first(sorted(os.sched_getaffinity(0)))
     cfg = load(None, [f"cluster.port={port_block(2)}", "cluster.pin_cpus=true", "cluster.workers=1",
                       "cluster.servers=1", "cluster.evaluator=false", "train.steps=0", "train.seconds=4"], env={})
     seen: dict[str, set] = {}

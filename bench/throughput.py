@@ -140,8 +140,9 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
 def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, pin) -> None:
     import torch
     torch.set_num_threads(1)
-    if pin:   # a CPU of its own, as psgd's processes it is compared with have theirs (`--pin-cpus`)
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    if pin:   # a CPU of its own, in the order psgd's processes it is compared with take theirs (`--pin-cpus`)
+        from psgd.launcher import one_a_core_first
+        os.sched_setaffinity(0, {one_a_core_first(sorted(os.sched_getaffinity(0)))[rank]})
     try:
         if backend:
             import torch.distributed as dist

@@ -136,32 +136,31 @@ def one_a_core_first(cpus: list[int], topology: str = "/sys/devices/system/cpu")
 
 def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
                cpus: list[int] | None = None) -> tuple[dict[str, int], str]:
-    """Where `cluster.pin_cpus` puts the job's shards and workers: each process, with all
-    its threads, on one CPU of those this process may use, on cores of their own first
-    (`server-I` and `worker-R` -> the CPU), and what `psgd run` says of it ('' if nothing). A process's ZeroMQ I/O
-    thread then shares its CPU: a message hands over between the two threads without
-    waking a CPU that sleeps (docs/performance.md, "Where the time of a step goes").
-    Pinned only where each gets a CPU of its own and computes on one thread
-    (OMP_NUM_THREADS 1), and not a training script's workers (`--script`: the script's
-    process, its threads and loaders are the user's). `threads`: the daemons'
-    OMP_NUM_THREADS."""
+    """Where `cluster.pin_cpus` puts the job's shards and workers (`server-I` and
+    `worker-R` -> a CPU), and what `psgd run` says of it ('' if nothing): each process,
+    with all its threads, on one CPU of those this process may use, on cores of their own
+    first. A process's ZeroMQ I/O thread then shares its CPU: a message hands over between
+    the two threads without waking a CPU that sleeps (docs/performance.md, "Where the time
+    of a step goes"). Pinned only where each gets a CPU of its own and computes on one
+    thread (`threads`: the daemons' OMP_NUM_THREADS), and not a training script's workers
+    (`--script`: the script's process, its threads and loaders are the user's)."""
     if not cfg.cluster.pin_cpus:
         return {}, ""
-    if cpus is None:
-        try:
-            cpus = one_a_core_first(sorted(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):   # (not Linux)
-            return {}, "cluster.pin_cpus: this system cannot pin a process to a CPU; nothing is pinned"
     if script:
         return {}, "cluster.pin_cpus: a training script's workers are not pinned, so neither are the shards"
-    c = cfg.cluster
-    names = [f"server-{i}" for i in range(c.servers)] + [f"worker-{r}" for r in range(c.workers)]
     if threads != "1":
         return {}, (f"cluster.pin_cpus: OMP_NUM_THREADS={threads}: a process that computes "
                     f"on several threads is not pinned to one CPU; nothing is pinned")
     if cfg.data.loader_workers > 0:
         return {}, ("cluster.pin_cpus: data.loader_workers > 0: a worker's loader processes would share its CPU; "
                     "nothing is pinned")
+    if cpus is None:
+        try:
+            cpus = one_a_core_first(sorted(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):   # (not Linux)
+            return {}, "cluster.pin_cpus: this system cannot pin a process to a CPU; nothing is pinned"
+    c = cfg.cluster
+    names = [f"server-{i}" for i in range(c.servers)] + [f"worker-{r}" for r in range(c.workers)]
     if len(names) > len(cpus):
         return {}, (f"cluster.pin_cpus: {c.servers} shard{'s' * (c.servers != 1)} and {c.workers} "
                     f"worker{'s' * (c.workers != 1)} on {len(cpus)} CPU{'s' * (len(cpus) != 1)}: each needs a "

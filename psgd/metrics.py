@@ -55,9 +55,10 @@ class EventLog:
             except OSError as e:
                 raise output_error(e, e.filename or self.path) from None
 
-    def write(self, **fields: Any) -> None:
+    def write(self, at: float | None = None, **fields: Any) -> None:
+        """A line of `fields` at time `at` (time.time(); default now)."""
         if self._f:
-            self._put(json_line({"t": round(time.time(), 4), "role": self.role, **fields}))
+            self._put(json_line({"t": round(time.time() if at is None else at, 4), "role": self.role, **fields}))
 
     def _put(self, line: str) -> None:
         try:
@@ -76,10 +77,10 @@ class EventLog:
             line = None if self._role_text is None else step_text(
                 t, self._role_text, rank, step, clock, loss, samples, staleness, wait_s, bytes_sent, bytes_recv, extra)
             if line is None:
-                line = json_line({"t": t, "role": self.role, "rank": rank, "step": step, "clock": clock, "loss": loss,
-                                  "samples": samples, "staleness": staleness, "wait_s": wait_s,
-                                  "bytes_sent": bytes_sent, "bytes_recv": bytes_recv, **extra})
-            self._put(line)
+                self.write(at, rank=rank, step=step, clock=clock, loss=loss, samples=samples, staleness=staleness,
+                           wait_s=wait_s, bytes_sent=bytes_sent, bytes_recv=bytes_recv, **extra)
+            else:
+                self._put(line)
 
     def close(self) -> None:
         if self._f:

@@ -171,12 +171,13 @@ LINE_PER_PUSH_MODES = ("sync", "ssp", "async")
 # A step line's staleness, and the extra fields that say its push was not applied, as
 # EventLog.write and Worker.log_step write them (a line written otherwise is decoded).
 _STEP_TAU = re.compile(r', "staleness": (\d+), ')
-_NOT_APPLIED = ('"dropped": true', '"pushed": false', '"refused": true')
+_NOT_APPLIED = ('"dropped": true', '"pushed": false', '"refused": true', '"duplicate": true')
 
 
 def _applied_tau(line: str) -> int | None:
     """The staleness of a step line's push if the shards applied it (not `dropped`, not a
-    step that pushed nothing, `pushed: false`, not `refused`); None otherwise."""
+    step that pushed nothing, `pushed: false`, not `refused`, not another process's,
+    `duplicate`); None otherwise."""
     m = _STEP_TAU.search(line)
     if m and line.startswith('{"t": '):
         return None if any(s in line for s in _NOT_APPLIED) else int(m[1])
@@ -186,7 +187,7 @@ def _applied_tau(line: str) -> int | None:
         return None
     tau = d.get("staleness") if isinstance(d, dict) else None
     if not isinstance(tau, int) or isinstance(tau, bool) or d.get("dropped") is True \
-            or d.get("pushed") is False or d.get("refused") is True:
+            or d.get("pushed") is False or d.get("refused") is True or d.get("duplicate") is True:
         return None
     return tau
 

@@ -103,7 +103,7 @@ def test_a_parked_request_is_answered_when_its_step_closes_not_at_the_next_resen
             out: dict = {}
 
             def rank_0() -> None:
-                out["pulled"] = clients[0].push_pull(0, params, buffers, [0])[1]
+                out["pushed"], out["pulled"] = clients[0].push_pull(0, params, buffers, [0])
                 out["t"] = time.monotonic()
 
             t = threading.Thread(target=rank_0)
@@ -117,6 +117,9 @@ def test_a_parked_request_is_answered_when_its_step_closes_not_at_the_next_resen
             # sent again at 2 s (the shard not probed before); at 2 + 4 s (the window doubles) the
             # same shard process, on the same connection, holds it: waited for, not sent again
             assert clients[0].retries == 1
+            # its answer is marked so: had the resend's come first, its `duplicate` would be
+            # this process's push, applied (tests/test_duplicate_push.py)
+            assert out["pushed"][0].get("resent") is True
             for c in clients:
                 c.close()
         finally:

@@ -62,6 +62,7 @@ class InFlight:
     out: list
     cancel: Callable[[], bool] | None
     sent_at: dict[int, float]   # shard -> when its request (or its resend) was last sent (monotonic)
+    repeat: bool = False        # a push this process sent before (a resend, or a refused step's again)
 
     def take(self, got: dict[int, wire.Message]) -> None:
         for rid, m in got.items():
@@ -94,6 +95,7 @@ class ParameterClient:
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
         # shard -> (its incarnation, when a probe's answer first said it: monotonic), from `_probe`
         self._incarnations: dict[int, tuple[str, float]] = {}
+        self._pushed_to = -1   # the latest clock this process pushed (`begin_push_pull`)
 
     def _wire(self, kind: str, shard: int, t: torch.Tensor, clock: int) -> torch.Tensor:
         """A params-sized float32 vector in `wire.dtype`, converted into a buffer reused
@@ -198,6 +200,8 @@ class ParameterClient:
                         time.sleep(backoff)
                         backoff = min(4.0, backoff * 2)
                     self.retries += bool(again)   # (a window that resends nothing is a wait, not a retry)
+                    if again:
+                        f.repeat = True
                     # A resend goes with copies of its arrays: the answer that ends this wait may
                     # be an earlier send's while the resend still waits in ZeroMQ's queue, and the
                     # caller's next step rewrites the buffers the frames would be read from (the
@@ -324,7 +328,11 @@ class ParameterClient:
             if pull:
                 fields["pull"] = True
             reqs.append((i, "push", fields))
-        return self.begin(reqs)
+        f = self.begin(reqs)
+        if grads is not None:
+            f.repeat = clock <= self._pushed_to   # (a step refused by a shard, tried again)
+            self._pushed_to = max(self._pushed_to, clock)
+        return f
 
     def _finite_before_residuals(self, grads: list[torch.Tensor], clock: int) -> None:
         """A gradient with NaN or Inf is not compressed: it would stay in the error-feedback
@@ -350,7 +358,9 @@ class ParameterClient:
     def finish_push_pull(self, f: InFlight) -> tuple[list[wire.Message], list[wire.Message]]:
         """(the pushes' answers, the pulls' answers), one each per shard (or none). A push
         that also read has one answer: the read's, with the push's answer in its field
-        `push`."""
+        `push`. A push this process had sent before (`InFlight.repeat`) has its answers
+        marked `resent`: a shard's `duplicate` is then this process's push, applied
+        (`pushpull.acknowledged`)."""
         answers = self.finish(f)
         pushed, pulled = [], []
         for (_, op, kw), m in zip(f.reqs, answers, strict=True):
@@ -361,6 +371,8 @@ class ParameterClient:
                 pulled.append(m)
             else:
                 pushed.append(m)
+        if f.repeat:
+            pushed = [wire.Message(m.op, m.id, m.rank, m.clock, {**m.fields, "resent": True}) for m in pushed]
         return pushed, pulled
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pushpull import finite_or_diverged, load, own_update
+from .pushpull import counted, finite_or_diverged, load, own_update, step_flags
 from .rule import Answer, Read, Trainer
-from .ssp import SspRule, SspSchedule, counted
+from .ssp import SspRule, SspSchedule
 from .staleness import delay_compensate, lr_scale
 
 READS = 2  # DC-ASGD copies kept per worker: the read a gradient is computed on, and one in flight
@@ -211,9 +211,10 @@ class AsyncSchedule(SspSchedule):
         inflight, self.inflight = self.inflight, None
         w0 = w.client.wait_s
         pushed, pulled = w.client.finish_push_pull(inflight)
+        extra = {"pushed": False}
         if pushed:
-            self.last_tau = counted(w, pushed)[0]
+            self.last_tau, dropped, theirs = counted(w, pushed)
+            extra = {"dropped": True, **step_flags(theirs, False)} if dropped else step_flags(theirs, False)
         if pulled:
             self.versions = load(w, pulled)
-        extra = {} if self.inflight_pushed else {"pushed": False}
         w.log_step(self.last_tau, w.client.wait_s - w0, self.inflight_step, **extra)

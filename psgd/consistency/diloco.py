@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from .. import wire
 from ..config import OptimizerConfig
-from .pushpull import caught_up, load
+from .pushpull import caught_up, counted, load, step_flags
 from .rule import Diverged, Schedule, Trainer, local_step, make_local_optimizer
 from .sync import SyncRule
 
@@ -85,8 +85,8 @@ class DilocoSchedule(Schedule):
         if w.clock % h:
             w.log_step(0, 0.0)
             return
-        tau, wait, dropped = self.exchange(w, w.clock // h - 1, logged=True)
-        w.log_step(tau, wait, dropped=dropped)
+        tau, wait, dropped, theirs = self.exchange(w, w.clock // h - 1, logged=True)
+        w.log_step(tau, wait, dropped=dropped, **step_flags(theirs, False))
 
     def finish(self, w: Trainer) -> None:
         """The budget ended inside a round: push that shorter round too."""
@@ -94,8 +94,10 @@ class DilocoSchedule(Schedule):
             self.exchange(w, w.clock // self.cfg.mode.local_steps, catch_up=False)
 
     def exchange(self, w: Trainer, round_: int, catch_up: bool = True,
-                 logged: bool = False) -> tuple[int, float, bool]:
-        """Push this round's pseudo-gradient, pull the next round's global model.
+                 logged: bool = False) -> tuple[int, float, bool, bool]:
+        """Push this round's pseudo-gradient, pull the next round's global model; the
+        push's staleness, the wait, and whether it was dropped or another process's
+        (`counted`).
         `logged`: the exchange ends a step (the round's last), whose line is written here
         when the shards refuse it: the step happened locally (its clock and samples
         count), only its exchange was refused (`refused: true`; the worker counts it in
@@ -110,9 +112,6 @@ class DilocoSchedule(Schedule):
                 w.log_step(0, w.client.wait_s - w0, dropped=False, refused=True)
             self.rejoin(w)
             raise
-        tau = max(int(m.get("staleness", 0)) for m in pushed)
-        dropped = any(bool(m.get("dropped")) for m in pushed)
-        if not dropped and not any(m.get("duplicate") for m in pushed):
-            w.hist.add(tau)
+        tau, dropped, theirs = counted(w, pushed)
         self.begin_round(w, pulled, catch_up)
-        return tau, w.client.wait_s - w0, dropped
+        return tau, w.client.wait_s - w0, dropped, theirs

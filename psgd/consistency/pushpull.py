@@ -51,34 +51,58 @@ class PushPullSchedule(Schedule):
             pushed, pulled = w.client.push(w.clock, grads, buffers, self.versions), []
         else:
             pushed, pulled = w.client.push_pull(w.clock, grads, buffers, self.versions)
-        tau, dropped, duplicate = acknowledged(pushed)
-        if not (dropped or duplicate):
-            w.hist.add(tau)
+        tau, dropped, theirs = counted(w, pushed)
         if cached:
             own_update(w)
             w.clock += 1
         else:
             w.clock = self.next_clock(w.clock, pulled)
             self.loaded(w, pulled)
-        if cached:
-            w.log_step(tau, w.client.wait_s - w0, dropped=dropped, cached=True)
-        else:
-            w.log_step(tau, w.client.wait_s - w0, dropped=dropped)
+        w.log_step(tau, w.client.wait_s - w0, dropped=dropped, **step_flags(theirs, cached))
 
 
 def acknowledged(pushed: list[Any]) -> tuple[int, bool, bool]:
     """The shards' answers to a push (at least one): (its staleness, the largest of
-    theirs; did a shard drop it as late; did one have it already). One pass over the
-    answers' fields: every step of every worker reads them."""
+    theirs; did a shard drop it as late; was it another process's: every shard had this
+    rank's push of this clock already, and none from a resend of this very request
+    (`ParameterClient.finish_push_pull` marks those answers `resent`), so nothing of this
+    one was applied: a restarted worker repeating a clock that its rank's earlier process
+    pushed). A shard that had it from this process's own earlier send (a resend after a
+    shard restored a checkpoint holding it, a step refused by another shard and tried
+    again) applied it: it counts. One pass over the answers' fields: every step of every
+    worker reads them."""
     taus = []
-    dropped = duplicate = False
+    dropped = False
+    theirs = True
     for m in pushed:
         taus.append(int(m.get("staleness", 0)))
         if m.get("dropped"):
             dropped = True
-        if m.get("duplicate"):
-            duplicate = True
-    return max(taus), dropped, duplicate
+        if theirs and (not m.get("duplicate") or m.get("resent")):
+            theirs = False
+    return max(taus), dropped, theirs
+
+
+def counted(w: Trainer, pushed: list[Any]) -> tuple[int, bool, bool]:
+    """`acknowledged`, the push's staleness added to the worker's histogram where the
+    shards applied it: not dropped, not another process's. The step line says which
+    (`dropped`, and `step_flags`), so that the lines and the histogram count the same
+    pushes (a new process for a rank credits its earlier ones' from their lines)."""
+    tau, dropped, theirs = acknowledged(pushed)
+    if not (dropped or theirs):
+        w.hist.add(tau)
+    return tau, dropped, theirs
+
+
+def step_flags(theirs: bool, cached: bool) -> dict[str, Any]:
+    """A step line's optional fields: `duplicate` (the push was another process's:
+    `acknowledged`), `cached` (the step read no model: ssp's client cache, prefetch)."""
+    if not (theirs or cached):
+        return _NONE
+    return {**({"duplicate": True} if theirs else {}), **({"cached": True} if cached else {})}
+
+
+_NONE: dict[str, Any] = {}
 
 
 def load(w: Trainer, answers: list[Any]) -> list[int]:

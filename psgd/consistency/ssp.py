@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .clock import ClockTable, live_key
-from .pushpull import PushPullSchedule, acknowledged, finite_or_diverged, load, own_update
+from .pushpull import PushPullSchedule, counted, finite_or_diverged, load, own_update, step_flags
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
 
@@ -189,16 +189,6 @@ def gated_over(answers: list, live: set[int]) -> frozenset[int]:
 _view_key = functools.lru_cache(maxsize=64)(live_key)
 
 
-def counted(w: Trainer, pushed: list) -> tuple[int, bool]:
-    """A push's staleness (the largest of the shards' answers), added to the worker's
-    histogram unless a shard had the push already (a resend: counted when first applied)
-    or dropped it (`SspRule.from_before_leaving`); and whether one dropped it."""
-    tau, dropped, duplicate = acknowledged(pushed)
-    if not (dropped or duplicate):
-        w.hist.add(tau)
-    return tau, dropped
-
-
 class SspSchedule(PushPullSchedule):
     """Push+pull every step, or, with `mode.cache` or `mode.prefetch`, the model the
     worker has (its own updates applied, `own_update`) serves its next step while the
@@ -267,7 +257,7 @@ class SspSchedule(PushPullSchedule):
 
     def settled(self, w: Trainer, f: Any, w0: float, cached: bool, step: tuple[float, int] | None = None) -> None:
         pushed, pulled = w.client.finish_push_pull(f)
-        tau, dropped = counted(w, pushed)
+        tau, dropped, theirs = counted(w, pushed)
         if pulled:
             self.loaded(w, pulled)
-        w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **({"cached": True} if cached else {}))
+        w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, cached))

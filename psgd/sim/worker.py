@@ -62,6 +62,7 @@ class Flight:
     error: Exception | None = None
     waiting: bool = False        # the worker is blocked on it
     closed: bool = False         # the worker stopped waiting (an error, a cancel): later answers are dropped
+    repeat: bool = False         # a push this process sent before (`InFlight.repeat`)
 
     @property
     def ops(self) -> list[str]:

@@ -566,18 +566,29 @@ class Lookahead:
     """A source of mini-batches whose next batch may be drawn before it is asked for
     (`ahead`): the worker draws it while its request is on the way to the shards, not
     after the answer, when its step waits for it. The batches and their order are the
-    same either way."""
+    same either way, and so is the step a draw's error ends: `ahead` keeps it for the
+    `next` that would have drawn that batch (raised while the request travelled, it
+    ended the job with the step's push sent and its line unwritten)."""
 
     _held: tuple[torch.Tensor, torch.Tensor] | None = None
+    _failed: Exception | None = None
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         held, self._held = self._held, None
-        return held if held is not None else self._draw()
+        if held is not None:
+            return held
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+        return self._draw()
 
     def ahead(self) -> None:
         """Draw the next batch now (once: until `next` takes it)."""
-        if self._held is None:
-            self._held = self._draw()
+        if self._held is None and self._failed is None:
+            try:
+                self._held = self._draw()
+            except Exception as e:   # (a DataError, most likely: the next step's, raised by `next`)
+                self._failed = e
 
     def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -617,7 +628,7 @@ class Batches(Lookahead):
         self.epoch, self.pos = divmod(steps, per_epoch)
         self.pos *= self.batch_size
         self._order = self._shuffle()
-        self._held = None
+        self._held = self._failed = None
 
 
 class EpochSampler:
@@ -679,7 +690,7 @@ class LoaderBatches(Lookahead):
         self.sampler.epoch, self.served = divmod(steps, len(self.sampler) // self.batch_size)
         self.sampler.skip = self.served * self.batch_size
         self._it = iter(self.loader)
-        self._held = None
+        self._held = self._failed = None
 
     def _index(self, k: int) -> int:
         """The dataset's index of item k of the latest batch (its epoch's order drawn again)."""

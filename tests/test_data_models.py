@@ -84,6 +84,26 @@ def test_a_batch_drawn_ahead_is_the_next_one_and_a_seek_drops_it():
     assert early.next()[1].tolist() == plain.next()[1].tolist()
 
 
+def test_an_error_drawing_ahead_is_raised_by_the_next_that_takes_that_batch():
+    """A batch that fails to draw while the request travels fails the next step, not
+    the one whose request is on its way (its push sent, its line not yet written)."""
+    class Failing(Batches):
+        def _draw(self):
+            if self.pos >= 8:
+                raise DataError("the source went away")
+            return super()._draw()
+    x, y = torch.arange(20).float()[:, None], torch.arange(20)
+    b = Failing(x, y, np.arange(20), 4, seed=0, rank=0)
+    b.next(), b.next()
+    b.ahead()                       # the third batch: fails, kept
+    b.ahead()                       # (not drawn again)
+    with pytest.raises(DataError, match="went away"):
+        b.next()
+    b.ahead()
+    b.seek(0)                       # a seek forgets a failure too
+    assert b.next()[1].tolist() == Failing(x, y, np.arange(20), 4, seed=0, rank=0).next()[1].tolist()
+
+
 def write_cifar(folder, n=20, truncate=None):
     rec = np.zeros((n, 3073), np.uint8)
     rec[:, 0] = np.arange(n) % 10

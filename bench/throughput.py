@@ -24,6 +24,11 @@ Parts (`--parts`, default all):
 of its own, where they fit), and the baseline's processes each on a CPU of its own where
 psgd's are (not DDP's two ranks against psgd's three processes on two CPUs); the JSON
 says `pin_cpus: true`.
+Both sides compute with denormal floats flushed to zero (`train.flush_denormal`, psgd's
+default; the JSON's `flush_denormal`): unflushed, the plain loop, timed over at least a
+second (about 3,000 MLP steps), ran into the momentum buffer's denormals, which psgd's
+600 steps do not reach, and the ratios against it overstated psgd by about a fifth.
+`--no-flush-denormal` runs both sides unflushed.
 Each ratio: the repeats (`--repeats`, 3) run psgd and its baseline interleaved, and the
 ratio is the median of the repeats' own ratios (the baseline's runs are not set apart
 from psgd's, so the machine's drifting load hits both alike).
@@ -108,33 +113,34 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
     from psgd.config import Config
     from psgd.data import Batches, load_dataset, partition
     from psgd.models import build_model
-    from psgd.optim import make_optimizer
+    from psgd.optim import denormals_flushed, make_optimizer
     cfg = Config.from_dict(cfg_dict)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-    ds = load_dataset(cfg.data, cfg.job.seed)
-    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden).to(dev)
-    torch.manual_seed(cfg.job.seed * 1000 + rank)
-    if ddp:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
-    part = partition(len(ds.train_y), rank, world, cfg.job.seed)
-    batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, rank)
-    model.train()
-    rows, samples, step = [], 0, 0
-    while step < steps or (not ddp and time.time() - rows[0]["t"] < min_s):
-        step += 1
-        x, y = batches.next()
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        opt.zero_grad(set_to_none=False)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        float(loss.item())
-        samples += len(y)
-        rows.append({"t": time.time(), "step": step, "samples": samples, "rank": rank})
-    return rows
+    with denormals_flushed(cfg.train.flush_denormal):   # as psgd's workers and shards compute (its config)
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", rank % torch.cuda.device_count())
+        ds = load_dataset(cfg.data, cfg.job.seed)
+        model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden).to(dev)
+        torch.manual_seed(cfg.job.seed * 1000 + rank)
+        if ddp:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
+        part = partition(len(ds.train_y), rank, world, cfg.job.seed)
+        batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, rank)
+        model.train()
+        rows, samples, step = [], 0, 0
+        while step < steps or (not ddp and time.time() - rows[0]["t"] < min_s):
+            step += 1
+            x, y = batches.next()
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            opt.zero_grad(set_to_none=False)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            float(loss.item())
+            samples += len(y)
+            rows.append({"t": time.time(), "step": step, "samples": samples, "rank": rank})
+        return rows
 
 
 def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, pin) -> None:
@@ -441,6 +447,8 @@ def main() -> None:
                     help="multiply every run's steps")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="psgd with cluster.pin_cpus = true, and each baseline process on a CPU of its own too")
+    ap.add_argument("--no-flush-denormal", dest="flush_denormal", action="store_false",
+                    help="psgd and the baselines with train.flush_denormal = false (denormal floats computed on)")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
     parts = set(a.parts or [p for p in PARTS if p != "phases" or a.device == "cpu"])
@@ -461,7 +469,7 @@ def main() -> None:
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
     rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend, "workers": a.workers,
                         "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
-                        "steps_scale": a.steps_scale}
+                        "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal}
     t_start = time.monotonic()
 
     if a.pin_cpus:
@@ -470,8 +478,9 @@ def main() -> None:
 
     def steps_of(model: str) -> tuple[list[str], int, int]:
         keys, steps, warm = MODELS[model]
-        pin = ["cluster.pin_cpus=true"] if a.pin_cpus else []
-        return keys + COMMON + pin + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
+        extra = ["cluster.pin_cpus=true"] if a.pin_cpus else []
+        extra += [] if a.flush_denormal else ["train.flush_denormal=false"]
+        return keys + COMMON + extra + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
 
     def paired(model: str, world: int, backend: str | None, base_label: str,
                variants: list[tuple[str, str, list[str]]]) -> None:

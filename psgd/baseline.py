@@ -32,7 +32,7 @@ from .config import Config
 from .data import load_dataset, partition
 from .metrics import rate, write_json_atomic
 from .models import build_model
-from .optim import lr_at, make_optimizer, set_lr
+from .optim import flush_denormals, lr_at, make_optimizer, set_lr
 from .replica import Replica, pick_device
 
 EVALS_PER_RUN = 50
@@ -55,6 +55,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
     old_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
+    flushed = flush_denormals(cfg.train.flush_denormal)   # as the workers and shards compute
     try:
         ds = load_dataset(cfg.data, cfg.job.seed)
         model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, cfg.job.seed, cfg.model.hidden)
@@ -113,6 +114,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             evaluate(final=True)
     finally:
         torch.set_num_threads(old_threads)
+        flush_denormals(flushed)
 
     target = cfg.eval.target_accuracy
     reached = [e["t"] for e in evals if e["accuracy"] >= target]

@@ -128,6 +128,7 @@ class TrainConfig:
     steps: int = 300           # per worker; 0 = no step limit
     seconds: float = 0.0       # per worker; 0 = no time limit
     batch_size: int = 32       # per worker
+    flush_denormal: bool = True   # workers and shards compute with denormal floats as zero (optim.denormals_flushed)
 
 
 @dataclass(frozen=True)

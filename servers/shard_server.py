@@ -32,6 +32,7 @@ from psgd.config import SET_CHECKED_ENV, Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
 from psgd.metrics import writer_gone
+from psgd.optim import flush_denormals
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
 
@@ -272,6 +273,7 @@ class ShardServer:
         shard.busy = lambda: service.busy_s
         seen_version, last_ckpt = (-1, None), time.monotonic()
         code = 0
+        flushed = flush_denormals(cfg.train.flush_denormal)   # (the shard's updates: `denormals_flushed`)
         try:
             while True:
                 # The membership first: a restarted shard learns the live workers' clocks
@@ -301,6 +303,7 @@ class ShardServer:
                     code = 1
                     break
         finally:
+            flush_denormals(flushed)
             try:
                 self._final_checkpoint(shard, ckpt)
             finally:   # (also when it fails: a full disk left the heartbeats going and the port bound)

@@ -147,6 +147,25 @@ def test_throughput_pins_a_baseline_only_where_psgds_processes_are_pinned() -> N
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag, flushed", [([], True), (["--no-flush-denormal"], False)])
+def test_throughput_flushes_denormals_on_both_sides_or_on_neither(flag, flushed) -> None:
+    """Its baselines and psgd's jobs take one config, so one `train.flush_denormal`: the
+    plain loop computed on denormals that psgd's shorter runs never reached."""
+    patch = ("import sys\n"
+             "def loops(sets, world, steps, device, backend, warmup, pin=False):\n"
+             "    print('baseline', 'train.flush_denormal=false' not in sets, file=sys.stderr)\n    return 100.0\n"
+             "def ours(sets, work, name, warmup, device):\n"
+             "    print('psgd', 'train.flush_denormal=false' not in sets, file=sys.stderr)\n    return 50.0\n"
+             "m.run_loops, m.psgd_rate = loops, ours\n")
+    r = _main_with("throughput", patch, ["--parts", "local", "--models", "mlp", "--repeats", "1", *flag])
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = {line for line in r.stderr.splitlines() if line.startswith(("baseline", "psgd "))}
+    assert said == {f"baseline {flushed}", f"psgd {flushed}"}, said
+    assert json.loads(r.stdout.splitlines()[-1])["flush_denormal"] is flushed
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
 def test_throughput_startup_runs_on_the_benchmarks_device() -> None:
     """A review: the startup part ran `psgd run` with its default --device (auto: the GPU
     where there is one), whatever the benchmark's --device, which its JSON names."""

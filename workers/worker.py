@@ -38,7 +38,7 @@ from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink
 from psgd.metrics import EventLog, PidFile, earlier_lives
 from psgd.models import build_model
-from psgd.optim import make_optimizer
+from psgd.optim import denormals_flushed, make_optimizer
 from psgd.replica import Replica, check_device
 from psgd.sharding import model_layout
 from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
@@ -137,7 +137,7 @@ class Worker:
         cfg = self.join(model)
         if (cfg.data, cfg.model, cfg.job) != (self.cfg0.data, self.cfg0.model, self.cfg0.job):
             ds, model = self._build(cfg)
-        with PidFile(self.out, "worker", self.rank):
+        with PidFile(self.out, "worker", self.rank), denormals_flushed(cfg.train.flush_denormal):
             return self._train(cfg, ds, model)
 
     def join(self, model: nn.Module) -> Config:

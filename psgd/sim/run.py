@@ -32,6 +32,7 @@ from ..consistency import get as get_mode
 from ..data import Dataset, StreamingDataset, check_partitions, load_dataset, permutation, worker_part
 from ..metrics import json_line, summarize, write_json_atomic
 from ..models import build_model
+from ..optim import flush_denormals
 from ..replica import Replica, pick_device
 from ..workers.client import ParameterClient
 from .engine import Loop, Network, Node, few_collections
@@ -420,6 +421,7 @@ class Simulation:
     def _run(self) -> dict:
         old_threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        flushed = flush_denormals(self.cfg.train.flush_denormal)   # as a real job's workers and shards
         try:
             self.log.append({"t": 0.0, "role": "coordinator", "event": "start", "workers": len(self.workers),
                              "simulated": True})
@@ -437,6 +439,7 @@ class Simulation:
             for w in self.workers:
                 w.proc.abandon()
             torch.set_num_threads(old_threads)
+            flush_denormals(flushed)
         return self.summary()
 
     def spill(self) -> None:

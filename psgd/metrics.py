@@ -171,7 +171,8 @@ LINE_PER_PUSH_MODES = ("sync", "ssp", "async")
 # A step line's staleness, and the extra fields that say its push was not applied, as
 # EventLog.write and Worker.log_step write them (a line written otherwise is decoded).
 _STEP_TAU = re.compile(r', "staleness": (\d+), ')
-_NOT_APPLIED = ('"dropped": true', '"pushed": false', '"refused": true', '"duplicate": true')
+_NOT_APPLIED_FIELDS = {"dropped": True, "pushed": False, "refused": True, "duplicate": True}
+_NOT_APPLIED = tuple(f'"{k}": {"true" if v else "false"}' for k, v in _NOT_APPLIED_FIELDS.items())   # as written
 
 
 def _applied_tau(line: str) -> int | None:
@@ -186,8 +187,7 @@ def _applied_tau(line: str) -> int | None:
     except ValueError:
         return None
     tau = d.get("staleness") if isinstance(d, dict) else None
-    if not isinstance(tau, int) or isinstance(tau, bool) or d.get("dropped") is True \
-            or d.get("pushed") is False or d.get("refused") is True or d.get("duplicate") is True:
+    if not isinstance(tau, int) or isinstance(tau, bool) or any(d.get(k) is v for k, v in _NOT_APPLIED_FIELDS.items()):
         return None
     return tau
 

@@ -214,7 +214,9 @@ class AsyncSchedule(SspSchedule):
         extra = {"pushed": False}
         if pushed:
             self.last_tau, dropped, theirs = counted(w, pushed)
-            extra = {"dropped": True, **step_flags(theirs, False)} if dropped else step_flags(theirs, False)
+            extra = step_flags(theirs, False)
+            if dropped:
+                extra = {"dropped": True, **extra}
         if pulled:
             self.versions = load(w, pulled)
         w.log_step(self.last_tau, w.client.wait_s - w0, self.inflight_step, **extra)

@@ -28,7 +28,8 @@ Both sides compute with denormal floats flushed to zero (`train.flush_denormal`,
 default; the JSON's `flush_denormal`): unflushed, the plain loop, timed over at least a
 second (about 3,000 MLP steps), ran into the momentum buffer's denormals, which psgd's
 600 steps do not reach, and the ratios against it overstated psgd by about a fifth.
-`--no-flush-denormal` runs both sides unflushed.
+`--no-flush-denormal` runs both sides unflushed. `--no-local-lane`: psgd's workers reach
+their shard over ZeroMQ only (`cluster.local_lane = false`; the JSON's `local_lane`).
 Each ratio: the repeats (`--repeats`, 3) run psgd and its baseline interleaved, and the
 ratio is the median of the repeats' own ratios (the baseline's runs are not set apart
 from psgd's, so the machine's drifting load hits both alike).
@@ -449,6 +450,8 @@ def main() -> None:
                     help="psgd with cluster.pin_cpus = true, and each baseline process on a CPU of its own too")
     ap.add_argument("--no-flush-denormal", dest="flush_denormal", action="store_false",
                     help="psgd and the baselines with train.flush_denormal = false (denormal floats computed on)")
+    ap.add_argument("--no-local-lane", dest="local_lane", action="store_false",
+                    help="psgd with cluster.local_lane = false (its workers reach the shards over ZeroMQ only)")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
     parts = set(a.parts or [p for p in PARTS if p != "phases" or a.device == "cpu"])
@@ -469,7 +472,8 @@ def main() -> None:
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
     rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend, "workers": a.workers,
                         "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
-                        "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal}
+                        "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal,
+                        "local_lane": a.local_lane}
     t_start = time.monotonic()
 
     if a.pin_cpus:
@@ -480,6 +484,7 @@ def main() -> None:
         keys, steps, warm = MODELS[model]
         extra = ["cluster.pin_cpus=true"] if a.pin_cpus else []
         extra += [] if a.flush_denormal else ["train.flush_denormal=false"]
+        extra += [] if a.local_lane else ["cluster.local_lane=false"]
         return keys + COMMON + extra + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
 
     def paired(model: str, world: int, backend: str | None, base_label: str,

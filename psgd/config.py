@@ -145,6 +145,7 @@ class ClusterConfig:
     max_rejections: int = 10   # a worker stops after this many refused steps in a row
     fork: bool = True          # psgd run forks shards, workers, evaluator from one process with torch imported
     pin_cpus: bool = False     # psgd run: each shard and worker (all its threads) on a CPU of its own, if they fit
+    local_lane: bool = True    # a worker and a shard on one host talk over a Unix socket, not ZeroMQ (psgd.lane)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import zmq
 
+from . import lane as lanes
 from . import wire
 from .config import ConfigError, SecurityConfig
 from .log import log
@@ -114,6 +115,12 @@ SERVER_HANDSHAKE_S = 10.0
 # hard limit allows: enough for tens of thousands of peers, and not a hard limit of 2^30
 # (some containers) that code closing every possible descriptor would walk.
 FD_LIMIT = 1 << 16
+# A client's send on a same-host lane waits at most this long for room (its daemon is not
+# reading: stopped, or far behind); then the lane is closed and the request goes over ZeroMQ.
+LANE_SEND_S = 1.0
+# A client tries to open a peer's lane at most this often (a daemon on another host, or
+# not up yet, has none: the attempt is one failed connect(2)).
+LANE_RETRY_S = 1.0
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -387,10 +394,16 @@ class Peers:
 
     _ids = itertools.count(1)
 
-    def __init__(self, ctx: zmq.Context, addresses: Sequence[str], security: SecurityConfig):
+    def __init__(self, ctx: zmq.Context, addresses: Sequence[str], security: SecurityConfig, lane: bool = False):
+        """`lane`: send a request on the peer's same-host lane (psgd.lane) where there is
+        one and the request fits it; never with CurveZMQ (a lane has no handshake)."""
         self.addresses = list(addresses)
         self.security = security
         self.ctx = ctx
+        self.lane = lane and not security.curve
+        self.lanes: list[lanes.Conn | None] = [None for _ in self.addresses]   # each peer's lane, if open
+        self._lane_peer: dict[int, int] = {}   # an open lane's descriptor -> its peer
+        self._lane_at = [0.0 for _ in self.addresses]   # time.monotonic() when `send` may next try to open one
         self.socks, self.monitors = [], []   # each peer's socket, and its handshakes' monitor (see `refused`)
         for a in self.addresses:
             sock, monitor = self._open(a)
@@ -419,6 +432,7 @@ class Peers:
     def reconnect(self, i: int) -> None:
         """Drop pending traffic to peer i and open a fresh connection."""
         self._close(i)
+        self._lane_at[i] = 0.0   # (a lane too, at the next send)
         self._pollers.clear()   # (they hold the closed socket)
         self.socks[i], self.monitors[i] = self._open(self.addresses[i])
         self.why[i] = ""
@@ -446,9 +460,45 @@ class Peers:
         # (`kw` is this call's own dict: the header's fields are taken out of it, not spread
         # into `wire.encode`'s keywords and collected again)
         frames = wire.encode_with(op, rid, kw.pop("rank", -1), kw.pop("clock", -1), kw.pop("arrays", ()), kw)
-        self.bytes_sent += sum(map(len, frames))   # (bytes, and byte views: len is their size)
+        size = sum(map(len, frames))   # (bytes, and byte views: len is their size)
+        self.bytes_sent += size
+        if self.lane:
+            conn = self.lanes[i] or self._open_lane(i)
+            if conn is not None and size + 4 * (len(frames) + 1) <= conn.max_message:
+                try:
+                    conn.send(frames, LANE_SEND_S)   # (written whole: nothing of the caller's is read later)
+                    return rid
+                except lanes.LaneError:
+                    self._close_lane(i)   # (and the request goes over ZeroMQ)
         send_frames(self.socks[i], frames, copy)
         return rid
+
+    def _open_lane(self, i: int) -> lanes.Conn | None:
+        """Peer i's lane, if it has one now (tried at most every LANE_RETRY_S)."""
+        now = time.monotonic()
+        if now < self._lane_at[i]:
+            return None
+        self._lane_at[i] = now + LANE_RETRY_S
+        conn = lanes.connect(self.addresses[i])
+        if conn is not None:
+            self.lanes[i] = conn
+            self._lane_peer[conn.fd] = i
+            self._pollers.clear()   # (they poll the peer's lane too)
+        return conn
+
+    def _close_lane(self, i: int) -> None:
+        """Close peer i's lane: what it carried may be lost, as on a connection made again
+        (`handshook`)."""
+        conn = self.lanes[i]
+        if conn is None:
+            return
+        self.lanes[i] = None
+        del self._lane_peer[conn.fd]
+        self._pollers.clear()
+        conn.close()
+        now = time.monotonic()
+        self.handshook[i] = now
+        self._lane_at[i] = now + LANE_RETRY_S
 
     def wait(self, pending: dict[int, int], timeout: float, what: str,
              cancel: Callable[[], bool] | None = None) -> dict[int, wire.Message]:
@@ -460,12 +510,14 @@ class Peers:
         deadline = start + timeout
         polled = False
         peers = frozenset(pending.values())
-        poller = self._pollers.get(peers)
-        if poller is None:   # (one a set of peers, kept: a step's wait does not build and register one)
-            poller = self._pollers[peers] = zmq.Poller()
-            for i in peers:
-                poller.register(self.socks[i], _POLLIN)
         while len(got) < len(pending):
+            poller = self._pollers.get(peers)
+            if poller is None:   # (one a set of peers, kept: a step's wait does not build and register one)
+                poller = self._pollers[peers] = zmq.Poller()
+                for i in peers:
+                    poller.register(self.socks[i], _POLLIN)
+                    if self.lanes[i] is not None:
+                        poller.register(cast(lanes.Conn, self.lanes[i]).fd, _POLLIN)
             now = time.monotonic()
             if now >= self._read_monitors_at:   # (a comparison a poll; the reads, once a second at most)
                 self._read_monitors_at = now + MONITOR_READ_S
@@ -483,6 +535,9 @@ class Peers:
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
             for sock, _ in poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
+                if type(sock) is int:   # a lane's descriptor
+                    self._read_lane(self._lane_peer.get(sock, -1), pending, got)
+                    continue
                 more = True   # (POLLIN: a whole message waits; `readable` asks for each next one)
                 while more:
                     try:
@@ -490,15 +545,33 @@ class Peers:
                     except zmq.Again:   # (none after all: polled again)
                         break
                     more = readable(sock)
-                    self.bytes_recv += sum(map(len, frames))   # (a Frame's len is its size: no memoryview made)
-                    try:
-                        msg = wire.decode(frames)
-                    except wire.WireError:
-                        continue  # a garbled reply is dropped; the deadline covers it
-                    if msg.id in pending and msg.id not in got:
-                        wire.raise_if_error(msg, self.addresses[pending[msg.id]])
-                        got[msg.id] = msg
+                    self._take(frames, pending, got)
         return got
+
+    def _read_lane(self, i: int, pending: dict[int, int], got: dict[int, wire.Message]) -> None:
+        """Take the answers that have come on peer i's lane (as `wait` does the socket's)."""
+        conn = self.lanes[i] if i >= 0 else None
+        if conn is None:   # (closed since the poll)
+            return
+        try:
+            messages = conn.messages(wire.MAX_MESSAGE)
+        except lanes.LaneError:
+            self._close_lane(i)
+            return
+        for frames in messages:
+            self._take(frames, pending, got)
+
+    def _take(self, frames: list, pending: dict[int, int], got: dict[int, wire.Message]) -> None:
+        """An answer's frames: into `got` if it is one `pending` waits for (an error reply
+        raises its RemoteError); a garbled one is dropped (the deadline covers it)."""
+        self.bytes_recv += sum(map(len, frames))   # (a Frame's len is its size: no memoryview made)
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError:
+            return
+        if msg.id in pending and msg.id not in got:
+            wire.raise_if_error(msg, self.addresses[pending[msg.id]])
+            got[msg.id] = msg
 
     def call(self, i: int, op: str, timeout: float, what: str = "", cancel: Callable[[], bool] | None = None,
              **kw: Any) -> wire.Message:
@@ -518,6 +591,7 @@ class Peers:
     def close(self) -> None:
         for i in range(len(self.socks)):
             self._close(i)
+            self._close_lane(i)
 
 
 Reply = tuple[Hashable, list]             # (routing identity, frames)
@@ -545,8 +619,10 @@ class Service:
 
     def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
                  max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None,
-                 sent: Callable[[], None] | None = None, role: str = ""):
-        """`sent`, when given, is called after the replies of each event have been handed
+                 sent: Callable[[], None] | None = None, role: str = "", lane: lanes.Listener | None = None):
+        """`lane`, when given, is where same-host clients connect (psgd.lane): their requests
+        are served as the socket's, under a routing token of their own (an int), and
+        answered on their lane. `sent`, when given, is called after the replies of each event have been handed
         to ZeroMQ; `in_flight` then says whether ZeroMQ may still read any of their frames.
         `name` is what error replies call the daemon ("the coordinator", "shard 0"), `role`
         what its log lines do (`server-0`; default: `name` without its "the ")."""
@@ -572,6 +648,11 @@ class Service:
         self._out_of_fds = 0          # checks in a row that found none (0: it has them)
         self._fds_back = 0            # checks in a row that found one since the log said it had none
         self._say_fds_at = 0.0        # time.monotonic() from which the log may say it again
+        self.lane = lane
+        self._lanes: dict[int, lanes.Conn] = {}       # the lanes open to it, by descriptor
+        self._lane_of: dict[int, lanes.Conn] = {}     # ... by routing token
+        if lane is not None:
+            self.poller.register(lane.fd, zmq.POLLIN)
 
     BAD_LOG_S = 60.0   # the log says bad messages at most once this often
     FDS_CHECK_S = 1.0  # how often `poll` checks that the process has a descriptor free
@@ -600,8 +681,12 @@ class Service:
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
-        if self.poller.poll(timeout_ms):
-            self.drain()
+        events = self.poller.poll(timeout_ms)
+        if events:
+            if self.lane is None:
+                self.drain()
+            else:
+                self._on_events(events)
         now = time.monotonic()
         if self._unsaid and now >= self._say_bad_at:
             self._say_bad()
@@ -660,6 +745,58 @@ class Service:
             if time.monotonic() > until:
                 return
 
+    def _on_events(self, events: list) -> None:
+        """Serve the socket's messages, new lanes and the lanes' messages (`poll`)."""
+        for what, event in events:
+            if what is self.sock:
+                self.drain()
+            elif what == cast(lanes.Listener, self.lane).fd:
+                while (conn := cast(lanes.Listener, self.lane).accept()) is not None:
+                    self._lanes[conn.fd] = self._lane_of[conn.ident] = conn
+                    self.poller.register(conn.fd, zmq.POLLIN)
+            elif (conn := self._lanes.get(what)) is not None:
+                try:
+                    if event & zmq.POLLOUT and not conn.flush():
+                        self.poller.register(conn.fd, zmq.POLLIN)   # (all written: readable only)
+                    if event & (zmq.POLLIN | zmq.POLLERR):
+                        for frames in conn.messages(self.max_bytes):
+                            t0 = time.thread_time()
+                            self.send(self._serve(conn.ident, frames))
+                            self.busy_s += time.thread_time() - t0
+                except lanes.LaneError as e:
+                    self._close_lane(conn, e)
+
+    def _close_lane(self, conn: lanes.Conn, why: lanes.LaneError) -> None:
+        if self._lanes.pop(conn.fd, None) is None:
+            return
+        del self._lane_of[conn.ident]
+        self.poller.unregister(conn.fd)
+        conn.close()
+        if why.bad:
+            self._bad(f"a lane closed: {why}")
+
+    def _offer(self, ident: int, frames: list) -> None:
+        """Answer on lane `ident`, if it is still open (a closed one has nobody to answer)."""
+        conn = self._lane_of.get(ident)
+        if conn is None:
+            return
+        try:
+            conn.offer(frames, copy=self.sent is None)   # (kept as views only where `in_flight` is asked)
+        except lanes.LaneError as e:
+            self._close_lane(conn, e)
+            return
+        if conn.queued:   # the rest when the socket is writable
+            self.poller.register(conn.fd, zmq.POLLIN | zmq.POLLOUT)
+
+    def close_lanes(self) -> None:
+        """Stop taking lanes, and close those open."""
+        for conn in list(self._lanes.values()):
+            self._close_lane(conn, lanes.LaneError("the daemon stopped"))
+        if self.lane is not None:
+            self.poller.unregister(self.lane.fd)
+            self.lane.close()
+            self.lane = None
+
     def _serve(self, ident: Hashable, body: list) -> list[Reply]:
         req_id, op = 0, "?"
         try:
@@ -685,6 +822,9 @@ class Service:
         # items is copied below its bytes' threshold, never shared where pyzmq would copy it)
         copied_below = sock.copy_threshold
         for ident, frames in replies:
+            if type(ident) is int:   # (a lane's token: ZeroMQ's are bytes)
+                self._offer(ident, frames)
+                continue
             try:
                 if self.sent is None:
                     self.sock.send_multipart([ident] + frames, copy=False)
@@ -729,7 +869,8 @@ class Service:
         return len(held)
 
     def in_flight(self) -> bool:
-        """May ZeroMQ still read a frame of a reply already sent? (Frames below
-        COPY_THRESHOLD were copied at send; larger ones are read until their tracker is done.)"""
+        """May ZeroMQ, or a lane, still read a frame of a reply already sent? (Frames below
+        COPY_THRESHOLD were copied at send; larger ones are read until their tracker is
+        done; a lane's, until the kernel took the rest of them: `lanes.Conn.queued`.)"""
         self._trackers = [t for t in self._trackers if not t.done]
-        return bool(self._trackers)
+        return bool(self._trackers) or any(conn.queued for conn in self._lanes.values())

@@ -26,6 +26,7 @@ import time
 import torch
 import zmq
 
+from psgd import lane as lanes
 from psgd import layout as layouts
 from psgd import wire
 from psgd.config import SET_CHECKED_ENV, Config
@@ -267,8 +268,13 @@ class ShardServer:
                 signal.signal(signal.SIGINT, self._on_sigterm)
         except ValueError:  # not the main thread (in-process tests)
             pass
+        listener = None
+        if cfg.cluster.local_lane and not cfg.security.curve and lanes.name(address) is not None:
+            listener = lanes.Listener.open(address)
+            if listener is None:   # (the name taken: a daemon of the same address in this network namespace)
+                log(self.name, f"cannot listen for same-host lanes to {address}: its workers reach it over ZeroMQ")
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
-                          sent=shard.sent, role=self.name)
+                          sent=shard.sent, role=self.name, lane=listener)
         shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
         shard.busy = lambda: service.busy_s
         seen_version, last_ckpt = (-1, None), time.monotonic()
@@ -308,6 +314,7 @@ class ShardServer:
                 self._final_checkpoint(shard, ckpt)
             finally:   # (also when it fails: a full disk left the heartbeats going and the port bound)
                 link.close()  # the heartbeats and the socket of its calls (the layout): ctx.term() waits for them
+                service.close_lanes()
                 sock.close(0)
                 stop_auth(self.ctx)
         return code

@@ -1,0 +1,296 @@
+"""The same-host lane (psgd.lane): wire frames over a Unix stream socket between a client
+and a daemon on one host. Its framing read whole from any split of the bytes; a broken
+or oversized message, or a peer that does not read, closes that lane and counts a bad
+message, and the daemon serves on; answers that nothing holds any more reuse their
+memory, and held ones are never written over; a client whose lane fails goes on over
+ZeroMQ; a real shard serves a worker's steps on its lane; CurveZMQ jobs take none."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from psgd import lane, wire
+from psgd.config import Config, SecurityConfig
+from psgd.inprocess import InProcessCluster
+from psgd.transport import Peers, PeerTimeout, Service, server_socket
+from psgd.workers.client import ParameterClient
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def pair() -> tuple[lane.Conn, lane.Conn]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return lane.Conn(a), lane.Conn(b)
+
+
+def read_all(conn: lane.Conn, want: int, max_bytes: int = wire.MAX_MESSAGE) -> list:
+    got: list = []
+    until = time.monotonic() + 5
+    while len(got) < want and time.monotonic() < until:
+        got += conn.messages(max_bytes)
+    return got
+
+
+def push_frames(values: np.ndarray, rid: int = 1) -> list:
+    return wire.encode_with("push", rid, 0, 3, [values], {"pull": True, "read_version": 2})
+
+
+@pytest.mark.unit
+def test_messages_are_read_whole_from_any_split_of_their_bytes():
+    a, b = pair()
+    values = np.arange(1000, dtype=np.float32)
+    raw = b"".join(bytes(v) for frames in (push_frames(values), [b"x", b"", b"yz"]) for v in lane.Conn._packed(frames))
+    got: list = []
+    for k in range(0, len(raw), 7):    # 7 bytes at a time: every part of the framing cut somewhere
+        a.sock.sendall(raw[k:k + 7])
+        got += b.messages(wire.MAX_MESSAGE)
+    assert len(got) == 2
+    assert np.array_equal(wire.decode(got[0]).arrays[0], values)
+    assert [bytes(f) for f in got[1]] == [b"x", b"", b"yz"]
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_a_message_decodes_as_zeromqs_and_several_come_in_one_read():
+    a, b = pair()
+    values = np.arange(5000, dtype=np.float32)
+    for rid in (1, 2, 3):
+        a.send(push_frames(values + rid, rid), 1.0)
+    msgs = read_all(b, 3)
+    assert len(msgs) == 3
+    for rid, frames in zip((1, 2, 3), msgs, strict=True):
+        m = wire.decode(frames)
+        assert (m.op, m.id, m.clock) == ("push", rid, 3)
+        assert np.array_equal(m.arrays[0], values + rid)
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_a_held_answers_memory_is_not_written_over_and_a_free_ones_is_read_into_again():
+    a, b = pair()
+    values = np.arange(3000, dtype=np.float32)
+    a.send(push_frames(values, 1), 1.0)
+    held = wire.decode(read_all(b, 1)[0])
+    first = held.arrays[0]
+    for rid in (2, 3, 4):
+        a.send(push_frames(values * 0 - rid, rid), 1.0)
+        wire.decode(read_all(b, 1)[0])   # (dropped at once: its memory is free again)
+    assert np.array_equal(first, values)  # the held one intact
+    assert len(b._spare) < lane.SPARE     # the free ones were read into again, not one new buffer each
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("head, bad, why", [
+    (struct.pack("<I", 0), True, "0 frames"),
+    (struct.pack("<I", lane.MAX_FRAMES + 1), True, f"{lane.MAX_FRAMES + 1} frames"),
+    (struct.pack("<II", 1, 1 << 20), True, "at most 1000"),
+])
+def test_a_broken_message_ends_the_lane_as_a_bad_one(head, bad, why):
+    a, b = pair()
+    a.sock.sendall(head)
+    with pytest.raises(lane.LaneError, match=why) as e:
+        read_all(b, 1, max_bytes=1000)
+    assert e.value.bad is bad
+    with pytest.raises(lane.LaneError):   # and stays ended
+        b.messages(1000)
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_messages_complete_before_the_peer_closed_are_read_first():
+    a, b = pair()
+    a.send([b"one"], 1.0)
+    a.send([b"two"], 1.0)
+    a.close()
+    assert [bytes(m[0]) for m in b.messages(100)] == [b"one", b"two"]
+    with pytest.raises(lane.LaneError, match="closed") as e:
+        b.messages(100)
+    assert not e.value.bad
+    b.close()
+
+
+@pytest.mark.unit
+def test_a_daemons_answers_wait_for_room_and_a_peer_that_never_reads_ends_its_lane():
+    a, b = pair()
+    b.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)   # (the kernel's least)
+    big = np.ones(50_000, np.uint8)
+    b.offer([b"h", big], copy=True)   # more than the kernel takes: the rest kept, copied
+    assert b.queued
+    big[:] = 7                        # the caller's memory may change at once
+    got = []
+    until = time.monotonic() + 5
+    while (b.queued or not got) and time.monotonic() < until:
+        got += a.messages(wire.MAX_MESSAGE)
+        b.flush()
+    assert not b.queued and len(got) == 1 and bytes(got[0][1]) == bytes(50_000 * [1])
+    with pytest.raises(lane.LaneError, match="does not read") as e:
+        for _ in range(lane.MAX_QUEUED + 2):
+            b.offer([b"h", big])
+    assert e.value.bad
+    a.close(), b.close()
+
+
+@pytest.mark.inprocess
+def test_a_reply_a_lane_still_writes_is_in_flight_for_the_shard(port_block):
+    """Without `copy` a lane keeps views of what the kernel has not taken: the shard's lent
+    tables, which it moves to a copy before they change while `in_flight` says so."""
+    echo = Echo(port_block(1))
+    a, b = pair()
+    try:
+        b.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        echo.service._lanes[b.fd] = echo.service._lane_of[b.ident] = b
+        assert not echo.service.in_flight()
+        table = np.ones(50_000, np.float32)
+        echo.service.send([(b.ident, [b"h", table])])
+        assert b.queued and echo.service.in_flight()
+        got: list = []
+        until = time.monotonic() + 5
+        while not got and time.monotonic() < until:
+            got += a.messages(wire.MAX_MESSAGE)
+            echo.service.poll(10)   # (writes the rest when the socket is writable)
+        assert bytes(got[0][1]) == table.tobytes() and not echo.service.in_flight()
+    finally:
+        a.close()
+        echo.close()
+
+
+@pytest.mark.unit
+def test_a_lane_is_named_for_tcp_addresses_on_linux_only(monkeypatch):
+    assert lane.name("tcp://127.0.0.1:5556") == b"\0psgd-lane tcp://127.0.0.1:5556"
+    assert lane.name("ipc:///tmp/x") is None
+    assert lane.name("tcp://" + "h" * 120 + ":1") is None
+    monkeypatch.setattr(lane.sys, "platform", "darwin")
+    assert lane.name("tcp://127.0.0.1:5556") is None
+
+
+# ---------------------------------------------------------------- a daemon and its clients
+class Echo:
+    """A Service with a lane whose one op (`stats`) answers with its request's fields."""
+
+    def __init__(self, port: int):
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.ctx = zmq.Context()
+        self.sock = server_socket(self.ctx, self.address, SecurityConfig())
+        self.by_socket = 0
+        self.service = Service(self.sock, {"stats": self.on_stats}, "echo", lane=lane.Listener.open(self.address))
+
+    def on_stats(self, token, msg: wire.Message) -> list:
+        self.by_socket += type(token) is bytes
+        return [(token, wire.encode("reply", id=msg.id, lane=type(token) is int))]
+
+    def serve(self, until) -> None:
+        deadline = time.monotonic() + 5
+        while not until() and time.monotonic() < deadline:
+            self.service.poll(10)
+
+    def close(self) -> None:
+        self.service.close_lanes()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def call(echo: Echo, peers: Peers, **kw) -> wire.Message:
+    rid = peers.send(0, "stats", rank=0, **kw)
+    got: dict = {}
+
+    def answered() -> bool:
+        try:
+            got.update(peers.wait({rid: 0}, 0.01, "stats"))
+        except PeerTimeout:
+            pass
+        return rid in got
+    echo.serve(answered)
+    return got[rid]
+
+
+@pytest.mark.inprocess
+def test_a_client_talks_on_the_lane_and_goes_on_over_zeromq_when_it_fails(port_block):
+    echo = Echo(port_block(1))
+    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True)
+    try:
+        assert call(echo, peers).get("lane") is True and peers.lanes[0] is not None
+        assert echo.by_socket == 0 and peers.bytes_sent > 0 and peers.bytes_recv > 0
+        rid = peers.send(0, "stats", rank=0)
+        echo.service.close_lanes()      # the daemon's end goes before it read the request (it was killed)
+        with pytest.raises(PeerTimeout):   # the request is lost ...
+            peers.wait({rid: 0}, 0.3, "stats")
+        assert peers.lanes[0] is None and peers.handshook[0] > 0   # ... as on a connection made again
+        assert call(echo, peers).get("lane") is False and echo.by_socket == 1   # and ZeroMQ carries the next
+    finally:
+        peers.close()
+        echo.close()
+
+
+@pytest.mark.inprocess
+def test_a_daemon_counts_a_broken_lane_as_a_bad_message_and_serves_on(port_block):
+    echo = Echo(port_block(1))
+    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True)
+    rogue = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        rogue.connect(lane.name(echo.address))
+        rogue.sendall(struct.pack("<I", 10_000) + os.urandom(64))
+        garbage = lane.Conn._packed([b"\xc1 not msgpack"])    # framed right, not a wire message
+        rogue.sendall(b"".join(bytes(v) for v in garbage))
+        echo.serve(lambda: echo.service.counters["bad_messages"] >= 1)
+        assert echo.service.counters["bad_messages"] == 1 and not echo.service._lanes
+        assert call(echo, peers).get("lane") is True
+    finally:
+        rogue.close()
+        peers.close()
+        echo.close()
+
+
+@pytest.mark.inprocess
+def test_a_request_larger_than_the_lane_takes_goes_over_zeromq(port_block):
+    echo = Echo(port_block(1))
+    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True)
+    try:
+        call(echo, peers)
+        peers.lanes[0].max_message = 10
+        assert call(echo, peers).get("lane") is False and echo.by_socket == 1
+    finally:
+        peers.close()
+        echo.close()
+
+
+@pytest.mark.unit
+def test_curvezmq_clients_take_no_lane():
+    ctx = zmq.Context()
+    try:
+        assert not Peers(ctx, [], SecurityConfig(curve=True, keys="k"), lane=True).lane
+    finally:
+        ctx.term()
+
+
+@pytest.mark.inprocess
+def test_a_workers_steps_go_on_its_shards_lanes(port_block):
+    cfg = Config().replace(**{"cluster.port": port_block(3), "cluster.workers": 1, "cluster.servers": 2,
+                              "mode.name": "async", "cluster.timeout_s": 10.0, "train.steps": 100_000})
+    with InProcessCluster(cfg) as cluster:
+        client = ParameterClient(cfg, cluster.ctx, 0)
+        try:
+            params, buffers = client.tables(client.join(0))
+            clock, until = 0, time.monotonic() + 5   # (a lane is tried again each LANE_RETRY_S: the shards
+            while not all(client.peers.lanes) and time.monotonic() < until:   # may have had none yet)
+                client.push_pull(clock, [0.01 * p for p in params], buffers, [0, 0])
+                clock += 1
+            assert all(client.peers.lanes)
+            for step in range(clock, clock + 3):   # the steps on the lanes are answered
+                client.push_pull(step, [0.01 * p for p in params], buffers, [0, 0])
+        finally:
+            client.close()
+    off = cfg.replace(**{"cluster.port": port_block(3), "cluster.local_lane": False})
+    with InProcessCluster(off) as cluster:
+        client = ParameterClient(off, cluster.ctx, 0)
+        try:
+            client.tables(client.join(0))
+            assert client.peers.lanes == [None, None] and not client.peers.lane
+        finally:
+            client.close()

@@ -27,6 +27,10 @@ both sides alike (a side not being timed waits in poll):
   per step. (Before, the raw side had pyzmq's defaults, a 64 KiB frame going zero-copy,
   which made its round trip about a fifth slower than it need be: a flattering baseline.)
 
+psgd runs with `cluster.local_lane = false`: both sides move the bytes over ZeroMQ (psgd's
+same-host lane, a Unix socket, is measured in bench/throughput.py against psgd without
+it: `--no-local-lane`).
+
 Bytes are counted identically: a step moves 2 x the table size of payload (push +
 pull); throughput = W x steps x that / (last client's end - common start). The table
 also shows each side's wire bytes per step, every frame counted as psgd's `Peers`
@@ -436,7 +440,8 @@ def psgd_sets(size: int, shards: int, workers: int) -> list[str]:
             "cluster.evaluator=false", "mode.name=async", "optimizer.momentum=0",
             "checkpoint.every_s=0", "model.name=bench.models:table", "data.name=synthetic",
             f"data.shape=[{size // 8}]", "data.classes=2", "data.samples=64",
-            "train.steps=1000000000"]   # the clients push as often as they like: no step limit
+            "train.steps=1000000000",   # the clients push as often as they like: no step limit
+            "cluster.local_lane=false"]   # psgd over ZeroMQ, as the raw side: its same-host lane has no ZeroMQ to match
 
 
 def shards_busy(cfg) -> list[tuple[float, int]]:

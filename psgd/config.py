@@ -40,6 +40,10 @@ MODES: tuple[str, ...] = consistency.NAMES
 # would be refused by that shard alone, which starts afresh beside the others resumed: a
 # model of two versions.
 SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
+# `cluster.spin_us`: the most a worker or a shard may poll its lanes before it sleeps, and
+# what auto (-1) gives where `psgd run`'s busy processes fit its cores (`launcher.spin_for`)
+MAX_SPIN_US = 100_000.0
+AUTO_SPIN_US = 1000.0
 CPU_ENV = "PSGD_CPU"   # the CPU that `psgd run` pins a daemon to (`cluster.pin_cpus`; psgd/forkserver.py `take_cpu`)
 ENV_OWN = ("PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK")   # a user's variables that are no setting
 ENV_RESERVED = {*ENV_OWN, "PSGD_STARTED_FILE", "PSGD_PARENT_PID", "PSGD_JOB_TOKEN", SET_CHECKED_ENV, CPU_ENV}
@@ -146,6 +150,7 @@ class ClusterConfig:
     fork: bool = True          # psgd run forks shards, workers, evaluator from one process with torch imported
     pin_cpus: bool = False     # psgd run: each shard and worker (all its threads) on a CPU of its own, if they fit
     local_lane: bool = True    # a worker and a shard on one host talk over a Unix socket, not ZeroMQ (psgd.lane)
+    spin_us: float = -1.0      # how long a worker and a shard poll their lanes before they sleep; -1: auto (psgd run)
 
 
 @dataclass(frozen=True)
@@ -509,6 +514,8 @@ def validate(cfg: Config) -> None:
                f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH")
     _check(c.timeout_s > 0, f"cluster.timeout_s must be > 0, got {c.timeout_s}")
     _check(c.max_rejections >= 1, f"cluster.max_rejections must be >= 1, got {c.max_rejections}")
+    _check(c.spin_us == -1 or 0 <= c.spin_us <= MAX_SPIN_US,
+           f"cluster.spin_us must be -1 (auto) or in 0..{MAX_SPIN_US:.0f} (microseconds), got {c.spin_us}")
     _check(0 < c.heartbeat_s < c.heartbeat_timeout_s,
            "cluster.heartbeat_s must be > 0 and below cluster.heartbeat_timeout_s")
     _check(0 <= m.backup_workers < c.workers,

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
+from .config import AUTO_SPIN_US, CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
@@ -167,6 +167,16 @@ def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
                     f"CPU of its own; nothing is pinned")
     places = dict(zip(names, cpus, strict=False))
     return places, f"cluster.pin_cpus: shards and workers on CPUs {', '.join(map(str, places.values()))}, one each"
+
+
+def spin_for(cfg: Config, cores: int | None = None) -> Config:
+    """`cfg` with `cluster.spin_us` resolved where it is auto (-1): AUTO_SPIN_US where the
+    job's busy processes fit the cores this process may use (a spinning process then takes
+    a core no other needs), else 0 (one would take turns with the others' compute)."""
+    if cfg.cluster.spin_us != -1:
+        return cfg
+    cores = available_cores() if cores is None else cores
+    return cfg.replace(**{"cluster.spin_us": AUTO_SPIN_US if busy_processes(cfg)[0] <= cores else 0.0})
 
 
 def oversubscribed(cfg: Config, cores: int | None = None) -> str:
@@ -408,7 +418,7 @@ class LocalJob:
         self.env[JOB_TOKEN_ENV] = os.urandom(8).hex()   # its coordinator refuses other jobs' daemons
         self.config_path = os.path.join(self.out, "config.toml")
         try:   # (whatever ends the job here, a Ctrl-C, a full disk, lets go of its folder and ports)
-            self.cfg = self._place(anchored(cfg))
+            self.cfg = spin_for(self._place(anchored(cfg)))   # (its daemons read the config it writes)
             from . import scalars
             scalars.check(self.cfg)  # before any process starts
             self._locks = self._hold_folders()

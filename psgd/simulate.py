@@ -216,6 +216,7 @@ MEANINGLESS = (
     ("cluster.fork", "no processes are started"),
     ("cluster.pin_cpus", "no processes are started"),
     ("cluster.local_lane", "no sockets are opened"),
+    ("cluster.spin_us", "no sockets are opened"),
     ("cluster.heartbeat_s", "no heartbeats: a membership change reaches the shards after sim.latency_s"),
     ("checkpoint.", "no checkpoints are written: no shard restarts are simulated"),
     ("faults.on_worker_loss", "no worker is lost: no failures are simulated"),

@@ -389,18 +389,39 @@ def is_loopback(address: str) -> bool:
     return not address.startswith("tcp://") or address[6:].startswith(LOOPBACK)
 
 
+def spin(poller: zmq.Poller, spin_s: float) -> list:
+    """What `poller` has within `spin_s`, looked for without sleeping ([] if nothing).
+
+    A process that sleeps until its answer comes is woken by the kernel when it does: on
+    another CPU that had gone idle, an interrupt to it, which took tens of µs on this
+    project's machine (a virtual one) for each message each way; and a CPU that slept
+    computes slower at first. One that looks meanwhile is not asleep: the sender's write
+    wakes nobody. It costs a CPU for that time, which is why `cluster.spin_us` is 0 where
+    a job's busy processes outnumber the cores (`launcher.spin_for`). Only a lane's
+    messages come without a ZeroMQ I/O thread, which sleeps either way: only waits on
+    lanes spin."""
+    until = time.perf_counter() + spin_s
+    while True:
+        events = poller.poll(0)
+        if events or time.perf_counter() >= until:
+            return events
+
+
 class Peers:
     """DEALER sockets to a list of peers, with request ids and deadlines."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, ctx: zmq.Context, addresses: Sequence[str], security: SecurityConfig, lane: bool = False):
+    def __init__(self, ctx: zmq.Context, addresses: Sequence[str], security: SecurityConfig, lane: bool = False,
+                 spin_s: float = 0.0):
         """`lane`: send a request on the peer's same-host lane (psgd.lane) where there is
-        one and the request fits it; never with CurveZMQ (a lane has no handshake)."""
+        one and the request fits it; never with CurveZMQ (a lane has no handshake). A wait
+        for an answer on a lane looks for it for up to `spin_s` before it sleeps (`spin`)."""
         self.addresses = list(addresses)
         self.security = security
         self.ctx = ctx
         self.lane = lane and not security.curve
+        self.spin_s = spin_s
         self.lanes: list[lanes.Conn | None] = [None for _ in self.addresses]   # each peer's lane, if open
         self._lane_peer: dict[int, int] = {}   # an open lane's descriptor -> its peer
         self._lane_at = [0.0 for _ in self.addresses]   # time.monotonic() when `send` may next try to open one
@@ -534,7 +555,9 @@ class Peers:
                 exc.partial = got
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
-            for sock, _ in poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
+            events = (spin(poller, min(self.spin_s, left)) if self.spin_s and any(self.lanes[i] for i in peers)
+                      else None)
+            for sock, _ in events or poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
                 if type(sock) is int:   # a lane's descriptor
                     self._read_lane(self._lane_peer.get(sock, -1), pending, got)
                     continue
@@ -619,11 +642,14 @@ class Service:
 
     def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
                  max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None,
-                 sent: Callable[[], None] | None = None, role: str = "", lane: lanes.Listener | None = None):
+                 sent: Callable[[], None] | None = None, role: str = "", lane: lanes.Listener | None = None,
+                 spin_s: float = 0.0):
         """`lane`, when given, is where same-host clients connect (psgd.lane): their requests
         are served as the socket's, under a routing token of their own (an int), and
-        answered on their lane. `sent`, when given, is called after the replies of each event have been handed
-        to ZeroMQ; `in_flight` then says whether ZeroMQ may still read any of their frames.
+        answered on their lane; while any is open, `poll` looks for a request for up to
+        `spin_s` before it sleeps (`spin`). `sent`, when given, is called after the replies
+        of each event have been handed to ZeroMQ; `in_flight` then says whether ZeroMQ may
+        still read any of their frames.
         `name` is what error replies call the daemon ("the coordinator", "shard 0"), `role`
         what its log lines do (`server-0`; default: `name` without its "the ")."""
         self.sock = sock
@@ -649,6 +675,7 @@ class Service:
         self._fds_back = 0            # checks in a row that found one since the log said it had none
         self._say_fds_at = 0.0        # time.monotonic() from which the log may say it again
         self.lane = lane
+        self.spin_s = spin_s
         self._lanes: dict[int, lanes.Conn] = {}       # the lanes open to it, by descriptor
         self._lane_of: dict[int, lanes.Conn] = {}     # ... by routing token
         if lane is not None:
@@ -681,7 +708,9 @@ class Service:
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
-        events = self.poller.poll(timeout_ms)
+        events = spin(self.poller, min(self.spin_s, timeout_ms / 1000)) if self._lanes and self.spin_s else None
+        if not events:
+            events = self.poller.poll(timeout_ms)
         if events:
             if self.lane is None:
                 self.drain()

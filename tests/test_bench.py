@@ -53,6 +53,8 @@ BAD = [
     ("control", ["--beats", "0"], "--beats"),
     ("control", ["--heartbeat-s", "0"], "--heartbeat-s"),
     ("control", ["--live", "0.5"], "--live"),
+    ("lane", ["--bytes", "0"], "--bytes"),
+    ("lane", ["--spin-us", "0"], "--spin-us"),
 ]
 
 
@@ -60,7 +62,7 @@ BAD = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bench,args,named", BAD, ids=[f"{b}-{' '.join(a)}" for b, a, _ in BAD])
 def test_bad_flag_is_a_usage_error(tmp_path, bench: str, args: list[str], named: str) -> None:
-    keep = [] if bench == "control" else ["--keep", str(tmp_path / "keep")]
+    keep = [] if bench in ("control", "lane") else ["--keep", str(tmp_path / "keep")]
     r = subprocess.run([sys.executable, "-m", f"bench.{bench}", *args, *keep], cwd=REPO, capture_output=True,
                        text=True, timeout=50, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 2, r.stdout + r.stderr

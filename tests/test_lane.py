@@ -294,3 +294,43 @@ def test_a_workers_steps_go_on_its_shards_lanes(port_block):
             assert client.peers.lanes == [None, None] and not client.peers.lane
         finally:
             client.close()
+
+
+# ---------------------------------------------------------------- looking before sleeping
+@pytest.mark.unit
+def test_spin_returns_what_arrives_and_nothing_after_its_time():
+    from psgd.transport import spin
+    a, b = pair()
+    poller = zmq.Poller()
+    poller.register(b.fd, zmq.POLLIN)
+    t0 = time.perf_counter()
+    assert spin(poller, 0.005) == [] and time.perf_counter() - t0 >= 0.005
+    a.send([b"here"], 1.0)
+    assert spin(poller, 5.0) == [(b.fd, zmq.POLLIN)]   # (at once: not after its 5 s)
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_psgd_run_spins_only_where_its_busy_processes_fit_the_cores():
+    from psgd.config import AUTO_SPIN_US, ConfigError, validate
+    from psgd.launcher import spin_for
+    one = Config().replace(**{"cluster.workers": 1, "cluster.servers": 1, "cluster.evaluator": False})
+    assert spin_for(one, cores=2).cluster.spin_us == AUTO_SPIN_US
+    assert spin_for(one, cores=1).cluster.spin_us == 0            # two busy processes on one core
+    assert spin_for(Config(), cores=2).cluster.spin_us == 0       # the default job: 2 + 2 + an evaluator
+    assert spin_for(one.replace(**{"cluster.spin_us": 50.0}), cores=1).cluster.spin_us == 50   # as given
+    with pytest.raises(ConfigError, match="spin_us"):
+        validate(one.replace(**{"cluster.spin_us": -5.0}))
+
+
+@pytest.mark.inprocess
+def test_a_spinning_client_and_daemon_answer_as_a_sleeping_pair_does(port_block):
+    echo = Echo(port_block(1))
+    echo.service.spin_s = 0.002
+    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True, spin_s=0.002)
+    try:
+        for _ in range(5):
+            assert call(echo, peers).get("lane") is True
+    finally:
+        peers.close()
+        echo.close()

@@ -32,7 +32,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -243,18 +243,30 @@ class Conn:
         return bool(self._queued)
 
 
-def connect(address: str) -> Conn | None:
-    """A lane to the daemon serving `address` on this host (None: there is none)."""
+def _unix_socket(address: str, how: Callable[[socket.socket, bytes], Any]) -> socket.socket | None:
+    """A Unix stream socket to or for the daemon serving `address`, on which `how(sock,
+    name)` (a connect, a bind) succeeded; None where there is no lane's name, or it failed."""
     where = name(address)
     if where is None:
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(where)
+        how(sock, where)
     except OSError:
         sock.close()
         return None
-    return Conn(sock)
+    return sock
+
+
+def _listen(sock: socket.socket, where: bytes) -> None:
+    sock.bind(where)
+    sock.listen(128)
+
+
+def connect(address: str) -> Conn | None:
+    """A lane to the daemon serving `address` on this host (None: there is none)."""
+    sock = _unix_socket(address, socket.socket.connect)
+    return Conn(sock) if sock is not None else None
 
 
 class Listener:
@@ -268,15 +280,8 @@ class Listener:
     def open(cls, address: str) -> Listener | None:
         """Listen for lanes to the daemon serving `address` (None: no lane here, or the
         name is taken, by another daemon of the same address in this network namespace)."""
-        where = name(address)
-        if where is None:
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(where)
-            sock.listen(128)
-        except OSError:
-            sock.close()
+        sock = _unix_socket(address, _listen)
+        if sock is None:
             return None
         sock.setblocking(False)
         return cls(sock)

@@ -6,6 +6,7 @@ memory, and held ones are never written over; a client whose lane fails goes on 
 ZeroMQ; a real shard serves a worker's steps on its lane; CurveZMQ jobs take none."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -210,11 +211,22 @@ def call(echo: Echo, peers: Peers, **kw) -> wire.Message:
     return got[rid]
 
 
+@contextlib.contextmanager
+def served(port: int, spin_s: float = 0.0):
+    """An Echo daemon on `port` and a client of it with lanes on, both spinning `spin_s`."""
+    echo = Echo(port)
+    echo.service.spin_s = spin_s
+    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True, spin_s=spin_s)
+    try:
+        yield echo, peers
+    finally:
+        peers.close()
+        echo.close()
+
+
 @pytest.mark.inprocess
 def test_a_client_talks_on_the_lane_and_goes_on_over_zeromq_when_it_fails(port_block):
-    echo = Echo(port_block(1))
-    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True)
-    try:
+    with served(port_block(1)) as (echo, peers):
         assert call(echo, peers).get("lane") is True and peers.lanes[0] is not None
         assert echo.by_socket == 0 and peers.bytes_sent > 0 and peers.bytes_recv > 0
         rid = peers.send(0, "stats", rank=0)
@@ -223,41 +235,31 @@ def test_a_client_talks_on_the_lane_and_goes_on_over_zeromq_when_it_fails(port_b
             peers.wait({rid: 0}, 0.3, "stats")
         assert peers.lanes[0] is None and peers.handshook[0] > 0   # ... as on a connection made again
         assert call(echo, peers).get("lane") is False and echo.by_socket == 1   # and ZeroMQ carries the next
-    finally:
-        peers.close()
-        echo.close()
 
 
 @pytest.mark.inprocess
 def test_a_daemon_counts_a_broken_lane_as_a_bad_message_and_serves_on(port_block):
-    echo = Echo(port_block(1))
-    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True)
-    rogue = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        rogue.connect(lane.name(echo.address))
-        rogue.sendall(struct.pack("<I", 10_000) + os.urandom(64))
-        garbage = lane.Conn._packed([b"\xc1 not msgpack"])    # framed right, not a wire message
-        rogue.sendall(b"".join(bytes(v) for v in garbage))
-        echo.serve(lambda: echo.service.counters["bad_messages"] >= 1)
-        assert echo.service.counters["bad_messages"] == 1 and not echo.service._lanes
+    """A broken framing closes its lane; a message framed right but not a wire message is
+    answered with an error, as on the socket, and its lane stays."""
+    with served(port_block(1)) as (echo, peers), contextlib.ExitStack() as closing:
+        broken, garbage = (closing.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)) for _ in range(2))
+        broken.connect(lane.name(echo.address))
+        broken.sendall(struct.pack("<I", 10_000) + os.urandom(64))   # 10,000 frames
+        garbage.connect(lane.name(echo.address))
+        garbage.sendall(b"".join(bytes(v) for v in lane.Conn._packed([b"\xc1 not msgpack"])))
+        echo.serve(lambda: echo.service.counters["bad_messages"] >= 2)
+        assert echo.service.counters["bad_messages"] == 2 and len(echo.service._lanes) == 1
+        answer = read_all(lane.Conn(garbage.dup()), 1)[0]
+        assert wire.decode(answer).op == "error"
         assert call(echo, peers).get("lane") is True
-    finally:
-        rogue.close()
-        peers.close()
-        echo.close()
 
 
 @pytest.mark.inprocess
 def test_a_request_larger_than_the_lane_takes_goes_over_zeromq(port_block):
-    echo = Echo(port_block(1))
-    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True)
-    try:
+    with served(port_block(1)) as (echo, peers):
         call(echo, peers)
         peers.lanes[0].max_message = 10
         assert call(echo, peers).get("lane") is False and echo.by_socket == 1
-    finally:
-        peers.close()
-        echo.close()
 
 
 @pytest.mark.unit
@@ -325,12 +327,6 @@ def test_psgd_run_spins_only_where_its_busy_processes_fit_the_cores():
 
 @pytest.mark.inprocess
 def test_a_spinning_client_and_daemon_answer_as_a_sleeping_pair_does(port_block):
-    echo = Echo(port_block(1))
-    echo.service.spin_s = 0.002
-    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True, spin_s=0.002)
-    try:
+    with served(port_block(1), spin_s=0.002) as (echo, peers):
         for _ in range(5):
             assert call(echo, peers).get("lane") is True
-    finally:
-        peers.close()
-        echo.close()

@@ -5,8 +5,9 @@ Why: ZeroMQ hands each message to an I/O thread on either side, so a request and
 answer pass six threads (client, its I/O thread, the daemon's I/O thread, the daemon,
 and back), and each hand-off wakes a thread, often on another CPU. On a Unix socket the
 client's send wakes the daemon and the answer wakes the client: two hand-offs. With an
-MLP step between requests, a 104 KB round trip took 170 µs this way against 360 µs
-over ZeroMQ (docs/performance.md, "The same-host lane").
+MLP step between requests, a 104 KB round trip took 261 µs this way against 377 µs over
+pyzmq, and 123 µs with both sides looking for their message before they sleep
+(`transport.spin`; bench/lane.py, docs/performance.md "The same-host lane").
 
 What it carries: `wire.encode`'s frames, unchanged. On the socket each message is its
 frame count and the frames' lengths (little-endian uint32), then the frames.
@@ -19,8 +20,9 @@ messages, CurveZMQ jobs (the lane has no handshake), other hosts and a lane that
 failed go over ZeroMQ.
 
 Nothing here waits for long: a daemon's connections never block, and keep what the
-kernel would not take yet (copied) until the socket is writable; a client's send waits
-at most its caller's `wait_s` for room. A lane that fails in any way raises `LaneError`,
+kernel would not take yet until the socket is writable (views of the frames, which
+`transport.Service.in_flight` reports); a client's send waits at most its caller's
+`wait_s` for room. A lane that fails in any way raises `LaneError`,
 and its owner closes it.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ from . import wire
 _COUNT = struct.Struct("<I")
 MAX_FRAMES = wire.MAX_FRAMES + 1     # a header and its arrays
 # The kernel's buffer a lane asks for on its socket (SO_SNDBUF, capped by
-# net.core.wmem_max; 208 KiB by default, 4 MiB on many hosts): a message goes on a lane
+# net.core.wmem_max: 208 KiB by default, 4 MiB on this project's machine): a message goes on a lane
 # when it fits in half of what it got (the kernel's own accounting takes some of it)
 SNDBUF = 8 << 20
 # Answers a daemon keeps for a lane whose peer does not read them; past this many, the

@@ -10,7 +10,8 @@ pyzmq, and 123 µs with both sides looking for their message before they sleep
 (`transport.spin`; bench/lane.py, docs/performance.md "The same-host lane").
 
 What it carries: `wire.encode`'s frames, unchanged. On the socket each message is its
-frame count and the frames' lengths (little-endian uint32), then the frames.
+framing, of a fixed size (the frame count and the frames' lengths, little-endian uint32,
+then zeros to MAX_FRAMES lengths: read in one call), then the frames.
 
 Where: a daemon listens on an abstract Unix socket named after the address it serves
 (`name`: Linux only; each network namespace has its own names). A client connects to
@@ -51,8 +52,7 @@ SNDBUF = 8 << 20
 # lane is closed (counted as a bad message), as ZeroMQ's path drops replies past
 # transport.MAX_UNREAD_REPLIES.
 MAX_QUEUED = 16
-# The most messages one `Conn.messages` returns.
-MAX_READ = 64
+_PREFIX = 4 + 4 * MAX_FRAMES   # a message's framing: its frame count, then their lengths (the rest zeros)
 # Frame memory a lane keeps to read into again once nothing holds it (`Conn._buffer`):
 # memory the reader wrote last time, in its caches, not fresh pages each message.
 SPARE = 4
@@ -93,8 +93,9 @@ class Conn:
         self.max_message = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
         self._lengths: list[int] | None = None   # the message being read: its frames' lengths, once read
         self._frames: list[Any] = []              # ... its frames so far
-        self._got = 0                             # ... bytes of its current part read
-        self._part = bytearray(4 * (MAX_FRAMES + 1))   # the count, then the lengths
+        self._got = 0                             # ... bytes of its framing read
+        self._part = bytearray(_PREFIX)            # its framing (the count, then the lengths)
+        self._rest: list[memoryview] = []         # ... what is left of its frames to read
         self._queued: deque[memoryview] = deque()  # what the kernel did not take yet (`offer`)
         self._backlog = 0                          # ... of how many answers
         self._failed: LaneError | None = None      # the error that ended reading (`messages`)
@@ -110,65 +111,54 @@ class Conn:
 
     # ------------------------------------------------------------ reading
     def messages(self, max_bytes: int) -> list[list[Any]]:
-        """The messages completed by what has arrived (each a list of frames), reading all
-        there is. LaneError: the peer closed the lane, or sent a message of more than
-        MAX_FRAMES frames or `max_bytes` bytes."""
+        """The message completed by what has arrived, if one is (a list of its frames; at
+        most one a call: a next one is read at the next, which the caller's poll says is
+        due). Two system calls a message: its framing, then its frames at once. LaneError:
+        the peer closed the lane, or sent a message of more than MAX_FRAMES frames or
+        `max_bytes` bytes."""
         if self._failed is not None:
             raise self._failed
-        out: list[list[Any]] = []
-        while True:
-            need, buf = self._wanted()
-            try:
-                n = self.sock.recv_into(buf)
-                if n == 0:
-                    raise LaneError("the peer closed the lane")
-                self._got += n
-                done = self._got == need and self._advance(max_bytes)
-            except (BlockingIOError, InterruptedError):
-                return out
-            except (LaneError, OSError) as e:
-                self._failed = e if isinstance(e, LaneError) else LaneError(f"lane read failed: {e}")
-                if out:   # (those complete are answered; the error at the next read)
-                    return out
-                raise self._failed from None
-            if done:
-                out.append(self._frames)
-                self._frames, self._lengths = [], None
-                if len(out) >= MAX_READ:   # (the rest at the next read: a peer that keeps writing
-                    return out             # does not keep its daemon from the rest of its loop)
+        try:
+            while True:
+                if self._lengths is None:
+                    n = self.sock.recv_into(memoryview(self._part)[self._got:])
+                    if n == 0:
+                        raise LaneError("the peer closed the lane")
+                    self._got += n
+                    if self._got < _PREFIX:
+                        continue
+                    self._start(max_bytes)
+                if self._rest:
+                    n = self.sock.recvmsg_into(self._rest)[0]
+                    if n == 0:
+                        raise LaneError("the peer closed the lane")
+                    rest = self._rest
+                    while n >= len(rest[0]):
+                        n -= len(rest.pop(0))
+                        if not rest:
+                            break
+                    if rest and n:
+                        rest[0] = rest[0][n:]
+                if not self._rest:
+                    frames, self._frames, self._lengths, self._got = self._frames, [], None, 0
+                    return [frames]
+        except (BlockingIOError, InterruptedError):
+            return []
+        except (LaneError, OSError) as e:
+            self._failed = e if isinstance(e, LaneError) else LaneError(f"lane read failed: {e}")
+            raise self._failed from None
 
-    def _wanted(self) -> tuple[int, memoryview]:
-        """How many bytes the current part has in all, and where the rest of it goes."""
-        if self._lengths is None:   # the count (4 bytes), then the lengths, in `_part`
-            need = 4 if self._got < 4 else 4 + 4 * _COUNT.unpack_from(self._part)[0]
-            return need, memoryview(self._part)[self._got:need]
-        frame = self._frames[-1]
-        return len(frame), frame[self._got:]
-
-    def _advance(self, max_bytes: int) -> bool:
-        """The current part is in: go on to the next; whether the message is complete."""
-        if self._lengths is None:
-            count = _COUNT.unpack_from(self._part)[0]
-            if self._got == 4:   # the count: its lengths next
-                if not 1 <= count <= MAX_FRAMES:
-                    raise LaneError(f"a message of {count} frames (1 to {MAX_FRAMES})", bad=True)
-                return False
-            lengths = list(struct.unpack_from(f"<{count}I", self._part, 4))
-            if sum(lengths) > max_bytes:
-                raise LaneError(f"a message of {sum(lengths)} bytes, at most {max_bytes}", bad=True)
-            self._lengths = lengths
-        return self._next_frame()
-
-    def _next_frame(self) -> bool:
-        """Start reading the next frame (empty ones are taken at once); whether none is left."""
-        assert self._lengths is not None
-        self._got = 0
-        while len(self._frames) < len(self._lengths):
-            length = self._lengths[len(self._frames)]
-            self._frames.append(memoryview(cast(Any, self._buffer(length))) if length else b"")
-            if length:
-                return False
-        return True
+    def _start(self, max_bytes: int) -> None:
+        """The framing is in: check it, and make the frames' memory (`_rest`: what is left to read)."""
+        count = _COUNT.unpack_from(self._part)[0]
+        if not 1 <= count <= MAX_FRAMES:
+            raise LaneError(f"a message of {count} frames (1 to {MAX_FRAMES})", bad=True)
+        lengths = list(struct.unpack_from(f"<{count}I", self._part, 4))
+        if sum(lengths) > max_bytes:
+            raise LaneError(f"a message of {sum(lengths)} bytes, at most {max_bytes}", bad=True)
+        self._lengths = lengths
+        self._frames = [memoryview(cast(Any, self._buffer(n))) if n else b"" for n in lengths]
+        self._rest = [f for f in self._frames if len(f)]
 
     def _buffer(self, length: int) -> np.ndarray:
         """Memory for a frame of `length` bytes: one of the lane's own that nothing holds any
@@ -187,7 +177,10 @@ class Conn:
         """The frames' bytes as one message: its count and lengths, then the frames (as
         byte views: a partly written one is cut by bytes, not by its items)."""
         views = [memoryview(f).cast("B") for f in frames]
-        head = struct.pack(f"<{1 + len(views)}I", len(views), *map(len, views))
+        if len(views) > MAX_FRAMES:
+            raise ValueError(f"{len(views)} frames, at most {MAX_FRAMES}")
+        head = bytearray(_PREFIX)
+        struct.pack_into(f"<{1 + len(views)}I", head, 0, len(views), *map(len, views))
         return [memoryview(head)] + [v for v in views if len(v)]
 
     def _write(self, bufs: list[memoryview]) -> list[memoryview]:

@@ -1,7 +1,8 @@
-"""While a step's request is on its way to the shards, psgd's own worker writes the line
-of the step before and draws its next batch (`Worker.between`, called by the client's
-`finish` before it waits): the lines, their times and the batches are what they were
-when both were done after the answer."""
+"""psgd's own worker writes the line of the step before as a step's request leaves
+(`ParameterClient.sending`: a kill -9 once the shards took the request loses no line of
+a step they hold but that one), and draws its next batch while the request is on its way
+(`Worker.between`, called by the client's `finish` before it waits): the lines, their
+times and the batches are what they were when both were done after the answer."""
 from __future__ import annotations
 
 import json
@@ -20,14 +21,14 @@ def step_lines(path) -> list[dict]:
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "diloco"])
-def test_a_step_line_is_written_while_the_next_request_travels_and_the_last_at_the_end(port_block, tmp_path,
-                                                                                       mode):
+def test_a_step_line_is_written_as_the_next_request_leaves_and_the_last_at_the_end(port_block, tmp_path,
+                                                                                     mode):
     steps = 12
     cfg = load(None, [f"cluster.port={port_block(2)}", "cluster.workers=1", "cluster.servers=1",
                       "cluster.evaluator=false", f"mode.name={mode}", f"train.steps={steps}",
                       "mode.local_steps=3"], env={})
     path = tmp_path / "events" / "worker-0.jsonl"
-    seen: list[tuple[int, int, int, int]] = []   # at each wait: (steps, step lines, batches drawn, its clock)
+    seen: list[tuple[int, int, int]] = []   # at each wait: (steps, step lines before it, the batches' position)
 
     def prepare(w):
         between = w.between
@@ -35,7 +36,7 @@ def test_a_step_line_is_written_while_the_next_request_travels_and_the_last_at_t
         def watched():
             before = len(step_lines(path)) if path.exists() else 0
             between()
-            seen.append((w.steps, before, len(step_lines(path)), w.batches.pos))
+            seen.append((w.steps, before, w.batches.pos))
         w.between = watched
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         codes = train_on_threads(cfg, str(tmp_path), cluster, prepare)
@@ -45,30 +46,30 @@ def test_a_step_line_is_written_while_the_next_request_travels_and_the_last_at_t
     assert all(a["t"] <= b["t"] for a, b in zip(lines, lines[1:], strict=False))
     waits = [s for s in seen if s[0] > 0]
     assert waits
-    # At a wait every step so far has its line: the latest one's written by this wait if a
-    # request went since it (sync: every step; diloco: every third), else by the step after it.
-    assert all(after == n for n, _, after, _ in waits)
+    # When a request's wait begins, every step so far has its line: the latest one's was
+    # written as the request left (nothing else writes one between the send and the wait)
+    # if one went after it (sync: every step; diloco: every third), else by the step after it.
+    assert all(before == n for n, before, _ in waits)
     if mode == "sync":
-        assert all(before == n - 1 for n, before, _, _ in waits)
         assert all(pos % 32 == 0 and pos > 0 for *_, pos in waits)   # the next batch is drawn (32 a batch)
 
 
 @pytest.mark.unit
 def test_a_step_line_outside_psgds_own_loop_is_written_at_once(tmp_path):
-    """A script's steps (`psgd.connect`) have no wait that writes them: written at once."""
+    """A script's steps (`psgd.connect`) have no send that writes them: written at once."""
     from psgd.metrics import EventLog
     from psgd.workers.worker import Worker
 
     class Client:
-        idle = None
+        sending = None
         bytes_sent, bytes_recv = 10, 20
     w = Worker(load(None, [], env={}))
     w.cfg, w.rank, w.client, w.events = w.cfg0, 0, Client(), EventLog(str(tmp_path), "worker", 0)
     w.log_step(0, 0.001)
     assert [e["step"] for e in step_lines(tmp_path / "events" / "worker-0.jsonl")] == [1]
-    Client.idle = lambda: None
+    Client.sending = lambda: None
     w.log_step(0, 0.001)
-    assert len(step_lines(tmp_path / "events" / "worker-0.jsonl")) == 1   # until the next wait, step or close
+    assert len(step_lines(tmp_path / "events" / "worker-0.jsonl")) == 1   # until the next send, step or close
     w.event(kind="note")
     assert [e.get("step") for e in map(json.loads, open(tmp_path / "events" / "worker-0.jsonl"))] == [1, 2, None]
     w.events.close()

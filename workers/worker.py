@@ -243,11 +243,14 @@ class Worker:
 
     def _steps(self, schedule) -> str:
         """Run the schedule until the budget ends, then settle what is in flight; the
-        reason if the worker must stop. While a step's request is on its way to the
-        shards the worker writes the step line before it and draws its next batch
-        (`between`): work that does not wait for the answer is not done after it, when
-        the next step waits for it."""
+        reason if the worker must stop. The line of the step before goes out just before
+        a step's request does (`ParameterClient.sending`): a worker killed once the shards
+        took the request has written the line of every step they hold but that one (a
+        line written while the request travelled was lost with the process when the kill
+        came first, and the new process started after the shards' clock: a gap of two).
+        While the request is on its way the worker draws its next batch (`between`)."""
         self.client.idle = self.between
+        self.client.sending = self.write_line
         while self.more():
             if self.rejoin_if_dropped():
                 schedule.rejoin(self)
@@ -258,7 +261,6 @@ class Worker:
 
     def between(self) -> None:
         """What the worker does while a request is on its way (`ParameterClient.idle`)."""
-        self.write_line()
         self.batches.ahead()
 
     def _attempt(self, step) -> str:
@@ -408,12 +410,12 @@ class Worker:
         self.write_line()   # (the one before, if no request has gone since: a local step's)
         self.unwritten = (self.rank, self.steps, self.clock, round(loss, 5), samples, staleness, round(wait_s, 5),
                           client.bytes_sent, client.bytes_recv, extra, time.time())
-        if client.idle is None:   # (not psgd's own loop: no request's wait writes it)
+        if client.sending is None:   # (not psgd's own loop: no request's send writes it)
             self.write_line()
 
     def write_line(self) -> None:
-        """Write the latest step's line, if it is not yet: psgd's own loop writes it while
-        the next request is on its way (`between`), with the time the step ended."""
+        """Write the latest step's line, if it is not yet: psgd's own loop writes it as the
+        next request leaves (`ParameterClient.sending`), with the time the step ended."""
         if self.unwritten is not None:
             line, self.unwritten = self.unwritten, None
             self.events.step(*line)

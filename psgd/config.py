@@ -152,6 +152,12 @@ class ClusterConfig:
     local_lane: bool = True    # a worker and a shard on one host talk over a Unix socket, not ZeroMQ (psgd.lane)
     spin_us: float = -1.0      # how long a worker and a shard poll their lanes before they sleep; -1: auto (psgd run)
 
+    @property
+    def spin_s(self) -> float:
+        """`spin_us` in seconds, as a daemon uses it: auto (-1) that `psgd run` did not
+        resolve (`launcher.spin_for`: a daemon started by hand) is 0."""
+        return max(self.spin_us, 0.0) * 1e-6
+
 
 @dataclass(frozen=True)
 class EvalConfig:

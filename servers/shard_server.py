@@ -274,7 +274,7 @@ class ShardServer:
             if listener is None:   # (the name taken: a daemon of the same address in this network namespace)
                 log(self.name, f"cannot listen for same-host lanes to {address}: its workers reach it over ZeroMQ")
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
-                          sent=shard.sent, role=self.name, lane=listener, spin_s=max(cfg.cluster.spin_us, 0) * 1e-6)
+                          sent=shard.sent, role=self.name, lane=listener, spin_s=cfg.cluster.spin_s)
         shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
         shard.busy = lambda: service.busy_s
         seen_version, last_ckpt = (-1, None), time.monotonic()

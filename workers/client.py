@@ -73,7 +73,7 @@ class ParameterClient:
     def __init__(self, cfg: Config, ctx: zmq.Context, rank: int):
         self._setup(cfg, rank)
         self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security,
-                           lane=cfg.cluster.local_lane, spin_s=max(cfg.cluster.spin_us, 0) * 1e-6 if rank >= 0 else 0.0)
+                           lane=cfg.cluster.local_lane, spin_s=cfg.cluster.spin_s if rank >= 0 else 0.0)
         self._probes: Peers | None = None   # the shards again, for `stats` probes only (`_probe`)
         self.retry_s = max(2.0, 4 * cfg.cluster.heartbeat_s)  # resend window (a restarted shard lost them)
         self._waiting_since = 0.0   # when the wait in progress began (monotonic; 0: none)

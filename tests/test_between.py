@@ -1,8 +1,8 @@
-"""psgd's own worker writes the line of the step before as a step's request leaves
-(`ParameterClient.sending`: a kill -9 once the shards took the request loses no line of
-a step they hold but that one), and draws its next batch while the request is on its way
-(`Worker.between`, called by the client's `finish` before it waits): the lines, their
-times and the batches are what they were when both were done after the answer."""
+"""psgd's own worker writes a step's line as the step ends, before its next request
+leaves (a kill -9 once the shards took a request loses no line of a step they hold but
+that one), and draws its next batch while the request is on its way (`Worker.between`,
+called by the client's `finish` before it waits): the batches are what they were when
+they were drawn after the answer."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ def step_lines(path) -> list[dict]:
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "diloco"])
-def test_a_step_line_is_written_as_the_next_request_leaves_and_the_last_at_the_end(port_block, tmp_path,
+def test_every_step_line_is_written_before_the_next_request_and_the_last_at_the_end(port_block, tmp_path,
                                                                                      mode):
     steps = 12
     cfg = load(None, [f"cluster.port={port_block(2)}", "cluster.workers=1", "cluster.servers=1",
@@ -47,29 +47,24 @@ def test_a_step_line_is_written_as_the_next_request_leaves_and_the_last_at_the_e
     waits = [s for s in seen if s[0] > 0]
     assert waits
     # When a request's wait begins, every step so far has its line: the latest one's was
-    # written as the request left (nothing else writes one between the send and the wait)
-    # if one went after it (sync: every step; diloco: every third), else by the step after it.
+    # written when it ended, before the request left.
     assert all(before == n for n, before, _ in waits)
     if mode == "sync":
         assert all(pos % 32 == 0 and pos > 0 for *_, pos in waits)   # the next batch is drawn (32 a batch)
 
 
 @pytest.mark.unit
-def test_a_step_line_outside_psgds_own_loop_is_written_at_once(tmp_path):
-    """A script's steps (`psgd.connect`) have no send that writes them: written at once."""
+def test_a_step_line_is_written_at_once_in_order_with_the_other_events(tmp_path):
     from psgd.metrics import EventLog
     from psgd.workers.worker import Worker
 
     class Client:
-        sending = None
         bytes_sent, bytes_recv = 10, 20
     w = Worker(load(None, [], env={}))
     w.cfg, w.rank, w.client, w.events = w.cfg0, 0, Client(), EventLog(str(tmp_path), "worker", 0)
     w.log_step(0, 0.001)
     assert [e["step"] for e in step_lines(tmp_path / "events" / "worker-0.jsonl")] == [1]
-    Client.sending = lambda: None
-    w.log_step(0, 0.001)
-    assert len(step_lines(tmp_path / "events" / "worker-0.jsonl")) == 1   # until the next send, step or close
     w.event(kind="note")
-    assert [e.get("step") for e in map(json.loads, open(tmp_path / "events" / "worker-0.jsonl"))] == [1, 2, None]
+    w.log_step(0, 0.001)
+    assert [e.get("step") for e in map(json.loads, open(tmp_path / "events" / "worker-0.jsonl"))] == [1, None, 2]
     w.events.close()

@@ -91,8 +91,6 @@ class ParameterClient:
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
         # What the caller does while its requests are on their way: `finish` calls it before it waits
         self.idle: Callable[[], None] | None = None
-        # ... and before they leave: `begin` calls it first
-        self.sending: Callable[[], None] | None = None
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
         self._outgoing: dict[tuple[str, int], torch.Tensor] = {}
         self._compressors: dict[int, ErrorFeedback] = {}  # per shard, with its residual (wire.compression)
@@ -142,8 +140,6 @@ class ParameterClient:
         elif self.cancel is not None:
             own, extra = self.cancel, cancel
             cancel = lambda: own() or extra()  # noqa: E731
-        if self.sending is not None:
-            self.sending()
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
         now = time.monotonic()
         return InFlight(list(reqs), pending, [None] * len(reqs), cancel, {i: now for i, _, _ in reqs})

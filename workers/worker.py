@@ -114,7 +114,6 @@ class Worker:
         self.trained_s = 0.0       # how long the job had trained when this process joined it
         self.logged: dict = {}     # the counters of the rank's earlier processes, from their step lines
         self.reported = False      # the coordinator has this process's finish (`_report_end`)
-        self.unwritten: tuple | None = None   # the latest step's line, until `write_line` (see `_steps`)
 
     # ------------------------------------------------------------ counters
     def stats(self) -> dict:
@@ -243,14 +242,9 @@ class Worker:
 
     def _steps(self, schedule) -> str:
         """Run the schedule until the budget ends, then settle what is in flight; the
-        reason if the worker must stop. The line of the step before goes out just before
-        a step's request does (`ParameterClient.sending`): a worker killed once the shards
-        took the request has written the line of every step they hold but that one (a
-        line written while the request travelled was lost with the process when the kill
-        came first, and the new process started after the shards' clock: a gap of two).
-        While the request is on its way the worker draws its next batch (`between`)."""
+        reason if the worker must stop. While a request is on its way the worker draws its
+        next batch (`between`)."""
         self.client.idle = self.between
-        self.client.sending = self.write_line
         while self.more():
             if self.rejoin_if_dropped():
                 schedule.rejoin(self)
@@ -326,7 +320,6 @@ class Worker:
     def _close(self, error: str) -> None:
         self.link.close()
         self.client.close()
-        self.write_line()
         self.events.close()
         if not error:
             log(self.name, f"finished {self.steps} steps, {self.samples} samples, {self.rejected} rejected")
@@ -407,18 +400,8 @@ class Worker:
         if self.cfg.faults.jitter_prob > 0:
             extra["jitter"] = self.jitter.delayed(self.clock - 1)
         client = self.client
-        self.write_line()   # (the one before, if no request has gone since: a local step's)
-        self.unwritten = (self.rank, self.steps, self.clock, round(loss, 5), samples, staleness, round(wait_s, 5),
-                          client.bytes_sent, client.bytes_recv, extra, time.time())
-        if client.sending is None:   # (not psgd's own loop: no request's send writes it)
-            self.write_line()
-
-    def write_line(self) -> None:
-        """Write the latest step's line, if it is not yet: psgd's own loop writes it as the
-        next request leaves (`ParameterClient.sending`), with the time the step ended."""
-        if self.unwritten is not None:
-            line, self.unwritten = self.unwritten, None
-            self.events.step(*line)
+        self.events.step(self.rank, self.steps, self.clock, round(loss, 5), samples, staleness, round(wait_s, 5),
+                         client.bytes_sent, client.bytes_recv, extra)
 
     def rejoin_if_dropped(self) -> bool:
         """After a partition the coordinator may have dropped us: rejoin with our rank,
@@ -436,7 +419,6 @@ class Worker:
         return set(self.link.state["live"])
 
     def event(self, **fields) -> None:
-        self.write_line()   # (in order)
         self.events.write(**fields)
 
     def note(self, text: str) -> None:

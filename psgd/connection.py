@@ -679,7 +679,7 @@ class Connection(Worker):
         self.close(self._raised(value) if kind else "")
 
     # ------------------------------------------------------------ what the schedule calls
-    def compute(self) -> float:
+    def compute(self, slot: int = 0) -> float:
         """The script's backward pass is done: its gradients are in the model. The
         injected slowness (`faults.*`) counts the time since the last step."""
         self.slow_down(time.perf_counter() - self._computed_at)

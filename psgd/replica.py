@@ -14,7 +14,10 @@ from the table's split into views of the model's tensors made once (the MLP's st
 model's tensors must keep their storage: updated in place, never given new `.data`
 (but once, by the replica itself: `flat`, where a worker's trainable parameters move
 into one block laid out as the shards' params tables, so that a load is one copy a
-shard: 88k instructions a step → 34k for the MLP's, by callgrind).
+shard: 88k instructions a step → 34k for the MLP's, by callgrind). Where the schedule
+gathers the gradient every step and each tensor lies whole in one table, backward writes
+the gradients straight into the tables of the slot the step is computed for
+(`bind_grads`), and the gather copies nothing.
 """
 from __future__ import annotations
 
@@ -174,6 +177,10 @@ class Replica:
         # `load`'s work per table: (shard, its views, their lengths) of the shards whose part is not empty
         self._loads = {table: [(i, *self._views[(i, table)]) for i in range(num_shards) if self._views[(i, table)][0]]
                        for table in TABLES}
+        # slot -> (its gradient tables, (parameter, its gradient's view in them) each) where backward
+        # writes the gradients in place (`bind_grads`); the slot bound now (-1: none)
+        self._bound: dict[int, tuple[list[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+        self._bound_slot = -1
 
     @torch.no_grad()
     def _flatten(self, num_shards: int) -> dict[int, torch.Tensor]:
@@ -198,6 +205,61 @@ class Replica:
             if size:
                 tables[i] = block[at:at + size]
             at += size
+        return tables
+
+    def bind_grads(self, slots: int = 2) -> bool:
+        """Let backward write the gradients into the tables `grads` gives (DDP's
+        `gradient_as_bucket_view`): before each compute, `clear_grads(slot)` zeroes that
+        slot's block and makes each trainable parameter's `.grad` a view of it, so that a
+        gather copies nothing. A gradient computed into slot s overwrites the tables
+        gathered in slot s before: a caller computes into a slot whose tables it no
+        longer needs (one `grads(slot)` would overwrite anyway). Only for a model whose
+        parameters lie in one block (`flat`) on the CPU; whether it is on. Every
+        parameter then has a gradient, zeros where backward gave it none: what `grads`
+        sends for it either way."""
+        if not self._flat or self.device.type != "cpu":
+            return False
+        cuts = [(i, name) for i in range(self.n) for name, start, _ in self._cuts[(i, "params")] if start is None]
+        if len(cuts) != len(self.trainable):   # a tensor cut across two shards' tables: no one table holds it
+            return False
+        for slot in range(slots):
+            tables = [self._buffers_for(_tag("g", slot), i, "params")[0] for i in range(self.n)]
+            views, at = [], [0] * self.n
+            for i, name in cuts:
+                p = self.trainable[name]
+                views.append((p, tables[i][at[i]:at[i] + p.numel()].view(p.shape)))
+                at[i] += p.numel()
+            self._bound[slot] = (tables, views)
+        return True
+
+    def clear_grads(self, slot: int = 0) -> None:
+        """Before a step's backward: its gradients go into slot `slot`'s tables, zeroed
+        (`bind_grads`), or, where they are not bound, start from none
+        (`zero_grad(set_to_none=True)`)."""
+        bound = self._bound.get(slot)
+        if bound is None:
+            self._bound_slot = -1
+            self.model.zero_grad(set_to_none=True)
+            return
+        tables, views = bound
+        for t in tables:
+            t.zero_()
+        for p, v in views:
+            if p.grad is not v:
+                p.grad = v
+        self._bound_slot = slot
+
+    def _bound_tables(self, slot: int) -> list[torch.Tensor] | None:
+        """Slot `slot`'s tables if backward wrote this step's gradients into them: every
+        parameter's `.grad` still its view (an in-place accumulation; anything that set a
+        new one, as `zero_grad(set_to_none=True)` or an accumulation out of place does, is
+        gathered by a copy instead)."""
+        if slot != self._bound_slot:
+            return None
+        tables, views = self._bound[slot]
+        for p, v in views:
+            if p.grad is not v:
+                return None
         return tables
 
     def _buffers_for(self, tag: str, shard: int, table: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +317,10 @@ class Replica:
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
         made dense: the tables are)"""
+        if self._bound_slot >= 0:
+            bound = self._bound_tables(slot)
+            if bound is not None:
+                return bound
         tag = _tag("g", slot)
         tables = []
         strided = torch.strided

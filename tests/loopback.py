@@ -102,7 +102,7 @@ class FakeTrainer:
         self.hist = Histogram()
         self.logged: list[tuple] = []
 
-    def compute(self) -> float:
+    def compute(self, slot: int = 0) -> float:
         for p in self.replica.model.parameters():
             p.grad = self.grad(p.detach())
         return 0.0

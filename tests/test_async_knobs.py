@@ -188,7 +188,7 @@ class FakeTrainer:
         self.x, self.y = torch.randn(8, 4), torch.randint(0, 3, (8,))
         self.calls = 0
 
-    def compute(self) -> float:
+    def compute(self, slot: int = 0) -> float:
         self.computed_on.append(self.replica.params()[0].clone())
         model = self.replica.model
         model.zero_grad(set_to_none=True)

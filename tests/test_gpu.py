@@ -429,13 +429,14 @@ def test_a_slow_workers_slow_factor_counts_the_gpu_time_of_its_step(gpu_time_at_
     Worker.compute measured that time before `loss.item()`: on CUDA, only the kernels'
     launches, and the straggler was barely slower."""
     from psgd.config import load
+    from psgd.replica import Replica
     from psgd.workers.worker import Jitter, Worker
     factor = 3.0
     w = Worker.__new__(Worker)
     w.cfg = load(None, ["faults.slow_rank=0", f"faults.slow_factor={factor}"], env={})
     w.rank, w.clock, w.samples, w.device = 0, 0, 0, torch.device("cpu")
     w.jitter = Jitter(0.0, 0.0, 0, 0)
-    w.replica = types.SimpleNamespace(model=nn.Linear(4, 3))
+    w.replica = Replica(nn.Linear(4, 3), 1, torch.device("cpu"))
     w.batches = types.SimpleNamespace(next=lambda: (torch.randn(8, 4), torch.randint(0, 3, (8,))))
     w.compute()   # (the first backward of a process pays its own set-up)
     t0 = time.perf_counter()

@@ -110,3 +110,98 @@ def test_no_flat_block_where_a_tensors_pieces_are_not_adjacent():
     assert flat_layout(apart, 2) is None
     pieces[(0, "params")].reverse()
     assert flat_layout(apart, 2) == [("v", 0), ("w", 2)]
+
+
+class Mlp(Net):
+    """Net without the sparse embedding: tensors small enough that 2 and 3 shards cut none."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.a = nn.Linear(8, 30)
+        self.b = nn.Linear(30, 3)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("net,shards", [(Net, 1), (Net, 2), (Net, 7), (Mlp, 2), (Mlp, 3)])
+def test_bound_gradients_are_computed_in_the_tables_of_their_slot(net, shards):
+    """`bind_grads`: backward writes each step's gradients into the tables of the slot
+    it was computed for, which `grads` then gives without a copy: the same values as a
+    gather (a sparse gradient, a parameter without one, a 0-dim one), and a slot's
+    tables unchanged by a step computed into the other. Where the map cuts a tensor
+    across two tables nothing is bound; where a gradient is replaced, it is gathered."""
+    torch.manual_seed(0)
+    nets = [net(), net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    cpu = torch.device("cpu")
+    plain, bound = Replica(nets[0], shards, cpu, flat=True), Replica(nets[1], shards, cpu, flat=True)
+    cut = any(start is not None for i in range(shards) for _, start, _ in bound._cuts[(i, "params")])
+    assert bound.bind_grads() == (bool(bound._flat) and not cut)
+    assert bound._bound or net is Net and shards > 1
+    if not bound._bound:
+        return
+    kept = None   # (slot 0's tables and their values, while a step is computed into slot 1)
+    for step in range(4):
+        slot = step % 2
+        idx = torch.randint(0, 50, (16,))
+        plain.model.zero_grad(set_to_none=True)
+        plain.model(idx).sum().backward()
+        bound.clear_grads(slot)
+        bound.model(idx).sum().backward()
+        got = bound.grads(slot)
+        assert all(g.numel() == 0 or g.data_ptr() == t.data_ptr() for g, t in zip(got, bound._bound[slot][0],
+                                                                               strict=True))
+        assert all(torch.equal(g, w) for g, w in zip(got, plain.grads(), strict=True))
+        assert torch.equal(bound.model.unused.weight.grad, torch.zeros(3, 3))
+        if kept is not None:
+            assert all(torch.equal(t, v) for t, v in zip(*kept, strict=True))
+        kept = (got, [g.clone() for g in got]) if slot == 0 else None
+    bound.model.zero_grad(set_to_none=True)   # (not `clear_grads`: the gradients are new tensors)
+    bound.model(idx * 2 % 50).sum().backward()
+    plain.model.zero_grad(set_to_none=True)
+    plain.model(idx * 2 % 50).sum().backward()
+    assert all(torch.equal(g, w) for g, w in zip(bound.grads(1), plain.grads(), strict=True))
+    bound.clear_grads(5)   # (a slot never bound: no gradient until backward makes one)
+    assert all(p.grad is None for p in bound.trainable.values())
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async", "easgd"])
+def test_a_worker_computes_the_gradients_it_pushes_in_its_tables(port_block, tmp_path, mode):
+    """psgd's own worker binds its gradients where its schedule gathers them every step
+    (sync, ssp, async: each compute into the slot it pushes from) and not where a local
+    optimizer steps on them (easgd, diloco, ltfb: a parameter without a gradient is
+    skipped there, not given zeros). (One shard: the default MLP's map cuts its weights
+    across two, and no table then holds a whole tensor's gradient.)"""
+    from psgd.config import load
+    from psgd.inprocess import InProcessCluster
+    from tests.conftest import train_on_threads
+    cfg = load(None, [f"cluster.port={port_block(2)}", "cluster.workers=1", "cluster.servers=1",
+                      "cluster.evaluator=false", f"mode.name={mode}", "train.steps=12",
+                      *(["mode.prefetch=true"] if mode == "async" else [])], env={})
+    workers = []
+    gathered = []   # (slot, bound) of each gather
+
+    def prepare(w):
+        attach = w.attach
+
+        def attached(*args):
+            schedule = attach(*args)
+            r = w.replica
+            grads = r.grads
+
+            def watched(slot=0):
+                gathered.append((slot, r._bound_tables(slot) is not None))
+                return grads(slot)
+            r.grads = watched
+            return schedule
+        w.attach = attached
+        workers.append(w)
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        assert train_on_threads(cfg, str(tmp_path), cluster, prepare) == {0: 0}
+    assert bool(workers[0].replica._bound) == (mode != "easgd")
+    if mode != "easgd":
+        assert len(gathered) >= 12 and all(bound for _, bound in gathered)
+        assert {slot for slot, _ in gathered} == ({0, 1} if mode == "async" else {0})

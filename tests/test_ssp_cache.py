@@ -327,7 +327,7 @@ class LiveTrainer(LoopbackTrainer):
     def live(self) -> set[int]:
         return set(self.view)
 
-    def compute(self) -> float:
+    def compute(self, slot: int = 0) -> float:
         self.computed.append(self.clock)
         return super().compute()
 

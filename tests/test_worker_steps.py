@@ -25,8 +25,8 @@ def run(port: int, out: str, bad, *sets: str) -> tuple[Worker, int, list]:
     computed: list = []
 
     class W(Worker):
-        def compute(self):
-            loss = super().compute()
+        def compute(self, slot=0):
+            loss = super().compute(slot)
             computed.append((self.clock, round(loss, 5), self.samples))
             if bad(len(computed)):
                 next(self.replica.model.parameters()).grad[0].fill_(math.nan)
@@ -113,12 +113,12 @@ def test_a_worker_that_continues_at_a_clock_draws_the_batches_of_that_clock(port
             self.clock = 60   # as the coordinator's start_clock says of the rank's earlier process
             return got
 
-        def compute(self):
+        def compute(self, slot=0):
             x, y = self.batches.next()
             drawn.append(y)
             self.batches.next = lambda: (x, y)   # (the batch just read, for the worker's own compute)
             try:
-                return super().compute()
+                return super().compute(slot)
             finally:
                 del self.batches.next
     box: dict = {}

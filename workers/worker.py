@@ -165,6 +165,9 @@ class Worker:
         self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
         self.slowed = slowed(cfg.faults, self.rank)
         self.replica = Replica(model, cfg.cluster.servers, device, flat=self.own_model)
+        schedule = get_mode(cfg.mode.name).schedule(cfg)
+        if schedule.gathers_grads:
+            self.replica.bind_grads()
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
         self.client.alive = lambda i: not self.link.lost and i in self.link.state.get("live_shards", ())
@@ -176,7 +179,7 @@ class Worker:
         if self.trained_s > 0:   # a new process for a rank of a job under way: what the rank's earlier ones did
             # (read with the heartbeats going: a long job's lines take seconds; the next beats carry it)
             self.logged = earlier_lives(self.out, self.rank, time.time() - self.trained_s - LINES_SLACK_S)
-        return get_mode(cfg.mode.name).schedule(cfg)
+        return schedule
 
     def start(self, schedule: Schedule) -> None:
         """Give the shards their initial values (rank 0's; the others wait for them: a
@@ -353,19 +356,19 @@ class Worker:
             return False
         return not (t.seconds and self.now() >= t.seconds)
 
-    def compute(self) -> float:
+    def compute(self, slot: int = 0) -> float:
         """One forward/backward on the next batch (with injected slowness: a slow link, a
-        slow rank, transient jitter); the loss. The loss is read before the step's time is
-        taken: on a GPU forward and backward only queue their kernels, and reading it waits
-        for them."""
+        slow rank, transient jitter), its gradients into slot `slot`'s tables where they
+        are bound (`Replica.bind_grads`); the loss. The loss is read before the step's
+        time is taken: on a GPU forward and backward only queue their kernels, and
+        reading it waits for them."""
         slow = self.slowed
         t0 = time.perf_counter() if slow else 0.0
         x, y = self.batches.next()
         if not (x.is_cpu and y.is_cpu and self.device.type == "cpu"):   # (on the CPU, `.to` is two torch calls
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)   # that give them back)
-        model = self.replica.model
-        model.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
+        self.replica.clear_grads(slot)
+        loss = nn.functional.cross_entropy(self.replica.model(x), y)
         loss.backward()
         self.loss = loss.item()   # (a Python float)
         if slow:

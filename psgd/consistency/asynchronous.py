@@ -156,7 +156,7 @@ class AsyncSchedule(SspSchedule):
         fetch the parameters every n_fetch steps, in one round trip when both fall due.
         With prefetch the request travels while the next step computes, and is settled
         (its answers loaded) after that step's gradient is taken."""
-        w.compute()                      # on the parameters we have, while the last request travels
+        w.compute(self.slot)             # on the parameters we have, while the last request travels
         grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
         if self.n_push > 1 or self.n_fetch > 1:   # summed into the accrued, stepping the worker's own copy:
             finite_or_diverged(w, grads)          # refused before either (the shards never see it to refuse it)

@@ -21,6 +21,7 @@ from .rule import Diverged, Schedule, Trainer
 
 class PushPullSchedule(Schedule):
     versions: list[int]
+    gathers_grads = True
 
     def resume_clock(self, answers: list) -> int:
         """Where a (re)joining worker continues, given the shards' join answers."""

@@ -305,7 +305,7 @@ class Trainer(Protocol):
     replica: Replica
     hist: Histogram
 
-    def compute(self) -> float: ...
+    def compute(self, slot: int = 0) -> float: ...   # slot: whose gradient tables it may write (`Replica.bind_grads`)
     def score(self) -> tuple[float, float]: ...   # (accuracy, loss) of the model on its tournament data
     def log_step(self, staleness: int, wait_s: float, step: tuple[float, int] | None = None,
                  **extra: Any) -> None: ...   # step: the (loss, samples) of a step settled later (prefetch)
@@ -328,6 +328,9 @@ class Schedule:
     data_split: float = 0.0   # the share of each partition held out of training
     local_optimizer = False   # steps the worker's own optimizer (make_local_optimizer), not the shards'
     needs_score = False       # ranks models by the worker's `score()`
+    # Gathers each step's gradient (`Replica.grads`), computed into the slot it gathers it from
+    # (`compute(slot)`): backward may write it into the gather's tables (`Replica.bind_grads`)
+    gathers_grads = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -227,7 +227,7 @@ class SspSchedule(PushPullSchedule):
     def step(self, w: Trainer) -> None:
         if self.cache is None:
             return super().step(w)
-        w.compute()
+        w.compute(self.slot)
         grads, buffers = w.replica.grads(self.slot), w.replica.buffers(self.slot)
         read = self.versions            # the read this gradient was computed on (settle may load a newer one)
         self.settle(w)

@@ -250,7 +250,7 @@ class SimWorker:
         return d * self._slow + f.step_delay_s + self._jitter.draw(self.clock)
 
     # ------------------------------------------------------------ what a schedule may call
-    def compute(self) -> float:
+    def compute(self, slot: int = 0) -> float:
         if self.batches is not None:
             x, y = self.batches.next()
             x, y = x.to(self.replica.device), y.to(self.replica.device)

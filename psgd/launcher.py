@@ -190,26 +190,28 @@ def oversubscribed(cfg: Config, cores: int | None = None) -> str:
             f"those of one core per process")
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a daemon could not bind `port` on `host` ('' for every address), or None. The
+    probe sets SO_REUSEADDR, as ZeroMQ's bind does: a port held only by an earlier job's
+    TIME_WAIT connections (for a minute after it ended) is free to it, a port another
+    socket listens on is not."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
 def ports_free(host: str, base: int, n: int) -> bool:
-    """Whether the daemons could bind ports base..base+n-1. The probe sets SO_REUSEADDR,
-    as ZeroMQ's bind does: a port held only by an earlier job's TIME_WAIT connections
-    (for a minute after it ended) is free to it, a port another socket listens on is not."""
-    for p in range(base, base + n):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, p))
-            except OSError:
-                return False
-    return True
+    """Whether the daemons could bind ports base..base+n-1 (`bind_error`)."""
+    return all(bind_error(host, p) is None for p in range(base, base + n))
 
 
 def busy_port(host: str, base: int, n: int) -> int | None:
     """The first port of base..base+n-1 that cannot be bound, or None."""
-    for p in range(base, base + n):
-        if not ports_free(host, p, 1):
-            return p
-    return None
+    return next((p for p in range(base, base + n) if bind_error(host, p) is not None), None)
 
 
 def taken_port(cfg: Config) -> int:
@@ -226,14 +228,9 @@ def taken_port(cfg: Config) -> int:
         if not a.startswith("tcp://"):
             continue
         host, _, port = bind_address(a)[len("tcp://"):].rpartition(":")
-        host = "" if host == "*" else host.strip("[]")
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (as ZeroMQ binds: `ports_free`)
-            try:
-                s.bind((host, int(port)))
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    return int(port)
+        e = bind_error("" if host == "*" else host.strip("[]"), int(port))
+        if e is not None and e.errno == errno.EADDRINUSE:
+            return int(port)
     return 0
 
 

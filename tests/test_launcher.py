@@ -885,3 +885,24 @@ def test_a_config_file_of_the_users_in_the_folder_is_refused_not_replaced(tmp_pa
         assert (tmp_path / "config.toml").read_text() == job.cfg.to_toml()
     finally:
         job.stop()
+
+
+@pytest.mark.timeout(30)
+def test_taken_port_names_the_first_of_a_jobs_ports_that_a_program_listens_on(port_block):
+    """The Slurm scripts' check before they start a job (`taken_port`): a port another
+    socket listens on is named, the coordinator's before the shards'; a port in TIME_WAIT
+    or free is not."""
+    import socket
+
+    from psgd.config import load
+    from psgd.launcher import bind_error, taken_port
+    base = port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=2", "cluster.host=127.0.0.1"], env={})
+    assert taken_port(cfg) == 0
+    shard = cfg.shard_address(1).rpartition(":")[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", int(shard)))
+        s.listen()
+        assert taken_port(cfg) == int(shard)
+        assert bind_error("127.0.0.1", int(shard)) is not None
+    assert taken_port(cfg) == 0

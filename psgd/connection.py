@@ -680,8 +680,9 @@ class Connection(Worker):
 
     # ------------------------------------------------------------ what the schedule calls
     def compute(self, slot: int = 0) -> float:
-        """The script's backward pass is done: its gradients are in the model. The
-        injected slowness (`faults.*`) counts the time since the last step."""
+        """The script's backward pass is done: its gradients are in the model, where its
+        backward put them (`slot` is not used). The injected slowness (`faults.*`) counts
+        the time since the last step."""
         self.slow_down(time.perf_counter() - self._computed_at)
         self.samples += self._batch
         self.loss = math.nan if self._loss is None else self._loss

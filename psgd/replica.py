@@ -219,13 +219,13 @@ class Replica:
         sends for it either way."""
         if not self._flat or self.device.type != "cpu":
             return False
-        cuts = [(i, name) for i in range(self.n) for name, start, _ in self._cuts[(i, "params")] if start is None]
-        if len(cuts) != len(self.trainable):   # a tensor cut across two shards' tables: no one table holds it
+        whole = [(i, name) for i in range(self.n) for name, start, _ in self._cuts[(i, "params")] if start is None]
+        if len(whole) != len(self.trainable):   # a tensor cut across two shards' tables: no one table holds it
             return False
         for slot in range(slots):
             tables = [self._buffers_for(_tag("g", slot), i, "params")[0] for i in range(self.n)]
             views, at = [], [0] * self.n
-            for i, name in cuts:
+            for i, name in whole:
                 p = self.trainable[name]
                 views.append((p, tables[i][at[i]:at[i] + p.numel()].view(p.shape)))
                 at[i] += p.numel()

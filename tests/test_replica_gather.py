@@ -168,19 +168,20 @@ def test_bound_gradients_are_computed_in_the_tables_of_their_slot(net, shards):
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["sync", "async", "easgd"])
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd"])
 def test_a_worker_computes_the_gradients_it_pushes_in_its_tables(port_block, tmp_path, mode):
     """psgd's own worker binds its gradients where its schedule gathers them every step
-    (sync, ssp, async: each compute into the slot it pushes from) and not where a local
-    optimizer steps on them (easgd, diloco, ltfb: a parameter without a gradient is
-    skipped there, not given zeros). (One shard: the default MLP's map cuts its weights
-    across two, and no table then holds a whole tensor's gradient.)"""
+    (sync; ssp and async with prefetch, each compute into the slot it pushes from, the
+    two in turn) and not where a local optimizer steps on them (easgd, diloco, ltfb: a
+    parameter without a gradient is skipped there, not given zeros). (One shard: the
+    default MLP's map cuts its weights across two, and no table then holds a whole
+    tensor's gradient.)"""
     from psgd.config import load
     from psgd.inprocess import InProcessCluster
     from tests.conftest import train_on_threads
     cfg = load(None, [f"cluster.port={port_block(2)}", "cluster.workers=1", "cluster.servers=1",
                       "cluster.evaluator=false", f"mode.name={mode}", "train.steps=12",
-                      *(["mode.prefetch=true"] if mode == "async" else [])], env={})
+                      *(["mode.prefetch=true"] if mode in ("ssp", "async") else [])], env={})
     workers = []
     gathered = []   # (slot, bound) of each gather
 
@@ -204,4 +205,4 @@ def test_a_worker_computes_the_gradients_it_pushes_in_its_tables(port_block, tmp
     assert bool(workers[0].replica._bound) == (mode != "easgd")
     if mode != "easgd":
         assert len(gathered) >= 12 and all(bound for _, bound in gathered)
-        assert {slot for slot, _ in gathered} == ({0, 1} if mode == "async" else {0})
+        assert {slot for slot, _ in gathered} == ({0, 1} if mode in ("ssp", "async") else {0})

@@ -397,7 +397,9 @@ class Worker:
         """The step line of a step that went through (`clock` is the clock after it; with
         jitter on, `jitter` says whether its compute, at clock - 1, was delayed): the one
         just computed, or `step`, its (loss, samples) when it is settled after the next
-        one computed (prefetch)."""
+        one computed (prefetch). Written at once, before the next request leaves: a worker
+        killed once the shards took a request has the line of every step they hold but
+        that one."""
         self.steps += 1
         loss, samples = step if step is not None else (self.loss, self.samples)
         if self.cfg.faults.jitter_prob > 0:

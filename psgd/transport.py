@@ -525,11 +525,14 @@ class Peers:
              cancel: Callable[[], bool] | None = None) -> dict[int, wire.Message]:
         """Wait for replies: pending maps request id -> peer index. Returns id -> Message.
         Error replies raise RemoteError; a missing answer (or `cancel()` turning true)
-        raises PeerTimeout, whose `partial` holds the replies that did arrive."""
+        raises PeerTimeout, whose `partial` holds the replies that did arrive. At the
+        deadline, what has come is still read, without waiting: a thread that got no CPU
+        until past it (a daemon's heartbeat on a loaded machine) took its answer, the
+        job's `done`, for none, and the fresh connection it sent the next on dropped it."""
         got: dict[int, wire.Message] = {}
         start = time.monotonic()
         deadline = start + timeout
-        polled = False
+        polled = last_look = False
         peers = frozenset(pending.values())
         while len(got) < len(pending):
             poller = self._pollers.get(peers)
@@ -545,7 +548,7 @@ class Peers:
                 for i in range(len(self.monitors)):
                     self.refused(i)
             left = deadline - now
-            if left <= 0 or (cancel is not None and polled and cancel()):
+            if (left <= 0 and last_look) or (cancel is not None and polled and cancel()):
                 missing = sorted({pending[r] for r in pending if r not in got})
                 for i in missing:
                     why = self.refused(i)
@@ -555,9 +558,10 @@ class Peers:
                 exc.partial = got
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
-            events = (spin(poller, min(self.spin_s, left)) if self.spin_s and any(self.lanes[i] for i in peers)
-                      else None)
-            for sock, _ in events or poller.poll(int(min(left, 0.2 if cancel else 1.0) * 1000)):
+            last_look = left <= 0
+            events = (spin(poller, min(self.spin_s, left)) if left > 0 and self.spin_s
+                      and any(self.lanes[i] for i in peers) else None)
+            for sock, _ in events or poller.poll(max(0, int(min(left, 0.2 if cancel else 1.0) * 1000))):
                 if type(sock) is int:   # a lane's descriptor
                     self._read_lane(self._lane_peer.get(sock, -1), pending, got)
                     continue

@@ -181,6 +181,8 @@ class Coordinator:
         self.final_deadline = 0.0
         self.done_at = 0.0
         self.told_done: set = set()    # (role, its rank or index) of each process heard since `done`
+        # When the poll before the one serving now ended (`serve`): a message read now came after it
+        self._heard_since: float | None = None
         self.abort = ""
         self.counters = {"bad_messages": 0}
         self.nonces: dict[str, int] = {}   # a worker's registration nonce -> the rank it got
@@ -467,9 +469,22 @@ class Coordinator:
             self.evaluator_seen = now
         else:
             raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
-        if self.phase == "done":
+        if self.phase == "done" and self._prompt():
             self.told_done.add((role, msg.rank if role == "worker" else idx))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
+
+    def _prompt(self) -> bool:
+        """Is the message being served read soon enough that its sender still waits for the
+        answer? A daemon waits `beat_answer_s` for a heartbeat's, then sends the next on a
+        fresh connection, and an answer to the old one is dropped. A heartbeat read after
+        the serve loop was busy for three quarters of that or more (the job's end written
+        on a loaded machine) may have waited too long: its `done` counted as heard, the
+        coordinator exited, and the shard, which never got it, ran on until
+        cluster.timeout_s and exited 1 "lost the coordinator" (CI, 2026-12-05). It is
+        answered, and its daemon counts at its next heartbeat. Handlers called outside
+        `serve` (tests) are prompt."""
+        since = self._heard_since
+        return since is None or time.monotonic() - since < 0.75 * beat_answer_s(self.cfg)
 
     def _credit_staleness(self, rank: int, logged: dict) -> None:
         """The staleness histogram of the rank's earlier processes as their step lines have
@@ -942,12 +957,13 @@ class Coordinator:
             if self.cfg.security.curve:
                 stop_auth(self.ctx)
             return 1 if self.abort else 0
-        start = time.monotonic()
+        start = polled = time.monotonic()
         waited_note = start
         try:
             while True:
+                self._heard_since = polled
                 self.service.poll(50)
-                now = time.monotonic()
+                now = polled = time.monotonic()
                 self._tick(now)
                 if self.phase == "done" and self._lingered(now):
                     return 1 if self.abort else 0

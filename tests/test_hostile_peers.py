@@ -516,3 +516,29 @@ def test_a_flood_of_reads_is_refused_once_max_parked_wait_and_the_job_goes_on(mo
     released = shard.handle("w1", push(shard, 1, 1, 0))
     assert shard.rule.stats()["parked"] == 0
     assert len([t for t, _ in released if t == "w"]) == 20
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_heartbeat_read_late_after_the_end_does_not_count_as_heard():
+    """CI (2026-12-05): shard 0 of a job whose daemons were started by hand ran on until
+    cluster.timeout_s and exited 1 "lost the coordinator". The coordinator had counted it
+    as told `done` when it read a heartbeat, but a heartbeat read after the serve loop was
+    busy for a while may be answered after its daemon gave up waiting (beat_answer_s) and
+    reconnected, which drops the answer. Read that late, it is answered but not counted;
+    the daemon's next heartbeat, read promptly, counts."""
+    from psgd.membership import beat_answer_s
+    c = coordinator(workers=1, servers=1)
+    try:
+        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
+        c._tick(time.monotonic())
+        c._finish_job()
+        assert c.phase == "done"
+        c._heard_since = time.monotonic() - beat_answer_s(c.cfg)   # the loop was busy since its last poll
+        assert ask(c, "heartbeat", role="server", index=0).get("done")
+        assert not c._lingered(time.monotonic())
+        c._heard_since = time.monotonic()
+        assert ask(c, "heartbeat", role="server", index=0).get("done")
+        assert c._lingered(time.monotonic())
+    finally:
+        c.sock.close(0)

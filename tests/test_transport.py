@@ -115,3 +115,29 @@ def test_a_request_goes_as_wire_encode_makes_it(monkeypatch):
     finally:
         peers.close()
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_an_answer_that_came_by_the_deadline_is_taken_by_a_wait_that_looks_after_it():
+    """CI (2026-12-05): a shard ran on until cluster.timeout_s and exited 1 "lost the
+    coordinator" though the job had ended: most likely its heartbeat thread got no CPU
+    until past the wait's deadline, and the wait raised PeerTimeout without reading the
+    answer (`done`) that had come meanwhile; the next heartbeat's fresh connection dropped
+    it. At the deadline, what has come is read first; nothing there is still a timeout."""
+    ctx = zmq.Context()
+    try:
+        with answering(ctx) as address:
+            peers = Peers(ctx, [address], SecurityConfig())
+            try:
+                peers.call(0, "stats", timeout=10)   # (connected)
+                rid = peers.send(0, "stats")
+                deadline = time.monotonic() + 10
+                while not readable(peers.socks[0]) and time.monotonic() < deadline:
+                    time.sleep(0.01)   # the answer is here before the wait starts
+                assert peers.wait({rid: 0}, 0.0, "a late look")[rid].op == "reply"
+                with pytest.raises(transport.PeerTimeout):
+                    peers.wait({rid + 1000: 0}, 0.0, "none to take")   # (an id never sent)
+            finally:
+                peers.close()
+    finally:
+        ctx.term()

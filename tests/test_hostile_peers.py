@@ -9,6 +9,8 @@ import json
 import math
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -415,6 +417,20 @@ def test_the_heartbeat_thread_outlives_a_beat_that_fails():
 
 
 # ------------------------------------------------------------ the end of an aborted job
+@contextmanager
+def ended_job() -> Iterator:
+    """A hand-served coordinator (1 worker, 1 shard) whose job just ended: its worker finished."""
+    c = coordinator(workers=1, servers=1)
+    try:
+        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
+        c._tick(time.monotonic())
+        c._finish_job()
+        assert c.phase == "done"
+        yield c
+    finally:
+        c.sock.close(0)
+
+
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_an_aborted_job_lingers_until_its_live_workers_heard_the_end():
@@ -440,16 +456,10 @@ def test_the_coordinator_lingers_for_a_daemon_through_two_unanswered_heartbeats(
     3 periods and 3 s after it; the coordinator had exited, and the shard waited
     cluster.timeout_s and exited 1 "lost the coordinator"."""
     from psgd.membership import beat_answer_s
-    c = coordinator(workers=1, servers=1)
-    try:
-        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
-        c._tick(time.monotonic())
-        c._finish_job()
+    with ended_job() as c:
         hb = c.cfg.cluster.heartbeat_s
         assert not c._lingered(c.done_at + 2 * (beat_answer_s(c.cfg) + hb) + 0.5)   # shard 0 has not heard
         assert c._lingered(c.done_at + linger_s(c.cfg) + 0.1)
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
@@ -477,19 +487,12 @@ def test_a_heartbeat_that_is_no_shards_does_not_count_as_a_shard_hearing_the_end
     evaluator (another index, or none in the job: cluster.evaluator is off here) counted
     as one more daemon that heard: the coordinator exited before shard 0 heard `done`,
     which ran on until cluster.timeout_s and exited 1. An unknown role is refused."""
-    c = coordinator(workers=1, servers=1)
-    try:
-        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
-        c._tick(time.monotonic())
-        c._finish_job()
-        assert c.phase == "done"
+    with ended_job() as c:
         m = ask(c, "heartbeat", role=role, index=index)
         assert role == "evaluator" or (m.op, m.get("code")) == ("error", wire.BAD_FIELD), m.fields
         assert not c._lingered(time.monotonic())   # shard 0 has not heard the end
         ask(c, "heartbeat", role="server", index=0)
         assert c._lingered(time.monotonic())
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.unit
@@ -528,17 +531,10 @@ def test_a_heartbeat_read_late_after_the_end_does_not_count_as_heard():
     reconnected, which drops the answer. Read that late, it is answered but not counted;
     the daemon's next heartbeat, read promptly, counts."""
     from psgd.membership import beat_answer_s
-    c = coordinator(workers=1, servers=1)
-    try:
-        ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
-        c._tick(time.monotonic())
-        c._finish_job()
-        assert c.phase == "done"
+    with ended_job() as c:
         c._heard_since = time.monotonic() - beat_answer_s(c.cfg)   # the loop was busy since its last poll
         assert ask(c, "heartbeat", role="server", index=0).get("done")
         assert not c._lingered(time.monotonic())
         c._heard_since = time.monotonic()
         assert ask(c, "heartbeat", role="server", index=0).get("done")
         assert c._lingered(time.monotonic())
-    finally:
-        c.sock.close(0)

@@ -178,9 +178,8 @@ class Replica:
         self._loads = {table: [(i, *self._views[(i, table)]) for i in range(num_shards) if self._views[(i, table)][0]]
                        for table in TABLES}
         # slot -> (its gradient tables, (parameter, its gradient's view in them) each) where backward
-        # writes the gradients in place (`bind_grads`); the slot bound now (-1: none)
+        # writes the gradients in place (`bind_grads`)
         self._bound: dict[int, tuple[list[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]] = {}
-        self._bound_slot = -1
 
     @torch.no_grad()
     def _flatten(self, num_shards: int) -> dict[int, torch.Tensor]:
@@ -238,7 +237,6 @@ class Replica:
         (`zero_grad(set_to_none=True)`)."""
         bound = self._bound.get(slot)
         if bound is None:
-            self._bound_slot = -1
             self.model.zero_grad(set_to_none=True)
             return
         tables, views = bound
@@ -247,16 +245,17 @@ class Replica:
         for p, v in views:
             if p.grad is not v:
                 p.grad = v
-        self._bound_slot = slot
 
     def _bound_tables(self, slot: int) -> list[torch.Tensor] | None:
         """Slot `slot`'s tables if backward wrote this step's gradients into them: every
-        parameter's `.grad` still its view (an in-place accumulation; anything that set a
-        new one, as `zero_grad(set_to_none=True)` or an accumulation out of place does, is
-        gathered by a copy instead)."""
-        if slot != self._bound_slot:
+        parameter's `.grad` is still its view in them, as `clear_grads(slot)` made it (a
+        step computed into another slot, or anything that set a new one, as
+        `zero_grad(set_to_none=True)` or an accumulation out of place does, is gathered by
+        a copy instead)."""
+        bound = self._bound.get(slot)
+        if bound is None:
             return None
-        tables, views = self._bound[slot]
+        tables, views = bound
         for p, v in views:
             if p.grad is not v:
                 return None
@@ -317,10 +316,9 @@ class Replica:
     def grads(self, slot: int = 0) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
         made dense: the tables are)"""
-        if self._bound_slot >= 0:
-            bound = self._bound_tables(slot)
-            if bound is not None:
-                return bound
+        bound = self._bound_tables(slot) if self._bound else None
+        if bound is not None:
+            return bound
         tag = _tag("g", slot)
         tables = []
         strided = torch.strided

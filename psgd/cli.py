@@ -25,6 +25,10 @@ import threading
 import time
 from typing import NoReturn
 
+# This command's first moment, and the CPU time its process had spent by then (the
+# interpreter's start): what `psgd run`'s startup_s counts from (metrics.command_start)
+BEGAN = (time.time(), sum(os.times()[:2]))
+
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL
@@ -303,8 +307,8 @@ def cmd_run(args) -> int:
         run_local,
         written_since,
     )
-    from .metrics import process_start_time
-    launched_at = process_start_time() or time.time()  # startup_s: from the command's start
+    from .metrics import command_start, process_start_time
+    launched_at = command_start(*BEGAN, process_start_time())  # startup_s: from the command's start
     script = _script(args)
     cfg = _config(args, {"mode.name": args.mode, "cluster.workers": args.workers, "cluster.servers": args.servers,
                          **({"model.name": SCRIPT_MODEL, "cluster.evaluator": "false"} if script else {})})

@@ -292,6 +292,26 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - age if 0 <= age < 7 * 86400 else None
 
 
+# How much earlier than its Python's first moment, less the CPU time spent by then, a
+# process may have been forked and still be this command's own (`command_start`): the
+# interpreter's start waiting on a cold disk
+EXEC_SLACK_S = 0.5
+
+
+def command_start(began: float, cpu_s: float, forked: float | None) -> float:
+    """When a command began, as a time.time() value, from `began` (the first moment of
+    its Python code), `cpu_s` (the process's CPU time by then: the interpreter's start)
+    and `forked` (`process_start_time`): the fork, unless the process ran long before
+    the command was exec'd into it. A shell execs a list's last command in its own
+    process (`bash -c 'pip install … && psgd run'`), whose start was the shell's: psgd
+    run's startup_s counted the install. Then `began - cpu_s`, which misses only what
+    the interpreter's start waited for."""
+    estimate = began - cpu_s
+    if forked is None or forked < estimate - EXEC_SLACK_S:
+        return estimate
+    return forked
+
+
 def live_pid(path: str) -> int | None:
     """The pid that the pid file `path` names, if that process runs; None if it is gone,
     the file is not a pid, or the pid is another process now (started after the file)."""

@@ -19,7 +19,7 @@ from psgd import consistency
 from psgd.config import MODES, Config, load
 from psgd.data import _digits_raw, check_dataset, digits_file
 from psgd.launcher import available_cores, busy_processes, cpu_quota, format_summary, oversubscribed
-from psgd.metrics import process_start_time
+from psgd.metrics import EXEC_SLACK_S, command_start, process_start_time
 from psgd.optim import make_optimizer
 from tests.conftest import free_port_block, kill_all
 
@@ -211,6 +211,33 @@ def test_the_final_line_says_the_start_up():
 def test_process_start_time_is_this_process_start():
     t = process_start_time()
     assert t is not None and 0 <= time.time() - t < 3600
+
+
+@pytest.mark.unit
+def test_a_command_starts_at_its_fork_unless_exec_d_into_an_older_process():
+    began, cpu = 1000.0, 0.2   # psgd's first moment, and the interpreter's start's CPU time by then
+    assert command_start(began, cpu, 999.5) == 999.5   # forked, exec'd, started (its waits included)
+    assert command_start(began, cpu, began - cpu - EXEC_SLACK_S) == began - cpu - EXEC_SLACK_S
+    assert command_start(began, cpu, 900.0) == began - cpu   # a shell's process, running 100 s before
+    assert command_start(began, cpu, None) == began - cpu    # no /proc
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_psgd_exec_d_by_a_shell_counts_from_its_own_start():
+    """A shell execs a list's last command in its own process: `psgd run` after
+    `sleep 2` in one `bash -c` counted the 2 s (an install before it, all of it) in
+    startup_s. What it counts from lies at most the interpreter's start before psgd's
+    first moment (`cli.BEGAN`), not the shell's 2 s."""
+    code = ("import psgd.cli as c, psgd.metrics as m; "
+            "print(c.BEGAN[0] - m.command_start(*c.BEGAN, m.process_start_time()), "
+            "c.BEGAN[0] - m.process_start_time())")
+    r = subprocess.run(["bash", "-c", f"sleep 2; exec {sys.executable} -c '{code}'"], capture_output=True,
+                       text=True, timeout=50)
+    assert r.returncode == 0, r.stderr
+    counted, since_fork = map(float, r.stdout.split())
+    assert since_fork >= 2.0   # the process is the shell's
+    assert 0 <= counted < 1.0
 
 
 # ---------------------------------------------------------------- real jobs

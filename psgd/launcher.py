@@ -682,13 +682,18 @@ class LocalJob:
             return False
         if code == 1 and not self._under_way():
             return False
-        if coord.restarts >= MAX_RESTARTS:
-            raise LaunchError(f"the coordinator keeps dying (exit {_exit(coord, code)}); gave up after "
-                             f"{MAX_RESTARTS} restarts")
-        coord.restarts += 1
-        log("run", f"the coordinator exited with {_exit(coord, code)}; restarting it (restart {coord.restarts})")
-        self._start(coord)
+        self._restart(coord, code, "the coordinator")
         return True
+
+    def _restart(self, child: Child, code: int, who: str, ends: str = "") -> None:
+        """Start `child` (`who`) again after it exited with `code`; after MAX_RESTARTS
+        restarts, give up instead (LaunchError, `ends` said after why)."""
+        if child.restarts >= MAX_RESTARTS:
+            raise LaunchError(f"{who} keeps dying (exit {_exit(child, code)}); gave up after {MAX_RESTARTS} restarts"
+                              + (f"; {ends}" if ends else ""))
+        child.restarts += 1
+        log("run", f"{who} exited with {_exit(child, code)}; restarting it (restart {child.restarts})")
+        self._start(child)
 
     def _state(self) -> dict:
         """The coordinator's state file ({} where there is none yet): it is rewritten at
@@ -940,12 +945,7 @@ class LocalJob:
                     said = self.tail(child, 1).strip().removeprefix("psgd: error: ")   # would say it again
                     raise LaunchError(f"{child.name} stopped: {said} (logs in {os.path.join(self.out, 'logs')})")
                 if self._restarted(child):
-                    if child.restarts >= MAX_RESTARTS:
-                        raise LaunchError(f"{child.name} keeps dying (exit {_exit(child, rc)}); gave up after "
-                                          f"{MAX_RESTARTS} restarts; {self._ends(child)}")
-                    child.restarts += 1
-                    log("run", f"{child.name} exited with {_exit(child, rc)}; restarting it (restart {child.restarts})")
-                    self._start(child)
+                    self._restart(child, rc, child.name, self._ends(child))
                 elif not child.reported:
                     log("run", f"{child.name} exited with {_exit(child, rc)}; {self._ends(child)}")
                     child.reported = True  # the coordinator decides what follows

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -232,8 +233,8 @@ def test_psgd_exec_d_by_a_shell_counts_from_its_own_start():
     code = ("import psgd.cli as c, psgd.metrics as m; "
             "print(c.BEGAN[0] - m.command_start(*c.BEGAN, m.process_start_time()), "
             "c.BEGAN[0] - m.process_start_time())")
-    r = subprocess.run(["bash", "-c", f"sleep 2; exec {sys.executable} -c '{code}'"], capture_output=True,
-                       text=True, timeout=50)
+    r = subprocess.run(["bash", "-c", f"sleep 2; exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"],
+                       capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr
     counted, since_fork = map(float, r.stdout.split())
     assert since_fork >= 2.0   # the process is the shell's

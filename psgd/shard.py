@@ -41,7 +41,6 @@ from .optim import lr_at, make_optimizer, set_lr
 from .sharding import ShardMap, model_tensors, shard_map
 
 Reply = tuple[Hashable, Any]   # (token, frames; a packet in psgd.sim; a push's fields for `ThenRead`)
-Token = tuple[Hashable, wire.Message]   # (the daemon's routing token, the request)
 MAX_AWAITING_INIT = 4096   # init requests parked before a shard has its values: beyond, refused
 FIRST_WORKER_GONE = "worker 0, which brings the initial values, left the job before sending them"
 # Requests the rule may park (reads, pushes that read, ltfb's model fetches) are refused

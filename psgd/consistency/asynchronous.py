@@ -125,7 +125,6 @@ class AsyncSchedule(SspSchedule):
 
     caches = False
     inflight: Any = None        # the request in flight (prefetch), whether it pushed, and its step's (loss, samples)
-    inflight_pushed = False
     inflight_step: tuple[float, int] | None = None
     slot = 0                    # which set of gradient buffers the next push uses
 
@@ -173,7 +172,7 @@ class AsyncSchedule(SspSchedule):
         if push or fetch:
             self.inflight = w.client.begin_push_pull(w.clock, grads if push else None, buffers if push else None,
                                                      read, self.slot, pull=fetch)
-            self.inflight_pushed, self.inflight_step = push, (w.loss, w.samples)
+            self.inflight_step = (w.loss, w.samples)
             self.slot ^= 1
             if push:
                 self.since_push, self.accrued = 0, None

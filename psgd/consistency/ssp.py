@@ -137,7 +137,7 @@ class ClientCache:
     `fill(t, live)` records a read whose answers guaranteed clock t (the smallest
     `guaranteed` over the shards) with the live workers it covers (`gated_over`: the
     shards' live set when they answered, not the worker's when it loads the answer,
-    which may have a rejoiner more). `serves(c, live)`: the copy may serve the worker's
+    which may have a rejoiner more). `fresh(c, live)`: the copy may serve the worker's
     read at clock c, i.e. t >= c - s (it holds every update of clocks <= c - s - 1 of
     every worker live at the read; SSP's condition, Ho et al. 2013) and no worker is
     live now that was not live at the read (a (re)joiner may still push clocks below t,
@@ -147,23 +147,12 @@ class ClientCache:
         self.bound = bound
         self.clock: int | None = None
         self.live: frozenset[int] = frozenset()
-        self.hits = 0
-        self.misses = 0
 
     def fill(self, guaranteed: int, live: Iterable[int]) -> None:
         self.clock, self.live = guaranteed, frozenset(live)
 
     def fresh(self, clock: int, live: Iterable[int]) -> bool:
         return self.clock is not None and self.clock >= clock - self.bound and self.live.issuperset(live)
-
-    def serves(self, clock: int, live: Iterable[int]) -> bool:
-        """`fresh`, counted as a hit or a miss."""
-        ok = self.fresh(clock, live)
-        if ok:
-            self.hits += 1
-        else:
-            self.misses += 1
-        return ok
 
 
 def guaranteed(answers: list) -> int:
@@ -232,7 +221,7 @@ class SspSchedule(PushPullSchedule):
         read = self.versions            # the read this gradient was computed on (settle may load a newer one)
         self.settle(w)
         w0, c = w.client.wait_s, w.clock
-        serve = self.cache.serves(c + 1, w.live())
+        serve = self.cache.fresh(c + 1, w.live())
         if serve:
             finite_or_diverged(w, grads)   # (the worker's own copy is stepped by it below)
         f = w.client.begin_push_pull(c, grads, buffers, read, self.slot, pull=not (serve and self.pull_less))

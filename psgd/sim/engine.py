@@ -186,10 +186,9 @@ class Process:
     With `rng`, torch's random state is the body's own while it runs.
     An exception in the body is re-raised by `resume()`; `abandon()` ends a suspended
     body by raising `Stop` inside it. The body runs on a greenlet when the `greenlet`
-    package is installed (`BACKEND`), else on its own thread with strict hand-off."""
+    package is installed, else on its own thread with strict hand-off."""
 
     STACK = 1 << 20  # bytes per worker thread (torch's CPU kernels run on it)
-    BACKEND = "greenlet" if _greenlet is not None else "thread"
 
     def __init__(self, name: str, body: Callable[[], None], rng: TorchRandom | None = None):
         self.name = name

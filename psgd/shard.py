@@ -128,6 +128,11 @@ class Shard:
         # is late tells a shard that still holds it (the same id as before the request left)
         # from one restarted since, which lost it (workers/client.py `finish`)
         self.incarnation = os.urandom(8).hex()
+        # The job token (`membership.job_token`) of the daemon serving this shard: a request
+        # that changes the tables (a push, an offer, a deposit, initial values) from a
+        # worker of another job is refused (`_ours`). Empty where the daemons were started
+        # by hand, and in the simulator: their workers send none.
+        self.job = ""
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
         self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
         self.bacc: torch.Tensor | None = None
@@ -170,6 +175,7 @@ class Shard:
         one wrapper, not two, around every push."""
         if until_trained:
             def guarded(token, msg: wire.Message) -> list[Reply]:
+                self._ours(msg)
                 if not self.ready:
                     return self._not_ready(token, msg)
                 if self.trained:
@@ -182,6 +188,15 @@ class Shard:
                 return self._not_ready(token, msg)
             return fn(token, msg)
         return guarded_ready
+
+    def _ours(self, msg: wire.Message) -> None:
+        """Refuse a request that would change the tables, from a worker of another job
+        (its job token differs): one still dialing this port after its own job ended
+        (its shards gone, this job's on the same port) had its pushes applied to this
+        job's model, as the coordinator had taken another job's scores (`Coordinator._ours`)."""
+        if msg.get("job", "") != self.job:
+            raise wire.WireError(wire.REFUSED, f"shard {self.index}: this {msg.op} comes from a worker of another "
+                                               f"job (PSGD_JOB_TOKEN differs); is another job using this port?")
 
     def _not_ready(self, token, msg: wire.Message) -> list[Reply]:
         return [(token, wire.error(msg.id, wire.NOT_READY, f"shard {self.index} " + (self.unready or (
@@ -202,6 +217,7 @@ class Shard:
         a ready shard answers at once and keeps what it has. Every waiter is answered
         when the values arrive."""
         self._check_rank(msg)
+        self._ours(msg)
         if self.ready:
             return [(token, self._reply(msg, took=False, version=self.version))]
         if not msg.arrays or not (msg.rank == 0 or self.inits_from_any):

@@ -90,13 +90,13 @@ OPS: dict[str, dict[str, tuple]] = {
     "status": {"job": (str,)},
     # to a shard
     "pull": {"join": (bool,)},
-    "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,)},
-    "elastic": {"round": (int,)},
-    "put_model": {"round": (int,), "score": _num, "step": (int,)},
+    "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,), "job": (str,)},
+    "elastic": {"round": (int,), "job": (str,)},
+    "put_model": {"round": (int,), "score": _num, "step": (int,), "job": (str,)},
     "get_model": {"round": (int,), "owner": (int,), "exact": (bool,), "score": _num},
     "models": {},
     "stats": {},
-    "init": {},
+    "init": {"job": (str,)},
     # replies
     "reply": {"*": _scalar + (dict, list)},
     "error": {"code": (str,), "reason": (str,)},

@@ -31,7 +31,7 @@ from psgd import layout as layouts
 from psgd import wire
 from psgd.config import SET_CHECKED_ENV, Config
 from psgd.log import log
-from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled
+from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled, job_token
 from psgd.metrics import writer_gone
 from psgd.optim import flush_denormals
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
@@ -218,6 +218,7 @@ class ShardServer:
                 link.close()
                 return 1
         shard = Shard(cfg, self.index, layout)
+        shard.job = job_token()
         ckpt = cfg.checkpoint_file(self.out, self.index)
         if ckpt:
             self._remove_leftovers(ckpt)

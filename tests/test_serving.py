@@ -23,7 +23,7 @@ import zmq
 from psgd import transport, wire
 from psgd.config import Config, ConfigError, SecurityConfig
 from psgd.inprocess import InProcessCluster
-from psgd.membership import CoordinatorLink
+from psgd.membership import JOB_TOKEN_ENV, CoordinatorLink
 from psgd.servers.coordinator import Coordinator
 from psgd.transport import Peers, PeerTimeout, Service, server_socket
 from psgd.workers.client import ParameterClient
@@ -174,6 +174,36 @@ def test_an_error_reply_is_a_typed_exception_in_the_client():
                 client.request([(0, "push", {"clock": 0, "read_version": 0, "arrays": [np.zeros(3, np.float32)]})])
         finally:
             client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_refuses_table_changes_from_a_worker_of_another_job(monkeypatch):
+    """A worker of another job still dialing the port (its own shards gone, this job's on
+    the same port) had its pushes applied to this job's model. A shard now refuses a
+    push, an offer, a deposit or initial values whose job token is not its own, counts
+    it as a bad message and keeps its tables; reads are not refused."""
+    monkeypatch.setenv(JOB_TOKEN_ENV, "ours")
+    cfg = config(**{"mode.name": "async"})
+    with InProcessCluster(cfg) as cluster:
+        own = ParameterClient(cfg, cluster.ctx, 0)
+        stats = own.request([(0, "stats", {})])[0]   # serving: its token read
+        monkeypatch.setenv(JOB_TOKEN_ENV, "theirs")
+        stray = ParameterClient(cfg, cluster.ctx, 0)
+        try:
+            size = own.request([(0, "pull", {"clock": 0})])[0].arrays[0].size   # (a read: served)
+            g, b = np.ones(size, np.float32), np.zeros(0, np.float32)
+            for op, fields in [("push", {"clock": 0, "read_version": 0, "arrays": [g, b]}),
+                               ("init", {"arrays": [g, b]})]:
+                with pytest.raises(wire.Refused, match=f"this {op} comes from a worker of another job"):
+                    stray.request([(0, op, stray._ours(fields))])
+            after = own.request([(0, "stats", {})])[0]
+            assert after.get("version") == stats.get("version") == 0
+            assert after.get("bad_messages") == stats.get("bad_messages") + 2
+            own.request([(0, "push", own._ours({"clock": 0, "read_version": 0, "arrays": [g, b]}))])
+            assert own.request([(0, "stats", {})])[0].get("version") == 1   # this job's own push is taken
+        finally:
+            own.close()
+            stray.close()
 
 
 @pytest.mark.timeout(60)

@@ -41,6 +41,7 @@ from psgd import wire
 from psgd.compression import ErrorFeedback
 from psgd.config import Config
 from psgd.consistency.rule import Diverged
+from psgd.membership import job_token
 from psgd.transport import Peers, PeerTimeout
 
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
@@ -70,8 +71,13 @@ class InFlight:
 
 
 class ParameterClient:
+    # This job's token (`membership.job_token`), on every request that changes a shard's
+    # tables: a shard refuses another job's (`Shard._ours`). None in the simulator.
+    job = ""
+
     def __init__(self, cfg: Config, ctx: zmq.Context, rank: int):
         self._setup(cfg, rank)
+        self.job = job_token()
         self.peers = Peers(ctx, [cfg.shard_address(i) for i in range(self.n)], cfg.security,
                            lane=cfg.cluster.local_lane, spin_s=cfg.cluster.spin_s if rank >= 0 else 0.0)
         self._probes: Peers | None = None   # the shards again, for `stats` probes only (`_probe`)
@@ -328,7 +334,7 @@ class ParameterClient:
                       **self._gradient(slot, i, grads[i], buffers[i], clock)}
             if pull:
                 fields["pull"] = True
-            reqs.append((i, "push", fields))
+            reqs.append((i, "push", self._ours(fields)))
         f = self.begin(reqs)
         if grads is not None:
             f.repeat = clock <= self._pushed_to   # (a step refused by a shard, tried again)
@@ -377,14 +383,15 @@ class ParameterClient:
         return pushed, pulled
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
-        return self.request([(i, "elastic", {"round": round_, "clock": clock,
-                                              "arrays": [self._wire("x", i, xs[i], clock), bs[i]]})
+        return self.request([(i, "elastic", self._ours({"round": round_, "clock": clock,
+                                                         "arrays": [self._wire("x", i, xs[i], clock), bs[i]]}))
                              for i in range(self.n)])
 
     def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int) -> None:
         """Deposit a model (ltfb), in float32 whatever `wire.dtype`: the members of a
         trainer load it and must leave the round with the weights their leader keeps."""
-        self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
+        self.request([(i, "put_model", self._ours({"round": round_, "score": score, "step": step,
+                                                   "arrays": arrays[i]}))
                       for i in range(self.n)])
 
     def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None,
@@ -402,8 +409,14 @@ class ParameterClient:
     def init(self, tables: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> list[wire.Message]:
         """Offer every shard initial values (params, buffers per shard, float32), or, with
         None, wait until it has them (psgd/shard.py `on_init`)."""
-        return self.request([(i, "init", {"arrays": [tables[0][i], tables[1][i]]} if tables else {})
+        return self.request([(i, "init", self._ours({"arrays": [tables[0][i], tables[1][i]]} if tables else {}))
                              for i in range(self.n)])
+
+    def _ours(self, fields: dict) -> dict:
+        """A request's fields, with this job's token where it has one (`job`)."""
+        if self.job:
+            fields["job"] = self.job
+        return fields
 
     def index(self) -> list[wire.Message]:
         """Each shard's index of the models deposited with it."""

@@ -192,8 +192,9 @@ class Shard:
     def _ours(self, msg: wire.Message) -> None:
         """Refuse a request that would change the tables, from a worker of another job
         (its job token differs): one still dialing this port after its own job ended
-        (its shards gone, this job's on the same port) had its pushes applied to this
-        job's model, as the coordinator had taken another job's scores (`Coordinator._ours`)."""
+        (its shards gone, this job's on the same port) would have its pushes applied to
+        this job's model, as the coordinator took another job's scores before it checked
+        their token (`Coordinator._ours`)."""
         if msg.get("job", "") != self.job:
             raise wire.WireError(wire.REFUSED, f"shard {self.index}: this {msg.op} comes from a worker of another "
                                                f"job (PSGD_JOB_TOKEN differs); is another job using this port?")

@@ -72,7 +72,7 @@ class InFlight:
 
 class ParameterClient:
     # This job's token (`membership.job_token`), on every request that changes a shard's
-    # tables: a shard refuses another job's (`Shard._ours`). None in the simulator.
+    # tables: a shard refuses another job's (`Shard._ours`). Empty in the simulator.
     job = ""
 
     def __init__(self, cfg: Config, ctx: zmq.Context, rank: int):

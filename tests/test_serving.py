@@ -179,7 +179,7 @@ def test_an_error_reply_is_a_typed_exception_in_the_client():
 @pytest.mark.timeout(60)
 def test_a_shard_refuses_table_changes_from_a_worker_of_another_job(monkeypatch):
     """A worker of another job still dialing the port (its own shards gone, this job's on
-    the same port) had its pushes applied to this job's model. A shard now refuses a
+    the same port) would have its pushes applied to this job's model. A shard refuses a
     push, an offer, a deposit or initial values whose job token is not its own, counts
     it as a bad message and keeps its tables; reads are not refused."""
     monkeypatch.setenv(JOB_TOKEN_ENV, "ours")

@@ -168,6 +168,15 @@ class Member:
         self.credit(logged or {})
         self.counts.add(now, self.samples())
 
+    def credit_lives(self, logged: dict) -> None:
+        """The counters of all the rank's lives as their step lines have them (`logged`:
+        `metrics.earlier_lives`, read by the coordinator once the job is over and the rank
+        lost, with no process to take it up and send them): where the coordinator heard
+        less (its last process died before its first heartbeat, or between two), the step
+        lines' count stands. Those lives are all past now."""
+        self.past, self.stats = self.totals(), {}
+        self.credit(logged)
+
     def credit(self, logged: dict) -> None:
         """The counters of the rank's earlier processes as their step lines have them
         (`metrics.earlier_lives`, sent by the process now holding the rank): where the

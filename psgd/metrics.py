@@ -192,17 +192,18 @@ def _applied_tau(line: str) -> int | None:
     return tau
 
 
-def earlier_lives(out: str | None, rank: int, since: float) -> dict:
+def earlier_lives(out: str | None, rank: int, since: float, until: float = math.inf) -> dict:
     """What the earlier processes of worker `rank` did in this job, from their step lines
     in DIR/events/worker-<rank>.jsonl written at `since` (a time.time(): the job's start)
-    or later: their LOGGED_STATS summed (each process's last line's), and the staleness
-    histogram of their lines' applied pushes (`staleness_hist`, `_sum`, `_max`, as
-    Histogram.stats(); what the coordinator takes in LINE_PER_PUSH_MODES only:
-    `credit_staleness`); {} if the file cannot be read. Read by a new process for the
-    rank: the coordinator heard a process that died only up to its last heartbeat. Each
-    process's `step` goes up by one a line from 1, which tells its lines from those of
-    another process written in between (one whose rank was taken over, still stepping
-    until its next heartbeat says so)."""
+    or later, and not after `until` (the end of its training, where that has come): their
+    LOGGED_STATS summed (each process's last line's), and the staleness histogram of
+    their lines' applied pushes (`staleness_hist`, `_sum`, `_max`, as Histogram.stats();
+    what the coordinator takes in LINE_PER_PUSH_MODES only: `credit_staleness`); {} if
+    the file cannot be read. Read by a new process for the rank, and by the coordinator
+    for a rank lost for good: the coordinator heard a process that died only up to its
+    last heartbeat. Each process's `step` goes up by one a line from 1, which tells its
+    lines from those of another process written in between (one whose rank was taken
+    over, still stepping until its next heartbeat says so)."""
     lasts: list[tuple[int, str]] = []   # each earlier process's latest step line: (step, the line)
     hist = Histogram()
     path = os.path.join(out or "", "events", f"worker-{rank}.jsonl")
@@ -214,7 +215,7 @@ def earlier_lives(out: str | None, rank: int, since: float) -> dict:
                 if '"step"' not in line or not line.endswith("\n"):   # (a line cut short as its process died)
                     continue
                 got = _step_of(line)
-                if got is None or got[0] < since:
+                if got is None or not since <= got[0] <= until:
                     continue
                 step = got[1]
                 tau = _applied_tau(line)

@@ -63,6 +63,7 @@ from psgd.metrics import (
     EventLog,
     OutputError,
     credit_staleness,
+    earlier_lives,
     json_line,
     output_error,
     summarize,
@@ -748,6 +749,7 @@ class Coordinator:
         for waiting in self.counting:   # those never heard from again keep their counts before the score
             self._counted(*waiting)
         self.counting = []
+        self._credit_gone()
         wall = (self.t_end or time.monotonic()) - self.t0
         m = self.members
         failures = {"workers_lost": m.lost, "workers_rejoined": m.rejoined, "workers_restarted": m.restarted,
@@ -777,6 +779,20 @@ class Coordinator:
         self.phase = "done"
         self.done_at = time.monotonic()
         self._save_state(self.done_at)
+
+    def _credit_gone(self) -> None:
+        """The ranks lost for good (no process took them up), counted as their step lines
+        in DIR/events say where the coordinator heard less: a process that died before its
+        first heartbeat (a training script killed in its first second) or between two had
+        steps that the shards applied and summary.json missed. (A rank taken up has its
+        new process send them: `Member.credit`.) Not the lines of steps after training
+        ended: a process dropped and back then (stopped, cut off) stepped outside the job."""
+        until = time.time() - (time.monotonic() - self.t_end) if self.t_end else math.inf
+        for r, member in self.members.members.items():
+            logged = earlier_lives(self.out, r, self.launched_at, until) if member.state == "lost" else {}
+            if logged:
+                member.credit_lives(logged)
+                self._credit_staleness(r, logged)
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -97,3 +98,43 @@ def test_a_restarted_workers_earlier_processes_staleness_counts_as_their_step_li
     assert c.summary is not None
     assert c.summary["staleness"] == {"mean": round((got.tau_sum + 8) / (got.total + 8), 4), "max": got.max,
                                       "hist": (got.as_dict() | {"1": got.as_dict().get("1", 0) + 8})}
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_rank_lost_for_good_counts_in_the_summary_as_its_step_lines_say(tmp_path):
+    """Rank 1's only process died before its first heartbeat with a count (a training
+    script killed in its first second), and no process took its rank up to send what it
+    logged: summary.json counted none of the steps that the shards had applied. The
+    coordinator now reads the lost rank's step lines at the job's end; a rank heard with
+    more than its lines say keeps what was heard, and lines of an earlier job, or of steps
+    after training ended (a process dropped, and back then), do not count."""
+    cfg = Config().replace(**{"cluster.workers": 3, "cluster.port": free_port_block(3), "cluster.evaluator": False,
+                              "mode.name": "async"})
+    c = coordinator(cfg, str(tmp_path))   # (its event log made DIR/events)
+    t = c.launched_at
+    (tmp_path / "events" / "worker-1.jsonl").write_text(
+        "".join([_line(t - 100.0, 9, 30)] + [_line(t + 1.0 + s / 10, s, s % 2) for s in range(1, 5)]
+                + [_line(t + 5.0, 5, 0)]))
+    (tmp_path / "events" / "worker-2.jsonl").write_text(_line(t + 1.0, 1, 0))
+
+    def serve(op: str, **kw) -> wire.Message:
+        return [wire.decode(f) for _, f in c.service._serve(b"x", wire.encode(op, id=1, **kw))][-1]
+
+    for r in range(3):
+        c.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"first{r}"))
+    serve("heartbeat", rank=1, clock=0, role="worker", index=1, live_id="", stats={"samples": 0})
+    serve("heartbeat", rank=2, clock=3, role="worker", index=2, live_id="",
+          stats={"samples": 96, "steps": 3, "staleness_hist": [3], "staleness_sum": 0, "staleness_max": 0})
+    serve("finish", rank=0, clock=5, stats={"samples": 160, "steps": 5})
+    for r in (1, 2):
+        c.members.members[r].last_seen = -1e9
+    assert c.members.expire(0.0) == [1, 2]
+    c.t_end = time.monotonic() - (time.time() - (t + 2.0))   # training ended at t + 2 s
+    c._finish_job()
+    assert c.summary is not None
+    got = c.members.stats()
+    assert (got[1]["samples"], got[1]["steps"], got[1]["bytes_sent"]) == (32 * 4, 4, 40)
+    assert Histogram.of(got[1]).as_dict() == {"0": 2, "1": 2}
+    assert got[2]["samples"] == 96 and Histogram.of(got[2]).total == 3   # heard more than its one line
+    assert c.summary["samples"] == 160 + 128 + 96

@@ -148,7 +148,8 @@ class ClusterConfig:
     evaluator: bool = True     # wait for an evaluator's final score before ending
     max_rejections: int = 10   # a worker stops after this many refused steps in a row
     fork: bool = True          # psgd run forks shards, workers, evaluator from one process with torch imported
-    pin_cpus: bool = False     # psgd run: each shard and worker (all its threads) on a CPU of its own, if they fit
+    pin_cpus: bool = False     # psgd run: each shard and worker (all its threads) on a CPU of its own, if they
+    #                            fit; the evaluator too where a CPU is left
     local_lane: bool = True    # a worker and a shard on one host talk over a Unix socket, not ZeroMQ (psgd.lane)
     spin_us: float = -1.0      # how long a worker and a shard poll their lanes before they sleep; -1: auto (psgd run)
 

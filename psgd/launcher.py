@@ -137,11 +137,12 @@ def one_a_core_first(cpus: list[int], topology: str = "/sys/devices/system/cpu")
 def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
                cpus: list[int] | None = None) -> tuple[dict[str, int], str]:
     """Where `cluster.pin_cpus` puts the job's shards and workers (`server-I` and
-    `worker-R` -> a CPU), and what `psgd run` says of it ('' if nothing): each process,
-    with all its threads, on one CPU of those this process may use, on cores of their own
-    first. A process's ZeroMQ I/O thread then shares its CPU: a message hands over between
-    the two threads without waking a CPU that sleeps (docs/performance.md, "Where the time
-    of a step goes"). Pinned only where each gets a CPU of its own and computes on one
+    `worker-R` -> a CPU), and its evaluator where a CPU is left for it (`evaluator-0`),
+    and what `psgd run` says of it ('' if nothing): each process, with all its threads,
+    on one CPU of those this process may use, on cores of their own first. A process's
+    ZeroMQ I/O thread then shares its CPU: a message hands over between the two threads
+    without waking a CPU that sleeps (docs/performance.md, "Where the time of a step
+    goes"). Pinned only where each gets a CPU of its own and computes on one
     thread (`threads`: the daemons' OMP_NUM_THREADS), and not a training script's workers
     (`--script`: the script's process, its threads and loaders are the user's)."""
     if not cfg.cluster.pin_cpus:
@@ -166,7 +167,14 @@ def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
                     f"worker{'s' * (c.workers != 1)} on {len(cpus)} CPU{'s' * (len(cpus) != 1)}: each needs a "
                     f"CPU of its own; nothing is pinned")
     places = dict(zip(names, cpus, strict=False))
-    return places, f"cluster.pin_cpus: shards and workers on CPUs {', '.join(map(str, places.values()))}, one each"
+    on = ', '.join(map(str, places.values()))
+    if not c.evaluator:
+        return places, f"cluster.pin_cpus: shards and workers on CPUs {on}, one each"
+    if len(cpus) > len(names):
+        places["evaluator-0"] = cpus[len(names)]
+        return places, f"cluster.pin_cpus: shards, workers and the evaluator on CPUs {on}, {cpus[len(names)]}, one each"
+    return places, (f"cluster.pin_cpus: shards and workers on CPUs {on}, one each; the evaluator is not pinned: "
+                    f"no CPU is left for it, so it takes turns with them")
 
 
 def spin_for(cfg: Config, cores: int | None = None) -> Config:

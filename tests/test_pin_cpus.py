@@ -21,9 +21,24 @@ def cfg_of(*sets: str):
 
 @pytest.mark.unit
 def test_shards_then_workers_each_get_a_cpu_of_their_own():
-    places, said = cpu_places(cfg_of("cluster.servers=2", "cluster.workers=2"), cpus=[3, 5, 6, 9, 11])
+    places, said = cpu_places(cfg_of("cluster.servers=2", "cluster.workers=2", "cluster.evaluator=false"),
+                              cpus=[3, 5, 6, 9, 11])
     assert places == {"server-0": 3, "server-1": 5, "worker-0": 6, "worker-1": 9}
     assert said == "cluster.pin_cpus: shards and workers on CPUs 3, 5, 6, 9, one each"
+
+
+@pytest.mark.unit
+def test_the_evaluator_gets_a_cpu_where_one_is_left_and_is_said_unpinned_where_none_is():
+    """The evaluator computes too (each score): pinned where a CPU is left after the shards
+    and workers; where none is, they are pinned and it takes turns with them, as said."""
+    sets = ("cluster.servers=1", "cluster.workers=1", "cluster.evaluator=true")
+    places, said = cpu_places(cfg_of(*sets), cpus=[4, 7, 8])
+    assert places == {"server-0": 4, "worker-0": 7, "evaluator-0": 8}
+    assert said == "cluster.pin_cpus: shards, workers and the evaluator on CPUs 4, 7, 8, one each"
+    places, said = cpu_places(cfg_of(*sets), cpus=[4, 7])
+    assert places == {"server-0": 4, "worker-0": 7}
+    assert said.endswith("CPUs 4, 7, one each; the evaluator is not pinned: no CPU is left for it, so it takes "
+                         "turns with them")
 
 
 @pytest.mark.unit

@@ -569,39 +569,19 @@ def test_a_restarted_script_that_had_not_rejoined_when_the_job_ended_is_stopped(
     assert time.monotonic() - started < 60 + SCRIPT_TIMEOUT_S - 10   # not the restarted copy's wait for the coordinator
 
 
-SCRIPT_KILLED_EARLY = """
-import os, signal, torch
-from torch import nn
-import psgd
-torch.manual_seed(0)
-model = nn.Linear(4, 2)
-ps = psgd.connect(model)
-step = 0
-while True:
-    step += 1
-    if ps.rank == 1 and step == 6:   # in its first second: before a heartbeat counted a step
-        os.kill(os.getpid(), signal.SIGKILL)
-    model.zero_grad()
-    x = torch.randn(8, 4)
-    nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
-    if not ps.step(samples=8):
-        break
-ps.close()
-"""
-
 
 @pytest.mark.timeout(200)
 def test_a_script_killed_before_its_first_heartbeat_counts_its_steps_in_the_summary(tmp_path):
-    """A review: rank 1's script was killed after 5 steps, in its first second, and
+    """A review: rank 1's script was killed after 4 steps, in its first second, and
     summary.json counted only rank 0's samples: the coordinator had heard none of rank 1's,
     and no new process took its rank up to send what its step lines say. Its steps are
     now counted as those lines have them."""
-    path = tmp_path / "killed_early.py"
-    path.write_text(SCRIPT_KILLED_EARLY)
+    path = tmp_path / "killed_once.py"   # (killed in its first second: before a heartbeat counted a step)
+    path.write_text(SCRIPT_KILLED_ONCE)
     cfg = Config().replace(**{**SMALL, "mode.name": "async", "train.steps": 10, "cluster.servers": 1,
                               "cluster.timeout_s": SCRIPT_TIMEOUT_S, "cluster.heartbeat_timeout_s": 2.0})
     with pytest.raises(LaunchError, match="worker-1's script exited with code -9"):   # (the job itself ended)
-        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path)])
+        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path), str(tmp_path)])
     with open(tmp_path / "out" / "summary.json") as f:
         summary = json.load(f)
     assert summary["failures"]["workers_lost"] == 1

@@ -28,6 +28,7 @@ and its owner closes it.
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import select
 import socket
@@ -54,11 +55,27 @@ SNDBUF = 8 << 20
 MAX_QUEUED = 16
 _PREFIX = 4 + 4 * MAX_FRAMES   # a message's framing: its frame count, then their lengths (the rest zeros)
 # Frame memory a lane keeps to read into again once nothing holds it (`Conn._buffer`):
-# memory the reader wrote last time, in its caches, not fresh pages each message.
+# memory the reader wrote last time, in its caches, not fresh pages each message. Frames
+# larger than a message the lane's own peer would send (`Conn.max_message`: a daemon
+# reads larger ones from a peer that breaks that rule) are fresh memory each, as ZeroMQ's.
 SPARE = 4
-SPARE_BYTES = 16 << 20   # (larger frames are fresh memory each, as ZeroMQ's are)
-_UNHELD = 3   # sys.getrefcount of a spare buffer nothing else holds: the list, the loop's name, the call's argument
 _idents = itertools.count(1)
+
+
+def _unheld_refs() -> int:
+    """sys.getrefcount of a spare buffer that nothing else holds, asked as `Conn._buffer`
+    asks it: the list, the loop's name and the call's argument up to Python 3.13; an
+    interpreter that borrows a reference for a local's load (3.14) counts fewer, and a
+    fixed 3 would then take a held buffer for a free one (its memory read into again
+    under the arrays made from it). Anything else but 2 or 3: no buffer is taken again."""
+    spare = [np.empty(1, np.uint8)]
+    for buf in spare:
+        if sys.getrefcount(buf) in (2, 3):
+            return sys.getrefcount(buf)
+    return 0
+
+
+_UNHELD = _unheld_refs()
 
 
 class LaneError(ConnectionError):
@@ -97,7 +114,7 @@ class Conn:
         self._part = bytearray(_PREFIX)            # its framing (the count, then the lengths)
         self._rest: list[memoryview] = []         # ... what is left of its frames to read
         self._queued: deque[memoryview] = deque()  # what the kernel did not take yet (`offer`)
-        self._backlog = 0                          # ... of how many answers
+        self._answers: deque[int] = deque()        # ... of each answer kept, its buffers there
         self._failed: LaneError | None = None      # the error that ended reading (`messages`)
         self._spare: list[np.ndarray] = []         # frame memory to read into again (`_buffer`)
 
@@ -156,8 +173,11 @@ class Conn:
         lengths = list(struct.unpack_from(f"<{count}I", self._part, 4))
         if sum(lengths) > max_bytes:
             raise LaneError(f"a message of {sum(lengths)} bytes, at most {max_bytes}", bad=True)
+        try:
+            self._frames = [memoryview(cast(Any, self._buffer(n))) if n else b"" for n in lengths]
+        except MemoryError:   # (a framing that claims more than the machine has: the lane's, not the daemon's end)
+            raise LaneError(f"a message of {sum(lengths)} bytes: no memory for it", bad=True) from None
         self._lengths = lengths
-        self._frames = [memoryview(cast(Any, self._buffer(n))) if n else b"" for n in lengths]
         self._rest = [f for f in self._frames if len(f)]
 
     def _buffer(self, length: int) -> np.ndarray:
@@ -167,7 +187,7 @@ class Conn:
             if buf.nbytes == length and sys.getrefcount(buf) == _UNHELD:
                 return buf
         buf = np.empty(length, np.uint8)
-        if len(self._spare) < SPARE and length <= SPARE_BYTES:
+        if len(self._spare) < SPARE and length <= self.max_message:
             self._spare.append(buf)
         return buf
 
@@ -223,17 +243,21 @@ class Conn:
         bufs = self._packed(frames)
         if not self._queued:
             bufs = self._write(bufs)
-            self._backlog = 0
-        elif self._backlog >= MAX_QUEUED:
+        elif len(self._answers) >= MAX_QUEUED:
             raise LaneError(f"{MAX_QUEUED} answers unsent (the peer does not read its answers)", bad=True)
         if bufs:
-            self._backlog += 1
+            self._answers.append(len(bufs))
             self._queued.extend([memoryview(bytes(b)) for b in bufs] if copy else bufs)
 
     def flush(self) -> bool:
         """Write what `offer` kept, as far as the kernel takes it; whether any is left."""
         if self._queued:
             rest = self._write(list(self._queued))
+            gone = len(self._queued) - len(rest)   # buffers written whole: the oldest answers' first
+            while gone and gone >= self._answers[0]:
+                gone -= self._answers.popleft()
+            if gone:
+                self._answers[0] -= gone
             self._queued = deque(rest)
         return bool(self._queued)
 
@@ -258,9 +282,15 @@ def _listen(sock: socket.socket, where: bytes) -> None:
     sock.listen(128)
 
 
+def _connect(sock: socket.socket, where: bytes) -> None:
+    sock.setblocking(False)   # (a daemon that does not accept, its queue full: EAGAIN, not a wait)
+    sock.connect(where)
+
+
 def connect(address: str) -> Conn | None:
-    """A lane to the daemon serving `address` on this host (None: there is none)."""
-    sock = _unix_socket(address, socket.socket.connect)
+    """A lane to the daemon serving `address` on this host (None: there is none, or it
+    takes no lane now)."""
+    sock = _unix_socket(address, _connect)
     return Conn(sock) if sock is not None else None
 
 
@@ -282,9 +312,13 @@ class Listener:
         return cls(sock)
 
     def accept(self) -> Conn | None:
+        """A lane that a client opened, if one waits (None). OSError: this process has no
+        descriptor for it (EMFILE, ENFILE; `Service._check_fds` says so): it waits."""
         try:
             sock, _ = self.sock.accept()
-        except OSError:   # (none waiting; or out of descriptors: `Service._check_fds` says so)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise
             return None
         return Conn(sock)
 

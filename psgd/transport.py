@@ -453,7 +453,8 @@ class Peers:
     def reconnect(self, i: int) -> None:
         """Drop pending traffic to peer i and open a fresh connection."""
         self._close(i)
-        self._lane_at[i] = 0.0   # (a lane too, at the next send)
+        self._close_lane(i)
+        self._lane_at[i] = 0.0   # (a lane too, a new one, at the next send)
         self._pollers.clear()   # (they hold the closed socket)
         self.socks[i], self.monitors[i] = self._open(self.addresses[i])
         self.why[i] = ""
@@ -682,6 +683,7 @@ class Service:
         self.spin_s = spin_s
         self._lanes: dict[int, lanes.Conn] = {}       # the lanes open to it, by descriptor
         self._lane_of: dict[int, lanes.Conn] = {}     # ... by routing token
+        self._lanes_waiting = False   # the listener is not polled: no descriptor was free to take a lane
         if lane is not None:
             self.poller.register(lane.fd, zmq.POLLIN)
 
@@ -735,6 +737,9 @@ class Service:
         left its workers saying only "shard at ... did not answer within cluster.timeout_s"."""
         try:
             os.close(os.dup(self._fd))
+            if self._lanes_waiting and self.lane is not None:   # (the lanes waiting are taken now)
+                self._lanes_waiting = False
+                self.poller.register(self.lane.fd, zmq.POLLIN)
         except OSError as e:
             if e.errno not in (errno.EMFILE, errno.ENFILE):
                 return
@@ -784,9 +789,7 @@ class Service:
             if what is self.sock:
                 self.drain()
             elif what == cast(lanes.Listener, self.lane).fd:
-                while (conn := cast(lanes.Listener, self.lane).accept()) is not None:
-                    self._lanes[conn.fd] = self._lane_of[conn.ident] = conn
-                    self.poller.register(conn.fd, zmq.POLLIN)
+                self._accept_lanes(cast(lanes.Listener, self.lane))
             elif (conn := self._lanes.get(what)) is not None:
                 try:
                     if event & zmq.POLLOUT and not conn.flush():
@@ -798,6 +801,18 @@ class Service:
                             self.busy_s += time.thread_time() - t0
                 except lanes.LaneError as e:
                     self._close_lane(conn, e)
+
+    def _accept_lanes(self, listener: lanes.Listener) -> None:
+        """Take the lanes that clients opened. Out of descriptors, the listener is not
+        polled until `_check_fds` finds one free (asked every FDS_CHECK_S): a lane waiting
+        in its queue kept the poll returning at once, a CPU spent on nothing."""
+        try:
+            while (conn := listener.accept()) is not None:
+                self._lanes[conn.fd] = self._lane_of[conn.ident] = conn
+                self.poller.register(conn.fd, zmq.POLLIN)
+        except OSError:
+            self.poller.unregister(listener.fd)
+            self._lanes_waiting = True
 
     def _close_lane(self, conn: lanes.Conn, why: lanes.LaneError) -> None:
         if self._lanes.pop(conn.fd, None) is None:
@@ -826,7 +841,8 @@ class Service:
         for conn in list(self._lanes.values()):
             self._close_lane(conn, lanes.LaneError("the daemon stopped"))
         if self.lane is not None:
-            self.poller.unregister(self.lane.fd)
+            if not self._lanes_waiting:
+                self.poller.unregister(self.lane.fd)
             self.lane.close()
             self.lane = None
 

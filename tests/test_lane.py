@@ -7,6 +7,7 @@ ZeroMQ; a real shard serves a worker's steps on its lane; CurveZMQ jobs take non
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -330,3 +331,102 @@ def test_a_spinning_client_and_daemon_answer_as_a_sleeping_pair_does(port_block)
     with served(port_block(1), spin_s=0.002) as (echo, peers):
         for _ in range(5):
             assert call(echo, peers).get("lane") is True
+
+
+@pytest.mark.unit
+def test_a_spare_buffer_is_read_into_again_once_nothing_holds_it():
+    """Counted as this interpreter counts a free buffer's references (`lane._UNHELD`): with
+    a fixed count, one that counts fewer (3.14) would take a held buffer for a free one."""
+    a, b = pair()
+    view = memoryview(b._buffer(100))   # a frame of an answer still held
+    held = id(view.obj)
+    assert id(b._buffer(100)) != held
+    del view
+    assert id(b._buffer(100)) == held
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_a_framing_that_claims_more_memory_than_there_is_ends_its_lane_not_the_daemon(monkeypatch):
+    a, b = pair()
+
+    def no_memory(self, length: int):
+        raise MemoryError
+    monkeypatch.setattr(lane.Conn, "_buffer", no_memory)
+    a.sock.sendall(struct.pack("<II", 1, 1000).ljust(lane._PREFIX, b"\0"))
+    with pytest.raises(lane.LaneError, match="no memory for it") as e:
+        read_all(b, 1)
+    assert e.value.bad
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_the_answers_kept_are_those_unsent_not_those_offered_since_none_was():
+    """A peer that reads every answer while the next is still being written (large answers,
+    one after another) is not one that does not read: the lane counted the answers offered
+    since its queue was last empty, and closed such a lane at MAX_QUEUED."""
+    a, b = pair()
+    b.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)   # (the kernel's least)
+    big = np.ones(200_000, np.uint8)
+    b.offer([b"h", big])
+    b.offer([b"h", big])
+    for _ in range(3 * lane.MAX_QUEUED):
+        got: list = []
+        until = time.monotonic() + 5
+        while not got and time.monotonic() < until:
+            b.flush()
+            got = a.messages(wire.MAX_MESSAGE)
+        assert got and b.queued   # one read whole, the next one still being written
+        b.offer([b"h", big])
+    assert len(b._answers) == 2
+    a.close(), b.close()
+
+
+@pytest.mark.unit
+def test_a_lane_to_a_daemon_that_takes_none_is_not_waited_for(port_block):
+    """A daemon that does not accept (stopped; out of descriptors), its queue full: a
+    client's connect blocked until it accepted, outside every timeout of the client's."""
+    address = f"tcp://127.0.0.1:{port_block(1)}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(lane.name(address))
+        listener.listen(0)
+        opened = []
+        while len(opened) < 10 and (conn := lane.connect(address)) is not None:
+            opened.append(conn)
+        assert 1 <= len(opened) < 10   # then no lane, at once: the request goes over ZeroMQ
+        for conn in opened:
+            conn.close()
+
+
+@pytest.mark.inprocess
+def test_a_daemon_out_of_descriptors_leaves_its_lanes_waiting_and_takes_them_later(port_block, monkeypatch):
+    """A lane in the listener's queue that no descriptor was free to take kept the
+    daemon's poll returning at once: a CPU spent on nothing while it lasted. The listener
+    now waits for `_check_fds` to find a descriptor free."""
+    with served(port_block(1)) as (echo, peers), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as waiting:
+        service = echo.service
+
+        def no_descriptor(self):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        monkeypatch.setattr(lane.Listener, "accept", no_descriptor)
+        waiting.connect(lane.name(echo.address))
+        service._check_fds_at = time.monotonic() + 60   # (its next check: below, once descriptors are back)
+        service.poll(100)
+        assert service.lane.fd not in {fd for fd, _ in service.poller.sockets} and not service._lanes
+        monkeypatch.undo()
+        service._check_fds(time.monotonic())
+        service.poll(100)
+        assert len(service._lanes) == 1
+        assert call(echo, peers).get("lane") is True and len(service._lanes) == 2
+
+
+@pytest.mark.inprocess
+def test_a_connection_made_again_makes_its_lane_again_too(port_block):
+    """A client gives a peer that owes answers a fresh connection (`reconnect`); its lane,
+    which may be the way that stalls (a daemon that took it and reads nothing), went on."""
+    with served(port_block(1)) as (echo, peers):
+        assert call(echo, peers).get("lane") is True
+        first = peers.lanes[0]
+        peers.reconnect(0)
+        assert peers.lanes[0] is None
+        assert call(echo, peers).get("lane") is True and peers.lanes[0] is not first

@@ -101,6 +101,18 @@ def _aborted(reason: str) -> JobError:
     return JobError(f"the job was aborted: {reason}")
 
 
+# psgd's own failures, not the script's: a shard unreachable, or answering with an error
+# (a fault in serving, a request it found malformed), the coordinator not answering. A
+# step or a close that meets one ends the job with it and raises JobError: raised as they
+# were, `except psgd.JobError` missed them, and the job's reason blamed the script.
+FAILURES = (ShardUnreachable, wire.RemoteError, PeerTimeout, HandshakeFailed)
+
+
+def _failure(rank: int, e: BaseException) -> str:
+    """The job's reason for ending when worker `rank` met psgd's failure `e` (FAILURES)."""
+    return str(e) if isinstance(e, ShardUnreachable) else f"worker {rank}: {e}"
+
+
 def connect(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
             out: str | None = None, rank: int | None = None) -> Connection:
@@ -400,9 +412,11 @@ class Connection(Worker):
         self.pidfile = PidFile(self.out, "worker", self.rank).__enter__()
         try:
             self.start(self.schedule)
-        except wire.RemoteError as e:   # e.g. worker 0 left before the shards had its initial values
-            self._end(f"worker {self.rank} could not start: {e.reason}")
-            raise JobError(f"psgd.connect: {e.reason}") from None
+        except (FAILURES + (Cancelled,)) as e:   # e.g. worker 0 left before the shards had its initial values
+            abort = self.link.state.get("abort")
+            why = f"the job was aborted: {abort}" if abort else e.reason if isinstance(e, wire.RemoteError) else str(e)
+            self._end(f"worker {self.rank} could not start: {why}")
+            raise JobError(f"psgd.connect: {why}") from None
         except BaseException as e:
             self._end(f"worker {self.rank} could not start: {e}")
             raise
@@ -531,9 +545,10 @@ class Connection(Worker):
         except Cancelled:
             self._raise_if_aborted()
             return False
-        except ShardUnreachable as e:
-            self._end(str(e))
-            raise JobError(str(e)) from None
+        except FAILURES as e:
+            error = _failure(self.rank, e)
+            self._end(error)
+            raise JobError(error) from None
         except ConfigError as e:   # the script's score function's answer (ltfb)
             self._end(f"worker {self.rank}: {e}")
             raise
@@ -615,35 +630,53 @@ class Connection(Worker):
     def close(self, error: str = "") -> None:
         """Settle what is in flight and leave the job (rank 0: after saving the final
         model). `error` ends the job with that reason. JobError if the job was aborted
-        meanwhile: no final model is saved."""
+        meanwhile, or the settle failed (the job ends with that), or rank 0 saved no final
+        model (the job ended or the coordinator stopped answering first, or the model could
+        not be read)."""
         if self.closed:
             return
         if not error:
             self._raise_if_aborted()
             self._refuse_a_changed_model("close()")   # rank 0 would save the stale tensors as model.pt
+        settled = ""   # what the settle ran into (refusals past cluster.max_rejections, psgd's FAILURES)
+        cancelled = False
         try:
             if not error:
                 with self._psgd_steps():
-                    error = self._attempt(self.schedule.finish)
+                    settled = self._attempt(self.schedule.finish)
         except Cancelled:
-            pass
-        except ShardUnreachable as e:
-            error = str(e)
+            cancelled = True
+        except FAILURES as e:
+            settled = _failure(self.rank, e)
         except ConfigError as e:   # the script's score function's answer (ltfb's final deposit)
             self._end(f"worker {self.rank}: {e}")
             raise
         except Exception as e:   # what it raised: the job ends with that, not after missed heartbeats
             self._end(self._raised(e))
             raise
-        if error or self.rank != 0:
-            return self._end(error)
+        if cancelled:   # (the job ended meanwhile: aborted, or its training ended without this worker)
+            self._raise_if_aborted()
+        if error or settled or self.rank != 0:
+            self._end(error or settled)
+            if settled:
+                raise JobError(settled)
+            if not error and self.link.state.get("abort"):
+                raise _aborted(self.link.state["abort"])
+            if not error and not self.reported:   # (unanswered, or refused: the log said which)
+                raise JobError(f"close(): the coordinator did not take worker {self.rank}'s finish: the job counts "
+                               f"its rank as lost once its heartbeats stop")
+            return
         held = self._report_end("", hold=True)
         abort = problem = ""
         try:
-            abort = self._final_model() if held else self.link.state.get("abort", "")
+            if held:
+                abort, problem = self._final_model()
+            else:
+                abort = self.link.state.get("abort", "")
+                problem = "" if abort else "the coordinator did not take this worker's finish: no final model"
         finally:
             try:
-                problem = self._release(held and not abort)   # (an abort the status view said)
+                problem = self._release(held and not abort) or problem   # (an abort the status view said)
             finally:  # a coordinator gone by now must not keep the pid file and the sockets
                 self._end("", reported=True)
         if abort:
@@ -722,13 +755,14 @@ class Connection(Worker):
             self._close(error)
             self.pidfile.__exit__(None, None, None)
 
-    def _final_model(self) -> str:
+    def _final_model(self) -> tuple[str, str]:
         """Wait until every other worker is done (however long they train, while they
         are live: heartbeating), then load the job's global model into the script's
         model and save it as DIR/model.pt. No final model if the job ends or aborts
-        meanwhile, or the coordinator stops answering for cluster.timeout_s. Returns the
-        abort's reason if the job was aborted meanwhile (a worker that failed is no longer
-        live either: its end must not pass for the others' being done), else ""."""
+        meanwhile, or the coordinator stops answering for cluster.timeout_s, or the model
+        cannot be read. Returns (the abort's reason if the job was aborted meanwhile (a
+        worker that failed is no longer live either: its end must not pass for the others'
+        being done), why there is no final model otherwise), each '' if none."""
         renew_s = self.cfg.cluster.timeout_s / 3
         renewed = time.monotonic()
         while True:
@@ -737,7 +771,7 @@ class Connection(Worker):
                 if view.get("done") or view.get("abort"):
                     log(self.name, f"the job ended before the other workers finished "
                                    f"({view.get('abort') or 'done'}): no final model")
-                    return view.get("abort") or ""
+                    return view.get("abort") or "", "the job ended before the other workers finished: no final model"
                 if all(w["state"] != "live" for w in view.get("workers", []) if w["rank"] != self.rank):
                     break
                 if time.monotonic() - renewed >= renew_s:  # the coordinator holds the end for timeout_s at a time
@@ -745,11 +779,16 @@ class Connection(Worker):
                     renewed = time.monotonic()
             except (PeerTimeout, wire.RemoteError) as e:
                 log(self.name, f"the coordinator stopped answering ({e}): no final model")
-                return self.link.state.get("abort", "")   # (its heartbeats' answers may have said why)
+                # (its heartbeats' answers may have said why)
+                return self.link.state.get("abort", ""), f"the coordinator stopped answering ({e}): no final model"
             time.sleep(FINAL_POLL_S)
-        self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
+        try:
+            self.replica.load(*self.client.tables(get_mode(self.cfg.mode.name).global_model(self.client)))
+        except (FAILURES + (Cancelled,)) as e:
+            log(self.name, f"could not read the final model ({e}): no final model")
+            return "", f"could not read the final model ({e}): no final model"
         if self.out:
             path = os.path.join(self.out, "model.pt")
             save_state_dict(self.replica.cpu_state_dict(), path)
             log(self.name, f"saved the final model: {path}")
-        return ""
+        return "", ""

@@ -1184,15 +1184,26 @@ def folder_token(out: str) -> str:
         return ""
 
 
+_adopted = ""   # the job token `adopt_folder_token` last set (not one the process was given)
+
+
 def adopt_folder_token(out: str | None) -> None:
     """A process started by hand with the output folder of a running `psgd run` job (a
     worker restarted with `--rank R`, a training script calling `psgd.connect`) and no
     PSGD_JOB_TOKEN of its own: that job's token, so that its coordinator takes the
-    process for one of the job's (it refuses a daemon of another job, and of none)."""
-    if out and not os.environ.get(JOB_TOKEN_ENV):
-        token = folder_token(out)
-        if token:
-            os.environ[JOB_TOKEN_ENV] = token
+    process for one of the job's (it refuses a daemon of another job, and of none). A
+    token taken so is the folder's only: a later call (a notebook's or a sweep's next
+    `psgd.connect`) takes its own folder's, or none; one the process was given stays."""
+    global _adopted
+    given = os.environ.get(JOB_TOKEN_ENV, "")
+    if given and given != _adopted:
+        return
+    token = folder_token(out) if out else ""
+    if token:
+        os.environ[JOB_TOKEN_ENV] = token
+    else:
+        os.environ.pop(JOB_TOKEN_ENV, None)
+    _adopted = token
 
 
 Stamp = tuple[int, int, int, int]

@@ -77,6 +77,19 @@ def not_a_shard_checkpoint(path: str, sizes: list[int] | None = None, digest: st
     return ""
 
 
+
+# Optimizer states shaped like the parameters that an ltfb deposit may carry: momentum
+# is 1, Adam's moments 2, AMSGrad's 3 (`LTFB.opt_state`).
+DEPOSIT_STATES = 4
+
+
+def message_limit(P: int, B: int) -> int:
+    """The largest message a shard of P parameter and B buffer values takes, in bytes: an
+    ltfb deposit, its largest, holds the parameters, the buffers, up to DEPOSIT_STATES
+    optimizer states and a meta array shaped like the parameters, each of 4-byte values
+    (a limit of four tables refused an outcome's deposit with Adam's moments and buffers)."""
+    return 4 * ((2 + DEPOSIT_STATES) * max(P, 1) + B) + wire.MAX_HEADER
+
 class ShardServer:
     def __init__(self, cfg: Config, index: int, out: str | None = None, ctx: zmq.Context | None = None):
         if not 0 <= index < cfg.cluster.servers:
@@ -97,6 +110,9 @@ class ShardServer:
         if self._saver is not None and wait:
             self._saver.join(timeout=SAVER_JOIN_S)
         if self._saver is not None and self._saver.is_alive():
+            if wait:   # (a stalled disk: the end of training's checkpoint, `trained`, is not written)
+                log(self.name, f"the checkpoint being written is not done after {SAVER_JOIN_S:.0f} s; "
+                               f"this one is not written")
             return
         self._saver = threading.Thread(target=self._write_checkpoint, args=(shard.state_dict(), path),
                                        name=f"checkpoint-{self.index}", daemon=True)
@@ -253,11 +269,11 @@ class ShardServer:
             shard.ready, shard.inits_from_any = False, True
             log(self.name, "restarted with nothing to restore: taking the first worker's current copy of its tables")
         address = cfg.shard_address(self.index)
-        # The largest legitimate frame is one table; a message has at most 2 + 2 of them
-        # (ltfb with Adam's moments). Anything larger is refused before it is read.
+        # The largest legitimate frame is one table (`message_limit` for a message).
+        # Anything larger is refused before it is read.
         table_bytes = 4 * max(shard.P, shard.B, 1)
         sock = server_socket(self.ctx, bind_address(address), cfg.security, table_bytes + wire.MAX_HEADER)
-        self.max_message = 4 * table_bytes + wire.MAX_HEADER
+        self.max_message = message_limit(shard.P, shard.B)
         log(self.name, f"serving {shard.P + shard.B:,} values on {address} ({cfg.mode.name})")
         link.stats_fn = shard.stats
         link.start()

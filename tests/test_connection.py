@@ -16,6 +16,7 @@ running a training loop of their own, the shards learn the model from them.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from torch import nn
 
 import psgd
 import psgd.connection
+from psgd import wire
 from psgd.config import Config, ConfigError
 from psgd.inprocess import InProcessCluster
 
@@ -1036,3 +1038,148 @@ def test_the_hook_that_ends_the_job_on_an_uncaught_exception_is_not_set_at_a_pro
     monkeypatch.setattr(sys, "excepthook", mine)
     _hook_uncaught()
     assert sys.excepthook is mine
+
+
+def _one_step(model: nn.Module, ps) -> None:
+    model.zero_grad()
+    x = torch.randn(16, 6)
+    nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+    ps.step(samples=16)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["step", "close"])
+def test_a_shards_failure_in_a_step_or_the_settle_is_a_job_error_that_ends_the_job(port_block, monkeypatch, where):
+    """A review: a shard's error answer (`internal`: it failed serving) met in step()
+    reached the script raw, not as JobError, and the job's reason blamed the script ("the
+    training script raised ServerFault"); met in close()'s settle, or a shard unreachable
+    there, close() returned normally: the script went on as if the job had ended well."""
+    from psgd.workers.client import ShardUnreachable
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg) as cluster:
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, rank=0)
+        _one_step(model, ps)
+        failure = (wire.ServerFault("internal", "RuntimeError: the shard broke", "tcp://shard") if where == "step"
+                   else ShardUnreachable("shard 1 at tcp://shard did not answer within cluster.timeout_s"))
+
+        def fails(worker) -> None:
+            raise failure
+        monkeypatch.setattr(ps.schedule, where if where == "step" else "finish", fails)
+        with pytest.raises(psgd.JobError) as e:
+            _one_step(model, ps) if where == "step" else ps.close()
+        assert ("the shard broke" if where == "step" else "did not answer") in str(e.value)
+        assert ps.closed
+        deadline = time.monotonic() + 10
+        while not cluster.coordinator.abort and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ("the shard broke" if where == "step" else "did not answer") in cluster.coordinator.abort
+        assert "training script raised" not in cluster.coordinator.abort
+
+
+@pytest.mark.timeout(60)
+def test_rank_0s_close_without_a_final_model_is_a_job_error(port_block, tmp_path, monkeypatch):
+    """A review: the final model's read failed (a shard gone at the end) and the error
+    left close() raw after the job was released as a success; the job's end, done before
+    the others finished, returned normally without a model. Both are a JobError now,
+    as the README says, and no model.pt is left."""
+    from psgd.workers.client import ShardUnreachable
+    cfg = config(port_block, "async", workers=1)
+    with InProcessCluster(cfg, str(tmp_path)):
+        model = Net(0)
+        ps = psgd.connect(model, config=cfg, rank=0, out=str(tmp_path))
+        _one_step(model, ps)
+
+        def unreachable(*args, **kwargs):
+            raise ShardUnreachable("shard 0 at tcp://shard did not answer within cluster.timeout_s")
+        monkeypatch.setattr(ps.client, "tables", unreachable)
+        with pytest.raises(psgd.JobError, match=r"close\(\): could not read the final model \(shard 0 .*\): no final"):
+            ps.close()
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_close_whose_finish_the_coordinator_does_not_take_is_a_job_error(port_block, monkeypatch):
+    """A review: on a rank other than 0, a finish left unanswered (or refused) was only
+    logged; close() returned normally, and the rank was counted lost later."""
+    from psgd.transport import PeerTimeout
+    cfg = config(port_block, "async", workers=2)
+    with InProcessCluster(cfg):
+        models = [Net(0), Net(0)]
+        conns = [None, None]
+
+        def join(rank: int) -> None:
+            conns[rank] = psgd.connect(models[rank], config=cfg, rank=rank)
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        ps = conns[1]
+        _one_step(models[1], ps)
+        call = ps.link.call
+
+        def unanswered(op: str, *args, **kwargs):
+            if op == "finish":
+                raise PeerTimeout("tcp://coordinator", 20, "finish")
+            return call(op, *args, **kwargs)
+        monkeypatch.setattr(ps.link, "call", unanswered)
+        with pytest.raises(psgd.JobError, match=r"close\(\): the coordinator did not take worker 1's finish"):
+            ps.close()
+        conns[0].close("the test ends")
+
+
+def test_a_folders_job_token_is_that_folders_only(tmp_path, monkeypatch):
+    """A review: a token taken from one folder (`psgd.connect(out=A)` by hand into a `psgd
+    run` job) stayed in the process's environment: the next connect of a notebook or a
+    sweep, to another job, was refused as a worker of another job. A token the process
+    was given stays."""
+    import psgd.launcher
+    from psgd.launcher import TOKEN_FILE, adopt_folder_token
+    from psgd.membership import JOB_TOKEN_ENV
+    monkeypatch.delenv(JOB_TOKEN_ENV, raising=False)
+    monkeypatch.setattr(psgd.launcher, "_adopted", "")
+    for name, token in (("a", "job-a"), ("b", "job-b")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / TOKEN_FILE).write_text(token)
+    adopt_folder_token(str(tmp_path / "a"))
+    assert os.environ[JOB_TOKEN_ENV] == "job-a"
+    adopt_folder_token(str(tmp_path / "b"))
+    assert os.environ[JOB_TOKEN_ENV] == "job-b"
+    adopt_folder_token(str(tmp_path / "none"))   # (a job started by hand: no token)
+    assert JOB_TOKEN_ENV not in os.environ
+    monkeypatch.setenv(JOB_TOKEN_ENV, "given")
+    adopt_folder_token(str(tmp_path / "a"))
+    assert os.environ[JOB_TOKEN_ENV] == "given"
+
+
+@pytest.mark.timeout(60)
+def test_a_connect_waiting_for_the_initial_values_of_a_job_that_aborted_raises_the_reason(port_block, monkeypatch):
+    """A review: rank 0 failed as it attached (the job aborted with its reason) while
+    rank 1 waited for rank 0's initial values: rank 1's connect raised a raw `Cancelled`
+    naming only an address."""
+    orig = psgd.connection.Connection.attach
+
+    def attach(self, model, device):
+        if self.rank == 0:
+            raise RuntimeError("rank 0's device is gone")
+        return orig(self, model, device)
+    monkeypatch.setattr(psgd.connection.Connection, "attach", attach)
+    cfg = config(port_block, "async", workers=2)
+    got: dict = {}
+
+    def join(rank: int) -> None:
+        try:
+            psgd.connect(Net(0), config=cfg, rank=rank).close()
+        except Exception as e:  # noqa: BLE001 - checked below
+            got[rank] = e
+    with InProcessCluster(cfg):
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=40)
+    assert isinstance(got[0], RuntimeError)
+    assert isinstance(got[1], psgd.JobError), repr(got[1])
+    assert str(got[1]) == "psgd.connect: the job was aborted: worker 0 could not start: RuntimeError: rank 0's " \
+                          "device is gone"

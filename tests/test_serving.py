@@ -911,3 +911,21 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
     first_step = min(e["t"] for e in lines("worker-0") if "step" in e)
     before = [e for e in evals if not e.get("final") and start + e["t"] < first_step - 0.2]
     assert before and all(e["samples"] == 0 for e in before), (first_step - start, evals)
+
+
+def test_a_shard_takes_an_ltfb_deposit_with_amsgrads_three_moments_and_the_buffers():
+    """A review: a shard took messages of four tables at most (of its larger table's size),
+    and an ltfb outcome's deposit holds the parameters, the buffers, the optimizer's state
+    (AMSGrad: 3 tables) and a meta array: with buffers beside it, it was refused as too
+    large, and the trainers' leaders failed."""
+    from psgd.servers.shard_server import message_limit
+    P, B = 1_000_000, 300_000
+
+    def deposit(states: int) -> list:
+        arrays = [np.zeros(P, np.float32), np.zeros(B, np.float32)] + [np.zeros(P, np.float32)] * (states + 1)
+        return wire.encode("put_model", id=1, rank=0, clock=5, arrays=arrays, round=-3, score=0.5, step=5)
+    frames = deposit(3)
+    assert sum(map(len, frames)) > 4 * 4 * max(P, B) + wire.MAX_HEADER   # (more than four tables' bytes)
+    assert wire.decode(frames, message_limit(P, B)).op == "put_model"
+    with pytest.raises(wire.WireError, match="larger than"):   # and a limit still holds
+        wire.decode(deposit(6), message_limit(P, B))

@@ -60,12 +60,14 @@ script set its own, or runs at an interactive prompt).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import multiprocessing
 import operator
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -343,12 +345,31 @@ def _hook_uncaught() -> None:
         sys.excepthook = _end_on_uncaught
 
 
+def _alone(call: Callable) -> Callable:
+    """A connection's call, refused (JobError, and nothing done) while another thread is
+    in one of its calls: they share its sockets, which are not thread-safe (ZeroMQ's: two
+    calls at once can kill the process, or take each other's answers), as an evaluation
+    thread's report() beside the loop's step() or close() would. One thread after another
+    is fine."""
+    @functools.wraps(call)
+    def alone(self: Connection, *args: Any, **kwargs: Any) -> Any:
+        if not self._busy.acquire(blocking=False):
+            raise JobError(f"{call.__name__}() while another thread is in a call of this connection: a "
+                           f"connection is used by one thread at a time (its sockets are not thread-safe)")
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+    return alone
+
+
 class Connection(Worker):
     own_model = False   # the script's model: its tensors stay where the script has them
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
                  out: str | None = None, rank: int | None = None):
+        self._busy = threading.Lock()   # held by the call under way (`_alone`)
         problem = _argument_problem(model, optimizer, score, config, rank, out)
         if problem:
             raise ConfigError(problem)
@@ -507,6 +528,7 @@ class Connection(Worker):
     def world_size(self) -> int:
         return self.cfg.cluster.workers
 
+    @_alone
     def step(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> bool:
         """The mode's step on the gradients the script just computed (`loss`, if given,
         goes into the step log, null there when not given or not finite; a non-finite
@@ -601,6 +623,7 @@ class Connection(Worker):
             self._end(behind, reported=True)
             raise JobError(behind)
 
+    @_alone
     def report(self, accuracy: float, loss: float) -> None:
         """A score of the model (the script's own evaluation): the job's evaluation curve
         and summary.json's final accuracy, when the job runs no evaluator."""
@@ -627,6 +650,7 @@ class Connection(Worker):
         except (PeerTimeout, HandshakeFailed, wire.RemoteError) as e:
             raise JobError(f"report(): the score was not recorded: {getattr(e, 'reason', e)}") from None
 
+    @_alone
     def close(self, error: str = "") -> None:
         """Settle what is in flight and leave the job (rank 0: after saving the final
         model). `error` ends the job with that reason. JobError if the job was aborted

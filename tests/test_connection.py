@@ -1183,3 +1183,36 @@ def test_a_connect_waiting_for_the_initial_values_of_a_job_that_aborted_raises_t
     assert isinstance(got[1], psgd.JobError), repr(got[1])
     assert str(got[1]) == "psgd.connect: the job was aborted: worker 0 could not start: RuntimeError: rank 0's " \
                           "device is gone"
+
+
+@pytest.mark.timeout(60)
+def test_a_second_thread_calling_the_connection_while_a_call_is_under_way_is_refused(port_block, tmp_path):
+    """A review: a connection's calls share its sockets, which are not thread-safe: an
+    evaluation thread's report() while rank 0's close() waited for the others could kill
+    the process in libzmq or mix up their answers. It is a JobError now, and nothing is
+    sent; one thread after the other is fine."""
+    cfg = config(port_block, "async", workers=2, **{"cluster.servers": 1})
+    with InProcessCluster(cfg, str(tmp_path)):
+        models = [Net(0), Net(0)]
+        conns: list = [None, None]
+
+        def join(rank: int) -> None:
+            conns[rank] = psgd.connect(models[rank], config=cfg, rank=rank, out=str(tmp_path))
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        for rank in (0, 1):
+            _one_step(models[rank], conns[rank])
+        closing = threading.Thread(target=conns[0].close)   # rank 0 waits in close() for rank 1
+        closing.start()
+        deadline = time.monotonic() + 10
+        while not conns[0]._busy.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(psgd.JobError, match=r"report\(\) while another thread is in a call of this connection"):
+            conns[0].report(accuracy=0.5, loss=1.0)
+        conns[1].close()
+        closing.join(timeout=30)
+        assert not closing.is_alive() and conns[0].closed
+    assert (tmp_path / "model.pt").exists()

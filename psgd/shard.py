@@ -146,11 +146,14 @@ class Shard:
         ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
                  "get_model": self.on_get_model, "models": self.on_models}
         until_trained = {"push", "elastic", "put_model"}   # refused once training ended (`_ended`)
+        # refused from a worker of another job (`_ours`): the changes of the tables, and the
+        # reads, which move the rule's clocks (ssp's finished clocks, sync's step, ltfb's scores)
+        ours = until_trained | {"pull", "get_model"}
         served = {"pull": (self.on_pull, False), **{
             op: (fn, op in until_trained) if op in self.rule.serves else (self.not_in_mode, False)
             for op, fn in ruled.items()}}
         self.handlers = {"stats": self.on_stats, "init": self.on_init,
-                         **{op: self._when_ready(fn, trained) for op, (fn, trained) in served.items()}}
+                         **{op: self._when_ready(fn, trained, op in ours) for op, (fn, trained) in served.items()}}
         self._carriers = Carriers({
             r.Apply: self._do_apply, r.Accumulate: self._do_accumulate, r.ApplySum: self._do_apply_sum,
             r.Move: self._do_move, r.MixBuffers: self._do_mix_buffers, r.SetBuffers: self._do_set_buffers,
@@ -166,13 +169,14 @@ class Shard:
             raise wire.WireError(wire.UNKNOWN_OP, f"a shard does not serve {msg.op!r}")
         return handler(token, msg)
 
-    def _when_ready(self, fn, until_trained: bool = False):
+    def _when_ready(self, fn, until_trained: bool = False, ours: bool = False):
         """`fn`, served once the shard has values; before, the error `not_ready`, answered
         here, not raised: the daemon counts a raised error in `bad_messages`, and these are
         the honest requests of the job's own workers and evaluator (a learned model before
         its init, a shard restarted with nothing to restore, which a worker's copy mends).
         With `until_trained`, also only until the job's training ended (`_ended`):
-        one wrapper, not two, around every push."""
+        one wrapper, not two, around every push; those and, with `ours`, the others from
+        this job's workers only (`_ours`)."""
         if until_trained:
             def guarded(token, msg: wire.Message) -> list[Reply]:
                 self._ours(msg)
@@ -184,17 +188,19 @@ class Shard:
             return guarded
 
         def guarded_ready(token, msg: wire.Message) -> list[Reply]:
+            if ours:
+                self._ours(msg)
             if not self.ready:
                 return self._not_ready(token, msg)
             return fn(token, msg)
         return guarded_ready
 
     def _ours(self, msg: wire.Message) -> None:
-        """Refuse a request that would change the tables, from a worker of another job
-        (its job token differs): one still dialing this port after its own job ended
-        (its shards gone, this job's on the same port) would have its pushes applied to
-        this job's model, as the coordinator took another job's scores before it checked
-        their token (`Coordinator._ours`)."""
+        """Refuse a request that would change the tables, or a read (which moves the rule's
+        clocks), from a worker of another job (its job token differs): one still dialing
+        this port after its own job ended (its shards gone, this job's on the same port)
+        would have its pushes applied to this job's model, as the coordinator took another
+        job's scores before it checked their token (`Coordinator._ours`)."""
         if msg.get("job", "") != self.job:
             raise wire.WireError(wire.REFUSED, f"shard {self.index}: this {msg.op} comes from a worker of another "
                                                f"job (PSGD_JOB_TOKEN differs); is another job using this port?")

@@ -89,11 +89,11 @@ OPS: dict[str, dict[str, tuple]] = {
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,), "age_s": _num, "job": (str,)},
     "status": {"job": (str,)},
     # to a shard
-    "pull": {"join": (bool,)},
+    "pull": {"join": (bool,), "job": (str,)},
     "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,), "job": (str,)},
     "elastic": {"round": (int,), "job": (str,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,), "job": (str,)},
-    "get_model": {"round": (int,), "owner": (int,), "exact": (bool,), "score": _num},
+    "get_model": {"round": (int,), "owner": (int,), "exact": (bool,), "score": _num, "job": (str,)},
     "models": {},
     "stats": {},
     "init": {"job": (str,)},

@@ -181,7 +181,8 @@ def test_a_shard_refuses_table_changes_from_a_worker_of_another_job(monkeypatch)
     """A worker of another job still dialing the port (its own shards gone, this job's on
     the same port) would have its pushes applied to this job's model. A shard refuses a
     push, an offer, a deposit or initial values whose job token is not its own, counts
-    it as a bad message and keeps its tables; reads are not refused."""
+    it as a bad message and keeps its tables; a read too (a review: a pull moves the
+    rule's clocks, ssp's finished clock of the rank, sync's step)."""
     monkeypatch.setenv(JOB_TOKEN_ENV, "ours")
     cfg = config(**{"mode.name": "async"})
     with InProcessCluster(cfg) as cluster:
@@ -190,15 +191,15 @@ def test_a_shard_refuses_table_changes_from_a_worker_of_another_job(monkeypatch)
         monkeypatch.setenv(JOB_TOKEN_ENV, "theirs")
         stray = ParameterClient(cfg, cluster.ctx, 0)
         try:
-            size = own.request([(0, "pull", {"clock": 0})])[0].arrays[0].size   # (a read: served)
+            size = own.pull(0)[0].arrays[0].size   # (this job's read: served)
             g, b = np.ones(size, np.float32), np.zeros(0, np.float32)
             for op, fields in [("push", {"clock": 0, "read_version": 0, "arrays": [g, b]}),
-                               ("init", {"arrays": [g, b]})]:
+                               ("init", {"arrays": [g, b]}), ("pull", {"clock": 5})]:
                 with pytest.raises(wire.Refused, match=f"this {op} comes from a worker of another job"):
                     stray.request([(0, op, stray._ours(fields))])
             after = own.request([(0, "stats", {})])[0]
             assert after.get("version") == stats.get("version") == 0
-            assert after.get("bad_messages") == stats.get("bad_messages") + 2
+            assert after.get("bad_messages") == stats.get("bad_messages") + 3
             own.request([(0, "push", own._ours({"clock": 0, "read_version": 0, "arrays": [g, b]}))])
             assert own.request([(0, "stats", {})])[0].get("version") == 1   # this job's own push is taken
         finally:

@@ -301,11 +301,11 @@ class ParameterClient:
 
     # ------------------------------------------------------------ ops
     def pull(self, clock: int) -> list[wire.Message]:
-        return self.request([(i, "pull", {"clock": clock}) for i in range(self.n)])
+        return self.request([(i, "pull", self._ours({"clock": clock})) for i in range(self.n)])
 
     def join(self, clock: int) -> list[wire.Message]:
         """Pull without waiting on any gate; the answers say where the shards stand."""
-        return self.request([(i, "pull", {"clock": clock, "join": True}) for i in range(self.n)])
+        return self.request([(i, "pull", self._ours({"clock": clock, "join": True})) for i in range(self.n)])
 
     def push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
                   read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:
@@ -327,7 +327,7 @@ class ParameterClient:
             self._finite_before_residuals(grads, clock)
         for i in range(self.n):
             if grads is None:
-                reqs.append((i, "pull", {"clock": clock + 1}))
+                reqs.append((i, "pull", self._ours({"clock": clock + 1})))
                 continue
             assert buffers is not None and read_versions is not None
             fields = {"clock": clock, "read_version": read_versions[i],
@@ -399,7 +399,7 @@ class ParameterClient:
         """`owner`'s model of `round_` (or its later one unless `exact`) from every shard.
         `missing_ok`: None instead of an exception when it is not delivered."""
         try:
-            return self.request([(i, "get_model", {"round": round_, "owner": owner, "exact": exact})
+            return self.request([(i, "get_model", self._ours({"round": round_, "owner": owner, "exact": exact}))
                                  for i in range(self.n)], cancel)
         except (Cancelled, ShardUnreachable, wire.Refused):
             if missing_ok:

@@ -1040,6 +1040,15 @@ def test_the_hook_that_ends_the_job_on_an_uncaught_exception_is_not_set_at_a_pro
     assert sys.excepthook is mine
 
 
+def on_threads(fn, ranks: int, timeout: float = 30) -> None:
+    """`fn(rank)` for each rank on a thread of its own, each waited for up to `timeout`."""
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
 def _one_step(model: nn.Module, ps) -> None:
     model.zero_grad()
     x = torch.randn(16, 6)
@@ -1110,11 +1119,7 @@ def test_a_close_whose_finish_the_coordinator_does_not_take_is_a_job_error(port_
 
         def join(rank: int) -> None:
             conns[rank] = psgd.connect(models[rank], config=cfg, rank=rank)
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        on_threads(join, 2)
         ps = conns[1]
         _one_step(models[1], ps)
         call = ps.link.call
@@ -1174,11 +1179,7 @@ def test_a_connect_waiting_for_the_initial_values_of_a_job_that_aborted_raises_t
         except Exception as e:  # noqa: BLE001 - checked below
             got[rank] = e
     with InProcessCluster(cfg):
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=40)
+        on_threads(join, 2, timeout=40)
     assert isinstance(got[0], RuntimeError)
     assert isinstance(got[1], psgd.JobError), repr(got[1])
     assert str(got[1]) == "psgd.connect: the job was aborted: worker 0 could not start: RuntimeError: rank 0's " \
@@ -1198,11 +1199,7 @@ def test_a_second_thread_calling_the_connection_while_a_call_is_under_way_is_ref
 
         def join(rank: int) -> None:
             conns[rank] = psgd.connect(models[rank], config=cfg, rank=rank, out=str(tmp_path))
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        on_threads(join, 2)
         for rank in (0, 1):
             _one_step(models[rank], conns[rank])
         closing = threading.Thread(target=conns[0].close)   # rank 0 waits in close() for rank 1

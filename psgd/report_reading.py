@@ -191,9 +191,11 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
                  f"{rname(best, many_w)} after {secs(best_t)} s")
         elif len(dist) == 1:   # one configuration: nothing to be first among
             s = f"Time to {target:g} test accuracy: {rname(best, many_w)} after {secs(best_t)} s"
-        elif any(tie_reason(best.ttt, r.ttt) for _, r in ranked[1:]):
+        elif any(tie_reason(best.ttt, r.ttt) for _, r in ranked[1:]) or (
+                len(ranked) > 1 and period and ranked[1][0] - best_t < period):
             # Another time not told apart from the best's (equal: common in simulations, whose
-            # clocks are exact): the best is the shortest, not known to be first (the order says more)
+            # clocks are exact; or less than one evaluation period after it): the best is the
+            # shortest, not known to be first (the order says more)
             among = ", of the configurations whose time is resolved" if unranked or lost else ""
             s = f"Shortest time to {target:g} test accuracy{among}: {rname(best, many_w)} after {secs(best_t)} s"
         else:
@@ -202,7 +204,9 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         extras = []
         ref = best.ref_sync
         if ref is not None and ref is not best and ref.ttt_resolved(period) and not ref.errors:
-            why = tie_reason(best.ttt, ref.ttt)
+            ref_t = ref.resolved_ttt_mean(period) or 0.0
+            why = tie_reason(best.ttt, ref.ttt) or ("less than one evaluation period apart"
+                                                    if period and abs(ref_t - best_t) < period else None)
             extras.append(f"{times(best.speedup(ref))} the speed of {best.sync_name()}" + _tie_clause(why))
         if base is not None and base_t is not None:
             extras.append(_against_base(best, base, base_t))
@@ -236,10 +240,19 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         facts = ([f"training lasted {lasted} s"] if walls else []) + \
                 ([f"the evaluator scores every {period:g} s"] if period else [])
         who = "each one that reached it" + (" with every repeat finished" if lost else "")
-        out.append(f"The budget is too short to rank the configurations by time to {target:g}: {who} was first seen "
-                   f"at it, {_unresolved_share(unranked, period)}, by a score taken after its training had ended or "
-                   f"by the evaluator's first score" + (f" ({'; '.join(facts)})" if facts else "")
-                   + ". Raise train.steps or train.seconds, or lower eval.every_seconds, to get times that rank.")
+        if all(flag == FIRST_SCORE for r in unranked for flag, _ in r.ttt_flags(period)):
+            # (not the budget: every one was at the target by the evaluator's first score)
+            out.append(f"Time to {target:g} does not rank the configurations: {who} was at it by the evaluator's "
+                       f"first score, {_unresolved_share(unranked, period)}" + (f" ({'; '.join(facts)})" if facts
+                                                                                 else "")
+                       + ". Raise the target (eval.target_accuracy), or lower eval.every_seconds, to get times "
+                         "that rank.")
+        else:
+            out.append(f"The budget is too short to rank the configurations by time to {target:g}: {who} was first "
+                       f"seen at it, {_unresolved_share(unranked, period)}, by a score taken after its training had "
+                       f"ended or by the evaluator's first score" + (f" ({'; '.join(facts)})" if facts else "")
+                       + ". Raise train.steps or train.seconds, or lower eval.every_seconds, to get times that "
+                         "rank.")
     elif any(r.thin_misses() for r in dist):
         out.append(f"No distributed configuration was seen at {target:g} test accuracy in every repeat within the "
                    f"budget.")
@@ -407,6 +420,8 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s, not told apart from "
                        + (f"{best}'s {amount(top_sps)}" if low is top or not ties else best)
                        + f" ({why}).")
+        elif b > top_sps and not top_sps:   # (runs that processed nothing: no ratio, and no cause to name)
+            out.append(f"The sequential baseline alone processed {amount(b)} samples/s; {best} processed none.")
         elif b > top_sps:
             out.append(f"The sequential baseline alone processed {amount(b)} samples/s, {b / top_sps:.1f}× "
                        f"{best}: the per-step cost of the parameter-server round trips and "
@@ -424,7 +439,8 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
     if not accs:
         return out
     hi, lo = max(accs, key=lambda t: t[0]), min(accs, key=lambda t: t[0])
-    noise = max([sd(r.acc) or 0.0 for _, r in accs] + [0.0])
+    # the two ends' own repeats (as tie_reason): a third configuration's spread says nothing of them
+    noise = max([sd(r.acc) or 0.0 for r in (hi[1], lo[1])] + [0.0])
     if len(accs) == 1:
         out.append((f"Only {rname(hi[1], many_w)} was scored: final accuracy" if len(dist) > 1 else
                     f"Final accuracy of {rname(hi[1], many_w)}:") + f" {hi[0]:.4f}.")
@@ -432,8 +448,8 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
         spread = f"all ended at {hi[0]:.4f}" if f"{hi[0]:.4f}" == f"{lo[0]:.4f}" else \
             f"all lie between {lo[0]:.4f} and {hi[0]:.4f}"
         out.append(f"Final accuracy hardly separates the configurations: {spread}.")
-    elif hi[0] - lo[0] <= 2 * noise:   # a wide range, but no wider than one configuration's own repeats
-        noisy = max((r for _, r in accs), key=lambda r: sd(r.acc) or 0.0)
+    elif hi[0] - lo[0] <= 2 * noise:   # a wide range, but no wider than one end's own repeats
+        noisy = max((hi[1], lo[1]), key=lambda r: sd(r.acc) or 0.0)
         out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
                    f"({rname(hi[1], many_w)}), which does not tell the configurations apart: the repeats of "
                    f"{rname(noisy, many_w)} alone spread as much (sd {noise:.4f}).")

@@ -181,8 +181,9 @@ def staleness_sentences(dist: list[Row], period: float | None, many_w: bool) -> 
         level = [r for _, r in measured if r is not most and whys[id(r)] not in (None, ONCE)]
         # one that, like the highest, ran once: not ranked below it (ONCE), nor tied with it
         once = [r for _, r in measured if r is not most and whys[id(r)] == ONCE]
-        if most_mean == 0:
-            # (named: "no configuration of sync, ssp or async" covered one that failed, measuring nothing)
+        if most_mean == 0 and not any(r.staleness_max for r in st):
+            # (named: "no configuration of sync, ssp or async" covered one that failed, measuring nothing;
+            # and not where a max says a stale read that the mean, rounded to 4 decimals, does not)
             out.append(f"No worker of {names(st)} read stale parameters (measured staleness 0 in every run).")
         elif len(measured) == 1:   # nothing to be highest among
             out.append(f"Measured staleness (mean updates applied between a worker's read and its push): "
@@ -220,8 +221,10 @@ def _times_clause(rs: list[Row], period: float | None, target: float | None = No
         return None
     resolved = [t for r in rs if (t := r.resolved_ttt_mean(period)) is not None]
     if len(resolved) == len(rs) and not any(r.errors for r in rs):
-        return course("time to target", f"{', '.join(secs(t) for t in resolved)} s", [r.ttt for r in rs], resolved,
-                      lambda x: f"{secs(x)} s")
+        values = f"{', '.join(secs(t) for t in resolved)} s"
+        if period and max(resolved) - min(resolved) < period:   # (as the order's ≈: the evaluator's resolution)
+            return f"time to target {values} (all within one evaluation period, {period:g} s: no trend resolved)"
+        return course("time to target", values, [r.ttt for r in rs], resolved, lambda x: f"{secs(x)} s")
     return "time to target " + ", ".join(_one_time(r, period, target) for r in rs)
 
 

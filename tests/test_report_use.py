@@ -40,12 +40,17 @@ def test_a_configuration_known_to_be_sooner_keeps_the_best_resolved_one_from_bei
     text = told(late)
     assert "Not the first" not in text and "First to reach" not in text
     assert "Time to 0.9 test accuracy of the one configuration whose time is resolved: **ssp** after 1.11 s" in text
-    # Two resolved, one unranked later: "first" among the resolved holds
+    # Two resolved, one unranked later: "first" among the resolved holds, where the next is more
+    # than one evaluation period (0.5 s) behind; "shortest" where it is not
     two = [dict(r, time_to_target_s=1.5, evals=first_seen_at(1.5)) for r in res[:2]] + res[2:]
-    two[2:4] = [run("async", "async", repeat=i, ttt=1.2 + 0.02 * i) for i in range(2)]
+    two[2:4] = [run("async", "async", repeat=i, ttt=1.7 + 0.02 * i) for i in range(2)]
     text = told(two)
     assert "First to reach 0.9 test accuracy, of the configurations whose time is resolved: **ssp** after 1.11 s" \
         in text and "Not the first" not in text
+    two[2:4] = [run("async", "async", repeat=i, ttt=1.2 + 0.02 * i) for i in range(2)]
+    text = told(two)
+    assert "Shortest time to 0.9 test accuracy, of the configurations whose time is resolved: **ssp** after 1.11 s" \
+        in text and "First to reach" not in text
 
 
 @pytest.mark.timeout(60)

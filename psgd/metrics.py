@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -192,7 +193,8 @@ def _applied_tau(line: str) -> int | None:
     return tau
 
 
-def earlier_lives(out: str | None, rank: int, since: float, until: float = math.inf) -> dict:
+def earlier_lives(out: str | None, rank: int, since: float, until: float = math.inf,
+                  tail_bytes: int | None = None) -> dict:
     """What the earlier processes of worker `rank` did in this job, from their step lines
     in DIR/events/worker-<rank>.jsonl written at `since` (a time.time(): the job's start)
     or later, and not after `until` (the end of its training, where that has come): their
@@ -203,15 +205,24 @@ def earlier_lives(out: str | None, rank: int, since: float, until: float = math.
     for a rank lost for good: the coordinator heard a process that died only up to its
     last heartbeat. Each process's `step` goes up by one a line from 1, which tells its
     lines from those of another process written in between (one whose rank was taken
-    over, still stepping until its next heartbeat says so)."""
+    over, still stepping until its next heartbeat says so). `tail_bytes`: only the file's
+    last bytes (the coordinator's read, in its serve loop: a day's file holds nearly a
+    million lines): a process's last line there has its counters whole, the earlier
+    processes' there may not be (counted short, never twice), and the histogram is of
+    those lines only (taken only where it has more pushes than were heard). A line that
+    does not decode (two processes' lines run together, where one was cut short) is not
+    taken for a process's last."""
     lasts: list[tuple[int, str]] = []   # each earlier process's latest step line: (step, the line)
     hist = Histogram()
     path = os.path.join(out or "", "events", f"worker-{rank}.jsonl")
     if not out or not os.path.exists(path):
         return {}
     try:
-        with open(path, errors="replace") as f:
-            for line in f:
+        with open(path, "rb") as raw:
+            if tail_bytes is not None and (size := os.fstat(raw.fileno()).st_size) > tail_bytes:
+                raw.seek(size - tail_bytes)
+                raw.readline()   # (the line the seek cut)
+            for line in io.TextIOWrapper(raw, encoding="utf-8", errors="replace"):
                 if '"step"' not in line or not line.endswith("\n"):   # (a line cut short as its process died)
                     continue
                 got = _step_of(line)
@@ -228,9 +239,16 @@ def earlier_lives(out: str | None, rank: int, since: float, until: float = math.
                     lasts[i] = (step, line)
     except OSError:
         return {}
-    last = [json.loads(line) for _, line in lasts]
+    last = [d for _, line in lasts if isinstance(d := _decoded(line), dict)]
     totals = {k: sum(d[f] for d in last if isinstance(d.get(f), int)) for k, f in LOGGED_STATS.items()}
     return {**{k: v for k, v in totals.items() if v}, **(hist.stats() if hist.total else {})}
+
+
+def _decoded(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def credit_staleness(past: dict, logged: dict) -> bool:

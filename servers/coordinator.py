@@ -145,6 +145,14 @@ def linger_s(cfg: Config) -> float:
     return 2 * (beat_answer_s(cfg) + cfg.cluster.heartbeat_s) + 3
 
 
+# A lost rank's step lines read at the job's end (`_credit_gone`), in the serve loop: the
+# last CREDIT_TAIL_BYTES of its file (about 5,000 lines: its last process's counters are
+# whole there), and the ranks' reads given up after CREDIT_S in all (a day's file held
+# nearly a million lines, 2.8 µs each: read whole, two lost ranks' stalled the coordinator
+# past cluster.timeout_s, and its shards gave it up).
+CREDIT_TAIL_BYTES = 1 << 20
+CREDIT_S = 2.0
+
 class Coordinator:
     def __init__(self, cfg: Config, out: str | None = None, ctx: zmq.Context | None = None,
                  quiet: bool = False, launched_at: float | None = None, launched_by: str = "coordinator"):
@@ -179,6 +187,7 @@ class Coordinator:
         self.evals: list[dict] = []
         self.t0 = 0.0
         self.t_end = 0.0
+        self._done_at = 0.0   # when every worker was last seen done (finished or lost), while a hold lasts
         self.final_deadline = 0.0
         self.done_at = 0.0
         self.told_done: set = set()    # (role, its rank or index) of each process heard since `done`
@@ -645,8 +654,12 @@ class Coordinator:
                               f"heartbeating) and none finished" + (f"; {gave_up}" if gave_up else ""))
             if self.abort and not aborted:   # (as every abort: the log says why the job ends, not only summary.json)
                 log("coordinator", f"aborting the job: {self.abort}")
+            done = not rejoining and self.members.all_done
+            self._done_at = (self._done_at or now) if done else 0.0
             if not rejoining and (self.abort or (self.members.all_done and now >= self.held_until)):
-                self.t_end = now
+                # Training ended when the last worker was done, not at the end of rank 0's hold
+                # (a script's, reading the final model: it is not training, and wall_s said so)
+                self.t_end = now if self.abort else self._done_at or now
                 if self.has_evaluator and not self.abort:
                     self.phase = "final_eval"
                     self.final_deadline = now + self.cfg.cluster.timeout_s
@@ -788,10 +801,16 @@ class Coordinator:
         new process send them: `Member.credit`.) Not the lines of steps after training
         ended: a process dropped and back then (stopped, cut off) stepped outside the job."""
         until = time.time() - (time.monotonic() - self.t_end) if self.t_end else math.inf
-        for r, member in self.members.members.items():
-            logged = earlier_lives(self.out, r, self.launched_at, until) if member.state == "lost" else {}
+        lost = [r for r, member in self.members.members.items() if member.state == "lost"]
+        given_up = time.monotonic() + CREDIT_S
+        for k, r in enumerate(lost):
+            if time.monotonic() > given_up:   # (the serve loop waits meanwhile: heartbeats go unanswered)
+                log("coordinator", f"summary.json counts the {len(lost) - k} other ranks lost for good as they were "
+                                   f"heard: their step lines took over {CREDIT_S:g} s to read")
+                break
+            logged = earlier_lives(self.out, r, self.launched_at, until, CREDIT_TAIL_BYTES)
             if logged:
-                member.credit_lives(logged)
+                self.members.members[r].credit_lives(logged)
                 self._credit_staleness(r, logged)
 
     def _lingered(self, now: float) -> bool:

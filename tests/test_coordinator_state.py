@@ -1065,3 +1065,29 @@ def test_a_state_file_unwritable_for_want_of_descriptors_is_retried_not_the_end_
     failing["errno"] = errno.ENOSPC
     with pytest.raises(metrics.OutputError):
         c._save_state(now + 4.5)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_wall_s_ends_when_the_last_worker_is_done_not_at_the_end_of_rank_0s_hold(tmp_path):
+    """A review: a training script's rank 0 holds the job's end while it reads the final
+    model into DIR/model.pt (psgd/connection.py); wall_s ran to its release, and so
+    counted the read, the save, and, where rank 0 died, up to cluster.timeout_s more,
+    against the README's "the end of the last worker's budget"."""
+    cfg, c = training_with_two_workers(str(tmp_path))
+
+    def serve(op: str, **kw) -> wire.Message:
+        (_, frames), = c.service._serve(b"x", wire.encode(op, id=1, **kw))
+        return wire.decode(frames)
+    with closed_after(c):
+        assert serve("finish", rank=0, clock=10, stats={"samples": 64}, hold=True).op == "reply"
+        assert serve("finish", rank=1, clock=10, stats={"samples": 64}).op == "reply"
+        c._checked = -1e9
+        c._tick(time.monotonic())
+        done = time.monotonic() - c.t0
+        assert c.phase == "training"   # held
+        time.sleep(1.0)                # rank 0 reads and saves the final model
+        assert serve("release", rank=0).op == "reply"
+        c._checked = -1e9
+        c._tick(time.monotonic())
+        assert c.t_end and c.t_end - c.t0 <= done + 0.05

@@ -138,3 +138,23 @@ def test_a_rank_lost_for_good_counts_in_the_summary_as_its_step_lines_say(tmp_pa
     assert Histogram.of(got[1]).as_dict() == {"0": 2, "1": 2}
     assert got[2]["samples"] == 96 and Histogram.of(got[2]).total == 3   # heard more than its one line
     assert c.summary["samples"] == 160 + 128 + 96
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_earlier_lives_survives_two_lives_run_together_and_reads_a_tail(tmp_path):
+    """A review: a line cut short (its process killed) with the next process's first line
+    appended to it passed the step head's test and then failed to decode, raising out of
+    the coordinator's end of the job (at every restart: no summary, ever). Such a line is
+    not a process's last. And the coordinator reads only a file's tail: the last
+    process's counters are whole there."""
+    os.makedirs(tmp_path / "events")
+    torn = _line(11.4, 4, 0)[:-40] + _line(12.0, 1, 0)   # (the first process's 4th line, cut; no newline)
+    (tmp_path / "events" / "worker-1.jsonl").write_text(
+        "".join(_line(11.0 + s / 10, s, 0) for s in range(1, 4)) + torn + _line(12.1, 2, 0))
+    assert earlier_lives(str(tmp_path), 1, since=10.0)["samples"] == 64   # (the first counted short, not twice)
+    long = "".join(_line(11.0 + s / 1000, s, 0) for s in range(1, 201))
+    (tmp_path / "events" / "worker-1.jsonl").write_text(long)
+    tail = earlier_lives(str(tmp_path), 1, since=10.0, tail_bytes=2000)
+    assert (tail["samples"], tail["steps"]) == (32 * 200, 200)
+    assert Histogram.of(tail).total < 200 == Histogram.of(earlier_lives(str(tmp_path), 1, since=10.0)).total

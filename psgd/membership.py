@@ -257,6 +257,8 @@ class Membership:
         clock skipped the steps between: an easgd rank trained 1,944 of its 3,000)."""
         free = [r for r in range(self.world) if r not in self.members]
         gone = [r for r, m in self.members.items() if m.state == "lost"]
+        if 0 <= want_rank < self.world and want_rank in self.members and self.members[want_rank].state == "finished":
+            return -1   # its share is done: not another rank's instead (a restarted copy took up a lost one's)
         if 0 <= want_rank < self.world and want_rank in self.members and self.members[want_rank].state == "live":
             rank = want_rank  # a worker restarted before it was missed: it takes its rank back
         elif 0 <= want_rank < self.world and (want_rank in free or want_rank in gone):

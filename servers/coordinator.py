@@ -871,6 +871,7 @@ class Coordinator:
             "t_end_wall": wall - (now - self.t_end) if self.t_end else None,
             # rank 0's hold on the job's end (a script reading the final model: on_finish)
             "held_until_wall": wall + (self.held_until - now) if self.held_until > now else None,
+            "holder": self.holder if self.held_until > now else None,
             "membership": self.members.state_dict(), "nonces": self.nonces,
             "server_joins": self.server_joins, "server_nonces": self.server_nonces, "servers": self.servers,
             "startup_s": self.startup_s, "launched_at": self.launched_at, "launched_by": self.launched_by,
@@ -951,6 +952,8 @@ class Coordinator:
         self.t0 = now - (wall - st["t0_wall"]) if st["t0_wall"] else 0.0
         self.t_end = now - (wall - st["t_end_wall"]) if st["t_end_wall"] else 0.0
         self.held_until = now + (st["held_until_wall"] - wall) if st.get("held_until_wall") else 0.0
+        holder = st.get("holder")   # (it must hear an abort: `_lingered`)
+        self.holder = holder if self.held_until and type(holder) is int else None
         # A worker's heartbeat that this coordinator's last life read and never answered is
         # followed by its next only beat_answer_s and a period later.
         self.members.load_state_dict(st["membership"], now, beat_answer_s(self.cfg) + self.cfg.cluster.heartbeat_s)

@@ -871,7 +871,7 @@ def test_a_restarted_coordinator_keeps_rank_0s_hold_on_the_jobs_end(tmp_path):
     first._save_state(time.monotonic())
     second = coordinator(cfg, str(tmp_path))                   # kill -9, restarted from the state file
     assert second.restarts == 1 and second.phase == "training"
-    assert second.held_until - time.monotonic() > 50
+    assert second.held_until - time.monotonic() > 50 and second.holder == 0   # (it must hear an abort)
     for c in (first, second):
         c.members.beat(1, time.monotonic(), 10, {})
         assert serve(c, "finish", rank=1, clock=10, stats={"samples": 64}).op == "reply"
@@ -1091,3 +1091,17 @@ def test_wall_s_ends_when_the_last_worker_is_done_not_at_the_end_of_rank_0s_hold
         c._checked = -1e9
         c._tick(time.monotonic())
         assert c.t_end and c.t_end - c.t0 <= done + 0.05
+
+
+@pytest.mark.unit
+def test_a_worker_asking_for_a_finished_rank_is_refused_not_given_a_lost_one():
+    """A review: rank 1 finished, its process exited non-zero and was started again with
+    `--rank 1` (`--restart-workers`); rank 0 was lost. The new process was given rank 0,
+    trained rank 0's share as its new process, and collided with rank 0's own restart."""
+    from psgd.membership import Membership
+    m = Membership(2, timeout_s=1.0)
+    assert m.join(0.0, 0, "a") == 0 and m.join(0.0, 1, "b") == 1
+    m.finish(1, 1.0)
+    assert m.expire(10.0) == [0]          # rank 0 lost
+    assert m.join(11.0, 1, "c") == -1     # rank 1's share is done: no rank
+    assert m.join(11.0, -1, "d") == 0     # a worker asking for any rank takes the lost one

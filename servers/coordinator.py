@@ -609,9 +609,13 @@ class Coordinator:
 
     # ------------------------------------------------------------ phases
     def _tick(self, now: float) -> None:
-        self._save_state(now)
         stalled = now - self._ticked if self._ticked else 0.0
-        self._ticked = now
+        began = time.monotonic()
+        self._save_state(now)
+        # (the save's own time is no stall: heartbeats wait in the socket meanwhile. Counted
+        # as one, a disk whose fsync took a second excused every gap, and no dead worker was
+        # ever dropped: a sync job waited for it for good)
+        self._ticked = now + (time.monotonic() - began)
         if stalled > self.cfg.cluster.heartbeat_s:
             # This loop did not run (the machine stalled, or this process was stopped): who
             # is alive is judged on heartbeats it could have read, not on the stall.

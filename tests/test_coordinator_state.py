@@ -1105,3 +1105,25 @@ def test_a_worker_asking_for_a_finished_rank_is_refused_not_given_a_lost_one():
     assert m.expire(10.0) == [0]          # rank 0 lost
     assert m.join(11.0, 1, "c") == -1     # rank 1's share is done: no rank
     assert m.join(11.0, -1, "d") == 0     # a worker asking for any rank takes the lost one
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_slow_state_file_is_no_stall_that_keeps_a_dead_worker_from_being_dropped(tmp_path, monkeypatch):
+    """A review: every gap between two turns of the coordinator's loop longer than a
+    heartbeat period is excused (the machine stalled); a state file whose fsync took a
+    second (a loaded network disk) made every gap one, and a dead worker was never dropped."""
+    cfg, c = training_with_two_workers(str(tmp_path))
+    slow = c._save_state
+
+    def save(now: float) -> None:
+        slow(now)
+        time.sleep(cfg.cluster.heartbeat_s * 1.5)
+    monkeypatch.setattr(c, "_save_state", save)
+    with closed_after(c):
+        start = time.monotonic()
+        c.members.beat(1, start, 3, {})   # rank 1's last heartbeat
+        while c.members.members[1].state == "live" and time.monotonic() - start < 20:
+            c.members.beat(0, time.monotonic(), 3, {})   # rank 0 heartbeats; rank 1 is dead
+            c._tick(time.monotonic())
+    assert c.members.members[1].state == "lost"

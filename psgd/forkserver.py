@@ -239,7 +239,12 @@ class ForkServer:
             with contextlib.suppress(BrokenPipeError):   # it has ended: _next says with which code
                 self._in.write((json.dumps(request) + "\n").encode())
                 self._in.flush()
-            return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
+            try:
+                return Forked(self, int(self._next(lambda m: "pid" in m, ANSWER_S, "to fork")["pid"]))
+            except BaseException:   # (timed out, or a signal came): its late answer would be taken for the
+                with contextlib.suppress(OSError):   # next request's pid, and that daemon never supervised
+                    self.proc.kill()
+                raise
 
     def collect(self) -> None:
         """Take in the exits reported so far (and keep its other answers for `_next`)."""
@@ -251,6 +256,8 @@ class ForkServer:
         if "exit" in m:
             self.codes[int(m["exit"])] = int(m["code"])
         else:
+            if "pid" in m:   # a new process: an earlier one's code under its pid (the kernel reuses them) is not its
+                self.codes.pop(int(m["pid"]), None)
             self._answers.append(m)
 
     def _lines(self) -> list[dict]:

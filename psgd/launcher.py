@@ -919,8 +919,8 @@ class LocalJob:
                 continue
             if code is not None:
                 break
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the job did not finish within {self.timeout_s:g} s")
+            if time.monotonic() > deadline and not os.path.exists(os.path.join(self.out, "summary.json")):
+                raise LaunchError(f"the job did not finish within {self.timeout_s:g} s")   # (done: it lingers)
             self.show_started()
             for child in self.children[1:]:
                 rc = child.poll()
@@ -1064,7 +1064,8 @@ class LocalJob:
         memory."""
         if child.role != "worker" or (self.restart_workers and rc < 0) or (not child.script and rc == 0):
             return
-        if child.script and not os.path.exists(self.started_file(child.name)):
+        if child.script and not os.path.exists(self.started_file(child.name)) and not (
+                child.restarts and self._training_began()):   # (a restarted copy mid-job: its rank is lost)
             when = "before joining the job (no psgd.connect, or one that refused it before registering)"
         elif not (self.restart_workers and rc != 0) and not self._training_began():
             when = "in psgd.connect, before the job began training" if child.script else "before the job began training"

@@ -235,3 +235,41 @@ def test_a_forks_answer_read_by_another_thread_is_kept_for_the_fork():
     finally:
         os_.close(r)
         os_.close(w)
+
+
+@pytest.mark.timeout(30)
+def test_a_reused_pid_is_not_taken_for_ended_and_a_fork_without_an_answer_ends_its_server(monkeypatch):
+    """A review: the exit codes the fork server reported were kept for good, so a new
+    daemon forked under a pid the kernel reused looked ended at once, with the old
+    process's code (a shard restarted beside itself). And a fork whose answer did not come
+    in time left that answer queued, to be taken for the next fork's pid: every later
+    daemon was supervised under another's pid. A pid's answer clears its old code; a fork
+    without an answer ends the server (the next job starts a new one)."""
+    import io
+    import json as json_
+    import threading
+    from types import SimpleNamespace
+
+    from psgd.forkserver import ForkServer, ForkServerError
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    killed: list[bool] = []
+    fs = ForkServer.__new__(ForkServer)
+    fs.proc = SimpleNamespace(poll=lambda: None, kill=lambda: killed.append(True))
+    fs._fd, fs._buf, fs.codes, fs._answers, fs._in = r, b"", {}, [], io.BytesIO()
+    fs._reading, fs._spawning = threading.Lock(), threading.Lock()
+    try:
+        os.write(w, b"".join(json_.dumps(m).encode() + b"\n" for m in ({"exit": 42, "code": 143}, {"pid": 42})))
+        fs.collect()
+        assert fs.codes == {} and fs._answers == [{"pid": 42}]   # the new process under pid 42 runs
+        os.write(w, json_.dumps({"exit": 42, "code": 0}).encode() + b"\n")
+        fs.collect()
+        assert fs.codes == {42: 0}
+        fs._answers.clear()
+        monkeypatch.setattr(forkserver, "ANSWER_S", 0.2)
+        with pytest.raises(ForkServerError, match="took more than"):
+            fs.spawn(["worker", "config.toml"], {}, None)
+        assert killed == [True]
+    finally:
+        os.close(r)
+        os.close(w)

@@ -589,3 +589,34 @@ def test_a_script_killed_before_its_first_heartbeat_counts_its_steps_in_the_summ
         last = [json.loads(line) for line in f if '"step"' in line][-1]
     assert last["step"] >= 4 and last["samples"] == 8 * last["step"]
     assert summary["samples"] == 8 * 10 + last["samples"]
+
+
+SCRIPT_KILLED_THEN_FAILING = SCRIPT_KILLED_ONCE.replace(
+    "if os.path.exists(marker):\n    time.sleep(10)",
+    "if os.path.exists(marker):\n"
+    "    if not os.path.exists(marker + '-failed'):   # the first restarted copy fails as it builds its model\n"
+    "        open(marker + '-failed', 'w').close()\n"
+    "        sys.exit(1)\n"
+    "    time.sleep(10)")
+
+
+@pytest.mark.timeout(200)
+def test_a_restarted_script_that_fails_before_joining_does_not_stop_a_job_under_way(tmp_path):
+    """A review: with --restart-workers, a script killed mid-job was started again, and
+    that copy exited 1 before psgd.connect (its model's memory not yet freed, say): psgd
+    run stopped the whole job, "exited with code 1 before joining the job; the job cannot
+    start without it", though the job had been training. Its rank is lost, and the job
+    goes on to its end; the failed copy is then said as the script's failure."""
+    assert SCRIPT_KILLED_THEN_FAILING != SCRIPT_KILLED_ONCE
+    path = tmp_path / "killed_then_failing.py"
+    path.write_text(SCRIPT_KILLED_THEN_FAILING)
+    cfg = Config().replace(**{**SMALL, "mode.name": "async", "train.steps": 10, "cluster.servers": 1,
+                              "cluster.timeout_s": SCRIPT_TIMEOUT_S, "cluster.heartbeat_timeout_s": 2.0})
+    with pytest.raises(LaunchError) as e:
+        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path), str(tmp_path)],
+                  restart_workers=True)
+    assert (tmp_path / "killed-failed").exists()
+    assert "before joining the job" not in str(e.value) and "(the job itself ended" in str(e.value), str(e.value)
+    with open(tmp_path / "out" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["failures"]["workers_lost"] == 1 and "aborted" not in summary

@@ -561,9 +561,8 @@ class Connection(Worker):
         self._batch = batch
         try:
             with self._psgd_steps():
-                if self.rejoin_if_dropped():
-                    self.schedule.rejoin(self)
-                error = self._attempt(self.schedule.step)
+                error = self._attempt(self.schedule.rejoin) if self.rejoin_if_dropped() else ""   # (as a worker's)
+                error = error or self._attempt(self.schedule.step)
         except Cancelled:
             self._raise_if_aborted()
             return False

@@ -310,3 +310,43 @@ def test_a_restarted_coordinator_stops_awaiting_a_rank_once_it_is_heard(tmp_path
     c._tick(time.monotonic())
     assert c.members.members[1].state == "lost"
     assert c.phase != "training" and not c.abort, (c.phase, c.abort)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_refusal_as_a_worker_rejoins_is_a_refused_step_not_the_jobs_end(tmp_path):
+    """A review: a worker back from a partition rejoins (`schedule.rejoin`) outside the
+    handling of a refused step: a shard's refusal there ended the worker with an error,
+    and the job with it. It is
+    counted as a refused step now, and training goes on."""
+    from psgd import wire
+    from psgd.inprocess import InProcessCluster
+    from tests.conftest import train_on_threads
+    cfg = Config().replace(**{"cluster.port": free_port_block(2), "cluster.workers": 2, "cluster.servers": 1,
+                              "mode.name": "async", "train.steps": 20, "cluster.evaluator": False,
+                              "cluster.timeout_s": 20})
+    seen: dict = {}
+
+    def refuse_one_rejoin(w) -> None:
+        if w.want_rank != 0:
+            return
+        attach = w.attach
+
+        def attached(*args, **kwargs):
+            schedule = attach(*args, **kwargs)
+            rejoin = schedule.rejoin
+
+            def refused(worker) -> None:
+                if worker.clock != 5:   # (the schedule's start rejoins too)
+                    return rejoin(worker)
+                raise wire.Refused(wire.REFUSED, "shard 0 is past this worker's clock", "tcp://shard")
+            schedule.rejoin = refused
+            return schedule
+        w.attach = attached
+        w.rejoin_if_dropped = lambda: w.clock == 5 and seen.setdefault("rejoins", []).append(1) is None \
+            and len(seen["rejoins"]) == 1
+        seen["worker"] = w
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        codes = train_on_threads(cfg, str(tmp_path), cluster, refuse_one_rejoin)
+    assert codes == {0: 0, 1: 0}, codes
+    assert seen["worker"].rejected == 1 and seen["worker"].clock == 20

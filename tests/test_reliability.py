@@ -919,3 +919,24 @@ def test_an_answer_that_takes_longer_than_the_timeout_to_arrive_is_not_unreachab
             for x in [client, *links]:
                 x.close()
             link.close()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_the_unreachable_shard_named_is_one_that_is_not_live():
+    """A review: a worker whose requests two shards owed gave up naming the first shard
+    that had not answered, shard 0, which was live (its read parked, gated on a worker
+    stuck on shard 1); shard 1 was the one gone, and the job's reason named the other."""
+    from psgd.config import Config
+    from psgd.workers.client import ShardUnreachable
+    base = free_port_block(2)   # (nothing listens there: no answer comes)
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.port": base, "cluster.timeout_s": 1.0,
+                              "cluster.local_lane": False})
+    client = ParameterClient(cfg, zmq.Context.instance(), 0)
+    try:
+        client.alive = lambda i: i == 0
+        with pytest.raises(ShardUnreachable) as e:
+            client.pull(0)
+        assert cfg.shard_address(1) in str(e.value) and cfg.shard_address(0) not in str(e.value)
+    finally:
+        client.close()

@@ -177,7 +177,7 @@ class ParameterClient:
                     f.take(e.partial)
                     alive = self._alive(f)
                     if not alive and time.monotonic() >= deadline:
-                        raise self._unreachable(e.address) from None
+                        raise self._unreachable(self._dead(f) or e.address) from None
                     owing = {i for _, i in f.pending.values()}
                     again = owing   # the shards whose requests go again
                     if alive:
@@ -293,6 +293,14 @@ class ParameterClient:
         who = f"worker {self.rank}" if self.rank >= 0 else "the evaluator"   # (its client's rank is -1)
         return ShardUnreachable(f"{who}: shard at {address} did not answer within "
                                 f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s")
+
+    def _dead(self, f: InFlight) -> str:
+        """The address of the first shard that owes `f` an answer and is not known to be
+        alive ('' if none is known so): the one the error names. The first that had not
+        answered may be a live shard holding a parked request, gated on the dead one."""
+        alive = self.alive
+        owing = sorted({i for _, i in f.pending.values()})
+        return next((self.peers.addresses[i] for i in owing if alive is not None and not alive(i)), "")
 
     def _alive(self, f: InFlight) -> bool:
         """Is every shard that still owes `f` an answer known to be alive?"""

@@ -249,9 +249,10 @@ class Worker:
         next batch (`between`)."""
         self.client.idle = self.between
         while self.more():
-            if self.rejoin_if_dropped():
-                schedule.rejoin(self)
-            error = self._attempt(schedule.step)
+            # (a refusal as it rejoins, a shard restarted meanwhile, say, is a refused step's: counted,
+            # and the step goes on; raised, it ended the job)
+            error = self._attempt(schedule.rejoin) if self.rejoin_if_dropped() else ""
+            error = error or self._attempt(schedule.step)
             if error:
                 return error
         return "" if self.left_behind() else self._attempt(schedule.finish)

@@ -970,7 +970,8 @@ class LocalJob:
         if summary is not None and summary.get("aborted"):  # the reason is one line: say it, no log dump
             raise self.aborted(summary)
         if summary is None:
-            tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children[1:] if self.tail(c))
+            # (the coordinator's own too, where it has a log, with --quiet: its reason is there, not on the terminal)
+            tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children if self.tail(c))
             raise LaunchError(f"the coordinator ended without a summary (exit code {code}); logs in "
                               f"{self.out}/logs\n{tails}")
         if code != 0:   # it wrote this job's summary (an earlier job's is removed at the start), then died

@@ -397,6 +397,13 @@ def test_a_coordinator_that_dies_after_writing_the_summary_leaves_a_finished_job
         j.children[0].proc.code = 1   # its own code, without a summary (a -9 would restart it)
         with pytest.raises(LaunchError, match=r"the coordinator ended without a summary \(exit code 1\)"):
             j.wait()
+        # with --quiet its output is in its log, not on the terminal: its reason is said (a review)
+        log = tmp_path / "logs" / "coordinator-0.log"
+        log.parent.mkdir(exist_ok=True)
+        log.write_text("[psgd coordinator] 0/2 workers registered after cluster.timeout_s = 60 s; giving up\n")
+        j.children[0].log_path = str(log)
+        with pytest.raises(LaunchError, match=r"--- coordinator-0 ---\n.*0/2 workers registered .* giving up"):
+            j.wait()
 
 
 @pytest.mark.unit

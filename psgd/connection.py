@@ -561,8 +561,7 @@ class Connection(Worker):
         self._batch = batch
         try:
             with self._psgd_steps():
-                error = self._attempt(self.schedule.rejoin) if self.rejoin_if_dropped() else ""   # (as a worker's)
-                error = error or self._attempt(self.schedule.step)
+                error = self._rejoin_and_step(self.schedule)
         except Cancelled:
             self._raise_if_aborted()
             return False

@@ -240,19 +240,17 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         facts = ([f"training lasted {lasted} s"] if walls else []) + \
                 ([f"the evaluator scores every {period:g} s"] if period else [])
         who = "each one that reached it" + (" with every repeat finished" if lost else "")
+        share, said = _unresolved_share(unranked, period), f" ({'; '.join(facts)})" if facts else ""
         if all(flag == FIRST_SCORE for r in unranked for flag, _ in r.ttt_flags(period)):
             # (not the budget: every one was at the target by the evaluator's first score)
             out.append(f"Time to {target:g} does not rank the configurations: {who} was at it by the evaluator's "
-                       f"first score, {_unresolved_share(unranked, period)}" + (f" ({'; '.join(facts)})" if facts
-                                                                                 else "")
-                       + ". Raise the target (eval.target_accuracy), or lower eval.every_seconds, to get times "
-                         "that rank.")
+                       f"first score, {share}{said}. Raise the target (eval.target_accuracy), or lower "
+                       f"eval.every_seconds, to get times that rank.")
         else:
             out.append(f"The budget is too short to rank the configurations by time to {target:g}: {who} was first "
-                       f"seen at it, {_unresolved_share(unranked, period)}, by a score taken after its training had "
-                       f"ended or by the evaluator's first score" + (f" ({'; '.join(facts)})" if facts else "")
-                       + ". Raise train.steps or train.seconds, or lower eval.every_seconds, to get times that "
-                         "rank.")
+                       f"seen at it, {share}, by a score taken after its training had ended or by the evaluator's "
+                       f"first score{said}. Raise train.steps or train.seconds, or lower eval.every_seconds, to get "
+                       f"times that rank.")
     elif any(r.thin_misses() for r in dist):
         out.append(f"No distributed configuration was seen at {target:g} test accuracy in every repeat within the "
                    f"budget.")

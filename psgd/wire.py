@@ -94,8 +94,8 @@ OPS: dict[str, dict[str, tuple]] = {
     "elastic": {"round": (int,), "job": (str,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,), "job": (str,)},
     "get_model": {"round": (int,), "owner": (int,), "exact": (bool,), "score": _num, "job": (str,)},
-    "models": {},
-    "stats": {},
+    "models": {"job": (str,)},
+    "stats": {"job": (str,)},
     "init": {"job": (str,)},
     # replies
     "reply": {"*": _scalar + (dict, list)},

@@ -83,8 +83,6 @@ class TournamentOps:
     put_model = ParameterClient.put_model
     get_model = ParameterClient.get_model
     index = ParameterClient.index
-    _ours = ParameterClient._ours   # (put_model's: with no job token, as the simulator's)
-    job = ParameterClient.job
 
     @property
     def n(self) -> int:

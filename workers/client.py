@@ -71,8 +71,8 @@ class InFlight:
 
 
 class ParameterClient:
-    # This job's token (`membership.job_token`), on every request that changes a shard's
-    # tables: a shard refuses another job's (`Shard._ours`). Empty in the simulator.
+    # This job's token (`membership.job_token`), on every request (`begin`): a shard refuses
+    # another job's changes of its tables and reads (`Shard._ours`). Empty in the simulator.
     job = ""
 
     def __init__(self, cfg: Config, ctx: zmq.Context, rank: int):
@@ -146,6 +146,9 @@ class ParameterClient:
         elif self.cancel is not None:
             own, extra = self.cancel, cancel
             cancel = lambda: own() or extra()  # noqa: E731
+        if self.job:   # (every request carries this job's token: a shard refuses another job's, `Shard._ours`)
+            for _, _, kw in reqs:
+                kw["job"] = self.job
         pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
         now = time.monotonic()
         return InFlight(list(reqs), pending, [None] * len(reqs), cancel, {i: now for i, _, _ in reqs})
@@ -309,11 +312,11 @@ class ParameterClient:
 
     # ------------------------------------------------------------ ops
     def pull(self, clock: int) -> list[wire.Message]:
-        return self.request([(i, "pull", self._ours({"clock": clock})) for i in range(self.n)])
+        return self.request([(i, "pull", {"clock": clock}) for i in range(self.n)])
 
     def join(self, clock: int) -> list[wire.Message]:
         """Pull without waiting on any gate; the answers say where the shards stand."""
-        return self.request([(i, "pull", self._ours({"clock": clock, "join": True})) for i in range(self.n)])
+        return self.request([(i, "pull", {"clock": clock, "join": True}) for i in range(self.n)])
 
     def push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
                   read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:
@@ -335,14 +338,14 @@ class ParameterClient:
             self._finite_before_residuals(grads, clock)
         for i in range(self.n):
             if grads is None:
-                reqs.append((i, "pull", self._ours({"clock": clock + 1})))
+                reqs.append((i, "pull", {"clock": clock + 1}))
                 continue
             assert buffers is not None and read_versions is not None
             fields = {"clock": clock, "read_version": read_versions[i],
                       **self._gradient(slot, i, grads[i], buffers[i], clock)}
             if pull:
                 fields["pull"] = True
-            reqs.append((i, "push", self._ours(fields)))
+            reqs.append((i, "push", fields))
         f = self.begin(reqs)
         if grads is not None:
             f.repeat = clock <= self._pushed_to   # (a step refused by a shard, tried again)
@@ -391,15 +394,14 @@ class ParameterClient:
         return pushed, pulled
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:
-        return self.request([(i, "elastic", self._ours({"round": round_, "clock": clock,
-                                                         "arrays": [self._wire("x", i, xs[i], clock), bs[i]]}))
+        return self.request([(i, "elastic", {"round": round_, "clock": clock,
+                                              "arrays": [self._wire("x", i, xs[i], clock), bs[i]]})
                              for i in range(self.n)])
 
     def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int) -> None:
         """Deposit a model (ltfb), in float32 whatever `wire.dtype`: the members of a
         trainer load it and must leave the round with the weights their leader keeps."""
-        self.request([(i, "put_model", self._ours({"round": round_, "score": score, "step": step,
-                                                   "arrays": arrays[i]}))
+        self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
                       for i in range(self.n)])
 
     def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None,
@@ -407,7 +409,7 @@ class ParameterClient:
         """`owner`'s model of `round_` (or its later one unless `exact`) from every shard.
         `missing_ok`: None instead of an exception when it is not delivered."""
         try:
-            return self.request([(i, "get_model", self._ours({"round": round_, "owner": owner, "exact": exact}))
+            return self.request([(i, "get_model", {"round": round_, "owner": owner, "exact": exact})
                                  for i in range(self.n)], cancel)
         except (Cancelled, ShardUnreachable, wire.Refused):
             if missing_ok:
@@ -417,14 +419,8 @@ class ParameterClient:
     def init(self, tables: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> list[wire.Message]:
         """Offer every shard initial values (params, buffers per shard, float32), or, with
         None, wait until it has them (psgd/shard.py `on_init`)."""
-        return self.request([(i, "init", self._ours({"arrays": [tables[0][i], tables[1][i]]} if tables else {}))
+        return self.request([(i, "init", {"arrays": [tables[0][i], tables[1][i]]} if tables else {})
                              for i in range(self.n)])
-
-    def _ours(self, fields: dict) -> dict:
-        """A request's fields, with this job's token where it has one (`job`)."""
-        if self.job:
-            fields["job"] = self.job
-        return fields
 
     def index(self) -> list[wire.Message]:
         """Each shard's index of the models deposited with it."""

@@ -249,13 +249,17 @@ class Worker:
         next batch (`between`)."""
         self.client.idle = self.between
         while self.more():
-            # (a refusal as it rejoins, a shard restarted meanwhile, say, is a refused step's: counted,
-            # and the step goes on; raised, it ended the job)
-            error = self._attempt(schedule.rejoin) if self.rejoin_if_dropped() else ""
-            error = error or self._attempt(schedule.step)
+            error = self._rejoin_and_step(schedule)
             if error:
                 return error
         return "" if self.left_behind() else self._attempt(schedule.finish)
+
+    def _rejoin_and_step(self, schedule) -> str:
+        """One step (`_attempt`), after rejoining where the coordinator dropped this worker:
+        a refusal as it rejoins (a shard restarted meanwhile, say) is a refused step's,
+        counted, and the step goes on (raised, it ended the job)."""
+        error = self._attempt(schedule.rejoin) if self.rejoin_if_dropped() else ""
+        return error or self._attempt(schedule.step)
 
     def between(self) -> None:
         """What the worker does while a request is on its way (`ParameterClient.idle`)."""

@@ -632,7 +632,7 @@ class LtfbSchedule(Schedule):
     def scores(self, w: Trainer, rnd: int, own: float) -> dict[int, float]:
         """Every live trainer's score of round `rnd` (the same board for all of them);
         the request carries this trainer's own, `own`, as deposited."""
-        (m,) = w.client.request([(0, "get_model", w.client._ours({"round": rnd, "owner": SCORES, "score": own}))])
+        (m,) = w.client.request([(0, "get_model", {"round": rnd, "owner": SCORES, "score": own})])
         return {int(t): float(s) for t, s in m.get("scores")}
 
     def take(self, w: Trainer, got: list, rnd: int) -> None:

@@ -125,6 +125,7 @@ class FakeClient:
         self.wait_s = 0.0
         self.log: list[tuple] = []          # ("push", clock, grad copy) / ("pull", clock)
         self.pushed_sum = torch.zeros_like(params)
+        self.refuse: set[int] = set()       # clocks whose push is refused (once each), applying nothing
 
     def _pull(self, clock: int) -> Msg:
         self.log.append(("pull", clock))
@@ -147,10 +148,15 @@ class FakeClient:
         return [self._pull(clock)]
 
     def begin_push_pull(self, clock, grads, buffers, read_versions, slot=0, pull=True):
+        if grads is not None and clock in self.refuse:
+            self.refuse.discard(clock)
+            return wire.Refused(wire.REFUSED, f"the push of clock {clock} refused", "shard 0")
         pushed = [self._push(clock, grads[0], read_versions[0])] if grads is not None else []
         return pushed, ([self._pull(clock + 1)] if pull else [])
 
     def finish_push_pull(self, f):
+        if isinstance(f, wire.Refused):
+            raise f
         return f
 
     def push_pull(self, clock, grads, buffers, read_versions):
@@ -399,3 +405,38 @@ def test_dc_asgd_compensates_the_last_partial_push_as_its_gradients():
     r = rule("async", 2, **{"mode.dc_lambda": lam, "mode.n_push": n})           # a budget under n steps
     r.tables.params, r.tables.buffers = torch.zeros(3), torch.zeros(0)
     torch.testing.assert_close(compensated(2, 3), 3 * per_gradient)
+
+
+# ---------------------------------------------------------------- a refused push
+
+@pytest.mark.parametrize("mode, sets", [
+    ("async", {}),
+    ("async", {"mode.prefetch": True}),
+    ("async", {"mode.n_fetch": 2}),
+    ("async", {"mode.n_fetch": 2, "mode.prefetch": True}),
+    ("ssp", {"mode.cache": True}),
+    ("ssp", {"mode.prefetch": True}),
+])
+def test_a_refused_push_goes_again_at_its_clock_with_the_next_gradient(mode, sets):
+    """A review: a step the shards refuse is tried again with the next batch at the same
+    clock (the plain step's clock moves on only when the shards answer). Where the clock had
+    moved on before the answer came (prefetch, Downpour's n_fetch, ssp's cache), the
+    refused clock was skipped: a shard that had applied it (a refusal by another shard)
+    kept the only update of that clock, and the step had no line."""
+    steps = 8
+    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": steps, **sets})
+    w = FakeTrainer(cfg)
+    w.client.refuse = {3}
+    schedule = get_mode(mode).schedule(cfg)
+    schedule.start(w)
+    refused = 0
+    while w.clock < steps:
+        try:
+            schedule.step(w)
+        except wire.Refused:
+            refused += 1
+    schedule.finish(w)
+    assert refused == 1
+    assert [c for c, _ in pushes(w)] == list(range(steps))
+    assert len(w.lines) == steps and w.hist.total == steps

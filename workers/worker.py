@@ -246,13 +246,17 @@ class Worker:
     def _steps(self, schedule) -> str:
         """Run the schedule until the budget ends, then settle what is in flight; the
         reason if the worker must stop. While a request is on its way the worker draws its
-        next batch (`between`)."""
+        next batch (`between`). A refused settle moves the clock back to the refused push
+        (`SspSchedule.refused`): its clock is trained again."""
         self.client.idle = self.between
-        while self.more():
-            error = self._rejoin_and_step(schedule)
-            if error:
+        while True:
+            while self.more():
+                error = self._rejoin_and_step(schedule)
+                if error:
+                    return error
+            error = "" if self.left_behind() else self._attempt(schedule.finish)
+            if error or not self.more():
                 return error
-        return "" if self.left_behind() else self._attempt(schedule.finish)
 
     def _rejoin_and_step(self, schedule) -> str:
         """One step (`_attempt`), after rejoining where the coordinator dropped this worker:

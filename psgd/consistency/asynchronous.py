@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .pushpull import counted, finite_or_diverged, load, own_update, step_flags
+from .. import wire
 from .rule import Answer, Read, Trainer
 from .ssp import SspRule, SspSchedule
 from .staleness import delay_compensate, lr_scale
@@ -126,6 +127,7 @@ class AsyncSchedule(SspSchedule):
     caches = False
     inflight: Any = None        # the request in flight (prefetch), whether it pushed, and its step's (loss, samples)
     inflight_step: tuple[float, int] | None = None
+    inflight_clock: int | None = None   # the clock of its push (None: it only reads)
     slot = 0                    # which set of gradient buffers the next push uses
 
     def __init__(self, cfg):
@@ -170,6 +172,7 @@ class AsyncSchedule(SspSchedule):
         if self.n_fetch > 1:
             own_update(w)
         if push or fetch:
+            self.inflight_clock = w.clock if push else None
             self.inflight = w.client.begin_push_pull(w.clock, grads if push else None, buffers if push else None,
                                                      read, self.slot, pull=fetch)
             self.inflight_step = (w.loss, w.samples)
@@ -184,6 +187,12 @@ class AsyncSchedule(SspSchedule):
         elif not self.prefetch:
             self.settle(w)
         return None
+
+    def refused(self, w: Trainer, clock: int) -> None:
+        """`SspSchedule.refused`; with n_fetch > 1 the copy the worker stepped by the
+        refused gradients (`own_update`) is replaced at the next step (a fetch falls due)."""
+        super().refused(w, clock)
+        self.since_fetch = max(self.since_fetch, self.n_fetch - 1)
 
     def accrue(self, grads: list) -> list:
         """Add this step's gradient tables to the accrued sum (kept apart from the gather
@@ -209,7 +218,12 @@ class AsyncSchedule(SspSchedule):
             return
         inflight, self.inflight = self.inflight, None
         w0 = w.client.wait_s
-        pushed, pulled = w.client.finish_push_pull(inflight)
+        try:
+            pushed, pulled = w.client.finish_push_pull(inflight)
+        except wire.Refused:
+            if self.inflight_clock is not None:
+                self.refused(w, self.inflight_clock)
+            raise
         extra = {"pushed": False}
         if pushed:
             self.last_tau, dropped, theirs = counted(w, pushed)

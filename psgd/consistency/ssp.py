@@ -30,6 +30,7 @@ from typing import Any
 
 from .clock import ClockTable, live_key
 from .pushpull import PushPullSchedule, counted, finite_or_diverged, load, own_update, step_flags
+from .. import wire
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
 
@@ -229,23 +230,41 @@ class SspSchedule(PushPullSchedule):
             own_update(w)
         w.clock = c + 1
         if not serve:
-            return self.settled(w, f, w0, cached=False)
+            return self.settled(w, f, c, w0, cached=False)
         if not self.prefetch:
-            return self.settled(w, f, w0, cached=True)
-        self.inflight, self.slot = (f, w0, (w.loss, w.samples)), self.slot ^ 1
+            return self.settled(w, f, c, w0, cached=True)
+        self.inflight, self.slot = (f, c, w0, (w.loss, w.samples)), self.slot ^ 1
         return None
 
     def finish(self, w: Trainer) -> None:
         self.settle(w)
 
+    def refused(self, w: Trainer, clock: int) -> None:
+        """The shards refused the push of `clock`, which the worker's clock has already
+        passed (the answer was waited for after the step: prefetch, the cache). The clock
+        goes back to it, so that the next gradient goes at that clock, as a plain step's
+        does (its clock moves on only when the shards answer; a shard that took the
+        refused request, which another refused, answers the next as this process's
+        duplicate, applied). The copy the worker stepped by it (`own_update`) holds an
+        update the shards did not all apply: the next step reads (the cache is emptied)."""
+        w.clock = min(w.clock, clock)
+        if self.cache is not None:
+            self.cache.clock = None
+
     def settle(self, w: Trainer) -> None:
         """Wait for the request in flight (prefetch): load what it pulled, log its step."""
         if self.inflight is not None:
-            (f, w0, step), self.inflight = self.inflight, None
-            self.settled(w, f, w0, cached=True, step=step)
+            (f, c, w0, step), self.inflight = self.inflight, None
+            self.settled(w, f, c, w0, cached=True, step=step)
 
-    def settled(self, w: Trainer, f: Any, w0: float, cached: bool, step: tuple[float, int] | None = None) -> None:
-        pushed, pulled = w.client.finish_push_pull(f)
+    def settled(self, w: Trainer, f: Any, clock: int, w0: float, cached: bool,
+                step: tuple[float, int] | None = None) -> None:
+        """The answers of the push of `clock` (and its read); `refused` if refused."""
+        try:
+            pushed, pulled = w.client.finish_push_pull(f)
+        except wire.Refused:
+            self.refused(w, clock)
+            raise
         tau, dropped, theirs = counted(w, pushed)
         if pulled:
             self.loaded(w, pulled)

@@ -56,3 +56,26 @@ def test_a_step_line_of_another_processs_push_is_not_applied(tmp_path):
     lines = open(log.path).read().splitlines()
     assert [_applied_tau(x + "\n") for x in lines] == [3, None]
     assert _applied_tau('{"staleness": 4, "duplicate": true}') is None   # (the slow path, as a dict)
+
+
+@pytest.mark.timeout(30)
+def test_a_resend_to_one_shard_marks_that_shards_answer_only():
+    """A review: a resend to one shard marked every shard's answer `resent`, so another
+    shard's `duplicate` (a restarted worker repeating a clock its rank's earlier process
+    pushed) was counted as this process's push, applied."""
+    from psgd import wire
+    from psgd.workers.client import InFlight
+    client = ParameterClient.__new__(ParameterClient)
+    reqs = [(0, "push", {"clock": 4, "pull": True}), (1, "push", {"clock": 4, "pull": True})]
+    answers = [wire.Message("reply", 1, 0, 4, {"push": {"duplicate": True, "staleness": 0}}),
+               wire.Message("reply", 2, 0, 4, {"push": {"duplicate": True, "staleness": 0}})]
+    client.finish = lambda f: answers
+    w = SimpleNamespace(hist=Histogram())
+    f = InFlight(reqs, {}, [None, None], None, {}, resent={1})
+    pushed, pulled = client.finish_push_pull(f)
+    assert [bool(m.get("resent")) for m in pushed] == [False, True] and len(pulled) == 2
+    assert counted(w, pushed)[2] is False          # shard 1's duplicate was this process's: applied
+    f = InFlight(reqs, {}, [None, None], None, {}, repeat=True)   # a refused step's again: every shard had it
+    assert [bool(m.get("resent")) for m in client.finish_push_pull(f)[0]] == [True, True]
+    f = InFlight(reqs, {}, [None, None], None, {})                 # sent once: both duplicates another process's
+    assert counted(w, client.finish_push_pull(f)[0])[2] is True

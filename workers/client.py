@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -63,7 +63,8 @@ class InFlight:
     out: list
     cancel: Callable[[], bool] | None
     sent_at: dict[int, float]   # shard -> when its request (or its resend) was last sent (monotonic)
-    repeat: bool = False        # a push this process sent before (a resend, or a refused step's again)
+    repeat: bool = False        # a push this process sent before to every shard (a refused step's again)
+    resent: set = field(default_factory=set)   # the shards its request went to again (a resend)
 
     def take(self, got: dict[int, wire.Message]) -> None:
         for rid, m in got.items():
@@ -210,8 +211,7 @@ class ParameterClient:
                         time.sleep(backoff)
                         backoff = min(4.0, backoff * 2)
                     self.retries += bool(again)   # (a window that resends nothing is a wait, not a retry)
-                    if again:
-                        f.repeat = True
+                    f.resent |= again
                     # A resend goes with copies of its arrays: the answer that ends this wait may
                     # be an earlier send's while the resend still waits in ZeroMQ's queue, and the
                     # caller's next step rewrites the buffers the frames would be read from (the
@@ -376,9 +376,11 @@ class ParameterClient:
     def finish_push_pull(self, f: InFlight) -> tuple[list[wire.Message], list[wire.Message]]:
         """(the pushes' answers, the pulls' answers), one each per shard (or none). A push
         that also read has one answer: the read's, with the push's answer in its field
-        `push`. A push this process had sent before (`InFlight.repeat`) has its answers
-        marked `resent`: a shard's `duplicate` is then this process's push, applied
-        (`pushpull.acknowledged`)."""
+        `push`. A push this process had sent before to a shard (`InFlight.repeat`, for
+        every shard; `InFlight.resent`, to some) has that shard's answer marked `resent`: its
+        `duplicate` is then this process's push, applied (`pushpull.acknowledged`). Another
+        shard's `duplicate` is another process's: a resend to one shard says nothing of the
+        others (a restarted worker repeating a clock its rank's earlier process pushed)."""
         answers = self.finish(f)
         pushed, pulled = [], []
         for (_, op, kw), m in zip(f.reqs, answers, strict=True):
@@ -389,8 +391,10 @@ class ParameterClient:
                 pulled.append(m)
             else:
                 pushed.append(m)
-        if f.repeat:
-            pushed = [wire.Message(m.op, m.id, m.rank, m.clock, {**m.fields, "resent": True}) for m in pushed]
+        if f.repeat or f.resent:
+            shards = [i for i, op, kw in f.reqs if op == "push"]
+            pushed = [wire.Message(m.op, m.id, m.rank, m.clock, {**m.fields, "resent": True})
+                      if f.repeat or i in f.resent else m for i, m in zip(shards, pushed, strict=True)]
         return pushed, pulled
 
     def elastic(self, round_: int, xs: list[torch.Tensor], bs: list[torch.Tensor], clock: int) -> list[wire.Message]:

@@ -325,9 +325,9 @@ class Simulation:
     def deliver(self, i: int, token: Any, msg: Packet) -> None:
         self.moved_at = self.loop.now
         w, f, k = token
-        w.client._recv += msg.nbytes
-        if f.closed:
+        if f.closed:   # (the real client drops a given-up request's answers unread: its connection is made again)
             return
+        w.client._recv += msg.nbytes
         if msg.op == "error":
             try:
                 wire.raise_if_error(msg, f"shard {i} (simulated)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +63,7 @@ class Flight:
     waiting: bool = False        # the worker is blocked on it
     closed: bool = False         # the worker stopped waiting (an error, a cancel): later answers are dropped
     repeat: bool = False         # a push this process sent before (`InFlight.repeat`)
+    resent: set = field(default_factory=set)   # (`InFlight.resent`: the simulator resends nothing)
 
     @property
     def ops(self) -> list[str]:
@@ -194,12 +195,16 @@ class SimWorker:
         try:
             self.schedule.start(self)
             self.in_a_row = 0
-            while self.more():
-                if self._attempt(self.schedule.step):
+            while True:   # (as the real worker's `_steps`: a refused settle moves the clock back)
+                while self.more():
+                    if self._attempt(self.schedule.step):
+                        return
+                if self._attempt(self.schedule.finish) or not self.more():
                     return
-            self._attempt(self.schedule.finish)
         except Cancelled:
             pass  # as the real worker: a wait given up ends the worker
+        except wire.RemoteError as e:   # as the real worker's `_train`: the job ends, naming it (it failed the run)
+            self.error = f"worker {self.rank}: {e.reason}"
 
     def _attempt(self, step: Callable[[Any], None]) -> bool:
         """One step, as the real worker counts it; True when the worker must stop."""

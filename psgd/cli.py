@@ -66,14 +66,16 @@ DAEMON_OUT = {"coordinator": f"summary.json, config.toml, coordinator-state.json
 
 
 def _seconds(text: str) -> float:
-    """A time limit: a finite number of seconds > 0 (nan would be no limit at all)."""
+    """A time limit: a finite number of seconds > 0 (nan would be no limit at all); one
+    longer than the platform's longest wait (`threading.TIMEOUT_MAX`, some 292 years)
+    is that (time.sleep(1e308) raised OverflowError)."""
     try:
         v = float(text)
     except ValueError:
         v = math.nan
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return v
+    return min(v, threading.TIMEOUT_MAX)
 
 
 SERVERS_HELP = "number of shards (= --set cluster.servers=...)"
@@ -710,23 +712,25 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
 
 
 def _cannot_make(out: str) -> str:
-    """Why the output folder `out`, which does not exist yet, cannot be made (its parent a
-    file, read-only or under /proc), or "". It was an errno after the job's checks, exit 1,
-    and named neither --out nor $PSGD_OUT ("psgd run: error: No such file or directory:
-    /proc/x"). Asked of its nearest folder that exists, with a folder of this process's own
-    made and removed there: making `out` itself and removing it again raced with another
-    command making a folder beside it (`--out sweep/a` and `--out sweep/b` at once), whose
-    parent one removed as the other made its own."""
+    """Why the output folder `out` cannot be made (its parent a file, read-only or under
+    /proc), or, where it is a folder already, written in (read-only), or "". It was an
+    errno after the job's checks, exit 1, and named neither --out nor $PSGD_OUT ("psgd
+    run: error: No such file or directory: /proc/x"). Asked of its nearest folder that
+    exists, with a folder of this process's own made and removed there: making `out`
+    itself and removing it again raced with another command making a folder beside it
+    (`--out sweep/a` and `--out sweep/b` at once), whose parent one removed as the other
+    made its own. (An `out` that is a file is said by the command's own check.)"""
     folder = os.path.abspath(out)
     while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
-    if folder == os.path.abspath(out):
+    there = folder == os.path.abspath(out)
+    if there and not os.path.isdir(folder):
         return ""
     probe = os.path.join(folder, f".psgd-out-check-{os.getpid()}-{threading.get_ident()}")
     try:
         os.mkdir(probe)
     except OSError as e:
-        return f"--out {out}: cannot make this folder: {e.strerror or e}"
+        return f"--out {out}: cannot {'write in' if there else 'make'} this folder: {e.strerror or e}"
     with contextlib.suppress(OSError):
         os.rmdir(probe)
     return ""

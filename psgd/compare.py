@@ -45,8 +45,8 @@ from .config import (
     Config,
     ConfigError,
     format_value,
+    given_sets,
     load,
-    parse_value,
     parse_value_for,
     refuse_set_against_flag,
 )
@@ -218,7 +218,7 @@ def refuse_sets_the_plan_overrides(sets: list[str], workers: list[int] | None, s
     """A --set of a key that the plan sets for every run, which it would override without
     a word while the report listed it as applied: each run's mode (--modes), and the
     workers or servers where --workers or --servers give other values."""
-    given = {key.strip(): value.strip() for key, _, value in (s.partition("=") for s in sets)}
+    given = given_sets(sets)
     if "mode.name" in given:
         raise ConfigError(f"--set mode.name={given['mode.name']}: each run's mode comes from --modes; give "
                           f"--modes {given['mode.name']} instead")
@@ -233,11 +233,11 @@ def refuse_sets_an_item_overrides(sets: list[str], specs: list[ModeSpec]) -> Non
     """A --set of a key that a mode item also sets (`--set mode.staleness=4` with
     `--modes ssp:staleness=0,2`): the item's value wins for its runs, while the report
     listed the --set as applied to every run."""
-    given = {key.strip(): value.strip() for key, _, value in (s.partition("=") for s in sets)}
+    given = given_sets(sets)
     for spec in specs:
         for key, value in spec.params:
             dotted = config_key(key)
-            if dotted in given and parse_value(given[dotted]) != value:
+            if dotted in given and parse_value_for(dotted, given[dotted]) != value:
                 raise ConfigError(f"--set {dotted}={given[dotted]} and --modes {spec.label} disagree (the item's "
                                   f"value would win for its runs): give {dotted} in one place")
 

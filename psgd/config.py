@@ -390,7 +390,10 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:   # (an integer of 400 digits: TOML reads it whole)
+            raise ConfigError(f"{where}: {value} is too large for a number") from None
     if kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -696,12 +699,23 @@ def _dotted(table: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{k}", v
 
 
+def set_key(dotted: str) -> str:
+    """A `--set` item's key as `load` reads it: ` cluster . servers ` is cluster.servers."""
+    return ".".join(part.strip() for part in dotted.split("."))
+
+
+def given_sets(sets: Sequence[str]) -> dict[str, str]:
+    """`--set` items as `load` applies them: key (`set_key`) -> the text of its value, the
+    last item's where a key is given twice."""
+    return {set_key(k): text.strip() for k, _, text in (s.partition("=") for s in sets)}
+
+
 def refuse_set_against_flag(sets: Sequence[str], key: str, value: Any, flag: str) -> None:
     """A ConfigError if a `--set key=...` in `sets` (the last one, which `load` applies)
     gives `key` another value than `value`, which `flag` (as the user wrote it) gives it:
     the flag would win without a word."""
-    given = {k.strip(): text.strip() for k, _, text in (s.partition("=") for s in sets)}
-    if key in given and parse_value(given[key]) != value:
+    given = given_sets(sets)
+    if key in given and parse_value_for(key, given[key]) != value:
         raise ConfigError(f"--set {key}={given[key]} and {flag} disagree: give one")
 
 
@@ -740,7 +754,7 @@ def given_keys(path: str | None = None, sets: list[str] | tuple = (),
     again from it was refused whenever another job held that block."""
     env = os.environ if env is None else env
     keys = {dotted for dotted, _, _ in _env_sets(env)}
-    keys |= {item.partition("=")[0].strip() for item in sets}
+    keys |= set(given_sets(sets))
     if path:
         text, d = _read_config(path)
         if written_by_psgd(text):
@@ -786,7 +800,7 @@ def load(path: str | None = None, sets: list[str] | tuple = (),
         dotted, eq, text = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
-        dotted = ".".join(part.strip() for part in dotted.split("."))   # ` cluster . servers `
+        dotted = set_key(dotted)
         layered.append((dotted, parse_value_for(dotted, text.strip()),
                         (said_as or {}).get(item, f"--set {item}")))
     sources = {f"{section}.{key}": path for section, values in d.items() if isinstance(values, Mapping)

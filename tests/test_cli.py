@@ -158,6 +158,15 @@ def test_output_into_a_closed_pipe_ends_quietly():
     assert got.returncode == 141 and got.stderr == "", got.stderr
 
 
+def test_a_time_limit_longer_than_the_platform_can_wait_is_the_longest_it_can():
+    """A review: `psgd status DIR --watch 1e308` printed its first table, then time.sleep's
+    OverflowError."""
+    import threading
+
+    from psgd.cli import _seconds
+    assert _seconds("1e308") == threading.TIMEOUT_MAX and _seconds("2.5") == 2.5
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["run", "--timeout", "nan"], "argument --timeout: expected a number of seconds > 0, got 'nan'"),
     (["compare", "--modes", "sync", "--timeout", "0", "--out", "x"], "expected a number of seconds > 0, got '0'"),
@@ -377,6 +386,30 @@ def test_an_output_folder_that_cannot_be_made_is_one_error(tmp_path, no_job, cap
     assert (f"($PSGD_OUT={out})" in err) == from_env, err
     assert len(err.strip().splitlines()) == 1 and no_job.calls == []
     assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.parametrize("verb", [["run"], ["compare", "--modes", "sync"]])
+@pytest.mark.timeout(60)
+def test_an_output_folder_that_cannot_be_written_in_is_one_error(no_job, capsys, verb):
+    """A review: a folder that exists but cannot be written in (here /sys/fs, which even
+    root cannot; a read-only mount) passed the check, and the job failed later with "psgd
+    compare: error: Operation not permitted: /sys/fs/runs", exit 1."""
+    if not os.path.isdir("/sys/fs") or _writable("/sys/fs"):
+        pytest.skip("needs a folder that cannot be written in: /sys/fs")
+    assert main([*verb, "--out", "/sys/fs"]) == 2
+    err = capsys.readouterr().err
+    assert "--out /sys/fs: cannot write in this folder" in err, err
+    assert len(err.strip().splitlines()) == 1 and no_job.calls == []
+
+
+def _writable(folder: str) -> bool:
+    probe = os.path.join(folder, f".psgd-test-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True
 
 
 @pytest.mark.timeout(60)

@@ -697,6 +697,8 @@ def test_a_set_that_the_plan_would_override_is_refused(cmd, argv, said, tmp_path
     ("ssp:staleness=0,2", ["mode.staleness=4"], "--set mode.staleness=4 and --modes ssp:staleness=0 disagree"),
     ("sync,ssp:mode.staleness=1", ["mode.staleness=4"], "--set mode.staleness=4 and --modes ssp:staleness=1"),
     ("sync:wire.dtype=float32,bfloat16", ["wire.dtype=float16"], "--set wire.dtype=float16 and --modes sync:wire"),
+    # a review: the --set's key was not read as `load` reads it, so the item's value won unsaid
+    ("ssp:staleness=2", ["mode . staleness=4"], "--set mode.staleness=4 and --modes ssp:staleness=2 disagree"),
 ])
 def test_a_set_that_a_mode_item_overrides_is_refused(modes, sets, said, tmp_path, monkeypatch, capsys):
     """`--set mode.staleness=4` with `--modes ssp:staleness=0,2` ran s = 0 and 2, while the
@@ -713,6 +715,8 @@ def test_a_set_that_a_mode_item_overrides_is_refused(modes, sets, said, tmp_path
     from psgd.compare import refuse_sets_an_item_overrides
     refuse_sets_an_item_overrides(["mode.staleness=2"], parse_modes("ssp:staleness=2,sync"))
     refuse_sets_an_item_overrides(["mode.staleness=4", "wire.dtype=float16"], parse_modes("ssp:cache=true,sync"))
+    # a review: a string key's value was read as TOML on one side only (2024, an integer): "disagree"
+    refuse_sets_an_item_overrides(["job.name=2024"], parse_modes("sync:job.name=2024"))
 
 
 @pytest.mark.timeout(30)

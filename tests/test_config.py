@@ -61,6 +61,7 @@ def test_set_parses_toml_values():
     (["optimizer.betas=[0.9, 1.0]"], "optimizer.betas must be two numbers in [0, 1)"),
     (["optimizer.eps=0"], "optimizer.eps must be > 0"),
     (['data.shape=[1, "x", 8]'], "data.shape must be a list of sizes >= 1"),
+    (["optimizer.lr=1" + "0" * 400], "is too large for a number"),   # was an OverflowError's traceback
 ])
 def test_bad_values_get_clear_errors(sets, needle):
     with pytest.raises(ConfigError) as e:

@@ -27,6 +27,7 @@ the report.
 from __future__ import annotations
 
 import difflib
+import glob
 import json
 import os
 import re
@@ -587,6 +588,13 @@ def _columns(stream) -> int:
 # ---------------------------------------------------------------- running
 
 
+class BaselineFailed(RuntimeError):
+    """What the baseline, which trains in this process, raised (a ValueError of the
+    user's model, a KeyError of a dataset's item): its run failed, as a distributed run's
+    job that ends with an error, and the plan goes on (it ended the comparison, with
+    a traceback and no report)."""
+
+
 def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix: str = "") -> dict:
     """One run's summary (raises LaunchError / ConfigError on failure)."""
     from .launcher import run_local
@@ -595,9 +603,25 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix:
         # earlier comparison's summary.json stayed in a baseline folder whose run now failed
         # or was interrupted, and `psgd status` read it as this run's.
         shutil.rmtree(folder)
+    # One TensorBoard run per configuration and repeat, side by side: OUT/tb/RUN/, this run's
+    # (an earlier comparison's of the same name stood there where this one failed)
+    tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))
+    shutil.rmtree(tb, ignore_errors=True)
+    if run.cfg.checkpoint.dir and not run.is_baseline:
+        # This run's own checkpoint folder (`build_plan`) outside its run folder: an
+        # earlier comparison's run of the same name, interrupted, left its shards'
+        # checkpoints there, and the launcher resumed them (this run's summary counted
+        # from the start of a job that began with that one's model).
+        for path in glob.glob(os.path.join(run.cfg.checkpoint.dir, "shard-*.pt*")):
+            os.unlink(path)
     if run.is_baseline:
         from .baseline import run_baseline
-        return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps, timeout_s=timeout_s)
+        try:
+            return run_baseline(run.cfg, out=folder, device=device, steps=run.baseline_steps, timeout_s=timeout_s)
+        except (RuntimeError, ConfigError, OSError):
+            raise
+        except Exception as e:   # the user's model or dataset, in this process: the run fails, not the plan
+            raise BaselineFailed(f"the baseline failed: {type(e).__name__}: {e}") from e
     summary = None
     try:
         with Monitor(prefix, folder, run.cfg.train.steps) as monitor:
@@ -605,9 +629,6 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix:
             summary = run_local(run.cfg, folder, device=device, quiet=True, timeout_s=timeout_s,
                                 on_started=monitor.started)
         if run.cfg.eval.tensorboard and os.path.isdir(os.path.join(folder, "tb")):
-            # One TensorBoard run per configuration and repeat, side by side: OUT/tb/RUN/
-            tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))
-            shutil.rmtree(tb, ignore_errors=True)
             shutil.copytree(os.path.join(folder, "tb"), tb)
     except KeyboardInterrupt as e:   # after run_local returned (the monitor's end, the copy): the run is done
         if summary is not None and getattr(e, "ended", None) is None:
@@ -797,9 +818,11 @@ def hold_output(out: str, command: str) -> IO:
     if not os.path.exists(os.path.join(out, "compare.json")):
         earlier = []   # not a comparison's folder: nothing of it is psgd's to remove
     if earlier:
-        print(f"{command}: {out} held an earlier comparison: its report, plots and compare.json (its runs' "
-              f"summaries) are replaced; its run folders stay where this one does not run the same configuration",
-              file=sys.stderr, flush=True)
+        print(f"{command}: {out} held an earlier comparison: its report, plots, compare.json (its runs' "
+              f"summaries) and TensorBoard runs (tb/) are replaced; its run folders stay where this one does not "
+              f"run the same configuration", file=sys.stderr, flush=True)
+        # (tensorboard --logdir OUT/tb showed the earlier plan's curves beside this one's)
+        shutil.rmtree(os.path.join(out, "tb"), ignore_errors=True)
     for path in earlier:
         os.unlink(path)
     return lock

@@ -183,6 +183,26 @@ def test_each_run_has_its_own_checkpoint_folder_under_a_checkpoint_dir():
 
 
 @pytest.mark.timeout(30)
+def test_a_run_does_not_resume_the_checkpoints_an_earlier_comparisons_run_left(tmp_path, monkeypatch):
+    """A review: a run's own checkpoint folder under checkpoint.dir is outside its run
+    folder, which is all that a run cleared first: the checkpoints of an earlier
+    comparison's run of the same name, interrupted, were resumed by the launcher."""
+    import psgd.launcher
+    from psgd.compare import run_one
+    (run,) = build_plan(load(None, ["train.steps=50", f"checkpoint.dir={tmp_path / 'ck'}"], env={}),
+                        parse_modes("sync"), [2], 1, baseline=False)
+    os.makedirs(run.cfg.checkpoint.dir)
+    for name in ("shard-0.pt", "shard-1.pt", "shard-0.pt.earlier"):
+        (tmp_path / "ck" / run.name / name).write_text("an interrupted job's")
+    (tmp_path / "ck" / "notes.txt").write_text("the user's")
+    seen = []
+    monkeypatch.setattr(psgd.launcher, "run_local", lambda cfg, out, **k: seen.append(
+        sorted(os.listdir(cfg.checkpoint.dir))) or {"samples": 1})
+    assert run_one(run, str(tmp_path / "runs" / run.name), "cpu", None) == {"samples": 1}
+    assert seen == [[]] and (tmp_path / "ck" / "notes.txt").exists()
+
+
+@pytest.mark.timeout(30)
 def test_plan_validates_every_config_before_running():
     base = load(None, [], env={})
     with pytest.raises(ConfigError, match="backup_workers"):

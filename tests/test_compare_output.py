@@ -52,6 +52,7 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     out.mkdir()
     for name in ("compare.json", "report.md", "sweep_staleness.png", "hyper_3.png", "holiday.png"):   # earlier
         (out / name).write_text('[{"label": "earlier"}]' if name.endswith(".json") else "old")
+    (out / "tb" / "old-run").mkdir(parents=True)   # an earlier plan's TensorBoard run (a review: it stayed)
     calls, seen = [], []
 
     def run_one(run, folder, device, timeout_s, prefix=""):
@@ -72,7 +73,9 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     assert ctx["not_run"] == ["async, 2 workers, repeat 0", "ssp, 2 workers, repeat 0"]
     assert [e["label"] for e in json.load(open(out / "compare.json"))] == ["sync"]
     err = capsys.readouterr().err
-    assert "held an earlier comparison: its report, plots and compare.json (its runs' summaries) are replaced" in err
+    assert ("held an earlier comparison: its report, plots, compare.json (its runs' summaries) and TensorBoard runs "
+            "(tb/) are replaced") in err
+    assert not (out / "tb").exists()
     assert "interrupted after 1 of 3 runs" in err
     assert not (out / ".compare.lock").exists() or hold(str(out / ".compare.lock")) is not None   # released
 
@@ -263,3 +266,25 @@ def test_a_second_ctrl_c_while_the_progress_line_ends_leaves_stderr_as_it_was(mo
             assert sys.stderr is not term
             monkeypatch.setattr(monitor._thread, "join", lambda timeout=None: (_ for _ in ()).throw(KeyboardInterrupt))
     assert sys.stderr is term
+
+
+@pytest.mark.timeout(60)
+def test_a_baseline_that_raises_an_error_of_the_users_code_fails_its_run_and_the_plan_goes_on(tmp_path,
+                                                                                           monkeypatch, capsys):
+    """A review: the baseline trains in compare's own process, and an error of the user's
+    model or dataset other than RuntimeError or OSError (BatchNorm's ValueError at batch 1,
+    a Dataset's KeyError) ended the comparison with a traceback, before any mode ran, and
+    wrote no report."""
+    import psgd.baseline
+    summary = psgd.baseline.run_baseline(load(None, ["train.steps=5"], env={}), device="cpu", steps=5)
+    monkeypatch.setattr(psgd.baseline, "run_baseline", lambda *a, **kw: (_ for _ in ()).throw(
+        ValueError("Expected more than 1 value per channel when training")))
+    monkeypatch.setattr(psgd.launcher, "run_local", lambda *a, **kw: dict(summary))
+    args = compare_args(tmp_path / "c", "sync")
+    args.no_baseline = False
+    assert psgd.compare.main(args) == 1
+    entries = json.load(open(tmp_path / "c" / "compare.json"))
+    assert [e["label"] for e in entries] == ["baseline", "sync"]
+    assert entries[0]["error"] == ("the baseline failed: ValueError: Expected more than 1 value per channel when "
+                                   "training"), entries[0]
+    assert (tmp_path / "c" / "report.md").exists() and "Traceback" not in capsys.readouterr().err

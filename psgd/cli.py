@@ -298,6 +298,25 @@ def idle_faults(cfg) -> list[str]:
     return said
 
 
+def unread_keys(cfg, given: set[str] | list[str]) -> str:
+    """A warning naming the keys given on the command line or in PSGD_* variables that this
+    job never reads: another mode's parameters (`--mode sync --set mode.prefetch=true`),
+    and psgd simulate's cost model (`sim.*`). They ran as if not given, without a word;
+    psgd compare refuses the first in a mode item, psgd simulate warns of the keys it
+    never reads."""
+    from .consistency import PARAMS
+    name = cfg.mode.name
+    mine = {"mode.name", *(f"mode.{k}" for k in PARAMS[name])}
+    modes = sorted(k for k in given if k.startswith("mode.") and k not in mine)
+    sims = sorted(k for k in given if k.startswith("sim."))
+    what = ([f"{', '.join(modes)} (mode {name}'s parameters: {', '.join(PARAMS[name]) or 'none'})"] if modes else []) \
+        + ([f"{', '.join(sims)} (psgd simulate's cost model)"] if sims else [])
+    if not what:
+        return ""
+    return (f"this job reads none of {'; '.join(what)}: setting {'it' if len(modes + sims) == 1 else 'them'} "
+            f"changes nothing")
+
+
 def cmd_run(args) -> int:
     from .launcher import (
         LaunchError,
@@ -322,7 +341,8 @@ def cmd_run(args) -> int:
         small = batch_over_share(check_job(cfg), cfg.train.batch_size, [(cfg.cluster.workers, data_split(cfg))])
     check_before_launch(cfg, args.device)
     bad = "" if script else known_bad(cfg)   # (a script's own optimizer may not be [optimizer]'s)
-    for warning in (bad, small, lone_trainer(cfg), *idle_faults(cfg)):
+    unread = unread_keys(cfg, given_keys(None, args.set))   # (a config file may hold every mode's keys)
+    for warning in (bad, small, lone_trainer(cfg), *idle_faults(cfg), unread):
         if warning:
             print(f"psgd run: warning: {warning}", file=sys.stderr, flush=True)
     out = args.out or os.path.join("runs", f"{cfg.mode.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -769,8 +769,21 @@ def batch_over_shares(plan: list[Run], n: int) -> str | None:
     return batch_over_share(n, plan[0].cfg.train.batch_size, counts) or None
 
 
+def unread_by_a_real_run(sets: list[str]) -> str:
+    """A warning naming the `sim.*` keys given with --set: psgd simulate's cost model,
+    which no real run reads (a mode item sweeping one is refused: `main`)."""
+    keys = [k for k in given_sets(sets) if k.startswith("sim.")]
+    return (f"a real run reads none of {', '.join(keys)} (psgd simulate's cost model): setting "
+            f"{'it' if len(keys) == 1 else 'them'} changes nothing") if keys else ""
+
+
 def main(args) -> int:
     specs = parse_modes(args.modes)
+    for spec in specs:   # (two "different" configurations would be one real run, reported as a sweep)
+        for key, _ in spec.params:
+            if config_key(key).startswith("sim."):
+                raise ConfigError(f"--modes {spec.label}: {key} is psgd simulate's cost model, which a real run "
+                                  f"never reads: sweep it with psgd simulate")
     try:
         base = load(args.config, args.set)
     except ConfigError as e:   # `--set key=a,b` is one value: a sweep is a mode item's (README: Comparing modes)
@@ -865,7 +878,8 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
         ctx = context(args, base, workers, plan)
         # (the sequential baseline is rank 0 alone, slowed only by faults.slow_rank = 0: by design)
         warnings = [w for w in (batch_over_shares(plan, n),   # (n: the training set's size)
-                                *idle_faults_of([run for run in plan if not run.is_baseline])) if w]
+                                *idle_faults_of([run for run in plan if not run.is_baseline]),
+                                unread_by_a_real_run(args.set)) if w]
         if warnings:
             ctx["warnings"] = warnings
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)

@@ -50,7 +50,7 @@ from .compare import (
     refuse_sets_the_plan_overrides,
     tag,
 )
-from .config import ConfigError, load
+from .config import ConfigError, given_sets, load
 from .metrics import write_json_atomic
 
 
@@ -228,7 +228,7 @@ def meaningless_sets(sets: list[str], plan: list) -> str | None:
     """A warning naming the keys given with --set (or a --modes item) that nothing in a
     simulation reads: `--set checkpoint.every_s=1` or `--set security.curve=true` ran as
     if not given, without a word, while the report listed them as applied."""
-    keys = [key.strip() for key, _, _ in (s.partition("=") for s in sets)]
+    keys = list(given_sets(sets))
     keys += [config_key(key) for run in plan for key in run.params]
     found: dict[str, list[str]] = {}   # why -> keys
     for key in dict.fromkeys(keys):

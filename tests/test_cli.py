@@ -9,6 +9,7 @@ import os
 import pytest
 
 from psgd.cli import main
+from psgd.consistency import PARAMS
 
 pytestmark = pytest.mark.unit
 
@@ -778,8 +779,41 @@ def test_run_warns_at_start_of_diloco_rounds_of_one_step_with_both_momenta(sets,
 
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async", "easgd", "ltfb"])
 def test_no_mode_warning_for_the_other_modes_with_one_step_settings(mode, no_job, capsys, tmp_path):
+    """(Their warning is that they read no mode.local_steps: the next test.)"""
     assert main(["run", "--mode", mode, "--set", "mode.local_steps=1", "--out", str(tmp_path / "out")]) == 0
-    assert "local_steps" not in capsys.readouterr().err
+    lines = [line for line in capsys.readouterr().err.splitlines() if "local_steps" in line]
+    assert lines == [f"psgd run: warning: this job reads none of mode.local_steps (mode {mode}'s parameters: "
+                     f"{', '.join(PARAMS[mode])}): setting it changes nothing"], lines
+
+
+@pytest.mark.parametrize("sets, said", [
+    (["mode.prefetch=true"], "this job reads none of mode.prefetch (mode sync's parameters: backup_workers): "
+                             "setting it changes nothing"),
+    (["mode.prefetch=true", "sim.latency_s=1e-3", "mode.backup_workers=1", "cluster.workers=3"],
+     "this job reads none of mode.prefetch (mode sync's parameters: backup_workers); sim.latency_s (psgd simulate's "
+     "cost model): setting them changes nothing"),
+    (["mode.backup_workers=1", "cluster.workers=3"], None),
+])
+def test_run_warns_of_the_keys_given_that_its_job_never_reads(sets, said, no_job, capsys, tmp_path):
+    """A review: `psgd run --mode sync --set mode.prefetch=true` (another mode's
+    parameter) or `--set sim.latency_s=...` ran as if not given, without a word."""
+    argv = ["run", "--mode", "sync", "--out", str(tmp_path / "out")]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "reads none of" in line]
+    assert lines == ([f"psgd run: warning: {said}"] if said else []), lines
+
+
+def test_run_warns_of_a_variable_its_job_never_reads_and_not_of_a_config_files_keys(no_job, capsys, tmp_path,
+                                                                                     monkeypatch):
+    """A variable is as explicit as --set; a config file may hold every mode's keys."""
+    (tmp_path / "job.toml").write_text("[mode]\nstaleness = 3\nprefetch = true\n")
+    monkeypatch.setenv("PSGD_MODE_CACHE", "true")
+    assert main(["run", str(tmp_path / "job.toml"), "--mode", "sync", "--out", str(tmp_path / "out")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "reads none of" in line]
+    assert lines == ["psgd run: warning: this job reads none of mode.cache (mode sync's parameters: "
+                     "backup_workers): setting it changes nothing"], lines
 
 
 def test_run_warns_once_when_a_batch_is_larger_than_a_workers_share_of_the_data(no_job, capsys, tmp_path):

@@ -832,3 +832,24 @@ def test_a_diverged_baseline_says_so(tmp_path):
     assert "(loss not finite: the model diverged)" in _one_line(s)
     fine = run_baseline(load(None, ["train.steps=5"], env={}), device="cpu", steps=5)
     assert "final_loss_not_finite" not in fine
+
+
+@pytest.mark.timeout(60)
+def test_a_real_comparison_refuses_a_sim_key_in_a_mode_item_and_warns_of_one_in_set(tmp_path, monkeypatch,
+                                                                                   capsys):
+    """A review: `--modes sync:sim.latency_s=1e-5,1e-3` ran two "different" configurations
+    that were one real run, reported as a sweep; `--set sim.*` changed nothing unsaid."""
+    import psgd.compare
+    from psgd.cli import main
+    ran = []
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **k: ran.append(run) or (_ for _ in ()).throw(
+        RuntimeError("stood in")))
+    assert main(["compare", "--modes", "sync:sim.latency_s=1e-5,1e-3", "--out", str(tmp_path / "a")]) == 2
+    assert ("--modes sync:sim.latency_s=1e-05: sim.latency_s is psgd simulate's cost model, which a real run never "
+            "reads: sweep it with psgd simulate") in capsys.readouterr().err
+    assert not ran and not (tmp_path / "a").exists()
+    main(["compare", "--modes", "sync", "--set", "sim.latency_s=1e-3", "--set", "train.steps=5", "--no-baseline",
+          "--out", str(tmp_path / "b")])
+    said = ("a real run reads none of sim.latency_s (psgd simulate's cost model): setting it changes nothing")
+    assert f"psgd compare: warning: {said}" in capsys.readouterr().err and len(ran) == 1
+    assert said in json.load(open(tmp_path / "b" / "compare-context.json"))["warnings"]

@@ -5,6 +5,7 @@ trainer and parameter client (no sockets): a one-shard "server" that applies eac
 as plain SGD at lr / W and answers pulls with its parameters."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -440,3 +441,27 @@ def test_a_refused_push_goes_again_at_its_clock_with_the_next_gradient(mode, set
     assert refused == 1
     assert [c for c, _ in pushes(w)] == list(range(steps))
     assert len(w.lines) == steps and w.hist.total == steps
+
+
+@pytest.mark.parametrize("prefetch, lost", [(False, []), (True, [4])])
+def test_a_refused_downpour_sum_goes_again_with_the_next_gradient_at_its_clock(prefetch, lost):
+    """A review: a refused push of n_push = 3 moved the clock back to its last step, and the
+    sum it carried (the window's three gradients) was dropped: two of them never reached a
+    shard. It goes again with the next step's gradient; with prefetch the gradient of the
+    step that the refusal interrupted is lost, as a single step's is."""
+    steps = 9
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": steps, "mode.n_push": 3,
+                              "mode.prefetch": prefetch})
+    w = FakeTrainer(cfg)
+    w.client.refuse = {2}
+    schedule = get_mode("async").schedule(cfg)
+    schedule.start(w)
+    while w.clock < steps:
+        with contextlib.suppress(wire.Refused):
+            schedule.step(w)
+    schedule.finish(w)
+    assert [c for c, _ in pushes(w)] == [2, 5, 8]
+    computed = w.calls
+    torch.testing.assert_close(w.client.pushed_sum, w.direction * (sum(range(1, computed + 1)) - sum(lost)))
+    assert len(w.lines) == steps and w.hist.total == 3

@@ -128,6 +128,7 @@ class AsyncSchedule(SspSchedule):
     inflight: Any = None        # the request in flight (prefetch), whether it pushed, and its step's (loss, samples)
     inflight_step: tuple[float, int] | None = None
     inflight_clock: int | None = None   # the clock of its push (None: it only reads)
+    inflight_sum: list | None = None    # the accrued sum it pushes (n_push > 1), kept in case it is refused
     slot = 0                    # which set of gradient buffers the next push uses
 
     def __init__(self, cfg):
@@ -173,6 +174,7 @@ class AsyncSchedule(SspSchedule):
             own_update(w)
         if push or fetch:
             self.inflight_clock = w.clock if push else None
+            self.inflight_sum = self.accrued if push else None
             self.inflight = w.client.begin_push_pull(w.clock, grads if push else None, buffers if push else None,
                                                      read, self.slot, pull=fetch)
             self.inflight_step = (w.loss, w.samples)
@@ -190,9 +192,14 @@ class AsyncSchedule(SspSchedule):
 
     def refused(self, w: Trainer, clock: int) -> None:
         """`SspSchedule.refused`; with n_fetch > 1 the copy the worker stepped by the
-        refused gradients (`own_update`) is replaced at the next step (a fetch falls due)."""
+        refused gradients (`own_update`) is replaced at the next step (a fetch falls due);
+        with n_push > 1 the refused sum is accrued again, and the next step pushes it with
+        its own gradient at the refused clock (only the gradient of the step that a
+        prefetched refusal interrupted is lost, as a single step's is)."""
         super().refused(w, clock)
         self.since_fetch = max(self.since_fetch, self.n_fetch - 1)
+        if self.inflight_sum is not None:
+            self.accrued, self.since_push, self.inflight_sum = self.inflight_sum, self.n_push - 1, None
 
     def accrue(self, grads: list) -> list:
         """Add this step's gradient tables to the accrued sum (kept apart from the gather

@@ -20,7 +20,7 @@ import torch
 from psgd import wire
 from psgd.config import Config, ConfigError, load
 from psgd.consistency.ltfb import LtfbRule, LtfbSchedule, pack_meta, unpack_meta
-from psgd.consistency.rule import FINAL_ROUND, AnswerModel, Deposit, Diverged, Fetch, Push, Read
+from psgd.consistency.rule import FINAL_ROUND, Answer, AnswerModel, Deposit, Diverged, Fetch, Push, Read, Store
 from psgd.consistency.tournament import (
     GroupSteps,
     Late,
@@ -216,6 +216,19 @@ def test_rule_keeps_outcomes_apart_from_tournament_deposits():
     assert rule.read(Read("r0", 0, 1)) == []                         # waits for rank 1
     out = rule.membership({0: 1, 2: 0, 3: 0})                        # rank 1 left: the step closes on rank 0
     assert [d.token for d in out] == ["r0"] and torch.equal(out[0].arrays[0], torch.ones(3))
+
+
+@unit
+def test_a_late_resend_of_an_earlier_outcome_does_not_replace_the_newer_one():
+    """A review: a leader's outcome of round 1 resent, arriving after its outcome of
+    round 2, was stored under the trainer's one outcome key: a follower's fetch of round 2
+    got round 1's model, labelled round 2."""
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2})
+    rule = LtfbRule(cfg.mode, 4, None)
+    assert any(isinstance(d, Store) for d in rule.deposit(Deposit("a", 3, -1, 0.0, ["round 1"])))
+    assert any(isinstance(d, Store) for d in rule.deposit(Deposit("b", 3, -2, 0.0, ["round 2"])))
+    assert rule.deposit(Deposit("c", 3, -1, 0.0, ["round 1"])) == [Answer("c")]   # answered, not stored
+    assert any(isinstance(d, Store) for d in rule.deposit(Deposit("d", 3, -2, 0.0, ["round 2"])))  # (a resend)
 
 
 # ---------------------------------------------------------------- through the shards

@@ -122,6 +122,11 @@ class LtfbRule(ServerRule):
         owner = trainer_of(e.rank, self.k)
         if e.round < 0:
             outcome = ("outcome", owner)
+            if -e.round < self.outcomes.latest.get(owner, (-1, None))[0]:
+                # A resend of an earlier round's outcome, late (its first send's answer ended the
+                # leader's wait): stored, it replaced the newer outcome's arrays under the one key,
+                # and a follower asking for the newer round got the older model, labelled newer.
+                return [Answer(e.token)]
             out: list[Decision] = [Store(outcome, e.score, e.arrays), Answer(e.token)]
             return out + [AnswerModel(t, outcome, {"round": e.round, "owner": owner})
                           for t, _ in self.outcomes.put(-e.round, owner, outcome)]

@@ -134,6 +134,7 @@ class Shard:
         # by hand, and in the simulator: their workers send none.
         self.job = ""
         self.last_clock: dict[int, int] = {}  # (rank, clock) dedupe of pushes
+        self.dropped_at: dict[int, int] = {}  # rank -> the clock of its latest push answered `dropped`
         self.acc: torch.Tensor | None = None   # the open step's gradient and buffer sums
         self.bacc: torch.Tensor | None = None
         # ... or its first contribution, not copied into them (`_accumulate`) while this event lasts,
@@ -256,6 +257,7 @@ class Shard:
         """Membership changed (rank -> clock of every live worker)."""
         for rank in live.keys() - self.live:
             self.last_clock.pop(rank, None)  # a returning worker starts its clocks afresh
+            self.dropped_at.pop(rank, None)
         self.live = set(live)
         refused: list[Reply] = []
         if self._first_worker_gone():   # nothing will answer the waits for the initial values
@@ -357,7 +359,11 @@ class Shard:
             token = ThenRead(token, msg)
         if msg.clock <= self.last_clock.get(msg.rank, -1):
             self.counters["duplicates"] += 1
-            return self.carry_out([r.Answer((token, msg), {"duplicate": True, "staleness": 0})])
+            # (a resend of a push dropped as late says so again: answered only `duplicate`, its
+            # worker counted it as applied, and the worker's and the shard's summaries disagreed)
+            again = {"duplicate": True, "staleness": 0, **({"dropped": True} if self.dropped_at.get(msg.rank)
+                                                           == msg.clock else {})}
+            return self.carry_out([r.Answer((token, msg), again)])
         tau = max(0, self.version - read_version)
         mine = (token, msg)
         decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, tau, g, b))
@@ -532,6 +538,8 @@ class Shard:
 
     def _answer(self, d: r.Answer) -> Reply:
         token, msg = d.token
+        if d.fields.get("dropped") is True and msg.op == "push":   # (its resend is answered so: `on_push`)
+            self.dropped_at[msg.rank] = msg.clock
         if type(token) is ThenRead:  # a push whose read follows: `carry_out` serves it
             return token, {**d.fields, "version": self.version}
         try:

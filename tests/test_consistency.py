@@ -628,6 +628,10 @@ def test_shard_sync_backup_workers_drop_late_gradients():
     assert out[("push", 1, 0)].get("dropped") is True
     assert shard.stats()["dropped"] == 1 and shard.rule.barrier.dropped == 1
     np.testing.assert_allclose(shard.params.detach().numpy(), expect, rtol=1e-5, atol=1e-6)
+    # a resend of the dropped push (a review: answered only `duplicate`, its worker counted it applied)
+    out = answers(shard.handle(("push", 1, 0), push(shard, 1, 0, g[1])))
+    assert out[("push", 1, 0)].get("duplicate") is True and out[("push", 1, 0)].get("dropped") is True
+    assert shard.stats()["dropped"] == 1
     # its next read (clock 1) is answered at once: step 1 is open
     assert len(shard.handle(("pull", 1, 1), msg("pull", 1, 1))) == 1
 

@@ -175,7 +175,8 @@ class Harness:
             self.params = shard.params.detach().clone()
             state = shard.opt.state.get(shard.params, {}).get("momentum_buffer")
             self.momentum = None if state is None else state.clone()
-        if isinstance(d, r.Answer) and d.fields.get("dropped") and self.mode in ("sync", "diloco"):
+        if (isinstance(d, r.Answer) and d.fields.get("dropped") and not d.fields.get("duplicate")
+                and self.mode in ("sync", "diloco")):   # (a resend of a dropped push says so again: one drop)
             self.drops += 1
 
     def after(self, shard: Shard, d) -> None:

@@ -76,6 +76,26 @@ def test_staleness_policy_through_a_shard():
     np.testing.assert_allclose(shard.params.detach().numpy(), p0 - lr * (3 + 1 / 3) * g, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode, sets, taus", [
+    ("ssp", {}, [0, 1, 2]),
+    ("ssp", {"mode.cache": True}, [0, 0, 0]),
+    ("ssp", {"mode.prefetch": True}, [0, 0, 0]),
+    ("async", {}, [0, 1, 2]),
+    ("async", {"mode.prefetch": True}, [0, 1, 2]),   # (its copy is not stepped by its own pushes)
+    ("async", {"mode.n_fetch": 4}, [0, 0, 0]),
+])
+def test_a_workers_own_pushes_that_its_copy_holds_are_not_stale(mode, sets, taus):
+    """A review: one worker of ssp with the client cache pushed three times on its read of
+    version 0, its copy stepped by each push (read-my-writes), and the shard counted
+    staleness 0, 1, 2: its own updates, which async with n_fetch already left out."""
+    r = rule(mode, 1, **sets)
+    got = []
+    for k in range(3):
+        r.tables.version = k   # (the shard's version: each push applied)
+        got.append(r.push(Push(("push", 0), 0, k, k, "g", "b"))[-1].fields["staleness"])
+    assert got == taus
+
+
 def test_n_push_moves_the_lr_schedule_n_push_steps_per_push():
     # a push of Downpour's n_push is the sum of n_push steps: after W pushes of every
     # worker's, the schedule stands at n_push steps, as it would after W * n_push

@@ -34,7 +34,6 @@ class AsyncRule(SspRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.w_read: dict = {}   # DC-ASGD: rank -> {version: the parameters it read}, its last READS
-        self.own: dict[int, list[int]] = {}   # n_fetch > 1: rank -> the versions its pushes since its read met
         self.pushed_at: dict[int, int] = {}   # n_push > 1: rank -> the clock of its latest push
 
     def bound(self) -> int | None:
@@ -56,19 +55,6 @@ class AsyncRule(SspRule):
         (with prefetch a gradient is computed on a read that lacks the push before it:
         that one is stale)."""
         return self.mode.n_fetch > 1
-
-    def staleness(self, e) -> int:
-        """tau: the updates since the push's read, less the worker's own pushes applied
-        since then where its copy holds them (`holds_own`): those are not stale (Zhang et
-        al. 2016 and Zheng et al. 2017 count the updates the gradient's model lacks). So
-        one worker's pushes have tau = 0 whatever n_fetch, and `lr_policy = "staleness"`
-        scales a push by the other workers' updates only."""
-        if not self.holds_own():
-            return e.tau
-        read = self.tables.version - e.tau
-        own = [v for v in self.own.get(e.rank, ()) if v >= read]
-        self.own[e.rank] = own + [self.tables.version]
-        return max(0, e.tau - len(own))
 
     def gradient(self, e):
         """DC-ASGD: compensated with w_bak, the copy this worker read at the version its
@@ -117,7 +103,7 @@ class AsyncRule(SspRule):
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        self.w_read, self.own, self.pushed_at = {}, {}, {}  # the reads were of the tables before the restore
+        self.w_read, self.pushed_at = {}, {}  # the reads were of the tables before the restore
 
 
 class AsyncSchedule(SspSchedule):

@@ -45,6 +45,7 @@ class SspRule(ServerRule):
         self.back_at: dict[int, int] = {}   # rank -> the version its first read here after it left saw
         # (neither is checkpointed: a restored shard learns the live set anew from the coordinator)
         self.dropped = 0
+        self.own: dict[int, list[int]] = {}   # `holds_own`: rank -> the versions its pushes since its read met
 
     def bound(self) -> int | None:
         return self.mode.staleness
@@ -60,9 +61,25 @@ class SspRule(ServerRule):
     def gradient(self, e: Push):
         return e.grad
 
+    def holds_own(self) -> bool:
+        """Does the model a worker computes on hold its own pushes since its read? With the
+        client cache (`mode.cache`, `mode.prefetch`) it does: a step served from the copy
+        steps it by its own gradient (`pushpull.own_update`), and a read replaces it."""
+        return bool(self.mode.cache or self.mode.prefetch)
+
     def staleness(self, e: Push) -> int:
-        """The push's tau: updates applied since the read it was computed on."""
-        return e.tau
+        """tau: the updates since the push's read, less the worker's own pushes applied
+        since then where its copy holds them (`holds_own`): those are not stale (Zhang et
+        al. 2016 and Zheng et al. 2017 count the updates the gradient's model lacks). So
+        one worker's pushes have tau = 0 whatever it reads, and `lr_policy = "staleness"`
+        scales a push by the other workers' updates only. (ssp's cache counted the
+        worker's own pushes since its last pull: tau 0, 1, 2 for one worker.)"""
+        if not self.holds_own():
+            return e.tau
+        read = self.tables.version - e.tau
+        own = [v for v in self.own.get(e.rank, ()) if v >= read]
+        self.own[e.rank] = own + [self.tables.version]
+        return max(0, e.tau - len(own))
 
     def from_before_leaving(self, e: Push) -> bool:
         """Was this push computed on a read made before its worker left the live set (a
@@ -126,6 +143,7 @@ class SspRule(ServerRule):
         super().load_state_dict(sd)
         self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()}, int(sd.get("max_gap", 0)))
         self.dropped = int(sd.get("dropped", 0))
+        self.own = {}   # (of the tables before the restore)
 
     def new_run(self) -> None:
         super().new_run()

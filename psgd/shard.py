@@ -240,7 +240,10 @@ class Shard:
         self._array_count(msg, 2)
         wire.expect_array(msg, 0, "float32", (self.P,))
         wire.expect_array(msg, 1, "float32", (self.B,))
-        p, b = self._finite(wire.tensor(msg, 0), "initial values", msg.clock), wire.tensor(msg, 1)
+        # (buffers too, as a push's: a restarted shard takes any worker's copy, and NaN statistics
+        # would be served to every worker)
+        p, b = (self._finite(wire.tensor(msg, 0), "initial values", msg.clock),
+                self._finite(wire.tensor(msg, 1), "initial buffers", msg.clock))
         with torch.no_grad():
             self._changing()
             self.params.copy_(p)

@@ -162,15 +162,20 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], copy: bool) -> None:
     send(frames[last], 0, copy=copy)
 
 
-def recv_frames(sock: zmq.Socket) -> list:
+def recv_frames(sock: zmq.Socket, most: int = wire.MAX_FRAMES + 3) -> list:
     """`sock.recv_multipart(zmq.NOBLOCK, copy=False)`, each next part asked of the frame
-    just read (`Frame.more`) instead of a `getsockopt(zmq.RCVMORE)` (an enum made each part)."""
+    just read (`Frame.more`) instead of a `getsockopt(zmq.RCVMORE)` (an enum made each part).
+    At most `most` frames are kept (by default one more than a message of psgd's, with a
+    routing identity, has: `wire.decode` refuses it as too large): the rest are read and
+    dropped. A message of 500,000 empty frames (1 MB on the wire) made 130 MB of frame
+    objects in a daemon, and 100 MB of them would have made 13 GB."""
     recv = sock.recv   # (looked up once, as in `send_frames`)
     f = recv(_NOBLOCK, copy=False)
     frames = [f]
     while f.more:
         f = recv(_NOBLOCK, copy=False)
-        frames.append(f)
+        if len(frames) < most:
+            frames.append(f)
     return frames
 
 
@@ -591,11 +596,17 @@ class Peers:
 
     def _take(self, frames: list, pending: dict[int, int], got: dict[int, wire.Message]) -> None:
         """An answer's frames: into `got` if it is one `pending` waits for (an error reply
-        raises its RemoteError); a garbled one is dropped (the deadline covers it)."""
+        raises its RemoteError); one that cannot be read raises BadAnswer where its header
+        names a request that waits (an answer past `wire.MAX_MESSAGE`, a tournament's model
+        of over 2 GiB a shard, was dropped, and the request sent again for good), and is
+        dropped where it names none (garbled: the deadline covers it)."""
         self.bytes_recv += sum(map(len, frames))   # (a Frame's len is its size: no memoryview made)
         try:
             msg = wire.decode(frames)
-        except wire.WireError:
+        except wire.WireError as e:
+            if e.request_id in pending and e.request_id not in got:
+                raise wire.BadAnswer(e.code, f"its answer cannot be read here: {e.reason}",
+                                     self.addresses[pending[e.request_id]]) from None
             return
         if msg.id in pending and msg.id not in got:
             wire.raise_if_error(msg, self.addresses[pending[msg.id]])
@@ -774,7 +785,7 @@ class Service:
         until = time.monotonic() + self.DRAIN_S
         while readable(self.sock):
             t0 = time.thread_time()
-            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = recv_frames(self.sock)
             if len(frames) < 2:
                 self._bad("a message without a routing identity")
             else:   # (one without a routing identity has nobody to answer)

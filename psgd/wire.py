@@ -321,7 +321,7 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
     # The base fields are popped off `decode`'s own dict: what is left is the op's fields,
     # each asked once (every step's answer has two; a loop over all eight skipped six).
     v = h.pop("v", None)
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:   # (true and 1.0 are equal to 1)
         raise WireError(BAD_VERSION, f"protocol version {v!r}, this peer speaks {PROTOCOL_VERSION}")
     op = h.pop("op", None)
     if not isinstance(op, str) or op not in OPS:
@@ -439,3 +439,8 @@ class BadRequest(RemoteError):
 
 class ServerFault(RemoteError):
     """The peer failed while serving the request (a bug on its side); it goes on serving."""
+
+
+class BadAnswer(RemoteError):
+    """The peer's answer to a request could not be read here (larger than this side's
+    limit, `MAX_MESSAGE`, or garbled): sent again, it would be answered the same."""

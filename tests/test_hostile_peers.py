@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import torch
 
 from psgd import wire
 from psgd.config import Config
@@ -350,6 +351,10 @@ def test_non_finite_buffers_and_a_nan_or_infinite_tournament_score_are_refused()
     with pytest.raises(wire.WireError, match="buffers has NaN or Inf"):   # they became the centre's buffers
         shard.handle("w", request("elastic", rank=0, clock=0, round=1,
                                   arrays=[np.zeros(shard.P, np.float32), bad]))
+    shard.ready = False   # (as a shard restarted with nothing to restore: a review: the initial buffers went unchecked)
+    with pytest.raises(wire.WireError, match="initial buffers has NaN or Inf"):
+        shard.handle("w", request("init", rank=0, clock=0, arrays=[np.zeros(shard.P, np.float32), bad]))
+    assert not shard.ready and torch.isfinite(shard.buffers).all()
     cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "cluster.servers": 1, "train.steps": 100})
     shard = Shard(cfg, 0)
     model = [np.zeros(shard.P, np.float32), np.zeros(shard.B, np.float32)]

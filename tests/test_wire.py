@@ -64,6 +64,8 @@ def header(**over):
     ([b"\xc1garbage"], wire.BAD_HEADER),
     ([msgpack.packb([1, 2])], wire.BAD_HEADER),
     ([header(v=99)], wire.BAD_VERSION),
+    ([header(v=True)], wire.BAD_VERSION),   # (a review: equal to 1, as is 1.0, and taken)
+    ([header(v=float(wire.PROTOCOL_VERSION))], wire.BAD_VERSION),
     ([header(op="format_disk")], wire.UNKNOWN_OP),
     ([header(id="x")], wire.BAD_HEADER),
     ([header(id=-5)], wire.BAD_HEADER),

@@ -324,9 +324,15 @@ def _authorized(keys: str) -> str:
 def check_keys(keys: str) -> None:
     """A ConfigError unless `keys` holds what every daemon of a CurveZMQ job loads, each
     file a key file."""
-    for name in ("server", "client"):
-        _load_pair(keys, name)
-    _certificate(os.path.join(keys, "server.key"), keys)
+    server, _ = _load_pair(keys, "server")
+    _load_pair(keys, "client")
+    path = os.path.join(keys, "server.key")
+    if _certificate(path, keys)[0] != server:
+        # (a client with another server's key fails every handshake without a word: its
+        # requests went unanswered, and a worker blamed the shards for not answering)
+        raise ConfigError(f"security.keys: {path} is not the public key of {os.path.join(keys, 'server.key_secret')}"
+                          f" (a key of servers re-keyed since?): copy server.key from the folder `psgd keys` made "
+                          f"with that pair")
     _authorized(keys)
 
 

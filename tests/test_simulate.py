@@ -1280,3 +1280,29 @@ def test_a_refused_last_push_in_flight_is_trained_again_as_by_a_real_worker(tmp_
                                          "worker-0.jsonl")]
     assert [x["clock"] for x in lines if "staleness" in x][-1] == 30 and res[0]["rejected"] == 1
     assert len([x for x in lines if "staleness" in x]) == 30
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_wait_with_a_window_of_time_gives_up_at_its_end_as_the_real_clients_does(tmp_path, monkeypatch):
+    """A review: a simulated worker asked its wait's cancel condition only when an answer
+    came or the membership changed, so ltfb's window on the worker's clock (`await_model`:
+    past heartbeat_timeout_s, deposit again where a shard lost ours, ask again) never
+    ended: worker 0 waited 10 virtual s a round for its 200 times slower partner in one
+    ask. The real client asks the condition every 0.2 s of its wait."""
+    from collections import Counter
+
+    from psgd.consistency.ltfb import LtfbSchedule
+    calls, keep = Counter(), LtfbSchedule.keep_deposit
+
+    def counted(self, w, rnd, own):
+        calls[w.rank] += 1
+        return keep(self, w, rnd, own)
+    monkeypatch.setattr(LtfbSchedule, "keep_deposit", counted)
+    code, res = simulate(tmp_path, "w", "--modes", "ltfb:round_steps=5", "--workers", "2", "--set", "sim.train=false",
+                         "--set", "sim.compute_s=0.01", "--set", "faults.slow_rank=1", "--set", "faults.slow_factor=200",
+                         "--set", "train.steps=30")
+    assert code == 0 and res[0]["samples"] == 2 * 30 * 32
+    # five rounds each: the slow partner's model comes at once (one look after it); the fast
+    # worker's window of 5 s ends once before its partner's ~10 s round does (two)
+    assert calls == {0: 10, 1: 5}, calls

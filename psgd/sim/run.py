@@ -368,9 +368,19 @@ class Simulation:
             for token, msg in packets(shard.set_live(live)):
                 self.reply(i, token, msg)
         for rank in sorted(self.cancellable):  # in rank order: a waiter whose cancel condition turned true gives up
-            f = self.workers[rank].blocked_on
-            if f is not None and f.cancel is not None and f.cancel():
-                self.wake(self.workers[rank])
+            w = self.workers[rank]
+            f = w.blocked_on
+            if f is not None and f.cancel is not None:
+                if w.t < self.loop.now:   # (its condition asked at this moment, as once woken: a window of time)
+                    w.t = self.loop.now
+                if f.cancel():
+                    self.wake(w)
+
+    def poll_cancel(self, w: SimWorker, f: Any, n: int) -> None:
+        """The n-th ask of a waiting worker's cancel condition (`SimClient.finish`): it
+        wakes to ask it, unless its wait ended or was asked again since."""
+        if w.blocked_on is f and f.waiting and f.polls == n:
+            self.wake(w)
 
     # ------------------------------------------------------------ the evaluator
     def evaluate(self, final: bool = False) -> None:

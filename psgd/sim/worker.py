@@ -50,6 +50,11 @@ def lognormal_sigma(cv: float) -> float:
     return math.sqrt(math.log1p(cv ** 2) if cv < 1e150 else 2 * math.log(cv))
 
 
+# How often a wait with a cancel condition asks it (virtual s): the real client's wait polls
+# its sockets 0.2 s at a time while it has one (`transport.Peers.wait`).
+CANCEL_POLL_S = 0.2
+
+
 @dataclass
 class Flight:
     """Requests sent by `SimClient.begin`, answered in the order they were made
@@ -64,6 +69,7 @@ class Flight:
     closed: bool = False         # the worker stopped waiting (an error, a cancel): later answers are dropped
     repeat: bool = False         # a push this process sent before (`InFlight.repeat`)
     resent: set = field(default_factory=set)   # (`InFlight.resent`: the simulator resends nothing)
+    polls: int = 0               # the cancel condition's asks scheduled (`SimClient.finish`): the latest's number
 
     @property
     def ops(self) -> list[str]:
@@ -129,6 +135,13 @@ class SimClient(CountingClient):
                 w.blocked_on = f   # (`w.wait_on(f)`, written out)
                 if f.cancel is not None:
                     w.sim.cancellable[w.rank] = w
+                    # Asked again CANCEL_POLL_S later, as the real client's wait asks it: a condition
+                    # of time (ltfb's `await_model`: a window on the worker's clock) turned true
+                    # with no delivery nor membership change to wake the worker, which waited on.
+                    f.polls += 1
+                    loop = w.sim.loop
+                    loop.push((max(w.t, loop.now) + CANCEL_POLL_S, next(loop.seq), w.sim.poll_cancel,
+                               (w, f, f.polls)))
                 w.proc.suspend()
         finally:
             f.waiting = False

@@ -10,6 +10,9 @@ seen in fewer than MIN_SCORES scores during training is not called missed.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 from .report_numbers import (
     ACC_HARDLY,
     AFTER_END,
@@ -381,6 +384,10 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     top, low = by_sps[0], by_sps[-1]
     top_sps = mean(top.sps) or 0.0
     flat = tie_reason(top.sps, low.sps, amount) if low is not top else None
+    if flat not in (None, "equal", ONCE) and _some_pair_ranks([r.sps for r in by_sps], amount):
+        # The two ends tie only through one end's wide repeats (ssp 1,000-7,000): two others,
+        # 400 sds apart, were "not separated" too (a review). The pairs that rank are named.
+        flat = None
     if low is top:   # one configuration: nothing to be highest among
         out.append(f"Throughput: {rname(top, many_w)} {amount(top_sps)} samples/s.")
     elif flat == ONCE:   # the highest and the lowest each ran once: the values, in the rows' order, not ranked
@@ -439,6 +446,11 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     return out
 
 
+def _some_pair_ranks(values: list[list[float]], fmt: Callable[[float], str] | None = None) -> bool:
+    """Whether any two of these configurations' repeats are told apart (`tie_reason` None)."""
+    return any(tie_reason(a, b, fmt) is None for a, b in itertools.combinations(values, 2))
+
+
 def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list[str]:
     out: list[str] = []
     accs = [(acc, r) for r in dist if (acc := mean(r.acc)) is not None]
@@ -454,7 +466,8 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
         spread = f"all ended at {hi[0]:.4f}" if f"{hi[0]:.4f}" == f"{lo[0]:.4f}" else \
             f"all lie between {lo[0]:.4f} and {hi[0]:.4f}"
         out.append(f"Final accuracy hardly separates the configurations: {spread}.")
-    elif hi[0] - lo[0] <= 2 * noise:   # a wide range, but no wider than one end's own repeats
+    elif hi[0] - lo[0] <= 2 * noise and not _some_pair_ranks([r.acc for _, r in accs]):
+        # a wide range, but no wider than one end's own repeats, and no two configurations told apart
         noisy = max((hi[1], lo[1]), key=lambda r: sd(r.acc) or 0.0)
         out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
                    f"({rname(hi[1], many_w)}), which does not tell the configurations apart: the repeats of "

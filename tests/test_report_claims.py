@@ -938,3 +938,24 @@ def test_a_configuration_that_reached_the_target_sooner_in_some_repeats_makes_no
     assert "Sooner in the repeats that reached it: async (2 w) by 1.50 s in 2 of its 3 repeats (the others did not " \
            "reach 0.9: below)." in text, text
     assert "Reached 0.9 in only some repeats: async (2 w): 2/3 reached" in text
+
+
+@pytest.mark.timeout(60)
+def test_one_noisy_configuration_does_not_hide_the_pairs_that_rank():
+    """A review: the throughput and accuracy sentences compared only the highest and the
+    lowest row, with those two rows' sds: ssp's wide repeats made "Throughput does not
+    separate the configurations" while sync and async were 400 sds apart."""
+    results = []
+    for k in range(3):
+        results += [run("sync", repeat=k, ttt=2.0 + k / 100, sps=9000.0 + 10 * k, acc=0.951 + k / 1000),
+                    run("async", "async", repeat=k, ttt=2.5 + k / 100, sps=5000.0 + 10 * k, acc=0.801 + k / 1000),
+                    run("ssp", "ssp", repeat=k, ttt=3.0 + k / 100, sps=(1000.0, 4000.0, 7000.0)[k],
+                        acc=(0.40, 0.80, 0.99)[k], params={"staleness": 2})]
+    text = told(results)
+    assert "does not separate" not in text and "does not tell the configurations apart" not in text, text
+    assert "Highest throughput: **sync** with 9,010 samples/s" in text, text
+    assert "Final accuracy ranged from" in text
+    # all alike but one wide: still not separated
+    flat = [run(m, m, repeat=k, ttt=2.0, sps=(5000.0 + 10 * k) if m != "ssp" else (1000.0, 5000.0, 9000.0)[k])
+            for k in range(3) for m in ("sync", "async", "ssp")]
+    assert "Throughput does not separate the configurations" in told(flat)

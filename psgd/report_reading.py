@@ -610,7 +610,8 @@ def _bounded_waits(group: list[Row], ref: Row, many_w: bool) -> str:
     said = ""
     for r in group:
         w = mean(r.values("wait_fraction"))
-        if r.mode != "ssp" or r.workers != ref.workers or r.bound is None or w is None or sync_wait is None:
+        if (r.mode != "ssp" or r.workers != ref.workers or r.bound is None or r.bound < 1 or w is None
+                or sync_wait is None):   # (s = 0 is lockstep: no lead to explain a shorter wait)
             continue
         series = [r.values("wait_fraction"), ref.values("wait_fraction")]
         if (w < sync_wait and all(sd(v) is not None for v in series) and f"{100 * w:.0f}" != f"{100 * sync_wait:.0f}"
@@ -695,7 +696,10 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
             s += (f" Under it, {rname(top, many_w)} kept {amount(mean(top.sps))} samples/s against "
                   f"{top.sync_name()}'s {amount(mean(ref.sps))} with {ref.workers} workers"
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
-        if ref is not None and ref not in own:
+        # (the bound's lead explains a shorter wait only where some worker is delayed more than
+        # the others: a straggler or transient ones; a delay of every step slows all alike)
+        uneven = _straggler(f) is not None or (float(f.get("jitter_prob", 0.0)) > 0 and float(f.get("jitter_s", 0.0)) > 0)
+        if ref is not None and ref not in own and uneven:
             s += _bounded_waits(group, ref, many_w)
         out.append(s)
 

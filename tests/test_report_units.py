@@ -87,3 +87,8 @@ def test_ssps_wait_is_explained_by_its_bound_only_where_the_difference_is_establ
     results += [run("async", "async", repeat=k, wait=0.0, workers=4, sps=9000.0 + k) for k in range(len(sync_waits))]
     text = told(results, ctx)
     assert ("the bound lets a worker run up to 4 clocks ahead of the slowest" in text) == said, text
+    # a review: said of a bound of 0 (lockstep: no lead), and of a delay of every step (no one delayed more)
+    zero = [{**x, "label": "ssp:staleness=0", "params": {"staleness": 0}} if x["mode"] == "ssp" else x
+            for x in results]
+    assert "the bound lets a worker run up to" not in told(zero, ctx)
+    assert "the bound lets a worker run up to" not in told(results, {**ctx, "faults": {"step_delay_s": 0.1}})

@@ -323,8 +323,9 @@ def _sweep_plot(plt, xs_label: str, xs: list, rows: list[Row], path: str, title:
     ax.set_xlabel(xs_label)
     ax.set_ylabel(f"time to target ({clock(rows)} s)", color="tab:blue")
     ax2 = ax.twinx()
-    _line(ax2, pos, [mean(r.sps) or 0 for r in rows], [sd(r.sps) for r in rows], color="tab:orange",
-          marker="s", label="samples/s")
+    rated = [(p, r) for p, r in zip(pos, rows, strict=True) if r.sps]   # (none measured: no point, not a 0)
+    _line(ax2, [p for p, _ in rated], [mean(r.sps) for _, r in rated], [sd(r.sps) for _, r in rated],
+          color="tab:orange", marker="s", label="samples/s")
     timed = [len(r.ttt) for r, t in zip(rows, tt, strict=True) if t is not None]
     if any(n == 1 for n in [len(r.sps) for r in rows] + timed):   # (with repeats everywhere, the bars are sds)
         title += f"\n(throughput: {spread_words([len(r.sps) for r in rows])}" + \
@@ -351,7 +352,7 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     missing: list[str] = []
     rows = list(groups.values())
     names = [rs[0].name for rs in rows]
-    tput = [([float(r.workers) for r in rs], [mean(r.sps) or 0.0 for r in rs]) for rs in rows]
+    tput = [([float(r.workers) for r in rs if r.sps], [mean(r.sps) or 0.0 for r in rs if r.sps]) for rs in rows]
     times = [[(r.workers, t, sd(r.ttt)) for r in rs if (t := plotted_time(r, period)) is not None]
              for rs in rows]
     # A line on another's (simulated sync and ssp s=0 can run alike) is dashed over it (_hosts).
@@ -364,9 +365,8 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
         return names[i] + (f", dashed on {names[h]}'s line" if h is not None else "")
     for i, rs in enumerate(rows):
         c = colors[rs[0].key]
-        ws = [r.workers for r in rs]
-        _line(a1, ws, tput[i][1], [sd(r.sps) for r in rs], marker="o", color=c, label=label(i, t_hosts),
-              ls=t_dash[i] or "-")
+        _line(a1, tput[i][0], tput[i][1], [sd(r.sps) for r in rs if r.sps], marker="o", color=c,
+              label=label(i, t_hosts), ls=t_dash[i] or "-")
         pts = times[i]
         if pts:
             _line(a2, [p for p, _, _ in pts], [t for _, t, _ in pts], [e for _, _, e in pts], marker="o",
@@ -455,8 +455,10 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
         _curve_plot(plt, ok, colors, "samples", "samples processed (all workers)", target,
                     os.path.join(out, "accuracy_vs_samples.png"), allow_log=False)
         made.append(("Accuracy vs samples processed", "accuracy_vs_samples.png"))
-    _throughput_plot(plt, ok, colors, os.path.join(out, "throughput.png"))
-    made.append((f"Throughput ({spread_words([len(r.sps) for r in ok])})", "throughput.png"))
+    measured = [r for r in ok if r.sps]   # (an entry without samples_per_s: no bar of 0, nor a crash)
+    if measured:
+        _throughput_plot(plt, measured, colors, os.path.join(out, "throughput.png"))
+        made.append((f"Throughput ({spread_words([len(r.sps) for r in measured])})", "throughput.png"))
     if any(not r.is_baseline for r in ok):
         _staleness_plot(plt, ok, colors, os.path.join(out, "staleness.png"))
         made.append(("Measured staleness histogram per configuration", "staleness.png"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from psgd.report import build_rows
+from psgd.report import build_rows, write_report
 
 from .test_report_claims import run
 
@@ -48,7 +48,6 @@ def test_a_sweep_value_whose_every_run_failed_is_named_in_the_sweeps_sentence_an
     in both repeats) said "Sweep of sync optimizer.lr over 0.05, 0.2 (2 workers): throughput
     rose ..." and drew the sweep plot over 0.05 and 0.2 alone, its title silent on 1e6, as
     if the sweep had been of two values."""
-    from psgd.report import write_report
 
     from .test_report_claims import CTX, sentence, titles_and_error_bars, told
     said, _bars = titles_and_error_bars(monkeypatch)
@@ -92,3 +91,15 @@ def test_ssps_wait_is_explained_by_its_bound_only_where_the_difference_is_establ
             for x in results]
     assert "the bound lets a worker run up to" not in told(zero, ctx)
     assert "the bound lets a worker run up to" not in told(results, {**ctx, "faults": {"step_delay_s": 0.1}})
+
+
+@pytest.mark.timeout(60)
+def test_an_entry_without_samples_per_s_is_no_bar_of_zero_and_no_crash(tmp_path):
+    """A review: `python -m psgd.report` on a compare.json entry without samples_per_s
+    (which the entry check lets through) ended with matplotlib's TypeError and wrote no
+    report; the sweep and worker plots drew the missing value as 0."""
+    from .test_report_claims import CTX
+    results = [run("sync", "sync", repeat=k, ttt=2.0, samples_per_s=None) for k in range(2)]
+    results += [run("async", "async", repeat=k, ttt=1.5) for k in range(2)]
+    write_report(str(tmp_path), results, CTX)
+    assert (tmp_path / "report.md").exists() and (tmp_path / "throughput.png").exists()

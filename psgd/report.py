@@ -474,6 +474,14 @@ def _read(folder: str) -> tuple[list[dict], dict]:
         if not isinstance(loaded, dict):
             raise ReportError(f"{cpath} is not a psgd compare-context.json ({_json_kind(loaded)}, not an object)")
         ctx = loaded
+    if "target_accuracy" not in ctx:
+        # (a folder without its context: its times are to its runs' target, not the default 0.9 --
+        # "First to reach 0.9" was said of times to 0.97; runs of several targets are refused)
+        target = one_target([f"{folder} (run {i})" for i in range(len(results))],
+                            [None if r.get("target_accuracy") is None else float(r["target_accuracy"])
+                             for r in results])
+        if target is not None:
+            ctx = {**ctx, "target_accuracy": target}
     return results, ctx
 
 

@@ -371,7 +371,7 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
         if pts:
             _line(a2, [p for p, _, _ in pts], [t for _, t, _ in pts], [e for _, _, e in pts], marker="o",
                   color=c, label=label(i, p_hosts), ls=p_dash[i] or "-")
-        if any(r.scored for r in rs) and (by_why := _why_unplotted(ws, rs, period, target)):
+        if any(r.scored for r in rs) and (by_why := _why_unplotted([r.workers for r in rs], rs, period, target)):
             missing.append(f"{names[i]}: " + "; ".join(f"{', '.join(w)} w {why}" for why, w in by_why.items()))
     ws = sorted({r.workers for rs in groups.values() for r in rs})
     every = [r for rs in groups.values() for r in rs]

@@ -46,7 +46,7 @@ MAX_SPIN_US = 100_000.0
 AUTO_SPIN_US = 1000.0
 CPU_ENV = "PSGD_CPU"   # the CPU that `psgd run` pins a daemon to (`cluster.pin_cpus`; psgd/forkserver.py `take_cpu`)
 ENV_OWN = ("PSGD_CONFIG", "PSGD_OUT", "PSGD_DEVICE", "PSGD_RANK")   # a user's variables that are no setting
-HUNT_ENV = "PSGD_HUNT"   # the test suite's: examples per property (docs/modes.md), exported in a shell that runs psgd too
+HUNT_ENV = "PSGD_HUNT"   # the test suite's examples per property (docs/modes.md), in a shell that runs psgd too
 ENV_RESERVED = {*ENV_OWN, "PSGD_STARTED_FILE", "PSGD_PARENT_PID", "PSGD_JOB_TOKEN", SET_CHECKED_ENV, CPU_ENV, HUNT_ENV}
 
 

@@ -482,6 +482,10 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
     ba = mean(base.acc) if base is not None else None
     if ba is not None and base is not None:
         out.append(f"The sequential baseline ended at {ba:.4f}; " + _against_baseline(accs, base, ba) + ".")
+    part = [r for _, r in accs if len(r.acc) < len(r.runs)]
+    if part:   # (the others' final evaluation is missing: their means are of fewer runs than the rows say)
+        out.append("Final accuracy of the repeats with a final score only: "
+                   + ", ".join(f"{rname(r, many_w)} ({len(r.acc)} of {len(r.runs)})" for r in part) + ".")
     return out
 
 
@@ -698,7 +702,8 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
                   + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
         # (the bound's lead explains a shorter wait only where some worker is delayed more than
         # the others: a straggler or transient ones; a delay of every step slows all alike)
-        uneven = _straggler(f) is not None or (float(f.get("jitter_prob", 0.0)) > 0 and float(f.get("jitter_s", 0.0)) > 0)
+        uneven = _straggler(f) is not None or (float(f.get("jitter_prob", 0.0)) > 0
+                                               and float(f.get("jitter_s", 0.0)) > 0)
         if ref is not None and ref not in own and uneven:
             s += _bounded_waits(group, ref, many_w)
         out.append(s)

@@ -104,6 +104,13 @@ def ttt_cell(row: Row, period: float | None = None) -> str:
     return cell if len(got) == n else f"{cell} ({len(got)}/{n} reached)"
 
 
+def _scored_of(row: Row) -> str:
+    """' (k/n scored)' where only k of the row's n finished repeats have a final accuracy
+    (the others' final evaluation is missing): the mean is of those k."""
+    k, n = len(row.acc), len(row.runs)
+    return f" ({k}/{n} scored)" if 0 < k < n else ""
+
+
 def _speedup_cell(row: Row, ref: Row | None, period: float | None) -> str:
     v = row.speedup(ref)
     if v is None:
@@ -167,7 +174,8 @@ def main_table(rows: list[Row], target: float, period: float | None = None) -> l
         sps_cell = amount(sps) + (f" ± {amount(sps_sd)}" if sps_sd is not None else "")
         failed = f" ({len(row.errors)} failed)" if row.errors else ""
         lines.append(
-            f"| {md_escape(row.name)}{failed} | {row.workers} | {pm(row.acc, 4)} | {ttt_cell(row, period)} | "
+            f"| {md_escape(row.name)}{failed} | {row.workers} | {pm(row.acc, 4)}{_scored_of(row)} | "
+            f"{ttt_cell(row, period)} | "
             f"{sps_cell} | {stal} | {wait} | {bps} | {_speedup_cell(row, row.ref_sync, period)} | "
             f"{_speedup_cell(row, row.ref_base, period)} |")
     if any(MARK in line for line in lines[2:]):

@@ -117,3 +117,19 @@ def test_a_folder_without_its_context_names_its_runs_target(tmp_path):
     assert main([str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "0.97" in text and "to 0.9 " not in text and "time to 0.9 (s)" not in text, text
+
+
+@pytest.mark.timeout(60)
+def test_a_final_accuracy_of_some_repeats_only_says_so():
+    """A review: repeats whose final evaluation was missing dropped out of the accuracy
+    mean, without a word: "0.9500" of one repeat in three."""
+    from psgd.report_tables import main_table
+
+    from .test_report_claims import told
+    results = [run("sync", "sync", repeat=k, ttt=2.0, acc=0.95) for k in range(3)]
+    for r in results[1:]:
+        r["final_accuracy"], r["final_eval_missing"] = None, True
+    results += [run("async", "async", repeat=k, ttt=1.5, acc=0.93 + k / 1000) for k in range(3)]
+    rows = build_rows(results)
+    assert "0.9500 (1/3 scored)" in "\n".join(main_table(rows, 0.9, 0.5))
+    assert "Final accuracy of the repeats with a final score only: **sync** (1 of 3)." in told(results)

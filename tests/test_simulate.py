@@ -1299,9 +1299,9 @@ def test_a_wait_with_a_window_of_time_gives_up_at_its_end_as_the_real_clients_do
         calls[w.rank] += 1
         return keep(self, w, rnd, own)
     monkeypatch.setattr(LtfbSchedule, "keep_deposit", counted)
-    code, res = simulate(tmp_path, "w", "--modes", "ltfb:round_steps=5", "--workers", "2", "--set", "sim.train=false",
-                         "--set", "sim.compute_s=0.01", "--set", "faults.slow_rank=1", "--set", "faults.slow_factor=200",
-                         "--set", "train.steps=30")
+    code, res = simulate(tmp_path, "w", "--modes", "ltfb:round_steps=5", "--workers", "2",
+                         "--set", "sim.train=false", "--set", "sim.compute_s=0.01", "--set", "faults.slow_rank=1",
+                         "--set", "faults.slow_factor=200", "--set", "train.steps=30")
     assert code == 0 and res[0]["samples"] == 2 * 30 * 32
     # five rounds each: the slow partner's model comes at once (one look after it); the fast
     # worker's window of 5 s ends once before its partner's ~10 s round does (two)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pushpull import counted, finite_or_diverged, load, own_update, step_flags
 from .. import wire
+from .pushpull import counted, finite_or_diverged, load, own_update, step_flags
 from .rule import Answer, Read, Trainer
 from .ssp import SspRule, SspSchedule
 from .staleness import delay_compensate, lr_scale

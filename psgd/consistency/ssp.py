@@ -28,9 +28,9 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
+from .. import wire
 from .clock import ClockTable, live_key
 from .pushpull import PushPullSchedule, counted, finite_or_diverged, load, own_update, step_flags
-from .. import wire
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
 

@@ -379,7 +379,7 @@ class Simulation:
     def poll_cancel(self, w: SimWorker, f: Any, n: int) -> None:
         """The n-th ask of a waiting worker's cancel condition (`SimClient.finish`): it
         wakes to ask it, unless its wait ended or was asked again since."""
-        if w.blocked_on is f and f.waiting and f.polls == n:
+        if f.waiting and f.polls == n and w.blocked_on is f:
             self.wake(w)
 
     # ------------------------------------------------------------ the evaluator

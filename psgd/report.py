@@ -474,14 +474,6 @@ def _read(folder: str) -> tuple[list[dict], dict]:
         if not isinstance(loaded, dict):
             raise ReportError(f"{cpath} is not a psgd compare-context.json ({_json_kind(loaded)}, not an object)")
         ctx = loaded
-    if "target_accuracy" not in ctx:
-        # (a folder without its context: its times are to its runs' target, not the default 0.9 --
-        # "First to reach 0.9" was said of times to 0.97; runs of several targets are refused)
-        target = one_target([f"{folder} (run {i})" for i in range(len(results))],
-                            [None if r.get("target_accuracy") is None else float(r["target_accuracy"])
-                             for r in results])
-        if target is not None:
-            ctx = {**ctx, "target_accuracy": target}
     return results, ctx
 
 
@@ -654,6 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(argv) == 1:
             results, ctx = _read(out)
+            if "target_accuracy" not in ctx:
+                # (a folder without its context: its times are to its runs' target, not the default
+                # 0.9 -- "First to reach 0.9" was said of times to 0.97)
+                target = _target(ctx, results)
+                if target is not None:
+                    ctx = {**ctx, "target_accuracy": target}
         else:
             check_merge_folders(out, argv[1:])
             results, ctx = merge(out, argv[1:])

@@ -345,6 +345,8 @@ class Membership:
                logged: dict | None = None) -> None:
         m = self.members.get(rank)
         if m and m.state != "finished":
+            if m.state == "lost":   # dropped (stalled at its last step), back to finish: it came back
+                self.rejoined += 1
             m.state = "finished"
             if stats or logged:
                 m.heard(now, stats, logged)

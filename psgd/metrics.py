@@ -225,6 +225,11 @@ def earlier_lives(out: str | None, rank: int, since: float, until: float = math.
             for line in io.TextIOWrapper(raw, encoding="utf-8", errors="replace"):
                 if '"step"' not in line or not line.endswith("\n"):   # (a line cut short as its process died)
                     continue
+                if (k := line.rfind(_LINE_HEAD)) > 0:
+                    # Two processes' lines run together (the first cut short as its process died, a
+                    # short write): the second, whole. Taken whole, the first's head made it that
+                    # process's last line, which then did not decode: its good line before went too.
+                    line = line[k:]
                 got = _step_of(line)
                 if got is None or not since <= got[0] <= until:
                     continue
@@ -242,6 +247,9 @@ def earlier_lives(out: str | None, rank: int, since: float, until: float = math.
     last = [d for _, line in lasts if isinstance(d := _decoded(line), dict)]
     totals = {k: sum(d[f] for d in last if isinstance(d.get(f), int)) for k, f in LOGGED_STATS.items()}
     return {**{k: v for k, v in totals.items() if v}, **(hist.stats() if hist.total else {})}
+
+
+_LINE_HEAD = '{"t": '   # how every event line starts (`json_line`, `step_text`)
 
 
 def _decoded(line: str) -> Any:
@@ -553,8 +561,12 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     }
     if missing:
         out["final_eval_missing"] = True
-    if final and isinstance(final["loss"], float) and not math.isfinite(final["loss"]):
-        out["final_loss_not_finite"] = True   # final_loss is written null: a diverged model, not a score missing
+    # final_loss is written null: a diverged model, not a score missing. (A score restored by a
+    # restarted coordinator has its non-finite loss as null already, as its files write it: an
+    # evaluator's score always has a loss, so a null one beside an accuracy was not finite.)
+    if final and (isinstance(final["loss"], float) and not math.isfinite(final["loss"])
+                  or final["loss"] is None and final.get("accuracy") is not None):
+        out["final_loss_not_finite"] = True
     if extra:
         out.update(extra)
     return out

@@ -623,6 +623,11 @@ def test_a_final_loss_that_is_not_finite_is_said_not_left_out():
     fine = summarize(mode="sync", mode_params={}, workers=1, servers=1, wall_s=1.0, worker_stats={}, server_stats={},
                      evals=[{**final, "loss": 2.5}], target=0.9, failures={}, final_expected=True)
     assert "final_loss_not_finite" not in fine and "loss 2.5000" in format_summary(fine)
+    # a review: a score restored by a restarted coordinator has its NaN loss as its files wrote it, null
+    restored = summarize(mode="diloco", mode_params={}, workers=2, servers=1, wall_s=1.0, worker_stats={},
+                         server_stats={}, evals=[json.loads(json_line(final))], target=0.9, failures={},
+                         final_expected=True)
+    assert restored["final_loss_not_finite"] is True and "final_eval_missing" not in restored
 
 
 @pytest.mark.timeout(60)

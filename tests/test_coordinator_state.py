@@ -35,6 +35,21 @@ def test_membership_round_trips_through_its_state_dict():
     assert again.expire(204.0) == [] and again.expire(206.0) == [1]
 
 
+@pytest.mark.unit
+def test_a_rank_dropped_that_finishes_without_rejoining_is_counted_as_come_back():
+    """A review: a worker that stalled past heartbeat_timeout_s at its last step, then
+    finished before a heartbeat answer said rejoin, left workers_lost 1, workers_rejoined 0
+    and workers_gone 0: it came back, and was not counted so."""
+    m = Membership(2, timeout_s=5.0)
+    for r in range(2):
+        m.join(0.0, r)
+    m.beat(0, 1.0, 7, {"samples": 10})
+    m.finish(1, 1.0, {"samples": 3})
+    assert m.expire(100.0) == [0] and m.lost == 1
+    m.finish(0, 101.0, {"samples": 12})
+    assert (m.lost, m.rejoined) == (1, 1) and m.members[0].state == "finished"
+
+
 def coordinator(cfg: Config, out: str) -> Coordinator:
     """A coordinator whose state is all that matters: its socket is closed, and its own
     context terminated, so the port is free again when this returns (a closed socket's

@@ -16,10 +16,12 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl pyzmq==$(.venv/bin/python -c 'import zmq; print(zmq.__version__)')
 #
-# and run it there with: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=570).
-# Steps, each with its own timeout (with the wheels and the results: at most about 520 s, one
-# device command's 600 s with room; less when they end sooner). A step that fails or runs out
-# of time is noted and the next one runs:
+# and run it there with: run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=300).
+# Steps, each with its own timeout, all within DEADLINE_S (default 270 s: a session's 15
+# minutes of device time, start-up included, then leave room for a rerun; they took 77-91 s
+# on an H200): a step is given at most what is left of it, less 25 s for the results, and
+# one with under 10 s left is skipped, noted as failed. A step that fails or runs out of
+# time is noted and the next one runs:
 #   1. the GPU and torch's view of it, then psgd's imports        -> $OUT/gpu.txt
 #   2. psgd's CUDA worker path: `psgd run --device cuda` (MLP default job, then ResNet-20 on
 #      synthetic 3x32x32 data, evaluator on the GPU too)
@@ -54,8 +56,16 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/runs" "$WORK/logs"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 failed=()
+END=$(( $(date +%s) + ${DEADLINE_S:-270} ))
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, append its log to $OUT/steps.log, note failures
-    local name=$1 secs=$2 log="$WORK/logs/$1.log" code=0; shift 2
+    local name=$1 secs=$2 log="$WORK/logs/$1.log" code=0 left; shift 2
+    left=$(( END - $(date +%s) - 25 ))   # (25 s kept for the results)
+    if [ "$left" -lt 10 ]; then
+        echo "== $name: skipped, DEADLINE_S spent" | tee -a "$OUT/steps.log" >&2
+        failed+=("$name")
+        return
+    fi
+    [ "$secs" -le "$left" ] || secs=$left
     echo "== $name (up to ${secs} s)" >&2
     timeout --kill-after=5 "$secs" "$@" >"$log" 2>&1 || code=$?
     { echo "== $name: exit $code"; cat "$log"; } >>"$OUT/steps.log"

@@ -5,9 +5,11 @@
 # psgd.device()) in sync, ltfb and diloco. A companion of bench/gpu.sh (which runs sync and
 # the benchmarks), for the device tool, from the repository root:
 #
-#   run(command="bash bench/gpu_modes.sh", carry=[".whl"], timeout_s=420)
+#   run(command="bash bench/gpu_modes.sh", carry=[".whl"], timeout_s=300)
 #
-# (.whl/ as gpu.sh's header prepares it). About 2 minutes on an H200 (each job's start-up,
+# (.whl/ as gpu.sh's header prepares it). Every job within DEADLINE_S (default 270 s; a job
+# gets at most what is left, less 15 s, and one with under 10 s left is skipped, noted as
+# failed). About 2 minutes on an H200 (each job's start-up,
 # CUDA's initialisation in each process, is most of it). Results: every job's summary line,
 # its exit status and a few summary.json fields on stdout and in $OUT/log.txt, the run
 # folders (without .pt files) in $OUT/runs.tar.gz. Exit 1 if a job failed.
@@ -22,21 +24,25 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/psgd-gpu-modes.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 if [ -d .whl ] && ! "$PY" -c "import zmq" 2>/dev/null; then   # (the device's Python has no pyzmq)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+    timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
         || { echo "bench/gpu_modes.sh: installing .whl/*.whl failed" >&2; exit 3; }
     export PYTHONPATH="$PYTHONPATH:$WORK/site"
 fi
 failed=()
+END=$(( $(date +%s) + ${DEADLINE_S:-270} ))
 one() {  # one NAME SECONDS ARGS...: a psgd run job on $DEVICE, its lines and its summary's figures
-    local n=$1 s=$2 code=0; shift 2
+    local n=$1 s=$2 code=0 left; shift 2
     [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$n,"* ]] || return 0
+    left=$(( END - $(date +%s) - 15 ))
+    if [ "$left" -lt 10 ]; then echo "== $n: skipped, DEADLINE_S spent"; failed+=("$n"); return 0; fi
+    [ "$s" -le "$left" ] || s=$left
     echo "== $n"
     timeout --kill-after=5 "$s" "$PY" -m psgd run --device "$DEVICE" --quiet --out "$WORK/runs/$n" "$@" \
         >"$WORK/$n.log" 2>&1 || code=$?
     grep -v "busy processes" "$WORK/$n.log" | tail -n 4
     echo "exit $code"
     [ "$code" = 0 ] || failed+=("$n")
-    "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('mode', \
+    timeout 20 "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('mode', \
 'samples_per_s', 'final_accuracy', 'time_to_target_s', 'staleness', 'max_clock_gap', 'dropped_gradients', \
 'rejected', 'startup_s')})" "$WORK/runs/$n/summary.json" 2>&1 | cut -c1-600
 }

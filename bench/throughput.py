@@ -21,8 +21,8 @@ Parts (`--parts`, default all):
   push+pull). The three share one plain loop per repeat.
 
 `--pin-cpus`: psgd's jobs with `cluster.pin_cpus = true` (each shard and worker on a CPU
-of its own, where they fit), and the baseline's processes each on a CPU of its own where
-psgd's are (not DDP's two ranks against psgd's three processes on two CPUs); the JSON
+of its own, where they fit), and the baseline's rank r on the CPU of psgd's worker r where
+psgd's are pinned (not DDP's two ranks against psgd's three processes on two CPUs); the JSON
 says `pin_cpus: true`.
 Both sides compute with denormal floats flushed to zero (`train.flush_denormal`, psgd's
 default; the JSON's `flush_denormal`): unflushed, the plain loop, timed over at least a
@@ -95,7 +95,9 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
     "mlp": (["model.name=mlp", "data.name=digits"], 600, 50),
     "resnet20": (["model.name=resnet20", "data.name=synthetic", "data.shape=[3,32,32]"], 40, 8),
 }
-COMMON = ["cluster.evaluator=false", "train.batch_size=32"]
+# (no shard checkpoints: the baselines write none, and a slow machine's ResNet-20 job wrote one
+# inside its timed window)
+COMMON = ["cluster.evaluator=false", "train.batch_size=32", "checkpoint.every_s=0"]
 PARTS = ("ddp", "local", "async", "startup", "phases")
 BACKENDS = ("gloo", "nccl")
 MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
@@ -144,12 +146,11 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
         return rows
 
 
-def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, pin) -> None:
+def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, cpus) -> None:
     import torch
     torch.set_num_threads(1)
-    if pin:   # a CPU of its own, in the order psgd's processes it is compared with take theirs (`--pin-cpus`)
-        from psgd.launcher import one_a_core_first
-        os.sched_setaffinity(0, {one_a_core_first(sorted(os.sched_getaffinity(0)))[rank]})
+    if cpus:   # the CPU of psgd's worker of this rank (`--pin-cpus`)
+        os.sched_setaffinity(0, {cpus[rank]})
     try:
         if backend:
             import torch.distributed as dist
@@ -164,15 +165,15 @@ def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, pin) -
 
 
 def run_loops(sets: list[str], world: int, steps: int, device: str, backend: str | None, warmup: int,
-              pin: bool = False) -> float:
-    """W processes of `train_loop` (DDP when `backend`), spawned, each on a CPU of its own
-    if `pin`; steady samples/s."""
+              cpus: list[int] | None = None) -> float:
+    """W processes of `train_loop` (DDP when `backend`), spawned, rank r on CPU `cpus[r]`
+    where given; steady samples/s."""
     from psgd.launcher import pick_port
     cfg = psgd_config(sets)
     port = pick_port("127.0.0.1", 29500, 1)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_loop_process, args=(q, cfg.to_dict(), r, world, steps, device, backend, port, pin),
+    procs = [ctx.Process(target=_loop_process, args=(q, cfg.to_dict(), r, world, steps, device, backend, port, cpus),
                          daemon=True) for r in range(world)]
     done = False
     try:
@@ -470,7 +471,10 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
-    rows, result = [], {"bench": "throughput", "device": a.device, "backend": a.backend, "workers": a.workers,
+    # (DDP's backend and worker count only where the DDP part runs: the local parts are W = 1
+    # against one process, and a GPU run's JSON of those named gloo and 2 workers)
+    ddp = {"backend": a.backend, "workers": a.workers} if "ddp" in parts else {}
+    rows, result = [], {"bench": "throughput", "device": a.device, **ddp,
                         "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
                         "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal,
                         "local_lane": a.local_lane}
@@ -496,8 +500,11 @@ def main() -> None:
         baseline run apart from its psgd run measured another machine)."""
         sets, steps, warm = steps_of(model)
         base_runs, ours_runs = [], {key: [] for key, _, _ in variants}
-        # (the baseline's processes each on a CPU of its own where psgd's are: `--pin-cpus`)
-        pin = a.pin_cpus and all(cpu_places(psgd_config(sets + v))[0] for _, _, v in variants)
+        # (the baseline's rank r on the CPU of psgd's worker r: `--pin-cpus`; a review: it took the
+        # r-th CPU of the order, where psgd's shards go first: the shard's CPU)
+        places = [cpu_places(psgd_config(sets + v))[0] for _, _, v in variants] if a.pin_cpus else []
+        pin = ([places[0][f"worker-{r}"] for r in range(world)]
+               if places and all(places) and all(p == places[0] for p in places) else None)
 
         def baseline() -> None:
             progress(f"{base_label} (repeat {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")

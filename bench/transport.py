@@ -45,7 +45,9 @@ estimate, not a bound: the shard's work and the raw side's echo need not add up
 exactly). A psgd/raw above 1 (psgd doing more work, faster) says the machine's speed
 changed within a pair of sections: the benchmark says so. The
 last line is one JSON object: `ratio` (psgd / raw throughput at 16 MiB, 1 worker, 1
-shard), `latency_ratio` (psgd / raw round trip at 64 KiB, 1 worker, 1 shard),
+shard), `latency_ratio` (psgd / raw round trip at 64 KiB, 1 worker, 1 shard), each the
+median over the pairs of sections of that pair's ratio (since 2026-12-05; before, the
+median psgd section over the median raw one),
 `ratio_ceiling` (the ceiling of `ratio`) and every measured row.
 """
 from __future__ import annotations
@@ -350,6 +352,12 @@ def measure(pool: Pool, workers: list[int], size: int, repeats: int, seconds: fl
                                    "rtt_ms": 1e3 * statistics.median(r["median_s"] for r in got.values()),
                                    "wire_per_step": sum(r["wire"] for r in got.values()) / steps,
                                    "steps": steps // w, "retries": sum(r["retries"] for r in got.values())})
+        # The ratios of each pair of sections, taken in turn, then their median (as
+        # bench/throughput.py's): the medians of the two sides apart could come from
+        # different pairs, and a drift of the machine's speed within a run lands in them.
+        pairs = list(zip(runs["psgd"], runs["raw"], strict=True))
+        ratios = {"ratio": statistics.median(p["GBps"] / r["GBps"] for p, r in pairs),
+                  "rtt_ratio": statistics.median(p["rtt_ms"] / r["rtt_ms"] for p, r in pairs)}
         out[w] = {}
         for name, rs in runs.items():
             rs.sort(key=lambda r: r["GBps"])
@@ -357,6 +365,7 @@ def measure(pool: Pool, workers: list[int], size: int, repeats: int, seconds: fl
             best["rtt_ms"] = statistics.median(r["rtt_ms"] for r in rs)
             out[w][name] = best
         out[w]["psgd"]["busy_ms"] = statistics.median(busy)
+        out[w].update(ratios)
     return out
 
 
@@ -393,12 +402,13 @@ def main() -> None:
                 if p["GBps"] > r["GBps"]:
                     progress(f"{label(size)}, {shards} shard(s), {w} worker(s): psgd faster than raw pyzmq, which "
                              f"does less: the machine's speed changed within a pair of sections; run again")
-                rows.append([label(size), shards, w, r["GBps"], p["GBps"], p["GBps"] / r["GBps"],
+                rows.append([label(size), shards, w, r["GBps"], p["GBps"], got[w]["ratio"],
                              "" if ceiling is None else ceiling, r["rtt_ms"], p["rtt_ms"], shard_ms,
                              f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"], p["steps"]])
                 records.append({"bytes": size, "shards": shards, "workers": w,
                                 "raw_GBps": round(r["GBps"], 4), "psgd_GBps": round(p["GBps"], 4),
                                 "raw_rtt_ms": round(r["rtt_ms"], 4), "psgd_rtt_ms": round(p["rtt_ms"], 4),
+                                "ratio": round(got[w]["ratio"], 4), "rtt_ratio": round(got[w]["rtt_ratio"], 4),
                                 "shard_busy_ms": round(shard_ms, 4),
                                 "ceiling": None if ceiling is None else round(ceiling, 4),
                                 "raw_wire_per_step": round(r["wire_per_step"]),
@@ -419,18 +429,14 @@ def main() -> None:
                 "over sections); ceiling = raw / (raw + busy), an estimate of the most psgd/raw can be with one "
                 "worker, which waits for that work)"))
 
-    def pick(size: int, key: str):
-        for r in records:
-            if r["bytes"] == size and r["shards"] == 1 and r["workers"] == 1:
-                return r[f"psgd_{key}"], r[f"raw_{key}"]
-        return None, None
+    def pick(size: int) -> dict:
+        return next((r for r in records if r["bytes"] == size and r["shards"] == 1 and r["workers"] == 1), {})
 
-    p16, r16 = pick(16 << 20, "GBps")
-    p64, r64 = pick(64 << 10, "rtt_ms")
-    ceiling = next((r["ceiling"] for r in records if r["bytes"] == 16 << 20 and r["shards"] == 1 and r["workers"] == 1),
-                   None)
-    emit_json({"bench": "transport", "ratio": round(p16 / r16, 4) if p16 else None,
-               "latency_ratio": round(p64 / r64, 4) if p64 else None, "ratio_ceiling": ceiling,
+    at16, at64 = pick(16 << 20), pick(64 << 10)
+    p16, r16 = at16.get("psgd_GBps"), at16.get("raw_GBps")
+    p64, r64 = at64.get("psgd_rtt_ms"), at64.get("raw_rtt_ms")
+    emit_json({"bench": "transport", "ratio": at16.get("ratio"), "latency_ratio": at64.get("rtt_ratio"),
+               "ratio_ceiling": at16.get("ceiling"),
                "psgd_GBps_16MiB": p16, "raw_GBps_16MiB": r16, "psgd_rtt_ms_64KiB": p64, "raw_rtt_ms_64KiB": r64,
                "mode": "async", "repeats": a.repeats, "seconds": a.seconds, "rows": records})
 

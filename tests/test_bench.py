@@ -133,9 +133,11 @@ def test_throughput_part_that_fails_leaves_the_others_measured() -> None:
 def test_throughput_pins_a_baseline_only_where_psgds_processes_are_pinned() -> None:
     """`--pin-cpus` on two CPUs: psgd's W = 1 S = 1 jobs fit (one CPU each), so the plain
     loop is pinned too; psgd's W = 2 S = 1 job does not (three processes), so DDP's two
-    ranks are not (pinned against psgd unpinned, DDP had an edge of its own)."""
+    ranks are not (pinned against psgd unpinned, DDP had an edge of its own). The plain
+    loop goes on the CPU of psgd's worker (a review: it took the first CPU of the order,
+    where psgd puts its shard)."""
     patch = ("import os, sys\nos.sched_getaffinity = lambda pid: {0, 1}\n"
-             "def loops(sets, world, steps, device, backend, warmup, pin=False):\n"
+             "def loops(sets, world, steps, device, backend, warmup, pin=None):\n"
              "    print('baseline', world, pin, file=sys.stderr)\n    return 100.0\n"
              "def ours(sets, work, name, warmup, device):\n"
              "    print('psgd', name, 'cluster.pin_cpus=true' in sets, file=sys.stderr)\n    return 50.0\n"
@@ -143,7 +145,7 @@ def test_throughput_pins_a_baseline_only_where_psgds_processes_are_pinned() -> N
     r = _main_with("throughput", patch, ["--parts", "ddp,local", "--models", "mlp", "--repeats", "1", "--pin-cpus"])
     assert r.returncode == 0, r.stdout + r.stderr
     said = {line for line in r.stderr.splitlines() if line.startswith(("baseline", "psgd "))}
-    assert said == {"baseline 2 False", "baseline 1 True", "psgd vs_ddp_small True", "psgd vs_local True"}, said
+    assert said == {"baseline 2 None", "baseline 1 [1]", "psgd vs_ddp_small True", "psgd vs_local True"}, said
     assert json.loads(r.stdout.splitlines()[-1])["pin_cpus"] is True
 
 
@@ -154,7 +156,7 @@ def test_throughput_flushes_denormals_on_both_sides_or_on_neither(flag, flushed)
     """Its baselines and psgd's jobs take one config, so one `train.flush_denormal`: the
     plain loop computed on denormals that psgd's shorter runs never reached."""
     patch = ("import sys\n"
-             "def loops(sets, world, steps, device, backend, warmup, pin=False):\n"
+             "def loops(sets, world, steps, device, backend, warmup, pin=None):\n"
              "    print('baseline', 'train.flush_denormal=false' not in sets, file=sys.stderr)\n    return 100.0\n"
              "def ours(sets, work, name, warmup, device):\n"
              "    print('psgd', 'train.flush_denormal=false' not in sets, file=sys.stderr)\n    return 50.0\n"

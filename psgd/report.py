@@ -559,8 +559,19 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
     target = one_target(folders, [_target(c, rs) for c, rs in zip(ctxs, per_folder, strict=True)])
     tags = setup_tags(folders, ctxs)
     results = []
+    seen: dict[tuple, str] = {}
     for folder, rs, tag in zip(folders, per_folder, tags, strict=True):
         for r in rs:
+            # The same configuration, setup and seed in two folders is one run twice, not two
+            # repeats (a review: seed 42's runs of two folders made a row of "2 repeats", sd 0,
+            # and the report ranked what that sd could not tell apart).
+            key = (r.get("label"), r.get("workers"), tag, bool(r.get("simulated")), r.get("setup"), r.get("seed"))
+            if r.get("seed") is not None and not r.get("error"):
+                if key in seen and seen[key] != folder:
+                    raise ReportError(f"{seen[key]} and {folder} both hold {r.get('label')} with {r.get('workers')} "
+                                      f"workers and seed {r.get('seed')} under one setup: one run twice, not two "
+                                      f"repeats; merge folders of other seeds (psgd compare --repeats, --set job.seed)")
+                seen[key] = folder
             if r.get("dir"):
                 r = {**r, "dir": os.path.relpath(os.path.join(folder, r["dir"]), out)}
             if tag:   # (a run of a merged folder keeps its own tag after its folder's)

@@ -487,9 +487,11 @@ def sync_sweep_first(row: Row, rows: list[Row]) -> Row | None:
 
 def correlation_rows(rows: list[Row]) -> list[Row]:
     """The rows a staleness correlation may use: read-push staleness (READ_PUSH_MODES),
-    measured, and at least MIN_REPEATS successful runs. Fewer than MIN_POINTS: none."""
+    measured, at least MIN_REPEATS successful runs, and none failed (a row that lost
+    repeats has its survivors' means, which the report ranks nowhere else). Fewer than
+    MIN_POINTS: none."""
     ok = [r for r in rows if r.mode in READ_PUSH_MODES and r.hist and len(r.runs) >= MIN_REPEATS
-          and len(r.acc) == len(r.runs)]
+          and len(r.acc) == len(r.runs) and not r.errors]
     return ok if len(ok) >= MIN_POINTS else []
 
 

@@ -21,8 +21,8 @@ MARK_NOTE = (f"{MARK} Not a resolved time: the target was first seen by a score 
 
 
 TIE_MARK = "≈"
-TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two times to the target are equal or within two run-to-run "
-            f"sds of each other.")
+TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two times to the target are equal, within two run-to-run "
+            f"sds of each other, or less than one evaluation period apart.")
 
 
 THROUGHPUT_TIE_NOTE = (f"{TIE_MARK} Not told apart from 1×: the two throughputs are equal or within two "
@@ -116,9 +116,13 @@ def _speedup_cell(row: Row, ref: Row | None, period: float | None) -> str:
     if v is None:
         return times(v)
     why = tie_reason(row.ttt, ref.ttt) if ref is not None and ref is not row else None
+    # (times less than one evaluation period apart are not told apart either, as the reading
+    # says of them: "1.73x" stood unmarked beside "not told apart: less than one period apart")
+    near = (ref is not None and ref is not row and bool(period) and row.ttt_mean is not None
+            and ref.ttt_mean is not None and abs(row.ttt_mean - ref.ttt_mean) < (period or 0.0))
     marks = ([] if row.ttt_resolved(period) and ref is not None and ref.ttt_resolved(period) else [MARK]) + \
             ([FAILED_MARK] if row.errors or (ref is not None and ref.errors) else []) + \
-            ([TIE_MARK] if why is not None and why != ONCE else [])
+            ([TIE_MARK] if why is not None and why != ONCE or near else [])
     return " ".join([times(v)] + marks)
 
 

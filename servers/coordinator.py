@@ -763,10 +763,10 @@ class Coordinator:
             self.phase = "settling"
 
     def _finish_job(self) -> None:
-        self._credit_gone()   # (first: the counts the scores settle on hold what it credits)
         for waiting in self.counting:   # those never heard from again keep their counts before the score
             self._counted(*waiting)
         self.counting = []
+        self._credit_gone()
         total = self.samples()
         for e in self.evals:   # read once every worker was done: the job's count, a lost rank's credited steps too
             if e["final"]:     # (it settled at its arrival, before they were credited: below summary.json's samples)

@@ -133,3 +133,32 @@ def test_a_final_accuracy_of_some_repeats_only_says_so():
     rows = build_rows(results)
     assert "0.9500 (1/3 scored)" in "\n".join(main_table(rows, 0.9, 0.5))
     assert "Final accuracy of the repeats with a final score only: **sync** (1 of 3)." in told(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_speedup_of_times_less_than_one_evaluation_period_apart_is_marked_as_a_tie():
+    """A review: the table's "1.73×" stood unmarked while the reading said the same two
+    times were "not told apart: less than one evaluation period apart"."""
+    from psgd.report_tables import TIE_MARK, main_table
+    results = [run("sync", "sync", repeat=k, ttt=9.0 + k / 100, wall=30.0, eval_every_s=5.0) for k in range(3)]
+    results += [run("async", "async", repeat=k, ttt=5.2 + k / 100, wall=30.0, eval_every_s=5.0) for k in range(3)]
+    line = next(x for x in main_table(build_rows(results), 0.9, 5.0) if x.startswith("| async"))
+    assert f"1.73× {TIE_MARK}" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_merge_of_two_folders_with_the_same_runs_and_seeds_is_refused(tmp_path, capsys):
+    """A review: two folders of one setup, each with seed 42's sync and async, merged into
+    rows of "2 repeats" with an sd of 0, and the report ranked them."""
+    import json
+
+    from psgd.report import main
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        results = [{**run(m, m, ttt=2.0, sps=s), "seed": 42} for m, s in (("sync", 5000.0), ("async", 5200.0))]
+        (tmp_path / name / "compare.json").write_text(json.dumps(results))
+    assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "both hold sync with 2 workers and seed 42 under one setup: one run twice" in capsys.readouterr().err
+    other = [{**r, "seed": 43} for r in json.loads((tmp_path / "b" / "compare.json").read_text())]
+    (tmp_path / "b" / "compare.json").write_text(json.dumps(other))
+    assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0

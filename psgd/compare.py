@@ -813,12 +813,17 @@ def main(args) -> int:
         lock.close()
 
 
+EARLIER = "earlier"   # OUT/earlier/: an earlier comparison's report, plots, compare.json and tb/ (`hold_output`)
+
+
 def hold_output(out: str, command: str) -> IO:
     """OUT is this command's until it returns (an exclusive lock on OUT/.compare.lock);
     another psgd compare or psgd simulate writing there now is refused: it would remove
     the run folders of this one while its jobs write them. An earlier comparison's
     report, plots and compare.json are removed (they would stand beside this one's, and a
-    rebuilt report read its compare.json as this one's), and said so; its run folders
+    rebuilt report read its compare.json as this one's): they are moved to OUT/earlier/,
+    replacing what an older comparison left there (they were deleted before this one had
+    run anything, and a Ctrl-C then left neither report), and said so; its run folders
     stay, replaced where this plan runs the same configuration."""
     from .launcher import hold
     lock = hold(os.path.join(out, COMPARE_LOCK))
@@ -831,13 +836,16 @@ def hold_output(out: str, command: str) -> IO:
     if not os.path.exists(os.path.join(out, "compare.json")):
         earlier = []   # not a comparison's folder: nothing of it is psgd's to remove
     if earlier:
+        kept = os.path.join(out, EARLIER)
         print(f"{command}: {out} held an earlier comparison: its report, plots, compare.json (its runs' "
-              f"summaries) and TensorBoard runs (tb/) are replaced; its run folders stay where this one does not "
-              f"run the same configuration", file=sys.stderr, flush=True)
+              f"summaries) and TensorBoard runs (tb/) are moved to {kept}/; its run folders stay where this one does "
+              f"not run the same configuration", file=sys.stderr, flush=True)
+        shutil.rmtree(kept, ignore_errors=True)
+        os.makedirs(kept)
         # (tensorboard --logdir OUT/tb showed the earlier plan's curves beside this one's)
-        shutil.rmtree(os.path.join(out, "tb"), ignore_errors=True)
-    for path in earlier:
-        os.unlink(path)
+        for path in earlier + [p for p in [os.path.join(out, "tb"), os.path.join(out, "compare-context.json")]
+                               if os.path.exists(p)]:
+            os.replace(path, os.path.join(kept, os.path.basename(path)))
     return lock
 
 

@@ -74,8 +74,12 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     assert [e["label"] for e in json.load(open(out / "compare.json"))] == ["sync"]
     err = capsys.readouterr().err
     assert ("held an earlier comparison: its report, plots, compare.json (its runs' summaries) and TensorBoard runs "
-            "(tb/) are replaced") in err
+            f"(tb/) are moved to {out / 'earlier'}/") in err
     assert not (out / "tb").exists()
+    # (a review: they were deleted before anything ran, and a Ctrl-C then left neither report)
+    assert sorted(os.listdir(out / "earlier")) == ["compare.json", "hyper_3.png", "report.md", "sweep_staleness.png",
+                                                   "tb"]
+    assert json.loads((out / "earlier" / "compare.json").read_text()) == [{"label": "earlier"}]
     assert "interrupted after 1 of 3 runs" in err
     assert not (out / ".compare.lock").exists() or hold(str(out / ".compare.lock")) is not None   # released
 

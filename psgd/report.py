@@ -200,8 +200,8 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
         lines += [*said, ""]
     b = ctx.get("baseline")
     if b:
-        if "steps" in varies or "seconds" in varies:
-            budget = "the budget of the largest run of its own folder"
+        if "steps" in varies or "seconds" in varies or ctx.get("baseline_budgets_differ"):
+            budget = "the budget of the largest run of its own folder (its row says its steps where they differ)"
         elif b.get("steps"):
             steps = job.get("steps")   # its folder's largest run: the baseline's steps over each worker's
             largest = b["steps"] // steps if steps and not b["steps"] % steps else max(workers) if workers else "?"
@@ -558,10 +558,17 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
         ctxs.append(ctx)
     target = one_target(folders, [_target(c, rs) for c, rs in zip(ctxs, per_folder, strict=True)])
     tags = setup_tags(folders, ctxs)
+    # Baselines of different budgets (folders of other --workers: W x train.steps) are no
+    # repeats of one another: each is a row of its own, tagged with its steps (a review:
+    # 200 and 800 steps made one row, whose sd was the budgets' difference).
+    budgets = [(c.get("baseline") or {}).get("steps") for c in ctxs]
+    budgets_differ = len({b for b in budgets if b is not None}) > 1
     results = []
     seen: dict[tuple, str] = {}
-    for folder, rs, tag in zip(folders, per_folder, tags, strict=True):
+    for folder, rs, tag, budget in zip(folders, per_folder, tags, budgets, strict=True):
         for r in rs:
+            if budgets_differ and r.get("mode") == "baseline" and budget is not None:
+                r = {**r, "setup": f"{r['setup']} {budget} steps" if r.get("setup") else f"{budget} steps"}
             # The same configuration, setup and seed in two folders is one run twice, not two
             # repeats (a review: seed 42's runs of two folders made a row of "2 repeats", sd 0,
             # and the report ranked what that sd could not tell apart).
@@ -589,6 +596,8 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
         if differs:
             ctx["simulated"] = {**models[0], "differs": differs, "per_folder": costs}
     ctx["merged_from"] = list(folders)
+    if budgets_differ:
+        ctx["baseline_budgets_differ"] = True
     # Each folder's interruption, said per folder: the first folder's context speaks for none but its own.
     ctx.pop("interrupted", None)
     ctx.pop("not_run", None)

@@ -162,3 +162,26 @@ def test_a_merge_of_two_folders_with_the_same_runs_and_seeds_is_refused(tmp_path
     other = [{**r, "seed": 43} for r in json.loads((tmp_path / "b" / "compare.json").read_text())]
     (tmp_path / "b" / "compare.json").write_text(json.dumps(other))
     assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_merge_keeps_baselines_of_different_budgets_apart(tmp_path):
+    """A review: folders of --workers 2 and --workers 8 merged their baselines (200 and 800
+    steps) into one row of "repeats", its sd the budgets' difference, and the header gave
+    the first folder's budget for both."""
+    import json
+
+    from psgd.report import main
+    for name, steps, w in (("a", 200, 2), ("b", 800, 8)):
+        (tmp_path / name).mkdir()
+        results = [{**run("baseline", "baseline", ttt=3.0, acc=0.80 if w == 2 else 0.95, workers=1), "seed": 0},
+                   {**run("sync", "sync", ttt=2.0, workers=w), "seed": 0}]
+        (tmp_path / name / "compare.json").write_text(json.dumps(results))
+        (tmp_path / name / "compare-context.json").write_text(json.dumps(
+            {"target_accuracy": 0.9, "workers": [w], "seeds": [0], "job": {"steps": 100},
+             "baseline": {"steps": steps, "samples": 32 * steps, "threads": 1}}))
+    assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    text = (tmp_path / "both" / "report.md").read_text()
+    names = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| baseline")}
+    assert names == {"baseline (sequential) [200 steps]", "baseline (sequential) [800 steps]"}, names
+    assert "the budget of the largest run of its own folder" in text

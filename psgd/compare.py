@@ -607,13 +607,20 @@ def run_one(run: Run, folder: str, device: str, timeout_s: float | None, prefix:
     # (an earlier comparison's of the same name stood there where this one failed)
     tb = os.path.join(os.path.dirname(os.path.dirname(folder)), "tb", os.path.basename(folder))
     shutil.rmtree(tb, ignore_errors=True)
-    if run.cfg.checkpoint.dir and not run.is_baseline:
+    if run.cfg.checkpoint.dir and not run.is_baseline and os.path.isdir(run.cfg.checkpoint.dir):
         # This run's own checkpoint folder (`build_plan`) outside its run folder: an
         # earlier comparison's run of the same name, interrupted, left its shards'
         # checkpoints there, and the launcher resumed them (this run's summary counted
-        # from the start of a job that began with that one's model).
-        for path in glob.glob(os.path.join(run.cfg.checkpoint.dir, "shard-*.pt*")):
-            os.unlink(path)
+        # from the start of a job that began with that one's model). Not while a job holds
+        # the folder (another comparison's run of that name): the launcher refuses the run.
+        from .launcher import LOCK_FILE, hold
+        lock = hold(os.path.join(run.cfg.checkpoint.dir, LOCK_FILE))
+        if lock is not None:
+            try:
+                for path in glob.glob(os.path.join(run.cfg.checkpoint.dir, "shard-*.pt*")):
+                    os.unlink(path)
+            finally:
+                lock.close()
     if run.is_baseline:
         from .baseline import run_baseline
         try:
@@ -820,11 +827,11 @@ def hold_output(out: str, command: str) -> IO:
     """OUT is this command's until it returns (an exclusive lock on OUT/.compare.lock);
     another psgd compare or psgd simulate writing there now is refused: it would remove
     the run folders of this one while its jobs write them. An earlier comparison's
-    report, plots and compare.json are removed (they would stand beside this one's, and a
-    rebuilt report read its compare.json as this one's): they are moved to OUT/earlier/,
-    replacing what an older comparison left there (they were deleted before this one had
-    run anything, and a Ctrl-C then left neither report), and said so; its run folders
-    stay, replaced where this plan runs the same configuration."""
+    report, plots, compare.json, context and tb/ are moved to OUT/earlier/ (beside this
+    one's, a rebuilt report read its compare.json as this one's; deleted, as they were,
+    before this one had run anything, a Ctrl-C then left neither report), replacing what
+    an older comparison left there, and said so; its run folders stay, replaced where this
+    plan runs the same configuration."""
     from .launcher import hold
     lock = hold(os.path.join(out, COMPARE_LOCK))
     if lock is None:
@@ -846,7 +853,24 @@ def hold_output(out: str, command: str) -> IO:
         for path in earlier + [p for p in [os.path.join(out, "tb"), os.path.join(out, "compare-context.json")]
                                if os.path.exists(p)]:
             os.replace(path, os.path.join(kept, os.path.basename(path)))
+        _runs_seen_from(os.path.join(kept, "compare.json"))
     return lock
+
+
+def _runs_seen_from(path: str) -> None:
+    """A compare.json moved one folder down (OUT/earlier/): its runs' folders, relative
+    to OUT, as seen from there (`../runs/...`), so that its rebuilt report finds those
+    that stay (README: the ones this comparison does not run again)."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(entries, list):
+        entries = [{**e, "dir": os.path.join("..", e["dir"])}
+                   if isinstance(e, dict) and isinstance(e.get("dir"), str) and not os.path.isabs(e["dir"]) else e
+                   for e in entries]
+        write_json_atomic(path, entries)
 
 
 @contextmanager

@@ -569,15 +569,17 @@ def merge(out: str, folders: list[str]) -> tuple[list[dict], dict]:
         for r in rs:
             if budgets_differ and r.get("mode") == "baseline" and budget is not None:
                 r = {**r, "setup": f"{r['setup']} {budget} steps" if r.get("setup") else f"{budget} steps"}
-            # The same configuration, setup and seed in two folders is one run twice, not two
-            # repeats (a review: seed 42's runs of two folders made a row of "2 repeats", sd 0,
-            # and the report ranked what that sd could not tell apart).
-            key = (r.get("label"), r.get("workers"), tag, bool(r.get("simulated")), r.get("setup"), r.get("seed"))
-            if r.get("seed") is not None and not r.get("error"):
+            # A simulation of one configuration, setup and seed in two folders is one run twice,
+            # not two repeats: its virtual clock and its model are the seed's (a review: seed
+            # 42's runs of two folders made a row of "2 repeats", sd 0, and the report ranked
+            # what that sd could not tell apart). Two real runs of one seed are two timings.
+            key = (r.get("label"), r.get("workers"), tag, r.get("setup"), r.get("seed"))
+            if r.get("simulated") and r.get("seed") is not None and not r.get("error"):
                 if key in seen and seen[key] != folder:
-                    raise ReportError(f"{seen[key]} and {folder} both hold {r.get('label')} with {r.get('workers')} "
-                                      f"workers and seed {r.get('seed')} under one setup: one run twice, not two "
-                                      f"repeats; merge folders of other seeds (psgd compare --repeats, --set job.seed)")
+                    raise ReportError(f"{seen[key]} and {folder} both hold the simulation of {r.get('label')} with "
+                                      f"{r.get('workers')} workers and seed {r.get('seed')} under one setup: one run "
+                                      f"twice, not two repeats; merge folders of other seeds (psgd simulate "
+                                      f"--repeats, --set job.seed)")
                 seen[key] = folder
             if r.get("dir"):
                 r = {**r, "dir": os.path.relpath(os.path.join(folder, r["dir"]), out)}

@@ -386,7 +386,7 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
     flat = tie_reason(top.sps, low.sps, amount) if low is not top else None
     if flat not in (None, "equal", ONCE) and _some_pair_ranks([r.sps for r in by_sps], amount):
         # The two ends tie only through one end's wide repeats (ssp 1,000-7,000): two others,
-        # 400 sds apart, were "not separated" too (a review). The pairs that rank are named.
+        # 400 sds apart, were "not separated" too (a review). The highest is named, with its ties.
         flat = None
     if low is top:   # one configuration: nothing to be highest among
         out.append(f"Throughput: {rname(top, many_w)} {amount(top_sps)} samples/s.")
@@ -410,7 +410,8 @@ def _throughput_sentences(dist: list[Row], base: Row | None, ctx: dict, many_w: 
         rest = [r for r in by_sps[1:] if r not in [x for x, _ in level]]
         # "lowest" only where the lowest is ranked below every other: no configuration that, like
         # it, ran once (ONCE) lies above it.
-        if low is not top and not any(tie_reason(low.sps, r.sps, amount) == ONCE for r in rest):
+        # (nor where the lowest is not told apart from the highest: the sentence named it so already)
+        if low is not top and low in rest and not any(tie_reason(low.sps, r.sps, amount) == ONCE for r in rest):
             # (one not told apart from the highest may not be told apart from the lowest either:
             # easgd 2,259 ± 352, sync 1,948 ± 936, async 1,282 ± 79 -- async is not below sync)
             near = [(r, why) for r in by_sps[1:] if r is not low and (why := tie_reason(low.sps, r.sps, amount))]

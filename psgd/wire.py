@@ -443,4 +443,5 @@ class ServerFault(RemoteError):
 
 class BadAnswer(RemoteError):
     """The peer's answer to a request could not be read here (larger than this side's
-    limit, `MAX_MESSAGE`, or garbled): sent again, it would be answered the same."""
+    limit, `MAX_MESSAGE`, or malformed, its header naming the request): sent again, it
+    would be answered the same."""

@@ -485,3 +485,22 @@ def test_a_refused_downpour_sum_goes_again_with_the_next_gradient_at_its_clock(p
     computed = w.calls
     torch.testing.assert_close(w.client.pushed_sum, w.direction * (sum(range(1, computed + 1)) - sum(lost)))
     assert len(w.lines) == steps and w.hist.total == 3
+
+
+def test_a_refused_compressed_downpour_sum_is_not_accrued_again():
+    """A later review: with wire.compression the residual took the sum in as it was
+    encoded; accrued again, the refused sum would go twice (what a refused compressed push
+    carried is lost, as README says)."""
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": 9, "mode.n_push": 3,
+                              "wire.compression": "topk"})
+    w = FakeTrainer(cfg)
+    w.client.refuse = {2}
+    schedule = get_mode("async").schedule(cfg)
+    schedule.start(w)
+    while w.clock < 9:
+        with contextlib.suppress(wire.Refused):
+            schedule.step(w)
+    schedule.finish(w)
+    assert [c for c, _ in pushes(w)] == [4, 7, 8]
+    torch.testing.assert_close(w.client.pushed_sum, w.direction * sum(range(4, w.calls + 1)))

@@ -197,9 +197,19 @@ def test_a_run_does_not_resume_the_checkpoints_an_earlier_comparisons_run_left(t
     (tmp_path / "ck" / "notes.txt").write_text("the user's")
     seen = []
     monkeypatch.setattr(psgd.launcher, "run_local", lambda cfg, out, **k: seen.append(
-        sorted(os.listdir(cfg.checkpoint.dir))) or {"samples": 1})
+        sorted(f for f in os.listdir(cfg.checkpoint.dir) if f.startswith("shard-"))) or {"samples": 1})
     assert run_one(run, str(tmp_path / "runs" / run.name), "cpu", None) == {"samples": 1}
     assert seen == [[]] and (tmp_path / "ck" / "notes.txt").exists()
+    # not while a job holds that folder (another comparison's run of that name, under way): its
+    # checkpoints are its own, and the launcher refuses this run (a later review: they went first)
+    from psgd.launcher import LOCK_FILE, hold
+    (tmp_path / "ck" / run.name / "shard-0.pt").write_text("a running job's")
+    lock = hold(str(tmp_path / "ck" / run.name / LOCK_FILE))
+    try:
+        run_one(run, str(tmp_path / "runs" / run.name), "cpu", None)
+    finally:
+        lock.close()
+    assert (tmp_path / "ck" / run.name / "shard-0.pt").exists()
 
 
 @pytest.mark.timeout(30)

@@ -51,7 +51,8 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     out = tmp_path / "cmp"
     out.mkdir()
     for name in ("compare.json", "report.md", "sweep_staleness.png", "hyper_3.png", "holiday.png"):   # earlier
-        (out / name).write_text('[{"label": "earlier"}]' if name.endswith(".json") else "old")
+        (out / name).write_text('[{"label": "earlier", "dir": "runs/sync-w2-r0"}]' if name.endswith(".json")
+                                else "old")
     (out / "tb" / "old-run").mkdir(parents=True)   # an earlier plan's TensorBoard run (a review: it stayed)
     calls, seen = [], []
 
@@ -79,7 +80,9 @@ def test_an_interrupted_compare_says_which_runs_did_not_run(tmp_path, monkeypatc
     # (a review: they were deleted before anything ran, and a Ctrl-C then left neither report)
     assert sorted(os.listdir(out / "earlier")) == ["compare.json", "hyper_3.png", "report.md", "sweep_staleness.png",
                                                    "tb"]
-    assert json.loads((out / "earlier" / "compare.json").read_text()) == [{"label": "earlier"}]
+    # (its runs' folders as seen from there: `python -m psgd.report OUT/earlier` finds those that stay)
+    assert json.loads((out / "earlier" / "compare.json").read_text()) == [{"label": "earlier",
+                                                                          "dir": "../runs/sync-w2-r0"}]
     assert "interrupted after 1 of 3 runs" in err
     assert not (out / ".compare.lock").exists() or hold(str(out / ".compare.lock")) is not None   # released
 

@@ -954,6 +954,8 @@ def test_one_noisy_configuration_does_not_hide_the_pairs_that_rank():
     text = told(results)
     assert "does not separate" not in text and "does not tell the configurations apart" not in text, text
     assert "Highest throughput: **sync** with 9,010 samples/s" in text, text
+    # (ssp, the lowest, is not told apart from sync: no "lowest: ssp" clause after saying so)
+    assert "lowest: **ssp**" not in sentence(text, "Highest throughput"), text
     assert "Final accuracy ranged from" in text
     # all alike but one wide: still not separated
     flat = [run(m, m, repeat=k, ttt=2.0, sps=(5000.0 + 10 * k) if m != "ssp" else (1000.0, 5000.0, 9000.0)[k])

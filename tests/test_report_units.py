@@ -147,20 +147,28 @@ def test_a_speedup_of_times_less_than_one_evaluation_period_apart_is_marked_as_a
 
 
 @pytest.mark.timeout(60)
-def test_a_merge_of_two_folders_with_the_same_runs_and_seeds_is_refused(tmp_path, capsys):
-    """A review: two folders of one setup, each with seed 42's sync and async, merged into
-    rows of "2 repeats" with an sd of 0, and the report ranked them."""
+def test_a_merge_of_two_folders_with_the_same_simulations_and_seeds_is_refused(tmp_path, capsys):
+    """A review: two folders of one setup, each with seed 42's simulated sync and async,
+    merged into rows of "2 repeats" with an sd of 0 (a simulation's clock and model are
+    its seed's), and the report ranked them. Real runs of one seed are two timings: the
+    compares of one mode each, merged, keep both baselines (a later review)."""
     import json
 
     from psgd.report import main
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        results = [{**run(m, m, ttt=2.0, sps=s), "seed": 42} for m, s in (("sync", 5000.0), ("async", 5200.0))]
+        results = [{**run(m, m, ttt=2.0, sps=s), "seed": 42, "simulated": True}
+                   for m, s in (("sync", 5000.0), ("async", 5200.0))]
         (tmp_path / name / "compare.json").write_text(json.dumps(results))
     assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 2
-    assert "both hold sync with 2 workers and seed 42 under one setup: one run twice" in capsys.readouterr().err
+    assert ("both hold the simulation of sync with 2 workers and seed 42 under one setup: one run twice"
+            in capsys.readouterr().err)
     other = [{**r, "seed": 43} for r in json.loads((tmp_path / "b" / "compare.json").read_text())]
     (tmp_path / "b" / "compare.json").write_text(json.dumps(other))
+    assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    for name, mode in (("a", "sync"), ("b", "async")):   # real: a compare of each mode, each with its baseline
+        results = [{**run("baseline", "baseline", ttt=3.0, workers=1), "seed": 42}, {**run(mode, mode), "seed": 42}]
+        (tmp_path / name / "compare.json").write_text(json.dumps(results))
     assert main([str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
 
 

@@ -291,6 +291,25 @@ def test_a_lost_answer_is_a_deadlock_reported_with_or_without_the_evaluator(monk
 
 
 @pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_a_lost_outcome_that_ltfb_followers_wait_for_is_a_deadlock_not_a_run_forever(monkeypatch):
+    """A review: a wait with a cancel condition asked it every 0.2 virtual s, for good: a
+    group leader's lost outcome left its follower waiting, and the run went on past 3.1M
+    events instead of saying it was stuck."""
+    from psgd.shard import Shard
+    from psgd.sim.run import Deadlock
+    put = Shard.on_put_model
+
+    def loses_the_outcome(self, token, msg):
+        return [] if int(msg.get("round")) < 0 else put(self, token, msg)
+    monkeypatch.setattr(Shard, "on_put_model", loses_the_outcome)
+    cfg = load(None, ["sim.train=false", "train.steps=20", "cluster.workers=2", "mode.name=ltfb",
+                      "mode.trainer_size=2", "mode.round_steps=5", "sim.compute_s=0.001"])
+    with pytest.raises(Deadlock, match="deadlocked"):
+        Simulation(cfg, 0.001).run()
+
+
+@pytest.mark.inprocess
 @pytest.mark.timeout(120)
 def test_a_bug_in_a_shard_fails_its_run_and_the_plan_goes_on(tmp_path, monkeypatch):
     """A handler's exception is an `internal` error reply, as from a real shard; the worker

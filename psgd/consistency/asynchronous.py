@@ -181,11 +181,17 @@ class AsyncSchedule(SspSchedule):
         refused gradients (`own_update`) is replaced at the next step (a fetch falls due);
         with n_push > 1 the refused sum is accrued again, and the next step pushes it with
         its own gradient at the refused clock (only the gradient of the step that a
-        prefetched refusal interrupted is lost, as a single step's is)."""
+        prefetched refusal interrupted is lost, as a single step's is; with
+        `wire.compression`, whose residual took the sum in as it was encoded, the sum is
+        not accrued again; the sum pushed by `finish` at the budget's end is not tried
+        again either)."""
         super().refused(w, clock)
         self.since_fetch = max(self.since_fetch, self.n_fetch - 1)
-        if self.inflight_sum is not None:
-            self.accrued, self.since_push, self.inflight_sum = self.inflight_sum, self.n_push - 1, None
+        if self.inflight_sum is not None and w.cfg.wire.compression == "none":
+            # (compressed, the sum's residual already took it in: accrued again, it would go twice;
+            # what the refused push carried is lost, as README says of a refused compressed push)
+            self.accrued, self.since_push = self.inflight_sum, self.n_push - 1
+        self.inflight_sum = None
 
     def accrue(self, grads: list) -> list:
         """Add this step's gradient tables to the accrued sum (kept apart from the gather
@@ -217,6 +223,7 @@ class AsyncSchedule(SspSchedule):
             if self.inflight_clock is not None:
                 self.refused(w, self.inflight_clock)
             raise
+        self.inflight_sum = None   # (answered: not kept for a retry)
         extra = {"pushed": False}
         if pushed:
             self.last_tau, dropped, theirs = counted(w, pushed)

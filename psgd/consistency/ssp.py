@@ -71,9 +71,9 @@ class SspRule(ServerRule):
         """tau: the updates since the push's read, less the worker's own pushes applied
         since then where its copy holds them (`holds_own`): those are not stale (Zhang et
         al. 2016 and Zheng et al. 2017 count the updates the gradient's model lacks). So
-        one worker's pushes have tau = 0 whatever it reads, and `lr_policy = "staleness"`
-        scales a push by the other workers' updates only. (ssp's cache counted the
-        worker's own pushes since its last pull: tau 0, 1, 2 for one worker.)"""
+        one worker's pushes have tau = 0 whatever it reads, and async's `lr_policy =
+        "staleness"` scales a push by the other workers' updates only. (ssp's cache
+        counted the worker's own pushes since its last pull: tau 0, 1, 2 for one worker.)"""
         if not self.holds_own():
             return e.tau
         read = self.tables.version - e.tau

@@ -187,6 +187,7 @@ class Simulation:
                                           min(cfg.train.batch_size, len(part))))
         self.live: dict[int, int] = {r: 0 for r in range(W)}
         self.cancellable: dict[int, SimWorker] = {}   # rank -> a worker whose wait has a cancel condition
+        self.polls_pending = 0   # the asks of those conditions in the loop (`poll_cancel`): no other event is stuck
         self.evals: list[dict] = []
         self.log: list[dict] = []    # the coordinator's events
         self.events_dir = ""         # where the workers' event logs go while the run writes them (`spill`)
@@ -379,6 +380,7 @@ class Simulation:
     def poll_cancel(self, w: SimWorker, f: Any, n: int) -> None:
         """The n-th ask of a waiting worker's cancel condition (`SimClient.finish`): it
         wakes to ask it, unless its wait ended or was asked again since."""
+        self.polls_pending -= 1
         if f.waiting and f.polls == n and w.blocked_on is f:
             self.wake(w)
 
@@ -408,7 +410,7 @@ class Simulation:
             self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
             self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
                                   **({"final": True} if final else {})})
-        if not final and len(self.loop):  # with nothing else to come the workers are stuck: `run` says so
+        if not final and len(self.loop) > self.polls_pending:  # nothing else to come: stuck; `run` says so
             due = self.loop.now + self.cfg.eval.every_seconds
             self.loop.at(max(due, self.loop.next_at() or due) if unchanged else due, self.evaluate, False)
 

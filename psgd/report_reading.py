@@ -172,10 +172,10 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
     # sooner than every configuration (a review: async at 1.5 s in 2 of 3 repeats was left out).
     partly = [r for r in dist if r.ttt and r.ttt_mean is None]
     base_t = base.resolved_ttt_mean(period) if base is not None else None
+    among = ", of the configurations whose time is resolved" if unranked or lost or partly else ""
     if len(ranked) > 1 and unmeasured([r.ttt for _, r in ranked]):
         # Every resolved configuration ran once: their times are stated, in the rows' order, not ranked.
         best_t, best = ranked[0]
-        among = ", of the configurations whose time is resolved" if unranked or lost or partly else ""
         out.append(f"Time to {target:g} test accuracy{among}: "
                    + ", ".join(f"{rname(r, many_w)} {secs(t)} s" for r in dist for t, x in ranked if x is r)
                    + f" ({ONCE}).")
@@ -191,7 +191,6 @@ def _time_sentences(dist: list[Row], base: Row | None, target: float, period: fl
         sooner, sooner_partly = ([r for r in rows if (bound := mean(r.ttt) or 0.0) < best_t
                                   and not (period and best_t - bound < period)
                                   and tie_reason(r.ttt, best.ttt) in (None, ONCE)] for rows in (unranked, partly))
-        among = ", of the configurations whose time is resolved" if unranked or lost or partly else ""
         if sooner or sooner_partly:
             s = f"Shortest resolved time to {target:g} test accuracy: {rname(best, many_w)} after {secs(best_t)} s"
         elif len(ranked) == 1 and (unranked or lost):

@@ -31,9 +31,11 @@
 #   4. bench/throughput.py's comparisons on the GPU, as two steps: psgd sync vs DDP with NCCL
 #      (one GPU: one DDP rank, W=1; its `workers` is 1, not the CPU goal's W=2 figure), then
 #      psgd sync/async vs a plain loop
+#   5. bench/throughput.py's `overlap` part on the GPU: ResNet-20 sync W=1 S=2 with its pushes sent
+#      after backward, and from backward's hooks (`wire.overlap`), each against DDP with NCCL
 # $OUT holds four files, as few as the device tool brings back (8, none in subfolders deeper
 # than 2): gpu.txt; steps.log (every step's output, appended as each ends); results.json (the
-# steps that failed, the two runs' summary.json, the pinned-memory figures, the two
+# steps that failed, the two runs' summary.json, the pinned-memory figures, the three
 # throughput steps' JSON); runs.tar.gz (the run folders, made in a scratch folder, without
 # their .pt files).
 # Exit status: 2 if there is no usable GPU, 3 if PY cannot import torch, psgd or a dependency (all
@@ -141,11 +143,11 @@ cat "$OUT/gpu.txt" >&2
 
 # 2. The CUDA worker path, end to end.
 step run-mlp 60 "$PY" -m psgd run --device cuda --quiet --out "$WORK/runs/run-mlp" --set train.steps=300
-step run-resnet20 90 "$PY" -m psgd run --device cuda --quiet --out "$WORK/runs/run-resnet20" \
+step run-resnet20 80 "$PY" -m psgd run --device cuda --quiet --out "$WORK/runs/run-resnet20" \
     --set model.name=resnet20 --set data.name=synthetic --set "data.shape=[3,32,32]" --set train.steps=100
 
 # 3. Pinned host buffers: bandwidth, and psgd's replica uses them.
-step pinned 40 "$PY" - "$WORK/pinned.json" <<'EOF'
+step pinned 30 "$PY" - "$WORK/pinned.json" <<'EOF'
 import json, sys, time
 import torch
 from psgd.models import build_model
@@ -183,10 +185,13 @@ EOF
 # 4. The throughput comparisons on the GPU (NCCL allows one rank per GPU: W=1 here), in two
 #    steps: DDP with NCCL (the likeliest to hang, at its init) does not take the plain loop's
 #    comparisons down with it.
-step throughput-ddp 100 "$PY" -m bench.throughput --parts ddp --backend nccl --device cuda --workers 1 \
+step throughput-ddp 90 "$PY" -m bench.throughput --parts ddp --backend nccl --device cuda --workers 1 \
     --repeats 1 --keep "$WORK/runs/throughput-runs"
 step throughput-local 80 "$PY" -m bench.throughput --parts local,async --device cuda --repeats 1 \
     --keep "$WORK/runs/throughput-runs"
+# 5. Pushes from backward's hooks against pushes after it, on the GPU (last: the one never run there)
+step throughput-overlap 45 "$PY" -m bench.throughput --parts overlap --backend nccl --device cuda --workers 1 \
+    --repeats 1 --keep "$WORK/runs/throughput-runs"
 
 # What comes back: the figures in one JSON, the run folders in one archive.
 if ! timeout 20 "$PY" - "$OUT/results.json" "$WORK" "${failed[@]}" <<'EOF'
@@ -220,7 +225,8 @@ out = {"failed": failed,
        "run-resnet20": read_json(os.path.join(work, "runs", "run-resnet20", "summary.json")),
        "pinned": read_json(os.path.join(work, "pinned.json")),
        "throughput-ddp": last_json_line(os.path.join(work, "logs", "throughput-ddp.log")),
-       "throughput-local": last_json_line(os.path.join(work, "logs", "throughput-local.log"))}
+       "throughput-local": last_json_line(os.path.join(work, "logs", "throughput-local.log")),
+       "throughput-overlap": last_json_line(os.path.join(work, "logs", "throughput-overlap.log"))}
 with open(path, "w") as f:
     json.dump(out, f, indent=1)
 EOF

@@ -33,6 +33,12 @@ their shard over ZeroMQ only (`cluster.local_lane = false`; the JSON's `local_la
 Each ratio: the repeats (`--repeats`, 3) run psgd and its baseline interleaved, and the
 ratio is the median of the repeats' own ratios (the baseline's runs are not set apart
 from psgd's, so the machine's drifting load hits both alike).
+- `overlap`: psgd `sync` of ResNet-20 with 2 shards, its pushes sent after backward and
+  from backward's hooks (`wire.overlap`), each against the same DDP runs as `ddp`
+  (`ratio_overlap_off`, `ratio_overlap_on`), and `overlap_gain`: the median over repeats
+  of the one's samples/s over the other's. The two differ as a user's two jobs do: with
+  `wire.overlap` the shard map places whole layers in order (ResNet-20's two shards hold
+  499 KB and 598 KB, against 548 KB each balanced).
 - `startup`: `psgd run` of the default job (evaluator on, `--device`): seconds from launching the
   command to the end of the first worker step (the earliest `t` in the worker event
   logs) (`startup_s`); also summary.json's own `startup_s` (to the start of training).
@@ -98,7 +104,7 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
 # (no shard checkpoints: the baselines write none, and a slow machine's ResNet-20 job wrote one
 # inside its timed window)
 COMMON = ["cluster.evaluator=false", "train.batch_size=32", "checkpoint.every_s=0"]
-PARTS = ("ddp", "local", "async", "startup", "phases")
+PARTS = ("ddp", "local", "async", "overlap", "startup", "phases")
 BACKENDS = ("gloo", "nccl")
 MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
 
@@ -519,6 +525,7 @@ def main() -> None:
             if i % 2 == 1:
                 baseline()
         base = statistics.median(base_runs)
+        runs_of[model] = ours_runs
         for key, label, _ in variants:
             ours = statistics.median(ours_runs[key])
             ratio = statistics.median(o / b for o, b in zip(ours_runs[key], base_runs, strict=True))
@@ -527,6 +534,7 @@ def main() -> None:
             result[f"ratio_{key}"] = round(ratio, 4)
 
     failed: dict[str, str] = {}
+    runs_of: dict[str, dict[str, list[float]]] = {}   # model -> variant -> its repeats' samples/s (`paired`)
 
     def part(name: str) -> contextlib.AbstractContextManager[None]:
         return reported(name, lambda error: failed.__setitem__(name, error))
@@ -550,6 +558,14 @@ def main() -> None:
         if local:   # one plain loop, shared by the three
             with part(",".join(p for p in ("local", "async") if p in parts)):
                 paired("mlp", 1, None, "plain loop", local)
+        if "overlap" in parts:
+            w, job = a.workers, ["mode.name=sync", f"cluster.workers={a.workers}", "cluster.servers=2"]
+            with part("overlap"):
+                paired("resnet20", w, a.backend, f"DDP {a.backend} W={w}",
+                       [("overlap_off", f"resnet20 sync W={w} S=2", [*job, "wire.overlap=false"]),
+                        ("overlap_on", f"resnet20 sync W={w} S=2 wire.overlap=true", [*job, "wire.overlap=true"])])
+                off, on = runs_of["resnet20"]["overlap_off"], runs_of["resnet20"]["overlap_on"]
+                result["overlap_gain"] = round(statistics.median(b / a_ for a_, b in zip(off, on, strict=True)), 4)
         if "startup" in parts:
             progress("startup: psgd run (default job)")
             with part("startup"):

@@ -473,7 +473,7 @@ def cmd_shards(args) -> int:
     cfg = _config(args, {"cluster.servers": args.servers})
     shape, classes = describe(cfg.data)
     model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
-    print(ShardMap.for_model(model, cfg.cluster.servers).describe())
+    print(ShardMap.for_model(model, cfg.cluster.servers, cfg.placement).describe())
     return 0
 
 

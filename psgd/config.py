@@ -197,6 +197,8 @@ class WireConfig:
                                # (the shards keep float32 master weights)
     compression: str = "none"  # pushed gradients: none | onebit | topk, with error feedback on the worker
     topk_fraction: float = 0.01  # topk: the share of a shard's gradient elements sent each push
+    overlap: bool = False      # sync: each shard's push leaves from backward's hooks once its layers' gradients
+                               # are made (the shard map then gives each shard a run of whole layers)
 
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -295,6 +297,12 @@ class Config:
 
     def coordinator_address(self) -> str:
         return f"tcp://{self.cluster.host}:{self.cluster.port}"
+
+    @property
+    def placement(self) -> str:
+        """The shard map's placement (psgd/sharding.py): whole layers in order where pushes
+        leave from backward's hooks (`wire.overlap`)."""
+        return "layers" if self.wire.overlap else "balanced"
 
     @property
     def mode_params(self) -> dict:
@@ -555,6 +563,12 @@ def validate(cfg: Config) -> None:
            f"wire.compression = {cfg.wire.compression} compresses pushed gradients, and mode {m.name}"
            f"{' with mode.trainer_size = 1' if m.name == 'ltfb' else ''} pushes none (it exchanges parameters): "
            f"set wire.compression = none")
+    _check(not cfg.wire.overlap or (m.name == "sync" and cfg.wire.compression == "none"),
+           f"wire.overlap pushes each shard's gradient while backward still runs: it is for mode sync with "
+           f"wire.compression = none, not {m.name}" + (f" with wire.compression = {cfg.wire.compression} (a push is "
+           f"encoded only once the whole gradient is known to be finite)" if cfg.wire.compression != "none" else "")
+           + (" (ssp and async overlap the push with the next step's compute: mode.prefetch)"
+              if m.name in ("ssp", "async") else ""))
     _check(m.strategy in ("pairwise", "truncation"),
            f"mode.strategy must be pairwise or truncation, got {m.strategy!r}")
     _check(m.truncation_k >= 1, f"mode.truncation_k must be >= 1, got {m.truncation_k}")

@@ -501,6 +501,9 @@ class Connection(Worker):
             self._report_end(problem)
             self.link.close()
             raise ConfigError(problem)
+        if cfg.wire.overlap:
+            self.note("wire.overlap: the training script runs backward before psgd.step, so each step's pushes "
+                      "leave after it, as without wire.overlap (the shards still place whole layers in order)")
         if self.user_optimizer is not None and not schedule.local_optimizer:
             self.note(f"mode {cfg.mode.name}: the shards run [optimizer]; the optimizer given to psgd.connect "
                       f"is not stepped")

@@ -146,16 +146,17 @@ def flat_layout(shard_map: ShardMap, num_shards: int) -> list[tuple[str, int]] |
 
 
 class Replica:
-    def __init__(self, model: nn.Module, num_shards: int, device: torch.device, flat: bool = False):
+    def __init__(self, model: nn.Module, num_shards: int, device: torch.device, flat: bool = False,
+                 placement: str = "balanced"):
         """`flat`: the model's trainable parameters are moved into one block, each shard's
         params table a slice of it (`flat_layout`), so that `load` writes a shard's answer
         with one copy, not a split and a copy per tensor. Only for a model that is psgd's
         own: a script's may hold its tensors (`.data`) elsewhere, which would stop being
-        the model's."""
+        the model's. `placement`: the shard map's (`Config.placement`)."""
         self.model = model.to(device)
         make_contiguous(self.model)
         self.device = device
-        self.map = ShardMap.for_model(self.model, num_shards)
+        self.map = ShardMap.for_model(self.model, num_shards, placement)
         # shard -> its params table as a view of the model's flat block (`flat`), where there is one
         self._flat = self._flatten(num_shards) if flat else {}
         self.tensors = model_tensors(self.model)
@@ -180,6 +181,9 @@ class Replica:
         # slot -> (its gradient tables, (parameter, its gradient's view in them) each) where backward
         # writes the gradients in place (`bind_grads`)
         self._bound: dict[int, tuple[list[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+        self._ready: Callable[[int], None] | None = None   # `arm`'s, while armed
+        self._counts = [0] * num_shards   # per shard, its trainable parameters that hooks count (`hook_backward`)
+        self._left = [0] * num_shards     # of them, those still to get this backward's gradient
 
     @torch.no_grad()
     def _flatten(self, num_shards: int) -> dict[int, torch.Tensor]:
@@ -231,6 +235,45 @@ class Replica:
             self._bound[slot] = (tables, views)
         return True
 
+    def hook_backward(self) -> None:
+        """Let backward tell when each shard's gradients are made (`wire.overlap`): a
+        hook on every trainable parameter, run once its gradient is accumulated, counts
+        down its shards'. `arm(ready)` before a backward has `ready(shard)` called as soon
+        as the last of the shard's parameters got its gradient, while backward goes on to
+        the layers before; `disarm` after it names the shards not called (one that holds
+        no parameter, or one of whose parameters got no gradient)."""
+        shards_of: dict[str, set[int]] = {}
+        for piece in self.map.pieces:
+            if piece.table == "params":
+                shards_of.setdefault(piece.name, set()).add(piece.shard)
+        self._counts = [0] * self.n
+        for shards in shards_of.values():
+            for i in shards:
+                self._counts[i] += 1
+        self._left = list(self._counts)
+        for name, p in self.trainable.items():
+            p.register_post_accumulate_grad_hook(functools.partial(self._made, tuple(sorted(shards_of[name]))))
+
+    def _made(self, shards: tuple[int, ...], _param: torch.Tensor) -> None:
+        ready = self._ready
+        if ready is None:
+            return
+        left = self._left
+        for i in shards:
+            left[i] -= 1
+            if left[i] == 0:
+                ready(i)
+
+    def arm(self, ready: Callable[[int], None]) -> None:
+        """`ready(shard)` once each shard's gradients are made by the next backward (`hook_backward`)."""
+        self._left[:] = self._counts
+        self._ready = ready
+
+    def disarm(self) -> list[int]:
+        """The shards `arm`'s `ready` was not called for; no more calls."""
+        self._ready = None
+        return [i for i in range(self.n) if self._left[i] != 0 or self._counts[i] == 0]
+
     def clear_grads(self, slot: int = 0) -> None:
         """Before a step's backward: its gradients go into slot `slot`'s tables, zeroed
         (`bind_grads`), or, where they are not bound, start from none
@@ -270,10 +313,11 @@ class Replica:
             self._bufs[key] = (dev, host)
         return self._bufs[key]
 
-    def _tables(self, tensors: dict, table: str, tag: str) -> list[torch.Tensor]:
+    def _tables(self, tensors: dict, table: str, tag: str, shards: Iterable[int] | None = None) -> list[torch.Tensor]:
+        """Shard by shard (`shards`, every one by default), its `table` gathered from `tensors`."""
         tables = []
         bufs = self._bufs
-        for i in range(self.n):
+        for i in range(self.n) if shards is None else shards:
             pair = bufs.get((tag, i))
             dev, host = pair if pair is not None else self._buffers_for(tag, i, table)
             parts = [tensors[name].reshape(-1) if start is None else tensors[name].reshape(-1)[start:end]
@@ -298,31 +342,32 @@ class Replica:
     def params(self) -> list[torch.Tensor]:
         return self._tables(self.tensors, "params", "p")
 
-    def buffers(self, slot: int = 0) -> list[torch.Tensor]:
-        """`slot`: another set of buffers, for a second push in flight. A model without
-        buffers (an MLP) has only empty tables: made once, with nothing to gather each step."""
+    def buffers(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
+        """`slot`: another set of buffers, for a second push in flight; `shard`: that
+        shard's table only (a one-item list). A model without buffers (an MLP) has only
+        empty tables: made once, with nothing to gather each step."""
         if self._bufferless:
             tables = self._empty.get(slot)
             if tables is None:
                 tables = self._empty[slot] = self._gather_buffers(slot)
-            return tables
-        return self._gather_buffers(slot)
+            return tables if shard is None else [tables[shard]]
+        return self._gather_buffers(slot, shard)
 
     @_grad_off
-    def _gather_buffers(self, slot: int) -> list[torch.Tensor]:
-        return self._tables(self.tensors, "buffers", _tag("b", slot))
+    def _gather_buffers(self, slot: int, shard: int | None = None) -> list[torch.Tensor]:
+        return self._tables(self.tensors, "buffers", _tag("b", slot), None if shard is None else (shard,))
 
     @_grad_off
-    def grads(self, slot: int = 0) -> list[torch.Tensor]:
+    def grads(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
-        made dense: the tables are)"""
+        made dense: the tables are); `shard`: that shard's table only (a one-item list)."""
         bound = self._bound_tables(slot) if self._bound else None
         if bound is not None:
-            return bound
+            return bound if shard is None else [bound[shard]]
         tag = _tag("g", slot)
         tables = []
         strided = torch.strided
-        for i in range(self.n):
+        for i in range(self.n) if shard is None else (shard,):
             plan = self._gplans.get((tag, i))
             if plan is None:
                 plan = self._gplan(tag, i)

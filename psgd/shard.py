@@ -86,13 +86,13 @@ class Shard:
             if model is None:
                 shape, classes = describe(cfg.data)
                 model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
-            self.map = ShardMap.for_model(model, cfg.cluster.servers)
+            self.map = ShardMap.for_model(model, cfg.cluster.servers, cfg.placement)
             tensors = model_tensors(model)
             with torch.no_grad():
                 self.params = self.map.gather(tensors, index, "params").detach().clone()
                 self.buffers = self.map.gather(tensors, index, "buffers").detach().clone()
         else:
-            self.map = shard_map(tuple(layouts.entries(layout)), cfg.cluster.servers)
+            self.map = shard_map(tuple(layouts.entries(layout)), cfg.cluster.servers, cfg.placement)
             self.params = torch.zeros(self.map.size(index, "params"))
             self.buffers = torch.zeros(self.map.size(index, "buffers"))
         self.ready = layout is None       # has initial values (built, from a worker, or restored)

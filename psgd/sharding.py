@@ -10,6 +10,13 @@ communication:
 3. Pieces go largest-first onto the least-loaded shard by bytes; ties go to the lower
    shard index, and equal pieces are ordered by name and offset.
 
+That is the "balanced" placement. The "layers" placement (`wire.overlap`) keeps tensors
+whole and gives each shard a run of them in the model's order, the last layers on the
+last shard: backward makes the gradients of a shard's tensors one after the other, and
+the shard's push can leave as soon as they are made (DDP's buckets). Each tensor goes to
+the shard in whose share of the table its middle lies, so the shards are as even as
+whole tensors allow.
+
 On a shard, each table is one flat float32 vector: the shard's pieces in map order.
 `gather` builds that vector from a model's tensors; `scatter` writes it back.
 """
@@ -26,6 +33,7 @@ import torch
 
 MIN_CHUNK = 1024  # elements
 TABLES = ("params", "buffers")
+PLACEMENTS = ("balanced", "layers")
 
 
 @dataclass(frozen=True)
@@ -39,20 +47,44 @@ class Piece:
 
 
 class ShardMap:
-    def __init__(self, entries: Iterable[tuple[str, str, int]], num_shards: int):
-        """entries: (name, table, numel) in a fixed order (the model's)."""
+    def __init__(self, entries: Iterable[tuple[str, str, int]], num_shards: int, placement: str = "balanced"):
+        """entries: (name, table, numel) in a fixed order (the model's); placement: one of
+        PLACEMENTS (the module's docstring)."""
         if num_shards < 1:
             raise ValueError("num_shards must be >= 1")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.num_shards = num_shards
+        self.placement = placement
         entries = list(entries)
-        # what a checkpoint's tables are of (names, tables, sizes in order): a model changed
-        # since, its tables' sizes kept (a layer renamed), is told by it (Shard.state_dict)
-        self.digest = hashlib.sha256(repr([tuple(e) for e in entries]).encode()).hexdigest()[:16]
+        # what a checkpoint's tables are of (names, tables, sizes in order, and the placement where it is
+        # not the first one's): a model changed since, its tables' sizes kept (a layer renamed), is told
+        # by it (Shard.state_dict), and so are tables placed otherwise
+        what = repr([tuple(e) for e in entries]) + ("" if placement == "balanced" else f"/{placement}")
+        self.digest = hashlib.sha256(what.encode()).hexdigest()[:16]
         total = sum(n for _, _, n in entries)
         self.chunk = max(MIN_CHUNK, math.ceil(total / (4 * num_shards)))
+        assigned = (self._layers(entries, num_shards) if placement == "layers"
+                    else self._balanced(entries, num_shards, self.chunk))
+        order = {name: i for i, (name, _, _) in enumerate(entries)}
+        assigned.sort(key=lambda r: (r[4], TABLES.index(r[1]), order[r[0]], r[2]))
+        self.pieces: list[Piece] = []
+        self.sizes = {t: [0] * num_shards for t in TABLES}
+        for name, table, start, length, shard in assigned:
+            self.pieces.append(Piece(name, table, start, length, shard, self.sizes[table][shard]))
+            self.sizes[table][shard] += length
+        self._by: dict[tuple[int, str], list[Piece]] = {(s, t): [] for s in range(num_shards) for t in TABLES}
+        for piece in self.pieces:   # one pass (a scan per shard was O(shards x pieces))
+            self._by[(piece.shard, piece.table)].append(piece)
+
+    @staticmethod
+    def _balanced(entries: list[tuple[str, str, int]], num_shards: int,
+                  chunk: int) -> list[tuple[str, str, int, int, int]]:
+        """(name, table, start, length, shard) of every piece: tensors cut into chunks,
+        largest first onto the least-loaded shard."""
         raw = []
         for name, table, numel in entries:
-            parts = max(1, math.ceil(numel / self.chunk))
+            parts = max(1, math.ceil(numel / chunk))
             base, extra = divmod(numel, parts)
             start = 0
             for p in range(parts):
@@ -66,20 +98,22 @@ class ShardMap:
             load, shard = heapq.heappop(heap)
             assigned.append((name, table, start, length, shard))
             heapq.heappush(heap, (load + 4 * length, shard))
-        order = {name: i for i, (name, _, _) in enumerate(entries)}
-        assigned.sort(key=lambda r: (r[4], TABLES.index(r[1]), order[r[0]], r[2]))
-        self.pieces: list[Piece] = []
-        self.sizes = {t: [0] * num_shards for t in TABLES}
-        for name, table, start, length, shard in assigned:
-            self.pieces.append(Piece(name, table, start, length, shard, self.sizes[table][shard]))
-            self.sizes[table][shard] += length
-        self._by: dict[tuple[int, str], list[Piece]] = {(s, t): [] for s in range(num_shards) for t in TABLES}
-        for piece in self.pieces:   # one pass (a scan per shard was O(shards x pieces))
-            self._by[(piece.shard, piece.table)].append(piece)
+        return assigned
+
+    @staticmethod
+    def _layers(entries: list[tuple[str, str, int]], num_shards: int) -> list[tuple[str, str, int, int, int]]:
+        """The same, whole tensors in the model's order, each table cut into `num_shards`
+        runs (`runs_of`)."""
+        assigned = []
+        for table in TABLES:
+            named = [(name, numel) for name, t, numel in entries if t == table]
+            shards = runs_of([numel for _, numel in named], num_shards)
+            assigned += [(name, table, 0, numel, shard) for (name, numel), shard in zip(named, shards, strict=True)]
+        return assigned
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_shards: int) -> ShardMap:
-        return shard_map(tuple(model_entries(model)), num_shards)
+    def for_model(cls, model: torch.nn.Module, num_shards: int, placement: str = "balanced") -> ShardMap:
+        return shard_map(tuple(model_entries(model)), num_shards, placement)
 
     def pieces_of(self, shard: int, table: str) -> list[Piece]:
         return self._by[(shard, table)]
@@ -110,7 +144,9 @@ class ShardMap:
             dst.view(-1)[p.start:p.start + p.length].copy_(src.to(dst.dtype), non_blocking=True)
 
     def describe(self) -> str:
-        lines = [f"shard map: {self.num_shards} shard(s), chunk {self.chunk} elements"]
+        cut = (f"chunk {self.chunk} elements" if self.placement == "balanced"
+               else "whole tensors in the model's order (wire.overlap)")
+        lines = [f"shard map: {self.num_shards} shard(s), {cut}"]
         span = max((len(f"[{p.start}:{p.start + p.length}]") for p in self.pieces), default=0)   # one column
         for s in range(self.num_shards):
             lines.append(f"shard {s}: {self.bytes_per_shard()[s]:,} bytes "
@@ -122,17 +158,46 @@ class ShardMap:
         if empty:   # (their processes start and serve nothing: the only sign was "serving 0 values" in their logs)
             lines.append(f"{len(empty)} of the {self.num_shards} shards hold no part of the model "
                          f"({', '.join(map(str, empty))}): it is cut into only {len(self.pieces)} pieces (its tensors, "
-                         f"split into chunks of up to {self.chunk} elements); cluster.servers = "
+                         + (f"split into chunks of up to {self.chunk} elements" if self.placement == "balanced" else
+                            "kept whole by wire.overlap")
+                         + f"); cluster.servers = "
                          f"{self.num_shards - len(empty)} serves it with fewer processes")
         return "\n".join(lines)
 
 
+def runs_of(sizes: list[int], parts: int) -> list[int]:
+    """The part of each of `sizes`, cut in order into at most `parts` runs whose largest
+    sum is the least it can be (a binary search on it; each run filled up to it), and
+    into `parts` runs where there are as many sizes: none left empty."""
+    if not sizes:
+        return []
+    def needs(cap: int) -> int:   # the runs that filling each up to `cap` makes
+        count, load = 1, 0
+        for size in sizes:
+            if load and load + size > cap:
+                count, load = count + 1, 0
+            load += size
+        return count
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if needs(mid) <= parts else (mid + 1, hi)
+    out, part, load, taken = [], 0, 0, 0   # taken: the sizes in the current run
+    for k, size in enumerate(sizes):
+        if taken and (load + size > lo or len(sizes) - k <= parts - 1 - part):
+            part, load, taken = part + 1, 0, 0
+        out.append(part)
+        load += size
+        taken += 1
+    return out
+
+
 @functools.lru_cache(maxsize=8)
-def shard_map(entries: tuple[tuple[str, str, int], ...], num_shards: int) -> ShardMap:
+def shard_map(entries: tuple[tuple[str, str, int], ...], num_shards: int, placement: str = "balanced") -> ShardMap:
     """The ShardMap of `entries` over `num_shards`, one for every caller in a process (read
     only once built): a map holds O(num_shards), and psgd simulate's S shards and W
     workers each built their own (20,000 shards took 24 GB)."""
-    return ShardMap(entries, num_shards)
+    return ShardMap(entries, num_shards, placement)
 
 
 def model_entries(model: torch.nn.Module) -> list[tuple[str, str, int]]:

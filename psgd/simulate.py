@@ -134,7 +134,7 @@ def main(args) -> int:
     # (more workers than the training set has samples for, too), as psgd compare
     n = check_job(base, [run.cfg for run in plan])
     check_data(plan)
-    refuse_tensorboard(plan)
+    refuse_unsimulated(plan)
     out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     lock = hold_output(out, "psgd simulate")
@@ -180,13 +180,17 @@ def check_data(plan: list) -> None:
             in_memory(run.cfg, split)
 
 
-def refuse_tensorboard(plan: list) -> None:
-    """`eval.tensorboard`'s scalars are the coordinator's, on the real clock (it writes
-    them as the heartbeats come); a simulation has neither, and wrote nothing: refused,
-    before anything runs."""
+def refuse_unsimulated(plan: list) -> None:
+    """Refused before anything runs: `eval.tensorboard`, whose scalars are the
+    coordinator's, on the real clock (it writes them as the heartbeats come; a simulation
+    has neither, and wrote nothing); `wire.overlap`, pushes that leave during backward
+    (a simulated step's compute is one span of virtual time)."""
     if any(run.cfg.eval.tensorboard for run in plan):
         raise ConfigError("eval.tensorboard = true: psgd simulate writes no TensorBoard scalars (they are a real "
                           "job's coordinator's); the runs' summary.json and events/ hold the same numbers")
+    if any(run.cfg.wire.overlap for run in plan):
+        raise ConfigError("wire.overlap = true: psgd simulate does not model pushes that leave while backward "
+                          "runs (a simulated step's compute is one span of virtual time); leave it out")
 
 
 def same_worker_dropped(plan: list) -> str | None:

@@ -62,6 +62,9 @@ def test_set_parses_toml_values():
     (["optimizer.eps=0"], "optimizer.eps must be > 0"),
     (['data.shape=[1, "x", 8]'], "data.shape must be a list of sizes >= 1"),
     (["optimizer.lr=1" + "0" * 400], "is too large for a number"),   # was an OverflowError's traceback
+    (["mode.name=async", "wire.overlap=true"], "it is for mode sync with wire.compression = none, not async "
+                                               "(ssp and async overlap the push with the next step's compute"),
+    (["wire.overlap=true", "wire.compression=topk"], "not sync with wire.compression = topk (a push is encoded"),
 ])
 def test_bad_values_get_clear_errors(sets, needle):
     with pytest.raises(ConfigError) as e:

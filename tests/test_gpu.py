@@ -72,7 +72,7 @@ if args[:2] == ["-m", "psgd"]:
     os.execv(REAL, [REAL] + out + ["--set", f"cluster.port={{port}}"])
 if args[:2] == ["-m", "bench.throughput"]:
     keep, parts = args[args.index("--keep") + 1], args[args.index("--parts") + 1]
-    name = "vs_ddp_small" if parts == "ddp" else "vs_local"
+    name = {{"ddp": "vs_ddp_small", "overlap": "overlap"}}.get(parts, "vs_local")
     if name == "vs_ddp_small" and os.environ.get("FAKE_DDP_HANGS"):
         import time
         time.sleep(600)
@@ -155,7 +155,7 @@ def test_gpu_sh_leaves_in_OUT_no_more_files_than_the_device_tool_brings_back(tmp
     none more than 2 folders down, put whole `psgd run` folders (23 files each: logs,
     events, checkpoints, model.pt, ...) and bench.throughput's --keep folders under $OUT,
     about 66 files: the summaries it was run for could be among those left behind."""
-    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_ddp_small", "vs_local")}
+    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_ddp_small", "vs_local", "overlap")}
     r = _gpu_sh(tmp_path, _script(tmp_path, "fakepy", FAKE_PY), FAKE_PORTS=json.dumps(ports))
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "out"
@@ -175,6 +175,7 @@ def test_gpu_sh_leaves_in_OUT_no_more_files_than_the_device_tool_brings_back(tmp
             "runs/throughput-runs/vs_ddp_small/summary.json", "runs/throughput-runs/vs_local/summary.json"} <= set(runs)
     log = (out / "steps.log").read_text()
     assert "== throughput-ddp: exit 0" in log and "== throughput-local: exit 0" in log
+    assert "== throughput-overlap: exit 0" in log
 
 
 @pytest.mark.processes
@@ -191,7 +192,7 @@ def test_gpu_sh_still_compares_with_the_plain_loop_when_ddp_hangs(tmp_path):
     text, n = re.subn(r"^step throughput-ddp \d+ ", "step throughput-ddp 3 ", script.read_text(), flags=re.M)
     assert n == 1
     script.write_text(text)
-    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_ddp_small", "vs_local")}
+    ports = {name: free_port_block(3) for name in ("run-mlp", "run-resnet20", "vs_ddp_small", "vs_local", "overlap")}
     t = time.monotonic()
     r = _gpu_sh(tmp_path, _script(tmp_path, "fakepy", FAKE_PY), script=str(script), FAKE_PORTS=json.dumps(ports),
                 FAKE_DDP_HANGS="1")
@@ -263,6 +264,7 @@ def test_gpu_sh_runs_its_own_commands_on_the_cpu(tmp_path):
     ddp, local = results["throughput-ddp"], results["throughput-local"]
     assert {"ratio_vs_ddp_small", "ratio_vs_ddp_large"} <= set(ddp) and ddp["workers"] == 1, ddp
     assert {"ratio_vs_local", "ratio_async_vs_local", "ratio_async_noprefetch_vs_local"} <= set(local), local
+    assert {"ratio_overlap_off", "ratio_overlap_on", "overlap_gain"} <= set(results["throughput-overlap"]), results
 
 
 @pytest.mark.processes
@@ -523,7 +525,7 @@ def test_a_worker_on_another_gpu_makes_it_the_current_device(monkeypatch):
         def register(self, *a, **k):
             return {"assigned_rank": 0, "config": self.config}
 
-    def replica(model, shards, device, flat=False):   # where the model goes to the device
+    def replica(model, shards, device, flat=False, placement="balanced"):   # where the model goes to the device
         raise Attached
     current = []
     monkeypatch.setattr(worker, "check_device", lambda spec, rank=0: torch.device("cuda", 1))
@@ -550,7 +552,7 @@ def test_a_script_whose_model_is_on_another_gpu_makes_it_the_current_device(monk
     class Attached(Exception):
         pass
 
-    def replica(model, shards, device, flat=False):
+    def replica(model, shards, device, flat=False, placement="balanced"):
         raise Attached
     current = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))

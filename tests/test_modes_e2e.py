@@ -79,6 +79,19 @@ def test_every_mode_reaches_085(tmp_path_factory, mode):
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
+def test_sync_with_pushes_from_backward_trains_as_sync(tmp_path_factory):
+    """wire.overlap: the shards serve whole layers in order (shard 1: the second and last
+    layers, 17,802 values of the MLP's 26,122), the workers push from backward's hooks,
+    the evaluator reads with the same map, and the job trains as sync does."""
+    plain, _ = run(tmp_path_factory, "sync", **{"mode.name": "sync"})
+    s, out = run(tmp_path_factory, "sync-overlap", **{"mode.name": "sync", "wire.overlap": True})
+    assert s["final_accuracy"] >= 0.85 and abs(s["final_accuracy"] - plain["final_accuracy"]) <= 0.02, (s, plain)
+    assert s["samples"] == plain["samples"] and s["rejected"] == 0
+    with open(os.path.join(out, "logs", "server-1.log")) as f:
+        assert "serving 17,802 values" in f.read()
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
 def test_ltfb_writes_tournament_lines(tmp_path_factory):
     s, out = run(tmp_path_factory, "ltfb", **{"mode.name": "ltfb"})
     lines = [e for e in events(out, "worker") if e.get("event") == "tournament"]

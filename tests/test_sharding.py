@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from psgd.models import build_model
-from psgd.sharding import ShardMap, model_entries, model_tensors
+from psgd.sharding import ShardMap, model_entries, model_tensors, runs_of
 
 pytestmark = pytest.mark.unit
 
@@ -18,10 +18,11 @@ def coverage(smap, entries):
 
 @pytest.mark.parametrize("name,shape", [("mlp", (1, 8, 8)), ("cnn", (1, 8, 8)), ("resnet20", (3, 32, 32))])
 @pytest.mark.parametrize("shards", [1, 2, 3, 5])
-def test_every_element_lives_on_exactly_one_shard(name, shape, shards):
+@pytest.mark.parametrize("placement", ["balanced", "layers"])
+def test_every_element_lives_on_exactly_one_shard(name, shape, shards, placement):
     model = build_model(name, shape, 10, seed=0)
     entries = model_entries(model)
-    smap = ShardMap(entries, shards)
+    smap = ShardMap(entries, shards, placement)
     for name_, counts in coverage(smap, entries).items():
         assert (counts == 1).all(), name_
     for s in range(shards):  # offsets are contiguous per shard and table
@@ -87,3 +88,34 @@ def test_describe_names_shards_that_hold_nothing():
     text = ShardMap.for_model(build_model("mlp", (1, 8, 8), 10, 0, 16), 8).describe()
     assert "2 of the 8 shards hold no part of the model (6, 7): it is cut into only 6 pieces" in text, text
     assert "cluster.servers = 6 serves it with fewer processes" in text
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_layers_give_each_shard_a_run_of_whole_tensors_in_the_models_order(shards):
+    """wire.overlap's placement: the last layers on the last shard, every tensor whole, a
+    table's runs in order, none empty where there are enough tensors; and its checkpoints
+    are not the balanced map's (the digest differs)."""
+    model = build_model("resnet20", (3, 32, 32), 10, seed=0)
+    entries = model_entries(model)
+    smap = ShardMap(entries, shards, "layers")
+    assert all(p.start == 0 for p in smap.pieces)
+    for table in ("params", "buffers"):
+        names = [name for name, t, _ in entries if t == table]
+        owner = {p.name: p.shard for p in smap.pieces if p.table == table}
+        order = [owner[name] for name in names]
+        assert order == sorted(order) and set(order) == set(range(shards)), order
+    loads = [smap.size(s, "params") for s in range(shards)]
+    sizes = [n for _, t, n in entries if t == "params"]
+    assert max(loads) <= sum(sizes) / shards + max(sizes), loads   # within a tensor of even
+    assert smap.digest != ShardMap(entries, shards).digest
+    assert "whole tensors in the model's order (wire.overlap)" in smap.describe()
+
+
+def test_runs_of_cuts_in_order_with_the_least_largest_run():
+    assert runs_of([5, 1, 1, 1, 10, 1], 3) == [0, 0, 0, 0, 1, 2]   # runs of 8, 10, 1: none can be under 10
+    assert runs_of([1] * 5, 2) == [0, 0, 0, 1, 1]
+    assert runs_of([3, 3, 3], 5) == [0, 1, 2]   # fewer tensors than shards: one each
+    assert runs_of([9, 1, 1, 1], 4) == [0, 1, 2, 3]   # as many: none left empty, though 9 is the largest anyway
+    assert runs_of([0, 0], 2) == [0, 1] and runs_of([], 3) == []
+    with pytest.raises(ValueError, match="placement"):
+        ShardMap([("w", "params", 4)], 2, "rows")

@@ -1068,6 +1068,11 @@ def test_eval_tensorboard_is_refused_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "eval.tensorboard = true: psgd simulate writes no TensorBoard scalars" in err
     assert "Traceback" not in err and not out.exists()
+    assert cli(["--modes", "sync", "--workers", "2", "--set", "train.steps=5", "--set", "wire.overlap=true",
+                "--out", str(out)]) == 2   # nor does it model pushes that leave while backward runs
+    err = capsys.readouterr().err
+    assert "wire.overlap = true: psgd simulate does not model pushes that leave while backward runs" in err
+    assert "Traceback" not in err and not out.exists()
 
 
 @pytest.mark.inprocess

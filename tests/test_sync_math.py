@@ -7,11 +7,14 @@ import torch
 from torch import nn
 
 from psgd.config import load
+from psgd.consistency.rule import Diverged
+from psgd.consistency.sync import SyncSchedule
 from psgd.inprocess import InProcessCluster
 from psgd.models import build_model
 from psgd.optim import lr_at, make_optimizer, set_lr
 from psgd.replica import Replica
 from psgd.workers.client import ParameterClient, tensors_of
+from tests.loopback import FakeTrainer
 
 pytestmark = pytest.mark.inprocess
 
@@ -57,6 +60,10 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidd
             t.join(timeout=60)
         assert len(finals) == W
 
+    assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals)
+
+
+def assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals):
     ref = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden)
     opt = make_optimizer(list(ref.parameters()), cfg.optimizer)
     for step in range(K):
@@ -70,6 +77,69 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidd
                                        msg=lambda m, n=name: f"{n}: {m}")
     moved = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden).state_dict()
     assert any(not torch.allclose(moved[k], v) for k, v in ref.state_dict().items())
+
+
+class OverlapTrainer(FakeTrainer):
+    """A worker as psgd's own (its parameters in one block, backward writing into the
+    push's tables, hooks on them) computing on the test's batches, noting for each
+    request it sends whether backward was still running."""
+
+    def __init__(self, cfg, client, rank, xs, ys, hidden):
+        super().__init__(cfg, client, None, rank)
+        model = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden)
+        self.replica = Replica(model, cfg.cluster.servers, torch.device("cpu"), flat=True, placement=cfg.placement)
+        assert self.replica.bind_grads()
+        self.replica.hook_backward()
+        self.xs, self.ys, self.in_backward, self.sent = xs, ys, False, []
+        begin = client.begin
+        client.begin = lambda reqs, cancel=None: (self.sent.append((self.clock, [i for i, _, _ in reqs],
+                                                                    self.in_backward)), begin(reqs, cancel))[1]
+
+    def compute(self, slot: int = 0) -> float:
+        self.replica.clear_grads(slot)
+        loss = nn.functional.cross_entropy(self.replica.model(self.xs[self.clock, self.rank]),
+                                           self.ys[self.clock, self.rank])
+        self.in_backward = True
+        loss.backward()
+        self.in_backward = False
+        return loss.item()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("opt_sets", [SGD, ADAMW])
+def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(port_block, opt_sets):
+    """wire.overlap: each shard's push leaves from backward's hooks, the last layers' shard
+    first, while backward still runs; the steps are sync's, exactly."""
+    hidden = 128   # (the map's two runs: the first layer, and the rest)
+    cfg = load(None, [f"cluster.port={port_block(3)}", f"cluster.workers={W}", "cluster.servers=2",
+                      "cluster.evaluator=false", f"model.hidden={hidden}", "wire.overlap=true"] + opt_sets, env={})
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(K, W, B, 1, 8, 8, generator=gen)
+    ys = torch.randint(0, 10, (K, W, B), generator=gen)
+    finals, sent = {}, {}
+
+    def worker(rank):
+        client = ParameterClient(cfg, cluster.ctx, rank)
+        w = OverlapTrainer(cfg, client, rank, xs, ys, hidden)
+        schedule = SyncSchedule(cfg)
+        schedule.start(w)
+        while w.clock < K:
+            schedule.step(w)
+        finals[rank] = {k: v.clone() for k, v in w.replica.model.state_dict().items()}
+        sent[rank] = w.sent
+        client.close()
+
+    with InProcessCluster(cfg) as cluster:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(finals) == W
+
+    assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals)
+    for rank in range(W):   # after the join's read: each step's two pushes, shard 1's first, both within backward
+        assert sent[rank][1:] == [(step, [i], True) for step in range(K) for i in (1, 0)], sent[rank]
 
 
 def test_warm_up_never_overshoots_the_rate_at_the_fractional_steps_of_ssp_and_async():
@@ -94,3 +164,55 @@ def test_the_step_and_cosine_schedules_give_their_rates():
     assert lr_at(cos, 60, 110) == pytest.approx(0.55)      # half way: (1.0 + 0.1) / 2
     assert lr_at(cos, 110, 110) == pytest.approx(0.1) and lr_at(cos, 500, 110) == pytest.approx(0.1)
     assert lr_at(cos, 35, 110) > lr_at(cos, 85, 110)
+
+
+@pytest.mark.timeout(30)
+def test_a_push_that_fails_within_backward_gives_up_those_sent_and_raises_after_it():
+    """wire.overlap: a push that cannot be sent (a float16 value out of range, say) is
+    raised once backward is done, not from its hook, and the step's pushes already on
+    their way are given up (their buffers are the next step's)."""
+    cfg = load(None, ["cluster.servers=2", "model.hidden=128", "wire.overlap=true"], env={})
+
+    class Client:
+        wait_s = 0.0
+
+        def __init__(self):
+            self.sent, self.abandoned = [], []
+
+        def begin_push_pull(self, clock, grads, buffers, versions, shards=None, into=None):
+            if 0 in shards:
+                raise Diverged("values up to 1e+09 at step 0 are beyond float16's range")
+            self.sent.append(tuple(shards))
+            return "shard 1's request"
+
+        def abandon(self, f):
+            self.abandoned.append(f)
+
+        def finish_push_pull(self, f):
+            raise AssertionError("a step whose push failed waited for the others' answers")
+
+    class Trainer:
+        clock = 0
+
+        def __init__(self):
+            self.client = Client()
+            model = build_model("mlp", (1, 8, 8), 10, 0, 128)
+            self.replica = Replica(model, 2, torch.device("cpu"), flat=True, placement=cfg.placement)
+            self.replica.bind_grads()
+            self.replica.hook_backward()
+            self.backward_done = False
+
+        def compute(self, slot=0):
+            self.replica.clear_grads(slot)
+            self.replica.model(torch.randn(4, 1, 8, 8)).sum().backward()
+            self.backward_done = True
+            return 0.0
+
+    w = Trainer()
+    schedule = SyncSchedule(cfg)
+    schedule.versions = [0, 0]
+    with pytest.raises(Diverged, match="float16's range"):
+        schedule.step(w)
+    assert w.backward_done and w.client.sent == [(1,)] and w.client.abandoned == ["shard 1's request"]
+    w.compute()   # disarmed: a backward after the step sends nothing
+    assert w.client.sent == [(1,)]

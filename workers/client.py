@@ -70,6 +70,24 @@ class InFlight:
         for rid, m in got.items():
             self.out[self.pending.pop(rid)[0]] = m
 
+    def add(self, more: InFlight) -> None:
+        """`more`'s requests (sent since, to other shards) waited for with these."""
+        base = len(self.reqs)
+        self.reqs += more.reqs
+        self.out += more.out
+        self.pending.update({rid: (k + base, i) for rid, (k, i) in more.pending.items()})
+        self.sent_at.update(more.sent_at)
+
+    def in_shard_order(self) -> InFlight:
+        """The requests ordered by shard (sent in another order: `wire.overlap`'s), so that
+        the answers come in it."""
+        order = sorted(range(len(self.reqs)), key=lambda k: self.reqs[k][0])
+        at = {k: j for j, k in enumerate(order)}
+        self.reqs = [self.reqs[k] for k in order]
+        self.out = [self.out[k] for k in order]
+        self.pending = {rid: (at[k], i) for rid, (k, i) in self.pending.items()}
+        return self
+
 
 class ParameterClient:
     # This job's token (`membership.job_token`), on every request (`begin`): a shard refuses
@@ -225,11 +243,8 @@ class ParameterClient:
                 f.take(got)
         except BaseException:
             # Given up (a refusal, a cancel, a timeout) while requests to other shards may
-            # still wait in ZeroMQ's queues: their frames are the caller's buffers, sent
-            # without copies, which its next step rewrites. A fresh connection drops them.
-            for i in {i for _, i in f.pending.values()}:
-                with contextlib.suppress(zmq.ZMQError):   # (a context terminated meanwhile: nothing queued is sent)
-                    self.peers.reconnect(i)
+            # still wait in ZeroMQ's queues: dropped (`abandon`).
+            self.abandon(f)
             raise
         finally:
             self.wait_s += time.monotonic() - t0
@@ -328,29 +343,44 @@ class ParameterClient:
         return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions, pull=False))[0]
 
     def begin_push_pull(self, clock: int, grads: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None,
-                        read_versions: list[int] | None, slot: int = 0, pull: bool = True) -> InFlight:
+                        read_versions: list[int] | None, slot: int = 0, pull: bool = True,
+                        shards: Sequence[int] | None = None, into: InFlight | None = None) -> InFlight:
         """Push clock `clock`'s gradient and pull for `clock + 1` on every shard, and return
         at once (`finish_push_pull` gives the answers). `grads=None`: pull only;
         `pull=False`: push only. `slot` picks the conversion buffers, so that two pushes
-        can be in flight."""
+        can be in flight. `shards`: to these only, `grads` and `buffers` holding their
+        tables in that order (`read_versions` is every shard's); `into`: the requests are
+        added to that step's others, sent before (`wire.overlap`: `InFlight.in_shard_order`
+        before `finish_push_pull`)."""
         reqs = []
         if grads is not None and self.cfg.wire.compression != "none":
             self._finite_before_residuals(grads, clock)
-        for i in range(self.n):
+        for k, i in enumerate(range(self.n) if shards is None else shards):
             if grads is None:
                 reqs.append((i, "pull", {"clock": clock + 1}))
                 continue
             assert buffers is not None and read_versions is not None
             fields = {"clock": clock, "read_version": read_versions[i],
-                      **self._gradient(slot, i, grads[i], buffers[i], clock)}
+                      **self._gradient(slot, i, grads[k], buffers[k], clock)}
             if pull:
                 fields["pull"] = True
             reqs.append((i, "push", fields))
         f = self.begin(reqs)
+        if into is not None:
+            into.add(f)
+            return into
         if grads is not None:
             f.repeat = clock <= self._pushed_to   # (a step refused by a shard, tried again)
             self._pushed_to = max(self._pushed_to, clock)
         return f
+
+    def abandon(self, f: InFlight) -> None:
+        """Give up `f`'s requests unanswered: a fresh connection to each shard that owes an
+        answer drops what may still wait in ZeroMQ's queue (its frames are the caller's
+        buffers, sent without copies, which its next step rewrites)."""
+        for i in {i for _, i in f.pending.values()}:
+            with contextlib.suppress(zmq.ZMQError):   # (a context terminated meanwhile: nothing queued is sent)
+                self.peers.reconnect(i)
 
     def _finite_before_residuals(self, grads: list[torch.Tensor], clock: int) -> None:
         """A gradient with NaN or Inf is not compressed: it would stay in the error-feedback

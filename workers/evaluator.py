@@ -67,7 +67,7 @@ class Evaluator:
         self.ds = load_dataset(cfg.data, cfg.job.seed)
         model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden,
                             check=True)
-        self.replica = Replica(model, cfg.cluster.servers, device)
+        self.replica = Replica(model, cfg.cluster.servers, device, placement=cfg.placement)
         self.client = ParameterClient(cfg, self.ctx, -1)
         events = EventLog(self.out, "evaluator", 0)
         link.start()

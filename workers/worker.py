@@ -164,10 +164,12 @@ class Worker:
             torch.cuda.set_device(device)
         self.jitter = Jitter(cfg.faults.jitter_prob, cfg.faults.jitter_s, cfg.job.seed, self.rank)
         self.slowed = slowed(cfg.faults, self.rank)
-        self.replica = Replica(model, cfg.cluster.servers, device, flat=self.own_model)
+        self.replica = Replica(model, cfg.cluster.servers, device, flat=self.own_model, placement=cfg.placement)
         schedule = get_mode(cfg.mode.name).schedule(cfg)
         if schedule.gathers_grads:
             self.replica.bind_grads()
+        if cfg.wire.overlap:
+            self.replica.hook_backward()
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
         self.client.alive = lambda i: not self.link.lost and i in self.link.state.get("live_shards", ())

@@ -44,14 +44,18 @@ class PushPullSchedule(Schedule):
         self.loaded(w, answers)
 
     def step(self, w: Trainer) -> None:
-        w.compute()
         w0 = w.client.wait_s
-        cached = self.cached(w, w.clock + 1)
-        grads, buffers = w.replica.grads(), w.replica.buffers()
-        if cached:
-            pushed, pulled = w.client.push(w.clock, grads, buffers, self.versions), []
+        if self.cfg.wire.overlap:   # (sync only: the config's check)
+            cached = False
+            pushed, pulled = w.client.finish_push_pull(self.overlapped(w))
         else:
-            pushed, pulled = w.client.push_pull(w.clock, grads, buffers, self.versions)
+            w.compute()
+            cached = self.cached(w, w.clock + 1)
+            grads, buffers = w.replica.grads(), w.replica.buffers()
+            if cached:
+                pushed, pulled = w.client.push(w.clock, grads, buffers, self.versions), []
+            else:
+                pushed, pulled = w.client.push_pull(w.clock, grads, buffers, self.versions)
         tau, dropped, theirs = counted(w, pushed)
         if cached:
             own_update(w)
@@ -60,6 +64,44 @@ class PushPullSchedule(Schedule):
             w.clock = self.next_clock(w.clock, pulled)
             self.loaded(w, pulled)
         w.log_step(tau, w.client.wait_s - w0, dropped=dropped, **step_flags(theirs, cached))
+
+    def overlapped(self, w: Trainer) -> Any:
+        """Compute the step, each shard's push and read leaving as soon as backward has
+        made the gradients of its tables (`wire.overlap`: `Replica.arm`), while it goes on
+        to the layers before; then the shards it did not get to. The requests in flight,
+        in shard order. The pushes are the ones `step` sends after backward, so a sync
+        step is the same. Given up unanswered (`abandon`) if the step fails meanwhile."""
+        f = None
+        failed: list[BaseException] = []
+
+        def ready(shard: int) -> None:   # (in backward's hook: an error is raised after it)
+            nonlocal f
+            if failed:
+                return
+            try:
+                f = w.client.begin_push_pull(w.clock, w.replica.grads(shard=shard), w.replica.buffers(shard=shard),
+                                             self.versions, shards=(shard,), into=f)
+            except BaseException as e:
+                failed.append(e)
+
+        w.replica.arm(ready)
+        try:
+            try:
+                w.compute()
+            finally:
+                rest = w.replica.disarm()
+            if failed:
+                raise failed[0]
+            if rest:
+                f = w.client.begin_push_pull(w.clock, [w.replica.grads(shard=i)[0] for i in rest],
+                                             [w.replica.buffers(shard=i)[0] for i in rest],
+                                             self.versions, shards=rest, into=f)
+        except BaseException:
+            if f is not None:
+                w.client.abandon(f)
+            raise
+        assert f is not None
+        return f.in_shard_order()
 
 
 def acknowledged(pushed: list[Any]) -> tuple[int, bool, bool]:

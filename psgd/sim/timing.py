@@ -49,11 +49,11 @@ class TimingReplica(Replica):
     def params(self) -> list[torch.Tensor]:
         return self._zp
 
-    def grads(self, slot: int = 0) -> list[torch.Tensor]:
-        return self._zp
+    def grads(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
+        return self._zp if shard is None else [self._zp[shard]]
 
-    def buffers(self, slot: int = 0) -> list[torch.Tensor]:
-        return self._zb
+    def buffers(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
+        return self._zb if shard is None else [self._zb[shard]]
 
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
         pass

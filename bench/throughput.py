@@ -422,7 +422,7 @@ def check_device_and_backend(ap: argparse.ArgumentParser, a: argparse.Namespace,
                      f"(cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
     if "phases" in parts and a.device != "cpu":   # its workers, and the floor it measures alone, run on the CPU
         ap.error(f"--parts phases times a step on the CPU only: leave it out with --device {a.device}")
-    if "ddp" not in parts:
+    if not parts & {"ddp", "overlap"}:   # (the parts that run DDP)
         return
     import torch.distributed as dist
     if not dist.is_available() or not getattr(dist, f"is_{a.backend}_available")():
@@ -479,7 +479,7 @@ def main() -> None:
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
     # (DDP's backend and worker count only where the DDP part runs: the local parts are W = 1
     # against one process, and a GPU run's JSON of those named gloo and 2 workers)
-    ddp = {"backend": a.backend, "workers": a.workers} if "ddp" in parts else {}
+    ddp = {"backend": a.backend, "workers": a.workers} if parts & {"ddp", "overlap"} else {}
     rows, result = [], {"bench": "throughput", "device": a.device, **ddp,
                         "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
                         "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal,
@@ -501,9 +501,10 @@ def main() -> None:
                variants: list[tuple[str, str, list[str]]]) -> None:
         """psgd `variants` (key, label, sets) against one baseline, interleaved: each
         repeat runs the baseline and every variant once (the baseline first in even
-        repeats, last in odd ones), and a ratio is the median over repeats of psgd's rate
-        over that repeat's baseline rate (the machine's load drifts between runs; a
-        baseline run apart from its psgd run measured another machine)."""
+        repeats, last in odd ones; the variants in turn the other way round), and a
+        ratio is the median over repeats of psgd's rate over that repeat's baseline rate
+        (the machine's load drifts between runs; a baseline run apart from its psgd run
+        measured another machine)."""
         sets, steps, warm = steps_of(model)
         base_runs, ours_runs = [], {key: [] for key, _, _ in variants}
         # (the baseline's rank r on the CPU of psgd's worker r: `--pin-cpus`; a review: it took the
@@ -519,7 +520,7 @@ def main() -> None:
         for i in range(a.repeats):
             if i % 2 == 0:
                 baseline()
-            for key, label, psgd_sets in variants:
+            for key, label, psgd_sets in variants if i % 2 == 0 else variants[::-1]:
                 progress(f"psgd {label} (repeat {i + 1}/{a.repeats}, {time.monotonic() - t_start:.0f} s so far)")
                 ours_runs[key].append(psgd_rate(sets + psgd_sets, work, key, warm, a.device))
             if i % 2 == 1:

@@ -503,7 +503,8 @@ class Connection(Worker):
             raise ConfigError(problem)
         if cfg.wire.overlap:
             self.note("wire.overlap: the training script runs backward before psgd.step, so each step's pushes "
-                      "leave after it, as without wire.overlap (the shards still place whole layers in order)")
+                      "leave after it, as without wire.overlap (the shards still place whole layers in order; "
+                      "psgd puts no hooks on the script's model)")
         if self.user_optimizer is not None and not schedule.local_optimizer:
             self.note(f"mode {cfg.mode.name}: the shards run [optimizer]; the optimizer given to psgd.connect "
                       f"is not stepped")

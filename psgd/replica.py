@@ -261,7 +261,7 @@ class Replica:
         left = self._left
         for i in shards:
             left[i] -= 1
-            if left[i] == 0:
+            if left[i] == 0:   # (once: a hook run twice in a backward, a reentrant checkpoint's, goes below)
                 ready(i)
 
     def arm(self, ready: Callable[[int], None]) -> None:
@@ -272,7 +272,7 @@ class Replica:
     def disarm(self) -> list[int]:
         """The shards `arm`'s `ready` was not called for; no more calls."""
         self._ready = None
-        return [i for i in range(self.n) if self._left[i] != 0 or self._counts[i] == 0]
+        return [i for i in range(self.n) if self._left[i] > 0 or self._counts[i] == 0]
 
     def clear_grads(self, slot: int = 0) -> None:
         """Before a step's backward: its gradients go into slot `slot`'s tables, zeroed

@@ -799,11 +799,19 @@ def refuses(decisions: list[r.Decision], token: Any) -> bool:
     return False
 
 
+# Keys of those sections added since checkpoints were first written, with their defaults: left
+# out at the default, a checkpoint written before a key was added still resumes (its job ran so)
+LATER_KEYS = {("wire", "overlap"): False}
+
+
 def training_config(cfg: Config) -> str:
     """What a checkpoint's state means only under: the sections that define the training
     (not its budget, addresses, timeouts or evaluation), and the worker and shard counts."""
     d = cfg.to_dict()
     kept = {k: d[k] for k in ("job", "model", "data", "mode", "optimizer", "wire")}
+    for (section, key), default in LATER_KEYS.items():
+        if kept[section].get(key) == default:
+            del kept[section][key]
     return _data_path_absolute(json.dumps({**kept, "workers": cfg.cluster.workers, "servers": cfg.cluster.servers},
                                           sort_keys=True))
 

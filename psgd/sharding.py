@@ -13,9 +13,8 @@ communication:
 That is the "balanced" placement. The "layers" placement (`wire.overlap`) keeps tensors
 whole and gives each shard a run of them in the model's order, the last layers on the
 last shard: backward makes the gradients of a shard's tensors one after the other, and
-the shard's push can leave as soon as they are made (DDP's buckets). Each tensor goes to
-the shard in whose share of the table its middle lies, so the shards are as even as
-whole tensors allow.
+the shard's push can leave as soon as they are made (DDP's buckets). The runs are as
+even as whole tensors allow: their largest is the least it can be (`runs_of`).
 
 On a shard, each table is one flat float32 vector: the shard's pieces in map order.
 `gather` builds that vector from a model's tensors; `scatter` writes it back.

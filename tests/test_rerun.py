@@ -203,6 +203,29 @@ def test_a_shard_resumes_only_an_unfinished_job_of_the_same_training_config(tmp_
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_checkpoint_written_before_wire_overlap_resumes_and_one_with_it_only_with_it(tmp_path, capsys):
+    """A review: `wire.overlap` joined the training configuration, and a job checkpointed by
+    the version before (its configuration without the key) read as another one
+    ('wire.overlap null → false'): its progress was lost on upgrading. A key added later
+    is left out at its default; set, it is another placement of the tables."""
+    import json
+
+    from psgd.shard import training_config
+    cfg = Config().replace(**{"cluster.servers": 2, "cluster.workers": 1})
+    assert "overlap" not in json.loads(training_config(cfg))["wire"]
+    path = str(tmp_path / "shard-0.pt")
+    earlier = Shard(cfg, 0)
+    earlier.version = 7
+    earlier.save(path)
+    server, fresh = shard_server(cfg, tmp_path)
+    assert server._resume(fresh, path) and fresh.version == 7
+    server, fresh = shard_server(cfg.replace(**{"wire.overlap": True}), tmp_path)
+    assert not server._resume(fresh, path) and fresh.version == 0
+    assert "it is of another training configuration (wire.overlap null → true)" in capsys.readouterr().err
+
+
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_a_checkpoint_naming_its_data_folder_relative_resumes_under_its_absolute_name(tmp_path, monkeypatch):
     """A review: psgd run now makes data.path absolute (config.anchored), so the checkpoint

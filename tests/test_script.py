@@ -72,6 +72,18 @@ def test_custom_model_and_loss_in_every_mode(tmp_path, mode):
 
 
 @pytest.mark.timeout(300)
+def test_a_scripts_sync_job_with_wire_overlap_trains_and_says_its_pushes_leave_after_backward(tmp_path):
+    """wire.overlap with a training script: its backward runs before psgd.step, where the
+    step's pushes leave, all of them; the shards and the script's replica place the tables
+    alike (whole layers in order), and the job trains."""
+    s = run_script(tmp_path, [os.path.join(EXAMPLES, "custom_loss.py")],
+                   **{"mode.name": "sync", "train.steps": 300, "wire.overlap": True})
+    assert s["final_loss"] < UNTRAINED_LOSS / 2 and s["failures"]["workers_lost"] == 0, s
+    with open(tmp_path / "logs" / "worker-0.log") as f:
+        assert "wire.overlap: the training script runs backward before psgd.step" in f.read()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", consistency.NAMES)
 def test_resnet_loop_in_every_mode(tmp_path, mode):
     s = run_script(tmp_path, [os.path.join(EXAMPLES, "cifar10_resnet.py"), "--width", "4", "--synthetic", "1200"],

@@ -63,13 +63,24 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidd
     assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals)
 
 
-def assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals):
+def forward(model, x, unused=False):
+    """The model's output; `unused`: its last bias taken as a constant, so that backward
+    gives that parameter no gradient (its hook never runs)."""
+    if not unused:
+        return model(x)
+    return torch.func.functional_call(model, {"net.5.bias": model.net[5].bias.detach()}, (x,))
+
+
+def assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals, unused=False):
     ref = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden)
     opt = make_optimizer(list(ref.parameters()), cfg.optimizer)
     for step in range(K):
         set_lr(opt, lr_at(cfg.optimizer, step, cfg.train.steps))
         opt.zero_grad()
-        nn.functional.cross_entropy(ref(xs[step].reshape(W * B, 1, 8, 8)), ys[step].reshape(-1)).backward()
+        nn.functional.cross_entropy(forward(ref, xs[step].reshape(W * B, 1, 8, 8), unused),
+                                    ys[step].reshape(-1)).backward()
+        if unused:   # (the shards step it with a zero gradient, as the worker's tables hold: weight decay still acts)
+            ref.net[5].bias.grad = torch.zeros_like(ref.net[5].bias)
         opt.step()
     for rank in range(W):
         for name, value in ref.state_dict().items():
@@ -84,9 +95,10 @@ class OverlapTrainer(FakeTrainer):
     push's tables, hooks on them) computing on the test's batches, noting for each
     request it sends whether backward was still running."""
 
-    def __init__(self, cfg, client, rank, xs, ys, hidden):
+    def __init__(self, cfg, client, rank, xs, ys, hidden, unused):
         super().__init__(cfg, client, None, rank)
         model = build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden)
+        self.unused = unused
         self.replica = Replica(model, cfg.cluster.servers, torch.device("cpu"), flat=True, placement=cfg.placement)
         assert self.replica.bind_grads()
         self.replica.hook_backward()
@@ -97,7 +109,7 @@ class OverlapTrainer(FakeTrainer):
 
     def compute(self, slot: int = 0) -> float:
         self.replica.clear_grads(slot)
-        loss = nn.functional.cross_entropy(self.replica.model(self.xs[self.clock, self.rank]),
+        loss = nn.functional.cross_entropy(forward(self.replica.model, self.xs[self.clock, self.rank], self.unused),
                                            self.ys[self.clock, self.rank])
         self.in_backward = True
         loss.backward()
@@ -106,10 +118,11 @@ class OverlapTrainer(FakeTrainer):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("opt_sets", [SGD, ADAMW])
-def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(port_block, opt_sets):
+@pytest.mark.parametrize("opt_sets,unused", [(SGD, False), (ADAMW, False), (SGD, True)])
+def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(port_block, opt_sets, unused):
     """wire.overlap: each shard's push leaves from backward's hooks, the last layers' shard
-    first, while backward still runs; the steps are sync's, exactly."""
+    first, while backward still runs; the steps are sync's, exactly. A shard one of whose
+    parameters gets no gradient is sent after backward, its zeros with the rest."""
     hidden = 128   # (the map's two runs: the first layer, and the rest)
     cfg = load(None, [f"cluster.port={port_block(3)}", f"cluster.workers={W}", "cluster.servers=2",
                       "cluster.evaluator=false", f"model.hidden={hidden}", "wire.overlap=true"] + opt_sets, env={})
@@ -120,7 +133,7 @@ def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(
 
     def worker(rank):
         client = ParameterClient(cfg, cluster.ctx, rank)
-        w = OverlapTrainer(cfg, client, rank, xs, ys, hidden)
+        w = OverlapTrainer(cfg, client, rank, xs, ys, hidden, unused)
         schedule = SyncSchedule(cfg)
         schedule.start(w)
         while w.clock < K:
@@ -137,9 +150,12 @@ def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(
             t.join(timeout=60)
         assert len(finals) == W
 
-    assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals)
-    for rank in range(W):   # after the join's read: each step's two pushes, shard 1's first, both within backward
-        assert sent[rank][1:] == [(step, [i], True) for step in range(K) for i in (1, 0)], sent[rank]
+    assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals, unused)
+    # after the join's read: each step's two pushes, shard 1's first, both within backward (with a parameter
+    # of shard 1 given no gradient, shard 0's within it and shard 1's after it)
+    order = [(0, True), (1, False)] if unused else [(1, True), (0, True)]
+    for rank in range(W):
+        assert sent[rank][1:] == [(step, [i], within) for step in range(K) for i, within in order], sent[rank]
 
 
 def test_warm_up_never_overshoots_the_rate_at_the_fractional_steps_of_ssp_and_async():
@@ -170,7 +186,9 @@ def test_the_step_and_cosine_schedules_give_their_rates():
 def test_a_push_that_fails_within_backward_gives_up_those_sent_and_raises_after_it():
     """wire.overlap: a push that cannot be sent (a float16 value out of range, say) is
     raised once backward is done, not from its hook, and the step's pushes already on
-    their way are given up (their buffers are the next step's)."""
+    their way are given up (their buffers are the next step's). A shard that had one
+    applies it: the step's retry, on the next batch, is its duplicate there (the README's
+    `wire.overlap` row says so)."""
     cfg = load(None, ["cluster.servers=2", "model.hidden=128", "wire.overlap=true"], env={})
 
     class Client:

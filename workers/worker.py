@@ -168,7 +168,7 @@ class Worker:
         schedule = get_mode(cfg.mode.name).schedule(cfg)
         if schedule.gathers_grads:
             self.replica.bind_grads()
-        if cfg.wire.overlap:
+        if cfg.wire.overlap and self.own_model:   # (a script's backward runs before `step`: `Connection._check`)
             self.replica.hook_backward()
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped

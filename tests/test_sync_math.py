@@ -37,9 +37,9 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidd
     ys = torch.randint(0, 10, (K, W, B), generator=gen)
     finals = {}
 
-    def worker(rank):
+    def worker(rank, ctx):
         rep = Replica(build_model("mlp", (1, 8, 8), 10, cfg.job.seed, hidden), 2, torch.device("cpu"))
-        client = ParameterClient(cfg, cluster.ctx, rank)
+        client = ParameterClient(cfg, ctx, rank)
         msgs = client.request([(i, "pull", {"clock": 0, "join": True}) for i in range(2)])
         rep.load(tensors_of(msgs, 0), tensors_of(msgs, 1))
         versions = [m.get("version") for m in msgs]
@@ -52,13 +52,8 @@ def test_sync_equals_one_process_with_batch_w_times_b(port_block, opt_sets, hidd
         finals[rank] = {k: v.clone() for k, v in rep.model.state_dict().items()}
         client.close()
 
-    with InProcessCluster(cfg) as cluster:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(W)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert len(finals) == W
+    on_threads(cfg, worker)
+    assert len(finals) == W
 
     assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals)
 
@@ -69,6 +64,17 @@ def forward(model, x, unused=False):
     if not unused:
         return model(x)
     return torch.func.functional_call(model, {"net.5.bias": model.net[5].bias.detach()}, (x,))
+
+
+def on_threads(cfg, worker):
+    """`worker(rank, context)` for each of the W ranks, on threads of this process, against an
+    in-process cluster of `cfg`."""
+    with InProcessCluster(cfg) as cluster:
+        threads = [threading.Thread(target=worker, args=(r, cluster.ctx)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
 
 
 def assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals, unused=False):
@@ -131,8 +137,8 @@ def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(
     ys = torch.randint(0, 10, (K, W, B), generator=gen)
     finals, sent = {}, {}
 
-    def worker(rank):
-        client = ParameterClient(cfg, cluster.ctx, rank)
+    def worker(rank, ctx):
+        client = ParameterClient(cfg, ctx, rank)
         w = OverlapTrainer(cfg, client, rank, xs, ys, hidden, unused)
         schedule = SyncSchedule(cfg)
         schedule.start(w)
@@ -142,13 +148,8 @@ def test_sync_with_pushes_from_backward_equals_one_process_with_batch_w_times_b(
         sent[rank] = w.sent
         client.close()
 
-    with InProcessCluster(cfg) as cluster:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(W)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert len(finals) == W
+    on_threads(cfg, worker)
+    assert len(finals) == W
 
     assert_one_process_with_batch_w_times_b(cfg, xs, ys, hidden, finals, unused)
     # after the join's read: each step's two pushes, shard 1's first, both within backward (with a parameter

@@ -498,13 +498,13 @@ def main() -> None:
         return keys + COMMON + extra + [f"train.steps={int(steps * a.steps_scale)}"], int(steps * a.steps_scale), warm
 
     def paired(model: str, world: int, backend: str | None, base_label: str,
-               variants: list[tuple[str, str, list[str]]]) -> None:
+               variants: list[tuple[str, str, list[str]]]) -> dict[str, list[float]]:
         """psgd `variants` (key, label, sets) against one baseline, interleaved: each
         repeat runs the baseline and every variant once (the baseline first in even
         repeats, last in odd ones; the variants in turn the other way round), and a
         ratio is the median over repeats of psgd's rate over that repeat's baseline rate
         (the machine's load drifts between runs; a baseline run apart from its psgd run
-        measured another machine)."""
+        measured another machine). Each variant's samples/s, repeat by repeat."""
         sets, steps, warm = steps_of(model)
         base_runs, ours_runs = [], {key: [] for key, _, _ in variants}
         # (the baseline's rank r on the CPU of psgd's worker r: `--pin-cpus`; a review: it took the
@@ -526,16 +526,15 @@ def main() -> None:
             if i % 2 == 1:
                 baseline()
         base = statistics.median(base_runs)
-        runs_of[model] = ours_runs
         for key, label, _ in variants:
             ours = statistics.median(ours_runs[key])
             ratio = statistics.median(o / b for o, b in zip(ours_runs[key], base_runs, strict=True))
             rows.append([label, f"{ours:,.0f}", base_label, f"{base:,.0f}", ratio])
             result[f"psgd_{key}"], result[f"base_{key}"] = round(ours, 1), round(base, 1)
             result[f"ratio_{key}"] = round(ratio, 4)
+        return ours_runs
 
     failed: dict[str, str] = {}
-    runs_of: dict[str, dict[str, list[float]]] = {}   # model -> variant -> its repeats' samples/s (`paired`)
 
     def part(name: str) -> contextlib.AbstractContextManager[None]:
         return reported(name, lambda error: failed.__setitem__(name, error))
@@ -562,10 +561,11 @@ def main() -> None:
         if "overlap" in parts:
             w, job = a.workers, ["mode.name=sync", f"cluster.workers={a.workers}", "cluster.servers=2"]
             with part("overlap"):
-                paired("resnet20", w, a.backend, f"DDP {a.backend} W={w}",
-                       [("overlap_off", f"resnet20 sync W={w} S=2", [*job, "wire.overlap=false"]),
-                        ("overlap_on", f"resnet20 sync W={w} S=2 wire.overlap=true", [*job, "wire.overlap=true"])])
-                off, on = runs_of["resnet20"]["overlap_off"], runs_of["resnet20"]["overlap_on"]
+                runs = paired("resnet20", w, a.backend, f"DDP {a.backend} W={w}",
+                              [("overlap_off", f"resnet20 sync W={w} S=2", [*job, "wire.overlap=false"]),
+                               ("overlap_on", f"resnet20 sync W={w} S=2 wire.overlap=true",
+                                [*job, "wire.overlap=true"])])
+                off, on = runs["overlap_off"], runs["overlap_on"]
                 result["overlap_gain"] = round(statistics.median(b / a_ for a_, b in zip(off, on, strict=True)), 4)
         if "startup" in parts:
             progress("startup: psgd run (default job)")

@@ -352,7 +352,8 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
     missing: list[str] = []
     rows = list(groups.values())
     names = [rs[0].name for rs in rows]
-    tput = [([float(r.workers) for r in rs if r.sps], [mean(r.sps) or 0.0 for r in rs if r.sps]) for rs in rows]
+    rated = [[r for r in rs if r.sps] for rs in rows]   # (none measured: no point, not a 0)
+    tput = [([float(r.workers) for r in rs], [mean(r.sps) or 0.0 for r in rs]) for rs in rated]
     times = [[(r.workers, t, sd(r.ttt)) for r in rs if (t := plotted_time(r, period)) is not None]
              for rs in rows]
     # A line on another's (simulated sync and ssp s=0 can run alike) is dashed over it (_hosts).
@@ -365,7 +366,7 @@ def _workers_plot(plt, groups: dict[str, list[Row]], colors, path: str, period: 
         return names[i] + (f", dashed on {names[h]}'s line" if h is not None else "")
     for i, rs in enumerate(rows):
         c = colors[rs[0].key]
-        _line(a1, tput[i][0], tput[i][1], [sd(r.sps) for r in rs if r.sps], marker="o", color=c,
+        _line(a1, tput[i][0], tput[i][1], [sd(r.sps) for r in rated[i]], marker="o", color=c,
               label=label(i, t_hosts), ls=t_dash[i] or "-")
         pts = times[i]
         if pts:

@@ -250,7 +250,6 @@ class Replica:
         for shards in shards_of.values():
             for i in shards:
                 self._counts[i] += 1
-        self._left = list(self._counts)
         for name, p in self.trainable.items():
             p.register_post_accumulate_grad_hook(functools.partial(self._made, tuple(sorted(shards_of[name]))))
 

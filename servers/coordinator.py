@@ -83,6 +83,13 @@ WAITING_EVERY_S = 5.0
 # O(W) scan, not after every message it serves (at 1,024 workers, 2,000 heartbeats a
 # second, that scan took most of a core).
 CHECK_EVERY_S = 0.05
+# After every daemon was answered `done`, the coordinator serves on this long before it exits:
+# its last answers were queued for ZeroMQ's I/O thread, and a daemon process ends in os._exit,
+# which drops what is still queued. Under load (two busy processes on two cores) the shards'
+# answers were lost so: they waited for a coordinator that was gone, were stopped by psgd run
+# after its 10 s grace, and their final checkpoints said the job had not finished.
+FLUSH_S = 0.25
+
 # The phases after training: no worker joins or rejoins. `settling`: every worker is done
 # (and the final score is in); the summary waits for each live shard's next heartbeat,
 # whose counters then hold every push (drops, busy time, clock gap), for at most
@@ -821,6 +828,11 @@ class Coordinator:
                 self.members.members[r].credit_lives(logged)
                 self._credit_staleness(r, logged)
 
+    def _flush(self, until: float) -> None:
+        """Serve on until `until` (`FLUSH_S`): the answers sent last leave the process."""
+        while time.monotonic() < until:
+            self.service.poll(50)
+
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
         job's shards, its evaluator (if any), every worker still live (an aborted job's
@@ -1012,6 +1024,7 @@ class Coordinator:
                 now = polled = time.monotonic()
                 self._tick(now)
                 if self.phase == "done" and self._lingered(now):
+                    self._flush(now + FLUSH_S)
                     return 1 if self.abort else 0
                 if self.phase == "rendezvous":
                     left = self.cfg.cluster.timeout_s - (now - start)

@@ -2,7 +2,8 @@
 each is refused with an error reply and changes nothing, and the daemon that got it
 keeps serving (before, they stopped the coordinator later, outside any request, or
 poisoned a shard's counters). Also: the heartbeat thread outlives a failed beat, and an
-aborted job's coordinator waits for its live workers to hear the end."""
+aborted job's coordinator waits for its live workers to hear the end, and serves on
+briefly once every daemon heard it."""
 from __future__ import annotations
 
 import json
@@ -15,12 +16,13 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, write_json_atomic
-from psgd.servers.coordinator import linger_s
+from psgd.servers.coordinator import FLUSH_S, linger_s
 from psgd.shard import Shard
 from tests.conftest import ask
 from tests.conftest import hand_served as coordinator
@@ -481,6 +483,33 @@ def test_a_job_whose_workers_all_finished_ends_once_the_shards_heard_it():
         assert c._lingered(time.monotonic())   # no worker to wait for
     finally:
         c.sock.close(0)
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_the_coordinator_serves_on_briefly_once_every_daemon_heard_the_end():
+    """CI, under load: a daemon process ends in os._exit, which drops what ZeroMQ's I/O
+    thread has not sent yet, and serve() returned as soon as the last `done` answer was
+    queued. The shards never got theirs: they waited for a coordinator that was gone, psgd
+    run stopped them after its 10 s grace, and their final checkpoints said the job had not
+    finished. serve() serves on for FLUSH_S, answering what comes meanwhile."""
+    with ended_job() as c:
+        ask(c, "heartbeat", role="server", index=0)
+        assert c._lingered(time.monotonic())
+        peer = c.ctx.socket(zmq.DEALER)
+        peer.connect(c.cfg.coordinator_address())
+        try:
+            served = threading.Thread(target=c.serve)
+            t0 = time.monotonic()
+            served.start()
+            time.sleep(FLUSH_S / 4)
+            peer.send_multipart(wire.encode("heartbeat", id=9, role="server", index=0))
+            assert peer.poll(int(FLUSH_S * 4000)), "a heartbeat sent after the end was heard went unanswered"
+            assert wire.decode(peer.recv_multipart()).get("done")
+            served.join(timeout=10)
+            assert not served.is_alive() and time.monotonic() - t0 >= FLUSH_S
+        finally:
+            peer.close(0)
 
 
 @pytest.mark.inprocess

@@ -14,6 +14,8 @@ and reads the answer's payload. Ways:
 
 - `zmq`: a DEALER against a ROUTER on tcp loopback, psgd's socket options (its copy
   threshold), copy=False; each side's ZeroMQ I/O thread carries the bytes.
+- `zmq_spin`: the same, both sides looking for the message for up to `--spin-us` before
+  they sleep (the I/O threads still sleep in epoll).
 - `lane`: psgd's `lane.Conn` over a Unix socket, both sides waiting in poll(2).
 - `lane_spin`: the same, both sides looking for the message for up to `--spin-us`
   (`transport.spin`, as `cluster.spin_us`) before they sleep.
@@ -21,7 +23,8 @@ and reads the answer's payload. Ways:
 It times the step (compute + round trip) and the round trip alone (from the send to
 the answer read), the mean of `--steps` after 300 warm-up steps; each repeat runs the
 ways in turn. JSON: `*_step_us`, `*_rtt_us` (medians over the repeats),
-`rtt_ratio_lane` and `rtt_ratio_lane_spin` (the lane's round trip / ZeroMQ's)."""
+`rtt_ratio_lane`, `rtt_ratio_lane_spin` and `rtt_ratio_zmq_spin` (each way's round trip /
+`zmq`'s)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +35,7 @@ import time
 from bench.common import emit_json, number, progress, table
 from bench.transport import parse_size
 
-WAYS = ("zmq", "lane", "lane_spin")
+WAYS = ("zmq", "zmq_spin", "lane", "lane_spin")
 
 
 def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
@@ -42,13 +45,17 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
 
     from psgd import lane, transport
     payload = np.ones(nbytes, np.uint8)
-    if way == "zmq":
+    if way.startswith("zmq"):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.copy_threshold = transport.COPY_THRESHOLD
         sock.bind(where)
         ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
         while True:
+            if spin_s:
+                transport.spin(poller, spin_s)
             frames = sock.recv_multipart(copy=False)
             if len(frames) == 2:   # (the client's "done")
                 break
@@ -98,14 +105,17 @@ def client(way: str, nbytes: int, steps: int, spin_s: float, port: int) -> tuple
         raise RuntimeError(f"the {way} echo process did not start")
     payload = np.full(nbytes, 7, np.uint8)
     poller = zmq.Poller()
-    if way == "zmq":
+    if way.startswith("zmq"):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.copy_threshold = transport.COPY_THRESHOLD
         sock.connect(where)
+        poller.register(sock, zmq.POLLIN)
 
         def round_trip() -> None:
             sock.send_multipart([b"h", payload], copy=False)
+            if spin_s:
+                transport.spin(poller, spin_s)
             np.frombuffer(sock.recv_multipart(copy=False)[1].buffer, np.uint8).sum()
     else:
         conn = lane.connect(where)
@@ -132,7 +142,7 @@ def client(way: str, nbytes: int, steps: int, spin_s: float, port: int) -> tuple
         round_trip()
         comm += time.perf_counter() - t
     step = (time.perf_counter() - start) / steps
-    if way == "zmq":
+    if way.startswith("zmq"):
         sock.send_multipart([b"done"])
         sock.close(linger=1000)
         ctx.term()
@@ -150,14 +160,14 @@ def main() -> None:
                     help="payload each way (the MLP's table: 104K)")
     ap.add_argument("--steps", type=number(int, 1), default=3000, help="timed steps of each way")
     ap.add_argument("--repeats", type=number(int, 1), default=2, help="runs of every way, in turn")
-    ap.add_argument("--spin-us", type=number(float, 1), default=1000.0, help="lane_spin's spin (cluster.spin_us)")
-    ap.add_argument("--port", type=number(int, 1024), default=39213, help="the tcp port the zmq way uses")
+    ap.add_argument("--spin-us", type=number(float, 1), default=1000.0, help="the *_spin ways' spin (cluster.spin_us)")
+    ap.add_argument("--port", type=number(int, 1024), default=39213, help="the tcp port the zmq ways use")
     a = ap.parse_args()
     got: dict[str, list[tuple[float, float]]] = {w: [] for w in WAYS}
     for r in range(a.repeats):
         for way in (WAYS if r % 2 == 0 else WAYS[::-1]):   # (in turn: a drift of the machine's speed is no way's)
             progress(f"repeat {r + 1}/{a.repeats}: {way}")
-            got[way].append(client(way, a.bytes, a.steps, a.spin_us * 1e-6 if way == "lane_spin" else 0.0,
+            got[way].append(client(way, a.bytes, a.steps, a.spin_us * 1e-6 if way.endswith("_spin") else 0.0,
                                    a.port))
     med = {w: (statistics.median(s for s, _ in v) * 1e6, statistics.median(c for _, c in v) * 1e6)
            for w, v in got.items()}
@@ -168,7 +178,8 @@ def main() -> None:
                **{f"{w}_step_us": round(med[w][0], 1) for w in WAYS},
                **{f"{w}_rtt_us": round(med[w][1], 1) for w in WAYS},
                "rtt_ratio_lane": round(med["lane"][1] / med["zmq"][1], 4),
-               "rtt_ratio_lane_spin": round(med["lane_spin"][1] / med["zmq"][1], 4)})
+               "rtt_ratio_lane_spin": round(med["lane_spin"][1] / med["zmq"][1], 4),
+               "rtt_ratio_zmq_spin": round(med["zmq_spin"][1] / med["zmq"][1], 4)})
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ MODES: tuple[str, ...] = consistency.NAMES
 # would be refused by that shard alone, which starts afresh beside the others resumed: a
 # model of two versions.
 SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
-# `cluster.spin_us`: the most a worker or a shard may poll its lanes before it sleeps, and
+# `cluster.spin_us`: the most a worker or a shard may poll for a message before it sleeps, and
 # what auto (-1) gives where `psgd run`'s busy processes fit its cores (`launcher.spin_for`)
 MAX_SPIN_US = 100_000.0
 AUTO_SPIN_US = 1000.0
@@ -152,7 +152,7 @@ class ClusterConfig:
     pin_cpus: bool = False     # psgd run: each shard and worker (all its threads) on a CPU of its own, if they
     #                            fit; the evaluator too where a CPU is left
     local_lane: bool = True    # a worker and a shard on one host talk over a Unix socket, not ZeroMQ (psgd.lane)
-    spin_us: float = -1.0      # how long a worker and a shard poll their lanes before they sleep; -1: auto (psgd run)
+    spin_us: float = -1.0      # how long a worker and a shard poll for a message before they sleep; -1: auto (psgd run)
 
     @property
     def spin_s(self) -> float:

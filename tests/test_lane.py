@@ -213,11 +213,11 @@ def call(echo: Echo, peers: Peers, **kw) -> wire.Message:
 
 
 @contextlib.contextmanager
-def served(port: int, spin_s: float = 0.0):
-    """An Echo daemon on `port` and a client of it with lanes on, both spinning `spin_s`."""
+def served(port: int, spin_s: float = 0.0, lane: bool = True):
+    """An Echo daemon on `port` and a client of it with lanes on (`lane`), both spinning `spin_s`."""
     echo = Echo(port)
     echo.service.spin_s = spin_s
-    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=True, spin_s=spin_s)
+    peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=lane, spin_s=spin_s)
     try:
         yield echo, peers
     finally:
@@ -327,10 +327,22 @@ def test_psgd_run_spins_only_where_its_busy_processes_fit_the_cores():
 
 
 @pytest.mark.inprocess
-def test_a_spinning_client_and_daemon_answer_as_a_sleeping_pair_does(port_block):
-    with served(port_block(1), spin_s=0.002) as (echo, peers):
+@pytest.mark.parametrize("on_lane", [True, False])
+def test_a_spinning_client_and_daemon_answer_as_a_sleeping_pair_does(port_block, monkeypatch, on_lane):
+    """Over ZeroMQ too (bench/lane.py's `zmq_spin`: the looking process is spared its
+    own wake-up): before, only waits on lanes spun."""
+    from psgd import transport
+    looked = []
+
+    def counted(poller, spin_s):
+        looked.append(spin_s)
+        return spin(poller, spin_s)
+    spin = transport.spin
+    monkeypatch.setattr(transport, "spin", counted)
+    with served(port_block(1), spin_s=0.002, lane=on_lane) as (echo, peers):
         for _ in range(5):
-            assert call(echo, peers).get("lane") is True
+            assert call(echo, peers).get("lane") is on_lane
+    assert len(looked) >= 10 and max(looked) <= 0.002   # (the client's waits and the daemon's polls)
 
 
 @pytest.mark.unit

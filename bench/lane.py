@@ -51,11 +51,11 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
         sock.copy_threshold = transport.COPY_THRESHOLD
         sock.bind(where)
         ready.set()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        looking = zmq.Poller()
+        looking.register(sock, zmq.POLLIN)
         while True:
             if spin_s:
-                transport.spin(poller, spin_s)
+                transport.spin(looking, spin_s)
             frames = sock.recv_multipart(copy=False)
             if len(frames) == 2:   # (the client's "done")
                 break
@@ -110,7 +110,8 @@ def client(way: str, nbytes: int, steps: int, spin_s: float, port: int) -> tuple
         sock = ctx.socket(zmq.DEALER)
         sock.copy_threshold = transport.COPY_THRESHOLD
         sock.connect(where)
-        poller.register(sock, zmq.POLLIN)
+        if spin_s:
+            poller.register(sock, zmq.POLLIN)
 
         def round_trip() -> None:
             sock.send_multipart([b"h", payload], copy=False)

@@ -180,7 +180,11 @@ def cpu_places(cfg: Config, script: bool = False, threads: str = "1",
 def spin_for(cfg: Config, cores: int | None = None) -> Config:
     """`cfg` with `cluster.spin_us` resolved where it is auto (-1): AUTO_SPIN_US where the
     job's busy processes fit the cores this process may use (a spinning process then takes
-    a core no other needs), else 0 (one would take turns with the others' compute)."""
+    a core no other process's compute needs), else 0 (one would take turns with the others'
+    compute). Over ZeroMQ each process's I/O thread, and its peer's, still needs a CPU
+    while it spins: measured unpinned at W = 1, S = 1 on 2 cores (docs/performance.md,
+    "ZeroMQ's waits spin too"), where it helped; not measured with `cluster.pin_cpus`,
+    which puts the I/O thread on its process's one CPU."""
     if cfg.cluster.spin_us != -1:
         return cfg
     cores = available_cores() if cores is None else cores

@@ -410,8 +410,8 @@ def spin(poller: zmq.Poller, spin_s: float) -> list:
     wakes nobody. It costs a CPU for that time, which is why `cluster.spin_us` is 0 where
     a job's busy processes outnumber the cores (`launcher.spin_for`). A ZeroMQ socket's
     messages come through its I/O thread, which sleeps in epoll either way, but the
-    process that looks is still spared its own wake-up: bench/lane.py's 104 KiB round
-    trip took 204 µs against 263 over ZeroMQ (`zmq_spin`), 111 against 215 on a lane."""
+    process that looks is still spared its own wake-up (bench/lane.py's `zmq_spin` and
+    `lane_spin` ways; docs/performance.md, "The same-host lane")."""
     until = time.perf_counter() + spin_s
     while True:
         events = poller.poll(0)

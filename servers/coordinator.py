@@ -83,11 +83,12 @@ WAITING_EVERY_S = 5.0
 # O(W) scan, not after every message it serves (at 1,024 workers, 2,000 heartbeats a
 # second, that scan took most of a core).
 CHECK_EVERY_S = 0.05
-# After every daemon was answered `done`, the coordinator serves on this long before it exits:
-# its last answers were queued for ZeroMQ's I/O thread, and a daemon process ends in os._exit,
-# which drops what is still queued. Under load (two busy processes on two cores) the shards'
-# answers were lost so: they waited for a coordinator that was gone, were stopped by psgd run
-# after its 10 s grace, and their final checkpoints said the job had not finished.
+# After every daemon was answered `done`, the coordinator serves on this long before it closes
+# its socket: its last answers were only queued for ZeroMQ's I/O thread, and a socket closed
+# at once (linger 0, `transport._base`) discards what is still queued. Under load (two busy
+# processes on two cores) the shards' answers were lost so: they waited for a coordinator
+# that was gone, were stopped by psgd run after its 10 s grace, and their final checkpoints
+# said the job had not finished.
 FLUSH_S = 0.25
 
 # The phases after training: no worker joins or rejoins. `settling`: every worker is done
@@ -831,6 +832,7 @@ class Coordinator:
     def _flush(self, until: float) -> None:
         """Serve on until `until` (`FLUSH_S`): the answers sent last leave the process."""
         while time.monotonic() < until:
+            self._heard_since = time.monotonic()   # (as `serve`'s loop: `_prompt`)
             self.service.poll(50)
 
     def _lingered(self, now: float) -> bool:

@@ -698,6 +698,7 @@ class Service:
         self._say_fds_at = 0.0        # time.monotonic() from which the log may say it again
         self.lane = lane
         self.spin_s = spin_s
+        self._leaving: list[zmq.MessageTracker] | None = None   # `track_leaving`: the replies since
         self._lanes: dict[int, lanes.Conn] = {}       # the lanes open to it, by descriptor
         self._lane_of: dict[int, lanes.Conn] = {}     # ... by routing token
         self._lanes_waiting = False   # the listener is not polled: no descriptor was free to take a lane
@@ -893,7 +894,11 @@ class Service:
                 continue
             try:
                 if self.sent is None:
-                    self.sock.send_multipart([ident] + frames, copy=False)
+                    if self._leaving is None:
+                        self.sock.send_multipart([ident] + frames, copy=False)
+                    else:
+                        tracker = self.sock.send_multipart([ident] + frames, copy=False, track=True)
+                        self._leaving.append(cast(zmq.MessageTracker, tracker))
                     continue
                 if self._unsent_to(ident) >= MAX_UNREAD_REPLIES:   # a peer that does not read its answers
                     self._bad(f"a reply dropped: {MAX_UNREAD_REPLIES} large replies to its peer are unsent "
@@ -923,6 +928,22 @@ class Service:
                     del self._unread[ident]   # (peers gone, or whose replies all left; one answered again
                                               # is pruned by `_unsent_to`)
             self.sent()
+
+    def track_leaving(self) -> None:
+        """From now on, keep track of each reply until ZeroMQ's I/O thread has taken it
+        (every frame sent without a copy, so that its tracker says so: `leaving`). For a
+        daemon's last answers: its socket is closed with linger 0, which discards what is
+        still queued. Only for a daemon without `sent` (it tracks its large frames itself)."""
+        assert self.sent is None
+        self.sock.copy_threshold = 0
+        self._leaving = []
+
+    def leaving(self) -> bool:
+        """Is a reply sent since `track_leaving` still queued in ZeroMQ?"""
+        if not self._leaving:
+            return False
+        self._leaving = [t for t in self._leaving if not t.done]
+        return bool(self._leaving)
 
     def _unsent_to(self, ident: Hashable) -> int:
         """How many large replies to this peer ZeroMQ has not sent yet."""

@@ -83,13 +83,13 @@ WAITING_EVERY_S = 5.0
 # O(W) scan, not after every message it serves (at 1,024 workers, 2,000 heartbeats a
 # second, that scan took most of a core).
 CHECK_EVERY_S = 0.05
-# After every daemon was answered `done`, the coordinator serves on this long before it closes
-# its socket: its last answers were only queued for ZeroMQ's I/O thread, and a socket closed
-# at once (linger 0, `transport._base`) discards what is still queued. Under load (two busy
-# processes on two cores) the shards' answers were lost so: they waited for a coordinator
-# that was gone, were stopped by psgd run after its 10 s grace, and their final checkpoints
-# said the job had not finished.
-FLUSH_S = 0.25
+# After every daemon was answered `done`, the coordinator serves on until its answers since
+# the job's end have left the process (`Service.track_leaving`), for at most this long, before
+# it closes its socket: closed at once (linger 0, `transport._base`), the socket discarded what
+# was still queued for ZeroMQ's I/O thread. Under load (two busy processes on two cores) the
+# shards' answers were lost so: they waited for a coordinator that was gone, were stopped by
+# psgd run after its 10 s grace, and their final checkpoints said the job had not finished.
+FLUSH_S = 1.0
 
 # The phases after training: no worker joins or rejoins. `settling`: every worker is done
 # (and the final score is in); the summary waits for each live shard's next heartbeat,
@@ -806,6 +806,7 @@ class Coordinator:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
         self.events.write(event="done", wall_s=round(wall, 6))   # (as summary.json's, and the scores' t)
         self.phase = "done"
+        self.service.track_leaving()   # (its answers from now on: `_flush`)
         self.done_at = time.monotonic()
         self._save_state(self.done_at)
 
@@ -830,10 +831,11 @@ class Coordinator:
                 self._credit_staleness(r, logged)
 
     def _flush(self, until: float) -> None:
-        """Serve on until `until` (`FLUSH_S`): the answers sent last leave the process."""
-        while time.monotonic() < until:
+        """Serve on while an answer since the job's end is still queued in ZeroMQ, until
+        `until` at the latest (`FLUSH_S`)."""
+        while self.service.leaving() and time.monotonic() < until:
             self._heard_since = time.monotonic()   # (as `serve`'s loop: `_prompt`)
-            self.service.poll(50)
+            self.service.poll(5)
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the

@@ -96,6 +96,20 @@ def no_psgd_environment(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def no_leaked_signal_handlers():
+    """A test that runs psgd's `main([...])` in this process's main thread installs its
+    handlers (a daemon's SIGTERM raises SystemExit: `cli._exit_on_term`), and they outlived
+    it: a later test's forked pool workers inherited that handler, and one of them, told
+    to stop, ran its process's exit code instead of dying and hung the pool's terminate
+    (test_cli's check of two commands at once, once in the fast tier)."""
+    held = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    yield
+    for s, handler in held.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_processes():
     before = started_processes()
     yield

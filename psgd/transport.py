@@ -899,6 +899,8 @@ class Service:
                     else:
                         tracker = self.sock.send_multipart([ident] + frames, copy=False, track=True)
                         self._leaving.append(cast(zmq.MessageTracker, tracker))
+                        if len(self._leaving) % PRUNE_TRACKERS == 0:   # (many workers beating meanwhile)
+                            self._leaving = [t for t in self._leaving if not t.done]
                     continue
                 if self._unsent_to(ident) >= MAX_UNREAD_REPLIES:   # a peer that does not read its answers
                     self._bad(f"a reply dropped: {MAX_UNREAD_REPLIES} large replies to its peer are unsent "
@@ -936,14 +938,14 @@ class Service:
         still queued. Only for a daemon without `sent` (it tracks its large frames itself)."""
         assert self.sent is None
         self.sock.copy_threshold = 0
-        self._leaving = []
+        if self._leaving is None:
+            self._leaving = []
 
-    def leaving(self) -> bool:
-        """Is a reply sent since `track_leaving` still queued in ZeroMQ?"""
-        if not self._leaving:
-            return False
-        self._leaving = [t for t in self._leaving if not t.done]
-        return bool(self._leaving)
+    def leaving(self) -> list[zmq.MessageTracker]:
+        """The trackers of the replies sent since `track_leaving` that are still queued in
+        ZeroMQ (its I/O thread has not taken them)."""
+        self._leaving = [t for t in self._leaving or () if not t.done]
+        return list(self._leaving)
 
     def _unsent_to(self, ident: Hashable) -> int:
         """How many large replies to this peer ZeroMQ has not sent yet."""

@@ -831,9 +831,11 @@ class Coordinator:
                 self._credit_staleness(r, logged)
 
     def _flush(self, until: float) -> None:
-        """Serve on while an answer since the job's end is still queued in ZeroMQ, until
-        `until` at the latest (`FLUSH_S`)."""
-        while self.service.leaving() and time.monotonic() < until:
+        """Serve on while an answer sent since the job's end is still queued in ZeroMQ
+        (those sent before this is called: every daemon has heard the end), until `until`
+        at the latest (`FLUSH_S`)."""
+        pending = self.service.leaving()
+        while any(not t.done for t in pending) and time.monotonic() < until:
             self._heard_since = time.monotonic()   # (as `serve`'s loop: `_prompt`)
             self.service.poll(5)
 

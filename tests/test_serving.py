@@ -153,6 +153,45 @@ def test_service_keeps_no_tracker_of_frames_zeromq_is_done_with_when_nobody_asks
 
 
 @pytest.mark.timeout(60)
+def test_service_tracks_each_reply_until_it_has_left_once_asked_to():
+    """`track_leaving` (the coordinator's answers after a job's end: its socket is closed
+    with linger 0, which discards what is still queued): each reply, headers of a few
+    dozen bytes too, is sent without a copy and tracked until ZeroMQ's I/O thread took it;
+    the list is pruned as it grows, not only when asked."""
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    sock = server_socket(ctx, f"tcp://127.0.0.1:{port}", Config().security)
+    service = Service(sock, {"status": lambda ident, msg: [(ident, wire.reply(msg, ok=True))]}, "the test daemon")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        peer.send_multipart(wire.encode("status", id=1))
+        while not peer.poll(5):
+            service.poll(5)
+        peer.recv_multipart()
+        assert service.leaving() == []          # (not asked: nothing tracked)
+        service.track_leaving()
+        n = 3 * transport.PRUNE_TRACKERS
+        for i in range(n):
+            peer.send_multipart(wire.encode("status", id=i + 2))
+            while not peer.poll(5):
+                service.poll(5)
+            assert wire.decode(peer.recv_multipart()).get("ok") is True
+            if i == 0:
+                assert len(service._leaving or ()) == 1   # (tracked: a copied frame's tracker is none)
+        assert len(service._leaving or ()) < transport.PRUNE_TRACKERS, len(service._leaving or ())
+        deadline = time.monotonic() + 5
+        while service.leaving() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.leaving() == []          # every reply the peer read has left
+    finally:
+        peer.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
 def test_coordinator_answers_an_op_it_does_not_serve_within_a_second():
     cfg = config()
     with InProcessCluster(cfg):

@@ -99,9 +99,9 @@ def no_psgd_environment(monkeypatch):
 def no_leaked_signal_handlers():
     """A test that runs psgd's `main([...])` in this process's main thread installs its
     handlers (a daemon's SIGTERM raises SystemExit: `cli._exit_on_term`), and they outlived
-    it: a later test's forked pool workers inherited that handler, and one of them, told
-    to stop, ran its process's exit code instead of dying and hung the pool's terminate
-    (test_cli's check of two commands at once, once in the fast tier)."""
+    it. A later test's forked pool workers inherited that handler, and the pool's terminate
+    waited for one of them until the test's timeout (test_cli's check of two commands at
+    once, once in the fast tier); with the default action, a worker told to stop dies."""
     held = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     yield
     for s, handler in held.items():

@@ -22,7 +22,7 @@ the gradients straight into the tables of the slot the step is computed for
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -341,32 +341,32 @@ class Replica:
     def params(self) -> list[torch.Tensor]:
         return self._tables(self.tensors, "params", "p")
 
-    def buffers(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
-        """`slot`: another set of buffers, for a second push in flight; `shard`: that
-        shard's table only (a one-item list). A model without buffers (an MLP) has only
+    def buffers(self, slot: int = 0, shards: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """`slot`: another set of buffers, for a second push in flight; `shards`: those
+        shards' tables only, in that order. A model without buffers (an MLP) has only
         empty tables: made once, with nothing to gather each step."""
         if self._bufferless:
             tables = self._empty.get(slot)
             if tables is None:
                 tables = self._empty[slot] = self._gather_buffers(slot)
-            return tables if shard is None else [tables[shard]]
-        return self._gather_buffers(slot, shard)
+            return tables if shards is None else [tables[i] for i in shards]
+        return self._gather_buffers(slot, shards)
 
     @_grad_off
-    def _gather_buffers(self, slot: int, shard: int | None = None) -> list[torch.Tensor]:
-        return self._tables(self.tensors, "buffers", _tag("b", slot), None if shard is None else (shard,))
+    def _gather_buffers(self, slot: int, shards: Sequence[int] | None = None) -> list[torch.Tensor]:
+        return self._tables(self.tensors, "buffers", _tag("b", slot), shards)
 
     @_grad_off
-    def grads(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
+    def grads(self, slot: int = 0, shards: Sequence[int] | None = None) -> list[torch.Tensor]:
         """(zeros where a trainable parameter got no gradient; a sparse one, nn.Embedding(sparse=True)'s,
-        made dense: the tables are); `shard`: that shard's table only (a one-item list)."""
+        made dense: the tables are); `shards`: those shards' tables only, in that order."""
         bound = self._bound_tables(slot) if self._bound else None
         if bound is not None:
-            return bound if shard is None else [bound[shard]]
+            return bound if shards is None else [bound[i] for i in shards]
         tag = _tag("g", slot)
         tables = []
         strided = torch.strided
-        for i in range(self.n) if shard is None else (shard,):
+        for i in range(self.n) if shards is None else shards:
             plan = self._gplans.get((tag, i))
             if plan is None:
                 plan = self._gplan(tag, i)

@@ -79,8 +79,9 @@ class PushPullSchedule(Schedule):
             if failed:
                 return
             try:
-                f = w.client.begin_push_pull(w.clock, w.replica.grads(shard=shard), w.replica.buffers(shard=shard),
-                                             self.versions, shards=(shard,), into=f)
+                one = (shard,)
+                f = w.client.begin_push_pull(w.clock, w.replica.grads(shards=one), w.replica.buffers(shards=one),
+                                             self.versions, shards=one, into=f)
             except BaseException as e:
                 failed.append(e)
 
@@ -93,8 +94,7 @@ class PushPullSchedule(Schedule):
             if failed:
                 raise failed[0]
             if rest:
-                f = w.client.begin_push_pull(w.clock, [w.replica.grads(shard=i)[0] for i in rest],
-                                             [w.replica.buffers(shard=i)[0] for i in rest],
+                f = w.client.begin_push_pull(w.clock, w.replica.grads(shards=rest), w.replica.buffers(shards=rest),
                                              self.versions, shards=rest, into=f)
         except BaseException:
             if f is not None:

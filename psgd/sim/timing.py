@@ -14,6 +14,8 @@ the tensor work that would otherwise dominate a run of thousands of workers:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..replica import Replica
@@ -49,11 +51,11 @@ class TimingReplica(Replica):
     def params(self) -> list[torch.Tensor]:
         return self._zp
 
-    def grads(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
-        return self._zp if shard is None else [self._zp[shard]]
+    def grads(self, slot: int = 0, shards: Sequence[int] | None = None) -> list[torch.Tensor]:
+        return self._zp if shards is None else [self._zp[i] for i in shards]
 
-    def buffers(self, slot: int = 0, shard: int | None = None) -> list[torch.Tensor]:
-        return self._zb if shard is None else [self._zb[shard]]
+    def buffers(self, slot: int = 0, shards: Sequence[int] | None = None) -> list[torch.Tensor]:
+        return self._zb if shards is None else [self._zb[i] for i in shards]
 
     def load(self, params: list[torch.Tensor] | None, buffers: list[torch.Tensor] | None = None) -> None:
         pass

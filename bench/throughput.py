@@ -105,6 +105,7 @@ MODELS = {  # name -> (config keys, steps per worker, warm-up steps)
 # inside its timed window)
 COMMON = ["cluster.evaluator=false", "train.batch_size=32", "checkpoint.every_s=0"]
 PARTS = ("ddp", "local", "async", "overlap", "startup", "phases")
+DDP_PARTS = {"ddp", "overlap"}   # the parts that run DDP (their backend is checked, and named in the JSON)
 BACKENDS = ("gloo", "nccl")
 MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
 
@@ -422,7 +423,7 @@ def check_device_and_backend(ap: argparse.ArgumentParser, a: argparse.Namespace,
                      f"(cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
     if "phases" in parts and a.device != "cpu":   # its workers, and the floor it measures alone, run on the CPU
         ap.error(f"--parts phases times a step on the CPU only: leave it out with --device {a.device}")
-    if not parts & {"ddp", "overlap"}:   # (the parts that run DDP)
+    if not parts & DDP_PARTS:
         return
     import torch.distributed as dist
     if not dist.is_available() or not getattr(dist, f"is_{a.backend}_available")():
@@ -479,7 +480,7 @@ def main() -> None:
     work = a.keep or tempfile.mkdtemp(prefix="bench-throughput-")
     # (DDP's backend and worker count only where the DDP part runs: the local parts are W = 1
     # against one process, and a GPU run's JSON of those named gloo and 2 workers)
-    ddp = {"backend": a.backend, "workers": a.workers} if parts & {"ddp", "overlap"} else {}
+    ddp = {"backend": a.backend, "workers": a.workers} if parts & DDP_PARTS else {}
     rows, result = [], {"bench": "throughput", "device": a.device, **ddp,
                         "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
                         "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal,

@@ -463,7 +463,8 @@ def main() -> None:
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
     parts = set(a.parts or [p for p in PARTS if p != "phases" or a.device == "cpu"])
-    used = (set(a.models) if "ddp" in parts else set()) | ({"mlp"} if parts & {"local", "async", "phases"} else set())
+    used = ((set(a.models) if "ddp" in parts else set()) | ({"mlp"} if parts & {"local", "async", "phases"} else set())
+            | ({"resnet20"} if "overlap" in parts else set()))
     for model in sorted(used):
         steps, warm = MODELS[model][1:]
         if int(steps * a.steps_scale) < warm + 2:

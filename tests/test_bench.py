@@ -44,6 +44,7 @@ BAD = [
     ("throughput", ["--models", "foo"], "--models"),
     ("throughput", ["--repeats", "0"], "--repeats"),
     ("throughput", ["--steps-scale", "0.05"], "--steps-scale"),
+    ("throughput", ["--parts", "overlap", "--steps-scale", "0.2"], "--steps-scale"),   # ResNet-20: 8 steps ran
     ("throughput", ["--device", "gpu"], "--device"),
     ("throughput", ["--parts", "ddp", "--backend", "bogus"], "--backend"),   # failed after the plain loop's runs
     ("throughput", ["--parts", "ddp", "--backend", "nccl"], "--backend"),    # NCCL on the CPU (or none in torch)

@@ -601,14 +601,17 @@ class Shard:
 
     def _on_wire(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
         """A params-sized float32 vector in `wire.dtype` (itself if that is float32 and
-        not `copy`). float16 carries values up to 65504: one beyond it would reach the
-        reader as Inf (its next gradient NaN, refused as if the learning rate were the
-        cause), so the read is refused, naming why."""
+        not `copy`). float16 carries values up to 65504, bfloat16 up to 3.39e38 (a little
+        below float32's): one beyond it would reach the reader as Inf (its next gradient
+        NaN, refused as if the learning rate were the cause), so the read is refused,
+        naming why."""
         out = t.to(self._wire_torch, copy=copy)
-        if self.wire_dtype == "float16" and not wire.finite(out):
-            raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have values beyond float16's "
-                                               f"range (65504) at version {self.version}: set wire.dtype = "
-                                               f"\"bfloat16\" (float32's range) or \"float32\"")
+        if self.wire_dtype != "float32" and not wire.finite(out):
+            limit = torch.finfo(self._wire_torch).max
+            wider = '"bfloat16" (up to 3.39e38) or "float32"' if self.wire_dtype == "float16" else '"float32"'
+            raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have values beyond "
+                                               f"{self.wire_dtype}'s range ({limit:.6g}) at version {self.version}: "
+                                               f"set wire.dtype = {wider}")
         return out
 
     def sent(self) -> None:

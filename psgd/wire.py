@@ -3,7 +3,9 @@
 A message is a ZeroMQ multipart message::
 
     frame 0      msgpack map, the header (at most MAX_HEADER bytes)
-    frame 1..n   raw, C-contiguous, little-endian tensor bytes, one per array
+    frame 1..n   raw, C-contiguous, little-endian tensor bytes, one per array that
+                 has any (an empty one, a model's buffers where it has none, is all
+                 in its header: a frame each way cost a round trip about 10 %)
 
 The header always carries
 
@@ -12,7 +14,7 @@ The header always carries
     id      request id, an int >= 0, echoed in the reply
     rank    sender's worker rank (-1 for other roles)
     clock   sender's clock (-1 when not applicable)
-    arrays  one [dtype, shape] pair per payload frame; dtype from DTYPES
+    arrays  one [dtype, shape] pair per array (at most MAX_FRAMES); dtype from DTYPES
 
 plus the fields that OPS lists for that op, each with its type (the ops in NO_ARRAYS
 carry no arrays). Replies use op
@@ -22,7 +24,8 @@ sees one routing-identity frame in front of frame 0; `split_identity` removes it
 Validation is strict and happens before anything is used: header size, msgpack
 syntax, map type, version, op, id/rank/clock types, unknown or ill-typed fields,
 the dtype whitelist, shapes (non-negative ints, at most MAX_DIMS), and each frame's
-byte length against dtype and shape. Every failure raises `WireError(code, reason)`;
+byte length against dtype and shape. A reader also takes a message with one frame for
+every array, empty ones too (as senders before 2026-12-06 sent them). Every failure raises `WireError(code, reason)`;
 servers turn it into an error reply and go on serving. Nothing is ever pickled.
 
 Arrays are sent without copies: ZeroMQ reads them after `send` returns, so a sender
@@ -153,11 +156,11 @@ def _as_array(a: Any) -> tuple[str, np.ndarray]:
     kind = type(a)
     if kind is np.ndarray:   # the common cases first, each the array the general way gives
         name = _NAMES.get(a.dtype)
-        if name is not None and a.ndim and a.flags.c_contiguous:
+        if name is not None and a.flags.c_contiguous:
             return name, a
     elif kind is _tensor_type and not a.requires_grad:
         name = _TORCH_NAMES.get(a.dtype)
-        if name is not None and a.dim() and a.is_contiguous() and a.is_cpu:
+        if name is not None and a.is_contiguous() and a.is_cpu:
             return name, a.numpy()
     return _as_array_any(a)
 
@@ -172,7 +175,7 @@ def _as_array_any(a: Any) -> tuple[str, np.ndarray]:
         if t.dtype is torch.bfloat16:
             return "bfloat16", t.view(dtype=torch.int16).numpy().view(np.uint16)
         a = t.numpy()
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")   # (not `ascontiguousarray`: it makes a 0-d array shape (1,))
     name = _NAMES.get(a.dtype)
     if name is None:  # big-endian, or not allowed
         name = _NAMES.get(a.dtype.newbyteorder("<"))
@@ -231,7 +234,8 @@ def encode_with(op: str, id: int, rank: int, clock: int, arrays: Sequence[Any], 
     for a in arrays:
         name, a = _as_array(a)
         specs.append([name, list(a.shape)])
-        payload.append(memoryview(cast(Any, a)).cast("B") if a.size else b"")   # (its bytes, one a byte: len is nbytes)
+        if a.size:   # (an empty array has no frame)
+            payload.append(memoryview(cast(Any, a)).cast("B"))   # (its bytes, one a byte: len is nbytes)
     header = {"v": PROTOCOL_VERSION, "op": op, "id": int(id), "rank": int(rank), "clock": int(clock),
               "arrays": specs}
     if not _BASE_SET.isdisjoint(fields):
@@ -240,8 +244,8 @@ def encode_with(op: str, id: int, rank: int, clock: int, arrays: Sequence[Any], 
     head = pack_header(header)
     # What decode refuses is refused here, where the sender can say why: the peer's refusal
     # of a header it could not read carries no request id, so no caller would hear of it.
-    if len(head) > MAX_HEADER or len(payload) > MAX_FRAMES:
-        raise WireError(TOO_LARGE, f"{op}: a header of {len(head)} bytes and {len(payload)} arrays; a peer reads "
+    if len(head) > MAX_HEADER or len(specs) > MAX_FRAMES:
+        raise WireError(TOO_LARGE, f"{op}: a header of {len(head)} bytes and {len(specs)} arrays; a peer reads "
                                    f"at most {MAX_HEADER} bytes and {MAX_FRAMES} arrays")
     return [head, *payload]
 
@@ -347,10 +351,12 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
     for k in REQUIRED.get(op, ()):
         if k not in fields:
             raise WireError(BAD_FIELD, f"op {op!r} needs field {k!r}")
-    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
-        raise WireError(BAD_HEADER, f"header lists {len(specs) if isinstance(specs, list) else '?'} "
-                                    f"arrays but {len(frames) - 1} payload frames came")
-    arrays, dtypes, total = [], [], len(head)
+    if not isinstance(specs, list) or len(specs) > MAX_FRAMES:
+        raise WireError(BAD_HEADER,
+                        f"header lists {len(specs) if isinstance(specs, list) else '?'} arrays "
+                        f"(a list of at most {MAX_FRAMES})")
+    every = len(specs) == len(frames) - 1   # a frame for every array, empty ones too (as older senders)
+    arrays, dtypes, total, j = [], [], len(head), 1
     for i, spec in enumerate(specs):
         if not (isinstance(spec, list) and len(spec) == 2):
             raise WireError(BAD_HEADER, f"array {i}: spec must be [dtype, shape]")
@@ -366,18 +372,29 @@ def _decode(h: dict, head: memoryview, frames: Sequence[Any], max_bytes: int) ->
                 0 in shape and math.prod(d for d in shape if d) * dt.itemsize > max_bytes):  # empty, but impossible
             raise WireError(BAD_SHAPE, f"array {i}: bad shape {shape!r}")
         expect = math.prod(shape) * dt.itemsize
-        buf = memoryview(frames[i + 1])
-        total += len(buf)
-        if total > max_bytes:
-            raise WireError(TOO_LARGE, f"message larger than {max_bytes} bytes")
-        if len(buf) != expect:
-            raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
+        if expect or every:
+            if j == len(frames):
+                raise _frames_error(specs, frames)
+            buf = memoryview(frames[j])
+            j += 1
+            total += len(buf)
+            if total > max_bytes:
+                raise WireError(TOO_LARGE, f"message larger than {max_bytes} bytes")
+            if len(buf) != expect:
+                raise WireError(BAD_LENGTH, f"array {i}: {len(buf)} bytes, {dtype_name}{shape} needs {expect}")
         a = np.frombuffer(buf, dtype=dt) if expect else np.zeros(shape, dt)
         arrays.append(a if len(shape) == 1 else a.reshape(shape))
         dtypes.append(dtype_name)
+    if j != len(frames):
+        raise _frames_error(specs, frames)
     if arrays and op in NO_ARRAYS:
         raise WireError(BAD_FIELD, f"op {op!r} carries no arrays, {len(arrays)} came")
     return Message(op, rid, rank, clock, fields, arrays, dtypes)
+
+
+def _frames_error(specs: list, frames: Sequence[Any]) -> WireError:
+    return WireError(BAD_HEADER, f"header lists {len(specs)} arrays but {len(frames) - 1} payload frames came "
+                                 f"(one for each array, or for each that is not empty)")
 
 
 def finite(t: Any) -> bool:

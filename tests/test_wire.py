@@ -28,13 +28,13 @@ def test_decode_does_not_copy_payload():
     a = np.arange(1000, dtype=np.float32)
     frames = [bytes(f) for f in wire.encode("push", arrays=[a, a[:0]], read_version=0)]
     payload = bytearray(frames[1])
-    msg = wire.decode([frames[0], payload, frames[2]])
+    msg = wire.decode([frames[0], payload])   # (the empty array has no frame)
     assert np.shares_memory(msg.arrays[0], np.frombuffer(payload, np.uint8))  # a view of the received buffer
     payload[0:4] = np.float32(42).tobytes()
     assert msg.arrays[0][0] == 42
     # the same for a ZeroMQ frame, as a socket hands it over with copy=False
     frame = zmq.Frame(frames[1])
-    msg = wire.decode([frames[0], frame, frames[2]])
+    msg = wire.decode([frames[0], frame, b""])   # (as older senders sent it: an empty frame for the empty array)
     assert np.shares_memory(msg.arrays[0], np.frombuffer(frame.buffer, np.uint8))
     np.testing.assert_array_equal(msg.arrays[0], a)
 

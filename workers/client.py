@@ -44,7 +44,8 @@ from psgd.consistency.rule import Diverged
 from psgd.membership import job_token
 from psgd.transport import Peers, PeerTimeout
 
-FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+# A narrow wire.dtype's largest value: a float32 one beyond it arrives as Inf (`_wire`)
+NARROW_MAX = {dt: float(torch.finfo(dt).max) for dt in (torch.float16, torch.bfloat16)}
 
 
 class ShardUnreachable(RuntimeError):
@@ -126,16 +127,19 @@ class ParameterClient:
     def _wire(self, kind: str, shard: int, t: torch.Tensor, clock: int) -> torch.Tensor:
         """A params-sized float32 vector in `wire.dtype`, converted into a buffer reused
         every step (it is sent without copying and answered before the next use). A value
-        beyond float16's range would arrive as Inf: the step is refused here, naming why."""
+        beyond float16's range (or bfloat16's, 3.39e38, a little below float32's) would
+        arrive as Inf: the step is refused here, naming why."""
         if t.dtype == self.wire_dtype:
             return t
-        if self.wire_dtype == torch.float16 and t.numel():
+        limit = NARROW_MAX.get(self.wire_dtype)
+        if limit is not None and t.numel():
             low, high = torch.aminmax(t)   # no P-sized temporary; NaN and Inf go on, for the shard to refuse
             peak = max(-float(low), float(high))
-            if FLOAT16_MAX < peak < float("inf"):
-                raise Diverged(f"values up to {peak:.3g} at step {clock} are beyond "
-                               f"float16's range ({FLOAT16_MAX:.0f}): set wire.dtype = \"bfloat16\" (float32's range) "
-                               f"or \"float32\"")
+            if limit < peak < float("inf"):
+                name = str(self.wire_dtype).removeprefix("torch.")
+                wider = '"bfloat16" (up to 3.39e38) or "float32"' if name == "float16" else '"float32"'
+                raise Diverged(f"values up to {peak:.3g} at step {clock} are beyond {name}'s range ({limit:.6g}): "
+                               f"set wire.dtype = {wider}")
         buf = self._outgoing.get((kind, shard))
         if buf is None or buf.numel() != t.numel():
             buf = self._outgoing[(kind, shard)] = torch.empty(t.numel(), dtype=self.wire_dtype)

@@ -403,8 +403,10 @@ class Shard:
         self._check_rank(msg)
         self._within_job("round", int(msg.get("round")), self.last_exchange)
         x, b = self._vectors(msg, "replica")
-        self.counters["pushes"] += 1
-        return self.carry_out(self.rule.elastic(r.ElasticOffer((token, msg), msg.rank, int(msg.get("round")), x, b)))
+        offer = r.ElasticOffer((token, msg), msg.rank, int(msg.get("round")), x, b)
+        # (before, counted in pushes before the rule's verdict: every resend too, as a push's is not)
+        self.counters["duplicates" if self.rule.resent(offer) else "pushes"] += 1
+        return self.carry_out(self.rule.elastic(offer))
 
     def on_put_model(self, token, msg: wire.Message) -> list[Reply]:
         """A deposited model (ltfb): float32 whatever `wire.dtype` (its weights, buffers

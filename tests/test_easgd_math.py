@@ -182,7 +182,9 @@ def test_sync_a_resent_offer_of_the_open_round_is_answered_when_the_round_closes
     assert all(wire.decode(f).op == "reply" for _, f in replies)
     torch.testing.assert_close(shard.params.detach(), c0 + ALPHA * (x0 - c0) + ALPHA * (x1 - c0))
     late = wire.decode(shard.handle("resend again", _offer(shard, 0, 0, x0))[0][1])  # after the close
-    assert late.op == "reply" and late.get("dropped") is True and shard.version == 1
+    # a resend, not a late offer: not counted dropped (before, it was)
+    assert late.op == "reply" and late.get("duplicate") is True and late.get("dropped") is None
+    assert shard.version == 1 and shard.rule.stats()["dropped"] == 0
 
 
 @pytest.mark.timeout(60)

@@ -7,8 +7,8 @@ barrier, with its recovery after a restore or a rejoin); the centre moves by the
 of the round's d_i, and an offer that comes after its round closed gets its d without
 moving the centre. A worker's offer moves the centre once: its resend (the client's,
 after `retry_s` without an answer) is answered, by its round's close in sync (also
-while it waits for a later round: `SyncRule.wait`), or with its d and the centre
-unmoved once its round has moved it.
+while it waits for a later round: `SyncRule.wait`), or, once it was answered, with its
+d and the centre unmoved (`duplicate`: a resend, not a late offer, so not counted dropped).
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
 Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, tau,
@@ -66,7 +66,7 @@ class EasgdRule(SyncRule):
         super().__init__(mode, world, tables)
         self.alpha = default_alpha(mode.alpha, world)
         self.round: dict[int, ElasticOffer] = {}   # sync rounds: the offers of the open round
-        self.offered: dict[int, int] = {}          # async: rank -> the last round that moved the centre
+        self.offered: dict[int, int] = {}          # rank -> its last round answered (async: that moved the centre)
         self.moving = None   # sync: the centre's moves decided in this `settle`, not yet carried out
 
     @classmethod
@@ -82,18 +82,30 @@ class EasgdRule(SyncRule):
         raise NotImplementedError  # not in `serves`
 
     def elastic(self, e: ElasticOffer) -> list[Decision]:
-        """Async: the offer moves the centre, once per round of each worker; an offer of
-        a round that moved it already is a resend (the worker did not get the answer):
-        it gets its d, and the centre stays. Sync: the round barrier (`offer`)."""
-        if self.mode.sync:
-            return self.offer(e)
+        """An offer of a round answered already is a resend (the worker did not get the
+        answer): it gets its d, and the centre stays; in sync it is not late, so not
+        counted dropped (the barrier would count it so: its round closed). Async: the
+        offer moves the centre, once per round of each worker. Sync: the round barrier
+        (`offer`)."""
         if e.round <= self.offered.get(e.rank, -1):
             return [self.unmoved(e, {"duplicate": True})]
+        if self.mode.sync:
+            return self.offer(e)
         self.offered[e.rank] = e.round
         self.clocks.note(e.rank, e.round)   # the clock gap, in rounds: this offer's lead over the slowest's
         self.clocks.answered(e.round)
         d = elastic_delta(e.x, self.tables.params.detach(), self.alpha)
         return [Move(d), MixBuffers(e.buffers, 1.0 / self.world), Answer(e.token, arrays=[d, BUFFERS])]
+
+    def resent(self, e: ElasticOffer) -> bool:
+        """Answered already, or (sync) in the open round or waiting for its round."""
+        if e.round <= self.offered.get(e.rank, -1):
+            return True
+        if not self.mode.sync:
+            return False
+        waiting = self.early.get(e.rank)
+        return (e.round == self.barrier.step and self.barrier.contributed(e.rank)) or (
+            waiting is not None and waiting.round == e.round)
 
     def unmoved(self, e: ElasticOffer, fields: dict) -> Answer:
         """An offer answered with its d = alpha (x - centre) without moving the centre."""
@@ -123,7 +135,8 @@ class EasgdRule(SyncRule):
         return replace(e, x=e.x.clone(), buffers=e.buffers.clone())
 
     def take(self, e: ElasticOffer, verdict: str) -> list[Decision]:
-        if verdict == bsp.LATE:  # the round closed without it (or it is a resend of an answered offer)
+        if verdict == bsp.LATE:  # the round closed without it
+            self.offered[e.rank] = e.round
             return [self.unmoved(e, {"dropped": True})]
         if verdict == bsp.DUPLICATE:  # a resend while its round is open: the round's close answers the resend
             self.round[e.rank] = replace(self.round[e.rank], token=e.token)
@@ -141,6 +154,8 @@ class EasgdRule(SyncRule):
         ds = round_deltas([o.x for o in offers], self.centre(), self.alpha)
         self.round = {}
         self.barrier.advance()
+        for o in offers:
+            self.offered[o.rank] = o.round
         move = torch.stack(ds).sum(0)
         self.moving = move if self.moving is None else self.moving + move
         out: list[Decision] = [Move(move),

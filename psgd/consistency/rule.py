@@ -244,6 +244,11 @@ class ServerRule:
     def elastic(self, e: ElasticOffer) -> list[Decision]:
         raise NotImplementedError
 
+    def resent(self, e: ElasticOffer) -> bool:
+        """Is this offer its rank's second of its round (the client's resend after
+        `retry_s` without an answer)? The shard counts it in `duplicates`, not `pushes`."""
+        raise NotImplementedError
+
     def deposit(self, e: Deposit) -> list[Decision]:
         raise NotImplementedError
 

@@ -1182,3 +1182,105 @@ def test_deposits_of_unlike_optimizer_state_on_the_shards_leave_the_adopters_sta
                         + [np.ones(sh.P, np.float32)] * (1 - i)) for i, sh in enumerate(shards)]
     s1.load_opt_state(w1, got)
     assert torch.equal(momentum(s1, w1), own)
+
+
+def _restarted(cfg: Config, shards: list[Shard], rank: int, clock: int):
+    """A new process for `rank` (of 4), registered at `clock`, started: (trainer, schedule)."""
+    w = FakeTrainer(cfg, TourLoopback(shards, rank), grad, rank)
+    w.holdout = (torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    w.live = lambda: {0, 1, 2, 3}
+    w.clock = clock
+    s = LtfbSchedule(cfg)
+    s.start(w)
+    return w, s
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_worker_rejoining_a_trainer_group_continues_from_its_own_trainers_model(rank):
+    """'An ltfb rejoin in group k > 1 loads the best trainer's model': a worker restarted
+    into a trainer of 2 resumed the best trainer's deposit, weights and hyperparameters,
+    while its group's other worker kept its own trainer's: their group steps averaged the
+    gradients of two models, and a restarted leader (rank 2) handed the other trainer's
+    model and values to its whole group at its next tournament (the population lost a
+    trainer). It now continues from its trainer's latest outcome: the model and values
+    that every worker of the trainer left that round with (here its own model, kept
+    against a partner's that scored better on the partner's split); before its trainer's
+    first round, from the initial model, where its group began."""
+    explore = {"optimizer.lr": [0.01, 0.5]}
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "mode.explore": explore})
+    shards, ts = trainers_on(cfg, 4)
+    initial = flat(ts[0][0].replica.params())
+    (w0, s0), (w2, s2) = ts[0], ts[2]
+    for w, s, steps in [(w0, s0, 2), (w2, s2, 5)]:   # each trainer's model moves its own way
+        for _ in range(steps):
+            w.compute()
+            s.opt.step()
+    s0.deposit_model(w0, 1, 0.9)                     # trainer 0: the best deposit of round 1
+    w, s = _restarted(cfg, shards, rank, 2)          # trainer 1 has played no round yet
+    assert torch.equal(flat(w.replica.params()), initial)
+    assert s.hyper == draw_hyper(explore, cfg.job.seed, 1) and w.clock == 2
+    s2.deposit_model(w2, 1, 0.5)                     # trainer 1 keeps its own model at round 1
+    s2.deposit(w2, -1, 0.5, [0.0, 0.0, 0.5, 0.3], True)
+    ours = flat(w2.replica.params())
+    assert not torch.equal(ours, flat(w0.replica.params()))
+    w, s = _restarted(cfg, shards, rank, 2)
+    assert torch.equal(flat(w.replica.params()), ours)
+    assert s.hyper == s2.hyper != s0.hyper and w.clock == 3
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_worker_taken_back_into_its_group_holds_what_its_other_workers_hold():
+    """After a partition (the same process, its optimizer's state kept), a worker of a
+    trainer of 2 takes its trainer's outcome: the partner's model that its leader adopted
+    (not the model the trainer deposited for the round, nor the best trainer's values),
+    with the mutated values and the leader's optimizer state, as `follow` takes it (with
+    `mode.exchange = "weights"` too). While the next round's tournament is under way (no
+    outcome of it yet), the model its trainer entered that round with."""
+    explore = {"optimizer.lr": [0.01, 0.5]}
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "mode.explore": explore,
+                      "mode.exchange": "weights"})
+    _, ts = trainers_on(cfg, 4)
+    (w0, s0), (w2, s2), (w3, s3) = ts[0], ts[2], ts[3]
+    for w, s, steps in [(w0, s0, 2), (w2, s2, 5), (w3, s3, 1)]:
+        for _ in range(steps):
+            w.compute()
+            s.opt.step()
+    s0.deposit_model(w0, 1, 0.9)
+    theirs = flat(w0.replica.params())
+    w2.replica.score = lambda *a, **k: (0.9 if torch.equal(flat(w2.replica.params()), theirs) else 0.1, 0.0)
+    s2.lead(w2, 1)                               # trainer 1 adopts trainer 0's model: its outcome of round 1
+    assert [e["adopted"] for e in w2.events] == [True] and s2.hyper != s0.hyper
+    hyper, m = dict(s2.hyper), momentum(s2, w2).clone()
+    s3.rejoin(w3)
+    assert torch.equal(flat(w3.replica.params()), theirs)
+    assert s3.hyper == hyper and torch.equal(momentum(s3, w3), m) and w3.clock == 3
+    for _ in range(3):                           # round 2: trainer 1's leader deposits and waits for its partner
+        w2.compute()
+        s2.opt.step()
+    s2.deposit_model(w2, 2, 0.1)
+    s0.deposit_model(w0, 2, 0.9)
+    s3.rejoin(w3)
+    assert torch.equal(flat(w3.replica.params()), flat(w2.replica.params()))
+    assert s3.hyper == hyper and w3.clock == 6
+
+
+@unit
+def test_an_exact_fetch_of_an_outcome_is_that_rounds_or_refused_never_parked():
+    """A worker rejoining its trainer asks for an outcome only of a round it saw in the
+    index: the shard answers that round's outcome, or refuses (a race honest workers meet:
+    not a bad message); parked, the worker would wait while its group's steps wait for
+    its push."""
+    from psgd.consistency.rule import Refuse
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2})
+    rule = LtfbRule(cfg.mode, 4, None)
+    [no] = rule.fetch(Fetch("a", 1, -1, True, 3))
+    assert isinstance(no, Refuse) and not no.bad
+    rule.deposit(Deposit("d", 2, -1, 0.0, []))
+    assert rule.fetch(Fetch("b", 1, -1, True, 3)) == [AnswerModel("b", ("outcome", 1), {"round": -1, "owner": 1})]
+    assert isinstance(rule.fetch(Fetch("c", 1, -2, True, 3))[0], Refuse)
+    rule.deposit(Deposit("d2", 2, -2, 0.0, []))
+    assert isinstance(rule.fetch(Fetch("e", 1, -1, True, 3))[0], Refuse)
+    assert rule.parked() == 0

@@ -19,7 +19,9 @@ Server rule: the shards are the exchange and the reduction.
   forgotten.
 - `put_model` of round -r (k > 1): what the trainer carries out of round r (its model,
   optimizer state and hyperparameters, and the decision), stored once per trainer for
-  its other workers, who ask for it with `get_model` of round -r.
+  its other workers, who ask for it with `get_model` of round -r; asked for `exact`ly
+  (a worker rejoining the trainer, `trainer_model`), it is answered only if it is round
+  r's, else refused, never parked.
 - `get_model` with owner -1 (truncation): every live trainer's score of round r,
   parked until all of them have deposited it (`tournament.Scoreboard`).
 
@@ -40,9 +42,11 @@ is dropped, or at a round's last step closed on the others (`GroupSteps.passed`)
 deposit that a shard lost (restored from an older checkpoint) is made again while its
 trainer waits for its partner's (`keep_deposit`).
 
-The global model (for the evaluator and a rejoining worker) is the best-scored
-deposit of the latest round: its (round, trainer) is chosen once from every shard's
-index and then fetched exactly from every shard, so its slices never mix two trainers.
+The global model (for the evaluator, and a worker rejoining a trainer of one) is the
+best-scored deposit of the latest round: its (round, trainer) is chosen once from every
+shard's index and then fetched exactly from every shard, so its slices never mix two
+trainers. A worker rejoining a trainer group continues from its own trainer's model,
+as its other workers hold it (`trainer_model`).
 """
 from __future__ import annotations
 
@@ -155,6 +159,12 @@ class LtfbRule(ServerRule):
             return [Refuse(e.token, REFUSED, f"there is no trainer {e.owner} (trainers 0..{len(self.trainers) - 1}, "
                                              f"or {SCORES}: a round's scores)")]
         if e.round < 0:
+            if e.exact:   # a worker (re)joining the trainer: that round's outcome or none, never parked
+                have = self.outcomes.latest.get(e.owner)   # (`trainer_model`)
+                if have is None or have[0] != -e.round:
+                    return [Refuse(e.token, REFUSED, f"no outcome of trainer {e.owner} for round {-e.round} here",
+                                   False)]
+                return [AnswerModel(e.token, have[1], {"round": e.round, "owner": e.owner})]
             out = []
             if e.rank >= 0 and trainer_of(e.rank, self.k) == e.owner:   # a worker of the trainer, at round -r's
                 # tournament, pushes for no step before it: its group's step does not wait for it (its loss was
@@ -266,6 +276,26 @@ def global_model(client: Any) -> list:
     raise AssertionError("unreachable: the last try raises")
 
 
+def trainer_model(client: Any, trainer: int) -> list:
+    """What a worker (re)joining trainer `trainer`'s group (k > 1) continues from: what
+    its other workers hold, every slice of one deposit. Of the trainer's latest round r
+    in the shards' index, its outcome (the model, optimizer state and hyperparameters
+    that each of its workers left the round with), or, before it (the round's tournament
+    under way, or its leader gone before its outcome), the model the trainer entered the
+    round with (its deposit of round r; after the last round, its final model). Before
+    the trainer's first round, the initial model, where its workers began; where the
+    shards do not all hold the deposit (restored from checkpoints of different rounds),
+    the best trainer's (`global_model`)."""
+    rounds = [int(r) for m in client.index() for r, o, _ in m.get("models") if int(o) == trainer]
+    if not rounds:
+        return client.pull(-1)
+    latest = max(rounds)
+    got = client.get_model(-latest, trainer, exact=True, missing_ok=True) if latest < FINAL else None
+    if got is None:
+        got = client.get_model(latest, trainer, exact=True, missing_ok=True)
+    return global_model(client) if got is None else got
+
+
 def pack_meta(values: list[float], size: int) -> torch.Tensor:
     """Float64 values, bit for bit, in the first entries of a float32 array of `size`
     (a deposit's arrays are params-sized float32)."""
@@ -303,8 +333,8 @@ class LtfbSchedule(Schedule):
         self.opt = make_local_optimizer(w)
         self.scripts_optimizer = self.opt is getattr(w, "user_optimizer", None)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
-        if w.clock:    # a worker restarted into the job: the best trainer's model, with its values
-            self.rejoin(w, catch_up=True)
+        if w.clock:    # a worker restarted into the job: its trainer's model, with its values
+            self.rejoin(w)
         else:   # the job's start: its own draw on the initial model, even if a trainer that started
             got = w.client.pull(-1)   # sooner has deposited a round already; or a resumed job's
             if not (any(int(m.get("version", 0)) for m in got) and self.resume(w)):   # (a deposit moves it)
@@ -312,27 +342,34 @@ class LtfbSchedule(Schedule):
         self.t_round = w.now()
         self.round_s = 0.0
 
-    def rejoin(self, w: Trainer, catch_up: bool = True) -> None:
-        """Continue from the best trainer's model, with the hyperparameters deposited with
-        it (a restarted worker's optimizer, fresh, has no state that the deposit's can
-        fill: `load_opt_state`; it starts anew): explored values
-        change only by adoption and mutation, so a restarted worker does not go back to
-        its trainer's initial draw. Before any deposit: the initial model, with the
-        values we have (a group's next outcome re-aligns them). `catch_up`: a worker
-        (re)joining the job continues where the trainers are (`catch_up`)."""
-        got = global_model(w.client)
+    def rejoin(self, w: Trainer) -> None:
+        """A worker (re)joining the job (restarted into it, or taken back after a
+        partition) continues where its trainer is (`catch_up`), from its trainer's model:
+        in a group (k > 1) the one its other workers hold (`trainer_model`: the best
+        trainer's split the group in two, and a rejoining leader handed it to its whole
+        group at its next tournament); a trainer of one, whose model went with its
+        worker, from the best trainer's (`global_model`)."""
+        self.continue_from(w, trainer_model(w.client, self.trainer) if self.k > 1 else global_model(w.client))
+        self.catch_up(w)
+
+    def continue_from(self, w: Trainer, got: list) -> None:
+        """Load a deposit, or an outcome, with the hyperparameters deposited with it (a
+        restarted worker's optimizer, fresh, has no state that the deposit's can fill:
+        `load_opt_state`; it starts anew): explored values change only by adoption and
+        mutation, so a restarted worker does not go back to its trainer's initial draw.
+        The shards' tables (no deposit yet): the initial model, with the values we have."""
         load(w, got)
-        if catch_up:
-            self.catch_up(w)
-        if got[0].get("owner") is None:   # the shards' tables: no deposit yet
+        if got[0].get("owner") is None:
             return
         self.carry_on(w, got)
 
     def carry_on(self, w: Trainer, got: list) -> None:
         """What travels with a deposit that a (re)starting worker continues from: the
-        optimizer state (weights+optimizer) and the explored values."""
-        if self.with_opt:
-            self.load_opt_state(w, got)
+        optimizer state (weights+optimizer; an outcome's always, as its group's workers
+        took it: `follow`) and the explored values."""
+        outcome = int(got[0].get("round")) < 0
+        if self.with_opt or outcome:
+            self.load_opt_state(w, got, with_meta=outcome or bool(self.explore))
         if self.explore:
             self.set_hyper(self.read_meta(got)[1])
 
@@ -346,8 +383,8 @@ class LtfbSchedule(Schedule):
         an adoption there is not in it (a group's outcome deposit, which has it, is not
         read); its steps after that round are lost. Before, every
         worker began again from the initial model at step 0. With the shards restored from
-        checkpoints of different rounds, no deposit of its own is on every shard: the best
-        trainer's model, as a restarted worker takes (`rejoin`). False where no shard
+        checkpoints of different rounds, no deposit of its own is on every shard: what a
+        restarted worker takes (`rejoin`). False where no shard
         holds a deposit of its trainer: the job's start. Asked only of shards whose tables
         have a version past 0 (a deposit made it): a job's start asks nothing more."""
         held = [{int(r) for r, o, _ in m.get("models") if int(o) == self.trainer and int(r) > 0}
@@ -357,7 +394,7 @@ class LtfbSchedule(Schedule):
         common = set.intersection(*held)
         got = w.client.get_model(max(common), self.trainer, exact=True, missing_ok=True) if common else None
         if got is None:
-            self.rejoin(w, catch_up=True)
+            self.rejoin(w)
             return True
         load(w, got)
         self.catch_up(w)
@@ -526,13 +563,13 @@ class LtfbSchedule(Schedule):
 
     def lead(self, w: Trainer, rnd: int) -> None:
         """Play round `rnd` for the trainer. A diverged one loses it: it deposits the
-        best trainer's model (`rejoin`: a partner waits for a deposit, which must be
+        best trainer's model (`global_model`: a partner waits for a deposit, which must be
         finite) scored as the worst, so that any partner's model, or a top-k one,
         replaces it."""
         if self.diverged:
             if not self.with_opt:   # its momentum (or Adam's moments) diverged too: not for the model it
                 self.opt.state.clear()   # takes (with weights+optimizer, that model's state replaces it)
-            self.rejoin(w, catch_up=False)   # (it plays this round, at its clock)
+            self.continue_from(w, global_model(w.client))   # (it plays this round, at its clock)
             acc = loss = math.nan
         else:
             acc, loss = w.score()

@@ -550,7 +550,10 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "failures": failures,
         "dropped_gradients": max((int(s.get("dropped", 0)) for s in server_stats.values()), default=0),
         "bad_messages": sum(int(s.get("bad_messages", 0)) for s in server_stats.values()),
-        # each shard's time spent serving requests over the run's wall time: near 1, that shard is the bottleneck
+        # each shard's time spent serving requests over the run's wall time: near 1, that shard is the bottleneck.
+        # Both span the training, from its start to when the last worker was done: a shard daemon counts
+        # busy_s so (servers/shard_server.py `TrainingBusy`: not the reads after it, and a restarted
+        # shard's earlier processes' too)
         "shard_busy_fraction": [round(float(server_stats[i].get("busy_s", 0)) / wall_s, 4) if wall_s > 0 else 0.0
                                 for i in sorted(server_stats)],
         "rejected": sum(int(s.get("rejected", 0)) for s in worker_stats.values()),

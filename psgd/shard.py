@@ -718,7 +718,8 @@ class Shard:
                 # the stored models (ltfb's deposits), which the rule's state names by key;
                 # not copied: a stored model's arrays are never modified, only replaced
                 "models": {k: list(arrays) for k, arrays in self.models.items()},
-                "training": training_config(self.cfg), "finished": self.finished, "trained": self.trained}
+                "training": training_config(self.cfg), "finished": self.finished, "trained": self.trained,
+                "busy_s": self.busy()}
 
     def resume(self, path: str) -> str:
         """Load the checkpoint at `path` if this shard may resume from it; '' if it did,
@@ -768,6 +769,8 @@ class Shard:
         self.rule.load_state_dict(sd["rule"])
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
+        busy = float(sd.get("busy_s", 0.0))   # (older checkpoints: none) a restarted shard's serving goes on from it
+        self.busy = lambda: busy
         self._first = None
         if sd.get("acc") is not None:
             self.acc, self.bacc = sd["acc"].clone(), sd["bacc"].clone()

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -81,6 +82,35 @@ def not_a_shard_checkpoint(path: str, sizes: list[int] | None = None, digest: st
 # Optimizer states shaped like the parameters that an ltfb deposit may carry: momentum
 # is 1, Adam's moments 2, AMSGrad's 3 (`LTFB.opt_state`).
 DEPOSIT_STATES = 4
+
+
+class TrainingBusy:
+    """A shard's time spent serving (`Service.busy_s`) while the job trains: the `busy_s`
+    that summary.json's `shard_busy_fraction` divides by `wall_s`, the time from the start
+    of training to when the last worker was done. (Counted over the process's life, it held
+    what was served after that too, rank 0's reads while it holds the end and the evaluator's
+    final read, and a restarted shard's lacked its earlier processes'.) It goes on from
+    `base` (a shard restarted during the run: its checkpoint's), and stops while no worker
+    is live and once training has ended, as the coordinator's answers to the heartbeats say
+    (every SHARD_BEAT_S). Nothing is served before training: the workers wait for the
+    rendezvous."""
+
+    def __init__(self, base: float = 0.0):
+        self.served: Callable[[], float] = lambda: 0.0   # the service's busy time (once it serves)
+        self.counted = base       # time served in training up to `since`
+        self.since: float | None = 0.0   # `served()` when training was last seen going on; None: not now
+
+    def track(self, state: dict) -> None:
+        """Take in the coordinator's view (`CoordinatorLink.state`): training goes on, or not."""
+        ended = state["phase"] != "rendezvous" and (state["phase"] != "training" or not state["live"])
+        if ended and self.since is not None:
+            self.counted += self.served() - self.since
+            self.since = None
+        elif not ended and self.since is None:
+            self.since = self.served()
+
+    def __call__(self) -> float:
+        return self.counted + (self.served() - self.since if self.since is not None else 0.0)
 
 
 def message_limit(P: int, B: int) -> int:
@@ -240,6 +270,9 @@ class ShardServer:
             self._remove_leftovers(ckpt)
         restarted = bool(answer.get("restarted"))
         resumed = bool(ckpt and self._resume(shard, ckpt, whole_set=not restarted))
+        # (a new run counts from zero, a shard restarted during the run on from its checkpoint)
+        busy = TrainingBusy(shard.busy() if restarted else 0.0)
+        shard.busy = busy
         if ckpt and resumed and not restarted:
             # A new run, counting from zero (`Shard.new_run`), checkpointed at once: killed
             # before its first periodic checkpoint, this shard came back with the earlier
@@ -293,7 +326,7 @@ class ShardServer:
         service = Service(sock, shard.handlers, f"shard {self.index}", self.max_message, shard.counters,
                           sent=shard.sent, role=self.name, lane=listener, spin_s=cfg.cluster.spin_s)
         shard.in_flight = service.in_flight  # replies leave as they are made: snapshots may lend the tables
-        shard.busy = lambda: service.busy_s
+        busy.served = lambda: service.busy_s
         seen_version, last_ckpt = (-1, None), time.monotonic()
         code = 0
         flushed = flush_denormals(cfg.train.flush_denormal)   # (the shard's updates: `denormals_flushed`)
@@ -302,6 +335,7 @@ class ShardServer:
                 # The membership first: a restarted shard learns the live workers' clocks
                 # (`ClockTable.set_live`) before it answers the requests waiting for it
                 state = link.state
+                busy.track(state)
                 seen = (state["version"], state.get("live_id"))  # live_id: a restarted coordinator may repeat a version
                 if seen != seen_version and state["phase"] != "rendezvous":
                     seen_version = seen

@@ -609,6 +609,9 @@ class Shard:
         naming why."""
         out = t.to(self._wire_torch, copy=copy)
         if self.wire_dtype != "float32" and not wire.finite(out):
+            if not wire.finite(t):   # (not a range the wire cannot carry: a narrower dtype would not help)
+                raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have NaN or Inf values at "
+                                                   f"version {self.version}")
             limit = torch.finfo(self._wire_torch).max
             wider = '"bfloat16" (up to 3.39e38) or "float32"' if self.wire_dtype == "float16" else '"float32"'
             raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have values beyond "

@@ -25,7 +25,9 @@ Validation is strict and happens before anything is used: header size, msgpack
 syntax, map type, version, op, id/rank/clock types, unknown or ill-typed fields,
 the dtype whitelist, shapes (non-negative ints, at most MAX_DIMS), and each frame's
 byte length against dtype and shape. A reader also takes a message with one frame for
-every array, empty ones too (as senders before 2026-12-06 sent them). Every failure raises `WireError(code, reason)`;
+every array, empty ones too (as senders before 2026-12-06 sent them); a reader from
+before then refuses a message with an empty array and no frame for it ("header lists 2
+arrays but 1 payload frames came"): a job's processes run one psgd. Every failure raises `WireError(code, reason)`;
 servers turn it into an error reply and go on serving. Nothing is ever pickled.
 
 Arrays are sent without copies: ZeroMQ reads them after `send` returns, so a sender

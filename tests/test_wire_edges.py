@@ -152,3 +152,47 @@ def test_empty_arrays_are_bounded_as_frames_are():
         wire.decode([head])
     assert e.value.code == wire.BAD_HEADER and e.value.request_id == 3
     assert len(wire.decode(wire.encode("reply", arrays=[empty] * wire.MAX_FRAMES)).arrays) == wire.MAX_FRAMES
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_worker_refuses_exactly_the_values_that_its_wire_dtype_makes_inf(dtype):
+    """A review: the worker refused any value above the dtype's largest, though values up
+    to half a step beyond it round to that largest value (65510 goes as float16's 65504),
+    and the shard's check, made after its cast, let them through."""
+    import zmq
+
+    from psgd.consistency.rule import Diverged
+    from psgd.workers.client import ParameterClient
+    narrow = getattr(torch, dtype)
+    ctx = zmq.Context()
+    c = ParameterClient(Config().replace(**{"cluster.port": free_port_block(2), "wire.dtype": dtype}), ctx, 0)
+    try:
+        inf_from = torch.tensor([float(torch.finfo(narrow).max) * 1.01], dtype=torch.float32)
+        while torch.isinf(torch.nextafter(inf_from, torch.zeros(1)).to(narrow)).item():   # the least that goes Inf
+            inf_from = torch.nextafter(inf_from, torch.zeros(1))
+        below = torch.nextafter(inf_from, torch.zeros(1))
+        assert float(below.item()) > float(torch.finfo(narrow).max)
+        g = torch.zeros(10)
+        g[2] = -below.item()
+        sent = c._wire("g0", 0, g, clock=1)
+        assert wire.finite(sent) and sent[2].item() == -torch.finfo(narrow).max
+        g[2] = inf_from.item()
+        with pytest.raises(Diverged, match=f"beyond {dtype}'s range"):
+            c._wire("g0", 0, g, clock=2)
+    finally:
+        c.close()
+        ctx.term()
+
+
+def test_a_read_of_parameters_that_are_nan_is_refused_as_such_not_as_a_range():
+    """A review: parameters that hold NaN were refused as 'beyond bfloat16's range: set
+    wire.dtype = "float32"', which would not help."""
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "wire.dtype": "bfloat16"})
+    s = Shard(cfg, 0)
+    with torch.no_grad():
+        s.params[0] = float("nan")
+    (_, frames), = s.handle("w", wire.decode(wire.encode("pull", id=1, rank=0, clock=0)))
+    m = wire.decode(frames)
+    assert (m.op, m.get("code")) == ("error", wire.REFUSED)
+    assert "NaN or Inf values" in m.get("reason") and "range" not in m.get("reason")

@@ -30,6 +30,7 @@ gives up with `Cancelled` (the job ended).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,8 +45,17 @@ from psgd.consistency.rule import Diverged
 from psgd.membership import job_token
 from psgd.transport import Peers, PeerTimeout
 
-# A narrow wire.dtype's largest value: a float32 one beyond it arrives as Inf (`_wire`)
-NARROW_MAX = {dt: float(torch.finfo(dt).max) for dt in (torch.float16, torch.bfloat16)}
+
+def _rounds_to_inf(dt: torch.dtype) -> float:
+    """The least magnitude that the cast into narrow dtype `dt` makes Inf: its largest
+    value plus half a step there (below it, a value rounds to that largest value:
+    65510 goes as float16's 65504; ties go to the even neighbour, Inf)."""
+    fi = torch.finfo(dt)
+    return fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2
+
+
+# A narrow wire.dtype's (largest value, least magnitude that arrives as Inf) (`_wire`)
+NARROW = {dt: (float(torch.finfo(dt).max), _rounds_to_inf(dt)) for dt in (torch.float16, torch.bfloat16)}
 
 
 class ShardUnreachable(RuntimeError):
@@ -131,11 +141,12 @@ class ParameterClient:
         arrive as Inf: the step is refused here, naming why."""
         if t.dtype == self.wire_dtype:
             return t
-        limit = NARROW_MAX.get(self.wire_dtype)
-        if limit is not None and t.numel():
+        narrow = NARROW.get(self.wire_dtype)
+        if narrow is not None and t.numel():
+            limit, inf_from = narrow
             low, high = torch.aminmax(t)   # no P-sized temporary; NaN and Inf go on, for the shard to refuse
             peak = max(-float(low), float(high))
-            if limit < peak < float("inf"):
+            if inf_from <= peak < float("inf"):
                 name = str(self.wire_dtype).removeprefix("torch.")
                 wider = '"bfloat16" (up to 3.39e38) or "float32"' if name == "float16" else '"float32"'
                 raise Diverged(f"values up to {peak:.3g} at step {clock} are beyond {name}'s range ({limit:.6g}): "

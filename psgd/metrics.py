@@ -507,6 +507,18 @@ def rate(x: float) -> float:
     return round(x, max(2, 3 - math.floor(math.log10(x))))
 
 
+def written(t: float) -> float:
+    """A time or duration in seconds as psgd writes it (summary.json's wall_s, a shard's
+    busy_s; a simulation's event logs, scores, a worker's elapsed_s and wait_s): to the
+    microsecond, and to 3 significant digits below 0.1 ms, where microseconds keep
+    fewer: a simulation's cost model of sub-microsecond steps and links wrote its steps'
+    times and waits as 0.0, its wall_s as 0 or 1e-06 (samples_per_s off by a quarter),
+    and summary.json's wait_fraction and shard_busy_fraction as 0."""
+    if t >= 1e-4 or t <= 0 or not math.isfinite(t):
+        return round(t, 6)
+    return round(t, 2 - math.floor(math.log10(t)))
+
+
 def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_s: float,
               worker_stats: dict[int, dict], server_stats: dict[int, dict], evals: list[dict],
               target: float, failures: dict, extra: dict | None = None, final_expected: bool = False) -> dict:
@@ -519,7 +531,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     # The wall time as written: samples_per_s is `samples / wall_s` of the file's own numbers
     # (of the unrounded time, a simulation's 0.146352 virtual s wrote 87,460.63 samples/s
     # where the two fields give 87,460.37)
-    wall_s = round(wall_s, 6)
+    wall_s = written(wall_s)
     hist = Histogram()
     for s in worker_stats.values():
         hist.merge(Histogram.of(s))
@@ -541,7 +553,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "samples_per_s": rate(samples / wall_s) if wall_s > 0 else 0.0,
         "final_accuracy": final["accuracy"] if final else None,
         "final_loss": final["loss"] if final else None,
-        "time_to_target_s": round(min(reached), 6) if reached else None,   # as wall_s
+        "time_to_target_s": written(min(reached)) if reached else None,   # as wall_s
         "target_accuracy": target,
         "staleness": {"mean": round(hist.mean, 4), "max": hist.max, "hist": hist.as_dict()},
         "max_clock_gap": max((int(s.get("max_clock_gap", 0)) for s in server_stats.values()), default=0),

@@ -35,7 +35,7 @@ from .config import Config
 from .consistency import get as get_mode
 from .consistency import rule as r
 from .data import describe
-from .metrics import output_error, write_file_atomic
+from .metrics import output_error, write_file_atomic, written
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
 from .sharding import ShardMap, model_tensors, shard_map
@@ -703,7 +703,7 @@ class Shard:
 
     # ------------------------------------------------------------ stats, checkpoints
     def stats(self) -> dict:
-        return {**self.counters, "version": self.version, "step": 0, "busy_s": round(self.busy(), 6),
+        return {**self.counters, "version": self.version, "step": 0, "busy_s": written(self.busy()),
                 **self.rule.stats()}
 
     def state_dict(self) -> dict:

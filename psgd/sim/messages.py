@@ -34,6 +34,8 @@ _NAMES = {getattr(torch, name): name for name in wire.DTYPES}
 class Packet(wire.Message):
     """A message in process (see the module docstring)."""
 
+    leaves_at = 0.0   # a request queued behind its sender's earlier ones: when it leaves (`Simulation.send`)
+
     def __init__(self, op: str, id: int, rank: int, clock: int, fields: dict, dtypes: list[str],
                  tensors: list[torch.Tensor], nbytes: int, payload: int, arrays: list | None = None):
         # one attribute a statement: faster than assigning tuples (a few packets per worker step)

@@ -30,7 +30,7 @@ from .. import wire
 from ..config import Config, ConfigError
 from ..consistency import get as get_mode
 from ..data import Dataset, StreamingDataset, check_partitions, load_dataset, permutation, worker_part
-from ..metrics import json_line, summarize, write_json_atomic
+from ..metrics import json_line, summarize, write_json_atomic, written
 from ..models import build_model
 from ..optim import flush_denormals
 from ..replica import Replica, pick_device
@@ -231,9 +231,36 @@ class Simulation:
             start = now if now > node.tx_free else node.tx_free   # Network.depart
             node.tx_free = start + msg.nbytes * byte_s
             if start > now:
-                loop.push((start, next(loop.seq), self.arrive, (i, token, msg, start)))   # (`loop.at`)
+                msg.leaves_at = start   # (until `withdraw`n)
+                loop.push((start, next(loop.seq), self.leave, (i, token, msg, start)))   # (`loop.at`)
             else:
                 self.arrive(i, token, msg, start)
+
+    def leave(self, i: int, token: Any, msg: Packet, start: float) -> None:
+        """A request that waited behind its worker's earlier ones leaves it now (`arrive`),
+        unless its worker gave it up meanwhile (`withdraw`)."""
+        if msg.leaves_at == start:
+            self.arrive(i, token, msg, start)
+
+    def withdraw(self, w: SimWorker, f: Any) -> None:
+        """The requests of f, which w gave up (a refusal, a cancel), as the real client's
+        `abandon` leaves them: those that had not begun to leave w's NIC never do (its fresh
+        connections drop what waits in ZeroMQ's queue), and the NIC is free of them unless
+        w sent more behind them; those on their way carry the values they left with
+        (copies: w's next step rewrites the buffers they were sent from without copies).
+        Until 2026-12-06 they all went on, with what w's next step wrote there: a shard
+        applied the refused step's push with the next step's gradient, and the retry of
+        its clock was a duplicate there."""
+        now, node, byte_s = self.loop.now, w.node, self.net.byte_s
+        waiting = [msg for _, msg, _ in f.items if msg.leaves_at > now]
+        if waiting:
+            if node.tx_free == waiting[-1].leaves_at + waiting[-1].nbytes * byte_s:   # (booked last)
+                node.tx_free = waiting[0].leaves_at
+            for msg in waiting:
+                msg.leaves_at = -1.0
+        for k, (_, msg, _) in enumerate(f.items):
+            if f.out[k] is None and msg.leaves_at >= 0 and msg.tensors:
+                msg.tensors, msg._arrays = [t.clone() for t in msg.tensors], None
 
     def arrive(self, i: int, token: Any, msg: Packet, start: float) -> None:
         """A request whose first byte left its worker at `start` (now): into shard i's
@@ -353,7 +380,7 @@ class Simulation:
         """A worker's budget is spent (or it stopped): it leaves the live set."""
         self.live.pop(w.rank, None)
         self.end_t = max(self.end_t, self.loop.now)
-        self.log.append({"t": round(self.loop.now, 6), "role": "coordinator", "event": "finish", "rank": w.rank,
+        self.log.append({"t": written(self.loop.now), "role": "coordinator", "event": "finish", "rank": w.rank,
                          **({"error": w.error} if w.error else {})})
         if w.error and not self.abort:
             self.abort = w.error
@@ -398,7 +425,7 @@ class Simulation:
         # hours of virtual time, an endless run). Asking whether a worker logged a step
         # instead missed a model updated by a push whose reply was still on its way.
         unchanged = bool(self.evals) and self.changes == self.scored
-        if final and unchanged and self.evals[-1]["t"] == round(self.loop.now, 6):
+        if final and unchanged and self.evals[-1]["t"] == written(self.loop.now):
             self.evals[-1]["final"] = True            # the last score was of this model, now: it is the final one
             self.ev_lines[-1]["final"] = True
             return
@@ -406,7 +433,7 @@ class Simulation:
             self.scored = self.changes
             self.evaluator.load(*ParameterClient.tables(self.mode.global_model(self.direct)))
             acc, loss = self.evaluator.score_batches(self.ds.test_batches(self.cfg.eval.batch_size))
-            t = round(self.loop.now, 6)
+            t = written(self.loop.now)
             self.evals.append({"t": t, "samples": samples, "accuracy": acc, "loss": loss, "final": final})
             self.ev_lines.append({"t": t, "role": "evaluator", "samples": samples, "accuracy": acc, "loss": loss,
                                   **({"final": True} if final else {})})
@@ -553,7 +580,7 @@ class Simulation:
         for w in self.workers:   # after the lines written while it ran (`spill`)
             dump(f"worker-{w.rank}.jsonl", w.log_text(), "a" if w.spilled else "w")
         dump("evaluator-0.jsonl", map(json_line, self.ev_lines))
-        done = {"t": round(self.end_t, 6), "role": "coordinator", "event": "done", "wall_s": round(self.end_t, 6)}
+        done = {"t": written(self.end_t), "role": "coordinator", "event": "done", "wall_s": summary["wall_s"]}
         dump("coordinator-0.jsonl", map(json_line, self.log + [done]))   # (wall_s: summary's)
         write_json_atomic(os.path.join(out, "summary.json"), summary)
 

@@ -28,7 +28,7 @@ from torch import nn
 from .. import wire
 from ..consistency.rule import Diverged, Schedule
 from ..consistency.staleness import Histogram
-from ..metrics import json_line, step_text
+from ..metrics import json_line, step_text, written
 from ..workers.client import Cancelled, ParameterClient
 from ..workers.worker import Jitter
 from .engine import Node, Process, TorchRandom
@@ -64,9 +64,10 @@ class Flight:
     left: int
     sent_at: float
     cancel: Callable[[], bool] | None
+    items: list                  # (shard, packet, token) of each request, as sent (`Simulation.withdraw`)
     error: Exception | None = None
     waiting: bool = False        # the worker is blocked on it
-    closed: bool = False         # the worker stopped waiting (an error, a cancel): later answers are dropped
+    closed: bool = False         # the worker gave it up (an error, a cancel): later answers are dropped
     repeat: bool = False         # a push this process sent before (`InFlight.repeat`)
     resent: set = field(default_factory=set)   # (`InFlight.resent`: the simulator resends nothing)
     polls: int = 0               # the cancel condition's asks scheduled (`SimClient.finish`): the latest's number
@@ -111,8 +112,9 @@ class SimClient(CountingClient):
     def begin(self, reqs: Sequence[tuple[int, str, dict]], cancel: Callable[[], bool] | None = None) -> Any:
         w = self.worker
         out: list = [None] * len(reqs)
-        f = Flight(list(reqs), out, len(reqs), w.t, cancel)
-        ids, items = w.sim.ids, []   # ids size headers: counted per run
+        items: list = []
+        f = Flight(list(reqs), out, len(reqs), w.t, cancel, items)
+        ids = w.sim.ids   # (ids size headers: counted per run)
         for k, (i, op, kw) in enumerate(reqs):
             fields = {**kw}   # (the request's own dict stays as it is: `finish_push_pull` reads it)
             p = make(op, next(ids), self.rank, fields.pop("clock", -1), fields.pop("arrays", ()), fields)
@@ -151,14 +153,21 @@ class SimClient(CountingClient):
             f.waiting = False
             if w.blocked_on is not None:
                 w.wait_on(None)
-            if f.left and f.error is None:
-                f.closed = True
+            if f.left and f.error is None:   # (a cancel; a run abandoned)
+                self.abandon(f)
             self.wait_s += w.t - t0
         if f.error is not None:
-            f.closed = True
+            self.abandon(f)
             raise f.error
         self.answered += 1
         return f.out
+
+    def abandon(self, f: Any) -> None:
+        """Give up f's requests unanswered, as the real client does (its fresh connections
+        drop what still waits to leave): later answers are dropped, and the requests that
+        had not begun to leave this worker go nowhere (`Simulation.withdraw`)."""
+        f.closed = True
+        self.worker.sim.withdraw(self.worker, f)
 
     @staticmethod
     def tables(msgs: Sequence[wire.Message]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -353,14 +362,14 @@ class SimWorker:
         and bool, None or int extra fields of plain names) written out, any other line
         encoded as the dict."""
         t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step
-        line = step_text(round(t, 6), '"worker"', self.rank, n, clock, round(loss, 5), samples, staleness,
-                         round(wait_s, 6), sent, recv, extra)
+        line = step_text(written(t), '"worker"', self.rank, n, clock, round(loss, 5), samples, staleness,
+                         written(wait_s), sent, recv, extra)
         return json_line(self._step_line(step)) if line is None else line
 
     def _step_line(self, step: tuple) -> dict:
         t, n, clock, loss, samples, staleness, wait_s, sent, recv, extra = step
-        return {"t": round(t, 6), "role": "worker", "rank": self.rank, "step": n, "clock": clock,
-                "loss": round(loss, 5), "samples": samples, "staleness": staleness, "wait_s": round(wait_s, 6),
+        return {"t": written(t), "role": "worker", "rank": self.rank, "step": n, "clock": clock,
+                "loss": round(loss, 5), "samples": samples, "staleness": staleness, "wait_s": written(wait_s),
                 "bytes_sent": sent, "bytes_recv": recv, **extra}
 
     def live(self) -> set[int]:
@@ -369,11 +378,11 @@ class SimWorker:
         return set(self.sim.live)
 
     def event(self, **fields: Any) -> None:
-        self.lines.append({"t": round(self.t, 6), "role": "worker", **fields})
+        self.lines.append({"t": written(self.t), "role": "worker", **fields})
         self.sim.held += 1
 
     def note(self, text: str) -> None:
-        self.lines.append({"t": round(self.t, 6), "role": "worker", "rank": self.rank, "note": text})
+        self.lines.append({"t": written(self.t), "role": "worker", "rank": self.rank, "note": text})
         self.sim.held += 1
 
     def now(self) -> float:
@@ -381,7 +390,7 @@ class SimWorker:
 
     def stats(self) -> dict:
         return {"samples": self.samples, "steps": self.steps, "clock": self.clock,
-                "elapsed_s": round(self.finished_at if self.finished_at is not None else self.t, 6),
-                "wait_s": round(self.client.wait_s, 6), "bytes_sent": self.client.bytes_sent,
+                "elapsed_s": written(self.finished_at if self.finished_at is not None else self.t),
+                "wait_s": written(self.client.wait_s), "bytes_sent": self.client.bytes_sent,
                 "bytes_recv": self.client.bytes_recv, **self.hist.stats(),
                 "loss": self.loss if self.loss == self.loss else None, "retries": 0, "rejected": self.rejected}

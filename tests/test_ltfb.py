@@ -198,8 +198,9 @@ def test_exploring_an_epsilon_that_sgd_does_not_have_is_refused():
 
 @unit
 def test_rule_keeps_outcomes_apart_from_tournament_deposits():
-    """A group's outcome (round -r) is never in the index that chooses the global model,
-    and a request for it is parked until the leader deposits it."""
+    """A group's outcome (round -r) is never in the index's models, which choose the global
+    model (the index tells each trainer's latest outcome's round apart, for a worker
+    rejoining the trainer), and a request for it is parked until the leader deposits it."""
     cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 4, "mode.trainer_size": 2})
     rule = LtfbRule(cfg.mode, 4, None)
     assert rule.fetch(Fetch("f", 1, -1)) == []                      # trainer 1's outcome of round 1: parked
@@ -207,7 +208,7 @@ def test_rule_keeps_outcomes_apart_from_tournament_deposits():
     assert [d for d in out if isinstance(d, AnswerModel)] == [AnswerModel("f", ("outcome", 1), {"round": -1,
                                                                                                 "owner": 1})]
     rule.deposit(Deposit("d2", 2, 1, 0.4, []))                       # rank 2's tournament deposit is trainer 1's
-    assert rule.index("i")[0].fields == {"models": [[1, 1, 0.4]]}
+    assert rule.index("i")[0].fields == {"models": [[1, 1, 0.4]], "outcomes": [[1, 1]]}
     assert rule.fetch(Fetch("s", -1, 1)) == []                       # the board waits for trainer 0
     out = rule.deposit(Deposit("d3", 0, 1, 0.6, []))
     assert any(getattr(d, "fields", {}).get("scores") == [[0, 0.6], [1, 0.4]] for d in out)
@@ -1237,8 +1238,10 @@ def test_a_worker_taken_back_into_its_group_holds_what_its_other_workers_hold():
     trainer of 2 takes its trainer's outcome: the partner's model that its leader adopted
     (not the model the trainer deposited for the round, nor the best trainer's values),
     with the mutated values and the leader's optimizer state, as `follow` takes it (with
-    `mode.exchange = "weights"` too). While the next round's tournament is under way (no
-    outcome of it yet), the model its trainer entered that round with."""
+    `mode.exchange = "weights"` too). Its leader gone before the next round's outcome
+    (nobody else of its trainer live to deposit it), the model its trainer entered that
+    round with; while that round's tournament is under way, it takes the round's outcome
+    (`test_a_worker_rejoining_while_its_trainers_tournament_is_under_way_takes_its_outcome`)."""
     explore = {"optimizer.lr": [0.01, 0.5]}
     cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "mode.explore": explore,
                       "mode.exchange": "weights"})
@@ -1257,11 +1260,12 @@ def test_a_worker_taken_back_into_its_group_holds_what_its_other_workers_hold():
     s3.rejoin(w3)
     assert torch.equal(flat(w3.replica.params()), theirs)
     assert s3.hyper == hyper and torch.equal(momentum(s3, w3), m) and w3.clock == 3
-    for _ in range(3):                           # round 2: trainer 1's leader deposits and waits for its partner
+    for _ in range(3):                           # round 2: trainer 1's leader deposits, then leaves
         w2.compute()
         s2.opt.step()
     s2.deposit_model(w2, 2, 0.1)
     s0.deposit_model(w0, 2, 0.9)
+    w3.live = lambda: {0, 1, 3}
     s3.rejoin(w3)
     assert torch.equal(flat(w3.replica.params()), flat(w2.replica.params()))
     assert s3.hyper == hyper and w3.clock == 6
@@ -1284,3 +1288,247 @@ def test_an_exact_fetch_of_an_outcome_is_that_rounds_or_refused_never_parked():
     rule.deposit(Deposit("d2", 2, -2, 0.0, []))
     assert isinstance(rule.fetch(Fetch("e", 1, -1, True, 3))[0], Refuse)
     assert rule.parked() == 0
+
+
+def _on_shard_0(w, deposit) -> None:
+    """`deposit()` from worker `w` reaching shard 0 only (on its way to the others)."""
+    shards = w.client.shards
+    w.client.shards = shards[:1]
+    try:
+        deposit()
+    finally:
+        w.client.shards = shards
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("arrives", [False, True])
+def test_a_rejoiner_takes_its_trainers_own_round_that_every_shard_holds_not_the_best_trainers(monkeypatch, arrives):
+    """A review: with trainer 1's round-2 deposit on shard 0 and not (yet) on shard 1,
+    `trainer_model` took its latest round over the union of the shards' indexes (2), whose
+    exact fetches (outcome -2, deposit 2) shard 1 refused, and fell back to the best
+    trainer's model (trainer 0's: the split group a057133 removed), although trainer 1's
+    outcome of round 1 was on every shard. It waits briefly for the deposit to arrive
+    (then continues from it, at its round's step); where it does not (shards restored from
+    checkpoints of different rounds), from its trainer's own latest round on every shard,
+    at that round's step (its group's step moves it on: `group_mean`)."""
+    from psgd.consistency import rule
+    explore = {"optimizer.lr": [0.01, 0.5]}
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "mode.explore": explore})
+    shards, ts = trainers_on(cfg, 4)
+    (w0, s0), (w2, s2) = ts[0], ts[2]
+    for w, s, steps in [(w0, s0, 2), (w2, s2, 5)]:
+        for _ in range(steps):
+            w.compute()
+            s.opt.step()
+    s0.deposit_model(w0, 1, 0.9)
+    s2.deposit_model(w2, 1, 0.5)                     # trainer 1 keeps its own model at round 1
+    s2.deposit(w2, -1, 0.5, [0.0, 0.0, 0.5, 0.3], True)
+    outcome, hyper = flat(w2.replica.params()), dict(s2.hyper)
+    for _ in range(3):
+        w2.compute()
+        s2.opt.step()
+    s0.deposit_model(w0, 2, 0.9)                     # the best deposit of round 2, on every shard
+    _on_shard_0(w2, lambda: s2.deposit_model(w2, 2, 0.5))
+    entered = flat(w2.replica.params())
+    waits = []
+
+    def sleep(s):   # the rejoiner waits: the deposit reaches shard 1, or not (an older checkpoint's shard)
+        waits.append(s)
+        if arrives and len(waits) == 1:
+            w2.client.request([(1, "put_model", {"round": 2, "score": 0.5, "step": 6,
+                                                 "arrays": _deposit_arrays(s2, w2, 2)[1]})])
+    monkeypatch.setattr(rule.time, "sleep", sleep)
+    w, s = _restarted(cfg, shards, 3, 2)
+    assert torch.equal(flat(w.replica.params()), entered if arrives else outcome)
+    assert s.hyper == hyper != s0.hyper and w.clock == (6 if arrives else 3) and waits
+
+
+def _deposit_arrays(s: LtfbSchedule, w, rnd: int) -> list:
+    """The per-shard arrays of `s.deposit_model(w, rnd, ...)`."""
+    sent = []
+    real = w.client.put_model
+    w.client.put_model = lambda r, score, arrays, step: sent.append(arrays)
+    try:
+        s.deposit_model(w, rnd, 0.5)
+    finally:
+        w.client.put_model = real
+    return sent[0]
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_worker_rejoining_while_its_trainers_tournament_is_under_way_takes_its_outcome(rank):
+    """A review: a worker that rejoined its group while its trainer's round-1 tournament
+    was under way took the trainer's deposit of round 1 at step 3 and stepped on from it;
+    its step never crossed round 1 again, so it never took the round's outcome, while its
+    group's other worker, which played the round, adopted the partner's model: the group's
+    steps averaged the gradients of two models. A returning leader (rank 2, the trainer's
+    lowest rank, while rank 3 plays the round for it) then led round 2 from the model
+    entered round 1 with, and the trainer's adoption was lost. The rejoiner now takes the
+    round's outcome once its player deposits it, as the group's other workers do
+    (`follow`), and writes the round's tournament line."""
+    explore = {"optimizer.lr": [0.01, 0.5]}
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "mode.explore": explore})
+    shards, ts = trainers_on(cfg, 4)
+    (w0, s0), (wp, sp), (wj, sj) = ts[0], ts[5 - rank], ts[rank]   # the player, the rejoiner
+    for w, _ in ts:
+        w.client = WaitingLoopback(shards, w.rank)
+    for w, s, steps in [(w0, s0, 2), (wp, sp, 5)]:
+        for _ in range(steps):
+            w.compute()
+            s.opt.step()
+    s0.deposit_model(w0, 1, 0.9)
+    theirs = flat(w0.replica.params())
+    wp.replica.score = lambda *a, **k: (0.9 if torch.equal(flat(wp.replica.params()), theirs) else 0.1, 0.0)
+    real = sp.select
+    errors = []
+
+    def rejoin():
+        try:
+            sj.rejoin(wj)
+        except BaseException as e:   # noqa: BLE001
+            errors.append(repr(e))
+    rejoiner = threading.Thread(target=rejoin)
+
+    def select(*args):   # the player has deposited round 1: the rejoiner comes back, then it selects
+        rejoiner.start()
+        t0 = time.monotonic()
+        while not any(sh.rule.outcomes.parked for sh in shards) and time.monotonic() - t0 < 2:
+            time.sleep(0.01)
+        return real(*args)
+    sp.select = select
+    sp.lead(wp, 1)                                   # the player adopts trainer 0's model: round 1's outcome
+    rejoiner.join(30)
+    assert not errors and not rejoiner.is_alive(), errors
+    assert [e["adopted"] for e in wp.events] == [True]
+    assert torch.equal(flat(wj.replica.params()), flat(wp.replica.params()))
+    assert sj.hyper == sp.hyper and wj.clock == 3
+    assert [(e["round"], e["leader"], e["adopted"]) for e in wj.events] == [(1, wp.rank, True)]
+
+
+@unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_a_rejoiner_does_not_wait_for_an_outcome_that_nobody_will_deposit(when):
+    """A worker rejoining while its trainer's round is under way waits for the round's
+    outcome only while the worker playing it is live: its player gone before it rejoined
+    (it is its trainer's only live worker, its leader: nobody else deposits the outcome),
+    or while it waits, it keeps the model its trainer entered the round with, as a
+    follower whose leader left does (`follow`)."""
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2})
+    shards, ts = trainers_on(cfg, 4)
+    (w2, s2), (w3, s3) = ts[2], ts[3]
+    for w, _ in ts:
+        w.client = WaitingLoopback(shards, w.rank)
+    for _ in range(5):
+        w3.compute()
+        s3.opt.step()
+    s3.deposit_model(w3, 1, 0.5)                     # rank 3 plays round 1, then leaves before its outcome
+    live = {0, 1, 2} if when == "before" else {0, 1, 2, 3}
+    w2.live = lambda: live
+    errors = []
+
+    def rejoin():
+        try:
+            s2.rejoin(w2)
+        except BaseException as e:   # noqa: BLE001
+            errors.append(repr(e))
+    t = threading.Thread(target=rejoin)
+    t.start()
+    time.sleep(0.3)
+    live = {0, 1, 2}
+    t.join(WaitingLoopback.GIVE_UP_S + 5)
+    assert not errors and not t.is_alive(), errors
+    assert torch.equal(flat(w2.replica.params()), flat(w3.replica.params())) and w2.clock == 3
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_rejoiner_under_a_time_budget_takes_its_trainers_last_outcome():
+    """A review: under a time budget the leader's last round deposits only its outcome
+    (no tournament held: no whole round after it), and no deposit of the round; the
+    index's latest round of the trainer was the round before, whose exact outcome fetch
+    the shards refused (they keep the newer one), and a rejoiner took the trainer's older
+    deposit, a round behind its group. The index tells each trainer's latest outcome."""
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2, "train.steps": 0, "train.seconds": 60.0})
+    shards, ts = trainers_on(cfg, 4)
+    w2, s2 = ts[2]
+    for _ in range(3):
+        w2.compute()
+        s2.opt.step()
+    s2.deposit_model(w2, 1, 0.5)
+    s2.deposit(w2, -1, 0.5, [0.0, 0.0, 0.5, 0.3], True)
+    for _ in range(3):
+        w2.compute()
+        s2.opt.step()
+    w2.clock = 6
+    w2.now, s2.round_s = lambda: 59.0, 5.0           # round 2: no whole round left before the budget's end
+    s2.tournament(w2, 2)
+    w, _ = _restarted(cfg, shards, 3, 4)
+    assert torch.equal(flat(w.replica.params()), flat(w2.replica.params())) and w.clock == 6
+
+
+@unit
+@pytest.mark.timeout(60)
+def test_a_rejoiners_clock_is_the_round_of_the_model_it_loaded():
+    """A review: `trainer_model` and `catch_up` each read the shards' indexes: trainer 1's
+    round-2 deposit landing between them, a rejoiner loaded the outcome of round 1 and
+    jumped to round 2's step (6), a round ahead of the model it held (its group's step
+    did not move it back). Its clock is now the round of what it loaded: at step 3 its
+    group's step moves it on to round 2's, where it follows round 2's outcome."""
+    cfg = ltfb_cfg(**{"cluster.workers": 4, "mode.trainer_size": 2})
+    shards, ts = trainers_on(cfg, 4)
+    (w2, s2), (w3, s3) = ts[2], ts[3]
+    for _ in range(3):
+        w2.compute()
+        s2.opt.step()
+    s2.deposit_model(w2, 1, 0.5)
+    s2.deposit(w2, -1, 0.5, [0.0, 0.0, 0.5, 0.3], True)
+    outcome = flat(w2.replica.params())
+    real = w3.client.get_model
+
+    def get_model(round_, owner, *args, **kw):
+        got = real(round_, owner, *args, **kw)
+        if round_ == -1:                             # round 2's deposit lands meanwhile
+            w2.compute()
+            s2.opt.step()
+            s2.deposit_model(w2, 2, 0.5)
+        return got
+    w3.client.get_model = get_model
+    w3.clock = 2
+    s3.rejoin(w3)
+    assert torch.equal(flat(w3.replica.params()), outcome) and w3.clock == 3
+
+
+@unit
+@pytest.mark.parametrize("first", ["fetch", "push"])
+def test_an_outcome_that_its_group_stepped_past_is_refused_not_waited_for(first):
+    """Trainer 1 of 3 workers (ranks 3, 4, 5): rank 3 away, rank 4 played round 1 and left
+    before its outcome; rank 5, whose leader left, went on with its model and pushed round
+    1's step; rank 3 came back and found rank 5 the lowest of its other workers: it waited
+    for an outcome that nobody would deposit, while its group's step waited for its push.
+    A leader deposits its outcome on every shard before its round's step, and followers
+    step after taking it: a worker of the trainer that pushed that step tells the shard
+    the outcome will not come, and the request is refused (not a bad message), whether it
+    was parked before the push or comes after it."""
+    from psgd.consistency.rule import Refuse
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 6, "mode.trainer_size": 3,
+                              "mode.round_steps": 3})
+    rule = LtfbRule(cfg.mode, 6, None)
+    rule.membership({0: 3, 1: 3, 2: 3, 3: 3, 5: 3})
+    rule.deposit(Deposit("d", 4, 1, 0.5, []))        # rank 4 plays round 1, then leaves
+    push = Push("p", 5, 3, 0, torch.zeros(4), torch.zeros(1))
+    fetch = Fetch("f", 1, -1, False, 3)
+    if first == "fetch":
+        assert rule.fetch(fetch) == []               # parked: the outcome may still come
+        out = rule.push(push)
+    else:
+        rule.push(push)
+        out = rule.fetch(fetch)
+    [no] = [d for d in out if isinstance(d, Refuse)]
+    assert no.token == "f" and not no.bad and rule.parked() == 0
+    assert rule.fetch(Fetch("g", 1, -2, False, 4)) == []   # round 2's may come: parked
+    rule.deposit(Deposit("o", 4, -1, 0.5, []))
+    assert rule.fetch(Fetch("h", 1, -1, False, 3))[0].token == "h"   # deposited: answered

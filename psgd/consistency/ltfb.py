@@ -21,7 +21,10 @@ Server rule: the shards are the exchange and the reduction.
   optimizer state and hyperparameters, and the decision), stored once per trainer for
   its other workers, who ask for it with `get_model` of round -r; asked for `exact`ly
   (a worker rejoining the trainer, `trainer_model`), it is answered only if it is round
-  r's, else refused, never parked.
+  r's, else refused, never parked. Asked for once a worker of the trainer has pushed
+  round r's step (its leader left before depositing it: `LtfbRule.stepped`), refused:
+  it never comes. The index (`models`) lists each trainer's latest outcome's round
+  beside the deposits.
 - `get_model` with owner -1 (truncation): every live trainer's score of round r,
   parked until all of them have deposited it (`tournament.Scoreboard`).
 
@@ -46,7 +49,8 @@ The global model (for the evaluator, and a worker rejoining a trainer of one) is
 best-scored deposit of the latest round: its (round, trainer) is chosen once from every
 shard's index and then fetched exactly from every shard, so its slices never mix two
 trainers. A worker rejoining a trainer group continues from its own trainer's model,
-as its other workers hold it (`trainer_model`).
+as its other workers hold it (`trainer_model`), at that model's round, and takes the
+outcome of a round whose tournament is under way (`LtfbSchedule.await_outcome`).
 """
 from __future__ import annotations
 
@@ -99,7 +103,7 @@ from .tournament import (
 )
 
 FETCH_TRIES = 5   # a chosen deposit can be replaced by a newer one between index and fetch
-DEPOSIT_WAIT_S = 0.05   # then 0.1, 0.2, 0.4 s: for a deposit to reach every shard (`global_model`)
+DEPOSIT_WAIT_S = 0.05   # then 0.1, 0.2, 0.4 s: for a deposit to reach every shard (`global_model`, `trainer_model`)
 SCORES = -1       # get_model's owner for a round's scores (truncation)
 META = ("adopted", "partner", "local_score", "partner_score")  # then the hyperparameters, in key order
 NOT_HELD = -1.0   # an outcome's "adopted" when the leader held no tournament (time budget)
@@ -170,6 +174,8 @@ class LtfbRule(ServerRule):
                 # tournament, pushes for no step before it: its group's step does not wait for it (its loss was
                 # non-finite; else the step closed already), or its leader would wait for good (`GroupSteps.passed`)
                 out = [self.answer_step(t, a) for t, a in self.groups.passed(e.rank, -e.round * self.mode.round_steps)]
+            if self.outcomes.latest.get(e.owner, (-1, None))[0] < -e.round <= self.stepped(e.owner):
+                return out + [self.no_outcome(e.token, e.owner, -e.round)]
             found = self.outcomes.get(-e.round, e.owner, e.token)
             return out + ([] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})])
         if e.exact:
@@ -180,6 +186,22 @@ class LtfbRule(ServerRule):
         found = self.exchange.get(e.round, e.owner, e.token)
         return [] if found is None else [self.answer_model(e.token, found)]
 
+    def stepped(self, owner: int) -> int:
+        """The latest round whose step a worker of trainer `owner` pushed for here. Its
+        leader deposits a round's outcome on every shard before it pushes the round's
+        step, and its other workers push it after taking the outcome: pushed, and the
+        outcome not here, the leader left before depositing it (its followers went on
+        with their model) and it never comes."""
+        return self.groups.pushed(owner) // self.mode.round_steps
+
+    @staticmethod
+    def no_outcome(token: Any, owner: int, rnd: int) -> Refuse:
+        """A worker asking for an outcome that will not come (`stepped`) keeps its model,
+        as when its leader leaves while it waits (`LtfbSchedule.follow`): a worker that
+        rejoined the trainer would wait for good, and its group's step for its push."""
+        return Refuse(token, REFUSED, f"trainer {owner}'s group pushed round {rnd}'s step without that round's "
+                                      f"outcome: its leader left before depositing it", False)
+
     def answer_model(self, token: Any, key: Any) -> AnswerModel:
         """`key` is a stored (round, trainer)."""
         return AnswerModel(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key]})
@@ -189,13 +211,19 @@ class LtfbRule(ServerRule):
         return Answer(token, {"round": round_, "scores": [[t, s] for t, s in sorted(board.items())]})
 
     def index(self, token: Any) -> list[Decision]:
-        return [Answer(token, {"models": [[r, o, s] for (r, o), s in sorted(self.scores.items())]})]
+        """The deposits held, [[round, trainer, score], ...], and each trainer's latest
+        outcome, [[round, trainer], ...] (`trainer_model`)."""
+        return [Answer(token, {"models": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
+                               "outcomes": [[r, o] for o, (r, _) in sorted(self.outcomes.latest.items())]})]
 
     # ------------------------------------------------------------ a trainer's steps
     def push(self, e: Push) -> list[Decision]:
         accepted, ready = self.groups.push(e.rank, e.clock, e.grad, e.buffers)
         out: list[Decision] = [Answer(e.token, {"staleness": 0} if accepted else {"dropped": True})]
-        return out + [self.answer_step(t, a) for t, a in ready]
+        owner = trainer_of(e.rank, self.k)
+        gone = self.outcomes.give_up(owner, self.stepped(owner))   # (parked before the step: `stepped`)
+        return (out + [self.answer_step(t, a) for t, a in ready]
+                + [self.no_outcome(t, owner, self.stepped(owner)) for t in gone])
 
     def gated_read(self, e: Read) -> list[Decision]:
         if e.clock <= 0:   # not a step's read: the initial model (`global_model`)
@@ -276,24 +304,42 @@ def global_model(client: Any) -> list:
     raise AssertionError("unreachable: the last try raises")
 
 
-def trainer_model(client: Any, trainer: int) -> list:
-    """What a worker (re)joining trainer `trainer`'s group (k > 1) continues from: what
-    its other workers hold, every slice of one deposit. Of the trainer's latest round r
-    in the shards' index, its outcome (the model, optimizer state and hyperparameters
-    that each of its workers left the round with), or, before it (the round's tournament
-    under way, or its leader gone before its outcome), the model the trainer entered the
-    round with (its deposit of round r; after the last round, its final model). Before
-    the trainer's first round, the initial model, where its workers began; where the
-    shards do not all hold the deposit (restored from checkpoints of different rounds),
-    the best trainer's (`global_model`)."""
-    rounds = [int(r) for m in client.index() for r, o, _ in m.get("models") if int(o) == trainer]
-    if not rounds:
-        return client.pull(-1)
-    latest = max(rounds)
-    got = client.get_model(-latest, trainer, exact=True, missing_ok=True) if latest < FINAL else None
-    if got is None:
-        got = client.get_model(latest, trainer, exact=True, missing_ok=True)
-    return global_model(client) if got is None else got
+def trainer_model(client: Any, trainer: int) -> tuple[list, int]:
+    """What a worker (re)joining trainer `trainer`'s group (k > 1) continues from, and the
+    round whose step it continues at: what its other workers hold, every slice of one
+    deposit. Of the trainer's latest round r that every shard holds (each keeps the
+    trainer's latest deposit and latest outcome), its outcome (the model, optimizer state
+    and hyperparameters that each of its workers left the round with; under a time
+    budget, the last one, deposited with no tournament held and no deposit of its round),
+    or, where the deposit of a later round is the latest (that round's tournament under
+    way, or its leader gone before its outcome), the model the trainer entered that round
+    with (after the last round, its final model). A newer round on its way to some shards
+    is waited for, briefly (`DEPOSIT_WAIT_S`, as `global_model` waits), where the client
+    can wait; after that, the latest round on every shard: the group's step moves the
+    worker on from there (`group_mean`), and it takes the next round's outcome at that
+    step. Before the trainer's first round, the initial model, where its workers began.
+    Where no model of its trainer is on every shard (shards restored from checkpoints of
+    different rounds), the best trainer's (`global_model`), at its trainer's latest round
+    on any shard: its group's model is on no shard then, and a trained model is nearer
+    to it than the initial one (a returning leader would hand that to its whole group)."""
+    for attempt in range(FETCH_TRIES):
+        indexes = client.index()
+        deposits = [{int(r) for r, o, _ in m.get("models") if int(o) == trainer} for m in indexes]
+        outcomes = [{int(r) for r, o in m.get("outcomes") or () if int(o) == trainer} for m in indexes]
+        latest = max((r for held in deposits + outcomes for r in held), default=0)
+        if not latest:
+            return client.pull(-1), 0
+        outcome = max(set.intersection(*outcomes), default=0)
+        deposit = max(set.intersection(*deposits), default=0)
+        if (max(outcome, deposit) < latest and attempt < FETCH_TRIES - 1
+                and waited(client, DEPOSIT_WAIT_S * 2 ** attempt)):
+            continue
+        # (the later round first; of one round, its outcome, after its tournament, before its deposit)
+        for rnd, _, asked in sorted([(outcome, 1, -outcome), (deposit, 0, deposit)], reverse=True):
+            got = client.get_model(asked, trainer, exact=True, missing_ok=True) if rnd else None
+            if got is not None:
+                return got, rnd
+    return global_model(client), latest
 
 
 def pack_meta(values: list[float], size: int) -> torch.Tensor:
@@ -347,10 +393,36 @@ class LtfbSchedule(Schedule):
         partition) continues where its trainer is (`catch_up`), from its trainer's model:
         in a group (k > 1) the one its other workers hold (`trainer_model`: the best
         trainer's split the group in two, and a rejoining leader handed it to its whole
-        group at its next tournament); a trainer of one, whose model went with its
-        worker, from the best trainer's (`global_model`)."""
-        self.continue_from(w, trainer_model(w.client, self.trainer) if self.k > 1 else global_model(w.client))
-        self.catch_up(w)
+        group at its next tournament), at the step of the round it loaded (read once: a
+        deposit landing between two reads of the index put it a round ahead of its
+        model); a trainer of one, whose model went with its worker, from the best
+        trainer's (`global_model`). Loaded the model its trainer entered a round with (the
+        round's tournament under way), it takes the round's outcome as its group's other
+        workers do (`await_outcome`): its steps would never cross that round again."""
+        if self.k == 1:
+            self.continue_from(w, global_model(w.client))
+            self.catch_up(w)
+            return
+        got, rnd = trainer_model(w.client, self.trainer)
+        self.continue_from(w, got)
+        self.catch_up(w, rnd)
+        if got[0].get("owner") == self.trainer and 0 < int(got[0].get("round")) == rnd < FINAL:
+            self.await_outcome(w, rnd)
+
+    def await_outcome(self, w: Trainer, rnd: int) -> None:
+        """Take round `rnd`'s outcome (`follow`) from the worker that plays the round for
+        the trainer: the lowest of its other live workers (a returning leader, the
+        trainer's lowest rank, leads from the next round on; the one that found itself
+        leader at this round plays it to its end, its followers waiting for it). None
+        (the player gone before the worker came back: nobody deposits the outcome), or
+        the player leaving while it waits: it keeps the model the trainer entered the
+        round with, as a follower whose leader left does."""
+        others = [r for r in w.live() - {w.rank} if trainer_of(r, self.k) == self.trainer]
+        if not others:
+            w.note(f"round {rnd}: no other worker of trainer {self.trainer} is live to deposit its outcome; "
+                   f"keeping the model it entered the round with")
+            return
+        self.follow(w, rnd, min(others))
 
     def continue_from(self, w: Trainer, got: list) -> None:
         """Load a deposit, or an outcome, with the hyperparameters deposited with it (a
@@ -397,11 +469,11 @@ class LtfbSchedule(Schedule):
             self.rejoin(w)
             return True
         load(w, got)
-        self.catch_up(w)
+        self.catch_up(w, max(common))
         self.carry_on(w, got)
         return True
 
-    def catch_up(self, w: Trainer) -> None:
+    def catch_up(self, w: Trainer, rnd: int | None = None) -> None:
         """Move a (re)joining worker's clock up to the latest tournament round that its
         trainer deposited on any shard, where the trainer was: a restarted worker
         registers at the coordinator's last record of its rank's clock, which may be far
@@ -415,13 +487,15 @@ class LtfbSchedule(Schedule):
         `group_mean`). Never past the budget; a final deposit says that the trainer spent
         a budget of steps (killed before the coordinator heard its end, it redid all of
         them), so the worker has nothing left to train (under a time budget the job's
-        time says so)."""
-        rounds = [int(r) for m in w.client.index() for r, o, _ in m.get("models")
-                  if int(o) == self.trainer and int(r) > 0]
+        time says so). `rnd`: the round of the model it loaded (`rejoin`), else its
+        trainer's latest on any shard."""
+        if rnd is None:
+            rnd = max((int(r) for m in w.client.index() for r, o, _ in m.get("models") if int(o) == self.trainer),
+                      default=0)
         steps = self.cfg.train.steps
-        if rounds and max(rounds) < FINAL:
-            w.clock = caught_up(w, max(rounds) * self.cfg.mode.round_steps)
-        elif rounds and steps:
+        if 0 < rnd < FINAL:
+            w.clock = caught_up(w, rnd * self.cfg.mode.round_steps)
+        elif rnd == FINAL and steps:
             w.clock = max(w.clock, steps)
 
     def set_hyper(self, hyper: dict[str, float]) -> None:

@@ -293,6 +293,17 @@ class ForkServer:
             self.proc.wait(timeout=5)
 
 
+def _process_state(pid: int) -> tuple[str | None, int | None, int | None]:
+    """Process `pid`'s state letter (R, S, Z for a zombie, ...), parent's pid and start
+    time (clock ticks since boot), from /proc/PID/stat; Nones where it has none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None, None, None
+
+
 class Forked:
     """A daemon forked by a `ForkServer`, seen as much like `subprocess.Popen` as the
     launcher needs."""
@@ -301,6 +312,7 @@ class Forked:
         self.server = server
         self.pid = pid
         self.code_lost = False   # it ended with its fork server, which took its exit code along
+        self.started = _process_state(pid)[2]   # (its start time: the same pid later is another process)
 
     @property
     def returncode(self) -> int | None:
@@ -309,10 +321,29 @@ class Forked:
     def poll(self) -> int | None:
         if self.returncode is None:
             self.server.collect()
-            if self.returncode is None and not self.server.alive() and not os.path.exists(f"/proc/{self.pid}"):
-                self.server.codes[self.pid] = -signal.SIGKILL  # its server died: the code is lost
-                self.code_lost = True
+            if self.returncode is None and not self.server.alive():
+                self._orphaned()
         return self.returncode
+
+    def _orphaned(self) -> None:
+        """Its fork server has ended, and with it the report of its exit. Where this
+        process adopted it (it is the init of a container, `psgd run` as its command, or a
+        subreaper), it is this process's child now: its exit code is asked here. Else it
+        has ended once no process of its start time runs under its pid: not a zombie (one
+        that its new parent has not reaped yet), nor another process that took the pid.
+        (Before, only a pid missing from /proc counted: an adopted zombie, never reaped,
+        was running for good, and so was a reused pid.)"""
+        with contextlib.suppress(ChildProcessError):
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.server.codes[self.pid] = os.waitstatus_to_exitcode(status)
+                return
+        state, parent, started = _process_state(self.pid)
+        if parent == os.getpid():   # (adopted as it ended: waitpid has it in a moment)
+            return
+        if state is None or state in "ZX" or started != self.started:
+            self.server.codes[self.pid] = -signal.SIGKILL  # its server died: the code is lost
+            self.code_lost = True
 
     def wait(self, timeout: float | None = None) -> int:
         end = None if timeout is None else time.monotonic() + timeout

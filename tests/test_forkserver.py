@@ -4,6 +4,7 @@ stderr in their log, their own environment; `psgd run` forks its shards, workers
 evaluator from it, and falls back to separate interpreters when it cannot start."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -273,3 +274,40 @@ def test_a_reused_pid_is_not_taken_for_ended_and_a_fork_without_an_answer_ends_i
     finally:
         os.close(r)
         os.close(w)
+
+
+ADOPTED = r"""
+import ctypes, json, os, signal, sys, time
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0   # PR_SET_CHILD_SUBREAPER: as a container's init
+from psgd import forkserver
+env, port, started = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+own = forkserver.ForkServer(env)
+try:
+    proc = own.spawn(["worker", "--set", f"cluster.port={port}", "--started-file", started], env, started + ".log")
+    end = time.monotonic() + 60
+    while not os.path.exists(started) and time.monotonic() < end:
+        time.sleep(0.05)
+    os.kill(own.pid, signal.SIGKILL)
+    own.proc.wait(timeout=10)
+    try:
+        rc = proc.wait(timeout=30)
+    except Exception as e:
+        rc = repr(e)
+finally:
+    own.close()
+print(json.dumps({"rc": rc, "lost": proc.code_lost}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_adopted_by_the_launcher_when_its_fork_server_ended_is_reaped_with_its_code(tmp_path):
+    """`psgd run` as a container's init (or a subreaper) adopts the daemons of a fork
+    server that ended: one that exits stays a zombie until reaped, and /proc still had
+    its pid, so the launcher took it for running until its wait timed out."""
+    env = {**ENV, "PSGD_CLUSTER_TIMEOUT_S": "100"}   # waits for a coordinator that never comes
+    out = subprocess.run([sys.executable, "-c", ADOPTED, json.dumps(env), str(free_port_block(1)),
+                          str(tmp_path / "w.started")], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    said = json.loads(out.stdout.splitlines()[-1])
+    assert said["lost"] is False and isinstance(said["rc"], int), (said, out.stderr)
+    assert said["rc"] != 0   # it got SIGTERM as its parent died (PR_SET_PDEATHSIG): not a clean end

@@ -21,10 +21,8 @@ Server rule: the shards are the exchange and the reduction.
   optimizer state and hyperparameters, and the decision), stored once per trainer for
   its other workers, who ask for it with `get_model` of round -r; asked for `exact`ly
   (a worker rejoining the trainer, `trainer_model`), it is answered only if it is round
-  r's, else refused, never parked. Asked for once a worker of the trainer has pushed
-  round r's step (its leader left before depositing it: `LtfbRule.stepped`), refused:
-  it never comes. The index (`models`) lists each trainer's latest outcome's round
-  beside the deposits.
+  r's, else refused, never parked. The index (`models`) lists each trainer's latest
+  outcome's round beside the deposits.
 - `get_model` with owner -1 (truncation): every live trainer's score of round r,
   parked until all of them have deposited it (`tournament.Scoreboard`).
 
@@ -49,8 +47,7 @@ The global model (for the evaluator, and a worker rejoining a trainer of one) is
 best-scored deposit of the latest round: its (round, trainer) is chosen once from every
 shard's index and then fetched exactly from every shard, so its slices never mix two
 trainers. A worker rejoining a trainer group continues from its own trainer's model,
-as its other workers hold it (`trainer_model`), at that model's round, and takes the
-outcome of a round whose tournament is under way (`LtfbSchedule.await_outcome`).
+as its other workers hold it (`trainer_model`), at that model's round.
 """
 from __future__ import annotations
 
@@ -174,8 +171,6 @@ class LtfbRule(ServerRule):
                 # tournament, pushes for no step before it: its group's step does not wait for it (its loss was
                 # non-finite; else the step closed already), or its leader would wait for good (`GroupSteps.passed`)
                 out = [self.answer_step(t, a) for t, a in self.groups.passed(e.rank, -e.round * self.mode.round_steps)]
-            if self.outcomes.latest.get(e.owner, (-1, None))[0] < -e.round <= self.stepped(e.owner):
-                return out + [self.no_outcome(e.token, e.owner, -e.round)]
             found = self.outcomes.get(-e.round, e.owner, e.token)
             return out + ([] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})])
         if e.exact:
@@ -185,22 +180,6 @@ class LtfbRule(ServerRule):
             return [self.answer_model(e.token, key)]
         found = self.exchange.get(e.round, e.owner, e.token)
         return [] if found is None else [self.answer_model(e.token, found)]
-
-    def stepped(self, owner: int) -> int:
-        """The latest round whose step a worker of trainer `owner` pushed for here. Its
-        leader deposits a round's outcome on every shard before it pushes the round's
-        step, and its other workers push it after taking the outcome: pushed, and the
-        outcome not here, the leader left before depositing it (its followers went on
-        with their model) and it never comes."""
-        return self.groups.pushed(owner) // self.mode.round_steps
-
-    @staticmethod
-    def no_outcome(token: Any, owner: int, rnd: int) -> Refuse:
-        """A worker asking for an outcome that will not come (`stepped`) keeps its model,
-        as when its leader leaves while it waits (`LtfbSchedule.follow`): a worker that
-        rejoined the trainer would wait for good, and its group's step for its push."""
-        return Refuse(token, REFUSED, f"trainer {owner}'s group pushed round {rnd}'s step without that round's "
-                                      f"outcome: its leader left before depositing it", False)
 
     def answer_model(self, token: Any, key: Any) -> AnswerModel:
         """`key` is a stored (round, trainer)."""
@@ -220,10 +199,7 @@ class LtfbRule(ServerRule):
     def push(self, e: Push) -> list[Decision]:
         accepted, ready = self.groups.push(e.rank, e.clock, e.grad, e.buffers)
         out: list[Decision] = [Answer(e.token, {"staleness": 0} if accepted else {"dropped": True})]
-        owner = trainer_of(e.rank, self.k)
-        gone = self.outcomes.give_up(owner, self.stepped(owner))   # (parked before the step: `stepped`)
-        return (out + [self.answer_step(t, a) for t, a in ready]
-                + [self.no_outcome(t, owner, self.stepped(owner)) for t in gone])
+        return out + [self.answer_step(t, a) for t, a in ready]
 
     def gated_read(self, e: Read) -> list[Decision]:
         if e.clock <= 0:   # not a step's read: the initial model (`global_model`)
@@ -397,8 +373,10 @@ class LtfbSchedule(Schedule):
         deposit landing between two reads of the index put it a round ahead of its
         model); a trainer of one, whose model went with its worker, from the best
         trainer's (`global_model`). Loaded the model its trainer entered a round with (the
-        round's tournament under way), it takes the round's outcome as its group's other
-        workers do (`await_outcome`): its steps would never cross that round again."""
+        round's tournament under way), it keeps it: its steps never cross that round
+        again, so its group is split until the next outcome (waiting for the round's
+        outcome deadlocked a returning leader and the followers waiting for it, each for
+        the other)."""
         if self.k == 1:
             self.continue_from(w, global_model(w.client))
             self.catch_up(w)
@@ -406,23 +384,6 @@ class LtfbSchedule(Schedule):
         got, rnd = trainer_model(w.client, self.trainer)
         self.continue_from(w, got)
         self.catch_up(w, rnd)
-        if got[0].get("owner") == self.trainer and 0 < int(got[0].get("round")) == rnd < FINAL:
-            self.await_outcome(w, rnd)
-
-    def await_outcome(self, w: Trainer, rnd: int) -> None:
-        """Take round `rnd`'s outcome (`follow`) from the worker that plays the round for
-        the trainer: the lowest of its other live workers (a returning leader, the
-        trainer's lowest rank, leads from the next round on; the one that found itself
-        leader at this round plays it to its end, its followers waiting for it). None
-        (the player gone before the worker came back: nobody deposits the outcome), or
-        the player leaving while it waits: it keeps the model the trainer entered the
-        round with, as a follower whose leader left does."""
-        others = [r for r in w.live() - {w.rank} if trainer_of(r, self.k) == self.trainer]
-        if not others:
-            w.note(f"round {rnd}: no other worker of trainer {self.trainer} is live to deposit its outcome; "
-                   f"keeping the model it entered the round with")
-            return
-        self.follow(w, rnd, min(others))
 
     def continue_from(self, w: Trainer, got: list) -> None:
         """Load a deposit, or an outcome, with the hyperparameters deposited with it (a

@@ -125,13 +125,6 @@ class Exchange:
         self._waiting.append(((round_, owner), token))
         return None
 
-    def give_up(self, owner: int, round_: int) -> list[Hashable]:
-        """The parked requests for `owner`'s model of `round_` or earlier, taken out: what
-        they wait for will not come (their tokens)."""
-        gone = [t for (r, o), t in self._waiting if o == owner and r <= round_]
-        self._waiting = [((r, o), t) for (r, o), t in self._waiting if not (o == owner and r <= round_)]
-        return gone
-
     def keys(self) -> set:
         """Stored model keys still reachable (the shard frees the others)."""
         return {m for _, m in self.latest.values()}
@@ -319,13 +312,6 @@ class GroupSteps:
         if answer is None:
             g.reads.append((rank, clock, token))
         return answer
-
-    def pushed(self, t: int) -> int:
-        """The latest step that a worker of trainer `t` pushed for here (-1: none)."""
-        g = self.groups.get(t)
-        if g is None:
-            return -1
-        return g.step if g.contributors else g.step - 1
 
     def passed(self, rank: int, step: int) -> list[tuple[Hashable, Any]]:
         """`rank` will push for no step before `step` (a worker whose step had a

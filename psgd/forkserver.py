@@ -39,6 +39,7 @@ import traceback
 from typing import IO
 
 from .config import CPU_ENV
+from .metrics import proc_stat
 
 # What a daemon imports before it does anything (torch most of all).
 PRELOAD = ("torch", "numpy", "zmq", "msgpack", "psgd.cli", "psgd.shard", "psgd.models", "psgd.data",
@@ -293,17 +294,6 @@ class ForkServer:
             self.proc.wait(timeout=5)
 
 
-def _process_state(pid: int) -> tuple[str | None, int | None, int | None]:
-    """Process `pid`'s state letter (R, S, Z for a zombie, ...), parent's pid and start
-    time (clock ticks since boot), from /proc/PID/stat; Nones where it has none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None, None, None
-
-
 class Forked:
     """A daemon forked by a `ForkServer`, seen as much like `subprocess.Popen` as the
     launcher needs."""
@@ -312,7 +302,8 @@ class Forked:
         self.server = server
         self.pid = pid
         self.code_lost = False   # it ended with its fork server, which took its exit code along
-        self.started = _process_state(pid)[2]   # (its start time: the same pid later is another process)
+        stat = proc_stat(pid)
+        self.started = None if stat is None else stat[2]   # (its start time: the same pid later is another process)
 
     @property
     def returncode(self) -> int | None:
@@ -338,10 +329,10 @@ class Forked:
             if pid:
                 self.server.codes[self.pid] = os.waitstatus_to_exitcode(status)
                 return
-        state, parent, started = _process_state(self.pid)
-        if parent == os.getpid():   # (adopted as it ended: waitpid has it in a moment)
+        stat = proc_stat(self.pid)
+        if stat is not None and stat[1] == os.getpid():   # (adopted as it ended: waitpid has it in a moment)
             return
-        if state is None or state in "ZX" or started != self.started:
+        if stat is None or stat[0] in "ZX" or stat[2] != self.started:
             self.server.codes[self.pid] = -signal.SIGKILL  # its server died: the code is lost
             self.code_lost = True
 

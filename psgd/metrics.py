@@ -306,15 +306,27 @@ class PidFile:
                     os.unlink(self.path)
 
 
+def proc_stat(pid: int | str = "self") -> tuple[str, int, int] | None:
+    """Process `pid`'s state letter (R, S, Z for a zombie, ...), parent's pid and start
+    time (field 22, clock ticks since boot), from /proc/PID/stat; None where it has none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # (after the command's name, which may hold spaces)
+        return fields[0], int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_start_time(pid: int | str = "self") -> float | None:
     """When process `pid` (default this one) was started (forked or exec'd), as a
     time.time() value: from /proc on Linux (to the kernel's clock tick, 10 ms); None
     where that cannot be read."""
+    stat = proc_stat(pid)
+    if stat is None:
+        return None
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, since boot
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - stat[2] / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
         return None
     return time.time() - age if 0 <= age < 7 * 86400 else None
 
@@ -502,9 +514,7 @@ def rate(x: float) -> float:
     10 (a simulation at a low bandwidth runs at 5e-05 samples/s, which 2
     decimals kept as 0.0 for every mode: the report then said throughput did not
     separate modes whose virtual walls differed by half)."""
-    if x <= 0 or not math.isfinite(x):
-        return round(x, 2)
-    return round(x, max(2, 3 - math.floor(math.log10(x))))
+    return rounded(x, 2, 4)
 
 
 def written(t: float) -> float:
@@ -514,9 +524,14 @@ def written(t: float) -> float:
     fewer: a simulation's cost model of sub-microsecond steps and links wrote its steps'
     times and waits as 0.0, its wall_s as 0 or 1e-06 (samples_per_s off by a quarter),
     and summary.json's wait_fraction and shard_busy_fraction as 0."""
-    if t >= 1e-4 or t <= 0 or not math.isfinite(t):
-        return round(t, 6)
-    return round(t, 2 - math.floor(math.log10(t)))
+    return rounded(t, 6, 3)
+
+
+def rounded(x: float, decimals: int, digits: int) -> float:
+    """x to `decimals` decimals, or to `digits` significant digits where those keep more."""
+    if x <= 0 or not math.isfinite(x):
+        return round(x, decimals)
+    return round(x, max(decimals, digits - 1 - math.floor(math.log10(x))))
 
 
 def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_s: float,

@@ -613,10 +613,9 @@ class Shard:
                 raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have NaN or Inf values at "
                                                    f"version {self.version}")
             limit = torch.finfo(self._wire_torch).max
-            wider = '"bfloat16" (up to 3.39e38) or "float32"' if self.wire_dtype == "float16" else '"float32"'
             raise wire.WireError(wire.REFUSED, f"shard {self.index}'s parameters have values beyond "
                                                f"{self.wire_dtype}'s range ({limit:.6g}) at version {self.version}: "
-                                               f"set wire.dtype = {wider}")
+                                               f"set wire.dtype = {wire.wider_than(self.wire_dtype)}")
         return out
 
     def sent(self) -> None:

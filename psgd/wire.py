@@ -66,6 +66,12 @@ DTYPES: dict[str, np.dtype] = {
 }
 _NAMES = {dt: name for name, dt in DTYPES.items() if name != "bfloat16"}  # numpy dtype -> wire name
 
+
+def wider_than(dtype: str) -> str:
+    """The `wire.dtype` values to set where values are beyond narrow `dtype`'s range (a
+    refusal's advice, the worker's and the shard's)."""
+    return '"bfloat16" (up to 3.39e38) or "float32"' if dtype == "float16" else '"float32"'
+
 # Error codes: stable strings that clients and tests match on.
 BAD_HEADER = "bad_header"
 BAD_VERSION = "bad_version"

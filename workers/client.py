@@ -148,9 +148,8 @@ class ParameterClient:
             peak = max(-float(low), float(high))
             if inf_from <= peak < float("inf"):
                 name = str(self.wire_dtype).removeprefix("torch.")
-                wider = '"bfloat16" (up to 3.39e38) or "float32"' if name == "float16" else '"float32"'
                 raise Diverged(f"values up to {peak:.3g} at step {clock} are beyond {name}'s range ({limit:.6g}): "
-                               f"set wire.dtype = {wider}")
+                               f"set wire.dtype = {wire.wider_than(name)}")
         buf = self._outgoing.get((kind, shard))
         if buf is None or buf.numel() != t.numel():
             buf = self._outgoing[(kind, shard)] = torch.empty(t.numel(), dtype=self.wire_dtype)

@@ -25,8 +25,8 @@ of its own, where they fit), and the baseline's rank r on the CPU of psgd's work
 psgd's are pinned (not DDP's two ranks against psgd's three processes on two CPUs); the JSON
 says `pin_cpus: true`.
 Both sides compute with denormal floats flushed to zero (`train.flush_denormal`, psgd's
-default; the JSON's `flush_denormal`): unflushed, the plain loop, timed over at least a
-second (about 3,000 MLP steps), ran into the momentum buffer's denormals, which psgd's
+default; the JSON's `flush_denormal`): unflushed, the plain loop, then timed over at least
+a second (about 3,000 MLP steps), ran into the momentum buffer's denormals, which psgd's
 600 steps do not reach, and the ratios against it overstated psgd by about a fifth.
 `--no-flush-denormal` runs both sides unflushed. `--no-local-lane`: psgd's workers reach
 their shard over ZeroMQ only (`cluster.local_lane = false`; the JSON's `local_lane`).
@@ -59,6 +59,11 @@ from psgd's, so the machine's drifting load hits both alike).
 samples/s is steady state for every side, by one definition (bench.common.steady_rate):
 the samples all processes completed in the window when every one is past its first
 `warm-up` steps (50 MLP, 8 ResNet-20) and none has finished, over the window's length.
+Each baseline process runs the steps a psgd worker runs (600 MLP, 40 ResNet-20, times
+`--steps-scale`) over the same batches, so both sides are timed over the same steps
+(the MLP's 51st to 600th; `--steps-scale` lengthens both alike). (Until 2026-12-06 the plain loop went on for at least a
+second, about 3,000 steps, and was timed over all of them: a window of other work than
+psgd's, its warm-up a smaller share of it.)
 psgd's side reads (t, samples) of each step from the worker event logs; the baselines
 record the same pair after each step (after `loss.item()`, as a psgd worker does).
 The last line is one JSON object. A part that fails is said on stderr and in the JSON's
@@ -107,16 +112,14 @@ COMMON = ["cluster.evaluator=false", "train.batch_size=32", "checkpoint.every_s=
 PARTS = ("ddp", "local", "async", "overlap", "startup", "phases")
 DDP_PARTS = {"ddp", "overlap"}   # the parts that run DDP (their backend is checked, and named in the JSON)
 BACKENDS = ("gloo", "nccl")
-MIN_LOOP_S = 1.0   # the plain loop's least timed window (about the psgd W = 1 run's it is compared with)
 
 
 # ---------------------------------------------------------------- baselines: plain loop and DDP
-def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, ddp: bool,
-               min_s: float = 0.0) -> list[dict]:
-    """A plain PyTorch loop over psgd's data for this rank; (t, samples) after each step.
-    Without DDP it goes on past `steps` until `min_s` seconds after its first step: a
-    loop five times faster than the psgd run it is the baseline of is timed over as long
-    a window (DDP's ranks stop together, after `steps`)."""
+def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, ddp: bool) -> list[dict]:
+    """A plain PyTorch loop over psgd's data for this rank; (t, samples) after each of
+    `steps` steps: the steps, and so the batches, a psgd worker of this rank runs, timed
+    over the same ones (a longer run is other work: its warm-up a smaller share, its
+    model trained further)."""
     import torch
     from torch import nn
 
@@ -138,9 +141,8 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
         part = partition(len(ds.train_y), rank, world, cfg.job.seed)
         batches = Batches(ds.train_x, ds.train_y, part, cfg.train.batch_size, cfg.job.seed, rank)
         model.train()
-        rows, samples, step = [], 0, 0
-        while step < steps or (not ddp and time.time() - rows[0]["t"] < min_s):
-            step += 1
+        rows, samples = [], 0
+        for step in range(1, steps + 1):
             x, y = batches.next()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             opt.zero_grad(set_to_none=False)
@@ -163,7 +165,7 @@ def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, cpus) 
             import torch.distributed as dist
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            q.put((rank, train_loop(cfg_dict, rank, world, steps, device, ddp=bool(backend), min_s=MIN_LOOP_S)))
+            q.put((rank, train_loop(cfg_dict, rank, world, steps, device, ddp=bool(backend))))
         finally:
             if backend:
                 dist.destroy_process_group()

@@ -107,10 +107,10 @@ def test_throughput_device_or_backend_this_machine_cannot_run_is_a_usage_error(a
     assert r.stdout == "" and "[bench]" not in r.stderr
 
 
-def _main_with(module: str, patch: str, args: list[str]) -> subprocess.CompletedProcess:
+def _main_with(module: str, patch: str, args: list[str], timeout: float = 50) -> subprocess.CompletedProcess:
     """`python -m bench.MODULE ARGS` with `patch` (code run on the module, as `m`) applied first."""
     code = f"import sys\nimport bench.{module} as m\n{patch}\nsys.argv = ['{module}', *{args!r}]\nm.main()\n"
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=50,
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": REPO})
 
 
@@ -167,6 +167,33 @@ def test_throughput_flushes_denormals_on_both_sides_or_on_neither(flag, flushed)
     said = {line for line in r.stderr.splitlines() if line.startswith(("baseline", "psgd "))}
     assert said == {f"baseline {flushed}", f"psgd {flushed}"}, said
     assert json.loads(r.stdout.splitlines()[-1])["flush_denormal"] is flushed
+
+
+# Each side's step rows as steady_rate times them: (rank, rows, the step its window opens
+# after, its last step), printed under the side's name (run_loops's steady_rate is the
+# baseline's, bench.common's the one run_psgd calls for psgd's jobs).
+WINDOWS = ("import sys\nimport bench.common as c\nreal = c.steady_rate\n"
+           "def told(side):\n    def rate(runs, warmup):\n"
+           "        print(side, sorted((r, len(rows), rows[warmup - 1]['step'], rows[-1]['step'])\n"
+           "                           for r, rows in runs.items()), warmup, file=sys.stderr)\n"
+           "        return real(runs, warmup)\n    return rate\n"
+           "m.steady_rate, c.steady_rate = told('baseline'), told('psgd')\n")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(150)
+def test_throughput_plain_loop_times_the_steps_psgd_times() -> None:
+    """A review: the plain loop that `ratio_vs_local` and `ratio_async_vs_local` divide by
+    went on past psgd's steps for a second (3,400 steps against psgd's 600), and was timed
+    over all of them: a window of other work (its warm-up a smaller share of it, a model
+    trained further). Both sides now run the same steps and are timed over the same ones.
+    (A real run, a tenth of the steps: what is compared is which steps, never a speed.)"""
+    r = _main_with("throughput", WINDOWS, ["--parts", "local", "--repeats", "1", "--steps-scale", "0.1"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in r.stderr.splitlines()
+            if line.startswith(("baseline ", "psgd "))}
+    assert set(said) == {"baseline", "psgd"}, r.stderr
+    assert said["baseline"] == said["psgd"] == "[(0, 60, 50, 60)] 50", said
 
 
 @pytest.mark.processes
@@ -241,6 +268,28 @@ def test_control_stopped_during_live_leaves_no_sender() -> None:
         for c in started:   # what a failed check found still running
             with contextlib.suppress(OSError):
                 os.kill(c, signal.SIGKILL)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_control_live_window_serves_only_the_beats_sent_within_it() -> None:
+    """A review: `--live`'s heartbeat sender began beating as soon as its interpreter was up
+    (0.85 s before the timed window opened, on an idle machine) while the coordinator slept
+    out a fixed second, so the window served a backlog on top of its W / heartbeat_s a
+    second (11,972 beats in 5 s at 1,024 workers, not 10,240), more or less of it as the
+    machine started a process faster or slower. Now the sender beats only once the window
+    opens, and for its length: at most rate x window (+1) beats are served, whatever the
+    start took. (A count, never a speed.)"""
+    code = ("import zmq\nimport bench.control as m\nfrom psgd.servers.coordinator import Coordinator\n"
+            "served, real = [], Coordinator.on_heartbeat\n"
+            "def on_heartbeat(self, ident, msg):\n    served.append(msg.rank)\n    return real(self, ident, msg)\n"
+            "Coordinator.on_heartbeat = on_heartbeat\nctx = zmq.Context()\n"
+            "m.live_share(256, 2.0, 0.5, ctx)\nctx.term()\nprint(len(served))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=80,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stdout + r.stderr
+    served = int(r.stdout.split()[-1])
+    assert 0 < served <= 256 / 0.5 * (2.0 - 1.0) + 1, served   # 512 a second, over the 1 s window
 
 
 @pytest.mark.processes

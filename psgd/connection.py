@@ -50,7 +50,9 @@ rank 0 waits for the other workers to finish (while they are live, however long)
 loads the job's final global model into its `model` and saves it as
 DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
 `JobError` and saves nothing (a coordinator that stops answering for cluster.timeout_s
-is a `JobError` too). A worker that fails (too many refused steps, shards
+is a `JobError` too). A Ctrl-C in close() is raised once the worker has left the job,
+within seconds (rank 0's hold on the job's end released; a share not yet settled ends
+the job with it, as inside `with`). A worker that fails (too many refused steps, shards
 unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) and a
 `report()` after the job ended; an exception inside `with` ends the job with its reason
 (`sys.exit()` or `sys.exit(0)` there is a clean end), and so does one that the script
@@ -66,6 +68,7 @@ import math
 import multiprocessing
 import operator
 import os
+import signal
 import sys
 import threading
 import time
@@ -83,6 +86,7 @@ from .consistency import get as get_mode
 from .forkserver import end_with_launcher
 from .launcher import JOINED, adopt_folder_token
 from .log import log
+from .membership import beat_answer_s
 from .metrics import PidFile
 from .replica import pick_device
 from .shard import save_state_dict
@@ -343,6 +347,24 @@ def _hook_uncaught() -> None:
     interactive prompt, where the hook sees every error typed and the session goes on."""
     if sys.excepthook is sys.__excepthook__ and not (hasattr(sys, "ps1") or sys.flags.interactive):
         sys.excepthook = _end_on_uncaught
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Another Ctrl-C taken and dropped while close() leaves the job after one (`_interrupted`,
+    a bounded wait): raised there, it cut the release and the closing short (the hold left
+    in place, the sockets open), and the KeyboardInterrupt that close() raises says it
+    already. Python takes signals in the main thread only; there, the script's handler is
+    put back after. SIG_IGN and SIG_DFL (no KeyboardInterrupt) are left as they are."""
+    was = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(was):
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, was)
 
 
 def _alone(call: Callable) -> Callable:
@@ -658,9 +680,20 @@ class Connection(Worker):
         model). `error` ends the job with that reason. JobError if the job was aborted
         meanwhile, or the settle failed (the job ends with that), or rank 0 saved no final
         model (the job ended or the coordinator stopped answering first, or the model could
-        not be read)."""
+        not be read). A Ctrl-C meanwhile leaves the job at once (`_interrupted`) and is raised."""
         if self.closed:
             return
+        # What `_interrupted` tells the job: the interrupt, until this worker's share is settled.
+        self._ending = error or self._raised(KeyboardInterrupt())
+        self._holding = False   # rank 0 may hold the job's end: its finish with `hold` is sent, not yet released
+        try:
+            self._leave(error)
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+
+    def _leave(self, error: str) -> None:
+        """close()'s work (see there); a Ctrl-C that cuts it short is close()'s to handle."""
         if not error:
             self._raise_if_aborted()
             self._refuse_a_changed_model("close()")   # rank 0 would save the stale tensors as model.pt
@@ -680,6 +713,7 @@ class Connection(Worker):
         except Exception as e:   # what it raised: the job ends with that, not after missed heartbeats
             self._end(self._raised(e))
             raise
+        self._ending = error or settled
         if cancelled:   # (the job ended meanwhile: aborted, or its training ended without this worker)
             self._raise_if_aborted()
         if error or settled or self.rank != 0:
@@ -692,7 +726,8 @@ class Connection(Worker):
                 raise JobError(f"close(): the coordinator did not take worker {self.rank}'s finish: the job counts "
                                f"its rank as lost once its heartbeats stop")
             return
-        held = self._report_end("", hold=True)
+        self._holding = True   # (from the sending: a Ctrl-C before its answer may leave the hold taken)
+        held = self._holding = self._report_end("", hold=True)
         abort = problem = ""
         try:
             if held:
@@ -700,28 +735,61 @@ class Connection(Worker):
             else:
                 abort = self.link.state.get("abort", "")
                 problem = "" if abort else "the coordinator did not take this worker's finish: no final model"
-        finally:
-            try:
-                problem = self._release(held and not abort) or problem   # (an abort the status view said)
-            finally:  # a coordinator gone by now must not keep the pid file and the sockets
-                self._end("", reported=True)
+        except KeyboardInterrupt:
+            raise   # (close() lets the job go: `_interrupted`, without the long waits)
+        except BaseException:   # (the model could not be saved, ...): the job is let go all the same
+            self._let_go(held)
+            raise
+        problem = self._let_go(held and not abort) or problem   # (an abort the status view said)
         if abort:
             raise _aborted(abort)
         if problem:
             raise JobError(f"close(): {problem}")
 
-    def _release(self, held: bool) -> str:
+    def _let_go(self, held: bool) -> str:
+        """Rank 0's end of close(): release the job's end (`_release`, which says what went
+        wrong with the coordinator, or '') and leave the job."""
+        try:
+            problem = self._release(held)
+            self._holding = False
+            return problem
+        finally:  # a coordinator gone by now must not keep the pid file and the sockets
+            self._end("", reported=True)
+
+    def _release(self, held: bool, timeout: float | None = None) -> str:
         """Let the job end (`held`: rank 0 held its end for the final model), unless it
         has ended (done or aborted: the coordinator lingers only until this worker has
         heard so, and may be gone) or the coordinator stopped answering meanwhile: another
-        cluster.timeout_s would go on it for nothing (a hold ends by itself). What went
-        wrong with the coordinator, or ''."""
+        cluster.timeout_s would go on it for nothing (a hold ends by itself). `timeout`:
+        the longest wait for its answer (default cluster.timeout_s). What went wrong with
+        the coordinator, or ''."""
         if held and not self.link.unanswered and not self.stopped():
             try:
-                self.link.call("release")
+                self.link.call("release", timeout=timeout)
             except (PeerTimeout, HandshakeFailed, wire.RemoteError) as e:
                 return f"release: {getattr(e, 'reason', e)}"
         return f"the coordinator stopped answering ({self.link.unanswered})" if self.link.unanswered else ""
+
+    def _interrupted(self) -> None:
+        """A Ctrl-C in close(), wherever it came (the settle, rank 0's wait for the other
+        workers or its release, the finish): leave the job now. The job is told (this
+        worker's finish, if the coordinator has none: with the interrupt for its reason
+        while the share was not settled, as inside `with`), rank 0's hold on its end is
+        released (else the job's end waited out cluster.timeout_s), and the sockets and the
+        pid file are closed. Each call to the coordinator waits a heartbeat's answer time at
+        most, not cluster.timeout_s: it may have had the same Ctrl-C (`psgd run --script`
+        and its scripts are one process group) and be gone. Another Ctrl-C meanwhile is
+        dropped (`_ctrl_c_held`)."""
+        quick = beat_answer_s(self.cfg)
+        with _ctrl_c_held():
+            try:
+                if self._holding:
+                    self._release(True, timeout=quick)
+                    self._holding = False
+            finally:
+                self._end(self._ending, reported=self.reported, timeout=quick)
+        log(self.name, "close() was interrupted (KeyboardInterrupt): this worker left the job"
+                       + (f" ({self._ending})" if self._ending else ""))
 
     def _raised(self, e: BaseException) -> str:
         """The job's reason for ending when the script raised `e` (Ctrl-C's KeyboardInterrupt
@@ -769,14 +837,16 @@ class Connection(Worker):
         return acc, loss
 
     # ------------------------------------------------------------ the end
-    def _end(self, error: str, reported: bool = False) -> None:
+    def _end(self, error: str, reported: bool = False, timeout: float | None = None) -> None:
+        """Leave the job: tell the coordinator (unless `reported`; `timeout`: the longest
+        wait for its answer, default cluster.timeout_s), close the sockets and the pid file."""
         self.closed = True
         hook, self._step_hook = getattr(self, "_step_hook", None), None
         if hook is not None:   # (after the job, the script may step its optimizer itself)
             hook.remove()
         try:
             if not reported:
-                self._report_end(error)
+                self._report_end(error, timeout)
         finally:
             self._close(error)
             self.pidfile.__exit__(None, None, None)

@@ -18,7 +18,8 @@ that exits before the job begins training (a training script; psgd's own worker
 with an error, not restarted) stops the job at once, with its log; once the job has
 ended, the scripts' work after close() is waited for (up to --timeout), and one that
 exits with a code other than 0 fails the run. Every child is stopped on the way out,
-whatever happens.
+whatever happens: SIGTERM, then SIGKILL STOP_S later, or, for a shard writing its
+checkpoint at exit, once it is written (SAVING_S at most).
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -54,7 +55,7 @@ from . import forkserver
 from .config import AUTO_SPIN_US, CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
 from .log import log
 from .membership import JOB_TOKEN_ENV
-from .metrics import EXIT_CANNOT_WRITE, write_text_atomic
+from .metrics import EXIT_CANNOT_WRITE, pid_path, write_text_atomic
 from .transport import EXIT_ADDRESS_IN_USE, raise_fd_limit
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
@@ -65,6 +66,12 @@ SCRIPT_NOTE_S = 30  # how often psgd run says it still waits for a training scri
 LOCK_FILE = ".launcher.lock"  # in the output folder: held by the launcher of the job that uses it
 EARLIER = "earlier"            # in the output folder: logs, event logs and tb/ of the job a resumed job goes on from
 TOKEN_FILE = ".job-token"     # in the output folder while its job runs: the job's PSGD_JOB_TOKEN (folder_token)
+# The stop (`LocalJob._stop_children`): SIGTERM, then SIGKILL what has not exited STOP_S
+# later; a shard writing its checkpoint at exit (`metrics.pid_path`) is waited for until
+# SAVING_S after SIGTERM. A large model's checkpoint (hundreds of MB, a slow disk, several
+# shards writing at once) took longer than STOP_S, and SIGKILL cut it short.
+STOP_S = 5.0
+SAVING_S = 120.0
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
 
@@ -393,6 +400,8 @@ class LocalJob:
     run's line that names the job). `on_started`, if given, is told the started count and
     the job's process count (k, N) as the count grows, and (0, N) as the processes start
     (again after a move): a quiet job's start-up progress (psgd compare's)."""
+    stop_s = STOP_S       # the stop's budgets (`_stop_children`)
+    saving_s = SAVING_S
 
     def __init__(self, cfg: Config, out: str, device: str = "auto", restart_workers: bool = False,
                  quiet: bool = False, timeout_s: float | None = None, env: dict | None = None,
@@ -1115,27 +1124,68 @@ class LocalJob:
             self._release_ports()
 
     def _stop_children(self, children: list[Child] | None = None) -> None:
-        """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after 5 s."""
+        """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after
+        `stop_s`; a shard writing its checkpoint at exit is waited for (said) until
+        `saving_s` after SIGTERM, and one killed before it wrote it is said."""
         children = self.children if children is None else children
         for child in children:
             if child.proc and child.proc.poll() is None:
                 child.proc.terminate()
-        end = time.monotonic() + 5
+        start = time.monotonic()
         for child in children:
-            if child.proc:
-                try:
-                    child.proc.wait(timeout=max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    try:
-                        child.proc.wait(timeout=5)
-                    except subprocess.TimeoutExpired:   # e.g. its fork server is stopped: no exit code comes
-                        log("run", f"{child.name} (pid {child.proc.pid}) did not report its end after "
-                                f"SIGKILL; leaving it")
-        for child in children:   # one killed (-9) left its pid file: it is gone, so goes the file
+            if child.proc and not self._exits_by(child, start + self.stop_s):
+                if self._saving(child) and not self._saved_by(child, start + self.saving_s):
+                    self._kill(child, f"{self.saving_s:g} s", self._lost_checkpoint(child))
+                elif child.proc.poll() is None:
+                    self._kill(child, f"{self.stop_s:g} s")
+        for child in children:   # one killed (-9) left its pid file (and its note): it is gone, so go they
             if child.proc and child.proc.poll() is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.out, "pids", f"{child.name}.pid"))
+                for path in (pid_path(self.out, child.name), pid_path(self.out, child.name, "saving")):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+
+    @staticmethod
+    def _exits_by(child: Child, end: float) -> bool:
+        """Whether the child's process exits by `end` (time.monotonic())."""
+        assert child.proc is not None
+        try:
+            child.proc.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _saving(self, child: Child) -> bool:
+        """Whether the child is a shard writing its checkpoint at exit: its note
+        (`metrics.pid_path`) names its process (one a killed process left names another)."""
+        assert child.proc is not None
+        try:
+            with open(pid_path(self.out, child.name, "saving")) as f:
+                return f.read().strip() == str(child.proc.pid)
+        except OSError:
+            return False
+
+    def _saved_by(self, child: Child, end: float) -> bool:
+        """Wait, saying so, for a shard writing its checkpoint at exit, until it exits or
+        `end`; whether it exited."""
+        log("run", f"{child.name} is writing its checkpoint; waiting for it (up to {end - time.monotonic():.0f} s "
+                   f"more)")
+        return self._exits_by(child, end)
+
+    def _lost_checkpoint(self, child: Child) -> str:
+        """What a shard killed while it wrote its checkpoint lost."""
+        path = self.cfg.checkpoint_file(self.out, child.index)
+        return f" while it wrote its checkpoint; {path} is the one written before, if any"
+
+    def _kill(self, child: Child, after: str, lost: str = "") -> None:
+        """SIGKILL the child, which did not exit within `after` of SIGTERM, and say so
+        (with `lost`, what it lost)."""
+        assert child.proc is not None
+        child.proc.kill()
+        log("run", f"{child.name} did not exit within {after} of SIGTERM: killed (SIGKILL){lost}")
+        try:
+            child.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:   # e.g. its fork server is stopped: no exit code comes
+            log("run", f"{child.name} (pid {child.proc.pid}) did not report its end after SIGKILL; leaving it")
 
 
 def check_before_launch(cfg: Config, device: str) -> None:

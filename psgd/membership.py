@@ -154,6 +154,7 @@ class Member:
     counts: Counts = field(default_factory=Counts)   # its samples at its recent heartbeats (and its join):
     #                                              last_seen also moves without new counts (a stall excused)
     left: str = ""                               # why that process said it stops unfinished (`Membership.leaving`)
+    taken_back: bool = False                     # that process took the rank over while it was live (`join`)
 
     def totals(self) -> dict:
         """The rank's counters over all its lives."""
@@ -274,6 +275,7 @@ class Membership:
             return -1
         if old is not None:
             self.rejoined += 1
+            old.taken_back = old.state == "live" and nonce != old.nonce   # (restarted before it was missed)
             old.state, old.last_seen, old.joins, old.left = "live", now, old.joins + 1, ""
             if nonce != old.nonce:  # a new process: it counts from 0 (at the slowest live worker's clock)
                 if self.shared_step:

@@ -22,6 +22,15 @@ from .consistency.staleness import Histogram
 # vanished folder: `OutputError`); sysexits' EX_CANTCREAT. `psgd run` does not start it
 # again (a restart would fail the same way), and stops the job with the path and cause.
 EXIT_CANNOT_WRITE = 73
+# A worker's clock (a step, or an exchange round) in a job without a step limit
+# (train.steps = 0) is at most this; the coordinator and the shards refuse one past it.
+# No tighter bound holds for an honest worker: it catches up to the shards' step, which a
+# job resumed from its checkpoints (each run another train.seconds) carries on from, so
+# only a physical one does: a million steps a second take 285 years to reach it. It is
+# the coordinator's bound on a counter (`MAX_STAT`): a worker's counters carry its clock,
+# so one started past it (a new process taking up a rank starts at the live set's clock)
+# had every heartbeat refused.
+MAX_CLOCK = 2 ** 53
 
 
 class OutputError(OSError):
@@ -274,11 +283,18 @@ def credit_staleness(past: dict, logged: dict) -> bool:
     return True
 
 
+def pid_path(out: str, name: str, kind: str = "pid") -> str:
+    """DIR/pids/<name>.<kind>: a daemon's pid file (`PidFile`), or, `saving`, the note a
+    shard keeps, naming its process, while it writes its checkpoint at exit (psgd run's
+    stop waits for it then: `LocalJob._stop_children`)."""
+    return os.path.join(out, "pids", f"{name}.{kind}")
+
+
 class PidFile:
     """DIR/pids/<role>-<index>.pid for as long as the daemon runs."""
 
     def __init__(self, out: str | None, role: str, index: int):
-        self.path = os.path.join(out, "pids", f"{role}-{index}.pid") if out else None
+        self.path = pid_path(out, f"{role}-{index}") if out else None
 
     def __enter__(self):
         if self.path:

@@ -35,7 +35,7 @@ from .config import Config
 from .consistency import get as get_mode
 from .consistency import rule as r
 from .data import describe
-from .metrics import output_error, write_file_atomic, written
+from .metrics import MAX_CLOCK, output_error, write_file_atomic, written
 from .models import build_model
 from .optim import lr_at, make_optimizer, set_lr
 from .sharding import ShardMap, model_tensors, shard_map
@@ -143,6 +143,9 @@ class Shard:
         self._first_closed = False
         self.models: dict[Hashable, list] = {}  # stored models (deposits) by the rule's key
         self.live = set(range(self.world))
+        # rank -> (epoch, version) of the registration its latest join read named (`since`),
+        # and that read's clock, until a view of that version or later (`_joined_since`)
+        self._joined: dict[int, tuple[str, int, int]] = {}
         self.rule = rule(cfg.mode, self.world, self)
         ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
                  "get_model": self.on_get_model, "models": self.on_models}
@@ -256,11 +259,19 @@ class Shard:
     def not_in_mode(self, token, msg: wire.Message) -> list[Reply]:
         raise wire.WireError(wire.REFUSED, f"{msg.op} is not used in mode {self.rule.name}")
 
-    def set_live(self, live: dict[int, int]) -> list[Reply]:
-        """Membership changed (rank -> clock of every live worker)."""
-        for rank in live.keys() - self.live:
-            self.last_clock.pop(rank, None)  # a returning worker starts its clocks afresh
-            self.dropped_at.pop(rank, None)
+    def set_live(self, live: dict[int, int], live_id: str = "") -> list[Reply]:
+        """Membership changed (rank -> clock of every live worker), as the coordinator's
+        view `live_id` says (`Coordinator._view`; '' where none names it: the simulator).
+        A rank that comes back keeps its last clock (`on_push`'s duplicates): the shard
+        hears of the return from its heartbeats, up to a beat late, maybe after the
+        returning worker's pushes were answered, and forgotten then, a resend of one was
+        applied again. Its new pushes need nothing forgotten: its join's answer puts it
+        past its rank's clocks (`finished`; in sync and diloco the open step, which may
+        hold its earlier life's push: the new one is answered `duplicate`, another
+        process's, not applied). A view older than a rank's (re)registration does not
+        remove it (`_joined_since`)."""
+        if self._joined:
+            live = self._joined_since(live, live_id)
         self.live = set(live)
         refused: list[Reply] = []
         if self._first_worker_gone():   # nothing will answer the waits for the initial values
@@ -268,6 +279,30 @@ class Shard:
             refused = [(t, wire.error(m.id, wire.REFUSED, f"shard {self.index}: {FIRST_WORKER_GONE}"))
                        for t, m in waiting.values()]
         return refused + self.carry_out(self.rule.membership(live))
+
+    def _joined_since(self, live: dict[int, int], live_id: str) -> dict[int, int]:
+        """`live`, with the ranks whose join read came from a registration the view
+        predates: a view of the same coordinator's life and an older version. The
+        heartbeat answer that the shard's loop applies may have been made before a
+        worker's (re)registration and applied after its join read: missing from it, the
+        rank was removed again (ssp answered reads past it and dropped its next push as
+        one from before leaving; async easgd took a later restart of its process for a
+        new life, whose offers moved the centre twice). Kept at its join read's clock.
+        A view of that version or later settles it (the rank is forgotten here: a removal
+        is real from then on); one of another life (a coordinator restarted) is taken as
+        it is, so a rank that left is never kept for good."""
+        view = registration(live_id)
+        if view is None:
+            return live
+        kept = dict(live)
+        for rank, (epoch, version, clock) in list(self._joined.items()):
+            if epoch != view[0]:
+                continue
+            if view[1] >= version:
+                del self._joined[rank]
+            elif rank not in kept:
+                kept[rank] = clock
+        return kept
 
     def _first_worker_gone(self) -> bool:
         """No initial values, and none to come: worker 0 brings them (any worker's are
@@ -335,7 +370,25 @@ class Shard:
 
     def on_pull(self, token, msg: wire.Message) -> list[Reply]:
         self._room_to_park()
+        if "since" in msg.fields:   # (only a join read names one: the other reads pay no more than this)
+            return self._serve_join(token, msg)
         return self._serve_read(token, msg)
+
+    def _serve_join(self, token, msg: wire.Message) -> list[Reply]:
+        """A join read that names its worker's registration (`since`: its live_id, which
+        the coordinator's answer to the registration carried): the rank is kept live
+        against the views older than it (`_joined_since`). A later join of the rank's
+        replaces it, unless of an older registration of the same life (a copy of an
+        earlier process's join read, come late). An older worker's join read has none."""
+        since = registration(msg.fields["since"])
+        if since is None:
+            raise wire.WireError(wire.BAD_FIELD, f"since {msg.get('since')!r} is no coordinator's live_id "
+                                                 f"(epoch:version)")
+        out = self._serve_read(token, msg)
+        held = self._joined.get(msg.rank)
+        if msg.get("join") and msg.rank >= 0 and not (held and held[0] == since[0] and held[1] > since[1]):
+            self._joined[msg.rank] = (*since, msg.clock)
+        return out
 
     def _serve_read(self, token, msg: wire.Message) -> list[Reply]:
         """Serve a read (a pull, or the read that follows a push, `ThenRead`)."""
@@ -383,7 +436,7 @@ class Shard:
         A clock past the job's last push (`last_exchange`: its last step, or diloco's
         last round) is never an honest push's (a worker stops there; a late or rejoining
         one catches up to clocks the others reached) and would mark every later push of
-        the rank a duplicate. A job with no step limit has no such bound: clocks jump on a
+        the rank a duplicate. A job with no step limit has only MAX_CLOCK: clocks jump on a
         catch-up, a rejoin, or a restore from an older checkpoint."""
         if read_version < 0:
             raise wire.WireError(wire.BAD_FIELD, f"read_version {msg.get('read_version')} is negative")
@@ -393,11 +446,16 @@ class Shard:
         """A clock or round (either sign) past `last`, which no honest request of a job of
         `train.steps` steps carries, other than `allowed`: refused. Kept, it would stay in
         the rule's state (a barrier moved past every honest step, a rank's last clock or
-        round, a tournament round) for good. No bound without a step limit."""
+        round, a tournament round) for good. Without a step limit, one past MAX_CLOCK."""
+        if value in allowed:
+            return
         steps = self.cfg.train.steps
-        if steps and abs(value) > last and value not in allowed:
+        if steps and abs(value) > last:
             raise wire.WireError(wire.REFUSED, f"{what} {value} is past the job's last step "
                                                f"(train.steps = {steps}: {what} {last} at most)")
+        if abs(value) > MAX_CLOCK:
+            raise wire.WireError(wire.REFUSED, f"{what} {value} is past any worker's: {MAX_CLOCK:,} at most "
+                                               f"(train.steps = {steps})")
 
     def on_elastic(self, token, msg: wire.Message) -> list[Reply]:
         self._check_rank(msg)
@@ -942,6 +1000,16 @@ def copied(x):
     if isinstance(x, (list, tuple)):
         return type(x)(copied(v) for v in x)
     return x
+
+
+def registration(live_id: str) -> tuple[str, int] | None:
+    """A coordinator's `live_id` ("epoch:version": its life, its membership's version) as
+    (epoch, version); None if it is none (a version of more than 18 digits is none's:
+    no coordinator counts that far, and `int` refuses a string of thousands)."""
+    epoch, colon, version = live_id.rpartition(":")
+    if not (colon and epoch and version.isascii() and version.isdigit() and len(version) <= 18):
+        return None
+    return epoch, int(version)
 
 
 def save_state_dict(sd: dict, path: str, tmp: str = "") -> None:

@@ -101,7 +101,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "eval": {"accuracy": _num, "loss": _num, "final": (bool,), "source": (int,), "age_s": _num, "job": (str,)},
     "status": {"job": (str,)},
     # to a shard
-    "pull": {"join": (bool,), "job": (str,)},
+    "pull": {"join": (bool,), "since": (str,), "job": (str,)},
     "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,), "job": (str,)},
     "elastic": {"round": (int,), "job": (str,)},
     "put_model": {"round": (int,), "score": _num, "step": (int,), "job": (str,)},

@@ -60,6 +60,7 @@ from psgd.log import log
 from psgd.membership import ALL_RANKS_LIVE, JOB_TOKEN_ENV, Membership, SamplesAt, beat_answer_s, job_token
 from psgd.metrics import (
     LINE_PER_PUSH_MODES,
+    MAX_CLOCK,
     EventLog,
     OutputError,
     credit_staleness,
@@ -381,10 +382,14 @@ class Coordinator:
     def _reply_register(self, ident, msg, rank: int, **extra: Any) -> Reply:
         """The answer to a registration. A worker that joins a job in training (a
         restarted one) is told how long the job has trained (`trained_s`): its
-        `train.seconds` budget is the job's, not a fresh one."""
-        clock = self.members.members[rank].clock if rank >= 0 else 0
+        `train.seconds` budget is the job's, not a fresh one; and whether it took its rank
+        over from a process the job still counted live (`taken_back`: restarted before it
+        was missed, which its followers may still wait for: ltfb's `left_unplayed`)."""
+        m = self.members.members[rank] if rank >= 0 else None
         trained = round(time.monotonic() - self.t0, 3) if self.t0 and self.phase == "training" else 0.0
-        return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=clock,
+        if m is not None and m.taken_back:
+            extra["taken_back"] = True
+        return ident, wire.reply(msg, assigned_rank=rank, config=self.cfg.to_dict(), start_clock=m.clock if m else 0,
                                  trained_s=trained, **extra, **self._view())
 
     def _shard_index(self, msg: wire.Message) -> int:
@@ -514,12 +519,16 @@ class Coordinator:
             credit_staleness(m.past, logged)
 
     def _within_job(self, clock: int) -> None:
-        """A worker's clock past `train.steps` (and the one after it), which no honest
-        worker of this job reaches: refused. Kept, it would become the live set's clock
-        that the shards start a joining worker at, and a rejoining worker's start."""
+        """A worker's clock past `train.steps` (and the one after it), or past MAX_CLOCK
+        (the bound of a job without a step limit), which no honest worker of this job
+        reaches: refused. Kept, it would become the live set's clock that the shards start a
+        joining worker at, and a rejoining worker's start."""
         steps = self.cfg.train.steps
         if steps and clock > steps + 1:
             raise wire.WireError(wire.REFUSED, f"clock {clock} is past the job's last step (train.steps = {steps})")
+        if clock > MAX_CLOCK:
+            raise wire.WireError(wire.REFUSED, f"clock {clock} is past any worker's: {MAX_CLOCK:,} at most, 285 "
+                                               f"years at a million steps a second (train.steps = {steps})")
 
     def on_finish(self, ident, msg: wire.Message) -> list[Reply]:
         """A worker is done. With `hold`, the job does not end when the last worker is

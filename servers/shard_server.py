@@ -12,7 +12,8 @@ silent for cluster.timeout_s, or if no worker registers a learned model's layout
 that time. Checkpoints are written every `checkpoint.every_s` seconds, as a run
 resumed from them starts (its counters from zero), when training ends (every worker
 done: a shard restarted during the final evaluation resumes the final tables) and on
-SIGTERM (atomically), and once more at the end.
+SIGTERM (atomically), and once more at the end (while that one is written,
+DIR/pids/server-I.saving says so: psgd run's stop waits for it).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import zmq
@@ -33,7 +34,7 @@ from psgd import wire
 from psgd.config import SET_CHECKED_ENV, Config
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink, RegistrationCancelled, job_token
-from psgd.metrics import writer_gone
+from psgd.metrics import pid_path, write_text_atomic, writer_gone
 from psgd.optim import flush_denormals
 from psgd.shard import Shard, unresumable, why_not_resume_from, write_checkpoint
 from psgd.transport import PeerTimeout, Service, bind_address, server_socket, stop_auth
@@ -339,7 +340,7 @@ class ShardServer:
                 seen = (state["version"], state.get("live_id"))  # live_id: a restarted coordinator may repeat a version
                 if seen != seen_version and state["phase"] != "rendezvous":
                     seen_version = seen
-                    service.send(shard.set_live(state["live"]))
+                    service.send(shard.set_live(state["live"], str(state.get("live_id") or "")))
                 service.poll(50)
                 state = link.state
                 now = time.monotonic()
@@ -381,7 +382,32 @@ class ShardServer:
             self._checkpoint_in_background(shard, ckpt, wait=True)
 
     def _final_checkpoint(self, shard: Shard, ckpt: str | None) -> None:
-        """The checkpoint at exit, once the periodic one being written is done."""
+        """The checkpoint at exit, once the periodic one being written is done, with a note
+        that it is being written (`_saving`)."""
+        with self._saving(ckpt):
+            self._write_final_checkpoint(shard, ckpt)
+
+    @contextlib.contextmanager
+    def _saving(self, ckpt: str | None) -> Iterator[None]:
+        """DIR/pids/server-I.saving, naming this process, while it writes its checkpoint
+        (if it has one) at exit: psgd run's stop waits for it then (`metrics.pid_path`),
+        where its SIGKILL 5 s after SIGTERM cut a large model's checkpoint short. A note
+        that cannot be written costs only that wait."""
+        path = pid_path(self.out, self.name, "saving") if self.out and ckpt else ""
+        try:
+            if path:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                write_text_atomic(path, f"{os.getpid()}\n")
+        except OSError:
+            path = ""
+        try:
+            yield
+        finally:
+            if path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    def _write_final_checkpoint(self, shard: Shard, ckpt: str | None) -> None:
         if self._saver is not None:
             self._saver.join(timeout=SAVER_JOIN_S)
         if self._saver is not None and self._saver.is_alive():  # a stalled disk: do not race it, nor wait forever

@@ -2,7 +2,7 @@
 thread, with real wire messages and no sockets.
 
 `Loopback` is the part of `ParameterClient` that the schedules use (join, pull,
-push_pull, elastic, tables); every request must be answered at once (one worker, or
+push_pull, push, elastic, tables); every request must be answered at once (one worker, or
 rounds that close on it), else it raises. `FakeTrainer` is the schedule's `Trainer`
 with a known gradient function in place of a data set.
 """
@@ -68,9 +68,12 @@ class Loopback:
         return self.request([(i, "pull", {"clock": clock}) for i in range(len(self.shards))])
 
     def push_pull(self, clock, grads, buffers, read_versions):
-        pushed = self.request([(i, "push", {"clock": clock, "read_version": read_versions[i],
-                                            "arrays": [grads[i], buffers[i]]}) for i in range(len(self.shards))])
-        return pushed, self.pull(clock + 1)
+        return self.push(clock, grads, buffers, read_versions), self.pull(clock + 1)
+
+    def push(self, clock, grads, buffers, read_versions):
+        """The pushes alone (the shards' acknowledgements), as `ParameterClient.push`."""
+        return self.request([(i, "push", {"clock": clock, "read_version": read_versions[i],
+                                          "arrays": [grads[i], buffers[i]]}) for i in range(len(self.shards))])
 
     def elastic(self, round_, xs, bs, clock):
         return self.request([(i, "elastic", {"round": round_, "clock": clock, "arrays": [xs[i], bs[i]]})
@@ -97,6 +100,7 @@ class FakeTrainer:
         model = build_model(cfg.model.name, shape, classes, cfg.job.seed, cfg.model.hidden)
         self.replica = Replica(model, cfg.cluster.servers, torch.device("cpu"))
         self.clock = 0
+        self.taken_back = False   # (a test sets it: a process restarted before it was missed)
         self.loss, self.samples = 0.0, 0
         self.t0 = time.monotonic()
         self.hist = Histogram()

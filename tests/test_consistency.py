@@ -649,11 +649,14 @@ def test_shard_sync_backup_workers_drop_late_gradients():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "diloco"])
-def test_a_rejoined_workers_second_push_for_the_open_step_is_dropped_and_counted(mode):
-    """A worker pushes for step 0, is dropped by the coordinator, rejoins (the shard
-    forgets its last clock) and pushes for step 0 again: its first gradient stays in the
-    step, the second is answered `dropped` and counted in `dropped`, as the worker's
-    step line says (summary.json's dropped_gradients is the shards' count)."""
+def test_a_rejoined_workers_second_push_for_the_open_step_is_a_duplicate(mode):
+    """A worker pushes for step 0, is dropped by the coordinator, rejoins and pushes for
+    step 0 again: its first gradient stays in the step, the second is answered
+    `duplicate`, not applied, and counted in `duplicates`: the shard keeps a rank's last
+    clock across its leave and return, since it cannot tell a new process's push from a
+    resend of the first (its answer lost), which is applied (before 2026-12-06 it forgot
+    the clock and answered `dropped`, and a resend heard after a late return was counted
+    as a dropped gradient)."""
     shard, cfg = shard_for(mode, 2, **{"cluster.servers": 1})
     g0, g1 = np.ones(shard.P, np.float32), np.full(shard.P, 3.0, np.float32)
     p0 = shard.params.detach().clone().numpy()
@@ -661,10 +664,10 @@ def test_a_rejoined_workers_second_push_for_the_open_step_is_dropped_and_counted
     shard.set_live({1: 0})                     # rank 0 lost (its gradient stays in step 0) ...
     shard.set_live({0: 0, 1: 0})               # ... and back
     out = answers(shard.handle("b", push(shard, 0, 0, 5 * g0)))
-    assert out["b"].get("dropped") is True
-    assert shard.stats()["dropped"] == 1 and shard.rule.state_dict()["dropped"] == 1
+    assert out["b"].get("duplicate") is True and out["b"].get("dropped") is None
+    assert shard.stats()["dropped"] == 0 and shard.stats()["duplicates"] == 1
     shard.handle("c", push(shard, 1, 0, g1))   # step 0 closes with the first gradient of rank 0
-    assert shard.rule.barrier.step == 1 and shard.stats()["dropped"] == 1
+    assert shard.rule.barrier.step == 1 and shard.stats()["dropped"] == 0
     if mode == "sync":
         np.testing.assert_allclose(shard.params.detach().numpy(), p0 - cfg.optimizer.lr * (g0 + g1) / 2,
                                    rtol=1e-5, atol=1e-6)

@@ -125,6 +125,9 @@ class ParameterClient:
         self.retries = 0
         self.answered = 0     # requests answered: a step that made none does not end a run of refusals
         self.cancel: Callable[[], bool] | None = None  # for every request: give up when true
+        # The live_id of this process's latest registration with the coordinator ('' if it
+        # named none), which its join reads carry (`join`)
+        self.since: Callable[[], str] = lambda: ""
         # What the caller does while its requests are on their way: `finish` calls it before it waits
         self.idle: Callable[[], None] | None = None
         self.wire_dtype = getattr(torch, cfg.wire.dtype)  # params-sized vectors on the wire
@@ -344,8 +347,13 @@ class ParameterClient:
         return self.request([(i, "pull", {"clock": clock}) for i in range(self.n)])
 
     def join(self, clock: int) -> list[wire.Message]:
-        """Pull without waiting on any gate; the answers say where the shards stand."""
-        return self.request([(i, "pull", {"clock": clock, "join": True}) for i in range(self.n)])
+        """Pull without waiting on any gate; the answers say where the shards stand. It
+        names the registration it follows (`since`): a shard then keeps this rank live
+        against the coordinator's views from before it, which may reach the shard after
+        this read (`Shard._joined_since`)."""
+        since = self.since()
+        named = {"since": since} if since else {}   # (none from a registration that named none)
+        return self.request([(i, "pull", {"clock": clock, "join": True, **named}) for i in range(self.n)])
 
     def push_pull(self, clock: int, grads: list[torch.Tensor], buffers: list[torch.Tensor],
                   read_versions: list[int]) -> tuple[list[wire.Message], list[wire.Message]]:

@@ -112,6 +112,8 @@ class Worker:
         self.in_a_row = 0          # of them, since the last step the shards answered
         self.t_start = time.monotonic()
         self.trained_s = 0.0       # how long the job had trained when this process joined it
+        self.taken_back = False    # it took its rank over from a process the job still counted live
+        self.registration = ""     # the live_id of its latest registration: its join reads name it (`since`)
         self.logged: dict = {}     # the counters of the rank's earlier processes, from their step lines
         self.reported = False      # the coordinator has this process's finish (`_report_end`)
 
@@ -149,6 +151,8 @@ class Worker:
         self.cfg = self.cfg0.with_run(answer.get("config"))
         self.clock = int(answer.get("start_clock", 0))
         self.trained_s = float(answer.get("trained_s", 0.0))  # a restarted worker's job has trained that long
+        self.taken_back = bool(answer.get("taken_back", False))   # its rank's process before was still counted live
+        self.registration = str(answer.get("live_id") or "")
         self.name = f"worker-{self.rank}"
         return self.cfg
 
@@ -173,6 +177,7 @@ class Worker:
         self.client = ParameterClient(cfg, self.ctx, self.rank)
         self.client.cancel = self.stopped
         self.client.alive = lambda i: not self.link.lost and i in self.link.state.get("live_shards", ())
+        self.client.since = lambda: self.registration
         self.events = EventLog(self.out, "worker", self.rank)
         self.link.clock_fn = lambda: self.clock
         self.link.stats_fn = self.stats
@@ -303,15 +308,16 @@ class Worker:
         finally:
             self._close(error)
 
-    def _report_end(self, error: str, **fields: Any) -> bool:
-        """Tell the coordinator this worker is done (an error ends the job); whether it heard."""
+    def _report_end(self, error: str, timeout: float | None = None, **fields: Any) -> bool:
+        """Tell the coordinator this worker is done (an error ends the job); whether it
+        heard. `timeout`: the longest wait for its answer (default cluster.timeout_s)."""
         if self.link.state.get("abort"):
             return False
         try:
             if error:
                 fields["error"] = error
-            self.link.call("finish", rank=self.rank, nonce=self.link.nonce, clock=self.clock, stats=self.stats(),
-                           **self.link.fields_fn(), **fields)
+            self.link.call("finish", timeout=timeout, rank=self.rank, nonce=self.link.nonce, clock=self.clock,
+                           stats=self.stats(), **self.link.fields_fn(), **fields)
             self.reported = True
             return True
         except Exception as e:  # the coordinator may be gone: nothing more to tell
@@ -426,7 +432,7 @@ class Worker:
         shards' step where they share one."""
         if not self.link.state.get("rejoin"):
             return False
-        self.link.register(self.rank)
+        self.registration = str(self.link.register(self.rank).get("live_id") or "")
         log(self.name, f"rejoined the job at clock {self.clock}")
         return True
 

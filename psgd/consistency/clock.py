@@ -11,6 +11,16 @@ worker's finished clock: the spread between the fastest worker's clock (the cloc
 it reads at) and the slowest's. A worker parked after pushing clock c is still at
 clock c, so under SSP `max_gap <= s`.
 
+`floor` is the clock that the reads answered so far took every worker to have
+finished: the largest c - s over them (a read of c holds every update of clocks
+<= c - s - 1). A worker counted live all along has finished it; one that (re)joins is
+counted from its own join read on, at the floor or later (`join`), so that none of its
+updates comes after a read that claimed to hold it. Each shard counts a rejoiner from
+the join read it gets, not when the coordinator's live set reaches it (each shard's
+heartbeat is answered at a time of its own): one shard no longer answers a read that
+another holds until the rejoiner catches up, the first one's part then as old as the
+catch-up when the reader's push arrives (tau ~ 100 with 2 shards, s = 1).
+
 `key` names the live set (`live_key`) in O(1): a read's answer carries it, so that the
 reader can tell whether the live set its `guaranteed` clock was counted over is the
 one it sees (`ssp.gated_over`).
@@ -56,6 +66,7 @@ class ClockTable:
         self.key = live_key(self.live)
         self.bound = bound
         self.max_gap = 0                     # largest lead of a reader over the slowest, at any read
+        self.floor = 0                       # the largest clock - bound of an answered read (bounded only)
         self._reads: list[tuple[int, int, Hashable]] = []   # heap of (clock, arrival, token)
         self._arrival = itertools.count()
         self._restored: set[int] = set()    # ranks whose clock is a checkpoint's, until the next `set_live`
@@ -97,9 +108,12 @@ class ClockTable:
         return self.bound is None or not self.live or self.slowest() >= clock - self.bound
 
     def answered(self, clock: int) -> None:
-        """A read of `clock` is answered now: its lead over the slowest live worker."""
+        """A read of `clock` is answered now: its lead over the slowest live worker, and
+        the `floor` it sets (with nobody live too: a worker that joins later is bound by it)."""
         if self.live:
             self.max_gap = max(self.max_gap, clock - self.slowest())
+        if self.bound is not None and clock - self.bound > self.floor:
+            self.floor = clock - self.bound
 
     def read(self, rank: int, clock: int, token: Hashable) -> list[Hashable]:
         """A read by `rank` that has finished `clock`. Returns the reads that may be
@@ -115,6 +129,24 @@ class ClockTable:
         else:
             heapq.heappush(self._reads, (clock, next(self._arrival), token))
         return out + (self._release() if moved else [])
+
+    def join(self, rank: int, clock: int) -> list[Hashable]:
+        """`rank` (re)joins at `clock` (its join read): counted live from now on, at the
+        `floor` if that is later (it continues there: its schedule takes the largest
+        `finished` of the shards' answers). A rejoiner may come far behind: the same
+        process after a partition keeps its clock, a new one starts at the coordinator's,
+        a heartbeat old. Returns the parked reads that its clock frees (the coordinator's
+        live set, when it came first, counted it at that older clock)."""
+        at = max(clock, self.floor, self.finished.get(rank, 0))
+        if rank in self.live:
+            self._advance(rank, at)
+        else:
+            self.finished[rank] = at
+            self.live.add(rank)
+            self.key ^= rank_key(rank)
+            self._at[at] += 1
+            self._min = min(self._at)
+        return self._release()
 
     def note(self, rank: int, clock: int) -> None:
         """`rank` has finished `clock` (its read says so), where something else than this

@@ -9,6 +9,9 @@ moving the centre. A worker's offer moves the centre once: its resend (the clien
 after `retry_s` without an answer) is answered, by its round's close in sync (also
 while it waits for a later round: `SyncRule.wait`), or, once it was answered, with its
 d and the centre unmoved (`duplicate`: a resend, not a late offer, so not counted dropped).
+The shard remembers the answered rounds across a worker's leave and return, and, async,
+forgets a returning worker's rounds from its clock on only at its join (`joined`): its
+new offers of them move the centre, a resend of its earlier life's never does.
 BatchNorm buffers: a running mean (async) or the round's mean (sync).
 
 Worker schedule, in Algorithm 1's order: at every step t with tau | t (t = 0, tau,
@@ -66,7 +69,9 @@ class EasgdRule(SyncRule):
         super().__init__(mode, world, tables)
         self.alpha = default_alpha(mode.alpha, world)
         self.round: dict[int, ElasticOffer] = {}   # sync rounds: the offers of the open round
-        self.offered: dict[int, int] = {}          # rank -> its last round answered (async: that moved the centre)
+        # rank -> its last round answered (async: that moved the centre; a new life takes back those from its clock on)
+        self.offered: dict[int, int] = {}
+        self.left: set[int] = set()   # async: ranks that left the live set since their last join (`joined`)
         self.moving = None   # sync: the centre's moves decided in this `settle`, not yet carried out
 
     @classmethod
@@ -145,8 +150,13 @@ class EasgdRule(SyncRule):
         return []
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
-        for rank in live.keys() - self.barrier.live:
-            self.offered.pop(rank, None)  # a returning worker counts its rounds afresh
+        """The answered rounds stay when a rank leaves and returns (they were forgotten here:
+        told after the returning worker's offers were answered, as the shard's heartbeat may
+        tell it, a resend of one moved the centre again). Sync forgets none: a returning
+        worker offers from the open round on, past every answered one; async, its join
+        begins its new life (`joined`)."""
+        if not self.mode.sync:
+            self.left |= self.barrier.live - live.keys()
         return super().membership({r: c // self.mode.tau for r, c in live.items()})  # steps -> rounds
 
     def close_step(self) -> list[Decision]:
@@ -165,23 +175,46 @@ class EasgdRule(SyncRule):
     def gated_read(self, e):
         return [self.answer(e)]
 
-    def answer(self, e: Read) -> Answer:
-        """Async: a worker (re)joining learns the last round its rank moved the centre in
-        (`offered`): a process restarted before the coordinator missed the one it replaces
-        keeps that rank's rounds, whose offers would be answered as resends."""
-        a = super().answer(e)
-        if e.join and not self.mode.sync:
-            a.fields = {**a.fields, "offered": self.offered.get(e.rank, -1)}
-        return a
+    def read(self, e: Read) -> list[Decision]:
+        """Async: a worker (re)joining learns the last round it must not offer again
+        (`offered`, see `joined`), and continues after it."""
+        if not e.join or self.mode.sync:
+            return super().read(e)
+        skip = self.joined(e.rank, e.clock)
+        a = self.answer(e)
+        a.fields = {**a.fields, "offered": skip}
+        return [a]
+
+    def joined(self, rank: int, clock: int) -> int:
+        """A worker joins at `clock`; the round it continues after. Its rank did not leave
+        the live set since its last join (a process restarted before the coordinator missed
+        the one it replaces, or a rejoin between two of the shard's heartbeats): it keeps
+        the rank's rounds and continues after them (its offers of them would be resends).
+        It left: a new life at its own clock (the rejoining process's, or the coordinator's
+        for a new one), nothing to skip (-1). It offers rounds ceil(clock / tau) on, which
+        move the centre though its earlier life offered them; the rounds before stay
+        answered, so that a resend of the earlier life's that comes late (a copy queued in
+        ZeroMQ while the join went on the same-host lane) is still a resend. (One of a
+        round the new life offers again, come after this join from a process it replaced
+        that still runs, is told from the new offer only by the worker's registration,
+        which an offer does not carry.)"""
+        if rank not in self.left:
+            return self.offered.get(rank, -1)
+        self.left.discard(rank)
+        first = -(-clock // self.mode.tau)   # the round of its first exchange (`EasgdSchedule.step`, `finish`)
+        if self.offered.get(rank, -1) >= first:
+            self.offered[rank] = first - 1
+        return -1
 
     def state_dict(self) -> dict:
         # The open round's offers live here, not in the shard's tables, and their askers
         # resend them to a restored shard: it starts the round afresh.
-        return {**super().state_dict(), "contributors": [], "offered": dict(self.offered)}
+        return {**super().state_dict(), "contributors": [], "offered": dict(self.offered), "left": sorted(self.left)}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.offered = {int(k): int(v) for k, v in sd.get("offered", {}).items()}
+        self.left = {int(r) for r in sd.get("left", ())}
 
 
 class EasgdSchedule(Schedule):

@@ -16,7 +16,7 @@ Server rule: the shards are the exchange and the reduction.
   hyperparameters) and its score (`tournament.fitness`: higher is better). A request
   for a partner's model of round r is answered with it, or the partner's later one, or
   parked until deposited (`tournament.Exchange`); each trainer's older deposits are
-  forgotten.
+  forgotten. The answer names the rank that deposited it (`player`).
 - `put_model` of round -r (k > 1): what the trainer carries out of round r (its model,
   optimizer state and hyperparameters, and the decision), stored once per trainer for
   its other workers, who ask for it with `get_model` of round -r; asked for `exact`ly
@@ -41,13 +41,16 @@ A diverged trainer (a non-finite loss) makes no update at that step and loses it
 round, whatever its loss does until then (`LtfbSchedule.diverge`); in a group its step
 is dropped, or at a round's last step closed on the others (`GroupSteps.passed`). A
 deposit that a shard lost (restored from an older checkpoint) is made again while its
-trainer waits for its partner's (`keep_deposit`).
+trainer waits for its partner's (`keep_deposit`); an outcome, while its leader's next
+group step waits for the followers that wait for it (`group_exchange`).
 
 The global model (for the evaluator, and a worker rejoining a trainer of one) is the
 best-scored deposit of the latest round: its (round, trainer) is chosen once from every
 shard's index and then fetched exactly from every shard, so its slices never mix two
 trainers. A worker rejoining a trainer group continues from its own trainer's model,
-as its other workers hold it (`trainer_model`), at that model's round.
+as its other workers hold it (`trainer_model`), at that model's round; a new process
+for a rank whose earlier one played a round and ended before its outcome plays the
+round again (`left_unplayed`): its followers wait for that outcome.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ import torch
 
 from .. import wire
 from ..sharding import model_grads
+from ..workers.client import Cancelled
 from . import data_split
 from .pushpull import caught_up, load
 from .rule import (
@@ -118,6 +122,7 @@ class LtfbRule(ServerRule):
         self.exchange = Exchange()
         self.outcomes = Exchange()
         self.scores: dict[tuple[int, int], float] = {}   # stored (round, trainer) -> score
+        self.players: dict[tuple[int, int], int] = {}    # stored (round, trainer) -> the rank that deposited it
         self.trainers = trainers(range(world), self.k)   # the job's trainers, whose models one may fetch
         self.board = Scoreboard(self.trainers)
         self.groups = GroupSteps(self.k, range(world))
@@ -137,6 +142,7 @@ class LtfbRule(ServerRule):
                           for t, _ in self.outcomes.put(-e.round, owner, outcome)]
         key = (e.round, owner)
         self.scores[key] = e.score
+        self.players[key] = e.rank
         out = [Store(key, e.score, e.arrays), Answer(e.token)]
         out += [self.answer_model(t, k) for t, k in self.exchange.put(e.round, owner, key)]
         out += [self.answer_scores(t, r, b) for t, r, b in self.board.put(e.round, owner, e.score)]
@@ -144,6 +150,7 @@ class LtfbRule(ServerRule):
         gone = [k for k in self.scores if k not in keep]
         for k in gone:
             del self.scores[k]
+            self.players.pop(k, None)
         return out + ([Forget(gone)] if gone else [])
 
     def fetch(self, e: Fetch) -> list[Decision]:
@@ -182,8 +189,10 @@ class LtfbRule(ServerRule):
         return [] if found is None else [self.answer_model(e.token, found)]
 
     def answer_model(self, token: Any, key: Any) -> AnswerModel:
-        """`key` is a stored (round, trainer)."""
-        return AnswerModel(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key]})
+        """`key` is a stored (round, trainer); `player`: the rank that deposited it (-1:
+        unknown, restored from a checkpoint that did not keep it)."""
+        return AnswerModel(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key],
+                                        "player": self.players.get(key, -1)})
 
     @staticmethod
     def answer_scores(token: Any, round_: int, board: dict[int, float]) -> Answer:
@@ -221,12 +230,13 @@ class LtfbRule(ServerRule):
 
     def state_dict(self) -> dict:
         """Everything the rule answers from between requests: the latest deposit and
-        outcome of each trainer, their scores, the truncation boards and the groups'
-        steps. The models themselves are the shard's (`Shard.state_dict`); parked
+        outcome of each trainer, their scores and players, the truncation boards and the
+        groups' steps. The models themselves are the shard's (`Shard.state_dict`); parked
         requests are resent by their askers to a restored shard."""
         return {**super().state_dict(), "exchange": self.exchange.state_dict(),
                 "outcomes": self.outcomes.state_dict(),
                 "scores": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
+                "players": [[r, o, p] for (r, o), p in sorted(self.players.items())],
                 "board": self.board.state_dict(), "groups": self.groups.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -235,6 +245,7 @@ class LtfbRule(ServerRule):
         self.exchange.load_state_dict(sd.get("exchange", {}))
         self.outcomes.load_state_dict(sd.get("outcomes", {}))
         self.scores = {(int(r), int(o)): float(s) for r, o, s in sd.get("scores", [])}
+        self.players = {(int(r), int(o)): int(p) for r, o, p in sd.get("players", [])}
         self.board.load_state_dict(sd.get("board", {}))
         self.groups.load_state_dict(sd.get("groups", {}))
 
@@ -348,6 +359,8 @@ class LtfbSchedule(Schedule):
         self.diverged = False   # a non-finite loss since the last tournament (`diverge`)
         self.lost_to_divergence = 0   # tournaments in a row that this trainer entered diverged
         self.sparse: dict[str, int] = {}   # parameters whose gradients are sparse -> their sparse_dim (`group_step`)
+        self.outcome: tuple[int, float, list] | None = None   # the leader's last outcome deposit (round, score,
+        # arrays), until its next group step closes (`group_exchange`)
 
     # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
@@ -355,8 +368,8 @@ class LtfbSchedule(Schedule):
         self.opt = make_local_optimizer(w)
         self.scripts_optimizer = self.opt is getattr(w, "user_optimizer", None)
         self.set_hyper(draw_hyper(self.explore, self.cfg.job.seed, self.trainer))
-        if w.clock:    # a worker restarted into the job: its trainer's model, with its values
-            self.rejoin(w)
+        if w.clock or w.taken_back:   # a worker restarted into the job: its trainer's model, with its values
+            self.rejoin(w, restarted=w.taken_back)   # (at clock 0 too: its rank's heartbeats had said none)
         else:   # the job's start: its own draw on the initial model, even if a trainer that started
             got = w.client.pull(-1)   # sooner has deposited a round already; or a resumed job's
             if not (any(int(m.get("version", 0)) for m in got) and self.resume(w)):   # (a deposit moves it)
@@ -364,7 +377,7 @@ class LtfbSchedule(Schedule):
         self.t_round = w.now()
         self.round_s = 0.0
 
-    def rejoin(self, w: Trainer) -> None:
+    def rejoin(self, w: Trainer, restarted: bool = False) -> None:
         """A worker (re)joining the job (restarted into it, or taken back after a
         partition) continues where its trainer is (`catch_up`), from its trainer's model:
         in a group (k > 1) the one its other workers hold (`trainer_model`: the best
@@ -376,7 +389,12 @@ class LtfbSchedule(Schedule):
         round's tournament under way), it keeps it: its steps never cross that round
         again, so its group is split until the next outcome (waiting for the round's
         outcome deadlocked a returning leader and the followers waiting for it, each for
-        the other)."""
+        the other); but a new process for the rank that played that round, `restarted`
+        before the coordinator missed the one before (the register's `taken_back`), plays
+        it again (`left_unplayed`): its followers wait for the round's outcome, which
+        nobody else deposits. (Dropped before it came back, after a partition or as a new
+        process, it had left the live set, which ended their wait: they kept the model it
+        loaded.)"""
         if self.k == 1:
             self.continue_from(w, global_model(w.client))
             self.catch_up(w)
@@ -384,6 +402,24 @@ class LtfbSchedule(Schedule):
         got, rnd = trainer_model(w.client, self.trainer)
         self.continue_from(w, got)
         self.catch_up(w, rnd)
+        if restarted and self.left_unplayed(w, got, rnd):
+            w.note(f"round {rnd}: an earlier process of this worker played it for trainer {self.trainer} and "
+                   f"ended before its outcome; playing it again")
+            self.lead(w, rnd)
+
+    def left_unplayed(self, w: Trainer, got: list, rnd: int) -> bool:
+        """Is `got`, loaded at round `rnd`'s step, this rank's tournament deposit with no
+        outcome (`trainer_model` takes a round's outcome before its deposit)? Then an
+        earlier process of this rank played the round and ended before its outcome. The
+        trainer's other workers wait for that outcome (`follow`) until its leader leaves
+        the live set, which a worker restarted before the coordinator missed it never did:
+        its group step waited for their push, and the job hung. Playing the round again,
+        from the model it entered the round with, deposits the outcome they wait for. (Not
+        another rank's round: that rank deposits its outcome, and a second one, unlike it,
+        would be on the shards beside it.)"""
+        m = got[0]
+        return (0 < rnd < FINAL and m.get("round") == rnd and m.get("owner") == self.trainer
+                and m.get("player") == w.rank and w.clock == rnd * self.cfg.mode.round_steps)
 
     def continue_from(self, w: Trainer, got: list) -> None:
         """Load a deposit, or an outcome, with the hyperparameters deposited with it (a
@@ -533,7 +569,7 @@ class LtfbSchedule(Schedule):
         update and moves to the group's step. Dropped: a shard left this worker's
         gradient out of the step (a late push, or an accepted one whose open step a push
         ahead of the group dropped), as the shard counts it in `dropped`."""
-        pushed, pulled = w.client.push_pull(w.clock, w.replica.grads(), w.replica.buffers(), [0] * w.replica.n)
+        pushed, pulled = self.group_exchange(w)
         dropped = any(bool(m.get("dropped")) for m in [*pushed, *pulled])
         if any(m.get("late") for m in pulled):
             w.note(f"behind trainer {self.trainer}'s step at clock {w.clock}; continuing at its step")
@@ -557,6 +593,47 @@ class LtfbSchedule(Schedule):
                 p.grad = grads[n].to_sparse(self.sparse[n])
         w.replica.load(None, [wire.tensor(m, 1) for m in pulled])
         return True, dropped
+
+    def group_exchange(self, w: Trainer) -> tuple[list, list]:
+        """The step's push and the group's mean (`push_pull`). The leader's first step
+        after it deposited an outcome pushes alone, then waits for the mean in windows
+        (`cluster.heartbeat_timeout_s`, then twice as long each time up to
+        `cluster.timeout_s`, on the worker's clock): a shard restored from a checkpoint
+        older than the outcome has lost it, and a follower that waits for it there pushes
+        nothing for this step; nobody deposited it again, and the group hung. At each
+        window's end the outcome goes again where a shard lacks it (`keep_outcome`), and
+        so does the push (a shard that holds it takes it as a duplicate; one restored from
+        a checkpoint older than it has lost it, and a push answered is not sent again by
+        the client, as a push with its read is). Pushing alone costs the leader the round
+        trip of the push's short answer, once a round (the client's `push_pull` takes no
+        cancel); a window is waited out only where the mean has not come by its end."""
+        grads, buffers, versions = w.replica.grads(), w.replica.buffers(), [0] * w.replica.n
+        if self.outcome is None:
+            return w.client.push_pull(w.clock, grads, buffers, versions)
+        reads = [(i, "pull", {"clock": w.clock + 1}) for i in range(w.replica.n)]
+        window = self.cfg.cluster.heartbeat_timeout_s
+        while True:
+            pushed = w.client.push(w.clock, grads, buffers, versions)
+            until = w.now() + window
+            try:
+                pulled = w.client.request(reads, cancel=lambda until=until: w.now() > until)
+            except Cancelled:
+                if w.now() <= until:   # (not the window's end: the job's own cancel)
+                    raise
+                self.keep_outcome(w, *self.outcome)
+                window = min(2 * window, self.cfg.cluster.timeout_s)
+                continue
+            self.outcome = None
+            return pushed, pulled
+
+    def keep_outcome(self, w: Trainer, rnd: int, score: float, arrays: list) -> None:
+        """The outcome of round -`rnd` (scored `score`, `arrays` as deposited) again if a
+        shard has none of that round or later (`group_exchange`)."""
+        if all(any(int(o) == self.trainer and int(r) >= -rnd for r, o in m.get("outcomes") or ())
+               for m in w.client.index()):
+            return
+        w.note(f"round {-rnd}: a shard lost trainer {self.trainer}'s outcome; depositing it again")
+        w.client.put_model(rnd, score, arrays, w.clock)
 
     def finish(self, w: Trainer) -> None:
         """The budget is spent: each trainer's leader deposits its final model, scored,
@@ -747,6 +824,8 @@ class LtfbSchedule(Schedule):
         (rnd < 0); with the optimizer's state, and the values `meta` and the
         hyperparameters when explored or for an outcome."""
         params, buffers = w.replica.params(), w.replica.buffers()
+        if rnd < 0:   # (kept for `keep_outcome`: the next gather writes over the replica's tables)
+            params, buffers = [t.clone() for t in params], [t.clone() for t in buffers]
         state = self.opt_state(w)[1] if with_opt else []
         extra = rnd < 0 or bool(self.explore)
         values = meta + [self.hyper[k] for k in sorted(self.explore)]
@@ -755,6 +834,8 @@ class LtfbSchedule(Schedule):
                      if extra else [])
                   for i in range(w.replica.n)]
         w.client.put_model(rnd, score, arrays, w.clock)
+        if rnd < 0:
+            self.outcome = (rnd, score, arrays)
 
     def read_meta(self, got: list) -> tuple[list[float], dict[str, float]]:
         """A deposit's `META` values and hyperparameters (its last array, on shard 0)."""

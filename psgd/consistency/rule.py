@@ -304,6 +304,7 @@ class Trainer(Protocol):
     cfg: Config
     rank: int
     clock: int
+    taken_back: bool         # its rank's process before it was still counted live (restarted before it was missed)
     loss: float              # of the step just computed
     samples: int             # trained on so far
     client: Any              # psgd.workers.client.ParameterClient (or a simulator's)

@@ -9,18 +9,20 @@ frees it (`clock.ClockTable`), never by polling. Every read's answer carries
 model it sends holds every update of clocks < guaranteed of every live worker, and
 `live_key`, which live set that was (`clock.live_key`).
 
-Worker schedule: push+pull every step; a joining worker continues at the clock it had
-finished on the shards. With `mode.cache = true`, Bösen's client cache (`ClientCache`):
-the worker keeps the model it read with its `guaranteed` clock t, and its read for
-clock c is served from that copy, without a pull, while t >= c - s (the copy then holds
-every update of clocks <= c - s - 1, which is all that SSP promises a read at c) and no
-worker is live that the shards did not count when they answered (`gated_over`). Its
-own updates go into the copy as they are pushed (read-my-writes,
-`pushpull.own_update`), and every update is still pushed. A read the cache cannot
-serve pulls, gated by the rule as without the cache. With
-`mode.prefetch = true` (issue 10's overlap, within the bound) the worker pulls every
-step but computes its next step on the copy it has while the push and pull travel,
-whenever the same condition says that copy is within the bound; otherwise it waits.
+Worker schedule: push+pull every step; a joining worker continues at the clock the
+shards have reached: its own there, or, back after it was away, the clock that the reads
+answered meanwhile took every worker to have finished (`ClockTable.join`). With
+`mode.cache = true`, Bösen's client cache (`ClientCache`): the worker keeps the model
+it read with its `guaranteed` clock t, and its read for clock c is served from that
+copy, without a pull, while t >= c - s (the copy then holds every update of clocks
+<= c - s - 1, which is all that SSP promises a read at c) and no worker is live that the
+shards did not count when they answered (`gated_over`). Its own updates go into the
+copy as they are pushed (read-my-writes, `pushpull.own_update`), and every update is
+still pushed. A read the cache cannot serve pulls, gated by the rule as without the
+cache. With `mode.prefetch = true` (issue 10's overlap, within the bound) the worker
+pulls every step but computes its next step on the copy it has while the push and pull
+travel, whenever the same condition says that copy is within the bound; otherwise it
+waits.
 """
 from __future__ import annotations
 
@@ -101,7 +103,21 @@ class SspRule(ServerRule):
         if e.rank in self.away:   # its pushes from here on are computed on reads since it came back
             self.away.discard(e.rank)
             self.back_at[e.rank] = self.tables.version
+        if e.join and e.rank >= 0 and self.bound() is not None:
+            return self.joined(e)
         return super().read(e)
+
+    def joined(self, e: Read) -> list[Decision]:
+        """A (re)joining worker's read, never gated: it is counted here from now on, at the
+        clock every read answered here meanwhile took it to have finished, or its own if
+        later (`ClockTable.join`); the answer's `finished` says which, and it continues
+        there. So this shard answers no read past it before the coordinator's live set
+        says it is back, nor holds one on the older clock that live set gives it while
+        another shard answers. (Async, without a bound, keeps a rejoiner's own clock: its
+        steps are its own budget.)"""
+        freed = self.clocks.join(e.rank, e.clock)   # (first: the answer says where it continues)
+        out: list[Decision] = [self.answer(e)]
+        return out + [self.answer(r) for r in freed]  # type: ignore[arg-type]
 
     def push(self, e: Push) -> list[Decision]:
         if self.from_before_leaving(e):
@@ -137,12 +153,13 @@ class SspRule(ServerRule):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "finished": dict(self.clocks.finished), "max_gap": self.clocks.max_gap,
-                "dropped": self.dropped}
+                "dropped": self.dropped, "floor": self.clocks.floor}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.clocks.restore({int(k): int(v) for k, v in sd["finished"].items()}, int(sd.get("max_gap", 0)))
         self.dropped = int(sd.get("dropped", 0))
+        self.clocks.floor = int(sd.get("floor", 0))   # (a rejoiner after the restore is bound by the reads before it)
         self.own = {}   # (of the tables before the restore)
 
     def new_run(self) -> None:

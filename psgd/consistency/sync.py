@@ -61,9 +61,10 @@ class SyncRule(ServerRule):
     def take(self, e, verdict: str) -> list[Decision]:
         if verdict != bsp.ACCEPT:  # late or a duplicate: answered, not summed
             if verdict == bsp.DUPLICATE:
-                # Its rank's gradient is in the step already: a worker that rejoined (the
-                # shard forgot its last clock) pushed the step again. Dropped, so counted
-                # (the barrier counts the late ones), as the worker's step line says.
+                # Its rank's gradient is in the step already, and the shard's last clock of
+                # the rank did not say so (the shard keeps it across a leave and return, so
+                # only where a restore left it older). Dropped, so counted (the barrier
+                # counts the late ones), as the worker's step line says.
                 self.barrier.dropped += 1
             return [Answer(e.token, {"dropped": True, "staleness": e.tau})]
         self.past.pop(e.rank, None)

@@ -283,7 +283,7 @@ class GroupSteps:
         if clock < g.step:
             self.dropped += 1
             return False, []
-        if clock == g.step and rank in g.contributors:   # again, after a rejoin: dropped
+        if clock == g.step and rank in g.contributors:   # again, the shard's last clock of it older: dropped
             self.dropped += 1
             return False, []
         if clock > g.step:

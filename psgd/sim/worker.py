@@ -195,6 +195,7 @@ class SimWorker:
         if holdout is not None:
             self.holdout = holdout
         self.clock = 0
+        self.taken_back = False   # (a simulated worker is never restarted)
         self.t = 0.0                  # this worker's virtual time
         self.samples = 0
         self.steps = 0

@@ -1,0 +1,233 @@
+"""A push is applied once across its worker's leave and return, whatever the order in
+which the shard learns of the membership change (from its heartbeats, up to a beat
+late) and meets the worker's join, its pushes and their resends (the client resends
+after `retry_s` without an answer); and a returning worker's new pushes are applied.
+
+A review: `Shard.set_live` forgot a rank's last clock when the membership said the rank
+was back. Said after the returning worker's pushes were answered (the worker was quicker
+than the shard's heartbeat), or after a leave and return that the shard heard only late,
+it forgot those too: a resend of one (its answer lost with a connection) was applied a
+second time in async and ssp, and counted in `pushes`, not `duplicates`; in sync, whose
+step barrier keeps a step from taking a rank twice, it was answered and counted as a late
+push dropped, though its worker's push had been applied. A returning worker never needs
+the clocks forgotten: its join's answer puts it past them (`finished`, or sync's `step`)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from psgd import wire
+from psgd.config import Config
+from psgd.consistency import get as get_mode
+from psgd.consistency.pushpull import PushPullSchedule
+from psgd.shard import Shard
+
+pytestmark = pytest.mark.unit
+
+OLD = 3             # rank 0's last push of its earlier life (clocks 0..3): applied, its answer lost
+SAME_PROCESS = 4    # the process that pushed clock 3 rejoins at its own clock
+NEW_PROCESS = 2     # a new process for rank 0 registers at the coordinator's clock for it (a beat old)
+
+
+def config(mode: str) -> Config:
+    return Config().replace(**{"mode.name": mode, "cluster.workers": 2, "cluster.servers": 1, "train.steps": 20})
+
+
+def push(shard: Shard, rank: int, clock: int) -> wire.Message:
+    """A push of ones, of a read of the shard's current version."""
+    return wire.decode(wire.encode("push", id=clock + 1, rank=rank, clock=clock, read_version=shard.version,
+                                   arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]))
+
+
+def join(rank: int, clock: int) -> wire.Message:
+    return wire.decode(wire.encode("pull", id=99, rank=rank, clock=clock, join=True))
+
+
+def answer(replies: list, token: str) -> wire.Message:
+    return wire.decode(dict(replies)[token])
+
+
+class Worker:
+    """Rank 0 of a two-worker job against one shard (rank 1 stays live, and pushes only
+    where a test says): its pushes, resends, join, and the shard's membership news."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.shard = Shard(config(mode), 0)
+        self.sent: dict[str, wire.Message] = {}   # each push by name, as first sent (a resend repeats it)
+        self.applied: dict[str, int] = {}         # how many times each push moved the shard's version
+        self.answers: dict[str, wire.Message] = {}
+        self.clock = 0                             # where the worker pushes next (after its join)
+
+    def push(self, name: str, clock: int, rank: int = 0) -> wire.Message:
+        """Push (or resend, if `name` was sent before) the push `name` at `clock`."""
+        msg = self.sent.setdefault(name, push(self.shard, rank, clock))
+        before = self.shard.version
+        m = answer(self.shard.handle(name, msg), name)
+        self.applied[name] = self.applied.get(name, 0) + self.shard.version - before
+        self.answers[name] = m
+        return m
+
+    def join(self, clock: int) -> None:
+        """Rank 0's join read at `clock`; it continues where its schedule's rejoin puts it
+        (`PushPullSchedule.rejoin`: the largest of its clock and the answers' resume clock)."""
+        m = answer(self.shard.handle("join", join(0, clock)), "join")
+        schedule = get_mode(self.mode).schedule(config(self.mode))
+        assert isinstance(schedule, PushPullSchedule)
+        self.clock = max(clock, schedule.resume_clock([m]))
+
+    def news(self, event: str, clock: int) -> None:
+        """The shard's heartbeat says rank 0 left, or is back (at the coordinator's clock for it)."""
+        self.shard.set_live({1: 0} if event == "leave" else {0: clock, 1: 0})
+
+    def counts(self) -> tuple[int, int, int]:
+        s = self.shard.stats()
+        return s["pushes"], s["duplicates"], s["dropped"]
+
+
+def merges(worker: list, shard: list) -> Iterator[list]:
+    """Every interleaving of the two sequences, each in its own order."""
+    n = len(worker) + len(shard)
+    for at in itertools.combinations(range(n), len(shard)):
+        w, s = iter(worker), iter(shard)
+        yield [next(s) if i in at else next(w) for i in range(n)]
+
+
+def play(mode: str, events: list, join_clock: int) -> Worker:
+    """Rank 0 pushed clocks 0..OLD (applied); then the events: the shard's news ("leave",
+    "return"), rank 0's "join" at `join_clock`, and pushes (name, clock: None for the clock
+    the join put it at)."""
+    w = Worker(mode)
+    for c in range(OLD + 1):
+        w.push(f"old {c}", c)
+    for ev in events:
+        if ev in ("leave", "return"):
+            w.news(ev, join_clock)
+        elif ev == "join":
+            w.join(join_clock)
+        else:
+            name, clock = ev
+            w.push(name, w.clock if clock is None else clock)
+    return w
+
+
+# The earlier life's resend comes before the join (a connection's order), and, from the
+# same process, may come after it too: a copy queued in ZeroMQ while the join went on the
+# same-host lane. A new process's pushes never repeat its earlier life's clock 3.
+RESEND = (f"old {OLD}", OLD)
+WORKER = {
+    SAME_PROCESS: [[RESEND, "join", ("new", None), ("new", None)],
+                   ["join", RESEND, ("new", None), ("new", None)]],
+    NEW_PROCESS: [[RESEND, "join", ("new", None), ("new", None)]],
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("join_clock", [SAME_PROCESS, NEW_PROCESS], ids=["same process", "new process"])
+def test_async_each_push_is_applied_once_in_any_order_of_rejoin_and_membership(join_clock):
+    """Rank 0's push of clock 3 was applied, its answer lost; it was dropped and
+    rejoined. Every order of the shard's news (leave, return) among the worker's resend of
+    clock 3, its join, its next push and that push's resend: clock 3 applied once, the
+    new push once, both resends answered `duplicate` and counted so."""
+    cases = 0
+    for worker in WORKER[join_clock]:
+        for events in merges(worker, ["leave", "return"]):
+            w = play("async", events, join_clock)
+            assert w.clock == OLD + 1, events   # a new process too continues past its rank's clocks
+            assert w.applied == {**{f"old {c}": 1 for c in range(OLD + 1)}, "new": 1}, events
+            assert w.answers["new"].get("duplicate") is True and w.answers["new"].get("dropped") is None, events
+            assert w.counts() == (OLD + 2, 2, 0), events
+            cases += 1
+    assert cases == 15 * len(WORKER[join_clock])   # 6 events, 2 of them the shard's news
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("join_clock", [SAME_PROCESS, NEW_PROCESS], ids=["same process", "new process"])
+def test_ssp_no_push_is_applied_twice_in_any_order_of_rejoin_and_membership(join_clock):
+    """As in async. SSP also drops a push that its worker sent before its first read since
+    the shard saw it leave (`SspRule.from_before_leaving`): a leave heard between the join
+    and the new push drops that push (answered `dropped`, counted; its resend says so
+    again); otherwise it is applied, once."""
+    for worker in WORKER[join_clock]:
+        for events in merges(worker, ["leave", "return"]):
+            w = play("ssp", events, join_clock)
+            dropped = events.index("join") < events.index("leave") < events.index(("new", None))
+            assert w.clock == OLD + 1, events
+            assert w.applied == {**{f"old {c}": 1 for c in range(OLD + 1)}, "new": 0 if dropped else 1}, events
+            assert w.answers["new"].get("duplicate") is True, events
+            assert w.answers["new"].get("dropped") is (True if dropped else None), events
+            assert w.counts() == (OLD + 2, 2, int(dropped)), events
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_leave_and_return_heard_late_forgets_no_push(mode):
+    """The shard hears rank 0 leave and come back only after its rejoin and its next push
+    (or after a drop and a rejoin at the coordinator that the shard's heartbeats missed):
+    a resend of that push, and of one before it, is answered `duplicate`, not applied."""
+    w = play(mode, ["join", ("new", None), "leave", "return", ("new", None), RESEND], SAME_PROCESS)
+    assert w.applied == {**{f"old {c}": 1 for c in range(OLD + 1)}, "new": 1}
+    assert w.answers["new"].get("duplicate") is True and w.answers[RESEND[0]].get("duplicate") is True
+    assert w.counts() == (OLD + 2, 2, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_a_new_process_joining_below_its_ranks_clock_continues_past_it_and_is_applied(mode):
+    """A new process for rank 0 registers at the coordinator's clock for it, 2, below the
+    shard's last clock for the rank (3): its join's answer puts it at 4 (`finished`; sync:
+    the open `step`), and its push there is applied and counted. (Sync: rank 1 pushes
+    too, so that each step closes.)"""
+    w = Worker(mode)
+    for c in range(OLD + 1):
+        w.push(f"old {c}", c)
+        if mode == "sync":
+            w.push(f"rank 1's {c}", c, rank=1)
+    w.news("leave", NEW_PROCESS)
+    w.news("return", NEW_PROCESS)
+    w.join(NEW_PROCESS)
+    assert w.clock == OLD + 1
+    w.push("new", w.clock)
+    if mode == "sync":
+        w.push("rank 1's new", w.clock, rank=1)
+    assert w.applied["new"] + w.applied.get("rank 1's new", 0) == 1 and w.answers["new"].get("duplicate") is None
+    assert w.counts() == ((OLD + 2) * (2 if mode == "sync" else 1), 0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_sync_a_resend_after_a_leave_and_return_is_a_duplicate_not_a_late_push():
+    """Step 3 closed with both pushes; worker 0's answer was lost, the shard heard it leave
+    and come back, and it resends: answered `duplicate` (its worker counts its push
+    applied, as it was), counted in `duplicates`; not a late push in `pushes` and
+    `dropped`, answered `dropped`, as the forgotten clock made it."""
+    w = Worker("sync")
+    for c in range(OLD + 1):
+        w.push(f"old {c}", c)
+        w.push(f"rank 1's {c}", c, rank=1)
+    assert w.shard.version == OLD + 1 and w.counts() == (2 * (OLD + 1), 0, 0)
+    w.news("leave", OLD + 1)
+    w.news("return", OLD + 1)
+    m = w.push(*RESEND)
+    assert m.get("duplicate") is True and m.get("dropped") is None
+    assert w.shard.version == OLD + 1 and w.counts() == (2 * (OLD + 1), 1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_sync_a_resend_for_the_open_step_after_a_leave_and_return_is_a_duplicate():
+    """Worker 0's push for step 0 waits for worker 1's; the shard hears worker 0 leave and
+    come back, and its push comes again (a resend: the answer waits with the step): its
+    gradient is in the step, so it is answered `duplicate` (its worker counts it applied),
+    not `dropped`, and the step closes once, with it, when worker 1 pushes. (A new process
+    for rank 0 repeating step 0 is answered the same: `duplicate` and not a resend of its
+    own, its step line says another process's push, not applied.)"""
+    w = Worker("sync")
+    w.push("0", 0)
+    w.news("leave", 0)
+    w.news("return", 0)
+    m = w.push("0", 0)
+    assert m.get("duplicate") is True and m.get("dropped") is None
+    w.push("rank 1's", 0, rank=1)
+    assert w.shard.version == 1 and w.counts() == (2, 1, 0)

@@ -401,7 +401,7 @@ class Membership:
     def state_dict(self) -> dict:
         """The table as JSON-able data (the coordinator's state file)."""
         return {"members": {str(r): {"clock": m.clock, "state": m.state, "stats": m.stats, "joins": m.joins,
-                                     "nonce": m.nonce, "past": m.past, "left": m.left}
+                                     "nonce": m.nonce, "past": m.past, "left": m.left, "taken_back": m.taken_back}
                             for r, m in self.members.items()},
                 "version": self.version, "lost": self.lost, "rejoined": self.rejoined, "restarted": self.restarted}
 
@@ -413,7 +413,7 @@ class Membership:
         the next only then)."""
         self.members = {int(r): Member(int(r), now + grace, int(m["clock"]), m["state"], dict(m["stats"]),
                                        int(m["joins"]), str(m.get("nonce", "")), dict(m.get("past") or {}),
-                                       left=str(m.get("left", "")))
+                                       left=str(m.get("left", "")), taken_back=bool(m.get("taken_back", False)))
                         for r, m in sd["members"].items()}
         for m in self.members.values():
             m.counts = Counts(self.counts_s)

@@ -20,6 +20,7 @@ from the seed).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -146,6 +147,7 @@ class Shard:
         # rank -> (epoch, version) of the registration its latest join read named (`since`),
         # and that read's clock, until a view of that version or later (`_joined_since`)
         self._joined: dict[int, tuple[str, int, int]] = {}
+        self._view: tuple[str, int] | None = None   # (epoch, version) of the latest view `set_live` applied
         self.rule = rule(cfg.mode, self.world, self)
         ruled = {"push": self.on_push, "elastic": self.on_elastic, "put_model": self.on_put_model,
                  "get_model": self.on_get_model, "models": self.on_models}
@@ -270,6 +272,8 @@ class Shard:
         hold its earlier life's push: the new one is answered `duplicate`, another
         process's, not applied). A view older than a rank's (re)registration does not
         remove it (`_joined_since`)."""
+        if live_id:
+            self._view = registration(live_id)
         if self._joined:
             live = self._joined_since(live, live_id)
         self.live = set(live)
@@ -379,11 +383,19 @@ class Shard:
         the coordinator's answer to the registration carried): the rank is kept live
         against the views older than it (`_joined_since`). A later join of the rank's
         replaces it, unless of an older registration of the same life (a copy of an
-        earlier process's join read, come late). An older worker's join read has none."""
+        earlier process's join read, come late). An older worker's join read has none.
+        One that a later view (of the same life) has seen leave since (the read came late:
+        the shard stalled, or the worker was dropped at once) is served as a plain read,
+        the rank not counted: joined, a worker that had died held every read more than s
+        ahead of its clock in ssp, for good."""
         since = registration(msg.fields["since"])
         if since is None:
             raise wire.WireError(wire.BAD_FIELD, f"since {msg.get('since')!r} is no coordinator's live_id "
                                                  f"(epoch:version)")
+        view = self._view
+        if view is not None and view[0] == since[0] and view[1] > since[1] and msg.rank not in self.live:
+            plain = {k: v for k, v in msg.fields.items() if k != "join"}
+            return self._serve_read(token, dataclasses.replace(msg, fields=plain))
         out = self._serve_read(token, msg)
         held = self._joined.get(msg.rank)
         if msg.get("join") and msg.rank >= 0 and not (held and held[0] == since[0] and held[1] > since[1]):

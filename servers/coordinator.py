@@ -333,6 +333,8 @@ class Coordinator:
             rank = self.members.join(now, want, nonce)
             if rank < 0:
                 raise wire.WireError(wire.REFUSED, self._no_rank(want))
+            if self.phase == "rendezvous":   # a quiet holder's rank before training: a start, not a restart
+                self.members.members[rank].taken_back = False
             self._keep_layout(layout)
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             self.awaited.discard(rank)

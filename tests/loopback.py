@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -68,12 +69,23 @@ class Loopback:
         return self.request([(i, "pull", {"clock": clock}) for i in range(len(self.shards))])
 
     def push_pull(self, clock, grads, buffers, read_versions):
-        return self.push(clock, grads, buffers, read_versions), self.pull(clock + 1)
+        return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions))
 
     def push(self, clock, grads, buffers, read_versions):
         """The pushes alone (the shards' acknowledgements), as `ParameterClient.push`."""
-        return self.request([(i, "push", {"clock": clock, "read_version": read_versions[i],
-                                          "arrays": [grads[i], buffers[i]]}) for i in range(len(self.shards))])
+        return self.finish_push_pull(self.begin_push_pull(clock, grads, buffers, read_versions, pull=False))[0]
+
+    def begin_push_pull(self, clock, grads, buffers, read_versions, pull: bool = True):
+        """The pushes (and the pull) carried out at once: `finish_push_pull` gives their
+        answers; `.reqs`, the pushes, as the real client's `InFlight`."""
+        reqs = [(i, "push", {"clock": clock, "read_version": read_versions[i], "arrays": [grads[i], buffers[i]]})
+                for i in range(len(self.shards))]
+        pushed = self.request(reqs)
+        return types.SimpleNamespace(reqs=reqs, answers=(pushed, self.pull(clock + 1) if pull else []))
+
+    @staticmethod
+    def finish_push_pull(f):
+        return f.answers
 
     def elastic(self, round_, xs, bs, clock):
         return self.request([(i, "elastic", {"round": round_, "clock": clock, "arrays": [xs[i], bs[i]]})

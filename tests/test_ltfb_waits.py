@@ -250,19 +250,19 @@ def test_a_leaders_push_that_a_restored_shard_lost_goes_again():
     (w0, s0), (w1, s1) = ts
     restored = threading.Event()
     checkpoints: list[dict] = []
-    real_deposit, real_push = s0.deposit, w0.client.push
+    real_deposit, real_push = s0.deposit, w0.client.begin_push_pull
 
     def deposit(w, rnd, *args):
         real_deposit(w, rnd, *args)
         if rnd == -1:
             checkpoints.append(shards[0].state_dict())
 
-    def push(clock, *args):
-        pushed = real_push(clock, *args)
-        if clock == 3 and not restored.is_set():   # its first push after round 1's outcome
+    def push(clock, *args, pull=True):
+        sent = real_push(clock, *args, pull=pull)
+        if clock == 3 and not pull and not restored.is_set():   # its first push after round 1's outcome
             restore_on(shards[0], checkpoints[0], restored)
-        return pushed
-    s0.deposit, w0.client.push = deposit, push
+        return sent
+    s0.deposit, w0.client.begin_push_pull = deposit, push
     after_restore(s1, restored)
     errors: list[str] = []
     threads = [threading.Thread(target=train, args=(w, s, errors), daemon=True) for w, s in ts]
@@ -339,16 +339,23 @@ def test_a_leader_killed_in_its_tournament_and_restarted_at_once_does_not_hang_i
 def test_the_coordinator_says_which_registration_took_a_live_rank_over():
     """`taken_back`, which the replay above goes by (its worker's clock could not say: a
     rank whose heartbeats had reported none registers at clock 0, as at the job's
-    start): a new process for a rank still counted live is told so; the same process
-    again, a new process for a rank the job had dropped, and a first registration are not."""
+    start): a new process for a rank still counted live is told so, also on its repeat
+    to a restarted coordinator; a new process for a rank the job had dropped, one for a
+    quiet holder's rank before training, and a first registration are not."""
     import time
 
+    from psgd import wire
     from tests.conftest import ask, hand_served
     c = hand_served(workers=2, **{"mode.name": "ltfb", "train.steps": 100})
     try:
         again = ask(c, "register", role="worker", want_rank=0, nonce="n0-again")   # killed, at once restarted
         assert again.op == "reply" and again.get("taken_back") is True, again.fields
         assert ask(c, "register", role="worker", want_rank=0, nonce="n0-again").get("taken_back") is True  # (a repeat)
+        restored = hand_served(workers=2, start=False, **{"mode.name": "ltfb", "train.steps": 100})
+        restored.members.load_state_dict(c.members.state_dict(), time.monotonic())   # (a restarted coordinator's)
+        assert restored.members.members[0].taken_back   # its repeat is told so too
+        restored.sock.close(0)
+        restored.events.close()
         c.members.members[1].last_seen -= 3600   # rank 1 missed: dropped, then a new process takes it up
         c.members.expire(time.monotonic())
         later = ask(c, "register", role="worker", want_rank=1, nonce="n1-again")
@@ -356,3 +363,59 @@ def test_the_coordinator_says_which_registration_took_a_live_rank_over():
     finally:
         c.sock.close(0)
         c.events.close()
+    r = hand_served(workers=2, start=False, **{"mode.name": "ltfb", "train.steps": 100})
+    try:   # the rendezvous: rank 0's first process went quiet, another takes its rank
+        r.service._serve(b"w0", wire.encode("register", id=1, role="worker", want_rank=0, nonce="n0"))
+        r.members.members[0].last_seen -= 3600
+        r.service._serve(b"w0b", wire.encode("register", id=1, role="worker", want_rank=0, nonce="n0-b"))
+        assert not r.members.members[0].taken_back and r.phase == "rendezvous"
+    finally:
+        r.sock.close(0)
+        r.events.close()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_push_sent_again_at_a_windows_end_is_not_encoded_again():
+    """`group_exchange` sends its push again at each window's end (a restored shard may
+    have lost it); a second review found it encoded again, so that a compressed push added
+    the gradient to its error-feedback residual a second time. It goes as first encoded:
+    the same frames, the residual what one encoding leaves."""
+    import types
+
+    from psgd import wire
+    from psgd.workers.client import Cancelled, InFlight, ParameterClient
+    cfg = Config().replace(**{"mode.name": "ltfb", "cluster.workers": 2, "mode.trainer_size": 2,
+                              "cluster.servers": 1, "wire.compression": "topk", "wire.topk_fraction": 0.1,
+                              "cluster.heartbeat_timeout_s": 5.0})
+    c = ParameterClient.__new__(ParameterClient)
+    c._setup(cfg, 0)
+    now, sent, reads = [0.0], [], [0]
+
+    def begin(reqs, cancel=None):
+        sent.append(reqs)
+        return InFlight(list(reqs), {}, [None] * len(reqs), cancel, {})
+
+    def finish(f):
+        if [op for _, op, _ in f.reqs] == ["pull"]:
+            reads[0] += 1
+            if reads[0] == 1:   # the follower is slow: the first window ends
+                now[0] += 6.0
+                if f.cancel():
+                    raise Cancelled("the window's end")
+            return [wire.Message("reply", 1, 0, 0, {"step": 1})]
+        return [wire.Message("reply", 1, 0, 0, {"duplicate": len(sent) > 1})]
+    c.begin, c.finish = begin, finish
+    c.index = lambda: [wire.Message("reply", 1, 0, 0, {"models": [], "outcomes": [[1, 0]]})]
+    g = torch.randn(100)
+    w = types.SimpleNamespace(clock=3, client=c, now=lambda: now[0], rank=0, note=lambda text: None,
+                              replica=types.SimpleNamespace(n=1, grads=lambda: [g], buffers=lambda: [torch.zeros(0)]))
+    s = LtfbSchedule(cfg)
+    s.trainer, s.outcome = 0, (-1, 0.5, [[torch.zeros(100)]])
+    s.group_exchange(w)
+    pushes = [r for r in sent if r[0][1] == "push"]
+    assert len(pushes) == 2 and pushes[0] == pushes[1]
+    left = g.clone()
+    left[g.abs().topk(c._compressors[0].k).indices] = 0
+    assert torch.allclose(c._compressors[0].residual, left)
+    assert s.outcome is None

@@ -298,3 +298,27 @@ def test_a_client_whose_registration_named_no_view_sends_no_since():
     client.request = lambda reqs, cancel=None: sent.extend(reqs) or []   # type: ignore[method-assign]
     client.join(5)
     assert [f for _, _, f in sent] == [{"clock": 5, "join": True}] * 2
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_ssp_a_join_read_that_comes_after_the_view_that_removed_its_rank_does_not_count_it():
+    """The other order (a second review's): rank 1 re-registered at version 3 and died;
+    the view of version 4 that removed it reached the shard before its join read (the
+    shard stalled). Joined, it was counted live at its clock 0 for good, and rank 0's
+    reads more than s ahead of it parked for good; it is now served as a plain read."""
+    cfg = Config().replace(**{"mode.name": "ssp", "mode.staleness": 1, "cluster.workers": 2,
+                              "cluster.servers": 1, "model.hidden": 2, "optimizer.momentum": 0.0,
+                              "train.steps": 10_000})
+    shard = Shard(cfg, 0)
+    g, b = np.full(shard.P, 1e-3, np.float32), np.zeros(shard.B, np.float32)
+    shard.set_live({0: 0, 1: 0}, "e1:2")
+    shard.set_live({0: 0}, "e1:4")
+    assert shard.handle("join", join_since(1, 0, "e1:3"))   # answered
+    assert sorted(shard.rule.clocks.live) == [0] and shard.live == {0}
+    version = 0
+    for clock in range(10):
+        out = shard.handle(("push", clock), wire.decode(wire.encode(
+            "push", id=100 + clock, rank=0, clock=clock, arrays=[g, b], read_version=version, pull=True)))
+        assert out, f"rank 0's read of clock {clock + 1} parked"
+        version = shard.version

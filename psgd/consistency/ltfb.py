@@ -602,18 +602,21 @@ class LtfbSchedule(Schedule):
         older than the outcome has lost it, and a follower that waits for it there pushes
         nothing for this step; nobody deposited it again, and the group hung. At each
         window's end the outcome goes again where a shard lacks it (`keep_outcome`), and
-        so does the push (a shard that holds it takes it as a duplicate; one restored from
-        a checkpoint older than it has lost it, and a push answered is not sent again by
-        the client, as a push with its read is). Pushing alone costs the leader the round
-        trip of the push's short answer, once a round (the client's `push_pull` takes no
-        cancel); a window is waited out only where the mean has not come by its end."""
+        so does the push, as it was encoded (a shard that holds it takes it as a
+        duplicate; one restored from a checkpoint older than it has lost it, and a push
+        answered is not sent again by the client, as a push with its read is; encoded
+        again, a compressed push added the gradient to its error-feedback residual once
+        more). Pushing alone costs the leader the round trip of the push's short answer,
+        once a round (the client's `push_pull` takes no cancel); a window is waited out
+        only where the mean has not come by its end."""
         grads, buffers, versions = w.replica.grads(), w.replica.buffers(), [0] * w.replica.n
         if self.outcome is None:
             return w.client.push_pull(w.clock, grads, buffers, versions)
+        sent = w.client.begin_push_pull(w.clock, grads, buffers, versions, pull=False)
+        pushed = w.client.finish_push_pull(sent)[0]
         reads = [(i, "pull", {"clock": w.clock + 1}) for i in range(w.replica.n)]
         window = self.cfg.cluster.heartbeat_timeout_s
         while True:
-            pushed = w.client.push(w.clock, grads, buffers, versions)
             until = w.now() + window
             try:
                 pulled = w.client.request(reads, cancel=lambda until=until: w.now() > until)
@@ -621,6 +624,7 @@ class LtfbSchedule(Schedule):
                 if w.now() <= until:   # (not the window's end: the job's own cancel)
                     raise
                 self.keep_outcome(w, *self.outcome)
+                w.client.request(sent.reqs)   # (its frames unchanged: no step ran since)
                 window = min(2 * window, self.cfg.cluster.timeout_s)
                 continue
             self.outcome = None

@@ -648,7 +648,7 @@ class WaitingLoopback(TourLoopback):
     every RESEND_S (the real client's retry window) until `cancel()` turns true."""
     RESEND_S = 0.2
     GIVE_UP_S = 8.0
-    lock = threading.Lock()
+    lock = threading.RLock()   # (a test may hold it around requests of its own: `test_ltfb_waits`)
     replies: dict = {}
 
     def request(self, reqs, cancel=None):

@@ -33,6 +33,19 @@ from psgd.launcher import LocalJob
 from tests.conftest import free_port_block
 from tests.test_script import SMALL, child_named, wait_for_line
 
+
+@pytest.fixture(autouse=True)
+def pythons_ctrl_c():
+    """Python's own SIGINT handler, as in a terminal: a CI that runs the tests in the
+    background has SIGINT ignored from the start (bash ignores it in a background job of
+    a script), and neither a KeyboardInterrupt nor the handler close() puts back is
+    then Python's."""
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, was)
+
 TIMEOUT_S = 20.0   # cluster.timeout_s: how long a hold left in place, or a call unanswered, would last
 PROMPT_S = 8.0     # what an interrupted close() may take (a heartbeat's answer time is 2 s here)
 
@@ -189,7 +202,8 @@ def test_a_second_ctrl_c_does_not_cut_the_release_short(port_block, tmp_path):
 
 
 SCRIPT = """
-import sys, time, torch, psgd
+import signal, sys, time, torch, psgd
+signal.signal(signal.SIGINT, signal.default_int_handler)   # (Python's, as in a terminal: see `pythons_ctrl_c`)
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 ps = psgd.connect(model)

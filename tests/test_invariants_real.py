@@ -111,14 +111,16 @@ def kill_shard(out: str) -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(240)
-def test_ssp_a_worker_stopped_past_the_heartbeat_window_keeps_the_staleness_bound(tmp_path):
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_ssp_a_worker_stopped_past_the_heartbeat_window_keeps_the_staleness_bound(tmp_path, servers):
     """Found by this check: worker 1 of an ssp job (s = 1, 3 workers) stopped for 5 s was
     dropped, the others ran on, and when it ran again its in-flight gradient, computed on a
     read ~230 updates old, was applied: summary.json said staleness max 233 for a mode
-    whose staleness is bounded. (One shard: with two, a read answered by one shard before
-    the rejoin and parked by the other until the rejoiner caught up comes back ~100
-    updates old on the first; not covered here.)"""
-    out = run_with_fault(tmp_path, stop_worker, "--mode", "ssp", "--workers", "3", "--servers", "1",
+    whose staleness is bounded. With two shards, each hears of the rejoin when its own
+    heartbeat is answered: a read answered by one shard before the rejoin and parked by
+    the other until the rejoiner caught up came back ~100 updates old on the first
+    (tests/test_ssp_rejoin_views.py: each shard now counts a rejoiner from its join read)."""
+    out = run_with_fault(tmp_path, stop_worker, "--mode", "ssp", "--workers", "3", "--servers", servers,
                          "--set", "train.steps=300", "--set", "mode.staleness=1")
     s = check_run(out)
     assert s["failures"]["workers_lost"] == 1 and s["failures"]["workers_rejoined"] == 1

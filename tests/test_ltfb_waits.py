@@ -172,16 +172,20 @@ def test_a_rejoiner_plays_again_only_a_round_that_its_own_rank_left_without_an_o
     assert not w.events and w.clock == 6 and outcome_rounds(shards, 0) == [1, 1]
 
 
-def trained_together(ts: list) -> None:
-    """Train every (trainer, schedule) of `ts` on a thread of its own to the end: no
-    errors, and the first two (a trainer group) end at the same clock, with the same
-    tournament lines and the same model."""
+def trained(ts: list) -> None:
+    """Train every (trainer, schedule) of `ts` on a thread of its own to the end, with no errors."""
     errors: list[str] = []
     threads = [threading.Thread(target=train, args=(w, s, errors), daemon=True) for w, s in ts]
     for t in threads:
         t.start()
     join(threads)
     assert not errors, errors
+
+
+def trained_together(ts: list) -> None:
+    """`trained`, and the first two (a trainer group) end at the same clock, with the
+    same tournament lines and the same model."""
+    trained(ts)
     (w0, _), (w1, _) = ts[0], ts[1]
     assert w0.clock == w1.clock == ROUNDS_END and same_lines(w0.events, w1.events)
     assert torch.equal(flat(w0.replica.params()), flat(w1.replica.params()))
@@ -293,12 +297,7 @@ def test_a_kept_outcome_costs_a_group_that_lost_nothing_no_window():
     w0, s0 = ts[0]
     kept: list[int] = []
     s0.keep_outcome = lambda w, rnd, *args: kept.append(rnd)
-    errors: list[str] = []
-    threads = [threading.Thread(target=train, args=(w, s, errors), daemon=True) for w, s in ts]
-    for t in threads:
-        t.start()
-    join(threads)
-    assert not errors, errors
+    trained(ts)
     assert [w.clock for w, _ in ts] == [ROUNDS_END] * 4 and not kept
     assert s0.outcome is not None and s0.outcome[0] == -2   # round 1's let go; round 2's step is not taken
 

@@ -52,12 +52,14 @@ DIR/model.pt (a state_dict); if another worker fails meanwhile, close() raises
 `JobError` and saves nothing (a coordinator that stops answering for cluster.timeout_s
 is a `JobError` too). A Ctrl-C in close() is raised once the worker has left the job,
 within seconds (rank 0's hold on the job's end released; a share not yet settled ends
-the job with it, as inside `with`). A worker that fails (too many refused steps, shards
-unreachable) raises `JobError`, as do a refused `connect` (the rank is taken) and a
-`report()` after the job ended; an exception inside `with` ends the job with its reason
-(`sys.exit()` or `sys.exit(0)` there is a clean end), and so does one that the script
-does not catch while a connection is open without `with` (`sys.excepthook`, unless the
-script set its own, or runs at an interactive prompt).
+the job with it, as inside `with`); so is one inside `with`, or uncaught outside it
+(the job told its reason if the coordinator answers within a heartbeat's answer time).
+A worker that fails (too many refused steps, shards unreachable) raises `JobError`, as
+do a refused `connect` (the rank is taken) and a `report()` after the job ended; an
+exception inside `with` ends the job with its reason (`sys.exit()` or `sys.exit(0)`
+there is a clean end), and so does one that the script does not catch while a
+connection is open without `with` (`sys.excepthook`, unless the script set its own, or
+runs at an interactive prompt).
 """
 from __future__ import annotations
 
@@ -291,7 +293,7 @@ def _end_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -
     for c in list(_OPEN):
         if not c.closed:
             try:
-                c.close(c._raised(value))
+                c._close_raised(value)
             except Exception as e:  # (the job may be gone already: nothing more to tell)
                 log(f"worker-{c.rank}", f"could not end the job: {type(e).__name__}: {e}")
 
@@ -351,11 +353,12 @@ def _hook_uncaught() -> None:
 
 @contextlib.contextmanager
 def _ctrl_c_held() -> Iterator[None]:
-    """Another Ctrl-C taken and dropped while close() leaves the job after one (`_interrupted`,
-    a bounded wait): raised there, it cut the release and the closing short (the hold left
-    in place, the sockets open), and the KeyboardInterrupt that close() raises says it
-    already. Python takes signals in the main thread only; there, the script's handler is
-    put back after. SIG_IGN and SIG_DFL (no KeyboardInterrupt) are left as they are."""
+    """Another Ctrl-C taken and dropped while a connection leaves the job after one
+    (`_interrupted`, a bounded wait): raised there, it cut the release and the closing short
+    (the hold left in place, the sockets open), and the KeyboardInterrupt that close()
+    raises, or that the script's `with` lets through, says it already. Python takes signals
+    in the main thread only; there, the script's handler is put back after. SIG_IGN and
+    SIG_DFL (no KeyboardInterrupt) are left as they are."""
     was = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or not callable(was):
         yield
@@ -770,9 +773,10 @@ class Connection(Worker):
                 return f"release: {getattr(e, 'reason', e)}"
         return f"the coordinator stopped answering ({self.link.unanswered})" if self.link.unanswered else ""
 
-    def _interrupted(self) -> None:
+    def _interrupted(self, what: str = "close()") -> None:
         """A Ctrl-C in close(), wherever it came (the settle, rank 0's wait for the other
-        workers or its release, the finish): leave the job now. The job is told (this
+        workers or its release, the finish), or in the script's training (`_close_raised`;
+        `what` was interrupted): leave the job now. The job is told (this
         worker's finish, if the coordinator has none: with the interrupt for its reason
         while the share was not settled, as inside `with`), rank 0's hold on its end is
         released (else the job's end waited out cluster.timeout_s), and the sockets and the
@@ -788,7 +792,7 @@ class Connection(Worker):
                     self._holding = False
             finally:
                 self._end(self._ending, reported=self.reported, timeout=quick)
-        log(self.name, "close() was interrupted (KeyboardInterrupt): this worker left the job"
+        log(self.name, f"{what} was interrupted (KeyboardInterrupt): this worker left the job"
                        + (f" ({self._ending})" if self._ending else ""))
 
     def _raised(self, e: BaseException) -> str:
@@ -801,9 +805,28 @@ class Connection(Worker):
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        if kind is SystemExit and value.code in (None, 0):  # sys.exit() inside `with`: a clean end
-            kind = None
-        self.close(self._raised(value) if kind else "")
+        if kind is None or (kind is SystemExit and value.code in (None, 0)):  # (sys.exit() inside `with`: a clean end)
+            self.close()
+        else:
+            self._close_raised(value)
+
+    def _close_raised(self, e: BaseException) -> None:
+        """Leave the job, ending it with what the script raised (`e`, inside `with` or
+        uncaught: `_end_on_uncaught`). Anything but a Ctrl-C is told with close()'s waits:
+        the coordinator, alive as far as this worker knows, must hear why. A Ctrl-C leaves at once, as
+        one in close() does: the finish that told the job waited cluster.timeout_s for a
+        coordinator that may have had the same Ctrl-C, before the script could end."""
+        if isinstance(e, KeyboardInterrupt):
+            self._leave_interrupted(self._raised(e))
+        else:
+            self.close(self._raised(e))
+
+    @_alone
+    def _leave_interrupted(self, error: str) -> None:
+        """`_interrupted` for a Ctrl-C in the script's training: nothing to settle or hold."""
+        if not self.closed:
+            self._ending, self._holding = error, False
+            self._interrupted("the training script")
 
     # ------------------------------------------------------------ what the schedule calls
     def compute(self, slot: int = 0) -> float:

@@ -14,6 +14,8 @@ A review listed "Ctrl-C inside rank 0's close()" as a defect. What it did:
 
 Now the interrupt ends close() within a heartbeat's answer time, the job told (this
 worker's finish; the hold released) and the connection closed, and it reaches the script.
+So does one in the script's training, inside `with` (or uncaught without it): the finish
+that told the job why waited cluster.timeout_s for a coordinator gone with the same Ctrl-C.
 """
 from __future__ import annotations
 
@@ -249,3 +251,94 @@ def test_ctrl_c_to_a_script_in_close_with_the_coordinator_stopped_ends_it_prompt
     finally:
         coordinator.proc.send_signal(signal.SIGCONT)
         j.stop()
+
+
+def trained_a_little(cfg: Config, out: str) -> tuple[nn.Module, psgd.Connection]:
+    """Rank 0, connected and a step into training (the job's budget far from spent)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ps = psgd.connect(model, config=cfg, out=out, rank=0)
+    nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
+    assert ps.step(samples=8)
+    return model, ps
+
+
+def stop_the_coordinator(cluster: InProcessCluster) -> None:
+    """The coordinator had the same Ctrl-C (`psgd run --script` and its scripts are one
+    process group) and is gone."""
+    cluster.coordinator.stop_requested = True
+    cluster.threads[0].join(timeout=10)
+    assert not cluster.threads[0].is_alive()
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(90)
+def test_ctrl_c_inside_with_and_the_coordinator_gone_ends_it_promptly(port_block, tmp_path):
+    """A user's run: Ctrl-C in the script's loop, inside `with`. The finish that tells the
+    job why (`__exit__` -> close(error)) waited cluster.timeout_s for a coordinator that had
+    the same Ctrl-C before the script could end; now a heartbeat's answer time at most, as
+    for a Ctrl-C in close()."""
+    cfg = config(port_block, **{"train.steps": 1000})
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        _, ps = trained_a_little(cfg, str(tmp_path))
+        stop_the_coordinator(cluster)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt), ps:
+                raise KeyboardInterrupt
+            took = time.monotonic() - t0
+        finally:
+            if not ps.closed:
+                ps.close("test clean-up")
+        closed_cleanly(ps, tmp_path)
+    assert took < PROMPT_S, f"leaving `with` took {took:.1f} s after the Ctrl-C (cluster.timeout_s = {TIMEOUT_S:g})"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(90)
+def test_ctrl_c_uncaught_outside_with_and_the_coordinator_gone_ends_it_promptly(port_block, tmp_path):
+    """The same Ctrl-C in a script that closes by hand (no `with`): uncaught, it ends the
+    job through sys.excepthook (`_end_on_uncaught`), which waited cluster.timeout_s too."""
+    from psgd.connection import _end_on_uncaught
+    cfg = config(port_block, **{"train.steps": 1000})
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        _, ps = trained_a_little(cfg, str(tmp_path))
+        stop_the_coordinator(cluster)
+        t0 = time.monotonic()
+        try:
+            _end_on_uncaught(KeyboardInterrupt, KeyboardInterrupt(), None)
+            took = time.monotonic() - t0
+        finally:
+            if not ps.closed:
+                ps.close("test clean-up")
+        closed_cleanly(ps, tmp_path)
+    assert took < PROMPT_S, f"the hook took {took:.1f} s after the Ctrl-C (cluster.timeout_s = {TIMEOUT_S:g})"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(90)
+def test_a_second_ctrl_c_as_with_leaves_does_not_cut_the_finish_short(port_block, tmp_path):
+    """Ctrl-C inside `with`, and again (a user pressing twice) as the connection tells the
+    job: the finish still carries the reason, the interrupt raised is the first, and the
+    script's SIGINT handler is back."""
+    cfg = config(port_block, **{"train.steps": 1000})
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        _, ps = trained_a_little(cfg, str(tmp_path))
+        call = ps.link.call
+
+        def again(op: str, **kw):
+            if op == "finish":
+                os.kill(os.getpid(), signal.SIGINT)
+            return call(op, **kw)
+        ps.link.call = again
+        first = KeyboardInterrupt("the first")
+        try:
+            with pytest.raises(KeyboardInterrupt) as raised, ps:
+                raise first
+        finally:
+            if not ps.closed:
+                ps.close("test clean-up")
+        closed_cleanly(ps, tmp_path)
+        assert raised.value is first
+        assert cluster.coordinator.abort == "worker 0's training script raised KeyboardInterrupt: the first"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

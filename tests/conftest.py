@@ -11,12 +11,14 @@ mixes tiers marks each test, not the module.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -197,6 +199,19 @@ def hand_served(workers: int = 2, servers: int = 1, start: bool = True, out: str
             c.service._serve(b"w%d" % r, wire.encode("register", id=1, role="worker", want_rank=r, nonce=f"n{r}"))
         assert c.phase == "training"
     return c
+
+
+@contextlib.contextmanager
+def closed_after(c: Any) -> Iterator[Any]:
+    """`c`, a coordinator served by hand (`hand_served`, `_serve`) with its socket open:
+    its socket and event log are closed after the block, also when the block fails (a
+    failed assert had left the socket open, to the garbage collector). Both close again
+    harmlessly after a `serve()` that closed them."""
+    try:
+        yield c
+    finally:
+        c.sock.close(0)
+        c.events.close()
 
 
 def ask(c: Any, op: str, **fields) -> Any:

@@ -12,7 +12,7 @@ import pytest
 
 from psgd import wire
 from psgd.servers import coordinator
-from tests.conftest import ask, hand_served
+from tests.conftest import ask, closed_after, hand_served
 from tests.test_hostile_peers import honest_worker_stats
 
 UNBOUNDED = {"train.steps": 0, "train.seconds": 60.0, "mode.name": "sync"}
@@ -29,8 +29,7 @@ def lose_and_restart_rank_0(c) -> wire.Message:
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_a_clock_no_worker_reaches_is_refused_without_a_step_limit():
-    c = hand_served(workers=2, **UNBOUNDED)
-    try:
+    with closed_after(hand_served(workers=2, **UNBOUNDED)) as c:
         told = [ask(c, "heartbeat", role="worker", rank=1, clock=2 ** 60, nonce="n1")]
         again = lose_and_restart_rank_0(c)
         beat = ask(c, "heartbeat", role="worker", rank=0, clock=again.get("start_clock"), nonce="n0-again",
@@ -44,9 +43,6 @@ def test_a_clock_no_worker_reaches_is_refused_without_a_step_limit():
         for m in told:
             assert (m.op, m.get("code")) == ("error", wire.REFUSED), m.fields
             assert "train.steps = 0" in m.get("reason") and f"{coordinator.MAX_CLOCK:,}" in m.get("reason")
-    finally:
-        c.sock.close(0)
-        c.events.close()
 
 
 @pytest.mark.inprocess
@@ -55,8 +51,7 @@ def test_every_clock_up_to_the_bound_is_kept():
     """The bound is no honest worker's: every clock up to it is a clock (and a counter)
     the coordinator keeps, and a new process started there is heard."""
     top = coordinator.MAX_CLOCK
-    c = hand_served(workers=2, **UNBOUNDED)
-    try:
+    with closed_after(hand_served(workers=2, **UNBOUNDED)) as c:
         assert ask(c, "heartbeat", role="worker", rank=1, clock=top, nonce="n1").op == "reply"
         assert ask(c, "heartbeat", role="worker", rank=1, clock=top + 1, nonce="n1").get("code") == wire.REFUSED
         assert c.members.live()[1] == top
@@ -66,9 +61,6 @@ def test_every_clock_up_to_the_bound_is_kept():
                    stats={**honest_worker_stats(), "clock": top})
         assert beat.op == "reply" and not beat.get("rejoin")
         assert ask(c, "finish", rank=1, clock=top, nonce="n1").op == "reply"
-    finally:
-        c.sock.close(0)
-        c.events.close()
 
 
 @pytest.mark.unit

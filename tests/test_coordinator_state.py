@@ -2,11 +2,9 @@
 resumes, and what it refuses to resume."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -15,7 +13,7 @@ from psgd import metrics, wire
 from psgd.config import Config
 from psgd.membership import Membership
 from psgd.servers.coordinator import CHECK_EVERY_S, SCORES_FILE, SETTLE_BEATS, STATE_FILE, Coordinator
-from tests.conftest import free_port_block
+from tests.conftest import closed_after, free_port_block
 
 
 @pytest.mark.unit
@@ -61,17 +59,6 @@ def coordinator(cfg: Config, out: str) -> Coordinator:
     ctx.term()
     c.events.close()
     return c
-
-
-@contextlib.contextmanager
-def closed_after(c: Coordinator) -> Iterator[Coordinator]:
-    """`c`, a coordinator served by hand (`_serve`) with its socket open: its socket and
-    event log are closed after the block."""
-    try:
-        yield c
-    finally:
-        c.sock.close(0)
-        c.events.close()
 
 
 def in_training(c: Coordinator, ranks: tuple[int, ...] = (0,), for_s: float = 5.0) -> Coordinator:

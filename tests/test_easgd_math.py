@@ -288,7 +288,7 @@ def test_a_worker_joining_near_the_end_catches_up_to_no_clock_past_the_last_step
     import psgd.consistency.diloco as diloco
     import psgd.consistency.easgd as easgd
     from psgd.consistency.diloco import DilocoSchedule
-    from tests.conftest import ask, hand_served
+    from tests.conftest import ask, closed_after, hand_served
     cfg = Config().replace(**{"mode.name": mode, "mode.tau": 4, "mode.local_steps": 4, "mode.sync": sync,
                               "train.steps": 10, "cluster.workers": 2})
     for module in (easgd, diloco):
@@ -303,12 +303,9 @@ def test_a_worker_joining_near_the_end_catches_up_to_no_clock_past_the_last_step
     else:
         DilocoSchedule(cfg).begin_round(w, w.client.join(9))
     assert w.clock == 10
-    c = hand_served(workers=2, **{"train.steps": 10})
-    try:
+    with closed_after(hand_served(workers=2, **{"train.steps": 10})) as c:
         assert ask(c, "heartbeat", role="worker", rank=1, index=1, clock=w.clock).op == "reply"
         assert ask(c, "finish", rank=1, clock=w.clock).op == "reply"
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(60)

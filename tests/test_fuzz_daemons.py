@@ -23,7 +23,7 @@ from psgd import compression, wire
 from psgd.config import Config
 from psgd.shard import Shard
 from psgd.transport import Service
-from tests.conftest import hand_served
+from tests.conftest import closed_after, hand_served
 
 INTS = [0, 1, 2, 3, 5, 9, 10, 11, -1, -2, 2 ** 31, 2 ** 53, 2 ** 62 - 1, -(2 ** 62)]
 FLOATS = [0.0, 0.5, 1.0, -1.0, math.nan, math.inf, -math.inf, 1e308, 1e-300]
@@ -186,8 +186,7 @@ def test_a_fuzzed_coordinator_refuses_bad_messages_and_goes_on_ticking(tmp_path)
     rng = random.Random(31)
     internal = []
     for trial in range(3):
-        c = hand_served(out=str(tmp_path / str(trial)), **{"train.steps": 300})
-        try:
+        with closed_after(hand_served(out=str(tmp_path / str(trial)), **{"train.steps": 300})) as c:
             for i in range(150):
                 for _, frames in c.service._serve(b"peer%d" % (i % 5), coordinator_message(rng)):
                     m = wire.decode(frames)
@@ -198,6 +197,4 @@ def test_a_fuzzed_coordinator_refuses_bad_messages_and_goes_on_ticking(tmp_path)
             if c.phase != "done":
                 c._finish_job()
             assert isinstance(c.summary["samples"], int)
-        finally:
-            c.sock.close(0)
     assert not internal, internal[:5]

@@ -11,7 +11,7 @@ from psgd import wire
 from psgd.config import Config
 from psgd.membership import CoordinatorLink
 from psgd.servers.coordinator import Coordinator
-from tests.conftest import ask, free_port_block, hand_served
+from tests.conftest import ask, closed_after, free_port_block, hand_served
 
 pytestmark = pytest.mark.inprocess
 
@@ -23,8 +23,7 @@ def beat(c: Coordinator, rank: int, live_id: str = "", clock: int = 5) -> wire.M
 
 @pytest.mark.timeout(30)
 def test_the_live_set_goes_only_to_a_daemon_that_lacks_the_current_one():
-    c = hand_served(3)
-    try:
+    with closed_after(hand_served(3)) as c:
         first = beat(c, 0)
         assert first.get("live") == {"0": 5, "1": 0, "2": 0} and first.get("live_id")  # with its own clock
         current = first.get("live_id")
@@ -35,21 +34,16 @@ def test_the_live_set_goes_only_to_a_daemon_that_lacks_the_current_one():
         changed = beat(c, 0, current, clock=7)      # membership changed: the new set, with the clocks now
         assert changed.get("live") == {"0": 7, "1": 5} and changed.get("live_id") != current
         assert beat(c, 1, "another coordinator's:3").get("live") is not None
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(30)
 def test_the_link_keeps_its_live_set_when_the_answer_has_none():
-    c = hand_served(2)
-    try:
+    with closed_after(hand_served(2)) as c:
         link = CoordinatorLink(c.cfg, "worker", 0)
         link._apply(beat(c, 0))
         assert link.state["live"] == {0: 5, 1: 0}
         link._apply(beat(c, 0, link.state["live_id"], clock=6))
         assert link.state["live"] == {0: 5, 1: 0} and link.state["phase"] == "training"
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(60)
@@ -137,25 +131,21 @@ def test_a_score_is_timed_when_the_evaluator_read_the_model():
     # the evaluator reports how long ago it read the model it scored (`age_s`): the
     # curve's time is the read's, not the report's, which scoring the test set delays
     import time
-    c = hand_served(2)
-    time.sleep(0.6)   # training has run longer than the scoring took
-    try:
+    with closed_after(hand_served(2)) as c:
+        time.sleep(0.6)   # training has run longer than the scoring took
         for age in (0.0, 0.4):
             before = time.monotonic()
             ask(c, "eval", accuracy=0.5, loss=1.0, age_s=age)
             after = time.monotonic()
             t = c.evals[-1]["t"]
             assert before - age - c.t0 - 0.002 <= t <= after - age - c.t0 + 0.002
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(30)
 def test_the_progress_line_names_the_shards_not_heard_from(capsys):
     """A shard that never started (its port was taken) or went silent: its workers wait
     on it, and the progress line says which it is."""
-    c = hand_served(2, servers=2)
-    try:
+    with closed_after(hand_served(2, servers=2)) as c:
         c.quiet = False
         c.t0 -= c.cfg.cluster.heartbeat_timeout_s + 1   # training for longer than a heartbeat timeout
         c._progress(time.monotonic())
@@ -166,39 +156,31 @@ def test_the_progress_line_names_the_shards_not_heard_from(capsys):
         ask(c, "heartbeat", role="server", index=0)
         c._progress(time.monotonic())
         assert capsys.readouterr().err.rstrip().endswith("live 2/2")
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(30)
 def test_the_progress_line_keeps_the_step_when_no_worker_is_live(capsys):
     """Once the last live worker was dropped the line said "step 0/400 ... live 0/2": the
     step the job reached is the furthest worker's, live or not."""
-    c = hand_served(2, servers=1)
-    try:
+    with closed_after(hand_served(2, servers=1)) as c:
         c.quiet = False
         for r, clock in ((0, 37), (1, 41)):
             c.members.members[r].clock, c.members.members[r].state = clock, "lost"
         c._progress(time.monotonic())
         assert " step 41" in capsys.readouterr().err and not c.members.live()
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(30)
 def test_a_repeated_shard_registration_is_not_a_restart():
     # a shard re-sends its registration when the answer is slow (REGISTER_RESEND_S): the
     # same nonce is the same process, not a restarted shard; another nonce is one
-    c = hand_served(2)
-    try:
+    with closed_after(hand_served(2)) as c:
         def register(nonce: str) -> wire.Message:
             return ask(c, "register", role="server", index=0, nonce=nonce)
         assert not register("first").get("restarted")
         assert not register("first").get("restarted")
         assert c.server_joins[0] == 1
         assert register("second").get("restarted") and c.server_joins[0] == 2
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.timeout(30)
@@ -238,31 +220,30 @@ def test_a_superseded_workers_heartbeats_are_not_taken_as_its_replacements():
     process beat last. The beat carries its registration's nonce: the superseded process
     is told to stop (`abort`, with the reason), its counters are not taken, and neither
     its finish nor a registration again is."""
-    c = hand_served(2, **{"train.steps": 1000})
-    old = CoordinatorLink(c.cfg, "worker", 1)          # what the first rank-1 process sends
-    try:
-        old.nonce = "n1"                                # (its registration's, in hand_served)
-        old.rank, old.clock_fn, old.stats_fn = 1, lambda: 200, lambda: {"samples": 6400}
-        ask(c, "heartbeat", **old._beat())
-        c.members.members[1].last_seen -= 100        # cut off: dropped
-        c._tick(time.monotonic())
-        assert c.members.members[1].state == "lost"
-        assert ask(c, "register", role="worker", want_rank=1, nonce="replacement").get("assigned_rank") == 1
-        ask(c, "heartbeat", role="worker", index=1, rank=1, nonce="replacement", clock=150,
-            stats={"samples": 320}, live_id="")
-        assert c.members.stats()[1]["samples"] == 6400 + 320
-        old.clock_fn, old.stats_fn = lambda: 210, lambda: {"samples": 6720}
-        old._apply(ask(c, "heartbeat", **old._beat()))   # the network heals
-        assert c.members.stats()[1]["samples"] == 6400 + 320, "the superseded process's counters replaced rank 1's"
-        assert old.state["abort"].startswith("rank 1 was taken over by another process"), old.state
-        for op, fields in (("finish", {"clock": 210, "stats": {"samples": 6720}, "error": "a failure"}),
-                           ("register", {"role": "worker", "want_rank": 1})):
-            refused = ask(c, op, rank=1, nonce="n1", **fields)
-            assert refused.op == "error" and "taken over" in refused.get("reason"), op
-        assert c.members.members[1].state == "live" and not c.abort
-    finally:
-        old.close()
-        c.sock.close(0)
+    with closed_after(hand_served(2, **{"train.steps": 1000})) as c:
+        old = CoordinatorLink(c.cfg, "worker", 1)          # what the first rank-1 process sends
+        try:
+            old.nonce = "n1"                                # (its registration's, in hand_served)
+            old.rank, old.clock_fn, old.stats_fn = 1, lambda: 200, lambda: {"samples": 6400}
+            ask(c, "heartbeat", **old._beat())
+            c.members.members[1].last_seen -= 100        # cut off: dropped
+            c._tick(time.monotonic())
+            assert c.members.members[1].state == "lost"
+            assert ask(c, "register", role="worker", want_rank=1, nonce="replacement").get("assigned_rank") == 1
+            ask(c, "heartbeat", role="worker", index=1, rank=1, nonce="replacement", clock=150,
+                stats={"samples": 320}, live_id="")
+            assert c.members.stats()[1]["samples"] == 6400 + 320
+            old.clock_fn, old.stats_fn = lambda: 210, lambda: {"samples": 6720}
+            old._apply(ask(c, "heartbeat", **old._beat()))   # the network heals
+            assert c.members.stats()[1]["samples"] == 6400 + 320, "the superseded process's counters replaced rank 1's"
+            assert old.state["abort"].startswith("rank 1 was taken over by another process"), old.state
+            for op, fields in (("finish", {"clock": 210, "stats": {"samples": 6720}, "error": "a failure"}),
+                               ("register", {"role": "worker", "want_rank": 1})):
+                refused = ask(c, op, rank=1, nonce="n1", **fields)
+                assert refused.op == "error" and "taken over" in refused.get("reason"), op
+            assert c.members.members[1].state == "live" and not c.abort
+        finally:
+            old.close()
 
 
 @pytest.mark.inprocess

@@ -24,7 +24,7 @@ from psgd.membership import CoordinatorLink
 from psgd.metrics import EventLog, write_json_atomic
 from psgd.servers.coordinator import linger_s
 from psgd.shard import Shard
-from tests.conftest import ask
+from tests.conftest import ask, closed_after
 from tests.conftest import hand_served as coordinator
 
 
@@ -52,8 +52,7 @@ BAD_STATS = {"bytes": {"samples": 3, "note": b""}, "str": {"samples": "12 sample
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("bad", list(BAD_STATS), ids=list(BAD_STATS))
 def test_counters_no_daemon_sends_are_refused_and_change_nothing(tmp_path, bad):
-    c = coordinator(out=str(tmp_path))
-    try:
+    with closed_after(coordinator(out=str(tmp_path))) as c:
         assert ask(c, "heartbeat", rank=0, clock=2, role="worker", stats=honest_worker_stats()).op == "reply"
         before = json.dumps(c.members.stats())
         for op, fields in [("heartbeat", {"role": "worker", "clock": 3}), ("heartbeat", {"role": "server"}),
@@ -68,23 +67,18 @@ def test_counters_no_daemon_sends_are_refused_and_change_nothing(tmp_path, bad):
         assert c.samples() == 64
         c._finish_job()   # summary.json's sums
         assert c.summary["samples"] == 64 and c.summary["bad_messages"] == 0
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_honest_counters_are_kept_and_a_non_finite_loss_as_null(tmp_path):
-    c = coordinator(out=str(tmp_path))
-    try:
+    with closed_after(coordinator(out=str(tmp_path))) as c:
         shard = {**Shard(c.cfg, 0).stats(), "step": 3}
         assert ask(c, "heartbeat", role="server", index=0, stats=shard).op == "reply"
         assert c.servers[0] == shard
         stats = {**honest_worker_stats(), "loss": math.inf}   # a worker's last loss may be inf
         assert ask(c, "finish", rank=1, clock=2, stats=stats, error="loss is inf at step 2").op == "reply"
         assert c.members.members[1].stats == {**stats, "loss": None} and c.abort
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
@@ -93,8 +87,7 @@ def test_a_finite_loss_beyond_the_counters_bound_is_kept(tmp_path):
     """A diverging worker's loss of 6.8e30 (float16 on the wire refused its steps before
     the loss turned inf) was refused as a counter beyond 2**53: its heartbeats and its
     end with it, and the job ended 'all workers were lost', the reason unsaid."""
-    c = coordinator(out=str(tmp_path))
-    try:
+    with closed_after(coordinator(out=str(tmp_path))) as c:
         stats = {**honest_worker_stats(), "loss": 6.8e30}
         assert ask(c, "heartbeat", rank=0, clock=2, role="worker", stats=stats).op == "reply"
         assert ask(c, "finish", rank=0, clock=2, stats=stats, error="values beyond float16's range").op == "reply"
@@ -102,16 +95,13 @@ def test_a_finite_loss_beyond_the_counters_bound_is_kept(tmp_path):
         c._save_state(time.monotonic() + 5)   # (the state file's JSON takes it)
         with open(tmp_path / "coordinator-state.json") as f:
             assert "6.8e+30" in f.read()
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("accuracy, loss", [(math.nan, 1.0), (1.5, 1.0), (-0.1, 1.0), (87.5, 0.3)])
 def test_a_score_that_is_not_one_is_refused(accuracy, loss):
-    c = coordinator()
-    try:
+    with closed_after(coordinator()) as c:
         m = ask(c, "eval", accuracy=accuracy, loss=loss)
         assert (m.op, m.get("code")) == ("error", wire.BAD_FIELD)
         assert "is not in [0, 1]" in m.get("reason")
@@ -119,23 +109,18 @@ def test_a_score_that_is_not_one_is_refused(accuracy, loss):
         assert ask(c, "eval", accuracy=1.0, loss=0.0).op == "reply" and len(c.evals) == 1
         # a diverged model's score: its loss is not finite, and it is one (summary.json: null)
         assert ask(c, "eval", accuracy=0.1, loss=math.nan).op == "reply" and len(c.evals) == 2
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("index", [2, 99, -5])
 def test_a_shard_that_is_not_the_jobs_is_refused(index):
-    c = coordinator(servers=2)
-    try:
+    with closed_after(coordinator(servers=2)) as c:
         for op, fields in [("heartbeat", {"stats": {"bad_messages": 123456}}), ("register", {"nonce": "s"})]:
             m = ask(c, op, role="server", index=index, **fields)
             assert (m.op, m.get("code"), m.get("reason")) == (
                 "error", wire.REFUSED, f"shard {index} is not in 0..1 (cluster.servers = 2)")
         assert c.servers == {} and c.server_seen == {} and c.server_joins == {}
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.unit
@@ -162,8 +147,7 @@ def test_json_files_are_strict_json_with_null_for_non_finite_floats(tmp_path):
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_finish_from_a_rank_that_is_not_a_member_is_refused_before_anything_is_applied():
-    c = coordinator(workers=1)
-    try:
+    with closed_after(coordinator(workers=1)) as c:
         for rank in (7, -1):
             m = ask(c, "finish", rank=rank, error="bogus", hold=True)
             assert (m.op, m.get("code"), m.get("reason")) == (
@@ -171,15 +155,12 @@ def test_finish_from_a_rank_that_is_not_a_member_is_refused_before_anything_is_a
         assert c.abort == "" and c.held_until == 0.0 and c.members.live() == {0: 0}
         assert ask(c, "finish", rank=0, clock=3, stats={"samples": 64}).op == "reply"
         assert c.members.all_done and c.abort == ""
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_a_rank_outside_the_job_is_refused_and_any_rank_still_works():
-    c = coordinator(workers=2, start=False)
-    try:
+    with closed_after(coordinator(workers=2, start=False)) as c:
         for want in (2, 7, -2):
             m = ask(c, "register", role="worker", want_rank=want, nonce=f"x{want}")
             assert (m.op, m.get("code"), m.get("reason")) == (
@@ -189,8 +170,6 @@ def test_a_rank_outside_the_job_is_refused_and_any_rank_still_works():
         (_, frames), (_, frames2) = c.service._serve(b"b", wire.encode("register", id=4, role="worker",
                                                                         want_rank=-1, nonce="b"))
         assert sorted(wire.decode(f).get("assigned_rank") for f in (frames, frames2)) == [0, 1]
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
@@ -199,9 +178,8 @@ def test_a_refused_registration_does_not_set_the_jobs_layout():
     """A review: a worker registration refused (here a rank outside cluster.workers) set
     the job's model layout all the same, before its rank was checked: every honest
     worker, whose model differs from the stray one's, was then refused."""
-    c = coordinator(workers=2, start=False, **{"model.name": "script"})
-    good = [["fc.weight", "params", [5, 3], "float32"], ["fc.bias", "params", [5], "float32"]]
-    try:
+    with closed_after(coordinator(workers=2, start=False, **{"model.name": "script"})) as c:
+        good = [["fc.weight", "params", [5, 3], "float32"], ["fc.bias", "params", [5], "float32"]]
         m = ask(c, "register", role="worker", want_rank=7, nonce="stray",
                 layout=[["lin.weight", "params", [7, 7], "float32"]])
         assert (m.op, m.get("code")) == ("error", wire.REFUSED)
@@ -209,8 +187,6 @@ def test_a_refused_registration_does_not_set_the_jobs_layout():
         assert c.service._serve(b"a", wire.encode("register", id=3, role="worker", want_rank=0, nonce="a",
                                                   layout=good)) == []   # parked for the rendezvous
         assert c.layout == good
-    finally:
-        c.sock.close(0)
 
 
 # ------------------------------------------------------------ a shard's pushes
@@ -427,22 +403,18 @@ def test_the_heartbeat_thread_outlives_a_beat_that_fails():
 @contextmanager
 def ended_job() -> Iterator:
     """A hand-served coordinator (1 worker, 1 shard) whose job just ended: its worker finished."""
-    c = coordinator(workers=1, servers=1)
-    try:
+    with closed_after(coordinator(workers=1, servers=1)) as c:
         ask(c, "finish", rank=0, clock=3, stats={"samples": 64})
         c._tick(time.monotonic())
         c._finish_job()
         assert c.phase == "done"
         yield c
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_an_aborted_job_lingers_until_its_live_workers_heard_the_end():
-    c = coordinator(workers=2, servers=1)
-    try:
+    with closed_after(coordinator(workers=2, servers=1)) as c:
         ask(c, "finish", rank=1, clock=4, error="worker 1's training script raised ValueError: bad batch")
         c._tick(time.monotonic())
         assert c.phase == "done" and c.abort
@@ -451,8 +423,6 @@ def test_an_aborted_job_lingers_until_its_live_workers_heard_the_end():
         assert ask(c, "heartbeat", role="worker", rank=0, index=0, clock=4).get("done")
         assert c._lingered(time.monotonic())
         assert c._lingered(c.done_at + linger_s(c.cfg) + 0.1)   # and never past the time limit
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess
@@ -472,8 +442,7 @@ def test_the_coordinator_lingers_for_a_daemon_through_two_unanswered_heartbeats(
 @pytest.mark.inprocess
 @pytest.mark.timeout(30)
 def test_a_job_whose_workers_all_finished_ends_once_the_shards_heard_it():
-    c = coordinator(workers=2, servers=1)
-    try:
+    with closed_after(coordinator(workers=2, servers=1)) as c:
         for r in range(2):
             ask(c, "finish", rank=r, clock=10, stats={"samples": 320})
         c._tick(time.monotonic())
@@ -481,8 +450,6 @@ def test_a_job_whose_workers_all_finished_ends_once_the_shards_heard_it():
         assert not c._lingered(time.monotonic())
         ask(c, "heartbeat", role="server", index=0)
         assert c._lingered(time.monotonic())   # no worker to wait for
-    finally:
-        c.sock.close(0)
 
 
 @pytest.mark.inprocess

@@ -350,33 +350,24 @@ def test_the_coordinator_says_which_registration_took_a_live_rank_over():
     import time
 
     from psgd import wire
-    from tests.conftest import ask, hand_served
-    c = hand_served(workers=2, **{"mode.name": "ltfb", "train.steps": 100})
-    try:
+    from tests.conftest import ask, closed_after, hand_served
+    with closed_after(hand_served(workers=2, **{"mode.name": "ltfb", "train.steps": 100})) as c:
         again = ask(c, "register", role="worker", want_rank=0, nonce="n0-again")   # killed, at once restarted
         assert again.op == "reply" and again.get("taken_back") is True, again.fields
         assert ask(c, "register", role="worker", want_rank=0, nonce="n0-again").get("taken_back") is True  # (a repeat)
-        restored = hand_served(workers=2, start=False, **{"mode.name": "ltfb", "train.steps": 100})
-        restored.members.load_state_dict(c.members.state_dict(), time.monotonic())   # (a restarted coordinator's)
-        assert restored.members.members[0].taken_back   # its repeat is told so too
-        restored.sock.close(0)
-        restored.events.close()
+        with closed_after(hand_served(workers=2, start=False, **{"mode.name": "ltfb", "train.steps": 100})) as restored:
+            restored.members.load_state_dict(c.members.state_dict(), time.monotonic())   # (a restarted coordinator's)
+            assert restored.members.members[0].taken_back   # its repeat is told so too
         c.members.members[1].last_seen -= 3600   # rank 1 missed: dropped, then a new process takes it up
         c.members.expire(time.monotonic())
         later = ask(c, "register", role="worker", want_rank=1, nonce="n1-again")
         assert later.op == "reply" and later.get("taken_back") is None, later.fields
-    finally:
-        c.sock.close(0)
-        c.events.close()
-    r = hand_served(workers=2, start=False, **{"mode.name": "ltfb", "train.steps": 100})
-    try:   # the rendezvous: rank 0's first process went quiet, another takes its rank
+    # the rendezvous: rank 0's first process went quiet, another takes its rank
+    with closed_after(hand_served(workers=2, start=False, **{"mode.name": "ltfb", "train.steps": 100})) as r:
         r.service._serve(b"w0", wire.encode("register", id=1, role="worker", want_rank=0, nonce="n0"))
         r.members.members[0].last_seen -= 3600
         r.service._serve(b"w0b", wire.encode("register", id=1, role="worker", want_rank=0, nonce="n0-b"))
         assert not r.members.members[0].taken_back and r.phase == "rendezvous"
-    finally:
-        r.sock.close(0)
-        r.events.close()
 
 
 @pytest.mark.unit

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from psgd.config import Config
-from tests.conftest import ask, free_port_block, hand_served
+from tests.conftest import ask, closed_after, free_port_block, hand_served
 
 
 def _training(tmp_path, workers: int):
@@ -87,8 +87,8 @@ def test_the_finish_of_a_dropped_worker_after_training_ended_is_refused_and_chan
     had finished (the final evaluation under way) was taken: its rank became finished
     (workers_gone 0) and its counters, steps taken after training ended, went into
     summary.json's samples. Refused, saying why; the summary counts the rank as gone."""
-    c = hand_served(workers=2, out=str(tmp_path), **{"cluster.evaluator": True, "cluster.heartbeat_timeout_s": 1.0})
-    try:
+    with closed_after(hand_served(workers=2, out=str(tmp_path),
+                                  **{"cluster.evaluator": True, "cluster.heartbeat_timeout_s": 1.0})) as c:
         assert ask(c, "finish", rank=0, nonce="n0", clock=10, stats={"samples": 320}).op == "reply"
         c.members.members[1].last_seen -= 100   # rank 1 went silent (stopped)
         c._tick(time.monotonic())
@@ -104,9 +104,6 @@ def test_the_finish_of_a_dropped_worker_after_training_ended_is_refused_and_chan
             time.sleep(0.02)
         s = c.summary
         assert s["failures"]["workers_gone"] == 1 and s["samples"] == 320, (s["failures"], s["samples"])
-    finally:
-        c.sock.close(0)
-        c.events.close()
 
 
 @pytest.mark.inprocess

@@ -14,7 +14,7 @@ import torch
 
 from psgd.metrics import EventLog, OutputError, write_json_atomic
 from psgd.shard import write_checkpoint
-from tests.conftest import free_port_block
+from tests.conftest import closed_after, free_port_block
 
 PSGD = [sys.executable, "-m", "psgd"]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "OMP_NUM_THREADS": "1"}
@@ -123,7 +123,7 @@ def test_a_coordinator_that_cannot_write_its_state_file_stops_instead_of_answeri
 
     from psgd import wire
     from psgd.servers.coordinator import Coordinator
-    from tests.test_coordinator_state import closed_after, in_training
+    from tests.test_coordinator_state import in_training
     from tests.test_serving import config
     c = Coordinator(config(**{"cluster.workers": 1}), out=str(tmp_path / "out"), quiet=True, ctx=zmq.Context.instance())
     with closed_after(c):

@@ -104,7 +104,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "pull": {"join": (bool,), "since": (str,), "job": (str,)},
     "push": {"read_version": (int,), "lr_scale": _num, "codec": (str,), "pull": (bool,), "job": (str,)},
     "elastic": {"round": (int,), "job": (str,)},
-    "put_model": {"round": (int,), "score": _num, "step": (int,), "job": (str,)},
+    "put_model": {"round": (int,), "score": _num, "step": (int,), "tag": (int,), "job": (str,)},
     "get_model": {"round": (int,), "owner": (int,), "exact": (bool,), "score": _num, "job": (str,)},
     "models": {"job": (str,)},
     "stats": {"job": (str,)},

@@ -407,7 +407,7 @@ def test_a_push_sent_again_at_a_windows_end_is_not_encoded_again():
     w = types.SimpleNamespace(clock=3, client=c, now=lambda: now[0], rank=0, note=lambda text: None,
                               replica=types.SimpleNamespace(n=1, grads=lambda: [g], buffers=lambda: [torch.zeros(0)]))
     s = LtfbSchedule(cfg)
-    s.trainer, s.outcome = 0, (-1, 0.5, [[torch.zeros(100)]])
+    s.trainer, s.outcome = 0, (-1, 0.5, [[torch.zeros(100)]], 7)
     s.group_exchange(w)
     pushes = [r for r in sent if r[0][1] == "push"]
     assert len(pushes) == 2 and pushes[0] == pushes[1]

@@ -454,11 +454,13 @@ class ParameterClient:
                                               "arrays": [self._wire("x", i, xs[i], clock), bs[i]]})
                              for i in range(self.n)])
 
-    def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int) -> None:
+    def put_model(self, round_: int, score: float, arrays: list[list[torch.Tensor]], step: int,
+                  tag: int | None = None) -> None:
         """Deposit a model (ltfb), in float32 whatever `wire.dtype`: the members of a
-        trainer load it and must leave the round with the weights their leader keeps."""
-        self.request([(i, "put_model", {"round": round_, "score": score, "step": step, "arrays": arrays[i]})
-                      for i in range(self.n)])
+        trainer load it and must leave the round with the weights their leader keeps.
+        `tag`: an outcome's, naming this deposit on every shard."""
+        fields = {"round": round_, "score": score, "step": step} | ({} if tag is None else {"tag": tag})
+        self.request([(i, "put_model", {**fields, "arrays": arrays[i]}) for i in range(self.n)])
 
     def get_model(self, round_: int, owner: int, cancel: Callable[[], bool] | None = None,
                   exact: bool = False, missing_ok: bool = False) -> list[wire.Message] | None:

@@ -21,8 +21,11 @@ Server rule: the shards are the exchange and the reduction.
   optimizer state and hyperparameters, and the decision), stored once per trainer for
   its other workers, who ask for it with `get_model` of round -r; asked for `exact`ly
   (a worker rejoining the trainer, `trainer_model`), it is answered only if it is round
-  r's, else refused, never parked. The index (`models`) lists each trainer's latest
-  outcome's round beside the deposits.
+  r's, else refused, never parked. Each answer carries the `tag` that the leader drew for
+  that deposit: a leader restarted partway through depositing an outcome plays the round
+  again, and its second outcome replaces the first, so a reader takes an outcome only
+  when every shard's slice carries the same tag, else asks again (`one_deposit`). The
+  index (`models`) lists each trainer's latest outcome's round beside the deposits.
 - `get_model` with owner -1 (truncation): every live trainer's score of round r,
   parked until all of them have deposited it (`tournament.Scoreboard`).
 
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +127,7 @@ class LtfbRule(ServerRule):
         self.outcomes = Exchange()
         self.scores: dict[tuple[int, int], float] = {}   # stored (round, trainer) -> score
         self.players: dict[tuple[int, int], int] = {}    # stored (round, trainer) -> the rank that deposited it
+        self.tags: dict[int, int | None] = {}   # trainer -> the tag of its latest outcome (None: it had none)
         self.trainers = trainers(range(world), self.k)   # the job's trainers, whose models one may fetch
         self.board = Scoreboard(self.trainers)
         self.groups = GroupSteps(self.k, range(world))
@@ -137,8 +142,9 @@ class LtfbRule(ServerRule):
                 # leader's wait): stored, it replaced the newer outcome's arrays under the one key,
                 # and a follower asking for the newer round got the older model, labelled newer.
                 return [Answer(e.token)]
+            self.tags[owner] = e.tag
             out: list[Decision] = [Store(outcome, e.score, e.arrays), Answer(e.token)]
-            return out + [AnswerModel(t, outcome, {"round": e.round, "owner": owner})
+            return out + [self.answer_outcome(t, e.round, owner)
                           for t, _ in self.outcomes.put(-e.round, owner, outcome)]
         key = (e.round, owner)
         self.scores[key] = e.score
@@ -172,14 +178,14 @@ class LtfbRule(ServerRule):
                 if have is None or have[0] != -e.round:
                     return [Refuse(e.token, REFUSED, f"no outcome of trainer {e.owner} for round {-e.round} here",
                                    False)]
-                return [AnswerModel(e.token, have[1], {"round": e.round, "owner": e.owner})]
+                return [self.answer_outcome(e.token, e.round, e.owner)]
             out = []
             if e.rank >= 0 and trainer_of(e.rank, self.k) == e.owner:   # a worker of the trainer, at round -r's
                 # tournament, pushes for no step before it: its group's step does not wait for it (its loss was
                 # non-finite; else the step closed already), or its leader would wait for good (`GroupSteps.passed`)
                 out = [self.answer_step(t, a) for t, a in self.groups.passed(e.rank, -e.round * self.mode.round_steps)]
             found = self.outcomes.get(-e.round, e.owner, e.token)
-            return out + ([] if found is None else [AnswerModel(e.token, found, {"round": e.round, "owner": e.owner})])
+            return out + ([] if found is None else [self.answer_outcome(e.token, e.round, e.owner)])
         if e.exact:
             key = (e.round, e.owner)
             if key not in self.scores:   # (replaced since the reader saw the index: it tries again; not bad)
@@ -193,6 +199,15 @@ class LtfbRule(ServerRule):
         unknown, restored from a checkpoint that did not keep it)."""
         return AnswerModel(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key],
                                         "player": self.players.get(key, -1)})
+
+    def answer_outcome(self, token: Any, round_: int, owner: int) -> AnswerModel:
+        """`owner`'s latest outcome, asked for as round `round_` (< 0), with the `tag` that
+        names its deposit: a reader tells its slices from those of another outcome of the
+        same round (`one_deposit`). No tag for one deposited without it (restored from a
+        checkpoint that did not keep tags)."""
+        fields = {"round": round_, "owner": owner}
+        tag = self.tags.get(owner)
+        return AnswerModel(token, ("outcome", owner), fields if tag is None else {**fields, "tag": tag})
 
     @staticmethod
     def answer_scores(token: Any, round_: int, board: dict[int, float]) -> Answer:
@@ -230,13 +245,15 @@ class LtfbRule(ServerRule):
 
     def state_dict(self) -> dict:
         """Everything the rule answers from between requests: the latest deposit and
-        outcome of each trainer, their scores and players, the truncation boards and the
-        groups' steps. The models themselves are the shard's (`Shard.state_dict`); parked
-        requests are resent by their askers to a restored shard."""
+        outcome of each trainer, their scores and players, the outcomes' tags, the
+        truncation boards and the groups' steps. The models themselves are the shard's
+        (`Shard.state_dict`); parked requests are resent by their askers to a restored
+        shard."""
         return {**super().state_dict(), "exchange": self.exchange.state_dict(),
                 "outcomes": self.outcomes.state_dict(),
                 "scores": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
                 "players": [[r, o, p] for (r, o), p in sorted(self.players.items())],
+                "tags": [[o, t] for o, t in sorted(self.tags.items())],
                 "board": self.board.state_dict(), "groups": self.groups.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -246,6 +263,7 @@ class LtfbRule(ServerRule):
         self.outcomes.load_state_dict(sd.get("outcomes", {}))
         self.scores = {(int(r), int(o)): float(s) for r, o, s in sd.get("scores", [])}
         self.players = {(int(r), int(o)): int(p) for r, o, p in sd.get("players", [])}
+        self.tags = {int(o): None if t is None else int(t) for o, t in sd.get("tags", [])}
         self.board.load_state_dict(sd.get("board", {}))
         self.groups.load_state_dict(sd.get("groups", {}))
 
@@ -302,13 +320,15 @@ def trainer_model(client: Any, trainer: int) -> tuple[list, int]:
     way, or its leader gone before its outcome), the model the trainer entered that round
     with (after the last round, its final model). A newer round on its way to some shards
     is waited for, briefly (`DEPOSIT_WAIT_S`, as `global_model` waits), where the client
-    can wait; after that, the latest round on every shard: the group's step moves the
-    worker on from there (`group_mean`), and it takes the next round's outcome at that
-    step. Before the trainer's first round, the initial model, where its workers began.
-    Where no model of its trainer is on every shard (shards restored from checkpoints of
-    different rounds), the best trainer's (`global_model`), at its trainer's latest round
-    on any shard: its group's model is on no shard then, and a trained model is nearer
-    to it than the initial one (a returning leader would hand that to its whole group)."""
+    can wait, and so is an outcome whose slices are of two deposits (`one_deposit`: never
+    taken; in the end, the round's deposit is, in its place); after that, the latest
+    round on every shard: the group's step moves the worker on from there
+    (`group_mean`), and it takes the next round's outcome at that step. Before the
+    trainer's first round, the initial model, where its workers began. Where no model of
+    its trainer is on every shard (shards restored from checkpoints of different rounds),
+    the best trainer's (`global_model`), at its trainer's latest round on any shard: its
+    group's model is on no shard then, and a trained model is nearer to it than the
+    initial one (a returning leader would hand that to its whole group)."""
     for attempt in range(FETCH_TRIES):
         indexes = client.index()
         deposits = [{int(r) for r, o, _ in m.get("models") if int(o) == trainer} for m in indexes]
@@ -324,9 +344,45 @@ def trainer_model(client: Any, trainer: int) -> tuple[list, int]:
         # (the later round first; of one round, its outcome, after its tournament, before its deposit)
         for rnd, _, asked in sorted([(outcome, 1, -outcome), (deposit, 0, deposit)], reverse=True):
             got = client.get_model(asked, trainer, exact=True, missing_ok=True) if rnd else None
-            if got is not None:
+            if got is not None and one_deposit(got):
                 return got, rnd
+            if got is not None and attempt < FETCH_TRIES - 1 and waited(client, DEPOSIT_WAIT_S * 2 ** attempt):
+                break   # slices of two outcomes of the round: the later one on its way to some shards
     return global_model(client), latest
+
+
+def one_deposit(got: list) -> bool:
+    """Are the shards' answers with an outcome the slices of one deposit: the same `tag`
+    on every one (or none on any: restored from checkpoints that did not keep tags)? A
+    leader restarted partway through depositing a round's outcome, which reached only
+    some shards, plays the round again (`left_unplayed`), and its outcome, which may
+    differ, replaces the first one: until it has reached every shard, some hold each."""
+    return len({m.get("tag") for m in got}) == 1
+
+
+def whole_outcome(client: Any, rnd: int, trainer: int, got: list | None, cancel: Callable[[], bool]) -> list | None:
+    """`got`, trainer `trainer`'s outcome of round `rnd` from every shard, if its slices
+    are of one deposit; else asked again of every shard, exactly (never parked: each
+    answered it once), after a brief wait (`DEPOSIT_WAIT_S`, then twice as long each
+    time) where the client can wait, for the later deposit to reach every shard. None
+    where they still differ after `FETCH_TRIES` reads, or are refused (a shard moved on)
+    or `cancel`led: a mix of two outcomes is never taken."""
+    for attempt in range(FETCH_TRIES):
+        if got is None or one_deposit(got):
+            return got
+        if attempt == FETCH_TRIES - 1 or not waited(client, DEPOSIT_WAIT_S * 2 ** attempt):
+            break
+        got = client.get_model(-rnd, trainer, cancel=cancel, exact=True, missing_ok=True)
+    return None
+
+
+def new_tag() -> int:
+    """A tag naming one outcome deposit (`one_deposit`): random, from the OS (a new
+    process of the leader's rank, whose random modules a job's seed may have seeded as
+    the one before, must not draw the tag of its outcome again), within the wire's ints,
+    and of a fixed size on it (61 random bits under a set 62nd: always msgpack's 9
+    bytes, so that the simulator's byte counts do not vary from run to run)."""
+    return 1 << 61 | secrets.randbits(61)
 
 
 def pack_meta(values: list[float], size: int) -> torch.Tensor:
@@ -359,8 +415,8 @@ class LtfbSchedule(Schedule):
         self.diverged = False   # a non-finite loss since the last tournament (`diverge`)
         self.lost_to_divergence = 0   # tournaments in a row that this trainer entered diverged
         self.sparse: dict[str, int] = {}   # parameters whose gradients are sparse -> their sparse_dim (`group_step`)
-        self.outcome: tuple[int, float, list] | None = None   # the leader's last outcome deposit (round, score,
-        # arrays), until its next group step closes (`group_exchange`)
+        self.outcome: tuple[int, float, list, int] | None = None   # the leader's last outcome deposit (round,
+        # score, arrays, tag), until its next group step closes (`group_exchange`)
 
     # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
@@ -416,10 +472,10 @@ class LtfbSchedule(Schedule):
         its group step waited for their push, and the job hung. Playing the round again,
         from the model it entered the round with, deposits the outcome they wait for. (Not
         another rank's round: that rank deposits its outcome, and a second one, unlike it,
-        would be on the shards beside it.)"""
+        would be on the shards beside it: every shard must say that this rank deposited it.)"""
         m = got[0]
         return (0 < rnd < FINAL and m.get("round") == rnd and m.get("owner") == self.trainer
-                and m.get("player") == w.rank and w.clock == rnd * self.cfg.mode.round_steps)
+                and all(s.get("player") == w.rank for s in got) and w.clock == rnd * self.cfg.mode.round_steps)
 
     def continue_from(self, w: Trainer, got: list) -> None:
         """Load a deposit, or an outcome, with the hyperparameters deposited with it (a
@@ -630,14 +686,14 @@ class LtfbSchedule(Schedule):
             self.outcome = None
             return pushed, pulled
 
-    def keep_outcome(self, w: Trainer, rnd: int, score: float, arrays: list) -> None:
-        """The outcome of round -`rnd` (scored `score`, `arrays` as deposited) again if a
-        shard has none of that round or later (`group_exchange`)."""
+    def keep_outcome(self, w: Trainer, rnd: int, score: float, arrays: list, tag: int) -> None:
+        """The outcome of round -`rnd` (scored `score`, `arrays` and `tag` as deposited:
+        the same deposit) again if a shard has none of that round or later (`group_exchange`)."""
         if all(any(int(o) == self.trainer and int(r) >= -rnd for r, o in m.get("outcomes") or ())
                for m in w.client.index()):
             return
         w.note(f"round {-rnd}: a shard lost trainer {self.trainer}'s outcome; depositing it again")
-        w.client.put_model(rnd, score, arrays, w.clock)
+        w.client.put_model(rnd, score, arrays, w.clock, tag)
 
     def finish(self, w: Trainer) -> None:
         """The budget is spent: each trainer's leader deposits its final model, scored,
@@ -804,11 +860,18 @@ class LtfbSchedule(Schedule):
                                   self.trainer))
 
     def follow(self, w: Trainer, rnd: int, leader: int) -> None:
-        """Take the outcome that the trainer's leader deposited for round `rnd`."""
-        got = w.client.get_model(-rnd, self.trainer, cancel=lambda: leader not in w.live(), missing_ok=True)
+        """Take the outcome that the trainer's leader deposited for round `rnd`, every
+        slice of one deposit (`whole_outcome`)."""
+        gone = lambda: leader not in w.live()  # noqa: E731
+        got = w.client.get_model(-rnd, self.trainer, cancel=gone, missing_ok=True)
         if got is None:
             w.note(f"round {rnd}: trainer {self.trainer}'s leader {leader} left before its outcome; "
                    f"keeping our model")
+            return
+        got = whole_outcome(w.client, rnd, self.trainer, got, gone)
+        if got is None:
+            w.note(f"round {rnd}: trainer {self.trainer}'s outcome came as slices of different deposits (its leader "
+                   f"deposited it again) and did not become one; keeping our model")
             return
         meta, hyper = self.read_meta(got)
         if meta[0] == NOT_HELD:   # the leader's time budget left no whole round after it
@@ -825,8 +888,8 @@ class LtfbSchedule(Schedule):
 
     def deposit(self, w: Trainer, rnd: int, score: float, meta: list[float], with_opt: bool) -> None:
         """Deposit the replica as it is: a tournament model (rnd > 0) or an outcome
-        (rnd < 0); with the optimizer's state, and the values `meta` and the
-        hyperparameters when explored or for an outcome."""
+        (rnd < 0, tagged: `new_tag`); with the optimizer's state, and the values `meta`
+        and the hyperparameters when explored or for an outcome."""
         params, buffers = w.replica.params(), w.replica.buffers()
         if rnd < 0:   # (kept for `keep_outcome`: the next gather writes over the replica's tables)
             params, buffers = [t.clone() for t in params], [t.clone() for t in buffers]
@@ -837,9 +900,12 @@ class LtfbSchedule(Schedule):
                   + ([pack_meta(values, params[i].numel()) if i == 0 else torch.zeros(params[i].numel())]
                      if extra else [])
                   for i in range(w.replica.n)]
-        w.client.put_model(rnd, score, arrays, w.clock)
-        if rnd < 0:
-            self.outcome = (rnd, score, arrays)
+        if rnd > 0:
+            w.client.put_model(rnd, score, arrays, w.clock)
+            return
+        tag = new_tag()
+        w.client.put_model(rnd, score, arrays, w.clock, tag)
+        self.outcome = (rnd, score, arrays, tag)
 
     def read_meta(self, got: list) -> tuple[list[float], dict[str, float]]:
         """A deposit's `META` values and hyperparameters (its last array, on shard 0)."""

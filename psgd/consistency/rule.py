@@ -87,12 +87,14 @@ FINAL_ROUND = 2 ** 31 - 1  # the round of the final models (a deposit after the 
 
 @dataclass
 class Deposit:
-    """A trainer's model for a tournament round (or FINAL_ROUND), with its score."""
+    """A trainer's model for a tournament round (or FINAL_ROUND), with its score; or its
+    outcome of round -r, whose `tag` names that deposit (None: deposited without one)."""
     token: Any
     rank: int
     round: int
     score: float
     arrays: list
+    tag: int | None = None
 
 
 @dataclass

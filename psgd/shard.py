@@ -496,7 +496,7 @@ class Shard:
             self._finite(wire.tensor(msg, i), f"optimizer state {i - 2}", msg.clock)
         score = self._score(msg)
         arrays = [wire.tensor(msg, i).clone() for i in range(len(msg.arrays))]
-        return self.carry_out(self.rule.deposit(   # (an outcome's tag names its deposit; the wire checked it an int)
+        return self.carry_out(self.rule.deposit(   # (its tag names this deposit; the wire checked it an int)
             r.Deposit((token, msg), msg.rank, int(msg.get("round")), score, arrays, msg.get("tag"))))
 
     @staticmethod

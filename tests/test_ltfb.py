@@ -1336,7 +1336,7 @@ def test_a_rejoiner_takes_its_trainers_own_round_that_every_shard_holds_not_the_
     def sleep(s):   # the rejoiner waits: the deposit reaches shard 1, or not (an older checkpoint's shard)
         waits.append(s)
         if arrives and len(waits) == 1:
-            w2.client.request([(1, "put_model", {"round": 2, "score": 0.5, "step": 6,
+            w2.client.request([(1, "put_model", {"round": 2, "score": 0.5, "step": 6, "tag": s2.deposit_tag,
                                                  "arrays": _deposit_arrays(s2, w2, 2)[1]})])
     monkeypatch.setattr(rule.time, "sleep", sleep)
     w, s = _restarted(cfg, shards, 3, 2)
@@ -1345,12 +1345,12 @@ def test_a_rejoiner_takes_its_trainers_own_round_that_every_shard_holds_not_the_
 
 
 def _deposit_arrays(s: LtfbSchedule, w, rnd: int) -> list:
-    """The per-shard arrays of `s.deposit_model(w, rnd, ...)`."""
+    """The per-shard arrays of `s.deposit_model(w, rnd, ...)`, made again with its tag."""
     sent = []
     real = w.client.put_model
-    w.client.put_model = lambda r, score, arrays, step: sent.append(arrays)
+    w.client.put_model = lambda r, score, arrays, step, tag: sent.append(arrays)
     try:
-        s.deposit_model(w, rnd, 0.5)
+        s.deposit_model(w, rnd, 0.5, s.deposit_tag)
     finally:
         w.client.put_model = real
     return sent[0]

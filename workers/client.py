@@ -458,7 +458,7 @@ class ParameterClient:
                   tag: int | None = None) -> None:
         """Deposit a model (ltfb), in float32 whatever `wire.dtype`: the members of a
         trainer load it and must leave the round with the weights their leader keeps.
-        `tag`: an outcome's, naming this deposit on every shard."""
+        `tag`: names this deposit on every shard (a reader takes slices of one deposit)."""
         fields = {"round": round_, "score": score, "step": step} | ({} if tag is None else {"tag": tag})
         self.request([(i, "put_model", {**fields, "arrays": arrays[i]}) for i in range(self.n)])
 

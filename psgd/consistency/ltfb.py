@@ -16,16 +16,18 @@ Server rule: the shards are the exchange and the reduction.
   hyperparameters) and its score (`tournament.fitness`: higher is better). A request
   for a partner's model of round r is answered with it, or the partner's later one, or
   parked until deposited (`tournament.Exchange`); each trainer's older deposits are
-  forgotten. The answer names the rank that deposited it (`player`).
+  forgotten. The answer names the rank that deposited it (`player`), and carries the
+  `tag` that its depositor drew for it, as an outcome's does (below).
 - `put_model` of round -r (k > 1): what the trainer carries out of round r (its model,
   optimizer state and hyperparameters, and the decision), stored once per trainer for
   its other workers, who ask for it with `get_model` of round -r; asked for `exact`ly
   (a worker rejoining the trainer, `trainer_model`), it is answered only if it is round
   r's, else refused, never parked. Each answer carries the `tag` that the leader drew for
-  that deposit: a leader restarted partway through depositing an outcome plays the round
-  again, and its second outcome replaces the first, so a reader takes an outcome only
-  when every shard's slice carries the same tag, else asks again (`one_deposit`). The
-  index (`models`) lists each trainer's latest outcome's round beside the deposits.
+  that deposit: a leader restarted partway through depositing (a round's model or its
+  outcome) deposits that round again, and its second deposit replaces the first, so a
+  reader takes a deposit only when every shard's slice carries the same tag, else asks
+  again (`one_deposit`, `whole_deposit`). The index (`models`) lists each trainer's
+  latest outcome's round beside the deposits.
 - `get_model` with owner -1 (truncation): every live trainer's score of round r,
   parked until all of them have deposited it (`tournament.Scoreboard`).
 
@@ -50,10 +52,11 @@ group step waits for the followers that wait for it (`group_exchange`).
 The global model (for the evaluator, and a worker rejoining a trainer of one) is the
 best-scored deposit of the latest round: its (round, trainer) is chosen once from every
 shard's index and then fetched exactly from every shard, so its slices never mix two
-trainers. A worker rejoining a trainer group continues from its own trainer's model,
-as its other workers hold it (`trainer_model`), at that model's round; a new process
-for a rank whose earlier one played a round and ended before its outcome plays the
-round again (`left_unplayed`): its followers wait for that outcome.
+trainers (nor two deposits of its round: `one_deposit`). A worker rejoining a trainer
+group continues from its own trainer's model, as its other workers hold it
+(`trainer_model`), at that model's round; a new process for a rank whose earlier one
+played a round and ended before its outcome plays the round again (`left_unplayed`):
+its followers wait for that outcome.
 """
 from __future__ import annotations
 
@@ -127,7 +130,7 @@ class LtfbRule(ServerRule):
         self.outcomes = Exchange()
         self.scores: dict[tuple[int, int], float] = {}   # stored (round, trainer) -> score
         self.players: dict[tuple[int, int], int] = {}    # stored (round, trainer) -> the rank that deposited it
-        self.tags: dict[int, int | None] = {}   # trainer -> the tag of its latest outcome (None: it had none)
+        self.tags: dict[Any, int | None] = {}   # stored key -> the tag of its deposit (None: it had none)
         self.trainers = trainers(range(world), self.k)   # the job's trainers, whose models one may fetch
         self.board = Scoreboard(self.trainers)
         self.groups = GroupSteps(self.k, range(world))
@@ -142,13 +145,14 @@ class LtfbRule(ServerRule):
                 # leader's wait): stored, it replaced the newer outcome's arrays under the one key,
                 # and a follower asking for the newer round got the older model, labelled newer.
                 return [Answer(e.token)]
-            self.tags[owner] = e.tag
+            self.tags[outcome] = e.tag
             out: list[Decision] = [Store(outcome, e.score, e.arrays), Answer(e.token)]
             return out + [self.answer_outcome(t, e.round, owner)
                           for t, _ in self.outcomes.put(-e.round, owner, outcome)]
         key = (e.round, owner)
         self.scores[key] = e.score
         self.players[key] = e.rank
+        self.tags[key] = e.tag
         out = [Store(key, e.score, e.arrays), Answer(e.token)]
         out += [self.answer_model(t, k) for t, k in self.exchange.put(e.round, owner, key)]
         out += [self.answer_scores(t, r, b) for t, r, b in self.board.put(e.round, owner, e.score)]
@@ -157,6 +161,7 @@ class LtfbRule(ServerRule):
         for k in gone:
             del self.scores[k]
             self.players.pop(k, None)
+            self.tags.pop(k, None)
         return out + ([Forget(gone)] if gone else [])
 
     def fetch(self, e: Fetch) -> list[Decision]:
@@ -197,17 +202,20 @@ class LtfbRule(ServerRule):
     def answer_model(self, token: Any, key: Any) -> AnswerModel:
         """`key` is a stored (round, trainer); `player`: the rank that deposited it (-1:
         unknown, restored from a checkpoint that did not keep it)."""
-        return AnswerModel(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key],
+        return self.tagged(token, key, {"round": key[0], "owner": key[1], "score": self.scores[key],
                                         "player": self.players.get(key, -1)})
 
     def answer_outcome(self, token: Any, round_: int, owner: int) -> AnswerModel:
-        """`owner`'s latest outcome, asked for as round `round_` (< 0), with the `tag` that
-        names its deposit: a reader tells its slices from those of another outcome of the
-        same round (`one_deposit`). No tag for one deposited without it (restored from a
-        checkpoint that did not keep tags)."""
-        fields = {"round": round_, "owner": owner}
-        tag = self.tags.get(owner)
-        return AnswerModel(token, ("outcome", owner), fields if tag is None else {**fields, "tag": tag})
+        """`owner`'s latest outcome, asked for as round `round_` (< 0)."""
+        return self.tagged(token, ("outcome", owner), {"round": round_, "owner": owner})
+
+    def tagged(self, token: Any, key: Any, fields: dict) -> AnswerModel:
+        """The stored model `key`, with the `tag` that names its deposit: a reader tells
+        its slices from those of another deposit of the same round (`one_deposit`). No
+        tag for one deposited without it (restored from a checkpoint that did not keep
+        tags)."""
+        tag = self.tags.get(key)
+        return AnswerModel(token, key, fields if tag is None else {**fields, "tag": tag})
 
     @staticmethod
     def answer_scores(token: Any, round_: int, board: dict[int, float]) -> Answer:
@@ -245,25 +253,27 @@ class LtfbRule(ServerRule):
 
     def state_dict(self) -> dict:
         """Everything the rule answers from between requests: the latest deposit and
-        outcome of each trainer, their scores and players, the outcomes' tags, the
-        truncation boards and the groups' steps. The models themselves are the shard's
+        outcome of each trainer, their scores and players, their tags, the truncation
+        boards and the groups' steps. The models themselves are the shard's
         (`Shard.state_dict`); parked requests are resent by their askers to a restored
         shard."""
         return {**super().state_dict(), "exchange": self.exchange.state_dict(),
                 "outcomes": self.outcomes.state_dict(),
                 "scores": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
                 "players": [[r, o, p] for (r, o), p in sorted(self.players.items())],
-                "tags": [[o, t] for o, t in sorted(self.tags.items())],
+                "deposit_tags": dict(self.tags),
                 "board": self.board.state_dict(), "groups": self.groups.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """A key that is missing (a checkpoint written before it was kept) is empty."""
+        """A key that is missing (a checkpoint written before it was kept) is empty: its
+        deposits' tags unknown (also those of a checkpoint that kept its outcomes' alone,
+        as "tags")."""
         super().load_state_dict(sd)
         self.exchange.load_state_dict(sd.get("exchange", {}))
         self.outcomes.load_state_dict(sd.get("outcomes", {}))
         self.scores = {(int(r), int(o)): float(s) for r, o, s in sd.get("scores", [])}
         self.players = {(int(r), int(o)): int(p) for r, o, p in sd.get("players", [])}
-        self.tags = {int(o): None if t is None else int(t) for o, t in sd.get("tags", [])}
+        self.tags = dict(sd.get("deposit_tags", {}))
         self.board.load_state_dict(sd.get("board", {}))
         self.groups.load_state_dict(sd.get("groups", {}))
 
@@ -294,8 +304,9 @@ def global_model(client: Any) -> list:
     """The best trainer's model, all of its slices from the same deposit; the initial
     model (the shards' tables) before the first round. A deposit on its way to some of
     the shards (each keeps a trainer's latest only: for a moment no deposit is on every
-    shard) is waited for, briefly, where the client can wait (`rule.waited`); after
-    that, the shards' tables."""
+    shard, or some hold the round's deposit made again and the others the first one:
+    `one_deposit`) is waited for, briefly, where the client can wait (`rule.waited`);
+    after that, the shards' tables."""
     for attempt in range(FETCH_TRIES):
         indexes = [m.get("models") for m in client.index()]
         best = choose_best(indexes)
@@ -304,9 +315,11 @@ def global_model(client: Any) -> list:
                 continue
             return client.pull(-1)
         got = client.get_model(best[0], best[1], exact=True, missing_ok=attempt < FETCH_TRIES - 1)
-        if got is not None:
+        if got is not None and one_deposit(got):
             return got
-    raise AssertionError("unreachable: the last try raises")
+        if got is not None and (attempt == FETCH_TRIES - 1 or not waited(client, DEPOSIT_WAIT_S * 2 ** attempt)):
+            return client.pull(-1)   # (still slices of two deposits of the round: none is whole on every shard)
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def trainer_model(client: Any, trainer: int) -> tuple[list, int]:
@@ -320,15 +333,16 @@ def trainer_model(client: Any, trainer: int) -> tuple[list, int]:
     way, or its leader gone before its outcome), the model the trainer entered that round
     with (after the last round, its final model). A newer round on its way to some shards
     is waited for, briefly (`DEPOSIT_WAIT_S`, as `global_model` waits), where the client
-    can wait, and so is an outcome whose slices are of two deposits (`one_deposit`: never
-    taken; in the end, the round's deposit is, in its place); after that, the latest
-    round on every shard: the group's step moves the worker on from there
-    (`group_mean`), and it takes the next round's outcome at that step. Before the
-    trainer's first round, the initial model, where its workers began. Where no model of
-    its trainer is on every shard (shards restored from checkpoints of different rounds),
-    the best trainer's (`global_model`), at its trainer's latest round on any shard: its
-    group's model is on no shard then, and a trained model is nearer to it than the
-    initial one (a returning leader would hand that to its whole group)."""
+    can wait, and so is a model whose slices are of two deposits (`one_deposit`: never
+    taken; in the end, the other of the two is, in its place, or with none, the best
+    trainer's as below); after that, the latest round on every shard: the group's step
+    moves the worker on from there (`group_mean`), and it takes the next round's outcome
+    at that step. Before the trainer's first round, the initial model, where its workers
+    began. Where no model of its trainer is on every shard (shards restored from
+    checkpoints of different rounds), the best trainer's (`global_model`), at its
+    trainer's latest round on any shard: its group's model is on no shard then, and a
+    trained model is nearer to it than the initial one (a returning leader would hand
+    that to its whole group)."""
     for attempt in range(FETCH_TRIES):
         indexes = client.index()
         deposits = [{int(r) for r, o, _ in m.get("models") if int(o) == trainer} for m in indexes]
@@ -347,39 +361,41 @@ def trainer_model(client: Any, trainer: int) -> tuple[list, int]:
             if got is not None and one_deposit(got):
                 return got, rnd
             if got is not None and attempt < FETCH_TRIES - 1 and waited(client, DEPOSIT_WAIT_S * 2 ** attempt):
-                break   # slices of two outcomes of the round: the later one on its way to some shards
+                break   # slices of two deposits of the round: the later one on its way to some shards
     return global_model(client), latest
 
 
 def one_deposit(got: list) -> bool:
-    """Are the shards' answers with an outcome the slices of one deposit: the same `tag`
-    on every one (or none on any: restored from checkpoints that did not keep tags)? A
-    leader restarted partway through depositing a round's outcome, which reached only
-    some shards, plays the round again (`left_unplayed`), and its outcome, which may
-    differ, replaces the first one: until it has reached every shard, some hold each."""
-    return len({m.get("tag") for m in got}) == 1
+    """Are the shards' answers with a model (a round's deposit, or an outcome) the slices
+    of one deposit: of the same round, with the same `tag` on every one (or none on any:
+    restored from checkpoints that did not keep tags)? A leader restarted partway through
+    depositing a round's model or outcome, which reached only some shards, deposits that
+    round again (it plays the round again, `left_unplayed`; or, no model of the round
+    whole on every shard, it trains the round again), and its deposit, which may differ,
+    replaces the first one: until it has reached every shard, some hold each."""
+    return len({(m.get("round"), m.get("tag")) for m in got}) == 1
 
 
-def whole_outcome(client: Any, rnd: int, trainer: int, got: list | None, cancel: Callable[[], bool]) -> list | None:
-    """`got`, trainer `trainer`'s outcome of round `rnd` from every shard, if its slices
-    are of one deposit; else asked again of every shard, exactly (never parked: each
-    answered it once), after a brief wait (`DEPOSIT_WAIT_S`, then twice as long each
-    time) where the client can wait, for the later deposit to reach every shard. None
-    where they still differ after `FETCH_TRIES` reads, or are refused (a shard moved on)
-    or `cancel`led: a mix of two outcomes is never taken."""
+def whole_deposit(client: Any, got: list | None, again: Callable[[list], list | None]) -> list | None:
+    """`got`, a model from every shard, if its slices are of one deposit; else read
+    `again` (given the answers that differ) from every shard, after a brief wait
+    (`DEPOSIT_WAIT_S`, then twice as long each time) where the client can wait, for the
+    later deposit to reach every shard. None where they still differ after `FETCH_TRIES`
+    reads, or a read gives none (refused: a shard moved on; cancelled): a mix of two
+    deposits is never taken."""
     for attempt in range(FETCH_TRIES):
         if got is None or one_deposit(got):
             return got
         if attempt == FETCH_TRIES - 1 or not waited(client, DEPOSIT_WAIT_S * 2 ** attempt):
             break
-        got = client.get_model(-rnd, trainer, cancel=cancel, exact=True, missing_ok=True)
+        got = again(got)
     return None
 
 
 def new_tag() -> int:
-    """A tag naming one outcome deposit (`one_deposit`): random, from the OS (a new
-    process of the leader's rank, whose random modules a job's seed may have seeded as
-    the one before, must not draw the tag of its outcome again), within the wire's ints,
+    """A tag naming one deposit (`one_deposit`): random, from the OS (a new process of
+    the leader's rank, whose random modules a job's seed may have seeded as the one
+    before, must not draw the tag of its deposit again), within the wire's ints,
     and of a fixed size on it (61 random bits under a set 62nd: always msgpack's 9
     bytes, so that the simulator's byte counts do not vary from run to run)."""
     return 1 << 61 | secrets.randbits(61)
@@ -417,6 +433,7 @@ class LtfbSchedule(Schedule):
         self.sparse: dict[str, int] = {}   # parameters whose gradients are sparse -> their sparse_dim (`group_step`)
         self.outcome: tuple[int, float, list, int] | None = None   # the leader's last outcome deposit (round,
         # score, arrays, tag), until its next group step closes (`group_exchange`)
+        self.deposit_tag: int | None = None   # the tag of the leader's last tournament deposit (`keep_deposit`)
 
     # ------------------------------------------------------------ set-up
     def start(self, w: Trainer) -> None:
@@ -518,7 +535,7 @@ class LtfbSchedule(Schedule):
             return False
         common = set.intersection(*held)
         got = w.client.get_model(max(common), self.trainer, exact=True, missing_ok=True) if common else None
-        if got is None:
+        if got is None or not one_deposit(got):   # (or two deposits of the round: checkpoints between them)
             self.rejoin(w)
             return True
         load(w, got)
@@ -795,20 +812,18 @@ class LtfbSchedule(Schedule):
         return partner, acc if metric == "accuracy" else loss, True
 
     def fetch(self, w: Trainer, rnd: int, owner: int, own: float) -> list | None:
-        """`owner`'s model of round `rnd` or later, every slice of one deposit: shards that
-        answer with different rounds (the owner's newer deposit on its way to some of
-        them, or a shard restored from a checkpoint without a deposit) are asked again
-        for the newest, which a shard that lacks it answers when it comes. `own`: this
-        trainer's score of round `rnd`, as deposited (`await_model`)."""
+        """`owner`'s model of round `rnd` or later, every slice of one deposit
+        (`whole_deposit`): shards that answer with different rounds (the owner's newer
+        deposit on its way to some of them, or a shard restored from a checkpoint without
+        a deposit), or with two deposits of one round (the owner's leader restarted
+        partway through depositing it, the second on its way to some shards), are asked
+        again for the newest, which a shard that lacks it answers when it comes. `own`:
+        this trainer's score of round `rnd`, as deposited (`await_model`)."""
         gone = lambda: owner not in trainers(w.live(), self.k)  # noqa: E731
-        got = self.await_model(w, rnd, owner, own, gone)
-        for _ in range(FETCH_TRIES):
-            rounds = {int(m.get("round")) for m in got or ()}
-            if len(rounds) <= 1:
-                break
-            got = w.client.get_model(max(rounds), owner, cancel=gone, missing_ok=True)
-        else:
-            got = None
+
+        def again(got: list) -> list | None:   # (the newest round answered: parked where it has not come yet)
+            return w.client.get_model(max(int(m.get("round")) for m in got), owner, cancel=gone, missing_ok=True)
+        got = whole_deposit(w.client, self.await_model(w, rnd, owner, own, gone), again)
         if got is None:
             w.note(f"round {rnd}: trainer {owner} did not deliver its model; keeping ours")
         return got
@@ -836,12 +851,12 @@ class LtfbSchedule(Schedule):
         """This trainer's deposit of round `rnd` (scored `own`) again if a shard has none
         of that round or later: the partner may wait for it (and may have taken ours
         only from a deposit again of its own). The replica still holds the deposited
-        model: a deposit again is the same one."""
+        model: a deposit again is the same one, with its tag."""
         if all(any(int(o) == self.trainer and int(r) >= rnd for r, o, _ in m.get("models"))
                for m in w.client.index()):
             return
         w.note(f"round {rnd}: a shard lost trainer {self.trainer}'s deposit; depositing it again")
-        self.deposit_model(w, rnd, own)
+        self.deposit_model(w, rnd, own, self.deposit_tag)
 
     def scores(self, w: Trainer, rnd: int, own: float) -> dict[int, float]:
         """Every live trainer's score of round `rnd` (the same board for all of them);
@@ -861,17 +876,19 @@ class LtfbSchedule(Schedule):
 
     def follow(self, w: Trainer, rnd: int, leader: int) -> None:
         """Take the outcome that the trainer's leader deposited for round `rnd`, every
-        slice of one deposit (`whole_outcome`)."""
+        slice of one deposit (`whole_deposit`: asked again exactly, never parked, as
+        every shard answered it once)."""
         gone = lambda: leader not in w.live()  # noqa: E731
         got = w.client.get_model(-rnd, self.trainer, cancel=gone, missing_ok=True)
         if got is None:
             w.note(f"round {rnd}: trainer {self.trainer}'s leader {leader} left before its outcome; "
                    f"keeping our model")
             return
-        got = whole_outcome(w.client, rnd, self.trainer, got, gone)
+        got = whole_deposit(w.client, got, lambda _: w.client.get_model(-rnd, self.trainer, cancel=gone,
+                                                                        exact=True, missing_ok=True))
         if got is None:
-            w.note(f"round {rnd}: trainer {self.trainer}'s outcome came as slices of different deposits (its leader "
-                   f"deposited it again) and did not become one; keeping our model")
+            w.note(f"round {rnd}: trainer {self.trainer}'s outcome came as slices of different deposits, and read "
+                   f"again it did not come whole; keeping our model")
             return
         meta, hyper = self.read_meta(got)
         if meta[0] == NOT_HELD:   # the leader's time budget left no whole round after it
@@ -882,14 +899,16 @@ class LtfbSchedule(Schedule):
         self.set_hyper(hyper)
         self.log(w, rnd, leader, meta)
 
-    def deposit_model(self, w: Trainer, rnd: int, score: float) -> None:
-        """A tournament (or final) deposit of the replica, scored `score`."""
-        self.deposit(w, rnd, score, [0.0, -1.0, math.nan, math.nan], self.with_opt)
+    def deposit_model(self, w: Trainer, rnd: int, score: float, tag: int | None = None) -> None:
+        """A tournament (or final) deposit of the replica, scored `score`; `tag`: that of
+        the same deposit made before (`keep_deposit`)."""
+        self.deposit(w, rnd, score, [0.0, -1.0, math.nan, math.nan], self.with_opt, tag)
 
-    def deposit(self, w: Trainer, rnd: int, score: float, meta: list[float], with_opt: bool) -> None:
+    def deposit(self, w: Trainer, rnd: int, score: float, meta: list[float], with_opt: bool,
+                tag: int | None = None) -> None:
         """Deposit the replica as it is: a tournament model (rnd > 0) or an outcome
-        (rnd < 0, tagged: `new_tag`); with the optimizer's state, and the values `meta`
-        and the hyperparameters when explored or for an outcome."""
+        (rnd < 0), tagged (`tag`, else a new one: `new_tag`); with the optimizer's state,
+        and the values `meta` and the hyperparameters when explored or for an outcome."""
         params, buffers = w.replica.params(), w.replica.buffers()
         if rnd < 0:   # (kept for `keep_outcome`: the next gather writes over the replica's tables)
             params, buffers = [t.clone() for t in params], [t.clone() for t in buffers]
@@ -900,12 +919,12 @@ class LtfbSchedule(Schedule):
                   + ([pack_meta(values, params[i].numel()) if i == 0 else torch.zeros(params[i].numel())]
                      if extra else [])
                   for i in range(w.replica.n)]
-        if rnd > 0:
-            w.client.put_model(rnd, score, arrays, w.clock)
-            return
-        tag = new_tag()
+        tag = new_tag() if tag is None else tag
         w.client.put_model(rnd, score, arrays, w.clock, tag)
-        self.outcome = (rnd, score, arrays, tag)
+        if rnd > 0:
+            self.deposit_tag = tag
+        else:
+            self.outcome = (rnd, score, arrays, tag)
 
     def read_meta(self, got: list) -> tuple[list[float], dict[str, float]]:
         """A deposit's `META` values and hyperparameters (its last array, on shard 0)."""

@@ -88,7 +88,7 @@ FINAL_ROUND = 2 ** 31 - 1  # the round of the final models (a deposit after the 
 @dataclass
 class Deposit:
     """A trainer's model for a tournament round (or FINAL_ROUND), with its score; or its
-    outcome of round -r, whose `tag` names that deposit (None: deposited without one)."""
+    outcome of round -r. Its `tag` names that deposit (None: deposited without one)."""
     token: Any
     rank: int
     round: int

@@ -95,6 +95,21 @@ def closed_cleanly(ps: psgd.Connection, out) -> None:
     assert not (out / "pids" / "worker-0.pid").exists()
 
 
+def left_promptly(ps: psgd.Connection, out, leave, what: str) -> None:
+    """`leave()`, the Ctrl-C's way out of the job, timed: the connection is closed cleanly
+    (closed by hand if `leave` failed), within PROMPT_S (a heartbeat's answer time a call,
+    not cluster.timeout_s)."""
+    t0 = time.monotonic()
+    try:
+        leave()
+        took = time.monotonic() - t0
+    finally:
+        if not ps.closed:
+            ps.close("test clean-up")
+    closed_cleanly(ps, out)
+    assert took < PROMPT_S, f"{what} took {took:.1f} s after the Ctrl-C (cluster.timeout_s = {TIMEOUT_S:g})"
+
+
 def ended_within(out, seconds: float) -> dict:
     """summary.json, written within `seconds` (the job's end not held)."""
     deadline = time.monotonic() + seconds
@@ -163,16 +178,11 @@ def test_ctrl_c_in_close_with_the_coordinator_gone_ends_it_promptly(port_block, 
             cluster.coordinator.stop_requested = True
             cluster.threads[0].join(timeout=10)
         interrupt_at(ps, "status", then=coordinator_gone)
-        t0 = time.monotonic()
-        try:
+
+        def leave() -> None:
             with pytest.raises(KeyboardInterrupt):
                 ps.close()
-            took = time.monotonic() - t0
-        finally:
-            if not ps.closed:
-                ps.close("test clean-up")
-        closed_cleanly(ps, tmp_path)
-    assert took < PROMPT_S, f"close() took {took:.1f} s after the Ctrl-C (cluster.timeout_s = {TIMEOUT_S:g})"
+        left_promptly(ps, tmp_path, leave, "close()")
 
 
 @pytest.mark.inprocess
@@ -282,16 +292,11 @@ def test_ctrl_c_inside_with_and_the_coordinator_gone_ends_it_promptly(port_block
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         _, ps = trained_a_little(cfg, str(tmp_path))
         stop_the_coordinator(cluster)
-        t0 = time.monotonic()
-        try:
+
+        def leave() -> None:
             with pytest.raises(KeyboardInterrupt), ps:
                 raise KeyboardInterrupt
-            took = time.monotonic() - t0
-        finally:
-            if not ps.closed:
-                ps.close("test clean-up")
-        closed_cleanly(ps, tmp_path)
-    assert took < PROMPT_S, f"leaving `with` took {took:.1f} s after the Ctrl-C (cluster.timeout_s = {TIMEOUT_S:g})"
+        left_promptly(ps, tmp_path, leave, "leaving `with`")
 
 
 @pytest.mark.inprocess
@@ -304,15 +309,8 @@ def test_ctrl_c_uncaught_outside_with_and_the_coordinator_gone_ends_it_promptly(
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         _, ps = trained_a_little(cfg, str(tmp_path))
         stop_the_coordinator(cluster)
-        t0 = time.monotonic()
-        try:
-            _end_on_uncaught(KeyboardInterrupt, KeyboardInterrupt(), None)
-            took = time.monotonic() - t0
-        finally:
-            if not ps.closed:
-                ps.close("test clean-up")
-        closed_cleanly(ps, tmp_path)
-    assert took < PROMPT_S, f"the hook took {took:.1f} s after the Ctrl-C (cluster.timeout_s = {TIMEOUT_S:g})"
+        left_promptly(ps, tmp_path, lambda: _end_on_uncaught(KeyboardInterrupt, KeyboardInterrupt(), None),
+                      "the hook")
 
 
 @pytest.mark.inprocess

@@ -88,6 +88,17 @@ def interrupt_at(ps: psgd.Connection, op: str, answered: bool = False, then=None
     ps.link.call = calling
 
 
+def ctrl_c_again_at(ps: psgd.Connection, at: str) -> None:
+    """A second Ctrl-C (a user pressing again) as the connection sends `at` to the coordinator."""
+    call = ps.link.call
+
+    def again(op: str, **kw):
+        if op == at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return call(op, **kw)
+    ps.link.call = again
+
+
 def closed_cleanly(ps: psgd.Connection, out) -> None:
     """Nothing of the connection is left: sockets, heartbeats, pid file."""
     assert ps.closed
@@ -195,13 +206,7 @@ def test_a_second_ctrl_c_does_not_cut_the_release_short(port_block, tmp_path):
     with InProcessCluster(cfg, str(tmp_path)):
         ps = trained(cfg, str(tmp_path))
         interrupt_at(ps, "status")
-        call = ps.link.call
-
-        def again(op: str, **kw):
-            if op == "release":
-                os.kill(os.getpid(), signal.SIGINT)
-            return call(op, **kw)
-        ps.link.call = again
+        ctrl_c_again_at(ps, "release")
         try:
             with pytest.raises(KeyboardInterrupt):
                 ps.close()
@@ -322,13 +327,7 @@ def test_a_second_ctrl_c_as_with_leaves_does_not_cut_the_finish_short(port_block
     cfg = config(port_block, **{"train.steps": 1000})
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         _, ps = trained_a_little(cfg, str(tmp_path))
-        call = ps.link.call
-
-        def again(op: str, **kw):
-            if op == "finish":
-                os.kill(os.getpid(), signal.SIGINT)
-            return call(op, **kw)
-        ps.link.call = again
+        ctrl_c_again_at(ps, "finish")
         first = KeyboardInterrupt("the first")
         try:
             with pytest.raises(KeyboardInterrupt) as raised, ps:

@@ -868,7 +868,10 @@ class DilocoModel:
     pseudo-gradient arrived (sync's barrier, no backups; one that left keeps its
     pseudo-gradient in the mean); the global model then takes one
     outer Nesterov step on their mean (torch's convention); a push for a closed round is
-    dropped; a read of round c + 1 waits until round c has closed."""
+    dropped; a read of round c + 1 waits until round c has closed. A push for a round its
+    rank pushed already, in this life or an earlier one (the shard keeps a rank's last
+    clock across its leave and return), is a duplicate: neither applied nor counted,
+    answered `dropped` too where that push was."""
 
     def __init__(self, n: int):
         self.shard, cfg = shard_for("diloco", n, **{"cluster.servers": 1, "model.hidden": 4})
@@ -877,6 +880,8 @@ class DilocoModel:
         self.m = torch.zeros_like(self.theta)
         self.step, self.dropped = 0, 0
         self.contributors: dict[int, torch.Tensor] = {}   # rank -> its pseudo-gradient, this round
+        self.last: dict[int, int] = {}                     # rank -> the latest round it pushed, in any life
+        self.dropped_at: dict[int, int] = {}               # rank -> the round of its latest dropped push
         self.live = set(range(n))
         self.workers = {r: {"round": 0, "state": "fresh", "life": 0} for r in range(n)}
         self.parked: dict[tuple, int] = {}                 # token -> clock
@@ -915,12 +920,16 @@ class DilocoModel:
                                  read_version=0)
         reply = got.pop(token)
         w["state"] = "pushed"
+        if r <= self.last.get(rank, -1):   # (a new life's push of a round its rank pushed: the open one, rejoined)
+            assert reply.get("duplicate") is True
+            assert bool(reply.get("dropped")) == (self.dropped_at.get(rank) == r)
+            self.released(got)
+            return
+        self.last[rank] = r
         if r < self.step:
             self.dropped += 1
+            self.dropped_at[rank] = r
             assert reply.get("dropped") is True
-        elif rank in self.contributors:
-            self.dropped += 1
-            assert reply.get("dropped") is True          # the same round twice (a rejoin): counted
         else:
             assert not reply.get("dropped")
             self.contributors[rank] = delta.float().double()

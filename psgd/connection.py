@@ -459,7 +459,7 @@ class Connection(Worker):
         try:
             self.start(self.schedule)
         except (FAILURES + (Cancelled,)) as e:   # e.g. worker 0 left before the shards had its initial values
-            abort = self.link.state.get("abort")
+            abort = self._abort_heard()
             why = f"the job was aborted: {abort}" if abort else e.reason if isinstance(e, wire.RemoteError) else str(e)
             self._end(f"worker {self.rank} could not start: {why}")
             raise JobError(f"psgd.connect: {why}") from None
@@ -470,6 +470,17 @@ class Connection(Worker):
         self._watch_the_scripts_optimizer()
         _OPEN.add(self)
         _hook_uncaught()
+
+    def _abort_heard(self) -> str:
+        """Why the job was aborted ('' if it was not), asking the coordinator once more
+        (a heartbeat's answer time at most) where this worker's heartbeats have not said
+        so yet: what ended a wait at the start (a shard's refusal, worker 0 having left
+        before its initial values) can come before the heartbeat that says why the job
+        ended, and connect then named the shard's refusal, not the reason."""
+        if not self.link.state.get("abort"):
+            with contextlib.suppress(PeerTimeout, HandshakeFailed, wire.RemoteError):
+                self.link.beat(timeout=beat_answer_s(self.cfg))
+        return self.link.state.get("abort") or ""
 
     def _watch_the_scripts_optimizer(self) -> None:
         """A local mode steps the script's optimizer in step(): a loop that still calls

@@ -599,10 +599,11 @@ class CoordinatorLink:
         that predates the field)."""
         self.call("heartbeat", timeout=beat_answer_s(self.cfg), **self._beat(), leaving=reason[:1000])
 
-    def beat(self) -> None:
-        """A heartbeat now, from the caller's thread (the counters up to this moment)."""
+    def beat(self, timeout: float | None = None) -> None:
+        """A heartbeat now, from the caller's thread (the counters up to this moment);
+        `timeout` as `call`'s."""
         sent = self._registrations
-        self._apply_since(self.call("heartbeat", **self._beat()), sent)
+        self._apply_since(self.call("heartbeat", timeout=timeout, **self._beat()), sent)
 
     def call(self, op: str, timeout: float | None = None, **kw: Any) -> wire.Message:
         """A request (finish, eval), with this process's job token, from the caller's

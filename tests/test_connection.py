@@ -1186,6 +1186,31 @@ def test_a_connect_waiting_for_the_initial_values_of_a_job_that_aborted_raises_t
                           "device is gone"
 
 
+@pytest.mark.parametrize("answer", ["the abort", "unanswered", "heard before"])
+def test_why_connect_failed_is_asked_of_the_coordinator_once_more(answer):
+    """The test above failed 1 run in ~30 of the fast tier: a shard refused rank 1's wait
+    for the initial values (worker 0 left before sending them) before rank 1's heartbeats
+    said that the job was aborted, and connect named the refusal, not the reason. Where
+    its heartbeats have not said it, connect asks the coordinator once more, within a
+    heartbeat's answer time (a coordinator gone: the refusal, as before)."""
+    from psgd.membership import beat_answer_s
+    from psgd.transport import PeerTimeout
+    asked = []
+
+    class Link:
+        state = {"abort": "worker 0 could not start"} if answer == "heard before" else {}
+
+        def beat(self, timeout=None):
+            asked.append(timeout)
+            if answer == "unanswered":
+                raise PeerTimeout("tcp://127.0.0.1:1", timeout, "heartbeat")
+            self.state = {"abort": "worker 0 could not start"}
+    ps = object.__new__(psgd.Connection)
+    ps.cfg, ps.link = Config(), Link()
+    assert ps._abort_heard() == ("" if answer == "unanswered" else "worker 0 could not start")
+    assert asked == ([] if answer == "heard before" else [beat_answer_s(ps.cfg)])
+
+
 @pytest.mark.timeout(60)
 def test_a_second_thread_calling_the_connection_while_a_call_is_under_way_is_refused(port_block, tmp_path):
     """A review: a connection's calls share its sockets, which are not thread-safe: an

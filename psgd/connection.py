@@ -824,9 +824,10 @@ class Connection(Worker):
     def _close_raised(self, e: BaseException) -> None:
         """Leave the job, ending it with what the script raised (`e`, inside `with` or
         uncaught: `_end_on_uncaught`). Anything but a Ctrl-C is told with close()'s waits:
-        the coordinator, alive as far as this worker knows, must hear why. A Ctrl-C leaves at once, as
-        one in close() does: the finish that told the job waited cluster.timeout_s for a
-        coordinator that may have had the same Ctrl-C, before the script could end."""
+        the coordinator, alive as far as this worker knows, must hear why. A Ctrl-C leaves
+        at once, as one in close() does: the finish that told the job waited
+        cluster.timeout_s for a coordinator that may have had the same Ctrl-C, before the
+        script could end."""
         if isinstance(e, KeyboardInterrupt):
             self._leave_interrupted(self._raised(e))
         else:

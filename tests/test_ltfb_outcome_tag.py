@@ -63,13 +63,19 @@ def slices_of(got: list, model: list[torch.Tensor]) -> list[bool]:
     return [torch.equal(wire.tensor(m, 0), model[i]) for i, m in enumerate(got)]
 
 
+def reading(shards: list[Shard], w, rank: int) -> None:
+    """Rank `rank`'s worker `w` reads as ParameterClient does (its requests wait where a
+    shard parks them), and keeps its notes."""
+    w.client = WaitingLoopback(shards, rank)
+    w.notes = []
+    w.note = w.notes.append
+
+
 def group():
     """Trainer 0's leader (rank 0) and follower (rank 1), on two shards."""
     shards, ts = trainers_on(group_cfg(), 4)
     (w0, s0), (w1, s1) = ts[0], ts[1]
-    w1.client = WaitingLoopback(shards, 1)
-    w1.notes = []
-    w1.note = w1.notes.append
+    reading(shards, w1, 1)
     return shards, (w0, s0), (w1, s1)
 
 
@@ -95,9 +101,7 @@ def partners(rnd_own: float = 0.4):
     scored `rnd_own`), on two shards; rank 2 reads as ParameterClient does."""
     shards, ts = trainers_on(group_cfg(), 4)
     (w0, s0), (w2, s2) = ts[0], ts[2]
-    w2.client = WaitingLoopback(shards, 2)
-    w2.notes = []
-    w2.note = w2.notes.append
+    reading(shards, w2, 2)
     s2.deposit_model(w2, 1, rnd_own)
     return shards, (w0, s0), (w2, s2)
 

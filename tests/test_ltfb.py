@@ -208,7 +208,8 @@ def test_rule_keeps_outcomes_apart_from_tournament_deposits():
     assert [d for d in out if isinstance(d, AnswerModel)] == [AnswerModel("f", ("outcome", 1), {"round": -1,
                                                                                                 "owner": 1})]
     rule.deposit(Deposit("d2", 2, 1, 0.4, []))                       # rank 2's tournament deposit is trainer 1's
-    assert rule.index("i")[0].fields == {"models": [[1, 1, 0.4]], "outcomes": [[1, 1]]}
+    assert rule.index("i")[0].fields == {"models": [[1, 1, 0.4]], "outcomes": [[1, 1]],
+                                         "tags": [[1, 1, None], [-1, 1, None]]}
     assert rule.fetch(Fetch("s", -1, 1)) == []                       # the board waits for trainer 0
     out = rule.deposit(Deposit("d3", 0, 1, 0.6, []))
     assert any(getattr(d, "fields", {}).get("scores") == [[0, 0.6], [1, 0.4]] for d in out)

@@ -307,3 +307,34 @@ def test_a_deposit_made_again_for_a_shard_that_lost_it_keeps_its_tag():
     shards[1].load_state_dict(before)                  # shard 1 restored without it
     s0.keep_deposit(w0, 1, 0.5)
     assert tags[0] is not None and [m.get("tag") for m in w2.client.get_model(1, 0)] == tags
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rnd", [1, -1], ids=["deposit", "outcome"])
+def test_a_shard_restored_between_two_deposits_of_a_round_is_given_the_second_again(tmp_path, rnd):
+    """Shard 1 restored from a checkpoint taken between deposits A and B of the same round
+    (a leader restarted partway through depositing it) holds A, the others B: no reader
+    takes that round (`one_deposit`), and a shard's index said only the round, so the
+    leader found nothing lost. `keep_deposit` (`keep_outcome`) now tells A from B by the
+    index's tags, and makes B again on every shard."""
+    shards, (w0, s0), (w1, s1) = group()
+    deposited(w0, s0, {0, 1}, rnd)
+    shards[1].save(str(tmp_path / "shard1.pt"))
+    b, _ = deposited(w0, s0, {0, 1}, rnd)
+    shards[1].load(str(tmp_path / "shard1.pt"))
+
+    def tags() -> list:
+        return [m.get("tag") for m in w1.client.get_model(rnd, 0)]
+
+    assert len(set(tags())) == 2
+    w0.notes = []
+    w0.note = w0.notes.append
+    if rnd < 0:
+        s0.keep_outcome(w0, *s0.outcome)
+    else:
+        s0.keep_deposit(w0, rnd, 0.5)
+    assert len(set(tags())) == 1 and any("depositing it again" in n for n in w0.notes), w0.notes
+    assert slices_of(w1.client.get_model(rnd, 0), b) == [True, True]
+    s0.keep_outcome(w0, *s0.outcome) if rnd < 0 else s0.keep_deposit(w0, rnd, 0.5)
+    assert len(w0.notes) == 1, "deposited again where every shard held it"

@@ -27,7 +27,7 @@ Server rule: the shards are the exchange and the reduction.
   outcome) deposits that round again, and its second deposit replaces the first, so a
   reader takes a deposit only when every shard's slice carries the same tag, else asks
   again (`one_deposit`, `whole_deposit`). The index (`models`) lists each trainer's
-  latest outcome's round beside the deposits.
+  latest outcome's round beside the deposits, and the tags of both.
 - `get_model` with owner -1 (truncation): every live trainer's score of round r,
   parked until all of them have deposited it (`tournament.Scoreboard`).
 
@@ -45,9 +45,10 @@ follows (LBANN ends with a final local round after the last tournament), the lea
 A diverged trainer (a non-finite loss) makes no update at that step and loses its next
 round, whatever its loss does until then (`LtfbSchedule.diverge`); in a group its step
 is dropped, or at a round's last step closed on the others (`GroupSteps.passed`). A
-deposit that a shard lost (restored from an older checkpoint) is made again while its
-trainer waits for its partner's (`keep_deposit`); an outcome, while its leader's next
-group step waits for the followers that wait for it (`group_exchange`).
+deposit that a shard lost (restored from an older checkpoint), or holds as another
+deposit of the same round (restored from one taken between the two), is made again
+while its trainer waits for its partner's (`keep_deposit`); an outcome, while its
+leader's next group step waits for the followers that wait for it (`group_exchange`).
 
 The global model (for the evaluator, and a worker rejoining a trainer of one) is the
 best-scored deposit of the latest round: its (round, trainer) is chosen once from every
@@ -222,10 +223,15 @@ class LtfbRule(ServerRule):
         return Answer(token, {"round": round_, "scores": [[t, s] for t, s in sorted(board.items())]})
 
     def index(self, token: Any) -> list[Decision]:
-        """The deposits held, [[round, trainer, score], ...], and each trainer's latest
-        outcome, [[round, trainer], ...] (`trainer_model`)."""
+        """The deposits held, [[round, trainer, score], ...], each trainer's latest
+        outcome, [[round, trainer], ...] (`trainer_model`), and the tags of both,
+        [[round, trainer, tag], ...], an outcome's round negative, as deposited (a leader
+        tells its own deposit from another of the same round: `holds`)."""
+        latest = sorted(self.outcomes.latest.items())
+        tags = [[r, o, self.tags.get((r, o))] for r, o in sorted(self.scores)]
         return [Answer(token, {"models": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
-                               "outcomes": [[r, o] for o, (r, _) in sorted(self.outcomes.latest.items())]})]
+                               "outcomes": [[r, o] for o, (r, _) in latest],
+                               "tags": tags + [[-r, o, self.tags.get(("outcome", o))] for o, (r, _) in latest]})]
 
     # ------------------------------------------------------------ a trainer's steps
     def push(self, e: Push) -> list[Decision]:
@@ -286,6 +292,19 @@ class LtfbRule(ServerRule):
 
     def stats(self) -> dict:
         return {**super().stats(), "dropped": self.groups.dropped}
+
+
+def holds(index: Any, trainer: int, rnd: int, tag: int | None) -> bool:
+    """Does a shard's index (its `models` answer) hold trainer `trainer`'s deposit of
+    round `rnd` (its outcome, where `rnd` < 0) tagged `tag`, or one of a later round? A
+    deposit of that round with another tag is another deposit (a shard restored from a
+    checkpoint taken between two deposits of the round keeps the first): the readers
+    never take slices of two (`one_deposit`), so it is made again."""
+    if rnd < 0:
+        later = any(int(o) == trainer and int(r) > -rnd for r, o in index.get("outcomes") or ())
+    else:
+        later = any(int(o) == trainer and int(r) > rnd for r, o, _ in index.get("models"))
+    return later or [rnd, trainer, tag] in (index.get("tags") or ())
 
 
 def choose_best(indexes: list[list]) -> tuple[int, int] | None:
@@ -705,11 +724,12 @@ class LtfbSchedule(Schedule):
 
     def keep_outcome(self, w: Trainer, rnd: int, score: float, arrays: list, tag: int) -> None:
         """The outcome of round -`rnd` (scored `score`, `arrays` and `tag` as deposited:
-        the same deposit) again if a shard has none of that round or later (`group_exchange`)."""
-        if all(any(int(o) == self.trainer and int(r) >= -rnd for r, o in m.get("outcomes") or ())
-               for m in w.client.index()):
+        the same deposit) again if a shard holds neither it nor one of a later round
+        (`group_exchange`, `holds`)."""
+        if all(holds(m, self.trainer, rnd, tag) for m in w.client.index()):
             return
-        w.note(f"round {-rnd}: a shard lost trainer {self.trainer}'s outcome; depositing it again")
+        w.note(f"round {-rnd}: a shard lost trainer {self.trainer}'s outcome (or holds another of the round); "
+               f"depositing it again")
         w.client.put_model(rnd, score, arrays, w.clock, tag)
 
     def finish(self, w: Trainer) -> None:
@@ -848,14 +868,14 @@ class LtfbSchedule(Schedule):
             window = min(2 * window, self.cfg.cluster.timeout_s)
 
     def keep_deposit(self, w: Trainer, rnd: int, own: float) -> None:
-        """This trainer's deposit of round `rnd` (scored `own`) again if a shard has none
-        of that round or later: the partner may wait for it (and may have taken ours
-        only from a deposit again of its own). The replica still holds the deposited
-        model: a deposit again is the same one, with its tag."""
-        if all(any(int(o) == self.trainer and int(r) >= rnd for r, o, _ in m.get("models"))
-               for m in w.client.index()):
+        """This trainer's deposit of round `rnd` (scored `own`) again if a shard holds
+        neither it nor one of a later round (`holds`): the partner may wait for it (and
+        may have taken ours only from a deposit again of its own). The replica still
+        holds the deposited model: a deposit again is the same one, with its tag."""
+        if all(holds(m, self.trainer, rnd, self.deposit_tag) for m in w.client.index()):
             return
-        w.note(f"round {rnd}: a shard lost trainer {self.trainer}'s deposit; depositing it again")
+        w.note(f"round {rnd}: a shard lost trainer {self.trainer}'s deposit (or holds another of the round); "
+               f"depositing it again")
         self.deposit_model(w, rnd, own, self.deposit_tag)
 
     def scores(self, w: Trainer, rnd: int, own: float) -> dict[int, float]:

@@ -370,16 +370,21 @@ def _ctrl_c_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, was)
 
 
-def _alone(call: Callable) -> Callable:
+def _alone(call: Callable | None = None, *, what: str = "") -> Callable:
     """A connection's call, refused (JobError, and nothing done) while another thread is
     in one of its calls: they share its sockets, which are not thread-safe (ZeroMQ's: two
     calls at once can kill the process, or take each other's answers), as an evaluation
     thread's report() beside the loop's step() or close() would. One thread after another
-    is fine."""
+    is fine. `what`: the call as the error names it (default its name: `step()`), for
+    one the script makes without naming it (`@_alone(what=...)`)."""
+    if call is None:
+        return functools.partial(_alone, what=what)
+    what = what or f"{call.__name__}()"
+
     @functools.wraps(call)
     def alone(self: Connection, *args: Any, **kwargs: Any) -> Any:
         if not self._busy.acquire(blocking=False):
-            raise JobError(f"{call.__name__}() while another thread is in a call of this connection: a "
+            raise JobError(f"{what} while another thread is in a call of this connection: a "
                            f"connection is used by one thread at a time (its sockets are not thread-safe)")
         try:
             return call(self, *args, **kwargs)
@@ -833,7 +838,7 @@ class Connection(Worker):
         else:
             self.close(self._raised(e))
 
-    @_alone
+    @_alone(what="leaving the job on the training script's KeyboardInterrupt (Ctrl-C)")
     def _leave_interrupted(self, error: str) -> None:
         """`_interrupted` for a Ctrl-C in the script's training: nothing to settle or hold."""
         if not self.closed:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -30,6 +31,7 @@ from torch import nn
 
 import psgd
 from psgd.config import Config
+from psgd.connection import Connection
 from psgd.inprocess import InProcessCluster
 from psgd.launcher import LocalJob
 from tests.conftest import free_port_block
@@ -339,3 +341,15 @@ def test_a_second_ctrl_c_as_with_leaves_does_not_cut_the_finish_short(port_block
         assert raised.value is first
         assert cluster.coordinator.abort == "worker 0's training script raised KeyboardInterrupt: the first"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.unit
+def test_a_ctrl_c_while_another_thread_is_in_a_call_names_what_it_could_not_do():
+    """A Ctrl-C in the script's training while another thread is in one of the
+    connection's calls (an evaluation thread's report()) cannot use its sockets: the
+    error says so in the script's terms, not by the name of a private method."""
+    busy = type("Busy", (), {"_busy": threading.Lock()})()
+    busy._busy.acquire()
+    with pytest.raises(psgd.JobError, match=r"^leaving the job on the training script's KeyboardInterrupt "
+                                            r"\(Ctrl-C\) while another thread is in a call of this connection"):
+        Connection._leave_interrupted(busy, "worker 0's training script raised KeyboardInterrupt")

@@ -402,9 +402,10 @@ def test_a_push_sent_again_at_a_windows_end_is_not_encoded_again():
             return [wire.Message("reply", 1, 0, 0, {"step": 1})]
         return [wire.Message("reply", 1, 0, 0, {"duplicate": len(sent) > 1})]
     c.begin, c.finish = begin, finish
-    c.index = lambda: [wire.Message("reply", 1, 0, 0, {"models": [], "outcomes": [[1, 0]]})]
+    c.index = lambda: [wire.Message("reply", 1, 0, 0, {"models": [], "outcomes": [[1, 0]], "tags": [[-1, 0, 7]]})]
     g = torch.randn(100)
-    w = types.SimpleNamespace(clock=3, client=c, now=lambda: now[0], rank=0, note=lambda text: None,
+    notes: list[str] = []
+    w = types.SimpleNamespace(clock=3, client=c, now=lambda: now[0], rank=0, note=notes.append,
                               replica=types.SimpleNamespace(n=1, grads=lambda: [g], buffers=lambda: [torch.zeros(0)]))
     s = LtfbSchedule(cfg)
     s.trainer, s.outcome = 0, (-1, 0.5, [[torch.zeros(100)]], 7)
@@ -414,4 +415,4 @@ def test_a_push_sent_again_at_a_windows_end_is_not_encoded_again():
     left = g.clone()
     left[g.abs().topk(c._compressors[0].k).indices] = 0
     assert torch.allclose(c._compressors[0].residual, left)
-    assert s.outcome is None
+    assert s.outcome is None and not notes, "the outcome, held by the shard, was deposited again"

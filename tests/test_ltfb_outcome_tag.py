@@ -327,14 +327,17 @@ def test_a_shard_restored_between_two_deposits_of_a_round_is_given_the_second_ag
     def tags() -> list:
         return [m.get("tag") for m in w1.client.get_model(rnd, 0)]
 
+    def keep() -> None:
+        if rnd < 0:
+            s0.keep_outcome(w0, *s0.outcome)
+        else:
+            s0.keep_deposit(w0, rnd, 0.5)
+
     assert len(set(tags())) == 2
     w0.notes = []
     w0.note = w0.notes.append
-    if rnd < 0:
-        s0.keep_outcome(w0, *s0.outcome)
-    else:
-        s0.keep_deposit(w0, rnd, 0.5)
+    keep()
     assert len(set(tags())) == 1 and any("depositing it again" in n for n in w0.notes), w0.notes
     assert slices_of(w1.client.get_model(rnd, 0), b) == [True, True]
-    s0.keep_outcome(w0, *s0.outcome) if rnd < 0 else s0.keep_deposit(w0, rnd, 0.5)
+    keep()
     assert len(w0.notes) == 1, "deposited again where every shard held it"

@@ -227,11 +227,11 @@ class LtfbRule(ServerRule):
         outcome, [[round, trainer], ...] (`trainer_model`), and the tags of both,
         [[round, trainer, tag], ...], an outcome's round negative, as deposited (a leader
         tells its own deposit from another of the same round: `holds`)."""
-        latest = sorted(self.outcomes.latest.items())
-        tags = [[r, o, self.tags.get((r, o))] for r, o in sorted(self.scores)]
-        return [Answer(token, {"models": [[r, o, s] for (r, o), s in sorted(self.scores.items())],
+        deposits, latest = sorted(self.scores.items()), sorted(self.outcomes.latest.items())
+        return [Answer(token, {"models": [[r, o, s] for (r, o), s in deposits],
                                "outcomes": [[r, o] for o, (r, _) in latest],
-                               "tags": tags + [[-r, o, self.tags.get(("outcome", o))] for o, (r, _) in latest]})]
+                               "tags": [[r, o, self.tags.get((r, o))] for (r, o), _ in deposits]
+                               + [[-r, o, self.tags.get(("outcome", o))] for o, (r, _) in latest]})]
 
     # ------------------------------------------------------------ a trainer's steps
     def push(self, e: Push) -> list[Decision]:

@@ -4,16 +4,16 @@
 
 Registers with the coordinator (which hands out the run's config), learns the model's
 layout from it unless the model is one of psgd's own (psgd/layout.py: the server never
-imports user code), removes its checkpoint's temp files that a killed shard left
-(`_remove_leftovers`), restores its checkpoint if one exists, binds its ROUTER on shard
-I's address and serves until the coordinator says the job is done. A bad message gets
-an error reply and is counted; the loop goes on. It exits 1 if the coordinator stays
-silent for cluster.timeout_s, or if no worker registers a learned model's layout within
-that time. Checkpoints are written every `checkpoint.every_s` seconds, as a run
-resumed from them starts (its counters from zero), when training ends (every worker
-done: a shard restarted during the final evaluation resumes the final tables) and on
-SIGTERM (atomically), and once more at the end (while that one is written,
-DIR/pids/server-I.saving says so: psgd run's stop waits for it).
+imports user code), removes its checkpoint's temp files and its `.saving` note that a
+killed shard left (`_remove_leftovers`), restores its checkpoint if one exists, binds
+its ROUTER on shard I's address and serves until the coordinator says the job is done. A
+bad message gets an error reply and is counted; the loop goes on. It exits 1 if the
+coordinator stays silent for cluster.timeout_s, or if no worker registers a learned
+model's layout within that time. Checkpoints are written every `checkpoint.every_s`
+seconds, as a run resumed from them starts (its counters from zero), when training ends
+(every worker done: a shard restarted during the final evaluation resumes the final
+tables) and on SIGTERM (atomically), and once more at the end (while that one is
+written, DIR/pids/server-I.saving says so: psgd run's stop waits for it).
 """
 from __future__ import annotations
 
@@ -199,7 +199,10 @@ class ShardServer:
         """Remove this shard's checkpoint temp files (`write_checkpoint`'s
         `shard-I.pt.tmp.PID.TID`) whose writer is gone (`writer_gone`): a shard killed
         while writing one left a checkpoint-sized file that nothing removed. Another
-        process's file, while it lives, is left alone."""
+        process's file, while it lives, is left alone. The same for its note
+        `pids/server-I.saving` (`_saving`), which a shard killed while writing its
+        checkpoint at exit left: psgd run's stop removes the note of a shard it killed,
+        but under Compose or Slurm it stayed, saying a checkpoint was being written."""
         for tmp in glob.glob(glob.escape(path) + ".tmp.*"):
             pid, _, tid = tmp[len(path) + len(".tmp."):].partition(".")
             if pid.isdigit() and tid.isdigit() and writer_gone(tmp, int(pid)):
@@ -207,6 +210,17 @@ class ShardServer:
                     os.remove(tmp)
                     log(self.name, f"removed {os.path.basename(tmp)}, a checkpoint that process {pid} "
                                    f"left half-written")
+        note = pid_path(self.out, self.name, "saving") if self.out else ""
+        try:
+            with open(note) as f:
+                pid = f.read().strip()
+        except OSError:   # (none: the usual case)
+            return
+        if pid.isdigit() and writer_gone(note, int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(note)
+                log(self.name, f"removed pids/{os.path.basename(note)}, the note of a checkpoint at exit that "
+                               f"process {pid} did not finish")
 
     def _others_unresumable(self, shard: Shard, path: str) -> str:
         """'' if every other shard's checkpoint would be resumed too, else which would not."""

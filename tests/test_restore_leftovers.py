@@ -1,5 +1,5 @@
 """What a shard killed with -9 mid-training and restored leaves behind: its clocks, its
-groups' open steps, its step lines, its checkpoint's temp files."""
+groups' open steps, its step lines, its checkpoint's temp files and its `.saving` note."""
 from __future__ import annotations
 
 import pytest
@@ -148,7 +148,8 @@ def test_a_temp_files_writer_is_gone_only_when_no_process_that_could_have_writte
 def test_a_restarted_shard_removes_the_checkpoint_its_killed_life_left_half_written(tmp_path, monkeypatch):
     """A shard killed while writing a checkpoint left `checkpoints/shard-I.pt.tmp.PID.TID`
     behind, a checkpoint-sized file that nothing removed. Restarted, it removes its own
-    index's whose writer is gone; a live process's, and another shard's, stay."""
+    index's whose writer is gone; a live process's, and another shard's, stay. So with
+    the note `pids/server-I.saving` of a shard killed while writing its checkpoint at exit."""
     import os
     import subprocess
 
@@ -167,6 +168,8 @@ def test_a_restarted_shard_removes_the_checkpoint_its_killed_life_left_half_writ
         made["gone"] = leftover(os.path.join(folder, "shard-1.pt"), ended.pid)
         made["live"] = leftover(os.path.join(folder, "shard-1.pt"), sleeper.pid)
         made["other"] = leftover(os.path.join(folder, "shard-0.pt"), ended.pid)
+        with open(os.path.join(jj.out, "pids", "server-1.saving"), "w") as f:   # (the note of one killed at exit)
+            f.write(f"{ended.pid}\n")
     monkeypatch.setattr(restart_modes, "wait_for_steps", then_leave_leftovers)
     try:
         s = restart_modes.kill_and_restart(j, "server-1", (0, 100))
@@ -178,6 +181,7 @@ def test_a_restarted_shard_removes_the_checkpoint_its_killed_life_left_half_writ
     assert os.path.exists(made["live"]) and os.path.exists(made["other"])
     said = open(os.path.join(j.out, "logs", "server-1.log")).read()
     assert f"removed {os.path.basename(made['gone'])}" in said, said
+    assert f"removed pids/server-1.saving, the note of a checkpoint at exit that process {ended.pid}" in said, said
 
 
 @pytest.mark.unit
@@ -199,3 +203,37 @@ def test_a_temp_file_its_live_writer_holds_open_is_not_gone_after_the_clock_step
         real = time.time
         monkeypatch.setattr(time, "time", lambda: real() + 3600)   # stepped an hour on
         assert not writer_gone(tmp, os.getpid())
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_restarted_shard_removes_the_saving_note_its_killed_life_left(tmp_path, capsys):
+    """A shard killed (-9) while writing its checkpoint at exit left DIR/pids/server-I.saving.
+    psgd run's stop removes it, but under Compose or Slurm nothing did: the note said for
+    good that the shard was writing its checkpoint. Started again, the shard removes its
+    own index's note where the process it names is gone; a live writer's note, and another
+    shard's, stay."""
+    import os
+    import subprocess
+
+    from psgd.config import load
+    from psgd.metrics import pid_path
+    from psgd.servers.shard_server import ShardServer
+    out = str(tmp_path)
+    cfg = load(None, ["cluster.servers=2"], env={})
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    mine, other = pid_path(out, "server-1", "saving"), pid_path(out, "server-0", "saving")
+    os.makedirs(os.path.dirname(mine))
+    for note in (mine, other):
+        with open(note, "w") as f:
+            f.write(f"{ended.pid}\n")
+    server = ShardServer(cfg, 1, out)
+    server._remove_leftovers(cfg.checkpoint_file(out, 1))
+    assert not os.path.exists(mine) and os.path.exists(other)
+    assert f"removed pids/server-1.saving, the note of a checkpoint at exit that process {ended.pid}" in \
+        capsys.readouterr().err
+    with open(mine, "w") as f:   # a live process's, written now: its writer, as far as can be told
+        f.write(f"{os.getpid()}\n")
+    server._remove_leftovers(cfg.checkpoint_file(out, 1))
+    assert os.path.exists(mine)

@@ -45,6 +45,7 @@ from .config import (
     MODES,
     Config,
     ConfigError,
+    config_key,
     format_value,
     given_sets,
     load,
@@ -76,12 +77,6 @@ class ModeSpec:
     @property
     def sweep_value(self) -> Any:
         return dict(self.params).get(self.sweep) if self.sweep else None
-
-
-def config_key(key: str) -> str:
-    """A --modes item's key as the config key it sets: a mode's parameter (`staleness`) is
-    `mode.staleness`; a SECTION.KEY is itself."""
-    return key if "." in key else f"mode.{key}"
 
 
 def _is_config_key(key: str) -> bool:

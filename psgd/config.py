@@ -692,6 +692,12 @@ def parse_value_for(dotted: str, text: str) -> Any:
     return text if isinstance(default, str) and not isinstance(value, str) else value
 
 
+def config_key(key: str) -> str:
+    """A --modes item's key as the config key it sets: a mode's parameter (`staleness`) is
+    `mode.staleness`; a SECTION.KEY is itself."""
+    return key if "." in key else f"mode.{key}"
+
+
 def format_value(v: Any) -> str:
     """`v` as a --set or --modes item writes it: `[0.9,0.99]`,
     `{optimizer.lr=[0.01,0.1]}`, not Python's repr (`{'optimizer': {'lr': [0.01, 0.1]}}`),

@@ -17,7 +17,8 @@ the `sync` row with the same worker count, kind (real or simulated) and settings
 row with settings of its own, which would be its own reference: the plain `sync`, else the
 first value of its sweep, named under the table), and against the sequential baseline
 (real rows only: a virtual second is not a real one). The "reading" paragraph is
-generated from these numbers. This module assembles report.md; the parts live in
+generated from these numbers, and the section after it gives each configuration as the
+`psgd run` that trains it (`run_commands`). This module assembles report.md; the parts live in
 psgd.report_numbers (rows, statistics), psgd.report_tables (markdown tables),
 psgd.report_reading and psgd.report_relations (the sentences) and psgd.report_plots
 (matplotlib; without it the report is written without plots). Their public names are
@@ -27,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 
-from .config import is_number
+from .config import config_key, format_value, is_number
 from .metrics import write_text_atomic
 from .report_numbers import (
     SIM_SUFFIX,
@@ -53,8 +55,8 @@ from .report_relations import sweep_sentences
 from .report_tables import clip, detail_table, main_table
 
 __all__ = ["PLOT_DPI", "Row", "build_rows", "describe_faults", "detail_table", "eval_period", "main",
-           "main_table", "make_plots", "mean", "reading", "render", "sd", "spearman", "sweep_sentences",
-           "sweeps", "trend", "worker_sweeps", "write_report"]
+           "main_table", "make_plots", "mean", "reading", "render", "run_commands", "sd", "spearman",
+           "sweep_sentences", "sweeps", "trend", "worker_sweeps", "write_report"]
 
 
 def _budget(job: dict, varies: list[str]) -> str:
@@ -254,6 +256,7 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     lines.append("")
     lines += [f"- {s}" for s in reading(rows, ctx)]
     lines.append("")
+    lines += run_commands(rows, ctx)
     failed = [(r, e) for r in rows for e in r.failed]
     if failed:
         lines.append("## Failed runs")
@@ -269,6 +272,33 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
     elif plt_or_none() is None:
         lines += ["(No plots: matplotlib is not installed; `pip install 'psgd[plots]'`.)", ""]
     return "\n".join(lines)
+
+
+def run_commands(rows: list[Row], ctx: dict) -> list[str]:
+    """The section that gives each configuration of a comparison as a `psgd run` of its
+    own (README: measure, "then train with the winner"): the comparison's config file,
+    shards, `--set` and device, and the configuration's mode, workers and item keys, as
+    `compare.build_plan` built its runs (the seed is its first repeat's). None for psgd
+    simulate's rows or merged folders (each folder's runs had a command of their own)."""
+    configs = [r for r in rows if not r.is_baseline and not r.simulated]
+    if ctx.get("simulated") or ctx.get("setups") or not configs:
+        return []
+    config = [ctx["config"]] if ctx.get("config") else []
+    shared = ["--servers", str(ctx["servers"])] if isinstance(ctx.get("servers"), int) else []
+    for s in ctx.get("sets") or []:
+        shared += ["--set", s]
+    device = (ctx.get("machine") or {}).get("device")
+    if device and device != "auto":
+        shared += ["--device", device]
+    lines = ["## Training with a configuration", "",
+             "Each configuration as a job of its own, with this comparison's settings: `psgd run` trains it with "
+             "its first repeat's seed and writes a folder of its own under runs/ (`--out` names another). A "
+             "`--set train.steps=N` (or `train.seconds`) added at the end sets a longer budget.", ""]
+    for r in configs:
+        keys = [x for k, v in (r.params or {}).items() for x in ("--set", f"{config_key(k)}={format_value(v)}")]
+        command = ["psgd", "run", *config, "--mode", r.mode, "--workers", str(r.workers), *shared, *keys]
+        lines.append(f"- {r.name}, {r.workers} worker{'s' if r.workers != 1 else ''}: `{shlex.join(command)}`")
+    return lines + [""]
 
 
 def item_fault_lines(rows: list[Row], common: dict, stated: bool) -> list[str]:

@@ -654,8 +654,11 @@ def test_staleness_plot_caption_matches_its_axis(tmp_path, monkeypatch):
 def test_ssp_bound_and_measured_staleness_are_named_apart(tmp_path):
     results = [fake_run(f"ssp:staleness={s}", "ssp", 3, 0, 0.95, 1.0, 9000.0, stal, 3, {"0": 2, "2": 3},
                         params={"staleness": s}, sweep="staleness") for s, stal in ((0, 1.19), (2, 1.8))]
-    text = open(write_report(str(tmp_path), results, NO_FAULTS)).read()
+    text, commands = open(write_report(str(tmp_path), results, NO_FAULTS)).read().split(
+        "## Training with a configuration")
     assert "staleness=" not in text and "staleness mean" not in text.replace("measured staleness mean", "")
+    # (a command names the config key the bound is set by, as a user types it)
+    assert "- ssp (bound s=2), 3 workers: `psgd run --mode ssp --workers 3 --set mode.staleness=2`" in commands
     assert "| measured staleness mean / max |" in text
     assert "| ssp (bound s=0) | 3 |" in text and "| 1.19 / 3 |" in text
     assert "Sweep of ssp bound s over 0, 2 (3 workers)" in text

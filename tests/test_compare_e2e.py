@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 
+from psgd.config import load
 from tests.test_compare import ROOT, check_png
 
 pytestmark = pytest.mark.processes
@@ -17,7 +19,8 @@ pytestmark = pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_compare_end_to_end(tmp_path):
     """Real processes: the CLI runs sync and an ssp staleness sweep with 2 workers, plus the
-    baseline, and writes compare.json, report.md and valid PNG plots."""
+    baseline, and writes compare.json, report.md and valid PNG plots; the report's command for
+    a configuration trains it as its run in the comparison was configured."""
     out = tmp_path / "cmp"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
     cmd = [sys.executable, "-m", "psgd", "compare", "--modes", "sync,ssp:staleness=0,3", "--workers", "2",
@@ -59,6 +62,18 @@ def test_compare_end_to_end(tmp_path):
             or "Shortest time to 0.5 test accuracy" in said
             or "Time to 0.5 does not rank the configurations" in said), said
     assert all(r["eval_every_s"] == 0.25 for r in runs[1:]) and "eval_every_s" not in runs[0]
+    # Training with a configuration: its command trains it as the comparison's run did (config.toml alike)
+    section = text.split("## Training with a configuration", 1)[1].split("\n## ", 1)[0]
+    line = next(x for x in section.splitlines() if x.startswith("- ssp (bound s=3), 2 workers: `psgd run "))
+    argv = shlex.split(line.split(": `", 1)[1].rstrip("`"))
+    again = tmp_path / "again"
+    p = subprocess.run([sys.executable, "-m", "psgd", *argv[1:], "--quiet", "--timeout", "240", "--out", str(again)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ran, compared = (load(str(d / "config.toml"), [], env={}).to_dict() for d in (again, out / runs[3]["dir"]))
+    for c in (ran, compared):
+        c["cluster"].pop("port")   # (each job's own free block)
+    assert ran == compared
     pytest.importorskip("matplotlib")   # the plots: psgd[plots]
     for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput.png", "staleness.png",
                  "sweep_ssp_staleness_w2.png"):

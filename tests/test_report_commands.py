@@ -1,0 +1,74 @@
+"""The report's `psgd run` command for each configuration of a comparison ("then train with
+the winner"): it must build the config that the comparison's run of that configuration had."""
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+
+from psgd import cli
+from psgd.compare import build_plan, parse_modes
+from psgd.config import load
+from psgd.report import build_rows, run_commands
+from psgd.report import main as report_main
+
+from .test_report_claims import CTX, run
+from .test_report_review import _folder
+
+pytestmark = pytest.mark.unit
+
+MODES = "sync,ssp:staleness=0,3,async:wire.compression=topk:wire.topk_fraction=0.05,easgd:tau=2:alpha=0.3"
+SETS = ["train.steps=60", "eval.target_accuracy=0.5", "optimizer.lr=0.05"]
+
+
+def commands(lines: list[str]) -> dict[str, list[str]]:
+    """A section's commands by the configuration they are given for ("sync, 2 workers")."""
+    out = {}
+    for line in lines:
+        if line.startswith("- "):
+            name, _, command = line[2:].partition(": `")
+            out[name] = shlex.split(command.rstrip("`"))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_each_configurations_command_builds_the_config_its_runs_had(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nhidden = 64\n\n[cluster]\nservers = 3\n')
+    base = load(str(config), SETS, env={})
+    plan = [r for r in build_plan(base, parse_modes(MODES), [1, 2], 1) if not r.is_baseline]
+    results = [run("baseline", "baseline", workers=1)] + [
+        run(r.label, r.mode, params=r.params, workers=r.workers) for r in plan]
+    ctx = {**CTX, "config": str(config), "sets": SETS, "servers": 3, "machine": {"device": "cpu"}}
+    rows = build_rows(results)
+    given = commands(run_commands(rows, ctx))
+    built = {(r.label, r.workers): r.cfg for r in plan}
+    assert len(given) == len(built) == 10
+    for row in rows:
+        if row.is_baseline:
+            continue
+        argv = given.pop(f"{row.name}, {row.workers} worker{'s' if row.workers != 1 else ''}")
+        assert argv[:3] == ["psgd", "run", str(config)] and argv[argv.index("--device") + 1] == "cpu", argv
+        args = cli.parser().parse_args(argv[1:])
+        cfg = cli._config(args, {"mode.name": args.mode, "cluster.workers": args.workers,
+                                 "cluster.servers": args.servers})
+        assert cfg.to_dict() == built[row.key].to_dict(), argv
+    assert not given   # (the baseline's among them: it is a plain loop, not a psgd job)
+
+
+@pytest.mark.timeout(60)
+def test_the_section_gives_no_command_for_simulated_rows_merged_folders_or_a_baseline_alone(tmp_path):
+    rows = build_rows([run("baseline", "baseline", workers=1), run("sync")])
+    assert run_commands(rows, {**CTX, "servers": 2})[0] == "## Training with a configuration"
+    assert commands(run_commands(rows, {**CTX, "servers": 2})) == {
+        "sync, 2 workers": ["psgd", "run", "--mode", "sync", "--workers", "2", "--servers", "2"]}
+    assert run_commands(rows, {**CTX, "simulated": {"compute_s": 0.01}}) == []
+    assert run_commands(rows, {**CTX, "setups": [{"folder": "a", "command": "psgd compare"}]}) == []
+    assert run_commands(build_rows([run("baseline", "baseline", workers=1)]), CTX) == []
+    assert run_commands(build_rows([run("sync", simulated=True)]), CTX) == []
+    out = _folder(str(tmp_path / "c"), [run("sync"), run("async", "async")], {**CTX, "servers": 1})
+    assert report_main([out]) == 0
+    text = open(os.path.join(out, "report.md")).read()
+    section = text.split("## Training with a configuration", 1)[1].split("\n## ", 1)[0]
+    assert "- async, 2 workers: `psgd run --mode async --workers 2 --servers 1`" in section

@@ -46,6 +46,7 @@ from .config import (
     Config,
     ConfigError,
     config_key,
+    env_sets,
     format_value,
     given_sets,
     load,
@@ -737,6 +738,7 @@ def context(args, base: Config, workers: list[int], plan: list[Run]) -> dict:
         "command": command_line(args),
         "config": args.config,
         "sets": list(args.set),
+        "env_sets": env_sets(),   # (PSGD_<SECTION>_<KEY>: the report's `psgd run` commands give them as --set)
         "modes": args.modes,
         "workers": workers,
         "servers": sample.cluster.servers,

@@ -766,6 +766,11 @@ def _env_sets(env: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     return out
 
 
+def env_sets(env: Mapping[str, str] | None = None) -> list[str]:
+    """The settings of the PSGD_<SECTION>_<KEY> variables, as `--set` items."""
+    return [f"{dotted}={format_value(value)}" for dotted, value, _ in _env_sets(os.environ if env is None else env)]
+
+
 def given_keys(path: str | None = None, sets: list[str] | tuple = (),
                env: Mapping[str, str] | None = None) -> set[str]:
     """The dotted keys that the file, the environment or `--set` give a value (the rest

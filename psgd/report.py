@@ -277,23 +277,29 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
 def run_commands(rows: list[Row], ctx: dict) -> list[str]:
     """The section that gives each configuration of a comparison as a `psgd run` of its
     own (README: measure, "then train with the winner"): the comparison's config file,
-    shards, `--set` and device, and the configuration's mode, workers and item keys, as
-    `compare.build_plan` built its runs (the seed is its first repeat's). None for psgd
-    simulate's rows or merged folders (each folder's runs had a command of their own)."""
+    shards, PSGD_* settings, `--set` and device, and the configuration's mode, workers and
+    item keys, as `compare.build_plan` built its runs (the seed is its first repeat's), but
+    for the folder of its own that each run had inside a `checkpoint.dir` (a job run again
+    from there would resume or replace the comparison's), and the comparison's --timeout
+    (a short run's limit would stop a longer job). None for psgd simulate's rows or merged
+    folders (each folder's runs had a command of their own)."""
     configs = [r for r in rows if not r.is_baseline and not r.simulated]
     if ctx.get("simulated") or ctx.get("setups") or not configs:
         return []
     config = [ctx["config"]] if ctx.get("config") else []
     shared = ["--servers", str(ctx["servers"])] if isinstance(ctx.get("servers"), int) else []
-    for s in ctx.get("sets") or []:
+    for s in [*(ctx.get("env_sets") or []), *(ctx.get("sets") or [])]:   # (--set beats the environment)
         shared += ["--set", s]
     device = (ctx.get("machine") or {}).get("device")
     if device and device != "auto":
         shared += ["--device", device]
     lines = ["## Training with a configuration", "",
-             "Each configuration as a job of its own, with this comparison's settings: `psgd run` trains it with "
-             "its first repeat's seed and writes a folder of its own under runs/ (`--out` names another). A "
-             "`--set train.steps=N` (or `train.seconds`) added at the end sets a longer budget.", ""]
+             "Each configuration as a job of its own, with this comparison's settings (its config file, "
+             "`--servers`, `--set` and `--device`, and the `PSGD_*` settings of its environment as `--set`): "
+             "`psgd run` trains it with its first repeat's seed. A job stops at whichever of `train.steps` and "
+             "`train.seconds` it reaches first: for a longer one, add `--set train.steps=N` at the end (or "
+             "`--set train.steps=0 --set train.seconds=S`). Where `checkpoint.dir` is set, these jobs share it "
+             "(each run of the comparison had a folder of its own inside it).", ""]
     for r in configs:
         keys = [x for k, v in (r.params or {}).items() for x in ("--set", f"{config_key(k)}={format_value(v)}")]
         command = ["psgd", "run", *config, "--mode", r.mode, "--workers", str(r.workers), *shared, *keys]

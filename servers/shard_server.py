@@ -199,10 +199,13 @@ class ShardServer:
         """Remove this shard's checkpoint temp files (`write_checkpoint`'s
         `shard-I.pt.tmp.PID.TID`) whose writer is gone (`writer_gone`): a shard killed
         while writing one left a checkpoint-sized file that nothing removed. Another
-        process's file, while it lives, is left alone. The same for its note
-        `pids/server-I.saving` (`_saving`), which a shard killed while writing its
-        checkpoint at exit left: psgd run's stop removes the note of a shard it killed,
-        but under Compose or Slurm it stayed, saying a checkpoint was being written."""
+        process's file, while it lives, is left alone. Its note `pids/server-I.saving`
+        (`_saving`) too, which a shard killed while writing its checkpoint at exit left:
+        psgd run's stop removes the note of a shard it killed, but under Compose or Slurm
+        it stayed, saying a checkpoint was being written. (Its writer does not hold it
+        open, so only the pid and the times tell: a second shard of this index writing
+        at once, on another host sharing DIR or before a clock step, could lose its note;
+        the note's only reader, psgd run's stop, reads it of its own child's pid.)"""
         for tmp in glob.glob(glob.escape(path) + ".tmp.*"):
             pid, _, tid = tmp[len(path) + len(".tmp."):].partition(".")
             if pid.isdigit() and tid.isdigit() and writer_gone(tmp, int(pid)):

@@ -9,7 +9,7 @@ import pytest
 
 from psgd import cli
 from psgd.compare import build_plan, parse_modes
-from psgd.config import load
+from psgd.config import env_sets, load
 from psgd.report import build_rows, run_commands
 from psgd.report import main as report_main
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.unit
 
 MODES = "sync,ssp:staleness=0,3,async:wire.compression=topk:wire.topk_fraction=0.05,easgd:tau=2:alpha=0.3"
 SETS = ["train.steps=60", "eval.target_accuracy=0.5", "optimizer.lr=0.05"]
+ENV = {"PSGD_OPTIMIZER_MOMENTUM": "0.5", "PSGD_OPTIMIZER_LR": "0.2"}   # (the --set's lr beats this one)
 
 
 def commands(lines: list[str]) -> dict[str, list[str]]:
@@ -33,14 +34,20 @@ def commands(lines: list[str]) -> dict[str, list[str]]:
 
 
 @pytest.mark.timeout(60)
-def test_each_configurations_command_builds_the_config_its_runs_had(tmp_path):
+def test_each_configurations_command_builds_the_config_its_runs_had(tmp_path, monkeypatch):
+    """Its PSGD_* settings too (they are not in the comparison's command), and its
+    checkpoint.dir as set, not the folder of its own that each run had inside it."""
     config = tmp_path / "job.toml"
-    config.write_text('[model]\nhidden = 64\n\n[cluster]\nservers = 3\n')
-    base = load(str(config), SETS, env={})
+    ck = tmp_path / "ck"
+    config.write_text(f'[model]\nhidden = 64\n\n[cluster]\nservers = 3\n\n[checkpoint]\ndir = "{ck}"\n')
+    base = load(str(config), SETS, env=ENV)
     plan = [r for r in build_plan(base, parse_modes(MODES), [1, 2], 1) if not r.is_baseline]
     results = [run("baseline", "baseline", workers=1)] + [
         run(r.label, r.mode, params=r.params, workers=r.workers) for r in plan]
-    ctx = {**CTX, "config": str(config), "sets": SETS, "servers": 3, "machine": {"device": "cpu"}}
+    ctx = {**CTX, "config": str(config), "sets": SETS, "env_sets": env_sets(ENV), "servers": 3,
+           "machine": {"device": "cpu"}}
+    for name in [k for k in os.environ if k.startswith("PSGD_")]:   # (the commands' jobs: a clean shell's)
+        monkeypatch.delenv(name)
     rows = build_rows(results)
     given = commands(run_commands(rows, ctx))
     built = {(r.label, r.workers): r.cfg for r in plan}
@@ -53,7 +60,10 @@ def test_each_configurations_command_builds_the_config_its_runs_had(tmp_path):
         args = cli.parser().parse_args(argv[1:])
         cfg = cli._config(args, {"mode.name": args.mode, "cluster.workers": args.workers,
                                  "cluster.servers": args.servers})
-        assert cfg.to_dict() == built[row.key].to_dict(), argv
+        assert cfg.optimizer.momentum == 0.5 and cfg.optimizer.lr == 0.05
+        assert cfg.checkpoint.dir == str(ck) and os.path.dirname(built[row.key].checkpoint.dir) == str(ck)
+        assert cfg.replace(**{"checkpoint.dir": built[row.key].checkpoint.dir}).to_dict() == \
+            built[row.key].to_dict(), argv
     assert not given   # (the baseline's among them: it is a plain loop, not a psgd job)
 
 

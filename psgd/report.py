@@ -11,18 +11,18 @@ or compare-context.json that psgd did not write. A compare.json of no
 run (`[]`, a compare interrupted before its first run ended) gives a report saying so, and
 a context that says the command was interrupted (`interrupted`, `not_run`) is said first.
 
-One row per configuration (label x worker count), repeats folded into mean ± sd; speedups
-are ratios of mean time to target (reference time / this time: > 1 is faster) against
-the `sync` row with the same worker count, kind (real or simulated) and settings (a sync
-row with settings of its own, which would be its own reference: the plain `sync`, else the
-first value of its sweep, named under the table), and against the sequential baseline
-(real rows only: a virtual second is not a real one). The "reading" paragraph is
-generated from these numbers, and the section after it gives each configuration as the
-`psgd run` that trains it (`run_commands`). This module assembles report.md; the parts live in
-psgd.report_numbers (rows, statistics), psgd.report_tables (markdown tables),
-psgd.report_reading and psgd.report_relations (the sentences) and psgd.report_plots
-(matplotlib; without it the report is written without plots). Their public names are
-importable from here as before.
+One row per configuration (label x worker count), repeats folded into mean ± sd;
+speedups are ratios of mean time to target (reference time / this time: > 1 is faster)
+against the `sync` row with the same worker count, kind (real or simulated) and settings
+(a sync row with settings of its own, which would be its own reference: the plain
+`sync`, else the first value of its sweep, named under the table), and against the
+sequential baseline (real rows only: a virtual second is not a real one). The "reading"
+paragraph is generated from these numbers, and the section after it gives each
+configuration as the `psgd run` that trains it (`run_commands`). This module assembles
+report.md; the parts live in psgd.report_numbers (rows, statistics), psgd.report_tables
+(markdown tables), psgd.report_reading and psgd.report_relations (the sentences) and
+psgd.report_plots (matplotlib; without it the report is written without plots). Their
+public names are importable from here as before.
 """
 from __future__ import annotations
 

@@ -205,7 +205,8 @@ class ShardServer:
         it stayed, saying a checkpoint was being written. (Its writer does not hold it
         open, so only the pid and the times tell: a second shard of this index writing
         at once, on another host sharing DIR or before a clock step, could lose its note;
-        the note's only reader, psgd run's stop, reads it of its own child's pid.)"""
+        psgd run's stop, the note's only reader, heeds it only where it names that
+        stop's own child.)"""
         for tmp in glob.glob(glob.escape(path) + ".tmp.*"):
             pid, _, tid = tmp[len(path) + len(".tmp."):].partition(".")
             if pid.isdigit() and tid.isdigit() and writer_gone(tmp, int(pid)):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from psgd.config import load
 from tests.test_compare import ROOT, check_png
+from tests.test_report_commands import commands
 
 pytestmark = pytest.mark.processes
 
@@ -64,8 +64,8 @@ def test_compare_end_to_end(tmp_path):
     assert all(r["eval_every_s"] == 0.25 for r in runs[1:]) and "eval_every_s" not in runs[0]
     # Training with a configuration: its command trains it as the comparison's run did (config.toml alike)
     section = text.split("## Training with a configuration", 1)[1].split("\n## ", 1)[0]
-    line = next(x for x in section.splitlines() if x.startswith("- ssp (bound s=3), 2 workers: `psgd run "))
-    argv = shlex.split(line.split(": `", 1)[1].rstrip("`"))
+    argv = commands(section.splitlines())["ssp (bound s=3), 2 workers"]
+    assert argv[:2] == ["psgd", "run"], argv
     again = tmp_path / "again"
     p = subprocess.run([sys.executable, "-m", "psgd", *argv[1:], "--quiet", "--timeout", "240", "--out", str(again)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -171,7 +171,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every_s: float = 10.0      # shard checkpoint period; 0 = only on SIGTERM
+    every_s: float = 10.0      # shard checkpoint period; 0: no periodic ones (a resumed start, the end, the stop)
     dir: str = ""              # default: OUT/checkpoints
 
 

@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules (server-side, and local for easgd/ltfb).
+"""Optimizers and learning-rate schedules (server-side, and local for easgd, ltfb and diloco).
 
 `make_optimizer` wraps torch.optim (SGD with momentum/Nesterov/weight decay, Adam,
 AdamW) around flat tensors. `lr_at` is the schedule: linear warm-up over

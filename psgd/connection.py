@@ -400,6 +400,7 @@ class Connection(Worker):
                  score: Callable[[nn.Module], Any] | None = None, config: str | Config | None = None,
                  out: str | None = None, rank: int | None = None):
         self._busy = threading.Lock()   # held by the call under way (`_alone`)
+        self._trained_at: float | None = None   # when step() first said False (`_trained`)
         problem = _argument_problem(model, optimizer, score, config, rank, out)
         if problem:
             raise ConfigError(problem)
@@ -591,6 +592,7 @@ class Connection(Worker):
             raise
         if not self.more():
             self._raise_if_aborted()
+            self._trained()
             return False
         if all(p.grad is None for p in self.replica.trainable.values()):
             # Every mode steps on the script's gradients (pushed, or the local optimizer's,
@@ -627,7 +629,20 @@ class Connection(Worker):
         if self.more():
             return True
         self._raise_if_aborted()
+        self._trained()
         return False
+
+    def _trained(self) -> None:
+        """step() says False: this worker's training ended now (the first time). What the
+        script does before close() (score, save) is not the job's training: its finish
+        says how long ago that was (`idle_s`), and wall_s and samples/s end there."""
+        if self._trained_at is None:
+            self._trained_at = time.monotonic()
+
+    def _report_end(self, error: str, timeout: float | None = None, **fields: Any) -> bool:
+        if self._trained_at is not None:
+            fields["idle_s"] = round(time.monotonic() - self._trained_at, 6)
+        return super()._report_end(error, timeout, **fields)
 
     def _model_change(self) -> str:
         """How the script's model is no longer the one given to connect, or ''. psgd reads

@@ -155,6 +155,8 @@ class Member:
     #                                              last_seen also moves without new counts (a stall excused)
     left: str = ""                               # why that process said it stops unfinished (`Membership.leaving`)
     taken_back: bool = False                     # that process took the rank over while it was live (`join`)
+    ended: float = 0.0                           # when its training ended (`finish`; 0.0: not in this life of
+    #                                              the coordinator)
 
     def totals(self) -> dict:
         """The rank's counters over all its lives."""
@@ -344,12 +346,14 @@ class Membership:
         return True
 
     def finish(self, rank: int, now: float, stats: dict | None = None, clock: int | None = None,
-               logged: dict | None = None) -> None:
+               logged: dict | None = None, ended: float | None = None) -> None:
+        """The worker is done; its training ended at `ended` (default `now`)."""
         m = self.members.get(rank)
         if m and m.state != "finished":
             if m.state == "lost":   # dropped (stalled at its last step), back to finish: it came back
                 self.rejoined += 1
             m.state = "finished"
+            m.ended = now if ended is None else ended
             if stats or logged:
                 m.heard(now, stats, logged)
             if clock is not None:   # its last clock (the heartbeats' is up to a period old)

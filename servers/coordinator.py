@@ -538,8 +538,13 @@ class Coordinator:
         training script's rank 0 reads the final model meanwhile (psgd/connection.py).
         Refused, before anything is applied, from a rank that is not a member, or from a
         process whose rank another took over (its `error` would abort the job, its `hold`
-        hold its end), or of another job."""
+        hold its end), or of another job. `idle_s`: how long ago the worker's training
+        ended (a training script's finish comes at its close(), after what it did past its
+        last step: scoring, saving), so that wall_s ends there."""
         self._ours(msg, "worker")
+        idle = float(msg.get("idle_s", 0.0))
+        if not 0.0 <= idle < math.inf:
+            raise wire.WireError(wire.BAD_FIELD, f"idle_s must be a finite number of seconds >= 0, got {idle}")
         if msg.rank not in self.members.members:
             raise wire.WireError(wire.REFUSED, f"rank {msg.rank} is not a member of this job")
         if self.members.superseded(msg.rank, msg.get("nonce") or ""):   # (its end is not the rank's)
@@ -554,7 +559,8 @@ class Coordinator:
         stats = msg.get("stats")
         now = time.monotonic()
         logged = checked_stats(msg.get("logged") or {})
-        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock, logged)
+        self.members.finish(msg.rank, now, None if stats is None else checked_stats(stats), msg.clock, logged,
+                            ended=max(self.t0, now - idle) if self.t0 else now)
         self._credit_staleness(msg.rank, logged)
         self._count(msg.rank, now)
         if msg.get("hold"):
@@ -682,7 +688,7 @@ class Coordinator:
             if not rejoining and (self.abort or (self.members.all_done and now >= self.held_until)):
                 # Training ended when the last worker was done, not at the end of rank 0's hold
                 # (a script's, reading the final model: it is not training, and wall_s said so)
-                self.t_end = now if self.abort else self._done_at or now
+                self.t_end = now if self.abort else self._trained_until() or self._done_at or now
                 if self.has_evaluator and not self.abort:
                     self.phase = "final_eval"
                     self.final_deadline = now + self.cfg.cluster.timeout_s
@@ -702,6 +708,14 @@ class Coordinator:
         if not self.quiet and self.phase == "training" and now - self._last_progress >= PROGRESS_EVERY_S:
             self._last_progress = now
             self._progress(now)
+
+    def _trained_until(self) -> float:
+        """When the last worker's training ended, where every worker finished in this life
+        of the coordinator (`Member.ended`: a training script's is its last step, not its
+        close()); 0.0 otherwise (a lost worker's end is when it was dropped: `_done_at`)."""
+        members = self.members.members.values()
+        ended = [m.ended if m.state == "finished" else 0.0 for m in members]
+        return max(ended) if ended and all(ended) else 0.0
 
     def _left(self, rank: int) -> str:
         """Why rank's process said it stops unfinished (`leaving`), without its "worker R: "."""

@@ -1129,3 +1129,32 @@ def test_a_slow_state_file_is_no_stall_that_keeps_a_dead_worker_from_being_dropp
             c.members.beat(0, time.monotonic(), 3, {})   # rank 0 heartbeats; rank 1 is dead
             c._tick(time.monotonic())
     assert c.members.members[1].state == "lost"
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_wall_s_ends_where_the_last_workers_training_ended_not_at_its_finish(tmp_path):
+    """A review: a training script that scored for seconds after its loop, before its
+    close() sent the finish, had that time in wall_s (5.7 s for 1.1 s of training in the
+    cifar example), and samples/s fell by as much. A finish says how long ago its
+    training ended (`idle_s`), and the job's training ends at the latest of those; one
+    that is not a finite number >= 0 is refused before anything is applied."""
+    cfg, c = training_with_two_workers(str(tmp_path))   # 5 s into training
+
+    def finish(rank: int, **kw) -> wire.Message:
+        msg = wire.encode("finish", id=1, rank=rank, clock=30, stats={"samples": 960}, **kw)
+        return [wire.decode(f) for _, f in c.service._serve(b"w", msg)][-1]
+
+    for bad in (-1.0, float("nan"), float("inf")):
+        refused = finish(1, idle_s=bad)
+        assert refused.op == "error" and refused.get("code") == wire.BAD_FIELD and "idle_s" in refused.get("reason")
+    assert c.members.members[1].state == "live"
+    assert finish(0).op == "reply"                  # psgd's own worker: its training ended now
+    assert finish(1, idle_s=3.0).op == "reply"      # a script's: 3 s ago, at its last step
+    c._tick(time.monotonic() + CHECK_EVERY_S * 1.001)
+    wall = c.t_end - c.t0
+    assert 4.9 < wall < 5.5, wall   # rank 0's end, the later one (the finishes' 3 s are not in it)
+    cfg, c = training_with_two_workers(str(tmp_path / "again"))
+    assert finish(0, idle_s=4.0).op == "reply" and finish(1, idle_s=100.0).op == "reply"   # before the start: at it
+    c._tick(time.monotonic() + CHECK_EVERY_S * 1.001)
+    assert 0.9 < c.t_end - c.t0 < 1.5, c.t_end - c.t0

@@ -326,6 +326,35 @@ def test_psgd_run_lets_a_script_finish_its_work_after_close(tmp_path, capsys):
     assert "the job has ended; waiting for worker-0's script to end" in capsys.readouterr().err
 
 
+SCRIPT_SCORES_AFTER_ITS_LOOP = """
+import os, time, torch, psgd
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+with psgd.connect(model, None) as ps:
+    while True:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+        if not ps.step(samples=16):
+            break
+    if ps.rank == 1:
+        time.sleep(8)   # its own scoring of the model, before close()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_wall_s_and_samples_per_s_leave_out_what_a_script_does_after_its_last_step(tmp_path):
+    """A review: the cifar example's evaluation after its loop, before close(), was in
+    wall_s (5.7 s for 1.1 s of training) and samples/s fell by as much: a script's
+    finish came at its close(). Its training ends at its last step (step() False)."""
+    path = tmp_path / "scores.py"
+    path.write_text(SCRIPT_SCORES_AFTER_ITS_LOOP)
+    s = run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 30, "cluster.servers": 1})
+    assert s["samples"] == 2 * 30 * 16
+    assert s["wall_s"] < 6.0, s["wall_s"]   # (30 steps of a tiny model; the sleep's 8 s were in it)
+    assert s["samples_per_s"] == pytest.approx(s["samples"] / s["wall_s"], rel=0.01)
+
+
 @pytest.mark.timeout(150)
 def test_psgd_run_fails_when_a_script_fails_after_close(tmp_path):
     """A review: a script whose own work after close() raised (exit 1) still gave a clean

@@ -19,7 +19,8 @@ with an error, not restarted) stops the job at once, with its log; once the job 
 ended, the scripts' work after close() is waited for (up to --timeout), and one that
 exits with a code other than 0 fails the run. Every child is stopped on the way out,
 whatever happens: SIGTERM, then SIGKILL STOP_S later, or, for a shard writing its
-checkpoint at exit, once it is written (SAVING_S at most).
+checkpoint at exit, once it is written (SAVING_S at most). After a Ctrl-C the training
+scripts, which had it too, are first given SCRIPT_LEAVE_S to leave the job by themselves.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -72,6 +73,11 @@ TOKEN_FILE = ".job-token"     # in the output folder while its job runs: the job
 # shards writing at once) took longer than STOP_S, and SIGKILL cut it short.
 STOP_S = 5.0
 SAVING_S = 120.0
+# After a Ctrl-C, before the stop: the training scripts had it too (`psgd run --script` and
+# its scripts are one process group) and leave the job by themselves (psgd.connect's
+# Ctrl-C path: a heartbeat's answer time a call; the script's own KeyboardInterrupt
+# handling, a save or a `finally`), which SIGTERM at once cut short (`LocalJob.let_scripts_leave`).
+SCRIPT_LEAVE_S = 10.0
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
 
@@ -1123,6 +1129,20 @@ class LocalJob:
             self._release_folders()
             self._release_ports()
 
+    def let_scripts_leave(self) -> None:
+        """A Ctrl-C: wait up to SCRIPT_LEAVE_S, saying so, for the training scripts to exit
+        by themselves (they had the Ctrl-C too) before the stop, the coordinator and the
+        shards still up to answer them. A script that is still running then is stopped
+        with the rest (SIGTERM)."""
+        running = [c for c in self.children if c.script and c.proc and c.proc.poll() is None]
+        if not running:
+            return
+        log("run", f"waiting up to {SCRIPT_LEAVE_S:g} s for the training scripts to leave the job (they had the "
+                   f"Ctrl-C too)")
+        end = time.monotonic() + SCRIPT_LEAVE_S
+        for child in running:
+            self._exits_by(child, end)
+
     def _stop_children(self, children: list[Child] | None = None) -> None:
         """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after
         `stop_s`; a shard writing its checkpoint at exit is waited for (said) until
@@ -1344,6 +1364,8 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
     finally:   # (also on a signal in `except`: the daemons are stopped, and waited for)
         try:
             with signals_held():
+                if type(end) is KeyboardInterrupt:   # a Ctrl-C (not SIGTERM's or SIGHUP's)
+                    job.let_scripts_leave()
                 job.stop()   # (first: a script that the stop cut short has not ended with 0)
         except KeyboardInterrupt as e:   # held while they stopped: it is the one raised
             e.ended = _ended(job, end)  # type: ignore[attr-defined]

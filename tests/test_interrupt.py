@@ -622,3 +622,47 @@ def test_the_exits_signal_handling_leaves_a_signal_blocked_before_the_command_bl
     got = subprocess.run([sys.executable, "-c", KEEPS_MASK], env=ENV, capture_output=True, text=True, timeout=40)
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == str([int(signal.SIGHUP)]), got.stdout
+
+
+SCRIPT_SAVES_ON_CTRL_C = """
+import os, sys, time, torch, psgd
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+try:
+    with psgd.connect(model) as ps:
+        while True:
+            model.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+            if not ps.step(samples=16):
+                break
+except KeyboardInterrupt:
+    time.sleep(1.0)   # its own save of what it trained
+    with open(os.path.join(sys.argv[1], f"saved-{os.environ['PSGD_RANK']}.txt"), "w") as f:
+        f.write("saved")
+    raise
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_lets_the_training_scripts_leave_the_job_and_run_their_own_handlers(tmp_path):
+    """A review: on a Ctrl-C psgd run SIGTERMed its training scripts at once, though they
+    had the Ctrl-C too: a script's own `except KeyboardInterrupt` (a save) never ran, nor
+    psgd.connect's leaving of the job that the README promises. The scripts now get
+    SCRIPT_LEAVE_S to exit by themselves, the daemons still up, before the stop."""
+    script, out = tmp_path / "saves.py", tmp_path / "run"
+    script.write_text(SCRIPT_SAVES_ON_CTRL_C)
+    proc = start([sys.executable, "-m", "psgd", "run", "--script", str(script), "--out", str(out), "--quiet",
+                  "--set", "cluster.workers=2", "--set", "cluster.servers=1", "--set", "train.steps=1000000",
+                  "--set", f"cluster.port={free_port_block(3)}", "--", str(tmp_path)])
+    try:
+        pids_when_training(out, proc, {"server-0.pid", "worker-0.pid", "worker-1.pid", "coordinator-0.pid"})
+        os.killpg(proc.pid, signal.SIGINT)   # a terminal's Ctrl-C: to psgd run, its daemons and its scripts
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert sorted(p.name for p in tmp_path.glob("saved-*.txt")) == ["saved-0.txt", "saved-1.txt"], err
+        for r in range(2):
+            assert "this worker left the job" in (out / "logs" / f"worker-{r}.log").read_text()
+        assert not session(proc.pid)
+    finally:
+        end_session(proc)

@@ -401,6 +401,7 @@ class Connection(Worker):
                  out: str | None = None, rank: int | None = None):
         self._busy = threading.Lock()   # held by the call under way (`_alone`)
         self._trained_at: float | None = None   # when step() first said False (`_trained`)
+        self._stepped: list | None = None       # the gradients the last step took (`_gradients`)
         problem = _argument_problem(model, optimizer, score, config, rank, out)
         if problem:
             raise ConfigError(problem)
@@ -600,6 +601,12 @@ class Connection(Worker):
             error = "step() without gradients: call loss.backward() before ps.step()"
             self._end(f"worker {self.rank}: {error}")
             raise JobError(error)
+        if self._stepped is not None and self._stepped == self._gradients():
+            # (a step pushed them again, and counted the batch again: the batch trained twice)
+            error = ("step() again on the gradients of the step before (no backward since): call "
+                     "loss.backward() on the next batch before each ps.step()")
+            self._end(f"worker {self.rank}: {error}")
+            raise JobError(error)
         if not self._checked:   # (once: a model is changed between connect and the loop, not per step)
             self._checked = True
             self._refuse_a_changed_model("step()")
@@ -626,11 +633,18 @@ class Connection(Worker):
             self._end(error)
             raise JobError(error)
         self._computed_at = time.perf_counter()
+        self._stepped = self._gradients()
         if self.more():
             return True
         self._raise_if_aborted()
         self._trained()
         return False
+
+    def _gradients(self) -> list:
+        """Which gradients the model holds now: each trainable tensor's `.grad`, with its
+        version (a backward into it in place changes that; one into None makes a new one)."""
+        return [(id(g), g._version) if g is not None else None
+                for g in (p.grad for p in self.replica.trainable.values())]
 
     def _trained(self) -> None:
         """step() says False: this worker's training ended now (the first time). What the

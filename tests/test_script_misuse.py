@@ -142,3 +142,26 @@ def test_a_report_of_an_accuracy_that_is_not_a_fraction_says_so_and_the_job_goes
                 ps.report(accuracy=accuracy, loss=1.0)
             ps.report(accuracy=0.95, loss=1.0)
         assert [e["accuracy"] for e in cluster.coordinator.evals] == [0.95]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "async", "easgd"])
+def test_a_second_step_on_the_same_gradients_is_a_job_error(port_block, mode):
+    """A review: `ps.step()` twice after one backward pushed the same gradients twice and
+    counted the batch twice (1,920 samples for 960 computed), without a word. A step
+    after an accumulating backward, or one into gradients set to None, goes on."""
+    cfg = config(port_block, mode, **{"train.steps": 10})
+    with InProcessCluster(cfg) as cluster:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        ps = psgd.connect(model, config=cfg, rank=0, score=lambda m: 0.5)
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        assert ps.step()
+        model(torch.randn(8, 4)).pow(2).mean().backward()   # accumulated into the same .grad: a new step
+        assert ps.step()
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(8, 4)).pow(2).mean().backward()   # new .grad tensors
+        assert ps.step()
+        with pytest.raises(psgd.JobError, match=r"step\(\) again on the gradients of the step before"):
+            ps.step()
+        assert ps.closed and "worker 0: step() again on the gradients" in cluster.coordinator.abort

@@ -348,17 +348,24 @@ def written_by_psgd(text: str) -> bool:
         return False
 
 
+# The sections every psgd's `Config.to_toml` has written (0.1.0 on; `wire` and `sim` came later)
+WRITTEN_SECTIONS = frozenset({"job", "model", "data", "mode", "optimizer", "train", "cluster", "eval", "checkpoint",
+                              "security", "faults"})
+
+
 def in_psgd_format(text: str) -> bool:
     """Whether a config file's text is as `Config.to_toml` writes, of this psgd or an
-    earlier one (whose key set may differ): only `[section]` headers and `key = value`
-    lines in psgd's spelling, no comment. A file of the user's (comments, its own
-    spelling) is not, and `psgd run` does not write over it (launcher). Looser than
-    `written_by_psgd`, which tells a user's keys from psgd's: a user's file of a few keys,
-    spelled as psgd spells them, gives those keys, and may be replaced by the job's
-    resolved config (its values, and those of any `--set`)."""
+    earlier one (whose key set may differ): every section that each psgd wrote
+    (WRITTEN_SECTIONS), only `[section]` headers and `key = value` lines in psgd's
+    spelling, no comment. A file of the user's (comments, its own spelling, a few
+    sections) is not, and `psgd run` does not write over it (launcher): a user's
+    `[train]` and `steps = 10`, spelled as psgd spells them, was replaced. Looser than
+    `written_by_psgd`, which tells a user's keys from psgd's."""
     try:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError:
+        return False
+    if not WRITTEN_SECTIONS <= d.keys():
         return False
     lines = []
     for section, values in d.items():

@@ -421,7 +421,10 @@ class LocalJob:
         self._launched_mono = time.monotonic() - (wall - self.launched_at)   # (start-up counted on it: steps of
         # the wall clock, by NTP or a resumed VM, do not count)
         self.out = os.path.abspath(out)
-        os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
+        made = self._made = [] if os.path.isdir(self.out) else [self.out]   # (what `_unmake` takes back)
+        os.makedirs(self.out, exist_ok=True)
+        if not os.path.exists(os.path.join(self.out, LOCK_FILE)):
+            made.append(os.path.join(self.out, LOCK_FILE))
         self.port_explicit = port_explicit
         self.script = script  # [FILE, ARGS...]: the workers are copies of the user's training script
         self.moves = 0
@@ -448,6 +451,9 @@ class LocalJob:
             self._locks = self._hold_folders()
             self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
             self._refuse_users_config()
+            if not os.path.isdir(os.path.join(self.out, "logs")):
+                made.append(os.path.join(self.out, "logs"))
+                os.makedirs(os.path.join(self.out, "logs"))
             if announce is not None:
                 announce()
             if self._ports_note:
@@ -457,6 +463,7 @@ class LocalJob:
             self._events_before = file_stamps(glob.glob(self._step_logs))   # (`_training_began`)
             self._write_config()
         except BaseException:
+            self._unmake()
             self._release_folders()
             self._release_ports()
             raise
@@ -488,6 +495,21 @@ class LocalJob:
                               f"running (its launcher holds {LOCK_FILE} there): give another checkpoint.dir, "
                               f"or stop that job first (Ctrl-C, or SIGTERM to its psgd run)")
         return [f, g]
+
+    def _unmake(self) -> None:
+        """A job refused before it began (a port in use, a running job's folder, a config
+        file of the user's) leaves the output folder as it found it: what this launcher
+        made is removed (the folder, its lock file, the logs folder; each only if it is
+        still as made: the lock file only where this launcher holds it, removed before
+        it lets go of it, and a folder only if empty). Each refused `psgd run` into the
+        default `runs/` left an empty run folder."""
+        for path in reversed(self._made):
+            with contextlib.suppress(OSError):
+                if path.endswith(LOCK_FILE):
+                    if self._locks:   # (held: no other launcher can hold it; one opening it later makes anew)
+                        os.unlink(path)
+                else:
+                    os.rmdir(path)   # (only when empty)
 
     def _release_folders(self) -> None:
         for f in self._locks:

@@ -878,6 +878,12 @@ def test_a_config_file_of_the_users_in_the_folder_is_refused_not_replaced(tmp_pa
         LocalJob(cfg, str(tmp_path), quiet=True)
     assert (tmp_path / "config.toml").read_text() == mine
     assert (tmp_path / "summary.json").read_text() == "{}"
+    assert sorted(os.listdir(tmp_path)) == ["config.toml", "summary.json"]   # (it made logs/ and its lock file)
+    plain = "[train]\nsteps = 20\n"   # (a review: spelled as psgd spells it, it was replaced)
+    (tmp_path / "config.toml").write_text(plain)
+    with pytest.raises(ConfigError, match="config.toml is a config file psgd did not write"):
+        LocalJob(cfg, str(tmp_path), quiet=True)
+    assert (tmp_path / "config.toml").read_text() == plain
     older = "\n".join(line for line in cfg.to_toml().splitlines() if not line.startswith("n_fetch"))
     (tmp_path / "config.toml").write_text(older)   # an earlier psgd's, without a key added since
     job = LocalJob(cfg, str(tmp_path), quiet=True)
@@ -885,6 +891,24 @@ def test_a_config_file_of_the_users_in_the_folder_is_refused_not_replaced(tmp_pa
         assert (tmp_path / "config.toml").read_text() == job.cfg.to_toml()
     finally:
         job.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_job_refused_for_a_port_in_use_leaves_no_folder_behind(tmp_path, port_block):
+    """A review: each `psgd run` refused before it began (a port in use) left an empty
+    run folder with a logs/ folder in it (runs/sync-DATE/logs), one more each retry."""
+    import socket
+
+    from psgd.launcher import LaunchError
+    base = port_block(3)
+    cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
+    out = tmp_path / "runs" / "sync-1"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 1))   # the shard's port
+        s.listen()
+        with pytest.raises(LaunchError, match="is in use"):
+            LocalJob(cfg, str(out), quiet=True, port_explicit=True)
+    assert os.listdir(tmp_path / "runs") == []
 
 
 @pytest.mark.timeout(30)

@@ -50,7 +50,7 @@ from .compare import (
     refuse_sets_the_plan_overrides,
     tag,
 )
-from .config import ConfigError, given_sets, load
+from .config import Config, ConfigError, given_sets, load
 from .metrics import write_json_atomic
 
 
@@ -125,6 +125,8 @@ def main(args) -> int:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     from .replica import check_device
     check_device(args.device)   # once, before calibrating and before any run
+    refuse_unsimulated([base])   # (first: a key of the job's that the plan refused, for the items of
+    #                              a mode that does not take it, it told to set in the items instead)
     plan = build_plan(base, specs, workers, args.repeats, args.servers, baseline=False)
     if not base.train.steps and not base.train.seconds:
         raise ConfigError("psgd simulate needs a budget: train.steps or train.seconds (virtual seconds) > 0")
@@ -134,7 +136,7 @@ def main(args) -> int:
     # (more workers than the training set has samples for, too), as psgd compare
     n = check_job(base, [run.cfg for run in plan])
     check_data(plan)
-    refuse_unsimulated(plan)
+    refuse_unsimulated([run.cfg for run in plan])
     out = args.out or os.path.join("runs", f"simulate-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     lock = hold_output(out, "psgd simulate")
@@ -180,15 +182,15 @@ def check_data(plan: list) -> None:
             in_memory(run.cfg, split)
 
 
-def refuse_unsimulated(plan: list) -> None:
-    """Refused before anything runs: `eval.tensorboard`, whose scalars are the
-    coordinator's, on the real clock (it writes them as the heartbeats come; a simulation
-    has neither, and wrote nothing); `wire.overlap`, pushes that leave during backward
-    (a simulated step's compute is one span of virtual time)."""
-    if any(run.cfg.eval.tensorboard for run in plan):
+def refuse_unsimulated(cfgs: list[Config]) -> None:
+    """Refused before anything runs, in the job's config or a run's: `eval.tensorboard`,
+    whose scalars are the coordinator's, on the real clock (it writes them as the
+    heartbeats come; a simulation has neither, and wrote nothing); `wire.overlap`, pushes
+    that leave during backward (a simulated step's compute is one span of virtual time)."""
+    if any(cfg.eval.tensorboard for cfg in cfgs):
         raise ConfigError("eval.tensorboard = true: psgd simulate writes no TensorBoard scalars (they are a real "
                           "job's coordinator's); the runs' summary.json and events/ hold the same numbers")
-    if any(run.cfg.wire.overlap for run in plan):
+    if any(cfg.wire.overlap for cfg in cfgs):
         raise ConfigError("wire.overlap = true: psgd simulate does not model pushes that leave while backward "
                           "runs (a simulated step's compute is one span of virtual time); leave it out")
 

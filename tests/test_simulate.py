@@ -1073,6 +1073,11 @@ def test_eval_tensorboard_is_refused_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "wire.overlap = true: psgd simulate does not model pushes that leave while backward runs" in err
     assert "Traceback" not in err and not out.exists()
+    # the job's key with the default modes, ssp's too: the plan's own check (wire.overlap is for sync: set it
+    # as MODE:wire.overlap=True) sent the user to an item that was refused next (a review)
+    assert cli(["--set", "train.steps=5", "--set", "wire.overlap=true", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "wire.overlap = true: psgd simulate does not model pushes" in err and "MODE:" not in err
 
 
 @pytest.mark.inprocess

@@ -212,6 +212,7 @@ class Coordinator:
         self.awaited: set[int] = set()     # ... those live when it died (and still awaited), until heard from:
                                            # not a rank lost before, nor one lost again after it came back
         self.layout: list | None = None    # the model's layout, from the workers (psgd/layout.py)
+        self.layout_rank = -1               # the worker it came from (-1: not known, as after a restart)
         self.held_until = 0.0              # a finished worker holds the job's end until then (on_finish)
         self.holder: int | None = None     # ... that worker's rank (it must hear an abort: _lingered)
         self.state_path = os.path.join(out, STATE_FILE) if out else ""
@@ -335,7 +336,7 @@ class Coordinator:
                 raise wire.WireError(wire.REFUSED, self._no_rank(want))
             if self.phase == "rendezvous":   # a quiet holder's rank before training: a start, not a restart
                 self.members.members[rank].taken_back = False
-            self._keep_layout(layout)
+            self._keep_layout(layout, rank)
             self.events.write(event="join", rank=rank, joins=self.members.members[rank].joins)
             self.awaited.discard(rank)
             if nonce:
@@ -415,15 +416,16 @@ class Coordinator:
             raise wire.WireError(wire.BAD_FIELD, f"layout: {e}") from None
         diff = layouts.difference(self.layout, given) if self.layout is not None else ""
         if diff:
-            raise wire.WireError(wire.REFUSED, f"this worker's model differs from the job's ({diff}); every "
+            whose = f"worker {self.layout_rank}'s, the first to register: " if self.layout_rank >= 0 else ""
+            raise wire.WireError(wire.REFUSED, f"this worker's model differs from the job's ({whose}{diff}); every "
                                                f"worker must build the same model")
         return given
 
-    def _keep_layout(self, layout: list | None) -> None:
-        """The first accepted worker's layout is the job's, which the shards of a learned
-        model ask for."""
+    def _keep_layout(self, layout: list | None, rank: int) -> None:
+        """The first accepted worker's layout (rank's) is the job's, which the shards of a
+        learned model ask for."""
         if layout is not None and self.layout is None:
-            self.layout = layout
+            self.layout, self.layout_rank = layout, rank
             log("coordinator", f"the model's layout: {len(layout)} tensors, {layouts.size(layout):,} values")
 
     def on_layout(self, ident, msg: wire.Message) -> list[Reply]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -480,6 +481,8 @@ def test_workers_with_different_models_are_refused(tmp_path):
     logs = "".join((tmp_path / "out" / "logs" / n).read_text() for n in os.listdir(tmp_path / "out" / "logs")
                    if n.endswith(".log"))
     assert "differs from the job's" in logs and "shape (2, 4)" in logs and "shape (3, 4)" in logs, str(e.value)
+    # which worker's the job's model is (a review: the first to register, rank 1 here or there, was not named)
+    assert re.search(r"differs from the job's \(worker [01]'s, the first to register: ", logs), logs
 
 
 @pytest.mark.timeout(120)

@@ -601,7 +601,7 @@ class Connection(Worker):
             error = "step() without gradients: call loss.backward() before ps.step()"
             self._end(f"worker {self.rank}: {error}")
             raise JobError(error)
-        if self._stepped is not None and self._stepped == self._gradients():
+        if self._stepped is not None and self._same_gradients(self._stepped):
             # (a step pushed them again, and counted the batch again: the batch trained twice)
             error = ("step() again on the gradients of the step before (no backward since): call "
                      "loss.backward() on the next batch before each ps.step()")
@@ -642,9 +642,19 @@ class Connection(Worker):
 
     def _gradients(self) -> list:
         """Which gradients the model holds now: each trainable tensor's `.grad`, with its
-        version (a backward into it in place changes that; one into None makes a new one)."""
-        return [(id(g), g._version) if g is not None else None
+        version (a backward into it in place changes that; one into None makes a new one).
+        Held by weak reference: a `.grad` that `zero_grad()` let go is freed, and a new one
+        may then have its `id()`."""
+        return [None if g is None else (weakref.ref(g), g._version)
                 for g in (p.grad for p in self.replica.trainable.values())]
+
+    def _same_gradients(self, taken: list) -> bool:
+        """Whether every trainable tensor's `.grad` is the one `taken` (`_gradients`), unchanged."""
+        for p, was in zip(self.replica.trainable.values(), taken, strict=True):
+            g = p.grad
+            if (g is None) != (was is None) or (g is not None and (was[0]() is not g or g._version != was[1])):
+                return False
+        return True
 
     def _trained(self) -> None:
         """step() says False: this worker's training ended now (the first time). What the

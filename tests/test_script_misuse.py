@@ -162,6 +162,10 @@ def test_a_second_step_on_the_same_gradients_is_a_job_error(port_block, mode):
         model.zero_grad(set_to_none=True)
         model(torch.randn(8, 4)).pow(2).mean().backward()   # new .grad tensors
         assert ps.step()
+        for _ in range(5):   # torch's own zero_grad() sets them to None: each backward makes new ones, which may
+            model.zero_grad()   # have the freed ones' id() (so the old ones are held by weak reference, not id)
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            assert ps.step()
         with pytest.raises(psgd.JobError, match=r"step\(\) again on the gradients of the step before"):
             ps.step()
         assert ps.closed and "worker 0: step() again on the gradients" in cluster.coordinator.abort

@@ -618,6 +618,7 @@ class Connection(Worker):
                 error = self._rejoin_and_step(self.schedule)
         except Cancelled:
             self._raise_if_aborted()
+            self._trained()
             return False
         except FAILURES as e:
             error = _failure(self.rank, e)

@@ -64,7 +64,8 @@ def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> 
     if prob > 0 and jitter > 0:
         parts.append(f"transient stragglers: each step of each worker is delayed by {jitter:g} s with probability "
                      f"{prob:g}, independently (seeded by job.seed and rank), so a step of W workers waits for at "
-                     f"least one delayed worker with probability 1 − (1 − {prob:g})^W")
+                     f"least one delayed worker with probability 1 − (1 − {prob:g})^W"
+                     + ("; the sequential baseline's steps are delayed as rank 0's" if baseline else ""))
     return "; ".join(parts) if parts else None
 
 
@@ -470,8 +471,8 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
         # a wide range, but no wider than one end's own repeats, and no two configurations told apart
         noisy = max((hi[1], lo[1]), key=lambda r: sd(r.acc) or 0.0)
         out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
-                   f"({rname(hi[1], many_w)}), which does not tell the configurations apart: the repeats of "
-                   f"{rname(noisy, many_w)} alone spread as much (sd {noise:.4f}).")
+                   f"({rname(hi[1], many_w)}), which does not tell the configurations apart: it is within twice "
+                   f"the run-to-run sd of {rname(noisy, many_w)}'s repeats ({noise:.4f}).")
     elif tie_reason(lo[1].acc, hi[1].acc) == ONCE:   # the extremes ran once: the values, in the rows' order
         every = "" if unmeasured([r.acc for _, r in accs]) else "the highest and the lowest "
         out.append("Final accuracy: " + ", ".join(f"{rname(r, many_w)} {a:.4f}" for a, r in accs)
@@ -697,9 +698,12 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
              + (f"; except in {names(own)}, whose mode item sets faults.* of its own (stated above the tables)"
                 if own else "") + ".")
         if top is not None and ref is not None and ref not in own and top.mode != "sync" and mean(ref.sps):
-            s += (f" Under it, {rname(top, many_w)} kept {amount(mean(top.sps))} samples/s against "
+            # (no run without the fault is in the comparison: "kept" said more than it measured; and a
+            # difference within the runs' spread is said so, as the throughput sentence says it)
+            why = tie_reason(top.sps, ref.sps, amount)
+            s += (f" Under it, {rname(top, many_w)} ran at {amount(mean(top.sps))} samples/s against "
                   f"{top.sync_name()}'s {amount(mean(ref.sps))} with {ref.workers} workers"
-                  + (f" ({ONCE})" if tie_reason(top.sps, ref.sps) == ONCE else "") + ".")
+                  + (f" ({ONCE})" if why == ONCE else f" (not told apart: {why})" if why else "") + ".")
         # (the bound's lead explains a shorter wait only where some worker is delayed more than
         # the others: a straggler or transient ones; a delay of every step slows all alike)
         uneven = _straggler(f) is not None or (float(f.get("jitter_prob", 0.0)) > 0

@@ -103,6 +103,14 @@ def course(what: str, values: str, series: list[list[float]], means: list[float]
         if told and len(set(told)) == 1:
             word = "rose" if told[0] else "fell"
             noisy = "; its other steps are within two run-to-run sds"
+    elif word in ("rose", "fell"):
+        # (0.62, 0.97, 1.17 "rose" where 1.17 was not told apart from 0.97: the step is said, as the
+        # tables' "not told apart" says it)
+        steps = [f"{fmt(a)} to {fmt(b)}" for (a, b), (u, v) in zip(zip(means, means[1:], strict=False),
+                                                                    zip(series, series[1:], strict=False), strict=True)
+                 if fmt(a) != fmt(b) and tie_reason(u, v, fmt) not in (None, ONCE)]
+        if steps:
+            noisy = f"; {', '.join(steps)} {'is' if len(steps) == 1 else 'are'} within two run-to-run sds"
     return f"{what} {word} ({values}{noise_note(series, fmt) or noisy})"
 
 

@@ -307,7 +307,7 @@ def test_fault_sentences_name_no_baseline_that_did_not_run_and_compare_only_runs
                run("sync", workers=4, sps=3000.0), run("async", "async", workers=4, sps=6000.0)]
     said = sentence(told(results, ctx), "had a fault injected")
     assert "baseline" not in said
-    assert "**async** with 4 workers kept 6,000 samples/s against sync's 3,000 with 4 workers" in said
+    assert "**async** with 4 workers ran at 6,000 samples/s against sync's 3,000 with 4 workers" in said
     with_base = told([run("baseline", "baseline", sps=30000.0, workers=1), *results], ctx)
     assert "the sequential baseline is rank 0, so it is not slowed" in sentence(with_base, "had a fault injected")
     ctx2 = {**ctx, "faults": {"slow_rank": 2, "slow_factor": 4.0}, "workers": [2]}
@@ -707,7 +707,7 @@ def test_a_range_of_final_accuracies_within_twice_a_repeats_sd_is_not_called_a_r
     results += [run("async", "async", r, ttt=2.5, acc=0.99) for r in range(2)]
     line = sentence(told(results), "Final accuracy")
     assert line == ("Final accuracy ranged from 0.9300 (**sync**) to 0.9900 (**async**), which does not tell the "
-                    "configurations apart: the repeats of **sync** alone spread as much (sd 0.0424)."), line
+                    "configurations apart: it is within twice the run-to-run sd of **sync**'s repeats (0.0424)."), line
 
 
 @pytest.mark.timeout(60)
@@ -961,3 +961,59 @@ def test_one_noisy_configuration_does_not_hide_the_pairs_that_rank():
     flat = [run(m, m, repeat=k, ttt=2.0, sps=(5000.0 + 10 * k) if m != "ssp" else (1000.0, 5000.0, 9000.0)[k])
             for k in range(3) for m in ("sync", "async", "ssp")]
     assert "Throughput does not separate the configurations" in told(flat)
+
+
+@pytest.mark.timeout(60)
+def test_the_baseline_gets_no_ratio_against_sync_with_one_worker_in_the_comparison():
+    """A review (`--workers 1,2`): the baseline's row was measured against sync's 1-worker
+    row, which trained half its samples, and the table gave it 17.92× and 3.76× "vs sync";
+    with `--workers 2` those cells were "—"."""
+    results = [run("baseline", "baseline", repeat=r, ttt=0.2, sps=86000.0, workers=1) for r in range(2)]
+    results += [run("sync", repeat=r, ttt=3.0, sps=22000.0, workers=w) for r in range(2) for w in (1, 2)]
+    by = {(r.label, r.workers): r for r in build_rows(results)}
+    assert by[("baseline", 1)].ref_sync is None and by[("sync", 1)].ref_sync is by[("sync", 1)]
+    main, detail = [[c.strip() for c in x.split("|")[1:-1]] for x in render(build_rows(results), CTX, []).splitlines()
+                    if x.startswith("| baseline")]
+    assert (main[-2], main[-1]) == ("—", "1.00×") and (detail[5], detail[6]) == ("—", "1.00×"), (main, detail)
+
+
+@pytest.mark.timeout(60)
+def test_the_fault_sentence_says_where_a_mode_is_not_told_apart_from_sync():
+    """A review: "Under it, async kept 24,000 samples/s against sync's 21,662" stood where
+    the throughput sentence said the two were not told apart, and "kept" spoke of a run
+    without the fault that the comparison did not make."""
+    ctx = {**CTX, "workers": [2], "faults": {"step_delay_s": 0.001}}
+    results = [run("sync", repeat=r, sps=s) for r, s in enumerate((21000.0, 22300.0))]
+    results += [run("async", "async", repeat=r, sps=s) for r, s in enumerate((30000.0, 18000.0))]
+    line = sentence(told(results, ctx), "had a fault injected")
+    assert "Under it, **async** ran at 24,000 samples/s against sync's 21,650 with 2 workers (not told apart: " \
+           "within two run-to-run sds)." in line, line
+    assert " kept " not in line
+
+
+@pytest.mark.timeout(60)
+def test_the_jitter_fault_says_the_baseline_is_delayed_too():
+    """A review: the baseline ran at a quarter of its usual rate under jitter, compared with
+    the distributed runs, and nothing said that its steps are delayed as rank 0's."""
+    ctx = {**CTX, "workers": [2], "faults": {"jitter_prob": 0.2, "jitter_s": 0.005}}
+    results = [run("baseline", "baseline", repeat=r, workers=1) for r in range(2)]
+    results += [run("sync", repeat=r) for r in range(2)]
+    assert "the sequential baseline's steps are delayed as rank 0's" in sentence(told(results, ctx),
+                                                                                 "had a fault injected")
+    no_base = sentence(told(results[2:], ctx), "had a fault injected")
+    assert "baseline" not in no_base
+
+
+@pytest.mark.timeout(60)
+def test_a_rising_sweep_says_which_of_its_steps_are_not_told_apart():
+    """A review: "measured staleness (mean) rose (0.62, 0.97, 1.17)" where the same report
+    said s=8 (1.17 ± 0.15) was not told apart from s=2 (0.97 ± 0.10)."""
+    from psgd.report_relations import course
+    series = [[0.60, 0.64], [0.90, 1.04], [1.06, 1.28]]
+    means = [sum(v) / 2 for v in series]
+    fmt = "{:.2f}".format
+    said = course("measured staleness (mean)", "0.62, 0.97, 1.17", series, means, fmt)
+    assert said == ("measured staleness (mean) rose (0.62, 0.97, 1.17; 0.97 to 1.17 is within two run-to-run "
+                    "sds)"), said
+    apart = [[0.60, 0.64], [0.90, 0.92], [1.16, 1.18]]
+    assert course("x", "v", apart, [sum(v) / 2 for v in apart], fmt) == "x rose (v)"

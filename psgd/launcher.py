@@ -20,7 +20,7 @@ ended, the scripts' work after close() is waited for (up to --timeout), and one 
 exits with a code other than 0 fails the run. Every child is stopped on the way out,
 whatever happens: SIGTERM, then SIGKILL STOP_S later, or, for a shard writing its
 checkpoint at exit, once it is written (SAVING_S at most). After a Ctrl-C the training
-scripts, which had it too, are first given SCRIPT_LEAVE_S to leave the job by themselves.
+scripts, which had it too, are first given SCRIPT_LEAVE_S to exit by themselves.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -73,10 +73,11 @@ TOKEN_FILE = ".job-token"     # in the output folder while its job runs: the job
 # shards writing at once) took longer than STOP_S, and SIGKILL cut it short.
 STOP_S = 5.0
 SAVING_S = 120.0
-# After a Ctrl-C, before the stop: the training scripts had it too (`psgd run --script` and
-# its scripts are one process group) and leave the job by themselves (psgd.connect's
-# Ctrl-C path: a heartbeat's answer time a call; the script's own KeyboardInterrupt
-# handling, a save or a `finally`), which SIGTERM at once cut short (`LocalJob.let_scripts_leave`).
+# After a Ctrl-C, before the stop: the training scripts had it too (a terminal's Ctrl-C
+# reaches `psgd run`'s process group) and leave the job by themselves (psgd.connect's Ctrl-C
+# path: a heartbeat's answer time a call to the coordinator, which had it too; the script's
+# own KeyboardInterrupt handling, a save or a `finally`), which SIGTERM at once cut short
+# (`LocalJob.let_scripts_leave`).
 SCRIPT_LEAVE_S = 10.0
 _warned: set[str] = set()  # warnings already given by this process (psgd compare starts many jobs)
 
@@ -261,16 +262,27 @@ def taken_port(cfg: Config) -> int:
 
 def hold(path: str) -> IO | None:
     """An exclusive lock on the file at `path` (created if need be), held until the
-    returned file is closed or this process ends; None if another process holds it."""
-    # (not truncated, and not through a symbolic link: a lock file another user planted as
-    # a link to one of this user's files would have emptied it)
-    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "r+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
-    return f
+    returned file is closed or this process ends; None if another process holds it. The
+    lock is on the file that is at `path` once it is taken: one its holder removed
+    meanwhile (a launcher refused before its job began takes back the lock file it made,
+    while it holds it: `LocalJob._unmake`) is let go, and the one there now is locked."""
+    while True:
+        # (not truncated, and not through a symbolic link: a lock file another user planted as
+        # a link to one of this user's files would have emptied it)
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "r+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return None
+        try:
+            there = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            there = None
+        mine = os.fstat(f.fileno())
+        if there is not None and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+            return f
+        f.close()   # (a removed file's lock keeps no one out: two launchers held one folder)
 
 
 def held(path: str) -> bool:
@@ -448,7 +460,7 @@ class LocalJob:
             self.cfg = spin_for(self._place(anchored(cfg)))   # (its daemons read the config it writes)
             from . import scalars
             scalars.check(self.cfg)  # before any process starts
-            self._locks = self._hold_folders()
+            self._hold_folders()
             self._refuse_running_job()   # first: a folder of a job still running is refused, untouched
             self._refuse_users_config()
             if not os.path.isdir(os.path.join(self.out, "logs")):
@@ -472,29 +484,30 @@ class LocalJob:
         self._shown_started = 0
         self._starting = 0   # the children start() is starting (the count's total while it does)
 
-    def _hold_folders(self) -> list[IO]:
+    def _hold_folders(self) -> None:
         """The output folder is this launcher's until stop(): an exclusive lock on
-        OUT/.launcher.lock, held while the job's files are written. A second launcher
-        started at the same moment (before the first job's pid files exist) is refused
-        here, where it would have written its config over the first job's. So is a
-        `checkpoint.dir` outside it: two jobs given one wrote the same shard-I.pt, each
+        OUT/.launcher.lock, held while the job's files are written (`_locks`). A second
+        launcher started at the same moment (before the first job's pid files exist) is
+        refused here, where it would have written its config over the first job's. So is
+        a `checkpoint.dir` outside it: two jobs given one wrote the same shard-I.pt, each
         resuming the other's."""
+        os.makedirs(self.out, exist_ok=True)   # (another launcher refused meanwhile may have taken back its folder)
         f = hold(os.path.join(self.out, LOCK_FILE))
         if f is None:
             raise LaunchError(f"{self.out} is the output folder of a job that is still running (another psgd "
                               f"launcher holds {LOCK_FILE}): give another --out, or stop that job first (Ctrl-C, or "
                               f"SIGTERM to its psgd run)")
+        self._locks.append(f)
         folder = self.cfg.checkpoint.dir
         if not folder or os.path.abspath(folder) == os.path.join(self.out, "checkpoints"):
-            return [f]
+            return
         os.makedirs(folder, exist_ok=True)
         g = hold(os.path.join(folder, LOCK_FILE))
         if g is None:
-            f.close()
             raise LaunchError(f"checkpoint.dir = {folder} holds the shard checkpoints of a job that is still "
                               f"running (its launcher holds {LOCK_FILE} there): give another checkpoint.dir, "
                               f"or stop that job first (Ctrl-C, or SIGTERM to its psgd run)")
-        return [f, g]
+        self._locks.append(g)
 
     def _unmake(self) -> None:
         """A job refused before it began (a port in use, a running job's folder, a config
@@ -506,7 +519,7 @@ class LocalJob:
         for path in reversed(self._made):
             with contextlib.suppress(OSError):
                 if path.endswith(LOCK_FILE):
-                    if self._locks:   # (held: no other launcher can hold it; one opening it later makes anew)
+                    if self._locks:   # (held: another launcher that opened it meanwhile lets it go: `hold`)
                         os.unlink(path)
                 else:
                     os.rmdir(path)   # (only when empty)
@@ -1151,19 +1164,26 @@ class LocalJob:
             self._release_folders()
             self._release_ports()
 
-    def let_scripts_leave(self) -> None:
+    def let_scripts_leave(self) -> KeyboardInterrupt | None:
         """A Ctrl-C: wait up to SCRIPT_LEAVE_S, saying so, for the training scripts to exit
-        by themselves (they had the Ctrl-C too) before the stop, the coordinator and the
-        shards still up to answer them. A script that is still running then is stopped
-        with the rest (SIGTERM)."""
+        by themselves before the stop (a terminal's Ctrl-C reaches psgd run's whole process
+        group: the scripts, and the daemons, which stop on it). A script still running then
+        is stopped with the rest (SIGTERM). Another signal meanwhile ends the wait: it is
+        returned, for the caller to raise once the daemons are stopped. (A SIGINT sent to
+        psgd run alone, `kill -INT PID`, reaches no script: it waits the whole time.)"""
         running = [c for c in self.children if c.script and c.proc and c.proc.poll() is None]
         if not running:
-            return
-        log("run", f"waiting up to {SCRIPT_LEAVE_S:g} s for the training scripts to leave the job (they had the "
-                   f"Ctrl-C too)")
+            return None
+        log("run", f"waiting up to {SCRIPT_LEAVE_S:g} s for the training scripts to leave the job on their "
+                   f"Ctrl-C (another Ctrl-C stops them now)")
         end = time.monotonic() + SCRIPT_LEAVE_S
-        for child in running:
-            self._exits_by(child, end)
+        try:
+            for child in running:
+                self._exits_by(child, end)
+        except KeyboardInterrupt as e:   # (SIGTERM's and SIGHUP's too)
+            log("run", "stopping the training scripts now")
+            return e
+        return None
 
     def _stop_children(self, children: list[Child] | None = None) -> None:
         """End these daemons (default: all of the job's): SIGTERM, then SIGKILL after
@@ -1385,10 +1405,11 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
         raise
     finally:   # (also on a signal in `except`: the daemons are stopped, and waited for)
         try:
-            with signals_held():
-                if type(end) is KeyboardInterrupt:   # a Ctrl-C (not SIGTERM's or SIGHUP's)
-                    job.let_scripts_leave()
+            again = job.let_scripts_leave() if type(end) is KeyboardInterrupt else None   # (a Ctrl-C's, not
+            with signals_held():                                                          # SIGTERM's or SIGHUP's)
                 job.stop()   # (first: a script that the stop cut short has not ended with 0)
+            if again is not None:   # the signal that cut the scripts' wait short: raised as one held in the stop
+                raise again
         except KeyboardInterrupt as e:   # held while they stopped: it is the one raised
             e.ended = _ended(job, end)  # type: ignore[attr-defined]
             raise

@@ -636,11 +636,26 @@ try:
             if not ps.step(samples=16):
                 break
 except KeyboardInterrupt:
-    time.sleep(1.0)   # its own save of what it trained
+    time.sleep(float(sys.argv[2]))   # its own save of what it trained
     with open(os.path.join(sys.argv[1], f"saved-{os.environ['PSGD_RANK']}.txt"), "w") as f:
         f.write("saved")
     raise
 """
+
+
+def script_job(tmp_path, save_s: float) -> tuple[subprocess.Popen, object]:
+    """`psgd run --script` of SCRIPT_SAVES_ON_CTRL_C (2 workers, 1 shard), training; its out folder."""
+    script, out = tmp_path / "saves.py", tmp_path / "run"
+    script.write_text(SCRIPT_SAVES_ON_CTRL_C)
+    proc = start([sys.executable, "-m", "psgd", "run", "--script", str(script), "--out", str(out), "--quiet",
+                  "--set", "cluster.workers=2", "--set", "cluster.servers=1", "--set", "train.steps=1000000",
+                  "--set", f"cluster.port={free_port_block(3)}", "--", str(tmp_path), str(save_s)])
+    try:
+        pids_when_training(out, proc, {"server-0.pid", "worker-0.pid", "worker-1.pid", "coordinator-0.pid"})
+    except BaseException:
+        end_session(proc)
+        raise
+    return proc, out
 
 
 @pytest.mark.processes
@@ -650,19 +665,34 @@ def test_a_ctrl_c_lets_the_training_scripts_leave_the_job_and_run_their_own_hand
     had the Ctrl-C too: a script's own `except KeyboardInterrupt` (a save) never ran, nor
     psgd.connect's leaving of the job that the README promises. The scripts now get
     SCRIPT_LEAVE_S to exit by themselves, the daemons still up, before the stop."""
-    script, out = tmp_path / "saves.py", tmp_path / "run"
-    script.write_text(SCRIPT_SAVES_ON_CTRL_C)
-    proc = start([sys.executable, "-m", "psgd", "run", "--script", str(script), "--out", str(out), "--quiet",
-                  "--set", "cluster.workers=2", "--set", "cluster.servers=1", "--set", "train.steps=1000000",
-                  "--set", f"cluster.port={free_port_block(3)}", "--", str(tmp_path)])
+    proc, out = script_job(tmp_path, 1.0)
     try:
-        pids_when_training(out, proc, {"server-0.pid", "worker-0.pid", "worker-1.pid", "coordinator-0.pid"})
         os.killpg(proc.pid, signal.SIGINT)   # a terminal's Ctrl-C: to psgd run, its daemons and its scripts
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
+        assert "waiting up to 10 s for the training scripts to leave the job on their Ctrl-C" in err
         assert sorted(p.name for p in tmp_path.glob("saved-*.txt")) == ["saved-0.txt", "saved-1.txt"], err
         for r in range(2):
             assert "this worker left the job" in (out / "logs" / f"worker-{r}.log").read_text()
+        assert not session(proc.pid)
+    finally:
+        end_session(proc)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_another_ctrl_c_stops_the_training_scripts_at_once(tmp_path):
+    """A review: the wait for the scripts ran with the signals held, so a second and a
+    third Ctrl-C did not cut it short (10 s). Another signal now ends the wait, and the
+    job stops as on one (exit 130)."""
+    proc, out = script_job(tmp_path, 60.0)   # (a save that would outlast the wait)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(2.0)
+        os.kill(proc.pid, signal.SIGINT)   # another Ctrl-C, to psgd run
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "stopping the training scripts now" in err and not list(tmp_path.glob("saved-*.txt")), err
         assert not session(proc.pid)
     finally:
         end_session(proc)

@@ -930,3 +930,45 @@ def test_taken_port_names_the_first_of_a_jobs_ports_that_a_program_listens_on(po
         assert taken_port(cfg) == int(shard)
         assert bind_error("127.0.0.1", int(shard)) is not None
     assert taken_port(cfg) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_job_refused_for_a_busy_checkpoint_dir_leaves_no_folder_behind(tmp_path, port_block):
+    """A review: refused for a `checkpoint.dir` another launcher holds, a job let go of
+    its own folder's lock before it could take it back: the run folder stayed, with the
+    lock file in it."""
+    from psgd.launcher import LOCK_FILE, LaunchError, hold
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    other = hold(str(ckpt / LOCK_FILE))
+    try:
+        cfg = load(None, [f"cluster.port={port_block(3)}", "cluster.servers=1", "cluster.workers=1",
+                          f"checkpoint.dir={ckpt}"], env={})
+        with pytest.raises(LaunchError, match="holds the shard checkpoints of a job that is still running"):
+            LocalJob(cfg, str(tmp_path / "runs" / "sync-1"), quiet=True)
+        assert os.listdir(tmp_path / "runs") == []
+    finally:
+        other.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_lock_file_removed_by_its_holder_is_not_held_by_one_who_opened_it_before(tmp_path, monkeypatch):
+    """A review: launcher B opened OUT/.launcher.lock while A held it; A, refused, removed
+    the file it had made and let go; B's lock then succeeded on the removed file, and a
+    third launcher made a new one and held it too: two jobs in one folder. `hold` locks the
+    file that is at the path once it has the lock."""
+    from psgd import launcher
+    path = str(tmp_path / "lock")
+    a = launcher.hold(path)
+    early = os.open(path, os.O_RDWR)   # B's open, before A's removal
+    os.unlink(path)
+    a.close()
+    real, calls = os.open, []
+    monkeypatch.setattr(launcher.os, "open", lambda *args, **kw: calls.append(1) or (
+        early if len(calls) == 1 else real(*args, **kw)))
+    b = launcher.hold(path)
+    assert b is not None and len(calls) == 2   # let go of the removed file, locked the one at the path
+    assert os.fstat(b.fileno()).st_ino == os.stat(path).st_ino
+    monkeypatch.undo()
+    assert launcher.hold(path) is None   # C is refused
+    b.close()

@@ -401,6 +401,7 @@ class Connection(Worker):
                  out: str | None = None, rank: int | None = None):
         self._busy = threading.Lock()   # held by the call under way (`_alone`)
         self._trained_at: float | None = None   # when step() first said False (`_trained`)
+        self._closing_at: float | None = None   # when close() began
         self._stepped: list | None = None       # the gradients the last step took (`_gradients`)
         problem = _argument_problem(model, optimizer, score, config, rank, out)
         if problem:
@@ -660,13 +661,16 @@ class Connection(Worker):
     def _trained(self) -> None:
         """step() says False: this worker's training ended now (the first time). What the
         script does before close() (score, save) is not the job's training: its finish
-        says how long ago that was (`idle_s`), and wall_s and samples/s end there."""
+        says how long that took (`idle_s`), and wall_s and samples/s leave it out. What
+        close() does (settling what is in flight: a last push, round, exchange or
+        deposit) is, as psgd's own worker's settle is."""
         if self._trained_at is None:
             self._trained_at = time.monotonic()
 
     def _report_end(self, error: str, timeout: float | None = None, **fields: Any) -> bool:
         if self._trained_at is not None:
-            fields["idle_s"] = round(time.monotonic() - self._trained_at, 6)
+            until = time.monotonic() if self._closing_at is None else self._closing_at
+            fields["idle_s"] = round(max(0.0, until - self._trained_at), 6)
         return super()._report_end(error, timeout, **fields)
 
     def _model_change(self) -> str:
@@ -742,6 +746,8 @@ class Connection(Worker):
         not be read). A Ctrl-C meanwhile leaves the job at once (`_interrupted`) and is raised."""
         if self.closed:
             return
+        if self._closing_at is None:
+            self._closing_at = time.monotonic()
         # What `_interrupted` tells the job: the interrupt, until this worker's share is settled.
         self._ending = error or self._raised(KeyboardInterrupt())
         self._holding = False   # rank 0 may hold the job's end: its finish with `hold` is sent, not yet released

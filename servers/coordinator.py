@@ -197,6 +197,7 @@ class Coordinator:
         self.t0 = 0.0
         self.t_end = 0.0
         self._done_at = 0.0   # when every worker was last seen done (finished or lost), while a hold lasts
+        self.heard_end = 0.0  # when it was heard that training ended (t_end may be earlier: `_trained_until`)
         self.final_deadline = 0.0
         self.done_at = 0.0
         self.told_done: set = set()    # (role, its rank or index) of each process heard since `done`
@@ -540,9 +541,10 @@ class Coordinator:
         training script's rank 0 reads the final model meanwhile (psgd/connection.py).
         Refused, before anything is applied, from a rank that is not a member, or from a
         process whose rank another took over (its `error` would abort the job, its `hold`
-        hold its end), or of another job. `idle_s`: how long ago the worker's training
-        ended (a training script's finish comes at its close(), after what it did past its
-        last step: scoring, saving), so that wall_s ends there."""
+        hold its end), or of another job. `idle_s`: seconds before this finish that were
+        not training (a training script's, between its last step and its close(): its own
+        scoring or saving), which wall_s leaves out: the worker's training ended that long
+        before now (`Member.ended`)."""
         self._ours(msg, "worker")
         idle = float(msg.get("idle_s", 0.0))
         if not 0.0 <= idle < math.inf:
@@ -691,6 +693,7 @@ class Coordinator:
                 # Training ended when the last worker was done, not at the end of rank 0's hold
                 # (a script's, reading the final model: it is not training, and wall_s said so)
                 self.t_end = now if self.abort else self._trained_until() or self._done_at or now
+                self.heard_end = now if self.abort else self._done_at or now
                 if self.has_evaluator and not self.abort:
                     self.phase = "final_eval"
                     self.final_deadline = now + self.cfg.cluster.timeout_s
@@ -791,8 +794,10 @@ class Coordinator:
         (a shard's counters as of its heartbeat before that miss the last pushes: with
         the evaluator off, a summary's dropped gradients were half the shards' own
         count), or SETTLE_BEATS heartbeat periods after the end."""
-        settled = all(self.server_seen.get(i, 0.0) > self.t_end for i in self.live_shards(now))
-        if settled or now > self.t_end + SETTLE_BEATS * self.cfg.cluster.heartbeat_s:
+        # (from when the end was heard: a script's t_end is its last step, before the pushes its close() settles)
+        since = self.heard_end or self.t_end
+        settled = all(self.server_seen.get(i, 0.0) > since for i in self.live_shards(now))
+        if settled or now > since + SETTLE_BEATS * self.cfg.cluster.heartbeat_s:
             self._finish_job()
         else:
             self.phase = "settling"

@@ -706,6 +706,16 @@ def test_the_summary_waits_for_the_shards_counters_after_training(tmp_path):
     assert c2.phase == "settling"
     c2._tick(t + SETTLE_BEATS * cfg.cluster.heartbeat_s + CHECK_EVERY_S)
     assert c2.phase == "done" and c2.summary["dropped_gradients"] == 3
+    # a training script's finish, its training ended before (`idle_s`): the shards' heartbeats since that
+    # end, before the finish, miss the pushes its close() settled; the wait counts from the finish
+    c3 = coordinator(cfg.replace(**{"cluster.port": free_port_block(4)}), str(tmp_path / "c"))
+    c3.service._serve(b"x", wire.encode("register", id=1, role="worker", want_rank=0, nonce="w0"))
+    for i in range(2):
+        c3.service._serve(b"x", wire.encode("heartbeat", id=1, rank=-1, role="server", index=i,
+                                            stats={"dropped": 3}, live_id=""))
+    c3.service._serve(b"x", wire.encode("finish", id=1, rank=0, clock=10, stats={"samples": 320}, idle_s=5.0))
+    c3._tick(time.monotonic())
+    assert c3.phase == "settling" and c3.t_end < c3.heard_end
 
 
 @pytest.mark.unit

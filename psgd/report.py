@@ -293,13 +293,17 @@ def run_commands(rows: list[Row], ctx: dict) -> list[str]:
     device = (ctx.get("machine") or {}).get("device")
     if device and device != "auto":
         shared += ["--device", device]
+    job = ctx.get("job") or {}
+    # (the budget this comparison had: a longer train.steps does nothing where train.seconds ends the job first)
+    longer = ("add `--set train.seconds=S` at the end (or `--set train.seconds=0 --set train.steps=N`)"
+              if job.get("seconds") else "add `--set train.steps=N` at the end (or "
+              "`--set train.steps=0 --set train.seconds=S`)")
     lines = ["## Training with a configuration", "",
              "Each configuration as a job of its own, with this comparison's settings (its config file, "
              "`--servers`, `--set` and `--device`, and the `PSGD_*` settings of its environment as `--set`): "
              "`psgd run` trains it with its first repeat's seed. A job stops at whichever of `train.steps` and "
-             "`train.seconds` it reaches first: for a longer one, add `--set train.steps=N` at the end (or "
-             "`--set train.steps=0 --set train.seconds=S`). Where `checkpoint.dir` is set, these jobs share it "
-             "(each run of the comparison had a folder of its own inside it).", ""]
+             f"`train.seconds` it reaches first: for a longer one, {longer}. Where `checkpoint.dir` is set, these "
+             "jobs share it (each run of the comparison had a folder of its own inside it).", ""]
     for r in configs:
         keys = [x for k, v in (r.params or {}).items() for x in ("--set", f"{config_key(k)}={format_value(v)}")]
         command = ["psgd", "run", *config, "--mode", r.mode, "--workers", str(r.workers), *shared, *keys]

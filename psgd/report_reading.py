@@ -482,12 +482,30 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
                    f"({rname(hi[1], many_w)}).")
     ba = mean(base.acc) if base is not None else None
     if ba is not None and base is not None:
-        out.append(f"The sequential baseline ended at {ba:.4f}; " + _against_baseline(accs, base, ba) + ".")
+        out.append(f"The sequential baseline ended at {ba:.4f}; " + _against_baseline(accs, base, ba)
+                   + _fewer_samples(accs, base) + ".")
     part = [r for _, r in accs if len(r.acc) < len(r.runs)]
     if part:   # (the others' final evaluation is missing: their means are of fewer runs than the rows say)
         out.append("Final accuracy of the repeats with a final score only: "
                    + ", ".join(f"{rname(r, many_w)} ({len(r.acc)} of {len(r.runs)})" for r in part) + ".")
     return out
+
+
+def _fewer_samples(accs: list[tuple[float, Row]], base: Row) -> str:
+    """' (the baseline trained on 19,200 samples; sync (1 w) and async (1 w) on 9,600)'
+    where some configurations trained on clearly fewer samples than the baseline (with
+    `--workers 1,2` the baseline runs the largest count's samples), else ''."""
+    b = mean(base.values("samples"))
+    if not b:
+        return ""
+    fewer = [(r, n) for _, r in accs if (n := mean(r.values("samples"))) and n < 0.9 * b]
+    if not fewer:
+        return ""
+    by_n: dict[str, list[Row]] = {}
+    for r, n in fewer:
+        by_n.setdefault(amount(n), []).append(r)
+    return (f" (the baseline trained on {amount(b)} samples; "
+            + "; ".join(f"{names(rs)} on {n}" for n, rs in by_n.items()) + ")")
 
 
 def _against_baseline(accs: list[tuple[float, Row]], base: Row, ba: float) -> str:
@@ -714,5 +732,6 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
 
     # (every distributed row: a swept value whose runs all failed is named, not dropped)
     out += sweep_sentences([r for r in rows if not r.is_baseline], period, target,
-                           float((ctx.get("job") or {}).get("seconds") or 0.0))
+                           float((ctx.get("job") or {}).get("seconds") or 0.0),
+                           lambda r: _faulted({**f, **item_faults(r)}, r.workers))
     return out

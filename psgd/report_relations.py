@@ -258,10 +258,12 @@ def _one_time(r: Row, period: float | None, target: float | None = None) -> str:
 
 
 def sweep_sentences(dist: list[Row], period: float | None = None, target: float | None = None,
-                    seconds: float = 0.0) -> list[str]:
+                    seconds: float = 0.0, faulted: Callable[[Row], bool] | None = None) -> list[str]:
     """A sentence per parameter sweep (each quantity's trend over the swept values, or,
     where every value ran once, the values without a trend: ONCE) and per worker-count sweep.
-    `seconds`: the job's time budget (train.seconds), which run_steps needs."""
+    `seconds`: the job's time budget (train.seconds), which run_steps needs; `faulted`:
+    whether a row's runs had an injected fault (a worker-count sweep whose ends differ in
+    it says so: a straggler's rank only the larger count has)."""
     out = []
     for mode, key, w, rs in sweeps(dist):
         lost = failed_values(rs)
@@ -316,6 +318,9 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
                  + ")" + shrank + _turn(rs) + _times_across(first, last, period))
             if why == ONCE:
                 s += f" (each worker count {ONCE})"
+            if faulted is not None and faulted(first) != faulted(last):
+                w = (first if faulted(first) else last).workers
+                s += f" (the injected fault is in the runs with {w} worker{'s' if w != 1 else ''} only)"
             out.append(s + ".")
     return out
 

@@ -680,8 +680,8 @@ def test_accuracy_against_the_baseline_says_higher_of_the_higher_and_lower_of_th
     """Repeats whose spread tells them apart from the baseline's: the configuration that
     ended above it is called higher, the one below it lower, never the other way round."""
     results = [run("baseline", "baseline", r, ttt=1.0, wall=5.0, acc=a, workers=1) for r, a in enumerate((0.9, 0.902))]
-    results += [run("sync", repeat=r, ttt=2.0, acc=a) for r, a in enumerate((0.95, 0.952))]
-    results += [run("async", "async", r, ttt=2.5, acc=a) for r, a in enumerate((0.8, 0.802))]
+    results += [run("sync", repeat=r, ttt=2.0, acc=a, wall=5.0) for r, a in enumerate((0.95, 0.952))]
+    results += [run("async", "async", r, ttt=2.5, acc=a, wall=5.0) for r, a in enumerate((0.8, 0.802))]
     line = sentence(told(results), "The sequential baseline ended at")
     assert line == "The sequential baseline ended at 0.9010; sync (2 w) ended higher; async (2 w) ended lower.", line
 
@@ -1017,3 +1017,27 @@ def test_a_rising_sweep_says_which_of_its_steps_are_not_told_apart():
                     "sds)"), said
     apart = [[0.60, 0.64], [0.90, 0.92], [1.16, 1.18]]
     assert course("x", "v", apart, [sum(v) / 2 for v in apart], fmt) == "x rose (v)"
+
+
+@pytest.mark.timeout(60)
+def test_the_baseline_sentence_says_where_a_configuration_trained_on_fewer_samples():
+    """A review (`--workers 1,2`): "The sequential baseline ended at 0.9875; sync (1 w),
+    async (1 w) ended lower", where the baseline trained on 19,200 samples and they on 9,600."""
+    results = [run("baseline", "baseline", repeat=r, acc=0.9875, sps=19200.0, wall=1.0, workers=1) for r in range(2)]
+    results += [run("sync", repeat=r, acc=0.969, sps=9600.0, wall=1.0, workers=1) for r in range(2)]
+    results += [run("sync", repeat=r, acc=0.988, sps=19200.0, wall=1.0, workers=2) for r in range(2)]
+    line = sentence(told(results, {**CTX, "workers": [1, 2]}), "The sequential baseline ended at")
+    assert line.endswith("(the baseline trained on 19,200 samples; sync (1 w) on 9,600)."), line
+    same = sentence(told(results[:2] + results[4:], {**CTX, "workers": [2]}), "The sequential baseline ended at")
+    assert "trained on" not in same
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_count_sweep_says_where_only_one_end_had_the_injected_fault():
+    """A review: "sync from 1 to 2 workers: throughput ×1.23 (scaling efficiency 61%)"
+    compared 1-worker runs without the straggler (rank 1) with 2-worker runs slowed by it."""
+    ctx = {**CTX, "workers": [1, 2], "faults": {"slow_rank": 1, "slow_factor": 4.0}}
+    results = [run("sync", repeat=r, sps=s, workers=w) for r in range(2) for w, s in ((1, 10000.0), (2, 12300.0))]
+    line = sentence(told(results, ctx), "sync from 1 to 2 workers")
+    assert line.endswith("(the injected fault is in the runs with 2 workers only)."), line
+    assert "injected fault is in" not in sentence(told(results, {**CTX, "workers": [1, 2]}), "sync from 1 to 2")

@@ -82,3 +82,14 @@ def test_the_section_gives_no_command_for_simulated_rows_merged_folders_or_a_bas
     text = open(os.path.join(out, "report.md")).read()
     section = text.split("## Training with a configuration", 1)[1].split("\n## ", 1)[0]
     assert "- async, 2 workers: `psgd run --mode async --workers 2 --servers 1`" in section
+
+
+@pytest.mark.timeout(60)
+def test_the_advice_for_a_longer_job_names_the_budget_that_ends_it():
+    """A review: a comparison with `train.seconds` was told to add `--set train.steps=N` for
+    a longer job, which changed nothing: its time budget still ended it first."""
+    rows = build_rows([run("sync")])
+    by_steps = run_commands(rows, {**CTX, "job": {"steps": 300, "seconds": 0.0}})[2]
+    by_time = run_commands(rows, {**CTX, "job": {"steps": 0, "seconds": 1.0}})[2]
+    assert "for a longer one, add `--set train.steps=N` at the end" in by_steps
+    assert "for a longer one, add `--set train.seconds=S` at the end" in by_time, by_time

@@ -292,17 +292,24 @@ def test_a_script_that_never_closes_is_told_so(tmp_path):
         run_script(tmp_path / "out", [str(path)], **{"mode.name": "async", "train.steps": 20})
 
 
-SCRIPT_WORKS_AFTER_CLOSE = """
+# A small script's model and its training loop, which the scripts below go on from
+SMALL_TRAINING = """
 import os, sys, time, torch, psgd
 from torch import nn
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-with psgd.connect(model, None) as ps:
+
+def train(ps):
     while True:
         model.zero_grad()
         nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
         if not ps.step(samples=16):
             break
+"""
+
+SCRIPT_WORKS_AFTER_CLOSE = SMALL_TRAINING + """
+with psgd.connect(model, None) as ps:
+    train(ps)
     rank = ps.rank
 # after close(): `model` holds the job's global model (README); score it, save results
 time.sleep(float(sys.argv[2]))
@@ -327,17 +334,9 @@ def test_psgd_run_lets_a_script_finish_its_work_after_close(tmp_path, capsys):
     assert "the job has ended; waiting for worker-0's script to end" in capsys.readouterr().err
 
 
-SCRIPT_SCORES_AFTER_ITS_LOOP = """
-import os, time, torch, psgd
-from torch import nn
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+SCRIPT_SCORES_AFTER_ITS_LOOP = SMALL_TRAINING + """
 with psgd.connect(model, None) as ps:
-    while True:
-        model.zero_grad()
-        nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
-        if not ps.step(samples=16):
-            break
+    train(ps)
     if ps.rank == 1:
         time.sleep(8)   # its own scoring of the model, before close()
 """

@@ -7,7 +7,10 @@ from typing import IO
 
 
 def log(role: str, text: str) -> None:
-    print(f"[psgd {role}] {text}", file=sys.stderr, flush=True)
+    """`[psgd ROLE] text` to stderr, as `say` writes it: a reader gone (`psgd run ... 2>&1 |
+    tee log` after a Ctrl-C ended tee) raised BrokenPipeError from the launcher's stop's
+    lines, and the stop was cut short."""
+    say(f"[psgd {role}] {text}")
 
 
 def say(text: str, stream: IO[str] | None = None) -> None:

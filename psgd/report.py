@@ -293,11 +293,7 @@ def run_commands(rows: list[Row], ctx: dict) -> list[str]:
     device = (ctx.get("machine") or {}).get("device")
     if device and device != "auto":
         shared += ["--device", device]
-    job = ctx.get("job") or {}
-    # (the budget this comparison had: a longer train.steps does nothing where train.seconds ends the job first)
-    longer = ("add `--set train.seconds=S` at the end (or `--set train.seconds=0 --set train.steps=N`)"
-              if job.get("seconds") else "add `--set train.steps=N` at the end (or "
-              "`--set train.steps=0 --set train.seconds=S`)")
+    longer = _longer_job(configs, ctx.get("job") or {})
     lines = ["## Training with a configuration", "",
              "Each configuration as a job of its own, with this comparison's settings (its config file, "
              "`--servers`, `--set` and `--device`, and the `PSGD_*` settings of its environment as `--set`): "
@@ -309,6 +305,28 @@ def run_commands(rows: list[Row], ctx: dict) -> list[str]:
         command = ["psgd", "run", *config, "--mode", r.mode, "--workers", str(r.workers), *shared, *keys]
         lines.append(f"- {r.name}, {r.workers} worker{'s' if r.workers != 1 else ''}: `{shlex.join(command)}`")
     return lines + [""]
+
+
+def _longer_job(rows: list[Row], job: dict) -> str:
+    """How to make a job longer than the comparison's runs: raise the budget that ended
+    them (a longer train.steps does nothing where train.seconds ended them first). With
+    both set, the runs' wall times tell which (each within 10 % of train.seconds: the
+    time), else both are named."""
+    steps = "`--set train.steps=N`"
+    seconds = "`--set train.seconds=S`"
+    limit = float(job.get("seconds") or 0.0)
+    if not limit:
+        return f"add {steps} at the end (or `--set train.steps=0 --set train.seconds=S`)"
+    by_time = f"add {seconds} at the end (or `--set train.seconds=0 --set train.steps=N`)"
+    if not job.get("steps"):
+        return by_time
+    walls = [w for r in rows for w in r.values("wall_s")]
+    timed = [w >= 0.9 * limit for w in walls]
+    if walls and all(timed):
+        return by_time
+    if walls and not any(timed):
+        return f"add {steps} at the end (its runs ended at their steps, before train.seconds)"
+    return f"raise the one that ends it: {steps} or {seconds} at the end"
 
 
 def item_fault_lines(rows: list[Row], common: dict, stated: bool) -> list[str]:

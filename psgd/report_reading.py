@@ -472,7 +472,7 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
         noisy = max((hi[1], lo[1]), key=lambda r: sd(r.acc) or 0.0)
         out.append(f"Final accuracy ranged from {lo[0]:.4f} ({rname(lo[1], many_w)}) to {hi[0]:.4f} "
                    f"({rname(hi[1], many_w)}), which does not tell the configurations apart: it is within twice "
-                   f"the run-to-run sd of {rname(noisy, many_w)}'s repeats ({noise:.4f}).")
+                   f"the run-to-run sd of the repeats of {rname(noisy, many_w)} ({noise:.4f}).")
     elif tie_reason(lo[1].acc, hi[1].acc) == ONCE:   # the extremes ran once: the values, in the rows' order
         every = "" if unmeasured([r.acc for _, r in accs]) else "the highest and the lowest "
         out.append("Final accuracy: " + ", ".join(f"{rname(r, many_w)} {a:.4f}" for a, r in accs)

@@ -318,9 +318,10 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
                  + ")" + shrank + _turn(rs) + _times_across(first, last, period))
             if why == ONCE:
                 s += f" (each worker count {ONCE})"
-            if faulted is not None and faulted(first) != faulted(last):
-                w = (first if faulted(first) else last).workers
-                s += f" (the injected fault is in the runs with {w} worker{'s' if w != 1 else ''} only)"
+            hit = [r.workers for r in rs if faulted is not None and faulted(r)]
+            if hit and len(hit) < len(rs):   # (a straggler's rank that the smaller counts lack)
+                s += (f" (the injected fault is in the runs with {' and '.join(map(str, hit))} "
+                      f"worker{'s' if hit != [1] else ''} only)")
             out.append(s + ".")
     return out
 

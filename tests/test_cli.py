@@ -864,6 +864,36 @@ def test_a_run_interrupted_in_a_pipe_whose_reader_ended_exits_with_its_signals_c
         stderr.close()
 
 
+def test_the_launchers_lines_to_a_pipe_whose_reader_ended_do_not_cut_its_stop_short(monkeypatch):
+    """A review: `psgd run --script ... 2>&1 | tee log`, then a Ctrl-C that ended tee first:
+    the launcher's line that it waits for the scripts (`log`) raised BrokenPipeError out of
+    its stop: the scripts' saves never ran, pid files stayed, and the exit was 141."""
+    import io
+    import sys
+
+    from psgd.launcher import Child, LocalJob
+    read, write = os.pipe()
+    os.close(read)
+    stderr = io.TextIOWrapper(io.FileIO(write, "w"), write_through=True)
+    monkeypatch.setattr(sys, "stderr", stderr)
+
+    class Running:
+        pid = 0
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+
+    job = LocalJob.__new__(LocalJob)
+    job.children = [Child("worker", 0, [], proc=Running(), script=True)]
+    try:
+        assert job.let_scripts_leave() is None   # said, to a reader that is gone: no BrokenPipeError
+    finally:
+        stderr.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,warned", [
     (["faults.slow_rank=7", "faults.slow_factor=4"], "faults.slow_rank = 7 is no rank of this job's 2 workers"),

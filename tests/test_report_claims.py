@@ -707,7 +707,8 @@ def test_a_range_of_final_accuracies_within_twice_a_repeats_sd_is_not_called_a_r
     results += [run("async", "async", r, ttt=2.5, acc=0.99) for r in range(2)]
     line = sentence(told(results), "Final accuracy")
     assert line == ("Final accuracy ranged from 0.9300 (**sync**) to 0.9900 (**async**), which does not tell the "
-                    "configurations apart: it is within twice the run-to-run sd of **sync**'s repeats (0.0424)."), line
+                    "configurations apart: it is within twice the run-to-run sd of the repeats of **sync** "
+                    "(0.0424)."), line
 
 
 @pytest.mark.timeout(60)
@@ -1041,3 +1042,6 @@ def test_a_worker_count_sweep_says_where_only_one_end_had_the_injected_fault():
     line = sentence(told(results, ctx), "sync from 1 to 2 workers")
     assert line.endswith("(the injected fault is in the runs with 2 workers only)."), line
     assert "injected fault is in" not in sentence(told(results, {**CTX, "workers": [1, 2]}), "sync from 1 to 2")
+    four = results + [run("sync", repeat=r, sps=15000.0, workers=4) for r in range(2)]   # (a review: "4 only")
+    line = sentence(told(four, {**ctx, "workers": [1, 2, 4]}), "sync from 1 to 4 workers")
+    assert line.endswith("(the injected fault is in the runs with 2 and 4 workers only)."), line

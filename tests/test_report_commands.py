@@ -88,8 +88,17 @@ def test_the_section_gives_no_command_for_simulated_rows_merged_folders_or_a_bas
 def test_the_advice_for_a_longer_job_names_the_budget_that_ends_it():
     """A review: a comparison with `train.seconds` was told to add `--set train.steps=N` for
     a longer job, which changed nothing: its time budget still ended it first."""
-    rows = build_rows([run("sync")])
+    rows = build_rows([run("sync", wall=1.0)])
     by_steps = run_commands(rows, {**CTX, "job": {"steps": 300, "seconds": 0.0}})[2]
     by_time = run_commands(rows, {**CTX, "job": {"steps": 0, "seconds": 1.0}})[2]
     assert "for a longer one, add `--set train.steps=N` at the end" in by_steps
     assert "for a longer one, add `--set train.seconds=S` at the end" in by_time, by_time
+    # both set (train.steps is 300 by default): the runs' wall times say which ended them (a review)
+    both = {**CTX, "job": {"steps": 300, "seconds": 60.0}}
+    assert "for a longer one, add `--set train.steps=N` at the end (its runs ended at their steps" in \
+        run_commands(rows, both)[2]
+    assert "for a longer one, add `--set train.seconds=S` at the end" in \
+        run_commands(build_rows([run("sync", wall=60.0)]), both)[2]
+    mixed = build_rows([run("sync", wall=60.0), run("async", "async", wall=3.0)])
+    assert "raise the one that ends it: `--set train.steps=N` or `--set train.seconds=S`" in \
+        run_commands(mixed, both)[2]

@@ -128,7 +128,7 @@ def test_a_wide_accuracy_range_is_not_called_hardly_separating_when_one_configur
     assert "hardly separates" not in text
     assert sentence(text, "Final accuracy") == (
         "Final accuracy ranged from 0.7850 (**sync**) to 0.9050 (**async**), which does not tell the "
-        "configurations apart: it is within twice the run-to-run sd of **sync**'s repeats (0.1768).")
+        "configurations apart: it is within twice the run-to-run sd of the repeats of **sync** (0.1768).")
     close = [run("sync", repeat=i, acc=0.920) for i in range(2)] + [run("async", "async", repeat=i, acc=0.922)
                                                                     for i in range(2)]
     assert sentence(told(close), "Final accuracy") == \

@@ -207,6 +207,8 @@ def test_the_gradients_a_step_took_are_told_from_new_ones_by_identity_not_id():
     w.grad.add_(1.0)   # a backward that accumulates
     assert not Connection._same_gradients(fake, taken)
     taken = Connection._gradients(fake)
+    w.grad = None   # zero_grad(): the tensor is freed (its id free for the next one's), and the step's hold on
+    assert taken[0][0]() is None   # it is a weak reference, now dead: no new tensor can pass for it
     w.grad = torch.ones(3)   # a new tensor, version 0 as the freed one's
     assert not Connection._same_gradients(fake, taken)
     taken = Connection._gradients(fake)

@@ -492,8 +492,13 @@ class CoordinatorLink:
                     peers.reconnect(0)
                     waited = time.monotonic() - start
                     if waited >= self.cfg.cluster.timeout_s:
+                        # (refused before for ranks all taken and live: one worker more than the job's,
+                        # whose coordinator then stopped answering, its job ended: not a rendezvous)
+                        hint = (f"when it last answered, all {self.cfg.cluster.workers} ranks were taken by live "
+                                f"workers (cluster.workers = {self.cfg.cluster.workers}: is this one worker too "
+                                f"many?); it may have stopped as its job ended" if said_live else self._hint())
                         raise PeerTimeout(self.address, waited, f"{who} could not register "
-                                          f"with the coordinator at {self.address}; {self._hint()}") from None
+                                          f"with the coordinator at {self.address}; {hint}") from None
                     log(tag, f"waiting for the coordinator at {self.address}"
                         f"{' and the other workers' if self.role == 'worker' else ''} "
                         f"({waited:.0f} s of cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s)")

@@ -1078,6 +1078,11 @@ class Coordinator:
                         log("coordinator", f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s; "
                             f"giving up (are all workers started, and do they reach "
                             f"{self.cfg.coordinator_address()}{slow}?{keys})")
+                        # In the state file: a restart (Compose's on-failure) ends at once (`_resume`),
+                        # where each waited cluster.timeout_s again, from a resumed rendezvous
+                        self.phase = "done"
+                        self.abort = f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:g} s"
+                        self._save_state(now)
                         return 1
                     if now - waited_note >= WAITING_EVERY_S:
                         waited_note = now

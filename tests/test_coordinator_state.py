@@ -1168,3 +1168,38 @@ def test_wall_s_ends_where_the_last_workers_training_ended_not_at_its_finish(tmp
     assert finish(0, idle_s=4.0).op == "reply" and finish(1, idle_s=100.0).op == "reply"   # before the start: at it
     c._tick(time.monotonic() + CHECK_EVERY_S * 1.001)
     assert 0.9 < c.t_end - c.t0 < 1.5, c.t_end - c.t0
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_one_worker_too_many_that_outlives_the_job_is_told_so():
+    """A review (`docker compose up --scale worker=3` for a 2-worker job): the third worker,
+    refused because every rank was taken and live, kept asking; once the job ended its
+    coordinator was gone, and the worker gave up a cluster.timeout_s later saying the
+    coordinator "answers when all 2 workers have registered", which was not the case."""
+    import threading
+
+    from psgd.membership import CoordinatorLink
+    from psgd.transport import PeerTimeout
+    port = free_port_block(3)
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.servers": 1, "cluster.port": port,
+                              "cluster.timeout_s": 2.0, "cluster.heartbeat_s": 0.2})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+
+    def coordinator_then_gone() -> None:   # one refusal, as the full job's coordinator answers; then it exits
+        if sock.poll(5000):
+            ident, *frames = sock.recv_multipart()
+            sock.send_multipart([ident, *wire.error(wire.decode(frames).id, wire.REFUSED,
+                                                    "all 2 worker ranks are taken and live")])
+        sock.close(0)
+    t = threading.Thread(target=coordinator_then_gone)
+    t.start()
+    try:
+        with pytest.raises(PeerTimeout, match=r"when it last answered, all 2 ranks were taken by live workers "
+                                              r"\(cluster.workers = 2: is this one worker too many\?\)"):
+            CoordinatorLink(cfg, "worker", 0, ctx=ctx).register()
+    finally:
+        t.join()
+        ctx.term()

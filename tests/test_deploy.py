@@ -859,7 +859,25 @@ def test_sbatch_into_a_finished_jobs_folder_keeps_its_event_logs_apart(tmp_path)
     r = run(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, PSGD_OUT=str(out)), cwd=tmp_path, timeout=60)
     assert (out / "earlier" / "events" / "worker-0.jsonl").read_text() == '{"t": 0.0, "step": 1}\n', r.stderr
     assert not (out / "events" / "worker-0.jsonl").exists() and (out / "summary.json.earlier").exists()
-    assert f"and its events/ to {out}/earlier/" in r.stderr, r.stderr
+    assert f"and the earlier job's events/ to {out}/earlier/" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restart", ["0", "1"])
+def test_sbatch_into_a_cancelled_jobs_folder_keeps_its_event_logs_apart_unless_requeued(tmp_path, restart):
+    """A review: `PSGD_OUT=runs/slurm-2 sbatch ...` after `scancel 2` resumed it, and the
+    new job's steps were appended to the cancelled one's event logs (steps 1..1196 then
+    1..1804 in one file): a cancelled job writes no summary.json, the only sign looked
+    for. The same job requeued (SLURM_RESTART_COUNT) goes on in its files."""
+    out = tmp_path / "runs" / "slurm-2"
+    (out / "events").mkdir(parents=True)
+    (out / "events" / "worker-0.jsonl").write_text('{"t": 0.0, "step": 1}\n')
+    r = run(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, PSGD_OUT=str(out), SLURM_RESTART_COUNT=restart),
+            cwd=tmp_path, timeout=60)
+    moved = (out / "earlier" / "events" / "worker-0.jsonl").exists()
+    assert moved == (restart == "0"), r.stderr
+    assert (f"and the earlier job's events/ to {out}/earlier/" in r.stderr) == moved, r.stderr
 
 
 @pytest.mark.processes

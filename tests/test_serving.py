@@ -265,6 +265,18 @@ def test_coordinator_alone_gives_up_after_timeout_and_says_what_it_waits_for(cap
 
 
 @pytest.mark.timeout(60)
+def test_a_coordinator_restarted_after_it_gave_up_waiting_for_its_workers_ends_at_once(tmp_path, capsys):
+    """A review: under Compose (`restart: on-failure:3`) a coordinator that gave up waiting
+    for its workers was restarted into the same rendezvous, which waited cluster.timeout_s
+    again: four times in all. It records the end in its state file, as an abort does."""
+    cfg = config(**{"cluster.workers": 2, "cluster.timeout_s": 1.0})
+    assert Coordinator(cfg, str(tmp_path), quiet=True, ctx=zmq.Context.instance()).serve() == 1
+    assert Coordinator(cfg, str(tmp_path), quiet=True, ctx=zmq.Context.instance()).serve() == 1
+    assert "ended 0 s ago, aborted: 0/2 workers registered after cluster.timeout_s = 1 s; nothing to do" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_a_coordinator_off_loopback_gives_up_naming_the_address_workers_dial(capsys, tmp_path):
     """On a cluster (cluster.host a node's address) the coordinator binds tcp://*:PORT; its
     give-up line asked "do they reach tcp://*:5555?", not the address the workers dial.

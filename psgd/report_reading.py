@@ -492,7 +492,7 @@ def _accuracy_sentences(dist: list[Row], base: Row | None, many_w: bool) -> list
 
 
 def _fewer_samples(accs: list[tuple[float, Row]], base: Row) -> str:
-    """' (the baseline trained on 19,200 samples; sync (1 w) and async (1 w) on 9,600)'
+    """' (the baseline trained on 19,200 samples; sync (1 w), async (1 w) on 9,600)'
     where some configurations trained on clearly fewer samples than the baseline (with
     `--workers 1,2` the baseline runs the largest count's samples), else ''."""
     b = mean(base.values("samples"))

@@ -805,17 +805,20 @@ class Connection(Worker):
         except BaseException:   # (the model could not be saved, ...): the job is let go all the same
             self._let_go(held)
             raise
-        problem = self._let_go(held and not abort) or problem   # (an abort the status view said)
+        # An abort the status view said: the coordinator keeps answering until the holder of
+        # the end has heard it (`_lingered`), and a status call does not say who asked, so the
+        # hold is released all the same, with a heartbeat's answer time (it may be gone).
+        problem = self._let_go(held, timeout=beat_answer_s(self.cfg) if abort else None) or problem
         if abort:
             raise _aborted(abort)
         if problem:
             raise JobError(f"close(): {problem}")
 
-    def _let_go(self, held: bool) -> str:
+    def _let_go(self, held: bool, timeout: float | None = None) -> str:
         """Rank 0's end of close(): release the job's end (`_release`, which says what went
-        wrong with the coordinator, or '') and leave the job."""
+        wrong with the coordinator, or ''; `timeout` as its) and leave the job."""
         try:
-            problem = self._release(held)
+            problem = self._release(held, timeout)
             self._holding = False
             return problem
         finally:  # a coordinator gone by now must not keep the pid file and the sockets

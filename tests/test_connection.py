@@ -16,6 +16,7 @@ running a training loop of their own, the shards learn the model from them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -496,10 +497,10 @@ def test_a_report_right_after_the_loop_counts_every_sample_of_the_reporting_work
         ps.close()
 
 
-def abort_while_rank_0_closes(cfg, out, sleep_s: float) -> dict:
+def abort_while_rank_0_closes(cfg, out, sleep_s: float, cluster: InProcessCluster | None = None) -> dict:
     """Rank 0 in close(), waiting for rank 1, whose script raises inside `with` after
     `sleep_s`: what each raised (or "closed normally"), and when (monotonic) rank 1 raised
-    and each ended."""
+    and each ended. In `cluster` (running) if given, else in one of its own."""
     got: dict = {}
 
     def worker(rank: int) -> None:
@@ -516,13 +517,13 @@ def abort_while_rank_0_closes(cfg, out, sleep_s: float) -> dict:
             got[rank] = f"{type(e).__name__}: {e}"
         got[f"end{rank}"] = time.monotonic()
 
-    with InProcessCluster(cfg, out) as cluster:
+    with contextlib.nullcontext(cluster) if cluster else InProcessCluster(cfg, out) as running:
         threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=60)
-        got["abort"] = cluster.coordinator.abort or ""
+        got["abort"] = running.coordinator.abort or ""
     return got
 
 
@@ -555,6 +556,22 @@ def test_close_on_rank_0_raises_an_abort_promptly(port_block, tmp_path, monkeypa
     assert got.get(0, "").startswith("JobError: the job was aborted"), got
     took = got["end0"] - got["raised_at"]
     assert took < 3.0, f"rank 0's close() raised the abort {took:.1f} s after it (cluster.timeout_s = 10)"
+
+
+@pytest.mark.timeout(90)
+def test_rank_0_that_reads_an_abort_in_its_status_poll_releases_the_end(port_block, tmp_path, monkeypatch):
+    """Rank 0 held the job's end in close(); rank 1's script then raised. Rank 0 read the
+    abort in its status poll, before a heartbeat told it, and left without a word: the
+    coordinator, which keeps answering until the holder of the end has heard it
+    (`_lingered`), and which cannot tell who asked for a status, waited out its linger
+    (`psgd run --script` took 14.6 s where it takes 7)."""
+    monkeypatch.setattr(psgd.connection, "FINAL_POLL_S", 0.05)
+    cfg = config(port_block, "async", **{"cluster.servers": 1, "train.steps": 10, "cluster.heartbeat_s": 2.0,
+                                         "cluster.timeout_s": 20.0})
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        got = abort_while_rank_0_closes(cfg, str(tmp_path), 1.0, cluster)
+        assert got.get(0, "").startswith("JobError: the job was aborted"), got
+        assert cluster.coordinator.holder is None   # released: heard
 
 
 @pytest.mark.timeout(60)

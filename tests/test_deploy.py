@@ -827,6 +827,16 @@ def test_sbatch_says_what_a_cancelled_job_can_resume_from(tmp_path, saved):
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
+def test_sbatch_counts_one_worker_and_one_shard_in_the_singular(tmp_path):
+    """The job's first line said "coordinator + 1 shards ..., 1 workers"."""
+    r = run(["bash", str(SCRIPTS[0])], env=stub_slurm(tmp_path, SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="n1",
+                                                      SLURM_NTASKS_PER_NODE="1", PSGD_CLUSTER_SERVERS="1"),
+            cwd=tmp_path, timeout=60)
+    assert "coordinator + 1 shard on n1" in r.stderr and "1 worker; config" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("asked", ["variable", "file", "same"])
 def test_sbatch_says_when_the_allocation_replaces_the_worker_count_asked_for(tmp_path, asked):
     """`PSGD_CLUSTER_WORKERS=4 sbatch -N2 --ntasks-per-node=2 psgd.sbatch`, or a config file

@@ -131,6 +131,7 @@ class ShardServer:
         self.ctx = ctx or zmq.Context.instance()
         self.name = f"server-{index}"
         self._term = False
+        self._signum = 0   # (the signal that set `_term`; 0: `stop()`, a test's, ends run() with 0)
         self._saver: threading.Thread | None = None  # the periodic checkpoint being written
         self._unwritten = False   # the last one failed (said in the log)
 
@@ -243,8 +244,12 @@ class ShardServer:
                 f"{os.path.dirname(path)} cannot be resumed (missing, or of another job or configuration), "
                 f"and resuming a part of the model would mix two" if others else "")
 
-    def _on_sigterm(self, *_):
+    def _on_sigterm(self, signum: int | None = None, _frame=None) -> None:
+        """SIGTERM or Ctrl-C: checkpoint and exit 128 + the signal's number (143, 130), as
+        every other daemon does, so that `psgd run` restarts a shard stopped alone (exit 0
+        said it had heard of the job's end, and the job waited for it cluster.timeout_s)."""
         self._term = True
+        self._signum = signum or self._signum
 
     stop = _on_sigterm  # end run() from another thread (tests)
 
@@ -370,6 +375,7 @@ class ShardServer:
                     last_ckpt = now
                 if self._term:
                     log(self.name, "stopped (SIGTERM or Ctrl-C): checkpointing and exiting")
+                    code = 128 + self._signum if self._signum else 0
                     break
                 if link.done:
                     shard.finished = True   # its last checkpoint says so: no later job resumes from it

@@ -12,10 +12,10 @@ from psgd.shard import Shard
 from tests.test_reliability import child, job, wait_for_steps
 
 
-def kill_and_restart(j, name: str, after: tuple[int, int]) -> dict:
-    """Run the job, kill -9 child `name` once worker after[0] has done after[1] steps
-    (psgd run restarts it: the supervision runs in `j.wait()`, on a thread here), and
-    return the summary."""
+def kill_and_restart(j, name: str, after: tuple[int, int], sig: int = signal.SIGKILL) -> dict:
+    """Run the job, kill -9 child `name` (or send it `sig`) once worker after[0] has done
+    after[1] steps (psgd run restarts it: the supervision runs in `j.wait()`, on a thread
+    here), and return the summary."""
     got: dict = {}
 
     def supervise():
@@ -29,7 +29,7 @@ def kill_and_restart(j, name: str, after: tuple[int, int]) -> dict:
         wait_for_steps(j, *after)
         supervisor = threading.Thread(target=supervise, daemon=True)
         supervisor.start()
-        child(j, name).proc.send_signal(signal.SIGKILL)
+        child(j, name).proc.send_signal(sig)
         supervisor.join(200)
         assert "summary" in got, got.get("error", "the job did not end")
         return got["summary"]
@@ -56,6 +56,22 @@ def test_a_shard_killed_in_a_resumed_run_before_its_first_checkpoint_counts_this
     assert "resumed from" in open(os.path.join(j.out, "logs", "server-1.log")).read()
     assert s["failures"]["shard_restarts"] == 1, s["failures"]
     assert s["bad_messages"] == 0 and s["dropped_gradients"] == 0, s
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_shard_stopped_alone_by_sigterm_is_restarted_and_resumes_its_checkpoint(tmp_path):
+    """A shard's SIGTERM (an administrator's kill, an OOM daemon's) checkpointed it and it
+    exited 0, which said it had heard of the job's end: psgd run did not restart it, the
+    workers waited cluster.timeout_s for it and the job aborted, and the next run into the
+    same folder started afresh (the job had ended). It exits 143 now, as the other daemons
+    do, and is restarted like one that died, from the checkpoint its SIGTERM wrote."""
+    j = job(tmp_path, "mode.name=ssp", "train.steps=300", "faults.step_delay_s=0.004", "cluster.timeout_s=30")
+    s = kill_and_restart(j, "server-0", (0, 100), signal.SIGTERM)
+    said = open(os.path.join(j.out, "logs", "server-0.log")).read()
+    assert "stopped (SIGTERM or Ctrl-C): checkpointing and exiting" in said and "resumed from" in said, said
+    assert s["failures"]["shard_restarts"] == 1 and not s.get("aborted"), s
+    assert s["final_accuracy"] >= 0.95, s
 
 
 @pytest.mark.processes

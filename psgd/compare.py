@@ -781,6 +781,20 @@ def unread_by_a_real_run(sets: list[str]) -> str:
             f"{'it' if len(keys) == 1 else 'them'} changes nothing") if keys else ""
 
 
+def unread_by_every_mode(sets: list[str], plan: list) -> str:
+    """A warning naming the `mode.*` keys given with --set that no run of the plan reads
+    (`--modes sync --set mode.staleness=5`): psgd run warns of such a key, and here the
+    report listed it as applied to every run. (A mode item that names another mode's
+    parameter is refused.)"""
+    from .consistency import PARAMS
+    modes = sorted({run.cfg.mode.name for run in plan if not run.is_baseline})
+    read = {f"mode.{k}" for name in modes for k in PARAMS[name]} | {"mode.name"}
+    keys = [k for k in given_sets(sets) if k.startswith("mode.") and k not in read]
+    return (f"no run reads {', '.join(keys)} (the parameters of mode{'s' * (len(modes) != 1)} {', '.join(modes)}: "
+            f"{', '.join(sorted(read - {'mode.name'})) or 'none'}): setting {'it' if len(keys) == 1 else 'them'} "
+            f"changes nothing") if keys else ""
+
+
 def main(args) -> int:
     specs = parse_modes(args.modes)
     for spec in specs:   # (two "different" configurations would be one real run, reported as a sweep)
@@ -908,7 +922,7 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
         # (the sequential baseline is rank 0 alone, slowed only by faults.slow_rank = 0: by design)
         warnings = [w for w in (batch_over_shares(plan, n),   # (n: the training set's size)
                                 *idle_faults_of([run for run in plan if not run.is_baseline]),
-                                unread_by_a_real_run(args.set)) if w]
+                                unread_by_a_real_run(args.set), unread_by_every_mode(args.set, plan)) if w]
         if warnings:
             ctx["warnings"] = warnings
         write_json_atomic(os.path.join(out, "compare-context.json"), ctx)
@@ -920,8 +934,9 @@ def _compare(args, base: Config, specs: list[ModeSpec], workers: list[int], plan
           f"{len(workers)} worker count{'s' if len(workers) != 1 else ''} x {args.repeats} repeat"
           f"{'s' if args.repeats != 1 else ''}{' + baseline' if not args.no_baseline else ''}), out {out}",
           file=sys.stderr, flush=True)
-    if args.set:
-        print(f"psgd compare: applied to every run: {' '.join(args.set)}", file=sys.stderr, flush=True)
+    if args.set or ctx["env_sets"]:
+        env = f"{'; ' * bool(args.set)}from the environment: {' '.join(ctx['env_sets'])}" if ctx["env_sets"] else ""
+        print(f"psgd compare: applied to every run: {' '.join(args.set)}{env}", file=sys.stderr, flush=True)
     for warning in ctx.get("warnings") or []:
         print(f"psgd compare: warning: {warning}", file=sys.stderr, flush=True)
 

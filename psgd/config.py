@@ -212,6 +212,8 @@ class SimConfig:
     latency_s: float = 50e-6   # one-way link latency
     bandwidth_gbps: float = 10.0  # per worker NIC and per shard NIC
     apply_gbps: float = 20.0   # a shard's apply rate (Gbit/s of its float32 tables worked through)
+    encode_ns: float = 0.0     # wire.compression: a worker's encode, ns a value of a push; 0 = calibrate
+    decode_ns: float = 0.0     # ... and a shard's decode, ns a value; 0 = calibrate
     train: bool = True         # compute real gradients (false: timing only)
 
 SECTIONS: dict[str, type] = {
@@ -663,7 +665,7 @@ def validate(cfg: Config) -> None:
                                                          f"(a worker sleeps it at a step), got {getattr(faults, key)}")
     _check(0 <= cfg.faults.jitter_prob <= 1, f"faults.jitter_prob must be in [0, 1], got {cfg.faults.jitter_prob}")
     sim = cfg.sim
-    for key in ("compute_s", "compute_cv", "latency_s"):   # one key a message: its source is named (load)
+    for key in ("compute_s", "compute_cv", "latency_s", "encode_ns", "decode_ns"):   # one key a message (load)
         _check(getattr(sim, key) >= 0, f"sim.{key} must be >= 0, got {getattr(sim, key)}")
     for key in ("bandwidth_gbps", "apply_gbps"):
         _check(getattr(sim, key) > 0, f"sim.{key} must be > 0, got {getattr(sim, key)}")

@@ -183,11 +183,13 @@ def render(rows: list[Row], ctx: dict, plots: list[tuple[str, str]]) -> str:
                   f"ran for real. {simulated_rows_cost(rows)}", ""]
     for warning in ctx.get("warnings") or []:   # what the command warned of (psgd compare's, simulate's)
         lines += [f"**Warning:** {warning}", ""]
-    sets = ctx.get("sets") or []
+    sets, env = ctx.get("sets") or [], ctx.get("env_sets") or []
     setups = ctx.get("setups") or []
     said = []
-    if sets:
-        said.append(f"**Applied to every run:** `{' '.join('--set ' + s for s in sets)}`.")
+    if sets or env:   # (the environment's PSGD_* settings: bytes halved by PSGD_WIRE_DTYPE went unexplained)
+        said.append("**Applied to every run:** " + " and ".join(
+            ([f"`{' '.join('--set ' + s for s in sets)}`"] if sets else [])
+            + ([f"from the environment (PSGD_*) `{' '.join(env)}`"] if env else [])) + ".")
     for s in setups:
         tag = f" (rows marked [{s['tag']}])" if s.get("tag") else ""
         cmd = f"`{s['command']}`" if s.get("command") else "no compare-context.json"

@@ -13,12 +13,14 @@ batches (unless `sim.train = false`), so accuracy is real and only time is simul
 with the cost model of the `[sim]` section (docs/simulation.md):
 `sim.compute_s` per step (0: calibrated here, by timing the model's forward and
 backward), its lognormal spread `sim.compute_cv`, `sim.latency_s`, `sim.bandwidth_gbps`
-per NIC, the shards' `sim.apply_gbps`, and the `faults.*` keys.
+per NIC, the shards' `sim.apply_gbps`, a compressed push's `sim.encode_ns` and
+`sim.decode_ns` (0: calibrated here), and the `faults.*` keys.
 
 Writes what `psgd compare` writes: DIR/compare.json, DIR/compare-context.json,
 DIR/report.md, the plots, DIR/runs/<name>/summary.json and events/, with times in
 virtual seconds and every summary marked `"simulated": true`. The same config and seed
-give the same compare.json to the last digit (with `sim.compute_s` given; a calibrated
+give the same compare.json to the last digit (with `sim.compute_s` given, and for
+compressed pushes `sim.encode_ns` and `sim.decode_ns`; a calibrated
 value, the one the runs used, is in compare-context.json, to pass back with --set: one
 per batch size, so a sweep whose worker counts differ in batch is passed back one worker
 count at a time).
@@ -106,11 +108,19 @@ def runnable(specs: list) -> list:
     return out
 
 
-def cost_model(base, calibrated: dict) -> dict:
+def cost_model(base, calibrated: dict, codecs: dict) -> dict:
     s = base.sim
     return {"compute_s": s.compute_s or None, "calibrated_compute_s": calibrated or None,
             "compute_cv": s.compute_cv, "latency_s": s.latency_s, "bandwidth_gbps": s.bandwidth_gbps,
-            "apply_gbps": s.apply_gbps, "train": s.train}
+            "apply_gbps": s.apply_gbps, "train": s.train,
+            **({"codec_ns": codecs} if codecs else {})}
+
+
+def codec_said(codecs: dict, sim) -> str:
+    """The progress line's words for the compressed pushes' costs (`codec_costs`)."""
+    given = [f"sim.{k}" for k in ("encode_ns", "decode_ns") if getattr(sim, k)]
+    return "".join(f"; {name}: encode {e:g} ns, decode {d:g} ns a value" for name, (e, d) in codecs.items()) + (
+        f" ({', '.join(given) or 'calibrated here'})" if codecs else "")
 
 
 def main(args) -> int:
@@ -159,6 +169,9 @@ def check_cost_model(cfg) -> None:
     once, before anything runs."""
     from .config import MAX_DELAY_S
     s = cfg.sim   # (one cost model for the whole plan: a --modes item cannot set sim.*)
+    for key in ("encode_ns", "decode_ns"):
+        if getattr(s, key) > MAX_DELAY_S:
+            raise ConfigError(f"sim.{key} must be at most {MAX_DELAY_S:g} ns a value, got {getattr(s, key):g}")
     for key in ("compute_s", "latency_s"):
         if getattr(s, key) > MAX_DELAY_S:
             raise ConfigError(f"sim.{key} must be at most {MAX_DELAY_S:g} s (11.6 virtual days), got "
@@ -252,17 +265,22 @@ def meaningless_sets(sets: list[str], plan: list) -> str | None:
 def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> int:
     """`n`: the training set's size (`cli.check_job`)."""
     from .cli import interrupted_code
-    from .compare import batch_over_shares, context, finish, said_if_interrupted
+    from .compare import batch_over_shares, context, finish, said_if_interrupted, unread_by_every_mode
     from .log import say
+    from .sim.run import CODEC, codec_costs
     cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
+        codecs = {run.name: codec_costs(run.cfg, cache) for run in plan}
         ctx = context(args, base, workers, plan)
-    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
-    ctx["simulated"] = cost_model(base, calibrated)
+    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items() if k[0] != CODEC}
+    used = {run.cfg.wire.compression + (f" (topk_fraction {run.cfg.wire.topk_fraction:g})"
+                                        if run.cfg.wire.compression == "topk" else ""): list(codecs[run.name])
+            for run in plan if run.cfg.wire.compression != "none"}
+    ctx["simulated"] = cost_model(base, calibrated, used)
     ctx["machine"]["device"] = args.device
     warnings = [w for w in (same_worker_dropped(plan), batch_over_shares(plan, n), *idle_faults_of(plan),
-                            meaningless_sets(args.set, plan)) if w]
+                            meaningless_sets(args.set, plan), unread_by_every_mode(args.set, plan)) if w]
     if warnings:
         ctx["warnings"] = warnings
     for warning in warnings:
@@ -272,16 +290,16 @@ def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> i
     n = len(plan)
     where = ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in calibrated.items())
     print(f"psgd simulate: {n} run{'s' if n != 1 else ''}, out {out}; compute per step: "
-          f"{f'{base.sim.compute_s:g} s (sim.compute_s)' if base.sim.compute_s else f'calibrated here, {where}'}",
-          file=sys.stderr, flush=True)
+          f"{f'{base.sim.compute_s:g} s (sim.compute_s)' if base.sim.compute_s else f'calibrated here, {where}'}"
+          f"{codec_said(used, base.sim)}", file=sys.stderr, flush=True)
 
     entries: dict[int, dict] = {}
     durations: dict[int, float] = {}
     real: dict[str, float] = {}
     failed = 0
     t_start = time.monotonic()
-    tasks = [(i, run.cfg, costs[run.name][0], args.device, os.path.join(out, "runs", run.name), f"[{i + 1}/{n}]",
-              run.describe()) for i, run in enumerate(plan)]
+    tasks = [(i, run.cfg, (costs[run.name][0], codecs[run.name]), args.device, os.path.join(out, "runs", run.name),
+              f"[{i + 1}/{n}]", run.describe()) for i, run in enumerate(plan)]
     interrupted = 0   # the exit code when a signal ended the plan early
     try:
         with closing(simulated(tasks, args.jobs)) as done:  # closed on leaving early: its processes stop
@@ -343,7 +361,8 @@ def simulate_one(task: tuple) -> tuple[int, tuple[dict | None, int, str | None, 
     t0 = time.monotonic()
     shutil.rmtree(folder, ignore_errors=True)   # an earlier plan's run of that name: nothing of it stays
     try:
-        sim = Simulation(cfg, cost, device, progress_line(prefix))
+        compute_s, codec = cost if isinstance(cost, tuple) else (cost, None)   # (codec: measured in `Simulation`)
+        sim = Simulation(cfg, compute_s, device, progress_line(prefix), codec_ns=codec)
         return i, (sim.run(folder), sim.loop.events, None, time.monotonic() - t0)
     except Exception as e:  # a deadlock, a bad dataset, a worker's error, a bug: the run failed, the plan goes on
         msg = str(e).strip()

@@ -896,8 +896,9 @@ class Coordinator:
         coordinator's time. A score is encoded once its samples are settled (those still
         `counting` are the curve's last), and saved as it comes (it waited for the next
         second: a coordinator killed meanwhile lost up to a second of the curve, and
-        summary.json's time_to_target_s moved from 1.09 s to 2.56). Encoded once, the whole curve was still written every second (and fsync'd): 6.8 MB
-        at 8 hours, 20 MB a second a day into a job. A settled score is appended once to
+        summary.json's time_to_target_s moved from 1.09 s to 2.56). Encoded once, the
+        whole curve was still written every second (and fsync'd): 6.8 MB at 8 hours, 20 MB
+        a second a day into a job. A settled score is appended once to
         DIR/coordinator-scores.jsonl (fsync'd before the state file that counts it,
         `evals_settled`, replaces the old one); the state file holds the scores still
         counting (`evals`): its size stays that of a job's first seconds."""

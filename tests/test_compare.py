@@ -866,3 +866,27 @@ def test_a_real_comparison_refuses_a_sim_key_in_a_mode_item_and_warns_of_one_in_
     said = ("a real run reads none of sim.latency_s (psgd simulate's cost model): setting it changes nothing")
     assert f"psgd compare: warning: {said}" in capsys.readouterr().err and len(ran) == 1
     assert said in json.load(open(tmp_path / "b" / "compare-context.json"))["warnings"]
+
+
+@pytest.mark.timeout(60)
+def test_a_comparison_warns_of_a_mode_key_no_run_reads_and_names_the_environments_settings(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A helper: `psgd compare --modes sync --set mode.staleness=5` said nothing and its
+    report listed the key as applied to every run (psgd run warns of it); and a
+    `PSGD_WIRE_DTYPE=bfloat16` in the environment was in no line of the report but its
+    training commands, while its bytes a sample were halved."""
+    import psgd.compare
+    from psgd.cli import main
+    monkeypatch.setattr(psgd.compare, "run_one", lambda run, *a, **k: (_ for _ in ()).throw(RuntimeError("stood in")))
+    monkeypatch.setenv("PSGD_WIRE_DTYPE", "bfloat16")
+    main(["compare", "--modes", "sync,async", "--set", "mode.staleness=5", "--set", "mode.prefetch=true",
+          "--set", "train.steps=5", "--no-baseline", "--out", str(tmp_path / "a")])
+    said = ("no run reads mode.staleness (the parameters of modes async, sync: mode.backup_workers, mode.dc_lambda, "
+            "mode.lr_policy, mode.n_fetch, mode.n_push, mode.prefetch): setting it changes nothing")
+    err = capsys.readouterr().err
+    assert f"psgd compare: warning: {said}" in err, err   # (mode.prefetch is async's: read)
+    assert "applied to every run: mode.staleness=5 mode.prefetch=true train.steps=5; from the environment: " \
+           "wire.dtype=bfloat16" in err, err
+    text = open(tmp_path / "a" / "report.md").read()
+    assert (f"**Warning:** {said}" in text and "**Applied to every run:** `--set mode.staleness=5 --set "
+            "mode.prefetch=true --set train.steps=5` and from the environment (PSGD_*) `wire.dtype=bfloat16`.") in text

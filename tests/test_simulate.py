@@ -504,20 +504,46 @@ def test_a_run_holds_a_bounded_number_of_event_lines_and_writes_the_same_logs(tm
 @pytest.mark.timeout(120)
 def test_a_shard_works_through_its_tables_whatever_the_push_weighs_on_the_wire():
     """A bfloat16 or top-k push is decoded into a dense float32 gradient and applied to
-    the whole table: the shards' busy time is that of float32 pushes; only the wire is
-    cheaper."""
+    the whole table: the shards' busy time is that of float32 pushes, and a compressed
+    one's decoding (`sim.decode_ns`); only the wire is cheaper."""
     def run(*sets: str) -> Simulation:
         sim = Simulation(load(None, ["cluster.workers=8", "train.steps=10", "sim.train=false", "sim.compute_s=0.002",
-                                     "mode.name=async", *sets]), 0.002)
+                                     "mode.name=async", "sim.encode_ns=3", "sim.decode_ns=2", *sets]), 0.002)
         sim.run()
         return sim
     plain = run()
     for sets in (["wire.dtype=bfloat16"], ["wire.compression=topk"]):
         light = run(*sets)
-        assert [n.busy_s for n in light.nodes] == pytest.approx([n.busy_s for n in plain.nodes], rel=1e-9)
+        decoding = [8 * 10 * 2e-9 * shard.P if "wire.compression=topk" in sets else 0.0 for shard in light.shards]
+        assert [n.busy_s for n in light.nodes] == pytest.approx(
+            [n.busy_s + d for n, d in zip(plain.nodes, decoding, strict=True)], rel=1e-9)
         assert light.summary()["shard_busy_fraction"] == pytest.approx([n.busy_s / light.end_t for n in light.nodes],
                                                                        abs=1e-4)
         assert light.workers[0].client.bytes_sent < 0.6 * plain.workers[0].client.bytes_sent
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(120)
+def test_a_compressed_push_costs_its_encode_and_decode_on_the_virtual_clock(tmp_path):
+    """A helper's sweep: `psgd simulate` ran onebit and topk at 1.17 times sync's
+    samples/s (they send fewer bytes, at no cost), where real runs ran at 0.3-0.5 times:
+    a CPU's encode and decode outweigh a small model's step. At W = 1 and one shard, sync's
+    step waits for its push's service, so each step takes the encode and the decode more:
+    (encode_ns + decode_ns) x the shard's values; calibrated (0), both are measured."""
+    def wall(*sets: str) -> Simulation:
+        sim = Simulation(load(None, ["cluster.workers=1", "cluster.servers=1", "train.steps=20", "sim.train=false",
+                                     "sim.compute_s=0.001", "cluster.evaluator=false", "mode.name=sync", *sets]), 0.001)
+        sim.run()
+        return sim
+    fast = wall("wire.compression=onebit", "sim.encode_ns=0.001", "sim.decode_ns=0.001")
+    slow = wall("wire.compression=onebit", "sim.encode_ns=100.001", "sim.decode_ns=50.001")
+    assert slow.end_t - fast.end_t == pytest.approx(20 * 150e-9 * slow.shards[0].P, rel=1e-6)
+    assert slow.summary()["sim"]["encode_ns"] == 100.001 and "encode_ns" not in wall().summary()["sim"]
+    code, _ = simulate(tmp_path, "c", "--modes", "sync:wire.compression=none,onebit", "--workers", "1",
+                       "--set", "train.steps=5", "--set", "sim.train=false", "--set", "sim.compute_s=0.001")
+    assert code == 0
+    encode, decode = json.load(open(tmp_path / "c" / "compare-context.json"))["simulated"]["codec_ns"]["onebit"]
+    assert encode > 0 and decode > 0   # measured here
 
 
 @pytest.mark.inprocess

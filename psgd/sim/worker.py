@@ -111,6 +111,9 @@ class SimClient(CountingClient):
 
     def begin(self, reqs: Sequence[tuple[int, str, dict]], cancel: Callable[[], bool] | None = None) -> Any:
         w = self.worker
+        for i, _op, kw in reqs:   # a compressed push was encoded first (`Simulation.encode_s`)
+            if "codec" in kw:
+                w.t += w.sim.encode_s[i]
         out: list = [None] * len(reqs)
         items: list = []
         f = Flight(list(reqs), out, len(reqs), w.t, cancel, items)

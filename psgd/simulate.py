@@ -119,8 +119,10 @@ def cost_model(base, calibrated: dict, codecs: dict) -> dict:
 def codec_said(codecs: dict, sim) -> str:
     """The progress line's words for the compressed pushes' costs (`codec_costs`)."""
     given = [f"sim.{k}" for k in ("encode_ns", "decode_ns") if getattr(sim, k)]
+    source = ("calibrated here" if not given else " and ".join(given) if len(given) == 2
+              else f"{given[0]}; the other calibrated here")
     return "".join(f"; {name}: encode {e:g} ns, decode {d:g} ns a value" for name, (e, d) in codecs.items()) + (
-        f" ({', '.join(given) or 'calibrated here'})" if codecs else "")
+        f" ({source})" if codecs else "")
 
 
 def main(args) -> int:

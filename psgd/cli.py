@@ -31,7 +31,7 @@ BEGAN = (time.time(), sum(os.times()[:2]))
 
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
-    from .layout import BUILTIN_MODELS, SCRIPT_MODEL
+    from .layout import BUILTIN_MODELS, SCRIPT_MODEL, unfit_input
     from .log import say, to_devnull
     from .metrics import EXIT_CANNOT_WRITE, OutputError
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
@@ -233,6 +233,11 @@ def check_model(cfg) -> None:
     elif cfg.model.name not in BUILTIN_MODELS:
         raise ConfigError(f"model.name {cfg.model.name!r}: expected {', '.join(BUILTIN_MODELS)} "
                           f"or package.module:factory")
+    else:   # (a cnn on flat data started, and its workers died on torch's conv2d traceback)
+        from .data import describe
+        unfit = unfit_input(cfg.model.name, describe(cfg.data)[0])
+        if unfit:
+            raise ConfigError(unfit)
 
 
 def check_job(cfg, runs: list | None = None) -> int:
@@ -301,7 +306,9 @@ def idle_faults(cfg) -> list[str]:
 def unread_keys(cfg, given: set[str] | list[str]) -> str:
     """A warning naming the keys given on the command line or in PSGD_* variables that this
     job never reads: another mode's parameters (`--mode sync --set mode.prefetch=true`),
-    and psgd simulate's cost model (`sim.*`). They ran as if not given, without a word;
+    psgd simulate's cost model (`sim.*`), and another model's or dataset's keys
+    (`model.hidden` but for the mlp, `data.shape` and `data.samples` but for synthetic
+    data). They ran as if not given, without a word;
     psgd compare refuses the first in a mode item, psgd simulate warns of the keys it
     never reads."""
     from .consistency import PARAMS
@@ -309,11 +316,16 @@ def unread_keys(cfg, given: set[str] | list[str]) -> str:
     mine = {"mode.name", *(f"mode.{k}" for k in PARAMS[name])}
     modes = sorted(k for k in given if k.startswith("mode.") and k not in mine)
     sims = sorted(k for k in given if k.startswith("sim."))
+    # (a cnn with model.hidden trained the CNN it always trains, without a word)
+    others = sorted(k for k in given if (k == "model.hidden" and cfg.model.name != "mlp")
+                    or (k in ("data.shape", "data.samples") and cfg.data.name != "synthetic"))
     what = ([f"{', '.join(modes)} (mode {name}'s parameters: {', '.join(PARAMS[name]) or 'none'})"] if modes else []) \
-        + ([f"{', '.join(sims)} (psgd simulate's cost model)"] if sims else [])
+        + ([f"{', '.join(sims)} (psgd simulate's cost model)"] if sims else []) \
+        + [f"{k} (the mlp's width; model.name = {cfg.model.name})" if k == "model.hidden" else
+           f"{k} (the synthetic dataset's; data.name = {cfg.data.name})" for k in others]
     if not what:
         return ""
-    return (f"this job reads none of {'; '.join(what)}: setting {'it' if len(modes + sims) == 1 else 'them'} "
+    return (f"this job reads none of {'; '.join(what)}: setting {'it' if len(modes + sims + others) == 1 else 'them'} "
             f"changes nothing")
 
 

@@ -309,7 +309,11 @@ def _mnist(cfg: DataConfig):
         raise DataError("data.name = mnist needs data.path: the folder with the four IDX files")
     out = []
     for split in ("train", "t10k"):
-        xi = _idx(_mnist_path(cfg.path, f"{split}-images-idx3-ubyte"), 0x803, 3)
+        images = _mnist_path(cfg.path, f"{split}-images-idx3-ubyte")
+        xi = _idx(images, 0x803, 3)
+        if xi.shape[1:] != KNOWN["mnist"][0][1:]:   # (the shards build the model from that shape, not the files)
+            raise DataError(f"{images}: images of {xi.shape[1]}x{xi.shape[2]}, data.name = mnist is 28x28 "
+                            f"(other images: a data.name factory)")
         yi = _idx(_mnist_path(cfg.path, f"{split}-labels-idx1-ubyte"), 0x801, 1)
         if len(xi) != len(yi):
             raise DataError(f"{cfg.path}: {split} has {len(xi)} images but {len(yi)} labels")

@@ -24,6 +24,16 @@ import math
 from typing import Any
 
 BUILTIN_MODELS = ("mlp", "cnn", "resnet20")
+
+
+def unfit_input(name: str, input_shape: tuple) -> str:
+    """Why built-in model `name` cannot take inputs of `input_shape`, or '': the
+    convolutional ones need images (C, H, W), ResNet-20's at least 8 high (without torch:
+    `cli.check_model` asks before a job starts, `models.build_model` when it builds)."""
+    if name in ("cnn", "resnet20") and (len(input_shape) != 3 or (name == "resnet20" and input_shape[1] < 8)):
+        return f"model.name = {name} needs image inputs (C, H, W){' at least 8 high' * (name == 'resnet20')}, " \
+               f"got {tuple(input_shape)}"
+    return ""
 SCRIPT_MODEL = "script"   # model.name of a job whose workers are the user's own training script
 TABLES = ("params", "buffers")
 FIXED = "fixed"           # a layout entry the shards do not hold (a frozen parameter, a non-float buffer)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
+from .layout import unfit_input
 
 _SEEDING = threading.Lock()
 
@@ -216,12 +217,11 @@ def build_model(name: str, input_shape, num_classes: int, seed: int, hidden: int
         model: nn.Module
         if name == "mlp":
             model = MLP(input_shape, num_classes, hidden)
-        elif name == "cnn":
-            model = SmallCNN(input_shape, num_classes)
-        elif name == "resnet20":
-            if len(input_shape) != 3 or input_shape[1] < 8:
-                raise ConfigError(f"model.name = resnet20 needs image inputs (C, H, W), got {input_shape}")
-            model = ResNet20(input_shape, num_classes)
+        elif name in ("cnn", "resnet20"):
+            unfit = unfit_input(name, input_shape)
+            if unfit:
+                raise ConfigError(unfit)
+            model = (SmallCNN if name == "cnn" else ResNet20)(input_shape, num_classes)
         elif ":" in name:
             model = load_factory(name, "model.name")(input_shape=input_shape, num_classes=num_classes)
             if not isinstance(model, nn.Module):

@@ -798,6 +798,10 @@ def test_no_mode_warning_for_the_other_modes_with_one_step_settings(mode, no_job
      "this job reads none of mode.prefetch (mode sync's parameters: backup_workers); sim.latency_s (psgd simulate's "
      "cost model): setting them changes nothing"),
     (["mode.backup_workers=1", "cluster.workers=3"], None),
+    (["model.name=cnn", "model.hidden=4", "data.samples=100"],   # (a helper's: the CNN trained, unsaid)
+     "this job reads none of data.samples (the synthetic dataset's; data.name = digits); model.hidden (the mlp's "
+     "width; model.name = cnn): setting them changes nothing"),
+    (["model.hidden=4", "data.name=synthetic", "data.samples=100"], None),
 ])
 def test_run_warns_of_the_keys_given_that_its_job_never_reads(sets, said, no_job, capsys, tmp_path):
     """A review: `psgd run --mode sync --set mode.prefetch=true` (another mode's

@@ -149,6 +149,34 @@ def test_mnist_idx(tmp_path):
         load_dataset(DataConfig(name="mnist", path=str(tmp_path)))
 
 
+def test_mnist_images_of_another_size_are_refused_naming_the_file(tmp_path):
+    """A helper: 16x16 IDX images passed, and the job's workers died on a split of the
+    wrong sizes (the shards build the model for 28x28, from data.name alone); with a
+    16x16 test set only, training ran and the evaluator died five times."""
+    for split, side in (("train", 28), ("t10k", 16)):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte", np.zeros((10, side, side)), 0x803)
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", np.arange(10) % 10, 0x801)
+    with pytest.raises(DataError, match=r"t10k-images-idx3-ubyte: images of 16x16, data.name = mnist is 28x28"):
+        load_dataset(DataConfig(name="mnist", path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("name,shape,said", [
+    ("cnn", (16,), "model.name = cnn needs image inputs (C, H, W), got (16,)"),
+    ("resnet20", (3, 4, 4), "model.name = resnet20 needs image inputs (C, H, W) at least 8 high, got (3, 4, 4)")])
+def test_a_builtin_model_that_does_not_fit_the_data_is_refused_before_the_job(name, shape, said):
+    """A helper: `--set model.name=cnn --set data.name=synthetic --set 'data.shape=[16]'`
+    started the job, whose workers died on torch's conv2d traceback (and it replaced the
+    folder's earlier summary.json): only a factory's model was checked before the start."""
+    from psgd.cli import check_model
+    from psgd.config import load
+    cfg = load(None, [f"model.name={name}", "data.name=synthetic", f"data.shape={list(shape)}"], env={})
+    with pytest.raises(ConfigError) as e:
+        check_model(cfg)
+    assert str(e.value) == said
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_model(name, shape, 10, seed=0)
+
+
 def test_unknown_dataset_and_factory_errors():
     with pytest.raises(DataError, match="expected digits"):
         load_dataset(DataConfig(name="imagenet"))

@@ -1404,15 +1404,26 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
         end = e
         raise
     finally:   # (also on a signal in `except`: the daemons are stopped, and waited for)
-        try:
-            again = job.let_scripts_leave() if type(end) is KeyboardInterrupt else None   # (a Ctrl-C's, not
-            with signals_held():                                                          # SIGTERM's or SIGHUP's)
-                job.stop()   # (first: a script that the stop cut short has not ended with 0)
-            if again is not None:   # the signal that cut the scripts' wait short: raised as one held in the stop
-                raise again
-        except KeyboardInterrupt as e:   # held while they stopped: it is the one raised
-            e.ended = _ended(job, end)  # type: ignore[attr-defined]
-            raise
+        # The stop runs whatever signal comes before its own are held: a second Ctrl-C
+        # microseconds after the first (GNU timeout passes one on to the group it had) cut
+        # it out, and psgd run said "its daemons are stopped" while they still wrote their
+        # checkpoints. The latest signal is the one raised: one that cut the scripts' wait
+        # short, or one held while the daemons stopped.
+        again: KeyboardInterrupt | None = None
+        waited = stopped = False
+        while not stopped:
+            try:
+                if type(end) is KeyboardInterrupt and not waited:   # (a Ctrl-C's, not SIGTERM's or SIGHUP's)
+                    waited = True
+                    again = job.let_scripts_leave()
+                with signals_held():
+                    job.stop()   # (first: a script that the stop cut short has not ended with 0)
+                    stopped = True
+            except KeyboardInterrupt as e:
+                again = e
+        if again is not None:
+            again.ended = _ended(job, end)  # type: ignore[attr-defined]
+            raise again
         if isinstance(end, KeyboardInterrupt):
             end.ended = _ended(job, end)  # type: ignore[attr-defined]
     return summary

@@ -446,6 +446,24 @@ def test_a_hang_up_while_an_interrupted_job_stops_ends_the_run_with_129(monkeypa
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_a_second_ctrl_c_before_the_stop_holds_signals_still_stops_the_daemons(monkeypatch, tmp_path, capsys):
+    """A helper: under GNU timeout a Ctrl-C reached psgd run two or three times within
+    microseconds. One that came after the first's KeyboardInterrupt, before the stop held
+    signals, skipped the stop: psgd run said "its daemons are stopped" (8 times in 40)
+    while they wrote their checkpoints after it, the resume note missing and the job's
+    token left. (The second comes here where it can: in the scripts' wait, before it.)"""
+    from psgd.launcher import LocalJob
+    stopped = []
+    real_stop = LocalJob.stop
+    monkeypatch.setattr(LocalJob, "let_scripts_leave", lambda job: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(LocalJob, "stop", lambda job: stopped.append(1) or real_stop(job))
+    code, out, err = run_then_signal(monkeypatch, tmp_path, capsys, None, [], KeyboardInterrupt)
+    assert code == 130 and "psgd run: interrupted; its daemons are stopped" in err, (code, err)
+    assert stopped == [1] and not (tmp_path / "out" / ".job-token").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_a_signal_while_the_fork_server_stops_is_noted_and_the_code_kept(monkeypatch, tmp_path, capsys):
     """Ctrl-C or SIGTERM while psgd run stops its fork server, at its very end (its summary
     printed, or its error, or its interrupt), exited 143 with nothing said, where one a

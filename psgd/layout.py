@@ -24,6 +24,10 @@ import math
 from typing import Any
 
 BUILTIN_MODELS = ("mlp", "cnn", "resnet20")
+SCRIPT_MODEL = "script"   # model.name of a job whose workers are the user's own training script
+TABLES = ("params", "buffers")
+FIXED = "fixed"           # a layout entry the shards do not hold (a frozen parameter, a non-float buffer)
+MAX_ENTRIES = 100_000
 
 
 def unfit_input(name: str, input_shape: tuple) -> str:
@@ -34,10 +38,6 @@ def unfit_input(name: str, input_shape: tuple) -> str:
         return f"model.name = {name} needs image inputs (C, H, W){' at least 8 high' * (name == 'resnet20')}, " \
                f"got {tuple(input_shape)}"
     return ""
-SCRIPT_MODEL = "script"   # model.name of a job whose workers are the user's own training script
-TABLES = ("params", "buffers")
-FIXED = "fixed"           # a layout entry the shards do not hold (a frozen parameter, a non-float buffer)
-MAX_ENTRIES = 100_000
 
 
 def learned(model_name: str) -> bool:

@@ -269,13 +269,14 @@ def _simulate(args, base, workers: list[int], plan: list, out: str, n: int) -> i
     from .cli import interrupted_code
     from .compare import batch_over_shares, context, finish, said_if_interrupted, unread_by_every_mode
     from .log import say
-    from .sim.run import CODEC, codec_costs
+    from .sim.run import codec_costs
     cache: dict = {}
+    codec_cache: dict = {}
     with said_if_interrupted("psgd simulate"):
         costs = {run.name: compute_cost(run.cfg, args.device, cache) for run in plan}
-        codecs = {run.name: codec_costs(run.cfg, cache) for run in plan}
+        codecs = {run.name: codec_costs(run.cfg, codec_cache) for run in plan}
         ctx = context(args, base, workers, plan)
-    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items() if k[0] != CODEC}
+    calibrated = {f"{k[0]} on {k[2]}, batch {k[4]}": v for k, v in cache.items()}
     used = {run.cfg.wire.compression + (f" (topk_fraction {run.cfg.wire.topk_fraction:g})"
                                         if run.cfg.wire.compression == "topk" else ""): list(codecs[run.name])
             for run in plan if run.cfg.wire.compression != "none"}

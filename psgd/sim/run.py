@@ -43,9 +43,6 @@ from .worker import CountingClient, SimWorker
 PROGRESS_EVERY_S = 2.0
 SPILL_LINES = 1 << 16   # event-log lines the workers hold before they are written (`Simulation.spill`)
 CALIBRATION_STEPS = 20
-CODEC = "codec"   # a calibration cache's key for a compressed push's costs (`codec_costs`)
-
-
 class Deadlock(RuntimeError):
     pass
 
@@ -81,13 +78,14 @@ def calibrate(cfg: Config, device: str, cache: dict) -> float:
     return cache[key]
 
 
-def codec_costs(cfg: Config, cache: dict) -> tuple[float, float]:
+def codec_costs(cfg: Config, cache: dict, size: int | None = None) -> tuple[float, float]:
     """(encode, decode) ns a value of a compressed push (wire.compression): a worker's
     error-feedback encode, charged to its clock at each compressed push, and a shard's
     decode, charged to its serving (`Simulation.arrive`); (0, 0) without compression.
     `sim.encode_ns` and `sim.decode_ns`, each measured here where 0: one push of the
     model's whole gradient, on one thread, the median of CALIBRATION_STEPS after warm-up,
-    once per (codec, topk_fraction, size) in `cache`, rounded to 0.001 ns. On a CPU they
+    once per (codec, topk_fraction, size) in `cache`, rounded to 0.001 ns. `size`: the
+    model's values, counted on a model built here where not given. On a CPU they
     weigh as much as a small model's step (onebit: 0.28 ms to encode 13k values against
     the MLP's 0.23 ms forward and backward), and a simulation without them took
     compression for free: 1.17 times sync's samples/s where real runs took 0.3."""
@@ -96,10 +94,11 @@ def codec_costs(cfg: Config, cache: dict) -> tuple[float, float]:
         return 0.0, 0.0
     if s.encode_ns and s.decode_ns:
         return s.encode_ns, s.decode_ns
-    from ..data import describe
-    size = sum(p.numel() for p in build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed,
-                                              cfg.model.hidden).parameters())
-    key = (CODEC, codec, cfg.wire.topk_fraction if codec == "topk" else 0.0, size)
+    if size is None:
+        from ..data import describe
+        size = sum(p.numel() for p in build_model(cfg.model.name, *describe(cfg.data), cfg.job.seed,
+                                                  cfg.model.hidden).parameters())
+    key = (codec, cfg.wire.topk_fraction if codec == "topk" else 0.0, size)
     if key not in cache:
         cache[key] = _timed_codec(codec, size, cfg.wire.topk_fraction)
     encode, decode = cache[key]
@@ -211,7 +210,7 @@ class Simulation:
         model = build_model(cfg.model.name, *self._describe(), cfg.job.seed, cfg.model.hidden)  # once for all shards
         self.shards = [shard_cls(cfg, i, model=model) for i in range(cfg.cluster.servers)]
         self.nodes = [Node(f"shard-{i}") for i in range(cfg.cluster.servers)]
-        self.codec_ns = codec_costs(cfg, {}) if codec_ns is None else codec_ns
+        self.codec_ns = codec_costs(cfg, {}, sum(shard.P for shard in self.shards)) if codec_ns is None else codec_ns
         # a compressed push's part for shard i: its worker's encode, the shard's decode (seconds)
         self.encode_s = [self.codec_ns[0] * 1e-9 * shard.P for shard in self.shards]
         self.decode_s = [self.codec_ns[1] * 1e-9 * shard.P for shard in self.shards]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 
 from . import wire
-from .config import ConfigError, load
+from .config import ConfigError, format_value, load
 from .consistency.staleness import Histogram
 from .report_numbers import amount
 from .transport import HandshakeFailed, Peers, PeerTimeout
@@ -293,7 +293,7 @@ def _fmt(x: float | None) -> str:
 def table(r: wire.Message) -> str:
     """The status reply as text."""
     mode = r.get("mode", "?")
-    params = " ".join(f"{k}={v}" for k, v in (r.get("mode_params") or {}).items())
+    params = " ".join(f"{k}={format_value(v)}" for k, v in (r.get("mode_params") or {}).items())
     steps = r.get("steps") or 0
     head = [f"phase {r.get('phase')}  mode {mode} {params}".rstrip() + f"  elapsed {r.get('elapsed_s', 0):.1f} s  "
             f"samples {r.get('samples', 0):,}  live {len(r.get('live') or {})}/{r.get('workers_expected', '?')}"]
@@ -314,8 +314,9 @@ def table(r: wire.Message) -> str:
     elapsed = float(r.get("elapsed_s") or 0)
     shards = "  ".join(f"shard {s['index']}: version {'-' if s.get('version') is None else s['version']}"
                        + (f", busy {float(s['busy_s']) / elapsed:.0%}" if s.get("busy_s") and elapsed > 0 else "")
-                       + (f", {s['restarts']} restarts" if s.get("restarts") else "")
-                       + (f", {s['bad_messages']} bad messages" if s.get("bad_messages") else "")
+                       + (f", {s['restarts']} restart{'s' if s['restarts'] != 1 else ''}" if s.get("restarts") else "")
+                       + (f", {s['bad_messages']} bad message{'s' if s['bad_messages'] != 1 else ''}"
+                          if s.get("bad_messages") else "")
                        for s in r.get("shards") or [])
     return "\n".join(head + [_columns(rows), shards or "shards: none registered yet"])
 

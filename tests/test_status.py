@@ -277,7 +277,18 @@ def test_each_shards_busy_share_is_its_serving_time_over_the_elapsed_time():
     reply = wire.Message("reply", fields={"phase": "training", "elapsed_s": 4.0, "workers": [],
                                           "shards": [{"index": 0, "version": 9, "busy_s": 3.0},
                                                      {"index": 1, "version": 9, "busy_s": 0.0, "restarts": 1}]})
-    assert "shard 0: version 9, busy 75%  shard 1: version 9, 1 restarts" in table(reply)
+    assert table(reply).splitlines()[-1] == "shard 0: version 9, busy 75%  shard 1: version 9, 1 restart"
+
+
+@pytest.mark.timeout(30)
+def test_mode_parameters_and_counts_read_as_a_config_file_and_english_write_them():
+    from psgd import wire
+    reply = wire.Message("reply", fields={"phase": "training", "mode": "async", "elapsed_s": 4.0, "workers": [],
+                                          "mode_params": {"prefetch": False, "n_push": 1},
+                                          "shards": [{"index": 0, "version": 9, "restarts": 2, "bad_messages": 1}]})
+    text = table(reply)
+    assert text.startswith("phase training  mode async prefetch=false n_push=1  elapsed 4.0 s"), text
+    assert text.splitlines()[-1] == "shard 0: version 9, 2 restarts, 1 bad message", text
 
 
 SUMMARY = {"mode": "sync", "final_accuracy": 0.97, "final_loss": 0.1, "samples_per_s": 5000.0, "wall_s": 4.0,

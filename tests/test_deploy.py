@@ -563,12 +563,36 @@ def test_sbatch_restarts_a_dead_evaluator(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
-def test_sbatch_does_not_restart_a_daemon_stopped_by_sigterm(tmp_path):
-    """The control of the test above: a daemon that exited on SIGTERM (143) was stopped, by
-    scancel or preemption, which Slurm sends to every process of the job: not restarted."""
-    env = stub_slurm(tmp_path, coordinator_s=4, evaluator_s=1, fails={"evaluator": (1, 143)})
+def test_sbatch_restarts_a_daemon_that_a_sigterm_stopped_alone(tmp_path):
+    """A daemon that exited on a SIGTERM (143) that the job did not get (an administrator's
+    kill, an out-of-memory daemon) was taken for stopped by scancel and not started again:
+    the job waited cluster.timeout_s for its shard and aborted. It is restarted now."""
+    env = stub_slurm(tmp_path, coordinator_s=6, evaluator_s=1, fails={"evaluator": (1, 143)})
     r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
-    assert stub_calls(tmp_path).count("evaluator") == 1 and "restarting it" not in r.stderr, r.stderr
+    assert stub_calls(tmp_path).count("evaluator") == 2, r.stderr
+    assert "evaluator exited with 143; restarting it (restart 1)" in r.stderr, r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_sbatch_does_not_restart_a_daemon_stopped_by_the_jobs_sigterm(tmp_path):
+    """The control of the test above: scancel or preemption send SIGTERM to the script too,
+    whose trap stops the job; a shard that exited 143 before the trap ran is not restarted."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        p = subprocess.Popen(["bash", str(SCRIPTS[0])],
+                             env=stub_slurm(tmp_path, coordinator_s=60, evaluator_s=60, fails={"server": (1, 143)}),
+                             cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            end = time.monotonic() + 60
+            while "coordinator" not in stub_calls(tmp_path) and time.monotonic() < end:
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)   # as scancel does, to the shards first (which exited 143 at once)
+            assert p.wait(timeout=40) == 143, err.read_text()
+        finally:
+            p.kill()
+    text = err.read_text()
+    assert stub_calls(tmp_path).count("server") == 2 and "restarting it" not in text, (stub_calls(tmp_path), text)
 
 
 @pytest.mark.processes
@@ -1148,21 +1172,23 @@ def test_slurm_restarts_a_killed_coordinator(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
-def test_slurm_restarts_a_killed_evaluator_and_shard(slurm, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_slurm_restarts_a_killed_evaluator_and_shard(slurm, tmp_path, sig):
     """A review: the evaluator killed early in a job was not started again (only the
     coordinator was): the coordinator waited for a final evaluation that never came, and the
     job ended COMPLETED without a score. As under `psgd run`, the evaluator and the shards
-    are started again, and the job ends with its score."""
+    are started again, and the job ends with its score. So are they after a SIGTERM of their
+    own (143), which the script took for the job's (scancel's) and left them down."""
     jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="1500", PSGD_CHECKPOINT_EVERY_S="1")
     out = tmp_path / "out"
     slurm.wait_for("training progress", lambda: events(out, "worker-0") >= 100, 300, jid, tmp_path)
     for name in ("evaluator-0", "server-0"):
-        os.kill(int((out / "pids" / f"{name}.pid").read_text().split()[0]), signal.SIGKILL)
+        os.kill(int((out / "pids" / f"{name}.pid").read_text().split()[0]), sig)
     st = slurm.wait(jid, 360, tmp_path)
     assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
     text = (tmp_path / f"job-{jid}.out").read_text()
     for name in ("evaluator", "server-0"):
-        assert f"{name} exited with 137; restarting it (restart 1)" in text, text
+        assert f"{name} exited with {128 + sig}; restarting it (restart 1)" in text, text
     s = summary_ok(tmp_path, jid)
     assert s["failures"]["workers_lost"] == 0, s["failures"]
     assert_no_leftovers(out)

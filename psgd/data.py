@@ -40,7 +40,7 @@ import importlib.util
 import operator
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -112,15 +112,51 @@ class StreamingDataset:
 
     def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
-        x, y = default_collate([self.train[int(i)] for i in indices])
+        try:
+            x, y = default_collate([self.train[int(i)] for i in indices])
+        except Exception as e:
+            raise unreadable(self.train, indices, self.name, "training", e) from e
         return _streamed_batch(x, y, self.name, "training", self.num_classes, lambda k: int(indices[k]))
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from torch.utils.data import DataLoader
         start = 0
-        for x, y in DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers):
+        batches = iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers))
+        while True:
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise unreadable(self.test, range(start, min(start + batch_size, len(self.test))), self.name, "test",
+                                 e) from e
             yield _streamed_batch(x, y, self.name, "test", self.num_classes, partial(operator.add, start))
             start += len(y)
+
+
+def unreadable(dataset: Any, indices: Iterable, name: str, split: str, error: Exception) -> DataError:
+    """A DataError for a batch of a torch Dataset's items that could not be read (`error`),
+    naming the item: the first of `indices` that raises when read alone, or the first whose
+    x's shape is not the batch's first item's (default_collate cannot stack them: "stack
+    expects each tensor to be equal size"); else the batch, with `error`. Such an error
+    failed the worker that read it, and the job went on without it (exit 0, with half its
+    workers and a stall in sync); the evaluator's, restarted until psgd run gave up. A
+    data bug is the same at every read: the job ends, as for a label out of range."""
+    from .models import _package_root, _raised
+    root = _package_root(name.partition(":")[0])
+    first: tuple[int, tuple] | None = None
+    for i in map(int, indices):
+        try:
+            item = dataset[i]
+        except Exception as e:
+            return DataError(f"data.name {name!r}: the {split} item at index {i} raised {_raised(e, root)}")
+        shape = tuple(getattr(item[0], "shape", ())) if isinstance(item, (tuple, list)) and item else None
+        if first is None:
+            first = (i, shape)
+        elif shape != first[1]:
+            return DataError(f"data.name {name!r}: the {split} item at index {i} has x of shape {shape}, item "
+                             f"{first[0]}'s {first[1]}: a batch's items must all have one shape")
+    return DataError(f"data.name {name!r}: a {split} batch could not be read: {_raised(error, root)}")
 
 
 def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str, classes: int,
@@ -679,12 +715,17 @@ class LoaderBatches(Lookahead):
 
     def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            x, y = next(self._it)
-        except StopIteration:
-            self.sampler.epoch += 1
-            self._it = iter(self.loader)
-            self.served = 0
-            x, y = next(self._it)
+            try:
+                x, y = next(self._it)
+            except StopIteration:
+                self.sampler.epoch += 1
+                self._it = iter(self.loader)
+                self.served = 0
+                x, y = next(self._it)
+        except Exception as e:   # (the user's __getitem__, default_collate, a loader process)
+            start = self.served * self.batch_size
+            raise unreadable(self.loader.dataset, self.sampler.order()[start:start + self.batch_size], self.name,
+                             "training", e) from e
         self.served += 1
         return _streamed_batch(x, y, self.name, "training", self.classes, self._index)
 

@@ -2,6 +2,7 @@
 through DataLoaders, a disjoint partition per rank reshuffled every epoch."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -275,6 +276,84 @@ def test_a_dataset_whose_first_item_raises_is_one_data_error_naming_the_factory_
         with pytest.raises(DataError, match=rf"^data.name '{name}': the test dataset's item 0 raised "
                                             rf"FileNotFoundError: /data/img0.png \({re.escape(__file__)}, line \d+\)$"):
             check(Config().replace(**{"data.name": name, "data.classes": 3}).data)
+
+
+class Flawed(Items):
+    """Items whose item `raises` cannot be read and whose item `odd` has 5 values, not 4."""
+
+    def __init__(self, n: int, raises: int = -1, odd: int = -1):
+        super().__init__(n)
+        self.raises, self.odd = raises, odd
+
+    def __getitem__(self, i: int):
+        if i == self.raises:
+            raise OSError(f"cannot read /data/img{i}.png")
+        x, y = super().__getitem__(i)
+        return (torch.zeros(5) if i == self.odd else x), y
+
+
+def flawed_later():   # item 0 of each is fine: the checks before the job pass
+    return Flawed(60, raises=5, odd=40), Flawed(30, raises=21)
+
+
+def unreadable_later():
+    return Flawed(60, raises=5), Items(30)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loader_workers", [0, 1])
+def test_a_streamed_item_that_cannot_be_read_after_the_first_is_one_data_error_naming_it(loader_workers):
+    """A review: an item whose __getitem__ raised (a file not found) or whose x had another
+    shape (default_collate: "stack expects each tensor to be equal size") failed the worker
+    that read it, and the job went on without it and ended with exit 0; in the test set
+    it failed the evaluator. It is now a DataError naming the item, as a label out of
+    range is, which ends the job."""
+    import gc
+    ds = dataclasses.replace(_streamed("flawed_later"), loader_workers=loader_workers)
+    name = "tests.test_streaming:flawed_later"
+    raised = rf"raised OSError: cannot read /data/img{{}}.png \({re.escape(__file__)}, line \d+\)$"
+
+    def epoch(part: np.ndarray, rank: int) -> None:
+        batches = ds.train_batches(part, 5, seed=0, rank=rank)
+        for _ in range(6):
+            batches.next()
+
+    def error_of(read) -> str:   # (its loader process ends with the error and the loader, not kept by the test)
+        try:
+            read()
+        except DataError as e:
+            return str(e)
+        return "no error"
+
+    said = [error_of(lambda: epoch(np.arange(0, 30), 0)), error_of(lambda: epoch(np.arange(30, 60), 1)),
+            error_of(lambda: list(ds.test_batches(8))), error_of(lambda: ds.take(np.array([4, 5])))]
+    gc.collect()
+    assert re.match(rf"^data.name '{name}': the training item at index 5 " + raised.format(5), said[0]), said
+    assert re.match(rf"^data.name '{name}': the training item at index 40 has x of shape \(5,\), item \d+'s "
+                    rf"\(4,\): a batch's items must all have one shape$", said[1]), said
+    assert re.match(rf"^data.name '{name}': the test item at index 21 " + raised.format(21), said[2]), said
+    assert re.match(rf"^data.name '{name}': the training item at index 5 " + raised.format(5), said[3]), said
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_job_whose_worker_reads_an_unreadable_item_ends_naming_it(tmp_path):
+    """The job of the test above: it ends with an error (exit 1), not without the worker."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port_block
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
+    r = subprocess.run([sys.executable, "-m", "psgd", "run", "--out", str(tmp_path / "out"),
+                        "--set", f"data.name={__name__}:unreadable_later", "--set", "data.classes=3",
+                        "--set", "model.name=mlp", "--set", "train.batch_size=5", "--set", "train.steps=40",
+                        "--set", f"cluster.port={free_port_block(4)}"],
+                       capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "job aborted: worker" in r.stderr and "the training item at index 5 raised OSError: cannot read " \
+           "/data/img5.png" in r.stderr, r.stderr[-2000:]
 
 
 def peak_rss_mb(pid: int) -> float:

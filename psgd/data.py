@@ -144,7 +144,7 @@ def unreadable(dataset: Any, indices: Iterable, name: str, split: str, error: Ex
     data bug is the same at every read: the job ends, as for a label out of range."""
     from .models import _package_root, _raised
     root = _package_root(name.partition(":")[0])
-    first: tuple[int, tuple] | None = None
+    first: tuple[int, tuple | None] | None = None
     for i in map(int, indices):
         try:
             item = dataset[i]

@@ -1486,7 +1486,7 @@ def format_summary(s: dict) -> str:
     acc = s.get("final_accuracy")
     ttt = s.get("time_to_target_s")
     target = s.get("target_accuracy")
-    from .report_numbers import AFTER_END, FIRST_SCORE, amount, ttt_flag
+    from .report_numbers import AFTER_END, FIRST_SCORE, amount, lost_words, ttt_flag
     flag = ttt_flag(s, None)
     virtual = bool(s.get("simulated"))   # psgd simulate's: virtual seconds, finer than a real run's tenths,
     at = "{:.3f} virtual s".format if virtual else "{:.1f} s".format   # and no start-up (nothing started)
@@ -1526,13 +1526,3 @@ def staleness_words(s: dict) -> str:
         return ""
     unit = " (centre moves between exchanges)" if s.get("mode") == "easgd" else ""
     return f"staleness mean {s['staleness']['mean']:.2f} max {s['staleness']['max']}{unit}"
-
-
-def lost_words(s: dict) -> str:
-    """'1 worker lost (of 2)' for a job that went on without some of its workers (a
-    worker died and was not replaced; the job ended with the others), else '': the
-    line's accuracy and samples/s are those of fewer workers than the job was given."""
-    lost = int((s.get("failures") or {}).get("workers_gone") or 0)
-    if lost <= 0:
-        return ""
-    return f"{lost} worker{'s' if lost != 1 else ''} lost (of {s.get('workers', '?')})"

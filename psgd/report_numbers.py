@@ -169,6 +169,16 @@ def records_staleness(s: dict) -> bool:
     return bool((s.get("staleness") or {}).get("hist"))
 
 
+def lost_words(s: dict) -> str:
+    """'1 worker lost (of 2)' for a job that went on without some of its workers (a
+    worker died and was not replaced; the job ended with the others), else '': the
+    line's accuracy and samples/s are those of fewer workers than the job was given."""
+    lost = int((s.get("failures") or {}).get("workers_gone") or 0)
+    if lost <= 0:
+        return ""
+    return f"{lost} worker{'s' if lost != 1 else ''} lost (of {s.get('workers', '?')})"
+
+
 def ttt_flag(run: dict, period: float | None) -> str | None:
     """Why a run's time to target cannot rank it, or None when it can (or is None).
 

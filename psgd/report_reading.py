@@ -21,6 +21,7 @@ from .report_numbers import (
     Row,
     amount,
     eval_period,
+    lost_words,
     mean,
     run_period,
     sd,
@@ -551,6 +552,23 @@ def _failed_note(rows: list[Row]) -> list[str]:
             f"(see Failed runs)."]
 
 
+def _lost_note(rows: list[Row]) -> list[str]:
+    """Said first too: the configurations with a run that went on without some of its
+    workers (one died and was not replaced: summary.json's failures.workers_gone), whose
+    figures below are the workers left's. Only the detail table's "workers lost" column
+    said so, and the reading ranked such a run's throughput as a whole job's."""
+    hit = [(r, gone) for r in rows if (gone := [x for x in r.runs if lost_words(x)])]
+    if not hit:
+        return []
+
+    def one(r: Row, gone: list[dict]) -> str:
+        who = f"**{r.name}**" + ("" if r.is_baseline else f" with {r.workers} worker{'s' if r.workers != 1 else ''}")
+        runs = "its run" if len(r.runs) == 1 else f"{len(gone)} of its {len(r.runs)} runs"
+        return f"{who} ({runs}: {lost_words(gone[0])}{', the first' if len(gone) > 1 else ''})"
+    return [f"Went on without workers that died: {'; '.join(one(r, g) for r, g in hit)}. The figures below are "
+            f"those of the workers left; the runs' logs say why they died."]
+
+
 def _repeat_note(rows: list[Row]) -> list[str]:
     """Said once: which configurations ran a single time, so that no spread was measured
     and their orderings are not checked against run-to-run noise."""
@@ -684,7 +702,7 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
     ok = [r for r in rows if r.runs]
     dist = [r for r in ok if not r.is_baseline]
     many_w = len({r.workers for r in dist}) > 1
-    out = _failed_note(rows)
+    out = _failed_note(rows) + _lost_note(ok)
     if not dist:
         return out + ["No distributed run finished, so there is nothing to compare."]
     out += _repeat_note(ok)

@@ -442,6 +442,9 @@ def test_the_progress_line_of_the_baseline_states_no_staleness():
     # ltfb counts none (an empty histogram): its line said "measured staleness 0.00/0"
     ltfb = {**fake_run("ltfb", "ltfb", 2, 0, 0.95, 1.0, 9000.0), "staleness": {"mean": 0.0, "max": 0, "hist": {}}}
     assert "staleness" not in _one_line(ltfb)
+    # a run that went on without a worker that died: said, as psgd run's line says it
+    gone = {**fake_run("sync", "sync", 2, 0, 0.95, 1.0, 700.0), "failures": {"workers_lost": 1, "workers_gone": 1}}
+    assert _one_line(gone).endswith(", 1 worker lost (of 2)"), _one_line(gone)
 
 
 @pytest.mark.timeout(30)

@@ -267,6 +267,23 @@ def test_the_reading_names_the_configurations_that_failed_before_what_it_says_of
 
 
 @pytest.mark.timeout(60)
+def test_the_reading_names_the_runs_that_went_on_without_a_worker_that_died_before_it_ranks_them():
+    # a review: a sync run whose worker 0 died on its data went on with the other, at a tenth
+    # of the throughput, and the reading said "Throughput: **sync** 723 samples/s" with no word
+    gone = {"workers_lost": 1, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 1}
+    results = [run("sync", ttt=0.6, sps=723.0, failures=gone), run("async", "async", ttt=0.7, sps=9000.0),
+               run("async", "async", repeat=1, ttt=0.7, sps=9100.0, failures=gone),
+               run("async", "async", repeat=2, ttt=0.7, sps=8900.0, failures=dict(gone, workers_gone=0))]
+    first = told(results).splitlines()[0]
+    assert first == ("Went on without workers that died: **sync** with 2 workers (its run: 1 worker lost (of 2)); "
+                     "**async** with 2 workers (1 of its 3 runs: 1 worker lost (of 2)). The figures below are those "
+                     "of the workers left; the runs' logs say why they died."), first
+    # a worker that was lost and came back is not said to be gone
+    back = dict(gone, workers_gone=0, workers_rejoined=1)
+    assert "Went on without" not in told([run("sync", ttt=0.6, failures=back)])
+
+
+@pytest.mark.timeout(60)
 def test_a_worker_sweep_with_a_shrinking_batch_speaks_of_the_worker_count_not_the_mode():
     # sim1: "sync from 8 to 64 workers: ... so samples/s fall with the batch as well as with the mode", in a
     # sweep whose mode is sync at both ends: what it varies is the worker count

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import time
 
@@ -103,8 +104,8 @@ def measure(workers: int, beats: int, changed: bool, ctx: zmq.Context) -> dict:
     now, scans = time.monotonic(), 200
     t0 = time.perf_counter()
     for _ in range(scans):   # each a look over every worker, as every CHECK_EVERY_S
-        coord._checked = now - CHECK_EVERY_S
-        coord._tick(now)
+        coord._checked = -math.inf   # (due: `now - (now - CHECK_EVERY_S)` can fall short of CHECK_EVERY_S
+        coord._tick(now)             # in floating point, and then no look was made: 0.5 us at any W)
     t_scan = time.perf_counter() - t0
     coord.sock.close(0)
     return {"coordinator_us": 1e6 * t_coord / beats, "sender_us": 1e6 * t_sender / beats,
@@ -201,14 +202,15 @@ def main() -> None:
             progress(f"control path: W = {w}, {case}")
             runs = [measure(w, a.beats, case == "changed", ctx) for _ in range(3)]
             out[(w, case)] = min(runs, key=lambda m: m["coordinator_us"])
-        st, ch = out[(w, "steady")], out[(w, "changed")]
-        share = (w / a.heartbeat_s * st["coordinator_us"] + st["scan_us"] / CHECK_EVERY_S) * 1e-6
-        shares[w] = share
+        st = out[(w, "steady")]
+        shares[w] = (w / a.heartbeat_s * st["coordinator_us"] + st["scan_us"] / CHECK_EVERY_S) * 1e-6
         if a.live > 0:
             progress(f"control path: W = {w}, the whole coordinator on its socket for {a.live:g} s")
             with contextlib.redirect_stderr(io.StringIO()):
                 lives[w] = live_share(w, a.live, a.heartbeat_s, ctx)
-        base = out[(2, "steady")]["coordinator_us"]
+    base = out[(2, "steady")]["coordinator_us"]   # (after every W: a W below 2 is measured before it)
+    for w in sizes:
+        st, ch, share = out[(w, "steady")], out[(w, "changed")], shares[w]
         rows.append([w, round(st["coordinator_us"], 1), round(st["coordinator_us"] / base, 2),
                      round(st["sender_us"], 1), st["reply_bytes"], round(st["scan_us"], 1), f"{100 * share:.1f} %",
                      f"{100 * lives[w]:.1f} %" if w in lives else "-",

@@ -225,7 +225,10 @@ def startup(work: str, device: str) -> tuple[float, float, float | None]:
     out = fresh_folder(os.path.join(work, "startup"))
     exe = os.path.join(os.path.dirname(sys.executable), "psgd")
     argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "psgd"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
+    # The command a user types, on this checkout's psgd: the environment's `psgd` is an
+    # install's, maybe of another checkout (an editable one), which the daemons' PYTHONPATH
+    # (`child_env`) did not reach: the launcher was another tree's, and the JSON's commit this one's.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "PYTHONPATH": child_env()["PYTHONPATH"]}
     with Procs(os.path.join(work, "startup-logs")) as procs:
         t0 = time.time()
         procs.start("run", argv + ["run", "--out", out, "--quiet", "--device", device], env=env)

@@ -385,3 +385,37 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_control_times_a_look_over_every_worker_whatever_the_clock_reads(monkeypatch) -> None:
+    """A review: the scan's loop set the last look to `now - CHECK_EVERY_S`, and `now - that`
+    falls short of CHECK_EVERY_S in floating point for many `now` (every one between 2**13
+    and 2**15 s of uptime): no look was made, and `scan_us` read 0.5 us at any W. (A count of
+    looks, never a speed.)"""
+    import zmq
+
+    import bench.control as m
+    from psgd.membership import Membership
+    looks = []
+    real = Membership.expire
+    monkeypatch.setattr(Membership, "expire", lambda self, now: looks.append(now) or real(self, now))
+    monkeypatch.setattr(m.time, "monotonic", lambda: 10000.3)   # (10000.3 - (10000.3 - 0.05) < 0.05)
+    ctx = zmq.Context()
+    try:
+        m.measure(4, 10, False, ctx)
+    finally:
+        ctx.term()
+    assert len(looks) == 200, len(looks)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_control_runs_below_its_baseline_worker_count() -> None:
+    """`--workers 1` measured W = 1, then failed on W = 2's figures, not yet measured
+    (KeyError: (2, 'steady')), with no table and no JSON."""
+    r = subprocess.run([sys.executable, "-m", "bench.control", "--workers", "1", "--beats", "20", "--live", "0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert set(json.loads(r.stdout.splitlines()[-1])["scan_us"]) == {"1", "2"}, r.stdout

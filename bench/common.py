@@ -41,6 +41,28 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, _raise)
 
 
+def main_of(main: Callable[[], None]) -> None:
+    """A benchmark's `main`, whose Ctrl-C or SIGTERM (`stop_on_signals`) ends it with one
+    line (its `finally`s have stopped the processes it started), exit 130 or 143: it was a
+    traceback, and with a terminal's Ctrl-C one from each child process too (196 lines)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        progress("stopped (Ctrl-C); the processes it started are stopped")
+        raise SystemExit(128 + signal.SIGINT) from None
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            progress("stopped (SIGTERM); the processes it started are stopped")
+        raise
+
+
+def child_ignores_ctrl_c() -> None:
+    """In a benchmark's child process (a multiprocessing target): a terminal's Ctrl-C, sent
+    to the whole process group, is the benchmark's to handle (`main_of`), which stops its
+    children; each printed its own KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Procs:
     """A group of child processes, all stopped on exit from the `with` block."""
 
@@ -128,8 +150,9 @@ def name_list(choices: Iterable[str]):
     return parse
 
 
-def number(kind: type = int, minimum: float = 1, above: bool = False):
-    """An argparse type: one number of `kind`, at least `minimum` (above it if `above`)."""
+def number(kind: type = int, minimum: float = 1, above: bool = False, maximum: float | None = None):
+    """An argparse type: one number of `kind`, at least `minimum` (above it if `above`),
+    at most `maximum` if given."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -138,6 +161,8 @@ def number(kind: type = int, minimum: float = 1, above: bool = False):
                                              f"got {text!r}") from None
         if not (value > minimum if above else value >= minimum) or value != value:
             raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {minimum:g}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {text}")
         return value
     return parse
 

@@ -54,7 +54,7 @@ import time
 
 import zmq
 
-from bench.common import emit_json, int_list, number, progress, stop_on_signals, table
+from bench.common import child_ignores_ctrl_c, emit_json, int_list, main_of, number, progress, stop_on_signals, table
 from psgd import wire
 from psgd.config import Config
 from psgd.launcher import pick_port
@@ -117,6 +117,7 @@ def beats_at(address: str, live_id: str, workers: int, seconds: float, rate: flo
     `address` (ranks in turn) for `seconds` from `go` on, and reads the replies. It sets
     `ready` once up and sends nothing before `go`: a beat sent earlier would wait in the
     coordinator's queue and be served in the timed window, on top of the window's own."""
+    child_ignores_ctrl_c()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -232,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import time
 
-from bench.common import emit_json, number, progress, table
+from bench.common import child_ignores_ctrl_c, emit_json, main_of, number, progress, stop_on_signals, table
 from bench.transport import parse_size
 
 WAYS = ("zmq", "zmq_spin", "lane", "lane_spin")
@@ -44,18 +45,26 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
     import zmq
 
     from psgd import lane, transport
+    child_ignores_ctrl_c()
     payload = np.ones(nbytes, np.uint8)
+    parent = os.getppid()
     if way.startswith("zmq"):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.copy_threshold = transport.COPY_THRESHOLD
-        sock.bind(where)
+        try:
+            sock.bind(where)
+        except zmq.ZMQError as e:   # (the client says so: `start_echo`)
+            raise SystemExit(f"bench.lane: cannot listen on {where}: {e}") from None
         ready.set()
         looking = zmq.Poller()
         looking.register(sock, zmq.POLLIN)
         while True:
             if spin_s:
                 transport.spin(looking, spin_s)
+            while not sock.poll(1000):
+                if os.getppid() != parent:   # the benchmark is gone (killed): so is its echo
+                    return
             frames = sock.recv_multipart(copy=False)
             if len(frames) == 2:   # (the client's "done")
                 break
@@ -87,22 +96,39 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
 
 def client(way: str, nbytes: int, steps: int, spin_s: float, port: int) -> tuple[float, float]:
     """One way's run: (mean step, mean round trip) in seconds."""
+    where = f"tcp://127.0.0.1:{port}"
+    ready = mp.Event()
+    proc = mp.Process(target=echo, args=(way, where, nbytes, spin_s, ready), daemon=True)
+    proc.start()
+    done = False
+    try:
+        got = _timed(way, where, nbytes, steps, spin_s, port, proc, ready)
+        done = True   # (the echo was told: it ends)
+        return got
+    finally:   # (also on Ctrl-C, SIGTERM or an error: no echo left behind, holding the port)
+        proc.join(10 if done else 0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def _timed(way: str, where: str, nbytes: int, steps: int, spin_s: float, port: int, proc, ready) -> tuple[float, float]:
     import numpy as np
     import torch
     import zmq
 
     from psgd import lane, transport
+    end = time.monotonic() + 30
+    while not ready.wait(0.1):
+        if not proc.is_alive() or time.monotonic() > end:
+            raise RuntimeError(f"the {way} echo process did not start (exit code {proc.exitcode}"
+                               + (f"; is port {port} in use? --port picks another" if way.startswith("zmq") else "")
+                               + ")")
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
     loss = torch.nn.CrossEntropyLoss()
-    where = f"tcp://127.0.0.1:{port}"
-    ready = mp.Event()
-    proc = mp.Process(target=echo, args=(way, where, nbytes, spin_s, ready), daemon=True)
-    proc.start()
-    if not ready.wait(30):
-        raise RuntimeError(f"the {way} echo process did not start")
     payload = np.full(nbytes, 7, np.uint8)
     poller = zmq.Poller()
     if way.startswith("zmq"):
@@ -149,9 +175,6 @@ def client(way: str, nbytes: int, steps: int, spin_s: float, port: int) -> tuple
         ctx.term()
     else:
         conn.close()
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
     return step, comm / steps
 
 
@@ -162,14 +185,19 @@ def main() -> None:
     ap.add_argument("--steps", type=number(int, 1), default=3000, help="timed steps of each way")
     ap.add_argument("--repeats", type=number(int, 1), default=2, help="runs of every way, in turn")
     ap.add_argument("--spin-us", type=number(float, 1), default=1000.0, help="the *_spin ways' spin (cluster.spin_us)")
-    ap.add_argument("--port", type=number(int, 1024), default=39213, help="the tcp port the zmq ways use")
+    ap.add_argument("--port", type=number(int, 1024, maximum=65535), default=39213,
+                    help="the tcp port the zmq ways use")
     a = ap.parse_args()
+    stop_on_signals()
     got: dict[str, list[tuple[float, float]]] = {w: [] for w in WAYS}
     for r in range(a.repeats):
         for way in (WAYS if r % 2 == 0 else WAYS[::-1]):   # (in turn: a drift of the machine's speed is no way's)
             progress(f"repeat {r + 1}/{a.repeats}: {way}")
-            got[way].append(client(way, a.bytes, a.steps, a.spin_us * 1e-6 if way.endswith("_spin") else 0.0,
-                                   a.port))
+            try:
+                got[way].append(client(way, a.bytes, a.steps, a.spin_us * 1e-6 if way.endswith("_spin") else 0.0,
+                                       a.port))
+            except RuntimeError as e:
+                raise SystemExit(f"bench.lane: error: {e}") from None
     med = {w: (statistics.median(s for s, _ in v) * 1e6, statistics.median(c for _, c in v) * 1e6)
            for w, v in got.items()}
     print(table(["way", "step µs", "round trip µs", "compute µs (step - round trip)"],
@@ -184,4 +212,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

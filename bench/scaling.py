@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -29,6 +30,7 @@ from bench.common import (
     emit_json,
     fresh_folder,
     int_list,
+    main_of,
     name_list,
     number,
     progress,
@@ -52,12 +54,15 @@ def main() -> None:
     ap.add_argument("--modes", type=name_list(config.MODES), default=MODES, help=f"some of {MODES} (default: all)")
     ap.add_argument("--workers", type=int_list(1), default="1,2,4", help="worker counts (default: 1,2,4)")
     ap.add_argument("--shards", type=int_list(1), default="1,2,4", help="shard counts (default: 1,2,4)")
-    ap.add_argument("--quick", action="store_true", help="= --models mlp --shards 1")
+    ap.add_argument("--quick", action="store_true", help="= --models mlp --shards 1 (not with either)")
     ap.add_argument("--steps-scale", type=number(float, 0, above=True), default=1.0,
                     help="multiply every run's steps")
     ap.add_argument("--keep", help="keep the runs' folders here")
     a = ap.parse_args()
-    if a.quick:
+    if a.quick:   # (it replaced them without a word: --quick --models resnet20 ran the mlp)
+        given = [f for f in ("--models", "--shards") if any(x == f or x.startswith(f + "=") for x in sys.argv[1:])]
+        if given:
+            ap.error(f"--quick is --models mlp --shards 1: give {' and '.join(given)} without it")
         a.models, a.shards = ["mlp"], [1]
     points = [(m, mode, w, s) for m in a.models for mode in a.modes for w in a.workers for s in a.shards]
     for model, mode, w, s in points:   # every point's config checked before the first run, not after hours
@@ -110,11 +115,12 @@ def main() -> None:
             headers += [f"S={s} samples/s", f"S={s} wait"]
         headers.append(f"speedup vs W=1 (S={shards[0]})")
         print(table(headers, rows, f"\n{model}: steady-state samples/s (batch 32 per worker, "
-                                   f"{MODELS[model][1]} steps per worker x {a.steps_scale:g})"))
+                                   f"{steps_of(model, a.steps_scale)} steps per worker)"))
     if failed:
         print("\nfailed (not measured): " + "; ".join(f"{f['model']} {f['mode']} W={f['workers']} S={f['shards']}"
                                                     for f in failed), flush=True)
     emit_json({"bench": "scaling", "rows": records, "wall_s": round(time.monotonic() - t0, 1),
+               "steps": {m: steps_of(m, a.steps_scale) for m in a.models},
                **({"failed": failed} if failed else {})})
     if failed:
         raise SystemExit(1)
@@ -122,10 +128,15 @@ def main() -> None:
 
 def point_sets(model: str, mode: str, workers: int, shards: int, steps_scale: float) -> list[str]:
     """The config keys of one point's `psgd run`."""
-    keys, steps, warm = MODELS[model]
-    steps = max(warm + 4, int(steps * steps_scale))
-    return keys + [f"mode.name={mode}", f"cluster.workers={workers}", f"cluster.servers={shards}",
-                   "cluster.evaluator=false", "train.batch_size=32", f"train.steps={steps}"]
+    return MODELS[model][0] + [f"mode.name={mode}", f"cluster.workers={workers}", f"cluster.servers={shards}",
+                               "cluster.evaluator=false", "train.batch_size=32",
+                               f"train.steps={steps_of(model, steps_scale)}"]
+
+
+def steps_of(model: str, steps_scale: float) -> int:
+    """A point's train.steps: the model's steps x `--steps-scale`, at least its warm-up + 4."""
+    _, steps, warm = MODELS[model]
+    return max(warm + 4, int(steps * steps_scale))
 
 
 def _guess(took: dict, model: str, workers: int) -> float:
@@ -138,4 +149,4 @@ def _guess(took: dict, model: str, workers: int) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

@@ -48,7 +48,8 @@ from psgd's, so the machine's drifting load hits both alike).
   ParameterClient.push_pull; of the wait, the time blocked in zmq's poll and in
   wire.decode) and scatter (Replica.load); shard 0 with timers around its blocking poll,
   wire.decode, the push handler (of which validation with the finiteness check, the
-  accumulation, the optimizer step), the pull handler (of which the snapshot),
+  accumulation, the optimizer step), the pull handler (a pull alone), the snapshot (a
+  reply's tables: taken for a push that reads, as sync's and async's are, as for a pull),
   wire.encode and the sends. Each as wall time and as the main thread's CPU time
   (time.thread_time: the difference is time spent waiting for a peer or for a core), per
   step (a shard's step: from the end of one optimizer step to the end of the next); the
@@ -87,8 +88,10 @@ from collections import defaultdict
 from bench.common import (
     Procs,
     child_env,
+    child_ignores_ctrl_c,
     emit_json,
     fresh_folder,
+    main_of,
     name_list,
     number,
     progress,
@@ -156,6 +159,7 @@ def train_loop(cfg_dict: dict, rank: int, world: int, steps: int, device: str, d
 
 
 def _loop_process(q, cfg_dict, rank, world, steps, device, backend, port, cpus) -> None:
+    child_ignores_ctrl_c()
     import torch
     torch.set_num_threads(1)
     if cpus:   # the CPU of psgd's worker of this rank (`--pin-cpus`)
@@ -228,7 +232,8 @@ def startup(work: str, device: str) -> tuple[float, float, float | None]:
     # The command a user types, on this checkout's psgd: the environment's `psgd` is an
     # install's, maybe of another checkout (an editable one), which the daemons' PYTHONPATH
     # (`child_env`) did not reach: the launcher was another tree's, and the JSON's commit this one's.
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}, "PYTHONPATH": child_env()["PYTHONPATH"]}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
+    env["PYTHONPATH"] = child_env()["PYTHONPATH"]
     with Procs(os.path.join(work, "startup-logs")) as procs:
         t0 = time.time()
         procs.start("run", argv + ["run", "--out", out, "--quiet", "--device", device], env=env)
@@ -401,7 +406,8 @@ def print_phases(ph: dict, workers: int, servers: int) -> None:
                 f"event log: wait_s {ph['events_wait_ms']:.3f} ms, step {ph['events_step_ms']:.3f} ms"))
     rows = [["blocked in poll (waiting for a request)", "poll"], ["decode", "decode"], ["push handler", "push"],
             ["  of which validation (finite check)", "validate"], ["  of which accumulate", "accumulate"],
-            ["  of which optimizer step", "optimizer"], ["pull handler", "pull"], ["  of which snapshot", "snapshot"],
+            ["  of which optimizer step", "optimizer"], ["pull handler (a pull alone)", "pull"],
+            ["snapshot (a reply's tables, a push's or a pull's)", "snapshot"],
             ["encode (replies)", "encode"], ["send", "send"]]
     print()
     print(table(["phase (shard 0)", "wall ms/step", "% of step", "CPU ms/step"],
@@ -487,8 +493,11 @@ def main() -> None:
     # (DDP's backend and worker count only where the DDP part runs: the local parts are W = 1
     # against one process, and a GPU run's JSON of those named gloo and 2 workers)
     ddp = {"backend": a.backend, "workers": a.workers} if parts & DDP_PARTS else {}
+    # (and the other flags only where a part reads them: `--parts startup`'s named two models and 3 repeats)
     rows, result = [], {"bench": "throughput", "device": a.device, **ddp,
-                        "servers": a.servers, "models": ",".join(a.models), "repeats": a.repeats,
+                        **({"servers": a.servers} if parts & {"ddp", "phases"} else {}),
+                        **({"models": ",".join(a.models)} if "ddp" in parts else {}),
+                        **({"repeats": a.repeats} if parts & {"ddp", "local", "async", "overlap"} else {}),
                         "steps_scale": a.steps_scale, "flush_denormal": a.flush_denormal,
                         "local_lane": a.local_lane}
     t_start = time.monotonic()
@@ -517,6 +526,9 @@ def main() -> None:
         # (the baseline's rank r on the CPU of psgd's worker r: `--pin-cpus`; a review: it took the
         # r-th CPU of the order, where psgd's shards go first: the shard's CPU)
         places = [cpu_places(psgd_config(sets + v))[0] for _, _, v in variants] if a.pin_cpus else []
+        if a.pin_cpus:   # (`pin_cpus` says it was asked; psgd pins a job only where each process gets a CPU)
+            result.setdefault("pinned", {}).update({key: bool(p) for (key, _, _), p in zip(variants, places,
+                                                                                             strict=True)})
         pin = ([places[0][f"worker-{r}"] for r in range(world)]
                if places and all(places) and all(p == places[0] for p in places) else None)
 
@@ -610,4 +622,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

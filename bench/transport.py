@@ -68,9 +68,11 @@ import zmq
 from bench.common import (
     Procs,
     child_env,
+    child_ignores_ctrl_c,
     emit_json,
     fresh_folder,
     int_list,
+    main_of,
     number,
     progress,
     psgd_config,
@@ -84,16 +86,21 @@ PUSH, DATA = b"push", b"data"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
+MAX_SIZE = 1 << 36   # 64 GiB: a table's bytes, each way (a size past it was an OverflowError's traceback, or psgd's)
+
+
 def parse_size(text: str) -> int:
     raw = text
     text = text.strip().upper().rstrip("B").rstrip("I")
     try:
         n = int(float(text[:-1]) * UNITS[text[-1]]) if text[-1:] in UNITS else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):   # (OverflowError: infK, 1e400K)
         raise argparse.ArgumentTypeError(f"a size is bytes or a number with K, M or G (e.g. 64K, 16M), "
                                          f"got {raw!r}") from None
     if n < 8:
         raise argparse.ArgumentTypeError(f"a table size must be at least 8 bytes, got {raw!r}")
+    if n > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"a table size must be at most 64G, got {raw!r}")
     return n - n % 8  # a whole number of float32 pairs
 
 
@@ -102,11 +109,22 @@ def size_list(text: str) -> list[int]:
 
 
 def label(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    """A size in the table's words: 64 KiB, 1.5 MiB, 800 B (not "0 KiB" for every size below one)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
+
+
+def digits(x: float) -> float:
+    """A figure for the JSON: 4 decimals, or 4 significant digits below 1 (a tiny table's
+    4.03e-05 GB/s was written 0.0)."""
+    return round(x, 4) if abs(x) >= 1 else float(f"{x:.4g}")
 
 
 # ---------------------------------------------------------------- the raw echo server (its own process)
 def echo_server(port: int, nbytes: int) -> None:
+    child_ignores_ctrl_c()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -223,6 +241,7 @@ class RawSide:
 
 
 def client_main(conn, index: int) -> None:
+    child_ignores_ctrl_c()
     import torch
     torch.set_num_threads(1)
     sides: dict[str, PsgdSide | RawSide] = {}
@@ -383,8 +402,15 @@ def main() -> None:
     if a.echo:
         echo_server(*a.echo)
         return
-    stop_on_signals()
     sizes, shard_counts, workers = a.sizes, a.shards, sorted(set(a.workers))
+    from psgd.config import ConfigError
+    for size in sizes:   # every point's psgd config checked before anything starts
+        for shards in shard_counts:
+            try:
+                psgd_config(psgd_sets(size, shards, max(workers)))
+            except ConfigError as e:
+                ap.error(f"{label(size)} over {shards} shard(s): {e}")
+    stop_on_signals()
     os.environ.update({k: v for k, v in child_env().items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
     work = a.keep or tempfile.mkdtemp(prefix="bench-transport-")
     rows, records = [], []
@@ -406,10 +432,10 @@ def main() -> None:
                              "" if ceiling is None else ceiling, r["rtt_ms"], p["rtt_ms"], shard_ms,
                              f"{r['wire_per_step']:,.0f}", f"{p['wire_per_step']:,.0f}", r["steps"], p["steps"]])
                 records.append({"bytes": size, "shards": shards, "workers": w,
-                                "raw_GBps": round(r["GBps"], 4), "psgd_GBps": round(p["GBps"], 4),
-                                "raw_rtt_ms": round(r["rtt_ms"], 4), "psgd_rtt_ms": round(p["rtt_ms"], 4),
+                                "raw_GBps": digits(r["GBps"]), "psgd_GBps": digits(p["GBps"]),
+                                "raw_rtt_ms": digits(r["rtt_ms"]), "psgd_rtt_ms": digits(p["rtt_ms"]),
                                 "ratio": round(got[w]["ratio"], 4), "rtt_ratio": round(got[w]["rtt_ratio"], 4),
-                                "shard_busy_ms": round(shard_ms, 4),
+                                "shard_busy_ms": digits(shard_ms),
                                 "ceiling": None if ceiling is None else round(ceiling, 4),
                                 "raw_wire_per_step": round(r["wire_per_step"]),
                                 "psgd_wire_per_step": round(p["wire_per_step"]), "psgd_retries": p["retries"]})
@@ -423,7 +449,8 @@ def main() -> None:
                  "psgd ms/step", "shard busy ms", "raw wire B/step", "psgd wire B/step", "raw steps",
                  "psgd steps"], rows,
                 "psgd push+pull vs raw pyzmq (payload 2 x table per step; per side the median of "
-                f"{a.repeats} timed sections of {a.seconds:g} s, the two sides' sections in turn; ms/step = median "
+                f"{a.repeats} timed sections of {a.seconds:g} s, the two sides' sections in turn; psgd/raw: the "
+                "median of the pairs' ratios, not the quotient of the two medians beside it; ms/step = median "
                 "round trip of one client; steps: per client in the median section; shard busy ms: the shard's own "
                 "CPU time per push in psgd's timed sections, from its counters (the most of any shard, the median "
                 "over sections); ceiling = raw / (raw + busy), an estimate of the most psgd/raw can be with one "
@@ -494,4 +521,4 @@ def run_point(pool: Pool, work: str, size: int, shards: int, workers, repeats, s
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

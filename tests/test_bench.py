@@ -26,10 +26,15 @@ def test_flag_types() -> None:
     assert name_list(("a", "b"))("b,a") == ["b", "a"]
     assert number(float, 0, above=True)("0.5") == 0.5
     assert parse_size("64K") == 64 << 10 and parse_size("16MiB") == 16 << 20 and parse_size("100") == 96
+    from bench.transport import digits, label
+    assert [label(n) for n in (96, 1000, 64 << 10, 1572864, 16 << 20)] == ["96 B", "1000 B", "64 KiB", "1.5 MiB",
+                                                                            "16 MiB"]
+    assert digits(0.0000403) == 4.03e-05 and digits(4.60524) == 4.6052
     for parse, text in ((int_list(1), "0"), (int_list(1), "1,x"), (int_list(1), ""), (name_list(("a",)), "a,c"),
                         (number(int, 1), "0"), (number(int, 1), "1.5"), (number(float, 0, above=True), "0"),
                         (number(float, 0, above=True), "nan"), (parse_size, "0"), (parse_size, "64Q"),
-                        (parse_size, ""), (parse_size, "4")):
+                        (parse_size, ""), (parse_size, "4"), (parse_size, "1e400K"), (parse_size, "65G"),
+                        (number(int, 1024, maximum=65535), "65536")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
 
@@ -56,6 +61,10 @@ BAD = [
     ("control", ["--live", "0.5"], "--live"),
     ("lane", ["--bytes", "0"], "--bytes"),
     ("lane", ["--spin-us", "0"], "--spin-us"),
+    ("lane", ["--port", "70000"], "--port"),                     # ZeroMQ bound port 4464 instead
+    ("transport", ["--sizes", "infK"], "--sizes"),               # OverflowError's traceback
+    ("transport", ["--sizes", "1e30K"], "--sizes"),              # psgd's ConfigError's, with processes started
+    ("scaling", ["--quick", "--models", "resnet20"], "--quick"),  # ran the mlp without a word
 ]
 
 
@@ -147,7 +156,8 @@ def test_throughput_pins_a_baseline_only_where_psgds_processes_are_pinned() -> N
     assert r.returncode == 0, r.stdout + r.stderr
     said = {line for line in r.stderr.splitlines() if line.startswith(("baseline", "psgd "))}
     assert said == {"baseline 2 None", "baseline 1 [1]", "psgd vs_ddp_small True", "psgd vs_local True"}, said
-    assert json.loads(r.stdout.splitlines()[-1])["pin_cpus"] is True
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["pin_cpus"] is True and got["pinned"] == {"vs_ddp_small": False, "vs_local": True}, got
 
 
 @pytest.mark.processes
@@ -236,14 +246,18 @@ def test_scaling_point_that_fails_leaves_the_others_measured() -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
-def test_control_stopped_during_live_leaves_no_sender() -> None:
+@pytest.mark.parametrize("group", [False, True], ids=["sigterm", "ctrl-c"])
+def test_control_stopped_during_live_leaves_no_sender(group: bool) -> None:
     """SIGTERM during `--live` ended the benchmark at once, and its heartbeat sender went on
-    beating at a dead coordinator for the rest of the --live seconds."""
+    beating at a dead coordinator for the rest of the --live seconds. And a terminal's
+    Ctrl-C (SIGINT to the whole process group) or a SIGTERM ends it with one line, not a
+    traceback from it and another from each child."""
     from tests.conftest import children
     started: set[int] = set()
     p = subprocess.Popen([sys.executable, "-m", "bench.control", "--workers", "2", "--beats", "20", "--live", "60"],
                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": REPO})
+                         env={**os.environ, "PYTHONPATH": REPO}, start_new_session=group,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # (not a shell's SIG_IGN)
     try:
         assert p.stderr is not None
         for line in p.stderr:   # the sender starts right after this line
@@ -255,8 +269,14 @@ def test_control_stopped_during_live_leaves_no_sender() -> None:
         time.sleep(1.0)
         started = children(p.pid)
         assert started
-        p.terminate()
-        assert p.wait(timeout=20) != 0
+        if group:
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.terminate()
+        assert p.wait(timeout=20) == (130 if group else 143)
+        said = p.stderr.read()
+        assert "Traceback" not in said and said.strip().endswith(
+            f"[bench] stopped ({'Ctrl-C' if group else 'SIGTERM'}); the processes it started are stopped"), said
         deadline = time.monotonic() + 10
         while (left := {c for c in started if os.path.exists(f"/proc/{c}")}) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -419,3 +439,28 @@ def test_control_runs_below_its_baseline_worker_count() -> None:
                        cwd=REPO, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 0, r.stderr[-2000:]
     assert set(json.loads(r.stdout.splitlines()[-1])["scan_us"]) == {"1", "2"}, r.stdout
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_lane_on_a_port_in_use_says_so_in_a_line_and_leaves_no_echo() -> None:
+    """A port already bound: two tracebacks after a 30 s wait (the echo's ZMQError, then
+    "the zmq echo process did not start")."""
+    import socket
+    from tests.conftest import children
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.Popen([sys.executable, "-m", "bench.lane", "--steps", "10", "--repeats", "1", "--port",
+                              str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": REPO})
+        try:
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert p.returncode == 1 and "Traceback" not in err and not children(p.pid), err
+    assert err.splitlines()[-1] == (f"bench.lane: error: the zmq echo process did not start (exit code 1; is port "
+                                    f"{port} in use? --port picks another)"), err

@@ -153,15 +153,22 @@ class ShardMap:
             for p in self.pieces_of(s, "params") + self.pieces_of(s, "buffers"):
                 lines.append(f"  {p.table:<7} {p.name:<40} {f'[{p.start}:{p.start + p.length}]':<{span}} "
                              f"{4 * p.length:>12,} B")
+        idle = self.idle_note()
+        return "\n".join(lines + ([idle] if idle else []))
+
+    def idle_note(self) -> str:
+        """What to say of the shards that hold no part of the model, or '': their processes
+        start and serve nothing (a worker still exchanges with each, every step), and the
+        only sign was "serving 0 values" in their logs (`psgd shards` and worker 0's log
+        say it)."""
         empty = [s for s, n in enumerate(self.bytes_per_shard()) if n == 0]
-        if empty:   # (their processes start and serve nothing: the only sign was "serving 0 values" in their logs)
-            lines.append(f"{len(empty)} of the {self.num_shards} shards hold no part of the model "
-                         f"({', '.join(map(str, empty))}): it is cut into only {len(self.pieces)} pieces (its tensors, "
-                         + (f"split into chunks of up to {self.chunk} elements" if self.placement == "balanced" else
-                            "kept whole by wire.overlap")
-                         + f"); cluster.servers = "
-                         f"{self.num_shards - len(empty)} serves it with fewer processes")
-        return "\n".join(lines)
+        if not empty:
+            return ""
+        return (f"{len(empty)} of the {self.num_shards} shards hold no part of the model "
+                f"({', '.join(map(str, empty))}): it is cut into only {len(self.pieces)} pieces (its tensors, "
+                + (f"split into chunks of up to {self.chunk} elements" if self.placement == "balanced" else
+                   "kept whole by wire.overlap")
+                + f"); cluster.servers = {self.num_shards - len(empty)} serves it with fewer processes")
 
 
 def runs_of(sizes: list[int], parts: int) -> list[int]:

@@ -900,16 +900,28 @@ class LocalJob:
         # The fork server's import of torch before the coordinator starts: the coordinator
         # waits cluster.timeout_s from its start for every worker, and that import took
         # 30 s of its 60 on a busy 2-core machine (12 workers), up to READY_S on a busier one.
-        for child in specs:
-            if self._forks(child) is not None:
-                break
+        forked = next((child for child in specs if self._forks(child) is not None), None)
         self._starting = len(specs)
         if self.on_started is not None:   # (0 again after a move)
             self.on_started(len(self.started), self._starting)
         for child in specs:
             self._start(child)
             self.children.append(child)
+            if child.role == "coordinator" and forked is not None:
+                self._until_started(child)
             self.show_started()   # (forking them all took tens of seconds on a busy machine: said as they start)
+
+    def _until_started(self, child: Child) -> None:
+        """Wait (cluster.timeout_s at most) until the coordinator has loaded its code, before
+        the forked daemons start: each waits cluster.timeout_s from its own start for it,
+        and they start at once, where it is a new interpreter. On a busy machine it came
+        up 7 s after the workers: with a timeout of 6 s they gave up first, blaming its
+        address, and a rank it had counted was lost ("1 worker lost", exit 0). Now its wait
+        ends first, with its hint ("raise cluster.timeout_s"). On an idle machine it is up
+        before the fork server has imported torch. One that died is the watch's to report."""
+        path, end = self.started_file(child.name), time.monotonic() + self.cfg.cluster.timeout_s
+        while not os.path.exists(path) and child.poll() is None and time.monotonic() < end:
+            time.sleep(0.01)
 
     def show_started(self) -> None:
         """Count the children that have loaded their code; say so when the count grows."""
@@ -1024,6 +1036,12 @@ class LocalJob:
         if summary is not None and summary.get("aborted"):  # the reason is one line: say it, no log dump
             raise self.aborted(summary)
         if summary is None:
+            state = self._state()
+            if code == 1 and state.get("phase") == "done" and state.get("abort"):   # it gave up before training:
+                # why, in one line, and its own log's end where it has one (--quiet), not every daemon's "no answer"
+                said = self.tail(coord, 1).strip().removeprefix("[psgd coordinator] ")
+                raise LaunchError(f"the coordinator: {said if state['abort'] in said else state['abort']}; logs in "
+                                  f"{self.out}/logs")
             # (the coordinator's own too, where it has a log, with --quiet: its reason is there, not on the terminal)
             tails = "\n".join(f"--- {c.name} ---\n{self.tail(c)}" for c in self.children if self.tail(c))
             raise LaunchError(f"the coordinator ended without a summary (exit code {code}); logs in "

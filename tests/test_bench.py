@@ -447,6 +447,7 @@ def test_lane_on_a_port_in_use_says_so_in_a_line_and_leaves_no_echo() -> None:
     """A port already bound: two tracebacks after a 30 s wait (the echo's ZMQError, then
     "the zmq echo process did not start")."""
     import socket
+
     from tests.conftest import children
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -138,6 +138,34 @@ def start_all(job: LocalJob, n: int) -> None:
         job.show_started()
 
 
+class CoordinatorFirstJob(LocalJob):
+    """Each start notes whether the coordinator had loaded its code (its started file)."""
+
+    def _start(self, child) -> None:
+        self.order = [*getattr(self, "order", []), (child.name, os.path.exists(self.started_file("coordinator-0")))]
+        super()._start(child)
+
+
+@pytest.mark.timeout(120)
+def test_the_forked_daemons_start_once_the_coordinator_has(tmp_path):
+    """A helper's finding: the forked workers start at once, the coordinator (a new
+    interpreter) up to 7 s later on a busy machine; each waits cluster.timeout_s from its
+    own start, so theirs ran out first, and they blamed its address. Here the coordinator's
+    interpreter takes 2 s more to start (a sitecustomize)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys, time\nif 'coordinator' in sys.argv: time.sleep(2)\n")
+    cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=2"], env={})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.path.dirname(os.path.dirname(__file__))])}
+    job = CoordinatorFirstJob(cfg, str(tmp_path / "out"), quiet=True, timeout_s=50, env=env)
+    try:
+        job.start()
+    finally:
+        job.stop()
+    assert job.order[0] == ("coordinator-0", False) and len(job.order) == 5, job.order
+    assert all(up for _, up in job.order[1:]), job.order
+
+
 @pytest.mark.timeout(60)
 def test_start_up_progress_counts_the_children_that_have_started(tmp_path, capsys):
     cfg = load(None, [f"cluster.port={free_port_block(3)}", "cluster.servers=1", "cluster.workers=1"], env={})
@@ -734,6 +762,9 @@ class OrderJob(LocalJob):
     def _start(self, child) -> None:
         self.order.append(child.name)
 
+    def _until_started(self, child) -> None:
+        self.order.append(f"until {child.name} started")
+
 
 @pytest.mark.timeout(30)
 def test_the_fork_server_has_imported_torch_before_the_coordinator_starts(tmp_path, monkeypatch):
@@ -750,6 +781,7 @@ def test_the_fork_server_has_imported_torch_before_the_coordinator_starts(tmp_pa
     finally:
         job.stop()
     assert job.order[:2] == ["fork server", "coordinator-0"], job.order   # (was the coordinator first)
+    assert job.order[2:4] == ["until coordinator-0 started", "server-0"], job.order   # then the forked ones
 
 
 class TouchingJob(LocalJob):

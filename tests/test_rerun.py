@@ -427,6 +427,20 @@ def test_a_coordinator_that_dies_after_writing_the_summary_leaves_a_finished_job
         j.children[0].log_path = str(log)
         with pytest.raises(LaunchError, match=r"--- coordinator-0 ---\n.*0/2 workers registered .* giving up"):
             j.wait()
+        # a rendezvous given up (its state file says so): its line, not every daemon's log after it (a review:
+        # 65 dumps of "no answer from the coordinator" followed it, and the last line left out why)
+        from psgd.servers.coordinator import STATE_FILE
+        (tmp_path / STATE_FILE).write_text(json.dumps({"phase": "done", "abort": "0/2 workers registered after "
+                                                       "cluster.timeout_s = 60 s"}))
+        with pytest.raises(LaunchError) as e:
+            j.wait()
+        assert str(e.value) == ("the coordinator: 0/2 workers registered after cluster.timeout_s = 60 s; giving up; "
+                                f"logs in {tmp_path}/logs"), str(e.value)
+        j.children[0].log_path = None   # (not --quiet: its line went to the terminal)
+        with pytest.raises(LaunchError) as e:
+            j.wait()
+        assert str(e.value) == (f"the coordinator: 0/2 workers registered after cluster.timeout_s = 60 s; logs in "
+                                f"{tmp_path}/logs"), str(e.value)
 
 
 @pytest.mark.unit

@@ -444,8 +444,12 @@ FACTORY_PARTS = ("train_x", "train_y", "test_x", "test_y")
 
 
 def _user(cfg: DataConfig, got: Any = None):
+    got = _call_factory(cfg) if got is None else got
+    if not isinstance(got, (tuple, list)):   # (a dict's two keys read "expected 4, got 2", as a pair would)
+        raise DataError(f"data.name {cfg.name!r}: the factory must return (train_x, train_y, test_x, test_y) "
+                        f"or (train_dataset, test_dataset), got a {type(got).__name__}")
     try:
-        got = tuple(_call_factory(cfg) if got is None else got)
+        got = tuple(got)
         tx, ty, vx, vy = (_host_array(a) for a in got)
     except (TypeError, ValueError) as e:
         raise DataError(f"data.name {cfg.name!r}: the factory must return (train_x, train_y, test_x, test_y) "

@@ -76,10 +76,18 @@ def test_bad_dataset_factories_say_what_is_wrong():
         load_dataset(Config().replace(**{"data.name": "tests.test_streaming:from_two", "data.classes": 2}).data)
     with pytest.raises(DataError, match=r"must return \(train_x, train_y, test_x, test_y\) or \(train_dataset"):
         load_dataset(Config().replace(**{"data.name": "tests.test_streaming:three"}).data)
+    # a dict of two splits read "(not enough values to unpack (expected 4, got 2))", as if a pair had come
+    with pytest.raises(DataError, match=r"or \(train_dataset, test_dataset\), got a dict$"):
+        load_dataset(Config().replace(**{"data.name": "tests.test_streaming:splits_in_a_dict"}).data)
 
 
 def three():
     return [1, 2, 3]
+
+
+def splits_in_a_dict():
+    x, y = np.zeros((8, 2), np.float32), np.arange(8) % 2
+    return {"train": (x, y), "test": (x, y)}
 
 
 def from_two() -> tuple[Indexed, Indexed]:

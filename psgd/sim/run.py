@@ -43,6 +43,8 @@ from .worker import CountingClient, SimWorker
 PROGRESS_EVERY_S = 2.0
 SPILL_LINES = 1 << 16   # event-log lines the workers hold before they are written (`Simulation.spill`)
 CALIBRATION_STEPS = 20
+
+
 class Deadlock(RuntimeError):
     pass
 

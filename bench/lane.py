@@ -52,9 +52,10 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.copy_threshold = transport.COPY_THRESHOLD
+        sock.rcvtimeo = 1000   # (a look at its parent each idle second, at no cost a message)
         try:
             sock.bind(where)
-        except zmq.ZMQError as e:   # (the client says so: `start_echo`)
+        except zmq.ZMQError as e:   # (the client says so: `_timed`)
             raise SystemExit(f"bench.lane: cannot listen on {where}: {e}") from None
         ready.set()
         looking = zmq.Poller()
@@ -62,10 +63,12 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
         while True:
             if spin_s:
                 transport.spin(looking, spin_s)
-            while not sock.poll(1000):
+            try:
+                frames = sock.recv_multipart(copy=False)
+            except zmq.Again:
                 if os.getppid() != parent:   # the benchmark is gone (killed): so is its echo
                     return
-            frames = sock.recv_multipart(copy=False)
+                continue
             if len(frames) == 2:   # (the client's "done")
                 break
             sock.send_multipart([frames[0], b"h", payload], copy=False)

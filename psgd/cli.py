@@ -522,11 +522,12 @@ def check_sets(argv: list[str]) -> None:
             item = arg[len("--set="):]
         else:
             continue
-        if "=" in item and arg == "--set" and i + 2 < len(argv) and "--" not in argv[:i]:
-            after = argv[i + 2]   # --set a=1 b=2: b=2 became the CONFIG argument ("config file b=2 does not exist")
-            if "=" in after and not after.startswith("-") and not os.path.exists(after):
-                raise ConfigError(f"--set {item} {after}: each --set takes one SECTION.KEY=VALUE; did you mean "
-                                  f"--set {item} --set {after}?")
+        nxt = i + (2 if arg == "--set" else 1)   # the argument after the item
+        after = argv[nxt] if nxt < len(argv) else ""
+        if "=" in item and "=" in after and not after.startswith("-") and not os.path.exists(after):
+            # --set a=1 b=2: b=2 became the CONFIG argument ("config file b=2 does not exist")
+            raise ConfigError(f"--set {item} {after}: each --set takes one SECTION.KEY=VALUE; did you mean "
+                              f"--set {item} --set {after}?")
         if "=" in item or item.startswith("-"):
             continue  # a well-formed item; or none at all, which argparse reports
         rest = argv[i + 2:i + 4] if arg == "--set" else []

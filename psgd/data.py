@@ -40,7 +40,7 @@ import importlib.util
 import operator
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -115,7 +115,8 @@ class StreamingDataset:
         try:
             x, y = default_collate([self.train[int(i)] for i in indices])
         except Exception as e:
-            raise unreadable(self.train, indices, self.name, "training", e) from e
+            unreadable(self.train, indices, self.name, "training", e)
+            raise
         return _streamed_batch(x, y, self.name, "training", self.num_classes, lambda k: int(indices[k]))
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -128,20 +129,22 @@ class StreamingDataset:
             except StopIteration:
                 return
             except Exception as e:
-                raise unreadable(self.test, range(start, min(start + batch_size, len(self.test))), self.name, "test",
-                                 e) from e
+                unreadable(self.test, range(start, min(start + batch_size, len(self.test))), self.name, "test", e)
+                raise
             yield _streamed_batch(x, y, self.name, "test", self.num_classes, partial(operator.add, start))
             start += len(y)
 
 
-def unreadable(dataset: Any, indices: Iterable, name: str, split: str, error: Exception) -> DataError:
-    """A DataError for a batch of a torch Dataset's items that could not be read (`error`),
-    naming the item: the first of `indices` that raises when read alone, or the first whose
-    x's shape is not the batch's first item's (default_collate cannot stack them: "stack
-    expects each tensor to be equal size"); else the batch, with `error`. Such an error
-    failed the worker that read it, and the job went on without it (exit 0, with half its
-    workers and a stall in sync); the evaluator's, restarted until psgd run gave up. A
-    data bug is the same at every read: the job ends, as for a label out of range."""
+def unreadable(dataset: Any, indices: Iterable, name: str, split: str, error: Exception) -> None:
+    """Raise a DataError for a batch of a torch Dataset's items that could not be read
+    (`error`), naming the item: the first of `indices` that raises when read alone, or the
+    first whose x's shape is not the batch's first item's (default_collate cannot stack
+    them: "stack expects each tensor to be equal size"). Such an error failed the worker
+    that read it, and the job went on without it (exit 0, with half its workers and a
+    stall in sync); the evaluator's, restarted until psgd run gave up. A data bug is the
+    same at every read: the job ends, as for a label out of range. Where reading again
+    gives no error (a file server's hiccup, a loader process killed), nothing is raised:
+    the caller's error stands, as before, and a restart of the process that met it reads on."""
     from .models import _package_root, _raised
     root = _package_root(name.partition(":")[0])
     first: tuple[int, tuple | None] | None = None
@@ -149,14 +152,13 @@ def unreadable(dataset: Any, indices: Iterable, name: str, split: str, error: Ex
         try:
             item = dataset[i]
         except Exception as e:
-            return DataError(f"data.name {name!r}: the {split} item at index {i} raised {_raised(e, root)}")
+            raise DataError(f"data.name {name!r}: the {split} item at index {i} raised {_raised(e, root)}") from error
         shape = tuple(getattr(item[0], "shape", ())) if isinstance(item, (tuple, list)) and item else None
         if first is None:
             first = (i, shape)
         elif shape != first[1]:
-            return DataError(f"data.name {name!r}: the {split} item at index {i} has x of shape {shape}, item "
-                             f"{first[0]}'s {first[1]}: a batch's items must all have one shape")
-    return DataError(f"data.name {name!r}: a {split} batch could not be read: {_raised(error, root)}")
+            raise DataError(f"data.name {name!r}: the {split} item at index {i} has x of shape {shape}, item "
+                            f"{first[0]}'s {first[1]}: a batch's items must all have one shape") from error
 
 
 def _streamed_batch(x: torch.Tensor, y: torch.Tensor, name: str, split: str, classes: int,
@@ -445,7 +447,8 @@ FACTORY_PARTS = ("train_x", "train_y", "test_x", "test_y")
 
 def _user(cfg: DataConfig, got: Any = None):
     got = _call_factory(cfg) if got is None else got
-    if not isinstance(got, (tuple, list)):   # (a dict's two keys read "expected 4, got 2", as a pair would)
+    if isinstance(got, (Mapping, str, bytes)) or not isinstance(got, Iterable):   # (a dict's two keys read
+        # "expected 4, got 2", as a pair would; any other iterable of the four, a generator's, is taken)
         raise DataError(f"data.name {cfg.name!r}: the factory must return (train_x, train_y, test_x, test_y) "
                         f"or (train_dataset, test_dataset), got a {type(got).__name__}")
     try:
@@ -728,8 +731,9 @@ class LoaderBatches(Lookahead):
                 x, y = next(self._it)
         except Exception as e:   # (the user's __getitem__, default_collate, a loader process)
             start = self.served * self.batch_size
-            raise unreadable(self.loader.dataset, self.sampler.order()[start:start + self.batch_size], self.name,
-                             "training", e) from e
+            unreadable(self.loader.dataset, self.sampler.order()[start:start + self.batch_size], self.name,
+                       "training", e)
+            raise
         self.served += 1
         return _streamed_batch(x, y, self.name, "training", self.classes, self._index)
 

@@ -1077,7 +1077,7 @@ class Coordinator:
                         keys = (f"; with security.curve, a worker without this job's keys ({self.cfg.security.keys}) "
                                 f"is never answered" if self.cfg.security.curve else "")
                         # The address they dial, not the one bound (tcp://*:PORT off loopback).
-                        log("coordinator", f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s; "
+                        log("coordinator", f"{have} after cluster.timeout_s = {self.cfg.cluster.timeout_s:g} s; "
                             f"giving up (are all workers started, and do they reach "
                             f"{self.cfg.coordinator_address()}{slow}?{keys})")
                         # In the state file: a restart (Compose's on-failure) ends at once (`_resume`),

@@ -258,7 +258,7 @@ def test_coordinator_alone_gives_up_after_timeout_and_says_what_it_waits_for(cap
     err = capsys.readouterr().err
     assert code == 1 and took < 5, took
     assert "0/2 workers registered, giving up in 1 s" in err, err
-    assert "0/2 workers registered after cluster.timeout_s = 2 s; giving up" in err, err
+    assert "0/2 workers registered after cluster.timeout_s = 1.5 s; giving up" in err, err   # (it said 2 s)
     assert "psgd.connect" not in err   # (psgd's own workers)
     assert "more busy processes than the machine has cores, starting them can take longer than that: raise " \
            "cluster.timeout_s?)" in err, err   # (their start on a busy machine: 30-47 s for 12 workers on 2 cores)

@@ -79,10 +79,16 @@ def test_bad_dataset_factories_say_what_is_wrong():
     # a dict of two splits read "(not enough values to unpack (expected 4, got 2))", as if a pair had come
     with pytest.raises(DataError, match=r"or \(train_dataset, test_dataset\), got a dict$"):
         load_dataset(Config().replace(**{"data.name": "tests.test_streaming:splits_in_a_dict"}).data)
+    assert load_dataset(Config().replace(**{"data.name": "tests.test_streaming:four_from_a_generator"}).data)
 
 
 def three():
     return [1, 2, 3]
+
+
+def four_from_a_generator():
+    x, y = np.zeros((8, 2), np.float32), np.arange(8) % 2
+    return (a for a in (x, y, x, y))
 
 
 def splits_in_a_dict():
@@ -342,6 +348,31 @@ def test_a_streamed_item_that_cannot_be_read_after_the_first_is_one_data_error_n
                     rf"\(4,\): a batch's items must all have one shape$", said[1]), said
     assert re.match(rf"^data.name '{name}': the test item at index 21 " + raised.format(21), said[2]), said
     assert re.match(rf"^data.name '{name}': the training item at index 5 " + raised.format(5), said[3]), said
+
+
+class Hiccup(Items):
+    """Item 5 cannot be read the first time only (a file server's hiccup)."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.failed = False
+
+    def __getitem__(self, i: int):
+        if i == 5 and not self.failed:
+            self.failed = True
+            raise OSError("Stale file handle")
+        return super().__getitem__(i)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_read_error_that_reading_again_does_not_give_stands_as_it_was():
+    """A review: such an error became a DataError that ended the job, where a restart of
+    the worker (--restart-workers) or of the evaluator read on. It is left as it came."""
+    ds = StreamingDataset(Hiccup(60), Items(30), 3, (4,))
+    with pytest.raises(OSError, match="Stale file handle"):
+        ds.take(np.array([4, 5]))
+    assert len(ds.take(np.array([4, 5]))[1]) == 2
 
 
 @pytest.mark.processes

@@ -772,8 +772,10 @@ class Shard:
 
     # ------------------------------------------------------------ stats, checkpoints
     def stats(self) -> dict:
+        """Its counters, as its heartbeats carry them; `values`: the model's values it holds (0:
+        none, which the coordinator warns of)."""
         return {**self.counters, "version": self.version, "step": 0, "busy_s": written(self.busy()),
-                **self.rule.stats()}
+                "values": self.P + self.B, **self.rule.stats()}
 
     def state_dict(self) -> dict:
         # A push that waits for a later step is in last_clock but in no sum: restored, the

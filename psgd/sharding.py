@@ -157,10 +157,9 @@ class ShardMap:
         return "\n".join(lines + ([idle] if idle else []))
 
     def idle_note(self) -> str:
-        """What to say of the shards that hold no part of the model, or '': their processes
-        start and serve nothing (a worker still exchanges with each, every step), and the
-        only sign was "serving 0 values" in their logs (`psgd shards` and worker 0's log
-        say it)."""
+        """What `psgd shards` says of the shards that hold no part of the model, or '':
+        their processes start and serve nothing (a worker still exchanges with each, every
+        step). A job's coordinator warns of them (`Coordinator._idle_shards`)."""
         empty = [s for s, n in enumerate(self.bytes_per_shard()) if n == 0]
         if not empty:
             return ""

@@ -187,6 +187,7 @@ class Coordinator:
         self.phase = "rendezvous"
         self.parked: list[tuple[Any, wire.Message, int]] = []  # registrations held until all are in
         self.servers: dict[int, dict] = {}
+        self.idle_said = False   # (`_idle_shards`)
         self.server_joins: dict[int, int] = {}
         self.server_seen: dict[int, float] = {}   # shard -> its last heartbeat (monotonic): `shards` in the view
         self.evaluator_seen = 0.0
@@ -485,6 +486,7 @@ class Coordinator:
         elif role == "server":
             self.servers[idx] = stats
             self.server_seen[idx] = now
+            self._idle_shards()
             lost = msg.get("lost_tables")
             if lost and self.phase == "final_eval" and not self.abort:
                 # Restarted after training without the tables it ended with: the final model
@@ -617,6 +619,20 @@ class Coordinator:
             self.told_done.add(("evaluator", 0))
             self._save_state(time.monotonic())
         return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
+
+    def _idle_shards(self) -> None:
+        """Once every shard has said what it holds (`values` in its heartbeats' counters):
+        warn of those that hold no part of the model. Their processes serve nothing, which
+        only their logs said ("serving 0 values"); `psgd shards` and worker 0's log say why."""
+        S = self.cfg.cluster.servers
+        if self.idle_said or len(self.servers) < S or not all("values" in st for st in self.servers.values()):
+            return
+        self.idle_said = True
+        idle = sorted(i for i, st in self.servers.items() if not st["values"])
+        if idle:
+            log("coordinator", f"warning: {len(idle)} of the {S} shards hold no part of the model "
+                f"({', '.join(map(str, idle))}): it is cut into fewer pieces than cluster.servers; "
+                f"cluster.servers = {S - len(idle)} serves it with fewer processes (psgd shards shows the map)")
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
         """What `psgd status` shows: the job, each worker and shard, the last score; and

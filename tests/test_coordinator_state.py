@@ -1217,3 +1217,23 @@ def test_one_worker_too_many_that_outlives_the_job_is_told_so():
     finally:
         t.join()
         ctx.term()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_the_coordinator_warns_once_of_shards_that_hold_nothing(tmp_path, capsys):
+    """A helper's finding: `psgd run --servers 40` on the 29 pieces of the MLP started 11
+    shards that served nothing, with no word but "serving 0 values" in their logs. Once
+    every shard has said what it holds, the coordinator warns of those that hold none."""
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 3, "cluster.port": free_port_block(4)})
+    c = coordinator(cfg, str(tmp_path))
+    for beat in range(2):
+        for i, values in enumerate((900, 0, 0)):
+            c.service._serve(b"x", wire.encode("heartbeat", id=1, rank=-1, role="server", index=i,
+                                               stats={"values": values}, live_id=""))
+            if beat == 0 and i < 2:   # (not all have said yet)
+                assert "hold no part" not in capsys.readouterr().err
+    said = [line for line in capsys.readouterr().err.splitlines() if "hold no part" in line]
+    assert said == ["[psgd coordinator] warning: 2 of the 3 shards hold no part of the model (1, 2): it is cut into "
+                    "fewer pieces than cluster.servers; cluster.servers = 1 serves it with fewer processes (psgd "
+                    "shards shows the map)"], said

@@ -89,7 +89,6 @@ def test_describe_names_shards_that_hold_nothing():
     text = shard_map.describe()
     assert "2 of the 8 shards hold no part of the model (6, 7): it is cut into only 6 pieces" in text, text
     assert "cluster.servers = 6 serves it with fewer processes" in text
-    # worker 0's log says it too (`psgd run` said nothing: a helper found 11 of 40 shards idle)
     assert text.splitlines()[-1] == shard_map.idle_note()
     assert ShardMap.for_model(build_model("mlp", (1, 8, 8), 10, 0, 16), 6).idle_note() == ""
 

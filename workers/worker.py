@@ -192,8 +192,6 @@ class Worker:
         """Give the shards their initial values (rank 0's; the others wait for them: a
         shard that built the model itself ignores them), then start the schedule."""
         self.client.init((self.replica.params(), self.replica.buffers()) if self.rank == 0 else None)
-        if self.rank == 0 and (idle := self.replica.map.idle_note()):
-            log(self.name, f"warning: {idle}")
         self.t_start = time.monotonic()
         self.link.beat_soon()   # its count at its first step (`Counts`): not its beat before the initial values
         self.client.wait_s = 0.0  # wait_fraction is of the training time: the wait for the initial values is not

@@ -620,6 +620,19 @@ class Coordinator:
             self._save_state(time.monotonic())
         return [(ident, wire.reply(msg, samples=e["samples"], t=e["t"]))]
 
+    def _short_of_budget(self) -> str:
+        """What to say of training scripts that all closed before the job's step budget, or
+        '': a loop over one pass of a DataLoader ends there (README's loop, over the digits,
+        at 23 of the 300 steps), and the job ended as if done (summary.json's `steps` the
+        budget), without a word. psgd's own workers always run to it."""
+        t = self.cfg.train
+        clocks = [m.clock for m in self.members.members.values() if m.state == "finished"]
+        if self.cfg.model.name != "script" or not t.steps or t.seconds or not clocks or max(clocks) >= t.steps \
+                or len(clocks) < len(self.members.members):
+            return ""
+        return (f"every worker closed before train.steps = {t.steps} (the furthest at step {max(clocks)}): a script "
+                f"whose loop ran out of data ends there; loop over epochs until ps.step() returns False")
+
     def _idle_shards(self) -> None:
         """Once every shard has said what it holds (`values` in its heartbeats' counters):
         warn of those that hold no part of the model. Their processes serve nothing, which
@@ -710,6 +723,9 @@ class Coordinator:
                 # (a script's, reading the final model: it is not training, and wall_s said so)
                 self.t_end = now if self.abort else self._trained_until() or self._done_at or now
                 self.heard_end = now if self.abort else self._done_at or now
+                short = "" if self.abort else self._short_of_budget()
+                if short:
+                    log("coordinator", f"warning: {short}")
                 if self.has_evaluator and not self.abort:
                     self.phase = "final_eval"
                     self.final_deadline = now + self.cfg.cluster.timeout_s

@@ -1237,3 +1237,25 @@ def test_the_coordinator_warns_once_of_shards_that_hold_nothing(tmp_path, capsys
     assert said == ["[psgd coordinator] warning: 2 of the 3 shards hold no part of the model (1, 2): it is cut into "
                     "fewer pieces than cluster.servers; cluster.servers = 1 serves it with fewer processes (psgd "
                     "shards shows the map)"], said
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_the_coordinator_warns_when_every_script_closed_before_the_step_budget(tmp_path):
+    """A helper's finding: README's loop over one pass of a DataLoader closed each script
+    at step 23 of train.steps = 300, and the job ended as if done, without a word."""
+    cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(4), "model.name": "script",
+                              "train.steps": 300})
+    c = coordinator(cfg, str(tmp_path))
+    for rank, clock in ((0, 23), (1, 22)):
+        c.members.join(0.0, rank)
+        c.members.finish(rank, 1.0, {"samples": 32 * clock}, clock)
+    assert c._short_of_budget() == ("every worker closed before train.steps = 300 (the furthest at step 23): a script "
+                                    "whose loop ran out of data ends there; loop over epochs until ps.step() returns "
+                                    "False")
+    c.members.members[1].clock = 300   # one ran the budget: the others' data, or their choice
+    assert c._short_of_budget() == ""
+    own = coordinator(cfg.replace(**{"model.name": "mlp", "cluster.port": free_port_block(4)}), str(tmp_path / "o"))
+    own.members.join(0.0, 0)
+    own.members.finish(0, 1.0, {"samples": 32}, 1)
+    assert own._short_of_budget() == ""   # (psgd's own workers run to the budget, or are lost)

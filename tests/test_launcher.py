@@ -780,8 +780,18 @@ def test_the_fork_server_has_imported_torch_before_the_coordinator_starts(tmp_pa
         job.start()
     finally:
         job.stop()
-    assert job.order[:2] == ["fork server", "coordinator-0"], job.order   # (was the coordinator first)
-    assert job.order[2:4] == ["until coordinator-0 started", "server-0"], job.order   # then the forked ones
+    assert job.order[0] == "fork server", job.order   # (was the coordinator first)
+    started = [x for x in job.order if x != "fork server"]
+    assert started[:3] == ["coordinator-0", "until coordinator-0 started", "server-0"], job.order   # then the forked
+    # a training script's workers (new interpreters, as the coordinator) start beside it, not after it
+    job = OrderJob(cfg, str(tmp_path / "s"), quiet=True, timeout_s=20, script=["train.py"])
+    job.order = []
+    try:
+        job.start()
+    finally:
+        job.stop()
+    started = [x for x in job.order if x != "fork server"]
+    assert started[:4] == ["coordinator-0", "worker-0", "until coordinator-0 started", "server-0"], job.order
 
 
 class TouchingJob(LocalJob):

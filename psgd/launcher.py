@@ -920,11 +920,12 @@ class LocalJob:
         """Wait (cluster.timeout_s at most) until the coordinator has loaded its code, before
         the forked daemons start: each waits cluster.timeout_s from its own start for it,
         and they start at once, where it is a new interpreter (as a training script is,
-        started beside it: waiting, a script job's start-up took 0.17 s longer). On a busy machine it came
-        up 7 s after the workers: with a timeout of 6 s they gave up first, blaming its
-        address, and a rank it had counted was lost ("1 worker lost", exit 0). Now its wait
-        ends first, with its hint ("raise cluster.timeout_s"). On an idle machine it is up
-        before the fork server has imported torch. One that died is the watch's to report."""
+        which starts beside it: after it, a script job's start-up took 0.17 s longer). On a
+        busy machine it came up 7 s after the workers: with a timeout of 6 s they gave up
+        first, blaming its address, and a rank it had counted was lost ("1 worker lost",
+        exit 0). Now its wait ends first, with its hint ("raise cluster.timeout_s"). On an
+        idle machine it is up before the fork server has imported torch. One that died is
+        the watch's to report."""
         path, end = self.started_file(child.name), time.monotonic() + self.cfg.cluster.timeout_s
         while not os.path.exists(path) and child.poll() is None and time.monotonic() < end:
             time.sleep(0.01)

@@ -636,7 +636,7 @@ class Coordinator:
     def _idle_shards(self) -> None:
         """Once every shard has said what it holds (`values` in its heartbeats' counters):
         warn of those that hold no part of the model. Their processes serve nothing, which
-        only their logs said ("serving 0 values"); `psgd shards` and worker 0's log say why."""
+        only their logs said ("serving 0 values"); `psgd shards` shows why."""
         S = self.cfg.cluster.servers
         if self.idle_said or len(self.servers) < S or not all("values" in st for st in self.servers.values()):
             return

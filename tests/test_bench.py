@@ -461,16 +461,8 @@ def test_lane_on_a_port_in_use_says_so_in_a_line_and_leaves_no_echo() -> None:
                 p.kill()
                 p.wait(timeout=10)
     assert p.returncode == 1 and "Traceback" not in err, err
-    mine = f"--port\0{port}\0".encode()   # (an echo left behind: its command line is the benchmark's)
-    left = [d for d in os.listdir("/proc") if d.isdigit() and mine in _cmdline(d)]
+    mine = f"bench.lane --steps 10 --repeats 1 --port {port}"   # (an echo left behind: the benchmark's command line)
+    left = [d for d in os.listdir("/proc") if d.isdigit() and _cmdline(int(d)).rstrip().endswith(mine)]
     assert not left, left
     assert err.splitlines()[-1] == (f"bench.lane: error: the zmq echo process did not start (exit code 1; is port "
                                     f"{port} in use? --port picks another)"), err
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""

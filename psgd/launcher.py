@@ -897,18 +897,16 @@ class LocalJob:
         for child in specs:
             if child.name in places:
                 child.env = {**(child.env or self.env), CPU_ENV: str(places[child.name])}
-        # The fork server's import of torch before the coordinator starts: the coordinator
-        # waits cluster.timeout_s from its start for every worker, and that import took
-        # 30 s of its 60 on a busy 2-core machine (12 workers), up to READY_S on a busier one.
-        for child in specs:
-            if self._forks(child) is not None:
-                break
+        # The fork server's import of torch before the coordinator starts (`_forks` starts it
+        # for the first daemon it forks): the coordinator waits cluster.timeout_s from its
+        # start for every worker, and that import took 30 s of its 60 on a busy 2-core
+        # machine (12 workers), up to READY_S on a busier one. Then the coordinator and what
+        # is not forked (a training script: a new interpreter, as slow to start as it) at
+        # once; the forked daemons once the coordinator has loaded its code.
+        later = [child for child in specs[1:] if self._forks(child) is not None]
         self._starting = len(specs)
         if self.on_started is not None:   # (0 again after a move)
             self.on_started(len(self.started), self._starting)
-        # The coordinator and what is not forked (a training script: a new interpreter, as slow to
-        # start as it) at once; the forked daemons once the coordinator has loaded its code.
-        later = [child for child in specs[1:] if self._forks(child) is not None]
         for child in [c for c in specs if c not in later] + later:
             if later and child is later[0]:
                 self._until_started(specs[0])

@@ -627,8 +627,8 @@ class Coordinator:
         budget), without a word. psgd's own workers always run to it."""
         t = self.cfg.train
         clocks = [m.clock for m in self.members.members.values() if m.state == "finished"]
-        if self.cfg.model.name != "script" or not t.steps or t.seconds or not clocks or max(clocks) >= t.steps \
-                or len(clocks) < len(self.members.members):
+        if (self.cfg.model.name != layouts.SCRIPT_MODEL or not t.steps or t.seconds or not clocks
+                or max(clocks) >= t.steps or len(clocks) < len(self.members.members)):
             return ""
         return (f"every worker closed before train.steps = {t.steps} (the furthest at step {max(clocks)}): a script "
                 f"whose loop ran out of data ends there; loop over epochs until ps.step() returns False")

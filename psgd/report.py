@@ -39,6 +39,7 @@ from .report_numbers import (
     Row,
     amount,
     build_rows,
+    counted,
     eval_period,
     eval_periods,
     mean,
@@ -85,7 +86,7 @@ def _runs_phrase(ctx: dict, n_runs: int, sim: bool) -> str:
     """How the runs were scheduled, as far as the context knows: a compare runs them one
     after another; a simulation may run several at once (--jobs), each on its own clock;
     a merged report holds runs of several commands."""
-    runs = f"{n_runs} run{'s' if n_runs != 1 else ''}"
+    runs = counted(n_runs, "run")
     if len(ctx.get("merged_from") or []) > 1:
         return f"{runs} from {len(ctx['merged_from'])} folders"
     if sim:
@@ -305,7 +306,7 @@ def run_commands(rows: list[Row], ctx: dict) -> list[str]:
     for r in configs:
         keys = [x for k, v in (r.params or {}).items() for x in ("--set", f"{config_key(k)}={format_value(v)}")]
         command = ["psgd", "run", *config, "--mode", r.mode, "--workers", str(r.workers), *shared, *keys]
-        lines.append(f"- {r.name}, {r.workers} worker{'s' if r.workers != 1 else ''}: `{shlex.join(command)}`")
+        lines.append(f"- {r.name}, {counted(r.workers, 'worker')}: `{shlex.join(command)}`")
     return lines + [""]
 
 
@@ -355,7 +356,7 @@ def item_fault_lines(rows: list[Row], common: dict, stated: bool) -> list[str]:
 
 def failed_run(r: Row, e: dict) -> str:
     """Which run of row `r` the failed entry `e` is: 'sync (2 workers), repeat 1, runs/sync-w2-r1'."""
-    who = r.name if r.is_baseline else f"{r.name} ({r.workers} worker{'s' if r.workers != 1 else ''})"
+    who = r.name if r.is_baseline else f"{r.name} ({counted(r.workers, 'worker')})"
     return who + "".join(f", {x}" for x in (f"repeat {e['repeat']}" if e.get("repeat") is not None else "",
                                              # (a simulated run that failed leaves no folder: no logs to name)
                                              f"`{e['dir']}`" if e.get("dir") and not e.get("simulated") else "")

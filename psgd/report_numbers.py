@@ -169,6 +169,11 @@ def records_staleness(s: dict) -> bool:
     return bool((s.get("staleness") or {}).get("hist"))
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 worker', '2 workers': a count with its noun in the right number."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 def lost_words(s: dict) -> str:
     """'1 worker lost (of 2)' for a job that went on without some of its workers (a
     worker died and was not replaced; the job ended with the others), else '': the
@@ -176,7 +181,7 @@ def lost_words(s: dict) -> str:
     lost = int((s.get("failures") or {}).get("workers_gone") or 0)
     if lost <= 0:
         return ""
-    return f"{lost} worker{'s' if lost != 1 else ''} lost (of {s.get('workers', '?')})"
+    return f"{counted(lost, 'worker')} lost (of {s.get('workers', '?')})"
 
 
 def ttt_flag(run: dict, period: float | None) -> str | None:

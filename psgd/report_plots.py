@@ -20,7 +20,7 @@ import re
 import textwrap
 from typing import Any
 
-from .report_numbers import Row, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
+from .report_numbers import Row, counted, mean, param_name, sd, sweep_fixed, sweeps, worker_sweeps
 from .report_relations import failed_values, time_status
 from .report_tables import num, smax
 
@@ -474,7 +474,7 @@ def make_plots(out: str, rows: list[Row], target: float, period: float | None = 
         while name in taken:  # another sweep of the same key (other fixed settings, or simulated)
             name, i = f"sweep_{mode}_{key}_w{w}_{i}.png", i + 1
         what = param_name(mode, key)
-        fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs))
+        fixed = "; ".join([counted(w, "worker")] + sweep_fixed(rs))
         _sweep_plot(plt, f"{mode} {what}", [r.sweep_value for r in rs], rs, os.path.join(out, name),
                     f"{mode}: {what} sweep, {fixed}" + (f"\n({lost})" if lost else ""), period, target)
         made.append((f"Sweep: {mode} {what} ({fixed})", name))

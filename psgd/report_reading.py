@@ -20,6 +20,7 @@ from .report_numbers import (
     MIN_SCORES,
     Row,
     amount,
+    counted,
     eval_period,
     lost_words,
     mean,
@@ -100,7 +101,7 @@ def _all_faults_apply(faults: dict, workers: int) -> bool:
 
 def _with_workers(r: Row, many_w: bool) -> str:
     """The row's name, with its worker count where the report has several (one label per count)."""
-    return r.name + (f" with {r.workers} worker{'s' if r.workers != 1 else ''}" if many_w else "")
+    return r.name + (f" with {counted(r.workers, 'worker')}" if many_w else "")
 
 
 def _why_unranked(r: Row, target: float, period: float | None, many_w: bool = False) -> str:
@@ -543,7 +544,7 @@ def _failed_note(rows: list[Row]) -> list[str]:
         return []
 
     def one(r: Row) -> str:
-        who = f"**{r.name}**" + ("" if r.is_baseline else f" with {r.workers} worker{'s' if r.workers != 1 else ''}")
+        who = f"**{r.name}**" + ("" if r.is_baseline else f" with {counted(r.workers, 'worker')}")
         reasons = list(dict.fromkeys(clip((str(e).splitlines() or [""])[0].split("; ")[0], 100) for e in r.errors))
         runs = "its run" if r.n == 1 else f"all {r.n} of its runs" + ("" if len(reasons) < 2 else ", the first")
         return f"{who} ({runs}: {reasons[0] if reasons else 'failed'})"
@@ -562,7 +563,7 @@ def _lost_note(rows: list[Row]) -> list[str]:
         return []
 
     def one(r: Row, gone: list[dict]) -> str:
-        who = f"**{r.name}**" + ("" if r.is_baseline else f" with {r.workers} worker{'s' if r.workers != 1 else ''}")
+        who = f"**{r.name}**" + ("" if r.is_baseline else f" with {counted(r.workers, 'worker')}")
         runs = "its run" if len(r.runs) == 1 else f"{len(gone)} of its {len(r.runs)} runs"
         return f"{who} ({runs}: {lost_words(gone[0])}{', the first' if len(gone) > 1 else ''})"
     return [f"Went on without workers that died: {'; '.join(one(r, g) for r, g in hit)}. The figures below are "

@@ -29,6 +29,7 @@ from .report_numbers import (  # ONCE and tie_reason: imported from here too
     amount,
     close,
     correlation_rows,
+    counted,
     mean,
     param_name,
     rho_critical,
@@ -135,7 +136,7 @@ def names(rows: list[Row]) -> str:
 
 
 def rname(r: Row, many_w: bool) -> str:
-    w = f" with {r.workers} worker{'s' if r.workers != 1 else ''}"
+    w = f" with {counted(r.workers, 'worker')}"
     return f"**{r.name}**" + (w if many_w and not r.is_baseline else "") + r.failed_note
 
 
@@ -301,7 +302,7 @@ def sweep_sentences(dist: list[Row], period: float | None = None, target: float 
             parts.append(course("measured staleness (mean)", ", ".join(f"{s:.2f}" for s in st),
                                 [_run_staleness(r) for r in rs], st, lambda x: f"{x:.2f}"))
             once |= unmeasured([_run_staleness(r) for r in rs])
-        fixed = "; ".join([f"{w} worker{'s' if w != 1 else ''}"] + sweep_fixed(rs) + ([lost] if lost else []))
+        fixed = "; ".join([counted(w, "worker")] + sweep_fixed(rs) + ([lost] if lost else []))
         out.append(f"Sweep of {mode} {param_name(mode, key)} over {', '.join(vals)} ({fixed}): "
                    + "; ".join(parts) + (f"; each value {ONCE}" if once else "") + ".")
     for rs in worker_sweeps(dist).values():

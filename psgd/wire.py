@@ -94,7 +94,7 @@ OPS: dict[str, dict[str, tuple]] = {
     "register": {"role": (str,), "index": (int,), "want_rank": (int,), "nonce": (str,), "job": (str,),
                  "layout": (list,)},
     "heartbeat": {"role": (str,), "index": (int,), "nonce": (str,), "stats": (dict,), "live_id": (str,),
-                  "lost_tables": (str,), "logged": (dict,), "leaving": (str,), "job": (str,)},
+                  "lost_tables": (str,), "afresh": (str,), "logged": (dict,), "leaving": (str,), "job": (str,)},
     "finish": {"nonce": (str,), "stats": (dict,), "error": (str,), "hold": (bool,), "logged": (dict,), "job": (str,),
                "idle_s": _num},
     "release": {"job": (str,)},

@@ -188,6 +188,7 @@ class Coordinator:
         self.parked: list[tuple[Any, wire.Message, int]] = []  # registrations held until all are in
         self.servers: dict[int, dict] = {}
         self.idle_said = False   # (`_idle_shards`)
+        self.afresh_said = False   # (`_shard_afresh`)
         self.server_joins: dict[int, int] = {}
         self.server_seen: dict[int, float] = {}   # shard -> its last heartbeat (monotonic): `shards` in the view
         self.evaluator_seen = 0.0
@@ -487,6 +488,7 @@ class Coordinator:
             self.servers[idx] = stats
             self.server_seen[idx] = now
             self._idle_shards()
+            self._shard_afresh(idx, msg.get("afresh"))
             lost = msg.get("lost_tables")
             if lost and self.phase == "final_eval" and not self.abort:
                 # Restarted after training without the tables it ended with: the final model
@@ -646,6 +648,16 @@ class Coordinator:
             log("coordinator", f"warning: {len(idle)} of the {S} shards hold no part of the model "
                 f"({', '.join(map(str, idle))}): it is cut into fewer pieces than cluster.servers; "
                 f"cluster.servers = {S - len(idle)} serves it with fewer processes (psgd shards shows the map)")
+
+    def _shard_afresh(self, idx: int, why: str | None) -> None:
+        """Once: a shard that did not resume a checkpoint of this job's training config
+        (`afresh` in its heartbeats: a script's or factory's model changed since, whose
+        layout psgd run's "resuming" could not check). Only its log said so."""
+        if self.afresh_said or not why:
+            return
+        self.afresh_said = True
+        log("coordinator", f"warning: shard {idx} did not resume from its checkpoint ({why[:300]}): its part of "
+            f"the model starts afresh, and this job's checkpoints replace the earlier ones")
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
         """What `psgd status` shows: the job, each worker and shard, the last score; and

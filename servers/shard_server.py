@@ -140,6 +140,7 @@ class ShardServer:
         self._signum = 0   # (the signal that set `_term`; 0: `stop()`, a test's, ends run() with 0)
         self._saver: threading.Thread | None = None  # the periodic checkpoint being written
         self._unwritten = False   # the last one failed (said in the log)
+        self.afresh = ""   # why a checkpoint of the job's training config was not resumed (`_resume`)
 
     def _checkpoint_in_background(self, shard: Shard, path: str, wait: bool = False) -> None:
         """Copy the state here (the serving thread), write it on another thread: the
@@ -182,8 +183,8 @@ class ShardServer:
         resumed."""
         if not os.path.exists(path):
             return False
-        why = (why_not_resume_from(path, shard.cfg, self.index)
-               or not_a_shard_checkpoint(path, [shard.P, shard.B], shard.map.digest))
+        why_config = why_not_resume_from(path, shard.cfg, self.index)
+        why = why_config or not_a_shard_checkpoint(path, [shard.P, shard.B], shard.map.digest)
         others = self._others_unresumable(shard, path) if whole_set and not why else ""
         if others:
             # Its own would do: moved aside (as `psgd run` does), or this shard, restarted
@@ -196,6 +197,12 @@ class ShardServer:
             why = shard.resume(path)
         if why:
             log(self.name, f"not resuming from {path}: {why}; starting afresh")
+            if whole_set and not why_config and not not_a_shard_checkpoint(path):
+                # A shard checkpoint of the same training config: psgd run's launcher (which
+                # checks those, not a learned model's layout) said the job resumes, and under
+                # Compose or Slurm nothing but this log said otherwise. The coordinator says
+                # it (`afresh` in the heartbeats).
+                self.afresh = why
             return False
         if whole_set:
             shard.new_run()
@@ -331,6 +338,8 @@ class ShardServer:
             # worker's current copy is taken instead (rank 0's first values are long gone).
             shard.ready, shard.inits_from_any = False, True
             log(self.name, "restarted with nothing to restore: taking the first worker's current copy of its tables")
+        if self.afresh:
+            link.fields_fn = lambda: {"afresh": self.afresh}
         address = cfg.shard_address(self.index)
         # The largest legitimate frame is one table (`message_limit` for a message).
         # Anything larger is refused before it is read.

@@ -1241,6 +1241,25 @@ def test_the_coordinator_warns_once_of_shards_that_hold_nothing(tmp_path, capsys
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+def test_the_coordinator_warns_once_of_a_shard_that_did_not_resume(tmp_path, capsys):
+    """`psgd run` into an interrupted script job's --out with the script's model changed:
+    the terminal said "resuming ... if the script's model's layout is the same", and only
+    each shard's log said that it started afresh, its checkpoint to be replaced. A shard's
+    heartbeats carry why (`afresh`), and the coordinator says it once."""
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 2, "cluster.port": free_port_block(3)})
+    c = coordinator(cfg, str(tmp_path))
+    why = "it is of a model of another layout (…: the model changed)"
+    for _ in range(2):
+        for i in range(2):
+            c.service._serve(b"x", wire.encode("heartbeat", id=1, rank=-1, role="server", index=i,
+                                               stats={"values": 10}, live_id="", afresh=why))
+    said = [line for line in capsys.readouterr().err.splitlines() if "did not resume" in line]
+    assert said == [f"[psgd coordinator] warning: shard 0 did not resume from its checkpoint ({why}): its part of the "
+                    "model starts afresh, and this job's checkpoints replace the earlier ones"], said
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_the_coordinator_warns_when_every_script_closed_before_the_step_budget(tmp_path):
     """A helper's finding: README's loop over one pass of a DataLoader closed each script
     at step 23 of train.steps = 300, and the job ended as if done, without a word."""

@@ -48,6 +48,7 @@ def test_a_models_state_dict_in_the_checkpoint_folder_is_not_resumed(tmp_path, c
     fresh = Shard(cfg, 0)
     assert not server._resume(fresh, str(folder / "shard-0.pt"), whole_set=True) and fresh.version == 0
     assert "it is not a psgd shard checkpoint" in capsys.readouterr().err
+    assert not server.afresh   # (psgd run said it: not again from the coordinator)
     assert not server._resume(fresh, str(folder / "shard-0.pt")) and fresh.version == 0   # restarted during a job
     # one shard's whole, the other's a model's state_dict: neither resumed, both moved aside
     Shard(cfg, 0).save(str(folder / "shard-0.pt"))
@@ -89,6 +90,7 @@ def test_a_learned_model_changed_since_its_checkpoints_is_not_resumed_in_part(tm
     assert not server._resume(fresh, str(folder / f"shard-{kept[0]}.pt"), whole_set=True)
     assert fresh.version == 0
     assert "it is of a model of another layout" in capsys.readouterr().err   # (its own: the map's digest)
+    assert "of another layout" in server.afresh   # (the coordinator says it: psgd run could not check it)
     server = ShardServer(cfg, changed[0], str(tmp_path))
     fresh = Shard(cfg, changed[0], after)
     assert not server._resume(fresh, str(folder / f"shard-{changed[0]}.pt"), whole_set=True)
@@ -133,3 +135,7 @@ def test_a_learned_model_renamed_since_its_checkpoints_with_the_same_sizes_is_no
     assert "names or sizes are not this job's model's" in capsys.readouterr().err
     same = Shard(cfg, 0, before)   # the unchanged model resumes them
     assert ShardServer(cfg, 0, str(tmp_path))._resume(same, str(folder / "shard-0.pt"), whole_set=True)
+    other = cfg.replace(**{"optimizer.lr": cfg.optimizer.lr / 2})   # another training config: psgd run said why
+    server = ShardServer(other, 0, str(tmp_path))
+    assert not server._resume(Shard(other, 0, before), str(folder / "shard-0.pt"), whole_set=True)
+    assert "optimizer.lr" in capsys.readouterr().err and not server.afresh

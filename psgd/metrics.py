@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import math
@@ -38,7 +39,19 @@ class OutputError(OSError):
     (a write to an open file, or torch.save, says only "No space left on device")."""
 
     def __str__(self) -> str:
+        if self.errno in (errno.EMFILE, errno.ENFILE):   # the process's limit, not the folder
+            return f"cannot write {self.filename}: {self.strerror} ({fd_limit()}: raise it)"
         return f"cannot write {self.filename}: {self.strerror}"
+
+
+def fd_limit() -> str:
+    """'ulimit -n 1024, hard limit 4096': this process's limit of open files."""
+    try:
+        import resource
+    except ImportError:   # (not on Windows)
+        return "ulimit -n"
+    soft, hard = ("unlimited" if n == resource.RLIM_INFINITY else n for n in resource.getrlimit(resource.RLIMIT_NOFILE))
+    return f"ulimit -n {soft}, hard limit {hard}"
 
 
 def output_error(e: OSError, path: str) -> OutputError:
@@ -304,10 +317,12 @@ class PidFile:
                 with open(tmp, "w") as f:                # took it for a stale one and removed it
                     f.write(f"{os.getpid()}\n")
                 os.replace(tmp, self.path)
-            except BaseException:   # SIGTERM's SystemExit once the file exists, before `with` holds it
+            except BaseException as e:   # SIGTERM's SystemExit once the file exists, before `with` holds it
                 with contextlib.suppress(OSError):
                     os.unlink(f"{self.path}.tmp.{os.getpid()}")
                 self.__exit__()
+                if isinstance(e, OSError):   # a full disk: exit 73 naming the file (it said neither, and was
+                    raise output_error(e, self.path) from None   # restarted as a daemon that crashed)
                 raise
         return self
 

@@ -30,7 +30,7 @@ from . import lane as lanes
 from . import wire
 from .config import ConfigError, SecurityConfig
 from .log import log
-from .metrics import OutputError
+from .metrics import OutputError, fd_limit
 
 try:
     import resource
@@ -765,12 +765,8 @@ class Service:
             self._fds_back = 0
             if now >= self._say_fds_at:
                 self._say_fds_at = now + self.BAD_LOG_S
-                limit = "ulimit -n"
-                if resource is not None:
-                    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-                    limit = f"ulimit -n {soft}, hard limit {'unlimited' if hard < 0 else hard}"
                 where = cast(bytes, self.sock.getsockopt(zmq.LAST_ENDPOINT)).decode(errors="replace")
-                log(self.role, f"out of file descriptors ({limit}; {os.strerror(e.errno)}): it accepts no new "
+                log(self.role, f"out of file descriptors ({fd_limit()}; {os.strerror(e.errno)}): it accepts no new "
                                f"connection on {where} and opens no file until some close. Each connection "
                                f"takes one: a job with more peers of this daemon than that, or connections "
                                f"held open to its port by something else (one that does not finish its handshake "

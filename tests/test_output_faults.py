@@ -90,6 +90,33 @@ def test_a_summary_on_a_full_disk_names_it_and_leaves_no_temporary_file(tmp_path
 
 
 @pytest.mark.unit
+def test_a_pid_file_on_a_full_disk_names_it_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A helper's finding: a daemon whose pid file could not be written (a full disk)
+    exited 1 with "[Errno 28] No space left on device", no file named, and psgd run
+    restarted it as a daemon that crashed. An OutputError: exit 73, not restarted."""
+    from psgd.metrics import PidFile
+    _full_disk(monkeypatch, room=2)
+    with pytest.raises(OutputError) as e:
+        with PidFile(str(tmp_path), "server", 0):
+            pass
+    monkeypatch.undo()
+    assert str(e.value) == f"cannot write {tmp_path / 'pids' / 'server-0.pid'}: No space left on device"
+    assert os.listdir(tmp_path / "pids") == []
+
+
+@pytest.mark.unit
+def test_out_of_file_descriptors_names_the_limit_not_the_folder(tmp_path):
+    """A helper's finding: under `ulimit -n 16` the job stopped with "worker-1 could not
+    write the job's outputs (cannot write DIR/events/worker-1.jsonl: Too many open files)",
+    a folder's fault by its words. The line names the process's limit."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    said = str(OutputError(errno.EMFILE, os.strerror(errno.EMFILE), str(tmp_path / "x")))
+    assert said == (f"cannot write {tmp_path / 'x'}: Too many open files (ulimit -n {soft}, hard limit "
+                    f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}: raise it)"), said
+
+
+@pytest.mark.unit
 def test_only_the_files_own_failures_are_called_cannot_write(tmp_path):
     """A review: a RuntimeError raised while another OSError was being handled (a bug in
     a `finally`, a shard's checkpoint at exit) was taken for torch.save's "unexpected pos"

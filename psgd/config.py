@@ -282,6 +282,20 @@ class Config:
         d["cluster"] = {**d.get("cluster", {}), **{k: mine["cluster"][k] for k in ("host", "port", "addresses")}}
         return build(d, "coordinator's config")
 
+    def replaced_by(self, job: Config, who: str) -> str:
+        """A warning naming the keys this daemon (`who`) was given, away from their
+        defaults, that the job's config (`with_run`) replaces, as 'mode.name async →
+        sync'; '' if none. A worker started by hand with its own --set joined the job of
+        the coordinator it reached and trained that job's config without a word."""
+        mine, theirs, default = self.to_dict(), job.to_dict(), Config().to_dict()
+        changed = [f"{section}.{k} {format_value(v)} → {format_value(theirs[section][k])}"
+                   for section, values in mine.items() for k, v in values.items()
+                   if v != default[section][k] and v != theirs[section][k]]
+        if not changed:
+            return ""
+        return (f"warning: the job's config (the coordinator's) replaces what {who} was given: "
+                f"{', '.join(changed[:6])}{f' and {len(changed) - 6} more' if len(changed) > 6 else ''}")
+
     def shard_address(self, shard: int) -> str:
         if self.cluster.addresses:
             return self.cluster.addresses[shard]
@@ -538,8 +552,13 @@ def validate(cfg: Config) -> None:
     _check(not c.addresses or len(c.addresses) == c.servers,
            f"cluster.addresses lists {len(c.addresses)} shards but cluster.servers = {c.servers}")
     for a in c.addresses:
-        _check(isinstance(a, str) and a.startswith(("tcp://", "ipc://")),
-               f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH")
+        schemed = isinstance(a, str) and a.startswith(("tcp://", "ipc://"))
+        why = _address_fault(a) if schemed else ""
+        _check(schemed and not why, f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH"
+                                    + (f" ({why})" if why else ""))
+    _check(isinstance(c.host, str) and not _host_fault(c.host),
+           f"cluster.host must be a host name or address, with no scheme, port or path (the port is "
+           f"cluster.port), got {c.host!r}")
     _check(c.timeout_s > 0, f"cluster.timeout_s must be > 0, got {c.timeout_s}")
     _check(c.max_rejections >= 1, f"cluster.max_rejections must be >= 1, got {c.max_rejections}")
     _check(c.spin_us == -1 or 0 <= c.spin_us <= MAX_SPIN_US,
@@ -705,6 +724,29 @@ def config_key(key: str) -> str:
     """A --modes item's key as the config key it sets: a mode's parameter (`staleness`) is
     `mode.staleness`; a SECTION.KEY is itself."""
     return key if "." in key else f"mode.{key}"
+
+
+def _host_fault(host: str) -> str:
+    """Why `host` is not a host of tcp://HOST:PORT ('' if it may be): a daemon bound
+    tcp://*:PORT for any host but loopback, so a port given with the host was taken for
+    the port (`bind_address`) and the job waited out its timeout."""
+    if not host:
+        return "no host"
+    if "/" in host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        return "a host takes no scheme, port or path"
+    return ""
+
+
+def _address_fault(address: str) -> str:
+    """Why `address`, tcp:// or ipc://, is not tcp://HOST:PORT or ipc://PATH ('' if it is): a shard's address
+    without a port (tcp://10.0.0.1) was bound as tcp://*:10.0.0.1, port 10 of every
+    interface, and its workers died of ZeroMQ's "Invalid argument" traceback."""
+    if address.startswith("ipc://"):
+        return "" if address[6:] else "no path"
+    host, sep, port = address[6:].rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "no port 1..65535 after the host"
+    return _host_fault(host)
 
 
 def format_value(v: Any) -> str:

@@ -396,6 +396,25 @@ def bind_address(address: str) -> str:
     return address
 
 
+def unresolved(address: str) -> str:
+    """Why the host of a tcp://HOST:PORT address does not resolve ('' if it does, or
+    cannot be asked): ZeroMQ retries a name it cannot look up as it retries a peer that
+    does not answer, and the give-up said only "no answer" after cluster.timeout_s."""
+    if not address.startswith("tcp://"):
+        return ""
+    host = address[6:].rpartition(":")[0].strip("[]")
+    if not host or host == "*":
+        return ""
+    import socket
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        return f"the host {host!r} does not resolve ({e.strerror or e})"
+    except (OSError, UnicodeError):   # (not the name's fault: said as before)
+        return ""
+    return ""
+
+
 def is_loopback(address: str) -> bool:
     return not address.startswith("tcp://") or address[6:].startswith(LOOPBACK)
 

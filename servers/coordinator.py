@@ -349,7 +349,7 @@ class Coordinator:
                 log("coordinator", f"workers registered {len(self.members.members)}/{self.cfg.cluster.workers} "
                     f"(worker {rank})")
                 return self._start_training() if self.members.all_joined else []
-            log("coordinator", f"worker {rank} rejoined at clock {self.members.members[rank].clock}")
+            log("coordinator", f"worker {rank} rejoined (last heard at clock {self.members.members[rank].clock})")
             return [self._reply_register(ident, msg, rank)]
         if role == "server":
             idx = self._shard_index(msg)

@@ -294,6 +294,9 @@ class ShardServer:
             link.close()
             return 0
         cfg = self.cfg.with_run(answer.get("config"))
+        said = self.cfg.replaced_by(cfg, "this shard")
+        if said:
+            log(self.name, said)
         layout = None
         if layouts.learned(cfg.model.name):
             layout = self._learn_layout(link, answer.get("layout"), cfg.cluster.timeout_s)

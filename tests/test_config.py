@@ -158,6 +158,44 @@ def test_with_run_keeps_local_addresses_and_keys():
     assert got.checkpoint.dir == "/b"
 
 
+def test_a_daemon_is_told_of_the_keys_it_was_given_that_the_jobs_config_replaces():
+    """A helper's finding: a worker started by hand with `--set mode.name=async --set
+    train.steps=50 --set optimizer.lr=0.5`, pointed at another job's coordinator, trained
+    that job's sync for 200 steps, saying nothing. Only keys given away from their
+    defaults count: the daemon's own (addresses, keys, checkpoint folder) are kept."""
+    job = load(None, ["train.steps=200", "cluster.port=7000"], env={})
+    mine = load(None, ["mode.name=async", "train.steps=50", "optimizer.lr=0.5", "cluster.port=8000",
+                       "cluster.host=10.0.0.5"], env={})
+    assert mine.replaced_by(mine.with_run(job.to_dict()), "this worker") == (
+        "warning: the job's config (the coordinator's) replaces what this worker was given: mode.name async → "
+        "sync, optimizer.lr 0.5 → 0.1, train.steps 50 → 200")
+    same = load(None, ["train.steps=200", "cluster.port=8000"], env={})
+    assert same.replaced_by(same.with_run(job.to_dict()), "this worker") == ""
+
+
+@pytest.mark.parametrize("sets,says", [
+    (['cluster.addresses=["tcp://10.0.0.1","tcp://10.0.0.1:7502"]'],
+     "'tcp://10.0.0.1' is not tcp://HOST:PORT or ipc://PATH (no port 1..65535 after the host)"),
+    (['cluster.addresses=["tcp://h:1","tcp://h:70000"]'], "(no port 1..65535 after the host)"),
+    (['cluster.addresses=["tcp://:1","tcp://h:2"]'], "'tcp://:1' is not tcp://HOST:PORT or ipc://PATH (no host)"),
+    (['cluster.addresses=["tcp://h:1:2","tcp://h:2"]'], "(a host takes no scheme, port or path)"),
+    (['cluster.addresses=["ipc://","tcp://h:2"]'], "(no path)"),
+    (['cluster.addresses=["http://h:1","tcp://h:2"]'], "'http://h:1' is not tcp://HOST:PORT or ipc://PATH"),
+    (["cluster.host=10.0.0.1:7100"], "cluster.host must be a host name or address, with no scheme, port or path"),
+    (["cluster.host=tcp://h"], "cluster.host must be a host name or address"),
+    (["cluster.host="], "cluster.host must be a host name or address"),
+])
+def test_an_address_without_a_port_or_a_host_with_one_is_refused(sets, says):
+    """A helper's finding: a shard's address without a port (tcp://10.0.0.1) was bound as
+    tcp://*:10.0.0.1, port 10 of every interface, while its log said it served on the
+    address given, and its workers died of ZeroMQ's "Invalid argument" traceback; a
+    cluster.host with a port became tcp://HOST:7100:7400, waited out as "no answer"."""
+    with pytest.raises(ConfigError) as e:
+        load(None, sets, env={})
+    assert says in str(e.value), str(e.value)
+    assert load(None, ['cluster.addresses=["tcp://h:1","ipc:///tmp/s"]'], env={}).cluster.addresses
+
+
 def test_addresses():
     cfg = load(None, ["cluster.port=6000"], env={})
     assert cfg.coordinator_address() == "tcp://127.0.0.1:6000"

@@ -310,6 +310,18 @@ def test_a_script_job_that_gives_up_on_registrations_says_the_scripts_start_coun
 
 
 @pytest.mark.timeout(60)
+def test_a_daemon_whose_coordinator_host_does_not_resolve_says_so_at_its_give_up():
+    """A helper's finding: `psgd worker --set cluster.host=nosuchhost.invalid` (started by
+    hand; psgd run refuses it before the start) gave up "no answer from ... is it running
+    there?", as for a host that is up but silent. ZeroMQ retries a name it cannot look up
+    as it retries a silent peer; the give-up says the name does not resolve."""
+    cfg = config(**{"cluster.timeout_s": 1.0, "cluster.host": "psgd-no-such-host.invalid"})
+    with pytest.raises(PeerTimeout) as e:
+        CoordinatorLink(cfg, "worker", 0, zmq.Context.instance()).register()
+    assert "the host 'psgd-no-such-host.invalid' does not resolve (" in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(60)
 def test_a_shard_that_cannot_reach_the_coordinator_names_its_address():
     cfg = config(**{"cluster.timeout_s": 1.0})
     link = CoordinatorLink(cfg, "server", 0, zmq.Context.instance())

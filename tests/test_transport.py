@@ -192,3 +192,13 @@ def test_a_message_of_too_many_frames_keeps_only_one_more_than_a_message_may_hav
         b.close(0)
     finally:
         ctx.term()
+
+
+def test_a_shard_address_whose_host_does_not_resolve_is_told_apart_from_a_silent_one():
+    """Said where a worker gives up on a shard ("did not answer within cluster.timeout_s:
+    the host ... does not resolve"), and on the coordinator: ZeroMQ retries either alike."""
+    from psgd.transport import unresolved
+    assert unresolved("tcp://psgd-no-such-host.invalid:5556").startswith(
+        "the host 'psgd-no-such-host.invalid' does not resolve (")
+    assert unresolved("tcp://127.0.0.1:5556") == unresolved("tcp://localhost:5556") == ""
+    assert unresolved("ipc:///tmp/psgd-x") == unresolved("tcp://*:5556") == ""

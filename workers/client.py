@@ -43,7 +43,7 @@ from psgd.compression import ErrorFeedback
 from psgd.config import Config
 from psgd.consistency.rule import Diverged
 from psgd.membership import job_token
-from psgd.transport import Peers, PeerTimeout
+from psgd.transport import Peers, PeerTimeout, unresolved
 
 
 def _rounds_to_inf(dt: torch.dtype) -> float:
@@ -326,8 +326,9 @@ class ParameterClient:
 
     def _unreachable(self, address: str) -> ShardUnreachable:
         who = f"worker {self.rank}" if self.rank >= 0 else "the evaluator"   # (its client's rank is -1)
+        why = unresolved(address)
         return ShardUnreachable(f"{who}: shard at {address} did not answer within "
-                                f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s")
+                                f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s" + (f": {why}" if why else ""))
 
     def _dead(self, f: InFlight) -> str:
         """The address of the first shard that owes `f` an answer and is not known to be

@@ -64,6 +64,9 @@ class Evaluator:
         link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)
         answer = link.register()
         cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
+        replaced = self.cfg0.replaced_by(cfg, "the evaluator")
+        if replaced:
+            log("evaluator", replaced)
         self.ds = load_dataset(cfg.data, cfg.job.seed)
         model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden,
                             check=True)

@@ -880,6 +880,12 @@ class Coordinator:
                                  final_expected=self.has_evaluator and (not self.abort or self.phase == "final_eval"))
         if self.out:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
+        if not self.quiet and self.launched_by != "launcher":
+            # Started by hand, by Compose or by Slurm: its log's last word is the job's result,
+            # as psgd run prints it (it ended on "sync 0.0 s step 0/300 ...", the result unsaid).
+            from psgd.launcher import format_summary
+            log("coordinator", format_summary(self.summary) + (f"; summary: {self.out}/summary.json" if self.out
+                                                               else ""))
         self.events.write(event="done", wall_s=round(wall, 6))   # (as summary.json's, and the scores' t)
         self.phase = "done"
         self.service.track_leaving()   # (its answers from now on: `_flush`)

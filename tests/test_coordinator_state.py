@@ -1241,6 +1241,24 @@ def test_the_coordinator_warns_once_of_shards_that_hold_nothing(tmp_path, capsys
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("launched_by,says", [("coordinator process", True), ("launcher", False)])
+def test_a_coordinator_started_by_hand_ends_its_log_with_the_jobs_result(tmp_path, capsys, launched_by, says):
+    """A helper's finding: a coordinator started by hand (as on several hosts, or under
+    Compose or Slurm, where its log is the job's) ended with "sync 0.0 s step 0/100 ...",
+    exit 0, the result only in summary.json. It says psgd run's summary line; under psgd
+    run, whose launcher prints that line, it does not say it twice."""
+    cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 1, "cluster.port": free_port_block(2)})
+    c = coordinator(cfg, str(tmp_path))
+    c.quiet, c.launched_by = False, launched_by
+    c._finish_job()
+    said = [line for line in capsys.readouterr().err.splitlines() if "summary:" in line]
+    assert len(said) == says, said
+    assert all(line.startswith("[psgd coordinator] sync: no evaluation  0 samples/s  wall ")
+               and line.endswith(f"; summary: {tmp_path}/summary.json") for line in said), said
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_the_coordinator_warns_once_of_a_shard_that_did_not_resume(tmp_path, capsys):
     """`psgd run` into an interrupted script job's --out with the script's model changed:
     the terminal said "resuming ... if the script's model's layout is the same", and only

@@ -4,9 +4,6 @@ with every test passing, though the change gives users another value. Each test 
 fails on that change."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
 import torch
 
@@ -16,15 +13,9 @@ from psgd.consistency import get as get_mode
 from psgd.consistency.rule import Push
 from psgd.consistency.ssp import ClientCache, SspSchedule, guaranteed
 from psgd.shard import Shard
+from tests.test_async_knobs import rule as a_rule  # (a mode's rule over stand-in tables)
 
 pytestmark = pytest.mark.unit
-
-
-@dataclass
-class Tables:
-    params: Any = None
-    buffers: Any = None
-    version: int = 0
 
 
 def test_a_read_of_several_shards_guarantees_the_smallest_of_their_clocks():
@@ -50,8 +41,7 @@ def test_a_restored_ssp_shard_forgets_the_pushes_it_had_taken_of_each_rank():
     """The staleness of a push counts the updates by other workers since its read: a
     restored shard's own-push record is of the process before; one worker, read at 2,
     pushed at version 4 after the restore: both updates count (2), none is its own."""
-    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "mode.cache": True})
-    rule = get_mode("ssp").rule(cfg.mode, 1, Tables())
+    rule = a_rule("ssp", 1, **{"mode.cache": True})
     for k in range(5):
         rule.tables.version = k
         rule.push(Push(("push", 0), 0, k, 0, "g", "b"))
@@ -61,14 +51,9 @@ def test_a_restored_ssp_shard_forgets_the_pushes_it_had_taken_of_each_rank():
     assert answered[0].fields["staleness"] == 2, answered
 
 
-def sync_rule(workers: int = 2):
-    cfg = Config().replace(**{"mode.name": "sync", "cluster.workers": workers})
-    return get_mode("sync").rule(cfg.mode, workers, Tables())
-
-
 def test_a_new_sync_run_counts_its_short_steps_from_zero():
     """A resumed job reports its own run (README): summary.json's `short_steps` too."""
-    rule, g = sync_rule(), torch.zeros(3)
+    rule, g = a_rule("sync", 2), torch.zeros(3)
     rule.push(Push(("push", 0), 0, 0, 0, g, g))
     rule.push(Push(("push", 1), 1, 1, 0, g, g))   # rank 1 is past step 0: it closes short
     assert rule.stats()["short_steps"] == 1
@@ -78,7 +63,7 @@ def test_a_new_sync_run_counts_its_short_steps_from_zero():
 
 def test_a_duplicate_sync_push_is_answered_dropped_and_counted_so():
     """summary.json's `dropped_gradients` counts what the workers' step lines say was dropped."""
-    rule, g = sync_rule(), torch.zeros(3)
+    rule, g = a_rule("sync", 2), torch.zeros(3)
     rule.push(Push(("push", 0), 0, 0, 0, g, g))
     out = rule.push(Push(("push", 0, "again"), 0, 0, 0, g, g))
     assert [d.fields.get("dropped") for d in out if hasattr(d, "fields")] == [True]

@@ -38,7 +38,7 @@ from . import wire
 from .config import Config, is_number
 from .log import log
 from .metrics import LOGGED_STATS
-from .transport import Peers, PeerTimeout, unresolved
+from .transport import Peers, PeerTimeout, unreachable
 
 REGISTER_RESEND_S = 3.0  # an unanswered request to the coordinator is sent again this often
 # A shard learns the live set from its heartbeats' answers: a step that waits for a
@@ -497,7 +497,7 @@ class CoordinatorLink:
                         hint = (f"when it last answered, all {self.cfg.cluster.workers} ranks were taken by live "
                                 f"workers (cluster.workers = {self.cfg.cluster.workers}: is this one worker too "
                                 f"many?); it may have stopped as its job ended" if said_live
-                                else unresolved(self.address) or self._hint())
+                                else unreachable(self.address) or self._hint())
                         raise PeerTimeout(self.address, waited, f"{who} could not register "
                                           f"with the coordinator at {self.address}; {hint}") from None
                     log(tag, f"waiting for the coordinator at {self.address}"

@@ -396,22 +396,34 @@ def bind_address(address: str) -> str:
     return address
 
 
-def unresolved(address: str) -> str:
-    """Why the host of a tcp://HOST:PORT address does not resolve ('' if it does, or
-    cannot be asked): ZeroMQ retries a name it cannot look up as it retries a peer that
-    does not answer, and the give-up said only "no answer" after cluster.timeout_s."""
+def unreachable(address: str, timeout_s: float = 1.0) -> str:
+    """Why a peer at tcp://HOST:PORT that did not answer cannot be reached, as far as a
+    plain TCP connection tells: its host does not resolve, nothing listens there, no route
+    or no answer to the connection; '' where it connects (the peer is there and did not
+    answer: another job's, or one that answers later) or where this cannot tell. For a
+    give-up's message: ZeroMQ retries all of these alike, and the give-up said only "no
+    answer ... is it running there?" after cluster.timeout_s."""
     if not address.startswith("tcp://"):
         return ""
-    host = address[6:].rpartition(":")[0].strip("[]")
-    if not host or host == "*":
+    host, _, port = address[6:].rpartition(":")
+    host = host.strip("[]")
+    if not host or host == "*" or not port.isdigit():
         return ""
     import socket
     try:
-        socket.getaddrinfo(host, None)
+        socket.getaddrinfo(host, int(port))
     except socket.gaierror as e:
         return f"the host {host!r} does not resolve ({e.strerror or e})"
-    except (OSError, UnicodeError):   # (not the name's fault: said as before)
+    except (OSError, UnicodeError):
         return ""
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return f"nothing listens at {host}:{port} (connection refused)"
+    except TimeoutError:
+        return f"{host}:{port} took no connection within {timeout_s:g} s (a host that is down, or a firewall?)"
+    except OSError as e:
+        return f"{host}:{port} cannot be reached ({e.strerror or e})"
     return ""
 
 

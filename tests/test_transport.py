@@ -194,11 +194,19 @@ def test_a_message_of_too_many_frames_keeps_only_one_more_than_a_message_may_hav
         ctx.term()
 
 
-def test_a_shard_address_whose_host_does_not_resolve_is_told_apart_from_a_silent_one():
-    """Said where a worker gives up on a shard ("did not answer within cluster.timeout_s:
-    the host ... does not resolve"), and on the coordinator: ZeroMQ retries either alike."""
-    from psgd.transport import unresolved
-    assert unresolved("tcp://psgd-no-such-host.invalid:5556").startswith(
+def test_a_peer_that_did_not_answer_is_told_apart_by_why():
+    """Said where a daemon gives up on a shard or the coordinator ("did not answer within
+    cluster.timeout_s: ..."): ZeroMQ retries a name that does not resolve, a port where
+    nothing listens and a silent peer alike, and the give-up said only "no answer"."""
+    import socket
+
+    from psgd.transport import unreachable
+    assert unreachable("tcp://psgd-no-such-host.invalid:5556").startswith(
         "the host 'psgd-no-such-host.invalid' does not resolve (")
-    assert unresolved("tcp://127.0.0.1:5556") == unresolved("tcp://localhost:5556") == ""
-    assert unresolved("ipc:///tmp/psgd-x") == unresolved("tcp://*:5556") == ""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert unreachable(f"tcp://127.0.0.1:{port}") == f"nothing listens at 127.0.0.1:{port} (connection refused)"
+        s.listen()   # there, silent: nothing this can tell
+        assert unreachable(f"tcp://127.0.0.1:{port}") == unreachable(f"tcp://localhost:{port}") == ""
+    assert unreachable("ipc:///tmp/psgd-x") == unreachable("tcp://*:5556") == ""

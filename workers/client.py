@@ -43,7 +43,7 @@ from psgd.compression import ErrorFeedback
 from psgd.config import Config
 from psgd.consistency.rule import Diverged
 from psgd.membership import job_token
-from psgd.transport import Peers, PeerTimeout, unresolved
+from psgd.transport import Peers, PeerTimeout, unreachable
 
 
 def _rounds_to_inf(dt: torch.dtype) -> float:
@@ -326,7 +326,7 @@ class ParameterClient:
 
     def _unreachable(self, address: str) -> ShardUnreachable:
         who = f"worker {self.rank}" if self.rank >= 0 else "the evaluator"   # (its client's rank is -1)
-        why = unresolved(address)
+        why = unreachable(address)
         return ShardUnreachable(f"{who}: shard at {address} did not answer within "
                                 f"cluster.timeout_s = {self.cfg.cluster.timeout_s:.0f} s" + (f": {why}" if why else ""))
 

@@ -558,7 +558,7 @@ def validate(cfg: Config) -> None:
                                     + (f" ({why})" if why else ""))
     _check(isinstance(c.host, str) and not _host_fault(c.host),
            f"cluster.host must be a host name or address, with no scheme, port or path (the port is "
-           f"cluster.port), got {c.host!r}")
+           f"cluster.port; an IPv6 address in brackets), got {c.host!r}")
     _check(c.timeout_s > 0, f"cluster.timeout_s must be > 0, got {c.timeout_s}")
     _check(c.max_rejections >= 1, f"cluster.max_rejections must be >= 1, got {c.max_rejections}")
     _check(c.spin_us == -1 or 0 <= c.spin_us <= MAX_SPIN_US,

@@ -958,6 +958,16 @@ class LocalJob:
         said = said.split(": error: ", 1)[1] if ": error: cannot write " in said else ""
         return f"{child.name} could not write the job's outputs ({said or folder_fault(self.out)})"
 
+    def _say_warnings(self, coord: Child) -> None:
+        """A quiet job's (--quiet, psgd compare's runs): the coordinator's warnings, which
+        went to its log only (shards that did not resume, or hold nothing; scripts that
+        closed before the budget), each said once by this process."""
+        for line in self.tail(coord, 10_000).splitlines():
+            said = line.removeprefix("[psgd coordinator] ")
+            if said.startswith("warning: ") and said not in _warned:
+                _warned.add(said)
+                log("coordinator", said)
+
     def tail(self, child: Child, n: int = 12, since_start: bool = False) -> str:
         """The last `n` lines of the child's log; `since_start`: of what its current
         process wrote (the log also holds its earlier processes', before a restart or a move)."""
@@ -1033,6 +1043,8 @@ class LocalJob:
         for child in self.children[1:]:
             while child.poll() is None and time.monotonic() < grace:
                 time.sleep(0.05)
+        if self.quiet:
+            self._say_warnings(coord)
         path = os.path.join(self.out, "summary.json")
         summary = None
         if os.path.exists(path):

@@ -433,8 +433,7 @@ class CoordinatorLink:
         self.cfg = cfg
         self.role = role
         self.index = index
-        self.period = (min(cfg.cluster.heartbeat_s, SHARD_BEAT_S) if role in ("server", "evaluator")
-                       else cfg.cluster.heartbeat_s)
+        self.period = self._period()
         self.ctx = ctx or zmq.Context.instance()
         self.address = cfg.coordinator_address()
         self.stats_fn: Callable[[], dict] = dict
@@ -510,6 +509,24 @@ class CoordinatorLink:
             self._registrations += 1
             self._apply(msg)
         return msg
+
+    def _period(self) -> float:
+        """Its heartbeats' period: a shard's and the evaluator's at most SHARD_BEAT_S."""
+        beat = self.cfg.cluster.heartbeat_s
+        return min(beat, SHARD_BEAT_S) if self.role in ("server", "evaluator") else beat
+
+    def take_job_config(self, answer: wire.Message) -> Config:
+        """The job's config, from the registration's answer (`Config.with_run`), which this
+        link goes on with too: its heartbeats' period and timeouts were its daemon's own,
+        kept where the warning of keys replaced said the job's. That warning is said here."""
+        cfg = self.cfg.with_run(answer.get("config"))
+        who = {"worker": "this worker", "server": "this shard"}.get(self.role, f"the {self.role}")
+        said = self.cfg.replaced_by(cfg, who)
+        if said:
+            log(f"{self.role}-{self.index}", said)
+        self.cfg = cfg
+        self.period = self._period()
+        return cfg
 
     def _apply_since(self, msg: wire.Message, registrations: int) -> None:
         """Apply a heartbeat's answer unless a registration was answered since it was

@@ -39,7 +39,7 @@ class OutputError(OSError):
     (a write to an open file, or torch.save, says only "No space left on device")."""
 
     def __str__(self) -> str:
-        if self.errno in (errno.EMFILE, errno.ENFILE):   # the process's limit, not the folder
+        if self.errno == errno.EMFILE:   # the process's limit, not the folder (ENFILE: the system's, said so)
             return f"cannot write {self.filename}: {self.strerror} ({fd_limit()}: raise it)"
         return f"cannot write {self.filename}: {self.strerror}"
 

@@ -55,6 +55,8 @@ def pick_device(spec: str, local_rank: int = 0, name: str = "--device") -> torch
         dev = torch.device(spec)
     except RuntimeError:   # not a device string torch knows
         raise ConfigError(f"{name} {spec!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):   # mps, xpu, meta: the tables stay there, and the first send fails
+        raise ConfigError(f"{name} {spec!r}: psgd trains on cpu or cuda (cuda or cuda:N), not on {dev.type}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{name} {spec}: CUDA is not available on this machine ({why_no_cuda()})")
     if dev.type == "cuda" and dev.index is None:

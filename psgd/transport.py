@@ -37,7 +37,7 @@ try:
 except ImportError:   # (not a POSIX system)
     resource = None  # type: ignore[assignment]
 
-LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+LOOPBACK = ("127.", "localhost", "[::1]")
 
 
 class PeerTimeout(TimeoutError):

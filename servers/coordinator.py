@@ -169,6 +169,7 @@ class Coordinator:
         wall = time.time()
         self.launched_at = wall if launched_at is None else launched_at
         self.launched_by = launched_by
+        self.by_psgd_run = launched_by == "launcher"   # (this process's: a resume restores `launched_by`)
         # launched_at on the monotonic clock, which startup_s is counted on: counted on the
         # wall clock, one stepped during start-up (NTP, a VM resumed) moved it by the step
         # (an hour back: startup_s -3600)
@@ -651,13 +652,14 @@ class Coordinator:
 
     def _shard_afresh(self, idx: int, why: str | None) -> None:
         """Once: a shard that did not resume a checkpoint of this job's training config
-        (`afresh` in its heartbeats: a script's or factory's model changed since, whose
-        layout psgd run's "resuming" could not check). Only its log said so."""
+        at the job's start (`afresh` in its heartbeats: a script's or factory's model
+        changed since, whose layout psgd run's "resuming" could not check), nor did any
+        other then (`ShardServer._resume`). Only their logs said so."""
         if self.afresh_said or not why:
             return
         self.afresh_said = True
-        log("coordinator", f"warning: shard {idx} did not resume from its checkpoint ({why[:300]}): its part of "
-            f"the model starts afresh, and this job's checkpoints replace the earlier ones")
+        log("coordinator", f"warning: shard {idx} did not resume from its checkpoint ({why[:300]}): the job starts "
+            f"afresh (no shard resumes a part of the model alone), and its checkpoints replace the earlier ones")
 
     def on_status(self, ident, msg: wire.Message) -> list[Reply]:
         """What `psgd status` shows: the job, each worker and shard, the last score; and
@@ -880,7 +882,7 @@ class Coordinator:
                                  final_expected=self.has_evaluator and (not self.abort or self.phase == "final_eval"))
         if self.out:
             write_json_atomic(f"{self.out}/summary.json", self.summary)
-        if not self.quiet and self.launched_by != "launcher":
+        if not self.quiet and not self.by_psgd_run:
             # Started by hand, by Compose or by Slurm: its log's last word is the job's result,
             # as psgd run prints it (it ended on "sync 0.0 s step 0/300 ...", the result unsaid).
             from psgd.launcher import format_summary

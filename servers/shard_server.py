@@ -293,10 +293,7 @@ class ShardServer:
             log(self.name, "stopped before the coordinator answered its registration")
             link.close()
             return 0
-        cfg = self.cfg.with_run(answer.get("config"))
-        said = self.cfg.replaced_by(cfg, "this shard")
-        if said:
-            log(self.name, said)
+        cfg = link.take_job_config(answer)
         layout = None
         if layouts.learned(cfg.model.name):
             layout = self._learn_layout(link, answer.get("layout"), cfg.cluster.timeout_s)

@@ -1246,10 +1246,14 @@ def test_a_coordinator_started_by_hand_ends_its_log_with_the_jobs_result(tmp_pat
     """A helper's finding: a coordinator started by hand (as on several hosts, or under
     Compose or Slurm, where its log is the job's) ended with "sync 0.0 s step 0/100 ...",
     exit 0, the result only in summary.json. It says psgd run's summary line; under psgd
-    run, whose launcher prints that line, it does not say it twice."""
+    run, whose launcher prints that line, it does not say it twice. Its own start decides
+    (a review: one started by hand that resumed psgd run's state took its `launched_by`)."""
     cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 1, "cluster.port": free_port_block(2)})
-    c = coordinator(cfg, str(tmp_path))
-    c.quiet, c.launched_by = False, launched_by
+    ctx = zmq.Context()
+    c = Coordinator(cfg, str(tmp_path), ctx=ctx, launched_by=launched_by)
+    c.sock.close(0)
+    ctx.term()
+    c.launched_by = "coordinator process" if says else "launcher"   # (a resumed state's, not its own start)
     c._finish_job()
     said = [line for line in capsys.readouterr().err.splitlines() if "summary:" in line]
     assert len(said) == says, said
@@ -1272,8 +1276,9 @@ def test_the_coordinator_warns_once_of_a_shard_that_did_not_resume(tmp_path, cap
             c.service._serve(b"x", wire.encode("heartbeat", id=1, rank=-1, role="server", index=i,
                                                stats={"values": 10}, live_id="", afresh=why))
     said = [line for line in capsys.readouterr().err.splitlines() if "did not resume" in line]
-    assert said == [f"[psgd coordinator] warning: shard 0 did not resume from its checkpoint ({why}): its part of the "
-                    "model starts afresh, and this job's checkpoints replace the earlier ones"], said
+    assert said == [f"[psgd coordinator] warning: shard 0 did not resume from its checkpoint ({why}): the job starts "
+                    "afresh (no shard resumes a part of the model alone), and its checkpoints replace the earlier "
+                    "ones"], said
 
 
 @pytest.mark.unit

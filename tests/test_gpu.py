@@ -463,14 +463,18 @@ def test_the_baselines_slow_factor_counts_the_gpu_time_of_its_step(gpu_time_at_i
 
 
 @pytest.mark.unit
-def test_a_device_whose_torch_module_is_missing_is_one_error(tmp_path, capsys):
+@pytest.mark.parametrize("device", ["hpu", "mps", "xpu", "meta"])
+def test_a_device_psgd_does_not_train_on_is_one_error(tmp_path, capsys, device):
     """A review: `psgd run --device hpu` (a name torch.device takes, whose backend module
     this torch lacks) ended in a traceback from the device check (ModuleNotFoundError: No
-    module named 'torch.hpu'), not in the check's one line."""
+    module named 'torch.hpu'). And a device torch can compute on that is neither cpu nor
+    cuda (mps, xpu; meta here) passed the check: its tables stayed there, and the worker
+    failed at its first send ("can't convert meta device type tensor to numpy")."""
     from psgd.cli import main
-    assert main(["run", "--device", "hpu", "--out", str(tmp_path / "job")]) == 2
+    assert main(["run", "--device", device, "--out", str(tmp_path / "job")]) == 2
     err = capsys.readouterr().err
-    assert "--device hpu: torch cannot compute on it on this machine" in err and "Traceback" not in err, err
+    assert f"--device {device!r}: psgd trains on cpu or cuda (cuda or cuda:N), not on {device}" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.unit
@@ -481,7 +485,7 @@ def test_a_daemon_on_a_device_torch_cannot_use_says_so_before_it_joins(role, mon
     the data, registered with the coordinator and only then found that torch cannot use
     D (`cuda` on a node without a GPU, cuda:N past the last): the coordinator waited
     cluster.timeout_s for a worker that was gone. The evaluator registered first too.
-    "meta" stands for such a device: torch takes its name, and cannot compute on it."""
+    "meta" stands for such a device: torch takes its name, and psgd cannot train on it."""
     from psgd.config import ConfigError, load
     from psgd.workers import evaluator, worker
 
@@ -494,7 +498,7 @@ def test_a_daemon_on_a_device_torch_cannot_use_says_so_before_it_joins(role, mon
     monkeypatch.setattr(module, "CoordinatorLink", registers)
     cfg = load(None, [], env={})
     daemon = worker.Worker(cfg, None, "meta") if role == "worker" else evaluator.Evaluator(cfg, None, "meta")
-    with pytest.raises(ConfigError, match="--device meta: torch cannot compute on it"):
+    with pytest.raises(ConfigError, match="--device 'meta': psgd trains on cpu or cuda"):
         daemon.run()
 
 
@@ -524,6 +528,10 @@ def test_a_worker_on_another_gpu_makes_it_the_current_device(monkeypatch):
 
         def register(self, *a, **k):
             return {"assigned_rank": 0, "config": self.config}
+
+        def take_job_config(self, answer):
+            from psgd.config import Config
+            return Config.from_dict(answer["config"])
 
     def replica(model, shards, device, flat=False, placement="balanced"):   # where the model goes to the device
         raise Attached

@@ -273,3 +273,25 @@ def test_a_sync_step_does_not_wait_a_heartbeat_for_a_worker_whose_time_budget_en
         lines = [json.loads(x) for x in open(tmp_path / "events" / f"worker-{rank}.jsonl")]
         waits[rank] = max((e["wait_s"], e["step"]) for e in lines if "staleness" in e)
     assert max(w for w, _ in waits.values()) < hb / 2, waits   # rank 1's last push waited for rank 0's finish
+
+
+@pytest.mark.timeout(30)
+def test_a_daemon_goes_on_with_the_jobs_heartbeat_period_and_says_what_it_replaced(capsys):
+    """A review: a worker started by hand with `--set cluster.heartbeat_s=8` was told that
+    the job's config replaced it ("cluster.heartbeat_s 8.0 → 0.5"), and went on beating
+    every 8 s with its own (the coordinator dropped it every 5 s). Its link takes the
+    job's config with the warning; the daemon's addresses and keys stay its own."""
+    mine = Config().replace(**{"cluster.heartbeat_s": 8.0, "cluster.heartbeat_timeout_s": 20.0,
+                               "cluster.port": 7000})
+    job = Config().replace(**{"cluster.port": 8000})
+    from psgd.membership import SHARD_BEAT_S
+    for role, who in (("worker", "this worker"), ("server", "this shard"), ("evaluator", "the evaluator")):
+        link = CoordinatorLink(mine, role, 0)
+        assert link.period == (8.0 if role == "worker" else SHARD_BEAT_S)
+        period = 0.5 if role == "worker" else SHARD_BEAT_S
+        cfg = link.take_job_config(wire.Message("reply", fields={"config": job.to_dict()}))
+        assert link.cfg is cfg and link.period == period and cfg.cluster.heartbeat_timeout_s == 5.0
+        assert cfg.cluster.port == 7000 and link.address.endswith(":7000")
+        said = capsys.readouterr().err
+        assert said == (f"[psgd {role}-0] warning: the job's config (the coordinator's) replaces what {who} was "
+                        f"given: cluster.heartbeat_s 8.0 → 0.5, cluster.heartbeat_timeout_s 20.0 → 5.0\n"), said

@@ -1014,3 +1014,23 @@ def test_a_lock_file_removed_by_its_holder_is_not_held_by_one_who_opened_it_befo
     monkeypatch.undo()
     assert launcher.hold(path) is None   # C is refused
     b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_quiet_job_says_the_coordinators_warnings_once_each(capsys, monkeypatch):
+    """A review: with --quiet (and in every run of psgd compare) the coordinator's warnings
+    (shards that did not resume, or hold nothing; scripts that closed before the budget)
+    went to its log only, while the terminal said "resuming". A quiet job says them once
+    the coordinator ends, each once per process (psgd compare's runs say the same)."""
+    from types import SimpleNamespace
+
+    import psgd.launcher as launcher
+    monkeypatch.setattr(launcher, "_warned", set())
+    log = ("[psgd coordinator] all 2 workers registered; training\n"
+           "[psgd coordinator] warning: shard 1 did not resume from its checkpoint (x): the job starts afresh\n"
+           "[psgd coordinator] sync     2.0 s  step 630/100000\n")
+    job = SimpleNamespace(tail=lambda child, n: log)
+    for _ in range(2):
+        LocalJob._say_warnings(job, None)
+    assert capsys.readouterr().err == ("[psgd coordinator] warning: shard 1 did not resume from its checkpoint (x): "
+                                       "the job starts afresh\n")

@@ -63,10 +63,7 @@ class Evaluator:
         device = check_device(self.device_spec)   # before registering: one torch cannot use here is one line
         link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)
         answer = link.register()
-        cfg = self.cfg = self.cfg0.with_run(answer.get("config"))
-        replaced = self.cfg0.replaced_by(cfg, "the evaluator")
-        if replaced:
-            log("evaluator", replaced)
+        cfg = self.cfg = link.take_job_config(answer)
         self.ds = load_dataset(cfg.data, cfg.job.seed)
         model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden,
                             check=True)

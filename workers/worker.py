@@ -148,10 +148,7 @@ class Worker:
         answer = self.link.register(self.want_rank, layout=model_layout(model))
         self.rank = int(answer.get("assigned_rank"))
         self.link.index = self.rank
-        self.cfg = self.cfg0.with_run(answer.get("config"))
-        said = self.cfg0.replaced_by(self.cfg, "this worker")
-        if said:
-            log(f"worker-{self.rank}", said)
+        self.cfg = self.link.take_job_config(answer)
         self.clock = int(answer.get("start_clock", 0))
         self.trained_s = float(answer.get("trained_s", 0.0))  # a restarted worker's job has trained that long
         self.taken_back = bool(answer.get("taken_back", False))   # its rank's process before was still counted live

@@ -93,3 +93,143 @@ def test_a_shard_expects_the_onebit_arrays_an_honest_push_sends(size):
     bits, means = onebit_encode(torch.randn(size))
     assert shapes("onebit", size, 0.01) == (("uint8", bits.numel()), ("float32", means.numel()))
     assert (str(bits.dtype), str(means.dtype)) == ("torch.uint8", "torch.float32")
+
+
+# ------------------------------------------------------------ the second pass: easgd, ltfb, async, optim, onebit
+
+def test_easgd_s_centre_takes_the_mean_of_its_workers_buffers():
+    """BatchNorm's statistics in the centre model: an async offer mixes its buffers in at
+    1/W (two workers: halfway from the centre's to the offer's); a sync round sets them
+    to the offers' mean (1.0 and 3.0: 2.0), not their sum."""
+    from tests.test_easgd_rejoin_resend import elastic
+    for sync, offers in ((False, (1.0,)), (True, (1.0, 3.0))):
+        cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 2, "cluster.servers": 1,
+                                  "model.name": "cnn", "mode.sync": sync})
+        shard = Shard(cfg, 0)
+        x, before = shard.params.detach().clone(), shard.buffers.clone()
+        for rank, b in enumerate(offers):
+            msg = elastic(shard, rank, 0, x, id_=9 + rank)
+            msg.arrays[1] = torch.full((shard.B,), b).numpy()
+            shard.handle(f"r{rank}", msg)
+        want = torch.full((shard.B,), 2.0) if sync else (before + 1.0) / 2
+        assert shard.B and torch.allclose(shard.buffers, want), (sync, shard.buffers[:3])
+
+
+def test_easgd_a_returning_workers_first_offer_at_its_join_round_moves_the_centre():
+    """Rank 0 offered rounds 0-2, was dropped, and a new process took its rank up at
+    clock 2: its offer of round 2 is its own, not a resend of the one before (its answer
+    went to the process that died): it moves the centre and counts as a push."""
+    from tests.test_easgd_rejoin_resend import answer, counts, elastic, join, shard_of
+    shard = shard_of(sync=False)
+    c0 = shard.params.detach().clone()
+    for rnd in range(3):
+        shard.handle(f"r{rnd}", elastic(shard, 0, rnd, c0 + 1.0))
+    shard.set_live({1: 0})
+    shard.set_live({0: 2, 1: 0})
+    shard.handle("join", join(0, 2))
+    assert not answer(shard.handle("new r2", elastic(shard, 0, 2, c0 + 2.0)), "new r2").get("duplicate")
+    assert counts(shard) == (4, 0, 0, 4)
+
+
+def test_easgd_staleness_is_never_negative_after_a_shard_restored_an_older_checkpoint():
+    from psgd.consistency.easgd import EasgdSchedule
+    from tests.loopback import FakeTrainer, Loopback
+    cfg = Config().replace(**{"mode.name": "easgd", "mode.sync": False, "mode.tau": 1, "mode.alpha": 0.3,
+                              "cluster.workers": 1, "cluster.servers": 1, "optimizer.momentum": 0.0})
+    shards = [Shard(cfg, 0)]
+    w = FakeTrainer(cfg, Loopback(shards, 0), lambda x: x.clone(), rank=0)
+    s = EasgdSchedule(cfg)
+    s.start(w)
+    s.step(w)
+    ckpt = shards[0].state_dict()
+    for _ in range(3):
+        s.step(w)
+    shards[0] = Shard(cfg, 0)
+    shards[0].load_state_dict(ckpt)   # restarted from the checkpoint of round 0: versions go back
+    s.step(w)
+    assert [st for _, st, _ in w.logged] == [0, 0, 0, 0, 0]
+
+
+def test_easgd_s_default_alpha_with_one_worker_is_beta_over_one():
+    cfg = Config().replace(**{"mode.name": "easgd", "cluster.workers": 1, "cluster.servers": 1})
+    assert cfg.mode.alpha == 0.0 and Shard(cfg, 0).rule.alpha == pytest.approx(0.9)
+
+
+def test_easgd_s_clock_gap_counts_a_rejoiner_between_rounds_by_its_last_round():
+    """tau 4: a worker back at step 17 exchanged round 4 (step 16) last; with rank 0
+    offering round 10, the gap is 10 - 4 = 6 rounds."""
+    from tests.test_easgd_math import _offer
+    shard = Shard(Config().replace(**{"mode.name": "easgd", "cluster.workers": 2, "cluster.servers": 1,
+                                      "mode.tau": 4}), 0)
+    shard.set_live({0: 20})
+    shard.set_live({0: 20, 1: 17})
+    shard.handle("fast", _offer(shard, 0, 10, shard.params.detach().clone()))
+    assert shard.stats()["max_clock_gap"] == 6
+
+
+def test_sync_easgd_an_offer_of_the_next_round_is_not_a_resend_of_the_open_one():
+    from tests.test_easgd_rejoin_resend import elastic, shard_of
+    shard = shard_of(sync=True)
+    c0 = shard.params.detach().clone()
+    shard.handle("r0", elastic(shard, 0, 0, c0 + 1.0))
+    shard.handle("r1", elastic(shard, 0, 1, c0 + 1.0, id_=10))
+    assert (shard.counters["pushes"], shard.counters["duplicates"]) == (2, 0)
+
+
+def test_async_a_refused_push_with_n_fetch_fetches_before_the_next_compute():
+    """n_fetch 3: the worker steps its own copy between fetches; a push the shards refused
+    (clock 3) was never applied, so the copy stepped by it is refetched at once."""
+    import contextlib
+
+    from psgd import wire
+    from tests.test_async_knobs import FakeTrainer
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": 8, "mode.n_fetch": 3})
+    w = FakeTrainer(cfg, real=True)
+    w.client.refuse = {3}
+    s = get_mode("async").schedule(cfg)
+    s.start(w)
+    while w.clock < 8:
+        with contextlib.suppress(wire.Refused):
+            s.step(w)
+    s.finish(w)
+    assert [(e[0], e[1]) for e in w.client.log] == [
+        ("pull", 0), ("push", 0), ("push", 1), ("push", 2), ("pull", 3), ("push", 3), ("pull", 4), ("push", 4),
+        ("push", 5), ("push", 6), ("pull", 7), ("push", 7)]
+
+
+def test_ltfb_s_scoreboard_keeps_the_rounds_of_its_window():
+    """KEEP rounds back from the newest: a trainer 3 rounds behind still finds round 0's
+    scores (else nobody is truncated that round)."""
+    from psgd.consistency.tournament import Scoreboard
+    board = Scoreboard(live={0, 1})
+    board.put(0, 0, 0.5)
+    board.put(0, 1, 0.9)
+    board.put(Scoreboard.KEEP, 1, 0.7)
+    assert board.get(0, "tok") == {0: 0.5, 1: 0.9}
+
+
+def test_ltfb_a_late_older_score_does_not_lower_a_trainers_latest_round():
+    """A resent board request carries its round's score again: trainer 0's round-0 score
+    after its round-1 one left round 1's board waiting for it."""
+    from psgd.consistency.tournament import Scoreboard
+    board = Scoreboard(live={0, 1})
+    board.put(1, 0, 0.5)
+    board.put(1, 1, 0.9)
+    board.put(0, 0, 0.4)
+    assert board.get(1, "tok") == {0: 0.5, 1: 0.9} and not board.parked
+
+
+def test_the_step_schedule_starts_after_the_warm_up():
+    from psgd.config import OptimizerConfig
+    from psgd.optim import lr_at
+    cfg = OptimizerConfig(lr=0.1, warmup_steps=10, schedule="step", step_size=5, gamma=0.5)
+    assert [lr_at(cfg, s, 100) for s in (9, 10, 11)] == pytest.approx([0.1, 0.025, 0.025])
+
+
+def test_onebit_sends_zeros_with_the_negative_values():
+    """Each block's values ≤ 0 decode to their mean, those > 0 to theirs."""
+    from psgd.compression import decode
+    v = torch.tensor([2.0, 0.0, -1.0, 0.0])
+    first, last = onebit_encode(v)
+    assert decode("onebit", first, last, 4).tolist() == pytest.approx([2.0, -1 / 3, -1 / 3, -1 / 3])

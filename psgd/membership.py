@@ -517,8 +517,9 @@ class CoordinatorLink:
 
     def take_job_config(self, answer: wire.Message) -> Config:
         """The job's config, from the registration's answer (`Config.with_run`), which this
-        link goes on with too: its heartbeats' period and timeouts were its daemon's own,
-        kept where the warning of keys replaced said the job's. That warning is said here."""
+        link goes on with too (its heartbeats' period and timeouts stayed its daemon's own
+        while the warning below said the job's replaced them); with that warning, of the
+        keys its daemon was given that the job's config replaces."""
         cfg = self.cfg.with_run(answer.get("config"))
         who = {"worker": "this worker", "server": "this shard"}.get(self.role, f"the {self.role}")
         said = self.cfg.replaced_by(cfg, who)

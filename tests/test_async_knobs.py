@@ -5,7 +5,6 @@ trainer and parameter client (no sockets): a one-shard "server" that applies eac
 as plain SGD at lr / W and answers pulls with its parameters."""
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -430,6 +429,26 @@ def test_dc_asgd_compensates_the_last_partial_push_as_its_gradients():
 
 # ---------------------------------------------------------------- a refused push
 
+
+def trained_refusing(steps: int, refuse: set[int], real: bool = False, **sets) -> tuple[FakeTrainer, int]:
+    """One worker's schedule (async unless `mode.name` is set) trained `steps` steps, the
+    pushes of the clocks in `refuse` refused once each: the trainer and its refusals."""
+    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": steps, **sets})
+    w = FakeTrainer(cfg, real=real)
+    w.client.refuse = set(refuse)
+    schedule = get_mode(cfg.mode.name).schedule(cfg)
+    schedule.start(w)
+    refused = 0
+    while w.clock < steps:
+        try:
+            schedule.step(w)
+        except wire.Refused:
+            refused += 1
+    schedule.finish(w)
+    return w, refused
+
+
 @pytest.mark.parametrize("mode, sets", [
     ("async", {}),
     ("async", {"mode.prefetch": True}),
@@ -445,19 +464,7 @@ def test_a_refused_push_goes_again_at_its_clock_with_the_next_gradient(mode, set
     refused clock was skipped: a shard that had applied it (a refusal by another shard)
     kept the only update of that clock, and the step had no line."""
     steps = 8
-    cfg = Config().replace(**{"mode.name": mode, "cluster.workers": 1, "cluster.servers": 1,
-                              "optimizer.momentum": 0.0, "train.steps": steps, **sets})
-    w = FakeTrainer(cfg)
-    w.client.refuse = {3}
-    schedule = get_mode(mode).schedule(cfg)
-    schedule.start(w)
-    refused = 0
-    while w.clock < steps:
-        try:
-            schedule.step(w)
-        except wire.Refused:
-            refused += 1
-    schedule.finish(w)
+    w, refused = trained_refusing(steps, {3}, **{"mode.name": mode, **sets})
     assert refused == 1
     assert [c for c, _ in pushes(w)] == list(range(steps))
     assert len(w.lines) == steps and w.hist.total == steps
@@ -470,17 +477,7 @@ def test_a_refused_downpour_sum_goes_again_with_the_next_gradient_at_its_clock(p
     shard. It goes again with the next step's gradient; with prefetch the gradient of the
     step that the refusal interrupted is lost, as a single step's is."""
     steps = 9
-    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
-                              "optimizer.momentum": 0.0, "train.steps": steps, "mode.n_push": 3,
-                              "mode.prefetch": prefetch})
-    w = FakeTrainer(cfg)
-    w.client.refuse = {2}
-    schedule = get_mode("async").schedule(cfg)
-    schedule.start(w)
-    while w.clock < steps:
-        with contextlib.suppress(wire.Refused):
-            schedule.step(w)
-    schedule.finish(w)
+    w, _ = trained_refusing(steps, {2}, **{"mode.n_push": 3, "mode.prefetch": prefetch})
     assert [c for c, _ in pushes(w)] == [2, 5, 8]
     computed = w.calls
     torch.testing.assert_close(w.client.pushed_sum, w.direction * (sum(range(1, computed + 1)) - sum(lost)))
@@ -491,16 +488,16 @@ def test_a_refused_compressed_downpour_sum_is_not_accrued_again():
     """A later review: with wire.compression the residual took the sum in as it was
     encoded; accrued again, the refused sum would go twice (what a refused compressed push
     carried is lost, as README says)."""
-    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
-                              "optimizer.momentum": 0.0, "train.steps": 9, "mode.n_push": 3,
-                              "wire.compression": "topk"})
-    w = FakeTrainer(cfg)
-    w.client.refuse = {2}
-    schedule = get_mode("async").schedule(cfg)
-    schedule.start(w)
-    while w.clock < 9:
-        with contextlib.suppress(wire.Refused):
-            schedule.step(w)
-    schedule.finish(w)
+    w, _ = trained_refusing(9, {2}, **{"mode.n_push": 3, "wire.compression": "topk"})
     assert [c for c, _ in pushes(w)] == [4, 7, 8]
     torch.testing.assert_close(w.client.pushed_sum, w.direction * sum(range(4, w.calls + 1)))
+
+
+def test_a_refused_push_with_n_fetch_fetches_before_the_next_compute():
+    """A mutation test: n_fetch 3, the worker steps its own copy between fetches; a push
+    the shards refused (clock 3) was never applied, so the copy stepped by it is fetched
+    again at once (unpinned: without the forced fetch, every test passed)."""
+    w, _ = trained_refusing(8, {3}, real=True, **{"mode.n_fetch": 3})
+    assert [(e[0], e[1]) for e in w.client.log] == [
+        ("pull", 0), ("push", 0), ("push", 1), ("push", 2), ("pull", 3), ("push", 3), ("pull", 4), ("push", 4),
+        ("push", 5), ("push", 6), ("pull", 7), ("push", 7)]

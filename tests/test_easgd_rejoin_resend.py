@@ -184,19 +184,21 @@ def test_async_the_shards_counters_after_a_rejoin_the_membership_told_late():
 
 
 @pytest.mark.timeout(60)
-def test_async_a_returning_workers_new_offer_is_counted_and_moves_the_centre():
+@pytest.mark.parametrize("back_at", [1, 2])
+def test_async_a_returning_workers_new_offer_is_counted_and_moves_the_centre(back_at):
     """The shard saw rank 0 leave and return before its join at clock 1 (a new process,
     at the coordinator's clock for it): the join's answer lets it start there, and its
-    offer of round 1, which its earlier life offered too, is a push that moves the centre."""
+    offer of round 1, which its earlier life offered too, is a push that moves the centre.
+    So at clock 2, the round its earlier life offered last (a mutation test: unpinned)."""
     shard = shard_of(sync=False)
     c0 = shard.params.detach().clone()
     for rnd in range(3):
         shard.handle(f"r{rnd}", elastic(shard, 0, rnd, c0 + 1.0))
     shard.set_live({1: 0})
-    shard.set_live({0: 1, 1: 0})
-    assert answer(shard.handle("join", join(0, 1)), "join").get("offered") == -1
-    shard.handle("again r1", elastic(shard, 0, 1, c0 + 2.0))
-    assert counts(shard) == (4, 0, 0, 4)
+    shard.set_live({0: back_at, 1: 0})
+    assert answer(shard.handle("join", join(0, back_at)), "join").get("offered") == -1
+    m = answer(shard.handle("again", elastic(shard, 0, back_at, c0 + 2.0)), "again")
+    assert not m.get("duplicate") and counts(shard) == (4, 0, 0, 4)
 
 
 @pytest.mark.timeout(60)

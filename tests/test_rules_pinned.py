@@ -115,22 +115,6 @@ def test_easgd_s_centre_takes_the_mean_of_its_workers_buffers():
         assert shard.B and torch.allclose(shard.buffers, want), (sync, shard.buffers[:3])
 
 
-def test_easgd_a_returning_workers_first_offer_at_its_join_round_moves_the_centre():
-    """Rank 0 offered rounds 0-2, was dropped, and a new process took its rank up at
-    clock 2: its offer of round 2 is its own, not a resend of the one before (its answer
-    went to the process that died): it moves the centre and counts as a push."""
-    from tests.test_easgd_rejoin_resend import answer, counts, elastic, join, shard_of
-    shard = shard_of(sync=False)
-    c0 = shard.params.detach().clone()
-    for rnd in range(3):
-        shard.handle(f"r{rnd}", elastic(shard, 0, rnd, c0 + 1.0))
-    shard.set_live({1: 0})
-    shard.set_live({0: 2, 1: 0})
-    shard.handle("join", join(0, 2))
-    assert not answer(shard.handle("new r2", elastic(shard, 0, 2, c0 + 2.0)), "new r2").get("duplicate")
-    assert counts(shard) == (4, 0, 0, 4)
-
-
 def test_easgd_staleness_is_never_negative_after_a_shard_restored_an_older_checkpoint():
     from psgd.consistency.easgd import EasgdSchedule
     from tests.loopback import FakeTrainer, Loopback
@@ -174,28 +158,6 @@ def test_sync_easgd_an_offer_of_the_next_round_is_not_a_resend_of_the_open_one()
     shard.handle("r0", elastic(shard, 0, 0, c0 + 1.0))
     shard.handle("r1", elastic(shard, 0, 1, c0 + 1.0, id_=10))
     assert (shard.counters["pushes"], shard.counters["duplicates"]) == (2, 0)
-
-
-def test_async_a_refused_push_with_n_fetch_fetches_before_the_next_compute():
-    """n_fetch 3: the worker steps its own copy between fetches; a push the shards refused
-    (clock 3) was never applied, so the copy stepped by it is refetched at once."""
-    import contextlib
-
-    from psgd import wire
-    from tests.test_async_knobs import FakeTrainer
-    cfg = Config().replace(**{"mode.name": "async", "cluster.workers": 1, "cluster.servers": 1,
-                              "optimizer.momentum": 0.0, "train.steps": 8, "mode.n_fetch": 3})
-    w = FakeTrainer(cfg, real=True)
-    w.client.refuse = {3}
-    s = get_mode("async").schedule(cfg)
-    s.start(w)
-    while w.clock < 8:
-        with contextlib.suppress(wire.Refused):
-            s.step(w)
-    s.finish(w)
-    assert [(e[0], e[1]) for e in w.client.log] == [
-        ("pull", 0), ("push", 0), ("push", 1), ("push", 2), ("pull", 3), ("push", 3), ("pull", 4), ("push", 4),
-        ("push", 5), ("push", 6), ("pull", 7), ("push", 7)]
 
 
 def test_ltfb_s_scoreboard_keeps_the_rounds_of_its_window():

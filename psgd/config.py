@@ -552,10 +552,9 @@ def validate(cfg: Config) -> None:
     _check(not c.addresses or len(c.addresses) == c.servers,
            f"cluster.addresses lists {len(c.addresses)} shards but cluster.servers = {c.servers}")
     for a in c.addresses:
-        schemed = isinstance(a, str) and a.startswith(("tcp://", "ipc://"))
-        why = _address_fault(a) if schemed else ""
-        _check(schemed and not why, f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH"
-                                    + (f" ({why})" if why else ""))
+        why = address_fault(a) if isinstance(a, str) else ""
+        _check(isinstance(a, str) and not why, f"cluster.addresses: {a!r} is not tcp://HOST:PORT or ipc://PATH"
+                                               + (f" ({why})" if why else ""))
     _check(isinstance(c.host, str) and not _host_fault(c.host),
            f"cluster.host must be a host name or address, with no scheme, port or path (the port is "
            f"cluster.port; an IPv6 address in brackets), got {c.host!r}")
@@ -737,14 +736,24 @@ def _host_fault(host: str) -> str:
     return ""
 
 
-def _address_fault(address: str) -> str:
-    """Why `address`, tcp:// or ipc://, is not tcp://HOST:PORT or ipc://PATH ('' if it is): a shard's address
+def tcp_parts(address: str) -> tuple[str, str]:
+    """HOST and PORT of tcp://HOST:PORT as written (an IPv6 HOST in its brackets); PORT
+    '' where none follows the host (tcp://10.0.0.1, tcp://[::1])."""
+    rest = address[len("tcp://"):]
+    host, sep, port = rest.rpartition(":")
+    return (host, port) if sep and not port.endswith("]") else (rest, "")
+
+
+def address_fault(address: str) -> str:
+    """Why `address` is not tcp://HOST:PORT or ipc://PATH ('' if it is): a shard's address
     without a port (tcp://10.0.0.1) was bound as tcp://*:10.0.0.1, port 10 of every
     interface, and its workers died of ZeroMQ's "Invalid argument" traceback."""
     if address.startswith("ipc://"):
         return "" if address[6:] else "no path"
-    host, sep, port = address[6:].rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not address.startswith("tcp://"):
+        return "no tcp:// or ipc:// scheme"
+    host, port = tcp_parts(address)
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
         return "no port 1..65535 after the host"
     return _host_fault(host)
 

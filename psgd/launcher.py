@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from . import forkserver
-from .config import AUTO_SPIN_US, CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format
+from .config import AUTO_SPIN_US, CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format, tcp_parts
 from .log import log
 from .membership import JOB_TOKEN_ENV
 from .metrics import EXIT_CANNOT_WRITE, pid_path, write_text_atomic
@@ -253,7 +253,7 @@ def taken_port(cfg: Config) -> int:
     for a in [cfg.coordinator_address()] + [cfg.shard_address(i) for i in range(cfg.cluster.servers)]:
         if not a.startswith("tcp://"):
             continue
-        host, _, port = bind_address(a)[len("tcp://"):].rpartition(":")
+        host, port = tcp_parts(bind_address(a))
         e = bind_error("" if host == "*" else host.strip("[]"), int(port))
         if e is not None and e.errno == errno.EADDRINUSE:
             return int(port)

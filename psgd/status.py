@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 
 from . import wire
-from .config import ConfigError, format_value, load
+from .config import ConfigError, address_fault, format_value, load
 from .consistency.staleness import Histogram
 from .report_numbers import amount
 from .transport import HandshakeFailed, Peers, PeerTimeout
@@ -64,11 +64,10 @@ def main(args: argparse.Namespace) -> int:
     sets = list(args.set) + (["security.curve=true", f"security.keys={args.keys}"] if args.keys else [])
     cfg = _config(args.dir, args.config, sets)
     address = args.address or cfg.coordinator_address()
-    port = address.rpartition(":")[2] if address.startswith("tcp://") else "1"
-    if (not address.startswith(("tcp://", "ipc://")) or address.endswith(("://", ":"))
-            or not (port.isdigit() and 1 <= int(port) <= 65535)):
+    why = address_fault(address)
+    if why:
         raise ConfigError(f"--address must be tcp://HOST:PORT (a port in 1..65535) or ipc://PATH, "
-                          f"got {address!r}")
+                          f"got {address!r} ({why})")
     keys = (f"it was asked with the keys in {cfg.security.keys}: a job secured with other keys "
             f"does not answer" if cfg.security.curve else
             "a job secured with CurveZMQ answers only a client with its keys: --keys DIR or --config FILE")

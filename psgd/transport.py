@@ -28,7 +28,7 @@ import zmq
 
 from . import lane as lanes
 from . import wire
-from .config import ConfigError, SecurityConfig
+from .config import ConfigError, SecurityConfig, tcp_parts
 from .log import log
 from .metrics import OutputError, fd_limit
 
@@ -390,7 +390,7 @@ def bind_address(address: str) -> str:
     """The address a daemon binds for an advertised tcp://HOST:PORT (all interfaces
     unless HOST is loopback)."""
     if address.startswith("tcp://"):
-        host, _, port = address[6:].rpartition(":")
+        host, port = tcp_parts(address)
         if not host.startswith(LOOPBACK):
             return f"tcp://*:{port}"
     return address
@@ -405,7 +405,7 @@ def unreachable(address: str, timeout_s: float = 1.0) -> str:
     answer ... is it running there?" after cluster.timeout_s."""
     if not address.startswith("tcp://"):
         return ""
-    host, _, port = address[6:].rpartition(":")
+    host, port = tcp_parts(address)
     host = host.strip("[]")
     if not host or host == "*" or not port.isdigit():
         return ""

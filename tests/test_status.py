@@ -207,6 +207,8 @@ def test_status_of_a_compare_folder_names_its_runs(tmp_path, capsys):
     (["--address", "tcp://127.0.0.1:1", "--watch", "-1"], "expected a number of seconds > 0"),
     (["--address", "tcp://127.0.0.1:1", "--watch", "nan"], "expected a number of seconds > 0"),
     (["--address", "tcp://127.0.0.1:99999"], "a port in 1..65535"),        # waited 3 s, then blamed CurveZMQ
+    (["--address", "tcp://10.0.0.1"], "(no port 1..65535 after the host)"),
+    (["--address", "tcp://10.0.0.1:7100:7400"], "(a host takes no scheme, port or path)"),   # was asked, for 3 s
     (["--address", "tcp://127.0.0.1:5555", "--keys", "/psgd-no-keys"], "/psgd-no-keys/client.key_secret not found"),
 ])
 def test_status_refuses_a_bad_address_or_watch_period_in_one_line(capsys, args, said):

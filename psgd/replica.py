@@ -22,6 +22,7 @@ the gradients straight into the tables of the slot the step is computed for
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -128,6 +129,10 @@ def _grad_off(fn: Callable) -> Callable:
     return off
 
 
+class OverlapUnsafe(ConfigError):
+    """A push from backward's hooks (`wire.overlap`) left before its gradient was whole."""
+
+
 def flat_layout(shard_map: ShardMap, num_shards: int) -> list[tuple[str, int]] | None:
     """(tensor name, offset) of each trainable parameter in one flat block whose every
     shard's params table is a slice (the tables one after the other, shard by shard), or
@@ -184,8 +189,12 @@ class Replica:
         # writes the gradients in place (`bind_grads`)
         self._bound: dict[int, tuple[list[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]] = {}
         self._ready: Callable[[int], None] | None = None   # `arm`'s, while armed
-        self._counts = [0] * num_shards   # per shard, its trainable parameters that hooks count (`hook_backward`)
-        self._left = [0] * num_shards     # of them, those still to get this backward's gradient
+        self._shards_of: list[tuple[int, ...]] = []   # per trainable parameter, the shards it lies in (`hook_backward`)
+        self._times: list[int] = []      # per trainable parameter, its hook's calls in this backward
+        self._learned: list[int] | None = None   # its hook's calls in the first armed backward (`disarm`)
+        self._left: list[float] = []     # per shard, its parameters' hook calls still to come in this backward
+        self._sent: list[bool] = []      # per shard, whether `ready` was called for it in this backward
+        self._again: str = ""            # a parameter whose hook ran past its learned calls after its push left
 
     @torch.no_grad()
     def _flatten(self, num_shards: int) -> dict[int, torch.Tensor]:
@@ -239,41 +248,74 @@ class Replica:
 
     def hook_backward(self) -> None:
         """Let backward tell when each shard's gradients are made (`wire.overlap`): a
-        hook on every trainable parameter, run once its gradient is accumulated, counts
-        down its shards'. `arm(ready)` before a backward has `ready(shard)` called as soon
-        as the last of the shard's parameters got its gradient, while backward goes on to
-        the layers before; `disarm` after it names the shards not called (one that holds
-        no parameter, or one of whose parameters got no gradient)."""
+        hook on every trainable parameter, run each time a gradient is accumulated into
+        it, counts down its shards'. `arm(ready)` before a backward has `ready(shard)`
+        called as soon as the last of the shard's parameters got its gradient, while
+        backward goes on to the layers before; `disarm` after it names the shards not
+        called (one that holds no parameter, or one of whose parameters got no gradient).
+
+        How often each parameter's hook runs in a backward is learned from the first armed
+        one, which calls `ready` for no shard (DDP's `static_graph` does the same): a
+        parameter used in two segments of a reentrant activation checkpoint, say, gets
+        its gradient in two parts, and a push after the first carried only part of it."""
         shards_of: dict[str, set[int]] = {}
         for piece in self.map.pieces:
             if piece.table == "params":
                 shards_of.setdefault(piece.name, set()).add(piece.shard)
-        self._counts = [0] * self.n
-        for shards in shards_of.values():
-            for i in shards:
-                self._counts[i] += 1
-        for name, p in self.trainable.items():
-            p.register_post_accumulate_grad_hook(functools.partial(self._made, tuple(sorted(shards_of[name]))))
+        self._shards_of = [tuple(sorted(shards_of[name])) for name in self.trainable]
+        self._times = [0] * len(self.trainable)
+        for k, p in enumerate(self.trainable.values()):
+            p.register_post_accumulate_grad_hook(functools.partial(self._made, k))
 
-    def _made(self, shards: tuple[int, ...], _param: torch.Tensor) -> None:
+    def _made(self, k: int, _param: torch.Tensor) -> None:
         ready = self._ready
         if ready is None:
+            return
+        self._times[k] += 1
+        learned = self._learned
+        if learned is None:   # the first armed backward: counted only
+            return
+        shards = self._shards_of[k]
+        if self._times[k] > learned[k]:   # more parts than learned: its shards are sent after backward
+            for i in shards:
+                if self._sent[i] and not self._again:
+                    self._again = list(self.trainable)[k]
+                self._left[i] = math.inf
             return
         left = self._left
         for i in shards:
             left[i] -= 1
-            if left[i] == 0:   # (once: a hook run twice in a backward, a reentrant checkpoint's, goes below)
+            if left[i] == 0:
+                self._sent[i] = True
                 ready(i)
 
     def arm(self, ready: Callable[[int], None]) -> None:
         """`ready(shard)` once each shard's gradients are made by the next backward (`hook_backward`)."""
-        self._left[:] = self._counts
+        self._times[:] = [0] * len(self._times)
+        self._sent = [False] * self.n
+        self._again = ""
+        learned = self._learned
+        if learned is not None:
+            # a shard's hook calls as learned; never from a hook (inf) with a parameter that got none then
+            left = [0.0] * self.n
+            for k, shards in enumerate(self._shards_of):
+                for i in shards:
+                    left[i] += learned[k] if learned[k] else math.inf
+            self._left = [x if x else math.inf for x in left]
         self._ready = ready
 
     def disarm(self) -> list[int]:
-        """The shards `arm`'s `ready` was not called for; no more calls."""
+        """The shards `arm`'s `ready` was not called for; no more calls. Raises
+        `OverlapUnsafe` if a parameter's hook ran more often than learned after its
+        shard's push had left (it left with part of the gradient)."""
         self._ready = None
-        return [i for i in range(self.n) if self._left[i] > 0 or self._counts[i] == 0]
+        if self._learned is None:
+            self._learned = list(self._times)
+        if self._again:
+            raise OverlapUnsafe(f"wire.overlap: {self._again}'s gradient was accumulated more often in this backward "
+                                f"than in the first, after its shard's push had left with part of it (a model whose "
+                                f"graph changes from step to step); train this model with wire.overlap = false")
+        return [i for i in range(self.n) if not self._sent[i]]
 
     def clear_grads(self, slot: int = 0) -> None:
         """Before a step's backward: its gradients go into slot `slot`'s tables, zeroed

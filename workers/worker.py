@@ -39,7 +39,7 @@ from psgd.membership import AFTER_TRAINING, CoordinatorLink
 from psgd.metrics import EventLog, PidFile, earlier_lives
 from psgd.models import build_model
 from psgd.optim import denormals_flushed, make_optimizer
-from psgd.replica import Replica, check_device
+from psgd.replica import OverlapUnsafe, Replica, check_device
 from psgd.sharding import model_layout
 from psgd.workers.client import Cancelled, ParameterClient, ShardUnreachable
 
@@ -234,8 +234,8 @@ class Worker:
             pass  # the job ended while we waited
         except wire.RemoteError as e:   # e.g. the initial values will not come (psgd/shard.py FIRST_WORKER_GONE)
             error = f"worker {self.rank}: {e.reason}"
-        except DataError as e:   # a streamed batch it read (a label out of range): the job ends, naming it
-            error = f"worker {self.rank}: {e}"
+        except (DataError, OverlapUnsafe) as e:   # a streamed batch it read (a label out of range), a push
+            error = f"worker {self.rank}: {e}"     # from backward's hooks that left too soon: the job ends, naming it
         finally:
             self.link.stop()
         behind = "" if error else self.left_behind()

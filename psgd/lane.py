@@ -17,8 +17,8 @@ Where: a daemon listens on an abstract Unix socket named after the address it se
 (`name`: Linux only; each network namespace has its own names). A client connects to
 it when it is there and sends a request on it when the request fits the socket's
 buffer (`Conn.max_message`); the daemon answers on the way the request came. Larger
-messages, CurveZMQ jobs (the lane has no handshake), other hosts and a lane that
-failed go over ZeroMQ.
+messages, CurveZMQ jobs (the lane has no handshake), other hosts, a lane that failed
+and a name held by another user's process (`_connect`) go over ZeroMQ.
 
 Nothing here waits for long: a daemon's connections never block, and keep what the
 kernel would not take yet until the socket is writable (views of the frames, which
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import select
 import socket
 import struct
@@ -44,6 +45,7 @@ import numpy as np
 from . import wire
 
 _COUNT = struct.Struct("<I")
+_CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid (SO_PEERCRED)
 MAX_FRAMES = wire.MAX_FRAMES + 1     # a header and its arrays
 # The kernel's buffer a lane asks for on its socket (SO_SNDBUF, capped by
 # net.core.wmem_max: 208 KiB by default, 4 MiB on this project's machine): a message goes on a lane
@@ -285,6 +287,13 @@ def _listen(sock: socket.socket, where: bytes) -> None:
 def _connect(sock: socket.socket, where: bytes) -> None:
     sock.setblocking(False)   # (a daemon that does not accept, its queue full: EAGAIN, not a wait)
     sock.connect(where)
+    # An abstract name has no permissions: another user's process that took the name first
+    # got the worker's gradients, and never answering them, held its steps past every
+    # timeout (the shard answered the probes over ZeroMQ). Only a process of this user's is
+    # a lane's peer.
+    _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    if uid != os.geteuid():
+        raise PermissionError(f"the lane's name is held by a process of user {uid}")
 
 
 def connect(address: str) -> Conn | None:

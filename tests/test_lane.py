@@ -410,6 +410,30 @@ def test_a_lane_to_a_daemon_that_takes_none_is_not_waited_for(port_block):
             conn.close()
 
 
+@pytest.mark.unit
+def test_a_lane_whose_name_another_user_holds_is_not_taken(port_block):
+    """An abstract name has no permissions: another user's process that held a shard's
+    lane name took the worker's requests and never answered them, and the worker waited
+    past every timeout, its probes answered by the shard over ZeroMQ. A lane's peer is a
+    process of the client's own user (here: the listener's as another uid, as root)."""
+    address = f"tcp://127.0.0.1:{port_block(1)}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(lane.name(address))
+        listener.listen(4)
+        mine = lane.connect(address)
+        assert mine is not None
+        mine.close()
+        uid = os.geteuid()
+        try:
+            os.seteuid(uid + 1)   # (root only: the client as another user)
+        except PermissionError:
+            pytest.skip("changing the effective uid needs root")
+        try:
+            assert lane.connect(address) is None
+        finally:
+            os.seteuid(uid)
+
+
 @pytest.mark.inprocess
 def test_a_daemon_out_of_descriptors_leaves_its_lanes_waiting_and_takes_them_later(port_block, monkeypatch):
     """A lane in the listener's queue that no descriptor was free to take kept the

@@ -100,24 +100,29 @@ class TrainingBusy:
     `base` (a shard restarted during the run: its checkpoint's), and stops while no worker
     is live and once training has ended, as the coordinator's answers to the heartbeats say
     (every SHARD_BEAT_S). Nothing is served before training: the workers wait for the
-    rendezvous."""
+    rendezvous. (Tracked on the serving thread, read by the heartbeats': under a lock,
+    without which a read between `track`'s two changes failed on a `since` gone None, or
+    counted the time since it twice.)"""
 
     def __init__(self, base: float = 0.0):
         self.served: Callable[[], float] = lambda: 0.0   # the service's busy time (once it serves)
         self.counted = base       # time served in training up to `since`
         self.since: float | None = 0.0   # `served()` when training was last seen going on; None: not now
+        self._lock = threading.Lock()
 
     def track(self, state: dict) -> None:
         """Take in the coordinator's view (`CoordinatorLink.state`): training goes on, or not."""
         ended = state["phase"] != "rendezvous" and (state["phase"] != "training" or not state["live"])
-        if ended and self.since is not None:
-            self.counted += self.served() - self.since
-            self.since = None
-        elif not ended and self.since is None:
-            self.since = self.served()
+        with self._lock:
+            if ended and self.since is not None:
+                self.counted += self.served() - self.since
+                self.since = None
+            elif not ended and self.since is None:
+                self.since = self.served()
 
     def __call__(self) -> float:
-        return self.counted + (self.served() - self.since if self.since is not None else 0.0)
+        with self._lock:
+            return self.counted + (self.served() - self.since if self.since is not None else 0.0)
 
 
 def message_limit(P: int, B: int) -> int:

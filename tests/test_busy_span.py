@@ -57,3 +57,45 @@ def test_a_restarted_shards_busy_time_goes_on_from_its_checkpoint():
     restarted.load_state_dict(earlier.state_dict())
     assert restarted.busy() == 2.5
     assert fractions(restarted.busy() + 1.0, 10.0) == [0.35]
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeats_read_of_the_busy_time_while_training_ends_and_starts_again_is_whole():
+    """The heartbeat thread reads the busy time while the serving thread tracks the
+    coordinator's view: a read between `track`'s two changes failed ("unsupported operand
+    type(s) for -: 'float' and 'NoneType'", a heartbeat lost) or counted the time since
+    twice. Every read, at any moment, is one the tracking could give: never more than
+    all that was served, never less than a read before it."""
+    import sys
+    import threading
+    import time
+
+    from servers.shard_server import TrainingBusy
+    busy = TrainingBusy()
+    busy.track({"phase": "settling", "live": {}})   # (nothing served yet: 0 s)
+    stop, seen, failed = threading.Event(), [], []
+
+    def heartbeats() -> None:
+        try:
+            while not stop.is_set():
+                seen.append(busy())
+        except Exception as e:
+            failed.append(e)
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=heartbeats)
+    reader.start()
+    try:
+        for _ in range(2_000):   # each span in training counts 1 s: a read shows a double count
+            busy.served = lambda: (time.sleep(0), 1.0)[1]   # (a thread switch within each read: the reads
+            busy.track({"phase": "training", "live": {0: 1}})   # see the tracking between its changes)
+            busy.served = lambda: (time.sleep(0), 2.0)[1]
+            busy.track({"phase": "settling", "live": {}})
+    finally:
+        stop.set()
+        reader.join(10)
+        sys.setswitchinterval(was)
+    assert not failed, failed
+    assert busy() == 2_000.0
+    assert seen == sorted(seen) and max(seen) <= 2_000.0

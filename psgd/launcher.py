@@ -1027,9 +1027,10 @@ class LocalJob:
                     continue
                 if rc == 1 and child.role in ("server", "evaluator") and coord.poll() is None \
                         and "lost the coordinator" in self.tail(child, 3):
+                    ends = self.tail(coord)   # (none on the terminal's job: its lines went there)
                     raise LaunchError(f"{child.name} lost the coordinator (no answer for cluster.timeout_s = "
                                       f"{self.cfg.cluster.timeout_s:g} s), whose process still runs: is it stopped "
-                                      f"(SIGSTOP) or hung? Its log ends:\n{self.tail(coord)}")
+                                      f"(SIGSTOP) or hung?" + (f" Its log ends:\n{ends}" if ends.strip() else ""))
                 if rc == 2 and child.role in ("server", "evaluator"):   # a ConfigError (a DataError): a restart
                     said = self.tail(child, 1).strip().removeprefix("psgd: error: ")   # would say it again
                     raise LaunchError(f"{child.name} stopped: {said} (logs in {os.path.join(self.out, 'logs')})")

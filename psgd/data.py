@@ -122,6 +122,7 @@ class StreamingDataset:
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from torch.utils.data import DataLoader
         start = 0
+        _own_temp_dir(self.loader_workers)
         batches = iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers))
         while True:
             try:
@@ -699,6 +700,17 @@ class EpochSampler:
         return len(self.idx)
 
 
+def _own_temp_dir(loader_workers: int) -> None:
+    """Make this process's multiprocessing temp folder before its loader processes fork,
+    so that they share it and its removal is this process's, at its exit: each loader
+    process that sent a batch made its own (`/tmp/pymp-*`, a socket listener's), and,
+    ended from here, never removed it (a folder left by every job and test whose loader
+    met an unreadable item)."""
+    if loader_workers > 0:
+        import multiprocessing.util
+        multiprocessing.util.get_temp_dir()
+
+
 class LoaderBatches(Lookahead):
     """Endless mini-batches of a torch Dataset's partition through a DataLoader
     (`loader_workers` processes; 0 = in this process), reshuffled every epoch."""
@@ -710,6 +722,7 @@ class LoaderBatches(Lookahead):
             raise DataError(f"worker {rank}: its data partition is empty (too many workers for the dataset)")
         self.batch_size = min(batch_size, len(indices))
         self.sampler = EpochSampler(indices, seed, rank)
+        _own_temp_dir(loader_workers)
         self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=True,
                                  num_workers=loader_workers, persistent_workers=loader_workers > 0)
         self._it = iter(self.loader)

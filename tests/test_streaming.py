@@ -409,7 +409,7 @@ def peak_rss_mb(pid: int) -> float:
 
 @pytest.mark.processes
 @pytest.mark.timeout(300)
-def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_path):
+def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_path, monkeypatch):
     import os
     import time
 
@@ -418,14 +418,16 @@ def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_
     from tests.conftest import free_port_block
     cfg = load(None, [f"cluster.port={free_port_block(4)}", f"data.name={FACTORY}", "data.classes=10",
                       "data.loader_workers=1", "train.steps=150", "cluster.servers=1"], env={})
-    job = LocalJob(cfg, str(tmp_path), quiet=True, timeout_s=240)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))   # the daemons' (their loader processes' folders)
+    job = LocalJob(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240)
     peaks: dict[str, float] = {}
     try:
         job.start()
         while job.children[0].poll() is None:  # sample the workers' peak memory while they train
             for name in ("worker-0", "worker-1"):
                 try:   # (read once: a worker that ends removes its pid file, between two reads in CI)
-                    pid = int((tmp_path / "pids" / f"{name}.pid").read_text().split()[0])
+                    pid = int((tmp_path / "out" / "pids" / f"{name}.pid").read_text().split()[0])
                 except (OSError, ValueError, IndexError):   # not there yet, or gone, or half written
                     continue
                 peaks[name] = max(peaks.get(name, 0.0), peak_rss_mb(pid))
@@ -438,7 +440,9 @@ def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_
     assert set(peaks) == {"worker-0", "worker-1"} and max(peaks.values()) < 1024, peaks
     print(f"workers' peak memory: {peaks} MB")
     assert summary["samples"] == 2 * 150 * 32 and summary["final_accuracy"] >= 0.8, summary
-    assert os.path.exists(tmp_path / "model.pt")
+    assert os.path.exists(tmp_path / "out" / "model.pt")
+    # each daemon with loader processes left its multiprocessing folder (/tmp/pymp-*): they end in os._exit
+    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("pymp-")]
 
 
 def late_label_7_in_training():   # item 5's training label is 7 (data.classes = 3); the test set is fine

@@ -76,16 +76,46 @@ def children(pid: int) -> set[int]:
     return processes_with(1, pid)
 
 
+# Set in this session's environment, which every process it starts inherits (unless given
+# another): a process whose parent ended (a grandchild re-parented to init) is still found
+# by it. (Not PSGD_*: `no_psgd_environment` removes those.)
+SESSION_MARK = "PYTEST_PSGD_SESSION"
+os.environ[SESSION_MARK] = f"{os.getpid()}-{random.getrandbits(64):x}"
+
+
+def marked_processes() -> set[int]:
+    """The live processes, other than this one, whose environment holds this session's mark."""
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    out = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:   # (gone, or another user's)
+            continue
+        out.add(int(name))
+    return out
+
+
 def started_processes() -> set[int]:
-    """This process's children, and the daemons its fork server forked (psgd/forkserver.py;
+    """This process's children, the daemons its fork server forked (psgd/forkserver.py;
     the server itself lives as long as this process, like a thread pool, and so does
-    multiprocessing's resource tracker, which `psgd simulate --jobs` starts)."""
+    multiprocessing's resource tracker, which `psgd simulate --jobs` starts), and every
+    process of this session's (`SESSION_MARK`), whose parent may have ended: a daemon that
+    outlived a killed `psgd run`, a shell's background child."""
     from multiprocessing import resource_tracker
 
     from psgd import forkserver
     server = forkserver.running_pid()
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return children(os.getpid()) - {server, tracker} | (children(server) if server else set())
+    return ((children(os.getpid()) | marked_processes()) - {server, tracker}
+            | (children(server) if server else set()))
 
 
 @pytest.fixture(autouse=True)

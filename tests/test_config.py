@@ -65,6 +65,11 @@ def test_set_parses_toml_values():
     (["mode.name=async", "wire.overlap=true"], "it is for mode sync with wire.compression = none, not async "
                                                "(ssp and async overlap the push with the next step's compute"),
     (["wire.overlap=true", "wire.compression=topk"], "not sync with wire.compression = topk (a push is encoded"),
+    # bounds a review found no test of (each check weakened, every test still passed)
+    (["wire.topk_fraction=1.5"], "wire.topk_fraction must be in (0, 1], got 1.5"),
+    (["job.seed=4294967296"], "job.seed must be in 0..4294967295, got 4294967296"),
+    (["cluster.timeout_s=0"], "cluster.timeout_s must be > 0, got 0"),
+    (["cluster.max_rejections=0"], "cluster.max_rejections must be >= 1, got 0"),
 ])
 def test_bad_values_get_clear_errors(sets, needle):
     with pytest.raises(ConfigError) as e:

@@ -606,7 +606,7 @@ def test_a_restarted_script_that_had_not_rejoined_when_the_job_ended_is_stopped(
     cfg = Config().replace(**{**SMALL, "mode.name": "async", "train.steps": 10, "cluster.servers": 1,
                               "cluster.timeout_s": SCRIPT_TIMEOUT_S, "cluster.heartbeat_timeout_s": 2.0})
     started = time.monotonic()
-    summary = run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path), str(tmp_path)],
+    summary = run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=150, script=[str(path), str(tmp_path)],
                         restart_workers=True)
     assert (tmp_path / "killed").exists() and summary["failures"]["workers_lost"] == 1
     assert time.monotonic() - started < 60 + SCRIPT_TIMEOUT_S - 10   # not the restarted copy's wait for the coordinator
@@ -624,7 +624,7 @@ def test_a_script_killed_before_its_first_heartbeat_counts_its_steps_in_the_summ
     cfg = Config().replace(**{**SMALL, "mode.name": "async", "train.steps": 10, "cluster.servers": 1,
                               "cluster.timeout_s": SCRIPT_TIMEOUT_S, "cluster.heartbeat_timeout_s": 2.0})
     with pytest.raises(LaunchError, match="worker-1's script exited with code -9"):   # (the job itself ended)
-        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path), str(tmp_path)])
+        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=150, script=[str(path), str(tmp_path)])
     with open(tmp_path / "out" / "summary.json") as f:
         summary = json.load(f)
     assert summary["failures"]["workers_lost"] == 1
@@ -656,7 +656,7 @@ def test_a_restarted_script_that_fails_before_joining_does_not_stop_a_job_under_
     cfg = Config().replace(**{**SMALL, "mode.name": "async", "train.steps": 10, "cluster.servers": 1,
                               "cluster.timeout_s": SCRIPT_TIMEOUT_S, "cluster.heartbeat_timeout_s": 2.0})
     with pytest.raises(LaunchError) as e:
-        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240, script=[str(path), str(tmp_path)],
+        run_local(cfg, str(tmp_path / "out"), quiet=True, timeout_s=150, script=[str(path), str(tmp_path)],
                   restart_workers=True)
     assert (tmp_path / "killed-failed").exists()
     assert "before joining the job" not in str(e.value) and "(the job itself ended" in str(e.value), str(e.value)

@@ -141,6 +141,7 @@ def _reap() -> None:
 
 def _fork(req: dict) -> int:
     server = os.getpid()
+    inherited = _mp_temp_dir()
     pid = os.fork()
     if pid:
         return pid
@@ -164,29 +165,30 @@ def _fork(req: dict) -> int:
         # exit code stands. So here, for a child that did not get that far.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         with contextlib.suppress(Exception):
-            _end_multiprocessing()
+            _remove_mp_temp_dir(inherited)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
 
 
-def _end_multiprocessing() -> None:
-    """What the interpreter's exit does for multiprocessing, which os._exit skips, with a
-    bound on each wait: its processes (a DataLoader's, `data.loader_workers`) ended, and
-    its finalizers run, which remove its temp folder: every daemon of a job with loader
-    processes left one in /tmp (`pymp-*`, a socket listener's). (Finalizers of the fork
-    server's own are not run: each is its creator's process's only.)"""
-    util = sys.modules.get("multiprocessing.util")
-    if util is None:
-        return
-    import multiprocessing
-    for p in multiprocessing.active_children():
-        if p.daemon:
-            p.terminate()
-    for p in multiprocessing.active_children():
-        p.join(5)
-    util._run_finalizers()
+def _mp_temp_dir() -> str | None:
+    """This process's multiprocessing temp folder (`pymp-*`), if it made or inherited one."""
+    if "multiprocessing.util" not in sys.modules:
+        return None
+    import multiprocessing.process
+    return multiprocessing.process.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+
+
+def _remove_mp_temp_dir(inherited: str | None) -> None:
+    """Remove the multiprocessing temp folder this process made (not one `inherited`
+    from the fork server), which the interpreter's exit would remove and os._exit does
+    not: every daemon of a job with loader processes (`data.loader_workers`) left one in
+    /tmp (`pymp-*`, a socket listener's)."""
+    folder = _mp_temp_dir()
+    if folder and folder != inherited:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _child(argv: list[str], env: dict, log_path: str | None, cwd: str | None = None) -> int:

@@ -418,8 +418,13 @@ def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_
     from tests.conftest import free_port_block
     cfg = load(None, [f"cluster.port={free_port_block(4)}", f"data.name={FACTORY}", "data.classes=10",
                       "data.loader_workers=1", "train.steps=150", "cluster.servers=1"], env={})
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))   # the daemons' (their loader processes' folders)
+    import shutil
+    import tempfile
+    from pathlib import Path
+    # the daemons' temp folder (their loader processes' `pymp-*`): a short path, as a socket's path in it
+    # must fit in 108 bytes (under pytest-xdist's tmp_path, the job's loader processes waited for good)
+    temp = Path(tempfile.mkdtemp(prefix="psgd-t", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(temp))
     job = LocalJob(cfg, str(tmp_path / "out"), quiet=True, timeout_s=240)
     peaks: dict[str, float] = {}
     try:
@@ -435,14 +440,15 @@ def test_a_job_trains_on_a_million_samples_made_on_demand_in_bounded_memory(tmp_
         summary = job.wait()
     finally:
         job.stop()
+        left = [p.name for p in temp.iterdir() if p.name.startswith("pymp-")]
+        shutil.rmtree(temp, ignore_errors=True)
     # 1,000,000 samples of 3 x 32 x 32 float32 are 12 GB: a worker that held its half
     # would need 6 GB. Each holds its partition's indices and the batches in flight.
     assert set(peaks) == {"worker-0", "worker-1"} and max(peaks.values()) < 1024, peaks
     print(f"workers' peak memory: {peaks} MB")
     assert summary["samples"] == 2 * 150 * 32 and summary["final_accuracy"] >= 0.8, summary
     assert os.path.exists(tmp_path / "out" / "model.pt")
-    # each daemon with loader processes left its multiprocessing folder (/tmp/pymp-*): they end in os._exit
-    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("pymp-")]
+    assert not left   # each daemon with loader processes left its multiprocessing folder: they end in os._exit
 
 
 def late_label_7_in_training():   # item 5's training label is 7 (data.classes = 3); the test set is fine

@@ -192,6 +192,7 @@ class Replica:
         self._shards_of: list[tuple[int, ...]] = []   # per trainable parameter, the shards it lies in (`hook_backward`)
         self._times: list[int] = []      # per trainable parameter, its hook's calls in this backward
         self._learned: list[int] | None = None   # its hook's calls in the first armed backward (`disarm`)
+        self._need: list[float] = []     # per shard, its parameters' learned calls (inf: never from a hook)
         self._left: list[float] = []     # per shard, its parameters' hook calls still to come in this backward
         self._sent: list[bool] = []      # per shard, whether `ready` was called for it in this backward
         self._again: str = ""            # a parameter whose hook ran past its learned calls after its push left
@@ -294,14 +295,7 @@ class Replica:
         self._times[:] = [0] * len(self._times)
         self._sent = [False] * self.n
         self._again = ""
-        learned = self._learned
-        if learned is not None:
-            # a shard's hook calls as learned; never from a hook (inf) with a parameter that got none then
-            left = [0.0] * self.n
-            for k, shards in enumerate(self._shards_of):
-                for i in shards:
-                    left[i] += learned[k] if learned[k] else math.inf
-            self._left = [x if x else math.inf for x in left]
+        self._left = list(self._need)
         self._ready = ready
 
     def disarm(self) -> list[int]:
@@ -310,12 +304,22 @@ class Replica:
         shard's push had left (it left with part of the gradient)."""
         self._ready = None
         if self._learned is None:
-            self._learned = list(self._times)
+            self._learn(list(self._times))
         if self._again:
             raise OverlapUnsafe(f"wire.overlap: {self._again}'s gradient was accumulated more often in this backward "
                                 f"than in the first, after its shard's push had left with part of it (a model whose "
                                 f"graph changes from step to step); train this model with wire.overlap = false")
         return [i for i in range(self.n) if not self._sent[i]]
+
+    def _learn(self, learned: list[int]) -> None:
+        """Keep each parameter's hook calls in a backward, and each shard's total of them:
+        never from a hook (inf) for a shard with a parameter that got none, or with none."""
+        self._learned = learned
+        need = [0.0] * self.n
+        for k, shards in enumerate(self._shards_of):
+            for i in shards:
+                need[i] += learned[k] if learned[k] else math.inf
+        self._need = [x if x else math.inf for x in need]
 
     def clear_grads(self, slot: int = 0) -> None:
         """Before a step's backward: its gradients go into slot `slot`'s tables, zeroed

@@ -85,6 +85,7 @@ os.environ[SESSION_MARK] = f"{os.getpid()}-{random.getrandbits(64):x}"
 
 def marked_processes() -> set[int]:
     """The live processes, other than this one, whose environment holds this session's mark."""
+    from psgd.metrics import proc_stat
     mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
     out = set()
     for name in os.listdir("/proc"):
@@ -94,12 +95,11 @@ def marked_processes() -> set[int]:
             with open(f"/proc/{name}/environ", "rb") as f:
                 if mark not in f.read().split(b"\0"):
                     continue
-            with open(f"/proc/{name}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
         except OSError:   # (gone, or another user's)
             continue
-        out.add(int(name))
+        stat = proc_stat(name)
+        if stat is not None and stat[0] != "Z":
+            out.add(int(name))
     return out
 
 

@@ -120,7 +120,7 @@ class Counts:
 
     def add(self, t: float, samples: int) -> None:
         p = self.points
-        p.append((t, samples))
+        p.append((max(t, p[-1][0]) if p else t, samples))   # (a count said to be older than the last: at it)
         if len(p) >= 4 and p[-3][0] - p[-4][0] < self.spacing:
             del p[-3]   # thinned once it is no longer among the latest three
         while len(p) > 2 and p[1][0] <= t - self.window_s:
@@ -212,8 +212,13 @@ class SamplesAt:
                 self.known += m.counts.at(t)
 
     def beat(self, rank: int, now: float, samples: int) -> None:
-        """Rank's count at `now`, its first heartbeat (or its finish) after `t`."""
+        """Rank's count at `now`, its first heartbeat (or its finish) after `t`; a count
+        from before `t` (a beat that carries an earlier one: `CoordinatorLink.beat_soon`)
+        is its latest before `t`, and the wait goes on."""
         if rank in self.waiting:
+            if now <= self.t:
+                self.waiting[rank] = max(self.waiting[rank], (now, samples))
+                return
             t0, s0 = self.waiting.pop(rank)
             self.known += s0 + (samples - s0) * min(1.0, (self.t - t0) / (now - t0)) if now > t0 else s0
 
@@ -321,14 +326,15 @@ class Membership:
         return min(clocks) if clocks else default
 
     def beat(self, rank: int, now: float, clock: int | None = None, stats: dict | None = None,
-             logged: dict | None = None) -> bool:
+             logged: dict | None = None, counted: float | None = None) -> bool:
         """A heartbeat; False if the rank is unknown or was dropped (it must rejoin).
-        `logged`: its earlier processes' counters from their step lines (`Member.credit`)."""
+        `logged`: its earlier processes' counters from their step lines (`Member.credit`);
+        `counted`: when its counters were read, if before `now` (`CoordinatorLink.beat_soon`)."""
         m = self.members.get(rank)
         if m is None or m.state == "lost":
             return False
         if (stats or logged) and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
-            m.heard(now, stats, logged)
+            m.heard(now if counted is None else counted, stats, logged)
         m.last_seen = now
         if clock is not None:
             m.clock = max(m.clock, clock)
@@ -444,6 +450,7 @@ class CoordinatorLink:
         self.rank = index
         self._stop = threading.Event()
         self._wake = threading.Event()   # a beat now, not at the next period (`beat_soon`)
+        self._soon: tuple[float, dict] | None = None   # `beat_soon`'s fields and when they were read
         self._thread: threading.Thread | None = None
         self._calls: Peers | None = None  # one socket for `call`, opened on first use
         self.unanswered = ""              # the last `call`'s PeerTimeout, until one is answered
@@ -567,8 +574,10 @@ class CoordinatorLink:
             while not self._stop.is_set():
                 try:
                     sent = self._registrations
+                    soon, self._soon = self._soon, None
+                    fields = self._beat() if soon is None else {**soon[1], "age_s": time.monotonic() - soon[0]}
                     self._apply_since(peers.call(0, "heartbeat", beat_answer_s(self.cfg), cancel=self._stop.is_set,
-                                                 **self._beat()), sent)   # (stop() ends the wait for its answer)
+                                                 **fields), sent)   # (stop() ends the wait for its answer)
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError) as e:
@@ -615,7 +624,11 @@ class CoordinatorLink:
     def beat_soon(self) -> None:
         """A heartbeat now from the heartbeat thread, without waiting for it: a worker
         that begins stepping says so (its count then is where the evaluator's scores'
-        samples are counted from, `SamplesAt`; the beat before may be a period earlier)."""
+        samples are counted from, `SamplesAt`; the beat before may be a period earlier).
+        Its counters are read now, and the beat says how long before its sending
+        (`age_s`): a heartbeat thread that came to it after the first steps (a busy
+        machine) carried their samples, and a score read before them counted some."""
+        self._soon = (time.monotonic(), self._beat())
         self._wake.set()
 
     def leave(self, reason: str) -> None:

@@ -471,12 +471,15 @@ class Coordinator:
                                                    "abort": self._taken_over(msg.rank)}))]
             self._within_job(msg.clock)
             logged = checked_stats(msg.get("logged") or {})
-            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats, logged)
+            age = float(msg.get("age_s", 0.0))   # its counters' age (`beat_soon`): up to a beat's wait for its answer
+            counted = now - min(age, beat_answer_s(self.cfg)) if age > 0 else now   # (NaN: not > 0)
+            rejoin = not self.members.beat(msg.rank, now, msg.clock if msg.clock >= 0 else None, stats, logged,
+                                           counted)
             if not rejoin:
                 self._credit_staleness(msg.rank, logged)
                 self.awaited.discard(msg.rank)   # heard since a restart: lost again, it was not stopped with it
             if self.counting and not rejoin:
-                self._count(msg.rank, now)
+                self._count(msg.rank, counted)
             leaving = (msg.get("leaving") or "")[:1000]   # (a peer's text: bounded once, kept and logged so)
             if leaving and self.members.leaving(msg.rank, leaving):
                 log("coordinator", f"worker {msg.rank} gave up, leaving its share unfinished: {self._left(msg.rank)}")

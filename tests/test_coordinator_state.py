@@ -847,6 +847,40 @@ def test_a_slow_scores_samples_are_the_count_at_its_read_not_at_its_arrival(monk
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+def test_a_beats_counters_read_before_it_was_sent_count_at_their_reading(monkeypatch):
+    """A worker's beat as it begins stepping reads its counters then and is sent by the
+    heartbeat thread (`beat_soon`), which on a busy machine comes to it late: the beat
+    says how late (`age_s`), and its count is put at its reading, before a score's read
+    if it was (the score waits on for a beat after its read), never past the last count
+    or more than a beat's wait for its answer back."""
+    c, serve, clock = on_a_test_clock(monkeypatch)
+    serve("register", role="worker", want_rank=0, nonce="w0")
+    serve("register", role="worker", want_rank=1, nonce="w1")
+    t0 = clock[0]
+    for r in range(2):
+        serve("heartbeat", rank=r, clock=0, role="worker", index=r, stats={"samples": 0}, live_id="")
+    clock[0] += 0.5
+    serve("eval", accuracy=0.1, loss=2.0, age_s=0.0)              # the model read at 0.5 s
+    clock[0] += 0.5
+    for r in range(2):   # begun stepping at 0.2 s (0 samples), sent at 1.0 s
+        serve("heartbeat", rank=r, clock=0, role="worker", index=r, stats={"samples": 0}, live_id="", age_s=0.8)
+    assert c.counting and set(c.counting[0][1].waiting) == {0, 1}   # both counts are from before the read
+    clock[0] += 1.0
+    for r in range(2):   # 2.0 s: 320 samples each, 1.8 s after they began: 0.3 s of them by the read
+        serve("heartbeat", rank=r, clock=10, role="worker", index=r, stats={"samples": 320}, live_id="")
+    assert not c.counting and c.evals[-1]["samples"] == round(2 * 320 * 0.3 / 1.8)
+    points = c.members.members[0].counts.points
+    assert [(round(t - t0, 6), n) for t, n in points] == [(0.0, 0), (0.2, 0), (2.0, 320)]
+    clock[0] += 1.0
+    serve("heartbeat", rank=0, clock=15, role="worker", index=0, stats={"samples": 480}, live_id="", age_s=1e9)
+    serve("heartbeat", rank=1, clock=15, role="worker", index=1, stats={"samples": 480}, live_id="",
+          age_s=float("nan"))
+    assert [round(t - t0, 6) for t, _ in c.members.members[0].counts.points][-1] == 2.0   # (not before the last)
+    assert [round(t - t0, 6) for t, _ in c.members.members[1].counts.points][-1] == 3.0   # (NaN: now)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_a_workers_counts_cover_the_window_in_bounded_memory():
     """The counts kept for a score's samples (`Counts`) go back at least the window
     (cluster.timeout_s) and stay a few dozen points however long the job runs."""

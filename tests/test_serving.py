@@ -969,7 +969,9 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
     the initial values and its next one, after steps began, put the untrained model's
     score at 584 and 1,175 samples in 2-worker runs whose step lines had none yet. A
     worker beats when it begins stepping. Here the initial values take 1 s to come, and
-    its heartbeats are 3 s apart."""
+    its heartbeats are 3 s apart. And its heartbeat thread comes to that beat 0.5 s late
+    (a busy machine: under pytest -n 2 a score read 0.08 s in counted 2 samples): the
+    beat carried the samples of its first steps, now their count when it began."""
     import json
 
     from psgd.workers.evaluator import Evaluator
@@ -977,12 +979,25 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
     cfg = config(**{"cluster.servers": 1, "cluster.evaluator": True, "cluster.timeout_s": 30,
                     "cluster.heartbeat_s": 3.0, "cluster.heartbeat_timeout_s": 20.0,
                     "train.steps": 0, "train.seconds": 1.5, "eval.every_seconds": 0.1})
-    real = ParameterClient.init
+    real, real_start = ParameterClient.init, CoordinatorLink.start
 
     def slow_init(self, tables):
         time.sleep(1.0)
         return real(self, tables)
+
+    class LateWake(threading.Event):
+        def wait(self, timeout=None):
+            woken = super().wait(timeout)
+            if woken:
+                time.sleep(0.5)
+            return woken
+
+    def late_start(self):
+        if self.role == "worker":
+            self._wake = LateWake()
+        real_start(self)
     monkeypatch.setattr(ParameterClient, "init", slow_init)
+    monkeypatch.setattr(CoordinatorLink, "start", late_start)
     codes: dict[str, int] = {}
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
         ev = threading.Thread(target=lambda: codes.__setitem__("evaluator", Evaluator(cfg, str(tmp_path), "cpu").run()))

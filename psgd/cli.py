@@ -401,6 +401,8 @@ def cmd_run(args) -> int:
     if not saved:
         print(f"psgd run: warning: no final model was saved ({model}: "
               + ("the job ran no evaluator, which saves it)" if not script and not cfg.cluster.evaluator else
+                 "the evaluator saves it with the final evaluation, which did not come: the coordinator's "
+                 "lines say why)" if not script and s.get("final_eval_missing") else
                  f"{'rank 0' if script else 'the evaluator'} did not write it; {out}/logs/"
                  f"{'worker-0' if script else 'evaluator-0'}.log says why)"), file=sys.stderr)
     return 0

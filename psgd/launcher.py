@@ -18,8 +18,9 @@ that exits before the job begins training (a training script; psgd's own worker
 with an error, not restarted) stops the job at once, with its log; once the job has
 ended, the scripts' work after close() is waited for (up to --timeout), and one that
 exits with a code other than 0 fails the run. Every child is stopped on the way out,
-whatever happens: SIGTERM, then SIGKILL STOP_S later, or, for a shard writing its
-checkpoint at exit, once it is written (SAVING_S at most). After a Ctrl-C the training
+whatever happens: SIGTERM (and SIGCONT, which a stopped one needs to take it), then SIGKILL
+STOP_S later, or, for a shard writing its checkpoint at exit, once it is written (SAVING_S
+at most). After a Ctrl-C the training
 scripts, which had it too, are first given SCRIPT_LEAVE_S to exit by themselves.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
@@ -56,7 +57,7 @@ from . import forkserver
 from .config import AUTO_SPIN_US, CPU_ENV, SET_CHECKED_ENV, Config, ConfigError, anchored, in_psgd_format, tcp_parts
 from .log import log
 from .membership import JOB_TOKEN_ENV
-from .metrics import EXIT_CANNOT_WRITE, pid_path, write_text_atomic
+from .metrics import EXIT_CANNOT_WRITE, pid_path, proc_stat, write_text_atomic
 from .transport import EXIT_ADDRESS_IN_USE, raise_fd_limit
 
 MAX_RESTARTS = 5  # per child; past that the job fails instead of looping
@@ -1042,7 +1043,7 @@ class LocalJob:
             time.sleep(0.1)
         grace = time.monotonic() + 10
         for child in self.children[1:]:
-            while child.poll() is None and time.monotonic() < grace:
+            while child.poll() is None and time.monotonic() < grace and not _stopped(child):
                 time.sleep(0.05)
         if self.quiet:
             self._say_warnings(coord)
@@ -1229,6 +1230,9 @@ class LocalJob:
         for child in children:
             if child.proc and child.proc.poll() is None:
                 child.proc.terminate()
+                # (one stopped, SIGSTOP, takes the SIGTERM so, as after a shell's kill: it was killed, a
+                # shard's checkpoint unwritten)
+                child.proc.send_signal(signal.SIGCONT)
         start = time.monotonic()
         for child in children:
             if child.proc and not self._exits_by(child, start + self.stop_s):
@@ -1463,6 +1467,13 @@ def run_local(cfg: Config, out: str, **kw) -> dict:
         if isinstance(end, KeyboardInterrupt):
             end.ended = _ended(job, end)  # type: ignore[attr-defined]
     return summary
+
+
+def _stopped(child: Child) -> bool:
+    """Whether the child's process is stopped (SIGSTOP: state T; t, traced): it will not exit
+    by itself (`_stop_children` wakes it with its SIGTERM)."""
+    stat = proc_stat(child.proc.pid) if child.proc else None
+    return stat is not None and stat[0] in "Tt"
 
 
 def _ended(job: LocalJob, end: dict | BaseException | None) -> dict | LaunchError | None:

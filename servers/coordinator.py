@@ -26,7 +26,8 @@ file counts (`_save_state`). Heartbeats
 carry each daemon's cumulative counters and get the live set back. When no worker is
 live any more (each finished or lost; a training script's rank 0 holding the end has
 released it or its hold ran out), the evaluator, if the job has one, is asked for a final score (phase
-`final_eval`, waited for up to cluster.timeout_s); then summary.json is written, every
+`final_eval`, waited for up to cluster.timeout_s, or cluster.heartbeat_timeout_s after the
+evaluator's last heartbeat); then summary.json is written, every
 daemon is told `done` (its heartbeats are answered until each has heard it, or
 `linger_s`), and it exits.
 
@@ -193,6 +194,7 @@ class Coordinator:
         self.server_joins: dict[int, int] = {}
         self.server_seen: dict[int, float] = {}   # shard -> its last heartbeat (monotonic): `shards` in the view
         self.evaluator_seen = 0.0
+        self.evaluator_lost = False   # given up in final_eval, silent for cluster.heartbeat_timeout_s
         # A script's job runs no evaluator (none can build the script's model), whatever
         # cluster.evaluator says: one started by hand need not set it to false.
         self.has_evaluator = cfg.cluster.evaluator and cfg.model.name != layouts.SCRIPT_MODEL
@@ -696,6 +698,7 @@ class Coordinator:
             # is alive is judged on heartbeats it could have read, not on the stall.
             self.members.excuse(stalled, now)
             self.server_seen = {i: min(t + stalled, now) for i, t in self.server_seen.items()}
+            self.evaluator_seen = min(self.evaluator_seen + stalled, now) if self.evaluator_seen else 0.0
         if self.phase == "training" and now - self._checked >= CHECK_EVERY_S:
             self._checked = now
             aborted = self.abort
@@ -753,6 +756,14 @@ class Coordinator:
                     self._settle(now)
         elif self.phase == "final_eval" and now > self.final_deadline:
             log("coordinator", "no final evaluation arrived in time; writing the summary without it")
+            self._settle(now)
+        elif self.phase == "final_eval" and self.evaluator_seen and \
+                now - self.evaluator_seen > self.cfg.cluster.heartbeat_timeout_s:
+            # (as a worker is dropped: a stopped evaluator held the job's end for cluster.timeout_s)
+            log("coordinator", f"the evaluator has not heartbeated for {now - self.evaluator_seen:.1f} s "
+                f"(cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s:g}): stopped, or cut off "
+                f"from here; writing the summary without a final evaluation")
+            self.evaluator_lost = True   # (nor is it waited for to hear `done`: `_lingered`)
             self._settle(now)
         elif self.phase == "settling":
             self._settle(now)
@@ -928,13 +939,13 @@ class Coordinator:
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
-        job's shards, its evaluator (if any), every worker still live (an aborted job's
-        worker blocked at a barrier learns of the end only so; finished and lost ones need
-        not), and a finished worker that holds the job's end (rank 0 of a script waiting
+        job's shards, its evaluator (if any, and not given up for its silence), every worker
+        still live (an aborted job's worker blocked at a barrier learns of the end only so;
+        finished and lost ones need not), and a finished worker that holds the job's end (rank 0 of a script waiting
         to read the final model: an abort, which ends the job through its hold, reaches
         it only so)."""
         daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
-        if self.has_evaluator:
+        if self.has_evaluator and not self.evaluator_lost:
             daemons.add(("evaluator", 0))
         workers = {who for role, who in self.told_done if role == "worker"}
         live = set(self.members.live()) | ({self.holder} if self.holder is not None else set())

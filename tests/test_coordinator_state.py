@@ -986,6 +986,36 @@ def test_a_summary_without_the_final_evaluation_says_so_not_a_score_from_trainin
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("beating", [False, True])
+def test_the_final_evaluation_is_not_waited_for_from_an_evaluator_that_stopped_heartbeating(beating):
+    """A helper's review: an evaluator stopped (SIGSTOP) during training held the job's end
+    for cluster.timeout_s, waiting for a final score it could not send (41 s in its run).
+    Its heartbeats stopped with it: after cluster.heartbeat_timeout_s without one, the
+    summary is written without the final score, as a silent worker is dropped. One that
+    heartbeats (scoring a large model) is waited for, and a stall of the coordinator's own
+    loop (its evaluator's beats waiting in the socket) is excused."""
+    from tests.conftest import ask, hand_served
+    with closed_after(hand_served(workers=1, **{"cluster.evaluator": True, "cluster.timeout_s": 60.0,
+                                                "cluster.heartbeat_s": 0.5, "cluster.heartbeat_timeout_s": 2.0})) as c:
+        assert ask(c, "register", role="evaluator").op == "reply"
+        t = c.evaluator_seen
+        ask(c, "finish", rank=0, clock=10, stats={"samples": 320, "elapsed_s": 1.0, "wait_s": 0.1})
+        for i in range(1, 16):    # 3 s in ticks of 0.2 s
+            if beating:
+                c.evaluator_seen = t + i * 0.2
+            c._tick(t + i * 0.2)
+            assert (c.summary is None) == (beating or i * 0.2 <= 2.0), (i, c.phase)
+        if beating:
+            c._tick(t + 3.0 + 5.0)   # the loop stalled 5 s: excused
+            assert c.summary is None and c.phase == "final_eval"
+            for i in range(1, 12):   # then no beat for 2.2 s
+                c._tick(t + 8.0 + i * 0.2)
+            assert c.summary is not None
+        assert c.summary["final_eval_missing"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_status_shows_a_score_whose_loss_was_not_finite_after_a_coordinator_restart(tmp_path):
     """A review: a score's loss that was not finite (a diverged model, a script's
     report(loss=nan)) is null in the state file; a coordinator restarted from it answers

@@ -356,13 +356,19 @@ def test_kill_9_a_shard_without_a_checkpoint_takes_a_workers_copy(tmp_path):
     assert s["final_accuracy"] >= 0.97, s   # 0.944 without the copy
 
 
+# the heartbeat timeout of a job whose evaluator a test holds stopped (`kill_a_shard_after_training`)
+HOLDS_THE_EVALUATOR = ["cluster.heartbeat_timeout_s=15"]
+
+
 def kill_a_shard_after_training(j: LocalJob, during=None, before_kill=None) -> dict:
     """Run the job and kill -9 server-1 after every worker has finished, before the final
     evaluation: the evaluator is stopped (SIGSTOP) near the end of training and let go
     once the shard is killed. `during()` runs a third of the way through training,
     `before_kill()` just before the kill, once server-1's checkpoint is there (waited for
     up to 10 s: before the fix none came). Returns the summary, with `launch_error`, the
-    one line of an aborted job."""
+    one line of an aborted job. (The job's heartbeat timeout must outlast the stop: an
+    evaluator silent for that long in the final evaluation is given up.)"""
+    assert j.cfg.cluster.heartbeat_timeout_s >= 15
     evaluator = None
     try:
         j.start()
@@ -406,7 +412,7 @@ def test_a_shard_killed_during_the_final_evaluation_resumes_the_final_tables(tmp
     score and no model.pt, exit 0), and the final model mixed its older tables with the
     other shard's final ones. Each shard now checkpoints as training ends."""
     j = job(tmp_path, "mode.name=ssp", "train.steps=300", "checkpoint.every_s=0", "faults.step_delay_s=0.004",
-            "cluster.timeout_s=20")
+            "cluster.timeout_s=20", *HOLDS_THE_EVALUATOR)
     s = kill_a_shard_after_training(j)
     assert "aborted" not in s and "launch_error" not in s, s
     assert s["failures"]["shard_restarts"] == 1, s["failures"]
@@ -428,7 +434,7 @@ def test_a_shard_back_without_the_final_tables_ends_the_job_without_a_mixed_mode
     saying why, with no final score and no model.pt (one was saved that mixed the
     shards' versions, and nothing said so)."""
     j = job(tmp_path, "mode.name=ssp", "train.steps=300", "checkpoint.every_s=0.2", "faults.step_delay_s=0.004",
-            "cluster.timeout_s=20")
+            "cluster.timeout_s=20", *HOLDS_THE_EVALUATOR)
     ckpt, older = os.path.join(j.out, "checkpoints", "shard-1.pt"), str(tmp_path / "older.pt")
 
     def keep_an_older_one():
@@ -444,6 +450,39 @@ def test_a_shard_back_without_the_final_tables_ends_the_job_without_a_mixed_mode
     assert s["final_accuracy"] is None and not any(e.get("final") for e in s["evals"]), s["evals"]
     assert not os.path.exists(os.path.join(j.out, "model.pt"))
     assert "restarted after training ended without its final tables" in log_tail(j.out, "server-1")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_job_whose_evaluator_is_stopped_ends_without_its_final_score_and_wakes_it_to_exit(tmp_path, capfd):
+    """A helper's review: an evaluator stopped (SIGSTOP) during training held the job's
+    end: the coordinator waited cluster.timeout_s for its final score, then linger_s for it
+    to hear `done`, psgd run 10 s for it to exit, and 5 s more after its SIGTERM, which a
+    stopped process does not take, before a SIGKILL. The coordinator gives it up after
+    cluster.heartbeat_timeout_s of silence, as it drops a worker; psgd run does not wait
+    for a stopped process to exit, and wakes it (SIGCONT) with its SIGTERM."""
+    j = job(tmp_path, "mode.name=sync", "train.steps=300", "faults.step_delay_s=0.004", "cluster.timeout_s=60")
+    evaluator = None
+    try:
+        j.start()
+        wait_for_steps(j, 0, 30)
+        evaluator = child(j, "evaluator-0").proc
+        evaluator.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        s = j.wait()
+        waited = time.monotonic() - stopped
+        j.stop()
+        code = evaluator.poll()
+    finally:
+        if evaluator is not None:
+            with contextlib.suppress(OSError):
+                evaluator.send_signal(signal.SIGCONT)
+        j.stop()
+    assert s["final_eval_missing"] and s["final_accuracy"] is None, s
+    said = log_tail(j.out, "coordinator-0")
+    assert "the evaluator has not heartbeated for" in said and "no final evaluation arrived in time" not in said, said
+    assert waited < j.cfg.cluster.timeout_s, waited   # (it was over 60 s + 8 s + 10 s)
+    assert "killed (SIGKILL)" not in capfd.readouterr().err and code is not None and code != -signal.SIGKILL, code
 
 
 @pytest.mark.processes

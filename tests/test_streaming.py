@@ -314,9 +314,12 @@ def unreadable_later():
     return Flawed(60, raises=5), Items(30)
 
 
-@pytest.mark.unit
+# (a loader process is a process: that case is not a unit test)
+BY_LOADER = [pytest.param(0, marks=pytest.mark.unit), pytest.param(1, marks=pytest.mark.processes)]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("loader_workers", [0, 1])
+@pytest.mark.parametrize("loader_workers", BY_LOADER)
 def test_a_streamed_item_that_cannot_be_read_after_the_first_is_one_data_error_naming_it(loader_workers):
     """A review: an item whose __getitem__ raised (a file not found) or whose x had another
     shape (default_collate: "stack expects each tensor to be equal size") failed the worker
@@ -551,8 +554,7 @@ def ends_naming(tmp_path, factory: str, says: str, *sets: str) -> None:
         job.stop()
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("loader_workers", [0, 1])
+@pytest.mark.parametrize("loader_workers", BY_LOADER)
 def test_batches_sought_to_a_step_continue_where_drawing_that_many_would(loader_workers):
     """A resumed job's worker (and a restarted one) drew its rank's data from epoch 0's
     first batch again: the batches that `seek(steps)` leads to are those after `steps` drawn."""

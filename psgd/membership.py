@@ -333,7 +333,8 @@ class Membership:
         m = self.members.get(rank)
         if m is None or m.state == "lost":
             return False
-        if (stats or logged) and m.state != "finished":   # (a beat sent before its finish, come after it, is older)
+        # (a beat sent before its finish, come after it, is older; so are counters read before a count heard)
+        if (stats or logged) and m.state != "finished" and (counted is None or counted >= m.counts.last[0]):
             m.heard(now if counted is None else counted, stats, logged)
         m.last_seen = now
         if clock is not None:
@@ -574,10 +575,12 @@ class CoordinatorLink:
             while not self._stop.is_set():
                 try:
                     sent = self._registrations
-                    soon, self._soon = self._soon, None
+                    soon = self._soon
                     fields = self._beat() if soon is None else {**soon[1], "age_s": time.monotonic() - soon[0]}
                     self._apply_since(peers.call(0, "heartbeat", beat_answer_s(self.cfg), cancel=self._stop.is_set,
                                                  **fields), sent)   # (stop() ends the wait for its answer)
+                    if soon is self._soon:   # (sent: else the next beat sends it, older)
+                        self._soon = None
                     last_ok = time.monotonic()
                     self.lost, failed = False, ""   # a coordinator that comes back (restarted) is found again
                 except (PeerTimeout, wire.RemoteError) as e:

@@ -480,8 +480,8 @@ class Coordinator:
             if not rejoin:
                 self._credit_staleness(msg.rank, logged)
                 self.awaited.discard(msg.rank)   # heard since a restart: lost again, it was not stopped with it
-            if self.counting and not rejoin:
-                self._count(msg.rank, counted)
+            if self.counting and not rejoin:   # (its count's time: an older beat's is not taken, `Membership.beat`)
+                self._count(msg.rank, self.members.members[msg.rank].counts.last[0])
             leaving = (msg.get("leaving") or "")[:1000]   # (a peer's text: bounded once, kept and logged so)
             if leaving and self.members.leaving(msg.rank, leaving):
                 log("coordinator", f"worker {msg.rank} gave up, leaving its share unfinished: {self._left(msg.rank)}")

@@ -880,6 +880,20 @@ def test_a_beats_counters_read_before_it_was_sent_count_at_their_reading(monkeyp
 
 
 @pytest.mark.unit
+def test_counters_read_before_a_count_already_heard_are_not_taken():
+    """A review: a training script's own beat (`report`) may come before the heartbeat
+    thread's beat with the counters read as it began (`beat_soon`): those older counters
+    replaced the newer ones, and the counts went down."""
+    m = Membership(1, timeout_s=5.0)
+    m.join(0.0, 0)
+    m.beat(0, 1.0, 4, {"samples": 128})                       # the script's beat
+    assert m.beat(0, 1.2, 0, {"samples": 0}, counted=0.3)   # the older one: heard (live), not taken
+    assert m.members[0].samples() == 128 and m.members[0].counts.points[-1] == (1.0, 128)
+    m.beat(0, 1.5, 6, {"samples": 192}, counted=1.4)
+    assert m.members[0].counts.points[-1] == (1.4, 192)
+
+
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_workers_counts_cover_the_window_in_bounded_memory():
     """The counts kept for a score's samples (`Counts`) go back at least the window

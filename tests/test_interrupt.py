@@ -323,6 +323,9 @@ class Script:
     def terminate(self) -> None:
         pass
 
+    def send_signal(self, sig: int) -> None:
+        pass
+
     def wait(self, timeout: float | None = None) -> int | None:
         return self.code
 

@@ -392,6 +392,9 @@ def test_stopping_a_job_whose_daemon_never_reports_its_end_does_not_raise(tmp_pa
         def terminate(self):
             pass
 
+        def send_signal(self, sig):
+            pass
+
         def kill(self):
             pass
 

@@ -1016,6 +1016,79 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
     assert before and all(e["samples"] == 0 for e in before), (first_step - start, evals)
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_an_evaluator_still_loading_its_data_when_training_ends_gives_the_final_score(tmp_path, monkeypatch):
+    """A review: an evaluator registered, then loaded its data and built its model, and
+    only then began heartbeating; a coordinator gives up the final evaluation of an
+    evaluator silent for cluster.heartbeat_timeout_s, and did so here (a short job, a
+    slow data set), with the evaluator about to score. It heartbeats from its
+    registration."""
+    import psgd.workers.evaluator as evaluator_module
+    from psgd.workers.evaluator import Evaluator
+    from psgd.workers.worker import Worker
+    cfg = config(**{"cluster.servers": 1, "cluster.evaluator": True, "cluster.timeout_s": 30,
+                    "cluster.heartbeat_s": 0.2, "cluster.heartbeat_timeout_s": 1.0, "train.steps": 5})
+    real = evaluator_module.load_dataset
+    loading = threading.Event()
+
+    def slow_load(*args):
+        loading.set()
+        time.sleep(3.0)
+        return real(*args)
+    monkeypatch.setattr(evaluator_module, "load_dataset", slow_load)
+    codes: dict[str, int] = {}
+    with InProcessCluster(cfg, str(tmp_path)) as cluster:
+        ev = threading.Thread(target=lambda: codes.__setitem__("evaluator", Evaluator(cfg, str(tmp_path), "cpu").run()))
+        ev.start()
+        codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
+        assert loading.is_set()
+        ev.join(timeout=30)
+        assert codes == {"worker": 0, "evaluator": 0}
+        s = written_summary(cluster.coordinator)
+    assert not s.get("final_eval_missing") and s["final_accuracy"] is not None, s
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(30)
+def test_a_workers_beat_as_it_begins_is_sent_again_after_a_beat_that_failed(monkeypatch):
+    """A review: the counters read as a worker begins stepping (`beat_soon`) were dropped
+    when that beat went unanswered, and the next beat sent the counts of the steps since,
+    as if they had been done before it."""
+    import psgd.membership as membership
+    sent: list[dict] = []
+
+    class Coordinator:   # it misses the first beat
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def call(self, i, op, timeout, cancel=None, **fields):
+            sent.append(fields)
+            if len(sent) == 1:
+                raise PeerTimeout("no answer")
+            return wire.decode(wire.encode("reply", id=1, phase="training", done=False))
+
+        def reconnect(self, i):
+            pass
+
+        def close(self):
+            pass
+    monkeypatch.setattr(membership, "Peers", Coordinator)
+    link = CoordinatorLink(config(**{"cluster.heartbeat_s": 0.05, "cluster.heartbeat_timeout_s": 1.0}), "worker", 0)
+    samples = [0]
+    link.stats_fn = lambda: {"samples": samples[0]}
+    link.beat_soon()       # it begins stepping: 0 samples
+    samples[0] = 64        # two steps before its heartbeat thread comes to it
+    link.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(sent) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        link.stop()
+    assert [(f["stats"]["samples"], "age_s" in f) for f in sent[:3]] == [(0, True), (0, True), (64, False)], sent
+
+
 def test_a_shard_takes_an_ltfb_deposit_with_amsgrads_three_moments_and_the_buffers():
     """A review: a shard took messages of four tables at most (of its larger table's size),
     and an ltfb outcome's deposit holds the parameters, the buffers, the optimizer's state

@@ -64,13 +64,17 @@ class Evaluator:
         link = CoordinatorLink(self.cfg0, "evaluator", 0, self.ctx)
         answer = link.register()
         cfg = self.cfg = link.take_job_config(answer)
-        self.ds = load_dataset(cfg.data, cfg.job.seed)
-        model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed, cfg.model.hidden,
-                            check=True)
-        self.replica = Replica(model, cfg.cluster.servers, device, placement=cfg.placement)
-        self.client = ParameterClient(cfg, self.ctx, -1)
+        link.start()   # from its registration: a silent evaluator's final score is not waited for (the coordinator)
+        try:
+            self.ds = load_dataset(cfg.data, cfg.job.seed)
+            model = build_model(cfg.model.name, self.ds.input_shape, self.ds.num_classes, cfg.job.seed,
+                                cfg.model.hidden, check=True)
+            self.replica = Replica(model, cfg.cluster.servers, device, placement=cfg.placement)
+            self.client = ParameterClient(cfg, self.ctx, -1)
+        except BaseException:
+            link.close()
+            raise
         events = EventLog(self.out, "evaluator", 0)
-        link.start()
         next_at, said = time.monotonic(), False
         try:
             while not link.done:

@@ -196,8 +196,20 @@ def no_leaked_threads(request: pytest.FixtureRequest):
 
 def free_port_block(n: int) -> int:
     """A free block of n ports below the OS's ephemeral range, at random (why not in
-    it: psgd/launcher.py `pick_port`)."""
-    from psgd.launcher import ephemeral_ports, pick_port
+    it: psgd/launcher.py `pick_port`); under pytest-xdist in this worker's share of that
+    range (a block free when chosen was bound by another worker's test before this one's
+    bind, or held in TIME_WAIT by its job: `pytest -n 2`)."""
+    from psgd.launcher import ephemeral_ports, pick_port, ports_free
+    low, high = 10000, ephemeral_ports()[0] - n
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        share = (high - low) // count
+        low += int(worker[2:]) % count * share
+        high = low + share
+    for _ in range(100):
+        base = random.randrange(low, high)
+        if ports_free("127.0.0.1", base, n):
+            return base
     return pick_port("127.0.0.1", random.randrange(10000, ephemeral_ports()[0] - n), n)
 
 

@@ -973,9 +973,6 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
     (a busy machine: under pytest -n 2 a score read 0.08 s in counted 2 samples): the
     beat carried the samples of its first steps, now their count when it began."""
     import json
-
-    from psgd.workers.evaluator import Evaluator
-    from psgd.workers.worker import Worker
     cfg = config(**{"cluster.servers": 1, "cluster.evaluator": True, "cluster.timeout_s": 30,
                     "cluster.heartbeat_s": 3.0, "cluster.heartbeat_timeout_s": 20.0,
                     "train.steps": 0, "train.seconds": 1.5, "eval.every_seconds": 0.1})
@@ -998,13 +995,8 @@ def test_a_score_read_before_the_workers_first_step_counts_no_samples(tmp_path, 
         real_start(self)
     monkeypatch.setattr(ParameterClient, "init", slow_init)
     monkeypatch.setattr(CoordinatorLink, "start", late_start)
-    codes: dict[str, int] = {}
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
-        ev = threading.Thread(target=lambda: codes.__setitem__("evaluator", Evaluator(cfg, str(tmp_path), "cpu").run()))
-        ev.start()
-        codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
-        ev.join(timeout=60)
-        assert codes == {"worker": 0, "evaluator": 0}
+        assert worker_and_evaluator(cfg, str(tmp_path)) == {"worker": 0, "evaluator": 0}
         evals = written_summary(cluster.coordinator)["evals"]
 
     def lines(name: str) -> list[dict]:
@@ -1025,8 +1017,6 @@ def test_an_evaluator_still_loading_its_data_when_training_ends_gives_the_final_
     slow data set), with the evaluator about to score. It heartbeats from its
     registration."""
     import psgd.workers.evaluator as evaluator_module
-    from psgd.workers.evaluator import Evaluator
-    from psgd.workers.worker import Worker
     cfg = config(**{"cluster.servers": 1, "cluster.evaluator": True, "cluster.timeout_s": 30,
                     "cluster.heartbeat_s": 0.2, "cluster.heartbeat_timeout_s": 1.0, "train.steps": 5})
     real = evaluator_module.load_dataset
@@ -1037,14 +1027,9 @@ def test_an_evaluator_still_loading_its_data_when_training_ends_gives_the_final_
         time.sleep(3.0)
         return real(*args)
     monkeypatch.setattr(evaluator_module, "load_dataset", slow_load)
-    codes: dict[str, int] = {}
     with InProcessCluster(cfg, str(tmp_path)) as cluster:
-        ev = threading.Thread(target=lambda: codes.__setitem__("evaluator", Evaluator(cfg, str(tmp_path), "cpu").run()))
-        ev.start()
-        codes["worker"] = Worker(cfg, str(tmp_path), "cpu", want_rank=0).run()
+        assert worker_and_evaluator(cfg, str(tmp_path)) == {"worker": 0, "evaluator": 0}
         assert loading.is_set()
-        ev.join(timeout=30)
-        assert codes == {"worker": 0, "evaluator": 0}
         s = written_summary(cluster.coordinator)
     assert not s.get("final_eval_missing") and s["final_accuracy"] is not None, s
 

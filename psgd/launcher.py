@@ -20,8 +20,8 @@ ended, the scripts' work after close() is waited for (up to --timeout), and one 
 exits with a code other than 0 fails the run. Every child is stopped on the way out,
 whatever happens: SIGTERM (and SIGCONT, which a stopped one needs to take it), then SIGKILL
 STOP_S later, or, for a shard writing its checkpoint at exit, once it is written (SAVING_S
-at most). After a Ctrl-C the training
-scripts, which had it too, are first given SCRIPT_LEAVE_S to exit by themselves.
+at most). After a Ctrl-C the training scripts, which had it too, are first given
+SCRIPT_LEAVE_S to exit by themselves.
 
 Start-up: each child touches DIR/logs/<role>-<i>.started once its code is loaded
 (`--started-file`), and the launcher shows how many have ("started 3/7 processes"; the
@@ -1230,8 +1230,8 @@ class LocalJob:
         for child in children:
             if child.proc and child.proc.poll() is None:
                 child.proc.terminate()
-                # (one stopped, SIGSTOP, takes the SIGTERM so, as after a shell's kill: it was killed, a
-                # shard's checkpoint unwritten)
+                # (a stopped one, SIGSTOP, takes its SIGTERM so, as after a shell's kill: it was
+                # killed 5 s later, a shard's checkpoint unwritten)
                 child.proc.send_signal(signal.SIGCONT)
         start = time.monotonic()
         for child in children:

@@ -25,11 +25,11 @@ settled scores are appended once each to DIR/coordinator-scores.jsonl, which the
 file counts (`_save_state`). Heartbeats
 carry each daemon's cumulative counters and get the live set back. When no worker is
 live any more (each finished or lost; a training script's rank 0 holding the end has
-released it or its hold ran out), the evaluator, if the job has one, is asked for a final score (phase
-`final_eval`, waited for up to cluster.timeout_s, or cluster.heartbeat_timeout_s after the
-evaluator's last heartbeat); then summary.json is written, every
-daemon is told `done` (its heartbeats are answered until each has heard it, or
-`linger_s`), and it exits.
+released it or its hold ran out), the evaluator, if the job has one, is asked for a final
+score (phase `final_eval`, waited for up to cluster.timeout_s, and no longer than
+cluster.heartbeat_timeout_s after the evaluator's last heartbeat); then summary.json is
+written, every daemon is told `done` (its heartbeats are answered until each has heard it,
+or `linger_s`), and it exits.
 
 Start-up: `startup_s` in the `start` event and in summary.json is the time from
 `launched_at` (a time.time() value; counted on the monotonic clock from when this
@@ -941,9 +941,9 @@ class Coordinator:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
         job's shards, its evaluator (if any, and not given up for its silence), every worker
         still live (an aborted job's worker blocked at a barrier learns of the end only so;
-        finished and lost ones need not), and a finished worker that holds the job's end (rank 0 of a script waiting
-        to read the final model: an abort, which ends the job through its hold, reaches
-        it only so)."""
+        finished and lost ones need not), and a finished worker that holds the job's end
+        (rank 0 of a script waiting to read the final model: an abort, which ends the job
+        through its hold, reaches it only so)."""
         daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
         if self.has_evaluator and not self.evaluator_lost:
             daemons.add(("evaluator", 0))

@@ -151,3 +151,20 @@ def test_the_package_summary_names_every_mode():
     cfg.read(ROOT / "setup.cfg")
     named = re.findall(r"[a-z]+", cfg["metadata"]["description"].split(":", 1)[1])
     assert [n for n in named if n in NAMES] == list(NAMES)
+
+
+@pytest.mark.unit
+def test_ci_runs_the_readmes_test_command_with_what_it_needs():
+    """The brief: .ci/run runs the README's test command on a clean checkout. Both say
+    `pytest -n 2`, whose plug-in (pytest-xdist) the dev extras must install: a README
+    command changed alone, or an extra dropped, failed only on a fresh machine."""
+    readme = (ROOT / "README.md").read_text()
+    setup = (ROOT / "setup.cfg").read_text()
+    [test_command] = re.findall(r"^python3 -m venv \.venv && (.*-m pytest.*)$", readme, re.M)
+    install, run = test_command.split(" && ")
+    assert "'.[dev]'" in install and run.startswith(".venv/bin/python -m pytest")
+    assert run in (ROOT / ".ci" / "run").read_text().splitlines(), run
+    if " -n " in run:
+        cfg = configparser.ConfigParser()
+        cfg.read_string(setup)
+        assert re.search(r"^pytest-xdist\b", cfg["options.extras_require"]["dev"], re.M), "pytest-xdist"

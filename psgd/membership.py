@@ -120,7 +120,7 @@ class Counts:
 
     def add(self, t: float, samples: int) -> None:
         p = self.points
-        p.append((max(t, p[-1][0]) if p else t, samples))   # (a count said to be older than the last: at it)
+        p.append((t, samples))
         if len(p) >= 4 and p[-3][0] - p[-4][0] < self.spacing:
             del p[-3]   # thinned once it is no longer among the latest three
         while len(p) > 2 and p[1][0] <= t - self.window_s:

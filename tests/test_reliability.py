@@ -357,7 +357,8 @@ def test_kill_9_a_shard_without_a_checkpoint_takes_a_workers_copy(tmp_path):
 
 
 # the heartbeat timeout of a job whose evaluator a test holds stopped (`kill_a_shard_after_training`)
-HOLDS_THE_EVALUATOR = ["cluster.heartbeat_timeout_s=15"]
+HOLDS_THE_EVALUATOR_S = 15
+HOLDS_THE_EVALUATOR = [f"cluster.heartbeat_timeout_s={HOLDS_THE_EVALUATOR_S}"]
 
 
 def kill_a_shard_after_training(j: LocalJob, during=None, before_kill=None) -> dict:
@@ -368,7 +369,7 @@ def kill_a_shard_after_training(j: LocalJob, during=None, before_kill=None) -> d
     up to 10 s: before the fix none came). Returns the summary, with `launch_error`, the
     one line of an aborted job. (The job's heartbeat timeout must outlast the stop: an
     evaluator silent for that long in the final evaluation is given up.)"""
-    assert j.cfg.cluster.heartbeat_timeout_s >= 15
+    assert j.cfg.cluster.heartbeat_timeout_s >= HOLDS_THE_EVALUATOR_S
     evaluator = None
     try:
         j.start()
@@ -929,7 +930,8 @@ def test_a_worker_given_a_wrong_shard_address_exits_within_timeout_naming_it(tmp
     """A review: the same with a shard address nothing listens on (a typo in
     cluster.addresses, a firewall) while the shard heartbeats to the coordinator: the
     worker never trained, never said why, and never exited."""
-    port, wrong = free_port_block(2), free_port_block(1)
+    port = free_port_block(3)
+    wrong = port + 2   # (of the block: a second block's port could be the coordinator's, which answers)
     procs = []
     try:
         procs = one_shard_job(tmp_path, port, f"tcp://127.0.0.1:{wrong}")

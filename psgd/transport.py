@@ -118,6 +118,10 @@ FD_LIMIT = 1 << 16
 # A client's send on a same-host lane waits at most this long for room (its daemon is not
 # reading: stopped, or far behind); then the lane is closed and the request goes over ZeroMQ.
 LANE_SEND_S = 1.0
+# A client's request that its DEALER cannot queue (ZeroMQ's queue for the peer holds a
+# thousand unread ones, or the socket has no connection) waits at most this long for room
+# (`Peers.send`); then PeerTimeout.
+SEND_S = 5.0
 # A client tries to open a peer's lane at most this often (a daemon on another host, or
 # not up yet, has none: the attempt is one failed connect(2)).
 LANE_RETRY_S = 1.0
@@ -152,14 +156,19 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums
 _SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[Any], copy: bool) -> None:
-    """`sock.send_multipart(frames, copy=copy)` for wire.encode's frames (bytes and byte
-    views), without pyzmq's per-frame `zmq.SNDMORE | flags` (an enum made each frame)."""
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], copy: bool, flags: int = 0) -> None:
+    """`sock.send_multipart(frames, copy=copy, flags=flags)` for wire.encode's frames
+    (bytes and byte views), without pyzmq's per-frame `zmq.SNDMORE | flags` (an enum made
+    each frame). `flags` go with the first frame: with NOBLOCK, zmq.Again says that nothing
+    was queued (a message's later frames go where its first did, and are never refused)."""
     send = sock.send   # (looked up once: pyzmq's Socket has a Python `__getattr__`, which every lookup passes)
     last = len(frames) - 1
-    for k in range(last):
-        send(frames[k], _SNDMORE, copy=copy)
-    send(frames[last], 0, copy=copy)
+    if last:
+        send(frames[0], _SNDMORE | flags, copy=copy)
+        for k in range(1, last):
+            send(frames[k], _SNDMORE, copy=copy)
+        flags = 0
+    send(frames[last], flags, copy=copy)
 
 
 def recv_frames(sock: zmq.Socket, most: int = wire.MAX_FRAMES + 3) -> list:
@@ -535,8 +544,31 @@ class Peers:
                     return rid
                 except lanes.LaneError:
                     self._close_lane(i)   # (and the request goes over ZeroMQ)
-        send_frames(self.socks[i], frames, copy)
+        try:
+            send_frames(self.socks[i], frames, copy, _NOBLOCK)
+        except zmq.Again:
+            self._send_unqueued(i, op, frames, copy)
         return rid
+
+    def _send_unqueued(self, i: int, op: str, frames: list, copy: bool) -> None:
+        """Send a request that peer i's socket did not queue. ZeroMQ does not connect again
+        after a refused CurveZMQ handshake: the socket is left without a connection, and
+        a send on it blocked for good (a heartbeat thread, or a script's `finish`, after a
+        refusal). It goes on a fresh connection instead, whose refusal the next wait reads
+        (`HandshakeFailed`). Otherwise the queue is full (a peer that reads none of its
+        requests): up to SEND_S for room, then PeerTimeout."""
+        deadline = time.monotonic() + SEND_S
+        while True:
+            if self.refused(i):
+                self.reconnect(i)   # (its queue is empty: the send below takes the request)
+            try:
+                send_frames(self.socks[i], frames, copy, _NOBLOCK)
+                return
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(self.addresses[i], SEND_S, f"{op}: its request could not be queued") from None
+                self.socks[i].poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT)
 
     def _open_lane(self, i: int) -> lanes.Conn | None:
         """Peer i's lane, if it has one now (tried at most every LANE_RETRY_S)."""

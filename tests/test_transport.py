@@ -11,17 +11,24 @@ import zmq
 
 from psgd import transport, wire
 from psgd.config import SecurityConfig
-from psgd.transport import Peers, Service, readable
+from psgd.transport import HandshakeFailed, Peers, Service, readable
+from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.inprocess
 
 
 @contextmanager
-def answering(ctx: zmq.Context, answer=lambda msg: wire.reply(msg)) -> Iterator[str]:
-    """A server on a thread that answers `stats` at once (`answer`'s frames); its address."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+def answering(ctx: zmq.Context, answer=lambda msg: wire.reply(msg), security: SecurityConfig | None = None
+              ) -> Iterator[str]:
+    """A server on a thread that answers `stats` at once (`answer`'s frames); its address.
+    With `security`, it is a daemon's (`server_socket`: CurveZMQ and its authenticator)."""
+    if security is None:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    else:
+        address = f"tcp://127.0.0.1:{free_port_block(1)}"
+        sock = transport.server_socket(ctx, address, security)
     service = Service(sock, {"stats": lambda ident, msg: [(ident, answer(msg))]}, "test")
     stop = threading.Event()
     thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)], name="answering")
@@ -32,6 +39,8 @@ def answering(ctx: zmq.Context, answer=lambda msg: wire.reply(msg)) -> Iterator[
         stop.set()
         thread.join(10)
         sock.close(0)
+        if security is not None and security.curve:
+            transport.stop_auth(ctx)
 
 
 @pytest.mark.timeout(60)
@@ -95,12 +104,56 @@ def test_a_client_whose_connection_is_made_again_and_again_goes_on_talking(monke
         ctx.term()
 
 
+@pytest.mark.timeout(60)
+def test_a_client_refused_by_a_curve_server_is_refused_again_not_stuck_sending(tmp_path):
+    """ZeroMQ does not connect again after a refused CurveZMQ handshake: the socket is left
+    with no connection, and a send on it blocked for good (no send timeout). A heartbeat
+    thread or a script's `finish` that had been refused once hung at its next request.
+    Each request now fails again with the reason, whether or not a wait has read the
+    refusal before it."""
+    import os
+
+    from psgd.keys import make_keys
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    os.remove(os.path.join(keys, "authorized", "client.key"))   # the server knows no client
+    security = SecurityConfig(curve=True, keys=keys)
+    ctx = zmq.Context()
+    outcomes: list = []
+    with answering(ctx, security=security) as address:
+        peers = Peers(ctx, [address], security)
+
+        def requests() -> None:
+            try:
+                for _ in range(2):   # refused, which the wait reads; refused again
+                    try:
+                        peers.call(0, "stats", timeout=2)
+                    except HandshakeFailed as e:
+                        outcomes.append(e)
+                time.sleep(1)   # refused again: what no wait has read yet
+                peers.send(0, "stats")
+                peers.send(0, "stats")
+                outcomes.append("sent")
+            except zmq.ContextTerminated:   # (the test's end, below, of a send stuck for good)
+                outcomes.append("stuck")
+            finally:
+                peers.close()
+
+        asking = threading.Thread(target=requests)
+        asking.start()
+        asking.join(20)
+    ctx.term()   # (a stuck send ends with ContextTerminated, and its thread closes its socket)
+    asking.join(10)
+    assert outcomes[-1:] == ["sent"] and len(outcomes) == 3, outcomes
+    assert "authorized" in str(outcomes[1])
+
+
 def test_a_request_goes_as_wire_encode_makes_it(monkeypatch):
     """`Peers.send` takes the header's fields out of its keywords itself (not spread into
     `wire.encode`'s): the frames are what `wire.encode` makes of the same request."""
     import numpy as np
     sent: list = []
-    monkeypatch.setattr(transport, "send_frames", lambda sock, frames, copy: sent.append(frames))
+    monkeypatch.setattr(transport, "send_frames", lambda sock, frames, copy, flags=0: sent.append(frames))
     ctx = zmq.Context()
     peers = Peers(ctx, ["tcp://127.0.0.1:9"], SecurityConfig())
     try:

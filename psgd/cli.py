@@ -869,7 +869,21 @@ def _command(handler, args, env: dict[str, str]) -> int:
             _hung_up_terminal()   # a line to the terminal after it hung up (before, or without, its SIGHUP):
             return 128 + signal.SIGHUP   # saying so to it failed again (exit 1, a traceback)
         said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
+        if isinstance(e, OSError) and e.errno == errno.EMFILE:
+            return _out_of_descriptors(args.cmd)
         print(f"psgd {args.cmd}: error: {said}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         return interrupted_code(e)
+    except Exception as e:
+        if getattr(e, "errno", None) != errno.EMFILE:   # (ZeroMQ's, zmq.ZMQError, is no OSError)
+            raise
+        return _out_of_descriptors(args.cmd)
+
+
+def _out_of_descriptors(cmd: str) -> int:
+    """The one line for a process out of file descriptors (each connection and socket
+    takes some: a daemon raises its soft limit itself, up to the hard one); exit 1."""
+    from .metrics import fd_limit
+    print(f"psgd {cmd}: error: {os.strerror(errno.EMFILE)} ({fd_limit()}: raise it)", file=sys.stderr)
+    return 1

@@ -568,12 +568,14 @@ class CoordinatorLink:
         self._thread.start()
 
     def _run(self) -> None:
-        peers = Peers(self.ctx, [self.address], self.cfg.security)
-        last_ok = time.monotonic()
+        peers: Peers | None = None   # (made in the loop: one that cannot be made now, out of descriptors, is
+        last_ok = time.monotonic()   # made at a later beat; made before it, it ended the heartbeats)
         failed = ""   # the last failure logged (one line per kind, not one per beat)
         try:
             while not self._stop.is_set():
                 try:
+                    if peers is None:
+                        peers = Peers(self.ctx, [self.address], self.cfg.security)
                     sent = self._registrations
                     soon = self._soon
                     fields = self._beat() if soon is None else {**soon[1], "age_s": time.monotonic() - soon[0]}
@@ -589,6 +591,7 @@ class CoordinatorLink:
                         if why != failed:
                             log(f"{self.role}-{self.index}", f"a heartbeat was {why}; heartbeating on")
                             failed = why
+                    assert peers is not None   # (its call raised these)
                     try:
                         peers.reconnect(0)
                     except zmq.ZMQError:   # tried again at the next beat (a terminated context ends the loop there)
@@ -615,7 +618,8 @@ class CoordinatorLink:
         except zmq.ContextTerminated:
             pass  # the process is closing its sockets' context (its daemon ended first): so must we
         finally:
-            peers.close()
+            if peers is not None:
+                peers.close()
 
     def _beat(self) -> dict:
         """A heartbeat's fields: who beats (its job's token; its registration's nonce: a

@@ -1082,3 +1082,23 @@ def test_ltfb_of_one_trainer_is_warned_of_holding_no_tournament():
                                                                                 "mode.trainer_size": 2}))
     assert lone_trainer(one.replace(**{"cluster.workers": 2})) == ""
     assert lone_trainer(one.replace(**{"mode.name": "async"})) == ""
+
+
+@pytest.mark.parametrize("raised", ["zmq", "os"])
+def test_a_process_out_of_file_descriptors_says_its_limit_in_one_line(raised, capsys):
+    """Under `ulimit -n 16` the evaluator died with ZeroMQ's traceback (zmq.ZMQError is
+    no OSError) and was restarted five times; a worker said "[Errno 24] Too many open
+    files", without the limit to raise."""
+    import argparse
+    import errno
+
+    import zmq
+
+    from psgd.cli import _command
+
+    def handler(args):
+        raise zmq.ZMQError(errno.EMFILE) if raised == "zmq" else OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    assert _command(handler, argparse.Namespace(cmd="evaluator"), {}) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("psgd evaluator: error: Too many open files (ulimit -n ") and err.endswith(": raise it)\n")
+    assert "Traceback" not in err and len(err.splitlines()) == 1

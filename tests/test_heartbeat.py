@@ -211,6 +211,56 @@ def test_a_heartbeat_thread_ends_quietly_when_its_context_is_terminated():
     assert died == []
 
 
+@pytest.mark.timeout(60)
+def test_a_heartbeat_socket_that_cannot_be_made_is_made_at_a_later_beat(monkeypatch, capsys):
+    """The heartbeat thread made its socket before its loop's error handling: a process
+    out of file descriptors (`ulimit -n 16`) ended the thread with ZeroMQ's traceback,
+    the daemon heartbeated no more, and the coordinator dropped it. The failure is said
+    once, and the socket is made again at the next beat."""
+    import errno
+    import threading
+
+    import zmq
+
+    from psgd import membership
+    from psgd.transport import Peers, Service, server_socket
+    made = []
+
+    def out_of_descriptors_once(*args, **kwargs):
+        made.append(len(made))
+        if len(made) == 1:
+            raise zmq.ZMQError(errno.EMFILE)
+        return Peers(*args, **kwargs)
+    monkeypatch.setattr(membership, "Peers", out_of_descriptors_once)
+    cfg = Config().replace(**{"cluster.port": free_port_block(1), "cluster.heartbeat_s": 0.05})
+    ctx = zmq.Context()
+    sock = server_socket(ctx, cfg.coordinator_address(), cfg.security)
+    beats = []
+    service = Service(sock, {"heartbeat": lambda ident, msg: beats.append(msg) or [(ident, wire.reply(msg))]},
+                      "a coordinator")
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)])
+    thread.start()
+    died: list = []
+    hook, threading.excepthook = threading.excepthook, died.append
+    link = CoordinatorLink(cfg, "shard", 0, ctx)
+    link.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(beats) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(beats) >= 3 and died == []
+    finally:
+        threading.excepthook = hook
+        link.close()
+        stop.set()
+        thread.join(timeout=5)
+        sock.close(0)
+        ctx.term()
+    said = [line for line in capsys.readouterr().err.splitlines() if "heartbeat" in line]
+    assert said == ["[psgd shard-0] a heartbeat failed (ZMQError: Too many open files); heartbeating on"]
+
+
 @pytest.mark.timeout(30)
 def test_a_superseded_workers_heartbeats_are_not_taken_as_its_replacements():
     """A review: worker 1's machine is cut off; it is dropped, and a replacement is

@@ -868,9 +868,9 @@ def _command(handler, args, env: dict[str, str]) -> int:
         if isinstance(e, OSError) and e.errno == errno.EIO and any(not os.isatty(fd) for fd in _TERMINALS):
             _hung_up_terminal()   # a line to the terminal after it hung up (before, or without, its SIGHUP):
             return 128 + signal.SIGHUP   # saying so to it failed again (exit 1, a traceback)
-        said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
         if isinstance(e, OSError) and e.errno == errno.EMFILE:
             return _out_of_descriptors(args.cmd)
+        said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
         print(f"psgd {args.cmd}: error: {said}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
@@ -878,12 +878,14 @@ def _command(handler, args, env: dict[str, str]) -> int:
     except Exception as e:
         if getattr(e, "errno", None) != errno.EMFILE:   # (ZeroMQ's, zmq.ZMQError, is no OSError)
             raise
-        return _out_of_descriptors(args.cmd)
+        return _out_of_descriptors(args.cmd, zeromq=True)
 
 
-def _out_of_descriptors(cmd: str) -> int:
+def _out_of_descriptors(cmd: str, zeromq: bool = False) -> int:
     """The one line for a process out of file descriptors (each connection and socket
-    takes some: a daemon raises its soft limit itself, up to the hard one); exit 1."""
+    takes some: a daemon raises its soft limit itself, up to the hard one); exit 1.
+    ZeroMQ says the same of a context at its limit of sockets (`zeromq`)."""
     from .metrics import fd_limit
-    print(f"psgd {cmd}: error: {os.strerror(errno.EMFILE)} ({fd_limit()}: raise it)", file=sys.stderr)
+    also = "; or ZeroMQ's limit of sockets a process, 1,023 by default: about 3 a peer" if zeromq else ""
+    print(f"psgd {cmd}: error: {os.strerror(errno.EMFILE)} ({fd_limit()}: raise it{also})", file=sys.stderr)
     return 1

@@ -75,6 +75,7 @@ class DataConfig:
     classes: int = 0           # number of classes: factories that return torch Datasets must set it; synthetic: 0 = 10
     samples: int = 4096        # synthetic: number of training samples
     loader_workers: int = 0    # torch Datasets: DataLoader worker processes per psgd worker (0: in-process)
+    loader_timeout_s: float = 300.0   # ... a batch of theirs that takes longer ends the job, naming it
 
 
 SYNTHETIC_CLASSES = 10  # the synthetic dataset's classes when data.classes is unset (0)
@@ -660,6 +661,8 @@ def validate(cfg: Config) -> None:
     _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")
     _check(0 < cfg.data.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
     _check(cfg.data.loader_workers >= 0, f"data.loader_workers must be >= 0, got {cfg.data.loader_workers}")
+    _check(0 < cfg.data.loader_timeout_s < math.inf,
+           f"data.loader_timeout_s must be > 0 (seconds), got {cfg.data.loader_timeout_s}")
     _check(cfg.data.classes == 0 or cfg.data.classes >= 2,
            f"data.classes must be 0 (the dataset's own) or >= 2, got {cfg.data.classes}")
     _check(cfg.data.samples >= 1, f"data.samples must be >= 1 (the synthetic dataset's training samples), "

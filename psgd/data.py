@@ -101,6 +101,7 @@ class StreamingDataset:
     input_shape: tuple
     loader_workers: int = 0
     name: str = ""   # data.name, for the errors
+    loader_timeout_s: float = DataConfig.loader_timeout_s   # a loader process's batch, at most (data.loader_timeout_s)
 
     @property
     def train_size(self) -> int:
@@ -108,7 +109,7 @@ class StreamingDataset:
 
     def train_batches(self, indices: np.ndarray, batch_size: int, seed: int, rank: int) -> LoaderBatches:
         return LoaderBatches(self.train, indices, batch_size, seed, rank, self.loader_workers, self.name,
-                             self.num_classes)
+                             self.num_classes, self.loader_timeout_s)
 
     def take(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
@@ -123,17 +124,42 @@ class StreamingDataset:
         from torch.utils.data import DataLoader
         start = 0
         _own_temp_dir(self.loader_workers)
-        batches = iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers))
+        batches = iter(DataLoader(self.test, batch_size=batch_size, num_workers=self.loader_workers,
+                                  timeout=loader_timeout(self.loader_workers, self.loader_timeout_s)))
         while True:
             try:
                 x, y = next(batches)
             except StopIteration:
                 return
             except Exception as e:
+                no_batch(e, batches, self.name, "test", self.loader_timeout_s)
                 unreadable(self.test, range(start, min(start + batch_size, len(self.test))), self.name, "test", e)
                 raise
             yield _streamed_batch(x, y, self.name, "test", self.num_classes, partial(operator.add, start))
             start += len(y)
+
+
+def loader_timeout(loader_workers: int, timeout_s: float) -> float:
+    """A DataLoader's `timeout`: how long it waits for a loader process's batch (without
+    one, a loader process stopped, or stuck in the dataset's `__getitem__`, held its psgd
+    worker for good while the heartbeats went on); none without loader processes."""
+    return timeout_s if loader_workers > 0 else 0
+
+
+def no_batch(error: Exception, batches: Any, name: str, split: str, timeout_s: float) -> None:
+    """Raise a DataError if `error` is a DataLoader's for a batch that did not come within
+    its `timeout` (`loader_timeout`), once the loader processes of its iterator `batches`
+    are stopped: ended later, by the garbage collector, the SIGCHLD handler of torch's
+    loaders raised "DataLoader worker ... is killed" wherever this process then was. The
+    batch's items are not read again here (`unreadable`): a read that hangs in the loader
+    process may hang here."""
+    if isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out"):
+        shut = getattr(batches, "_shutdown_workers", None)   # (torch's own, as its iterator's end calls it)
+        if shut is not None:
+            shut()
+        raise DataError(f"data.name {name!r}: a DataLoader process gave no {split} batch within "
+                        f"data.loader_timeout_s = {timeout_s:g} s (it stopped, or the dataset's __getitem__ "
+                        f"hangs there)") from error
 
 
 def unreadable(dataset: Any, indices: Iterable, name: str, split: str, error: Exception) -> None:
@@ -419,7 +445,7 @@ def _streaming(cfg: DataConfig, got: Any) -> StreamingDataset:
     if not 0 <= label < cfg.classes:
         raise DataError(f"data.name {cfg.name!r}: the first training item's label is {label}, not in "
                         f"0..{cfg.classes - 1}; set data.classes to the number of classes")
-    return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers, cfg.name)
+    return StreamingDataset(train, test, cfg.classes, shape, cfg.loader_workers, cfg.name, cfg.loader_timeout_s)
 
 
 def _labels(cfg: DataConfig, y: np.ndarray) -> np.ndarray:
@@ -716,7 +742,8 @@ class LoaderBatches(Lookahead):
     (`loader_workers` processes; 0 = in this process), reshuffled every epoch."""
 
     def __init__(self, dataset: Any, indices: np.ndarray, batch_size: int, seed: int, rank: int,
-                 loader_workers: int = 0, name: str = "", classes: int = 0):
+                 loader_workers: int = 0, name: str = "", classes: int = 0,
+                 loader_timeout_s: float = DataConfig.loader_timeout_s):
         from torch.utils.data import DataLoader
         if len(indices) == 0:
             raise DataError(f"worker {rank}: its data partition is empty (too many workers for the dataset)")
@@ -724,9 +751,10 @@ class LoaderBatches(Lookahead):
         self.sampler = EpochSampler(indices, seed, rank)
         _own_temp_dir(loader_workers)
         self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=loader_workers, persistent_workers=loader_workers > 0)
+                                 num_workers=loader_workers, persistent_workers=loader_workers > 0,
+                                 timeout=loader_timeout(loader_workers, loader_timeout_s))
         self._it = iter(self.loader)
-        self.name, self.classes = name, classes
+        self.name, self.classes, self.timeout_s = name, classes, loader_timeout_s
         self.served = 0   # batches of this epoch so far: which indices a batch holds (`_index`)
 
     @property
@@ -743,6 +771,7 @@ class LoaderBatches(Lookahead):
                 self.served = 0
                 x, y = next(self._it)
         except Exception as e:   # (the user's __getitem__, default_collate, a loader process)
+            no_batch(e, self._it, self.name, "training", self.timeout_s)
             start = self.served * self.batch_size
             unreadable(self.loader.dataset, self.sampler.order()[start:start + self.batch_size], self.name,
                        "training", e)

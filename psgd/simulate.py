@@ -242,6 +242,7 @@ MEANINGLESS = (
     ("checkpoint.", "no checkpoints are written: no shard restarts are simulated"),
     ("faults.on_worker_loss", "no worker is lost: no failures are simulated"),
     ("data.loader_workers", "batches are read in this process"),
+    ("data.loader_timeout_s", "batches are read in this process"),
 )
 
 

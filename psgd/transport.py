@@ -528,7 +528,8 @@ class Peers:
         """Send a request to peer i (under a new id, or `rid`: a resend); its id. Its
         arrays' frames over COPY_THRESHOLD are ZeroMQ's to read until they have left:
         the caller rewrites them only once an answer shows that they did. `copy`: ZeroMQ
-        gets copies of them now (a resend, which an earlier send's answer does not wait for)."""
+        gets copies of them now (a resend, which an earlier send's answer does not wait for).
+        PeerTimeout if it cannot be queued within SEND_S (`_send_unqueued`)."""
         if rid is None:
             rid = next(self._ids)
         # (`kw` is this call's own dict: the header's fields are taken out of it, not spread
@@ -556,7 +557,8 @@ class Peers:
         a send on it blocked for good (a heartbeat thread, or a script's `finish`, after a
         refusal). It goes on a fresh connection instead, whose refusal the next wait reads
         (`HandshakeFailed`). Otherwise the queue is full (a peer that reads none of its
-        requests): up to SEND_S for room, then PeerTimeout."""
+        requests), or the connection ended for a reason the monitor does not name (a
+        peer that is not psgd's): up to SEND_S for room, then PeerTimeout."""
         deadline = time.monotonic() + SEND_S
         while True:
             if self.refused(i):

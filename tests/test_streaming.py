@@ -583,3 +583,41 @@ def test_a_streamed_batch_drawn_ahead_is_the_next_one_and_a_seek_drops_it():
     early.seek(2)
     plain.seek(2)
     assert read(early, 3) == read(plain, 3)
+
+
+class StuckInLoader(Items):
+    """Every item hangs when read in a loader process (one stopped, or deadlocked after
+    its fork from a process with threads), and reads at once in the process that made it."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        import os
+        self.maker = os.getpid()
+
+    def __getitem__(self, i: int):
+        import os
+        import time
+        if os.getpid() != self.maker:
+            time.sleep(3600)
+        return super().__getitem__(i)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_loader_process_that_gives_no_batch_is_one_data_error_after_data_loader_timeout_s():
+    """The DataLoaders had no timeout: a loader process that stopped answering (stopped, or
+    stuck in the dataset's __getitem__) held its worker, or the evaluator, for good, while
+    its heartbeats went on. After data.loader_timeout_s without a batch, a DataError says
+    so (the items are not read again here: a read that hangs there may hang here)."""
+    import time
+    ds = StreamingDataset(StuckInLoader(60), StuckInLoader(30), 3, (4,), loader_workers=1, name="stuck",
+                          loader_timeout_s=1.0)
+    for read in (lambda: ds.train_batches(np.arange(60), 5, seed=0, rank=0).next(), lambda: list(ds.test_batches(8))):
+        t0 = time.monotonic()
+        with pytest.raises(DataError) as e:
+            read()
+        assert time.monotonic() - t0 < 30
+        split = "training" if "training" in str(e.value) else "test"
+        assert str(e.value) == (f"data.name 'stuck': a DataLoader process gave no {split} batch within "
+                                f"data.loader_timeout_s = 1 s (it stopped, or the dataset's __getitem__ hangs "
+                                f"there)")

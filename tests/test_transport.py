@@ -148,6 +148,33 @@ def test_a_client_refused_by_a_curve_server_is_refused_again_not_stuck_sending(t
     assert "authorized" in str(outcomes[1])
 
 
+@pytest.mark.timeout(60)
+def test_a_request_that_cannot_be_queued_is_a_peer_timeout_after_send_s(monkeypatch):
+    """A peer that reads none of its requests (none listens here: ZeroMQ queues them for
+    the connection it keeps trying) fills the socket's queue; the next request waits
+    SEND_S for room, then raises PeerTimeout, instead of blocking for good."""
+    from psgd.transport import PeerTimeout
+    base = transport._base
+
+    def small_queue(sock, *args):
+        sock.setsockopt(zmq.SNDHWM, 2)   # (before connect: a connection takes its options then)
+        return base(sock, *args)
+    monkeypatch.setattr(transport, "_base", small_queue)
+    monkeypatch.setattr(transport, "SEND_S", 0.5)
+    ctx = zmq.Context()
+    peers = Peers(ctx, [f"tcp://127.0.0.1:{free_port_block(1)}"], SecurityConfig())
+    try:
+        peers.send(0, "stats")
+        peers.send(0, "stats")
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeout, match=r"\(stats: its request could not be queued\)"):
+            peers.send(0, "stats")
+        assert 0.5 <= time.monotonic() - t0 < 10
+    finally:
+        peers.close()
+        ctx.term()
+
+
 def test_a_request_goes_as_wire_encode_makes_it(monkeypatch):
     """`Peers.send` takes the header's fields out of its keywords itself (not spread into
     `wire.encode`'s): the frames are what `wire.encode` makes of the same request."""

@@ -75,7 +75,7 @@ class DataConfig:
     classes: int = 0           # number of classes: factories that return torch Datasets must set it; synthetic: 0 = 10
     samples: int = 4096        # synthetic: number of training samples
     loader_workers: int = 0    # torch Datasets: DataLoader worker processes per psgd worker (0: in-process)
-    loader_timeout_s: float = 300.0   # ... a batch of theirs that takes longer ends the job, naming it
+    loader_timeout_s: float = 300.0   # loader processes: a batch of theirs that takes longer ends the job
 
 
 SYNTHETIC_CLASSES = 10  # the synthetic dataset's classes when data.classes is unset (0)

@@ -661,8 +661,8 @@ def validate(cfg: Config) -> None:
     _check(t.steps > 0 or t.seconds > 0, "set train.steps or train.seconds (both are 0: the job would never end)")
     _check(0 < cfg.data.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
     _check(cfg.data.loader_workers >= 0, f"data.loader_workers must be >= 0, got {cfg.data.loader_workers}")
-    _check(0 < cfg.data.loader_timeout_s < math.inf,
-           f"data.loader_timeout_s must be > 0 (seconds), got {cfg.data.loader_timeout_s}")
+    _check(0 < cfg.data.loader_timeout_s <= MAX_DELAY_S,   # (a DataLoader's queue read overflows past ~2.1e6 s)
+           f"data.loader_timeout_s must be in (0, {MAX_DELAY_S:g}] seconds, got {cfg.data.loader_timeout_s}")
     _check(cfg.data.classes == 0 or cfg.data.classes >= 2,
            f"data.classes must be 0 (the dataset's own) or >= 2, got {cfg.data.classes}")
     _check(cfg.data.samples >= 1, f"data.samples must be >= 1 (the synthetic dataset's training samples), "

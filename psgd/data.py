@@ -35,6 +35,7 @@ longer than the rest of a worker's start-up on a small machine).
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import operator
@@ -154,9 +155,12 @@ def no_batch(error: Exception, batches: Any, name: str, split: str, timeout_s: f
     batch's items are not read again here (`unreadable`): a read that hangs in the loader
     process may hang here."""
     if isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out"):
-        shut = getattr(batches, "_shutdown_workers", None)   # (torch's own, as its iterator's end calls it)
-        if shut is not None:
-            shut()
+        with contextlib.suppress(Exception):   # (the DataError below is the news)
+            batches._shutdown_workers()   # torch's own, as its iterator's end calls it: 5 s for each to exit
+            for w in batches._workers:    # ... then SIGTERM, which one stopped (SIGSTOP) does not take
+                if w.is_alive():
+                    w.kill()
+                    w.join(1)
         raise DataError(f"data.name {name!r}: a DataLoader process gave no {split} batch within "
                         f"data.loader_timeout_s = {timeout_s:g} s (it stopped, or the dataset's __getitem__ "
                         f"hangs there)") from error
@@ -784,7 +788,11 @@ class LoaderBatches(Lookahead):
         the ones skipped."""
         self.sampler.epoch, self.served = divmod(steps, len(self.sampler) // self.batch_size)
         self.sampler.skip = self.served * self.batch_size
-        self._it = iter(self.loader)
+        try:
+            self._it = iter(self.loader)   # (loader processes: it waits for the batches they owe first)
+        except Exception as e:
+            no_batch(e, getattr(self.loader, "_iterator", None), self.name, "training", self.timeout_s)
+            raise
         self._held = self._failed = None
 
     def _index(self, k: int) -> int:

@@ -621,3 +621,38 @@ def test_a_loader_process_that_gives_no_batch_is_one_data_error_after_data_loade
         assert str(e.value) == (f"data.name 'stuck': a DataLoader process gave no {split} batch within "
                                 f"data.loader_timeout_s = 1 s (it stopped, or the dataset's __getitem__ hangs "
                                 f"there)")
+    with pytest.raises(DataError, match="gave no training batch"):   # a resumed worker's seek waits for the
+        ds.train_batches(np.arange(60), 5, seed=0, rank=0).seek(3)   # batches its loader process owes first
+
+
+class StuckAfterOneBatch(StuckInLoader):
+    """A loader process reads 5 items (one batch of 5), then hangs in the next."""
+
+    def __getitem__(self, i: int):
+        import os
+        if os.getpid() != self.maker:
+            self.read = getattr(self, "read", 0) + 1
+            if self.read <= 5:
+                return Items.__getitem__(self, i)
+        return super().__getitem__(i)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_stopped_loader_process_is_a_data_error_and_is_not_left_stopped():
+    """A loader process stopped (SIGSTOP) does not take the SIGTERM that ends a loader: it
+    was left stopped, and a process whose multiprocessing joins its children at exit (a
+    daemon not forked by psgd run's fork server) hung there. It is killed. (Stopped while
+    a batch of its is on its way, its reader waits for it in torch's own code, without
+    a timeout: stopped here while it reads an item.)"""
+    import os
+    import signal
+    ds = StreamingDataset(StuckAfterOneBatch(60), Items(30), 3, (4,), loader_workers=1, name="stopped",
+                          loader_timeout_s=1.0)
+    batches = ds.train_batches(np.arange(60), 5, seed=0, rank=0)
+    batches.next()
+    pid = batches._it._workers[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    with pytest.raises(DataError, match="gave no training batch"):
+        batches.next()
+    assert not os.path.exists(f"/proc/{pid}"), "the stopped loader process is still there"

@@ -4,6 +4,8 @@ one, and the daemon's link keeps the live set it has when the answer has none.""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -87,10 +89,10 @@ def test_a_link_that_lost_the_coordinator_finds_it_again_when_it_comes_back():
         ctx.term()
 
 
-@pytest.mark.timeout(60)
-def test_a_refused_heartbeat_is_said_once_with_the_coordinators_reason(capsys):
-    # a refusal was taken for a silence: the daemon later ended "lost the coordinator",
-    # the coordinator's reason never said
+@contextmanager
+def beating_to(heartbeat) -> Iterator[list]:
+    """A shard's heartbeat link (a beat every 0.05 s) to a coordinator served on a thread,
+    whose answer to a heartbeat is `heartbeat(ident, msg)`'s; the beats it got so far."""
     import threading
 
     import zmq
@@ -99,28 +101,40 @@ def test_a_refused_heartbeat_is_said_once_with_the_coordinators_reason(capsys):
     cfg = Config().replace(**{"cluster.port": free_port_block(1), "cluster.heartbeat_s": 0.05})
     ctx = zmq.Context()
     sock = server_socket(ctx, cfg.coordinator_address(), cfg.security)
-    beats = []
-
-    def refuse(ident, msg):
-        beats.append(msg)
-        raise wire.WireError(wire.BAD_FIELD, "stats: 'samples' must be a count")
-    service = Service(sock, {"heartbeat": refuse}, "a coordinator")
+    beats: list = []
+    service = Service(sock, {"heartbeat": lambda ident, msg: beats.append(msg) or heartbeat(ident, msg)},
+                      "a coordinator")
     stop = threading.Event()
     thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)])
     thread.start()
     link = CoordinatorLink(cfg, "shard", 0, ctx)
     link.start()
     try:
-        deadline = time.monotonic() + 20
-        while len(beats) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(beats) >= 4
+        yield beats
     finally:
         link.close()
         stop.set()
         thread.join(timeout=5)
         sock.close(0)
         ctx.term()
+
+
+def heard(beats: list, n: int) -> bool:
+    """Did `beating_to`'s coordinator get n beats within 20 s?"""
+    deadline = time.monotonic() + 20
+    while len(beats) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(beats) >= n
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_heartbeat_is_said_once_with_the_coordinators_reason(capsys):
+    # a refusal was taken for a silence: the daemon later ended "lost the coordinator",
+    # the coordinator's reason never said
+    def refuse(ident, msg):
+        raise wire.WireError(wire.BAD_FIELD, "stats: 'samples' must be a count")
+    with beating_to(refuse) as beats:
+        assert heard(beats, 4)
     said = [line for line in capsys.readouterr().err.splitlines() if "refused by the coordinator" in line]
     assert said == ["[psgd shard-0] a heartbeat was refused by the coordinator (bad_field: stats: 'samples' "
                     "must be a count); heartbeating on"]
@@ -223,7 +237,7 @@ def test_a_heartbeat_socket_that_cannot_be_made_is_made_at_a_later_beat(monkeypa
     import zmq
 
     from psgd import membership
-    from psgd.transport import Peers, Service, server_socket
+    from psgd.transport import Peers
     made = []
 
     def out_of_descriptors_once(*args, **kwargs):
@@ -232,31 +246,13 @@ def test_a_heartbeat_socket_that_cannot_be_made_is_made_at_a_later_beat(monkeypa
             raise zmq.ZMQError(errno.EMFILE)
         return Peers(*args, **kwargs)
     monkeypatch.setattr(membership, "Peers", out_of_descriptors_once)
-    cfg = Config().replace(**{"cluster.port": free_port_block(1), "cluster.heartbeat_s": 0.05})
-    ctx = zmq.Context()
-    sock = server_socket(ctx, cfg.coordinator_address(), cfg.security)
-    beats = []
-    service = Service(sock, {"heartbeat": lambda ident, msg: beats.append(msg) or [(ident, wire.reply(msg))]},
-                      "a coordinator")
-    stop = threading.Event()
-    thread = threading.Thread(target=lambda: [service.poll(20) for _ in iter(stop.is_set, True)])
-    thread.start()
     died: list = []
     hook, threading.excepthook = threading.excepthook, died.append
-    link = CoordinatorLink(cfg, "shard", 0, ctx)
-    link.start()
     try:
-        deadline = time.monotonic() + 20
-        while len(beats) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(beats) >= 3 and died == []
+        with beating_to(lambda ident, msg: [(ident, wire.reply(msg))]) as beats:
+            assert heard(beats, 3) and died == []
     finally:
         threading.excepthook = hook
-        link.close()
-        stop.set()
-        thread.join(timeout=5)
-        sock.close(0)
-        ctx.term()
     said = [line for line in capsys.readouterr().err.splitlines() if "heartbeat" in line]
     assert said == ["[psgd shard-0] a heartbeat failed (ZMQError: Too many open files); heartbeating on"]
 

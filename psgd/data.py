@@ -160,7 +160,7 @@ def no_batch(error: Exception, batches: Any, name: str, split: str, timeout_s: f
             for w in batches._workers:    # ... then SIGTERM, which one stopped (SIGSTOP) does not take
                 if w.is_alive():
                     w.kill()
-                    w.join(1)
+                    w.join(5)   # (bounded: SIGKILL ends a stopped process too)
         raise DataError(f"data.name {name!r}: a DataLoader process gave no {split} batch within "
                         f"data.loader_timeout_s = {timeout_s:g} s (it stopped, or the dataset's __getitem__ "
                         f"hangs there)") from error

@@ -32,7 +32,7 @@ BEGAN = (time.time(), sum(os.times()[:2]))
 try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL, unfit_input
-    from .log import say, to_devnull
+    from .log import flush_aside, say, to_devnull, write_aside
     from .metrics import EXIT_CANNOT_WRITE, OutputError
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
     from .wire import RemoteError, WireError
@@ -743,10 +743,13 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
             one_compute_thread()
             from .transport import raise_fd_limit  # (a worker's too: about 4 descriptors a shard)
             raise_fd_limit()
+            if args.cmd == "coordinator":   # (its serve loop writes progress lines: on psgd run's terminal)
+                write_aside()
     code: int | None = None
     try:
         code = _command(handlers.get(args.cmd, cmd_daemon), args, env)
     finally:
+        flush_aside()   # (lines written aside: `write_aside`)
         if args.cmd in ("run", "compare"):
             _stop_fork_server(args.cmd, code)
     assert code is not None

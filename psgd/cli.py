@@ -848,21 +848,22 @@ def _stop_fork_server(cmd: str, code: int | None) -> None:
 
 
 def _command(handler, args, env: dict[str, str]) -> int:
-    """The command's exit code: its handler's, or the one for what it raised."""
+    """The command's exit code: its handler's, or the one for what it raised (said as
+    `say` says a line: after a coordinator's lines still waiting, `log.write_aside`)."""
     try:
         return handler(args)
     except ConfigError as e:
-        print(f"psgd: error: {with_env(str(e), env)}", file=sys.stderr)
+        say(f"psgd: error: {with_env(str(e), env)}")
         return 2
     except AddressInUse as e:
-        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+        say(f"psgd {args.cmd}: error: {e}")
         return EXIT_ADDRESS_IN_USE
     except (RemoteError, WireError) as e:   # a peer's answer that ends this daemon (refused by the
-        print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)   # coordinator), or a request no peer reads
+        say(f"psgd {args.cmd}: error: {e}")   # coordinator), or a request no peer reads
         return 1
     except OutputError as e:   # a full disk, a read-only or vanished folder: a daemon started again fails again
         with contextlib.suppress(OSError):   # (a daemon's stderr is a log on that same disk)
-            print(f"psgd {args.cmd}: error: {e}", file=sys.stderr)
+            say(f"psgd {args.cmd}: error: {e}")
         return EXIT_CANNOT_WRITE if args.cmd in DAEMONS else 1
     except BrokenPipeError:   # `psgd shards | head -1`: the reader is gone; end as SIGPIPE would, quietly
         to_devnull(sys.stdout.fileno())   # (the exit's flush would fail again)
@@ -874,7 +875,7 @@ def _command(handler, args, env: dict[str, str]) -> int:
         if isinstance(e, OSError) and e.errno == errno.EMFILE:
             return _out_of_descriptors(args.cmd)
         said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
-        print(f"psgd {args.cmd}: error: {said}", file=sys.stderr)
+        say(f"psgd {args.cmd}: error: {said}")
         return 1
     except KeyboardInterrupt as e:
         return interrupted_code(e)
@@ -890,5 +891,5 @@ def _out_of_descriptors(cmd: str, zeromq: bool = False) -> int:
     ZeroMQ says the same of a context at its limit of sockets (`zeromq`)."""
     from .metrics import fd_limit
     also = "; or ZeroMQ's limit of sockets a process, 1,023 by default: about 3 a peer" if zeromq else ""
-    print(f"psgd {cmd}: error: {os.strerror(errno.EMFILE)} ({fd_limit()}: raise it{also})", file=sys.stderr)
+    say(f"psgd {cmd}: error: {os.strerror(errno.EMFILE)} ({fd_limit()}: raise it{also})")
     return 1

@@ -2,17 +2,24 @@
 from __future__ import annotations
 
 import os
-import queue
 import stat
 import sys
 import threading
-import time
+from collections import deque
 from typing import IO
 
-# Lines waiting for `write_aside`'s thread (None: each is written by the thread that says
-# it), and how many were dropped since the last one written (the queue was full).
-_aside: queue.Queue[str] | None = None
-_dropped = 0
+
+class _Aside:
+    """Lines for `write_aside`'s thread: the newest `most`, and how many older ones were
+    dropped before the next one it writes."""
+
+    def __init__(self, most: int):
+        self.lines: deque[str] = deque()
+        self.most, self.dropped, self.busy = most, 0, False
+        self.ready = threading.Condition()
+
+
+_aside: _Aside | None = None   # (None: a line is written by the thread that says it)
 ASIDE_LINES = 1000
 
 
@@ -29,12 +36,14 @@ def say(text: str, stream: IO[str] | None = None) -> None:
     that said the command was interrupted raised BrokenPipeError: compare's runs done got
     no report, and each command's exit was 141, not its signal's. The stream is /dev/null
     from then on (a later line, and the exit's flush, would fail again)."""
-    global _dropped
-    if stream is None and _aside is not None:
-        try:
-            _aside.put_nowait(text)
-        except queue.Full:
-            _dropped += 1
+    aside = _aside
+    if stream is None and aside is not None:
+        with aside.ready:
+            if len(aside.lines) >= aside.most:
+                aside.lines.popleft()
+                aside.dropped += 1
+            aside.lines.append(text)
+            aside.ready.notify()
         return
     stream = stream or sys.stderr
     try:
@@ -45,43 +54,45 @@ def say(text: str, stream: IO[str] | None = None) -> None:
 
 def write_aside(most: int = ASIDE_LINES) -> None:
     """From now on `say` writes this process's lines to stderr from a thread of its own,
-    with at most `most` waiting, where stderr is not a file (a terminal, a pipe): a
-    coordinator's serve loop was held by a reader that stopped reading (a terminal paused
-    with Ctrl-S, `psgd run 2>&1 | less` left alone past the pipe's 64 KiB), and the
-    heartbeats it did not answer meanwhile had every daemon give it up. Lines beyond
-    `most` are dropped, and how many is said with the next line written."""
+    where stderr is not a file (a terminal, a pipe): a coordinator's serve loop was held
+    by a reader that stopped reading (a terminal paused with Ctrl-S, `psgd run 2>&1 |
+    less` left alone past the pipe's 64 KiB), and the heartbeats it did not answer
+    meanwhile had every daemon give it up. The newest `most` lines wait; an older one is
+    dropped, and where they were, a line says how many."""
     global _aside
     try:
         if _aside is not None or stat.S_ISREG(os.fstat(sys.stderr.fileno()).st_mode):
             return
     except (OSError, ValueError, AttributeError):   # (no descriptor: a caller's stream)
         return
-    lines: queue.Queue[str] = queue.Queue(most)
+    aside = _Aside(most)
 
     def write() -> None:
-        global _dropped
         while True:
-            text = lines.get()
-            dropped, _dropped = _dropped, 0
+            with aside.ready:
+                aside.busy = False
+                aside.ready.notify_all()   # (`flush_aside` waits for this)
+                aside.ready.wait_for(lambda: aside.lines)
+                text, dropped = aside.lines.popleft(), aside.dropped
+                aside.dropped, aside.busy = 0, True
             try:
                 if dropped:
                     say(f"[psgd] {dropped} line{'s' * (dropped > 1)} not written here: stderr was not read",
                         sys.stderr)
                 say(text, sys.stderr)
-            except OSError:   # (a terminal that hung up: the process says nothing more there)
+            except Exception:   # (a terminal that hung up, EIO: nothing more is said there; the next line tries)
                 pass
-            finally:
-                lines.task_done()
     threading.Thread(target=write, name="stderr", daemon=True).start()
-    _aside = lines
+    _aside = aside
 
 
 def flush_aside(timeout_s: float = 2.0) -> None:
-    """Wait up to `timeout_s` for `write_aside`'s lines to be written (a process's end)."""
-    lines = _aside
-    deadline = time.monotonic() + timeout_s
-    while lines is not None and lines.unfinished_tasks and time.monotonic() < deadline:
-        time.sleep(0.01)
+    """Wait up to `timeout_s` for `write_aside`'s lines to be written (a process's end:
+    those still waiting then are not)."""
+    aside = _aside
+    if aside is not None:
+        with aside.ready:
+            aside.ready.wait_for(lambda: not aside.lines and not aside.busy, timeout_s)
 
 
 def to_devnull(fd: int) -> None:

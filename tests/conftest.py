@@ -213,6 +213,19 @@ def free_port_block(n: int) -> int:
     return pick_port("127.0.0.1", random.randrange(10000, ephemeral_ports()[0] - n), n)
 
 
+@contextlib.contextmanager
+def listening_on(port: int) -> Iterator[Any]:
+    """A listener on 127.0.0.1:`port` (a port in use), bound as ZeroMQ binds, with
+    SO_REUSEADDR: a port chosen free (`free_port_block`, whose probe binds so too) may
+    still hold an earlier test's connections in TIME_WAIT, which a plain bind refuses."""
+    import socket
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        yield listener
+
+
 @pytest.fixture
 def port_block():
     return free_port_block

@@ -738,11 +738,10 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
     announcement and its port choice before the refusal. Now the refusal alone, one line;
     nor does it offer to resume from the checkpoints in that folder (the running job's)."""
     import fcntl
-    import socket
 
     from psgd import launcher, scalars
     from psgd.config import ConfigError
-    from tests.conftest import free_port_block
+    from tests.conftest import free_port_block, listening_on
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     for i in range(2):   # the running job's, as it writes them every checkpoint.every_s
@@ -757,9 +756,7 @@ def test_a_refused_run_says_only_its_refusal(tmp_path, capsys, monkeypatch, refu
                 monkeypatch.setattr(launcher, "in_ephemeral_range", lambda base, n: True)
                 argv += ["--set", f"cluster.port={port}"]
         elif refusal == "port taken":
-            listener = held.enter_context(socket.socket())
-            listener.bind(("127.0.0.1", port + 1))
-            listener.listen()
+            held.enter_context(listening_on(port + 1))
             argv += ["--set", f"cluster.port={port}"]
         else:
             def late(cfg):

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from psgd.config import ENV_RESERVED, SECTIONS, load
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, listening_on
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -292,9 +292,7 @@ def test_compose_healthchecks_probe_the_daemon_ports(compose):
         base = free_port_block(4)
         port = base if name == "coordinator" else base + 1 + int(name.split("-")[1])
         env = clean_env(PSGD_CLUSTER_PORT=str(base))
-        with socket.socket() as listener:
-            listener.bind(("127.0.0.1", port))
-            listener.listen()
+        with listening_on(port):
             r = run([sys.executable, "-c", test[3]], env=env, timeout=30)
             assert r.returncode == 0, f"{name}: {r.stderr}"
         r = run([sys.executable, "-c", test[3]], env=env, timeout=30)

@@ -18,7 +18,7 @@ from psgd.launcher import MAX_RESTARTS, LaunchError, LocalJob, ephemeral_ports, 
 from psgd.metrics import EXIT_CANNOT_WRITE
 from psgd.servers.coordinator import STATE_FILE
 from psgd.transport import EXIT_ADDRESS_IN_USE
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, listening_on
 
 pytestmark = pytest.mark.processes
 
@@ -185,8 +185,7 @@ def test_start_up_progress_counts_the_children_that_have_started(tmp_path, capsy
 
 def test_an_explicit_busy_port_is_refused_not_moved(tmp_path):
     base = free_port_block(2)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", base + 1))   # the shard's port
+    with listening_on(base + 1):   # the shard's port
         cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
         with pytest.raises(LaunchError, match=f"cluster.port = {base}: port {base + 1} on 127.0.0.1 is in use"):
             LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
@@ -198,10 +197,7 @@ def test_an_explicit_busy_port_is_refused_not_moved(tmp_path):
 def test_an_explicit_port_another_job_listens_on_is_refused(tmp_path):
     """A listener with SO_REUSEADDR (as ZeroMQ binds: another job's daemon) still counts as busy."""
     base = free_port_block(2)
-    with socket.socket() as taken:
-        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        taken.bind(("127.0.0.1", base))   # the coordinator's port
-        taken.listen()
+    with listening_on(base):   # the coordinator's port
         cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
         with pytest.raises(LaunchError, match=f"port {base} on 127.0.0.1 is in use"):
             LocalJob(cfg, str(tmp_path), quiet=True, port_explicit=True)
@@ -212,8 +208,7 @@ def test_a_busy_block_moves_below_the_ephemeral_range():
     connection to itself) before its daemon binds it: the launcher's own choice avoids it."""
     base = free_port_block(2)
     low, _ = ephemeral_ports()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", base))
+    with listening_on(base):
         for _ in range(20):
             port = pick_port("127.0.0.1", base, 2)
             assert port != base and 1024 <= port and port + 1 < low and ports_free("127.0.0.1", port, 2)
@@ -940,16 +935,12 @@ def test_a_config_file_of_the_users_in_the_folder_is_refused_not_replaced(tmp_pa
 def test_a_job_refused_for_a_port_in_use_leaves_no_folder_behind(tmp_path, port_block):
     """A review: each `psgd run` refused before it began (a port in use) left an empty
     run folder with a logs/ folder in it (runs/sync-DATE/logs), one more each retry."""
-    import socket
 
     from psgd.launcher import LaunchError
     base = port_block(3)
     cfg = load(None, [f"cluster.port={base}", "cluster.servers=1", "cluster.workers=1"], env={})
     out = tmp_path / "runs" / "sync-1"
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (as ZeroMQ's bind: a port left in TIME_WAIT)
-        s.bind(("127.0.0.1", base + 1))   # the shard's port
-        s.listen()
+    with listening_on(base + 1):   # the shard's port
         with pytest.raises(LaunchError, match="is in use"):
             LocalJob(cfg, str(out), quiet=True, port_explicit=True)
     assert os.listdir(tmp_path / "runs") == []
@@ -960,7 +951,6 @@ def test_taken_port_names_the_first_of_a_jobs_ports_that_a_program_listens_on(po
     """The Slurm scripts' check before they start a job (`taken_port`): a port another
     socket listens on is named, the coordinator's before the shards'; a port in TIME_WAIT
     or free is not."""
-    import socket
 
     from psgd.config import load
     from psgd.launcher import bind_error, taken_port
@@ -968,9 +958,7 @@ def test_taken_port_names_the_first_of_a_jobs_ports_that_a_program_listens_on(po
     cfg = load(None, [f"cluster.port={base}", "cluster.servers=2", "cluster.host=127.0.0.1"], env={})
     assert taken_port(cfg) == 0
     shard = cfg.shard_address(1).rpartition(":")[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", int(shard)))
-        s.listen()
+    with listening_on(int(shard)):
         assert taken_port(cfg) == int(shard)
         assert bind_error("127.0.0.1", int(shard)) is not None
     assert taken_port(cfg) == 0

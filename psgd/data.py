@@ -791,7 +791,7 @@ class LoaderBatches(Lookahead):
         try:
             self._it = iter(self.loader)   # (loader processes: it waits for the batches they owe first)
         except Exception as e:
-            no_batch(e, getattr(self.loader, "_iterator", None), self.name, "training", self.timeout_s)
+            no_batch(e, self._it, self.name, "training", self.timeout_s)   # (loader processes: the same iterator)
             raise
         self._held = self._failed = None
 

@@ -257,10 +257,7 @@ def test_jobs_started_at_once_choose_blocks_of_their_own(tmp_path):
 def leave_time_wait(port: int) -> None:
     """A connection to a listener on port that the listening side closes first: its end
     stays in TIME_WAIT (a minute on Linux), as after a job whose coordinator served workers."""
-    with socket.socket() as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen()
+    with listening_on(port) as listener:
         with socket.socket() as client:
             client.connect(("127.0.0.1", port))
             conn, _ = listener.accept()

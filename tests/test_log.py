@@ -15,14 +15,11 @@ from tests.conftest import free_port_block, kill_all
 
 pytestmark = pytest.mark.processes
 
-F_SETPIPE_SZ = 1031   # (Linux's fcntl)
-
-
 def full_pipe() -> tuple[int, int]:
     """A pipe (read end, write end) whose buffer, one page, is full: a blocking write to
     it waits until someone reads."""
     r, w = os.pipe()
-    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
     os.set_blocking(w, False)
     try:
         while True:

@@ -107,7 +107,7 @@ def measure(workers: int, beats: int, changed: bool, ctx: zmq.Context) -> dict:
         coord._checked = -math.inf   # (due: `now - (now - CHECK_EVERY_S)` can fall short of CHECK_EVERY_S
         coord._tick(now)             # in floating point, and then no look was made: 0.5 us at any W)
     t_scan = time.perf_counter() - t0
-    coord.sock.close(0)
+    coord.service.close()
     return {"coordinator_us": 1e6 * t_coord / beats, "sender_us": 1e6 * t_sender / beats,
             "reply_bytes": sum(len(f) for f in replies[-1][0][1]), "scan_us": 1e6 * t_scan / scans}
 

@@ -59,6 +59,7 @@ class HandshakeFailed(ConnectionError):
 _AUTH, _PROTOCOL, _SUCCEEDED = (int(zmq.EVENT_HANDSHAKE_FAILED_AUTH), int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
                                 int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 _MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+_DISCONNECTED, _SRCFD = int(zmq.EVENT_DISCONNECTED), int(zmq.SRCFD)   # (`Service.watch`)
 _monitors = itertools.count(1)   # each monitor's own inproc name (pyzmq's default reuses a closed socket's fd)
 # How often a waiting client reads its monitors' events (Peers.wait): one left unread
 # blocks ZeroMQ's I/O thread, and every socket of the process, once it holds about a
@@ -730,7 +731,7 @@ class Service:
     def __init__(self, sock: zmq.Socket, handlers: Mapping[str, Handler], name: str,
                  max_bytes: int = wire.MAX_MESSAGE, counters: dict | None = None,
                  sent: Callable[[], None] | None = None, role: str = "", lane: lanes.Listener | None = None,
-                 spin_s: float = 0.0):
+                 spin_s: float = 0.0, watching: bool = False):
         """`lane`, when given, is where same-host clients connect (psgd.lane): their requests
         are served as the socket's, under a routing token of their own (an int), and
         answered on their lane. `poll` looks for a request (on the socket and the lanes)
@@ -738,7 +739,8 @@ class Service:
         of each event have been handed to ZeroMQ; `in_flight` then says whether ZeroMQ may
         still read any of their frames.
         `name` is what error replies call the daemon ("the coordinator", "shard 0"), `role`
-        what its log lines do (`server-0`; default: `name` without its "the ")."""
+        what its log lines do (`server-0`; default: `name` without its "the ").
+        `watching`: its handlers may `watch` peers' connections."""
         self.sock = sock
         self.handlers = handlers
         self.name = name
@@ -769,6 +771,12 @@ class Service:
         self._lanes_waiting = False   # the listener is not polled: no descriptor was free to take a lane
         if lane is not None:
             self.poller.register(lane.fd, zmq.POLLIN)
+        self._from: zmq.Frame | None = None   # the routing identity's frame of the message being served (`watch`)
+        self._watching = watching
+        self._closes: zmq.Socket | None = None   # the monitor of the socket's closed connections (`watch`)
+        self._watched: dict[int, set[Hashable]] = {}   # a connection's descriptor -> the peers watched on it
+        self._gone: set[Hashable] = set()     # watched peers whose connection closed (ZeroMQ never reuses an id)
+        self._untold: list[Hashable] = []     # ... not yet told by `closed`
 
     BAD_LOG_S = 60.0   # the log says bad messages at most once this often
     FDS_CHECK_S = 1.0  # how often `poll` checks that the process has a descriptor free
@@ -857,10 +865,86 @@ class Service:
             if len(frames) < 2:
                 self._bad("a message without a routing identity")
             else:   # (one without a routing identity has nobody to answer)
-                self.send(self._serve(frames[0].bytes, frames[1:]))
+                self._from = frames[0]
+                try:
+                    self.send(self._serve(frames[0].bytes, frames[1:]))
+                finally:
+                    self._from = None
                 self.busy_s += time.thread_time() - t0
             if time.monotonic() > until:
                 return
+
+    def _closes_monitor(self) -> zmq.Socket:
+        """A monitor of the socket's closed connections, every one (not only the watched:
+        ZeroMQ monitors a socket whole). Its queue has no bound: one holding a thousand
+        events unread blocked ZeroMQ's I/O thread (its default high-water mark), and
+        `disable_monitor` with it, whose wait holds the GIL (the connections of a
+        thousand workers closing between two reads)."""
+        addr = f"inproc://psgd-closes-{os.getpid()}-{next(_monitors)}"
+        self.sock.monitor(addr, _DISCONNECTED)
+        try:
+            monitor = self.sock.context.socket(zmq.PAIR)
+        except zmq.ZMQError:
+            self.sock.disable_monitor()
+            raise
+        monitor.rcvhwm = 0
+        monitor.linger = 0
+        monitor.connect(addr)
+        return monitor
+
+    def watch(self, ident: Hashable) -> bool:
+        """From now on, tell (`closed`) when the connection that the message being served
+        came on closes: the peer's process ended (killed, crashed: its kernel closes its
+        connections; a process stopped with SIGSTOP, or cut off by the network, keeps them
+        open), or the peer closed that socket. False, and nothing watched, if that
+        connection is known to have closed already (its message was read after its close):
+        that peer is not there. Only a handler of a Service made `watching` calls it; a
+        lane's peer is not watched (True)."""
+        if type(ident) is int or self._from is None or not self._watching:
+            return True
+        try:
+            if self._closes is None:   # (made at the first: a socket closed without `close` had left it open)
+                self._closes = self._closes_monitor()
+        except zmq.ZMQError:   # (no descriptor free: watched at a later message)
+            return True
+        self._read_closes()   # (a close of the descriptor's last connection is read before its next is watched)
+        if ident in self._gone:
+            return False
+        try:
+            fd = self._from.get(_SRCFD)
+        except zmq.ZMQError:   # (a libzmq without ZMQ_SRCFD, deprecated in 4.3: nothing is told)
+            return True
+        self._watched.setdefault(fd, set()).add(ident)
+        return True
+
+    def _read_closes(self) -> None:
+        """Take the monitor's queued events: each closed connection's watched peers are
+        gone, to be told by `closed`. A connection's close is queued before its descriptor
+        can be taken by the next connection, so before that one's first message."""
+        from zmq.utils.monitor import recv_monitor_message
+        while self._closes is not None and readable(self._closes):
+            e = recv_monitor_message(self._closes, zmq.NOBLOCK)
+            gone = self._watched.pop(int(e["value"]), ())
+            self._gone.update(gone)
+            self._untold.extend(gone)
+
+    def closed(self) -> list[Hashable]:
+        """The watched peers whose connection has closed since the last call (`watch`),
+        each told once. Ask it often (a daemon's loop does): the monitor's queue of every
+        closed connection has no bound."""
+        self._read_closes()
+        told, self._untold = self._untold, []
+        return told
+
+    def close(self) -> None:
+        """Close the socket (linger 0) and its monitor, if any."""
+        if self._closes is not None:
+            self._read_closes()
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self._closes.close(0)
+            self._closes = None
+        self.sock.close(0)
 
     def _on_events(self, events: list) -> None:
         """Serve the socket's messages, new lanes and the lanes' messages (`poll`)."""

@@ -27,7 +27,8 @@ carry each daemon's cumulative counters and get the live set back. When no worke
 live any more (each finished or lost; a training script's rank 0 holding the end has
 released it or its hold ran out), the evaluator, if the job has one, is asked for a final
 score (phase `final_eval`, waited for up to cluster.timeout_s, and no longer than
-cluster.heartbeat_timeout_s after the evaluator's last heartbeat); then summary.json is
+cluster.heartbeat_timeout_s after the evaluator's last heartbeat, unless its connection
+closed: its process ended, and is started again); then summary.json is
 written, every daemon is told `done` (its heartbeats are answered until each has heard it,
 or `linger_s`), and it exits.
 
@@ -195,6 +196,11 @@ class Coordinator:
         self.server_seen: dict[int, float] = {}   # shard -> its last heartbeat (monotonic): `shards` in the view
         self.evaluator_seen = 0.0
         self.evaluator_lost = False   # given up in final_eval, silent for cluster.heartbeat_timeout_s
+        # The connection its last message came on closed: its process ended (killed, crashed),
+        # and a supervisor (psgd run, the Slurm script) starts it again (`_heard_evaluator`)
+        self.evaluator_closed = False
+        self.evaluator_from: Any = None   # the routing identity of its last message
+        self.evaluator_awaited = False   # the log said that final_eval waits for it to be started again
         # A script's job runs no evaluator (none can build the script's model), whatever
         # cluster.evaluator says: one started by hand need not set it to false.
         self.has_evaluator = cfg.cluster.evaluator and cfg.model.name != layouts.SCRIPT_MODEL
@@ -245,7 +251,7 @@ class Coordinator:
                                            "finish": self.on_finish, "eval": self.on_eval,
                                            "status": self.on_status, "layout": self.on_layout,
                                            "release": self.on_release},
-                               "the coordinator", MAX_FRAME, self.counters)
+                               "the coordinator", MAX_FRAME, self.counters, watching=self.has_evaluator)
         self._resume()
         if self.scores_path and not self.restarts and not self.ended:   # a job started afresh: an earlier
             with contextlib.suppress(FileNotFoundError):                # job's scores are not its own
@@ -369,7 +375,7 @@ class Coordinator:
             self.servers.setdefault(idx, {})
             return [self._reply_register(ident, msg, -1, layout=self.layout)]
         if role == "evaluator":
-            self.evaluator_seen = now
+            self._heard_evaluator(ident, now)
             return [self._reply_register(ident, msg, -1)]
         raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
 
@@ -504,12 +510,24 @@ class Coordinator:
                 log("coordinator", f"aborting the job: {self.abort}")
                 self._finish_job()
         elif role == "evaluator":
-            self.evaluator_seen = now
+            self._heard_evaluator(ident, now)
         else:
             raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
         if self.phase == "done" and self._prompt():
             self.told_done.add((role, msg.rank if role == "worker" else idx))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
+
+    def _heard_evaluator(self, ident: Any, now: float) -> None:
+        """A message of the evaluator's came on `ident`'s connection, whose close `_tick`
+        hears of (`Service.watch`; one read after its close is known says that it closed).
+        Silent in the final evaluation with that connection open, the evaluator is stopped
+        or cut off, and given up; silent since it closed, its process ended (the closes of
+        its other connections, a socket it made again, say nothing), and it is waited for
+        to be started again."""
+        self.evaluator_seen = now
+        self.evaluator_from = ident
+        self.evaluator_closed = not self.service.watch(ident)
+        self.evaluator_awaited = self.evaluator_awaited and self.evaluator_closed
 
     def _prompt(self) -> bool:
         """Is the message being served read soon enough that its sender still waits for the
@@ -602,6 +620,7 @@ class Coordinator:
         is kept (an evaluator's score of a diverged model); summary.json writes it as null
         (metrics.write_json_atomic). Another job's is refused."""
         self._ours(msg, "evaluator")
+        self._heard_evaluator(ident, time.monotonic())
         accuracy, loss = float(msg.get("accuracy")), float(msg.get("loss"))
         if not 0.0 <= accuracy <= 1.0:
             raise wire.WireError(wire.BAD_FIELD, f"accuracy {accuracy} is not in [0, 1]")
@@ -693,6 +712,8 @@ class Coordinator:
         # as one, a disk whose fsync took a second excused every gap, and no dead worker was
         # ever dropped: a sync job waited for it for good)
         self._ticked = now + (time.monotonic() - began)
+        if self.evaluator_from in self.service.closed():   # (only the evaluator's connections are watched)
+            self.evaluator_closed = True
         if stalled > self.cfg.cluster.heartbeat_s:
             # This loop did not run (the machine stalled, or this process was stopped): who
             # is alive is judged on heartbeats it could have read, not on the stall.
@@ -757,6 +778,16 @@ class Coordinator:
         elif self.phase == "final_eval" and now > self.final_deadline:
             log("coordinator", "no final evaluation arrived in time; writing the summary without it")
             self._settle(now)
+        elif self.phase == "final_eval" and self.evaluator_seen and self.evaluator_closed and \
+                now - self.evaluator_seen > self.cfg.cluster.heartbeat_timeout_s:
+            # Its process ended (a restart of the evaluator during training that had not
+            # registered yet lost the job's final score, given up as a stopped one): a
+            # supervisor starts it again, and its score is waited for, up to final_deadline.
+            if not self.evaluator_awaited:
+                self.evaluator_awaited = True
+                log("coordinator", f"the evaluator's connection closed, {now - self.evaluator_seen:.1f} s without "
+                    f"a heartbeat: its process ended; waiting up to {self.final_deadline - now:.0f} s "
+                    f"(cluster.timeout_s) for it to be started again")
         elif self.phase == "final_eval" and self.evaluator_seen and \
                 now - self.evaluator_seen > self.cfg.cluster.heartbeat_timeout_s:
             # (as a worker is dropped: a stopped evaluator held the job's end for cluster.timeout_s)
@@ -939,13 +970,13 @@ class Coordinator:
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
-        job's shards, its evaluator (if any, and not given up for its silence), every worker
+        job's shards, its evaluator (if any, not given up for its silence, and connected), every worker
         still live (an aborted job's worker blocked at a barrier learns of the end only so;
         finished and lost ones need not), and a finished worker that holds the job's end
         (rank 0 of a script waiting to read the final model: an abort, which ends the job
         through its hold, reaches it only so)."""
         daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
-        if self.has_evaluator and not self.evaluator_lost:
+        if self.has_evaluator and not (self.evaluator_lost or self.evaluator_closed):
             daemons.add(("evaluator", 0))
         workers = {who for role, who in self.told_done if role == "worker"}
         live = set(self.members.live()) | ({self.holder} if self.holder is not None else set())
@@ -1116,7 +1147,7 @@ class Coordinator:
     # ------------------------------------------------------------ loop
     def serve(self, deadline_s: float | None = None) -> int:
         if self.ended:   # a restart after its job ended (`_resume`): exit as that job did
-            self.sock.close(0)
+            self.service.close()
             self.events.close()
             if self.cfg.security.curve:
                 stop_auth(self.ctx)
@@ -1158,7 +1189,7 @@ class Coordinator:
                 if self.stop_requested or (deadline_s and now - start > deadline_s):
                     return 1
         finally:
-            self.sock.close(0)
+            self.service.close()
             self.events.close()
             if self.scalars:
                 for waiting in self.counting:   # (a job that ended without a summary: stopped)

@@ -265,7 +265,7 @@ def closed_after(c: Any) -> Iterator[Any]:
     try:
         yield c
     finally:
-        c.sock.close(0)
+        c.service.close()
         c.events.close()
 
 

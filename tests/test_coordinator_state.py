@@ -56,7 +56,7 @@ def coordinator(cfg: Config, out: str) -> Coordinator:
     address could find it in use)."""
     ctx = zmq.Context()
     c = Coordinator(cfg, out, ctx=ctx, quiet=True)
-    c.sock.close(0)
+    c.service.close()
     ctx.term()
     c.events.close()
     return c
@@ -1028,6 +1028,68 @@ def test_the_final_evaluation_is_not_waited_for_from_an_evaluator_that_stopped_h
         assert c.summary["final_eval_missing"]
 
 
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ended", [True, False])
+def test_an_evaluator_whose_process_ended_is_waited_for_to_be_started_again_not_given_up(ended, capfd):
+    """Session 54's last run: a Slurm job's evaluator, killed 2 s into a 7 s job, was started
+    again by the script 4 s later; before it registered, training ended, and the coordinator
+    gave it up after cluster.heartbeat_timeout_s without a heartbeat, as one stopped: the
+    job ended without its final score. An evaluator whose connection closed has ended (a
+    stopped one keeps it open): its supervisor starts it again, and its score is waited for
+    up to cluster.timeout_s. One whose connection stays open is given up as before (the
+    close of the socket it registered on says nothing)."""
+    from tests.conftest import ask, hand_served
+    with closed_after(hand_served(workers=1, **{"cluster.evaluator": True, "cluster.timeout_s": 30.0,
+                                                "cluster.heartbeat_s": 0.2, "cluster.heartbeat_timeout_s": 1.0})) as c:
+        socks: list[zmq.Socket] = []
+
+        def evaluator() -> zmq.Socket:   # an evaluator process's connection
+            s = zmq.Context.instance().socket(zmq.DEALER)
+            s.linger = 0
+            s.connect(c.cfg.coordinator_address())
+            socks.append(s)
+            return s
+
+        def serve_for(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                c.service.poll(20)
+                c._tick(time.monotonic())
+
+        def answer(s: zmq.Socket, op: str, **fields) -> wire.Message:
+            s.send_multipart(wire.encode(op, id=1, **fields))
+            end = time.monotonic() + 10
+            while not s.poll(0):
+                assert time.monotonic() < end, f"no answer to {op}"
+                serve_for(0.02)
+            return wire.decode(s.recv_multipart())
+
+        try:
+            registered = evaluator()   # (as the evaluator does: it registers, closes that socket, and beats)
+            assert answer(registered, "register", role="evaluator").op == "reply"
+            registered.close(0)
+            beating = evaluator()
+            assert answer(beating, "heartbeat", role="evaluator").op == "reply"
+            ask(c, "finish", rank=0, clock=10, stats={"samples": 320, "elapsed_s": 1.0, "wait_s": 0.1})
+            if ended:
+                beating.close(0)   # killed: its kernel closes its connections
+            serve_for(3.0)   # three heartbeat timeouts without a beat
+            if not ended:   # stopped (SIGSTOP): given up
+                assert c.summary is not None and c.summary["final_eval_missing"], c.phase
+                return
+            assert c.summary is None and c.phase == "final_eval"
+            assert "its process ended; waiting up to" in capfd.readouterr().err
+            again = evaluator()   # started again
+            assert answer(again, "register", role="evaluator").op == "reply"
+            assert answer(again, "eval", accuracy=0.875, loss=0.5, final=True).op == "reply"
+            assert c.summary is not None and c.summary["final_accuracy"] == 0.875, c.summary
+            assert not c.summary.get("final_eval_missing"), c.summary
+        finally:
+            for s in socks:
+                s.close(0)
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_status_shows_a_score_whose_loss_was_not_finite_after_a_coordinator_restart(tmp_path):
@@ -1329,7 +1391,7 @@ def test_a_coordinator_started_by_hand_ends_its_log_with_the_jobs_result(tmp_pat
     cfg = Config().replace(**{"cluster.workers": 1, "cluster.servers": 1, "cluster.port": free_port_block(2)})
     ctx = zmq.Context()
     c = Coordinator(cfg, str(tmp_path), ctx=ctx, launched_by=launched_by)
-    c.sock.close(0)
+    c.service.close()
     ctx.term()
     c.launched_by = "coordinator process" if says else "launcher"   # (a resumed state's, not its own start)
     c._finish_job()

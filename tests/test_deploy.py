@@ -1194,6 +1194,27 @@ def test_slurm_restarts_a_killed_evaluator_and_shard(slurm, tmp_path, sig):
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_slurm_waits_for_an_evaluator_killed_as_training_ends_to_be_started_again(slurm, tmp_path):
+    """Session 54's last run: the evaluator, killed (SIGTERM) late enough in a job that
+    training ended before it was back (the script starts it again 2 s after a SIGTERM, then
+    it loads torch), was given up after cluster.heartbeat_timeout_s without a heartbeat, as
+    one stopped: the job ended COMPLETED without its final score. Its connection closed
+    with its process: the coordinator waits for it to be started again."""
+    # 1,500 steps of at least 4 ms; a heartbeat timeout shorter than the evaluator's restart
+    jid = slurm.submit(SCRIPTS[0], tmp_path, PSGD_TRAIN_STEPS="1500", PSGD_FAULTS_STEP_DELAY_S="0.004",
+                       PSGD_CLUSTER_HEARTBEAT_S="0.5", PSGD_CLUSTER_HEARTBEAT_TIMEOUT_S="2.5")
+    out = tmp_path / "out"
+    slurm.wait_for("training near its end", lambda: events(out, "worker-0") >= 1000, 300, jid, tmp_path)
+    os.kill(int((out / "pids" / "evaluator-0.pid").read_text().split()[0]), signal.SIGTERM)
+    st = slurm.wait(jid, 360, tmp_path)
+    assert st.get("JobState") == "COMPLETED" and st.get("ExitCode") == "0:0", f"{st}\n{job_report(tmp_path, jid)}"
+    assert "evaluator exited with 143; restarting it (restart 1)" in (tmp_path / f"job-{jid}.out").read_text()
+    summary_ok(tmp_path, jid)   # (before: "the evaluator has not heartbeated for 2.5 s ...", and no score)
+    assert_no_leftovers(out)
+
+
+@pytest.mark.slurm
 @pytest.mark.timeout(600)
 def test_slurm_requeue_resumes_from_the_checkpoints(slurm, tmp_path):
     # SIGUSR1 to the batch shell is what `--signal=B:USR1@120` sends before the time limit:

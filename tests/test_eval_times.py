@@ -21,7 +21,7 @@ def coordinator(out: str, **sets) -> Coordinator:
                               "cluster.timeout_s": 60.0, **sets})
     ctx = zmq.Context()
     c = Coordinator(cfg, out, ctx=ctx, quiet=True)
-    c.sock.close(0)
+    c.service.close()
     ctx.term()
     c.members.join(0.0, 0)
     c.phase = "training"

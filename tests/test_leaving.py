@@ -32,7 +32,7 @@ def test_a_job_whose_workers_gave_up_on_a_shard_names_it(tmp_path, capsys):
     cfg = Config().replace(**{"cluster.workers": 2, "cluster.port": free_port_block(3), "cluster.evaluator": False})
     ctx = zmq.Context()
     c = Coordinator(cfg, str(tmp_path), ctx=ctx, quiet=True)
-    c.sock.close(0)
+    c.service.close()
     ctx.term()
     try:
         def serve(op: str, **kw) -> wire.Message:

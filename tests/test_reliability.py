@@ -173,7 +173,7 @@ def test_a_heartbeat_that_died_with_the_coordinator_does_not_lose_its_worker(tmp
     link_ctx, ctx = zmq.Context(), zmq.Context()
     link = CoordinatorLink(cfg, "worker", 0, link_ctx)   # rank 0 heartbeats; rank 1 is dead
     before = Coordinator(cfg, out, ctx=zmq.Context(), quiet=True)
-    before.sock.close(0)
+    before.service.close()
     before.ctx.term()
     before.members.join(0.0, 0, nonce=link.nonce)
     before.members.join(0.0, 1, nonce="dead")
@@ -202,7 +202,7 @@ def test_a_heartbeat_that_died_with_the_coordinator_does_not_lose_its_worker(tmp
             c.stop_requested = True
             served.join(timeout=10)
         elif c is not None:
-            c.sock.close(0)
+            c.service.close()
             c.events.close()
         if not hung.closed:
             hung.close(0)

@@ -354,7 +354,7 @@ def test_startup_s_is_not_moved_by_a_wall_clock_stepped_during_start_up(tmp_path
         clock.step = step
         c._start_training()
     finally:
-        c.sock.close(0)
+        c.service.close()
         ctx.term()
         c.events.close()
     assert c.startup_s is not None and 2.0 <= c.startup_s < 60, c.startup_s

@@ -290,3 +290,115 @@ def test_a_peer_that_did_not_answer_is_told_apart_by_why():
         s.listen()   # there, silent: nothing this can tell
         assert unreachable(f"tcp://127.0.0.1:{port}") == unreachable(f"tcp://localhost:{port}") == ""
     assert unreachable("ipc:///tmp/psgd-x") == unreachable("tcp://*:5556") == ""
+
+
+@contextmanager
+def watching() -> Iterator[tuple[Service, list, str]]:
+    """A Service whose `stats` handler watches its sender (`Service.watch`), served by the
+    test (`service.poll`); the senders with what `watch` said, and its address."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    said: list = []
+
+    def answer(ident, msg):
+        said.append((ident, service.watch(ident)))
+        return [(ident, wire.reply(msg))]
+
+    service = Service(sock, {"stats": answer}, "test", watching=True)
+    try:
+        yield service, said, address
+    finally:
+        service.close()
+
+
+def peer(address: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 2000   # (its last message leaves before its close)
+    s.connect(address)
+    return s
+
+
+def told(service: Service, seconds: float = 10) -> list:
+    """What `closed` tells within `seconds` (without serving a message)."""
+    end = time.monotonic() + seconds
+    while not (gone := service.closed()) and time.monotonic() < end:
+        time.sleep(0.02)
+    return gone
+
+
+def served(service: Service, said: list, n: int) -> None:
+    end = time.monotonic() + 10
+    while len(said) < n:
+        assert time.monotonic() < end, said
+        service.poll(20)
+
+
+@pytest.mark.timeout(60)
+def test_a_message_read_after_its_connections_close_is_known_watches_nothing_and_says_so():
+    """A review: an evaluator's last heartbeat, read after the close of its connection
+    (the coordinator reads closes in its tick, between polls), took it for one that is
+    there, and the job gave it up as a stopped one."""
+    with watching() as (service, said, address):
+        a = peer(address)
+        a.send_multipart(wire.encode("stats", id=1))
+        served(service, said, 1)
+        a.send_multipart(wire.encode("stats", id=2))   # its last message, then its process ends
+        a.close()
+        ident = said[0][0]
+        assert said == [(ident, True)] and told(service) == [ident]
+        served(service, said, 2)
+        assert said[1] == (ident, False) and told(service, 0.5) == []   # (told once, not watched again)
+
+
+@pytest.mark.timeout(60)
+def test_a_close_is_told_of_its_own_connection_not_of_the_next_on_its_descriptor():
+    """A connection closed and the next one made at once (a socket made again) take the
+    same descriptor here: the close read after the new connection's first message was
+    told of both, and the new one, open, counted as gone for good."""
+    with watching() as (service, said, address):
+        a = peer(address)
+        a.send_multipart(wire.encode("stats", id=1))
+        served(service, said, 1)
+        a.close()
+        b = peer(address)
+        try:
+            b.send_multipart(wire.encode("stats", id=2))
+            served(service, said, 2)
+            (first, _), (second, watched) = said
+            assert watched and second != first
+            assert told(service, 0.5) == [first]
+            b.close()
+            assert told(service) == [second]
+        finally:
+            b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_watch_without_a_descriptor_free_answers_and_watches_at_a_later_message():
+    """A review: the monitor of `watch`, made in the handler, raised ZeroMQ's "Too many open
+    files" in a process out of descriptors: the coordinator refused the evaluator's
+    messages, its final score too (`internal`), until one was free."""
+    import os
+    with watching() as (service, said, address):
+        a = peer(address)
+        try:
+            a.send_multipart(wire.encode("stats", id=1))
+            assert a.poll(0) == 0 and service.sock.poll(10_000)
+            held: list[int] = []
+            try:
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                service.poll(100)
+            finally:
+                for fd in held:
+                    os.close(fd)
+            assert said[0][1] and service.counters["bad_messages"] == 0
+            assert a.poll(5000) and wire.decode(a.recv_multipart()).op == "reply"
+            a.send_multipart(wire.encode("stats", id=2))
+            served(service, said, 2)   # watched now
+            a.close()
+            assert told(service) == [said[0][0]]
+        finally:
+            a.close()

@@ -20,6 +20,7 @@ security.keys = DIR): a job secured with CurveZMQ answers only a client with its
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import math
@@ -276,6 +277,8 @@ def ask(cfg, address: str) -> wire.Message:
     try:
         peers = Peers(zmq.Context.instance(), [address], cfg.security)
     except zmq.ZMQError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):   # (the process's, not the address's: `cli._command` says so)
+            raise
         raise ConfigError(f"cannot connect to {address!r}: {e}") from None
     try:
         return peers.call(0, "status", ASK_TIMEOUT_S)

@@ -219,6 +219,22 @@ def test_status_refuses_a_bad_address_or_watch_period_in_one_line(capsys, args, 
     assert code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.timeout(30)
+def test_status_out_of_file_descriptors_says_so_not_that_the_address_is_bad(monkeypatch, capsys):
+    """A process out of descriptors as it made its socket was told "cannot connect to
+    'tcp://...': Too many open files", exit 2, as a bad address, without the limit to raise."""
+    import errno
+
+    import psgd.status
+
+    def no_descriptor(*args, **kwargs):
+        raise zmq.ZMQError(errno.EMFILE)
+    monkeypatch.setattr(psgd.status, "Peers", no_descriptor)
+    assert main(["status", "--address", "tcp://127.0.0.1:5555"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("psgd status: error: Too many open files (ulimit -n ") and "cannot connect" not in err, err
+
+
 @pytest.mark.timeout(60)
 def test_status_at_an_address_reaches_a_job_secured_with_curve_given_its_keys(tmp_path, capsys):
     """`psgd status --address` used the default config (no CurveZMQ): a secured job never

@@ -59,7 +59,7 @@ class HandshakeFailed(ConnectionError):
 _AUTH, _PROTOCOL, _SUCCEEDED = (int(zmq.EVENT_HANDSHAKE_FAILED_AUTH), int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
                                 int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 _MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
-_DISCONNECTED, _SRCFD = int(zmq.EVENT_DISCONNECTED), int(zmq.SRCFD)   # (`Service.watch`)
+_ACCEPTED, _DISCONNECTED, _SRCFD = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED), int(zmq.SRCFD)   # (`watch`)
 _monitors = itertools.count(1)   # each monitor's own inproc name (pyzmq's default reuses a closed socket's fd)
 # How often a waiting client reads its monitors' events (Peers.wait): one left unread
 # blocks ZeroMQ's I/O thread, and every socket of the process, once it holds about a
@@ -775,6 +775,7 @@ class Service:
         self._watching = watching
         self._closes: zmq.Socket | None = None   # the monitor of the socket's closed connections (`watch`)
         self._watched: dict[int, set[Hashable]] = {}   # a connection's descriptor -> the peers watched on it
+        self._closed_fds: set[int] = set()    # descriptors whose last connection closed (none accepted since)
         self._gone: set[Hashable] = set()     # watched peers whose connection closed (ZeroMQ never reuses an id)
         self._untold: list[Hashable] = []     # ... not yet told by `closed`
 
@@ -875,13 +876,13 @@ class Service:
                 return
 
     def _closes_monitor(self) -> zmq.Socket:
-        """A monitor of the socket's closed connections, every one (not only the watched:
-        ZeroMQ monitors a socket whole). Its queue has no bound: one holding a thousand
-        events unread blocked ZeroMQ's I/O thread (its default high-water mark), and
-        `disable_monitor` with it, whose wait holds the GIL (the connections of a
-        thousand workers closing between two reads)."""
+        """A monitor of the socket's connections made and closed, every one (not only the
+        watched: ZeroMQ monitors a socket whole). Its queue has no bound: one holding about
+        two thousand events unread (its ends' default high-water marks) blocked ZeroMQ's I/O
+        thread, and `disable_monitor` with it, whose wait holds the GIL (a thousand workers'
+        connections closing between two reads)."""
         addr = f"inproc://psgd-closes-{os.getpid()}-{next(_monitors)}"
-        self.sock.monitor(addr, _DISCONNECTED)
+        self.sock.monitor(addr, _ACCEPTED | _DISCONNECTED)
         try:
             monitor = self.sock.context.socket(zmq.PAIR)
         except zmq.ZMQError:
@@ -899,7 +900,8 @@ class Service:
         open), or the peer closed that socket. False, and nothing watched, if that
         connection is known to have closed already (its message was read after its close):
         that peer is not there. Only a handler of a Service made `watching` calls it; a
-        lane's peer is not watched (True)."""
+        lane's peer is not watched (True), nor one whose connection closed before the first
+        `watch` (made then, the monitor did not see it)."""
         if type(ident) is int or self._from is None or not self._watching:
             return True
         try:
@@ -914,17 +916,27 @@ class Service:
             fd = self._from.get(_SRCFD)
         except zmq.ZMQError:   # (a libzmq without ZMQ_SRCFD, deprecated in 4.3: nothing is told)
             return True
+        if fd in self._closed_fds:   # (its first message watched: its close was read, with nobody to tell)
+            self._gone.add(ident)
+            return False
         self._watched.setdefault(fd, set()).add(ident)
         return True
 
     def _read_closes(self) -> None:
         """Take the monitor's queued events: each closed connection's watched peers are
         gone, to be told by `closed`. A connection's close is queued before its descriptor
-        can be taken by the next connection, so before that one's first message."""
+        can be taken by the next connection, and a connection's making before its first
+        message: read before a message is watched, they say whether its connection is
+        still open."""
         from zmq.utils.monitor import recv_monitor_message
         while self._closes is not None and readable(self._closes):
             e = recv_monitor_message(self._closes, zmq.NOBLOCK)
-            gone = self._watched.pop(int(e["value"]), ())
+            fd = int(e["value"])
+            if int(e["event"]) == _ACCEPTED:
+                self._closed_fds.discard(fd)
+                continue
+            self._closed_fds.add(fd)
+            gone = self._watched.pop(fd, ())
             self._gone.update(gone)
             self._untold.extend(gone)
 
@@ -938,13 +950,16 @@ class Service:
 
     def close(self) -> None:
         """Close the socket (linger 0) and its monitor, if any."""
-        if self._closes is not None:
-            self._read_closes()
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.disable_monitor()
-            self._closes.close(0)
-            self._closes = None
-        self.sock.close(0)
+        try:
+            if self._closes is not None:
+                self._read_closes()
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.disable_monitor()
+        finally:
+            if self._closes is not None:
+                self._closes.close(0)
+                self._closes = None
+            self.sock.close(0)
 
     def _on_events(self, events: list) -> None:
         """Serve the socket's messages, new lanes and the lanes' messages (`poll`)."""

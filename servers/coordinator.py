@@ -375,7 +375,7 @@ class Coordinator:
             self.servers.setdefault(idx, {})
             return [self._reply_register(ident, msg, -1, layout=self.layout)]
         if role == "evaluator":
-            self._heard_evaluator(ident, now)
+            self._heard_evaluator(ident, now, lasting=False)
             return [self._reply_register(ident, msg, -1)]
         raise wire.WireError(wire.BAD_FIELD, f"unknown role {role!r}")
 
@@ -517,17 +517,20 @@ class Coordinator:
             self.told_done.add((role, msg.rank if role == "worker" else idx))
         return [(ident, wire.reply(msg, rejoin=rejoin, **self._view(msg.get("live_id", ""))))]
 
-    def _heard_evaluator(self, ident: Any, now: float) -> None:
+    def _heard_evaluator(self, ident: Any, now: float, lasting: bool = True) -> None:
         """A message of the evaluator's came on `ident`'s connection, whose close `_tick`
         hears of (`Service.watch`; one read after its close is known says that it closed).
         Silent in the final evaluation with that connection open, the evaluator is stopped
-        or cut off, and given up; silent since it closed, its process ended (the closes of
-        its other connections, a socket it made again, say nothing), and it is waited for
-        to be started again."""
+        or cut off, and given up; silent since it closed, its process ended, and it is
+        waited for to be started again. Only the connection of its last message counts,
+        and not one it makes for a moment (`lasting=False`: its registration's, closed
+        once answered); a socket it makes again (an answer overdue) closes one for the
+        moment until its next message."""
         self.evaluator_seen = now
-        self.evaluator_from = ident
-        self.evaluator_closed = not self.service.watch(ident)
-        self.evaluator_awaited = self.evaluator_awaited and self.evaluator_closed
+        if lasting:
+            self.evaluator_from = ident
+            self.evaluator_closed = not self.service.watch(ident)
+            self.evaluator_awaited = self.evaluator_awaited and self.evaluator_closed
 
     def _prompt(self) -> bool:
         """Is the message being served read soon enough that its sender still waits for the
@@ -970,13 +973,13 @@ class Coordinator:
 
     def _lingered(self, now: float) -> bool:
         """After `done`, keep answering heartbeats until every daemon has heard it: the
-        job's shards, its evaluator (if any, not given up for its silence, and connected), every worker
+        job's shards, its evaluator (if any, and not given up for its silence), every worker
         still live (an aborted job's worker blocked at a barrier learns of the end only so;
         finished and lost ones need not), and a finished worker that holds the job's end
         (rank 0 of a script waiting to read the final model: an abort, which ends the job
         through its hold, reaches it only so)."""
         daemons = {("server", i) for i in range(self.cfg.cluster.servers)}
-        if self.has_evaluator and not (self.evaluator_lost or self.evaluator_closed):
+        if self.has_evaluator and not self.evaluator_lost:
             daemons.add(("evaluator", 0))
         workers = {who for role, who in self.told_done if role == "worker"}
         live = set(self.members.live()) | ({self.holder} if self.holder is not None else set())

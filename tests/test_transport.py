@@ -341,14 +341,37 @@ def test_a_message_read_after_its_connections_close_is_known_watches_nothing_and
     there, and the job gave it up as a stopped one."""
     with watching() as (service, said, address):
         a = peer(address)
-        a.send_multipart(wire.encode("stats", id=1))
-        served(service, said, 1)
-        a.send_multipart(wire.encode("stats", id=2))   # its last message, then its process ends
-        a.close()
+        try:
+            a.send_multipart(wire.encode("stats", id=1))
+            served(service, said, 1)
+            a.send_multipart(wire.encode("stats", id=2))   # its last message, then its process ends
+        finally:
+            a.close()
         ident = said[0][0]
         assert said == [(ident, True)] and told(service) == [ident]
         served(service, said, 2)
         assert said[1] == (ident, False) and told(service, 0.5) == []   # (told once, not watched again)
+
+
+@pytest.mark.timeout(60)
+def test_a_first_message_read_after_its_connections_close_watches_nothing_and_says_so():
+    """A review: a connection that closed before its first message was read had its close
+    read with nobody watched on it: its peer was watched as there, and never told gone."""
+    with watching() as (service, said, address):
+        w = peer(address)
+        try:
+            w.send_multipart(wire.encode("stats", id=1))
+            served(service, said, 1)   # (the monitor is made)
+            a = peer(address)
+            try:
+                a.send_multipart(wire.encode("stats", id=2))   # its one message, then its process ends
+            finally:
+                a.close()
+            time.sleep(0.5)
+            served(service, said, 2)
+            assert said[0][1] and said[1][0] != said[0][0] and not said[1][1], said
+        finally:
+            w.close()
 
 
 @pytest.mark.timeout(60)
@@ -391,10 +414,11 @@ def test_a_watch_without_a_descriptor_free_answers_and_watches_at_a_later_messag
                     held.append(os.open(os.devnull, os.O_RDONLY))
             except OSError:
                 service.poll(100)
+                made = service._closes is not None
             finally:
                 for fd in held:
                     os.close(fd)
-            assert said[0][1] and service.counters["bad_messages"] == 0
+            assert said[0][1] and not made and service.counters["bad_messages"] == 0
             assert a.poll(5000) and wire.decode(a.recv_multipart()).op == "reply"
             a.send_multipart(wire.encode("stats", id=2))
             served(service, said, 2)   # watched now

@@ -367,7 +367,11 @@ def test_a_first_message_read_after_its_connections_close_watches_nothing_and_sa
                 a.send_multipart(wire.encode("stats", id=2))   # its one message, then its process ends
             finally:
                 a.close()
-            time.sleep(0.5)
+            end = time.monotonic() + 10
+            while not service._closed_fds:   # its close read before its message (with none watched on it)
+                assert time.monotonic() < end, "its close was not seen"
+                service.closed()
+                time.sleep(0.02)
             served(service, said, 2)
             assert said[0][1] and said[1][0] != said[0][0] and not said[1][1], said
         finally:

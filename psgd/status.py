@@ -277,7 +277,7 @@ def ask(cfg, address: str) -> wire.Message:
     try:
         peers = Peers(zmq.Context.instance(), [address], cfg.security)
     except zmq.ZMQError as e:
-        if e.errno in (errno.EMFILE, errno.ENFILE):   # (the process's, not the address's: `cli._command` says so)
+        if e.errno == errno.EMFILE:   # (the process's, not the address's: `cli._command` says so)
             raise
         raise ConfigError(f"cannot connect to {address!r}: {e}") from None
     try:

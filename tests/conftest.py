@@ -226,6 +226,39 @@ def listening_on(port: int) -> Iterator[Any]:
         yield listener
 
 
+@contextlib.contextmanager
+def watching_service() -> Iterator[tuple[Any, list, str]]:
+    """A Service whose `stats` handler watches its sender (`Service.watch`), served by the
+    test (`service.poll`); the senders with what `watch` said, and its address."""
+    import zmq
+
+    from psgd import wire
+    from psgd.transport import Service
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    said: list = []
+
+    def answer(ident, msg):
+        said.append((ident, service.watch(ident)))
+        return [(ident, wire.reply(msg))]
+
+    service = Service(sock, {"stats": answer}, "test", watching=True)
+    try:
+        yield service, said, address
+    finally:
+        service.close()
+
+
+def told_closed(service: Any, seconds: float = 10) -> list:
+    """What `closed` tells within `seconds` (without serving a message)."""
+    end = time.monotonic() + seconds
+    while not (gone := service.closed()) and time.monotonic() < end:
+        time.sleep(0.02)
+    return gone
+
+
+
 @pytest.fixture
 def port_block():
     return free_port_block

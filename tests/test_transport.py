@@ -12,7 +12,7 @@ import zmq
 from psgd import transport, wire
 from psgd.config import SecurityConfig
 from psgd.transport import HandshakeFailed, Peers, Service, readable
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, told_closed, watching_service
 
 pytestmark = pytest.mark.inprocess
 
@@ -292,39 +292,11 @@ def test_a_peer_that_did_not_answer_is_told_apart_by_why():
     assert unreachable("ipc:///tmp/psgd-x") == unreachable("tcp://*:5556") == ""
 
 
-@contextmanager
-def watching() -> Iterator[tuple[Service, list, str]]:
-    """A Service whose `stats` handler watches its sender (`Service.watch`), served by the
-    test (`service.poll`); the senders with what `watch` said, and its address."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.linger = 0
-    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
-    said: list = []
-
-    def answer(ident, msg):
-        said.append((ident, service.watch(ident)))
-        return [(ident, wire.reply(msg))]
-
-    service = Service(sock, {"stats": answer}, "test", watching=True)
-    try:
-        yield service, said, address
-    finally:
-        service.close()
-
-
 def peer(address: str) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.linger = 2000   # (its last message leaves before its close)
     s.connect(address)
     return s
-
-
-def told(service: Service, seconds: float = 10) -> list:
-    """What `closed` tells within `seconds` (without serving a message)."""
-    end = time.monotonic() + seconds
-    while not (gone := service.closed()) and time.monotonic() < end:
-        time.sleep(0.02)
-    return gone
 
 
 def served(service: Service, said: list, n: int) -> None:
@@ -339,7 +311,7 @@ def test_a_message_read_after_its_connections_close_is_known_watches_nothing_and
     """A review: an evaluator's last heartbeat, read after the close of its connection
     (the coordinator reads closes in its tick, between polls), took it for one that is
     there, and the job gave it up as a stopped one."""
-    with watching() as (service, said, address):
+    with watching_service() as (service, said, address):
         a = peer(address)
         try:
             a.send_multipart(wire.encode("stats", id=1))
@@ -348,16 +320,16 @@ def test_a_message_read_after_its_connections_close_is_known_watches_nothing_and
         finally:
             a.close()
         ident = said[0][0]
-        assert said == [(ident, True)] and told(service) == [ident]
+        assert said == [(ident, True)] and told_closed(service) == [ident]
         served(service, said, 2)
-        assert said[1] == (ident, False) and told(service, 0.5) == []   # (told once, not watched again)
+        assert said[1] == (ident, False) and told_closed(service, 0.5) == []   # (told once, not watched again)
 
 
 @pytest.mark.timeout(60)
 def test_a_first_message_read_after_its_connections_close_watches_nothing_and_says_so():
     """A review: a connection that closed before its first message was read had its close
     read with nobody watched on it: its peer was watched as there, and never told gone."""
-    with watching() as (service, said, address):
+    with watching_service() as (service, said, address):
         w = peer(address)
         try:
             w.send_multipart(wire.encode("stats", id=1))
@@ -383,7 +355,7 @@ def test_a_close_is_told_of_its_own_connection_not_of_the_next_on_its_descriptor
     """A connection closed and the next one made at once (a socket made again) take the
     same descriptor here: the close read after the new connection's first message was
     told of both, and the new one, open, counted as gone for good."""
-    with watching() as (service, said, address):
+    with watching_service() as (service, said, address):
         a = peer(address)
         a.send_multipart(wire.encode("stats", id=1))
         served(service, said, 1)
@@ -394,9 +366,9 @@ def test_a_close_is_told_of_its_own_connection_not_of_the_next_on_its_descriptor
             served(service, said, 2)
             (first, _), (second, watched) = said
             assert watched and second != first
-            assert told(service, 0.5) == [first]
+            assert told_closed(service, 0.5) == [first]
             b.close()
-            assert told(service) == [second]
+            assert told_closed(service) == [second]
         finally:
             b.close()
 
@@ -407,7 +379,7 @@ def test_a_watch_without_a_descriptor_free_answers_and_watches_at_a_later_messag
     files" in a process out of descriptors: the coordinator refused the evaluator's
     messages, its final score too (`internal`), until one was free."""
     import os
-    with watching() as (service, said, address):
+    with watching_service() as (service, said, address):
         a = peer(address)
         try:
             a.send_multipart(wire.encode("stats", id=1))
@@ -427,6 +399,6 @@ def test_a_watch_without_a_descriptor_free_answers_and_watches_at_a_later_messag
             a.send_multipart(wire.encode("stats", id=2))
             served(service, said, 2)   # watched now
             a.close()
-            assert told(service) == [said[0][0]]
+            assert told_closed(service) == [said[0][0]]
         finally:
             a.close()

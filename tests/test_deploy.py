@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -654,11 +653,10 @@ def test_sbatch_refuses_a_port_of_the_job_that_a_program_has_before_it_starts_an
     coordinator first, the job was aborted with its answer ("the coordinator does not serve
     'init'", exit code 1), and the port was named only in server-0.log. The script now
     looks at the job's ports on its node before it starts anything."""
-    with socket.socket() as other:   # another job's daemon, on what is this job's shard-0 port
-        other.bind(("", 0))
-        other.listen()
-        port = other.getsockname()[1]
-        env = stub_slurm(tmp_path, coordinator_s=120, PSGD_CLUSTER_PORT=str(port - 1))
+    base = free_port_block(3)   # (a port at random, as CI found, may have a busy one below it)
+    port = base + 1
+    with listening_on(port):   # another job's daemon, on what is this job's shard-0 port
+        env = stub_slurm(tmp_path, coordinator_s=120, PSGD_CLUSTER_PORT=str(base))
         r = run(["bash", script], env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 98, r.stderr
     assert f"error: port {port} is in use on n1" in r.stderr and "nothing was started" in r.stderr, r.stderr

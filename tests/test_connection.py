@@ -555,7 +555,7 @@ def test_close_on_rank_0_raises_an_abort_promptly(port_block, tmp_path, monkeypa
     got = abort_while_rank_0_closes(cfg, str(tmp_path), 3.0)   # (between two of rank 0's polls)
     assert got.get(0, "").startswith("JobError: the job was aborted"), got
     took = got["end0"] - got["raised_at"]
-    assert took < 3.0, f"rank 0's close() raised the abort {took:.1f} s after it (cluster.timeout_s = 10)"
+    assert took < 6.0, f"rank 0's close() raised the abort {took:.1f} s after it (cluster.timeout_s = 10)"
 
 
 @pytest.mark.timeout(90)

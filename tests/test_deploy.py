@@ -443,7 +443,11 @@ def stub_slurm(tmp_path: Path, coordinator_code: int = 0, evaluator_s: int = 0, 
     {ROLE: (N, CODE)}: the first N starts of ROLE (of each shard, for `server`) exit CODE at
     once. The workers' step (srun) runs `workers_s` seconds, until the script stops it: a
     step that ends before the job began training stops the job. `stub_calls` reads what
-    they were asked to do."""
+    they were asked to do. The job's ports are a free block (PSGD_CLUSTER_PORT, unless
+    `settings` name one): the script looks at them on this machine before it starts anything
+    (`taken_port`), and job 42's own, 10672 on, are in the share of another pytest worker's
+    jobs (`free_port_block`)."""
+    settings.setdefault("PSGD_CLUSTER_PORT", str(free_port_block(3)))
     fail = "".join(f'[ "$3" = {role} ] && echo >> "$STUB_CALLS.$3-$5" && '   # $5: a shard's index
                    f'[ "$(wc -l < "$STUB_CALLS.$3-$5")" -le {n} ] && exit {code}; '
                    for role, (n, code) in (fails or {}).items())
@@ -481,11 +485,34 @@ def test_sbatch_does_not_restart_a_coordinator_whose_port_is_taken(tmp_path):
     `psgd run` does not restart; the script restarted any exit code past 2, so a port taken on
     the head node gave five restarts that failed the same way, with the reason only in the
     coordinator's log. It now starts it once and says which port to change."""
-    r = run(["bash", SCRIPTS[0]], env=stub_slurm(tmp_path, 98), cwd=tmp_path)
+    env = stub_slurm(tmp_path, 98)
+    r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path)
     calls = stub_calls(tmp_path)
     assert r.returncode == 98, r.stderr
     assert calls.count("coordinator") == 1 and "restarting it" not in r.stderr, r.stderr
-    assert "port 10672 is in use on n1" in r.stderr and "set PSGD_CLUSTER_PORT" in r.stderr, r.stderr
+    assert f"port {env['PSGD_CLUSTER_PORT']} is in use on n1" in r.stderr and "set PSGD_CLUSTER_PORT" in r.stderr, \
+        r.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_sbatch_takes_the_jobs_ports_from_its_job_id(tmp_path, script):
+    """Without PSGD_CLUSTER_PORT, a job's three ports start at 10000 + (job id % 1400) * 16:
+    two jobs on one node get blocks of their own (16 ports: a coordinator and 15 shards).
+    Here a job id whose block is free on this machine, which the script checks first."""
+    while True:
+        free = free_port_block(18)   # (holds a block of 3 on the 16-port grid)
+        block = free + (10000 - free) % 16
+        if block < 10000 + 1400 * 16:
+            break
+    job = (block - 10000) // 16
+    env = stub_slurm(tmp_path, 98, SLURM_JOB_ID=str(job))
+    del env["PSGD_CLUSTER_PORT"]
+    r = run(["bash", script], env=env, cwd=tmp_path, timeout=50)
+    assert r.returncode == 98, r.stderr   # (the stub coordinator's exit: port taken, said with its port)
+    assert f"job {job} (restart 0): coordinator + " in r.stderr and f"(10.0.0.1:{block})" in r.stderr, r.stderr
+    assert f"port {block} is in use on n1" in r.stderr, r.stderr
 
 
 @pytest.mark.processes
@@ -498,7 +525,8 @@ def test_sbatch_stops_the_daemons_at_once_when_the_coordinators_port_is_taken(tm
     env = stub_slurm(tmp_path, 98, evaluator_s=120, DEPLOY_GRACE_S="600")
     r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 98, r.stderr
-    assert "port 10672 is in use on n1" in r.stderr and "stopping the other daemons" in r.stderr, r.stderr
+    assert f"port {env['PSGD_CLUSTER_PORT']} is in use on n1" in r.stderr, r.stderr
+    assert "stopping the other daemons" in r.stderr, r.stderr
 
 
 @pytest.mark.processes
@@ -639,7 +667,7 @@ def test_sbatch_stops_a_job_whose_shard_port_is_taken(tmp_path):
     r = run(["bash", SCRIPTS[0]], env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 98, r.stderr
     assert stub_calls(tmp_path).count("server") == 2 and "restarting it" not in r.stderr, r.stderr
-    assert "server-0 could not listen: port 10673 is in use on n1" in r.stderr, r.stderr
+    assert f"server-0 could not listen: port {int(env['PSGD_CLUSTER_PORT']) + 1} is in use on n1" in r.stderr, r.stderr
     assert "set PSGD_CLUSTER_PORT" in r.stderr, r.stderr
 
 

@@ -446,7 +446,7 @@ def test_a_scripts_stdout_goes_to_its_log_with_its_stderr_in_order(tmp_path):
     job = script_job(tmp_path, CONNECTS + TRAINS + "import sys\n"
                                                    "for i in range(3):\n"
                                                    "    print('out', i, sys.argv[1:])\n"
-                                                   "    print('err', i, file=sys.stderr)\n", timeout_s=3)
+                                                   "    print('err', i, file=sys.stderr)\n", timeout_s=10)
     launch_failure(job, "did not finish within")   # the stand-in coordinator never ends
     for rank in range(2):
         with open(tmp_path / "out" / "logs" / f"worker-{rank}.log") as f:

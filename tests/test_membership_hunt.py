@@ -243,14 +243,21 @@ def test_a_reconnect_that_raises_does_not_end_the_heartbeats(monkeypatch, capsys
     cfg = Config().replace(**{"cluster.port": free_port_block(3), "cluster.heartbeat_s": 0.1,
                               "cluster.heartbeat_timeout_s": 0.5, "cluster.timeout_s": 60.0})
 
+    tried = []
+
     def broken(self, i):
+        tried.append(i)
         raise ValueError("client.key_secret: cut short")
     monkeypatch.setattr(Peers, "reconnect", broken)
     link = CoordinatorLink(cfg, "worker", 0, zmq.Context.instance())
     link.start()
     try:
-        time.sleep(2.0)   # several unanswered beats, each followed by a reconnect that raises
-        assert link._thread.is_alive()
+        # unanswered beats (an answer is awaited 2 s: `beat_answer_s`), each followed by a
+        # reconnect that raises; a second one is the thread going on after the first
+        deadline = time.monotonic() + 20
+        while len(tried) < 2 and link._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(tried) >= 2 and link._thread.is_alive(), tried
     finally:
         link.stop()
     said = capsys.readouterr().err

@@ -338,7 +338,7 @@ SCRIPT_SCORES_AFTER_ITS_LOOP = SMALL_TRAINING + """
 with psgd.connect(model, None) as ps:
     train(ps)
     if ps.rank == 1:
-        time.sleep(8)   # its own scoring of the model, before close()
+        time.sleep(20)   # its own scoring of the model, before close()
 """
 
 
@@ -351,7 +351,7 @@ def test_wall_s_and_samples_per_s_leave_out_what_a_script_does_after_its_last_st
     path.write_text(SCRIPT_SCORES_AFTER_ITS_LOOP)
     s = run_script(tmp_path / "out", [str(path)], **{"mode.name": "sync", "train.steps": 30, "cluster.servers": 1})
     assert s["samples"] == 2 * 30 * 16
-    assert s["wall_s"] < 6.0, s["wall_s"]   # (30 steps of a tiny model; the sleep's 8 s were in it)
+    assert s["wall_s"] < 15.0, s["wall_s"]   # (30 steps of a tiny model; the sleep's 20 s were in it)
     assert s["samples_per_s"] == pytest.approx(s["samples"] / s["wall_s"], rel=0.01)
 
 

@@ -37,8 +37,9 @@ def config(**sets) -> Config:
                                **sets})
 
 
-def raw_request(address: str, frames: list, timeout_s: float = 1.0) -> tuple[wire.Message, float]:
-    """Send raw frames on a fresh DEALER; the decoded answer and how long it took."""
+def raw_request(address: str, frames: list, timeout_s: float = 10.0) -> tuple[wire.Message, float]:
+    """Send raw frames on a fresh DEALER; the decoded answer and how long it took (a
+    connection and a thread's turn: seconds, on a loaded machine)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -192,12 +193,13 @@ def test_service_tracks_each_reply_until_it_has_left_once_asked_to():
 
 
 @pytest.mark.timeout(60)
-def test_coordinator_answers_an_op_it_does_not_serve_within_a_second():
+def test_coordinator_answers_an_op_it_does_not_serve_at_once():
+    """Not after cluster.timeout_s (5 s here), as a request it does not answer would be."""
     cfg = config()
     with InProcessCluster(cfg):
         m, took = raw_request(cfg.coordinator_address(), wire.encode("pull", id=7, rank=0, clock=0))
     assert (m.op, m.id, m.get("code")) == ("error", 7, wire.UNKNOWN_OP)
-    assert took < 1.0, took
+    assert took < 3.0, took
 
 
 @pytest.mark.timeout(60)

@@ -56,4 +56,4 @@ def test_the_wait_for_the_initial_values_is_not_counted(port_block, monkeypatch)
     assert not [k for k in got if isinstance(k, tuple)], got
     wait, elapsed = got[1]           # rank 1 waited about 1.5 s for rank 0's values, before training
     assert wait <= elapsed, (wait, elapsed)
-    assert wait < 1.0, (wait, elapsed)   # the 1.5 s before the values came is not in it
+    assert wait < 1.4, (wait, elapsed)   # the 1.5 s before the values came is not in it

@@ -175,6 +175,37 @@ def test_a_request_that_cannot_be_queued_is_a_peer_timeout_after_send_s(monkeypa
         ctx.term()
 
 
+@pytest.mark.timeout(60)
+def test_a_step_whose_request_to_one_shard_cannot_be_queued_drops_what_it_sent_the_others(monkeypatch):
+    """`ParameterClient.begin` sends a step's requests shard by shard, their arrays without
+    copies; one that cannot be queued (PeerTimeout, above) left the ones sent before it in
+    their shards' queues, where ZeroMQ reads the caller's buffers while the caller goes on.
+    They are dropped now, as `finish` drops a step given up (`abandon`)."""
+    from psgd.config import Config
+    from psgd.transport import PeerTimeout
+    from psgd.workers.client import ParameterClient
+    base = transport._base
+
+    def small_queue(sock, *args):
+        sock.setsockopt(zmq.SNDHWM, 2)
+        return base(sock, *args)
+    monkeypatch.setattr(transport, "_base", small_queue)
+    monkeypatch.setattr(transport, "SEND_S", 0.5)
+    ctx = zmq.Context()   # (none listens on the shards' ports: their queues keep what is sent)
+    c = ParameterClient(Config().replace(**{"cluster.port": free_port_block(3), "cluster.servers": 2}), ctx, 0)
+    try:
+        c.peers.send(1, "stats")
+        c.peers.send(1, "stats")   # shard 1's queue is full
+        first, second = c.peers.socks
+        with pytest.raises(PeerTimeout, match="could not be queued"):
+            c.begin([(0, "stats", {}), (1, "stats", {})])
+        assert c.peers.socks[0] is not first and first.closed   # shard 0's request: dropped
+        assert c.peers.socks[1] is second   # (nothing of this step's is queued there)
+    finally:
+        c.close()
+        ctx.term()
+
+
 def test_a_request_goes_as_wire_encode_makes_it(monkeypatch):
     """`Peers.send` takes the header's fields out of its keywords itself (not spread into
     `wire.encode`'s): the frames are what `wire.encode` makes of the same request."""

@@ -185,7 +185,13 @@ class ParameterClient:
         if self.job:   # (every request carries this job's token: a shard refuses another job's, `Shard._ours`)
             for _, _, kw in reqs:
                 kw["job"] = self.job
-        pending = {self.peers.send(i, op, rank=self.rank, **kw): (k, i) for k, (i, op, kw) in enumerate(reqs)}
+        pending: dict[int, tuple[int, int]] = {}
+        try:
+            for k, (i, op, kw) in enumerate(reqs):
+                pending[self.peers.send(i, op, rank=self.rank, **kw)] = (k, i)
+        except BaseException:   # (a shard whose queue has no room: PeerTimeout) the others sent are dropped
+            self._drop({i for _, i in pending.values()})
+            raise
         now = time.monotonic()
         return InFlight(list(reqs), pending, [None] * len(reqs), cancel, {i: now for i, _, _ in reqs})
 
@@ -401,7 +407,11 @@ class ParameterClient:
         """Give up `f`'s requests unanswered: a fresh connection to each shard that owes an
         answer drops what may still wait in ZeroMQ's queue (its frames are the caller's
         buffers, sent without copies, which its next step rewrites)."""
-        for i in {i for _, i in f.pending.values()}:
+        self._drop({i for _, i in f.pending.values()})
+
+    def _drop(self, shards: set[int]) -> None:
+        """What may still wait in ZeroMQ's queues to these shards, dropped (a fresh connection)."""
+        for i in shards:
             with contextlib.suppress(zmq.ZMQError):   # (a context terminated meanwhile: nothing queued is sent)
                 self.peers.reconnect(i)
 

@@ -124,8 +124,13 @@ LANE_SEND_S = 1.0
 # (`Peers.send`); then PeerTimeout.
 SEND_S = 5.0
 # A client tries to open a peer's lane at most this often (a daemon on another host, or
-# not up yet, has none: the attempt is one failed connect(2)).
+# not up yet, has none: the attempt is one failed connect(2)). After a try that found none,
+# the next is LANE_FIRST_RETRY_S later, each wait twice the one before, up to LANE_RETRY_S:
+# a shard opens its lane just after it binds, and a worker's first request, which may come
+# before, went over ZeroMQ for a whole second (a short job's every step: 15-20 % slower
+# steps in a quarter of bench/throughput.py's one-worker jobs).
 LANE_RETRY_S = 1.0
+LANE_FIRST_RETRY_S = 0.01
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -478,6 +483,7 @@ class Peers:
         self.lanes: list[lanes.Conn | None] = [None for _ in self.addresses]   # each peer's lane, if open
         self._lane_peer: dict[int, int] = {}   # an open lane's descriptor -> its peer
         self._lane_at = [0.0 for _ in self.addresses]   # time.monotonic() when `send` may next try to open one
+        self._lane_wait = [LANE_FIRST_RETRY_S for _ in self.addresses]   # ... after a try that finds none
         self.socks, self.monitors = [], []   # each peer's socket, and its handshakes' monitor (see `refused`)
         for a in self.addresses:
             sock, monitor = self._open(a)
@@ -508,6 +514,7 @@ class Peers:
         self._close(i)
         self._close_lane(i)
         self._lane_at[i] = 0.0   # (a lane too, a new one, at the next send)
+        self._lane_wait[i] = LANE_FIRST_RETRY_S
         self._pollers.clear()   # (they hold the closed socket)
         self.socks[i], self.monitors[i] = self._open(self.addresses[i])
         self.why[i] = ""
@@ -574,16 +581,19 @@ class Peers:
                 self.socks[i].poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT)
 
     def _open_lane(self, i: int) -> lanes.Conn | None:
-        """Peer i's lane, if it has one now (tried at most every LANE_RETRY_S)."""
+        """Peer i's lane, if it has one now (tried again sooner at first, then at most every
+        LANE_RETRY_S)."""
         now = time.monotonic()
         if now < self._lane_at[i]:
             return None
-        self._lane_at[i] = now + LANE_RETRY_S
         conn = lanes.connect(self.addresses[i])
-        if conn is not None:
-            self.lanes[i] = conn
-            self._lane_peer[conn.fd] = i
-            self._pollers.clear()   # (they poll the peer's lane too)
+        if conn is None:
+            self._lane_at[i] = now + self._lane_wait[i]
+            self._lane_wait[i] = min(LANE_RETRY_S, 2 * self._lane_wait[i])
+            return None
+        self.lanes[i] = conn
+        self._lane_peer[conn.fd] = i
+        self._pollers.clear()   # (they poll the peer's lane too)
         return conn
 
     def _close_lane(self, i: int) -> None:
@@ -598,7 +608,8 @@ class Peers:
         conn.close()
         now = time.monotonic()
         self.handshook[i] = now
-        self._lane_at[i] = now + LANE_RETRY_S
+        self._lane_at[i] = now + LANE_RETRY_S   # (a daemon that closed it, stopping: then sooner again)
+        self._lane_wait[i] = LANE_FIRST_RETRY_S
 
     def wait(self, pending: dict[int, int], timeout: float, what: str,
              cancel: Callable[[], bool] | None = None) -> dict[int, wire.Message]:

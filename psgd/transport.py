@@ -586,9 +586,9 @@ class Peers:
         now = time.monotonic()
         if now < self._lane_at[i]:
             return None
+        self._lane_at[i] = now + self._lane_wait[i]   # (before the try: one that raises waits too)
         conn = lanes.connect(self.addresses[i])
         if conn is None:
-            self._lane_at[i] = now + self._lane_wait[i]
             self._lane_wait[i] = min(LANE_RETRY_S, 2 * self._lane_wait[i])
             return None
         self.lanes[i] = conn

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from psgd import lane, wire
+from psgd import lane, transport, wire
 from psgd.config import Config, SecurityConfig
 from psgd.inprocess import InProcessCluster
 from psgd.transport import Peers, PeerTimeout, Service, server_socket
@@ -260,6 +260,10 @@ def test_a_lane_that_opens_after_the_first_request_is_taken_in_a_moment(port_blo
             time.sleep(0.001)
         took = time.monotonic() - start   # (tries at 0, 10, 30, 70, 150, 310 ms ...)
         assert peers.lanes[0] is None and 2 <= len(tries) <= 2 + math.log2(took / 0.01), (len(tries), took)
+        for _ in range(10):   # ... up to LANE_RETRY_S apart
+            peers._lane_at[0] = 0.0
+            peers.send(0, "stats")
+        assert peers._lane_wait[0] == transport.LANE_RETRY_S
         peers.reconnect(0)   # (the waits start again from 10 ms)
         peers.send(0, "stats")
         listener = lane.Listener.open(address)
@@ -267,6 +271,10 @@ def test_a_lane_that_opens_after_the_first_request_is_taken_in_a_moment(port_blo
         time.sleep(0.05)
         peers.send(0, "stats")
         assert peers.lanes[0] is not None
+        closed_at = time.monotonic()
+        peers._close_lane(0)   # a lane that failed: tried again a second later, then from 10 ms again
+        assert peers._lane_at[0] >= closed_at + transport.LANE_RETRY_S
+        assert peers._lane_wait[0] == transport.LANE_FIRST_RETRY_S
     finally:
         peers.close()
         if listener is not None:

@@ -26,9 +26,9 @@ def test_the_wait_for_the_initial_values_is_not_counted(port_block, monkeypatch)
     from psgd.workers.client import ParameterClient
     init = ParameterClient.init
 
-    def late_init(self, tables):   # rank 0's values reach the shards 1.5 s after the job started
+    def late_init(self, tables):   # rank 0's values reach the shards 3 s after the job started
         if tables is not None:
-            time.sleep(1.5)
+            time.sleep(3.0)
         return init(self, tables)
     monkeypatch.setattr(ParameterClient, "init", late_init)
 
@@ -54,6 +54,7 @@ def test_the_wait_for_the_initial_values_is_not_counted(port_block, monkeypatch)
         for t in threads:
             t.join(timeout=60)
     assert not [k for k in got if isinstance(k, tuple)], got
-    wait, elapsed = got[1]           # rank 1 waited about 1.5 s for rank 0's values, before training
+    wait, elapsed = got[1]           # rank 1 waited up to 3 s for rank 0's values, before training
     assert wait <= elapsed, (wait, elapsed)
-    assert wait < 1.4, (wait, elapsed)   # the 1.5 s before the values came is not in it
+    assert wait < 1.5, (wait, elapsed)   # the seconds before the values came are not in it (it joins
+    #                                      later than rank 0 began its sleep: a margin, on a loaded machine)

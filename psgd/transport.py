@@ -127,8 +127,8 @@ SEND_S = 5.0
 # not up yet, has none: the attempt is one failed connect(2)). After a try that found none,
 # the next is LANE_FIRST_RETRY_S later, each wait twice the one before, up to LANE_RETRY_S:
 # a shard opens its lane just after it binds, and a worker's first request, which may come
-# before, went over ZeroMQ for a whole second (a short job's every step: 15-20 % slower
-# steps in a quarter of bench/throughput.py's one-worker jobs).
+# before, went over ZeroMQ for a whole second (a short job's every step: about 20 % slower
+# steps in 5 of 20 of bench/throughput.py's one-worker jobs).
 LANE_RETRY_S = 1.0
 LANE_FIRST_RETRY_S = 0.01
 
@@ -608,7 +608,7 @@ class Peers:
         conn.close()
         now = time.monotonic()
         self.handshook[i] = now
-        self._lane_at[i] = now + LANE_RETRY_S   # (a daemon that closed it, stopping: then sooner again)
+        self._lane_at[i] = now + LANE_RETRY_S   # (its daemon may be stopping: a second, then 10 ms on)
         self._lane_wait[i] = LANE_FIRST_RETRY_S
 
     def wait(self, pending: dict[int, int], timeout: float, what: str,

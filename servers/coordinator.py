@@ -781,24 +781,24 @@ class Coordinator:
         elif self.phase == "final_eval" and now > self.final_deadline:
             log("coordinator", "no final evaluation arrived in time; writing the summary without it")
             self._settle(now)
-        elif self.phase == "final_eval" and self.evaluator_seen and self.evaluator_closed and \
-                now - self.evaluator_seen > self.cfg.cluster.heartbeat_timeout_s:
-            # Its process ended (a restart of the evaluator during training that had not
-            # registered yet lost the job's final score, given up as a stopped one): a
-            # supervisor starts it again, and its score is waited for, up to final_deadline.
-            if not self.evaluator_awaited:
-                self.evaluator_awaited = True
-                log("coordinator", f"the evaluator's connection closed, {now - self.evaluator_seen:.1f} s without "
-                    f"a heartbeat: its process ended; waiting up to {self.final_deadline - now:.0f} s "
-                    f"(cluster.timeout_s) for it to be started again")
         elif self.phase == "final_eval" and self.evaluator_seen and \
                 now - self.evaluator_seen > self.cfg.cluster.heartbeat_timeout_s:
-            # (as a worker is dropped: a stopped evaluator held the job's end for cluster.timeout_s)
-            log("coordinator", f"the evaluator has not heartbeated for {now - self.evaluator_seen:.1f} s "
-                f"(cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s:g}): stopped, or cut off "
-                f"from here; writing the summary without a final evaluation")
-            self.evaluator_lost = True   # (nor is it waited for to hear `done`: `_lingered`)
-            self._settle(now)
+            if self.evaluator_closed:
+                # Its process ended (a restart of the evaluator during training that had not
+                # registered yet lost the job's final score, given up as a stopped one): a
+                # supervisor starts it again, and its score is waited for, up to final_deadline.
+                if not self.evaluator_awaited:
+                    self.evaluator_awaited = True
+                    log("coordinator", f"the evaluator's connection closed, {now - self.evaluator_seen:.1f} s "
+                        f"without a heartbeat: its process ended; waiting up to {self.final_deadline - now:.0f} s "
+                        f"(cluster.timeout_s) for it to be started again")
+            else:
+                # (as a worker is dropped: a stopped evaluator held the job's end for cluster.timeout_s)
+                log("coordinator", f"the evaluator has not heartbeated for {now - self.evaluator_seen:.1f} s "
+                    f"(cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s:g}): stopped, or cut "
+                    f"off from here; writing the summary without a final evaluation")
+                self.evaluator_lost = True   # (nor is it waited for to hear `done`: `_lingered`)
+                self._settle(now)
         elif self.phase == "settling":
             self._settle(now)
         if self.scalars and self.phase == "training" and now - self._scalars_at >= PROGRESS_EVERY_S:

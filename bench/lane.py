@@ -18,7 +18,7 @@ and reads the answer's payload. Ways:
   they sleep (the I/O threads still sleep in epoll).
 - `lane`: psgd's `lane.Conn` over a Unix socket, both sides waiting in poll(2).
 - `lane_spin`: the same, both sides looking for the message for up to `--spin-us`
-  (`transport.spin`, as `cluster.spin_us`) before they sleep.
+  (`spinning.spin`, as `cluster.spin_us`) before they sleep.
 
 It times the step (compute + round trip) and the round trip alone (from the send to
 the answer read), the mean of `--steps` after 300 warm-up steps; each repeat runs the
@@ -44,7 +44,7 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
     import numpy as np
     import zmq
 
-    from psgd import lane, transport
+    from psgd import lane, spinning, transport
     child_ignores_ctrl_c()
     payload = np.ones(nbytes, np.uint8)
     parent = os.getppid()
@@ -62,7 +62,7 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
         looking.register(sock, zmq.POLLIN)
         while True:
             if spin_s:
-                transport.spin(looking, spin_s)
+                spinning.spin(looking, spin_s)
             try:
                 frames = sock.recv_multipart(copy=False)
             except zmq.Again:
@@ -86,7 +86,7 @@ def echo(way: str, where: str, nbytes: int, spin_s: float, ready) -> None:
     poller = zmq.Poller()
     poller.register(conn.fd, zmq.POLLIN)
     while True:
-        if not (spin_s and transport.spin(poller, spin_s)):
+        if not (spin_s and spinning.spin(poller, spin_s)):
             poller.poll(10_000)
         try:
             for _ in conn.messages(1 << 30):
@@ -120,7 +120,7 @@ def _timed(way: str, where: str, nbytes: int, steps: int, spin_s: float, port: i
     import torch
     import zmq
 
-    from psgd import lane, transport
+    from psgd import lane, spinning, transport
     end = time.monotonic() + 30
     while not ready.wait(0.1):
         if not proc.is_alive() or time.monotonic() > end:
@@ -145,7 +145,7 @@ def _timed(way: str, where: str, nbytes: int, steps: int, spin_s: float, port: i
         def round_trip() -> None:
             sock.send_multipart([b"h", payload], copy=False)
             if spin_s:
-                transport.spin(poller, spin_s)
+                spinning.spin(poller, spin_s)
             np.frombuffer(sock.recv_multipart(copy=False)[1].buffer, np.uint8).sum()
     else:
         conn = lane.connect(where)
@@ -156,7 +156,7 @@ def _timed(way: str, where: str, nbytes: int, steps: int, spin_s: float, port: i
             conn.send([b"h", payload], 1.0)
             got: list = []
             while not got:
-                if not (spin_s and transport.spin(poller, spin_s)):
+                if not (spin_s and spinning.spin(poller, spin_s)):
                     poller.poll(10_000)
                 got = conn.messages(1 << 30)
             np.frombuffer(got[0][1], np.uint8).sum()

@@ -41,7 +41,8 @@ MODES: tuple[str, ...] = consistency.NAMES
 # model of two versions.
 SET_CHECKED_ENV = "PSGD_CHECKPOINT_SET_CHECKED"
 # `cluster.spin_us`: the most a worker or a shard may poll for a message before it sleeps, and
-# what auto (-1) gives where `psgd run`'s busy processes fit its cores (`launcher.spin_for`)
+# what auto (-1) gives where `psgd run`'s busy processes fit its cores (`launcher.spin_for`;
+# spins rest while the machine's other work wants the CPU: psgd/spinning.py)
 MAX_SPIN_US = 100_000.0
 AUTO_SPIN_US = 1000.0
 CPU_ENV = "PSGD_CPU"   # the CPU that `psgd run` pins a daemon to (`cluster.pin_cpus`; psgd/forkserver.py `take_cpu`)

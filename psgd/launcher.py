@@ -199,7 +199,8 @@ def spin_for(cfg: Config, cores: int | None = None) -> Config:
     compute). Over ZeroMQ each process's I/O thread, and its peer's, still needs a CPU
     while it spins: measured unpinned at W = 1, S = 1 on 2 cores (docs/performance.md,
     "ZeroMQ's waits spin too"), where it helped; not measured with `cluster.pin_cpus`,
-    which puts the I/O thread on its process's one CPU."""
+    which puts the I/O thread on its process's one CPU. Other programs' processes are not
+    counted here: each waiting thread watches for them itself (`spinning.Spinner`)."""
     if cfg.cluster.spin_us != -1:
         return cfg
     cores = available_cores() if cores is None else cores

@@ -31,6 +31,7 @@ from . import wire
 from .config import ConfigError, SecurityConfig, tcp_parts
 from .log import log
 from .metrics import OutputError, fd_limit
+from .spinning import Spinner
 
 try:
     import resource
@@ -446,25 +447,6 @@ def is_loopback(address: str) -> bool:
     return not address.startswith("tcp://") or address[6:].startswith(LOOPBACK)
 
 
-def spin(poller: zmq.Poller, spin_s: float) -> list:
-    """What `poller` has within `spin_s`, looked for without sleeping ([] if nothing).
-
-    A process that sleeps until its answer comes is woken by the kernel when it does: on
-    another CPU that had gone idle, an interrupt to it, which took tens of µs on this
-    project's machine (a virtual one) for each message each way; and a CPU that slept
-    computes slower at first. One that looks meanwhile is not asleep: the sender's write
-    wakes nobody. It costs a CPU for that time, which is why `cluster.spin_us` is 0 where
-    a job's busy processes outnumber the cores (`launcher.spin_for`). A ZeroMQ socket's
-    messages come through its I/O thread, which sleeps in epoll either way, but the
-    process that looks is still spared its own wake-up (bench/lane.py's `zmq_spin` and
-    `lane_spin` ways; docs/performance.md, "The same-host lane")."""
-    until = time.perf_counter() + spin_s
-    while True:
-        events = poller.poll(0)
-        if events or time.perf_counter() >= until:
-            return events
-
-
 class Peers:
     """DEALER sockets to a list of peers, with request ids and deadlines."""
 
@@ -474,12 +456,12 @@ class Peers:
                  spin_s: float = 0.0):
         """`lane`: send a request on the peer's same-host lane (psgd.lane) where there is
         one and the request fits it; never with CurveZMQ (a lane has no handshake). A wait
-        for an answer looks for it for up to `spin_s` before it sleeps (`spin`)."""
+        for an answer looks for it for up to `spin_s` before it sleeps (`spinning.Spinner`)."""
         self.addresses = list(addresses)
         self.security = security
         self.ctx = ctx
         self.lane = lane and not security.curve
-        self.spin_s = spin_s
+        self.spinner = Spinner(spin_s)
         self.lanes: list[lanes.Conn | None] = [None for _ in self.addresses]   # each peer's lane, if open
         self._lane_peer: dict[int, int] = {}   # an open lane's descriptor -> its peer
         self._lane_at = [0.0 for _ in self.addresses]   # time.monotonic() when `send` may next try to open one
@@ -649,7 +631,7 @@ class Peers:
                 raise exc
             polled = True  # cancel() is asked only after a poll: an answer already here is taken
             last_look = left <= 0
-            events = spin(poller, min(self.spin_s, left)) if left > 0 and self.spin_s else None
+            events = self.spinner.poll(poller, left) if left > 0 else None
             for sock, _ in events or poller.poll(max(0, int(min(left, 0.2 if cancel else 1.0) * 1000))):
                 if type(sock) is int:   # a lane's descriptor
                     self._read_lane(self._lane_peer.get(sock, -1), pending, got)
@@ -746,7 +728,7 @@ class Service:
         """`lane`, when given, is where same-host clients connect (psgd.lane): their requests
         are served as the socket's, under a routing token of their own (an int), and
         answered on their lane. `poll` looks for a request (on the socket and the lanes)
-        for up to `spin_s` before it sleeps (`spin`). `sent`, when given, is called after the replies
+        for up to `spin_s` before it sleeps (`spinning.Spinner`). `sent`, when given, is called after the replies
         of each event have been handed to ZeroMQ; `in_flight` then says whether ZeroMQ may
         still read any of their frames.
         `name` is what error replies call the daemon ("the coordinator", "shard 0"), `role`
@@ -775,7 +757,7 @@ class Service:
         self._fds_back = 0            # checks in a row that found one since the log said it had none
         self._say_fds_at = 0.0        # time.monotonic() from which the log may say it again
         self.lane = lane
-        self.spin_s = spin_s
+        self.spinner = Spinner(spin_s)
         self._leaving: list[zmq.MessageTracker] | None = None   # `track_leaving`: the replies since
         self._lanes: dict[int, lanes.Conn] = {}       # the lanes open to it, by descriptor
         self._lane_of: dict[int, lanes.Conn] = {}     # ... by routing token
@@ -817,7 +799,7 @@ class Service:
 
     def poll(self, timeout_ms: int) -> None:
         """Serve whatever arrives within `timeout_ms` (and what is queued, see `drain`)."""
-        events = spin(self.poller, min(self.spin_s, timeout_ms / 1000)) if self.spin_s else None
+        events = self.spinner.poll(self.poller, timeout_ms / 1000)
         if not events:
             events = self.poller.poll(timeout_ms)
         if events:

@@ -65,6 +65,8 @@ BAD = [
     ("transport", ["--sizes", "infK"], "--sizes"),               # OverflowError's traceback
     ("transport", ["--sizes", "1e30K"], "--sizes"),              # psgd's ConfigError's, with processes started
     ("scaling", ["--quick", "--models", "resnet20"], "--quick"),  # ran the mlp without a word
+    ("busy", ["--busy", "0"], "--busy"),
+    ("busy", ["--repeats", "0"], "--repeats"),
 ]
 
 
@@ -72,7 +74,7 @@ BAD = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bench,args,named", BAD, ids=[f"{b}-{' '.join(a)}" for b, a, _ in BAD])
 def test_bad_flag_is_a_usage_error(tmp_path, bench: str, args: list[str], named: str) -> None:
-    keep = [] if bench in ("control", "lane") else ["--keep", str(tmp_path / "keep")]
+    keep = [] if bench in ("control", "lane", "busy") else ["--keep", str(tmp_path / "keep")]
     r = subprocess.run([sys.executable, "-m", f"bench.{bench}", *args, *keep], cwd=REPO, capture_output=True,
                        text=True, timeout=50, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 2, r.stdout + r.stderr
@@ -395,6 +397,41 @@ def test_throughput_stopped_during_a_baseline_stops_its_ranks_at_once() -> None:
             p.kill()
             p.wait(timeout=10)
         for c in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_busy_stopped_leaves_no_busy_process(sig: int) -> None:
+    """bench.busy's processes that only compute end with it, stopped during a job beside
+    them (SIGTERM: it stops them; SIGKILL: they see it gone)."""
+    from psgd.metrics import proc_stat
+    from tests.conftest import children
+    # (its jobs, faked: the idle ones (4 at --repeats 1) done at once, the first beside the busy ones held)
+    code = ("import itertools, sys, time\nimport bench.busy as m\njobs = itertools.count(1)\n"
+            "def job(*a, **k):\n    if next(jobs) <= 4:\n        return {'steady': 1.0}\n"
+            "    print('started', flush=True)\n    time.sleep(60)\n"
+            "m.run_psgd = job\nsys.argv = ['busy', '--busy', '2', '--repeats', '1']\nm.main_of(m.main)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": REPO})
+    busy: set[int] = set()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "started"
+        busy = {c for c in children(p.pid) if "getppid" in _cmdline(c)}
+        assert len(busy) == 2, children(p.pid)
+        p.send_signal(sig)
+        assert p.wait(timeout=20) == (128 + sig if sig == signal.SIGTERM else -sig)
+        deadline = time.monotonic() + 10
+        while (left := {c for c in busy if (proc_stat(c) or "Z")[0] != "Z"}) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"busy processes left running: {left}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+        for c in busy:
             with contextlib.suppress(OSError):
                 os.kill(c, signal.SIGKILL)
 

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import zmq
 
-from psgd import lane, transport, wire
+from psgd import lane, spinning, transport, wire
 from psgd.config import Config, SecurityConfig
 from psgd.inprocess import InProcessCluster
+from psgd.spinning import Spinner
 from psgd.transport import Peers, PeerTimeout, Service, server_socket
 from psgd.workers.client import ParameterClient
 
@@ -217,7 +218,7 @@ def call(echo: Echo, peers: Peers, **kw) -> wire.Message:
 def served(port: int, spin_s: float = 0.0, lane: bool = True):
     """An Echo daemon on `port` and a client of it with lanes on (`lane`), both spinning `spin_s`."""
     echo = Echo(port)
-    echo.service.spin_s = spin_s
+    echo.service.spinner = Spinner(spin_s)
     peers = Peers(echo.ctx, [echo.address], SecurityConfig(), lane=lane, spin_s=spin_s)
     try:
         yield echo, peers
@@ -346,7 +347,7 @@ def test_a_workers_steps_go_on_its_shards_lanes(port_block):
 # ---------------------------------------------------------------- looking before sleeping
 @pytest.mark.unit
 def test_spin_returns_what_arrives_and_nothing_after_its_time():
-    from psgd.transport import spin
+    from psgd.spinning import spin
     a, b = pair()
     poller = zmq.Poller()
     poller.register(b.fd, zmq.POLLIN)
@@ -375,14 +376,13 @@ def test_psgd_run_spins_only_where_its_busy_processes_fit_the_cores():
 def test_a_spinning_client_and_daemon_answer_as_a_sleeping_pair_does(port_block, monkeypatch, on_lane):
     """Over ZeroMQ too (bench/lane.py's `zmq_spin`: the looking process is spared its
     own wake-up): before, only waits on lanes spun."""
-    from psgd import transport
     looked = []
 
     def counted(poller, spin_s):
         looked.append(spin_s)
         return spin(poller, spin_s)
-    spin = transport.spin
-    monkeypatch.setattr(transport, "spin", counted)
+    spin = spinning.spin
+    monkeypatch.setattr(spinning, "spin", counted)
     with served(port_block(1), spin_s=0.002, lane=on_lane) as (echo, peers):
         for _ in range(5):
             assert call(echo, peers).get("lane") is on_lane

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -361,6 +362,34 @@ def test_gpu_sh_names_a_python_without_torch_not_a_missing_gpu(tmp_path) -> None
     assert "cannot import torch" in r.stderr and "no usable GPU" not in r.stderr, r.stderr
 
 
+@contextlib.contextmanager
+def _script(code: str) -> Iterator[tuple[subprocess.Popen, set[int]]]:
+    """`python -c code`, which prints "started" when it is under way, and a set of its
+    processes for the test to fill: each is killed at the end, as the script is."""
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": REPO})
+    pids: set[int] = set()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "started"
+        yield p, pids
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+        for c in pids:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+
+
+def _running(pids: set[int], within: float = 10) -> set[int]:
+    """Those of `pids` still running (zombies are not) after up to `within` seconds."""
+    from psgd.metrics import proc_stat
+    deadline = time.monotonic() + within
+    while (left := {c for c in pids if (proc_stat(c) or "Z")[0] != "Z"}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_throughput_stopped_during_a_baseline_stops_its_ranks_at_once() -> None:
@@ -372,14 +401,10 @@ def test_throughput_stopped_during_a_baseline_stops_its_ranks_at_once() -> None:
     code = ("import bench.throughput as m\nfrom bench.common import stop_on_signals\nstop_on_signals()\n"
             "print('started', flush=True)\n"
             "m.run_loops(m.MODELS['mlp'][0] + m.COMMON, 2, 10 ** 9, 'cpu', None, 50)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": REPO})
-    ranks: set[int] = set()
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "started"
+    with _script(code) as (p, ranks):
         deadline = time.monotonic() + 60
         while len(ranks) < 2 and time.monotonic() < deadline:   # the two ranks (spawn's resource tracker aside)
-            ranks = {c for c in children(p.pid) if "multiprocessing.spawn" in _cmdline(c)}
+            ranks |= {c for c in children(p.pid) if "multiprocessing.spawn" in _cmdline(c)}
             time.sleep(0.2)
         assert len(ranks) == 2, children(p.pid)
         time.sleep(1.0)
@@ -387,18 +412,8 @@ def test_throughput_stopped_during_a_baseline_stops_its_ranks_at_once() -> None:
         t = time.monotonic()
         p.wait(timeout=30)
         took = time.monotonic() - t
-        deadline = time.monotonic() + 10
-        while (left := {c for c in ranks if os.path.exists(f"/proc/{c}")}) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"ranks left running: {left}"
+        assert not (left := _running(ranks)), f"ranks left running: {left}"
         assert took < 8, f"the benchmark took {took:.1f} s to stop after SIGTERM"
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=10)
-        for c in ranks:
-            with contextlib.suppress(OSError):
-                os.kill(c, signal.SIGKILL)
 
 
 @pytest.mark.processes
@@ -407,33 +422,18 @@ def test_throughput_stopped_during_a_baseline_stops_its_ranks_at_once() -> None:
 def test_busy_stopped_leaves_no_busy_process(sig: int) -> None:
     """bench.busy's processes that only compute end with it, stopped during a job beside
     them (SIGTERM: it stops them; SIGKILL: they see it gone)."""
-    from psgd.metrics import proc_stat
     from tests.conftest import children
     # (its jobs, faked: the idle ones (4 at --repeats 1) done at once, the first beside the busy ones held)
     code = ("import itertools, sys, time\nimport bench.busy as m\njobs = itertools.count(1)\n"
             "def job(*a, **k):\n    if next(jobs) <= 4:\n        return {'steady': 1.0}\n"
             "    print('started', flush=True)\n    time.sleep(60)\n"
             "m.run_psgd = job\nsys.argv = ['busy', '--busy', '2', '--repeats', '1']\nm.main_of(m.main)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": REPO})
-    busy: set[int] = set()
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "started"
-        busy = {c for c in children(p.pid) if "getppid" in _cmdline(c)}
+    with _script(code) as (p, busy):
+        busy |= {c for c in children(p.pid) if "getppid" in _cmdline(c)}
         assert len(busy) == 2, children(p.pid)
         p.send_signal(sig)
         assert p.wait(timeout=20) == (128 + sig if sig == signal.SIGTERM else -sig)
-        deadline = time.monotonic() + 10
-        while (left := {c for c in busy if (proc_stat(c) or "Z")[0] != "Z"}) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"busy processes left running: {left}"
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=10)
-        for c in busy:
-            with contextlib.suppress(OSError):
-                os.kill(c, signal.SIGKILL)
+        assert not (left := _running(busy)), f"busy processes left running: {left}"
 
 
 def _cmdline(pid: int) -> str:

@@ -10,8 +10,8 @@ count. This runs psgd's one-worker, one-shard MLP job (as bench/throughput.py's 
 part: evaluation off, batch 32, one compute thread per process) spinning as `psgd run`
 decides (`spin_us` auto) against the same job not spinning (`cluster.spin_us = 0`), on
 an idle machine and beside `--busy` processes that do nothing but compute (default: the
-cores less one), for `sync` and for `async` with prefetch. Each pair's jobs alternate,
-and each ratio is the median of the repeats' own ratios (spinning / not spinning):
+cores less one), for `sync` and for `async` with prefetch. Each pair's jobs alternate
+(which goes first, in turn), and each ratio is the median of the repeats' own ratios (spinning / not spinning):
 `ratio_busy_<mode>` beside the busy processes, `ratio_idle_<mode>` without them.
 Above 1, spinning pays; below, it costs.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from bench.common import (
     main_of,
     number,
     progress,
+    psgd_config,
     run_psgd,
     stop_on_signals,
     table,
@@ -68,26 +70,34 @@ class Busy:
 
 
 def main() -> None:
+    from psgd.launcher import available_cores, spin_for
     stop_on_signals()
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     ap = argparse.ArgumentParser(prog="python -m bench.busy", description=__doc__.split("\n")[0])
-    ap.add_argument("--busy", type=number(int, 1), default=max(1, cores - 1),
-                    help="busy processes beside the job (default: the cores less one)")
+    ap.add_argument("--busy", type=number(int, 1, maximum=4 * cores), default=max(1, cores - 1),
+                    help="busy processes beside the job (default: the cores less one; at most 4 a core)")
     ap.add_argument("--repeats", type=number(int, 1), default=3)
     a = ap.parse_args()
     keys, steps, warm = MODELS["mlp"]
     base = [*keys, *COMMON, f"train.steps={steps}", "cluster.workers=1", "cluster.servers=1"]
+    if not spin_for(psgd_config(base)).cluster.spin_us:
+        ap.error(f"psgd run does not spin this job on {cores} core{'s' * (cores != 1)} (its worker and shard "
+                 f"need one each): there is nothing to compare")
     work = tempfile.mkdtemp(prefix="psgd-bench-busy-")
     rates: dict[tuple[str, str, str], list[float]] = {}
-    for where, n in (("idle", 0), ("busy", a.busy)):
-        with Busy(n):
-            for r in range(a.repeats):
-                for mode, sets in MODES.items():
-                    for way, spin in (("spinning", []), ("sleeping", ["cluster.spin_us=0"])):
-                        progress(f"{where}: {mode} {way}, repeat {r + 1}/{a.repeats}")
-                        out = fresh_folder(os.path.join(work, "job"))
-                        rate = run_psgd([*base, *sets, *spin], out, warm)["steady"]
-                        rates.setdefault((where, mode, way), []).append(rate)
+    ways = [("spinning", []), ("sleeping", ["cluster.spin_us=0"])]
+    try:
+        for where, n in (("idle", 0), ("busy", a.busy)):
+            with Busy(n):
+                for r in range(a.repeats):
+                    for mode, sets in MODES.items():
+                        for way, spin in ways if r % 2 == 0 else ways[::-1]:   # (either first in turn)
+                            progress(f"{where}: {mode} {way}, repeat {r + 1}/{a.repeats}")
+                            out = fresh_folder(os.path.join(work, "job"))
+                            rate = run_psgd([*base, *sets, *spin], out, warm)["steady"]
+                            rates.setdefault((where, mode, way), []).append(rate)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     rows, result = [], {}
     for where in ("idle", "busy"):
         for mode in MODES:

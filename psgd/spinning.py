@@ -13,17 +13,20 @@ Looking holds a CPU. `psgd run` spins only where the job's busy processes fit th
 (`launcher.spin_for`), but it cannot see what else the machine runs: another job, a
 build, a test suite. There a spinning worker burns the share of a CPU that its compute,
 or its shard, needed: beside one process of another program that only computes, on two
-cores, a one-worker MLP job that spun ran at 14,900-15,700 samples/s against
-45,000-47,600 with `cluster.spin_us = 0` (bench/busy.py). So `Spinner` watches how long
-its thread waits for a CPU while it is runnable (the kernel's schedstat): the worker and
-the shard of that job waited under 1 % of the time alone, about 40 % beside the busy
-process. Where the thread waited more than WAIT_SHARE of a window of spinning, the spins
-rest, and are tried again after the rest (a job on a machine whose other work stopped
-spins again).
+cores, a one-worker MLP job that spun ran at about a third of the speed of the same job
+with `cluster.spin_us = 0` (bench/busy.py, `ratio_busy_*` 0.31-0.33). So each waiting
+thread's `Spinner` watches how much of the time its thread was runnable it spent
+waiting for a CPU (the kernel's schedstat): the worker and the shard of that job, under
+1 % alone, about 45 % beside the busy process. Where that passed WAIT_SHARE over a window
+(at least WINDOW_S between its waits, and RUNNABLE_S runnable), its waits stop spinning
+for a rest, 1 s, then twice as long after each such window, up to 16 s; each rest ends
+with a window of spinning again (a job on a machine whose other work stopped spins on,
+and its rests are 1 s again).
 """
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,32 +42,39 @@ def spin(poller: zmq.Poller, spin_s: float) -> list:
             return events
 
 
-def cpu_wait_s() -> float | None:
-    """How long the calling thread has waited for a CPU while runnable, in all (seconds;
-    the second field of Linux's /proc/thread-self/schedstat); None where the kernel does
-    not say."""
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def cpu_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
+    """How long the calling thread has run on a CPU, and waited for one while runnable, in
+    all (seconds: the first two fields of Linux's /proc/thread-self/schedstat); None where
+    the kernel does not say (not Linux; a kernel that keeps no such count reads 0 0)."""
     try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1]) * 1e-9
-    except (OSError, IndexError, ValueError):
+        with open(path, "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) * 1e-9, int(waited) * 1e-9
+    except (OSError, ValueError):
         return None
 
 
 class Spinner:
     """A thread's waits: each looks for up to `spin_s` (`poll`) before its caller sleeps,
-    but not while its spins rest (see the module's docstring). One thread's: the CPU wait
-    it reads is the calling thread's."""
+    but not while its spins rest (see the module's docstring). One thread's: the times it
+    reads are the calling thread's (a window begun on another thread is begun again)."""
 
-    WINDOW_S = 0.1     # the wall time over which the thread's wait for a CPU is judged, spinning
-    WAIT_SHARE = 0.1   # the share of that window, waited for a CPU, above which the spins rest
+    WINDOW_S = 0.05    # the wall time, at least, over which the thread's wait for a CPU is judged
+    RUNNABLE_S = 0.01  # ... and the thread's time runnable (on a CPU or waiting for one), at least
+    WAIT_SHARE = 0.1   # the share of that runnable time spent waiting above which the spins rest
     REST_S = 1.0       # the first rest; doubled after each window that waited, up to MAX_REST_S,
     MAX_REST_S = 16.0  # and back to REST_S after one that did not
 
     def __init__(self, spin_s: float, clock: Callable[[], float] = time.monotonic,
-                 waited: Callable[[], float | None] = cpu_wait_s):
+                 times: Callable[[], tuple[float, float] | None] = cpu_times):
         self.spin_s = spin_s
-        self._clock, self._waited = clock, waited
-        self._window: tuple[float, float] | None = None   # (clock, waited) where the window began
+        self._clock, self._times = clock, times
+        # where the window began: (clock, the thread's run and wait times, the thread); None before
+        # a window (the first wait, the first after a rest)
+        self._window: tuple[float, float, float, int] | None = None
         self._rest_s = self.REST_S
         self._until = 0.0    # clock() before which no wait spins
         self.rests = 0       # how many times the spins rested
@@ -77,24 +87,32 @@ class Spinner:
         now = self._clock()
         if now < self._until:
             return []
-        if self._window is None:   # (where the kernel keeps no such count, no window ends: it spins as told)
-            waited = self._waited()
-            self._window = (now, waited) if waited is not None else (math.inf, 0.0)
+        if self._window is None or self._window[3] != threading.get_ident():
+            self._begin(now)
         elif now - self._window[0] >= self.WINDOW_S and self._rests(now):
             return []
         return spin(poller, min(self.spin_s, limit_s))
 
+    def _begin(self, now: float) -> None:
+        """A window begins (where the kernel keeps no such count, none ends: it spins as told)."""
+        times = self._times()
+        self._window = (now if times else math.inf, *(times or (0.0, 0.0)), threading.get_ident())
+
     def _rests(self, now: float) -> bool:
-        """A window of spinning is over: whether its thread waited for a CPU, and so rests."""
+        """A window may be over: whether its thread waited for a CPU, and so rests."""
         assert self._window is not None
-        began, waited_then = self._window
-        waited = self._waited()
-        if waited is not None and waited - waited_then > self.WAIT_SHARE * (now - began):
+        times = self._times()
+        if times is None:
+            return False
+        ran, waited = times[0] - self._window[1], times[1] - self._window[2]
+        if ran + waited < self.RUNNABLE_S:   # (too little of its time wanted a CPU to judge: the window goes on)
+            return False
+        if waited > self.WAIT_SHARE * (ran + waited):
             self._until = now + self._rest_s
             self._rest_s = min(2 * self._rest_s, self.MAX_REST_S)
             self.rests += 1
             self._window = None   # (a new one begins with the first wait after the rest)
             return True
         self._rest_s = self.REST_S
-        self._window = (now, waited_then if waited is None else waited)
+        self._begin(now)
         return False

@@ -68,6 +68,7 @@ BAD = [
     ("scaling", ["--quick", "--models", "resnet20"], "--quick"),  # ran the mlp without a word
     ("busy", ["--busy", "0"], "--busy"),
     ("busy", ["--repeats", "0"], "--repeats"),
+    ("busy", ["--busy", "100000"], "--busy"),                   # as many interpreters started
 ]
 
 
@@ -124,6 +125,15 @@ def _main_with(module: str, patch: str, args: list[str], timeout: float = 50) ->
     code = f"import sys\nimport bench.{module} as m\n{patch}\nsys.argv = ['{module}', *{args!r}]\nm.main()\n"
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": REPO})
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_busy_on_one_core_says_there_is_nothing_to_compare() -> None:
+    """On one core `psgd run` spins no job: the two sides would be the same job."""
+    r = _main_with("busy", "import psgd.launcher\npsgd.launcher.available_cores = lambda: 1", [])
+    assert r.returncode == 2 and "nothing to compare" in r.stderr.splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr and "[bench]" not in r.stderr
 
 
 @pytest.mark.processes

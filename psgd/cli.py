@@ -338,6 +338,7 @@ def cmd_run(args) -> int:
         ended_before,
         file_stamps,
         format_summary,
+        oversubscribed,
         resumable,
         run_local,
         written_since,
@@ -393,9 +394,9 @@ def cmd_run(args) -> int:
         say(f"psgd run: {how} after the job had ended; its outputs are complete")
         s = ended
     print(format_summary(s))
-    idle = untrained_warning(s, bool(script))
-    if idle:
-        print(f"psgd run: warning: {idle}", file=sys.stderr)
+    for warning in (untrained_warning(s, bool(script)), cpu_wait_warning(s, bool(oversubscribed(cfg)))):
+        if warning:
+            print(f"psgd run: warning: {warning}", file=sys.stderr)
     saved = written_since(model, before)  # not an earlier job's
     print(f"summary: {os.path.join(out, 'summary.json')}" + (f"  model: {model}" if saved else ""))
     if not saved:
@@ -406,6 +407,23 @@ def cmd_run(args) -> int:
                  f"{'rank 0' if script else 'the evaluator'} did not write it; {out}/logs/"
                  f"{'worker-0' if script else 'evaluator-0'}.log says why)"), file=sys.stderr)
     return 0
+
+
+# summary.json's cpu_wait_fraction from which `psgd run` says that the job shared its cores
+CPU_WAIT_SAID = 0.1
+
+
+def cpu_wait_warning(s: dict, crowded: bool) -> str:
+    """What a job whose workers waited for a CPU (summary.json's cpu_wait_fraction, from
+    CPU_WAIT_SAID) should not be read as, or ''. Not where the job's own busy processes
+    outnumber the cores (`crowded`: said at its start, `launcher.oversubscribed`): its
+    workers then wait for its shards and evaluator as much as for anything else."""
+    share = s.get("cpu_wait_fraction")
+    if crowded or not isinstance(share, (int, float)) or share < CPU_WAIT_SAID:
+        return ""
+    return (f"its workers waited for a CPU {100 * share:.0f} % of the time they could run (summary.json's "
+            f"cpu_wait_fraction): other programs held the cores, and its times and samples/s show that load "
+            f"as much as the mode")
 
 
 def untrained_warning(s: dict, script: bool) -> str:

@@ -348,6 +348,27 @@ def proc_stat(pid: int | str = "self") -> tuple[str, int, int] | None:
         return None
 
 
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def schedstat_of(tid: int) -> str:
+    """The schedstat file of this process's thread `tid` (threading.get_native_id())."""
+    return f"/proc/self/task/{tid}/schedstat"
+
+
+def cpu_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
+    """How long a thread (default: the calling one; `schedstat_of`) has run on a CPU, and
+    waited for one while runnable, in all (seconds: the first two fields of Linux's
+    schedstat); None where the kernel does not say (not Linux; a kernel that keeps no
+    such count reads 0 0)."""
+    try:
+        with open(path, "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) * 1e-9, int(waited) * 1e-9
+    except (OSError, ValueError):
+        return None
+
+
 def process_start_time(pid: int | str = "self") -> float | None:
     """When process `pid` (default this one) was started (forked or exec'd), as a
     time.time() value: from /proc on Linux (to the kernel's clock tick, 10 ms); None
@@ -584,6 +605,8 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     busy = sum(float(s.get("elapsed_s", 0)) for s in worker_stats.values())
     wait = sum(float(s.get("wait_s", 0)) for s in worker_stats.values())
     traffic = sum(int(s.get("bytes_sent", 0)) + int(s.get("bytes_recv", 0)) for s in worker_stats.values())
+    cpu = [(float(s["cpu_run_s"]), float(s["cpu_wait_s"])) for s in worker_stats.values() if "cpu_wait_s" in s]
+    runnable = sum(ran + waited for ran, waited in cpu)
     reached = [e["t"] for e in evals if e["accuracy"] >= target]
     final = evals[-1] if evals else None
     missing = final_expected and not (final and final.get("final"))
@@ -604,6 +627,9 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "staleness": {"mean": round(hist.mean, 4), "max": hist.max, "hist": hist.as_dict()},
         "max_clock_gap": max((int(s.get("max_clock_gap", 0)) for s in server_stats.values()), default=0),
         "wait_fraction": round(wait / busy, 4) if busy > 0 else 0.0,
+        # the share of the workers' training threads' runnable time spent waiting for a CPU (other processes
+        # held the cores: the job's own beyond the cores, or other programs'); null where none was counted
+        "cpu_wait_fraction": round(sum(w for _, w in cpu) / runnable, 4) if runnable > 0 else None,
         "bytes_per_sample": round(traffic / samples, 1) if samples else 0.0,
         "failures": failures,
         "dropped_gradients": max((int(s.get("dropped", 0)) for s in server_stats.values()), default=0),

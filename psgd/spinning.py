@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import zmq
 
+from .metrics import cpu_times
+
 
 def spin(poller: zmq.Poller, spin_s: float) -> list:
     """What `poller` has within `spin_s`, looked for without sleeping ([] if nothing)."""
@@ -40,21 +42,6 @@ def spin(poller: zmq.Poller, spin_s: float) -> list:
         events = poller.poll(0)
         if events or time.perf_counter() >= until:
             return events
-
-
-SCHEDSTAT = "/proc/thread-self/schedstat"
-
-
-def cpu_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
-    """How long the calling thread has run on a CPU, and waited for one while runnable, in
-    all (seconds: the first two fields of Linux's /proc/thread-self/schedstat); None where
-    the kernel does not say (not Linux; a kernel that keeps no such count reads 0 0)."""
-    try:
-        with open(path, "rb") as f:
-            ran, waited = f.read().split()[:2]
-        return int(ran) * 1e-9, int(waited) * 1e-9
-    except (OSError, ValueError):
-        return None
 
 
 class Spinner:

@@ -1055,6 +1055,30 @@ def test_untrained_warning_only_for_a_job_of_no_samples():
     assert untrained_warning({"samples": 0}, script=True).endswith("does the script call ps.step() for each batch?")
 
 
+@pytest.mark.timeout(10)
+def test_cpu_wait_warning_from_a_tenth_of_the_workers_runnable_time():
+    from psgd.cli import cpu_wait_warning
+    for quiet in ({}, {"cpu_wait_fraction": None}, {"cpu_wait_fraction": 0.0999}):
+        assert cpu_wait_warning(quiet, crowded=False) == ""
+    assert cpu_wait_warning({"cpu_wait_fraction": 0.4512}, crowded=False).startswith(
+        "its workers waited for a CPU 45 % of the time they could run (summary.json's cpu_wait_fraction): other "
+        "programs held the cores")
+    # a job whose own busy processes outnumber the cores was warned of that at its start
+    assert cpu_wait_warning({"cpu_wait_fraction": 0.4512}, crowded=True) == ""
+
+
+@pytest.mark.timeout(10)
+def test_summary_cpu_wait_fraction_is_of_the_workers_runnable_time():
+    from psgd.metrics import summarize
+    common = dict(mode="sync", mode_params={}, workers=2, servers=1, wall_s=1.0, server_stats={}, evals=[],
+                  target=0.9, failures={})
+    both = {0: {"cpu_run_s": 3.0, "cpu_wait_s": 1.0}, 1: {"cpu_run_s": 1.0, "cpu_wait_s": 3.0}}
+    assert summarize(worker_stats=both, **common)["cpu_wait_fraction"] == 0.5   # (4 of 8 s runnable)
+    one = {0: {"cpu_run_s": 3.0, "cpu_wait_s": 1.0}, 1: {"samples": 10}}   # (a worker that counted none)
+    assert summarize(worker_stats=one, **common)["cpu_wait_fraction"] == 0.25
+    assert summarize(worker_stats={0: {"samples": 10}}, **common)["cpu_wait_fraction"] is None
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name,other", [("server", "client"), ("client", "server")])
 def test_keys_refuses_a_kept_public_key_that_is_no_key(tmp_path, capsys, name, other):

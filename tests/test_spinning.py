@@ -10,7 +10,8 @@ import time
 import pytest
 import zmq
 
-from psgd.spinning import Spinner, cpu_times
+from psgd.metrics import cpu_times
+from psgd.spinning import Spinner
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ from psgd.consistency.staleness import Histogram
 from psgd.data import DataError, load_dataset, worker_part
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink
-from psgd.metrics import EventLog, PidFile, earlier_lives
+from psgd.metrics import EventLog, PidFile, cpu_times, earlier_lives, schedstat_of
 from psgd.models import build_model
 from psgd.optim import denormals_flushed, make_optimizer
 from psgd.replica import OverlapUnsafe, Replica, check_device
@@ -111,6 +112,8 @@ class Worker:
         self.rejected = 0          # steps refused by the shards (or diverged locally)
         self.in_a_row = 0          # of them, since the last step the shards answered
         self.t_start = time.monotonic()
+        self.cpu: tuple[str, tuple[float, float]] | None = None   # the training thread's schedstat, and
+                                                                   # its run and wait times at `start`
         self.trained_s = 0.0       # how long the job had trained when this process joined it
         self.taken_back = False    # it took its rank over from a process the job still counted live
         self.registration = ""     # the live_id of its latest registration: its join reads name it (`since`)
@@ -125,7 +128,17 @@ class Worker:
                 "wait_s": round(c.waited() if c else 0.0, 4), "bytes_sent": c.bytes_sent if c else 0,
                 "bytes_recv": c.bytes_recv if c else 0, **self.hist.stats(),
                 "loss": self.loss if self.loss == self.loss else None, "retries": c.retries if c else 0,
-                "rejected": self.rejected}
+                "rejected": self.rejected, **self._cpu_times()}
+
+    def _cpu_times(self) -> dict:
+        """The training thread's time on a CPU and waiting for one (runnable: other processes
+        held the cores) since training began (`start`), for summary.json's
+        cpu_wait_fraction; none where the kernel does not say (`metrics.cpu_times`)."""
+        now = cpu_times(self.cpu[0]) if self.cpu else None
+        if now is None or self.cpu is None:
+            return {}
+        ran, waited = (round(t - t0, 4) for t, t0 in zip(now, self.cpu[1], strict=True))
+        return {"cpu_run_s": ran, "cpu_wait_s": waited}
 
     # ------------------------------------------------------------ set-up
     def run(self) -> int:
@@ -195,6 +208,9 @@ class Worker:
         self.t_start = time.monotonic()
         self.link.beat_soon()   # its count at its first step (`Counts`): not its beat before the initial values
         self.client.wait_s = 0.0  # wait_fraction is of the training time: the wait for the initial values is not
+        path = schedstat_of(threading.get_native_id())   # (this thread trains: `stats` may run on another)
+        times = cpu_times(path)
+        self.cpu = (path, times) if times and any(times) else None
         clock = self.clock
         schedule.start(self)
         if self.clock and hasattr(self, "batches"):   # (a script's worker draws its own batches)

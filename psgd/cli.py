@@ -409,8 +409,10 @@ def cmd_run(args) -> int:
     return 0
 
 
-# summary.json's cpu_wait_fraction from which `psgd run` says that the job shared its cores
+# summary.json's cpu_wait_fraction from which `psgd run` says that the job shared its cores,
+# in a job of at least CPU_WAIT_WALL_S (a shorter one's share is a few preemptions')
 CPU_WAIT_SAID = 0.1
+CPU_WAIT_WALL_S = 1.0
 
 
 def cpu_wait_warning(s: dict, crowded: bool) -> str:
@@ -419,11 +421,13 @@ def cpu_wait_warning(s: dict, crowded: bool) -> str:
     outnumber the cores (`crowded`: said at its start, `launcher.oversubscribed`): its
     workers then wait for its shards and evaluator as much as for anything else."""
     share = s.get("cpu_wait_fraction")
-    if crowded or not isinstance(share, (int, float)) or share < CPU_WAIT_SAID:
+    if (crowded or not isinstance(share, (int, float)) or share < CPU_WAIT_SAID
+            or float(s.get("wall_s") or 0) < CPU_WAIT_WALL_S):
         return ""
     return (f"its workers waited for a CPU {100 * share:.0f} % of the time they could run (summary.json's "
-            f"cpu_wait_fraction): other programs held the cores, and its times and samples/s show that load "
-            f"as much as the mode")
+            f"cpu_wait_fraction): processes other than its shards, workers and evaluator held the cores "
+            f"(other programs, or the job's own data loaders or threads), and its times and samples/s show "
+            f"that load as much as the mode")
 
 
 def untrained_warning(s: dict, script: bool) -> str:

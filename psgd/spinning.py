@@ -14,7 +14,7 @@ Looking holds a CPU. `psgd run` spins only where the job's busy processes fit th
 build, a test suite. There a spinning worker burns the share of a CPU that its compute,
 or its shard, needed: beside one process of another program that only computes, on two
 cores, a one-worker MLP job that spun ran at about a third of the speed of the same job
-with `cluster.spin_us = 0` (bench/busy.py, `ratio_busy_*` 0.31-0.33). So each waiting
+with `cluster.spin_us = 0` (bench/busy.py, `ratio_busy_*` 0.31-0.43). So each waiting
 thread's `Spinner` watches how much of the time its thread was runnable it spent
 waiting for a CPU (the kernel's schedstat): the worker and the shard of that job, under
 1 % alone, about 45 % beside the busy process. Where that passed WAIT_SHARE over a window

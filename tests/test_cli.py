@@ -1058,13 +1058,14 @@ def test_untrained_warning_only_for_a_job_of_no_samples():
 @pytest.mark.timeout(10)
 def test_cpu_wait_warning_from_a_tenth_of_the_workers_runnable_time():
     from psgd.cli import cpu_wait_warning
-    for quiet in ({}, {"cpu_wait_fraction": None}, {"cpu_wait_fraction": 0.0999}):
-        assert cpu_wait_warning(quiet, crowded=False) == ""
-    assert cpu_wait_warning({"cpu_wait_fraction": 0.4512}, crowded=False).startswith(
-        "its workers waited for a CPU 45 % of the time they could run (summary.json's cpu_wait_fraction): other "
-        "programs held the cores")
+    for quiet in ({"wall_s": 5.0}, {"cpu_wait_fraction": None, "wall_s": 5.0},
+                  {"cpu_wait_fraction": 0.0999, "wall_s": 5.0}, {"cpu_wait_fraction": 0.4512, "wall_s": 0.9}):
+        assert cpu_wait_warning(quiet, crowded=False) == ""   # (below 1 s, a few preemptions' share)
+    assert cpu_wait_warning({"cpu_wait_fraction": 0.4512, "wall_s": 1.0}, crowded=False).startswith(
+        "its workers waited for a CPU 45 % of the time they could run (summary.json's cpu_wait_fraction): "
+        "processes other than its shards, workers and evaluator held the cores")
     # a job whose own busy processes outnumber the cores was warned of that at its start
-    assert cpu_wait_warning({"cpu_wait_fraction": 0.4512}, crowded=True) == ""
+    assert cpu_wait_warning({"cpu_wait_fraction": 0.4512, "wall_s": 5.0}, crowded=True) == ""
 
 
 @pytest.mark.timeout(10)
@@ -1072,8 +1073,8 @@ def test_summary_cpu_wait_fraction_is_of_the_workers_runnable_time():
     from psgd.metrics import summarize
     common = dict(mode="sync", mode_params={}, workers=2, servers=1, wall_s=1.0, server_stats={}, evals=[],
                   target=0.9, failures={})
-    both = {0: {"cpu_run_s": 3.0, "cpu_wait_s": 1.0}, 1: {"cpu_run_s": 1.0, "cpu_wait_s": 3.0}}
-    assert summarize(worker_stats=both, **common)["cpu_wait_fraction"] == 0.5   # (4 of 8 s runnable)
+    both = {0: {"cpu_run_s": 3.0, "cpu_wait_s": 1.0}, 1: {"cpu_run_s": 4.0, "cpu_wait_s": 2.0}}
+    assert summarize(worker_stats=both, **common)["cpu_wait_fraction"] == 0.3   # (3 of 10 s runnable)
     one = {0: {"cpu_run_s": 3.0, "cpu_wait_s": 1.0}, 1: {"samples": 10}}   # (a worker that counted none)
     assert summarize(worker_stats=one, **common)["cpu_wait_fraction"] == 0.25
     assert summarize(worker_stats={0: {"samples": 10}}, **common)["cpu_wait_fraction"] is None

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
+from psgd.launcher import available_cores
 from psgd.metrics import cpu_times
 
-pytestmark = pytest.mark.processes
 
-
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not any(cpu_times() or ()), reason="the kernel keeps no run and wait times per thread here")
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a job that fits its cores needs two")
+@pytest.mark.skipif(available_cores() < 2, reason="a job that fits its cores needs two")
 def test_a_job_beside_busy_processes_on_its_cpus_says_its_workers_waited(tmp_path):
     """A one-worker job on two CPUs (its worker and shard fit them: psgd run gives no
     warning of its own processes) beside two processes that only compute on those CPUs."""
@@ -26,7 +26,7 @@ def test_a_job_beside_busy_processes_on_its_cpus_says_its_workers_waited(tmp_pat
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pinned) for _ in cpus]
     try:
         r = subprocess.run([sys.executable, "-m", "psgd", "run", "--mode", "sync", "--workers", "1", "--servers", "1",
-                            "--set", "cluster.evaluator=false", "--set", "train.steps=200", "--out",
+                            "--set", "cluster.evaluator=false", "--set", "train.steps=2000", "--out",
                             str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=170,
                            preexec_fn=pinned)
     finally:
@@ -39,4 +39,48 @@ def test_a_job_beside_busy_processes_on_its_cpus_says_its_workers_waited(tmp_pat
     assert 0.1 <= share <= 1, share
     assert "busy processes" not in r.stderr   # (the job's own fit its CPUs: no warning of them)
     assert (f"psgd run: warning: its workers waited for a CPU {100 * share:.0f} % of the time they could run "
-            f"(summary.json's cpu_wait_fraction): other programs held the cores") in r.stderr, r.stderr
+            f"(summary.json's cpu_wait_fraction): processes other than its shards") in r.stderr, r.stderr
+
+
+@pytest.mark.inprocess
+def test_a_workers_cpu_times_are_its_training_threads_since_training_began(tmp_path, monkeypatch):
+    """Counted from `start` on the thread that trains, read from any thread (the heartbeats'),
+    kept once that thread has ended, carried over where a script's steps move to another
+    thread, and never a step back (a thread id used again)."""
+    import threading
+
+    import psgd.workers.worker as module
+    from psgd.workers.worker import Worker
+    files = {}
+
+    def stat(tid: int, ran: float, waited: float) -> None:
+        path = files.setdefault(tid, tmp_path / f"schedstat-{len(files)}")
+        path.write_text(f"{int(ran * 1e9)} {int(waited * 1e9)} 9\n")
+    monkeypatch.setattr(module, "schedstat_of", lambda tid: str(files.get(tid, tmp_path / "none")))
+    w = object.__new__(Worker)
+    w.cpu, w.cpu_read, w.cpu_carried = None, {}, (0.0, 0.0)
+    assert w._cpu_times() == {}                       # (before training)
+    me = threading.get_native_id()
+    stat(me, 1.0, 0.5)
+    w.count_cpu()
+    stat(me, 3.0, 1.0)
+    assert w._cpu_times() == {"cpu_run_s": 2.0, "cpu_wait_s": 0.5}
+    got = []
+    t = threading.Thread(target=lambda: got.append(w._cpu_times()))   # (the heartbeats' thread reads it)
+    t.start(), t.join(10)
+    assert got == [{"cpu_run_s": 2.0, "cpu_wait_s": 0.5}]
+    stat(me, 0.5, 0.2)                                # below its start: another thread of the same id
+    assert w._cpu_times() == {"cpu_run_s": 2.0, "cpu_wait_s": 0.5}
+    stat(me, 4.0, 1.5)
+
+    def steps_elsewhere() -> None:                    # a script's steps move to another thread
+        other = threading.get_native_id()
+        stat(other, 10.0, 10.0)
+        w.on_training_thread()                        # (its first step there)
+        stat(other, 11.0, 10.5)
+        w.on_training_thread()                        # (and its next: counted on, not begun again)
+    t = threading.Thread(target=steps_elsewhere)
+    t.start(), t.join(10)
+    assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}   # (3 + 0.5 before, and 1 + 0.5 there)
+    files.clear()                                     # that thread has ended: its last read stays
+    assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}

@@ -384,4 +384,3 @@ def test_the_baselines_error_bar_shows_on_its_black_bar(monkeypatch):
     assert rows[0].is_baseline
     _throughput_plot(plt, rows, _colors(rows), "throughput.png")
     assert seen and seen[0] > 0.8, seen   # (white: the bar's black beside a black line alone)
-

@@ -11,9 +11,9 @@ part: evaluation off, batch 32, one compute thread per process) spinning as `psg
 decides (`spin_us` auto) against the same job not spinning (`cluster.spin_us = 0`), on
 an idle machine and beside `--busy` processes that do nothing but compute (default: the
 cores less one), for `sync` and for `async` with prefetch. Each pair's jobs alternate
-(which goes first, in turn), and each ratio is the median of the repeats' own ratios (spinning / not spinning):
-`ratio_busy_<mode>` beside the busy processes, `ratio_idle_<mode>` without them.
-Above 1, spinning pays; below, it costs.
+(which goes first, in turn), and each ratio is the median of the repeats' own ratios
+(spinning / not spinning): `ratio_busy_<mode>` beside the busy processes,
+`ratio_idle_<mode>` without them. Above 1, spinning pays; below, it costs.
 
 samples/s is steady state (bench.common.steady_rate), from the worker's event log.
 The last line is one JSON object.

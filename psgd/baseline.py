@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import Config
 from .data import load_dataset, partition
-from .metrics import cpu_times, rate, write_json_atomic
+from .metrics import cpu_times, cpu_wait_share, rate, write_json_atomic
 from .models import build_model
 from .optim import flush_denormals, lr_at, make_optimizer, set_lr
 from .replica import Replica, pick_device
@@ -137,7 +137,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         "staleness": {"mean": 0.0, "max": 0, "hist": {"0": step} if step else {}},
         "max_clock_gap": 0,
         "wait_fraction": 0.0,
-        "cpu_wait_fraction": round(waited / (ran + waited), 4) if ran + waited > 0 else None,
+        "cpu_wait_fraction": cpu_wait_share(ran, waited),
         "bytes_per_sample": 0.0,
         "failures": {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 0,
                      "shard_restarts": 0, "coordinator_restarts": 0},   # (a real summary's fields)

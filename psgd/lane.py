@@ -7,7 +7,7 @@ and back), and each hand-off wakes a thread, often on another CPU. On a Unix soc
 client's send wakes the daemon and the answer wakes the client: two hand-offs. With an
 MLP step between requests, a 104 KB round trip took 261 µs this way against 377 µs over
 pyzmq, and 123 µs with both sides looking for their message before they sleep
-(`spinning.Spinner`; bench/lane.py, docs/performance.md "The same-host lane").
+(`spinning.spin`; bench/lane.py, docs/performance.md "The same-host lane").
 
 What it carries: `wire.encode`'s frames, unchanged. On the socket each message is its
 framing, of a fixed size (the frame count and the frames' lengths, little-endian uint32,

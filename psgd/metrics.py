@@ -369,6 +369,12 @@ def cpu_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
         return None
 
 
+def cpu_wait_share(ran: float, waited: float) -> float | None:
+    """summary.json's cpu_wait_fraction from a run's run and wait times (`cpu_times`): the
+    share of the time it could run spent waiting for a CPU; None where none was counted."""
+    return round(waited / (ran + waited), 4) if ran + waited > 0 else None
+
+
 def process_start_time(pid: int | str = "self") -> float | None:
     """When process `pid` (default this one) was started (forked or exec'd), as a
     time.time() value: from /proc on Linux (to the kernel's clock tick, 10 ms); None
@@ -606,7 +612,6 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
     wait = sum(float(s.get("wait_s", 0)) for s in worker_stats.values())
     traffic = sum(int(s.get("bytes_sent", 0)) + int(s.get("bytes_recv", 0)) for s in worker_stats.values())
     cpu = [(float(s["cpu_run_s"]), float(s["cpu_wait_s"])) for s in worker_stats.values() if "cpu_wait_s" in s]
-    runnable = sum(ran + waited for ran, waited in cpu)
     reached = [e["t"] for e in evals if e["accuracy"] >= target]
     final = evals[-1] if evals else None
     missing = final_expected and not (final and final.get("final"))
@@ -629,7 +634,7 @@ def summarize(*, mode: str, mode_params: dict, workers: int, servers: int, wall_
         "wait_fraction": round(wait / busy, 4) if busy > 0 else 0.0,
         # the share of the workers' training threads' runnable time spent waiting for a CPU (other processes
         # held the cores: the job's own beyond the cores, or other programs'); null where none was counted
-        "cpu_wait_fraction": round(sum(w for _, w in cpu) / runnable, 4) if runnable > 0 else None,
+        "cpu_wait_fraction": cpu_wait_share(sum(r for r, _ in cpu), sum(w for _, w in cpu)),
         "bytes_per_sample": round(traffic / samples, 1) if samples else 0.0,
         "failures": failures,
         "dropped_gradients": max((int(s.get("dropped", 0)) for s in server_stats.values()), default=0),

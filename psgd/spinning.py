@@ -14,7 +14,7 @@ Looking holds a CPU. `psgd run` spins only where the job's busy processes fit th
 build, a test suite. There a spinning worker burns the share of a CPU that its compute,
 or its shard, needed: beside one process of another program that only computes, on two
 cores, a one-worker MLP job that spun ran at about a third of the speed of the same job
-with `cluster.spin_us = 0` (bench/busy.py, `ratio_busy_*` 0.31-0.43). So each waiting
+with `cluster.spin_us = 0` (bench/busy.py, `ratio_busy_*` 0.36-0.43). So each waiting
 thread's `Spinner` watches how much of the time its thread was runnable it spent
 waiting for a CPU (the kernel's schedstat): the worker and the shard of that job, under
 1 % alone, about 45 % beside the busy process. Where that passed WAIT_SHARE over a window
@@ -74,7 +74,7 @@ class Spinner:
         now = self._clock()
         if now < self._until:
             return []
-        if self._window is None or self._window[3] != threading.get_ident():
+        if self._window is None or self._window[3] != threading.get_native_id():
             self._begin(now)
         elif now - self._window[0] >= self.WINDOW_S and self._rests(now):
             return []
@@ -83,7 +83,8 @@ class Spinner:
     def _begin(self, now: float) -> None:
         """A window begins (where the kernel keeps no such count, none ends: it spins as told)."""
         times = self._times()
-        self._window = (now if times else math.inf, *(times or (0.0, 0.0)), threading.get_ident())
+        counted = bool(times and any(times))   # (a kernel that keeps no such count reads 0 0)
+        self._window = (now if counted else math.inf, *(times or (0.0, 0.0)), threading.get_native_id())
 
     def _rests(self, now: float) -> bool:
         """A window may be over: whether its thread waited for a CPU, and so rests."""
@@ -92,6 +93,9 @@ class Spinner:
         if times is None:
             return False
         ran, waited = times[0] - self._window[1], times[1] - self._window[2]
+        if ran < 0 or waited < 0:   # (another thread's, of the same id: the one that began the window ended)
+            self._begin(now)
+            return False
         if ran + waited < self.RUNNABLE_S:   # (too little of its time wanted a CPU to judge: the window goes on)
             return False
         if waited > self.WAIT_SHARE * (ran + waited):

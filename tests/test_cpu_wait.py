@@ -81,6 +81,7 @@ def test_a_workers_cpu_times_are_its_training_threads_since_training_began(tmp_p
         w.on_training_thread()                        # (and its next: counted on, not begun again)
     t = threading.Thread(target=steps_elsewhere)
     t.start(), t.join(10)
-    assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}   # (3 + 0.5 before, and 1 + 0.5 there)
-    files.clear()                                     # that thread has ended: its last read stays
+    assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}   # (3 and 1 before, 1 and 0.5 there)
+    for path in files.values():                       # that thread has ended: its last read stays
+        path.unlink()
     assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}

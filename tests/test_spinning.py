@@ -35,7 +35,8 @@ class Clocks:
     """A Spinner's wall clock and its thread's run and wait times, moved by the test."""
 
     def __init__(self):
-        self.t = self.ran = self.waited = 0.0
+        self.t = self.waited = 0.0
+        self.ran = 1.0   # (a thread that has run: a kernel that keeps no count reads 0 0)
 
     def at(self, t: float, ran: float = 0.0, waited: float = 0.0) -> Clocks:
         """The clock at `t`, the thread having run `ran` and waited for a CPU `waited` since."""
@@ -151,3 +152,16 @@ def test_a_spinner_that_shares_its_cpu_with_a_busy_process_rests(ready):
         os.sched_setaffinity(0, mask)
         busy.kill()
         busy.wait(10)
+
+
+@pytest.mark.inprocess
+def test_a_window_whose_counts_went_back_begins_again(ready):
+    """Counts below the window's start are another thread's, of the same id (the one that
+    began the window ended): the window begins again from them, not judged."""
+    c = Clocks().at(0.0, ran=1.0, waited=1.0)
+    s = c.spinner()
+    looked = lambda: bool(s.poll(ready, 1.0))   # noqa: E731
+    assert looked()
+    c.ran, c.waited = 0.1, 0.0                       # (the new thread's own counts)
+    assert c.at(0.125) and looked() and s.rests == 0
+    assert c.at(0.25, ran=0.01, waited=0.01) and not looked()   # judged from there: 50 %

@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import Config
 from .data import load_dataset, partition
-from .metrics import cpu_times, cpu_wait_share, rate, write_json_atomic
+from .metrics import ThreadCpu, rate, write_json_atomic
 from .models import build_model
 from .optim import flush_denormals, lr_at, make_optimizer, set_lr
 from .replica import Replica, pick_device
@@ -64,7 +64,8 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         model = replica.model
         part = partition(ds.train_size, 0, 1, cfg.job.seed)
         batches = ds.train_batches(part, cfg.train.batch_size, cfg.job.seed, 0)
-        cpu0 = cpu_times()   # (this thread trains: summary.json's cpu_wait_fraction, as a worker's)
+        cpu = ThreadCpu()   # (this thread trains: summary.json's cpu_wait_fraction, as a worker's)
+        cpu.count()
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         f = cfg.faults
         from .workers.worker import Jitter
@@ -113,11 +114,10 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
             evals[-1]["final"] = True
         else:
             evaluate(final=True)
-        cpu1 = cpu_times()
+        cpu_wait = cpu.share()
     finally:
         torch.set_num_threads(old_threads)
         flush_denormals(flushed)
-    ran, waited = ((b - a for a, b in zip(cpu0, cpu1, strict=True)) if cpu0 and cpu1 else (0.0, 0.0))
 
     target = cfg.eval.target_accuracy
     reached = [e["t"] for e in evals if e["accuracy"] >= target]
@@ -137,7 +137,7 @@ def run_baseline(cfg: Config, out: str | None = None, device: str = "cpu", steps
         "staleness": {"mean": 0.0, "max": 0, "hist": {"0": step} if step else {}},
         "max_clock_gap": 0,
         "wait_fraction": 0.0,
-        "cpu_wait_fraction": cpu_wait_share(ran, waited),
+        "cpu_wait_fraction": cpu_wait,
         "bytes_per_sample": 0.0,
         "failures": {"workers_lost": 0, "workers_rejoined": 0, "workers_restarted": 0, "workers_gone": 0,
                      "shard_restarts": 0, "coordinator_restarts": 0},   # (a real summary's fields)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any, cast
@@ -367,6 +368,51 @@ def cpu_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
         return int(ran) * 1e-9, int(waited) * 1e-9
     except (OSError, ValueError):
         return None
+
+
+class ThreadCpu:
+    """The CPU times of the thread that does some work (a worker's training, the
+    baseline's): its time on a CPU and waiting for one while runnable (other processes held
+    the cores), counted from `count` on that thread, read from any thread (`read`: a
+    worker's heartbeats'). Where the work moves to another thread (`follow` there, a
+    script's steps), that one's are counted on, the earlier thread's carried; the last read
+    is kept once the thread has ended (an in-process worker's, before its last report); a
+    read below the count's start (another thread of the same id) is ignored; none where
+    the kernel does not say (`cpu_times`)."""
+
+    def __init__(self) -> None:
+        self._at: tuple[int, str, tuple[float, float]] | None = None   # the thread, its schedstat, its times
+        self._read: dict = {}                                           # at `count`; and the times as last read
+        self._carried = (0.0, 0.0)   # ... of the threads that did the work before this one
+
+    def count(self) -> None:
+        """Count the calling thread's times from now on (those of the thread before, kept)."""
+        if self._at is not None:
+            read = self.read()   # (the thread before's, up to now)
+            self._carried = (read.get("cpu_run_s", 0.0), read.get("cpu_wait_s", 0.0))
+        tid = threading.get_native_id()
+        path = schedstat_of(tid)
+        times = cpu_times(path)
+        self._at = (tid, path, times) if times and any(times) else None
+
+    def follow(self) -> None:
+        """The work goes on on the calling thread: counted from now on if that is another one."""
+        if self._at is not None and self._at[0] != threading.get_native_id():
+            self.count()
+
+    def read(self) -> dict:
+        """`cpu_run_s` and `cpu_wait_s` since `count` ({} before it, or where not counted)."""
+        if self._at is not None and (now := cpu_times(self._at[1])) is not None:
+            since = [t - t0 for t, t0 in zip(now, self._at[2], strict=True)]
+            if min(since) >= 0:   # (not another thread's, of the same id)
+                ran, waited = (round(a + b, 4) for a, b in zip(self._carried, since, strict=True))
+                self._read = {"cpu_run_s": ran, "cpu_wait_s": waited}
+        return self._read
+
+    def share(self) -> float | None:
+        """summary.json's cpu_wait_fraction of what `read` says (`cpu_wait_share`)."""
+        read = self.read()
+        return cpu_wait_share(read.get("cpu_run_s", 0.0), read.get("cpu_wait_s", 0.0))
 
 
 def cpu_wait_share(ran: float, waited: float) -> float | None:

@@ -49,39 +49,39 @@ def test_a_workers_cpu_times_are_its_training_threads_since_training_began(tmp_p
     thread, and never a step back (a thread id used again)."""
     import threading
 
-    import psgd.workers.worker as module
-    from psgd.workers.worker import Worker
+    import psgd.metrics as module
+    from psgd.metrics import ThreadCpu
     files = {}
 
     def stat(tid: int, ran: float, waited: float) -> None:
         path = files.setdefault(tid, tmp_path / f"schedstat-{len(files)}")
         path.write_text(f"{int(ran * 1e9)} {int(waited * 1e9)} 9\n")
     monkeypatch.setattr(module, "schedstat_of", lambda tid: str(files.get(tid, tmp_path / "none")))
-    w = object.__new__(Worker)
-    w.cpu, w.cpu_read, w.cpu_carried = None, {}, (0.0, 0.0)
-    assert w._cpu_times() == {}                       # (before training)
+    cpu = ThreadCpu()                                 # (a worker's: `Worker.cpu`, counted from `start`)
+    assert cpu.read() == {}                           # (before training)
     me = threading.get_native_id()
     stat(me, 1.0, 0.5)
-    w.count_cpu()
+    cpu.count()
     stat(me, 3.0, 1.0)
-    assert w._cpu_times() == {"cpu_run_s": 2.0, "cpu_wait_s": 0.5}
+    assert cpu.read() == {"cpu_run_s": 2.0, "cpu_wait_s": 0.5}
     got = []
-    t = threading.Thread(target=lambda: got.append(w._cpu_times()))   # (the heartbeats' thread reads it)
+    t = threading.Thread(target=lambda: got.append(cpu.read()))   # (the heartbeats' thread reads it)
     t.start(), t.join(10)
     assert got == [{"cpu_run_s": 2.0, "cpu_wait_s": 0.5}]
     stat(me, 0.5, 0.2)                                # below its start: another thread of the same id
-    assert w._cpu_times() == {"cpu_run_s": 2.0, "cpu_wait_s": 0.5}
+    assert cpu.read() == {"cpu_run_s": 2.0, "cpu_wait_s": 0.5}
     stat(me, 4.0, 1.5)
 
     def steps_elsewhere() -> None:                    # a script's steps move to another thread
         other = threading.get_native_id()
         stat(other, 10.0, 10.0)
-        w.on_training_thread()                        # (its first step there)
+        cpu.follow()                                  # (its first step there)
         stat(other, 11.0, 10.5)
-        w.on_training_thread()                        # (and its next: counted on, not begun again)
+        cpu.follow()                                  # (and its next: counted on, not begun again)
     t = threading.Thread(target=steps_elsewhere)
     t.start(), t.join(10)
-    assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}   # (3 and 1 before, 1 and 0.5 there)
+    assert cpu.read() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}   # (3 and 1 before, 1 and 0.5 there)
     for path in files.values():                       # that thread has ended: its last read stays
         path.unlink()
-    assert w._cpu_times() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}
+    assert cpu.read() == {"cpu_run_s": 4.0, "cpu_wait_s": 1.5}
+    assert cpu.share() == 0.2727                      # (summary.json's share: 1.5 of 5.5 s runnable)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ from psgd.consistency.staleness import Histogram
 from psgd.data import DataError, load_dataset, worker_part
 from psgd.log import log
 from psgd.membership import AFTER_TRAINING, CoordinatorLink
-from psgd.metrics import EventLog, PidFile, cpu_times, earlier_lives, schedstat_of
+from psgd.metrics import EventLog, PidFile, ThreadCpu, earlier_lives
 from psgd.models import build_model
 from psgd.optim import denormals_flushed, make_optimizer
 from psgd.replica import OverlapUnsafe, Replica, check_device
@@ -112,11 +111,7 @@ class Worker:
         self.rejected = 0          # steps refused by the shards (or diverged locally)
         self.in_a_row = 0          # of them, since the last step the shards answered
         self.t_start = time.monotonic()
-        # the training thread's id, its schedstat, and its run and wait times when it began to train
-        # (`count_cpu`); and the training threads' times since training began, as last read (`_cpu_times`)
-        self.cpu: tuple[int, str, tuple[float, float]] | None = None
-        self.cpu_read: dict = {}
-        self.cpu_carried = (0.0, 0.0)   # ... of the threads that trained before this one
+        self.cpu = ThreadCpu()     # the training thread's CPU times, from `start` (summary.json's cpu_wait_fraction)
         self.trained_s = 0.0       # how long the job had trained when this process joined it
         self.taken_back = False    # it took its rank over from a process the job still counted live
         self.registration = ""     # the live_id of its latest registration: its join reads name it (`since`)
@@ -131,37 +126,7 @@ class Worker:
                 "wait_s": round(c.waited() if c else 0.0, 4), "bytes_sent": c.bytes_sent if c else 0,
                 "bytes_recv": c.bytes_recv if c else 0, **self.hist.stats(),
                 "loss": self.loss if self.loss == self.loss else None, "retries": c.retries if c else 0,
-                "rejected": self.rejected, **self._cpu_times()}
-
-    def _cpu_times(self) -> dict:
-        """The training threads' time on a CPU and waiting for one (runnable: other processes
-        held the cores) since training began (`start`), for summary.json's
-        cpu_wait_fraction; none where the kernel does not say (`metrics.cpu_times`), and
-        the last read once the thread has ended (an in-process worker's)."""
-        if self.cpu is not None and (now := cpu_times(self.cpu[1])) is not None:
-            since = [t - t0 for t, t0 in zip(now, self.cpu[2], strict=True)]
-            if min(since) >= 0:   # (not another thread's, of the same id)
-                ran, waited = (round(a + b, 4) for a, b in zip(self.cpu_carried, since, strict=True))
-                self.cpu_read = {"cpu_run_s": ran, "cpu_wait_s": waited}
-        return self.cpu_read
-
-    def on_training_thread(self) -> None:
-        """A step is taken on this thread: where a script's steps moved to another one,
-        its CPU times are counted from now on (`count_cpu`)."""
-        if self.cpu is not None and self.cpu[0] != threading.get_native_id():
-            self.count_cpu()
-
-    def count_cpu(self) -> None:
-        """Count the CPU times of the calling thread, the one that trains, from now on (at
-        the start of training, and where a script's steps move to another thread: those of
-        the thread before are kept)."""
-        if self.cpu is not None:
-            read = self._cpu_times()   # (the thread before's, up to now)
-            self.cpu_carried = (read.get("cpu_run_s", 0.0), read.get("cpu_wait_s", 0.0))
-        tid = threading.get_native_id()
-        path = schedstat_of(tid)
-        times = cpu_times(path)
-        self.cpu = (tid, path, times) if times and any(times) else None
+                "rejected": self.rejected, **self.cpu.read()}
 
     # ------------------------------------------------------------ set-up
     def run(self) -> int:
@@ -231,7 +196,7 @@ class Worker:
         self.t_start = time.monotonic()
         self.link.beat_soon()   # its count at its first step (`Counts`): not its beat before the initial values
         self.client.wait_s = 0.0  # wait_fraction is of the training time: the wait for the initial values is not
-        self.count_cpu()   # (this thread trains: `stats` may run on another)
+        self.cpu.count()   # (this thread trains: `stats` may run on another)
         clock = self.clock
         schedule.start(self)
         if self.clock and hasattr(self, "batches"):   # (a script's worker draws its own batches)
@@ -455,7 +420,7 @@ class Worker:
         killed once the shards took a request has the line of every step they hold but
         that one."""
         self.steps += 1
-        self.on_training_thread()
+        self.cpu.follow()   # (a script's steps may move to another thread)
         loss, samples = step if step is not None else (self.loss, self.samples)
         if self.cfg.faults.jitter_prob > 0:
             extra["jitter"] = self.jitter.delayed(self.clock - 1)

@@ -33,7 +33,7 @@ try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL, unfit_input
     from .log import flush_aside, say, to_devnull, write_aside
-    from .metrics import EXIT_CANNOT_WRITE, OutputError
+    from .metrics import CPU_WAIT_SAID, EXIT_CANNOT_WRITE, OutputError
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
     from .wire import RemoteError, WireError
 except KeyboardInterrupt:   # Ctrl-C while psgd loads (numpy, ZeroMQ): nothing started yet, no traceback
@@ -409,9 +409,9 @@ def cmd_run(args) -> int:
     return 0
 
 
-# summary.json's cpu_wait_fraction from which `psgd run` says that the job shared its cores,
-# in a job of at least CPU_WAIT_WALL_S (a shorter one's share is a few preemptions')
-CPU_WAIT_SAID = 0.1
+# `psgd run` says that the job shared its cores from summary.json's cpu_wait_fraction
+# metrics.CPU_WAIT_SAID, in a job of at least CPU_WAIT_WALL_S (a shorter one's share is a few
+# preemptions')
 CPU_WAIT_WALL_S = 1.0
 
 

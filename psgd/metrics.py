@@ -415,6 +415,11 @@ class ThreadCpu:
         return cpu_wait_share(read.get("cpu_run_s", 0.0), read.get("cpu_wait_s", 0.0))
 
 
+# cpu_wait_fraction from which `psgd run` warns (cli.cpu_wait_warning) and the compare report
+# says what it means for the comparison (report_reading): a few preemptions give a few %
+CPU_WAIT_SAID = 0.1
+
+
 def cpu_wait_share(ran: float, waited: float) -> float | None:
     """summary.json's cpu_wait_fraction from a run's run and wait times (`cpu_times`): the
     share of the time it could run spent waiting for a CPU; None where none was counted."""

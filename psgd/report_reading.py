@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+from .metrics import CPU_WAIT_SAID
 from .report_numbers import (
     ACC_HARDLY,
     AFTER_END,
@@ -643,6 +644,28 @@ def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
 MAX_LISTED_WAITS = 6   # rows whose waits one sentence lists; past it, the most and the least
 
 
+def _cpu_wait_sentences(group: list[Row], base: Row | None, ctx: dict, many_w: bool) -> list[str]:
+    """How long the training threads waited for a CPU (summary.json's cpu_wait_fraction),
+    where any configuration's mean, or the baseline's, reached CPU_WAIT_SAID: the times and
+    throughputs compared then include the machine's contention (its own processes on too
+    few cores, or other programs), not only the modes' costs. Nothing for runs without the
+    count (psgd simulate's virtual clock, a kernel without it, a compare.json from before it)."""
+    shares = [(w, r) for r in group + ([base] if base is not None else [])
+              if (w := mean(r.values("cpu_wait_fraction"))) is not None]
+    if not shares or max(w for w, _ in shares) < CPU_WAIT_SAID:
+        return []
+    if len(shares) > MAX_LISTED_WAITS:
+        hi, lo = max(shares, key=lambda t: t[0]), min(shares, key=lambda t: t[0])
+        listed = f"from {100 * hi[0]:.0f}% in {rname(hi[1], many_w)} to {100 * lo[0]:.0f}% in {rname(lo[1], many_w)}"
+    else:
+        listed = ", ".join(f"{100 * w:.0f}% in {rname(r, many_w)}" for w, r in shares)
+    cpus = (ctx.get("machine") or {}).get("cpus")
+    return [f"The training threads waited for a CPU for part of the time they could run (cpu_wait_fraction): "
+            f"{listed}. Their times and samples/s include that wait for "
+            + (f"one of the machine's {cpus} cores" if isinstance(cpus, int) and cpus > 1 else "a core")
+            + ", not only each mode's own costs."]
+
+
 def _bounded_waits(group: list[Row], ref: Row, many_w: bool) -> str:
     """Under an injected fault, why an ssp row beside `ref` (sync, the same workers) waited
     less: its bound. Said only where the difference is established: repeats of both whose
@@ -719,6 +742,7 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         said += _accuracy_sentences(group, base, many_w)
         said += staleness_sentences(group, period, many_w)
         said += _wait_sentences(group, many_w)
+        said += _cpu_wait_sentences(group, base, ctx, many_w)
         said += _refused_sentences(group, many_w)
         out += [prefix + s for s in said]
 

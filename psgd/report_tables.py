@@ -2,7 +2,8 @@
 
 `main_table`: one row per configuration (accuracy, time to target, throughput, measured
 staleness, waiting, traffic, speedups); `detail_table`: runs, wall time, ratios, clock
-gap, drops, losses, the busiest shard's share of the time. A time to target that cannot
+gap, drops, losses, the busiest shard's share of the time, the training threads' wait for
+a CPU. A time to target that cannot
 rank a configuration (reached after training had ended, or at the evaluator's first
 score) and every speedup computed from one carry a mark, explained under the table. The
 number formats are shared with the reading (psgd.report_reading) and the plots
@@ -202,8 +203,9 @@ def detail_table(rows: list[Row]) -> list[str]:
     unit = seconds(rows)
     lines = [f"| configuration | workers | runs | {'virtual wall (s)' if unit == '(virtual s)' else f'wall {unit}'} | "
              "samples | throughput vs sync | "
-             "throughput vs baseline | max clock gap | dropped gradients | workers lost | busiest shard |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "throughput vs baseline | max clock gap | dropped gradients | workers lost | busiest shard | "
+             "waiting for a CPU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if not row.runs:
             continue
@@ -213,7 +215,8 @@ def detail_table(rows: list[Row]) -> list[str]:
             f"{amount(mean(row.values('samples')))} | {_throughput_cell(row, row.ref_sync)} | "
             f"{_throughput_cell(row, row.ref_base)} | "
             f"{clock_gap(row)} | "
-            f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} | {busiest(row)} |")
+            f"{sum(int(r.get('dropped_gradients', 0)) for r in row.runs)} | {lost} | {busiest(row)} | "
+            f"{cpu_wait_cell(row)} |")
     marked = any(f" {TIE_MARK}" in line for line in lines[2:])
     if {row.mode for row in rows if row.runs} & {*ROUND_MODES, "ltfb"}:
         lines += ["", CLOCK_GAP_NOTE]
@@ -256,3 +259,12 @@ def busiest(row: Row) -> str:
     shard_busy_fraction), the mean over repeats: near 100%, the shards are the bottleneck."""
     m = mean([max(r["shard_busy_fraction"]) for r in row.runs if r.get("shard_busy_fraction")])
     return "—" if row.is_baseline or m is None else f"{100 * m:.0f}%"
+
+
+def cpu_wait_cell(row: Row) -> str:
+    """The share of the time its training threads could run that they spent waiting for a
+    CPU (summary.json's cpu_wait_fraction; the baseline's one thread too), the mean over
+    repeats; — where none was counted (psgd simulate, a kernel without the count, a
+    compare.json from before the field)."""
+    m = mean(row.values("cpu_wait_fraction"))
+    return "—" if m is None else f"{100 * m:.0f}%"

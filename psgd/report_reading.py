@@ -39,7 +39,7 @@ from .report_relations import (
     unmeasured,
     unseen,
 )
-from .report_tables import clip, secs, times
+from .report_tables import clip, cpu_wait_counted, secs, times
 
 
 def describe_faults(faults: dict, workers: list[int], baseline: bool = True) -> str | None:
@@ -644,26 +644,39 @@ def _wait_sentences(dist: list[Row], many_w: bool) -> list[str]:
 MAX_LISTED_WAITS = 6   # rows whose waits one sentence lists; past it, the most and the least
 
 
-def _cpu_wait_sentences(group: list[Row], base: Row | None, ctx: dict, many_w: bool) -> list[str]:
-    """How long the training threads waited for a CPU (summary.json's cpu_wait_fraction),
-    where any configuration's mean, or the baseline's, reached CPU_WAIT_SAID: the times and
-    throughputs compared then include the machine's contention (its own processes on too
-    few cores, or other programs), not only the modes' costs. Nothing for runs without the
-    count (psgd simulate's virtual clock, a kernel without it, a compare.json from before it)."""
-    shares = [(w, r) for r in group + ([base] if base is not None else [])
-              if (w := mean(r.values("cpu_wait_fraction"))) is not None]
-    if not shares or max(w for w, _ in shares) < CPU_WAIT_SAID:
+def _cpu_wait_sentences(group: list[Row], bases: list[Row], ctx: dict, many_w: bool) -> list[str]:
+    """How long the training threads waited for a CPU (summary.json's cpu_wait_fraction, the
+    mean over the repeats that counted it), where any configuration's, or a baseline's
+    (`bases`: those of the group's kind), reaches CPU_WAIT_SAID as written: the times and
+    throughputs of those runs are the machine's, processes sharing its cores (the job's own
+    on too few cores, or other programs), and would differ with a core each, not by one
+    factor for all. Listed per worker count, as the waits are; past MAX_LISTED_WAITS rows
+    of one count, their range without names (naming a most and a least would rank rows
+    whose spread may not separate them). No guard on a run's length, as `psgd run`'s
+    warning has: 10% of even a 0.3 s run is about ten of the scheduler's time slices.
+    Nothing for runs without the count (psgd simulate's virtual clock, a kernel without
+    it, a compare.json from before it)."""
+    shares = [(w, r) for r in group + bases if (w := mean(r.values("cpu_wait_fraction"))) is not None]
+    if not shares or max(round(100 * w) for w, _ in shares) < round(100 * CPU_WAIT_SAID):
         return []
-    if len(shares) > MAX_LISTED_WAITS:
-        hi, lo = max(shares, key=lambda t: t[0]), min(shares, key=lambda t: t[0])
-        listed = f"from {100 * hi[0]:.0f}% in {rname(hi[1], many_w)} to {100 * lo[0]:.0f}% in {rname(lo[1], many_w)}"
-    else:
-        listed = ", ".join(f"{100 * w:.0f}% in {rname(r, many_w)}" for w, r in shares)
+
+    def listed(rows: list[tuple[float, Row]]) -> str:
+        if len(rows) > MAX_LISTED_WAITS:
+            ws = [w for w, _ in rows]
+            return f"{100 * min(ws):.0f}% to {100 * max(ws):.0f}% across its {len(rows)} configurations"
+        return ", ".join(f"{100 * w:.0f}% in {rname(r, False)}{cpu_wait_counted(r)}" for w, r in rows)
+    dist = [(w, r) for w, r in shares if not r.is_baseline]
+    parts = [(f"with {counted(n, 'worker')}, " if many_w else "") + listed([t for t in dist if t[1].workers == n])
+             for n in sorted({r.workers for _, r in dist})]
+    base = [t for t in shares if t[1].is_baseline]
+    parts += [listed(base)] if base else []
     cpus = (ctx.get("machine") or {}).get("cpus")
-    return [f"The training threads waited for a CPU for part of the time they could run (cpu_wait_fraction): "
-            f"{listed}. Their times and samples/s include that wait for "
-            + (f"one of the machine's {cpus} cores" if isinstance(cpus, int) and cpus > 1 else "a core")
-            + ", not only each mode's own costs."]
+    where = (f"these processes sharing the machine's {cpus} cores" if isinstance(cpus, int) and cpus > 1
+             and len(ctx.get("merged_from") or []) <= 1 else "processes sharing the machine's cores")
+    return [f"The training threads waited for a CPU for part of the time they could run (cpu_wait_fraction, "
+            f"the mean over repeats): {'; '.join(parts)}. Where that share is {100 * CPU_WAIT_SAID:.0f}% or more, "
+            f"the times and samples/s are those of {where}: with a core for each process they would differ, "
+            f"and not necessarily by the same factor for every configuration."]
 
 
 def _bounded_waits(group: list[Row], ref: Row, many_w: bool) -> str:
@@ -742,7 +755,8 @@ def reading(rows: list[Row], ctx: dict) -> list[str]:
         said += _accuracy_sentences(group, base, many_w)
         said += staleness_sentences(group, period, many_w)
         said += _wait_sentences(group, many_w)
-        said += _cpu_wait_sentences(group, base, ctx, many_w)
+        said += _cpu_wait_sentences(group, [r for r in ok if r.is_baseline and r.simulated == group[0].simulated],
+                                    ctx, many_w)
         said += _refused_sentences(group, many_w)
         out += [prefix + s for s in said]
 

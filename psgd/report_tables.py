@@ -264,7 +264,15 @@ def busiest(row: Row) -> str:
 def cpu_wait_cell(row: Row) -> str:
     """The share of the time its training threads could run that they spent waiting for a
     CPU (summary.json's cpu_wait_fraction; the baseline's one thread too), the mean over
-    repeats; — where none was counted (psgd simulate, a kernel without the count, a
-    compare.json from before the field)."""
+    the repeats that counted it (`cpu_wait_counted` says how many where not all did); —
+    where none did (psgd simulate, a kernel without the count, a compare.json from before
+    the field)."""
     m = mean(row.values("cpu_wait_fraction"))
-    return "—" if m is None else f"{100 * m:.0f}%"
+    return "—" if m is None else f"{100 * m:.0f}%{cpu_wait_counted(row)}"
+
+
+def cpu_wait_counted(row: Row) -> str:
+    """' (k of n repeats)' where only k of a row's n finished repeats counted their wait for a
+    CPU, else ''."""
+    k, n = len(row.values("cpu_wait_fraction")), len(row.runs)
+    return f" ({k} of {n} repeats)" if 0 < k < n else ""

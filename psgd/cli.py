@@ -33,7 +33,7 @@ try:
     from .config import MODES, ConfigError, given_keys, load, parse_value, refuse_set_against_flag
     from .layout import BUILTIN_MODELS, SCRIPT_MODEL, unfit_input
     from .log import flush_aside, say, to_devnull, write_aside
-    from .metrics import CPU_WAIT_SAID, EXIT_CANNOT_WRITE, OutputError
+    from .metrics import EXIT_CANNOT_WRITE, OutputError, cpu_wait_said
     from .transport import EXIT_ADDRESS_IN_USE, AddressInUse
     from .wire import RemoteError, WireError
 except KeyboardInterrupt:   # Ctrl-C while psgd loads (numpy, ZeroMQ): nothing started yet, no traceback
@@ -410,8 +410,8 @@ def cmd_run(args) -> int:
 
 
 # `psgd run` says that the job shared its cores from summary.json's cpu_wait_fraction
-# metrics.CPU_WAIT_SAID, in a job of at least CPU_WAIT_WALL_S (a shorter one's share is a few
-# preemptions')
+# metrics.CPU_WAIT_SAID as written (`cpu_wait_said`), in a job of at least CPU_WAIT_WALL_S (a
+# shorter one's share is a few preemptions')
 CPU_WAIT_WALL_S = 1.0
 
 
@@ -420,13 +420,11 @@ def cpu_wait_warning(s: dict, crowded: bool) -> str:
     CPU_WAIT_SAID) should not be read as, or ''. Not where the job's own busy processes
     outnumber the cores (`crowded`: said at its start, `launcher.oversubscribed`): its
     workers then wait for its shards and evaluator as much as for anything else."""
-    share = s.get("cpu_wait_fraction")
-    if (crowded or not isinstance(share, (int, float)) or share < CPU_WAIT_SAID
-            or float(s.get("wall_s") or 0) < CPU_WAIT_WALL_S):
+    if crowded or not cpu_wait_said(s.get("cpu_wait_fraction")) or float(s.get("wall_s") or 0) < CPU_WAIT_WALL_S:
         return ""
-    return (f"its workers waited for a CPU {100 * share:.0f} % of the time they could run (summary.json's "
-            f"cpu_wait_fraction): processes other than its shards, workers and evaluator held the cores "
-            f"(other programs, or the job's own data loaders or threads), and its times and samples/s show "
+    return (f"its workers waited for a CPU {100 * s['cpu_wait_fraction']:.0f} % of the time they could run "
+            f"(summary.json's cpu_wait_fraction): processes other than its shards, workers and evaluator held the "
+            f"cores (other programs, or the job's own data loaders or threads), and its times and samples/s show "
             f"that load as much as the mode")
 
 

@@ -54,7 +54,7 @@ from .config import (
     refuse_set_against_flag,
 )
 from .log import say
-from .metrics import write_json_atomic
+from .metrics import cpu_wait_said, write_json_atomic
 from .report_numbers import AFTER_END, FIRST_SCORE, amount, lost_words, records_staleness, ttt_flag
 
 # ---------------------------------------------------------------- --modes / --workers
@@ -700,7 +700,9 @@ def _one_line(s: dict) -> str:
              f"target {s.get('target_accuracy')} not reached" if acc is not None else "",
              # (the sequential baseline reads no servers, ltfb's trainers no shared model)
              f"measured staleness {s['staleness']['mean']:.2f}/{s['staleness']['max']}"
-             if records_staleness(s) and s.get("mode") != "baseline" else "", lost_words(s)]
+             if records_staleness(s) and s.get("mode") != "baseline" else "", lost_words(s),
+             f"waiting for a CPU {100 * s['cpu_wait_fraction']:.0f}% of its runnable time"
+             if cpu_wait_said(s.get("cpu_wait_fraction")) else ""]
     return ", ".join(p for p in parts if p)
 
 

@@ -420,6 +420,12 @@ class ThreadCpu:
 CPU_WAIT_SAID = 0.1
 
 
+def cpu_wait_said(share: Any) -> bool:
+    """Whether a cpu_wait_fraction is one to say: a number that reaches CPU_WAIT_SAID as a
+    whole percent, as it is written (0.0996 is said, as "10%")."""
+    return isinstance(share, (int, float)) and round(100 * share) >= round(100 * CPU_WAIT_SAID)
+
+
 def cpu_wait_share(ran: float, waited: float) -> float | None:
     """summary.json's cpu_wait_fraction from a run's run and wait times (`cpu_times`): the
     share of the time it could run spent waiting for a CPU; None where none was counted."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from .metrics import CPU_WAIT_SAID
+from .metrics import CPU_WAIT_SAID, cpu_wait_said
 from .report_numbers import (
     ACC_HARDLY,
     AFTER_END,
@@ -657,7 +657,7 @@ def _cpu_wait_sentences(group: list[Row], bases: list[Row], ctx: dict, many_w: b
     Nothing for runs without the count (psgd simulate's virtual clock, a kernel without
     it, a compare.json from before it)."""
     shares = [(w, r) for r in group + bases if (w := mean(r.values("cpu_wait_fraction"))) is not None]
-    if not shares or max(round(100 * w) for w, _ in shares) < round(100 * CPU_WAIT_SAID):
+    if not any(cpu_wait_said(w) for w, _ in shares):
         return []
 
     def listed(rows: list[tuple[float, Row]]) -> str:

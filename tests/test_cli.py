@@ -1059,9 +1059,9 @@ def test_untrained_warning_only_for_a_job_of_no_samples():
 def test_cpu_wait_warning_from_a_tenth_of_the_workers_runnable_time():
     from psgd.cli import cpu_wait_warning
     for quiet in ({"wall_s": 5.0}, {"cpu_wait_fraction": None, "wall_s": 5.0},
-                  {"cpu_wait_fraction": 0.0999, "wall_s": 5.0}, {"cpu_wait_fraction": 0.4512, "wall_s": 0.9}):
+                  {"cpu_wait_fraction": 0.0949, "wall_s": 5.0}, {"cpu_wait_fraction": 0.4512, "wall_s": 0.9}):
         assert cpu_wait_warning(quiet, crowded=False) == ""   # (below 1 s, a few preemptions' share)
-    assert cpu_wait_warning({"cpu_wait_fraction": 0.1, "wall_s": 1.0}, crowded=False)
+    assert cpu_wait_warning({"cpu_wait_fraction": 0.0996, "wall_s": 1.0}, crowded=False)   # (as written: 10 %)
     assert cpu_wait_warning({"cpu_wait_fraction": 0.4512, "wall_s": 1.0}, crowded=False).startswith(
         "its workers waited for a CPU 45 % of the time they could run (summary.json's cpu_wait_fraction): "
         "processes other than its shards, workers and evaluator held the cores")

@@ -446,6 +446,11 @@ def test_the_progress_line_of_the_baseline_states_no_staleness():
     # a run that went on without a worker that died: said, as psgd run's line says it
     gone = {**fake_run("sync", "sync", 2, 0, 0.95, 1.0, 700.0), "failures": {"workers_lost": 1, "workers_gone": 1}}
     assert _one_line(gone).endswith(", 1 worker lost (of 2)"), _one_line(gone)
+    # a run whose training threads waited for a CPU a tenth or more of the time they could run
+    crowded = {**fake_run("sync", "sync", 2, 0, 0.95, 1.0, 9000.0), "cpu_wait_fraction": 0.2649}
+    assert _one_line(crowded).endswith(", waiting for a CPU 26% of its runnable time"), _one_line(crowded)
+    for share in (0.0949, None):   # (below 10% as written, or not counted: psgd simulate)
+        assert "CPU" not in _one_line({**crowded, "cpu_wait_fraction": share})
 
 
 @pytest.mark.timeout(30)

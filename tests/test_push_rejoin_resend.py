@@ -110,7 +110,7 @@ def play(mode: str, events: list, join_clock: int) -> Worker:
             w.join(join_clock)
         else:
             name, clock = ev
-            w.push(name, w.clock if clock is None else clock)
+            w.push(name, w.clock if clock is None else clock, rank=1 if name == OTHER[0] else 0)
     return w
 
 
@@ -118,6 +118,7 @@ def play(mode: str, events: list, join_clock: int) -> Worker:
 # same process, may come after it too: a copy queued in ZeroMQ while the join went on the
 # same-host lane. A new process's pushes never repeat its earlier life's clock 3.
 RESEND = (f"old {OLD}", OLD)
+OTHER = ("rank 1's", 0)   # rank 1's push, applied while rank 0 is away
 WORKER = {
     SAME_PROCESS: [[RESEND, "join", ("new", None), ("new", None)],
                    ["join", RESEND, ("new", None), ("new", None)]],
@@ -145,21 +146,56 @@ def test_async_each_push_is_applied_once_in_any_order_of_rejoin_and_membership(j
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "rank 1 pushes while it is away"])
 @pytest.mark.parametrize("join_clock", [SAME_PROCESS, NEW_PROCESS], ids=["same process", "new process"])
-def test_ssp_no_push_is_applied_twice_in_any_order_of_rejoin_and_membership(join_clock):
+def test_ssp_no_push_is_applied_twice_in_any_order_of_rejoin_and_membership(join_clock, others):
     """As in async. SSP also drops a push that its worker sent before its first read since
-    the shard saw it leave (`SspRule.from_before_leaving`): a leave heard between the join
-    and the new push drops that push (answered `dropped`, counted; its resend says so
-    again); otherwise it is applied, once."""
+    the shard saw it leave, where an update was applied while it was away
+    (`SspRule.from_before_leaving`): a leave heard between the join and the new push, and
+    rank 1's push applied after the leave and before that new push, drop it (answered
+    `dropped`, counted; its resend says so again); otherwise it is applied, once. Nothing
+    applied while it was away (rank 0 alone), it is applied: its gradient is as fresh as
+    if it had never left (a push of tau 0 was dropped before)."""
+    news = ["leave", OTHER, "return"] if others else ["leave", "return"]
+    drops = 0
     for worker in WORKER[join_clock]:
-        for events in merges(worker, ["leave", "return"]):
+        for events in merges(worker, news):
             w = play("ssp", events, join_clock)
-            dropped = events.index("join") < events.index("leave") < events.index(("new", None))
+            new = events.index(("new", None))
+            dropped = others and events.index("join") < events.index("leave") and events.index(OTHER) < new
             assert w.clock == OLD + 1, events
-            assert w.applied == {**{f"old {c}": 1 for c in range(OLD + 1)}, "new": 0 if dropped else 1}, events
+            assert w.applied == {**{f"old {c}": 1 for c in range(OLD + 1)}, "new": 0 if dropped else 1,
+                                 **({OTHER[0]: 1} if others else {})}, events
             assert w.answers["new"].get("duplicate") is True, events
             assert w.answers["new"].get("dropped") is (True if dropped else None), events
-            assert w.counts() == (OLD + 2, 2, int(dropped)), events
+            assert w.counts() == (OLD + 2 + others, 2, int(dropped)), events
+            drops += dropped
+    assert bool(drops) is others
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other", [None, "before", "away"])
+def test_ssp_a_push_computed_before_a_leave_and_sent_after_the_return_is_dropped_only_past_updates(other):
+    """Rank 0's push computed on its copy before it left (prefetch) and sent after its join
+    read: dropped where rank 1's push was applied while it was away (as stale as the others
+    ran on), applied where nothing was (as fresh as if it had stayed), though rank 1's push
+    applied before the leave, while rank 0 was still waited for, is not in its read (that
+    one was dropped before)."""
+    w = Worker("ssp")
+    for c in range(OLD + 1):
+        w.push(f"old {c}", c)
+    w.sent["early"] = push(w.shard, 0, OLD + 1)   # (read_version: the shard's version now)
+    if other == "before":
+        w.push(*OTHER, rank=1)
+    w.news("leave", SAME_PROCESS)
+    if other == "away":
+        w.push(*OTHER, rank=1)
+    w.news("return", SAME_PROCESS)
+    w.join(SAME_PROCESS)
+    m = w.push("early", OLD + 1)
+    dropped = other == "away"
+    assert m.get("dropped") is (True if dropped else None) and w.applied["early"] == int(not dropped)
+    assert w.counts() == (OLD + 2 + bool(other), 0, int(dropped))   # (a dropped push is counted in pushes too)
 
 
 @pytest.mark.timeout(60)

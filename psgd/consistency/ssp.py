@@ -43,8 +43,9 @@ class SspRule(ServerRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.clocks = ClockTable(range(world), self.bound())
-        self.away: set[int] = set()         # ranks that left the live set and have sent no read here since
-        self.back_at: dict[int, int] = {}   # rank -> the version its first read here after it left saw
+        self.away: dict[int, int] = {}      # rank -> the version when it left the live set (no read here since)
+        self.back_at: dict[int, int] = {}   # rank -> the version its first read here after it left saw, where
+        #                                     updates were applied while it was away
         # (neither is checkpointed: a restored shard learns the live set anew from the coordinator)
         self.dropped = 0
         self.own: dict[int, list[int]] = {}   # `holds_own`: rank -> the versions its pushes since its read met
@@ -86,23 +87,32 @@ class SspRule(ServerRule):
     def from_before_leaving(self, e: Push) -> bool:
         """Was this push computed on a read made before its worker left the live set (a
         worker stopped or cut off, dropped by the coordinator, whose in-flight gradient
-        arrives once it runs again)? While it was out, nobody waited for it: the others
-        ran on, so its gradient is as stale as they got (tau 233 with s = 1 after a
-        5 s SIGSTOP), past any bound. Under SSP it is dropped, as sync drops a late one;
-        async (no bound) applies it. Such a push comes before the worker's next read
-        here (its pushes and reads to a shard are in order: it reads only once the push
-        is answered), or names a read older than that next read (prefetch: a gradient
-        computed on the copy while the push before it travelled). (Told by the version
-        of its first read after it came back, not of its leaving: a read made at the
-        version it left at, before it left, looked like one made after.)"""
+        arrives once it runs again), and were updates applied here while it was out?
+        Nobody waited for it then: the others ran on, so its gradient is as stale as they
+        got (tau 233 with s = 1 after a 5 s SIGSTOP), past any bound. Under SSP it is
+        dropped, as sync drops a late one; async (no bound) applies it. Where nothing was
+        applied while it was out, its gradient is as fresh as if it had never left, and
+        is applied (a real leave dropped even a push of tau 0 before). Such a push comes
+        before the worker's next read here (its pushes and reads to a shard are in order:
+        it reads only once the push is answered), or names a read older than that next
+        read (prefetch: a gradient computed on the copy while the push before it
+        travelled). (Told by the version of its first read after it came back, not of its
+        leaving: a read made at the version it left at, before it left, looked like one
+        made after.)"""
         if self.bound() is None:
             return False
-        return e.rank in self.away or (e.rank in self.back_at and self.tables.version - e.tau < self.back_at[e.rank])
+        left = self.away.get(e.rank)
+        if left is not None:
+            return self.tables.version > left
+        return e.rank in self.back_at and self.tables.version - e.tau < self.back_at[e.rank]
 
     def read(self, e: Read) -> list[Decision]:
-        if e.rank in self.away:   # its pushes from here on are computed on reads since it came back
-            self.away.discard(e.rank)
-            self.back_at[e.rank] = self.tables.version
+        left = self.away.pop(e.rank, None)
+        if left is not None:   # its pushes from here on are computed on reads since it came back
+            if self.tables.version > left:
+                self.back_at[e.rank] = self.tables.version
+            else:   # (nothing applied while it was away: a push from before is as fresh as if it had stayed)
+                self.back_at.pop(e.rank, None)
         if e.join and e.rank >= 0 and self.bound() is not None:
             return self.joined(e)
         return super().read(e)
@@ -135,7 +145,8 @@ class SspRule(ServerRule):
         return [self.answer(r) for r in self.clocks.read(e.rank, e.clock, e)]  # type: ignore[arg-type]
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
-        self.away |= self.clocks.live.difference(live)
+        for rank in self.clocks.live.difference(live):   # (a second leave before a read: the first counts)
+            self.away.setdefault(rank, self.tables.version)
         return [self.answer(r) for r in self.clocks.set_live(live)]  # type: ignore[arg-type]
 
     def read_fields(self, rank: int) -> dict:

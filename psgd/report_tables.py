@@ -3,11 +3,10 @@
 `main_table`: one row per configuration (accuracy, time to target, throughput, measured
 staleness, waiting, traffic, speedups); `detail_table`: runs, wall time, ratios, clock
 gap, drops, losses, the busiest shard's share of the time, the training threads' wait for
-a CPU. A time to target that cannot
-rank a configuration (reached after training had ended, or at the evaluator's first
-score) and every speedup computed from one carry a mark, explained under the table. The
-number formats are shared with the reading (psgd.report_reading) and the plots
-(psgd.report_plots).
+a CPU. A time to target that cannot rank a configuration (reached after training had
+ended, or at the evaluator's first score) and every speedup computed from one carry a
+mark, explained under the table. The number formats are shared with the reading
+(psgd.report_reading) and the plots (psgd.report_plots).
 """
 from __future__ import annotations
 

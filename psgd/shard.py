@@ -812,6 +812,14 @@ class Shard:
         self.load_state_dict(sd)
         return ""
 
+    def restarted_empty(self) -> None:
+        """Restarted during a run with nothing to restore: its tables as built (psgd's own
+        model, from the seed) or zeros (a learned one) are not where the job is, so it takes
+        any worker's current copy (`on_init`), and its rule knows nothing of the run before
+        (`ServerRule.restarted`)."""
+        self.ready, self.inits_from_any = False, True
+        self.rule.restarted()
+
     def new_run(self) -> None:
         """A new run of the job resumed from its checkpoints (not a shard restarted during
         a run): the run's counters (bad messages, pushes, pulls; the rule's dropped
@@ -841,6 +849,7 @@ class Shard:
         self.opt.load_state_dict(sd["opt"])
         self.version = int(sd["version"])
         self.rule.load_state_dict(sd["rule"])
+        self.rule.restarted()
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
         busy = float(sd.get("busy_s", 0.0))   # (older checkpoints: none) a restarted shard's serving goes on from it

@@ -338,10 +338,8 @@ class ShardServer:
             link.fields_fn = lambda: {"lost_tables": shard.unready}
             log(self.name, f"{lost}: it serves none")
         elif not resumed and restarted:
-            # Restarted with nothing to restore: its tables as built (psgd's own model, from
-            # the seed) or zeros (a learned one) are the job's start, not where it is. Any
-            # worker's current copy is taken instead (rank 0's first values are long gone).
-            shard.ready, shard.inits_from_any = False, True
+            # (rank 0's first values are long gone: any worker's current copy is taken)
+            shard.restarted_empty()
             log(self.name, "restarted with nothing to restore: taking the first worker's current copy of its tables")
         if self.afresh:
             link.fields_fn = lambda: {"afresh": self.afresh}

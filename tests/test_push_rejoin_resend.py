@@ -264,7 +264,10 @@ def test_ssp_a_workers_own_pushes_while_away_are_not_updates_it_missed():
     assert pushed(shard, 0, OLD + 1, shard.version) == (1, False)
     reads(shard, 0, OLD + 2)
     assert pushed(shard, 0, OLD + 2, before) == (1, False)
-    assert pushed(shard, 1, 0, shard.version) == (1, False)   # (rank 1's push now: a later one would miss it)
+    assert pushed(shard, 0, OLD + 3, shard.version) == (1, False)   # (a push of its own computed since)
+    assert pushed(shard, 0, OLD + 4, before) == (1, False)   # (one from before: it missed only its own)
+    assert pushed(shard, 1, 0, shard.version) == (1, False)
+    assert pushed(shard, 0, OLD + 5, before) == (0, True)    # (now it missed rank 1's)
 
 
 @pytest.mark.timeout(60)
@@ -283,6 +286,35 @@ def test_ssp_a_restored_shard_takes_a_rank_away_at_its_first_membership_as_away_
     assert pushed(restored, 0, OLD + 1, copy) == (0, True)
     reads(restored, 0, OLD + 2)
     assert pushed(restored, 0, OLD + 2, restored.version) == (1, False)   # (computed on a read since: applied)
+
+
+@pytest.mark.timeout(60)
+def test_ssp_a_shard_restarted_with_nothing_to_restore_takes_a_rank_away_as_away_since_before_any_version():
+    """Restarted without a checkpoint, the shard takes rank 1's current copy (which holds the
+    updates rank 0 missed while away) at version 0: rank 0's push from before its leave is
+    dropped, not applied as tau 0 (a review: the restart's version 0 was taken for the
+    leave's)."""
+    shard = Shard(config("ssp"), 0)
+    shard.restarted_empty()
+    shard.set_live({1: 5})
+    copy = wire.decode(wire.encode("init", id=1, rank=1, clock=5, arrays=[np.ones(shard.P, np.float32),
+                                                                          np.zeros(shard.B, np.float32)]))
+    shard.handle("init", copy)
+    assert shard.ready and pushed(shard, 0, OLD + 1, 0) == (0, True)
+
+
+@pytest.mark.timeout(60)
+def test_ssp_updates_after_its_first_read_while_still_away_count_against_a_push_from_before():
+    """Rank 0 read once after its leave (nothing missed yet), then rank 1 pushed 5 times
+    while rank 0 was still out of the live set: rank 0's prefetched push from before the
+    leave missed them, and is dropped (a review: it was applied at tau 5 with s = 2)."""
+    shard = ssp_shard(**{"mode.prefetch": True})
+    copy = shard.version - 1
+    shard.set_live({1: 0})
+    reads(shard, 0, OLD + 1)
+    for c in range(5):
+        assert pushed(shard, 1, c, shard.version) == (1, False)
+    assert pushed(shard, 0, OLD + 1, copy) == (0, True)
 
 
 @pytest.mark.timeout(60)

@@ -299,6 +299,10 @@ class ServerRule:
         own: `Shard.new_run`); what the rule answers from stays."""
         self.hist = Histogram()
 
+    def restarted(self) -> None:
+        """The shard restarted, from its checkpoint (after `load_state_dict`) or with nothing
+        to restore (`Shard.restarted_empty`): what happened while it was down is unknown."""
+
 
 # ---------------------------------------------------------------- the worker schedule
 class Trainer(Protocol):

@@ -43,12 +43,16 @@ class SspRule(ServerRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.clocks = ClockTable(range(world), self.bound())
-        self.away: dict[int, int] = {}      # rank -> the version when this shard heard it leave the live set,
-        #                                     moved up by each of its own pushes applied since (no read here since)
-        self.back_at: dict[int, int] = {}   # rank -> the version its latest first read here after a leave saw,
-        #                                     where updates were applied while it was away
-        # (neither is checkpointed: a restored shard learns the live set anew from the coordinator, and
-        # counts a rank away at its first membership as away since before any version: `left_unknown`)
+        # A worker that left the live set (`from_before_leaving`), each by rank: `away`, from this
+        # shard hearing the leave to its next read here, the version then; `back_at`, the version
+        # that read saw (a read older than it was made before a leave); `left_at`, the version at
+        # the earliest leave heard here. `away` and `left_at` move up by each of the worker's own
+        # pushes applied here, so that the version less either counts the others' updates since.
+        # (None is checkpointed: a restored shard learns the live set anew from the coordinator, and
+        # takes a rank away at its first membership as away since before any version: `restarted`.)
+        self.away: dict[int, int] = {}
+        self.back_at: dict[int, int] = {}
+        self.left_at: dict[int, int] = {}
         self.left_unknown = False
         self.dropped = 0
         self.own: dict[int, list[int]] = {}   # `holds_own`: rank -> the versions its pushes since its read met
@@ -90,31 +94,32 @@ class SspRule(ServerRule):
     def from_before_leaving(self, e: Push) -> bool:
         """Was this push computed on a read made before its worker left the live set (a
         worker stopped or cut off, dropped by the coordinator, whose in-flight gradient
-        arrives once it runs again), and were updates applied here while it was out?
-        Nobody waited for it then: the others ran on, so its gradient is as stale as they
-        got (tau 233 with s = 1 after a 5 s SIGSTOP), past any bound. Under SSP it is
-        dropped, as sync drops a late one; async (no bound) applies it. Where nothing but
-        its own pushes was applied here since this shard heard it leave, its gradient is
-        as fresh as if it had never left, and is applied (a real leave dropped even a push
-        of tau 0 before). Such a push comes before the worker's next read here (its pushes
-        and reads to a shard are in order: it reads only once the push is answered), or
-        names a read older than that next read (prefetch: a gradient computed on the copy
-        while the push before it travelled): older than the first read after a leave
-        while which updates were applied (`back_at`; that read's version, not the
-        leave's: a read made at the version it left at, before it left, looked like one
-        made after), the latest such leave of any."""
+        arrives once it runs again), and have the others' updates been applied here since
+        the leave? Nobody waited for it then: the others ran on, so its gradient is as
+        stale as they got (tau 233 with s = 1 after a 5 s SIGSTOP), past any bound. Under
+        SSP it is dropped, as sync drops a late one; async (no bound) applies it. Where
+        nothing but its own pushes was applied here since this shard heard it leave (the
+        earliest leave, where it left more than once), its gradient is as fresh as if it
+        had never left, and is applied (a real leave dropped even a push of tau 0 before).
+        Such a push comes before the worker's next read here (its pushes and reads to a
+        shard are in order: it reads only once the push is answered), or names a read
+        older than that next read (`back_at`; prefetch: a gradient computed on the copy
+        while the push before it travelled). (Told by the version of its first read after
+        it came back, not of its leaving: a read made at the version it left at, before it
+        left, looked like one made after.)"""
         if self.bound() is None:
             return False
-        left = self.away.get(e.rank)
-        if left is not None and self.tables.version > left:
+        if e.rank in self.away and self.tables.version > self.away[e.rank]:
             return True
-        return e.rank in self.back_at and self.tables.version - e.tau < self.back_at[e.rank]
+        if e.rank in self.back_at and self.tables.version - e.tau < self.back_at[e.rank]:
+            return self.tables.version > self.left_at[e.rank]
+        return False
 
     def read(self, e: Read) -> list[Decision]:
         left = self.away.pop(e.rank, None)
-        if left is not None and self.tables.version > left:   # its pushes from here on are computed on reads
-            self.back_at[e.rank] = self.tables.version           # since it came back (an earlier `back_at` is
-        #                                                          older: it still marks what is older than it)
+        if left is not None:   # its pushes from here on are computed on reads since it came back
+            self.back_at[e.rank] = self.tables.version
+            self.left_at.setdefault(e.rank, left)   # (an earlier leave's: what that absence missed counts too)
         if e.join and e.rank >= 0 and self.bound() is not None:
             return self.joined(e)
         return super().read(e)
@@ -136,8 +141,9 @@ class SspRule(ServerRule):
             self.dropped += 1
             dropped: list[Decision] = [Answer(e.token, {"dropped": True, "staleness": e.tau})]
             return dropped + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
-        if e.rank in self.away:   # (its own update is not one it missed while away)
-            self.away[e.rank] += 1
+        for since in (self.away, self.left_at):   # (its own update is not one it missed)
+            if e.rank in since:
+                since[e.rank] += 1
         progress = self.tables.version * self.steps_per_push() / self.world
         tau = self.staleness(e)
         out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(tau), progress),
@@ -178,7 +184,11 @@ class SspRule(ServerRule):
         self.dropped = int(sd.get("dropped", 0))
         self.clocks.floor = int(sd.get("floor", 0))   # (a rejoiner after the restore is bound by the reads before it)
         self.own = {}   # (of the tables before the restore)
-        self.left_unknown = True   # (when a rank away at its first membership left, it cannot tell)
+
+    def restarted(self) -> None:
+        """The shard restarted (from its checkpoint, or with nothing to restore): when a rank
+        away at its first membership left, it cannot tell; since before any version."""
+        self.left_unknown = True
 
     def new_run(self) -> None:
         super().new_run()

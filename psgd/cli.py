@@ -409,15 +409,15 @@ def cmd_run(args) -> int:
     return 0
 
 
-# `psgd run` says that the job shared its cores from summary.json's cpu_wait_fraction
-# metrics.CPU_WAIT_SAID as written (`cpu_wait_said`), in a job of at least CPU_WAIT_WALL_S (a
-# shorter one's share is a few preemptions')
+# `psgd run` says that the job shared its cores where summary.json's cpu_wait_fraction reaches
+# metrics.CPU_WAIT_SAID as written (`metrics.cpu_wait_said`), in a job of at least
+# CPU_WAIT_WALL_S (a shorter one's share may be a few preemptions')
 CPU_WAIT_WALL_S = 1.0
 
 
 def cpu_wait_warning(s: dict, crowded: bool) -> str:
     """What a job whose workers waited for a CPU (summary.json's cpu_wait_fraction, from
-    CPU_WAIT_SAID) should not be read as, or ''. Not where the job's own busy processes
+    metrics.CPU_WAIT_SAID) should not be read as, or ''. Not where the job's own busy processes
     outnumber the cores (`crowded`: said at its start, `launcher.oversubscribed`): its
     workers then wait for its shards and evaluator as much as for anything else."""
     if crowded or not cpu_wait_said(s.get("cpu_wait_fraction")) or float(s.get("wall_s") or 0) < CPU_WAIT_WALL_S:

@@ -653,7 +653,8 @@ def _cpu_wait_sentences(group: list[Row], bases: list[Row], ctx: dict, many_w: b
     factor for all. Listed per worker count, as the waits are; past MAX_LISTED_WAITS rows
     of one count, their range without names (naming a most and a least would rank rows
     whose spread may not separate them). No guard on a run's length, as `psgd run`'s
-    warning has: 10% of even a 0.3 s run is about ten of the scheduler's time slices.
+    warning has: that warning names a cause (other programs), which a short job's few
+    preemptions could seem to show; this sentence names none, only the sharing.
     Nothing for runs without the count (psgd simulate's virtual clock, a kernel without
     it, a compare.json from before it)."""
     shares = [(w, r) for r in group + bases if (w := mean(r.values("cpu_wait_fraction"))) is not None]
@@ -663,7 +664,7 @@ def _cpu_wait_sentences(group: list[Row], bases: list[Row], ctx: dict, many_w: b
     def listed(rows: list[tuple[float, Row]]) -> str:
         if len(rows) > MAX_LISTED_WAITS:
             ws = [w for w, _ in rows]
-            return f"{100 * min(ws):.0f}% to {100 * max(ws):.0f}% across its {len(rows)} configurations"
+            return f"{100 * min(ws):.0f}% to {100 * max(ws):.0f}% across {len(rows)} configurations"
         return ", ".join(f"{100 * w:.0f}% in {rname(r, False)}{cpu_wait_counted(r)}" for w, r in rows)
     dist = [(w, r) for w, r in shares if not r.is_baseline]
     parts = [(f"with {counted(n, 'worker')}, " if many_w else "") + listed([t for t in dist if t[1].workers == n])

@@ -240,6 +240,46 @@ def test_ssp_a_second_leave_keeps_what_the_first_absence_missed(read_between):
 
 
 @pytest.mark.timeout(60)
+def test_ssp_a_later_absence_is_judged_on_its_own():
+    """Rank 0 left once while rank 1 pushed, came back, and trained on; later it left again
+    with nothing applied meanwhile: its prefetched push from before the second leave, sent
+    after its read, missed nothing and is applied (a last read: judged since the first leave
+    of the run, it was dropped). One from before the first leave is still dropped."""
+    shard = ssp_shard(**{"mode.prefetch": True})
+    first = shard.version
+    shard.set_live({1: 0})
+    assert pushed(shard, 1, 0, shard.version) == (1, False)
+    reads(shard, 0, OLD + 1)
+    shard.set_live({0: OLD + 1, 1: 1})
+    for c in range(OLD + 1, OLD + 4):
+        assert pushed(shard, 0, c, shard.version) == (1, False)
+    second = shard.version - 1                     # (the read its next prefetched push is computed on)
+    shard.set_live({1: 1})
+    assert pushed(shard, 0, OLD + 4, shard.version) == (1, False)   # (in flight at the leave)
+    reads(shard, 0, OLD + 5)
+    assert pushed(shard, 0, OLD + 5, second) == (1, False)
+    assert pushed(shard, 0, OLD + 6, first) == (0, True)
+
+
+@pytest.mark.timeout(60)
+def test_ssp_past_its_many_absences_a_worker_is_judged_no_less_strictly():
+    """Past MAX_ABSENCES a rank's two oldest absences count as one: a push from before the
+    first, which rank 1's update made while it was away, is still dropped."""
+    from psgd.consistency.ssp import MAX_ABSENCES
+    shard = ssp_shard()
+    first = shard.version
+    shard.set_live({1: 0})
+    assert pushed(shard, 1, 0, shard.version) == (1, False)
+    for k in range(MAX_ABSENCES + 2):
+        reads(shard, 0, OLD + 1 + k)
+        shard.set_live({0: OLD + 1, 1: 1})
+        shard.set_live({1: 1})
+    reads(shard, 0, OLD + 2)
+    assert len(shard.rule.absences[0]) == MAX_ABSENCES
+    assert pushed(shard, 0, OLD + 1, first) == (0, True)
+
+
+@pytest.mark.timeout(60)
 def test_ssp_the_first_leave_before_a_read_counts_not_a_second():
     """Left, rank 1 pushed, back and left again before any read of rank 0: its push from
     before the first leave missed rank 1's update and is dropped (the second leave's version,

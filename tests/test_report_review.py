@@ -340,7 +340,7 @@ def test_the_cpu_wait_sentence_lists_per_worker_count_and_names_no_extremes_past
     assert "30% in **ssp (bound s=0)**, " in six and "30% in **ssp (bound s=5)**." in six, six
     # Seven of one count: their range, no names (the spread may not separate a most from a least).
     seven = sentence(told([ssp(k, k / 10) for k in range(7)]), "waited for a CPU")
-    assert "): 0% to 60% across its 7 configurations. Where" in seven and "**" not in seven, seven
+    assert "): 0% to 60% across 7 configurations. Where" in seven and "**" not in seven, seven
     assert "of processes sharing the machine's cores:" in seven   # (no machine in the context: no core count)
 
 

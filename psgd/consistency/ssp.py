@@ -35,6 +35,8 @@ from .clock import ClockTable, live_key
 from .pushpull import PushPullSchedule, counted, finite_or_diverged, load, own_update, step_flags
 from .rule import Answer, Apply, Decision, MixBuffers, Push, Read, ServerRule, Trainer
 
+MAX_ABSENCES = 16   # a rank's absences `SspRule` tells apart; past it, the two oldest count as one
+
 
 class SspRule(ServerRule):
     name = "ssp"
@@ -43,16 +45,16 @@ class SspRule(ServerRule):
     def __init__(self, mode, world, tables):
         super().__init__(mode, world, tables)
         self.clocks = ClockTable(range(world), self.bound())
-        # A worker that left the live set (`from_before_leaving`), each by rank: `away`, from this
-        # shard hearing the leave to its next read here, the version then; `back_at`, the version
-        # that read saw (a read older than it was made before a leave); `left_at`, the version at
-        # the earliest leave heard here. `away` and `left_at` move up by each of the worker's own
-        # pushes applied here, so that the version less either counts the others' updates since.
-        # (None is checkpointed: a restored shard learns the live set anew from the coordinator, and
-        # takes a rank away at its first membership as away since before any version: `restarted`.)
+        # A worker that left the live set (`from_before_leaving`), by rank: `away`, from this shard
+        # hearing the leave to the worker's next read here, the version at the leave; `absences`,
+        # once it read, [the version that read saw, the version at the leave] of each absence in
+        # turn (a read older than the first was made before that leave). The versions at the
+        # leaves move up by each of the worker's own pushes applied here, so that the version
+        # less one counts the others' updates since. (None is checkpointed: a restored shard
+        # learns the live set anew from the coordinator, and takes a rank away at its first
+        # membership as away since before any version: `restarted`.)
         self.away: dict[int, int] = {}
-        self.back_at: dict[int, int] = {}
-        self.left_at: dict[int, int] = {}
+        self.absences: dict[int, list[list[int]]] = {}
         self.left_unknown = False
         self.dropped = 0
         self.own: dict[int, list[int]] = {}   # `holds_own`: rank -> the versions its pushes since its read met
@@ -98,28 +100,33 @@ class SspRule(ServerRule):
         the leave? Nobody waited for it then: the others ran on, so its gradient is as
         stale as they got (tau 233 with s = 1 after a 5 s SIGSTOP), past any bound. Under
         SSP it is dropped, as sync drops a late one; async (no bound) applies it. Where
-        nothing but its own pushes was applied here since this shard heard it leave (the
-        earliest leave, where it left more than once), its gradient is as fresh as if it
-        had never left, and is applied (a real leave dropped even a push of tau 0 before).
+        nothing but its own pushes was applied here since this shard heard it leave (where
+        it left more than once, the leave of the first absence its read came before), its
+        gradient is as fresh as if it had never left, and is applied (a real leave dropped
+        even a push of tau 0 before).
         Such a push comes before the worker's next read here (its pushes and reads to a
         shard are in order: it reads only once the push is answered), or names a read
-        older than that next read (`back_at`; prefetch: a gradient computed on the copy
-        while the push before it travelled). (Told by the version of its first read after
-        it came back, not of its leaving: a read made at the version it left at, before it
-        left, looked like one made after.)"""
+        older than that next read (prefetch: a gradient computed on the copy while the push
+        before it travelled), judged by the first absence whose read is later than its own
+        (`absences`). (Told by the version of its first read after it came back, not of its
+        leaving: a read made at the version it left at, before it left, looked like one
+        made after.)"""
         if self.bound() is None:
             return False
         if e.rank in self.away and self.tables.version > self.away[e.rank]:
             return True
-        if e.rank in self.back_at and self.tables.version - e.tau < self.back_at[e.rank]:
-            return self.tables.version > self.left_at[e.rank]
-        return False
+        read = self.tables.version - e.tau
+        return next((self.tables.version > left for back, left in self.absences.get(e.rank, ()) if read < back),
+                    False)
 
     def read(self, e: Read) -> list[Decision]:
         left = self.away.pop(e.rank, None)
         if left is not None:   # its pushes from here on are computed on reads since it came back
-            self.back_at[e.rank] = self.tables.version
-            self.left_at.setdefault(e.rank, left)   # (an earlier leave's: what that absence missed counts too)
+            absences = self.absences.setdefault(e.rank, [])
+            absences.append([self.tables.version, left])
+            if len(absences) > MAX_ABSENCES:   # (the two oldest as one: a read before the later is judged
+                (_, left), (back, _) = absences.pop(0), absences[0]   # since the earlier leave, as before it)
+                absences[0] = [back, left]
         if e.join and e.rank >= 0 and self.bound() is not None:
             return self.joined(e)
         return super().read(e)
@@ -141,9 +148,10 @@ class SspRule(ServerRule):
             self.dropped += 1
             dropped: list[Decision] = [Answer(e.token, {"dropped": True, "staleness": e.tau})]
             return dropped + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
-        for since in (self.away, self.left_at):   # (its own update is not one it missed)
-            if e.rank in since:
-                since[e.rank] += 1
+        if e.rank in self.away:   # (its own update is not one it missed)
+            self.away[e.rank] += 1
+        for absence in self.absences.get(e.rank, ()):
+            absence[1] += 1
         progress = self.tables.version * self.steps_per_push() / self.world
         tau = self.staleness(e)
         out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(tau), progress),

@@ -47,10 +47,10 @@ class SspRule(ServerRule):
         self.clocks = ClockTable(range(world), self.bound())
         # A worker that left the live set (`from_before_leaving`), by rank: `away`, from this shard
         # hearing the leave to the worker's next read here, the version at the leave; `absences`,
-        # once it read, [the version that read saw, the version at the leave] of each absence in
-        # turn (a read older than the first was made before that leave). The versions at the
-        # leaves move up by each of the worker's own pushes applied here, so that the version
-        # less one counts the others' updates since. (None is checkpointed: a restored shard
+        # once it read, [the version when that read came, the version at the leave] of each
+        # absence in turn (a read older than the first was made before that leave). The versions
+        # at the leaves move up by each of the worker's own pushes applied here, so that the
+        # version less that of a leave counts the others' updates since. (None is checkpointed: a restored shard
         # learns the live set anew from the coordinator, and takes a rank away at its first
         # membership as away since before any version: `restarted`.)
         self.away: dict[int, int] = {}

@@ -46,13 +46,13 @@ class SspRule(ServerRule):
         super().__init__(mode, world, tables)
         self.clocks = ClockTable(range(world), self.bound())
         # A worker that left the live set (`from_before_leaving`), by rank: `away`, from this shard
-        # hearing the leave to the worker's next read here, the version at the leave; `absences`,
-        # once it read, [the version when that read came, the version at the leave] of each
-        # absence in turn (a read older than the first was made before that leave). The versions
-        # at the leaves move up by each of the worker's own pushes applied here, so that the
-        # version less that of a leave counts the others' updates since. (None is checkpointed: a restored shard
-        # learns the live set anew from the coordinator, and takes a rank away at its first
-        # membership as away since before any version: `restarted`.)
+        # hearing the leave to the worker's next read here, the others' updates then (`others`);
+        # `absences`, once it read, [the version when that read came, the others' updates at the
+        # leave] of each absence in turn (a read older than the first was made before that leave).
+        # (None is checkpointed, nor `applied`: a restored shard learns the live set anew from the
+        # coordinator, and takes a rank away at its first membership as away since before any
+        # update: `restarted`.)
+        self.applied: dict[int, int] = {}   # rank -> its pushes applied here
         self.away: dict[int, int] = {}
         self.absences: dict[int, list[list[int]]] = {}
         self.left_unknown = False
@@ -113,11 +113,16 @@ class SspRule(ServerRule):
         made after.)"""
         if self.bound() is None:
             return False
-        if e.rank in self.away and self.tables.version > self.away[e.rank]:
+        others = self.others(e.rank)
+        if e.rank in self.away and others > self.away[e.rank]:
             return True
         read = self.tables.version - e.tau
-        return next((self.tables.version > left for back, left in self.absences.get(e.rank, ()) if read < back),
-                    False)
+        return next((others > left for back, left in self.absences.get(e.rank, ()) if read < back), False)
+
+    def others(self, rank: int) -> int:
+        """The updates applied here that are not `rank`'s own (this shard's version counts
+        them all); from the leave's count to now's, those a worker missed while away."""
+        return self.tables.version - self.applied.get(rank, 0)
 
     def read(self, e: Read) -> list[Decision]:
         left = self.away.pop(e.rank, None)
@@ -148,10 +153,7 @@ class SspRule(ServerRule):
             self.dropped += 1
             dropped: list[Decision] = [Answer(e.token, {"dropped": True, "staleness": e.tau})]
             return dropped + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
-        if e.rank in self.away:   # (its own update is not one it missed)
-            self.away[e.rank] += 1
-        for absence in self.absences.get(e.rank, ()):
-            absence[1] += 1
+        self.applied[e.rank] = self.applied.get(e.rank, 0) + 1
         progress = self.tables.version * self.steps_per_push() / self.world
         tau = self.staleness(e)
         out: list[Decision] = [Apply(self.gradient(e), self.lr_scale(tau), progress),
@@ -163,10 +165,9 @@ class SspRule(ServerRule):
         return [self.answer(r) for r in self.clocks.read(e.rank, e.clock, e)]  # type: ignore[arg-type]
 
     def membership(self, live: dict[int, int]) -> list[Decision]:
-        left = -1 if self.left_unknown else self.tables.version   # (restored: since before any version)
-        self.left_unknown = False
+        unknown, self.left_unknown = self.left_unknown, False
         for rank in self.clocks.live.difference(live):   # (a second leave before a read: the first counts)
-            self.away.setdefault(rank, left)
+            self.away.setdefault(rank, -1 if unknown else self.others(rank))   # (restored: before any update)
         return [self.answer(r) for r in self.clocks.set_live(live)]  # type: ignore[arg-type]
 
     def read_fields(self, rank: int) -> dict:
@@ -195,8 +196,9 @@ class SspRule(ServerRule):
 
     def restarted(self) -> None:
         """The shard restarted (from its checkpoint, or with nothing to restore): when a rank
-        away at its first membership left, it cannot tell; since before any version."""
-        self.left_unknown = True
+        away at its first membership left, it cannot tell; since before any update. (Its
+        ranks' pushes are counted from here: `others` from the restored version.)"""
+        self.left_unknown, self.applied = True, {}
 
     def new_run(self) -> None:
         super().new_run()

@@ -422,7 +422,7 @@ def cpu_wait_warning(s: dict, crowded: bool) -> str:
     workers then wait for its shards and evaluator as much as for anything else."""
     if crowded or not cpu_wait_said(s.get("cpu_wait_fraction")) or float(s.get("wall_s") or 0) < CPU_WAIT_WALL_S:
         return ""
-    return (f"its workers waited for a CPU {100 * s['cpu_wait_fraction']:.0f} % of the time they could run "
+    return (f"its workers waited for a CPU {100 * s['cpu_wait_fraction']:.0f}% of the time they could run "
             f"(summary.json's cpu_wait_fraction): processes other than its shards, workers and evaluator held the "
             f"cores (other programs, or the job's own data loaders or threads), and its times and samples/s show "
             f"that load as much as the mode")

@@ -432,9 +432,9 @@ class Shard:
             again = {"duplicate": True, "staleness": 0, **({"dropped": True} if self.dropped_at.get(msg.rank)
                                                            == msg.clock else {})}
             return self.carry_out([r.Answer((token, msg), again)])
-        tau = max(0, self.version - read_version)
+        tau = self.version - read_version   # (below 0: a read of before a restore, `Push.ahead`)
         mine = (token, msg)
-        decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, tau, g, b))
+        decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, max(0, tau), g, b, tau < 0))
         if not refuses(decisions, mine):
             self.last_clock[msg.rank] = msg.clock  # a refused push may come again
             self.counters["pushes"] += 1
@@ -444,7 +444,8 @@ class Shard:
         """A push's read_version and clock, before anything is counted. A read_version
         is a version this shard answered, so never negative (tau would be up to 2**63,
         past what the counters can carry); one past the current version is not refused:
-        a shard restored from an older checkpoint is behind its workers' reads (tau is 0).
+        a shard restored from an older checkpoint is behind its workers' reads (tau is 0,
+        and the rule is told: `Push.ahead`).
         A clock past the job's last push (`last_exchange`: its last step, or diloco's
         last round) is never an honest push's (a worker stops there; a late or rejoining
         one catches up to clocks the others reached) and would mark every later push of

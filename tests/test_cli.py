@@ -1063,7 +1063,7 @@ def test_cpu_wait_warning_from_a_tenth_of_the_workers_runnable_time():
         assert cpu_wait_warning(quiet, crowded=False) == ""   # (below 1 s, a few preemptions' share)
     assert cpu_wait_warning({"cpu_wait_fraction": 0.0996, "wall_s": 1.0}, crowded=False)   # (as written: 10 %)
     assert cpu_wait_warning({"cpu_wait_fraction": 0.4512, "wall_s": 1.0}, crowded=False).startswith(
-        "its workers waited for a CPU 45 % of the time they could run (summary.json's cpu_wait_fraction): "
+        "its workers waited for a CPU 45% of the time they could run (summary.json's cpu_wait_fraction): "
         "processes other than its shards, workers and evaluator held the cores")
     # a job whose own busy processes outnumber the cores was warned of that at its start
     assert cpu_wait_warning({"cpu_wait_fraction": 0.4512, "wall_s": 5.0}, crowded=True) == ""

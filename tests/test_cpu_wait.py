@@ -38,7 +38,7 @@ def test_a_job_beside_busy_processes_on_its_cpus_says_its_workers_waited(tmp_pat
         share = json.load(f)["cpu_wait_fraction"]
     assert 0.1 <= share <= 1, share
     assert "busy processes" not in r.stderr   # (the job's own fit its CPUs: no warning of them)
-    assert (f"psgd run: warning: its workers waited for a CPU {100 * share:.0f} % of the time they could run "
+    assert (f"psgd run: warning: its workers waited for a CPU {100 * share:.0f}% of the time they could run "
             f"(summary.json's cpu_wait_fraction): processes other than its shards") in r.stderr, r.stderr
 
 

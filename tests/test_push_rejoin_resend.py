@@ -329,6 +329,31 @@ def test_ssp_a_restored_shard_takes_a_rank_away_at_its_first_membership_as_away_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("away", [False, True], ids=["live", "away at the restart"])
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_a_push_read_ahead_of_a_restored_shard_is_dropped_in_ssp_and_applied_in_async(mode, away):
+    """Rank 0 read the shard 3 updates past its checkpoint, and the shard restarted from it:
+    rank 0's push of that read (prefetched, or a resend) names a version the restored shard
+    has not reached. It was computed on updates the shard lost, how stale it is cannot be
+    told, and ssp drops it, even after rank 0's next read cleared its absence (it was
+    applied as tau 0 before); async applies it. A push of a read since is applied."""
+    shard = Shard(config(mode), 0)
+    for c in range(OLD + 1):
+        pushed(shard, 0, c, shard.version)
+    checkpoint = shard.state_dict()
+    for c in range(3):
+        pushed(shard, 1, c, shard.version)
+    ahead = shard.version
+    restored = Shard(config(mode), 0)
+    restored.load_state_dict(checkpoint)
+    restored.set_live({1: 3} if away else {0: OLD + 1, 1: 3})
+    reads(restored, 0, OLD + 1)
+    assert restored.version < ahead
+    assert pushed(restored, 0, OLD + 1, ahead) == ((0, True) if mode == "ssp" else (1, False))
+    assert pushed(restored, 0, OLD + 2, restored.version) == (1, False)
+
+
+@pytest.mark.timeout(60)
 def test_ssp_a_shard_restarted_with_nothing_to_restore_takes_a_rank_away_as_away_since_before_any_version():
     """Restarted without a checkpoint, the shard takes rank 1's current copy (which holds the
     updates rank 0 missed while away) at version 0: rank 0's push from before its leave is

@@ -53,13 +53,17 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------- events (shard -> rule)
 @dataclass
 class Push:
-    """A gradient of `rank` computed at `clock`, `tau` updates after the read it used."""
+    """A gradient of `rank` computed at `clock`, `tau` updates after the read it used.
+    `ahead`: that read named a version past this shard's, which only a read made before
+    the shard restarted from an older checkpoint can (tau is then 0: the updates the
+    gradient was computed on are lost here, and how stale it is cannot be told)."""
     token: Any
     rank: int
     clock: int
     tau: int
     grad: Any
     buffers: Any
+    ahead: bool = False
 
 
 @dataclass

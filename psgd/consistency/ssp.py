@@ -110,9 +110,13 @@ class SspRule(ServerRule):
         before it travelled), judged by the first absence whose read is later than its own
         (`absences`). (Told by the version of its first read after it came back, not of its
         leaving: a read made at the version it left at, before it left, looked like one
-        made after.)"""
+        made after.) A push whose read is ahead of this shard (`Push.ahead`: made before the
+        shard restarted from an older checkpoint) is dropped too: its gradient was computed
+        on updates the shard lost, and how stale it is cannot be told."""
         if self.bound() is None:
             return False
+        if e.ahead:   # (a read of before this shard's restart, of updates the restored shard lacks)
+            return True
         others = self.others(e.rank)
         if e.rank in self.away and others > self.away[e.rank]:
             return True

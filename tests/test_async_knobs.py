@@ -146,6 +146,7 @@ class FakeClient:
         self.log: list[tuple] = []          # ("push", clock, grad copy) / ("pull", clock)
         self.pushed_sum = torch.zeros_like(params)
         self.refuse: set[int] = set()       # clocks whose push is refused (once each), applying nothing
+        self.drop: set[int] = set()         # clocks whose push is answered dropped, applying nothing
 
     def _pull(self, clock: int) -> Msg:
         self.log.append(("pull", clock))
@@ -154,6 +155,9 @@ class FakeClient:
 
     def _push(self, clock: int, g: torch.Tensor, read_version: int) -> Msg:
         assert not any(e[0] == "push" and e[1] >= clock for e in self.log), "push clocks must grow"
+        if clock in self.drop:
+            self.finished = clock + 1
+            return Msg(staleness=self.version - read_version, dropped=True)
         self.log.append(("push", clock, g.clone()))
         self.params -= self.lr / self.world * g
         self.pushed_sum += g

@@ -237,6 +237,33 @@ def test_schedule_pulls_only_when_the_cache_is_stale_and_reads_its_own_writes():
         p -= lr * g
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_dropped_push_empties_the_cache(prefetch):
+    """The shard dropped the push of clock 0 (from before a leave, or read ahead of a
+    restored shard): the worker's copy, stepped by that gradient (read-my-writes), holds an
+    update the shard does not, and it reads at once, before it computes on that copy again
+    (it computed on it up to the cache's next pull, at clock 3, before)."""
+    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": 6, "mode.staleness": 2,
+                              "mode.cache": True, "mode.prefetch": prefetch})
+    w = FakeTrainer(cfg, real=True)
+    w.client.drop.add(0)
+    schedule = SspSchedule(cfg)
+    schedule.start(w)
+    while w.clock < 6:
+        schedule.step(w)
+    schedule.finish(w)
+    assert [e.get("dropped", False) for e in w.lines] == [True, False, False, False, False, False]
+    applied = dict(pushes(w))
+    assert sorted(applied) == [1, 2, 3, 4, 5]
+    lr, p = w.cfg.optimizer.lr, w.computed_on[0].clone()
+    for c in range(6):   # every compute saw the shard's model: the updates it applied
+        if not (prefetch and c == 1):   # (with prefetch, step 1 computed while push 0 travelled)
+            torch.testing.assert_close(w.computed_on[c], p)
+        if c in applied:
+            p -= lr * applied[c]
+
+
 def test_schedule_without_the_cache_pulls_every_step():
     w = run_ssp(5, **{"mode.staleness": 2})
     assert pulls(w) == [0, 1, 2, 3, 4, 5] and all("cached" not in e for e in w.lines)

@@ -336,13 +336,18 @@ class SspSchedule(PushPullSchedule):
 
     def settled(self, w: Trainer, f: Any, clock: int, w0: float, cached: bool,
                 step: tuple[float, int] | None = None) -> None:
-        """The answers of the push of `clock` (and its read); `refused` if refused."""
+        """The answers of the push of `clock` (and its read); `refused` if refused. A push
+        a shard dropped (`SspRule.from_before_leaving`) that read nothing: the worker's copy,
+        stepped by it (`own_update`), holds an update that shard did not apply, and is read
+        anew (it was computed on until the cache's next read)."""
         try:
             pushed, pulled = w.client.finish_push_pull(f)
         except wire.Refused:
             self.refused(w, clock)
             raise
         tau, dropped, theirs = counted(w, pushed)
+        if dropped and not pulled and self.cache is not None:
+            pulled = w.client.pull(w.clock)
         if pulled:
             self.loaded(w, pulled)
         w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, cached))

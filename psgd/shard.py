@@ -52,6 +52,7 @@ FIRST_WORKER_GONE = "worker 0, which brings the initial values, left the job bef
 # would otherwise grow the shard's memory until the OS kills it.
 MAX_PARKED_PER_WORKER = 64
 MIN_MAX_PARKED = 65536
+READS_KEPT = 4   # a rank's reads answered since a restart that its pushes may name (`_before_restart`)
 
 
 class ThenRead:
@@ -113,6 +114,9 @@ class Shard:
         self.last_exchange = rule.last_exchange(cfg)   # a push's or an elastic offer's last clock (round)
         self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
+        # After a restart (`_restarted`), rank -> the versions of its last reads answered since
+        # (READS_KEPT): the reads an honest push of this life names (`on_push`); None before
+        self._life_reads: dict[int, list[int]] | None = None
         self._revision = 0           # changes of either table (params or buffers)
         self._shared: tuple[int, list[Any]] = (-1, [])  # the snapshot of one revision
         self._views: list[Any] | None = None   # the tables as numpy arrays, lent (`_table_views`)
@@ -432,20 +436,29 @@ class Shard:
             again = {"duplicate": True, "staleness": 0, **({"dropped": True} if self.dropped_at.get(msg.rank)
                                                            == msg.clock else {})}
             return self.carry_out([r.Answer((token, msg), again)])
-        tau = self.version - read_version   # (below 0: a read of before a restore, `Push.ahead`)
+        tau = self.version - read_version
         mine = (token, msg)
-        decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, max(0, tau), g, b, tau < 0))
+        decisions = self.rule.push(r.Push(mine, msg.rank, msg.clock, max(0, tau), g, b,
+                                          tau < 0 or self._before_restart(msg.rank, read_version)))
         if not refuses(decisions, mine):
             self.last_clock[msg.rank] = msg.clock  # a refused push may come again
             self.counters["pushes"] += 1
         return self.carry_out(decisions)
+
+    def _before_restart(self, rank: int, read_version: int) -> bool:
+        """Was the read a push names answered before this shard restarted (`Push.before_restart`)?
+        A restored shard's versions go on from its checkpoint's, so a read made before the
+        restart may name a version this life reached too (a resend that comes once the
+        others' pushes have moved it there): a push of this life names one of its rank's
+        reads answered since (`_life_reads`: its latest, or the one before with prefetch)."""
+        return self._life_reads is not None and read_version not in self._life_reads.get(rank, ())
 
     def _check_push(self, msg: wire.Message, read_version: int) -> None:
         """A push's read_version and clock, before anything is counted. A read_version
         is a version this shard answered, so never negative (tau would be up to 2**63,
         past what the counters can carry); one past the current version is not refused:
         a shard restored from an older checkpoint is behind its workers' reads (tau is 0,
-        and the rule is told: `Push.ahead`).
+        and the rule is told: `Push.before_restart`).
         A clock past the job's last push (`last_exchange`: its last step, or diloco's
         last round) is never an honest push's (a worker stops there; a late or rejoining
         one catches up to clocks the others reached) and would mark every later push of
@@ -625,6 +638,9 @@ class Shard:
                 arrays = [self.params.detach().clone(), self.buffers.clone()]
             elif d.snapshot:
                 arrays = self._snapshot()
+                if self._life_reads is not None and msg.rank >= 0:
+                    self._life_reads.setdefault(msg.rank, []).append(self.version)
+                    del self._life_reads[msg.rank][:-READS_KEPT]
             else:
                 # the params-sized first array in wire.dtype; buffers travel as float32
                 arrays = [self.buffers.clone() if a is r.BUFFERS else self._on_wire(a) if k == 0 else a
@@ -819,7 +835,14 @@ class Shard:
         any worker's current copy (`on_init`), and its rule knows nothing of the run before
         (`ServerRule.restarted`)."""
         self.ready, self.inits_from_any = False, True
+        self._restarted()
+
+    def _restarted(self) -> None:
+        """From a checkpoint, or with nothing to restore: what the rule does not checkpoint
+        is unknown (`ServerRule.restarted`), and so is which reads its workers' pushes in
+        flight were computed on (`_before_restart`)."""
         self.rule.restarted()
+        self._life_reads = {}
 
     def new_run(self) -> None:
         """A new run of the job resumed from its checkpoints (not a shard restarted during
@@ -850,7 +873,7 @@ class Shard:
         self.opt.load_state_dict(sd["opt"])
         self.version = int(sd["version"])
         self.rule.load_state_dict(sd["rule"])
-        self.rule.restarted()
+        self._restarted()
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
         busy = float(sd.get("busy_s", 0.0))   # (older checkpoints: none) a restarted shard's serving goes on from it

@@ -147,6 +147,7 @@ class FakeClient:
         self.pushed_sum = torch.zeros_like(params)
         self.refuse: set[int] = set()       # clocks whose push is refused (once each), applying nothing
         self.drop: set[int] = set()         # clocks whose push is answered dropped, applying nothing
+        self.refuse_pulls: set[int] = set()  # clocks whose pull (not a push's read) is refused, once each
 
     def _pull(self, clock: int) -> Msg:
         self.log.append(("pull", clock))
@@ -169,6 +170,9 @@ class FakeClient:
         return [self._pull(clock)]
 
     def pull(self, clock: int) -> list:
+        if clock in self.refuse_pulls:
+            self.refuse_pulls.discard(clock)
+            raise wire.Refused(wire.REFUSED, f"the read of clock {clock} refused", "shard 0")
         return [self._pull(clock)]
 
     def begin_push_pull(self, clock, grads, buffers, read_versions, slot=0, pull=True):

@@ -208,8 +208,9 @@ def pushed(shard: Shard, rank: int, clock: int, read_version: int) -> tuple[int,
     return shard.version - before, m.get("dropped") is True
 
 
-def reads(shard: Shard, rank: int, clock: int) -> None:
-    shard.handle("r", wire.decode(wire.encode("pull", id=5000 + clock, rank=rank, clock=clock)))
+def reads(shard: Shard, rank: int, clock: int) -> bool:
+    """A read at `clock`: whether it was answered (not parked)."""
+    return bool(shard.handle("r", wire.decode(wire.encode("pull", id=5000 + clock, rank=rank, clock=clock))))
 
 
 def ssp_shard(**keys) -> Shard:
@@ -328,29 +329,65 @@ def test_ssp_a_restored_shard_takes_a_rank_away_at_its_first_membership_as_away_
     assert pushed(restored, 0, OLD + 2, restored.version) == (1, False)   # (computed on a read since: applied)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("away", [False, True], ids=["live", "away at the restart"])
-@pytest.mark.parametrize("mode", ["ssp", "async"])
-def test_a_push_read_ahead_of_a_restored_shard_is_dropped_in_ssp_and_applied_in_async(mode, away):
-    """Rank 0 read the shard 3 updates past its checkpoint, and the shard restarted from it:
-    rank 0's push of that read (prefetched, or a resend) names a version the restored shard
-    has not reached. It was computed on updates the shard lost, how stale it is cannot be
-    told, and ssp drops it, even after rank 0's next read cleared its absence (it was
-    applied as tau 0 before); async applies it. A push of a read since is applied."""
+def restored_past_its_checkpoint(mode: str, away: bool, caught_up: bool) -> tuple[Shard, int]:
+    """Ranks 0 and 1 pushed clocks 0..OLD, the shard checkpointed, rank 1 pushed 3 more, and
+    the shard restarted from its checkpoint (rank 0 away at the restart, or live); with
+    `caught_up`, rank 1's 3 pushes again since. The restored shard, and the version rank 0
+    last read before the restart (its push of that read is in flight: a resend, or
+    prefetched)."""
     shard = Shard(config(mode), 0)
     for c in range(OLD + 1):
         pushed(shard, 0, c, shard.version)
-    checkpoint = shard.state_dict()
-    for c in range(3):
         pushed(shard, 1, c, shard.version)
-    ahead = shard.version
+    checkpoint = shard.state_dict()
+    for c in range(OLD + 1, OLD + 4):
+        pushed(shard, 1, c, shard.version)
     restored = Shard(config(mode), 0)
     restored.load_state_dict(checkpoint)
-    restored.set_live({1: 3} if away else {0: OLD + 1, 1: 3})
-    reads(restored, 0, OLD + 1)
-    assert restored.version < ahead
-    assert pushed(restored, 0, OLD + 1, ahead) == ((0, True) if mode == "ssp" else (1, False))
+    restored.set_live({1: OLD + 4} if away else {0: OLD + 1, 1: OLD + 4})
+    if caught_up:
+        for c in range(OLD + 1, OLD + 4):
+            assert reads(restored, 1, c)
+            assert pushed(restored, 1, c, restored.version) == (1, False)
+        assert restored.version == shard.version
+    return restored, shard.version
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caught_up", [False, True], ids=["below it", "caught up"])
+@pytest.mark.parametrize("away", [False, True], ids=["live", "away at the restart"])
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_a_push_of_a_read_from_before_a_restore_is_dropped_in_ssp_and_applied_in_async(mode, away, caught_up):
+    """Rank 0 read the shard 3 updates past its checkpoint, and the shard restarted from it:
+    rank 0's push of that read, resent, was computed on updates the restored shard lost, and
+    how stale it is cannot be told: ssp drops it, live or away, and where rank 1's pushes
+    since have brought the restored shard to that read's version (versions go on from the
+    checkpoint's); it was applied as tau 0 before. async applies it. A push of a read
+    answered since is applied."""
+    restored, before = restored_past_its_checkpoint(mode, away, caught_up)
+    assert pushed(restored, 0, OLD + 1, before) == ((0, True) if mode == "ssp" else (1, False))
+    assert reads(restored, 0, OLD + 2)
     assert pushed(restored, 0, OLD + 2, restored.version) == (1, False)
+
+
+@pytest.mark.timeout(60)
+def test_ssp_a_prefetched_push_of_a_read_from_before_a_restore_is_dropped_after_a_read_since():
+    """Prefetch: rank 0's push of clock 4 came to the restored shard and read; rank 1's
+    pushes then brought the shard to the version of rank 0's read from before the restart,
+    and rank 0's push of clock 5, computed on that read, came (tau 0 as the versions go):
+    dropped, as it names no read this life answered rank 0. Its push of clock 6, of the
+    read since (answered before its latest read), is applied."""
+    restored, before = restored_past_its_checkpoint("ssp", False, False)
+    assert pushed(restored, 0, OLD + 1, before) == (0, True)
+    assert reads(restored, 0, OLD + 2)
+    read = restored.version
+    for c in range(OLD + 1, OLD + 4):
+        assert reads(restored, 1, c)
+        assert pushed(restored, 1, c, restored.version) == (1, False)
+    assert restored.version == before != read
+    assert pushed(restored, 0, OLD + 2, before) == (0, True)
+    assert reads(restored, 0, OLD + 3)   # (prefetch: the next read is answered before the push of the one before)
+    assert pushed(restored, 0, OLD + 3, read) == (1, False)
 
 
 @pytest.mark.timeout(60)

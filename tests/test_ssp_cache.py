@@ -264,6 +264,43 @@ def test_a_dropped_push_empties_the_cache(prefetch):
             p -= lr * applied[c]
 
 
+def test_a_dropped_last_push_is_not_read_anew_as_the_worker_stops():
+    """Prefetch: the last push, settled as the worker finishes, was dropped: no read follows
+    (nothing computes on the copy again)."""
+    w = FakeTrainer(Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
+                                        "train.steps": 5, "mode.staleness": 2, "mode.cache": True,
+                                        "mode.prefetch": True}), real=True)
+    w.client.drop.add(4)
+    schedule = SspSchedule(w.cfg)
+    schedule.start(w)
+    while w.clock < 5:
+        schedule.step(w)
+    assert schedule.inflight is not None   # (the push of clock 4, prefetched: settled by finish)
+    reads = pulls(w)
+    schedule.finish(w)
+    assert w.lines[-1]["dropped"] and pulls(w) == reads
+
+
+def test_a_dropped_push_whose_read_anew_is_refused_still_logs_its_step_and_reads_with_the_next_push():
+    """The read after a dropped push (`SspSchedule.settled`) refused: the dropped push's line
+    is written, the refusal is the worker's (a refused step, tried again), and the cache is
+    empty, so the next step's push reads (without, a review found the line lost and the
+    next steps computed on the copy that held the dropped gradient)."""
+    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
+                              "optimizer.momentum": 0.0, "train.steps": 4, "mode.staleness": 2,
+                              "mode.cache": True})
+    w = FakeTrainer(cfg, real=True)
+    w.client.drop.add(0)
+    w.client.refuse_pulls.add(1)
+    schedule = SspSchedule(cfg)
+    schedule.start(w)
+    with pytest.raises(wire.Refused):
+        schedule.step(w)
+    assert [(e["clock"], e.get("dropped", False), e.get("cached", False)) for e in w.lines] == [(1, True, False)]
+    schedule.step(w)
+    assert [e[:2] for e in w.client.log] == [("pull", 0), ("push", 1), ("pull", 2)]   # (the push, with its read)
+
+
 def test_schedule_without_the_cache_pulls_every_step():
     w = run_ssp(5, **{"mode.staleness": 2})
     assert pulls(w) == [0, 1, 2, 3, 4, 5] and all("cached" not in e for e in w.lines)

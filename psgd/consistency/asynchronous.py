@@ -211,8 +211,9 @@ class AsyncSchedule(SspSchedule):
             counted(w, w.client.push(w.clock - 1, self.accrued, w.replica.buffers(self.slot), self.accrued_read))
             self.accrued, self.since_push = None, 0
 
-    def settle(self, w: Trainer) -> None:
-        """Wait for the request in flight, load what it read, log its step."""
+    def settle(self, w: Trainer, reread: bool = True) -> None:
+        """Wait for the request in flight, load what it read, log its step. (`reread`:
+        ssp's; async's shards apply every push, so no drop leaves its copy stale.)"""
         if self.inflight is None:
             return
         inflight, self.inflight = self.inflight, None

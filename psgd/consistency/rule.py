@@ -54,16 +54,16 @@ if TYPE_CHECKING:
 @dataclass
 class Push:
     """A gradient of `rank` computed at `clock`, `tau` updates after the read it used.
-    `ahead`: that read named a version past this shard's, which only a read made before
-    the shard restarted from an older checkpoint can (tau is then 0: the updates the
-    gradient was computed on are lost here, and how stale it is cannot be told)."""
+    `before_restart`: that read was answered before the shard restarted (from an older
+    checkpoint, or with nothing to restore): the gradient may hold updates the shard lost,
+    and tau, counted from a version of another life, says nothing of how stale it is."""
     token: Any
     rank: int
     clock: int
     tau: int
     grad: Any
     buffers: Any
-    ahead: bool = False
+    before_restart: bool = False
 
 
 @dataclass

@@ -110,12 +110,12 @@ class SspRule(ServerRule):
         before it travelled), judged by the first absence whose read is later than its own
         (`absences`). (Told by the version of its first read after it came back, not of its
         leaving: a read made at the version it left at, before it left, looked like one
-        made after.) A push whose read is ahead of this shard (`Push.ahead`: made before the
-        shard restarted from an older checkpoint) is dropped too: its gradient was computed
-        on updates the shard lost, and how stale it is cannot be told."""
+        made after.) A push computed on a read answered before this shard restarted
+        (`Push.before_restart`) is dropped too, the worker's leave or not: its gradient may
+        hold updates the shard lost, and how stale it is cannot be told."""
         if self.bound() is None:
             return False
-        if e.ahead:   # (a read of before this shard's restart, of updates the restored shard lacks)
+        if e.before_restart:
             return True
         others = self.others(e.rank)
         if e.rank in self.away and others > self.away[e.rank]:
@@ -281,7 +281,7 @@ class SspSchedule(PushPullSchedule):
         """Join (an ungated read), then, with the cache, pull gated if the join's answer is
         outside the bound at the clock the worker continues at (a worker rejoining ahead
         of the slowest computes on nothing staler than SSP allows)."""
-        self.settle(w)
+        self.settle(w, reread=False)
         super().rejoin(w)
         if self.cache is not None and not self.cache.fresh(w.clock, w.live()):
             self.loaded(w, w.client.pull(w.clock))
@@ -314,7 +314,7 @@ class SspSchedule(PushPullSchedule):
         return None
 
     def finish(self, w: Trainer) -> None:
-        self.settle(w)
+        self.settle(w, reread=False)
 
     def refused(self, w: Trainer, clock: int) -> None:
         """The shards refused the push of `clock`, which the worker's clock has already
@@ -328,26 +328,36 @@ class SspSchedule(PushPullSchedule):
         if self.cache is not None:
             self.cache.clock = None
 
-    def settle(self, w: Trainer) -> None:
-        """Wait for the request in flight (prefetch): load what it pulled, log its step."""
+    def settle(self, w: Trainer, reread: bool = True) -> None:
+        """Wait for the request in flight (prefetch): load what it pulled, log its step.
+        `reread=False`: a copy the shards' drop left stale is not read anew (`settled`):
+        the worker stops, or its join reads."""
         if self.inflight is not None:
             (f, c, w0, step), self.inflight = self.inflight, None
-            self.settled(w, f, c, w0, cached=True, step=step)
+            self.settled(w, f, c, w0, cached=True, step=step, reread=reread)
 
     def settled(self, w: Trainer, f: Any, clock: int, w0: float, cached: bool,
-                step: tuple[float, int] | None = None) -> None:
+                step: tuple[float, int] | None = None, reread: bool = True) -> None:
         """The answers of the push of `clock` (and its read); `refused` if refused. A push
-        a shard dropped (`SspRule.from_before_leaving`) that read nothing: the worker's copy,
-        stepped by it (`own_update`), holds an update that shard did not apply, and is read
-        anew (it was computed on until the cache's next read)."""
+        a shard dropped (`SspRule.from_before_leaving`) where the step read nothing: the
+        worker's copy, stepped by it (`own_update`), holds an update that shard did not
+        apply; the cache is emptied and the copy read anew, gated, before the next step
+        computes on it (before, it was computed on until the cache's next read). That read
+        is in the step's wait; refused, the step's line is still written, and the next
+        step computes once more on the copy and reads with its push."""
         try:
             pushed, pulled = w.client.finish_push_pull(f)
         except wire.Refused:
             self.refused(w, clock)
             raise
         tau, dropped, theirs = counted(w, pushed)
-        if dropped and not pulled and self.cache is not None:
-            pulled = w.client.pull(w.clock)
-        if pulled:
-            self.loaded(w, pulled)
-        w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, cached))
+        stale = dropped and not pulled and self.cache is not None
+        if stale:
+            self.cache.clock = None   # type: ignore[union-attr]
+        try:
+            if stale and reread:
+                pulled = w.client.pull(w.clock)
+            if pulled:
+                self.loaded(w, pulled)
+        finally:
+            w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, cached and not stale))

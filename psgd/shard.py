@@ -115,8 +115,10 @@ class Shard:
         self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
         # After a restart (`_restarted`), rank -> the versions of its last reads answered since
-        # (READS_KEPT): the reads an honest push of this life names (`on_push`); None before
+        # (READS_KEPT): the reads an honest push of this life names (`on_push`); None before.
+        # `_restored_at`: the version restored then (-1: nothing was), the history both lives share
         self._life_reads: dict[int, list[int]] | None = None
+        self._restored_at = -1
         self._revision = 0           # changes of either table (params or buffers)
         self._shared: tuple[int, list[Any]] = (-1, [])  # the snapshot of one revision
         self._views: list[Any] | None = None   # the tables as numpy arrays, lent (`_table_views`)
@@ -446,12 +448,15 @@ class Shard:
         return self.carry_out(decisions)
 
     def _before_restart(self, rank: int, read_version: int) -> bool:
-        """Was the read a push names answered before this shard restarted (`Push.before_restart`)?
-        A restored shard's versions go on from its checkpoint's, so a read made before the
-        restart may name a version this life reached too (a resend that comes once the
+        """Was the read a push names answered before this shard restarted, past the version
+        it restored (`Push.before_restart`)? A read up to that version is of the history the
+        checkpoint holds, and tau counts what its gradient lacks, as before any restart. The
+        restored shard's versions go on from its checkpoint's, so a read made later, before
+        the restart, may name a version this life reached too (a resend that comes once the
         others' pushes have moved it there): a push of this life names one of its rank's
         reads answered since (`_life_reads`: its latest, or the one before with prefetch)."""
-        return self._life_reads is not None and read_version not in self._life_reads.get(rank, ())
+        return (self._life_reads is not None and read_version > self._restored_at
+                and read_version not in self._life_reads.get(rank, ()))
 
     def _check_push(self, msg: wire.Message, read_version: int) -> None:
         """A push's read_version and clock, before anything is counted. A read_version
@@ -835,14 +840,14 @@ class Shard:
         any worker's current copy (`on_init`), and its rule knows nothing of the run before
         (`ServerRule.restarted`)."""
         self.ready, self.inits_from_any = False, True
-        self._restarted()
+        self._restarted(-1)
 
-    def _restarted(self) -> None:
-        """From a checkpoint, or with nothing to restore: what the rule does not checkpoint
-        is unknown (`ServerRule.restarted`), and so is which reads its workers' pushes in
-        flight were computed on (`_before_restart`)."""
+    def _restarted(self, restored_at: int) -> None:
+        """From a checkpoint of version `restored_at`, or with nothing to restore (-1): what
+        the rule does not checkpoint is unknown (`ServerRule.restarted`), and so is which
+        reads its workers' pushes in flight were computed on (`_before_restart`)."""
         self.rule.restarted()
-        self._life_reads = {}
+        self._life_reads, self._restored_at = {}, restored_at
 
     def new_run(self) -> None:
         """A new run of the job resumed from its checkpoints (not a shard restarted during
@@ -873,7 +878,7 @@ class Shard:
         self.opt.load_state_dict(sd["opt"])
         self.version = int(sd["version"])
         self.rule.load_state_dict(sd["rule"])
-        self._restarted()
+        self._restarted(self.version)
         self.last_clock = {int(k): int(v) for k, v in sd["last_clock"].items()}
         self.counters.update(sd["counters"])
         busy = float(sd.get("busy_s", 0.0))   # (older checkpoints: none) a restarted shard's serving goes on from it

@@ -371,6 +371,21 @@ def test_a_push_of_a_read_from_before_a_restore_is_dropped_in_ssp_and_applied_in
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("caught_up", [False, True], ids=["at the checkpoint", "caught up"])
+def test_ssp_a_push_of_a_read_the_checkpoint_holds_is_applied_after_a_restore(caught_up):
+    """Rank 0's push in flight at the restart was computed on a read at the checkpoint's
+    version: the history both lives share. Its staleness is counted as before any restart
+    (the updates since that version), and it is applied; the restart's drops are for reads
+    past the restored version (which the first version of this fix dropped too)."""
+    restored, _ = restored_past_its_checkpoint("ssp", False, caught_up)
+    checkpoint = OLD * 2 + 2
+    m = wire.decode(wire.encode("push", id=1, rank=0, clock=OLD + 1, read_version=checkpoint,
+                                arrays=[np.ones(restored.P, np.float32), np.zeros(restored.B, np.float32)]))
+    tau = restored.version - checkpoint
+    assert answer(restored.handle("p", m), "p").get("staleness") == tau and restored.version == checkpoint + tau + 1
+
+
+@pytest.mark.timeout(60)
 def test_ssp_a_prefetched_push_of_a_read_from_before_a_restore_is_dropped_after_a_read_since():
     """Prefetch: rank 0's push of clock 4 came to the restored shard and read; rank 1's
     pushes then brought the shard to the version of rank 0's read from before the restart,

@@ -52,7 +52,8 @@ FIRST_WORKER_GONE = "worker 0, which brings the initial values, left the job bef
 # would otherwise grow the shard's memory until the OS kills it.
 MAX_PARKED_PER_WORKER = 64
 MIN_MAX_PARKED = 65536
-READS_KEPT = 4   # a rank's reads answered since a restart that its pushes may name (`_before_restart`)
+READS_KEPT = 4   # a rank's read requests answered since a restart that its pushes may name (`_before_restart`),
+# and the answers kept of each (a resent request is answered again, maybe at a later version)
 
 
 class ThenRead:
@@ -114,10 +115,12 @@ class Shard:
         self.last_exchange = rule.last_exchange(cfg)   # a push's or an elastic offer's last clock (round)
         self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
-        # After a restart (`_restarted`), rank -> the versions of its last reads answered since
-        # (READS_KEPT): the reads an honest push of this life names (`on_push`); None before.
-        # `_restored_at`: the version restored then (-1: nothing was), the history both lives share
-        self._life_reads: dict[int, list[int]] | None = None
+        # After a restart (`_restarted`), rank -> its last read requests answered since, by id
+        # (READS_KEPT), -> the versions answered (the first and the latest: a resend's answer
+        # may be the one its worker took): the reads an honest push of this life names; None
+        # before. `_restored_at`: the version restored then (-1: nothing was), the history both
+        # lives share
+        self._life_reads: dict[int, dict[int, list[int]]] | None = None
         self._restored_at = -1
         self._revision = 0           # changes of either table (params or buffers)
         self._shared: tuple[int, list[Any]] = (-1, [])  # the snapshot of one revision
@@ -456,7 +459,16 @@ class Shard:
         others' pushes have moved it there): a push of this life names one of its rank's
         reads answered since (`_life_reads`: its latest, or the one before with prefetch)."""
         return (self._life_reads is not None and read_version > self._restored_at
-                and read_version not in self._life_reads.get(rank, ()))
+                and not any(read_version in v for v in self._life_reads.get(rank, {}).values()))
+
+    def _read_since_restart(self, rank: int, rid: int) -> None:
+        """Record a read answered to `rank` since the restart (`_life_reads`): by its request
+        id, so that a resend's answers do not push out the reads its pushes name."""
+        reads = self._life_reads.setdefault(rank, {})   # type: ignore[union-attr]
+        versions = reads.pop(rid, [])   # (moved to the end: the latest request)
+        reads[rid] = versions[:1] + versions[1:][-(READS_KEPT - 2):] + [self.version]
+        while len(reads) > READS_KEPT:
+            del reads[next(iter(reads))]
 
     def _check_push(self, msg: wire.Message, read_version: int) -> None:
         """A push's read_version and clock, before anything is counted. A read_version
@@ -644,8 +656,7 @@ class Shard:
             elif d.snapshot:
                 arrays = self._snapshot()
                 if self._life_reads is not None and msg.rank >= 0:
-                    self._life_reads.setdefault(msg.rank, []).append(self.version)
-                    del self._life_reads[msg.rank][:-READS_KEPT]
+                    self._read_since_restart(msg.rank, msg.id)
             else:
                 # the params-sized first array in wire.dtype; buffers travel as float32
                 arrays = [self.buffers.clone() if a is r.BUFFERS else self._on_wire(a) if k == 0 else a

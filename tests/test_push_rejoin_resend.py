@@ -386,6 +386,31 @@ def test_ssp_a_push_of_a_read_the_checkpoint_holds_is_applied_after_a_restore(ca
 
 
 @pytest.mark.timeout(60)
+def test_ssp_resends_of_one_request_after_a_restore_do_not_push_out_the_read_its_worker_took():
+    """After a restore, rank 0's push+read was answered, and its client resent that request
+    four times (its answer late), each copy answered again at a later version (a review:
+    the answers pushed the read the worker took out of the shard's record, and its next
+    push, of that read, was dropped as of the lost life). It is applied."""
+    restored, _ = restored_past_its_checkpoint("ssp", False, False)
+    assert reads(restored, 0, OLD + 1)
+
+    def push_and_read(read_version: int) -> int:
+        msg = wire.decode(wire.encode("push", id=777, rank=0, clock=OLD + 1, read_version=read_version, pull=True,
+                                      arrays=[np.ones(restored.P, np.float32), np.zeros(restored.B, np.float32)]))
+        return int(answer(restored.handle("pp", msg), "pp").get("version"))
+
+    first = restored.version
+    took = push_and_read(first)
+    assert reads(restored, 1, OLD + 1)
+    rank_1_read = restored.version
+    for c in range(OLD + 4, OLD + 8):
+        assert pushed(restored, 1, c, rank_1_read) == (1, False)
+        push_and_read(first)   # (a resend: a duplicate, its read answered again)
+    assert restored.version > took + 3
+    assert pushed(restored, 0, OLD + 2, took) == (1, False)
+
+
+@pytest.mark.timeout(60)
 def test_ssp_a_prefetched_push_of_a_read_from_before_a_restore_is_dropped_after_a_read_since():
     """Prefetch: rank 0's push of clock 4 came to the restored shard and read; rank 1's
     pushes then brought the shard to the version of rank 0's read from before the restart,

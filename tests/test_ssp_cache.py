@@ -254,6 +254,7 @@ def test_a_dropped_push_empties_the_cache(prefetch):
         schedule.step(w)
     schedule.finish(w)
     assert [e.get("dropped", False) for e in w.lines] == [True, False, False, False, False, False]
+    assert w.lines[0].get("cached", False) == prefetch   # (the next step computed on the copy: with prefetch only)
     applied = dict(pushes(w))
     assert sorted(applied) == [1, 2, 3, 4, 5]
     lr, p = w.cfg.optimizer.lr, w.computed_on[0].clone()
@@ -283,9 +284,10 @@ def test_a_dropped_last_push_is_not_read_anew_as_the_worker_stops():
 
 def test_a_dropped_push_whose_read_anew_is_refused_still_logs_its_step_and_reads_with_the_next_push():
     """The read after a dropped push (`SspSchedule.settled`) refused: the dropped push's line
-    is written, the refusal is the worker's (a refused step, tried again), and the cache is
-    empty, so the next step's push reads (without, a review found the line lost and the
-    next steps computed on the copy that held the dropped gradient)."""
+    is written, the refusal is the worker's (a refused step, counted in `rejected`; the
+    clock has moved on), and the cache is empty, so the next step's push reads (without, a
+    review found the line lost and the next steps computed on the copy that held the
+    dropped gradient)."""
     cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
                               "optimizer.momentum": 0.0, "train.steps": 4, "mode.staleness": 2,
                               "mode.cache": True})

@@ -359,5 +359,6 @@ class SspSchedule(PushPullSchedule):
                 pulled = w.client.pull(w.clock)
             if pulled:
                 self.loaded(w, pulled)
-        finally:
-            w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, cached and not stale))
+        finally:   # (`cached`: the next step computes on the copy; prefetch's, `step`, already has)
+            on_copy = cached and (step is not None or not stale)
+            w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, on_copy))

@@ -258,18 +258,29 @@ def check_job(cfg, runs: list | None = None) -> int:
 
 
 def known_bad(cfg) -> str:
-    """One warning line for a combination of settings measured to train to about chance
-    on the default job, else "". Only diloco with rounds of one step and both momenta at
-    0.9 so far: the inner momentum buffer, kept across rounds, makes each pseudo-gradient
-    a momentum sum, and the outer Nesterov momentum sums those again (docs/modes.md,
-    "Short rounds"). The bounds are those measured: the neighbouring settings that
-    trained (a lower lr, outer_lr or either momentum, Nesterov or Adam inside) get none."""
+    """One warning line for a combination of settings measured to train the default job far
+    below its 0.98, else "". The bounds are those measured: the neighbouring settings that
+    trained get none (docs/modes.md has the runs).
+    - diloco with rounds of one step and both momenta at 0.9 (about chance): the inner
+      momentum buffer, kept across rounds, makes each pseudo-gradient a momentum sum, and
+      the outer Nesterov momentum sums those again ("Short rounds"). A lower lr, outer_lr
+      or either momentum, Nesterov or Adam inside trained.
+    - async with prefetch at 2 or more workers, SGD with momentum 0.9 at lr 0.1 (0.07-0.55):
+      a prefetched gradient is about 2W - 1 updates stale, and staleness acts as momentum
+      on top of the optimizer's. Momentum 0.8 or lr 0.05 trained (0.96-0.98), as did Adam
+      and one worker (0.88); Nesterov, lr_policy = "staleness" and dc_lambda = 0.1 did not."""
     m, o = cfg.mode, cfg.optimizer
     if (m.name == "diloco" and m.local_steps == 1 and m.outer_lr >= 0.2 and m.outer_momentum >= 0.9
             and o.name == "sgd" and not o.nesterov and o.momentum >= 0.9 and o.lr >= 0.1):
         return ("mode diloco with mode.local_steps = 1 and both momenta at 0.9 (optimizer.momentum, "
                 "mode.outer_momentum) trained the default job to about chance at 1-4 workers (docs/modes.md); "
                 "set either to 0, or use mode.outer_lr=1 mode.outer_momentum=0 (model averaging)")
+    if (m.name == "async" and m.prefetch and cfg.cluster.workers >= 2 and o.name == "sgd" and o.momentum >= 0.9
+            and o.lr >= 0.1):
+        return ("mode async with mode.prefetch at 2 or more workers and optimizer.momentum = 0.9 trained the "
+                "default job to 0.07-0.55 in 9 runs of 2-4 workers (docs/modes.md): each gradient is about 2W - 1 "
+                "updates stale, which acts as momentum on top of the optimizer's; set optimizer.momentum=0.5 "
+                "or optimizer.lr=0.05 (0.98)")
     return ""
 
 

@@ -52,8 +52,9 @@ FIRST_WORKER_GONE = "worker 0, which brings the initial values, left the job bef
 # would otherwise grow the shard's memory until the OS kills it.
 MAX_PARKED_PER_WORKER = 64
 MIN_MAX_PARKED = 65536
-READS_KEPT = 4   # a rank's read requests answered since a restart that its pushes may name (`_before_restart`),
-# and the answers kept of each (a resent request is answered again, maybe at a later version)
+READS_KEPT = 4     # a rank's read requests answered since a restart that its pushes may name (`_before_restart`)
+ANSWERS_KEPT = 4   # ... and the versions kept of each request's answers (a resent one is answered again, maybe
+                   # at a later version, and its worker takes the first that reaches it): the first and the latest
 
 
 class ThenRead:
@@ -116,10 +117,9 @@ class Shard:
         self.opt = make_optimizer([self.params], self.opt_cfg)
         self.version = 0             # updates applied to params
         # After a restart (`_restarted`), rank -> its last read requests answered since, by id
-        # (READS_KEPT), -> the versions answered (the first and the latest: a resend's answer
-        # may be the one its worker took): the reads an honest push of this life names; None
-        # before. `_restored_at`: the version restored then (-1: nothing was), the history both
-        # lives share
+        # (READS_KEPT), -> the versions answered (ANSWERS_KEPT): the reads an honest push of
+        # this life names; None before. `_restored_at`: the version restored then (-1: nothing
+        # was), the history both lives share
         self._life_reads: dict[int, dict[int, list[int]]] | None = None
         self._restored_at = -1
         self._revision = 0           # changes of either table (params or buffers)
@@ -465,8 +465,8 @@ class Shard:
         """Record a read answered to `rank` since the restart (`_life_reads`): by its request
         id, so that a resend's answers do not push out the reads its pushes name."""
         reads = self._life_reads.setdefault(rank, {})   # type: ignore[union-attr]
-        versions = reads.pop(rid, [])   # (moved to the end: the latest request)
-        reads[rid] = versions[:1] + versions[1:][-(READS_KEPT - 2):] + [self.version]
+        versions = reads.pop(rid, []) + [self.version]   # (moved to the end: the latest request)
+        reads[rid] = versions if len(versions) <= ANSWERS_KEPT else versions[:1] + versions[1 - ANSWERS_KEPT:]
         while len(reads) > READS_KEPT:
             del reads[next(iter(reads))]
 

@@ -210,8 +210,9 @@ def test_a_push_with_a_negative_read_version_or_a_clock_past_the_last_step_is_re
     (_, frames), = shard.handle("w", push(shard, 0, 0, 0))   # the honest push is applied, not a duplicate
     m = wire.decode(frames)
     assert m.op == "reply" and not m.get("duplicate") and shard.version == 1
-    # a read_version past the shard's version is an honest one after a restore from an older
-    # checkpoint: not refused; ssp drops it (its staleness cannot be told), the others apply it
+    # a read_version past the shard's version (honest only after a restore from an older
+    # checkpoint, which this shard did not have) is not refused: ssp drops it (how stale it is
+    # cannot be told: `Push.before_restart`), the others apply it
     (_, frames), = shard.handle("w", push(shard, 0, 1, 50))
     m = wire.decode(frames)
     assert m.op == "reply" and m.get("staleness") == 0

@@ -412,19 +412,26 @@ def test_ssp_resends_of_one_request_after_a_restore_do_not_push_out_the_read_its
 
 @pytest.mark.timeout(60)
 def test_ssp_a_prefetched_push_of_a_read_from_before_a_restore_is_dropped_after_a_read_since():
-    """Prefetch: rank 0's push of clock 4 came to the restored shard and read; rank 1's
-    pushes then brought the shard to the version of rank 0's read from before the restart,
-    and rank 0's push of clock 5, computed on that read, came (tau 0 as the versions go):
-    dropped, as it names no read this life answered rank 0. Its push of clock 6, of the
-    read since (answered before its latest read), is applied."""
+    """Prefetch: rank 0's push of clock 4 came to the restored shard and was dropped; rank 0
+    read after one push of rank 1's, and rank 1's pushes then brought the shard to the
+    version of rank 0's read from before the restart; rank 0's push of clock 5, computed on
+    that read, came (tau 0 as the versions go): dropped, as it names no read this life
+    answered rank 0. Its push of clock 6, of its read since (past the restored version;
+    answered before its latest read), is applied."""
     restored, before = restored_past_its_checkpoint("ssp", False, False)
+    restored_at = restored.version
     assert pushed(restored, 0, OLD + 1, before) == (0, True)
+
+    def rank_1_pushes(clock: int) -> None:
+        assert reads(restored, 1, clock)
+        assert pushed(restored, 1, clock, restored.version) == (1, False)
+
+    rank_1_pushes(OLD + 1)
     assert reads(restored, 0, OLD + 2)
     read = restored.version
-    for c in range(OLD + 1, OLD + 4):
-        assert reads(restored, 1, c)
-        assert pushed(restored, 1, c, restored.version) == (1, False)
-    assert restored.version == before != read
+    rank_1_pushes(OLD + 2)
+    rank_1_pushes(OLD + 3)
+    assert restored.version == before and restored_at < read < before
     assert pushed(restored, 0, OLD + 2, before) == (0, True)
     assert reads(restored, 0, OLD + 3)   # (prefetch: the next read is answered before the push of the one before)
     assert pushed(restored, 0, OLD + 3, read) == (1, False)

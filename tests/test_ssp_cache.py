@@ -284,8 +284,9 @@ def test_a_dropped_last_push_is_not_read_anew_as_the_worker_stops():
 
 def test_a_dropped_push_whose_read_anew_is_refused_still_logs_its_step_and_reads_with_the_next_push():
     """The read after a dropped push (`SspSchedule.settled`) refused: the dropped push's line
-    is written, the refusal is the worker's (a refused step, counted in `rejected`; the
-    clock has moved on), and the cache is empty, so the next step's push reads (without, a
+    is written (`cached`: the next step computes on the copy once more), the refusal is the
+    worker's (a refused step, counted in `rejected`; the clock has moved on), and the cache
+    is empty, so the next step's push reads (without, a
     review found the line lost and the next steps computed on the copy that held the
     dropped gradient)."""
     cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
@@ -298,7 +299,7 @@ def test_a_dropped_push_whose_read_anew_is_refused_still_logs_its_step_and_reads
     schedule.start(w)
     with pytest.raises(wire.Refused):
         schedule.step(w)
-    assert [(e["clock"], e.get("dropped", False), e.get("cached", False)) for e in w.lines] == [(1, True, False)]
+    assert [(e["clock"], e.get("dropped", False), e.get("cached", False)) for e in w.lines] == [(1, True, True)]
     schedule.step(w)
     assert [e[:2] for e in w.client.log] == [("pull", 0), ("push", 1), ("pull", 2)]   # (the push, with its read)
 

@@ -56,7 +56,8 @@ class Push:
     """A gradient of `rank` computed at `clock`, `tau` updates after the read it used.
     `before_restart`: that read was answered before the shard restarted (from an older
     checkpoint, or with nothing to restore): the gradient may hold updates the shard lost,
-    and tau, counted from a version of another life, says nothing of how stale it is."""
+    and tau, counted from a version of another life, says nothing of how stale it is. (Also
+    a read named past the shard's version where it never restarted: no honest one.)"""
     token: Any
     rank: int
     clock: int

@@ -110,13 +110,9 @@ class SspRule(ServerRule):
         before it travelled), judged by the first absence whose read is later than its own
         (`absences`). (Told by the version of its first read after it came back, not of its
         leaving: a read made at the version it left at, before it left, looked like one
-        made after.) A push computed on a read answered before this shard restarted
-        (`Push.before_restart`) is dropped too, the worker's leave or not: its gradient may
-        hold updates the shard lost, and how stale it is cannot be told."""
+        made after.)"""
         if self.bound() is None:
             return False
-        if e.before_restart:
-            return True
         others = self.others(e.rank)
         if e.rank in self.away and others > self.away[e.rank]:
             return True
@@ -153,7 +149,10 @@ class SspRule(ServerRule):
         return out + [self.answer(r) for r in freed]  # type: ignore[arg-type]
 
     def push(self, e: Push) -> list[Decision]:
-        if self.from_before_leaving(e):
+        # Dropped too, the worker's leave or not: a push computed on a read this shard answered
+        # before it restarted (`Push.before_restart`): it may hold updates the shard lost, and
+        # how stale it is cannot be told (async, without a bound, applies it)
+        if (e.before_restart and self.bound() is not None) or self.from_before_leaving(e):
             self.dropped += 1
             dropped: list[Decision] = [Answer(e.token, {"dropped": True, "staleness": e.tau})]
             return dropped + [self.answer(r) for r in self.clocks.push(e.rank, e.clock)]  # type: ignore[arg-type]
@@ -339,7 +338,7 @@ class SspSchedule(PushPullSchedule):
     def settled(self, w: Trainer, f: Any, clock: int, w0: float, cached: bool,
                 step: tuple[float, int] | None = None, reread: bool = True) -> None:
         """The answers of the push of `clock` (and its read); `refused` if refused. A push
-        a shard dropped (`SspRule.from_before_leaving`) where the step read nothing: the
+        a shard dropped (`SspRule.push`) where the step read nothing: the
         worker's copy, stepped by it (`own_update`), holds an update that shard did not
         apply; the cache is emptied and the copy read anew, gated, before the next step
         computes on it (before, it was computed on until the cache's next read). That read
@@ -354,11 +353,12 @@ class SspSchedule(PushPullSchedule):
         stale = dropped and not pulled and self.cache is not None
         if stale:
             self.cache.clock = None   # type: ignore[union-attr]
+        read_anew = False
         try:
             if stale and reread:
-                pulled = w.client.pull(w.clock)
+                pulled, read_anew = w.client.pull(w.clock), True
             if pulled:
                 self.loaded(w, pulled)
-        finally:   # (`cached`: the next step computes on the copy; prefetch's, `step`, already has)
-            on_copy = cached and (step is not None or not stale)
+        finally:   # (`cached`: the next step computes on the copy: prefetch's, `step`, already has)
+            on_copy = cached and (step is not None or not read_anew)
             w.log_step(tau, w.client.wait_s - w0, step, dropped=dropped, **step_flags(theirs, on_copy))

@@ -786,15 +786,21 @@ def test_run_warns_at_start_of_diloco_rounds_of_one_step_with_both_momenta(sets,
     """diloco with local_steps = 1 and the default momenta (inner 0.9, outer 0.9) trains
     to chance (0.07-0.23 at 1-4 workers, docs/modes.md) and used to say nothing; the
     settings measured to train get no warning."""
-    argv = ["run", "--mode", "diloco", "--out", str(tmp_path / "out")]
+    lines, err = warning_lines(["--mode", "diloco"], sets, "local_steps", capsys, tmp_path)
+    assert len(lines) == int(warned), err
+    if warned:
+        assert lines[0].startswith("psgd run: warning: mode diloco with mode.local_steps = 1") and "chance" in lines[0]
+
+
+def warning_lines(args: list[str], sets: list[str], marker: str, capsys, tmp_path) -> tuple[list[str], str]:
+    """`psgd run` with these args and --set keys (no job is run: `no_job`): its stderr's
+    lines that name `marker`, and the whole of it."""
+    argv = ["run", *args, "--out", str(tmp_path / "out")]
     for s in sets:
         argv += ["--set", s]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "local_steps" in line]
-    assert len(lines) == int(warned), err
-    if warned:
-        assert lines[0].startswith("psgd run: warning: mode diloco with mode.local_steps = 1") and "chance" in lines[0]
+    return [line for line in err.splitlines() if marker in line], err
 
 
 @pytest.mark.parametrize("sets,warned", [
@@ -812,12 +818,8 @@ def test_run_warns_at_start_of_async_prefetch_at_two_workers_with_momentum(sets,
     """async with prefetch at 2 or more workers and the default SGD (momentum 0.9, lr 0.1)
     trained the default job to 0.07-0.73 (docs/modes.md) and said nothing; the settings
     measured to train get no warning."""
-    argv = ["run", "--mode", "async", "--set", "mode.prefetch=true", "--out", str(tmp_path / "out")]
-    for s in sets:
-        argv += ["--set", s]
-    assert main(argv) == 0
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "mode.prefetch" in line]
+    lines, err = warning_lines(["--mode", "async", "--set", "mode.prefetch=true"], sets, "mode.prefetch", capsys,
+                               tmp_path)
     assert len(lines) == int(warned), err
     if warned:
         assert lines[0].startswith("psgd run: warning: mode async with mode.prefetch at 2 or more workers")

@@ -135,6 +135,24 @@ def test_sync_a_shard_killed_mid_run_applies_no_step_twice(tmp_path):
     assert s["failures"]["shard_restarts"] == 1
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sets", [["mode.prefetch=true"], ["mode.cache=true"]], ids=["prefetch", "cache"])
+def test_ssp_a_shard_killed_mid_run_keeps_the_bound_and_counts_what_it_drops(tmp_path, sets):
+    """ssp with prefetch or the client cache, a shard killed with -9 and restored from a
+    checkpoint up to a second old: the pushes computed on its earlier life's reads are
+    dropped there (`Push.before_restart`), a cached copy that took one is read anew, and
+    the run keeps every invariant; summary.json counts the drops the step lines say."""
+    args = [a for k in sets for a in ("--set", k)]
+    out = run_with_fault(tmp_path, kill_shard, "--mode", "ssp", "--workers", "2", "--servers", "2",
+                         "--set", "train.steps=200", "--set", "optimizer.momentum=0", *args)
+    s = check_run(out)
+    assert s["failures"]["shard_restarts"] == 1
+    said = sum(bool(x.get("dropped")) for p in glob.glob(os.path.join(out, "events", "worker-*.jsonl"))
+               for x in events(p) if "step" in x)
+    assert s["dropped_gradients"] == said
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode,drops", [("ssp", True), ("async", False)])

@@ -338,12 +338,12 @@ class SspSchedule(PushPullSchedule):
     def settled(self, w: Trainer, f: Any, clock: int, w0: float, cached: bool,
                 step: tuple[float, int] | None = None, reread: bool = True) -> None:
         """The answers of the push of `clock` (and its read); `refused` if refused. A push
-        a shard dropped (`SspRule.push`) where the step read nothing: the
-        worker's copy, stepped by it (`own_update`), holds an update that shard did not
-        apply; the cache is emptied and the copy read anew, gated, before the next step
-        computes on it (before, it was computed on until the cache's next read). That read
-        is in the step's wait; refused, the step's line is still written, and the next
-        step computes once more on the copy and reads with its push."""
+        a shard dropped (`SspRule.push`) where the step read nothing: the worker's copy,
+        stepped by it (`own_update`), holds an update that shard did not apply; the cache
+        is emptied and the copy read anew, gated, before the next step computes on it
+        (before, it was computed on until the cache's next read). That read is in the
+        step's wait; refused, the step's line is still written, and the next step computes
+        once more on the copy and reads with its push."""
         try:
             pushed, pulled = w.client.finish_push_pull(f)
         except wire.Refused:

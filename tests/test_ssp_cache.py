@@ -213,12 +213,20 @@ def test_rule_answers_carry_the_guaranteed_clock():
 
 # ---------------------------------------------------------------- SspSchedule with a fake client
 
-def run_ssp(steps: int, **sets) -> FakeTrainer:
+def started(steps: int, drop: set[int] | None = None, **sets) -> tuple[FakeTrainer, SspSchedule]:
+    """One ssp worker against the fake client, started; the client answers the pushes of
+    the clocks in `drop` dropped."""
     cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
                               "optimizer.momentum": 0.0, "train.steps": steps, **sets})
     w = FakeTrainer(cfg, real=True)
+    w.client.drop |= drop or set()
     schedule = SspSchedule(cfg)
     schedule.start(w)
+    return w, schedule
+
+
+def run_ssp(steps: int, drop: set[int] | None = None, **sets) -> FakeTrainer:
+    w, schedule = started(steps, drop, **sets)
     while w.clock < steps:
         schedule.step(w)
     schedule.finish(w)
@@ -243,16 +251,7 @@ def test_a_dropped_push_empties_the_cache(prefetch):
     restored shard): the worker's copy, stepped by that gradient (read-my-writes), holds an
     update the shard does not, and it reads at once, before it computes on that copy again
     (it computed on it up to the cache's next pull, at clock 3, before)."""
-    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
-                              "optimizer.momentum": 0.0, "train.steps": 6, "mode.staleness": 2,
-                              "mode.cache": True, "mode.prefetch": prefetch})
-    w = FakeTrainer(cfg, real=True)
-    w.client.drop.add(0)
-    schedule = SspSchedule(cfg)
-    schedule.start(w)
-    while w.clock < 6:
-        schedule.step(w)
-    schedule.finish(w)
+    w = run_ssp(6, {0}, **{"mode.staleness": 2, "mode.cache": True, "mode.prefetch": prefetch})
     assert [e.get("dropped", False) for e in w.lines] == [True, False, False, False, False, False]
     assert w.lines[0].get("cached", False) == prefetch   # (the next step computed on the copy: with prefetch only)
     applied = dict(pushes(w))
@@ -268,12 +267,7 @@ def test_a_dropped_push_empties_the_cache(prefetch):
 def test_a_dropped_last_push_is_not_read_anew_as_the_worker_stops():
     """Prefetch: the last push, settled as the worker finishes, was dropped: no read follows
     (nothing computes on the copy again)."""
-    w = FakeTrainer(Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
-                                        "train.steps": 5, "mode.staleness": 2, "mode.cache": True,
-                                        "mode.prefetch": True}), real=True)
-    w.client.drop.add(4)
-    schedule = SspSchedule(w.cfg)
-    schedule.start(w)
+    w, schedule = started(5, {4}, **{"mode.staleness": 2, "mode.cache": True, "mode.prefetch": True})
     while w.clock < 5:
         schedule.step(w)
     assert schedule.inflight is not None   # (the push of clock 4, prefetched: settled by finish)
@@ -286,17 +280,10 @@ def test_a_dropped_push_whose_read_anew_is_refused_still_logs_its_step_and_reads
     """The read after a dropped push (`SspSchedule.settled`) refused: the dropped push's line
     is written (`cached`: the next step computes on the copy once more), the refusal is the
     worker's (a refused step, counted in `rejected`; the clock has moved on), and the cache
-    is empty, so the next step's push reads (without, a
-    review found the line lost and the next steps computed on the copy that held the
-    dropped gradient)."""
-    cfg = Config().replace(**{"mode.name": "ssp", "cluster.workers": 1, "cluster.servers": 1,
-                              "optimizer.momentum": 0.0, "train.steps": 4, "mode.staleness": 2,
-                              "mode.cache": True})
-    w = FakeTrainer(cfg, real=True)
-    w.client.drop.add(0)
+    is empty, so the next step's push reads (without, a review found the line lost and the
+    next steps computed on the copy that held the dropped gradient)."""
+    w, schedule = started(4, {0}, **{"mode.staleness": 2, "mode.cache": True})
     w.client.refuse_pulls.add(1)
-    schedule = SspSchedule(cfg)
-    schedule.start(w)
     with pytest.raises(wire.Refused):
         schedule.step(w)
     assert [(e["clock"], e.get("dropped", False), e.get("cached", False)) for e in w.lines] == [(1, True, True)]

@@ -36,10 +36,13 @@ def config(mode: str) -> Config:
     return Config().replace(**{"mode.name": mode, "cluster.workers": 2, "cluster.servers": 1, "train.steps": 20})
 
 
-def push(shard: Shard, rank: int, clock: int) -> wire.Message:
-    """A push of ones, of a read of the shard's current version."""
-    return wire.decode(wire.encode("push", id=clock + 1, rank=rank, clock=clock, read_version=shard.version,
-                                   arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]))
+def push(shard: Shard, rank: int, clock: int, read_version: int | None = None, rid: int | None = None,
+         **fields) -> wire.Message:
+    """A push of ones (request id `rid`, default clock + 1), of a read of `read_version`
+    (default the shard's current version)."""
+    return wire.decode(wire.encode("push", id=clock + 1 if rid is None else rid, rank=rank, clock=clock,
+                                   read_version=shard.version if read_version is None else read_version,
+                                   arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)], **fields))
 
 
 def join(rank: int, clock: int) -> wire.Message:
@@ -201,10 +204,8 @@ def test_ssp_a_push_computed_before_a_leave_and_sent_after_the_return_is_dropped
 def pushed(shard: Shard, rank: int, clock: int, read_version: int) -> tuple[int, bool]:
     """A push of ones at `clock` computed on the read of `read_version`: (how far it moved the
     shard's version, whether its answer says dropped)."""
-    msg = wire.decode(wire.encode("push", id=1000 + clock, rank=rank, clock=clock, read_version=read_version,
-                                  arrays=[np.ones(shard.P, np.float32), np.zeros(shard.B, np.float32)]))
     before = shard.version
-    m = answer(shard.handle("p", msg), "p")
+    m = answer(shard.handle("p", push(shard, rank, clock, read_version, 1000 + clock)), "p")
     return shard.version - before, m.get("dropped") is True
 
 
@@ -379,10 +380,9 @@ def test_ssp_a_push_of_a_read_the_checkpoint_holds_is_applied_after_a_restore(ca
     past the restored version (which the first version of this fix dropped too)."""
     restored, _ = restored_past_its_checkpoint("ssp", False, caught_up)
     checkpoint = OLD * 2 + 2
-    m = wire.decode(wire.encode("push", id=1, rank=0, clock=OLD + 1, read_version=checkpoint,
-                                arrays=[np.ones(restored.P, np.float32), np.zeros(restored.B, np.float32)]))
     tau = restored.version - checkpoint
-    assert answer(restored.handle("p", m), "p").get("staleness") == tau and restored.version == checkpoint + tau + 1
+    m = answer(restored.handle("p", push(restored, 0, OLD + 1, checkpoint)), "p")
+    assert m.get("staleness") == tau and restored.version == checkpoint + tau + 1
 
 
 @pytest.mark.timeout(60)
@@ -395,8 +395,7 @@ def test_ssp_resends_of_one_request_after_a_restore_do_not_push_out_the_read_its
     assert reads(restored, 0, OLD + 1)
 
     def push_and_read(read_version: int) -> int:
-        msg = wire.decode(wire.encode("push", id=777, rank=0, clock=OLD + 1, read_version=read_version, pull=True,
-                                      arrays=[np.ones(restored.P, np.float32), np.zeros(restored.B, np.float32)]))
+        msg = push(restored, 0, OLD + 1, read_version, 777, pull=True)
         return int(answer(restored.handle("pp", msg), "pp").get("version"))
 
     first = restored.version
